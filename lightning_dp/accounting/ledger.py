@@ -1,0 +1,102 @@
+"""The privacy ledger: every noisy release a run has made.
+
+The ledger is the single source of truth for what a run has spent. The strategy
+records one entry per logical optimizer step (the sampled Gaussian mechanism of
+ALGORITHMS.md, "The mechanism"); accountants and the ``PrivacyBudget`` callback read
+it. Consecutive steps with the same ``(σ, q)`` are run-length merged, so a ledger of
+10^6 constant steps is one entry.
+
+The ledger is plain state: :meth:`state_dict` / :meth:`load_state_dict` travel in
+Lightning checkpoints, so a resumed run never forgets budget already spent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """``steps`` consecutive releases of the sampled Gaussian mechanism.
+
+    Attributes:
+        noise_multiplier: σ, the noise std divided by the clipping norm (sensitivity).
+        sample_rate: q, the Poisson sampling rate (global expected batch / N).
+        steps: how many consecutive releases used this (σ, q).
+        private: ``False`` for releases that are not differentially private
+            (the noiseless research baseline); any such entry makes ε infinite.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    private: bool = True
+
+
+class PrivacyLedger:
+    """Run-length list of the releases of a run: (σ, q, steps, private).
+
+    Example:
+        >>> ledger = PrivacyLedger()
+        >>> ledger.record(1.0, 0.01)
+        >>> ledger.record(1.0, 0.01)
+        >>> ledger.steps, len(ledger.entries)
+        (2, 1)
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[LedgerEntry] = []
+
+    def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
+        """Append ``steps`` releases with noise multiplier σ and sampling rate q."""
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if not 0.0 <= sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
+        if noise_multiplier < 0 or math.isnan(noise_multiplier):
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if steps == 0:
+            return
+        last = self._entries[-1] if self._entries else None
+        if last is not None and (last.noise_multiplier, last.sample_rate, last.private) == (
+            noise_multiplier,
+            sample_rate,
+            private,
+        ):
+            self._entries[-1] = LedgerEntry(noise_multiplier, sample_rate, last.steps + steps, private)
+        else:
+            self._entries.append(LedgerEntry(float(noise_multiplier), float(sample_rate), int(steps), private))
+
+    @property
+    def entries(self) -> tuple[LedgerEntry, ...]:
+        """The run-length entries, oldest first (read-only)."""
+        return tuple(self._entries)
+
+    @property
+    def steps(self) -> int:
+        """Total number of releases recorded."""
+        return sum(e.steps for e in self._entries)
+
+    @property
+    def is_private(self) -> bool:
+        """``False`` as soon as one non-private release was recorded."""
+        return all(e.private for e in self._entries)
+
+    def __iter__(self) -> Iterator[LedgerEntry]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"PrivacyLedger(steps={self.steps}, entries={len(self._entries)})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Serialisable state, for checkpoints."""
+        return {"entries": [[e.noise_multiplier, e.sample_rate, e.steps, e.private] for e in self._entries]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the ledger's content with a saved state."""
+        self._entries = [LedgerEntry(float(s), float(q), int(n), bool(p)) for s, q, n, p in state["entries"]]

@@ -1,0 +1,41 @@
+"""Choose the fastest per-example engine valid for a model (``DPStrategy(per_sample="auto")``).
+
+Order, fastest first (benchmarks/speed.py): ``ghost`` (ghost norms + book-keeping, no
+per-example gradients for Linear/Conv2d/Embedding), ``vmap`` (per-layer torch.func,
+materialised; also handles tied weights), ``opacus_hooks`` (Opacus' grad samplers, the
+broadest coverage). The first engine whose ``unsupported_layers`` is empty wins.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_dp.mechanism.grad_sample.base import make_engine
+
+PREFERENCE: tuple[str, ...] = ("ghost", "vmap", "opacus_hooks")
+
+
+def unsupported_by_engine(module: nn.Module) -> dict[str, list[str]]:
+    """For each engine in :data:`PREFERENCE`, the layers of ``module`` it cannot handle."""
+    import lightning_dp.mechanism.grad_sample.functorch_vmap  # noqa: F401  (registers "vmap")
+    import lightning_dp.mechanism.grad_sample.ghost  # noqa: F401  (registers "ghost")
+    import lightning_dp.mechanism.grad_sample.opacus_hooks  # noqa: F401  (registers "opacus_hooks")
+
+    return {name: make_engine(name).unsupported_layers(module) for name in PREFERENCE}
+
+
+def select_engine(module: nn.Module) -> str:
+    """Name of the fastest engine that supports every trainable layer of ``module``.
+
+    Raises:
+        ValueError: no engine supports the model; the message lists each engine's problems.
+    """
+    problems = unsupported_by_engine(module)
+    for name in PREFERENCE:
+        if not problems[name]:
+            return name
+    detail = "; ".join(f"{k}: {v}" for k, v in problems.items())
+    raise ValueError(
+        f"No per-example gradient engine supports this model ({detail}). Replace the listed layers "
+        "(e.g. BatchNorm -> GroupNorm, nn.LSTM -> opacus.layers.DPLSTM) or freeze them."
+    )

@@ -1,0 +1,142 @@
+"""The per-example gradient engine interface and its registry.
+
+An engine turns one forward + backward of a *mean* loss into the per-example clipped
+statistics the mechanism needs (ALGORITHMS.md, "The mechanism"):
+
+    S   = Σ_i clip_C(s ⊙ g_i)          (always)
+    S2  = Σ_i clip_C(s ⊙ g_i)²         (only when asked, for independent moments)
+    ‖s ⊙ g_i‖ for every example         (norms before clipping; diagnostics)
+
+How it gets there is its own business: materialise per-example gradients (Opacus
+hooks, torch.func.vmap) or never materialise them (ghost clipping / book-keeping).
+Engines are registered by name; ``DPStrategy(per_sample=name)`` picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Mapping, Optional, Sequence, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+ParamMap = Mapping[Tensor, Tensor]
+
+
+@dataclass
+class ClippedBatch:
+    """Per-example clipped statistics of one (local) batch.
+
+    Attributes:
+        sums: Σ_i clip_C(s ⊙ g_i) for every trainable parameter (zeros if the batch is empty).
+        square_sums: Σ_i clip_C(s ⊙ g_i)² per parameter, or ``None`` if not requested.
+        norms: per-example L2 norms of s ⊙ g_i over all trainable parameters, before clipping.
+        batch_size: number of examples in the batch.
+    """
+
+    sums: dict[Tensor, Tensor]
+    square_sums: Optional[dict[Tensor, Tensor]]
+    norms: Tensor
+    batch_size: int
+
+
+class GradSampleEngine(ABC):
+    """Computes clipped per-example statistics for the parameters of one module.
+
+    Life cycle: :meth:`attach` once before training; per step the module's forward
+    and ``loss.backward()`` run as usual, then :meth:`clip_and_sum` is called exactly
+    once and must leave no per-example state behind; :meth:`detach` at the end.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def attach(self, module: nn.Module) -> None:
+        """Start capturing what this engine needs during forward/backward of ``module``."""
+
+    @abstractmethod
+    def detach(self) -> None:
+        """Remove every hook and buffer the engine added."""
+
+    @abstractmethod
+    def clip_and_sum(
+        self,
+        params: Sequence[nn.Parameter],
+        max_grad_norm: float,
+        scale: Optional[ParamMap] = None,
+        with_squares: bool = False,
+    ) -> ClippedBatch:
+        """Clip each example's (scaled) gradient to ``max_grad_norm`` and sum.
+
+        Args:
+            params: the trainable parameters, in a fixed order.
+            max_grad_norm: C.
+            scale: optional per-coordinate scale s per parameter (scale-then-privatize).
+            with_squares: also return Σ_i clip_C(s ⊙ g_i)².
+        """
+
+    def unsupported_layers(self, module: nn.Module) -> list[str]:
+        """Names and types of layers this engine cannot handle ('' list if none)."""
+        return []
+
+
+E = TypeVar("E", bound=type[GradSampleEngine])
+_ENGINES: dict[str, type[GradSampleEngine]] = {}
+
+
+def register_engine(cls: E) -> E:
+    """Class decorator: make an engine available as ``DPStrategy(per_sample=cls.name)``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} must set a non-empty `name`")
+    _ENGINES[cls.name] = cls
+    return cls
+
+
+def available_engines() -> list[str]:
+    """Names of the registered engines."""
+    return sorted(_ENGINES)
+
+
+def make_engine(name: str) -> GradSampleEngine:
+    """Instantiate the engine registered under ``name``."""
+    try:
+        return _ENGINES[name]()
+    except KeyError:
+        raise ValueError(f"Unknown per-sample engine {name!r}; available: {available_engines()}") from None
+
+
+def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
+    """min(1, C / ‖g_i‖) per example (ALGORITHMS.md, clip_C). Zero norms give 1."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def clip_and_sum_materialised(
+    params: Sequence[nn.Parameter],
+    grad_samples: Sequence[Tensor],
+    max_grad_norm: float,
+    scale: Optional[ParamMap] = None,
+    with_squares: bool = False,
+) -> ClippedBatch:
+    """Shared clipping for engines that materialise per-example gradients.
+
+    ``grad_samples[k]`` has shape ``[b, *params[k].shape]``.
+    """
+    if scale is not None:
+        grad_samples = [gs * scale[p].unsqueeze(0) for p, gs in zip(params, grad_samples)]
+    b = grad_samples[0].shape[0] if grad_samples else 0
+    if b == 0:
+        zeros = {p: torch.zeros_like(p) for p in params}
+        squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
+        return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
+    sq_norms = torch.stack([gs.reshape(b, -1).pow(2).sum(1) for gs in grad_samples], dim=0).sum(0)
+    norms = sq_norms.sqrt()
+    factors = clip_factors(norms, max_grad_norm)
+    sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
+    squares = None
+    if with_squares:
+        squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
+    return ClippedBatch(sums, squares, norms.detach(), b)
+
+
+EngineFactory = Callable[[], GradSampleEngine]

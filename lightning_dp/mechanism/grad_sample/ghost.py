@@ -1,0 +1,363 @@
+"""Ghost norms + book-keeping: clipped sums without per-example gradients (engine ``"ghost"``).
+
+For a layer that is linear in its weight W ∈ R^{out×in} (Linear; Conv2d after unfold),
+example i's weight gradient is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ, with a the layer input, δ the
+output gradient of the *mean* loss (hence the factor n = batch size) and t over tokens or
+spatial positions. Li et al. ("Large language models can be strong DP learners", §4,
+ghost clipping) give its norm without forming G_i:
+
+    ‖G_i‖² = Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') · n²         cost n·T²·(in+out)
+    ‖G_i‖² = ‖δ_i‖² ‖a_i‖² · n²                          T = 1 (plain Linear)
+
+and Bu et al.'s book-keeping turns the clipped sum into one contraction of the stored
+(a, δ), with no second backward:
+
+    Σ_i c_i G_i = (c ⊙ n δ)ᵀ a,     c_i = min(1, C/‖g_i‖)   (ALGORITHMS.md, clip_C)
+
+Per layer, the cheaper of the ghost norm and materialising G_i (cost n·T·in·out, memory
+n·in·out) is chosen. Scale-then-privatize (ALGORITHMS.md §4) needs ‖s⊙G_i‖: exact in
+closed form for T = 1 (Σ_{o,j} s²_{oj} δ²_o a²_j) and for Embedding; otherwise that layer
+materialises. Σ_i c_i s⊙G_i = s ⊙ Σ_i c_i G_i stays one contraction. LayerNorm, GroupNorm
+and RMSNorm materialise their small per-example grads in closed form; any other leaf layer
+with parameters falls back to the per-layer vmap of :mod:`.functorch_vmap`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.mechanism.grad_sample.base import (
+    ClippedBatch,
+    GradSampleEngine,
+    ParamMap,
+    clip_factors,
+    register_engine,
+)
+from lightning_dp.mechanism.grad_sample.functorch_vmap import (
+    ActivationCapture,
+    LayerCalls,
+    batch_size_of_calls,
+    direct_trainable,
+    owners_of,
+    structural_problems,
+    vmap_layer_grads,
+    _missing_message,
+)
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+class LayerStats:
+    """Per-layer statistics: squared per-example norms, then clipped sums on demand."""
+
+    sq_norms: Tensor
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i s⊙g_i for each of the layer's wanted parameters."""
+        raise NotImplementedError
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² (s⊙g_i)² for each of the layer's wanted parameters."""
+        raise NotImplementedError
+
+
+class MaterialisedStats(LayerStats):
+    """Per-example grads ``[n, *p.shape]`` held explicitly (small layers, fallbacks)."""
+
+    def __init__(self, grads: dict[Tensor, Tensor], scale: Optional[ParamMap]) -> None:
+        if scale is not None:
+            grads = {p: g * scale[p] for p, g in grads.items()}
+        self.grads = grads
+        self.sq_norms = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        return {p: torch.tensordot(c, g, dims=1) for p, g in self.grads.items()}
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        return {p: torch.tensordot(c2, g * g, dims=1) for p, g in self.grads.items()}
+
+
+def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
+    """Ghost norm (n·T²·(in+out)) beats materialising (n·T·in·out) when T·(in+out) < in·out."""
+    return T * (d_in + d_out) < d_in * d_out
+
+
+def prefer_ghost_embedding(T: int, V: int) -> bool:
+    """Embedding ghost norm (n·T²·d) beats scattering into [n, V, d] when T² ≤ V."""
+    return T * T <= V
+
+
+class LinearFormStats(LayerStats):
+    """A layer with per-example weight grad n Σ_t δ_t a_tᵀ (+ bias grad n Σ_t δ_t).
+
+    ``a``: [n, T, in]; ``d``: [n, T, out] already multiplied by n.
+    """
+
+    def __init__(self, a: Tensor, d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                 scale: Optional[ParamMap], with_squares: bool) -> None:
+        self.a, self.d, self.weight, self.bias = a, d, weight, bias
+        self.sw = None if scale is None or weight is None else scale[weight].reshape(d.shape[2], a.shape[2])
+        self.sb = None if scale is None or bias is None else scale[bias]
+        self.G: Optional[Tensor] = None
+        n, T = a.shape[0], a.shape[1]
+        sq = a.new_zeros(n)
+        if weight is not None:
+            sq = sq + self._weight_sq_norms(T, with_squares)
+        if bias is not None:
+            self.db = d.sum(1) if self.sb is None else d.sum(1) * self.sb
+            sq = sq + self.db.pow(2).sum(1)
+        self.sq_norms = sq
+
+    def _weight_sq_norms(self, T: int, with_squares: bool) -> Tensor:
+        a, d, sw = self.a, self.d, self.sw
+        if T == 1:
+            a1, d1 = a[:, 0], d[:, 0]
+            if sw is None:
+                return a1.pow(2).sum(1) * d1.pow(2).sum(1)
+            return ((d1 * d1) @ (sw * sw) * (a1 * a1)).sum(1)
+        if sw is None and not with_squares and prefer_ghost(T, a.shape[2], d.shape[2]):
+            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+        G = torch.bmm(d.transpose(1, 2), a)
+        self.G = G if sw is None else G * sw
+        return self.G.pow(2).sum((1, 2))
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        out = {}
+        if self.weight is not None:
+            dc = (self.d * c[:, None, None]).reshape(-1, self.d.shape[2])
+            w = dc.t() @ self.a.reshape(-1, self.a.shape[2])
+            out[self.weight] = (w if self.sw is None else w * self.sw).reshape(self.weight.shape)
+        if self.bias is not None:
+            out[self.bias] = c @ self.db
+        return out
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        out = {}
+        if self.weight is not None:
+            if self.a.shape[1] == 1:
+                w = (self.d[:, 0].pow(2) * c2[:, None]).t() @ self.a[:, 0].pow(2)
+                w = w if self.sw is None else w * self.sw.pow(2)
+            else:
+                w = torch.tensordot(c2, self.G.pow(2), dims=1)
+            out[self.weight] = w.reshape(self.weight.shape)
+        if self.bias is not None:
+            out[self.bias] = c2 @ self.db.pow(2)
+        return out
+
+
+class EmbeddingStats(LayerStats):
+    """nn.Embedding: per-example grad n Σ_t onehot(x_t) δ_tᵀ. Ghost norm
+    Σ_{t,t'} [x_t = x_t'] (s²_{x_t} ⊙ δ_t)·δ_t' (exact with scale), or scatter when V < T²."""
+
+    def __init__(self, idx: Tensor, d: Tensor, weight: Tensor, scale: Optional[ParamMap], with_squares: bool) -> None:
+        self.idx, self.d, self.weight = idx, d, weight
+        self.s = None if scale is None else scale[weight]
+        self.G: Optional[Tensor] = None
+        n, T = idx.shape
+        V = weight.shape[0]
+        if with_squares or not prefer_ghost_embedding(T, V):
+            G = self._scatter()
+            self.G = G if self.s is None else G * self.s
+            self.sq_norms = self.G.pow(2).sum((1, 2))
+        else:
+            ds = d if self.s is None else d * self.s.pow(2)[idx]
+            same = (idx[:, :, None] == idx[:, None, :]).to(d.dtype)
+            self.sq_norms = (torch.bmm(ds, d.transpose(1, 2)) * same).sum((1, 2))
+
+    def _scatter(self) -> Tensor:
+        n, T = self.idx.shape
+        V, dim = self.weight.shape
+        flat = (torch.arange(n, device=self.idx.device)[:, None] * V + self.idx).reshape(-1)
+        G = self.d.new_zeros(n * V, dim).index_add_(0, flat, self.d.reshape(-1, dim))
+        return G.view(n, V, dim)
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        dim = self.weight.shape[1]
+        w = self.d.new_zeros(self.weight.shape)
+        w.index_add_(0, self.idx.reshape(-1), (self.d * c[:, None, None]).reshape(-1, dim))
+        return {self.weight: w if self.s is None else w * self.s}
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        return {self.weight: torch.tensordot(c2, self.G.pow(2), dims=1)}
+
+
+def _as_float(t: Tensor, like: Tensor) -> Tensor:
+    return t.to(like.dtype) if t.dtype != like.dtype else t
+
+
+def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
+    return {n: p for n, p in direct_trainable(module) if p in params}
+
+
+def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """nn.Linear: inputs [n, *, in] flattened to [n, T, in]; calls concatenated along T."""
+    m = calls.module
+    a = torch.cat([_as_float(r.args[0], m.weight).reshape(n, -1, m.in_features) for r in calls.records], 1)
+    d = torch.cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.out_features) for r in calls.records], 1) * n
+    return LinearFormStats(a, d, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+
+
+def conv2d_supported(m: nn.Module) -> bool:
+    """Conv2d shapes the unfold path handles (otherwise: per-layer vmap)."""
+    return isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+
+
+def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """nn.Conv2d (groups=1): unfold the input to [n, L, C·kh·kw], output grad to [n, L, out]."""
+    m = calls.module
+    a_parts, d_parts = [], []
+    for r in calls.records:
+        x = _as_float(r.args[0], m.weight)
+        cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+        a_parts.append(cols.transpose(1, 2))
+        d_parts.append(_as_float(r.grad_out, m.weight).reshape(n, m.out_channels, -1).transpose(1, 2))
+    a, d = torch.cat(a_parts, 1), torch.cat(d_parts, 1) * n
+    return LinearFormStats(a, d, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+
+
+def embedding_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """nn.Embedding: indices [n, *] flattened to [n, T]; padding_idx rows get no gradient."""
+    m = calls.module
+    idx = torch.cat([r.args[0].reshape(n, -1) for r in calls.records], 1)
+    d = torch.cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.embedding_dim) for r in calls.records], 1) * n
+    if m.padding_idx is not None:
+        d = d * (idx != m.padding_idx).unsqueeze(-1).to(d.dtype)
+    return EmbeddingStats(idx, d, m.weight, scale, with_squares)
+
+
+def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """LayerNorm / GroupNorm / RMSNorm: per-example grads n Σ δ⊙x̂ (weight) and n Σ δ (bias)."""
+    m = calls.module
+    grads: dict[Tensor, Tensor] = {}
+    for r in calls.records:
+        like = m.weight if m.weight is not None else r.grad_out
+        x, d = _as_float(r.args[0], like), _as_float(r.grad_out, like) * n
+        if isinstance(m, nn.GroupNorm):
+            xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
+            ws = (d * xhat).sum(dims) if dims else d * xhat
+            bs = d.sum(dims) if dims else d
+        else:
+            k = len(m.normalized_shape)
+            if isinstance(m, nn.LayerNorm):
+                xhat = F.layer_norm(x, m.normalized_shape, eps=m.eps)
+            else:
+                xhat = F.rms_norm(x, m.normalized_shape, eps=m.eps)
+            dims = tuple(range(1, x.dim() - k))
+            ws, bs = (d * xhat).sum(dims) if dims else d * xhat, d.sum(dims) if dims else d
+        for pname, g in (("weight", ws), ("bias", bs)):
+            p = wanted.get(pname)
+            if p is not None:
+                grads[p] = grads[p] + g if p in grads else g
+    return MaterialisedStats(grads, scale)
+
+
+def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """Any other leaf layer: per-layer vmap (materialised)."""
+    named = [(k, p) for k, p in wanted.items()]
+    grads = vmap_layer_grads(calls, named, n)
+    return MaterialisedStats({p: grads[k] for k, p in named}, scale)
+
+
+def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """Dispatch one layer to its specialised rule (ghost / closed form) or the vmap fallback."""
+    m = calls.module
+    if type(m) is nn.Linear:
+        return linear_stats(calls, wanted, n, scale, with_squares)
+    if conv2d_supported(m):
+        return conv2d_stats(calls, wanted, n, scale, with_squares)
+    if type(m) is nn.Embedding and not m.scale_grad_by_freq:
+        return embedding_stats(calls, wanted, n, scale, with_squares)
+    if isinstance(m, _NORMS):
+        return norm_layer_stats(calls, wanted, n, scale, with_squares)
+    return fallback_stats(calls, wanted, n, scale, with_squares)
+
+
+@register_engine
+class GhostEngine(GradSampleEngine):
+    """Engine ``"ghost"``: ghost norms and one book-keeping contraction per layer (module docstring)."""
+
+    name = "ghost"
+
+    def __init__(self) -> None:
+        self._capture = ActivationCapture()
+        self._owners: dict[Tensor, list] = {}
+
+    def attach(self, module: nn.Module) -> None:
+        """Hook every leaf module that owns parameters."""
+        self._owners = owners_of(module)
+        leaves = [(n, m) for n, m in module.named_modules()
+                  if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())]
+        self._capture.attach(leaves)
+
+    def detach(self) -> None:
+        """Remove hooks and captured tensors."""
+        self._capture.detach()
+        self._owners = {}
+
+    def clip_and_sum(
+        self,
+        params: Sequence[nn.Parameter],
+        max_grad_norm: float,
+        scale: Optional[ParamMap] = None,
+        with_squares: bool = False,
+    ) -> ClippedBatch:
+        """Norms per layer (ghost or materialised), clip factors, one contraction per layer."""
+        try:
+            return self._clip_and_sum(params, max_grad_norm, scale, with_squares)
+        finally:
+            self._capture.clear()
+
+    def _clip_and_sum(self, params, max_grad_norm, scale, with_squares) -> ClippedBatch:
+        layers = self._capture.completed()
+        n = batch_size_of_calls(layers) if layers else 0
+        if n == 0:
+            zeros = {p: torch.zeros_like(p) for p in params}
+            sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
+            return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
+        stats = self._layer_stats(params, layers, n, scale, with_squares)
+        norms = torch.stack([s.sq_norms for s in stats]).sum(0).sqrt()
+        c = clip_factors(norms, max_grad_norm)
+        sums: dict[Tensor, Tensor] = {}
+        squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
+        for s in stats:
+            sums.update(s.sums(c))
+            if squares is not None:
+                squares.update(s.squares(c * c))
+        return ClippedBatch({p: sums[p] for p in params},
+                            None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
+
+    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale, with_squares) -> list[LayerStats]:
+        wanted_set = set(params)
+        seen: set[int] = set()
+        stats = []
+        for p in params:
+            owners = self._owners.get(p, [])
+            if len(owners) != 1:
+                raise ValueError(_shared_message(p, owners))
+            mod = owners[0][0]
+            if id(mod) not in layers:
+                raise ValueError(_missing_message(p, owners))
+            if id(mod) not in seen:
+                seen.add(id(mod))
+                stats.append(stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares))
+        return stats
+
+    def unsupported_layers(self, module: nn.Module) -> list[str]:
+        """Structural problems plus parameters shared by several modules (tied weights)."""
+        problems = structural_problems(module)
+        for p, owners in owners_of(module).items():
+            if p.requires_grad and len(owners) > 1:
+                problems.append(_shared_message(p, owners))
+        return problems
+
+
+def _shared_message(p: Tensor, owners: list) -> str:
+    if not owners:
+        return _missing_message(p, owners)
+    names = ", ".join(f"{m or '<root>'}.{a}" for _, m, a in owners)
+    return (f"parameter shared by several modules ({names}): ghost norms cannot add the cross terms "
+            "of tied weights; use per_sample='vmap'")

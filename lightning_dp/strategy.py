@@ -1,0 +1,471 @@
+"""DPStrategy: Lightning glue around the private mechanism of :mod:`lightning_dp.mechanism`.
+
+The strategy owns privacy (ARCHITECTURE.md): it swaps the training loader for Poisson
+sampling, attaches a per-example gradient engine, and wraps Lightning's optimizer
+closure so that after the user's forward and backward the gradients are replaced by
+
+    ĝ_t = (Σ_i clip_C(g_{t,i}) + σ C z_t) / B          (ALGORITHMS.md, "The mechanism")
+
+before the optimizer (and Lightning's ``on_before_optimizer_step``) sees them. Every
+release is recorded in :attr:`DPStrategy.ledger`, which travels in checkpoints.
+
+One class serves one process and ``devices=N`` (it is a ``DDPStrategy``): with several
+processes each rank samples and clips its own shard, rank 0 adds the noise once, and a
+single all-reduce sums the noisy total. Torch's DDP wrapper is never used, so no
+non-private gradient is ever communicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable, Literal, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.strategy import Strategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism import (
+    DEFAULT_REQUEST,
+    EmptySafeCollate,
+    GaussianNoise,
+    MechanismRequest,
+    NoiseMechanism,
+    PoissonBatchSampler,
+    PrivateOptimizer,
+    Privatizer,
+    Release,
+    batch_size_of,
+    flat_all_reduce,
+    make_engine,
+    steps_per_epoch_for,
+    validate_module,
+    validate_privacy_params,
+)
+from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
+
+log = logging.getLogger(__name__)
+
+_CHECKPOINT_KEY = "lightning_dp"
+_SUPPORTED_PRECISION = ("32-true", "64-true")
+
+
+class DPStrategy(DDPStrategy):
+    """Train any LightningModule with DP-SGD-style per-example clipping and Gaussian noise.
+
+    Args:
+        noise_multiplier: σ; the noise std is σ·C. Give this or ``target_epsilon``.
+        max_grad_norm: C, the per-example clipping norm.
+        target_epsilon: calibrate σ before the first step so that the planned run
+            (``max_steps`` or ``max_epochs``) spends at most this ε at ``target_delta``.
+        target_delta: δ for calibration (warns when δ ≥ 1/N).
+        accountant: accountant used for calibration (see :mod:`lightning_dp.accounting`).
+        per_sample: per-example gradient engine, by registered name
+            (see :func:`lightning_dp.mechanism.available_engines`).
+        noise: a :class:`~lightning_dp.mechanism.NoiseMechanism`; default fresh
+            independent Gaussians from an OS-seeded generator.
+        sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io,
+        precision_plugin, process_group_backend, timeout, start_method:
+            as for Lightning's ``DDPStrategy`` (multi-process use).
+
+    Example:
+        >>> trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
+        ...                      accelerator="cpu", devices=1, max_epochs=5)  # doctest: +SKIP
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        noise_multiplier: Optional[float] = None,
+        max_grad_norm: float = 1.0,
+        *,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        accountant: str = "rdp",
+        per_sample: str = "opacus_hooks",
+        noise: Optional[NoiseMechanism] = None,
+        sampler_seed: Optional[int] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        _check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
+        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
+        self._noise_multiplier = float(noise_multiplier) if noise_multiplier is not None else None
+        self._max_grad_norm = float(max_grad_norm)
+        self.target_epsilon = target_epsilon
+        self.target_delta = target_delta
+        self.accountant = accountant
+        self._engine_name = per_sample
+        make_engine(per_sample)  # fail fast on an unknown name
+        self._noise = noise or GaussianNoise()
+        self._sampler_seed = sampler_seed
+        self._ledger = PrivacyLedger()
+        self._engine: Optional[GradSampleEngine] = None
+        self._privatizer: Optional[Privatizer] = None
+        self._sample_rate: Optional[float] = None
+        self._expected_batch_size: Optional[float] = None
+        self._num_samples: Optional[int] = None
+        self._steps_per_epoch: Optional[int] = None
+        self._last_release: Optional[Release] = None
+        self._last_batch: Optional[ClippedBatch] = None
+        self._local_batch_size = -1
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """Every noisy release of this run (restored from checkpoints on resume)."""
+        return self._ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ in use (calibrated from ``target_epsilon`` once the train loader is known)."""
+        if self._noise_multiplier is None:
+            raise RuntimeError("σ is calibrated from target_epsilon when training starts; it is not known yet.")
+        return self._noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C, the per-example clipping norm."""
+        return self._max_grad_norm
+
+    @property
+    def sample_rate(self) -> Optional[float]:
+        """Global Poisson rate q = B / N (``None`` before the train loader is built)."""
+        return self._sample_rate
+
+    @property
+    def expected_batch_size(self) -> Optional[float]:
+        """Global expected batch B = world_size × loader batch_size."""
+        return self._expected_batch_size
+
+    @property
+    def num_samples(self) -> Optional[int]:
+        """N, the size of the training set."""
+        return self._num_samples
+
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Logical steps per epoch, round(1/q)."""
+        return self._steps_per_epoch
+
+    @property
+    def last_release(self) -> Optional[Release]:
+        """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
+        return self._last_release
+
+    @property
+    def engine_name(self) -> str:
+        """Name of the per-example gradient engine in use."""
+        return self._engine_name
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def _distributed(self) -> bool:
+        return self.num_nodes * self.num_processes > 1
+
+    def _configure_launcher(self) -> None:
+        if self._distributed:
+            super()._configure_launcher()
+        else:
+            self._launcher = None
+
+    def setup_environment(self) -> None:
+        if self._distributed:
+            super().setup_environment()
+        else:
+            Strategy.setup_environment(self)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Check the configuration, move the model, build optimizers and the mechanism."""
+        assert self.accelerator is not None and self.model is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            _check_trainer(trainer)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if self._distributed:
+            _sync_module_states(self.model)  # replicas start identical; no DDP wrapper (see module doc)
+        if fitting:
+            _setup_optimizers(self, trainer)
+            self._setup_mechanism()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_mechanism(self) -> None:
+        module = self.lightning_module
+        engine = make_engine(self._engine_name)
+        problems = validate_module(module) + [
+            f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
+            for name in engine.unsupported_layers(module)
+        ]
+        if problems:
+            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        engine.attach(module)
+        self._engine = engine
+        reduce = partial(flat_all_reduce, all_reduce=dist.all_reduce) if self._distributed else None
+        self._privatizer = Privatizer(self._noise, reduce=reduce, adds_noise=self.global_rank == 0)
+        rank_zero_info(f"DPStrategy: per-example gradients by engine '{engine.name}'")
+
+    def teardown(self) -> None:
+        """Detach the engine's hooks, then Lightning's teardown."""
+        if self._engine is not None:
+            self._engine.detach()
+            self._engine = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """Rebuild the training loader around Poisson sampling (other stages untouched)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING or not _is_train_loader(trainer, dataloader):
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise PrivacyConfigurationError(
+                f"DPStrategy needs a torch DataLoader for training, got {type(dataloader).__name__}."
+            )
+        loader = self._poisson_loader(dataloader)
+        self._maybe_calibrate(trainer)
+        return loader
+
+    def _poisson_loader(self, dl: DataLoader) -> DataLoader:
+        dataset = dl.dataset
+        if isinstance(dataset, IterableDataset):
+            raise PrivacyConfigurationError(
+                "Poisson sampling needs random access: the training dataset is an IterableDataset. "
+                "Use a map-style Dataset (with __len__ and __getitem__)."
+            )
+        batch_size = dl.batch_size if dl.batch_size is not None else getattr(dl.batch_sampler, "batch_size", None)
+        if not batch_size:
+            raise PrivacyConfigurationError(
+                "Cannot read the expected batch size from the training DataLoader: give it `batch_size=`."
+            )
+        n = len(dataset)  # type: ignore[arg-type]
+        world = self.num_nodes * self.num_processes
+        expected = batch_size * world
+        if expected > n:
+            raise PrivacyConfigurationError(
+                f"Expected global batch {expected} (= {world} processes × batch_size {batch_size}) exceeds the "
+                f"dataset size {n}: lower batch_size."
+            )
+        self._num_samples, self._expected_batch_size = n, float(expected)
+        self._sample_rate = expected / n
+        self._steps_per_epoch = steps_per_epoch_for(self._sample_rate)
+        seed = None if self._sampler_seed is None else self._sampler_seed + self.global_rank
+        sampler = PoissonBatchSampler(n, self._sample_rate, self._steps_per_epoch, self.global_rank, world, seed)
+        kwargs: dict[str, Any] = dict(
+            num_workers=dl.num_workers,
+            collate_fn=EmptySafeCollate(dataset, dl.collate_fn),
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            persistent_workers=dl.persistent_workers,
+        )
+        if dl.num_workers > 0:
+            kwargs["prefetch_factor"] = dl.prefetch_factor
+        return DataLoader(dataset, batch_sampler=sampler, **kwargs)
+
+    def _maybe_calibrate(self, trainer: "pl.Trainer") -> None:
+        assert self._num_samples is not None and self._sample_rate is not None
+        if self.target_delta is not None and self.target_delta >= 1.0 / self._num_samples:
+            rank_zero_warn(
+                f"target_delta={self.target_delta} is not below 1/N = {1.0 / self._num_samples:.3g}: a mechanism "
+                "that publishes one random example outright satisfies such a δ. Use δ ≪ 1/N (e.g. N^-1.1)."
+            )
+        if self.target_epsilon is None or self._noise_multiplier is not None:
+            return
+        from lightning_dp.accounting import calibrate_noise
+
+        steps = planned_steps(trainer, self._steps_per_epoch or 1)
+        sigma = calibrate_noise(
+            self.target_epsilon, self.target_delta, self._sample_rate, steps, accountant=self.accountant
+        )
+        validate_privacy_params(sigma, self._max_grad_norm)
+        self._noise_multiplier = float(sigma)
+        rank_zero_info(
+            f"DPStrategy: σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} "
+            f"over {steps} steps with q = {self._sample_rate:.5g} ({self.accountant} accountant)"
+        )
+
+    # ------------------------------------------------------------------ the private step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the user's ``training_step``; an empty Poisson batch skips it (zero loss)."""
+        batch = args[0] if args else kwargs.get("batch")
+        self._local_batch_size = batch_size_of(batch)
+        if self._local_batch_size == 0:
+            # Nothing to differentiate: the step still happens, its clipped sum is zero.
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[pl.LightningModule | nn.Module] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the optimizer on the private gradient: the closure is wrapped to privatise."""
+        request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
+        private_closure = partial(self._private_closure, optimizer, closure, request)
+        return super().optimizer_step(optimizer, private_closure, model, **kwargs)
+
+    def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any], request: MechanismRequest) -> Any:
+        if self._engine is None or self._privatizer is None or self._sample_rate is None:
+            raise RuntimeError("DPStrategy: the mechanism is not set up (was the training loader processed?)")
+        loss = closure()
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        batch = self._engine.clip_and_sum(params, self._max_grad_norm, request.scale, request.second_moment)
+        release = self._privatizer.privatize(
+            batch, params, request, self.noise_multiplier, self._max_grad_norm, self._expected_batch_size or 1.0
+        )
+        self._ledger.record(self.noise_multiplier, self._sample_rate, private=not request.clean_mean)
+        self._last_release, self._last_batch = release, batch
+        if isinstance(optimizer, PrivateOptimizer):
+            optimizer.observe_release(release)
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Add the ledger (and σ, noise state) to the checkpoint, then write it."""
+        checkpoint[_CHECKPOINT_KEY] = {
+            "ledger": self._ledger.state_dict(),
+            "noise_multiplier": self._noise_multiplier,
+            "noise": self._noise.state_dict(),
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        if state is not None:
+            self._ledger.load_state_dict(state["ledger"])
+            if state.get("noise_multiplier") is not None:
+                self._noise_multiplier = float(state["noise_multiplier"])
+            self._noise.load_state_dict(state.get("noise", {}))
+        else:
+            rank_zero_warn(
+                f"Checkpoint {checkpoint_path} has no privacy ledger (not written by DPStrategy): "
+                "the budget spent before it is unknown and NOT counted."
+            )
+        return checkpoint
+
+
+def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
+    """Optimizer steps the trainer will take: ``max_steps`` or ``max_epochs`` × steps per epoch."""
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        steps_per_epoch = min(steps_per_epoch, limit)
+    elif isinstance(limit, float) and limit < 1.0:
+        steps_per_epoch = max(1, int(steps_per_epoch * limit))
+    by_epochs = trainer.max_epochs * steps_per_epoch if trainer.max_epochs not in (None, -1) else None
+    by_steps = trainer.max_steps if trainer.max_steps not in (None, -1) else None
+    candidates = [s for s in (by_epochs, by_steps) if s is not None]
+    if not candidates:
+        raise PrivacyConfigurationError(
+            "target_epsilon needs a planned length: set Trainer(max_steps=...) or Trainer(max_epochs=...)."
+        )
+    return int(min(candidates))
+
+
+def _is_train_loader(trainer: "pl.Trainer", dataloader: object) -> bool:
+    # Lightning processes the train loader in fit_loop.setup_data with stage TRAINING;
+    # validation loaders come through here with SANITY_CHECKING or VALIDATING.
+    from pytorch_lightning.trainer.states import RunningStage
+
+    return trainer.state.stage == RunningStage.TRAINING
+
+
+def _check_noise_arguments(
+    noise_multiplier: Optional[float], target_epsilon: Optional[float], target_delta: Optional[float]
+) -> None:
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("Give exactly one of noise_multiplier (σ) or target_epsilon (with target_delta).")
+    if target_epsilon is not None:
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+        if target_delta is None or not 0 < target_delta < 1:
+            raise ValueError(f"target_epsilon needs target_delta in (0, 1), got {target_delta!r}")
+
+
+def _check_trainer(trainer: "pl.Trainer") -> None:
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise PrivacyConfigurationError(
+            "DPStrategy supports automatic optimization only: remove `self.automatic_optimization = False` "
+            "(the strategy must own backward, clipping and noise)."
+        )
+    if trainer.gradient_clip_val:
+        raise PrivacyConfigurationError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the batch gradient, not each example's: "
+            "remove it and set DPStrategy(max_grad_norm=...) instead."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise PrivacyConfigurationError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would add noise to each micro-batch "
+            "and rescale per-example gradients before clipping: remove it and raise the DataLoader's batch_size "
+            "(the expected Poisson batch) instead."
+        )
+    precision = str(trainer.precision)
+    if precision not in _SUPPORTED_PRECISION:
+        raise PrivacyConfigurationError(
+            f"Trainer(precision={precision!r}) is not supported by DPStrategy yet: loss scaling rescales "
+            "per-example gradients before clipping. Use precision='32-true'."
+        )
+
+
+def _setup_optimizers(strategy: DPStrategy, trainer: "pl.Trainer") -> None:
+    one_only = (
+        "DPStrategy supports exactly one optimizer (one noise draw per step covers all parameters): "
+        "put all parameter groups in one optimizer."
+    )
+    try:
+        strategy.setup_optimizers(trainer)
+    except RuntimeError as err:
+        if "multiple optimizers" in str(err):
+            raise PrivacyConfigurationError(f"configure_optimizers returned several optimizers. {one_only}") from err
+        raise
+    optimizers = strategy.optimizers
+    if len(optimizers) != 1:
+        raise PrivacyConfigurationError(f"configure_optimizers returned {len(optimizers)} optimizers. {one_only}")
+    if isinstance(optimizers[0], torch.optim.LBFGS):
+        raise PrivacyConfigurationError("LBFGS re-evaluates the closure: each evaluation would be a new release.")

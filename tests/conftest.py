@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny LightningModules written the way a user would write them."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LIGHTNING_DP_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set LIGHTNING_DP_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+class TinyClassifier(pl.LightningModule):
+    """A plain user module: mean cross-entropy, SGD."""
+
+    def __init__(self, d_in: int = 4, n_classes: int = 2, lr: float = 0.1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, n_classes))
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_loader(n: int = 200, d_in: int = 4, batch_size: int = 20, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    y = (x[:, 0] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)
+
+
+def quiet_trainer(**kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)

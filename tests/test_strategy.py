@@ -1,0 +1,208 @@
+"""DPStrategy end to end: a user's module, the mechanism's statistics, resume, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import TinyClassifier, make_loader, quiet_trainer
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from scipy import stats
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import DPStrategy, PrivacyConfigurationError
+from lightning_dp.mechanism import GaussianNoise
+
+
+def test_user_module_trains_and_every_step_is_recorded():
+    model = TinyClassifier()
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, sampler_seed=0, noise=GaussianNoise(seed=0))
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(strategy=strategy, max_epochs=3)
+    trainer.fit(model, make_loader(n=200, batch_size=20))
+    assert strategy.sample_rate == pytest.approx(0.1)
+    assert strategy.steps_per_epoch == 10
+    assert trainer.global_step == 30
+    assert strategy.ledger.steps == 30
+    assert [(e.noise_multiplier, e.sample_rate) for e in strategy.ledger.entries] == [(0.5, 0.1)]
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert strategy.last_release.noise_std == pytest.approx(0.5 * 1.0 / 20)
+
+
+class ZeroGradModule(pl.LightningModule):
+    """Loss with zero gradient for every example: the update is pure noise."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(100, 100)
+        self.frozen = nn.Linear(100, 5)
+        self.frozen.requires_grad_(not frozen)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.layer(x).sum() + self.frozen(x).sum()) * 0.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+class RecordUpdates(Callback):
+    def __init__(self) -> None:
+        self.updates: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = torch.cat([p.detach().flatten().clone() for p in pl_module.layer.parameters()])
+        self.sizes.append(batch[0].shape[0])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        after = torch.cat([p.detach().flatten() for p in pl_module.layer.parameters()])
+        self.updates.append(after - self._before)
+
+
+def _run_zero_grad(sigma, C, batch_size, n=400, steps=3, frozen=False):
+    model = ZeroGradModule(frozen=frozen)
+    frozen_before = model.frozen.weight.detach().clone()
+    recorder = RecordUpdates()
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, noise=GaussianNoise(seed=5))
+    trainer = quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder])
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(n, 100)), batch_size=batch_size))
+    return torch.cat(recorder.updates).double(), model, frozen_before, recorder
+
+
+@pytest.mark.parametrize("sigma,C,batch_size", [(1.0, 1.0, 40), (0.6, 3.0, 16)])
+def test_update_noise_std_is_sigma_c_over_expected_b(sigma, C, batch_size):
+    updates, _, _, _ = _run_zero_grad(sigma, C, batch_size)
+    expected_var = (sigma * C / batch_size) ** 2  # lr = 1, SGD: Δθ = -ĝ
+    n = updates.numel()
+    ratio = updates.pow(2).mean().item() / expected_var
+    lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], n) / n
+    assert lo < ratio < hi
+    for wrong in (0.9, 1.1):  # a 10 % error in σ would fail the test
+        assert not lo < ratio / wrong**2 < hi
+
+
+def test_frozen_parameters_get_no_noise():
+    _, model, frozen_before, _ = _run_zero_grad(1.0, 1.0, 40, frozen=True)
+    assert torch.equal(model.frozen.weight, frozen_before)
+    assert model.frozen.weight.grad is None
+
+
+def test_realised_batch_sizes_are_binomial_and_empty_batches_step():
+    n, batch_size, steps = 100, 2, 300  # q = 0.02: many empty batches
+    updates, _, _, recorder = _run_zero_grad(1.0, 1.0, batch_size, n=n, steps=steps)
+    sizes = torch.tensor(recorder.sizes, dtype=torch.float64)
+    q = batch_size / n
+    assert abs(sizes.mean().item() - n * q) < 4.5 * math.sqrt(n * q * (1 - q) / steps)
+    assert (sizes == 0).sum() > 0.05 * steps  # P(empty) = 0.98^100 ≈ 0.13
+    assert len(recorder.updates) == steps  # every batch, empty or not, was a noisy step
+    assert all(u.abs().sum() > 0 for u in recorder.updates)
+
+
+def test_checkpoint_resume_keeps_the_ledger(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    strategy = DPStrategy(noise_multiplier=0.8, max_grad_norm=1.0)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=2, enable_checkpointing=True, callbacks=[ckpt])
+    trainer.fit(TinyClassifier(), make_loader(n=100, batch_size=10))
+    assert strategy.ledger.steps == 20
+
+    resumed = DPStrategy(noise_multiplier=0.8, max_grad_norm=1.0)
+    trainer = quiet_trainer(strategy=resumed, max_epochs=3)
+    trainer.fit(TinyClassifier(), make_loader(n=100, batch_size=10), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.ledger.steps == 30
+    assert trainer.global_step == 30
+
+
+def test_resume_from_a_foreign_checkpoint_warns(tmp_path):
+    trainer = quiet_trainer(max_epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    trainer.fit(TinyClassifier(), make_loader(n=40, batch_size=10))
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_epochs=2)
+    with pytest.warns(UserWarning, match="no privacy ledger"):
+        trainer.fit(TinyClassifier(), make_loader(n=40, batch_size=10), ckpt_path=str(tmp_path / "last.ckpt"))
+
+
+def test_validation_loader_is_not_poisson_sampled():
+    seen = []
+
+    class Val(TinyClassifier):
+        def validation_step(self, batch, batch_idx):
+            seen.append(batch[0].shape[0])
+
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Val(), make_loader(n=40, batch_size=10), DataLoader(TensorDataset(torch.randn(30, 4), torch.zeros(30).long()), batch_size=10))
+    assert seen == [10, 10, 10]
+
+
+# ------------------------------------------------------------------ errors before training
+class BatchNormModule(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+class ManualModule(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(TinyClassifier):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+@pytest.mark.parametrize(
+    "module,trainer_kwargs,match",
+    [
+        (BatchNormModule, {}, r"net\.1.*BatchNorm1d.*GroupNorm"),
+        (TinyClassifier, {"gradient_clip_val": 1.0}, "gradient_clip_val.*max_grad_norm"),
+        (TinyClassifier, {"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
+        (TinyClassifier, {"precision": "16-mixed"}, "precision"),
+        (ManualModule, {}, "automatic optimization"),
+        (TwoOptimizers, {}, "several optimizers"),
+    ],
+)
+def test_unsupported_configurations_fail_before_training(module, trainer_kwargs, match):
+    model = module()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_epochs=1, **trainer_kwargs)
+    with pytest.raises(PrivacyConfigurationError, match=match):
+        trainer.fit(model, make_loader(n=40, batch_size=10))
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(noise_multiplier=0.0), "noise_multiplier"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm"),
+        (dict(noise_multiplier=1.0, max_grad_norm=-2.0), "max_grad_norm"),
+        (dict(), "exactly one"),
+        (dict(noise_multiplier=1.0, target_epsilon=3.0, target_delta=1e-5), "exactly one"),
+        (dict(target_epsilon=3.0), "target_delta"),
+        (dict(noise_multiplier=1.0, per_sample="nope"), "Unknown per-sample engine"),
+    ],
+)
+def test_bad_privacy_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPStrategy(**kwargs)
+
+
+def test_batch_larger_than_dataset_is_an_error():
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_epochs=1)
+    with pytest.raises(PrivacyConfigurationError, match="exceeds the dataset size"):
+        trainer.fit(TinyClassifier(), make_loader(n=10, batch_size=20))
+
+
+def test_delta_not_below_one_over_n_warns():
+    from lightning_dp.strategy import DPStrategy as S
+
+    strategy = S(noise_multiplier=1.0)
+    strategy.target_delta = 0.05  # δ given for reporting, σ fixed
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1)
+    with pytest.warns(UserWarning, match="1/N"):
+        trainer.fit(TinyClassifier(), make_loader(n=40, batch_size=10))
