@@ -1,13 +1,29 @@
 """lightning_dp: differentially private training for any PyTorch Lightning project.
 
-Add :class:`DPStrategy` to your Trainer; add callbacks for accounting, optimizer
-variants and monitoring. See the README for a quickstart.
+Add :class:`DPStrategy` to your Trainer; add callbacks for accounting
+(:class:`PrivacyBudget`), optimizer variants (:class:`AdamVariant`) and monitoring.
+See the README for a quickstart.
 """
 
-from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
+from lightning_dp.callbacks import AdamVariant, PrivacyBudget
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.optim import DPAdagrad, DPAdam
 from lightning_dp.strategy import DPStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["DPStrategy", "LedgerEntry", "PrivacyConfigurationError", "PrivacyLedger", "__version__"]
+__all__ = [
+    "AdamVariant",
+    "DPAdagrad",
+    "DPAdam",
+    "DPStrategy",
+    "LedgerEntry",
+    "PrivacyBudget",
+    "PrivacyConfigurationError",
+    "PrivacyLedger",
+    "__version__",
+    "calibrate_noise",
+    "epsilon",
+    "ledger_epsilon",
+]

@@ -24,6 +24,7 @@ with parameters falls back to the per-layer vmap of :mod:`.functorch_vmap`.
 
 from __future__ import annotations
 
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -94,12 +95,13 @@ def prefer_ghost_embedding(T: int, V: int) -> bool:
 class LinearFormStats(LayerStats):
     """A layer with per-example weight grad n Σ_t δ_t a_tᵀ (+ bias grad n Σ_t δ_t).
 
-    ``a``: [n, T, in]; ``d``: [n, T, out] already multiplied by n.
+    ``a``: [n, T, in]; ``d``: [n, T, out], the mean-loss output gradient; ``k`` = n multiplies
+    it (folded into the norms and the clip factors instead of copying ``d``).
     """
 
-    def __init__(self, a: Tensor, d: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+    def __init__(self, a: Tensor, d: Tensor, k: float, weight: Optional[Tensor], bias: Optional[Tensor],
                  scale: Optional[ParamMap], with_squares: bool) -> None:
-        self.a, self.d, self.weight, self.bias = a, d, weight, bias
+        self.a, self.d, self.k, self.weight, self.bias = a, d, k, weight, bias
         self.sw = None if scale is None or weight is None else scale[weight].reshape(d.shape[2], a.shape[2])
         self.sb = None if scale is None or bias is None else scale[bias]
         self.G: Optional[Tensor] = None
@@ -110,14 +112,14 @@ class LinearFormStats(LayerStats):
         if bias is not None:
             self.db = d.sum(1) if self.sb is None else d.sum(1) * self.sb
             sq = sq + self.db.pow(2).sum(1)
-        self.sq_norms = sq
+        self.sq_norms = sq * (k * k)
 
     def _weight_sq_norms(self, T: int, with_squares: bool) -> Tensor:
         a, d, sw = self.a, self.d, self.sw
         if T == 1:
             a1, d1 = a[:, 0], d[:, 0]
             if sw is None:
-                return a1.pow(2).sum(1) * d1.pow(2).sum(1)
+                return torch.linalg.vector_norm(a1, dim=1).pow(2) * torch.linalg.vector_norm(d1, dim=1).pow(2)
             return ((d1 * d1) @ (sw * sw) * (a1 * a1)).sum(1)
         if sw is None and not with_squares and prefer_ghost(T, a.shape[2], d.shape[2]):
             return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
@@ -127,9 +129,11 @@ class LinearFormStats(LayerStats):
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
         out = {}
+        c = c * self.k
         if self.weight is not None:
-            dc = (self.d * c[:, None, None]).reshape(-1, self.d.shape[2])
-            w = dc.t() @ self.a.reshape(-1, self.a.shape[2])
+            d2, a2 = self.d.reshape(-1, self.d.shape[2]), self.a.reshape(-1, self.a.shape[2])
+            cw = c.repeat_interleave(self.a.shape[1])[:, None]
+            w = (d2 * cw).t() @ a2 if d2.shape[1] <= a2.shape[1] else d2.t() @ (a2 * cw)
             out[self.weight] = (w if self.sw is None else w * self.sw).reshape(self.weight.shape)
         if self.bias is not None:
             out[self.bias] = c @ self.db
@@ -137,6 +141,7 @@ class LinearFormStats(LayerStats):
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
         out = {}
+        c2 = c2 * (self.k * self.k)
         if self.weight is not None:
             if self.a.shape[1] == 1:
                 w = (self.d[:, 0].pow(2) * c2[:, None]).t() @ self.a[:, 0].pow(2)
@@ -189,6 +194,11 @@ def _as_float(t: Tensor, like: Tensor) -> Tensor:
     return t.to(like.dtype) if t.dtype != like.dtype else t
 
 
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Concatenate calls of one layer along the token axis (no copy for a single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
 def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
     return {n: p for n, p in direct_trainable(module) if p in params}
 
@@ -196,9 +206,9 @@ def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
 def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
     """nn.Linear: inputs [n, *, in] flattened to [n, T, in]; calls concatenated along T."""
     m = calls.module
-    a = torch.cat([_as_float(r.args[0], m.weight).reshape(n, -1, m.in_features) for r in calls.records], 1)
-    d = torch.cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.out_features) for r in calls.records], 1) * n
-    return LinearFormStats(a, d, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+    a = _cat([_as_float(r.args[0], m.weight).reshape(n, -1, m.in_features) for r in calls.records])
+    d = _cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.out_features) for r in calls.records])
+    return LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
 
 
 def conv2d_supported(m: nn.Module) -> bool:
@@ -215,8 +225,8 @@ def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, wi
         cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
         a_parts.append(cols.transpose(1, 2))
         d_parts.append(_as_float(r.grad_out, m.weight).reshape(n, m.out_channels, -1).transpose(1, 2))
-    a, d = torch.cat(a_parts, 1), torch.cat(d_parts, 1) * n
-    return LinearFormStats(a, d, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+    return LinearFormStats(_cat(a_parts), _cat(d_parts), n, wanted.get("weight"), wanted.get("bias"),
+                           scale, with_squares)
 
 
 def embedding_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -235,7 +245,7 @@ def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale
     grads: dict[Tensor, Tensor] = {}
     for r in calls.records:
         like = m.weight if m.weight is not None else r.grad_out
-        x, d = _as_float(r.args[0], like), _as_float(r.grad_out, like) * n
+        x, d = _as_float(r.args[0], like), _as_float(r.grad_out, like)
         if isinstance(m, nn.GroupNorm):
             xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
             ws = (d * xhat).sum(dims) if dims else d * xhat
@@ -250,6 +260,7 @@ def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale
             ws, bs = (d * xhat).sum(dims) if dims else d * xhat, d.sum(dims) if dims else d
         for pname, g in (("weight", ws), ("bias", bs)):
             p = wanted.get(pname)
+            g = g * n
             if p is not None:
                 grads[p] = grads[p] + g if p in grads else g
     return MaterialisedStats(grads, scale)
@@ -276,26 +287,114 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
     return fallback_stats(calls, wanted, n, scale, with_squares)
 
 
+class _LinearInputGradOnly(torch.autograd.Function):
+    """F.linear whose backward computes only the input gradient (book-keeping, Bu et al.):
+    the weight/bias gradients come from :class:`LinearFormStats`, so the ordinary backward
+    leaves ``p.grad`` untouched instead of spending a matmul on the non-private gradient."""
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias = inputs
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (weight,) = ctx.saved_tensors
+        gx = (g @ weight.to(g.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        return gx, None, None
+
+
+class _Conv2dInputGradOnly(torch.autograd.Function):
+    """F.conv2d (groups=1, zero padding) whose backward computes only the input gradient."""
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation) -> Tensor:
+        return F.conv2d(x, weight, bias, stride, padding, dilation)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias, stride, padding, dilation = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.conf = (stride, padding, dilation)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, weight = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            stride, padding, dilation = ctx.conf
+            gx = torch.ops.aten.convolution_backward(
+                g, x, weight.to(g.dtype), None, list(stride), list(padding), list(dilation), False, [0, 0], 1,
+                [True, False, False])[0].to(x.dtype)
+        return gx, None, None, None, None, None
+
+
+def _linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    return _LinearInputGradOnly.apply(x, self.weight, self.bias)
+
+
+def _conv2d_forward(self: nn.Conv2d, x: Tensor) -> Tensor:
+    return _Conv2dInputGradOnly.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+
+def input_grad_only_forward(m: nn.Module):
+    """The book-keeping forward for ``m`` (Linear, supported Conv2d), or None."""
+    if type(m) is nn.Linear:
+        return _linear_forward
+    if type(m) is nn.Conv2d and conv2d_supported(m):
+        return _conv2d_forward
+    return None
+
+
 @register_engine
 class GhostEngine(GradSampleEngine):
-    """Engine ``"ghost"``: ghost norms and one book-keeping contraction per layer (module docstring)."""
+    """Engine ``"ghost"``: ghost norms and one book-keeping contraction per layer (module docstring).
+
+    Args:
+        skip_param_grads: book-keeping proper: Linear and Conv2d layers run a forward whose
+            backward skips their weight/bias gradients (``p.grad`` is left as it was, e.g.
+            None, after ``loss.backward()``; the engine's clipped sums replace it). Saves the matmul the
+            ordinary backward spends on the non-private gradient. ``False`` keeps the
+            module's own forward and the usual ``p.grad``. Not for double backward.
+    """
 
     name = "ghost"
 
-    def __init__(self) -> None:
+    def __init__(self, skip_param_grads: bool = True) -> None:
+        self.skip_param_grads = skip_param_grads
         self._capture = ActivationCapture()
         self._owners: dict[Tensor, list] = {}
+        self._patched: list[nn.Module] = []
 
     def attach(self, module: nn.Module) -> None:
-        """Hook every leaf module that owns parameters."""
+        """Hook every leaf module that owns parameters (and patch Linear/Conv2d forwards, see class doc)."""
+        self.detach()
         self._owners = owners_of(module)
         leaves = [(n, m) for n, m in module.named_modules()
                   if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())]
         self._capture.attach(leaves)
+        if self.skip_param_grads:
+            for _, m in leaves:
+                fwd = input_grad_only_forward(m)
+                if fwd is not None and "forward" not in m.__dict__ and self._sole_owner(m):
+                    m.forward = types.MethodType(fwd, m)
+                    self._patched.append(m)
+
+    def _sole_owner(self, m: nn.Module) -> bool:
+        return all(len(self._owners[p]) == 1 for p in m.parameters(recurse=False))
 
     def detach(self) -> None:
-        """Remove hooks and captured tensors."""
+        """Remove hooks, captured tensors and patched forwards."""
         self._capture.detach()
+        for m in self._patched:
+            if "forward" in m.__dict__:
+                del m.forward
+        self._patched = []
         self._owners = {}
 
     def clip_and_sum(

@@ -1,0 +1,31 @@
+"""Privacy accounting: ε of a setting or a ledger, σ for a target, a running RDP total.
+
+Thin layer over maintained accountants (Opacus RDP/PRV, dp-accounting PLD); see
+:mod:`lightning_dp.accounting.accountants` for the registry and what each one gives.
+"""
+
+from lightning_dp.accounting.accountants import available_accountants, get_accountant, register_accountant
+from lightning_dp.accounting.calibration import calibrate_noise
+from lightning_dp.accounting.epsilon import epsilon, ledger_epsilon
+from lightning_dp.accounting.horizon import steps_within_budget
+from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.accounting.rdp import INTEGER_ORDERS, RDP_ORDERS, rdp_to_epsilon, step_rdp
+from lightning_dp.accounting.running_rdp import RunningRDP, running_for
+
+__all__ = [
+    "INTEGER_ORDERS",
+    "LedgerEntry",
+    "PrivacyLedger",
+    "RDP_ORDERS",
+    "RunningRDP",
+    "available_accountants",
+    "calibrate_noise",
+    "epsilon",
+    "get_accountant",
+    "ledger_epsilon",
+    "rdp_to_epsilon",
+    "running_for",
+    "register_accountant",
+    "step_rdp",
+    "steps_within_budget",
+]

@@ -1,0 +1,93 @@
+"""Per-order Rényi DP of the sampled Gaussian mechanism, and its conversion to (ε, δ).
+
+The RDP curve itself is Opacus' (``opacus.accountants.analysis.rdp.compute_rdp``, the
+analysis of Mironov, Talwar & Zhang 2019 for the Poisson-subsampled Gaussian, add/remove
+adjacency); it is *not* re-derived here. This module only
+
+* caches the RDP vector of **one** step for a given (σ, q) — composition over steps and over
+  changing (σ, q) is the sum of such vectors (RDP composes additively, Mironov 2017 Prop. 1);
+* converts a composed RDP vector to ε for a δ, either with the tight conversion Opacus uses
+  (Balle et al. 2020, "Hypothesis testing interpretations and Rényi DP", Thm. 21) or with
+  Mironov's original conversion ε = RDP(α) + log(1/δ)/(α − 1) (Mironov 2017, Prop. 3),
+  which the DP-SignSGD paper uses on integer orders (ALGORITHMS.md §6).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp
+
+#: Opacus' default RDP orders (fractional 1.1 … 10.9, then integers 12 … 63).
+RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
+
+#: The DP-SignSGD paper's coarse grid: integer orders α ∈ {2, …, 20} (ALGORITHMS.md §6).
+INTEGER_ORDERS: tuple[float, ...] = tuple(float(a) for a in range(2, 21))
+
+
+@lru_cache(maxsize=8192)
+def _step_rdp_cached(noise_multiplier: float, sample_rate: float, orders: tuple[float, ...]) -> np.ndarray:
+    if sample_rate == 0.0:
+        rdp = np.zeros(len(orders))
+    else:
+        rdp = np.asarray(
+            compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(orders)),
+            dtype=float,
+        )
+    rdp.setflags(write=False)
+    return rdp
+
+
+def step_rdp(noise_multiplier: float, sample_rate: float, orders: tuple[float, ...] = RDP_ORDERS) -> np.ndarray:
+    """RDP vector (one value per order) of ONE step of the sampled Gaussian mechanism.
+
+    Opacus' ``compute_rdp`` with ``steps=1``, cached per (σ, q, orders): a run whose σ is
+    constant pays for it once. ``σ = 0`` gives ``inf`` (no privacy), ``q = 0`` gives 0.
+    The returned array is read-only; multiply it by a step count to compose.
+    """
+    return _step_rdp_cached(float(noise_multiplier), float(sample_rate), tuple(float(a) for a in orders))
+
+
+@lru_cache(maxsize=256)
+def _balle_offsets(orders: tuple[float, ...], delta: float) -> np.ndarray:
+    a = np.asarray(orders, dtype=float)
+    offsets = -(np.log(delta) + np.log(a)) / (a - 1.0) + np.log((a - 1.0) / a)
+    offsets.setflags(write=False)
+    return offsets
+
+
+@lru_cache(maxsize=256)
+def _mironov_offsets(orders: tuple[float, ...], delta: float) -> np.ndarray:
+    a = np.asarray(orders, dtype=float)
+    offsets = np.log(1.0 / delta) / (a - 1.0)
+    offsets.setflags(write=False)
+    return offsets
+
+
+def _minimise(rdp: np.ndarray, offsets: np.ndarray) -> float:
+    rdp = np.asarray(rdp, dtype=float)
+    if not np.any(rdp):
+        return 0.0  # nothing released yet
+    eps = rdp + offsets
+    if np.all(np.isnan(eps)) or np.all(np.isinf(eps)):
+        return float("inf")
+    return max(0.0, float(np.nanmin(eps)))
+
+
+def rdp_to_epsilon(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
+    """ε(δ) from a composed RDP vector: Balle et al. 2020, Thm. 21 (the conversion of Opacus'
+    ``get_privacy_spent``, minimised over the orders; equal to it, see the tests).
+
+    A zero vector (no release) gives ε = 0; a vector that is infinite everywhere gives ``inf``.
+    """
+    return _minimise(rdp, _balle_offsets(tuple(orders), float(delta)))
+
+
+def rdp_to_epsilon_mironov(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
+    """ε(δ) = min_α RDP(α) + log(1/δ)/(α − 1): Mironov 2017, Prop. 3 (looser than Balle et al.).
+
+    This is the conversion of the DP-SignSGD paper (ALGORITHMS.md §6); kept for comparison.
+    """
+    return _minimise(rdp, _mironov_offsets(tuple(orders), float(delta)))

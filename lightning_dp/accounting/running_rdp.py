@@ -1,0 +1,209 @@
+"""A running per-order RDP total, fed incrementally from a :class:`PrivacyLedger`.
+
+Rényi DP composes additively (Mironov 2017, Prop. 1): the RDP of a run whose σ or q
+changes mid-way is the sum over steps of the one-step RDP vectors of Opacus
+(:func:`~lightning_dp.accounting.rdp.step_rdp`). Keeping that sum up to date costs one
+vector addition per new ledger entry, instead of recomputing the whole history each
+time ε is asked for (which took Opacus 118 s at 10^4 changing steps, README of the
+reference vectors). The one-step vector of a given (σ, q) is cached, so a run with
+constant σ pays for Opacus' curve once.
+
+Optional ``quantum``: round σ *down* and q *up* to a geometric grid of relative spacing
+``quantum`` before looking up the one-step vector. RDP of the sampled Gaussian is
+non-increasing in σ and non-decreasing in q at every order, so the total is an upper
+bound on the exact one (sound, slightly pessimistic) and runs whose σ drifts a little
+every step reuse cached vectors. ``None`` (default) is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.accounting.rdp import RDP_ORDERS, rdp_to_epsilon, rdp_to_epsilon_mironov, step_rdp
+
+_CONVERSIONS = {"balle": rdp_to_epsilon, "mironov": rdp_to_epsilon_mironov}
+
+
+def _grid_down(x: float, quantum: float) -> float:
+    k = math.floor(math.log(x) / math.log1p(quantum))
+    g = (1.0 + quantum) ** k
+    while g > x:  # guard against rounding in log/pow
+        k -= 1
+        g = (1.0 + quantum) ** k
+    return g
+
+
+def _grid_up(x: float, quantum: float) -> float:
+    k = math.ceil(math.log(x) / math.log1p(quantum))
+    g = (1.0 + quantum) ** k
+    while g < x:
+        k += 1
+        g = (1.0 + quantum) ** k
+    return min(g, 1.0)
+
+
+class RunningRDP:
+    """Per-order RDP total of the releases seen so far; ε(δ) from it in microseconds.
+
+    Example:
+        >>> run = RunningRDP()
+        >>> run.add(1.1, 0.004, steps=1000)
+        >>> round(run.epsilon(1e-5), 3)  # doctest: +SKIP
+        0.763
+
+    Args:
+        orders: RDP orders (default: Opacus' default orders).
+        quantum: ``None`` for exact accounting, or the relative grid spacing (e.g. 1e-3)
+            used to round σ down / q up for cheap, conservative updates (module docstring).
+        conversion: ``"balle"`` (Balle et al. 2020, Thm. 21; Opacus' conversion) or
+            ``"mironov"`` (Mironov 2017, Prop. 3; with :data:`INTEGER_ORDERS` this is the
+            ``"integer_rdp"`` accountant of the DP-SignSGD paper).
+    """
+
+    def __init__(
+        self, orders: Sequence[float] = RDP_ORDERS, quantum: Optional[float] = None, conversion: str = "balle"
+    ) -> None:
+        if quantum is not None and not quantum > 0:
+            raise ValueError(f"quantum must be None (exact) or > 0, got {quantum!r}")
+        if conversion not in _CONVERSIONS:
+            raise ValueError(f"conversion must be one of {sorted(_CONVERSIONS)}, got {conversion!r}")
+        self.orders: tuple[float, ...] = tuple(float(a) for a in orders)
+        self.quantum = quantum
+        self.conversion = conversion
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget everything (an empty run)."""
+        self.total = np.zeros(len(self.orders))
+        self.steps = 0
+        self.private = True
+        self._seen = 0  # number of ledger entries (partly) consumed
+        self._last: Optional[tuple[float, float, bool]] = None  # key of entry _seen - 1
+        self._last_steps = 0  # steps consumed from entry _seen - 1
+        self._verify = False
+        self._one_step_key: Optional[tuple[float, float]] = None
+        self._one_step_value = np.zeros(len(self.orders))
+
+    def one_step(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
+        """The one-step RDP vector used for (σ, q) (rounded to the grid if ``quantum`` is set)."""
+        key = (noise_multiplier, sample_rate)
+        if key == self._one_step_key:  # the common case: σ, q unchanged since last time
+            return self._one_step_value
+        if self.quantum is not None and noise_multiplier > 0 and sample_rate > 0:
+            noise_multiplier = _grid_down(noise_multiplier, self.quantum)
+            sample_rate = _grid_up(sample_rate, self.quantum)
+        self._one_step_key, self._one_step_value = key, step_rdp(noise_multiplier, sample_rate, self.orders)
+        return self._one_step_value
+
+    def add(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
+        """Compose ``steps`` releases of (σ, q) into the total (not tied to a ledger)."""
+        if steps <= 0:
+            return
+        self.steps += int(steps)
+        if not private:
+            self.private = False
+            return
+        self.total = self.total + steps * self.one_step(noise_multiplier, sample_rate)
+
+    # ----------------------------------------------------------------- ledger
+    def sync(self, ledger: PrivacyLedger | Iterable[LedgerEntry]) -> int:
+        """Fold in the ledger's releases not seen yet; returns how many steps were added.
+
+        Only new entries (and the growth of the last, run-length merged entry) are
+        composed. If the ledger no longer extends what was seen (replaced, cleared,
+        restored from another checkpoint), the total is rebuilt from scratch.
+        """
+        entries = ledger.entries if isinstance(ledger, PrivacyLedger) else tuple(ledger)
+        if not self._consistent(entries):
+            self.reset()
+        before = self.steps
+        if self._seen:
+            e = entries[self._seen - 1]
+            self.add(e.noise_multiplier, e.sample_rate, e.steps - self._last_steps, e.private)
+        for e in entries[self._seen :]:
+            self.add(e.noise_multiplier, e.sample_rate, e.steps, e.private)
+        if entries:
+            last = entries[-1]
+            self._seen = len(entries)
+            self._last = (last.noise_multiplier, last.sample_rate, last.private)
+            self._last_steps = last.steps
+        return self.steps - before
+
+    def _consistent(self, entries: Sequence[LedgerEntry]) -> bool:
+        if self._seen == 0:
+            return self.steps == 0
+        if len(entries) < self._seen:
+            return False
+        e = entries[self._seen - 1]
+        if (e.noise_multiplier, e.sample_rate, e.private) != self._last or e.steps < self._last_steps:
+            return False
+        if self._verify:  # first sync after load_state_dict: check the step count fully
+            self._verify = False
+            seen = sum(x.steps for x in entries[: self._seen - 1]) + self._last_steps
+            return seen == self.steps
+        return True
+
+    # --------------------------------------------------------------- epsilon
+    def epsilon(self, delta: float) -> float:
+        """ε(δ) of the total (Balle et al. 2020 conversion); ``inf`` if a release was not private."""
+        if not self.private:
+            return float("inf")
+        return _CONVERSIONS[self.conversion](self.total, self.orders, delta)
+
+    def epsilon_after(self, delta: float, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
+        """ε(δ) if ``steps`` more releases with (σ, q) were made (the total is not changed)."""
+        if not self.private:
+            return float("inf")
+        total = self.total + steps * self.one_step(noise_multiplier, sample_rate)
+        return _CONVERSIONS[self.conversion](total, self.orders, delta)
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Serialisable state (the total and how far into the ledger it reaches)."""
+        return {
+            "orders": list(self.orders),
+            "quantum": self.quantum,
+            "conversion": self.conversion,
+            "total": [float(x) for x in self.total],
+            "steps": self.steps,
+            "private": self.private,
+            "seen": self._seen,
+            "last": list(self._last) if self._last is not None else None,
+            "last_steps": self._last_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved total; the next :meth:`sync` verifies it against the ledger
+        (and rebuilds from the ledger if they disagree)."""
+        self.orders = tuple(float(a) for a in state["orders"])
+        self._one_step_key = None
+        self.quantum = state.get("quantum")
+        self.conversion = state.get("conversion", "balle")
+        self.total = np.asarray(state["total"], dtype=float)
+        self.steps = int(state["steps"])
+        self.private = bool(state["private"])
+        self._seen = int(state["seen"])
+        last = state["last"]
+        self._last = (float(last[0]), float(last[1]), bool(last[2])) if last is not None else None
+        self._last_steps = int(state["last_steps"])
+        self._verify = True
+
+
+def running_for(accountant: str, quantum: Optional[float] = None) -> Optional[RunningRDP]:
+    """The :class:`RunningRDP` that reproduces ``accountant`` incrementally, or ``None``.
+
+    ``"rdp"`` → Opacus' orders with the Balle et al. conversion; ``"integer_rdp"`` →
+    integer orders 2..20 with Mironov's conversion. PLD/PRV have no running form.
+    """
+    from lightning_dp.accounting.rdp import INTEGER_ORDERS
+
+    if accountant == "rdp":
+        return RunningRDP(RDP_ORDERS, quantum)
+    if accountant == "integer_rdp":
+        return RunningRDP(INTEGER_ORDERS, quantum, conversion="mironov")
+    return None

@@ -1,0 +1,6 @@
+"""Callbacks: everything downstream of the noise (post-processing; no raw gradients)."""
+
+from lightning_dp.callbacks.adam_variant import AdamVariant
+from lightning_dp.callbacks.privacy_budget import PrivacyBudget
+
+__all__ = ["AdamVariant", "PrivacyBudget"]

@@ -1,0 +1,269 @@
+"""PrivacyBudget: report what a run has spent, and stop before it overspends.
+
+Reads the :class:`~lightning_dp.accounting.PrivacyLedger` that :class:`DPStrategy` keeps
+(one entry per release of the sampled Gaussian mechanism, ALGORITHMS.md "The mechanism")
+and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log``), and
+``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``
+(straight to the trainer's loggers), every ``log_every_n_steps``.
+
+Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
+updated from *new* ledger entries only, so ε costs microseconds per step even when σ or q
+changes every step (each new (σ, q) costs one Opacus ``compute_rdp`` call, cached).
+``accountant="rdp"`` / ``"integer_rdp"`` report from it every step. ``"pld"`` / ``"prv"``
+compose the whole ledger (0.1 s to seconds), so they report every ``every_n_steps``
+(default 100) and at the end of training.
+
+Stopping (with ``target_epsilon``). After each step, ε *after one more step* with the
+strategy's current (σ, q) is computed; if it exceeds the target, ``trainer.should_stop`` is
+set, so training ends at the last step whose ε stays ≤ target. The decision uses
+``stop_accountant`` (default ``"rdp"``: the running total, cheap and a valid upper bound).
+With ``stop_accountant="pld"`` or ``"prv"``, a step is taken if RDP *or* the tighter
+accountant certifies it (both are valid bounds); once RDP refuses, the number of remaining
+steps under the current (σ, q) is searched once with the tighter accountant (a few seconds
+to a minute) and recomputed only if σ or q changes. A budget too small for the first step
+raises ``ValueError`` at ``on_train_start``, before any step; a resumed run with no budget
+left stops at once.
+
+Non-private runs (the noiseless baseline, ALGORITHMS.md §5) report ε = inf with a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_dp.accounting import (
+    LedgerEntry,
+    PrivacyLedger,
+    RunningRDP,
+    get_accountant,
+    ledger_epsilon,
+    running_for,
+    steps_within_budget,
+)
+from lightning_dp.accounting.checks import check_delta, check_target_epsilon
+
+_RUNNING = ("rdp", "integer_rdp")
+
+
+def default_delta(num_samples: int) -> float:
+    """δ = 1 / N^1.1: below 1/N as it must be (ARCHITECTURE.md), the choice of the
+    DP-SignSGD paper's experiments."""
+    return 1.0 / float(num_samples) ** 1.1
+
+
+def _ledger_of(trainer: "pl.Trainer") -> PrivacyLedger:
+    ledger = getattr(trainer.strategy, "ledger", None)
+    if not isinstance(ledger, PrivacyLedger):
+        raise ValueError(
+            f"PrivacyBudget needs Trainer(strategy=DPStrategy(...)); the strategy is "
+            f"{type(trainer.strategy).__name__}, which keeps no privacy ledger."
+        )
+    return ledger
+
+
+class PrivacyBudget(Callback):
+    """Log ε of the run so far; with ``target_epsilon``, never take a step that exceeds it.
+
+    Example::
+
+        trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.1, max_grad_norm=1.0),
+                             callbacks=[PrivacyBudget(target_epsilon=3.0, delta=1e-5)])
+
+    Args:
+        target_epsilon: stop before ε would exceed this (``None``: only report).
+        delta: δ; ``None`` uses 1/N^1.1 for N training examples (announced at train start).
+        accountant: accountant for reporting: ``"rdp"``, ``"pld"``, ``"prv"``, ``"integer_rdp"``.
+        every_n_steps: report period for ``"pld"``/``"prv"`` (default 100; 1 for RDP accountants).
+        stop_accountant: accountant for the stop decision (default ``"rdp"``, see module docs).
+        rdp_quantum: ``None`` (exact) or relative grid for conservative σ/q rounding in the
+            running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
+        log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
+            first step and the stopping step are always logged. Accounting and the stop
+            check still run every step.
+    """
+
+    def __init__(
+        self,
+        target_epsilon: Optional[float] = None,
+        delta: Optional[float] = None,
+        accountant: str = "rdp",
+        every_n_steps: Optional[int] = None,
+        stop_accountant: str = "rdp",
+        rdp_quantum: Optional[float] = None,
+        log_every_n_steps: Optional[int] = None,
+    ) -> None:
+        get_accountant(accountant)
+        get_accountant(stop_accountant)
+        self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon)
+        self.delta = None if delta is None else check_delta(delta)
+        if every_n_steps is None:
+            every_n_steps = 1 if accountant in _RUNNING else 100
+        if int(every_n_steps) != every_n_steps or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        self.accountant = accountant
+        self.stop_accountant = stop_accountant
+        self.every_n_steps = int(every_n_steps)
+        if log_every_n_steps is not None and (int(log_every_n_steps) != log_every_n_steps or log_every_n_steps < 1):
+            raise ValueError(f"log_every_n_steps must be None or an integer >= 1, got {log_every_n_steps!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self._rdp = RunningRDP(quantum=rdp_quantum)  # the stop decision's running total
+        self._report = running_for(accountant, rdp_quantum) if accountant != "rdp" else self._rdp
+        self._epsilon = 0.0
+        self._reported_at = -1
+        self._warned_not_private = False
+        self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def epsilon(self) -> float:
+        """ε of the run so far by ``accountant`` (as of the last report)."""
+        return self._epsilon
+
+    # ------------------------------------------------------------------- hooks
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Fail fast when the strategy keeps no ledger (not a DPStrategy)."""
+        _ledger_of(trainer)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Resolve δ, catch up with a restored ledger, refuse a budget too small for one step."""
+        ledger = _ledger_of(trainer)
+        self._resolve_delta(trainer)
+        self._sync(ledger)
+        self._update_epsilon(ledger, force=True)
+        if self.target_epsilon is None or self._next_step_allowed(trainer, ledger):
+            return
+        if ledger.steps == 0:
+            raise ValueError(
+                f"PrivacyBudget: one step with σ = {trainer.strategy.noise_multiplier:.4g}, "
+                f"q = {trainer.strategy.sample_rate:.4g} already exceeds target_epsilon = {self.target_epsilon} "
+                f"at δ = {self.delta:.3g}: raise σ (lightning_dp.accounting.calibrate_noise) or the target."
+            )
+        rank_zero_warn(f"PrivacyBudget: the budget ε = {self.target_epsilon} is spent ({ledger.steps} steps); stopping.")
+        trainer.should_stop = True
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Fold in the new releases, log, and stop if the next step would exceed the target."""
+        ledger = _ledger_of(trainer)
+        self._sync(ledger)
+        self._update_epsilon(ledger)
+        if self.target_epsilon is not None and not self._next_step_allowed(trainer, ledger):
+            trainer.should_stop = True
+        self._log(trainer, pl_module)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Final ε by ``accountant``, written straight to the loggers."""
+        ledger = _ledger_of(trainer)
+        self._sync(ledger)
+        self._update_epsilon(ledger, force=True)
+        for logger in trainer.loggers:
+            logger.log_metrics({"privacy/epsilon": self._epsilon}, step=trainer.global_step)
+        rank_zero_info(f"PrivacyBudget: ε = {self._epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
+
+    # --------------------------------------------------------------- helpers
+    def _resolve_delta(self, trainer: "pl.Trainer") -> None:
+        if self.delta is not None:
+            return
+        n = getattr(trainer.strategy, "num_samples", None)
+        if not n:
+            raise ValueError("PrivacyBudget: give delta=...; the strategy does not know the dataset size N.")
+        self.delta = default_delta(n)
+        rank_zero_info(f"PrivacyBudget: delta not given, using δ = 1/N^1.1 = {self.delta:.3g} for N = {n} examples.")
+
+    def _sync(self, ledger: PrivacyLedger) -> None:
+        self._rdp.sync(ledger)
+        if self._report is not None and self._report is not self._rdp:
+            self._report.sync(ledger)
+        if not self._rdp.private and not self._warned_not_private:
+            self._warned_not_private = True
+            rank_zero_warn("PrivacyBudget: this run made NON-PRIVATE releases (noiseless baseline): ε = inf.")
+
+    def _update_epsilon(self, ledger: PrivacyLedger, force: bool = False) -> None:
+        assert self.delta is not None
+        if self._report is not None:
+            self._epsilon = self._report.epsilon(self.delta)
+            return
+        steps = self._rdp.steps
+        if force or (steps != self._reported_at and steps % self.every_n_steps == 0):
+            self._epsilon = ledger_epsilon(ledger, self.delta, self.accountant)
+            self._reported_at = steps
+
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """ε to the progress bar and loggers (``pl_module.log``); δ, σ, q, steps straight to the loggers.
+
+        Every ``log_every_n_steps`` (the trainer's by default), on the first step and when stopping:
+        one ``pl_module.log`` call costs ~2 ms of Lightning bookkeeping here, far more than the
+        accounting itself.
+        """
+        steps = self._rdp.steps
+        every = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        if steps % every and steps != 1 and not trainer.should_stop:
+            return
+        strategy = trainer.strategy
+        pl_module.log("privacy/epsilon", self._epsilon, on_step=True, on_epoch=False, prog_bar=True)
+        values = {
+            "privacy/epsilon": self._epsilon,
+            "privacy/delta": self.delta,
+            "privacy/noise_multiplier": strategy.noise_multiplier,
+            "privacy/sample_rate": strategy.sample_rate,
+            "privacy/steps": float(steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def _next_step_allowed(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> bool:
+        assert self.delta is not None and self.target_epsilon is not None
+        sigma, q = trainer.strategy.noise_multiplier, trainer.strategy.sample_rate
+        if self._rdp.epsilon_after(self.delta, sigma, q) <= self.target_epsilon:
+            return True  # RDP certifies it: a valid bound whatever the reporting accountant
+        if self.stop_accountant == "rdp" or not self._rdp.private:
+            return False
+        if self.stop_accountant == "integer_rdp":
+            return ledger_epsilon(ledger.entries + (LedgerEntry(sigma, q, 1),), self.delta, "integer_rdp") <= self.target_epsilon
+        return self._rdp.steps + 1 <= self._last_allowed_step(ledger, sigma, q)
+
+    def _last_allowed_step(self, ledger: PrivacyLedger, sigma: float, q: float) -> int:
+        """Total step count up to which ``stop_accountant`` certifies the budget at constant (σ, q)."""
+        entries = ledger.entries
+        key = (sigma, q)
+        if self._horizon is not None:
+            (old_key, old_len), last = self._horizon
+            tail = entries[-1] if entries else None
+            same_tail = tail is not None and (tail.noise_multiplier, tail.sample_rate, tail.private) == (sigma, q, True)
+            if old_key == key and (len(entries) == old_len or (len(entries) == old_len + 1 and same_tail)):
+                return last
+        assert self.delta is not None and self.target_epsilon is not None
+        more = steps_within_budget(
+            entries, sigma, q, self.target_epsilon, self.delta, self.stop_accountant, hint=max(2, self._rdp.steps // 8)
+        )
+        last = self._rdp.steps + more
+        # after the next step the tail entry is (σ, q): remember the length it will have
+        tail_is_key = bool(entries) and (entries[-1].noise_multiplier, entries[-1].sample_rate) == key
+        self._horizon = ((key, len(entries) + (0 if tail_is_key else 1)), last)
+        return last
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The running totals, δ in use and the last ε (the ledger itself travels with the strategy)."""
+        return {
+            "rdp": self._rdp.state_dict(),
+            "report": self._report.state_dict() if self._report not in (None, self._rdp) else None,
+            "delta": self.delta,
+            "epsilon": self._epsilon,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the totals; they are checked against (or rebuilt from) the restored ledger at train start."""
+        self._rdp.load_state_dict(state_dict["rdp"])
+        if state_dict.get("report") is not None and self._report not in (None, self._rdp):
+            self._report.load_state_dict(state_dict["report"])
+        if self.delta is None and state_dict.get("delta") is not None:
+            self.delta = float(state_dict["delta"])
+        self._epsilon = float(state_dict.get("epsilon", 0.0))
+        self._horizon = None
+

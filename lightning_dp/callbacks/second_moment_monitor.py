@@ -1,0 +1,295 @@
+"""SecondMomentMonitor: what the DP noise does to Adam's second moment, logged every n steps.
+
+The bias-correction seed (dp-adam-bias-correction.txt, Table 1 and Figure 2) shows
+that under DP the noise variance Φ = (σC/B)² dominates Adam's v̂ (ALGORITHMS.md §1),
+and the design-principles seed (Fig. 4) reports the share of coordinates with
+v̂ − Φ < 0. This callback logs those quantities for the user's own run. They are
+post-processing of the optimizer state (noisy quantities) and cost no privacy.
+With ``diagnostics="non_private"`` it also logs statistics of the *clean* clipped
+mean, read from :attr:`DPStrategy.non_private_diagnostics`; those logs are NOT
+covered by the DP guarantee.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import pytorch_lightning as pl
+from lightning_fabric.loggers.tensorboard import TensorBoardLogger as _TensorBoardLoggerBase
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_dp.callbacks import _monitor_tags as tags
+from lightning_dp.callbacks._clean_moments import CleanMoments
+from lightning_dp.callbacks._optimizer_moments import family_of, mean_phi, param_moments
+from lightning_dp.callbacks._subsample import CoordinateSample
+from lightning_dp.callbacks._vstats import Summary
+from lightning_dp.optim.noiseless import NotPrivateWarning
+
+DIAGNOSTICS = ("private", "non_private")
+
+NON_PRIVATE_WARNING = (
+    "SecondMomentMonitor(diagnostics='non_private'): the 'nonprivate/*' logs (clean clipped mean, its Adam "
+    "moments, per-example gradient norms, clip fraction, ‖ḡ‖/C) are computed from UN-NOISED training data and "
+    "are NOT covered by the differential-privacy guarantee. The trained model still is; these logs are not: "
+    "do not publish or share them."
+)
+
+GroupRef = tuple[int, Optimizer, dict[str, Any]]
+
+
+class SecondMomentMonitor(Callback):
+    """Log v̂, Φ, v̂ − Φ and the Adam update every ``every_n_steps`` optimizer steps.
+
+    Logged at the first step and whenever ``trainer.global_step % every_n_steps == 0``
+    (``on_train_batch_end``, so at step t the optimizer state is that after its t-th
+    step), from rank 0 only, straight to every logger in ``trainer.loggers`` via
+    ``log_metrics`` (not subject to ``log_every_n_steps``). Histograms go only to
+    TensorBoard loggers (``experiment.add_histogram``). Supported optimizers:
+    :class:`~lightning_dp.optim.DPAdam` / :class:`~lightning_dp.optim.DPAdagrad` (every
+    variant) and ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad``; others are skipped with
+    a warning.
+
+    Quantities, per parameter (ALGORITHMS.md §1–§2):
+
+    * v̂ = v/(1−β2^t) for Adam (``exp_avg_sq``); the running sum ``sum`` for AdaGrad;
+    * Φ = per-coordinate variance of the noise in the last step's ĝ,
+      ``Release.noise_std²`` (``(noise_std/scale)²`` under scale-then-privatize) — taken
+      from ``trainer.strategy.last_release``; absent without ``DPStrategy``;
+    * v̂ − Φ̄ with Φ̄ what bias correction subtracts: the variant's tracked average
+      (state ``"phi"``) when it keeps one, else Φ (Adam) or t·Φ (AdaGrad);
+    * the update direction actually applied, m̂ / D(v̂), with D the variant's own
+      divisor (``√v̂ + ε`` for plain Adam, ``sqrt(max(v̂ − Φ̄, γ'))`` for bias
+      correction, ...), without the learning rate. AdaGrad: ĝ / D(G).
+
+    Tags (scope = ``all`` for the whole model, ``group<i>`` for the i-th parameter
+    group counted over all optimizers; stat = ``min``, ``q1``, ``median``, ``q3``,
+    ``max``, ``mean``):
+
+    ===========================================  ===============================================
+    ``v_stats/<scope>/<stat>``                   v̂
+    ``v_minus_phi/<scope>/<stat>``               v̂ − Φ̄ (the corrected second moment)
+    ``update/<scope>/<stat>``                    m̂ / D(v̂)
+    ``v_stats/phi``                              Φ (mean over coordinates if per-coordinate)
+    ``v_stats/frac_negative``                    share of coordinates with v̂ − Φ̄ < 0
+    ``v_stats/group<i>/frac_negative``           the same, per group
+    ``hist/m``, ``hist/v``, ``hist/v_minus_phi``,  histograms (TensorBoard; ``histograms=True``)
+    ``hist/update``
+    ===========================================  ===============================================
+
+    With ``diagnostics="non_private"`` (NOT covered by the DP guarantee; warned at setup):
+
+    ===========================================  ===============================================
+    ``nonprivate/v_stats/<scope>/<stat>``        v̂^c: Adam's v̂ of the clean clipped mean ḡ
+                                                 (own EMA with the optimizer's β2)
+    ``nonprivate/update/all/<stat>``             m̂^c / (√v̂^c + ε)
+    ``nonprivate/clip_fraction``                 share of the step's examples with ‖g_i‖ > C
+    ``nonprivate/grad_norm/<min|q1|median|q3|max>``  per-example gradient norms of the step
+    ``nonprivate/mean_norm_over_c``              ‖ḡ‖ / C (design-principles Fig. 5)
+    ``nonprivate/hist/m``, ``.../hist/v``,        histograms of m̂^c, v̂^c and the clean update
+    ``.../hist/update``
+    ===========================================  ===============================================
+
+    Large models: min, max, mean and the negative share are exact; quartiles and
+    histograms use a fixed random subsample of at most ``max_coordinates`` coordinates
+    (drawn once, data-independent; ``torch.quantile`` refuses more than 16M values).
+    The clean EMAs cost two model-sized buffers and are updated every step; they
+    restart on resume. Norm quantiles and the clip fraction are those of rank 0's
+    examples in the logged step.
+
+    Args:
+        every_n_steps: log every n optimizer steps (and at the first).
+        diagnostics: ``"private"`` (default) or ``"non_private"`` (opt in to the
+            ``nonprivate/*`` logs; needs ``DPStrategy``).
+        histograms: also write TensorBoard histograms.
+        max_coordinates: cap of the subsample used for quartiles and histograms.
+        seed: seed of that subsample.
+
+    Example::
+
+        trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0),
+                             callbacks=[SecondMomentMonitor(every_n_steps=50)],
+                             logger=pl.loggers.TensorBoardLogger("lightning_logs"))
+        # then: lightning-dp report lightning_logs/version_0 --out report.png
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        diagnostics: str = "private",
+        histograms: bool = True,
+        max_coordinates: int = 1_000_000,
+        seed: int = 0,
+    ) -> None:
+        if int(every_n_steps) != every_n_steps or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}.")
+        if diagnostics not in DIAGNOSTICS:
+            raise ValueError(f"diagnostics must be one of {DIAGNOSTICS}, got {diagnostics!r}; "
+                             f"'non_private' opts in to logs NOT covered by the DP guarantee.")
+        self.every_n_steps = int(every_n_steps)
+        self.diagnostics = diagnostics
+        self.histograms = bool(histograms)
+        self._sample = CoordinateSample(max_coordinates, seed)
+        self._reset()
+
+    @property
+    def non_private(self) -> bool:
+        """Whether the opt-in, non-private diagnostics are on."""
+        return self.diagnostics == "non_private"
+
+    def _reset(self) -> None:
+        self._last_logged: Optional[int] = None
+        self._clean: Optional[CleanMoments] = None
+        self._last_diag: Any = None
+        self._warned_unsupported: set[str] = set()
+
+    # -- hooks --------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """With ``diagnostics="non_private"``: warn loudly, then ask the strategy for the diagnostics."""
+        if stage != "fit" or not self.non_private:
+            return
+        enable = getattr(trainer.strategy, "enable_non_private_diagnostics", None)
+        if enable is None:
+            raise ValueError(
+                f"SecondMomentMonitor(diagnostics='non_private') reads the clean clipped mean from "
+                f"lightning_dp.DPStrategy, but the trainer's strategy is {type(trainer.strategy).__name__}: "
+                f"use Trainer(strategy=DPStrategy(...)) or diagnostics='private'."
+            )
+        rank_zero_warn(NON_PRIVATE_WARNING, category=NotPrivateWarning)
+        enable()
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Start afresh (clean EMAs, schedule)."""
+        self._reset()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """Fold the clean mean (opt-in), then log if this step is due."""
+        if not trainer.is_global_zero:
+            return
+        if self.non_private:
+            self._fold_clean(trainer)
+        step = int(trainer.global_step)
+        if self._due(step):
+            self.log_now(trainer, step)
+
+    def _due(self, step: int) -> bool:
+        if step < 1 or step == self._last_logged:
+            return False
+        return self._last_logged is None or step % self.every_n_steps == 0
+
+    # -- collecting ---------------------------------------------------------------------
+    def log_now(self, trainer: "pl.Trainer", step: int) -> None:
+        """Compute every statistic from the current optimizer state and write it at ``step``."""
+        self._last_logged = step
+        groups = list(self._groups(trainer))
+        self._sample.plan([p for _, _, group in groups for p in group["params"]])
+        scalars, hists = self._private_logs(trainer, groups)
+        if self.non_private:
+            more_scalars, more_hists = self._non_private_logs(groups)
+            scalars.update(more_scalars)
+            hists.update(more_hists)
+        self._write(trainer, step, scalars, hists)
+
+    def _groups(self, trainer: "pl.Trainer") -> Iterator[GroupRef]:
+        index = 0
+        for optimizer in trainer.optimizers:
+            supported = family_of(optimizer) is not None
+            if not supported:
+                self._warn_unsupported(optimizer)
+            for group in optimizer.param_groups:
+                if supported:
+                    yield index, optimizer, group
+                index += 1
+
+    def _warn_unsupported(self, optimizer: Optimizer) -> None:
+        name = type(optimizer).__name__
+        if name not in self._warned_unsupported:
+            self._warned_unsupported.add(name)
+            rank_zero_warn(f"SecondMomentMonitor: {name} keeps no Adam/AdaGrad second moment; it is not monitored "
+                           f"(supported: Adam, AdamW, Adagrad and lightning_dp's DPAdam/DPAdagrad).")
+
+    def _private_logs(self, trainer: "pl.Trainer", groups: list[GroupRef]) -> tuple[dict[str, float], dict[str, Tensor]]:
+        release = getattr(trainer.strategy, "last_release", None)
+        families = ("m", tags.V, tags.V_MINUS_PHI, tags.UPDATE)
+        whole = {fam: Summary() for fam in families}
+        scalars: dict[str, float] = {}
+        for index, optimizer, group in groups:
+            scoped = {fam: Summary() for fam in families}
+            for p in group["params"]:
+                moments = param_moments(optimizer, group, p, release)
+                if moments is None:
+                    continue
+                values = (moments.m, moments.v, moments.v - moments.phi, moments.update)
+                for fam, full in zip(families, values):
+                    sample = self._sample.take(p, full)
+                    whole[fam].add(full, sample)
+                    scoped[fam].add(full, sample)
+            scalars.update(_summaries(scoped, families[1:], tags.group_scope(index)))
+            scalars[f"{tags.V}/{tags.group_scope(index)}/frac_negative"] = scoped[tags.V_MINUS_PHI].frac_negative
+        scalars.update(_summaries(whole, families[1:], "all"))
+        scalars[tags.FRAC_NEGATIVE] = whole[tags.V_MINUS_PHI].frac_negative
+        if release is not None:
+            scalars[tags.PHI] = mean_phi([p for _, _, g in groups for p in g["params"]], release)
+        hists = {tags.HIST_M: whole["m"].samples, tags.HIST_V: whole[tags.V].samples,
+                 tags.HIST_V_MINUS_PHI: whole[tags.V_MINUS_PHI].samples, tags.HIST_UPDATE: whole[tags.UPDATE].samples}
+        return scalars, hists
+
+    # -- non-private (opt-in) -------------------------------------------------------------
+    def _fold_clean(self, trainer: "pl.Trainer") -> None:
+        diag = getattr(trainer.strategy, "non_private_diagnostics", None)
+        if diag is None or diag is self._last_diag:
+            return
+        self._last_diag = diag
+        if self._clean is None:
+            settings = {}
+            for _, optimizer, group in self._groups(trainer):
+                betas = group.get("betas", (0.9, 0.999))
+                for p in group["params"]:
+                    settings[p] = (family_of(optimizer) or "adam", float(betas[0]), float(betas[1]))
+            self._clean = CleanMoments(settings)
+        self._clean.fold(diag.clean_mean)
+
+    def _non_private_logs(self, groups: list[GroupRef]) -> tuple[dict[str, float], dict[str, Tensor]]:
+        diag, clean = self._last_diag, self._clean
+        if diag is None or clean is None:
+            return {}, {}
+        scalars = {tags.CLIP_FRACTION: float(diag.clip_fraction),
+                   tags.MEAN_NORM_OVER_C: float(diag.clean_mean_norm_over_c)}
+        for stat, value in zip(tags.NORM_STATS, diag.norm_quantiles((0.0, 0.25, 0.5, 0.75, 1.0))):
+            scalars[f"{tags.NORM}/{stat}"] = float(value)
+        families = ("m", tags.CLEAN_V, tags.CLEAN_UPDATE)
+        whole = {fam: Summary() for fam in families}
+        for index, _, group in groups:
+            scoped = Summary()
+            for p in group["params"]:
+                moments = clean.moments(p)
+                if moments is None:
+                    continue
+                m, v = moments
+                values = (m, v, m / (v.sqrt() + group.get("eps", 1e-8)))
+                for fam, full in zip(families, values):
+                    whole[fam].add(full, self._sample.take(p, full))
+                scoped.add(v, self._sample.take(p, v))
+            scalars.update(_summaries({tags.CLEAN_V: scoped}, (tags.CLEAN_V,), tags.group_scope(index)))
+        scalars.update(_summaries(whole, families[1:], "all"))
+        hists = {tags.HIST_CLEAN_M: whole["m"].samples, tags.HIST_CLEAN_V: whole[tags.CLEAN_V].samples,
+                 tags.HIST_CLEAN_UPDATE: whole[tags.CLEAN_UPDATE].samples}
+        return scalars, hists
+
+    # -- writing ------------------------------------------------------------------------
+    def _write(self, trainer: "pl.Trainer", step: int, scalars: dict[str, float], hists: dict[str, Tensor]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
+            if self.histograms and isinstance(logger, _TensorBoardLoggerBase):
+                for tag, values in hists.items():
+                    if values.numel():
+                        logger.experiment.add_histogram(tag, values, global_step=step)
+
+
+def _summaries(summaries: dict[str, Summary], families: tuple[str, ...], scope: str) -> dict[str, float]:
+    """``{"<family>/<scope>/<stat>": value}`` for the given families."""
+    return {tags.stat_tag(fam, scope, stat): value
+            for fam in families for stat, value in summaries[fam].stats().items()}

@@ -1,0 +1,92 @@
+"""``lightning-dp budget``: ε of a setting from several accountants side by side, or σ for a target ε.
+
+    lightning-dp budget --sample-rate 0.004 --noise-multiplier 1.1 --steps 14000 --delta 1e-5
+    lightning-dp budget --sample-rate 0.004 --target-epsilon 3 --steps 14000 --delta 1e-5
+    lightning-dp budget ... --plot eps.png      # ε against steps (RDP, and the others given)
+
+Accountants are those of :mod:`lightning_dp.accounting.accountants`; ``integer_rdp`` is the
+DP-SignSGD paper's coarse grid, shown for comparison only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from lightning_dp.accounting import available_accountants, calibrate_noise, epsilon
+
+DEFAULT_ACCOUNTANTS = ("rdp", "prv", "pld", "integer_rdp")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``budget`` subcommand's argument parser."""
+    p = argparse.ArgumentParser(prog="lightning-dp budget", description=__doc__.splitlines()[0])
+    p.add_argument("--sample-rate", "-q", type=float, required=True, help="q = expected batch / N")
+    p.add_argument("--steps", "-T", type=int, required=True, help="number of steps")
+    p.add_argument("--delta", type=float, required=True, help="δ, well below 1/N")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--noise-multiplier", "--sigma", type=float, help="σ: report ε")
+    g.add_argument("--target-epsilon", type=float, help="ε: report the σ each accountant needs")
+    p.add_argument(
+        "--accountants", nargs="+", default=list(DEFAULT_ACCOUNTANTS), choices=available_accountants(),
+        help="accountants to compare (default: %(default)s)",
+    )
+    p.add_argument("--plot", metavar="PNG", help="draw ε against steps into this file (needs --noise-multiplier "
+                   "or uses the σ calibrated for the first accountant)")
+    return p
+
+
+def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
+    width = max(len(header[0]), *(len(r[0]) for r in rows))
+    lines = [f"{header[0]:<{width}}  {header[1]}", f"{'-' * width}  {'-' * len(header[1])}"]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def plot_epsilon(path: str, sigma: float, q: float, steps: int, delta: float, accountants: Sequence[str]) -> None:
+    """ε against steps (1..T, 24 points) for each accountant, saved as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.unique(np.linspace(1, steps, 24).astype(int))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in accountants:
+        ax.plot(grid, [epsilon(sigma, q, int(t), delta, name) for t in grid], label=name)
+    ax.set(xlabel="steps", ylabel=f"ε (δ = {delta:g})", title=f"σ = {sigma:.4g}, q = {q:.4g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run ``lightning-dp budget``; returns the exit status (2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    q, steps, delta = args.sample_rate, args.steps, args.delta
+    try:
+        if args.noise_multiplier is not None:
+            sigma = args.noise_multiplier
+            rows = [(name, f"{epsilon(sigma, q, steps, delta, name):.4f}") for name in args.accountants]
+            print(f"ε for σ = {sigma:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
+            print(_table(("accountant", "epsilon"), rows))
+        else:
+            sigmas = {name: calibrate_noise(args.target_epsilon, delta, q, steps, name) for name in args.accountants}
+            sigma = sigmas[args.accountants[0]]
+            print(f"σ for ε = {args.target_epsilon:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
+            print(_table(("accountant", "noise_multiplier"), [(n, f"{s:.4f}") for n, s in sigmas.items()]))
+        if args.plot:
+            plot_epsilon(args.plot, sigma, q, steps, delta, args.accountants)
+            print(f"plot written to {args.plot}")
+    except ValueError as err:
+        print(f"lightning-dp budget: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""scikit-learn's handwritten digits (1,797 images of 8×8 pixels) as a LightningDataModule.
+
+The data ships inside scikit-learn: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """Train/test split of ``sklearn.datasets.load_digits``, pixels scaled to [-1, 1].
+
+    Args:
+        batch_size: expected (Poisson) batch size per process under DPStrategy.
+        test_fraction: share of the 1,797 images held out for testing (stratified).
+        val_fraction: share of the *training* images held out for validation (0 = none).
+        split_seed: seed of the (public) train/test split.
+        num_workers: DataLoader workers.
+    """
+
+    num_classes = 10
+    image_shape = (1, 8, 8)
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        test_fraction: float = 0.2,
+        val_fraction: float = 0.0,
+        split_seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < test_fraction < 1 or not 0 <= val_fraction < 1:
+            raise ValueError("test_fraction must be in (0, 1) and val_fraction in [0, 1)")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load, split and scale to [-1, 1] (idempotent)."""
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
+        y = torch.tensor(digits.target, dtype=torch.long)
+        seed = self.hparams.split_seed
+        x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=self.hparams.test_fraction, random_state=seed, stratify=y)
+        if self.hparams.val_fraction > 0:
+            x_tr, x_va, y_tr, y_va = train_test_split(
+                x_tr, y_tr, test_size=self.hparams.val_fraction, random_state=seed, stratify=y_tr
+            )
+        # Public normalisation constants: the 0..16 pixel range of the sensor, not data statistics.
+        scale = lambda t: (t / 16.0 - 0.5) / 0.5  # noqa: E731
+        self.train_set = TensorDataset(scale(x_tr), y_tr)
+        self.test_set = TensorDataset(scale(x_te), y_te)
+        if self.hparams.val_fraction > 0:
+            self.val_set = TensorDataset(scale(x_va), y_va)
+
+    def train_dataloader(self) -> DataLoader:
+        """Training loader (DPStrategy rebuilds it around Poisson sampling)."""
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation loader, or none when ``val_fraction`` is 0."""
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """Held-out test loader."""
+        return DataLoader(self.test_set, batch_size=256, num_workers=self.hparams.num_workers)

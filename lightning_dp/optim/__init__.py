@@ -1,0 +1,38 @@
+"""DP-Adam and DP-AdaGrad variants (ALGORITHMS.md §1–§5).
+
+``DPAdam(params, variant=...)`` / ``DPAdagrad(params, variant=...)`` implement the
+:class:`~lightning_dp.mechanism.release.PrivateOptimizer` protocol; the variant
+(a :class:`Preconditioner`) decides what the mechanism must release and how the
+second moment is formed. Variants: see :func:`variant_names`.
+"""
+
+from lightning_dp.optim.base import DPOptimizerBase
+from lightning_dp.optim.bias_corrected import BiasCorrected
+from lightning_dp.optim.convert import dp_class_for, to_dp_optimizer
+from lightning_dp.optim.dp_adagrad import DPAdagrad
+from lightning_dp.optim.dp_adam import DPAdam
+from lightning_dp.optim.independent_moments import IndependentMoments
+from lightning_dp.optim.noiseless import Noiseless, NotPrivateWarning
+from lightning_dp.optim.post_processing import PostProcessing
+from lightning_dp.optim.preconditioner import Preconditioner
+from lightning_dp.optim.scale_then_privatize import ScaleThenPrivatize
+from lightning_dp.optim.variants import make_preconditioner, register_variant, variant_class, variant_names
+
+__all__ = [
+    "BiasCorrected",
+    "DPAdagrad",
+    "DPAdam",
+    "DPOptimizerBase",
+    "IndependentMoments",
+    "Noiseless",
+    "NotPrivateWarning",
+    "PostProcessing",
+    "Preconditioner",
+    "ScaleThenPrivatize",
+    "dp_class_for",
+    "make_preconditioner",
+    "register_variant",
+    "to_dp_optimizer",
+    "variant_class",
+    "variant_names",
+]

@@ -1,0 +1,220 @@
+"""DP-SignSGD with majority vote (ALGORITHMS.md §6): the update, and M virtual workers.
+
+* :class:`DPSignSGD` is the optimizer-side update θ -= η·vote. It never sees data: the
+  vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.mechanism.sign_vote`),
+  either by the strategy in DDP mode (each rank a worker, the vote all-reduced as int8
+  signs) or by :class:`VirtualWorkersSignSGD`.
+* :class:`VirtualWorkersSignSGD` runs M workers in one process, for research on one
+  machine: per step each worker Poisson-samples its local data with rate q, clips each
+  example's gradient to C, adds its own noise σC, sends sign(·); the server votes and
+  the parameters move by η·vote. Per-example gradients come from ``torch.func``
+  (``vmap(grad(·))``), for all workers' sampled examples in one call.
+
+Privacy accounting: every worker runs the sampled Gaussian mechanism on its own local
+dataset with the same (σ, local q) at every step, so all workers have the same
+guarantee and one :class:`~lightning_dp.accounting.ledger.PrivacyLedger` (with q the
+*local* rate) describes each of them. Calibrate σ with
+:func:`lightning_dp.accounting.sign_sgd_calibration.calibrate_worker_sigma`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.mechanism.grad_sample.base import clip_factors
+from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.mechanism.sign_vote import majority_vote, worker_sign
+
+GradientNoise = Callable[[tuple[int, ...], torch.Generator], Tensor]
+"""``(shape, generator) -> noise`` added to a worker's mean-gradient estimate (research only)."""
+
+
+class DPSignSGD(torch.optim.Optimizer):
+    """θ -= η · sign(p.grad), where ``p.grad`` holds the majority vote (ALGORITHMS.md §6).
+
+    The optimizer takes the sign once more, which leaves a vote in {-1, 0, +1}
+    unchanged. It adds no privacy itself: privacy comes from whoever wrote ``p.grad``
+    (the sign-vote mechanism). On a raw gradient it is plain single-worker SignSGD.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: η > 0.
+    """
+
+    mechanism: ClassVar[str] = "sign_vote"
+    """Marker for the strategy: this optimizer expects a vote, not a noised mean, in ``p.grad``."""
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Move every parameter with a gradient by -lr · sign(grad)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
+        return loss
+
+
+@dataclass(frozen=True)
+class VoteStep:
+    """What one :meth:`VirtualWorkersSignSGD.step` did.
+
+    Attributes:
+        batch_sizes: realised local Poisson batch size per worker (never released).
+        vote: the released vote, flat over all trainable parameters (int8).
+        agreement: fraction of (worker, coordinate) signs equal to the vote.
+    """
+
+    batch_sizes: tuple[int, ...]
+    vote: Tensor
+    agreement: float
+
+
+class VirtualWorkersSignSGD:
+    """M DP-SignSGD workers in one process (ALGORITHMS.md §6, mode (b) of issue 7).
+
+    Args:
+        model: the shared model (its trainable parameters are updated in place).
+        loss_fn: ``loss_fn(output, target)`` -> scalar mean loss; called on batches of
+            one example inside ``vmap``, e.g. ``F.binary_cross_entropy_with_logits``.
+        worker_data: M pairs ``(inputs, targets)``, the local datasets (first axis = examples).
+        sample_rate: local Poisson rate q (the same for every worker).
+        lr: η.
+        noise_multiplier: σ ≥ 0 per worker; 0 with ``max_grad_norm=None`` is non-private
+            SignSGD with majority vote.
+        max_grad_norm: C, per-example clipping norm; ``None`` means no clipping (only
+            allowed with σ = 0, since the sensitivity would be unbounded).
+        gradient_noise: optional synthetic noise ξ_m in mean-gradient units added to each
+            worker's gradient before the sign (the seed's §4.1 heavy-tailed experiment).
+            It is data-independent, so with σ > 0 it is post-processing of the SGM
+            release and changes no guarantee.
+        generator: source of sampling, noise and ξ; ``None`` uses an OS-seeded one.
+
+    The worker statistic is S_m + B_m ξ_m + σ C z_m with B_m the *expected* local batch
+    q·n_m when private (dividing by the realised size would leak it), the realised size
+    when not; ξ_m is thus on the scale of the mean gradient S_m / B_m in both cases.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        worker_data: Sequence[tuple[Tensor, Tensor]],
+        sample_rate: float,
+        lr: float,
+        noise_multiplier: float = 0.0,
+        max_grad_norm: Optional[float] = None,
+        gradient_noise: Optional[GradientNoise] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        _validate(worker_data, sample_rate, noise_multiplier, max_grad_norm)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.worker_data = list(worker_data)
+        self.sample_rate = float(sample_rate)
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = max_grad_norm
+        self.gradient_noise = gradient_noise
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(secure_seed())
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.optimizer = DPSignSGD(self.params.values(), lr=lr)
+        self.ledger = PrivacyLedger()
+        self._per_example_grad = vmap(grad(self._example_loss), in_dims=(None, 0, 0))
+
+    @property
+    def num_workers(self) -> int:
+        """M."""
+        return len(self.worker_data)
+
+    @property
+    def is_private(self) -> bool:
+        """True when each worker's message is a DP release (σ > 0 and clipping on)."""
+        return self.noise_multiplier > 0 and self.max_grad_norm is not None
+
+    def _example_loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        out = functional_call(self.model, params, (x.unsqueeze(0),))
+        return self.loss_fn(out, y.unsqueeze(0))
+
+    def _sample(self) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        xs, ys, owners, sizes = [], [], [], []
+        for m, (x, y) in enumerate(self.worker_data):
+            keep = torch.rand(x.shape[0], generator=self.generator) < self.sample_rate
+            xs.append(x[keep])
+            ys.append(y[keep])
+            sizes.append(int(keep.sum()))
+            owners.append(torch.full((sizes[-1],), m, dtype=torch.long))
+        return torch.cat(xs), torch.cat(ys), torch.cat(owners), sizes
+
+    def worker_sums(self, x: Tensor, y: Tensor, owners: Tensor) -> Tensor:
+        """S_m for every worker, flat over parameters: ``[M, D]``; clipped per example iff C is set."""
+        if x.shape[0] == 0:
+            dim = sum(p.numel() for p in self.params.values())
+            return torch.zeros(self.num_workers, dim, dtype=next(iter(self.params.values())).dtype)
+        detached = {n: p.detach() for n, p in self.params.items()}
+        per_example = self._per_example_grad(detached, x, y)
+        flat = torch.cat([per_example[n].reshape(x.shape[0], -1) for n in self.params], dim=1)
+        if self.max_grad_norm is not None:
+            flat = flat * clip_factors(flat.norm(dim=1), self.max_grad_norm).unsqueeze(1)
+        membership = nn.functional.one_hot(owners, self.num_workers).to(flat.dtype)  # [b, M]
+        return membership.T @ flat
+
+    def _divisors(self, sizes: list[int]) -> Tensor:
+        if self.is_private:
+            return torch.tensor([self.sample_rate * x.shape[0] for x, _ in self.worker_data])
+        return torch.tensor(sizes, dtype=torch.float).clamp(min=1.0)
+
+    def step(self) -> VoteStep:
+        """One round: sample, clip, per-worker noise and sign, vote, θ -= η·vote, ledger += 1."""
+        x, y, owners, sizes = self._sample()
+        sums = self.worker_sums(x, y, owners)
+        if self.gradient_noise is not None:
+            xi = self.gradient_noise(tuple(sums.shape), self.generator).to(sums.dtype)
+            sums = sums + self._divisors(sizes).unsqueeze(1).to(sums.dtype) * xi
+        signs = worker_sign(sums, self.noise_multiplier, self.max_grad_norm or 1.0, self.generator)
+        vote = majority_vote(signs)
+        self._write_vote(vote)
+        self.optimizer.step()
+        self.ledger.record(self.noise_multiplier, self.sample_rate, private=self.is_private)
+        agreement = float((signs == vote.unsqueeze(0)).float().mean())
+        return VoteStep(tuple(sizes), vote, agreement)
+
+    def _write_vote(self, vote: Tensor) -> None:
+        offset = 0
+        for p in self.params.values():
+            n = p.numel()
+            p.grad = vote[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+
+def _validate(
+    worker_data: Sequence[tuple[Tensor, Tensor]],
+    sample_rate: float,
+    noise_multiplier: float,
+    max_grad_norm: Optional[float],
+) -> None:
+    if len(worker_data) == 0:
+        raise ValueError("worker_data must hold at least one (inputs, targets) pair")
+    if any(x.shape[0] != y.shape[0] or x.shape[0] == 0 for x, y in worker_data):
+        raise ValueError("every worker needs a non-empty dataset with as many targets as inputs")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    if not noise_multiplier >= 0.0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if noise_multiplier > 0 and max_grad_norm is None:
+        raise ValueError("noise without clipping is not private: set max_grad_norm=C (or noise_multiplier=0)")

@@ -1,0 +1,218 @@
+"""PrivacyBudget inside a Lightning run with DPStrategy: logging, stop-before-exceed, resume."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.accounting import PrivacyLedger, epsilon, ledger_epsilon
+from lightning_dp.callbacks.privacy_budget import PrivacyBudget, default_delta
+from lightning_dp.strategy import DPStrategy
+
+N, BATCH, SIGMA, DELTA = 64, 8, 1.0, 1e-5
+Q = BATCH / N
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 3, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=BATCH)
+
+
+def _trainer(callbacks, max_steps, tmp_path=None, sigma=SIGMA, **kw) -> pl.Trainer:
+    kw.setdefault("logger", False)
+    return pl.Trainer(
+        strategy=DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0),
+        accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, **kw,
+    )
+
+
+def _fit(trainer, ckpt_path=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), _loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _target_between(k: int) -> float:
+    """A target with ε(k steps) ≤ target < ε(k + 1 steps)."""
+    lo, hi = epsilon(SIGMA, Q, k, DELTA), epsilon(SIGMA, Q, k + 1, DELTA)
+    assert lo < hi
+    return 0.5 * (lo + hi)
+
+
+class Seen(Callback):
+    def __init__(self) -> None:
+        self.eps: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.eps.append(float(trainer.callback_metrics["privacy/epsilon"]))
+
+
+class Capture(Logger):
+    name, version, experiment = "capture", 0, None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_logs_epsilon_and_parameters():
+    seen, capture = Seen(), Capture()
+    budget = PrivacyBudget(delta=DELTA, log_every_n_steps=1)
+    trainer = _fit(_trainer([budget, seen], max_steps=5, logger=capture))
+    rows = [r for r in capture.rows if "privacy/steps" in r]
+    assert [r["privacy/steps"] for r in rows] == [1, 2, 3, 4, 5]
+    assert seen.eps == sorted(seen.eps) and seen.eps[0] > 0
+    assert seen.eps[-1] == pytest.approx(epsilon(SIGMA, Q, 5, DELTA), rel=1e-6)
+    assert budget.epsilon == pytest.approx(ledger_epsilon(trainer.strategy.ledger, DELTA), rel=1e-12)
+    last = rows[-1]
+    assert last["privacy/epsilon"] == pytest.approx(seen.eps[-1], rel=1e-6)
+    assert last["privacy/delta"] == pytest.approx(DELTA)
+    assert last["privacy/noise_multiplier"] == pytest.approx(SIGMA)
+    assert last["privacy/sample_rate"] == pytest.approx(Q)
+    assert "privacy/epsilon" in trainer.progress_bar_metrics
+
+
+def test_logging_period_defaults_to_the_trainers():
+    capture = Capture()
+    _fit(_trainer([PrivacyBudget(delta=DELTA)], max_steps=7, logger=capture, log_every_n_steps=3))
+    assert [r["privacy/steps"] for r in capture.rows if "privacy/steps" in r] == [1, 3, 6]
+
+
+@pytest.mark.parametrize("boundary", [1, 6])
+def test_stops_at_the_exact_boundary_step(boundary):
+    budget = PrivacyBudget(target_epsilon=_target_between(boundary), delta=DELTA)
+    trainer = _fit(_trainer([budget], max_steps=50))
+    assert trainer.strategy.ledger.steps == boundary == trainer.global_step
+    assert budget.epsilon <= budget.target_epsilon
+
+
+def test_budget_too_small_for_one_step_fails_before_any_step():
+    trainer = _trainer([PrivacyBudget(target_epsilon=0.5 * epsilon(SIGMA, Q, 1, DELTA), delta=DELTA)], max_steps=5)
+    with pytest.raises(ValueError, match="one step"):
+        _fit(trainer)
+    assert trainer.strategy.ledger.steps == 0
+
+
+def test_resume_continues_the_count_and_stops_at_the_same_step(tmp_path):
+    target = _target_between(9)
+    first = _fit(_trainer([PrivacyBudget(target_epsilon=target, delta=DELTA)], max_steps=4, tmp_path=tmp_path))
+    ckpt = tmp_path / "mid.ckpt"
+    first.save_checkpoint(ckpt)
+    budget = PrivacyBudget(target_epsilon=target, delta=DELTA)
+    resumed = _fit(_trainer([budget], max_steps=50, tmp_path=tmp_path), ckpt_path=str(ckpt))
+    assert resumed.strategy.ledger.steps == 9 == resumed.global_step
+    assert budget.epsilon == pytest.approx(epsilon(SIGMA, Q, 9, DELTA), rel=1e-12)
+    # resuming a spent budget takes no further step
+    resumed.save_checkpoint(tmp_path / "spent.ckpt")
+    again = _fit(_trainer([PrivacyBudget(target_epsilon=target, delta=DELTA)], max_steps=60, tmp_path=tmp_path),
+                 ckpt_path=str(tmp_path / "spent.ckpt"))
+    assert again.strategy.ledger.steps == 9
+
+
+def test_default_delta_is_announced(caplog):
+    budget = PrivacyBudget()
+    with caplog.at_level("INFO"):
+        _fit(_trainer([budget], max_steps=2))
+    assert budget.delta == pytest.approx(default_delta(N)) and budget.delta < 1 / N
+    assert "1/N^1.1" in caplog.text
+
+
+def test_refuses_a_strategy_without_ledger():
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[PrivacyBudget(delta=DELTA)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="DPStrategy"):
+        _fit(trainer)
+
+
+class FakeStrategy:
+    def __init__(self) -> None:
+        self.ledger, self.noise_multiplier, self.sample_rate, self.num_samples = PrivacyLedger(), SIGMA, Q, N
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.strategy, self.should_stop, self.loggers, self.global_step = FakeStrategy(), False, [], 0
+        self.log_every_n_steps = 1
+
+
+class NullModule:
+    def log(self, *a, **k):
+        pass
+
+    def log_dict(self, *a, **k):
+        pass
+
+
+def test_non_private_ledger_reports_infinity_with_one_warning():
+    trainer, budget = FakeTrainer(), PrivacyBudget(delta=DELTA)
+    budget.on_train_start(trainer, NullModule())
+    trainer.strategy.ledger.record(SIGMA, Q, private=False)
+    with pytest.warns(UserWarning, match="NON-PRIVATE") as record:
+        budget.on_train_batch_end(trainer, NullModule(), None, None, 0)
+        trainer.strategy.ledger.record(SIGMA, Q, private=False)
+        budget.on_train_batch_end(trainer, NullModule(), None, None, 1)
+    assert budget.epsilon == math.inf
+    assert sum("NON-PRIVATE" in str(w.message) for w in record) == 1
+
+
+def test_changing_sigma_every_step_is_accounted_incrementally():
+    trainer, budget = FakeTrainer(), PrivacyBudget(delta=DELTA)
+    budget.on_train_start(trainer, NullModule())
+    for t in range(6):
+        trainer.strategy.ledger.record(1.0 + 0.05 * t, Q)
+        budget.on_train_batch_end(trainer, NullModule(), None, None, t)
+    assert budget.epsilon == pytest.approx(ledger_epsilon(trainer.strategy.ledger, DELTA), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_tighter_stop_accountant_goes_further_but_stays_within_target():
+    """stop_accountant="prv": RDP refuses first, PRV still certifies some more steps."""
+    target = _target_between(30)
+    steps = {}
+    for stop in ("rdp", "prv"):
+        trainer, budget = FakeTrainer(), PrivacyBudget(target_epsilon=target, delta=DELTA, stop_accountant=stop)
+        budget.on_train_start(trainer, NullModule())
+        while not trainer.should_stop:
+            trainer.strategy.ledger.record(SIGMA, Q)
+            budget.on_train_batch_end(trainer, NullModule(), None, None, 0)
+        steps[stop] = trainer.strategy.ledger.steps
+        assert ledger_epsilon(trainer.strategy.ledger, DELTA, stop) <= target
+    assert steps["rdp"] == 30 and steps["prv"] > 30
+
+
+@pytest.mark.parametrize("kwargs", [dict(target_epsilon=-1.0), dict(delta=1.0), dict(accountant="x"),
+                                    dict(every_n_steps=0), dict(stop_accountant="y")])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        PrivacyBudget(**kwargs)

@@ -1,0 +1,43 @@
+"""lightning-dp budget: the table, calibration, the plot, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dp.accounting import calibrate_noise, epsilon
+from lightning_dp.commands.budget import main
+
+
+def _values(out: str) -> dict[str, float]:
+    rows = [line.split() for line in out.strip().splitlines()[3:]]
+    return {name: float(value) for name, value in rows}
+
+
+def test_epsilon_table(capsys):
+    assert main(["--sample-rate", "0.01", "--noise-multiplier", "2", "--steps", "100", "--delta", "1e-5",
+                 "--accountants", "rdp", "integer_rdp", "prv"]) == 0
+    values = _values(capsys.readouterr().out)
+    assert values["rdp"] == pytest.approx(epsilon(2.0, 0.01, 100, 1e-5), abs=1e-4)
+    assert values["integer_rdp"] > values["rdp"] > values["prv"]
+
+
+def test_sigma_for_target(capsys):
+    assert main(["-q", "0.01", "--target-epsilon", "2", "-T", "500", "--delta", "1e-5",
+                 "--accountants", "rdp", "integer_rdp"]) == 0
+    values = _values(capsys.readouterr().out)
+    assert values["rdp"] == pytest.approx(calibrate_noise(2.0, 1e-5, 0.01, 500), abs=1e-4)
+    assert values["integer_rdp"] > values["rdp"]
+
+
+def test_plot(tmp_path, capsys):
+    out = tmp_path / "eps.png"
+    assert main(["-q", "0.01", "--sigma", "1", "-T", "200", "--delta", "1e-5", "--accountants", "rdp",
+                 "--plot", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_exits_2(capsys):
+    assert main(["-q", "1.5", "--sigma", "1", "-T", "10", "--delta", "1e-5", "--accountants", "rdp"]) == 2
+    assert "sample_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["-q", "0.1", "-T", "10", "--delta", "1e-5"])  # neither σ nor target
