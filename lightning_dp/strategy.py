@@ -17,6 +17,7 @@ non-private gradient is ever communicated.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import warnings
@@ -34,6 +35,7 @@ from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.strategies.strategy import Strategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -145,6 +147,7 @@ class DPStrategy(DDPStrategy):
         self._last_release: Optional[Release] = None
         self._last_batch: Optional[ClippedBatch] = None
         self._local_batch_size = -1
+        self._standin_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -200,10 +203,12 @@ class DPStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes > 1
 
     def _configure_launcher(self) -> None:
-        if self._distributed:
+        if not self._distributed:
+            self._launcher = None
+        elif self._start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = None
+            self._launcher = _PrivacyStateLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         if self._distributed:
@@ -302,6 +307,7 @@ class DPStrategy(DDPStrategy):
         )
         if dl.num_workers > 0:
             kwargs["prefetch_factor"] = dl.prefetch_factor
+        self._standin_source = (dataset, dl.collate_fn)
         return DataLoader(dataset, batch_sampler=sampler, **kwargs)
 
     def _maybe_calibrate(self, trainer: "pl.Trainer") -> None:
@@ -328,13 +334,27 @@ class DPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ the private step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the user's ``training_step``; an empty Poisson batch skips it (zero loss)."""
+        """Run the user's ``training_step``; an empty Poisson batch contributes a zero clipped sum.
+
+        With one process the step is skipped (zero loss). With several, the other ranks run
+        the user's step, which may hold collectives (``self.log(..., sync_dist=True)``): this
+        rank runs it too, on a stand-in example whose gradient is discarded, so that every
+        rank takes part in every collective. Its logged values have batch size 0 (they do not
+        enter epoch means); an ``on_step`` value is that of the stand-in.
+        """
         batch = args[0] if args else kwargs.get("batch")
         self._local_batch_size = batch_size_of(batch)
         if self._local_batch_size == 0:
-            # Nothing to differentiate: the step still happens, its clipped sum is zero.
-            return torch.zeros((), device=self.root_device, requires_grad=True)
+            if not self._distributed:
+                # Nothing to differentiate: the step still happens, its clipped sum is zero.
+                return torch.zeros((), device=self.root_device, requires_grad=True)
+            args, kwargs = _with_batch(args, kwargs, self._standin_batch())
         return super().training_step(*args, **kwargs)
+
+    def _standin_batch(self) -> Any:
+        assert self._standin_source is not None
+        dataset, collate = self._standin_source
+        return self.batch_to_device(collate([dataset[0]]))
 
     def optimizer_step(
         self,
@@ -354,6 +374,8 @@ class DPStrategy(DDPStrategy):
         loss = closure()
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         batch = self._engine.clip_and_sum(params, self._max_grad_norm, request.scale, request.second_moment)
+        if self._local_batch_size == 0:
+            batch = _empty_clipped_batch(batch)  # a stand-in example's gradient (see training_step)
         release = self._privatizer.privatize(
             batch, params, request, self.noise_multiplier, self._max_grad_norm, self._expected_batch_size or 1.0
         )
@@ -378,16 +400,68 @@ class DPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(_CHECKPOINT_KEY)
         if state is not None:
-            self._ledger.load_state_dict(state["ledger"])
-            if state.get("noise_multiplier") is not None:
-                self._noise_multiplier = float(state["noise_multiplier"])
-            self._noise.load_state_dict(state.get("noise", {}))
+            self._restore_privacy_state(state)
         else:
             rank_zero_warn(
                 f"Checkpoint {checkpoint_path} has no privacy ledger (not written by DPStrategy): "
                 "the budget spent before it is unknown and NOT counted."
             )
         return checkpoint
+
+    def _restore_privacy_state(self, state: dict[str, Any]) -> None:
+        self._ledger.load_state_dict(state["ledger"])
+        if state.get("noise_multiplier") is not None:
+            self._noise_multiplier = float(state["noise_multiplier"])
+        self._noise.load_state_dict(state.get("noise", {}))
+        for name in ("sample_rate", "expected_batch_size", "num_samples", "steps_per_epoch"):
+            if state.get(name) is not None:
+                setattr(self, f"_{name}", state[name])
+
+
+class _PrivacyStateLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, also bringing rank 0's privacy state back.
+
+    With ``start_method="fork"``/``"spawn"`` training runs in child processes and
+    Lightning only returns rank 0's weights and metrics; without this the main process's
+    ``strategy.ledger`` would stay empty after ``fit`` (ε spent would read as zero).
+    """
+
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        strategy = self._strategy
+        assert isinstance(strategy, DPStrategy)
+        state = {
+            "ledger": strategy.ledger.state_dict(),
+            "noise_multiplier": strategy._noise_multiplier,
+            "noise": strategy._noise.state_dict(),
+            "sample_rate": strategy.sample_rate,
+            "expected_batch_size": strategy.expected_batch_size,
+            "num_samples": strategy.num_samples,
+            "steps_per_epoch": strategy.steps_per_epoch,
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)  # bytes, like Lightning's metrics: no shared-memory tensors in the queue
+        extra[_CHECKPOINT_KEY] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if _CHECKPOINT_KEY in extra:
+            assert isinstance(self._strategy, DPStrategy)
+            state = torch.load(io.BytesIO(extra[_CHECKPOINT_KEY]), weights_only=False)
+            self._strategy._restore_privacy_state(state)
+
+
+def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (batch, *args[1:]), kwargs
+    return args, {**kwargs, "batch": batch}
+
+
+def _empty_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
+    zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
+    squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
+    return ClippedBatch(zeros, squares, batch.norms[:0], 0)
 
 
 def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:

@@ -48,6 +48,7 @@ class PrivacyLedger:
 
     def __init__(self) -> None:
         self._entries: list[LedgerEntry] = []
+        self._steps = 0
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Append ``steps`` releases with noise multiplier σ and sampling rate q."""
@@ -59,6 +60,7 @@ class PrivacyLedger:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
         if steps == 0:
             return
+        self._steps += int(steps)
         last = self._entries[-1] if self._entries else None
         if last is not None and (last.noise_multiplier, last.sample_rate, last.private) == (
             noise_multiplier,
@@ -77,7 +79,7 @@ class PrivacyLedger:
     @property
     def steps(self) -> int:
         """Total number of releases recorded."""
-        return sum(e.steps for e in self._entries)
+        return self._steps
 
     @property
     def is_private(self) -> bool:
@@ -100,3 +102,4 @@ class PrivacyLedger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the ledger's content with a saved state."""
         self._entries = [LedgerEntry(float(s), float(q), int(n), bool(p)) for s, q, n, p in state["entries"]]
+        self._steps = sum(e.steps for e in self._entries)

@@ -4,6 +4,9 @@
 :class:`~lightning_dp.mechanism.release.PrivateOptimizer` protocol; the variant
 (a :class:`Preconditioner`) decides what the mechanism must release and how the
 second moment is formed. Variants: see :func:`variant_names`.
+
+DP-SignSGD with majority vote (ALGORITHMS.md §6): :class:`DPSignSGD` (the update) and
+:class:`VirtualWorkersSignSGD` (M workers in one process).
 """
 
 from lightning_dp.optim.base import DPOptimizerBase
@@ -16,6 +19,7 @@ from lightning_dp.optim.noiseless import Noiseless, NotPrivateWarning
 from lightning_dp.optim.post_processing import PostProcessing
 from lightning_dp.optim.preconditioner import Preconditioner
 from lightning_dp.optim.scale_then_privatize import ScaleThenPrivatize
+from lightning_dp.optim.sign_sgd import DPSignSGD, VirtualWorkersSignSGD
 from lightning_dp.optim.variants import make_preconditioner, register_variant, variant_class, variant_names
 
 __all__ = [
@@ -23,12 +27,14 @@ __all__ = [
     "DPAdagrad",
     "DPAdam",
     "DPOptimizerBase",
+    "DPSignSGD",
     "IndependentMoments",
     "Noiseless",
     "NotPrivateWarning",
     "PostProcessing",
     "Preconditioner",
     "ScaleThenPrivatize",
+    "VirtualWorkersSignSGD",
     "dp_class_for",
     "make_preconditioner",
     "register_variant",

@@ -1,0 +1,142 @@
+"""Top-level (picklable) pieces for the multi-process tests of tests/test_ddp.py.
+
+Worker processes started by Lightning's launcher (fork or spawn) cannot return rich
+results: :class:`RankRecorder` writes what each rank saw to ``<dir>/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.mechanism import NoiseMechanism
+
+
+class ZeroNoise(NoiseMechanism):
+    """Unit noise that is identically zero: the mechanism's deterministic part alone."""
+
+    def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
+        """Zeros shaped like ``like``."""
+        return [torch.zeros_like(t) for t in like]
+
+
+class ZeroGradModule(pl.LightningModule):
+    """Every per-example gradient is zero, so with SGD(lr=1) the update is −(noise)/B."""
+
+    def __init__(self, d_in: int = 100, d_out: int = 100) -> None:
+        super().__init__()
+        self.layer = nn.Linear(d_in, d_out)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (x,) = batch
+        return (self.layer(x) * 0.0).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+class SeededClassifier(pl.LightningModule):
+    """A small MLP with seeded initialisation (same weights in every process)."""
+
+    def __init__(self, d_in: int = 6, n_classes: int = 3, seed: int = 0, lr: float = 0.5, log_sync: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(d_in, 16), nn.Tanh(), nn.Linear(16, n_classes))
+        self.lr = lr
+        self.log_sync = log_sync
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=self.log_sync)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def classification_data(n: int, d_in: int = 6, n_classes: int = 3, seed: int = 0) -> TensorDataset:
+    """A fixed random classification set (features N(0, 1), labels from a random linear map)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    y = (x @ torch.randn(d_in, n_classes, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def flat_params(module: nn.Module) -> Tensor:
+    """All parameters of ``module`` as one detached vector."""
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+class DesyncNonZeroRanks(Callback):
+    """Perturbs the parameters on ranks > 0 before the strategy's setup (which must re-sync them)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank > 0:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(1.0)
+
+
+class RankRecorder(Callback):
+    """Writes, per rank, the parameters before/after fit, per-step batch sizes and parameter
+    updates, and the strategy's public state."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.out_dir = str(out_dir)
+        self._start: Tensor | None = None
+        self._batch_sizes: list[int] = []
+        self._updates: list[Tensor] = []
+        self._before = torch.zeros(0)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.set_num_threads(1)
+        self._start = flat_params(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._batch_sizes.append(int(batch[0].shape[0]))
+        self._before = flat_params(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self._updates.append(flat_params(pl_module) - self._before)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "start": self._start,
+            "end": flat_params(pl_module),
+            "batch_sizes": self._batch_sizes,
+            "updates": torch.stack(self._updates) if self._updates else torch.zeros(0),
+            "global_step": trainer.global_step,
+            "ledger": strategy.ledger.state_dict(),
+            "ledger_steps": strategy.ledger.steps,
+            "sample_rate": strategy.sample_rate,
+            "expected_batch_size": strategy.expected_batch_size,
+            "num_samples": strategy.num_samples,
+            "noise_multiplier": strategy.noise_multiplier,
+        }
+        torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def load_records(out_dir: str | os.PathLike, world_size: int) -> list[dict[str, Any]]:
+    """The :class:`RankRecorder` files of ranks 0..world_size-1."""
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
+    """A plain user DataLoader (the strategy replaces its sampling)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
