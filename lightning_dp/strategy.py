@@ -62,7 +62,9 @@ from lightning_dp.mechanism import (
     validate_module,
     validate_privacy_params,
 )
+from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
+from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +147,11 @@ class DPStrategy(DDPStrategy):
         self._num_samples: Optional[int] = None
         self._steps_per_epoch: Optional[int] = None
         self._last_release: Optional[Release] = None
-        self._last_batch: Optional[ClippedBatch] = None
         self._local_batch_size = -1
         self._standin_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
+        self._sign_privatizer: Optional[SignVotePrivatizer] = None
+        self._diagnostics_enabled = False
+        self._diagnostics: Optional[StepDiagnostics] = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -191,6 +195,25 @@ class DPStrategy(DDPStrategy):
     def last_release(self) -> Optional[Release]:
         """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
         return self._last_release
+
+    @property
+    def non_private_diagnostics(self) -> Optional[StepDiagnostics]:
+        """Un-noised statistics of the last step, or ``None`` unless enabled (NOT private)."""
+        return self._diagnostics
+
+    def enable_non_private_diagnostics(self) -> None:
+        """Compute :class:`~lightning_dp.mechanism.diagnostics.StepDiagnostics` every step.
+
+        They are read from un-noised per-example data: anything logged from them is not
+        covered by the DP guarantee (the model still is). Warns once.
+        """
+        if not self._diagnostics_enabled:
+            rank_zero_warn(
+                "DPStrategy: non-private diagnostics enabled. Statistics computed from un-noised "
+                "per-example gradients (clean clipped mean, norms, clip fraction) are NOT covered by the "
+                "differential-privacy guarantee; the trained model still is. Do not publish these logs."
+            )
+        self._diagnostics_enabled = True
 
     @property
     def engine_name(self) -> str:
@@ -248,6 +271,10 @@ class DPStrategy(DDPStrategy):
         self._engine = engine
         reduce = partial(flat_all_reduce, all_reduce=dist.all_reduce) if self._distributed else None
         self._privatizer = Privatizer(self._noise, reduce=reduce, adds_noise=self.global_rank == 0)
+        if getattr(self.optimizers[0], "mechanism", None) == "sign_vote":
+            world = self.num_nodes * self.num_processes
+            self._sign_privatizer = SignVotePrivatizer(dist.all_reduce if self._distributed else None, world)
+            rank_zero_info(f"DPStrategy: DP-SignSGD majority vote over {world} worker(s), each adding its own noise")
         rank_zero_info(f"DPStrategy: per-example gradients by engine '{engine.name}'")
 
     def teardown(self) -> None:
@@ -376,14 +403,26 @@ class DPStrategy(DDPStrategy):
         batch = self._engine.clip_and_sum(params, self._max_grad_norm, request.scale, request.second_moment)
         if self._local_batch_size == 0:
             batch = _empty_clipped_batch(batch)  # a stand-in example's gradient (see training_step)
-        release = self._privatizer.privatize(
-            batch, params, request, self.noise_multiplier, self._max_grad_norm, self._expected_batch_size or 1.0
-        )
+        expected = self._expected_batch_size or 1.0
+        if self._diagnostics_enabled:
+            self._diagnostics = self._diagnose(batch, params, expected)
+        if self._sign_privatizer is not None:
+            # Per-worker privacy w.r.t. local data: local q equals the global q (shards of N/world).
+            self._sign_privatizer.privatize(batch, params, self.noise_multiplier, self._max_grad_norm)
+            self._ledger.record(self.noise_multiplier, self._sample_rate)
+            return loss
+        release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self._max_grad_norm, expected)
         self._ledger.record(self.noise_multiplier, self._sample_rate, private=not request.clean_mean)
-        self._last_release, self._last_batch = release, batch
+        self._last_release = release
         if isinstance(optimizer, PrivateOptimizer):
             optimizer.observe_release(release)
         return loss
+
+    def _diagnose(self, batch: ClippedBatch, params: list[nn.Parameter], expected: float) -> StepDiagnostics:
+        diagnostics = diagnose(batch, params, expected, self._max_grad_norm)  # before the noise is added in place
+        if self._distributed:
+            flat_all_reduce(list(diagnostics.clean_mean.values()), dist.all_reduce)
+        return diagnostics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:

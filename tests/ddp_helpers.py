@@ -140,3 +140,12 @@ def load_records(out_dir: str | os.PathLike, world_size: int) -> list[dict[str, 
 def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
     """A plain user DataLoader (the strategy replaces its sampling)."""
     return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+
+class ZeroGradSignModule(ZeroGradModule):
+    """:class:`ZeroGradModule` trained with DP-SignSGD (the strategy's sign-vote mode)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from lightning_dp.optim import DPSignSGD
+
+        return DPSignSGD(self.parameters(), lr=0.5)

@@ -210,3 +210,23 @@ def test_digits_on_two_processes_matches_one_process_at_the_same_epsilon(tmp_pat
     assert ddp.ledger.state_dict() == one.ledger.state_dict()
     print(f"digits test accuracy: 1 process {acc1:.3f}, 2 processes {acc2:.3f}")
     assert min(acc1, acc2) > 0.8 and abs(acc2 - acc1) < 0.06, (acc1, acc2)
+
+
+def test_sign_vote_each_worker_adds_its_own_noise(tmp_path):
+    """Zero gradients, DP-SignSGD on 2 ranks: each rank sends sign(σCz_m) with its own z_m, so
+    the vote sign(s_0 + s_1) is 0 for half the coordinates. Noise on rank 0 only would never
+    give 0 (sign(s_0 + 0)); the same noise on both ranks would never give 0 either."""
+    from ddp_helpers import ZeroGradSignModule
+
+    data = TensorDataset(torch.randn(80, 100))
+    strategy = _ddp_strategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0)
+    _trainer(strategy, WORLD, tmp_path, max_steps=1).fit(ZeroGradSignModule(), loader(data, 10))
+    records = load_records(tmp_path, WORLD)
+    _assert_ranks_agree(records)
+    update = records[0]["end"] - records[0]["start"]
+    steps = update / 0.5  # -lr · vote with lr = 0.5
+    assert torch.allclose(steps, steps.round(), atol=1e-5) and steps.abs().max() <= 1
+    zero_share = (steps.round() == 0).double().mean().item()
+    n = update.numel()
+    assert abs(zero_share - 0.5) < 5 * (0.25 / n) ** 0.5
+    assert records[0]["ledger"]["entries"][0][:3] == [1.0, 0.25, 1]

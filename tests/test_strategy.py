@@ -206,3 +206,60 @@ def test_delta_not_below_one_over_n_warns():
     trainer = quiet_trainer(strategy=strategy, max_epochs=1)
     with pytest.warns(UserWarning, match="1/N"):
         trainer.fit(TinyClassifier(), make_loader(n=40, batch_size=10))
+
+
+class _Zero(GaussianNoise):
+    def sample(self, like):
+        return [torch.zeros_like(t) for t in like]
+
+
+class _Capture(Callback):
+    def __init__(self):
+        self.pairs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        diag = trainer.strategy.non_private_diagnostics
+        self.pairs.append((diag, {p: p.grad.clone() for p in pl_module.parameters()}))
+
+
+def test_non_private_diagnostics_only_when_enabled():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.1, noise=_Zero())
+    capture = _Capture()
+    quiet_trainer(strategy=strategy, max_steps=2, callbacks=[capture]).fit(TinyClassifier(), make_loader())
+    assert all(diag is None for diag, _ in capture.pairs)
+
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.1, noise=_Zero())
+    capture = _Capture()
+    trainer = quiet_trainer(strategy=strategy, max_steps=3, callbacks=[capture])
+    with pytest.warns(UserWarning, match="NOT covered"):
+        strategy.enable_non_private_diagnostics()
+    trainer.fit(TinyClassifier(), make_loader())
+    for diag, grads in capture.pairs:
+        # With the noise removed, the private gradient IS the clean clipped mean.
+        for p, g in grads.items():
+            assert torch.allclose(diag.clean_mean[p], g)
+        assert diag.norms.shape == (diag.batch_size,)
+        assert diag.clip_fraction == pytest.approx(float((diag.norms > 0.1).float().mean()))
+        assert diag.clean_mean_norm_over_c <= diag.batch_size / 20 + 1e-6  # ‖Σ clip(g_i)‖/B ≤ bC/B
+    assert len(capture.pairs) == 3
+
+
+def test_sign_sgd_under_the_strategy_moves_by_lr_times_a_vote():
+    from lightning_dp.optim import DPSignSGD
+
+    class SignModule(TinyClassifier):
+        def configure_optimizers(self):
+            return DPSignSGD(self.parameters(), lr=0.01)
+
+    model = SignModule()
+    recorder = []
+
+    class Grab(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            recorder.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
+
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    quiet_trainer(strategy=strategy, max_steps=4, callbacks=[Grab()]).fit(model, make_loader())
+    assert len(recorder) == 4 and strategy.ledger.steps == 4
+    for grad in recorder:
+        assert set(grad.unique().tolist()) <= {-1.0, 1.0}  # one worker: a noisy sign, never a tie
