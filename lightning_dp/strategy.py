@@ -64,6 +64,7 @@ from lightning_dp.mechanism import (
 )
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
+from lightning_dp.mechanism.grad_sample.base import merge_clipped
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class DPStrategy(DDPStrategy):
         accountant: accountant used for calibration (see :mod:`lightning_dp.accounting`).
         per_sample: per-example gradient engine, by registered name
             (see :func:`lightning_dp.mechanism.available_engines`).
+        max_physical_batch_size: split larger Poisson batches into physical batches of at
+            most this many examples (forward + backward each, clipped sums accumulated);
+            noise is still added once per logical step. ``None``: never split.
         noise: a :class:`~lightning_dp.mechanism.NoiseMechanism`; default fresh
             independent Gaussians from an OS-seeded generator.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
@@ -107,6 +111,7 @@ class DPStrategy(DDPStrategy):
         target_delta: Optional[float] = None,
         accountant: str = "rdp",
         per_sample: str = "opacus_hooks",
+        max_physical_batch_size: Optional[int] = None,
         noise: Optional[NoiseMechanism] = None,
         sampler_seed: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -136,6 +141,11 @@ class DPStrategy(DDPStrategy):
         self.target_delta = target_delta
         self.accountant = accountant
         self._engine_name = per_sample
+        if max_physical_batch_size is not None and max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        self.max_physical_batch_size = max_physical_batch_size
+        self._pending: Optional[ClippedBatch] = None
+        self._request: MechanismRequest = DEFAULT_REQUEST
         make_engine(per_sample)  # fail fast on an unknown name
         self._noise = noise or GaussianNoise()
         self._sampler_seed = sampler_seed
@@ -376,7 +386,23 @@ class DPStrategy(DDPStrategy):
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
                 return torch.zeros((), device=self.root_device, requires_grad=True)
             args, kwargs = _with_batch(args, kwargs, self._standin_batch())
+        limit = self.max_physical_batch_size
+        if limit is not None and self._local_batch_size > limit:
+            *heads, last = _split_batch(batch, self._local_batch_size, limit)
+            for head in heads:
+                self._physical_step(*_with_batch(args, kwargs, head))
+            args, kwargs = _with_batch(args, kwargs, last)
         return super().training_step(*args, **kwargs)
+
+    def _physical_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward + backward one physical batch and bank its clipped sums (no noise yet)."""
+        assert self._engine is not None
+        loss = super().training_step(*args, **kwargs)
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        self.lightning_module.backward(loss)
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        part = self._engine.clip_and_sum(params, self._max_grad_norm, self._request.scale, self._request.second_moment)
+        self._pending = part if self._pending is None else merge_clipped(self._pending, part)
 
     def _standin_batch(self) -> Any:
         assert self._standin_source is not None
@@ -398,9 +424,12 @@ class DPStrategy(DDPStrategy):
     def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any], request: MechanismRequest) -> Any:
         if self._engine is None or self._privatizer is None or self._sample_rate is None:
             raise RuntimeError("DPStrategy: the mechanism is not set up (was the training loader processed?)")
+        self._request, self._pending = request, None
         loss = closure()
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         batch = self._engine.clip_and_sum(params, self._max_grad_norm, request.scale, request.second_moment)
+        if self._pending is not None:  # earlier physical batches of this logical batch
+            batch, self._pending = merge_clipped(self._pending, batch), None
         if self._local_batch_size == 0:
             batch = _empty_clipped_batch(batch)  # a stand-in example's gradient (see training_step)
         expected = self._expected_batch_size or 1.0
@@ -497,6 +526,16 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     return args, {**kwargs, "batch": batch}
 
 
+def _split_batch(batch: Any, size: int, limit: int) -> list[Any]:
+    """Cut every tensor of ``batch`` whose leading dimension is ``size`` into chunks of at most ``limit``."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    def chunk(t: Tensor, start: int) -> Tensor:
+        return t[start : start + limit] if t.dim() and t.shape[0] == size else t
+
+    return [apply_to_collection(batch, Tensor, chunk, start) for start in range(0, size, limit)]
+
+
 def _empty_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
     zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
     squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
@@ -556,7 +595,7 @@ def _check_trainer(trainer: "pl.Trainer") -> None:
         raise PrivacyConfigurationError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would add noise to each micro-batch "
             "and rescale per-example gradients before clipping: remove it and raise the DataLoader's batch_size "
-            "(the expected Poisson batch) instead."
+            "(the expected Poisson batch) instead; DPStrategy(max_physical_batch_size=...) bounds the memory."
         )
     precision = str(trainer.precision)
     if precision not in _SUPPORTED_PRECISION:

@@ -263,3 +263,41 @@ def test_sign_sgd_under_the_strategy_moves_by_lr_times_a_vote():
     assert len(recorder) == 4 and strategy.ledger.steps == 4
     for grad in recorder:
         assert set(grad.unique().tolist()) <= {-1.0, 1.0}  # one worker: a noisy sign, never a tie
+
+
+def _train_full_batch(max_physical, noise):
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.2, noise=noise, max_physical_batch_size=max_physical)
+    quiet_trainer(strategy=strategy, max_steps=3).fit(model, make_loader(n=30, batch_size=30))  # q = 1
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), strategy
+
+
+def test_physical_batches_give_the_logical_update():
+    whole, _ = _train_full_batch(None, _Zero())
+    split, strategy = _train_full_batch(7, _Zero())
+    assert torch.allclose(whole, split, atol=1e-6)
+    assert strategy.ledger.steps == 3
+
+
+def test_physical_batches_add_noise_once_per_logical_step():
+    updates, _, _, _ = _run_zero_grad_split(1.0, 1.0, 40, max_physical=9)
+    expected_var = (1.0 * 1.0 / 40) ** 2
+    n = updates.numel()
+    ratio = updates.pow(2).mean().item() / expected_var
+    lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], n) / n
+    assert lo < ratio < hi  # noise per physical batch would multiply the variance by ~5
+
+
+def _run_zero_grad_split(sigma, C, batch_size, max_physical, n=400, steps=3):
+    model = ZeroGradModule()
+    recorder = RecordUpdates()
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, max_physical_batch_size=max_physical)
+    trainer = quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder])
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(n, 100)), batch_size=batch_size))
+    return torch.cat(recorder.updates).double(), model, None, recorder
+
+
+def test_bad_physical_batch_size():
+    with pytest.raises(ValueError, match="max_physical_batch_size"):
+        DPStrategy(noise_multiplier=1.0, max_physical_batch_size=0)

@@ -140,3 +140,13 @@ def clip_and_sum_materialised(
 
 
 EngineFactory = Callable[[], GradSampleEngine]
+
+
+def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:
+    """The statistics of two disjoint physical batches of one logical batch, combined."""
+    sums = {p: first.sums[p] + second.sums[p] for p in first.sums}
+    squares = None
+    if first.square_sums is not None and second.square_sums is not None:
+        squares = {p: first.square_sums[p] + second.square_sums[p] for p in first.square_sums}
+    norms = torch.cat([first.norms, second.norms])
+    return ClippedBatch(sums, squares, norms, first.batch_size + second.batch_size)
