@@ -3,6 +3,7 @@
     lightning-dp budget --sample-rate 0.004 --noise-multiplier 1.1 --steps 14000 --delta 1e-5
     lightning-dp budget --sample-rate 0.004 --target-epsilon 3 --steps 14000 --delta 1e-5
     lightning-dp budget ... --plot eps.png      # ε against steps (RDP, and the others given)
+    lightning-dp budget ... --sign-sgd          # also the DP-SignSGD paper's per-worker calibration
 
 Accountants are those of :mod:`lightning_dp.accounting.accountants`; ``integer_rdp`` is the
 DP-SignSGD paper's coarse grid, shown for comparison only.
@@ -34,7 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", metavar="PNG", help="draw ε against steps into this file (needs --noise-multiplier "
                    "or uses the σ calibrated for the first accountant)")
+    p.add_argument(
+        "--sign-sgd", action="store_true",
+        help="add the DP-SignSGD paper's method: integer-order grid AND its 2C sensitivity (it clips the "
+        "batch average), next to ours (per-example clipping, sensitivity C); q is then the local rate",
+    )
     return p
+
+
+def _sign_sgd_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The seed paper's calibration next to ours (ALGORITHMS.md §6): its σ protects only σ/2."""
+    q, steps, delta = args.sample_rate, args.steps, args.delta
+    if args.noise_multiplier is not None:
+        eps = epsilon(args.noise_multiplier / 2, q, steps, delta, "integer_rdp")
+        return [("sign_sgd_paper (true ε of its σ: 2C sensitivity)", f"{eps:.4f}")]
+    sigma = calibrate_noise(args.target_epsilon, delta, q, steps, "integer_rdp")
+    return [
+        ("sign_sgd_paper as published (integer grid, C)", f"{sigma:.4f}"),
+        ("sign_sgd_paper corrected (integer grid, 2C)", f"{2 * sigma:.4f}"),
+    ]
 
 
 def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
@@ -72,13 +91,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.noise_multiplier is not None:
             sigma = args.noise_multiplier
             rows = [(name, f"{epsilon(sigma, q, steps, delta, name):.4f}") for name in args.accountants]
+            rows += _sign_sgd_rows(args) if args.sign_sgd else []
             print(f"ε for σ = {sigma:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
             print(_table(("accountant", "epsilon"), rows))
         else:
             sigmas = {name: calibrate_noise(args.target_epsilon, delta, q, steps, name) for name in args.accountants}
             sigma = sigmas[args.accountants[0]]
             print(f"σ for ε = {args.target_epsilon:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
-            print(_table(("accountant", "noise_multiplier"), [(n, f"{s:.4f}") for n, s in sigmas.items()]))
+            rows = [(n, f"{s:.4f}") for n, s in sigmas.items()] + (_sign_sgd_rows(args) if args.sign_sgd else [])
+            print(_table(("accountant", "noise_multiplier"), rows))
         if args.plot:
             plot_epsilon(args.plot, sigma, q, steps, delta, args.accountants)
             print(f"plot written to {args.plot}")

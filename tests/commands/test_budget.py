@@ -41,3 +41,16 @@ def test_bad_input_exits_2(capsys):
     assert "sample_rate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["-q", "0.1", "-T", "10", "--delta", "1e-5"])  # neither σ nor target
+
+
+def test_sign_sgd_rows_show_the_papers_2c_sensitivity(capsys):
+    from lightning_dp.accounting import calibrate_noise, epsilon
+    from lightning_dp.commands.budget import main
+
+    assert main(["-q", "0.2", "-T", "100", "--delta", "1e-3", "--target-epsilon", "2", "--accountants", "rdp", "--sign-sgd"]) == 0
+    out = capsys.readouterr().out
+    grid = calibrate_noise(2.0, 1e-3, 0.2, 100, "integer_rdp")
+    assert f"{grid:.4f}" in out and f"{2 * grid:.4f}" in out
+    assert main(["-q", "0.2", "-T", "100", "--delta", "1e-3", "--sigma", "3", "--accountants", "rdp", "--sign-sgd"]) == 0
+    out = capsys.readouterr().out
+    assert f"{epsilon(1.5, 0.2, 100, 1e-3, 'integer_rdp'):.4f}" in out
