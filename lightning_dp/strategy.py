@@ -70,7 +70,7 @@ from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_KEY = "lightning_dp"
-_SUPPORTED_PRECISION = ("32-true", "64-true")
+_SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed")
 
 
 class DPStrategy(DDPStrategy):
@@ -600,8 +600,9 @@ def _check_trainer(trainer: "pl.Trainer") -> None:
     precision = str(trainer.precision)
     if precision not in _SUPPORTED_PRECISION:
         raise PrivacyConfigurationError(
-            f"Trainer(precision={precision!r}) is not supported by DPStrategy yet: loss scaling rescales "
-            "per-example gradients before clipping. Use precision='32-true'."
+            f"Trainer(precision={precision!r}) is not supported by DPStrategy: fp16 loss scaling rescales "
+            "per-example gradients before clipping, and 'true' half precision adds noise in half precision. "
+            "Use precision='32-true' or 'bf16-mixed' (autocast; clipping is computed in float32)."
         )
 
 

@@ -160,7 +160,7 @@ class TwoOptimizers(TinyClassifier):
         (BatchNormModule, {}, r"net\.1.*BatchNorm1d.*GroupNorm"),
         (TinyClassifier, {"gradient_clip_val": 1.0}, "gradient_clip_val.*max_grad_norm"),
         (TinyClassifier, {"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
-        (TinyClassifier, {"precision": "16-mixed"}, "precision"),
+        (TinyClassifier, {"precision": "bf16-true"}, "precision"),
         (ManualModule, {}, "automatic optimization"),
         (TwoOptimizers, {}, "several optimizers"),
     ],
@@ -301,3 +301,24 @@ def _run_zero_grad_split(sigma, C, batch_size, max_physical, n=400, steps=3):
 def test_bad_physical_batch_size():
     with pytest.raises(ValueError, match="max_physical_batch_size"):
         DPStrategy(noise_multiplier=1.0, max_physical_batch_size=0)
+
+
+def test_bf16_autocast_trains_and_clips_in_float32():
+    model = TinyClassifier()
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0)
+    trainer = quiet_trainer(strategy=strategy, max_steps=3, precision="bf16-mixed")
+    trainer.fit(model, make_loader())
+    assert strategy.ledger.steps == 3
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_low_precision_grad_samples_are_clipped_in_float32():
+    from lightning_dp.mechanism.grad_sample import clip_and_sum_materialised
+
+    p = nn.Parameter(torch.zeros(300))
+    gs = (torch.randn(4, 300) * 50).to(torch.bfloat16)
+    out = clip_and_sum_materialised([p], [gs], max_grad_norm=1.0)
+    assert out.sums[p].dtype == torch.float32
+    per_example = gs.float() * (1.0 / (gs.float().norm(dim=1, keepdim=True) + 1e-6))
+    assert torch.allclose(out.sums[p], per_example.sum(0), atol=1e-5)
+    assert (per_example.norm(dim=1) <= 1.0).all()

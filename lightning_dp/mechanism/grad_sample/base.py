@@ -120,8 +120,11 @@ def clip_and_sum_materialised(
 ) -> ClippedBatch:
     """Shared clipping for engines that materialise per-example gradients.
 
-    ``grad_samples[k]`` has shape ``[b, *params[k].shape]``.
+    ``grad_samples[k]`` has shape ``[b, *params[k].shape]``. Low-precision per-example
+    gradients (bf16/fp16 autocast) are clipped in float32, so the clipped sum's
+    sensitivity is C for the gradients actually computed.
     """
+    grad_samples = [gs.float() if gs.dtype in (torch.bfloat16, torch.float16) else gs for gs in grad_samples]
     if scale is not None:
         grad_samples = [gs * scale[p].unsqueeze(0) for p, gs in zip(params, grad_samples)]
     b = grad_samples[0].shape[0] if grad_samples else 0
