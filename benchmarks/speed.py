@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 MODELS = ("cnn8", "cnn28", "mlp", "lm")
 ENGINES = ("ghost", "vmap", "opacus_hooks")
-DEFAULT_MODES = ("nonprivate", "opacus") + ENGINES
+DEFAULT_MODES = ("nonprivate", "noise_only", "opacus") + ENGINES
 
 
 # ----------------------------------------------------------------------------- models
@@ -149,7 +149,7 @@ def engine_loop(name: str):
     """Plain loop around one lightning_dp engine: the mechanism as the strategy runs it."""
 
     def make(model, loss_fn, batch, args) -> Callable[[], None]:
-        import lightning_dp.mechanism.grad_sample.functorch_vmap  # noqa: F401
+        import lightning_dp.mechanism.grad_sample.functorch_vmap  # noqa: F401  (registers engines)
         import lightning_dp.mechanism.grad_sample.ghost  # noqa: F401
         import lightning_dp.mechanism.grad_sample.opacus_hooks  # noqa: F401
         from lightning_dp.mechanism.grad_sample.base import make_engine
@@ -173,7 +173,18 @@ def engine_loop(name: str):
     return make
 
 
-LOOPS: dict[str, Callable] = {"nonprivate": nonprivate_loop, "opacus": opacus_loop,
+def noise_only_loop(model, loss_fn, batch, args) -> Callable[[], None]:
+    """Only the σCz draw of a private step: the part of the cost no engine can remove."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        for p in params:
+            torch.randn_like(p)
+
+    return step
+
+
+LOOPS: dict[str, Callable] = {"nonprivate": nonprivate_loop, "opacus": opacus_loop, "noise_only": noise_only_loop,
                               **{e: engine_loop(e) for e in ENGINES}}
 
 

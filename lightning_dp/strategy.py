@@ -64,6 +64,7 @@ from lightning_dp.mechanism import (
 )
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
+from lightning_dp.mechanism.grad_sample.auto import select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 
@@ -84,7 +85,9 @@ class DPStrategy(DDPStrategy):
         target_delta: δ for calibration (warns when δ ≥ 1/N).
         accountant: accountant used for calibration (see :mod:`lightning_dp.accounting`).
         per_sample: per-example gradient engine, by registered name
-            (see :func:`lightning_dp.mechanism.available_engines`).
+            (see :func:`lightning_dp.mechanism.available_engines`), or ``"auto"`` (default):
+            the fastest engine valid for the model (ghost, then vmap, then opacus_hooks),
+            named in the log.
         max_physical_batch_size: split larger Poisson batches into physical batches of at
             most this many examples (forward + backward each, clipped sums accumulated);
             noise is still added once per logical step. ``None``: never split.
@@ -110,7 +113,7 @@ class DPStrategy(DDPStrategy):
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
         accountant: str = "rdp",
-        per_sample: str = "opacus_hooks",
+        per_sample: str = "auto",
         max_physical_batch_size: Optional[int] = None,
         noise: Optional[NoiseMechanism] = None,
         sampler_seed: Optional[int] = None,
@@ -146,7 +149,8 @@ class DPStrategy(DDPStrategy):
         self.max_physical_batch_size = max_physical_batch_size
         self._pending: Optional[ClippedBatch] = None
         self._request: MechanismRequest = DEFAULT_REQUEST
-        make_engine(per_sample)  # fail fast on an unknown name
+        if per_sample != "auto":
+            make_engine(per_sample)  # fail fast on an unknown name
         self._noise = noise or GaussianNoise()
         self._sampler_seed = sampler_seed
         self._ledger = PrivacyLedger()
@@ -270,8 +274,16 @@ class DPStrategy(DDPStrategy):
 
     def _setup_mechanism(self) -> None:
         module = self.lightning_module
+        problems = validate_module(module)
+        if problems:
+            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        if self._engine_name == "auto":
+            try:
+                self._engine_name = select_engine(module)
+            except ValueError as err:
+                raise PrivacyConfigurationError(str(err)) from err
         engine = make_engine(self._engine_name)
-        problems = validate_module(module) + [
+        problems = [
             f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
             for name in engine.unsupported_layers(module)
         ]

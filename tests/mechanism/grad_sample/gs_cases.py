@@ -114,24 +114,29 @@ def random_scale(params, seed: int = 1) -> dict[Tensor, Tensor]:
     return {p: (0.2 + 2 * torch.rand(p.shape, generator=g)).to(p.dtype) for p in params}
 
 
-def reference(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor, params, C: float,
-              scale: Optional[dict] = None) -> ClippedBatch:
-    """Brute force: one backward per example, scale, clip, sum (and squares, norms)."""
+def per_example_grads(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor, params,
+                      scale: Optional[dict] = None) -> list[list[Tensor]]:
+    """Brute force: one backward per example (batch of one), then the scale."""
+    out = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss_fn(model, x[i:i + 1], y[i:i + 1]), params)
+        out.append([g * scale[p] for p, g in zip(params, grads)] if scale is not None else list(grads))
+    return out
+
+
+def reference(grads: list[list[Tensor]], params, C: float) -> ClippedBatch:
+    """Clip each example's grads with ``clip_factors`` and sum (and squares, norms)."""
     sums = {p: torch.zeros_like(p) for p in params}
     squares = {p: torch.zeros_like(p) for p in params}
     norms = []
-    for i in range(x.shape[0]):
-        grads = torch.autograd.grad(loss_fn(model, x[i:i + 1], y[i:i + 1]), params)
-        if scale is not None:
-            grads = [g * scale[p] for p, g in zip(params, grads)]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+    for gi in grads:
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in gi))
         c = clip_factors(norm, C)
         norms.append(norm)
-        for p, g in zip(params, grads):
+        for p, g in zip(params, gi):
             sums[p] += c * g
             squares[p] += (c * g) ** 2
-    norms_t = torch.stack(norms) if norms else torch.zeros(0)
-    return ClippedBatch(sums, squares, norms_t, x.shape[0])
+    return ClippedBatch(sums, squares, torch.stack(norms) if norms else torch.zeros(0), len(grads))
 
 
 def run_engine(engine: GradSampleEngine, model, loss_fn, x, y, params, C, scale=None, with_squares=True):
@@ -170,7 +175,7 @@ def trainable(model: nn.Module, freeze: bool) -> list[nn.Parameter]:
 
 
 def check_engine(engine: GradSampleEngine, kind: str, n: int, scaled: bool, freeze: bool,
-                 dtype=torch.float64, rtol: float = 1e-5) -> ClippedBatch:
+                 with_squares: bool = True, dtype=torch.float64, rtol: float = 1e-5) -> ClippedBatch:
     """Engine result equals the brute-force reference on one case; returns the engine's result.
 
     C is the median reference norm, so about half of the examples are clipped.
@@ -178,13 +183,37 @@ def check_engine(engine: GradSampleEngine, kind: str, n: int, scaled: bool, free
     model, loss_fn, x, y = make_case(kind, n, dtype=dtype)
     params = trainable(model, freeze)
     scale = random_scale(params) if scaled else None
-    norms = reference(model, loss_fn, x, y, params, float("inf"), scale).norms
+    grads = per_example_grads(model, loss_fn, x, y, params, scale)
+    norms = reference(grads, params, float("inf")).norms
     C = float(norms.median()) if n > 1 else (float(norms[0]) / 2 if n == 1 else 1.0)
-    ref = reference(model, loss_fn, x, y, params, C, scale)
+    ref = reference(grads, params, C)
     engine.attach(model)
     try:
-        got = run_engine(engine, model, loss_fn, x, y, params, C, scale)
+        got = run_engine(engine, model, loss_fn, x, y, params, C, scale, with_squares)
+        assert (got.square_sums is not None) == with_squares
         assert_close_batch(got, ref, params, rtol)
         return got
     finally:
         engine.detach()
+
+
+def check_clipping_bound(engine: GradSampleEngine, C: float = 0.5) -> None:
+    """Adding one example with a huge gradient moves the clipped sum by at most C."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(nn.Linear(20, 8), nn.Linear(8, 5)).double(), cls_loss
+    x, y = torch.randn(5, 20, dtype=torch.float64), torch.randint(0, 5, (5,))
+    params = list(model.parameters())
+    engine.attach(model)
+    try:
+        base = run_engine(engine, model, loss_fn, x[:4], y[:4], params, C, with_squares=False)
+        x2 = x.clone()
+        x2[4] *= 1e4
+        with torch.no_grad():
+            y[4] = model(x2[4:5]).argmin()  # wrong by a mile: gradient ~ 1e4
+        big = run_engine(engine, model, loss_fn, x2, y, params, C, with_squares=False)
+    finally:
+        engine.detach()
+    assert big.norms[4] > 100 * C
+    moved = torch.sqrt(sum((big.sums[p] - base.sums[p]).pow(2).sum() for p in params))
+    assert moved <= C * (1 + 1e-6)
+    assert moved >= 0.99 * C  # the huge example was clipped to C, not dropped

@@ -1,0 +1,47 @@
+"""select_engine picks the fastest engine that supports every trainable layer."""
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_dp.mechanism.grad_sample.auto as auto
+from lightning_dp.mechanism.grad_sample.auto import select_engine, unsupported_by_engine
+from gs_cases import make_case
+
+
+@pytest.mark.parametrize("kind", ["cnn", "mlp", "lm"])
+def test_supported_models_get_ghost(kind):
+    model = make_case(kind, 1)[0]
+    assert select_engine(model) == "ghost"
+    assert all(v == [] for v in unsupported_by_engine(model).values())
+
+
+def test_tied_weights_fall_back_to_vmap():
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
+    model[1].weight = model[0].weight
+    assert select_engine(model) == "vmap"
+
+
+def test_frozen_unsupported_layer_is_fine():
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
+    model[1].weight = model[0].weight
+    model[0].weight.requires_grad_(False)
+    assert select_engine(model) == "ghost"
+
+
+def test_root_parameters_go_to_opacus_then_raise(monkeypatch):
+    """Ghost/vmap need parameters inside leaf layers; Opacus handles this root; with no
+    engine left, the error names the layer."""
+    class RootParam(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x * self.w)
+
+    assert select_engine(RootParam()) == "opacus_hooks"
+    monkeypatch.setattr(auto, "PREFERENCE", ("ghost", "vmap"))
+    with pytest.raises(ValueError, match="RootParam"):
+        select_engine(RootParam())

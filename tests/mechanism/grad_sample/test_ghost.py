@@ -1,0 +1,105 @@
+"""Ghost engine == brute-force per-example clipping (ALGORITHMS.md "The mechanism", §4)."""
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_dp.mechanism.grad_sample.ghost as ghost
+from lightning_dp.mechanism.grad_sample.base import make_engine
+from gs_cases import check_clipping_bound, check_engine, make_case, run_engine
+
+KINDS = ["cnn", "mlp", "lm"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("with_squares", [False, True])
+def test_matches_reference(kind, scaled, with_squares):
+    check_engine(make_engine("ghost"), kind, 6, scaled, freeze=False, with_squares=with_squares)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [0, 1])
+def test_tiny_batches(kind, n):
+    got = check_engine(make_engine("ghost"), kind, n, scaled=True, freeze=False)
+    assert got.batch_size == n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_frozen_parameters_ignored(kind):
+    got = check_engine(make_engine("ghost"), kind, 4, scaled=True, freeze=True, with_squares=False)
+    assert all(p.requires_grad for p in got.sums)
+
+
+@pytest.mark.parametrize("force", [True, False])
+def test_both_norm_paths(monkeypatch, force):
+    """Ghost norm and materialised norm, for Linear/Conv2d and Embedding, both exact."""
+    monkeypatch.setattr(ghost, "prefer_ghost", lambda *a: force)
+    monkeypatch.setattr(ghost, "prefer_ghost_embedding", lambda *a: force)
+    for kind in ("lm", "cnn"):
+        check_engine(make_engine("ghost"), kind, 5, scaled=False, freeze=False, with_squares=False)
+
+
+def test_without_skipping_param_grads():
+    check_engine(ghost.GhostEngine(skip_param_grads=False), "lm", 4, scaled=True, freeze=False)
+
+
+def test_float32_within_1e5():
+    check_engine(make_engine("ghost"), "lm", 6, scaled=True, freeze=False, dtype=torch.float32)
+
+
+def test_clipping_bound():
+    check_clipping_bound(make_engine("ghost"))
+
+
+def test_fallback_layer_and_no_state_left():
+    """A leaf layer without a ghost rule (PReLU) goes through vmap; nothing survives the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.PReLU(5), nn.Linear(5, 3)).double()
+    engine = make_engine("ghost")
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    params = list(model.parameters())
+    loss = lambda m, x, y: nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    ref = []
+    for i in range(4):
+        ref.append(torch.autograd.grad(loss(model, x[i:i + 1], y[i:i + 1]), params))
+    engine.attach(model)
+    got = run_engine(engine, model, loss, x, y, params, 1e9, with_squares=False)
+    assert not engine._capture.any_recorded()
+    for k, p in enumerate(params):
+        torch.testing.assert_close(got.sums[p], sum(r[k] for r in ref), rtol=1e-7, atol=1e-9)
+    engine.detach()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_batch_size_disagreement_raises():
+    """A [1, T] position lookup broadcast over the batch has no per-example gradient."""
+
+    class Broadcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(10, 4), nn.Embedding(3, 4), nn.Linear(4, 10)
+
+        def forward(self, idx):
+            return self.head(self.tok(idx) + self.pos(torch.arange(3)[None]))
+
+    model, engine = Broadcast(), make_engine("ghost")
+    engine.attach(model)
+    x = torch.randint(0, 10, (2, 3))
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match="batch size"):
+        engine.clip_and_sum(list(model.parameters()), 1.0)
+    assert not engine._capture.any_recorded()
+
+
+def test_unused_parameter_raises_and_tied_weights_unsupported():
+    model, loss, x, y = make_case("mlp", 3)
+    extra = nn.Linear(2, 2).double()
+    model.extra = extra  # never called in forward
+    engine = make_engine("ghost")
+    engine.attach(model)
+    with pytest.raises(ValueError, match="No per-example gradient"):
+        run_engine(engine, model, loss, x, y, list(model.parameters()), 1.0)
+    tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
+    tied[1].weight = tied[0].weight
+    assert any("shared" in s for s in engine.unsupported_layers(tied))
