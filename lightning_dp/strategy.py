@@ -23,7 +23,7 @@ import math
 import warnings
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -62,7 +62,14 @@ from lightning_dp.mechanism import (
     validate_module,
     validate_privacy_params,
 )
+from lightning_dp.accounting.banded import rounds_charged_at
+from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose
+from lightning_dp.mechanism.min_sep_sampling import (
+    MinSepPoissonBatchSampler,
+    group_sample_rate,
+    min_sep_steps_per_epoch,
+)
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
 from lightning_dp.mechanism.grad_sample.auto import select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
@@ -91,8 +98,12 @@ class DPStrategy(DDPStrategy):
         max_physical_batch_size: split larger Poisson batches into physical batches of at
             most this many examples (forward + backward each, clipped sums accumulated);
             noise is still added once per logical step. ``None``: never split.
-        noise: a :class:`~lightning_dp.mechanism.NoiseMechanism`; default fresh
-            independent Gaussians from an OS-seeded generator.
+        noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
+            generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
+            b-min-separated sampling, ALGORITHMS.md §7), or a
+            :class:`~lightning_dp.mechanism.NoiseMechanism` instance.
+        bands: b for ``noise="banded"``: the data is split into b groups and step t
+            Poisson-samples group t mod b; the noise history costs (b − 1)·d floats.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
         accelerator, parallel_devices, cluster_environment, checkpoint_io,
         precision_plugin, process_group_backend, timeout, start_method:
@@ -115,7 +126,8 @@ class DPStrategy(DDPStrategy):
         accountant: str = "rdp",
         per_sample: str = "auto",
         max_physical_batch_size: Optional[int] = None,
-        noise: Optional[NoiseMechanism] = None,
+        noise: Optional[Union[str, NoiseMechanism]] = None,
+        bands: int = 1,
         sampler_seed: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -151,7 +163,8 @@ class DPStrategy(DDPStrategy):
         self._request: MechanismRequest = DEFAULT_REQUEST
         if per_sample != "auto":
             make_engine(per_sample)  # fail fast on an unknown name
-        self._noise = noise or GaussianNoise()
+        self._noise = _make_noise(noise, bands)
+        self._bands = int(getattr(self._noise, "bands", 1))
         self._sampler_seed = sampler_seed
         self._ledger = PrivacyLedger()
         self._engine: Optional[GradSampleEngine] = None
@@ -294,6 +307,8 @@ class DPStrategy(DDPStrategy):
         reduce = partial(flat_all_reduce, all_reduce=dist.all_reduce) if self._distributed else None
         self._privatizer = Privatizer(self._noise, reduce=reduce, adds_noise=self.global_rank == 0)
         if getattr(self.optimizers[0], "mechanism", None) == "sign_vote":
+            if self._bands > 1:
+                raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
             world = self.num_nodes * self.num_processes
             self._sign_privatizer = SignVotePrivatizer(dist.all_reduce if self._distributed else None, world)
             rank_zero_info(f"DPStrategy: DP-SignSGD majority vote over {world} worker(s), each adding its own noise")
@@ -341,10 +356,21 @@ class DPStrategy(DDPStrategy):
                 f"dataset size {n}: lower batch_size."
             )
         self._num_samples, self._expected_batch_size = n, float(expected)
-        self._sample_rate = expected / n
-        self._steps_per_epoch = steps_per_epoch_for(self._sample_rate)
         seed = None if self._sampler_seed is None else self._sampler_seed + self.global_rank
-        sampler = PoissonBatchSampler(n, self._sample_rate, self._steps_per_epoch, self.global_rank, world, seed)
+        if self._bands == 1:
+            self._sample_rate = expected / n
+            self._steps_per_epoch = steps_per_epoch_for(self._sample_rate)
+            sampler: Any = PoissonBatchSampler(n, self._sample_rate, self._steps_per_epoch, self.global_rank, world, seed)
+        else:  # b-min-separated participation: group t mod b at step t, rate q_g = bB/N within it
+            try:
+                self._sample_rate = group_sample_rate(expected, n, self._bands)
+            except ValueError as err:
+                raise PrivacyConfigurationError(str(err)) from err
+            self._steps_per_epoch = min_sep_steps_per_epoch(self._sample_rate, self._bands)
+            sampler = MinSepPoissonBatchSampler(
+                n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed
+            )
+            sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
         kwargs: dict[str, Any] = dict(
             num_workers=dl.num_workers,
             collate_fn=EmptySafeCollate(dataset, dl.collate_fn),
@@ -369,11 +395,16 @@ class DPStrategy(DDPStrategy):
         if self.target_epsilon is None or self._noise_multiplier is not None:
             return
         from lightning_dp.accounting import calibrate_noise
+        from lightning_dp.accounting.banded import calibrate_banded_noise
 
         steps = planned_steps(trainer, self._steps_per_epoch or 1)
-        sigma = calibrate_noise(
-            self.target_epsilon, self.target_delta, self._sample_rate, steps, accountant=self.accountant
-        )
+        assert self.target_delta is not None
+        if self._bands == 1:
+            sigma = calibrate_noise(self.target_epsilon, self.target_delta, self._sample_rate, steps, self.accountant)
+        else:
+            sigma = calibrate_banded_noise(
+                self.target_epsilon, self.target_delta, self._sample_rate, steps, self._bands, self.accountant
+            )
         validate_privacy_params(sigma, self._max_grad_norm)
         self._noise_multiplier = float(sigma)
         rank_zero_info(
@@ -452,8 +483,15 @@ class DPStrategy(DDPStrategy):
             self._sign_privatizer.privatize(batch, params, self.noise_multiplier, self._max_grad_norm)
             self._ledger.record(self.noise_multiplier, self._sample_rate)
             return loss
+        if request.second_moment and self._bands > 1:
+            raise PrivacyConfigurationError(
+                "independent_moments draws noise twice per step; banded noise streams one draw per step: "
+                "use noise='gaussian' with this variant."
+            )
         release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self._max_grad_norm, expected)
-        self._ledger.record(self.noise_multiplier, self._sample_rate, private=not request.clean_mean)
+        # Banded noise: one sampled-Gaussian round per cycle of b steps (Choquette-Choo et al. 2023, Thm. 5).
+        charged = rounds_charged_at(self.lightning_module.trainer.global_step, self._bands) if self._bands > 1 else 1
+        self._ledger.record(self.noise_multiplier, self._sample_rate, steps=charged, private=not request.clean_mean)
         self._last_release = release
         if isinstance(optimizer, PrivateOptimizer):
             optimizer.observe_release(release)
@@ -552,6 +590,21 @@ def _empty_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
     zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
     squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
     return ClippedBatch(zeros, squares, batch.norms[:0], 0)
+
+
+def _make_noise(noise: Optional[Union[str, NoiseMechanism]], bands: int) -> NoiseMechanism:
+    """The noise mechanism named by ``noise`` (see :class:`DPStrategy`)."""
+    if isinstance(noise, NoiseMechanism):
+        if bands != 1 and bands != getattr(noise, "bands", 1):
+            raise ValueError(f"bands={bands} conflicts with the given noise mechanism ({noise!r})")
+        return noise
+    if noise in (None, "gaussian"):
+        if bands != 1:
+            raise ValueError(f"bands={bands} needs noise='banded' (independent Gaussian noise has one band)")
+        return GaussianNoise()
+    if noise == "banded":
+        return BandedToeplitzNoise(bands)
+    raise ValueError(f"noise must be 'gaussian', 'banded' or a NoiseMechanism, got {noise!r}")
 
 
 def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:

@@ -24,6 +24,17 @@ class NoiseMechanism(ABC):
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """Unit-variance noise tensors shaped like ``like`` for the current step."""
 
+    def advance(self) -> None:
+        """Count a step on a rank that does not add noise (keeps step-dependent state in sync)."""
+
+    def variance_factor(self) -> float:
+        """Per-coordinate variance of the last step's unit noise (1 for independent noise).
+
+        Correlated noise (§7) returns Σ_j (C⁻¹)²_{t,j}·sens²; the privatizer scales the
+        release's ``noise_std`` by its square root, so Φ_t follows it.
+        """
+        return 1.0
+
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (never the RNG: replayed noise would leak gradients)."""
         return {}

@@ -76,6 +76,8 @@ class Privatizer:
         if self.adds_noise:
             self._add_noise(sums, sigma * max_grad_norm)
             self._add_noise(squares, sigma * max_grad_norm**2)
+        else:
+            self.noise.advance()
         if self.reduce is not None:
             self.reduce(sums + squares + clean)
         grads = [s / expected_batch_size for s in sums]
@@ -84,7 +86,7 @@ class Privatizer:
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
         return Release(
-            noise_std=sigma * max_grad_norm / expected_batch_size,
+            noise_std=sigma * max_grad_norm / expected_batch_size * math.sqrt(self.noise.variance_factor()),
             expected_batch_size=expected_batch_size,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
