@@ -18,6 +18,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 #: Subcommands outside LightningCLI: name -> (module with ``main(argv) -> int``, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
     "budget": ("lightning_dp.commands.budget", "ε of a setting, or σ for a target ε, from several accountants"),
+    "audit": ("lightning_dp.commands.audit", "one-run privacy audit: empirical ε lower bound vs the claimed ε"),
 }
 
 _LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
