@@ -253,6 +253,7 @@ class DPStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes > 1
 
     def _configure_launcher(self) -> None:
+        # One process: no launcher. fork/spawn: Lightning's, also returning the privacy state.
         if not self._distributed:
             self._launcher = None
         elif self._start_method == "popen":
@@ -261,6 +262,7 @@ class DPStrategy(DDPStrategy):
             self._launcher = _PrivacyStateLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        """Set up the device; the process group only with several processes."""
         if self._distributed:
             super().setup_environment()
         else:

@@ -76,9 +76,11 @@ class MaterialisedStats(LayerStats):
         self.sq_norms = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
         return {p: torch.tensordot(c, g, dims=1) for p, g in self.grads.items()}
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
         return {p: torch.tensordot(c2, g * g, dims=1) for p, g in self.grads.items()}
 
 
@@ -128,6 +130,7 @@ class LinearFormStats(LayerStats):
         return self.G.pow(2).sum((1, 2))
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
         out = {}
         c = c * self.k
         if self.weight is not None:
@@ -140,6 +143,7 @@ class LinearFormStats(LayerStats):
         return out
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
         out = {}
         c2 = c2 * (self.k * self.k)
         if self.weight is not None:
@@ -181,12 +185,14 @@ class EmbeddingStats(LayerStats):
         return G.view(n, V, dim)
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
         dim = self.weight.shape[1]
         w = self.d.new_zeros(self.weight.shape)
         w.index_add_(0, self.idx.reshape(-1), (self.d * c[:, None, None]).reshape(-1, dim))
         return {self.weight: w if self.s is None else w * self.s}
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
         return {self.weight: torch.tensordot(c2, self.G.pow(2), dims=1)}
 
 
