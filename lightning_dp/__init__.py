@@ -6,7 +6,7 @@ See the README for a quickstart.
 """
 
 from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
-from lightning_dp.callbacks import AdamVariant, PrivacyBudget
+from lightning_dp.callbacks import AdamVariant, PrivacyBudget, SecondMomentMonitor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.optim import DPAdagrad, DPAdam
 from lightning_dp.strategy import DPStrategy
@@ -22,6 +22,7 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyConfigurationError",
     "PrivacyLedger",
+    "SecondMomentMonitor",
     "__version__",
     "calibrate_noise",
     "epsilon",

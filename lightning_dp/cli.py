@@ -19,6 +19,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 COMMANDS: dict[str, tuple[str, str]] = {
     "budget": ("lightning_dp.commands.budget", "ε of a setting, or σ for a target ε, from several accountants"),
     "audit": ("lightning_dp.commands.audit", "one-run privacy audit: empirical ε lower bound vs the claimed ε"),
+    "report": ("lightning_dp.commands.report", "Table 1 and a Figure-2-like PNG from SecondMomentMonitor logs"),
 }
 
 _LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")

@@ -1,0 +1,256 @@
+"""``lightning-dp report``: the bias-correction seed's Table 1 and Figure 2 for your own run.
+
+    lightning-dp report lightning_logs/version_0 --out report.png
+
+Reads only the TensorBoard event files written by
+:class:`~lightning_dp.callbacks.second_moment_monitor.SecondMomentMonitor`
+(tensorboard's ``EventAccumulator``). Prints, as markdown, the summary statistics of
+the second moment at an early and a late logged step (dp-adam-bias-correction.txt,
+Table 1: rows clean v — only when the run opted in to ``diagnostics="non_private"`` —,
+private v̂ and corrected v̂ − Φ; columns min, Q1, median, Q3, max, mean), and draws a
+Figure-2-like PNG: histograms of m, v and the update (clean vs private vs corrected)
+at the late step, plus median v̂ against Φ over training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_dp.callbacks import _monitor_tags as tags
+
+EVENT_GLOB = "events.out.tfevents.*"
+
+
+class ReportError(ValueError):
+    """The log directory cannot be turned into a report (the message names the fix)."""
+
+
+# ----------------------------------------------------------------------------- reading
+def find_run(logdir: Path) -> Any:
+    """The loaded ``EventAccumulator`` of the one run under ``logdir`` with monitor tags."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not logdir.is_dir():
+        raise ReportError(f"{logdir} is not a directory: pass the logger's run directory, e.g. lightning_logs/version_0.")
+    dirs = sorted({f.parent for f in logdir.rglob(EVENT_GLOB)})
+    if not dirs:
+        raise ReportError(f"no TensorBoard event files ({EVENT_GLOB}) under {logdir}: train with "
+                          f"logger=TensorBoardLogger(...) and callbacks=[SecondMomentMonitor()].")
+    runs = []
+    for d in dirs:
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "histograms": 0})
+        acc.Reload()
+        if _median_tag(tags.V) in acc.Tags()["scalars"]:
+            runs.append((d, acc))
+    if not runs:
+        raise ReportError(f"event files under {logdir} hold no SecondMomentMonitor tags ({_median_tag(tags.V)}): "
+                          f"add callbacks=[SecondMomentMonitor(every_n_steps=...)] to the Trainer.")
+    if len(runs) > 1:
+        names = ", ".join(str(d) for d, _ in runs)
+        raise ReportError(f"several monitored runs under {logdir} ({names}): pass one of them.")
+    return runs[0][1]
+
+
+def _median_tag(family: str) -> str:
+    return tags.stat_tag(family, "all", "median")
+
+
+def scalar_series(acc: Any, tag: str) -> dict[int, float]:
+    """``{step: value}`` of a scalar tag (empty if absent)."""
+    if tag not in acc.Tags()["scalars"]:
+        return {}
+    return {int(e.step): float(e.value) for e in acc.Scalars(tag)}
+
+
+def histogram_at(acc: Any, tag: str, step: int) -> Optional[tuple[list[float], list[float]]]:
+    """``(edges, counts)`` of histogram ``tag`` at the logged step nearest ``step`` (None if absent).
+
+    TensorBoard keeps right bucket limits only; its first bucket is an empty
+    left sentinel, so bucket i > 0 spans ``(limit[i-1], limit[i]]``.
+    """
+    if tag not in acc.Tags()["histograms"]:
+        return None
+    events = acc.Histograms(tag)
+    event = min(events, key=lambda e: abs(int(e.step) - step))
+    h = event.histogram_value
+    limits, counts = list(h.bucket_limit), list(h.bucket)
+    if len(limits) < 2:
+        return [h.min, h.max], [float(h.num)]
+    return limits, counts[1:]
+
+
+# ----------------------------------------------------------------------------- table
+ROWS = (
+    ("clean v (NOT private)", tags.CLEAN_V),
+    ("private v̂", tags.V),
+    ("corrected v̂ − Φ", tags.V_MINUS_PHI),
+)
+HEADERS = {"min": "min", "q1": "Q1", "median": "median", "q3": "Q3", "max": "max", "mean": "mean"}
+
+
+def table_markdown(acc: Any, steps: Sequence[int]) -> str:
+    """Table 1 of the seed as markdown: one row per (step, series) present in the logs."""
+    header = "| step | series | " + " | ".join(HEADERS[s] for s in tags.STATS) + " |"
+    lines = [header, "|" + "---|" * (len(tags.STATS) + 2)]
+    for step in steps:
+        for label, family in ROWS:
+            values = [scalar_series(acc, tags.stat_tag(family, "all", s)).get(step) for s in tags.STATS]
+            if all(v is None for v in values):
+                continue
+            cells = " | ".join(_fmt(v) for v in values)
+            lines.append(f"| {step} | {label} | {cells} |")
+    phi, neg = scalar_series(acc, tags.PHI), scalar_series(acc, tags.FRAC_NEGATIVE)
+    notes = [f"- step {s}: Φ = {_fmt(phi.get(s))}, fraction of coordinates with v̂ − Φ < 0 = {_fmt(neg.get(s))}"
+             for s in steps]
+    return "\n".join(lines + [""] + notes)
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "–"
+    return "nan" if math.isnan(value) else f"{value:.4g}"
+
+
+# ----------------------------------------------------------------------------- figure
+PANELS = (
+    ("first moment m", ((tags.HIST_CLEAN_M, "clean m^c (NOT private)"), (tags.HIST_M, "private m^p")), "symlog"),
+    ("second moment v", ((tags.HIST_CLEAN_V, "clean v^c (NOT private)"), (tags.HIST_V, "private v^p"),
+                         (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ")), "symlog"),
+    ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"),
+                (tags.HIST_UPDATE, "applied m̂/D(v̂)")), "linear"),
+)
+
+
+def plot_report(acc: Any, step: int, out: str) -> None:
+    """Figure-2-like PNG: histograms at ``step`` (clean series only where logged) + v̂ vs Φ over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (title, series, scale) in zip(axes.flat, PANELS):
+        hists = [(label, h) for tag, label in series if (h := histogram_at(acc, tag, step)) is not None]
+        _draw_histograms(ax, hists, scale)
+        ax.set(title=f"{title} (step {step})", ylabel="fraction of coordinates")
+    _draw_medians(axes.flat[3], acc)
+    fig.suptitle("SecondMomentMonitor: DP noise in Adam's moments (cf. dp-adam-bias-correction Fig. 2)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[float]]]], scale: str) -> None:
+    import numpy as np
+
+    if not hists:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        return
+    if scale == "linear":
+        lo, hi = _central_range([h for _, h in hists])
+        grid = np.linspace(lo, hi, 81)
+        for label, (edges, counts) in hists:
+            ax.stairs(_rebin(edges, counts, grid), grid, label=label)
+    else:
+        for label, (edges, counts) in hists:
+            total = max(sum(counts), 1.0)
+            ax.stairs(np.asarray(counts) / total, edges, label=label)
+        ax.set_xscale("symlog", linthresh=_linthresh([h for _, h in hists]))
+    ax.legend(fontsize=8)
+
+
+def _centres(edges: Sequence[float]) -> Any:
+    import numpy as np
+
+    e = np.asarray(edges, dtype=float)
+    return (e[:-1] + e[1:]) / 2
+
+
+def _rebin(edges: Sequence[float], counts: Sequence[float], grid: Any) -> Any:
+    """Counts moved to the uniform ``grid`` by bucket centre, as fractions of the total."""
+    import numpy as np
+
+    out, _ = np.histogram(_centres(edges), bins=grid, weights=np.asarray(counts, dtype=float))
+    return out / max(float(np.sum(counts)), 1.0)
+
+
+def _quantile(edges: Sequence[float], counts: Sequence[float], q: float) -> float:
+    import numpy as np
+
+    cum = np.cumsum(counts) / max(float(np.sum(counts)), 1.0)
+    return float(_centres(edges)[min(int(np.searchsorted(cum, q)), len(counts) - 1)])
+
+
+def _central_range(hists: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
+    lo = min(_quantile(e, c, 0.005) for e, c in hists)
+    hi = max(_quantile(e, c, 0.995) for e, c in hists)
+    return (lo, hi) if hi > lo else (lo - 1.0, hi + 1.0)
+
+
+def _linthresh(hists: list[tuple[list[float], list[float]]]) -> float:
+    """1e-3 × the largest median |x| of the series: three decades shown linearly around 0."""
+    import numpy as np
+
+    medians = []
+    for edges, counts in hists:
+        centres = np.abs(_centres(edges))
+        order = np.argsort(centres)
+        cum = np.cumsum(np.asarray(counts, dtype=float)[order])
+        medians.append(float(centres[order][min(int(np.searchsorted(cum, cum[-1] / 2)), len(order) - 1)]))
+    return max(1e-3 * max(medians), 1e-30)
+
+
+def _draw_medians(ax: Any, acc: Any) -> None:
+    for family, label in ((tags.V, "median private v̂"), (tags.CLEAN_V, "median clean v^c (NOT private)"),
+                          (tags.V_MINUS_PHI, "median v̂ − Φ")):
+        series = scalar_series(acc, _median_tag(family))
+        if series:
+            ax.plot(list(series), [abs(v) for v in series.values()], marker=".", label=f"|{label}|")
+    phi = scalar_series(acc, tags.PHI)
+    if phi:
+        ax.plot(list(phi), list(phi.values()), "k--", label="Φ")
+    ax.set(title="second moment vs noise variance Φ", xlabel="step", yscale="log")
+    ax.legend(fontsize=8)
+
+
+# ----------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    """The ``report`` subcommand's argument parser."""
+    p = argparse.ArgumentParser(prog="lightning-dp report", description=__doc__.splitlines()[0])
+    p.add_argument("logdir", help="run directory holding the TensorBoard event files (e.g. lightning_logs/version_0)")
+    p.add_argument("--out", default="report.png", help="PNG to write (default: %(default)s)")
+    p.add_argument("--early", type=int, help="early step for the table (default: the first logged step)")
+    p.add_argument("--late", type=int, help="late step for the table and figure (default: the last logged step)")
+    return p
+
+
+def _pick(steps: list[int], wanted: Optional[int], default: int) -> int:
+    if wanted is None:
+        return default
+    return min(steps, key=lambda s: abs(s - wanted))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run ``lightning-dp report``; returns the exit status (2 on a log directory it cannot use)."""
+    args = build_parser().parse_args(argv)
+    try:
+        acc = find_run(Path(args.logdir))
+        steps = sorted(scalar_series(acc, _median_tag(tags.V)))
+        early, late = _pick(steps, args.early, steps[0]), _pick(steps, args.late, steps[-1])
+        shown = [early] if early == late else [early, late]
+        print(f"## Second-moment statistics (early step {early}, late step {late})\n")
+        print(table_markdown(acc, shown))
+        plot_report(acc, late, args.out)
+    except ReportError as err:
+        print(f"lightning-dp report: error: {err}", file=sys.stderr)
+        return 2
+    print(f"\nfigure written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
