@@ -1,0 +1,26 @@
+"""`lightning-dp fit --config configs/digits.yaml`, shortened: the main job's path end to end."""
+
+from pathlib import Path
+
+from lightning_dp.cli import main
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+
+
+def test_fit_prints_accuracy_and_epsilon(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(CONFIG), "--trainer.max_steps=3", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "test/acc:" in out
+    line = next(l for l in out.splitlines() if l.startswith("privacy: ε = "))
+    eps = float(line.split("=")[1].split()[0])
+    assert 0 < eps <= 3.0  # σ was calibrated for the 3 planned steps at ε = 3
+    assert "after 3 steps" in line
+
+
+def test_unknown_command_and_help(capsys):
+    assert main(["nope"]) == 2
+    assert main(["--help"]) == 0
+    assert "budget" in capsys.readouterr().out
