@@ -86,3 +86,12 @@ def test_config_errors_name_the_fix(example: ModuleType, tmp_path: Path) -> None
                                                    "scale_then_privatize", "noiseless"}
     with pytest.raises(SystemExit):
         example.parse_args(["--seeds", "0"])
+
+
+def test_smoke_run_of_the_adambc_config(example: ModuleType, tmp_path: Path) -> None:
+    """Issue 9 (d) runs the same script with configs/adambc_vs_adam_vs_sgd.yaml."""
+    out = tmp_path / "adambc.md"
+    config = ROOT / "configs" / "adambc_vs_adam_vs_sgd.yaml"
+    assert example.main(["--smoke", "--config", str(config), "--out", str(out)]) == out
+    selected = [r for r in out.read_text().splitlines() if r.startswith("| 8 |") and "**" in r]
+    assert [r.split("|")[2].strip() for r in selected] == ["DP-SGD", "DP-AdamBC γ'=1e-9"]
