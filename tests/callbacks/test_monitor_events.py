@@ -82,3 +82,15 @@ def test_report_renders_table_and_figure(tmp_path, capsys):
     assert "| step | series |" in text and "clean v (NOT private)" in text
     assert out.stat().st_size > 10_000
     assert main([str(tmp_path / "nothing-here"), "--out", str(out)]) != 0
+
+
+def test_csv_logger_gets_the_scalars(tmp_path):
+    import csv
+
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2, logger=logger,
+                            callbacks=[SecondMomentMonitor(every_n_steps=1)])
+    trainer.fit(AdamModule(), make_loader())
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    assert any(r.get("v_stats/all/median") for r in rows)
+    assert not any(k.startswith("nonprivate/") for k in rows[0])
