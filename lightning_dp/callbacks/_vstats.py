@@ -32,9 +32,11 @@ class Summary:
         self.negative = 0
         self.nonfinite = 0
         self._samples: list[Tensor] = []
+        self._stats: dict[str, float] | None = None
 
     def add(self, full: Tensor, sample: Tensor) -> None:
         """Fold in all coordinates ``full`` (exact stats) and ``sample`` (for quartiles)."""
+        self._stats = None
         full = full.detach().reshape(-1)
         finite = torch.isfinite(full)
         n_finite = int(finite.sum())
@@ -48,7 +50,24 @@ class Summary:
         self.count += n_finite
         self.negative += int((values < 0).sum())
         sample = sample.detach().reshape(-1)
-        self._samples.append(sample[torch.isfinite(sample)].float().cpu())
+        if n_finite != full.numel():
+            sample = sample[torch.isfinite(sample)]
+        self._samples.append(sample.float().cpu())
+
+    @classmethod
+    def merged(cls, parts: "list[Summary]") -> "Summary":
+        """One summary of the union of ``parts`` (e.g. the whole model from its groups)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls()
+        for part in parts:
+            out.min, out.max = min(out.min, part.min), max(out.max, part.max)
+            out.total += part.total
+            out.count += part.count
+            out.negative += part.negative
+            out.nonfinite += part.nonfinite
+            out._samples.extend(part._samples)
+        return out
 
     @property
     def samples(self) -> Tensor:
@@ -61,7 +80,12 @@ class Summary:
         return self.negative / self.count if self.count else math.nan
 
     def stats(self) -> dict[str, float]:
-        """``{"min", "q1", "median", "q3", "max", "mean"}`` (all nan when empty)."""
+        """``{"min", "q1", "median", "q3", "max", "mean"}`` (all nan when empty; computed once)."""
+        if self._stats is None:
+            self._stats = self._compute()
+        return dict(self._stats)
+
+    def _compute(self) -> dict[str, float]:
         samples = self.samples
         if self.count == 0 or samples.numel() == 0:
             return {name: math.nan for name in STATS}

@@ -15,15 +15,16 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import pytorch_lightning as pl
+import torch
 from lightning_fabric.loggers.tensorboard import TensorBoardLogger as _TensorBoardLoggerBase
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dp.callbacks import _monitor_tags as tags
 from lightning_dp.callbacks._clean_moments import CleanMoments
+from lightning_dp.callbacks._hist_bins import histogram_edges
 from lightning_dp.callbacks._optimizer_moments import family_of, mean_phi, param_moments
 from lightning_dp.callbacks._subsample import CoordinateSample
 from lightning_dp.callbacks._vstats import Summary
@@ -214,8 +215,8 @@ class SecondMomentMonitor(Callback):
 
     def _private_logs(self, trainer: "pl.Trainer", groups: list[GroupRef]) -> tuple[dict[str, float], dict[str, Tensor]]:
         release = getattr(trainer.strategy, "last_release", None)
-        families = ("m", tags.V, tags.V_MINUS_PHI, tags.UPDATE)
-        whole = {fam: Summary() for fam in families}
+        families = (tags.V, tags.V_MINUS_PHI, tags.UPDATE, "m")
+        per_group = []
         scalars: dict[str, float] = {}
         for index, optimizer, group in groups:
             scoped = {fam: Summary() for fam in families}
@@ -223,14 +224,14 @@ class SecondMomentMonitor(Callback):
                 moments = param_moments(optimizer, group, p, release)
                 if moments is None:
                     continue
-                values = (moments.m, moments.v, moments.v - moments.phi, moments.update)
+                values = (moments.v, moments.v - moments.phi, moments.update, moments.m)
                 for fam, full in zip(families, values):
-                    sample = self._sample.take(p, full)
-                    whole[fam].add(full, sample)
-                    scoped[fam].add(full, sample)
-            scalars.update(_summaries(scoped, families[1:], tags.group_scope(index)))
+                    scoped[fam].add(full, self._sample.take(p, full))
+            per_group.append(scoped)
+            scalars.update(_summaries(scoped, families[:3], tags.group_scope(index)))
             scalars[f"{tags.V}/{tags.group_scope(index)}/frac_negative"] = scoped[tags.V_MINUS_PHI].frac_negative
-        scalars.update(_summaries(whole, families[1:], "all"))
+        whole = {fam: Summary.merged([g[fam] for g in per_group]) for fam in families}
+        scalars.update(_summaries(whole, families[:3], "all"))
         scalars[tags.FRAC_NEGATIVE] = whole[tags.V_MINUS_PHI].frac_negative
         if release is not None:
             scalars[tags.PHI] = mean_phi([p for _, _, g in groups for p in g["params"]], release)
@@ -261,21 +262,22 @@ class SecondMomentMonitor(Callback):
                    tags.MEAN_NORM_OVER_C: float(diag.clean_mean_norm_over_c)}
         for stat, value in zip(tags.NORM_STATS, diag.norm_quantiles((0.0, 0.25, 0.5, 0.75, 1.0))):
             scalars[f"{tags.NORM}/{stat}"] = float(value)
-        families = ("m", tags.CLEAN_V, tags.CLEAN_UPDATE)
-        whole = {fam: Summary() for fam in families}
+        families = (tags.CLEAN_V, tags.CLEAN_UPDATE, "m")
+        per_group = []
         for index, _, group in groups:
-            scoped = Summary()
+            scoped = {fam: Summary() for fam in families}
             for p in group["params"]:
                 moments = clean.moments(p)
                 if moments is None:
                     continue
                 m, v = moments
-                values = (m, v, m / (v.sqrt() + group.get("eps", 1e-8)))
+                values = (v, m / (v.sqrt() + group.get("eps", 1e-8)), m)
                 for fam, full in zip(families, values):
-                    whole[fam].add(full, self._sample.take(p, full))
-                scoped.add(v, self._sample.take(p, v))
-            scalars.update(_summaries({tags.CLEAN_V: scoped}, (tags.CLEAN_V,), tags.group_scope(index)))
-        scalars.update(_summaries(whole, families[1:], "all"))
+                    scoped[fam].add(full, self._sample.take(p, full))
+            per_group.append(scoped)
+            scalars.update(_summaries(scoped, (tags.CLEAN_V,), tags.group_scope(index)))
+        whole = {fam: Summary.merged([g[fam] for g in per_group]) for fam in families}
+        scalars.update(_summaries(whole, families[:2], "all"))
         hists = {tags.HIST_CLEAN_M: whole["m"].samples, tags.HIST_CLEAN_V: whole[tags.CLEAN_V].samples,
                  tags.HIST_CLEAN_UPDATE: whole[tags.CLEAN_UPDATE].samples}
         return scalars, hists
@@ -291,15 +293,18 @@ class SecondMomentMonitor(Callback):
 
 
 def _add_histogram(writer: Any, tag: str, values: Tensor, step: int, bins: int = 64) -> None:
-    """A TensorBoard histogram computed in torch (``add_histogram`` goes through a slow numpy path)."""
+    """A TensorBoard histogram computed in torch (``add_histogram`` goes through a slow numpy path).
+
+    Edges from :func:`~lightning_dp.callbacks._hist_bins.histogram_edges` (log / symmetric-log
+    when the values span decades). As in TensorBoard's own writer, the first bucket is an
+    empty sentinel whose right limit is the left edge of the data.
+    """
     v = values.detach().double().flatten()
     lo, hi = float(v.min()), float(v.max())
-    if hi <= lo:
-        hi = lo + 1e-12
-    counts, edges = torch.histogram(v, bins=bins, range=(lo, hi))
+    counts, edges = torch.histogram(v, bins=histogram_edges(lo, hi, bins))
     writer.add_histogram_raw(
         tag, min=lo, max=hi, num=v.numel(), sum=float(v.sum()), sum_squares=float(v.pow(2).sum()),
-        bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(), global_step=step,
+        bucket_limits=edges.tolist(), bucket_counts=[0.0] + counts.tolist(), global_step=step,
     )
 
 

@@ -121,7 +121,7 @@ PANELS = (
     ("second moment v", ((tags.HIST_CLEAN_V, "clean v^c (NOT private)"), (tags.HIST_V, "private v^p"),
                          (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ")), "symlog"),
     ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"),
-                (tags.HIST_UPDATE, "applied m̂/D(v̂)")), "linear"),
+                (tags.HIST_UPDATE, "applied m̂/D(v̂)")), "symlog"),
 )
 
 
@@ -145,63 +145,23 @@ def plot_report(acc: Any, step: int, out: str) -> None:
 
 
 def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[float]]]], scale: str) -> None:
+    """Each series as stairs of its own buckets (fraction of coordinates per bucket), symlog x-axis."""
     import numpy as np
 
     if not hists:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         return
-    if scale == "linear":
-        lo, hi = _central_range([h for _, h in hists])
-        grid = np.linspace(lo, hi, 81)
-        for label, (edges, counts) in hists:
-            ax.stairs(_rebin(edges, counts, grid), grid, label=label)
-    else:
-        for label, (edges, counts) in hists:
-            total = max(sum(counts), 1.0)
-            ax.stairs(np.asarray(counts) / total, edges, label=label)
-        ax.set_xscale("symlog", linthresh=_linthresh([h for _, h in hists]))
+    for label, (edges, counts) in hists:
+        ax.stairs(np.asarray(counts, dtype=float) / max(sum(counts), 1.0), edges, label=label)
+    if scale == "symlog":
+        ax.set_xscale("symlog", linthresh=_linthresh([e for _, (e, _) in hists]))
     ax.legend(fontsize=8)
 
 
-def _centres(edges: Sequence[float]) -> Any:
-    import numpy as np
-
-    e = np.asarray(edges, dtype=float)
-    return (e[:-1] + e[1:]) / 2
-
-
-def _rebin(edges: Sequence[float], counts: Sequence[float], grid: Any) -> Any:
-    """Counts moved to the uniform ``grid`` by bucket centre, as fractions of the total."""
-    import numpy as np
-
-    out, _ = np.histogram(_centres(edges), bins=grid, weights=np.asarray(counts, dtype=float))
-    return out / max(float(np.sum(counts)), 1.0)
-
-
-def _quantile(edges: Sequence[float], counts: Sequence[float], q: float) -> float:
-    import numpy as np
-
-    cum = np.cumsum(counts) / max(float(np.sum(counts)), 1.0)
-    return float(_centres(edges)[min(int(np.searchsorted(cum, q)), len(counts) - 1)])
-
-
-def _central_range(hists: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
-    lo = min(_quantile(e, c, 0.005) for e, c in hists)
-    hi = max(_quantile(e, c, 0.995) for e, c in hists)
-    return (lo, hi) if hi > lo else (lo - 1.0, hi + 1.0)
-
-
-def _linthresh(hists: list[tuple[list[float], list[float]]]) -> float:
-    """1e-3 × the largest median |x| of the series: three decades shown linearly around 0."""
-    import numpy as np
-
-    medians = []
-    for edges, counts in hists:
-        centres = np.abs(_centres(edges))
-        order = np.argsort(centres)
-        cum = np.cumsum(np.asarray(counts, dtype=float)[order])
-        medians.append(float(centres[order][min(int(np.searchsorted(cum, cum[-1] / 2)), len(order) - 1)]))
-    return max(1e-3 * max(medians), 1e-30)
+def _linthresh(all_edges: list[list[float]]) -> float:
+    """The smallest non-zero |bucket limit|: below it the writer's buckets are linear anyway."""
+    magnitudes = [abs(x) for edges in all_edges for x in edges if x != 0]
+    return max(min(magnitudes), 1e-30) if magnitudes else 1.0
 
 
 def _draw_medians(ax: Any, acc: Any) -> None:
