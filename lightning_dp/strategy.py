@@ -51,14 +51,12 @@ from lightning_dp.mechanism import (
     GaussianNoise,
     MechanismRequest,
     NoiseMechanism,
-    PoissonBatchSampler,
     PrivateOptimizer,
     Privatizer,
     Release,
     batch_size_of,
     flat_all_reduce,
     make_engine,
-    steps_per_epoch_for,
     validate_module,
     validate_privacy_params,
 )
@@ -359,20 +357,17 @@ class DPStrategy(DDPStrategy):
             )
         self._num_samples, self._expected_batch_size = n, float(expected)
         seed = None if self._sampler_seed is None else self._sampler_seed + self.global_rank
-        if self._bands == 1:
-            self._sample_rate = expected / n
-            self._steps_per_epoch = steps_per_epoch_for(self._sample_rate)
-            sampler: Any = PoissonBatchSampler(n, self._sample_rate, self._steps_per_epoch, self.global_rank, world, seed)
-        else:  # b-min-separated participation: group t mod b at step t, rate q_g = bB/N within it
-            try:
-                self._sample_rate = group_sample_rate(expected, n, self._bands)
-            except ValueError as err:
-                raise PrivacyConfigurationError(str(err)) from err
-            self._steps_per_epoch = min_sep_steps_per_epoch(self._sample_rate, self._bands)
-            sampler = MinSepPoissonBatchSampler(
-                n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed
-            )
-            sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
+        # Poisson sampling is the b = 1 case of b-min-separated participation: step t samples
+        # group t mod b at the within-group rate q_g = bB/N (q = B/N for b = 1).
+        try:
+            self._sample_rate = group_sample_rate(expected, n, self._bands)
+        except ValueError as err:
+            raise PrivacyConfigurationError(str(err)) from err
+        self._steps_per_epoch = min_sep_steps_per_epoch(self._sample_rate, self._bands)
+        sampler = MinSepPoissonBatchSampler(
+            n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed
+        )
+        sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
         kwargs: dict[str, Any] = dict(
             num_workers=dl.num_workers,
             collate_fn=EmptySafeCollate(dataset, dl.collate_fn),

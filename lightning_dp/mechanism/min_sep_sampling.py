@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_dp.mechanism.banded_coefficients import check_bands
-from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.mechanism.seeding import secure_seed
 
 
 class MinSepPoissonBatchSampler(Sampler[list[int]]):

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.mechanism.seeding import secure_seed
 
 
 class NoiseMechanism(ABC):

@@ -7,23 +7,23 @@ be zero; the mechanism divides by the *expected* batch B = qN, never the realise
 Under data parallelism each rank samples only the examples of its own shard
 (indices ``rank, rank + world, ...``) with the same q: every example is still included
 independently with probability q exactly once per step, globally.
+
+Plain Poisson sampling is the one-group case of b-min-separated sampling
+(:class:`~lightning_dp.mechanism.min_sep_sampling.MinSepPoissonBatchSampler`), which
+implements both.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Iterator, Optional
+from typing import Optional
 
-import torch
-from torch.utils.data import Sampler
+from lightning_dp.mechanism.min_sep_sampling import MinSepPoissonBatchSampler
+from lightning_dp.mechanism.seeding import secure_seed
 
-
-def secure_seed() -> int:
-    """A 63-bit seed from the operating system's entropy pool."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
+__all__ = ["PoissonBatchSampler", "secure_seed", "steps_per_epoch_for"]
 
 
-class PoissonBatchSampler(Sampler[list[int]]):
+class PoissonBatchSampler(MinSepPoissonBatchSampler):
     """Yields ``steps_per_epoch`` batches of indices, each index kept with probability q.
 
     Args:
@@ -45,29 +45,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         world_size: int = 1,
         seed: Optional[int] = None,
     ) -> None:
-        if num_samples <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-        if steps_per_epoch <= 0:
-            raise ValueError(f"steps_per_epoch must be positive, got {steps_per_epoch}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world of size {world_size}")
-        self.num_samples = num_samples
-        self.sample_rate = sample_rate
-        self.steps_per_epoch = steps_per_epoch
-        self.rank = rank
-        self.world_size = world_size
-        self._indices = torch.arange(rank, num_samples, world_size)
-        self._generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.steps_per_epoch):
-            keep = torch.rand(len(self._indices), generator=self._generator) < self.sample_rate
-            yield self._indices[keep].tolist()
+        super().__init__(num_samples, sample_rate, steps_per_epoch, 1, rank, world_size, seed)
 
 
 def steps_per_epoch_for(sample_rate: float) -> int:
