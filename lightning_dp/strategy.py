@@ -217,6 +217,17 @@ class DPStrategy(DDPStrategy):
         return self._steps_per_epoch
 
     @property
+    def rounds_charged_next_step(self) -> int:
+        """Sampled-Gaussian rounds the next optimizer step adds to the ledger: 1 with independent
+        noise; with banded noise 1 on the first step of each cycle of b steps and 0 on the others
+        (Choquette-Choo et al. 2023, Thm. 5; :func:`~lightning_dp.accounting.banded.rounds_charged_at`).
+        :class:`~lightning_dp.callbacks.PrivacyBudget` uses it to stop exactly at the budget."""
+        if self._bands <= 1 or self._sign_privatizer is not None:
+            return 1
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return rounds_charged_at(trainer.global_step if trainer is not None else 0, self._bands)
+
+    @property
     def last_release(self) -> Optional[Release]:
         """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
         return self._last_release

@@ -86,3 +86,20 @@ def test_banded_refuses_independent_moments_and_oversized_groups():
     trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, noise="banded", bands=8), max_steps=2)
     with pytest.raises(PrivacyConfigurationError, match="bands"):
         trainer.fit(TinyClassifier(), make_loader(40, batch_size=10))
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_privacy_budget_takes_every_step_of_the_last_affordable_cycle(rounds):
+    from lightning_dp import PrivacyBudget
+    from lightning_dp.accounting import epsilon
+
+    n, batch_size, bands, delta = 200, 10, 4, 1e-5
+    q_g = bands * batch_size / n  # each group holds n / b examples
+    target = 0.5 * (epsilon(1.0, q_g, rounds, delta) + epsilon(1.0, q_g, rounds + 1, delta))
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, noise="banded", bands=bands, sampler_seed=0)
+    budget = PrivacyBudget(target_epsilon=target, delta=delta)
+    trainer = quiet_trainer(strategy=strategy, max_steps=100, callbacks=[budget])
+    trainer.fit(TinyClassifier(), make_loader(n, batch_size=batch_size))
+    assert trainer.global_step == rounds * bands  # not (rounds − 1)·b + 1: a cycle's later steps are free
+    assert strategy.ledger.steps == rounds
+    assert budget.epsilon <= target

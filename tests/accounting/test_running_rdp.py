@@ -81,3 +81,60 @@ def test_integer_running_form_matches_accountant():
     run.sync(ledger)
     assert run.epsilon(DELTA) == pytest.approx(ledger_epsilon(ledger, DELTA, "integer_rdp"), rel=1e-12)
     assert running_for("pld") is None
+
+
+def _drifting_ledger(n_steps: int) -> PrivacyLedger:
+    ledger = PrivacyLedger()
+    for t in range(n_steps):  # a new (σ, q) every step
+        ledger.record(1.0 + 0.3 * t / n_steps, 0.02 * (1.0 + 0.1 * ((t * 7919) % 101) / 101))
+    return ledger
+
+
+def test_auto_curve_is_exact_for_the_first_keys_then_a_tight_upper_bound():
+    ledger = _drifting_ledger(60)
+    exact, chord = RunningRDP(curve="exact"), RunningRDP(curve="chord")
+    auto = RunningRDP(curve="auto", exact_keys=20)
+    for run in (exact, chord, auto):
+        run.sync(ledger)
+    np.testing.assert_allclose(exact.total, composed_rdp(ledger.entries), rtol=1e-12)
+    assert np.all(chord.total >= exact.total * (1 - 1e-12))
+    assert np.all(auto.total >= exact.total * (1 - 1e-12)) and np.all(auto.total <= chord.total * (1 + 1e-12))
+    assert np.any(auto.total < chord.total) and np.any(auto.total > exact.total)  # 20 exact keys, 40 chord
+    eps_exact, eps_auto, eps_chord = (r.epsilon(DELTA) for r in (exact, auto, chord))
+    assert eps_exact <= eps_auto <= eps_chord < 1.03 * eps_exact
+    head = RunningRDP(curve="exact")
+    head.sync(_prefix(ledger, 20))
+    tail_chord = sum(RunningRDP(curve="chord").one_step(e.noise_multiplier, e.sample_rate) for e in ledger.entries[20:])
+    np.testing.assert_allclose(auto.total, head.total + tail_chord, rtol=1e-12)
+
+
+def _prefix(ledger: PrivacyLedger, k: int) -> PrivacyLedger:
+    out = PrivacyLedger()
+    for e in ledger.entries[:k]:
+        out.record(e.noise_multiplier, e.sample_rate, steps=e.steps, private=e.private)
+    return out
+
+
+def test_auto_curve_rebuilds_and_resumes_to_the_same_total():
+    ledger = _drifting_ledger(30)
+    live = RunningRDP(exact_keys=10)
+    for k in range(1, 31):  # synced step by step, with prospective queries in between
+        live.sync(_prefix(ledger, k))
+        live.epsilon_after(DELTA, 2.0 + k, 0.5)
+    rebuilt = RunningRDP(exact_keys=10)
+    rebuilt.sync(ledger)
+    np.testing.assert_allclose(live.total, rebuilt.total, rtol=1e-12)
+    resumed = RunningRDP(exact_keys=10)
+    resumed.sync(_prefix(ledger, 15))
+    state = resumed.state_dict()
+    again = RunningRDP(exact_keys=10)
+    again.load_state_dict(state)
+    again.sync(ledger)
+    np.testing.assert_allclose(again.total, rebuilt.total, rtol=1e-12)
+
+
+def test_bad_curve_arguments():
+    with pytest.raises(ValueError, match="curve"):
+        RunningRDP(curve="fast")
+    with pytest.raises(ValueError, match="exact_keys"):
+        RunningRDP(exact_keys=-1)

@@ -1,0 +1,202 @@
+"""RDP of one step of the Poisson-subsampled Gaussian mechanism, vectorised over orders.
+
+This evaluates the *same* series as Opacus' ``opacus.accountants.analysis.rdp.compute_rdp``
+(itself TF-Privacy's): Mironov, Talwar & Zhang 2019, "Rényi Differential Privacy of the
+Sampled Gaussian Mechanism", §3.3, add/remove adjacency,
+
+    RDP(α) = log A_α / (α − 1),
+    A_α    = Σ_{k=0..α} C(α, k) q^k (1 − q)^{α−k} exp((k² − k) / (2σ²))          (integer α)
+    A_α    = Σ_{i≥0} C(α, i) [ q^i (1−q)^{α−i} e^{(i²−i)/(2σ²)} ½ erfc((i − z₀)/(√2 σ))
+                             + q^{α−i} (1−q)^i e^{((α−i)²−(α−i))/(2σ²)} ½ erfc((z₀ − (α−i))/(√2 σ)) ]
+             with z₀ = σ² log(1/q − 1) + ½                                          (fractional α),
+
+term for term and with Opacus' truncation rule for the fractional series (stop after the
+first i whose two terms are both below e^−30), but on numpy arrays over all orders at
+once instead of a Python loop per order and per term. Opacus spends 10–130 ms on its 151
+default orders; this takes well under a millisecond, which is what lets
+:class:`~lightning_dp.accounting.RunningRDP` follow a σ or q that changes every step.
+The curve is not re-derived: Opacus stays the oracle, and
+``tests/accounting/test_sgm_rdp.py`` holds this function to ``compute_rdp`` on random
+(σ, q) and orders (relative error ≤ 1e-9).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+from scipy import special
+
+_TRUNCATE_BELOW = -30.0  # Opacus' stopping rule for the fractional-order series
+_FIRST_TERMS = 32  # terms of the fractional series in the first chunk (then 64, 128, …)
+_MAX_CHUNK = 4096
+
+
+def sampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders: Sequence[float]) -> np.ndarray:
+    """RDP at each order of ONE step of the sampled Gaussian mechanism (σ, q).
+
+    Equal to ``opacus.accountants.analysis.rdp.compute_rdp(q=q, noise_multiplier=σ, steps=1,
+    orders=orders)`` up to floating-point rounding (module docstring); ``q = 0`` gives 0,
+    ``σ = 0`` gives ``inf``, ``q = 1`` gives α / (2σ²) (the Gaussian mechanism).
+
+    Args:
+        noise_multiplier: σ ≥ 0 (noise std / sensitivity).
+        sample_rate: q ∈ [0, 1] (Poisson sampling rate).
+        orders: RDP orders α > 1.
+    """
+    sigma, q = float(noise_multiplier), float(sample_rate)
+    alphas = np.asarray(orders, dtype=float)
+    if not (0.0 <= q <= 1.0):
+        raise ValueError(f"sample_rate must lie in [0, 1], got {q!r}")
+    if not sigma >= 0.0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {sigma!r}")
+    if np.any(~(alphas > 1.0)):
+        raise ValueError(f"RDP orders must be > 1, got {sorted(set(alphas[~(alphas > 1.0)].tolist()))}")
+    if q == 0.0:
+        return np.zeros(len(alphas))
+    if sigma == 0.0:
+        return np.full(len(alphas), np.inf)
+    if q == 1.0:
+        return alphas / (2.0 * sigma**2)
+    out = np.full(len(alphas), np.inf)
+    finite = np.isfinite(alphas)
+    integer = finite & (alphas == np.floor(alphas))
+    fractional = finite & ~integer
+    if integer.any():
+        out[integer] = _log_a_integer(q, sigma, alphas[integer].astype(int)) / (alphas[integer] - 1.0)
+    if fractional.any():
+        out[fractional] = _log_a_fractional(q, sigma, alphas[fractional]) / (alphas[fractional] - 1.0)
+    return out
+
+
+def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orders: Sequence[float]) -> np.ndarray:
+    """A sound upper bound on :func:`sampled_gaussian_rdp` in ~0.1 ms: exact at integer orders,
+    a chord at fractional ones.
+
+    log A_α is the cumulant generating function of the privacy loss (Mironov et al. 2019, §3.3:
+    A_α = E_{z∼μ₀}[(μ(z)/μ₀(z))^α]), hence convex in α, with log A_1 = 0. So for n < α < n + 1
+
+        log A_α ≤ (n + 1 − α) log A_n + (α − n) log A_{n+1},
+
+    which needs only the cheap integer-order sums. At the usual orders the ε it gives is 0.05–2 %
+    above the exact one (the gap is largest for short runs); for 1 < α < 2 the bound equals
+    RDP(2) (monotonicity), so it is loose only where ε is beyond log(1/δ).
+    """
+    sigma, q = float(noise_multiplier), float(sample_rate)
+    alphas = np.asarray(orders, dtype=float)
+    exact_cases = q in (0.0, 1.0) or sigma == 0.0 or not np.all(np.isfinite(alphas))
+    fractional = alphas != np.floor(alphas)
+    if exact_cases or not fractional.any():
+        return sampled_gaussian_rdp(sigma, q, orders)
+    if not (0.0 < q < 1.0) or not sigma > 0.0 or np.any(~(alphas > 1.0)):
+        return sampled_gaussian_rdp(sigma, q, orders)  # raises the same errors
+    top = int(np.ceil(alphas.max()))
+    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, np.arange(2, top + 1))])  # index n − 1 ↔ order n
+    low = np.floor(alphas).astype(int)
+    weight = alphas - low
+    upper = np.minimum(low + 1, top)
+    chord = (1.0 - weight) * log_a[low - 1] + weight * log_a[upper - 1]
+    return chord / (alphas - 1.0)
+
+
+def _log_a_integer(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+    """log A_α for integer α: a log-sum-exp over k = 0..α of the binomial expansion."""
+    n_terms = int(alphas.max()) + 1
+    log_binom, _ = _binomials(tuple(alphas.astype(float).tolist()), n_terms)
+    k = np.arange(n_terms, dtype=float)[None, :]
+    a = alphas.astype(float)[:, None]
+    log_terms = log_binom + k * math.log(q) + (a - k) * math.log1p(-q) + (k * k - k) / (2.0 * sigma**2)
+    return _logsumexp(np.where(k <= a, log_terms, -np.inf))
+
+
+def _log_a_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+    """log A_α for fractional α: the two-sided erfc series, signed, truncated as Opacus does.
+
+    Terms are evaluated in chunks (32, 64, 128, … terms) for the orders whose series has
+    not met the stopping rule yet; each order keeps its terms up to and including the first
+    one whose two halves are both below e^−30 (Opacus' do-until loop).
+    """
+    key = tuple(alphas.tolist())
+    sums = np.full((4, len(alphas)), -np.inf)  # log Σ of positive / negative terms, halves 0 and 1
+    active = np.arange(len(alphas))
+    start, size = 0, _FIRST_TERMS
+    while active.size:
+        log_binom, sign = _binomials(key, start + size)
+        log_s0, log_s1 = _fractional_terms(q, sigma, alphas[active], log_binom[active, start:], start)
+        below = np.maximum(log_s0, log_s1) < _TRUNCATE_BELOW
+        done = below.any(axis=1)
+        last = np.where(done, below.argmax(axis=1), size - 1)
+        keep = np.arange(size)[None, :] <= last[:, None]
+        positive = sign[active, start:] > 0
+        terms = np.stack([log_s0, log_s0, log_s1, log_s1])
+        wanted = np.stack([positive, ~positive, positive, ~positive]) & keep[None]
+        chunk = _logsumexp(np.where(wanted, terms, -np.inf))
+        sums[:, active] = np.logaddexp(sums[:, active], chunk)
+        active = active[~done]
+        start, size = start + size, min(2 * size, _MAX_CHUNK)
+    return np.logaddexp(_log_sub(sums[0], sums[1]), _log_sub(sums[2], sums[3]))
+
+
+def _fractional_terms(
+    q: float, sigma: float, alphas: np.ndarray, log_binom: np.ndarray, start: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """log|terms| of both halves of the series for i = start, start+1, … (one column per i)."""
+    i = np.arange(start, start + log_binom.shape[1], dtype=float)[None, :]
+    j = alphas[:, None] - i
+    z0 = sigma**2 * math.log(1.0 / q - 1.0) + 0.5
+    log_q, log_1mq, two_var = math.log(q), math.log1p(-q), 2.0 * sigma**2
+    log_e0, log_e1 = _log_half_erfc(np.stack(np.broadcast_arrays(i - z0, z0 - j)) / (math.sqrt(2.0) * sigma))
+    log_s0 = log_binom + i * log_q + j * log_1mq + (i * i - i) / two_var + log_e0
+    log_s1 = log_binom + j * log_q + i * log_1mq + (j * j - j) / two_var + log_e1
+    return log_s0, log_s1
+
+
+@lru_cache(maxsize=64)
+def _binomials(alphas: tuple[float, ...], n_terms: int) -> tuple[np.ndarray, np.ndarray]:
+    """log|C(α, i)| and sign C(α, i) for i = 0..n_terms−1 (rows: orders), through the
+    product C(α, i) = Π_{k<i} (α − k)/(k + 1). Depends on the orders only, so it is cached."""
+    a = np.asarray(alphas, dtype=float)[:, None]
+    k = np.arange(n_terms - 1, dtype=float)[None, :]
+    factors = a - k
+    with np.errstate(divide="ignore"):
+        steps = np.log(np.abs(factors)) - np.log1p(k)
+    zero = np.zeros((len(alphas), 1))
+    log_abs = np.concatenate([zero, np.cumsum(steps, axis=1)], axis=1)
+    sign = np.concatenate([zero + 1.0, np.cumprod(np.sign(factors), axis=1)], axis=1)
+    for arr in (log_abs, sign):
+        arr.setflags(write=False)
+    return log_abs, sign
+
+
+def _log_half_erfc(x: np.ndarray) -> np.ndarray:
+    """log(½ erfc(x)) = log Φ(−√2 x), accurate for large x."""
+    return special.log_ndtr(-x * math.sqrt(2.0))
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """log Σ exp along the last axis; −inf for a row of −inf."""
+    top = x.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return (safe + np.log(np.exp(x - safe).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def _log_sub(log_x: np.ndarray, log_y: np.ndarray) -> np.ndarray:
+    """log(e^x − e^y) for x ≥ y elementwise (the series' positive minus negative part)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = np.minimum(log_y - log_x, 0.0)
+        return np.where(np.isneginf(log_y), log_x, log_x + np.log1p(-np.exp(gap)))
+
+
+#: One-step RDP evaluators by name: ``"exact"`` (Opacus' series) and ``"chord"`` (its convex upper bound).
+RDP_CURVES = {"exact": sampled_gaussian_rdp, "chord": sampled_gaussian_rdp_upper}
+
+
+def check_curve(curve: str) -> str:
+    """``curve`` if it names an entry of :data:`RDP_CURVES`, else ``ValueError``."""
+    if curve not in RDP_CURVES:
+        raise ValueError(f"RDP curve must be one of {sorted(RDP_CURVES)}, got {curve!r}")
+    return curve
+
