@@ -12,7 +12,7 @@ guarantee.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -58,3 +58,26 @@ class CleanMoments:
             return self._m[p], self._v[p]
         t = self.steps
         return self._m[p] / (1.0 - beta1**t), self._v[p] / (1.0 - beta2**t)
+
+    def state_dict(self, names: Mapping[Tensor, str]) -> dict[str, Any]:
+        """m^c, v^c (keyed by parameter name) and the step count, for a checkpoint."""
+        return {
+            "steps": self.steps,
+            "m": {names[p]: m.detach().cpu().clone() for p, m in self._m.items() if p in names},
+            "v": {names[p]: v.detach().cpu().clone() for p, v in self._v.items() if p in names},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], params: Mapping[str, Tensor]) -> None:
+        """Restore :meth:`state_dict` onto the parameters of the same names; raises ``ValueError``
+        when a saved name is missing or its shape differs (a different model)."""
+        for key in ("m", "v"):
+            for name, value in state[key].items():
+                p = params.get(name)
+                if p is None or p not in self._settings or tuple(p.shape) != tuple(value.shape):
+                    raise ValueError(f"CleanMoments: saved moment {name!r} does not match this model's parameters.")
+        self.steps = int(state["steps"])
+        for name, value in state["m"].items():
+            p = params[name]
+            self._m[p] = value.to(device=p.device, dtype=p.dtype).clone()
+            self._v[p] = state["v"][name].to(device=p.device, dtype=p.dtype).clone()
+

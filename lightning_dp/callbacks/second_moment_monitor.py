@@ -97,8 +97,8 @@ class SecondMomentMonitor(Callback):
     Large models: min, max, mean and the negative share are exact; quartiles and
     histograms use a fixed random subsample of at most ``max_coordinates`` coordinates
     (drawn once, data-independent; ``torch.quantile`` refuses more than 16M values).
-    The clean EMAs cost two model-sized buffers and are updated every step; they
-    restart on resume. Norm quantiles and the clip fraction are those of rank 0's
+    The clean EMAs cost two model-sized buffers and are updated every step; they are
+    saved in checkpoints (by parameter name) and continue on resume. Norm quantiles and the clip fraction are those of rank 0's
     examples in the logged step.
 
     Args:
@@ -134,6 +134,7 @@ class SecondMomentMonitor(Callback):
         self.diagnostics = diagnostics
         self.histograms = bool(histograms)
         self._sample = CoordinateSample(max_coordinates, seed)
+        self._restored_clean: Optional[dict[str, Any]] = None  # from a checkpoint, until the first fold
         self._reset()
 
     @property
@@ -144,6 +145,7 @@ class SecondMomentMonitor(Callback):
     def _reset(self) -> None:
         self._last_logged: Optional[int] = None
         self._clean: Optional[CleanMoments] = None
+        self._names: dict[Tensor, str] = {}
         self._last_diag: Any = None
         self._warned_unsupported: set[str] = set()
 
@@ -163,8 +165,18 @@ class SecondMomentMonitor(Callback):
         enable()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Start afresh (clean EMAs, schedule)."""
+        """Start afresh (clean EMAs, schedule), keeping clean EMAs restored from a checkpoint."""
         self._reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clean EMAs (opt-in diagnostics only; empty otherwise)."""
+        if self._clean is None:
+            return {}
+        return {"clean": self._clean.state_dict(self._names)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the saved clean EMAs until the first step rebuilds the buffers, then restore them."""
+        self._restored_clean = state_dict.get("clean")
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -252,6 +264,10 @@ class SecondMomentMonitor(Callback):
                 for p in group["params"]:
                     settings[p] = (family_of(optimizer) or "adam", float(betas[0]), float(betas[1]))
             self._clean = CleanMoments(settings)
+            self._names = {p: name for name, p in trainer.lightning_module.named_parameters()}
+            restored, self._restored_clean = self._restored_clean, None
+            if restored is not None:
+                self._clean.load_state_dict(restored, {name: p for p, name in self._names.items()})
         self._clean.fold(diag.clean_mean)
 
     def _non_private_logs(self, groups: list[GroupRef]) -> tuple[dict[str, float], dict[str, Tensor]]:

@@ -261,3 +261,28 @@ def test_histogram_edges_cover_the_data_and_resolve_decades(lo, hi):
     assert (edges[1:] > edges[:-1]).all() and edges[0] <= lo and edges[-1] >= hi and len(edges) <= 65
     if lo > 0 and hi / lo > 100:  # every decade gets buckets, not just the top one
         assert int((edges < 10 * lo).sum()) >= 5
+
+
+def test_clean_emas_continue_after_resume(tmp_path):
+    """σ → 0 again: after a resume the private v̂ continues from Adam's restored state, so the
+    clean v^c only agrees with it if the clean EMAs (and their step count) were restored too."""
+    with pytest.warns(NotPrivateWarning):
+        first, _ = _fit(tmp_path / "a", SecondMomentMonitor(every_n_steps=2, diagnostics="non_private"),
+                        sigma=1e-6, steps=4)
+    ckpt = tmp_path / "mid.ckpt"
+    first.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    (state,) = [v for k, v in saved.items() if "SecondMomentMonitor" in k]
+    assert state["clean"]["steps"] == 4 and set(state["clean"]["v"]) == {n for n, _ in first.lightning_module.named_parameters()}
+    pl.seed_everything(1, verbose=False)
+    monitor = SecondMomentMonitor(every_n_steps=2, diagnostics="non_private")
+    log = TensorBoardLogger(str(tmp_path / "b"), name="run")
+    with pytest.warns(NotPrivateWarning):
+        trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1e-6, max_grad_norm=1.0), max_steps=8,
+                                logger=log, callbacks=[monitor])
+        trainer.fit(AdamModule(), make_loader(n=100, batch_size=20), ckpt_path=ckpt)
+    assert monitor.state_dict()["clean"]["steps"] == 8
+    acc = _events(trainer)
+    clean, private = _scalar(acc, "nonprivate/v_stats/all/median"), _scalar(acc, "v_stats/all/median")
+    for step in (6, 8):
+        assert clean[step] == pytest.approx(private[step], rel=1e-3)
