@@ -52,9 +52,9 @@ def step_rdp(
     ``σ = 0`` gives ``inf`` (no privacy), ``q = 0`` gives 0. The returned array is read-only;
     multiply it by a step count to compose.
     """
-    return _step_rdp_cached(
-        float(noise_multiplier), float(sample_rate), tuple(float(a) for a in orders), check_curve(curve)
-    )
+    if not (isinstance(orders, tuple) and all(type(a) is float for a in orders)):
+        orders = tuple(float(a) for a in orders)
+    return _step_rdp_cached(float(noise_multiplier), float(sample_rate), orders, check_curve(curve))
 
 
 @lru_cache(maxsize=256)

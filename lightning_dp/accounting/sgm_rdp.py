@@ -65,7 +65,8 @@ def sampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders: Se
     integer = finite & (alphas == np.floor(alphas))
     fractional = finite & ~integer
     if integer.any():
-        out[integer] = _log_a_integer(q, sigma, alphas[integer].astype(int)) / (alphas[integer] - 1.0)
+        key = tuple(int(a) for a in alphas[integer])
+        out[integer] = _log_a_integer(q, sigma, key) / (alphas[integer] - 1.0)
     if fractional.any():
         out[fractional] = _log_a_fractional(q, sigma, alphas[fractional]) / (alphas[fractional] - 1.0)
     return out
@@ -93,7 +94,7 @@ def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orde
     if not (0.0 < q < 1.0) or not sigma > 0.0 or np.any(~(alphas > 1.0)):
         return sampled_gaussian_rdp(sigma, q, orders)  # raises the same errors
     top = int(np.ceil(alphas.max()))
-    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, np.arange(2, top + 1))])  # index n − 1 ↔ order n
+    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, tuple(range(2, top + 1)))])  # index n − 1 ↔ order n
     low = np.floor(alphas).astype(int)
     weight = alphas - low
     upper = np.minimum(low + 1, top)
@@ -101,14 +102,25 @@ def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orde
     return chord / (alphas - 1.0)
 
 
-def _log_a_integer(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+def _log_a_integer(q: float, sigma: float, alphas: tuple[int, ...]) -> np.ndarray:
     """log A_α for integer α: a log-sum-exp over k = 0..α of the binomial expansion."""
-    n_terms = int(alphas.max()) + 1
-    log_binom, _ = _binomials(tuple(alphas.astype(float).tolist()), n_terms)
+    log_binom, k, rest, k2 = _integer_table(alphas)
+    log_terms = log_binom + k * math.log(q) + rest * math.log1p(-q) + k2 / (2.0 * sigma**2)
+    top = log_terms.max(axis=1, keepdims=True)  # finite: the k = 0 term α·log(1 − q) is
+    return top[:, 0] + np.log(np.exp(log_terms - top).sum(axis=1))
+
+
+@lru_cache(maxsize=32)
+def _integer_table(alphas: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """The (σ, q)-free parts of the integer-order sums: log C(α, k) (−inf for k > α), k, α − k, k² − k."""
+    n_terms = max(alphas) + 1
+    log_binom, _ = _binomials(tuple(float(a) for a in alphas), n_terms)
     k = np.arange(n_terms, dtype=float)[None, :]
-    a = alphas.astype(float)[:, None]
-    log_terms = log_binom + k * math.log(q) + (a - k) * math.log1p(-q) + (k * k - k) / (2.0 * sigma**2)
-    return _logsumexp(np.where(k <= a, log_terms, -np.inf))
+    a = np.asarray(alphas, dtype=float)[:, None]
+    table = (np.where(k <= a, log_binom, -np.inf), k, a - k, k * k - k)
+    for arr in table:
+        arr.setflags(write=False)
+    return table
 
 
 def _log_a_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
