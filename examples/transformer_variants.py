@@ -12,6 +12,14 @@ of coordinates with v̂_t − Φ < 0 (the paper's Fig. 4), read from DPAdam's st
     python examples/transformer_variants.py                    # full run (see the config)
     python examples/transformer_variants.py --smoke --out /tmp/t.md
     python examples/transformer_variants.py --seeds 5
+
+The same script runs the equal-ε comparison of independent and banded (DP-MF) noise
+(ALGORITHMS.md §7; design-principles §2.1, §4.5): a config or a method row may set
+``noise`` (``gaussian`` | ``banded``), ``bands`` and ``target_epsilon`` (σ calibrated by
+``DPStrategy`` for that row's noise and bands) instead of ``sigma``:
+
+    python examples/transformer_variants.py --config configs/banded_transformer.yaml \
+        --out docs/results/banded_transformer.md
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from lightning_dp.optim.preconditioner import noise_variance
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "transformer_variants.yaml"
 DEFAULT_OUT = ROOT / "docs" / "results" / "transformer_variants.md"
+NOISES = ("gaussian", "banded")
+# A page may end with a hand-written reading after this line; rewriting the page keeps it.
+READING_MARKER = "<!-- hand-written reading below: kept when the script rewrites this page -->"
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,8 @@ class Method:
     """One row: the model's optimizer (``adam``/``sgd``), the AdamVariant, lr, C and privacy.
 
     ``private=False`` trains without DPStrategy (no clipping, no noise): a reference.
+    ``noise``, ``bands``, ``sigma`` and ``target_epsilon`` override the config's values for
+    this row (``None``: the config's); ``sigma`` and ``target_epsilon`` exclude each other.
     """
 
     label: str
@@ -59,13 +72,21 @@ class Method:
     max_grad_norm: Optional[float] = None
     private: bool = True
     hparams: dict[str, Any] = field(default_factory=dict)
+    noise: Optional[str] = None
+    bands: Optional[int] = None
+    sigma: Optional[float] = None
+    target_epsilon: Optional[float] = None
 
 
 @dataclass
 class Setup:
-    """The experiment read from the YAML config."""
+    """The experiment read from the YAML config.
 
-    sigma: float
+    Privacy is either a fixed ``sigma`` or a ``target_epsilon`` at ``delta`` (σ calibrated per
+    row by DPStrategy for the row's noise and bands); ``noise``/``bands`` are row defaults.
+    """
+
+    sigma: Optional[float]
     max_grad_norm: float
     delta: float
     batch_size: int
@@ -79,6 +100,9 @@ class Setup:
     seeds: list[int]
     methods: list[Method]
     max_train_windows: Optional[int] = None
+    target_epsilon: Optional[float] = None
+    noise: str = "gaussian"
+    bands: int = 1
 
 
 @dataclass
@@ -91,6 +115,7 @@ class RunResult:
     negative_fraction: list[float]
     epsilon: float
     seconds: float
+    sigma: float = math.nan  # σ used (calibrated from target_epsilon when the row asks); nan if not private
 
 
 # ----------------------------------------------------------------------------- config
@@ -106,15 +131,20 @@ def load_setup(path: Path, smoke: bool = False) -> Setup:
         if keep is not None:
             raw["methods"] = [m for m in raw["methods"] if m.get("label") in keep]
     setup = Setup(
-        sigma=float(raw["sigma"]), max_grad_norm=float(raw["max_grad_norm"]), delta=float(raw["delta"]),
+        sigma=_optional_float(raw.get("sigma")), max_grad_norm=float(raw["max_grad_norm"]), delta=float(raw["delta"]),
         batch_size=int(raw["batch_size"]), seq_len=int(raw["seq_len"]), d_model=int(raw["d_model"]),
         n_layers=int(raw["n_layers"]), n_heads=int(raw["n_heads"]), steps=int(raw["steps"]),
         eval_every=int(raw["eval_every"]), eval_windows=int(raw["eval_windows"]),
         seeds=[int(s) for s in raw["seeds"]], methods=[_method(m) for m in raw["methods"]],
-        max_train_windows=raw.get("max_train_windows"),
+        max_train_windows=raw.get("max_train_windows"), target_epsilon=_optional_float(raw.get("target_epsilon")),
+        noise=str(raw.get("noise", "gaussian")), bands=int(raw.get("bands", 1)),
     )
     _check(setup)
     return setup
+
+
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _method(entry: dict[str, Any]) -> Method:
@@ -122,7 +152,8 @@ def _method(entry: dict[str, Any]) -> Method:
         raise ValueError(f"every method needs a `label` and an `lr`, got {entry!r}.")
     if entry.get("optimizer") not in ("adam", "sgd"):
         raise ValueError(f"method {entry['label']!r}: optimizer must be 'adam' or 'sgd'.")
-    known = {"label", "optimizer", "lr", "variant", "momentum", "max_grad_norm", "private", "hparams"}
+    known = {"label", "optimizer", "lr", "variant", "momentum", "max_grad_norm", "private", "hparams",
+             "noise", "bands", "sigma", "target_epsilon"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise ValueError(f"method {entry['label']!r}: unknown keys {unknown}; put variant options under `hparams`.")
@@ -130,14 +161,19 @@ def _method(entry: dict[str, Any]) -> Method:
     return Method(label=str(entry["label"]), optimizer=entry["optimizer"], lr=float(entry["lr"]),
                   variant=entry.get("variant"), momentum=float(entry.get("momentum", 0.9)),
                   max_grad_norm=None if c is None else float(c), private=bool(entry.get("private", True)),
-                  hparams=dict(entry.get("hparams") or {}))
+                  hparams=dict(entry.get("hparams") or {}), noise=entry.get("noise"),
+                  bands=None if entry.get("bands") is None else int(entry["bands"]),
+                  sigma=_optional_float(entry.get("sigma")),
+                  target_epsilon=_optional_float(entry.get("target_epsilon")))
 
 
 def _check(setup: Setup) -> None:
     if not setup.methods or not setup.seeds:
         raise ValueError("the config needs at least one method and one seed.")
-    if not (math.isfinite(setup.sigma) and setup.sigma > 0):
-        raise ValueError(f"sigma must be a finite number > 0 (it is fixed across methods), got {setup.sigma}.")
+    _check_budget("the config", setup.sigma, setup.target_epsilon)
+    if setup.noise not in NOISES or setup.bands < 1 or (setup.noise == "gaussian" and setup.bands != 1):
+        raise ValueError(f"the config: noise must be one of {NOISES} and bands >= 1 (bands > 1 needs noise: banded), "
+                         f"got noise={setup.noise!r}, bands={setup.bands}.")
     if setup.steps < 1 or setup.eval_every < 1:
         raise ValueError("steps and eval_every must be >= 1.")
     for m in setup.methods:
@@ -145,6 +181,57 @@ def _check(setup: Setup) -> None:
             raise ValueError(f"method {m.label!r}: a variant needs optimizer: adam.")
         if m.variant and not m.private:
             raise ValueError(f"method {m.label!r}: a DP variant needs private: true (it reads the mechanism).")
+        _check_budget(f"method {m.label!r}", m.sigma, m.target_epsilon)
+        if m.private:
+            privacy_kwargs(setup, m)  # raises on a row whose noise, bands or budget cannot run
+
+
+def _check_budget(where: str, sigma: Optional[float], target_epsilon: Optional[float]) -> None:
+    if sigma is not None and target_epsilon is not None:
+        raise ValueError(f"{where}: give sigma (fixed σ) or target_epsilon (σ calibrated), not both.")
+    for name, value in (("sigma", sigma), ("target_epsilon", target_epsilon)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {name} must be a finite number > 0, got {value}.")
+
+
+def privacy_kwargs(setup: Setup, method: Method) -> dict[str, Any]:
+    """DPStrategy's privacy arguments for one private row (ALGORITHMS.md §7 for banded noise).
+
+    The row's ``noise``/``bands``/``sigma``/``target_epsilon`` win over the config's; a row
+    that sets either σ or ε ignores the other one of the config. Returns ``noise``, ``bands``,
+    ``max_grad_norm`` and either ``noise_multiplier`` or ``target_epsilon`` + ``target_delta``.
+    """
+    noise = method.noise or setup.noise
+    bands = method.bands if method.bands is not None else (setup.bands if noise == "banded" else 1)
+    if noise not in NOISES:
+        raise ValueError(f"method {method.label!r}: noise must be one of {NOISES}, got {noise!r}.")
+    if bands < 1 or (noise == "gaussian" and bands != 1):
+        raise ValueError(f"method {method.label!r}: bands must be 1 for gaussian noise and >= 1 for banded, "
+                         f"got {bands}.")
+    if noise == "banded" and bands > 1 and method.variant == "independent_moments":
+        raise ValueError(f"method {method.label!r}: independent_moments needs noise: gaussian (two draws per step).")
+    kwargs: dict[str, Any] = {"noise": noise, "bands": bands,
+                              "max_grad_norm": method.max_grad_norm or setup.max_grad_norm}
+    if method.sigma is not None or method.target_epsilon is not None:
+        sigma, epsilon = method.sigma, method.target_epsilon
+    else:
+        sigma, epsilon = setup.sigma, setup.target_epsilon
+    if sigma is not None:
+        kwargs["noise_multiplier"] = sigma
+    elif epsilon is not None:
+        kwargs.update(target_epsilon=epsilon, target_delta=setup.delta)
+    else:
+        raise ValueError(f"method {method.label!r}: set sigma or target_epsilon (in the row or at the top).")
+    return kwargs
+
+
+def fixed_sigma_gaussian(setup: Setup) -> bool:
+    """True when every private row has independent noise with the config's σ (the variants page)."""
+    return setup.sigma is not None and all(
+        privacy_kwargs(setup, m) == {"noise": "gaussian", "bands": 1, "noise_multiplier": setup.sigma,
+                                     "max_grad_norm": m.max_grad_norm or setup.max_grad_norm}
+        for m in setup.methods if m.private
+    )
 
 
 # ----------------------------------------------------------------------------- the callback
@@ -236,7 +323,7 @@ def train_once(setup: Setup, method: Method, seed: int, data: PydocTextDataModul
     callbacks: list[Callback] = [monitor]
     strategy: Any = "auto"
     if method.private:
-        strategy = DPStrategy(noise_multiplier=setup.sigma, max_grad_norm=method.max_grad_norm or setup.max_grad_norm)
+        strategy = DPStrategy(**privacy_kwargs(setup, method))
         if method.variant:
             callbacks.append(AdamVariant(method.variant, **method.hparams))
     trainer = pl.Trainer(
@@ -250,7 +337,7 @@ def train_once(setup: Setup, method: Method, seed: int, data: PydocTextDataModul
     epsilon = ledger_epsilon(strategy.ledger, setup.delta) if method.private else math.inf
     return RunResult(val_loss=evaluate_loss(model, data.val_set), curve_steps=monitor.curve_steps,
                      curve_val=monitor.curve_val, negative_fraction=monitor.fractions, epsilon=epsilon,
-                     seconds=time.time() - started)
+                     seconds=time.time() - started, sigma=strategy.noise_multiplier if method.private else math.nan)
 
 
 # ----------------------------------------------------------------------------- table and plot
@@ -267,7 +354,12 @@ def late_fraction(run: RunResult) -> Optional[float]:
 
 
 def markdown_table(setup: Setup, results: dict[str, list[RunResult]]) -> str:
-    """One line per method: lr, C, ε, final validation loss (mean ± std over seeds), negative share."""
+    """One line per method: lr, C, ε, final validation loss (mean ± std over seeds), negative share.
+
+    Configs with calibrated ε or banded noise get :func:`equal_epsilon_table` instead.
+    """
+    if not fixed_sigma_gaussian(setup):
+        return equal_epsilon_table(setup, results)
     lines = ["| method | lr | C | ε (δ = {:g}) | final val loss (nats/token, mean ± std) | "
              "share v̂ − Φ < 0, 2nd half (mean) | s / run |".format(setup.delta),
              "|---|---|---|---|---|---|---|"]
@@ -280,6 +372,34 @@ def markdown_table(setup: Setup, results: dict[str, list[RunResult]]) -> str:
         share = f"{100 * statistics.fmean(fractions):.1f} %" if fractions else "—"
         c = "—" if not method.private else f"{method.max_grad_norm or setup.max_grad_norm:g}"
         lines.append(f"| {method.label} | {method.lr:g} | {c} | {eps_cell} | **{mean_std([r.val_loss for r in runs])}** "
+                     f"| {share} | {statistics.fmean(r.seconds for r in runs):.0f} |")
+    return "\n".join(lines)
+
+
+def equal_epsilon_table(setup: Setup, results: dict[str, list[RunResult]]) -> str:
+    """One line per method: noise (bands), lr, C, σ used, ε realised (from the ledger), loss, share, time.
+
+    σ is the mean over seeds (the same for every seed: it depends only on ε, δ, q, T and b); the
+    ε cell is one value when the seeds agree to 5e-4, else their range. ALGORITHMS.md §7 for banded noise.
+    """
+    lines = ["| method | noise | lr | C | σ | ε realised (δ = {:g}) | final val loss (nats/token, mean ± std) | "
+             "share v̂ − Φ < 0, 2nd half (mean) | s / run |".format(setup.delta),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method in setup.methods:
+        runs = results[method.label]
+        fractions = [f for f in (late_fraction(r) for r in runs) if f is not None]
+        share = f"{100 * statistics.fmean(fractions):.1f} %" if fractions else "—"
+        if method.private:
+            kw = privacy_kwargs(setup, method)
+            noise = "independent" if kw["bands"] == 1 else f"banded, b = {kw['bands']}"
+            eps = [r.epsilon for r in runs]
+            eps_cell = "∞ (not private)" if method.variant == "noiseless" or math.isinf(max(eps)) else (
+                f"{eps[0]:.3f}" if max(eps) - min(eps) < 5e-4 else f"{min(eps):.3f}–{max(eps):.3f}")
+            cells = [noise, f"{method.lr:g}", f"{kw['max_grad_norm']:g}",
+                     f"{statistics.fmean(r.sigma for r in runs):.4f}", eps_cell]
+        else:
+            cells = ["none", f"{method.lr:g}", "—", "—", "∞ (not private)"]
+        lines.append(f"| {method.label} | " + " | ".join(cells) + f" | **{mean_std([r.val_loss for r in runs])}** "
                      f"| {share} | {statistics.fmean(r.seconds for r in runs):.0f} |")
     return "\n".join(lines)
 
@@ -357,13 +477,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     png = args.out.with_suffix(".png")
     plot(setup, results, png)
     args.out.with_suffix(".json").write_text(json.dumps({k: [asdict(r) for r in v] for k, v in results.items()}))
-    args.out.write_text(report(args, setup, table, png.name, time.time() - started))
+    page = report(args, setup, table, png.name, time.time() - started)
+    args.out.write_text(page + kept_reading(args.out))
     print(f"wrote {args.out} and {png} ({time.time() - started:.0f} s)")
     return args.out
 
 
+def kept_reading(path: Path) -> str:
+    """The hand-written part of an existing page: :data:`READING_MARKER` and all after it ("" if none)."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    at = text.find(READING_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def report(args: argparse.Namespace, setup: Setup, table: str, png: str, seconds: float) -> str:
-    """The markdown file: setup, table, figure."""
+    """The markdown file: setup, table, figure (:func:`equal_epsilon_report` for ε / banded configs)."""
+    if not fixed_sigma_gaussian(setup):
+        return equal_epsilon_report(args, setup, table, png, seconds)
     flags = " --smoke" if args.smoke else ""
     data = make_data(setup)
     model = TinyTransformerLM(vocab_size=data.vocab_size, max_len=setup.seq_len, d_model=setup.d_model,
@@ -394,6 +526,47 @@ read from DPAdam's state after each step; for independent_moments it is the shar
 for noiseless it is the share of coordinates whose *clean* v̂_t lies below Φ (the paper's Fig. 6).
 For scale_then_privatize Φ_t = (σC/B)²/s_t² changes from step to step and the share compares v̂_t with
 the current Φ_t, not with its EMA: indicative only.
+
+{table}
+
+![validation loss and share of negative v̂ − Φ per step]({png})
+"""
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository root when it lies inside it (for the page's command line)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
+def equal_epsilon_report(args: argparse.Namespace, setup: Setup, table: str, png: str, seconds: float) -> str:
+    """The page of a config with calibrated ε and/or banded noise (ALGORITHMS.md §7; design-principles §4.5)."""
+    flags = " --smoke" if args.smoke else ""
+    data = make_data(setup)
+    model = TinyTransformerLM(vocab_size=data.vocab_size, max_len=setup.seq_len, d_model=setup.d_model,
+                              n_layers=setup.n_layers, n_heads=setup.n_heads)
+    assert data.train_set is not None and data.val_set is not None
+    n = len(data.train_set)
+    budget = (f"σ calibrated by `DPStrategy(target_epsilon={setup.target_epsilon:g}, target_delta={setup.delta:g})` "
+              "for each row's noise and bands" if setup.target_epsilon is not None
+              else f"σ = {setup.sigma:g} unless the row says otherwise" if setup.sigma is not None
+              else "σ as each row says")
+    return f"""# Independent vs banded (DP-MF) noise on a small transformer LM
+
+Generated by `python examples/transformer_variants.py --config {_shown(args.config)} --out {_shown(args.out)}{flags}`
+in {seconds / 60:.1f} min
+(one process, 1 torch thread). Model: `TinyTransformerLM` ({setup.n_layers} layers, d = {setup.d_model},
+{setup.n_heads} heads, {parameter_count(model):,} parameters), trained from scratch on byte-level windows of
+{setup.seq_len} tokens of Python's `pydoc_data` help text ({n} training windows, {len(data.val_set)} validation
+windows: the last 10 % of the text). Privacy: {budget} (RDP accountant), expected batch B = {setup.batch_size},
+{setup.steps} steps, C = {setup.max_grad_norm:g} unless the row says otherwise. Independent rows: Poisson sampling
+with q = B/N = {setup.batch_size / n:.4f}. Banded rows (`noise="banded"`, ALGORITHMS.md §7): b-banded Toeplitz
+DP-MF noise (Fichtenberger coefficients) with b-min-separated sampling — the data split into b groups, step t
+Poisson-samples group t mod b at rate q_g = bB/N — accounted as ⌈T/b⌉ sampled-Gaussian rounds at q_g
+(Choquette-Choo et al. 2023, Thm. 5). The ε column is realised from each run's ledger at δ = {setup.delta:g}.
+Seeds {setup.seeds} (initialisation; sampling and noise are OS-seeded). The Adam rows are torch.optim.Adam
+(β = (0.9, 0.999), ε = 1e-8) swapped by `AdamVariant`; scale_then_privatize clips in the scaled space (its C) and
+refreshes s every step. Learning rates: see `{_shown(args.config)}`.
 
 {table}
 
