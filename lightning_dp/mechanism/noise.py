@@ -17,12 +17,24 @@ from torch import Tensor
 from lightning_dp.mechanism.seeding import secure_seed
 
 
+_MIN_CHUNK = 1 << 16  # smallest scratch chunk of GaussianNoise.add_noise_ (256 KiB in float32)
+
+
 class NoiseMechanism(ABC):
     """Source of the unit noise z_t added once per step."""
 
     @abstractmethod
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """Unit-variance noise tensors shaped like ``like`` for the current step."""
+
+    def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
+        """t ← scale_by · t + std · z for every t, in place: z is this step's unit noise (:meth:`sample`).
+
+        Mechanisms that can draw into a small scratch buffer override this (no full-size noise tensor)."""
+        for t, z in zip(tensors, self.sample(tensors)):
+            if scale_by != 1.0:
+                t.mul_(scale_by)
+            t.add_(z, alpha=std)
 
     def advance(self) -> None:
         """Count a step on a rank that does not add noise (keeps step-dependent state in sync)."""
@@ -63,6 +75,52 @@ class GaussianNoise(NoiseMechanism):
 
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
-        return [
-            torch.randn(t.shape, generator=self._generator(t.device), device=t.device, dtype=t.dtype) for t in like
-        ]
+        return self._draw(like, 1.0)
+
+    def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
+        """t ← scale_by · t + std · z in place, z ~ N(0, I) from this mechanism's private generator.
+
+        The draw goes chunk by chunk into one scratch buffer (``normal_(0, std)``: the scaling is
+        fused into the draw) and each chunk is added in one pass, so no noise tensor as large as
+        the model is ever allocated: the scratch holds max(2¹⁶, d/8) numbers for d coordinates.
+        Every coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
+        the generic path (its samples, scaled).
+        """
+        if not std > 0:
+            raise ValueError(f"std must be > 0, got {std!r}")
+        if type(self).sample is not GaussianNoise.sample:
+            super().add_noise_(tensors, std, scale_by)
+            return
+        chunk = max(_MIN_CHUNK, -(-sum(t.numel() for t in tensors) // 8))
+        scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        for t in tensors:
+            key = (t.device, t.dtype)
+            if key not in scratch:
+                scratch[key] = torch.empty(min(chunk, max(u.numel() for u in tensors)), device=t.device, dtype=t.dtype)
+            self._add_chunked(t, scratch[key], std, scale_by)
+
+    def _add_chunked(self, t: Tensor, scratch: Tensor, std: float, scale_by: float) -> None:
+        """t ← scale_by · t + N(0, std²) per coordinate, drawn ``len(scratch)`` at a time."""
+        generator = self._generator(t.device)
+        if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
+            z = torch.empty(t.shape, device=t.device, dtype=t.dtype).normal_(0.0, std, generator=generator)
+            torch.add(z, t, alpha=scale_by, out=t)
+            return
+        flat, step = t.view(-1), scratch.numel()
+        for start in range(0, flat.numel(), step):
+            part = flat[start : start + step]
+            z = scratch[: part.numel()].normal_(0.0, std, generator=generator)
+            torch.add(z, part, alpha=scale_by, out=part)
+
+    def _draw(self, like: Sequence[Tensor], std: float) -> list[Tensor]:
+        out: list[Optional[Tensor]] = [None] * len(like)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(like):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        for (device, dtype), idx in groups.items():
+            sizes = [like[i].numel() for i in idx]
+            flat = torch.empty(sum(sizes), device=device, dtype=dtype)
+            flat.normal_(0.0, std, generator=self._generator(device))
+            for i, chunk in zip(idx, flat.split(sizes)):
+                out[i] = chunk.view(like[i].shape)
+        return out  # type: ignore[return-value]

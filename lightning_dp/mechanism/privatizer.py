@@ -66,23 +66,32 @@ class Privatizer:
         max_grad_norm: float,
         expected_batch_size: float,
     ) -> Release:
-        """Write ĝ_t into ``p.grad`` for every parameter and describe the release."""
+        """Write ĝ_t into ``p.grad`` for every parameter and describe the release.
+
+        The clipped sums of ``batch`` are noised and divided in place and become ``p.grad``
+        (read anything else from them before calling this)."""
         sigma = noise_multiplier * math.sqrt(request.noise_split)
+        if request.second_moment and batch.square_sums is None:
+            raise RuntimeError("the engine returned no square sums although the variant asked for them")
         sums = [batch.sums[p] for p in params]
         squares = [batch.square_sums[p] for p in params] if request.second_moment else []
         clean = [s.clone() for s in sums] if request.clean_mean else []
-        if request.second_moment and batch.square_sums is None:
-            raise RuntimeError("the engine returned no square sums although the variant asked for them")
-        if self.adds_noise:
-            self._add_noise(sums, sigma * max_grad_norm)
+        if self.adds_noise and self.reduce is None:
+            # One pass: S ← S/B + (σC/B)·z (the same N(0, (σC/B)²) per coordinate as (S + σCz)/B).
+            self.noise.add_noise_(sums, sigma * max_grad_norm / expected_batch_size, 1.0 / expected_batch_size)
             self._add_noise(squares, sigma * max_grad_norm**2)
+            grads = sums
         else:
-            self.noise.advance()
-        if self.reduce is not None:
-            self.reduce(sums + squares + clean)
-        grads = [s / expected_batch_size for s in sums]
+            if self.adds_noise:
+                self._add_noise(sums, sigma * max_grad_norm)
+                self._add_noise(squares, sigma * max_grad_norm**2)
+            else:
+                self.noise.advance()
+            if self.reduce is not None:
+                self.reduce(sums + squares + clean)
+            grads = [s.div_(expected_batch_size) for s in sums]
         if request.scale is not None:
-            grads = [g / request.scale[p] for p, g in zip(params, grads)]
+            grads = [g.div_(request.scale[p]) for p, g in zip(params, grads)]
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
         return Release(
@@ -97,10 +106,9 @@ class Privatizer:
         )
 
     def _add_noise(self, tensors: list[Tensor], std: float) -> None:
-        if not tensors:
-            return
-        for t, z in zip(tensors, self.noise.sample(tensors)):
-            t.add_(z, alpha=std)
+        """tensors += std · z, in place (z: this step's draw of the noise mechanism)."""
+        if tensors:
+            self.noise.add_noise_(tensors, std)
 
 
 def _per_param(params: Sequence[nn.Parameter], tensors: list[Tensor], divisor: float) -> Optional[dict[Tensor, Tensor]]:

@@ -7,6 +7,7 @@ import torch
 from scipy import stats
 from torch import nn
 
+import lightning_dp.mechanism.noise as noise_module
 from lightning_dp.mechanism import GaussianNoise, MechanismRequest, Privatizer, make_engine
 from lightning_dp.mechanism.grad_sample import ClippedBatch
 
@@ -122,3 +123,44 @@ def test_engine_matches_a_per_example_loop():
         assert torch.allclose(out.sums[p], e, atol=1e-6)
         assert torch.allclose(out.square_sums[p], s, atol=1e-7)
     assert out.batch_size == 9
+
+
+def test_noise_with_a_reduce_is_added_before_it_and_has_std_sigma_c_over_b():
+    """The multi-process path (noise into the sums, reduce, / B) gives the same N(0, (σC/B)²)."""
+    p = nn.Parameter(torch.zeros(30000))
+    seen = []
+    priv = Privatizer(GaussianNoise(seed=6), reduce=lambda ts: seen.extend(t.clone() for t in ts))
+    batch = ClippedBatch({p: torch.full((30000,), 2.0)}, None, torch.ones(3), 3)
+    priv.privatize(batch, [p], MechanismRequest(), 0.8, 1.5, 4.0)
+    lo, hi = _variance_bounds(30000)
+    assert lo < (seen[0] - 2.0).pow(2).mean().item() / (0.8 * 1.5) ** 2 < hi  # noise already in what is reduced
+    assert lo < (p.grad - 0.5).double().pow(2).mean().item() / (0.8 * 1.5 / 4.0) ** 2 < hi
+
+
+def test_add_noise_in_chunks_is_fresh_per_coordinate(monkeypatch):
+    """Chunked draws into one scratch buffer: every chunk new, N(0, std²), scale_by applied, dtypes apart."""
+    monkeypatch.setattr(noise_module, "_MIN_CHUNK", 1000)
+    base = torch.full((12000,), 4.0)
+    tensors = [base.clone(), torch.full((7,), 4.0), torch.full((3000,), 4.0, dtype=torch.float64),
+               torch.full((50, 40), 4.0).t()]  # the last is not contiguous
+    GaussianNoise(seed=7).add_noise_(tensors, 3.0, scale_by=0.5)
+    z = [(t - 2.0).flatten().double() for t in tensors]  # scale_by: 4 -> 2
+    assert [t.dtype for t in tensors] == [torch.float32, torch.float32, torch.float64, torch.float32]
+    lo, hi = _variance_bounds(12000 + 7 + 3000 + 2000)
+    assert lo < torch.cat(z).pow(2).mean().item() / 9.0 < hi
+    chunk = -(-17007 // 8)  # max(_MIN_CHUNK, ⌈d / 8⌉) numbers per draw
+    chunks = z[0][: 5 * chunk].view(5, chunk)
+    r = torch.corrcoef(chunks)
+    assert (r - torch.eye(5, dtype=r.dtype)).abs().max() < 4.5 / math.sqrt(chunk)  # no repeated scratch contents
+    with pytest.raises(ValueError, match="std"):
+        GaussianNoise(seed=7).add_noise_(tensors, 0.0)
+
+
+def test_add_noise_of_a_custom_sample_uses_that_sample():
+    class Ones(GaussianNoise):
+        def sample(self, like):
+            return [torch.ones_like(t) for t in like]
+
+    t = torch.full((5,), 2.0)
+    Ones().add_noise_([t], 3.0, scale_by=0.5)
+    assert torch.equal(t, torch.full((5,), 4.0))

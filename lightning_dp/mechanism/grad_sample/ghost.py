@@ -52,6 +52,11 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
+def sq_norms(g: Tensor) -> Tensor:
+    """Squared L2 norm of each example's slice g[i], as one fused reduction (no g² temporary)."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
 class LayerStats:
     """Per-layer statistics: squared per-example norms, then clipped sums on demand."""
 
@@ -73,7 +78,7 @@ class MaterialisedStats(LayerStats):
         if scale is not None:
             grads = {p: g * scale[p] for p, g in grads.items()}
         self.grads = grads
-        self.sq_norms = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
+        self.sq_norms = _total([sq_norms(g) for g in grads.values()])
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
@@ -127,17 +132,25 @@ class LinearFormStats(LayerStats):
             return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
         G = torch.bmm(d.transpose(1, 2), a)
         self.G = G if sw is None else G * sw
-        return self.G.pow(2).sum((1, 2))
+        return sq_norms(self.G)
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c.
+
+        With G materialised (for the norms) the sum is c·G (n·in·out); otherwise one
+        book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
         out = {}
         c = c * self.k
         if self.weight is not None:
-            d2, a2 = self.d.reshape(-1, self.d.shape[2]), self.a.reshape(-1, self.a.shape[2])
-            cw = c.repeat_interleave(self.a.shape[1])[:, None]
-            w = (d2 * cw).t() @ a2 if d2.shape[1] <= a2.shape[1] else d2.t() @ (a2 * cw)
-            out[self.weight] = (w if self.sw is None else w * self.sw).reshape(self.weight.shape)
+            if self.G is not None:
+                out[self.weight] = torch.tensordot(c, self.G, dims=1).reshape(self.weight.shape)
+            else:
+                d, a = self.d, self.a
+                if d.shape[2] <= a.shape[2]:
+                    w = (d * c[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
+                else:
+                    w = d.reshape(-1, d.shape[2]).t() @ (a * c[:, None, None]).reshape(-1, a.shape[2])
+                out[self.weight] = (w if self.sw is None else w * self.sw).reshape(self.weight.shape)
         if self.bias is not None:
             out[self.bias] = c @ self.db
         return out
@@ -171,7 +184,7 @@ class EmbeddingStats(LayerStats):
         if with_squares or not prefer_ghost_embedding(T, V):
             G = self._scatter()
             self.G = G if self.s is None else G * self.s
-            self.sq_norms = self.G.pow(2).sum((1, 2))
+            self.sq_norms = sq_norms(self.G)
         else:
             ds = d if self.s is None else d * self.s.pow(2)[idx]
             same = (idx[:, :, None] == idx[:, None, :]).to(d.dtype)
@@ -200,9 +213,17 @@ def _as_float(t: Tensor, like: Tensor) -> Tensor:
     return t.to(like.dtype) if t.dtype != like.dtype else t
 
 
-def _cat(parts: list[Tensor]) -> Tensor:
+def _cat(parts: list[Tensor], dim: int = 1) -> Tensor:
     """Concatenate calls of one layer along the token axis (no copy for a single call)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _total(parts: list[Tensor]) -> Tensor:
+    """Sum of one layer's per-call tensors (no copy for a single call, unlike ``sum``)."""
+    out = parts[0]
+    for t in parts[1:]:
+        out = out + t
+    return out
 
 
 def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
@@ -218,34 +239,102 @@ def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, wi
 
 
 def conv2d_supported(m: nn.Module) -> bool:
-    """Conv2d shapes the unfold path handles (otherwise: per-layer vmap)."""
+    """Conv2d shapes the conv rule handles (otherwise: per-layer vmap)."""
     return isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
 
 
-def patches(x: Tensor, m: nn.Conv2d) -> Tensor:
-    """Input patches [n, L, C·kh·kw] in the weight's (C, kh, kw) order. Strided views and one
-    copy when dilation is 1 (much faster than F.unfold's per-example im2col on CPU)."""
+def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
+    """Input patches as columns, [n, C·kh·kw, L] (the F.unfold layout; rows in the weight's
+    (C, kh, kw) order), for the Gram matrices aᵀa and per-example grads δ aᵀ.
+
+    For dilation 1 the strided unfold view is copied in its (C, kh, kw, oh, ow) order, whose
+    inner rows of ``ow`` are contiguous: on CPU much faster than F.unfold's im2col or a copy
+    into the token-major (oh, ow, C, kh, kw) order."""
     if tuple(m.dilation) != (1, 1):
-        return F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride).transpose(1, 2)
+        return F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
     ph, pw = m.padding
     if ph or pw:
         x = F.pad(x, (pw, pw, ph, ph))
     (kh, kw), (sh, sw) = m.kernel_size, m.stride
     v = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, C, oh, ow, kh, kw]
     n, c, oh, ow = v.shape[:4]
-    return v.permute(0, 2, 3, 1, 4, 5).reshape(n, oh * ow, c * kh * kw)
+    return v.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
+
+
+def conv2d_weight_grad(x: Tensor, d: Tensor, m: nn.Conv2d) -> Tensor:
+    """The batch weight gradient of conv ``m`` for input x and output gradient d (one convolution backward)."""
+    return torch.ops.aten.convolution_backward(
+        d, x, m.weight.detach().to(x.dtype), None, list(m.stride), list(m.padding), list(m.dilation), False, [0, 0],
+        1, [False, True, False])[1]
+
+
+class Conv2dStats(LayerStats):
+    """nn.Conv2d (groups = 1): per-example weight grad n Σ_t δ_t a_tᵀ over output positions t.
+
+    Norms either by the ghost norm over patches, Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') (when
+    :func:`prefer_ghost` says so; then the clipped sum is one convolution backward of c ⊙ δ),
+    or from the materialised per-example grads G_i = δ_i a_iᵀ (patches as columns, one bmm;
+    then the clipped sum is c·G). ``calls``: (input, output grad) per call of the layer.
+    """
+
+    def __init__(self, m: nn.Conv2d, calls: list[tuple[Tensor, Tensor]], k: float, weight: Optional[Tensor],
+                 bias: Optional[Tensor], scale: Optional[ParamMap], with_squares: bool) -> None:
+        self.m, self.calls, self.k, self.weight, self.bias = m, calls, k, weight, bias
+        self.sw = None if scale is None or weight is None else scale[weight]
+        self.G: Optional[Tensor] = None
+        n = calls[0][0].shape[0]
+        sq = calls[0][1].new_zeros(n)
+        if weight is not None:
+            sq = sq + self._weight_sq_norms(with_squares)
+        if bias is not None:
+            db = _total([d.sum((2, 3)) for _, d in calls])
+            self.db = db if scale is None else db * scale[bias]
+            sq = sq + self.db.pow(2).sum(1)
+        self.sq_norms = sq * (k * k)
+
+    def _weight_sq_norms(self, with_squares: bool) -> Tensor:
+        T = sum(d.shape[2] * d.shape[3] for _, d in self.calls)
+        d_in, d_out = self.weight.shape[1:].numel(), self.weight.shape[0]
+        if self.sw is None and not with_squares and prefer_ghost(T, d_in, d_out):
+            a = _cat([patch_columns(x, self.m) for x, _ in self.calls], dim=2)  # [n, in, T]
+            d = _cat([d.flatten(2) for _, d in self.calls], dim=2)  # [n, out, T]
+            return (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
+        G = _total([torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2)) for x, d in self.calls])
+        G = G.view(G.shape[0], *self.weight.shape)
+        self.G = G if self.sw is None else G * self.sw
+        return sq_norms(self.G)
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
+        out = {}
+        c = c * self.k
+        if self.weight is not None:
+            if self.G is not None:
+                out[self.weight] = torch.tensordot(c, self.G, dims=1)
+            else:
+                cd = c[:, None, None, None]
+                out[self.weight] = _total([conv2d_weight_grad(x, d * cd, self.m)
+                                          for x, d in self.calls])
+        if self.bias is not None:
+            out[self.bias] = c @ self.db
+        return out
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2 (G is materialised)."""
+        out = {}
+        c2 = c2 * (self.k * self.k)
+        if self.weight is not None:
+            out[self.weight] = torch.tensordot(c2, self.G.pow(2), dims=1)
+        if self.bias is not None:
+            out[self.bias] = c2 @ self.db.pow(2)
+        return out
 
 
 def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
-    """nn.Conv2d (groups=1): unfold the input to [n, L, C·kh·kw], output grad to [n, L, out]."""
+    """nn.Conv2d (groups=1): inputs and output grads per call, in the weight's dtype."""
     m = calls.module
-    a_parts, d_parts = [], []
-    for r in calls.records:
-        x = _as_float(r.args[0], m.weight)
-        a_parts.append(patches(x, m))
-        d_parts.append(_as_float(r.grad_out, m.weight).reshape(n, m.out_channels, -1).transpose(1, 2))
-    return LinearFormStats(_cat(a_parts), _cat(d_parts), n, wanted.get("weight"), wanted.get("bias"),
-                           scale, with_squares)
+    pairs = [(_as_float(r.args[0], m.weight), _as_float(r.grad_out, m.weight)) for r in calls.records]
+    return Conv2dStats(m, pairs, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
 
 
 def embedding_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -312,14 +401,11 @@ class _LinearInputGradOnly(torch.autograd.Function):
     leaves ``p.grad`` untouched instead of spending a matmul on the non-private gradient."""
 
     @staticmethod
-    def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, weight, bias = inputs
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        # ctx-style forward (no setup_context): autograd then skips an inspect.signature per call.
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -332,14 +418,10 @@ class _Conv2dInputGradOnly(torch.autograd.Function):
     """F.conv2d (groups=1, zero padding) whose backward computes only the input gradient."""
 
     @staticmethod
-    def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation) -> Tensor:
-        return F.conv2d(x, weight, bias, stride, padding, dilation)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, weight, bias, stride, padding, dilation = inputs
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.conf = (stride, padding, dilation)
+        return F.conv2d(x, weight, bias, stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, g: Tensor):

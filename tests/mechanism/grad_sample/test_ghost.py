@@ -6,7 +6,16 @@ from torch import nn
 
 import lightning_dp.mechanism.grad_sample.ghost as ghost
 from lightning_dp.mechanism.grad_sample.base import make_engine
-from gs_cases import check_clipping_bound, check_engine, make_case, run_engine
+from gs_cases import (
+    assert_close_batch,
+    check_clipping_bound,
+    check_engine,
+    make_case,
+    per_example_grads,
+    random_scale,
+    reference,
+    run_engine,
+)
 
 KINDS = ["cnn", "mlp", "lm"]
 
@@ -103,3 +112,39 @@ def test_unused_parameter_raises_and_tied_weights_unsupported():
     tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
     tied[1].weight = tied[0].weight
     assert any("shared" in s for s in engine.unsupported_layers(tied))
+
+
+class _ConvZoo(nn.Module):
+    """Conv2d layouts the conv rule must get right: dilation, stride, asymmetric padding,
+    a rectangular kernel, no bias, and one conv called twice (its per-example grad sums the calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dil = nn.Conv2d(2, 3, 3, dilation=2, padding=(2, 1))
+        self.rect = nn.Conv2d(3, 4, (2, 3), stride=(2, 1), bias=False)
+        self.twice = nn.Conv2d(4, 4, 1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.dil(x))
+        x = torch.tanh(self.twice(torch.tanh(self.twice(self.rect(x)))))
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("force", [True, False])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_conv_layouts_both_norm_paths(monkeypatch, force, scaled):
+    monkeypatch.setattr(ghost, "prefer_ghost", lambda *a: force)
+    torch.manual_seed(0)
+    model = _ConvZoo().double()
+    x, y = torch.randn(5, 2, 9, 7, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss = lambda m, x, y: nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    params = list(model.parameters())
+    scale = random_scale(params) if scaled else None
+    grads = per_example_grads(model, loss, x, y, params, scale)
+    C = float(reference(grads, params, float("inf")).norms.median())
+    engine = make_engine("ghost")
+    engine.attach(model)
+    got = run_engine(engine, model, loss, x, y, params, C, scale, with_squares=scaled)
+    engine.detach()
+    assert_close_batch(got, reference(grads, params, C), params)
