@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
-from lightning_dp.accounting.rdp import RDP_ORDERS, conversion_offsets, epsilon_from_offsets, step_rdp
+from lightning_dp.accounting.rdp import RDP_ORDERS, _step_rdp_cached, conversion_offsets, epsilon_from_offsets
 from lightning_dp.accounting.sgm_rdp import check_curve
 
 _CONVERSIONS = ("balle", "mironov")
@@ -102,7 +102,12 @@ class RunningRDP:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget everything (an empty run)."""
-        self.total = np.zeros(len(self.orders))
+        self._total = np.zeros(len(self.orders))
+        self._pending_vector: Optional[np.ndarray] = None  # one-step vector of the latest releases …
+        self._pending_steps = 0  # … and how many of them are not folded into _total yet
+        self._last_added: Optional[tuple[float, float]] = None  # (σ, q) of the latest private releases
+        self.segment = 0  # bumped whenever the (σ, q) of added releases changes
+        self.segment_steps = 0  # releases added since
         self.steps = 0
         self.private = True
         self._seen = 0  # number of ledger entries (partly) consumed
@@ -122,7 +127,8 @@ class RunningRDP:
         curve = self._curve_for((noise_multiplier, sample_rate))
         key = (noise_multiplier, sample_rate, curve)
         if key != self._one_step_key:  # else the common case: σ, q unchanged since last time
-            self._one_step_key, self._one_step_value = key, step_rdp(noise_multiplier, sample_rate, self.orders, curve)
+            # self.orders is already a tuple of floats: skip step_rdp's normalisation
+            self._one_step_key, self._one_step_value = key, _step_rdp_cached(noise_multiplier, sample_rate, self.orders, curve)
         return self._one_step_value
 
     def _curve_for(self, key: tuple[float, float]) -> str:
@@ -138,9 +144,52 @@ class RunningRDP:
         if not private:
             self.private = False
             return
-        self.total = self.total + steps * self.one_step(noise_multiplier, sample_rate)
+        vector = self.one_step(noise_multiplier, sample_rate)
+        if (noise_multiplier, sample_rate) != self._last_added or vector is not self._pending_vector:
+            self._fold()
+            self._pending_vector, self._last_added = vector, (noise_multiplier, sample_rate)
+            self.segment, self.segment_steps = self.segment + 1, 0
+        self._pending_steps += int(steps)
+        self.segment_steps += int(steps)  # folded lazily: a constant-σ step costs no array work
         if self.curve == "auto" and self._one_step_key is not None and self._one_step_key[2] == "exact":
             self._exact.add(self._one_step_key[:2])
+
+    def _fold(self) -> None:
+        if self._pending_steps:
+            self._total = self._total + self._pending_steps * self._pending_vector
+            self._pending_steps = 0
+
+    @property
+    def total(self) -> np.ndarray:
+        """The per-order RDP total of every release added so far."""
+        self._fold()
+        return self._total
+
+    def continues(self, noise_multiplier: float, sample_rate: float) -> bool:
+        """Whether the latest private releases used this (σ, q) (more of them extend :attr:`segment`)."""
+        return self._last_added == (noise_multiplier, sample_rate)
+
+    def affordable_steps(self, delta: float, target_epsilon: float, noise_multiplier: float, sample_rate: float) -> int:
+        """The most further releases of (σ, q) after which ε(δ) stays ≤ ``target_epsilon``.
+
+        ε(total + n·r) = min_α (total_α + n·r_α + offset_α) (:func:`rdp_to_epsilon`), so per
+        order n_α = ⌊(target − offset_α − total_α) / r_α⌋ and the answer is max_α n_α (checked
+        against ε itself, so it agrees with :meth:`epsilon_after` at the boundary). ``inf``-free:
+        a (σ, q) that costs nothing gives a very large number.
+        """
+        if not self.private:
+            return 0
+        r = self.one_step(noise_multiplier, sample_rate)
+        room = target_epsilon - self._offsets_for(delta) - self.total
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_order = np.where(r > 0, np.floor(room / r), np.where(room >= 0, np.inf, -1.0))
+        best = float(np.nanmax(per_order)) if np.any(~np.isnan(per_order)) else -1.0
+        n = int(min(max(best, -1.0), 2**62))
+        while n >= 0 and self.epsilon_after(delta, noise_multiplier, sample_rate, n) > target_epsilon:
+            n -= 1  # floating-point guard: never promise a step ε would refuse
+        while n < 2**62 and self.epsilon_after(delta, noise_multiplier, sample_rate, n + 1) <= target_epsilon:
+            n += 1
+        return max(n, 0)
 
     # ----------------------------------------------------------------- ledger
     def sync(self, ledger: PrivacyLedger | Iterable[LedgerEntry]) -> int:
@@ -229,7 +278,9 @@ class RunningRDP:
         self.curve = state.get("curve", "exact")  # states saved before curves existed were exact
         self.exact_keys = int(state.get("exact_keys", 16))
         self._exact = {(float(s), float(q)) for s, q in state.get("exact", [])}
-        self.total = np.asarray(state["total"], dtype=float)
+        self._total = np.asarray(state["total"], dtype=float)
+        self._pending_vector, self._pending_steps, self._last_added = None, 0, None
+        self.segment, self.segment_steps = self.segment + 1, 0
         self.steps = int(state["steps"])
         self.private = bool(state["private"])
         self._seen = int(state["seen"])

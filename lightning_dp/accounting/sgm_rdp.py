@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from scipy import special
@@ -86,20 +86,28 @@ def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orde
     RDP(2) (monotonicity), so it is loose only where ε is beyond log(1/δ).
     """
     sigma, q = float(noise_multiplier), float(sample_rate)
+    plan = _chord_plan(tuple(float(a) for a in orders) if not isinstance(orders, tuple) else orders)
+    if plan is None or not (0.0 < q < 1.0) or not sigma > 0.0:
+        return sampled_gaussian_rdp(sigma, q, orders)  # no fractional order, edge cases, or errors
+    integers, low, high, weight, denominator = plan
+    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, integers)])  # index n − 1 ↔ order n
+    return ((1.0 - weight) * log_a[low] + weight * log_a[high]) / denominator
+
+
+@lru_cache(maxsize=32)
+def _chord_plan(orders: tuple[float, ...]) -> Optional[tuple[Any, ...]]:
+    """The (σ, q)-free part of the chord bound for these orders: the integer orders 2..⌈max α⌉
+    to evaluate, the indices of ⌊α⌋ and ⌈α⌉ into them, the weights α − ⌊α⌋ and α − 1.
+    ``None`` when the exact curve is as cheap (no fractional order) or the orders are invalid."""
     alphas = np.asarray(orders, dtype=float)
-    exact_cases = q in (0.0, 1.0) or sigma == 0.0 or not np.all(np.isfinite(alphas))
-    fractional = alphas != np.floor(alphas)
-    if exact_cases or not fractional.any():
-        return sampled_gaussian_rdp(sigma, q, orders)
-    if not (0.0 < q < 1.0) or not sigma > 0.0 or np.any(~(alphas > 1.0)):
-        return sampled_gaussian_rdp(sigma, q, orders)  # raises the same errors
+    if not np.all(np.isfinite(alphas)) or np.any(~(alphas > 1.0)) or np.all(alphas == np.floor(alphas)):
+        return None
     top = int(np.ceil(alphas.max()))
-    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, tuple(range(2, top + 1)))])  # index n − 1 ↔ order n
     low = np.floor(alphas).astype(int)
-    weight = alphas - low
-    upper = np.minimum(low + 1, top)
-    chord = (1.0 - weight) * log_a[low - 1] + weight * log_a[upper - 1]
-    return chord / (alphas - 1.0)
+    plan = (tuple(range(2, top + 1)), low - 1, np.minimum(low + 1, top) - 1, alphas - low, alphas - 1.0)
+    for arr in plan[1:]:
+        arr.setflags(write=False)
+    return plan
 
 
 def _log_a_integer(q: float, sigma: float, alphas: tuple[int, ...]) -> np.ndarray:

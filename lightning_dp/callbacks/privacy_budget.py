@@ -122,6 +122,8 @@ class PrivacyBudget(Callback):
         self._rdp = RunningRDP(quantum=rdp_quantum, curve=rdp_curve)  # the stop decision's running total
         self._report = running_for(accountant, rdp_quantum, rdp_curve) if accountant != "rdp" else self._rdp
         self._epsilon = 0.0
+        self._epsilon_stale = False  # running accountants: ε is computed when read (logging, end)
+        self._rdp_horizon: Optional[tuple[tuple[float, float, int], int]] = None  # ((σ, q, segment), last step)
         self._reported_at = -1
         self._warned_not_private = False
         self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
@@ -130,6 +132,9 @@ class PrivacyBudget(Callback):
     @property
     def epsilon(self) -> float:
         """ε of the run so far by ``accountant`` (as of the last report)."""
+        if self._epsilon_stale:
+            assert self._report is not None and self.delta is not None
+            self._epsilon, self._epsilon_stale = self._report.epsilon(self.delta), False
         return self._epsilon
 
     # ------------------------------------------------------------------- hooks
@@ -171,8 +176,8 @@ class PrivacyBudget(Callback):
         self._sync(ledger)
         self._update_epsilon(ledger, force=True)
         for logger in trainer.loggers:
-            logger.log_metrics({"privacy/epsilon": self._epsilon}, step=trainer.global_step)
-        rank_zero_info(f"PrivacyBudget: ε = {self._epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
+            logger.log_metrics({"privacy/epsilon": self.epsilon}, step=trainer.global_step)
+        rank_zero_info(f"PrivacyBudget: ε = {self.epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
 
     # --------------------------------------------------------------- helpers
     def _resolve_delta(self, trainer: "pl.Trainer") -> None:
@@ -195,7 +200,9 @@ class PrivacyBudget(Callback):
     def _update_epsilon(self, ledger: PrivacyLedger, force: bool = False) -> None:
         assert self.delta is not None
         if self._report is not None:
-            self._epsilon = self._report.epsilon(self.delta)
+            self._epsilon_stale = True
+            if force:
+                _ = self.epsilon
             return
         steps = self._rdp.steps
         if force or (steps != self._reported_at and steps % self.every_n_steps == 0):
@@ -214,9 +221,9 @@ class PrivacyBudget(Callback):
         if steps % every and steps != 1 and not trainer.should_stop:
             return
         strategy = trainer.strategy
-        pl_module.log("privacy/epsilon", self._epsilon, on_step=True, on_epoch=False, prog_bar=True)
+        pl_module.log("privacy/epsilon", self.epsilon, on_step=True, on_epoch=False, prog_bar=True)
         values = {
-            "privacy/epsilon": self._epsilon,
+            "privacy/epsilon": self.epsilon,
             "privacy/delta": self.delta,
             "privacy/noise_multiplier": strategy.noise_multiplier,
             "privacy/sample_rate": strategy.sample_rate,
@@ -230,13 +237,26 @@ class PrivacyBudget(Callback):
         sigma, q = trainer.strategy.noise_multiplier, trainer.strategy.sample_rate
         if getattr(trainer.strategy, "rounds_charged_next_step", 1) == 0:
             return True  # banded noise, inside a cycle: the next step adds no sampled-Gaussian round
-        if self._rdp.epsilon_after(self.delta, sigma, q) <= self.target_epsilon:
+        if self._rdp_allows_next(sigma, q):
             return True  # RDP certifies it: a valid bound whatever the reporting accountant
         if self.stop_accountant == "rdp" or not self._rdp.private:
             return False
         if self.stop_accountant == "integer_rdp":
             return ledger_epsilon(ledger.entries + (LedgerEntry(sigma, q, 1),), self.delta, "integer_rdp") <= self.target_epsilon
         return self._rdp.steps + 1 <= self._last_allowed_step(ledger, sigma, q)
+
+    def _rdp_allows_next(self, sigma: float, q: float) -> bool:
+        """ε by the running RDP total after one more step ≤ target. While (σ, q) stays that of
+        the latest releases (twice or more), the last affordable step is computed once
+        (:meth:`RunningRDP.affordable_steps`) and each step is an integer comparison."""
+        assert self.delta is not None and self.target_epsilon is not None
+        run = self._rdp
+        if not run.continues(sigma, q) or run.segment_steps < 2:  # (σ, q) new or changing every step
+            return run.epsilon_after(self.delta, sigma, q) <= self.target_epsilon
+        key = (sigma, q, run.segment)
+        if self._rdp_horizon is None or self._rdp_horizon[0] != key:
+            self._rdp_horizon = (key, run.steps + run.affordable_steps(self.delta, self.target_epsilon, sigma, q))
+        return run.steps + 1 <= self._rdp_horizon[1]
 
     def _last_allowed_step(self, ledger: PrivacyLedger, sigma: float, q: float) -> int:
         """Total step count up to which ``stop_accountant`` certifies the budget at constant (σ, q)."""
@@ -265,7 +285,7 @@ class PrivacyBudget(Callback):
             "rdp": self._rdp.state_dict(),
             "report": self._report.state_dict() if self._report not in (None, self._rdp) else None,
             "delta": self.delta,
-            "epsilon": self._epsilon,
+            "epsilon": self.epsilon if self._report is not None and self.delta is not None else self._epsilon,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -276,5 +296,5 @@ class PrivacyBudget(Callback):
         if self.delta is None and state_dict.get("delta") is not None:
             self.delta = float(state_dict["delta"])
         self._epsilon = float(state_dict.get("epsilon", 0.0))
-        self._horizon = None
+        self._horizon = self._rdp_horizon = None
 

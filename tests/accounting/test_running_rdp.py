@@ -138,3 +138,26 @@ def test_bad_curve_arguments():
         RunningRDP(curve="fast")
     with pytest.raises(ValueError, match="exact_keys"):
         RunningRDP(exact_keys=-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_affordable_steps_is_the_last_step_within_target(seed):
+    rng = random.Random(seed)
+    run = RunningRDP()
+    run.add(rng.uniform(0.8, 1.5), rng.uniform(0.005, 0.05), steps=rng.randint(1, 200))
+    sigma, q = rng.uniform(0.8, 1.5), rng.uniform(0.005, 0.05)
+    target = run.epsilon_after(DELTA, sigma, q, 1) + rng.uniform(0.0, 2.0)
+    n = run.affordable_steps(DELTA, target, sigma, q)
+    assert n >= 1
+    assert run.epsilon_after(DELTA, sigma, q, n) <= target < run.epsilon_after(DELTA, sigma, q, n + 1)
+    assert run.affordable_steps(DELTA, run.epsilon(DELTA) * 0.5, sigma, q) == 0
+
+
+def test_segments_count_changes_of_sigma_and_q():
+    run = RunningRDP()
+    run.add(1.0, 0.01, steps=3)
+    run.add(1.0, 0.01, steps=2)
+    assert (run.segment, run.segment_steps, run.continues(1.0, 0.01)) == (1, 5, True)
+    run.add(1.2, 0.01)
+    assert (run.segment, run.segment_steps, run.continues(1.0, 0.01)) == (2, 1, False)
+    np.testing.assert_allclose(run.total, 5 * run.one_step(1.0, 0.01) + run.one_step(1.2, 0.01), rtol=1e-12)
