@@ -7,16 +7,17 @@ and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log`
 (straight to the trainer's loggers), every ``log_every_n_steps``.
 
 Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
-updated from *new* ledger entries only, so ε costs microseconds per step even when σ or q
-changes every step: a new (σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms)
-for the first 16 distinct ones, then ~0.1 ms with the chord upper bound (``rdp_curve``,
-:mod:`~lightning_dp.accounting.sgm_rdp`); repeated ones are cached.
-``accountant="rdp"`` / ``"integer_rdp"`` report from it every step. ``"pld"`` / ``"prv"``
-compose the whole ledger (0.1 s to seconds), so they report every ``every_n_steps``
-(default 100) and at the end of training.
+updated from *new* ledger entries only: a step at an unchanged (σ, q) costs no array work. A
+new (σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 16
+distinct ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~0.1 ms per new
+cell; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`). For ``accountant="rdp"`` /
+``"integer_rdp"`` ε is computed from it when read (logging, :attr:`epsilon`, end of training).
+``"pld"`` / ``"prv"`` compose the whole ledger (0.1 s to seconds), so they report every
+``every_n_steps`` (default 100) and at the end of training.
 
 Stopping (with ``target_epsilon``). After each step, ε *after one more step* with the
-strategy's current (σ, q) is computed; if it exceeds the target, ``trainer.should_stop`` is
+strategy's current (σ, q) is checked (while (σ, q) stays in one segment of the running total,
+against the last affordable step computed once); if it exceeds the target, ``trainer.should_stop`` is
 set, so training ends at the last step whose ε stays ≤ target. With banded noise only the first
 step of each cycle of b steps is charged a round (``DPStrategy.rounds_charged_next_step``), so
 the steps inside the last affordable cycle are all taken. The decision uses
@@ -123,7 +124,7 @@ class PrivacyBudget(Callback):
         self._report = running_for(accountant, rdp_quantum, rdp_curve) if accountant != "rdp" else self._rdp
         self._epsilon = 0.0
         self._epsilon_stale = False  # running accountants: ε is computed when read (logging, end)
-        self._rdp_horizon: Optional[tuple[tuple[float, float, int], int]] = None  # ((σ, q, segment), last step)
+        self._rdp_horizon: Optional[tuple[int, int]] = None  # (segment of the running total, last step)
         self._reported_at = -1
         self._warned_not_private = False
         self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
@@ -247,15 +248,14 @@ class PrivacyBudget(Callback):
 
     def _rdp_allows_next(self, sigma: float, q: float) -> bool:
         """ε by the running RDP total after one more step ≤ target. While (σ, q) stays that of
-        the latest releases (twice or more), the last affordable step is computed once
+        the latest releases (twice or more; same grid cell), the last affordable step is computed once
         (:meth:`RunningRDP.affordable_steps`) and each step is an integer comparison."""
         assert self.delta is not None and self.target_epsilon is not None
         run = self._rdp
         if not run.continues(sigma, q) or run.segment_steps < 2:  # (σ, q) new or changing every step
             return run.epsilon_after(self.delta, sigma, q) <= self.target_epsilon
-        key = (sigma, q, run.segment)
-        if self._rdp_horizon is None or self._rdp_horizon[0] != key:
-            self._rdp_horizon = (key, run.steps + run.affordable_steps(self.delta, self.target_epsilon, sigma, q))
+        if self._rdp_horizon is None or self._rdp_horizon[0] != run.segment:  # same segment: same one-step RDP
+            self._rdp_horizon = (run.segment, run.steps + run.affordable_steps(self.delta, self.target_epsilon, sigma, q))
         return run.steps + 1 <= self._rdp_horizon[1]
 
     def _last_allowed_step(self, ledger: PrivacyLedger, sigma: float, q: float) -> int:
