@@ -89,7 +89,7 @@ class RunningRDP:
         quantum: Optional[float] = None,
         conversion: str = "balle",
         curve: str = "auto",
-        exact_keys: int = 16,
+        exact_keys: int = 4,
     ) -> None:
         if quantum is not None and not quantum > 0:
             raise ValueError(f"quantum must be None (exact) or > 0, got {quantum!r}")

@@ -8,7 +8,7 @@ and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log`
 
 Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
 updated from *new* ledger entries only: a step at an unchanged (σ, q) costs no array work. A
-new (σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 16
+new (σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 4
 distinct ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~0.1 ms per new
 cell; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`). For ``accountant="rdp"`` /
 ``"integer_rdp"`` ε is computed from it when read (logging, :attr:`epsilon`, end of training).
@@ -87,7 +87,7 @@ class PrivacyBudget(Callback):
         rdp_quantum: ``None`` (exact) or relative grid for conservative σ/q rounding in the
             running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
         rdp_curve: how the running total evaluates a new (σ, q): ``"auto"`` (default: exact for
-            the first 16 distinct (σ, q), then the ~0.1 ms chord upper bound, 0.05–2 % higher ε),
+            the first 4 distinct (σ, q), then the ~0.1 ms chord upper bound on a 0.5 % grid, ε ≤ 3 % higher),
             ``"exact"`` (Opacus' series, 1–5 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
         log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
@@ -252,7 +252,7 @@ class PrivacyBudget(Callback):
         (:meth:`RunningRDP.affordable_steps`) and each step is an integer comparison."""
         assert self.delta is not None and self.target_epsilon is not None
         run = self._rdp
-        if not run.continues(sigma, q) or run.segment_steps < 2:  # (σ, q) new or changing every step
+        if not run.continues(sigma, q) or run.segment_steps < 3:  # (σ, q) new or changing every step
             return run.epsilon_after(self.delta, sigma, q) <= self.target_epsilon
         if self._rdp_horizon is None or self._rdp_horizon[0] != run.segment:  # same segment: same one-step RDP
             self._rdp_horizon = (run.segment, run.steps + run.affordable_steps(self.delta, self.target_epsilon, sigma, q))

@@ -17,7 +17,7 @@ DELTA = 1e-5
 
 def _random_ledger_run(seed, n_steps=60):
     rng = random.Random(seed)
-    ledger, run = PrivacyLedger(), RunningRDP()
+    ledger, run = PrivacyLedger(), RunningRDP(curve="exact")  # exactness is what these tests check
     sigmas = [0.8, 1.0, 1.3]
     for _ in range(n_steps):
         ledger.record(rng.choice(sigmas), rng.choice([0.01, 0.02]), steps=rng.randint(1, 3))
@@ -42,14 +42,14 @@ def test_epsilon_after_matches_recording_the_step():
 
 def test_state_dict_round_trip_continues_and_detects_a_foreign_ledger():
     ledger, run = _random_ledger_run(2, 20)
-    resumed = RunningRDP()
+    resumed = RunningRDP(curve="exact")
     resumed.load_state_dict(run.state_dict())
     ledger.record(1.0, 0.01, steps=5)
     resumed.sync(ledger)
     assert resumed.epsilon(DELTA) == pytest.approx(ledger_epsilon(ledger, DELTA), rel=1e-12)
     other = PrivacyLedger()
     other.record(2.0, 0.5, steps=3)
-    stale = RunningRDP()
+    stale = RunningRDP(curve="exact")
     stale.load_state_dict(run.state_dict())
     stale.sync(other)  # not an extension of what was seen: rebuilt
     assert stale.steps == 3
@@ -78,7 +78,7 @@ def test_quantised_total_is_a_tight_upper_bound():
 
 def test_integer_running_form_matches_accountant():
     ledger, _ = _random_ledger_run(3, 10)
-    run = running_for("integer_rdp")
+    run = running_for("integer_rdp", curve="exact")
     run.sync(ledger)
     assert run.epsilon(DELTA) == pytest.approx(ledger_epsilon(ledger, DELTA, "integer_rdp"), rel=1e-12)
     assert running_for("pld") is None
