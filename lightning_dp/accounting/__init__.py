@@ -11,6 +11,7 @@ from lightning_dp.accounting.horizon import steps_within_budget
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.rdp import INTEGER_ORDERS, RDP_ORDERS, rdp_to_epsilon, step_rdp
 from lightning_dp.accounting.running_rdp import RunningRDP, running_for
+from lightning_dp.accounting.sgm_rdp import sampled_gaussian_rdp, sampled_gaussian_rdp_upper
 
 __all__ = [
     "INTEGER_ORDERS",
@@ -26,6 +27,8 @@ __all__ = [
     "rdp_to_epsilon",
     "running_for",
     "register_accountant",
+    "sampled_gaussian_rdp",
+    "sampled_gaussian_rdp_upper",
     "step_rdp",
     "steps_within_budget",
 ]

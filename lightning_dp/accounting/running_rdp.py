@@ -294,7 +294,7 @@ class RunningRDP:
         self.quantum = state.get("quantum")
         self.conversion = state.get("conversion", "balle")
         self.curve = state.get("curve", "exact")  # states saved before curves existed were exact
-        self.exact_keys = int(state.get("exact_keys", 16))
+        self.exact_keys = int(state.get("exact_keys", 4))
         self._exact = {(float(s), float(q)) for s, q in state.get("exact", [])}
         self._total = np.asarray(state["total"], dtype=float)
         self._pending_vector, self._pending_steps = None, 0
