@@ -81,7 +81,7 @@ def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orde
 
         log A_α ≤ (n + 1 − α) log A_n + (α − n) log A_{n+1},
 
-    which needs only the cheap integer-order sums. At the usual orders the ε it gives is 0.05–2 %
+    which needs only the cheap integer-order sums. At the usual orders the ε it gives is 0.05–3 %
     above the exact one (the gap is largest for short runs); for 1 < α < 2 the bound equals
     RDP(2) (monotonicity), so it is loose only where ε is beyond log(1/δ).
     """

@@ -87,7 +87,7 @@ class PrivacyBudget(Callback):
         rdp_quantum: ``None`` (exact) or relative grid for conservative σ/q rounding in the
             running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
         rdp_curve: how the running total evaluates a new (σ, q): ``"auto"`` (default: exact for
-            the first 4 distinct (σ, q), then the ~0.1 ms chord upper bound on a 0.5 % grid, ε ≤ 3 % higher),
+            the first 4 distinct (σ, q), then the ~0.1 ms chord upper bound on a 0.5 % grid, ε ≤ ~4 % higher),
             ``"exact"`` (Opacus' series, 1–5 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
         log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
