@@ -31,7 +31,7 @@ RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_AL
 INTEGER_ORDERS: tuple[float, ...] = tuple(float(a) for a in range(2, 21))
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=1024)  # ~1.2 MB of one-step vectors (a σ schedule visits many)
 def _step_rdp_cached(
     noise_multiplier: float, sample_rate: float, orders: tuple[float, ...], curve: str = "exact"
 ) -> np.ndarray:
