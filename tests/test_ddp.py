@@ -230,3 +230,22 @@ def test_sign_vote_each_worker_adds_its_own_noise(tmp_path):
     n = update.numel()
     assert abs(zero_share - 0.5) < 5 * (0.25 / n) ** 0.5
     assert records[0]["ledger"]["entries"][0][:3] == [1.0, 0.25, 1]
+
+
+def test_privacy_budget_stops_every_rank_at_the_same_boundary_step(tmp_path):
+    """Each rank runs its own PrivacyBudget on the same ledger: all must stop after the last
+    step within the target (a rank that stopped alone would leave its peer in a collective)."""
+    from lightning_dp import PrivacyBudget
+    from lightning_dp.accounting import epsilon
+
+    n, per_rank_batch, sigma, delta, k = 200, 10, 1.0, 1e-5, 5
+    q = WORLD * per_rank_batch / n
+    target = 0.5 * (epsilon(sigma, q, k, delta) + epsilon(sigma, q, k + 1, delta))
+    strategy = _ddp_strategy(noise_multiplier=sigma, max_grad_norm=1.0)
+    trainer = _trainer(strategy, WORLD, tmp_path, max_steps=50,
+                       callbacks=[PrivacyBudget(target_epsilon=target, delta=delta)])
+    trainer.fit(SeededClassifier(), loader(classification_data(n), per_rank_batch))
+    records = load_records(tmp_path, WORLD)
+    _assert_ranks_agree(records)
+    assert [r["global_step"] for r in records] == [k] * WORLD
+    assert strategy.ledger.steps == k
