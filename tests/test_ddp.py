@@ -249,3 +249,31 @@ def test_privacy_budget_stops_every_rank_at_the_same_boundary_step(tmp_path):
     _assert_ranks_agree(records)
     assert [r["global_step"] for r in records] == [k] * WORLD
     assert strategy.ledger.steps == k
+
+
+class _AdamClassifier(SeededClassifier):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_second_moment_monitor_logs_once_from_rank_zero(tmp_path):
+    """The monitor (private and opt-in non-private logs) under 2 processes: the run completes
+    (the diagnostics' all-reduce does not hang) and every due step is written exactly once."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_dp import SecondMomentMonitor
+
+    strategy = _ddp_strategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    logger = TensorBoardLogger(str(tmp_path / "tb"), name="run")
+    monitor = SecondMomentMonitor(every_n_steps=2, diagnostics="non_private")
+    # (its NotPrivateWarning is raised in the forked workers, not here)
+    _trainer(strategy, WORLD, tmp_path, max_steps=4, logger=logger, callbacks=[monitor]).fit(
+        _AdamClassifier(), loader(classification_data(200), 10)
+    )
+    _assert_ranks_agree(load_records(tmp_path, WORLD))
+    (run_dir,) = list((tmp_path / "tb" / "run").iterdir())
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag in ("v_stats/all/median", "nonprivate/v_stats/all/median", "nonprivate/clip_fraction"):
+        assert [e.step for e in acc.Scalars(tag)] == [1, 2, 4], tag
