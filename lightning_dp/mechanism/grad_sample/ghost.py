@@ -99,7 +99,48 @@ def prefer_ghost_embedding(T: int, V: int) -> bool:
     return T * T <= V
 
 
-class LinearFormStats(LayerStats):
+class WeightBiasStats(LayerStats):
+    """Layers whose per-example weight grad is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ (Linear, Conv2d), plus
+    a bias grad ``db``. The clipped sums use G when it was materialised for the norms (c·G),
+    else the subclass's book-keeping contraction (module docstring)."""
+
+    k: float
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    G: Optional[Tensor]
+    db: Tensor
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
+        out = {}
+        c = c * self.k
+        if self.weight is not None:
+            w = torch.tensordot(c, self.G, dims=1) if self.G is not None else self._bookkept_weight_sum(c)
+            out[self.weight] = w.reshape(self.weight.shape)
+        if self.bias is not None:
+            out[self.bias] = c @ self.db
+        return out
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
+        out = {}
+        c2 = c2 * (self.k * self.k)
+        if self.weight is not None:
+            w = (torch.tensordot(c2, self.G.pow(2), dims=1) if self.G is not None
+                 else self._bookkept_weight_squares(c2))
+            out[self.weight] = w.reshape(self.weight.shape)
+        if self.bias is not None:
+            out[self.bias] = c2 @ self.db.pow(2)
+        return out
+
+    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _bookkept_weight_squares(self, c2: Tensor) -> Tensor:
+        raise RuntimeError(f"{type(self).__name__}: squares need the materialised per-example grads")
+
+
+class LinearFormStats(WeightBiasStats):
     """A layer with per-example weight grad n Σ_t δ_t a_tᵀ (+ bias grad n Σ_t δ_t).
 
     ``a``: [n, T, in]; ``d``: [n, T, out], the mean-loss output gradient; ``k`` = n multiplies
@@ -134,41 +175,19 @@ class LinearFormStats(LayerStats):
         self.G = G if sw is None else G * sw
         return sq_norms(self.G)
 
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · g_i per parameter, for per-example clip factors c.
+    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
+        """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
+        d, a = self.d, self.a
+        if d.shape[2] <= a.shape[2]:
+            w = (d * c[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
+        else:
+            w = d.reshape(-1, d.shape[2]).t() @ (a * c[:, None, None]).reshape(-1, a.shape[2])
+        return w if self.sw is None else w * self.sw
 
-        With G materialised (for the norms) the sum is c·G (n·in·out); otherwise one
-        book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
-        out = {}
-        c = c * self.k
-        if self.weight is not None:
-            if self.G is not None:
-                out[self.weight] = torch.tensordot(c, self.G, dims=1).reshape(self.weight.shape)
-            else:
-                d, a = self.d, self.a
-                if d.shape[2] <= a.shape[2]:
-                    w = (d * c[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
-                else:
-                    w = d.reshape(-1, d.shape[2]).t() @ (a * c[:, None, None]).reshape(-1, a.shape[2])
-                out[self.weight] = (w if self.sw is None else w * self.sw).reshape(self.weight.shape)
-        if self.bias is not None:
-            out[self.bias] = c @ self.db
-        return out
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
-        out = {}
-        c2 = c2 * (self.k * self.k)
-        if self.weight is not None:
-            if self.a.shape[1] == 1:
-                w = (self.d[:, 0].pow(2) * c2[:, None]).t() @ self.a[:, 0].pow(2)
-                w = w if self.sw is None else w * self.sw.pow(2)
-            else:
-                w = torch.tensordot(c2, self.G.pow(2), dims=1)
-            out[self.weight] = w.reshape(self.weight.shape)
-        if self.bias is not None:
-            out[self.bias] = c2 @ self.db.pow(2)
-        return out
+    def _bookkept_weight_squares(self, c2: Tensor) -> Tensor:
+        """Σ_i c_i² G_i² without G: only for T = 1, where G_i² = (δ_i²)(a_i²)ᵀ."""
+        w = (self.d[:, 0].pow(2) * c2[:, None]).t() @ self.a[:, 0].pow(2)
+        return w if self.sw is None else w * self.sw.pow(2)
 
 
 class EmbeddingStats(LayerStats):
@@ -268,7 +287,7 @@ def conv2d_weight_grad(x: Tensor, d: Tensor, m: nn.Conv2d) -> Tensor:
         1, [False, True, False])[1]
 
 
-class Conv2dStats(LayerStats):
+class Conv2dStats(WeightBiasStats):
     """nn.Conv2d (groups = 1): per-example weight grad n Σ_t δ_t a_tᵀ over output positions t.
 
     Norms either by the ghost norm over patches, Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') (when
@@ -304,30 +323,10 @@ class Conv2dStats(LayerStats):
         self.G = G if self.sw is None else G * self.sw
         return sq_norms(self.G)
 
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
-        out = {}
-        c = c * self.k
-        if self.weight is not None:
-            if self.G is not None:
-                out[self.weight] = torch.tensordot(c, self.G, dims=1)
-            else:
-                cd = c[:, None, None, None]
-                out[self.weight] = _total([conv2d_weight_grad(x, d * cd, self.m)
-                                          for x, d in self.calls])
-        if self.bias is not None:
-            out[self.bias] = c @ self.db
-        return out
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2 (G is materialised)."""
-        out = {}
-        c2 = c2 * (self.k * self.k)
-        if self.weight is not None:
-            out[self.weight] = torch.tensordot(c2, self.G.pow(2), dims=1)
-        if self.bias is not None:
-            out[self.bias] = c2 @ self.db.pow(2)
-        return out
+    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
+        """Σ_i c_i G_i without G: one convolution backward of c ⊙ δ per call."""
+        cd = c[:, None, None, None]
+        return _total([conv2d_weight_grad(x, d * cd, self.m) for x, d in self.calls])
 
 
 def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
