@@ -52,8 +52,7 @@ def step_rdp(
     ``σ = 0`` gives ``inf`` (no privacy), ``q = 0`` gives 0. The returned array is read-only;
     multiply it by a step count to compose.
     """
-    if not (isinstance(orders, tuple) and all(type(a) is float for a in orders)):
-        orders = tuple(float(a) for a in orders)
+    orders = tuple(float(a) for a in orders)
     return _step_rdp_cached(float(noise_multiplier), float(sample_rate), orders, check_curve(curve))
 
 
@@ -73,8 +72,19 @@ def _mironov_offsets(orders: tuple[float, ...], delta: float) -> np.ndarray:
     return offsets
 
 
-def _minimise(rdp: np.ndarray, offsets: np.ndarray) -> float:
-    """min over orders of RDP(α) + offset(α), clipped at 0; 0 for no release, inf for no privacy."""
+def conversion_offsets(orders: tuple[float, ...], delta: float, conversion: str = "balle") -> np.ndarray:
+    """The per-order term that :func:`rdp_to_epsilon` (``"balle"``) or
+    :func:`rdp_to_epsilon_mironov` (``"mironov"``) adds to RDP(α) before minimising (cached)."""
+    table = {"balle": _balle_offsets, "mironov": _mironov_offsets}
+    if conversion not in table:
+        raise ValueError(f"conversion must be one of {sorted(table)}, got {conversion!r}")
+    return table[conversion](tuple(orders), float(delta))
+
+
+def epsilon_from_offsets(rdp: np.ndarray, offsets: np.ndarray) -> float:
+    """min over orders of RDP(α) + offset(α), clipped at 0, with :func:`conversion_offsets`
+    computed once (the fast path of :class:`~lightning_dp.accounting.RunningRDP`). A zero
+    vector (no release) gives 0; a vector infinite or undefined everywhere gives ``inf``."""
     rdp = np.asarray(rdp, dtype=float)
     if not rdp.any():
         return 0.0  # nothing released yet
@@ -87,28 +97,13 @@ def _minimise(rdp: np.ndarray, offsets: np.ndarray) -> float:
     return max(0.0, best)
 
 
-def conversion_offsets(orders: tuple[float, ...], delta: float, conversion: str = "balle") -> np.ndarray:
-    """The per-order term that :func:`rdp_to_epsilon` (``"balle"``) or
-    :func:`rdp_to_epsilon_mironov` (``"mironov"``) adds to RDP(α) before minimising (cached)."""
-    table = {"balle": _balle_offsets, "mironov": _mironov_offsets}
-    if conversion not in table:
-        raise ValueError(f"conversion must be one of {sorted(table)}, got {conversion!r}")
-    return table[conversion](tuple(orders), float(delta))
-
-
-def epsilon_from_offsets(rdp: np.ndarray, offsets: np.ndarray) -> float:
-    """ε from a composed RDP vector and :func:`conversion_offsets` computed once (the fast path
-    of :class:`~lightning_dp.accounting.RunningRDP`)."""
-    return _minimise(rdp, offsets)
-
-
 def rdp_to_epsilon(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
     """ε(δ) from a composed RDP vector: Balle et al. 2020, Thm. 21 (the conversion of Opacus'
     ``get_privacy_spent``, minimised over the orders; equal to it, see the tests).
 
     A zero vector (no release) gives ε = 0; a vector that is infinite everywhere gives ``inf``.
     """
-    return _minimise(rdp, _balle_offsets(tuple(orders), float(delta)))
+    return epsilon_from_offsets(rdp, _balle_offsets(tuple(orders), float(delta)))
 
 
 def rdp_to_epsilon_mironov(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
@@ -116,4 +111,4 @@ def rdp_to_epsilon_mironov(rdp: np.ndarray, orders: tuple[float, ...], delta: fl
 
     This is the conversion of the DP-SignSGD paper (ALGORITHMS.md §6); kept for comparison.
     """
-    return _minimise(rdp, _mironov_offsets(tuple(orders), float(delta)))
+    return epsilon_from_offsets(rdp, _mironov_offsets(tuple(orders), float(delta)))
