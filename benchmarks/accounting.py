@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.accounting import calibrate_noise, epsilon
-from lightning_dp.accounting.rdp import _step_rdp_cached
+from lightning_dp.accounting.rdp import STEP_CACHE
 from lightning_dp.callbacks.privacy_budget import PrivacyBudget
 from lightning_dp.data import DigitsDataModule
 from lightning_dp.models import DigitsCNN
@@ -119,13 +119,13 @@ def digits_run(model: str, callbacks) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)
-    _step_rdp_cached.cache_clear()
+    STEP_CACHE.clear()
     eps, cold = timed(epsilon, 1.1, 0.004, 10**5, 1e-5)
     _, warm = timed(epsilon, 1.1, 0.004, 10**5, 1e-5)
     print(f"epsilon(σ=1.1, q=0.004, T=1e5) = {eps:.4f}: {cold * 1e3:.1f} ms cold, {warm * 1e3:.3f} ms cached "
           f"(target ≤ 50 ms)")
     for acc in ("rdp", "prv", "pld"):
-        _step_rdp_cached.cache_clear()
+        STEP_CACHE.clear()
         sigma, t = timed(calibrate_noise, 3.0, 1e-5, 0.004, 14000, acc)
         print(f"calibrate_noise(ε=3, q=0.004, T=14000, {acc}) = {sigma:.4f}: {t:.2f} s (target ≤ 2 s for rdp)")
 
@@ -137,7 +137,7 @@ def main() -> None:
                                  ("σ, q jitter every step (adversarial)", [Schedule("jitter")], {}),
                                  ("σ decays every step, rdp_curve='exact'", [Schedule("sigma")],
                                   {"rdp_curve": "exact"})]:
-            _step_rdp_cached.cache_clear()
+            STEP_CACHE.clear()
             budget = TimedBudget(target_epsilon=1e3, delta=1e-5, **kw)
             step = digits_run(model, [*extra, budget])
             hook = budget.seconds / STEPS

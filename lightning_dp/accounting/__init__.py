@@ -10,10 +10,12 @@ from lightning_dp.accounting.epsilon import epsilon, ledger_epsilon
 from lightning_dp.accounting.horizon import steps_within_budget
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.rdp import INTEGER_ORDERS, RDP_ORDERS, rdp_to_epsilon, step_rdp
+from lightning_dp.accounting.reservation import BudgetReservation
 from lightning_dp.accounting.running_rdp import RunningRDP, running_for
-from lightning_dp.accounting.sgm_rdp import sampled_gaussian_rdp, sampled_gaussian_rdp_upper
+from lightning_dp.accounting.sgm_rdp import sampled_gaussian_rdp, sampled_gaussian_rdp_upper, sampled_gaussian_rdp_upper_many
 
 __all__ = [
+    "BudgetReservation",
     "INTEGER_ORDERS",
     "LedgerEntry",
     "PrivacyLedger",
@@ -29,6 +31,7 @@ __all__ = [
     "register_accountant",
     "sampled_gaussian_rdp",
     "sampled_gaussian_rdp_upper",
+    "sampled_gaussian_rdp_upper_many",
     "step_rdp",
     "steps_within_budget",
 ]

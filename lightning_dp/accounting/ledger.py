@@ -49,6 +49,7 @@ class PrivacyLedger:
     def __init__(self) -> None:
         self._entries: list[LedgerEntry] = []
         self._steps = 0
+        self._private = True
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Append ``steps`` releases with noise multiplier σ and sampling rate q."""
@@ -61,6 +62,7 @@ class PrivacyLedger:
         if steps == 0:
             return
         self._steps += int(steps)
+        self._private = self._private and bool(private)
         last = self._entries[-1] if self._entries else None
         if last is not None and (last.noise_multiplier, last.sample_rate, last.private) == (
             noise_multiplier,
@@ -73,8 +75,15 @@ class PrivacyLedger:
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
-        """The run-length entries, oldest first (read-only)."""
+        """The run-length entries, oldest first (read-only; a copy: O(entries))."""
         return tuple(self._entries)
+
+    def entries_since(self, index: int) -> tuple[LedgerEntry, ...]:
+        """The entries from position ``index`` on (``len(ledger)`` gives the next index).
+
+        A reader that keeps its position pays for new entries only; the entry at
+        ``len(ledger) − 1`` may still grow (run-length merge), so re-read it from there."""
+        return tuple(self._entries[max(0, index) :])
 
     @property
     def steps(self) -> int:
@@ -83,14 +92,18 @@ class PrivacyLedger:
 
     @property
     def is_private(self) -> bool:
-        """``False`` as soon as one non-private release was recorded."""
-        return all(e.private for e in self._entries)
+        """``False`` as soon as one non-private release was recorded (O(1))."""
+        return self._private
 
     def __iter__(self) -> Iterator[LedgerEntry]:
         return iter(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __getitem__(self, index: int) -> LedgerEntry:
+        """The entry at ``index`` (O(1); negative indices count from the newest)."""
+        return self._entries[index]
 
     def __repr__(self) -> str:
         return f"PrivacyLedger(steps={self.steps}, entries={len(self._entries)})"
@@ -103,3 +116,4 @@ class PrivacyLedger:
         """Replace the ledger's content with a saved state."""
         self._entries = [LedgerEntry(float(s), float(q), int(n), bool(p)) for s, q, n, p in state["entries"]]
         self._steps = sum(e.steps for e in self._entries)
+        self._private = all(e.private for e in self._entries)

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
-from lightning_dp.accounting.rdp import RDP_ORDERS, _step_rdp_cached, conversion_offsets, epsilon_from_offsets
+from lightning_dp.accounting.rdp import RDP_ORDERS, STEP_CACHE, conversion_offsets, epsilon_from_offsets
 from lightning_dp.accounting.sgm_rdp import check_curve
 
 _CONVERSIONS = ("balle", "mironov")
@@ -110,48 +110,62 @@ class RunningRDP:
     def reset(self) -> None:
         """Forget everything (an empty run)."""
         self._total = np.zeros(len(self.orders))
-        self._pending_vector: Optional[np.ndarray] = None  # one-step vector of the latest releases …
-        self._pending_steps = 0  # … and how many of them are not folded into _total yet
-        self.segment = 0  # bumped whenever the one-step vector of added releases changes
-        self.segment_steps = 0  # releases added since
         self.steps = 0
         self.private = True
         self._seen = 0  # number of ledger entries (partly) consumed
         self._last: Optional[tuple[float, float, bool]] = None  # key of entry _seen - 1
         self._last_steps = 0  # steps consumed from entry _seen - 1
         self._verify = False
-        self._one_step_key: Optional[tuple[float, float, str]] = None
-        self._one_step_value = np.zeros(len(self.orders))
-        self._one_step_raw: Optional[tuple[float, float, int]] = None
+        self._memo: Optional[tuple[float, float, int]] = None  # (σ, q, len(_exact)) of _memo_value
+        self._memo_value = np.zeros(len(self.orders))
         self._exact: set[tuple[float, float]] = set()  # (σ, q) given the exact curve ("auto")
         self._offsets: dict[float, np.ndarray] = {}  # conversion offsets per δ
 
-    def one_step(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
-        """The one-step RDP vector used for (σ, q) (rounded to the grid if ``quantum`` is set).
-
-        The same (σ, q) as the previous call returns the same array object (cheap identity
-        checks: :meth:`continues`)."""
-        raw = (noise_multiplier, sample_rate, len(self._exact))
-        if raw == self._one_step_raw:
-            return self._one_step_value
-        self._one_step_raw = raw
-        if self.quantum is not None and noise_multiplier > 0 and sample_rate > 0:
-            noise_multiplier = _grid_down(noise_multiplier, self.quantum)
-            sample_rate = _grid_up(sample_rate, self.quantum)
-        curve = self._curve_for((noise_multiplier, sample_rate))
-        if curve == "chord" and self.curve == "auto" and self.quantum is None and noise_multiplier > 0 and sample_rate > 0:
-            noise_multiplier = _grid_down(noise_multiplier, AUTO_QUANTUM)  # many (σ, q): share cells
-            sample_rate = _grid_up(sample_rate, AUTO_QUANTUM)
-        key = (noise_multiplier, sample_rate, curve)
-        if key != self._one_step_key:  # else the common case: σ, q unchanged since last time
-            # self.orders is already a tuple of floats: skip step_rdp's normalisation
-            self._one_step_key, self._one_step_value = key, _step_rdp_cached(noise_multiplier, sample_rate, self.orders, curve)
-        return self._one_step_value
-
-    def _curve_for(self, key: tuple[float, float]) -> str:
+    def charge_key(self, noise_multiplier: float, sample_rate: float) -> tuple[float, float, str]:
+        """(σ', q', curve) whose one-step vector a release of (σ, q) is charged now: (σ, q)
+        rounded to the ``quantum`` grid if set, the curve by ``curve`` (for ``"auto"``: exact for
+        the first ``exact_keys`` distinct (σ, q), else the chord at the :data:`AUTO_QUANTUM` cell)."""
+        sigma, q = noise_multiplier, sample_rate
+        positive = sigma > 0 and q > 0
+        if self.quantum is not None and positive:
+            sigma, q = _grid_down(sigma, self.quantum), _grid_up(q, self.quantum)
         if self.curve != "auto":
-            return self.curve
-        return "exact" if key in self._exact or len(self._exact) < self.exact_keys else "chord"
+            return sigma, q, self.curve
+        if (sigma, q) in self._exact or len(self._exact) < self.exact_keys:
+            return sigma, q, "exact"
+        if self.quantum is None and positive:  # many (σ, q): share grid cells
+            sigma, q = _grid_down(sigma, AUTO_QUANTUM), _grid_up(q, AUTO_QUANTUM)
+        return sigma, q, "chord"
+
+    def one_step(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
+        """The one-step RDP vector a release of (σ, q) is charged (:meth:`charge_key`).
+
+        The same (σ, q) as the previous call returns the same array object without a lookup."""
+        memo = (noise_multiplier, sample_rate, len(self._exact))
+        if memo != self._memo:
+            sigma, q, curve = self.charge_key(noise_multiplier, sample_rate)
+            self._memo, self._memo_value = memo, STEP_CACHE.get(sigma, q, self.orders, curve)
+        return self._memo_value
+
+    def bound_step(self, min_noise_multiplier: float, max_sample_rate: float) -> np.ndarray:
+        """A one-step vector ≥ the charge (:meth:`one_step`) of every (σ, q) with σ ≥ ``min_noise_multiplier``
+        and q ≤ ``max_sample_rate``, whatever the curve and however many exact keys are used.
+
+        It is the chord at the corner rounded down (σ) / up (q) to the ``quantum`` grid and then
+        the :data:`AUTO_QUANTUM` grid: every charged (σ', q') in the box has σ' at or above that
+        corner and q' at or below it (rounding is monotone), the exact curve is below the chord,
+        and both are non-increasing in σ and non-decreasing in q at every order.
+        """
+        sigma, q = min_noise_multiplier, min(max_sample_rate, 1.0)
+        if not (sigma > 0 and q > 0):
+            return self.one_step(sigma, q)  # σ = 0: inf; q = 0: nothing released
+        if self.quantum is not None:
+            sigma, q = _grid_down(sigma, self.quantum), _grid_up(q, self.quantum)
+        return STEP_CACHE.get(_grid_down(sigma, AUTO_QUANTUM), _grid_up(q, AUTO_QUANTUM), self.orders, "chord")
+
+    def _register(self, key: tuple[float, float, str]) -> None:
+        if self.curve == "auto" and key[2] == "exact":
+            self._exact.add(key[:2])
 
     def add(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Compose ``steps`` releases of (σ, q) into the total (not tied to a ledger)."""
@@ -162,50 +176,62 @@ class RunningRDP:
             self.private = False
             return
         vector = self.one_step(noise_multiplier, sample_rate)
-        if vector is not self._pending_vector:  # a new segment: releases with another one-step vector
-            self._fold()
-            self._pending_vector = vector
-            self.segment, self.segment_steps = self.segment + 1, 0
-        self._pending_steps += int(steps)
-        self.segment_steps += int(steps)  # folded lazily: a constant-σ step costs no array work
-        if self.curve == "auto" and self._one_step_key is not None and self._one_step_key[2] == "exact":
-            self._exact.add(self._one_step_key[:2])
+        self._register(self.charge_key(noise_multiplier, sample_rate))
+        self._total = self._total + int(steps) * vector
 
-    def _fold(self) -> None:
-        if self._pending_steps:
-            self._total = self._total + self._pending_steps * self._pending_vector
-            self._pending_steps = 0
+    def _add_many(self, releases: Sequence[tuple[float, float, int, bool]]) -> None:
+        """:meth:`add` for each release in order, with the missing one-step vectors evaluated
+        in one batch per curve and the total updated once."""
+        counts: dict[tuple[float, float, str], int] = {}
+        for sigma, q, steps, private in releases:
+            if steps <= 0:
+                continue
+            self.steps += int(steps)
+            if not private:
+                self.private = False
+                continue
+            key = self.charge_key(sigma, q)
+            self._register(key)
+            counts[key] = counts.get(key, 0) + int(steps)
+        if not counts:
+            return
+        update = np.zeros(len(self.orders))
+        for curve in {key[2] for key in counts}:
+            keys = [key for key in counts if key[2] == curve]
+            vectors = STEP_CACHE.get_many([key[:2] for key in keys], self.orders, curve)
+            for key, vector in zip(keys, vectors):
+                update += counts[key] * vector
+        self._total = self._total + update
 
     @property
     def total(self) -> np.ndarray:
         """The per-order RDP total of every release added so far."""
-        self._fold()
         return self._total
 
-    def continues(self, noise_multiplier: float, sample_rate: float) -> bool:
-        """Whether releases of (σ, q) would extend the current :attr:`segment` (the latest
-        releases used the same one-step vector: same (σ, q), or the same grid cell)."""
-        return self._pending_vector is not None and self.one_step(noise_multiplier, sample_rate) is self._pending_vector
-
-    def affordable_steps(self, delta: float, target_epsilon: float, noise_multiplier: float, sample_rate: float) -> int:
-        """The most further releases of (σ, q) after which ε(δ) stays ≤ ``target_epsilon``.
+    def affordable_steps(self, delta: float, target_epsilon: float, step: np.ndarray) -> int:
+        """The most further releases, each charged at most ``step`` per order (e.g.
+        :meth:`one_step` or :meth:`bound_step`), after which ε(δ) stays ≤ ``target_epsilon``.
 
         ε(total + n·r) = min_α (total_α + n·r_α + offset_α) (:func:`rdp_to_epsilon`), so per
         order n_α = ⌊(target − offset_α − total_α) / r_α⌋ and the answer is max_α n_α (checked
         against ε itself, so it agrees with :meth:`epsilon_after` at the boundary). ``inf``-free:
-        a (σ, q) that costs nothing gives a very large number.
+        a step that costs nothing gives a very large number.
         """
         if not self.private:
             return 0
-        r = self.one_step(noise_multiplier, sample_rate)
-        room = target_epsilon - self._offsets_for(delta) - self.total
+        offsets = self._offsets_for(delta)
+        room = target_epsilon - offsets - self._total
         with np.errstate(divide="ignore", invalid="ignore"):
-            per_order = np.where(r > 0, np.floor(room / r), np.where(room >= 0, np.inf, -1.0))
+            per_order = np.where(step > 0, np.floor(room / step), np.where(room >= 0, np.inf, -1.0))
         best = float(np.nanmax(per_order)) if np.any(~np.isnan(per_order)) else -1.0
         n = int(min(max(best, -1.0), 2**62))
-        while n >= 0 and self.epsilon_after(delta, noise_multiplier, sample_rate, n) > target_epsilon:
+
+        def eps(k: int) -> float:
+            return epsilon_from_offsets(self._total + k * step if k else self._total, offsets)
+
+        while n >= 0 and eps(n) > target_epsilon:
             n -= 1  # floating-point guard: never promise a step ε would refuse
-        while n < 2**62 and self.epsilon_after(delta, noise_multiplier, sample_rate, n + 1) <= target_epsilon:
+        while n < 2**62 and eps(n + 1) <= target_epsilon:
             n += 1
         return max(n, 0)
 
@@ -213,36 +239,42 @@ class RunningRDP:
     def sync(self, ledger: PrivacyLedger | Iterable[LedgerEntry]) -> int:
         """Fold in the ledger's releases not seen yet; returns how many steps were added.
 
-        Only new entries (and the growth of the last, run-length merged entry) are
-        composed. If the ledger no longer extends what was seen (replaced, cleared,
-        restored from another checkpoint), the total is rebuilt from scratch.
+        Only new entries (and the growth of the last, run-length merged entry) are read and
+        composed, in one batch. If the ledger no longer extends what was seen (replaced,
+        cleared, restored from another checkpoint), the total is rebuilt from scratch.
         """
-        entries = ledger.entries if isinstance(ledger, PrivacyLedger) else tuple(ledger)
-        if not self._consistent(entries):
+        if isinstance(ledger, PrivacyLedger):
+            length, tail = len(ledger), ledger.entries_since(self._seen - 1)
+        else:
+            entries = tuple(ledger)
+            length, tail = len(entries), entries[max(0, self._seen - 1) :]
+        if not self._consistent(ledger, length, tail):
             self.reset()
+            tail = ledger.entries if isinstance(ledger, PrivacyLedger) else tuple(ledger)
         before = self.steps
-        if self._seen:
-            e = entries[self._seen - 1]
-            self.add(e.noise_multiplier, e.sample_rate, e.steps - self._last_steps, e.private)
-        for e in entries[self._seen :]:
-            self.add(e.noise_multiplier, e.sample_rate, e.steps, e.private)
-        if entries:
-            last = entries[-1]
-            self._seen = len(entries)
+        releases = [(e.noise_multiplier, e.sample_rate, e.steps, e.private) for e in tail]
+        if self._seen and releases:  # the last entry seen: only its growth is new
+            sigma, q, steps, private = releases[0]
+            releases[0] = (sigma, q, steps - self._last_steps, private)
+        self._add_many(releases)
+        if tail:
+            last = tail[-1]
+            self._seen = length
             self._last = (last.noise_multiplier, last.sample_rate, last.private)
             self._last_steps = last.steps
         return self.steps - before
 
-    def _consistent(self, entries: Sequence[LedgerEntry]) -> bool:
+    def _consistent(self, ledger: Any, length: int, tail: Sequence[LedgerEntry]) -> bool:
         if self._seen == 0:
             return self.steps == 0
-        if len(entries) < self._seen:
+        if length < self._seen:
             return False
-        e = entries[self._seen - 1]
+        e = tail[0]
         if (e.noise_multiplier, e.sample_rate, e.private) != self._last or e.steps < self._last_steps:
             return False
         if self._verify:  # first sync after load_state_dict: check the step count fully
             self._verify = False
+            entries = ledger.entries if isinstance(ledger, PrivacyLedger) else tuple(ledger)
             seen = sum(x.steps for x in entries[: self._seen - 1]) + self._last_steps
             return seen == self.steps
         return True
@@ -252,7 +284,7 @@ class RunningRDP:
         """ε(δ) of the total (Balle et al. 2020 conversion); ``inf`` if a release was not private."""
         if not self.private:
             return float("inf")
-        return epsilon_from_offsets(self.total, self._offsets_for(delta))
+        return epsilon_from_offsets(self._total, self._offsets_for(delta))
 
     def _offsets_for(self, delta: float) -> np.ndarray:
         offsets = self._offsets.get(delta)
@@ -264,7 +296,7 @@ class RunningRDP:
         """ε(δ) if ``steps`` more releases with (σ, q) were made (the total is not changed)."""
         if not self.private:
             return float("inf")
-        total = self.total + steps * self.one_step(noise_multiplier, sample_rate)
+        total = self._total + steps * self.one_step(noise_multiplier, sample_rate)
         return epsilon_from_offsets(total, self._offsets_for(delta))
 
     # ----------------------------------------------------------- checkpoints
@@ -277,7 +309,7 @@ class RunningRDP:
             "curve": self.curve,
             "exact_keys": self.exact_keys,
             "exact": sorted([list(k) for k in self._exact]),
-            "total": [float(x) for x in self.total],
+            "total": [float(x) for x in self._total],
             "steps": self.steps,
             "private": self.private,
             "seen": self._seen,
@@ -290,15 +322,13 @@ class RunningRDP:
         (and rebuilds from the ledger if they disagree)."""
         self.orders = tuple(float(a) for a in state["orders"])
         self._offsets = {}
-        self._one_step_key = self._one_step_raw = None
+        self._memo = None
         self.quantum = state.get("quantum")
         self.conversion = state.get("conversion", "balle")
         self.curve = state.get("curve", "exact")  # states saved before curves existed were exact
         self.exact_keys = int(state.get("exact_keys", 4))
         self._exact = {(float(s), float(q)) for s, q in state.get("exact", [])}
         self._total = np.asarray(state["total"], dtype=float)
-        self._pending_vector, self._pending_steps = None, 0
-        self.segment, self.segment_steps = self.segment + 1, 0
         self.steps = int(state["steps"])
         self.private = bool(state["private"])
         self._seen = int(state["seen"])

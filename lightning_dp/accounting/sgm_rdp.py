@@ -66,7 +66,7 @@ def sampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders: Se
     fractional = finite & ~integer
     if integer.any():
         key = tuple(int(a) for a in alphas[integer])
-        out[integer] = _log_a_integer(q, sigma, key) / (alphas[integer] - 1.0)
+        out[integer] = _log_a_integer(np.array([q]), np.array([sigma]), key)[0] / (alphas[integer] - 1.0)
     if fractional.any():
         out[fractional] = _log_a_fractional(q, sigma, alphas[fractional]) / (alphas[fractional] - 1.0)
     return out
@@ -81,17 +81,44 @@ def sampled_gaussian_rdp_upper(noise_multiplier: float, sample_rate: float, orde
 
         log A_α ≤ (n + 1 − α) log A_n + (α − n) log A_{n+1},
 
-    which needs only the cheap integer-order sums. At the usual orders the ε it gives is 0.05–3 %
-    above the exact one (the gap is largest for short runs); for 1 < α < 2 the bound equals
-    RDP(2) (monotonicity), so it is loose only where ε is beyond log(1/δ).
+    which needs only the cheap integer-order sums; for 1 < α < 2 the bound is RDP(2). The chord
+    is loose where log A_α bends most between integers, i.e. at small σ, where the ε-optimal
+    order lies in (1, 3). Worst ε gap over q ∈ [1e-4, 0.5], 50–10^5 steps, ε ≤ 10, δ = 1e-5:
+    ≤ 1.3 % at σ = 1.2, ≤ 5 % at σ = 1, ≤ 9 % at σ = 0.8, ≤ 21 % at σ = 0.6, ≤ 37 % at σ = 0.5.
+    Like the exact curve, it is non-increasing in σ and non-decreasing in q at every order
+    (a convex combination of log A_n, log A_{n+1}, which are).
     """
-    sigma, q = float(noise_multiplier), float(sample_rate)
-    plan = _chord_plan(tuple(float(a) for a in orders) if not isinstance(orders, tuple) else orders)
-    if plan is None or not (0.0 < q < 1.0) or not sigma > 0.0:
-        return sampled_gaussian_rdp(sigma, q, orders)  # no fractional order, edge cases, or errors
+    return sampled_gaussian_rdp_upper_many([noise_multiplier], [sample_rate], orders)[0]
+
+
+def sampled_gaussian_rdp_upper_many(
+    noise_multipliers: Sequence[float], sample_rates: Sequence[float], orders: Sequence[float]
+) -> np.ndarray:
+    """:func:`sampled_gaussian_rdp_upper` for many (σ, q) pairs at once: one row per pair.
+
+    The integer-order sums of all pairs are evaluated in one pass over a packed table of
+    their binomial terms (~50 µs per pair instead of ~110 µs one at a time), which is what
+    makes folding a ledger whose σ or q changed every step cheap.
+    """
+    sigmas = np.asarray(noise_multipliers, dtype=float).reshape(-1)
+    qs = np.asarray(sample_rates, dtype=float).reshape(-1)
+    if sigmas.shape != qs.shape:
+        raise ValueError(f"need as many noise multipliers as sample rates, got {sigmas.size} and {qs.size}")
+    key = tuple(float(a) for a in orders) if not isinstance(orders, tuple) else orders
+    plan = _chord_plan(key)
+    if plan is None:  # no fractional order (the exact curve is as cheap) or invalid orders
+        return np.array([sampled_gaussian_rdp(s, q, orders) for s, q in zip(sigmas, qs)]).reshape(sigmas.size, len(key))
+    edge = ~((qs > 0.0) & (qs < 1.0) & (sigmas > 0.0))  # q ∈ {0, 1}, σ = 0, or invalid (raises)
+    out = np.empty((sigmas.size, len(key)))
+    for i in np.flatnonzero(edge):
+        out[i] = sampled_gaussian_rdp(sigmas[i], qs[i], orders)
+    if edge.all():
+        return out
     integers, low, high, weight, denominator = plan
-    log_a = np.concatenate([[0.0], _log_a_integer(q, sigma, integers)])  # index n − 1 ↔ order n
-    return ((1.0 - weight) * log_a[low] + weight * log_a[high]) / denominator
+    log_a = np.zeros((sigmas.size - int(edge.sum()), len(integers) + 1))  # column n − 1 ↔ order n (log A_1 = 0)
+    log_a[:, 1:] = _log_a_integer(qs[~edge], sigmas[~edge], integers)
+    out[~edge] = ((1.0 - weight) * log_a[:, low] + weight * log_a[:, high]) / denominator
+    return out
 
 
 @lru_cache(maxsize=32)
@@ -110,22 +137,32 @@ def _chord_plan(orders: tuple[float, ...]) -> Optional[tuple[Any, ...]]:
     return plan
 
 
-def _log_a_integer(q: float, sigma: float, alphas: tuple[int, ...]) -> np.ndarray:
-    """log A_α for integer α: a log-sum-exp over k = 0..α of the binomial expansion."""
-    log_binom, k, rest, k2 = _integer_table(alphas)
-    log_terms = log_binom + k * math.log(q) + rest * math.log1p(-q) + k2 / (2.0 * sigma**2)
-    top = log_terms.max(axis=1, keepdims=True)  # finite: the k = 0 term α·log(1 − q) is
-    return top[:, 0] + np.log(np.exp(log_terms - top).sum(axis=1))
+def _log_a_integer(qs: np.ndarray, sigmas: np.ndarray, alphas: tuple[int, ...]) -> np.ndarray:
+    """log A_α for integer α, one row per (q, σ) pair: a log-sum-exp over k = 0..α of the
+    binomial expansion log C(α, k) + k log q + (α − k) log(1 − q) + (k² − k) / (2σ²).
+
+    The terms of all orders are packed into one row (no padding), so the (σ, q)-dependent
+    part is a single (pairs × 3) @ (3 × terms) product and the sums are segment reductions."""
+    log_binom, features, starts, counts = _integer_table(alphas)
+    coefficients = np.stack([np.log(qs), np.log1p(-qs), 0.5 / sigmas**2], axis=1)
+    log_terms = coefficients @ features
+    log_terms += log_binom
+    top = np.maximum.reduceat(log_terms, starts, axis=1)  # finite: the k = 0 term α·log(1 − q) is
+    log_terms -= np.repeat(top, counts, axis=1)
+    np.exp(log_terms, out=log_terms)
+    return top + np.log(np.add.reduceat(log_terms, starts, axis=1))
 
 
 @lru_cache(maxsize=32)
 def _integer_table(alphas: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """The (σ, q)-free parts of the integer-order sums: log C(α, k) (−inf for k > α), k, α − k, k² − k."""
-    n_terms = max(alphas) + 1
-    log_binom, _ = _binomials(tuple(float(a) for a in alphas), n_terms)
-    k = np.arange(n_terms, dtype=float)[None, :]
-    a = np.asarray(alphas, dtype=float)[:, None]
-    table = (np.where(k <= a, log_binom, -np.inf), k, a - k, k * k - k)
+    """The (σ, q)-free parts of the integer-order sums, packed order after order (k = 0..α):
+    log C(α, k); the rows k, α − k, k² − k; each order's first position and term count."""
+    counts = np.asarray(alphas, dtype=int) + 1
+    log_binom_rows, _ = _binomials(tuple(float(a) for a in alphas), int(counts.max()))
+    log_binom = np.concatenate([row[:c] for row, c in zip(log_binom_rows, counts)])
+    k = np.concatenate([np.arange(c, dtype=float) for c in counts])
+    a = np.repeat(np.asarray(alphas, dtype=float), counts)
+    table = (log_binom, np.stack([k, a - k, k * k - k]), np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     for arr in table:
         arr.setflags(write=False)
     return table
@@ -210,8 +247,21 @@ def _log_sub(log_x: np.ndarray, log_y: np.ndarray) -> np.ndarray:
         return np.where(np.isneginf(log_y), log_x, log_x + np.log1p(-np.exp(gap)))
 
 
-#: One-step RDP evaluators by name: ``"exact"`` (Opacus' series) and ``"chord"`` (its convex upper bound).
-RDP_CURVES = {"exact": sampled_gaussian_rdp, "chord": sampled_gaussian_rdp_upper}
+def sampled_gaussian_rdp_many(
+    noise_multipliers: Sequence[float], sample_rates: Sequence[float], orders: Sequence[float]
+) -> np.ndarray:
+    """:func:`sampled_gaussian_rdp` for many (σ, q) pairs: one row per pair (one series each;
+    the fractional-order series has no shared work to batch)."""
+    sigmas, qs = list(noise_multipliers), list(sample_rates)
+    if len(sigmas) != len(qs):
+        raise ValueError(f"need as many noise multipliers as sample rates, got {len(sigmas)} and {len(qs)}")
+    rows = [sampled_gaussian_rdp(s, q, orders) for s, q in zip(sigmas, qs)]
+    return np.array(rows).reshape(len(rows), len(tuple(orders)))
+
+
+#: One-step RDP evaluators by name, for many (σ, q) pairs at once (one row each):
+#: ``"exact"`` (Opacus' series) and ``"chord"`` (its convex upper bound).
+RDP_CURVES = {"exact": sampled_gaussian_rdp_many, "chord": sampled_gaussian_rdp_upper_many}
 
 
 def check_curve(curve: str) -> str:

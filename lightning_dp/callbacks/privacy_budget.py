@@ -7,27 +7,30 @@ and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log`
 (straight to the trainer's loggers), every ``log_every_n_steps``.
 
 Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
-updated from *new* ledger entries only: a step at an unchanged (σ, q) costs no array work. A
-new (σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 4
-distinct ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~0.1 ms per new
-cell; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`). For ``accountant="rdp"`` /
-``"integer_rdp"`` ε is computed from it when read (logging, :attr:`epsilon`, end of training).
+synced from *new* ledger entries only, and only when something needs it: when ε is read
+(logging, :attr:`epsilon`, end of training, checkpoints) or a stop reservation is made. A new
+(σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 4 distinct
+ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~50 µs per new cell,
+batched over the entries of one sync; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`).
 ``"pld"`` / ``"prv"`` compose the whole ledger (0.1 s to seconds), so they report every
 ``every_n_steps`` (default 100) and at the end of training.
 
-Stopping (with ``target_epsilon``). After each step, ε *after one more step* with the
-strategy's current (σ, q) is checked (while (σ, q) stays in one segment of the running total,
-against the last affordable step computed once); if it exceeds the target, ``trainer.should_stop`` is
-set, so training ends at the last step whose ε stays ≤ target. With banded noise only the first
-step of each cycle of b steps is charged a round (``DPStrategy.rounds_charged_next_step``), so
-the steps inside the last affordable cycle are all taken. The decision uses
-``stop_accountant`` (default ``"rdp"``: the running total, cheap and a valid upper bound).
-With ``stop_accountant="pld"`` or ``"prv"``, a step is taken if RDP *or* the tighter
-accountant certifies it (both are valid bounds); once RDP refuses, the number of remaining
-steps under the current (σ, q) is searched once with the tighter accountant (a few seconds
-to a minute) and recomputed only if σ or q changes. A budget too small for the first step
-raises ``ValueError`` at ``on_train_start``, before any step; a resumed run with no budget
-left stops at once.
+Stopping (with ``target_epsilon``). After each step, whether one more step with the strategy's
+current (σ, q) keeps ε ≤ target is answered by a :class:`~lightning_dp.accounting.BudgetReservation`:
+budget reserved for a box of (σ, q) around the current one, re-made only when (σ, q) leaves the
+box or the reserved steps are used up (constant σ and q: once per run; σ or q changing every
+step: about once per hundred steps), and checked exactly for the last step. Training thus ends
+at the last step whose ε stays ≤ target, for a few comparisons per step. σ and q must be set
+before ``on_train_batch_end`` of the step before they are used (a release recorded outside the
+box cancels the reservation). With banded noise only the first step of each cycle of b steps is
+charged a round (``DPStrategy.rounds_charged_next_step``), so the steps inside the last
+affordable cycle are all taken. The decision uses ``stop_accountant`` (default ``"rdp"``: the
+running total, cheap and a valid upper bound). With ``stop_accountant="pld"`` or ``"prv"``, a
+step is taken if RDP *or* the tighter accountant certifies it (both are valid bounds); once RDP
+refuses, the number of remaining steps under the current (σ, q) is searched once with the
+tighter accountant (a few seconds to a minute) and recomputed only if σ or q changes. A budget
+too small for the first step raises ``ValueError`` at ``on_train_start``, before any step; a
+resumed run with no budget left stops at once.
 
 Non-private runs (the noiseless baseline, ALGORITHMS.md §5) report ε = inf with a warning.
 """
@@ -43,6 +46,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_dp.accounting import (
     LedgerEntry,
     PrivacyLedger,
+    BudgetReservation,
     RunningRDP,
     get_accountant,
     ledger_epsilon,
@@ -87,12 +91,13 @@ class PrivacyBudget(Callback):
         rdp_quantum: ``None`` (exact) or relative grid for conservative σ/q rounding in the
             running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
         rdp_curve: how the running total evaluates a new (σ, q): ``"auto"`` (default: exact for
-            the first 4 distinct (σ, q), then the ~0.1 ms chord upper bound on a 0.5 % grid, ε ≤ ~4 % higher),
+            the first 4 distinct (σ, q), then the chord upper bound on a 0.5 % grid, ~50 µs per cell;
+            for those steps ε is ≤ ~1–5 % higher at σ ≥ 1, more at σ < 1: prefer ``"exact"`` there),
             ``"exact"`` (Opacus' series, 1–5 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
         log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
-            first step and the stopping step are always logged. Accounting and the stop
-            check still run every step.
+            first step and the stopping step are always logged. The stop check still runs
+            every step.
     """
 
     def __init__(
@@ -122,9 +127,9 @@ class PrivacyBudget(Callback):
         self.log_every_n_steps = log_every_n_steps
         self._rdp = RunningRDP(quantum=rdp_quantum, curve=rdp_curve)  # the stop decision's running total
         self._report = running_for(accountant, rdp_quantum, rdp_curve) if accountant != "rdp" else self._rdp
-        self._epsilon = 0.0
-        self._epsilon_stale = False  # running accountants: ε is computed when read (logging, end)
-        self._rdp_horizon: Optional[tuple[int, int]] = None  # (segment of the running total, last step)
+        self._ledger: Optional[PrivacyLedger] = None  # the strategy's, seen at the last hook
+        self._reservation: Optional[BudgetReservation] = None  # made at train start (needs δ)
+        self._epsilon = 0.0  # PLD/PRV: ε as of the last report
         self._reported_at = -1
         self._warned_not_private = False
         self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
@@ -132,10 +137,11 @@ class PrivacyBudget(Callback):
     # ------------------------------------------------------------------ public
     @property
     def epsilon(self) -> float:
-        """ε of the run so far by ``accountant`` (as of the last report)."""
-        if self._epsilon_stale:
-            assert self._report is not None and self.delta is not None
-            self._epsilon, self._epsilon_stale = self._report.epsilon(self.delta), False
+        """ε of the run so far by ``accountant``: computed now for ``"rdp"``/``"integer_rdp"``
+        (new ledger entries folded in first), as of the last report for ``"pld"``/``"prv"``."""
+        if self._report is not None and self._ledger is not None and self.delta is not None:
+            self._report.sync(self._ledger)
+            self._epsilon = self._report.epsilon(self.delta)
         return self._epsilon
 
     # ------------------------------------------------------------------- hooks
@@ -145,11 +151,15 @@ class PrivacyBudget(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Resolve δ, catch up with a restored ledger, refuse a budget too small for one step."""
-        ledger = _ledger_of(trainer)
+        ledger = self._ledger = _ledger_of(trainer)
         self._resolve_delta(trainer)
-        self._sync(ledger)
+        self._check_private(ledger)
         self._update_epsilon(ledger, force=True)
-        if self.target_epsilon is None or self._next_step_allowed(trainer, ledger):
+        if self.target_epsilon is None:
+            return
+        assert self.delta is not None
+        self._reservation = BudgetReservation(self._rdp, self.delta, self.target_epsilon)
+        if self._next_step_allowed(trainer, ledger):
             return
         if ledger.steps == 0:
             raise ValueError(
@@ -163,22 +173,22 @@ class PrivacyBudget(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Fold in the new releases, log, and stop if the next step would exceed the target."""
-        ledger = _ledger_of(trainer)
-        self._sync(ledger)
-        self._update_epsilon(ledger)
+        """Stop if the next step would exceed the target; log when due (ε computed then)."""
+        ledger = self._ledger = _ledger_of(trainer)
+        self._check_private(ledger)
         if self.target_epsilon is not None and not self._next_step_allowed(trainer, ledger):
             trainer.should_stop = True
-        self._log(trainer, pl_module)
+        self._update_epsilon(ledger)
+        self._log(trainer, pl_module, ledger)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Final ε by ``accountant``, written straight to the loggers."""
-        ledger = _ledger_of(trainer)
-        self._sync(ledger)
+        ledger = self._ledger = _ledger_of(trainer)
         self._update_epsilon(ledger, force=True)
+        epsilon = self.epsilon
         for logger in trainer.loggers:
-            logger.log_metrics({"privacy/epsilon": self.epsilon}, step=trainer.global_step)
-        rank_zero_info(f"PrivacyBudget: ε = {self.epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
+            logger.log_metrics({"privacy/epsilon": epsilon}, step=trainer.global_step)
+        rank_zero_info(f"PrivacyBudget: ε = {epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
 
     # --------------------------------------------------------------- helpers
     def _resolve_delta(self, trainer: "pl.Trainer") -> None:
@@ -190,41 +200,37 @@ class PrivacyBudget(Callback):
         self.delta = default_delta(n)
         rank_zero_info(f"PrivacyBudget: delta not given, using δ = 1/N^1.1 = {self.delta:.3g} for N = {n} examples.")
 
-    def _sync(self, ledger: PrivacyLedger) -> None:
-        self._rdp.sync(ledger)
-        if self._report is not None and self._report is not self._rdp:
-            self._report.sync(ledger)
-        if not self._rdp.private and not self._warned_not_private:
+    def _check_private(self, ledger: PrivacyLedger) -> None:
+        if not ledger.is_private and not self._warned_not_private:
             self._warned_not_private = True
             rank_zero_warn("PrivacyBudget: this run made NON-PRIVATE releases (noiseless baseline): ε = inf.")
 
     def _update_epsilon(self, ledger: PrivacyLedger, force: bool = False) -> None:
+        """PLD/PRV reporting: compose the whole ledger every ``every_n_steps`` (running accountants: nothing to do)."""
         assert self.delta is not None
         if self._report is not None:
-            self._epsilon_stale = True
-            if force:
-                _ = self.epsilon
             return
-        steps = self._rdp.steps
+        steps = ledger.steps
         if force or (steps != self._reported_at and steps % self.every_n_steps == 0):
             self._epsilon = ledger_epsilon(ledger, self.delta, self.accountant)
             self._reported_at = steps
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", ledger: PrivacyLedger) -> None:
         """ε to the progress bar and loggers (``pl_module.log``); δ, σ, q, steps straight to the loggers.
 
         Every ``log_every_n_steps`` (the trainer's by default), on the first step and when stopping:
         one ``pl_module.log`` call costs ~2 ms of Lightning bookkeeping here, far more than the
         accounting itself.
         """
-        steps = self._rdp.steps
+        steps = ledger.steps
         every = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
         if steps % every and steps != 1 and not trainer.should_stop:
             return
         strategy = trainer.strategy
-        pl_module.log("privacy/epsilon", self.epsilon, on_step=True, on_epoch=False, prog_bar=True)
+        epsilon = self.epsilon
+        pl_module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True)
         values = {
-            "privacy/epsilon": self.epsilon,
+            "privacy/epsilon": epsilon,
             "privacy/delta": self.delta,
             "privacy/noise_multiplier": strategy.noise_multiplier,
             "privacy/sample_rate": strategy.sample_rate,
@@ -238,25 +244,15 @@ class PrivacyBudget(Callback):
         sigma, q = trainer.strategy.noise_multiplier, trainer.strategy.sample_rate
         if getattr(trainer.strategy, "rounds_charged_next_step", 1) == 0:
             return True  # banded noise, inside a cycle: the next step adds no sampled-Gaussian round
-        if self._rdp_allows_next(sigma, q):
+        if self._reservation is None:
+            self._reservation = BudgetReservation(self._rdp, self.delta, self.target_epsilon)
+        if self._reservation.allows_next(ledger, sigma, q):
             return True  # RDP certifies it: a valid bound whatever the reporting accountant
-        if self.stop_accountant == "rdp" or not self._rdp.private:
+        if self.stop_accountant == "rdp" or not ledger.is_private:
             return False
         if self.stop_accountant == "integer_rdp":
             return ledger_epsilon(ledger.entries + (LedgerEntry(sigma, q, 1),), self.delta, "integer_rdp") <= self.target_epsilon
-        return self._rdp.steps + 1 <= self._last_allowed_step(ledger, sigma, q)
-
-    def _rdp_allows_next(self, sigma: float, q: float) -> bool:
-        """ε by the running RDP total after one more step ≤ target. While (σ, q) stays that of
-        the latest releases (twice or more; same grid cell), the last affordable step is computed once
-        (:meth:`RunningRDP.affordable_steps`) and each step is an integer comparison."""
-        assert self.delta is not None and self.target_epsilon is not None
-        run = self._rdp
-        if not run.continues(sigma, q) or run.segment_steps < 3:  # (σ, q) new or changing every step
-            return run.epsilon_after(self.delta, sigma, q) <= self.target_epsilon
-        if self._rdp_horizon is None or self._rdp_horizon[0] != run.segment:  # same segment: same one-step RDP
-            self._rdp_horizon = (run.segment, run.steps + run.affordable_steps(self.delta, self.target_epsilon, sigma, q))
-        return run.steps + 1 <= self._rdp_horizon[1]
+        return ledger.steps + 1 <= self._last_allowed_step(ledger, sigma, q)
 
     def _last_allowed_step(self, ledger: PrivacyLedger, sigma: float, q: float) -> int:
         """Total step count up to which ``stop_accountant`` certifies the budget at constant (σ, q)."""
@@ -270,9 +266,9 @@ class PrivacyBudget(Callback):
                 return last
         assert self.delta is not None and self.target_epsilon is not None
         more = steps_within_budget(
-            entries, sigma, q, self.target_epsilon, self.delta, self.stop_accountant, hint=max(2, self._rdp.steps // 8)
+            entries, sigma, q, self.target_epsilon, self.delta, self.stop_accountant, hint=max(2, ledger.steps // 8)
         )
-        last = self._rdp.steps + more
+        last = ledger.steps + more
         # after the next step the tail entry is (σ, q): remember the length it will have
         tail_is_key = bool(entries) and (entries[-1].noise_multiplier, entries[-1].sample_rate) == key
         self._horizon = ((key, len(entries) + (0 if tail_is_key else 1)), last)
@@ -281,11 +277,14 @@ class PrivacyBudget(Callback):
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The running totals, δ in use and the last ε (the ledger itself travels with the strategy)."""
+        if self._ledger is not None:
+            self._rdp.sync(self._ledger)
+        epsilon = self.epsilon  # also syncs the reporting total
         return {
             "rdp": self._rdp.state_dict(),
             "report": self._report.state_dict() if self._report not in (None, self._rdp) else None,
             "delta": self.delta,
-            "epsilon": self.epsilon if self._report is not None and self.delta is not None else self._epsilon,
+            "epsilon": epsilon,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -296,5 +295,6 @@ class PrivacyBudget(Callback):
         if self.delta is None and state_dict.get("delta") is not None:
             self.delta = float(state_dict["delta"])
         self._epsilon = float(state_dict.get("epsilon", 0.0))
-        self._horizon = self._rdp_horizon = None
-
+        self._horizon = None
+        if self._reservation is not None:
+            self._reservation.reset()

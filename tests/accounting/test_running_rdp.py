@@ -160,21 +160,31 @@ def test_affordable_steps_is_the_last_step_within_target(seed):
     run.add(rng.uniform(0.8, 1.5), rng.uniform(0.005, 0.05), steps=rng.randint(1, 200))
     sigma, q = rng.uniform(0.8, 1.5), rng.uniform(0.005, 0.05)
     target = run.epsilon_after(DELTA, sigma, q, 1) + rng.uniform(0.0, 2.0)
-    n = run.affordable_steps(DELTA, target, sigma, q)
+    n = run.affordable_steps(DELTA, target, run.one_step(sigma, q))
     assert n >= 1
     assert run.epsilon_after(DELTA, sigma, q, n) <= target < run.epsilon_after(DELTA, sigma, q, n + 1)
-    assert run.affordable_steps(DELTA, run.epsilon(DELTA) * 0.5, sigma, q) == 0
+    assert run.affordable_steps(DELTA, run.epsilon(DELTA) * 0.5, run.one_step(sigma, q)) == 0
 
 
-def test_segments_count_changes_of_sigma_and_q():
-    run = RunningRDP()
-    run.add(1.0, 0.01, steps=3)
-    run.add(1.0, 0.01, steps=2)
-    assert (run.segment, run.segment_steps, run.continues(1.0, 0.01)) == (1, 5, True)
-    run.add(1.2, 0.01)
-    assert (run.segment, run.segment_steps, run.continues(1.0, 0.01)) == (2, 1, False)
-    chord = RunningRDP(curve="auto", exact_keys=0)  # grid cells: a drifting σ stays in one segment
-    chord.add(1.2, 0.01)
-    chord.add(1.2 * (1 + 0.1 * AUTO_QUANTUM), 0.01)
-    assert (chord.segment, chord.segment_steps) == (1, 2) and chord.continues(1.2 * (1 + 0.2 * AUTO_QUANTUM), 0.01)
-    np.testing.assert_allclose(run.total, 5 * run.one_step(1.0, 0.01) + run.one_step(1.2, 0.01), rtol=1e-12)
+@pytest.mark.parametrize("curve,quantum", [("auto", None), ("exact", None), ("chord", None), ("auto", 1e-2)])
+def test_bound_step_covers_every_charge_in_its_box(curve, quantum):
+    rng = random.Random(5)
+    run = RunningRDP(curve=curve, quantum=quantum, exact_keys=2)
+    run.add(1.0, 0.02)  # one exact key taken
+    sigma_min, q_max = 0.9, 0.03
+    bound = run.bound_step(sigma_min, q_max)
+    for _ in range(20):
+        sigma, q = sigma_min * rng.uniform(1.0, 1.2), q_max * rng.uniform(0.7, 1.0)
+        assert np.all(run.one_step(sigma, q) <= bound)
+    assert np.all(run.one_step(sigma_min, q_max) <= bound)
+    assert np.all(np.isinf(run.bound_step(0.0, 0.1))) and not np.any(run.bound_step(1.0, 0.0))
+
+
+def test_sync_in_one_batch_equals_step_by_step_adds():
+    ledger = _drifting_ledger(80)
+    batched, stepwise = RunningRDP(exact_keys=3), RunningRDP(exact_keys=3)
+    batched.sync(ledger)
+    for e in ledger.entries:
+        stepwise.add(e.noise_multiplier, e.sample_rate, e.steps)
+    np.testing.assert_allclose(batched.total, stepwise.total, rtol=1e-12)
+    assert batched.steps == stepwise.steps == 80

@@ -7,7 +7,12 @@ import pytest
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from lightning_dp.accounting.rdp import RDP_ORDERS, rdp_to_epsilon
-from lightning_dp.accounting.sgm_rdp import check_curve, sampled_gaussian_rdp, sampled_gaussian_rdp_upper
+from lightning_dp.accounting.sgm_rdp import (
+    check_curve,
+    sampled_gaussian_rdp,
+    sampled_gaussian_rdp_upper,
+    sampled_gaussian_rdp_upper_many,
+)
 
 EXTRA_ORDERS = (1.01, 1.5, 2.5, 20.5, 63.7, 100.0, 128.0, 256.0)
 
@@ -86,6 +91,34 @@ def test_chord_epsilon_is_within_two_percent(sigma: float, q: float, steps: int)
     exact = rdp_to_epsilon(steps * sampled_gaussian_rdp(sigma, q, RDP_ORDERS), RDP_ORDERS, 1e-5)
     upper = rdp_to_epsilon(steps * sampled_gaussian_rdp_upper(sigma, q, RDP_ORDERS), RDP_ORDERS, 1e-5)
     assert exact <= upper <= 1.02 * exact
+
+
+def test_chord_for_many_pairs_equals_one_at_a_time_including_edge_cases() -> None:
+    rng = np.random.default_rng(7)
+    sigmas = list(np.exp(rng.uniform(np.log(0.4), np.log(20.0), 9))) + [1.0, 0.0, 2.0]
+    qs = list(np.exp(rng.uniform(np.log(1e-5), np.log(0.9), 9))) + [0.0, 0.1, 1.0]  # q = 0, σ = 0, q = 1
+    rows = sampled_gaussian_rdp_upper_many(sigmas, qs, RDP_ORDERS)
+    assert rows.shape == (12, len(RDP_ORDERS))
+    for row, sigma, q in zip(rows, sigmas, qs):
+        alone = sampled_gaussian_rdp_upper(sigma, q, RDP_ORDERS) if 0 < q < 1 and sigma > 0 else sampled_gaussian_rdp(sigma, q, RDP_ORDERS)
+        np.testing.assert_allclose(row, alone, rtol=1e-12)
+    assert np.all(rows[-3] == 0.0) and np.all(np.isinf(rows[-2]))
+    np.testing.assert_allclose(rows[-1], np.array(RDP_ORDERS) / 8.0)
+    assert sampled_gaussian_rdp_upper_many([], [], RDP_ORDERS).shape == (0, len(RDP_ORDERS))
+    with pytest.raises(ValueError, match="as many"):
+        sampled_gaussian_rdp_upper_many([1.0, 2.0], [0.1], RDP_ORDERS)
+    with pytest.raises(ValueError):
+        sampled_gaussian_rdp_upper_many([1.0], [1.5], RDP_ORDERS)
+
+
+def test_chord_is_monotone_in_sigma_and_q() -> None:
+    # what lets a bound at a (σ_min, q_max) corner cover every step inside a box (BudgetReservation)
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        sigma, q = float(rng.uniform(0.5, 5.0)), float(rng.uniform(1e-4, 0.5))
+        base = sampled_gaussian_rdp_upper(sigma, q, RDP_ORDERS)
+        assert np.all(sampled_gaussian_rdp_upper(sigma * 0.99, q, RDP_ORDERS) >= base)
+        assert np.all(sampled_gaussian_rdp_upper(sigma, q * 1.01, RDP_ORDERS) >= base)
 
 
 def test_unknown_curve_is_refused() -> None:
