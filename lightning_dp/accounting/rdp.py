@@ -44,7 +44,8 @@ class OneStepCache:
 
     def __init__(self, maxsize: int = 4096) -> None:
         self.maxsize = int(maxsize)
-        self._store: OrderedDict[tuple[float, float, tuple[float, ...], str], np.ndarray] = OrderedDict()
+        self._store: OrderedDict[tuple[float, float, int, str], np.ndarray] = OrderedDict()
+        self._order_ids: dict[tuple[float, ...], int] = {}  # keys hold a small id, not 151 floats to hash
 
     def __len__(self) -> int:
         return len(self._store)
@@ -60,13 +61,13 @@ class OneStepCache:
     def get_many(self, pairs: Sequence[tuple[float, float]], orders: tuple[float, ...], curve: str) -> list[np.ndarray]:
         """The vectors of several (σ, q), the missing ones evaluated together (one row each)."""
         store = self._store
-        keys = [(float(s), float(q), orders, curve) for s, q in pairs]
+        tag = self._order_ids.setdefault(orders, len(self._order_ids))
+        keys = [(float(s), float(q), tag, curve) for s, q in pairs]
         missing = list(dict.fromkeys(k for k in keys if k not in store))
         if missing:
             rows = RDP_CURVES[curve]([k[0] for k in missing], [k[1] for k in missing], orders)
-            for key, row in zip(missing, rows):
-                row.setflags(write=False)
-                store[key] = row
+            rows.setflags(write=False)
+            store.update(zip(missing, rows))
         out = []
         for key in keys:
             store.move_to_end(key)

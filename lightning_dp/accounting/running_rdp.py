@@ -163,21 +163,9 @@ class RunningRDP:
             sigma, q = _grid_down(sigma, self.quantum), _grid_up(q, self.quantum)
         return STEP_CACHE.get(_grid_down(sigma, AUTO_QUANTUM), _grid_up(q, AUTO_QUANTUM), self.orders, "chord")
 
-    def _register(self, key: tuple[float, float, str]) -> None:
-        if self.curve == "auto" and key[2] == "exact":
-            self._exact.add(key[:2])
-
     def add(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Compose ``steps`` releases of (σ, q) into the total (not tied to a ledger)."""
-        if steps <= 0:
-            return
-        self.steps += int(steps)
-        if not private:
-            self.private = False
-            return
-        vector = self.one_step(noise_multiplier, sample_rate)
-        self._register(self.charge_key(noise_multiplier, sample_rate))
-        self._total = self._total + int(steps) * vector
+        self._add_many(((noise_multiplier, sample_rate, steps, private),))
 
     def _add_many(self, releases: Sequence[tuple[float, float, int, bool]]) -> None:
         """:meth:`add` for each release in order, with the missing one-step vectors evaluated
@@ -191,16 +179,16 @@ class RunningRDP:
                 self.private = False
                 continue
             key = self.charge_key(sigma, q)
-            self._register(key)
+            if self.curve == "auto" and key[2] == "exact":
+                self._exact.add(key[:2])
             counts[key] = counts.get(key, 0) + int(steps)
         if not counts:
             return
         update = np.zeros(len(self.orders))
-        for curve in {key[2] for key in counts}:
+        for curve in sorted({key[2] for key in counts}):  # a fixed order: every DDP rank sums alike
             keys = [key for key in counts if key[2] == curve]
             vectors = STEP_CACHE.get_many([key[:2] for key in keys], self.orders, curve)
-            for key, vector in zip(keys, vectors):
-                update += counts[key] * vector
+            update += np.array([counts[key] for key in keys], dtype=float) @ np.stack(vectors)
         self._total = self._total + update
 
     @property
