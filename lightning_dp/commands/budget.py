@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+import time
+from typing import Callable, Optional, Sequence, TypeVar
 
 from lightning_dp.accounting import available_accountants, calibrate_noise, epsilon
 
 DEFAULT_ACCOUNTANTS = ("rdp", "prv", "pld", "integer_rdp")
+_T = TypeVar("_T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="add the DP-SignSGD paper's method: integer-order grid AND its 2C sensitivity (it clips the "
         "batch average), next to ours (per-example clipping, sensitivity C); q is then the local rate",
     )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
+
+
+def _progress(label: str, work: Callable[[], _T], quiet: bool) -> _T:
+    """Run ``work``, telling stderr what is being computed and how long it took (PLD/PRV take seconds)."""
+    if quiet:
+        return work()
+    print(f"  {label} …", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    out = work()
+    print(f" {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def _sign_sgd_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -63,8 +77,11 @@ def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def plot_epsilon(path: str, sigma: float, q: float, steps: int, delta: float, accountants: Sequence[str]) -> None:
-    """ε against steps (1..T, 24 points) for each accountant, saved as a PNG (matplotlib, Agg)."""
+def plot_epsilon(
+    path: str, sigma: float, q: float, steps: int, delta: float, accountants: Sequence[str], quiet: bool = True
+) -> None:
+    """ε against steps (1..T, 24 points) for each accountant, saved as a PNG (matplotlib, Agg);
+    with ``quiet=False`` each accountant's curve is announced on stderr with its time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +91,8 @@ def plot_epsilon(path: str, sigma: float, q: float, steps: int, delta: float, ac
     grid = np.unique(np.linspace(1, steps, 24).astype(int))
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in accountants:
-        ax.plot(grid, [epsilon(sigma, q, int(t), delta, name) for t in grid], label=name)
+        curve = _progress(f"ε curve by {name}", lambda: [epsilon(sigma, q, int(t), delta, name) for t in grid], quiet)
+        ax.plot(grid, curve, label=name)
     ax.set(xlabel="steps", ylabel=f"ε (δ = {delta:g})", title=f"σ = {sigma:.4g}, q = {q:.4g}")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -90,18 +108,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.noise_multiplier is not None:
             sigma = args.noise_multiplier
-            rows = [(name, f"{epsilon(sigma, q, steps, delta, name):.4f}") for name in args.accountants]
+            rows = [
+                (name, f"{_progress(f'ε by {name}', lambda: epsilon(sigma, q, steps, delta, name), args.quiet):.4f}")
+                for name in args.accountants
+            ]
             rows += _sign_sgd_rows(args) if args.sign_sgd else []
             print(f"ε for σ = {sigma:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
             print(_table(("accountant", "epsilon"), rows))
         else:
-            sigmas = {name: calibrate_noise(args.target_epsilon, delta, q, steps, name) for name in args.accountants}
+            sigmas = {
+                name: _progress(
+                    f"σ by {name}", lambda: calibrate_noise(args.target_epsilon, delta, q, steps, name), args.quiet
+                )
+                for name in args.accountants
+            }
             sigma = sigmas[args.accountants[0]]
             print(f"σ for ε = {args.target_epsilon:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
             rows = [(n, f"{s:.4f}") for n, s in sigmas.items()] + (_sign_sgd_rows(args) if args.sign_sgd else [])
             print(_table(("accountant", "noise_multiplier"), rows))
         if args.plot:
-            plot_epsilon(args.plot, sigma, q, steps, delta, args.accountants)
+            plot_epsilon(args.plot, sigma, q, steps, delta, args.accountants, args.quiet)
             print(f"plot written to {args.plot}")
     except ValueError as err:
         print(f"lightning-dp budget: error: {err}", file=sys.stderr)

@@ -54,3 +54,13 @@ def test_sign_sgd_rows_show_the_papers_2c_sensitivity(capsys):
     assert main(["-q", "0.2", "-T", "100", "--delta", "1e-3", "--sigma", "3", "--accountants", "rdp", "--sign-sgd"]) == 0
     out = capsys.readouterr().out
     assert f"{epsilon(1.5, 0.2, 100, 1e-3, 'integer_rdp'):.4f}" in out
+
+
+def test_progress_goes_to_stderr_unless_quiet(capsys):
+    args = ["-q", "0.01", "--target-epsilon", "2", "-T", "500", "--delta", "1e-5", "--accountants", "rdp", "integer_rdp"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "σ by rdp …" in captured.err and "σ by integer_rdp …" in captured.err and " s\n" in captured.err
+    assert "…" not in captured.out  # the table on stdout stays parseable
+    assert main(args + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
