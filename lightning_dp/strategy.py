@@ -62,7 +62,7 @@ from lightning_dp.mechanism import (
 )
 from lightning_dp.accounting.banded import rounds_charged_at
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
-from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose
+from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.mechanism.min_sep_sampling import (
     MinSepPoissonBatchSampler,
     group_sample_rate,
@@ -509,6 +509,7 @@ class DPStrategy(DDPStrategy):
         diagnostics = diagnose(batch, params, expected, self._max_grad_norm)  # before the noise is added in place
         if self._distributed:
             flat_all_reduce(list(diagnostics.clean_mean.values()), dist.all_reduce)
+            diagnostics = gathered(diagnostics)  # norms, clip fraction: every rank's examples
         return diagnostics
 
     # ------------------------------------------------------------------ checkpoints

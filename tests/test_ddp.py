@@ -277,3 +277,37 @@ def test_second_moment_monitor_logs_once_from_rank_zero(tmp_path):
     acc.Reload()
     for tag in ("v_stats/all/median", "nonprivate/v_stats/all/median", "nonprivate/clip_fraction"):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2, 4], tag
+
+
+class _DiagnosticsRecorder(pl.Callback):
+    """Saves, per rank, the strategy's non-private per-example norms after every step."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.norms = out_dir, []
+
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.enable_non_private_diagnostics()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        diag = trainer.strategy.non_private_diagnostics
+        self.norms.append((diag.norms.clone(), diag.batch_size, diag.clip_fraction))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.norms, self.out_dir / f"diag{trainer.global_rank}.pt")
+
+
+def test_non_private_norms_are_every_ranks_examples(tmp_path):
+    """The diagnostics' per-example norms (monitor quantiles, clip fraction) cover both ranks'
+    Poisson shards: the same on every rank, as many as the two local batches together."""
+    strategy = _ddp_strategy(noise_multiplier=1.0, max_grad_norm=0.5, sampler_seed=1)
+    _trainer(strategy, WORLD, tmp_path, max_steps=3, callbacks=[_DiagnosticsRecorder(tmp_path)]).fit(
+        _AdamClassifier(), loader(classification_data(200), 10)
+    )
+    records = load_records(tmp_path, WORLD)
+    seen = [torch.load(tmp_path / f"diag{rank}.pt") for rank in range(WORLD)]
+    for step in range(3):
+        local = [r["batch_sizes"][step] for r in records]
+        norms, size, fraction = seen[0][step]
+        assert size == norms.numel() == sum(local)
+        assert torch.equal(seen[1][step][0], norms) and seen[1][step][1:] == (size, fraction)
+        assert fraction == pytest.approx(float((norms > 0.5).float().mean()))

@@ -98,8 +98,8 @@ class SecondMomentMonitor(Callback):
     histograms use a fixed random subsample of at most ``max_coordinates`` coordinates
     (drawn once, data-independent; ``torch.quantile`` refuses more than 16M values).
     The clean EMAs cost two model-sized buffers and are updated every step; they are
-    saved in checkpoints (by parameter name) and continue on resume. Norm quantiles and the clip fraction are those of rank 0's
-    examples in the logged step.
+    saved in checkpoints (by parameter name) and continue on resume. Norm quantiles and the
+    clip fraction are over every rank's examples of the logged step (gathered by the strategy).
 
     Args:
         every_n_steps: log every n optimizer steps (and at the first).
