@@ -14,6 +14,10 @@ paper is the pure-DP case). Observing v correct guesses therefore rejects "(ε, 
 level β whenever the right-hand side is < β; the largest such ε is the reported lower
 bound, which holds with probability ≥ 1 − β over the canary coins and the algorithm.
 
+This is also what the paper's reference code (its App. D, ``p_value_DP_audit``) computes:
+P[Binomial(r, q) ≥ v] + 2mδ · max_{1≤i≤v} P[v − i ≤ Binomial(r, q) < v] / i with
+q = 1/(1 + e^−ε); ``tests/audit/test_bound.py`` holds :func:`p_value` to the theorem as written.
+
 Note: for i > v, f(v − i) = 1, so (f(v − i) − f(v))/i ≤ (1 − f(v))/v — the maximum is
 attained for some i ≤ v and the search stops there.
 """
