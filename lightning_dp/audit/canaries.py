@@ -18,8 +18,9 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from lightning_dp.audit._wrapped_data import TrainSetWrapper
 from lightning_dp.mechanism.sampling import secure_seed
 
 
@@ -107,27 +108,16 @@ class CanaryDataset(Dataset):
         return self.canaries.inputs[j], self.canaries.labels[j]
 
 
-class CanaryDataModule(pl.LightningDataModule):
+class CanaryDataModule(TrainSetWrapper):
     """Wraps a LightningDataModule: its training set gets the included canaries; other splits unchanged."""
 
     def __init__(self, base: pl.LightningDataModule, canaries: InputCanaries) -> None:
-        super().__init__()
-        self.base = base
+        super().__init__(base)
         self.canaries = canaries
 
-    def prepare_data(self) -> None:
-        """Delegate to the wrapped module."""
-        self.base.prepare_data()
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Delegate to the wrapped module."""
-        self.base.setup(stage)
-
-    def train_dataloader(self) -> DataLoader:
-        """The wrapped loader's dataset plus the included canaries, same batch size (DPStrategy re-samples it)."""
-        loader = self.base.train_dataloader()
-        dataset = CanaryDataset(loader.dataset, self.canaries)
-        return DataLoader(dataset, batch_size=loader.batch_size, shuffle=True, num_workers=loader.num_workers)
+    def wrap_train_set(self, dataset: Dataset) -> Dataset:
+        """The base training set followed by the included canaries."""
+        return CanaryDataset(dataset, self.canaries)
 
     def val_dataloader(self) -> Any:
         """The wrapped module's validation loader."""

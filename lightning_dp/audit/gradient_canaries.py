@@ -17,14 +17,16 @@ its gradient (higher ⇒ guess "in"). Without noise an included canary moves by
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from lightning_dp.audit._wrapped_data import TrainSetWrapper
 
 
 class GradientCanaryDataset(Dataset):
@@ -47,27 +49,16 @@ class GradientCanaryDataset(Dataset):
         return self._blank[0], self._blank[1], torch.tensor(self._ids[i - self._n_base])
 
 
-class GradientCanaryDataModule(pl.LightningDataModule):
+class GradientCanaryDataModule(TrainSetWrapper):
     """Wraps a LightningDataModule: training items become ``(x, y, canary_id)`` with the included canaries appended."""
 
     def __init__(self, base: pl.LightningDataModule, included: Tensor) -> None:
-        super().__init__()
-        self.base = base
+        super().__init__(base)
         self.included = included
 
-    def prepare_data(self) -> None:
-        """Delegate to the wrapped module."""
-        self.base.prepare_data()
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        """Delegate to the wrapped module."""
-        self.base.setup(stage)
-
-    def train_dataloader(self) -> DataLoader:
-        """The wrapped training set plus included canaries, same batch size (DPStrategy re-samples it)."""
-        loader = self.base.train_dataloader()
-        dataset = GradientCanaryDataset(loader.dataset, self.included)
-        return DataLoader(dataset, batch_size=loader.batch_size, shuffle=True, num_workers=loader.num_workers)
+    def wrap_train_set(self, dataset: Dataset) -> Dataset:
+        """The base items tagged ``-1``, then one blank item per included canary."""
+        return GradientCanaryDataset(dataset, self.included)
 
 
 class GradientCanaryModule(pl.LightningModule):
