@@ -22,13 +22,46 @@ from lightning_dp.accounting.epsilon import epsilon
 _SIGMA_MIN, _SIGMA_MAX = 1e-3, 1e4
 
 
-def _bracket(f: Callable[[float], float], target: float, start: float) -> tuple[float, float]:
+def smallest_sigma(
+    epsilon_of: Callable[[float], float],
+    target_epsilon: float,
+    rtol: float = 1e-4,
+    start: float = 1.0,
+    max_sigma: float = _SIGMA_MAX,
+) -> float:
+    """Smallest σ (within relative ``rtol``) with ``epsilon_of(σ) ≤ target_epsilon``, for any
+    ε(σ) that decreases in σ (module docstring): bracket from ``start`` by doubling / halving,
+    Brent's method on log ε(σ) − log ε* in log σ, then step up until the target is verified.
+    σ below 1e-3 is not searched (that σ is returned if it already meets the target);
+    ``ValueError`` if no σ ≤ ``max_sigma`` does. Each ε(σ) is evaluated once (cached).
+    """
+    cache: dict[float, float] = {}
+
+    def f(sigma: float) -> float:
+        if sigma not in cache:
+            cache[sigma] = epsilon_of(sigma)
+        return cache[sigma]
+
+    lo, hi = _bracket(f, target_epsilon, start, max_sigma)
+    if lo == hi:
+        return hi
+
+    def gap(log_sigma: float) -> float:  # clipped so that ε = 0 or ∞ stays finite
+        return math.log(min(max(f(math.exp(log_sigma)), 1e-300), 1e300)) - math.log(target_epsilon)
+
+    sigma = min(math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rtol / 4)), hi)
+    while f(sigma) > target_epsilon:  # verify; the root may sit a hair below the boundary
+        sigma = min(sigma * (1.0 + rtol / 4), hi)
+    return sigma
+
+
+def _bracket(f: Callable[[float], float], target: float, start: float, max_sigma: float) -> tuple[float, float]:
     """[lo, hi] with f(lo) > target ≥ f(hi)."""
     hi = start
     while f(hi) > target:
-        if hi >= _SIGMA_MAX:
+        if hi >= max_sigma:
             raise ValueError(
-                f"target_epsilon={target} is not reachable with σ ≤ {_SIGMA_MAX:g}; "
+                f"target_epsilon={target} is not reachable with σ ≤ {max_sigma:g}; "
                 "raise the target, lower the sample rate or the number of steps"
             )
         hi *= 2.0
@@ -70,20 +103,6 @@ def calibrate_noise(
     if not 0 < rtol < 0.1:
         raise ValueError(f"rtol must be in (0, 0.1), got {rtol!r}")
 
-    cache: dict[float, float] = {}
-
-    def f(sigma: float) -> float:
-        if sigma not in cache:
-            cache[sigma] = epsilon(sigma, q, steps, delta, accountant)
-        return cache[sigma]
-
     # Tighter accountants need less noise than RDP: start their search just below σ_RDP.
     start = 1.0 if accountant == "rdp" else calibrate_noise(target, delta, q, steps, "rdp", rtol=1e-2)
-    lo, hi = _bracket(f, target, start)
-    if lo == hi:
-        return hi
-    x = brentq(lambda t: f(math.exp(t)) - target, math.log(lo), math.log(hi), xtol=rtol / 4)
-    sigma = min(math.exp(x), hi)
-    while f(sigma) > target:  # verify; the root may sit a hair below the boundary
-        sigma = min(sigma * (1.0 + rtol / 4), hi)
-    return sigma
+    return smallest_sigma(lambda sigma: epsilon(sigma, q, steps, delta, accountant), target, rtol, start)

@@ -25,7 +25,6 @@ add/remove adjacency that statistic has sensitivity 2C, not C, so for its stated
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from typing import Callable, Literal, Optional, Sequence
 
 from opacus.accountants import PRVAccountant
 from opacus.accountants.rdp import RDPAccountant
-from scipy.optimize import brentq
 
+from lightning_dp.accounting.calibration import smallest_sigma
 from lightning_dp.accounting.rdp import rdp_to_epsilon, rdp_to_epsilon_mironov, step_rdp
 
 CalibrationMethod = Literal["rdp", "prv", "paper_grid"]
@@ -139,10 +138,9 @@ def calibrate_worker_sigma(
 ) -> float:
     """Smallest σ (to ``rel_tol``) such that one worker is (target ε, δ)-DP after T steps.
 
-    ε is decreasing in σ: bracket the root by doubling/halving, solve log ε(σ) = log ε*
-    in log σ by Brent's method (few accountant calls: the fractional-order RDP is the
-    slow part), then step σ up until ``worker_epsilon(σ, ...) <= target_epsilon`` holds,
-    which it always does for the returned σ.
+    ε is decreasing in σ: the shared search of :func:`~lightning_dp.accounting.calibration.smallest_sigma`
+    (bracket, Brent's method in log σ on log ε, then step σ up until
+    ``worker_epsilon(σ, ...) <= target_epsilon`` holds, which it always does for the returned σ).
 
     Args:
         target_epsilon: ε > 0.
@@ -159,32 +157,10 @@ def calibrate_worker_sigma(
     if not 0 < rel_tol < 1:
         raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
 
-    @functools.lru_cache(maxsize=None)
-    def eps(sigma: float) -> float:
-        return worker_epsilon(sigma, sample_rate, steps, delta, method, sensitivity_factor)
-
-    lo, hi = _bracket(eps, target_epsilon, max_sigma)
-
-    def gap(log_sigma: float) -> float:  # log ε(σ) − log ε*, clipped so that ε = ∞ stays finite
-        return math.log(min(max(eps(math.exp(log_sigma)), 1e-300), 1e300)) - math.log(target_epsilon)
-
-    sigma = math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rel_tol / 4))
-    while eps(sigma) > target_epsilon:
-        sigma *= 1.0 + rel_tol / 4
-    return sigma
-
-
-def _bracket(eps: Callable[[float], float], target: float, max_sigma: float) -> tuple[float, float]:
-    """(lo, hi) with ε(lo) > target ≥ ε(hi), found by doubling / halving from σ = 1."""
-    hi = 1.0
-    while eps(hi) > target:
-        hi *= 2.0
-        if hi > max_sigma:
-            raise ValueError(f"no σ <= {max_sigma} reaches the target ε={target}; raise ε or lower q/T")
-    lo = hi / 2.0
-    while eps(lo) <= target:
-        lo, hi = lo / 2.0, lo
-    return lo, hi
+    return smallest_sigma(
+        lambda sigma: worker_epsilon(sigma, sample_rate, steps, delta, method, sensitivity_factor),
+        target_epsilon, rel_tol, max_sigma=max_sigma,
+    )
 
 
 @dataclass(frozen=True)
