@@ -92,7 +92,8 @@ class PrivacyBudget(Callback):
             running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
         rdp_curve: how the running total evaluates a new (σ, q): ``"auto"`` (default: exact for
             the first 4 distinct (σ, q), then the chord upper bound on a 0.5 % grid, ~50 µs per cell;
-            for those steps ε is ≤ ~1–5 % higher at σ ≥ 1, more at σ < 1: prefer ``"exact"`` there),
+            for those steps ε is ≤ ~1–5 % higher at σ ≥ 1, more at σ < 1: for a schedule there,
+            ``rdp_curve="exact", rdp_quantum=5e-3`` is exact per 0.5 % cell, ≤ ~1 % above exact),
             ``"exact"`` (Opacus' series, 1–5 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
         log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
