@@ -7,7 +7,8 @@ Prints:
    example (DigitsCNN, channels 16, B = 64, as configs/digits.yaml) and, as a harsher case, on a
    tiny digits MLP whose step is ~4× cheaper; with σ constant, with σ or q changing every step
    on a schedule, with both jittering randomly, all with the default rdp_curve="auto", and a
-   schedule with rdp_curve="exact". σ and q are changed through the strategy's private
+   schedule with rdp_curve="exact" (every σ exact) and with rdp_curve="exact", rdp_quantum=5e-3
+   (exact once per 0.5 % grid cell, the README's tight setting for σ < 1 schedules). σ and q are changed through the strategy's private
    ``_noise_multiplier`` / ``_sample_rate`` (benchmark only).
 4. σ needed at ε = 1 by each accountant (the issue's comparison with the DP-SignSGD grid).
 """
@@ -136,7 +137,9 @@ def main() -> None:
                                  ("q ramps every step", [Schedule("q")], {}),
                                  ("σ, q jitter every step (adversarial)", [Schedule("jitter")], {}),
                                  ("σ decays every step, rdp_curve='exact'", [Schedule("sigma")],
-                                  {"rdp_curve": "exact"})]:
+                                  {"rdp_curve": "exact"}),
+                                 ("σ decays every step, rdp_curve='exact', rdp_quantum=5e-3", [Schedule("sigma")],
+                                  {"rdp_curve": "exact", "rdp_quantum": 5e-3})]:
             STEP_CACHE.clear()
             budget = TimedBudget(target_epsilon=1e3, delta=1e-5, **kw)
             step = digits_run(model, [*extra, budget])
