@@ -173,27 +173,32 @@ def _log_a_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
 
     Terms are evaluated in chunks (32, 64, 128, … terms) for the orders whose series has
     not met the stopping rule yet; each order keeps its terms up to and including the first
-    one whose two halves are both below e^−30 (Opacus' do-until loop).
+    one whose two halves are both below e^−30 (Opacus' do-until loop). Each half's signed
+    sum is kept as ``acc · e^ref`` (``ref``: the largest log|term| so far), so a chunk costs
+    one exp per term and half.
     """
     key = tuple(alphas.tolist())
-    sums = np.full((4, len(alphas)), -np.inf)  # log Σ of positive / negative terms, halves 0 and 1
+    acc = np.zeros((2, len(alphas)))  # signed sums of halves 0 and 1, in units of e^ref
+    ref = np.full((2, len(alphas)), -np.inf)
     active = np.arange(len(alphas))
     start, size = 0, _FIRST_TERMS
     while active.size:
         log_binom, sign = _binomials(key, start + size)
-        log_s0, log_s1 = _fractional_terms(q, sigma, alphas[active], log_binom[active, start:], start)
-        below = np.maximum(log_s0, log_s1) < _TRUNCATE_BELOW
+        halves = np.stack(_fractional_terms(q, sigma, alphas[active], log_binom[active, start:], start))
+        below = halves.max(axis=0) < _TRUNCATE_BELOW
         done = below.any(axis=1)
         last = np.where(done, below.argmax(axis=1), size - 1)
-        keep = np.arange(size)[None, :] <= last[:, None]
-        positive = sign[active, start:] > 0
-        terms = np.stack([log_s0, log_s0, log_s1, log_s1])
-        wanted = np.stack([positive, ~positive, positive, ~positive]) & keep[None]
-        chunk = _logsumexp(np.where(wanted, terms, -np.inf))
-        sums[:, active] = np.logaddexp(sums[:, active], chunk)
+        kept = np.where(np.arange(size)[None, None, :] <= last[None, :, None], halves, -np.inf)
+        top = np.maximum(ref[:, active], kept.max(axis=2))
+        safe = np.where(np.isfinite(top), top, 0.0)
+        with np.errstate(invalid="ignore"):
+            rescale = np.where(np.isfinite(ref[:, active]), np.exp(ref[:, active] - safe), 0.0)
+        acc[:, active] = acc[:, active] * rescale + (sign[active, start:][None] * np.exp(kept - safe[:, :, None])).sum(axis=2)
+        ref[:, active] = top
         active = active[~done]
         start, size = start + size, min(2 * size, _MAX_CHUNK)
-    return np.logaddexp(_log_sub(sums[0], sums[1]), _log_sub(sums[2], sums[3]))
+    with np.errstate(divide="ignore"):
+        return np.logaddexp(np.log(acc[0]) + ref[0], np.log(acc[1]) + ref[1])
 
 
 def _fractional_terms(
@@ -230,21 +235,6 @@ def _binomials(alphas: tuple[float, ...], n_terms: int) -> tuple[np.ndarray, np.
 def _log_half_erfc(x: np.ndarray) -> np.ndarray:
     """log(½ erfc(x)) = log Φ(−√2 x), accurate for large x."""
     return special.log_ndtr(-x * math.sqrt(2.0))
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    """log Σ exp along the last axis; −inf for a row of −inf."""
-    top = x.max(axis=-1, keepdims=True)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        return (safe + np.log(np.exp(x - safe).sum(axis=-1, keepdims=True)))[..., 0]
-
-
-def _log_sub(log_x: np.ndarray, log_y: np.ndarray) -> np.ndarray:
-    """log(e^x − e^y) for x ≥ y elementwise (the series' positive minus negative part)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gap = np.minimum(log_y - log_x, 0.0)
-        return np.where(np.isneginf(log_y), log_x, log_x + np.log1p(-np.exp(gap)))
 
 
 def sampled_gaussian_rdp_many(
