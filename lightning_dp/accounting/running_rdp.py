@@ -15,7 +15,7 @@ bound on the exact one (sound, slightly pessimistic) and runs whose σ drifts a 
 every step reuse cached vectors. ``None`` (default) is exact.
 
 ``curve`` picks how a one-step vector is evaluated (:mod:`~lightning_dp.accounting.sgm_rdp`):
-``"exact"`` (Opacus' series, 1–5 ms per new (σ, q)), ``"chord"`` (exact at integer orders, a
+``"exact"`` (Opacus' series, 1–4 ms per new (σ, q)), ``"chord"`` (exact at integer orders, a
 convexity upper bound at fractional ones, ~0.1 ms, ε 0.05–3 % higher) or ``"auto"`` (default):
 exact for the first ``exact_keys`` distinct (σ, q) of the run; any further one gets the chord
 bound at (σ, q) rounded to the :data:`AUTO_QUANTUM` grid (σ down, q up), so a σ or q that

@@ -9,7 +9,7 @@ and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log`
 Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
 synced from *new* ledger entries only, and only when something needs it: when ε is read
 (logging, :attr:`epsilon`, end of training, checkpoints) or a stop reservation is made. A new
-(σ, q) costs one vectorised evaluation of Opacus' RDP series (1–5 ms) for the first 4 distinct
+(σ, q) costs one vectorised evaluation of Opacus' RDP series (1–4 ms) for the first 4 distinct
 ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~50 µs per new cell,
 batched over the entries of one sync; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`).
 ``"pld"`` / ``"prv"`` compose the whole ledger (0.1 s to seconds), so they report every
@@ -94,7 +94,7 @@ class PrivacyBudget(Callback):
             the first 4 distinct (σ, q), then the chord upper bound on a 0.5 % grid, ~50 µs per cell;
             for those steps ε is ≤ ~1–5 % higher at σ ≥ 1, more at σ < 1: for a schedule there,
             ``rdp_curve="exact", rdp_quantum=5e-3`` is exact per 0.5 % cell, ≤ ~1 % above exact),
-            ``"exact"`` (Opacus' series, 1–5 ms each) or ``"chord"``
+            ``"exact"`` (Opacus' series, 1–4 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
         log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
             first step and the stopping step are always logged. The stop check still runs
