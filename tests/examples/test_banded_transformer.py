@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from example_loader import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "transformer_variants.py"
 CONFIG = ROOT / "configs" / "banded_transformer.yaml"
 HEAD = ("max_grad_norm: 1\ndelta: 1.0e-5\nbatch_size: 8\nseq_len: 8\nd_model: 8\nn_layers: 1\n"
         "n_heads: 2\nsteps: 2\neval_every: 1\neval_windows: 4\nseeds: [0]\n")
@@ -19,12 +17,7 @@ HEAD = ("max_grad_norm: 1\ndelta: 1.0e-5\nbatch_size: 8\nseq_len: 8\nd_model: 8\
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("transformer_variants_banded", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_example("transformer_variants.py", "transformer_variants_banded")
 
 
 def _rows(text: str, labels: list[str]) -> dict[str, list[str]]:

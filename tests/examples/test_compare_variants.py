@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from example_loader import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "compare_variants.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compare_variants", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_example("compare_variants.py", "compare_variants")
 
 
 def _run(example: ModuleType, val: float, test: float = 0.5, eps: float = 3.0) -> object:

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from example_loader import load_example
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sign_sgd_breast_cancer.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sign_sgd_breast_cancer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_example("sign_sgd_breast_cancer.py", "sign_sgd_breast_cancer")
 
 
 def test_smoke_run_writes_table_and_plot(example: ModuleType, tmp_path: Path) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,19 +11,13 @@ import torch
 
 from lightning_dp.mechanism import GaussianNoise, MechanismRequest, Privatizer
 from lightning_dp.mechanism.grad_sample.base import clip_and_sum_materialised
+from example_loader import load_example
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "sparse_logreg.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sparse_logreg", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_example("sparse_logreg.py", "sparse_logreg")
 
 
 def test_smoke_run_writes_the_table(example: ModuleType, tmp_path: Path) -> None:

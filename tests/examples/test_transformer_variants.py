@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from example_loader import load_example
 
 from lightning_dp.mechanism.release import Release
 from lightning_dp.optim import DPAdam
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "transformer_variants.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("transformer_variants", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_example("transformer_variants.py", "transformer_variants")
 
 
 def test_smoke_run_writes_table_and_plot(example: ModuleType, tmp_path: Path) -> None:

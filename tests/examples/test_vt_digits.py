@@ -1,13 +1,8 @@
-import importlib.util
-from pathlib import Path
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vt_digits.py"
+from example_loader import load_example
 
 
 def test_smoke_run_writes_table_and_figure(tmp_path):
-    spec = importlib.util.spec_from_file_location("vt_digits", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example("vt_digits.py", "vt_digits")
     page = module.run(tmp_path, epochs=1, every=2, max_steps=4)
     text = page.read_text()
     assert "| step | series |" in text and "private v̂" in text and "clean v (NOT private)" in text
