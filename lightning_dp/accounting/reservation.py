@@ -97,14 +97,10 @@ class BudgetReservation:
     def _recorded_inside(self, ledger: PrivacyLedger) -> bool:
         """Every release recorded since the last check lies in the box (σ or q may have been
         changed after the check, before the step). Reads only the entries since then."""
-        inside = True
-        last = len(ledger) - 1
-        if last < self._index or ledger[self._index].steps < self._index_steps:
-            inside = False  # the history changed (ledger replaced): reserve again from the synced total
-        for i in range(self._index, last + 1):
-            e = ledger[i]
-            if (i > self._index or e.steps > self._index_steps) and not self._inside(e.noise_multiplier, e.sample_rate):
-                inside = False
+        last, start = len(ledger) - 1, self._index
+        changed = last < start or ledger[start].steps < self._index_steps  # ledger replaced: reserve anew
+        fresh = (ledger[i] for i in range(start, last + 1) if i > start or ledger[i].steps > self._index_steps)
+        inside = not changed and all(self._inside(e.noise_multiplier, e.sample_rate) for e in fresh)
         self._mark(ledger)
         return inside
 

@@ -44,9 +44,9 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp.accounting import (
+    BudgetReservation,
     LedgerEntry,
     PrivacyLedger,
-    BudgetReservation,
     RunningRDP,
     get_accountant,
     ledger_epsilon,
@@ -129,7 +129,7 @@ class PrivacyBudget(Callback):
         self._rdp = RunningRDP(quantum=rdp_quantum, curve=rdp_curve)  # the stop decision's running total
         self._report = running_for(accountant, rdp_quantum, rdp_curve) if accountant != "rdp" else self._rdp
         self._ledger: Optional[PrivacyLedger] = None  # the strategy's, seen at the last hook
-        self._reservation: Optional[BudgetReservation] = None  # made at train start (needs δ)
+        self._reservation: Optional[BudgetReservation] = None  # made at the first stop check (needs δ)
         self._epsilon = 0.0  # PLD/PRV: ε as of the last report
         self._reported_at = -1
         self._warned_not_private = False
@@ -156,11 +156,8 @@ class PrivacyBudget(Callback):
         self._resolve_delta(trainer)
         self._check_private(ledger)
         self._update_epsilon(ledger, force=True)
-        if self.target_epsilon is None:
-            return
-        assert self.delta is not None
-        self._reservation = BudgetReservation(self._rdp, self.delta, self.target_epsilon)
-        if self._next_step_allowed(trainer, ledger):
+        self._reservation = None  # a fresh one for this fit (the ledger may have been restored)
+        if self.target_epsilon is None or self._next_step_allowed(trainer, ledger):
             return
         if ledger.steps == 0:
             raise ValueError(
@@ -220,7 +217,7 @@ class PrivacyBudget(Callback):
         """ε to the progress bar and loggers (``pl_module.log``); δ, σ, q, steps straight to the loggers.
 
         Every ``log_every_n_steps`` (the trainer's by default), on the first step and when stopping:
-        one ``pl_module.log`` call costs ~2 ms of Lightning bookkeeping here, far more than the
+        one ``pl_module.log`` call costs 1–2 ms of Lightning bookkeeping here, far more than the
         accounting itself.
         """
         steps = ledger.steps
@@ -296,6 +293,4 @@ class PrivacyBudget(Callback):
         if self.delta is None and state_dict.get("delta") is not None:
             self.delta = float(state_dict["delta"])
         self._epsilon = float(state_dict.get("epsilon", 0.0))
-        self._horizon = None
-        if self._reservation is not None:
-            self._reservation.reset()
+        self._horizon = self._reservation = None

@@ -117,11 +117,10 @@ def _fmt(value: Optional[float]) -> str:
 
 # ----------------------------------------------------------------------------- figure
 PANELS = (
-    ("first moment m", ((tags.HIST_CLEAN_M, "clean m^c (NOT private)"), (tags.HIST_M, "private m^p")), "symlog"),
+    ("first moment m", ((tags.HIST_CLEAN_M, "clean m^c (NOT private)"), (tags.HIST_M, "private m^p"))),
     ("second moment v", ((tags.HIST_CLEAN_V, "clean v^c (NOT private)"), (tags.HIST_V, "private v^p"),
-                         (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ")), "symlog"),
-    ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"),
-                (tags.HIST_UPDATE, "applied m̂/D(v̂)")), "symlog"),
+                         (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ"))),
+    ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"), (tags.HIST_UPDATE, "applied m̂/D(v̂)"))),
 )
 
 
@@ -133,9 +132,9 @@ def plot_report(acc: Any, step: int, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (title, series, scale) in zip(axes.flat, PANELS):
+    for ax, (title, series) in zip(axes.flat, PANELS):
         hists = [(label, h) for tag, label in series if (h := histogram_at(acc, tag, step)) is not None]
-        _draw_histograms(ax, hists, scale)
+        _draw_histograms(ax, hists)
         ax.set(title=f"{title} (step {step})", ylabel="fraction of coordinates")
     _draw_medians(axes.flat[3], acc)
     fig.suptitle("SecondMomentMonitor: DP noise in Adam's moments (cf. dp-adam-bias-correction Fig. 2)")
@@ -144,7 +143,7 @@ def plot_report(acc: Any, step: int, out: str) -> None:
     plt.close(fig)
 
 
-def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[float]]]], scale: str) -> None:
+def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[float]]]]) -> None:
     """Each series as stairs of its own buckets (fraction of coordinates per bucket), symlog x-axis."""
     import numpy as np
 
@@ -153,8 +152,7 @@ def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[flo
         return
     for label, (edges, counts) in hists:
         ax.stairs(np.asarray(counts, dtype=float) / max(sum(counts), 1.0), edges, label=label)
-    if scale == "symlog":
-        ax.set_xscale("symlog", linthresh=_linthresh([e for _, (e, _) in hists]))
+    ax.set_xscale("symlog", linthresh=_linthresh([e for _, (e, _) in hists]))
     ax.legend(fontsize=8)
 
 
