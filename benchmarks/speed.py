@@ -24,10 +24,10 @@ also ``cnn8``/``cnn28`` (conv + ReLU + linear, 8×8 / 28×28 with pooling).
 
 Timing runs all modes of one model in one subprocess, interleaved (plain: one step of each
 in turn; lightning: ``--rounds`` short fits of each in turn), so a busy machine slows every
-mode alike. Peak memory runs each (model, mode) in its own subprocess: on CUDA
-``torch.cuda.max_memory_allocated`` over the allocation before the first step; on CPU the
-growth of ``resource.getrusage`` maxrss over the process's state before the first step
-(activations, gradients, per-example state and allocator slack; not the torch import).
+mode alike. Peak memory runs each (model, mode) in its own subprocess: the peak of the bytes
+held by tensors over those before the first step (:class:`MemoryMeter`: on CUDA
+``torch.cuda.max_memory_allocated``, on CPU the profiler's allocation events): activations,
+gradients, per-example state, noise buffers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -223,26 +222,48 @@ def _sync(device: torch.device) -> None:
 
 
 class MemoryMeter:
-    """Peak memory growth (MiB) from :meth:`start` to :meth:`peak_mib` (CUDA allocator or CPU maxrss)."""
+    """Peak growth (MiB) of the memory held by tensors from :meth:`start` to :meth:`peak_mib`.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` over the allocation at :meth:`start`. CPU: the
+    same quantity from the profiler's allocation events (``profile_memory=True``: every
+    tensor allocation and free, summed in time order; the running maximum). Process RSS would
+    also count allocator slack and libraries initialising lazily (oneDNN, MKL buffers), which
+    dwarf an 8×8 CNN's activations; tensor bytes compare what the training step itself holds.
+    Frees of tensors allocated before :meth:`start` are not seen, so the CPU peak errs high.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.base = device, 0
+        self.device, self.base, self._profiler = device, 0, None
 
     def start(self) -> None:
-        """Record the baseline (and reset the CUDA peak)."""
+        """Record the baseline (reset the CUDA peak, or start recording CPU allocations)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         else:
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
 
     def peak_mib(self) -> float:
         """Peak growth since :meth:`start`, MiB."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base) / 2**20
+        self._profiler.__exit__(None, None, None)
+        events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        return peak_of_allocations([(e.start_ns(), e.nbytes()) for e in events]) / 2**20
+
+
+def peak_of_allocations(events: list[tuple[int, int]]) -> int:
+    """Largest running total of (time, +bytes allocated / −bytes freed) events, in time order."""
+    total = peak = 0
+    for _, nbytes in sorted(events, key=lambda e: e[0]):
+        total += nbytes
+        peak = max(peak, total)
+    return peak
 
 
 def measure_plain(model_name: str, modes: list[str], what: str, args) -> dict[str, dict]:

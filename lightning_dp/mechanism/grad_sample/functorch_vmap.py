@@ -23,7 +23,7 @@ is used only inside the forward of the module that owns it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ _BATCH_MIXING = (_BatchNorm, nn.RNNBase)
 class Record:
     """One call of a hooked layer: its inputs and, after backward, the output gradient."""
 
-    args: tuple[Any, ...]
+    args: Optional[tuple[Any, ...]]  # None once the call was reduced (LayerCalls.reduce)
     kwargs: dict[str, Any]
     grad_out: Optional[Tensor] = None
 
@@ -54,13 +54,36 @@ class Record:
         self.grad_out = g.detach() if self.grad_out is None else self.grad_out + g.detach()
 
 
+RecordReducer = Callable[[Record], dict[str, Tensor]]
+"""Per-example grads ``{parameter name: [n, *shape]}`` of one call, from its inputs and output grad."""
+
+
 @dataclass
 class LayerCalls:
-    """Everything captured for one hooked layer during one step."""
+    """Everything captured for one hooked layer during one step.
+
+    ``records``: calls still holding their inputs (and, after backward, output grads).
+    ``reduced``: for a layer with a reducer, the per-example grads of the calls already
+    reduced during backward, summed over calls; those calls keep no tensors.
+    """
 
     name: str
     module: nn.Module
     records: list[Record] = field(default_factory=list)
+    reduced: dict[str, Tensor] = field(default_factory=dict)
+
+    def reduce(self, rec: Record, grad_out: Tensor, reducer: RecordReducer) -> None:
+        """Fold call ``rec``, whose output gradient has arrived, into :attr:`reduced`; drop its tensors."""
+        if rec.args is None:
+            raise RuntimeError(
+                f"{self.name}: a second gradient reached an output whose inputs were already released "
+                "(backward twice through one graph, retain_graph=True). The ghost engine reduces "
+                "normalisation layers during the first backward; use per_sample='vmap' for this.")
+        rec.grad_out = grad_out.detach()
+        for pname, g in reducer(rec).items():
+            self.reduced[pname] = self.reduced[pname] + g if pname in self.reduced else g
+        self.records = [r for r in self.records if r is not rec]
+        rec.args, rec.kwargs, rec.grad_out = None, {}, None
 
 
 def direct_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -74,22 +97,29 @@ class ActivationCapture:
     Only calls made with grad enabled whose output requires grad are recorded; calls
     that never see a backward (e.g. an extra forward for logging) are dropped by
     :meth:`completed`. Inputs are detached views: no copy beyond what autograd keeps.
+
+    A layer attached with a :data:`RecordReducer` is reduced as soon as each call's output
+    gradient arrives (:meth:`LayerCalls.reduce`): its inputs and output gradient are released
+    during backward instead of being held until the clipping step.
     """
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._calls: dict[int, LayerCalls] = {}
 
-    def attach(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
-        """Register a forward hook on every ``(name, module)``."""
+    def attach(self, layers: Sequence[tuple[str, nn.Module]],
+               reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None) -> None:
+        """Register a forward hook on every ``(name, module)``; ``reducer_for(module)`` picks
+        the layers reduced during backward (default: none)."""
         self.detach()
         for name, module in layers:
             calls = LayerCalls(name, module)
             self._calls[id(module)] = calls
-            self._handles.append(module.register_forward_hook(self._hook(calls), with_kwargs=True))
+            hook = self._hook(calls, reducer_for(module))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
     @staticmethod
-    def _hook(calls: LayerCalls):
+    def _hook(calls: LayerCalls, reducer: Optional[RecordReducer]):
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             if not (torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad):
                 return
@@ -97,7 +127,10 @@ class ActivationCapture:
                 return
             rec = Record(tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs))
             calls.records.append(rec)
-            out.register_hook(rec.set_grad)
+            if reducer is None:
+                out.register_hook(rec.set_grad)
+            else:
+                out.register_hook(lambda g: calls.reduce(rec, g, reducer))
 
         return hook
 
@@ -106,8 +139,8 @@ class ActivationCapture:
         done = {}
         for key, calls in self._calls.items():
             recs = [r for r in calls.records if r.grad_out is not None]
-            if recs:
-                done[key] = LayerCalls(calls.name, calls.module, recs)
+            if recs or calls.reduced:
+                done[key] = LayerCalls(calls.name, calls.module, recs, dict(calls.reduced))
         return done
 
     def any_recorded(self) -> bool:
@@ -118,6 +151,7 @@ class ActivationCapture:
         """Drop every captured tensor (called after each step)."""
         for calls in self._calls.values():
             calls.records.clear()
+            calls.reduced.clear()
 
     def detach(self) -> None:
         """Remove the hooks and captured tensors."""
@@ -156,8 +190,10 @@ def structural_problems(module: nn.Module) -> list[str]:
 
 
 def batch_size_of_calls(layers: dict[int, LayerCalls]) -> int:
-    """The common dimension 0 of every captured output gradient; raises if they differ."""
-    sizes = {c.name: {r.grad_out.shape[0] if r.grad_out.dim() else -1 for r in c.records} for c in layers.values()}
+    """The common dimension 0 of every captured output gradient (and reduced per-example grad);
+    raises if they differ."""
+    sizes = {c.name: {r.grad_out.shape[0] if r.grad_out.dim() else -1 for r in c.records}
+             | {g.shape[0] for g in c.reduced.values()} for c in layers.values()}
     distinct = set().union(*sizes.values()) if sizes else set()
     if len(distinct) != 1:
         raise ValueError(

@@ -20,6 +20,12 @@ closed form for T = 1 (Σ_{o,j} s²_{oj} δ²_o a²_j) and for Embedding; otherw
 materialises. Σ_i c_i s⊙G_i = s ⊙ Σ_i c_i G_i stays one contraction. LayerNorm, GroupNorm
 and RMSNorm materialise their small per-example grads in closed form; any other leaf layer
 with parameters falls back to the per-layer vmap of :mod:`.functorch_vmap`.
+
+Memory: book-keeping holds each Linear/Conv/Embedding layer's input and output gradient until
+the clipped sums are taken. Normalisation layers are reduced to their [n, C] per-example grads
+as soon as their output gradient arrives (:func:`reducer_for`), releasing input and output
+gradient during backward; conv patch columns are unfolded a few examples at a time
+(:func:`example_chunks`), never more than the layer's input in size.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from lightning_dp.mechanism.grad_sample.base import (
 from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     ActivationCapture,
     LayerCalls,
+    Record,
     batch_size_of_calls,
     direct_trainable,
     owners_of,
@@ -280,6 +287,17 @@ def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
     return v.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
 
 
+_MIN_PATCH_CHUNK = 1 << 16  # elements: patch chunks may always be this large
+
+
+def example_chunks(n: int, per_example: int, budget: int) -> list[slice]:
+    """Slices of the n examples such that each chunk's patch columns (``per_example``
+    elements per example) fit in max(``budget``, 2¹⁶) elements; the caller passes the size of
+    the layer's inputs, so unfolding never more than matches the activations it reads."""
+    size = max(1, max(budget, _MIN_PATCH_CHUNK) // max(per_example, 1))
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def conv2d_weight_grad(x: Tensor, d: Tensor, m: nn.Conv2d) -> Tensor:
     """The batch weight gradient of conv ``m`` for input x and output gradient d (one convolution backward)."""
     return torch.ops.aten.convolution_backward(
@@ -314,14 +332,26 @@ class Conv2dStats(WeightBiasStats):
     def _weight_sq_norms(self, with_squares: bool) -> Tensor:
         T = sum(d.shape[2] * d.shape[3] for _, d in self.calls)
         d_in, d_out = self.weight.shape[1:].numel(), self.weight.shape[0]
+        n = self.calls[0][1].shape[0]
+        chunks = example_chunks(n, d_in * T, sum(x.numel() for x, _ in self.calls))
         if self.sw is None and not with_squares and prefer_ghost(T, d_in, d_out):
-            a = _cat([patch_columns(x, self.m) for x, _ in self.calls], dim=2)  # [n, in, T]
-            d = _cat([d.flatten(2) for _, d in self.calls], dim=2)  # [n, out, T]
-            return (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
-        G = _total([torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2)) for x, d in self.calls])
-        G = G.view(G.shape[0], *self.weight.shape)
+            return torch.cat([self._ghost_sq_norms(rows) for rows in self._rows(chunks)])
+        G = self.calls[0][1].new_empty(n, d_out, d_in)
+        for rows, part in zip(self._rows(chunks), chunks):
+            G[part] = _total([torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2)) for x, d in rows])
+        G = G.view(n, *self.weight.shape)
         self.G = G if self.sw is None else G * self.sw
         return sq_norms(self.G)
+
+    def _rows(self, chunks: list[slice]):
+        """The calls' (input, output grad) restricted to each chunk of examples."""
+        for part in chunks:
+            yield [(x[part], d[part]) for x, d in self.calls]
+
+    def _ghost_sq_norms(self, rows: list[tuple[Tensor, Tensor]]) -> Tensor:
+        a = _cat([patch_columns(x, self.m) for x, _ in rows], dim=2)  # [k, in, T]
+        d = _cat([d.flatten(2) for _, d in rows], dim=2)  # [k, out, T]
+        return (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one convolution backward of c ⊙ δ per call."""
@@ -346,31 +376,43 @@ def embedding_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale,
     return EmbeddingStats(idx, d, m.weight, scale, with_squares)
 
 
-def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
-    """LayerNorm / GroupNorm / RMSNorm: per-example grads n Σ δ⊙x̂ (weight) and n Σ δ (bias)."""
-    m = calls.module
-    grads: dict[Tensor, Tensor] = {}
-    for r in calls.records:
-        like = m.weight if m.weight is not None else r.grad_out
-        x, d = _as_float(r.args[0], like), _as_float(r.grad_out, like)
-        if isinstance(m, nn.GroupNorm):
-            xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
-            ws = (d * xhat).sum(dims) if dims else d * xhat
-            bs = d.sum(dims) if dims else d
+def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
+    """LayerNorm / GroupNorm / RMSNorm, one call: per-example grads n Σ δ⊙x̂ (weight) and
+    n Σ δ (bias) of its trainable parameters, n = dimension 0 of the output gradient.
+
+    The ghost engine reduces these layers during backward (:meth:`LayerCalls.reduce`): the
+    grads are [n, C], far smaller than the input and output gradient they replace."""
+    like = m.weight if m.weight is not None else rec.grad_out
+    x, d = _as_float(rec.args[0], like), _as_float(rec.grad_out, like)
+    if isinstance(m, nn.GroupNorm):
+        xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
+    else:
+        k = len(m.normalized_shape)
+        if isinstance(m, nn.LayerNorm):
+            xhat = F.layer_norm(x, m.normalized_shape, eps=m.eps)
         else:
-            k = len(m.normalized_shape)
-            if isinstance(m, nn.LayerNorm):
-                xhat = F.layer_norm(x, m.normalized_shape, eps=m.eps)
-            else:
-                xhat = F.rms_norm(x, m.normalized_shape, eps=m.eps)
-            dims = tuple(range(1, x.dim() - k))
-            ws, bs = (d * xhat).sum(dims) if dims else d * xhat, d.sum(dims) if dims else d
-        for pname, g in (("weight", ws), ("bias", bs)):
-            p = wanted.get(pname)
-            g = g * n
-            if p is not None:
-                grads[p] = grads[p] + g if p in grads else g
-    return MaterialisedStats(grads, scale)
+            xhat = F.rms_norm(x, m.normalized_shape, eps=m.eps)
+        dims = tuple(range(1, x.dim() - k))
+    n = d.shape[0]
+    grads = {}
+    for pname, p in direct_trainable(m):
+        g = d * xhat if pname == "weight" else d
+        grads[pname] = (g.sum(dims) if dims else g) * n
+    return grads
+
+
+def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """LayerNorm / GroupNorm / RMSNorm: the calls reduced during backward plus any still held."""
+    per_name = dict(calls.reduced)
+    for r in calls.records:
+        for pname, g in norm_layer_record_grads(calls.module, r).items():
+            per_name[pname] = per_name[pname] + g if pname in per_name else g
+    return MaterialisedStats({p: per_name[k] for k, p in wanted.items()}, scale)
+
+
+def reducer_for(m: nn.Module):
+    """The layers the ghost engine reduces during backward: normalisation layers."""
+    return (lambda rec: norm_layer_record_grads(m, rec)) if isinstance(m, _NORMS) else None
 
 
 def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -477,7 +519,7 @@ class GhostEngine(GradSampleEngine):
         self._owners = owners_of(module)
         leaves = [(n, m) for n, m in module.named_modules()
                   if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())]
-        self._capture.attach(leaves)
+        self._capture.attach(leaves, reducer_for)
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)

@@ -148,3 +148,95 @@ def test_conv_layouts_both_norm_paths(monkeypatch, force, scaled):
     got = run_engine(engine, model, loss, x, y, params, C, scale, with_squares=scaled)
     engine.detach()
     assert_close_batch(got, reference(grads, params, C), params)
+
+
+def test_conv_chunked_patches_match_reference(monkeypatch):
+    """Patch columns unfolded a few examples at a time (the memory bound) give the same sums."""
+    monkeypatch.setattr(ghost, "_MIN_PATCH_CHUNK", 1)
+    for force in (True, False):
+        test_conv_layouts_both_norm_paths(monkeypatch, force, scaled=False)
+
+
+@pytest.mark.parametrize("n,per_example,budget", [(64, 9216, 65536 * 4), (5, 1134, 630), (7, 10, 10**6), (1, 50, 0)])
+def test_example_chunks_cover_the_batch_within_budget(monkeypatch, n, per_example, budget):
+    monkeypatch.setattr(ghost, "_MIN_PATCH_CHUNK", 64)
+    chunks = ghost.example_chunks(n, per_example, budget)
+    assert [i for s in chunks for i in range(n)[s]] == list(range(n))
+    for s in chunks:
+        k = len(range(n)[s])
+        assert k == 1 or k * per_example <= max(budget, 64)
+    assert len(chunks) <= 1 + n * per_example // max(budget, 64)
+
+
+class _NormTwice(nn.Module):
+    """One LayerNorm applied on two branches (its per-example grads sum both calls), an
+    RMSNorm without bias, and a GroupNorm on a [n, C, L] input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.ln, self.rms = nn.Linear(6, 8), nn.LayerNorm(8), nn.RMSNorm(8)
+        self.gn, self.out = nn.GroupNorm(2, 4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.ln(h) + self.ln(torch.tanh(h))
+        h = self.gn(self.rms(h).view(-1, 4, 2)).view(-1, 8)
+        return self.out(h)
+
+
+def _norm_twice_case():
+    torch.manual_seed(0)
+    model = _NormTwice().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    return model, x, y, (lambda m, x, y: nn.functional.cross_entropy(m(x), y))
+
+
+def test_norm_layers_reduced_during_backward_match_reference():
+    model, x, y, loss = _norm_twice_case()
+    params = list(model.parameters())
+    grads = per_example_grads(model, loss, x, y, params, None)
+    C = float(reference(grads, params, float("inf")).norms.median())
+    engine = make_engine("ghost")
+    engine.attach(model)
+    got = run_engine(engine, model, loss, x, y, params, C, None, with_squares=True)
+    engine.detach()
+    assert_close_batch(got, reference(grads, params, C), params)
+
+
+def test_norm_layer_calls_release_their_tensors_during_backward():
+    """After backward a normalisation layer holds only its [n, C] per-example grads: no input,
+    no output gradient (the memory the ghost engine would otherwise keep until clipping)."""
+    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+
+    model, x, y, loss = _norm_twice_case()
+    layers = [(n, m) for n, m in model.named_children()]
+    held, reduced = ActivationCapture(), ActivationCapture()
+    held.attach(layers)
+    reduced.attach(layers, ghost.reducer_for)
+    loss(model, x, y).backward()
+    for name, m in layers:
+        got, ref = reduced.completed()[id(m)], held.completed()[id(m)]
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)):
+            assert got.records == [] and len(ref.records) == (2 if name == "ln" else 1)
+            expect = {}
+            for r in ref.records:
+                for k, g in ghost.norm_layer_record_grads(m, r).items():
+                    expect[k] = expect.get(k, 0) + g
+            assert set(got.reduced) == {k for k, _ in m.named_parameters()}
+            for k, g in expect.items():
+                torch.testing.assert_close(got.reduced[k], g)
+                assert g.shape == (5, *getattr(m, k).shape)
+        else:
+            assert got.reduced == {} and len(got.records) == 1
+
+
+def test_backward_twice_through_a_reduced_layer_raises():
+    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+
+    model, x, y, loss = _norm_twice_case()
+    capture = ActivationCapture()
+    capture.attach(list(model.named_children()), ghost.reducer_for)
+    out = loss(model, x, y)
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.backward()
