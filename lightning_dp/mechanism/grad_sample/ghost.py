@@ -102,8 +102,13 @@ def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
 
 
 def prefer_ghost_embedding(T: int, V: int) -> bool:
-    """Embedding ghost norm (n·T²·d) beats scattering into [n, V, d] when T² ≤ V."""
-    return T * T <= V
+    """Embedding: ghost norm (n·T²·d multiply-adds, an [n, T, T] buffer) unless scattering
+    into [n, V, d] is both cheaper and small: T² > 16·V (one scattered element costs about as
+    much as 16–20 multiply-adds; measured on CPU, V = 64–256, T = 64) and V ≤ 8·T (the
+    scatter buffer at most 8× the output gradient). A 50k vocabulary at T = 512 thus takes the
+    ghost norm (a [n, V, d] buffer would be 9.9 GB at n = 64, d = 768); position tables
+    (V = T) scatter."""
+    return T * T <= 16 * V or V > 8 * T
 
 
 class WeightBiasStats(LayerStats):
@@ -199,7 +204,8 @@ class LinearFormStats(WeightBiasStats):
 
 class EmbeddingStats(LayerStats):
     """nn.Embedding: per-example grad n Σ_t onehot(x_t) δ_tᵀ. Ghost norm
-    Σ_{t,t'} [x_t = x_t'] (s²_{x_t} ⊙ δ_t)·δ_t' (exact with scale), or scatter when V < T²."""
+    Σ_{t,t'} [x_t = x_t'] (s²_{x_t} ⊙ δ_t)·δ_t' (exact with scale), or scatter into [n, V, d]
+    when :func:`prefer_ghost_embedding` says so (or squares are wanted)."""
 
     def __init__(self, idx: Tensor, d: Tensor, weight: Tensor, scale: Optional[ParamMap], with_squares: bool) -> None:
         self.idx, self.d, self.weight = idx, d, weight

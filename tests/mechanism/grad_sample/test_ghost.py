@@ -240,3 +240,20 @@ def test_backward_twice_through_a_reduced_layer_raises():
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         out.backward()
+
+
+def test_large_vocabulary_embedding_never_scatters(monkeypatch):
+    """T² > 16·V would favour scattering on time alone, but a vocabulary > 8·T would make the
+    [n, V, d] buffer dwarf the activations: the ghost norm is used, and it is exact."""
+    def no_scatter(self):
+        raise AssertionError("scattered into [n, V, d]")
+
+    monkeypatch.setattr(ghost.EmbeddingStats, "_scatter", no_scatter)
+    torch.manual_seed(0)
+    n, T, V, dim = 3, 300, 5000, 4
+    idx, d = torch.randint(0, 20, (n, T)), torch.randn(n, T, dim, dtype=torch.float64)
+    weight = torch.zeros(V, dim, dtype=torch.float64)
+    got = ghost.EmbeddingStats(idx, d, weight, None, with_squares=False).sq_norms
+    expect = [torch.zeros(V, dim, dtype=torch.float64).index_add_(0, idx[i], d[i]).square().sum() for i in range(n)]
+    torch.testing.assert_close(got, torch.stack(expect))
+    assert not ghost.prefer_ghost_embedding(64, 64)  # position tables (V = T) still scatter
