@@ -138,6 +138,11 @@ def test_conv_layouts_both_norm_paths(monkeypatch, force, scaled):
     torch.manual_seed(0)
     model = _ConvZoo().double()
     x, y = torch.randn(5, 2, 9, 7, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _check_against_reference(model, x, y, scaled, with_squares=scaled)
+
+
+def _check_against_reference(model: nn.Module, x, y, scaled: bool, with_squares: bool) -> None:
+    """Ghost engine on a classifier == the brute-force per-example reference, C at the median norm."""
     loss = lambda m, x, y: nn.functional.cross_entropy(m(x), y)  # noqa: E731
     params = list(model.parameters())
     scale = random_scale(params) if scaled else None
@@ -145,7 +150,7 @@ def test_conv_layouts_both_norm_paths(monkeypatch, force, scaled):
     C = float(reference(grads, params, float("inf")).norms.median())
     engine = make_engine("ghost")
     engine.attach(model)
-    got = run_engine(engine, model, loss, x, y, params, C, scale, with_squares=scaled)
+    got = run_engine(engine, model, loss, x, y, params, C, scale, with_squares=with_squares)
     engine.detach()
     assert_close_batch(got, reference(grads, params, C), params)
 
@@ -191,16 +196,10 @@ def _norm_twice_case():
     return model, x, y, (lambda m, x, y: nn.functional.cross_entropy(m(x), y))
 
 
-def test_norm_layers_reduced_during_backward_match_reference():
-    model, x, y, loss = _norm_twice_case()
-    params = list(model.parameters())
-    grads = per_example_grads(model, loss, x, y, params, None)
-    C = float(reference(grads, params, float("inf")).norms.median())
-    engine = make_engine("ghost")
-    engine.attach(model)
-    got = run_engine(engine, model, loss, x, y, params, C, None, with_squares=True)
-    engine.detach()
-    assert_close_batch(got, reference(grads, params, C), params)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_norm_layers_reduced_during_backward_match_reference(scaled):
+    model, x, y, _ = _norm_twice_case()
+    _check_against_reference(model, x, y, scaled, with_squares=True)
 
 
 def test_norm_layer_calls_release_their_tensors_during_backward():
