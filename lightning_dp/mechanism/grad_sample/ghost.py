@@ -344,7 +344,11 @@ class Conv2dStats(WeightBiasStats):
             return torch.cat([self._ghost_sq_norms(rows) for rows in self._rows(chunks)])
         G = self.calls[0][1].new_empty(n, d_out, d_in)
         for rows, part in zip(self._rows(chunks), chunks):
-            G[part] = _total([torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2)) for x, d in rows])
+            for i, (x, d) in enumerate(rows):  # G[part] = Σ_calls δ Pᵀ, written in place
+                if i == 0:
+                    torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2), out=G[part])
+                else:
+                    G[part].baddbmm_(d.flatten(2), patch_columns(x, self.m).transpose(1, 2))
         G = G.view(n, *self.weight.shape)
         self.G = G if self.sw is None else G * self.sw
         return sq_norms(self.G)
