@@ -83,6 +83,8 @@ class GaussianNoise(NoiseMechanism):
         The draw goes chunk by chunk into one scratch buffer (``normal_(0, std)``: the scaling is
         fused into the draw) and each chunk is added in one pass, so no noise tensor as large as
         the model is ever allocated: the scratch holds max(2¹⁶, d/8) numbers for d coordinates.
+        Tensors smaller than that share draws: as many as fit in the scratch get one draw and
+        two multi-tensor updates (few kernel launches for a model of many small tensors).
         Every coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
         the generic path (its samples, scaled).
         """
@@ -91,13 +93,34 @@ class GaussianNoise(NoiseMechanism):
         if type(self).sample is not GaussianNoise.sample:
             super().add_noise_(tensors, std, scale_by)
             return
-        chunk = max(_MIN_CHUNK, -(-sum(t.numel() for t in tensors) // 8))
+        if not tensors:
+            return
+        step = max(1, min(max(_MIN_CHUNK, -(-sum(t.numel() for t in tensors) // 8)), max(t.numel() for t in tensors)))
         scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for t in tensors:
             key = (t.device, t.dtype)
             if key not in scratch:
-                scratch[key] = torch.empty(min(chunk, max(u.numel() for u in tensors)), device=t.device, dtype=t.dtype)
-            self._add_chunked(t, scratch[key], std, scale_by)
+                scratch[key] = torch.empty(step, device=t.device, dtype=t.dtype)
+            if not t.is_contiguous() or t.numel() >= step:
+                self._add_chunked(t, scratch[key], std, scale_by)
+                continue
+            bucket = buckets.setdefault(key, [])
+            if sum(u.numel() for u in bucket) + t.numel() > step:
+                self._add_bucket(bucket, scratch[key], std, scale_by)
+                bucket.clear()
+            bucket.append(t)
+        for key, bucket in buckets.items():
+            if bucket:
+                self._add_bucket(bucket, scratch[key], std, scale_by)
+
+    def _add_bucket(self, bucket: list[Tensor], scratch: Tensor, std: float, scale_by: float) -> None:
+        """Small tensors together: one draw of their total size, two multi-tensor (foreach) updates."""
+        sizes = [t.numel() for t in bucket]
+        z = scratch[: sum(sizes)].normal_(0.0, std, generator=self._generator(bucket[0].device))
+        if scale_by != 1.0:
+            torch._foreach_mul_(bucket, scale_by)
+        torch._foreach_add_(bucket, [v.view(t.shape) for v, t in zip(z.split(sizes), bucket)])
 
     def _add_chunked(self, t: Tensor, scratch: Tensor, std: float, scale_by: float) -> None:
         """t ← scale_by · t + N(0, std²) per coordinate, drawn ``len(scratch)`` at a time."""

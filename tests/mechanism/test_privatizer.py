@@ -156,6 +156,25 @@ def test_add_noise_in_chunks_is_fresh_per_coordinate(monkeypatch):
         GaussianNoise(seed=7).add_noise_(tensors, 0.0)
 
 
+def test_small_tensors_share_draws_but_never_noise(monkeypatch):
+    """Tensors below the scratch size are drawn together (one draw per bucket): each still gets
+    its own N(0, std²) values, scale_by is applied, shapes and empty tensors are respected."""
+    monkeypatch.setattr(noise_module, "_MIN_CHUNK", 1000)
+    shapes = [(3, 5)] * 150 + [(0,), (40, 25), (1,), (7, 1, 2)] * 5
+    tensors = [torch.full(s, 4.0) for s in shapes] + [torch.full((9000,), 4.0)]
+    GaussianNoise(seed=3).add_noise_(tensors, 2.0, scale_by=0.5)
+    assert [tuple(t.shape) for t in tensors[:-1]] == shapes
+    z = [((t - 2.0) / 2.0).flatten().double() for t in tensors]
+    assert all((t != 4.0).all() for t in tensors)  # every coordinate drawn, none left untouched
+    lo, hi = _variance_bounds(sum(v.numel() for v in z))
+    assert lo < torch.cat(z).pow(2).mean().item() < hi
+    firsts = torch.stack([v[:15] for v in z[:150]])  # the 150 equal small tensors
+    r = torch.corrcoef(firsts)
+    assert (r - torch.eye(150, dtype=r.dtype)).abs().max() < 0.95  # no tensor reuses another's noise
+    assert len({tuple(v.tolist()) for v in firsts}) == 150
+    GaussianNoise(seed=3).add_noise_([], 2.0)  # nothing to do
+
+
 def test_add_noise_of_a_custom_sample_uses_that_sample():
     class Ones(GaussianNoise):
         def sample(self, like):

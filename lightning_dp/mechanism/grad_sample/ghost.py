@@ -293,14 +293,18 @@ def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
     return v.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
 
 
-_MIN_PATCH_CHUNK = 1 << 16  # elements: patch chunks may always be this large
+_MIN_PATCH_CHUNK = 1 << 16  # elements: CPU patch chunks may always be this large (256 KiB)
+_MIN_PATCH_CHUNK_ACCELERATOR = 1 << 22  # 16 MiB: on a GPU each chunk costs kernel launches
 
 
-def example_chunks(n: int, per_example: int, budget: int) -> list[slice]:
+def example_chunks(n: int, per_example: int, budget: int, device_type: str = "cpu") -> list[slice]:
     """Slices of the n examples such that each chunk's patch columns (``per_example``
-    elements per example) fit in max(``budget``, 2¹⁶) elements; the caller passes the size of
-    the layer's inputs, so unfolding never more than matches the activations it reads."""
-    size = max(1, max(budget, _MIN_PATCH_CHUNK) // max(per_example, 1))
+    elements per example) fit in max(``budget``, floor) elements; the caller passes the size of
+    the layer's inputs, so unfolding never more than matches the activations it reads. The
+    floor is 2¹⁶ elements on CPU and 2²² on accelerators, where fewer, larger chunks save
+    kernel launches."""
+    floor = _MIN_PATCH_CHUNK if device_type == "cpu" else _MIN_PATCH_CHUNK_ACCELERATOR
+    size = max(1, max(budget, floor) // max(per_example, 1))
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -339,7 +343,7 @@ class Conv2dStats(WeightBiasStats):
         T = sum(d.shape[2] * d.shape[3] for _, d in self.calls)
         d_in, d_out = self.weight.shape[1:].numel(), self.weight.shape[0]
         n = self.calls[0][1].shape[0]
-        chunks = example_chunks(n, d_in * T, sum(x.numel() for x, _ in self.calls))
+        chunks = example_chunks(n, d_in * T, sum(x.numel() for x, _ in self.calls), self.calls[0][0].device.type)
         if self.sw is None and not with_squares and prefer_ghost(T, d_in, d_out):
             return torch.cat([self._ghost_sq_norms(rows) for rows in self._rows(chunks)])
         G = self.calls[0][1].new_empty(n, d_out, d_in)

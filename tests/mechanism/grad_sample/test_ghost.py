@@ -171,6 +171,7 @@ def test_example_chunks_cover_the_batch_within_budget(monkeypatch, n, per_exampl
         k = len(range(n)[s])
         assert k == 1 or k * per_example <= max(budget, 64)
     assert len(chunks) <= 1 + n * per_example // max(budget, 64)
+    assert len(ghost.example_chunks(n, per_example, budget, "cuda")) <= len(chunks)  # GPU: fewer launches
 
 
 class _NormTwice(nn.Module):
