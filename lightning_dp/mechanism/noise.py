@@ -82,7 +82,7 @@ class GaussianNoise(NoiseMechanism):
 
         The draw goes chunk by chunk into one scratch buffer (``normal_(0, std)``: the scaling is
         fused into the draw) and each chunk is added in one pass, so no noise tensor as large as
-        the model is ever allocated: the scratch holds max(2¹⁶, d/8) numbers for d coordinates.
+        the model is ever allocated: the scratch holds min(d, max(2¹⁶, d/8)) numbers for d coordinates.
         Tensors smaller than that share draws: as many as fit in the scratch get one draw and
         two multi-tensor updates (few kernel launches for a model of many small tensors).
         Every coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
@@ -93,9 +93,10 @@ class GaussianNoise(NoiseMechanism):
         if type(self).sample is not GaussianNoise.sample:
             super().add_noise_(tensors, std, scale_by)
             return
-        if not tensors:
+        total = sum(t.numel() for t in tensors)
+        if total == 0:
             return
-        step = max(1, min(max(_MIN_CHUNK, -(-sum(t.numel() for t in tensors) // 8)), max(t.numel() for t in tensors)))
+        step = min(max(_MIN_CHUNK, -(-total // 8)), total)
         scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for t in tensors:

@@ -22,10 +22,11 @@ def _variance_bounds(n, alpha=1e-4):
 
 
 @pytest.mark.parametrize("sigma,C,B", [(1.0, 1.0, 32.0), (0.7, 2.5, 100.0)])
-def test_noise_std_is_sigma_c_over_b(sigma, C, B):
-    params = [nn.Parameter(torch.zeros(200, 100))]
+@pytest.mark.parametrize("shapes", [[(200, 100)], [(40, 5)] * 100], ids=["one-tensor", "many-small-tensors"])
+def test_noise_std_is_sigma_c_over_b(sigma, C, B, shapes):
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
     Privatizer(GaussianNoise(seed=0)).privatize(_zero_batch(params), params, MechanismRequest(), sigma, C, B)
-    g = params[0].grad.flatten().double()
+    g = torch.cat([p.grad.flatten() for p in params]).double()
     ratio = (g.pow(2).mean() / (sigma * C / B) ** 2).item()  # known mean 0: chi2 with n dof
     lo, hi = _variance_bounds(g.numel())
     assert lo < ratio < hi
