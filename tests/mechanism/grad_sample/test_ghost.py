@@ -257,3 +257,27 @@ def test_large_vocabulary_embedding_never_scatters(monkeypatch):
     expect = [torch.zeros(V, dim, dtype=torch.float64).index_add_(0, idx[i], d[i]).square().sum() for i in range(n)]
     torch.testing.assert_close(got, torch.stack(expect))
     assert not ghost.prefer_ghost_embedding(64, 64)  # position tables (V = T) still scatter
+
+
+def test_bf16_autocast_conv_and_norm_layers_give_float32_sums_near_float32_norms():
+    """Under CPU bf16 autocast the captured activations and output grads are bf16: the reduced
+    normalisation layers and the conv/linear rules compute in float32 and match float32 norms."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    x, y = torch.randn(6, 2, 6, 6), torch.randint(0, 3, (6,))
+    params = list(model.parameters())
+
+    def clipped(autocast: bool):
+        engine = make_engine("ghost")
+        engine.attach(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        out = engine.clip_and_sum(params, 1.0)
+        engine.detach()
+        return out
+
+    low, full = clipped(True), clipped(False)
+    assert all(low.sums[p].dtype == torch.float32 and low.sums[p].isfinite().all() for p in params)
+    torch.testing.assert_close(low.norms, full.norms, rtol=0.05, atol=0.0)
