@@ -281,3 +281,20 @@ def test_bf16_autocast_conv_and_norm_layers_give_float32_sums_near_float32_norms
     low, full = clipped(True), clipped(False)
     assert all(low.sums[p].dtype == torch.float32 and low.sums[p].isfinite().all() for p in params)
     torch.testing.assert_close(low.norms, full.norms, rtol=0.05, atol=0.0)
+
+
+def test_backward_of_a_cleared_step_does_not_reach_the_next_step():
+    """A graph kept past its step's clipping (cleared) and backpropagated later adds nothing to
+    the step being recorded now."""
+    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+
+    model, x, y, loss = _norm_twice_case()
+    capture = ActivationCapture()
+    capture.attach(list(model.named_children()), ghost.reducer_for)
+    stale = loss(model, x, y)
+    capture.clear()
+    loss(model, x[:3], y[:3]).backward()
+    fresh = {k: g.clone() for k, g in capture.completed()[id(model.ln)].reduced.items()}
+    stale.backward()
+    assert all(torch.equal(capture.completed()[id(model.ln)].reduced[k], g) for k, g in fresh.items())
+    assert capture.completed()[id(model.ln)].reduced["weight"].shape[0] == 3
