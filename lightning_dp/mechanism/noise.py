@@ -9,6 +9,7 @@ same interface and keep their history in :meth:`state_dict`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -55,6 +56,14 @@ class NoiseMechanism(ABC):
         """Restore :meth:`state_dict`."""
 
 
+@dataclass
+class _Bucket:
+    """Small tensors waiting for one shared draw (:meth:`GaussianNoise.add_noise_`)."""
+
+    tensors: list[Tensor] = field(default_factory=list)
+    size: int = 0
+
+
 class GaussianNoise(NoiseMechanism):
     """Independent N(0, I) draws from a private generator per device.
 
@@ -98,7 +107,7 @@ class GaussianNoise(NoiseMechanism):
             return
         step = min(max(_MIN_CHUNK, -(-total // 8)), total)
         scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
         for t in tensors:
             key = (t.device, t.dtype)
             if key not in scratch:
@@ -106,22 +115,25 @@ class GaussianNoise(NoiseMechanism):
             if not t.is_contiguous() or t.numel() >= step:
                 self._add_chunked(t, scratch[key], std, scale_by)
                 continue
-            bucket = buckets.setdefault(key, [])
-            if sum(u.numel() for u in bucket) + t.numel() > step:
+            bucket = buckets.setdefault(key, _Bucket())
+            if bucket.size + t.numel() > step:
                 self._add_bucket(bucket, scratch[key], std, scale_by)
-                bucket.clear()
-            bucket.append(t)
+            bucket.tensors.append(t)
+            bucket.size += t.numel()
         for key, bucket in buckets.items():
-            if bucket:
-                self._add_bucket(bucket, scratch[key], std, scale_by)
+            self._add_bucket(bucket, scratch[key], std, scale_by)
 
-    def _add_bucket(self, bucket: list[Tensor], scratch: Tensor, std: float, scale_by: float) -> None:
-        """Small tensors together: one draw of their total size, two multi-tensor (foreach) updates."""
-        sizes = [t.numel() for t in bucket]
-        z = scratch[: sum(sizes)].normal_(0.0, std, generator=self._generator(bucket[0].device))
+    def _add_bucket(self, bucket: _Bucket, scratch: Tensor, std: float, scale_by: float) -> None:
+        """Small tensors together: one draw of their total size, two multi-tensor (foreach)
+        updates; empties the bucket."""
+        ts = bucket.tensors
+        if not ts:
+            return
+        z = scratch[: bucket.size].normal_(0.0, std, generator=self._generator(ts[0].device))
         if scale_by != 1.0:
-            torch._foreach_mul_(bucket, scale_by)
-        torch._foreach_add_(bucket, [v.view(t.shape) for v, t in zip(z.split(sizes), bucket)])
+            torch._foreach_mul_(ts, scale_by)
+        torch._foreach_add_(ts, [v.view(t.shape) for v, t in zip(z.split([t.numel() for t in ts]), ts)])
+        bucket.tensors, bucket.size = [], 0
 
     def _add_chunked(self, t: Tensor, scratch: Tensor, std: float, scale_by: float) -> None:
         """t ← scale_by · t + N(0, std²) per coordinate, drawn ``len(scratch)`` at a time."""

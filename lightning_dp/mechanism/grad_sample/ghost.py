@@ -48,6 +48,7 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     ActivationCapture,
     LayerCalls,
     Record,
+    RecordReducer,
     batch_size_of_calls,
     direct_trainable,
     owners_of,
@@ -424,7 +425,7 @@ def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale
     return MaterialisedStats({p: per_name[k] for k, p in wanted.items()}, scale)
 
 
-def reducer_for(m: nn.Module):
+def reducer_for(m: nn.Module) -> Optional[RecordReducer]:
     """The layers the ghost engine reduces during backward: normalisation layers."""
     return (lambda rec: norm_layer_record_grads(m, rec)) if isinstance(m, _NORMS) else None
 
