@@ -247,14 +247,14 @@ class MemoryMeter:
             from torch.profiler import ProfilerActivity, profile
 
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            self._profiler.start()
 
     def peak_mib(self) -> float:
         """Peak growth since :meth:`start`, MiB."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        self._profiler.__exit__(None, None, None)
+        self._profiler.stop()
         events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
         return peak_of_allocations([(e.start_ns(), e.nbytes()) for e in events]) / 2**20
 

@@ -58,10 +58,36 @@ class NoiseMechanism(ABC):
 
 @dataclass
 class _Bucket:
-    """Small tensors waiting for one shared draw (:meth:`GaussianNoise.add_noise_`)."""
+    """Pieces of tensors (flat, each ≤ the scratch) waiting for one shared draw of
+    N(0, std²) into ``scratch`` (:meth:`GaussianNoise.add_noise_`): a full-size piece is drawn
+    alone, small ones together."""
 
-    tensors: list[Tensor] = field(default_factory=list)
+    scratch: Tensor
+    generator: torch.Generator
+    std: float
+    scale_by: float
+    pieces: list[Tensor] = field(default_factory=list)
     size: int = 0
+
+    def add(self, piece: Tensor) -> None:
+        """Queue ``piece``; first draw for the queued ones if it would not fit beside them."""
+        if self.size + piece.numel() > self.scratch.numel():
+            self.flush()
+        self.pieces.append(piece)
+        self.size += piece.numel()
+
+    def flush(self) -> None:
+        """piece ← scale_by · piece + N(0, std²) for every queued piece, from one draw."""
+        if not self.pieces:
+            return
+        z = self.scratch[: self.size].normal_(0.0, self.std, generator=self.generator)
+        if len(self.pieces) == 1:
+            torch.add(z, self.pieces[0], alpha=self.scale_by, out=self.pieces[0])  # one fused pass
+        else:
+            if self.scale_by != 1.0:
+                torch._foreach_mul_(self.pieces, self.scale_by)
+            torch._foreach_add_(self.pieces, z.split([p.numel() for p in self.pieces]))
+        self.pieces, self.size = [], 0
 
 
 class GaussianNoise(NoiseMechanism):
@@ -89,12 +115,12 @@ class GaussianNoise(NoiseMechanism):
     def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
         """t ← scale_by · t + std · z in place, z ~ N(0, I) from this mechanism's private generator.
 
-        The draw goes chunk by chunk into one scratch buffer (``normal_(0, std)``: the scaling is
-        fused into the draw) and each chunk is added in one pass, so no noise tensor as large as
-        the model is ever allocated: the scratch holds min(d, max(2¹⁶, d/8)) numbers for d coordinates.
-        Tensors smaller than that share draws: as many as fit in the scratch get one draw and
-        two multi-tensor updates (few kernel launches for a model of many small tensors).
-        Every coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
+        Tensors are cut into pieces of at most the scratch size, min(d, max(2¹⁶, d/8)) numbers
+        for d coordinates, so no noise tensor as large as the model is ever allocated. A
+        full-size piece gets its own draw (``normal_(0, std)``: the scaling fused into the draw)
+        added in one pass; smaller pieces (small tensors, tails) share one draw and two
+        multi-tensor updates (few kernel launches for a model of many small tensors). Every
+        coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
         the generic path (its samples, scaled).
         """
         if not std > 0:
@@ -106,47 +132,21 @@ class GaussianNoise(NoiseMechanism):
         if total == 0:
             return
         step = min(max(_MIN_CHUNK, -(-total // 8)), total)
-        scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
         for t in tensors:
-            key = (t.device, t.dtype)
-            if key not in scratch:
-                scratch[key] = torch.empty(step, device=t.device, dtype=t.dtype)
-            if not t.is_contiguous() or t.numel() >= step:
-                self._add_chunked(t, scratch[key], std, scale_by)
+            if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
+                z = torch.empty(t.shape, device=t.device, dtype=t.dtype)
+                torch.add(z.normal_(0.0, std, generator=self._generator(t.device)), t, alpha=scale_by, out=t)
                 continue
-            bucket = buckets.setdefault(key, _Bucket())
-            if bucket.size + t.numel() > step:
-                self._add_bucket(bucket, scratch[key], std, scale_by)
-            bucket.tensors.append(t)
-            bucket.size += t.numel()
-        for key, bucket in buckets.items():
-            self._add_bucket(bucket, scratch[key], std, scale_by)
-
-    def _add_bucket(self, bucket: _Bucket, scratch: Tensor, std: float, scale_by: float) -> None:
-        """Small tensors together: one draw of their total size, two multi-tensor (foreach)
-        updates; empties the bucket."""
-        ts = bucket.tensors
-        if not ts:
-            return
-        z = scratch[: bucket.size].normal_(0.0, std, generator=self._generator(ts[0].device))
-        if scale_by != 1.0:
-            torch._foreach_mul_(ts, scale_by)
-        torch._foreach_add_(ts, [v.view(t.shape) for v, t in zip(z.split([t.numel() for t in ts]), ts)])
-        bucket.tensors, bucket.size = [], 0
-
-    def _add_chunked(self, t: Tensor, scratch: Tensor, std: float, scale_by: float) -> None:
-        """t ← scale_by · t + N(0, std²) per coordinate, drawn ``len(scratch)`` at a time."""
-        generator = self._generator(t.device)
-        if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
-            z = torch.empty(t.shape, device=t.device, dtype=t.dtype).normal_(0.0, std, generator=generator)
-            torch.add(z, t, alpha=scale_by, out=t)
-            return
-        flat, step = t.view(-1), scratch.numel()
-        for start in range(0, flat.numel(), step):
-            part = flat[start : start + step]
-            z = scratch[: part.numel()].normal_(0.0, std, generator=generator)
-            torch.add(z, part, alpha=scale_by, out=part)
+            key = (t.device, t.dtype)
+            if key not in buckets:
+                scratch = torch.empty(step, device=t.device, dtype=t.dtype)
+                buckets[key] = _Bucket(scratch, self._generator(t.device), std, scale_by)
+            flat = t.view(-1)
+            for start in range(0, flat.numel(), step):
+                buckets[key].add(flat[start : start + step])
+        for bucket in buckets.values():
+            bucket.flush()
 
     def _draw(self, like: Sequence[Tensor], std: float) -> list[Tensor]:
         out: list[Optional[Tensor]] = [None] * len(like)

@@ -79,12 +79,13 @@ class LayerCalls:
                 f"{self.name}: a second gradient reached an output whose inputs were already released "
                 "(backward twice through one graph, retain_graph=True). The ghost engine reduces "
                 "normalisation layers during the first backward; use per_sample='vmap' for this.")
-        if not any(r is rec for r in self.records):
+        at = next((i for i, r in enumerate(self.records) if r is rec), None)
+        if at is None:
             return  # the call's step was cleared already (a stale graph's backward): ignore it
         rec.grad_out = grad_out.detach()
         for pname, g in reducer(rec).items():
             self.reduced[pname] = self.reduced[pname] + g if pname in self.reduced else g
-        self.records = [r for r in self.records if r is not rec]
+        del self.records[at]
         rec.args, rec.kwargs, rec.grad_out = None, {}, None
 
 

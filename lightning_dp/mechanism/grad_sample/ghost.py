@@ -349,11 +349,8 @@ class Conv2dStats(WeightBiasStats):
             return torch.cat([self._ghost_sq_norms(rows) for rows in self._rows(chunks)])
         G = self.calls[0][1].new_empty(n, d_out, d_in)
         for rows, part in zip(self._rows(chunks), chunks):
-            for i, (x, d) in enumerate(rows):  # G[part] = Σ_calls δ Pᵀ, written in place
-                if i == 0:
-                    torch.bmm(d.flatten(2), patch_columns(x, self.m).transpose(1, 2), out=G[part])
-                else:
-                    G[part].baddbmm_(d.flatten(2), patch_columns(x, self.m).transpose(1, 2))
+            for i, (x, d) in enumerate(rows):  # G[part] = Σ_calls δ Pᵀ in place (β = 0 ignores G's contents)
+                G[part].baddbmm_(d.flatten(2), patch_columns(x, self.m).transpose(1, 2), beta=float(i > 0))
         G = G.view(n, *self.weight.shape)
         self.G = G if self.sw is None else G * self.sw
         return sq_norms(self.G)
@@ -410,7 +407,7 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
         dims = tuple(range(1, x.dim() - k))
     n = d.shape[0]
     grads = {}
-    for pname, p in direct_trainable(m):
+    for pname, _ in direct_trainable(m):
         g = d * xhat if pname == "weight" else d
         grads[pname] = (g.sum(dims) if dims else g) * n
     return grads
