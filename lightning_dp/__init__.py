@@ -8,6 +8,7 @@ See the README for a quickstart.
 from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
 from lightning_dp.callbacks import AdamVariant, PrivacyBudget, SecondMomentMonitor
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.losses import per_example_token_mean
 from lightning_dp.optim import DPAdagrad, DPAdam
 from lightning_dp.strategy import DPStrategy
 
@@ -27,4 +28,5 @@ __all__ = [
     "calibrate_noise",
     "epsilon",
     "ledger_epsilon",
+    "per_example_token_mean",
 ]

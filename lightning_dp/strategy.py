@@ -23,7 +23,8 @@ import math
 import warnings
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -41,7 +42,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
@@ -54,7 +55,6 @@ from lightning_dp.mechanism import (
     PrivateOptimizer,
     Privatizer,
     Release,
-    batch_size_of,
     flat_all_reduce,
     make_engine,
     validate_module,
@@ -71,7 +71,10 @@ from lightning_dp.mechanism.min_sep_sampling import (
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
 from lightning_dp.mechanism.grad_sample.auto import select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
+from lightning_dp.mechanism.recorded_batches import RecordedBatches
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
+from lightning_dp.mechanism.validators.loaders import training_population
+from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, probe_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,11 @@ class DPStrategy(DDPStrategy):
         bands: b for ``noise="banded"``: the data is split into b groups and step t
             Poisson-samples group t mod b; the noise history costs (b − 1)·d floats.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
+        resume_privacy: what a resumed run does when σ, C, ``target_epsilon`` or
+            ``target_delta`` differ from its checkpoint's: ``"strict"`` (default) refuses
+            with an error naming both values; ``"new"`` applies this run's σ and C from the
+            resumed step on, and says so in the log (the ledger records every step's σ, so
+            ε stays exact). A different target ε is always refused.
         accelerator, parallel_devices, cluster_environment, checkpoint_io,
         precision_plugin, process_group_backend, timeout, start_method:
             as for Lightning's ``DDPStrategy`` (multi-process use).
@@ -127,6 +135,7 @@ class DPStrategy(DDPStrategy):
         noise: Optional[Union[str, NoiseMechanism]] = None,
         bands: int = 1,
         sampler_seed: Optional[int] = None,
+        resume_privacy: Literal["strict", "new"] = "strict",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -149,6 +158,10 @@ class DPStrategy(DDPStrategy):
         _check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
         self._noise_multiplier = float(noise_multiplier) if noise_multiplier is not None else None
+        self._requested_sigma = self._noise_multiplier
+        if resume_privacy not in ("strict", "new"):
+            raise ValueError(f"resume_privacy must be 'strict' or 'new', got {resume_privacy!r}")
+        self.resume_privacy = resume_privacy
         self._max_grad_norm = float(max_grad_norm)
         self.target_epsilon = target_epsilon
         self.target_delta = target_delta
@@ -174,6 +187,8 @@ class DPStrategy(DDPStrategy):
         self._last_release: Optional[Release] = None
         self._local_batch_size = -1
         self._standin_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
+        self._batches: Optional[RecordedBatches] = None
+        self._probed = False
         self._sign_privatizer: Optional[SignVotePrivatizer] = None
         self._diagnostics_enabled = False
         self._diagnostics: Optional[StepDiagnostics] = None
@@ -348,23 +363,14 @@ class DPStrategy(DDPStrategy):
 
     def _poisson_loader(self, dl: DataLoader) -> DataLoader:
         dataset = dl.dataset
-        if isinstance(dataset, IterableDataset):
-            raise PrivacyConfigurationError(
-                "Poisson sampling needs random access: the training dataset is an IterableDataset. "
-                "Use a map-style Dataset (with __len__ and __getitem__)."
-            )
-        batch_size = dl.batch_size if dl.batch_size is not None else getattr(dl.batch_sampler, "batch_size", None)
-        if not batch_size:
-            raise PrivacyConfigurationError(
-                "Cannot read the expected batch size from the training DataLoader: give it `batch_size=`."
-            )
-        n = len(dataset)  # type: ignore[arg-type]
+        population = training_population(dl)  # refuses samplers Poisson sampling cannot stand in for
+        n, batch_size = population.num_samples, population.batch_size
         world = self.num_nodes * self.num_processes
         expected = batch_size * world
         if expected > n:
             raise PrivacyConfigurationError(
                 f"Expected global batch {expected} (= {world} processes × batch_size {batch_size}) exceeds the "
-                f"dataset size {n}: lower batch_size."
+                f"number of training examples {n}: lower batch_size."
             )
         self._num_samples, self._expected_batch_size = n, float(expected)
         seed = None if self._sampler_seed is None else self._sampler_seed + self.global_rank
@@ -379,6 +385,7 @@ class DPStrategy(DDPStrategy):
             n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed
         )
         sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
+        self._batches = RecordedBatches(sampler, population.indices)
         kwargs: dict[str, Any] = dict(
             num_workers=dl.num_workers,
             collate_fn=EmptySafeCollate(dataset, dl.collate_fn),
@@ -391,7 +398,7 @@ class DPStrategy(DDPStrategy):
         if dl.num_workers > 0:
             kwargs["prefetch_factor"] = dl.prefetch_factor
         self._standin_source = (dataset, dl.collate_fn)
-        return DataLoader(dataset, batch_sampler=sampler, **kwargs)
+        return DataLoader(dataset, batch_sampler=self._batches, **kwargs)
 
     def _maybe_calibrate(self, trainer: "pl.Trainer") -> None:
         assert self._num_samples is not None and self._sample_rate is not None
@@ -422,38 +429,81 @@ class DPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ the private step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the user's ``training_step``; an empty Poisson batch contributes a zero clipped sum.
+        """Run the user's ``training_step`` on the sampled examples, verified.
 
-        With one process the step is skipped (zero loss). With several, the other ranks run
-        the user's step, which may hold collectives (``self.log(..., sync_dist=True)``): this
-        rank runs it too, on a stand-in example whose gradient is discarded, so that every
-        rank takes part in every collective. Its logged values have batch size 0 (they do not
-        enter epoch means); an ``on_step`` value is that of the stand-in.
+        The number of examples is the sampler's (:class:`RecordedBatches`), never read from
+        the batch; the engine checks every layer against it. Before the first release the
+        probe of :mod:`~lightning_dp.mechanism.validators.probe` runs once. A returned vector of
+        per-example losses (shape ``[n]``) is averaged here.
+
+        An empty Poisson batch: with one process the step is skipped (zero loss). With several,
+        the other ranks run the user's step, which may hold collectives
+        (``self.log(..., sync_dist=True)``): this rank runs it too, on a stand-in example whose
+        gradient is discarded, so that every rank takes part in every collective. Its logged
+        values have batch size 0 (they do not enter epoch means); an ``on_step`` value is that
+        of the stand-in.
         """
+        assert self._engine is not None
+        if self._batches is None:
+            raise RuntimeError("DPStrategy: the training loader was not rebuilt for Poisson sampling.")
         batch = args[0] if args else kwargs.get("batch")
-        self._local_batch_size = batch_size_of(batch)
-        if self._local_batch_size == 0:
+        n = len(self._batches.take())
+        self._local_batch_size = n
+        if not self._probed:
+            self._run_probe()
+        if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
+                self._engine.begin_step(0)
                 return torch.zeros((), device=self.root_device, requires_grad=True)
             args, kwargs = _with_batch(args, kwargs, self._standin_batch())
+            n = 1
         limit = self.max_physical_batch_size
-        if limit is not None and self._local_batch_size > limit:
-            *heads, last = _split_batch(batch, self._local_batch_size, limit)
-            for head in heads:
-                self._physical_step(*_with_batch(args, kwargs, head))
-            args, kwargs = _with_batch(args, kwargs, last)
-        return super().training_step(*args, **kwargs)
+        if limit is not None and n > limit:
+            *heads, last = _split_batch(batch, n, limit)
+            for start, head in zip(range(0, n, limit), heads):
+                self._physical_step(min(limit, n - start), *_with_batch(args, kwargs, head))
+            args, kwargs, n = *_with_batch(args, kwargs, last), n - limit * len(heads)
+        self._engine.begin_step(n)
+        return _mean_loss(super().training_step(*args, **kwargs), n)
 
-    def _physical_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward + backward one physical batch and bank its clipped sums (no noise yet)."""
+    def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward + backward one physical batch of n examples and bank its clipped sums (no noise yet)."""
         assert self._engine is not None
-        loss = super().training_step(*args, **kwargs)
+        self._engine.begin_step(n)
+        loss = _mean_loss(super().training_step(*args, **kwargs), n)
         loss = loss["loss"] if isinstance(loss, dict) else loss
         self.lightning_module.backward(loss)
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         part = self._engine.clip_and_sum(params, self._max_grad_norm, self._request.scale, self._request.second_moment)
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+
+    def _run_probe(self) -> None:
+        """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on fixed examples."""
+        assert self._engine is not None and self._batches is not None and self._standin_source is not None
+        module, (dataset, collate) = self.lightning_module, self._standin_source
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        world = self.num_nodes * self.num_processes
+        indices = self._batches.first_indices(PROBE_EXAMPLES, self._num_samples or 0, self.global_rank, world)
+
+        def loss_of(idx: list[int]) -> Tensor:
+            batch = self.batch_to_device(collate([dataset[i] for i in idx]))
+            with self.precision_plugin.train_step_context(), _silenced_logging(module):
+                out = module.training_step(batch, 0)
+            loss = _mean_loss(out, len(idx))
+            loss = loss["loss"] if isinstance(loss, dict) else loss
+            if not isinstance(loss, Tensor):
+                raise PrivacyConfigurationError(
+                    f"training_step returned {type(out).__name__}, not a loss: DPStrategy needs the mean loss "
+                    "(or the vector of per-example losses) on every step; skipping a sampled batch would depend "
+                    "on private data.")
+            return loss
+
+        low = "16" in str(self.lightning_module.trainer.precision)
+        tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low)
+        ExampleIndependenceProbe(module, self._engine, [p for _, p in named], [n for n, _ in named], loss_of,
+                                 tol).run(indices)
+        self._probed = True
 
     def _standin_batch(self) -> Any:
         assert self._standin_source is not None
@@ -519,6 +569,9 @@ class DPStrategy(DDPStrategy):
             "ledger": self._ledger.state_dict(),
             "noise_multiplier": self._noise_multiplier,
             "noise": self._noise.state_dict(),
+            "max_grad_norm": self._max_grad_norm,
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -527,6 +580,8 @@ class DPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(_CHECKPOINT_KEY)
         if state is not None:
+            if self._resume_changes(state):
+                state = {k: v for k, v in state.items() if k != "noise_multiplier"}  # the new σ stays
             self._restore_privacy_state(state)
         else:
             rank_zero_warn(
@@ -534,6 +589,32 @@ class DPStrategy(DDPStrategy):
                 "the budget spent before it is unknown and NOT counted."
             )
         return checkpoint
+
+    def _resume_changes(self, state: dict[str, Any]) -> bool:
+        """Compare this run's privacy arguments with the checkpoint's: an error (``resume_privacy="strict"``),
+        or a logged switch to the new σ and C (``"new"``). Returns whether the new values apply."""
+        def differs(new: Optional[float], old: Optional[float]) -> bool:
+            return new is not None and old is not None and not math.isclose(float(new), float(old), rel_tol=1e-9)
+
+        changes = [f"{label}: checkpoint {old}, this run {new}" for label, new, old in (
+            ("noise_multiplier (σ)", self._requested_sigma, state.get("noise_multiplier")),
+            ("max_grad_norm (C)", self._max_grad_norm, state.get("max_grad_norm")),
+            ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
+            ("target_delta", self.target_delta, state.get("target_delta")),
+        ) if differs(new, old)]
+        if not changes:
+            return False
+        target_changed = any(c.startswith("target_") for c in changes)
+        if self.resume_privacy == "strict" or target_changed:
+            fix = ("A different target is refused: keep the checkpoint's target_epsilon/target_delta, or start a new "
+                   "run." if target_changed else
+                   "Pass the checkpoint's values to continue the same run, or DPStrategy(..., resume_privacy='new') "
+                   "to apply the new ones from the resumed step on.")
+            raise PrivacyConfigurationError("Resuming with privacy arguments that differ from the checkpoint's:\n- "
+                                            + "\n- ".join(changes) + "\n" + fix)
+        rank_zero_warn("DPStrategy: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
+                       + ". The ledger records each step's σ, so ε counts both parts exactly.")
+        return True
 
     def _restore_privacy_state(self, state: dict[str, Any]) -> None:
         self._ledger.load_state_dict(state["ledger"])
@@ -583,6 +664,30 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     if args:
         return (batch, *args[1:]), kwargs
     return args, {**kwargs, "batch": batch}
+
+
+def _mean_loss(out: Any, n: int) -> Any:
+    """The user's ``training_step`` output with a vector of n per-example losses replaced by its mean
+    (the per-example loss convention: each example's loss is its own, the batch loss their mean)."""
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if isinstance(loss, Tensor) and loss.dim() == 1:
+        if loss.shape[0] != n:
+            raise PrivacyConfigurationError(
+                f"training_step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
+                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
+        loss = loss.mean()
+        return {**out, "loss": loss} if isinstance(out, dict) else loss
+    return out
+
+
+@contextmanager
+def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's)."""
+    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 def _split_batch(batch: Any, size: int, limit: int) -> list[Any]:

@@ -194,7 +194,7 @@ def test_bad_privacy_parameters(kwargs, match):
 
 def test_batch_larger_than_dataset_is_an_error():
     trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_epochs=1)
-    with pytest.raises(PrivacyConfigurationError, match="exceeds the dataset size"):
+    with pytest.raises(PrivacyConfigurationError, match="exceeds the number of training examples"):
         trainer.fit(TinyClassifier(), make_loader(n=10, batch_size=20))
 
 

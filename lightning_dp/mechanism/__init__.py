@@ -13,7 +13,7 @@ from lightning_dp.mechanism.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.mechanism.privatizer import Privatizer, flat_all_reduce, validate_privacy_params
 from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
 from lightning_dp.mechanism.sampling import PoissonBatchSampler, secure_seed, steps_per_epoch_for
-from lightning_dp.mechanism.validation import validate_module
+from lightning_dp.mechanism.validators import validate_module
 
 __all__ = [
     "ClippedBatch",

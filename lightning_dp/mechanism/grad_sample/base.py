@@ -44,9 +44,16 @@ class ClippedBatch:
 class GradSampleEngine(ABC):
     """Computes clipped per-example statistics for the parameters of one module.
 
-    Life cycle: :meth:`attach` once before training; per step the module's forward
-    and ``loss.backward()`` run as usual, then :meth:`clip_and_sum` is called exactly
-    once and must leave no per-example state behind; :meth:`detach` at the end.
+    Life cycle: :meth:`attach` once before training; per step :meth:`begin_step` with the
+    number of examples the sampler put in the (physical) batch, then the module's forward and
+    ``loss.backward()`` run as usual, then :meth:`clip_and_sum` is called exactly once and
+    must leave no per-example state behind; :meth:`detach` at the end.
+
+    The contract every engine keeps (issue "the mechanism checks its own assumptions"):
+    after :meth:`begin_step` (n), every captured call's example dimension must equal n, or
+    :meth:`clip_and_sum` raises :class:`~lightning_dp.errors.PrivacyConfigurationError`
+    naming the layer, the shape seen and the fix; a step in which n > 0 examples were
+    sampled but nothing was captured is an error, never a zero release.
     """
 
     name: ClassVar[str] = ""
@@ -58,6 +65,10 @@ class GradSampleEngine(ABC):
     @abstractmethod
     def detach(self) -> None:
         """Remove every hook and buffer the engine added."""
+
+    def begin_step(self, num_examples: Optional[int]) -> None:
+        """Start a step of ``num_examples`` examples (``None``: unknown, not verified): drop
+        anything captured before (e.g. by a ``validation_step`` that differentiated)."""
 
     @abstractmethod
     def clip_and_sum(

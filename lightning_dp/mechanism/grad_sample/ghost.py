@@ -44,17 +44,20 @@ from lightning_dp.mechanism.grad_sample.base import (
     clip_factors,
     register_engine,
 )
-from lightning_dp.mechanism.grad_sample.functorch_vmap import (
+from lightning_dp.mechanism.capture import (
     ActivationCapture,
     LayerCalls,
     Record,
     RecordReducer,
-    batch_size_of_calls,
     direct_trainable,
+    leaf_layers,
     owners_of,
+)
+from lightning_dp.mechanism.grad_sample.functorch_vmap import (
+    missing_message,
+    step_batch_size,
     structural_problems,
     vmap_layer_grads,
-    _missing_message,
 )
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -488,12 +491,12 @@ class _Conv2dInputGradOnly(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
-def _linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return _LinearInputGradOnly.apply(x, self.weight, self.bias)
+def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:  # noqa: A002  (nn.Linear's own name: keyword calls)
+    return _LinearInputGradOnly.apply(input, self.weight, self.bias)
 
 
-def _conv2d_forward(self: nn.Conv2d, x: Tensor) -> Tensor:
-    return _Conv2dInputGradOnly.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+def _conv2d_forward(self: nn.Conv2d, input: Tensor) -> Tensor:  # noqa: A002
+    return _Conv2dInputGradOnly.apply(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 
 def input_grad_only_forward(m: nn.Module):
@@ -529,8 +532,7 @@ class GhostEngine(GradSampleEngine):
         """Hook every leaf module that owns parameters (and patch Linear/Conv2d forwards, see class doc)."""
         self.detach()
         self._owners = owners_of(module)
-        leaves = [(n, m) for n, m in module.named_modules()
-                  if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())]
+        leaves = leaf_layers(module)
         self._capture.attach(leaves, reducer_for)
         if self.skip_param_grads:
             for _, m in leaves:
@@ -538,6 +540,10 @@ class GhostEngine(GradSampleEngine):
                 if fwd is not None and "forward" not in m.__dict__ and self._sole_owner(m):
                     m.forward = types.MethodType(fwd, m)
                     self._patched.append(m)
+
+    def begin_step(self, num_examples: Optional[int]) -> None:
+        """Drop earlier captures; verify this step's calls against ``num_examples``."""
+        self._capture.begin_step(num_examples)
 
     def _sole_owner(self, m: nn.Module) -> bool:
         return all(len(self._owners[p]) == 1 for p in m.parameters(recurse=False))
@@ -566,7 +572,7 @@ class GhostEngine(GradSampleEngine):
 
     def _clip_and_sum(self, params, max_grad_norm, scale, with_squares) -> ClippedBatch:
         layers = self._capture.completed()
-        n = batch_size_of_calls(layers) if layers else 0
+        n = step_batch_size(self._capture, layers)
         if n == 0:
             zeros = {p: torch.zeros_like(p) for p in params}
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
@@ -593,7 +599,7 @@ class GhostEngine(GradSampleEngine):
                 raise ValueError(_shared_message(p, owners))
             mod = owners[0][0]
             if id(mod) not in layers:
-                raise ValueError(_missing_message(p, owners))
+                raise missing_message(p, owners)
             if id(mod) not in seen:
                 seen.add(id(mod))
                 stats.append(stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares))
@@ -610,7 +616,7 @@ class GhostEngine(GradSampleEngine):
 
 def _shared_message(p: Tensor, owners: list) -> str:
     if not owners:
-        return _missing_message(p, owners)
+        return str(missing_message(p, owners))
     names = ", ".join(f"{m or '<root>'}.{a}" for _, m, a in owners)
     return (f"parameter shared by several modules ({names}): ghost norms cannot add the cross terms "
             "of tied weights; use per_sample='vmap'")

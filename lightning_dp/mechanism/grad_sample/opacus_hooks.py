@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 from opacus.grad_sample import GradSampleHooks
-from torch import nn
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigurationError
 
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -20,6 +23,7 @@ from lightning_dp.mechanism.grad_sample.base import (
     clip_and_sum_materialised,
     register_engine,
 )
+from lightning_dp.mechanism.validators.example_dim import check_example_dim, check_something_captured
 
 
 @register_engine
@@ -31,16 +35,58 @@ class OpacusHooksEngine(GradSampleEngine):
     def __init__(self) -> None:
         self._hooks: Optional[GradSampleHooks] = None
         self._module: Optional[nn.Module] = None
+        self._watch: list = []
+        self._expected: Optional[int] = None
+        self._keyword_calls: set[str] = set()
+        self._mismatched: dict[str, list[tuple[int, ...]]] = {}
 
     def attach(self, module: nn.Module) -> None:
-        """Install Opacus' forward/backward hooks on ``module`` (mean-reduced loss)."""
+        """Install Opacus' forward/backward hooks on ``module`` (mean-reduced loss), and our own
+        forward hooks that verify each call (example dimension, no keyword tensors)."""
         if self._hooks is not None:
             self.detach()
         self._hooks = GradSampleHooks(module, batch_first=True, loss_reduction="mean", strict=False)
         self._module = module
+        for name, sub in module.named_modules():
+            if any(p.requires_grad for p in sub.parameters(recurse=False)):
+                self._watch.append(sub.register_forward_hook(self._verify_call(name or "<root>"), with_kwargs=True))
+
+    def _verify_call(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if any(isinstance(v, Tensor) for v in kwargs.values()):
+                self._keyword_calls.add(name)  # Opacus' hooks see positional inputs only
+            n = self._expected
+            if n is not None and isinstance(out, Tensor) and (out.dim() == 0 or out.shape[0] != n):
+                self._mismatched.setdefault(name, []).append(tuple(out.shape))
+
+        return hook
+
+    def begin_step(self, num_examples: Optional[int]) -> None:
+        """Drop anything an earlier forward left in Opacus' hooks; verify the coming calls."""
+        self._expected = num_examples
+        self._keyword_calls.clear()
+        self._mismatched.clear()
+        if self._module is None:
+            return
+        for sub in self._module.modules():
+            if hasattr(sub, "activations"):
+                sub.activations = []
+            if hasattr(sub, "max_batch_len"):
+                del sub.max_batch_len
+        for p in self._module.parameters():
+            p.grad_sample = None
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+            if hasattr(p, "_current_grad_sample"):
+                p._current_grad_sample = None
 
     def detach(self) -> None:
         """Remove the hooks and every ``grad_sample`` attribute."""
+        for handle in self._watch:
+            handle.remove()
+        self._watch = []
         if self._hooks is not None:
             self._hooks.remove_hooks()
             for p in self._module.parameters():  # type: ignore[union-attr]
@@ -60,6 +106,7 @@ class OpacusHooksEngine(GradSampleEngine):
         """Clip Opacus' ``grad_sample`` per example and sum (then clear it)."""
         samples = [getattr(p, "grad_sample", None) for p in params]
         try:
+            self._verify(samples)
             present = [s is not None for s in samples]
             if not any(present):
                 samples = [p.new_zeros((0, *p.shape)) for p in params]
@@ -75,6 +122,24 @@ class OpacusHooksEngine(GradSampleEngine):
         finally:
             for p in params:
                 p.grad_sample = None
+
+    def _verify(self, samples: list) -> None:
+        """The engine contract (base.py): keyword tensors refused, example dimension n everywhere,
+        something captured when n > 0."""
+        if self._keyword_calls:
+            raise PrivacyConfigurationError(
+                f"Layers {sorted(self._keyword_calls)} were called with keyword tensor arguments, which Opacus' "
+                "hooks do not see (its per-example gradients would be wrong): use per_sample='vmap' or 'ghost' "
+                "(both bind keyword tensors), or call the layer positionally."
+            )
+        n = self._expected
+        mismatched = dict(self._mismatched)
+        if n is not None:
+            shapes = [tuple(s.shape) for s in samples if s is not None and s.shape[0] != n]
+            if shapes:
+                mismatched.setdefault("(per-example gradients)", []).extend(shapes)
+        check_example_dim(mismatched, n)
+        check_something_captured(any(s is not None for s in samples), n)
 
     def unsupported_layers(self, module: nn.Module) -> list[str]:
         """Layers Opacus cannot give per-example gradients for, as 'name (Type)'."""

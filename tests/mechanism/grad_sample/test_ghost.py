@@ -82,7 +82,8 @@ def test_fallback_layer_and_no_state_left():
 
 
 def test_batch_size_disagreement_raises():
-    """A [1, T] position lookup broadcast over the batch has no per-example gradient."""
+    """Without the step's example count, a [1, T] lookup broadcast over the batch is refused
+    (its output gradient is the batch's sum); with it, see test_broadcast_lookup_is_exact."""
 
     class Broadcast(nn.Module):
         def __init__(self):
@@ -96,7 +97,7 @@ def test_batch_size_disagreement_raises():
     engine.attach(model)
     x = torch.randint(0, 10, (2, 3))
     model(x).sum().backward()
-    with pytest.raises(ValueError, match="batch size"):
+    with pytest.raises(ValueError, match="example dimension"):
         engine.clip_and_sum(list(model.parameters()), 1.0)
     assert not engine._capture.any_recorded()
 
@@ -206,7 +207,7 @@ def test_norm_layers_reduced_during_backward_match_reference(scaled):
 def test_norm_layer_calls_release_their_tensors_during_backward():
     """After backward a normalisation layer holds only its [n, C] per-example grads: no input,
     no output gradient (the memory the ghost engine would otherwise keep until clipping)."""
-    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+    from lightning_dp.mechanism.capture import ActivationCapture
 
     model, x, y, loss = _norm_twice_case()
     layers = [(n, m) for n, m in model.named_children()]
@@ -231,7 +232,7 @@ def test_norm_layer_calls_release_their_tensors_during_backward():
 
 
 def test_backward_twice_through_a_reduced_layer_raises():
-    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+    from lightning_dp.mechanism.capture import ActivationCapture
 
     model, x, y, loss = _norm_twice_case()
     capture = ActivationCapture()
@@ -286,7 +287,7 @@ def test_bf16_autocast_conv_and_norm_layers_give_float32_sums_near_float32_norms
 def test_backward_of_a_cleared_step_does_not_reach_the_next_step():
     """A graph kept past its step's clipping (cleared) and backpropagated later adds nothing to
     the step being recorded now."""
-    from lightning_dp.mechanism.grad_sample.functorch_vmap import ActivationCapture
+    from lightning_dp.mechanism.capture import ActivationCapture
 
     model, x, y, loss = _norm_twice_case()
     capture = ActivationCapture()

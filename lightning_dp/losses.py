@@ -1,0 +1,41 @@
+"""Per-example losses: the loss convention that keeps examples from interacting.
+
+DPStrategy clips each example's gradient of the batch's MEAN loss (times the batch size). That
+gradient is example i's alone only if the batch loss is the mean of per-example losses that
+each depend on one example. The usual padded token loss is not: ``cross_entropy(logits.view(-1,
+V), targets.view(-1), ignore_index=-100)`` divides by the non-pad tokens of the whole batch, so
+example i's weight depends on the others' lengths (the first step's probe refuses it). The
+helper below averages each example over its own tokens; ``training_step`` may return its
+``[B]`` vector directly (DPStrategy takes the mean) or its ``.mean()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def per_example_token_mean(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Each example's mean token cross-entropy over its own non-ignored tokens, shape ``[B]``.
+
+    Args:
+        logits: ``[B, T, V]`` (batch first).
+        targets: ``[B, T]`` class indices; ``ignore_index`` marks padding.
+        ignore_index: target value that contributes nothing.
+
+    Returns:
+        l_i = Σ_t CE(logits_{i,t}, y_{i,t}) / max(1, #{t: y_{i,t} ≠ ignore}); an example with no
+        token counts 0 (its gradient is zero).
+
+    Example:
+        >>> logits, y = torch.randn(2, 3, 5), torch.tensor([[1, 2, -100], [0, -100, -100]])
+        >>> per_example_token_mean(logits, y).shape
+        torch.Size([2])
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [B, T, V] and targets [B, T]; got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
+    tokens = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=ignore_index, reduction="none")
+    counts = (targets != ignore_index).sum(1).clamp_min(1).to(tokens.dtype)
+    return tokens.sum(1) / counts

@@ -1,0 +1,33 @@
+"""Everything the mechanism verifies about the user's model, loss and loader, in one room.
+
+Per-example clipping bounds one example's influence on the released sum by C only under
+assumptions about the user's code. Each is checked here, at the latest before the release it
+would otherwise corrupt, and refused with an error that names the fix:
+
+- :mod:`.layers`: layers that mix examples (BatchNorm) or have no per-example rule (static,
+  before training).
+- :mod:`.example_dim`: every captured call holds one row per sampled example (every step).
+- :mod:`.probe`: on the first step, example i's per-example gradient does not depend on the
+  other examples of the batch (no interaction through the loss or the model, no summed loss),
+  and the engine's gradient equals autograd's (every use of every parameter captured).
+- :mod:`.loaders`: the training loader's sampler can be replaced by Poisson sampling without
+  training on examples the user held out.
+"""
+
+from lightning_dp.mechanism.validators.example_dim import (
+    check_example_dim,
+    check_something_captured,
+    example_dim_error,
+    missing_gradient_error,
+)
+from lightning_dp.mechanism.validators.layers import batch_mixing_layers, layers_needing_replacement, validate_module
+
+__all__ = [
+    "batch_mixing_layers",
+    "check_example_dim",
+    "check_something_captured",
+    "example_dim_error",
+    "layers_needing_replacement",
+    "missing_gradient_error",
+    "validate_module",
+]

@@ -1,0 +1,70 @@
+"""Verified, not assumed: every captured layer call holds one row per sampled example.
+
+Per-example clipping bounds an example's influence only if what the engine calls "example i"
+is example i. A layer that sees ``[B·T, d]`` (``h.view(-1, d)``) or a time-major ``[T, B, d]``
+would be clipped per token or per time step: one example could then move the released sum by
+T·C. The strategy knows how many examples the sampler put in each step (the sampler's
+indices, not the batch's first tensor) and the capture compares every call's output with it
+(:meth:`~lightning_dp.mechanism.capture.ActivationCapture.begin_step`); this module turns
+what it saw into errors that name the layer, the shape and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from lightning_dp.errors import PrivacyConfigurationError
+
+FIX = (
+    "Keep the example dimension first in every layer with trainable parameters: call the layer on "
+    "[B, T, ...] rather than on h.reshape(-1, d) (nn.Linear, nn.Embedding, nn.LayerNorm accept any "
+    "leading dimensions, so drop the flattening and flatten the logits only for the loss), and run "
+    "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer). "
+    "An unbatched lookup ([T] indices) needs a leading dimension of 1 ([1, T]) or the batch ([B, T])."
+)
+
+
+def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],
+                      n: Optional[int]) -> PrivacyConfigurationError:
+    """The error for layers whose calls' output dimension 0 was not the step's n examples
+    (``n=None``: not known, and the layers disagree among themselves)."""
+    lines = [f"layer '{name or '<root>'}' produced outputs of shape {', '.join(str(s) for s in shapes[:3])}"
+             for name, shapes in mismatched.items()]
+    head = (f"This step sampled {n} example(s), but dimension 0 of these layers' outputs is not {n}"
+            if n is not None else "Hooked layers disagree on the example dimension (dimension 0 of their outputs)")
+    return PrivacyConfigurationError(
+        head + ":\n- " + "\n- ".join(lines)
+        + "\nPer-example clipping would clip per token or per time step, and one example could move the "
+        "released sum by more than C. Nothing was released. " + FIX
+    )
+
+
+def check_example_dim(mismatched: Mapping[str, Sequence[tuple[int, ...]]], n: Optional[int]) -> None:
+    """Raise :func:`example_dim_error` if any layer saw a call of the wrong example dimension."""
+    if mismatched and n is not None:
+        raise example_dim_error(mismatched, n)
+
+
+def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
+    """A step that sampled n > 0 examples must have captured some layer's gradient: otherwise the
+    engine's hooks did not run and the release would be pure noise, never a silent zero."""
+    if n and not captured_any:
+        raise PrivacyConfigurationError(
+            f"This step sampled {n} example(s), but no layer with trainable parameters reported a "
+            "per-example gradient: the engine's hooks did not run. Common causes: the model was compiled "
+            "(torch.compile) and run before DPStrategy attached its hooks — compile inside the "
+            "LightningModule after setup, or not at all; parameters used only through functional calls "
+            "(F.linear(x, self.weight)) outside a module's forward; or a loss that does not depend on "
+            "the parameters. Nothing was released."
+        )
+
+
+def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigurationError:
+    """A trainable parameter with no captured use in a step where other layers were captured."""
+    return PrivacyConfigurationError(
+        f"No per-example gradient captured for the trainable parameter {where} (shape {shape}) although "
+        "other layers ran backward: it is unused in this step's loss, or used outside its module's "
+        "forward (a functional call such as F.linear(h, self.emb.weight), or a parameter of a module "
+        "that is not a leaf). Freeze it (requires_grad=False) or use it through a leaf module "
+        "(for weight tying: an nn.Linear whose .weight is the embedding's Parameter)."
+    )

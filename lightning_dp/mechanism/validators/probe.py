@@ -1,0 +1,182 @@
+"""The first step's probe: examples do not interact, and the engine sees every gradient path.
+
+Per-example clipping bounds what one example adds to the released sum S = Σ_i clip_C(g_i) by C
+only if g_i, what the engine calls example i's gradient, is example i's alone. Two kinds of
+user code break that silently, and neither shows in the model's structure:
+
+- **Examples interact** through the loss or the model: a token mean normalised by the batch's
+  non-pad count, ``h - h.mean(0)``, a summed loss (every g_i then scales with the batch size).
+  Then g_i depends on which other examples were sampled.
+- **A gradient path the engine does not capture**: a parameter also used outside the module
+  that owns it (``F.linear(h, self.emb.weight)``), a compiled graph whose hooks never fire.
+  Then Σ_i g_i differs from the gradient autograd computes.
+
+The probe runs once, before the first release, on k examples (a fixed, public choice of
+indices: the first k of the rank's shard), with clipping switched off:
+
+    g_i^batch   the engine's per-example gradients of the k examples as one batch
+    g_i^alone   the engine's gradient of example i as a batch of one            (k passes)
+    ∇           autograd's gradient of the batch's mean loss, engine detached   (1 pass)
+
+and requires, to a tolerance set by the precision,
+
+    ‖g_i^batch‖ = ‖g_i^alone‖ for every i        (no interaction, no per-batch scaling)
+    Σ_i g_i^batch = Σ_i g_i^alone                 (the same, per coordinate)
+    Σ_i g_i^batch = k · ∇                          (every use of every parameter captured)
+
+The model runs in eval mode (no dropout; leaf layers with parameters stay in training mode)
+with the same random seed for every pass, so the passes are comparable; the user's gradients, RNG state and train/eval mode are restored.
+What it cannot see: code paths the first k examples do not take, interactions that vanish
+for these k examples (e.g. a token-mean loss over examples of equal length), and behaviour
+that exists only in training mode. It costs k + 2 forward/backward passes on ≤ k examples, once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine
+
+LossOf = Callable[[Sequence[int]], Tensor]
+"""Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
+
+PROBE_EXAMPLES = 6
+
+
+def probe_tolerance(dtype: torch.dtype, low_precision: bool) -> float:
+    """Relative tolerance of the probe's comparisons: float rounding of different batch shapes,
+    not interactions. bf16/fp16 autocast computes in ~3 significant digits."""
+    if low_precision:
+        return 3e-2
+    return 1e-8 if dtype == torch.float64 else 1e-3
+
+
+class ExampleIndependenceProbe:
+    """Runs the probe of the module docstring for one model, engine and parameter list.
+
+    Args:
+        module: the model the engine is attached to.
+        engine: the attached engine (detached and re-attached once for autograd's reference).
+        params: the trainable parameters, in the engine's order.
+        names: a display name per parameter (for the errors).
+        loss_of: the user's forward and loss on the examples with these indices.
+        rtol: relative tolerance (:func:`probe_tolerance`).
+    """
+
+    def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
+                 names: Sequence[str], loss_of: LossOf, rtol: float) -> None:
+        self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.loss_of, self.rtol = loss_of, rtol
+
+    def run(self, indices: Sequence[int]) -> None:
+        """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
+        if len(indices) < 2:
+            return  # one example cannot interact with another; nothing to compare
+        saved = [p.grad for p in self.params]
+        modes = [(m, m.training) for m in self.module.modules()]
+        for m, _ in modes:  # eval (no dropout), but layers with parameters as in training (Opacus' hooks need it)
+            m.training = _owns_parameters(m) and not any(True for _ in m.children())
+        try:
+            with torch.random.fork_rng(devices=[]):
+                together = self._engine_pass(list(indices))
+                alone = [self._engine_pass([i]) for i in indices]
+                reference = self._autograd_pass(list(indices))
+        finally:
+            self.engine.begin_step(None)
+            for m, mode in modes:
+                m.training = mode
+            for p, g in zip(self.params, saved):
+                p.grad = g
+        self._compare(together, alone, reference, len(indices))
+
+    # ------------------------------------------------------------------ passes
+    def _loss(self, indices: list[int]) -> Tensor:
+        torch.manual_seed(0)
+        try:
+            return self.loss_of(indices)
+        except PrivacyConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
+            raise PrivacyConfigurationError(
+                f"The first step's probe ran training_step on a batch of {len(indices)} example(s) and it failed "
+                f"({type(err).__name__}: {err}). Poisson sampling makes batches of any size ≥ 0, so training_step "
+                "must accept them (e.g. avoid .squeeze() on the batch dimension)."
+            ) from err
+
+    def _engine_pass(self, indices: list[int]) -> ClippedBatch:
+        for p in self.params:
+            p.grad = None
+        self.engine.begin_step(len(indices))
+        self._loss(indices).backward()
+        return self.engine.clip_and_sum(self.params, float("inf"))
+
+    def _autograd_pass(self, indices: list[int]) -> list[Tensor]:
+        self.engine.detach()
+        try:
+            loss = self._loss(indices)
+            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        finally:
+            self.engine.attach(self.module)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+
+    # ------------------------------------------------------------------ verdict
+    def _close(self, a: Tensor, b: Tensor, scale: float) -> bool:
+        return float((a.double() - b.double()).norm()) <= self.rtol * scale + 1e-12
+
+    def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int) -> None:
+        alone_norms = torch.cat([a.norms.double() for a in alone])
+        together_norms = together.norms.double()
+        scale = float(torch.maximum(alone_norms.max(), together_norms.max()))
+        if not self._close(together_norms, alone_norms, scale * k ** 0.5):
+            raise interaction_error(together_norms, alone_norms, k)
+        for p, name, ref in zip(self.params, self.names, reference):
+            summed = sum(a.sums[p].double() for a in alone)
+            size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
+            if not self._close(together.sums[p], summed, size):
+                raise interaction_error(together_norms, alone_norms, k, name)
+            autograd_sum = ref.double() * k
+            if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
+                raise uncaptured_use_error(name)
+
+
+def _owns_parameters(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False))
+
+
+def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None) -> PrivacyConfigurationError:
+    """The probe's error when example i's gradient depends on the other examples of the batch."""
+    ratio = together / alone.clamp_min(1e-30)
+    if bool(((ratio - k).abs() <= 0.02 * k).all()):
+        cause = (f"Every example's gradient in a batch of {k} is {k}× its gradient alone: the loss is a SUM over the "
+                 "batch (e.g. reduction='sum'). Return the MEAN over examples (reduction='mean'), or return the "
+                 "vector of per-example losses from training_step (DPStrategy takes its mean).")
+    else:
+        cause = ("Likely causes: a loss normalised by a batch-wide count (a token mean over all non-pad tokens of "
+                 "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
+                 "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
+                 "each example's own tokens, or return per-example losses from training_step; an operation across "
+                 "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); or randomness "
+                 "other than dropout in the forward.")
+    where = f" (parameter {name})" if name else ""
+    return PrivacyConfigurationError(
+        f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
+        f"{k} and one by one, and they differ (per-example norm ratios batch/alone: "
+        f"{', '.join(f'{float(r):.3g}' for r in ratio)}). Per-example clipping then does not bound one example's "
+        f"influence by C. Nothing was released. {cause}"
+    )
+
+
+def uncaptured_use_error(name: str) -> PrivacyConfigurationError:
+    """The probe's error when autograd's gradient of a parameter differs from the engine's sum."""
+    return PrivacyConfigurationError(
+        f"Parameter {name} receives gradient through a use the per-example engine does not capture: its "
+        "per-example gradients do not add up to autograd's gradient. Typical causes: the parameter is also used "
+        "outside the forward of the module that owns it (a functional call such as F.linear(h, self.emb.weight) "
+        "for weight tying: make the output layer an nn.Linear whose .weight is the embedding's Parameter), a "
+        "parameter read directly in a parent module's forward, or a torch.compile'd graph that bypasses the "
+        "engine's hooks. Nothing was released."
+    )
