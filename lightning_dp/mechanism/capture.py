@@ -15,8 +15,9 @@ turns it into an error naming the layer) instead of being clipped per token or p
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -164,6 +165,17 @@ class ActivationCapture:
         self._handles: list[Any] = []
         self._calls: dict[int, LayerCalls] = {}
         self.expected: Optional[int] = None
+        self._suspended = False
+        self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No recording while engines re-run a layer themselves (vmap's ``functional_call``)."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
 
     def attach(self, layers: Sequence[tuple[str, nn.Module]],
                reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None) -> None:
@@ -171,7 +183,7 @@ class ActivationCapture:
         the layers reduced during backward (default: none)."""
         self.detach()
         for name, module in layers:
-            calls = LayerCalls(name, module)
+            calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls
             hook = self._hook(calls, reducer_for(module))
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -182,8 +194,8 @@ class ActivationCapture:
         self.expected = num_examples
 
     def _hook(self, calls: LayerCalls, reducer: Optional[RecordReducer]):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            if not (torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            if self._suspended or not (torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad):
                 return
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 return

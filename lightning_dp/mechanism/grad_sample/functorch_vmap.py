@@ -160,7 +160,8 @@ class FunctorchVmapEngine(GradSampleEngine):
     ) -> ClippedBatch:
         """Materialise per-example grads layer by layer, then clip and sum (base.py)."""
         try:
-            samples = self._grad_samples(params)
+            with self._capture.suspended():
+                samples = self._grad_samples(params)
             return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares)
         finally:
             self._capture.clear()

@@ -566,7 +566,8 @@ class GhostEngine(GradSampleEngine):
     ) -> ClippedBatch:
         """Norms per layer (ghost or materialised), clip factors, one contraction per layer."""
         try:
-            return self._clip_and_sum(params, max_grad_norm, scale, with_squares)
+            with self._capture.suspended():
+                return self._clip_and_sum(params, max_grad_norm, scale, with_squares)
         finally:
             self._capture.clear()
 

@@ -37,7 +37,6 @@ class OpacusHooksEngine(GradSampleEngine):
         self._module: Optional[nn.Module] = None
         self._watch: list = []
         self._expected: Optional[int] = None
-        self._keyword_calls: set[str] = set()
         self._mismatched: dict[str, list[tuple[int, ...]]] = {}
 
     def attach(self, module: nn.Module) -> None:
@@ -56,7 +55,11 @@ class OpacusHooksEngine(GradSampleEngine):
             if not torch.is_grad_enabled():
                 return
             if any(isinstance(v, Tensor) for v in kwargs.values()):
-                self._keyword_calls.add(name)  # Opacus' hooks see positional inputs only
+                # Opacus' hooks see positional inputs only: its backward hook would fail or be wrong
+                raise PrivacyConfigurationError(
+                    f"Layer '{name}' was called with keyword tensor arguments, which Opacus' hooks do not see (its "
+                    "per-example gradients would be wrong): use per_sample='vmap' or 'ghost' (both bind keyword "
+                    "tensors), or call the layer positionally.")
             n = self._expected
             if n is not None and isinstance(out, Tensor) and (out.dim() == 0 or out.shape[0] != n):
                 self._mismatched.setdefault(name, []).append(tuple(out.shape))
@@ -66,7 +69,6 @@ class OpacusHooksEngine(GradSampleEngine):
     def begin_step(self, num_examples: Optional[int]) -> None:
         """Drop anything an earlier forward left in Opacus' hooks; verify the coming calls."""
         self._expected = num_examples
-        self._keyword_calls.clear()
         self._mismatched.clear()
         if self._module is None:
             return
@@ -124,14 +126,8 @@ class OpacusHooksEngine(GradSampleEngine):
                 p.grad_sample = None
 
     def _verify(self, samples: list) -> None:
-        """The engine contract (base.py): keyword tensors refused, example dimension n everywhere,
-        something captured when n > 0."""
-        if self._keyword_calls:
-            raise PrivacyConfigurationError(
-                f"Layers {sorted(self._keyword_calls)} were called with keyword tensor arguments, which Opacus' "
-                "hooks do not see (its per-example gradients would be wrong): use per_sample='vmap' or 'ghost' "
-                "(both bind keyword tensors), or call the layer positionally."
-            )
+        """The engine contract (base.py): example dimension n everywhere, something captured when n > 0
+        (keyword tensors are refused in the forward hook)."""
         n = self._expected
         mismatched = dict(self._mismatched)
         if n is not None:

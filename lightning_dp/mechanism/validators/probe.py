@@ -82,8 +82,10 @@ class ExampleIndependenceProbe:
             m.training = _owns_parameters(m) and not any(True for _ in m.children())
         try:
             with torch.random.fork_rng(devices=[]):
-                together = self._engine_pass(list(indices))
+                # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
+                # with other leading dimensions and never sliced per example afterwards (capture.py)
                 alone = [self._engine_pass([i]) for i in indices]
+                together = self._engine_pass(list(indices))
                 reference = self._autograd_pass(list(indices))
         finally:
             self.engine.begin_step(None)

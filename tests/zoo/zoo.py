@@ -1,0 +1,349 @@
+"""An adversarial zoo: LightningModules written the ways users write them, each of which breaks one
+assumption of per-example clipping, and the harness that judges them.
+
+The verdict for every model is one of two: EXACT (one private step with zero noise, q = 1 and
+SGD(lr = 1) moves the parameters by exactly −Σ_i clip_C(g_i)/B, g_i from a per-example loop) or
+REFUSED (a PrivacyConfigurationError before the first release; parameters untouched). Anything
+else is the silent failure the library exists to prevent. Grow this file with every bug class.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from lightning_dp import DPStrategy
+from lightning_dp.losses import per_example_token_mean
+from lightning_dp.mechanism.noise import NoiseMechanism
+
+V, T, D, N = 11, 5, 6, 6  # vocabulary, tokens, width, examples
+
+
+class ZeroNoise(NoiseMechanism):
+    """σ > 0 for the strategy's checks, but the draw is zero: the update is the clipped sum itself."""
+
+    def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
+        return [torch.zeros_like(t) for t in like]
+
+
+class Base(pl.LightningModule):
+    """SGD(lr=1) on ``self.loss(batch)``; subclasses define the model and the loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+# ---------------------------------------------------------------- token models
+def token_data(seed: int = 0, pad: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, V, (N, T), generator=g)
+    y = torch.randint(0, V, (N, T), generator=g)
+    if pad:  # examples of lengths 1..T: the batch's non-pad count differs from any one example's
+        for i in range(N):
+            y[i, 1 + i % T:] = -100
+    return TensorDataset(x, y)
+
+
+class FlattenedTokens(Base):
+    """Layers see [B·T, d]: ``self.emb(x.reshape(-1))`` and ``self.head(h.view(-1, d))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.emb(x.reshape(-1)))
+        return F.cross_entropy(self.head(h.view(-1, D)), y.reshape(-1))
+
+
+class FlattenedHeadOnly(Base):
+    """Batch-first embedding, but the output layer sees [B·T, d] (the usual LM head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.emb(x))
+        return F.cross_entropy(self.head(h.reshape(-1, D)), y.reshape(-1))
+
+
+class TimeMajorInside(Base):
+    """The model transposes to [T, B, d] before its layers (an RNN-style habit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x.t())  # [T, B, D]
+        h = torch.tanh(self.mix(h))
+        return F.cross_entropy(self.head(h).permute(1, 2, 0), y)
+
+
+def time_major_collate(examples):
+    x, y = default_collate(examples)
+    return x.t().contiguous(), y.t().contiguous()
+
+
+class TimeMajorBatch(Base):
+    """The collate gives [T, B]; the model is written for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch  # [T, B]
+        return F.cross_entropy(self.head(torch.tanh(self.emb(x))).permute(1, 2, 0), y.t())
+
+
+class BatchTokenMean(Base):
+    """The usual padded LM loss: a token mean normalised by the batch's non-pad count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def logits(self, x):
+        return self.head(torch.tanh(self.emb(x)))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.logits(x).reshape(-1, V), y.reshape(-1), ignore_index=-100)
+
+
+class PerExampleTokenMean(BatchTokenMean):
+    """The fix: each example averaged over its own tokens (lightning_dp.per_example_token_mean)."""
+
+    def loss(self, batch):
+        x, y = batch
+        return per_example_token_mean(self.logits(x), y)
+
+
+class PerExampleVector(BatchTokenMean):
+    """The fix, returned as the [B] vector of per-example losses."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return per_example_token_mean(self.logits(x), y)
+
+
+class FunctionalTying(Base):
+    """Weight tying by a functional call outside the embedding's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.emb(x))
+        return F.cross_entropy(F.linear(h, self.emb.weight).permute(0, 2, 1), y)
+
+
+class ModuleTying(Base):
+    """Weight tying the supported way: an nn.Linear whose weight is the embedding's Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(torch.tanh(self.emb(x))).permute(0, 2, 1), y)
+
+
+class BroadcastPositions(Base):
+    """Hugging Face style: a [1, T] position lookup broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1])[None])
+        return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
+
+
+# ---------------------------------------------------------------- vector models
+def vector_data(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(N, D, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+class Leaf(nn.Module):
+    """A custom leaf with its own parameters and a keyword-friendly signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / D ** 0.5)
+        self.b = nn.Parameter(torch.zeros(D))
+
+    def forward(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+        out = x @ self.w + self.b
+        return out if scale is None else out * scale
+
+
+class KeywordLeaf(Base):
+    """Leaf layers called with keyword tensors: ``self.leaf(x=h)``, ``self.lin(input=h)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf, self.lin = Leaf(), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.leaf(x=x, scale=x.abs() + 0.5))  # a per-example keyword tensor, too
+        return F.cross_entropy(self.lin(input=h), y)
+
+
+class UnbatchedKeyword(Base):
+    """An unbatched keyword tensor (a [D] gate shared by every example) that must not be sliced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf, self.lin = Leaf(), nn.Linear(D, 3)
+        self.register_buffer("gate", torch.linspace(0.5, 1.5, D))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.lin(torch.tanh(self.leaf(x, scale=self.gate))), y)
+
+
+class CentredAcrossBatch(Base):
+    """``h - h.mean(0)``: an operation mixing examples (not BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.a(x)
+        return F.cross_entropy(self.b(torch.tanh(h - h.mean(0))), y)
+
+
+class SummedLoss(Base):
+    """``reduction='sum'``: every per-example gradient scales with the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.a(x), y, reduction="sum")
+
+
+class RootParameter(Base):
+    """A parameter read directly in a parent module's forward (timm's cls_token habit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(D))
+        self.a = nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.a(x + self.bias), y)
+
+
+class Plain(Base):
+    """A well-behaved MLP (the control)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+class GradInValidation(Plain):
+    """A validation_step that differentiates under enable_grad (input-gradient saliency)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.enable_grad():
+            x = x[:2].clone().requires_grad_(True)  # a different batch size than training
+            out = self.b(torch.tanh(self.a(x))).sum()
+            torch.autograd.grad(out, x)
+
+
+# ---------------------------------------------------------------- harness
+def reference_update(model: Base, dataset: Dataset, collate: Callable, C: float, B: float) -> list[Tensor]:
+    """−Σ_i clip_C(g_i)/B by a per-example loop (each example collated alone), lr = 1."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(len(dataset)):
+        out = model.training_step(collate([dataset[i]]), 0)
+        loss = out.mean() if out.dim() else out
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, C / (float(norm) + 1e-6))
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return [-t / B for t in total]
+
+
+def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = None, per_sample: str = "auto",
+                 C: float = 0.3, **trainer_kwargs: Any) -> tuple[DPStrategy, list[Tensor]]:
+    """One step of DPStrategy with zero noise and q = 1; returns the strategy and the parameter update."""
+    from conftest import quiet_trainer
+
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, per_sample=per_sample, noise=ZeroNoise())
+    trainer = quiet_trainer(strategy=strategy, max_steps=1, **trainer_kwargs)
+    loader = DataLoader(dataset, batch_size=len(dataset), collate_fn=collate)
+    trainer.fit(model, loader)
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    return strategy, [a - b for a, b in zip(after, before)]
+
+
+def assert_exact(factory: Callable[[], Base], dataset: Dataset, collate: Optional[Callable] = None,
+                 per_sample: str = "auto", C: float = 0.3, **trainer_kwargs: Any) -> DPStrategy:
+    """The private step equals the per-example-loop reference (float64)."""
+    torch.manual_seed(0)
+    model = factory().double()
+    reference = reference_update(copy.deepcopy(model), _as_double(dataset), collate or default_collate, C,
+                                 float(len(dataset)))
+    strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, **trainer_kwargs)
+    for got, want in zip(update, reference):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    return strategy
+
+
+def assert_refused(factory: Callable[[], Base], dataset: Dataset, match: str, collate: Optional[Callable] = None,
+                   per_sample: str = "auto", **trainer_kwargs: Any) -> None:
+    """A PrivacyConfigurationError matching ``match`` before the first release; parameters untouched."""
+    import pytest
+
+    from lightning_dp import PrivacyConfigurationError
+
+    torch.manual_seed(0)
+    model = factory().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PrivacyConfigurationError, match=match):
+        private_step(model, _as_double(dataset), collate, per_sample, **trainer_kwargs)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())), "a release happened"
+
+
+def _as_double(dataset: TensorDataset) -> TensorDataset:
+    return TensorDataset(*(t.double() if t.is_floating_point() else t for t in dataset.tensors))
