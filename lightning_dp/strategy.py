@@ -357,6 +357,8 @@ class DPStrategy(DDPStrategy):
             raise PrivacyConfigurationError(
                 f"DPStrategy needs a torch DataLoader for training, got {type(dataloader).__name__}."
             )
+        if dataloader.batch_size is None and dataloader.batch_sampler is None:
+            dataloader = _loader_before_sampler_injection(trainer, dataloader)
         loader = self._poisson_loader(dataloader)
         self._maybe_calibrate(trainer)
         return loader
@@ -736,6 +738,19 @@ def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
             "target_epsilon needs a planned length: set Trainer(max_steps=...) or Trainer(max_epochs=...)."
         )
     return int(min(candidates))
+
+
+def _loader_before_sampler_injection(trainer: "pl.Trainer", dataloader: DataLoader) -> DataLoader:
+    """The user's training loader as given. Lightning injects its ``DistributedSampler`` (a
+    ``DPStrategy`` is a ``DDPStrategy``) before :meth:`DPStrategy.process_dataloader`, and for a
+    loader built from a ``BatchSampler`` the rebuilt one has neither ``batch_size`` nor batch
+    sampler: ask the fit loop's source for the original (the loader passed to ``fit``, or
+    ``train_dataloader()`` called again)."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    original = source.dataloader() if source is not None and source.is_defined() else None
+    if isinstance(original, DataLoader):
+        return original
+    return dataloader
 
 
 def _is_train_loader(trainer: "pl.Trainer", dataloader: object) -> bool:

@@ -96,10 +96,13 @@ class ExampleIndependenceProbe:
         self._compare(together, alone, reference, len(indices))
 
     # ------------------------------------------------------------------ passes
-    def _loss(self, indices: list[int]) -> Tensor:
+    def _loss(self, indices: list[int], backward: bool = False) -> Tensor:
         torch.manual_seed(0)
         try:
-            return self.loss_of(indices)
+            loss = self.loss_of(indices)
+            if backward:
+                loss.backward()
+            return loss
         except PrivacyConfigurationError:
             raise
         except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
@@ -113,7 +116,7 @@ class ExampleIndependenceProbe:
         for p in self.params:
             p.grad = None
         self.engine.begin_step(len(indices))
-        self._loss(indices).backward()
+        self._loss(indices, backward=True)
         return self.engine.clip_and_sum(self.params, float("inf"))
 
     def _autograd_pass(self, indices: list[int]) -> list[Tensor]:

@@ -1,0 +1,86 @@
+"""Activation capture (mechanism/capture.py): keyword binding, example dimension, broadcast lookups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.mechanism.capture import ActivationCapture, bind_call
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, scale=None, *, shift=None):
+        out = x * self.w
+        out = out if scale is None else out * scale
+        return out if shift is None else out + shift
+
+
+def test_keyword_and_positional_calls_record_alike():
+    m = Scaled()
+    x, s = torch.randn(2, 3), torch.randn(2, 3)
+    args, kwargs = bind_call(m, (), {"x": x, "scale": s})
+    assert len(args) == 2 and args[0] is x and args[1] is s and kwargs == {}
+    args, kwargs = bind_call(m, (x,), {"shift": s})
+    assert len(args) == 1 and args[0] is x and list(kwargs) == ["shift"]
+
+
+def _captured(m: nn.Module, n, *inputs, **kw):
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(n)
+    out = m(*inputs, **kw)
+    out.sum().backward()
+    return capture, out
+
+
+def test_calls_with_another_example_dimension_are_mismatches_not_records():
+    m = nn.Linear(3, 2)
+    capture, _ = _captured(m, 4, torch.randn(12, 3))  # [B·T, d] with B = 4
+    assert capture.mismatched() == {"m": [(12, 2)]}
+    assert not capture.any_recorded()
+
+
+def test_a_one_row_lookup_is_expanded_to_the_batch():
+    m = nn.Embedding(5, 3)
+    capture, out = _captured(m, 4, torch.arange(3)[None])
+    assert out.shape == (4, 3, 3)
+    rec = capture.completed()[id(m)].records[0]
+    assert rec.args[0].shape == (4, 3) and rec.grad_out.shape == (4, 3, 3)
+    assert capture.mismatched() == {}
+
+
+def test_arguments_seen_unbatched_are_never_sliced_later():
+    m = Scaled()
+    gate = torch.randn(3)  # [3]: the same length as a batch of 3
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    for n in (1, 3):
+        capture.begin_step(n)
+        m(torch.randn(n, 3), scale=gate).sum().backward()
+    calls = capture.completed()[id(m)]
+    assert calls.batched_slots(calls.records[0], 3) == ([True, False], {})
+
+
+def test_begin_step_drops_what_an_earlier_forward_left():
+    m = nn.Linear(3, 2)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    m(torch.randn(2, 3)).sum().backward()  # e.g. a validation_step that differentiated
+    capture.begin_step(5)
+    assert capture.completed() == {}
+    m(torch.randn(5, 3)).sum().backward()
+    assert [r.grad_out.shape[0] for r in capture.completed()[id(m)].records] == [5]
+
+
+def test_suspended_capture_records_nothing():
+    m = nn.Linear(3, 2)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    with capture.suspended():
+        out = m(torch.randn(1, 3))
+    assert out.shape == (1, 2) and not capture.any_recorded()

@@ -1,0 +1,93 @@
+"""The first step's probe (validators/probe.py) on plain torch models, for every engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism import make_engine
+from lightning_dp.mechanism.validators.probe import ExampleIndependenceProbe, probe_tolerance
+
+ENGINES = ["ghost", "vmap", "opacus_hooks"]
+X, Y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+
+
+class Net(nn.Module):
+    def __init__(self, mode: str = "ok") -> None:
+        super().__init__()
+        self.a, self.b, self.drop, self.mode = nn.Linear(5, 5), nn.Linear(5, 3), nn.Dropout(0.5), mode
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.mode == "centre":
+            h = h - h.mean(0)
+        if self.mode == "outside":
+            h = h + F.linear(x, self.a.weight)  # a second use outside a's forward
+        return self.b(self.drop(torch.tanh(h)))
+
+
+def _probe(mode: str, engine_name: str, reduction: str = "mean") -> Net:
+    torch.manual_seed(0)
+    model = Net(mode).double()
+    engine = make_engine(engine_name)
+    engine.attach(model)
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss_of(idx):
+        return F.cross_entropy(model(X[idx]), Y[idx], reduction=reduction)
+
+    ExampleIndependenceProbe(model, engine, params, names, loss_of, probe_tolerance(torch.float64, False)).run(
+        list(range(6)))
+    return model
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_independent_examples_pass_with_dropout_and_leave_no_trace(engine):
+    model = _probe("ok", engine)
+    assert model.training and model.drop.training
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_summed_loss_is_named(engine):
+    with pytest.raises(PrivacyConfigurationError, match="SUM over the batch"):
+        _probe("ok", engine, reduction="sum")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_mixing_across_the_batch_is_an_interaction(engine):
+    with pytest.raises(PrivacyConfigurationError, match="Examples interact"):
+        _probe("centre", engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_use_outside_the_owning_module_is_named(engine):
+    with pytest.raises(PrivacyConfigurationError, match="Parameter a.weight receives gradient"):
+        _probe("outside", engine)
+
+
+def test_failures_of_the_users_step_on_small_batches_name_poisson_sampling():
+    model = Net().double()
+    engine = make_engine("vmap")
+    engine.attach(model)
+
+    def loss_of(idx):
+        out = model(X[idx]).squeeze()  # breaks for a batch of one
+        return F.cross_entropy(out, Y[idx])
+
+    with pytest.raises(PrivacyConfigurationError, match="any size"):
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), ["a"] * 4, loss_of, 1e-8).run([0, 1, 2])
+
+
+def test_user_modes_are_restored_module_by_module():
+    model = Net().double()
+    model.a.eval()  # a user's deliberate mixed state
+    engine = make_engine("ghost")
+    engine.attach(model)
+    ExampleIndependenceProbe(model, engine, list(model.parameters()), ["p"] * 4,
+                             lambda idx: F.cross_entropy(model(X[idx]), Y[idx]), 1e-8).run([0, 1])
+    assert model.training and not model.a.training and model.b.training
