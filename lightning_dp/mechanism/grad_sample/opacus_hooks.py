@@ -48,7 +48,14 @@ class OpacusHooksEngine(GradSampleEngine):
         self._module = module
         for name, sub in module.named_modules():
             if any(p.requires_grad for p in sub.parameters(recurse=False)):
+                self._watch.append(sub.register_forward_pre_hook(self._follow_mode))
                 self._watch.append(sub.register_forward_hook(self._verify_call(name or "<root>"), with_kwargs=True))
+
+    def _follow_mode(self, module: nn.Module, args: tuple) -> None:
+        """Opacus captures activations only in training mode but runs its backward hook in any mode: a
+        ``validation_step`` that differentiates (eval mode) would crash it. Its hooks follow the layer's mode."""
+        assert self._hooks is not None
+        self._hooks.hooks_enabled = module.training
 
     def _verify_call(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:

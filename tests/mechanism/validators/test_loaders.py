@@ -84,7 +84,7 @@ def test_held_out_examples_are_never_trained_on():
     x = torch.randn(n, 4)
     x[:, 3] = torch.arange(n, dtype=torch.float32)  # the example's own index, to see who was trained on
     data = TensorDataset(x, (x[:, 0] > 0).long())
-    train = list(range(0, 40))
+    train = list(range(20, 60))  # not a prefix: positions must be mapped to these indices
     model, strategy = _SeenExamples(), DPStrategy(noise_multiplier=1.0, sampler_seed=0)
     quiet_trainer(strategy=strategy, max_epochs=3).fit(model, DataLoader(data, batch_size=10,
                                                                          sampler=SubsetRandomSampler(train)))
