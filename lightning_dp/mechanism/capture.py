@@ -21,23 +21,48 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
+
+TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
+"""Example dimensions of a position-wise layer inside a time-major container (before moving)."""
 
 
 @dataclass
 class Record:
-    """One call of a hooked layer: its inputs and, after backward, the output gradient.
+    """One call of a hooked layer: its inputs and, after backward, its output gradients.
 
     ``args`` are the call's arguments bound to the layer's ``forward`` signature (a keyword
     tensor ``leaf(x=h)`` arrives as ``args[0]``); ``kwargs`` the keyword-only ones.
+    ``grad_outs[k]`` is the gradient reaching the k-th tensor of the output (``tree_flatten``
+    order; ``None`` where none arrived); most layers have one output, ``grad_out``.
     """
 
     args: Optional[tuple[Any, ...]]  # None once the call was reduced (LayerCalls.reduce)
     kwargs: dict[str, Any]
-    grad_out: Optional[Tensor] = None
+    grad_outs: list[Optional[Tensor]] = field(default_factory=lambda: [None])
+    rng: Optional[Any] = None  # random state before the call, for layers that draw (example_dims.draws_randomness)
+    generation: int = 0  # the LayerCalls generation (step) the call belongs to
 
-    def set_grad(self, g: Tensor) -> None:
-        """Tensor hook target: keep (accumulate, for retain_graph) the output gradient."""
-        self.grad_out = g.detach() if self.grad_out is None else self.grad_out + g.detach()
+    @property
+    def grad_out(self) -> Optional[Tensor]:
+        """The gradient reaching the (first) output tensor."""
+        return self.grad_outs[0]
+
+    @grad_out.setter
+    def grad_out(self, g: Optional[Tensor]) -> None:
+        self.grad_outs[0] = g
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether any output gradient arrived."""
+        return any(g is not None for g in self.grad_outs)
+
+    def set_grad(self, g: Tensor, k: int = 0) -> None:
+        """Tensor hook target: keep (accumulate, for retain_graph) output k's gradient."""
+        g = g.detach()
+        self.grad_outs[k] = g if self.grad_outs[k] is None else self.grad_outs[k] + g
 
 
 RecordReducer = Callable[[Record], dict[str, Tensor]]
@@ -63,56 +88,105 @@ class LayerCalls:
     reduced: dict[str, Tensor] = field(default_factory=dict)
     mismatches: list[tuple[int, ...]] = field(default_factory=list)
     unbatched: set[str] = field(default_factory=set)
+    generation: int = 0
 
     def reduce(self, rec: Record, grad_out: Tensor, reducer: RecordReducer) -> None:
         """Fold call ``rec``, whose output gradient has arrived, into :attr:`reduced`; drop its tensors."""
+        if rec.generation != self.generation:
+            return  # the call's step was cleared already (a stale graph's backward): ignore it
         if rec.args is None:
             raise RuntimeError(
                 f"{self.name}: a second gradient reached an output whose inputs were already released "
                 "(backward twice through one graph, retain_graph=True). The ghost engine reduces "
                 "normalisation layers during the first backward; use per_sample='vmap' for this.")
-        at = next((i for i, r in enumerate(self.records) if r is rec), None)
-        if at is None:
-            return  # the call's step was cleared already (a stale graph's backward): ignore it
+        at = next(i for i, r in enumerate(self.records) if r is rec)
         rec.grad_out = grad_out.detach()
         for pname, g in reducer(rec).items():
             self.reduced[pname] = self.reduced[pname] + g if pname in self.reduced else g
         del self.records[at]
         rec.args, rec.kwargs, rec.grad_out = None, {}, None
 
-    def batched_slots(self, rec: Record, n: int) -> tuple[list[bool], dict[str, bool]]:
-        """Which of ``rec``'s tensor arguments hold one row per example (sliced by vmap):
-        leading dimension n, and never seen otherwise in this run (:attr:`unbatched`)."""
+    def slot_dims(self, rec: Record, n: int) -> tuple[list[Any], dict[str, Any]]:
+        """For each argument of ``rec``, the dimension vmap slices it along, per tensor (a pytree
+        of ints and ``None``): the layer's example dimension (:mod:`.example_dims`) where the tensor
+        holds n rows there and was never seen otherwise in this run (:attr:`unbatched`), else
+        ``None`` (passed whole to every example: masks, tables)."""
+        dims = example_dims(self.module)
 
-        def batched(key: str, a: Any) -> bool:
-            return isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == n and key not in self.unbatched
+        def of(key: str, a: Any) -> Any:
+            d = dims.argument(key)
+
+            def leaf(t: Any) -> Optional[int]:
+                ok = isinstance(t, Tensor) and d is not None and t.dim() > d and t.shape[d] == n
+                return d if ok and key not in self.unbatched else None
+
+            return tree_map(leaf, a) if isinstance(a, (tuple, list)) else leaf(a)
 
         assert rec.args is not None
-        return ([batched(str(i), a) for i, a in enumerate(rec.args)],
-                {k: batched(k, v) for k, v in rec.kwargs.items()})
+        return [of(str(i), a) for i, a in enumerate(rec.args)], {k: of(k, v) for k, v in rec.kwargs.items()}
+
+
+def _detached(a: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, a)
+
+
+def random_state(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    """The global random state a call of ``module`` will draw from (CPU, and its CUDA device)."""
+    device = next(module.parameters()).device
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _to_front(a: Any, n: Optional[int]) -> Any:
+    """A time-major argument ``[T, B, …]`` as ``[B, T, …]`` (a view); anything else unchanged."""
+    return a.movedim(1, 0) if isinstance(a, Tensor) and a.dim() > 1 and a.shape[1] == n else a
+
+
+def is_unit(module: nn.Module) -> bool:
+    """A module hooked as one layer with its children's parameters (:data:`~.example_dims.UNITS`)."""
+    return isinstance(module, UNITS)
 
 
 def direct_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) pairs owned directly by ``module`` that require grad."""
-    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    """(name, parameter) pairs owned directly by ``module`` that require grad (for a unit, all of
+    its parameters, with dotted names)."""
+    return [(n, p) for n, p in module.named_parameters(recurse=is_unit(module)) if p.requires_grad]
 
 
-def owners_of(module: nn.Module) -> dict[Tensor, list[tuple[nn.Module, str, str]]]:
-    """Map each parameter to the (module, module name, attribute) pairs that own it."""
-    owners: dict[Tensor, list[tuple[nn.Module, str, str]]] = {}
-    for mname, sub in module.named_modules(remove_duplicate=False):
-        for pname, p in sub.named_parameters(recurse=False):
-            entry = (sub, mname, pname)
-            lst = owners.setdefault(p, [])
-            if all(e[0] is not sub for e in lst):
-                lst.append(entry)
-    return owners
+def _inside(name: str, units: list[str]) -> bool:
+    return any(name.startswith(u + ".") for u in units)
 
 
 def leaf_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The leaf modules of ``module`` that own parameters: what per-layer engines hook."""
-    return [(n, m) for n, m in module.named_modules()
-            if any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())]
+    """What per-layer engines hook: units, and the leaf modules outside units that own parameters."""
+    out: list[tuple[str, nn.Module]] = []
+    units: list[str] = []
+    for name, m in module.named_modules():
+        if _inside(name, units):
+            continue
+        if is_unit(m):
+            units.append(name)
+            out.append((name, m))
+        elif any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children()):
+            out.append((name, m))
+    return out
+
+
+def owners_of(module: nn.Module) -> dict[Tensor, list[tuple[nn.Module, str, str]]]:
+    """Map each parameter to the (module, module name, attribute) pairs that own it; a unit owns
+    its children's parameters (attribute ``"out_proj.weight"``)."""
+    owners: dict[Tensor, list[tuple[nn.Module, str, str]]] = {}
+    units: list[str] = []
+    for mname, sub in module.named_modules(remove_duplicate=False):
+        if _inside(mname, units):
+            continue
+        unit = is_unit(sub)
+        if unit:
+            units.append(mname)
+        for pname, p in sub.named_parameters(recurse=unit):
+            lst = owners.setdefault(p, [])
+            if all(e[0] is not sub for e in lst):
+                lst.append((sub, mname, pname))
+    return owners
 
 
 _SIGNATURES: dict[Any, inspect.Signature] = {}
@@ -167,6 +241,7 @@ class ActivationCapture:
         self.expected: Optional[int] = None
         self._suspended = False
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
+        self._rng: Optional[Any] = None
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -178,58 +253,80 @@ class ActivationCapture:
             self._suspended = previous
 
     def attach(self, layers: Sequence[tuple[str, nn.Module]],
-               reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None) -> None:
+               reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None,
+               time_major: frozenset[int] = frozenset()) -> None:
         """Register a forward hook on every ``(name, module)``; ``reducer_for(module)`` picks
-        the layers reduced during backward (default: none)."""
+        the layers reduced during backward (default: none); layers whose ``id`` is in ``time_major``
+        are position-wise layers called on ``[T, B, …]`` (:func:`~.example_dims.time_major_layers`)."""
         self.detach()
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls
-            hook = self._hook(calls, reducer_for(module))
+            hook = self._hook(calls, reducer_for(module), id(module) in time_major)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            if isinstance(module, (*UNITS, nn.RNNBase)):
+                self._handles.append(module.register_forward_pre_hook(self._remember_rng))
+
+    def _remember_rng(self, module: nn.Module, args: tuple) -> None:
+        self._rng = random_state(module) if draws_randomness(module) and not self._suspended else None
 
     def begin_step(self, num_examples: Optional[int]) -> None:
         """Drop everything captured so far; calls from now on belong to a step of ``num_examples``."""
         self.clear()
         self.expected = num_examples
 
-    def _hook(self, calls: LayerCalls, reducer: Optional[RecordReducer]):
+    def _hook(self, calls: LayerCalls, reducer: Optional[RecordReducer], time_major: bool = False):
+        dims = TIME_MAJOR if time_major else example_dims(calls.module)
+        params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            if self._suspended or not (torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad):
-                return
-            if not any(p.requires_grad for p in module.parameters(recurse=False)):
-                return
+            if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+                return None
+            leaves, _ = tree_flatten(out)
+            live = [k for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if not live:
+                return None
             n = self.expected
             args, kwargs = bind_call(module, args, kwargs)
-            if n is not None and n > 1 and out.dim() > 0 and out.shape[0] == 1:
+            if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
+                    and dims.output(0) == 0):
                 out, args = broadcast_call(out, args, n)
-            if n is not None and (out.dim() == 0 or out.shape[0] != n):
-                calls.mismatches.append(tuple(out.shape))
-                return None
+                leaves = [out]
             if n is not None:
-                self._note_unbatched(calls, args, kwargs, n)
-            rec = Record(tuple(a.detach() if isinstance(a, Tensor) else a for a in args),
-                         {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()})
+                wrong = [k for k in live if leaves[k].dim() <= dims.output(k) or leaves[k].shape[dims.output(k)] != n]
+                if wrong:
+                    calls.mismatches.extend(tuple(leaves[k].shape) for k in wrong)
+                    return None
+                self._note_unbatched(calls, args, kwargs, n, dims)
+            if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
+                args = tuple(_to_front(a, n) for a in args)
+                kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
+            rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
+                         self._rng if draws_randomness(module) else None, calls.generation)
             calls.records.append(rec)
-            if reducer is None:
-                out.register_hook(rec.set_grad)
+            front = (lambda g: g.movedim(1, 0)) if time_major else (lambda g: g)
+            if reducer is not None and len(leaves) == 1:
+                out.register_hook(lambda g: calls.reduce(rec, front(g), reducer))
             else:
-                out.register_hook(lambda g: calls.reduce(rec, g, reducer))
+                for k in live:
+                    leaves[k].register_hook(lambda g, k=k: rec.set_grad(front(g), k))
             return out
 
         return hook
 
     @staticmethod
-    def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int) -> None:
+    def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int, dims: ExampleDims) -> None:
         for key, a in [*((str(i), a) for i, a in enumerate(args)), *kwargs.items()]:
-            if isinstance(a, Tensor) and (a.dim() == 0 or a.shape[0] != n):
-                calls.unbatched.add(key)
+            d = dims.argument(key)
+            for t in tree_flatten(a)[0]:
+                if isinstance(t, Tensor) and d is not None and (t.dim() <= d or t.shape[d] != n):
+                    calls.unbatched.add(key)
 
     def completed(self) -> dict[int, LayerCalls]:
         """Layers with at least one call that received an output gradient (id(module) → calls)."""
         done = {}
         for key, calls in self._calls.items():
-            recs = [r for r in calls.records if r.grad_out is not None]
+            recs = [r for r in calls.records if r.has_grad]
             if recs or calls.reduced:
                 done[key] = LayerCalls(calls.name, calls.module, recs, dict(calls.reduced),
                                        list(calls.mismatches), calls.unbatched)
@@ -249,6 +346,7 @@ class ActivationCapture:
             calls.records.clear()
             calls.reduced.clear()
             calls.mismatches.clear()
+            calls.generation += 1
 
     def detach(self) -> None:
         """Remove the hooks and captured tensors."""

@@ -62,7 +62,7 @@ def test_arguments_seen_unbatched_are_never_sliced_later():
         capture.begin_step(n)
         m(torch.randn(n, 3), scale=gate).sum().backward()
     calls = capture.completed()[id(m)]
-    assert calls.batched_slots(calls.records[0], 3) == ([True, False], {})
+    assert calls.slot_dims(calls.records[0], 3) == ([0, None], {})
 
 
 def test_begin_step_drops_what_an_earlier_forward_left():

@@ -124,3 +124,24 @@ def test_compiled_model_whose_hooks_never_fire_is_refused():
             assert "hooks did not run" in str(err)
             verdicts[engine] = "refused"
     assert "refused" in verdicts.values()  # the case does arise (vmap, opacus_hooks today)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("factory", [
+    lambda: zoo.TorchAttention(batch_first=False),
+    lambda: zoo.TorchAttention(batch_first=True),
+    zoo.TorchEncoderLayer,
+    lambda: zoo.TorchRecurrent("LSTM", batch_first=True),
+    lambda: zoo.TorchRecurrent("LSTM", batch_first=False),
+    lambda: zoo.TorchRecurrent("GRU", batch_first=False),
+    lambda: zoo.TorchRecurrent("RNN", batch_first=True),
+], ids=["mha-time-major", "mha-batch-first", "encoder-layer", "lstm-bf", "lstm-tm", "gru-tm", "rnn-bf"])
+def test_torch_attention_and_rnns_train_unchanged_and_exact(factory, engine):
+    zoo.assert_exact(factory, zoo.token_data(pad=True), per_sample=engine)
+
+
+def test_auto_serves_torch_attention_and_rnns_without_opacus():
+    from lightning_dp.mechanism.grad_sample import select_engine
+
+    for model in (zoo.TorchAttention(), zoo.TorchEncoderLayer(), zoo.TorchRecurrent("LSTM", False)):
+        assert select_engine(model) == "ghost"

@@ -181,6 +181,56 @@ class BroadcastPositions(Base):
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
 
 
+class TorchAttention(Base):
+    """nn.MultiheadAttention as users call it: time-major by default, a causal [T, T] mask, keywords."""
+
+    def __init__(self, batch_first: bool = False) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=batch_first)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)
+        h = h if self.batch_first else h.transpose(0, 1)
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        out, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return per_example_token_mean(self.head(torch.tanh(out)), y)
+
+
+class TorchEncoderLayer(Base):
+    """nn.TransformerEncoderLayer (batch_first=False default: time-major inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.enc = nn.TransformerEncoderLayer(D, 2, dim_feedforward=8, dropout=0.0)  # dropout: test_units.py
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.enc(self.emb(x).transpose(0, 1), src_mask=nn.Transformer.generate_square_subsequent_mask(T))
+        return per_example_token_mean(self.head(h.transpose(0, 1)), y)
+
+
+class TorchRecurrent(Base):
+    """nn.LSTM / nn.GRU / nn.RNN, classifying from the last hidden state (h_n is [L, B, H] always)."""
+
+    def __init__(self, kind: str = "LSTM", batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=batch_first)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x) if self.batch_first else self.emb(x).transpose(0, 1)
+        out, hidden = self.rnn(h)
+        last = (hidden[0] if isinstance(hidden, tuple) else hidden)[-1]  # [B, H]
+        return F.cross_entropy(self.head(torch.tanh(last)), y[:, 0])
+
+
 # ---------------------------------------------------------------- vector models
 def vector_data(seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)

@@ -28,15 +28,18 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_dp.mechanism.capture import (
     ActivationCapture,
     LayerCalls,
     direct_trainable,
+    is_unit,
     leaf_layers,
     owners_of,
 )
+from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -51,20 +54,26 @@ from lightning_dp.mechanism.validators.example_dim import (
     missing_gradient_error,
 )
 
-_BATCH_MIXING = (_BatchNorm, nn.RNNBase)
+_BATCH_MIXING = (_BatchNorm,)
 
 
 def structural_problems(module: nn.Module) -> list[str]:
     """Layers no per-layer engine can handle: batch-mixing layers, parameters owned by a
     module that also has children (used outside a leaf forward)."""
     problems = []
+    units: list[str] = []
     for name, sub in module.named_modules():
-        own = direct_trainable(sub)
+        if any(name.startswith(u + ".") for u in units):
+            continue  # a unit's children are part of the unit (capture.is_unit)
+        if is_unit(sub):
+            units.append(name)
+            continue
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         label = f"{name or '<root>'} ({type(sub).__name__})"
         if isinstance(sub, _BATCH_MIXING):
-            problems.append(f"{label}: mixes examples or is not batch-first")
+            problems.append(f"{label}: mixes examples")
         elif any(True for _ in sub.children()):
             problems.append(f"{label}: owns parameters and has child modules")
     return problems
@@ -73,7 +82,7 @@ def structural_problems(module: nn.Module) -> list[str]:
 def batch_size_of_calls(layers: dict[int, LayerCalls]) -> int:
     """The common dimension 0 of every captured output gradient (and reduced per-example grad),
     for engines used without :meth:`~GradSampleEngine.begin_step`; raises if they differ."""
-    sizes = {c.name: {r.grad_out.shape[0] if r.grad_out.dim() else -1 for r in c.records}
+    sizes = {c.name: {r.grad_out.shape[0] if r.grad_out is not None and r.grad_out.dim() else -1 for r in c.records}
              | {g.shape[0] for g in c.reduced.values()} for c in layers.values()}
     distinct = set().union(*sizes.values()) if sizes else set()
     if len(distinct) != 1:
@@ -93,30 +102,119 @@ def step_batch_size(capture: ActivationCapture, layers: dict[int, LayerCalls]) -
     return n
 
 
+def _unsqueezed(value: Any, dims: Any) -> Any:
+    """``value`` with each tensor given back the example dimension vmap removed (``dims``: a pytree
+    of ints and ``None`` shaped like ``value``)."""
+    if isinstance(dims, int):
+        return value.unsqueeze(dims)
+    if isinstance(dims, (tuple, list)):
+        return type(value)(_unsqueezed(v, d) for v, d in zip(value, dims))
+    return value
+
+
+def _sliced(value: Any, dims: Any, i: int) -> Any:
+    """Example i of ``value`` (dimension kept), per the pytree of example dimensions ``dims``."""
+    if isinstance(dims, int):
+        return value.narrow(dims, i, 1)
+    if isinstance(dims, (tuple, list)):
+        return type(value)(_sliced(v, d, i) for v, d in zip(value, dims))
+    return value
+
+
+def loop_layer_grads(
+    calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
+) -> dict[str, Tensor]:
+    """The per-example grads of :func:`vmap_layer_grads` by one small backward per example, for
+    layers torch.func cannot vmap (the RNNs' fused kernels). Same slicing and the same formula."""
+    dims = example_dims(calls.module)
+    total: dict[str, Tensor] = {}
+    with torch.enable_grad():
+        params = {name: p.detach().requires_grad_(True) for name, p in wanted}
+        for rec in calls.records:
+            arg_dims, kw_dims = calls.slot_dims(rec, n)
+            present = [(k, dims.output(k)) for k, g in enumerate(rec.grad_outs) if g is not None]
+            rows: list[tuple[Tensor, ...]] = []
+            for i in range(n):
+                args = tuple(_sliced(a, d, i) for a, d in zip(rec.args, arg_dims))
+                kwargs = {k: _sliced(v, kw_dims[k], i) for k, v in rec.kwargs.items()}
+                leaves = tree_flatten(functional_call(calls.module, params, args, kwargs))[0]
+                dot = sum((leaves[k] * rec.grad_outs[k].narrow(d, i, 1).to(leaves[k].dtype)).sum() for k, d in present)
+                rows.append(torch.autograd.grad(dot, list(params.values()), allow_unused=True))
+            for j, (name, p) in enumerate(params.items()):
+                g = torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows]) * n
+                total[name] = g if name not in total else total[name] + g
+    return total
+
+
+def replayed_layer_grads(
+    calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
+) -> dict[str, Tensor]:
+    """Per-example grads of a layer whose call drew random numbers (attention dropout): the whole
+    batch is recomputed from the call's recorded random state (the same masks), and one backward
+    batched over examples (``is_grads_batched``) gives g_i = n·∂⟨f(θ, x)_i, δ_i⟩/∂θ with example i's
+    output gradient alone in row i. Exact; costs n output-sized gradients and a batched backward."""
+    dims = example_dims(calls.module)
+    total: dict[str, Tensor] = {}
+    device = next(calls.module.parameters()).device
+    with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        params = {name: p.detach().requires_grad_(True) for name, p in wanted}
+        for rec in calls.records:
+            cpu_state, cuda_state = rec.rng if rec.rng is not None else (torch.get_rng_state(), None)
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+            leaves = tree_flatten(functional_call(calls.module, params, rec.args, rec.kwargs))[0]
+            present = [(k, dims.output(k)) for k, g in enumerate(rec.grad_outs) if g is not None]
+            outputs, per_example = [], []
+            for k, d in present:
+                g = rec.grad_outs[k].movedim(d, 0)  # [n, ...]
+                eye = torch.eye(n, dtype=g.dtype, device=g.device).view(n, n, *([1] * (g.dim() - 1)))
+                per_example.append((eye * g.unsqueeze(0)).movedim(1, d + 1) * n)  # row i: δ_i only
+                outputs.append(leaves[k])
+            grads = torch.autograd.grad(outputs, list(params.values()), per_example, is_grads_batched=True,
+                                        allow_unused=True)
+            for (name, p), g in zip(params.items(), grads):
+                g = torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device) if g is None else g
+                total[name] = g if name not in total else total[name] + g
+    return total
+
+
 def vmap_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one leaf layer,
-    g_i = n · ∂⟨f(θ, x_i), δ_i⟩/∂θ, by vmap over examples, summed over the layer's calls.
+    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one layer,
+    g_i = n · Σ_k ∂⟨f_k(θ, x_i), δ_{k,i}⟩/∂θ over the layer's output tensors k, by vmap over
+    examples, summed over the layer's calls.
 
-    Positional and keyword tensors with one row per example are sliced per example; the
-    others (masks, tables) are passed whole to every example (:meth:`LayerCalls.batched_slots`)."""
+    Inputs and output gradients are sliced at the layer's example dimension
+    (:mod:`~lightning_dp.mechanism.example_dims`: ``[T, B, d]`` for ``batch_first=False``
+    attention and RNNs); arguments that do not hold one row per example (masks, tables) are
+    passed whole to every example (:meth:`LayerCalls.slot_dims`)."""
+    if any(rec.rng is not None for rec in calls.records):
+        return replayed_layer_grads(calls, wanted, n)
+    if isinstance(calls.module, nn.RNNBase):
+        return loop_layer_grads(calls, wanted, n)
     params = {name: p.detach() for name, p in wanted}
+    dims = example_dims(calls.module)
     total: dict[str, Tensor] = {}
     for rec in calls.records:
-        arg_batched, kw_batched = calls.batched_slots(rec, n)
+        arg_dims, kw_dims = calls.slot_dims(rec, n)
         keys = list(rec.kwargs)
         values = [*rec.args, *(rec.kwargs[k] for k in keys)]
-        batched = [*arg_batched, *(kw_batched[k] for k in keys)]
+        slot_dims = [*arg_dims, *(kw_dims[k] for k in keys)]
+        present = [(k, dims.output(k)) for k, g in enumerate(rec.grad_outs) if g is not None]
         n_args, module = len(rec.args), calls.module
 
-        def inner(p: dict[str, Tensor], delta: Tensor, *vals: Any) -> Tensor:
-            vals1 = [v.unsqueeze(0) if b else v for v, b in zip(vals, batched)]
+        def inner(p: dict[str, Tensor], deltas: tuple[Tensor, ...], *vals: Any) -> Tensor:
+            vals1 = [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
             out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
-            return (out.squeeze(0) * delta.to(out.dtype)).sum()
+            leaves = tree_flatten(out)[0]
+            return sum((leaves[k].squeeze(d) * delta.to(leaves[k].dtype)).sum()
+                       for (k, d), delta in zip(present, deltas))
 
-        in_dims = (None, 0, *(0 if b else None for b in batched))
-        out = vmap(grad(inner), in_dims=in_dims)(params, rec.grad_out * n, *values)
+        deltas = tuple(rec.grad_outs[k] * n for k, _ in present)
+        in_dims = (None, tuple(d for _, d in present), *slot_dims)
+        out = vmap(grad(inner), in_dims=in_dims)(params, deltas, *values)
         for k, v in out.items():
             total[k] = v if k not in total else total[k] + v
     return total
@@ -140,7 +238,7 @@ class FunctorchVmapEngine(GradSampleEngine):
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module that owns parameters."""
         self._owners = owners_of(module)
-        self._capture.attach(leaf_layers(module))
+        self._capture.attach(leaf_layers(module), time_major=frozenset(time_major_layers(module)))
 
     def begin_step(self, num_examples: Optional[int]) -> None:
         """Drop earlier captures; verify this step's calls against ``num_examples``."""

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dp.mechanism.example_dims import time_major_layers
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -533,7 +534,7 @@ class GhostEngine(GradSampleEngine):
         self.detach()
         self._owners = owners_of(module)
         leaves = leaf_layers(module)
-        self._capture.attach(leaves, reducer_for)
+        self._capture.attach(leaves, reducer_for, frozenset(time_major_layers(module)))
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)

@@ -155,6 +155,7 @@ class OpacusHooksEngine(GradSampleEngine):
 
 
 def _functorch_can_handle(module: nn.Module) -> bool:
-    """Opacus falls back to torch.func for leaf modules with their own parameters."""
-    return len(list(module.children())) == 0
+    """Opacus falls back to torch.func for leaf modules with their own parameters, batch-first ones only
+    (it slices dimension 0: an RNN's ``h_n`` is ``[L, B, H]`` whatever ``batch_first`` says)."""
+    return len(list(module.children())) == 0 and not isinstance(module, nn.RNNBase)
 

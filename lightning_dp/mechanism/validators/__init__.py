@@ -20,14 +20,13 @@ from lightning_dp.mechanism.validators.example_dim import (
     example_dim_error,
     missing_gradient_error,
 )
-from lightning_dp.mechanism.validators.layers import batch_mixing_layers, layers_needing_replacement, validate_module
+from lightning_dp.mechanism.validators.layers import batch_mixing_layers, validate_module
 
 __all__ = [
     "batch_mixing_layers",
     "check_example_dim",
     "check_something_captured",
     "example_dim_error",
-    "layers_needing_replacement",
     "missing_gradient_error",
     "validate_module",
 ]

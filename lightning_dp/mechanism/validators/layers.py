@@ -2,21 +2,14 @@
 
 Per-example clipping bounds one example's influence only if the example's gradient
 depends on that example alone. Layers that mix examples within a batch (BatchNorm)
-break that, and layers without a per-example gradient rule cannot be clipped.
+break that. (Layers without a per-example gradient rule are each engine's
+``unsupported_layers``; ``nn.MultiheadAttention`` and the RNNs are served by ``vmap``/``ghost``.)
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
-_REPLACEMENTS: dict[type, str] = {
-    nn.LSTM: "opacus.layers.DPLSTM",
-    nn.GRU: "opacus.layers.DPGRU",
-    nn.RNN: "opacus.layers.DPRNN",
-    nn.MultiheadAttention: "opacus.layers.DPMultiheadAttention",
-}
-
 
 def batch_mixing_layers(module: nn.Module) -> list[str]:
     """Error messages for layers whose output for one example depends on the others."""
@@ -32,19 +25,6 @@ def batch_mixing_layers(module: nn.Module) -> list[str]:
     return errors
 
 
-def layers_needing_replacement(module: nn.Module) -> list[str]:
-    """Error messages for trainable layers that need a DP-friendly drop-in replacement."""
-    errors = []
-    for name, sub in module.named_modules():
-        for kind, replacement in _REPLACEMENTS.items():
-            if type(sub) is kind and any(p.requires_grad for p in sub.parameters()):
-                errors.append(
-                    f"layer '{name}' ({kind.__name__}) has no per-example gradient rule: "
-                    f"replace it with {replacement} (same constructor arguments)."
-                )
-    return errors
-
-
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none)."""
-    return batch_mixing_layers(module) + layers_needing_replacement(module)
+    return batch_mixing_layers(module)
