@@ -54,6 +54,7 @@ from lightning_dp.mechanism.capture import (
     leaf_layers,
     owners_of,
 )
+from lightning_dp.mechanism.grad_sample.ghost_tied import Dense, Lookup, LowRank, Representation, cross_term, dense
 from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     missing_message,
     step_batch_size,
@@ -82,6 +83,10 @@ class LayerStats:
         """Σ_i c_i² (s⊙g_i)² for each of the layer's wanted parameters."""
         raise NotImplementedError
 
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """Example i's gradient of ``p`` in a form the tied-weight cross terms read (None: not available)."""
+        return None
+
 
 class MaterialisedStats(LayerStats):
     """Per-example grads ``[n, *p.shape]`` held explicitly (small layers, fallbacks)."""
@@ -99,6 +104,10 @@ class MaterialisedStats(LayerStats):
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
         return {p: torch.tensordot(c2, g * g, dims=1) for p, g in self.grads.items()}
+
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """The materialised per-example gradients of ``p``."""
+        return Dense(self.grads[p])
 
 
 def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
@@ -150,6 +159,17 @@ class WeightBiasStats(LayerStats):
             out[self.bias] = c2 @ self.db.pow(2)
         return out
 
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """Materialised G (or the bias grads) when held, else the subclass's low-rank form."""
+        if p is self.bias:
+            return Dense(self.db * self.k)
+        if self.G is not None:
+            return Dense(self.G * self.k)
+        return self._low_rank()
+
+    def _low_rank(self) -> Optional[Representation]:
+        return None
+
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -191,6 +211,9 @@ class LinearFormStats(WeightBiasStats):
         G = torch.bmm(d.transpose(1, 2), a)
         self.G = G if sw is None else G * sw
         return sq_norms(self.G)
+
+    def _low_rank(self) -> Optional[Representation]:
+        return LowRank(self.d, self.a, self.k) if self.sw is None else None
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
@@ -244,6 +267,12 @@ class EmbeddingStats(LayerStats):
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
         return {self.weight: torch.tensordot(c2, self.G.pow(2), dims=1)}
+
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """The scattered G, or the lookup form Σ_t onehot(x_t) δ_tᵀ (unscaled layers)."""
+        if self.G is not None:
+            return Dense(self.G)
+        return Lookup(self.idx, self.d) if self.s is None else None
 
 
 def _as_float(t: Tensor, like: Tensor) -> Tensor:
@@ -580,45 +609,54 @@ class GhostEngine(GradSampleEngine):
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
         stats = self._layer_stats(params, layers, n, scale, with_squares)
-        norms = torch.stack([s.sq_norms for s in stats]).sum(0).sqrt()
+        shared = [p for p in params if len(self._owners[p]) > 1]
+        reps = {p: self._representations(p, stats, layers, n, scale, with_squares, set(params)) for p in shared}
+        sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
+        for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
+            sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
+        norms = sq.clamp_min(0).sqrt()
         c = clip_factors(norms, max_grad_norm)
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
-        for s in stats:
-            sums.update(s.sums(c))
+        for st in stats.values():
+            for p, v in st.sums(c).items():  # a tied weight gets every owner's contraction
+                sums[p] = sums[p] + v if p in sums else v
             if squares is not None:
-                squares.update(s.squares(c * c))
+                squares.update(st.squares(c * c))
+        if squares is not None:  # squares do not add over owners: (Σ_A G^A)² from the materialised total
+            for p, rs in reps.items():
+                total = sum(dense(r, p.shape[0]) for r in rs)
+                squares[p] = torch.tensordot(c * c, total * total, dims=1).reshape(p.shape)
         return ClippedBatch({p: sums[p] for p in params},
                             None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
 
-    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale, with_squares) -> list[LayerStats]:
+    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale,
+                     with_squares) -> dict[int, LayerStats]:
+        """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner)."""
         wanted_set = set(params)
-        seen: set[int] = set()
-        stats = []
+        stats: dict[int, LayerStats] = {}
         for p in params:
             owners = self._owners.get(p, [])
-            if len(owners) != 1:
-                raise ValueError(_shared_message(p, owners))
-            mod = owners[0][0]
-            if id(mod) not in layers:
+            if not owners or any(id(mod) not in layers for mod, _, _ in owners):
                 raise missing_message(p, owners)
-            if id(mod) not in seen:
-                seen.add(id(mod))
-                stats.append(stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares))
+            for mod, _, _ in owners:
+                if id(mod) not in stats:
+                    stats[id(mod)] = stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)
         return stats
 
+    def _representations(self, p: Tensor, stats: dict[int, LayerStats], layers: dict[int, LayerCalls], n: int,
+                         scale, with_squares, wanted_set: set) -> list:
+        """Each owner's per-example gradient of tied ``p`` in a form :func:`cross_term` reads; an owner
+        whose rule has none (conv ghost norms, scaled layers) is materialised (its stats replaced)."""
+        out = []
+        for mod, _, _ in self._owners[p]:
+            rep = stats[id(mod)].representation(p)
+            if rep is None:
+                stats[id(mod)] = fallback_stats(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)
+                rep = stats[id(mod)].representation(p)
+            out.append(rep)
+        return out
+
     def unsupported_layers(self, module: nn.Module) -> list[str]:
-        """Structural problems plus parameters shared by several modules (tied weights)."""
-        problems = structural_problems(module)
-        for p, owners in owners_of(module).items():
-            if p.requires_grad and len(owners) > 1:
-                problems.append(_shared_message(p, owners))
-        return problems
-
-
-def _shared_message(p: Tensor, owners: list) -> str:
-    if not owners:
-        return str(missing_message(p, owners))
-    names = ", ".join(f"{m or '<root>'}.{a}" for _, m, a in owners)
-    return (f"parameter shared by several modules ({names}): ghost norms cannot add the cross terms "
-            "of tied weights; use per_sample='vmap'")
+        """Structural problems (tied weights are served: their norms' cross terms, ghost_tied.py)."""
+        return structural_problems(module)

@@ -52,7 +52,7 @@ def probe_tolerance(dtype: torch.dtype, low_precision: bool) -> float:
     not interactions. bf16/fp16 autocast computes in ~3 significant digits."""
     if low_precision:
         return 3e-2
-    return 1e-8 if dtype == torch.float64 else 1e-3
+    return 1e-6 if dtype == torch.float64 else 1e-3  # float64 models may compute parts in float32 (RoPE)
 
 
 class ExampleIndependenceProbe:

@@ -16,10 +16,10 @@ def test_supported_models_get_ghost(kind):
     assert all(v == [] for v in unsupported_by_engine(model).values())
 
 
-def test_tied_weights_fall_back_to_vmap():
+def test_tied_weights_stay_on_ghost():
     model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
     model[1].weight = model[0].weight
-    assert select_engine(model) == "vmap"
+    assert select_engine(model) == "ghost"
 
 
 def test_frozen_unsupported_layer_is_fine():

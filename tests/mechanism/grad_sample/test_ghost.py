@@ -102,7 +102,7 @@ def test_batch_size_disagreement_raises():
     assert not engine._capture.any_recorded()
 
 
-def test_unused_parameter_raises_and_tied_weights_unsupported():
+def test_unused_parameter_raises():
     model, loss, x, y = make_case("mlp", 3)
     extra = nn.Linear(2, 2).double()
     model.extra = extra  # never called in forward
@@ -110,9 +110,6 @@ def test_unused_parameter_raises_and_tied_weights_unsupported():
     engine.attach(model)
     with pytest.raises(ValueError, match="No per-example gradient"):
         run_engine(engine, model, loss, x, y, list(model.parameters()), 1.0)
-    tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
-    tied[1].weight = tied[0].weight
-    assert any("shared" in s for s in engine.unsupported_layers(tied))
 
 
 class _ConvZoo(nn.Module):
