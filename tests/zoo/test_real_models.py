@@ -1,0 +1,110 @@
+"""Real model families, unchanged (Hugging Face GPT-2, BERT, Llama, + peft LoRA): one private step with
+zero noise equals −Σ clip_C(g_i)/B from a per-example loop (float64), on the engine `auto` picks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import zoo  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V, T, N = 64, 8, 6
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, V, (N, T), generator=g), torch.randint(0, 2, (N,), generator=g))
+
+
+def gpt2():
+    c = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(c)
+
+
+def bert():
+    c = transformers.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(c)
+
+
+def llama():
+    c = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(c)
+
+
+def lora(make, targets):
+    return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                               lora_dropout=0.0))
+
+
+class Wrapped(zoo.Base):
+    """The model wrapped unchanged; the LM loss is each example's own token mean (per_example_token_mean)."""
+
+    def __init__(self, make, kind: str) -> None:
+        super().__init__()
+        self.m, self.kind = make(), kind
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.kind == "lm":
+            return zoo.per_example_token_mean(self.m(input_ids=x).logits[:, :-1], x[:, 1:])
+        return F.cross_entropy(self.m(input_ids=x).logits, y)
+
+
+CASES = {
+    "gpt2": (gpt2, "lm"),
+    "bert": (bert, "cls"),
+    "llama": (llama, "lm"),
+    "gpt2-lora": (lora(gpt2, ["c_attn", "c_proj"]), "lm"),
+    "llama-lora": (lora(llama, ["q_proj", "v_proj"]), "lm"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_real_model_step_is_exact_on_the_fast_engine(name):
+    make, kind = CASES[name]
+    torch.manual_seed(0)
+    frozen_before = {}
+
+    def factory():
+        model = Wrapped(make, kind)
+        frozen_before.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
+        return model
+
+    strategy = zoo.assert_exact(factory, _data())
+    assert strategy.engine_name == "ghost"
+    model = strategy.lightning_module
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), frozen_before[n].to(p.dtype)), n
+
+
+def test_hugging_face_default_loss_with_padding_is_refused():
+    """HF's own LM loss is a token mean over the whole batch: with padding, examples interact."""
+
+    class HFLoss(zoo.Base):
+        def __init__(self):
+            super().__init__()
+            self.m = gpt2()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            labels = x.clone()
+            for i in range(x.shape[0]):
+                labels[i, 2 + int(y[i]) * 3 + i % 2:] = -100  # examples of different lengths
+            return self.m(input_ids=x, labels=labels).loss
+
+    zoo.assert_refused(HFLoss, _data(), "per_example_token_mean")
