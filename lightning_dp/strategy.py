@@ -38,7 +38,7 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.strategies.strategy import Strategy
-from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -192,6 +192,15 @@ class DPStrategy(DDPStrategy):
         self._sign_privatizer: Optional[SignVotePrivatizer] = None
         self._diagnostics_enabled = False
         self._diagnostics: Optional[StepDiagnostics] = None
+
+    def __repr__(self) -> str:
+        # Shown in Lightning's own "invalid strategy" error when a Trainer of the other namespace gets
+        # this object: the repr names the import that fixes it.
+        other = ("lightning_dp.DPStrategy (for pytorch_lightning)" if pl.__name__ != "pytorch_lightning"
+                 else "lightning_dp.unified.DPStrategy (for `import lightning as L`)")
+        sigma = self._noise_multiplier if self._noise_multiplier is not None else f"target ε={self.target_epsilon}"
+        return (f"DPStrategy(noise_multiplier={sigma}, max_grad_norm={self._max_grad_norm}) built on {pl.__name__}; "
+                f"with the other package use {other}")
 
     # ------------------------------------------------------------------ public state
     @property
@@ -756,8 +765,6 @@ def _loader_before_sampler_injection(trainer: "pl.Trainer", dataloader: DataLoad
 def _is_train_loader(trainer: "pl.Trainer", dataloader: object) -> bool:
     # Lightning processes the train loader in fit_loop.setup_data with stage TRAINING;
     # validation loaders come through here with SANITY_CHECKING or VALIDATING.
-    from pytorch_lightning.trainer.states import RunningStage
-
     return trainer.state.stage == RunningStage.TRAINING
 
 

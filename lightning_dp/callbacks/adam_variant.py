@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from lightning_dp.optim.base import UNSUPPORTED_FLAGS
 from lightning_dp.optim.convert import dp_class_for, to_dp_optimizer
 from lightning_dp.optim.variants import check_hparams, variant_class
+from lightning_dp.strategy import DPStrategy
 
 
 class AdamVariant(Callback):
@@ -114,8 +115,6 @@ class AdamVariant(Callback):
 
 
 def _is_dp_strategy(strategy: object) -> bool:
-    from lightning_dp.strategy import DPStrategy
-
     return isinstance(strategy, DPStrategy)
 
 
