@@ -142,7 +142,7 @@ class WeightBiasStats(LayerStats):
         c = c * self.k
         if self.weight is not None:
             w = torch.tensordot(c, self.G, dims=1) if self.G is not None else self._bookkept_weight_sum(c)
-            out[self.weight] = w.reshape(self.weight.shape)
+            out[self.weight] = self._as_weight(w)
         if self.bias is not None:
             out[self.bias] = c @ self.db
         return out
@@ -154,17 +154,22 @@ class WeightBiasStats(LayerStats):
         if self.weight is not None:
             w = (torch.tensordot(c2, self.G.pow(2), dims=1) if self.G is not None
                  else self._bookkept_weight_squares(c2))
-            out[self.weight] = w.reshape(self.weight.shape)
+            out[self.weight] = self._as_weight(w)
         if self.bias is not None:
             out[self.bias] = c2 @ self.db.pow(2)
         return out
+
+    def _as_weight(self, w: Tensor) -> Tensor:
+        """A [out, in]-ordered weight-shaped result in the parameter's own layout."""
+        return w.reshape(self.weight.shape)
 
     def representation(self, p: Tensor) -> Optional[Representation]:
         """Materialised G (or the bias grads) when held, else the subclass's low-rank form."""
         if p is self.bias:
             return Dense(self.db * self.k)
         if self.G is not None:
-            return Dense(self.G * self.k)
+            g = self.G.transpose(1, 2) if getattr(self, "transposed", False) else self.G
+            return Dense(g.reshape(g.shape[0], *self.weight.shape) * self.k)
         return self._low_rank()
 
     def _low_rank(self) -> Optional[Representation]:
@@ -185,9 +190,11 @@ class LinearFormStats(WeightBiasStats):
     """
 
     def __init__(self, a: Tensor, d: Tensor, k: float, weight: Optional[Tensor], bias: Optional[Tensor],
-                 scale: Optional[ParamMap], with_squares: bool) -> None:
+                 scale: Optional[ParamMap], with_squares: bool, transposed: bool = False) -> None:
         self.a, self.d, self.k, self.weight, self.bias = a, d, k, weight, bias
-        self.sw = None if scale is None or weight is None else scale[weight].reshape(d.shape[2], a.shape[2])
+        self.transposed = transposed  # the weight is stored [in, out] (Hugging Face's Conv1D)
+        sw = None if scale is None or weight is None else scale[weight]
+        self.sw = None if sw is None else (sw.t() if transposed else sw).reshape(d.shape[2], a.shape[2])
         self.sb = None if scale is None or bias is None else scale[bias]
         self.G: Optional[Tensor] = None
         n, T = a.shape[0], a.shape[1]
@@ -212,8 +219,13 @@ class LinearFormStats(WeightBiasStats):
         self.G = G if sw is None else G * sw
         return sq_norms(self.G)
 
+    def _as_weight(self, w: Tensor) -> Tensor:
+        return w.t() if self.transposed else w.reshape(self.weight.shape)
+
     def _low_rank(self) -> Optional[Representation]:
-        return LowRank(self.d, self.a, self.k) if self.sw is None else None
+        if self.sw is not None:
+            return None
+        return LowRank(self.a, self.d, self.k) if self.transposed else LowRank(self.d, self.a, self.k)
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
@@ -302,6 +314,22 @@ def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, wi
     a = _cat([_as_float(r.args[0], m.weight).reshape(n, -1, m.in_features) for r in calls.records])
     d = _cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.out_features) for r in calls.records])
     return LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+
+
+def is_hf_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): y = x W + b with W stored [in, out]; a Linear in all but layout."""
+    w = getattr(m, "weight", None)
+    return (type(m).__name__ == "Conv1D" and isinstance(w, Tensor) and w.dim() == 2
+            and getattr(m, "nf", None) == w.shape[1])
+
+
+def hf_conv1d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
+    """Hugging Face's Conv1D: the Linear rule on [n, T, in] inputs, weight transposed."""
+    m = calls.module
+    d_in, d_out = m.weight.shape
+    a = _cat([_as_float(r.args[0], m.weight).reshape(n, -1, d_in) for r in calls.records])
+    d = _cat([_as_float(r.grad_out, m.weight).reshape(n, -1, d_out) for r in calls.records])
+    return LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares, transposed=True)
 
 
 def conv2d_supported(m: nn.Module) -> bool:
@@ -472,6 +500,8 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
     m = calls.module
     if type(m) is nn.Linear:
         return linear_stats(calls, wanted, n, scale, with_squares)
+    if is_hf_conv1d(m):
+        return hf_conv1d_stats(calls, wanted, n, scale, with_squares)
     if conv2d_supported(m):
         return conv2d_stats(calls, wanted, n, scale, with_squares)
     if type(m) is nn.Embedding and not m.scale_grad_by_freq:

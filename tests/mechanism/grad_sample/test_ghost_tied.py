@@ -92,3 +92,46 @@ def test_every_cross_term_form_equals_the_dense_inner_product(kinds):
     want = (ghost_tied.dense(a, V) * ghost_tied.dense(b, V)).sum((1, 2))
     torch.testing.assert_close(ghost_tied.cross_term(a, b, V), want)
     torch.testing.assert_close(ghost_tied.cross_term(b, a, V), want)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D as GPT-2 defines it: weight [in, out], y = x W + b."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class ConvOneDLM(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb, self.proj, self.head = nn.Embedding(7, 4), Conv1D(4, 4), nn.Linear(4, 7, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.proj(self.emb(x))))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("T", [1, 5])
+def test_hugging_face_conv1d_takes_the_linear_rule_and_is_exact(tied, scaled, T):
+    from lightning_dp.mechanism.grad_sample import ghost
+
+    torch.manual_seed(0)
+    model = ConvOneDLM(tied).double()
+    assert ghost.is_hf_conv1d(model.proj)
+    params = list(model.parameters())
+    x, y = torch.randint(0, 7, (5, T)), torch.randint(0, 7, (5, T))
+    scale = random_scale(params) if scaled else None
+    ref = reference(per_example_grads(model, lm_loss, x, y, params, scale), params, 0.05)
+    engine = make_engine("ghost")
+    engine.attach(model)
+    got = run_engine(engine, model, lm_loss, x, y, params, 0.05, scale, with_squares=True)
+    assert_close_batch(got, ref, params, rtol=1e-9)

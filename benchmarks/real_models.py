@@ -1,0 +1,156 @@
+"""Per-step time of real model families under DPStrategy's engines vs non-private. Run by hand:
+
+    python benchmarks/real_models.py                       # every model, 1 and 2 threads
+    python benchmarks/real_models.py --models gpt2,lstm --threads 1 --steps 20
+
+Tiny randomly initialised models built from configs (hidden 64, 2 layers, batch 16, T = 32),
+as a user would wrap them: Hugging Face GPT-2 / BERT / Llama (+ peft LoRA r = 4) when
+``transformers``/``peft`` are installed, and torch's ``nn.TransformerEncoder``
+(``nn.MultiheadAttention``), ``nn.LSTM``, ``nn.GRU``. A private step is the plain loop of
+``benchmarks/speed.py``: forward, mean loss, backward, ``engine.clip_and_sum``, the library's
+``Privatizer`` (σCz once, ÷B), SGD step; the engine is the one ``per_sample="auto"`` picks.
+Modes are interleaved step by step so machine drift hits both alike; medians are printed, and
+the ratio private/non-private.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.losses import per_example_token_mean
+from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, make_engine
+from lightning_dp.mechanism.grad_sample import select_engine
+
+V, T, B, D = 512, 32, 16, 64
+
+
+class TorchEncoderLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(D, 4, dim_feedforward=4 * D, dropout=0.1, batch_first=True)
+        self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(D, V)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.enc(self.emb(x), mask=mask, is_causal=True))
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+def hf_models() -> dict[str, Callable[[], nn.Module]]:
+    try:
+        import peft
+        import transformers as tf
+    except ImportError:
+        return {}
+
+    def gpt2():
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=2, n_head=4))
+
+    def bert():
+        return tf.BertForSequenceClassification(tf.BertConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2,
+                                                               num_attention_heads=4, intermediate_size=4 * D,
+                                                               max_position_embeddings=T))
+
+    def llama():
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=4 * D,
+                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=4, max_position_embeddings=T))
+
+    def lora(make, targets):
+        return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+    return {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2-lora": lora(gpt2, ["c_attn", "c_proj"]),
+            "llama-lora": lora(llama, ["q_proj", "v_proj"])}
+
+
+def models() -> dict[str, Callable[[], nn.Module]]:
+    return {**hf_models(), "torch-encoder": TorchEncoderLM, "lstm": lambda: RecurrentLM("LSTM"),
+            "gru": lambda: RecurrentLM("GRU")}
+
+
+def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    out = model(input_ids=x) if hasattr(model, "config") else model(x)
+    logits = out.logits if hasattr(out, "logits") else out
+    if logits.dim() == 2:  # sequence classification
+        return F.cross_entropy(logits, y[:, 0] % logits.shape[1])
+    return per_example_token_mean(logits, y).mean()
+
+
+def steps(make: Callable[[], nn.Module], engine_name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(non-private step, private step) closures on one fixed batch, each on its own copy of the model."""
+    torch.manual_seed(0)
+    plain, private_model = make(), make()
+    private_model.load_state_dict(plain.state_dict())
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    engine = make_engine(engine_name)
+    engine.attach(private_model)
+    privatizer = Privatizer(GaussianNoise())
+    params = [p for p in private_model.parameters() if p.requires_grad]
+    opt_plain = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=1e-3)
+    opt_private = torch.optim.SGD(params, lr=1e-3)
+
+    def nonprivate() -> None:
+        opt_plain.zero_grad(set_to_none=True)
+        loss_of(plain, x, y).backward()
+        opt_plain.step()
+
+    def private() -> None:
+        opt_private.zero_grad(set_to_none=True)
+        engine.begin_step(B)
+        loss_of(private_model, x, y).backward()
+        batch = engine.clip_and_sum(params, 1.0)
+        privatizer.privatize(batch, params, DEFAULT_REQUEST, 1.0, 1.0, float(B))
+        opt_private.step()
+
+    return nonprivate, private
+
+
+def measure(name: str, make: Callable[[], nn.Module], n_steps: int) -> tuple[str, float, float]:
+    engine_name = select_engine(make())
+    nonprivate, private = steps(make, engine_name)
+    times: dict[str, list[float]] = {"nonprivate": [], "private": []}
+    for i in range(n_steps + 2):
+        for mode, fn in (("nonprivate", nonprivate), ("private", private)):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:  # warm-up
+                times[mode].append(time.perf_counter() - t0)
+    return engine_name, statistics.median(times["nonprivate"]) * 1e3, statistics.median(times["private"]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    table = models()
+    names = [m for m in args.models.split(",") if m] or list(table)
+    print(f"batch {B}, T {T}, hidden {D}, vocab {V}; median ms/step over {args.steps} steps (interleaved)")
+    print(f"{'model':14s} {'threads':>7s} {'engine':>7s} {'non-private':>12s} {'private':>9s} {'ratio':>6s}")
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for name in names:
+            engine, base, priv = measure(name, table[name], args.steps)
+            print(f"{name:14s} {threads:7d} {engine:>7s} {base:12.1f} {priv:9.1f} {priv / base:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
