@@ -127,7 +127,20 @@ class LayerCalls:
 
 
 def _detached(a: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, a)
+    if isinstance(a, Tensor):
+        return a.detach()
+    if isinstance(a, (tuple, list)):
+        return type(a)(_detached(v) for v in a)
+    return a
+
+
+def _tensors(a: Any) -> list[Tensor]:
+    """The tensors in an argument or output (a tensor, or nested tuples/lists: LSTM's ``(h, c)``)."""
+    if isinstance(a, Tensor):
+        return [a]
+    if isinstance(a, (tuple, list)):
+        return [t for v in a for t in _tensors(v)]
+    return []
 
 
 def random_state(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
@@ -282,7 +295,7 @@ class ActivationCapture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
                 return None
-            leaves, _ = tree_flatten(out)
+            leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
             live = [k for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not live:
                 return None
@@ -317,10 +330,12 @@ class ActivationCapture:
     @staticmethod
     def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int, dims: ExampleDims) -> None:
         for key, a in [*((str(i), a) for i, a in enumerate(args)), *kwargs.items()]:
+            tensors = _tensors(a)
+            if not tensors:
+                continue
             d = dims.argument(key)
-            for t in tree_flatten(a)[0]:
-                if isinstance(t, Tensor) and d is not None and (t.dim() <= d or t.shape[d] != n):
-                    calls.unbatched.add(key)
+            if d is not None and any(t.dim() <= d or t.shape[d] != n for t in tensors):
+                calls.unbatched.add(key)
 
     def completed(self) -> dict[int, LayerCalls]:
         """Layers with at least one call that received an output gradient (id(module) → calls)."""
