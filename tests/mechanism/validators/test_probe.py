@@ -91,3 +91,28 @@ def test_user_modes_are_restored_module_by_module():
     ExampleIndependenceProbe(model, engine, list(model.parameters()), ["p"] * 4,
                              lambda idx: F.cross_entropy(model(X[idx]), Y[idx]), 1e-8).run([0, 1])
     assert model.training and not model.a.training and model.b.training
+
+
+class Augmented(Net):
+    def forward(self, x):
+        return super().forward(x + 0.3 * torch.randn_like(x))  # augmentation noise drawn in the step
+
+
+def _probe_model(model, engine_name="ghost", reduction="mean"):
+    engine = make_engine(engine_name)
+    engine.attach(model)
+    loss_of = lambda idx: F.cross_entropy(model(X[idx]), Y[idx], reduction=reduction)  # noqa: E731
+    ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                             loss_of, probe_tolerance(torch.float64, False)).run(list(range(6)))
+
+
+def test_augmentation_randomness_is_detected_and_warned_not_refused():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        _probe_model(Augmented().double())
+
+
+def test_a_summed_loss_is_still_caught_under_augmentation():
+    torch.manual_seed(0)
+    with pytest.raises(PrivacyConfigurationError, match="SUM over the batch"):
+        _probe_model(Augmented().double(), reduction="sum")
