@@ -39,9 +39,13 @@ def lm_loss(model, x, y):
 @pytest.mark.parametrize("scaled", [False, True])
 def test_tied_embedding_and_heads_match_the_loop(T, second_linear, scaled):
     torch.manual_seed(0)
-    model = TiedLM(second_linear=second_linear).double()
+    _check_against_loop(TiedLM(second_linear=second_linear).double(), T, 6, scaled)
+
+
+def _check_against_loop(model: nn.Module, T: int, n: int, scaled: bool) -> None:
+    """Ghost engine (clip 0.05, squares, optional scale) == brute force, float64."""
     params = list(model.parameters())
-    x, y = torch.randint(0, 7, (6, T)), torch.randint(0, 7, (6, T))
+    x, y = torch.randint(0, 7, (n, T)), torch.randint(0, 7, (n, T))
     scale = random_scale(params) if scaled else None
     ref = reference(per_example_grads(model, lm_loss, x, y, params, scale), params, 0.05)
     engine = make_engine("ghost")
@@ -127,11 +131,4 @@ def test_hugging_face_conv1d_takes_the_linear_rule_and_is_exact(tied, scaled, T)
     torch.manual_seed(0)
     model = ConvOneDLM(tied).double()
     assert ghost.is_hf_conv1d(model.proj)
-    params = list(model.parameters())
-    x, y = torch.randint(0, 7, (5, T)), torch.randint(0, 7, (5, T))
-    scale = random_scale(params) if scaled else None
-    ref = reference(per_example_grads(model, lm_loss, x, y, params, scale), params, 0.05)
-    engine = make_engine("ghost")
-    engine.attach(model)
-    got = run_engine(engine, model, lm_loss, x, y, params, 0.05, scale, with_squares=True)
-    assert_close_batch(got, ref, params, rtol=1e-9)
+    _check_against_loop(model, T, 5, scaled)
