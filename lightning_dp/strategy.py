@@ -457,8 +457,8 @@ class DPStrategy(DDPStrategy):
         assert self._engine is not None
         if self._batches is None:
             raise RuntimeError("DPStrategy: the training loader was not rebuilt for Poisson sampling.")
-        batch = args[0] if args else kwargs.get("batch")
-        n = len(self._batches.take())
+        indices = self._batches.take()
+        n = len(indices)
         self._local_batch_size = n
         if not self._probed:
             self._run_probe()
@@ -471,10 +471,11 @@ class DPStrategy(DDPStrategy):
             n = 1
         limit = self.max_physical_batch_size
         if limit is not None and n > limit:
-            *heads, last = _split_batch(batch, n, limit)
-            for start, head in zip(range(0, n, limit), heads):
-                self._physical_step(min(limit, n - start), *_with_batch(args, kwargs, head))
-            args, kwargs, n = *_with_batch(args, kwargs, last), n - limit * len(heads)
+            # Physical batches are collated anew from the step's indices (any collate layout is split right).
+            *heads, last = [indices[start:start + limit] for start in range(0, n, limit)]
+            for head in heads:
+                self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)))
+            args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
         self._engine.begin_step(n)
         return _mean_loss(super().training_step(*args, **kwargs), n)
 
@@ -492,13 +493,13 @@ class DPStrategy(DDPStrategy):
     def _run_probe(self) -> None:
         """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on fixed examples."""
         assert self._engine is not None and self._batches is not None and self._standin_source is not None
-        module, (dataset, collate) = self.lightning_module, self._standin_source
+        module = self.lightning_module
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         world = self.num_nodes * self.num_processes
         indices = self._batches.first_indices(PROBE_EXAMPLES, self._num_samples or 0, self.global_rank, world)
 
         def loss_of(idx: list[int]) -> Tensor:
-            batch = self.batch_to_device(collate([dataset[i] for i in idx]))
+            batch = self._collated(idx)
             with self.precision_plugin.train_step_context(), _silenced_logging(module):
                 out = module.training_step(batch, 0)
             loss = _mean_loss(out, len(idx))
@@ -517,9 +518,13 @@ class DPStrategy(DDPStrategy):
         self._probed = True
 
     def _standin_batch(self) -> Any:
+        return self._collated([0])
+
+    def _collated(self, indices: list[int]) -> Any:
+        """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
         assert self._standin_source is not None
         dataset, collate = self._standin_source
-        return self.batch_to_device(collate([dataset[0]]))
+        return self.batch_to_device(collate([dataset[i] for i in indices]))
 
     def optimizer_step(
         self,
@@ -699,16 +704,6 @@ def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
         yield
     finally:
         del module.log, module.log_dict
-
-
-def _split_batch(batch: Any, size: int, limit: int) -> list[Any]:
-    """Cut every tensor of ``batch`` whose leading dimension is ``size`` into chunks of at most ``limit``."""
-    from lightning_utilities.core.apply_func import apply_to_collection
-
-    def chunk(t: Tensor, start: int) -> Tensor:
-        return t[start : start + limit] if t.dim() and t.shape[0] == size else t
-
-    return [apply_to_collection(batch, Tensor, chunk, start) for start in range(0, size, limit)]
 
 
 def _empty_clipped_batch(batch: ClippedBatch) -> ClippedBatch:

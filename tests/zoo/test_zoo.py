@@ -31,6 +31,13 @@ def test_a_time_major_collate_is_refused(engine):
                        per_sample=engine)
 
 
+@pytest.mark.parametrize("physical", [None, 4])
+def test_a_time_major_collate_is_exact_when_the_model_goes_batch_first(physical):
+    """Physical batches are collated anew from the step's indices: a [T, B] layout is split right."""
+    zoo.assert_exact(zoo.TimeMajorBatchTransposed, zoo.token_data(pad=True), collate=zoo.time_major_collate,
+                     physical=physical)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_batch_normalised_token_mean_is_refused_and_names_the_fix(engine):
     zoo.assert_refused(zoo.BatchTokenMean, zoo.token_data(pad=True), "per_example_token_mean", per_sample=engine)
@@ -64,7 +71,7 @@ def test_keyword_tensors_are_exact(factory, engine):
 
 
 def test_keyword_tensors_are_refused_by_opacus_hooks():
-    zoo.assert_refused(zoo.KeywordLeaf, zoo.vector_data(), "keyword tensor", per_sample="opacus_hooks")
+    zoo.assert_refused(zoo.KeywordLeaf, zoo.vector_data(), "keyword tensor|positional input", per_sample="opacus_hooks")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

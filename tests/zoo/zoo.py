@@ -111,6 +111,18 @@ class TimeMajorBatch(Base):
         return F.cross_entropy(self.head(torch.tanh(self.emb(x))).permute(1, 2, 0), y.t())
 
 
+class TimeMajorBatchTransposed(Base):
+    """The collate gives [T, B]; the model transposes to batch-first before any layer (valid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = (t.t() for t in batch)  # [B, T]
+        return per_example_token_mean(self.head(torch.tanh(self.emb(x))), y)
+
+
 class BatchTokenMean(Base):
     """The usual padded LM loss: a token mean normalised by the batch's non-pad count."""
 
@@ -360,12 +372,13 @@ def reference_update(model: Base, dataset: Dataset, collate: Callable, C: float,
 
 
 def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = None, per_sample: str = "auto",
-                 C: float = 0.3, **trainer_kwargs: Any) -> tuple[DPStrategy, list[Tensor]]:
+                 C: float = 0.3, physical: Optional[int] = None, **trainer_kwargs: Any) -> tuple[DPStrategy, list[Tensor]]:
     """One step of DPStrategy with zero noise and q = 1; returns the strategy and the parameter update."""
     from conftest import quiet_trainer
 
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, per_sample=per_sample, noise=ZeroNoise())
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, per_sample=per_sample, noise=ZeroNoise(),
+                          max_physical_batch_size=physical)
     trainer = quiet_trainer(strategy=strategy, max_steps=1, **trainer_kwargs)
     loader = DataLoader(dataset, batch_size=len(dataset), collate_fn=collate)
     trainer.fit(model, loader)
@@ -374,13 +387,14 @@ def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = No
 
 
 def assert_exact(factory: Callable[[], Base], dataset: Dataset, collate: Optional[Callable] = None,
-                 per_sample: str = "auto", C: float = 0.3, **trainer_kwargs: Any) -> DPStrategy:
+                 per_sample: str = "auto", C: float = 0.3, physical: Optional[int] = None,
+                 **trainer_kwargs: Any) -> DPStrategy:
     """The private step equals the per-example-loop reference (float64)."""
     torch.manual_seed(0)
     model = factory().double()
     reference = reference_update(copy.deepcopy(model), _as_double(dataset), collate or default_collate, C,
                                  float(len(dataset)))
-    strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, **trainer_kwargs)
+    strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, physical, **trainer_kwargs)
     for got, want in zip(update, reference):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
     return strategy
