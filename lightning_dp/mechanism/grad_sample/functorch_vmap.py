@@ -23,13 +23,15 @@ used only inside the forward of a module that owns it (the probe compares with a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_dp.mechanism.capture import (
     ActivationCapture,
@@ -110,6 +112,26 @@ def _unsqueezed(value: Any, dims: Any) -> Any:
     if isinstance(dims, (tuple, list)):
         return type(value)(_unsqueezed(v, d) for v, d in zip(value, dims))
     return value
+
+
+@contextmanager
+def recomputable(module: nn.Module) -> Iterator[None]:
+    """The layer as torch.func can re-run it per example, same values and gradients: an Embedding's
+    ``max_norm`` renormalised the rows in the forward already (in place) and ``sparse`` changes only the
+    gradient's format; an InstanceNorm in training uses the instance's statistics, and its running
+    buffers (updated in place) are left out of the re-run."""
+    saved: dict[str, Any] = {}
+    if isinstance(module, nn.Embedding):
+        saved = {"max_norm": module.max_norm, "sparse": module.sparse}
+        module.max_norm, module.sparse = None, False
+    elif isinstance(module, _InstanceNorm) and module.training and module.track_running_stats:
+        saved = {"running_mean": module.running_mean, "running_var": module.running_var}
+        module.running_mean = module.running_var = None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def _sliced(value: Any, dims: Any, i: int) -> Any:
@@ -214,7 +236,8 @@ def vmap_layer_grads(
 
         deltas = tuple(rec.grad_outs[k] * n for k, _ in present)
         in_dims = (None, tuple(d for _, d in present), *slot_dims)
-        out = vmap(grad(inner), in_dims=in_dims)(params, deltas, *values)
+        with recomputable(module):
+            out = vmap(grad(inner), in_dims=in_dims)(params, deltas, *values)
         for k, v in out.items():
             total[k] = v if k not in total else total[k] + v
     return total

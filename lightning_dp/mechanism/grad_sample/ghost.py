@@ -333,8 +333,12 @@ def hf_conv1d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale,
 
 
 def conv2d_supported(m: nn.Module) -> bool:
-    """Conv2d shapes the conv rule handles (otherwise: per-layer vmap)."""
-    return isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+    """Conv2d shapes the conv rule handles (otherwise: per-layer vmap). A subclass qualifies only if it
+    keeps nn.Conv2d's forward: one that transforms its weight first (timm's weight-standardised
+    StdConv2d) has per-example gradients that are not δ aᵀ."""
+    return (isinstance(m, nn.Conv2d) and type(m).forward is nn.Conv2d.forward
+            and type(m)._conv_forward is nn.Conv2d._conv_forward
+            and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str))
 
 
 def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
@@ -483,9 +487,15 @@ def norm_layer_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale
     return MaterialisedStats({p: per_name[k] for k, p in wanted.items()}, scale)
 
 
+def is_plain_norm(m: nn.Module) -> bool:
+    """LayerNorm / GroupNorm / RMSNorm with the torch forward (a subclass that permutes inside its
+    forward, timm's channels-first LayerNorm2d, normalises another axis: per-layer vmap instead)."""
+    return any(isinstance(m, kind) and type(m).forward is kind.forward for kind in _NORMS)
+
+
 def reducer_for(m: nn.Module) -> Optional[RecordReducer]:
     """The layers the ghost engine reduces during backward: normalisation layers."""
-    return (lambda rec: norm_layer_record_grads(m, rec)) if isinstance(m, _NORMS) else None
+    return (lambda rec: norm_layer_record_grads(m, rec)) if is_plain_norm(m) else None
 
 
 def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -506,7 +516,7 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
         return conv2d_stats(calls, wanted, n, scale, with_squares)
     if type(m) is nn.Embedding and not m.scale_grad_by_freq:
         return embedding_stats(calls, wanted, n, scale, with_squares)
-    if isinstance(m, _NORMS):
+    if is_plain_norm(m):
         return norm_layer_stats(calls, wanted, n, scale, with_squares)
     return fallback_stats(calls, wanted, n, scale, with_squares)
 

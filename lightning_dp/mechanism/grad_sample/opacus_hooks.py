@@ -8,11 +8,13 @@ so nothing per-example outlives :meth:`OpacusHooksEngine.clip_and_sum`.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import inspect
+from typing import Iterator, Optional, Sequence
 
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_dp.errors import PrivacyConfigurationError
 
@@ -145,17 +147,70 @@ class OpacusHooksEngine(GradSampleEngine):
         check_something_captured(any(s is not None for s in samples), n)
 
     def unsupported_layers(self, module: nn.Module) -> list[str]:
-        """Layers Opacus cannot give per-example gradients for, as 'name (Type)'."""
+        """Layers Opacus cannot give exact per-example gradients for, as 'name (Type): why'
+        (tests/mechanism/grad_sample/test_engines_agree.py finds them against a per-example loop)."""
         problems = []
-        for name, sub in module.named_modules():
-            if any(p.requires_grad for p in sub.parameters(recurse=False)) and not GradSampleHooks.is_supported(sub):
-                if not _functorch_can_handle(sub):
-                    problems.append(f"{name or '<root>'} ({type(sub).__name__})")
+        for name, sub in _opacus_hooked(module):
+            why = _opacus_wrong(sub)
+            if why is not None:
+                problems.append(f"{name or '<root>'} ({type(sub).__name__}): {why}")
         return problems
 
 
-def _functorch_can_handle(module: nn.Module) -> bool:
-    """Opacus falls back to torch.func for leaf modules with their own parameters, batch-first ones only
-    (it slices dimension 0: an RNN's ``h_n`` is ``[L, B, H]`` whatever ``batch_first`` says)."""
-    return len(list(module.children())) == 0 and not isinstance(module, nn.RNNBase)
+def _opacus_hooked(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """The modules Opacus' hooks serve (its ``iterate_submodules``): each module owning a trainable
+    parameter; one without an Opacus rule is served by torch.func together with its whole subtree."""
+    if any(p.requires_grad for p in module.parameters(recurse=False)):
+        yield prefix, module
+        if _rule_of(module) is None:
+            return
+    for name, child in module.named_children():
+        yield from _opacus_hooked(child, f"{prefix}.{name}" if prefix else name)
 
+
+def _rule_of(module: nn.Module) -> Optional[object]:
+    """Opacus' own per-example rule for this exact type (subclasses go to torch.func), or None."""
+    return GradSampleHooks.GRAD_SAMPLERS.get(type(module))
+
+
+def _opacus_wrong(module: nn.Module) -> Optional[str]:
+    """Why Opacus' per-example gradients for a module it hooks would be wrong (or crash), else None."""
+    if any(isinstance(m, _BatchNorm) for m in module.modules()):
+        return "normalises with batch statistics: mixes examples"
+    if _rule_of(module) is not None:
+        return _rule_wrong(module)
+    if isinstance(module, nn.RNNBase):
+        return ("Opacus' torch.func fallback takes one output sliced at dimension 0 (h_n is [L, B, H]); "
+                "served by 'vmap' and 'ghost'")
+    if any(True for _ in module.buffers()):
+        return "Opacus' torch.func fallback refuses layers with buffers"
+    if _takes_more_than_one_argument(module):
+        return "Opacus' torch.func fallback re-runs the layer on its first positional input only"
+    return None
+
+
+def _rule_wrong(module: nn.Module) -> Optional[str]:
+    """Configurations Opacus' own rules ignore (found by the engine equality suite)."""
+    if isinstance(module, nn.modules.conv._ConvNd) and module.padding_mode != "zeros":
+        return f"Opacus' conv rule pads with zeros, not '{module.padding_mode}'"
+    if isinstance(module, nn.Embedding):
+        if module.padding_idx is not None:
+            return "Embedding with padding_idx: Opacus' rule gives the padding row a gradient"
+        if module.scale_grad_by_freq:
+            return "Embedding with scale_grad_by_freq: Opacus' rule ignores the frequency scaling"
+    if isinstance(module, nn.LayerNorm) and module.elementwise_affine and module.bias is None:
+        return "LayerNorm(bias=False): Opacus' rule reads the missing bias"
+    return None
+
+
+def _takes_more_than_one_argument(module: nn.Module) -> bool:
+    """Whether ``module.forward`` accepts a second argument (or ``*args``/``**kwargs``): whether the call
+    passed one cannot be seen statically, so any such layer is refused. Except torch's ConvTranspose, whose
+    ``output_size`` only picks the output's shape (a re-run without it fails loudly, never silently)."""
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return len(params) > 1 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)

@@ -248,9 +248,10 @@ class ReusedEmbedding(nn.Module):
 class TiedEmbeddingHead(nn.Module):
     """Embedding + output Linear sharing one Parameter (``head.weight = emb.weight``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, padding_idx: Optional[int] = None) -> None:
         super().__init__()
-        self.emb, self.mid, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V, bias=False)
+        self.emb, self.mid = nn.Embedding(V, D, padding_idx=padding_idx), nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -433,6 +434,7 @@ CASES: list[Case] = [
     conv_case("conv2d_depthwise", lambda: nn.Conv2d(3, 6, 3, groups=3, bias=False), (3, 6, 6)),
     conv_case("conv2d_same", lambda: nn.Conv2d(3, 4, (4, 3), padding="same"), (3, 6, 6),
               note="padding='same' with an even kernel: asymmetric padding"),
+    conv_case("conv2d_same_dilation", lambda: nn.Conv2d(3, 4, 3, padding="same", dilation=(2, 1)), (3, 6, 5)),
     conv_case("conv2d_valid", lambda: nn.Conv2d(3, 4, 3, padding="valid"), (3, 6, 6)),
     conv_case("conv2d_reflect", lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (3, 6, 6)),
     conv_case("conv2d_replicate", lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="replicate"), (3, 6, 6)),
@@ -440,6 +442,7 @@ CASES: list[Case] = [
     # Conv3d
     conv_case("conv3d", lambda: nn.Conv3d(2, 3, 3, stride=(1, 2, 1), padding=1), (2, 4, 5, 4)),
     conv_case("conv3d_groups_dilation", lambda: nn.Conv3d(4, 2, 2, groups=2, dilation=(1, 2, 1)), (4, 3, 5, 3)),
+    conv_case("conv3d_same", lambda: nn.Conv3d(2, 3, (2, 3, 2), padding="same", dilation=(1, 1, 2)), (2, 3, 4, 5)),
     conv_case("conv3d_replicate", lambda: nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), (2, 3, 4, 3)),
     conv_case("conv3d_circular", lambda: nn.Conv3d(2, 3, 3, padding=1, padding_mode="circular"), (2, 3, 4, 3)),
     conv_case("conv2d_subclass_std", lambda: StdConv2d(3, 4, 3, padding=1), (3, 5, 5),
@@ -452,6 +455,8 @@ CASES: list[Case] = [
     # Embedding
     Case("embedding", lambda: nn.Sequential(nn.Embedding(V, D), nn.Tanh(), nn.Linear(D, V)), tokens(),
          loss=token_ce, targets=token_targets()),
+    Case("embedding_1d_index", lambda: seq(nn.Embedding(V, D)), lambda g: torch.randint(0, V, (N,), generator=g),
+         note="one index per example: [n] -> [n, d]"),
     Case("embedding_padding_idx", lambda: seq(nn.Embedding(V, D, padding_idx=1)), tokens(pad=1),
          note="the padding row gets no gradient"),
     Case("embedding_max_norm", lambda: seq(nn.Embedding(V, D, max_norm=1.0)), tokens(),
@@ -498,11 +503,15 @@ CASES: list[Case] = [
     Case("reused_prelu", lambda: Reused(nn.PReLU(), nn.Linear(D, D)), randn(D)),
     # Tied weights
     Case("tied_embedding_head", TiedEmbeddingHead, tokens(), loss=token_ce, targets=token_targets()),
+    Case("tied_embedding_padding_idx", lambda: TiedEmbeddingHead(padding_idx=1), tokens(pad=1), loss=token_ce,
+         targets=token_targets(), note="the padding row gets the head's gradient only"),
     Case("tied_linears", TiedLinears, randn(T, D)),
     # Frozen parameters
     Case("frozen_mixed", Frozen, tokens(), loss=token_ce, targets=token_targets(),
          frozen=("emb.weight", "conv.bias", "ln.bias", "lin.weight"),
          note="frozen: the embedding, a conv bias, a LayerNorm bias, a Linear weight"),
+    Case("frozen_conv2d_weight", lambda: seq(nn.Conv2d(2, 3, 3, padding=1)), randn(2, 4, 4), frozen=("0.weight",),
+         note="only the bias of a Conv2d trains"),
     Case("frozen_all_but_head", Frozen, tokens(), loss=token_ce, targets=token_targets(),
          frozen=("emb.weight", "conv.weight", "conv.bias", "ln.weight", "ln.bias", "lin.weight", "lin.bias")),
     # Adversarial models (tests/zoo)
