@@ -62,6 +62,7 @@ from lightning_dp.mechanism import (
 )
 from lightning_dp.accounting.banded import rounds_charged_at
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.mechanism.min_sep_sampling import (
     MinSepPoissonBatchSampler,
@@ -106,6 +107,12 @@ class DPStrategy(DDPStrategy):
         bands: b for ``noise="banded"``: the data is split into b groups and step t
             Poisson-samples group t mod b; the noise history costs (b − 1)·d floats.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
+        secure_mode: draw the noise and the Poisson sampling from the operating system's CSPRNG,
+            with the Holohan & Braghin (2021) mitigation against floating-point attacks on the
+            Gaussian (:mod:`lightning_dp.mechanism.csprng`). Slower (README: secure mode); for
+            models you publish when the attacker may see the floating-point output. Works with
+            ``noise="gaussian"`` and ``GaussianNoise``-free runs only (not banded noise, not
+            DP-SignSGD, no ``sampler_seed``).
         resume_privacy: what a resumed run does when σ, C, ``target_epsilon`` or
             ``target_delta`` differ from its checkpoint's: ``"strict"`` (default) refuses
             with an error naming both values; ``"new"`` applies this run's σ and C from the
@@ -135,6 +142,7 @@ class DPStrategy(DDPStrategy):
         noise: Optional[Union[str, NoiseMechanism]] = None,
         bands: int = 1,
         sampler_seed: Optional[int] = None,
+        secure_mode: bool = False,
         resume_privacy: Literal["strict", "new"] = "strict",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -175,6 +183,13 @@ class DPStrategy(DDPStrategy):
         if per_sample != "auto":
             make_engine(per_sample)  # fail fast on an unknown name
         self._noise = _make_noise(noise, bands)
+        self.secure_mode = bool(secure_mode)
+        if self.secure_mode:
+            if sampler_seed is not None:
+                raise ValueError("secure_mode draws the sampling from the OS's CSPRNG: remove sampler_seed")
+            if noise not in (None, "gaussian"):
+                raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
+            self._noise = SecureGaussianNoise()
         self._bands = int(getattr(self._noise, "bands", 1))
         self._sampler_seed = sampler_seed
         self._ledger = PrivacyLedger()
@@ -342,6 +357,9 @@ class DPStrategy(DDPStrategy):
         reduce = partial(flat_all_reduce, all_reduce=dist.all_reduce) if self._distributed else None
         self._privatizer = Privatizer(self._noise, reduce=reduce, adds_noise=self.global_rank == 0)
         if getattr(self.optimizers[0], "mechanism", None) == "sign_vote":
+            if self.secure_mode:
+                raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not "
+                                                "cover it yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
             if self._bands > 1:
                 raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
             world = self.num_nodes * self.num_processes
@@ -393,7 +411,7 @@ class DPStrategy(DDPStrategy):
             raise PrivacyConfigurationError(str(err)) from err
         self._steps_per_epoch = min_sep_steps_per_epoch(self._sample_rate, self._bands)
         sampler = MinSepPoissonBatchSampler(
-            n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed
+            n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed, self.secure_mode
         )
         sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
         self._batches = RecordedBatches(sampler, population.indices)

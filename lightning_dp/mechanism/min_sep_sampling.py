@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_dp.mechanism.banded_coefficients import check_bands
+from lightning_dp.mechanism.csprng import secure_uniform
 from lightning_dp.mechanism.seeding import secure_seed
 
 
@@ -41,6 +42,8 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
         world_size: number of shards.
         seed: seed of the sampler's private generator; ``None`` draws one from the OS.
             Batch membership is secret: never derive it from a public seed in production.
+        secure: draw the inclusion uniforms from the OS's CSPRNG (:mod:`.csprng`) instead of a
+            seeded torch generator (``seed`` must then be ``None``).
 
     Example:
         >>> s = MinSepPoissonBatchSampler(100, 0.5, steps_per_epoch=8, bands=4, seed=0)
@@ -57,7 +60,10 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         seed: Optional[int] = None,
+        secure: bool = False,
     ) -> None:
+        if secure and seed is not None:
+            raise ValueError("a secure sampler draws from the OS's CSPRNG: it takes no seed")
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if not 0.0 < sample_rate <= 1.0:
@@ -77,6 +83,7 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
         shard = torch.arange(rank, num_samples, world_size)
         self.groups: list[torch.Tensor] = [shard[g :: self.bands] for g in range(self.bands)]
         self.step = 0
+        self.secure = secure
         self._generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
 
     def group_of(self, index: int) -> int:
@@ -91,7 +98,8 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps_per_epoch):
             members = self.groups[self.step % self.bands]
-            keep = torch.rand(len(members), generator=self._generator) < self.sample_rate
+            uniforms = secure_uniform(len(members)) if self.secure else torch.rand(len(members), generator=self._generator)
+            keep = uniforms < self.sample_rate
             self.step += 1
             yield members[keep].tolist()
 
