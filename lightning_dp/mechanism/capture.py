@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
+from lightning_dp.mechanism.root_parameters import RootParameters
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
@@ -255,6 +256,7 @@ class ActivationCapture:
         self._suspended = False
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
         self._rng: Optional[Any] = None
+        self.roots = RootParameters(lambda: None if self._suspended else self.expected)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -267,11 +269,16 @@ class ActivationCapture:
 
     def attach(self, layers: Sequence[tuple[str, nn.Module]],
                reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None,
-               time_major: frozenset[int] = frozenset()) -> None:
+               time_major: frozenset[int] = frozenset(), root: Optional[nn.Module] = None) -> None:
         """Register a forward hook on every ``(name, module)``; ``reducer_for(module)`` picks
         the layers reduced during backward (default: none); layers whose ``id`` is in ``time_major``
-        are position-wise layers called on ``[T, B, …]`` (:func:`~.example_dims.time_major_layers`)."""
+        are position-wise layers called on ``[T, B, …]`` (:func:`~.example_dims.time_major_layers`).
+        With ``root``, ``[1, …]`` parameters read directly in its non-leaf modules are captured too
+        (:mod:`.root_parameters`)."""
         self.detach()
+        if root is not None:
+            covered = {id(m) for _, layer in layers for m in layer.modules()}
+            self.roots.attach(root, lambda m: id(m) in covered)
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls
@@ -357,6 +364,7 @@ class ActivationCapture:
 
     def clear(self) -> None:
         """Drop every captured tensor (called after each step)."""
+        self.roots.clear()
         for calls in self._calls.values():
             calls.records.clear()
             calls.reduced.clear()
@@ -369,4 +377,5 @@ class ActivationCapture:
             h.remove()
         self._handles.clear()
         self._calls.clear()
+        self.roots.detach()
         self.expected = None

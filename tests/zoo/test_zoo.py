@@ -152,3 +152,16 @@ def test_auto_serves_torch_attention_and_rnns_without_opacus():
 
     for model in (zoo.TorchAttention(), zoo.TorchEncoderLayer(), zoo.TorchRecurrent("LSTM", False)):
         assert select_engine(model) == "ghost"
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_root_owned_tokens_are_exact(engine):
+    """cls_token / pos_embed read in the root's forward and broadcast over the batch (timm ViT)."""
+    strategy = zoo.assert_exact(zoo.ViTClassifier, zoo.token_data(), per_sample=engine)
+    assert type(strategy.lightning_module.vit) is zoo.TinyViT  # the read interception is undone
+
+
+def test_auto_keeps_root_owned_tokens_on_ghost():
+    from lightning_dp.mechanism.grad_sample import select_engine
+
+    assert select_engine(zoo.ViTClassifier()) == "ghost"

@@ -243,6 +243,31 @@ class TorchRecurrent(Base):
         return F.cross_entropy(self.head(torch.tanh(last)), y[:, 0])
 
 
+class TinyViT(nn.Module):
+    """timm's habit: cls_token [1, 1, d] and pos_embed [1, T+1, d] owned by the root, broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, T + 1, D) * 0.1)
+        self.patch, self.norm, self.head = nn.Linear(1, D), nn.LayerNorm(D), nn.Linear(D, 3)
+
+    def forward(self, x):  # x: [B, T] "pixels"
+        h = self.patch(x.unsqueeze(-1).float().to(self.patch.weight.dtype) / V)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1) + self.pos_embed
+        return self.head(self.norm(torch.tanh(h))[:, 0])
+
+
+class ViTClassifier(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = TinyViT()
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.vit(x), y[:, 0] % 3)
+
+
 # ---------------------------------------------------------------- vector models
 def vector_data(seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)

@@ -42,6 +42,7 @@ from lightning_dp.mechanism.capture import (
     owners_of,
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
+from lightning_dp.mechanism.root_parameters import expandable
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -70,14 +71,16 @@ def structural_problems(module: nn.Module) -> list[str]:
         if is_unit(sub):
             units.append(name)
             continue
-        own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+        own = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         label = f"{name or '<root>'} ({type(sub).__name__})"
         if isinstance(sub, _BATCH_MIXING):
             problems.append(f"{label}: mixes examples")
         elif any(True for _ in sub.children()):
-            problems.append(f"{label}: owns parameters and has child modules")
+            unserved = [pname for pname, p in own if not expandable(p)]  # [1, …] ones: root_parameters.py
+            if unserved:
+                problems.append(f"{label}: owns parameters {unserved} (not of shape [1, …]) and has child modules")
     return problems
 
 
@@ -98,7 +101,7 @@ def step_batch_size(capture: ActivationCapture, layers: dict[int, LayerCalls]) -
     Without :meth:`~ActivationCapture.begin_step`, n is inferred (and must agree across layers)."""
     n = capture.expected
     check_example_dim(capture.mismatched(), n)
-    check_something_captured(bool(layers), n)
+    check_something_captured(bool(layers) or bool(capture.roots.grads), n)
     if n is None:
         return batch_size_of_calls(layers) if layers else 0
     return n
@@ -261,7 +264,7 @@ class FunctorchVmapEngine(GradSampleEngine):
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module that owns parameters."""
         self._owners = owners_of(module)
-        self._capture.attach(leaf_layers(module), time_major=frozenset(time_major_layers(module)))
+        self._capture.attach(leaf_layers(module), time_major=frozenset(time_major_layers(module)), root=module)
 
     def begin_step(self, num_examples: Optional[int]) -> None:
         """Drop earlier captures; verify this step's calls against ``num_examples``."""
@@ -290,11 +293,17 @@ class FunctorchVmapEngine(GradSampleEngine):
     def _grad_samples(self, params: Sequence[nn.Parameter]) -> list[Tensor]:
         layers = self._capture.completed()
         n = step_batch_size(self._capture, layers)
-        if not layers:
+        roots = self._capture.roots
+        if not layers and not roots.grads:
             return [p.new_zeros((0, *p.shape)) for p in params]
         per_layer: dict[int, dict[str, Tensor]] = {}
         samples = []
         for p in params:
+            if roots.owns(p):
+                if id(p) not in roots.grads:
+                    raise missing_message(p, self._owners.get(p, []))
+                samples.append(roots.grads[id(p)])
+                continue
             acc = None
             for mod, mname, pname in self._owners.get(p, []):
                 if id(mod) not in layers:

@@ -603,7 +603,7 @@ class GhostEngine(GradSampleEngine):
         self.detach()
         self._owners = owners_of(module)
         leaves = leaf_layers(module)
-        self._capture.attach(leaves, reducer_for, frozenset(time_major_layers(module)))
+        self._capture.attach(leaves, reducer_for, frozenset(time_major_layers(module)), root=module)
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)
@@ -649,7 +649,7 @@ class GhostEngine(GradSampleEngine):
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
         stats = self._layer_stats(params, layers, n, scale, with_squares)
-        shared = [p for p in params if len(self._owners[p]) > 1]
+        shared = [p for p in params if len(self._owners[p]) > 1 and not self._capture.roots.owns(p)]
         reps = {p: self._representations(p, stats, layers, n, scale, with_squares, set(params)) for p in shared}
         sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
@@ -675,7 +675,13 @@ class GhostEngine(GradSampleEngine):
         """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner)."""
         wanted_set = set(params)
         stats: dict[int, LayerStats] = {}
+        roots = self._capture.roots
         for p in params:
+            if roots.owns(p):  # read directly in a non-leaf module (root_parameters.py)
+                if id(p) not in roots.grads:
+                    raise missing_message(p, self._owners.get(p, []))
+                stats[id(p)] = MaterialisedStats({p: roots.grads[id(p)]}, scale)
+                continue
             owners = self._owners.get(p, [])
             if not owners or any(id(mod) not in layers for mod, _, _ in owners):
                 raise missing_message(p, owners)
