@@ -200,6 +200,10 @@ def owners_of(module: nn.Module) -> dict[Tensor, list[tuple[nn.Module, str, str]
             lst = owners.setdefault(p, [])
             if all(e[0] is not sub for e in lst):
                 lst.append((sub, mname, pname))
+    for p, lst in owners.items():  # an alias in a parent (Opacus' DPLSTM renames its cells' weights) is no use
+        layers = [e for e in lst if is_unit(e[0]) or not any(True for _ in e[0].children())]
+        if layers and len(layers) < len(lst):
+            owners[p] = layers
     return owners
 
 

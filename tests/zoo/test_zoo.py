@@ -138,11 +138,12 @@ def test_compiled_model_whose_hooks_never_fire_is_refused():
     lambda: zoo.TorchAttention(batch_first=False),
     lambda: zoo.TorchAttention(batch_first=True),
     zoo.TorchEncoderLayer,
+    zoo.OpacusLSTM,
     lambda: zoo.TorchRecurrent("LSTM", batch_first=True),
     lambda: zoo.TorchRecurrent("LSTM", batch_first=False),
     lambda: zoo.TorchRecurrent("GRU", batch_first=False),
     lambda: zoo.TorchRecurrent("RNN", batch_first=True),
-], ids=["mha-time-major", "mha-batch-first", "encoder-layer", "lstm-bf", "lstm-tm", "gru-tm", "rnn-bf"])
+], ids=["mha-time-major", "mha-batch-first", "encoder-layer", "opacus-dplstm", "lstm-bf", "lstm-tm", "gru-tm", "rnn-bf"])
 def test_torch_attention_and_rnns_train_unchanged_and_exact(factory, engine):
     zoo.assert_exact(factory, zoo.token_data(pad=True), per_sample=engine)
 

@@ -268,6 +268,22 @@ class ViTClassifier(Base):
         return F.cross_entropy(self.vit(x), y[:, 0] % 3)
 
 
+class OpacusLSTM(Base):
+    """opacus.layers.DPLSTM (what the docs once said to swap nn.LSTM for): aliases its cells' weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = DPLSTM(D, D, num_layers=1, batch_first=True)
+
+    def loss(self, batch):
+        x, y = batch
+        out, _ = self.rnn(self.emb(x))
+        return per_example_token_mean(self.head(torch.tanh(out)), y)
+
+
 # ---------------------------------------------------------------- vector models
 def vector_data(seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)

@@ -65,6 +65,8 @@ def structural_problems(module: nn.Module) -> list[str]:
     module that also has children (used outside a leaf forward)."""
     problems = []
     units: list[str] = []
+    in_layers = {p for p, owners in owners_of(module).items()
+                 if any(is_unit(m) or not any(True for _ in m.children()) for m, _, _ in owners)}
     for name, sub in module.named_modules():
         if any(name.startswith(u + ".") for u in units):
             continue  # a unit's children are part of the unit (capture.is_unit)
@@ -78,7 +80,8 @@ def structural_problems(module: nn.Module) -> list[str]:
         if isinstance(sub, _BATCH_MIXING):
             problems.append(f"{label}: mixes examples")
         elif any(True for _ in sub.children()):
-            unserved = [pname for pname, p in own if not expandable(p)]  # [1, …] ones: root_parameters.py
+            # [1, …] ones are served by root_parameters.py; aliases of a layer's own parameters are no use
+            unserved = [pname for pname, p in own if not expandable(p) and p not in in_layers]
             if unserved:
                 problems.append(f"{label}: owns parameters {unserved} (not of shape [1, …]) and has child modules")
     return problems
