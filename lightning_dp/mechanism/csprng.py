@@ -34,6 +34,9 @@ from lightning_dp.mechanism.noise import NoiseMechanism
 SUMMED_DRAWS = 4
 """2n of Holohan & Braghin §5.1 (n = 2, as Opacus): Gaussians summed per coordinate."""
 
+CHUNK = 1 << 16
+"""Coordinates per secure draw in :meth:`SecureGaussianNoise.add_noise_` (≈ 10 MiB of float64 temporaries)."""
+
 
 def secure_uniform(count: int) -> Tensor:
     """``count`` float64 uniforms in [0, 1), 53 bits each from ``os.urandom``."""
@@ -62,6 +65,24 @@ def secure_gaussian(count: int) -> Tensor:
 class SecureGaussianNoise(NoiseMechanism):
     """Independent N(0, I) noise from :func:`secure_gaussian` (drawn on the CPU in float64, then cast and
     moved to each tensor's device: on a GPU every step copies a model-sized tensor to the device)."""
+
+    def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
+        """t ← scale_by · t + std · z in place, z from :func:`secure_gaussian`, :data:`CHUNK` coordinates at a
+        time: the float64 temporaries (≈ 100 bytes per coordinate) never exceed one chunk's, and every
+        coordinate gets its own fresh draw."""
+        if not std > 0:
+            raise ValueError(f"std must be > 0, got {std!r}")
+        for t in tensors:
+            if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
+                t.mul_(scale_by).add_(secure_gaussian(t.numel()).view(t.shape).to(t.device, t.dtype), alpha=std)
+                continue
+            flat = t.view(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                piece = flat[start : start + CHUNK]
+                z = secure_gaussian(piece.numel()).to(device=piece.device, dtype=piece.dtype)
+                if scale_by != 1.0:
+                    piece.mul_(scale_by)
+                piece.add_(z, alpha=std)
 
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
