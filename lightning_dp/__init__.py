@@ -5,12 +5,34 @@ Add :class:`DPStrategy` to your Trainer; add callbacks for accounting
 See the README for a quickstart.
 """
 
-from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
-from lightning_dp.callbacks import AdamVariant, PrivacyBudget, SecondMomentMonitor
-from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.losses import per_example_token_mean
-from lightning_dp.optim import DPAdagrad, DPAdam
-from lightning_dp.strategy import DPStrategy
+from typing import TYPE_CHECKING
+
+from lightning_dp._lazy import lazy_exports
+
+_EXPORTS = {
+    "AdamVariant": "lightning_dp.callbacks",
+    "DPAdagrad": "lightning_dp.optim",
+    "DPAdam": "lightning_dp.optim",
+    "DPStrategy": "lightning_dp.strategy",
+    "LedgerEntry": "lightning_dp.accounting.ledger",
+    "PrivacyBudget": "lightning_dp.callbacks",
+    "PrivacyConfigurationError": "lightning_dp.errors",
+    "PrivacyLedger": "lightning_dp.accounting.ledger",
+    "SecondMomentMonitor": "lightning_dp.callbacks",
+    "calibrate_noise": "lightning_dp.accounting.calibration",
+    "epsilon": "lightning_dp.accounting.epsilon",
+    "ledger_epsilon": "lightning_dp.accounting.epsilon",
+    "per_example_token_mean": "lightning_dp.losses",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
+    from lightning_dp.callbacks import AdamVariant, PrivacyBudget, SecondMomentMonitor
+    from lightning_dp.errors import PrivacyConfigurationError
+    from lightning_dp.losses import per_example_token_mean
+    from lightning_dp.optim import DPAdagrad, DPAdam
+    from lightning_dp.strategy import DPStrategy
 
 __version__ = "0.1.0"
 

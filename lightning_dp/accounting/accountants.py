@@ -23,10 +23,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Sequence
 
-import dp_accounting
 import numpy as np
-from dp_accounting.pld import PLDAccountant
-from opacus.accountants import PRVAccountant
 
 from lightning_dp.accounting.ledger import LedgerEntry
 from lightning_dp.accounting.rdp import (
@@ -88,6 +85,9 @@ def integer_rdp_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
 @register_accountant("pld")
 def pld_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
     """dp-accounting's PLD accountant, default settings, add/remove adjacency."""
+    import dp_accounting  # imported on first use: `import lightning_dp` stays light
+    from dp_accounting.pld import PLDAccountant
+
     accountant = PLDAccountant()
     for e in entries:
         event = dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier))
@@ -98,6 +98,8 @@ def pld_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
 @register_accountant("prv")
 def prv_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
     """Opacus' PRV accountant (upper bound of its estimate, ``eps_error = 0.01``)."""
+    from opacus.accountants import PRVAccountant  # imported on first use
+
     accountant = PRVAccountant()
     accountant.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]
     with warnings.catch_warnings(), np.errstate(divide="ignore"):

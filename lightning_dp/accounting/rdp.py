@@ -22,12 +22,11 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
-from opacus.accountants import RDPAccountant
 
 from lightning_dp.accounting.sgm_rdp import RDP_CURVES, check_curve
 
 #: Opacus' default RDP orders (fractional 1.1 … 10.9, then integers 12 … 63).
-RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
+RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
 
 #: The DP-SignSGD paper's coarse grid: integer orders α ∈ {2, …, 20} (ALGORITHMS.md §6).
 INTEGER_ORDERS: tuple[float, ...] = tuple(float(a) for a in range(2, 21))

@@ -30,28 +30,21 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
-from opacus.accountants import PRVAccountant
-from opacus.accountants.rdp import RDPAccountant
-
 from lightning_dp.accounting.calibration import smallest_sigma
-from lightning_dp.accounting.rdp import rdp_to_epsilon, rdp_to_epsilon_mironov, step_rdp
+from lightning_dp.accounting.checks import check_delta, check_sample_rate, check_steps
+from lightning_dp.accounting.rdp import INTEGER_ORDERS, RDP_ORDERS, rdp_to_epsilon, rdp_to_epsilon_mironov, step_rdp
 
 CalibrationMethod = Literal["rdp", "prv", "paper_grid"]
 
-RDP_ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS)
-"""Opacus' default RDP orders (fractional below 11)."""
-
-PAPER_ORDERS: tuple[int, ...] = tuple(range(2, 21))
+PAPER_ORDERS: tuple[int, ...] = tuple(int(a) for a in INTEGER_ORDERS)
 """The seed paper's integer grid (it writes 1 ≤ α ≤ 20; α = 1 is undefined for eq. (9))."""
 
 
 def _check(sample_rate: float, steps: int, delta: float) -> None:
-    if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample_rate (local q) must be in (0, 1], got {sample_rate}")
-    if steps < 1:
+    check_sample_rate(sample_rate)
+    if check_steps(steps) < 1:
         raise ValueError(f"steps (T) must be >= 1, got {steps}")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    check_delta(delta)
 
 
 def epsilon_rdp(
@@ -89,6 +82,8 @@ def epsilon_paper_grid(
 def epsilon_prv(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε of T SGM steps by Opacus' PRV accountant (Gopi et al. 2021); upper estimate."""
     _check(sample_rate, steps, delta)
+    from opacus.accountants import PRVAccountant  # imported on first use
+
     accountant = PRVAccountant()
     accountant.history = [(noise_multiplier, sample_rate, steps)]
     with warnings.catch_warnings():

@@ -110,3 +110,9 @@ def test_bad_input_is_a_clear_value_error(kwargs, match):
 def test_ledger_epsilon_rejects_bad_delta():
     with pytest.raises(ValueError, match="delta"):
         ledger_epsilon(PrivacyLedger(), 2.0)
+
+
+def test_rdp_orders_are_opacus_defaults():
+    from opacus.accountants import RDPAccountant
+
+    assert RDP_ORDERS == tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)

@@ -9,10 +9,9 @@ so nothing per-example outlives :meth:`OpacusHooksEngine.clip_and_sum`.
 from __future__ import annotations
 
 import inspect
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
-from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -26,6 +25,9 @@ from lightning_dp.mechanism.grad_sample.base import (
     register_engine,
 )
 from lightning_dp.mechanism.validators.example_dim import check_example_dim, check_something_captured
+
+if TYPE_CHECKING:
+    from opacus.grad_sample import GradSampleHooks
 
 
 @register_engine
@@ -46,7 +48,7 @@ class OpacusHooksEngine(GradSampleEngine):
         forward hooks that verify each call (example dimension, no keyword tensors)."""
         if self._hooks is not None:
             self.detach()
-        self._hooks = GradSampleHooks(module, batch_first=True, loss_reduction="mean", strict=False)
+        self._hooks = _grad_sample_hooks()(module, batch_first=True, loss_reduction="mean", strict=False)
         self._module = module
         for name, sub in module.named_modules():
             if any(p.requires_grad for p in sub.parameters(recurse=False)):
@@ -170,7 +172,7 @@ def _opacus_hooked(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
 
 def _rule_of(module: nn.Module) -> Optional[object]:
     """Opacus' own per-example rule for this exact type (subclasses go to torch.func), or None."""
-    return GradSampleHooks.GRAD_SAMPLERS.get(type(module))
+    return _grad_sample_hooks().GRAD_SAMPLERS.get(type(module))
 
 
 def _opacus_wrong(module: nn.Module) -> Optional[str]:
@@ -214,3 +216,10 @@ def _takes_more_than_one_argument(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return True
     return len(params) > 1 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+def _grad_sample_hooks() -> Any:
+    """Opacus' ``GradSampleHooks``, imported on first use (``import lightning_dp.mechanism`` stays Opacus-free)."""
+    from opacus.grad_sample import GradSampleHooks
+
+    return GradSampleHooks
