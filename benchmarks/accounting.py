@@ -16,6 +16,7 @@ Prints:
 from __future__ import annotations
 
 import statistics
+import dataclasses
 import time
 import warnings
 
@@ -86,11 +87,17 @@ class Schedule(Callback):
         if not hasattr(self, "q0"):
             self.q0 = strategy.sample_rate
         if self.kind in ("sigma", "jitter"):
-            strategy._noise_multiplier = 1.2 - 0.2 * t
+            strategy.private_step.noise_multiplier = 1.2 - 0.2 * t
         if self.kind == "q":
-            strategy._sample_rate = self.q0 * (0.5 + 0.5 * t)
+            _set_rate(strategy, self.q0 * (0.5 + 0.5 * t))
         if self.kind == "jitter":
-            strategy._sample_rate = self.q0 * (1.0 + 0.1 * ((trainer.global_step * 7919) % 101) / 101)
+            _set_rate(strategy, self.q0 * (1.0 + 0.1 * ((trainer.global_step * 7919) % 101) / 101))
+
+
+def _set_rate(strategy, rate: float) -> None:
+    """Charge the ledger at another q (a benchmark of the accountant only: the sampler keeps its rate)."""
+    step = strategy.private_step
+    step.plan = dataclasses.replace(step.plan, sample_rate=rate)
 
 
 class StepClock(Callback):

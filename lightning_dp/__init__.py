@@ -7,7 +7,7 @@ See the README for a quickstart.
 
 from typing import TYPE_CHECKING
 
-from lightning_dp._lazy import lazy_exports
+from lightning_dp._lazy import after_import, lazy_exports
 
 _EXPORTS = {
     "AdamVariant": "lightning_dp.callbacks",
@@ -25,6 +25,21 @@ _EXPORTS = {
     "per_example_token_mean": "lightning_dp.losses",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
+
+
+def _register_strategy() -> None:
+    import lightning_dp.strategy  # noqa: F401  (registers ``strategy="dp"`` in Lightning's registry)
+
+
+def _register_unified_strategy() -> None:
+    try:
+        import lightning_dp.unified  # noqa: F401  (the same, in lightning.pytorch's registry)
+    except ImportError:  # the unified build needs pytorch_lightning too; without it DPStrategy is unavailable
+        pass
+
+
+after_import("pytorch_lightning", _register_strategy)  # Trainer(strategy="dp"), whichever is imported first
+after_import("lightning.pytorch", _register_unified_strategy)  # L.Trainer(strategy="dp")
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon

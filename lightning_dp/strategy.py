@@ -20,11 +20,12 @@ from __future__ import annotations
 import io
 import logging
 import math
-import warnings
 from datetime import timedelta
 from functools import partial
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Literal, Optional, Union
+
+from typing_extensions import override
 
 import pytorch_lightning as pl
 import torch
@@ -35,47 +36,22 @@ from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.strategies.strategy import Strategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.mechanism import (
-    DEFAULT_REQUEST,
-    EmptySafeCollate,
-    GaussianNoise,
-    MechanismRequest,
-    NoiseMechanism,
-    PrivateOptimizer,
-    Privatizer,
-    Release,
-    flat_all_reduce,
-    make_engine,
-    validate_module,
-    validate_privacy_params,
-)
-from lightning_dp.accounting.banded import rounds_charged_at
+from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
-from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
-from lightning_dp.mechanism.min_sep_sampling import (
-    MinSepPoissonBatchSampler,
-    group_sample_rate,
-    min_sep_steps_per_epoch,
-)
-from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine
-from lightning_dp.mechanism.grad_sample.auto import select_engine
-from lightning_dp.mechanism.grad_sample.base import merge_clipped
-from lightning_dp.mechanism.recorded_batches import RecordedBatches
-from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
-from lightning_dp.mechanism.validators.loaders import training_population
-from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, probe_tolerance
+from lightning_dp.mechanism.diagnostics import StepDiagnostics
+from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
 
 log = logging.getLogger(__name__)
 
@@ -164,117 +140,117 @@ class DPStrategy(DDPStrategy):
             start_method=start_method,
         )
         _check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
-        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
-        self._noise_multiplier = float(noise_multiplier) if noise_multiplier is not None else None
-        self._requested_sigma = self._noise_multiplier
         if resume_privacy not in ("strict", "new"):
             raise ValueError(f"resume_privacy must be 'strict' or 'new', got {resume_privacy!r}")
-        self.resume_privacy = resume_privacy
-        self._max_grad_norm = float(max_grad_norm)
-        self.target_epsilon = target_epsilon
-        self.target_delta = target_delta
-        self.accountant = accountant
-        self._engine_name = per_sample
         if max_physical_batch_size is not None and max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
-        self.max_physical_batch_size = max_physical_batch_size
-        self._pending: Optional[ClippedBatch] = None
-        self._request: MechanismRequest = DEFAULT_REQUEST
-        if per_sample != "auto":
-            make_engine(per_sample)  # fail fast on an unknown name
-        self._noise = _make_noise(noise, bands)
-        self.secure_mode = bool(secure_mode)
-        if self.secure_mode:
+        mechanism = _make_noise(noise, bands)
+        if secure_mode:
             if sampler_seed is not None:
                 raise ValueError("secure_mode draws the sampling from the OS's CSPRNG: remove sampler_seed")
             if noise not in (None, "gaussian"):
                 raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
-            self._noise = SecureGaussianNoise()
-        self._bands = int(getattr(self._noise, "bands", 1))
-        self._sampler_seed = sampler_seed
-        self._ledger = PrivacyLedger()
-        self._engine: Optional[GradSampleEngine] = None
-        self._privatizer: Optional[Privatizer] = None
-        self._sample_rate: Optional[float] = None
-        self._expected_batch_size: Optional[float] = None
-        self._num_samples: Optional[int] = None
-        self._steps_per_epoch: Optional[int] = None
-        self._last_release: Optional[Release] = None
-        self._local_batch_size = -1
-        self._standin_source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
-        self._batches: Optional[RecordedBatches] = None
-        self._probed = False
-        self._sign_privatizer: Optional[SignVotePrivatizer] = None
-        self._diagnostics_enabled = False
-        self._diagnostics: Optional[StepDiagnostics] = None
+            mechanism = SecureGaussianNoise()
+        self.private_step = PrivateStep(
+            noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
+        )
+        """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
+        self._requested_sigma = self.private_step.noise_multiplier
+        self.resume_privacy = resume_privacy
+        self.secure_mode = bool(secure_mode)
+        self.max_physical_batch_size = max_physical_batch_size
+        self._examples_this_step = -1
 
     def __repr__(self) -> str:
         # Shown in Lightning's own "invalid strategy" error when a Trainer of the other namespace gets
         # this object: the repr names the import that fixes it.
         other = ("lightning_dp.DPStrategy (for pytorch_lightning)" if pl.__name__ != "pytorch_lightning"
                  else "lightning_dp.unified.DPStrategy (for `import lightning as L`)")
-        sigma = self._noise_multiplier if self._noise_multiplier is not None else f"target ε={self.target_epsilon}"
-        return (f"DPStrategy(noise_multiplier={sigma}, max_grad_norm={self._max_grad_norm}) built on {pl.__name__}; "
+        step = self.private_step
+        sigma = step.noise_multiplier if step.noise_multiplier is not None else f"target ε={step.target_epsilon}"
+        return (f"DPStrategy(noise_multiplier={sigma}, max_grad_norm={step.max_grad_norm}) built on {pl.__name__}; "
                 f"with the other package use {other}")
 
-    # ------------------------------------------------------------------ public state
+    # ------------------------------------------------------------------ public state (the private step's)
     @property
     def ledger(self) -> PrivacyLedger:
         """Every noisy release of this run (restored from checkpoints on resume)."""
-        return self._ledger
+        return self.private_step.ledger
 
     @property
     def noise_multiplier(self) -> float:
         """σ in use (calibrated from ``target_epsilon`` once the train loader is known)."""
-        if self._noise_multiplier is None:
+        if self.private_step.noise_multiplier is None:
             raise RuntimeError("σ is calibrated from target_epsilon when training starts; it is not known yet.")
-        return self._noise_multiplier
+        return self.private_step.noise_multiplier
 
     @property
     def max_grad_norm(self) -> float:
         """C, the per-example clipping norm."""
-        return self._max_grad_norm
+        return self.private_step.max_grad_norm
+
+    @property
+    def target_epsilon(self) -> Optional[float]:
+        """The ε σ is calibrated for (``None`` when σ was given)."""
+        return self.private_step.target_epsilon
+
+    @property
+    def target_delta(self) -> Optional[float]:
+        """δ of ``target_epsilon`` (``None`` when σ was given)."""
+        return self.private_step.target_delta
+
+    @target_delta.setter
+    def target_delta(self, delta: Optional[float]) -> None:
+        self.private_step.target_delta = delta
+
+    @property
+    def accountant(self) -> str:
+        """The accountant σ is calibrated with (a name of :func:`lightning_dp.accounting.available_accountants`)."""
+        return self.private_step.accountant
 
     @property
     def sample_rate(self) -> Optional[float]:
         """Global Poisson rate q = B / N (``None`` before the train loader is built)."""
-        return self._sample_rate
+        plan = self.private_step.plan
+        return None if plan is None else plan.sample_rate
 
     @property
     def expected_batch_size(self) -> Optional[float]:
         """Global expected batch B = world_size × loader batch_size."""
-        return self._expected_batch_size
+        plan = self.private_step.plan
+        return None if plan is None else plan.expected_batch_size
 
     @property
     def num_samples(self) -> Optional[int]:
         """N, the size of the training set."""
-        return self._num_samples
+        plan = self.private_step.plan
+        return None if plan is None else plan.num_samples
 
     @property
     def steps_per_epoch(self) -> Optional[int]:
         """Logical steps per epoch, round(1/q)."""
-        return self._steps_per_epoch
+        plan = self.private_step.plan
+        return None if plan is None else plan.steps_per_epoch
 
     @property
     def rounds_charged_next_step(self) -> int:
         """Sampled-Gaussian rounds the next optimizer step adds to the ledger: 1 with independent
         noise; with banded noise 1 on the first step of each cycle of b steps and 0 on the others
-        (Choquette-Choo et al. 2023, Thm. 5; :func:`~lightning_dp.accounting.banded.rounds_charged_at`).
-        :class:`~lightning_dp.callbacks.PrivacyBudget` uses it to stop exactly at the budget."""
-        if self._bands <= 1 or self._sign_privatizer is not None:
-            return 1
+        (Choquette-Choo et al. 2023, Thm. 5). :class:`~lightning_dp.callbacks.PrivacyBudget` uses it
+        to stop exactly at the budget."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return rounds_charged_at(trainer.global_step if trainer is not None else 0, self._bands)
+        return self.private_step.rounds_at(trainer.global_step if trainer is not None else 0)
 
     @property
     def last_release(self) -> Optional[Release]:
         """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
-        return self._last_release
+        return self.private_step.last_release
 
     @property
     def non_private_diagnostics(self) -> Optional[StepDiagnostics]:
         """Un-noised statistics of the last step, or ``None`` unless enabled (NOT private)."""
-        return self._diagnostics
+        return self.private_step.diagnostics
 
     def enable_non_private_diagnostics(self) -> None:
         """Compute :class:`~lightning_dp.mechanism.diagnostics.StepDiagnostics` every step.
@@ -282,24 +258,25 @@ class DPStrategy(DDPStrategy):
         They are read from un-noised per-example data: anything logged from them is not
         covered by the DP guarantee (the model still is). Warns once.
         """
-        if not self._diagnostics_enabled:
+        if not self.private_step.diagnostics_enabled:
             rank_zero_warn(
                 "DPStrategy: non-private diagnostics enabled. Statistics computed from un-noised "
                 "per-example gradients (clean clipped mean, norms, clip fraction) are NOT covered by the "
                 "differential-privacy guarantee; the trained model still is. Do not publish these logs."
             )
-        self._diagnostics_enabled = True
+        self.private_step.diagnostics_enabled = True
 
     @property
     def engine_name(self) -> str:
-        """Name of the per-example gradient engine in use."""
-        return self._engine_name
+        """Name of the per-example gradient engine in use (``"auto"`` until chosen at setup)."""
+        return self.private_step.engine_name
 
     # ------------------------------------------------------------------ processes
     @property
     def _distributed(self) -> bool:
         return self.num_nodes * self.num_processes > 1
 
+    @override
     def _configure_launcher(self) -> None:
         # One process: no launcher. fork/spawn: Lightning's, also returning the privacy state.
         if not self._distributed:
@@ -309,6 +286,7 @@ class DPStrategy(DDPStrategy):
         else:
             self._launcher = _PrivacyStateLauncher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
         """Set up the device; the process group only with several processes."""
         if self._distributed:
@@ -317,6 +295,7 @@ class DPStrategy(DDPStrategy):
             Strategy.setup_environment(self)
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Check the configuration, move the model, build optimizers and the mechanism."""
         assert self.accelerator is not None and self.model is not None
@@ -330,51 +309,27 @@ class DPStrategy(DDPStrategy):
             _sync_module_states(self.model)  # replicas start identical; no DDP wrapper (see module doc)
         if fitting:
             _setup_optimizers(self, trainer)
-            self._setup_mechanism()
+            self._attach()
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _setup_mechanism(self) -> None:
-        module = self.lightning_module
-        problems = validate_module(module)
-        if problems:
-            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
-        if self._engine_name == "auto":
-            try:
-                self._engine_name = select_engine(module)
-            except ValueError as err:
-                raise PrivacyConfigurationError(str(err)) from err
-        engine = make_engine(self._engine_name)
-        problems = [
-            f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
-            for name in engine.unsupported_layers(module)
-        ]
-        if problems:
-            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
-        engine.attach(module)
-        self._engine = engine
-        reduce = partial(flat_all_reduce, all_reduce=dist.all_reduce) if self._distributed else None
-        self._privatizer = Privatizer(self._noise, reduce=reduce, adds_noise=self.global_rank == 0)
-        if getattr(self.optimizers[0], "mechanism", None) == "sign_vote":
-            if self.secure_mode:
-                raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not "
-                                                "cover it yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
-            if self._bands > 1:
-                raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
-            world = self.num_nodes * self.num_processes
-            self._sign_privatizer = SignVotePrivatizer(dist.all_reduce if self._distributed else None, world)
+    def _attach(self) -> None:
+        world = self.num_nodes * self.num_processes
+        where = Distribution(self.global_rank, world, dist.all_reduce if self._distributed else None)
+        engine = self.private_step.attach(self.lightning_module, self.optimizers[0], where)
+        if self.private_step.mechanism == "sign_vote":
             rank_zero_info(f"DPStrategy: DP-SignSGD majority vote over {world} worker(s), each adding its own noise")
-        rank_zero_info(f"DPStrategy: per-example gradients by engine '{engine.name}'")
+        rank_zero_info(f"DPStrategy: per-example gradients by engine '{engine}'")
 
+    @override
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown."""
-        if self._engine is not None:
-            self._engine.detach()
-            self._engine = None
+        self.private_step.detach()
         super().teardown()
 
     # ------------------------------------------------------------------ data
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Rebuild the training loader around Poisson sampling (other stages untouched)."""
         trainer = self.lightning_module.trainer
@@ -386,77 +341,24 @@ class DPStrategy(DDPStrategy):
             )
         if dataloader.batch_size is None and dataloader.batch_sampler is None:
             dataloader = _loader_before_sampler_injection(trainer, dataloader)
-        loader = self._poisson_loader(dataloader)
-        self._maybe_calibrate(trainer)
+        loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
+        self._calibrate(trainer)
         return loader
 
-    def _poisson_loader(self, dl: DataLoader) -> DataLoader:
-        dataset = dl.dataset
-        population = training_population(dl)  # refuses samplers Poisson sampling cannot stand in for
-        n, batch_size = population.num_samples, population.batch_size
-        world = self.num_nodes * self.num_processes
-        expected = batch_size * world
-        if expected > n:
-            raise PrivacyConfigurationError(
-                f"Expected global batch {expected} (= {world} processes × batch_size {batch_size}) exceeds the "
-                f"number of training examples {n}: lower batch_size."
-            )
-        self._num_samples, self._expected_batch_size = n, float(expected)
-        seed = None if self._sampler_seed is None else self._sampler_seed + self.global_rank
-        # Poisson sampling is the b = 1 case of b-min-separated participation: step t samples
-        # group t mod b at the within-group rate q_g = bB/N (q = B/N for b = 1).
-        try:
-            self._sample_rate = group_sample_rate(expected, n, self._bands)
-        except ValueError as err:
-            raise PrivacyConfigurationError(str(err)) from err
-        self._steps_per_epoch = min_sep_steps_per_epoch(self._sample_rate, self._bands)
-        sampler = MinSepPoissonBatchSampler(
-            n, self._sample_rate, self._steps_per_epoch, self._bands, self.global_rank, world, seed, self.secure_mode
-        )
-        sampler.step = self.lightning_module.trainer.global_step  # continue the group cycle on resume
-        self._batches = RecordedBatches(sampler, population.indices)
-        kwargs: dict[str, Any] = dict(
-            num_workers=dl.num_workers,
-            collate_fn=EmptySafeCollate(dataset, dl.collate_fn),
-            pin_memory=dl.pin_memory,
-            timeout=dl.timeout,
-            worker_init_fn=dl.worker_init_fn,
-            multiprocessing_context=dl.multiprocessing_context,
-            persistent_workers=dl.persistent_workers,
-        )
-        if dl.num_workers > 0:
-            kwargs["prefetch_factor"] = dl.prefetch_factor
-        self._standin_source = (dataset, dl.collate_fn)
-        return DataLoader(dataset, batch_sampler=self._batches, **kwargs)
-
-    def _maybe_calibrate(self, trainer: "pl.Trainer") -> None:
-        assert self._num_samples is not None and self._sample_rate is not None
-        if self.target_delta is not None and self.target_delta >= 1.0 / self._num_samples:
-            rank_zero_warn(
-                f"target_delta={self.target_delta} is not below 1/N = {1.0 / self._num_samples:.3g}: a mechanism "
-                "that publishes one random example outright satisfies such a δ. Use δ ≪ 1/N (e.g. N^-1.1)."
-            )
-        if self.target_epsilon is None or self._noise_multiplier is not None:
+    def _calibrate(self, trainer: "pl.Trainer") -> None:
+        step = self.private_step
+        if step.target_epsilon is None or step.noise_multiplier is not None:
+            step.calibrate(0)  # only the δ ≥ 1/N warning
             return
-        from lightning_dp.accounting import calibrate_noise
-        from lightning_dp.accounting.banded import calibrate_banded_noise
-
-        steps = planned_steps(trainer, self._steps_per_epoch or 1)
-        assert self.target_delta is not None
-        if self._bands == 1:
-            sigma = calibrate_noise(self.target_epsilon, self.target_delta, self._sample_rate, steps, self.accountant)
-        else:
-            sigma = calibrate_banded_noise(
-                self.target_epsilon, self.target_delta, self._sample_rate, steps, self._bands, self.accountant
-            )
-        validate_privacy_params(sigma, self._max_grad_norm)
-        self._noise_multiplier = float(sigma)
+        steps = planned_steps(trainer, self.steps_per_epoch or 1)
+        sigma = step.calibrate(steps)
         rank_zero_info(
-            f"DPStrategy: σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} "
-            f"over {steps} steps with q = {self._sample_rate:.5g} ({self.accountant} accountant)"
+            f"DPStrategy: σ = {sigma:.4f} calibrated for ε = {step.target_epsilon} at δ = {step.target_delta} "
+            f"over {steps} steps with q = {self.sample_rate:.5g} ({step.accountant} accountant)"
         )
 
     # ------------------------------------------------------------------ the private step
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the user's ``training_step`` on the sampled examples, verified.
 
@@ -472,20 +374,17 @@ class DPStrategy(DDPStrategy):
         values have batch size 0 (they do not enter epoch means); an ``on_step`` value is that
         of the stand-in.
         """
-        assert self._engine is not None
-        if self._batches is None:
-            raise RuntimeError("DPStrategy: the training loader was not rebuilt for Poisson sampling.")
-        indices = self._batches.take()
-        n = len(indices)
-        self._local_batch_size = n
-        if not self._probed:
-            self._run_probe()
+        step = self.private_step
+        indices = step.take()
+        n = self._examples_this_step = len(indices)
+        if not step.verified:
+            self._verify()
         if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
-                self._engine.begin_step(0)
+                step.begin(0)
                 return torch.zeros((), device=self.root_device, requires_grad=True)
-            args, kwargs = _with_batch(args, kwargs, self._standin_batch())
+            args, kwargs = _with_batch(args, kwargs, self._collated([0]))
             n = 1
         limit = self.max_physical_batch_size
         if limit is not None and n > limit:
@@ -494,56 +393,33 @@ class DPStrategy(DDPStrategy):
             for head in heads:
                 self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)))
             args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
-        self._engine.begin_step(n)
-        return _mean_loss(super().training_step(*args, **kwargs), n)
+        step.begin(n)
+        return mean_loss(super().training_step(*args, **kwargs), n)
 
     def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward + backward one physical batch of n examples and bank its clipped sums (no noise yet)."""
-        assert self._engine is not None
-        self._engine.begin_step(n)
-        loss = _mean_loss(super().training_step(*args, **kwargs), n)
+        self.private_step.begin(n)
+        loss = mean_loss(super().training_step(*args, **kwargs), n)
         loss = loss["loss"] if isinstance(loss, dict) else loss
         self.lightning_module.backward(loss)
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        part = self._engine.clip_and_sum(params, self._max_grad_norm, self._request.scale, self._request.second_moment)
-        self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+        self.private_step.bank()
 
-    def _run_probe(self) -> None:
-        """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on fixed examples."""
-        assert self._engine is not None and self._batches is not None and self._standin_source is not None
+    def _verify(self) -> None:
+        """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on the user's ``training_step``."""
         module = self.lightning_module
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        world = self.num_nodes * self.num_processes
-        indices = self._batches.first_indices(PROBE_EXAMPLES, self._num_samples or 0, self.global_rank, world)
 
-        def loss_of(idx: list[int]) -> Tensor:
-            batch = self._collated(idx)
+        def loss_of(batch: Any) -> Any:
             with self.precision_plugin.train_step_context(), _silenced_logging(module):
-                out = module.training_step(batch, 0)
-            loss = _mean_loss(out, len(idx))
-            loss = loss["loss"] if isinstance(loss, dict) else loss
-            if not isinstance(loss, Tensor):
-                raise PrivacyConfigurationError(
-                    f"training_step returned {type(out).__name__}, not a loss: DPStrategy needs the mean loss "
-                    "(or the vector of per-example losses) on every step; skipping a sampled batch would depend "
-                    "on private data.")
-            return loss
+                return module.training_step(batch, 0)
 
-        low = "16" in str(self.lightning_module.trainer.precision)
-        tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low)
-        ExampleIndependenceProbe(module, self._engine, [p for _, p in named], [n for n, _ in named], loss_of,
-                                 tol).run(indices)
-        self._probed = True
-
-    def _standin_batch(self) -> Any:
-        return self._collated([0])
+        low = "16" in str(module.trainer.precision)
+        self.private_step.verify(loss_of, low_precision=low, to_device=self.batch_to_device, what="training_step")
 
     def _collated(self, indices: list[int]) -> Any:
         """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
-        assert self._standin_source is not None
-        dataset, collate = self._standin_source
-        return self.batch_to_device(collate([dataset[i] for i in indices]))
+        return self.batch_to_device(self.private_step.examples(indices))
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -552,71 +428,30 @@ class DPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Run the optimizer on the private gradient: the closure is wrapped to privatise."""
-        request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
-        private_closure = partial(self._private_closure, optimizer, closure, request)
+        private_closure = partial(self._private_closure, optimizer, closure)
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)
 
-    def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any], request: MechanismRequest) -> Any:
-        if self._engine is None or self._privatizer is None or self._sample_rate is None:
-            raise RuntimeError("DPStrategy: the mechanism is not set up (was the training loader processed?)")
-        self._request, self._pending = request, None
+    def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        step = self.private_step
+        step.expect_request(optimizer)
         loss = closure()
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        batch = self._engine.clip_and_sum(params, self._max_grad_norm, request.scale, request.second_moment)
-        if self._pending is not None:  # earlier physical batches of this logical batch
-            batch, self._pending = merge_clipped(self._pending, batch), None
-        if self._local_batch_size == 0:
-            batch = _empty_clipped_batch(batch)  # a stand-in example's gradient (see training_step)
-        expected = self._expected_batch_size or 1.0
-        if self._diagnostics_enabled:
-            self._diagnostics = self._diagnose(batch, params, expected)
-        if self._sign_privatizer is not None:
-            # Per-worker privacy w.r.t. local data: local q equals the global q (shards of N/world).
-            self._sign_privatizer.privatize(batch, params, self.noise_multiplier, self._max_grad_norm)
-            self._ledger.record(self.noise_multiplier, self._sample_rate)
-            return loss
-        if request.second_moment and self._bands > 1:
-            raise PrivacyConfigurationError(
-                "independent_moments draws noise twice per step; banded noise streams one draw per step: "
-                "use noise='gaussian' with this variant."
-            )
-        release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self._max_grad_norm, expected)
-        # Banded noise: one sampled-Gaussian round per cycle of b steps (Choquette-Choo et al. 2023, Thm. 5).
-        charged = rounds_charged_at(self.lightning_module.trainer.global_step, self._bands) if self._bands > 1 else 1
-        self._ledger.record(self.noise_multiplier, self._sample_rate, steps=charged, private=not request.clean_mean)
-        self._last_release = release
-        if isinstance(optimizer, PrivateOptimizer):
-            optimizer.observe_release(release)
+        step.release(self.lightning_module.trainer.global_step, optimizer, empty=self._examples_this_step == 0)
         return loss
 
-    def _diagnose(self, batch: ClippedBatch, params: list[nn.Parameter], expected: float) -> StepDiagnostics:
-        diagnostics = diagnose(batch, params, expected, self._max_grad_norm)  # before the noise is added in place
-        if self._distributed:
-            flat_all_reduce(list(diagnostics.clean_mean.values()), dist.all_reduce)
-            diagnostics = gathered(diagnostics)  # norms, clip fraction: every rank's examples
-        return diagnostics
-
     # ------------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Add the ledger (and σ, noise state) to the checkpoint, then write it."""
-        checkpoint[_CHECKPOINT_KEY] = {
-            "ledger": self._ledger.state_dict(),
-            "noise_multiplier": self._noise_multiplier,
-            "noise": self._noise.state_dict(),
-            "max_grad_norm": self._max_grad_norm,
-            "target_epsilon": self.target_epsilon,
-            "target_delta": self.target_delta,
-        }
+        """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it."""
+        checkpoint[_CHECKPOINT_KEY] = self.private_step.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(_CHECKPOINT_KEY)
         if state is not None:
-            if self._resume_changes(state):
-                state = {k: v for k, v in state.items() if k != "noise_multiplier"}  # the new σ stays
-            self._restore_privacy_state(state)
+            self.private_step.load_state_dict(state, keep_noise_multiplier=self._resume_changes(state))
         else:
             rank_zero_warn(
                 f"Checkpoint {checkpoint_path} has no privacy ledger (not written by DPStrategy): "
@@ -627,15 +462,7 @@ class DPStrategy(DDPStrategy):
     def _resume_changes(self, state: dict[str, Any]) -> bool:
         """Compare this run's privacy arguments with the checkpoint's: an error (``resume_privacy="strict"``),
         or a logged switch to the new σ and C (``"new"``). Returns whether the new values apply."""
-        def differs(new: Optional[float], old: Optional[float]) -> bool:
-            return new is not None and old is not None and not math.isclose(float(new), float(old), rel_tol=1e-9)
-
-        changes = [f"{label}: checkpoint {old}, this run {new}" for label, new, old in (
-            ("noise_multiplier (σ)", self._requested_sigma, state.get("noise_multiplier")),
-            ("max_grad_norm (C)", self._max_grad_norm, state.get("max_grad_norm")),
-            ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
-            ("target_delta", self.target_delta, state.get("target_delta")),
-        ) if differs(new, old)]
+        changes = self.private_step.changes_from(state, self._requested_sigma)
         if not changes:
             return False
         target_changed = any(c.startswith("target_") for c in changes)
@@ -650,14 +477,15 @@ class DPStrategy(DDPStrategy):
                        + ". The ledger records each step's σ, so ε counts both parts exactly.")
         return True
 
-    def _restore_privacy_state(self, state: dict[str, Any]) -> None:
-        self._ledger.load_state_dict(state["ledger"])
-        if state.get("noise_multiplier") is not None:
-            self._noise_multiplier = float(state["noise_multiplier"])
-        self._noise.load_state_dict(state.get("noise", {}))
-        for name in ("sample_rate", "expected_batch_size", "num_samples", "steps_per_epoch"):
-            if state.get(name) is not None:
-                setattr(self, f"_{name}", state[name])
+
+REGISTERED_DEFAULTS: dict[str, float] = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+"""What ``Trainer(strategy="dp")`` builds: ``DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)`` (σ = 1 and C = 1,
+Opacus' example defaults; pass a ``DPStrategy`` instance for anything else). Registered when Lightning and
+``lightning_dp`` are both imported, in either order."""
+
+StrategyRegistry.register(DPStrategy.strategy_name, DPStrategy, description="Differentially private training "
+                          "(lightning_dp): per-example clipping, Gaussian noise, Poisson sampling",
+                          override=True, **REGISTERED_DEFAULTS)
 
 
 class _PrivacyStateLauncher(_MultiProcessingLauncher):
@@ -668,50 +496,30 @@ class _PrivacyStateLauncher(_MultiProcessingLauncher):
     ``strategy.ledger`` would stay empty after ``fit`` (ε spent would read as zero).
     """
 
+    @override
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         strategy = self._strategy
         assert isinstance(strategy, DPStrategy)
-        state = {
-            "ledger": strategy.ledger.state_dict(),
-            "noise_multiplier": strategy._noise_multiplier,
-            "noise": strategy._noise.state_dict(),
-            "sample_rate": strategy.sample_rate,
-            "expected_batch_size": strategy.expected_batch_size,
-            "num_samples": strategy.num_samples,
-            "steps_per_epoch": strategy.steps_per_epoch,
-        }
+        state = strategy.private_step.state_dict()
         buffer = io.BytesIO()
         torch.save(state, buffer)  # bytes, like Lightning's metrics: no shared-memory tensors in the queue
         extra[_CHECKPOINT_KEY] = buffer.getvalue()
         return extra
 
+    @override
     def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if _CHECKPOINT_KEY in extra:
             assert isinstance(self._strategy, DPStrategy)
             state = torch.load(io.BytesIO(extra[_CHECKPOINT_KEY]), weights_only=False)
-            self._strategy._restore_privacy_state(state)
+            self._strategy.private_step.load_state_dict(state)
 
 
 def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if args:
         return (batch, *args[1:]), kwargs
     return args, {**kwargs, "batch": batch}
-
-
-def _mean_loss(out: Any, n: int) -> Any:
-    """The user's ``training_step`` output with a vector of n per-example losses replaced by its mean
-    (the per-example loss convention: each example's loss is its own, the batch loss their mean)."""
-    loss = out.get("loss") if isinstance(out, dict) else out
-    if isinstance(loss, Tensor) and loss.dim() == 1:
-        if loss.shape[0] != n:
-            raise PrivacyConfigurationError(
-                f"training_step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
-                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
-        loss = loss.mean()
-        return {**out, "loss": loss} if isinstance(out, dict) else loss
-    return out
 
 
 @contextmanager
@@ -722,12 +530,6 @@ def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
         yield
     finally:
         del module.log, module.log_dict
-
-
-def _empty_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
-    zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
-    squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
-    return ClippedBatch(zeros, squares, batch.norms[:0], 0)
 
 
 def _make_noise(noise: Optional[Union[str, NoiseMechanism]], bands: int) -> NoiseMechanism:

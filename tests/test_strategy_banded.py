@@ -35,7 +35,7 @@ def test_banded_run_samples_groups_charges_rounds_and_reports_phi_t():
     assert strategy.sample_rate == pytest.approx(q_g)
     assert strategy.ledger.steps == math.ceil(steps / bands)  # one sampled-Gaussian round per cycle
     assert ledger_epsilon(strategy.ledger, 1e-5) == pytest.approx(banded_epsilon(1.0, q_g, steps, bands, 1e-5))
-    noise = strategy._noise
+    noise = strategy.private_step.noise
     assert isinstance(noise, BandedToeplitzNoise)
     for t, std in enumerate(recorder.stds):  # Φ_t = (σC/B)² · phi_factor(t)
         assert std**2 == pytest.approx((1.0 / batch_size) ** 2 * noise.phi_factor(t))
@@ -60,7 +60,7 @@ def test_banded_resume_continues_rounds(tmp_path):
     resumed = DPStrategy(noise_multiplier=1.0, noise="banded", bands=3)
     quiet_trainer(strategy=resumed, max_steps=11).fit(TinyClassifier(), make_loader(120, batch_size=10), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.ledger.steps == 4  # steps 0, 3, 6, 9
-    assert resumed._noise.steps == 11  # 5 restored rows + 6 new: the stream continued from the checkpoint
+    assert resumed.private_step.noise.steps == 11  # 5 restored rows + 6 new: the stream continued from the checkpoint
 
 
 @pytest.mark.parametrize(

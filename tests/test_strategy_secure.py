@@ -19,7 +19,7 @@ def test_secure_update_noise_std_is_sigma_c_over_expected_b():
     strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, secure_mode=True)
     trainer = quiet_trainer(strategy=strategy, max_steps=3, callbacks=[recorder])
     trainer.fit(ZeroGradModule(), DataLoader(TensorDataset(torch.randn(400, 100)), batch_size=batch_size))
-    assert isinstance(strategy._noise, SecureGaussianNoise) and strategy._batches.inner.secure
+    assert isinstance(strategy.private_step.noise, SecureGaussianNoise) and strategy.private_step._batches.inner.secure
     updates = torch.cat(recorder.updates).double()
     ratio = float(updates.pow(2).mean()) / (sigma * C / batch_size) ** 2
     lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], updates.numel()) / updates.numel()

@@ -139,6 +139,13 @@ class BandedToeplitzNoise(NoiseMechanism):
             raise RuntimeError("advance() is for ranks that never sample; this mechanism holds a noise history")
         self._steps += 1
 
+    def rounds_at(self, step: int) -> int:
+        """1 on the first step of each cycle of b steps, else 0 (Choquette-Choo et al. 2023, Thm. 5:
+        :func:`~lightning_dp.accounting.banded.rounds_charged_at`)."""
+        from lightning_dp.accounting.banded import rounds_charged_at  # accounting on first use
+
+        return rounds_charged_at(step, self.bands)
+
     def _row(self, ring: "_Ring", z: Tensor) -> Tensor:
         """(z − Σ_j ĉ_j u_{t−j}) / ĉ_0 as one matrix-vector product over the ring buffer."""
         weights = self._ring_weights(ring.buffer.device, ring.buffer.dtype)[self._steps % (self.bands - 1)]

@@ -40,6 +40,10 @@ class NoiseMechanism(ABC):
     def advance(self) -> None:
         """Count a step on a rank that does not add noise (keeps step-dependent state in sync)."""
 
+    def rounds_at(self, step: int) -> int:
+        """Sampled-Gaussian rounds the ledger is charged for 0-based ``step`` (1: independent noise)."""
+        return 1
+
     def variance_factor(self) -> float:
         """Per-coordinate variance of the last step's unit noise (1 for independent noise).
 

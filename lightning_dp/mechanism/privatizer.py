@@ -20,7 +20,7 @@ sum exactly once.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,25 @@ def validate_privacy_params(noise_multiplier: float, max_grad_norm: float) -> No
         )
     if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm (the clipping norm C) must be a finite number > 0, got {max_grad_norm!r}.")
+
+
+class StepPrivatizer(Protocol):
+    """What the private step asks of a release rule: the noised mean (:class:`Privatizer`) and the
+    DP-SignSGD vote (:class:`~lightning_dp.mechanism.sign_privatizer.SignVotePrivatizer`) both fit."""
+
+    noise: NoiseMechanism
+
+    def privatize(
+        self,
+        batch: ClippedBatch,
+        params: Sequence[nn.Parameter],
+        request: MechanismRequest,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+    ) -> Release:
+        """Write the step's private gradient into ``p.grad`` and describe it."""
+        ...
 
 
 class Privatizer:

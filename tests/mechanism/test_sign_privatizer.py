@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from lightning_dp.mechanism.grad_sample import ClippedBatch
+from lightning_dp.mechanism.release import DEFAULT_REQUEST
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 
 
@@ -9,7 +10,8 @@ def test_one_worker_writes_the_sign_of_the_noisy_sum():
     p = nn.Parameter(torch.zeros(10000))
     sums = torch.linspace(-3, 3, 10000)
     batch = ClippedBatch({p: sums.clone()}, None, torch.ones(4), 4)
-    SignVotePrivatizer(seed=0).privatize(batch, [p], noise_multiplier=1.0, max_grad_norm=1.0)
+    SignVotePrivatizer(seed=0).privatize(batch, [p], DEFAULT_REQUEST, noise_multiplier=1.0, max_grad_norm=1.0,
+                                         expected_batch_size=4.0)
     assert set(p.grad.unique().tolist()) <= {-1.0, 1.0}
     # P(sign = +1) = Φ(S / σC): far positive sums are almost always +1, far negative -1.
     assert (p.grad[sums > 2.5] == 1).float().mean() > 0.97
@@ -25,5 +27,5 @@ def test_vote_goes_through_the_all_reduce():
     def peers_vote_minus_two(t):  # two other workers both voted -1 everywhere
         t.add_(-2)
 
-    SignVotePrivatizer(peers_vote_minus_two, world_size=3, seed=1).privatize(batch, [p], 1e-3, 1.0)
+    SignVotePrivatizer(peers_vote_minus_two, world_size=3, seed=1).privatize(batch, [p], DEFAULT_REQUEST, 1e-3, 1.0, 1.0)
     assert torch.equal(p.grad, -torch.ones(5))

@@ -1,0 +1,474 @@
+"""One private step, Lightning-free: what ``DPStrategy``, a plain PyTorch loop and a sharded
+strategy share. A reader audits the whole mechanism here.
+
+Per logical step t (ALGORITHMS.md, "The mechanism"):
+
+    indices ← the Poisson sampler's batch (never read from the data)        :meth:`PrivateStep.take`
+    S_t     = Σ_i clip_C(g_{t,i}), over one or more physical batches        :meth:`begin`, :meth:`bank`
+    ĝ_t     = (S_t + σ C z_t) / B, noise once (one rank), into p.grad       :meth:`release`
+    ledger += the rounds the noise mechanism charges for step t             (same call)
+
+The release rule is a :class:`~lightning_dp.mechanism.privatizer.StepPrivatizer`, chosen by the
+optimizer's ``mechanism`` marker from :data:`PRIVATIZERS` (the noised mean, or DP-SignSGD's vote).
+Before the first release :meth:`verify` runs the example-independence probe
+(:mod:`~lightning_dp.mechanism.validators.probe`); a release before it is refused.
+
+Plain PyTorch (``examples/plain_pytorch.py``)::
+
+    step = PrivateStep(noise_multiplier=1.0, max_grad_norm=1.0)
+    step.attach(model, optimizer)
+    loader = step.poisson_loader(DataLoader(dataset, batch_size=64))
+    step.verify(lambda batch: F.cross_entropy(model(batch[0]), batch[1]))
+    for x, y in loader:
+        step.begin()
+        F.cross_entropy(model(x), y).backward()
+        step.release()                       # p.grad ← ĝ_t, ledger += 1
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.collate import EmptySafeCollate
+from lightning_dp.mechanism.csprng import SecureGaussianNoise
+from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
+from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine, make_engine
+from lightning_dp.mechanism.grad_sample.auto import select_engine
+from lightning_dp.mechanism.grad_sample.base import merge_clipped
+from lightning_dp.mechanism.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
+from lightning_dp.mechanism.noise import NoiseMechanism
+from lightning_dp.mechanism.privatizer import Privatizer, StepPrivatizer, flat_all_reduce, validate_privacy_params
+from lightning_dp.mechanism.recorded_batches import RecordedBatches
+from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
+from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
+from lightning_dp.mechanism.validators import validate_module
+from lightning_dp.mechanism.validators.loaders import TrainingPopulation, training_population
+from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, probe_tolerance
+
+AllReduce = Callable[[Tensor], None]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Where this process stands among the workers of one step.
+
+    Attributes:
+        rank: this process's rank (rank 0 adds the Gaussian noise).
+        world_size: number of processes that each sample and clip their own shard.
+        all_reduce: in-place SUM all-reduce of one tensor (``None`` with one process).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce: Optional[AllReduce] = None
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """The sampling a run's accounting rests on.
+
+    Attributes:
+        num_samples: N, the population Poisson sampling draws from.
+        expected_batch_size: B = world_size × the loader's batch size (the divisor of ĝ).
+        sample_rate: q (the within-group rate q_g = bB/N with b-min-separation, b bands).
+        steps_per_epoch: logical steps per epoch.
+    """
+
+    num_samples: int
+    expected_batch_size: float
+    sample_rate: float
+    steps_per_epoch: int
+
+
+def _gaussian(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    reduce = None if where.all_reduce is None else partial(flat_all_reduce, all_reduce=where.all_reduce)
+    return Privatizer(noise, reduce=reduce, adds_noise=where.rank == 0)
+
+
+def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    if getattr(noise, "bands", 1) > 1:
+        raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
+    if isinstance(noise, SecureGaussianNoise):
+        raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
+                                        "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
+    return SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
+
+
+PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {
+    "gaussian": _gaussian,
+    "sign_vote": _sign_vote,
+}
+"""Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``)."""
+
+
+class PrivateStep:
+    """The private step of the module docstring, for one model and one noise mechanism.
+
+    Args:
+        noise_multiplier: σ (``None``: calibrated from ``target_epsilon`` by :meth:`calibrate`).
+        max_grad_norm: C.
+        noise: the noise mechanism (z_t); its banded rounds drive the ledger.
+        engine: per-example gradient engine by name, or ``"auto"``.
+        target_epsilon, target_delta, accountant: the calibration target, when σ is not given.
+        sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
+        secure_sampling: draw the sampling from the OS's CSPRNG (secure mode).
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: Optional[float],
+        max_grad_norm: float,
+        noise: NoiseMechanism,
+        engine: str = "auto",
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        accountant: str = "rdp",
+        sampler_seed: Optional[int] = None,
+        secure_sampling: bool = False,
+    ) -> None:
+        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
+        if engine != "auto":
+            make_engine(engine)  # fail fast on an unknown name
+        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.noise = noise
+        self.engine_name = engine
+        self.target_epsilon, self.target_delta, self.accountant = target_epsilon, target_delta, accountant
+        self.sampler_seed, self.secure_sampling = sampler_seed, secure_sampling
+        self.ledger = PrivacyLedger()
+        self.plan: Optional[SamplingPlan] = None
+        self.distribution = Distribution()
+        self.last_release: Optional[Release] = None
+        self.diagnostics: Optional[StepDiagnostics] = None
+        self.diagnostics_enabled = False
+        self.steps_taken = 0
+        self._engine: Optional[GradSampleEngine] = None
+        self._module: Optional[nn.Module] = None
+        self._privatizer: Optional[StepPrivatizer] = None
+        self._mechanism = "gaussian"
+        self._batches: Optional[RecordedBatches] = None
+        self._source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
+        self._request: MechanismRequest = DEFAULT_REQUEST
+        self._pending: Optional[ClippedBatch] = None
+        self._examples = -1
+        self._verified = False
+
+    # ------------------------------------------------------------------ model
+    def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
+               distribution: Distribution = Distribution()) -> str:
+        """Validate ``module``, attach the engine, choose the release rule; returns the engine's name.
+
+        Raises :class:`PrivacyConfigurationError` naming every layer that cannot be trained privately."""
+        problems = validate_module(module)
+        if problems:
+            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        if self.engine_name == "auto":
+            try:
+                self.engine_name = select_engine(module)
+            except ValueError as err:
+                raise PrivacyConfigurationError(str(err)) from err
+        engine = make_engine(self.engine_name)
+        problems = [f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
+                    for name in engine.unsupported_layers(module)]
+        if problems:
+            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        self._mechanism = getattr(optimizer, "mechanism", "gaussian")
+        if self._mechanism not in PRIVATIZERS:
+            raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
+        self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
+        self.distribution = distribution
+        engine.attach(module)
+        self._engine, self._module = engine, module
+        return engine.name
+
+    def detach(self) -> None:
+        """Remove the engine's hooks from the model."""
+        if self._engine is not None:
+            self._engine.detach()
+            self._engine = None
+
+    @property
+    def mechanism(self) -> str:
+        """The release rule in use (a key of :data:`PRIVATIZERS`)."""
+        return self._mechanism
+
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters of the attached model, in the engine's order."""
+        assert self._module is not None, "attach() first"
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ data
+    def poisson_loader(self, dataloader: DataLoader, start_step: int = 0) -> DataLoader:
+        """``dataloader`` rebuilt around Poisson sampling of its population (one shard per rank).
+
+        The loader's sampler defines the population (:func:`training_population` refuses the ones
+        Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
+        ``start_step`` continues a banded group cycle on resume."""
+        population = training_population(dataloader)
+        self.plan = self._plan(population)
+        where = self.distribution
+        seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
+        sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate, self.plan.steps_per_epoch,
+                                            self.bands, where.rank, where.world_size, seed, self.secure_sampling)
+        sampler.step = start_step
+        self._batches = RecordedBatches(sampler, population.indices)
+        dl = dataloader
+        kwargs: dict[str, Any] = dict(
+            num_workers=dl.num_workers, collate_fn=EmptySafeCollate(dl.dataset, dl.collate_fn),
+            pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
+        )
+        if dl.num_workers > 0:
+            kwargs["prefetch_factor"] = dl.prefetch_factor
+        self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
+        return DataLoader(dl.dataset, batch_sampler=self._batches, **kwargs)
+
+    def _plan(self, population: TrainingPopulation) -> SamplingPlan:
+        n, world = population.num_samples, self.distribution.world_size
+        expected = population.batch_size * world
+        if expected > n:
+            raise PrivacyConfigurationError(
+                f"Expected global batch {expected} (= {world} processes × batch_size {population.batch_size}) "
+                f"exceeds the number of training examples {n}: lower batch_size.")
+        # Poisson sampling is the b = 1 case of b-min-separated participation (q_g = bB/N).
+        try:
+            rate = group_sample_rate(expected, n, self.bands)
+        except ValueError as err:
+            raise PrivacyConfigurationError(str(err)) from err
+        return SamplingPlan(n, float(expected), rate, min_sep_steps_per_epoch(rate, self.bands))
+
+    @property
+    def bands(self) -> int:
+        """b of the noise mechanism (1: independent noise, plain Poisson sampling)."""
+        return int(getattr(self.noise, "bands", 1))
+
+    def take(self) -> list[int]:
+        """The dataset indices of the batch being trained on now (the sampler's record)."""
+        if self._batches is None:
+            raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
+        return self._batches.take()
+
+    def examples(self, indices: Sequence[int]) -> Any:
+        """The examples ``indices`` collated by the user's ``collate_fn`` (on the CPU)."""
+        assert self._source is not None, "poisson_loader() first"
+        dataset, collate = self._source
+        return collate([dataset[i] for i in indices])
+
+    # ------------------------------------------------------------------ calibration
+    def calibrate(self, planned_steps: int) -> Optional[float]:
+        """σ for ``target_epsilon`` at ``target_delta`` over ``planned_steps`` (if σ was not given);
+        returns the σ set now, or ``None`` when nothing was calibrated."""
+        assert self.plan is not None, "poisson_loader() first"
+        if self.target_delta is not None and self.target_delta >= 1.0 / self.plan.num_samples \
+                and self.distribution.rank == 0:
+            warnings.warn(f"target_delta={self.target_delta} is not below 1/N = {1.0 / self.plan.num_samples:.3g}: a "
+                          "mechanism that publishes one random example outright satisfies such a δ. Use δ ≪ 1/N "
+                          "(e.g. N^-1.1).", stacklevel=2)
+        if self.target_epsilon is None or self.noise_multiplier is not None:
+            return None
+        from lightning_dp.accounting import calibrate_noise
+        from lightning_dp.accounting.banded import calibrate_banded_noise
+
+        assert self.target_delta is not None
+        q = self.plan.sample_rate
+        if self.bands == 1:
+            sigma = calibrate_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.accountant)
+        else:
+            sigma = calibrate_banded_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.bands,
+                                           self.accountant)
+        validate_privacy_params(sigma, self.max_grad_norm)
+        self.noise_multiplier = float(sigma)
+        return self.noise_multiplier
+
+    # ------------------------------------------------------------------ the step
+    def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
+               to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function") -> None:
+        """The first step's probe on fixed, public examples (the first of this rank's shard):
+        example independence, no summed loss, every use of every parameter captured.
+
+        Args:
+            loss_of_batch: the user's forward and loss on a batch: the mean loss, a vector of
+                per-example losses (:func:`mean_loss`), or a dict holding either under ``"loss"``.
+            low_precision: looser tolerance for autocast runs.
+            to_device: moves a collated batch where the model is.
+            what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
+        """
+        assert self._engine is not None and self._module is not None and self.plan is not None
+        assert self._batches is not None
+        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        where = self.distribution
+        indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+
+        def loss_of(idx: list[int]) -> Tensor:
+            out = loss_of_batch(to_device(self.examples(idx)))
+            loss = mean_loss(out, len(idx))
+            loss = loss.get("loss") if isinstance(loss, dict) else loss
+            if not isinstance(loss, Tensor):
+                raise PrivacyConfigurationError(
+                    f"{what} returned {type(out).__name__}, not a loss: the mechanism needs the mean loss (or the "
+                    "vector of per-example losses) on every step; skipping a sampled batch would depend on "
+                    "private data.")
+            return loss
+
+        tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low_precision)
+        ExampleIndependenceProbe(self._module, self._engine, [p for _, p in named], [n for n, _ in named], loss_of,
+                                 tol).run(indices)
+        self._verified = True
+
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`verify` has passed in this process."""
+        return self._verified
+
+    def begin(self, num_examples: Optional[int] = None) -> int:
+        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
+        every hooked layer is checked against it. Returns the count."""
+        assert self._engine is not None, "attach() first"
+        n = len(self.take()) if num_examples is None else num_examples
+        self._engine.begin_step(n)
+        self._examples = n
+        return n
+
+    def expect_request(self, optimizer: Optional[Optimizer]) -> MechanismRequest:
+        """Ask the optimizer what the coming release must include (before its forward pass)."""
+        self._request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
+        self._pending = None
+        return self._request
+
+    def bank(self) -> None:
+        """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
+        part = self._clipped()
+        self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+
+    def _clipped(self) -> ClippedBatch:
+        assert self._engine is not None
+        request = self._request
+        return self._engine.clip_and_sum(self.params(), self.max_grad_norm, request.scale, request.second_moment)
+
+    def release(self, step: Optional[int] = None, optimizer: Optional[Optimizer] = None,
+                empty: bool = False) -> Release:
+        """Privatise the clipped sums of this logical step into ``p.grad`` and charge the ledger.
+
+        Args:
+            step: 0-based index of the step (default: steps released so far in this process).
+            optimizer: receives the release when it is a
+                :class:`~lightning_dp.mechanism.release.PrivateOptimizer`.
+            empty: this rank's batch was empty and a stand-in example was differentiated so that it
+                takes part in collectives: its gradient is discarded (zero sums).
+        """
+        if self._privatizer is None or self.plan is None:
+            raise RuntimeError("the mechanism is not set up: attach() and poisson_loader() first")
+        if not self._verified:
+            raise RuntimeError("call verify(loss_of_batch) before the first release: the probe checks the "
+                               "assumptions the guarantee rests on")
+        if self.noise_multiplier is None:
+            raise RuntimeError("σ is not known: give noise_multiplier or call calibrate() first")
+        params = self.params()
+        batch = self._clipped()
+        if self._pending is not None:  # earlier physical batches of this logical batch
+            batch, self._pending = merge_clipped(self._pending, batch), None
+        if empty:
+            batch = _zero_clipped_batch(batch)
+        request, expected = self._request, self.plan.expected_batch_size
+        if request.second_moment and self.bands > 1:
+            raise PrivacyConfigurationError("independent_moments draws noise twice per step; banded noise streams one "
+                                            "draw per step: use noise='gaussian' with this variant.")
+        if self.diagnostics_enabled:
+            self.diagnostics = self._diagnose(batch, params)
+        release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self.max_grad_norm,
+                                             expected)
+        index = self.steps_taken if step is None else step
+        self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=self.rounds_at(index),
+                           private=not request.clean_mean)
+        self.steps_taken = index + 1
+        self.last_release = release
+        if isinstance(optimizer, PrivateOptimizer):
+            optimizer.observe_release(release)
+        return release
+
+    def rounds_at(self, step: int) -> int:
+        """Sampled-Gaussian rounds step ``step`` charges: the noise mechanism's (banded: one per cycle of
+        b steps); DP-SignSGD's workers always 1."""
+        return 1 if self._mechanism == "sign_vote" else self.noise.rounds_at(step)
+
+    def _diagnose(self, batch: ClippedBatch, params: list[nn.Parameter]) -> StepDiagnostics:
+        assert self.plan is not None
+        diagnostics = diagnose(batch, params, self.plan.expected_batch_size, self.max_grad_norm)  # before the noise
+        if self.distribution.all_reduce is not None:
+            flat_all_reduce(list(diagnostics.clean_mean.values()), self.distribution.all_reduce)
+            diagnostics = gathered(diagnostics)  # norms, clip fraction: every rank's examples
+        return diagnostics
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The privacy state a resumed run must continue from (never the noise RNG)."""
+        plan = self.plan
+        return {
+            "ledger": self.ledger.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "noise": self.noise.state_dict(),
+            "max_grad_norm": self.max_grad_norm,
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
+            "accountant": self.accountant,
+            "steps_taken": self.steps_taken,
+            "sample_rate": None if plan is None else plan.sample_rate,
+            "expected_batch_size": None if plan is None else plan.expected_batch_size,
+            "num_samples": None if plan is None else plan.num_samples,
+            "steps_per_epoch": None if plan is None else plan.steps_per_epoch,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> None:
+        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`)."""
+        self.ledger.load_state_dict(state["ledger"])
+        if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
+            self.noise_multiplier = float(state["noise_multiplier"])
+        self.noise.load_state_dict(state.get("noise", {}))
+        self.steps_taken = int(state.get("steps_taken", self.steps_taken))
+        if state.get("sample_rate") is not None:
+            self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
+                                     float(state["sample_rate"]), int(state["steps_per_epoch"]))
+
+    def changes_from(self, state: Mapping[str, Any], requested_sigma: Optional[float]) -> list[str]:
+        """The privacy arguments of this run that differ from a checkpoint's, one line each."""
+        def differs(new: Optional[float], old: Optional[float]) -> bool:
+            return new is not None and old is not None and not math.isclose(float(new), float(old), rel_tol=1e-9)
+
+        return [f"{label}: checkpoint {old}, this run {new}" for label, new, old in (
+            ("noise_multiplier (σ)", requested_sigma, state.get("noise_multiplier")),
+            ("max_grad_norm (C)", self.max_grad_norm, state.get("max_grad_norm")),
+            ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
+            ("target_delta", self.target_delta, state.get("target_delta")),
+        ) if differs(new, old)]
+
+
+def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
+    zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
+    squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
+    return ClippedBatch(zeros, squares, batch.norms[:0], 0)
+
+
+def mean_loss(out: Any, n: int) -> Any:
+    """``out`` (a loss, or a dict with ``"loss"``) with a vector of n per-example losses replaced by its
+    mean: the per-example loss convention (each example's loss is its own, the batch loss their mean)."""
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if isinstance(loss, Tensor) and loss.dim() == 1:
+        if loss.shape[0] != n:
+            raise PrivacyConfigurationError(
+                f"the step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
+                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
+        loss = loss.mean()
+        return {**out, "loss": loss} if isinstance(out, dict) else loss
+    return out
