@@ -161,6 +161,7 @@ class DPStrategy(DDPStrategy):
         self.secure_mode = bool(secure_mode)
         self.max_physical_batch_size = max_physical_batch_size
         self._examples_this_step = -1
+        self._over_budget = False
 
     def __repr__(self) -> str:
         # Shown in Lightning's own "invalid strategy" error when a Trainer of the other namespace gets
@@ -347,15 +348,13 @@ class DPStrategy(DDPStrategy):
 
     def _calibrate(self, trainer: "pl.Trainer") -> None:
         step = self.private_step
-        if step.target_epsilon is None or step.noise_multiplier is not None:
-            step.calibrate(0)  # only the δ ≥ 1/N warning
+        if step.target_epsilon is None:
+            step.calibrate(0)  # σ given: only the δ ≥ 1/N warning
             return
-        steps = planned_steps(trainer, self.steps_per_epoch or 1)
-        sigma = step.calibrate(steps)
-        rank_zero_info(
-            f"DPStrategy: σ = {sigma:.4f} calibrated for ε = {step.target_epsilon} at δ = {step.target_delta} "
-            f"over {steps} steps with q = {self.sample_rate:.5g} ({step.accountant} accountant)"
-        )
+        planned = planned_steps(trainer, self.steps_per_epoch or 1)
+        message = step.fit_target(trainer.global_step, planned)
+        if message:
+            rank_zero_info(f"DPStrategy: {message}")
 
     # ------------------------------------------------------------------ the private step
     @override
@@ -377,6 +376,12 @@ class DPStrategy(DDPStrategy):
         step = self.private_step
         indices = step.take()
         n = self._examples_this_step = len(indices)
+        self._over_budget = not step.affordable(self.lightning_module.trainer.global_step)
+        if self._over_budget:  # the ceiling: nothing beyond target_epsilon is released (every rank agrees)
+            self.lightning_module.trainer.should_stop = True
+            rank_zero_warn(f"DPStrategy: step {self.lightning_module.trainer.global_step} would spend more than "
+                           f"target_epsilon = {step.target_epsilon}: training stops here (nothing released).")
+            return None
         if not step.verified:
             self._verify()
         if n == 0:
@@ -435,6 +440,10 @@ class DPStrategy(DDPStrategy):
         step = self.private_step
         step.expect_request(optimizer)
         loss = closure()
+        if self._over_budget:
+            for p in step.params():
+                p.grad = None  # the optimizer skips every parameter
+            return loss
         step.release(self.lightning_module.trainer.global_step, optimizer, empty=self._examples_this_step == 0)
         return loss
 
@@ -547,6 +556,10 @@ def _make_noise(noise: Optional[Union[str, NoiseMechanism]], bands: int) -> Nois
     raise ValueError(f"noise must be 'gaussian', 'banded' or a NoiseMechanism, got {noise!r}")
 
 
+_LIGHTNING_IMPLICIT_MAX_EPOCHS = 1000
+"""Lightning's ``max_epochs`` when neither ``max_epochs`` nor ``max_steps`` is given (loops/utilities.py)."""
+
+
 def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
     """Optimizer steps the trainer will take: ``max_steps`` or ``max_epochs`` × steps per epoch."""
     limit = trainer.limit_train_batches
@@ -557,6 +570,13 @@ def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
     by_epochs = trainer.max_epochs * steps_per_epoch if trainer.max_epochs not in (None, -1) else None
     by_steps = trainer.max_steps if trainer.max_steps not in (None, -1) else None
     candidates = [s for s in (by_epochs, by_steps) if s is not None]
+    if by_steps is None and trainer.max_epochs == _LIGHTNING_IMPLICIT_MAX_EPOCHS:
+        raise PrivacyConfigurationError(
+            f"target_epsilon needs a planned length, and Trainer(max_epochs={_LIGHTNING_IMPLICIT_MAX_EPOCHS}) is the "
+            "value Lightning fills in when neither max_epochs nor max_steps is set: σ would be calibrated for "
+            f"{_LIGHTNING_IMPLICIT_MAX_EPOCHS} epochs. Set Trainer(max_epochs=...) or Trainer(max_steps=...) (for "
+            f"exactly {_LIGHTNING_IMPLICIT_MAX_EPOCHS} epochs, give max_steps={_LIGHTNING_IMPLICIT_MAX_EPOCHS} × steps "
+            f"per epoch = {_LIGHTNING_IMPLICIT_MAX_EPOCHS * steps_per_epoch}).")
     if not candidates:
         raise PrivacyConfigurationError(
             "target_epsilon needs a planned length: set Trainer(max_steps=...) or Trainer(max_epochs=...)."

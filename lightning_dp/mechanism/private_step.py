@@ -164,6 +164,7 @@ class PrivateStep:
         self._pending: Optional[ClippedBatch] = None
         self._examples = -1
         self._verified = False
+        self._ceiling: Optional[tuple[float, float, int]] = None  # (σ, q, rounds still within target_epsilon)
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -292,6 +293,62 @@ class PrivateStep:
         self.noise_multiplier = float(sigma)
         return self.noise_multiplier
 
+    def fit_target(self, first_step: int, planned_steps: int) -> Optional[str]:
+        """Make steps ``first_step`` … ``planned_steps − 1`` fit ``target_epsilon`` after what the ledger has
+        spent; returns one log line saying what was done (``None``: nothing to say).
+
+        A fresh run calibrates σ for the plan. A resumed run keeps its σ if the rest of the new plan fits;
+        otherwise σ is recalibrated so that ε(ledger + remaining rounds at the new σ) ≤ target (spent steps
+        counted exactly), or, when nothing is left, the run stops at the last affordable step. Either way
+        :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
+        if self.target_epsilon is None:
+            return None
+        assert self.plan is not None and self.target_delta is not None
+        if self.noise_multiplier is None:
+            sigma = self.calibrate(planned_steps)
+            return (f"σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} over "
+                    f"{planned_steps} steps with q = {self.plan.sample_rate:.5g} ({self.accountant} accountant)")
+        rounds = sum(self.rounds_at(t) for t in range(first_step, planned_steps))
+        left = self._rounds_left()
+        if rounds <= left:
+            return None
+        old, q = self.noise_multiplier, self.plan.sample_rate
+        from lightning_dp.accounting.calibration import smallest_sigma
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+        from lightning_dp.accounting.ledger import LedgerEntry
+
+        spent = tuple(self.ledger.entries)
+        try:
+            sigma = smallest_sigma(lambda s: ledger_epsilon(spent + (LedgerEntry(s, q, rounds),), self.target_delta,
+                                                            self.accountant), self.target_epsilon, start=old)
+        except ValueError:
+            return (f"the plan's remaining {planned_steps - first_step} steps exceed target_epsilon = "
+                    f"{self.target_epsilon} after the {self.ledger.steps} spent: training stops after {left} more "
+                    "round(s), the last affordable step")
+        self.noise_multiplier, self._ceiling = float(sigma), None
+        return (f"σ recalibrated {old:.4f} → {sigma:.4f} so that the plan's remaining {planned_steps - first_step} "
+                f"steps and the {self.ledger.steps} spent stay within ε = {self.target_epsilon} at "
+                f"δ = {self.target_delta} ({self.accountant} accountant)")
+
+    def _rounds_left(self) -> int:
+        """Sampled-Gaussian rounds at the current (σ, q) that keep the ledger within ``target_epsilon``."""
+        assert self.plan is not None and self.noise_multiplier is not None and self.target_epsilon is not None
+        key = (self.noise_multiplier, self.plan.sample_rate)
+        if self._ceiling is None or self._ceiling[:2] != key:
+            from lightning_dp.accounting.horizon import steps_within_budget
+
+            assert self.target_delta is not None
+            left = steps_within_budget(self.ledger, *key, self.target_epsilon, self.target_delta, self.accountant,
+                                       hint=max(2, self.plan.steps_per_epoch))
+            self._ceiling = (*key, left)
+        return self._ceiling[2]
+
+    def affordable(self, step: Optional[int] = None) -> bool:
+        """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target)."""
+        if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
+            return True
+        return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
+
     # ------------------------------------------------------------------ the step
     def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
                to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function") -> None:
@@ -375,6 +432,12 @@ class PrivateStep:
                                "assumptions the guarantee rests on")
         if self.noise_multiplier is None:
             raise RuntimeError("σ is not known: give noise_multiplier or call calibrate() first")
+        index = self.steps_taken if step is None else step
+        if not self.affordable(index):
+            self._pending = None
+            raise PrivacyConfigurationError(
+                f"step {index} would spend more than target_epsilon = {self.target_epsilon}: not released. Stop "
+                "when affordable() turns False (DPStrategy does).")
         params = self.params()
         batch = self._clipped()
         if self._pending is not None:  # earlier physical batches of this logical batch
@@ -389,9 +452,10 @@ class PrivateStep:
             self.diagnostics = self._diagnose(batch, params)
         release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self.max_grad_norm,
                                              expected)
-        index = self.steps_taken if step is None else step
-        self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=self.rounds_at(index),
-                           private=not request.clean_mean)
+        rounds = self.rounds_at(index)
+        self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=rounds, private=not request.clean_mean)
+        if self._ceiling is not None and self.target_epsilon is not None:
+            self._ceiling = (*self._ceiling[:2], self._ceiling[2] - rounds)
         self.steps_taken = index + 1
         self.last_release = release
         if isinstance(optimizer, PrivateOptimizer):
@@ -433,6 +497,7 @@ class PrivateStep:
     def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> None:
         """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`)."""
         self.ledger.load_state_dict(state["ledger"])
+        self._ceiling = None
         if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
             self.noise_multiplier = float(state["noise_multiplier"])
         self.noise.load_state_dict(state.get("noise", {}))
