@@ -11,7 +11,6 @@ helper below averages each example over its own tokens; ``training_step`` may re
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

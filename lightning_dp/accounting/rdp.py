@@ -3,8 +3,8 @@
 The RDP curve itself is Opacus' (``opacus.accountants.analysis.rdp.compute_rdp``, the
 analysis of Mironov, Talwar & Zhang 2019 for the Poisson-subsampled Gaussian, add/remove
 adjacency), evaluated by :func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp`:
-the same series vectorised over orders (< 2 ms instead of 10–130 ms per (σ, q); the tests
-hold it to ``compute_rdp``). This module only
+the same series vectorised over orders (timings in that module; the tests hold it to
+``compute_rdp``). This module only
 
 * caches the RDP vector of **one** step for a given (σ, q) — composition over steps and over
   changing (σ, q) is the sum of such vectors (RDP composes additively, Mironov 2017 Prop. 1);
@@ -86,9 +86,9 @@ def step_rdp(
     """RDP vector (one value per order) of ONE step of the sampled Gaussian mechanism.
 
     ``curve="exact"``: Opacus' ``compute_rdp`` with ``steps=1`` (vectorised,
-    :func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp`, ~1–4 ms); ``"chord"``: its
+    :func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp`); ``"chord"``: its
     upper bound exact at integer orders (:func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp_upper`,
-    ~0.1 ms alone, ~50 µs each in a batch). Cached per (σ, q, orders, curve) in :data:`STEP_CACHE`: a run whose σ is
+    cheaper; timings in :mod:`~lightning_dp.accounting.sgm_rdp`). Cached per (σ, q, orders, curve) in :data:`STEP_CACHE`: a run whose σ is
     constant pays once. ``σ = 0`` gives ``inf`` (no privacy), ``q = 0`` gives 0. The returned
     array is read-only; multiply it by a step count to compose.
     """

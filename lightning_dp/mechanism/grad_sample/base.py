@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping, Optional, Sequence, TypeVar
+from typing import ClassVar, Mapping, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -151,9 +151,6 @@ def clip_and_sum_materialised(
     if with_squares:
         squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
     return ClippedBatch(sums, squares, norms.detach(), b)
-
-
-EngineFactory = Callable[[], GradSampleEngine]
 
 
 def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:
