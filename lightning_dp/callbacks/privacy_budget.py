@@ -2,9 +2,24 @@
 
 Reads the :class:`~lightning_dp.accounting.PrivacyLedger` that :class:`DPStrategy` keeps
 (one entry per release of the sampled Gaussian mechanism, ALGORITHMS.md "The mechanism")
-and logs ``privacy/epsilon`` (progress bar and loggers, through ``pl_module.log``), and
-``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``
-(straight to the trainer's loggers), every ``log_every_n_steps``.
+and, every ``log_every_n_steps``, writes one row to the trainer's loggers (``privacy/epsilon``,
+``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``:
+``privacy/epsilon`` once per logged step) and shows ``privacy/epsilon`` in the progress bar
+and ``trainer.callback_metrics`` (``pl_module.log(..., logger=False)``).
+
+δ and the accountant: the strategy's. δ is ``DPStrategy.target_delta`` and the accountant
+``DPStrategy.accountant`` (:mod:`lightning_dp.accounting.run_privacy`); a different ``delta=``
+or ``accountant=`` given here is refused (:class:`~lightning_dp.errors.PrivacyConfigurationError`
+naming both values) unless marked with ``allow_mismatch=True``. A strategy without
+``target_delta`` (σ given as ``noise_multiplier``) takes ``delta=``, else δ = 1/N^1.1. The δ
+used and where it came from are logged at train start.
+
+ε shown is ε spent. At the end of every epoch and of training, ``trainer.callback_metrics``
+and the progress bar's ``privacy/epsilon`` are set to the ledger's ε at that moment, not the
+value of the last logging step (``"pld"``/``"prv"``: as of the last report, composed afresh
+for the last epoch and the end of training). The ledger is the same on every rank, so under
+DDP every rank holds the same value (no ``sync_dist`` averaging). The loggers get a last
+``privacy/epsilon`` row at the end of training when the final step was not logged with it.
 
 Accounting. A running per-order RDP total (:class:`~lightning_dp.accounting.RunningRDP`) is
 synced from *new* ledger entries only, and only when something needs it: when ε is read
@@ -13,7 +28,7 @@ synced from *new* ledger entries only, and only when something needs it: when ε
 ones, then the chord upper bound at (σ, q) rounded to a 0.5 % grid (~50 µs per new cell,
 batched over the entries of one sync; ``rdp_curve``, :mod:`~lightning_dp.accounting.sgm_rdp`).
 ``"pld"`` / ``"prv"`` compose the whole ledger (0.1 s to seconds), so they report every
-``every_n_steps`` (default 100) and at the end of training.
+``every_n_steps`` (default 100), at the stopping step and at the end of training.
 
 Stopping (with ``target_epsilon``). After each step, whether one more step with the strategy's
 current (σ, q) keeps ε ≤ target is answered by a :class:`~lightning_dp.accounting.BudgetReservation`:
@@ -40,6 +55,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -54,14 +70,12 @@ from lightning_dp.accounting import (
     steps_within_budget,
 )
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
+from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
+
+__all__ = ["PrivacyBudget", "default_delta"]
 
 _RUNNING = ("rdp", "integer_rdp")
-
-
-def default_delta(num_samples: int) -> float:
-    """δ = 1 / N^1.1: below 1/N as it must be (ARCHITECTURE.md), the choice of the
-    DP-SignSGD paper's experiments."""
-    return 1.0 / float(num_samples) ** 1.1
+_KEY = "privacy/epsilon"
 
 
 def _ledger_of(trainer: "pl.Trainer") -> PrivacyLedger:
@@ -74,64 +88,106 @@ def _ledger_of(trainer: "pl.Trainer") -> PrivacyLedger:
     return ledger
 
 
+def _training_ends_after_this_step(trainer: "pl.Trainer") -> bool:
+    """Best effort, for PLD/PRV freshness only: a stop was requested or ``max_steps`` is reached."""
+    if getattr(trainer, "should_stop", False):
+        return True
+    max_steps = getattr(trainer, "max_steps", -1)
+    return max_steps is not None and max_steps >= 0 and getattr(trainer, "global_step", 0) >= max_steps
+
+
+def _fit_ends_after_this_epoch(trainer: "pl.Trainer") -> bool:
+    """Best effort, for PLD/PRV freshness only: this epoch is the last (stop, ``max_steps``, ``max_epochs``)."""
+    if _training_ends_after_this_step(trainer):
+        return True
+    max_epochs = getattr(trainer, "max_epochs", None)
+    return max_epochs is not None and max_epochs >= 0 and getattr(trainer, "current_epoch", 0) + 1 >= max_epochs
+
+
 class PrivacyBudget(Callback):
     """Log ε of the run so far; with ``target_epsilon``, never take a step that exceeds it.
 
     Example::
 
+        trainer = pl.Trainer(strategy=DPStrategy(target_epsilon=3.0, target_delta=1e-5),
+                             callbacks=[PrivacyBudget()])  # ε at the strategy's δ = 1e-5, its accountant
         trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.1, max_grad_norm=1.0),
                              callbacks=[PrivacyBudget(target_epsilon=3.0, delta=1e-5)])
 
+    δ and the accountant are the strategy's (module docs, :mod:`lightning_dp.accounting.run_privacy`):
+    a ``delta`` or ``accountant`` different from ``DPStrategy.target_delta`` / ``DPStrategy.accountant``
+    raises :class:`~lightning_dp.errors.PrivacyConfigurationError` at setup, unless
+    ``allow_mismatch=True``.
+
     Args:
         target_epsilon: stop before ε would exceed this (``None``: only report).
-        delta: δ; ``None`` uses 1/N^1.1 for N training examples (announced at train start).
+        delta: δ. ``None`` (default): the strategy's ``target_delta``; a strategy without one
+            (σ given as ``noise_multiplier``) uses δ = 1/N^1.1 for N training examples. The δ
+            used and its source are logged at train start. A value different from the strategy's
+            ``target_delta`` needs ``allow_mismatch=True``.
         accountant: accountant for reporting: ``"rdp"``, ``"pld"``, ``"prv"``, ``"integer_rdp"``.
+            ``None`` (default): the strategy's ``accountant`` (``"rdp"`` for a strategy without one).
+            A different one needs ``allow_mismatch=True``.
         every_n_steps: report period for ``"pld"``/``"prv"`` (default 100; 1 for RDP accountants).
         stop_accountant: accountant for the stop decision (default ``"rdp"``, see module docs).
         rdp_quantum: ``None`` (exact) or relative grid for conservative σ/q rounding in the
             running RDP total (:class:`~lightning_dp.accounting.RunningRDP`).
+        log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
+            first step and the stopping step are always logged. The stop check still runs
+            every step.
         rdp_curve: how the running total evaluates a new (σ, q): ``"auto"`` (default: exact for
             the first 4 distinct (σ, q), then the chord upper bound on a 0.5 % grid, ~50 µs per cell;
             for those steps ε is ≤ ~1–5 % higher at σ ≥ 1, more at σ < 1: for a schedule there,
             ``rdp_curve="exact", rdp_quantum=5e-3`` is exact per 0.5 % cell, ≤ ~1 % above exact),
             ``"exact"`` (Opacus' series, 1–4 ms each) or ``"chord"``
             (:class:`~lightning_dp.accounting.RunningRDP`).
-        log_every_n_steps: logging period (default: the trainer's ``log_every_n_steps``); the
-            first step and the stopping step are always logged. The stop check still runs
-            every step.
+        allow_mismatch: the one way to report at a ``delta`` / with an ``accountant`` that differs
+            from the strategy's on purpose (both values are then named in the log).
     """
 
     def __init__(
         self,
         target_epsilon: Optional[float] = None,
         delta: Optional[float] = None,
-        accountant: str = "rdp",
+        accountant: Optional[str] = None,
         every_n_steps: Optional[int] = None,
         stop_accountant: str = "rdp",
         rdp_quantum: Optional[float] = None,
         log_every_n_steps: Optional[int] = None,
         rdp_curve: str = "auto",
+        allow_mismatch: bool = False,
     ) -> None:
-        get_accountant(accountant)
+        if accountant is not None:
+            get_accountant(accountant)
         get_accountant(stop_accountant)
         self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon)
-        self.delta = None if delta is None else check_delta(delta)
-        if every_n_steps is None:
-            every_n_steps = 1 if accountant in _RUNNING else 100
-        if int(every_n_steps) != every_n_steps or every_n_steps < 1:
+        self._given_delta = None if delta is None else check_delta(delta)
+        self._given_accountant = accountant
+        self.allow_mismatch = bool(allow_mismatch)
+        if every_n_steps is not None and (int(every_n_steps) != every_n_steps or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-        self.accountant = accountant
+        self._given_every_n_steps = None if every_n_steps is None else int(every_n_steps)
         self.stop_accountant = stop_accountant
-        self.every_n_steps = int(every_n_steps)
         if log_every_n_steps is not None and (int(log_every_n_steps) != log_every_n_steps or log_every_n_steps < 1):
             raise ValueError(f"log_every_n_steps must be None or an integer >= 1, got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
+        self._rdp_quantum, self._rdp_curve = rdp_quantum, rdp_curve
         self._rdp = RunningRDP(quantum=rdp_quantum, curve=rdp_curve)  # the stop decision's running total
-        self._report = running_for(accountant, rdp_quantum, rdp_curve) if accountant != "rdp" else self._rdp
+        # Resolved against the strategy at setup (δ's default at train start, when N is known):
+        self.delta: Optional[float] = self._given_delta
+        self.accountant: Optional[str] = accountant
+        self.every_n_steps: Optional[int] = self._given_every_n_steps
+        self._delta_source = "delta"
+        self._accountant_source = "accountant"
+        self._restored_delta: Optional[float] = None
+        self._report: Optional[RunningRDP] = None  # the reporting total (None for PLD/PRV), built for:
+        self._report_kind: Optional[str] = None
+        self._pending_report: Optional[tuple[Optional[str], dict[str, Any]]] = None  # loaded before setup
         self._ledger: Optional[PrivacyLedger] = None  # the strategy's, seen at the last hook
         self._reservation: Optional[BudgetReservation] = None  # made at the first stop check (needs δ)
         self._epsilon = 0.0  # PLD/PRV: ε as of the last report
-        self._reported_at = -1
+        self._reported_key: Optional[tuple[int, Optional[float], Optional[str]]] = None  # (steps, δ, accountant) of it
+        self._logged: Optional[tuple[int, float]] = None  # (global step, ε) of the last logger row
         self._warned_not_private = False
         self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
 
@@ -147,13 +203,20 @@ class PrivacyBudget(Callback):
 
     # ------------------------------------------------------------------- hooks
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        """Fail fast when the strategy keeps no ledger (not a DPStrategy)."""
+        """Fail fast: a strategy that keeps no ledger (not a DPStrategy), or a δ / accountant
+        that differs from the strategy's without ``allow_mismatch=True``."""
         _ledger_of(trainer)
+        self._resolve(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Resolve δ, catch up with a restored ledger, refuse a budget too small for one step."""
         ledger = self._ledger = _ledger_of(trainer)
-        self._resolve_delta(trainer)
+        self._resolve(trainer)
+        self._resolve_default_delta(trainer)
+        rank_zero_info(
+            f"PrivacyBudget: ε reported at δ = {self.delta:.3g} ({self._delta_source}) with the "
+            f"{self.accountant!r} accountant ({self._accountant_source})."
+        )
         self._check_private(ledger)
         self._update_epsilon(ledger, force=True)
         self._reservation = None  # a fresh one for this fit (the ledger may have been restored)
@@ -176,27 +239,73 @@ class PrivacyBudget(Callback):
         self._check_private(ledger)
         if self.target_epsilon is not None and not self._next_step_allowed(trainer, ledger):
             trainer.should_stop = True
-        self._update_epsilon(ledger)
+        self._update_epsilon(ledger, force=_training_ends_after_this_step(trainer))
         self._log(trainer, pl_module, ledger)
 
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The ledger's ε now into ``callback_metrics`` and the progress bar (shown at epoch end)."""
+        ledger = self._ledger = _ledger_of(trainer)
+        self._update_epsilon(ledger, force=_fit_ends_after_this_epoch(trainer))
+        self._show(trainer, self.epsilon)
+
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Final ε by ``accountant``, written straight to the loggers."""
+        """Final ε by ``accountant``: into ``callback_metrics`` and the progress bar metrics, and
+        to the loggers unless the last logged row (this step) already holds it."""
         ledger = self._ledger = _ledger_of(trainer)
         self._update_epsilon(ledger, force=True)
         epsilon = self.epsilon
-        for logger in trainer.loggers:
-            logger.log_metrics({"privacy/epsilon": epsilon}, step=trainer.global_step)
-        rank_zero_info(f"PrivacyBudget: ε = {epsilon:.4g} at δ = {self.delta:.3g} after {ledger.steps} steps")
+        step = int(getattr(trainer, "global_step", ledger.steps))
+        if self._logged != (step, epsilon):
+            for logger in trainer.loggers:
+                logger.log_metrics({_KEY: epsilon}, step=step)
+            self._logged = (step, epsilon)
+        self._show(trainer, epsilon)
+        rank_zero_info(
+            f"PrivacyBudget: ε = {epsilon:.4g} at δ = {self.delta:.3g} ({self.accountant} accountant) "
+            f"after {ledger.steps} steps"
+        )
 
     # --------------------------------------------------------------- helpers
-    def _resolve_delta(self, trainer: "pl.Trainer") -> None:
+    def _resolve(self, trainer: "pl.Trainer") -> None:
+        """δ and the accountant from the strategy (or the given ones; run_privacy's rules)."""
+        strategy = trainer.strategy
+        accountant = resolve_accountant(strategy, self._given_accountant, allow_mismatch=self.allow_mismatch)
+        delta = resolve_delta(strategy, self._given_delta, allow_mismatch=self.allow_mismatch)
+        self.accountant, self._accountant_source = accountant.value, accountant.source
+        if self._given_every_n_steps is None:
+            self.every_n_steps = 1 if self.accountant in _RUNNING else 100
+        if self._report_kind != self.accountant:
+            self._build_report()
+        if delta is not None:
+            self.delta, self._delta_source = delta.value, delta.source
+        elif self._restored_delta is not None:
+            self.delta, self._delta_source = self._restored_delta, "restored from the checkpoint"
+        else:
+            self.delta = None  # the default needs N: at train start
+
+    def _build_report(self) -> None:
+        assert self.accountant is not None
+        if self.accountant == "rdp":
+            self._report = self._rdp
+        else:
+            self._report = running_for(self.accountant, self._rdp_quantum, self._rdp_curve)
+        self._report_kind = self.accountant
+        self._reported_key = None
+        if self._pending_report is not None:
+            kind, state = self._pending_report
+            if self._report not in (None, self._rdp) and kind in (None, self.accountant):
+                self._report.load_state_dict(state)
+            self._pending_report = None
+
+    def _resolve_default_delta(self, trainer: "pl.Trainer") -> None:
         if self.delta is not None:
             return
         n = getattr(trainer.strategy, "num_samples", None)
         if not n:
             raise ValueError("PrivacyBudget: give delta=...; the strategy does not know the dataset size N.")
-        self.delta = default_delta(n)
-        rank_zero_info(f"PrivacyBudget: delta not given, using δ = 1/N^1.1 = {self.delta:.3g} for N = {n} examples.")
+        resolved = resolve_delta(trainer.strategy, None, num_samples=n)
+        assert resolved is not None
+        self.delta, self._delta_source = resolved.value, resolved.source
 
     def _check_private(self, ledger: PrivacyLedger) -> None:
         if not ledger.is_private and not self._warned_not_private:
@@ -205,16 +314,33 @@ class PrivacyBudget(Callback):
 
     def _update_epsilon(self, ledger: PrivacyLedger, force: bool = False) -> None:
         """PLD/PRV reporting: compose the whole ledger every ``every_n_steps`` (running accountants: nothing to do)."""
-        assert self.delta is not None
+        assert self.delta is not None and self.accountant is not None and self.every_n_steps is not None
         if self._report is not None:
             return
         steps = ledger.steps
-        if force or (steps != self._reported_at and steps % self.every_n_steps == 0):
+        key = (steps, self.delta, self.accountant)
+        if key != self._reported_key and (force or steps % self.every_n_steps == 0):
             self._epsilon = ledger_epsilon(ledger, self.delta, self.accountant)
-            self._reported_at = steps
+            self._reported_key = key
+
+    @staticmethod
+    def _show(trainer: "pl.Trainer", epsilon: float) -> None:
+        """``epsilon`` into ``trainer.callback_metrics`` and ``trainer.progress_bar_metrics``.
+
+        Written directly (Lightning's ``self.log`` is not allowed in ``on_train_end``, and an
+        epoch-level ``self.log`` would average over steps): the same value on every rank.
+        """
+        callback_metrics = getattr(trainer, "callback_metrics", None)
+        if isinstance(callback_metrics, dict):
+            callback_metrics[_KEY] = torch.tensor(epsilon, dtype=torch.float64)
+        progress_bar_metrics = getattr(trainer, "progress_bar_metrics", None)
+        if isinstance(progress_bar_metrics, dict):
+            progress_bar_metrics[_KEY] = float(epsilon)
 
     def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", ledger: PrivacyLedger) -> None:
-        """ε to the progress bar and loggers (``pl_module.log``); δ, σ, q, steps straight to the loggers.
+        """ε to the progress bar and ``callback_metrics`` (``pl_module.log(..., logger=False)``);
+        ε, δ, σ, q, steps as one row straight to the loggers (so ``privacy/epsilon`` is written
+        once per logged step).
 
         Every ``log_every_n_steps`` (the trainer's by default), on the first step and when stopping:
         one ``pl_module.log`` call costs 1–2 ms of Lightning bookkeeping here, far more than the
@@ -226,9 +352,9 @@ class PrivacyBudget(Callback):
             return
         strategy = trainer.strategy
         epsilon = self.epsilon
-        pl_module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True)
+        pl_module.log(_KEY, epsilon, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         values = {
-            "privacy/epsilon": epsilon,
+            _KEY: epsilon,
             "privacy/delta": self.delta,
             "privacy/noise_multiplier": strategy.noise_multiplier,
             "privacy/sample_rate": strategy.sample_rate,
@@ -236,6 +362,7 @@ class PrivacyBudget(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
+        self._logged = (int(trainer.global_step), epsilon)
 
     def _next_step_allowed(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> bool:
         assert self.delta is not None and self.target_epsilon is not None
@@ -274,23 +401,34 @@ class PrivacyBudget(Callback):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The running totals, δ in use and the last ε (the ledger itself travels with the strategy)."""
+        """The running totals, δ and accountant in use and the last ε (the ledger itself travels with the strategy)."""
         if self._ledger is not None:
             self._rdp.sync(self._ledger)
         epsilon = self.epsilon  # also syncs the reporting total
         return {
             "rdp": self._rdp.state_dict(),
             "report": self._report.state_dict() if self._report not in (None, self._rdp) else None,
+            "accountant": self.accountant,
             "delta": self.delta,
             "epsilon": epsilon,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the totals; they are checked against (or rebuilt from) the restored ledger at train start."""
+        """Restore the totals; they are checked against (or rebuilt from) the restored ledger at train start.
+
+        The checkpoint's δ is used only when neither the strategy nor ``delta=`` gives one.
+        """
         self._rdp.load_state_dict(state_dict["rdp"])
-        if state_dict.get("report") is not None and self._report not in (None, self._rdp):
-            self._report.load_state_dict(state_dict["report"])
-        if self.delta is None and state_dict.get("delta") is not None:
-            self.delta = float(state_dict["delta"])
+        report, kind = state_dict.get("report"), state_dict.get("accountant")
+        if report is not None:
+            if self._report_kind is None:  # not resolved yet: applied when the reporting total is built
+                self._pending_report = (kind, report)
+            elif self._report not in (None, self._rdp) and kind in (None, self.accountant):
+                self._report.load_state_dict(report)
+        if state_dict.get("delta") is not None:
+            self._restored_delta = float(state_dict["delta"])
+            if self.delta is None:
+                self.delta, self._delta_source = self._restored_delta, "restored from the checkpoint"
         self._epsilon = float(state_dict.get("epsilon", 0.0))
+        self._reported_key = None
         self._horizon = self._reservation = None

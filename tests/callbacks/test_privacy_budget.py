@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.accounting import PrivacyLedger, epsilon, ledger_epsilon
 from lightning_dp.callbacks.privacy_budget import PrivacyBudget, default_delta
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.strategy import DPStrategy
 
 N, BATCH, SIGMA, DELTA = 64, 8, 1.0, 1e-5
@@ -40,12 +41,13 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=BATCH)
 
 
-def _trainer(callbacks, max_steps, tmp_path=None, sigma=SIGMA, **kw) -> pl.Trainer:
+def _trainer(callbacks, max_steps, tmp_path=None, sigma=SIGMA, strategy=None, **kw) -> pl.Trainer:
     kw.setdefault("logger", False)
+    kw.setdefault("enable_progress_bar", False)
     return pl.Trainer(
-        strategy=DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0),
+        strategy=strategy if strategy is not None else DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0),
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_model_summary=False,
         default_root_dir=tmp_path, **kw,
     )
 
@@ -78,9 +80,11 @@ class Capture(Logger):
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[dict] = []
+        self.steps: list[int] = []
 
     def log_metrics(self, metrics, step=None):
         self.rows.append(dict(metrics))
+        self.steps.append(step)
 
     def log_hyperparams(self, params, *args, **kwargs):
         pass
@@ -221,3 +225,112 @@ def test_tighter_stop_accountant_goes_further_but_stays_within_target():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         PrivacyBudget(**kwargs)
+
+
+# ------------------------------------------ δ and the accountant: the strategy's (issue 22, item 2)
+def _target_strategy(**kwargs) -> DPStrategy:
+    return DPStrategy(target_epsilon=3.0, target_delta=DELTA, max_grad_norm=1.0, **kwargs)
+
+
+def test_delta_comes_from_the_strategy(caplog):
+    """The reproduced bug: PrivacyBudget() under DPStrategy(target_epsilon=3, target_delta=1e-5)
+    reported ε at a silent δ = N^-1.1 (ε ≈ 2 here); at the strategy's δ the ledger is ε = 3."""
+    budget = PrivacyBudget()
+    with caplog.at_level("INFO"):
+        trainer = _fit(_trainer([budget], max_steps=6, strategy=_target_strategy()))
+    assert budget.delta == DELTA and budget.accountant == "rdp"
+    spent = ledger_epsilon(trainer.strategy.ledger, DELTA)
+    assert spent == pytest.approx(3.0, abs=0.02)  # σ was calibrated for exactly these 6 steps
+    assert budget.epsilon == pytest.approx(spent, rel=1e-9)
+    assert "δ = 1e-05 (the strategy's target_delta)" in caplog.text
+
+
+def test_accountant_comes_from_the_strategy():
+    budget = PrivacyBudget(delta=DELTA)
+    strategy = DPStrategy(noise_multiplier=SIGMA, max_grad_norm=1.0, accountant="prv")
+    trainer = _fit(_trainer([budget], max_steps=4, strategy=strategy))
+    assert budget.accountant == "prv"
+    expected = ledger_epsilon(trainer.strategy.ledger, DELTA, "prv")
+    assert expected < 0.95 * ledger_epsilon(trainer.strategy.ledger, DELTA, "rdp")  # the two are told apart
+    assert budget.epsilon == pytest.approx(expected, rel=1e-9)
+    assert float(trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("given, named", [(dict(delta=1e-6), ("delta=1e-06", "target_delta=1e-05")),
+                                          (dict(accountant="pld"), ("accountant='pld'", "accountant='rdp'"))])
+def test_a_different_delta_or_accountant_is_refused_naming_both(given, named):
+    trainer = _trainer([PrivacyBudget(**given)], max_steps=3, strategy=_target_strategy())
+    with pytest.raises(PrivacyConfigurationError) as error:
+        _fit(trainer)
+    message = str(error.value)
+    assert all(text in message for text in named) and "allow_mismatch=True" in message, message
+    assert trainer.strategy.ledger.steps == 0  # refused at setup, before any step
+
+
+def test_a_mismatch_marked_as_meant_is_used_and_named_in_the_log(caplog):
+    budget = PrivacyBudget(delta=1e-6, allow_mismatch=True)
+    with caplog.at_level("INFO"):
+        trainer = _fit(_trainer([budget], max_steps=3, strategy=_target_strategy()))
+    assert budget.delta == 1e-6
+    assert budget.epsilon == pytest.approx(ledger_epsilon(trainer.strategy.ledger, 1e-6), rel=1e-9)
+    assert "allow_mismatch=True: the strategy's target_delta is 1e-05" in caplog.text
+
+
+def test_without_target_delta_the_given_delta_is_used_and_named(caplog):
+    budget = PrivacyBudget(delta=DELTA)
+    with caplog.at_level("INFO"):
+        _fit(_trainer([budget], max_steps=2))
+    assert budget.delta == DELTA
+    assert "δ = 1e-05 (delta (the strategy has no target_delta))" in caplog.text
+
+
+def test_epsilon_is_written_once_per_logged_step():
+    """Lightning's logger connector and the callback both wrote privacy/epsilon (twice per step)."""
+    capture = Capture()
+    trainer = _fit(_trainer([PrivacyBudget(delta=DELTA)], max_steps=5, logger=capture, log_every_n_steps=2))
+    written = [step for step, row in zip(capture.steps, capture.rows) if "privacy/epsilon" in row]
+    assert written == [1, 2, 4, 5]  # 1 and the due steps; 5: the end of training (not logged before)
+    final = [row["privacy/epsilon"] for row in capture.rows if "privacy/epsilon" in row][-1]
+    assert final == pytest.approx(ledger_epsilon(trainer.strategy.ledger, DELTA), rel=1e-12)
+
+
+# ------------------------------------------------ ε shown is ε spent (issue 23, item 3)
+@pytest.mark.parametrize("length", [dict(max_steps=11), dict(max_steps=-1, max_epochs=2)])
+def test_epsilon_shown_at_the_end_is_the_ledgers(length):
+    """log_every_n_steps (50) > the run's steps: the last logged ε is step 1's, the end must show
+    the ledger's (stopped by max_steps mid-epoch, or by max_epochs)."""
+    from pytorch_lightning.callbacks import TQDMProgressBar
+    from tqdm import tqdm
+
+    bar = TQDMProgressBar()
+    trainer = _fit(_trainer([PrivacyBudget(), bar], strategy=_target_strategy(), log_every_n_steps=50,
+                            enable_progress_bar=True, **length))
+    spent = ledger_epsilon(trainer.strategy.ledger, DELTA)
+    assert trainer.strategy.ledger.steps == (11 if length["max_steps"] == 11 else 16)
+    assert spent == pytest.approx(3.0, abs=0.02)
+    assert float(trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(spent, rel=1e-12)
+    assert trainer.progress_bar_metrics["privacy/epsilon"] == pytest.approx(spent, rel=1e-12)
+    assert f"privacy/epsilon={tqdm.format_num(spent)}" in bar.train_progress_bar.postfix  # what was on screen
+
+
+# ------------------------------------ the PLD/PRV stop path, small and fast (issue 22, item 5)
+@pytest.mark.parametrize("stop", ["pld", "prv"])
+def test_tighter_stop_accountant_takes_exactly_the_steps_it_certifies(stop):
+    """The default-suite twin of the slow test above: without subsampling (q = 1) a PLD/PRV call
+    takes ~0.1 s. RDP refuses after k steps; the tighter accountant certifies a few more, and the
+    run ends at its exact boundary, reporting ε by that accountant."""
+    sigma, q, k = 8.0, 1.0, 16
+    target = 0.5 * (epsilon(sigma, q, k, DELTA) + epsilon(sigma, q, k + 1, DELTA))
+    trainer = FakeTrainer()
+    trainer.strategy.noise_multiplier, trainer.strategy.sample_rate = sigma, q
+    budget = PrivacyBudget(target_epsilon=target, delta=DELTA, accountant=stop, stop_accountant=stop)
+    budget.on_train_start(trainer, NullModule())
+    while not trainer.should_stop and trainer.global_step < 100:
+        trainer.strategy.ledger.record(sigma, q)
+        trainer.global_step += 1
+        budget.on_train_batch_end(trainer, NullModule(), None, None, 0)
+    steps = trainer.strategy.ledger.steps
+    assert steps > k  # RDP alone stops at k
+    assert ledger_epsilon(trainer.strategy.ledger, DELTA, stop) <= target < epsilon(sigma, q, steps + 1, DELTA, stop)
+    budget.on_train_end(trainer, NullModule())
+    assert budget.epsilon == pytest.approx(ledger_epsilon(trainer.strategy.ledger, DELTA, stop), rel=1e-12)
