@@ -94,9 +94,20 @@ class DPStrategy(DDPStrategy):
             with an error naming both values; ``"new"`` applies this run's σ and C from the
             resumed step on, and says so in the log (the ledger records every step's σ, so
             ε stays exact). A different target ε is always refused.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-        precision_plugin, process_group_backend, timeout, start_method:
-            as for Lightning's ``DDPStrategy`` (multi-process use).
+        augmentation_multiplicity: K ≥ 1 (De et al. 2022): every example arrives as K consecutive
+            rows, its augmented views (wrap the dataset in :class:`lightning_dp.data.AugmentedViews`
+            and use its ``collate`` as the loader's ``collate_fn``); the example's gradient is the
+            mean over its views, clipped once, so the guarantee and the accounting are unchanged.
+            Needs the ``vmap`` or ``opacus_hooks`` engine ("auto" picks one).
+        accelerator: the accelerator (set by the Trainer; as for Lightning's ``DDPStrategy``).
+        parallel_devices: the devices of the processes (set by the Trainer).
+        cluster_environment: the cluster environment (set by the Trainer).
+        checkpoint_io: checkpoint reader/writer plugin.
+        precision_plugin: precision plugin (set by the Trainer from ``precision``).
+        process_group_backend: torch.distributed backend with several processes (default per device).
+        timeout: timeout of the process group's collectives.
+        start_method: how processes start with several devices: "popen" (default), "spawn", "fork"
+            or "forkserver".
 
     Example:
         >>> trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
@@ -120,6 +131,7 @@ class DPStrategy(DDPStrategy):
         sampler_seed: Optional[int] = None,
         secure_mode: bool = False,
         resume_privacy: Literal["strict", "new"] = "strict",
+        augmentation_multiplicity: int = 1,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -154,6 +166,7 @@ class DPStrategy(DDPStrategy):
         self.private_step = PrivateStep(
             noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
+            views_per_example=augmentation_multiplicity,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
         self._requested_sigma = self.private_step.noise_multiplier

@@ -9,6 +9,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp.data.augmentation import AugmentedViews, RandomShift
+
 
 class DigitsDataModule(pl.LightningDataModule):
     """Train/test split of ``sklearn.datasets.load_digits``, pixels scaled to [-1, 1].
@@ -19,6 +21,9 @@ class DigitsDataModule(pl.LightningDataModule):
         val_fraction: share of the *training* images held out for validation (0 = none).
         split_seed: seed of the (public) train/test split.
         num_workers: DataLoader workers.
+        augmentation_multiplicity: K views per training example (:class:`AugmentedViews`, random shifts of
+            up to ``max_shift`` pixels); give the same K to ``DPStrategy(augmentation_multiplicity=K)``.
+        max_shift: largest shift of an augmented view, in pixels.
     """
 
     num_classes = 10
@@ -31,6 +36,8 @@ class DigitsDataModule(pl.LightningDataModule):
         val_fraction: float = 0.0,
         split_seed: int = 0,
         num_workers: int = 0,
+        augmentation_multiplicity: int = 1,
+        max_shift: int = 1,
     ) -> None:
         super().__init__()
         if not 0 < test_fraction < 1 or not 0 <= val_fraction < 1:
@@ -67,8 +74,15 @@ class DigitsDataModule(pl.LightningDataModule):
             self.val_set = TensorDataset(scale(x_va), y_va)
 
     def train_dataloader(self) -> DataLoader:
-        """Training loader (DPStrategy rebuilds it around Poisson sampling)."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.hparams.num_workers)
+        """Training loader (DPStrategy rebuilds it around Poisson sampling); with augmentation multiplicity
+        K > 1, each example arrives as K shifted views (the first unshifted), consecutive rows."""
+        k = self.hparams.augmentation_multiplicity
+        if k == 1:
+            return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
+                              num_workers=self.hparams.num_workers)
+        views = AugmentedViews(self.train_set, RandomShift(self.hparams.max_shift, fill=-1.0), k, identity_first=True)
+        return DataLoader(views, batch_size=self.batch_size, shuffle=True, collate_fn=AugmentedViews.collate,
+                          num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation loader, or none when ``val_fraction`` is 0."""

@@ -124,6 +124,10 @@ class PrivateStep:
         target_epsilon, target_delta, accountant: the calibration target, when σ is not given.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
         secure_sampling: draw the sampling from the OS's CSPRNG (secure mode).
+        views_per_example: K, augmentation multiplicity: every example arrives as K consecutive rows
+            (its augmented views, e.g. :class:`lightning_dp.data.AugmentedViews`); its gradient is the
+            mean over them, clipped once (:func:`~lightning_dp.mechanism.grad_sample.base.mean_over_views`).
+            Needs an engine with ``supports_views`` ("auto" picks one).
     """
 
     def __init__(
@@ -137,7 +141,10 @@ class PrivateStep:
         accountant: str = "rdp",
         sampler_seed: Optional[int] = None,
         secure_sampling: bool = False,
+        views_per_example: int = 1,
     ) -> None:
+        if not (isinstance(views_per_example, int) and views_per_example >= 1):
+            raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
         if engine != "auto":
             make_engine(engine)  # fail fast on an unknown name
@@ -147,6 +154,7 @@ class PrivateStep:
         self.engine_name = engine
         self.target_epsilon, self.target_delta, self.accountant = target_epsilon, target_delta, accountant
         self.sampler_seed, self.secure_sampling = sampler_seed, secure_sampling
+        self.views_per_example = views_per_example
         self.ledger = PrivacyLedger()
         self.plan: Optional[SamplingPlan] = None
         self.distribution = Distribution()
@@ -177,10 +185,15 @@ class PrivateStep:
             raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
         if self.engine_name == "auto":
             try:
-                self.engine_name = select_engine(module)
+                self.engine_name = select_engine(module, self.views_per_example)
             except ValueError as err:
                 raise PrivacyConfigurationError(str(err)) from err
         engine = make_engine(self.engine_name)
+        if self.views_per_example > 1 and not engine.supports_views:
+            raise PrivacyConfigurationError(
+                f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
+                "multiplicity): use per_sample='auto', 'vmap' or 'opacus_hooks'.")
+        engine.views_per_example = self.views_per_example
         problems = [f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
                     for name in engine.unsupported_layers(module)]
         if problems:

@@ -24,13 +24,18 @@ def unsupported_by_engine(module: nn.Module) -> dict[str, list[str]]:
     return {name: make_engine(name).unsupported_layers(module) for name in PREFERENCE}
 
 
-def select_engine(module: nn.Module) -> str:
-    """Name of the fastest engine that supports every trainable layer of ``module``.
+def select_engine(module: nn.Module, views_per_example: int = 1) -> str:
+    """Name of the fastest engine that supports every trainable layer of ``module`` (and, for
+    ``views_per_example`` > 1, augmentation multiplicity: :attr:`GradSampleEngine.supports_views`).
 
     Raises:
         ValueError: no engine supports the model; the message lists each engine's problems.
     """
     problems = unsupported_by_engine(module)
+    if views_per_example > 1:
+        for name in PREFERENCE:
+            if not make_engine(name).supports_views:
+                problems[name] = problems[name] + ["K > 1 views per example (augmentation multiplicity)"]
     for name in PREFERENCE:
         if not problems[name]:
             return name

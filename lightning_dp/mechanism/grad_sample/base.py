@@ -57,6 +57,11 @@ class GradSampleEngine(ABC):
     """
 
     name: ClassVar[str] = ""
+    supports_views: ClassVar[bool] = False
+    """Whether the engine can take K consecutive rows as one example (augmentation multiplicity)."""
+    views_per_example: int = 1
+    """K: rows per example (each example's K augmented views, consecutive); set before :meth:`attach`.
+    :meth:`begin_step` still counts examples; K > 1 needs :attr:`supports_views`."""
 
     @abstractmethod
     def attach(self, module: nn.Module) -> None:
@@ -115,6 +120,21 @@ def make_engine(name: str) -> GradSampleEngine:
         return _ENGINES[name]()
     except KeyError:
         raise ValueError(f"Unknown per-sample engine {name!r}; available: {available_engines()}") from None
+
+
+def mean_over_views(grad_samples: Sequence[Tensor], views: int) -> list[Tensor]:
+    """Per-row gradients ``[n·K, …]`` → per-example gradients ``[n, …]``: the mean over each example's K
+    consecutive rows (its augmented views). Augmentation multiplicity (De et al. 2022, §3.1, eq. 2): the
+    example's gradient is the mean of its views' gradients, clipped ONCE, so one example still moves the
+    sum by at most C and the accounting is unchanged. ``views = 1`` returns the input."""
+    if views == 1:
+        return list(grad_samples)
+    out = []
+    for gs in grad_samples:
+        if gs.shape[0] % views:
+            raise ValueError(f"{gs.shape[0]} rows are not a multiple of {views} views per example")
+        out.append(gs.view(gs.shape[0] // views, views, *gs.shape[1:]).mean(1))
+    return out
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:

@@ -48,6 +48,7 @@ from lightning_dp.mechanism.grad_sample.base import (
     GradSampleEngine,
     ParamMap,
     clip_and_sum_materialised,
+    mean_over_views,
     register_engine,
 )
 from lightning_dp.mechanism.validators.example_dim import (
@@ -259,6 +260,7 @@ class FunctorchVmapEngine(GradSampleEngine):
     """
 
     name = "vmap"
+    supports_views = True
 
     def __init__(self) -> None:
         self._capture = ActivationCapture()
@@ -270,8 +272,8 @@ class FunctorchVmapEngine(GradSampleEngine):
         self._capture.attach(leaf_layers(module), time_major=frozenset(time_major_layers(module)), root=module)
 
     def begin_step(self, num_examples: Optional[int]) -> None:
-        """Drop earlier captures; verify this step's calls against ``num_examples``."""
-        self._capture.begin_step(num_examples)
+        """Drop earlier captures; verify this step's calls against ``num_examples`` (× the views per example)."""
+        self._capture.begin_step(None if num_examples is None else num_examples * self.views_per_example)
 
     def detach(self) -> None:
         """Remove hooks and captured tensors."""
@@ -288,7 +290,7 @@ class FunctorchVmapEngine(GradSampleEngine):
         """Materialise per-example grads layer by layer, then clip and sum (base.py)."""
         try:
             with self._capture.suspended():
-                samples = self._grad_samples(params)
+                samples = mean_over_views(self._grad_samples(params), self.views_per_example)
             return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares)
         finally:
             self._capture.clear()
