@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,hf]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[all,dev,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)

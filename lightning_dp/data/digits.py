@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp._extras import require
 from lightning_dp.data.augmentation import AugmentedViews, RandomShift
 
 
@@ -54,8 +55,8 @@ class DigitsDataModule(pl.LightningDataModule):
         """Load, split and scale to [-1, 1] (idempotent)."""
         if self.train_set is not None:
             return
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        load_digits = require("sklearn.datasets", "data").load_digits
+        train_test_split = require("sklearn.model_selection", "data").train_test_split
 
         digits = load_digits()
         x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
