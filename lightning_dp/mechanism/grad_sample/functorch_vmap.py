@@ -43,6 +43,7 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.root_parameters import expandable
+from lightning_dp.mechanism.grad_sample.rnn_unrolled import unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -222,6 +223,8 @@ def vmap_layer_grads(
     if any(rec.rng is not None for rec in calls.records):
         return replayed_layer_grads(calls, wanted, n)
     if isinstance(calls.module, nn.RNNBase):
+        if all(unrolled_supported(calls.module, rec) for rec in calls.records):
+            return unrolled_rnn_grads(calls, wanted, n)
         return loop_layer_grads(calls, wanted, n)
     params = {name: p.detach() for name, p in wanted}
     dims = example_dims(calls.module)
