@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+if TYPE_CHECKING:  # imported on first use: `lightning-dp --help` and the tools load no torch/Lightning
+    from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 #: Subcommands outside LightningCLI: name -> (module with ``main(argv) -> int``, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,13 +26,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
 _LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
-class DPLightningCLI(LightningCLI):
-    """LightningCLI that tests the model after ``fit`` and prints what the run spent."""
+class _DPLightningCLIHooks:
+    """LightningCLI that tests the model after ``fit`` and prints what the run spent.
+
+    The hooks of :class:`DPLightningCLI`, which is this class on top of Lightning's
+    ``LightningCLI``, built on first use (:func:`_lightning_cli_class`) so that importing
+    this module loads neither torch nor Lightning.
+    """
+
+    config: Any
+    subcommand: Any
+    trainer: Any
+    model: Any
+    datamodule: Any
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Add ``--privacy_delta`` (δ at which the spent ε is reported)."""
-        parser.add_argument("--privacy_delta", type=float, default=1e-5, help="δ at which to report the ε spent")
+        """Add ``--privacy_delta`` and ``--allow_mismatch`` (δ of the summary: :func:`privacy_summary`)."""
+        parser.add_argument(
+            "--privacy_delta", type=Optional[float], default=None,
+            help="δ at which to report the ε spent. Default: the strategy's target_delta (a different value is "
+                 "refused unless --allow_mismatch=true); for a run without target_delta, 1/N^1.1",
+        )
+        parser.add_argument(
+            "--allow_mismatch", type=bool, default=False,
+            help="report at a --privacy_delta that differs from the strategy's target_delta, on purpose",
+        )
         parser.add_argument("--test_after_fit", type=bool, default=True, help="run the test set after fit")
+
+    def before_fit(self) -> None:
+        """Refuse, before training, a ``--privacy_delta`` that differs from the strategy's ``target_delta``."""
+        config = self.config[self.subcommand]
+        _summary_delta(self.trainer.strategy, config.get("privacy_delta"), bool(config.get("allow_mismatch")))
 
     def after_fit(self) -> None:
         """Run the test split (if the data has one) and print accuracy and ε."""
@@ -41,7 +66,26 @@ class DPLightningCLI(LightningCLI):
             results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=None, verbose=False)
             metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
         if self.trainer.is_global_zero:
-            print(privacy_summary(self.trainer.strategy, config.get("privacy_delta", 1e-5), metrics))
+            print(privacy_summary(self.trainer.strategy, config.get("privacy_delta"), metrics,
+                                  allow_mismatch=bool(config.get("allow_mismatch"))))
+
+
+def _lightning_cli_class() -> "type[LightningCLI]":
+    """``DPLightningCLI``: the hooks above on top of ``LightningCLI`` (created once, on first use)."""
+    cls = globals().get("DPLightningCLI")
+    if cls is None:
+        from pytorch_lightning.cli import LightningCLI
+
+        cls = type("DPLightningCLI", (_DPLightningCLIHooks, LightningCLI),
+                   {"__module__": __name__, "__doc__": _DPLightningCLIHooks.__doc__})
+        globals()["DPLightningCLI"] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DPLightningCLI":
+        return _lightning_cli_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _has_test_data(cli: LightningCLI) -> bool:
@@ -51,22 +95,50 @@ def _has_test_data(cli: LightningCLI) -> bool:
     return owner is not None and is_overridden("test_dataloader", owner)
 
 
-def privacy_summary(strategy: object, delta: float, metrics: dict[str, float]) -> str:
-    """One human-readable block: test metrics, ε at δ, and the mechanism's parameters."""
+def _summary_delta(strategy: object, delta: Optional[float], allow_mismatch: bool) -> Any:
+    """δ of the summary (:func:`lightning_dp.accounting.run_privacy.resolve_delta`), or ``None``
+    while neither the strategy, ``--privacy_delta`` nor N gives one."""
+    from lightning_dp.accounting.run_privacy import resolve_delta
+
+    n = getattr(strategy, "num_samples", None)
+    return resolve_delta(strategy, delta, allow_mismatch=allow_mismatch, num_samples=n,
+                         who="lightning-dp fit", name="--privacy_delta", mark="--allow_mismatch=true")
+
+
+def privacy_summary(
+    strategy: object, delta: Optional[float] = None, metrics: Optional[dict[str, float]] = None,
+    *, allow_mismatch: bool = False,
+) -> str:
+    """One human-readable block: test metrics, ε spent, and the mechanism's parameters.
+
+    ε is the ledger's, by the run's accountant (``strategy.accountant``) at the run's δ
+    (``strategy.target_delta``); the line names both and where δ came from. ``delta``
+    (``--privacy_delta``) is for runs without ``target_delta`` (default then 1/N^1.1); a
+    ``delta`` different from ``target_delta`` raises
+    :class:`~lightning_dp.errors.PrivacyConfigurationError` unless ``allow_mismatch``
+    (``--allow_mismatch=true``). See :mod:`lightning_dp.accounting.run_privacy`.
+    """
     from lightning_dp.accounting import ledger_epsilon
+    from lightning_dp.accounting.run_privacy import resolve_accountant
     from lightning_dp.strategy import DPStrategy
 
     lines = ["", "=== lightning_dp summary ==="]
-    for name, value in sorted(metrics.items()):
+    for name, value in sorted((metrics or {}).items()):
         shown = f"{100 * value:.2f} %" if name.endswith("acc") else f"{value:.4f}"
         lines.append(f"{name}: {shown}")
     if not isinstance(strategy, DPStrategy):
         lines.append("Not trained with DPStrategy: no privacy guarantee.")
         return "\n".join(lines)
     ledger = strategy.ledger
-    eps = ledger_epsilon(ledger, delta) if ledger.steps else 0.0
-    eps_text = "inf (a non-private variant was used)" if math.isinf(eps) else f"{eps:.4f}"
-    lines.append(f"privacy: ε = {eps_text} at δ = {delta:g} (RDP accountant) after {ledger.steps} steps")
+    accountant = resolve_accountant(strategy).value
+    chosen = _summary_delta(strategy, delta, allow_mismatch)
+    if chosen is None:
+        lines.append(f"privacy: ε not computed (no target_delta, N unknown): give --privacy_delta; {ledger.steps} steps")
+    else:
+        eps = ledger_epsilon(ledger, chosen.value, accountant) if ledger.steps else 0.0
+        eps_text = "inf (a non-private variant was used)" if math.isinf(eps) else f"{eps:.4f}"
+        lines.append(f"privacy: ε = {eps_text} at δ = {chosen.value:g} after {ledger.steps} steps "
+                     f"({accountant} accountant: the strategy's; δ: {chosen.source})")
     lines.append(
         f"mechanism: σ = {strategy.noise_multiplier:.4g}, C = {strategy.max_grad_norm:g}, "
         f"q = {strategy.sample_rate:.4g} (expected batch {strategy.expected_batch_size:g} of N = {strategy.num_samples})"
@@ -97,10 +169,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(argv[1:]) or 0)
     if command not in _LIGHTNING_SUBCOMMANDS:
-        print(f"lightning-dp: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        if command.startswith("-"):  # e.g. `lightning-dp --trainer.strategy.help lightning_dp.DPStrategy`
+            print(f"lightning-dp: {command!r} is an option: put it after a subcommand, e.g.\n"
+                  f"  lightning-dp fit {' '.join(argv)}\n\n{_usage()}", file=sys.stderr)
+        else:
+            print(f"lightning-dp: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    DPLightningCLI(args=argv, save_config_kwargs={"overwrite": True})
+    # Destroy the process group this run made (each rank, after its own fit/test: no collective is
+    # left, and destroying a gloo group is local). Lightning does it at exit for NCCL only; a gloo
+    # group still alive when Python finalizes aborts a few percent of 2-process CPU runs after the
+    # summary ("terminate called without an active exception", exit 134): a gloo worker thread
+    # dropping the last reference to a finished collective's tensors asks for the GIL, and a thread
+    # asking for it during finalization is ended by a forced unwind through a noexcept destructor.
+    had_process_group = _process_group_initialized()
+    _lightning_cli_class()(args=argv, save_config_kwargs={"overwrite": True})
+    if not had_process_group and _process_group_initialized():
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
     return 0
+
+
+def _process_group_initialized() -> bool:
+    """Whether this process has a ``torch.distributed`` process group (``False`` without torch imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 if __name__ == "__main__":

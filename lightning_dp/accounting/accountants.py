@@ -98,7 +98,9 @@ def pld_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
 @register_accountant("prv")
 def prv_epsilon(entries: Sequence[LedgerEntry], delta: float) -> float:
     """Opacus' PRV accountant (upper bound of its estimate, ``eps_error = 0.01``)."""
-    from opacus.accountants import PRVAccountant  # imported on first use
+    from lightning_dp._opacus import import_opacus
+
+    PRVAccountant = import_opacus("opacus.accountants").PRVAccountant  # imported on first use
 
     accountant = PRVAccountant()
     accountant.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]

@@ -82,7 +82,9 @@ def epsilon_paper_grid(
 def epsilon_prv(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε of T SGM steps by Opacus' PRV accountant (Gopi et al. 2021); upper estimate."""
     _check(sample_rate, steps, delta)
-    from opacus.accountants import PRVAccountant  # imported on first use
+    from lightning_dp._opacus import import_opacus
+
+    PRVAccountant = import_opacus("opacus.accountants").PRVAccountant  # imported on first use
 
     accountant = PRVAccountant()
     accountant.history = [(noise_multiplier, sample_rate, steps)]

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-from lightning_dp.audit.runner import KINDS, run_audit
+#: canary kinds of :func:`lightning_dp.audit.runner.run_audit` (its ``KINDS``; a test keeps them equal). Not
+#: imported from there: the runner loads torch and Lightning, which ``lightning-dp audit --help`` does not need.
+KINDS = ("input", "gradient")
+
+
+def run_audit(*args: Any, **kwargs: Any) -> Any:
+    """:func:`lightning_dp.audit.runner.run_audit`, imported on first call (it loads torch and Lightning)."""
+    from lightning_dp.audit.runner import run_audit as run
+
+    return run(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,11 +18,23 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional, Sequence
 
-from lightning_dp.callbacks import _monitor_tags as tags
-
 EVENT_GLOB = "events.out.tfevents.*"
+
+
+class _Tags(ModuleType):
+    """:mod:`lightning_dp.callbacks._monitor_tags`, imported on first use: importing the
+    ``lightning_dp.callbacks`` package loads Lightning, which ``lightning-dp report --help`` does not need."""
+
+    def __getattr__(self, name: str) -> Any:
+        from lightning_dp.callbacks import _monitor_tags
+
+        return getattr(_monitor_tags, name)
+
+
+tags = _Tags("tags")
 
 
 class ReportError(ValueError):
@@ -84,11 +96,15 @@ def histogram_at(acc: Any, tag: str, step: int) -> Optional[tuple[list[float], l
 
 
 # ----------------------------------------------------------------------------- table
-ROWS = (
-    ("clean v (NOT private)", tags.CLEAN_V),
-    ("private v̂", tags.V),
-    ("corrected v̂ − Φ", tags.V_MINUS_PHI),
-)
+def rows() -> tuple[tuple[str, str], ...]:
+    """The table's series: (label, tag family)."""
+    return (
+        ("clean v (NOT private)", tags.CLEAN_V),
+        ("private v̂", tags.V),
+        ("corrected v̂ − Φ", tags.V_MINUS_PHI),
+    )
+
+
 HEADERS = {"min": "min", "q1": "Q1", "median": "median", "q3": "Q3", "max": "max", "mean": "mean"}
 
 
@@ -97,7 +113,7 @@ def table_markdown(acc: Any, steps: Sequence[int]) -> str:
     header = "| step | series | " + " | ".join(HEADERS[s] for s in tags.STATS) + " |"
     lines = [header, "|" + "---|" * (len(tags.STATS) + 2)]
     for step in steps:
-        for label, family in ROWS:
+        for label, family in rows():
             values = [scalar_series(acc, tags.stat_tag(family, "all", s)).get(step) for s in tags.STATS]
             if all(v is None for v in values):
                 continue
@@ -116,12 +132,14 @@ def _fmt(value: Optional[float]) -> str:
 
 
 # ----------------------------------------------------------------------------- figure
-PANELS = (
-    ("first moment m", ((tags.HIST_CLEAN_M, "clean m^c (NOT private)"), (tags.HIST_M, "private m^p"))),
-    ("second moment v", ((tags.HIST_CLEAN_V, "clean v^c (NOT private)"), (tags.HIST_V, "private v^p"),
-                         (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ"))),
-    ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"), (tags.HIST_UPDATE, "applied m̂/D(v̂)"))),
-)
+def panels() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """The figure's histogram panels: (title, ((tag, label), ...))."""
+    return (
+        ("first moment m", ((tags.HIST_CLEAN_M, "clean m^c (NOT private)"), (tags.HIST_M, "private m^p"))),
+        ("second moment v", ((tags.HIST_CLEAN_V, "clean v^c (NOT private)"), (tags.HIST_V, "private v^p"),
+                             (tags.HIST_V_MINUS_PHI, "corrected v^p − Φ"))),
+        ("update", ((tags.HIST_CLEAN_UPDATE, "clean m^c/√v^c (NOT private)"), (tags.HIST_UPDATE, "applied m̂/D(v̂)"))),
+    )
 
 
 def plot_report(acc: Any, step: int, out: str) -> None:
@@ -132,7 +150,7 @@ def plot_report(acc: Any, step: int, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (title, series) in zip(axes.flat, PANELS):
+    for ax, (title, series) in zip(axes.flat, panels()):
         hists = [(label, h) for tag, label in series if (h := histogram_at(acc, tag, step)) is not None]
         _draw_histograms(ax, hists)
         ax.set(title=f"{title} (step {step})", ylabel="fraction of coordinates")

@@ -22,6 +22,7 @@ from lightning_dp.mechanism.grad_sample.base import (
     GradSampleEngine,
     ParamMap,
     clip_and_sum_materialised,
+    mean_over_views,
     register_engine,
 )
 from lightning_dp.mechanism.validators.example_dim import check_example_dim, check_something_captured
@@ -35,6 +36,7 @@ class OpacusHooksEngine(GradSampleEngine):
     """Engine ``"opacus_hooks"``: Opacus' per-layer grad samplers, materialised."""
 
     name = "opacus_hooks"
+    supports_views = True
 
     def __init__(self) -> None:
         self._hooks: Optional[GradSampleHooks] = None
@@ -79,7 +81,7 @@ class OpacusHooksEngine(GradSampleEngine):
 
     def begin_step(self, num_examples: Optional[int]) -> None:
         """Drop anything an earlier forward left in Opacus' hooks; verify the coming calls."""
-        self._expected = num_examples
+        self._expected = None if num_examples is None else num_examples * self.views_per_example
         self._mismatched.clear()
         if self._module is None:
             return
@@ -131,6 +133,7 @@ class OpacusHooksEngine(GradSampleEngine):
                     "LightningModule) or not used in the loss. Freeze them (requires_grad=False) or move them "
                     "into a supported layer."
                 )
+            samples = mean_over_views(samples, self.views_per_example)
             return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares)
         finally:
             for p in params:
@@ -220,6 +223,6 @@ def _takes_more_than_one_argument(module: nn.Module) -> bool:
 
 def _grad_sample_hooks() -> Any:
     """Opacus' ``GradSampleHooks``, imported on first use (``import lightning_dp.mechanism`` stays Opacus-free)."""
-    from opacus.grad_sample import GradSampleHooks
+    from lightning_dp._opacus import import_opacus  # keeps the root logger's format (see there)
 
-    return GradSampleHooks
+    return import_opacus("opacus.grad_sample").GradSampleHooks
