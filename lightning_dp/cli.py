@@ -74,6 +74,9 @@ def _lightning_cli_class() -> "type[LightningCLI]":
     """``DPLightningCLI``: the hooks above on top of ``LightningCLI`` (created once, on first use)."""
     cls = globals().get("DPLightningCLI")
     if cls is None:
+        from lightning_dp._extras import require
+
+        require("jsonargparse", "cli")  # LightningCLI's parser: the [cli] extra
         from pytorch_lightning.cli import LightningCLI
 
         cls = type("DPLightningCLI", (_DPLightningCLIHooks, LightningCLI),

@@ -251,8 +251,9 @@ def plot_curves(
 
 def draw(path: str, curves: Sequence[Curve], title: str, delta: float, target: Optional[float] = None) -> None:
     """Save the curves as a PNG (matplotlib, Agg): lines through the dense grid, markers where ε is exact."""
-    import matplotlib
+    from lightning_dp._extras import require
 
+    matplotlib = require("matplotlib", "report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

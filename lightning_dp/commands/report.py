@@ -144,8 +144,9 @@ def panels() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
 
 def plot_report(acc: Any, step: int, out: str) -> None:
     """Figure-2-like PNG: histograms at ``step`` (clean series only where logged) + v̂ vs Φ over time."""
-    import matplotlib
+    from lightning_dp._extras import require
 
+    matplotlib = require("matplotlib", "report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
