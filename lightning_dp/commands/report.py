@@ -1,5 +1,6 @@
 """``lightning-dp report``: the bias-correction seed's Table 1 and Figure 2 for your own run.
 
+    lightning-dp report                        # the latest monitored run under lightning_logs/
     lightning-dp report lightning_logs/version_0 --out report.png
 
 Reads only the TensorBoard event files written by
@@ -63,8 +64,28 @@ def find_run(logdir: Path) -> Any:
                           f"add callbacks=[SecondMomentMonitor(every_n_steps=...)] to the Trainer.")
     if len(runs) > 1:
         names = ", ".join(str(d) for d, _ in runs)
-        raise ReportError(f"several monitored runs under {logdir} ({names}): pass one of them.")
+        raise ReportError(f"several monitored runs under {logdir} ({names}): pass one of them (or no path: the "
+                          "latest run under lightning_logs/).")
     return runs[0][1]
+
+
+def latest_run(root: Path) -> Path:
+    """The run directory under ``root`` whose newest event file is the most recent and that holds
+    SecondMomentMonitor tags (``lightning-dp report`` without a path)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not root.is_dir():
+        raise ReportError(f"no {root}/ here: run from the directory you trained in, or pass the run directory.")
+    newest: dict[Path, float] = {}
+    for f in root.rglob(EVENT_GLOB):
+        newest[f.parent] = max(newest.get(f.parent, 0.0), f.stat().st_mtime)
+    for d in sorted(newest, key=newest.__getitem__, reverse=True):
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "histograms": 0})
+        acc.Reload()
+        if _median_tag(tags.V) in acc.Tags()["scalars"]:
+            return d
+    raise ReportError(f"no run under {root}/ holds SecondMomentMonitor tags ({_median_tag(tags.V)}): add "
+                      "callbacks=[SecondMomentMonitor()] to the Trainer (configs/digits.yaml has it).")
 
 
 def _median_tag(family: str) -> str:
@@ -142,6 +163,14 @@ def panels() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
     )
 
 
+#: x-axis label of each histogram panel (units of the coordinates shown)
+UNITS = ("m per coordinate (gradient units)", "v per coordinate (gradient units²)", "update per coordinate (unitless)")
+
+#: the figure's caption line
+CAPTION = ("Φ = (σC/B)² is the per-coordinate variance of the DP noise in each step's gradient: Adam's private v̂ "
+           "is biased up by about Φ; v̂ − Φ is the bias-corrected second moment (DP-AdamBC).")
+
+
 def plot_report(acc: Any, step: int, out: str) -> None:
     """Figure-2-like PNG: histograms at ``step`` (clean series only where logged) + v̂ vs Φ over time."""
     from lightning_dp._extras import require
@@ -151,13 +180,14 @@ def plot_report(acc: Any, step: int, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (title, series) in zip(axes.flat, panels()):
+    for ax, (title, series), unit in zip(axes.flat, panels(), UNITS):
         hists = [(label, h) for tag, label in series if (h := histogram_at(acc, tag, step)) is not None]
         _draw_histograms(ax, hists)
-        ax.set(title=f"{title} (step {step})", ylabel="fraction of coordinates")
+        ax.set(title=f"{title} (step {step})", ylabel="fraction of coordinates", xlabel=unit)
     _draw_medians(axes.flat[3], acc)
     fig.suptitle("SecondMomentMonitor: DP noise in Adam's moments (cf. dp-adam-bias-correction Fig. 2)")
-    fig.tight_layout()
+    fig.text(0.5, 0.01, CAPTION, ha="center", va="bottom", fontsize=8, wrap=True)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
@@ -171,8 +201,32 @@ def _draw_histograms(ax: Any, hists: list[tuple[str, tuple[list[float], list[flo
         return
     for label, (edges, counts) in hists:
         ax.stairs(np.asarray(counts, dtype=float) / max(sum(counts), 1.0), edges, label=label)
-    ax.set_xscale("symlog", linthresh=_linthresh([e for _, (e, _) in hists]))
+    from matplotlib.ticker import FixedLocator, LogFormatterSciNotation
+
+    all_edges = [e for _, (e, _) in hists]
+    linthresh = _linthresh(all_edges)
+    ax.set_xscale("symlog", linthresh=linthresh)
+    ax.xaxis.set_major_locator(FixedLocator(symlog_ticks([x for e in all_edges for x in e], linthresh)))
+    ax.xaxis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False, linthresh=linthresh))
+    ax.xaxis.set_minor_locator(FixedLocator([]))
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=8)
+
+
+def symlog_ticks(values: Sequence[float], linthresh: float, per_side: int = 3) -> list[float]:
+    """At most ``per_side`` decades on each side of 0 (evenly spread between the linear threshold and the
+    largest |value|), and 0 itself: the labels of a symlog axis near 0 never overlap."""
+    ticks = [0.0]
+    for sign in (-1.0, 1.0):
+        side = [abs(v) for v in values if v * sign > 0]
+        if not side:
+            continue
+        hi = math.ceil(math.log10(max(side)))
+        # decades within ~100× of the linear threshold sit next to 0 on screen: 0 labels that region
+        lo = min(hi, max(math.floor(math.log10(min(side))), math.floor(math.log10(linthresh)) + 2))
+        step = max(1, math.ceil((hi - lo) / per_side))
+        ticks += [sign * 10.0**k for k in range(hi, lo - 1, -step)][:per_side]
+    return sorted(ticks)
 
 
 def _linthresh(all_edges: list[list[float]]) -> float:
@@ -190,7 +244,8 @@ def _draw_medians(ax: Any, acc: Any) -> None:
     phi = scalar_series(acc, tags.PHI)
     if phi:
         ax.plot(list(phi), list(phi.values()), "k--", label="Φ")
-    ax.set(title="second moment vs noise variance Φ", xlabel="step", yscale="log")
+    ax.set(title="second moment vs noise variance Φ", xlabel="optimizer step", ylabel="gradient units²",
+           yscale="log")
     ax.legend(fontsize=8)
 
 
@@ -198,7 +253,9 @@ def _draw_medians(ax: Any, acc: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``report`` subcommand's argument parser."""
     p = argparse.ArgumentParser(prog="lightning-dp report", description=__doc__.splitlines()[0])
-    p.add_argument("logdir", help="run directory holding the TensorBoard event files (e.g. lightning_logs/version_0)")
+    p.add_argument("logdir", nargs="?", default=None,
+                   help="run directory holding the TensorBoard event files (e.g. lightning_logs/version_0); "
+                        "default: the latest monitored run under lightning_logs/")
     p.add_argument("--out", default="report.png", help="PNG to write (default: %(default)s)")
     p.add_argument("--early", type=int, help="early step for the table (default: the first logged step)")
     p.add_argument("--late", type=int, help="late step for the table and figure (default: the last logged step)")
@@ -215,7 +272,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run ``lightning-dp report``; returns the exit status (2 on a log directory it cannot use)."""
     args = build_parser().parse_args(argv)
     try:
-        acc = find_run(Path(args.logdir))
+        logdir = Path(args.logdir) if args.logdir is not None else latest_run(Path("lightning_logs"))
+        if args.logdir is None:
+            print(f"run: {logdir} (the latest under lightning_logs/)")
+        acc = find_run(logdir)
         steps = sorted(scalar_series(acc, _median_tag(tags.V)))
         early, late = _pick(steps, args.early, steps[0]), _pick(steps, args.late, steps[-1])
         shown = [early] if early == late else [early, late]

@@ -96,3 +96,38 @@ def test_no_monitor_tags_is_a_clear_error(tmp_path, capsys):
     logdir = _run(tmp_path, monitor=False)
     assert main([logdir, "--out", str(tmp_path / "x.png")]) == 2
     assert "hold no SecondMomentMonitor tags" in capsys.readouterr().err
+
+
+def test_without_a_path_the_latest_monitored_run_is_reported(private_run, non_private_run, tmp_path, monkeypatch,
+                                                             capsys):
+    import os
+    import shutil
+
+    root = tmp_path / "lightning_logs"
+    shutil.copytree(non_private_run, root / "version_0")
+    shutil.copytree(private_run, root / "version_1")
+    (root / "version_2").mkdir()  # newest, but no monitor tags: skipped
+    old = 1_000_000_000
+    for f in (root / "version_0").iterdir():
+        os.utime(f, (old, old))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--out", "r.png"]) == 0
+    out = capsys.readouterr().out
+    assert "run: lightning_logs/version_1" in out
+    assert not [label for _, label in _rows(out) if "clean" in label]  # the private run's table
+
+
+def test_without_a_path_and_no_logs_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--out", "r.png"]) == 2
+    assert "no lightning_logs/" in capsys.readouterr().err
+
+
+def test_symlog_ticks_leave_the_region_around_zero_to_zero():
+    from lightning_dp.commands.report import symlog_ticks
+
+    values = [-0.08, -3e-6, 1e-7, 2e-5, 0.09]
+    ticks = symlog_ticks(values, linthresh=1e-7)
+    assert 0.0 in ticks and len(ticks) <= 7
+    assert min(abs(t) for t in ticks if t) >= 1e-5  # nothing within 100× of the linear threshold
+    assert max(ticks) == 0.1 and min(ticks) == -0.1
