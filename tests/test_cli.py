@@ -24,3 +24,13 @@ def test_unknown_command_and_help(capsys):
     assert main(["nope"]) == 2
     assert main(["--help"]) == 0
     assert "budget" in capsys.readouterr().out
+
+
+def test_the_recipe_config_runs_with_ema(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = CONFIG.parent / "digits_best.yaml"
+    args = ["fit", "--config", str(config), "--trainer.max_steps=3", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "test/acc:" in out and "after 3 steps" in out
