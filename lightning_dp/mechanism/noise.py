@@ -100,11 +100,18 @@ class GaussianNoise(NoiseMechanism):
     Args:
         seed: seed for the generators; ``None`` (the default, and the only safe choice
             in production) draws a fresh seed from the OS. A fixed seed is for tests.
+        generator: draw from this generator on its device instead (reproducible research runs
+            that share one generator for sampling and noise, e.g. ``VirtualWorkersSignSGD``);
+            not with ``seed``.
     """
 
-    def __init__(self, seed: Optional[int] = None) -> None:
+    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+        if seed is not None and generator is not None:
+            raise ValueError("give seed or generator, not both")
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        if generator is not None:
+            self._generators[torch.device(generator.device)] = generator
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

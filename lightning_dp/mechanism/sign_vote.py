@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.mechanism.noise import GaussianNoise
 
 SIGN_DTYPE = torch.int8
 """The dtype of every sign and vote produced here."""
@@ -40,12 +40,6 @@ def _check_sigma_c(noise_multiplier: float, max_grad_norm: float) -> None:
         raise ValueError(f"noise_multiplier must be >= 0 (0 = non-private SignSGD), got {noise_multiplier}")
     if not max_grad_norm > 0.0:
         raise ValueError(f"max_grad_norm (C) must be > 0, got {max_grad_norm}")
-
-
-def _generator_for(device: torch.device, generator: Optional[torch.Generator]) -> torch.Generator:
-    if generator is not None:
-        return generator
-    return torch.Generator(device=device).manual_seed(secure_seed())
 
 
 def noisy_sum(
@@ -71,9 +65,9 @@ def noisy_sum(
         raise ValueError(f"clipped_sum must be a floating tensor, got {clipped_sum.dtype}")
     if noise_multiplier == 0.0:
         return clipped_sum.clone()
-    gen = _generator_for(clipped_sum.device, generator)
-    z = torch.randn(clipped_sum.shape, generator=gen, device=clipped_sum.device, dtype=clipped_sum.dtype)
-    return clipped_sum + (noise_multiplier * max_grad_norm) * z
+    noisy = clipped_sum.clone()
+    GaussianNoise(generator=generator).add_noise_([noisy], noise_multiplier * max_grad_norm)  # the one noise source
+    return noisy
 
 
 def worker_sign(

@@ -211,3 +211,13 @@ def test_int8_all_reduce_equals_fp32_vote_on_two_gloo_processes() -> None:
             assert torch.equal(results[r]["int8"][k], majority_vote(stacked))
     # two voters disagreeing must give a 0 somewhere (ties), else the test is vacuous
     assert (results[0]["int8"][0] == 0).any()
+
+
+def test_noise_comes_from_the_noise_mechanism_with_the_given_generator() -> None:
+    from lightning_dp.mechanism.noise import GaussianNoise
+
+    a = noisy_sum(torch.zeros(1000), 1.0, 2.0, torch.Generator().manual_seed(7))
+    z = GaussianNoise(generator=torch.Generator().manual_seed(7)).sample([torch.zeros(1000)])[0]
+    torch.testing.assert_close(a, 2.0 * z)  # the same draw, scaled by σC: one place draws noise
+    with pytest.raises(ValueError, match="seed or generator"):
+        GaussianNoise(seed=1, generator=torch.Generator())
