@@ -78,3 +78,21 @@ def test_a_summed_loss_is_caught_at_the_first_step_naming_the_fix():
     with pytest.raises(PrivacyConfigurationError, match="reduction='mean'"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2).fit(
             _SummedLoss(), make_loader(n=100, batch_size=10))
+
+
+class _AdamClassifier(TinyClassifier):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_the_noiseless_baseline_with_a_target_trains_its_whole_plan():
+    """The non-private research baseline (ε = ∞ from its first release, with a warning) has no guarantee
+    for the ceiling to protect: it is not cut off after one step."""
+    from lightning_dp import AdamVariant
+    from lightning_dp.optim import NotPrivateWarning
+
+    strategy = _target_strategy()
+    with pytest.warns(NotPrivateWarning):
+        quiet_trainer(strategy=strategy, max_steps=12, callbacks=[AdamVariant("noiseless")]).fit(
+            _AdamClassifier(), make_loader(n=100, batch_size=10))
+    assert strategy.ledger.steps == 12 and not strategy.ledger.is_private

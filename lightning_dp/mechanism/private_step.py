@@ -357,8 +357,12 @@ class PrivateStep:
         return self._ceiling[2]
 
     def affordable(self, step: Optional[int] = None) -> bool:
-        """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target)."""
+        """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target, and in a
+        run already declared non-private: the noiseless research baseline's ledger is ε = ∞ from its first
+        release, with a warning, and has no guarantee to protect)."""
         if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
+            return True
+        if any(not entry.private for entry in self.ledger.entries):
             return True
         return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
 
