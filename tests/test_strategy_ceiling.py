@@ -85,14 +85,19 @@ class _AdamClassifier(TinyClassifier):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def test_the_noiseless_baseline_with_a_target_trains_its_whole_plan():
+def test_the_noiseless_baseline_with_a_target_trains_its_whole_plan(tmp_path):
     """The non-private research baseline (ε = ∞ from its first release, with a warning) has no guarantee
-    for the ceiling to protect: it is not cut off after one step."""
+    for the ceiling to protect: it is not cut off, fresh or resumed."""
     from lightning_dp import AdamVariant
     from lightning_dp.optim import NotPrivateWarning
 
-    strategy = _target_strategy()
+    first = _target_strategy()
     with pytest.warns(NotPrivateWarning):
-        quiet_trainer(strategy=strategy, max_steps=12, callbacks=[AdamVariant("noiseless")]).fit(
+        quiet_trainer(strategy=first, max_steps=6, enable_checkpointing=True, callbacks=[
+            AdamVariant("noiseless"), ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(
             _AdamClassifier(), make_loader(n=100, batch_size=10))
-    assert strategy.ledger.steps == 12 and not strategy.ledger.is_private
+    resumed = _target_strategy()
+    with pytest.warns(NotPrivateWarning):
+        quiet_trainer(strategy=resumed, max_steps=12, callbacks=[AdamVariant("noiseless")]).fit(
+            _AdamClassifier(), make_loader(n=100, batch_size=10), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert first.ledger.steps == 6 and resumed.ledger.steps == 12 and not resumed.ledger.is_private

@@ -321,6 +321,8 @@ class PrivateStep:
             sigma = self.calibrate(planned_steps)
             return (f"σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} over "
                     f"{planned_steps} steps with q = {self.plan.sample_rate:.5g} ({self.accountant} accountant)")
+        if not self.ledger.is_private:
+            return None  # the noiseless baseline: ε = ∞ already (warned), no guarantee to keep (see affordable)
         rounds = sum(self.rounds_at(t) for t in range(first_step, planned_steps))
         left = self._rounds_left()
         if rounds <= left:
@@ -362,7 +364,7 @@ class PrivateStep:
         release, with a warning, and has no guarantee to protect)."""
         if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
             return True
-        if any(not entry.private for entry in self.ledger.entries):
+        if not self.ledger.is_private:
             return True
         return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
 
