@@ -392,11 +392,7 @@ class DPStrategy(DDPStrategy):
         step = self.private_step
         indices = step.take()
         n = self._examples_this_step = len(indices)
-        self._over_budget = not step.affordable(self.lightning_module.trainer.global_step)
-        if self._over_budget:  # the ceiling: nothing beyond target_epsilon is released (every rank agrees)
-            self.lightning_module.trainer.should_stop = True
-            rank_zero_warn(f"DPStrategy: step {self.lightning_module.trainer.global_step} would spend more than "
-                           f"target_epsilon = {step.target_epsilon}: training stops here (nothing released).")
+        if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
             return None
         if not step.verified:
             self._verify()
@@ -448,7 +444,19 @@ class DPStrategy(DDPStrategy):
         model: Optional[pl.LightningModule | nn.Module] = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the optimizer on the private gradient: the closure is wrapped to privatise."""
+        """Run the optimizer on the private gradient: the closure is wrapped to privatise.
+
+        The ceiling: a step whose release would take ε past ``target_epsilon`` is not taken. The closure
+        still runs (Lightning's loop and the sampler's queue advance; ``training_step`` returns nothing),
+        the optimizer does not step, and training stops with a warning. Every rank decides alike."""
+        trainer = self.lightning_module.trainer
+        self._over_budget = not self.private_step.affordable(trainer.global_step)
+        if self._over_budget:
+            closure()
+            trainer.should_stop = True
+            rank_zero_warn(f"DPStrategy: step {trainer.global_step} would spend more than target_epsilon = "
+                           f"{self.private_step.target_epsilon}: training stops here (nothing released).")
+            return None
         private_closure = partial(self._private_closure, optimizer, closure)
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)
 
@@ -456,10 +464,6 @@ class DPStrategy(DDPStrategy):
         step = self.private_step
         step.expect_request(optimizer)
         loss = closure()
-        if self._over_budget:
-            for p in step.params():
-                p.grad = None  # the optimizer skips every parameter
-            return loss
         step.release(self.lightning_module.trainer.global_step, optimizer, empty=self._examples_this_step == 0)
         return loss
 

@@ -42,6 +42,11 @@ def test_a_resumed_longer_plan_recalibrates_sigma_and_stays_within_the_target(tm
     assert sum("σ recalibrated" in line for line in said) == 1
 
 
+class _AdamClassifier(TinyClassifier):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
 class _LowerSigma(Callback):
     """A schedule bug: σ lowered by 20 % after calibration (the plan would then spend far more than the target)."""
 
@@ -49,11 +54,16 @@ class _LowerSigma(Callback):
         trainer.strategy.private_step.noise_multiplier *= 0.8
 
 
-def test_the_ceiling_stops_a_run_before_any_release_beyond_the_target():
+@pytest.mark.parametrize("variant", [None, "bias_corrected"])
+def test_the_ceiling_stops_a_run_before_any_release_beyond_the_target(variant):
+    from lightning_dp import AdamVariant
+
     strategy = _target_strategy()
+    callbacks = [_LowerSigma()] + ([AdamVariant(variant)] if variant else [])
+    module = _AdamClassifier() if variant else TinyClassifier()
     with pytest.warns(UserWarning, match="would spend more than target_epsilon"):
-        quiet_trainer(strategy=strategy, max_steps=40, callbacks=[_LowerSigma()]).fit(
-            TinyClassifier(), make_loader(n=100, batch_size=10))
+        quiet_trainer(strategy=strategy, max_steps=40, callbacks=callbacks).fit(
+            module, make_loader(n=100, batch_size=10))
     assert 0 < strategy.ledger.steps < 40
     assert ledger_epsilon(strategy.ledger, DELTA) <= EPS
 
@@ -78,11 +88,6 @@ def test_a_summed_loss_is_caught_at_the_first_step_naming_the_fix():
     with pytest.raises(PrivacyConfigurationError, match="reduction='mean'"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2).fit(
             _SummedLoss(), make_loader(n=100, batch_size=10))
-
-
-class _AdamClassifier(TinyClassifier):
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 def test_the_noiseless_baseline_with_a_target_trains_its_whole_plan(tmp_path):
