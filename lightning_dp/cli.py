@@ -185,7 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # dropping the last reference to a finished collective's tensors asks for the GIL, and a thread
     # asking for it during finalization is ended by a forced unwind through a noexcept destructor.
     had_process_group = _process_group_initialized()
-    _lightning_cli_class()(args=argv, save_config_kwargs={"overwrite": True})
+    # From the command line LightningCLI reads sys.argv itself (passing the same list again makes it warn
+    # that both were given); from Python (tests, notebooks) the explicit list is passed.
+    args = None if argv == sys.argv[1:] else argv
+    _lightning_cli_class()(args=args, save_config_kwargs={"overwrite": True})
     if not had_process_group and _process_group_initialized():
         import torch.distributed
 
