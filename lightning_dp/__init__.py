@@ -27,11 +27,19 @@ _EXPORTS = {
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
+def _filter_upstream_noise() -> None:
+    from lightning_dp._warnings import filter_upstream_noise
+
+    filter_upstream_noise()  # Lightning's own harmless deprecation noise, narrowly (see lightning_dp._warnings)
+
+
 def _register_strategy() -> None:
+    _filter_upstream_noise()
     import lightning_dp.strategy  # noqa: F401  (registers ``strategy="dp"`` in Lightning's registry)
 
 
 def _register_unified_strategy() -> None:
+    _filter_upstream_noise()
     try:
         import lightning_dp.unified  # noqa: F401  (the same, in lightning.pytorch's registry)
     except ImportError:  # the unified build needs pytorch_lightning too; without it DPStrategy is unavailable

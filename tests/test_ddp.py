@@ -275,7 +275,7 @@ def test_second_moment_monitor_logs_once_from_rank_zero(tmp_path):
     (run_dir,) = list((tmp_path / "tb" / "run").iterdir())
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
-    for tag in ("v_stats/all/median", "nonprivate/v_stats/all/median", "nonprivate/clip_fraction"):
+    for tag in ("vt/v/all/median", "nonprivate/vt/v/all/median", "nonprivate/clip_fraction"):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2, 4], tag
 
 

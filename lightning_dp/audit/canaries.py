@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
@@ -119,9 +120,11 @@ class CanaryDataModule(TrainSetWrapper):
         """The base training set followed by the included canaries."""
         return CanaryDataset(dataset, self.canaries)
 
-    def val_dataloader(self) -> Any:
-        """The wrapped module's validation loader."""
-        return self.base.val_dataloader()
+    @property
+    def val_dataloader(self) -> Any:  # type: ignore[override]
+        """The wrapped module's validation hook, or ``None`` when it defines none (Lightning then
+        skips validation instead of warning about an empty loader)."""
+        return self.base.val_dataloader if is_overridden("val_dataloader", self.base) else None
 
     def test_dataloader(self) -> Any:
         """The wrapped module's test loader."""

@@ -3,9 +3,11 @@
 Reads the :class:`~lightning_dp.accounting.PrivacyLedger` that :class:`DPStrategy` keeps
 (one entry per release of the sampled Gaussian mechanism, ALGORITHMS.md "The mechanism")
 and, every ``log_every_n_steps``, writes one row to the trainer's loggers (``privacy/epsilon``,
-``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``:
-``privacy/epsilon`` once per logged step) and shows ``privacy/epsilon`` in the progress bar
-and ``trainer.callback_metrics`` (``pl_module.log(..., logger=False)``).
+``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``, and
+``privacy/target_epsilon`` when there is a target: ``privacy/epsilon`` once per logged step) and
+shows ``privacy/epsilon`` in the progress bar and ``trainer.callback_metrics``
+(``pl_module.log(..., logger=False)``). With a TensorBoard logger it also writes, once, a
+custom-scalars layout that draws ε against its target (:mod:`lightning_dp.callbacks._tb_layout`).
 
 δ and the accountant: the strategy's. δ is ``DPStrategy.target_delta`` and the accountant
 ``DPStrategy.accountant`` (:mod:`lightning_dp.accounting.run_privacy`); a different ``delta=``
@@ -59,6 +61,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_dp._warnings import filter_upstream_noise
 from lightning_dp.accounting import (
     BudgetReservation,
     LedgerEntry,
@@ -71,11 +74,12 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
+from lightning_dp.callbacks._tb_layout import EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
 
 __all__ = ["PrivacyBudget", "default_delta"]
 
 _RUNNING = ("rdp", "integer_rdp")
-_KEY = "privacy/epsilon"
+_KEY = EPSILON
 
 
 def _ledger_of(trainer: "pl.Trainer") -> PrivacyLedger:
@@ -205,8 +209,13 @@ class PrivacyBudget(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Fail fast: a strategy that keeps no ledger (not a DPStrategy), or a δ / accountant
         that differs from the strategy's without ``allow_mismatch=True``."""
+        filter_upstream_noise()  # again here: a filter set at import is lost if that import ran in catch_warnings
         _ledger_of(trainer)
         self._resolve(trainer)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Write the TensorBoard custom-scalars layout (once per writer, shared with SecondMomentMonitor)."""
+        write_layout(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Resolve δ, catch up with a restored ledger, refuse a budget too small for one step."""
@@ -356,10 +365,12 @@ class PrivacyBudget(Callback):
         values = {
             _KEY: epsilon,
             "privacy/delta": self.delta,
-            "privacy/noise_multiplier": strategy.noise_multiplier,
+            NOISE_MULTIPLIER: strategy.noise_multiplier,
             "privacy/sample_rate": strategy.sample_rate,
             "privacy/steps": float(steps),
         }
+        if self.target_epsilon is not None:
+            values[TARGET_EPSILON] = self.target_epsilon
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
         self._logged = (int(trainer.global_step), epsilon)

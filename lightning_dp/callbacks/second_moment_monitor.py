@@ -22,11 +22,13 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_dp._warnings import filter_upstream_noise
 from lightning_dp.callbacks import _monitor_tags as tags
 from lightning_dp.callbacks._clean_moments import CleanMoments
 from lightning_dp.callbacks._hist_bins import histogram_edges
 from lightning_dp.callbacks._optimizer_moments import family_of, mean_phi, param_moments
 from lightning_dp.callbacks._subsample import CoordinateSample
+from lightning_dp.callbacks._tb_layout import write_layout
 from lightning_dp.callbacks._vstats import Summary
 from lightning_dp.optim.noiseless import NotPrivateWarning
 
@@ -49,7 +51,8 @@ class SecondMomentMonitor(Callback):
     (``on_train_batch_end``, so at step t the optimizer state is that after its t-th
     step), from rank 0 only, straight to every logger in ``trainer.loggers`` via
     ``log_metrics`` (not subject to ``log_every_n_steps``). Histograms go only to
-    TensorBoard loggers (``experiment.add_histogram``). Supported optimizers:
+    TensorBoard loggers (``experiment.add_histogram``), at the multiples of
+    ``every_n_steps`` only (:meth:`log_now`). Supported optimizers:
     :class:`~lightning_dp.optim.DPAdam` / :class:`~lightning_dp.optim.DPAdagrad` (every
     variant) and ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad``; others are skipped with
     a warning.
@@ -71,26 +74,33 @@ class SecondMomentMonitor(Callback):
     ``max``, ``mean``):
 
     ===========================================  ===============================================
-    ``v_stats/<scope>/<stat>``                   v̂
-    ``v_minus_phi/<scope>/<stat>``               v̂ − Φ̄ (the corrected second moment)
-    ``update/<scope>/<stat>``                    m̂ / D(v̂)
-    ``v_stats/phi``                              Φ (mean over coordinates if per-coordinate)
-    ``v_stats/frac_negative``                    share of coordinates with v̂ − Φ̄ < 0
-    ``v_stats/group<i>/frac_negative``           the same, per group
-    ``hist/m``, ``hist/v``, ``hist/v_minus_phi``,  histograms (TensorBoard; ``histograms=True``)
-    ``hist/update``
+    ``vt/v/<scope>/<stat>``                      v̂
+    ``vt/v_minus_phi/<scope>/<stat>``            v̂ − Φ̄ (the corrected second moment)
+    ``vt/update/<scope>/<stat>``                 m̂ / D(v̂)
+    ``vt/phi``                                   Φ (mean over coordinates if per-coordinate)
+    ``vt/frac_negative``                         share of coordinates with v̂ − Φ̄ < 0
+    ``vt/frac_negative/group<i>``                the same, per group
+    ``vt/hist/m``, ``vt/hist/v``,                histograms (TensorBoard; ``histograms=True``), in
+    ``vt/hist/v_minus_phi``, ``vt/hist/update``  the quantity's units (``lightning-dp report``)
+    ``vt/hist/log10_v``,                         log10 v̂ and log10(v̂ / Φ̄) (0: v̂ = Φ̄), which fill
+    ``vt/hist/log10_v_over_phi``                 TensorBoard's linear axis (v̂ spans decades)
     ===========================================  ===============================================
+
+    All under ``vt/``, which sorts after PrivacyBudget's ``privacy/`` in TensorBoard. With a
+    TensorBoard logger, a custom-scalars layout (one dashboard: ε against its target, σ, Φ
+    against the median v̂ and v̂ − Φ̄, ...) is written once at fit start
+    (:mod:`lightning_dp.callbacks._tb_layout`).
 
     With ``diagnostics="non_private"`` (NOT covered by the DP guarantee; warned at setup):
 
     ===========================================  ===============================================
-    ``nonprivate/v_stats/<scope>/<stat>``        v̂^c: Adam's v̂ of the clean clipped mean ḡ
+    ``nonprivate/vt/v/<scope>/<stat>``           v̂^c: Adam's v̂ of the clean clipped mean ḡ
                                                  (own EMA with the optimizer's β2)
-    ``nonprivate/update/all/<stat>``             m̂^c / (√v̂^c + ε)
+    ``nonprivate/vt/update/all/<stat>``          m̂^c / (√v̂^c + ε)
     ``nonprivate/clip_fraction``                 share of the step's examples with ‖g_i‖ > C
     ``nonprivate/grad_norm/<min|q1|median|q3|max>``  per-example gradient norms of the step
     ``nonprivate/mean_norm_over_c``              ‖ḡ‖ / C (design-principles Fig. 5)
-    ``nonprivate/hist/m``, ``.../hist/v``,        histograms of m̂^c, v̂^c and the clean update
+    ``nonprivate/vt/hist/m``, ``.../hist/v``,     histograms of m̂^c, v̂^c and the clean update
     ``.../hist/update``
     ===========================================  ===============================================
 
@@ -152,6 +162,7 @@ class SecondMomentMonitor(Callback):
     # -- hooks --------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """With ``diagnostics="non_private"``: warn loudly, then ask the strategy for the diagnostics."""
+        filter_upstream_noise()  # again here: a filter set at import is lost if that import ran in catch_warnings
         if stage != "fit" or not self.non_private:
             return
         enable = getattr(trainer.strategy, "enable_non_private_diagnostics", None)
@@ -165,8 +176,10 @@ class SecondMomentMonitor(Callback):
         enable()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Start afresh (clean EMAs, schedule), keeping clean EMAs restored from a checkpoint."""
+        """Start afresh (clean EMAs, schedule), keeping clean EMAs restored from a checkpoint; write
+        the TensorBoard custom-scalars layout (once per writer, shared with PrivacyBudget)."""
         self._reset()
+        write_layout(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         """The clean EMAs (opt-in diagnostics only; empty otherwise)."""
@@ -195,17 +208,26 @@ class SecondMomentMonitor(Callback):
         return self._last_logged is None or step % self.every_n_steps == 0
 
     # -- collecting ---------------------------------------------------------------------
-    def log_now(self, trainer: "pl.Trainer", step: int) -> None:
-        """Compute every statistic from the current optimizer state and write it at ``step``."""
+    def log_now(self, trainer: "pl.Trainer", step: int, histograms: Optional[bool] = None) -> None:
+        """Compute every statistic from the current optimizer state and write it at ``step``.
+
+        Histograms (with ``histograms=True`` at construction) by default only at multiples of
+        ``every_n_steps``, not at the extra first-step log: there v̂ = ĝ₁² is one χ² draw per
+        coordinate spanning ~10 decades, and TensorBoard draws every step of a histogram on one
+        shared x-axis, so that slice alone would squeeze all later ones against an edge.
+        """
         self._last_logged = step
+        if histograms is None:
+            histograms = step % self.every_n_steps == 0
+        histograms = self.histograms and histograms
         groups = list(self._groups(trainer))
         self._sample.plan([p for _, _, group in groups for p in group["params"]])
-        scalars, hists = self._private_logs(trainer, groups)
+        scalars, hists = self._private_logs(trainer, groups, histograms)
         if self.non_private:
             more_scalars, more_hists = self._non_private_logs(groups)
             scalars.update(more_scalars)
             hists.update(more_hists)
-        self._write(trainer, step, scalars, hists)
+        self._write(trainer, step, scalars, hists if histograms else {})
 
     def _groups(self, trainer: "pl.Trainer") -> Iterator[GroupRef]:
         index = 0
@@ -225,11 +247,13 @@ class SecondMomentMonitor(Callback):
             rank_zero_warn(f"SecondMomentMonitor: {name} keeps no Adam/AdaGrad second moment; it is not monitored "
                            f"(supported: Adam, AdamW, Adagrad and lightning_dp's DPAdam/DPAdagrad).")
 
-    def _private_logs(self, trainer: "pl.Trainer", groups: list[GroupRef]) -> tuple[dict[str, float], dict[str, Tensor]]:
+    def _private_logs(self, trainer: "pl.Trainer", groups: list[GroupRef],
+                      histograms: bool = True) -> tuple[dict[str, float], dict[str, Tensor]]:
         release = getattr(trainer.strategy, "last_release", None)
         families = (tags.V, tags.V_MINUS_PHI, tags.UPDATE, "m")
         per_group = []
         scalars: dict[str, float] = {}
+        ratios: list[Tensor] = []  # sampled v̂ / Φ̄, for the log10 histogram
         for index, optimizer, group in groups:
             scoped = {fam: Summary() for fam in families}
             for p in group["params"]:
@@ -239,9 +263,11 @@ class SecondMomentMonitor(Callback):
                 values = (moments.v, moments.v - moments.phi, moments.update, moments.m)
                 for fam, full in zip(families, values):
                     scoped[fam].add(full, self._sample.take(p, full))
+                if histograms:
+                    ratios.append(self._sampled_ratio(p, moments.v, moments.phi))
             per_group.append(scoped)
             scalars.update(_summaries(scoped, families[:3], tags.group_scope(index)))
-            scalars[f"{tags.V}/{tags.group_scope(index)}/frac_negative"] = scoped[tags.V_MINUS_PHI].frac_negative
+            scalars[tags.frac_negative_tag(index)] = scoped[tags.V_MINUS_PHI].frac_negative
         whole = {fam: Summary.merged([g[fam] for g in per_group]) for fam in families}
         scalars.update(_summaries(whole, families[:3], "all"))
         scalars[tags.FRAC_NEGATIVE] = whole[tags.V_MINUS_PHI].frac_negative
@@ -249,7 +275,19 @@ class SecondMomentMonitor(Callback):
             scalars[tags.PHI] = mean_phi([p for _, _, g in groups for p in g["params"]], release)
         hists = {tags.HIST_M: whole["m"].samples, tags.HIST_V: whole[tags.V].samples,
                  tags.HIST_V_MINUS_PHI: whole[tags.V_MINUS_PHI].samples, tags.HIST_UPDATE: whole[tags.UPDATE].samples}
+        if histograms:
+            hists[tags.HIST_LOG10_V] = _log10_positive(hists[tags.HIST_V])
+            hists[tags.HIST_LOG10_V_OVER_PHI] = _log10_positive(torch.cat(ratios) if ratios else torch.empty(0))
         return scalars, hists
+
+    def _sampled_ratio(self, p: Tensor, v: Tensor, phi: Any) -> Tensor:
+        """v̂ / Φ̄ on the sampled coordinates of ``p`` (empty without noise: Φ̄ = 0)."""
+        if not isinstance(phi, Tensor):
+            if not phi > 0:
+                return torch.empty(0)
+            return self._sample.take(p, v).detach().float().cpu() / float(phi)
+        phi = phi.detach().expand_as(v) if phi.numel() == 1 else phi.detach()
+        return (self._sample.take(p, v).detach() / self._sample.take(p, phi)).float().cpu()
 
     # -- non-private (opt-in) -------------------------------------------------------------
     def _fold_clean(self, trainer: "pl.Trainer") -> None:
@@ -302,26 +340,40 @@ class SecondMomentMonitor(Callback):
     def _write(self, trainer: "pl.Trainer", step: int, scalars: dict[str, float], hists: dict[str, Tensor]) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
-            if self.histograms and isinstance(logger, _TensorBoardLoggerBase):
+            if hists and isinstance(logger, _TensorBoardLoggerBase):
                 for tag, values in hists.items():
                     if values.numel():
-                        _add_histogram(logger.experiment, tag, values, step)
+                        _add_histogram(logger.experiment, tag, values, step, linear=tag in _LOG10_HISTOGRAMS)
 
 
-def _add_histogram(writer: Any, tag: str, values: Tensor, step: int, bins: int = 64) -> None:
+_LOG10_HISTOGRAMS = (tags.HIST_LOG10_V, tags.HIST_LOG10_V_OVER_PHI)
+
+
+def _add_histogram(writer: Any, tag: str, values: Tensor, step: int, bins: int = 64, linear: bool = False) -> None:
     """A TensorBoard histogram computed in torch (``add_histogram`` goes through a slow numpy path).
 
     Edges from :func:`~lightning_dp.callbacks._hist_bins.histogram_edges` (log / symmetric-log
-    when the values span decades). As in TensorBoard's own writer, the first bucket is an
-    empty sentinel whose right limit is the left edge of the data.
+    when the values span decades), or ``bins`` equal buckets with ``linear=True`` (values already
+    on a log scale). As in TensorBoard's own writer, the first bucket is an empty sentinel whose
+    right limit is the left edge of the data.
     """
     v = values.detach().double().flatten()
     lo, hi = float(v.min()), float(v.max())
-    counts, edges = torch.histogram(v, bins=histogram_edges(lo, hi, bins))
+    if linear and hi > lo:
+        bin_edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    else:
+        bin_edges = histogram_edges(lo, hi, bins)
+    counts, edges = torch.histogram(v, bins=bin_edges)
     writer.add_histogram_raw(
         tag, min=lo, max=hi, num=v.numel(), sum=float(v.sum()), sum_squares=float(v.pow(2).sum()),
         bucket_limits=edges.tolist(), bucket_counts=[0.0] + counts.tolist(), global_step=step,
     )
+
+
+def _log10_positive(values: Tensor) -> Tensor:
+    """log10 of the finite positive entries of ``values`` (the rest cannot be drawn on a log scale)."""
+    values = values.detach().double().reshape(-1)
+    return values[torch.isfinite(values) & (values > 0)].log10()
 
 
 def _summaries(summaries: dict[str, Summary], families: tuple[str, ...], scope: str) -> dict[str, float]:

@@ -5,6 +5,8 @@ The data ships inside scikit-learn: nothing is downloaded.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -19,7 +21,8 @@ class DigitsDataModule(pl.LightningDataModule):
     Args:
         batch_size: expected (Poisson) batch size per process under DPStrategy.
         test_fraction: share of the 1,797 images held out for testing (stratified).
-        val_fraction: share of the *training* images held out for validation (0 = none).
+        val_fraction: share of the *training* images held out for validation (0 = none: then
+            :attr:`val_dataloader` is ``None`` and Lightning skips validation).
         split_seed: seed of the (public) train/test split.
         num_workers: DataLoader workers.
         augmentation_multiplicity: K views per training example (:class:`AugmentedViews`, random shifts of
@@ -46,6 +49,7 @@ class DigitsDataModule(pl.LightningDataModule):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.save_hyperparameters()
+        self._has_val = val_fraction > 0
         self.batch_size = batch_size
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
@@ -85,10 +89,18 @@ class DigitsDataModule(pl.LightningDataModule):
         return DataLoader(views, batch_size=self.batch_size, shuffle=True, collate_fn=AugmentedViews.collate,
                           num_workers=self.hparams.num_workers)
 
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation loader, or none when ``val_fraction`` is 0."""
-        if self.val_set is None:
-            return []
+    @property
+    def val_dataloader(self) -> Optional[Callable[[], DataLoader]]:  # type: ignore[override]
+        """The validation hook (``dm.val_dataloader()`` builds the loader), or ``None`` when
+        ``val_fraction`` is 0.
+
+        ``None`` is how a datamodule tells Lightning it has no validation data (its
+        ``is_overridden`` check): validation is skipped. Returning an empty list instead makes
+        Lightning warn "Total length of `list` across ranks is zero" on every fit.
+        """
+        return self._validation_loader if getattr(self, "_has_val", False) else None
+
+    def _validation_loader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers)
 
     def test_dataloader(self) -> DataLoader:

@@ -49,16 +49,16 @@ def _fit(tmp_path, diagnostics):
 def test_logged_statistics_match_the_optimizer_state(tmp_path):
     events, capture, _ = _fit(tmp_path, "private")
     scalars = set(events.Tags()["scalars"])
-    assert {"v_stats/all/median", "v_stats/all/q1", "v_stats/phi", "v_stats/frac_negative", "update/all/median"} <= scalars
-    assert {"hist/v", "hist/m", "hist/v_minus_phi", "hist/update"} <= set(events.Tags()["histograms"])
-    logged = {e.step: e.value for e in events.Scalars("v_stats/all/median")}
+    assert {"vt/v/all/median", "vt/v/all/q1", "vt/phi", "vt/frac_negative", "vt/update/all/median"} <= scalars
+    assert {"vt/hist/v", "vt/hist/m", "vt/hist/v_minus_phi", "vt/hist/update"} <= set(events.Tags()["histograms"])
+    logged = {e.step: e.value for e in events.Scalars("vt/v/all/median")}
     assert set(logged) >= {2, 4}
     for step in (2, 4):
         v = capture.v_hat[step]
         assert logged[step] == pytest.approx(float(torch.quantile(v, 0.5)), rel=1e-4)
-        frac = {e.step: e.value for e in events.Scalars("v_stats/frac_negative")}[step]
+        frac = {e.step: e.value for e in events.Scalars("vt/frac_negative")}[step]
         assert frac == pytest.approx(float((v - capture.phi[step] < 0).float().mean()), abs=1e-6)
-        phi = {e.step: e.value for e in events.Scalars("v_stats/phi")}[step]
+        phi = {e.step: e.value for e in events.Scalars("vt/phi")}[step]
         assert phi == pytest.approx(capture.phi[step], rel=1e-5)
 
 
@@ -92,5 +92,5 @@ def test_csv_logger_gets_the_scalars(tmp_path):
                             callbacks=[SecondMomentMonitor(every_n_steps=1)])
     trainer.fit(AdamModule(), make_loader())
     rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
-    assert any(r.get("v_stats/all/median") for r in rows)
+    assert any(r.get("vt/v/all/median") for r in rows)
     assert not any(k.startswith("nonprivate/") for k in rows[0])

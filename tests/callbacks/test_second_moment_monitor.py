@@ -107,27 +107,27 @@ def _check_stats(acc, tag_prefix, step, values, abs_tol=1e-9):
 def test_logged_v_phi_and_update_match_adam_state(tmp_path):
     trainer, capture = _fit(tmp_path, SecondMomentMonitor(every_n_steps=3))
     acc = _events(trainer)
-    steps = sorted(_scalar(acc, "v_stats/all/median"))
+    steps = sorted(_scalar(acc, "vt/v/all/median"))
     assert steps == [1, 3, 6]
     phi = (1.0 * 1.0 / trainer.strategy.expected_batch_size) ** 2
     for step in steps:
         at = capture.at[step]
         v = _cat(at, lambda s, d: _v_hat(s))
-        _check_stats(acc, "v_stats/all", step, v)
-        _check_stats(acc, "v_stats/group1", step, _cat(at, lambda s, d: _v_hat(s), group=1))
-        _check_stats(acc, "v_minus_phi/all", step, v - phi)
-        assert _scalar(acc, "v_stats/phi")[step] == pytest.approx(phi, rel=1e-6)
-        assert _scalar(acc, "v_stats/frac_negative")[step] == pytest.approx(float((v - phi < 0).float().mean()))
+        _check_stats(acc, "vt/v/all", step, v)
+        _check_stats(acc, "vt/v/group1", step, _cat(at, lambda s, d: _v_hat(s), group=1))
+        _check_stats(acc, "vt/v_minus_phi/all", step, v - phi)
+        assert _scalar(acc, "vt/phi")[step] == pytest.approx(phi, rel=1e-6)
+        assert _scalar(acc, "vt/frac_negative")[step] == pytest.approx(float((v - phi < 0).float().mean()))
         # the update actually applied, recovered from the parameter change / lr
-        _check_stats(acc, "update/all", step, _cat(at, lambda s, d: d), abs_tol=2e-3)
-    hist = acc.Histograms("hist/v")[-1]
+        _check_stats(acc, "vt/update/all", step, _cat(at, lambda s, d: d), abs_tol=2e-3)
+    hist = acc.Histograms("vt/hist/v")[-1]
     v_last = _cat(capture.at[6], lambda s, d: _v_hat(s))
     assert hist.step == 6 and hist.histogram_value.num == v_last.numel()
     assert hist.histogram_value.bucket[0] == 0  # TensorBoard's empty left sentinel
     assert sum(hist.histogram_value.bucket) == v_last.numel()
     assert hist.histogram_value.bucket_limit[0] == pytest.approx(float(v_last.min()), rel=1e-5)
     assert hist.histogram_value.max == pytest.approx(float(v_last.max()), rel=1e-5)
-    assert {"hist/m", "hist/v", "hist/v_minus_phi", "hist/update"} <= set(acc.Tags()["histograms"])
+    assert {"vt/hist/m", "vt/hist/v", "vt/hist/v_minus_phi", "vt/hist/update"} <= set(acc.Tags()["histograms"])
 
 
 def test_bias_corrected_phi_negative_fraction_and_update(tmp_path):
@@ -138,12 +138,12 @@ def test_bias_corrected_phi_negative_fraction_and_update(tmp_path):
     at = capture.at[6]
     v = _cat(at, lambda s, d: _v_hat(s))
     phi_bar = _cat(at, lambda s, d: (s["phi"] / (1 - BETAS[1] ** int(s["step"]))).expand_as(s["exp_avg"]))
-    assert _scalar(acc, "v_stats/phi")[6] == pytest.approx(phi, rel=1e-6)
+    assert _scalar(acc, "vt/phi")[6] == pytest.approx(phi, rel=1e-6)
     frac = float((v - phi_bar < 0).float().mean())
     assert 0 < frac < 1
-    assert _scalar(acc, "v_stats/frac_negative")[6] == pytest.approx(frac)
+    assert _scalar(acc, "vt/frac_negative")[6] == pytest.approx(frac)
     applied = _cat(at, lambda s, d: d)
-    _check_stats(acc, "update/all", 6, applied, abs_tol=1e-2)
+    _check_stats(acc, "vt/update/all", 6, applied, abs_tol=1e-2)
     m_hat = _cat(at, lambda s, d: s["exp_avg"] / (1 - BETAS[0] ** int(s["step"])))
     plain = m_hat / (v.sqrt() + 1e-8)  # what a monitor ignoring the variant would report
     assert not torch.allclose(plain.abs().max(), applied.abs().max(), rtol=0.1)
@@ -153,7 +153,7 @@ def test_nothing_non_private_unless_opted_in(tmp_path):
     trainer, _ = _fit(tmp_path, SecondMomentMonitor(every_n_steps=2))
     acc = _events(trainer)
     written = acc.Tags()["scalars"] + acc.Tags()["histograms"]
-    assert "v_stats/all/median" in written
+    assert "vt/v/all/median" in written
     assert not [t for t in written if t.startswith("nonprivate")]
     assert trainer.strategy.non_private_diagnostics is None
 
@@ -173,12 +173,12 @@ def test_non_private_opt_in_matches_own_ema_of_clean_mean(tmp_path):
             v[p] = BETAS[1] * v[p] + (1 - BETAS[1]) * g * g
         if step in (1, 3, 6):
             v_c = torch.cat([(v[p] / (1 - BETAS[1] ** step)).reshape(-1) for p in params])
-            _check_stats(acc, "nonprivate/v_stats/all", step, v_c, abs_tol=1e-12)
+            _check_stats(acc, "nonprivate/vt/v/all", step, v_c, abs_tol=1e-12)
             assert _scalar(acc, "nonprivate/clip_fraction")[step] == pytest.approx(diag.clip_fraction)
             assert _scalar(acc, "nonprivate/mean_norm_over_c")[step] == pytest.approx(diag.clean_mean_norm_over_c)
             assert _scalar(acc, "nonprivate/grad_norm/median")[step] == pytest.approx(
                 float(torch.quantile(diag.norms, 0.5)), rel=1e-5)
-    assert {"nonprivate/hist/m", "nonprivate/hist/v", "nonprivate/hist/update"} <= set(acc.Tags()["histograms"])
+    assert {"nonprivate/vt/hist/m", "nonprivate/vt/hist/v", "nonprivate/vt/hist/update"} <= set(acc.Tags()["histograms"])
 
 
 def test_clean_and_private_v_agree_when_the_noise_vanishes(tmp_path):
@@ -187,7 +187,7 @@ def test_clean_and_private_v_agree_when_the_noise_vanishes(tmp_path):
         trainer, _ = _fit(tmp_path, SecondMomentMonitor(every_n_steps=3, diagnostics="non_private"), sigma=1e-6)
     acc = _events(trainer)
     for stat in ("q1", "median", "max", "mean"):
-        clean, private = _scalar(acc, f"nonprivate/v_stats/all/{stat}"), _scalar(acc, f"v_stats/all/{stat}")
+        clean, private = _scalar(acc, f"nonprivate/vt/v/all/{stat}"), _scalar(acc, f"vt/v/all/{stat}")
         for step in (1, 3, 6):
             assert clean[step] == pytest.approx(private[step], rel=1e-3)
 
@@ -200,19 +200,19 @@ def test_non_private_requires_dp_strategy(tmp_path):
 def test_csv_logger_gets_the_scalars(tmp_path):
     trainer, capture = _fit(tmp_path, SecondMomentMonitor(every_n_steps=4), logger="csv")
     with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("v_stats/all/median")]
+        rows = [r for r in csv.DictReader(f) if r.get("vt/v/all/median")]
     assert [int(r["step"]) for r in rows] == [1, 4]
     v = _cat(capture.at[4], lambda s, d: _v_hat(s))
-    assert float(rows[1]["v_stats/all/median"]) == pytest.approx(float(torch.quantile(v, 0.5)), rel=1e-4)
+    assert float(rows[1]["vt/v/all/median"]) == pytest.approx(float(torch.quantile(v, 0.5)), rel=1e-4)
 
 
 def test_adagrad_sum_is_monitored(tmp_path):
     trainer, capture = _fit(tmp_path, SecondMomentMonitor(every_n_steps=5), kind="adagrad", steps=5)
     acc = _events(trainer)
-    _check_stats(acc, "v_stats/all", 5, _cat(capture.at[5], lambda s, d: s["sum"]))
+    _check_stats(acc, "vt/v/all", 5, _cat(capture.at[5], lambda s, d: s["sum"]))
     phi = (1.0 / trainer.strategy.expected_batch_size) ** 2
     corrected = _cat(capture.at[5], lambda s, d: s["sum"] - 5 * phi)  # AdaGrad: Σ_s Φ_s = tΦ
-    _check_stats(acc, "v_minus_phi/all", 5, corrected)
+    _check_stats(acc, "vt/v_minus_phi/all", 5, corrected)
 
 
 def test_subsample_keeps_exact_extremes(tmp_path):
@@ -220,9 +220,9 @@ def test_subsample_keeps_exact_extremes(tmp_path):
     acc = _events(trainer)
     v = _cat(capture.at[3], lambda s, d: _v_hat(s))
     assert v.numel() > 40
-    assert _scalar(acc, "v_stats/all/max")[3] == pytest.approx(float(v.max()), rel=1e-6)
-    assert _scalar(acc, "v_stats/all/mean")[3] == pytest.approx(float(v.double().mean()), rel=1e-5)
-    assert acc.Histograms("hist/v")[-1].histogram_value.num < 30
+    assert _scalar(acc, "vt/v/all/max")[3] == pytest.approx(float(v.max()), rel=1e-6)
+    assert _scalar(acc, "vt/v/all/mean")[3] == pytest.approx(float(v.double().mean()), rel=1e-5)
+    assert acc.Histograms("vt/hist/v")[-1].histogram_value.num < 30
 
 
 def test_only_rank_zero_writes():
@@ -283,6 +283,6 @@ def test_clean_emas_continue_after_resume(tmp_path):
         trainer.fit(AdamModule(), make_loader(n=100, batch_size=20), ckpt_path=ckpt)
     assert monitor.state_dict()["clean"]["steps"] == 8
     acc = _events(trainer)
-    clean, private = _scalar(acc, "nonprivate/v_stats/all/median"), _scalar(acc, "v_stats/all/median")
+    clean, private = _scalar(acc, "nonprivate/vt/v/all/median"), _scalar(acc, "vt/v/all/median")
     for step in (6, 8):
         assert clean[step] == pytest.approx(private[step], rel=1e-3)

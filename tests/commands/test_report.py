@@ -9,6 +9,7 @@ from conftest import TinyClassifier, make_loader, quiet_trainer
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_dp.callbacks import _monitor_tags as tags
 from lightning_dp.callbacks.second_moment_monitor import SecondMomentMonitor
 from lightning_dp.commands.report import main
 from lightning_dp.optim import NotPrivateWarning
@@ -66,9 +67,9 @@ def test_table_and_png_with_clean_series(non_private_run, tmp_path, capsys):
                          for label in ("clean v (NOT private)", "private v̂", "corrected v̂ − Φ")}
     for step in (1, 6):
         assert float(rows[(step, "private v̂")][2]) == pytest.approx(
-            _logged(non_private_run, "v_stats/all/median", step), rel=1e-3)
+            _logged(non_private_run, tags.stat_tag(tags.V, "all", "median"), step), rel=1e-3)
         assert float(rows[(step, "clean v (NOT private)")][5]) == pytest.approx(
-            _logged(non_private_run, "nonprivate/v_stats/all/mean", step), rel=1e-3)
+            _logged(non_private_run, tags.stat_tag(tags.CLEAN_V, "all", "mean"), step), rel=1e-3)
     assert f"Φ = {(1 / 20) ** 2:.4g}" in text
 
 
