@@ -274,11 +274,22 @@ class PrivateStep:
             raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
         return self._batches.take()
 
-    def examples(self, indices: Sequence[int]) -> Any:
-        """The examples ``indices`` collated by the user's ``collate_fn`` (on the CPU)."""
+    def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
+        """The examples ``indices`` collated by the user's ``collate_fn`` (on the CPU).
+
+        ``fixed``: example i is read with torch's generator seeded by i (state restored after), so a
+        randomly augmented dataset gives example i the same views alone and in any batch: the probe
+        then compares like with like and verifies the views' layout too."""
         assert self._source is not None, "poisson_loader() first"
         dataset, collate = self._source
-        return collate([dataset[i] for i in indices])
+        if not fixed:
+            return collate([dataset[i] for i in indices])
+        items = []
+        for i in indices:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(i))
+                items.append(dataset[i])
+        return collate(items)
 
     # ------------------------------------------------------------------ calibration
     def calibrate(self, planned_steps: int) -> Optional[float]:
@@ -388,7 +399,7 @@ class PrivateStep:
         indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
 
         def loss_of(idx: list[int]) -> Tensor:
-            out = loss_of_batch(to_device(self.examples(idx)))
+            out = loss_of_batch(to_device(self.examples(idx, fixed=True)))
             loss = mean_loss(out, len(idx))
             loss = loss.get("loss") if isinstance(loss, dict) else loss
             if not isinstance(loss, Tensor):

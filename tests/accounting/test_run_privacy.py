@@ -11,8 +11,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import TinyClassifier
 
 from lightning_dp.accounting import ledger_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
@@ -55,19 +56,6 @@ def test_the_strategys_accountant_wins():
 
 
 # --------------------------------------------------------------------------- the summary
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Linear(3, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _fitted(**strategy_kwargs) -> DPStrategy:
     strategy = DPStrategy(max_grad_norm=1.0, **strategy_kwargs)
     x = torch.randn(N, 3, generator=torch.Generator().manual_seed(0))
@@ -75,7 +63,7 @@ def _fitted(**strategy_kwargs) -> DPStrategy:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(_Tiny(), DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8))
+        trainer.fit(TinyClassifier(d_in=3), DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8))
     return strategy
 
 

@@ -93,3 +93,20 @@ def test_views_are_consecutive_and_the_first_is_the_example():
     assert batch[0].shape == (2 * K, 1, 8, 8)
     assert torch.equal(batch[0][0], views.dataset[0][0]) and torch.equal(batch[0][K], views.dataset[1][0])
     assert batch[1][:K].eq(views.dataset[0][1]).all() and batch[1][K:].eq(views.dataset[1][1]).all()
+
+
+def _view_major(batch):
+    """A collate that lays views out view-major (all first views, then all second views, ...): the rows
+    are n·K as expected, but rows i·K … i·K + K − 1 are no longer one example's views."""
+    from torch.utils.data._utils.collate import default_collate
+
+    return default_collate([views[k] for k in range(K) for views in batch])
+
+
+def test_views_not_consecutive_per_example_are_refused_by_the_probe():
+    model = _model()
+    step = PrivateStep(1.0, C, ZeroNoise(), engine="vmap", sampler_seed=3, views_per_example=K)
+    step.attach(model)
+    step.poisson_loader(DataLoader(_views(), batch_size=B, collate_fn=_view_major))
+    with pytest.raises(PrivacyConfigurationError, match="interact"):
+        step.verify(lambda batch: _loss(model, batch))
