@@ -22,7 +22,7 @@ def test_secure_update_noise_std_is_sigma_c_over_expected_b():
     assert isinstance(strategy.private_step.noise, SecureGaussianNoise) and strategy.private_step._batches.inner.secure
     updates = torch.cat(recorder.updates).double()
     ratio = float(updates.pow(2).mean()) / (sigma * C / batch_size) ** 2
-    lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], updates.numel()) / updates.numel()
+    lo, hi = stats.chi2.ppf([5e-8, 1 - 5e-8], updates.numel()) / updates.numel()
     assert lo < ratio < hi
     for wrong in (0.9, 1.1):
         assert not lo < ratio / wrong ** 2 < hi

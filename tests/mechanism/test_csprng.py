@@ -1,4 +1,6 @@
 """Secure mode (mechanism/csprng.py): OS-CSPRNG uniforms, Box–Muller, the summed-Gaussian mitigation."""
+# The secure generator cannot be seeded: every statistical bound here is set at a false-failure level
+# of about 1e-7 (a 10 % error in σ or a wrong distribution still fails by many standard deviations).
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ def test_uniforms_are_in_range_with_uniform_moments():
     u = csprng.secure_uniform(N)
     assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / N)
-    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-4
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-7
 
 
 def _variance_ok(z: torch.Tensor, sigma: float) -> bool:
     ratio = float(z.double().pow(2).mean()) / sigma ** 2
-    lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], z.numel()) / z.numel()
+    lo, hi = stats.chi2.ppf([5e-8, 1 - 5e-8], z.numel()) / z.numel()
     return lo < ratio < hi
 
 
@@ -34,8 +36,8 @@ def test_secure_noise_is_n_0_sigma2_per_coordinate():
     assert _variance_ok(z, 1.0)
     for wrong in (0.9, 1.1):  # a 10 % error in σ fails
         assert not _variance_ok(z / wrong, 1.0)
-    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
-    assert stats.kstest(z.double().numpy(), "norm").pvalue > 1e-4
+    assert abs(float(z.mean())) < 6 / math.sqrt(z.numel())
+    assert stats.kstest(z.double().numpy(), "norm").pvalue > 1e-7
 
 
 def test_the_mitigation_sums_four_draws_and_keeps_the_variance(monkeypatch):
@@ -50,7 +52,7 @@ def test_the_mitigation_sums_four_draws_and_keeps_the_variance(monkeypatch):
 def test_two_draws_are_independent_and_add_noise_is_in_place():
     noise = csprng.SecureGaussianNoise()
     a, b = (noise.sample([torch.zeros(N)])[0] for _ in range(2))
-    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / math.sqrt(N)
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 6 / math.sqrt(N)
     t = torch.full((N,), 3.0)
     noise.add_noise_([t], std=0.5, scale_by=2.0)
     assert _variance_ok(t - 6.0, 0.5)

@@ -19,9 +19,9 @@ from lightning_dp.mechanism.min_sep_sampling import MinSepPoissonBatchSampler
 
 
 def _chi2_variance_ok(z: torch.Tensor, sigma: float) -> bool:
-    """E[z²] = σ² at two-sided level 1e-4 (a 10 % error in σ fails for ≥ 10⁴ coordinates)."""
+    """E[z²] = σ² at two-sided level 1e-7 (a 10 % error in σ fails for ≥ 10⁴ coordinates)."""
     ratio = float(z.double().pow(2).mean()) / sigma**2
-    lo, hi = stats.chi2.ppf([5e-5, 1 - 5e-5], z.numel()) / z.numel()
+    lo, hi = stats.chi2.ppf([5e-8, 1 - 5e-8], z.numel()) / z.numel()
     return lo < ratio < hi
 
 
@@ -43,10 +43,10 @@ def test_add_noise_is_scale_plus_fresh_draw_per_coordinate():
     z = torch.cat([((t - scale_by * b) / std).flatten() for t, b in zip(tensors, before)])
     assert _chi2_variance_ok(z, 1.0)
     assert not _chi2_variance_ok(z / 0.9, 1.0) and not _chi2_variance_ok(z / 1.1, 1.0)
-    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    assert abs(float(z.mean())) < 6 / math.sqrt(z.numel())
     assert torch.unique(z).numel() == z.numel()  # no coordinate shares a draw with another
     first, second = (z[:3000], z[3000:6000])
-    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / math.sqrt(3000)
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 6 / math.sqrt(3000)
 
 
 def test_noise_is_fresh_each_step_and_not_reproducible_from_torch_seed():
@@ -57,7 +57,7 @@ def test_noise_is_fresh_each_step_and_not_reproducible_from_torch_seed():
         csprng.SecureGaussianNoise().add_noise_(tensors, std=1.0)
         draws.append(tensors[0])
     assert torch.unique(torch.cat(draws)).numel() == 20_000
-    assert abs(float(torch.corrcoef(torch.stack(draws))[0, 1])) < 5 / math.sqrt(10_000)
+    assert abs(float(torch.corrcoef(torch.stack(draws))[0, 1])) < 6 / math.sqrt(10_000)
 
 
 def test_secure_sampler_takes_its_uniforms_from_the_csprng(monkeypatch):
@@ -87,7 +87,7 @@ def test_secure_sampler_inclusion_counts_are_binomial_per_example():
         counts[batch] += 1
     eligible = steps // bands  # each example is in the active group every b-th step
     total = float(counts.sum())
-    assert stats.binomtest(int(total), num * eligible, q).pvalue > 1e-4
+    assert stats.binomtest(int(total), num * eligible, q).pvalue > 1e-7
     # per-example dispersion: Σ (c − mq)² / (mq(1 − q)) ~ χ²(N) if every step draws anew
     dispersion = float(((counts - eligible * q) ** 2).sum()) / (eligible * q * (1 - q))
-    assert stats.chi2.sf(dispersion, num) > 1e-4 and stats.chi2.cdf(dispersion, num) > 1e-4
+    assert stats.chi2.sf(dispersion, num) > 1e-7 and stats.chi2.cdf(dispersion, num) > 1e-7
