@@ -6,11 +6,13 @@
 Tiny randomly initialised models built from configs (hidden 64, 2 layers, batch 16, T = 32),
 as a user would wrap them: Hugging Face GPT-2 / BERT / Llama (+ peft LoRA r = 4) when
 ``transformers``/``peft`` are installed, and torch's ``nn.TransformerEncoder``
-(``nn.MultiheadAttention``), ``nn.LSTM``, ``nn.GRU``. A private step is the plain loop of
+(``nn.MultiheadAttention``), ``nn.LSTM``, ``nn.GRU`` (and, when named, ``opacus-dplstm``: the LSTM
+swapped for ``opacus.layers.DPLSTM``). A private step is the plain loop of
 ``benchmarks/speed.py``: forward, mean loss, backward, ``engine.clip_and_sum``, the library's
 ``Privatizer`` (σCz once, ÷B), SGD step; the engine is the one ``per_sample="auto"`` picks.
 Modes are interleaved step by step so machine drift hits both alike; medians are printed, and
-the ratio private/non-private.
+the ratio private/non-private. On a shared machine, ``--rounds R`` repeats each measurement R
+times (fresh models) and prints the median of each column with the range of the ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ class RecurrentLM(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
-        self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
+        if kind == "DPLSTM":  # the swap Opacus asks for
+            from opacus.layers import DPLSTM
+
+            self.rnn: nn.Module = DPLSTM(D, D, num_layers=2, batch_first=True)
+        else:
+            self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.rnn(self.emb(x))[0])
@@ -83,6 +90,10 @@ def hf_models() -> dict[str, Callable[[], nn.Module]]:
 def models() -> dict[str, Callable[[], nn.Module]]:
     return {**hf_models(), "torch-encoder": TorchEncoderLM, "lstm": lambda: RecurrentLM("LSTM"),
             "gru": lambda: RecurrentLM("GRU")}
+
+
+OPT_IN: dict[str, Callable[[], nn.Module]] = {"opacus-dplstm": lambda: RecurrentLM("DPLSTM")}
+"""Run only when named (``--models lstm,opacus-dplstm``): ``nn.LSTM`` swapped for ``opacus.layers.DPLSTM``."""
 
 
 def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -137,19 +148,27 @@ def measure(name: str, make: Callable[[], nn.Module], n_steps: int) -> tuple[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--models", default="", help="comma-separated subset (default: all but opacus-dplstm)")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat each measurement; medians and the ratio's range")
     args = parser.parse_args()
     table = models()
     names = [m for m in args.models.split(",") if m] or list(table)
-    print(f"batch {B}, T {T}, hidden {D}, vocab {V}; median ms/step over {args.steps} steps (interleaved)")
+    table.update(OPT_IN)
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"batch {B}, T {T}, hidden {D}, vocab {V}; median ms/step over {args.steps} steps (interleaved){rounds}")
     print(f"{'model':14s} {'threads':>7s} {'engine':>7s} {'non-private':>12s} {'private':>9s} {'ratio':>6s}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for name in names:
-            engine, base, priv = measure(name, table[name], args.steps)
-            print(f"{name:14s} {threads:7d} {engine:>7s} {base:12.1f} {priv:9.1f} {priv / base:6.2f}", flush=True)
+            runs = [measure(name, table[name], args.steps) for _ in range(args.rounds)]
+            engine = runs[0][0]
+            base, priv = (statistics.median(r[k] for r in runs) for k in (1, 2))
+            ratios = [r[2] / r[1] for r in runs]
+            spread = f"  ({min(ratios):.2f}–{max(ratios):.2f})" if len(runs) > 1 else ""
+            ratio = statistics.median(ratios)
+            print(f"{name:14s} {threads:7d} {engine:>7s} {base:12.1f} {priv:9.1f} {ratio:6.2f}{spread}", flush=True)
 
 
 if __name__ == "__main__":

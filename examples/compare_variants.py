@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import logging
 import math
 import statistics
 import time
@@ -34,6 +33,7 @@ import torch
 import yaml
 
 from lightning_dp import AdamVariant, DPStrategy, ledger_epsilon
+from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data import DigitsDataModule
 from lightning_dp.models import DigitsCNN
 
@@ -138,10 +138,6 @@ def _check(sweep: Sweep) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-def quiet_lightning() -> None:
-    """Silence Lightning's and lightning_dp's info logging (the sweep prints one line per run)."""
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning_dp"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @torch.no_grad()
@@ -284,7 +280,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     """Run the sweep, print the table, write the markdown; return its path."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    quiet_lightning()
+    with quiet_lightning():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> Path:
     sweep = load_sweep(args.config, smoke=args.smoke)
     if args.seeds is not None:
         sweep.seeds = list(range(args.seeds))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import statistics
 import time
@@ -42,6 +41,7 @@ from pytorch_lightning.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lightning_dp import AdamVariant, DPStrategy, ledger_epsilon
+from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data.pydoc_text import PydocTextDataModule
 from lightning_dp.models.tiny_transformer import TinyTransformerLM, evaluate_loss, parameter_count
 from lightning_dp.optim import DPAdam
@@ -296,10 +296,6 @@ class NegativeFraction(Callback):
 
 
 # ----------------------------------------------------------------------------- one run
-def quiet_lightning() -> None:
-    """Silence Lightning's and lightning_dp's info logging (one line per run is printed)."""
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning_dp"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def make_data(setup: Setup) -> PydocTextDataModule:
@@ -465,7 +461,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     """Run, print the table, write the markdown and the PNG; return the markdown's path."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    quiet_lightning()
+    with quiet_lightning():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> Path:
     setup = load_setup(args.config, smoke=args.smoke)
     if args.seeds is not None:
         setup.seeds = list(range(args.seeds))

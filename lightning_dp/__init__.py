@@ -13,6 +13,7 @@ _EXPORTS = {
     "AdamVariant": "lightning_dp.callbacks",
     "DPAdagrad": "lightning_dp.optim",
     "DPAdam": "lightning_dp.optim",
+    "DPShardedStrategy": "lightning_dp.sharded_strategy",
     "DPStrategy": "lightning_dp.strategy",
     "LedgerEntry": "lightning_dp.accounting.ledger",
     "PrivacyBudget": "lightning_dp.callbacks",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from lightning_dp.errors import PrivacyConfigurationError
     from lightning_dp.losses import per_example_token_mean
     from lightning_dp.optim import DPAdagrad, DPAdam
+    from lightning_dp.sharded_strategy import DPShardedStrategy
     from lightning_dp.strategy import DPStrategy
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "AdamVariant",
     "DPAdagrad",
     "DPAdam",
+    "DPShardedStrategy",
     "DPStrategy",
     "LedgerEntry",
     "PrivacyBudget",

@@ -12,7 +12,10 @@ and again at ``setup`` of :class:`~lightning_dp.PrivacyBudget` and
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from typing import Iterator
 
 #: Lightning's copy of torch's tree flattening (``pytorch_lightning.utilities._pytree._tree_flatten``,
 #: used by ``CombinedLoader`` on every fit/validate/test) builds ``torch.utils._pytree.LeafSpec()``,
@@ -29,3 +32,42 @@ _LEAFSPEC = dict(
 def filter_upstream_noise() -> None:
     """Install the filters above (idempotent: ``warnings.filterwarnings`` replaces a duplicate)."""
     warnings.filterwarnings("ignore", **_LEAFSPEC)
+
+
+#: Lightning 2.6 logs two product adverts at every fit ("💡 Tip: For seamless cloud logging ... try
+#: installing litlogger" and "... litmodels"): informational lines about optional cloud services,
+#: not about the run. ``lightning-dp`` (our console, the main job) drops them; a user's own
+#: Trainer, outside the CLI, keeps Lightning's output untouched.
+_ADVERT_PREFIX = "💡 Tip:"
+_ADVERT_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero")
+
+
+class _LightningAdverts(logging.Filter):
+    """Drops Lightning's "💡 Tip:" log lines (see above); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_ADVERT_PREFIX)
+
+
+def quiet_lightning_adverts() -> None:
+    """Install :class:`_LightningAdverts` on Lightning's rank-zero loggers (idempotent)."""
+    for name in _ADVERT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _LightningAdverts) for f in logger.filters):
+            logger.addFilter(_LightningAdverts())
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's, Fabric's and lightning_dp's info logging at ERROR for the duration (sweeps that
+    print one line per run); the levels are restored on exit, so a caller's own logging is left as it was."""
+    names = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric", "lightning_dp")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -68,6 +68,7 @@ class _DPLightningCLIHooks:
         if self.trainer.is_global_zero:
             print(privacy_summary(self.trainer.strategy, config.get("privacy_delta"), metrics,
                                   allow_mismatch=bool(config.get("allow_mismatch"))))
+            print("\n".join(where_to_look(self.trainer.loggers)))
 
 
 def _lightning_cli_class() -> "type[LightningCLI]":
@@ -149,6 +150,21 @@ def privacy_summary(
     return "\n".join(lines)
 
 
+def where_to_look(loggers: list[Any]) -> list[str]:
+    """The commands that show this run: TensorBoard on its log folder (the custom-scalars dashboard:
+    ε against its target, σ, v̂ against Φ) and ``lightning-dp report`` for the v_t figure; nothing
+    when the run has no TensorBoard logger."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    runs = [lg for lg in loggers if isinstance(lg, TensorBoardLogger)]
+    if not runs:
+        return []
+    log_dir = runs[0].log_dir
+    return ["", "where to look:",
+            f"  tensorboard --logdir {runs[0].root_dir}     (tab CUSTOM SCALARS: ε vs target, σ, v̂ vs Φ)",
+            f"  lightning-dp report {log_dir}     (v_t figure: histograms and Φ, as a PNG)"]
+
+
 def _usage() -> str:
     extra = "\n".join(f"  {name:<9} {help_}" for name, (_, help_) in sorted(COMMANDS.items()))
     return (
@@ -185,6 +201,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     # dropping the last reference to a finished collective's tensors asks for the GIL, and a thread
     # asking for it during finalization is ended by a forced unwind through a noexcept destructor.
     had_process_group = _process_group_initialized()
+    from lightning_dp._warnings import quiet_lightning_adverts
+
+    quiet_lightning_adverts()  # Lightning's "💡 Tip: try litlogger/litmodels" lines (see lightning_dp._warnings)
     # From the command line LightningCLI reads sys.argv itself (passing the same list again makes it warn
     # that both were given); from Python (tests, notebooks) the explicit list is passed.
     args = None if argv == sys.argv[1:] else argv

@@ -6,6 +6,7 @@ package imports from here instead of from ``lightning_dp``::
 
     import lightning as L
     from lightning_dp.unified import DPStrategy, PrivacyBudget, AdamVariant, SecondMomentMonitor
+    # and DPShardedStrategy for models sharded by FSDP2
 
     trainer = L.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=5)
 
@@ -27,11 +28,14 @@ from types import ModuleType
 from typing import Iterator
 
 import lightning_dp.callbacks  # noqa: F401  (the pytorch_lightning build: loads every module we re-run)
+import lightning_dp.sharded_strategy  # noqa: F401
 import lightning_dp.strategy  # noqa: F401
 
 _NAMESPACES = {"pytorch_lightning": "lightning.pytorch", "lightning_fabric": "lightning.fabric"}
 _GLUE = (  # the files that import Lightning, in dependency order (package last)
+    "lightning_dp._strategy_glue",
     "lightning_dp.strategy",
+    "lightning_dp.sharded_strategy",
     "lightning_dp.callbacks.adam_variant",
     "lightning_dp.callbacks.privacy_budget",
     "lightning_dp.callbacks.second_moment_monitor",
@@ -89,8 +93,9 @@ def _build() -> dict[str, ModuleType]:
 importlib.import_module("lightning.pytorch")  # fails clearly if the unified package is not installed
 _copies = _build()
 DPStrategy = _copies["lightning_dp.strategy"].DPStrategy
+DPShardedStrategy = _copies["lightning_dp.sharded_strategy"].DPShardedStrategy
 PrivacyBudget = _copies["lightning_dp.callbacks"].PrivacyBudget
 AdamVariant = _copies["lightning_dp.callbacks"].AdamVariant
 SecondMomentMonitor = _copies["lightning_dp.callbacks"].SecondMomentMonitor
 
-__all__ = ["AdamVariant", "DPStrategy", "PrivacyBudget", "SecondMomentMonitor"]
+__all__ = ["AdamVariant", "DPShardedStrategy", "DPStrategy", "PrivacyBudget", "SecondMomentMonitor"]

@@ -7,7 +7,7 @@ import torch
 from conftest import TinyClassifier, make_loader, quiet_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
-import lightning_dp.strategy as strategy_module
+import lightning_dp._strategy_glue as strategy_module  # the strategies' shared hooks log from here
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.accounting import ledger_epsilon
 

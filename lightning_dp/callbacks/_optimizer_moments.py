@@ -69,7 +69,7 @@ def mean_phi(params: Sequence[Tensor], release: Release) -> float:
         return float(release.noise_std) ** 2
     total, count = 0.0, 0
     for p in params:
-        phi = release_phi(p, release)
+        phi = _full(release_phi(p, release))
         total += float(phi.sum()) if isinstance(phi, Tensor) else phi * p.numel()
         count += p.numel()
     return total / count if count else float(release.noise_std) ** 2
@@ -82,10 +82,30 @@ def param_moments(
     family = family_of(optimizer)
     state = optimizer.state.get(p, {})
     if family == "adam" and "exp_avg_sq" in state:
-        return _adam(optimizer, group, p, state, release)
+        return _gathered(_adam(optimizer, group, p, state, release))
     if family == "adagrad" and "sum" in state and int(_step(state)) > 0 and p.grad is not None:
-        return _adagrad(optimizer, group, p, state, release)
+        return _gathered(_adagrad(optimizer, group, p, state, release))
     return None
+
+
+def _gathered(moments: ParamMoments) -> ParamMoments:
+    """``moments`` with every sharded tensor (a ``DTensor`` of ``DPShardedStrategy``) gathered to its full size:
+    a collective every rank joins, one parameter at a time."""
+    fields = (moments.m, moments.v, moments.phi, moments.update)
+    if not any(_is_sharded(t) for t in fields):
+        return moments
+    return ParamMoments(*(_full(t) for t in fields), moments.step)
+
+
+def _is_sharded(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _full(t: Any) -> Any:
+    """A sharded tensor gathered to its full size (a collective every rank joins); anything else as is."""
+    return t.full_tensor() if _is_sharded(t) else t
 
 
 def _step(state: dict[str, Any]) -> int:

@@ -8,6 +8,8 @@ tab:
 
 * ``privacy``: ε spent against the target ε (PrivacyBudget), the noise multiplier σ, and the
   clip fraction when the monitor's non-private diagnostics are on (labelled NOT private);
+* ``training``: the module's own validation accuracy and train/validation loss, matched by
+  Lightning's usual names (``val/acc``, ``val_acc``, ``val/top1_acc``…, ``train/loss``, ``val_loss``);
 * ``v_t``: Φ against the median v̂ and the median v̂ − Φ̄, the v̂ quartile band and the share of
   coordinates with v̂ − Φ̄ < 0 (SecondMomentMonitor).
 
@@ -29,6 +31,10 @@ from lightning_dp.callbacks import _monitor_tags as tags
 EPSILON = "privacy/epsilon"
 TARGET_EPSILON = "privacy/target_epsilon"
 NOISE_MULTIPLIER = "privacy/noise_multiplier"
+
+#: the user's metrics the dashboard draws (regular expressions, matched from a tag's start)
+VAL_ACCURACY = r"val[/_].*acc"
+LOSSES = r"(train|val)[/_]loss"
 
 #: the tag TensorBoard stores a custom-scalars layout under
 CONFIG_TAG = "custom_scalars__config__"
@@ -60,6 +66,11 @@ def layout_for(callbacks: Iterable[Any]) -> dict[str, dict[str, list[Any]]]:
         privacy["clip fraction (NOT private)"] = ["Multiline", [_exact(tags.CLIP_FRACTION)]]
     if privacy:
         layout["privacy"] = privacy
+    if budgets or monitors:  # the user's own metrics, by Lightning's usual names, beside what the noise does
+        layout["training"] = {
+            "validation accuracy (val/…acc…)": ["Multiline", [VAL_ACCURACY]],
+            "loss (train/loss, val/loss)": ["Multiline", [LOSSES]],
+        }
     if monitors:
         median = lambda family: tags.stat_tag(family, "all", "median")  # noqa: E731
         layout["v_t"] = {

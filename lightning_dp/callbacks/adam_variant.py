@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from lightning_dp.optim.base import UNSUPPORTED_FLAGS
 from lightning_dp.optim.convert import dp_class_for, to_dp_optimizer
 from lightning_dp.optim.variants import check_hparams, variant_class
-from lightning_dp.strategy import DPStrategy
+from lightning_dp._strategy_glue import PrivateTraining
 
 
 class AdamVariant(Callback):
@@ -115,7 +115,7 @@ class AdamVariant(Callback):
 
 
 def _is_dp_strategy(strategy: object) -> bool:
-    return isinstance(strategy, DPStrategy)
+    return isinstance(strategy, PrivateTraining)  # DPStrategy or DPShardedStrategy
 
 
 def repoint_schedulers(configs: list[Any], old: list[Optimizer], new: list[Optimizer]) -> None:

@@ -193,8 +193,9 @@ class SecondMomentMonitor(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        """Fold the clean mean (opt-in), then log if this step is due."""
-        if not trainer.is_global_zero:
+        """Fold the clean mean (opt-in), then log if this step is due (rank 0; with sharded parameters every
+        rank takes part in gathering each parameter's moments, and rank 0 writes)."""
+        if not trainer.is_global_zero and not _sharded(trainer):
             return
         if self.non_private:
             self._fold_clean(trainer)
@@ -338,6 +339,8 @@ class SecondMomentMonitor(Callback):
 
     # -- writing ------------------------------------------------------------------------
     def _write(self, trainer: "pl.Trainer", step: int, scalars: dict[str, float], hists: dict[str, Tensor]) -> None:
+        if not trainer.is_global_zero:
+            return
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
             if hists and isinstance(logger, _TensorBoardLoggerBase):
@@ -347,6 +350,11 @@ class SecondMomentMonitor(Callback):
 
 
 _LOG10_HISTOGRAMS = (tags.HIST_LOG10_V, tags.HIST_LOG10_V_OVER_PHI)
+
+
+def _sharded(trainer: "pl.Trainer") -> bool:
+    """Whether the strategy shards the parameters (``DPShardedStrategy``: its statistics need every rank)."""
+    return getattr(trainer.strategy, "layout", None) is not None
 
 
 def _add_histogram(writer: Any, tag: str, values: Tensor, step: int, bins: int = 64, linear: bool = False) -> None:

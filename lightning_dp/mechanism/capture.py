@@ -367,7 +367,9 @@ class ActivationCapture:
         return any(c.records for c in self._calls.values())
 
     def clear(self) -> None:
-        """Drop every captured tensor (called after each step)."""
+        """Drop every captured tensor and end the step (called after each step): a forward after it is
+        not checked against, or broadcast to, the finished step's batch size."""
+        self.expected = None
         self.roots.clear()
         for calls in self._calls.values():
             calls.records.clear()

@@ -84,6 +84,10 @@ class SecureGaussianNoise(NoiseMechanism):
                     piece.mul_(scale_by)
                 piece.add_(z, alpha=std)
 
+    def for_rank(self, rank: int) -> "SecureGaussianNoise":
+        """This mechanism: every draw reads ``os.urandom`` afresh, so the ranks' streams are independent."""
+        return self
+
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
         sizes = [t.numel() for t in like]

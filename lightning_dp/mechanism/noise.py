@@ -8,6 +8,7 @@ same interface and keep their history in :meth:`state_dict`.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -109,9 +110,22 @@ class GaussianNoise(NoiseMechanism):
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both")
         self._seed = seed
+        self._shared_generator = generator is not None
         self._generators: dict[torch.device, torch.Generator] = {}
         if generator is not None:
             self._generators[torch.device(generator.device)] = generator
+
+    def for_rank(self, rank: int) -> "GaussianNoise":
+        """A stream independent of every other rank's, for process ``rank`` of a sharded release (each rank
+        noises the coordinates it owns: :mod:`~lightning_dp.mechanism.sharded_privatizer`): a fresh OS seed,
+        or for a fixed (test) seed one derived from (seed, rank). Never one seed on two ranks."""
+        if self._shared_generator:
+            raise ValueError("a GaussianNoise drawing from a given generator cannot be split into independent "
+                             "per-rank streams: give seed= (tests) or nothing (production)")
+        if self._seed is None:
+            return GaussianNoise()
+        digest = hashlib.sha256(f"lightning_dp.GaussianNoise/{self._seed}/rank{rank}".encode()).digest()
+        return GaussianNoise(seed=int.from_bytes(digest[:8], "little") >> 1)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +58,14 @@ from lightning_dp.mechanism.validators import validate_module
 from lightning_dp.mechanism.validators.loaders import TrainingPopulation, training_population
 from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, probe_tolerance
 
+if TYPE_CHECKING:
+    from lightning_dp.mechanism.fsdp_layout import FSDPLayout
+
 AllReduce = Callable[[Tensor], None]
+
+
+_ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Models with an engine attached by a :class:`PrivateStep` (one at a time: hooks of two would mix)."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +76,15 @@ class Distribution:
         rank: this process's rank (rank 0 adds the Gaussian noise).
         world_size: number of processes that each sample and clip their own shard.
         all_reduce: in-place SUM all-reduce of one tensor (``None`` with one process).
+        layout: where the parameters live when FSDP2 shards them (``None``: replicated on every rank).
+            Then each rank noises the shard it owns from its own stream, after a reduce-scatter of the
+            clipped sums (:class:`~lightning_dp.mechanism.sharded_privatizer.ShardedPrivatizer`).
     """
 
     rank: int = 0
     world_size: int = 1
     all_reduce: Optional[AllReduce] = None
+    layout: Optional["FSDPLayout"] = None
 
 
 @dataclass(frozen=True)
@@ -93,11 +105,18 @@ class SamplingPlan:
 
 
 def _gaussian(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    if where.layout is not None:
+        from lightning_dp.mechanism.sharded_privatizer import ShardedPrivatizer, rank_stream
+
+        return ShardedPrivatizer(rank_stream(noise, where.rank), where.layout)
     reduce = None if where.all_reduce is None else partial(flat_all_reduce, all_reduce=where.all_reduce)
     return Privatizer(noise, reduce=reduce, adds_noise=where.rank == 0)
 
 
 def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    if where.layout is not None:
+        raise PrivacyConfigurationError("DP-SignSGD's vote needs every worker's whole noisy sum: it does not run on "
+                                        "sharded parameters. Use DPStrategy with DP-SignSGD.")
     if getattr(noise, "bands", 1) > 1:
         raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
     if isinstance(noise, SecureGaussianNoise):
@@ -180,6 +199,11 @@ class PrivateStep:
         """Validate ``module``, attach the engine, choose the release rule; returns the engine's name.
 
         Raises :class:`PrivacyConfigurationError` naming every layer that cannot be trained privately."""
+        if module in _ATTACHED:
+            raise PrivacyConfigurationError(
+                f"{type(module).__name__} is already attached to another private step (a DPStrategy fit, a "
+                "PrivateStep or a VirtualWorkersSignSGD that was not detached): two engines on one model capture "
+                "each other's calls. Call detach() on the first (DPStrategy does at teardown) or use a copy.")
         problems = validate_module(module)
         if problems:
             raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
@@ -194,6 +218,8 @@ class PrivateStep:
                 f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
                 "multiplicity): use per_sample='auto', 'vmap' or 'opacus_hooks'.")
         engine.views_per_example = self.views_per_example
+        if distribution.layout is not None and hasattr(engine, "stream_sums"):
+            engine.stream_sums = True  # the sharded privatizer reads one parameter's sum at a time
         problems = [f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
                     for name in engine.unsupported_layers(module)]
         if problems:
@@ -204,6 +230,7 @@ class PrivateStep:
         self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
         self.distribution = distribution
         engine.attach(module)
+        _ATTACHED.add(module)
         self._engine, self._module = engine, module
         return engine.name
 
@@ -212,6 +239,7 @@ class PrivateStep:
         if self._engine is not None:
             self._engine.detach()
             self._engine = None
+            _ATTACHED.discard(self._module)
 
     @property
     def mechanism(self) -> str:
@@ -392,14 +420,22 @@ class PrivateStep:
             to_device: moves a collated batch where the model is.
             what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
         """
-        assert self._engine is not None and self._module is not None and self.plan is not None
-        assert self._batches is not None
-        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        assert self.plan is not None and self._batches is not None, "poisson_loader() first"
         where = self.distribution
         indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+        self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
+                       low_precision, what)
+
+    def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
+                  low_precision: bool = False, what: str = "the loss function") -> None:
+        """:meth:`verify` on examples the caller reads itself: ``loss_of_examples(idx)`` is the loss of the
+        examples ``idx`` (a list of ``indices``' entries) in one batch. For loops without :meth:`poisson_loader`
+        (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers)."""
+        assert self._engine is not None and self._module is not None, "attach() first"
+        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
 
         def loss_of(idx: list[int]) -> Tensor:
-            out = loss_of_batch(to_device(self.examples(idx, fixed=True)))
+            out = loss_of_examples(idx)
             loss = mean_loss(out, len(idx))
             loss = loss.get("loss") if isinstance(loss, dict) else loss
             if not isinstance(loss, Tensor):
@@ -410,8 +446,11 @@ class PrivateStep:
             return loss
 
         tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low_precision)
-        ExampleIndependenceProbe(self._module, self._engine, [p for _, p in named], [n for n, _ in named], loss_of,
-                                 tol).run(indices)
+        params = [p for _, p in named]
+        layout = self.distribution.layout
+        leaves = None if layout is None else partial(layout.autograd_params, params)
+        ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of,
+                                 tol, autograd_params=leaves).run(list(indices))
         self._verified = True
 
     @property
@@ -429,20 +468,44 @@ class PrivateStep:
         return n
 
     def expect_request(self, optimizer: Optional[Optimizer]) -> MechanismRequest:
-        """Ask the optimizer what the coming release must include (before its forward pass)."""
-        self._request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
+        """Ask the optimizer what the coming release must include (before its forward pass). Under sharding
+        a scale (scale-then-privatize) is gathered to full size: the engine scales whole per-example gradients."""
+        request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
+        if self.distribution.layout is not None:
+            request = self.distribution.layout.full_request(request)
+        self._request = request
         self._pending = None
         return self._request
+
+    def discard(self) -> None:
+        """Drop what the engine captured since :meth:`begin` (a stand-in pass run only to join collectives)."""
+        assert self._engine is not None, "attach() first"
+        self._engine.begin_step(None)
 
     def bank(self) -> None:
         """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
         part = self._clipped()
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
 
-    def _clipped(self) -> ClippedBatch:
+    def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
         assert self._engine is not None
         request = self._request
-        return self._engine.clip_and_sum(self.params(), self.max_grad_norm, request.scale, request.second_moment)
+        bound = self.max_grad_norm if max_grad_norm is None else max_grad_norm
+        return self._engine.clip_and_sum(self.params(), bound, request.scale, request.second_moment)
+
+    def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+        """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
+        before any noise, for release rules run outside :meth:`release` (the caller privatises it and
+        charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
+        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines).
+        Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
+        if not self._verified:
+            raise RuntimeError("call verify() or verify_on() before taking clipped sums: the probe checks the "
+                               "assumptions the guarantee rests on")
+        batch = self._clipped(max_grad_norm)
+        if self._pending is not None:
+            batch, self._pending = merge_clipped(self._pending, batch), None
+        return batch
 
     def release(self, step: Optional[int] = None, optimizer: Optional[Optimizer] = None,
                 empty: bool = False) -> Release:

@@ -7,8 +7,9 @@
 * :class:`VirtualWorkersSignSGD` runs M workers in one process, for research on one
   machine: per step each worker Poisson-samples its local data with rate q, clips each
   example's gradient to C, adds its own noise σC, sends sign(·); the server votes and
-  the parameters move by η·vote. Per-example gradients come from ``torch.func``
-  (``vmap(grad(·))``), for all workers' sampled examples in one call.
+  the parameters move by η·vote. Each worker is the library's private step
+  (:class:`~lightning_dp.mechanism.private_step.PrivateStep`: sampler, engine, probe) with
+  the DDP mode's sign-vote release rule: no mechanism code of its own.
 
 Privacy accounting: every worker runs the sampled Gaussian mechanism on its own local
 dataset with the same (σ, local q) at every step, so all workers have the same
@@ -19,17 +20,22 @@ guarantee and one :class:`~lightning_dp.accounting.ledger.PrivacyLedger` (with q
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
 
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.mechanism.grad_sample.base import clip_factors
-from lightning_dp.mechanism.sampling import secure_seed
-from lightning_dp.mechanism.sign_vote import majority_vote, worker_sign
+from lightning_dp.mechanism.grad_sample.base import ClippedBatch
+from lightning_dp.mechanism.noise import GaussianNoise
+from lightning_dp.mechanism.private_step import PrivateStep
+from lightning_dp.mechanism.release import DEFAULT_REQUEST
+from lightning_dp.mechanism.sampling import PoissonBatchSampler, secure_seed
+from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
+from lightning_dp.mechanism.sign_vote import SIGN_DTYPE, majority_vote
+from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES
 
 GradientNoise = Callable[[tuple[int, ...], torch.Generator], Tensor]
 """``(shape, generator) -> noise`` added to a worker's mean-gradient estimate (research only)."""
@@ -87,10 +93,17 @@ class VoteStep:
 class VirtualWorkersSignSGD:
     """M DP-SignSGD workers in one process (ALGORITHMS.md §6, mode (b) of issue 7).
 
+    Each worker runs the library's private step (:class:`~lightning_dp.mechanism.private_step.PrivateStep`)
+    on its own local data: its Poisson sampler (:class:`~lightning_dp.mechanism.sampling.PoissonBatchSampler`),
+    per-example clipped sums from the step's engine (any model ``DPStrategy`` accepts, checked by the same
+    validators and the first-step probe), and the DDP mode's release rule
+    (:class:`~lightning_dp.mechanism.sign_privatizer.SignVotePrivatizer`: its own noise σC, then the sign).
+    The server votes and the parameters move by η·vote; the step's ledger is charged one round per step.
+
     Args:
         model: the shared model (its trainable parameters are updated in place).
-        loss_fn: ``loss_fn(output, target)`` -> scalar mean loss; called on batches of
-            one example inside ``vmap``, e.g. ``F.binary_cross_entropy_with_logits``.
+        loss_fn: ``loss_fn(output, target)`` -> the mean loss of a batch (or one loss per example),
+            e.g. ``F.binary_cross_entropy_with_logits``.
         worker_data: M pairs ``(inputs, targets)``, the local datasets (first axis = examples).
         sample_rate: local Poisson rate q (the same for every worker).
         lr: η.
@@ -102,7 +115,8 @@ class VirtualWorkersSignSGD:
             worker's gradient before the sign (the seed's §4.1 heavy-tailed experiment).
             It is data-independent, so with σ > 0 it is post-processing of the SGM
             release and changes no guarantee.
-        generator: source of sampling, noise and ξ; ``None`` uses an OS-seeded one.
+        generator: source of sampling seeds, noise and ξ; ``None`` uses an OS-seeded one.
+        per_sample: the per-example gradient engine (``"auto"`` as in ``DPStrategy``).
 
     The worker statistic is S_m + B_m ξ_m + σ C z_m with B_m the *expected* local batch
     q·n_m when private (dividing by the realised size would leak it), the realised size
@@ -120,6 +134,7 @@ class VirtualWorkersSignSGD:
         max_grad_norm: Optional[float] = None,
         gradient_noise: Optional[GradientNoise] = None,
         generator: Optional[torch.Generator] = None,
+        per_sample: str = "auto",
     ) -> None:
         _validate(worker_data, sample_rate, noise_multiplier, max_grad_norm)
         self.model = model
@@ -132,8 +147,29 @@ class VirtualWorkersSignSGD:
         self.generator = generator if generator is not None else torch.Generator().manual_seed(secure_seed())
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.optimizer = DPSignSGD(self.params.values(), lr=lr)
-        self.ledger = PrivacyLedger()
-        self._per_example_grad = vmap(grad(self._example_loss), in_dims=(None, 0, 0))
+        noise = GaussianNoise(generator=self.generator)
+        self.private_step = PrivateStep(self.noise_multiplier if self.is_private else None, max_grad_norm or 1.0,
+                                        noise, engine=per_sample)
+        self.private_step.attach(model)
+        self.privatizer = SignVotePrivatizer(noise=noise)  # one worker's release rule, drawn fresh per worker
+        self.samplers = [PoissonBatchSampler(x.shape[0], self.sample_rate, 1, seed=self._seed())
+                         for x, _ in self.worker_data]
+        x0, y0 = self.worker_data[0]
+        try:
+            self.private_step.verify_on(lambda idx: loss_fn(model(x0[idx]), y0[idx]),
+                                        range(min(PROBE_EXAMPLES, x0.shape[0])), what="loss_fn(model(x), y)")
+        except BaseException:
+            self.private_step.detach()  # the model is left as it came
+            raise
+
+    def detach(self) -> None:
+        """Remove the private step's engine from the model (before another runner or strategy trains it)."""
+        self.private_step.detach()
+
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """One worker's privacy ledger (every worker's: same σ, same local q, same rounds)."""
+        return self.private_step.ledger
 
     @property
     def num_workers(self) -> int:
@@ -145,37 +181,54 @@ class VirtualWorkersSignSGD:
         """True when each worker's message is a DP release (σ > 0 and clipping on)."""
         return self.noise_multiplier > 0 and self.max_grad_norm is not None
 
-    def _example_loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        out = functional_call(self.model, params, (x.unsqueeze(0),))
-        return self.loss_fn(out, y.unsqueeze(0))
+    def _seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator))
 
     def _sample(self) -> tuple[Tensor, Tensor, Tensor, list[int]]:
         xs, ys, owners, sizes = [], [], [], []
-        for m, (x, y) in enumerate(self.worker_data):
-            keep = torch.rand(x.shape[0], generator=self.generator) < self.sample_rate
+        for m, ((x, y), sampler) in enumerate(zip(self.worker_data, self.samplers)):
+            keep = torch.tensor(next(iter(sampler)), dtype=torch.long)
             xs.append(x[keep])
             ys.append(y[keep])
-            sizes.append(int(keep.sum()))
+            sizes.append(len(keep))
             owners.append(torch.full((sizes[-1],), m, dtype=torch.long))
         return torch.cat(xs), torch.cat(ys), torch.cat(owners), sizes
 
+    def _clipped_sum(self, x: Tensor, y: Tensor) -> ClippedBatch:
+        """One worker's S_m through the private step's engine (clipped iff C is set)."""
+        params = list(self.params.values())
+        if x.shape[0] == 0:
+            return ClippedBatch({p: torch.zeros_like(p) for p in params}, None, torch.zeros(0), 0)
+        self.private_step.begin(x.shape[0])
+        self.loss_fn(self.model(x), y).backward()
+        return self.private_step.clipped_sums(math.inf if self.max_grad_norm is None else None)
+
     def worker_sums(self, x: Tensor, y: Tensor, owners: Tensor) -> Tensor:
         """S_m for every worker, flat over parameters: ``[M, D]``; clipped per example iff C is set."""
-        if x.shape[0] == 0:
-            dim = sum(p.numel() for p in self.params.values())
-            return torch.zeros(self.num_workers, dim, dtype=next(iter(self.params.values())).dtype)
-        detached = {n: p.detach() for n, p in self.params.items()}
-        per_example = self._per_example_grad(detached, x, y)
-        flat = torch.cat([per_example[n].reshape(x.shape[0], -1) for n in self.params], dim=1)
-        if self.max_grad_norm is not None:
-            flat = flat * clip_factors(flat.norm(dim=1), self.max_grad_norm).unsqueeze(1)
-        membership = nn.functional.one_hot(owners, self.num_workers).to(flat.dtype)  # [b, M]
-        return membership.T @ flat
+        params = list(self.params.values())
+        rows = []
+        for m in range(self.num_workers):
+            mine = owners == m
+            batch = self._clipped_sum(x[mine], y[mine])
+            rows.append(torch.cat([batch.sums[p].detach().reshape(-1) for p in params]))
+        return torch.stack(rows)
 
     def _divisors(self, sizes: list[int]) -> Tensor:
         if self.is_private:
             return torch.tensor([self.sample_rate * x.shape[0] for x, _ in self.worker_data])
         return torch.tensor(sizes, dtype=torch.float).clamp(min=1.0)
+
+    def _worker_signs(self, sums: Tensor) -> Tensor:
+        """Each worker's released sign(S_m + σ C z_m), by the sign-vote release rule: ``[M, D]`` int8."""
+        params = list(self.params.values())
+        signs = []
+        for row in sums:
+            parts = torch.split(row, [p.numel() for p in params])
+            batch = ClippedBatch({p: part.view_as(p) for p, part in zip(params, parts)}, None, torch.zeros(0), 0)
+            self.privatizer.privatize(batch, params, DEFAULT_REQUEST, self.noise_multiplier,
+                                      self.max_grad_norm or 1.0, 1.0)
+            signs.append(torch.cat([p.grad.reshape(-1) for p in params]).to(SIGN_DTYPE))
+        return torch.stack(signs)
 
     def step(self) -> VoteStep:
         """One round: sample, clip, per-worker noise and sign, vote, θ -= η·vote, ledger += 1."""
@@ -184,7 +237,7 @@ class VirtualWorkersSignSGD:
         if self.gradient_noise is not None:
             xi = self.gradient_noise(tuple(sums.shape), self.generator).to(sums.dtype)
             sums = sums + self._divisors(sizes).unsqueeze(1).to(sums.dtype) * xi
-        signs = worker_sign(sums, self.noise_multiplier, self.max_grad_norm or 1.0, self.generator)
+        signs = self._worker_signs(sums)
         vote = majority_vote(signs)
         self._write_vote(vote)
         self.optimizer.step()

@@ -21,7 +21,7 @@ def _tags_of(chart: list) -> list[str]:
 
 def test_privacy_only_without_a_monitor_and_no_target_line_without_a_target():
     layout = layout_for([PrivacyBudget()])
-    assert list(layout) == ["privacy"]
+    assert list(layout) == ["privacy", "training"]
     (epsilon, *_) = layout["privacy"].values()
     assert _tags_of(epsilon) == [EPSILON]
     assert _tags_of(next(iter(layout_for([PrivacyBudget(target_epsilon=2.0)])["privacy"].values()))) == [
@@ -30,13 +30,13 @@ def test_privacy_only_without_a_monitor_and_no_target_line_without_a_target():
 
 def test_v_t_charts_and_the_clip_fraction_only_when_opted_in():
     layout = layout_for([SecondMomentMonitor()])
-    assert list(layout) == ["v_t"]
+    assert list(layout) == ["training", "v_t"]
     drawn = {t for chart in layout["v_t"].values() for t in _tags_of(chart)}
     assert {tags.PHI, tags.stat_tag(tags.V, "all", "median"), tags.stat_tag(tags.V_MINUS_PHI, "all", "median"),
             tags.stat_tag(tags.V, "all", "q1"), tags.stat_tag(tags.V, "all", "q3"), tags.FRAC_NEGATIVE} <= drawn
     assert not any(tags.CLIP_FRACTION in _tags_of(c) for cat in layout.values() for c in cat.values())
     layout = layout_for([PrivacyBudget(), SecondMomentMonitor(diagnostics="non_private")])
-    assert list(layout) == ["privacy", "v_t"]
+    assert list(layout) == ["privacy", "training", "v_t"]
     assert any(_tags_of(c) == [tags.CLIP_FRACTION] for c in layout["privacy"].values())
     assert layout_for([pl.Callback()]) == {}
 
@@ -47,6 +47,15 @@ def test_patterns_are_anchored():
     assert re.match(median, tags.stat_tag(tags.V, "all", "median"))
     assert not re.match(median, tags.stat_tag(tags.CLEAN_V, "all", "median"))
     assert not re.match(median, tags.stat_tag(tags.V, "all", "median") + "_more")
+
+
+@pytest.mark.parametrize("tag, drawn", [
+    ("val/acc", "acc"), ("val_acc", "acc"), ("val/top1_acc", "acc"), ("train/acc", None), ("val/loss", "loss"),
+    ("train_loss", "loss"), ("train/loss_step", "loss"), ("test/loss", None), ("privacy/epsilon", None)])
+def test_the_training_section_draws_the_modules_usual_metric_names(tag, drawn):
+    accuracy, loss = (chart[1] for chart in layout_for([PrivacyBudget()])["training"].values())
+    found = {name for name, patterns in (("acc", accuracy), ("loss", loss)) if any(re.match(p, tag) for p in patterns)}
+    assert found == ({drawn} if drawn else set())
 
 
 class _AdamModule(TinyClassifier):

@@ -4,6 +4,7 @@ steps: what a user opens TensorBoard for is in the event files, and the console 
 from __future__ import annotations
 
 import io
+import logging
 import re
 import subprocess
 import sys
@@ -53,9 +54,33 @@ def run(tmp_path_factory):
         mp.setattr(sys, "argv", ["lightning-dp", *args])  # as from the command line
         out = io.StringIO()
         mp.setattr(sys, "stdout", out)
-        assert main(args) == 0
+        lines = _Lines()
+        # Lightning's rank-zero messages go to whichever of its two packages was imported last
+        # (lightning_utilities keeps one logger for both): listen to both, at INFO as a fresh process has.
+        lightning_logs = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch")]
+        levels = [lg.level for lg in lightning_logs]
+        for lg in lightning_logs:
+            lg.addHandler(lines)
+            lg.setLevel(logging.INFO)
+        try:
+            assert main(args) == 0
+        finally:
+            for lg, level in zip(lightning_logs, levels):
+                lg.removeHandler(lines)
+                lg.setLevel(level)
     (log_dir,) = (root / "lightning_logs").iterdir()
-    return log_dir, out.getvalue(), caught
+    return log_dir, out.getvalue(), caught, lines.messages
+
+
+class _Lines(logging.Handler):
+    """Every record Lightning's loggers emit (what the console would show on stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +122,9 @@ def test_the_custom_layout_puts_privacy_first(events):
     (event,) = events.Tensors(CONFIG_TAG)  # written once, though both callbacks write it
     layout = layout_pb2.Layout()
     layout.ParseFromString(event.tensor_proto.string_val[0])
-    assert [c.title for c in layout.category] == ["privacy", "v_t"]
-    privacy, v_t = layout.category
+    assert [c.title for c in layout.category] == ["privacy", "training", "v_t"]
+    privacy, training, v_t = layout.category
+    assert [t for c in training.chart for t in c.multiline.tag if re.match(t, "val/acc")]
     epsilon_chart = privacy.chart[0]
     assert [t.rstrip("$").replace("\\", "") for t in epsilon_chart.multiline.tag] == [EPSILON, TARGET_EPSILON]
     phi_chart = v_t.chart[0]
@@ -122,7 +148,7 @@ def test_privacy_section_sorts_before_the_monitor_and_nothing_is_left_in_old_fam
 
 
 def test_the_console_is_quiet_and_ends_with_the_summary(run):
-    _, out, caught = run
+    _, out, caught, _ = run
     found = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
     assert found == [], "\n".join(found)
     assert "test/acc:" in out and f"after {STEPS} steps" in out
@@ -149,3 +175,17 @@ def test_importing_lightning_dp_silences_lightnings_leafspec_warning():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "LeafSpec" not in result.stderr and "a warning of our own" in result.stderr
+
+
+def test_console_has_no_lightning_adverts(run):
+    """Lightning's "💡 Tip: try litlogger/litmodels" lines are dropped by lightning-dp; its other
+    information (the accelerator lines) still reaches the console."""
+    messages = run[3]
+    assert any("available" in m for m in messages), messages  # "GPU available: False ..." still shown
+    assert not [m for m in messages if "💡" in m or "litlogger" in m or "litmodels" in m]
+
+
+def test_the_run_ends_by_saying_where_to_look(run):
+    log_dir, out = run[0], run[1]
+    assert f"tensorboard --logdir {log_dir.parent}" in out
+    assert f"lightning-dp report {log_dir}" in out

@@ -84,3 +84,13 @@ def test_suspended_capture_records_nothing():
     with capture.suspended():
         out = m(torch.randn(1, 3))
     assert out.shape == (1, 2) and not capture.any_recorded()
+
+
+def test_a_finished_step_does_not_broadcast_later_calls():
+    """After the step's statistics are taken (clear), a grad-enabled forward of one example, e.g. a
+    saliency map in a callback, is the model's own output, not expanded to the last step's batch."""
+    m = nn.Embedding(5, 3)
+    capture, out = _captured(m, 4, torch.arange(3)[None])
+    assert out.shape == (4, 3, 3)
+    capture.clear()
+    assert m(torch.arange(3)[None]).shape == (1, 3, 3)

@@ -133,3 +133,15 @@ def test_mean_loss_convention():
     assert mean_loss({"loss": torch.tensor([1.0, 3.0])}, 2)["loss"] == 2.0
     with pytest.raises(PrivacyConfigurationError, match="3 entries for a batch of 2"):
         mean_loss(torch.tensor([1.0, 2.0, 3.0]), 2)
+
+
+def test_one_model_takes_one_engine_at_a_time():
+    """A second private step on a model that still carries the first one's hooks is refused (the two
+    engines would capture each other's calls); after detach() the model can be attached again."""
+    model = nn.Linear(3, 2)
+    first = PrivateStep(1.0, 1.0, GaussianNoise(0))
+    first.attach(model)
+    with pytest.raises(PrivacyConfigurationError, match="already attached"):
+        PrivateStep(1.0, 1.0, GaussianNoise(1)).attach(model)
+    first.detach()
+    PrivateStep(1.0, 1.0, GaussianNoise(1)).attach(model)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.sign_vote import majority_vote
 from lightning_dp.optim.sign_sgd import DPSignSGD, VirtualWorkersSignSGD
 
@@ -39,15 +42,16 @@ def test_virtual_workers_update_equals_lr_times_vote_of_worker_signs() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     data = _workers()
+    reference = copy.deepcopy(model)  # the runner attaches its engine to ``model``
     runner = VirtualWorkersSignSGD(model, F.binary_cross_entropy_with_logits, data, 1.0, 0.05, 0.0, 0.5)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     sums = []
     for x, y in data:  # reference: autograd per example, clip, sum
         s = torch.zeros_like(before)
         for i in range(x.shape[0]):
-            model.zero_grad()
-            F.binary_cross_entropy_with_logits(model(x[i : i + 1]), y[i : i + 1]).backward()
-            g = torch.cat([p.grad.flatten() for p in model.parameters()])
+            reference.zero_grad()
+            F.binary_cross_entropy_with_logits(reference(x[i : i + 1]), y[i : i + 1]).backward()
+            g = torch.cat([p.grad.flatten() for p in reference.parameters()])
             s += g * min(1.0, 0.5 / (g.norm().item() + 1e-6))
         sums.append(s)
     expected_vote = majority_vote(torch.stack([torch.sign(s).to(torch.int8) for s in sums]))
@@ -85,9 +89,32 @@ def test_ledger_records_local_rate_and_privacy() -> None:
         private.step()
     (entry,) = private.ledger.entries
     assert (entry.noise_multiplier, entry.sample_rate, entry.steps, entry.private) == (2.0, 0.25, 3, True)
+    with pytest.raises(PrivacyConfigurationError, match="already attached"):  # two engines on one model
+        VirtualWorkersSignSGD(model, F.binary_cross_entropy_with_logits, _workers(), 0.25, 0.1)
+    private.detach()
     clean = VirtualWorkersSignSGD(model, F.binary_cross_entropy_with_logits, _workers(), 0.25, 0.1)
     clean.step()
     assert not clean.ledger.is_private
+
+
+def test_workers_take_any_model_the_strategy_takes_and_the_probe_guards_them() -> None:
+    """Workers run the private step's engine (not a functional vmap of their own): a model with
+    LayerNorm and a token embedding trains; a loss that sums over the batch is refused by the probe."""
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 7, (10, 5), generator=gen), torch.rand(10, 1, generator=gen).round()) for _ in range(3)]
+    model = nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Flatten(), nn.Linear(20, 1))
+    runner = VirtualWorkersSignSGD(model, F.binary_cross_entropy_with_logits, data, 0.5, 0.1, 1.0, 1.0,
+                                   generator=torch.Generator().manual_seed(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    runner.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    runner.detach()
+
+    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(out, y, reduction="sum")
+
+    with pytest.raises(PrivacyConfigurationError, match="sum"):
+        VirtualWorkersSignSGD(model, summed, data, 0.5, 0.1, 1.0, 1.0)
 
 
 def test_noise_without_clipping_is_refused() -> None:

@@ -43,6 +43,7 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.root_parameters import expandable
+from lightning_dp.mechanism.grad_sample.attention import attention_grads, attention_supported
 from lightning_dp.mechanism.grad_sample.rnn_unrolled import unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -182,7 +183,10 @@ def replayed_layer_grads(
     """Per-example grads of a layer whose call drew random numbers (attention dropout): the whole
     batch is recomputed from the call's recorded random state (the same masks), and one backward
     batched over examples (``is_grads_batched``) gives g_i = n·∂⟨f(θ, x)_i, δ_i⟩/∂θ with example i's
-    output gradient alone in row i. Exact; costs n output-sized gradients and a batched backward."""
+    output gradient alone in row i. Exact; costs n output-sized gradients and a batched backward.
+    Torch's ``nn.MultiheadAttention`` (attention dropout) does not come here: :func:`vmap_layer_grads`
+    sends it to :func:`~.attention.attention_grads` (the same replay, one ordinary backward), except
+    with ``add_bias_kv``."""
     dims = example_dims(calls.module)
     total: dict[str, Tensor] = {}
     device = next(calls.module.parameters()).device
@@ -219,7 +223,14 @@ def vmap_layer_grads(
     Inputs and output gradients are sliced at the layer's example dimension
     (:mod:`~lightning_dp.mechanism.example_dims`: ``[T, B, d]`` for ``batch_first=False``
     attention and RNNs); arguments that do not hold one row per example (masks, tables) are
-    passed whole to every example (:meth:`LayerCalls.slot_dims`)."""
+    passed whole to every example (:meth:`LayerCalls.slot_dims`).
+
+    Two layer kinds take a rule of their own, exact and faster: torch's ``nn.MultiheadAttention``
+    (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
+    (:mod:`.rnn_unrolled`)."""
+    module = calls.module
+    if isinstance(module, nn.MultiheadAttention) and all(attention_supported(module, r) for r in calls.records):
+        return attention_grads(calls, wanted, n)
     if any(rec.rng is not None for rec in calls.records):
         return replayed_layer_grads(calls, wanted, n)
     if isinstance(calls.module, nn.RNNBase):

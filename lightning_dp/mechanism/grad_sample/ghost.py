@@ -61,6 +61,7 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     structural_problems,
     vmap_layer_grads,
 )
+from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -521,6 +522,13 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
     return fallback_stats(calls, wanted, n, scale, with_squares)
 
 
+def has_closed_form(m: nn.Module) -> bool:
+    """Whether :func:`stats_for` serves ``m`` by a rule of its own (not the per-layer vmap fallback, which
+    differentiates the layer's registered parameters again: not possible when FSDP2 shards them)."""
+    return (type(m) is nn.Linear or is_hf_conv1d(m) or conv2d_supported(m) or is_plain_norm(m)
+            or (type(m) is nn.Embedding and not m.scale_grad_by_freq))
+
+
 class _LinearInputGradOnly(torch.autograd.Function):
     """F.linear whose backward computes only the input gradient (book-keeping, Bu et al.):
     the weight/bias gradients come from :class:`LinearFormStats`, so the ordinary backward
@@ -588,7 +596,15 @@ class GhostEngine(GradSampleEngine):
             None, after ``loss.backward()``; the engine's clipped sums replace it). Saves the matmul the
             ordinary backward spends on the non-private gradient. ``False`` keeps the
             module's own forward and the usual ``p.grad``. Not for double backward.
+
+    Attributes:
+        stream_sums: return the clipped sums as a :class:`~.streamed_sums.StreamedSums` (each layer's
+            contraction run when its parameters are first read, its captured tensors released then), so a
+            consumer reading one parameter at a time never holds a model-sized gradient (the sharded
+            privatizer). Not with ``with_squares``. Off by default.
     """
+
+    stream_sums: bool = False
 
     name = "ghost"
 
@@ -656,6 +672,11 @@ class GhostEngine(GradSampleEngine):
             sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
         norms = sq.clamp_min(0).sqrt()
         c = clip_factors(norms, max_grad_norm)
+        if self.stream_sums and not with_squares:
+            roots = self._capture.roots
+            keys = {p: [id(p)] if roots.owns(p) else list(dict.fromkeys(id(mod) for mod, _, _ in self._owners[p]))
+                    for p in params}
+            return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
         for st in stats.values():

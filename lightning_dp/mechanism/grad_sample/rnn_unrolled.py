@@ -1,24 +1,36 @@
-"""Per-example gradients of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` from one unrolled pass.
+"""Per-example gradients of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` from one recomputation and a hand-written
+backward through time.
 
 The fused RNN kernels cannot run under ``torch.func.vmap``, and one small backward per example
 (:func:`~lightning_dp.mechanism.grad_sample.functorch_vmap.loop_layer_grads`) costs n backward
-passes. Here the recorded call is recomputed once, time step by time step with the cell equations
-of the torch documentation, keeping each layer's gate pre-activations G_t = x_t W_ihᵀ + b_ih and
-R_t = h_{t−1} W_hhᵀ + b_hh. One backward of Σ_k ⟨f_k(θ, x), δ_k⟩ (δ_k: the recorded output
-gradients) gives ∂/∂G_t and ∂/∂R_t row by row: each row is one example's, since examples never
-meet inside the recurrence. Then, per example i (Bu et al.'s book-keeping for linear maps),
+passes. Here the recorded call is recomputed once, layer by layer with torch's own fused kernel (all
+hidden states h_t of the layer in one call), and from them, for all time steps at once, the gate
+pre-activations G_t = x_t W_ihᵀ + b_ih and R_t = h_{t−1} W_hhᵀ + b_hh. The gradients ∂/∂G_t and
+∂/∂R_t of Σ_k ⟨f_k(θ, x), δ_k⟩ (δ_k: the recorded output gradients) then come from the cell's
+derivative written out by hand (below): everything that depends only on the forward values is
+computed for all steps in a few vectorised operations, and only the recurrence itself (the carried
+∂/∂h_{t−1}, and ∂/∂c_{t−1} for an LSTM) stays a loop over time, two to five small kernels per step
+instead of the dozens of autograd nodes of an unrolled graph. Each row is one example's, since
+examples never meet inside the recurrence. Then, per example i (Bu et al.'s book-keeping for
+linear maps),
 
     ∇W_ih = n Σ_t ∂G_{t,i} ⊗ x_{t,i},   ∇b_ih = n Σ_t ∂G_{t,i},
     ∇W_hh = n Σ_t ∂R_{t,i} ⊗ h_{t−1,i}, ∇b_hh = n Σ_t ∂R_{t,i}
 
 (n undoes the mean's 1/n, as everywhere): the per-example loop's result, for one recomputation and
-one einsum per weight.
+one batched matrix product per weight. A lower layer's output gradient is the upper layer's input gradient
+Σ_directions ∂G W_ih.
 
-Cells (torch.nn docs; gate order as in the weights):
+Cells (torch.nn docs; gate order as in the weights) and their derivatives (dh: the total gradient
+reaching h_t, the step's output gradient plus what h_{t+1} carries back):
 
-* LSTM (i, f, g, o): c' = σ(f)·c + σ(i)·tanh(g), h' = σ(o)·tanh(c')
-* GRU (r, z, n): n = tanh(G_n + σ(r)·R_n), h' = (1 − σ(z))·n + σ(z)·h
-* RNN: h' = tanh or relu(G + R)
+* LSTM (i, f, g, o): c = σ(f)·c₋ + σ(i)·tanh(g), h = σ(o)·tanh(c).
+  dc = dh·σ(o)·(1 − tanh²c) + dc₊·σ(f₊); ∂(i, f, g, o) = (dc·tanh(g)·σ'(i), dc·c₋·σ'(f),
+  dc·σ(i)·(1 − tanh²g), dh·tanh(c)·σ'(o)); ∂R = ∂G; dh₋ = ∂R W_hh.
+* GRU (r, z, n): n = tanh(G_n + σ(r)·R_n), h = (1 − σ(z))·n + σ(z)·h₋.
+  ∂G_n = dh·(1 − z)(1 − n²), ∂R_n = ∂G_n·r, ∂G_r = ∂R_r = ∂G_n·R_n·σ'(r),
+  ∂G_z = ∂R_z = dh·(h₋ − n)·σ'(z); dh₋ = dh·z + ∂R W_hh.
+* RNN: h = tanh or relu(G + R); ∂G = ∂R = dh·act'; dh₋ = ∂R W_hh.
 
 Served: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, a given initial state,
 padded tensors (not ``PackedSequence``), no ``proj_size``, no inter-layer dropout in training
@@ -27,8 +39,7 @@ padded tensors (not ``PackedSequence``), no ``proj_size``, no inter-layer dropou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,42 +47,12 @@ from torch import Tensor, nn
 
 from lightning_dp.mechanism.capture import LayerCalls
 
-Cell = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], dict[str, Any]], tuple[Tensor, Optional[Tensor]]]
-"""(x W_ihᵀ + b_ih, h W_hhᵀ + b_hh, h, c, options) → (h', c')."""
-
-
-def _affine(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """x Wᵀ + b with per-example (``[n, out, in]``) or shared (``[out, in]``) weights."""
-    out = torch.einsum("ni,noi->no", x, w) if w.dim() == 3 else F.linear(x, w)
-    return out if b is None else out + b
-
-
-def _lstm(gi: Tensor, gh: Tensor, h: Tensor, c: Optional[Tensor], _: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
-    assert c is not None
-    i, f, g, o = (gi + gh).chunk(4, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
-
-
-def _gru(gi: Tensor, gh: Tensor, h: Tensor, c: Optional[Tensor], _: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
-    ir, iz, in_ = gi.chunk(3, dim=-1)
-    hr, hz, hn = gh.chunk(3, dim=-1)
-    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-    new = torch.tanh(in_ + r * hn)
-    return (1 - z) * new + z * h, None
-
-
-def _rnn(gi: Tensor, gh: Tensor, h: Tensor, c: Optional[Tensor], opts: dict[str, Any]) -> tuple[Tensor, Optional[Tensor]]:
-    pre = gi + gh
-    return (torch.relu(pre) if opts["nonlinearity"] == "relu" else torch.tanh(pre)), None
-
-
-_CELLS: dict[type, Cell] = {nn.LSTM: _lstm, nn.GRU: _gru, nn.RNN: _rnn}
+_SERVED = (nn.LSTM, nn.GRU, nn.RNN)
 
 
 def unrolled_supported(module: nn.Module, rec: Any) -> bool:
     """Whether :func:`unrolled_rnn_grads` serves this RNN and recorded call."""
-    if type(module) not in _CELLS or getattr(module, "proj_size", 0):
+    if type(module) not in _SERVED or getattr(module, "proj_size", 0):
         return False
     if module.dropout and module.training and module.num_layers > 1:
         return False  # random masks between layers: the loop path replays them
@@ -87,56 +68,180 @@ def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor
         zeros = like.new_zeros(shape)
         return zeros, (zeros if isinstance(module, nn.LSTM) else None)
     if isinstance(hx, (tuple, list)):
-        return hx[0].detach(), hx[1].detach()
-    return hx.detach(), None
+        return hx[0].detach().to(like.dtype), hx[1].detach().to(like.dtype)
+    return hx.detach().to(like.dtype), None
 
 
-@dataclass
-class _Direction:
-    """What one layer and direction saw: its input sequence, its previous hidden states, and the gate
-    pre-activations (G: input part, [T, n, g·H]; R: recurrent part, one [n, g·H] per step)."""
-
-    suffix: str
-    inputs: Tensor
-    previous: list[Tensor] = field(default_factory=list)
-    recurrent: list[Tensor] = field(default_factory=list)
-    gates: Optional[Tensor] = None
-
-
-def _forward(module: nn.RNNBase, weights: dict[str, Tensor], x: Tensor, h0: Tensor, c0: Optional[Tensor]
-             ) -> tuple[list[Tensor], list[_Direction]]:
-    """The module's outputs (in its layout), recomputed cell by cell, and what each direction saw."""
-    cell, opts = _CELLS[type(module)], {"nonlinearity": getattr(module, "nonlinearity", "tanh")}
-    seq = x.transpose(0, 1) if module.batch_first else x  # [T, n, D]
-    directions = 2 if module.bidirectional else 1
-    finals_h, finals_c, seen = [], [], []
-    for layer in range(module.num_layers):
-        outs = []
-        for d in range(directions):
-            run = _Direction(f"_l{layer}" + ("_reverse" if d else ""), seq)
-            run.gates = F.linear(seq, weights[f"weight_ih{run.suffix}"], weights.get(f"bias_ih{run.suffix}"))
-            w_hh, b_hh = weights[f"weight_hh{run.suffix}"], weights.get(f"bias_hh{run.suffix}")
-            k = layer * directions + d
-            h, c = h0[k], (c0[k] if c0 is not None else None)
-            hs: list[Tensor] = [seq.new_empty(0)] * seq.shape[0]
-            for t in (range(seq.shape[0] - 1, -1, -1) if d else range(seq.shape[0])):
-                run.previous.append(h)
-                run.recurrent.append(F.linear(h, w_hh, b_hh))
-                h, c = cell(run.gates[t], run.recurrent[-1], h, c, opts)
-                hs[t] = h
-            if d:  # steps were taken last-to-first: store them in time order
-                run.previous.reverse()
-                run.recurrent.reverse()
-            outs.append(torch.stack(hs))
-            finals_h.append(h)
-            finals_c.append(c)
-            seen.append(run)
-        seq = torch.cat(outs, dim=-1)
-    output = seq.transpose(0, 1) if module.batch_first else seq
-    leaves = [output, torch.stack(finals_h)]
+def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tensor], flat: list[Tensor]) -> Tensor:
+    """One layer, every direction, by torch's fused kernel (what the module's own forward runs):
+    its outputs ``[n, T, directions·H]`` from ``[n, T, D]`` inputs."""
+    args = (flat, module.bias, 1, 0.0, False, module.bidirectional, True)
     if isinstance(module, nn.LSTM):
-        leaves.append(torch.stack(finals_c))  # type: ignore[arg-type]
-    return leaves, seen
+        assert c0 is not None
+        return torch.lstm(inp, (h0, c0), *args)[0]
+    if isinstance(module, nn.GRU):
+        return torch.gru(inp, h0, *args)[0]
+    kernel = torch.rnn_relu if module.nonlinearity == "relu" else torch.rnn_tanh
+    return kernel(inp, h0, *args)[0]
+
+
+def _steps(t: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
+    """The per-step views of an ``[n, T, …]`` tensor, made once (indexing in the loop costs a dispatch per step)."""
+    return None if t is None else t.unbind(1)
+
+
+def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
+                   dc_last: Optional[Tensor], w_hh: Tensor) -> tuple[Tensor, Tensor]:
+    """(∂G, ∂R), both ``[n, T, 4H]``, of an LSTM direction from its pre-activations G + R (module docstring)."""
+    n, T, H4 = pre.shape
+    H = H4 // 4
+    act = torch.sigmoid(pre)
+    g = torch.tanh(pre[..., 2 * H:3 * H])
+    gates = act.view(n, T, 4, H)
+    i, f, o = gates[:, :, 0], gates[:, :, 1], gates[:, :, 3]
+    ig = i * g
+    cs = pre.new_empty(n, T + 1, H)  # c_{t−1} at step t, c_t at step t + 1
+    c_rows, ig_rows, fs = cs.unbind(1), ig.unbind(1), f.unbind(1)
+    c_rows[0].copy_(c0)
+    for t in range(T):
+        torch.addcmul(ig_rows[t], fs[t], c_rows[t], out=c_rows[t + 1])
+    tc = torch.tanh(cs[:, 1:])
+    to_c = torch.addcmul(o, o * tc, tc, value=-1).unbind(1)  # ∂c/∂h through h = σ(o)·tanh(c)
+    # per gate, ∂gate/∂(its multiplier): i: tanh(g)σ'(i), f: c₋σ'(f), g: σ(i)(1 − tanh²g), o: tanh(c)σ'(o);
+    # the buffer then becomes ∂G in place, step by step (i, f, g times dc; o times dh)
+    d_gates = torch.addcmul(act, act, act, value=-1).view(n, T, 4, H)  # σ' everywhere first
+    d_gates[:, :, 0].mul_(g)
+    d_gates[:, :, 1].mul_(cs[:, :-1])
+    torch.addcmul(i, ig, g, value=-1, out=d_gates[:, :, 2])
+    d_gates[:, :, 3].mul_(tc)
+    rows, ifg, o_rows = d_gates.view(n, T, H4).unbind(1), d_gates[:, :, :3].unbind(1), d_gates[:, :, 3].unbind(1)
+    d_seq = _steps(dh_seq)
+    dh = dh_last if dh_last is not None else pre.new_zeros(n, H)
+    dh = dh if d_seq is None else d_seq[T - 1] + dh
+    dc = dc_last if dc_last is not None else pre.new_zeros(n, H)
+    for t in range(T - 1, -1, -1):
+        if t < T - 1:  # dh_t = δ_t + ∂G_{t+1} W_hh, dc_t = dc_{t+1}·σ(f_{t+1}) + dh_t·∂c/∂h
+            dh = torch.mm(rows[t + 1], w_hh) if d_seq is None else torch.addmm(d_seq[t], rows[t + 1], w_hh)
+            dc = dc * fs[t + 1]
+        dc = torch.addcmul(dc, dh, to_c[t])
+        ifg[t].mul_(dc.unsqueeze(1))
+        o_rows[t].mul_(dh)
+    d = d_gates.view(n, T, H4)
+    return d, d
+
+
+def _gru_backward(gi: Tensor, gh: Tensor, h_prev: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
+                  w_hh: Tensor) -> tuple[Tensor, Tensor]:
+    """(∂G, ∂R), both ``[n, T, 3H]``, of a GRU direction (module docstring)."""
+    n, T, H3 = gi.shape
+    H = H3 // 3
+    g_r, g_z, g_n = gi.view(n, T, 3, H).unbind(2)
+    r_r, r_z, r_n = gh.view(n, T, 3, H).unbind(2)
+    r, z = torch.sigmoid(g_r + r_r), torch.sigmoid(g_z + r_z)
+    new = torch.tanh(torch.addcmul(g_n, r, r_n))
+    a_n = (1 - z) * (1 - new * new)
+    a_z = (h_prev - new) * z * (1 - z)
+    a_r = a_n * r_n * r * (1 - r)
+    to_r = torch.stack([a_r, a_z, a_n * r], dim=2)  # ∂R per dh
+    to_r_rows, zs = _steps(to_r), _steps(z)
+    dh_all = gi.new_empty(n, T, H)
+    d_rec = gi.new_empty(n, T, 3, H)
+    dh_rows, rec_rows = dh_all.unbind(1), d_rec.unbind(1)
+    d_seq = _steps(dh_seq)
+    dh = dh_last if dh_last is not None else gi.new_zeros(n, H)
+    dh_rows[T - 1].copy_(dh if d_seq is None else d_seq[T - 1] + dh)
+    for t in range(T - 1, -1, -1):
+        if t < T - 1:  # dh_t = δ_t + dh_{t+1}·z_{t+1} + ∂R_{t+1} W_hh
+            carried = (dh_rows[t + 1] * zs[t + 1] if d_seq is None
+                       else torch.addcmul(d_seq[t], dh_rows[t + 1], zs[t + 1]))
+            dh_rows[t].copy_(torch.addmm(carried, rec_rows[t + 1].reshape(n, H3), w_hh))
+        torch.mul(dh_rows[t].unsqueeze(1), to_r_rows[t], out=rec_rows[t])
+    d_in = (dh_all.unsqueeze(2) * torch.stack([a_r, a_z, a_n], dim=2)).view(n, T, H3)
+    return d_in, d_rec.view(n, T, H3)
+
+
+def _rnn_backward(pre: Tensor, relu: bool, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
+                  w_hh: Tensor) -> tuple[Tensor, Tensor]:
+    """(∂G, ∂R), both ``[n, T, H]``, of a plain RNN direction."""
+    n, T, H = pre.shape
+    if relu:
+        slope = (pre > 0).to(pre.dtype)
+    else:
+        h = torch.tanh(pre)
+        slope = 1 - h * h
+    slopes, d_seq = _steps(slope), _steps(dh_seq)
+    d = pre.new_empty(n, T, H)
+    rows = d.unbind(1)
+    dh = dh_last if dh_last is not None else pre.new_zeros(n, H)
+    dh = dh if d_seq is None else d_seq[T - 1] + dh
+    for t in range(T - 1, -1, -1):
+        if t < T - 1:
+            dh = torch.mm(rows[t + 1], w_hh) if d_seq is None else torch.addmm(d_seq[t], rows[t + 1], w_hh)
+        torch.mul(dh, slopes[t], out=rows[t])
+    return d, d
+
+
+def _outer_sum(d: Tensor, a: Tensor) -> Tensor:
+    """Σ_t d_{i,t} ⊗ a_{i,t} for every example i: ``[n, out, in]`` from ``[n, T, out]`` and ``[n, T, in]``."""
+    return torch.bmm(d.transpose(1, 2), a)
+
+
+def _record_grads(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> dict[str, Tensor]:
+    """Per-example grads ``[n, *p.shape]`` of the ``names`` parameters for one recorded call (batch-first inside)."""
+    weights = {name: p.detach() for name, p in module.named_parameters()}
+    dtype = next(iter(weights.values())).dtype
+    x = (rec.args[0] if rec.args else rec.kwargs["input"]).detach().to(dtype)
+    seq = x if module.batch_first else x.transpose(0, 1)  # [n, T, D]
+    h0, c0 = _initial(module, rec, n, seq)
+    grads = list(rec.grad_outs) + [None] * (3 - len(rec.grad_outs))
+    d_out, d_hn, d_cn = (None if g is None else g.detach().to(dtype) * n for g in grads[:3])
+    if d_out is None and d_hn is None and d_cn is None:
+        return {}
+    if d_out is not None and not module.batch_first:
+        d_out = d_out.transpose(0, 1)
+    dirs, H = (2 if module.bidirectional else 1), module.hidden_size
+    suffixes = [[f"_l{layer}" + ("_reverse" if d else "") for d in range(dirs)] for layer in range(module.num_layers)]
+    keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
+    inputs = [seq]
+    for layer in range(module.num_layers):
+        flat = [weights[k + s] for s in suffixes[layer] for k in keys]
+        span = slice(layer * dirs, (layer + 1) * dirs)
+        inputs.append(_fused_layer(module, inputs[-1], h0[span], None if c0 is None else c0[span], flat))
+    out: dict[str, Tensor] = {}
+    for layer in range(module.num_layers - 1, -1, -1):
+        d_x: Optional[Tensor] = None
+        for d, suffix in enumerate(suffixes[layer]):
+            k = layer * dirs + d
+            w_ih, w_hh = weights["weight_ih" + suffix], weights["weight_hh" + suffix]
+            b_ih, b_hh = weights.get("bias_ih" + suffix), weights.get("bias_hh" + suffix)
+            part = slice(d * H, (d + 1) * H)  # this direction's half of the layer's outputs
+            x_d, h_d, dh_seq = inputs[layer], inputs[layer + 1][..., part], None if d_out is None else d_out[..., part]
+            if d:  # the reverse direction runs last-to-first: flip time, and flip its input gradient back
+                x_d, h_d, dh_seq = x_d.flip(1), h_d.flip(1), None if dh_seq is None else dh_seq.flip(1)
+            h_prev = torch.cat([h0[k].unsqueeze(1), h_d[:, :-1]], dim=1)
+            gi = F.linear(x_d, w_ih, b_ih).contiguous()
+            dh_last = None if d_hn is None else d_hn[k]
+            if isinstance(module, nn.GRU):
+                d_g, d_r = _gru_backward(gi, F.linear(h_prev, w_hh, b_hh), h_prev, dh_seq, dh_last, w_hh)
+            else:  # G + R, summed in place
+                pre = gi.view(-1, gi.shape[-1]).addmm_(h_prev.reshape(-1, H), w_hh.t()).view(gi.shape)
+                pre = pre if b_hh is None else pre.add_(b_hh)
+                if isinstance(module, nn.LSTM):
+                    assert c0 is not None
+                    d_g, d_r = _lstm_backward(pre, c0[k], dh_seq, dh_last, None if d_cn is None else d_cn[k], w_hh)
+                else:
+                    d_g, d_r = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)
+            parts = {"weight_ih": lambda: _outer_sum(d_g, x_d), "bias_ih": lambda: d_g.sum(1),
+                     "weight_hh": lambda: _outer_sum(d_r, h_prev), "bias_hh": lambda: d_r.sum(1)}
+            for key, compute in parts.items():
+                if key + suffix in names:
+                    out[key + suffix] = compute()
+            if layer > 0:
+                dx = d_g @ w_ih
+                dx = dx.flip(1) if d else dx
+                d_x = dx if d_x is None else d_x + dx
+        d_out = d_x
+    return out
 
 
 def unrolled_rnn_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
@@ -146,32 +251,8 @@ def unrolled_rnn_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Paramet
     assert isinstance(module, nn.RNNBase)
     names = {name for name, _ in wanted}
     total: dict[str, Tensor] = {}
-    with torch.enable_grad():
+    with torch.no_grad():
         for rec in calls.records:
-            weights = {name: p.detach().requires_grad_(True) for name, p in module.named_parameters()}  # in the graph
-            x = (rec.args[0] if rec.args else rec.kwargs["input"]).detach()
-            h0, c0 = _initial(module, rec, n, x)
-            leaves, seen = _forward(module, weights, x, h0, c0)
-            dot = sum((leaves[k] * g.to(leaves[k].dtype)).sum() for k, g in enumerate(rec.grad_outs) if g is not None)
-            if not isinstance(dot, Tensor):
-                continue
-            pre = [t for run in seen for t in (run.gates, *run.recurrent)]
-            grads = iter(torch.autograd.grad(dot * n, pre, allow_unused=True))
-            for run in seen:
-                d_gates = _or_zeros(next(grads), run.gates)  # [T, n, g·H]
-                d_rec = torch.stack([_or_zeros(next(grads), r) for r in run.recurrent])  # [T, n, g·H]
-                prev = torch.stack(run.previous)  # [T, n, H]
-                parts = {f"weight_ih{run.suffix}": lambda: torch.einsum("tno,tni->noi", d_gates, run.inputs),
-                         f"bias_ih{run.suffix}": lambda: d_gates.sum(0),
-                         f"weight_hh{run.suffix}": lambda: torch.einsum("tno,tni->noi", d_rec, prev),
-                         f"bias_hh{run.suffix}": lambda: d_rec.sum(0)}
-                for name, compute in parts.items():
-                    if name in names:
-                        g = compute()
-                        total[name] = g if name not in total else total[name] + g
+            for name, g in _record_grads(module, rec, names, n).items():
+                total[name] = g if name not in total else total[name] + g
     return total
-
-
-def _or_zeros(g: Optional[Tensor], like: Optional[Tensor]) -> Tensor:
-    assert like is not None
-    return torch.zeros_like(like) if g is None else g

@@ -69,12 +69,17 @@ class ExampleIndependenceProbe:
         names: a display name per parameter (for the errors).
         loss_of: the user's forward and loss on the examples with these indices.
         rtol: relative tolerance (:func:`probe_tolerance`).
+        autograd_params: the leaves autograd's reference differentiates, one per parameter, asked for when
+            the reference pass runs (default: ``params``). FSDP2 runs forward and backward on unsharded copies
+            of its sharded parameters (:meth:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout.autograd_params`).
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
-                 names: Sequence[str], loss_of: LossOf, rtol: float) -> None:
+                 names: Sequence[str], loss_of: LossOf, rtol: float,
+                 autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
         self.loss_of, self.rtol = loss_of, rtol
+        self.autograd_params = autograd_params
 
     def run(self, indices: Sequence[int]) -> None:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
@@ -130,10 +135,11 @@ class ExampleIndependenceProbe:
         self.engine.detach()
         try:
             loss = self._loss(indices)
-            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            leaves = list(self.params if self.autograd_params is None else self.autograd_params())
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         finally:
             self.engine.attach(self.module)
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
 
     # ------------------------------------------------------------------ verdict
     def _close(self, a: Tensor, b: Tensor, scale: float) -> bool:

@@ -15,7 +15,7 @@ from lightning_dp.mechanism.grad_sample.rnn_unrolled import unrolled_rnn_grads, 
 N, T, D, H = 5, 4, 3, 6
 
 
-def _case(kind: str, batch_first: bool, with_state: bool, **kwargs):
+def _case(kind: str, batch_first: bool, with_state: bool, outputs: tuple[int, ...] = (0, 1, 2), **kwargs):
     torch.manual_seed(0)
     rnn = getattr(nn, kind)(D, H, batch_first=batch_first, **kwargs).double()
     x = torch.randn(N, T, D, dtype=torch.float64) if batch_first else torch.randn(T, N, D, dtype=torch.float64)
@@ -25,7 +25,7 @@ def _case(kind: str, batch_first: bool, with_state: bool, **kwargs):
         h0 = torch.randn(layers, N, H, dtype=torch.float64)
         args = (x, (h0, torch.randn(layers, N, H, dtype=torch.float64)) if kind == "LSTM" else h0)
     leaves = tree_flatten(rnn(*args))[0]
-    grad_outs = [torch.randn_like(leaf) for leaf in leaves]
+    grad_outs = [torch.randn_like(leaf) if k in outputs else None for k, leaf in enumerate(leaves)]  # None: unused
     calls = LayerCalls("rnn", rnn, [Record(args, {}, grad_outs)])
     return rnn, calls
 
@@ -35,6 +35,12 @@ def _case(kind: str, batch_first: bool, with_state: bool, **kwargs):
     ("GRU", False, True, dict(num_layers=2, bias=False)),
     ("RNN", True, False, dict(nonlinearity="relu", bidirectional=True)),
     ("LSTM", False, False, dict(num_layers=3)),
+    ("GRU", True, False, dict(num_layers=2, bidirectional=True)),
+    ("RNN", False, True, dict(num_layers=2)),
+    ("LSTM", True, False, dict(num_layers=2, outputs=(1,))),  # only h_n used
+    ("LSTM", False, True, dict(bidirectional=True, outputs=(2,))),  # only c_n used
+    ("GRU", True, True, dict(num_layers=2, outputs=(0,))),  # only the output sequence
+    ("RNN", True, True, dict(bidirectional=True, bias=False, outputs=(1,))),
 ])
 def test_unrolled_equals_one_backward_per_example(kind, batch_first, with_state, kwargs):
     rnn, calls = _case(kind, batch_first, with_state, **kwargs)

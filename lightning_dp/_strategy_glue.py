@@ -1,0 +1,608 @@
+"""The Lightning glue every private strategy shares: :class:`PrivateTraining`, hooks around one
+:class:`~lightning_dp.mechanism.private_step.PrivateStep`.
+
+ARCHITECTURE.md: "Several strategies (replicated, sharded) share one piece of mechanism glue
+(sampling, clipping request, privatising, ledger); each adds only how its gradients are laid out
+and reduced." This module is that piece. Per logical step (ALGORITHMS.md, "The mechanism"):
+
+    process_dataloader   the training loader rebuilt around Poisson sampling; σ calibrated/refit
+    training_step        the sampler's batch (never read from the data), the first step's probe,
+                         empty batches and physical batches
+    optimizer_step       the ceiling (no release past target_epsilon), then the closure wrapped:
+                         forward + backward, then PrivateStep.release → p.grad = ĝ_t, ledger += 1
+    save/load_checkpoint the privacy state (ledger, σ, C, target, noise state) travels in checkpoints
+
+:class:`~lightning_dp.strategy.DPStrategy` (replicated, a ``DDPStrategy``) and
+:class:`~lightning_dp.sharded_strategy.DPShardedStrategy` (FSDP2, a ``ModelParallelStrategy``) mix
+it in before their Lightning base; each adds its ``setup`` (how the model is placed and which
+:class:`~lightning_dp.mechanism.private_step.Distribution` the mechanism gets) and its launcher.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
+from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.mechanism.csprng import SecureGaussianNoise
+from lightning_dp.mechanism.diagnostics import StepDiagnostics
+from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
+
+CHECKPOINT_KEY = "lightning_dp"
+"""Where the private step's state lives in a Lightning checkpoint dict."""
+
+SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed")
+
+
+class PrivateTraining:
+    """Lightning hooks that drive a :class:`PrivateStep`; mixed in before a ``ParallelStrategy``.
+
+    The concrete strategy calls :meth:`_init_privacy` from its ``__init__``, :func:`check_trainer` and
+    :meth:`_attach` from its ``setup``, and says how many processes there are (:attr:`_distributed`).
+    Everything else (data, step, ceiling, checkpoints, public privacy state) is here, once.
+    """
+
+    label: ClassVar[str] = "DPStrategy"
+    """The strategy's name in messages and errors."""
+
+    private_step: PrivateStep
+    resume_privacy: Literal["strict", "new"]
+    secure_mode: bool
+    max_physical_batch_size: Optional[int]
+
+    def _init_privacy(
+        self,
+        noise_multiplier: Optional[float],
+        max_grad_norm: float,
+        *,
+        target_epsilon: Optional[float],
+        target_delta: Optional[float],
+        accountant: str,
+        per_sample: str,
+        max_physical_batch_size: Optional[int],
+        noise: Optional[Union[str, NoiseMechanism]],
+        bands: int,
+        sampler_seed: Optional[int],
+        secure_mode: bool,
+        resume_privacy: Literal["strict", "new"],
+        augmentation_multiplicity: int,
+    ) -> None:
+        """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
+        check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
+        if resume_privacy not in ("strict", "new"):
+            raise ValueError(f"resume_privacy must be 'strict' or 'new', got {resume_privacy!r}")
+        if max_physical_batch_size is not None and max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        mechanism = make_noise(noise, bands)
+        if secure_mode:
+            if sampler_seed is not None:
+                raise ValueError("secure_mode draws the sampling from the OS's CSPRNG: remove sampler_seed")
+            if noise not in (None, "gaussian"):
+                raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
+            mechanism = SecureGaussianNoise()
+        self.private_step = PrivateStep(
+            noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
+            views_per_example=augmentation_multiplicity,
+        )
+        """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
+        self._requested_sigma = self.private_step.noise_multiplier
+        self.resume_privacy = resume_privacy
+        self.secure_mode = bool(secure_mode)
+        self.max_physical_batch_size = max_physical_batch_size
+        self._examples_this_step = -1
+        self._over_budget = False
+
+    # ------------------------------------------------------------------ public state (the private step's)
+    @property
+    def ledger(self) -> PrivacyLedger:
+        """Every noisy release of this run (restored from checkpoints on resume)."""
+        return self.private_step.ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ in use (calibrated from ``target_epsilon`` once the train loader is known)."""
+        if self.private_step.noise_multiplier is None:
+            raise RuntimeError("σ is calibrated from target_epsilon when training starts; it is not known yet.")
+        return self.private_step.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C, the per-example clipping norm."""
+        return self.private_step.max_grad_norm
+
+    @property
+    def target_epsilon(self) -> Optional[float]:
+        """The ε σ is calibrated for (``None`` when σ was given)."""
+        return self.private_step.target_epsilon
+
+    @property
+    def target_delta(self) -> Optional[float]:
+        """δ of ``target_epsilon`` (``None`` when σ was given)."""
+        return self.private_step.target_delta
+
+    @target_delta.setter
+    def target_delta(self, delta: Optional[float]) -> None:
+        self.private_step.target_delta = delta
+
+    @property
+    def accountant(self) -> str:
+        """The accountant σ is calibrated with (a name of :func:`lightning_dp.accounting.available_accountants`)."""
+        return self.private_step.accountant
+
+    @property
+    def sample_rate(self) -> Optional[float]:
+        """Global Poisson rate q = B / N (``None`` before the train loader is built)."""
+        plan = self.private_step.plan
+        return None if plan is None else plan.sample_rate
+
+    @property
+    def expected_batch_size(self) -> Optional[float]:
+        """Global expected batch B = world_size × loader batch_size."""
+        plan = self.private_step.plan
+        return None if plan is None else plan.expected_batch_size
+
+    @property
+    def num_samples(self) -> Optional[int]:
+        """N, the size of the training set."""
+        plan = self.private_step.plan
+        return None if plan is None else plan.num_samples
+
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Logical steps per epoch, round(1/q)."""
+        plan = self.private_step.plan
+        return None if plan is None else plan.steps_per_epoch
+
+    @property
+    def rounds_charged_next_step(self) -> int:
+        """Sampled-Gaussian rounds the next optimizer step adds to the ledger: 1 with independent
+        noise; with banded noise 1 on the first step of each cycle of b steps and 0 on the others
+        (Choquette-Choo et al. 2023, Thm. 5). :class:`~lightning_dp.callbacks.PrivacyBudget` uses it
+        to stop exactly at the budget."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = module.trainer if module is not None else None
+        return self.private_step.rounds_at(trainer.global_step if trainer is not None else 0)
+
+    @property
+    def last_release(self) -> Optional[Release]:
+        """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
+        return self.private_step.last_release
+
+    @property
+    def non_private_diagnostics(self) -> Optional[StepDiagnostics]:
+        """Un-noised statistics of the last step, or ``None`` unless enabled (NOT private)."""
+        return self.private_step.diagnostics
+
+    def enable_non_private_diagnostics(self) -> None:
+        """Compute :class:`~lightning_dp.mechanism.diagnostics.StepDiagnostics` every step.
+
+        They are read from un-noised per-example data: anything logged from them is not
+        covered by the DP guarantee (the model still is). Warns once.
+        """
+        if not self.private_step.diagnostics_enabled:
+            rank_zero_warn(
+                f"{self.label}: non-private diagnostics enabled. Statistics computed from un-noised "
+                "per-example gradients (clean clipped mean, norms, clip fraction) are NOT covered by the "
+                "differential-privacy guarantee; the trained model still is. Do not publish these logs."
+            )
+        self.private_step.diagnostics_enabled = True
+
+    @property
+    def engine_name(self) -> str:
+        """Name of the per-example gradient engine in use (``"auto"`` until chosen at setup)."""
+        return self.private_step.engine_name
+
+    # ------------------------------------------------------------------ processes and setup
+    @property
+    def _distributed(self) -> bool:
+        return self.num_nodes * self.num_processes > 1  # type: ignore[attr-defined]
+
+    def _attach(self, where: Distribution) -> None:
+        """Attach the engine and choose the release rule for ``where`` (after the optimizers exist)."""
+        engine = self.private_step.attach(self.lightning_module, self.optimizers[0], where)  # type: ignore[attr-defined]
+        if self.private_step.mechanism == "sign_vote":
+            rank_zero_info(f"{self.label}: DP-SignSGD majority vote over {where.world_size} worker(s), each adding "
+                           "its own noise")
+        rank_zero_info(f"{self.label}: per-example gradients by engine '{engine}'")
+
+    def teardown(self) -> None:
+        """Detach the engine's hooks, then Lightning's teardown."""
+        self.private_step.detach()
+        super().teardown()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        """Rebuild the training loader around Poisson sampling (other stages untouched)."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.state.fn != TrainerFn.FITTING or not _is_train_loader(trainer, dataloader):
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise PrivacyConfigurationError(
+                f"{self.label} needs a torch DataLoader for training, got {type(dataloader).__name__}."
+            )
+        if dataloader.batch_size is None and dataloader.batch_sampler is None:
+            dataloader = _loader_before_sampler_injection(trainer, dataloader)
+        loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
+        self._calibrate(trainer)
+        return loader
+
+    def _calibrate(self, trainer: "pl.Trainer") -> None:
+        step = self.private_step
+        if step.target_epsilon is None:
+            step.calibrate(0)  # σ given: only the δ ≥ 1/N warning
+            return
+        planned = planned_steps(trainer, self.steps_per_epoch or 1)
+        message = step.fit_target(trainer.global_step, planned)
+        if message:
+            rank_zero_info(f"{self.label}: {message}")
+
+    # ------------------------------------------------------------------ the private step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the user's ``training_step`` on the sampled examples, verified.
+
+        The number of examples is the sampler's (:class:`RecordedBatches`), never read from
+        the batch; the engine checks every layer against it. Before the first release the
+        probe of :mod:`~lightning_dp.mechanism.validators.probe` runs once. A returned vector of
+        per-example losses (shape ``[n]``) is averaged here.
+
+        An empty Poisson batch: with one process the step is skipped (zero loss). With several,
+        the other ranks run the user's step, which may hold collectives
+        (``self.log(..., sync_dist=True)``, FSDP's all-gathers): this rank runs it too, on a stand-in
+        example whose gradient is discarded, so that every rank takes part in every collective. Its
+        logged values have batch size 0 (they do not enter epoch means); an ``on_step`` value is that
+        of the stand-in. With ``max_physical_batch_size`` a sharded strategy runs as many physical
+        batches on every rank (:meth:`_physical_batches_in_lockstep`), the extra ones on a stand-in.
+        """
+        step = self.private_step
+        indices = step.take()
+        n = self._examples_this_step = len(indices)
+        if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
+            return None
+        if not step.verified:
+            self._verify()
+        if n == 0:
+            if not self._distributed:
+                # Nothing to differentiate: the step still happens, its clipped sum is zero.
+                step.begin(0)
+                return torch.zeros((), device=self.root_device, requires_grad=True)  # type: ignore[attr-defined]
+            args, kwargs = _with_batch(args, kwargs, self._collated([0]))
+            n = 1
+        limit = self.max_physical_batch_size
+        if limit is not None:
+            # Physical batches are collated anew from the step's indices (any collate layout is split right).
+            chunks = [indices[start:start + limit] for start in range(0, n, limit)] if len(indices) else [[0]]
+            for _ in range(self._physical_batches_in_lockstep(len(chunks)) - len(chunks)):
+                self._stand_in_step(args, kwargs)
+            if len(chunks) > 1:
+                *heads, last = chunks
+                for head in heads:
+                    self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)))
+                args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
+        step.begin(n)
+        return mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
+
+    def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward + backward one physical batch of n examples and bank its clipped sums (no noise yet)."""
+        self.private_step.begin(n)
+        loss = mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        self.lightning_module.backward(loss)  # type: ignore[attr-defined]
+        self.private_step.bank()
+
+    def _physical_batches_in_lockstep(self, count: int) -> int:
+        """How many physical batches this rank runs when its Poisson batch needs ``count``: its own count (the
+        replicated strategy has no collective inside forward or backward). A sharded strategy, whose every
+        forward and backward all-gathers, returns the largest count over the ranks."""
+        return count
+
+    def _stand_in_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward + backward of a stand-in example whose gradient is dropped (nothing banked): this rank joins
+        the collectives of a physical batch its peers run and it has not."""
+        step = self.private_step
+        step.begin(1)
+        args, kwargs = _with_batch(args, kwargs, self._collated([0]))
+        loss = mean_loss(super().training_step(*args, **kwargs), 1)  # type: ignore[misc]
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        self.lightning_module.backward(loss)  # type: ignore[attr-defined]
+        step.discard()
+
+    def _verify(self) -> None:
+        """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on the user's ``training_step``."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+
+        def loss_of(batch: Any) -> Any:
+            with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
+                return module.training_step(batch, 0)
+
+        low = "16" in str(module.trainer.precision)
+        try:
+            self.private_step.verify(loss_of, low_precision=low, to_device=self.batch_to_device,  # type: ignore[attr-defined]
+                                     what="training_step")
+        except PrivacyConfigurationError as err:
+            if "DTensor" not in str(err):
+                raise
+            raise PrivacyConfigurationError(
+                f"{err}\nUnder {self.label} FSDP2 gathers a sharded module's parameters only when that module's "
+                "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
+                "that skips its forward.") from err
+
+    def _collated(self, indices: list[int]) -> Any:
+        """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
+        return self.batch_to_device(self.private_step.examples(indices))  # type: ignore[attr-defined]
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the optimizer on the private gradient: the closure is wrapped to privatise.
+
+        The ceiling: a step whose release would take ε past ``target_epsilon`` is not taken. The closure
+        still runs (Lightning's loop and the sampler's queue advance; ``training_step`` returns nothing),
+        the optimizer does not step, and training stops with a warning. Every rank decides alike."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        self._over_budget = not self.private_step.affordable(trainer.global_step)
+        if self._over_budget:
+            closure()
+            trainer.should_stop = True
+            rank_zero_warn(f"{self.label}: step {trainer.global_step} would spend more than target_epsilon = "
+                           f"{self.private_step.target_epsilon}: training stops here (nothing released).")
+            return None
+        private_closure = partial(self._private_closure, optimizer, closure)
+        return super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
+
+    def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        step = self.private_step
+        step.expect_request(optimizer)
+        loss = closure()
+        step.release(self.lightning_module.trainer.global_step, optimizer,  # type: ignore[attr-defined]
+                     empty=self._examples_this_step == 0)
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it."""
+        checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None:
+            self.private_step.load_state_dict(state, keep_noise_multiplier=self._resume_changes(state))
+        else:
+            rank_zero_warn(
+                f"Checkpoint {checkpoint_path} has no privacy ledger (not written by {self.label}): "
+                "the budget spent before it is unknown and NOT counted."
+            )
+        return checkpoint
+
+    def _resume_changes(self, state: dict[str, Any]) -> bool:
+        """Compare this run's privacy arguments with the checkpoint's: an error (``resume_privacy="strict"``),
+        or a logged switch to the new σ and C (``"new"``). Returns whether the new values apply."""
+        changes = self.private_step.changes_from(state, self._requested_sigma)
+        if not changes:
+            return False
+        target_changed = any(c.startswith("target_") for c in changes)
+        if self.resume_privacy == "strict" or target_changed:
+            fix = ("A different target is refused: keep the checkpoint's target_epsilon/target_delta, or start a new "
+                   "run." if target_changed else
+                   f"Pass the checkpoint's values to continue the same run, or {self.label}(..., resume_privacy='new') "
+                   "to apply the new ones from the resumed step on.")
+            raise PrivacyConfigurationError("Resuming with privacy arguments that differ from the checkpoint's:\n- "
+                                            + "\n- ".join(changes) + "\n" + fix)
+        rank_zero_warn(f"{self.label}: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
+                       + ". The ledger records each step's σ, so ε counts both parts exactly.")
+        return True
+
+
+class PrivacyStateLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, also bringing rank 0's privacy state back.
+
+    With ``start_method="fork"``/``"spawn"`` training runs in child processes and
+    Lightning only returns rank 0's weights and metrics; without this the main process's
+    ``strategy.ledger`` would stay empty after ``fit`` (ε spent would read as zero).
+    """
+
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        strategy = self._strategy
+        assert isinstance(strategy, PrivateTraining)
+        state = strategy.private_step.state_dict()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)  # bytes, like Lightning's metrics: no shared-memory tensors in the queue
+        extra[CHECKPOINT_KEY] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if CHECKPOINT_KEY in extra:
+            assert isinstance(self._strategy, PrivateTraining)
+            state = torch.load(io.BytesIO(extra[CHECKPOINT_KEY]), weights_only=False)
+            self._strategy.private_step.load_state_dict(state)
+
+
+def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (batch, *args[1:]), kwargs
+    return args, {**kwargs, "batch": batch}
+
+
+@contextmanager
+def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's)."""
+    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def make_noise(noise: Optional[Union[str, NoiseMechanism]], bands: int) -> NoiseMechanism:
+    """The noise mechanism named by ``noise`` (see ``DPStrategy``)."""
+    if isinstance(noise, NoiseMechanism):
+        if bands != 1 and bands != getattr(noise, "bands", 1):
+            raise ValueError(f"bands={bands} conflicts with the given noise mechanism ({noise!r})")
+        return noise
+    if noise in (None, "gaussian"):
+        if bands != 1:
+            raise ValueError(f"bands={bands} needs noise='banded' (independent Gaussian noise has one band)")
+        return GaussianNoise()
+    if noise == "banded":
+        return BandedToeplitzNoise(bands)
+    raise ValueError(f"noise must be 'gaussian', 'banded' or a NoiseMechanism, got {noise!r}")
+
+
+_LIGHTNING_IMPLICIT_MAX_EPOCHS = 1000
+"""Lightning's ``max_epochs`` when neither ``max_epochs`` nor ``max_steps`` is given (loops/utilities.py)."""
+
+
+def destroy_process_group() -> None:
+    """Destroy the process group while the interpreter is still whole (an ``atexit`` handler).
+
+    Lightning does this for NCCL only. A gloo group still alive when Python finalizes aborts a few
+    percent of 2-process CPU runs ("terminate called without an active exception", exit 134): a
+    gloo worker thread dropping the last reference to a finished collective's tensors asks for the
+    GIL, and a thread asking for it during finalization is ended by a forced unwind through a
+    ``noexcept`` destructor. Destroying is local; a no-op when the group is already gone.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
+    """Optimizer steps the trainer will take: ``max_steps`` or ``max_epochs`` × steps per epoch."""
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int):
+        steps_per_epoch = min(steps_per_epoch, limit)
+    elif isinstance(limit, float) and limit < 1.0:
+        steps_per_epoch = max(1, int(steps_per_epoch * limit))
+    by_epochs = trainer.max_epochs * steps_per_epoch if trainer.max_epochs not in (None, -1) else None
+    by_steps = trainer.max_steps if trainer.max_steps not in (None, -1) else None
+    candidates = [s for s in (by_epochs, by_steps) if s is not None]
+    if by_steps is None and trainer.max_epochs == _LIGHTNING_IMPLICIT_MAX_EPOCHS:
+        raise PrivacyConfigurationError(
+            f"target_epsilon needs a planned length, and Trainer(max_epochs={_LIGHTNING_IMPLICIT_MAX_EPOCHS}) is the "
+            "value Lightning fills in when neither max_epochs nor max_steps is set: σ would be calibrated for "
+            f"{_LIGHTNING_IMPLICIT_MAX_EPOCHS} epochs. Set Trainer(max_epochs=...) or Trainer(max_steps=...) (for "
+            f"exactly {_LIGHTNING_IMPLICIT_MAX_EPOCHS} epochs, give max_steps={_LIGHTNING_IMPLICIT_MAX_EPOCHS} × steps "
+            f"per epoch = {_LIGHTNING_IMPLICIT_MAX_EPOCHS * steps_per_epoch}).")
+    if not candidates:
+        raise PrivacyConfigurationError(
+            "target_epsilon needs a planned length: set Trainer(max_steps=...) or Trainer(max_epochs=...)."
+        )
+    return int(min(candidates))
+
+
+def _loader_before_sampler_injection(trainer: "pl.Trainer", dataloader: DataLoader) -> DataLoader:
+    """The user's training loader as given. Lightning injects its ``DistributedSampler`` (the private
+    strategies are distributed strategies) before :meth:`PrivateTraining.process_dataloader`, and for a
+    loader built from a ``BatchSampler`` the rebuilt one has neither ``batch_size`` nor batch
+    sampler: ask the fit loop's source for the original (the loader passed to ``fit``, or
+    ``train_dataloader()`` called again)."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    original = source.dataloader() if source is not None and source.is_defined() else None
+    if isinstance(original, DataLoader):
+        return original
+    return dataloader
+
+
+def _is_train_loader(trainer: "pl.Trainer", dataloader: object) -> bool:
+    # Lightning processes the train loader in fit_loop.setup_data with stage TRAINING;
+    # validation loaders come through here with SANITY_CHECKING or VALIDATING.
+    return trainer.state.stage == RunningStage.TRAINING
+
+
+def check_noise_arguments(
+    noise_multiplier: Optional[float], target_epsilon: Optional[float], target_delta: Optional[float]
+) -> None:
+    """Exactly one of σ or a target ε (with δ in (0, 1)); raises ``ValueError``."""
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("Give exactly one of noise_multiplier (σ) or target_epsilon (with target_delta).")
+    if target_epsilon is not None:
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+        if target_delta is None or not 0 < target_delta < 1:
+            raise ValueError(f"target_epsilon needs target_delta in (0, 1), got {target_delta!r}")
+
+
+def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
+    """Refuse Trainer settings that would break the guarantee, naming the fix (``label``: the strategy)."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise PrivacyConfigurationError(
+            f"{label} supports automatic optimization only: remove `self.automatic_optimization = False` "
+            "(the strategy must own backward, clipping and noise)."
+        )
+    if trainer.gradient_clip_val:
+        raise PrivacyConfigurationError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the batch gradient, not each example's: "
+            f"remove it and set {label}(max_grad_norm=...) instead."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise PrivacyConfigurationError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would add noise to each micro-batch "
+            "and rescale per-example gradients before clipping: remove it and raise the DataLoader's batch_size "
+            f"(the expected Poisson batch) instead; {label}(max_physical_batch_size=...) bounds the memory."
+        )
+    precision = str(trainer.precision)
+    if precision not in SUPPORTED_PRECISION:
+        raise PrivacyConfigurationError(
+            f"Trainer(precision={precision!r}) is not supported by {label}: fp16 loss scaling rescales "
+            "per-example gradients before clipping, and 'true' half precision adds noise in half precision. "
+            "Use precision='32-true' or 'bf16-mixed' (autocast; clipping is computed in float32)."
+        )
+
+
+def check_optimizers(optimizers: list[Optimizer], label: str = "DPStrategy") -> None:
+    """Exactly one optimizer, and not one that re-evaluates the closure."""
+    if len(optimizers) != 1:
+        raise PrivacyConfigurationError(f"configure_optimizers returned {len(optimizers)} optimizers. "
+                                        f"{_one_optimizer(label)}")
+    if isinstance(optimizers[0], torch.optim.LBFGS):
+        raise PrivacyConfigurationError("LBFGS re-evaluates the closure: each evaluation would be a new release.")
+
+
+def setup_optimizers(strategy: Any, trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
+    """``strategy.setup_optimizers(trainer)``, then :func:`check_optimizers`."""
+    with one_optimizer_expected(label):
+        strategy.setup_optimizers(trainer)
+    check_optimizers(strategy.optimizers, label)
+
+
+@contextmanager
+def one_optimizer_expected(label: str = "DPStrategy") -> Iterator[None]:
+    """Turn Lightning's several-optimizers error (raised while optimizers are set up) into ours."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "multiple optimizers" in str(err):
+            raise PrivacyConfigurationError(f"configure_optimizers returned several optimizers. "
+                                            f"{_one_optimizer(label)}") from err
+        raise
+
+
+def _one_optimizer(label: str) -> str:
+    return (f"{label} supports exactly one optimizer (one noise draw per step covers all parameters): "
+            "put all parameter groups in one optimizer.")
