@@ -37,6 +37,7 @@ def _filter_upstream_noise() -> None:
 def _register_strategy() -> None:
     _filter_upstream_noise()
     import lightning_dp.strategy  # noqa: F401  (registers ``strategy="dp"`` in Lightning's registry)
+    import lightning_dp.sharded_strategy  # noqa: F401  (and ``strategy="dp_sharded"``)
 
 
 def _register_unified_strategy() -> None:

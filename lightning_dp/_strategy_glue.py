@@ -606,3 +606,9 @@ def one_optimizer_expected(label: str = "DPStrategy") -> Iterator[None]:
 def _one_optimizer(label: str) -> str:
     return (f"{label} supports exactly one optimizer (one noise draw per step covers all parameters): "
             "put all parameter groups in one optimizer.")
+
+
+REGISTERED_DEFAULTS: dict[str, float] = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+"""What ``Trainer(strategy="dp")`` builds: ``DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)`` (σ = 1 and C = 1,
+Opacus' example defaults; pass a ``DPStrategy`` instance for anything else). Registered when Lightning and
+``lightning_dp`` are both imported, in either order."""

@@ -124,14 +124,14 @@ def privacy_summary(
     """
     from lightning_dp.accounting import ledger_epsilon
     from lightning_dp.accounting.run_privacy import resolve_accountant
-    from lightning_dp.strategy import DPStrategy
+    from lightning_dp._strategy_glue import PrivateTraining
 
     lines = ["", "=== lightning_dp summary ==="]
     for name, value in sorted((metrics or {}).items()):
         shown = f"{100 * value:.2f} %" if name.endswith("acc") else f"{value:.4f}"
         lines.append(f"{name}: {shown}")
-    if not isinstance(strategy, DPStrategy):
-        lines.append("Not trained with DPStrategy: no privacy guarantee.")
+    if not isinstance(strategy, PrivateTraining):  # DPStrategy or DPShardedStrategy keep a ledger
+        lines.append("Not trained with DPStrategy or DPShardedStrategy: no privacy guarantee.")
         return "\n".join(lines)
     ledger = strategy.ledger
     accountant = resolve_accountant(strategy).value

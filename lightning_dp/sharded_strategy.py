@@ -37,12 +37,13 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from pytorch_lightning.strategies import ModelParallelStrategy
+from pytorch_lightning.strategies import ModelParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dp._strategy_glue import (
+    REGISTERED_DEFAULTS,
     PrivacyStateLauncher,
     PrivateTraining,
     check_optimizers,
@@ -223,3 +224,10 @@ class _ShardedStateLauncher(PrivacyStateLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+StrategyRegistry.register(DPShardedStrategy.strategy_name, DPShardedStrategy,
+                          description="Differentially private training of FSDP2-sharded models (lightning_dp)",
+                          override=True, **REGISTERED_DEFAULTS)
+"""``Trainer(strategy="dp_sharded")``: ``DPShardedStrategy(noise_multiplier=1.0, max_grad_norm=1.0)``, the same
+documented defaults as ``strategy="dp"``; registered with it, whichever package the user imports first."""

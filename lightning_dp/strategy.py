@@ -41,6 +41,7 @@ from pytorch_lightning.strategies.strategy import Strategy
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_dp._strategy_glue import (
+    REGISTERED_DEFAULTS,
     PrivacyStateLauncher,
     PrivateTraining,
     check_trainer,
@@ -207,11 +208,6 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-
-REGISTERED_DEFAULTS: dict[str, float] = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
-"""What ``Trainer(strategy="dp")`` builds: ``DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)`` (σ = 1 and C = 1,
-Opacus' example defaults; pass a ``DPStrategy`` instance for anything else). Registered when Lightning and
-``lightning_dp`` are both imported, in either order."""
 
 StrategyRegistry.register(DPStrategy.strategy_name, DPStrategy, description="Differentially private training "
                           "(lightning_dp): per-example clipping, Gaussian noise, Poisson sampling",

@@ -36,3 +36,25 @@ def test_dp_is_registered_for_the_unified_package():
     pytest.importorskip("lightning")
     module, name, _, _ = _strategy_built("import lightning_dp\nimport lightning as L", "L.Trainer")
     assert module.startswith("lightning_dp._unified") and name == "DPStrategy"
+
+
+def test_dp_sharded_is_registered_with_the_same_defaults():
+    from lightning_dp.strategy import REGISTERED_DEFAULTS
+
+    code = SCRIPT.replace('strategy="dp"', 'strategy="dp_sharded"').replace('devices=1', 'devices=2')
+    out = subprocess.run([sys.executable, "-c", code.format(imports="import lightning_dp\nimport pytorch_lightning as pl",
+                                                            trainer="pl.Trainer")],
+                         capture_output=True, text=True, check=True)
+    module, name, sigma, c = out.stdout.strip().splitlines()[-1].split()
+    assert (module, name) == ("lightning_dp.sharded_strategy", "DPShardedStrategy")
+    assert (float(sigma), float(c)) == (REGISTERED_DEFAULTS["noise_multiplier"], REGISTERED_DEFAULTS["max_grad_norm"])
+
+
+def test_dp_sharded_is_registered_for_the_unified_package():
+    pytest.importorskip("lightning")
+    code = SCRIPT.replace('strategy="dp"', 'strategy="dp_sharded"').replace('devices=1', 'devices=2')
+    out = subprocess.run([sys.executable, "-c", code.format(imports="import lightning_dp\nimport lightning as L",
+                                                            trainer="L.Trainer")],
+                         capture_output=True, text=True, check=True)
+    module, name, _, _ = out.stdout.strip().splitlines()[-1].split()
+    assert module.startswith("lightning_dp._unified") and name == "DPShardedStrategy"

@@ -95,6 +95,20 @@ def test_summary_without_target_delta_takes_privacy_delta_or_the_default():
     assert eps == pytest.approx(ledger_epsilon(strategy.ledger, default_delta(N)), abs=1e-4) and "1/N^1.1" in line
 
 
+def test_a_sharded_runs_summary_reports_its_ledger():
+    """DPShardedStrategy keeps the same ledger as DPStrategy: the summary reports it (it said "no privacy
+    guarantee" for any strategy that was not a DPStrategy)."""
+    from lightning_dp import DPShardedStrategy
+
+    replicated = _fitted(noise_multiplier=1.0, target_delta=1e-5)
+    sharded = DPShardedStrategy(noise_multiplier=1.0, max_grad_norm=1.0, target_delta=1e-5)
+    sharded.private_step.load_state_dict(replicated.private_step.state_dict())
+    summary = privacy_summary(sharded, None, {})
+    assert "no privacy guarantee" not in summary
+    assert summary == privacy_summary(replicated, None, {})
+    assert "no privacy guarantee" in privacy_summary(object(), None, {})
+
+
 # --------------------------------------------------------------------------- the command and the config
 def test_main_config_writes_delta_once():
     config = yaml.safe_load((ROOT / "configs" / "digits.yaml").read_text())
