@@ -188,6 +188,14 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         all_reduce = dist.all_reduce if self._distributed else None
         self._attach(Distribution(self.global_rank, self.world_size, all_reduce, layout=self.layout))
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The shared private step (:class:`~lightning_dp._strategy_glue.PrivateTraining`), begun from the
+        sharded state: a validation forward leaves FSDP2's root parameters gathered (:meth:`FSDPLayout.reshard`)."""
+        if self.layout is not None:
+            self.layout.reshard()
+        return super().training_step(*args, **kwargs)
+
     def _physical_batches_in_lockstep(self, count: int) -> int:
         """The largest number of physical batches over the ranks: FSDP2 all-gathers in every forward and
         backward, so every rank runs as many (the extra ones on a stand-in example whose gradient is dropped)."""

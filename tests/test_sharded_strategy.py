@@ -316,3 +316,15 @@ def test_unsupported_settings_fail_loudly():
 def test_unsupported_models_fail_before_any_release(model, fix):
     with pytest.raises(Exception, match=fix):
         _fit(_sharded(noise_multiplier=1.0), model(), token_data(24, 17, 5), None, 4, max_steps=1)
+
+
+def test_validation_before_and_between_steps(tmp_path):
+    """A forward without backward (the sanity check, validation) leaves FSDP2's root parameters gathered; the
+    private step reshards first (it failed at the probe with "no per-example gradient captured" before)."""
+    strategy = _sharded(noise_multiplier=1.0, max_grad_norm=1.0)
+    data = token_data(24, 17, 5)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, max_steps=3, num_sanity_val_steps=1,
+                         val_check_interval=1, limit_val_batches=1)
+    trainer.fit(ShardedTransformer(), loader(data, 4), loader(data, 4))
+    assert strategy.ledger.steps == 3

@@ -124,6 +124,13 @@ class FSDPLayout:
                 u.register_post_accumulate_grad_hook(_drop_grad)
                 self._hooked.add(id(u))
 
+    def reshard(self) -> None:
+        """Free every all-gathered parameter, so that each module holds its sharded parameters again. FSDP2
+        keeps the root's parameters unsharded after a forward without backward (validation, the sanity
+        check): the private step must begin from the sharded state its parameter map is keyed by."""
+        for m in self.modules:
+            m.reshard()  # type: ignore[operator]
+
     def unseal(self) -> None:
         """Remove the forward hook of :meth:`seal` (FSDP2's gradient sync stays off; the leaves' hooks stay)."""
         if self._sealed is not None:

@@ -131,6 +131,18 @@ class TinyTransformerLM(pl.LightningModule):
         """Next-token loss on the validation windows (``val/loss``, epoch mean)."""
         self.log("val/loss", self.loss(batch), prog_bar=True)
 
+    def configure_model(self) -> None:
+        """Under ``DPShardedStrategy`` (Lightning's ``ModelParallelStrategy``: a device mesh is set), shard each
+        block and then the root with FSDP2's ``fully_shard``; otherwise nothing (replicated, as under ``DPStrategy``)."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """torch.optim.Adam or SGD with momentum, per ``optimizer``."""
         hp = self.hparams
