@@ -56,8 +56,10 @@ def _recurrent(m: nn.RNNBase) -> ExampleDims:
     return ExampleDims(lambda key: seq if key in ("0", "input") else 1, (seq, 1, 1))
 
 
-TIME_MAJOR_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-"""torch layers that run their position-wise sublayers on ``[T, B, d]`` when ``batch_first=False``."""
+TIME_MAJOR_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                                                      nn.TransformerEncoder, nn.TransformerDecoder)
+"""torch layers that run their position-wise sublayers on ``[T, B, d]`` when ``batch_first=False`` (the
+stacks too: their final ``norm`` sees the last layer's time-major output; ``nn.Transformer`` is two stacks)."""
 
 
 def time_major_layers(root: nn.Module) -> set[int]:
@@ -74,6 +76,9 @@ def time_major_layers(root: nn.Module) -> set[int]:
 
 
 def _batch_first(container: nn.Module) -> bool:
+    layers = getattr(container, "layers", None)  # a stack: its layers' layout
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        container = layers[0]
     attention = getattr(container, "self_attn", None)
     return bool(getattr(attention, "batch_first", False))
 

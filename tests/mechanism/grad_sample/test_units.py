@@ -59,3 +59,72 @@ def test_the_dropout_masks_matter():
     a, _ = attn(x, x, x)
     b, _ = attn(x, x, x)
     assert not torch.allclose(a, b)
+
+
+class EncoderDecoder(nn.Module):
+    """torch's whole ``nn.Transformer`` (encoder and decoder stacks: self-attention, cross-attention on the
+    encoder's memory, a causal target mask, a key padding mask on the memory) with dropout everywhere."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.net = nn.Transformer(6, 2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=8, dropout=0.3,
+                                  batch_first=batch_first)
+
+    def forward(self, src, tgt, pad):  # [B, S, 6], [B, T, 6], [B, S] bool
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=src.dtype)
+        if not self.batch_first:
+            src, tgt = src.transpose(0, 1), tgt.transpose(0, 1)
+        out = self.net(src, tgt, tgt_mask=mask, memory_key_padding_mask=pad, tgt_is_causal=True)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+class DecoderOnly(nn.Module):
+    """``nn.TransformerDecoderLayer`` alone, its memory a learned projection of the input (two modules feed it)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.memory = nn.Linear(6, 6)
+        self.dec = nn.TransformerDecoderLayer(6, 3, dim_feedforward=8, dropout=0.4, batch_first=batch_first,
+                                              norm_first=True)
+
+    def forward(self, src, tgt, pad):
+        memory = self.memory(src)
+        if not self.batch_first:
+            memory, tgt = memory.transpose(0, 1), tgt.transpose(0, 1)
+        out = self.dec(tgt, memory, memory_key_padding_mask=pad)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("engine_name", ["ghost", "vmap", "opacus_hooks"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("make", [EncoderDecoder, DecoderOnly], ids=["nn.Transformer", "TransformerDecoderLayer"])
+def test_encoder_decoder_attention_is_exact(make, batch_first, engine_name):
+    """Decoder layers (self- and cross-attention, the memory from another module) with dropout, both layouts:
+    each example's gradient equals its own backward through the same graph (the same dropout masks)."""
+    torch.manual_seed(1)
+    model = make(batch_first).double().train()
+    n = 3
+    src, tgt = torch.randn(n, 4, 6, dtype=torch.float64), torch.randn(n, 5, 6, dtype=torch.float64)
+    pad = torch.zeros(n, 4, dtype=torch.bool)
+    pad[0, -1] = pad[2, -2:] = True  # examples with padded memory positions
+    params = [p for p in model.parameters()]
+    engine = make_engine(engine_name)
+    problems = engine.unsupported_layers(model)
+    if problems:
+        pytest.skip(f"{engine_name} refuses: {problems}")
+    if engine_name == "ghost":
+        engine.skip_param_grads = False
+    engine.attach(model)
+    engine.begin_step(n)
+    out = model(src, tgt, pad)
+    per_example = (out ** 2).mean((1, 2))
+    per_example.mean().backward(retain_graph=True)
+    got = engine.clip_and_sum(params, float("inf"))
+    engine.detach()
+    ref = [torch.autograd.grad(per_example[i], params, retain_graph=True, allow_unused=True) for i in range(n)]
+    ref_norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in r if g is not None)) for r in ref])
+    torch.testing.assert_close(got.norms, ref_norms, rtol=1e-6, atol=1e-9)
+    for k, p in enumerate(params):
+        torch.testing.assert_close(got.sums[p], sum(r[k] for r in ref if r[k] is not None), rtol=1e-6, atol=1e-9)
