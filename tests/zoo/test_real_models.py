@@ -108,3 +108,36 @@ def test_hugging_face_default_loss_with_padding_is_refused():
             return self.m(input_ids=x, labels=labels).loss
 
     zoo.assert_refused(HFLoss, _data(), "per_example_token_mean")
+
+
+def opt():
+    c = transformers.OPTConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
+                               max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0)
+    return transformers.OPTForCausalLM(c)
+
+
+def t5():
+    c = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(c)
+
+
+class Seq2Seq(zoo.Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = t5()
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return zoo.per_example_token_mean(self.m(input_ids=x, decoder_input_ids=x[:, :4]).logits, x[:, 1:5])
+
+
+@pytest.mark.parametrize(("factory", "layer"), [
+    (lambda: Wrapped(opt, "lm"), r"layers\.0\.fc1' produced outputs of shape \(\d+, 32\)"),
+    (Seq2Seq, r"relative_attention_bias' produced outputs of shape \(8, 8, 2\)"),
+], ids=["opt-flattens-tokens", "t5-unbatched-relative-bias"])
+def test_families_whose_code_hides_the_example_dimension_are_refused_by_name(factory, layer):
+    """Loud, not silent (README, "Refused"): OPT's decoder runs fc1/fc2 on [B·T, d] rows it flattened itself, T5
+    looks up its relative position bias with [T, T] indices and broadcasts it over the batch. Grouping rows into
+    examples by guessing (B·T rows as B runs of T) would be wrong for any unpadded/varlen layout; a shared lookup
+    without a batch dimension has no per-example gradient a hook can see."""
+    zoo.assert_refused(factory, _data(), layer)
