@@ -21,10 +21,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
+from lightning_dp.mechanism.validators.example_dim import packed_sequence_error
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
@@ -312,6 +314,8 @@ class ActivationCapture:
                 return None
             n = self.expected
             args, kwargs = bind_call(module, args, kwargs)
+            if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+                raise packed_sequence_error(calls.name, module)
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
                 out, args = broadcast_call(out, args, n)

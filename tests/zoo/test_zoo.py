@@ -166,3 +166,8 @@ def test_auto_keeps_root_owned_tokens_on_ghost():
     from lightning_dp.mechanism.grad_sample import select_engine
 
     assert select_engine(zoo.ViTClassifier()) == "ghost"
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_packed_sequence_is_refused_naming_the_padded_alternative(engine):
+    zoo.assert_refused(zoo.PackedRecurrent, zoo.token_data(), r"PackedSequence.*lengths - 1", per_sample=engine)

@@ -243,6 +243,23 @@ class TorchRecurrent(Base):
         return F.cross_entropy(self.head(torch.tanh(last)), y[:, 0])
 
 
+class PackedRecurrent(Base):
+    """nn.LSTM on a PackedSequence (pack_padded_sequence of examples of different lengths): refused by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = nn.LSTM(D, D, batch_first=True)
+
+    def loss(self, batch):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        x, y = batch
+        lengths = (x.shape[1] - torch.arange(x.shape[0]) % 3).clamp(min=1)
+        _, (h, _) = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
+        return F.cross_entropy(self.head(h[-1]), y[:, 0])
+
+
 class TinyViT(nn.Module):
     """timm's habit: cls_token [1, 1, d] and pos_embed [1, T+1, d] owned by the root, broadcast over the batch."""
 

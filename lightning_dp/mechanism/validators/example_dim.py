@@ -39,6 +39,19 @@ def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],
     )
 
 
+def packed_sequence_error(name: str, module: object) -> PrivacyConfigurationError:
+    """A recurrent layer called on a ``PackedSequence``: its rows are time steps of examples of different
+    lengths, sorted by length; no engine maps them back to examples yet (refused, before any release)."""
+    return PrivacyConfigurationError(
+        f"layer '{name or '<root>'}' ({type(module).__name__}) was called on a PackedSequence "
+        "(pack_padded_sequence): its rows are the time steps of all examples, sorted by length, and no "
+        "per-example engine maps them back to examples yet. Nothing was released. Call it on the padded batch "
+        "instead (batch_first=True, [B, T, d]) and take each example's output at its own last valid step, "
+        "out[torch.arange(B), lengths - 1] (a forward RNN's state there ignores the padding after it; a "
+        "bidirectional RNN's backward direction would read the padding: mask it, or use a forward RNN)."
+    )
+
+
 def check_example_dim(mismatched: Mapping[str, Sequence[tuple[int, ...]]], n: Optional[int]) -> None:
     """Raise :func:`example_dim_error` if any layer saw a call of the wrong example dimension."""
     if mismatched and n is not None:
