@@ -171,3 +171,28 @@ def test_auto_keeps_root_owned_tokens_on_ghost():
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_packed_sequence_is_refused_naming_the_padded_alternative(engine):
     zoo.assert_refused(zoo.PackedRecurrent, zoo.token_data(), r"PackedSequence.*lengths - 1", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("kind", "match"), [
+    ("max_norm", r"max_norm=0.5\)\) renormalises"),          # named before any forward (validators/layers.py)
+    ("running_stats", "tracks running statistics"),
+    ("activation_ema", r"changed the model's own state.*buffer ema"),  # caught by the probe at run time
+])
+def test_a_forward_that_writes_state_from_the_data_is_refused(kind, match, engine):
+    zoo.assert_refused(lambda: zoo.WritesState(kind), zoo.token_data(), match, per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_forward_that_rescales_its_own_weight_is_refused(engine):
+    """The forward itself edits head.weight (so the weights do change, by the model's hand, not by a release)."""
+    from lightning_dp import PrivacyConfigurationError
+
+    torch.manual_seed(0)
+    model = zoo.WritesState("self_renorm").double()
+    with pytest.raises(PrivacyConfigurationError, match=r"changed the model's own state.*parameter head.weight"):
+        zoo.private_step(model, zoo._as_double(zoo.token_data()), None, engine)
+
+
+def test_the_state_writing_control_is_exact():
+    zoo.assert_exact(lambda: zoo.WritesState("none"), zoo.token_data())

@@ -260,6 +260,33 @@ class PackedRecurrent(Base):
         return F.cross_entropy(self.head(h[-1]), y[:, 0])
 
 
+class WritesState(Base):
+    """A forward that writes data-dependent state into the model, outside the gradient (released unnoised):
+    ``max_norm`` (nn.Embedding renormalising the looked-up rows in place), ``activation_ema`` (a custom
+    buffer tracking the batch's mean activation), ``self_renorm`` (a custom layer rescaling its own weight
+    from the batch under no_grad), ``running_stats`` (nn.InstanceNorm1d(track_running_stats=True))."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(V, D, max_norm=0.5 if kind == "max_norm" else None)
+        self.head = nn.Linear(D, V)
+        self.norm = nn.InstanceNorm1d(D, track_running_stats=kind == "running_stats")
+        self.register_buffer("ema", torch.zeros(D))
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)  # [B, T, D]
+        if self.kind == "activation_ema":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+        if self.kind == "self_renorm":
+            with torch.no_grad():
+                self.head.weight.div_(1.0 + h.norm() * 1e-3)
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return F.cross_entropy(self.head(h.mean(1)), y[:, 0])
+
+
 class TinyViT(nn.Module):
     """timm's habit: cls_token [1, 1, d] and pos_embed [1, T+1, d] owned by the root, broadcast over the batch."""
 

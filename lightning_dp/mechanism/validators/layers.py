@@ -1,8 +1,10 @@
 """Model checks that must pass before a private step is possible.
 
 Per-example clipping bounds one example's influence only if the example's gradient
-depends on that example alone. Layers that mix examples within a batch (BatchNorm)
-break that. (Layers without a per-example gradient rule are each engine's
+depends on that example alone, and the noise covers everything released only if the
+forward writes nothing from the data into the model. Layers that mix examples within a
+batch (BatchNorm) break the first; layers that update their own weights or buffers from
+the batch (Embedding(max_norm), running statistics) break the second. (Layers without a per-example gradient rule are each engine's
 ``unsupported_layers``; ``nn.MultiheadAttention`` and the RNNs are served by ``vmap``/``ghost``.)
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 def batch_mixing_layers(module: nn.Module) -> list[str]:
     """Error messages for layers whose output for one example depends on the others."""
@@ -25,6 +28,25 @@ def batch_mixing_layers(module: nn.Module) -> list[str]:
     return errors
 
 
+def unnoised_state_layers(module: nn.Module) -> list[str]:
+    """Error messages for layers whose forward writes data-dependent state that the noise never covers
+    (the released weights or buffers would reveal the batch). The first step's probe also catches any
+    such write at run time (:func:`~lightning_dp.mechanism.validators.probe.state_fingerprint`)."""
+    errors = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
+            errors.append(
+                f"layer '{name}' ({type(sub).__name__}(max_norm={sub.max_norm})) renormalises, in place and outside "
+                "the gradient, the rows each batch looks up: the released weights would show which tokens were "
+                "sampled. Use max_norm=None (normalise in the forward instead, e.g. F.normalize(emb(x), dim=-1)).")
+        if isinstance(sub, _InstanceNorm) and sub.track_running_stats:
+            errors.append(
+                f"layer '{name}' ({type(sub).__name__}) tracks running statistics of the training batches in its "
+                "buffers, released with the model without noise. Use track_running_stats=False (instance "
+                "statistics in training and evaluation).")
+    return errors
+
+
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none)."""
-    return batch_mixing_layers(module)
+    return batch_mixing_layers(module) + unnoised_state_layers(module)

@@ -86,6 +86,7 @@ class ExampleIndependenceProbe:
         if len(indices) < 2:
             return  # one example cannot interact with another; nothing to compare
         saved = [p.grad for p in self.params]
+        before = state_fingerprint(self.module)
         modes = [(m, m.training) for m in self.module.modules()]
         for m, _ in modes:  # eval (no dropout), but layers with parameters as in training (Opacus' hooks need it)
             m.training = _owns_parameters(m) and not any(True for _ in m.children())
@@ -103,6 +104,9 @@ class ExampleIndependenceProbe:
                 m.training = mode
             for p, g in zip(self.params, saved):
                 p.grad = g
+        changed = [name for name, value in state_fingerprint(self.module).items() if value != before.get(name)]
+        if changed:
+            raise state_mutation_error(changed)
         random = not self._close(together.norms.double(), reseeded.norms.double(),
                                  float(together.norms.double().max()) * len(indices) ** 0.5)
         self._compare(together, alone, reference, len(indices), random)
@@ -175,6 +179,33 @@ class ExampleIndependenceProbe:
 def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
     """Every example's gradient k× its gradient alone (within 2 %): a summed loss."""
     return bool((((together / alone.clamp_min(1e-30)) - k).abs() <= 0.02 * k).all())
+
+
+def state_fingerprint(module: nn.Module) -> dict[str, tuple[float, float]]:
+    """(sum, sum of squares) in float64 of every parameter and floating-point buffer: a change made by a
+    forward pass (not by the optimizer) shows, without copying the model."""
+    out = {}
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if not t.is_floating_point():
+                continue  # counters (BatchNorm's num_batches_tracked) count calls, not data
+            local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: this rank's rows
+            flat = local.detach().double().reshape(-1)
+            out[f"{kind} {name}"] = (float(flat.sum()), float(flat.square().sum()))
+    return out
+
+
+def state_mutation_error(changed: Sequence[str]) -> PrivacyConfigurationError:
+    """The model changed its own parameters or buffers during a forward pass: data-dependent state that the
+    noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch looked up, running
+    statistics); the released model would reveal it."""
+    return PrivacyConfigurationError(
+        "The forward pass changed the model's own state, outside the gradient: " + ", ".join(changed[:6])
+        + (" …" if len(changed) > 6 else "") + ". What a forward writes from the data (nn.Embedding(max_norm=...) "
+        "renormalising the rows the batch looked up, running statistics, an EMA of activations) is released with "
+        "the model without noise, so the guarantee would not hold. Nothing was released. Remove the in-place "
+        "update (max_norm=None and normalise functionally, e.g. F.normalize; track_running_stats=False), or make "
+        "the state a non-trainable function of the parameters only.")
 
 
 def _owns_parameters(m: nn.Module) -> bool:
