@@ -297,7 +297,14 @@ class PrivateTraining:
                     self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)))
                 args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
         step.begin(n)
-        return mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
+        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if out is None or (isinstance(out, dict) and out.get("loss") is None):
+            raise PrivacyConfigurationError(
+                f"training_step returned {type(out).__name__} without a loss on a step with {n} sampled example(s): "
+                "skipping a sampled batch depends on private data (which batches were skipped is released by the "
+                "missing update). Return the loss on every step; to ignore some examples, zero their per-example "
+                "losses instead (a mean over the batch, or a vector of per-example losses).")
+        return mean_loss(out, n)
 
     def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward + backward one physical batch of n examples and bank its clipped sums (no noise yet)."""

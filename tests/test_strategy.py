@@ -322,3 +322,22 @@ def test_low_precision_grad_samples_are_clipped_in_float32():
     per_example = gs.float() * (1.0 / (gs.float().norm(dim=1, keepdim=True) + 1e-6))
     assert torch.allclose(out.sums[p], per_example.sum(0), atol=1e-5)
     assert (per_example.norm(dim=1) <= 1.0).all()
+
+
+class _SkipsSomeBatches(TinyClassifier):
+    """Returns None (Lightning: skip this batch) on a data-dependent condition, after the probe's first step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step >= 2 and bool((y == 1).float().mean() > 0.5):
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_skips_its_sampled_batch_is_refused_by_name():
+    """Which batches were skipped would be released by the missing updates; it was refused only with the
+    misleading 'the engine's hooks did not run' message."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0)
+    with pytest.raises(PrivacyConfigurationError, match="returned NoneType without a loss"):
+        quiet_trainer(strategy=strategy, max_steps=30).fit(_SkipsSomeBatches(), make_loader())
+    assert strategy.ledger.steps >= 2
