@@ -109,6 +109,7 @@ class PrivateTraining:
         self.max_physical_batch_size = max_physical_batch_size
         self._examples_this_step = -1
         self._over_budget = False
+        self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -226,6 +227,7 @@ class PrivateTraining:
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown."""
         self.private_step.detach()
+        self._loaded_for = None  # a later fit rebuilds its loader afresh
         super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ data
@@ -238,6 +240,14 @@ class PrivateTraining:
             raise PrivacyConfigurationError(
                 f"{self.label} needs a torch DataLoader for training, got {type(dataloader).__name__}."
             )
+        when = (id(trainer), trainer.current_epoch)
+        if self._loaded_for == when:  # Lightning processes each loader of a dict/list (CombinedLoader) in turn
+            raise PrivacyConfigurationError(
+                f"{self.label} got several training DataLoaders (a dict or list of loaders, a CombinedLoader): "
+                "Poisson sampling draws every step from one population, and the accounting is for one. Put "
+                "the datasets in one DataLoader (torch.utils.data.ConcatDataset, returning a tag per source "
+                "if training_step needs to tell them apart).")
+        self._loaded_for = when
         if dataloader.batch_size is None and dataloader.batch_sampler is None:
             dataloader = _loader_before_sampler_injection(trainer, dataloader)
         loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)

@@ -341,3 +341,27 @@ def test_a_step_that_skips_its_sampled_batch_is_refused_by_name():
     with pytest.raises(PrivacyConfigurationError, match="returned NoneType without a loss"):
         quiet_trainer(strategy=strategy, max_steps=30).fit(_SkipsSomeBatches(), make_loader())
     assert strategy.ledger.steps >= 2
+
+
+class _TwoLoaders(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        (x1, y1), (x2, y2) = batch["a"], batch["b"]
+        return nn.functional.cross_entropy(self(torch.cat([x1, x2])), torch.cat([y1, y2]))
+
+
+def test_several_training_loaders_are_refused_naming_concat_dataset():
+    loaders = {"a": make_loader(), "b": make_loader(seed=1)}
+    with pytest.raises(PrivacyConfigurationError, match="several training DataLoaders.*ConcatDataset"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(
+            _TwoLoaders(), loaders)
+
+
+def test_a_second_fit_in_the_same_epoch_rebuilds_its_loader():
+    """The several-loaders check is per fit: continuing a fit that stopped mid-epoch is not refused."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer = quiet_trainer(strategy=strategy, max_steps=2)
+    model, loader = TinyClassifier(), make_loader()
+    trainer.fit(model, loader)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, loader)
+    assert strategy.ledger.steps == 4
