@@ -196,3 +196,19 @@ def test_a_forward_that_rescales_its_own_weight_is_refused(engine):
 
 def test_the_state_writing_control_is_exact():
     zoo.assert_exact(lambda: zoo.WritesState("none"), zoo.token_data())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_weights_are_refused_by_name(kind, engine):
+    """torch.nn.utils.parametrizations: the trainable tensors are the originals; refused before training with
+    the fix (it failed inside Opacus' hooks with 'No activations detected', wrapped by the probe)."""
+    from torch.nn.utils import parametrizations
+
+    class Parametrized(zoo.Plain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = getattr(parametrizations, kind)(self.a)
+
+    zoo.assert_refused(Parametrized, zoo.vector_data(), "parametrized tensors.*remove_parametrizations",
+                       per_sample=engine)

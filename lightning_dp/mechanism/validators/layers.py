@@ -11,6 +11,7 @@ the batch (Embedding(max_norm), running statistics) break the second. (Layers wi
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
@@ -47,6 +48,19 @@ def unnoised_state_layers(module: nn.Module) -> list[str]:
     return errors
 
 
+def parametrized_layers(module: nn.Module) -> list[str]:
+    """Error messages for layers whose weights are computed by ``torch.nn.utils.parametrize`` (weight_norm,
+    spectral_norm, orthogonal): the trainable tensors are the parametrization's originals, which no engine
+    differentiates per example yet."""
+    return [
+        f"layer '{name}' ({type(sub).__name__}) has parametrized tensors {sorted(sub.parametrizations.keys())} "
+        "(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...): no per-example engine "
+        "differentiates through a parametrization yet. Remove it (torch.nn.utils.parametrize."
+        "remove_parametrizations(layer, name)), or normalise in the forward instead."
+        for name, sub in module.named_modules() if parametrize.is_parametrized(sub)
+    ]
+
+
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none)."""
-    return batch_mixing_layers(module) + unnoised_state_layers(module)
+    return batch_mixing_layers(module) + unnoised_state_layers(module) + parametrized_layers(module)
