@@ -52,20 +52,6 @@ from lightning_dp.models.tiny_transformer import TinyTransformerLM  # noqa: E402
 WORLD = 2
 
 
-class ShardedLM(TinyTransformerLM):
-    """The small transformer, sharded per block and at the root under a device mesh (unsharded otherwise)."""
-
-    def configure_model(self) -> None:
-        if self.device_mesh is None:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-
-
 def _captured_bytes(engine: Any) -> int:
     """Bytes of the tensors the ghost engine holds for the step (each storage once)."""
     seen: dict[int, int] = {}
@@ -158,8 +144,8 @@ class Meter(Callback):
 def run(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One 2-process fit with ``kind`` in ("sharded", "replicated"); each rank's measurements."""
     torch.manual_seed(0)
-    model = ShardedLM(vocab_size=256, max_len=args.context, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=args.heads, optimizer="adam", lr=1e-3)
+    model = TinyTransformerLM(vocab_size=256, max_len=args.context, d_model=args.d_model, n_layers=args.layers,
+                              n_heads=args.heads, optimizer="adam", lr=1e-3)
     ids = torch.randint(0, 256, (args.examples, args.context + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=args.batch, shuffle=True)
     privacy = dict(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, start_method="fork",

@@ -49,10 +49,7 @@ class ShardedTransformer(TinyTransformerLM):
         defaults = dict(vocab_size=17, max_len=6, d_model=12, n_layers=2, n_heads=2, d_ff=20, optimizer="sgd",
                         momentum=0.0)
         super().__init__(lr=lr, **{**defaults, **kwargs})
-        self.double()
-
-    def configure_model(self) -> None:
-        _shard(self, list(self.blocks))
+        self.double()  # TinyTransformerLM.configure_model shards each block and the root under a device mesh
 
 
 class TiedLM(pl.LightningModule):

@@ -495,8 +495,8 @@ class PrivateStep:
 
     def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
         """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
-        before any noise, for release rules run outside :meth:`release` (the caller privatises it and
-        charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
+        before any noise: what :meth:`release` privatises, and what release rules run outside it take (the
+        caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
         ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines).
         Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
         if not self._verified:
@@ -532,9 +532,7 @@ class PrivateStep:
                 f"step {index} would spend more than target_epsilon = {self.target_epsilon}: not released. Stop "
                 "when affordable() turns False (DPStrategy does).")
         params = self.params()
-        batch = self._clipped()
-        if self._pending is not None:  # earlier physical batches of this logical batch
-            batch, self._pending = merge_clipped(self._pending, batch), None
+        batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
         if empty:
             batch = _zero_clipped_batch(batch)
         request, expected = self._request, self.plan.expected_batch_size

@@ -32,23 +32,26 @@ def test_dropout_inside_attention_is_replayed_exactly(engine_name, batch_first):
     model = AttentionWithDropout(batch_first).double().train()
     n = 4
     x, y = torch.randn(n, 5, 6, dtype=torch.float64), torch.randn(n, 5, 6, dtype=torch.float64)
+    _assert_per_example_exact(make_engine(engine_name), model, lambda: ((model(x) - y) ** 2).mean((1, 2)), n)
+
+
+def _assert_per_example_exact(engine, model: nn.Module, per_example_loss, n: int) -> None:
+    """The engine's unclipped per-example norms and sums equal each example's own gradient through the SAME
+    graph (the same dropout masks): ``torch.autograd.grad`` of ``per_example_loss()[i]``."""
     params = [p for p in model.parameters()]
-    engine = make_engine(engine_name)
-    if engine_name == "ghost":
+    if engine.name == "ghost":
         engine.skip_param_grads = False  # keep autograd's weight gradients: the reference below needs them
     engine.attach(model)
     engine.begin_step(n)
-    out = model(x)
-    per_example = ((out - y) ** 2).mean((1, 2))
+    per_example = per_example_loss()
     per_example.mean().backward(retain_graph=True)
     got = engine.clip_and_sum(params, float("inf"))
     engine.detach()
-    # reference: example i's gradient through the SAME graph (the same dropout masks)
     ref = [torch.autograd.grad(per_example[i], params, retain_graph=True, allow_unused=True) for i in range(n)]
     ref_norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in r if g is not None)) for r in ref])
     torch.testing.assert_close(got.norms, ref_norms, rtol=1e-6, atol=1e-9)
     for k, p in enumerate(params):
-        torch.testing.assert_close(got.sums[p], sum(r[k] for r in ref), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(got.sums[p], sum(r[k] for r in ref if r[k] is not None), rtol=1e-6, atol=1e-9)
 
 
 def test_the_dropout_masks_matter():
@@ -109,22 +112,8 @@ def test_encoder_decoder_attention_is_exact(make, batch_first, engine_name):
     src, tgt = torch.randn(n, 4, 6, dtype=torch.float64), torch.randn(n, 5, 6, dtype=torch.float64)
     pad = torch.zeros(n, 4, dtype=torch.bool)
     pad[0, -1] = pad[2, -2:] = True  # examples with padded memory positions
-    params = [p for p in model.parameters()]
     engine = make_engine(engine_name)
     problems = engine.unsupported_layers(model)
     if problems:
         pytest.skip(f"{engine_name} refuses: {problems}")
-    if engine_name == "ghost":
-        engine.skip_param_grads = False
-    engine.attach(model)
-    engine.begin_step(n)
-    out = model(src, tgt, pad)
-    per_example = (out ** 2).mean((1, 2))
-    per_example.mean().backward(retain_graph=True)
-    got = engine.clip_and_sum(params, float("inf"))
-    engine.detach()
-    ref = [torch.autograd.grad(per_example[i], params, retain_graph=True, allow_unused=True) for i in range(n)]
-    ref_norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in r if g is not None)) for r in ref])
-    torch.testing.assert_close(got.norms, ref_norms, rtol=1e-6, atol=1e-9)
-    for k, p in enumerate(params):
-        torch.testing.assert_close(got.sums[p], sum(r[k] for r in ref if r[k] is not None), rtol=1e-6, atol=1e-9)
+    _assert_per_example_exact(engine, model, lambda: (model(src, tgt, pad) ** 2).mean((1, 2)), n)
