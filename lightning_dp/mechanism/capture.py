@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
-from lightning_dp.mechanism.validators.example_dim import packed_sequence_error
+from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
@@ -228,6 +228,16 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return tuple(bound.args), dict(bound.kwargs)
 
 
+def grouped(a: Any, rows: int, n: int) -> Any:
+    """Every tensor in ``a`` (nested tuples/lists too) with ``rows`` = n·m rows in dimension 0, as ``[n, m, …]``
+    (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`)."""
+    if isinstance(a, Tensor):
+        return a.reshape(n, rows // n, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == rows else a
+    if isinstance(a, (tuple, list)):
+        return type(a)(grouped(v, rows, n) for v in a)
+    return a
+
+
 def broadcast_call(out: Tensor, args: tuple, n: int) -> tuple[Tensor, tuple]:
     """A call on a ``[1, …]`` input whose output the model broadcasts over the batch (Hugging
     Face's ``[1, T]`` position ids): its output, and its ``[1, …]`` tensor inputs, expanded to n
@@ -262,6 +272,7 @@ class ActivationCapture:
         self._suspended = False
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
         self._rng: Optional[Any] = None
+        self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
         self.roots = RootParameters(lambda: None if self._suspended else self.expected)
 
     @contextmanager
@@ -318,11 +329,14 @@ class ActivationCapture:
                 raise packed_sequence_error(calls.name, module)
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
-                out, args = broadcast_call(out, args, n)
+                out, args = broadcast_call(out, args, max(self._flattened, default=n))
                 leaves = [out]
+            rows = None if time_major else self._flattened_rows(args, kwargs, leaves, live, n, dims)
+            if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
+                args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
             if n is not None:
                 wrong = [k for k in live if leaves[k].dim() <= dims.output(k) or leaves[k].shape[dims.output(k)] != n]
-                if wrong:
+                if wrong and rows is None:
                     calls.mismatches.extend(tuple(leaves[k].shape) for k in wrong)
                     return None
                 self._note_unbatched(calls, args, kwargs, n, dims)
@@ -332,7 +346,8 @@ class ActivationCapture:
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation)
             calls.records.append(rec)
-            front = (lambda g: g.movedim(1, 0)) if time_major else (lambda g: g)
+            front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None
+                     else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))
             if reducer is not None and len(leaves) == 1:
                 out.register_hook(lambda g: calls.reduce(rec, front(g), reducer))
             else:
@@ -341,6 +356,21 @@ class ActivationCapture:
             return out
 
         return hook
+
+    def _flattened_rows(self, args: tuple, kwargs: dict, leaves: list, live: list[int], n: Optional[int],
+                        dims: ExampleDims) -> Optional[int]:
+        """The row count n·m (m > 1) of a call on flattened examples, else ``None``: every live output has
+        that many rows at dimension 0, and an argument is a verified flattening view of ``[n, …]``
+        (:func:`~.validators.example_dim.flattened_rows`) or an earlier call of the step had that many."""
+        if not n or any(dims.output(k) != 0 or leaves[k].dim() == 0 for k in live):
+            return None
+        rows = leaves[live[0]].shape[0]
+        if rows <= n or rows % n or any(leaves[k].shape[0] != rows for k in live):
+            return None
+        inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
+        if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n) for t in inputs):
+            self._flattened.add(rows)
+        return rows if rows in self._flattened else None
 
     @staticmethod
     def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int, dims: ExampleDims) -> None:
@@ -374,6 +404,7 @@ class ActivationCapture:
         """Drop every captured tensor and end the step (called after each step): a forward after it is
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
+        self._flattened.clear()
         self.roots.clear()
         for calls in self._calls.values():
             calls.records.clear()

@@ -17,12 +17,32 @@ ENGINES = ["ghost", "vmap", "opacus_hooks"]
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("factory,match", [
-    (zoo.FlattenedTokens, "dimension 0 of these layers' outputs"),
-    (zoo.FlattenedHeadOnly, "layer 'head'"),
     (zoo.TimeMajorInside, "dimension 0 of these layers' outputs"),
+    (zoo.FlattenedCopy, r"(?s)layer 'emb'.*contiguous"),
 ])
 def test_layers_that_do_not_see_examples_first_are_refused(factory, match, engine):
     zoo.assert_refused(factory, zoo.token_data(), match, per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("factory", [zoo.FlattenedTokens, zoo.FlattenedHeadOnly, zoo.FlattenedMLP,
+                                     zoo.MultipleChoice])
+def test_flattened_examples_are_exact_when_the_flattening_is_a_view(factory, engine):
+    """[B·T, d] rows that are a view of a contiguous [B, …] tensor are example-major by their memory layout
+    (validators/example_dim.py): the capture groups them back into examples."""
+    zoo.assert_exact(factory, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("factory", [zoo.FlattenedTokens, zoo.FlattenedMLP])
+def test_flattened_examples_are_refused_by_opacus_hooks(factory):
+    """Opacus' own hooks see per-token rows; refused by name, never clipped per token."""
+    zoo.assert_refused(factory, zoo.token_data(), "dimension 0 of these layers' outputs", per_sample="opacus_hooks")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_time_major_flatten_matching_only_in_row_count_is_refused_by_the_probe(engine):
+    zoo.assert_refused(zoo.FlattenedThenTimeMajor, zoo.token_data(), "(?s)Examples interact.*example-major",
+                       per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

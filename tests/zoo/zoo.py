@@ -180,6 +180,69 @@ class ModuleTying(Base):
         return F.cross_entropy(self.head(torch.tanh(self.emb(x))).permute(0, 2, 1), y)
 
 
+class FlattenedMLP(Base):
+    """OPT style: ``h.reshape(-1, d)`` before fc1, fc2 on fc1's activation (a new tensor: matched by row
+    count to fc1's verified flattening), reshaped back for the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc1, self.fc2, self.head = nn.Embedding(V, D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D), \
+            nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)
+        flat = h.reshape(-1, D)
+        h = h + self.fc2(torch.relu(self.fc1(flat))).view(h.shape)
+        return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
+
+
+class FlattenedCopy(Base):
+    """Flattens a slice of the batch (``x[:, 1:].reshape(-1)`` copies): the rows are no verified view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.emb(x[:, 1:].reshape(-1)))
+        return F.cross_entropy(self.head(h), y[:, 1:].reshape(-1))
+
+
+class FlattenedThenTimeMajor(Base):
+    """Attack on the row-count match: a verified flatten (B·T rows, example-major) for the embedding, then
+    the head on a *time-major* flatten with the same row count. Grouping the head's rows by count would
+    clip mixtures of examples; the probe must refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.emb(x.reshape(-1))).view(*x.shape, D)
+        logits = self.head(h.transpose(0, 1).reshape(-1, D))  # rows (t, b): time-major
+        return F.cross_entropy(logits, y.t().reshape(-1))
+
+
+class MultipleChoice(Base):
+    """Hugging Face multiple-choice heads: [B, K, T] choices flattened to [B·K, T] before the encoder,
+    and a [1, T] position lookup broadcast over the B·K rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.score = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, 1)
+
+    def loss(self, batch):
+        x, y = batch
+        choices = torch.stack([x, x.flip(1), (x + 1) % V], 1)  # [B, 3, T]
+        flat = choices.view(-1, T)
+        h = torch.tanh(self.tok(flat) + self.pos(torch.arange(T)[None]))
+        scores = self.score(h.mean(1)).view(-1, 3)
+        return F.cross_entropy(scores, y[:, 0] % 3)
+
+
 class BroadcastPositions(Base):
     """Hugging Face style: a [1, T] position lookup broadcast over the batch."""
 

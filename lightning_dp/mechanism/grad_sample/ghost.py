@@ -665,8 +665,10 @@ class GhostEngine(GradSampleEngine):
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
         stats = self._layer_stats(params, layers, n, scale, with_squares)
-        shared = [p for p in params if len(self._owners[p]) > 1 and not self._capture.roots.owns(p)]
-        reps = {p: self._representations(p, stats, layers, n, scale, with_squares, set(params)) for p in shared}
+        ran = {p: self._owners_that_ran(p, layers) for p in params}
+        shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
+        reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
+                for p in shared}
         sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
             sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
@@ -674,7 +676,7 @@ class GhostEngine(GradSampleEngine):
         c = clip_factors(norms, max_grad_norm)
         if self.stream_sums and not with_squares:
             roots = self._capture.roots
-            keys = {p: [id(p)] if roots.owns(p) else list(dict.fromkeys(id(mod) for mod, _, _ in self._owners[p]))
+            keys = {p: [id(p)] if roots.owns(p) else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}
             return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
         sums: dict[Tensor, Tensor] = {}
@@ -703,20 +705,26 @@ class GhostEngine(GradSampleEngine):
                     raise missing_message(p, self._owners.get(p, []))
                 stats[id(p)] = MaterialisedStats({p: roots.grads[id(p)]}, scale)
                 continue
-            owners = self._owners.get(p, [])
-            if not owners or any(id(mod) not in layers for mod, _, _ in owners):
-                raise missing_message(p, owners)
+            owners = self._owners_that_ran(p, layers)
+            if not owners:
+                raise missing_message(p, self._owners.get(p, []))
             for mod, _, _ in owners:
                 if id(mod) not in stats:
                     stats[id(mod)] = stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)
         return stats
 
-    def _representations(self, p: Tensor, stats: dict[int, LayerStats], layers: dict[int, LayerCalls], n: int,
-                         scale, with_squares, wanted_set: set) -> list:
+    def _owners_that_ran(self, p: Tensor, layers: dict[int, LayerCalls]) -> list[tuple[nn.Module, str, str]]:
+        """The owners of ``p`` whose calls were captured this step. An owner that did not run adds nothing
+        (BART's ``shared`` embedding, tied to both stacks' ``embed_tokens``, is never called); a use the hooks
+        missed is the first step's probe's to catch (Σ_i g_i against autograd's gradient)."""
+        return [o for o in self._owners.get(p, []) if id(o[0]) in layers]
+
+    def _representations(self, p: Tensor, owners: list[tuple[nn.Module, str, str]], stats: dict[int, LayerStats],
+                         layers: dict[int, LayerCalls], n: int, scale, with_squares, wanted_set: set) -> list:
         """Each owner's per-example gradient of tied ``p`` in a form :func:`cross_term` reads; an owner
         whose rule has none (conv ghost norms, scaled layers) is materialised (its stats replaced)."""
         out = []
-        for mod, _, _ in self._owners[p]:
+        for mod, _, _ in owners:
             rep = stats[id(mod)].representation(p)
             if rep is None:
                 stats[id(mod)] = fallback_stats(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)

@@ -13,15 +13,29 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
+from torch import Tensor
+
 from lightning_dp.errors import PrivacyConfigurationError
 
 FIX = (
     "Keep the example dimension first in every layer with trainable parameters: call the layer on "
-    "[B, T, ...] rather than on h.reshape(-1, d) (nn.Linear, nn.Embedding, nn.LayerNorm accept any "
-    "leading dimensions, so drop the flattening and flatten the logits only for the loss), and run "
+    "[B, T, ...] (nn.Linear, nn.Embedding, nn.LayerNorm accept any leading dimensions), or flatten a "
+    "contiguous [B, ...] tensor as a view (h.contiguous().view(-1, d): example i then owns rows i*T...(i+1)*T-1; "
+    "a copy such as x[:, :-1].reshape(-1) or a transpose before flattening hides that), and run "
     "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer). "
     "An unbatched lookup ([T] indices) needs a leading dimension of 1 ([1, T]) or the batch ([B, T])."
 )
+
+
+def flattened_rows(t: Tensor, n: int) -> bool:
+    """Whether ``t`` is a view that flattens a contiguous tensor of ``n`` examples (``[n, …]`` in
+    memory, dimension 0 first) into ``t.shape[0]`` = n·m rows: same storage start, same size, both
+    contiguous. Then example i owns rows ``i·m … (i+1)·m − 1`` of ``t``, whatever the view's shape."""
+    base = t._base
+    if n < 1 or base is None or base.dim() == 0 or base.shape[0] != n or t.dim() == 0 or t.shape[0] % n:
+        return False
+    return (t.is_contiguous() and base.is_contiguous() and t.numel() == base.numel()
+            and t.data_ptr() == base.data_ptr())
 
 
 def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],

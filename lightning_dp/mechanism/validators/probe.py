@@ -225,8 +225,10 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
                  "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
                  "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
                  "each example's own tokens, or return per-example losses from training_step; an operation across "
-                 "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); or randomness "
-                 "other than dropout in the forward.")
+                 "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on "
+                 "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
+                 "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
+                 "forward.")
     where = f" (parameter {name})" if name else ""
     return PrivacyConfigurationError(
         f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
