@@ -4,7 +4,7 @@
     python benchmarks/real_models.py --models gpt2,lstm --threads 1 --steps 20
 
 Tiny randomly initialised models built from configs (hidden 64, 2 layers, batch 16, T = 32),
-as a user would wrap them: Hugging Face GPT-2 / BERT / Llama (+ peft LoRA r = 4) when
+as a user would wrap them: Hugging Face GPT-2 / BERT / Llama / OPT / T5 (+ peft LoRA r = 4) when
 ``transformers``/``peft`` are installed, and torch's ``nn.TransformerEncoder``
 (``nn.MultiheadAttention``), ``nn.LSTM``, ``nn.GRU`` (and, when named, ``opacus-dplstm``: the LSTM
 swapped for ``opacus.layers.DPLSTM``). A private step is the plain loop of
@@ -80,10 +80,18 @@ def hf_models() -> dict[str, Callable[[], nn.Module]]:
                                                   num_hidden_layers=2, num_attention_heads=4,
                                                   num_key_value_heads=4, max_position_embeddings=T))
 
+    def opt():
+        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=D, ffn_dim=4 * D, num_hidden_layers=2,
+                                              num_attention_heads=4, max_position_embeddings=T, word_embed_proj_dim=D))
+
+    def t5():
+        return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=D, d_kv=D // 4, d_ff=4 * D,
+                                                         num_layers=2, num_heads=4))
+
     def lora(make, targets):
         return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 
-    return {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2-lora": lora(gpt2, ["c_attn", "c_proj"]),
+    return {"gpt2": gpt2, "bert": bert, "llama": llama, "opt": opt, "t5": t5, "gpt2-lora": lora(gpt2, ["c_attn", "c_proj"]),
             "llama-lora": lora(llama, ["q_proj", "v_proj"])}
 
 
@@ -97,7 +105,10 @@ OPT_IN: dict[str, Callable[[], nn.Module]] = {"opacus-dplstm": lambda: Recurrent
 
 
 def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    out = model(input_ids=x) if hasattr(model, "config") else model(x)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        out = model(input_ids=x, decoder_input_ids=x)
+    else:
+        out = model(input_ids=x) if hasattr(model, "config") else model(x)
     logits = out.logits if hasattr(out, "logits") else out
     if logits.dim() == 2:  # sequence classification
         return F.cross_entropy(logits, y[:, 0] % logits.shape[1])

@@ -64,3 +64,18 @@ def quiet_trainer(**kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+@pytest.fixture(autouse=True)
+def _no_broadcast_site_mode_left_behind():
+    """The broadcast sites' TorchFunctionMode (mechanism/broadcast_sites.py) must end with its step: one left
+    active would intercept every later torch call of the process. Fails the test that leaked it."""
+    yield
+    from torch.overrides import _get_current_function_mode_stack
+
+    from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+
+    left = [m for m in _get_current_function_mode_stack() if isinstance(m, BroadcastSites)]
+    for mode in reversed(left):
+        mode.close()
+    assert not left, "a step left the broadcast-site mode active"

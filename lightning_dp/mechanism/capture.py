@@ -24,9 +24,10 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_dp.mechanism.broadcast_sites import BroadcastSites
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
-from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error
+from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
@@ -228,6 +229,13 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return tuple(bound.args), dict(bound.kwargs)
 
 
+def adds_up(per_example: Tensor, total: Tensor) -> bool:
+    """Σ_i δ_i = the gradient autograd delivered, to the precision of the dtype (rounding of the sums)."""
+    rtol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(total.dtype, 3e-2)
+    diff = (per_example.sum(0).to(total.dtype) - total).abs().max()
+    return bool(diff <= rtol * max(float(total.abs().max()), 1e-12) + 1e-30)
+
+
 def grouped(a: Any, rows: int, n: int) -> Any:
     """Every tensor in ``a`` (nested tuples/lists too) with ``rows`` = n·m rows in dimension 0, as ``[n, m, …]``
     (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`)."""
@@ -273,7 +281,9 @@ class ActivationCapture:
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
         self._rng: Optional[Any] = None
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
-        self.roots = RootParameters(lambda: None if self._suspended else self.expected)
+        self._lookups: set[int] = set()  # layers once called without an example dimension (kept for the run)
+        self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
+        self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -327,9 +337,15 @@ class ActivationCapture:
             args, kwargs = bind_call(module, args, kwargs)
             if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
                 raise packed_sequence_error(calls.name, module)
+            if n is not None and not time_major and self._is_lookup(module, args, kwargs, out, n, dims):
+                self._record_lookup(calls, args, kwargs, out, n)
+                return None
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
-                out, args = broadcast_call(out, args, max(self._flattened, default=n))
+                if self._flattened:  # broadcast over n or over n·m flattened rows: let the sites tell
+                    self._record_lookup(calls, args, kwargs, out, n)
+                    return None
+                out, args = broadcast_call(out, args, n)
                 leaves = [out]
             rows = None if time_major else self._flattened_rows(args, kwargs, leaves, live, n, dims)
             if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
@@ -356,6 +372,52 @@ class ActivationCapture:
             return out
 
         return hook
+
+    def _is_lookup(self, module: nn.Module, args: tuple, kwargs: dict, out: Any, n: int, dims: ExampleDims) -> bool:
+        """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a layer
+        once seen so stays one for the run (a later step whose n happens to equal T must not slice [T, T])."""
+        if not isinstance(out, Tensor) or dims.output(0) != 0 or isinstance(module, (*UNITS, nn.RNNBase)):
+            return False
+        if id(module) in self._lookups:
+            return True
+        inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
+        if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n)) for t in inputs):
+            return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
+        if unbatched_call(inputs, out, n):
+            self._lookups.add(id(module))
+            return True
+        return False
+
+    def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int) -> None:
+        """Record an unbatched lookup as a batched call: inputs expanded to n rows (views), output gradients
+        gathered per example at the sites where the model broadcasts the output (:mod:`.broadcast_sites`)."""
+        def rows(a: Any) -> Any:
+            return tree_map(lambda t: t.expand(n, *t.shape) if isinstance(t, Tensor) else t, a)
+
+        rec = Record(_detached(rows(tuple(args))), {k: _detached(rows(v)) for k, v in kwargs.items()}, [None],
+                     None, calls.generation)
+        calls.records.append(rec)
+        shape = tuple(out.shape)
+
+        def deliver(per_example: Optional[Tensor], total: Tensor) -> None:
+            if rec.generation != calls.generation:
+                return
+            if per_example is None or not adds_up(per_example, total):
+                calls.records.remove(rec)
+                calls.mismatches.append(shape)  # used otherwise than broadcast over the examples: refused
+                return
+            rec.set_grad(per_example)
+
+        self.follow(out, n, deliver)
+
+    def follow(self, t: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
+        """Gather example i's gradient of ``t`` (no example dimension) where the model broadcasts it over this
+        step's n examples (:mod:`.broadcast_sites`); ``deliver(rows or None, total)`` after backward."""
+        if self._sites is None or self._sites.n != n:
+            if self._sites is not None:
+                self._sites.close()
+            self._sites = BroadcastSites(n, lambda: self._flattened)
+        self._sites.follow(t, deliver)
 
     def _flattened_rows(self, args: tuple, kwargs: dict, leaves: list, live: list[int], n: Optional[int],
                         dims: ExampleDims) -> Optional[int]:
@@ -405,6 +467,9 @@ class ActivationCapture:
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
         self._flattened.clear()
+        if self._sites is not None:
+            self._sites.close()
+            self._sites = None
         self.roots.clear()
         for calls in self._calls.values():
             calls.records.clear()
@@ -417,6 +482,9 @@ class ActivationCapture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._sites is not None:
+            self._sites.close()
+            self._sites = None
         self._calls.clear()
         self.roots.detach()
         self.expected = None

@@ -1,17 +1,24 @@
-"""Parameters read directly in a module's forward (timm ViT's ``cls_token`` and ``pos_embed``).
+"""Parameters read directly in a module's forward (timm ViT's ``cls_token`` and ``pos_embed``,
+ConvNeXt's layer scale, Swin's relative position bias table, DeBERTa's ``q_bias``).
 
 A parameter owned by a module that also has children is not used inside a leaf layer's
 forward, so no layer hook sees it: the module's own ``forward`` reads ``self.cls_token`` and
-broadcasts it over the batch (``self.cls_token.expand(B, -1, -1)``, ``x + self.pos_embed``).
-Its gradient is the sum over the batch; example i's part is lost.
+broadcasts it over the batch (``self.cls_token.expand(B, -1, -1)``, ``x + self.pos_embed``,
+``self.gamma * h``). Its gradient is the sum over the batch; example i's part is lost.
 
-For a parameter of shape ``[1, …]`` (the usual layout of such tokens and tables) the engines
-serve it exactly: while a step is being captured, reading the attribute returns the parameter
-expanded to ``[n, …]`` (a view; broadcasting it gives the model the same values), and the
-gradient reaching that view holds example i's part in row i. Example i's gradient is n times
-that row (the mean loss). The read is intercepted by giving the owning module a subclass of its
-own class whose ``__getattr__`` does this, undone by :meth:`RootParameters.detach`. Other
-parameters of such modules stay refused by the engines (``structural_problems``).
+While a step is being captured, reading such an attribute returns a view of the parameter
+whose gradient is gathered per example. The read is intercepted by giving the owning module a
+subclass of its own class whose ``__getattr__`` does this, undone by :meth:`RootParameters.detach`.
+
+- Shape ``[1, …]`` (the usual layout of such tokens and tables): the view is the parameter
+  expanded to ``[n, …]`` (broadcasting it gives the model the same values), and the gradient
+  reaching it holds example i's part in row i; example i's gradient is n times that row (the
+  mean loss).
+- Any other shape (``[d]`` layer scale, a ``[(2W−1)², H]`` bias table indexed and added to the
+  scores): the view is followed to where the model broadcasts it over the examples
+  (:mod:`~lightning_dp.mechanism.broadcast_sites`), and example i's gradient is read there. A read
+  whose examples' gradients do not add up to its gradient (the parameter used as the weight of
+  ``F.linear``, say) leaves the parameter without per-example gradient, and the step is refused.
 """
 
 from __future__ import annotations
@@ -47,10 +54,16 @@ class RootParameters:
     Args:
         expected: a callable returning the step's number of examples (``None``: not verified, no capture)
             and whether capturing is on (the engine's capture is not suspended).
+        follow: the capture's :meth:`~lightning_dp.mechanism.capture.ActivationCapture.follow` (parameters
+            not of shape ``[1, …]``); without it only ``[1, …]`` parameters are intercepted.
     """
 
-    def __init__(self, expected: Callable[[], Optional[int]]) -> None:
+    def __init__(self, expected: Callable[[], Optional[int]],
+                 follow: Optional[Callable[[Tensor, int, Callable[[Optional[Tensor], Tensor], None]], None]] = None
+                 ) -> None:
         self._expected = expected
+        self._follow = follow
+        self._unserved: set[int] = set()  # parameters with a read this step that no site served
         self._modules: list[tuple[nn.Module, type]] = []
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
@@ -58,10 +71,12 @@ class RootParameters:
     def attach(self, root: nn.Module, is_leaf_like: Callable[[nn.Module], bool]) -> None:
         """Intercept reads of every expandable parameter owned by a module that is not leaf-like."""
         self.detach()
+        in_layers = {id(p) for m in root.modules() if is_leaf_like(m) for p in m.parameters(recurse=False)}
         for name, module in root.named_modules():
             if is_leaf_like(module):
                 continue
-            own = {pname: p for pname, p in module.named_parameters(recurse=False) if expandable(p)}
+            own = {pname: p for pname, p in module.named_parameters(recurse=False) if id(p) not in in_layers
+                   and (expandable(p) or (p.requires_grad and self._follow is not None))}
             if not own:
                 continue
             self._modules.append((module, type(module)))
@@ -75,15 +90,35 @@ class RootParameters:
             n = self._expected()
             if name not in own or n is None or not torch.is_grad_enabled():
                 return value
+            if not expandable(value):
+                return self._followed(value, n)
             view = value.expand(n, *value.shape[1:])
-            view.register_hook(lambda g, key=id(value), n=n: self._store(key, g, n))
+            view.register_hook(lambda g, key=id(value), n=n: self._store(key, g.detach().unsqueeze(1) * n))
             return view
 
         return read
 
-    def _store(self, key: int, g: Tensor, n: int) -> None:
-        g = g.detach().unsqueeze(1) * n  # row i of the view's gradient, as example i's gradient of p
-        self.grads[key] = g if key not in self.grads else self.grads[key] + g
+    def _followed(self, p: Tensor, n: int) -> Tensor:
+        """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss)."""
+        from lightning_dp.mechanism.capture import adds_up
+
+        view, key = p.view_as(p), id(p)
+        assert self._follow is not None
+
+        def deliver(rows: Optional[Tensor], total: Tensor) -> None:
+            if rows is None or not adds_up(rows, total):
+                self._unserved.add(key)
+                self.grads.pop(key, None)
+            else:
+                self._store(key, rows * n)
+
+        self._follow(view, n, deliver)
+        return view
+
+    def _store(self, key: int, g: Tensor) -> None:
+        """Add one read's per-example gradients ``[n, *p.shape]`` (none once a read of ``p`` was not served)."""
+        if key not in self._unserved:
+            self.grads[key] = g if key not in self.grads else self.grads[key] + g
 
     def owns(self, p: Tensor) -> bool:
         """Whether ``p`` is one of the intercepted parameters."""
@@ -96,6 +131,7 @@ class RootParameters:
     def clear(self) -> None:
         """Drop this step's per-example gradients."""
         self.grads.clear()
+        self._unserved.clear()
 
     def detach(self) -> None:
         """Give every module back its own class."""

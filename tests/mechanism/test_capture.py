@@ -39,9 +39,10 @@ def _captured(m: nn.Module, n, *inputs, **kw):
 
 def test_calls_with_another_example_dimension_are_mismatches_not_records():
     m = nn.Linear(3, 2)
-    capture, _ = _captured(m, 4, torch.randn(12, 3))  # [B·T, d] with B = 4
+    capture, _ = _captured(m, 4, torch.randn(12, 3))  # [B·T, d] with B = 4, a copy: no verified flattening
     assert capture.mismatched() == {"m": [(12, 2)]}
     assert not capture.any_recorded()
+    capture.clear()
 
 
 def test_a_one_row_lookup_is_expanded_to_the_batch():

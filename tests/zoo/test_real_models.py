@@ -1,4 +1,4 @@
-"""Real model families, unchanged (Hugging Face GPT-2, BERT, Llama, OPT, BART, + peft LoRA): one private step
+"""Real model families, unchanged (Hugging Face GPT-2, BERT, Llama, OPT, BART, T5, MPNet, + peft LoRA): one private step
 with zero noise equals −Σ clip_C(g_i)/B from a per-example loop (float64), on the engine `auto` picks."""
 
 from __future__ import annotations
@@ -65,6 +65,18 @@ def bart():
     return transformers.BartForConditionalGeneration(c)
 
 
+def t5():
+    c = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(c)
+
+
+def mpnet():
+    c = transformers.MPNetConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, max_position_embeddings=24, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return transformers.MPNetForSequenceClassification(c)
+
+
 def lora(make, targets):
     return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                                                lora_dropout=0.0))
@@ -100,6 +112,9 @@ CASES = {
     "bert-choice": (bert_choice, "choice"),
     # BART: shared/embed_tokens/lm_head tied, `shared` itself never called; scaled embedding subclass
     "bart": (bart, "seq2seq"),
+    # T5/MPNet: relative position bias looked up with [T, T] indices, broadcast over the batch (broadcast sites)
+    "t5": (t5, "seq2seq"),
+    "mpnet": (mpnet, "cls"),
 }
 
 
@@ -140,23 +155,53 @@ def test_hugging_face_default_loss_with_padding_is_refused():
     zoo.assert_refused(HFLoss, _data(), "per_example_token_mean")
 
 
-def t5():
-    c = transformers.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0)
-    return transformers.T5ForConditionalGeneration(c)
 
 
-class Seq2Seq(zoo.Base):
-    def __init__(self) -> None:
+def deberta():
+    c = transformers.DebertaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0, pooler_dropout=0.0)
+    return transformers.DebertaForSequenceClassification(c)
+
+
+def test_parameters_owned_by_attention_containers_are_exact():
+    """DeBERTa's attention owns q_bias/v_bias next to its child layers (root_parameters.py, broadcast sites)."""
+    torch.manual_seed(0)
+    assert zoo.assert_exact(lambda: Wrapped(deberta, "cls"), _data()).engine_name == "ghost"
+
+
+class Vision(zoo.Base):
+    def __init__(self, make) -> None:
         super().__init__()
-        self.m = t5()
+        self.m = make()
 
     def training_step(self, batch, batch_idx):
-        x, _ = batch
-        return zoo.per_example_token_mean(self.m(input_ids=x, decoder_input_ids=x[:, :4]).logits, x[:, 1:5])
+        x, y = batch
+        return F.cross_entropy(self.m(pixel_values=x).logits, y)
 
 
-def test_an_unbatched_lookup_broadcast_over_the_batch_is_refused_by_name():
-    """Loud, not silent (README, "Refused"): T5 looks up its relative position bias with [T, T] indices (no batch
-    dimension at all) and broadcasts the result over the batch inside attention; a hook on the lookup sees only
-    the batch's summed gradient, so no per-example gradient exists to clip."""
-    zoo.assert_refused(Seq2Seq, _data(), r"relative_attention_bias' produced outputs of shape \(8, 8, 2\)")
+def swin():
+    return transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+def convnext():
+    return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_stages=2, patch_size=4, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2, image_size=16))
+
+
+def beit():
+    return transformers.BeitForImageClassification(transformers.BeitConfig(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=2, use_relative_position_bias=True, layer_scale_init_value=0.1, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+@pytest.mark.parametrize("make", [swin, convnext, beit], ids=["swin", "convnext", "beit"])
+def test_vision_families_are_exact(make):
+    """Swin: windows flattened to [B·windows, …] (verified view) and a bias table owned by its attention;
+    ConvNeXt: layer scale owned by a block; BEiT: relative bias table and layer scale."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, 16, 16, generator=g), torch.randint(0, 2, (N,), generator=g))
+    assert zoo.assert_exact(lambda: Vision(make), data).engine_name == "ghost"

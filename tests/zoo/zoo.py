@@ -256,6 +256,60 @@ class BroadcastPositions(Base):
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
 
 
+class UnbatchedPositions(Base):
+    """``pos(torch.arange(T))``: a lookup with no batch dimension at all, added to [B, T, d] (broadcast site)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
+
+
+class RelativeBias(Base):
+    """T5 style: a [T, T] bucket lookup permuted to [1, H, T, T], reused by two attention layers (two sites),
+    once added out of place and once in place (``scores += bias``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.bias, self.head = nn.Embedding(V, D), nn.Embedding(2 * T, 2), nn.Linear(D, V)
+        self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+
+    def attend(self, h, bias, in_place):
+        q, k = self.q(h).view(*h.shape[:2], 2, D // 2).transpose(1, 2), self.k(h).view(*h.shape[:2], 2, D // 2)
+        scores = q @ k.permute(0, 2, 3, 1)  # [B, 2, T, T]
+        if in_place:
+            scores += bias
+        else:
+            scores = scores + bias
+        return h + (scores.softmax(-1) @ h.unsqueeze(1)).mean(1)
+
+    def loss(self, batch):
+        x, y = batch
+        t = torch.arange(x.shape[1])
+        bias = self.bias(t[None, :] - t[:, None] + T).permute(2, 0, 1).unsqueeze(0)
+        h = self.attend(self.attend(self.tok(x), bias, False), bias, True)
+        return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
+
+
+class UnbatchedRegulariser(Base):
+    """The lookup's output also enters the loss without being broadcast over the examples (a penalty): the
+    examples' gradients at the broadcast sites do not add up to the output's gradient; refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        p = self.pos(torch.arange(x.shape[1]))
+        h = self.tok(x) + p
+        return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y) + 0.1 * p.pow(2).sum()
+
+
 class TorchAttention(Base):
     """nn.MultiheadAttention as users call it: time-major by default, a causal [T, T] mask, keywords."""
 
@@ -472,6 +526,52 @@ class RootParameter(Base):
     def loss(self, batch):
         x, y = batch
         return F.cross_entropy(self.a(x + self.bias), y)
+
+
+class LayerScale(Base):
+    """ConvNeXt / CaiT style: a [d] scale owned by a block with children, multiplying the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.b(x + self.gamma * torch.tanh(self.a(x))), y)
+
+
+class BiasTable(Base):
+    """Swin style: a relative position bias *table* owned by the attention block, indexed with a [T·T] buffer,
+    viewed as [T, T, H], permuted and added to the scores of every example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.v, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+        self.table = nn.Parameter(torch.randn(2 * T - 1, 2) * 0.1)
+        t = torch.arange(T)
+        self.register_buffer("index", (t[None, :] - t[:, None] + T - 1).reshape(-1))
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x)
+        bias = self.table[self.index].view(T, T, 2).permute(2, 0, 1).unsqueeze(0)  # [1, 2, T, T]
+        scores = (h @ h.transpose(1, 2)).unsqueeze(1) + bias  # [B, 2, T, T]
+        h = h + (scores.softmax(-1) @ self.v(h).unsqueeze(1)).mean(1)
+        return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
+
+
+class ContainerWeight(Base):
+    """A weight owned by a block with children and used as the weight of ``F.linear``: no broadcast site; refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.weight = nn.Parameter(torch.randn(3, D) * 0.3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(F.linear(torch.tanh(self.a(x)), self.weight), y)
 
 
 class Plain(Base):

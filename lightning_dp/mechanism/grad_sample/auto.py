@@ -42,6 +42,5 @@ def select_engine(module: nn.Module, views_per_example: int = 1) -> str:
     detail = "; ".join(f"{k}: {v}" for k, v in problems.items())
     raise ValueError(
         f"No per-example gradient engine supports this model ({detail}). Replace the listed layers "
-        "(e.g. BatchNorm -> GroupNorm; a parameter owned by a module with children -> move it into a leaf "
-        "module) or freeze them."
+        "(e.g. BatchNorm -> GroupNorm) or freeze them."
     )

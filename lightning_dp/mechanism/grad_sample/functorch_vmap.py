@@ -42,7 +42,6 @@ from lightning_dp.mechanism.capture import (
     owners_of,
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
-from lightning_dp.mechanism.root_parameters import expandable
 from lightning_dp.mechanism.grad_sample.attention import attention_grads, attention_supported
 from lightning_dp.mechanism.grad_sample.rnn_unrolled import unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
@@ -64,12 +63,10 @@ _BATCH_MIXING = (_BatchNorm,)
 
 
 def structural_problems(module: nn.Module) -> list[str]:
-    """Layers no per-layer engine can handle: batch-mixing layers, parameters owned by a
-    module that also has children (used outside a leaf forward)."""
+    """Layers no per-layer engine can handle: batch-mixing layers. (Parameters owned by a module that also has
+    children are served where the module broadcasts them over the examples: :mod:`~..root_parameters`.)"""
     problems = []
     units: list[str] = []
-    in_layers = {p for p, owners in owners_of(module).items()
-                 if any(is_unit(m) or not any(True for _ in m.children()) for m, _, _ in owners)}
     for name, sub in module.named_modules():
         if any(name.startswith(u + ".") for u in units):
             continue  # a unit's children are part of the unit (capture.is_unit)
@@ -82,11 +79,6 @@ def structural_problems(module: nn.Module) -> list[str]:
         label = f"{name or '<root>'} ({type(sub).__name__})"
         if isinstance(sub, _BATCH_MIXING):
             problems.append(f"{label}: mixes examples")
-        elif any(True for _ in sub.children()):
-            # [1, …] ones are served by root_parameters.py; aliases of a layer's own parameters are no use
-            unserved = [pname for pname, p in own if not expandable(p) and p not in in_layers]
-            if unserved:
-                problems.append(f"{label}: owns parameters {unserved} (not of shape [1, …]) and has child modules")
     return problems
 
 

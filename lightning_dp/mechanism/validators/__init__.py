@@ -6,7 +6,10 @@ would otherwise corrupt, and refused with an error that names the fix:
 
 - :mod:`.layers`: layers that mix examples (BatchNorm) or have no per-example rule (static,
   before training).
-- :mod:`.example_dim`: every captured call holds one row per sampled example (every step).
+- :mod:`.example_dim`: every captured call holds one row per sampled example (every step); rows of
+  flattened examples only where the flattening is a verified view (``flattened_rows``); calls with no
+  example dimension at all (``unbatched_call``) only where the model broadcasts them over the examples
+  (:mod:`~lightning_dp.mechanism.broadcast_sites`, whose examples' gradients must add up every step).
 - :mod:`.probe`: on the first step, example i's per-example gradient does not depend on the
   other examples of the batch (no interaction through the loss or the model, no summed loss),
   and the engine's gradient equals autograd's (every use of every parameter captured).

@@ -23,7 +23,8 @@ FIX = (
     "contiguous [B, ...] tensor as a view (h.contiguous().view(-1, d): example i then owns rows i*T...(i+1)*T-1; "
     "a copy such as x[:, :-1].reshape(-1) or a transpose before flattening hides that), and run "
     "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer). "
-    "An unbatched lookup ([T] indices) needs a leading dimension of 1 ([1, T]) or the batch ([B, T])."
+    "An unbatched lookup ([T] or [T, T] indices) is served where its result is broadcast over the examples "
+    "(added to a [B, ...] tensor); any other use of it needs the batch as leading dimension ([B, T])."
 )
 
 
@@ -36,6 +37,18 @@ def flattened_rows(t: Tensor, n: int) -> bool:
         return False
     return (t.is_contiguous() and base.is_contiguous() and t.numel() == base.numel()
             and t.data_ptr() == base.data_ptr())
+
+
+def unbatched_call(inputs: Sequence[Tensor], out: Tensor, n: int) -> bool:
+    """Whether a call has no example dimension at all: no dimension of any input or of the output has n
+    entries, and the output's dimension 0 is not 1 (a ``[1, …]`` call is broadcast the usual way). T5's
+    relative bias (``[T, T]`` bucket indices), ``pos(torch.arange(T))``. Such a call is one per step, shared
+    by every example; its per-example gradients come from where the model broadcasts its output over the
+    examples (:mod:`~lightning_dp.mechanism.broadcast_sites`); any other use is refused. At n = 1 (the
+    probe's examples alone) a batched call has a dimension of size 1, so it is never mistaken for one."""
+    if not inputs or out.dim() == 0 or out.shape[0] == 1:
+        return False
+    return all(n not in t.shape for t in inputs) and n not in out.shape
 
 
 def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],

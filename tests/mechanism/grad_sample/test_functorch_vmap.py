@@ -61,5 +61,4 @@ def test_unsupported_layers_named():
             return self.lin(x * self.w)
 
     problems = make_engine("vmap").unsupported_layers(nn.Sequential(nn.BatchNorm1d(3), RootParam()))
-    assert len(problems) == 2
-    assert "BatchNorm1d" in problems[0] and "RootParam" in problems[1]
+    assert problems == ["0 (BatchNorm1d): mixes examples"]  # RootParam's w: served (root_parameters.py)

@@ -1,0 +1,154 @@
+"""Unbatched lookups: per-example gradients of a layer called without any example dimension.
+
+T5 and MPNet look up their relative position bias with ``[T, T]`` bucket indices (no batch
+dimension at all), permute the ``[T, T, H]`` result to ``[1, H, T, T]`` and add it to every
+example's attention scores; a ``pos(torch.arange(T))`` lookup added to ``[B, T, d]`` embeddings
+does the same. Autograd sums the gradient over the batch where the bias is broadcast, so a
+hook on the lookup sees only Σ_i δ_i. This module finds the broadcast instead.
+
+From the lookup's call until the end of the step a :class:`torch.overrides.TorchFunctionMode`
+follows every tensor computed from the lookup's output (:class:`BroadcastSites`). At a
+**broadcast site**, an operation whose result has the step's n examples in dimension 0 (or the n·m
+rows of verified flattened examples, :mod:`~.validators.example_dim`) while the followed tensor t has none there (dimension 0 of size 1, or fewer dimensions: ``scores + bias``,
+``bias.expand(B, …)``, a batched matmul), t is replaced by its explicit expansion
+e = t.expand(n, …) (a view: the same values, so the model computes the same result), and a hook
+on e receives example i's gradient in row i. Each site's rows are mapped back to the lookup's
+output through the (linear) chain of operations between them,
+
+    δ_i(out) = ∂⟨t, Σ_{broadcast dims} G_i⟩/∂out        (one batched vector-Jacobian product),
+
+and summed over sites and layers (T5 reuses one bias in every layer). The capture records the
+call with its inputs expanded to n rows (views) and these δ_i, so every engine serves it as an
+ordinary batched call.
+
+Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
+not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
+naming the layer); the first step's probe compares the result with each example run alone.
+Cost: the mode intercepts every torch call of the forward after the first lookup (Python
+overhead), only in models that have such a lookup.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class _Source:
+    """One lookup call: its output, the per-example gradient gathered so far, where it goes."""
+
+    def __init__(self, out: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
+        self.out, self.n, self.deliver = out, n, deliver
+        self.per_example: Optional[Tensor] = None
+        self.mapping = False
+
+    def arrive(self, t: Tensor, full: torch.Size, grad: Tensor) -> None:
+        """Tensor hook of a site's expansion e: rows of ``grad`` are the examples' gradients w.r.t. e (n·m rows
+        of flattened examples: example i's are rows i·m … (i+1)·m − 1, summed)."""
+        rows = grad.shape[0]
+        if rows != self.n:
+            grad = grad.reshape(self.n, rows // self.n, *grad.shape[1:]).sum(1)
+        g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t.shape)
+        if t is not self.out:
+            self.mapping = True  # the nested backward reaches the output's own hook: not the real gradient
+            try:
+                g = torch.autograd.grad(t, self.out, g, retain_graph=True, is_grads_batched=True)[0]
+            finally:
+                self.mapping = False
+        self.per_example = g if self.per_example is None else self.per_example + g
+
+    def settle(self, total: Tensor) -> None:
+        """Hook on the lookup's output (fires after every site): hand over the rows, with the total."""
+        self.deliver(self.per_example if self.n > 1 else total.unsqueeze(0), total)
+
+
+class BroadcastSites(TorchFunctionMode):
+    """The mode of the module docstring for one step of n examples (entered at the first lookup)."""
+
+    def __init__(self, n: int, flattened: Callable[[], set[int]] = set) -> None:
+        super().__init__()
+        self.n, self._flattened = n, flattened
+        self._followed: dict[int, tuple[weakref.ref, _Source]] = {}
+        self.active = False
+
+    def follow(self, out: Tensor, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
+        """Follow ``out`` (a lookup's output); ``deliver(rows, total)`` is called when its gradient is known."""
+        source = _Source(out, self.n, deliver)
+        out.register_hook(lambda g: None if source.mapping else source.settle(g.detach()))
+        if self.n > 1:
+            self._remember(out, source)
+            if not self.active:
+                self.__enter__()
+                self.active = True
+
+    def close(self) -> None:
+        """Leave the mode (end of the step's forward and backward); idempotent."""
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+        self._followed.clear()
+
+    def _remember(self, t: Tensor, source: _Source) -> None:
+        self._followed[id(t)] = (weakref.ref(t), source)
+
+    def _source(self, t: Any) -> Optional[_Source]:
+        if not isinstance(t, Tensor):
+            return None
+        entry = self._followed.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        followed = [(i, s) for i, s in ((i, self._source(v)) for i, v in enumerate(flat)) if s is not None]
+        if not followed:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
+        computed = not (in_place and isinstance(flat[0], Tensor) and self._source(flat[0]) is None)
+        result = func(*args, **kwargs) if computed else flat[0]  # in place on an unfollowed tensor: its shape
+        rows = {self.n} | self._flattened()
+        sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
+        if sites:
+            for i, source in sites:
+                flat[i] = self._expanded(flat[i], source, result.dim(), result.shape[0])
+            args, kwargs = tree_unflatten(flat, spec)
+            return func(*args, **kwargs)
+        if not computed:
+            result = func(*args, **kwargs)
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, Tensor):
+                self._remember(t, followed[0][1])
+        return result
+
+    def _expanded(self, t: Tensor, source: _Source, rank: int, rows: int) -> Tensor:
+        full = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+        e = full.expand(rows, *full.shape[1:])
+        if e.requires_grad:
+            shape = e.shape
+            e.register_hook(lambda g: source.arrive(t, shape, g))
+        return e
+
+
+BROADCASTING: frozenset[str] = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "addcmul", "addcdiv", "where", "maximum", "minimum", "matmul",
+    "add_", "sub_", "mul_", "div_", "addcmul_", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__",
+    "__isub__", "__mul__", "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__",
+    "__rmatmul__", "expand", "expand_as", "broadcast_to", "scaled_dot_product_attention",
+})
+"""Operations whose result broadcasts their inputs (so an input expanded to n rows gives the same values). Only
+these are broadcast sites: expanding a weight of ``F.linear`` or ``F.embedding`` would change the operation; such
+a use is followed on, never served, and the examples' gradients then do not add up (refused)."""
+
+
+def _grows_examples(t: Tensor, result: Any, rows: set[int]) -> bool:
+    """Whether ``result`` has one row per example (n, or the n·m rows of flattened examples) in dimension 0 that
+    ``t`` broadcasts into (t's aligned dimension 0 is 1 or absent)."""
+    if not isinstance(result, Tensor) or result.dim() == 0 or result.shape[0] not in rows or t.dim() > result.dim():
+        return False
+    return t.dim() < result.dim() or t.shape[0] == 1
