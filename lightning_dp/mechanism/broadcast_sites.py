@@ -102,8 +102,19 @@ class BroadcastSites(TorchFunctionMode):
         entry = self._followed.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
+    def _mentions_followed(self, args: tuple, kwargs: dict) -> bool:
+        """Cheap pre-check (every torch call of the forward comes here): a followed tensor among the arguments,
+        one level of lists/tuples deep; the full pytree walk only when one is."""
+        followed = self._followed
+        for v in (*args, *kwargs.values()):
+            if id(v) in followed or (type(v) in (list, tuple) and any(id(w) in followed for w in v)):
+                return True
+        return False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self._mentions_followed(args, kwargs):
+            return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         followed = [(i, s) for i, s in ((i, self._source(v)) for i, v in enumerate(flat)) if s is not None]
         if not followed:
