@@ -39,6 +39,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
+def adds_up(per_example: Tensor, total: Tensor) -> bool:
+    """Σ_i δ_i = the gradient autograd delivered, to the precision of the dtype (rounding of the sums): the
+    per-step check that every use of a followed tensor was a broadcast site."""
+    rtol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(total.dtype, 3e-2)
+    diff = (per_example.sum(0).to(total.dtype) - total).abs().max()
+    return bool(diff <= rtol * max(float(total.abs().max()), 1e-12) + 1e-30)
+
+
 class _Source:
     """One lookup call: its output, the per-example gradient gathered so far, where it goes."""
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
@@ -229,13 +229,6 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return tuple(bound.args), dict(bound.kwargs)
 
 
-def adds_up(per_example: Tensor, total: Tensor) -> bool:
-    """Σ_i δ_i = the gradient autograd delivered, to the precision of the dtype (rounding of the sums)."""
-    rtol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(total.dtype, 3e-2)
-    diff = (per_example.sum(0).to(total.dtype) - total).abs().max()
-    return bool(diff <= rtol * max(float(total.abs().max()), 1e-12) + 1e-30)
-
-
 def grouped(a: Any, rows: int, n: int) -> Any:
     """Every tensor in ``a`` (nested tuples/lists too) with ``rows`` = n·m rows in dimension 0, as ``[n, m, …]``
     (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`)."""
@@ -337,7 +330,8 @@ class ActivationCapture:
             args, kwargs = bind_call(module, args, kwargs)
             if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
                 raise packed_sequence_error(calls.name, module)
-            if n is not None and not time_major and self._is_lookup(module, args, kwargs, out, n, dims):
+            inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
+            if n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims):
                 self._record_lookup(calls, args, kwargs, out, n)
                 return None
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
@@ -347,7 +341,7 @@ class ActivationCapture:
                     return None
                 out, args = broadcast_call(out, args, n)
                 leaves = [out]
-            rows = None if time_major else self._flattened_rows(args, kwargs, leaves, live, n, dims)
+            rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
             if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
                 args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
             if n is not None:
@@ -373,14 +367,13 @@ class ActivationCapture:
 
         return hook
 
-    def _is_lookup(self, module: nn.Module, args: tuple, kwargs: dict, out: Any, n: int, dims: ExampleDims) -> bool:
+    def _is_lookup(self, module: nn.Module, inputs: list[Tensor], out: Any, n: int, dims: ExampleDims) -> bool:
         """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a layer
         once seen so stays one for the run (a later step whose n happens to equal T must not slice [T, T])."""
         if not isinstance(out, Tensor) or dims.output(0) != 0 or isinstance(module, (*UNITS, nn.RNNBase)):
             return False
         if id(module) in self._lookups:
             return True
-        inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
         if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n)) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
         if unbatched_call(inputs, out, n):
@@ -414,12 +407,17 @@ class ActivationCapture:
         """Gather example i's gradient of ``t`` (no example dimension) where the model broadcasts it over this
         step's n examples (:mod:`.broadcast_sites`); ``deliver(rows or None, total)`` after backward."""
         if self._sites is None or self._sites.n != n:
-            if self._sites is not None:
-                self._sites.close()
+            self._close_sites()
             self._sites = BroadcastSites(n, lambda: self._flattened)
         self._sites.follow(t, deliver)
 
-    def _flattened_rows(self, args: tuple, kwargs: dict, leaves: list, live: list[int], n: Optional[int],
+    def _close_sites(self) -> None:
+        """Leave this step's broadcast-site mode (end of step, detach, or a step of another size)."""
+        if self._sites is not None:
+            self._sites.close()
+            self._sites = None
+
+    def _flattened_rows(self, inputs: list[Tensor], leaves: list, live: list[int], n: Optional[int],
                         dims: ExampleDims) -> Optional[int]:
         """The row count n·m (m > 1) of a call on flattened examples, else ``None``: every live output has
         that many rows at dimension 0, and an argument is a verified flattening view of ``[n, …]``
@@ -429,7 +427,6 @@ class ActivationCapture:
         rows = leaves[live[0]].shape[0]
         if rows <= n or rows % n or any(leaves[k].shape[0] != rows for k in live):
             return None
-        inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
         if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n) for t in inputs):
             self._flattened.add(rows)
         return rows if rows in self._flattened else None
@@ -467,9 +464,7 @@ class ActivationCapture:
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
         self._flattened.clear()
-        if self._sites is not None:
-            self._sites.close()
-            self._sites = None
+        self._close_sites()
         self.roots.clear()
         for calls in self._calls.values():
             calls.records.clear()
@@ -482,9 +477,7 @@ class ActivationCapture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._sites is not None:
-            self._sites.close()
-            self._sites = None
+        self._close_sites()
         self._calls.clear()
         self.roots.detach()
         self.expected = None

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.mechanism.broadcast_sites import adds_up
+
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -100,8 +102,6 @@ class RootParameters:
 
     def _followed(self, p: Tensor, n: int) -> Tensor:
         """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss)."""
-        from lightning_dp.mechanism.capture import adds_up
-
         view, key = p.view_as(p), id(p)
         assert self._follow is not None
 
