@@ -10,6 +10,8 @@ the strategy tells it how many examples the sampler put in the step
 (:meth:`ActivationCapture.begin_step`), and every call whose example dimension differs is
 recorded as a mismatch (:func:`~lightning_dp.mechanism.validators.example_dim.check_example_dim`
 turns it into an error naming the layer) instead of being clipped per token or per time step.
+An RNN called on a ``PackedSequence`` is recorded as called; its examples are the packed sequences
+(:meth:`ActivationCapture._record_packed`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Record:
     grad_outs: list[Optional[Tensor]] = field(default_factory=lambda: [None])
     rng: Optional[Any] = None  # random state before the call, for layers that draw (example_dims.draws_randomness)
     generation: int = 0  # the LayerCalls generation (step) the call belongs to
+    output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -133,6 +136,8 @@ class LayerCalls:
 def _detached(a: Any) -> Any:
     if isinstance(a, Tensor):
         return a.detach()
+    if isinstance(a, PackedSequence):  # a tuple whose constructor takes its fields, not an iterable
+        return a._replace(data=a.data.detach())
     if isinstance(a, (tuple, list)):
         return type(a)(_detached(v) for v in a)
     return a
@@ -329,7 +334,8 @@ class ActivationCapture:
             n = self.expected
             args, kwargs = bind_call(module, args, kwargs)
             if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-                raise packed_sequence_error(calls.name, module)
+                self._record_packed(calls, args, kwargs, leaves, n)
+                return None
             inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
             if n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims):
                 self._record_lookup(calls, args, kwargs, out, n)
@@ -354,7 +360,8 @@ class ActivationCapture:
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
-                         self._rng if draws_randomness(module) else None, calls.generation)
+                         self._rng if draws_randomness(module) else None, calls.generation,
+                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))
@@ -366,6 +373,27 @@ class ActivationCapture:
             return out
 
         return hook
+
+    def _record_packed(self, calls: LayerCalls, args: tuple, kwargs: dict, leaves: list, n: Optional[int]) -> None:
+        """Record an RNN's call on a ``PackedSequence`` as it was made (the packed input kept), its output
+        gradients in a padded call's slots: the packed output's data (rows of all examples, sorted by length;
+        :mod:`~.grad_sample.rnn_unrolled` maps them back to examples), h_n, c_n. The examples are the packed
+        sequences, verified against the step's n. Any other layer on a ``PackedSequence``, and an RNN drawing
+        inter-layer dropout masks, is refused (:func:`~.validators.example_dim.packed_sequence_error`)."""
+        module = calls.module
+        if not isinstance(module, nn.RNNBase) or (module.training and module.dropout and module.num_layers > 1):
+            raise packed_sequence_error(calls.name, module)
+        packed = args[0] if args else kwargs["input"]
+        outputs = [leaves[0], *leaves[4:]]  # tree_flatten: data, batch_sizes, sorted, unsorted indices, h_n(, c_n)
+        if n is not None and int(packed.batch_sizes[0]) != n:
+            calls.mismatches.append(tuple(outputs[1].shape))
+            return
+        rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(outputs),
+                     None, calls.generation, outputs[0].detach())
+        calls.records.append(rec)
+        for k, t in enumerate(outputs):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(lambda g, k=k: rec.set_grad(g, k))
 
     def _is_lookup(self, module: nn.Module, inputs: list[Tensor], out: Any, n: int, dims: ExampleDims) -> bool:
         """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a layer

@@ -202,8 +202,22 @@ def test_auto_keeps_root_owned_tokens_on_ghost():
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
-def test_a_packed_sequence_is_refused_naming_the_padded_alternative(engine):
-    zoo.assert_refused(zoo.PackedRecurrent, zoo.token_data(), r"PackedSequence.*lengths - 1", per_sample=engine)
+@pytest.mark.parametrize("factory", [
+    zoo.PackedRecurrent,
+    lambda: zoo.PackedRecurrent("LSTM", on_output=True, num_layers=2, bidirectional=True),
+    lambda: zoo.PackedRecurrent("GRU", on_output=True, bidirectional=True),
+    lambda: zoo.PackedRecurrent("RNN", num_layers=2),
+], ids=["lstm-hn", "lstm-2l-bi-output", "gru-bi-output", "rnn-2l-hn"])
+def test_a_packed_sequence_is_exact(factory, engine):
+    """Examples of lengths 1..T in one batch (rnn_unrolled.py: padded rows, final-state gradients entering at each
+    example's last step, the reverse direction reversed within each length)."""
+    zoo.assert_exact(factory, zoo.token_data(pad=True), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_packed_inter_layer_dropout_in_training_is_refused_naming_the_fix(engine):
+    zoo.assert_refused(lambda: zoo.PackedRecurrent("GRU", num_layers=2, dropout=0.5), zoo.token_data(pad=True),
+                       r"PackedSequence.*dropout=0.5.*F.dropout", per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

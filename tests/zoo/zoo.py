@@ -361,20 +361,30 @@ class TorchRecurrent(Base):
 
 
 class PackedRecurrent(Base):
-    """nn.LSTM on a PackedSequence (pack_padded_sequence of examples of different lengths): refused by name."""
+    """nn.LSTM / nn.GRU / nn.RNN on a PackedSequence (pack_padded_sequence of examples of different lengths, taken
+    from the data, unsorted): exact. The loss reads h_n and, with ``on_output``, the padded output too
+    (pad_packed_sequence, a token mean over each example's own steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "LSTM", on_output: bool = False, **rnn_kwargs: Any) -> None:
         super().__init__()
+        self.on_output = on_output
+        self.rnn = getattr(nn, kind)(D, D, batch_first=True, **rnn_kwargs)
         self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
-        self.rnn = nn.LSTM(D, D, batch_first=True)
+        if on_output:
+            self.token_head = nn.Linear(D * (2 if self.rnn.bidirectional else 1), V)
 
     def loss(self, batch):
-        from torch.nn.utils.rnn import pack_padded_sequence
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
         x, y = batch
-        lengths = (x.shape[1] - torch.arange(x.shape[0]) % 3).clamp(min=1)
-        _, (h, _) = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
-        return F.cross_entropy(self.head(h[-1]), y[:, 0])
+        lengths = (y != -100).sum(1)  # token_data(pad=True): example i has 1 + i % T steps
+        out, hidden = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
+        h = hidden[0] if isinstance(hidden, tuple) else hidden
+        loss = F.cross_entropy(self.head(torch.tanh(h[-1])), y[:, 0], reduction="none")
+        if self.on_output:
+            padded, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+            loss = loss + per_example_token_mean(self.token_head(padded), y)
+        return loss.mean()
 
 
 class WritesState(Base):

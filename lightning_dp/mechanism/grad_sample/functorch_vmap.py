@@ -24,11 +24,13 @@ used only inside the forward of a module that owns it (the probe compares with a
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
@@ -43,7 +45,7 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.grad_sample.attention import attention_grads, attention_supported
-from lightning_dp.mechanism.grad_sample.rnn_unrolled import unrolled_rnn_grads, unrolled_supported
+from lightning_dp.mechanism.grad_sample.rnn_unrolled import recorded_input, unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -82,10 +84,19 @@ def structural_problems(module: nn.Module) -> list[str]:
     return problems
 
 
+def _recorded_examples(rec: Any) -> int:
+    """Dimension 0 of a call's (first) output gradient; for an RNN on a ``PackedSequence``, its number of
+    sequences (its output gradient holds the rows of all of them)."""
+    x = recorded_input(rec) if rec.args is not None else None
+    if isinstance(x, PackedSequence):
+        return int(x.batch_sizes[0])
+    return rec.grad_out.shape[0] if rec.grad_out is not None and rec.grad_out.dim() else -1
+
+
 def batch_size_of_calls(layers: dict[int, LayerCalls]) -> int:
     """The common dimension 0 of every captured output gradient (and reduced per-example grad),
     for engines used without :meth:`~GradSampleEngine.begin_step`; raises if they differ."""
-    sizes = {c.name: {r.grad_out.shape[0] if r.grad_out is not None and r.grad_out.dim() else -1 for r in c.records}
+    sizes = {c.name: {_recorded_examples(r) for r in c.records}
              | {g.shape[0] for g in c.reduced.values()} for c in layers.values()}
     distinct = set().union(*sizes.values()) if sizes else set()
     if len(distinct) != 1:
@@ -169,6 +180,54 @@ def loop_layer_grads(
     return total
 
 
+def _is_packed(rec: Any) -> bool:
+    return isinstance(recorded_input(rec), PackedSequence)
+
+
+def packed_loop_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
+    """:func:`loop_layer_grads` for an RNN whose calls include some on a ``PackedSequence`` (``proj_size``, which
+    the unrolled rule does not serve): example i is packed alone from its own ℓ_i steps (the batch's order:
+    ``unsorted_indices``) with its own initial state, and g_i = n · ∂(⟨out_i, δ_i⟩ + ⟨h_n,i, δh_i⟩ + …)/∂θ,
+    δ_i its rows of the packed output gradient."""
+    padded = [r for r in calls.records if not _is_packed(r)]
+    total = loop_layer_grads(replace(calls, records=padded), wanted, n) if padded else {}
+    with torch.enable_grad():
+        params = {name: p.detach().requires_grad_(True) for name, p in wanted}
+        for rec in (r for r in calls.records if _is_packed(r)):
+            x = recorded_input(rec)
+            seq, lengths = pad_packed_sequence(x, batch_first=True)
+            g_out = rec.grad_outs[0]
+            d_seq = None if g_out is None else pad_packed_sequence(x._replace(data=g_out), batch_first=True)[0]
+            hx = rec.args[1] if len(rec.args) > 1 else rec.kwargs.get("hx")
+            rows: list[tuple[Tensor, ...]] = []
+            for i in range(n):
+                ell = int(lengths[i])
+                alone = pack_padded_sequence(seq[i:i + 1, :ell], lengths[i:i + 1], batch_first=True)
+                out = functional_call(calls.module, params, (alone, _sliced(hx, _hidden_dims(hx), i)))
+                leaves = [out[0].data, *tree_flatten(out[1])[0]]
+                dot = sum((leaves[k] * (d_seq[i, :ell] if k == 0 else g.narrow(1, i, 1)).to(leaves[k].dtype)).sum()
+                          for k, g in enumerate(rec.grad_outs) if g is not None)
+                rows.append(torch.autograd.grad(dot, list(params.values()), allow_unused=True))
+            for j, (name, p) in enumerate(params.items()):
+                g = torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows]) * n
+                total[name] = g if name not in total else total[name] + g
+    return total
+
+
+def _hidden_dims(hx: Any) -> Any:
+    """Example dimension of an RNN's initial state (``[L, n, H]``, or LSTM's pair of them)."""
+    return None if hx is None else [1, 1] if isinstance(hx, (tuple, list)) else 1
+
+
+def packed_rnn_layer_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
+    """An RNN called on a ``PackedSequence`` (as well, maybe, as on padded tensors): the unrolled rule
+    (:mod:`.rnn_unrolled`), or one backward per example where it does not serve (``proj_size``). Inter-layer
+    dropout in training on a ``PackedSequence`` never gets here: the capture refuses it."""
+    if all(unrolled_supported(calls.module, rec) for rec in calls.records):
+        return unrolled_rnn_grads(calls, wanted, n)
+    return packed_loop_grads(calls, wanted, n)
+
+
 def replayed_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
@@ -219,10 +278,12 @@ def vmap_layer_grads(
 
     Two layer kinds take a rule of their own, exact and faster: torch's ``nn.MultiheadAttention``
     (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
-    (:mod:`.rnn_unrolled`)."""
+    (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``)."""
     module = calls.module
     if isinstance(module, nn.MultiheadAttention) and all(attention_supported(module, r) for r in calls.records):
         return attention_grads(calls, wanted, n)
+    if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):
+        return packed_rnn_layer_grads(calls, wanted, n)
     if any(rec.rng is not None for rec in calls.records):
         return replayed_layer_grads(calls, wanted, n)
     if isinstance(calls.module, nn.RNNBase):

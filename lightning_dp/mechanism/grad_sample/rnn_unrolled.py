@@ -4,8 +4,10 @@ backward through time.
 The fused RNN kernels cannot run under ``torch.func.vmap``, and one small backward per example
 (:func:`~lightning_dp.mechanism.grad_sample.functorch_vmap.loop_layer_grads`) costs n backward
 passes. Here the recorded call is recomputed once, layer by layer with torch's own fused kernel (all
-hidden states h_t of the layer in one call), and from them, for all time steps at once, the gate
-pre-activations G_t = x_t W_ihᵀ + b_ih and R_t = h_{t−1} W_hhᵀ + b_hh. The gradients ∂/∂G_t and
+hidden states h_t of the layer in one call; the last layer's are the call's own recorded output, so only
+the layers below it run again), and from them, for all time steps at once, the gate pre-activations
+G_t = x_t W_ihᵀ + b_ih and R_t = h_{t−1} W_hhᵀ + b_hh (for an LSTM or RNN, whose cell reads only their
+sum, G_t + R_t = [x_t, h_{t−1}] [W_ih, W_hh]ᵀ + b_ih + b_hh in one product). The gradients ∂/∂G_t and
 ∂/∂R_t of Σ_k ⟨f_k(θ, x), δ_k⟩ (δ_k: the recorded output gradients) then come from the cell's
 derivative written out by hand (below): everything that depends only on the forward values is
 computed for all steps in a few vectorised operations, and only the recurrence itself (the carried
@@ -32,9 +34,24 @@ reaching h_t, the step's output gradient plus what h_{t+1} carries back):
   ∂G_z = ∂R_z = dh·(h₋ − n)·σ'(z); dh₋ = dh·z + ∂R W_hh.
 * RNN: h = tanh or relu(G + R); ∂G = ∂R = dh·act'; dh₋ = ∂R W_hh.
 
+A call on a ``PackedSequence`` (``pack_padded_sequence``, sorted or not) is recomputed on the packed
+data with the fused kernel's packed form, and everything is then brought to padded ``[n, T, …]`` rows in
+the batch's own order (``unsorted_indices``), zeros past each example's length ℓ_i, output gradients
+too. Example i's recurrence runs over t < ℓ_i only; the padded steps after it are made inert rather than
+masked: the gradient of h_n (and c_n) enters at step ℓ_i − 1, where the packed state stops, instead of at
+T − 1, so ∂/∂h_t = ∂/∂c_t = 0 for every t ≥ ℓ_i and the gates there get exactly zero gradient (the values
+computed on the padding multiply only these zeros). The reverse direction of a bidirectional layer reads
+example i from ℓ_i − 1 down to 0: each row is reversed within its own length,
+
+    rev_i(t) = ℓ_i − 1 − t for t < ℓ_i, t otherwise,
+
+which makes it a forward recurrence of the same shape; its input gradient is reversed back by the same
+index (rev_i is its own inverse).
+
 Served: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, a given initial state,
-padded tensors (not ``PackedSequence``), no ``proj_size``, no inter-layer dropout in training
-(those keep the loop).
+padded tensors and ``PackedSequence``; no ``proj_size``, no inter-layer dropout in training (those
+keep one small backward per example; on a ``PackedSequence`` training dropout is refused by the
+capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_error`).
 """
 
 from __future__ import annotations
@@ -44,10 +61,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from lightning_dp.mechanism.capture import LayerCalls
 
 _SERVED = (nn.LSTM, nn.GRU, nn.RNN)
+
+
+def recorded_input(rec: Any) -> Any:
+    """The input sequence of a recorded RNN call: a tensor or a ``PackedSequence``."""
+    return rec.args[0] if rec.args else rec.kwargs.get("input")
 
 
 def unrolled_supported(module: nn.Module, rec: Any) -> bool:
@@ -56,12 +79,14 @@ def unrolled_supported(module: nn.Module, rec: Any) -> bool:
         return False
     if module.dropout and module.training and module.num_layers > 1:
         return False  # random masks between layers: the loop path replays them
-    x = rec.args[0] if rec.args else rec.kwargs.get("input")
+    x = recorded_input(rec)
+    if isinstance(x, PackedSequence):
+        return x.data.dim() == 2
     return isinstance(x, Tensor) and x.dim() == 3
 
 
 def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-    """h_0 (and c_0 for an LSTM), ``[layers·directions, n, H]``; zeros when not given."""
+    """h_0 (and c_0 for an LSTM), ``[layers·directions, n, H]`` in the batch's order; zeros when not given."""
     hx = rec.args[1] if len(rec.args) > 1 else rec.kwargs.get("hx")
     shape = (module.num_layers * (2 if module.bidirectional else 1), n, module.hidden_size)
     if hx is None:
@@ -72,17 +97,85 @@ def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor
     return hx.detach().to(like.dtype), None
 
 
-def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tensor], flat: list[Tensor]) -> Tensor:
+def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tensor], flat: list[Tensor],
+                 batch_sizes: Optional[Tensor] = None) -> Tensor:
     """One layer, every direction, by torch's fused kernel (what the module's own forward runs):
-    its outputs ``[n, T, directions·H]`` from ``[n, T, D]`` inputs."""
-    args = (flat, module.bias, 1, 0.0, False, module.bidirectional, True)
+    its outputs ``[n, T, directions·H]`` from ``[n, T, D]`` inputs or, with ``batch_sizes``, the packed
+    outputs ``[rows, directions·H]`` from a ``PackedSequence``'s data ``[rows, D]`` (h0, c0 in its sorted order)."""
+    if batch_sizes is None:
+        lead, tail = (inp,), (flat, module.bias, 1, 0.0, False, module.bidirectional, True)
+    else:
+        lead, tail = (inp, batch_sizes), (flat, module.bias, 1, 0.0, False, module.bidirectional)
     if isinstance(module, nn.LSTM):
         assert c0 is not None
-        return torch.lstm(inp, (h0, c0), *args)[0]
+        return torch.lstm(*lead, (h0, c0), *tail)[0]
     if isinstance(module, nn.GRU):
-        return torch.gru(inp, h0, *args)[0]
+        return torch.gru(*lead, h0, *tail)[0]
     kernel = torch.rnn_relu if module.nonlinearity == "relu" else torch.rnn_tanh
-    return kernel(inp, h0, *args)[0]
+    return kernel(*lead, h0, *tail)[0]
+
+
+def _padded(packed: PackedSequence, data: Tensor) -> tuple[Tensor, Tensor]:
+    """``data``, laid out as ``packed``'s rows, as padded ``[n, T, …]`` in the batch's own order (zeros past each
+    example's length), and the lengths ℓ ``[n]``."""
+    out, lengths = pad_packed_sequence(packed._replace(data=data), batch_first=True)
+    return out, lengths.to(data.device)
+
+
+def _sorted(t: Optional[Tensor], order: Optional[Tensor]) -> Optional[Tensor]:
+    """An initial state ``[layers·directions, n, H]`` in a ``PackedSequence``'s sorted order."""
+    return t if t is None or order is None else t.index_select(1, order)
+
+
+def _layer_values(module: nn.RNNBase, x: Any, h0: Tensor, c0: Optional[Tensor], flats: list[list[Tensor]],
+                  top: Optional[Tensor]) -> tuple[list[Tensor], Optional[Tensor]]:
+    """Each layer's input and the last layer's output, batch-first ``[n, T, ·]`` in the batch's order: the layers
+    below the last recomputed by the fused kernel, the last one the call's own recorded output ``top`` (recomputed
+    too where none was recorded); for a ``PackedSequence`` padded with zeros past each length, and the lengths ℓ
+    ``[n]`` (``None`` for a padded call: every example runs all T steps)."""
+    dirs = 2 if module.bidirectional else 1
+    spans = [slice(layer * dirs, (layer + 1) * dirs) for layer in range(module.num_layers)]
+    recomputed = flats if top is None else flats[:-1]
+    if not isinstance(x, PackedSequence):
+        values = [x if module.batch_first else x.transpose(0, 1)]
+        for flat, span in zip(recomputed, spans):
+            values.append(_fused_layer(module, values[-1], h0[span], None if c0 is None else c0[span], flat))
+        if top is not None:
+            values.append(top if module.batch_first else top.transpose(0, 1))
+        return values, None
+    h0s, c0s = _sorted(h0, x.sorted_indices), _sorted(c0, x.sorted_indices)
+    data = [x.data]
+    for flat, span in zip(recomputed, spans):
+        data.append(_fused_layer(module, data[-1], h0s[span], None if c0s is None else c0s[span], flat,
+                                 x.batch_sizes))
+    if top is not None:
+        data.append(top)
+    padded = [_padded(x, d) for d in data]
+    return [p for p, _ in padded], padded[0][1]
+
+
+def _reversal(lengths: Tensor, T: int) -> Tensor:
+    """rev_i(t) ``[n, T]`` (module docstring): ℓ_i − 1 − t for t < ℓ_i, t on the padding after it."""
+    t = torch.arange(T, device=lengths.device)
+    ell = lengths.unsqueeze(1)
+    return torch.where(t < ell, ell - 1 - t, t)
+
+
+def _reverse(t: Tensor, rev: Optional[Tensor]) -> Tensor:
+    """``[n, T, …]`` with time reversed: all T steps (``rev`` None), or row i within its own length (rev_i)."""
+    if rev is None:
+        return t.flip(1)
+    return t.gather(1, rev.view(*rev.shape, *([1] * (t.dim() - 2))).expand_as(t))
+
+
+def _at_last_step(seq: Optional[Tensor], last: Tensor, final: Optional[Tensor], T: int) -> Optional[Tensor]:
+    """``seq`` ``[n, T, H]`` plus the final state's gradient ``final`` ``[n, H]`` at each example's last step
+    ``last_i`` = ℓ_i − 1 (where its packed state stops); ``seq`` unchanged without ``final``."""
+    if final is None:
+        return seq
+    base = final.new_zeros(final.shape[0], T, final.shape[1]) if seq is None else seq
+    rows = torch.arange(final.shape[0], device=final.device)
+    return base.index_put((rows, last), final, accumulate=True)
 
 
 def _steps(t: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
@@ -91,8 +184,9 @@ def _steps(t: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
 
 
 def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
-                   dc_last: Optional[Tensor], w_hh: Tensor) -> tuple[Tensor, Tensor]:
-    """(∂G, ∂R), both ``[n, T, 4H]``, of an LSTM direction from its pre-activations G + R (module docstring)."""
+                   dc_last: Optional[Tensor], w_hh: Tensor, dc_seq: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(∂G, ∂R), both ``[n, T, 4H]``, of an LSTM direction from its pre-activations G + R (module docstring);
+    ``dc_seq``: gradients reaching c_t from outside the recurrence (c_n's, at each example's last step)."""
     n, T, H4 = pre.shape
     H = H4 // 4
     act = torch.sigmoid(pre)
@@ -119,10 +213,13 @@ def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: O
     dh = dh_last if dh_last is not None else pre.new_zeros(n, H)
     dh = dh if d_seq is None else d_seq[T - 1] + dh
     dc = dc_last if dc_last is not None else pre.new_zeros(n, H)
+    dc_rows = _steps(dc_seq)
     for t in range(T - 1, -1, -1):
         if t < T - 1:  # dh_t = δ_t + ∂G_{t+1} W_hh, dc_t = dc_{t+1}·σ(f_{t+1}) + dh_t·∂c/∂h
             dh = torch.mm(rows[t + 1], w_hh) if d_seq is None else torch.addmm(d_seq[t], rows[t + 1], w_hh)
             dc = dc * fs[t + 1]
+        if dc_rows is not None:
+            dc = dc + dc_rows[t]
         dc = torch.addcmul(dc, dh, to_c[t])
         ifg[t].mul_(dc.unsqueeze(1))
         o_rows[t].mul_(dh)
@@ -186,59 +283,95 @@ def _outer_sum(d: Tensor, a: Tensor) -> Tensor:
     return torch.bmm(d.transpose(1, 2), a)
 
 
+def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
+    """[x_t, h_{t−1}] ``[n, T, D + H]`` from the inputs x ``[n, T, D]`` and states h ``[n, T, H]`` (h_{−1} = h0):
+    each step's input next to the state it reads, so that G + R is one product."""
+    n, T, D = x.shape
+    xh = x.new_empty(n, T, D + h.shape[-1])
+    xh[..., :D] = x
+    xh[:, 0, D:] = h0
+    xh[:, 1:, D:] = h[:, :-1]
+    return xh
+
+
+def _direction_grads(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: Optional[Tensor],
+                     dh_seq: Optional[Tensor], finals: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]],
+                     params: dict[str, Optional[Tensor]], wanted: set[str]) -> tuple[Tensor, dict[str, Tensor]]:
+    """One direction of one layer, time running forward: ∂G ``[n, T, gates·H]`` and the ``wanted`` per-example grads
+    (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh``; module docstring), from its inputs x, states h,
+    initial state, and output gradients ``dh_seq`` and ``finals`` = (∂/∂h_n, ∂/∂c_n, ∂/∂c_t from outside)."""
+    w_ih, w_hh, b_ih, b_hh = (params[k] for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+    dh_last, dc_last, dc_seq = finals
+    if isinstance(module, nn.GRU):
+        h_prev = torch.cat([h0.unsqueeze(1), h[:, :-1]], dim=1)
+        d_g, d_r = _gru_backward(F.linear(x, w_ih, b_ih).contiguous(), F.linear(h_prev, w_hh, b_hh), h_prev,
+                                 dh_seq, dh_last, w_hh)
+        parts = {"weight_ih": lambda: _outer_sum(d_g, x), "bias_ih": lambda: d_g.sum(1),
+                 "weight_hh": lambda: _outer_sum(d_r, h_prev), "bias_hh": lambda: d_r.sum(1)}
+        return d_g, {key: parts[key]() for key in wanted}
+    xh = _joined(x, h0, h)  # LSTM and RNN: ∂R = ∂G, and G + R = [x_t, h_{t−1}] [W_ih, W_hh]ᵀ + b_ih + b_hh
+    w = torch.cat([w_ih, w_hh], dim=1).t()
+    flat = xh.view(-1, xh.shape[-1])
+    pre = (torch.mm(flat, w) if b_ih is None else torch.addmm(b_ih + b_hh, flat, w)).view(*xh.shape[:2], -1)
+    if isinstance(module, nn.LSTM):
+        assert c0 is not None
+        d_g = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq)[0]
+    else:
+        d_g = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)[0]
+    D = x.shape[-1]  # each weight's grads on their own (contiguous: the clipping reads them flat)
+    parts = {"weight_ih": lambda: _outer_sum(d_g, xh[..., :D]), "weight_hh": lambda: _outer_sum(d_g, xh[..., D:]),
+             "bias_ih": lambda: d_g.sum(1), "bias_hh": lambda: d_g.sum(1)}
+    return d_g, {key: parts[key]() for key in wanted}
+
+
 def _record_grads(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` of the ``names`` parameters for one recorded call (batch-first inside)."""
+    """Per-example grads ``[n, *p.shape]`` of the ``names`` parameters for one recorded call (batch-first inside;
+    a ``PackedSequence`` padded in the batch's order, its final states' gradients entering at each example's
+    last step: module docstring)."""
     weights = {name: p.detach() for name, p in module.named_parameters()}
     dtype = next(iter(weights.values())).dtype
-    x = (rec.args[0] if rec.args else rec.kwargs["input"]).detach().to(dtype)
-    seq = x if module.batch_first else x.transpose(0, 1)  # [n, T, D]
-    h0, c0 = _initial(module, rec, n, seq)
+    x = recorded_input(rec)
+    packed = isinstance(x, PackedSequence)
+    x = x._replace(data=x.data.detach().to(dtype)) if packed else x.detach().to(dtype)
+    h0, c0 = _initial(module, rec, n, x.data if packed else x)
     grads = list(rec.grad_outs) + [None] * (3 - len(rec.grad_outs))
     d_out, d_hn, d_cn = (None if g is None else g.detach().to(dtype) * n for g in grads[:3])
     if d_out is None and d_hn is None and d_cn is None:
         return {}
-    if d_out is not None and not module.batch_first:
-        d_out = d_out.transpose(0, 1)
+    if d_out is not None:
+        d_out = _padded(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
     dirs, H = (2 if module.bidirectional else 1), module.hidden_size
     suffixes = [[f"_l{layer}" + ("_reverse" if d else "") for d in range(dirs)] for layer in range(module.num_layers)]
     keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
-    inputs = [seq]
-    for layer in range(module.num_layers):
-        flat = [weights[k + s] for s in suffixes[layer] for k in keys]
-        span = slice(layer * dirs, (layer + 1) * dirs)
-        inputs.append(_fused_layer(module, inputs[-1], h0[span], None if c0 is None else c0[span], flat))
+    flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in suffixes]
+    top = None if rec.output is None else rec.output.detach().to(dtype)
+    inputs, lengths = _layer_values(module, x, h0, c0, flats, top)
+    T = inputs[0].shape[1]
+    last = None if lengths is None else lengths - 1
+    rev = None if lengths is None or dirs == 1 else _reversal(lengths, T)
     out: dict[str, Tensor] = {}
     for layer in range(module.num_layers - 1, -1, -1):
         d_x: Optional[Tensor] = None
         for d, suffix in enumerate(suffixes[layer]):
             k = layer * dirs + d
-            w_ih, w_hh = weights["weight_ih" + suffix], weights["weight_hh" + suffix]
-            b_ih, b_hh = weights.get("bias_ih" + suffix), weights.get("bias_hh" + suffix)
             part = slice(d * H, (d + 1) * H)  # this direction's half of the layer's outputs
             x_d, h_d, dh_seq = inputs[layer], inputs[layer + 1][..., part], None if d_out is None else d_out[..., part]
-            if d:  # the reverse direction runs last-to-first: flip time, and flip its input gradient back
-                x_d, h_d, dh_seq = x_d.flip(1), h_d.flip(1), None if dh_seq is None else dh_seq.flip(1)
-            h_prev = torch.cat([h0[k].unsqueeze(1), h_d[:, :-1]], dim=1)
-            gi = F.linear(x_d, w_ih, b_ih).contiguous()
-            dh_last = None if d_hn is None else d_hn[k]
-            if isinstance(module, nn.GRU):
-                d_g, d_r = _gru_backward(gi, F.linear(h_prev, w_hh, b_hh), h_prev, dh_seq, dh_last, w_hh)
-            else:  # G + R, summed in place
-                pre = gi.view(-1, gi.shape[-1]).addmm_(h_prev.reshape(-1, H), w_hh.t()).view(gi.shape)
-                pre = pre if b_hh is None else pre.add_(b_hh)
-                if isinstance(module, nn.LSTM):
-                    assert c0 is not None
-                    d_g, d_r = _lstm_backward(pre, c0[k], dh_seq, dh_last, None if d_cn is None else d_cn[k], w_hh)
-                else:
-                    d_g, d_r = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)
-            parts = {"weight_ih": lambda: _outer_sum(d_g, x_d), "bias_ih": lambda: d_g.sum(1),
-                     "weight_hh": lambda: _outer_sum(d_r, h_prev), "bias_hh": lambda: d_r.sum(1)}
-            for key, compute in parts.items():
-                if key + suffix in names:
-                    out[key + suffix] = compute()
+            if d:  # the reverse direction runs last-to-first: reverse time, and its input gradient back
+                x_d, h_d = _reverse(x_d, rev), _reverse(h_d, rev)
+                dh_seq = None if dh_seq is None else _reverse(dh_seq, rev)
+            dh_last, dc_last = None if d_hn is None else d_hn[k], None if d_cn is None else d_cn[k]
+            dc_seq: Optional[Tensor] = None
+            if last is not None:  # packed: example i's state stops at ℓ_i − 1; the final gradients enter there
+                dh_seq, dh_last = _at_last_step(dh_seq, last, dh_last, T), None
+                dc_seq, dc_last = _at_last_step(None, last, dc_last, T), None
+            params = {key: weights.get(key + suffix) for key in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+            wanted = {key for key in params if key + suffix in names}
+            d_g, grads = _direction_grads(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
+                                          (dh_last, dc_last, dc_seq), params, wanted)
+            out.update({key + suffix: g for key, g in grads.items()})
             if layer > 0:
-                dx = d_g @ w_ih
-                dx = dx.flip(1) if d else dx
+                dx = d_g @ weights["weight_ih" + suffix]
+                dx = _reverse(dx, rev) if d else dx
                 d_x = dx if d_x is None else d_x + dx
         d_out = d_x
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 
@@ -67,15 +67,23 @@ def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],
 
 
 def packed_sequence_error(name: str, module: object) -> PrivacyConfigurationError:
-    """A recurrent layer called on a ``PackedSequence``: its rows are time steps of examples of different
-    lengths, sorted by length; no engine maps them back to examples yet (refused, before any release)."""
+    """A layer called on a ``PackedSequence`` that no engine maps back to examples (refused, before any
+    release). ``nn.LSTM``/``nn.GRU``/``nn.RNN`` are served (:mod:`~lightning_dp.mechanism.grad_sample.rnn_unrolled`)
+    except with inter-layer dropout in training: its masks, drawn inside the fused kernel on the packed
+    rows, cannot be replayed layer by layer. Any other layer would see the time steps of all examples as rows."""
+    head = f"layer '{name or '<root>'}' ({type(module).__name__}) was called on a PackedSequence (pack_padded_sequence)"
+    if isinstance(module, nn.RNNBase):
+        return PrivacyConfigurationError(
+            f"{head} in training mode with dropout={module.dropout} between its {module.num_layers} layers: those "
+            "random masks are drawn inside torch's fused kernel on the packed rows, and no per-example engine can "
+            "replay them layer by layer. Nothing was released. Set dropout=0.0, or stack single-layer RNNs with the "
+            "dropout applied to the packed data between them (PackedSequence(F.dropout(p.data, q, self.training), "
+            "p.batch_sizes, p.sorted_indices, p.unsorted_indices)); both train with exact per-example gradients."
+        )
     return PrivacyConfigurationError(
-        f"layer '{name or '<root>'}' ({type(module).__name__}) was called on a PackedSequence "
-        "(pack_padded_sequence): its rows are the time steps of all examples, sorted by length, and no "
-        "per-example engine maps them back to examples yet. Nothing was released. Call it on the padded batch "
-        "instead (batch_first=True, [B, T, d]) and take each example's output at its own last valid step, "
-        "out[torch.arange(B), lengths - 1] (a forward RNN's state there ignores the padding after it; a "
-        "bidirectional RNN's backward direction would read the padding: mask it, or use a forward RNN)."
+        f"{head}: its rows are the time steps of all examples, sorted by length, and only nn.LSTM, nn.GRU and "
+        "nn.RNN map them back to examples. Nothing was released. Call it on the packed data's padded form "
+        "instead (pad_packed_sequence(p, batch_first=True): [B, T, ...], example first)."
     )
 
 
