@@ -19,6 +19,7 @@ _EXPORTS = {
     "PrivacyBudget": "lightning_dp.callbacks",
     "PrivacyConfigurationError": "lightning_dp.errors",
     "PrivacyLedger": "lightning_dp.accounting.ledger",
+    "PublicPretraining": "lightning_dp.callbacks",
     "SecondMomentMonitor": "lightning_dp.callbacks",
     "calibrate_noise": "lightning_dp.accounting.calibration",
     "epsilon": "lightning_dp.accounting.epsilon",
@@ -53,7 +54,7 @@ after_import("lightning.pytorch", _register_unified_strategy)  # L.Trainer(strat
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
-    from lightning_dp.callbacks import AdamVariant, PrivacyBudget, SecondMomentMonitor
+    from lightning_dp.callbacks import AdamVariant, PrivacyBudget, PublicPretraining, SecondMomentMonitor
     from lightning_dp.errors import PrivacyConfigurationError
     from lightning_dp.losses import per_example_token_mean
     from lightning_dp.optim import DPAdagrad, DPAdam
@@ -72,6 +73,7 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyConfigurationError",
     "PrivacyLedger",
+    "PublicPretraining",
     "SecondMomentMonitor",
     "__version__",
     "calibrate_noise",

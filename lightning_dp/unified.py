@@ -5,7 +5,7 @@
 package imports from here instead of from ``lightning_dp``::
 
     import lightning as L
-    from lightning_dp.unified import DPStrategy, PrivacyBudget, AdamVariant, SecondMomentMonitor
+    from lightning_dp.unified import DPStrategy, PrivacyBudget, AdamVariant, SecondMomentMonitor, PublicPretraining
     # and DPShardedStrategy for models sharded by FSDP2
 
     trainer = L.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=5)
@@ -38,6 +38,7 @@ _GLUE = (  # the files that import Lightning, in dependency order (package last)
     "lightning_dp.sharded_strategy",
     "lightning_dp.callbacks.adam_variant",
     "lightning_dp.callbacks.privacy_budget",
+    "lightning_dp.callbacks.public_pretraining",
     "lightning_dp.callbacks.second_moment_monitor",
     "lightning_dp.callbacks",
 )
@@ -96,6 +97,7 @@ DPStrategy = _copies["lightning_dp.strategy"].DPStrategy
 DPShardedStrategy = _copies["lightning_dp.sharded_strategy"].DPShardedStrategy
 PrivacyBudget = _copies["lightning_dp.callbacks"].PrivacyBudget
 AdamVariant = _copies["lightning_dp.callbacks"].AdamVariant
+PublicPretraining = _copies["lightning_dp.callbacks"].PublicPretraining
 SecondMomentMonitor = _copies["lightning_dp.callbacks"].SecondMomentMonitor
 
-__all__ = ["AdamVariant", "DPShardedStrategy", "DPStrategy", "PrivacyBudget", "SecondMomentMonitor"]
+__all__ = ["AdamVariant", "DPShardedStrategy", "DPStrategy", "PrivacyBudget", "PublicPretraining", "SecondMomentMonitor"]

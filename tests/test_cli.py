@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from lightning_dp.cli import main
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
@@ -26,11 +28,20 @@ def test_unknown_command_and_help(capsys):
     assert "budget" in capsys.readouterr().out
 
 
-def test_the_recipe_config_runs_with_ema(tmp_path, capsys, monkeypatch):
+def test_the_recipe_config_runs_with_public_pretraining_and_ema(tmp_path, capsys, monkeypatch, caplog):
+    yaml = pytest.importorskip("yaml")
     monkeypatch.chdir(tmp_path)
-    config = CONFIG.parent / "digits_best.yaml"
+    recipe = yaml.safe_load((CONFIG.parent / "digits_best.yaml").read_text())
+    callbacks = [c["class_path"].rsplit(".", 1)[-1] for c in recipe["trainer"]["callbacks"]]
+    assert callbacks == ["PublicPretraining", "EMAWeightAveraging"]
+    pretraining = recipe["trainer"]["callbacks"][0]["init_args"]
+    pretraining["dataset"]["init_args"]["size"], pretraining["epochs"] = 200, 1  # shortened
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump(recipe, allow_unicode=True))
     args = ["fit", "--config", str(config), "--trainer.max_steps=3", "--trainer.logger=false",
             "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
-    assert main(args) == 0
+    with caplog.at_level("INFO", logger="lightning_dp.callbacks.public_pretraining"):
+        assert main(args) == 0
     out = capsys.readouterr().out
     assert "test/acc:" in out and "after 3 steps" in out
+    assert "frozen after public pretraining: features (10250 parameters stay trainable)" in caplog.text

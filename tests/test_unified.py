@@ -54,6 +54,11 @@ def test_both_namespaces_live_side_by_side():
     assert isinstance(lightning_dp.DPStrategy(noise_multiplier=1.0), pl.strategies.Strategy)
     assert not isinstance(unified.DPStrategy(noise_multiplier=1.0), pl.strategies.Strategy)
     assert unified.PrivacyBudget is not lightning_dp.PrivacyBudget
+    for name in unified.__all__:  # every callback of the unified build is a lightning.pytorch one
+        cls = getattr(unified, name)
+        if issubclass(cls, L.Callback) or issubclass(cls, pl.Callback):
+            assert issubclass(cls, L.Callback) and not issubclass(cls, pl.Callback), name
+    assert "PublicPretraining" in unified.__all__
 
 
 def test_the_wrong_namespace_error_names_the_import_that_fixes_it():

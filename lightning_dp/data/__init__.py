@@ -2,6 +2,7 @@
 
 from lightning_dp.data.augmentation import AugmentedViews, RandomShift
 from lightning_dp.data.digits import DigitsDataModule
+from lightning_dp.data.font_digits import FontDigits, render_font_digits
 from lightning_dp.data.pydoc_text import PydocTextDataModule
 
-__all__ = ["AugmentedViews", "DigitsDataModule", "PydocTextDataModule", "RandomShift"]
+__all__ = ["AugmentedViews", "DigitsDataModule", "FontDigits", "PydocTextDataModule", "RandomShift", "render_font_digits"]

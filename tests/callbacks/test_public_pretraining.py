@@ -1,0 +1,109 @@
+"""PublicPretraining: the model is trained on the public set before the private fit, nothing of it reaches
+the private mechanism or its ledger, frozen layers never move afterwards (no noise, no update), and resume
+keeps the checkpoint's weights and the freezing (issue 21)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyClassifier, make_loader, quiet_trainer
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+from lightning_dp import DPStrategy, PublicPretraining
+
+
+def _public(n: int = 400, seed: int = 7):
+    return make_loader(n=n, seed=seed).dataset  # same task, other draws: stands in for public data
+
+
+class _AtFitStart(Callback):
+    """The parameters (and their requires_grad) once the strategy has set up, before the first private step."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.trainable = {n for n, p in pl_module.named_parameters() if p.requires_grad}
+
+
+def _accuracy(module, dataset) -> float:
+    x, y = dataset.tensors
+    with torch.no_grad():
+        return float((module(x).argmax(1) == y).float().mean())
+
+
+def test_pretraining_learns_the_public_task_before_the_first_private_step():
+    torch.manual_seed(0)
+    module, public = TinyClassifier(), _public()
+    before = _accuracy(module, public)
+    seen = _AtFitStart()
+    pre = PublicPretraining(public, epochs=5, lr=0.05, batch_size=20)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    quiet_trainer(strategy=strategy, max_steps=3, callbacks=[pre, seen]).fit(module, make_loader())
+    assert len(pre.losses) == 5 and pre.losses[-1] < 0.5 * pre.losses[0]
+    probe = TinyClassifier()
+    probe.load_state_dict(seen.params)
+    assert _accuracy(probe, public) > max(0.9, before)  # learned before any private step ran
+    assert strategy.ledger.steps == 3  # pretraining steps are not private steps: not in the ledger
+
+
+def test_frozen_layers_never_move_and_the_rest_trains():
+    torch.manual_seed(0)
+    module = TinyClassifier()
+    seen = _AtFitStart()
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0)
+    quiet_trainer(strategy=strategy, max_steps=5, callbacks=[PublicPretraining(_public(), epochs=1, freeze=["net.0"]), seen]
+                  ).fit(module, make_loader())
+    assert seen.trainable == {"net.2.weight", "net.2.bias"}
+    after = dict(module.named_parameters())
+    for name in ("net.0.weight", "net.0.bias"):
+        assert torch.equal(after[name].detach(), seen.params[name])  # noise σ = 2 would move any noised coordinate
+        assert not after[name].requires_grad
+    assert not torch.equal(after["net.2.weight"].detach(), seen.params["net.2.weight"])
+
+
+def test_a_wrong_layer_name_fails_before_pretraining_and_names_the_layers():
+    calls = []
+
+    def loss(out, y):
+        calls.append(1)
+        return F.cross_entropy(out, y)
+
+    pre = PublicPretraining(_public(), epochs=1, freeze=["features"], loss=loss)
+    with pytest.raises(ValueError, match=r"no submodule 'features'.*net"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1, callbacks=[pre]).fit(
+            TinyClassifier(), make_loader())
+    assert not calls
+
+
+@pytest.mark.parametrize("kwargs", [dict(epochs=-1), dict(batch_size=0), dict(lr=0.0)])
+def test_bad_arguments_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        PublicPretraining(_public(), **kwargs)
+
+
+def test_test_after_fit_does_not_pretrain_again():
+    module = TinyClassifier()
+    pre = PublicPretraining(_public(), epochs=2)
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2, callbacks=[pre])
+    trainer.fit(module, make_loader())
+    weights = [p.detach().clone() for p in module.parameters()]
+    pre.losses = []
+    module.test_step = lambda batch, batch_idx: None
+    trainer.test(module, make_loader())
+    assert pre.losses == [] and all(torch.equal(a, p) for a, p in zip(weights, module.parameters()))
+
+
+def test_resume_keeps_the_checkpoint_weights_and_the_freezing(tmp_path):
+    first = TinyClassifier()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=1, enable_checkpointing=True,
+                  callbacks=[PublicPretraining(_public(), epochs=2, freeze=["net.0"], seed=0),
+                             ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(first, make_loader())
+    saved = first.net[0].weight.detach().clone()
+    resumed = TinyClassifier()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    # another pretraining seed gives other features; the checkpoint's must win, and stay frozen
+    quiet_trainer(strategy=strategy, max_epochs=2,
+                  callbacks=[PublicPretraining(_public(), epochs=2, freeze=["net.0"], seed=1)]).fit(
+        resumed, make_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert torch.equal(resumed.net[0].weight.detach(), saved) and not resumed.net[0].weight.requires_grad
+    assert strategy.ledger.steps == 20
