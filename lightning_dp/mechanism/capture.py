@@ -359,6 +359,11 @@ class ActivationCapture:
             if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
+            if isinstance(out, Tensor) and out._base is not None:
+                # A hook on a view never fires once the view is modified in place (`q = self.q(h); q /= s`, and
+                # F.linear on [B, T, d] returns a view): hand the model an alias that is not a view instead.
+                out = torch.ops.aten._unsafe_view(out, out.shape)
+                leaves = [out]
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          leaves[0].detach() if isinstance(module, nn.RNNBase) else None)

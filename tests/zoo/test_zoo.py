@@ -115,8 +115,8 @@ def test_parameters_of_a_module_with_children_broadcast_over_the_examples_are_ex
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_container_weight_used_by_a_functional_layer_is_refused(engine):
-    zoo.assert_refused(zoo.ContainerWeight, zoo.vector_data(), "No per-example gradient captured for the trainable "
-                       "parameter <root>.weight", per_sample=engine)
+    zoo.assert_refused(zoo.ContainerWeight, zoo.vector_data(), "parameter <root>.weight .*received a gradient, but "
+                       "from no use", per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -299,3 +299,30 @@ def test_a_forward_that_raises_after_an_unbatched_lookup_leaves_no_mode_behind()
     with pytest.raises(Exception, match="a bug in the user's code"):
         zoo.private_step(Raises().double(), zoo._as_double(zoo.token_data()))
     assert not any(isinstance(m, BroadcastSites) for m in _get_current_function_mode_stack())
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_in_place_ops_on_a_linear_output_are_exact(engine):
+    zoo.assert_exact(zoo.InPlaceOnLinearOutput, zoo.token_data(), per_sample=engine)
+
+
+def test_in_place_ops_under_full_backward_hooks_are_refused_naming_the_engines_that_serve_them():
+    zoo.assert_refused(zoo.InPlaceOnLinearOutput, zoo.token_data(), "modified in place.*per_sample='ghost' or 'vmap'",
+                       per_sample="opacus_hooks")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_unused_parameters_get_zero_per_example_gradients(engine):
+    """A pooler, a spare head and a mask token the loss never reads: exact (zero gradient, noise only), not refused."""
+    zoo.assert_exact(zoo.UnusedParameters, zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_gradient_from_an_uncaptured_use_of_an_idle_layer_is_still_refused(engine):
+    zoo.assert_refused(zoo.FunctionalUseOfAnIdleLayer, zoo.vector_data(), "pooler.weight.*received a gradient, but "
+                       "from no use that the per-example engine captures", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_reentrant_checkpointing_is_exact(engine):
+    zoo.assert_exact(zoo.ReentrantCheckpoint, zoo.vector_data(), per_sample=engine)

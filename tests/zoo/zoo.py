@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -582,6 +583,59 @@ class ContainerWeight(Base):
     def loss(self, batch):
         x, y = batch
         return F.cross_entropy(F.linear(torch.tanh(self.a(x)), self.weight), y)
+
+
+class InPlaceOnLinearOutput(Base):
+    """``q = self.q(h); q /= 2`` on a [B, T, d] Linear output (Longformer/LED's query scaling, Swinv2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.q, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        q = self.q(self.emb(x))
+        q /= 2.0
+        q.tanh_()
+        return F.cross_entropy(self.head(q).flatten(0, 1), y.flatten())
+
+
+class ReentrantCheckpoint(Base):
+    """``torch.utils.checkpoint(..., use_reentrant=True)``: the block's forward runs without gradients and is
+    recomputed inside backward, where the hooks see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True)
+        return F.cross_entropy(self.b(h), y)
+
+
+class UnusedParameters(Base):
+    """A pooler and a second head that the loss never reads (Hugging Face poolers, mask tokens, spare heads):
+    their per-example gradients are exactly zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+        self.pooler, self.spare_head = nn.Linear(D, D), nn.Linear(D, 5)
+        self.mask_token = nn.Parameter(torch.randn(1, D))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+class FunctionalUseOfAnIdleLayer(UnusedParameters):
+    """The spare head's weight read functionally while its module never runs: a real gradient no hook sees."""
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.a(x))
+        return F.cross_entropy(self.b(h), y) + 0.1 * F.linear(h, self.pooler.weight).pow(2).mean()
 
 
 class Plain(Base):

@@ -373,7 +373,8 @@ class FunctorchVmapEngine(GradSampleEngine):
         for p in params:
             if roots.owns(p):
                 if id(p) not in roots.grads:
-                    raise missing_message(p, self._owners.get(p, []))
+                    samples.append(unused_grads(p, n, self._owners.get(p, [])))
+                    continue
                 samples.append(roots.grads[id(p)])
                 continue
             acc = None
@@ -385,14 +386,28 @@ class FunctorchVmapEngine(GradSampleEngine):
                     per_layer[id(mod)] = vmap_layer_grads(calls, direct_trainable(mod), n) if n else {}
                 g = per_layer[id(mod)].get(pname, p.new_zeros((n, *p.shape)))
                 acc = g if acc is None else acc + g
-            if acc is None:
-                raise missing_message(p, self._owners.get(p, []))
-            samples.append(acc)
+            samples.append(unused_grads(p, n, self._owners.get(p, [])) if acc is None else acc)
         return samples
 
     def unsupported_layers(self, module: nn.Module) -> list[str]:
         """Layers this engine cannot give per-example gradients for, as 'name (Type): why'."""
         return structural_problems(module)
+
+
+def unused_in_step(p: Tensor) -> bool:
+    """Whether no gradient reached ``p`` in this backward: autograd left ``p.grad`` unset (or zero). A parameter
+    the loss never reads (a Hugging Face pooler under an LM head, a spare head, a mask token) then has exactly
+    zero per-example gradients. One that is read where no hook sees it (a functional call on an idle layer's
+    weight) has a gradient autograd accumulated into ``p.grad``: that is refused (:func:`missing_message`)."""
+    return p.grad is None or not bool(p.grad.any())
+
+
+def unused_grads(p: Tensor, n: Optional[int], owners: list[tuple[nn.Module, str, str]]) -> Tensor:
+    """Zero per-example gradients ``[n, *p.shape]`` for a parameter with no captured use that no gradient
+    reached (:func:`unused_in_step`); otherwise the refusal of :func:`missing_message`."""
+    if not unused_in_step(p):
+        raise missing_message(p, owners)
+    return p.new_zeros((n or 0, *p.shape))
 
 
 def missing_message(p: Tensor, owners: list[tuple[nn.Module, str, str]]) -> Exception:

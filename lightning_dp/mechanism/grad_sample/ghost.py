@@ -59,6 +59,7 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     missing_message,
     step_batch_size,
     structural_problems,
+    unused_in_step,
     vmap_layer_grads,
 )
 from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
@@ -109,6 +110,22 @@ class MaterialisedStats(LayerStats):
     def representation(self, p: Tensor) -> Optional[Representation]:
         """The materialised per-example gradients of ``p``."""
         return Dense(self.grads[p])
+
+
+class UnusedStats(LayerStats):
+    """A parameter the step's loss never read (:func:`~.functorch_vmap.unused_in_step`): every example's
+    gradient is exactly zero, so it adds nothing to the norms and its clipped sum is zero (not materialised)."""
+
+    def __init__(self, p: Tensor, n: int) -> None:
+        self.p, self.sq_norms = p, p.new_zeros(n)
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · 0."""
+        return {self.p: torch.zeros_like(self.p)}
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · 0²."""
+        return {self.p: torch.zeros_like(self.p)}
 
 
 def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
@@ -539,7 +556,13 @@ class _LinearInputGradOnly(torch.autograd.Function):
         # ctx-style forward (no setup_context): autograd then skips an inspect.signature per call.
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
-        return F.linear(x, weight, bias)
+        if x.dim() <= 2:
+            return F.linear(x, weight, bias)
+        # F.linear on [..., d] returns a view of its 2-D product, and autograd forbids in-place ops on a view
+        # a custom Function returns (`q = self.q(h); q /= s`: Longformer, LED, Swinv2). Reshaped the way
+        # aten::linear's own autograd path does it (_unsafe_view: same storage, not tracked as a view).
+        out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -675,9 +698,8 @@ class GhostEngine(GradSampleEngine):
         norms = sq.clamp_min(0).sqrt()
         c = clip_factors(norms, max_grad_norm)
         if self.stream_sums and not with_squares:
-            roots = self._capture.roots
-            keys = {p: [id(p)] if roots.owns(p) else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
-                    for p in params}
+            keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
+                    for p in params}  # stats by parameter: root-owned and unused ones
             return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
@@ -700,14 +722,15 @@ class GhostEngine(GradSampleEngine):
         stats: dict[int, LayerStats] = {}
         roots = self._capture.roots
         for p in params:
-            if roots.owns(p):  # read directly in a non-leaf module (root_parameters.py)
-                if id(p) not in roots.grads:
-                    raise missing_message(p, self._owners.get(p, []))
+            if roots.owns(p) and id(p) in roots.grads:  # read directly in a non-leaf module (root_parameters.py)
                 stats[id(p)] = MaterialisedStats({p: roots.grads[id(p)]}, scale)
                 continue
-            owners = self._owners_that_ran(p, layers)
-            if not owners:
-                raise missing_message(p, self._owners.get(p, []))
+            owners = [] if roots.owns(p) else self._owners_that_ran(p, layers)
+            if not owners:  # no captured use: unused in this step (zero), or refused
+                if not unused_in_step(p):
+                    raise missing_message(p, self._owners.get(p, []))
+                stats[id(p)] = UnusedStats(p, n)
+                continue
             for mod, _, _ in owners:
                 if id(mod) not in stats:
                     stats[id(mod)] = stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)

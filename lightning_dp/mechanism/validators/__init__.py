@@ -4,8 +4,10 @@ Per-example clipping bounds one example's influence on the released sum by C onl
 assumptions about the user's code. Each is checked here, at the latest before the release it
 would otherwise corrupt, and refused with an error that names the fix:
 
-- :mod:`.layers`: layers that mix examples (BatchNorm) or have no per-example rule (static,
-  before training).
+- :mod:`.layers`: layers that mix examples (BatchNorm without running statistics,
+  ``scale_grad_by_freq``) or have no per-example rule (static, before training); a BatchNorm
+  forward in training mode and an ``nn.EmbeddingBag`` call on a flat input with offsets (a
+  forward pre-hook, every call).
 - :mod:`.example_dim`: every captured call holds one row per sampled example (every step); rows of
   flattened examples only where the flattening is a verified view (``flattened_rows``); calls with no
   example dimension at all (``unbatched_call``) only where the model broadcasts them over the examples

@@ -108,11 +108,14 @@ def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
 
 
 def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigurationError:
-    """A trainable parameter with no captured use in a step where other layers were captured."""
+    """A trainable parameter that autograd gave a gradient although no hooked use of it ran (an unused
+    parameter, whose per-example gradients are exactly zero, is not refused: ``unused_in_step``)."""
     return PrivacyConfigurationError(
-        f"No per-example gradient captured for the trainable parameter {where} (shape {shape}) although "
-        "other layers ran backward: it is unused in this step's loss, or used outside its module's "
-        "forward (a functional call such as F.linear(h, self.emb.weight), or a parameter of a module "
-        "that is not a leaf). Freeze it (requires_grad=False) or use it through a leaf module "
-        "(for weight tying: an nn.Linear whose .weight is the embedding's Parameter)."
+        f"The trainable parameter {where} (shape {shape}) received a gradient, but from no use that the "
+        "per-example engine captures: it is read outside its module's forward (a functional call such as "
+        "F.linear(h, self.emb.weight) while that module never runs, or a parameter of a module that is not a "
+        "leaf), or its module ran without gradients and was recomputed in backward "
+        "(torch.utils.checkpoint(..., use_reentrant=True): use use_reentrant=False, which is served). Nothing was "
+        "released. Use it through a leaf module (for weight tying: an nn.Linear whose .weight is the "
+        "embedding's Parameter), or freeze it (requires_grad=False)."
     )

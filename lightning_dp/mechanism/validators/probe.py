@@ -88,8 +88,9 @@ class ExampleIndependenceProbe:
         saved = [p.grad for p in self.params]
         before = state_fingerprint(self.module)
         modes = [(m, m.training) for m in self.module.modules()]
-        for m, _ in modes:  # eval (no dropout), but layers with parameters as in training (Opacus' hooks need it)
-            m.training = _owns_parameters(m) and not any(True for _ in m.children())
+        for m, mode in modes:  # eval (no dropout), but layers with parameters that train in training mode stay so
+            # (Opacus' hooks need it); one the user keeps in eval (a frozen BatchNorm) stays in eval, as in the step
+            m.training = mode and _owns_parameters(m) and not any(True for _ in m.children())
         try:
             with torch.random.fork_rng(devices=[]):
                 # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
@@ -122,11 +123,7 @@ class ExampleIndependenceProbe:
         except PrivacyConfigurationError:
             raise
         except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
-            raise PrivacyConfigurationError(
-                f"The first step's probe ran training_step on a batch of {len(indices)} example(s) and it failed "
-                f"({type(err).__name__}: {err}). Poisson sampling makes batches of any size ≥ 0, so training_step "
-                "must accept them (e.g. avoid .squeeze() on the batch dimension)."
-            ) from err
+            raise probe_failure_error(err, len(indices)) from err
 
     def _engine_pass(self, indices: list[int], seed: int = 0) -> ClippedBatch:
         for p in self.params:
@@ -236,6 +233,27 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
         f"{', '.join(f'{float(r):.3g}' for r in ratio)}). Per-example clipping then does not bound one example's "
         f"influence by C. Nothing was released. {cause}"
     )
+
+
+def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
+    """The probe's error when the user's training_step fails on a batch of ``k`` examples, with the likely
+    cause: an in-place op on an output that torch's full backward hooks wrap (the opacus_hooks engine), a
+    forward that insists on training mode (the probe turns dropout off by putting every module without
+    parameters of its own in eval mode), or a step that does not accept every batch size."""
+    text = f"{type(err).__name__}: {err}"
+    if "is a view and is being modified inplace" in text:
+        cause = ("A layer's output is modified in place (e.g. q = self.q(h); q /= s) and the engine wraps that "
+                 "output in a custom autograd function (per_sample='opacus_hooks' uses torch's full backward hooks, "
+                 "which forbid it). Use per_sample='ghost' or 'vmap' (both serve it), or write q = q / s.")
+    elif "train" in str(err).lower():
+        cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
+                 "eval mode (layers with parameters stay in training mode). A forward that requires training mode "
+                 "there cannot be probed: make the check read a layer with parameters, or drop it.")
+    else:
+        cause = ("Poisson sampling makes batches of any size ≥ 0, so training_step must accept them (e.g. avoid "
+                 ".squeeze() on the batch dimension).")
+    return PrivacyConfigurationError(
+        f"The first step's probe ran training_step on a batch of {k} example(s) and it failed ({text}). {cause}")
 
 
 def uncaptured_use_error(name: str) -> PrivacyConfigurationError:

@@ -102,14 +102,26 @@ def test_batch_size_disagreement_raises():
     assert not engine._capture.any_recorded()
 
 
-def test_unused_parameter_raises():
+def test_unused_parameter_gets_a_zero_sum_and_adds_nothing_to_the_norms():
     model, loss, x, y = make_case("mlp", 3)
-    extra = nn.Linear(2, 2).double()
-    model.extra = extra  # never called in forward
     engine = make_engine("ghost")
     engine.attach(model)
-    with pytest.raises(ValueError, match="No per-example gradient"):
-        run_engine(engine, model, loss, x, y, list(model.parameters()), 1.0)
+    used = list(model.parameters())
+    before = run_engine(engine, model, loss, x, y, used, 1.0)
+    model.extra = nn.Linear(2, 2).double()  # never called in forward
+    after = run_engine(engine, model, loss, x, y, list(model.parameters()), 1.0)
+    torch.testing.assert_close(after.norms, before.norms)
+    assert all(not after.sums[p].any() for p in model.extra.parameters())
+
+
+def test_a_gradient_from_an_uncaptured_use_raises():
+    model, loss, x, y = make_case("mlp", 3)
+    model.extra = nn.Linear(2, 2).double()
+    engine = make_engine("ghost")
+    engine.attach(model)
+    functional = lambda m, x, y: loss(m, x, y) + 0.1 * m.extra.weight.sum()  # noqa: E731  (read outside its module)
+    with pytest.raises(ValueError, match="received a gradient, but from no use"):
+        run_engine(engine, model, functional, x, y, list(model.parameters()), 1.0)
 
 
 class _ConvZoo(nn.Module):

@@ -58,3 +58,16 @@ def test_reading_everything_is_the_eager_mapping():
     for p, v in streamed.sums.items():
         torch.testing.assert_close(v, eager.sums[p], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(streamed.sums[params[0]], eager.sums[params[0]])  # read twice: still there
+
+
+def test_an_unused_parameter_streams_a_zero_sum():
+    """A spare head the loss never reads: zero clipped sum, streamed like the others (the sharded path)."""
+    model = TinyTransformerLM(vocab_size=11, max_len=5, d_model=8, n_layers=1, n_heads=2).double()
+    model.spare = nn.Linear(8, 3).double()
+    params, eager = _sums(model, stream=False)
+    _, streamed = _sums(model, stream=True)
+    spare = [p for p in params if any(p is q for q in model.spare.parameters())]
+    assert len(spare) == 2
+    for p in params:
+        torch.testing.assert_close(streamed.sums.pop(p), eager.sums[p], rtol=1e-12, atol=1e-15)
+    assert all(not eager.sums[p].any() for p in spare)
