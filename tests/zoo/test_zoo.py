@@ -326,3 +326,9 @@ def test_a_gradient_from_an_uncaptured_use_of_an_idle_layer_is_still_refused(eng
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_reentrant_checkpointing_is_exact(engine):
     zoo.assert_exact(zoo.ReentrantCheckpoint, zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_leaf_called_with_the_batch_size_only_is_exact(engine):
+    """Perceiver's latents: each call returns all n rows; example i's is row i (not a false 'Examples interact')."""
+    zoo.assert_exact(zoo.BatchSizedLatents, zoo.token_data(), per_sample=engine)

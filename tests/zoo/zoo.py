@@ -614,6 +614,32 @@ class ReentrantCheckpoint(Base):
         return F.cross_entropy(self.b(h), y)
 
 
+class _Latents(nn.Module):
+    """Learned latents expanded over the batch from an int (transformers' PerceiverEmbeddings)."""
+
+    def __init__(self, k: int, d: int) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(k, d))
+
+    def forward(self, batch_size: int) -> Tensor:
+        return self.latents.expand(batch_size, -1, -1)
+
+
+class BatchSizedLatents(Base):
+    """A leaf called with the batch size only (no tensor argument) whose output has a row per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lat, self.head = nn.Embedding(V, D), _Latents(2, D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)
+        q = self.lat(x.shape[0])
+        att = torch.softmax(q @ h.transpose(1, 2), -1) @ h
+        return F.cross_entropy(self.head(att.mean(1)), y[:, 0] % 3)
+
+
 class UnusedParameters(Base):
     """A pooler and a second head that the loss never reads (Hugging Face poolers, mask tokens, spare heads):
     their per-example gradients are exactly zero."""

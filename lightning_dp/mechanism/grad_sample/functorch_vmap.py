@@ -300,18 +300,23 @@ def vmap_layer_grads(
         slot_dims = [*arg_dims, *(kw_dims[k] for k in keys)]
         present = [(k, dims.output(k)) for k, g in enumerate(rec.grad_outs) if g is not None]
         n_args, module = len(rec.args), calls.module
+        # No argument follows the examples (Perceiver's latents.expand(batch_size, …) from an int): a call that
+        # returns all n rows gives example i row i of it.
+        whole = all(d is None for d in slot_dims)
 
-        def inner(p: dict[str, Tensor], deltas: tuple[Tensor, ...], *vals: Any) -> Tensor:
+        def inner(p: dict[str, Tensor], deltas: tuple[Tensor, ...], i: Tensor, *vals: Any) -> Tensor:
             vals1 = [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
             out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
             leaves = tree_flatten(out)[0]
-            return sum((leaves[k].squeeze(d) * delta.to(leaves[k].dtype)).sum()
-                       for (k, d), delta in zip(present, deltas))
+            rows = [leaves[k].index_select(d, i.view(1)) if whole and leaves[k].shape[d] == n > 1 else leaves[k]
+                    for k, d in present]
+            return sum((row.squeeze(d) * delta.to(row.dtype)).sum() for row, (_, d), delta in zip(rows, present, deltas))
 
         deltas = tuple(rec.grad_outs[k] * n for k, _ in present)
-        in_dims = (None, tuple(d for _, d in present), *slot_dims)
+        in_dims = (None, tuple(d for _, d in present), 0, *slot_dims)
+        index = torch.arange(n, device=deltas[0].device if deltas else None)
         with recomputable(module):
-            out = vmap(grad(inner), in_dims=in_dims)(params, deltas, *values)
+            out = vmap(grad(inner), in_dims=in_dims)(params, deltas, index, *values)
         for k, v in out.items():
             total[k] = v if k not in total else total[k] + v
     return total
