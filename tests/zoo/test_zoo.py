@@ -332,3 +332,9 @@ def test_reentrant_checkpointing_is_exact(engine):
 def test_a_leaf_called_with_the_batch_size_only_is_exact(engine):
     """Perceiver's latents: each call returns all n rows; example i's is row i (not a false 'Examples interact')."""
     zoo.assert_exact(zoo.BatchSizedLatents, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_lookup_called_with_a_shape_only_is_exact(engine):
+    """LED's positions: no tensor argument, an unbatched [T, d] output broadcast over the examples."""
+    zoo.assert_exact(zoo.PositionsFromAShape, zoo.token_data(), per_sample=engine)

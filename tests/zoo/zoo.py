@@ -640,6 +640,26 @@ class BatchSizedLatents(Base):
         return F.cross_entropy(self.head(att.mean(1)), y[:, 0] % 3)
 
 
+class _ShapePositions(nn.Embedding):
+    """Positions from the input's shape, not from a tensor (transformers' LEDLearnedPositionalEmbedding)."""
+
+    def forward(self, shape: torch.Size) -> Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(shape[1]))
+
+
+class PositionsFromAShape(Base):
+    """A lookup called with a torch.Size only: ``[T, d]``, broadcast over the batch by ``h + pos``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(V, D), _ShapePositions(T, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.tok(x) + self.pos(x.shape))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
 class UnusedParameters(Base):
     """A pooler and a second head that the loss never reads (Hugging Face poolers, mask tokens, spare heads):
     their per-example gradients are exactly zero."""

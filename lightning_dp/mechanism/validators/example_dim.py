@@ -42,11 +42,12 @@ def flattened_rows(t: Tensor, n: int) -> bool:
 def unbatched_call(inputs: Sequence[Tensor], out: Tensor, n: int) -> bool:
     """Whether a call has no example dimension at all: no dimension of any input or of the output has n
     entries, and the output's dimension 0 is not 1 (a ``[1, …]`` call is broadcast the usual way). T5's
-    relative bias (``[T, T]`` bucket indices), ``pos(torch.arange(T))``. Such a call is one per step, shared
+    relative bias (``[T, T]`` bucket indices), ``pos(torch.arange(T))``, a layer called with shapes or ints only
+    (LED's positions from ``input_ids.shape``). Such a call is one per step, shared
     by every example; its per-example gradients come from where the model broadcasts its output over the
     examples (:mod:`~lightning_dp.mechanism.broadcast_sites`); any other use is refused. At n = 1 (the
     probe's examples alone) a batched call has a dimension of size 1, so it is never mistaken for one."""
-    if not inputs or out.dim() == 0 or out.shape[0] == 1:
+    if out.dim() == 0 or out.shape[0] == 1:
         return False
     return all(n not in t.shape for t in inputs) and n not in out.shape
 
