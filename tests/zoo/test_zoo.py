@@ -338,3 +338,8 @@ def test_a_leaf_called_with_the_batch_size_only_is_exact(engine):
 def test_a_lookup_called_with_a_shape_only_is_exact(engine):
     """LED's positions: no tensor argument, an unbatched [T, d] output broadcast over the examples."""
     zoo.assert_exact(zoo.PositionsFromAShape, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_data_dependent_routing_is_refused_by_name(engine):
+    zoo.assert_refused(zoo.MixtureOfExperts, zoo.vector_data(), "experts.*shapes depend on the data", per_sample=engine)

@@ -660,6 +660,34 @@ class PositionsFromAShape(Base):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
+class _RoutedExperts(nn.Module):
+    """Experts applied to the rows routed to each (torch.nonzero): a mixture-of-experts block's routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, D, D))
+
+    def forward(self, h: Tensor, route: Tensor) -> Tensor:
+        out = torch.zeros_like(h)
+        for e in range(2):
+            rows = torch.nonzero(route == e).squeeze(-1)
+            out = out.index_add(0, rows, h[rows] @ self.w[e])
+        return out
+
+
+class MixtureOfExperts(Base):
+    """Data-dependent shapes inside a layer: no per-example rule, refused by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.experts, self.b = nn.Linear(D, D), _RoutedExperts(), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.a(x))
+        return F.cross_entropy(self.b(self.experts(h, (h[:, 0] > 0).long())), y)
+
+
 class UnusedParameters(Base):
     """A pooler and a second head that the loss never reads (Hugging Face poolers, mask tokens, spare heads):
     their per-example gradients are exactly zero."""

@@ -57,6 +57,7 @@ from lightning_dp.mechanism.grad_sample.base import (
 from lightning_dp.mechanism.validators.example_dim import (
     check_example_dim,
     check_something_captured,
+    dynamic_shape_error,
     example_dim_error,
     missing_gradient_error,
 )
@@ -316,7 +317,12 @@ def vmap_layer_grads(
         in_dims = (None, tuple(d for _, d in present), 0, *slot_dims)
         index = torch.arange(n, device=deltas[0].device if deltas else None)
         with recomputable(module):
-            out = vmap(grad(inner), in_dims=in_dims)(params, deltas, index, *values)
+            try:
+                out = vmap(grad(inner), in_dims=in_dims)(params, deltas, index, *values)
+            except RuntimeError as err:
+                if "dynamic shape" not in str(err):
+                    raise
+                raise dynamic_shape_error(calls.name, module) from err
         for k, v in out.items():
             total[k] = v if k not in total else total[k] + v
     return total

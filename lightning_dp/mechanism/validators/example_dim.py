@@ -108,6 +108,19 @@ def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
         )
 
 
+def dynamic_shape_error(name: str, module: object) -> PrivacyConfigurationError:
+    """A layer whose forward has data-dependent shapes (``torch.nonzero``, boolean-mask indexing: the token routing
+    of a mixture-of-experts block), which ``torch.func.vmap`` cannot run per example."""
+    return PrivacyConfigurationError(
+        f"layer '{name or '<root>'}' ({type(module).__name__}) has a forward whose shapes depend on the data "
+        "(torch.nonzero, boolean-mask indexing, torch.where with one argument: e.g. a mixture-of-experts block "
+        "routing tokens to its experts), so its per-example gradients cannot be computed by vmap, and no other rule "
+        "serves it. Nothing was released. Freeze it (requires_grad_(False)), or write the data-dependent selection "
+        "with fixed shapes (a dense mask multiplied in, e.g. every expert on every token weighted by its routing "
+        "weight, zero where not routed)."
+    )
+
+
 def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigurationError:
     """A trainable parameter that autograd gave a gradient although no hooked use of it ran (an unused
     parameter, whose per-example gradients are exactly zero, is not refused: ``unused_in_step``)."""
