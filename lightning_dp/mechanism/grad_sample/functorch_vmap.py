@@ -66,8 +66,10 @@ _BATCH_MIXING = (_BatchNorm,)
 
 
 def structural_problems(module: nn.Module) -> list[str]:
-    """Layers no per-layer engine can handle: batch-mixing layers. (Parameters owned by a module that also has
-    children are served where the module broadcasts them over the examples: :mod:`~..root_parameters`.)"""
+    """Layers no per-layer engine can handle: a trainable BatchNorm in training mode (it mixes the examples). In
+    eval mode its affine weights are served, and a later switch to training mode is refused when it runs
+    (:mod:`~lightning_dp.mechanism.validators.layers`). (Parameters owned by a module that also has children are
+    served where the module broadcasts them over the examples: :mod:`~..root_parameters`.)"""
     problems = []
     units: list[str] = []
     for name, sub in module.named_modules():
@@ -80,8 +82,8 @@ def structural_problems(module: nn.Module) -> list[str]:
         if not own:
             continue
         label = f"{name or '<root>'} ({type(sub).__name__})"
-        if isinstance(sub, _BATCH_MIXING):
-            problems.append(f"{label}: mixes examples")
+        if isinstance(sub, _BATCH_MIXING) and sub.training:
+            problems.append(f"{label}: mixes examples in training mode (keep it in eval, or use GroupNorm)")
     return problems
 
 

@@ -60,5 +60,8 @@ def test_unsupported_layers_named():
         def forward(self, x):
             return self.lin(x * self.w)
 
-    problems = make_engine("vmap").unsupported_layers(nn.Sequential(nn.BatchNorm1d(3), RootParam()))
-    assert problems == ["0 (BatchNorm1d): mixes examples"]  # RootParam's w: served (root_parameters.py)
+    model = nn.Sequential(nn.BatchNorm1d(3), RootParam())
+    problems = make_engine("vmap").unsupported_layers(model)
+    assert problems == ["0 (BatchNorm1d): mixes examples in training mode (keep it in eval, or use GroupNorm)"]
+    model[0].eval()  # running statistics: a per-example affine map; RootParam's w: served (root_parameters.py)
+    assert make_engine("vmap").unsupported_layers(model) == []

@@ -226,6 +226,20 @@ def test_frozen_batchnorm_kept_in_eval_is_exact(factory, engine):
     zoo.assert_exact(factory, zoo.vector_data(), per_sample=engine)
 
 
+class TrainableEvalBatchNorm(FrozenBatchNorm):
+    """Running statistics frozen (eval mode), affine weight and bias trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn.requires_grad_(True)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_trainable_batchnorm_affine_in_eval_is_exact(engine):
+    strategy = zoo.assert_exact(TrainableEvalBatchNorm, zoo.vector_data(), per_sample=engine)
+    assert strategy.lightning_module.bn.weight.requires_grad
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("factory,kind", [(BatchNormLeftTraining, "BatchNorm1d"),
                                           (SyncBatchNormLeftTraining, "SyncBatchNorm")])
