@@ -36,6 +36,7 @@ that exists only in training mode. It costs k + 3 forward/backward passes on ≤
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -245,7 +246,7 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
         cause = ("A layer's output is modified in place (e.g. q = self.q(h); q /= s) and the engine wraps that "
                  "output in a custom autograd function (per_sample='opacus_hooks' uses torch's full backward hooks, "
                  "which forbid it). Use per_sample='ghost' or 'vmap' (both serve it), or write q = q / s.")
-    elif "train" in str(err).lower():
+    elif re.search(r"\btrain(ing)?\b|\.train\(\)", str(err), re.IGNORECASE):
         cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
                  "eval mode (layers with parameters stay in training mode). A forward that requires training mode "
                  "there cannot be probed: make the check read a layer with parameters, or drop it.")

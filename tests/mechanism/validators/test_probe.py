@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism import make_engine
-from lightning_dp.mechanism.validators.probe import ExampleIndependenceProbe, probe_tolerance
+from lightning_dp.mechanism.validators.probe import ExampleIndependenceProbe, probe_failure_error, probe_tolerance
 
 ENGINES = ["ghost", "vmap", "opacus_hooks"]
 X, Y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
@@ -116,3 +116,14 @@ def test_a_summed_loss_is_still_caught_under_augmentation():
     torch.manual_seed(0)
     with pytest.raises(PrivacyConfigurationError, match="SUM over the batch"):
         _probe_model(Augmented().double(), reduction="sum")
+
+
+@pytest.mark.parametrize("error,cause", [
+    (RuntimeError("Output 0 of BackwardHookFunction is a view and is being modified inplace. ..."), "modified in place"),
+    (AssertionError("If you want to train `ReformerModel`, make sure to use `model.train()`"), "eval mode"),
+    (RuntimeError("shape constraint violated: expected [4, 3]"), "batches of any size"),  # 'constraint' is no 'train'
+    (IndexError("index 0 is out of bounds for dimension 0 with size 0"), "batches of any size"),
+])
+def test_a_failing_step_is_explained_by_its_likely_cause(error, cause):
+    message = str(probe_failure_error(error, 2))
+    assert message.startswith("The first step's probe ran training_step on a batch of 2 example(s)") and cause in message
