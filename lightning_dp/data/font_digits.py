@@ -71,7 +71,8 @@ def render_font_digits(n: int, seed: int = 0) -> TensorDataset:
     rng = np.random.default_rng(seed)
     glyphs = _glyphs(font_paths())
     labels = rng.integers(0, 10, n)
-    boxes = np.stack([_typeset(rng, glyphs[int(rng.integers(len(glyphs)))][d]) for d in labels])
+    pil = require("PIL.Image", "data")
+    boxes = np.stack([_typeset(pil, rng, glyphs[int(rng.integers(len(glyphs)))][d]) for d in labels])
     generator = torch.Generator().manual_seed(seed)
     bitmaps = elastic(torch.from_numpy(boxes).unsqueeze(1), generator) > _THRESHOLD
     counts = F.avg_pool2d(bitmaps.float(), 4) * 16  # 4×4 block counts, 0..16
@@ -93,9 +94,9 @@ def _glyphs(paths: list[str]) -> list[list[Any]]:
     return out
 
 
-def _typeset(rng: np.random.Generator, glyph: Any) -> np.ndarray:
-    """One glyph thickened, stretched, rotated, sheared and centred in the 32×32 box (intensities in [0, 1])."""
-    pil = require("PIL.Image", "data")
+def _typeset(pil: Any, rng: np.random.Generator, glyph: Any) -> np.ndarray:
+    """One glyph thickened, stretched, rotated, sheared and centred in the 32×32 box (intensities in [0, 1]);
+    ``pil``: the ``PIL.Image`` module."""
     k = int(rng.choice([1, 3, 5, 7, 9]))
     g = pil.fromarray(maximum_filter(np.pad(np.asarray(glyph), k // 2), size=k)) if k > 1 else glyph
     g = g.resize((max(1, int(g.width * rng.uniform(0.7, 1.3))), g.height))

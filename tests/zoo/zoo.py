@@ -586,7 +586,9 @@ class ContainerWeight(Base):
 
 
 class InPlaceOnLinearOutput(Base):
-    """``q = self.q(h); q /= 2`` on a [B, T, d] Linear output (Longformer/LED's query scaling, Swinv2)."""
+    """``q = self.q(h); q /= 2`` on a [B, T, d] Linear output (Longformer/LED's query scaling, Swinv2), and an
+    in-place change through a slice of it. Were its hook lost, ghost would take ``q.weight`` for unused (its
+    input-gradient-only forward leaves ``p.grad`` empty): zero gradients, silently."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -596,6 +598,7 @@ class InPlaceOnLinearOutput(Base):
         x, y = batch
         q = self.q(self.emb(x))
         q /= 2.0
+        q[..., :2] *= 3.0  # through a view of it: the output's hook must still see the gradient
         q.tanh_()
         return F.cross_entropy(self.head(q).flatten(0, 1), y.flatten())
 

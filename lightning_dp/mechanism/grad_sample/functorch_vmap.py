@@ -177,10 +177,16 @@ def loop_layer_grads(
                 leaves = tree_flatten(functional_call(calls.module, params, args, kwargs))[0]
                 dot = sum((leaves[k] * rec.grad_outs[k].narrow(d, i, 1).to(leaves[k].dtype)).sum() for k, d in present)
                 rows.append(torch.autograd.grad(dot, list(params.values()), allow_unused=True))
-            for j, (name, p) in enumerate(params.items()):
-                g = torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows]) * n
-                total[name] = g if name not in total else total[name] + g
+            _add_rows(total, params, rows, n)
     return total
+
+
+def _add_rows(total: dict[str, Tensor], params: dict[str, Tensor], rows: list[tuple[Optional[Tensor], ...]],
+              n: int) -> None:
+    """Add n·[g_1; …; g_n] (example i's gradients ``rows[i]``, zero where a parameter got none) to ``total``."""
+    for j, (name, p) in enumerate(params.items()):
+        g = torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows]) * n
+        total[name] = g if name not in total else total[name] + g
 
 
 def _is_packed(rec: Any) -> bool:
@@ -211,9 +217,7 @@ def packed_loop_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Paramete
                 dot = sum((leaves[k] * (d_seq[i, :ell] if k == 0 else g.narrow(1, i, 1)).to(leaves[k].dtype)).sum()
                           for k, g in enumerate(rec.grad_outs) if g is not None)
                 rows.append(torch.autograd.grad(dot, list(params.values()), allow_unused=True))
-            for j, (name, p) in enumerate(params.items()):
-                g = torch.stack([r[j] if r[j] is not None else torch.zeros_like(p) for r in rows]) * n
-                total[name] = g if name not in total else total[name] + g
+            _add_rows(total, params, rows, n)
     return total
 
 
@@ -385,10 +389,7 @@ class FunctorchVmapEngine(GradSampleEngine):
         samples = []
         for p in params:
             if roots.owns(p):
-                if id(p) not in roots.grads:
-                    samples.append(unused_grads(p, n, self._owners.get(p, [])))
-                    continue
-                samples.append(roots.grads[id(p)])
+                samples.append(roots.grads[id(p)] if id(p) in roots.grads else unused_grads(p, n, self._owners.get(p, [])))
                 continue
             acc = None
             for mod, mname, pname in self._owners.get(p, []):
@@ -408,10 +409,14 @@ class FunctorchVmapEngine(GradSampleEngine):
 
 
 def unused_in_step(p: Tensor) -> bool:
-    """Whether no gradient reached ``p`` in this backward: autograd left ``p.grad`` unset (or zero). A parameter
-    the loss never reads (a Hugging Face pooler under an LM head, a spare head, a mask token) then has exactly
-    zero per-example gradients. One that is read where no hook sees it (a functional call on an idle layer's
-    weight) has a gradient autograd accumulated into ``p.grad``: that is refused (:func:`missing_message`)."""
+    """Whether no gradient reached ``p`` in this backward, for a parameter none of whose captured calls received an
+    output gradient: autograd left ``p.grad`` unset (or zero). A parameter the loss never reads (a Hugging Face
+    pooler under an LM head, a spare head, a mask token) then has exactly zero per-example gradients. One that is
+    read where no hook sees it (a functional call on an idle layer's weight) has a gradient autograd accumulated
+    into ``p.grad``: that is refused (:func:`missing_message`). A layer whose forward the ghost engine replaced by
+    an input-gradient-only function never fills ``p.grad``; its use is seen by the hook on its output instead,
+    which fires whenever a gradient reaches that output, in-place changes included (the capture hands the model
+    a tensor that is not a view: a hook on a view is lost when the view is modified in place)."""
     return p.grad is None or not bool(p.grad.any())
 
 

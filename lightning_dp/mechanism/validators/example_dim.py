@@ -128,8 +128,6 @@ def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigu
         f"The trainable parameter {where} (shape {shape}) received a gradient, but from no use that the "
         "per-example engine captures: it is read outside its module's forward (a functional call such as "
         "F.linear(h, self.emb.weight) while that module never runs, or a parameter of a module that is not a "
-        "leaf), or its module ran without gradients and was recomputed in backward "
-        "(torch.utils.checkpoint(..., use_reentrant=True): use use_reentrant=False, which is served). Nothing was "
-        "released. Use it through a leaf module (for weight tying: an nn.Linear whose .weight is the "
-        "embedding's Parameter), or freeze it (requires_grad=False)."
+        "leaf). Nothing was released. Use it through a leaf module (for weight tying: an nn.Linear whose .weight "
+        "is the embedding's Parameter), or freeze it (requires_grad=False)."
     )
