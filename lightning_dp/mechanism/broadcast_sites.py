@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -48,24 +49,28 @@ def adds_up(per_example: Tensor, total: Tensor) -> bool:
 
 
 class _Source:
-    """One lookup call: its output, the per-example gradient gathered so far, where it goes."""
+    """One lookup call: its output (held weakly: the model may drop it), the per-example gradient gathered so far,
+    where it goes."""
 
     def __init__(self, out: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
-        self.out, self.n, self.deliver = out, n, deliver
+        self.out, self.edge = weakref.ref(out), get_gradient_edge(out)
+        self.n, self.deliver = n, deliver
         self.per_example: Optional[Tensor] = None
         self.mapping = False
 
-    def arrive(self, t: Tensor, full: torch.Size, grad: Tensor) -> None:
-        """Tensor hook of a site's expansion e: rows of ``grad`` are the examples' gradients w.r.t. e (n·m rows
-        of flattened examples: example i's are rows i·m … (i+1)·m − 1, summed)."""
+    def arrive(self, t_shape: torch.Size, t_edge: Optional[GradientEdge], full: torch.Size, grad: Tensor) -> None:
+        """Tensor hook of a site's expansion e of a followed tensor t (``t_edge``: None when t is the lookup's
+        output itself; edges, not tensors, so the tensors the model drops are freed): rows of ``grad`` are the
+        examples' gradients w.r.t. e (n·m rows of flattened examples: example i's are rows i·m … (i+1)·m − 1,
+        summed)."""
         rows = grad.shape[0]
         if rows != self.n:
             grad = grad.reshape(self.n, rows // self.n, *grad.shape[1:]).sum(1)
-        g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t.shape)
-        if t is not self.out:
+        g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t_shape)
+        if t_edge is not None:
             self.mapping = True  # the nested backward reaches the output's own hook: not the real gradient
             try:
-                g = torch.autograd.grad(t, self.out, g, retain_graph=True, is_grads_batched=True)[0]
+                g = torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True)[0]
             finally:
                 self.mapping = False
         self.per_example = g if self.per_example is None else self.per_example + g
@@ -89,10 +94,18 @@ class BroadcastSites(TorchFunctionMode):
         source = _Source(out, self.n, deliver)
         out.register_hook(lambda g: None if source.mapping else source.settle(g.detach()))
         if self.n > 1:
-            self._remember(out, source)
+            self._remember(out, (source,))
             if not self.active:
                 self.__enter__()
                 self.active = True
+
+    def pause_if_idle(self) -> None:
+        """Leave the mode while no followed tensor is alive (called between layers; a later :meth:`follow` enters
+        it again), so the rest of the forward and the backward's hooks run without its per-call Python work. Only
+        when this mode is the innermost one: leaving it from under another mode would pop that one."""
+        if self.active and not self._followed and _innermost_mode() is self:
+            self.active = False
+            self.__exit__(None, None, None)
 
     def close(self) -> None:
         """Leave the mode (end of the step's forward and backward); idempotent."""
@@ -101,14 +114,24 @@ class BroadcastSites(TorchFunctionMode):
             self.__exit__(None, None, None)
         self._followed.clear()
 
-    def _remember(self, t: Tensor, source: _Source) -> None:
-        self._followed[id(t)] = (weakref.ref(t), source)
+    def _remember(self, t: Tensor, sources: tuple[_Source, ...]) -> None:
+        """Follow ``t`` (computed from the outputs of ``sources``) while it lives: a tensor the model has dropped
+        can meet no further operation; once none is left, every torch call passes straight through."""
+        key, followed = id(t), self._followed
 
-    def _source(self, t: Any) -> Optional[_Source]:
+        def gone(ref: weakref.ref) -> None:
+            entry = followed.get(key)
+            if entry is not None and entry[0] is ref:
+                del followed[key]
+
+        followed[key] = (weakref.ref(t, gone), sources)
+
+    def _sources(self, t: Any) -> tuple[_Source, ...]:
+        """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""
         if not isinstance(t, Tensor):
-            return None
+            return ()
         entry = self._followed.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
+        return entry[1] if entry is not None and entry[0]() is t else ()
 
     def _mentions_followed(self, args: tuple, kwargs: dict) -> bool:
         """Cheap pre-check (every torch call of the forward comes here): a followed tensor among the arguments,
@@ -121,36 +144,59 @@ class BroadcastSites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._mentions_followed(args, kwargs):
+        if not self._followed or not self._mentions_followed(args, kwargs):
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
-        followed = [(i, s) for i, s in ((i, self._source(v)) for i, v in enumerate(flat)) if s is not None]
+        followed = [(i, s) for i, s in ((i, self._sources(v)) for i, v in enumerate(flat)) if s]
         if not followed:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
-        computed = not (in_place and isinstance(flat[0], Tensor) and self._source(flat[0]) is None)
+        computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
         result = func(*args, **kwargs) if computed else flat[0]  # in place on an unfollowed tensor: its shape
         rows = {self.n} | self._flattened()
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
+        if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
+            repeated = self._repeated(flat[0], followed[0][1], args[1:], result, rows)
+            if repeated is not None:
+                return repeated
         if sites:
-            for i, source in sites:
-                flat[i] = self._expanded(flat[i], source, result.dim(), result.shape[0])
+            for i, sources in sites:
+                flat[i] = self._expanded(flat[i], sources, result.dim(), result.shape[0])
             args, kwargs = tree_unflatten(flat, spec)
             return func(*args, **kwargs)
         if not computed:
             result = func(*args, **kwargs)
+        sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
         for t in tree_flatten(result)[0]:
             if isinstance(t, Tensor):
-                self._remember(t, followed[0][1])
+                self._remember(t, sources)
         return result
 
-    def _expanded(self, t: Tensor, source: _Source, rank: int, rows: int) -> Tensor:
+    def _repeated(self, t: Tensor, sources: tuple[_Source, ...], reps: tuple, result: Any, rows: set[int]) -> Optional[Tensor]:
+        """``t.repeat(n, …)`` (or ``tile``) of a ``t`` whose aligned dimension 0 is 1 or absent: a broadcast site
+        too (ViTMAE's ``mask_token.repeat(B, k, 1)``), served as ``t.expand(n, …).repeat(1, …)`` (the same
+        values). None when it is not one."""
+        sizes = list(reps[0]) if len(reps) == 1 and isinstance(reps[0], (tuple, list)) else list(reps)
+        if not sizes or not all(isinstance(r, int) for r in sizes):
+            return None
+        sizes = [1] * (t.dim() - len(sizes)) + sizes  # tile pads on the left; repeat needs ≥ t.dim() sizes
+        aligned0 = t.shape[0] if len(sizes) == t.dim() else 1
+        if (not isinstance(result, Tensor) or result.dim() != len(sizes) or aligned0 != 1
+                or sizes[0] != result.shape[0] or sizes[0] not in rows):
+            return None
+        return self._expanded(t, sources, len(sizes), sizes[0]).repeat(1, *sizes[1:])
+
+    def _expanded(self, t: Tensor, sources: tuple[_Source, ...], rank: int, rows: int) -> Tensor:
+        """t's explicit expansion e to ``rows`` rows at rank ``rank``; e's gradient reaches each source (t may be
+        computed from several: PVT concatenates two reads of its position table)."""
         full = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
         e = full.expand(rows, *full.shape[1:])
         if e.requires_grad:
-            shape = e.shape
-            e.register_hook(lambda g: source.arrive(t, shape, g))
+            shape, t_shape = e.shape, t.shape
+            for source in sources:
+                t_edge = None if t is source.out() else get_gradient_edge(t)
+                e.register_hook(lambda g, s=source, t_edge=t_edge: s.arrive(t_shape, t_edge, shape, g))
         return e
 
 
@@ -163,6 +209,17 @@ BROADCASTING: frozenset[str] = frozenset({
 """Operations whose result broadcasts their inputs (so an input expanded to n rows gives the same values). Only
 these are broadcast sites: expanding a weight of ``F.linear`` or ``F.embedding`` would change the operation; such
 a use is followed on, never served, and the examples' gradients then do not add up (refused)."""
+
+
+REPEATING: frozenset[str] = frozenset({"repeat", "tile"})
+"""Operations that copy their input ``sizes[0]`` times along dimension 0: a broadcast site when that makes one row
+per example (:meth:`BroadcastSites._repeated`)."""
+
+
+def _innermost_mode() -> Optional[TorchFunctionMode]:
+    """The innermost active TorchFunctionMode (None where torch does not say: the mode then stays entered)."""
+    current = getattr(torch.overrides, "_get_current_function_mode", None)
+    return current() if current is not None else None
 
 
 def _grows_examples(t: Tensor, result: Any, rows: set[int]) -> bool:

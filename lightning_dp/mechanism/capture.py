@@ -325,6 +325,8 @@ class ActivationCapture:
         params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            if self._sites is not None:
+                self._sites.pause_if_idle()
             if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
                 return None
             leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
@@ -443,6 +445,11 @@ class ActivationCapture:
             self._close_sites()
             self._sites = BroadcastSites(n, lambda: self._flattened)
         self._sites.follow(t, deliver)
+
+    def end_backward(self) -> None:
+        """The step's backward is over (every site has delivered): leave the broadcast-site mode, so the engine's
+        clipping runs outside it."""
+        self._close_sites()
 
     def _close_sites(self) -> None:
         """Leave this step's broadcast-site mode (end of step, detach, or a step of another size)."""

@@ -1,24 +1,23 @@
 """Parameters read directly in a module's forward (timm ViT's ``cls_token`` and ``pos_embed``,
-ConvNeXt's layer scale, Swin's relative position bias table, DeBERTa's ``q_bias``).
+ViTMAE's ``mask_token``, ConvNeXt's layer scale, Swin's relative position bias table, DeBERTa's ``q_bias``).
 
 A parameter owned by a module that also has children is not used inside a leaf layer's
 forward, so no layer hook sees it: the module's own ``forward`` reads ``self.cls_token`` and
 broadcasts it over the batch (``self.cls_token.expand(B, -1, -1)``, ``x + self.pos_embed``,
-``self.gamma * h``). Its gradient is the sum over the batch; example i's part is lost.
+``self.mask_token.repeat(B, k, 1)``, ``self.gamma * h``). Its gradient is the sum over the batch;
+example i's part is lost.
 
 While a step is being captured, reading such an attribute returns a view of the parameter
 whose gradient is gathered per example. The read is intercepted by giving the owning module a
 subclass of its own class whose ``__getattr__`` does this, undone by :meth:`RootParameters.detach`.
 
-- Shape ``[1, …]`` (the usual layout of such tokens and tables): the view is the parameter
-  expanded to ``[n, …]`` (broadcasting it gives the model the same values), and the gradient
-  reaching it holds example i's part in row i; example i's gradient is n times that row (the
-  mean loss).
-- Any other shape (``[d]`` layer scale, a ``[(2W−1)², H]`` bias table indexed and added to the
-  scores): the view is followed to where the model broadcasts it over the examples
-  (:mod:`~lightning_dp.mechanism.broadcast_sites`), and example i's gradient is read there. A read
-  whose examples' gradients do not add up to its gradient (the parameter used as the weight of
-  ``F.linear``, say) leaves the parameter without per-example gradient, and the step is refused.
+The view is followed through whatever the model does with it (reshaped and interpolated to another image
+size, indexed by a bias table, sliced) to where the model broadcasts it over the examples
+(:mod:`~lightning_dp.mechanism.broadcast_sites`), and example i's gradient is read there: n times the
+row of example i (the mean loss). Shape makes no difference (an earlier rule expanded ``[1, …]`` parameters
+to ``[n, …]`` before the model saw them, which broke ``.repeat(B, …)`` and ``.reshape(1, …)``). A read
+whose examples' gradients do not add up to its gradient (the parameter used as the weight of ``F.linear``,
+say) leaves the parameter without per-example gradient, and the step is refused.
 """
 
 from __future__ import annotations
@@ -31,11 +30,6 @@ from torch import Tensor, nn
 from lightning_dp.mechanism.broadcast_sites import adds_up
 
 _SUBCLASSES: dict[type, type] = {}
-
-
-def expandable(p: Tensor) -> bool:
-    """A parameter read directly that the engines can serve: trainable, shape ``[1, …]``."""
-    return p.requires_grad and p.dim() >= 1 and p.shape[0] == 1
 
 
 def _intercepting(cls: type) -> type:
@@ -51,18 +45,17 @@ def _intercepting(cls: type) -> type:
 
 
 class RootParameters:
-    """The expandable parameters read directly in non-leaf modules, and their per-example gradients.
+    """The trainable parameters read directly in non-leaf modules, and their per-example gradients.
 
     Args:
         expected: a callable returning the step's number of examples (``None``: not verified, no capture)
             and whether capturing is on (the engine's capture is not suspended).
-        follow: the capture's :meth:`~lightning_dp.mechanism.capture.ActivationCapture.follow` (parameters
-            not of shape ``[1, …]``); without it only ``[1, …]`` parameters are intercepted.
+        follow: the capture's :meth:`~lightning_dp.mechanism.capture.ActivationCapture.follow` (the broadcast
+            sites of a read).
     """
 
     def __init__(self, expected: Callable[[], Optional[int]],
-                 follow: Optional[Callable[[Tensor, int, Callable[[Optional[Tensor], Tensor], None]], None]] = None
-                 ) -> None:
+                 follow: Callable[[Tensor, int, Callable[[Optional[Tensor], Tensor], None]], None]) -> None:
         self._expected = expected
         self._follow = follow
         self._unserved: set[int] = set()  # parameters with a read this step that no site served
@@ -71,14 +64,14 @@ class RootParameters:
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
 
     def attach(self, root: nn.Module, is_leaf_like: Callable[[nn.Module], bool]) -> None:
-        """Intercept reads of every expandable parameter owned by a module that is not leaf-like."""
+        """Intercept reads of every trainable parameter owned by a module that is not leaf-like."""
         self.detach()
         in_layers = {id(p) for m in root.modules() if is_leaf_like(m) for p in m.parameters(recurse=False)}
         for name, module in root.named_modules():
             if is_leaf_like(module):
                 continue
-            own = {pname: p for pname, p in module.named_parameters(recurse=False) if id(p) not in in_layers
-                   and (expandable(p) or (p.requires_grad and self._follow is not None))}
+            own = {pname: p for pname, p in module.named_parameters(recurse=False)
+                   if id(p) not in in_layers and p.requires_grad}
             if not own:
                 continue
             self._modules.append((module, type(module)))
@@ -92,18 +85,13 @@ class RootParameters:
             n = self._expected()
             if name not in own or n is None or not torch.is_grad_enabled():
                 return value
-            if not expandable(value):
-                return self._followed(value, n)
-            view = value.expand(n, *value.shape[1:])
-            view.register_hook(lambda g, key=id(value), n=n: self._store(key, g.detach().unsqueeze(1) * n))
-            return view
+            return self._followed(value, n)
 
         return read
 
     def _followed(self, p: Tensor, n: int) -> Tensor:
         """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss)."""
         view, key = p.view_as(p), id(p)
-        assert self._follow is not None
 
         def deliver(rows: Optional[Tensor], total: Tensor) -> None:
             if rows is None or not adds_up(rows, total):

@@ -198,10 +198,41 @@ def beit():
         attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
 
 
-@pytest.mark.parametrize("make", [swin, convnext, beit], ids=["swin", "convnext", "beit"])
+def pvt():
+    return transformers.PvtForImageClassification(transformers.PvtConfig(
+        image_size=16, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1], hidden_sizes=[8, 16],
+        patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+@pytest.mark.parametrize("make", [swin, convnext, beit, pvt], ids=["swin", "convnext", "beit", "pvt"])
 def test_vision_families_are_exact(make):
     """Swin: windows flattened to [B·windows, …] (verified view) and a bias table owned by its attention;
-    ConvNeXt: layer scale owned by a block; BEiT: relative bias table and layer scale."""
+    ConvNeXt: layer scale owned by a block; BEiT: relative bias table and layer scale; PVT: its position table read
+    twice and concatenated (and a cls token in the last stage)."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, 16, 16, generator=g), torch.randint(0, 2, (N,), generator=g))
     assert zoo.assert_exact(lambda: Vision(make), data).engine_name == "ghost"
+
+
+class MaskedAutoencoder(zoo.Base):
+    """ViTMAE's own loss (every example masks as many patches: a mean over examples); a fixed masking noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(
+            image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+            decoder_intermediate_size=32, mask_ratio=0.5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        noise = torch.arange(16, dtype=x.dtype).flip(0).expand(x.shape[0], 16)
+        return self.m(pixel_values=x, noise=noise).loss
+
+
+def test_masked_autoencoder_tokens_repeated_over_the_batch_are_exact():
+    """ViTMAE's decoder copies its mask_token with .repeat(B, k, 1) (root_parameters.py, broadcast sites)."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, 16, 16, generator=g), torch.zeros(N, dtype=torch.long))
+    assert zoo.assert_exact(MaskedAutoencoder, data).engine_name == "ghost"

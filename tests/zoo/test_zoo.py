@@ -195,6 +195,14 @@ def test_root_owned_tokens_are_exact(engine):
     assert type(strategy.lightning_module.vit) is zoo.TinyViT  # the read interception is undone
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_root_owned_tokens_repeated_resampled_and_read_twice_are_exact(engine):
+    """mask_token.repeat(B, …), a position table reshaped to a grid, interpolated and concatenated from two reads
+    (ViTMAE, PVT): followed to where they meet the batch, whatever their shape on the way."""
+    strategy = zoo.assert_exact(zoo.MAEClassifier, zoo.token_data(), per_sample=engine)
+    assert type(strategy.lightning_module.mae) is zoo.TinyMAE
+
+
 def test_auto_keeps_root_owned_tokens_on_ghost():
     from lightning_dp.mechanism.grad_sample import select_engine
 

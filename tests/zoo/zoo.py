@@ -430,6 +430,36 @@ class TinyViT(nn.Module):
         return self.head(self.norm(torch.tanh(h))[:, 0])
 
 
+class TinyMAE(nn.Module):
+    """ViTMAE / PVT habits on root-owned tokens: ``mask_token.repeat(B, k, 1)`` (copies, not a broadcast), the
+    position table read twice (``pos[:, :1]`` and ``pos[:, 1:]``), resampled through ``reshape(1, h, w, -1)`` +
+    ``F.interpolate`` and concatenated back before it meets the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.randn(1, 1, D) * 0.1)
+        self.pos = nn.Parameter(torch.randn(1, 1 + 4, D) * 0.1)  # cls slot + a 2×2 grid
+        self.patch, self.head = nn.Linear(1, D), nn.Linear(D, 3)
+
+    def forward(self, x):  # x: [B, T] "pixels": 2 kept, T − 2 masked
+        h = self.patch(x[:, :2].unsqueeze(-1).to(self.patch.weight.dtype) / V)
+        h = torch.cat([h, self.mask_token.repeat(h.shape[0], T - 2, 1)], dim=1)  # [B, T, d]
+        grid = self.pos[:, 1:].reshape(1, 2, 2, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(1, T - 1), mode="bilinear").reshape(1, D, T - 1).permute(0, 2, 1)
+        pos = torch.cat([self.pos[:, :1], grid], dim=1)  # [1, T, d]
+        return self.head(torch.tanh(h + pos).mean(1))
+
+
+class MAEClassifier(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mae = TinyMAE()
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.mae(x), y[:, 0] % 3)
+
+
 class ViTClassifier(Base):
     def __init__(self) -> None:
         super().__init__()

@@ -372,6 +372,7 @@ class FunctorchVmapEngine(GradSampleEngine):
         with_squares: bool = False,
     ) -> ClippedBatch:
         """Materialise per-example grads layer by layer, then clip and sum (base.py)."""
+        self._capture.end_backward()
         try:
             with self._capture.suspended():
                 samples = mean_over_views(self._grad_samples(params), self.views_per_example)

@@ -674,6 +674,7 @@ class GhostEngine(GradSampleEngine):
         with_squares: bool = False,
     ) -> ClippedBatch:
         """Norms per layer (ghost or materialised), clip factors, one contraction per layer."""
+        self._capture.end_backward()
         try:
             with self._capture.suspended():
                 return self._clip_and_sum(params, max_grad_norm, scale, with_squares)
