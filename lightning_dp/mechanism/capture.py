@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
@@ -35,7 +35,7 @@ TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a call is itself: compared by identity (list.remove must not compare tensors)
 class Record:
     """One call of a hooked layer: its inputs and, after backward, its output gradients.
 
@@ -51,6 +51,7 @@ class Record:
     rng: Optional[Any] = None  # random state before the call, for layers that draw (example_dims.draws_randomness)
     generation: int = 0  # the LayerCalls generation (step) the call belongs to
     output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
+    flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -164,8 +165,19 @@ def _to_front(a: Any, n: Optional[int]) -> Any:
 
 
 def is_unit(module: nn.Module) -> bool:
-    """A module hooked as one layer with its children's parameters (:data:`~.example_dims.UNITS`)."""
-    return isinstance(module, UNITS)
+    """A module hooked as one layer with its children's parameters: :data:`~.example_dims.UNITS`, and a module
+    that owns parameters and whose children are stateless (:func:`stateless`): a mixture-of-experts block's
+    ``experts``, whose stacked ``gate_up_proj``/``down_proj`` it uses itself, with an ``act_fn`` child."""
+    if isinstance(module, UNITS):
+        return True
+    children = list(module.children())
+    return bool(children) and any(True for _ in module.parameters(recurse=False)) and all(map(stateless, children))
+
+
+def stateless(module: nn.Module) -> bool:
+    """No parameters, no buffers and no dropout anywhere inside (an activation function): a pure function."""
+    return (not any(True for _ in module.parameters()) and not any(True for _ in module.buffers())
+            and not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules()))
 
 
 def direct_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -232,6 +244,29 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     except TypeError:
         return args, kwargs  # the call itself will raise the user's error
     return tuple(bound.args), dict(bound.kwargs)
+
+
+def _aliased(out: Any, leaves: list, live: list[int]) -> tuple[Any, list]:
+    """The output handed to the model, and its tensors, where each hooked tensor receives exactly the gradient of
+    the model's uses of it. Two ways a hook on the layer's own output tensor would see something else:
+
+    - a view modified in place later (``q = self.q(h); q /= s``; F.linear on ``[B, T, d]`` returns a view) never
+      fires its hook: the model gets an alias that is not a view;
+    - of several outputs, one computed from another inside the forward (a router returning its logits and the top-k
+      weights taken from them) receives the gradient of that inner use too, and the per-example formula
+      Σ_k ⟨f_k(θ, x_i), δ_k,i⟩ would count it twice: every live tensor of a multi-tensor output is handed over as a
+      fresh alias, whose gradient comes from the model's uses alone.
+
+    ``aten._unsafe_view`` makes the alias without a copy."""
+    if isinstance(out, Tensor):
+        if out._base is None:
+            return out, leaves
+        out = torch.ops.aten._unsafe_view(out, out.shape)
+        return out, [out]
+    flat, spec = tree_flatten(out)
+    for k in live:
+        flat[k] = torch.ops.aten._unsafe_view(flat[k], flat[k].shape)
+    return tree_unflatten(flat, spec), flat
 
 
 def grouped(a: Any, rows: int, n: int) -> Any:
@@ -361,14 +396,10 @@ class ActivationCapture:
             if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
-            if isinstance(out, Tensor) and out._base is not None:
-                # A hook on a view never fires once the view is modified in place (`q = self.q(h); q /= s`, and
-                # F.linear on [B, T, d] returns a view): hand the model an alias that is not a view instead.
-                out = torch.ops.aten._unsafe_view(out, out.shape)
-                leaves = [out]
+            out, leaves = _aliased(out, leaves, live)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
-                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None)
+                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))

@@ -349,5 +349,23 @@ def test_a_lookup_called_with_a_shape_only_is_exact(engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
-def test_data_dependent_routing_is_refused_by_name(engine):
-    zoo.assert_refused(zoo.MixtureOfExperts, zoo.vector_data(), "experts.*shapes depend on the data", per_sample=engine)
+@pytest.mark.parametrize("factory", [zoo.MixtureOfExperts, lambda: zoo.MixtureOfExperts(act=True, tokens=True)],
+                         ids=["rows", "flattened-tokens-with-act-child"])
+def test_data_dependent_routing_is_exact_by_one_replay_per_example(factory, engine):
+    """A mixture-of-experts block (torch.nonzero routing: vmap cannot run it), also with Hugging Face's layout: an
+    experts module owning stacked weights and a parameter-free act_fn child, called on [B·T, d] tokens."""
+    zoo.assert_exact(factory, zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("use_logits", [False, True], ids=["weights-only", "weights-and-logits"])
+def test_an_output_computed_from_another_output_of_the_layer_is_exact(use_logits, engine):
+    """A router returns its logits and the top-k weights taken from them: the logits' gradient must be the model's
+    uses alone, not also the path through the weights inside the router (capture._aliased)."""
+    zoo.assert_exact(lambda: zoo.RoutedTokens(use_logits), zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_data_dependent_routing_that_draws_random_numbers_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.MixtureOfExperts(dropout=0.5), zoo.vector_data(),
+                       "experts.*shapes depend on the data.*draws random numbers", per_sample=engine)

@@ -694,31 +694,78 @@ class PositionsFromAShape(Base):
 
 
 class _RoutedExperts(nn.Module):
-    """Experts applied to the rows routed to each (torch.nonzero): a mixture-of-experts block's routing."""
+    """Experts applied to the rows routed to each (torch.nonzero): a mixture-of-experts block's routing. Hugging
+    Face's experts own stacked weights and an ``act_fn`` child (``act=True``); ``dropout`` draws inside."""
 
-    def __init__(self) -> None:
+    def __init__(self, act: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(2, D, D))
+        self.act = nn.SiLU() if act else None
+        self.dropout = dropout
 
     def forward(self, h: Tensor, route: Tensor) -> Tensor:
         out = torch.zeros_like(h)
         for e in range(2):
             rows = torch.nonzero(route == e).squeeze(-1)
-            out = out.index_add(0, rows, h[rows] @ self.w[e])
+            y = h[rows] @ self.w[e]
+            y = self.act(y) if self.act is not None else y
+            out = out.index_add(0, rows, F.dropout(y, self.dropout, self.training))
         return out
 
 
 class MixtureOfExperts(Base):
-    """Data-dependent shapes inside a layer: no per-example rule, refused by name."""
+    """Data-dependent shapes inside a layer (vmap cannot run it): replayed once per example, exact. With
+    ``tokens``, the experts see the batch's tokens flattened to ``[B·T, d]`` (a view) and route each token."""
 
-    def __init__(self) -> None:
+    def __init__(self, act: bool = False, tokens: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        self.a, self.experts, self.b = nn.Linear(D, D), _RoutedExperts(), nn.Linear(D, 3)
+        self.a, self.experts, self.b = nn.Linear(D, D), _RoutedExperts(act, dropout), nn.Linear(D, 3)
+        self.tokens = tokens
 
     def loss(self, batch):
         x, y = batch
+        if self.tokens:  # two tokens per example: the row and its flip
+            h = torch.tanh(self.a(torch.stack([x, x.flip(-1)], 1)))  # [B, 2, d]
+            flat = h.view(-1, D)
+            routed = self.experts(flat, (flat[:, 0] > 0).long()).view(h.shape)
+            return F.cross_entropy(self.b(routed.mean(1)), y)
         h = torch.tanh(self.a(x))
         return F.cross_entropy(self.b(self.experts(h, (h[:, 0] > 0).long())), y)
+
+
+class _Router(nn.Module):
+    """A mixture-of-experts router: returns its logits *and* the top-k weights computed from them, so a hook on
+    the logits also sees the gradient of the inner use (softmax → top-k), besides the model's own uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, D))
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = F.linear(h, self.weight)
+        top, index = torch.topk(logits.softmax(-1), 2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return logits, top, index
+
+
+class RoutedTokens(Base):
+    """Tokens flattened to [B·T, d], weighted by the router's top weight; ``use_logits`` also adds an auxiliary
+    term on the logits (the model's own use of the first output)."""
+
+    def __init__(self, use_logits: bool = False) -> None:
+        super().__init__()
+        self.a, self.router, self.b = nn.Linear(D, D), _Router(), nn.Linear(D, 3)
+        self.use_logits = use_logits
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.tanh(self.a(torch.stack([x, x.flip(-1)], 1)))
+        flat = h.view(-1, D)
+        logits, top, _ = self.router(flat)
+        out = (flat * top[:, :1]).view(h.shape).mean(1)
+        if self.use_logits:
+            out = out + logits.view(h.shape[0], 2, -1).pow(2).mean((1, 2)).unsqueeze(1)
+        return F.cross_entropy(self.b(out), y)
 
 
 class UnusedParameters(Base):
@@ -806,16 +853,17 @@ def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = No
 
 
 def assert_exact(factory: Callable[[], Base], dataset: Dataset, collate: Optional[Callable] = None,
-                 per_sample: str = "auto", C: float = 0.3, physical: Optional[int] = None,
-                 **trainer_kwargs: Any) -> DPStrategy:
-    """The private step equals the per-example-loop reference (float64)."""
+                 per_sample: str = "auto", C: float = 0.3, physical: Optional[int] = None, rtol: float = 1e-6,
+                 atol: float = 1e-9, **trainer_kwargs: Any) -> DPStrategy:
+    """The private step equals the per-example-loop reference (float64; ``rtol``/``atol`` looser only for a model
+    that computes part of its forward in float32 itself)."""
     torch.manual_seed(0)
     model = factory().double()
     reference = reference_update(copy.deepcopy(model), _as_double(dataset), collate or default_collate, C,
                                  float(len(dataset)))
     strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, physical, **trainer_kwargs)
     for got, want in zip(update, reference):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     return strategy
 
 

@@ -57,7 +57,7 @@ from lightning_dp.mechanism.grad_sample.base import (
 from lightning_dp.mechanism.validators.example_dim import (
     check_example_dim,
     check_something_captured,
-    dynamic_shape_error,
+    random_replay_error,
     example_dim_error,
     missing_gradient_error,
 )
@@ -149,12 +149,14 @@ def recomputable(module: nn.Module) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def _sliced(value: Any, dims: Any, i: int) -> Any:
-    """Example i of ``value`` (dimension kept), per the pytree of example dimensions ``dims``."""
+def _sliced(value: Any, dims: Any, i: int, keep: bool = True) -> Any:
+    """Example i of ``value``, per the pytree of example dimensions ``dims``: the dimension kept (``[1, …]``), or
+    with ``keep=False`` removed (a flattened call's ``[n, m, …]`` record gives example i's ``[m, …]`` rows, the
+    layout the layer was called with)."""
     if isinstance(dims, int):
-        return value.narrow(dims, i, 1)
+        return value.narrow(dims, i, 1) if keep else value.select(dims, i)
     if isinstance(dims, (tuple, list)):
-        return type(value)(_sliced(v, d, i) for v, d in zip(value, dims))
+        return type(value)(_sliced(v, d, i, keep) for v, d in zip(value, dims))
     return value
 
 
@@ -162,7 +164,8 @@ def loop_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
     """The per-example grads of :func:`vmap_layer_grads` by one small backward per example, for
-    layers torch.func cannot vmap (the RNNs' fused kernels). Same slicing and the same formula."""
+    layers torch.func cannot vmap (the RNNs' fused kernels; data-dependent shapes). Same slicing and the same
+    formula; a call on flattened examples is replayed on example i's ``[m, …]`` rows as they were laid out."""
     dims = example_dims(calls.module)
     total: dict[str, Tensor] = {}
     with torch.enable_grad():
@@ -170,15 +173,38 @@ def loop_layer_grads(
         for rec in calls.records:
             arg_dims, kw_dims = calls.slot_dims(rec, n)
             present = [(k, dims.output(k)) for k, g in enumerate(rec.grad_outs) if g is not None]
+            keep = not rec.flattened
             rows: list[tuple[Tensor, ...]] = []
             for i in range(n):
-                args = tuple(_sliced(a, d, i) for a, d in zip(rec.args, arg_dims))
-                kwargs = {k: _sliced(v, kw_dims[k], i) for k, v in rec.kwargs.items()}
+                args = tuple(_sliced(a, d, i, keep) for a, d in zip(rec.args, arg_dims))
+                kwargs = {k: _sliced(v, kw_dims[k], i, keep) for k, v in rec.kwargs.items()}
                 leaves = tree_flatten(functional_call(calls.module, params, args, kwargs))[0]
-                dot = sum((leaves[k] * rec.grad_outs[k].narrow(d, i, 1).to(leaves[k].dtype)).sum() for k, d in present)
+                dot = sum((leaves[k] * _sliced(rec.grad_outs[k], d, i, keep).to(leaves[k].dtype)).sum()
+                          for k, d in present)
                 rows.append(torch.autograd.grad(dot, list(params.values()), allow_unused=True))
             _add_rows(total, params, rows, n)
     return total
+
+
+def _data_dependent(err: RuntimeError) -> bool:
+    """Whether vmap refused a layer for depending on the data: shapes (``torch.nonzero``) or control flow
+    (``if expert_idx == n:``, ``.item()``)."""
+    text = str(err)
+    return "dynamic shape" in text or "data-dependent" in text or ".item()" in text
+
+
+def replay_by_loop(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
+    """:func:`loop_layer_grads` for a layer vmap cannot run because its shapes or control flow depend on the data (a
+    mixture-of-experts block routing tokens with ``torch.nonzero``): exact, one small backward per example. The
+    replay must be the step's computation, so it may not draw random numbers (checked: the generators' states
+    before and after; refused if they moved)."""
+    devices = sorted({p.device for _, p in wanted if p.device.type == "cuda"}, key=str)
+    before = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    grads = loop_layer_grads(calls, wanted, n)
+    after = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    if not all(torch.equal(a, b) for a, b in zip(before, after)):
+        raise random_replay_error(calls.name, calls.module)
+    return grads
 
 
 def _add_rows(total: dict[str, Tensor], params: dict[str, Tensor], rows: list[tuple[Optional[Tensor], ...]],
@@ -310,14 +336,18 @@ def vmap_layer_grads(
         # No argument follows the examples (Perceiver's latents.expand(batch_size, …) from an int): a call that
         # returns all n rows gives example i row i of it.
         whole = all(d is None for d in slot_dims)
+        # A call on flattened examples ([n·m, …], recorded as [n, m, …]) is replayed on example i's [m, …] rows as
+        # they were laid out (a layer that takes [tokens, d] — a mixture of experts — sees [tokens, d]).
+        flat = rec.flattened
 
         def inner(p: dict[str, Tensor], deltas: tuple[Tensor, ...], i: Tensor, *vals: Any) -> Tensor:
-            vals1 = [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
+            vals1 = list(vals) if flat else [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
             out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
             leaves = tree_flatten(out)[0]
             rows = [leaves[k].index_select(d, i.view(1)) if whole and leaves[k].shape[d] == n > 1 else leaves[k]
                     for k, d in present]
-            return sum((row.squeeze(d) * delta.to(row.dtype)).sum() for row, (_, d), delta in zip(rows, present, deltas))
+            return sum(((row if flat else row.squeeze(d)) * delta.to(row.dtype)).sum()
+                       for row, (_, d), delta in zip(rows, present, deltas))
 
         deltas = tuple(rec.grad_outs[k] * n for k, _ in present)
         in_dims = (None, tuple(d for _, d in present), 0, *slot_dims)
@@ -326,9 +356,9 @@ def vmap_layer_grads(
             try:
                 out = vmap(grad(inner), in_dims=in_dims)(params, deltas, index, *values)
             except RuntimeError as err:
-                if "dynamic shape" not in str(err):
+                if not _data_dependent(err):
                     raise
-                raise dynamic_shape_error(calls.name, module) from err
+                return replay_by_loop(calls, wanted, n)
         for k, v in out.items():
             total[k] = v if k not in total else total[k] + v
     return total

@@ -108,16 +108,16 @@ def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
         )
 
 
-def dynamic_shape_error(name: str, module: object) -> PrivacyConfigurationError:
-    """A layer whose forward has data-dependent shapes (``torch.nonzero``, boolean-mask indexing: the token routing
-    of a mixture-of-experts block), which ``torch.func.vmap`` cannot run per example."""
+def random_replay_error(name: str, module: object) -> PrivacyConfigurationError:
+    """A layer with data-dependent shapes (``torch.nonzero``: a mixture-of-experts block's routing), served by one
+    replay per example, whose replay draws random numbers: it would not reproduce the step's computation."""
     return PrivacyConfigurationError(
         f"layer '{name or '<root>'}' ({type(module).__name__}) has a forward whose shapes depend on the data "
-        "(torch.nonzero, boolean-mask indexing, torch.where with one argument: e.g. a mixture-of-experts block "
-        "routing tokens to its experts), so its per-example gradients cannot be computed by vmap, and no other rule "
-        "serves it. Nothing was released. Freeze it (requires_grad_(False)), or write the data-dependent selection "
-        "with fixed shapes (a dense mask multiplied in, e.g. every expert on every token weighted by its routing "
-        "weight, zero where not routed)."
+        "(torch.nonzero, boolean-mask indexing: e.g. a mixture-of-experts block routing tokens to its experts), so "
+        "its per-example gradients are computed by replaying it once per example, and that replay draws random "
+        "numbers (dropout or noise inside it): it would not reproduce the step. Nothing was released. Move the "
+        "dropout out of this module (apply it to its output), or set the module to eval mode, or freeze it "
+        "(requires_grad_(False))."
     )
 
 
