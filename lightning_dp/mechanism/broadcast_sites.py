@@ -126,6 +126,10 @@ class BroadcastSites(TorchFunctionMode):
 
         followed[key] = (weakref.ref(t, gone), sources)
 
+    def follows(self, t: Any) -> bool:
+        """Whether ``t`` is followed (computed from a lookup's output in this step, and alive)."""
+        return bool(self._sources(t))
+
     def _sources(self, t: Any) -> tuple[_Source, ...]:
         """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""
         if not isinstance(t, Tensor):

@@ -379,7 +379,10 @@ class ActivationCapture:
                 return None
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
-                if self._flattened:  # broadcast over n or over n·m flattened rows: let the sites tell
+                if self._flattened or self._follows(inputs):
+                    # broadcast over n or over n·m flattened rows, or computed from a followed tensor (DeBERTa-v2
+                    # projects its relative-position table, [1, 2k, d]: expanding the projection to n rows would
+                    # change the shapes its code computes from it): let the sites tell
                     self._record_lookup(calls, args, kwargs, out, n)
                     return None
                 out, args = broadcast_call(out, args, n)
@@ -481,6 +484,11 @@ class ActivationCapture:
         """The step's backward is over (every site has delivered): leave the broadcast-site mode, so the engine's
         clipping runs outside it."""
         self._close_sites()
+
+    def _follows(self, inputs: list[Tensor]) -> bool:
+        """Whether a call's input is a tensor the broadcast sites follow (computed from a lookup or a parameter
+        read outside a layer)."""
+        return self._sites is not None and self._sites.active and any(self._sites.follows(t) for t in inputs)
 
     def _close_sites(self) -> None:
         """Leave this step's broadcast-site mode (end of step, detach, or a step of another size)."""

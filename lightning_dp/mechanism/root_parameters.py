@@ -18,10 +18,20 @@ row of example i (the mean loss). Shape makes no difference (an earlier rule exp
 to ``[n, …]`` before the model saw them, which broke ``.repeat(B, …)`` and ``.reshape(1, …)``). A read
 whose examples' gradients do not add up to its gradient (the parameter used as the weight of ``F.linear``,
 say) leaves the parameter without per-example gradient, and the step is refused.
+
+An embedding table read outside its module's forward is the same case: DeBERTa-v2's encoder reads
+``self.rel_embeddings.weight`` (the embedding is never called) and projects it; hand-written models add
+``self.pos.weight[:T]`` to the batch. Reads of an ``nn.Embedding``'s parameters from code that is not the
+embedding's own (its class's methods) are followed the same way; the embedding's own forward reads them
+untouched, so the layer's rule serves its calls. A step in which one parameter has both kinds of use is refused
+(:func:`~lightning_dp.mechanism.validators.example_dim.mixed_use_error`); so is an outside read that is not a
+broadcast over the examples (``F.linear(h, self.emb.weight)``: tie the weight to an ``nn.Linear`` instead).
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,6 +54,40 @@ def _intercepting(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
+_MODULE_GETATTR = nn.Module.__getattr__.__code__
+
+
+def _own_code(cls: type) -> set:
+    """The code objects of every method ``cls`` and its bases below ``nn.Module`` define (decorators unwrapped)."""
+    codes = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for value in vars(klass).values():
+            fn = inspect.unwrap(value.fget) if isinstance(value, property) and value.fget else value
+            fn = inspect.unwrap(getattr(fn, "__func__", fn)) if callable(fn) else fn
+            if inspect.isfunction(fn):
+                codes.add(fn.__code__)
+    return codes
+
+
+class _OutsideReads(dict):
+    """An embedding's ``_parameters``: a read through ``module.weight`` from code that is not the module's own goes
+    to ``reader`` (``nn.Module.__getattr__`` looks the name up here; other lookups, its own forward's included, get
+    the parameter)."""
+
+    def __init__(self, items: dict, own: set, reader: Callable[[str, Any], Any]) -> None:
+        super().__init__(items)
+        self._own, self._reader = own, reader
+
+    def __getitem__(self, name: str) -> Any:
+        value = super().__getitem__(name)
+        caller = sys._getframe(1)
+        if caller.f_code is not _MODULE_GETATTR or caller.f_back is None or caller.f_back.f_code in self._own:
+            return value
+        return self._reader(name, value)
+
+
 class RootParameters:
     """The trainable parameters read directly in non-leaf modules, and their per-example gradients.
 
@@ -59,7 +103,9 @@ class RootParameters:
         self._expected = expected
         self._follow = follow
         self._unserved: set[int] = set()  # parameters with a read this step that no site served
+        self._outside: set[int] = set()  # embedding parameters read outside their module's forward this step
         self._modules: list[tuple[nn.Module, type]] = []
+        self._tables: list[nn.Module] = []  # embeddings whose _parameters are _OutsideReads
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
 
@@ -68,6 +114,8 @@ class RootParameters:
         self.detach()
         in_layers = {id(p) for m in root.modules() if is_leaf_like(m) for p in m.parameters(recurse=False)}
         for name, module in root.named_modules():
+            if isinstance(module, nn.Embedding) and is_leaf_like(module):
+                self._watch_table(name, module)
             if is_leaf_like(module):
                 continue
             own = {pname: p for pname, p in module.named_parameters(recurse=False)
@@ -79,6 +127,24 @@ class RootParameters:
             module.__dict__["_dp_root_reader"] = self._reader(own)
             for pname, p in own.items():
                 self._owners[id(p)] = (module, f"{name or '<root>'}.{pname}")
+
+    def _watch_table(self, name: str, module: nn.Module) -> None:
+        """Follow reads of an embedding's trainable parameters made outside its own code."""
+        own = {pname: p for pname, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not own:
+            return
+        read = self._reader(own)
+
+        def outside(pname: str, value: Any) -> Any:
+            followed = read(pname, value)
+            if followed is not value:
+                self._outside.add(id(value))
+            return followed
+
+        module._parameters = _OutsideReads(module._parameters, _own_code(type(module)), outside)
+        self._tables.append(module)
+        for pname, p in own.items():
+            self._owners.setdefault(id(p), (module, f"{name or '<root>'}.{pname}"))
 
     def _reader(self, own: dict[str, Tensor]) -> Callable[[str, Any], Any]:
         def read(name: str, value: Any) -> Any:
@@ -109,8 +175,16 @@ class RootParameters:
             self.grads[key] = g if key not in self.grads else self.grads[key] + g
 
     def owns(self, p: Tensor) -> bool:
-        """Whether ``p`` is one of the intercepted parameters."""
-        return id(p) in self._owners
+        """Whether ``p`` is a parameter of a non-leaf module, whose reads are intercepted."""
+        return id(p) in self._owners and not self.watched(p)
+
+    def watched(self, p: Tensor) -> bool:
+        """Whether ``p`` is an embedding's parameter whose reads outside the embedding are followed."""
+        return any(p is q for m in self._tables for q in m._parameters.values())
+
+    def read_outside(self, p: Tensor) -> bool:
+        """Whether the embedding parameter ``p`` was read outside its module's forward in this step."""
+        return id(p) in self._outside
 
     def name_of(self, p: Tensor) -> str:
         """The dotted name of an intercepted parameter."""
@@ -120,11 +194,14 @@ class RootParameters:
         """Drop this step's per-example gradients."""
         self.grads.clear()
         self._unserved.clear()
+        self._outside.clear()
 
     def detach(self) -> None:
         """Give every module back its own class."""
         for module, cls in self._modules:
             module.__dict__.pop("_dp_root_reader", None)
             module.__class__ = cls
-        self._modules, self._owners = [], {}
+        for module in self._tables:
+            module._parameters = dict(module._parameters)
+        self._modules, self._owners, self._tables = [], {}, []
         self.grads.clear()

@@ -74,6 +74,18 @@ def test_functional_weight_tying_is_refused(engine):
     zoo.assert_refused(zoo.FunctionalTying, zoo.token_data(), "emb.weight", per_sample=engine)
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_embedding_table_read_outside_its_forward_is_exact(engine):
+    strategy = zoo.assert_exact(zoo.SlicedPositionTable, zoo.token_data(), per_sample=engine)
+    assert type(strategy.lightning_module.pos._parameters) is dict  # the read interception is undone
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_embedding_table_both_called_and_read_outside_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.SlicedPositionTable(also_called=True), zoo.token_data(),
+                       "pos.weight is used by its own module's forward and also read outside it", per_sample=engine)
+
+
 @pytest.mark.parametrize("engine", ["vmap", "opacus_hooks"])
 def test_module_weight_tying_is_exact(engine):
     zoo.assert_exact(zoo.ModuleTying, zoo.token_data(), per_sample=engine)

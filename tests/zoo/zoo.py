@@ -168,6 +168,24 @@ class FunctionalTying(Base):
         return F.cross_entropy(F.linear(h, self.emb.weight).permute(0, 2, 1), y)
 
 
+class SlicedPositionTable(Base):
+    """A position table's weight read outside the embedding (``self.pos.weight[:T]``, never ``self.pos(…)``),
+    added to the batch; DeBERTa-v2 reads ``rel_embeddings.weight`` and projects it the same way. ``also_called``:
+    the same table looked up besides (two kinds of use in one step: refused)."""
+
+    def __init__(self, also_called: bool = False) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(T + 2, D), nn.Linear(D, V)
+        self.also_called = also_called
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x) + self.pos.weight[: x.shape[1]]
+        if self.also_called:
+            h = h + self.pos(torch.zeros_like(x))
+        return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
+
+
 class ModuleTying(Base):
     """Weight tying the supported way: an nn.Linear whose weight is the embedding's Parameter."""
 

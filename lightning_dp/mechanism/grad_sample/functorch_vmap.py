@@ -57,9 +57,10 @@ from lightning_dp.mechanism.grad_sample.base import (
 from lightning_dp.mechanism.validators.example_dim import (
     check_example_dim,
     check_something_captured,
-    random_replay_error,
     example_dim_error,
     missing_gradient_error,
+    mixed_use_error,
+    random_replay_error,
 )
 
 _BATCH_MIXING = (_BatchNorm,)
@@ -419,7 +420,9 @@ class FunctorchVmapEngine(GradSampleEngine):
         per_layer: dict[int, dict[str, Tensor]] = {}
         samples = []
         for p in params:
-            if roots.owns(p):
+            if roots.owns(p) or roots.read_outside(p):  # read directly, outside any layer (root_parameters.py)
+                if any(id(mod) in layers for mod, _, _ in self._owners.get(p, [])) and not roots.owns(p):
+                    raise mixed_use_error(roots.name_of(p))
                 samples.append(roots.grads[id(p)] if id(p) in roots.grads else unused_grads(p, n, self._owners.get(p, [])))
                 continue
             acc = None

@@ -121,6 +121,18 @@ def random_replay_error(name: str, module: object) -> PrivacyConfigurationError:
     )
 
 
+def mixed_use_error(where: str) -> PrivacyConfigurationError:
+    """An embedding's parameter used by its own forward and also read outside it in one step (weight tying by
+    ``F.linear(h, self.emb.weight)``): the two uses' per-example gradients are not combined."""
+    return PrivacyConfigurationError(
+        f"The trainable parameter {where} is used by its own module's forward and also read outside it in the same "
+        "step (e.g. F.linear(h, self.emb.weight) for weight tying, or emb.weight sliced and added besides emb(x)). "
+        "The per-example gradients of the two kinds of use are not combined. Nothing was released. For weight "
+        "tying, make the output layer an nn.Linear whose .weight is the embedding's Parameter "
+        "(head.weight = emb.weight); otherwise use the parameter one way only, or freeze it (requires_grad=False)."
+    )
+
+
 def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigurationError:
     """A trainable parameter that autograd gave a gradient although no hooked use of it ran (an unused
     parameter, whose per-example gradients are exactly zero, is not refused: ``unused_in_step``)."""
