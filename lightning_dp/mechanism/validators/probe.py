@@ -151,6 +151,9 @@ class ExampleIndependenceProbe:
                  random: bool) -> None:
         alone_norms = torch.cat([a.norms.double() for a in alone])
         together_norms = together.norms.double()
+        bad = [name for name, ref in zip(self.names, reference) if not bool(torch.isfinite(ref).all())]
+        if bad or not bool(torch.isfinite(together_norms).all() and torch.isfinite(alone_norms).all()):
+            raise non_finite_error(bad)
         scale = float(torch.maximum(alone_norms.max(), together_norms.max()))
         if random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
             ratios = together_norms / alone_norms.clamp_min(1e-30)
@@ -255,6 +258,16 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
                  ".squeeze() on the batch dimension).")
     return PrivacyConfigurationError(
         f"The first step's probe ran training_step on a batch of {k} example(s) and it failed ({text}). {cause}")
+
+
+def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
+    """The probe's error when the gradients themselves are NaN or infinite (nothing else can be compared)."""
+    where = f" (autograd's gradient of {', '.join(names[:4])}{' …' if len(names) > 4 else ''})" if names else ""
+    return PrivacyConfigurationError(
+        f"The first step's probe found gradients that are not finite (NaN or inf){where} on the first examples of "
+        "the batch: the model's forward or loss produces them, privately or not (e.g. a softmax over a fully "
+        "masked row, log of zero, a sequence shorter than a layer's window or stride). Clipping a NaN gives NaN, so "
+        "nothing was released. Fix the model or the data (check a non-private step on the same batch).")
 
 
 def uncaptured_use_error(name: str) -> PrivacyConfigurationError:

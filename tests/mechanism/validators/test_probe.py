@@ -26,6 +26,8 @@ class Net(nn.Module):
             h = h - h.mean(0)
         if self.mode == "outside":
             h = h + F.linear(x, self.a.weight)  # a second use outside a's forward
+        if self.mode == "nan":
+            h = h * torch.sqrt(h - h.detach())  # sqrt of 0: an infinite derivative, NaN gradients
         return self.b(self.drop(torch.tanh(h)))
 
 
@@ -68,6 +70,12 @@ def test_mixing_across_the_batch_is_an_interaction(engine):
 def test_a_use_outside_the_owning_module_is_named(engine):
     with pytest.raises(PrivacyConfigurationError, match="Parameter a.weight receives gradient"):
         _probe("outside", engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradients_that_are_not_finite_are_named_as_such(engine):
+    with pytest.raises(PrivacyConfigurationError, match=r"not finite \(NaN or inf\) \(autograd's gradient of a.weight"):
+        _probe("nan", engine)
 
 
 def test_failures_of_the_users_step_on_small_batches_name_poisson_sampling():
