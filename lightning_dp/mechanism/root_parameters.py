@@ -31,6 +31,7 @@ broadcast over the examples (``F.linear(h, self.emb.weight)``: tie the weight to
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -55,6 +56,9 @@ def _intercepting(cls: type) -> type:
 
 
 _MODULE_GETATTR = nn.Module.__getattr__.__code__
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+"""torch's own code (FSDP2 gathering shards, parametrizations) and this library's engines read parameters for
+their own purposes: not the model's use."""
 
 
 def _own_code(cls: type) -> set:
@@ -83,7 +87,10 @@ class _OutsideReads(dict):
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)
         caller = sys._getframe(1)
-        if caller.f_code is not _MODULE_GETATTR or caller.f_back is None or caller.f_back.f_code in self._own:
+        if caller.f_code is not _MODULE_GETATTR or caller.f_back is None:
+            return value
+        code = caller.f_back.f_code
+        if code in self._own or code.co_filename.startswith(_INTERNAL):
             return value
         return self._reader(name, value)
 
@@ -133,33 +140,29 @@ class RootParameters:
         own = {pname: p for pname, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not own:
             return
-        read = self._reader(own)
-
-        def outside(pname: str, value: Any) -> Any:
-            followed = read(pname, value)
-            if followed is not value:
-                self._outside.add(id(value))
-            return followed
-
-        module._parameters = _OutsideReads(module._parameters, _own_code(type(module)), outside)
+        module._parameters = _OutsideReads(module._parameters, _own_code(type(module)), self._reader(own, True))
         self._tables.append(module)
         for pname, p in own.items():
             self._owners.setdefault(id(p), (module, f"{name or '<root>'}.{pname}"))
 
-    def _reader(self, own: dict[str, Tensor]) -> Callable[[str, Any], Any]:
+    def _reader(self, own: dict[str, Tensor], outside: bool = False) -> Callable[[str, Any], Any]:
         def read(name: str, value: Any) -> Any:
             n = self._expected()
             if name not in own or n is None or not torch.is_grad_enabled():
                 return value
-            return self._followed(value, n)
+            return self._followed(value, n, outside)
 
         return read
 
-    def _followed(self, p: Tensor, n: int) -> Tensor:
-        """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss)."""
+    def _followed(self, p: Tensor, n: int, outside: bool = False) -> Tensor:
+        """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss).
+        ``outside``: a read of an embedding's parameter, counted (:meth:`read_outside`) once a gradient flows
+        through it (a read of its ``.device`` or ``.shape`` is no use)."""
         view, key = p.view_as(p), id(p)
 
         def deliver(rows: Optional[Tensor], total: Tensor) -> None:
+            if outside:
+                self._outside.add(key)
             if rows is None or not adds_up(rows, total):
                 self._unserved.add(key)
                 self.grads.pop(key, None)

@@ -81,6 +81,17 @@ def test_an_embedding_table_read_outside_its_forward_is_exact(engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind", ["RNNCell", "GRUCell", "LSTMCell"])
+def test_rnn_cells_stepped_in_a_loop_from_no_state_are_exact(kind, engine):
+    zoo.assert_exact(lambda: zoo.CellLoop(kind), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_embedding_weight_read_for_its_device_or_shape_is_no_use(engine):
+    zoo.assert_exact(zoo.EmbeddingMetadataRead, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_an_embedding_table_both_called_and_read_outside_is_refused(engine):
     zoo.assert_refused(lambda: zoo.SlicedPositionTable(also_called=True), zoo.token_data(),
                        "pos.weight is used by its own module's forward and also read outside it", per_sample=engine)

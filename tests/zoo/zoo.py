@@ -186,6 +186,37 @@ class SlicedPositionTable(Base):
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
 
 
+class CellLoop(Base):
+    """``nn.RNNCell``/``GRUCell``/``LSTMCell`` stepped in a Python loop over time, the first call without a state
+    (the cell makes its zeros from the input's size)."""
+
+    def __init__(self, kind: str = "LSTMCell") -> None:
+        super().__init__()
+        self.emb, self.cell, self.head = nn.Embedding(V, D), getattr(nn, kind)(D, 8), nn.Linear(8, V)
+
+    def loss(self, batch):
+        x, y = batch
+        state, outs = None, []
+        for t in range(x.shape[1]):
+            state = self.cell(self.emb(x[:, t]), state)
+            outs.append(state[0] if isinstance(state, tuple) else state)
+        return per_example_token_mean(self.head(torch.stack(outs, 1)), y)
+
+
+class EmbeddingMetadataRead(Base):
+    """An embedding used through its forward, its weight also read for its device and shape only (peft's prompt
+    tuning: ``.to(embedding.weight.device)``): no gradient flows through those reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x.to(self.tok.weight.device)) * (self.tok.weight.shape[1] ** -0.5)
+        return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
+
+
 class ModuleTying(Base):
     """Weight tying the supported way: an nn.Linear whose weight is the embedding's Parameter."""
 

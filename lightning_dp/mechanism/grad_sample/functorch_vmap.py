@@ -187,6 +187,20 @@ def loop_layer_grads(
     return total
 
 
+def _explicit_cell_state(rec: Any, module: nn.Module, n: int) -> None:
+    """An ``nn.RNNCell``/``GRUCell``/``LSTMCell`` called without a state (``cell(x)``, the first step of a loop
+    over time) makes its zeros from the input's size, which under vmap is one example's: the call is recorded with
+    the zeros it used, ``[n, H]`` (both of them for an LSTM cell), so each example gets its row."""
+    if not isinstance(module, nn.RNNCellBase) or rec.args is None or not rec.args:
+        return
+    x = rec.args[0]
+    if (len(rec.args) > 1 and rec.args[1] is not None) or rec.kwargs.get("hx") is not None or x.dim() != 2:
+        return
+    zeros = x.new_zeros(x.shape[0], module.hidden_size)
+    rec.args = (x, (zeros, zeros) if isinstance(module, nn.LSTMCell) else zeros, *rec.args[2:])
+    rec.kwargs.pop("hx", None)
+
+
 def _data_dependent(err: RuntimeError) -> bool:
     """Whether vmap refused a layer for depending on the data: shapes (``torch.nonzero``) or control flow
     (``if expert_idx == n:``, ``.item()``)."""
@@ -328,6 +342,7 @@ def vmap_layer_grads(
     dims = example_dims(calls.module)
     total: dict[str, Tensor] = {}
     for rec in calls.records:
+        _explicit_cell_state(rec, calls.module, n)
         arg_dims, kw_dims = calls.slot_dims(rec, n)
         keys = list(rec.kwargs)
         values = [*rec.args, *(rec.kwargs[k] for k in keys)]
