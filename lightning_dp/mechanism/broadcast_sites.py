@@ -69,10 +69,13 @@ class _Source:
         g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t_shape)
         if t_edge is not None:
             self.mapping = True  # the nested backward reaches the output's own hook: not the real gradient
-            try:
-                g = torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True)[0]
+            try:  # allow_unused: t may reach the site through another source only (PEFT DoRA divides by a detached norm)
+                g = torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True,
+                                        allow_unused=True)[0]
             finally:
                 self.mapping = False
+            if g is None:
+                return
         self.per_example = g if self.per_example is None else self.per_example + g
 
     def settle(self, total: Tensor) -> None:
@@ -173,7 +176,7 @@ class BroadcastSites(TorchFunctionMode):
             result = func(*args, **kwargs)
         sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
         for t in tree_flatten(result)[0]:
-            if isinstance(t, Tensor):
+            if isinstance(t, Tensor) and t.requires_grad:  # no gradient reaches a source through the others
                 self._remember(t, sources)
         return result
 

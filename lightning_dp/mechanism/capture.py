@@ -314,7 +314,8 @@ class ActivationCapture:
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
         self._rng: Optional[Any] = None
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
-        self._lookups: set[int] = set()  # layers once called without an example dimension (kept for the run)
+        # layers once called without an example dimension (kept for the run), with the ranks of those calls
+        self._lookups: dict[int, set[tuple[int, ...]]] = {}
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
 
@@ -437,16 +438,19 @@ class ActivationCapture:
                 t.register_hook(lambda g, k=k: rec.set_grad(g, k))
 
     def _is_lookup(self, module: nn.Module, inputs: list[Tensor], out: Any, n: int, dims: ExampleDims) -> bool:
-        """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a layer
-        once seen so stays one for the run (a later step whose n happens to equal T must not slice [T, T])."""
+        """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a call of
+        a layer once seen so, with inputs and output of the same ranks, stays one for the run (a later step whose n
+        happens to equal T must not slice [T, T]). Calls of other ranks are classified afresh: PEFT's DoRA calls its
+        LoRA layers on an identity matrix [d, d] (a lookup) and on the batch [B, T, d]."""
         if not isinstance(out, Tensor) or dims.output(0) != 0 or isinstance(module, (*UNITS, nn.RNNBase)):
             return False
-        if id(module) in self._lookups:
+        ranks = (*(t.dim() for t in inputs), out.dim())
+        if ranks in self._lookups.get(id(module), ()):
             return True
         if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n)) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
         if unbatched_call(inputs, out, n):
-            self._lookups.add(id(module))
+            self._lookups.setdefault(id(module), set()).add(ranks)
             return True
         return False
 

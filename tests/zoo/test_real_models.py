@@ -99,9 +99,9 @@ def qwen2_moe():
     return _eager_experts(transformers.Qwen2MoeForCausalLM(c))
 
 
-def lora(make, targets):
+def lora(make, targets, **options):
     return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                               lora_dropout=0.0))
+                                                               lora_dropout=0.0, **options))
 
 
 class Wrapped(zoo.Base):
@@ -128,6 +128,9 @@ CASES = {
     "llama": (llama, "lm"),
     "gpt2-lora": (lora(gpt2, ["c_attn", "c_proj"]), "lm"),
     "llama-lora": (lora(llama, ["q_proj", "v_proj"]), "lm"),
+    # DoRA: the LoRA layers also called on an identity matrix (a lookup whose output is used detached) besides
+    # the batch; the magnitude layer replays the frozen base layer inside vmap
+    "gpt2-dora": (lora(gpt2, ["c_attn"], use_dora=True), "lm"),
     # OPT flattens [B, T, d] to [B·T, d] before fc1 (a verified view; fc2 matched by row count)
     "opt": (opt, "lm"),
     # BertForMultipleChoice: [B, 2, T] flattened to [B·2, T] before the encoder; [1, T] positions broadcast over it

@@ -594,10 +594,14 @@ class _Conv2dInputGradOnly(torch.autograd.Function):
 
 
 def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:  # noqa: A002  (nn.Linear's own name: keyword calls)
+    if torch._C._are_functorch_transforms_active():  # replayed inside vmap (a PEFT DoRA layer calls its base layer)
+        return F.linear(input, self.weight, self.bias)
     return _LinearInputGradOnly.apply(input, self.weight, self.bias)
 
 
 def _conv2d_forward(self: nn.Conv2d, input: Tensor) -> Tensor:  # noqa: A002
+    if torch._C._are_functorch_transforms_active():
+        return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
     return _Conv2dInputGradOnly.apply(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 
