@@ -200,9 +200,15 @@ def leaf_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
         if is_unit(m):
             units.append(name)
             out.append((name, m))
-        elif any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children()):
+        elif (any(True for _ in m.parameters(recurse=False)) and not any(True for _ in m.children())
+              and not isinstance(m, HOLDERS)):
             out.append((name, m))
     return out
+
+
+HOLDERS: tuple[type[nn.Module], ...] = (nn.ParameterDict, nn.ParameterList)
+"""Modules that hold parameters but have no forward (PEFT's IA3 keeps its scaling vectors in a ``ParameterDict``
+its layer reads): never hooked; their parameters are read directly (:mod:`.root_parameters`)."""
 
 
 def owners_of(module: nn.Module) -> dict[Tensor, list[tuple[nn.Module, str, str]]]:
@@ -277,18 +283,6 @@ def grouped(a: Any, rows: int, n: int) -> Any:
     if isinstance(a, (tuple, list)):
         return type(a)(grouped(v, rows, n) for v in a)
     return a
-
-
-def broadcast_call(out: Tensor, args: tuple, n: int) -> tuple[Tensor, tuple]:
-    """A call on a ``[1, …]`` input whose output the model broadcasts over the batch (Hugging
-    Face's ``[1, T]`` position ids): its output, and its ``[1, …]`` tensor inputs, expanded to n
-    rows (views, no copy). Broadcasting the expanded output gives the model the same values,
-    and the gradient reaching it is now example i's in row i instead of the batch's sum, so the
-    layer gets exact per-example gradients. (Were the output used in another way, the first
-    step's probe, :mod:`~lightning_dp.mechanism.validators.probe`, would see the examples interact.)"""
-    grown = tuple(a.expand(n, *a.shape[1:]) if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
-                  for a in args)
-    return out.expand(n, *out.shape[1:]), grown
 
 
 class ActivationCapture:
@@ -380,14 +374,11 @@ class ActivationCapture:
                 return None
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
-                if self._flattened or self._follows(inputs):
-                    # broadcast over n or over n·m flattened rows, or computed from a followed tensor (DeBERTa-v2
-                    # projects its relative-position table, [1, 2k, d]: expanding the projection to n rows would
-                    # change the shapes its code computes from it): let the sites tell
-                    self._record_lookup(calls, args, kwargs, out, n)
-                    return None
-                out, args = broadcast_call(out, args, n)
-                leaves = [out]
+                # A [1, …] call (Hugging Face's [1, T] position ids; PEFT's prompt embedding, later .repeat(B, 1, 1);
+                # DeBERTa-v2's projected relative table): its output is followed to where it meets the examples,
+                # never expanded before the model sees it (that would change every shape computed from it).
+                self._record_lookup(calls, args, kwargs, out, n)
+                return None
             rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
             if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
                 args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
@@ -455,10 +446,22 @@ class ActivationCapture:
         return False
 
     def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int) -> None:
-        """Record an unbatched lookup as a batched call: inputs expanded to n rows (views), output gradients
-        gathered per example at the sites where the model broadcasts the output (:mod:`.broadcast_sites`)."""
+        """Record an unbatched lookup as a batched call, output gradients gathered per example at the sites where
+        the model broadcasts the output (:mod:`.broadcast_sites`). Inputs become n rows (views): a call without any
+        example dimension has every tensor repeated in a new dimension 0; a ``[1, …]`` call (output ``[1, …]``)
+        has its ``[1, …]`` tensors expanded there, and the others (``input_ids`` already ``[n, T]``, an unbatched
+        ``[T]``) kept as they are, so the per-example replay sees what example i's call would have."""
+        one = out.dim() > 0 and out.shape[0] == 1
+
+        def grown(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            if one:
+                return t.expand(n, *t.shape[1:]) if t.dim() > 0 and t.shape[0] == 1 else t
+            return t.expand(n, *t.shape)
+
         def rows(a: Any) -> Any:
-            return tree_map(lambda t: t.expand(n, *t.shape) if isinstance(t, Tensor) else t, a)
+            return tree_map(grown, a)
 
         rec = Record(_detached(rows(tuple(args))), {k: _detached(rows(v)) for k, v in kwargs.items()}, [None],
                      None, calls.generation)
@@ -472,7 +475,7 @@ class ActivationCapture:
                 calls.records.remove(rec)
                 calls.mismatches.append(shape)  # used otherwise than broadcast over the examples: refused
                 return
-            rec.set_grad(per_example)
+            rec.set_grad(per_example.reshape(n, *shape[1:]) if one else per_example)
 
         self.follow(out, n, deliver)
 

@@ -45,13 +45,29 @@ def test_calls_with_another_example_dimension_are_mismatches_not_records():
     capture.clear()
 
 
-def test_a_one_row_lookup_is_expanded_to_the_batch():
+def test_a_one_row_lookup_is_recorded_per_example_where_it_meets_the_batch():
+    """A [1, T] position lookup: the model gets its [1, T, d] output unchanged (a .repeat(B, 1, 1) or .view(B, …)
+    of it keeps working); it is recorded as n rows, with example i's gradient from the broadcast site."""
     m = nn.Embedding(5, 3)
-    capture, out = _captured(m, 4, torch.arange(3)[None])
-    assert out.shape == (4, 3, 3)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    out = m(torch.arange(3)[None])
+    assert out.shape == (1, 3, 3)
+    h = torch.randn(4, 3, 3)
+    (out + h).pow(2).sum().backward()
     rec = capture.completed()[id(m)].records[0]
     assert rec.args[0].shape == (4, 3) and rec.grad_out.shape == (4, 3, 3)
+    torch.testing.assert_close(rec.grad_out, 2 * (out.detach() + h))  # row i: example i's own gradient
     assert capture.mismatched() == {}
+    capture.clear()
+
+
+def test_a_one_row_lookup_used_otherwise_than_broadcast_is_a_mismatch():
+    m = nn.Embedding(5, 3)
+    capture, out = _captured(m, 4, torch.arange(3)[None])  # out.sum(): never meets the examples
+    assert capture.mismatched() == {"m": [(1, 3, 3)]}
+    capture.clear()
 
 
 def test_arguments_seen_unbatched_are_never_sliced_later():
@@ -90,8 +106,16 @@ def test_suspended_capture_records_nothing():
 def test_a_finished_step_does_not_broadcast_later_calls():
     """After the step's statistics are taken (clear), a grad-enabled forward of one example, e.g. a
     saliency map in a callback, is the model's own output, not expanded to the last step's batch."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+
     m = nn.Embedding(5, 3)
-    capture, out = _captured(m, 4, torch.arange(3)[None])
-    assert out.shape == (4, 3, 3)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    (m(torch.arange(3)[None]) + torch.randn(4, 3, 3)).sum().backward()
     capture.clear()
-    assert m(torch.arange(3)[None]).shape == (1, 3, 3)
+    later = m(torch.arange(3)[None])
+    assert later.shape == (1, 3, 3)
+    assert not any(isinstance(mode, BroadcastSites) for mode in _get_current_function_mode_stack())

@@ -131,6 +131,9 @@ CASES = {
     # DoRA: the LoRA layers also called on an identity matrix (a lookup whose output is used detached) besides
     # the batch; the magnitude layer replays the frozen base layer inside vmap
     "gpt2-dora": (lora(gpt2, ["c_attn"], use_dora=True), "lm"),
+    # IA3: scaling vectors in a ParameterDict (no forward) that each wrapped layer reads and multiplies in
+    "llama-ia3": (lambda: peft.get_peft_model(llama(), peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                                                      feedforward_modules=["down_proj"])), "lm"),
     # OPT flattens [B, T, d] to [B·T, d] before fc1 (a verified view; fc2 matched by row count)
     "opt": (opt, "lm"),
     # BertForMultipleChoice: [B, 2, T] flattened to [B·2, T] before the encoder; [1, T] positions broadcast over it

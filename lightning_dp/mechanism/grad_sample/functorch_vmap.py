@@ -61,6 +61,7 @@ from lightning_dp.mechanism.validators.example_dim import (
     missing_gradient_error,
     mixed_use_error,
     random_replay_error,
+    replay_shape_error,
 )
 
 _BATCH_MIXING = (_BatchNorm,)
@@ -362,8 +363,11 @@ def vmap_layer_grads(
             leaves = tree_flatten(out)[0]
             rows = [leaves[k].index_select(d, i.view(1)) if whole and leaves[k].shape[d] == n > 1 else leaves[k]
                     for k, d in present]
-            return sum(((row if flat else row.squeeze(d)) * delta.to(row.dtype)).sum()
-                       for row, (_, d), delta in zip(rows, present, deltas))
+            rows = [row if flat else row.squeeze(d) for row, (_, d) in zip(rows, present)]
+            for row, delta in zip(rows, deltas):  # the replay is example i's call: its output has δ_i's shape
+                if row.shape != delta.shape:
+                    raise replay_shape_error(calls.name, tuple(row.shape), tuple(delta.shape))
+            return sum((row * delta.to(row.dtype)).sum() for row, delta in zip(rows, deltas))
 
         deltas = tuple(rec.grad_outs[k] * n for k, _ in present)
         in_dims = (None, tuple(d for _, d in present), 0, *slot_dims)

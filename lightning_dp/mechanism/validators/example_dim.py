@@ -108,6 +108,18 @@ def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
         )
 
 
+def replay_shape_error(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> PrivacyConfigurationError:
+    """The per-example replay of a layer's call gave an output whose shape differs from its recorded gradient's:
+    the call was not reproduced for one example (an argument mistaken for per-example, or the reverse)."""
+    return PrivacyConfigurationError(
+        f"layer '{name or '<root>'}': replayed for one example, its call gave an output of shape {got} where the "
+        f"example's output gradient has shape {want}, so the call was not reproduced (an argument was taken for "
+        "one row per example, or for one shared by all, wrongly). Nothing was released. Pass the layer its "
+        "per-example tensors batch-first and its shared ones (masks, position tables) without a batch dimension, "
+        "or report the layer's call signature to lightning_dp."
+    )
+
+
 def random_replay_error(name: str, module: object) -> PrivacyConfigurationError:
     """A layer with data-dependent shapes (``torch.nonzero``: a mixture-of-experts block's routing), served by one
     replay per example, whose replay draws random numbers: it would not reproduce the step's computation."""
