@@ -88,6 +88,8 @@ class LayerCalls:
     step's number of examples (nothing of those calls is kept).
     ``unbatched``: argument slots seen with a leading dimension other than the step's number of
     examples: never sliced per example afterwards (a [T, T] mask stays whole when T = n).
+    ``unserved``: output shapes of this step's calls without the examples (lookups) whose output reached the
+    loss otherwise than broadcast over the examples (:mod:`.broadcast_sites`): refused.
     """
 
     name: str
@@ -97,6 +99,7 @@ class LayerCalls:
     mismatches: list[tuple[int, ...]] = field(default_factory=list)
     unbatched: set[str] = field(default_factory=set)
     generation: int = 0
+    unserved: list[tuple[int, ...]] = field(default_factory=list)
 
     def reduce(self, rec: Record, grad_out: Tensor, reducer: RecordReducer) -> None:
         """Fold call ``rec``, whose output gradient has arrived, into :attr:`reduced`; drop its tensors."""
@@ -473,7 +476,7 @@ class ActivationCapture:
                 return
             if per_example is None or not adds_up(per_example, total):
                 calls.records.remove(rec)
-                calls.mismatches.append(shape)  # used otherwise than broadcast over the examples: refused
+                calls.unserved.append(shape)  # used otherwise than broadcast over the examples: refused
                 return
             rec.set_grad(per_example.reshape(n, *shape[1:]) if one else per_example)
 
@@ -541,6 +544,11 @@ class ActivationCapture:
         """Layer name → output shapes of this step's calls whose example dimension was wrong."""
         return {c.name: list(c.mismatches) for c in self._calls.values() if c.mismatches}
 
+    def unserved(self) -> dict[str, list[tuple[int, ...]]]:
+        """Layer name → output shapes of this step's lookups whose output was not only broadcast over the
+        examples."""
+        return {c.name: list(c.unserved) for c in self._calls.values() if c.unserved}
+
     def any_recorded(self) -> bool:
         """Whether any hooked layer saw a forward since the last :meth:`clear`."""
         return any(c.records for c in self._calls.values())
@@ -556,6 +564,7 @@ class ActivationCapture:
             calls.records.clear()
             calls.reduced.clear()
             calls.mismatches.clear()
+            calls.unserved.clear()
             calls.generation += 1
 
     def detach(self) -> None:

@@ -37,11 +37,14 @@ def _captured(m: nn.Module, n, *inputs, **kw):
     return capture, out
 
 
-def test_calls_with_another_example_dimension_are_mismatches_not_records():
+def test_calls_with_another_example_dimension_are_refused_not_recorded():
     m = nn.Linear(3, 2)
     capture, _ = _captured(m, 4, torch.randn(12, 3))  # [B·T, d] with B = 4, a copy: no verified flattening
-    assert capture.mismatched() == {"m": [(12, 2)]}
+    assert capture.unserved() == {"m": [(12, 2)]}  # taken for a shared table, never broadcast over the examples
     assert not capture.any_recorded()
+    capture.clear()
+    capture, _ = _captured(m, 4, torch.randn(8, 4, 3))  # [T, B, d] with T ≠ B: time-major
+    assert capture.mismatched() == {"m": [(8, 4, 2)]}
     capture.clear()
 
 
@@ -66,7 +69,7 @@ def test_a_one_row_lookup_is_recorded_per_example_where_it_meets_the_batch():
 def test_a_one_row_lookup_used_otherwise_than_broadcast_is_a_mismatch():
     m = nn.Embedding(5, 3)
     capture, out = _captured(m, 4, torch.arange(3)[None])  # out.sum(): never meets the examples
-    assert capture.mismatched() == {"m": [(1, 3, 3)]}
+    assert capture.unserved() == {"m": [(1, 3, 3)]} and capture.mismatched() == {}
     capture.clear()
 
 

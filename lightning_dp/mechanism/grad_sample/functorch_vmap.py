@@ -56,6 +56,7 @@ from lightning_dp.mechanism.grad_sample.base import (
 )
 from lightning_dp.mechanism.validators.example_dim import (
     check_example_dim,
+    check_lookups_served,
     check_something_captured,
     example_dim_error,
     missing_gradient_error,
@@ -115,6 +116,7 @@ def step_batch_size(capture: ActivationCapture, layers: dict[int, LayerCalls]) -
     Without :meth:`~ActivationCapture.begin_step`, n is inferred (and must agree across layers)."""
     n = capture.expected
     check_example_dim(capture.mismatched(), n)
+    check_lookups_served(capture.unserved(), n)
     check_something_captured(bool(layers) or bool(capture.roots.grads), n)
     if n is None:
         return batch_size_of_calls(layers) if layers else 0

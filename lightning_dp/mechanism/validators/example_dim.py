@@ -94,6 +94,29 @@ def check_example_dim(mismatched: Mapping[str, Sequence[tuple[int, ...]]], n: Op
         raise example_dim_error(mismatched, n)
 
 
+def check_lookups_served(unserved: Mapping[str, Sequence[tuple[int, ...]]], n: Optional[int]) -> None:
+    """Raise :func:`lookup_use_error` if a layer called without the examples had its output used otherwise than
+    broadcast over them."""
+    if unserved and n is not None:
+        raise lookup_use_error(unserved)
+
+
+def lookup_use_error(unserved: Mapping[str, Sequence[tuple[int, ...]]]) -> PrivacyConfigurationError:
+    """A layer called without the examples (a position table, a relative-position projection), whose output the
+    model combined with the batch otherwise than by broadcasting it: its examples' gradients cannot be told apart."""
+    lines = [f"layer '{name or '<root>'}' (output {', '.join(str(s) for s in shapes[:2])})"
+             for name, shapes in unserved.items()]
+    return PrivacyConfigurationError(
+        "These layers were called without the step's examples in dimension 0, and their output did not reach the "
+        "loss by being broadcast over the examples (added to, multiplied with, expanded or repeated to the batch):"
+        "\n- " + "\n- ".join(lines) + "\nEither the layer sees the batch in another layout (flattened by a copy, "
+        "x[:, 1:].reshape(-1, d), or time-major), or it is a table shared by all examples used otherwise than "
+        "broadcast (repeated per attention head and multiplied with the batch in a bmm: DeBERTa-v2's relative "
+        "attention; summed into the loss; used as a weight). Example i's share of its gradient cannot be told apart, "
+        "so nothing was released. " + FIX + " A shared table used otherwise: freeze the layer (requires_grad_(False))."
+    )
+
+
 def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
     """A step that sampled n > 0 examples must have captured some layer's gradient: otherwise the
     engine's hooks did not run and the release would be pure noise, never a silent zero."""
