@@ -4,7 +4,8 @@
     python benchmarks/real_models.py --models gpt2,lstm --threads 1 --steps 20
 
 Tiny randomly initialised models built from configs (hidden 64, 2 layers, batch 16, T = 32),
-as a user would wrap them: Hugging Face GPT-2 / BERT / Llama / OPT / T5 (+ peft LoRA r = 4) when
+as a user would wrap them: Hugging Face GPT-2 / BERT / Llama / OPT / T5 / ViT (32×32 images, 4×4 patches;
++ peft LoRA r = 4) when
 ``transformers``/``peft`` are installed, and torch's ``nn.TransformerEncoder``
 (``nn.MultiheadAttention``), ``nn.LSTM``, ``nn.GRU`` (and, when named, ``opacus-dplstm``: the LSTM
 swapped for ``opacus.layers.DPLSTM``). A private step is the plain loop of
@@ -88,11 +89,15 @@ def hf_models() -> dict[str, Callable[[], nn.Module]]:
         return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=D, d_kv=D // 4, d_ff=4 * D,
                                                          num_layers=2, num_heads=4))
 
+    def vit():  # 32×32 images in 4×4 patches: T = 64 tokens (+ cls_token and position table owned by a container)
+        return tf.ViTForImageClassification(tf.ViTConfig(image_size=32, patch_size=4, hidden_size=D, num_hidden_layers=2,
+                                                          num_attention_heads=4, intermediate_size=4 * D, num_labels=10))
+
     def lora(make, targets):
         return lambda: peft.get_peft_model(make(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 
-    return {"gpt2": gpt2, "bert": bert, "llama": llama, "opt": opt, "t5": t5, "gpt2-lora": lora(gpt2, ["c_attn", "c_proj"]),
-            "llama-lora": lora(llama, ["q_proj", "v_proj"])}
+    return {"gpt2": gpt2, "bert": bert, "llama": llama, "opt": opt, "t5": t5, "vit": vit,
+            "gpt2-lora": lora(gpt2, ["c_attn", "c_proj"]), "llama-lora": lora(llama, ["q_proj", "v_proj"])}
 
 
 def models() -> dict[str, Callable[[], nn.Module]]:
@@ -104,7 +109,12 @@ OPT_IN: dict[str, Callable[[], nn.Module]] = {"opacus-dplstm": lambda: Recurrent
 """Run only when named (``--models lstm,opacus-dplstm``): ``nn.LSTM`` swapped for ``opacus.layers.DPLSTM``."""
 
 
+PIXELS = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
 def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    if getattr(getattr(model, "config", None), "model_type", "") == "vit":
+        return F.cross_entropy(model(pixel_values=PIXELS).logits, y[:, 0] % 10)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         out = model(input_ids=x, decoder_input_ids=x)
     else:
