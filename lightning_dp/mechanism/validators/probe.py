@@ -36,7 +36,9 @@ that exists only in training mode. It costs k + 3 forward/backward passes on ≤
 
 from __future__ import annotations
 
+import os
 import re
+import traceback
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -131,7 +133,12 @@ class ExampleIndependenceProbe:
             p.grad = None
         self.engine.begin_step(len(indices))
         self._loss(indices, backward=True, seed=seed)
-        return self.engine.clip_and_sum(self.params, float("inf"))
+        try:
+            return self.engine.clip_and_sum(self.params, float("inf"))
+        except PrivacyConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
+            raise engine_failure_error(err) from err
 
     def _autograd_pass(self, indices: list[int]) -> list[Tensor]:
         self.engine.detach()
@@ -249,6 +256,10 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
         cause = ("A layer's output is modified in place (e.g. q = self.q(h); q /= s) and the engine wraps that "
                  "output in a custom autograd function (per_sample='opacus_hooks' uses torch's full backward hooks, "
                  "which forbid it). Use per_sample='ghost' or 'vmap' (both serve it), or write q = q / s.")
+    elif _engine_frame(err) is not None:
+        cause = (f"The failure is inside the per-example engine ({_engine_frame(err)}), not in your training_step: "
+                 "the engine cannot serve this model as it is. Try another engine (per_sample='ghost', 'vmap' or "
+                 "'opacus_hooks'), and please report the model to lightning_dp.")
     elif re.search(r"\btrain(ing)?\b|\.train\(\)", str(err), re.IGNORECASE):
         cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
                  "eval mode (layers with parameters stay in training mode). A forward that requires training mode "
@@ -268,6 +279,30 @@ def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
         "the batch: the model's forward or loss produces them, privately or not (e.g. a softmax over a fully "
         "masked row, log of zero, a sequence shorter than a layer's window or stride). Clipping a NaN gives NaN, so "
         "nothing was released. Fix the model or the data (check a non-private step on the same batch).")
+
+
+_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_dp/mechanism/
+_HARNESS = ("private_step.py", os.path.join("validators", "probe.py"))
+
+
+def _engine_frame(err: BaseException) -> Optional[str]:
+    """``file:line`` of the deepest frame of ``err``'s traceback in the engine's own code (capture, broadcast sites,
+    grad_sample; not the probe or the step that call the user's code), or None."""
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        name = os.path.abspath(frame.filename)
+        if name.startswith(_ENGINE_DIR) and not name.endswith(_HARNESS):
+            found = f"{os.path.relpath(name, os.path.dirname(os.path.dirname(_ENGINE_DIR)))}:{frame.lineno}"
+    return found
+
+
+def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
+    """The probe's error when the engine itself fails computing the first examples' per-example gradients."""
+    where = _engine_frame(err) or "the engine"
+    return PrivacyConfigurationError(
+        f"The per-example engine failed on this model in the first step's probe ({type(err).__name__}: {err}; at "
+        f"{where}): it cannot serve the model as it is. Nothing was released. Try another engine (per_sample='ghost', "
+        "'vmap' or 'opacus_hooks'; 'auto' picks 'ghost' where it can), and please report the model to lightning_dp.")
 
 
 def uncaptured_use_error(name: str) -> PrivacyConfigurationError:

@@ -78,6 +78,21 @@ def test_gradients_that_are_not_finite_are_named_as_such(engine):
         _probe("nan", engine)
 
 
+def test_a_failure_inside_the_engine_is_named_as_the_engines():
+    """A forward hook calling requires_grad_ (Hugging Face's gradient checkpointing on the input embeddings) cannot
+    run inside vmap's replay of the layer: the engine's failure, not the user's step (engine named, fix named)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    model.a.register_forward_hook(lambda m, args, out: out.requires_grad_(True))
+    engine = make_engine("vmap")
+    engine.attach(model)
+    probe = ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                                     lambda idx: F.cross_entropy(model(X[idx]), Y[idx]),
+                                     probe_tolerance(torch.float64, False))
+    with pytest.raises(PrivacyConfigurationError, match=r"engine failed .*functorch_vmap\.py:\d+.*per_sample='ghost'"):
+        probe.run(list(range(6)))
+
+
 def test_failures_of_the_users_step_on_small_batches_name_poisson_sampling():
     model = Net().double()
     engine = make_engine("vmap")
