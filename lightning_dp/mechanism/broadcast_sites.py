@@ -31,7 +31,7 @@ overhead), only in models that have such a lookup.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -52,11 +52,12 @@ class _Source:
     """One lookup call: its output (held weakly: the model may drop it), the per-example gradient gathered so far,
     where it goes."""
 
-    def __init__(self, out: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
+    def __init__(self, out: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None],
+                 mapping: list[int]) -> None:
         self.out, self.edge = weakref.ref(out), get_gradient_edge(out)
         self.n, self.deliver = n, deliver
         self.per_example: Optional[Tensor] = None
-        self.mapping = False
+        self.mapping = mapping  # shared by the step's sources: > 0 while one maps rows back (a nested backward)
 
     def arrive(self, t_shape: torch.Size, t_edge: Optional[GradientEdge], full: torch.Size, grad: Tensor) -> None:
         """Tensor hook of a site's expansion e of a followed tensor t (``t_edge``: None when t is the lookup's
@@ -68,12 +69,14 @@ class _Source:
             grad = grad.reshape(self.n, rows // self.n, *grad.shape[1:]).sum(1)
         g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t_shape)
         if t_edge is not None:
-            self.mapping = True  # the nested backward reaches the output's own hook: not the real gradient
+            # The nested backward reaches this output's own hook, and those of lookups in between (an MLP over a
+            # coordinate table: its second layer is a lookup too): not the real gradient, ignored while it runs.
+            self.mapping[0] += 1
             try:  # allow_unused: t may reach the site through another source only (PEFT DoRA divides by a detached norm)
                 g = torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True,
                                         allow_unused=True)[0]
             finally:
-                self.mapping = False
+                self.mapping[0] -= 1
             if g is None:
                 return
         self.per_example = g if self.per_example is None else self.per_example + g
@@ -89,15 +92,19 @@ class BroadcastSites(TorchFunctionMode):
     def __init__(self, n: int, flattened: Callable[[], set[int]] = set) -> None:
         super().__init__()
         self.n, self._flattened = n, flattened
-        self._followed: dict[int, tuple[weakref.ref, _Source]] = {}
+        self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
+        self._mapping = [0]
         self.active = False
 
-    def follow(self, out: Tensor, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
-        """Follow ``out`` (a lookup's output); ``deliver(rows, total)`` is called when its gradient is known."""
-        source = _Source(out, self.n, deliver)
-        out.register_hook(lambda g: None if source.mapping else source.settle(g.detach()))
-        if self.n > 1:
-            self._remember(out, (source,))
+    def follow(self, out: Tensor, deliver: Callable[[Optional[Tensor], Tensor], None],
+               inputs: Sequence[Tensor] = ()) -> None:
+        """Follow ``out`` (a lookup's output); ``deliver(rows, total)`` is called when its gradient is known. ``out``
+        stays linked to the sources of any followed tensor among the call's ``inputs``."""
+        source = _Source(out, self.n, deliver, self._mapping)
+        out.register_hook(lambda g: None if source.mapping[0] else source.settle(g.detach()))
+        if self.n > 1:  # a lookup on a followed input (an MLP over a coordinate table) stays linked to that one too
+            linked = [s for t in (out, *inputs) for s in self._sources(t)]
+            self._remember(out, tuple(dict.fromkeys((*linked, source))))
             if not self.active:
                 self.__enter__()
                 self.active = True

@@ -373,15 +373,17 @@ class ActivationCapture:
                 return None
             inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
             if n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims):
-                self._record_lookup(calls, args, kwargs, out, n)
-                return None
+                out, _ = _aliased(out, leaves, live)
+                self._record_lookup(calls, args, kwargs, out, n, inputs)
+                return out
             if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                     and dims.output(0) == 0):
                 # A [1, …] call (Hugging Face's [1, T] position ids; PEFT's prompt embedding, later .repeat(B, 1, 1);
                 # DeBERTa-v2's projected relative table): its output is followed to where it meets the examples,
                 # never expanded before the model sees it (that would change every shape computed from it).
-                self._record_lookup(calls, args, kwargs, out, n)
-                return None
+                out, _ = _aliased(out, leaves, live)
+                self._record_lookup(calls, args, kwargs, out, n, inputs)
+                return out
             rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
             if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
                 args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
@@ -448,12 +450,15 @@ class ActivationCapture:
             return True
         return False
 
-    def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int) -> None:
+    def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int,
+                       inputs: Sequence[Tensor] = ()) -> None:
         """Record an unbatched lookup as a batched call, output gradients gathered per example at the sites where
         the model broadcasts the output (:mod:`.broadcast_sites`). Inputs become n rows (views): a call without any
         example dimension has every tensor repeated in a new dimension 0; a ``[1, …]`` call (output ``[1, …]``)
         has its ``[1, …]`` tensors expanded there, and the others (``input_ids`` already ``[n, T]``, an unbatched
-        ``[T]``) kept as they are, so the per-example replay sees what example i's call would have."""
+        ``[T]``) kept as they are, so the per-example replay sees what example i's call would have. ``inputs``: the
+        call's tensors; a followed one (a lookup on another's output: an MLP over a coordinate table) links ``out``
+        to its sources, whatever the layer's forward did inside (a custom autograd Function the sites do not see)."""
         one = out.dim() > 0 and out.shape[0] == 1
 
         def grown(t: Any) -> Any:
@@ -480,15 +485,16 @@ class ActivationCapture:
                 return
             rec.set_grad(per_example.reshape(n, *shape[1:]) if one else per_example)
 
-        self.follow(out, n, deliver)
+        self.follow(out, n, deliver, inputs)
 
-    def follow(self, t: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None]) -> None:
+    def follow(self, t: Tensor, n: int, deliver: Callable[[Optional[Tensor], Tensor], None],
+               inputs: Sequence[Tensor] = ()) -> None:
         """Gather example i's gradient of ``t`` (no example dimension) where the model broadcasts it over this
         step's n examples (:mod:`.broadcast_sites`); ``deliver(rows or None, total)`` after backward."""
         if self._sites is None or self._sites.n != n:
             self._close_sites()
             self._sites = BroadcastSites(n, lambda: self._flattened)
-        self._sites.follow(t, deliver)
+        self._sites.follow(t, deliver, inputs)
 
     def end_backward(self) -> None:
         """The step's backward is over (every site has delivered): leave the broadcast-site mode, so the engine's

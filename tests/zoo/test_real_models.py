@@ -242,11 +242,18 @@ def pvt():
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
 
 
-@pytest.mark.parametrize("make", [swin, convnext, beit, pvt], ids=["swin", "convnext", "beit", "pvt"])
+def swinv2():
+    return transformers.Swinv2ForImageClassification(transformers.Swinv2Config(
+        image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+@pytest.mark.parametrize("make", [swin, convnext, beit, pvt, swinv2], ids=["swin", "convnext", "beit", "pvt", "swinv2"])
 def test_vision_families_are_exact(make):
     """Swin: windows flattened to [B·windows, …] (verified view) and a bias table owned by its attention;
     ConvNeXt: layer scale owned by a block; BEiT: relative bias table and layer scale; PVT: its position table read
-    twice and concatenated (and a cls token in the last stage)."""
+    twice and concatenated (and a cls token in the last stage); Swin V2: an MLP over a coordinate table (two lookups
+    in a row, an in-place ReLU between)."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, 16, 16, generator=g), torch.randint(0, 2, (N,), generator=g))
     assert zoo.assert_exact(lambda: Vision(make), data).engine_name == "ghost"

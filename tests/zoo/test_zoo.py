@@ -137,6 +137,14 @@ def test_parameters_of_a_module_with_children_broadcast_over_the_examples_are_ex
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["relu", "relu-inplace"])
+def test_an_mlp_over_a_coordinate_table_is_exact(inplace, engine):
+    """Two lookups in a row (the second on the first's output, ghost's patched Linear in between: a custom autograd
+    Function the sites do not see) and an in-place ReLU on a lookup's output (Swin V2)."""
+    zoo.assert_exact(lambda: zoo.CoordinateBias(inplace), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_container_weight_used_by_a_functional_layer_is_refused(engine):
     zoo.assert_refused(zoo.ContainerWeight, zoo.vector_data(), "parameter <root>.weight .*received a gradient, but "
                        "from no use", per_sample=engine)

@@ -651,6 +651,25 @@ class BiasTable(Base):
         return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
 
 
+class CoordinateBias(Base):
+    """Swin V2's continuous position bias: an MLP (Linear, ReLU — in place or not —, Linear) over a fixed [1, T, T, 2]
+    coordinate table, both Linears called without the examples (the second on the first's output), the result
+    added to every example's scores."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        self.tok, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 1, bias=False))
+        self.register_buffer("coords", torch.linspace(-1, 1, T * T * 2).reshape(1, T, T, 2))
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.tok(x)
+        bias = 16 * torch.sigmoid(self.mlp(self.coords).view(T, T))
+        h = h + ((h @ h.transpose(1, 2)) + bias.unsqueeze(0)).softmax(-1) @ h
+        return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
+
+
 class ContainerWeight(Base):
     """A weight owned by a block with children and used as the weight of ``F.linear``: no broadcast site; refused."""
 
