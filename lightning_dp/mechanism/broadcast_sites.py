@@ -1,4 +1,5 @@
-"""Unbatched lookups: per-example gradients of a layer called without any example dimension.
+"""Unbatched lookups: per-example gradients of a layer called without the examples (no example dimension, or a
+``[1, …]`` one), and of parameters read outside any layer (:mod:`.root_parameters`).
 
 T5 and MPNet look up their relative position bias with ``[T, T]`` bucket indices (no batch
 dimension at all), permute the ``[T, T, H]`` result to ``[1, H, T, T]`` and add it to every
@@ -10,10 +11,11 @@ From the lookup's call until the end of the step a :class:`torch.overrides.Torch
 follows every tensor computed from the lookup's output (:class:`BroadcastSites`). At a
 **broadcast site**, an operation whose result has the step's n examples in dimension 0 (or the n·m
 rows of verified flattened examples, :mod:`~.validators.example_dim`) while the followed tensor t has none there (dimension 0 of size 1, or fewer dimensions: ``scores + bias``,
-``bias.expand(B, …)``, a batched matmul), t is replaced by its explicit expansion
-e = t.expand(n, …) (a view: the same values, so the model computes the same result), and a hook
+``bias.expand(B, …)``, ``mask_token.repeat(B, k, 1)``, a batched matmul), t is replaced by its explicit
+expansion e = t.expand(n, …) (a view: the same values, so the model computes the same result), and a hook
 on e receives example i's gradient in row i. Each site's rows are mapped back to the lookup's
-output through the (linear) chain of operations between them,
+output through the chain of operations between them (a tensor computed from several lookups, or from a lookup
+called on another's output, reaches each),
 
     δ_i(out) = ∂⟨t, Σ_{broadcast dims} G_i⟩/∂out        (one batched vector-Jacobian product),
 
@@ -24,8 +26,9 @@ ordinary batched call.
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
-Cost: the mode intercepts every torch call of the forward after the first lookup (Python
-overhead), only in models that have such a lookup.
+Cost: the mode intercepts every torch call (Python overhead) while a followed tensor is alive: it holds them
+weakly, pauses between layers once none is left (:meth:`BroadcastSites.pause_if_idle`) and ends before the
+engine's clipping; only models with such a lookup pay it.
 """
 
 from __future__ import annotations
@@ -135,10 +138,6 @@ class BroadcastSites(TorchFunctionMode):
                 del followed[key]
 
         followed[key] = (weakref.ref(t, gone), sources)
-
-    def follows(self, t: Any) -> bool:
-        """Whether ``t`` is followed (computed from a lookup's output in this step, and alive)."""
-        return bool(self._sources(t))
 
     def _sources(self, t: Any) -> tuple[_Source, ...]:
         """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""

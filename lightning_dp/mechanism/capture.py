@@ -178,9 +178,11 @@ def is_unit(module: nn.Module) -> bool:
 
 
 def stateless(module: nn.Module) -> bool:
-    """No parameters, no buffers and no dropout anywhere inside (an activation function): a pure function."""
+    """No parameters, no buffers, no dropout and no batch normalisation anywhere inside (an activation function): a
+    function of each example alone, drawing nothing."""
     return (not any(True for _ in module.parameters()) and not any(True for _ in module.buffers())
-            and not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules()))
+            and not any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
+                        for m in module.modules()))
 
 
 def direct_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -372,15 +374,12 @@ class ActivationCapture:
                 self._record_packed(calls, args, kwargs, leaves, n)
                 return None
             inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
-            if n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims):
-                out, _ = _aliased(out, leaves, live)
-                self._record_lookup(calls, args, kwargs, out, n, inputs)
-                return out
-            if (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
-                    and dims.output(0) == 0):
-                # A [1, …] call (Hugging Face's [1, T] position ids; PEFT's prompt embedding, later .repeat(B, 1, 1);
-                # DeBERTa-v2's projected relative table): its output is followed to where it meets the examples,
-                # never expanded before the model sees it (that would change every shape computed from it).
+            # A call without the examples (T5's [T, T] buckets) or on one row of them (Hugging Face's [1, T] position
+            # ids; PEFT's prompt embedding, later .repeat(B, 1, 1)): its output is followed to where it meets the
+            # examples, never expanded before the model sees it (that would change every shape computed from it).
+            one_row = (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
+                       and dims.output(0) == 0)
+            if one_row or (n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims)):
                 out, _ = _aliased(out, leaves, live)
                 self._record_lookup(calls, args, kwargs, out, n, inputs)
                 return out
@@ -500,11 +499,6 @@ class ActivationCapture:
         """The step's backward is over (every site has delivered): leave the broadcast-site mode, so the engine's
         clipping runs outside it."""
         self._close_sites()
-
-    def _follows(self, inputs: list[Tensor]) -> bool:
-        """Whether a call's input is a tensor the broadcast sites follow (computed from a lookup or a parameter
-        read outside a layer)."""
-        return self._sites is not None and self._sites.active and any(self._sites.follows(t) for t in inputs)
 
     def _close_sites(self) -> None:
         """Leave this step's broadcast-site mode (end of step, detach, or a step of another size)."""

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.mechanism.broadcast_sites import adds_up
+from lightning_dp.mechanism.validators.example_dim import mixed_use_error
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -56,9 +57,9 @@ def _intercepting(cls: type) -> type:
 
 
 _MODULE_GETATTR = nn.Module.__getattr__.__code__
-_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
-"""torch's own code (FSDP2 gathering shards, parametrizations) and this library's engines read parameters for
-their own purposes: not the model's use."""
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+"""torch's own code (FSDP2 gathering shards, parametrizations) and the engines' (``lightning_dp/mechanism``) read
+parameters for their own purposes: not the model's use (the library's own models are models like any other)."""
 
 
 def _own_code(cls: type) -> set:
@@ -113,6 +114,7 @@ class RootParameters:
         self._outside: set[int] = set()  # embedding parameters read outside their module's forward this step
         self._modules: list[tuple[nn.Module, type]] = []
         self._tables: list[nn.Module] = []  # embeddings whose _parameters are _OutsideReads
+        self._watched: set[int] = set()  # their trainable parameters
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
 
@@ -144,6 +146,7 @@ class RootParameters:
         self._tables.append(module)
         for pname, p in own.items():
             self._owners.setdefault(id(p), (module, f"{name or '<root>'}.{pname}"))
+            self._watched.add(id(p))
 
     def _reader(self, own: dict[str, Tensor], outside: bool = False) -> Callable[[str, Any], Any]:
         def read(name: str, value: Any) -> Any:
@@ -156,7 +159,7 @@ class RootParameters:
 
     def _followed(self, p: Tensor, n: int, outside: bool = False) -> Tensor:
         """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss).
-        ``outside``: a read of an embedding's parameter, counted (:meth:`read_outside`) once a gradient flows
+        ``outside``: a read of an embedding's parameter, counted (:meth:`direct`) once a gradient flows
         through it (a read of its ``.device`` or ``.shape`` is no use)."""
         view, key = p.view_as(p), id(p)
 
@@ -179,15 +182,16 @@ class RootParameters:
 
     def owns(self, p: Tensor) -> bool:
         """Whether ``p`` is a parameter of a non-leaf module, whose reads are intercepted."""
-        return id(p) in self._owners and not self.watched(p)
+        return id(p) in self._owners and id(p) not in self._watched
 
-    def watched(self, p: Tensor) -> bool:
-        """Whether ``p`` is an embedding's parameter whose reads outside the embedding are followed."""
-        return any(p is q for m in self._tables for q in m._parameters.values())
-
-    def read_outside(self, p: Tensor) -> bool:
-        """Whether the embedding parameter ``p`` was read outside its module's forward in this step."""
-        return id(p) in self._outside
+    def direct(self, p: Tensor, layer_ran: bool) -> Optional[Tensor]:
+        """Example i's gradients ``[n, *p.shape]`` of ``p`` from its direct reads in this step (a parameter of a
+        non-leaf module, or an embedding's read outside its forward), or None (no such read served: the engine
+        then finds ``p`` unused or refuses it). An embedding parameter read outside while its own layer also ran
+        (``layer_ran``) is refused: the two kinds of use are not combined."""
+        if layer_ran and id(p) in self._outside:
+            raise mixed_use_error(self.name_of(p))
+        return self.grads.get(id(p))
 
     def name_of(self, p: Tensor) -> str:
         """The dotted name of an intercepted parameter."""
@@ -207,4 +211,5 @@ class RootParameters:
         for module in self._tables:
             module._parameters = dict(module._parameters)
         self._modules, self._owners, self._tables = [], {}, []
+        self._watched.clear()
         self.grads.clear()

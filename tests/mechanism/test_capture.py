@@ -122,3 +122,25 @@ def test_a_finished_step_does_not_broadcast_later_calls():
     later = m(torch.arange(3)[None])
     assert later.shape == (1, 3, 3)
     assert not any(isinstance(mode, BroadcastSites) for mode in _get_current_function_mode_stack())
+
+
+class _Owner(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.w, self.child = nn.Parameter(torch.randn(3, 3)), child
+
+    def forward(self, x):
+        return self.child(x @ self.w)
+
+
+def test_a_module_owning_parameters_with_stateless_children_is_one_layer():
+    """Mixture-of-experts `experts` (stacked weights, an act_fn child) are hooked as one layer; a child that draws
+    (dropout) or mixes the batch (batch norm, even without state) keeps the module out, as does having no child."""
+    from lightning_dp.mechanism.capture import is_unit, leaf_layers
+
+    assert is_unit(_Owner(nn.SiLU())) and is_unit(_Owner(nn.Sequential(nn.GELU(), nn.Identity())))
+    assert not is_unit(_Owner(nn.Dropout(0.1)))
+    assert not is_unit(_Owner(nn.BatchNorm1d(3, affine=False, track_running_stats=False)))
+    assert not is_unit(nn.Linear(3, 3))
+    assert [name for name, _ in leaf_layers(nn.Sequential(_Owner(nn.SiLU()), nn.ParameterDict({"a": nn.Parameter(
+        torch.ones(3))})))] == ["0"]  # a ParameterDict holds parameters, has no forward: never hooked

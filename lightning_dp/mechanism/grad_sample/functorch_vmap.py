@@ -60,7 +60,6 @@ from lightning_dp.mechanism.validators.example_dim import (
     check_something_captured,
     example_dim_error,
     missing_gradient_error,
-    mixed_use_error,
     random_replay_error,
     replay_shape_error,
 )
@@ -441,10 +440,10 @@ class FunctorchVmapEngine(GradSampleEngine):
         per_layer: dict[int, dict[str, Tensor]] = {}
         samples = []
         for p in params:
-            if roots.owns(p) or roots.read_outside(p):  # read directly, outside any layer (root_parameters.py)
-                if any(id(mod) in layers for mod, _, _ in self._owners.get(p, [])) and not roots.owns(p):
-                    raise mixed_use_error(roots.name_of(p))
-                samples.append(roots.grads[id(p)] if id(p) in roots.grads else unused_grads(p, n, self._owners.get(p, [])))
+            ran = not roots.owns(p) and any(id(mod) in layers for mod, _, _ in self._owners.get(p, []))
+            direct = roots.direct(p, ran)  # read outside any layer (root_parameters.py)
+            if direct is not None or roots.owns(p):
+                samples.append(direct if direct is not None else unused_grads(p, n, self._owners.get(p, [])))
                 continue
             acc = None
             for mod, mname, pname in self._owners.get(p, []):

@@ -63,7 +63,6 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     vmap_layer_grads,
 )
 from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
-from lightning_dp.mechanism.validators.example_dim import mixed_use_error
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -729,12 +728,10 @@ class GhostEngine(GradSampleEngine):
         roots = self._capture.roots
         for p in params:
             owners = [] if roots.owns(p) else self._owners_that_ran(p, layers)
-            if roots.owns(p) or roots.read_outside(p):  # read directly, outside any layer (root_parameters.py)
-                if owners:
-                    raise mixed_use_error(roots.name_of(p))
-                if id(p) in roots.grads:
-                    stats[id(p)] = MaterialisedStats({p: roots.grads[id(p)]}, scale)
-                    continue
+            direct = roots.direct(p, bool(owners))  # read outside any layer (root_parameters.py)
+            if direct is not None:
+                stats[id(p)] = MaterialisedStats({p: direct}, scale)
+                continue
             if not owners:  # no captured use: unused in this step (zero), or refused
                 if not unused_in_step(p):
                     raise missing_message(p, self._owners.get(p, []))
