@@ -23,6 +23,14 @@ and summed over sites and layers (T5 reuses one bias in every layer). The captur
 call with its inputs expanded to n rows (views) and these δ_i, so every engine serves it as an
 ordinary batched call.
 
+A layer whose arguments hold the examples in another dimension (an RNN's h0 ``[L, n, H]``, time-major attention
+and position-wise layers; :mod:`~lightning_dp.mechanism.example_dims`) is a site too, for a followed argument with n
+there (a learned ``[L, 1, H]`` state ``.expand(-1, B, -1)``-ed: no operation on the way grew dimension 0): the layer
+gets an alias whose gradient, its own use alone, is sliced per example by the layer's contract,
+G_i = G ⊙ 1[index = i], and mapped back as above (:meth:`BroadcastSites.at_layer`). Every site is an autograd
+identity that passes nothing while a source maps rows back, so no map-back runs through another site's expansion
+(time-major ``x + attn(x)`` with x a site of the attention: that path is the attention site's, counted once).
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
@@ -70,23 +78,68 @@ class _Source:
         rows = grad.shape[0]
         if rows != self.n:
             grad = grad.reshape(self.n, rows // self.n, *grad.shape[1:]).sum(1)
-        g = grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t_shape)
-        if t_edge is not None:
-            # The nested backward reaches this output's own hook, and those of lookups in between (an MLP over a
-            # coordinate table: its second layer is a lookup too): not the real gradient, ignored while it runs.
-            self.mapping[0] += 1
-            try:  # allow_unused: t may reach the site through another source only (PEFT DoRA divides by a detached norm)
-                g = torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True,
-                                        allow_unused=True)[0]
-            finally:
-                self.mapping[0] -= 1
-            if g is None:
-                return
-        self.per_example = g if self.per_example is None else self.per_example + g
+        self._add(self._back(t_edge, grad.sum_to_size(self.n, *full[1:]).reshape(self.n, *t_shape)))
+
+    def arrive_sliced(self, t_edge: Optional[GradientEdge], dim: int, grad: Tensor) -> None:
+        """Tensor hook of a layer's argument t that holds the examples in dimension ``dim`` by the layer's contract
+        (an RNN's h0 ``[L, n, H]``): example i's gradient w.r.t. t is ``grad`` with every other example's slice
+        zeroed, G_i = grad ⊙ 1[index_dim = i]; mapped back in chunks of examples (each G_i is t's size)."""
+        n, chunk = self.n, max(1, _SLICED_ELEMENTS // max(grad.numel(), 1))
+        shape = [1] * grad.dim()
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            shape[dim] = n
+            mask = torch.eye(n, dtype=grad.dtype, device=grad.device)[start:stop].reshape(stop - start, *shape)
+            self._add(self._back(t_edge, grad.unsqueeze(0) * mask), start, stop)
+
+    def _back(self, t_edge: Optional[GradientEdge], g: Tensor) -> Optional[Tensor]:
+        """Rows of example gradients w.r.t. a followed t, mapped back to this source's output (one batched
+        vector-Jacobian product)."""
+        if t_edge is None:
+            return g
+        # The nested backward reaches this output's own hook, and those of lookups in between (an MLP over a
+        # coordinate table: its second layer is a lookup too): not the real gradient, ignored while it runs.
+        self.mapping[0] += 1
+        try:  # allow_unused: t may reach the site through another source only (PEFT DoRA divides by a detached norm)
+            return torch.autograd.grad(t_edge, self.edge, g, retain_graph=True, is_grads_batched=True,
+                                       allow_unused=True)[0]
+        finally:
+            self.mapping[0] -= 1
+
+    def _add(self, g: Optional[Tensor], start: int = 0, stop: Optional[int] = None) -> None:
+        """Add rows ``start … stop − 1`` (all n by default) of the per-example gradient."""
+        if g is None:
+            return
+        if stop is None or (start == 0 and stop == self.n):
+            self.per_example = g if self.per_example is None else self.per_example + g
+            return
+        if self.per_example is None:
+            self.per_example = g.new_zeros(self.n, *g.shape[1:])
+        self.per_example = self.per_example.index_add(0, torch.arange(start, stop, device=g.device), g)
 
     def settle(self, total: Tensor) -> None:
         """Hook on the lookup's output (fires after every site): hand over the rows, with the total."""
         self.deliver(self.per_example if self.n > 1 else total.unsqueeze(0), total)
+
+
+class _Site(torch.autograd.Function):
+    """The identity at a broadcast site (an alias of t, not a view), whose backward passes no gradient while a source
+    maps rows back: a nested backward from a followed tensor to its source must not run through another site's
+    expansion of it (a time-major residual ``x + attn(x)``, with the attention's argument x a site), whose rows that
+    site's own hook delivers: the path would count twice."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, mapping: list[int]) -> Tensor:
+        ctx.mapping = mapping
+        return torch.ops.aten._unsafe_view(t, t.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None]:
+        return (None if ctx.mapping[0] else grad), None
+
+
+_SLICED_ELEMENTS = 1 << 24
+"""Elements of the masked gradients one batched map-back of :meth:`_Source.arrive_sliced` may hold (64 MiB in float32)."""
 
 
 class BroadcastSites(TorchFunctionMode):
@@ -200,16 +253,46 @@ class BroadcastSites(TorchFunctionMode):
             return None
         return self._expanded(t, sources, len(sizes), sizes[0]).repeat(1, *sizes[1:])
 
+    def at_layer(self, t: Any, dim: int) -> Any:
+        """A layer's argument holding the examples in dimension ``dim`` by the layer's contract (an RNN's h0, a
+        time-major attention's query; :mod:`~lightning_dp.mechanism.example_dims`), called from the layer's forward
+        pre-hook: a followed ``t`` with n there (``h0.expand(L, B, H)`` of a learned ``[L, 1, H]`` state: the batch
+        is not in dimension 0, so no operation on the way was a site) is a broadcast site. The layer gets an alias
+        of t whose gradient, the layer's use alone, reaches each source sliced per example
+        (:meth:`_Source.arrive_sliced`); anything else is returned unchanged."""
+        sources = self._sources(t)
+        if not sources or t.dim() <= dim or t.shape[dim] != self.n or not t.requires_grad:
+            return t
+        with torch._C.DisableTorchFunction():  # the alias is the layer's, not a tensor computed from t
+            e = _Site.apply(t, self._mapping)
+        for source in sources:
+            t_edge = None if t is source.out() else get_gradient_edge(t)
+            e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else s.arrive_sliced(t_edge, dim, g))
+        return e
+
+    @property
+    def following(self) -> bool:
+        """Whether a followed tensor is alive."""
+        return bool(self._followed)
+
+    @property
+    def mapping(self) -> bool:
+        """Whether a source is mapping rows back (a nested backward: layers' output hooks must ignore it)."""
+        return self._mapping[0] > 0
+
     def _expanded(self, t: Tensor, sources: tuple[_Source, ...], rank: int, rows: int) -> Tensor:
         """t's explicit expansion e to ``rows`` rows at rank ``rank``; e's gradient reaches each source (t may be
         computed from several: PVT concatenates two reads of its position table)."""
         full = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+        if full.requires_grad:
+            with torch._C.DisableTorchFunction():
+                full = _Site.apply(full, self._mapping)
         e = full.expand(rows, *full.shape[1:])
         if e.requires_grad:
             shape, t_shape = e.shape, t.shape
             for source in sources:
                 t_edge = None if t is source.out() else get_gradient_edge(t)
-                e.register_hook(lambda g, s=source, t_edge=t_edge: s.arrive(t_shape, t_edge, shape, g))
+                e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else s.arrive(t_shape, t_edge, shape, g))
         return e
 
 

@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
-from lightning_dp.mechanism.example_dims import UNITS, ExampleDims, draws_randomness, example_dims
+from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
 
@@ -346,6 +346,27 @@ class ActivationCapture:
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
             if isinstance(module, (*UNITS, nn.RNNBase)):
                 self._handles.append(module.register_forward_pre_hook(self._remember_rng))
+            dims = TIME_MAJOR if id(module) in time_major else example_dims(module)
+            if dims is not BATCH_FIRST:
+                self._handles.append(module.register_forward_pre_hook(self._sites_at(dims), with_kwargs=True))
+
+    def _sites_at(self, dims: ExampleDims) -> Callable[[nn.Module, tuple, dict], Optional[tuple[tuple, dict]]]:
+        """Forward pre-hook of a layer whose arguments hold the examples elsewhere than in dimension 0 (RNNs,
+        time-major attention and position-wise layers): a followed argument with the step's n examples in its
+        example dimension is a broadcast site (:meth:`~.broadcast_sites.BroadcastSites.at_layer`: a learned RNN
+        initial state ``[L, 1, H]`` expanded over the batch in dimension 1)."""
+
+        def at(sites: BroadcastSites, key: str, a: Any) -> Any:
+            d = dims.argument(key)
+            return a if not d else tree_map(lambda t: sites.at_layer(t, d) if isinstance(t, Tensor) else t, a)
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            sites = self._sites
+            if sites is None or not sites.following or self._suspended:
+                return None
+            return tuple(at(sites, str(i), a) for i, a in enumerate(args)), {k: at(sites, k, v) for k, v in kwargs.items()}
+
+        return pre
 
     def _remember_rng(self, module: nn.Module, args: tuple) -> None:
         self._rng = random_state(module) if draws_randomness(module) and not self._suspended else None
@@ -403,10 +424,10 @@ class ActivationCapture:
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))
             if reducer is not None and len(leaves) == 1:
-                out.register_hook(lambda g: calls.reduce(rec, front(g), reducer))
+                out.register_hook(lambda g: None if self._mapping() else calls.reduce(rec, front(g), reducer))
             else:
                 for k in live:
-                    leaves[k].register_hook(lambda g, k=k: rec.set_grad(front(g), k))
+                    leaves[k].register_hook(lambda g, k=k: None if self._mapping() else rec.set_grad(front(g), k))
             return out
 
         return hook
@@ -494,6 +515,11 @@ class ActivationCapture:
             self._close_sites()
             self._sites = BroadcastSites(n, lambda: self._flattened)
         self._sites.follow(t, deliver, inputs)
+
+    def _mapping(self) -> bool:
+        """Whether the backward now running is a broadcast site's nested one (:mod:`.broadcast_sites`), which a
+        layer on the way from a followed tensor to its source (a time-major attention, x + attn(x)) must ignore."""
+        return self._sites is not None and self._sites.mapping
 
     def end_backward(self) -> None:
         """The step's backward is over (every site has delivered): leave the broadcast-site mode, so the engine's

@@ -76,3 +76,80 @@ def test_the_mode_pauses_only_once_nothing_followed_is_alive():
     finally:
         sites.close()
     assert sites not in _get_current_function_mode_stack()
+
+
+def _at_layer_gathered(fn, p: torch.Tensor, x: torch.Tensor, dim: int):
+    """Sites for a layer with the examples in dimension ``dim`` of its argument: ``fn(p, x)`` makes the argument
+    (a followed tensor), ``layer(arg, x)`` is what the layer computes per example."""
+    sites, got = BroadcastSites(x.shape[0]), []
+    v = p.view_as(p)
+    sites.follow(v, lambda rows, total: got.append((rows, total)))
+    try:
+        arg = fn(v)
+        served = sites.at_layer(arg, dim)
+        assert served is not arg  # a site: the layer gets an alias
+        (served.movedim(dim, 0) * x).tanh().sum().backward()
+    finally:
+        sites.close()
+    return got[0]
+
+
+def test_a_layer_argument_with_the_examples_in_dimension_one_is_a_site(monkeypatch):
+    """An RNN's learned h0 [L, 1, H] expanded to [L, n, H]: example i's gradient is the layer's use of slice i, mapped
+    back through the expansion (and the contiguous copy); in chunks of examples when the masked gradients are large."""
+    import lightning_dp.mechanism.broadcast_sites as bs
+
+    p = torch.randn(2, 1, D, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(N, 2, D, dtype=torch.float64)
+
+    def make(q):
+        return (q.expand(-1, N, -1).contiguous() * 1.5).sin()
+
+    want = torch.stack([torch.autograd.grad((make(p)[:, i] * x[i]).tanh().sum(), p)[0] for i in range(N)])
+    for budget in (1 << 24, 2 * D * N):  # one map-back, or one per example
+        monkeypatch.setattr(bs, "_SLICED_ELEMENTS", budget)
+        rows, total = _at_layer_gathered(make, p, x, 1)
+        torch.testing.assert_close(rows, want)
+        torch.testing.assert_close(rows.sum(0), total)
+
+
+def test_a_layer_argument_without_the_examples_is_not_a_site():
+    """Not followed, no n in the layer's example dimension, or n in another dimension only: passed unchanged."""
+    sites = BroadcastSites(N)
+    p = torch.randn(N, 1, D, requires_grad=True)
+    v = p.view_as(p)
+    sites.follow(v, lambda rows, total: None)
+    try:
+        assert sites.at_layer(v, 1) is v  # n in dimension 0, 1 in the layer's example dimension
+        plain = torch.randn(2, N, D, requires_grad=True)
+        assert sites.at_layer(plain, 1) is plain  # not followed
+    finally:
+        sites.close()
+
+
+def test_a_path_through_another_site_is_not_counted_twice():
+    """Time-major: x = h + pe (pe [T, 1, d] followed; x [T, n, d] too); an attention-like layer takes x (a site),
+    the residual x + layer(x) enters a second layer (a site whose map-back must not run through the first)."""
+    T_ = 3
+    pe = torch.randn(T_, 1, D, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(T_, N, D, dtype=torch.float64)
+
+    def model(q, h, sites=None):
+        x = h + q
+        a = sites.at_layer(x, 1) if sites else x
+        inner = a.tanh() * 2.0  # the first layer (per example: slice i of dim 1)
+        r = x + inner
+        b = sites.at_layer(r, 1) if sites else r
+        return b.sin()  # the second layer
+
+    want = torch.stack([torch.autograd.grad(model(pe, h)[:, i].sum(), pe)[0] for i in range(N)])
+    sites, got = BroadcastSites(N), []
+    v = pe.view_as(pe)
+    sites.follow(v, lambda rows, total: got.append((rows, total)))
+    try:
+        model(v, h, sites).sum().backward()
+    finally:
+        sites.close()
+    rows, total = got[0]
+    torch.testing.assert_close(rows, want)
+    torch.testing.assert_close(rows.sum(0), total)

@@ -242,6 +242,20 @@ def test_auto_keeps_root_owned_tokens_on_ghost():
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 @pytest.mark.parametrize("factory", [
+    lambda: zoo.LearnedInitialState("LSTM", "expand"),
+    lambda: zoo.LearnedInitialState("GRU", "repeat"),
+    lambda: zoo.LearnedInitialState("LSTM", "repeat", shared=True),
+    zoo.LearnedQueries,
+    zoo.LearnedTimeMajorPositions,
+], ids=["lstm-h0-expand", "gru-h0-repeat", "lstm-h0-two-calls", "mha-learned-queries", "encoder-learned-positions"])
+def test_parameters_broadcast_over_the_examples_in_dimension_one_are_exact(factory, engine):
+    """A learned RNN initial state [L, 1, H] or DETR's queries [Q, 1, d] grown to n in dimension 1 (where the layer
+    takes its examples): the layer's argument is the broadcast site."""
+    zoo.assert_exact(factory, zoo.token_data(pad=True), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("factory", [
     zoo.PackedRecurrent,
     lambda: zoo.PackedRecurrent("LSTM", on_output=True, num_layers=2, bidirectional=True),
     lambda: zoo.PackedRecurrent("GRU", on_output=True, bidirectional=True),

@@ -410,6 +410,69 @@ class TorchRecurrent(Base):
         return F.cross_entropy(self.head(torch.tanh(last)), y[:, 0])
 
 
+class LearnedInitialState(Base):
+    """nn.LSTM / nn.GRU with a learned initial state ``nn.Parameter([L, 1, H])`` broadcast over the batch in
+    dimension 1 (an RNN's h0 is ``[L, B, H]`` whatever ``batch_first`` says): ``expand`` (+ ``contiguous``, as cuDNN
+    wants) or ``repeat(1, B, 1)``, and with ``shared`` the same expanded state also starts a second call."""
+
+    def __init__(self, kind: str = "LSTM", how: str = "expand", shared: bool = False) -> None:
+        super().__init__()
+        self.kind, self.how, self.shared = kind, how, shared
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
+        self.h0 = nn.Parameter(torch.randn(2, 1, D) * 0.5)
+        if kind == "LSTM":
+            self.c0 = nn.Parameter(torch.randn(2, 1, D) * 0.5)
+
+    def _state(self, p: Tensor, B: int) -> Tensor:
+        return p.expand(-1, B, -1).contiguous() if self.how == "expand" else p.repeat(1, B, 1)
+
+    def loss(self, batch):
+        x, y = batch
+        B = x.shape[0]
+        hx = self._state(self.h0, B)
+        hx = (hx, self._state(self.c0, B)) if self.kind == "LSTM" else hx
+        out, _ = self.rnn(self.emb(x), hx)
+        if self.shared:
+            out = out + self.rnn(self.emb(x.flip(1)), hx)[0]
+        return per_example_token_mean(self.head(torch.tanh(out)), y)
+
+
+class LearnedQueries(Base):
+    """DETR style: learned queries ``[Q, 1, d]`` repeated over the batch in dimension 1 (``repeat(1, B, 1)``), cross-
+    attending a time-major memory through ``nn.MultiheadAttention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.queries = nn.Parameter(torch.randn(T, 1, D) * 0.5)
+        self.attn = nn.MultiheadAttention(D, 2)
+
+    def loss(self, batch):
+        x, y = batch
+        memory = self.emb(x).transpose(0, 1)
+        out, _ = self.attn(self.queries.repeat(1, x.shape[0], 1), memory, memory, need_weights=False)
+        return per_example_token_mean(self.head(torch.tanh(out.transpose(0, 1))), y)
+
+
+class LearnedTimeMajorPositions(Base):
+    """A learned position table ``[T, 1, d]`` added to a time-major ``[T, B, d]`` batch before a time-major
+    ``nn.TransformerEncoder``: the sum reaches the attention (a site) and, by the residual ``x + attn(x)``, the norm
+    after it (another site, whose rows must not be mapped back through the first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.pos = nn.Parameter(torch.randn(T, 1, D) * 0.5)
+        layer = nn.TransformerEncoderLayer(D, 2, dim_feedforward=8, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.enc(self.emb(x).transpose(0, 1) + self.pos)
+        return per_example_token_mean(self.head(h.transpose(0, 1)), y)
+
+
 class PackedRecurrent(Base):
     """nn.LSTM / nn.GRU / nn.RNN on a PackedSequence (pack_padded_sequence of examples of different lengths, taken
     from the data, unsorted): exact. The loss reads h_n and, with ``on_output``, the padded output too
