@@ -31,6 +31,13 @@ G_i = G ⊙ 1[index = i], and mapped back as above (:meth:`BroadcastSites.at_lay
 identity that passes nothing while a source maps rows back, so no map-back runs through another site's expansion
 (time-major ``x + attn(x)`` with x a site of the attention: that path is the attention site's, counted once).
 
+A block of m > 1 rows repeated over the batch, ``t.repeat(n, …)`` (DeBERTa-v2 repeats its projected relative table
+``[H, 2k, d]`` to ``[n·H, 2k, d]`` and multiplies it with the flattened queries in a ``bmm``), is n copies of t, copy i
+in rows i·m … (i+1)·m − 1 — copy i is example i's only if the model meets it row for row with the examples flattened
+the same way. It is a candidate (:meth:`BroadcastSites._repeated_block`): confirmed when a batched product or
+elementwise op meets it with a verified flattening view of ``[n, …]`` of the same row count; carried through ops
+that keep its rows in place; any other use, or none that confirms it, and its rows are not handed over (refused).
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
@@ -50,6 +57,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_dp.mechanism.validators.example_dim import flattened_rows
+
 
 def adds_up(per_example: Tensor, total: Tensor) -> bool:
     """Σ_i δ_i = the gradient autograd delivered, to the precision of the dtype (rounding of the sums): the
@@ -68,6 +77,7 @@ class _Source:
         self.out, self.edge = weakref.ref(out), get_gradient_edge(out)
         self.n, self.deliver = n, deliver
         self.per_example: Optional[Tensor] = None
+        self.rejected = False
         self.mapping = mapping  # shared by the step's sources: > 0 while one maps rows back (a nested backward)
 
     def arrive(self, t_shape: torch.Size, t_edge: Optional[GradientEdge], full: torch.Size, grad: Tensor) -> None:
@@ -117,8 +127,15 @@ class _Source:
             self.per_example = g.new_zeros(self.n, *g.shape[1:])
         self.per_example = self.per_example.index_add(0, torch.arange(start, stop, device=g.device), g)
 
+    def reject(self) -> None:
+        """A site whose rows cannot be taken for the examples' (an unconfirmed block of copies): nothing is handed over."""
+        self.rejected = True
+
     def settle(self, total: Tensor) -> None:
         """Hook on the lookup's output (fires after every site): hand over the rows, with the total."""
+        if self.rejected:
+            self.deliver(None, total)
+            return
         self.deliver(self.per_example if self.n > 1 else total.unsqueeze(0), total)
 
 
@@ -142,6 +159,14 @@ _SLICED_ELEMENTS = 1 << 24
 """Elements of the masked gradients one batched map-back of :meth:`_Source.arrive_sliced` may hold (64 MiB in float32)."""
 
 
+class _Block:
+    """A candidate site of per-example copies (:meth:`BroadcastSites._repeated_block`): ``rows`` = n·m, confirmed
+    once met row for row with the flattened examples, misused by any other use."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.confirmed, self.misused = rows, False, False
+
+
 class BroadcastSites(TorchFunctionMode):
     """The mode of the module docstring for one step of n examples (entered at the first lookup)."""
 
@@ -150,6 +175,7 @@ class BroadcastSites(TorchFunctionMode):
         self.n, self._flattened = n, flattened
         self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
         self._mapping = [0]
+        self._blocks: dict[int, tuple[weakref.ref, _Block]] = {}  # tensors holding per-example copies of a block
         self.active = False
 
     def follow(self, out: Tensor, deliver: Callable[[Optional[Tensor], Tensor], None],
@@ -169,7 +195,7 @@ class BroadcastSites(TorchFunctionMode):
         """Leave the mode while no followed tensor is alive (called between layers; a later :meth:`follow` enters
         it again), so the rest of the forward and the backward's hooks run without its per-call Python work. Only
         when this mode is the innermost one: leaving it from under another mode would pop that one."""
-        if self.active and not self._followed and _innermost_mode() is self:
+        if self.active and not self._followed and not self._blocks and _innermost_mode() is self:
             self.active = False
             self.__exit__(None, None, None)
 
@@ -179,6 +205,7 @@ class BroadcastSites(TorchFunctionMode):
             self.active = False
             self.__exit__(None, None, None)
         self._followed.clear()
+        self._blocks.clear()
 
     def _remember(self, t: Tensor, sources: tuple[_Source, ...]) -> None:
         """Follow ``t`` (computed from the outputs of ``sources``) while it lives: a tensor the model has dropped
@@ -202,16 +229,26 @@ class BroadcastSites(TorchFunctionMode):
     def _mentions_followed(self, args: tuple, kwargs: dict) -> bool:
         """Cheap pre-check (every torch call of the forward comes here): a followed tensor among the arguments,
         one level of lists/tuples deep; the full pytree walk only when one is."""
-        followed = self._followed
+        followed, blocks = self._followed, self._blocks
         for v in (*args, *kwargs.values()):
-            if id(v) in followed or (type(v) in (list, tuple) and any(id(w) in followed for w in v)):
+            if id(v) in followed or id(v) in blocks or (
+                    type(v) in (list, tuple) and any(id(w) in followed or id(w) in blocks for w in v)):
                 return True
         return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._followed or not self._mentions_followed(args, kwargs):
+        if not (self._followed or self._blocks) or not self._mentions_followed(args, kwargs):
             return func(*args, **kwargs)
+        blocks = self._blocks_among(args, kwargs) if self._blocks else {}
+        result = self._dispatch(func, args, kwargs)
+        if blocks:
+            self._check_block_use(blocks, func, args, kwargs, result)
+        return result
+
+    def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+        """One torch call of the forward with a followed tensor among its arguments: a broadcast site, or a result to
+        follow."""
         flat, spec = tree_flatten((args, kwargs))
         followed = [(i, s) for i, s in ((i, self._sources(v)) for i, v in enumerate(flat)) if s]
         if not followed:
@@ -248,10 +285,71 @@ class BroadcastSites(TorchFunctionMode):
             return None
         sizes = [1] * (t.dim() - len(sizes)) + sizes  # tile pads on the left; repeat needs ≥ t.dim() sizes
         aligned0 = t.shape[0] if len(sizes) == t.dim() else 1
+        if aligned0 > 1 and len(sizes) == t.dim() and sizes[0] == self.n and isinstance(result, Tensor):
+            return self._repeated_block(t, sources, sizes)
         if (not isinstance(result, Tensor) or result.dim() != len(sizes) or aligned0 != 1
                 or sizes[0] != result.shape[0] or sizes[0] not in rows):
             return None
         return self._expanded(t, sources, len(sizes), sizes[0]).repeat(1, *sizes[1:])
+
+    def _repeated_block(self, t: Tensor, sources: tuple[_Source, ...], sizes: list[int]) -> Tensor:
+        """``t.repeat(n, …)`` of a followed block t of m > 1 rows: n copies, rows i·m … (i+1)·m − 1 being copy i
+        (DeBERTa-v2 repeats its projected relative-position table ``[H, 2k, d]`` over the batch and multiplies it
+        with ``[B·H, T, d]`` queries in a ``bmm``). A copy per example only if the model meets it row for row with
+        the examples flattened the same way; until then it is a candidate (:class:`_Block`), checked at every use
+        (:meth:`_check_block_use`), and its examples' gradients are handed over only once confirmed. Served as
+        ``t.expand(n, m, …)``, repeated along the other dimensions and reshaped to ``[n·m, …]`` (the same values)."""
+        block = _Block(self.n * t.shape[0])
+        with torch._C.DisableTorchFunction():
+            full = _Site.apply(t, self._mapping)
+        e = full.unsqueeze(0).expand(self.n, *t.shape)
+        shape, t_shape = e.shape, t.shape
+        for source in sources:
+            t_edge = None if t is source.out() else get_gradient_edge(t)
+            e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else (
+                s.arrive(t_shape, t_edge, shape, g) if block.confirmed and not block.misused else s.reject()))
+        r = e.repeat(1, 1, *sizes[1:]) if any(k != 1 for k in sizes[1:]) else e
+        r = r.reshape(block.rows, *r.shape[2:])
+        self._remember_block(r, block)
+        return r
+
+    def _remember_block(self, t: Tensor, block: "_Block") -> None:
+        key, blocks = id(t), self._blocks
+
+        def gone(ref: weakref.ref) -> None:
+            entry = blocks.get(key)
+            if entry is not None and entry[0] is ref:
+                del blocks[key]
+
+        blocks[key] = (weakref.ref(t, gone), block)
+
+    def _blocks_among(self, args: tuple, kwargs: dict) -> dict[int, "_Block"]:
+        """The candidate blocks among a call's arguments (id of the tensor → its block)."""
+        found = {}
+        for v in tree_flatten((args, kwargs))[0]:
+            entry = self._blocks.get(id(v)) if isinstance(v, Tensor) else None
+            if entry is not None and entry[0]() is v:
+                found[id(v)] = entry[1]
+        return found
+
+    def _check_block_use(self, blocks: dict[int, "_Block"], func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """One use of a tensor of per-example copies (:meth:`_repeated_block`): met row for row with a verified
+        flattening of the examples ``[n·m, …]`` in a broadcasting op or a batched product (confirmed), carried through
+        an op that keeps its rows in place (a transpose of the other dimensions, a copy), or anything else
+        (misused: the step is refused). A use without a tensor result (``.size()``) is none."""
+        name = getattr(func, "__name__", "")
+        others = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Tensor) and id(v) not in blocks]
+        outs = [t for t in tree_flatten(result)[0] if isinstance(t, Tensor) and t.requires_grad]
+        for block in dict.fromkeys(blocks.values()):
+            if name in BLOCK_MEETS and any(v.dim() > 0 and v.shape[0] == block.rows and flattened_rows(v, self.n)
+                                           for v in others):
+                block.confirmed = True
+            elif name in BLOCK_CARRIES and _keeps_rows(name, args) and all(
+                    t.dim() > 0 and t.shape[0] == block.rows for t in outs):
+                for t in outs:
+                    self._remember_block(t, block)
+            elif outs:
+                block.misused = True
 
     def at_layer(self, t: Any, dim: int) -> Any:
         """A layer's argument holding the examples in dimension ``dim`` by the layer's contract (an RNN's h0, a
@@ -310,6 +408,26 @@ a use is followed on, never served, and the examples' gradients then do not add 
 REPEATING: frozenset[str] = frozenset({"repeat", "tile"})
 """Operations that copy their input ``sizes[0]`` times along dimension 0: a broadcast site when that makes one row
 per example (:meth:`BroadcastSites._repeated`)."""
+
+
+BLOCK_MEETS: frozenset[str] = frozenset({"bmm", "baddbmm", "matmul", "__matmul__", "__rmatmul__", "add", "sub", "mul",
+                                          "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"})
+"""Operations that meet a tensor of per-example copies row for row with the examples (batched products, elementwise)."""
+
+BLOCK_CARRIES: frozenset[str] = frozenset({"transpose", "permute", "contiguous", "clone", "to", "float", "double",
+                                            "half", "bfloat16", "type_as"})
+"""Operations that keep a tensor's rows in place (with :func:`_keeps_rows`)."""
+
+
+def _keeps_rows(name: str, args: tuple) -> bool:
+    """A transpose or permute that leaves dimension 0 where it is; the other carriers always do."""
+    if name == "transpose":
+        t, a, b = args[0], args[1], args[2]
+        return a % t.dim() != 0 and b % t.dim() != 0
+    if name == "permute":
+        dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+        return bool(dims) and dims[0] % args[0].dim() == 0
+    return True
 
 
 def _innermost_mode() -> Optional[TorchFunctionMode]:

@@ -153,3 +153,44 @@ def test_a_path_through_another_site_is_not_counted_twice():
     rows, total = got[0]
     torch.testing.assert_close(rows, want)
     torch.testing.assert_close(rows.sum(0), total)
+
+
+def _block_model(use: str):
+    """A shared table [H, k, d] repeated over the batch, ``repeat(n, 1, 1)`` → [n·H, k, d], and multiplied in a bmm with
+    queries [n·H, T, d] flattened from [n, H, T, d] (DeBERTa-v2's relative attention), then: ``use``."""
+    H, K, T_ = 2, 3, 2
+
+    def fn(p, x):
+        n = x.shape[0]
+        q = (x.view(n, H, T_, D) * 1.0).contiguous().view(-1, T_, D)  # a verified flattening view
+        r = p.repeat(n, 1, 1)
+        other = q if use != "unflattened" else q.clone()  # a copy: not verifiably example-major
+        if use == "flipped":
+            r = r.flip(0)
+        out = torch.bmm(other, r.transpose(-1, -2)).tanh()  # [n·H, T, K]
+        per_example = out.view(n, -1).pow(2).sum(1)
+        return per_example + (r.pow(2).sum() if use == "summed" else 0)
+
+    return fn, torch.randn(H, K, D, dtype=torch.float64, requires_grad=True), torch.randn(N, H * T_ * D, dtype=torch.float64)
+
+
+def test_a_block_repeated_over_the_batch_and_met_row_for_row_is_a_site():
+    fn, p, x = _block_model("bmm")
+    rows, total = _gathered(fn, p, x)
+    torch.testing.assert_close(rows, _reference(fn, p, x))
+    torch.testing.assert_close(rows.sum(0), total)
+
+
+def test_a_block_of_copies_used_otherwise_is_not_handed_over():
+    """Summed into the loss besides, its rows permuted, or met with a batch whose row layout is not verified: the
+    rows are not the examples' (nothing delivered: the step is refused)."""
+    for use in ("summed", "flipped", "unflattened"):
+        fn, p, x = _block_model(use)
+        sites, got = BroadcastSites(N), []
+        v = p.view_as(p)
+        sites.follow(v, lambda rows, total: got.append(rows))
+        try:
+            fn(v, x).sum().backward()
+        finally:
+            sites.close()
+        assert got == [None], use

@@ -84,6 +84,18 @@ def _eager_experts(model):
     return model
 
 
+def deberta_v3():
+    """DeBERTa-v3's relative attention: an embedding weight read outside its forward, layer-normed, projected by the
+    attention's own query/key layers (also called on the batch), repeated per example (``repeat(B, 1, 1)`` of
+    ``[H, 2k, d]``) and multiplied with the flattened queries in a ``bmm``."""
+    c = transformers.DebertaV2Config(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, pooler_dropout=0.0, relative_attention=True,
+                                     position_buckets=8, max_relative_positions=-1, share_att_key=True,
+                                     pos_att_type="p2c|c2p", norm_rel_ebd="layer_norm", position_biased_input=False)
+    return transformers.DebertaV2ForSequenceClassification(c)
+
+
 def mixtral():
     c = transformers.MixtralConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
@@ -143,6 +155,7 @@ CASES = {
     # T5/MPNet: relative position bias looked up with [T, T] indices, broadcast over the batch (broadcast sites)
     "t5": (t5, "seq2seq"),
     "mpnet": (mpnet, "cls"),
+    "deberta-v3": (deberta_v3, "cls"),
     # mixture of experts: a router returning logits and the top-k weights taken from them (multi-output aliasing),
     # experts owning stacked weights with an act_fn child, routing by torch.nonzero (one replay per example)
     "mixtral": (mixtral, "lm"),

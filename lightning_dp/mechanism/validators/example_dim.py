@@ -111,8 +111,8 @@ def lookup_use_error(unserved: Mapping[str, Sequence[tuple[int, ...]]]) -> Priva
         "loss by being broadcast over the examples (added to, multiplied with, expanded or repeated to the batch):"
         "\n- " + "\n- ".join(lines) + "\nEither the layer sees the batch in another layout (flattened by a copy, "
         "x[:, 1:].reshape(-1, d), or time-major), or it is a table shared by all examples used otherwise than "
-        "broadcast (repeated per attention head and multiplied with the batch in a bmm: DeBERTa-v2's relative "
-        "attention; summed into the loss; used as a weight). Example i's share of its gradient cannot be told apart, "
+        "broadcast (summed into the loss; used as a weight; repeated over the batch, repeat(B, …), and then not "
+        "met row for row with a [B·m, …] view of the batch). Example i's share of its gradient cannot be told apart, "
         "so nothing was released. " + FIX + " A shared table used otherwise: freeze the layer (requires_grad_(False))."
     )
 
