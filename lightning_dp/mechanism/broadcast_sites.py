@@ -38,6 +38,11 @@ the same way. It is a candidate (:meth:`BroadcastSites._repeated_block`): confir
 elementwise op meets it with a verified flattening view of ``[n, …]`` of the same row count; carried through ops
 that keep its rows in place; any other use, or none that confirms it, and its rows are not handed over (refused).
 
+A followed weight or bias of ``F.linear`` on the examples (timm's BEiT/EVA call ``F.linear(input=x,
+weight=self.qkv.weight, bias=torch.cat((q_bias, k_bias, v_bias)))`` and never the ``qkv`` layer) is a site too, with a
+linear layer's rule: ∇W_i = Σ_positions δ_i ⊗ x_i, ∇b_i = Σ_positions δ_i from the output's gradient δ
+(:meth:`BroadcastSites._functional_linear`).
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
@@ -126,6 +131,11 @@ class _Source:
         if self.per_example is None:
             self.per_example = g.new_zeros(self.n, *g.shape[1:])
         self.per_example = self.per_example.index_add(0, torch.arange(start, stop, device=g.device), g)
+
+    def arrive_rows(self, t_edge: Optional[GradientEdge], rows: Tensor) -> None:
+        """Example i's gradient w.r.t. a followed t in row i of ``rows`` ``[n, *t.shape]`` (a functional layer's
+        weight: :meth:`BroadcastSites._functional_linear`), mapped back to this source's output."""
+        self._add(self._back(t_edge, rows))
 
     def reject(self) -> None:
         """A site whose rows cannot be taken for the examples' (an unconfirmed block of copies): nothing is handed over."""
@@ -258,6 +268,8 @@ class BroadcastSites(TorchFunctionMode):
         computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
         result = func(*args, **kwargs) if computed else flat[0]  # in place on an unfollowed tensor: its shape
         rows = {self.n} | self._flattened()
+        if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
+            return result
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
         if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
             repeated = self._repeated(flat[0], followed[0][1], args[1:], result, rows)
@@ -291,6 +303,34 @@ class BroadcastSites(TorchFunctionMode):
                 or sizes[0] != result.shape[0] or sizes[0] not in rows):
             return None
         return self._expanded(t, sources, len(sizes), sizes[0]).repeat(1, *sizes[1:])
+
+    def _functional_linear(self, args: tuple, result: Any, rows: set[int]) -> bool:
+        """``F.linear(x, W, b)`` of the examples x ``[n, …, in]`` (or verified flattened ``[n·m, …]``) with a followed
+        weight or bias (timm's BEiT/EVA: ``F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``, the
+        ``qkv`` layer never called): a site. Example i's gradients are those of a linear layer,
+        ∇W_i = Σ_positions δ_i ⊗ x_i and ∇b_i = Σ_positions δ_i, from the output's gradient δ; each is mapped back to
+        its sources. False (not a site) when x is followed too or lacks the examples."""
+        x = args[0]
+        if (not isinstance(x, Tensor) or not isinstance(result, Tensor) or self._sources(x)
+                or x.dim() < 2 or not result.requires_grad):
+            return False
+        if x.shape[0] not in rows and not flattened_rows(x, self.n):  # the examples, or a verified flattening of them
+            return False
+        n, inputs = self.n, x.detach().reshape(self.n, -1, x.shape[-1])
+        parts = [(i, self._sources(args[i])) for i in (1, 2) if self._sources(args[i])]
+        edges = {i: get_gradient_edge(args[i]) for i, _ in parts}
+
+        def hook(g: Tensor) -> None:
+            if self._mapping[0]:
+                return
+            delta = g.detach().reshape(n, -1, g.shape[-1])
+            for i, sources in parts:
+                rows_i = torch.bmm(delta.transpose(1, 2), inputs) if i == 1 else delta.sum(1)
+                for source in sources:
+                    source.arrive_rows(None if args[i] is source.out() else edges[i], rows_i)
+
+        result.register_hook(hook)
+        return True
 
     def _repeated_block(self, t: Tensor, sources: tuple[_Source, ...], sizes: list[int]) -> Tensor:
         """``t.repeat(n, …)`` of a followed block t of m > 1 rows: n copies, rows i·m … (i+1)·m − 1 being copy i
@@ -428,6 +468,12 @@ def _keeps_rows(name: str, args: tuple) -> bool:
         dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
         return bool(dims) and dims[0] % args[0].dim() == 0
     return True
+
+
+def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword (timm: ``F.linear(input=x, …)``)."""
+    named = (*args, *(None,) * 3)[:3]
+    return tuple(kwargs.get(key, named[k]) for k, key in enumerate(("input", "weight", "bias")))  # type: ignore
 
 
 def _innermost_mode() -> Optional[TorchFunctionMode]:

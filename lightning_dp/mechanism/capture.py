@@ -338,7 +338,8 @@ class ActivationCapture:
         self.detach()
         if root is not None:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
-            self.roots.attach(root, lambda m: id(m) in covered)
+            hooked = {id(layer) for _, layer in layers}
+            self.roots.attach(root, lambda m: id(m) in covered, lambda m: id(m) in hooked)
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls

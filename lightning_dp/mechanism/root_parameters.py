@@ -24,8 +24,10 @@ An embedding table read outside its module's forward is the same case: DeBERTa-v
 ``self.pos.weight[:T]`` to the batch. Reads of an ``nn.Embedding``'s parameters from code that is not the
 embedding's own (its class's methods) are followed the same way; the embedding's own forward reads them
 untouched, so the layer's rule serves its calls. A step in which one parameter has both kinds of use is refused
-(:func:`~lightning_dp.mechanism.validators.example_dim.mixed_use_error`); so is an outside read that is not a
-broadcast over the examples (``F.linear(h, self.emb.weight)``: tie the weight to an ``nn.Linear`` instead).
+(:func:`~lightning_dp.mechanism.validators.example_dim.mixed_use_error`). An ``nn.Linear``'s parameters are
+watched the same way: timm's BEiT/EVA pass ``self.qkv.weight`` to ``F.linear`` and never call ``qkv``; the functional
+call is served with a linear layer's rule at the site. Any other outside read that is not a broadcast over the examples
+(``h @ self.weight.t()``) leaves the parameter without per-example gradient: refused.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def _intercepting(cls: type) -> type:
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__})
     return _SUBCLASSES[cls]
 
+
+WATCHED: tuple[type[nn.Module], ...] = (nn.Embedding, nn.Linear)
+"""Layers whose parameters are followed when code other than the layer's own reads them: an embedding table read
+by its parent (``self.pos.weight[:T]``), a linear layer's weight used functionally (``F.linear(x, self.qkv.weight,
+qkv_bias)``: timm's BEiT and EVA, never calling ``qkv``)."""
 
 _MODULE_GETATTR = nn.Module.__getattr__.__code__
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
@@ -118,12 +125,15 @@ class RootParameters:
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
 
-    def attach(self, root: nn.Module, is_leaf_like: Callable[[nn.Module], bool]) -> None:
-        """Intercept reads of every trainable parameter owned by a module that is not leaf-like."""
+    def attach(self, root: nn.Module, is_leaf_like: Callable[[nn.Module], bool],
+               hooked: Callable[[nn.Module], bool] = lambda m: True) -> None:
+        """Intercept reads of every trainable parameter owned by a module that is not leaf-like, and reads of a
+        :data:`WATCHED` ``hooked`` layer's parameters from outside its own code (not a unit's child: the unit's
+        forward reads those itself)."""
         self.detach()
         in_layers = {id(p) for m in root.modules() if is_leaf_like(m) for p in m.parameters(recurse=False)}
         for name, module in root.named_modules():
-            if isinstance(module, nn.Embedding) and is_leaf_like(module):
+            if isinstance(module, WATCHED) and is_leaf_like(module) and hooked(module):
                 self._watch_table(name, module)
             if is_leaf_like(module):
                 continue

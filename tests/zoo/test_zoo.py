@@ -145,9 +145,25 @@ def test_an_mlp_over_a_coordinate_table_is_exact(inplace, engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
-def test_a_container_weight_used_by_a_functional_layer_is_refused(engine):
-    zoo.assert_refused(zoo.ContainerWeight, zoo.vector_data(), "parameter <root>.weight .*received a gradient, but "
-                       "from no use", per_sample=engine)
+def test_a_container_weight_used_by_a_functional_linear_is_exact(engine):
+    zoo.assert_exact(zoo.ContainerWeight, zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_container_weight_multiplied_with_the_batch_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.ContainerWeight(matmul=True), zoo.vector_data(),
+                       "parameter <root>.weight .*received a gradient, but from no use", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_linear_weight_and_bias_used_functionally_are_exact(engine):
+    """timm's BEiT/EVA: F.linear(input=x, weight=self.qkv.weight, bias=torch.cat((q_bias, k_bias, v_bias)))."""
+    zoo.assert_exact(zoo.FunctionalQKV, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_linear_both_called_and_used_functionally_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.FunctionalQKV(called=True), zoo.token_data(), "qkv.weight", per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -372,8 +388,13 @@ def test_unused_parameters_get_zero_per_example_gradients(engine):
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_gradient_from_an_uncaptured_use_of_an_idle_layer_is_still_refused(engine):
-    zoo.assert_refused(zoo.FunctionalUseOfAnIdleLayer, zoo.vector_data(), "pooler.weight.*received a gradient, but "
-                       "from no use that the per-example engine captures", per_sample=engine)
+    zoo.assert_refused(lambda: zoo.FunctionalUseOfAnIdleLayer(matmul=True), zoo.vector_data(), "pooler.weight.*"
+                       "received a gradient, but from no use that the per-example engine captures", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_idle_layer_weight_used_by_f_linear_is_exact(engine):
+    zoo.assert_exact(zoo.FunctionalUseOfAnIdleLayer, zoo.vector_data(), per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])

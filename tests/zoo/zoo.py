@@ -734,16 +734,42 @@ class CoordinateBias(Base):
 
 
 class ContainerWeight(Base):
-    """A weight owned by a block with children and used as the weight of ``F.linear``: no broadcast site; refused."""
+    """A weight owned by a block with children used as the weight of ``F.linear`` (a functional linear layer: exact),
+    or, with ``matmul``, multiplied with the batch by ``h @ w.t()`` (no rule for it: refused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, matmul: bool = False) -> None:
         super().__init__()
+        self.matmul = matmul
         self.a = nn.Linear(D, D)
         self.weight = nn.Parameter(torch.randn(3, D) * 0.3)
 
     def loss(self, batch):
         x, y = batch
-        return F.cross_entropy(F.linear(torch.tanh(self.a(x)), self.weight), y)
+        h = torch.tanh(self.a(x))
+        return F.cross_entropy(h @ self.weight.t() if self.matmul else F.linear(h, self.weight), y)
+
+
+class FunctionalQKV(Base):
+    """timm's BEiT/EVA attention: the ``qkv`` Linear is never called; its weight and a bias concatenated from two
+    parameters of the block and a zero buffer go to ``F.linear`` by keyword. ``called``: the layer also runs (mixed)."""
+
+    def __init__(self, called: bool = False) -> None:
+        super().__init__()
+        self.called = called
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(D) * 0.3), nn.Parameter(torch.randn(D) * 0.3)
+        self.register_buffer("k_bias", torch.zeros(D), persistent=False)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)
+        qkv = F.linear(input=h, weight=self.qkv.weight, bias=torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        if self.called:
+            qkv = qkv + self.qkv(h)
+        q, k, v = qkv.view(*h.shape[:2], 3, D).unbind(2)
+        h = h + (q @ k.transpose(1, 2) / D ** 0.5).softmax(-1) @ v
+        return per_example_token_mean(self.head(h), y)
 
 
 class InPlaceOnLinearOutput(Base):
@@ -915,12 +941,18 @@ class UnusedParameters(Base):
 
 
 class FunctionalUseOfAnIdleLayer(UnusedParameters):
-    """The spare head's weight read functionally while its module never runs: a real gradient no hook sees."""
+    """The spare head's weight read outside while its module never runs: by ``F.linear`` (a functional linear layer,
+    served) or, with ``matmul``, by ``h @ w.t()`` (a real gradient no rule serves)."""
+
+    def __init__(self, matmul: bool = False) -> None:
+        super().__init__()
+        self.matmul = matmul
 
     def loss(self, batch):
         x, y = batch
         h = torch.tanh(self.a(x))
-        return F.cross_entropy(self.b(h), y) + 0.1 * F.linear(h, self.pooler.weight).pow(2).mean()
+        extra = h @ self.pooler.weight.t() if self.matmul else F.linear(h, self.pooler.weight)
+        return F.cross_entropy(self.b(h), y) + 0.1 * extra.pow(2).mean()
 
 
 class Plain(Base):

@@ -25,7 +25,9 @@ class Net(nn.Module):
         if self.mode == "centre":
             h = h - h.mean(0)
         if self.mode == "outside":
-            h = h + F.linear(x, self.a.weight)  # a second use outside a's forward
+            # a second use outside a's forward, by a read the library does not watch (self.a.weight read outside is
+            # followed: test_zoo.py's FunctionalQKV); the probe still sees the gradient no use accounts for
+            h = h + F.linear(x, next(self.a.parameters()))
         if self.mode == "nan":
             h = h * torch.sqrt(h - h.detach())  # sqrt of 0: an infinite derivative, NaN gradients
         return self.b(self.drop(torch.tanh(h)))
