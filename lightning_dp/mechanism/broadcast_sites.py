@@ -220,14 +220,7 @@ class BroadcastSites(TorchFunctionMode):
     def _remember(self, t: Tensor, sources: tuple[_Source, ...]) -> None:
         """Follow ``t`` (computed from the outputs of ``sources``) while it lives: a tensor the model has dropped
         can meet no further operation; once none is left, every torch call passes straight through."""
-        key, followed = id(t), self._followed
-
-        def gone(ref: weakref.ref) -> None:
-            entry = followed.get(key)
-            if entry is not None and entry[0] is ref:
-                del followed[key]
-
-        followed[key] = (weakref.ref(t, gone), sources)
+        _keep_weakly(self._followed, t, sources)
 
     def _sources(self, t: Any) -> tuple[_Source, ...]:
         """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""
@@ -340,28 +333,14 @@ class BroadcastSites(TorchFunctionMode):
         (:meth:`_check_block_use`), and its examples' gradients are handed over only once confirmed. Served as
         ``t.expand(n, m, …)``, repeated along the other dimensions and reshaped to ``[n·m, …]`` (the same values)."""
         block = _Block(self.n * t.shape[0])
-        with torch._C.DisableTorchFunction():
-            full = _Site.apply(t, self._mapping)
-        e = full.unsqueeze(0).expand(self.n, *t.shape)
+        e = self._site(t).unsqueeze(0).expand(self.n, *t.shape)
         shape, t_shape = e.shape, t.shape
-        for source in sources:
-            t_edge = None if t is source.out() else get_gradient_edge(t)
-            e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else (
-                s.arrive(t_shape, t_edge, shape, g) if block.confirmed and not block.misused else s.reject()))
+        self._deliver_to(e, t, sources, lambda s, t_edge, g: (
+            s.arrive(t_shape, t_edge, shape, g) if block.confirmed and not block.misused else s.reject()))
         r = e.repeat(1, 1, *sizes[1:]) if any(k != 1 for k in sizes[1:]) else e
         r = r.reshape(block.rows, *r.shape[2:])
-        self._remember_block(r, block)
+        _keep_weakly(self._blocks, r, block)
         return r
-
-    def _remember_block(self, t: Tensor, block: "_Block") -> None:
-        key, blocks = id(t), self._blocks
-
-        def gone(ref: weakref.ref) -> None:
-            entry = blocks.get(key)
-            if entry is not None and entry[0] is ref:
-                del blocks[key]
-
-        blocks[key] = (weakref.ref(t, gone), block)
 
     def _blocks_among(self, args: tuple, kwargs: dict) -> dict[int, "_Block"]:
         """The candidate blocks among a call's arguments (id of the tensor → its block)."""
@@ -387,7 +366,7 @@ class BroadcastSites(TorchFunctionMode):
             elif name in BLOCK_CARRIES and _keeps_rows(name, args) and all(
                     t.dim() > 0 and t.shape[0] == block.rows for t in outs):
                 for t in outs:
-                    self._remember_block(t, block)
+                    _keep_weakly(self._blocks, t, block)
             elif outs:
                 block.misused = True
 
@@ -401,12 +380,23 @@ class BroadcastSites(TorchFunctionMode):
         sources = self._sources(t)
         if not sources or t.dim() <= dim or t.shape[dim] != self.n or not t.requires_grad:
             return t
-        with torch._C.DisableTorchFunction():  # the alias is the layer's, not a tensor computed from t
-            e = _Site.apply(t, self._mapping)
+        e = self._site(t)
+        self._deliver_to(e, t, sources, lambda s, t_edge, g: s.arrive_sliced(t_edge, dim, g))
+        return e
+
+    def _site(self, t: Tensor) -> Tensor:
+        """t through the :class:`_Site` identity (outside this mode: the alias is the site's, not a followed result)."""
+        with torch._C.DisableTorchFunction():
+            return _Site.apply(t, self._mapping)
+
+    @staticmethod
+    def _deliver_to(e: Tensor, t: Tensor, sources: tuple[_Source, ...],
+                    arrive: Callable[[_Source, Optional[GradientEdge], Tensor], None]) -> None:
+        """Hook on a site's tensor e (made from the followed t): ``arrive(source, t_edge, grad)`` for each source
+        (``t_edge`` None when t is the source's output itself), except during a map-back."""
         for source in sources:
             t_edge = None if t is source.out() else get_gradient_edge(t)
-            e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else s.arrive_sliced(t_edge, dim, g))
-        return e
+            e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else arrive(s, t_edge, g))
 
     @property
     def following(self) -> bool:
@@ -422,15 +412,11 @@ class BroadcastSites(TorchFunctionMode):
         """t's explicit expansion e to ``rows`` rows at rank ``rank``; e's gradient reaches each source (t may be
         computed from several: PVT concatenates two reads of its position table)."""
         full = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
-        if full.requires_grad:
-            with torch._C.DisableTorchFunction():
-                full = _Site.apply(full, self._mapping)
-        e = full.expand(rows, *full.shape[1:])
-        if e.requires_grad:
-            shape, t_shape = e.shape, t.shape
-            for source in sources:
-                t_edge = None if t is source.out() else get_gradient_edge(t)
-                e.register_hook(lambda g, s=source, t_edge=t_edge: None if s.mapping[0] else s.arrive(t_shape, t_edge, shape, g))
+        if not full.requires_grad:
+            return full.expand(rows, *full.shape[1:])
+        e = self._site(full).expand(rows, *full.shape[1:])
+        shape, t_shape = e.shape, t.shape
+        self._deliver_to(e, t, sources, lambda s, t_edge, g: s.arrive(t_shape, t_edge, shape, g))
         return e
 
 
@@ -468,6 +454,19 @@ def _keeps_rows(name: str, args: tuple) -> bool:
         dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
         return bool(dims) and dims[0] % args[0].dim() == 0
     return True
+
+
+def _keep_weakly(table: dict[int, tuple[weakref.ref, Any]], t: Tensor, value: Any) -> None:
+    """``table[id(t)] = (weak reference to t, value)``, removed when t is freed (a tensor the model dropped can meet
+    no further operation)."""
+    key = id(t)
+
+    def gone(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is not None and entry[0] is ref:
+            del table[key]
+
+    table[key] = (weakref.ref(t, gone), value)
 
 
 def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
