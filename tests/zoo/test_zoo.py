@@ -144,6 +144,16 @@ def test_an_mlp_over_a_coordinate_table_is_exact(inplace, engine):
     zoo.assert_exact(lambda: zoo.CoordinateBias(inplace), zoo.token_data(), per_sample=engine)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_examples_mixed_only_in_training_mode_are_refused(engine):
+    zoo.assert_refused(zoo.TrainOnlyMixing, zoo.vector_data(), "Examples interact", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_block_that_caches_in_eval_mode_is_exact(engine):
+    zoo.assert_exact(zoo.EvalCache, zoo.vector_data(), per_sample=engine)
+
+
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_container_weight_used_by_a_functional_linear_is_exact(engine):
     zoo.assert_exact(zoo.ContainerWeight, zoo.vector_data(), per_sample=engine)

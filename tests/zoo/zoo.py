@@ -733,6 +733,60 @@ class CoordinateBias(Base):
         return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
 
 
+class _TrainOnlyMix(nn.Module):
+    """Parameter-free: in training mode only, blends each example with the batch reversed (timm VOLO's mix_token,
+    CutMix inside the model)."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + 0.5 * h.flip(0) if self.training else h
+
+
+class TrainOnlyMixing(Base):
+    """Examples mixed only in training mode: the probe must run the model in the step's modes to see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D, D), nn.Tanh(), _TrainOnlyMix(), nn.Linear(D, 3))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class _CachedBias(nn.Module):
+    """LeViT/EfficientFormer/TinyViT: an attention bias gathered from a parameter table, cached in eval mode (the cache
+    keeps its graph: a second backward through it fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(D) * 0.3)
+        self.proj = nn.Linear(D, D)
+        self.cache: dict[str, Tensor] = {}
+
+    def bias(self) -> Tensor:
+        if self.training:
+            return self.table * 2.0
+        if "b" not in self.cache:
+            self.cache["b"] = self.table * 2.0
+        return self.cache["b"]
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.proj(h) + self.bias()
+
+
+class EvalCache(Base):
+    """A block that caches in eval mode (and drops the cache on train()), trained in training mode: exact; the probe
+    must not switch it to eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _CachedBias(), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(torch.tanh(self.block(x))), y)
+
+
 class ContainerWeight(Base):
     """A weight owned by a block with children used as the weight of ``F.linear`` (a functional linear layer: exact),
     or, with ``matmul``, multiplied with the batch by ``h @ w.t()`` (no rule for it: refused)."""

@@ -24,14 +24,16 @@ and requires, to a tolerance set by the precision,
     Σ_i g_i^batch = Σ_i g_i^alone                 (the same, per coordinate)
     Σ_i g_i^batch = k · ∇                          (every use of every parameter captured)
 
-The model runs in eval mode (no dropout; leaf layers with parameters stay in training mode)
-with the same random seed for every pass, so the passes are comparable. A step that still draws
-random numbers of its own (augmentation in ``training_step``) is detected by one more batch pass
-with another seed; then only the coarse checks run (a summed loss: the ratios' geometric mean > √k; uncaptured
-uses: same seed as autograd's pass), with a warning; the user's gradients, RNG state and train/eval mode are restored.
-What it cannot see: code paths the first k examples do not take, interactions that vanish
-for these k examples (e.g. a token-mean loss over examples of equal length), and behaviour
-that exists only in training mode. It costs k + 3 forward/backward passes on ≤ k examples, once.
+The model runs in the modes the step runs it in (a module that mixes examples only in training mode — a
+batch-level token mix, CutMix inside the model — is seen; one that caches in eval mode is not switched into
+it), with dropout switched off (:class:`NoDropout`: torch's dropout functions are the identity and attention's
+``dropout_p`` is 0 during the probe; drop-path modules are put in eval) and the same random seed for every pass, so
+the passes are comparable. A step that still draws random numbers of its own (augmentation in ``training_step``) is
+detected by one more batch pass with another seed; then only the coarse checks run (a summed loss: the ratios'
+geometric mean > √k; uncaptured uses: same seed as autograd's pass), with a warning; the user's gradients, RNG state
+and drop-path modes are restored. What it cannot see: code paths the first k examples do not take, and interactions
+that vanish for these k examples (e.g. a token-mean loss over examples of equal length). It costs k + 3
+forward/backward passes on ≤ k examples, once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine
@@ -90,12 +93,11 @@ class ExampleIndependenceProbe:
             return  # one example cannot interact with another; nothing to compare
         saved = [p.grad for p in self.params]
         before = state_fingerprint(self.module)
-        modes = [(m, m.training) for m in self.module.modules()]
-        for m, mode in modes:  # eval (no dropout), but layers with parameters that train in training mode stay so
-            # (Opacus' hooks need it); one the user keeps in eval (a frozen BatchNorm) stays in eval, as in the step
-            m.training = mode and _owns_parameters(m) and not any(True for _ in m.children())
+        modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
+        for m, _ in modes:
+            m.training = False
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), NoDropout():
                 # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
                 # with other leading dimensions and never sliced per example afterwards (capture.py)
                 alone = [self._engine_pass([i]) for i in indices]
@@ -216,8 +218,35 @@ def state_mutation_error(changed: Sequence[str]) -> PrivacyConfigurationError:
         "the state a non-trainable function of the parameters only.")
 
 
-def _owns_parameters(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters(recurse=False))
+class NoDropout(TorchFunctionMode):
+    """Dropout off while the probe runs, the model otherwise in its own modes: torch's dropout functions return their
+    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention, ``nn.MultiheadAttention``'s weights dropout) and
+    ``scaled_dot_product_attention`` runs with ``dropout_p = 0``; the engines' replays inside the probe see the same."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in DROPOUT_FUNCTIONS:
+            return args[0] if args else kwargs["input"]
+        if name == "scaled_dot_product_attention":
+            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, …)
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+DROPOUT_FUNCTIONS: frozenset[str] = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_"})
+"""torch functions whose training-mode result is a random mask: the identity during the probe."""
+
+
+def _drops_paths(m: nn.Module) -> bool:
+    """A stochastic-depth module (timm's ``DropPath``, torchvision's ``StochasticDepth``, ``DropBlock``): it draws its
+    masks with ``bernoulli_``, not a dropout function, and is the identity in eval mode."""
+    name = type(m).__name__
+    return m.training and any(key in name for key in ("DropPath", "StochasticDepth", "DropBlock"))
 
 
 def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
