@@ -280,6 +280,16 @@ def _aliased(out: Any, leaves: list, live: list[int]) -> tuple[Any, list]:
     return tree_unflatten(flat, spec), flat
 
 
+def _contiguous_output_grad(module: nn.Module, args: tuple, out: Any) -> None:
+    """Forward hook on every batch norm: its output's gradient reaches torch's backward contiguous. torch 2.13's CPU
+    batch-norm backward returns wrong input, weight and bias gradients for a batch of one example whose output
+    gradient has channels-last strides with a short batch stride (XCiT's ``flatten(2).transpose(1, 2)`` after its
+    convolutional stem sends back exactly that): every batch of one — the probe's examples alone, a Poisson batch or
+    a physical micro-batch of one — would get another example's-worth of error."""
+    if isinstance(out, Tensor) and out.requires_grad:
+        out.register_hook(lambda g: None if g.is_contiguous() else g.contiguous())
+
+
 def grouped(a: Any, rows: int, n: int) -> Any:
     """Every tensor in ``a`` (nested tuples/lists too) with ``rows`` = n·m rows in dimension 0, as ``[n, m, …]``
     (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`)."""
@@ -340,6 +350,8 @@ class ActivationCapture:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
             hooked = {id(layer) for _, layer in layers}
             self.roots.attach(root, lambda m: id(m) in covered, lambda m: id(m) in hooked)
+            self._handles.extend(m.register_forward_hook(_contiguous_output_grad)
+                                 for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls

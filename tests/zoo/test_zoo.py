@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data._utils.collate import default_collate
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -142,6 +144,21 @@ def test_an_mlp_over_a_coordinate_table_is_exact(inplace, engine):
     """Two lookups in a row (the second on the first's output, ghost's patched Linear in between: a custom autograd
     Function the sites do not see) and an in-place ReLU on a lookup's output (Swin V2)."""
     zoo.assert_exact(lambda: zoo.CoordinateBias(inplace), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_batches_of_one_through_a_batch_norm_with_channels_last_gradients_are_exact(engine):
+    """Physical micro-batches of one (and the probe's examples alone) through XCiT's stem. The reference loop runs each
+    example twice in a batch of two (the same mean loss, out of reach of torch's one-example batch-norm bug)."""
+    torch.manual_seed(0)
+    model = zoo.TokensAfterBatchNorm().double()
+    model.norm.eval()
+    data = zoo._as_double(zoo.image_data())
+    twice = lambda examples: default_collate(examples * 2)  # noqa: E731
+    reference = zoo.reference_update(copy.deepcopy(model), data, twice, 0.3, float(len(data)))
+    _, update = zoo.private_step(model, data, per_sample=engine, physical=1)
+    for got, want in zip(update, reference):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -787,6 +787,29 @@ class EvalCache(Base):
         return F.cross_entropy(self.head(torch.tanh(self.block(x))), y)
 
 
+class TokensAfterBatchNorm(Base):
+    """XCiT's stem: a convolution, a batch norm kept in eval (affine trained), then ``flatten(2).transpose(1, 2)`` to
+    tokens: at one example the norm's output gradient arrives channels-last with a short batch stride, which torch
+    2.13's CPU batch-norm backward gets wrong (capture._contiguous_output_grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(3, D, 2, stride=2), nn.BatchNorm2d(D), nn.Linear(D, 3)
+
+    def on_train_epoch_start(self) -> None:
+        self.norm.eval()
+
+    def loss(self, batch):
+        x, y = batch
+        tokens = self.norm(self.conv(x)).flatten(2).transpose(1, 2)  # [B, 4, D]
+        return F.cross_entropy(self.head(torch.tanh(tokens)).mean(1), y)
+
+
+def image_data(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(N, 3, 4, 4, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
 class ContainerWeight(Base):
     """A weight owned by a block with children used as the weight of ``F.linear`` (a functional linear layer: exact),
     or, with ``matmul``, multiplied with the batch by ``h @ w.t()`` (no rule for it: refused)."""

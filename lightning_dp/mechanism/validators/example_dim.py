@@ -173,8 +173,9 @@ def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigu
     parameter, whose per-example gradients are exactly zero, is not refused: ``unused_in_step``)."""
     return PrivacyConfigurationError(
         f"The trainable parameter {where} (shape {shape}) received a gradient, but from no use that the "
-        "per-example engine captures: it is read outside its module's forward (a functional call such as "
-        "F.linear(h, self.emb.weight) while that module never runs, or a parameter of a module that is not a "
-        "leaf). Nothing was released. Use it through a leaf module (for weight tying: an nn.Linear whose .weight "
-        "is the embedding's Parameter), or freeze it (requires_grad=False)."
+        "per-example engine captures: it is read outside its module's forward and used otherwise than broadcast "
+        "over the examples or as F.linear's weight or bias on them (h @ self.weight.t(), torch.einsum, a "
+        "convolution), or through a read the library does not see (module.parameters(), module._parameters). "
+        "Nothing was released. Use it through a leaf module (nn.Linear; for weight tying: an nn.Linear whose "
+        ".weight is the embedding's Parameter), pass it to F.linear, or freeze it (requires_grad=False)."
     )
