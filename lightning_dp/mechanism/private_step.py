@@ -46,7 +46,7 @@ from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine, make_engine
-from lightning_dp.mechanism.grad_sample.auto import select_engine
+from lightning_dp.mechanism.grad_sample.auto import engines_after, select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
 from lightning_dp.mechanism.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
 from lightning_dp.mechanism.noise import NoiseMechanism
@@ -171,6 +171,7 @@ class PrivateStep:
         self.max_grad_norm = float(max_grad_norm)
         self.noise = noise
         self.engine_name = engine
+        self._auto = engine == "auto"
         self.target_epsilon, self.target_delta, self.accountant = target_epsilon, target_delta, accountant
         self.sampler_seed, self.secure_sampling = sampler_seed, secure_sampling
         self.views_per_example = views_per_example
@@ -212,7 +213,20 @@ class PrivateStep:
                 self.engine_name = select_engine(module, self.views_per_example)
             except ValueError as err:
                 raise PrivacyConfigurationError(str(err)) from err
-        engine = make_engine(self.engine_name)
+        engine = self._engine_for(module, self.engine_name, distribution)
+        self._mechanism = getattr(optimizer, "mechanism", "gaussian")
+        if self._mechanism not in PRIVATIZERS:
+            raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
+        self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
+        self.distribution = distribution
+        engine.attach(module)
+        _ATTACHED.add(module)
+        self._engine, self._module = engine, module
+        return engine.name
+
+    def _engine_for(self, module: nn.Module, name: str, distribution: Distribution) -> GradSampleEngine:
+        """A fresh engine ``name`` set up for ``module`` (not attached); refuses a model it cannot serve."""
+        engine = make_engine(name)
         if self.views_per_example > 1 and not engine.supports_views:
             raise PrivacyConfigurationError(
                 f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
@@ -224,15 +238,15 @@ class PrivateStep:
                     for name in engine.unsupported_layers(module)]
         if problems:
             raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
-        self._mechanism = getattr(optimizer, "mechanism", "gaussian")
-        if self._mechanism not in PRIVATIZERS:
-            raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
-        self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
-        self.distribution = distribution
-        engine.attach(module)
-        _ATTACHED.add(module)
-        self._engine, self._module = engine, module
-        return engine.name
+        return engine
+
+    def _switch_engine(self, name: str) -> None:
+        """Replace the attached engine by a fresh engine ``name`` (auto's next choice after a refused probe)."""
+        assert self._engine is not None and self._module is not None
+        engine = self._engine_for(self._module, name, self.distribution)
+        self._engine.detach()
+        engine.attach(self._module)
+        self._engine, self.engine_name = engine, name
 
     def detach(self) -> None:
         """Remove the engine's hooks from the model."""
@@ -449,9 +463,52 @@ class PrivateStep:
         params = [p for _, p in named]
         layout = self.distribution.layout
         leaves = None if layout is None else partial(layout.autograd_params, params)
-        ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of,
-                                 tol, autograd_params=leaves).run(list(indices))
+        self._probe_engines(lambda: ExampleIndependenceProbe(self._module, self._engine, params,
+                                                             [n for n, _ in named], loss_of, tol,
+                                                             autograd_params=leaves).run(list(indices)))
         self._verified = True
+
+    def _probe_engines(self, probe: Callable[[], None]) -> None:
+        """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it
+        refuses gives way to the next engine of :func:`~lightning_dp.mechanism.grad_sample.auto.engines_after`, probed
+        again from the start; the first engine the probe passes trains, with a warning naming the refusal. Every
+        rank takes the same engine: each attempt ends with the count of ranks that refused (one all-reduce), and
+        the next engine is tried while any did. None passing: the first engine's refusal, naming the others'."""
+        assert self._module is not None
+        refusals: list[tuple[str, PrivacyConfigurationError]] = []
+        tried: list[str] = []
+        later: Optional[list[str]] = None
+        while True:
+            try:
+                probe()
+                refused = False
+            except PrivacyConfigurationError as err:
+                refusals.append((self.engine_name, err))
+                refused = True
+            if not self._refused_anywhere(refused):
+                break
+            tried.append(self.engine_name)
+            if later is None:
+                later = (engines_after(self._module, self.engine_name, self.views_per_example)
+                         if self._auto and self.distribution.layout is None else [])
+            if not later:
+                raise _probe_refusal(refusals, self.engine_name)
+            self._switch_engine(later.pop(0))
+        if tried:
+            why = f" The refusal was: {_first_line(refusals[0][1])}" if refusals else ""
+            warnings.warn(
+                f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
+                f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
+
+    def _refused_anywhere(self, refused: bool) -> bool:
+        """Whether the probe refused on this rank or any other (an all-reduce of the count, when distributed)."""
+        if self.distribution.all_reduce is None:
+            return refused
+        assert self._module is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        count = torch.tensor([float(refused)], device=device)
+        self.distribution.all_reduce(count)
+        return bool(count.item() > 0)
 
     @property
     def verified(self) -> bool:
@@ -628,3 +685,23 @@ def mean_loss(out: Any, n: int) -> Any:
         loss = loss.mean()
         return {**out, "loss": loss} if isinstance(out, dict) else loss
     return out
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
+    """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice), with the others'
+    first lines; a rank whose own probe passed while another rank's refused says so."""
+    if not refusals:
+        return PrivacyConfigurationError(
+            f"The first step's probe refused engine '{engine}' on another rank's examples (this rank's passed): "
+            "see that rank's error. Examples must be independent on every rank.")
+    first = refusals[0][1]
+    if len(refusals) == 1:
+        return first
+    tried = "; ".join(f"'{name}': {_first_line(err)}" for name, err in refusals[1:])
+    error = PrivacyConfigurationError(f"{first}\n(per_sample='auto' also tried {tried})")
+    error.__cause__ = first
+    return error

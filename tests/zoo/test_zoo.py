@@ -35,10 +35,18 @@ def test_flattened_examples_are_exact_when_the_flattening_is_a_view(factory, eng
     zoo.assert_exact(factory, zoo.token_data(), per_sample=engine)
 
 
-@pytest.mark.parametrize("factory", [zoo.FlattenedTokens, zoo.FlattenedMLP])
-def test_flattened_examples_are_refused_by_opacus_hooks(factory):
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_conv_per_frame_is_exact(engine):
+    """Conv2d on [B·F, C, H, W] (a verified view): ghost takes example i's frames as its positions side by side
+    (ghost.conv_columns, both the ghost norm and materialised gradients)."""
+    zoo.assert_exact(zoo.PerFrameConv, zoo.frame_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("factory,data", [(zoo.FlattenedTokens, zoo.token_data), (zoo.FlattenedMLP, zoo.token_data),
+                                          (zoo.PerFrameConv, zoo.frame_data)])
+def test_flattened_examples_are_refused_by_opacus_hooks(factory, data):
     """Opacus' own hooks see per-token rows; refused by name, never clipped per token."""
-    zoo.assert_refused(factory, zoo.token_data(), "dimension 0 of these layers' outputs", per_sample="opacus_hooks")
+    zoo.assert_refused(factory, data(), "dimension 0 of these layers' outputs", per_sample="opacus_hooks")
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])

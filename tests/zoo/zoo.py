@@ -805,6 +805,27 @@ class TokensAfterBatchNorm(Base):
         return F.cross_entropy(self.head(torch.tanh(tokens)).mean(1), y)
 
 
+class PerFrameConv(Base):
+    """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
+    ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second
+    materialises per-example gradients: example i's F frames are its positions side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.mix, self.head = nn.Conv2d(3, 32, 2, stride=2), nn.Conv2d(32, 4, 1), nn.Linear(4, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.mix(torch.tanh(self.conv(x.flatten(0, 1))))  # [B·F, 4, 2, 2]
+        h = h.mean((2, 3)).view(x.shape[0], x.shape[1], -1).mean(1)
+        return F.cross_entropy(self.head(h), y)
+
+
+def frame_data(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(N, 2, 3, 4, 4, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
 def image_data(seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(N, 3, 4, 4, generator=g), torch.randint(0, 3, (N,), generator=g))

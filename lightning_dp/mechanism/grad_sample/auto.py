@@ -4,6 +4,12 @@ Order, fastest first (benchmarks/speed.py): ``ghost`` (ghost norms + book-keepin
 per-example gradients for Linear/Conv2d/Embedding), ``vmap`` (per-layer torch.func,
 materialised; also handles tied weights), ``opacus_hooks`` (Opacus' grad samplers, the
 broadest coverage). The first engine whose ``unsupported_layers`` is empty wins.
+
+That choice reads layer types only. The first step's probe (``validators/probe.py``) then checks
+the chosen engine on real examples; where it refuses, :func:`engines_after` lists the engines that
+``auto`` tries next (``PrivateStep.verify_on``): an engine that passes the probe is verified as
+the first choice would have been, so a model that defeats one engine (an unusual use of a
+parameter, a layer rule's edge case) trains on another instead of being refused.
 """
 
 from __future__ import annotations
@@ -44,3 +50,12 @@ def select_engine(module: nn.Module, views_per_example: int = 1) -> str:
         f"No per-example gradient engine supports this model ({detail}). Replace the listed layers "
         "(e.g. BatchNorm -> GroupNorm) or freeze them."
     )
+
+
+def engines_after(module: nn.Module, name: str, views_per_example: int = 1) -> list[str]:
+    """The engines of :data:`PREFERENCE` after ``name`` that support every trainable layer of ``module``
+    (and ``views_per_example`` rows per example): ``auto``'s next choices when the probe refuses ``name``."""
+    later = PREFERENCE[PREFERENCE.index(name) + 1:] if name in PREFERENCE else ()
+    problems = unsupported_by_engine(module)
+    return [engine for engine in later
+            if not problems[engine] and (views_per_example == 1 or make_engine(engine).supports_views)]

@@ -377,6 +377,28 @@ def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
     return v.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
 
 
+def conv_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
+    """:func:`patch_columns` of one call's input: ``[n, C, H, W]``, or ``[n, k, C, H, W]`` for a call on flattened
+    examples (``[n·k, C, H, W]``: a conv per frame or per patch, recorded per example), whose k images' patches are
+    example i's columns side by side, ``[n, C·kh·kw, k·L]`` (frame-major, as :func:`conv_positions`)."""
+    if x.dim() == 4:
+        return patch_columns(x, m)
+    n, k = x.shape[:2]
+    cols = patch_columns(x.flatten(0, 1), m)
+    return cols.view(n, k, *cols.shape[1:]).transpose(1, 2).reshape(n, cols.shape[1], -1)
+
+
+def _frames(t: Tensor) -> Tensor:
+    """A conv call's ``[n, k, …]`` tensor on flattened examples as the ``[n·k, …]`` images the layer saw."""
+    return t if t.dim() == 4 else t.flatten(0, 1)
+
+
+def conv_positions(d: Tensor) -> Tensor:
+    """One call's output gradient as ``[n, O, positions]``: ``[n, O, oh, ow]``, or ``[n, k, O, oh, ow]`` on flattened
+    examples, whose k frames' positions follow one another (frame-major, as :func:`conv_columns`)."""
+    return d.flatten(2) if d.dim() == 4 else d.transpose(1, 2).flatten(2)
+
+
 _MIN_PATCH_CHUNK = 1 << 16  # elements: CPU patch chunks may always be this large (256 KiB)
 _MIN_PATCH_CHUNK_ACCELERATOR = 1 << 22  # 16 MiB: on a GPU each chunk costs kernel launches
 
@@ -418,13 +440,13 @@ class Conv2dStats(WeightBiasStats):
         if weight is not None:
             sq = sq + self._weight_sq_norms(with_squares)
         if bias is not None:
-            db = _total([d.sum((2, 3)) for _, d in calls])
+            db = _total([conv_positions(d).sum(2) for _, d in calls])
             self.db = db if scale is None else db * scale[bias]
             sq = sq + self.db.pow(2).sum(1)
         self.sq_norms = sq * (k * k)
 
     def _weight_sq_norms(self, with_squares: bool) -> Tensor:
-        T = sum(d.shape[2] * d.shape[3] for _, d in self.calls)
+        T = sum(conv_positions(d).shape[2] for _, d in self.calls)
         d_in, d_out = self.weight.shape[1:].numel(), self.weight.shape[0]
         n = self.calls[0][1].shape[0]
         chunks = example_chunks(n, d_in * T, sum(x.numel() for x, _ in self.calls), self.calls[0][0].device.type)
@@ -433,7 +455,7 @@ class Conv2dStats(WeightBiasStats):
         G = self.calls[0][1].new_empty(n, d_out, d_in)
         for rows, part in zip(self._rows(chunks), chunks):
             for i, (x, d) in enumerate(rows):  # G[part] = Σ_calls δ Pᵀ in place (β = 0 ignores G's contents)
-                G[part].baddbmm_(d.flatten(2), patch_columns(x, self.m).transpose(1, 2), beta=float(i > 0))
+                G[part].baddbmm_(conv_positions(d), conv_columns(x, self.m).transpose(1, 2), beta=float(i > 0))
         G = G.view(n, *self.weight.shape)
         self.G = G if self.sw is None else G * self.sw
         return sq_norms(self.G)
@@ -444,14 +466,14 @@ class Conv2dStats(WeightBiasStats):
             yield [(x[part], d[part]) for x, d in self.calls]
 
     def _ghost_sq_norms(self, rows: list[tuple[Tensor, Tensor]]) -> Tensor:
-        a = _cat([patch_columns(x, self.m) for x, _ in rows], dim=2)  # [k, in, T]
-        d = _cat([d.flatten(2) for _, d in rows], dim=2)  # [k, out, T]
+        a = _cat([conv_columns(x, self.m) for x, _ in rows], dim=2)  # [k, in, T]
+        d = _cat([conv_positions(d) for _, d in rows], dim=2)  # [k, out, T]
         return (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one convolution backward of c ⊙ δ per call."""
-        cd = c[:, None, None, None]
-        return _total([conv2d_weight_grad(x, d * cd, self.m) for x, d in self.calls])
+        return _total([conv2d_weight_grad(_frames(x), _frames(d * c.view(-1, *[1] * (d.dim() - 1))), self.m)
+                       for x, d in self.calls])
 
 
 def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:

@@ -1,0 +1,132 @@
+"""per_sample='auto' after a refused probe (private_step.PrivateStep._probe_engines, grad_sample/auto.engines_after):
+the next engine that supports the model is probed, and trains only if the probe passes it; every rank takes the
+same engine; an explicitly named engine never changes."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dp.mechanism.grad_sample.ghost as ghost
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism import NoiseMechanism
+from lightning_dp.mechanism.grad_sample.auto import engines_after
+from lightning_dp.mechanism.private_step import Distribution, PrivateStep
+
+C, B = 0.3, 8
+
+
+class ZeroNoise(NoiseMechanism):
+    def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
+        return [torch.zeros_like(t) for t in like]
+
+
+def _wrong_linear_rule(calls, wanted, n, scale, with_squares):
+    """ghost's Linear rule with a mistake (inputs doubled): per-example gradients twice too large."""
+    m = calls.module
+    a = torch.cat([2 * r.args[0].reshape(n, -1, m.in_features) for r in calls.records], 1)
+    d = torch.cat([r.grad_out.reshape(n, -1, m.out_features) for r in calls.records], 1)
+    return ghost.LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+
+
+def _failing_linear_rule(calls, wanted, n, scale, with_squares):
+    raise RuntimeError("an edge case of the rule")
+
+
+def _setup(engine: str = "auto", distribution: Distribution = Distribution()):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = PrivateStep(1.0, C, ZeroNoise(), engine=engine, sampler_seed=0)
+    step.attach(model, optimizer, distribution)
+    loader = step.poisson_loader(DataLoader(data, batch_size=B))
+    return step, model, optimizer, loader
+
+
+def _loss(model: nn.Module, batch) -> Tensor:
+    return F.cross_entropy(model(batch[0].double()), batch[1])
+
+
+def _reference(model: nn.Module, batch) -> list[Tensor]:
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for x, y in zip(*batch):
+        grads = torch.autograd.grad(_loss(model, (x[None], y[None])), params)
+        factor = min(1.0, C / (float(torch.sqrt(sum(g.pow(2).sum() for g in grads))) + 1e-6))  # the engines' clip
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return [t / B for t in total]
+
+
+@pytest.mark.parametrize("rule", [_wrong_linear_rule, _failing_linear_rule], ids=["wrong", "failing"])
+def test_an_engine_the_probe_refuses_gives_way_to_the_next_that_passes(monkeypatch, rule):
+    monkeypatch.setattr(ghost, "linear_stats", rule)
+    step, model, optimizer, loader = _setup()
+    assert step.engine_name == "ghost"
+    with pytest.warns(UserWarning, match="(?s)refused engine\\(s\\) 'ghost'.*passed engine 'vmap'"):
+        step.verify(lambda batch: _loss(model, batch))
+    assert step.engine_name == "vmap"
+    batch = next(iter(loader))
+    step.begin()
+    _loss(model, batch).backward()
+    step.release(optimizer=optimizer)
+    step.detach()
+    for p, want in zip(model.parameters(), _reference(model, batch)):
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+
+
+def test_an_engine_named_by_the_user_is_never_replaced(monkeypatch):
+    monkeypatch.setattr(ghost, "linear_stats", _wrong_linear_rule)
+    step, model, _, _ = _setup("ghost")
+    with pytest.raises(PrivacyConfigurationError) as refused:
+        step.verify(lambda batch: _loss(model, batch))
+    assert "also tried" not in str(refused.value) and step.engine_name == "ghost"
+
+
+def test_a_refusal_of_every_engine_is_the_first_engines_and_names_the_others():
+    step, model, _, _ = _setup()
+    with pytest.raises(PrivacyConfigurationError, match="(?s)mean.*also tried 'vmap'.*'opacus_hooks'"):
+        step.verify(lambda batch: F.cross_entropy(model(batch[0].double()), batch[1], reduction="sum"))
+    assert not step.verified
+
+
+class _Ranks:
+    """A stand-in all-reduce: ``others`` ranks refuse the first ``attempts`` probes (they add one each)."""
+
+    def __init__(self, attempts: int) -> None:
+        self.attempts, self.calls = attempts, 0
+
+    def __call__(self, t: Tensor) -> None:
+        self.calls += 1
+        if self.calls <= self.attempts:
+            t.add_(1.0)
+
+
+def test_every_rank_takes_the_engine_that_passed_on_all():
+    """Another rank's refusal moves this rank on too, although its own probe passed: one engine everywhere."""
+    ranks = _Ranks(attempts=1)
+    step, model, _, _ = _setup(distribution=Distribution(rank=0, world_size=2, all_reduce=ranks))
+    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
+        step.verify(lambda batch: _loss(model, batch))
+    assert step.engine_name == "vmap" and ranks.calls == 2 and step.verified
+
+
+def test_a_refusal_on_another_rank_alone_is_refused_here_too():
+    ranks = _Ranks(attempts=3)
+    step, model, _, _ = _setup(distribution=Distribution(rank=0, world_size=2, all_reduce=ranks))
+    with pytest.raises(PrivacyConfigurationError, match="another rank"):
+        step.verify(lambda batch: _loss(model, batch))
+    assert ranks.calls == 3 and not step.verified
+
+
+def test_engines_after_lists_the_later_engines_that_serve_the_model():
+    model = nn.Sequential(nn.Linear(3, 3))
+    assert engines_after(model, "ghost") == ["vmap", "opacus_hooks"]
+    assert engines_after(model, "opacus_hooks") == []
+    recurrent = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))  # Opacus' hooks have no rule for nn.LSTM
+    assert engines_after(recurrent, "ghost") == ["vmap"]
