@@ -19,20 +19,20 @@ to ``[n, …]`` before the model saw them, which broke ``.repeat(B, …)`` and `
 whose examples' gradients do not add up to its gradient (the parameter used as the weight of ``F.linear``,
 say) leaves the parameter without per-example gradient, and the step is refused.
 
-An embedding table read outside its module's forward is the same case: DeBERTa-v2's encoder reads
+A layer's own parameters read while its forward is not running are the same case: DeBERTa-v2's encoder reads
 ``self.rel_embeddings.weight`` (the embedding is never called) and projects it; hand-written models add
-``self.pos.weight[:T]`` to the batch. Reads of an ``nn.Embedding``'s parameters from code that is not the
-embedding's own (its class's methods) are followed the same way; the embedding's own forward reads them
-untouched, so the layer's rule serves its calls. A step in which one parameter has both kinds of use is refused
-(:func:`~lightning_dp.mechanism.validators.example_dim.mixed_use_error`). An ``nn.Linear``'s parameters are
-watched the same way: timm's BEiT/EVA pass ``self.qkv.weight`` to ``F.linear`` and never call ``qkv``; the functional
-call is served with a linear layer's rule at the site. Any other outside read that is not a broadcast over the examples
-(``h @ self.weight.t()``) leaves the parameter without per-example gradient: refused.
+``self.pos.weight[:T]`` to the batch; timm's BEiT/EVA pass ``self.qkv.weight`` to ``F.linear`` and never call ``qkv``
+(the functional call is served with a linear layer's rule at the site); timm's MaxViT calls its bias leaf's
+``get_bias()`` method, not its forward, and hands the bias to fused attention as ``attn_mask``. Every hooked layer's
+trainable parameters are watched (:class:`_Running`: a forward pre-hook and a forward hook): a read while the layer's
+forward runs (its own code, or any helper it calls) is untouched, so the layer's rule serves its calls; any other read
+by the model is followed like a root parameter's. A step in which one parameter has both kinds of use is refused
+(:func:`~lightning_dp.mechanism.validators.example_dim.mixed_use_error`). Any outside read that is not a broadcast over
+the examples (``h @ self.weight.t()``) leaves the parameter without per-example gradient: refused.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -58,47 +58,49 @@ def _intercepting(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-WATCHED: tuple[type[nn.Module], ...] = (nn.Embedding, nn.Linear)
-"""Layers whose parameters are followed when code other than the layer's own reads them: an embedding table read
-by its parent (``self.pos.weight[:T]``), a linear layer's weight used functionally (``F.linear(x, self.qkv.weight,
-qkv_bias)``: timm's BEiT and EVA, never calling ``qkv``)."""
-
 _MODULE_GETATTR = nn.Module.__getattr__.__code__
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 """torch's own code (FSDP2 gathering shards, parametrizations) and the engines' (``lightning_dp/mechanism``) read
 parameters for their own purposes: not the model's use (the library's own models are models like any other)."""
 
 
-def _own_code(cls: type) -> set:
-    """The code objects of every method ``cls`` and its bases below ``nn.Module`` define (decorators unwrapped)."""
-    codes = set()
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        for value in vars(klass).values():
-            fn = inspect.unwrap(value.fget) if isinstance(value, property) and value.fget else value
-            fn = inspect.unwrap(getattr(fn, "__func__", fn)) if callable(fn) else fn
-            if inspect.isfunction(fn):
-                codes.add(fn.__code__)
-    return codes
+class _Running:
+    """Whether a layer's forward is running (forward pre-hook in, forward hook out, also on an exception): a read
+    of its parameters meanwhile is its own, whatever code makes it (its methods, helpers it calls)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.depth = 0
+        self.handles = [module.register_forward_pre_hook(self._enter),
+                        module.register_forward_hook(self._leave, always_call=True)]
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class _OutsideReads(dict):
-    """An embedding's ``_parameters``: a read through ``module.weight`` from code that is not the module's own goes
-    to ``reader`` (``nn.Module.__getattr__`` looks the name up here; other lookups, its own forward's included, get
-    the parameter)."""
+    """A watched layer's ``_parameters``: a read through ``module.weight`` while the layer's forward is not running
+    goes to ``reader`` (``nn.Module.__getattr__`` looks the name up here; torch's and the engines' own reads, and
+    every read inside the forward, get the parameter)."""
 
-    def __init__(self, items: dict, own: set, reader: Callable[[str, Any], Any]) -> None:
+    def __init__(self, items: dict, running: _Running, reader: Callable[[str, Any], Any]) -> None:
         super().__init__(items)
-        self._own, self._reader = own, reader
+        self._running, self._reader = running, reader
 
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)
+        if self._running.depth:
+            return value
         caller = sys._getframe(1)
         if caller.f_code is not _MODULE_GETATTR or caller.f_back is None:
             return value
-        code = caller.f_back.f_code
-        if code in self._own or code.co_filename.startswith(_INTERNAL):
+        if caller.f_back.f_code.co_filename.startswith(_INTERNAL):
             return value
         return self._reader(name, value)
 
@@ -118,9 +120,9 @@ class RootParameters:
         self._expected = expected
         self._follow = follow
         self._unserved: set[int] = set()  # parameters with a read this step that no site served
-        self._outside: set[int] = set()  # embedding parameters read outside their module's forward this step
+        self._outside: set[int] = set()  # layers' parameters read outside their forward this step
         self._modules: list[tuple[nn.Module, type]] = []
-        self._tables: list[nn.Module] = []  # embeddings whose _parameters are _OutsideReads
+        self._tables: list[tuple[nn.Module, _Running]] = []  # watched layers (their _parameters are _OutsideReads)
         self._watched: set[int] = set()  # their trainable parameters
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self.grads: dict[int, Tensor] = {}  # id(parameter) → [n, *p.shape], summed over reads
@@ -128,12 +130,12 @@ class RootParameters:
     def attach(self, root: nn.Module, is_leaf_like: Callable[[nn.Module], bool],
                hooked: Callable[[nn.Module], bool] = lambda m: True) -> None:
         """Intercept reads of every trainable parameter owned by a module that is not leaf-like, and reads of a
-        :data:`WATCHED` ``hooked`` layer's parameters from outside its own code (not a unit's child: the unit's
-        forward reads those itself)."""
+        ``hooked`` layer's parameters while its forward is not running (not a unit's child: the unit's forward
+        reads those itself)."""
         self.detach()
         in_layers = {id(p) for m in root.modules() if is_leaf_like(m) for p in m.parameters(recurse=False)}
         for name, module in root.named_modules():
-            if isinstance(module, WATCHED) and is_leaf_like(module) and hooked(module):
+            if is_leaf_like(module) and hooked(module):
                 self._watch_table(name, module)
             if is_leaf_like(module):
                 continue
@@ -148,12 +150,13 @@ class RootParameters:
                 self._owners[id(p)] = (module, f"{name or '<root>'}.{pname}")
 
     def _watch_table(self, name: str, module: nn.Module) -> None:
-        """Follow reads of an embedding's trainable parameters made outside its own code."""
+        """Follow reads of a layer's trainable parameters made while its forward is not running."""
         own = {pname: p for pname, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not own:
             return
-        module._parameters = _OutsideReads(module._parameters, _own_code(type(module)), self._reader(own, True))
-        self._tables.append(module)
+        running = _Running(module)
+        module._parameters = _OutsideReads(module._parameters, running, self._reader(own, True))
+        self._tables.append((module, running))
         for pname, p in own.items():
             self._owners.setdefault(id(p), (module, f"{name or '<root>'}.{pname}"))
             self._watched.add(id(p))
@@ -169,7 +172,7 @@ class RootParameters:
 
     def _followed(self, p: Tensor, n: int, outside: bool = False) -> Tensor:
         """A view of ``p`` whose per-example gradient the broadcast sites gather (n · row i: the mean loss).
-        ``outside``: a read of an embedding's parameter, counted (:meth:`direct`) once a gradient flows
+        ``outside``: a read of a layer's parameter outside its forward, counted (:meth:`direct`) once a gradient flows
         through it (a read of its ``.device`` or ``.shape`` is no use)."""
         view, key = p.view_as(p), id(p)
 
@@ -196,8 +199,8 @@ class RootParameters:
 
     def direct(self, p: Tensor, layer_ran: bool) -> Optional[Tensor]:
         """Example i's gradients ``[n, *p.shape]`` of ``p`` from its direct reads in this step (a parameter of a
-        non-leaf module, or an embedding's read outside its forward), or None (no such read served: the engine
-        then finds ``p`` unused or refuses it). An embedding parameter read outside while its own layer also ran
+        non-leaf module, or a layer's read outside its forward), or None (no such read served: the engine
+        then finds ``p`` unused or refuses it). A layer's parameter read outside while the layer also ran
         (``layer_ran``) is refused: the two kinds of use are not combined."""
         if layer_ran and id(p) in self._outside:
             raise mixed_use_error(self.name_of(p))
@@ -218,8 +221,9 @@ class RootParameters:
         for module, cls in self._modules:
             module.__dict__.pop("_dp_root_reader", None)
             module.__class__ = cls
-        for module in self._tables:
+        for module, running in self._tables:
             module._parameters = dict(module._parameters)
+            running.remove()
         self._modules, self._owners, self._tables = [], {}, []
         self._watched.clear()
         self.grads.clear()

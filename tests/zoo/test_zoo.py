@@ -470,3 +470,17 @@ def test_an_output_computed_from_another_output_of_the_layer_is_exact(use_logits
 def test_data_dependent_routing_that_draws_random_numbers_is_refused(engine):
     zoo.assert_refused(lambda: zoo.MixtureOfExperts(dropout=0.5), zoo.vector_data(),
                        "experts.*shapes depend on the data.*draws random numbers", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("fused", [True, False], ids=["method", "forward"])
+def test_a_leaf_read_by_its_own_method_outside_its_forward_is_exact(fused, engine):
+    """timm MaxViT: the parent calls the bias leaf's get_bias() (not its forward) and hands the bias to fused
+    attention; the read is followed to the attention's broadcast (root_parameters._Running)."""
+    zoo.assert_exact(lambda: zoo.BiasByMethod(fused=fused), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_leaf_used_by_its_forward_and_read_outside_in_one_step_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.BiasByMethod(both=True), zoo.token_data(),
+                       "used by its own module's forward and also read outside", per_sample=engine)

@@ -805,6 +805,47 @@ class TokensAfterBatchNorm(Base):
         return F.cross_entropy(self.head(torch.tanh(tokens)).mean(1), y)
 
 
+class _BiasLeaf(nn.Module):
+    """timm MaxViT's RelPosBias: a leaf owning a relative-position table, read by its own ``get_bias`` method, which
+    the parent calls instead of the leaf's forward (its fused attention takes the bias as ``attn_mask``)."""
+
+    def __init__(self, heads: int, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads) * 0.5)
+        idx = torch.arange(tokens)
+        self.register_buffer("index", (idx[:, None] - idx[None, :] + tokens - 1).flatten(), persistent=False)
+
+    def get_bias(self) -> Tensor:
+        return self.table[self.index].view(self.tokens, self.tokens, -1).permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, scores: Tensor) -> Tensor:
+        return scores + self.get_bias()
+
+
+class BiasByMethod(Base):
+    """Attention whose relative bias comes from a leaf's method, not its forward (``fused``: the bias goes to
+    ``scaled_dot_product_attention`` as ``attn_mask``; else the leaf's forward adds it to the scores). ``both``: the
+    method and the forward in one step (mixed use: refused)."""
+
+    def __init__(self, fused: bool = True, both: bool = False) -> None:
+        super().__init__()
+        self.fused, self.both = fused, both
+        self.emb, self.qkv, self.head = nn.Embedding(V, 4), nn.Linear(4, 12), nn.Linear(4, V)
+        self.rel = _BiasLeaf(2, T)
+
+    def loss(self, batch):
+        x, y = batch
+        q, k, v = self.qkv(self.emb(x)).view(x.shape[0], T, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        if self.fused:
+            h = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel.get_bias())
+        else:
+            h = torch.softmax(self.rel(q @ k.transpose(-1, -2)), -1) @ v
+        if self.both:
+            h = h + self.rel(torch.zeros_like(h[..., :1]).expand(-1, -1, -1, T))[..., :2] * 0.1
+        return F.cross_entropy(self.head(h.transpose(1, 2).reshape(x.shape[0], T, 4)).flatten(0, 1), x.flatten())
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second
