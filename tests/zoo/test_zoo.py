@@ -484,3 +484,14 @@ def test_a_leaf_read_by_its_own_method_outside_its_forward_is_exact(fused, engin
 def test_a_leaf_used_by_its_forward_and_read_outside_in_one_step_is_refused(engine):
     zoo.assert_refused(lambda: zoo.BiasByMethod(both=True), zoo.token_data(),
                        "used by its own module's forward and also read outside", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_windows_made_by_a_reshape_that_copies_are_exact(engine):
+    zoo.assert_exact(zoo.WindowCopy, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_copy_that_moves_the_batch_dimension_before_flattening_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.WindowCopy(time_major=True), zoo.token_data(), "dimension 0 of these layers' outputs",
+                       per_sample=engine)

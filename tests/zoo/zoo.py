@@ -846,6 +846,28 @@ class BiasByMethod(Base):
         return F.cross_entropy(self.head(h.transpose(1, 2).reshape(x.shape[0], T, 4)).flatten(0, 1), x.flatten())
 
 
+class WindowCopy(Base):
+    """timm's window partition (SwinV2, MobileViT's patch unfold): tokens ``[B, 4, d]`` regrouped into windows by a
+    reshape that has to copy, ``h.view(B, 2, 2, d).transpose(1, 2).reshape(B·2, 2, d)``, a layer on the windows, then
+    back. Verified by autograd's record of the copy (validators/example_dim.reshaped_copy_of_examples). With
+    ``time_major`` the batch dimension is moved before flattening, ``h.transpose(0, 1).reshape(4·B, d)``: refused."""
+
+    def __init__(self, time_major: bool = False) -> None:
+        super().__init__()
+        self.time_major = time_major
+        self.emb, self.inner, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        b, h = x.shape[0], self.emb(x)[:, :4]
+        if self.time_major:
+            out = torch.tanh(self.inner(h.transpose(0, 1).reshape(4 * b, D))).view(4, b, D).transpose(0, 1)
+        else:
+            windows = h.view(b, 2, 2, D).transpose(1, 2).reshape(b * 2, 2, D)
+            out = torch.tanh(self.inner(windows)).view(b, 2, 2, D).transpose(1, 2).reshape(b, 4, D)
+        return F.cross_entropy(self.head(out).transpose(1, 2), y[:, :4])
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second

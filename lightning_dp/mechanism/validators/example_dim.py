@@ -21,7 +21,8 @@ FIX = (
     "Keep the example dimension first in every layer with trainable parameters: call the layer on "
     "[B, T, ...] (nn.Linear, nn.Embedding, nn.LayerNorm accept any leading dimensions), or flatten a "
     "contiguous [B, ...] tensor as a view (h.contiguous().view(-1, d): example i then owns rows i*T...(i+1)*T-1; "
-    "a copy such as x[:, :-1].reshape(-1) or a transpose before flattening hides that), and run "
+    "a reshape of activations that copies is verified too, but a copy of data such as x[:, :-1].reshape(-1), a "
+    "transpose of the batch dimension before flattening, or indexing hides that), and run "
     "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer). "
     "An unbatched lookup ([T] or [T, T] indices) is served where its result is broadcast over the examples "
     "(added to a [B, ...] tensor); any other use of it needs the batch as leading dimension ([B, T])."
@@ -29,14 +30,37 @@ FIX = (
 
 
 def flattened_rows(t: Tensor, n: int) -> bool:
-    """Whether ``t`` is a view that flattens a contiguous tensor of ``n`` examples (``[n, …]`` in
-    memory, dimension 0 first) into ``t.shape[0]`` = n·m rows: same storage start, same size, both
-    contiguous. Then example i owns rows ``i·m … (i+1)·m − 1`` of ``t``, whatever the view's shape."""
-    base = t._base
-    if n < 1 or base is None or base.dim() == 0 or base.shape[0] != n or t.dim() == 0 or t.shape[0] % n:
+    """Whether ``t`` holds ``n`` examples flattened into ``t.shape[0]`` = n·m rows, example i owning rows
+    ``i·m … (i+1)·m − 1``, verified one of two ways:
+
+    - a view that flattens a contiguous tensor of ``n`` examples (``[n, …]`` in memory, dimension 0 first): same
+      storage start, same size, both contiguous (``h.view(-1, d)``, ``x.flatten(0, 1)``); at n = 1 any view of a
+      ``[1, …]`` tensor (the probe's examples alone: a reshape that copies at n > 1 may be a view there);
+    - a reshape that had to copy (:func:`reshaped_copy_of_examples`: timm's window partitions and patch unfolds,
+      ``h.transpose(1, 2).reshape(B·k, …)``)."""
+    if n < 1 or t.dim() == 0 or t.shape[0] % n:
         return False
+    base = t._base
+    if base is None:
+        return reshaped_copy_of_examples(t, n)
+    if base.dim() == 0 or base.shape[0] != n:
+        return False
+    if n == 1:  # every entry of a [1, …] base is the one example's, whatever the view's layout
+        return True
     return (t.is_contiguous() and base.is_contiguous() and t.numel() == base.numel()
             and t.data_ptr() == base.data_ptr())
+
+
+def reshaped_copy_of_examples(t: Tensor, n: int) -> bool:
+    """Whether autograd recorded ``t`` as a reshape that copied (``_unsafe_view``: ``reshape``/``flatten`` of a
+    tensor no view can flatten) of a tensor with ``n`` entries in dimension 0. A reshape reads its input in logical
+    (row-major) order, whatever the memory layout, so example i's entries of ``[n, …]`` become rows
+    ``i·m … (i+1)·m − 1``. Only tensors that require gradient carry this record; a copy of data is not verified."""
+    node = t.grad_fn
+    if type(node).__name__ != "UnsafeViewBackward0":
+        return False
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    return bool(sizes) and int(sizes[0]) == n and t.shape[0] > n
 
 
 def unbatched_call(inputs: Sequence[Tensor], out: Tensor, n: int) -> bool:
