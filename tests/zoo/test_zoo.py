@@ -495,3 +495,10 @@ def test_windows_made_by_a_reshape_that_copies_are_exact(engine):
 def test_a_copy_that_moves_the_batch_dimension_before_flattening_is_refused(engine):
     zoo.assert_refused(lambda: zoo.WindowCopy(time_major=True), zoo.token_data(), "dimension 0 of these layers' outputs",
                        per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_layer_writing_per_example_values_into_a_fresh_tensor_in_place_is_exact(engine):
+    """torch.zeros(T, E).scatter_(1, index, weights) inside a router: vmap cannot batch the write into a tensor made
+    without the examples, so the layer is replayed by the per-example loop (functorch_vmap._LOOP_INSTEAD)."""
+    zoo.assert_exact(lambda: zoo.RoutedTokens(scattered=True), zoo.vector_data(), per_sample=engine)

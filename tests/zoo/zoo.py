@@ -1058,22 +1058,26 @@ class _Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(4, D))
+        self.scattered = False
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = F.linear(h, self.weight)
         top, index = torch.topk(logits.softmax(-1), 2, dim=-1)
         top /= top.sum(-1, keepdim=True)
+        if self.scattered:  # scores of every expert, written in place into a tensor made without the examples
+            top = torch.zeros(h.shape[0], 4, dtype=h.dtype, device=h.device).scatter_(1, index, top)
         return logits, top, index
 
 
 class RoutedTokens(Base):
     """Tokens flattened to [B·T, d], weighted by the router's top weight; ``use_logits`` also adds an auxiliary
-    term on the logits (the model's own use of the first output)."""
+    term on the logits (the model's own use of the first output); ``scattered``: the router writes its top-k weights
+    into a zeros tensor of all experts in place (``scatter_``: vmap cannot batch that write; the loop replays it)."""
 
-    def __init__(self, use_logits: bool = False) -> None:
+    def __init__(self, use_logits: bool = False, scattered: bool = False) -> None:
         super().__init__()
         self.a, self.router, self.b = nn.Linear(D, D), _Router(), nn.Linear(D, 3)
-        self.use_logits = use_logits
+        self.use_logits, self.router.scattered = use_logits, scattered
 
     def loss(self, batch):
         x, y = batch

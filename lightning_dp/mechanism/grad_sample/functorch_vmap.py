@@ -203,11 +203,18 @@ def _explicit_cell_state(rec: Any, module: nn.Module, n: int) -> None:
     rec.kwargs.pop("hx", None)
 
 
+_LOOP_INSTEAD = ("dynamic shape", "data-dependent", ".item()",
+                 "is not possible because there exists a Tensor `other` in extra_args that has more elements")
+"""What vmap says when it cannot batch a layer that a loop over examples can replay: shapes or control flow that
+depend on the data (``torch.nonzero``, ``if expert_idx == n:``, ``.item()``), and an in-place write of per-example
+values into a tensor made without the examples (``torch.zeros(T, E).scatter_(1, idx, logits)``: a router's scores;
+on CUDA also topk's own backward)."""
+
+
 def _data_dependent(err: RuntimeError) -> bool:
-    """Whether vmap refused a layer for depending on the data: shapes (``torch.nonzero``) or control flow
-    (``if expert_idx == n:``, ``.item()``)."""
+    """Whether vmap refused a layer for a reason of :data:`_LOOP_INSTEAD` (the exact per-example loop serves it)."""
     text = str(err)
-    return "dynamic shape" in text or "data-dependent" in text or ".item()" in text
+    return any(reason in text for reason in _LOOP_INSTEAD)
 
 
 def replay_by_loop(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
