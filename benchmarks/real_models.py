@@ -2,6 +2,7 @@
 
     python benchmarks/real_models.py                       # every model, 1 and 2 threads
     python benchmarks/real_models.py --models gpt2,lstm --threads 1 --steps 20
+    python benchmarks/real_models.py --device cuda --batch 64 --seq 128 --hidden 256 --threads 1
 
 Tiny randomly initialised models built from configs (hidden 64, 2 layers, batch 16, T = 32),
 as a user would wrap them: Hugging Face GPT-2 / BERT / Llama / OPT / T5 / ViT (32×32 images, 4×4 patches;
@@ -14,6 +15,8 @@ swapped for ``opacus.layers.DPLSTM``). A private step is the plain loop of
 Modes are interleaved step by step so machine drift hits both alike; medians are printed, and
 the ratio private/non-private. On a shared machine, ``--rounds R`` repeats each measurement R
 times (fresh models) and prints the median of each column with the range of the ratio.
+``--device cuda`` times each step between ``torch.cuda.synchronize()`` calls; ``--batch``/``--seq``/
+``--hidden``/``--vocab`` resize every model and the batch.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class TorchEncoderLM(nn.Module):
         self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(D, V)
 
     def forward(self, x: Tensor) -> Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         return self.head(self.enc(self.emb(x), mask=mask, is_causal=True))
 
 
@@ -112,9 +115,23 @@ OPT_IN: dict[str, Callable[[], nn.Module]] = {"opacus-dplstm": lambda: Recurrent
 PIXELS = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
 
+def configure(batch: int = B, seq: int = T, hidden: int = D, vocab: int = V) -> None:
+    """Resize every model and batch (module-wide: the builders read these when called)."""
+    global V, T, B, D, PIXELS
+    V, T, B, D = vocab, seq, batch, hidden
+    PIXELS = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def _pixels(device: torch.device) -> Tensor:
+    global PIXELS
+    if PIXELS.device != device:
+        PIXELS = PIXELS.to(device)
+    return PIXELS
+
+
 def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     if getattr(getattr(model, "config", None), "model_type", "") == "vit":
-        return F.cross_entropy(model(pixel_values=PIXELS).logits, y[:, 0] % 10)
+        return F.cross_entropy(model(pixel_values=_pixels(x.device)).logits, y[:, 0] % 10)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         out = model(input_ids=x, decoder_input_ids=x)
     else:
@@ -125,12 +142,14 @@ def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return per_example_token_mean(logits, y).mean()
 
 
-def steps(make: Callable[[], nn.Module], engine_name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+def steps(make: Callable[[], nn.Module], engine_name: str,
+          device: str = "cpu") -> tuple[Callable[[], None], Callable[[], None]]:
     """(non-private step, private step) closures on one fixed batch, each on its own copy of the model."""
     torch.manual_seed(0)
     plain, private_model = make(), make()
     private_model.load_state_dict(plain.state_dict())
-    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    plain, private_model = plain.to(device), private_model.to(device)
+    x, y = torch.randint(0, V, (B, T)).to(device), torch.randint(0, V, (B, T)).to(device)
     engine = make_engine(engine_name)
     engine.attach(private_model)
     privatizer = Privatizer(GaussianNoise())
@@ -154,15 +173,19 @@ def steps(make: Callable[[], nn.Module], engine_name: str) -> tuple[Callable[[],
     return nonprivate, private
 
 
-def measure(name: str, make: Callable[[], nn.Module], n_steps: int) -> tuple[str, float, float]:
+def measure(name: str, make: Callable[[], nn.Module], n_steps: int, device: str = "cpu",
+            warmup: int = 2) -> tuple[str, float, float]:
     engine_name = select_engine(make())
-    nonprivate, private = steps(make, engine_name)
+    nonprivate, private = steps(make, engine_name, device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"nonprivate": [], "private": []}
-    for i in range(n_steps + 2):
+    for i in range(n_steps + warmup):
         for mode, fn in (("nonprivate", nonprivate), ("private", private)):
+            sync()
             t0 = time.perf_counter()
             fn()
-            if i >= 2:  # warm-up
+            sync()
+            if i >= warmup:
                 times[mode].append(time.perf_counter() - t0)
     return engine_name, statistics.median(times["nonprivate"]) * 1e3, statistics.median(times["private"]) * 1e3
 
@@ -173,17 +196,24 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=1, help="repeat each measurement; medians and the ratio's range")
+    parser.add_argument("--device", default="cpu", help="torch device of the models and batch (cpu, cuda)")
+    parser.add_argument("--batch", type=int, default=B)
+    parser.add_argument("--seq", type=int, default=T)
+    parser.add_argument("--hidden", type=int, default=D)
+    parser.add_argument("--vocab", type=int, default=V)
     args = parser.parse_args()
+    configure(args.batch, args.seq, args.hidden, args.vocab)
     table = models()
     names = [m for m in args.models.split(",") if m] or list(table)
     table.update(OPT_IN)
     rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"batch {B}, T {T}, hidden {D}, vocab {V}; median ms/step over {args.steps} steps (interleaved){rounds}")
+    on = "" if args.device == "cpu" else f"{args.device}: "
+    print(f"{on}batch {B}, T {T}, hidden {D}, vocab {V}; median ms/step over {args.steps} steps (interleaved){rounds}")
     print(f"{'model':14s} {'threads':>7s} {'engine':>7s} {'non-private':>12s} {'private':>9s} {'ratio':>6s}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for name in names:
-            runs = [measure(name, table[name], args.steps) for _ in range(args.rounds)]
+            runs = [measure(name, table[name], args.steps, args.device) for _ in range(args.rounds)]
             engine = runs[0][0]
             base, priv = (statistics.median(r[k] for r in runs) for k in (1, 2))
             ratios = [r[2] / r[1] for r in runs]

@@ -288,7 +288,7 @@ class MultipleChoice(Base):
         x, y = batch
         choices = torch.stack([x, x.flip(1), (x + 1) % V], 1)  # [B, 3, T]
         flat = choices.view(-1, T)
-        h = torch.tanh(self.tok(flat) + self.pos(torch.arange(T)[None]))
+        h = torch.tanh(self.tok(flat) + self.pos(torch.arange(T, device=x.device)[None]))
         scores = self.score(h.mean(1)).view(-1, 3)
         return F.cross_entropy(scores, y[:, 0] % 3)
 
@@ -302,7 +302,7 @@ class BroadcastPositions(Base):
 
     def loss(self, batch):
         x, y = batch
-        h = self.tok(x) + self.pos(torch.arange(x.shape[1])[None])
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)[None])
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
 
 
@@ -315,7 +315,7 @@ class UnbatchedPositions(Base):
 
     def loss(self, batch):
         x, y = batch
-        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y)
 
 
@@ -339,7 +339,7 @@ class RelativeBias(Base):
 
     def loss(self, batch):
         x, y = batch
-        t = torch.arange(x.shape[1])
+        t = torch.arange(x.shape[1], device=x.device)
         bias = self.bias(t[None, :] - t[:, None] + T).permute(2, 0, 1).unsqueeze(0)
         h = self.attend(self.attend(self.tok(x), bias, False), bias, True)
         return F.cross_entropy(self.head(h).permute(0, 2, 1), y)
@@ -355,7 +355,7 @@ class UnbatchedRegulariser(Base):
 
     def loss(self, batch):
         x, y = batch
-        p = self.pos(torch.arange(x.shape[1]))
+        p = self.pos(torch.arange(x.shape[1], device=x.device))
         h = self.tok(x) + p
         return F.cross_entropy(self.head(torch.tanh(h)).permute(0, 2, 1), y) + 0.1 * p.pow(2).sum()
 
@@ -373,7 +373,7 @@ class TorchAttention(Base):
         x, y = batch
         h = self.emb(x)
         h = h if self.batch_first else h.transpose(0, 1)
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         out, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
         out = out if self.batch_first else out.transpose(0, 1)
         return per_example_token_mean(self.head(torch.tanh(out)), y)
@@ -389,7 +389,8 @@ class TorchEncoderLayer(Base):
 
     def loss(self, batch):
         x, y = batch
-        h = self.enc(self.emb(x).transpose(0, 1), src_mask=nn.Transformer.generate_square_subsequent_mask(T))
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=x.device, dtype=self.emb.weight.dtype)
+        h = self.enc(self.emb(x).transpose(0, 1), src_mask=mask)
         return per_example_token_mean(self.head(h.transpose(0, 1)), y)
 
 
@@ -490,7 +491,7 @@ class PackedRecurrent(Base):
         from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
         x, y = batch
-        lengths = (y != -100).sum(1)  # token_data(pad=True): example i has 1 + i % T steps
+        lengths = (y != -100).sum(1).cpu()  # token_data(pad=True): example i has 1 + i % T steps
         out, hidden = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
         h = hidden[0] if isinstance(hidden, tuple) else hidden
         loss = F.cross_entropy(self.head(torch.tanh(h[-1])), y[:, 0], reduction="none")
