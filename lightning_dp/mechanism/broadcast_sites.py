@@ -182,7 +182,7 @@ class BroadcastSites(TorchFunctionMode):
 
     def __init__(self, n: int, flattened: Callable[[], set[int]] = set) -> None:
         super().__init__()
-        self.n, self._flattened = n, flattened
+        self.n, self._flattened = n, flattened  # the capture's verified row counts n·m of this step (shared)
         self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
         self._mapping = [0]
         self._blocks: dict[int, tuple[weakref.ref, _Block]] = {}  # tensors holding per-example copies of a block
@@ -307,8 +307,12 @@ class BroadcastSites(TorchFunctionMode):
         if (not isinstance(x, Tensor) or not isinstance(result, Tensor) or self._sources(x)
                 or x.dim() < 2 or not result.requires_grad):
             return False
-        if x.shape[0] not in rows and not flattened_rows(x, self.n):  # the examples, or a verified flattening of them
-            return False
+        if x.shape[0] not in rows:  # the examples, or a verified flattening of them
+            if not flattened_rows(x, self.n):
+                return False
+            # a row count verified here is the step's, as at a layer: a layer later called on these rows (timm SwinV2's
+            # proj after a reshape that merges the heads) is grouped alike (the capture's set, shared)
+            self._flattened().add(int(x.shape[0]))
         n, inputs = self.n, x.detach().reshape(self.n, -1, x.shape[-1])
         parts = [(i, self._sources(args[i])) for i in (1, 2) if self._sources(args[i])]
         edges = {i: get_gradient_edge(args[i]) for i, _ in parts}

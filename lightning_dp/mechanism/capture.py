@@ -325,6 +325,7 @@ class ActivationCapture:
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
         # layers once called without an example dimension (kept for the run), with the ranks of those calls
         self._lookups: dict[int, set[tuple[int, ...]]] = {}
+        self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
 
@@ -478,8 +479,10 @@ class ActivationCapture:
             return True
         if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n)) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
-        if unbatched_call(inputs, out, n):
-            self._lookups.setdefault(id(module), set()).add(ranks)
+        if ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n):
+            # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
+            # unbatched there: remembered for the run only when seen with n > 1; at n = 1 until evidence of rows
+            (self._lookups if n > 1 else self._lookups_alone).setdefault(id(module), set()).add(ranks)
             return True
         return False
 

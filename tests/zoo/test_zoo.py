@@ -502,3 +502,10 @@ def test_a_layer_writing_per_example_values_into_a_fresh_tensor_in_place_is_exac
     """torch.zeros(T, E).scatter_(1, index, weights) inside a router: vmap cannot batch the write into a tensor made
     without the examples, so the layer is replayed by the per-example loop (functorch_vmap._LOOP_INSTEAD)."""
     zoo.assert_exact(lambda: zoo.RoutedTokens(scattered=True), zoo.vector_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_layer_on_rows_verified_at_a_functional_call_is_exact(engine):
+    """timm SwinV2: F.linear(windows, self.qkv.weight, …) verifies the windows' rows; proj sees them after a reshape
+    that merges the heads (a copy of rows already merged). At n = 1 that call looks unbatched (capture._lookups_alone)."""
+    zoo.assert_exact(zoo.WindowedFunctionalQKV, zoo.token_data(), per_sample=engine)

@@ -934,6 +934,27 @@ class FunctionalQKV(Base):
         return per_example_token_mean(self.head(h), y)
 
 
+class WindowedFunctionalQKV(Base):
+    """timm's SwinV2 attention: tokens split into windows ``[B·2, 2, d]`` by a view, ``F.linear`` with the never-called
+    ``qkv`` layer's weight on the windows, heads merged back by a reshape that copies, ``(attn @ v).transpose(1, 2)
+    .reshape(B·2, 2, d)``, then the ``proj`` layer: its input's rows are the windows' (a row count verified at the
+    functional call, not at a layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def loss(self, batch):
+        x, y = batch
+        b, h = x.shape[0], self.emb(x)[:, :4].contiguous()
+        windows = h.view(b * 2, 2, D)
+        q, k, v = F.linear(windows, self.qkv.weight, self.qkv.bias).view(b * 2, 2, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        heads = (q @ k.transpose(-1, -2) / D ** 0.5).softmax(-1) @ v  # [B·2, heads, 2, d/heads]
+        out = self.proj(heads.transpose(1, 2).reshape(b * 2, 2, D)).view(b, 4, D)
+        return per_example_token_mean(self.head(torch.tanh(out)), y[:, :4])
+
+
 class InPlaceOnLinearOutput(Base):
     """``q = self.q(h); q /= 2`` on a [B, T, d] Linear output (Longformer/LED's query scaling, Swinv2), and an
     in-place change through a slice of it. Were its hook lost, ghost would take ``q.weight`` for unused (its
