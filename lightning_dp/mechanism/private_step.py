@@ -234,10 +234,11 @@ class PrivateStep:
         engine.views_per_example = self.views_per_example
         if distribution.layout is not None and hasattr(engine, "stream_sums"):
             engine.stream_sums = True  # the sharded privatizer reads one parameter's sum at a time
-        problems = [f"layer {name} has no per-example gradient rule in engine '{engine.name}'"
-                    for name in engine.unsupported_layers(module)]
+        problems = [f"engine '{engine.name}' cannot serve layer {what}" for what in engine.unsupported_layers(module)]
         if problems:
-            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+            raise PrivacyConfigurationError(
+                "The model cannot be trained privately:\n- " + "\n- ".join(problems)
+                + "\nUse per_sample='auto' (it picks an engine that serves every layer), or change the layers named.")
         return engine
 
     def _switch_engine(self, name: str) -> None:

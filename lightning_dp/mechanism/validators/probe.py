@@ -175,12 +175,12 @@ class ExampleIndependenceProbe:
                 "interact through the loss or the model (see the README: what the strategy verifies).",
                 stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5):
-            raise interaction_error(together_norms, alone_norms, k)
+            raise interaction_error(together_norms, alone_norms, k, engine=self.engine.name)
         for p, name, ref in zip(self.params, self.names, reference):
             summed = sum(a.sums[p].double() for a in alone)
             size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
             if not random and not self._close(together.sums[p], summed, size):
-                raise interaction_error(together_norms, alone_norms, k, name)
+                raise interaction_error(together_norms, alone_norms, k, name, engine=self.engine.name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
@@ -250,8 +250,9 @@ def _drops_paths(m: nn.Module) -> bool:
 
 
 def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
-                      summed: bool = False) -> PrivacyConfigurationError:
-    """The probe's error when example i's gradient depends on the other examples of the batch."""
+                      summed: bool = False, engine: Optional[str] = None) -> PrivacyConfigurationError:
+    """The probe's error when example i's gradient depends on the other examples of the batch (``engine``: the
+    engine that computed them, named as the other possible cause)."""
     ratio = together / alone.clamp_min(1e-30)
     if summed or _scaled_by_batch(together, alone, k):
         cause = (f"Every example's gradient in a batch of {k} is {k}× its gradient alone: the loss is a SUM over the "
@@ -266,6 +267,10 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
                  "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
                  "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
                  "forward.")
+        if engine is not None:
+            cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
+                      "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
+                      "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
     where = f" (parameter {name})" if name else ""
     return PrivacyConfigurationError(
         f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
@@ -312,16 +317,19 @@ def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
 
 _ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_dp/mechanism/
 _HARNESS = ("private_step.py", os.path.join("validators", "probe.py"))
+_OPACUS = f"{os.sep}opacus{os.sep}"
 
 
 def _engine_frame(err: BaseException) -> Optional[str]:
     """``file:line`` of the deepest frame of ``err``'s traceback in the engine's own code (capture, broadcast sites,
-    grad_sample; not the probe or the step that call the user's code), or None."""
+    grad_sample, and Opacus' hooks; not the probe or the step that call the user's code), or None."""
     found = None
     for frame in traceback.extract_tb(err.__traceback__):
         name = os.path.abspath(frame.filename)
         if name.startswith(_ENGINE_DIR) and not name.endswith(_HARNESS):
             found = f"{os.path.relpath(name, os.path.dirname(os.path.dirname(_ENGINE_DIR)))}:{frame.lineno}"
+        elif _OPACUS in name:  # the opacus_hooks engine's rules and hooks run inside the user's forward and backward
+            found = f"opacus{os.sep}{name.split(_OPACUS, 1)[1]}:{frame.lineno}"
     return found
 
 
@@ -331,7 +339,8 @@ def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
     return PrivacyConfigurationError(
         f"The per-example engine failed on this model in the first step's probe ({type(err).__name__}: {err}; at "
         f"{where}): it cannot serve the model as it is. Nothing was released. Try another engine (per_sample='ghost', "
-        "'vmap' or 'opacus_hooks'; 'auto' picks 'ghost' where it can), and please report the model to lightning_dp.")
+        "'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model), and please report the model to "
+        "lightning_dp.")
 
 
 def uncaptured_use_error(name: str) -> PrivacyConfigurationError:

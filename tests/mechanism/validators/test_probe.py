@@ -152,3 +152,19 @@ def test_a_summed_loss_is_still_caught_under_augmentation():
 def test_a_failing_step_is_explained_by_its_likely_cause(error, cause):
     message = str(probe_failure_error(error, 2))
     assert message.startswith("The first step's probe ran training_step on a batch of 2 example(s)") and cause in message
+
+
+def test_a_failure_inside_opacus_hooks_is_named_the_engines_not_the_steps():
+    """The opacus_hooks engine's rules run inside the user's forward and backward: a failure there is the engine's."""
+    import os
+
+    where = os.path.join(os.sep, "site-packages", "opacus", "grad_sample", "rule.py")
+    scope: dict = {}
+    exec(compile("def rule():\n    raise RuntimeError('stack expects each tensor to be equal size')\n", where, "exec"),
+         scope)
+    try:
+        scope["rule"]()
+    except RuntimeError as error:
+        message = str(probe_failure_error(error, 2))
+    assert "inside the per-example engine (opacus" in message and "rule.py:2" in message
+    assert "batches of any size" not in message
