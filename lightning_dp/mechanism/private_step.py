@@ -56,7 +56,12 @@ from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, Pr
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 from lightning_dp.mechanism.validators import validate_module
 from lightning_dp.mechanism.validators.loaders import TrainingPopulation, training_population
-from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, probe_tolerance
+from lightning_dp.mechanism.validators.probe import (
+    PROBE_EXAMPLES,
+    ExampleIndependenceProbe,
+    StateWriteError,
+    probe_tolerance,
+)
 
 if TYPE_CHECKING:
     from lightning_dp.mechanism.fsdp_layout import FSDPLayout
@@ -472,23 +477,32 @@ class PrivateStep:
     def _probe_engines(self, probe: Callable[[], None]) -> None:
         """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it
         refuses gives way to the next engine of :func:`~lightning_dp.mechanism.grad_sample.auto.engines_after`, probed
-        again from the start; the first engine the probe passes trains, with a warning naming the refusal. Every
-        rank takes the same engine: each attempt ends with the count of ranks that refused (one all-reduce), and
-        the next engine is tried while any did. None passing: the first engine's refusal, naming the others'."""
+        again from the start; the first engine the probe passes trains, with a warning naming the refusal. A forward
+        that wrote the model's own state (:class:`~lightning_dp.mechanism.validators.probe.StateWriteError`) is
+        refused at once: the model's doing, and already done. Every rank takes the same engine: each attempt ends
+        with one all-reduce of the counts of ranks that refused and that found a state write, and the next engine
+        is tried while any refused. None passing: the first engine's refusal, naming the others'."""
         assert self._module is not None
         refusals: list[tuple[str, PrivacyConfigurationError]] = []
         tried: list[str] = []
         later: Optional[list[str]] = None
         while True:
+            refused = final = False
             try:
                 probe()
-                refused = False
+            except StateWriteError as err:
+                refusals.append((self.engine_name, err))
+                refused = final = True
             except PrivacyConfigurationError as err:
                 refusals.append((self.engine_name, err))
                 refused = True
-            if not self._refused_anywhere(refused):
+            refused, final = self._refused_anywhere(refused, final)
+            if not refused:
                 break
             tried.append(self.engine_name)
+            if final:
+                raise refusals[-1][1] if refusals and isinstance(refusals[-1][1], StateWriteError) else \
+                    _another_rank_error("wrote the model's own state in its forward")
             if later is None:
                 later = (engines_after(self._module, self.engine_name, self.views_per_example)
                          if self._auto and self.distribution.layout is None else [])
@@ -501,15 +515,16 @@ class PrivateStep:
                 f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
                 f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
 
-    def _refused_anywhere(self, refused: bool) -> bool:
-        """Whether the probe refused on this rank or any other (an all-reduce of the count, when distributed)."""
+    def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
+        """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
+        of the two counts, when distributed)."""
         if self.distribution.all_reduce is None:
-            return refused
+            return refused, final
         assert self._module is not None
         device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
-        count = torch.tensor([float(refused)], device=device)
-        self.distribution.all_reduce(count)
-        return bool(count.item() > 0)
+        counts = torch.tensor([float(refused), float(final)], device=device)
+        self.distribution.all_reduce(counts)
+        return bool(counts[0].item() > 0), bool(counts[1].item() > 0)
 
     @property
     def verified(self) -> bool:
@@ -692,13 +707,17 @@ def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
+def _another_rank_error(what: str) -> PrivacyConfigurationError:
+    return PrivacyConfigurationError(
+        f"The first step's probe on another rank's examples {what} (this rank's probe passed): see that rank's error. "
+        "Nothing was released.")
+
+
 def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
     """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice), with the others'
     first lines; a rank whose own probe passed while another rank's refused says so."""
     if not refusals:
-        return PrivacyConfigurationError(
-            f"The first step's probe refused engine '{engine}' on another rank's examples (this rank's passed): "
-            "see that rank's error. Examples must be independent on every rank.")
+        return _another_rank_error(f"refused engine '{engine}'")
     first = refusals[0][1]
     if len(refusals) == 1:
         return first

@@ -96,15 +96,17 @@ def test_a_refusal_of_every_engine_is_the_first_engines_and_names_the_others():
 
 
 class _Ranks:
-    """A stand-in all-reduce: ``others`` ranks refuse the first ``attempts`` probes (they add one each)."""
+    """A stand-in all-reduce of [refused, state written]: another rank refuses the first ``attempts`` probes (``final``:
+    because the forward wrote the model's state)."""
 
-    def __init__(self, attempts: int) -> None:
-        self.attempts, self.calls = attempts, 0
+    def __init__(self, attempts: int, final: bool = False) -> None:
+        self.attempts, self.final, self.calls = attempts, final, 0
 
     def __call__(self, t: Tensor) -> None:
         self.calls += 1
         if self.calls <= self.attempts:
-            t.add_(1.0)
+            t[0] += 1.0
+            t[1] += float(self.final)
 
 
 def test_every_rank_takes_the_engine_that_passed_on_all():
@@ -130,3 +132,44 @@ def test_engines_after_lists_the_later_engines_that_serve_the_model():
     assert engines_after(model, "opacus_hooks") == []
     recurrent = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))  # Opacus' hooks have no rule for nn.LSTM
     assert engines_after(recurrent, "ghost") == ["vmap"]
+
+
+def test_another_ranks_state_write_ends_the_search_on_every_rank():
+    ranks = _Ranks(attempts=1, final=True)
+    step, model, _, _ = _setup(distribution=Distribution(rank=0, world_size=2, all_reduce=ranks))
+    with pytest.raises(PrivacyConfigurationError, match="another rank.*wrote the model's own state"):
+        step.verify(lambda batch: _loss(model, batch))
+    assert ranks.calls == 1 and step.engine_name == "ghost"
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: a buffer set from the first batch's mean (a forward that writes data into the model)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("loc", torch.zeros(d))
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not bool(self.loc.any()):
+            with torch.no_grad():
+                self.loc.copy_(x.mean(0))
+        return (x - self.loc) * self.scale
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["engine-passes", "engine-fails-after-the-write"])
+def test_a_forward_that_writes_the_models_state_is_refused_by_auto_without_trying_another_engine(monkeypatch, broken):
+    """The first engine's probe ran the write: a second engine's probe would see nothing change and pass (found by a
+    timm sweep: a data-dependent initialisation then trained on 'vmap', its buffer holding the private batch's mean).
+    An engine failing after the write reports the write."""
+    if broken:
+        monkeypatch.setattr(ghost, "linear_stats", _failing_linear_rule)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5) + 3, torch.randint(0, 3, (32,)))
+    model = nn.Sequential(_ActNorm(5), nn.Linear(5, 3)).double()
+    step = PrivateStep(1.0, C, ZeroNoise(), sampler_seed=0)
+    step.attach(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    step.poisson_loader(DataLoader(data, batch_size=B))
+    with pytest.raises(PrivacyConfigurationError, match="changed the model's own state") as refused:
+        step.verify(lambda batch: _loss(model, batch))
+    assert "also tried" not in str(refused.value) and step.engine_name == "ghost" and not step.verified

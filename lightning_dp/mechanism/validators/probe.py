@@ -97,20 +97,26 @@ class ExampleIndependenceProbe:
         for m, _ in modes:
             m.training = False
         try:
-            with torch.random.fork_rng(devices=[]), NoDropout():
-                # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
-                # with other leading dimensions and never sliced per example afterwards (capture.py)
-                alone = [self._engine_pass([i]) for i in indices]
-                together = self._engine_pass(list(indices))
-                reseeded = self._engine_pass(list(indices), seed=1)
-                reference = self._autograd_pass(list(indices))
-        finally:
-            self.engine.begin_step(None)
-            for m, mode in modes:
-                m.training = mode
-            for p, g in zip(self.params, saved):
-                p.grad = g
-        changed = [name for name, value in state_fingerprint(self.module).items() if value != before.get(name)]
+            try:
+                with torch.random.fork_rng(devices=[]), NoDropout():
+                    # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
+                    # with other leading dimensions and never sliced per example afterwards (capture.py)
+                    alone = [self._engine_pass([i]) for i in indices]
+                    together = self._engine_pass(list(indices))
+                    reseeded = self._engine_pass(list(indices), seed=1)
+                    reference = self._autograd_pass(list(indices))
+            finally:
+                self.engine.begin_step(None)
+                for m, mode in modes:
+                    m.training = mode
+                for p, g in zip(self.params, saved):
+                    p.grad = g
+        except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
+            changed = _written(self.module, before)
+            if changed:
+                raise state_mutation_error(changed) from err
+            raise
+        changed = _written(self.module, before)
         if changed:
             raise state_mutation_error(changed)
         random = not self._close(together.norms.double(), reseeded.norms.double(),
@@ -205,11 +211,22 @@ def state_fingerprint(module: nn.Module) -> dict[str, tuple[float, float]]:
     return out
 
 
-def state_mutation_error(changed: Sequence[str]) -> PrivacyConfigurationError:
+def _written(module: nn.Module, before: dict[str, tuple[float, float]]) -> list[str]:
+    """The parameters and buffers whose :func:`state_fingerprint` differs from ``before``."""
+    return [name for name, value in state_fingerprint(module).items() if value != before.get(name)]
+
+
+class StateWriteError(PrivacyConfigurationError):
+    """The probe's refusal of a forward that wrote the model's own state (:func:`state_mutation_error`): a property
+    of the model, not of the engine, and the write has happened: ``per_sample="auto"`` tries no other engine (its
+    probe would see the state already written and nothing change)."""
+
+
+def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
     """The model changed its own parameters or buffers during a forward pass: data-dependent state that the
     noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch looked up, running
     statistics); the released model would reveal it."""
-    return PrivacyConfigurationError(
+    return StateWriteError(
         "The forward pass changed the model's own state, outside the gradient: " + ", ".join(changed[:6])
         + (" …" if len(changed) > 6 else "") + ". What a forward writes from the data (nn.Embedding(max_norm=...) "
         "renormalising the rows the batch looked up, running statistics, an EMA of activations) is released with "
