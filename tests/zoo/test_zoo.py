@@ -509,3 +509,8 @@ def test_a_layer_on_rows_verified_at_a_functional_call_is_exact(engine):
     """timm SwinV2: F.linear(windows, self.qkv.weight, …) verifies the windows' rows; proj sees them after a reshape
     that merges the heads (a copy of rows already merged). At n = 1 that call looks unbatched (capture._lookups_alone)."""
     zoo.assert_exact(zoo.WindowedFunctionalQKV, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_images_per_head_made_by_a_reshape_and_a_permute_are_exact(engine):
+    zoo.assert_exact(zoo.PooledHeads, zoo.token_data(), per_sample=engine)

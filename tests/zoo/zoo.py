@@ -869,6 +869,28 @@ class WindowCopy(Base):
         return F.cross_entropy(self.head(out).transpose(1, 2), y[:, :4])
 
 
+class PooledHeads(Base):
+    """timm MViTv2's attention pooling: heads split, the cls token sliced off, the grid reshaped to images per head,
+    ``q[:, :, 1:].reshape(-1, 2, 2, d).permute(0, 3, 1, 2).contiguous()`` (a reshape whose input has the examples in
+    dimension 0, then ops that keep dimension 0: verified from autograd's record), a depthwise conv on ``[B·heads, d,
+    2, 2]``, and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.q, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+        self.pool = nn.Conv2d(D // 2, D // 2, 3, padding=1, groups=D // 2)
+
+    def loss(self, batch):
+        x, y = batch
+        b = x.shape[0]
+        q = self.q(self.emb(x)).view(b, T, 2, D // 2).transpose(1, 2)  # [B, heads, 1 + 2·2, d]
+        cls, grid = q[:, :, :1], q[:, :, 1:]
+        images = grid.reshape(-1, 2, 2, D // 2).permute(0, 3, 1, 2).contiguous()  # [B·heads, d, 2, 2]
+        pooled = self.pool(images).reshape(b, 2, D // 2, 4).transpose(2, 3)
+        out = torch.cat([cls, pooled], 2).transpose(1, 2).reshape(b, T, D)
+        return per_example_token_mean(self.head(torch.tanh(out)), y)
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second

@@ -11,7 +11,7 @@ what it saw into errors that name the layer, the shape and the fix.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -36,14 +36,17 @@ def flattened_rows(t: Tensor, n: int) -> bool:
     - a view that flattens a contiguous tensor of ``n`` examples (``[n, …]`` in memory, dimension 0 first): same
       storage start, same size, both contiguous (``h.view(-1, d)``, ``x.flatten(0, 1)``); at n = 1 any view of a
       ``[1, …]`` tensor (the probe's examples alone: a reshape that copies at n > 1 may be a view there);
-    - a reshape that had to copy (:func:`reshaped_copy_of_examples`: timm's window partitions and patch unfolds,
-      ``h.transpose(1, 2).reshape(B·k, …)``)."""
+    - autograd's record of a reshape of ``[n, …]`` followed only by operations that keep dimension 0
+      (:func:`reshaped_from_examples`: timm's window partitions and patch unfolds, ``h.transpose(1, 2).reshape(B·k,
+      …)``, MViT's ``x.reshape(-1, H, W, d).permute(0, 3, 1, 2).contiguous()``)."""
     if n < 1 or t.dim() == 0 or t.shape[0] % n:
         return False
+    return _view_of_examples(t, n) or reshaped_from_examples(t, n)
+
+
+def _view_of_examples(t: Tensor, n: int) -> bool:
     base = t._base
-    if base is None:
-        return reshaped_copy_of_examples(t, n)
-    if base.dim() == 0 or base.shape[0] != n:
+    if base is None or base.dim() == 0 or base.shape[0] != n:
         return False
     if n == 1:  # every entry of a [1, …] base is the one example's, whatever the view's layout
         return True
@@ -51,16 +54,50 @@ def flattened_rows(t: Tensor, n: int) -> bool:
             and t.data_ptr() == base.data_ptr())
 
 
-def reshaped_copy_of_examples(t: Tensor, n: int) -> bool:
-    """Whether autograd recorded ``t`` as a reshape that copied (``_unsafe_view``: ``reshape``/``flatten`` of a
-    tensor no view can flatten) of a tensor with ``n`` entries in dimension 0. A reshape reads its input in logical
-    (row-major) order, whatever the memory layout, so example i's entries of ``[n, …]`` become rows
-    ``i·m … (i+1)·m − 1``. Only tensors that require gradient carry this record; a copy of data is not verified."""
-    node = t.grad_fn
-    if type(node).__name__ != "UnsafeViewBackward0":
-        return False
-    sizes = getattr(node, "_saved_self_sym_sizes", None)
-    return bool(sizes) and int(sizes[0]) == n and t.shape[0] > n
+_RESHAPES = ("UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0")
+"""Autograd's nodes of ``reshape``/``view``/``flatten`` (a copy or not), which save their input's sizes."""
+_WALK = 8  # nodes followed back from t at most
+
+
+def reshaped_from_examples(t: Tensor, n: int) -> bool:
+    """Whether autograd recorded ``t`` as a reshape of a tensor with ``n`` entries in dimension 0 into more rows,
+    followed by nothing but operations that keep dimension 0 (:func:`_keeps_rows`: ``contiguous``/``clone``, dtype
+    casts, a permute or transpose that leaves dimension 0 first, slicing or selecting another dimension). A reshape
+    (or view) reads its input in logical, row-major order, whatever the memory layout, so example i's entries of
+    ``[n, …]`` become rows ``i·m … (i+1)·m − 1``, and those operations move no row. Only tensors that require
+    gradient carry this record; a copy of data is not verified."""
+    node, ndim = t.grad_fn, t.dim()
+    for _ in range(_WALK):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name in _RESHAPES:
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            return bool(sizes) and int(sizes[0]) == n and t.shape[0] > n
+        kept = _keeps_rows(node, name, ndim)
+        if kept is None:
+            return False
+        node, ndim = node.next_functions[0][0], kept
+    return False
+
+
+def _keeps_rows(node: Any, name: str, ndim: int) -> Optional[int]:
+    """The input's rank when the autograd ``node`` (output of rank ``ndim``) keeps dimension 0 in place, else None."""
+    def dim(value: int, rank: int) -> int:
+        value = value - (1 << 64) if value >= (1 << 63) else value  # negative dims are saved as unsigned
+        return value % rank if rank else value
+
+    if name in ("CloneBackward0", "ToCopyBackward0"):
+        return ndim
+    if name == "PermuteBackward0":
+        return ndim if dim(tuple(node._saved_dims)[0], ndim) == 0 else None
+    if name == "TransposeBackward0":
+        return ndim if 0 not in (dim(node._saved_dim0, ndim), dim(node._saved_dim1, ndim)) else None
+    if name == "SliceBackward0":
+        return ndim if dim(node._saved_dim, ndim) != 0 else None
+    if name == "SelectBackward0":
+        return ndim + 1 if dim(node._saved_dim, ndim + 1) != 0 else None
+    return None
 
 
 def unbatched_call(inputs: Sequence[Tensor], out: Tensor, n: int) -> bool:
