@@ -43,6 +43,11 @@ weight=self.qkv.weight, bias=torch.cat((q_bias, k_bias, v_bias)))`` and never th
 linear layer's rule: ∇W_i = Σ_positions δ_i ⊗ x_i, ∇b_i = Σ_positions δ_i from the output's gradient δ
 (:meth:`BroadcastSites._functional_linear`).
 
+A followed operand of a two-operand ``torch.einsum`` whose other operand holds the examples in its first index, which
+leads the result and is not the followed operand's (timm MViTv2's decomposed relative position bias,
+``einsum("byhwc,hkc->byhwk", q, Rh)``), is a site too: example i's gradient is the same contraction over its rows
+alone (:meth:`BroadcastSites._einsum`).
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
@@ -263,6 +268,8 @@ class BroadcastSites(TorchFunctionMode):
         rows = {self.n} | self._flattened()
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
+        if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
+            return result
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
         if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
             repeated = self._repeated(flat[0], followed[0][1], args[1:], result, rows)
@@ -325,6 +332,42 @@ class BroadcastSites(TorchFunctionMode):
                 rows_i = torch.bmm(delta.transpose(1, 2), inputs) if i == 1 else delta.sum(1)
                 for source in sources:
                     source.arrive_rows(None if args[i] is source.out() else edges[i], rows_i)
+
+        result.register_hook(hook)
+        return True
+
+    def _einsum(self, parsed: Optional[tuple[list[str], str, list[Tensor]]], result: Any, rows: set[int]) -> bool:
+        """``torch.einsum("bhwc,hkc->bhwk", x, t)`` with a followed t and the examples x ``[n, …]`` (or verified
+        flattened ``[n·m, …]``) whose first index b leads the result and is not one of t's (timm MViTv2's decomposed
+        relative position bias, from its ``rel_pos_h``): a site. Example i's gradient of t is the same contraction over
+        example i's rows alone, ``einsum("zbhwk,zbhwc->zhkc", δ, x)`` with δ and x split into ``[n, m, …]``; mapped back
+        to t's sources. False (not a site) for any other form (ellipsis, more operands, t's index repeated, an index of
+        t in neither x nor the result)."""
+        if parsed is None or not isinstance(result, Tensor) or not result.requires_grad:
+            return False
+        (left, right), out, (a, b) = parsed
+        if bool(self._sources(a)) == bool(self._sources(b)):
+            return False
+        (x, xs), (t, ts) = ((a, left), (b, right)) if self._sources(b) else ((b, right), (a, left))
+        if (x.dim() != len(xs) or t.dim() != len(ts) or result.dim() != len(out) or len(set(ts)) != len(ts)
+                or not xs or not out or xs[0] != out[0] or xs[0] in ts or not set(ts) <= set(xs) | set(out)
+                or x.dim() == 0 or result.shape[0] != x.shape[0]):
+            return False
+        if x.shape[0] not in rows:
+            if not flattened_rows(x, self.n):
+                return False
+            self._flattened().add(int(x.shape[0]))
+        n, sources, edge = self.n, self._sources(t), get_gradient_edge(t)
+        z = next(c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in xs + ts + out)
+        equation = f"{z}{out},{z}{xs}->{z}{ts}"
+        inputs = x.detach().reshape(n, -1, *x.shape[1:])
+
+        def hook(g: Tensor) -> None:
+            if self._mapping[0]:
+                return
+            per_example = torch.einsum(equation, g.detach().reshape(n, -1, *g.shape[1:]), inputs.to(g.dtype))
+            for source in sources:
+                source.arrive_rows(None if t is source.out() else edge, per_example)
 
         result.register_hook(hook)
         return True
@@ -477,6 +520,23 @@ def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
     """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword (timm: ``F.linear(input=x, …)``)."""
     named = (*args, *(None,) * 3)[:3]
     return tuple(kwargs.get(key, named[k]) for k, key in enumerate(("input", "weight", "bias")))  # type: ignore
+
+
+def _einsum_arguments(args: tuple, kwargs: dict) -> Optional[tuple[list[str], str, list[Tensor]]]:
+    """``([left, right], out, [a, b])`` of a two-operand ``torch.einsum(equation, a, b)`` (or ``(equation, [a, b])``)
+    with an explicit output and no ellipsis, spaces removed; None for any other call."""
+    if kwargs or not args or not isinstance(args[0], str):
+        return None
+    operands = list(args[1][0:]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    equation = args[0].replace(" ", "")
+    if len(operands) != 2 or not all(isinstance(o, Tensor) for o in operands) or "..." in equation \
+            or equation.count("->") != 1:
+        return None
+    inputs, out = equation.split("->")
+    parts = inputs.split(",")
+    if len(parts) != 2 or not all(p.isalpha() for p in parts) or not (out.isalpha() or out == ""):
+        return None
+    return parts, out, operands
 
 
 def _innermost_mode() -> Optional[TorchFunctionMode]:

@@ -514,3 +514,16 @@ def test_a_layer_on_rows_verified_at_a_functional_call_is_exact(engine):
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_images_per_head_made_by_a_reshape_and_a_permute_are_exact(engine):
     zoo.assert_exact(zoo.PooledHeads, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("flattened", [False, True], ids=["mvit", "sam"])
+def test_a_relative_table_contracted_with_the_queries_by_einsum_is_exact(flattened, engine):
+    """broadcast_sites.BroadcastSites._einsum: example i's gradient of the table is the contraction over its own rows."""
+    zoo.assert_exact(lambda: zoo.DecomposedRelPos(flattened=flattened), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_einsum_that_sums_over_the_batch_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.DecomposedRelPos(pooled=True), zoo.token_data(), "Examples interact",
+                       per_sample=engine)

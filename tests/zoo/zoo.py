@@ -891,6 +891,36 @@ class PooledHeads(Base):
         return per_example_token_mean(self.head(torch.tanh(out)), y)
 
 
+class DecomposedRelPos(Base):
+    """timm MViTv2 / SAM's decomposed relative position bias: a table owned by the attention (a container), indexed by
+    the query-key distance to ``[h, k, c]`` and contracted with the queries in ``torch.einsum("byhwc,hkc->byhwk", q,
+    Rh)``; ``flattened``: the queries as ``[B·heads, h, w, c]`` (SAM) instead of ``[B, heads, h, w, c]`` (MViTv2).
+    ``pooled``: the contraction also sums over the batch, ``einsum("byhwc,hkc->hk", …)`` (not a site: refused)."""
+
+    def __init__(self, flattened: bool = False, pooled: bool = False) -> None:
+        super().__init__()
+        self.flattened, self.pooled = flattened, pooled
+        self.emb, self.qk, self.head = nn.Embedding(V, D), nn.Linear(D, 2 * D), nn.Linear(D, V)
+        self.rel_pos_h = nn.Parameter(torch.randn(3, D // 2) * 0.5)  # 2·h − 1 distances, h = 2
+        idx = torch.arange(2)
+        self.register_buffer("dist", idx[:, None] - idx[None, :] + 1, persistent=False)
+
+    def loss(self, batch):
+        x, y = batch
+        b, h = x.shape[0], self.emb(x)[:, :4]
+        q, k = self.qk(h).view(b, 4, 2, 2, D // 2).permute(2, 0, 3, 1, 4)  # [B, heads, 2·2, c]
+        table = self.rel_pos_h[self.dist]  # [h, k, c]
+        if self.flattened:
+            rel = torch.einsum("bhwc,hkc->bhwk", q.reshape(b * 2, 2, 2, D // 2), table).view(b, 2, 2, 2, 2)
+        elif self.pooled:
+            rel = torch.einsum("byhwc,hkc->hk", q.reshape(b, 2, 2, 2, D // 2), table)[:, None, :]
+        else:
+            rel = torch.einsum("byhwc,hkc->byhwk", q.reshape(b, 2, 2, 2, D // 2), table)
+        scores = (q @ k.transpose(-1, -2)).view(b, 2, 2, 2, 2, 2) + rel[..., None]
+        out = scores.view(b, 2, 4, 4).softmax(-1) @ k  # [B, heads, 4, c]
+        return per_example_token_mean(self.head(out.transpose(1, 2).reshape(b, 4, D)), y[:, :4])
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second
