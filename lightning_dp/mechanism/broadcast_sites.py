@@ -185,9 +185,10 @@ class _Block:
 class BroadcastSites(TorchFunctionMode):
     """The mode of the module docstring for one step of n examples (entered at the first lookup)."""
 
-    def __init__(self, n: int, flattened: Callable[[], set[int]] = set) -> None:
+    def __init__(self, n: int, flattened: Callable[[], set[int]] = set, anchors: Callable[[], Any] = dict) -> None:
         super().__init__()
         self.n, self._flattened = n, flattened  # the capture's verified row counts n·m of this step (shared)
+        self._anchors = anchors  # autograd nodes of this step's layer outputs on the examples (example_dim.py)
         self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
         self._mapping = [0]
         self._blocks: dict[int, tuple[weakref.ref, _Block]] = {}  # tensors holding per-example copies of a block
@@ -315,7 +316,7 @@ class BroadcastSites(TorchFunctionMode):
                 or x.dim() < 2 or not result.requires_grad):
             return False
         if x.shape[0] not in rows:  # the examples, or a verified flattening of them
-            if not flattened_rows(x, self.n):
+            if not flattened_rows(x, self.n, self._anchors()):
                 return False
             # a row count verified here is the step's, as at a layer: a layer later called on these rows (timm SwinV2's
             # proj after a reshape that merges the heads) is grouped alike (the capture's set, shared)
@@ -354,7 +355,7 @@ class BroadcastSites(TorchFunctionMode):
                 or x.dim() == 0 or result.shape[0] != x.shape[0]):
             return False
         if x.shape[0] not in rows:
-            if not flattened_rows(x, self.n):
+            if not flattened_rows(x, self.n, self._anchors()):
                 return False
             self._flattened().add(int(x.shape[0]))
         n, sources, edge = self.n, self._sources(t), get_gradient_edge(t)

@@ -323,6 +323,7 @@ class ActivationCapture:
         self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
         self._rng: Optional[Any] = None
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
+        self._anchors: dict[Any, int] = {}  # autograd node of a layer output this step → its rows (n, or n·m flattened)
         # layers once called without an example dimension (kept for the run), with the ranks of those calls
         self._lookups: dict[int, set[tuple[int, ...]]] = {}
         self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
@@ -431,6 +432,9 @@ class ActivationCapture:
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
             out, leaves = _aliased(out, leaves, live)
+            if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
+                self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
+                                     if dims.output(k) == 0 and leaves[k].grad_fn is not None)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None)
@@ -477,7 +481,7 @@ class ActivationCapture:
         ranks = (*(t.dim() for t in inputs), out.dim())
         if ranks in self._lookups.get(id(module), ()):
             return True
-        if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n)) for t in inputs):
+        if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n, self._anchors)) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
         if ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n):
             # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
@@ -529,7 +533,7 @@ class ActivationCapture:
         step's n examples (:mod:`.broadcast_sites`); ``deliver(rows or None, total)`` after backward."""
         if self._sites is None or self._sites.n != n:
             self._close_sites()
-            self._sites = BroadcastSites(n, lambda: self._flattened)
+            self._sites = BroadcastSites(n, lambda: self._flattened, lambda: self._anchors)
         self._sites.follow(t, deliver, inputs)
 
     def _mapping(self) -> bool:
@@ -558,7 +562,7 @@ class ActivationCapture:
         rows = leaves[live[0]].shape[0]
         if rows <= n or rows % n or any(leaves[k].shape[0] != rows for k in live):
             return None
-        if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n) for t in inputs):
+        if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n, self._anchors) for t in inputs):
             self._flattened.add(rows)
         return rows if rows in self._flattened else None
 
@@ -600,6 +604,7 @@ class ActivationCapture:
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
         self._flattened.clear()
+        self._anchors.clear()
         self._close_sites()
         self.roots.clear()
         for calls in self._calls.values():

@@ -894,7 +894,8 @@ class PooledHeads(Base):
 class DecomposedRelPos(Base):
     """timm MViTv2 / SAM's decomposed relative position bias: a table owned by the attention (a container), indexed by
     the query-key distance to ``[h, k, c]`` and contracted with the queries in ``torch.einsum("byhwc,hkc->byhwk", q,
-    Rh)``; ``flattened``: the queries as ``[B·heads, h, w, c]`` (SAM) instead of ``[B, heads, h, w, c]`` (MViTv2).
+    Rh)``; ``flattened``: the queries as ``[B·heads, h, w, c]`` from ``qkv.reshape(2, B·heads, N, c).unbind(0)`` (SAM)
+    instead of ``[B, heads, h, w, c]`` (MViTv2).
     ``pooled``: the contraction also sums over the batch, ``einsum("byhwc,hkc->hk", …)`` (not a site: refused)."""
 
     def __init__(self, flattened: bool = False, pooled: bool = False) -> None:
@@ -910,8 +911,9 @@ class DecomposedRelPos(Base):
         b, h = x.shape[0], self.emb(x)[:, :4]
         q, k = self.qk(h).view(b, 4, 2, 2, D // 2).permute(2, 0, 3, 1, 4)  # [B, heads, 2·2, c]
         table = self.rel_pos_h[self.dist]  # [h, k, c]
-        if self.flattened:
-            rel = torch.einsum("bhwc,hkc->bhwk", q.reshape(b * 2, 2, 2, D // 2), table).view(b, 2, 2, 2, 2)
+        if self.flattened:  # SAM: qkv.reshape(2, B·heads, N, c).unbind(0): rows verified back to the qk layer
+            flat_q, _ = self.qk(h).view(b, 4, 2, 2, D // 2).permute(2, 0, 3, 1, 4).reshape(2, b * 2, 4, D // 2).unbind(0)
+            rel = torch.einsum("bhwc,hkc->bhwk", flat_q.reshape(b * 2, 2, 2, D // 2), table).view(b, 2, 2, 2, 2)
         elif self.pooled:
             rel = torch.einsum("byhwc,hkc->hk", q.reshape(b, 2, 2, 2, D // 2), table)[:, None, :]
         else:

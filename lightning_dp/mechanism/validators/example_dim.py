@@ -11,6 +11,8 @@ what it saw into errors that name the layer, the shape and the fix.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import Tensor, nn
@@ -29,19 +31,21 @@ FIX = (
 )
 
 
-def flattened_rows(t: Tensor, n: int) -> bool:
+def flattened_rows(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -> bool:
     """Whether ``t`` holds ``n`` examples flattened into ``t.shape[0]`` = n·m rows, example i owning rows
     ``i·m … (i+1)·m − 1``, verified one of two ways:
 
     - a view that flattens a contiguous tensor of ``n`` examples (``[n, …]`` in memory, dimension 0 first): same
       storage start, same size, both contiguous (``h.view(-1, d)``, ``x.flatten(0, 1)``); at n = 1 any view of a
       ``[1, …]`` tensor (the probe's examples alone: a reshape that copies at n > 1 may be a view there);
-    - autograd's record of a reshape of ``[n, …]`` followed only by operations that keep dimension 0
-      (:func:`reshaped_from_examples`: timm's window partitions and patch unfolds, ``h.transpose(1, 2).reshape(B·k,
-      …)``, MViT's ``x.reshape(-1, H, W, d).permute(0, 3, 1, 2).contiguous()``)."""
+    - autograd's record (:func:`reshaped_from_examples`): a reshape of ``[n, …]`` followed only by operations whose
+      effect on the rows is known (timm's window partitions, ``h.transpose(1, 2).reshape(B·k, …)``, MViT's
+      ``x.reshape(-1, H, W, d).permute(0, 3, 1, 2).contiguous()``), or of ``[c, n, …]`` into ``[c, n·m, …]`` when
+      the walk back from there reaches the output of a layer called on the step's examples (``anchors``: autograd
+      node → its row count, n or a verified n·m; SAM's ``qkv.reshape(3, B·heads, N, d).unbind(0)``)."""
     if n < 1 or t.dim() == 0 or t.shape[0] % n:
         return False
-    return _view_of_examples(t, n) or reshaped_from_examples(t, n)
+    return _view_of_examples(t, n) or reshaped_from_examples(t, n, anchors)
 
 
 def _view_of_examples(t: Tensor, n: int) -> bool:
@@ -56,47 +60,96 @@ def _view_of_examples(t: Tensor, n: int) -> bool:
 
 _RESHAPES = ("UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0")
 """Autograd's nodes of ``reshape``/``view``/``flatten`` (a copy or not), which save their input's sizes."""
-_WALK = 8  # nodes followed back from t at most
+_WALK = 16  # nodes followed back from t at most
 
 
-def reshaped_from_examples(t: Tensor, n: int) -> bool:
-    """Whether autograd recorded ``t`` as a reshape of a tensor with ``n`` entries in dimension 0 into more rows,
-    followed by nothing but operations that keep dimension 0 (:func:`_keeps_rows`: ``contiguous``/``clone``, dtype
-    casts, a permute or transpose that leaves dimension 0 first, slicing or selecting another dimension). A reshape
-    (or view) reads its input in logical, row-major order, whatever the memory layout, so example i's entries of
-    ``[n, …]`` become rows ``i·m … (i+1)·m − 1``, and those operations move no row. Only tensors that require
-    gradient carry this record; a copy of data is not verified."""
-    node, ndim = t.grad_fn, t.dim()
+def reshaped_from_examples(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -> bool:
+    """Whether autograd's record of ``t`` shows its rows (dimension 0, n·m of them) made by a reshape of the ``n``
+    examples. Walking back from ``t``, the rows' dimension is tracked through operations whose effect on it is known
+    (:func:`_step_back`: ``contiguous``/``clone``, casts, permutes and transposes, slicing or selecting another
+    dimension, ``unbind``, ``unsqueeze``, and reshapes that keep the dimensions up to the rows') to a reshape (or
+    view) that makes them: its input has ``c`` entries where its output has the rows (a multiple of c), and the same
+    sizes before. A reshape reads in logical, row-major order, whatever the memory layout, so each of the c entries
+    becomes consecutive rows. With c = n in dimension 0 there, that is the proof (the same trust in a leading
+    dimension of size n as a layer's own check). Otherwise (a later dimension, or c a verified n·m: windows) the walk
+    goes on with that dimension until it meets, in dimension 0, the output of a layer called on c rows of the step's
+    examples (``anchors``: autograd node → row count, recorded by the capture). Only tensors that require gradient
+    carry a record; a copy of data is not verified."""
+    node, shape, r, count = t.grad_fn, list(t.shape), 0, 0  # count: 0 while walking the rows, then c
+    counts = set(anchors.values()) | {n}
     for _ in range(_WALK):
         if node is None:
             return False
+        if count and r == 0 and anchors.get(node) == count:
+            return True
         name = type(node).__name__
         if name in _RESHAPES:
-            sizes = getattr(node, "_saved_self_sym_sizes", None)
-            return bool(sizes) and int(sizes[0]) == n and t.shape[0] > n
-        kept = _keeps_rows(node, name, ndim)
-        if kept is None:
-            return False
-        node, ndim = node.next_functions[0][0], kept
+            before = [int(v) for v in getattr(node, "_saved_self_sym_sizes", ())]
+            after = _resolved(shape, before)
+            if after is None or len(before) <= r or before[:r] != after[:r]:
+                return False
+            if before[r] == after[r]:  # the reshape keeps every dimension up to this one: rows (or examples) stay
+                shape = before
+            elif not count and before[r] in counts and after[r] > before[r] and after[r] % before[r] == 0:
+                if r == 0 and before[r] == n:
+                    return True
+                shape, count = before, before[r]
+            else:
+                return False
+        else:
+            moved = _step_back(node, name, shape, r)
+            if moved is None:
+                return False
+            shape, r = moved
+        node = node.next_functions[0][0] if node.next_functions else None
     return False
 
 
-def _keeps_rows(node: Any, name: str, ndim: int) -> Optional[int]:
-    """The input's rank when the autograd ``node`` (output of rank ``ndim``) keeps dimension 0 in place, else None."""
-    def dim(value: int, rank: int) -> int:
+def _resolved(shape: list[Optional[int]], before: list[int]) -> Optional[list[int]]:
+    """``shape`` with its one unknown size (an ``unbind``'s count) filled from the reshape's input size; None when
+    more than one is unknown or it does not divide."""
+    unknown = [k for k, v in enumerate(shape) if v is None]
+    if not unknown:
+        return [int(v) for v in shape]  # type: ignore[arg-type]
+    known = math.prod(int(v) for v in shape if v is not None)
+    total = math.prod(before)
+    if len(unknown) > 1 or known == 0 or total % known:
+        return None
+    return [total // known if v is None else int(v) for v in shape]
+
+
+def _step_back(node: Any, name: str, shape: list, r: int) -> Optional[tuple[list, int]]:
+    """The input's shape and the tracked dimension's index in it, for the autograd ``node`` whose output has
+    ``shape`` with the tracked dimension at ``r``; None for any operation not known to keep that dimension whole."""
+    rank = len(shape)
+
+    def dim(value: int, size: int) -> int:
         value = value - (1 << 64) if value >= (1 << 63) else value  # negative dims are saved as unsigned
-        return value % rank if rank else value
+        return value % size if size else value
 
     if name in ("CloneBackward0", "ToCopyBackward0"):
-        return ndim
+        return shape, r
     if name == "PermuteBackward0":
-        return ndim if dim(tuple(node._saved_dims)[0], ndim) == 0 else None
+        dims = [dim(d, rank) for d in node._saved_dims]
+        before = [None] * rank
+        for k, d in enumerate(dims):
+            before[d] = shape[k]
+        return before, dims[r]
     if name == "TransposeBackward0":
-        return ndim if 0 not in (dim(node._saved_dim0, ndim), dim(node._saved_dim1, ndim)) else None
+        a, b = dim(node._saved_dim0, rank), dim(node._saved_dim1, rank)
+        before = list(shape)
+        before[a], before[b] = shape[b], shape[a]
+        return before, b if r == a else a if r == b else r
     if name == "SliceBackward0":
-        return ndim if dim(node._saved_dim, ndim) != 0 else None
-    if name == "SelectBackward0":
-        return ndim + 1 if dim(node._saved_dim, ndim + 1) != 0 else None
+        return (list(node._saved_self_sym_sizes), r) if dim(node._saved_dim, rank) != r else None
+    if name in ("SelectBackward0", "UnbindBackward0"):
+        d = dim(node._saved_dim, rank + 1)
+        before = (list(node._saved_self_sym_sizes) if name == "SelectBackward0"
+                  else [*shape[:d], None, *shape[d:]])
+        return before, r + (d <= r)
+    if name == "UnsqueezeBackward0":
+        d = dim(node._saved_dim, rank)
+        return (shape[:d] + shape[d + 1:], r - (d < r)) if d != r else None
     return None
 
 
