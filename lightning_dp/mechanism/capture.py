@@ -420,14 +420,18 @@ class ActivationCapture:
                 self._record_lookup(calls, args, kwargs, out, n, inputs)
                 return out
             rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
-            if rows is not None:  # flattened examples: record [n, m, …] (validators/example_dim.py)
+            # flattened examples: record [n, m, …] (validators/example_dim.py); an RNN's call stays on its n·m rows,
+            # its rule sums each example's (rnn_unrolled.py)
+            flat_rnn = rows is not None and isinstance(module, nn.RNNBase)
+            if rows is not None and not flat_rnn:
                 args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
             if n is not None:
                 wrong = [k for k in live if leaves[k].dim() <= dims.output(k) or leaves[k].shape[dims.output(k)] != n]
                 if wrong and rows is None:
                     calls.mismatches.extend(tuple(leaves[k].shape) for k in wrong)
                     return None
-                self._note_unbatched(calls, args, kwargs, n, dims)
+                if not flat_rnn:
+                    self._note_unbatched(calls, args, kwargs, n, dims)
             if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
@@ -439,7 +443,7 @@ class ActivationCapture:
                          self._rng if draws_randomness(module) else None, calls.generation,
                          leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None)
             calls.records.append(rec)
-            front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None
+            front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))
             if reducer is not None and len(leaves) == 1:
                 out.register_hook(lambda g: None if self._mapping() else calls.reduce(rec, front(g), reducer))
@@ -555,12 +559,12 @@ class ActivationCapture:
     def _flattened_rows(self, inputs: list[Tensor], leaves: list, live: list[int], n: Optional[int],
                         dims: ExampleDims) -> Optional[int]:
         """The row count n·m (m > 1) of a call on flattened examples, else ``None``: every live output has
-        that many rows at dimension 0, and an argument is a verified flattening view of ``[n, …]``
+        that many rows at its example dimension (0, or an RNN's 1 for h_n), and an argument is a verified flattening of ``[n, …]``
         (:func:`~.validators.example_dim.flattened_rows`) or an earlier call of the step had that many."""
-        if not n or any(dims.output(k) != 0 or leaves[k].dim() == 0 for k in live):
+        if not n or any(leaves[k].dim() <= dims.output(k) for k in live) or dims.output(live[0]) != 0:
             return None
-        rows = leaves[live[0]].shape[0]
-        if rows <= n or rows % n or any(leaves[k].shape[0] != rows for k in live):
+        rows = leaves[live[0]].shape[0]  # an RNN's h_n/c_n hold them in dimension 1 (its ExampleDims)
+        if rows <= n or rows % n or any(leaves[k].shape[dims.output(k)] != rows for k in live):
             return None
         if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n, self._anchors) for t in inputs):
             self._flattened.add(rows)

@@ -527,3 +527,16 @@ def test_a_relative_table_contracted_with_the_queries_by_einsum_is_exact(flatten
 def test_an_einsum_that_sums_over_the_batch_is_refused(engine):
     zoo.assert_refused(lambda: zoo.DecomposedRelPos(pooled=True), zoo.token_data(), "Examples interact",
                        per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind,h0", [("LSTM", False), ("GRU", False), ("LSTM", True), ("RNN", True)],
+                         ids=["lstm", "gru", "lstm-h0", "rnn-h0"])
+def test_an_rnn_over_flattened_rows_is_exact(kind, h0, engine):
+    zoo.assert_exact(lambda: zoo.RecurrentOverRows(kind, h0), zoo.image_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_rnn_over_flattened_rows_with_dropout_between_layers_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.RecurrentOverRows(dropout=0.5), zoo.image_data(), "flattened examples",
+                       per_sample=engine)

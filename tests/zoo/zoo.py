@@ -923,6 +923,34 @@ class DecomposedRelPos(Base):
         return per_example_token_mean(self.head(out.transpose(1, 2).reshape(b, 4, D)), y[:, :4])
 
 
+class RecurrentOverRows(Base):
+    """timm Sequencer2d: LSTMs along the rows and the columns of a ``[B, H, W, C]`` grid, on ``[B·H, W, C]`` (a view)
+    and ``[B·W, H, C]`` (a reshape that copies); the rule runs on the n·m rows and sums each example's (rnn_unrolled).
+    ``h0``: the row LSTM starts from a state computed per row; ``dropout``: two layers with dropout between them in
+    training (not served on flattened rows: refused)."""
+
+    def __init__(self, kind: str = "LSTM", h0: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.h0 = h0
+        layers = 2 if dropout else 1
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 3)
+        self.rows = getattr(nn, kind)(4, 2, layers, batch_first=True, bidirectional=True, dropout=dropout)
+        self.cols = getattr(nn, kind)(4, 2, layers, batch_first=True, bidirectional=True, dropout=dropout)
+
+    def loss(self, batch):
+        x, y = batch
+        b, _, height, width = x.shape
+        g = self.inp(x.permute(0, 2, 3, 1))  # [B, H, W, 4]
+        state = None
+        if self.h0:
+            h = torch.tanh(g.mean(2)).reshape(b * height, 4)[None, :, :2].expand(2, -1, -1).contiguous()
+            state = (h, torch.zeros_like(h)) if isinstance(self.rows, nn.LSTM) else h
+        rows, _ = self.rows(g.reshape(b * height, width, 4), state)
+        cols, _ = self.cols(g.permute(0, 2, 1, 3).reshape(b * width, height, 4))
+        grid = rows.reshape(b, height, width, -1) + cols.reshape(b, width, height, -1).transpose(1, 2)
+        return F.cross_entropy(self.head(grid).mean((1, 2)), y)
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second

@@ -59,6 +59,7 @@ from lightning_dp.mechanism.validators.example_dim import (
     check_lookups_served,
     check_something_captured,
     example_dim_error,
+    flattened_rnn_error,
     missing_gradient_error,
     random_replay_error,
     replay_shape_error,
@@ -341,6 +342,10 @@ def vmap_layer_grads(
         return attention_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):
         return packed_rnn_layer_grads(calls, wanted, n)
+    if isinstance(module, nn.RNNBase) and any(rec.flattened for rec in calls.records):
+        if not all(unrolled_supported(module, rec) for rec in calls.records):
+            raise flattened_rnn_error(calls.name, module)
+        return unrolled_rnn_grads(calls, wanted, n)  # on the n·m rows, each example's summed (rnn_unrolled.py)
     if any(rec.rng is not None for rec in calls.records):
         return replayed_layer_grads(calls, wanted, n)
     if isinstance(calls.module, nn.RNNBase):

@@ -81,8 +81,8 @@ def unrolled_supported(module: nn.Module, rec: Any) -> bool:
         return False  # random masks between layers: the loop path replays them
     x = recorded_input(rec)
     if isinstance(x, PackedSequence):
-        return x.data.dim() == 2
-    return isinstance(x, Tensor) and x.dim() == 3
+        return x.data.dim() == 2 and not rec.flattened
+    return isinstance(x, Tensor) and x.dim() == 3 and (module.batch_first or not rec.flattened)
 
 
 def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -333,7 +333,18 @@ def _record_grads(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> dict
     x = recorded_input(rec)
     packed = isinstance(x, PackedSequence)
     x = x._replace(data=x.data.detach().to(dtype)) if packed else x.detach().to(dtype)
-    h0, c0 = _initial(module, rec, n, x.data if packed else x)
+    if rec.flattened:  # a call on n·m flattened rows (batch first): each row's gradients, then each example's m summed
+        rows = _record_grads_of_rows(module, rec, names, n, x, x.shape[0], weights)
+        return {name: g.view(n, -1, *g.shape[1:]).sum(1) for name, g in rows.items()}
+    return _record_grads_of_rows(module, rec, names, n, x, n, weights)
+
+
+def _record_grads_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int, x: Any, batch: int,
+                          weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`_record_grads` for a call on ``batch`` rows (n, or n·m flattened), scaled by n (the mean loss)."""
+    dtype = next(iter(weights.values())).dtype
+    packed = isinstance(x, PackedSequence)
+    h0, c0 = _initial(module, rec, batch, x.data if packed else x)
     grads = list(rec.grad_outs) + [None] * (3 - len(rec.grad_outs))
     d_out, d_hn, d_cn = (None if g is None else g.detach().to(dtype) * n for g in grads[:3])
     if d_out is None and d_hn is None and d_cn is None:
