@@ -181,6 +181,13 @@ def zoo_cases() -> list[Case]:
         Case("per-frame-conv", Z.PerFrameConv, Z.frame_data),
         Case("bias-by-method", Z.BiasByMethod, tok),
         Case("window-copy", Z.WindowCopy, tok),
+        Case("windowed-functional-qkv", Z.WindowedFunctionalQKV, tok),
+        Case("pooled-heads", Z.PooledHeads, tok),
+        Case("decomposed-rel-pos-mvit", Z.DecomposedRelPos, tok),
+        Case("decomposed-rel-pos-sam", lambda: Z.DecomposedRelPos(flattened=True), tok),
+        Case("lstm-over-rows", Z.RecurrentOverRows, Z.image_data),
+        Case("gru-over-rows-h0", lambda: Z.RecurrentOverRows("GRU", h0=True), Z.image_data),
+        Case("router-scatter", lambda: Z.RoutedTokens(scattered=True), vec),
         Case("time-major-collate-phys4", Z.TimeMajorBatchTransposed, _pad, engines=("auto",),
              collate=Z.time_major_collate, physical=4),
     ]
