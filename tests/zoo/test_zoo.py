@@ -540,3 +540,8 @@ def test_an_rnn_over_flattened_rows_is_exact(kind, h0, engine):
 def test_an_rnn_over_flattened_rows_with_dropout_between_layers_is_refused(engine):
     zoo.assert_refused(lambda: zoo.RecurrentOverRows(dropout=0.5), zoo.image_data(), "flattened examples",
                        per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_unbatched_lookup_with_a_dimension_of_size_one_is_exact(engine):
+    zoo.assert_exact(zoo.PositionScalars, zoo.token_data(), per_sample=engine)

@@ -951,6 +951,21 @@ class RecurrentOverRows(Base):
         return F.cross_entropy(self.head(grid).mean((1, 2)), y)
 
 
+class PositionScalars(Base):
+    """A learned scalar per position, ``gate(torch.arange(T))`` of shape ``[T, 1]``, scaling every example's tokens
+    (SwinV2-CR's meta MLP with one head: ``[N², 1]``). Its size-1 dimension must not make the probe's examples alone
+    (n = 1) take the call for a batched one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.gate, self.head = nn.Embedding(V, D), nn.Embedding(T, 1), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x) * torch.sigmoid(self.gate(torch.arange(x.shape[1], device=x.device)))
+        return per_example_token_mean(self.head(h), y)
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second
