@@ -173,3 +173,31 @@ def test_a_forward_that_writes_the_models_state_is_refused_by_auto_without_tryin
     with pytest.raises(PrivacyConfigurationError, match="changed the model's own state") as refused:
         step.verify(lambda batch: _loss(model, batch))
     assert "also tried" not in str(refused.value) and step.engine_name == "ghost" and not step.verified
+
+
+class _Underestimating(ghost.LinearFormStats):
+    """ghost's Linear rule with a wrong norm (half of it) and right sums: examples would be clipped too little."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sq_norms = self.sq_norms * 0.25
+
+
+def test_a_wrong_norm_rule_is_caught_by_the_probe_and_auto_moves_on(monkeypatch):
+    """The probe's norm check (validators/probe.py, _check_norms): an engine whose per-example norm is not the norm
+    of the gradient it computes is refused; the comparisons of the engine with itself and of its sums with autograd
+    cannot see that error."""
+    monkeypatch.setattr(ghost, "LinearFormStats", _Underestimating)
+    step, model, _, _ = _setup("ghost")
+    with pytest.raises(PrivacyConfigurationError, match="computed an example's gradient norm"):
+        step.verify(lambda batch: _loss(model, batch))
+    step, model, optimizer, loader = _setup()
+    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
+        step.verify(lambda batch: _loss(model, batch))
+    batch = next(iter(loader))
+    step.begin()
+    _loss(model, batch).backward()
+    step.release(optimizer=optimizer)
+    step.detach()
+    for p, want in zip(model.parameters(), _reference(model, batch)):
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)

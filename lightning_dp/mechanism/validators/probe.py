@@ -159,6 +159,18 @@ class ExampleIndependenceProbe:
         return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
 
     # ------------------------------------------------------------------ verdict
+    def _check_norms(self, alone: list[ClippedBatch], scale: float) -> None:
+        """An example alone is a batch of one: the engine's unclipped sum is its gradient, whose norm must be the
+        norm the engine clips by. The two come from different code (a ghost norm from activation Gram matrices; the
+        sum from one weighted contraction), so a wrong norm rule — the one error that silently loosens the clipping
+        bound and that the other comparisons, engine against itself and sums against autograd, cannot see — shows
+        here."""
+        for batch in alone:
+            actual = torch.sqrt(sum(batch.sums[p].double().pow(2).sum() for p in self.params))
+            claimed = batch.norms.double().reshape(-1)[0]
+            if not self._close(claimed, actual, scale):
+                raise norm_mismatch_error(self.engine.name, float(claimed), float(actual))
+
     def _close(self, a: Tensor, b: Tensor, scale: float) -> bool:
         return float((a.double() - b.double()).norm()) <= self.rtol * scale + 1e-12
 
@@ -170,6 +182,8 @@ class ExampleIndependenceProbe:
         if bad or not bool(torch.isfinite(together_norms).all() and torch.isfinite(alone_norms).all()):
             raise non_finite_error(bad)
         scale = float(torch.maximum(alone_norms.max(), together_norms.max()))
+        if self.autograd_params is None:  # replicated parameters: each alone pass's sum is that example's gradient
+            self._check_norms(alone, scale)
         if random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
@@ -190,6 +204,16 @@ class ExampleIndependenceProbe:
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
+
+
+def norm_mismatch_error(engine: str, claimed: float, actual: float) -> PrivacyConfigurationError:
+    """The probe's error when an engine's per-example norm is not the norm of that example's gradient."""
+    return PrivacyConfigurationError(
+        f"Engine '{engine}' computed an example's gradient norm as {claimed:.6g}, but the gradient it computed for "
+        f"that example alone has norm {actual:.6g}: clipping by that norm would not bound the example's influence by "
+        "C. Nothing was released. This is the engine's error on one of the model's layers: try another engine "
+        "(per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please "
+        "report the model to lightning_dp.")
 
 
 def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
