@@ -201,3 +201,22 @@ def test_a_wrong_norm_rule_is_caught_by_the_probe_and_auto_moves_on(monkeypatch)
     step.detach()
     for p, want in zip(model.parameters(), _reference(model, batch)):
         torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+
+
+class _SquaredFactors(ghost.LinearFormStats):
+    """ghost's Linear rule applying the clip factors squared: right at C = ∞ (every factor 1), wrong when clipping."""
+
+    def sums(self, c: Tensor) -> dict:
+        return super().sums(c * c)
+
+
+def test_a_wrong_use_of_the_clip_factors_is_caught_by_the_probe(monkeypatch):
+    """The probe's clipped pass (validators/probe.py, _check_clipping): at a bound that clips some examples the
+    engine's sum must be Σ min(1, C/‖g_i‖) g_i of its own per-example gradients; every other pass takes C = ∞."""
+    monkeypatch.setattr(ghost, "LinearFormStats", _SquaredFactors)
+    step, model, _, _ = _setup("ghost")
+    with pytest.raises(PrivacyConfigurationError, match="clipped the first step's examples wrongly"):
+        step.verify(lambda batch: _loss(model, batch))
+    step, model, _, _ = _setup()
+    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
+        step.verify(lambda batch: _loss(model, batch))

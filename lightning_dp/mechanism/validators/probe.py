@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine
+from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
 
 LossOf = Callable[[Sequence[int]], Tensor]
 """Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
@@ -104,6 +104,9 @@ class ExampleIndependenceProbe:
                     alone = [self._engine_pass([i]) for i in indices]
                     together = self._engine_pass(list(indices))
                     reseeded = self._engine_pass(list(indices), seed=1)
+                    # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
+                    bound = float(torch.cat([a.norms.double() for a in alone]).median())
+                    clipped = self._engine_pass(list(indices), bound=bound) if bound > 0 else None
                     reference = self._autograd_pass(list(indices))
             finally:
                 self.engine.begin_step(None)
@@ -122,6 +125,8 @@ class ExampleIndependenceProbe:
         random = not self._close(together.norms.double(), reseeded.norms.double(),
                                  float(together.norms.double().max()) * len(indices) ** 0.5)
         self._compare(together, alone, reference, len(indices), random)
+        if clipped is not None and not random:
+            self._check_clipping(clipped, alone, bound)
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
@@ -136,13 +141,13 @@ class ExampleIndependenceProbe:
         except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
             raise probe_failure_error(err, len(indices)) from err
 
-    def _engine_pass(self, indices: list[int], seed: int = 0) -> ClippedBatch:
+    def _engine_pass(self, indices: list[int], seed: int = 0, bound: float = float("inf")) -> ClippedBatch:
         for p in self.params:
             p.grad = None
         self.engine.begin_step(len(indices))
         self._loss(indices, backward=True, seed=seed)
         try:
-            return self.engine.clip_and_sum(self.params, float("inf"))
+            return self.engine.clip_and_sum(self.params, bound)
         except PrivacyConfigurationError:
             raise
         except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
@@ -170,6 +175,18 @@ class ExampleIndependenceProbe:
             claimed = batch.norms.double().reshape(-1)[0]
             if not self._close(claimed, actual, scale):
                 raise norm_mismatch_error(self.engine.name, float(claimed), float(actual))
+
+    def _check_clipping(self, clipped: ClippedBatch, alone: list[ClippedBatch], bound: float) -> None:
+        """The engine's clipped sum at a bound C that clips some of the examples must be Σ_i min(1, C/‖g_i‖) g_i of
+        the gradients and norms it computed for each example alone (the probe's other passes take C = ∞, where every
+        factor is 1 and a mistake in applying the factors could not show)."""
+        norms = torch.cat([a.norms.double() for a in alone])
+        factors = clip_factors(norms, bound)
+        for p, name in zip(self.params, self.names):
+            want = sum(float(c) * a.sums[p].double() for c, a in zip(factors, alone))
+            got = clipped.sums[p].double()
+            if not self._close(got, want, max(float(want.norm()), float(got.norm()), bound * 1e-3)):
+                raise clipping_error(self.engine.name, name)
 
     def _close(self, a: Tensor, b: Tensor, scale: float) -> bool:
         return float((a.double() - b.double()).norm()) <= self.rtol * scale + 1e-12
@@ -204,6 +221,15 @@ class ExampleIndependenceProbe:
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
+
+
+def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
+    """The probe's error when an engine's clipped sum is not the clip factors applied to its per-example gradients."""
+    return PrivacyConfigurationError(
+        f"Engine '{engine}' clipped the first step's examples wrongly (parameter {name}): its clipped sum is not "
+        "Σ_i min(1, C/‖g_i‖) g_i of the per-example gradients it computed, so one example's influence would not be "
+        "bounded by C. Nothing was released. Try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
+        "tries each engine that serves the model) and please report the model to lightning_dp.")
 
 
 def norm_mismatch_error(engine: str, claimed: float, actual: float) -> PrivacyConfigurationError:
