@@ -509,7 +509,7 @@ class PrivateStep:
             if not later:
                 raise _probe_refusal(refusals, self.engine_name)
             self._switch_engine(later.pop(0))
-        if tried:
+        if tried and self.distribution.rank == 0:  # every rank took the same engine: one warning
             why = f" The refusal was: {_first_line(refusals[0][1])}" if refusals else ""
             warnings.warn(
                 f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
