@@ -75,6 +75,8 @@ def reshaped_from_examples(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -
     goes on with that dimension until it meets, in dimension 0, the output of a layer called on c rows of the step's
     examples (``anchors``: autograd node → row count, recorded by the capture). Only tensors that require gradient
     carry a record; a copy of data is not verified."""
+    if t.dim() == 0 or t.shape[0] <= n:  # rows keep their count back to the reshape, which must make more of them
+        return False
     node, shape, r, count = t.grad_fn, list(t.shape), 0, 0  # count: 0 while walking the rows, then c
     counts = set(anchors.values()) | {n}
     for _ in range(_WALK):
