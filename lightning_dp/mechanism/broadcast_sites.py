@@ -305,6 +305,17 @@ class BroadcastSites(TorchFunctionMode):
             return None
         return self._expanded(t, sources, len(sizes), sizes[0]).repeat(1, *sizes[1:])
 
+    def _holds_examples(self, x: Tensor, rows: set[int]) -> bool:
+        """Whether x's dimension 0 is the step's examples or verified flattened rows of them; a row count verified
+        here joins the step's, as at a layer (a layer later called on these rows — timm SwinV2's proj after a reshape
+        that merges the heads — is grouped alike: the capture's set, shared)."""
+        if x.shape[0] in rows:
+            return True
+        if not flattened_rows(x, self.n, self._anchors()):
+            return False
+        self._flattened().add(int(x.shape[0]))
+        return True
+
     def _functional_linear(self, args: tuple, result: Any, rows: set[int]) -> bool:
         """``F.linear(x, W, b)`` of the examples x ``[n, …, in]`` (or verified flattened ``[n·m, …]``) with a followed
         weight or bias (timm's BEiT/EVA: ``F.linear(x, self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``, the
@@ -315,12 +326,8 @@ class BroadcastSites(TorchFunctionMode):
         if (not isinstance(x, Tensor) or not isinstance(result, Tensor) or self._sources(x)
                 or x.dim() < 2 or not result.requires_grad):
             return False
-        if x.shape[0] not in rows:  # the examples, or a verified flattening of them
-            if not flattened_rows(x, self.n, self._anchors()):
-                return False
-            # a row count verified here is the step's, as at a layer: a layer later called on these rows (timm SwinV2's
-            # proj after a reshape that merges the heads) is grouped alike (the capture's set, shared)
-            self._flattened().add(int(x.shape[0]))
+        if not self._holds_examples(x, rows):
+            return False
         n, inputs = self.n, x.detach().reshape(self.n, -1, x.shape[-1])
         parts = [(i, self._sources(args[i])) for i in (1, 2) if self._sources(args[i])]
         edges = {i: get_gradient_edge(args[i]) for i, _ in parts}
@@ -354,10 +361,8 @@ class BroadcastSites(TorchFunctionMode):
                 or not xs or not out or xs[0] != out[0] or xs[0] in ts or not set(ts) <= set(xs) | set(out)
                 or x.dim() == 0 or result.shape[0] != x.shape[0]):
             return False
-        if x.shape[0] not in rows:
-            if not flattened_rows(x, self.n, self._anchors()):
-                return False
-            self._flattened().add(int(x.shape[0]))
+        if not self._holds_examples(x, rows):
+            return False
         n, sources, edge = self.n, self._sources(t), get_gradient_edge(t)
         z = next(c for c in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in xs + ts + out)
         equation = f"{z}{out},{z}{xs}->{z}{ts}"
@@ -528,7 +533,7 @@ def _einsum_arguments(args: tuple, kwargs: dict) -> Optional[tuple[list[str], st
     with an explicit output and no ellipsis, spaces removed; None for any other call."""
     if kwargs or not args or not isinstance(args[0], str):
         return None
-    operands = list(args[1][0:]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     equation = args[0].replace(" ", "")
     if len(operands) != 2 or not all(isinstance(o, Tensor) for o in operands) or "..." in equation \
             or equation.count("->") != 1:

@@ -487,21 +487,18 @@ class PrivateStep:
         tried: list[str] = []
         later: Optional[list[str]] = None
         while True:
-            refused = final = False
+            error: Optional[PrivacyConfigurationError] = None
             try:
                 probe()
-            except StateWriteError as err:
-                refusals.append((self.engine_name, err))
-                refused = final = True
             except PrivacyConfigurationError as err:
+                error = err
                 refusals.append((self.engine_name, err))
-                refused = True
-            refused, final = self._refused_anywhere(refused, final)
+            refused, final = self._refused_anywhere(error is not None, isinstance(error, StateWriteError))
             if not refused:
                 break
             tried.append(self.engine_name)
             if final:
-                raise refusals[-1][1] if refusals and isinstance(refusals[-1][1], StateWriteError) else \
+                raise error if isinstance(error, StateWriteError) else \
                     _another_rank_error("wrote the model's own state in its forward")
             if later is None:
                 later = (engines_after(self._module, self.engine_name, self.views_per_example)
@@ -510,7 +507,7 @@ class PrivateStep:
                 raise _probe_refusal(refusals, self.engine_name)
             self._switch_engine(later.pop(0))
         if tried and self.distribution.rank == 0:  # every rank took the same engine: one warning
-            why = f" The refusal was: {_first_line(refusals[0][1])}" if refusals else ""
+            why = f" The refusal: {_headline(refusals[0][1])}." if refusals else ""
             warnings.warn(
                 f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
                 f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
@@ -705,6 +702,14 @@ def mean_loss(out: Any, n: int) -> Any:
 
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _headline(err: BaseException) -> str:
+    """The refusal's first clause (up to its first ':' or '('): a warning that training goes on carries no details
+    that could quote the data."""
+    line = _first_line(err)
+    cut = min((i for i in (line.find(":"), line.find("(")) if i > 0), default=len(line))
+    return line[:cut].strip()
 
 
 def _another_rank_error(what: str) -> PrivacyConfigurationError:

@@ -63,6 +63,17 @@ def _reference(model: nn.Module, batch) -> list[Tensor]:
     return [t / B for t in total]
 
 
+def _assert_release_is_the_reference(step: PrivateStep, model: nn.Module, optimizer, loader) -> None:
+    """One released step (zero noise) equals the per-example loop's clipped mean."""
+    batch = next(iter(loader))
+    step.begin()
+    _loss(model, batch).backward()
+    step.release(optimizer=optimizer)
+    step.detach()
+    for p, want in zip(model.parameters(), _reference(model, batch)):
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("rule", [_wrong_linear_rule, _failing_linear_rule], ids=["wrong", "failing"])
 def test_an_engine_the_probe_refuses_gives_way_to_the_next_that_passes(monkeypatch, rule):
     monkeypatch.setattr(ghost, "linear_stats", rule)
@@ -71,13 +82,7 @@ def test_an_engine_the_probe_refuses_gives_way_to_the_next_that_passes(monkeypat
     with pytest.warns(UserWarning, match="(?s)refused engine\\(s\\) 'ghost'.*passed engine 'vmap'"):
         step.verify(lambda batch: _loss(model, batch))
     assert step.engine_name == "vmap"
-    batch = next(iter(loader))
-    step.begin()
-    _loss(model, batch).backward()
-    step.release(optimizer=optimizer)
-    step.detach()
-    for p, want in zip(model.parameters(), _reference(model, batch)):
-        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+    _assert_release_is_the_reference(step, model, optimizer, loader)
 
 
 def test_an_engine_named_by_the_user_is_never_replaced(monkeypatch):
@@ -189,18 +194,12 @@ def test_a_wrong_norm_rule_is_caught_by_the_probe_and_auto_moves_on(monkeypatch)
     cannot see that error."""
     monkeypatch.setattr(ghost, "LinearFormStats", _Underestimating)
     step, model, _, _ = _setup("ghost")
-    with pytest.raises(PrivacyConfigurationError, match="computed an example's gradient norm"):
+    with pytest.raises(PrivacyConfigurationError, match="computed a per-example gradient norm that is not"):
         step.verify(lambda batch: _loss(model, batch))
     step, model, optimizer, loader = _setup()
     with pytest.warns(UserWarning, match="passed engine 'vmap'"):
         step.verify(lambda batch: _loss(model, batch))
-    batch = next(iter(loader))
-    step.begin()
-    _loss(model, batch).backward()
-    step.release(optimizer=optimizer)
-    step.detach()
-    for p, want in zip(model.parameters(), _reference(model, batch)):
-        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+    _assert_release_is_the_reference(step, model, optimizer, loader)
 
 
 class _SquaredFactors(ghost.LinearFormStats):

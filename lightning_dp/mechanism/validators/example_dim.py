@@ -31,7 +31,7 @@ FIX = (
 )
 
 
-def flattened_rows(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -> bool:
+def flattened_rows(t: Tensor, n: int, anchors: Optional[Mapping[Any, int]] = None) -> bool:
     """Whether ``t`` holds ``n`` examples flattened into ``t.shape[0]`` = n·m rows, example i owning rows
     ``i·m … (i+1)·m − 1``, verified one of two ways:
 
@@ -45,7 +45,7 @@ def flattened_rows(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -> bool:
       node → its row count, n or a verified n·m; SAM's ``qkv.reshape(3, B·heads, N, d).unbind(0)``)."""
     if n < 1 or t.dim() == 0 or t.shape[0] % n:
         return False
-    return _view_of_examples(t, n) or reshaped_from_examples(t, n, anchors)
+    return _view_of_examples(t, n) or reshaped_from_examples(t, n, anchors or {})
 
 
 def _view_of_examples(t: Tensor, n: int) -> bool:
@@ -63,7 +63,7 @@ _RESHAPES = ("UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0")
 _WALK = 16  # nodes followed back from t at most
 
 
-def reshaped_from_examples(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -> bool:
+def reshaped_from_examples(t: Tensor, n: int, anchors: Optional[Mapping[Any, int]] = None) -> bool:
     """Whether autograd's record of ``t`` shows its rows (dimension 0, n·m of them) made by a reshape of the ``n``
     examples. Walking back from ``t``, the rows' dimension is tracked through operations whose effect on it is known
     (:func:`_step_back`: ``contiguous``/``clone``, casts, permutes and transposes, slicing or selecting another
@@ -77,6 +77,7 @@ def reshaped_from_examples(t: Tensor, n: int, anchors: Mapping[Any, int] = {}) -
     carry a record; a copy of data is not verified."""
     if t.dim() == 0 or t.shape[0] <= n:  # rows keep their count back to the reshape, which must make more of them
         return False
+    anchors = anchors or {}
     node, shape, r, count = t.grad_fn, list(t.shape), 0, 0  # count: 0 while walking the rows, then c
     counts = set(anchors.values()) | {n}
     for _ in range(_WALK):

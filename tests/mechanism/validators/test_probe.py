@@ -168,3 +168,14 @@ def test_a_failure_inside_opacus_hooks_is_named_the_engines_not_the_steps():
         message = str(probe_failure_error(error, 2))
     assert "inside the per-example engine (opacus" in message and "rule.py:2" in message
     assert "batches of any size" not in message
+
+
+def test_the_interaction_error_quotes_no_gradient_values():
+    """The probe's examples are training data: its error counts the examples that differ and quotes no norms."""
+    from lightning_dp.mechanism.validators.probe import interaction_error
+
+    together = torch.tensor([1.2345678, 2.0, 3.0], dtype=torch.float64)
+    alone = torch.tensor([1.0, 2.0, 3.7654321], dtype=torch.float64)
+    message = str(interaction_error(together, alone, 3))
+    assert "for 2 of the 3" in message
+    assert "1.23" not in message and "3.76" not in message and "0.797" not in message
