@@ -54,6 +54,15 @@ from lightning_dp.mechanism.capture import (
     leaf_layers,
     owners_of,
 )
+from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.layer_stats import (
+    LayerStats,
+    MaterialisedStats,
+    UnusedStats,
+    add_parts,
+    prefer_ghost,
+    sq_norms,
+)
 from lightning_dp.mechanism.grad_sample.ghost_tied import Dense, Lookup, LowRank, Representation, cross_term, dense
 from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     missing_message,
@@ -65,72 +74,6 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
 from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-
-def sq_norms(g: Tensor) -> Tensor:
-    """Squared L2 norm of each example's slice g[i], as one fused reduction (no g² temporary)."""
-    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
-
-
-class LayerStats:
-    """Per-layer statistics: squared per-example norms, then clipped sums on demand."""
-
-    sq_norms: Tensor
-
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i s⊙g_i for each of the layer's wanted parameters."""
-        raise NotImplementedError
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² (s⊙g_i)² for each of the layer's wanted parameters."""
-        raise NotImplementedError
-
-    def representation(self, p: Tensor) -> Optional[Representation]:
-        """Example i's gradient of ``p`` in a form the tied-weight cross terms read (None: not available)."""
-        return None
-
-
-class MaterialisedStats(LayerStats):
-    """Per-example grads ``[n, *p.shape]`` held explicitly (small layers, fallbacks)."""
-
-    def __init__(self, grads: dict[Tensor, Tensor], scale: Optional[ParamMap]) -> None:
-        if scale is not None:
-            grads = {p: g * scale[p] for p, g in grads.items()}
-        self.grads = grads
-        self.sq_norms = _total([sq_norms(g) for g in grads.values()])
-
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
-        return {p: torch.tensordot(c, g, dims=1) for p, g in self.grads.items()}
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
-        return {p: torch.tensordot(c2, g * g, dims=1) for p, g in self.grads.items()}
-
-    def representation(self, p: Tensor) -> Optional[Representation]:
-        """The materialised per-example gradients of ``p``."""
-        return Dense(self.grads[p])
-
-
-class UnusedStats(LayerStats):
-    """A parameter the step's loss never read (:func:`~.functorch_vmap.unused_in_step`): every example's
-    gradient is exactly zero, so it adds nothing to the norms and its clipped sum is zero (not materialised)."""
-
-    def __init__(self, p: Tensor, n: int) -> None:
-        self.p, self.sq_norms = p, p.new_zeros(n)
-
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · 0."""
-        return {self.p: torch.zeros_like(self.p)}
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² · 0²."""
-        return {self.p: torch.zeros_like(self.p)}
-
-
-def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
-    """Ghost norm (n·T²·(in+out)) beats materialising (n·T·in·out) when T·(in+out) < in·out."""
-    return T * (d_in + d_out) < d_in * d_out
 
 
 def prefer_ghost_embedding(T: int, V: int) -> bool:
@@ -314,14 +257,6 @@ def _cat(parts: list[Tensor], dim: int = 1) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _total(parts: list[Tensor]) -> Tensor:
-    """Sum of one layer's per-call tensors (no copy for a single call, unlike ``sum``)."""
-    out = parts[0]
-    for t in parts[1:]:
-        out = out + t
-    return out
-
-
 def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
     return {n: p for n, p in direct_trainable(module) if p in params}
 
@@ -440,7 +375,7 @@ class Conv2dStats(WeightBiasStats):
         if weight is not None:
             sq = sq + self._weight_sq_norms(with_squares)
         if bias is not None:
-            db = _total([conv_positions(d).sum(2) for _, d in calls])
+            db = add_parts([conv_positions(d).sum(2) for _, d in calls])
             self.db = db if scale is None else db * scale[bias]
             sq = sq + self.db.pow(2).sum(1)
         self.sq_norms = sq * (k * k)
@@ -472,7 +407,7 @@ class Conv2dStats(WeightBiasStats):
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one convolution backward of c ⊙ δ per call."""
-        return _total([conv2d_weight_grad(_frames(x), _frames(d * c.view(-1, *[1] * (d.dim() - 1))), self.m)
+        return add_parts([conv2d_weight_grad(_frames(x), _frames(d * c.view(-1, *[1] * (d.dim() - 1))), self.m)
                        for x, d in self.calls])
 
 
@@ -558,6 +493,8 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
         return embedding_stats(calls, wanted, n, scale, with_squares)
     if is_plain_norm(m):
         return norm_layer_stats(calls, wanted, n, scale, with_squares)
+    if recurrent_served(calls):
+        return recurrent_stats(calls, wanted, n, scale, with_squares)
     return fallback_stats(calls, wanted, n, scale, with_squares)
 
 
@@ -626,12 +563,27 @@ def _conv2d_forward(self: nn.Conv2d, input: Tensor) -> Tensor:  # noqa: A002
     return _Conv2dInputGradOnly.apply(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 
+def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
+    """The module's own forward on its weights detached: the kernel's backward then computes only the input and
+    initial-state gradients (the weights' clipped sums come from :mod:`.ghost_recurrent`). Only the registered
+    ``nn.Parameter`` objects are detached: a replay that substitutes plain tensors (``functional_call`` in the
+    per-example loop or the dropout replay) differentiates them as usual."""
+    flat = self._flat_weights
+    self._flat_weights = [w.detach() if isinstance(w, nn.Parameter) else w for w in flat]
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        self._flat_weights = flat
+
+
 def input_grad_only_forward(m: nn.Module):
-    """The book-keeping forward for ``m`` (Linear, supported Conv2d), or None."""
+    """The book-keeping forward for ``m`` (Linear, supported Conv2d, torch's RNNs), or None."""
     if type(m) is nn.Linear:
         return _linear_forward
     if type(m) is nn.Conv2d and conv2d_supported(m):
         return _conv2d_forward
+    if type(m) in (nn.LSTM, nn.GRU, nn.RNN):
+        return _rnn_forward
     return None
 
 

@@ -56,6 +56,7 @@ capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -278,9 +279,57 @@ def _rnn_backward(pre: Tensor, relu: bool, dh_seq: Optional[Tensor], dh_last: Op
     return d, d
 
 
-def _outer_sum(d: Tensor, a: Tensor) -> Tensor:
-    """Σ_t d_{i,t} ⊗ a_{i,t} for every example i: ``[n, out, in]`` from ``[n, T, out]`` and ``[n, T, in]``."""
-    return torch.bmm(d.transpose(1, 2), a)
+@dataclass
+class LinearForm:
+    """Per-example gradients that are sums of outer products over time: example i's gradient of each weight is
+    its columns of Σ_t d_{i,t} ⊗ a_{i,t} ``[out, in]``, of each bias Σ_t d_{i,t} (Bu et al.'s book-keeping).
+    ``a``: ``[n, T, in]``; ``d``: ``[n, T, out]`` (already multiplied by n, module docstring); ``weights``: parameter
+    name → its columns of ``a``; ``biases``: the names whose per-example gradient is Σ_t d_{i,t} (an LSTM's
+    ``bias_ih`` and ``bias_hh`` are both)."""
+
+    a: Tensor
+    d: Tensor
+    weights: dict[str, slice]
+    biases: tuple[str, ...]
+
+    def grads(self) -> dict[str, Tensor]:
+        """The form's per-example gradients ``[n, *p.shape]`` (each contiguous: the clipping reads them flat)."""
+        out: dict[str, Tensor] = {}
+        if self.weights:
+            G = torch.bmm(self.d.transpose(1, 2), self.a)  # one product for all weights (slices of a are slow)
+            out.update({name: G[..., cols].contiguous() for name, cols in self.weights.items()})
+        if self.biases:
+            db = self.d.sum(1)
+            out.update({name: db for name in self.biases})
+        return out
+
+    def joined(self, other: "LinearForm") -> "LinearForm":
+        """The form of both (the same parameters' gradients from two calls): a and d joined along time."""
+        return LinearForm(torch.cat([self.a, other.a], 1), torch.cat([self.d, other.d], 1), self.weights, self.biases)
+
+    def per_example(self, n: int) -> "LinearForm":
+        """A form over n·m flattened rows as one over n examples (each example's m rows one after another in time)."""
+        rows = self.a.shape[0]
+        if rows == n:
+            return self
+        return LinearForm(self.a.reshape(n, -1, self.a.shape[-1]), self.d.reshape(n, -1, self.d.shape[-1]),
+                          self.weights, self.biases)
+
+
+def _wanted_form(a: Tensor, d: Tensor, weights: dict[str, slice], biases: tuple[str, ...], suffix: str,
+                 wanted: set[str]) -> Optional[LinearForm]:
+    """The form of a direction's ``weights``/``biases`` (names without ``suffix``) among ``wanted``, or None; its ``a``
+    holds the wanted weights' columns only (so that Σ_t d ⊗ a is exactly their gradients)."""
+    kept = [(key + suffix, a[..., cols]) for key, cols in weights.items() if key + suffix in wanted]
+    b = tuple(key + suffix for key in biases if key + suffix in wanted)
+    if not kept and not b:
+        return None
+    if len(kept) < len(weights):
+        a = torch.cat([cols for _, cols in kept], -1) if kept else a[..., :0]
+    columns, start = {}, 0
+    for name, cols in kept:
+        columns[name], start = slice(start, start + cols.shape[-1]), start + cols.shape[-1]
+    return LinearForm(a, d, columns, b)
 
 
 def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
@@ -294,21 +343,24 @@ def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
     return xh
 
 
-def _direction_grads(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: Optional[Tensor],
+def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: Optional[Tensor],
                      dh_seq: Optional[Tensor], finals: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]],
-                     params: dict[str, Optional[Tensor]], wanted: set[str]) -> tuple[Tensor, dict[str, Tensor]]:
-    """One direction of one layer, time running forward: ∂G ``[n, T, gates·H]`` and the ``wanted`` per-example grads
-    (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh``; module docstring), from its inputs x, states h,
-    initial state, and output gradients ``dh_seq`` and ``finals`` = (∂/∂h_n, ∂/∂c_n, ∂/∂c_t from outside)."""
+                     params: dict[str, Optional[Tensor]], suffix: str,
+                     wanted: set[str]) -> tuple[Tensor, list[LinearForm]]:
+    """One direction of one layer, time running forward: ∂G ``[n, T, gates·H]`` and the forms of its ``wanted``
+    per-example grads (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` + ``suffix``; module docstring), from
+    its inputs x, states h, initial state, and output gradients ``dh_seq`` and ``finals`` = (∂/∂h_n, ∂/∂c_n,
+    ∂/∂c_t from outside)."""
     w_ih, w_hh, b_ih, b_hh = (params[k] for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
     dh_last, dc_last, dc_seq = finals
     if isinstance(module, nn.GRU):
         h_prev = torch.cat([h0.unsqueeze(1), h[:, :-1]], dim=1)
         d_g, d_r = _gru_backward(F.linear(x, w_ih, b_ih).contiguous(), F.linear(h_prev, w_hh, b_hh), h_prev,
                                  dh_seq, dh_last, w_hh)
-        parts = {"weight_ih": lambda: _outer_sum(d_g, x), "bias_ih": lambda: d_g.sum(1),
-                 "weight_hh": lambda: _outer_sum(d_r, h_prev), "bias_hh": lambda: d_r.sum(1)}
-        return d_g, {key: parts[key]() for key in wanted}
+        every = slice(None)
+        forms = [_wanted_form(x, d_g, {"weight_ih": every}, ("bias_ih",), suffix, wanted),
+                 _wanted_form(h_prev, d_r, {"weight_hh": every}, ("bias_hh",), suffix, wanted)]
+        return d_g, [f for f in forms if f is not None]
     xh = _joined(x, h0, h)  # LSTM and RNN: ∂R = ∂G, and G + R = [x_t, h_{t−1}] [W_ih, W_hh]ᵀ + b_ih + b_hh
     w = torch.cat([w_ih, w_hh], dim=1).t()
     flat = xh.view(-1, xh.shape[-1])
@@ -318,37 +370,35 @@ def _direction_grads(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: O
         d_g = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq)[0]
     else:
         d_g = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)[0]
-    D = x.shape[-1]  # each weight's grads on their own (contiguous: the clipping reads them flat)
-    parts = {"weight_ih": lambda: _outer_sum(d_g, xh[..., :D]), "weight_hh": lambda: _outer_sum(d_g, xh[..., D:]),
-             "bias_ih": lambda: d_g.sum(1), "bias_hh": lambda: d_g.sum(1)}
-    return d_g, {key: parts[key]() for key in wanted}
+    D = x.shape[-1]
+    form = _wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
+                        ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)
+    return d_g, [] if form is None else [form]
 
 
-def _record_grads(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` of the ``names`` parameters for one recorded call (batch-first inside;
-    a ``PackedSequence`` padded in the batch's order, its final states' gradients entering at each example's
-    last step: module docstring)."""
+def _record_forms(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> list[LinearForm]:
+    """The forms of the ``names`` parameters' per-example grads for one recorded call, over n examples (batch-first
+    inside; a ``PackedSequence`` padded in the batch's order, its final states' gradients entering at each
+    example's last step; a call on n·m flattened rows has each example's m rows joined in time: module docstring)."""
     weights = {name: p.detach() for name, p in module.named_parameters()}
     dtype = next(iter(weights.values())).dtype
     x = recorded_input(rec)
     packed = isinstance(x, PackedSequence)
     x = x._replace(data=x.data.detach().to(dtype)) if packed else x.detach().to(dtype)
-    if rec.flattened:  # a call on n·m flattened rows (batch first): each row's gradients, then each example's m summed
-        rows = _record_grads_of_rows(module, rec, names, n, x, x.shape[0], weights)
-        return {name: g.view(n, -1, *g.shape[1:]).sum(1) for name, g in rows.items()}
-    return _record_grads_of_rows(module, rec, names, n, x, n, weights)
+    rows = n if not rec.flattened else x.shape[0]
+    return [f.per_example(n) for f in _record_forms_of_rows(module, rec, names, n, x, rows, weights)]
 
 
-def _record_grads_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int, x: Any, batch: int,
-                          weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """:func:`_record_grads` for a call on ``batch`` rows (n, or n·m flattened), scaled by n (the mean loss)."""
+def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int, x: Any, batch: int,
+                          weights: dict[str, Tensor]) -> list[LinearForm]:
+    """:func:`_record_forms` for a call on ``batch`` rows (n, or n·m flattened), scaled by n (the mean loss)."""
     dtype = next(iter(weights.values())).dtype
     packed = isinstance(x, PackedSequence)
     h0, c0 = _initial(module, rec, batch, x.data if packed else x)
     grads = list(rec.grad_outs) + [None] * (3 - len(rec.grad_outs))
     d_out, d_hn, d_cn = (None if g is None else g.detach().to(dtype) * n for g in grads[:3])
     if d_out is None and d_hn is None and d_cn is None:
-        return {}
+        return []
     if d_out is not None:
         d_out = _padded(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
     dirs, H = (2 if module.bidirectional else 1), module.hidden_size
@@ -360,7 +410,7 @@ def _record_grads_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
     T = inputs[0].shape[1]
     last = None if lengths is None else lengths - 1
     rev = None if lengths is None or dirs == 1 else _reversal(lengths, T)
-    out: dict[str, Tensor] = {}
+    out: list[LinearForm] = []
     for layer in range(module.num_layers - 1, -1, -1):
         d_x: Optional[Tensor] = None
         for d, suffix in enumerate(suffixes[layer]):
@@ -376,10 +426,9 @@ def _record_grads_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
                 dh_seq, dh_last = _at_last_step(dh_seq, last, dh_last, T), None
                 dc_seq, dc_last = _at_last_step(None, last, dc_last, T), None
             params = {key: weights.get(key + suffix) for key in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
-            wanted = {key for key in params if key + suffix in names}
-            d_g, grads = _direction_grads(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
-                                          (dh_last, dc_last, dc_seq), params, wanted)
-            out.update({key + suffix: g for key, g in grads.items()})
+            d_g, forms = _direction_forms(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
+                                          (dh_last, dc_last, dc_seq), params, suffix, names)
+            out.extend(forms)
             if layer > 0:
                 dx = d_g @ weights["weight_ih" + suffix]
                 dx = _reverse(dx, rev) if d else dx
@@ -388,15 +437,27 @@ def _record_grads_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
     return out
 
 
-def unrolled_rnn_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of an RNN layer, summed over its calls
-    (module docstring). Each call must satisfy :func:`unrolled_supported`."""
+def unrolled_rnn_forms(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> list[LinearForm]:
+    """The forms (:class:`LinearForm`) of the per-example grads of ``wanted`` parameters of an RNN layer over its
+    calls, one per layer and direction (a form's calls joined in time). Each call must satisfy
+    :func:`unrolled_supported`."""
     module = calls.module
     assert isinstance(module, nn.RNNBase)
     names = {name for name, _ in wanted}
-    total: dict[str, Tensor] = {}
+    forms: dict[tuple[str, ...], LinearForm] = {}
     with torch.no_grad():
         for rec in calls.records:
-            for name, g in _record_grads(module, rec, names, n).items():
-                total[name] = g if name not in total else total[name] + g
+            for form in _record_forms(module, rec, names, n):
+                key = (*form.weights, *form.biases)
+                forms[key] = form if key not in forms else forms[key].joined(form)
+    return list(forms.values())
+
+
+def unrolled_rnn_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
+    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of an RNN layer, summed over its calls
+    (module docstring). Each call must satisfy :func:`unrolled_supported`."""
+    total: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for form in unrolled_rnn_forms(calls, wanted, n):
+            total.update(form.grads())
     return total

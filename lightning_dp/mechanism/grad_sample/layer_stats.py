@@ -1,0 +1,87 @@
+"""What the ghost engine keeps of one layer for one step (:class:`LayerStats`): each example's squared gradient
+norm, and the clipped sums Σ_i c_i g_i on demand; with the two forms every rule may fall back to (materialised
+per-example grads; a parameter the step never read)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dp.mechanism.grad_sample.base import ParamMap
+from lightning_dp.mechanism.grad_sample.ghost_tied import Dense, Representation
+
+
+def sq_norms(g: Tensor) -> Tensor:
+    """Squared L2 norm of each example's slice g[i], as one fused reduction (no g² temporary)."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
+class LayerStats:
+    """Per-layer statistics: squared per-example norms, then clipped sums on demand."""
+
+    sq_norms: Tensor
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i s⊙g_i for each of the layer's wanted parameters."""
+        raise NotImplementedError
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² (s⊙g_i)² for each of the layer's wanted parameters."""
+        raise NotImplementedError
+
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """Example i's gradient of ``p`` in a form the tied-weight cross terms read (None: not available)."""
+        return None
+
+
+class MaterialisedStats(LayerStats):
+    """Per-example grads ``[n, *p.shape]`` held explicitly (small layers, fallbacks)."""
+
+    def __init__(self, grads: dict[Tensor, Tensor], scale: Optional[ParamMap]) -> None:
+        if scale is not None:
+            grads = {p: g * scale[p] for p, g in grads.items()}
+        self.grads = grads
+        self.sq_norms = add_parts([sq_norms(g) for g in grads.values()])
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
+        return {p: torch.tensordot(c, g, dims=1) for p, g in self.grads.items()}
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
+        return {p: torch.tensordot(c2, g * g, dims=1) for p, g in self.grads.items()}
+
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """The materialised per-example gradients of ``p``."""
+        return Dense(self.grads[p])
+
+
+class UnusedStats(LayerStats):
+    """A parameter the step's loss never read (:func:`~.functorch_vmap.unused_in_step`): every example's
+    gradient is exactly zero, so it adds nothing to the norms and its clipped sum is zero (not materialised)."""
+
+    def __init__(self, p: Tensor, n: int) -> None:
+        self.p, self.sq_norms = p, p.new_zeros(n)
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · 0."""
+        return {self.p: torch.zeros_like(self.p)}
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · 0²."""
+        return {self.p: torch.zeros_like(self.p)}
+
+
+def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
+    """Ghost norm (n·T²·(in+out)) beats materialising (n·T·in·out) when T·(in+out) < in·out."""
+    return T * (d_in + d_out) < d_in * d_out
+
+
+def add_parts(parts: list[Tensor]) -> Tensor:
+    """Sum of one layer's per-call tensors (no copy for a single call, unlike ``sum``)."""
+    out = parts[0]
+    for t in parts[1:]:
+        out = out + t
+    return out
