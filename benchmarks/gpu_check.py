@@ -188,6 +188,9 @@ def zoo_cases() -> list[Case]:
         Case("lstm-over-rows", Z.RecurrentOverRows, Z.image_data),
         Case("gru-over-rows-h0", lambda: Z.RecurrentOverRows("GRU", h0=True), Z.image_data),
         Case("router-scatter", lambda: Z.RoutedTokens(scattered=True), vec),
+        Case("scaled-norm", Z.ScaledTokens, tok, quick=True),
+        Case("scaled-norm-twice", lambda: Z.ScaledTokens("twice"), tok),
+        Case("lstm-tm", lambda: Z.TorchRecurrent("LSTM", batch_first=False), _pad),
         Case("time-major-collate-phys4", Z.TimeMajorBatchTransposed, _pad, engines=("auto",),
              collate=Z.time_major_collate, physical=4),
     ]

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
+from lightning_dp.mechanism.validators.elementwise_scale import scale_candidate, scaled_operand
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
@@ -52,6 +53,7 @@ class Record:
     generation: int = 0  # the LayerCalls generation (step) the call belongs to
     output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
     flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
+    scaled: Optional[Tensor] = None  # y of an output verified as weight ⊙ y (validators/elementwise_scale.py)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -394,6 +396,7 @@ class ActivationCapture:
     def _hook(self, calls: LayerCalls, reducer: Optional[RecordReducer], time_major: bool = False):
         dims = TIME_MAJOR if time_major else example_dims(calls.module)
         params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
+        scale_weight = scale_candidate(calls.module)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             if self._sites is not None:
@@ -435,13 +438,15 @@ class ActivationCapture:
             if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
+            scaled = (None if scale_weight is None or rows is not None or time_major
+                      else scaled_operand(scale_weight, out, inputs))
             out, leaves = _aliased(out, leaves, live)
             if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
                 self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
                                      if dims.output(k) == 0 and leaves[k].grad_fn is not None)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
-                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None)
+                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None, scaled)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))

@@ -545,3 +545,11 @@ def test_an_rnn_over_flattened_rows_with_dropout_between_layers_is_refused(engin
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_an_unbatched_lookup_with_a_dimension_of_size_one_is_exact(engine):
     zoo.assert_exact(zoo.PositionScalars, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind", ["plain", "right", "view", "twice", "shifted", "column"])
+def test_custom_rms_norms_are_exact(kind, engine):
+    """The elementwise-scale rule serves weight ⊙ y (verified from autograd's record); a weight also used inside y,
+    shifted, or broadcast along another dimension keeps the per-example vmap: every form exact."""
+    zoo.assert_exact(lambda: zoo.ScaledTokens(kind), zoo.token_data(), per_sample=engine)

@@ -966,6 +966,47 @@ class PositionScalars(Base):
         return per_example_token_mean(self.head(h), y)
 
 
+class ScaleNorm(nn.Module):
+    """An RMSNorm written the way model libraries write theirs (not ``nn.RMSNorm``): ``kind`` picks how the weight meets
+    the normalised tokens. ``plain``/``right``/``view``: ``weight ⊙ y`` (served by the elementwise-scale rule);
+    ``twice``: the weight also inside y; ``shifted``: Gemma's ``(1 + weight) ⊙ y``; ``column``: the weight broadcast
+    along the second-to-last dimension of a ``[B, D, D]`` operand. The last three must not take the rule."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.weight = kind, nn.Parameter(1 + 0.3 * torch.randn(D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.kind == "right":
+            return y * self.weight
+        if self.kind == "view":
+            return self.weight.view(1, 1, -1) * y
+        if self.kind == "twice":
+            return self.weight * (y * self.weight.mean())
+        if self.kind == "shifted":
+            return (1 + self.weight) * y
+        if self.kind == "column":
+            return self.weight.view(-1, 1) * (y.transpose(1, 2) @ y)
+        return self.weight * y
+
+
+class ScaledTokens(Base):
+    """Token model with two calls of a custom RMSNorm (:class:`ScaleNorm`) around a Linear: the elementwise-scale rule
+    (validators/elementwise_scale.py) must serve exactly the forms where the weight's gradient is Σ_t δ ⊙ y."""
+
+    def __init__(self, kind: str = "plain") -> None:
+        super().__init__()
+        self.emb, self.norm, self.mid, self.head = nn.Embedding(V, D), ScaleNorm(kind), nn.Linear(D, D), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.norm(torch.tanh(self.mid(self.norm(self.emb(x)))))
+        if h.shape[-2] != x.shape[1]:  # the [B, D, D] form: back to one vector per token
+            h = h[:, :x.shape[1]] if D >= x.shape[1] else h.mean(1, keepdim=True).expand(-1, x.shape[1], -1)
+        return per_example_token_mean(self.head(h), y)
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second

@@ -45,6 +45,7 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.grad_sample.attention import attention_grads, attention_supported
+from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
 from lightning_dp.mechanism.grad_sample.rnn_unrolled import recorded_input, unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -338,6 +339,8 @@ def vmap_layer_grads(
     (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
     (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``)."""
     module = calls.module
+    if scale_served(calls):
+        return scale_layer_grads(calls, wanted, n)
     if isinstance(module, nn.MultiheadAttention) and all(attention_supported(module, r) for r in calls.records):
         return attention_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):

@@ -54,6 +54,7 @@ from lightning_dp.mechanism.capture import (
     leaf_layers,
     owners_of,
 )
+from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
 from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
 from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
@@ -495,6 +496,9 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
         return norm_layer_stats(calls, wanted, n, scale, with_squares)
     if recurrent_served(calls):
         return recurrent_stats(calls, wanted, n, scale, with_squares)
+    if scale_served(calls):
+        grads = scale_layer_grads(calls, list(wanted.items()), n)
+        return MaterialisedStats({p: grads[k] for k, p in wanted.items()}, scale)
     return fallback_stats(calls, wanted, n, scale, with_squares)
 
 
