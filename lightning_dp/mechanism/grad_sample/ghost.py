@@ -571,7 +571,12 @@ def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
     """The module's own forward on its weights detached: the kernel's backward then computes only the input and
     initial-state gradients (the weights' clipped sums come from :mod:`.ghost_recurrent`). Only the registered
     ``nn.Parameter`` objects are detached: a replay that substitutes plain tensors (``functional_call`` in the
-    per-example loop or the dropout replay) differentiates them as usual."""
+    per-example loop or the dropout replay) differentiates them as usual. The module's list of weights is first
+    brought up to date with its attributes (as its own forward does): restored afterwards, it then matches the
+    references torch keeps to tell a later ``functional_call`` apart."""
+    update = getattr(self, "_update_flat_weights", None)
+    if update is not None:
+        update()
     flat = self._flat_weights
     self._flat_weights = [w.detach() if isinstance(w, nn.Parameter) else w for w in flat]
     try:

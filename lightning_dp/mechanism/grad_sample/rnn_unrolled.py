@@ -56,6 +56,7 @@ capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_e
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -102,18 +103,23 @@ def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tenso
                  batch_sizes: Optional[Tensor] = None) -> Tensor:
     """One layer, every direction, by torch's fused kernel (what the module's own forward runs):
     its outputs ``[n, T, directions·H]`` from ``[n, T, D]`` inputs or, with ``batch_sizes``, the packed
-    outputs ``[rows, directions·H]`` from a ``PackedSequence``'s data ``[rows, D]`` (h0, c0 in its sorted order)."""
+    outputs ``[rows, directions·H]`` from a ``PackedSequence``'s data ``[rows, D]`` (h0, c0 in its sorted order).
+    One layer's weights are never cuDNN's single flattened chunk (the whole module's): cuDNN compacts them for the
+    call, and its warning about that, which would name this file and not the user's module, is silenced here."""
     if batch_sizes is None:
         lead, tail = (inp,), (flat, module.bias, 1, 0.0, False, module.bidirectional, True)
     else:
         lead, tail = (inp, batch_sizes), (flat, module.bias, 1, 0.0, False, module.bidirectional)
-    if isinstance(module, nn.LSTM):
-        assert c0 is not None
-        return torch.lstm(*lead, (h0, c0), *tail)[0]
-    if isinstance(module, nn.GRU):
-        return torch.gru(*lead, h0, *tail)[0]
-    kernel = torch.rnn_relu if module.nonlinearity == "relu" else torch.rnn_tanh
-    return kernel(*lead, h0, *tail)[0]
+    with warnings.catch_warnings():
+        if inp.is_cuda:
+            warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
+        if isinstance(module, nn.LSTM):
+            assert c0 is not None
+            return torch.lstm(*lead, (h0, c0), *tail)[0]
+        if isinstance(module, nn.GRU):
+            return torch.gru(*lead, h0, *tail)[0]
+        kernel = torch.rnn_relu if module.nonlinearity == "relu" else torch.rnn_tanh
+        return kernel(*lead, h0, *tail)[0]
 
 
 def _padded(packed: PackedSequence, data: Tensor) -> tuple[Tensor, Tensor]:

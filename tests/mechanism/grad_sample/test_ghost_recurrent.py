@@ -145,3 +145,44 @@ def test_scaled_norms_and_squares_materialise():
     stats = recurrent_stats(calls, wanted, N, scale, True)
     want = sum((g[k] * scale[p]).reshape(N, -1).pow(2).sum(1) for k, p in wanted.items())
     torch.testing.assert_close(stats.sq_norms, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("proj_size", [0, 3])
+def test_ghost_engine_steps_with_detached_weights_stay_exact(proj_size):
+    """Under ghost the RNN runs on its weights detached (no weight gradients in its backward); an LSTM with
+    projections is served by one backward per example (functional_call on replacement tensors), which must still
+    differentiate them: torch's RNN keeps references to tell a functional_call apart, and the detached forward must
+    leave them consistent, step after step (a stale reference once ran the loop on detached weights)."""
+    from lightning_dp.mechanism import make_engine
+
+    torch.manual_seed(5)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, D)
+            self.rnn = nn.LSTM(D, H, batch_first=True, proj_size=proj_size)
+            self.head = nn.Linear(proj_size or H, 7)
+
+        def forward(self, x):
+            return self.head(self.rnn(self.emb(x))[0])
+
+    model = Model().double()
+    params = list(model.parameters())
+    engine = make_engine("ghost")
+    engine.attach(model)
+    x = torch.randint(0, 7, (N, T))
+    for n in (N, 2, N):
+        engine.begin_step(n)
+        model(x[:n]).pow(2).mean(dim=(1, 2)).mean().backward()
+        assert model.rnn.weight_hh_l0.grad is None  # the module's own backward skipped its weight gradients
+        got = engine.clip_and_sum(params, float("inf"))
+        engine.detach()
+        want = [torch.zeros_like(p) for p in params]
+        for i in range(n):
+            loss = model(x[i:i + 1]).pow(2).mean()
+            for w, g in zip(want, torch.autograd.grad(loss, params)):
+                w += g
+        engine.attach(model)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(got.sums[p], w, rtol=1e-10, atol=1e-12)
