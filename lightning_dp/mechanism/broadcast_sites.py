@@ -43,6 +43,12 @@ weight=self.qkv.weight, bias=torch.cat((q_bias, k_bias, v_bias)))`` and never th
 linear layer's rule: ∇W_i = Σ_positions δ_i ⊗ x_i, ∇b_i = Σ_positions δ_i from the output's gradient δ
 (:meth:`BroadcastSites._functional_linear`).
 
+A followed weight of ``F.embedding`` looked up with the examples' ids (PEFT's LoRA on an embedding:
+``F.embedding(x, lora_embedding_A.T)``) is a site too: example i's gradient of the table is its output gradient's rows
+added at its own ids, zero at ``padding_idx`` (:meth:`BroadcastSites._functional_embedding`; a few examples at a time,
+each a table-sized ``[V, r]``; not a site with ``max_norm``, which writes the table, or ``scale_grad_by_freq``, which
+scales by the batch's counts).
+
 A followed operand of a two-operand ``torch.einsum`` whose other operand holds the examples in its first index, which
 leads the result and is not the followed operand's (timm MViTv2's decomposed relative position bias,
 ``einsum("byhwc,hkc->byhwk", q, Rh)``), is a site too: example i's gradient is the same contraction over its rows
@@ -62,6 +68,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
@@ -137,10 +144,11 @@ class _Source:
             self.per_example = g.new_zeros(self.n, *g.shape[1:])
         self.per_example = self.per_example.index_add(0, torch.arange(start, stop, device=g.device), g)
 
-    def arrive_rows(self, t_edge: Optional[GradientEdge], rows: Tensor) -> None:
-        """Example i's gradient w.r.t. a followed t in row i of ``rows`` ``[n, *t.shape]`` (a functional layer's
-        weight: :meth:`BroadcastSites._functional_linear`), mapped back to this source's output."""
-        self._add(self._back(t_edge, rows))
+    def arrive_rows(self, t_edge: Optional[GradientEdge], rows: Tensor, start: int = 0) -> None:
+        """Example i's gradient w.r.t. a followed t in row i − ``start`` of ``rows`` ``[k, *t.shape]`` (a functional
+        layer's weight: :meth:`BroadcastSites._functional_linear`; all n rows unless ``start``/k say otherwise),
+        mapped back to this source's output."""
+        self._add(self._back(t_edge, rows), start, start + rows.shape[0])
 
     def reject(self) -> None:
         """A site whose rows cannot be taken for the examples' (an unconfirmed block of copies): nothing is handed over."""
@@ -271,6 +279,8 @@ class BroadcastSites(TorchFunctionMode):
             return result
         if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
             return result
+        if func is F.embedding and self._functional_embedding(_embedding_arguments(args, kwargs), result, rows):
+            return result
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
         if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
             repeated = self._repeated(flat[0], followed[0][1], args[1:], result, rows)
@@ -340,6 +350,41 @@ class BroadcastSites(TorchFunctionMode):
                 rows_i = torch.bmm(delta.transpose(1, 2), inputs) if i == 1 else delta.sum(1)
                 for source in sources:
                     source.arrive_rows(None if args[i] is source.out() else edges[i], rows_i)
+
+        result.register_hook(hook)
+        return True
+
+    def _functional_embedding(self, call: Optional[tuple[Any, Any, Any]], result: Any, rows: set[int]) -> bool:
+        """``F.embedding(ids, W)`` of the examples' ids ``[n, …]`` (or verified flattened ``[n·m, …]``) with a followed
+        table W ``[V, r]`` (PEFT's LoRA on an embedding: ``F.embedding(x, lora_embedding_A.T)``): a site. Example i's
+        gradient of W is its output gradient's rows added at its own ids, ∇W_i[v] = Σ_{t: ids_i,t = v} δ_i,t, zero at
+        ``padding_idx`` (as the lookup's own backward); mapped back to W's sources a few examples at a time (each row
+        is table-sized, ≤ ``_SLICED_ELEMENTS`` elements per batch of rows). ``call``: (ids, W, padding_idx), None for a
+        call that is not a site (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+        if call is None or not isinstance(result, Tensor) or not result.requires_grad:
+            return False
+        ids, table, padding_idx = call
+        if (not isinstance(ids, Tensor) or not isinstance(table, Tensor) or self._sources(ids) or table.dim() != 2
+                or ids.dim() < 1 or ids.is_floating_point() or not self._holds_examples(ids, rows)):
+            return False
+        n, (V, r) = self.n, table.shape
+        idx = ids.detach().reshape(n, -1)
+        sources, edge = self._sources(table), get_gradient_edge(table)
+        pad = None if padding_idx is None else padding_idx % V
+        chunk = max(1, _SLICED_ELEMENTS // max(V * r, 1))
+
+        def hook(g: Tensor) -> None:
+            if self._mapping[0]:
+                return
+            delta = g.detach().reshape(n, -1, r)
+            for start in range(0, n, chunk):
+                stop = min(n, start + chunk)
+                at = idx[start:stop].unsqueeze(-1).expand(-1, -1, r)
+                per_example = delta.new_zeros(stop - start, V, r).scatter_add_(1, at, delta[start:stop])
+                if pad is not None:
+                    per_example[:, pad] = 0
+                for source in sources:
+                    source.arrive_rows(None if table is source.out() else edge, per_example, start)
 
         result.register_hook(hook)
         return True
@@ -526,6 +571,17 @@ def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
     """``(input, weight, bias)`` of an ``F.linear`` call, positional or keyword (timm: ``F.linear(input=x, …)``)."""
     named = (*args, *(None,) * 3)[:3]
     return tuple(kwargs.get(key, named[k]) for k, key in enumerate(("input", "weight", "bias")))  # type: ignore
+
+
+def _embedding_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any]]:
+    """``(input, weight, padding_idx)`` of an ``F.embedding`` call, positional or keyword; None when it renormalises
+    (``max_norm``), scales by frequency or is sparse (not a site)."""
+    keys = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    named = dict(zip(keys, args))
+    named.update(kwargs)
+    if named.get("max_norm") is not None or named.get("scale_grad_by_freq") or named.get("sparse"):
+        return None
+    return named.get("input"), named.get("weight"), named.get("padding_idx")
 
 
 def _einsum_arguments(args: tuple, kwargs: dict) -> Optional[tuple[list[str], str, list[Tensor]]]:

@@ -140,6 +140,8 @@ CASES = {
     "llama": (llama, "lm"),
     "gpt2-lora": (lora(gpt2, ["c_attn", "c_proj"]), "lm"),
     "llama-lora": (lora(llama, ["q_proj", "v_proj"]), "lm"),
+    # LoRA on the token embedding: F.embedding(ids, lora_embedding_A.T) @ lora_embedding_B.T (a functional lookup site)
+    "gpt2-lora-embed": (lora(gpt2, ["wte", "c_attn"]), "lm"),
     # DoRA: the LoRA layers also called on an identity matrix (a lookup whose output is used detached) besides
     # the batch; the magnitude layer replays the frozen base layer inside vmap
     "gpt2-dora": (lora(gpt2, ["c_attn"], use_dora=True), "lm"),

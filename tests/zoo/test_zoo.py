@@ -553,3 +553,17 @@ def test_custom_rms_norms_are_exact(kind, engine):
     """The elementwise-scale rule serves weight ⊙ y (verified from autograd's record); a weight also used inside y,
     shifted, or broadcast along another dimension keeps the per-example vmap: every form exact."""
     zoo.assert_exact(lambda: zoo.ScaledTokens(kind), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind", ["lora", "padding", "positions", "tied"])
+def test_a_table_looked_up_functionally_is_exact(kind, engine):
+    """F.embedding with the examples' ids and a followed table (PEFT's LoRA on embed_tokens): example i's gradient is
+    its rows added at its own ids (zero at padding_idx), mapped back through the transpose to the factor."""
+    zoo.assert_exact(lambda: zoo.FunctionalEmbedding(kind), zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_functional_lookup_scaled_by_the_batch_frequency_is_refused(engine):
+    zoo.assert_refused(lambda: zoo.FunctionalEmbedding("frequency"), zoo.token_data(), "from no use that the",
+                       per_sample=engine)

@@ -1007,6 +1007,38 @@ class ScaledTokens(Base):
         return per_example_token_mean(self.head(h), y)
 
 
+class LowRankEmbedding(nn.Module):
+    """PEFT's LoRA on an embedding, written out: a base table plus ``F.embedding(x, A.T) @ B.T``, the low-rank factors
+    owned by the container (read in its forward, never through a layer of their own)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.base = kind, nn.Embedding(V, D)
+        self.A, self.B = nn.Parameter(0.5 * torch.randn(3, V)), nn.Parameter(0.5 * torch.randn(D, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "positions":  # ids without the examples: followed on to where they are broadcast
+            return self.base(x) + F.embedding(torch.arange(x.shape[1], device=x.device), self.A.T) @ self.B.T
+        if self.kind == "tied":  # the base table itself read functionally (its layer never called)
+            return F.embedding(x, self.base.weight) + F.embedding(x, self.A.T) @ self.B.T
+        extra = {"padding": dict(padding_idx=0), "frequency": dict(scale_grad_by_freq=True)}.get(self.kind, {})
+        return self.base(x) + F.embedding(x, self.A.T, **extra) @ self.B.T
+
+
+class FunctionalEmbedding(Base):
+    """A table looked up by ``F.embedding`` with the examples' ids (:class:`LowRankEmbedding`): a broadcast site with
+    an embedding's rule (exact); ``frequency`` scales each row's gradient by the batch's counts and is refused."""
+
+    def __init__(self, kind: str = "lora") -> None:
+        super().__init__()
+        self.emb, self.head = LowRankEmbedding(kind), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        x = torch.where(x % 4 == 0, torch.zeros_like(x), x)  # some ids are the padding row
+        return per_example_token_mean(self.head(torch.tanh(self.emb(x))), y)
+
+
 class PerFrameConv(Base):
     """A convolution per frame (video) or per patch (TNT's inner pixels): ``[B, F, C, H, W]`` flattened to
     ``[B·F, C, H, W]`` by a view. The first conv takes the ghost norm (T·(in+out) < in·out), the second
