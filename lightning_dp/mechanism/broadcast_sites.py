@@ -273,7 +273,9 @@ class BroadcastSites(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
         computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
-        result = func(*args, **kwargs) if computed else flat[0]  # in place on an unfollowed tensor: its shape
+        # a costly call is first run on shapes alone (meta tensors): at a site it runs once, on the expansion
+        shaped = _shape_only(name, args, kwargs) if computed and name in SHAPED_FIRST else None
+        result = shaped if shaped is not None else func(*args, **kwargs) if computed else flat[0]
         rows = {self.n} | self._flattened()
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
@@ -291,7 +293,7 @@ class BroadcastSites(TorchFunctionMode):
                 flat[i] = self._expanded(flat[i], sources, result.dim(), result.shape[0])
             args, kwargs = tree_unflatten(flat, spec)
             return func(*args, **kwargs)
-        if not computed:
+        if not computed or shaped is not None:
             result = func(*args, **kwargs)
         sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
         for t in tree_flatten(result)[0]:
@@ -527,6 +529,40 @@ BROADCASTING: frozenset[str] = frozenset({
 """Operations whose result broadcasts their inputs (so an input expanded to n rows gives the same values). Only
 these are broadcast sites: expanding a weight of ``F.linear`` or ``F.embedding`` would change the operation; such
 a use is followed on, never served, and the examples' gradients then do not add up (refused)."""
+
+
+SHAPED_FIRST: frozenset[str] = frozenset({"scaled_dot_product_attention", "matmul", "__matmul__", "__rmatmul__"})
+"""Costly broadcasting operations whose result's shape is worked out from the arguments' before the call
+(:func:`_shape_only`): at a site the real call then runs once, on the expansion (T5's relative bias as SDPA's
+``attn_mask``), not once to learn the shape and again on the expansion."""
+
+
+def _shape_only(name: str, args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """An empty meta tensor of the shape ``name``'s result will have (SDPA: the broadcast batch dimensions of query,
+    key and value, into which the mask's must broadcast, then the query's length and the value's width; matmul of ≥ 2-D operands: the broadcast batch
+    dimensions, then rows × columns), or None where the rule does not cover the call (computed for real)."""
+    if name == "scaled_dot_product_attention":
+        keys = ("query", "key", "value", "attn_mask")
+        named = dict(zip(keys, args))
+        named.update({k: v for k, v in kwargs.items() if k in keys})
+        q, k, v, mask = (named.get(key) for key in keys)
+        if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in (q, k, v)):
+            return None
+        parts = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+        rows, cols = q.shape[-2], v.shape[-1]
+    else:
+        a, b = (args[1], args[0]) if name == "__rmatmul__" else (args + (None, None))[:2]
+        if kwargs or not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.dim() < 2 or b.dim() < 2:
+            return None
+        parts, rows, cols = [a.shape[:-2], b.shape[:-2]], a.shape[-2], b.shape[-1]
+    try:
+        batch = torch.broadcast_shapes(*parts)
+        if name == "scaled_dot_product_attention" and isinstance(mask, Tensor) and mask.dim() > 2:
+            if torch.broadcast_shapes(batch, mask.shape[:-2]) != batch:  # a mask cannot grow the output
+                return None
+    except RuntimeError:  # grouped-query attention's fewer key heads, or a call that will fail anyway
+        return None
+    return torch.empty((*batch, rows, cols), device="meta")
 
 
 REPEATING: frozenset[str] = frozenset({"repeat", "tile"})

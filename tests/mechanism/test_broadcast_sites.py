@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
@@ -194,3 +195,35 @@ def test_a_block_of_copies_used_otherwise_is_not_handed_over():
         finally:
             sites.close()
         assert got == [None], use
+
+
+@pytest.mark.parametrize("name,shapes", [
+    ("scaled_dot_product_attention", [(1, 2, 5, 4), (6, 2, 5, 4), (6, 2, 5, 3), (1, 2, 5, 5)]),  # keys grow the batch
+    ("scaled_dot_product_attention", [(6, 2, 5, 4), (6, 2, 7, 4), (6, 2, 7, 3), (1, 2, 5, 7)]),
+    ("scaled_dot_product_attention", [(6, 2, 5, 4), (6, 2, 7, 4), (6, 2, 7, 3), (5, 7)]),
+    ("matmul", [(6, 5, 3), (3, 4)]),
+    ("matmul", [(1, 2, 5, 3), (6, 1, 3, 4)]),
+    ("__matmul__", [(6, 5, 3), (1, 3, 2)]),
+    ("__rmatmul__", [(3, 2), (6, 5, 3)]),
+])
+def test_shape_only_predicts_the_result_shape(name, shapes):
+    """The shape a costly broadcasting call's result will have, worked out before the call (broadcast_sites.
+    _shape_only): it decides whether the call is a site, so it must equal the real result's shape."""
+    from lightning_dp.mechanism.broadcast_sites import _shape_only
+
+    args = tuple(torch.randn(s) for s in shapes)
+    real = {"scaled_dot_product_attention": lambda *a: F.scaled_dot_product_attention(a[0], a[1], a[2], attn_mask=a[3]),
+            "matmul": torch.matmul, "__matmul__": lambda a, b: a @ b, "__rmatmul__": lambda a, b: b @ a}[name](*args)
+    call = (args[:3], {"attn_mask": args[3]}) if name == "scaled_dot_product_attention" else (args, {})
+    predicted = _shape_only(name, *call)
+    assert predicted is not None and predicted.shape == real.shape and predicted.device.type == "meta"
+
+
+def test_shape_only_leaves_uncovered_calls_to_the_real_computation():
+    from lightning_dp.mechanism.broadcast_sites import _shape_only
+
+    q, kv = torch.randn(2, 4, 5, 3), torch.randn(2, 2, 5, 3)  # grouped-query attention: fewer key heads
+    assert _shape_only("scaled_dot_product_attention", (q, kv, kv), {}) is None
+    assert _shape_only("matmul", (torch.randn(3), torch.randn(3, 4)), {}) is None  # a 1-D operand
+    q = torch.randn(1, 2, 5, 3)  # a mask that would grow the batch: the real call raises, as it would unfollowed
+    assert _shape_only("scaled_dot_product_attention", (q, q, q), {"attn_mask": torch.randn(6, 2, 5, 5)}) is None
