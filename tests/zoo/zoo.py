@@ -968,9 +968,10 @@ class PositionScalars(Base):
 
 class ScaleNorm(nn.Module):
     """An RMSNorm written the way model libraries write theirs (not ``nn.RMSNorm``): ``kind`` picks how the weight meets
-    the normalised tokens. ``plain``/``right``/``view``: ``weight ⊙ y`` (served by the elementwise-scale rule);
-    ``twice``: the weight also inside y; ``shifted``: Gemma's ``(1 + weight) ⊙ y``; ``column``: the weight broadcast
-    along the second-to-last dimension of a ``[B, D, D]`` operand. The last three must not take the rule."""
+    the normalised tokens. ``plain``/``right``/``view``: ``weight ⊙ y``, ``shifted``: Gemma's ``(1 + weight) ⊙ y``
+    (served by the elementwise-scale rule); ``twice``: the weight also inside y; ``negated``: ``(1 − weight) ⊙ y``;
+    ``doubled``: ``2·weight ⊙ y``; ``column``: the weight broadcast along the second-to-last dimension of a
+    ``[B, D, D]`` operand. The last four must not take the rule (their gradient is not Σ_t δ ⊙ y)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -986,6 +987,10 @@ class ScaleNorm(nn.Module):
             return self.weight * (y * self.weight.mean())
         if self.kind == "shifted":
             return (1 + self.weight) * y
+        if self.kind == "negated":
+            return (1 - self.weight) * y
+        if self.kind == "doubled":
+            return (self.weight * 2) * y
         if self.kind == "column":
             return self.weight.view(-1, 1) * (y.transpose(1, 2) @ y)
         return self.weight * y

@@ -11,16 +11,18 @@ the mean loss's output gradient δ (n: the number of examples),
 exact whatever ``y`` is, provided ``y`` does not depend on the weight. Nothing is taken from the class's name or
 source. :func:`scaled_operand` reads the call's last autograd node, right after the forward:
 
-- the output is made by one multiplication (``MulBackward0``), one of whose operands is the weight, maybe cast or
-  reshaped (``self.weight.float()``, ``weight.view(1, 1, d)``): the autograd path from that operand reaches the weight's
-  accumulator through casts and views only, and the operand has the weight's d elements, broadcast along the output's
+- the output is made by one multiplication (``MulBackward0``), one of whose operands is the weight, maybe cast,
+  reshaped or shifted by a constant (``self.weight.float()``, ``weight.view(1, 1, d)``, Gemma's ``1.0 + weight``):
+  the autograd path from that operand reaches the weight's accumulator through casts, views and additions of a
+  constant only (each of derivative 1), and the operand has the weight's d elements, broadcast along the output's
   last dimension only;
 - the other operand ``y`` has the output's shape (the weight is broadcast, never the examples' values), and its
   autograd history, walked back to the call's inputs, never reaches the weight (a second use of the weight inside
   the call, ``self.weight * (x * self.weight.mean())``, would add a gradient this formula misses).
 
 A layer that passes gets the formula above (:mod:`~lightning_dp.mechanism.grad_sample.elementwise_scale`); any other
-(``(1 + self.weight) * y`` as in Gemma, a bias added after, a history too long to walk) keeps the per-example vmap.
+(``(1 - self.weight) * y``, ``2 * self.weight * y``, a bias added after, a history too long to walk) keeps the
+per-example vmap.
 The first step's probe compares the result with autograd's gradient, as for every rule.
 """
 
@@ -48,13 +50,29 @@ def scale_candidate(module: nn.Module) -> Optional[nn.Parameter]:
     return params[0] if own and own[0] is params[0] else None
 
 
+def _shifted(node: Any) -> Any:
+    """The node before an addition or subtraction of a constant whose derivative along the one differentiable input
+    is 1 (``1.0 + w``, ``w - c``: Gemma's ``(1 + weight) ⊙ y``), else None. ``c - w`` (−1) and ``c + α·w`` with α ≠ 1
+    are not."""
+    live = [k for k, (fn, _) in enumerate(node.next_functions) if fn is not None]
+    if len(live) != 1:
+        return None
+    if live[0] == 1 and (node.name() == "SubBackward0" or getattr(node, "_saved_alpha", 1) != 1):
+        return None
+    return node.next_functions[live[0]][0]
+
+
 def _is_weight(node: Any, weight: Tensor) -> bool:
-    """Whether autograd node ``node`` passes the weight's values unchanged (casts, views) from its accumulator."""
+    """Whether autograd node ``node`` passes the weight's values on with derivative 1 from its accumulator: casts,
+    views, and shifts by a constant (:func:`_shifted`)."""
     for _ in range(8):
         if node is None:
             return False
         if node.name() in _PASS_THROUGH:
             node = node.next_functions[0][0]
+            continue
+        if node.name() in ("AddBackward0", "SubBackward0"):
+            node = _shifted(node)
             continue
         return getattr(node, "variable", None) is weight
     return False

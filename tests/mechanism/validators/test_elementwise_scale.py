@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "zoo"))
 
 import zoo  # noqa: E402
 
-SERVED, REFUSED = ["plain", "right", "view"], ["twice", "shifted", "column"]
+SERVED, REFUSED = ["plain", "right", "view", "shifted"], ["twice", "negated", "doubled", "column"]
 
 
 def _call(module: nn.Module, x: torch.Tensor):
@@ -33,7 +33,8 @@ def test_only_the_weight_times_an_operand_free_of_it_is_served(kind):
     y, out = _call(norm, x)
     assert (y is not None) == (kind in SERVED)
     if y is not None:
-        torch.testing.assert_close(norm.weight.detach() * y, out.detach(), rtol=0, atol=0)
+        normalised = x.detach() * torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)  # ScaleNorm's y
+        torch.testing.assert_close(y, normalised, rtol=0, atol=0)
         assert not y.requires_grad
 
 
@@ -95,3 +96,17 @@ def test_the_rule_equals_one_backward_per_example():
     for i in range(len(x)):
         want, = torch.autograd.grad(forward(x[i:i + 1], target[i:i + 1]).sum(), [model.norm.weight])
         torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+
+
+def test_only_shifts_of_derivative_one_pass_through():
+    """(w + c) ⊙ y and (w − c) ⊙ y have the weight's gradient Σ δ ⊙ y; (c − w) ⊙ y (−1) and (c + 2w) ⊙ y (2) do not."""
+    w = nn.Parameter(torch.randn(4))
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    c = torch.ones(4)
+    served = {"w + c": (w + c) * x, "w - c": (w - 3.0) * x, "c + w": (c + w) * x}
+    refused = {"c - w": torch.sub(c, w) * x, "c + 2w": torch.add(c, w, alpha=2) * x, "2w": (2 * w) * x,
+               "w + w": (w + w) * x}
+    for name, out in served.items():
+        assert scaled_operand(w, out, [x]) is not None, name
+    for name, out in refused.items():
+        assert scaled_operand(w, out, [x]) is None, name
