@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
+from lightning_dp.mechanism.attention_nodes import projection_candidate, record_projections
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.root_parameters import RootParameters
@@ -54,6 +55,7 @@ class Record:
     output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
     flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
     scaled: Optional[Tensor] = None  # y of an output verified as weight ⊙ y (validators/elementwise_scale.py)
+    projections: Optional[Any] = None  # a self-attention call's projection nodes (attention_nodes.Projections)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -440,13 +442,16 @@ class ActivationCapture:
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
             scaled = (None if scale_weight is None or rows is not None or time_major
                       else scaled_operand(scale_weight, out, inputs))
+            projections = (record_projections(module, args[0], leaves[0], self._mapping)
+                           if n is not None and rows is None and projection_candidate(module, args, kwargs) else None)
             out, leaves = _aliased(out, leaves, live)
             if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
                 self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
                                      if dims.output(k) == 0 and leaves[k].grad_fn is not None)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
-                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None, scaled)
+                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None, scaled,
+                         projections)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))

@@ -55,7 +55,8 @@ from lightning_dp.mechanism.capture import (
     owners_of,
 )
 from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
-from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms
+from lightning_dp.mechanism.grad_sample.ghost_recurrent import form_stats, recurrent_served, recurrent_stats
 from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
@@ -496,6 +497,9 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
         return norm_layer_stats(calls, wanted, n, scale, with_squares)
     if recurrent_served(calls):
         return recurrent_stats(calls, wanted, n, scale, with_squares)
+    forms = projection_forms(calls, list(wanted.items()), n) if isinstance(m, nn.MultiheadAttention) else None
+    if forms is not None:
+        return form_stats(forms, wanted, n, scale, with_squares)
     if scale_served(calls):
         grads = scale_layer_grads(calls, list(wanted.items()), n)
         return MaterialisedStats({p: grads[k] for k, p in wanted.items()}, scale)

@@ -37,8 +37,9 @@ def recurrent_served(calls: LayerCalls) -> bool:
             and all(unrolled_supported(calls.module, rec) for rec in calls.records))
 
 
-class RecurrentStats(LayerStats):
-    """An RNN layer's squared per-example norms and clipped sums from its linear forms (module docstring)."""
+class FormStats(LayerStats):
+    """A layer's squared per-example norms and clipped sums from its linear forms (module docstring): torch's RNNs,
+    and self-attention's projections (:mod:`.attention_projections`)."""
 
     def __init__(self, forms: list[LinearForm], params: dict[str, Tensor], n: int, like: Tensor) -> None:
         self.forms, self.params = forms, params
@@ -92,9 +93,15 @@ def _bookkept(form: LinearForm, c: Tensor) -> Tensor:
 def recurrent_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale: Optional[ParamMap],
                     with_squares: bool) -> LayerStats:
     """The ghost engine's stats of an RNN layer served by :func:`recurrent_served` (module docstring)."""
-    forms = unrolled_rnn_forms(calls, list(wanted.items()), n)
+    return form_stats(unrolled_rnn_forms(calls, list(wanted.items()), n), wanted, n, scale, with_squares)
+
+
+def form_stats(forms: list[LinearForm], wanted: dict[str, Tensor], n: int, scale: Optional[ParamMap],
+               with_squares: bool) -> LayerStats:
+    """Stats of a layer whose per-example grads are the linear ``forms`` (torch's RNNs; self-attention's projections,
+    :mod:`.attention_projections`): ghost norms and book-keeping, or materialised for scaled norms and squares."""
     if scale is None and not with_squares:
-        return RecurrentStats(forms, wanted, n, next(iter(wanted.values())))
+        return FormStats(forms, wanted, n, next(iter(wanted.values())))
     grads: dict[str, Tensor] = {}
     for form in forms:
         grads.update(form.grads())

@@ -322,7 +322,7 @@ class LinearForm:
                           self.weights, self.biases)
 
 
-def _wanted_form(a: Tensor, d: Tensor, weights: dict[str, slice], biases: tuple[str, ...], suffix: str,
+def wanted_form(a: Tensor, d: Tensor, weights: dict[str, slice], biases: tuple[str, ...], suffix: str,
                  wanted: set[str]) -> Optional[LinearForm]:
     """The form of a direction's ``weights``/``biases`` (names without ``suffix``) among ``wanted``, or None; its ``a``
     holds the wanted weights' columns only (so that Σ_t d ⊗ a is exactly their gradients)."""
@@ -364,8 +364,8 @@ def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: O
         d_g, d_r = _gru_backward(F.linear(x, w_ih, b_ih).contiguous(), F.linear(h_prev, w_hh, b_hh), h_prev,
                                  dh_seq, dh_last, w_hh)
         every = slice(None)
-        forms = [_wanted_form(x, d_g, {"weight_ih": every}, ("bias_ih",), suffix, wanted),
-                 _wanted_form(h_prev, d_r, {"weight_hh": every}, ("bias_hh",), suffix, wanted)]
+        forms = [wanted_form(x, d_g, {"weight_ih": every}, ("bias_ih",), suffix, wanted),
+                 wanted_form(h_prev, d_r, {"weight_hh": every}, ("bias_hh",), suffix, wanted)]
         return d_g, [f for f in forms if f is not None]
     xh = _joined(x, h0, h)  # LSTM and RNN: ∂R = ∂G, and G + R = [x_t, h_{t−1}] [W_ih, W_hh]ᵀ + b_ih + b_hh
     w = torch.cat([w_ih, w_hh], dim=1).t()
@@ -377,7 +377,7 @@ def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: O
     else:
         d_g = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)[0]
     D = x.shape[-1]
-    form = _wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
+    form = wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
                         ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)
     return d_g, [] if form is None else [form]
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_dp.mechanism.capture import ActivationCapture, LayerCalls, Record
 from lightning_dp.mechanism.grad_sample import ghost_recurrent
 from lightning_dp.mechanism.grad_sample.functorch_vmap import loop_layer_grads, packed_loop_grads
-from lightning_dp.mechanism.grad_sample.ghost_recurrent import RecurrentStats, recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.ghost_recurrent import FormStats, recurrent_served, recurrent_stats
 from lightning_dp.mechanism.grad_sample.layer_stats import MaterialisedStats
 
 N, T, D, H = 5, 4, 3, 6
@@ -49,7 +49,7 @@ def _check(calls, wanted, n, monkeypatch, loop=loop_layer_grads):
     for force in (True, False):  # the ghost norm, and the materialised G_i
         monkeypatch.setattr(ghost_recurrent, "prefer_ghost", lambda *a, f=force: f)
         stats = recurrent_stats(calls, dict(wanted), n, None, False)
-        assert isinstance(stats, RecurrentStats)
+        assert isinstance(stats, FormStats)
         torch.testing.assert_close(stats.sq_norms, sq, rtol=1e-10, atol=1e-12)
         got = stats.sums(c)
         assert set(got) == {p for _, p in wanted}
