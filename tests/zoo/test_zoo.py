@@ -568,3 +568,8 @@ def test_a_table_looked_up_functionally_is_exact(kind, engine):
 def test_a_functional_lookup_scaled_by_the_batch_frequency_is_refused(engine):
     zoo.assert_refused(lambda: zoo.FunctionalEmbedding("frequency"), zoo.token_data(), "from no use that the",
                        per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_reentrant_checkpoint_on_hidden_states_is_exact(engine):
+    zoo.assert_exact(zoo.ReentrantCheckpointOnHidden, zoo.token_data(), per_sample=engine)

@@ -23,6 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from lightning_dp import DPStrategy
 from lightning_dp.losses import per_example_token_mean
 from lightning_dp.mechanism.noise import NoiseMechanism
+from lightning_dp.mechanism.validators.probe import gradients_of
 
 V, T, D, N = 11, 5, 6, 6  # vocabulary, tokens, width, examples
 
@@ -1162,6 +1163,23 @@ class ReentrantCheckpoint(Base):
         return F.cross_entropy(self.b(h), y)
 
 
+class ReentrantCheckpointOnHidden(Base):
+    """``checkpoint(block, h, use_reentrant=True)`` on hidden states that require grad (Hugging Face's gradient
+    checkpointing with ``use_reentrant=True``): such a graph refuses ``torch.autograd.grad``, which the first step's
+    probe used for its reference (a crash before); a self-attention encoder layer and a custom RMSNorm inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.layer = nn.TransformerEncoderLayer(D, 2, 2 * D, 0.0, batch_first=True)
+        self.norm = ScaleNorm("plain")
+
+    def loss(self, batch):
+        x, y = batch
+        h = torch.utils.checkpoint.checkpoint(lambda t: self.norm(self.layer(t)), self.emb(x), use_reentrant=True)
+        return per_example_token_mean(self.head(h), y)
+
+
 class _Latents(nn.Module):
     """Learned latents expanded over the batch from an int (transformers' PerceiverEmbeddings)."""
 
@@ -1354,7 +1372,7 @@ def reference_update(model: Base, dataset: Dataset, collate: Callable, C: float,
     for i in range(len(dataset)):
         out = model.training_step(collate([dataset[i]]), 0)
         loss = out.mean() if out.dim() else out
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = gradients_of(loss, params)  # .backward() where a reentrant checkpoint refuses .grad()
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         factor = min(1.0, C / (float(norm) + 1e-6))

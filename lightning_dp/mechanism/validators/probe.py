@@ -158,7 +158,7 @@ class ExampleIndependenceProbe:
         try:
             loss = self._loss(indices)
             leaves = list(self.params if self.autograd_params is None else self.autograd_params())
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            grads = gradients_of(loss, leaves)
         finally:
             self.engine.attach(self.module)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
@@ -221,6 +221,26 @@ class ExampleIndependenceProbe:
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
+
+
+def gradients_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Optional[Tensor]]:
+    """∂loss/∂leaves by ``torch.autograd.grad``; where the graph holds a ``torch.utils.checkpoint(use_reentrant=True)``
+    block on inputs that require grad (Hugging Face's gradient checkpointing with ``use_reentrant=True``), which
+    refuses ``.grad()``, by ``loss.backward()`` into the leaves' ``.grad`` instead, their earlier ``.grad`` restored."""
+    try:
+        return list(torch.autograd.grad(loss, list(leaves), allow_unused=True, retain_graph=True))
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+    saved = [p.grad for p in leaves]
+    for p in leaves:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in leaves]
+    finally:
+        for p, g in zip(leaves, saved):
+            p.grad = g
 
 
 def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
