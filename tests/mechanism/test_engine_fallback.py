@@ -180,6 +180,19 @@ def test_a_forward_that_writes_the_models_state_is_refused_by_auto_without_tryin
     assert "also tried" not in str(refused.value) and step.engine_name == "ghost" and not step.verified
 
 
+def _ghost_refused_and_auto_on_vmap(monkeypatch, rule: type, refusal: str):
+    """With ghost's Linear rule replaced by ``rule``: the probe refuses ghost named (``refusal``), and ``auto`` passes
+    over it to vmap with a warning; returns the ``auto`` setup (step, model, optimizer, loader) after its probe."""
+    monkeypatch.setattr(ghost, "LinearFormStats", rule)
+    step, model, _, _ = _setup("ghost")
+    with pytest.raises(PrivacyConfigurationError, match=refusal):
+        step.verify(lambda batch: _loss(model, batch))
+    step, model, optimizer, loader = _setup()
+    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
+        step.verify(lambda batch: _loss(model, batch))
+    return step, model, optimizer, loader
+
+
 class _Underestimating(ghost.LinearFormStats):
     """ghost's Linear rule with a wrong norm (half of it) and right sums: examples would be clipped too little."""
 
@@ -192,13 +205,8 @@ def test_a_wrong_norm_rule_is_caught_by_the_probe_and_auto_moves_on(monkeypatch)
     """The probe's norm check (validators/probe.py, _check_norms): an engine whose per-example norm is not the norm
     of the gradient it computes is refused; the comparisons of the engine with itself and of its sums with autograd
     cannot see that error."""
-    monkeypatch.setattr(ghost, "LinearFormStats", _Underestimating)
-    step, model, _, _ = _setup("ghost")
-    with pytest.raises(PrivacyConfigurationError, match="computed a per-example gradient norm that is not"):
-        step.verify(lambda batch: _loss(model, batch))
-    step, model, optimizer, loader = _setup()
-    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
-        step.verify(lambda batch: _loss(model, batch))
+    step, model, optimizer, loader = _ghost_refused_and_auto_on_vmap(
+        monkeypatch, _Underestimating, "computed a per-example gradient norm that is not")
     _assert_release_is_the_reference(step, model, optimizer, loader)
 
 
@@ -212,10 +220,4 @@ class _SquaredFactors(ghost.LinearFormStats):
 def test_a_wrong_use_of_the_clip_factors_is_caught_by_the_probe(monkeypatch):
     """The probe's clipped pass (validators/probe.py, _check_clipping): at a bound that clips some examples the
     engine's sum must be Σ min(1, C/‖g_i‖) g_i of its own per-example gradients; every other pass takes C = ∞."""
-    monkeypatch.setattr(ghost, "LinearFormStats", _SquaredFactors)
-    step, model, _, _ = _setup("ghost")
-    with pytest.raises(PrivacyConfigurationError, match="clipped the first step's examples wrongly"):
-        step.verify(lambda batch: _loss(model, batch))
-    step, model, _, _ = _setup()
-    with pytest.warns(UserWarning, match="passed engine 'vmap'"):
-        step.verify(lambda batch: _loss(model, batch))
+    _ghost_refused_and_auto_on_vmap(monkeypatch, _SquaredFactors, "clipped the first step's examples wrongly")

@@ -10,7 +10,7 @@ right after the call by walking back from its output to the nodes that read ``in
     out-projection  out = A W_oᵀ + b_o     node input A ``[T·B, E]``, output gradient δ ``[T·B, E]``
 
 Their inputs are kept at the call (autograd saved them anyway) and their output gradients arrive by node pre-hooks
-during the ordinary backward. Each is one linear form (:class:`~.rnn_unrolled.LinearForm`): example i's gradients are
+during the ordinary backward. Each is one linear form (:mod:`.linear_forms`): example i's gradients are
 Σ_t ∂Y_{i,t} ⊗ X_{i,t}, Σ_t ∂Y_{i,t}, Σ_t δ_{i,t} ⊗ A_{i,t}, Σ_t δ_{i,t} (n undoes the mean's 1/n), with no
 recomputation; attention dropout is the call's own.
 
@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.mechanism.attention_nodes import Projections
-from lightning_dp.mechanism.grad_sample.rnn_unrolled import LinearForm, wanted_form
+from lightning_dp.mechanism.grad_sample.linear_forms import LinearForm, wanted_form
+
 
 def _per_example(rows: Tensor, n: int) -> Tensor:
     """``[T·n, F]`` time-major rows as ``[n, T, F]``."""
@@ -40,9 +41,10 @@ def projection_forms(calls: Any, wanted: Sequence[tuple[str, nn.Parameter]], n: 
     """The linear forms of the ``wanted`` parameters over the layer's calls (module docstring), or None unless every
     call was recorded with its projections and passes the output-gradient check (then :mod:`.attention` serves)."""
     module = calls.module
-    if not calls.records or not all(getattr(rec, "projections", None) is not None for rec in calls.records):
+    if not calls.records or not all(rec.projections is not None for rec in calls.records):
         return None
     names = {name for name, _ in wanted}
+    dtype = module.out_proj.weight.dtype
     forms: dict[tuple[str, ...], LinearForm] = {}
     for rec in calls.records:
         found: Projections = rec.projections
@@ -54,7 +56,6 @@ def projection_forms(calls: Any, wanted: Sequence[tuple[str, nn.Parameter]], n: 
         delta = rec.grad_out if not module.batch_first else rec.grad_out.transpose(0, 1)  # [T, B, E]
         if not torch.equal(d_out.view(delta.shape), delta.to(d_out.dtype)):
             return None
-        dtype = module.out_proj.weight.dtype
         parts = [(found.x_in, d_in, "in_proj_weight", "in_proj_bias"), (found.x_out, d_out, "out_proj.weight",
                                                                           "out_proj.bias")]
         for x, d, weight, bias in parts:
@@ -64,17 +65,3 @@ def projection_forms(calls: Any, wanted: Sequence[tuple[str, nn.Parameter]], n: 
                 key = (*form.weights, *form.biases)
                 forms[key] = form if key not in forms else forms[key].joined(form)
     return list(forms.values())
-
-
-def projection_grads(forms: list[LinearForm], wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` from the forms (zeros for a parameter no gradient reached)."""
-    total: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for form in forms:
-            total.update(form.grads())
-    for name, p in wanted:
-        if name not in total:
-            total[name] = torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)
-        else:
-            total[name] = total[name].reshape(n, *p.shape)
-    return total

@@ -45,8 +45,9 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.example_dims import example_dims, time_major_layers
 from lightning_dp.mechanism.grad_sample.attention import attention_grads, attention_supported
-from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms, projection_grads
+from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms
 from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
+from lightning_dp.mechanism.grad_sample.linear_forms import form_grads
 from lightning_dp.mechanism.grad_sample.rnn_unrolled import recorded_input, unrolled_rnn_grads, unrolled_supported
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -344,7 +345,7 @@ def vmap_layer_grads(
         return scale_layer_grads(calls, wanted, n)
     forms = projection_forms(calls, wanted, n) if isinstance(module, nn.MultiheadAttention) else None
     if forms is not None:  # self-attention's projections from autograd's record (attention_projections.py)
-        return projection_grads(forms, wanted, n)
+        return form_grads(forms, wanted, n)
     if isinstance(module, nn.MultiheadAttention) and all(attention_supported(module, r) for r in calls.records):
         return attention_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):

@@ -56,12 +56,15 @@ from lightning_dp.mechanism.capture import (
 )
 from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
 from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms
-from lightning_dp.mechanism.grad_sample.ghost_recurrent import form_stats, recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.linear_forms import form_stats
 from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
     UnusedStats,
     add_parts,
+    bookkept_product,
+    gram_sq_norms,
     prefer_ghost,
     sq_norms,
 )
@@ -177,7 +180,7 @@ class LinearFormStats(WeightBiasStats):
                 return torch.linalg.vector_norm(a1, dim=1).pow(2) * torch.linalg.vector_norm(d1, dim=1).pow(2)
             return ((d1 * d1) @ (sw * sw) * (a1 * a1)).sum(1)
         if sw is None and not with_squares and prefer_ghost(T, a.shape[2], d.shape[2]):
-            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+            return gram_sq_norms(a, d)
         G = torch.bmm(d.transpose(1, 2), a)
         self.G = G if sw is None else G * sw
         return sq_norms(self.G)
@@ -192,11 +195,7 @@ class LinearFormStats(WeightBiasStats):
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
-        d, a = self.d, self.a
-        if d.shape[2] <= a.shape[2]:
-            w = (d * c[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
-        else:
-            w = d.reshape(-1, d.shape[2]).t() @ (a * c[:, None, None]).reshape(-1, a.shape[2])
+        w = bookkept_product(self.a, self.d, c)
         return w if self.sw is None else w * self.sw
 
     def _bookkept_weight_squares(self, c2: Tensor) -> Tensor:

@@ -74,6 +74,20 @@ class UnusedStats(LayerStats):
         return {self.p: torch.zeros_like(self.p)}
 
 
+def gram_sq_norms(a: Tensor, d: Tensor) -> Tensor:
+    """‖Σ_t d_{i,t} ⊗ a_{i,t}‖² for every example i without the outer products (Li et al. §4, ghost clipping):
+    Σ_{t,t'} (a_t·a_t')(d_t·d_t') from ``a`` ``[n, T, in]`` and ``d`` ``[n, T, out]``."""
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+
+
+def bookkept_product(a: Tensor, d: Tensor, c: Tensor) -> Tensor:
+    """Σ_i c_i Σ_t d_{i,t} ⊗ a_{i,t} ``[out, in]`` as one product (c ⊙ d)ᵀ a over all n·T positions (Bu et al.'s
+    book-keeping), c applied to the narrower side."""
+    if d.shape[2] <= a.shape[2]:
+        return (d * c[:, None, None]).reshape(-1, d.shape[2]).t() @ a.reshape(-1, a.shape[2])
+    return d.reshape(-1, d.shape[2]).t() @ (a * c[:, None, None]).reshape(-1, a.shape[2])
+
+
 def prefer_ghost(T: int, d_in: int, d_out: int) -> bool:
     """Ghost norm (n·T²·(in+out)) beats materialising (n·T·in·out) when T·(in+out) < in·out."""
     return T * (d_in + d_out) < d_in * d_out

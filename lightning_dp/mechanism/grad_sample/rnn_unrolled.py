@@ -57,7 +57,6 @@ capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_e
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -66,6 +65,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from lightning_dp.mechanism.capture import LayerCalls
+from lightning_dp.mechanism.grad_sample.linear_forms import LinearForm, form_grads, wanted_form
 
 _SERVED = (nn.LSTM, nn.GRU, nn.RNN)
 
@@ -285,59 +285,6 @@ def _rnn_backward(pre: Tensor, relu: bool, dh_seq: Optional[Tensor], dh_last: Op
     return d, d
 
 
-@dataclass
-class LinearForm:
-    """Per-example gradients that are sums of outer products over time: example i's gradient of each weight is
-    its columns of Σ_t d_{i,t} ⊗ a_{i,t} ``[out, in]``, of each bias Σ_t d_{i,t} (Bu et al.'s book-keeping).
-    ``a``: ``[n, T, in]``; ``d``: ``[n, T, out]`` (already multiplied by n, module docstring); ``weights``: parameter
-    name → its columns of ``a``; ``biases``: the names whose per-example gradient is Σ_t d_{i,t} (an LSTM's
-    ``bias_ih`` and ``bias_hh`` are both)."""
-
-    a: Tensor
-    d: Tensor
-    weights: dict[str, slice]
-    biases: tuple[str, ...]
-
-    def grads(self) -> dict[str, Tensor]:
-        """The form's per-example gradients ``[n, *p.shape]`` (each contiguous: the clipping reads them flat)."""
-        out: dict[str, Tensor] = {}
-        if self.weights:
-            G = torch.bmm(self.d.transpose(1, 2), self.a)  # one product for all weights (slices of a are slow)
-            out.update({name: G[..., cols].contiguous() for name, cols in self.weights.items()})
-        if self.biases:
-            db = self.d.sum(1)
-            out.update({name: db for name in self.biases})
-        return out
-
-    def joined(self, other: "LinearForm") -> "LinearForm":
-        """The form of both (the same parameters' gradients from two calls): a and d joined along time."""
-        return LinearForm(torch.cat([self.a, other.a], 1), torch.cat([self.d, other.d], 1), self.weights, self.biases)
-
-    def per_example(self, n: int) -> "LinearForm":
-        """A form over n·m flattened rows as one over n examples (each example's m rows one after another in time)."""
-        rows = self.a.shape[0]
-        if rows == n:
-            return self
-        return LinearForm(self.a.reshape(n, -1, self.a.shape[-1]), self.d.reshape(n, -1, self.d.shape[-1]),
-                          self.weights, self.biases)
-
-
-def wanted_form(a: Tensor, d: Tensor, weights: dict[str, slice], biases: tuple[str, ...], suffix: str,
-                 wanted: set[str]) -> Optional[LinearForm]:
-    """The form of a direction's ``weights``/``biases`` (names without ``suffix``) among ``wanted``, or None; its ``a``
-    holds the wanted weights' columns only (so that Σ_t d ⊗ a is exactly their gradients)."""
-    kept = [(key + suffix, a[..., cols]) for key, cols in weights.items() if key + suffix in wanted]
-    b = tuple(key + suffix for key in biases if key + suffix in wanted)
-    if not kept and not b:
-        return None
-    if len(kept) < len(weights):
-        a = torch.cat([cols for _, cols in kept], -1) if kept else a[..., :0]
-    columns, start = {}, 0
-    for name, cols in kept:
-        columns[name], start = slice(start, start + cols.shape[-1]), start + cols.shape[-1]
-    return LinearForm(a, d, columns, b)
-
-
 def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
     """[x_t, h_{t−1}] ``[n, T, D + H]`` from the inputs x ``[n, T, D]`` and states h ``[n, T, H]`` (h_{−1} = h0):
     each step's input next to the state it reads, so that G + R is one product."""
@@ -462,8 +409,4 @@ def unrolled_rnn_forms(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Paramet
 def unrolled_rnn_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
     """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of an RNN layer, summed over its calls
     (module docstring). Each call must satisfy :func:`unrolled_supported`."""
-    total: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for form in unrolled_rnn_forms(calls, wanted, n):
-            total.update(form.grads())
-    return total
+    return form_grads(unrolled_rnn_forms(calls, wanted, n), wanted, n)

@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_dp.mechanism.capture import ActivationCapture
 from lightning_dp.mechanism.grad_sample.attention import attention_grads
-from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms, projection_grads
+from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms
+from lightning_dp.mechanism.grad_sample.linear_forms import form_grads
 
 N, T, E = 4, 5, 6
 
@@ -54,7 +55,7 @@ def test_self_attention_projections_equal_the_replay(ctor, call, calls):
     wanted = list(m.named_parameters())
     forms = projection_forms(recorded, wanted, N)
     assert forms is not None and all(rec.projections is not None for rec in recorded.records)
-    got = projection_grads(forms, wanted, N)
+    got = form_grads(forms, wanted, N)
     want = attention_grads(recorded, wanted, N)  # the same masks, replayed from the calls' random state
     assert got.keys() == want.keys() == {name for name, _ in wanted}
     for name in got:
@@ -73,7 +74,7 @@ def test_self_attention_projections_equal_one_backward_per_example():
     recorded = capture.completed()[id(m)]
     capture.detach()
     wanted = list(m.named_parameters())
-    got = projection_grads(projection_forms(recorded, wanted, N), wanted, N)
+    got = form_grads(projection_forms(recorded, wanted, N), wanted, N)
     for i in range(N):
         loss = (m(x[i:i + 1], x[i:i + 1], x[i:i + 1], need_weights=False)[0] * target[i:i + 1]).sum()
         for (name, p), g in zip(wanted, torch.autograd.grad(loss, [p for _, p in wanted])):

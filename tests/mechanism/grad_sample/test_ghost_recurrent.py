@@ -1,4 +1,4 @@
-"""The ghost engine's RNN rule (ghost_recurrent.py): squared per-example norms and clipped sums from the linear forms,
+"""The ghost engine's RNN rule (ghost_recurrent.py, linear_forms.py): squared per-example norms and clipped sums from the linear forms,
 by ghost norm and by materialised G alike, against one backward per example; over layouts, directions, a frozen
 subset of the weights, several calls of one layer, flattened rows and a PackedSequence."""
 
@@ -11,9 +11,10 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils._pytree import tree_flatten
 
 from lightning_dp.mechanism.capture import ActivationCapture, LayerCalls, Record
-from lightning_dp.mechanism.grad_sample import ghost_recurrent
+from lightning_dp.mechanism.grad_sample import linear_forms
 from lightning_dp.mechanism.grad_sample.functorch_vmap import loop_layer_grads, packed_loop_grads
-from lightning_dp.mechanism.grad_sample.ghost_recurrent import FormStats, recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
+from lightning_dp.mechanism.grad_sample.linear_forms import FormStats
 from lightning_dp.mechanism.grad_sample.layer_stats import MaterialisedStats
 
 N, T, D, H = 5, 4, 3, 6
@@ -47,7 +48,7 @@ def _check(calls, wanted, n, monkeypatch, loop=loop_layer_grads):
     sq, sums = _expected(calls, wanted, n, c, loop)
     assert recurrent_served(calls)
     for force in (True, False):  # the ghost norm, and the materialised G_i
-        monkeypatch.setattr(ghost_recurrent, "prefer_ghost", lambda *a, f=force: f)
+        monkeypatch.setattr(linear_forms, "prefer_ghost", lambda *a, f=force: f)
         stats = recurrent_stats(calls, dict(wanted), n, None, False)
         assert isinstance(stats, FormStats)
         torch.testing.assert_close(stats.sq_norms, sq, rtol=1e-10, atol=1e-12)
@@ -102,7 +103,7 @@ def test_flattened_rows_sum_each_examples_rows(monkeypatch):
     per_example = {k: g.view(N, m, *g.shape[1:]).sum(1) * (N / (N * m)) for k, g in rows.items()}  # n, not n·m
     sq = sum(g.reshape(N, -1).pow(2).sum(1) for g in per_example.values())
     for force in (True, False):
-        monkeypatch.setattr(ghost_recurrent, "prefer_ghost", lambda *a, f=force: f)
+        monkeypatch.setattr(linear_forms, "prefer_ghost", lambda *a, f=force: f)
         stats = recurrent_stats(calls, dict(wanted), N, None, False)
         torch.testing.assert_close(stats.sq_norms, sq, rtol=1e-10, atol=1e-12)
         for name, p in wanted:
