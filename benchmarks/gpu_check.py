@@ -191,6 +191,9 @@ def zoo_cases() -> list[Case]:
         Case("scaled-norm", Z.ScaledTokens, tok, quick=True),
         Case("scaled-norm-twice", lambda: Z.ScaledTokens("twice"), tok),
         Case("lstm-tm", lambda: Z.TorchRecurrent("LSTM", batch_first=False), _pad),
+        Case("lstm-on-features", Z.RecurrentOnFeatures, Z.feature_sequence_data),
+        Case("gru-tm-on-features", lambda: Z.RecurrentOnFeatures("GRU", batch_first=False), Z.feature_sequence_data),
+        Case("rnn-on-features-h0", lambda: Z.RecurrentOnFeatures("RNN", state=True), Z.feature_sequence_data),
         Case("time-major-collate-phys4", Z.TimeMajorBatchTransposed, _pad, engines=("auto",),
              collate=Z.time_major_collate, physical=4),
     ]

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from lightning_dp.mechanism.attention_nodes import projection_candidate, record_projections
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
+from lightning_dp.mechanism.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.mechanism.root_parameters import RootParameters
 from lightning_dp.mechanism.validators.elementwise_scale import scale_candidate, scaled_operand
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
@@ -56,6 +57,7 @@ class Record:
     flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
     scaled: Optional[Tensor] = None  # y of an output verified as weight ⊙ y (validators/elementwise_scale.py)
     projections: Optional[Any] = None  # a self-attention call's projection nodes (attention_nodes.Projections)
+    tape: Optional[RecurrentTape] = None  # an RNN call's forms, left by its backward (recurrent_tape.py)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -444,6 +446,7 @@ class ActivationCapture:
                       else scaled_operand(scale_weight, out, inputs))
             projections = (record_projections(module, args[0], leaves[0], self._mapping)
                            if n is not None and rows is None and projection_candidate(module, args, kwargs) else None)
+            tape = tape_of(leaves[0]) if isinstance(module, nn.RNNBase) else None  # before the aliases replace it
             out, leaves = _aliased(out, leaves, live)
             if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
                 self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
@@ -451,7 +454,7 @@ class ActivationCapture:
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None, scaled,
-                         projections)
+                         projections, tape)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))

@@ -263,6 +263,16 @@ def test_torch_attention_and_rnns_train_unchanged_and_exact(factory, engine):
     zoo.assert_exact(factory, zoo.token_data(pad=True), per_sample=engine)
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("factory", [
+    lambda: zoo.RecurrentOnFeatures("LSTM"),
+    lambda: zoo.RecurrentOnFeatures("GRU", batch_first=False),
+    lambda: zoo.RecurrentOnFeatures("RNN", state=True),
+], ids=["lstm", "gru-tm", "rnn-learned-state"])
+def test_rnns_on_the_data_itself_are_exact(factory, engine):
+    zoo.assert_exact(factory, zoo.feature_sequence_data(), per_sample=engine)
+
+
 def test_auto_serves_torch_attention_and_rnns_without_opacus():
     from lightning_dp.mechanism.grad_sample import select_engine
 

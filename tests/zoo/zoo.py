@@ -412,6 +412,34 @@ class TorchRecurrent(Base):
         return F.cross_entropy(self.head(torch.tanh(last)), y[:, 0])
 
 
+def feature_sequence_data(seed: int = 0) -> TensorDataset:
+    """Sequences of real-valued features ``[N, T, D]`` (sensor readings, audio frames): nothing learned before the
+    first layer."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(N, T, D, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+class RecurrentOnFeatures(Base):
+    """nn.LSTM / nn.GRU / nn.RNN as the first layer, on the data itself: no input of the call requires grad (the
+    ghost engine once ran such a call on detached weights, so no gradient reached it and its weights were refused
+    as 'used where the engine does not capture'). ``state``: a learned initial state, the only input needing grad."""
+
+    def __init__(self, kind: str = "LSTM", batch_first: bool = True, state: bool = False) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn, self.head = getattr(nn, kind)(D, D, num_layers=2, batch_first=batch_first), nn.Linear(D, 3)
+        self.h0 = nn.Parameter(0.1 * torch.randn(2, 1, D)) if state else None
+
+    def loss(self, batch):
+        x, y = batch
+        hx = None if self.h0 is None else self.h0.expand(-1, x.shape[0], -1).contiguous()
+        if hx is not None and isinstance(self.rnn, nn.LSTM):
+            hx = (hx, torch.zeros_like(hx))
+        out, _ = self.rnn(x if self.batch_first else x.transpose(0, 1), hx)
+        last = out[:, -1] if self.batch_first else out[-1]
+        return F.cross_entropy(self.head(last), y)
+
+
 class LearnedInitialState(Base):
     """nn.LSTM / nn.GRU with a learned initial state ``nn.Parameter([L, 1, H])`` broadcast over the batch in
     dimension 1 (an RNN's h0 is ``[L, B, H]`` whatever ``batch_first`` says): ``expand`` (+ ``contiguous``, as cuDNN

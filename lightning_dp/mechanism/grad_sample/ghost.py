@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_dp.mechanism.example_dims import time_major_layers
 from lightning_dp.mechanism.grad_sample.base import (
@@ -58,6 +59,7 @@ from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_gra
 from lightning_dp.mechanism.grad_sample.attention_projections import projection_forms
 from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
 from lightning_dp.mechanism.grad_sample.linear_forms import form_stats
+from lightning_dp.mechanism.grad_sample.recurrent_forward import taped_forward
 from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
@@ -571,15 +573,24 @@ def _conv2d_forward(self: nn.Conv2d, input: Tensor) -> Tensor:  # noqa: A002
 
 
 def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
-    """The module's own forward on its weights detached: the kernel's backward then computes only the input and
-    initial-state gradients (the weights' clipped sums come from :mod:`.ghost_recurrent`). Only the registered
-    ``nn.Parameter`` objects are detached: a replay that substitutes plain tensors (``functional_call`` in the
-    per-example loop or the dropout replay) differentiates them as usual. The module's list of weights is first
-    brought up to date with its attributes (as its own forward does): restored afterwards, it then matches the
-    references torch keeps to tell a later ``functional_call`` apart."""
+    """Served calls (:mod:`.recurrent_forward`): torch's fused forward whose backward is the unrolled rule's, the
+    weights' forms left for the clipping. Otherwise the module's own forward on its weights detached: the kernel's
+    backward then computes only the input and initial-state gradients (the weights' clipped sums come from
+    :mod:`.ghost_recurrent`). Only the registered ``nn.Parameter`` objects are detached: a replay that substitutes
+    plain tensors (``functional_call`` in the per-example loop or the dropout replay) differentiates them as usual;
+    and nothing is detached where no input of the call requires grad (an RNN on the data itself: its output would
+    not require grad, and no gradient would reach the hooks). The module's list of weights is first brought up to
+    date with its attributes (as its own forward does): restored afterwards, it then matches the references torch
+    keeps to tell a later ``functional_call`` apart."""
     update = getattr(self, "_update_flat_weights", None)
     if update is not None:
         update()
+    taped = taped_forward(self, args, kwargs)
+    if taped is not None:
+        return taped
+    inputs = [t for a in (*args, *kwargs.values()) for t in tree_flatten(a)[0] if isinstance(t, Tensor)]
+    if not any(t.requires_grad for t in inputs):
+        return type(self).forward(self, *args, **kwargs)
     flat = self._flat_weights
     self._flat_weights = [w.detach() if isinstance(w, nn.Parameter) else w for w in flat]
     try:

@@ -6,7 +6,8 @@ and what each weight multiplies, ``a`` ``[n, T, in]`` ([x_t, h_{t−1}] for an L
 G_i = Σ_t ∂G_{i,t} ⊗ a_{i,t}, whose norms and clipped sums :mod:`.linear_forms` takes as for a Linear layer. For an
 LSTM one Gram of ∂G and one of [x_t, h_{t−1}] give the norm of W_ih and W_hh together, and b_ih and b_hh share the
 per-example gradient Σ_t ∂G_t (counted once per bias in the norm). Before this rule, the ghost engine materialised
-every RNN weight's per-example gradients ``[n, out, in]``.
+every RNN weight's per-example gradients ``[n, out, in]``. A call that ran the engine's taped forward
+(:mod:`.recurrent_forward`) had its forms computed by its own backward; the rule reads them from the call's record.
 """
 
 from __future__ import annotations

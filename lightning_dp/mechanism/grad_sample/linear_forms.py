@@ -62,6 +62,14 @@ class LinearForm:
         """The form of both (the same parameters' gradients from two calls): a and d joined along time."""
         return LinearForm(torch.cat([self.a, other.a], 1), torch.cat([self.d, other.d], 1), self.weights, self.biases)
 
+    def scaled(self, k: float) -> "LinearForm":
+        """The same form with ``d`` multiplied by k (the mean loss's 1/n undone: k = n)."""
+        return LinearForm(self.a, self.d * k, self.weights, self.biases)
+
+    def restricted(self, names: set[str]) -> Optional["LinearForm"]:
+        """The form of the ``names`` among its parameters (None if none), ``a`` cut to their columns."""
+        return wanted_form(self.a, self.d, self.weights, self.biases, "", names)
+
     def per_example(self, n: int) -> "LinearForm":
         """A form over n·m flattened rows as one over n examples (each example's m rows one after another in time)."""
         rows = self.a.shape[0]

@@ -48,6 +48,11 @@ example i from ℓ_i − 1 down to 0: each row is reversed within its own length
 which makes it a forward recurrence of the same shape; its input gradient is reversed back by the same
 index (rev_i is its own inverse).
 
+The same backward through time (:func:`layers_backward`), carried one layer further down, gives the call's input
+gradient Σ_directions ∂G W_ih and its initial state's, ∂/∂h_{−1} = ∂R_0 W_hh (GRU: + dh_0·z_0) and an LSTM's
+∂/∂c_{−1} = dc_0·σ(f_0): the ghost engine's forward of these modules (:mod:`.recurrent_forward`) uses it as the
+call's whole backward, and its forms reach the clipping without this recomputation.
+
 Served: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, a given initial state,
 padded tensors and ``PackedSequence``; no ``proj_size``, no inter-layer dropout in training (those
 keep one small backward per example; on a ``PackedSequence`` training dropout is refused by the
@@ -57,7 +62,7 @@ capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_e
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,11 +108,19 @@ def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tenso
                  batch_sizes: Optional[Tensor] = None) -> Tensor:
     """One layer, every direction, by torch's fused kernel (what the module's own forward runs):
     its outputs ``[n, T, directions·H]`` from ``[n, T, D]`` inputs or, with ``batch_sizes``, the packed
-    outputs ``[rows, directions·H]`` from a ``PackedSequence``'s data ``[rows, D]`` (h0, c0 in its sorted order).
-    One layer's weights are never cuDNN's single flattened chunk (the whole module's): cuDNN compacts them for the
-    call, and its warning about that, which would name this file and not the user's module, is silenced here."""
+    outputs ``[rows, directions·H]`` from a ``PackedSequence``'s data ``[rows, D]`` (h0, c0 in its sorted order)."""
+    return fused_layer_call(module, inp, h0, c0, flat, batch_sizes)[0]
+
+
+def fused_layer_call(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tensor], flat: list[Tensor],
+                     batch_sizes: Optional[Tensor] = None, batch_first: bool = True) -> tuple[Tensor, ...]:
+    """torch's fused kernel on one layer's ``flat`` weights (every direction): (outputs, h_n, c_n for an LSTM), on
+    ``inp`` laid out ``[n, T, D]`` (``[T, n, D]`` with ``batch_first`` False) or, with ``batch_sizes``, a
+    ``PackedSequence``'s data. One layer's weights are never cuDNN's single flattened chunk (the whole module's):
+    cuDNN compacts them for the call, and its warning about that, which would name this file and not the user's
+    module, is silenced here."""
     if batch_sizes is None:
-        lead, tail = (inp,), (flat, module.bias, 1, 0.0, False, module.bidirectional, True)
+        lead, tail = (inp,), (flat, module.bias, 1, 0.0, False, module.bidirectional, batch_first)
     else:
         lead, tail = (inp, batch_sizes), (flat, module.bias, 1, 0.0, False, module.bidirectional)
     with warnings.catch_warnings():
@@ -115,11 +128,11 @@ def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tenso
             warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
         if isinstance(module, nn.LSTM):
             assert c0 is not None
-            return torch.lstm(*lead, (h0, c0), *tail)[0]
+            return tuple(torch.lstm(*lead, (h0, c0), *tail))
         if isinstance(module, nn.GRU):
-            return torch.gru(*lead, h0, *tail)[0]
+            return tuple(torch.gru(*lead, h0, *tail))
         kernel = torch.rnn_relu if module.nonlinearity == "relu" else torch.rnn_tanh
-        return kernel(*lead, h0, *tail)[0]
+        return tuple(kernel(*lead, h0, *tail))
 
 
 def _padded(packed: PackedSequence, data: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,8 +204,10 @@ def _steps(t: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
 
 
 def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
-                   dc_last: Optional[Tensor], w_hh: Tensor, dc_seq: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(∂G, ∂R), both ``[n, T, 4H]``, of an LSTM direction from its pre-activations G + R (module docstring);
+                   dc_last: Optional[Tensor], w_hh: Tensor, dc_seq: Optional[Tensor] = None,
+                   initial: bool = False) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """∂G = ∂R ``[n, T, 4H]`` of an LSTM direction from its pre-activations G + R (module docstring), and with
+    ``initial`` the initial state's gradients ∂/∂h_{−1} = ∂G_0 W_hh, ∂/∂c_{−1} = dc_0·σ(f_0) (else None);
     ``dc_seq``: gradients reaching c_t from outside the recurrence (c_n's, at each example's last step)."""
     n, T, H4 = pre.shape
     H = H4 // 4
@@ -231,12 +246,15 @@ def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: O
         ifg[t].mul_(dc.unsqueeze(1))
         o_rows[t].mul_(dh)
     d = d_gates.view(n, T, H4)
-    return d, d
+    if not initial:
+        return d, None, None
+    return d, torch.mm(rows[0], w_hh), dc * fs[0]
 
 
 def _gru_backward(gi: Tensor, gh: Tensor, h_prev: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
-                  w_hh: Tensor) -> tuple[Tensor, Tensor]:
-    """(∂G, ∂R), both ``[n, T, 3H]``, of a GRU direction (module docstring)."""
+                  w_hh: Tensor, initial: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(∂G, ∂R), both ``[n, T, 3H]``, of a GRU direction (module docstring), and with ``initial`` the initial
+    state's gradient ∂/∂h_{−1} = dh_0·z_0 + ∂R_0 W_hh (else None)."""
     n, T, H3 = gi.shape
     H = H3 // 3
     g_r, g_z, g_n = gi.view(n, T, 3, H).unbind(2)
@@ -261,12 +279,13 @@ def _gru_backward(gi: Tensor, gh: Tensor, h_prev: Tensor, dh_seq: Optional[Tenso
             dh_rows[t].copy_(torch.addmm(carried, rec_rows[t + 1].reshape(n, H3), w_hh))
         torch.mul(dh_rows[t].unsqueeze(1), to_r_rows[t], out=rec_rows[t])
     d_in = (dh_all.unsqueeze(2) * torch.stack([a_r, a_z, a_n], dim=2)).view(n, T, H3)
-    return d_in, d_rec.view(n, T, H3)
+    dh0 = torch.addmm(dh_rows[0] * zs[0], rec_rows[0].reshape(n, H3), w_hh) if initial else None
+    return d_in, d_rec.view(n, T, H3), dh0
 
 
 def _rnn_backward(pre: Tensor, relu: bool, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
-                  w_hh: Tensor) -> tuple[Tensor, Tensor]:
-    """(∂G, ∂R), both ``[n, T, H]``, of a plain RNN direction."""
+                  w_hh: Tensor, initial: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """∂G = ∂R ``[n, T, H]`` of a plain RNN direction, and with ``initial`` ∂/∂h_{−1} = ∂G_0 W_hh (else None)."""
     n, T, H = pre.shape
     if relu:
         slope = (pre > 0).to(pre.dtype)
@@ -282,7 +301,7 @@ def _rnn_backward(pre: Tensor, relu: bool, dh_seq: Optional[Tensor], dh_last: Op
         if t < T - 1:
             dh = torch.mm(rows[t + 1], w_hh) if d_seq is None else torch.addmm(d_seq[t], rows[t + 1], w_hh)
         torch.mul(dh, slopes[t], out=rows[t])
-    return d, d
+    return d, (torch.mm(rows[0], w_hh) if initial else None)
 
 
 def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
@@ -296,43 +315,58 @@ def _joined(x: Tensor, h0: Tensor, h: Tensor) -> Tensor:
     return xh
 
 
+class _Direction(NamedTuple):
+    """One direction of one layer, backward: ∂G ``[n, T, gates·H]``, the forms of its wanted weights, and (when
+    asked for) its initial state's gradients ∂/∂h_{−1}, ∂/∂c_{−1} ``[n, H]``."""
+
+    d_g: Tensor
+    forms: list[LinearForm]
+    dh0: Optional[Tensor] = None
+    dc0: Optional[Tensor] = None
+
+
 def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: Optional[Tensor],
                      dh_seq: Optional[Tensor], finals: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]],
-                     params: dict[str, Optional[Tensor]], suffix: str,
-                     wanted: set[str]) -> tuple[Tensor, list[LinearForm]]:
-    """One direction of one layer, time running forward: ∂G ``[n, T, gates·H]`` and the forms of its ``wanted``
-    per-example grads (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` + ``suffix``; module docstring), from
-    its inputs x, states h, initial state, and output gradients ``dh_seq`` and ``finals`` = (∂/∂h_n, ∂/∂c_n,
-    ∂/∂c_t from outside)."""
+                     params: dict[str, Optional[Tensor]], suffix: str, wanted: set[str],
+                     initial: bool = False) -> _Direction:
+    """One direction of one layer, time running forward: ∂G and the forms of its ``wanted`` per-example grads
+    (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` + ``suffix``; module docstring), from its inputs x, states
+    h, initial state, and output gradients ``dh_seq`` and ``finals`` = (∂/∂h_n, ∂/∂c_n, ∂/∂c_t from outside); with
+    ``initial``, the initial state's gradients too."""
     w_ih, w_hh, b_ih, b_hh = (params[k] for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
     dh_last, dc_last, dc_seq = finals
     if isinstance(module, nn.GRU):
         h_prev = torch.cat([h0.unsqueeze(1), h[:, :-1]], dim=1)
-        d_g, d_r = _gru_backward(F.linear(x, w_ih, b_ih).contiguous(), F.linear(h_prev, w_hh, b_hh), h_prev,
-                                 dh_seq, dh_last, w_hh)
+        d_g, d_r, dh0 = _gru_backward(F.linear(x, w_ih, b_ih).contiguous(), F.linear(h_prev, w_hh, b_hh), h_prev,
+                                      dh_seq, dh_last, w_hh, initial)
         every = slice(None)
         forms = [wanted_form(x, d_g, {"weight_ih": every}, ("bias_ih",), suffix, wanted),
                  wanted_form(h_prev, d_r, {"weight_hh": every}, ("bias_hh",), suffix, wanted)]
-        return d_g, [f for f in forms if f is not None]
+        return _Direction(d_g, [f for f in forms if f is not None], dh0)
     xh = _joined(x, h0, h)  # LSTM and RNN: ∂R = ∂G, and G + R = [x_t, h_{t−1}] [W_ih, W_hh]ᵀ + b_ih + b_hh
     w = torch.cat([w_ih, w_hh], dim=1).t()
     flat = xh.view(-1, xh.shape[-1])
     pre = (torch.mm(flat, w) if b_ih is None else torch.addmm(b_ih + b_hh, flat, w)).view(*xh.shape[:2], -1)
+    dc0 = None
     if isinstance(module, nn.LSTM):
         assert c0 is not None
-        d_g = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq)[0]
+        d_g, dh0, dc0 = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq, initial)
     else:
-        d_g = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh)[0]
+        d_g, dh0 = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh, initial)
     D = x.shape[-1]
     form = wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
-                        ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)
-    return d_g, [] if form is None else [form]
+                       ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)
+    return _Direction(d_g, [] if form is None else [form], dh0, dc0)
 
 
 def _record_forms(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> list[LinearForm]:
     """The forms of the ``names`` parameters' per-example grads for one recorded call, over n examples (batch-first
     inside; a ``PackedSequence`` padded in the batch's order, its final states' gradients entering at each
-    example's last step; a call on n·m flattened rows has each example's m rows joined in time: module docstring)."""
+    example's last step; a call on n·m flattened rows has each example's m rows joined in time: module docstring).
+    A call that ran :mod:`.recurrent_forward` already holds them, left by its backward."""
+    taped = None if rec.tape is None else rec.tape.forms_of(names)
+    if taped is not None:
+        return [f.scaled(n).per_example(n) for f in taped]
     weights = {name: p.detach() for name, p in module.named_parameters()}
     dtype = next(iter(weights.values())).dtype
     x = recorded_input(rec)
@@ -354,16 +388,47 @@ def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
         return []
     if d_out is not None:
         d_out = _padded(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
-    dirs, H = (2 if module.bidirectional else 1), module.hidden_size
-    suffixes = [[f"_l{layer}" + ("_reverse" if d else "") for d in range(dirs)] for layer in range(module.num_layers)]
     keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
-    flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in suffixes]
+    flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in _suffixes(module)]
     top = None if rec.output is None else rec.output.detach().to(dtype)
     inputs, lengths = _layer_values(module, x, h0, c0, flats, top)
+    return layers_backward(module, inputs, lengths, h0, c0, (d_out, d_hn, d_cn), weights, names).forms
+
+
+def _suffixes(module: nn.RNNBase) -> list[list[str]]:
+    """Each layer's parameter-name suffixes, one per direction (``_l1``, ``_l1_reverse``)."""
+    dirs = 2 if module.bidirectional else 1
+    return [[f"_l{layer}" + ("_reverse" if d else "") for d in range(dirs)] for layer in range(module.num_layers)]
+
+
+class LayersBackward(NamedTuple):
+    """:func:`layers_backward`'s result: the forms, and (when asked for) the gradients of the call's input
+    ``[n, T, D]`` (batch-first) and of its initial state ``[layers·directions, n, H]`` (h_0; c_0 for an LSTM)."""
+
+    forms: list[LinearForm]
+    d_input: Optional[Tensor] = None
+    d_h0: Optional[Tensor] = None
+    d_c0: Optional[Tensor] = None
+
+
+def layers_backward(module: nn.RNNBase, inputs: list[Tensor], lengths: Optional[Tensor], h0: Tensor,
+                    c0: Optional[Tensor], grads: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]],
+                    weights: dict[str, Tensor], names: set[str], input_grads: bool = False,
+                    initial_grads: bool = False) -> LayersBackward:
+    """The backward through time of one call, top layer first (module docstring): ``inputs`` are each layer's
+    input and the last layer's output, batch-first ``[n, T, ·]`` (padded past the ``lengths``, or ``None``: all T
+    steps); ``grads`` = (∂/∂output ``[n, T, directions·H]`` batch-first, ∂/∂h_n, ∂/∂c_n), any of them None. Returns
+    the forms of the ``names`` parameters and, with ``input_grads`` / ``initial_grads``, the gradients of the call's
+    input and initial state (padded calls only, ``lengths`` None)."""
+    d_out, d_hn, d_cn = grads
+    dirs, H = (2 if module.bidirectional else 1), module.hidden_size
+    suffixes = _suffixes(module)
     T = inputs[0].shape[1]
     last = None if lengths is None else lengths - 1
     rev = None if lengths is None or dirs == 1 else _reversal(lengths, T)
     out: list[LinearForm] = []
+    dh0s: list[Optional[Tensor]] = [None] * (module.num_layers * dirs)
+    dc0s: list[Optional[Tensor]] = [None] * (module.num_layers * dirs)
     for layer in range(module.num_layers - 1, -1, -1):
         d_x: Optional[Tensor] = None
         for d, suffix in enumerate(suffixes[layer]):
@@ -379,15 +444,19 @@ def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
                 dh_seq, dh_last = _at_last_step(dh_seq, last, dh_last, T), None
                 dc_seq, dc_last = _at_last_step(None, last, dc_last, T), None
             params = {key: weights.get(key + suffix) for key in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
-            d_g, forms = _direction_forms(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
-                                          (dh_last, dc_last, dc_seq), params, suffix, names)
-            out.extend(forms)
-            if layer > 0:
-                dx = d_g @ weights["weight_ih" + suffix]
+            step = _direction_forms(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
+                                    (dh_last, dc_last, dc_seq), params, suffix, names, initial_grads)
+            out.extend(step.forms)
+            dh0s[k], dc0s[k] = step.dh0, step.dc0
+            if layer > 0 or input_grads:
+                dx = step.d_g @ weights["weight_ih" + suffix]
                 dx = _reverse(dx, rev) if d else dx
                 d_x = dx if d_x is None else d_x + dx
         d_out = d_x
-    return out
+    if not initial_grads:
+        return LayersBackward(out, d_out)
+    d_c0 = torch.stack(dc0s) if isinstance(module, nn.LSTM) else None  # type: ignore[arg-type]
+    return LayersBackward(out, d_out, torch.stack(dh0s), d_c0)  # type: ignore[arg-type]
 
 
 def unrolled_rnn_forms(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> list[LinearForm]:
