@@ -265,18 +265,21 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def _aliased(out: Any, leaves: list, live: list[int]) -> tuple[Any, list]:
     """The output handed to the model, and its tensors, where each hooked tensor receives exactly the gradient of
-    the model's uses of it. Two ways a hook on the layer's own output tensor would see something else:
+    the model's uses of it. Three ways a hook on the layer's own output tensor would see something else:
 
     - a view modified in place later (``q = self.q(h); q /= s``; F.linear on ``[B, T, d]`` returns a view) never
       fires its hook: the model gets an alias that is not a view;
     - of several outputs, one computed from another inside the forward (a router returning its logits and the top-k
       weights taken from them) receives the gradient of that inner use too, and the per-example formula
       Σ_k ⟨f_k(θ, x_i), δ_k,i⟩ would count it twice: every live tensor of a multi-tensor output is handed over as a
-      fresh alias, whose gradient comes from the model's uses alone.
+      fresh alias, whose gradient comes from the model's uses alone;
+    - a layer that returns a leaf tensor (its own parameter, ``def forward(self): return self.table``) would have the
+      hook put on the parameter itself, where it stays for every later step: the model gets an alias of it.
 
     ``aten._unsafe_view`` makes the alias without a copy."""
     if isinstance(out, Tensor):
-        if out._base is None:
+        leaf = out.grad_fn is None and out.requires_grad and not torch.compiler.is_compiling()
+        if out._base is None and not leaf:
             return out, leaves
         out = torch.ops.aten._unsafe_view(out, out.shape)
         return out, [out]
@@ -284,6 +287,16 @@ def _aliased(out: Any, leaves: list, live: list[int]) -> tuple[Any, list]:
     for k in live:
         flat[k] = torch.ops.aten._unsafe_view(flat[k], flat[k].shape)
     return tree_unflatten(flat, spec), flat
+
+
+def _rnn_output(module: nn.Module, out: Any, tape: Optional[RecurrentTape]) -> Optional[Tensor]:
+    """What a record keeps of an RNN call's output sequence (its last layer's values, which the unrolled rule need not
+    recompute): a copy, since the model may change the output in place (``out.mul_(mask)``: torch's own backward
+    allows it) and the alias it is handed shares the storage. None for other layers, and for a call whose backward
+    leaves its forms on a ``tape`` (the rule reads no values then; should the tape be spent, it recomputes)."""
+    if not isinstance(module, nn.RNNBase) or tape is not None or not isinstance(out, Tensor):
+        return None
+    return out.detach().clone()
 
 
 def _contiguous_output_grad(module: nn.Module, args: tuple, out: Any) -> None:
@@ -453,7 +466,7 @@ class ActivationCapture:
                                      if dims.output(k) == 0 and leaves[k].grad_fn is not None)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
-                         leaves[0].detach() if isinstance(module, nn.RNNBase) else None, rows is not None, scaled,
+                         _rnn_output(module, leaves[0], tape), rows is not None, scaled,
                          projections, tape)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn

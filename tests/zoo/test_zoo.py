@@ -273,6 +273,20 @@ def test_rnns_on_the_data_itself_are_exact(factory, engine):
     zoo.assert_exact(factory, zoo.feature_sequence_data(), per_sample=engine)
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind,how", [("LSTM", "mul_"), ("GRU", "relu_")])
+def test_an_rnn_output_changed_in_place_is_exact(kind, how, engine):
+    zoo.assert_exact(lambda: zoo.RecurrentOutputInPlace(kind, how), zoo.token_data(pad=True), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("rows", [zoo.N, zoo.N + 1], ids=["rows-equal-batch", "rows-other"])
+def test_a_table_handed_out_without_arguments_is_exact(rows, engine):
+    strategy = zoo.assert_exact(lambda: zoo.TableWithoutArguments(rows), zoo.token_data(), per_sample=engine)
+    table = strategy.lightning_module.table.weight
+    assert not table._backward_hooks  # no hook left on the parameter itself
+
+
 def test_auto_serves_torch_attention_and_rnns_without_opacus():
     from lightning_dp.mechanism.grad_sample import select_engine
 

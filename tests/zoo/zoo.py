@@ -440,6 +440,51 @@ class RecurrentOnFeatures(Base):
         return F.cross_entropy(self.head(last), y)
 
 
+class RecurrentOutputInPlace(Base):
+    """The RNN's output changed in place (``out.mul_(s)``, ``F.relu(out, inplace=True)``): torch's CPU backward allows
+    it, and the values the engine keeps of the output (the unrolled rule reads the last layer's) must not change with
+    it. They once shared the storage of the alias the capture hands the model: refused by the probe."""
+
+    def __init__(self, kind: str = "LSTM", how: str = "mul_") -> None:
+        super().__init__()
+        self.how = how
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
+
+    def loss(self, batch):
+        x, y = batch
+        out, _ = self.rnn(self.emb(x))
+        out = out.mul_(2.0) if self.how == "mul_" else F.relu(out, inplace=True)
+        return per_example_token_mean(self.head(out), y)
+
+
+class _Table(nn.Module):
+    """A learned table handed out by a call without arguments: the output is the parameter itself (a leaf)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.3 * torch.randn(rows, D))
+
+    def forward(self) -> Tensor:
+        return self.weight
+
+
+class TableWithoutArguments(Base):
+    """A position table from ``self.table()`` (no arguments; the layer returns its own parameter), sliced to the
+    sequence and added to every example. The hook once sat on the parameter itself and stayed there for every later
+    step (crashing the next step's map-back); with ``rows`` equal to the batch size, the replay once took the table's
+    rows for the examples'."""
+
+    def __init__(self, rows: int = N) -> None:
+        super().__init__()
+        self.emb, self.table, self.head = nn.Embedding(V, D), _Table(rows), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x) + self.table()[:x.shape[1]]
+        return per_example_token_mean(self.head(torch.tanh(h)), y)
+
+
 class LearnedInitialState(Base):
     """nn.LSTM / nn.GRU with a learned initial state ``nn.Parameter([L, 1, H])`` broadcast over the batch in
     dimension 1 (an RNN's h0 is ``[L, B, H]`` whatever ``batch_first`` says): ``expand`` (+ ``contiguous``, as cuDNN

@@ -382,8 +382,11 @@ def vmap_layer_grads(
             vals1 = list(vals) if flat else [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
             out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
             leaves = tree_flatten(out)[0]
-            rows = [leaves[k].index_select(d, i.view(1)) if whole and leaves[k].shape[d] == n > 1 else leaves[k]
-                    for k, d in present]
+            # all n rows, unless the output is already the example's gradient's shape (a call without arguments
+            # returning a table whose first dimension happens to be n: the whole table is example i's)
+            rows = [leaves[k].index_select(d, i.view(1))
+                    if whole and leaves[k].shape[d] == n > 1 and leaves[k].shape != delta.shape else leaves[k]
+                    for (k, d), delta in zip(present, deltas)]
             rows = [row if flat else row.squeeze(d) for row, (_, d) in zip(rows, present)]
             for row, delta in zip(rows, deltas):  # the replay is example i's call: its output has δ_i's shape
                 if row.shape != delta.shape:

@@ -56,8 +56,10 @@ class _TapedRNN(torch.autograd.Function):
             values.append(inp)
             h_n.append(res[1])
             c_n.extend(res[2:])
-        ctx.module, ctx.tape, ctx.lower = module, tape, values[:-1]  # the layers' outputs below the last
-        ctx.save_for_backward(x, values[-1], h0, c0, *flat)
+        # every layer's outputs, the last one's a copy: the model may change the output in place (out.mul_(mask);
+        # torch's own backward allows it), and the alias the capture hands it shares the storage
+        ctx.module, ctx.tape, ctx.values = module, tape, (*values[:-1], values[-1].clone())
+        ctx.save_for_backward(x, h0, c0, *flat)
         ctx.set_materialize_grads(False)
         return (values[-1], torch.cat(h_n)) + ((torch.cat(c_n),) if c_n else ())
 
@@ -65,12 +67,12 @@ class _TapedRNN(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out: Optional[Tensor], d_hn: Optional[Tensor], *d_cn: Optional[Tensor]):
         module: nn.RNNBase = ctx.module
-        x, top, h0, c0, *flat = ctx.saved_tensors
+        x, h0, c0, *flat = ctx.saved_tensors
         front = _batch_first(module)
         h0_, c0_ = _initial_state(module, x, h0, c0)
         weights = dict(zip(module._flat_weights_names, flat))
         needs = ctx.needs_input_grad
-        result = layers_backward(module, [front(v) for v in (x, *ctx.lower, top)], None, h0_, c0_,
+        result = layers_backward(module, [front(v) for v in (x, *ctx.values)], None, h0_, c0_,
                                  (front(d_out), d_hn, d_cn[0] if d_cn else None), weights, set(ctx.tape.names),
                                  input_grads=needs[2], initial_grads=needs[3] or needs[4])
         ctx.tape.receive(result.forms)
