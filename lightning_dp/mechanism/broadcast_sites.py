@@ -65,7 +65,8 @@ engine's clipping; only models with such a lookup pay it.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +202,7 @@ class BroadcastSites(TorchFunctionMode):
         self._mapping = [0]
         self._blocks: dict[int, tuple[weakref.ref, _Block]] = {}  # tensors holding per-example copies of a block
         self.active = False
+        self._aside = False  # left for the capture's own work (aside()), entered again after it
 
     def follow(self, out: Tensor, deliver: Callable[[Optional[Tensor], Tensor], None],
                inputs: Sequence[Tensor] = ()) -> None:
@@ -227,9 +229,37 @@ class BroadcastSites(TorchFunctionMode):
         """Leave the mode (end of the step's forward and backward); idempotent."""
         if self.active:
             self.active = False
-            self.__exit__(None, None, None)
+            if not self._aside:
+                self.__exit__(None, None, None)
         self._followed.clear()
         self._blocks.clear()
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """The mode left for a block of the engine's own code (the capture's hook after each layer: its shape and
+        graph checks are most of the torch calls a forward makes while a followed tensor lives), entered again after
+        it. Only when this mode is the innermost one. A tensor the block hands the model in place of a followed one
+        is followed by :meth:`carry`, as the mode would have followed it."""
+        if not (self.active and not self._aside and _innermost_mode() is self):
+            yield
+            return
+        self.__exit__(None, None, None)
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
+            if self.active:  # not closed inside the block
+                self.__enter__()
+
+    def carry(self, before: Sequence[Any], after: Sequence[Any]) -> None:
+        """``after[k]`` (an alias the capture made of ``before[k]`` while the mode was aside) is followed wherever
+        ``before[k]`` is."""
+        for old, new in zip(before, after):
+            if new is not old and isinstance(new, Tensor) and new.requires_grad:
+                sources = self._sources(old)
+                if sources:
+                    self._remember(new, sources)
 
     def _remember(self, t: Tensor, sources: tuple[_Source, ...]) -> None:
         """Follow ``t`` (computed from the outputs of ``sources``) while it lives: a tensor the model has dropped

@@ -17,9 +17,9 @@ An RNN called on a ``PackedSequence`` is recorded as called; its examples are th
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -420,6 +420,10 @@ class ActivationCapture:
                 self._sites.pause_if_idle()
             if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
                 return None
+            with self._sites_aside():  # the checks below are the capture's own torch calls: not the model's
+                return record(module, args, kwargs, out)
+
+        def record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
             live = [k for k, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
             if not live:
@@ -436,7 +440,8 @@ class ActivationCapture:
             one_row = (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
                        and dims.output(0) == 0)
             if one_row or (n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims)):
-                out, _ = _aliased(out, leaves, live)
+                out, aliases = _aliased(out, leaves, live)
+                self._carry_followed(leaves, aliases)
                 self._record_lookup(calls, args, kwargs, out, n, inputs)
                 return out
             rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
@@ -460,7 +465,9 @@ class ActivationCapture:
             projections = (record_projections(module, args[0], leaves[0], self._mapping)
                            if n is not None and rows is None and projection_candidate(module, args, kwargs) else None)
             tape = tape_of(leaves[0]) if isinstance(module, nn.RNNBase) else None  # before the aliases replace it
-            out, leaves = _aliased(out, leaves, live)
+            out, aliases = _aliased(out, leaves, live)
+            self._carry_followed(leaves, aliases)
+            leaves = aliases
             if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
                 self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
                                      if dims.output(k) == 0 and leaves[k].grad_fn is not None)
@@ -565,6 +572,16 @@ class ActivationCapture:
             self._close_sites()
             self._sites = BroadcastSites(n, lambda: self._flattened, lambda: self._anchors)
         self._sites.follow(t, deliver, inputs)
+
+    def _sites_aside(self) -> ContextManager[None]:
+        """The broadcast sites' mode left while the capture records a call (:meth:`.BroadcastSites.aside`)."""
+        return self._sites.aside() if self._sites is not None else nullcontext()
+
+    def _carry_followed(self, before: list, after: list) -> None:
+        """The aliases the model is handed in place of a layer's outputs are followed where the outputs were (the
+        aliases are made while the sites' mode is aside)."""
+        if self._sites is not None:
+            self._sites.carry(before, after)
 
     def _mapping(self) -> bool:
         """Whether the backward now running is a broadcast site's nested one (:mod:`.broadcast_sites`), which a
