@@ -50,8 +50,13 @@ class TorchEncoderLM(nn.Module):
 
 
 class RecurrentLM(nn.Module):
-    def __init__(self, kind: str) -> None:
+    """``packed``: the embeddings packed (``pack_padded_sequence``, unsorted) at lengths T/2 … T taken from each
+    example's first token, the output padded back; the loss then covers the padding too (zeros in, as a user's
+    padded batch would have)."""
+
+    def __init__(self, kind: str, packed: bool = False) -> None:
         super().__init__()
+        self.packed = packed
         self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
         if kind == "DPLSTM":  # the swap Opacus asks for
             from opacus.layers import DPLSTM
@@ -61,7 +66,12 @@ class RecurrentLM(nn.Module):
             self.rnn = getattr(nn, kind)(D, D, num_layers=2, batch_first=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.rnn(self.emb(x))[0])
+        if not self.packed:
+            return self.head(self.rnn(self.emb(x))[0])
+        lengths = (x.shape[1] // 2 + x[:, 0] % (x.shape[1] // 2 + 1)).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
+        out = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+        return self.head(out)
 
 
 def hf_models() -> dict[str, Callable[[], nn.Module]]:
@@ -105,7 +115,7 @@ def hf_models() -> dict[str, Callable[[], nn.Module]]:
 
 def models() -> dict[str, Callable[[], nn.Module]]:
     return {**hf_models(), "torch-encoder": TorchEncoderLM, "lstm": lambda: RecurrentLM("LSTM"),
-            "gru": lambda: RecurrentLM("GRU")}
+            "gru": lambda: RecurrentLM("GRU"), "lstm-packed": lambda: RecurrentLM("LSTM", packed=True)}
 
 
 OPT_IN: dict[str, Callable[[], nn.Module]] = {"opacus-dplstm": lambda: RecurrentLM("DPLSTM")}

@@ -73,8 +73,11 @@ class Record:
         """Whether any output gradient arrived."""
         return any(g is not None for g in self.grad_outs)
 
-    def set_grad(self, g: Tensor, k: int = 0) -> None:
-        """Tensor hook target: keep (accumulate, for retain_graph) output k's gradient."""
+    def set_grad(self, g: Optional[Tensor], k: int = 0) -> None:
+        """Tensor hook target: keep (accumulate, for retain_graph) output k's gradient. ``None``: no gradient reached
+        it (a hook on an output of a custom autograd function whose other outputs were used) — nothing to keep."""
+        if g is None:
+            return
         g = g.detach()
         self.grad_outs[k] = g if self.grad_outs[k] is None else self.grad_outs[k] + g
 
@@ -501,8 +504,9 @@ class ActivationCapture:
         if n is not None and int(packed.batch_sizes[0]) != n:
             calls.mismatches.append(tuple(outputs[1].shape))
             return
+        tape = tape_of(outputs[0])
         rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(outputs),
-                     None, calls.generation, outputs[0].detach())
+                     None, calls.generation, _rnn_output(module, outputs[0], tape), tape=tape)
         calls.records.append(rec)
         for k, t in enumerate(outputs):
             if isinstance(t, Tensor) and t.requires_grad:

@@ -135,7 +135,7 @@ def fused_layer_call(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[T
         return tuple(kernel(*lead, h0, *tail))
 
 
-def _padded(packed: PackedSequence, data: Tensor) -> tuple[Tensor, Tensor]:
+def padded_rows(packed: PackedSequence, data: Tensor) -> tuple[Tensor, Tensor]:
     """``data``, laid out as ``packed``'s rows, as padded ``[n, T, …]`` in the batch's own order (zeros past each
     example's length), and the lengths ℓ ``[n]``."""
     out, lengths = pad_packed_sequence(packed._replace(data=data), batch_first=True)
@@ -170,7 +170,7 @@ def _layer_values(module: nn.RNNBase, x: Any, h0: Tensor, c0: Optional[Tensor], 
                                  x.batch_sizes))
     if top is not None:
         data.append(top)
-    padded = [_padded(x, d) for d in data]
+    padded = [padded_rows(x, d) for d in data]
     return [p for p, _ in padded], padded[0][1]
 
 
@@ -387,7 +387,7 @@ def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
     if d_out is None and d_hn is None and d_cn is None:
         return []
     if d_out is not None:
-        d_out = _padded(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
+        d_out = padded_rows(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
     keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
     flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in _suffixes(module)]
     top = None if rec.output is None else rec.output.detach().to(dtype)
