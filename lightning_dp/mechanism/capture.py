@@ -33,6 +33,7 @@ from lightning_dp.mechanism.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.mechanism.root_parameters import RootParameters
 from lightning_dp.mechanism.validators.elementwise_scale import scale_candidate, scaled_operand
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
+from lightning_dp.mechanism.validators.layers import parametrized
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
@@ -177,10 +178,11 @@ def _to_front(a: Any, n: Optional[int]) -> Any:
 
 
 def is_unit(module: nn.Module) -> bool:
-    """A module hooked as one layer with its children's parameters: :data:`~.example_dims.UNITS`, and a module
-    that owns parameters and whose children are stateless (:func:`stateless`): a mixture-of-experts block's
-    ``experts``, whose stacked ``gate_up_proj``/``down_proj`` it uses itself, with an ``act_fn`` child."""
-    if isinstance(module, UNITS):
+    """A module hooked as one layer with its children's parameters: :data:`~.example_dims.UNITS`, a module with a
+    parametrization (:func:`~.validators.layers.parametrized`: its originals live in a ``parametrizations`` child),
+    and a module that owns parameters and whose children are stateless (:func:`stateless`): a mixture-of-experts
+    block's ``experts``, whose stacked ``gate_up_proj``/``down_proj`` it uses itself, with an ``act_fn`` child."""
+    if isinstance(module, UNITS) or parametrized(module):
         return True
     children = list(module.children())
     return bool(children) and any(True for _ in module.parameters(recurse=False)) and all(map(stateless, children))

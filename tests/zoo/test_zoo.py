@@ -373,19 +373,34 @@ def test_the_state_writing_control_is_exact():
     zoo.assert_exact(lambda: zoo.WritesState("none"), zoo.token_data())
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "orthogonal"])
+def test_parametrized_weights_are_exact(kind, engine):
+    """torch.nn.utils.parametrizations weight_norm / orthogonal: the module is replayed per example on its originals,
+    the parametrization recomputed inside (validators/layers.parametrized); once refused."""
+    zoo.assert_exact(lambda: zoo.Parametrized(kind), zoo.token_data(), per_sample=engine)
+
+
+def test_parametrized_weights_are_refused_by_opacus_hooks_and_auto_passes_it_by():
+    from lightning_dp.mechanism.grad_sample import make_engine, select_engine
+
+    problems = make_engine("opacus_hooks").unsupported_layers(zoo.Parametrized("linear"))
+    assert any("parametrization" in p for p in problems)
+    assert select_engine(zoo.Parametrized("conv")) == "ghost"
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
-def test_parametrized_weights_are_refused_by_name(kind, engine):
-    """torch.nn.utils.parametrizations: the trainable tensors are the originals; refused before training with
-    the fix (it failed inside Opacus' hooks with 'No activations detected', wrapped by the probe)."""
+def test_a_spectral_norm_is_refused_by_name(engine):
+    """Its power iteration writes the parametrization's u, v buffers in every training forward: refused before
+    training with the fix."""
     from torch.nn.utils import parametrizations
 
-    class Parametrized(zoo.Plain):
+    class SpectralNormed(zoo.Plain):
         def __init__(self) -> None:
             super().__init__()
-            self.a = getattr(parametrizations, kind)(self.a)
+            self.a = parametrizations.spectral_norm(self.a)
 
-    zoo.assert_refused(Parametrized, zoo.vector_data(), "parametrized tensors.*remove_parametrizations",
+    zoo.assert_refused(SpectralNormed, zoo.vector_data(), "spectral norm.*u and v buffers.*remove_parametrizations",
                        per_sample=engine)
 
 

@@ -458,6 +458,33 @@ class RecurrentOutputInPlace(Base):
         return per_example_token_mean(self.head(out), y)
 
 
+class Parametrized(Base):
+    """A weight computed from its originals by ``torch.nn.utils.parametrizations`` (the trainable tensors are
+    ``parametrizations.weight.original0``/``original1``): ``kind`` ``weight_norm`` on a Linear, on a grouped Conv1d
+    along its kernel dimension (Hugging Face wav2vec2/HuBERT's positional convolution), ``orthogonal`` on a Linear.
+    Once refused for every engine. (An RNN with a parametrized weight is served too, by one backward per example, but
+    cannot be deep-copied — its weight list holds the computed tensor — as the harness's reference does.)"""
+
+    def __init__(self, kind: str = "linear") -> None:
+        super().__init__()
+        from torch.nn.utils import parametrizations as P
+
+        self.kind = kind
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        if kind == "linear":
+            self.mid: nn.Module = P.weight_norm(nn.Linear(D, D))
+        elif kind == "conv":
+            self.mid = P.weight_norm(nn.Conv1d(D, D, 3, padding=1, groups=2), name="weight", dim=2)
+        else:
+            self.mid = P.orthogonal(nn.Linear(D, D))
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.emb(x)
+        h = self.mid(h.transpose(1, 2)).transpose(1, 2) if self.kind == "conv" else self.mid(h)
+        return per_example_token_mean(self.head(torch.tanh(h)), y)
+
+
 class _Table(nn.Module):
     """A learned table handed out by a call without arguments: the output is the parameter itself (a leaf)."""
 

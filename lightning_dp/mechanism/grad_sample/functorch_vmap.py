@@ -67,6 +67,7 @@ from lightning_dp.mechanism.validators.example_dim import (
     random_replay_error,
     replay_shape_error,
 )
+from lightning_dp.mechanism.validators.layers import parametrized
 
 _BATCH_MIXING = (_BatchNorm,)
 
@@ -341,12 +342,17 @@ def vmap_layer_grads(
     (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
     (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``)."""
     module = calls.module
-    if scale_served(calls):
+    if parametrized(module):  # weights computed from originals: only a replay on the originals knows them
+        if isinstance(module, nn.RNNBase):
+            return loop_layer_grads(calls, wanted, n)
+    elif scale_served(calls):
         return scale_layer_grads(calls, wanted, n)
-    forms = projection_forms(calls, wanted, n) if isinstance(module, nn.MultiheadAttention) else None
+    plain = not parametrized(module)
+    forms = projection_forms(calls, wanted, n) if plain and isinstance(module, nn.MultiheadAttention) else None
     if forms is not None:  # self-attention's projections from autograd's record (attention_projections.py)
         return form_grads(forms, wanted, n)
-    if isinstance(module, nn.MultiheadAttention) and all(attention_supported(module, r) for r in calls.records):
+    if (plain and isinstance(module, nn.MultiheadAttention)
+            and all(attention_supported(module, r) for r in calls.records)):
         return attention_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):
         return packed_rnn_layer_grads(calls, wanted, n)

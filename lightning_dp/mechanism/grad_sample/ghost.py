@@ -79,6 +79,7 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     vmap_layer_grads,
 )
 from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
+from lightning_dp.mechanism.validators.layers import parametrized
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -473,7 +474,7 @@ def is_plain_norm(m: nn.Module) -> bool:
 
 def reducer_for(m: nn.Module) -> Optional[RecordReducer]:
     """The layers the ghost engine reduces during backward: normalisation layers."""
-    return (lambda rec: norm_layer_record_grads(m, rec)) if is_plain_norm(m) else None
+    return (lambda rec: norm_layer_record_grads(m, rec)) if is_plain_norm(m) and not parametrized(m) else None
 
 
 def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -486,6 +487,8 @@ def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, 
 def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
     """Dispatch one layer to its specialised rule (ghost / closed form) or the vmap fallback."""
     m = calls.module
+    if parametrized(m):  # weights computed from originals: the layer replayed per example on them
+        return fallback_stats(calls, wanted, n, scale, with_squares)
     if type(m) is nn.Linear:
         return linear_stats(calls, wanted, n, scale, with_squares)
     if is_hf_conv1d(m):
@@ -510,8 +513,8 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
 def has_closed_form(m: nn.Module) -> bool:
     """Whether :func:`stats_for` serves ``m`` by a rule of its own (not the per-layer vmap fallback, which
     differentiates the layer's registered parameters again: not possible when FSDP2 shards them)."""
-    return (type(m) is nn.Linear or is_hf_conv1d(m) or conv2d_supported(m) or is_plain_norm(m)
-            or (type(m) is nn.Embedding and not m.scale_grad_by_freq))
+    return not parametrized(m) and (type(m) is nn.Linear or is_hf_conv1d(m) or conv2d_supported(m)
+                                    or is_plain_norm(m) or (type(m) is nn.Embedding and not m.scale_grad_by_freq))
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
@@ -600,7 +603,10 @@ def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
 
 
 def input_grad_only_forward(m: nn.Module):
-    """The book-keeping forward for ``m`` (Linear, supported Conv2d, torch's RNNs), or None."""
+    """The book-keeping forward for ``m`` (Linear, supported Conv2d, torch's RNNs), or None (also for a parametrized
+    module: its weight's gradient must reach the originals)."""
+    if parametrized(m):
+        return None
     if type(m) is nn.Linear:
         return _linear_forward
     if type(m) is nn.Conv2d and conv2d_supported(m):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils.parametrize import ParametrizationList
 
 from lightning_dp.errors import PrivacyConfigurationError
 
@@ -26,6 +27,7 @@ from lightning_dp.mechanism.grad_sample.base import (
     register_engine,
 )
 from lightning_dp.mechanism.validators.example_dim import check_example_dim, check_something_captured
+from lightning_dp.mechanism.validators.layers import parametrized
 
 if TYPE_CHECKING:
     from opacus.grad_sample import GradSampleHooks
@@ -182,6 +184,9 @@ def _opacus_wrong(module: nn.Module) -> Optional[str]:
     """Why Opacus' per-example gradients for a module it hooks would be wrong (or crash), else None."""
     if any(isinstance(m, _BatchNorm) for m in module.modules()):
         return "normalises with batch statistics: mixes examples"
+    if parametrized(module) or isinstance(module, ParametrizationList):
+        return ("computes its weight from a parametrization (weight_norm, orthogonal, ...): Opacus' rules would give "
+                "the computed weight a gradient, not its originals; served by 'vmap' and 'ghost'")
     if _rule_of(module) is not None:
         return _rule_wrong(module)
     if isinstance(module, nn.RNNBase):

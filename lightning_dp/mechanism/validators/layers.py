@@ -80,19 +80,35 @@ _LEGACY_REPARAMETRIZATIONS = (
 )
 
 
+def parametrized(module: nn.Module) -> bool:
+    """Whether ``module`` computes some of its tensors from others by ``torch.nn.utils.parametrize`` (weight_norm,
+    orthogonal, a user's parametrization): the trainable tensors are the originals
+    (``parametrizations.weight.original0``, …), which no closed-form rule knows. Such a module is hooked as one unit
+    (:func:`~lightning_dp.mechanism.capture.is_unit`) and its per-example gradients come from replaying it per example
+    on its originals (the per-layer vmap, or one backward per example for an RNN), the parametrization recomputed
+    inside; the closed-form rules, the ghost engine's input-gradient-only forwards and the normalisation reducers all
+    pass it by."""
+    return parametrize.is_parametrized(module)
+
+
 def parametrized_layers(module: nn.Module) -> list[str]:
-    """Error messages for layers whose weights are computed from other tensors: by ``torch.nn.utils.parametrize``
-    (weight_norm, spectral_norm, orthogonal), or by the legacy ``torch.nn.utils.weight_norm``/``spectral_norm``
-    forward pre-hook (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on every call). The
-    trainable tensors are the originals, which no engine differentiates per example yet."""
+    """Error messages for reparametrizations no engine serves: a spectral norm (``torch.nn.utils.parametrizations.
+    spectral_norm``: its power iteration writes the ``u``/``v`` buffers in every training forward, state the model
+    releases without noise), and the legacy ``torch.nn.utils.weight_norm``/``spectral_norm`` forward pre-hooks
+    (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on every call, and a module torch cannot
+    deep-copy). Other parametrizations are served (:func:`parametrized`)."""
     errors = []
     for name, sub in module.named_modules():
         if parametrize.is_parametrized(sub):
-            errors.append(
-                f"layer '{name}' ({type(sub).__name__}) has parametrized tensors {sorted(sub.parametrizations.keys())} "
-                "(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...): no per-example engine "
-                "differentiates through a parametrization yet. Remove it (torch.nn.utils.parametrize."
-                "remove_parametrizations(layer, name)), or normalise in the forward instead.")
+            spectral = [key for key, chain in sub.parametrizations.items()
+                        if any(type(p).__name__ == "_SpectralNorm" for p in chain)]
+            if spectral:
+                errors.append(
+                    f"layer '{name}' ({type(sub).__name__}) has a spectral norm on {spectral} "
+                    "(torch.nn.utils.parametrizations.spectral_norm): its power iteration writes the parametrization's "
+                    "u and v buffers in every training forward, which the model would release without noise. Remove it "
+                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, name)), or normalise by a norm computed "
+                    "in the forward instead; weight_norm and orthogonal parametrizations are served.")
         for hook in sub._forward_pre_hooks.values():
             for kind, api, remove in _LEGACY_REPARAMETRIZATIONS:
                 if isinstance(hook, kind):
@@ -100,8 +116,8 @@ def parametrized_layers(module: nn.Module) -> list[str]:
                         f"layer '{name}' ({type(sub).__name__}) recomputes its '{hook.name}' in a forward pre-hook "
                         f"from other parameters ({api}, the legacy API before torch.nn.utils.parametrizations): no "
                         f"per-example engine differentiates through it. Remove it before training "
-                        f"({remove.format(name=hook.name)}) and train the plain '{hook.name}', or normalise in the "
-                        "forward instead (the parametrizations API is refused too).")
+                        f"({remove.format(name=hook.name)}) and train the plain '{hook.name}', or use "
+                        "torch.nn.utils.parametrizations.weight_norm, which is served.")
     return errors
 
 

@@ -51,7 +51,7 @@ class LegacyWeightNorm(zoo.Base):
 def test_legacy_weight_norm_is_refused_before_training():
     zoo.assert_refused(LegacyWeightNorm, zoo.vector_data(),
                        r"layer 'a' \(Linear\).*torch\.nn\.utils\.weight_norm.*remove_weight_norm\(layer, 'weight'\)"
-                       r".*parametrizations API is refused too")
+                       r".*parametrizations\.weight_norm, which is served")
 
 
 def test_legacy_spectral_norm_is_refused_by_name():
