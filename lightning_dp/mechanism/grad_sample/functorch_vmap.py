@@ -249,8 +249,8 @@ def _is_packed(rec: Any) -> bool:
 
 
 def packed_loop_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
-    """:func:`loop_layer_grads` for an RNN whose calls include some on a ``PackedSequence`` (``proj_size``, which
-    the unrolled rule does not serve): example i is packed alone from its own ℓ_i steps (the batch's order:
+    """:func:`loop_layer_grads` for an RNN whose calls include some on a ``PackedSequence`` the unrolled rule does not
+    serve (a parametrized RNN): example i is packed alone from its own ℓ_i steps (the batch's order:
     ``unsorted_indices``) with its own initial state, and g_i = n · ∂(⟨out_i, δ_i⟩ + ⟨h_n,i, δh_i⟩ + …)/∂θ,
     δ_i its rows of the packed output gradient."""
     padded = [r for r in calls.records if not _is_packed(r)]
@@ -283,7 +283,7 @@ def _hidden_dims(hx: Any) -> Any:
 
 def packed_rnn_layer_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
     """An RNN called on a ``PackedSequence`` (as well, maybe, as on padded tensors): the unrolled rule
-    (:mod:`.rnn_unrolled`), or one backward per example where it does not serve (``proj_size``). Inter-layer
+    (:mod:`.rnn_unrolled`), or one backward per example where it does not serve (a parametrized RNN). Inter-layer
     dropout in training on a ``PackedSequence`` never gets here: the capture refuses it."""
     if all(unrolled_supported(calls.module, rec) for rec in calls.records):
         return unrolled_rnn_grads(calls, wanted, n)

@@ -22,7 +22,8 @@ gradient back to the packed rows.
 
 Only calls the rule serves whole take this path (:func:`taped_forward` says None otherwise, and the caller runs the
 module's own forward, the recomputation at the clipping then): a padded 3-D tensor or a ``PackedSequence``, ``hx``
-None or of the module's own shape and dtype, no ``proj_size``, no inter-layer dropout in training, the module's
+None or of the module's own shape and dtype (h_0 ``proj_size`` wide for an LSTM with projections), no inter-layer
+dropout in training, the module's
 registered parameters (not a ``functional_call``'s substitutes), and no autocast, ``torch.compile`` tracing or
 functorch transform around the call. Whatever path a call took, the first step's probe compares the clipped sums,
 weights and inputs' alike, with autograd on the module's own forward.
@@ -149,11 +150,11 @@ def _examples(module: nn.RNNBase, x: Tensor, packing: Packing) -> int:
 def _initial_state(module: nn.RNNBase, x: Tensor, packing: Packing, h0: Optional[Tensor],
                    c0: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
     """h_0 (and c_0 for an LSTM) ``[layers·directions, n, H]``: the given ones, zeros otherwise."""
-    shape = (module.num_layers * _directions(module), _examples(module, x, packing), module.hidden_size)
-    h = h0 if h0 is not None else x.new_zeros(shape)
+    layers, n = module.num_layers * _directions(module), _examples(module, x, packing)
+    h = h0 if h0 is not None else x.new_zeros(layers, n, getattr(module, "proj_size", 0) or module.hidden_size)
     if not isinstance(module, nn.LSTM):
         return h, None
-    return h, (c0 if c0 is not None else x.new_zeros(shape))
+    return h, (c0 if c0 is not None else x.new_zeros(layers, n, module.hidden_size))
 
 
 def _state_ok(module: nn.RNNBase, x: Tensor, packing: Packing, hx: Any) -> bool:
@@ -161,17 +162,18 @@ def _state_ok(module: nn.RNNBase, x: Tensor, packing: Packing, hx: Any) -> bool:
     device (a tuple of two for an LSTM). Anything else keeps the module's own forward (and its own errors)."""
     if hx is None:
         return True
-    shape = (module.num_layers * _directions(module), _examples(module, x, packing), module.hidden_size)
+    layers, n = module.num_layers * _directions(module), _examples(module, x, packing)
     states = hx if isinstance(module, nn.LSTM) else (hx,)
     if not isinstance(states, (tuple, list)) or len(states) != (2 if isinstance(module, nn.LSTM) else 1):
         return False
-    return all(isinstance(s, Tensor) and tuple(s.shape) == shape and s.dtype == x.dtype and s.device == x.device
-               for s in states)
+    sizes = (getattr(module, "proj_size", 0) or module.hidden_size, module.hidden_size)  # h (P with projections), c
+    return all(isinstance(s, Tensor) and tuple(s.shape) == (layers, n, size) and s.dtype == x.dtype
+               and s.device == x.device for s, size in zip(states, sizes))
 
 
 def _served(module: nn.RNNBase, x: Any, hx: Any) -> bool:
     """Whether :func:`taped_forward` serves this call (module docstring)."""
-    if type(module) not in _SERVED or getattr(module, "proj_size", 0):
+    if type(module) not in _SERVED:
         return False
     if module.dropout and module.training and module.num_layers > 1:
         return False

@@ -53,10 +53,13 @@ gradient Σ_directions ∂G W_ih and its initial state's, ∂/∂h_{−1} = ∂R
 ∂/∂c_{−1} = dc_0·σ(f_0): the ghost engine's forward of these modules (:mod:`.recurrent_forward`) uses it as the
 call's whole backward, and its forms reach the clipping without this recomputation.
 
-Served: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, a given initial state,
-padded tensors and ``PackedSequence``; no ``proj_size``, no inter-layer dropout in training (those
-keep one small backward per example; on a ``PackedSequence`` training dropout is refused by the
-capture, :func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_error`).
+An LSTM with ``proj_size`` P (h_t = W_hr m_t, m_t = σ(o)·tanh(c_t)) carries dh_t ``[n, P]`` through W_hh ``[4H, P]``
+and gives the cell dm_t = dh_t W_hr; W_hr's per-example gradient is one more form, n Σ_t dh_t ⊗ m_t.
+
+Served: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, ``proj_size``, a given initial state,
+padded tensors and ``PackedSequence``; no inter-layer dropout in training (that keeps one small backward per
+example; on a ``PackedSequence`` training dropout is refused by the capture,
+:func:`~lightning_dp.mechanism.validators.example_dim.packed_sequence_error`).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def recorded_input(rec: Any) -> Any:
 
 def unrolled_supported(module: nn.Module, rec: Any) -> bool:
     """Whether :func:`unrolled_rnn_grads` serves this RNN and recorded call."""
-    if type(module) not in _SERVED or getattr(module, "proj_size", 0):
+    if type(module) not in _SERVED:
         return False
     if module.dropout and module.training and module.num_layers > 1:
         return False  # random masks between layers: the loop path replays them
@@ -92,13 +95,18 @@ def unrolled_supported(module: nn.Module, rec: Any) -> bool:
     return isinstance(x, Tensor) and x.dim() == 3 and (module.batch_first or not rec.flattened)
 
 
+def _state_size(module: nn.RNNBase) -> int:
+    """The size of h_t per direction: ``proj_size`` for an LSTM with projections, else ``hidden_size``."""
+    return getattr(module, "proj_size", 0) or module.hidden_size
+
+
 def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """h_0 (and c_0 for an LSTM), ``[layers·directions, n, H]`` in the batch's order; zeros when not given."""
     hx = rec.args[1] if len(rec.args) > 1 else rec.kwargs.get("hx")
-    shape = (module.num_layers * (2 if module.bidirectional else 1), n, module.hidden_size)
+    layers = module.num_layers * (2 if module.bidirectional else 1)
     if hx is None:
-        zeros = like.new_zeros(shape)
-        return zeros, (zeros if isinstance(module, nn.LSTM) else None)
+        h = like.new_zeros(layers, n, _state_size(module))
+        return h, (like.new_zeros(layers, n, module.hidden_size) if isinstance(module, nn.LSTM) else None)
     if isinstance(hx, (tuple, list)):
         return hx[0].detach().to(like.dtype), hx[1].detach().to(like.dtype)
     return hx.detach().to(like.dtype), None
@@ -203,12 +211,26 @@ def _steps(t: Optional[Tensor]) -> Optional[tuple[Tensor, ...]]:
     return None if t is None else t.unbind(1)
 
 
+class _LSTMGrads(NamedTuple):
+    """:func:`_lstm_backward`'s result: ∂G = ∂R ``[n, T, 4H]``; the initial state's gradients (or None); and with a
+    projection W_hr, the gradients reaching each projected h_t ``[n, T, P]`` and what W_hr multiplies,
+    m_t = σ(o_t)·tanh(c_t) ``[n, T, H]``."""
+
+    d_g: Tensor
+    dh0: Optional[Tensor] = None
+    dc0: Optional[Tensor] = None
+    dh: Optional[Tensor] = None
+    m: Optional[Tensor] = None
+
+
 def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
                    dc_last: Optional[Tensor], w_hh: Tensor, dc_seq: Optional[Tensor] = None,
-                   initial: bool = False) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+                   initial: bool = False, w_hr: Optional[Tensor] = None) -> _LSTMGrads:
     """∂G = ∂R ``[n, T, 4H]`` of an LSTM direction from its pre-activations G + R (module docstring), and with
     ``initial`` the initial state's gradients ∂/∂h_{−1} = ∂G_0 W_hh, ∂/∂c_{−1} = dc_0·σ(f_0) (else None);
-    ``dc_seq``: gradients reaching c_t from outside the recurrence (c_n's, at each example's last step)."""
+    ``dc_seq``: gradients reaching c_t from outside the recurrence (c_n's, at each example's last step). With
+    ``proj_size`` (``w_hr`` ``[P, H]``: h_t = W_hr m_t, m_t = σ(o)·tanh(c_t)), the cell's own gradient is
+    dm_t = dh_t W_hr, and dh_t ``[n, T, P]`` with m_t are returned for W_hr's form."""
     n, T, H4 = pre.shape
     H = H4 // 4
     act = torch.sigmoid(pre)
@@ -222,9 +244,10 @@ def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: O
     for t in range(T):
         torch.addcmul(ig_rows[t], fs[t], c_rows[t], out=c_rows[t + 1])
     tc = torch.tanh(cs[:, 1:])
-    to_c = torch.addcmul(o, o * tc, tc, value=-1).unbind(1)  # ∂c/∂h through h = σ(o)·tanh(c)
+    to_c = torch.addcmul(o, o * tc, tc, value=-1).unbind(1)  # ∂c/∂m through m = σ(o)·tanh(c)
+    m = o * tc if w_hr is not None else None
     # per gate, ∂gate/∂(its multiplier): i: tanh(g)σ'(i), f: c₋σ'(f), g: σ(i)(1 − tanh²g), o: tanh(c)σ'(o);
-    # the buffer then becomes ∂G in place, step by step (i, f, g times dc; o times dh)
+    # the buffer then becomes ∂G in place, step by step (i, f, g times dc; o times dm)
     d_gates = torch.addcmul(act, act, act, value=-1).view(n, T, 4, H)  # σ' everywhere first
     d_gates[:, :, 0].mul_(g)
     d_gates[:, :, 1].mul_(cs[:, :-1])
@@ -232,23 +255,30 @@ def _lstm_backward(pre: Tensor, c0: Tensor, dh_seq: Optional[Tensor], dh_last: O
     d_gates[:, :, 3].mul_(tc)
     rows, ifg, o_rows = d_gates.view(n, T, H4).unbind(1), d_gates[:, :, :3].unbind(1), d_gates[:, :, 3].unbind(1)
     d_seq = _steps(dh_seq)
-    dh = dh_last if dh_last is not None else pre.new_zeros(n, H)
+    P = w_hh.shape[1]  # H, or proj_size
+    dh_all = pre.new_empty(n, T, P) if w_hr is not None else None
+    dh_rows = None if dh_all is None else dh_all.unbind(1)
+    dh = dh_last if dh_last is not None else pre.new_zeros(n, P)
     dh = dh if d_seq is None else d_seq[T - 1] + dh
     dc = dc_last if dc_last is not None else pre.new_zeros(n, H)
     dc_rows = _steps(dc_seq)
     for t in range(T - 1, -1, -1):
-        if t < T - 1:  # dh_t = δ_t + ∂G_{t+1} W_hh, dc_t = dc_{t+1}·σ(f_{t+1}) + dh_t·∂c/∂h
+        if t < T - 1:  # dh_t = δ_t + ∂G_{t+1} W_hh, dc_t = dc_{t+1}·σ(f_{t+1}) + dm_t·∂c/∂m
             dh = torch.mm(rows[t + 1], w_hh) if d_seq is None else torch.addmm(d_seq[t], rows[t + 1], w_hh)
             dc = dc * fs[t + 1]
         if dc_rows is not None:
             dc = dc + dc_rows[t]
-        dc = torch.addcmul(dc, dh, to_c[t])
+        dm = dh
+        if dh_rows is not None:
+            dh_rows[t].copy_(dh)
+            dm = torch.mm(dh, w_hr)
+        dc = torch.addcmul(dc, dm, to_c[t])
         ifg[t].mul_(dc.unsqueeze(1))
-        o_rows[t].mul_(dh)
+        o_rows[t].mul_(dm)
     d = d_gates.view(n, T, H4)
     if not initial:
-        return d, None, None
-    return d, torch.mm(rows[0], w_hh), dc * fs[0]
+        return _LSTMGrads(d, dh=dh_all, m=m)
+    return _LSTMGrads(d, torch.mm(rows[0], w_hh), dc * fs[0], dh_all, m)
 
 
 def _gru_backward(gi: Tensor, gh: Tensor, h_prev: Tensor, dh_seq: Optional[Tensor], dh_last: Optional[Tensor],
@@ -347,16 +377,21 @@ def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: O
     w = torch.cat([w_ih, w_hh], dim=1).t()
     flat = xh.view(-1, xh.shape[-1])
     pre = (torch.mm(flat, w) if b_ih is None else torch.addmm(b_ih + b_hh, flat, w)).view(*xh.shape[:2], -1)
-    dc0 = None
+    dc0, forms = None, []
     if isinstance(module, nn.LSTM):
         assert c0 is not None
-        d_g, dh0, dc0 = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq, initial)
+        w_hr = params.get("weight_hr")
+        lstm = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq, initial, w_hr)
+        d_g, dh0, dc0 = lstm.d_g, lstm.dh0, lstm.dc0
+        if w_hr is not None:  # ∇W_hr = n Σ_t dh_t ⊗ m_t
+            assert lstm.m is not None and lstm.dh is not None
+            forms.append(wanted_form(lstm.m, lstm.dh, {"weight_hr": slice(None)}, (), suffix, wanted))
     else:
         d_g, dh0 = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh, initial)
     D = x.shape[-1]
-    form = wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
-                       ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)
-    return _Direction(d_g, [] if form is None else [form], dh0, dc0)
+    forms.insert(0, wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
+                                ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted))
+    return _Direction(d_g, [f for f in forms if f is not None], dh0, dc0)
 
 
 def _record_forms(module: nn.RNNBase, rec: Any, names: set[str], n: int) -> list[LinearForm]:
@@ -388,7 +423,8 @@ def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
         return []
     if d_out is not None:
         d_out = padded_rows(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
-    keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
+    keys = (["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
+            + (["weight_hr"] if getattr(module, "proj_size", 0) else []))
     flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in _suffixes(module)]
     top = None if rec.output is None else rec.output.detach().to(dtype)
     inputs, lengths = _layer_values(module, x, h0, c0, flats, top)
@@ -421,7 +457,7 @@ def layers_backward(module: nn.RNNBase, inputs: list[Tensor], lengths: Optional[
     the forms of the ``names`` parameters and, with ``input_grads`` / ``initial_grads``, the gradients of the call's
     input and initial state (padded calls only, ``lengths`` None)."""
     d_out, d_hn, d_cn = grads
-    dirs, H = (2 if module.bidirectional else 1), module.hidden_size
+    dirs, H = (2 if module.bidirectional else 1), _state_size(module)
     suffixes = _suffixes(module)
     T = inputs[0].shape[1]
     last = None if lengths is None else lengths - 1
@@ -433,7 +469,7 @@ def layers_backward(module: nn.RNNBase, inputs: list[Tensor], lengths: Optional[
         d_x: Optional[Tensor] = None
         for d, suffix in enumerate(suffixes[layer]):
             k = layer * dirs + d
-            part = slice(d * H, (d + 1) * H)  # this direction's half of the layer's outputs
+            part = slice(d * H, (d + 1) * H)  # this direction's half of the layer's outputs (h_t: H, or proj_size)
             x_d, h_d, dh_seq = inputs[layer], inputs[layer + 1][..., part], None if d_out is None else d_out[..., part]
             if d:  # the reverse direction runs last-to-first: reverse time, and its input gradient back
                 x_d, h_d = _reverse(x_d, rev), _reverse(h_d, rev)
@@ -443,7 +479,8 @@ def layers_backward(module: nn.RNNBase, inputs: list[Tensor], lengths: Optional[
             if last is not None:  # packed: example i's state stops at ℓ_i − 1; the final gradients enter there
                 dh_seq, dh_last = _at_last_step(dh_seq, last, dh_last, T), None
                 dc_seq, dc_last = _at_last_step(None, last, dc_last, T), None
-            params = {key: weights.get(key + suffix) for key in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+            params = {key: weights.get(key + suffix)
+                      for key in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")}
             step = _direction_forms(module, x_d, h_d, h0[k], None if c0 is None else c0[k], dh_seq,
                                     (dh_last, dc_last, dc_seq), params, suffix, names, initial_grads)
             out.extend(step.forms)

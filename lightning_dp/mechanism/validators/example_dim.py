@@ -189,13 +189,13 @@ def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],
 def flattened_rnn_error(name: str, module: nn.Module) -> PrivacyConfigurationError:
     """An RNN called on verified flattened examples ``[B·m, T, d]`` (timm's Sequencer2d, a sentence-level LSTM over
     ``[B·sentences, words, d]``) in a configuration its rule does not take: each row's gradients come from the
-    hand-written backward through time, which needs ``batch_first=True`` there, no ``proj_size`` and no inter-layer
-    dropout in training (refused, before any release)."""
+    hand-written backward through time, which needs ``batch_first=True`` there and no inter-layer dropout in training
+    (refused, before any release)."""
     return PrivacyConfigurationError(
         f"layer '{name or '<root>'}' ({type(module).__name__}) was called on flattened examples ([B·m, T, d] rows, "
-        "verified), in a configuration whose per-row gradients are not served there (time-major input, proj_size, "
-        "or dropout between its layers in training). Nothing was released. Use batch_first=True, proj_size=0 and "
-        "dropout=0 for this layer (dropout on its outputs instead), or call it on [B, T, d].")
+        "verified), in a configuration whose per-row gradients are not served there (time-major input, or dropout "
+        "between its layers in training). Nothing was released. Use batch_first=True and dropout=0 for this layer "
+        "(dropout on its outputs instead), or call it on [B, T, d].")
 
 
 def packed_sequence_error(name: str, module: object) -> PrivacyConfigurationError:

@@ -19,11 +19,14 @@ from lightning_dp.mechanism.recurrent_tape import RecurrentTape, tape_of
 
 N, T, D, H = 5, 4, 3, 6
 
-GRID = list(itertools.product(["LSTM", "GRU", "RNN"], [1, 2], [False, True], [True, False], [True, False]))
+GRID = list(itertools.product(["LSTM", "GRU", "RNN", "LSTMP"], [1, 2], [False, True], [True, False], [True, False]))
+"""(kind, layers, bidirectional, batch_first, with a given state); ``LSTMP``: an LSTM with ``proj_size``."""
 
 
 def _rnn(kind: str, layers: int, bidirectional: bool, batch_first: bool, bias: bool = True, **kw) -> nn.RNNBase:
     torch.manual_seed(0)
+    if kind == "LSTMP":
+        kind, kw = "LSTM", {**kw, "proj_size": 2}
     return getattr(nn, kind)(D, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
                              bias=bias, **kw).double()
 
@@ -35,8 +38,8 @@ def _inputs(rnn: nn.RNNBase, with_state: bool):
     if not with_state:
         return x, None
     layers = rnn.num_layers * (2 if rnn.bidirectional else 1)
-    states = [torch.randn(layers, N, H, dtype=torch.float64, generator=g, requires_grad=True)
-              for _ in range(2 if isinstance(rnn, nn.LSTM) else 1)]
+    widths = [getattr(rnn, "proj_size", 0) or H, H][:2 if isinstance(rnn, nn.LSTM) else 1]  # h (P), c
+    states = [torch.randn(layers, N, w, dtype=torch.float64, generator=g, requires_grad=True) for w in widths]
     return x, (tuple(states) if isinstance(rnn, nn.LSTM) else states[0])
 
 
@@ -63,7 +66,7 @@ def test_outputs_and_input_gradients_are_torchs(kind, layers, bidirectional, bat
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-PACKED = list(itertools.product(["LSTM", "GRU", "RNN"], [1, 2], [False, True], [False, True], [True, False]))
+PACKED = list(itertools.product(["LSTM", "GRU", "RNN", "LSTMP"], [1, 2], [False, True], [False, True], [True, False]))
 
 
 def _packed(rnn: nn.RNNBase, enforce_sorted: bool, with_state: bool):
@@ -95,13 +98,13 @@ def test_a_packed_call_gives_torchs_outputs_and_gradients(kind, layers, bidirect
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN", "LSTMP"])
 @pytest.mark.parametrize("used", [(0,), (1,), (2,), (0, 1)])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_the_tape_holds_the_forms_the_recomputation_gives(kind, used, packed):
     """The backward's forms, × n, are the clipping's recomputed forms from the same output gradients (any subset
     of the outputs reached by a gradient), padded or packed (unsorted); a frozen weight is left out of both."""
-    if kind != "LSTM" and 2 in used:
+    if kind in ("GRU", "RNN") and 2 in used:
         return
     rnn = _rnn(kind, 2, True, True)
     rnn.weight_hh_l1.requires_grad_(False)
@@ -211,11 +214,9 @@ def test_a_second_backward_through_the_call_recomputes_from_both(monkeypatch):
         torch.testing.assert_close(out.sums[p], ref, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["packed-dropout", "proj_size", "dropout", "no-grad", "functional", "autocast",
-                                  "kwargs"])
+@pytest.mark.parametrize("case", ["packed-dropout", "dropout", "no-grad", "functional", "autocast", "kwargs"])
 def test_calls_it_does_not_serve_keep_the_modules_forward(case):
-    kw = ({"proj_size": 2} if case == "proj_size" else {"num_layers": 2, "dropout": 0.5} if "dropout" in case
-          else {})
+    kw = {"num_layers": 2, "dropout": 0.5} if "dropout" in case else {}
     rnn = nn.LSTM(D, H, batch_first=True, **kw)
     x = torch.randn(N, T, D)
     rnn._update_flat_weights()

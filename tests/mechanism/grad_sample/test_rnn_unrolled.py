@@ -26,7 +26,7 @@ def _case(kind: str, batch_first: bool, with_state: bool, outputs: tuple[int, ..
     layers = rnn.num_layers * (2 if rnn.bidirectional else 1)
     args: tuple = (x,)
     if with_state:
-        h0 = torch.randn(layers, N, H, dtype=torch.float64)
+        h0 = torch.randn(layers, N, getattr(rnn, "proj_size", 0) or H, dtype=torch.float64)
         args = (x, (h0, torch.randn(layers, N, H, dtype=torch.float64)) if kind == "LSTM" else h0)
     leaves = tree_flatten(rnn(*args))[0]
     grad_outs = [torch.randn_like(leaf) if k in outputs else None for k, leaf in enumerate(leaves)]  # None: unused
@@ -45,6 +45,8 @@ def _case(kind: str, batch_first: bool, with_state: bool, outputs: tuple[int, ..
     ("LSTM", False, True, dict(bidirectional=True, outputs=(2,))),  # only c_n used
     ("GRU", True, True, dict(num_layers=2, outputs=(0,))),  # only the output sequence
     ("RNN", True, True, dict(bidirectional=True, bias=False, outputs=(1,))),
+    ("LSTM", True, True, dict(num_layers=2, bidirectional=True, proj_size=2)),  # h_t = W_hr m_t
+    ("LSTM", False, False, dict(proj_size=4, outputs=(1, 2))),
 ])
 def test_unrolled_equals_one_backward_per_example(kind, batch_first, with_state, kwargs):
     rnn, calls, output = _case(kind, batch_first, with_state, **kwargs)
@@ -60,11 +62,11 @@ def test_unrolled_equals_one_backward_per_example(kind, batch_first, with_state,
             torch.testing.assert_close(fast[name], slow[name], rtol=1e-10, atol=1e-12)
 
 
-def test_projections_and_training_dropout_keep_the_loop():
+def test_training_dropout_keeps_the_loop_and_projections_are_served():
     lstm = nn.LSTM(D, H, proj_size=2)
     gru = nn.GRU(D, H, num_layers=2, dropout=0.5).train()
     record = Record((torch.randn(T, N, D),), {}, [None])
-    assert not unrolled_supported(lstm, record) and not unrolled_supported(gru, record)
+    assert unrolled_supported(lstm, record) and not unrolled_supported(gru, record)
     assert unrolled_supported(gru.eval(), record)
 
 
@@ -145,8 +147,9 @@ def test_packed_sequence_equals_each_example_alone(kind, lengths, loss_on, with_
     _packed_vs_alone(kind, lengths, loss_on, with_state, batch_first, sort, **kwargs)
 
 
-def test_packed_projections_keep_one_backward_per_example():
-    _packed_vs_alone("LSTM", SPREAD, ("out", "h", "c"), True, served=vmap_layer_grads, proj_size=2, num_layers=2,
+@pytest.mark.parametrize("served", [unrolled_rnn_grads, vmap_layer_grads], ids=["unrolled", "vmap-engine"])
+def test_packed_projections_are_exact(served):
+    _packed_vs_alone("LSTM", SPREAD, ("out", "h", "c"), True, served=served, proj_size=2, num_layers=2,
                      bidirectional=True)
 
 
