@@ -194,6 +194,10 @@ def zoo_cases() -> list[Case]:
         Case("lstm-on-features", Z.RecurrentOnFeatures, Z.feature_sequence_data),
         Case("gru-tm-on-features", lambda: Z.RecurrentOnFeatures("GRU", batch_first=False), Z.feature_sequence_data),
         Case("rnn-on-features-h0", lambda: Z.RecurrentOnFeatures("RNN", state=True), Z.feature_sequence_data),
+        Case("lstm-output-in-place", lambda: Z.RecurrentOutputInPlace("LSTM", "mul_"), _pad),
+        Case("table-without-arguments", Z.TableWithoutArguments, tok),
+        Case("parametrized-conv", lambda: Z.Parametrized("conv"), tok),
+        Case("parametrized-orthogonal", lambda: Z.Parametrized("orthogonal"), tok),
         Case("time-major-collate-phys4", Z.TimeMajorBatchTransposed, _pad, engines=("auto",),
              collate=Z.time_major_collate, physical=4),
     ]
@@ -377,7 +381,7 @@ def speed_row(real_models: Any, make: Callable[[], nn.Module], name: str, args: 
 
 
 # ---------------------------------------------------------------- main
-SPEED_MODELS = "gpt2,bert,llama,llama-lora,t5,vit,torch-encoder,gru,lstm"
+SPEED_MODELS = "gpt2,bert,llama,llama-lora,t5,vit,torch-encoder,gru,lstm,lstm-packed"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
