@@ -58,8 +58,9 @@ Verified every step: Σ_i δ_i equals the gradient autograd delivers to the outp
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
 Cost: the mode intercepts every torch call (Python overhead) while a followed tensor is alive: it holds them
-weakly, pauses between layers once none is left (:meth:`BroadcastSites.pause_if_idle`) and ends before the
-engine's clipping; only models with such a lookup pay it.
+weakly, pauses between layers once none is left (:meth:`BroadcastSites.pause_if_idle`), is set aside while the
+capture records each layer's call (:meth:`BroadcastSites.aside`: the capture's own checks were most of the calls it
+saw) and ends before the engine's clipping; only models with such a lookup pay it.
 """
 
 from __future__ import annotations
