@@ -280,6 +280,11 @@ def test_an_rnn_output_changed_in_place_is_exact(kind, how, engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_table_handed_over_as_an_attribute_stays_followed(engine):
+    zoo.assert_exact(zoo.TableThroughAnAttribute, zoo.token_data(), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 @pytest.mark.parametrize("rows", [zoo.N, zoo.N + 1], ids=["rows-equal-batch", "rows-other"])
 def test_a_table_handed_out_without_arguments_is_exact(rows, engine):
     strategy = zoo.assert_exact(lambda: zoo.TableWithoutArguments(rows), zoo.token_data(), per_sample=engine)

@@ -485,6 +485,36 @@ class Parametrized(Base):
         return per_example_token_mean(self.head(torch.tanh(h)), y)
 
 
+class _ScaledTable(nn.Module):
+    """A layer that reads a table handed to it as an attribute (not an argument) and returns a view of its scaled copy:
+    its output is followed through the table, and the capture hands the model an alias of that view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(D))
+        self.table: Optional[Tensor] = None
+
+    def forward(self) -> Tensor:
+        assert self.table is not None  # set by the model before each call (the engines' replays see it too)
+        return (self.table * self.scale)[:, :D]
+
+
+class TableThroughAnAttribute(Base):
+    """``pos(arange(T))`` handed to a second layer as an attribute, whose output (a view, aliased by the capture) is
+    added to every example: the alias must stay followed to the position table (the capture records calls with the
+    broadcast sites' mode set aside, and carries the outputs' sources over to the aliases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos, self.scaled, self.head = nn.Embedding(V, D), nn.Embedding(T, D), _ScaledTable(), nn.Linear(D, V)
+
+    def loss(self, batch):
+        x, y = batch
+        self.scaled.table = self.pos(torch.arange(x.shape[1], device=x.device))
+        h = self.emb(x) + self.scaled()
+        return per_example_token_mean(self.head(torch.tanh(h)), y)
+
+
 class _Table(nn.Module):
     """A learned table handed out by a call without arguments: the output is the parameter itself (a leaf)."""
 
