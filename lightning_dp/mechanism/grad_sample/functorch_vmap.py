@@ -342,12 +342,11 @@ def vmap_layer_grads(
     (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
     (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``)."""
     module = calls.module
-    if parametrized(module):  # weights computed from originals: only a replay on the originals knows them
-        if isinstance(module, nn.RNNBase):
-            return loop_layer_grads(calls, wanted, n)
-    elif scale_served(calls):
+    plain = not parametrized(module)  # else weights computed from originals: only a replay on the originals knows them
+    if not plain and isinstance(module, nn.RNNBase):
+        return loop_layer_grads(calls, wanted, n)
+    if plain and scale_served(calls):
         return scale_layer_grads(calls, wanted, n)
-    plain = not parametrized(module)
     forms = projection_forms(calls, wanted, n) if plain and isinstance(module, nn.MultiheadAttention) else None
     if forms is not None:  # self-attention's projections from autograd's record (attention_projections.py)
         return form_grads(forms, wanted, n)

@@ -38,7 +38,14 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
-from lightning_dp.mechanism.grad_sample.rnn_unrolled import fused_layer_call, layers_backward, padded_rows
+from lightning_dp.mechanism.grad_sample.rnn_unrolled import (
+    fused_layer_call,
+    initial_state,
+    layer_weights,
+    layers_backward,
+    padded_rows,
+    state_shapes,
+)
 from lightning_dp.mechanism.recurrent_tape import RecurrentTape
 
 _SERVED = (nn.LSTM, nn.GRU, nn.RNN)
@@ -57,14 +64,14 @@ class _TapedRNN(torch.autograd.Function):
     def forward(ctx, module: nn.RNNBase, tape: RecurrentTape, packing: Packing, x: Tensor, h0: Optional[Tensor],
                 c0: Optional[Tensor], *flat: Tensor) -> tuple[Tensor, ...]:
         h0_, c0_ = _initial_state(module, x, packing, h0, c0)
-        dirs, per = _directions(module), len(flat) // module.num_layers
+        dirs = _directions(module)
         batch_sizes = None if packing is None else packing[0]
         values, h_n, c_n = [], [], []
         inp = x
-        for layer in range(module.num_layers):
+        for layer, layer_flat in enumerate(layer_weights(module, dict(zip(module._flat_weights_names, flat)))):
             span = slice(layer * dirs, (layer + 1) * dirs)
-            res = fused_layer_call(module, inp, h0_[span], None if c0_ is None else c0_[span],
-                                   list(flat[layer * per:(layer + 1) * per]), batch_sizes, module.batch_first)
+            res = fused_layer_call(module, inp, h0_[span], None if c0_ is None else c0_[span], layer_flat,
+                                   batch_sizes, module.batch_first)
             inp = res[0]
             values.append(inp)
             h_n.append(res[1])
@@ -149,26 +156,21 @@ def _examples(module: nn.RNNBase, x: Tensor, packing: Packing) -> int:
 
 def _initial_state(module: nn.RNNBase, x: Tensor, packing: Packing, h0: Optional[Tensor],
                    c0: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """h_0 (and c_0 for an LSTM) ``[layers·directions, n, H]``: the given ones, zeros otherwise."""
-    layers, n = module.num_layers * _directions(module), _examples(module, x, packing)
-    h = h0 if h0 is not None else x.new_zeros(layers, n, getattr(module, "proj_size", 0) or module.hidden_size)
-    if not isinstance(module, nn.LSTM):
-        return h, None
-    return h, (c0 if c0 is not None else x.new_zeros(layers, n, module.hidden_size))
+    """h_0 (and c_0 for an LSTM): the given ones, zeros otherwise (:func:`~.rnn_unrolled.initial_state`)."""
+    return initial_state(module, _examples(module, x, packing), x, h0, c0)
 
 
 def _state_ok(module: nn.RNNBase, x: Tensor, packing: Packing, hx: Any) -> bool:
-    """Whether ``hx`` is None or the module's initial state: ``[layers·directions, n, H]`` tensors of x's dtype and
-    device (a tuple of two for an LSTM). Anything else keeps the module's own forward (and its own errors)."""
+    """Whether ``hx`` is None or the module's initial state: tensors of :func:`~.rnn_unrolled.state_shapes` (a tuple
+    of two for an LSTM) of x's dtype and device. Anything else keeps the module's own forward (and its own errors)."""
     if hx is None:
         return True
-    layers, n = module.num_layers * _directions(module), _examples(module, x, packing)
+    shapes = state_shapes(module, _examples(module, x, packing))
     states = hx if isinstance(module, nn.LSTM) else (hx,)
-    if not isinstance(states, (tuple, list)) or len(states) != (2 if isinstance(module, nn.LSTM) else 1):
+    if not isinstance(states, (tuple, list)) or len(states) != len(shapes):
         return False
-    sizes = (getattr(module, "proj_size", 0) or module.hidden_size, module.hidden_size)  # h (P with projections), c
-    return all(isinstance(s, Tensor) and tuple(s.shape) == (layers, n, size) and s.dtype == x.dtype
-               and s.device == x.device for s, size in zip(states, sizes))
+    return all(isinstance(s, Tensor) and tuple(s.shape) == shape and s.dtype == x.dtype and s.device == x.device
+               for s, shape in zip(states, shapes))
 
 
 def _served(module: nn.RNNBase, x: Any, hx: Any) -> bool:

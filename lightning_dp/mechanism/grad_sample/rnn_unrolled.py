@@ -95,21 +95,40 @@ def unrolled_supported(module: nn.Module, rec: Any) -> bool:
     return isinstance(x, Tensor) and x.dim() == 3 and (module.batch_first or not rec.flattened)
 
 
-def _state_size(module: nn.RNNBase) -> int:
-    """The size of h_t per direction: ``proj_size`` for an LSTM with projections, else ``hidden_size``."""
-    return getattr(module, "proj_size", 0) or module.hidden_size
+def state_shapes(module: nn.RNNBase, n: int) -> list[tuple[int, int, int]]:
+    """The shapes ``[layers·directions, n, ·]`` of the module's initial state over n examples: h_0's (``proj_size``
+    wide for an LSTM with projections, else ``hidden_size``), then an LSTM's c_0 (``hidden_size``)."""
+    layers = module.num_layers * (2 if module.bidirectional else 1)
+    h = (layers, n, getattr(module, "proj_size", 0) or module.hidden_size)
+    return [h, (layers, n, module.hidden_size)] if isinstance(module, nn.LSTM) else [h]
+
+
+def initial_state(module: nn.RNNBase, n: int, like: Tensor, h0: Optional[Tensor] = None,
+                  c0: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """h_0 (and c_0 for an LSTM) over n examples: the given ones, zeros of :func:`state_shapes` otherwise."""
+    shapes = state_shapes(module, n)
+    h = h0 if h0 is not None else like.new_zeros(shapes[0])
+    if len(shapes) == 1:
+        return h, None
+    return h, (c0 if c0 is not None else like.new_zeros(shapes[1]))
 
 
 def _initial(module: nn.RNNBase, rec: Any, n: int, like: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-    """h_0 (and c_0 for an LSTM), ``[layers·directions, n, H]`` in the batch's order; zeros when not given."""
+    """h_0 (and c_0 for an LSTM) of a recorded call, in the batch's order; zeros when not given."""
     hx = rec.args[1] if len(rec.args) > 1 else rec.kwargs.get("hx")
-    layers = module.num_layers * (2 if module.bidirectional else 1)
     if hx is None:
-        h = like.new_zeros(layers, n, _state_size(module))
-        return h, (like.new_zeros(layers, n, module.hidden_size) if isinstance(module, nn.LSTM) else None)
+        return initial_state(module, n, like)
     if isinstance(hx, (tuple, list)):
         return hx[0].detach().to(like.dtype), hx[1].detach().to(like.dtype)
     return hx.detach().to(like.dtype), None
+
+
+def layer_weights(module: nn.RNNBase, weights: dict[str, Tensor]) -> list[list[Tensor]]:
+    """Each layer's weights (every direction) in torch's own order (``_flat_weights_names``: what its fused kernel
+    takes for one layer, ``weight_hr`` included with projections)."""
+    names = module._flat_weights_names
+    per = len(names) // module.num_layers
+    return [[weights[name] for name in names[layer * per:(layer + 1) * per]] for layer in range(module.num_layers)]
 
 
 def _fused_layer(module: nn.RNNBase, inp: Tensor, h0: Tensor, c0: Optional[Tensor], flat: list[Tensor],
@@ -377,20 +396,18 @@ def _direction_forms(module: nn.RNNBase, x: Tensor, h: Tensor, h0: Tensor, c0: O
     w = torch.cat([w_ih, w_hh], dim=1).t()
     flat = xh.view(-1, xh.shape[-1])
     pre = (torch.mm(flat, w) if b_ih is None else torch.addmm(b_ih + b_hh, flat, w)).view(*xh.shape[:2], -1)
-    dc0, forms = None, []
+    lstm = None
     if isinstance(module, nn.LSTM):
         assert c0 is not None
-        w_hr = params.get("weight_hr")
-        lstm = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq, initial, w_hr)
+        lstm = _lstm_backward(pre, c0, dh_seq, dh_last, dc_last, w_hh, dc_seq, initial, params.get("weight_hr"))
         d_g, dh0, dc0 = lstm.d_g, lstm.dh0, lstm.dc0
-        if w_hr is not None:  # ∇W_hr = n Σ_t dh_t ⊗ m_t
-            assert lstm.m is not None and lstm.dh is not None
-            forms.append(wanted_form(lstm.m, lstm.dh, {"weight_hr": slice(None)}, (), suffix, wanted))
     else:
-        d_g, dh0 = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh, initial)
+        (d_g, dh0), dc0 = _rnn_backward(pre, module.nonlinearity == "relu", dh_seq, dh_last, w_hh, initial), None
     D = x.shape[-1]
-    forms.insert(0, wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
-                                ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted))
+    forms = [wanted_form(xh, d_g, {"weight_ih": slice(None, D), "weight_hh": slice(D, None)},
+                         ("bias_ih", "bias_hh") if b_ih is not None else (), suffix, wanted)]
+    if lstm is not None and lstm.m is not None and lstm.dh is not None:  # proj_size: ∇W_hr = n Σ_t dh_t ⊗ m_t
+        forms.append(wanted_form(lstm.m, lstm.dh, {"weight_hr": slice(None)}, (), suffix, wanted))
     return _Direction(d_g, [f for f in forms if f is not None], dh0, dc0)
 
 
@@ -423,11 +440,8 @@ def _record_forms_of_rows(module: nn.RNNBase, rec: Any, names: set[str], n: int,
         return []
     if d_out is not None:
         d_out = padded_rows(x, d_out)[0] if packed else d_out if module.batch_first else d_out.transpose(0, 1)
-    keys = (["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if module.bias else [])
-            + (["weight_hr"] if getattr(module, "proj_size", 0) else []))
-    flats = [[weights[k + s] for s in layer_suffixes for k in keys] for layer_suffixes in _suffixes(module)]
     top = None if rec.output is None else rec.output.detach().to(dtype)
-    inputs, lengths = _layer_values(module, x, h0, c0, flats, top)
+    inputs, lengths = _layer_values(module, x, h0, c0, layer_weights(module, weights), top)
     return layers_backward(module, inputs, lengths, h0, c0, (d_out, d_hn, d_cn), weights, names).forms
 
 
@@ -455,9 +469,9 @@ def layers_backward(module: nn.RNNBase, inputs: list[Tensor], lengths: Optional[
     input and the last layer's output, batch-first ``[n, T, ·]`` (padded past the ``lengths``, or ``None``: all T
     steps); ``grads`` = (∂/∂output ``[n, T, directions·H]`` batch-first, ∂/∂h_n, ∂/∂c_n), any of them None. Returns
     the forms of the ``names`` parameters and, with ``input_grads`` / ``initial_grads``, the gradients of the call's
-    input and initial state (padded calls only, ``lengths`` None)."""
+    input (padded batch-first rows) and initial state (in the rows' order)."""
     d_out, d_hn, d_cn = grads
-    dirs, H = (2 if module.bidirectional else 1), _state_size(module)
+    dirs, H = (2 if module.bidirectional else 1), state_shapes(module, 0)[0][2]
     suffixes = _suffixes(module)
     T = inputs[0].shape[1]
     last = None if lengths is None else lengths - 1
