@@ -319,7 +319,9 @@ def train_once(setup: Setup, method: Method, seed: int, data: PydocTextDataModul
     callbacks: list[Callback] = [monitor]
     strategy: Any = "auto"
     if method.private:
-        strategy = DPStrategy(**privacy_kwargs(setup, method))
+        # NegativeFraction keeps, from on_train_batch_end, statistics of the optimizer's moments after each update
+        # (released values) and losses on held-out windows: declared public for the release boundary.
+        strategy = DPStrategy(**privacy_kwargs(setup, method), public_state=["NegativeFraction"])
         if method.variant:
             callbacks.append(AdamVariant(method.variant, **method.hparams))
     trainer = pl.Trainer(

@@ -24,7 +24,7 @@ import io
 import math
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
@@ -83,6 +83,9 @@ class PrivateTraining:
         secure_mode: bool,
         resume_privacy: Literal["strict", "new"],
         augmentation_multiplicity: int,
+        public_state: Sequence[str] = (),
+        verify: str = "sampled",
+        verify_budget: float = 0.05,
     ) -> None:
         """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
         check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
@@ -100,7 +103,8 @@ class PrivateTraining:
         self.private_step = PrivateStep(
             noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
-            views_per_example=augmentation_multiplicity,
+            views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
+            verify_budget=verify_budget,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
         self._requested_sigma = self.private_step.noise_multiplier
@@ -218,11 +222,41 @@ class PrivateTraining:
 
     def _attach(self, where: Distribution) -> None:
         """Attach the engine and choose the release rule for ``where`` (after the optimizers exist)."""
-        engine = self.private_step.attach(self.lightning_module, self.optimizers[0], where)  # type: ignore[attr-defined]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
+        self.private_step.boundary.callbacks = lambda: module.trainer.callbacks
         if self.private_step.mechanism == "sign_vote":
             rank_zero_info(f"{self.label}: DP-SignSGD majority vote over {where.world_size} worker(s), each adding "
                            "its own noise")
         rank_zero_info(f"{self.label}: per-example gradients by engine '{engine}'")
+
+    # ------------------------------------------------------------------ the release boundary's baselines
+    def on_train_start(self) -> None:
+        """The state as training starts (after every ``on_train_start`` hook) is what the first release is compared
+        with (:mod:`~lightning_dp.mechanism.boundary`)."""
+        super().on_train_start()  # type: ignore[misc]
+        self.private_step.boundary.baseline()
+
+    def on_validation_start(self) -> None:
+        """Check the state kept since the last update, then leave validation (held-out data) unwatched."""
+        super().on_validation_start()  # type: ignore[misc]
+        if self._fitting():
+            self.private_step.boundary.pause("between the last update and validation (in a batch-end or epoch hook)")
+
+    def on_validation_end(self) -> None:
+        """Validation is over: the state now is the baseline of the next release."""
+        super().on_validation_end()  # type: ignore[misc]
+        if self._fitting():
+            self.private_step.boundary.baseline()
+
+    def on_train_end(self) -> None:
+        """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
+        super().on_train_end()  # type: ignore[misc]
+        self.private_step.boundary.check_kept("after the last update (in a batch-end or epoch-end hook)")
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
 
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown."""
@@ -286,8 +320,14 @@ class PrivateTraining:
         n = self._examples_this_step = len(indices)
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
             return None
+        check_loop(self.lightning_module.trainer, self.label)  # type: ignore[attr-defined]
+        if step.refresh_parameters():
+            rank_zero_info(f"{self.label}: the trainable parameters changed; the engine was re-attached and the "
+                           "probe runs again before the next release")
         if not step.verified:
             self._verify()
+        if step.batch_check_due():
+            self._check_batch(indices)
         if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
@@ -351,8 +391,8 @@ class PrivateTraining:
 
         low = "16" in str(module.trainer.precision)
         try:
-            self.private_step.verify(loss_of, low_precision=low, to_device=self.batch_to_device,  # type: ignore[attr-defined]
-                                     what="training_step")
+            self.private_step.verify(loss_of, low_precision=low, to_device=self._as_loop_batch, what="training_step",
+                                     replay_hooks=partial(_replay_batch_hooks, module, self.precision_plugin))  # type: ignore[attr-defined]
         except PrivacyConfigurationError as err:
             if "DTensor" not in str(err):
                 raise
@@ -361,9 +401,32 @@ class PrivateTraining:
                 "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
                 "that skips its forward.") from err
 
+    def _check_batch(self, indices: list[int]) -> None:
+        """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's examples, read again
+        through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        step = self.private_step
+
+        def loss_of(idx: list[int]) -> Any:
+            batch = self._as_loop_batch(step.examples(idx, fixed=True))
+            with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
+                return module.training_step(batch, 0)
+
+        step.check_batch(loss_of, indices, module.trainer.global_step, max_examples=min(128, self.max_physical_batch_size
+                                                                                         or 128))
+
     def _collated(self, indices: list[int]) -> Any:
         """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
-        return self.batch_to_device(self.private_step.examples(indices))  # type: ignore[attr-defined]
+        return self._as_loop_batch(self.private_step.examples(indices))
+
+    def _as_loop_batch(self, batch: Any) -> Any:
+        """A collated batch as Lightning's loop hands it to ``training_step``: converted by the precision plugin
+        (``precision="64-true"`` makes float inputs float64), through ``on_before_batch_transfer``, moved to the
+        device and through ``on_after_batch_transfer``."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        batch = self.precision_plugin.convert_input(batch)  # type: ignore[attr-defined]
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return self.batch_to_device(batch, dataloader_idx=0)  # type: ignore[attr-defined]
 
     def optimizer_step(
         self,
@@ -389,16 +452,28 @@ class PrivateTraining:
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
 
     def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-        step = self.private_step
-        step.expect_request(optimizer)
-        loss = closure()
-        step.release(self.lightning_module.trainer.global_step, optimizer,  # type: ignore[attr-defined]
-                     empty=self._examples_this_step == 0)
-        return loss
+        self.private_step.expect_request(optimizer)
+        return closure()  # training_step, then backward, which releases (:meth:`backward`)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward, with the release between the gradient computation and ``on_after_backward``:
+        every hook, callback and logger that reads ``p.grad`` afterwards reads ĝ_t (the release boundary)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        self.pre_backward(closure_loss)  # type: ignore[attr-defined]
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # type: ignore[attr-defined]
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
+        self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
+                                  empty=self._examples_this_step == 0)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
+        self.post_backward(closure_loss)  # type: ignore[attr-defined]
+        return closure_loss
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it."""
+        """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
+        when the state it holds changed since the last update (the release boundary)."""
+        self.private_step.boundary.check_kept("after the last update, before a checkpoint was written (in a batch-end "
+                                              "or epoch hook)")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
@@ -464,6 +539,32 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     if args:
         return (batch, *args[1:]), kwargs
     return args, {**kwargs, "batch": batch}
+
+
+def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any) -> None:
+    """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
+    (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
+    that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
+    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`)."""
+    from lightning_dp.mechanism.boundary.state import trusted_callback
+
+    trainer = module.trainer
+    callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
+    with _silenced_logging(module):
+        for cb in callbacks:
+            cb.on_train_batch_start(trainer, module, batch, 0)
+        module.on_train_batch_start(batch, 0)
+        with precision.train_step_context():
+            outputs = module.training_step(batch, 0)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            for cb in callbacks:
+                cb.on_before_backward(trainer, module, loss)
+            module.on_before_backward(loss)
+        outputs = {"loss": loss.detach()} if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict) else outputs
+        for cb in callbacks:
+            cb.on_train_batch_end(trainer, module, outputs, batch, 0)
+        module.on_train_batch_end(outputs, batch, 0)
 
 
 @contextmanager
@@ -590,6 +691,13 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
             "per-example gradients before clipping, and 'true' half precision adds noise in half precision. "
             "Use precision='32-true' or 'bf16-mixed' (autocast; clipping is computed in float32)."
         )
+
+
+def check_loop(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
+    """The loop settings the mechanism rests on, every step: a callback can change them mid-run
+    (``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at an epoch's start)."""
+    if trainer.accumulate_grad_batches != 1 or trainer.gradient_clip_val:
+        check_trainer(trainer, label)
 
 
 def check_optimizers(optimizers: list[Optimizer], label: str = "DPStrategy") -> None:

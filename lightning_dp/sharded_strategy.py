@@ -31,7 +31,7 @@ import atexit
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
@@ -82,6 +82,9 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         secure_mode: noise and sampling from the OS's CSPRNG (as ``DPStrategy``).
         resume_privacy: ``"strict"`` or ``"new"``, as ``DPStrategy``.
         augmentation_multiplicity: 1 only (K > 1 needs an engine that does not run on sharded parameters).
+        public_state: names of state declared public, as ``DPStrategy``.
+        verify, verify_budget: as ``DPStrategy`` (the later batch checks do not run on sharded parameters yet:
+            the first step's probe does).
         data_parallel_size: processes the model is sharded over (default: all of them). Tensor
             parallelism is not supported.
         save_distributed_checkpoint: each rank writes its shard (default), or rank 0 writes one file.
@@ -114,6 +117,9 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         secure_mode: bool = False,
         resume_privacy: Literal["strict", "new"] = "strict",
         augmentation_multiplicity: int = 1,
+        public_state: Sequence[str] = (),
+        verify: Literal["first_step", "sampled", "every_step"] = "sampled",
+        verify_budget: float = 0.05,
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -142,7 +148,8 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
             noise_multiplier, max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
             accountant=accountant, per_sample="ghost", max_physical_batch_size=max_physical_batch_size,
             noise=noise, bands=1, sampler_seed=sampler_seed, secure_mode=secure_mode,
-            resume_privacy=resume_privacy, augmentation_multiplicity=1,
+            resume_privacy=resume_privacy, augmentation_multiplicity=1, public_state=public_state,
+            verify=verify, verify_budget=verify_budget,
         )
         self._start_method = start_method
         self.layout: Optional[FSDPLayout] = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Sequence, Union
 
 from typing_extensions import override
 
@@ -97,6 +97,17 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             and use its ``collate`` as the loader's ``collate_fn``); the example's gradient is the
             mean over its views, clipped once, so the guarantee and the accounting are unchanged.
             Needs the ``vmap`` or ``opacus_hooks`` engine ("auto" picks one).
+        public_state: names of module or callback state that the release boundary lets change outside the
+            private update (README, "The release boundary"): attribute paths of the LightningModule (``"queue"``,
+            ``"encoder.stats"``, shell wildcards ``"meters.*"``), buffer names, and ``"CallbackClass"`` or
+            ``"CallbackClass.attribute"``. Declare only state that is not derived from the training data (a step
+            counter, a schedule) or that you accept leaves unprotected, like a logged metric. Any other change is
+            refused before the next release.
+        verify: when the step's own sampled examples are checked for interactions (as one batch, in two halves
+            and alone, before the release): ``"sampled"`` (default: the first step, then random later steps taking
+            about ``verify_budget`` of the training time), ``"every_step"`` (certainty at about twice the cost per
+            step) or ``"first_step"``. The first step's probe runs in every mode.
+        verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.05).
         accelerator: the accelerator (set by the Trainer; as for Lightning's ``DDPStrategy``).
         parallel_devices: the devices of the processes (set by the Trainer).
         cluster_environment: the cluster environment (set by the Trainer).
@@ -130,6 +141,9 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         secure_mode: bool = False,
         resume_privacy: Literal["strict", "new"] = "strict",
         augmentation_multiplicity: int = 1,
+        public_state: Sequence[str] = (),
+        verify: Literal["first_step", "sampled", "every_step"] = "sampled",
+        verify_budget: float = 0.05,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -154,6 +168,8 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             accountant=accountant, per_sample=per_sample, max_physical_batch_size=max_physical_batch_size,
             noise=noise, bands=bands, sampler_seed=sampler_seed, secure_mode=secure_mode,
             resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
+            public_state=public_state,
+            verify=verify, verify_budget=verify_budget,
         )
 
     def __repr__(self) -> str:

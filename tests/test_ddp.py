@@ -55,8 +55,12 @@ def _trainer(strategy: DPStrategy, devices: int, out_dir: Path | None = None, **
     return pl.Trainer(strategy=strategy, callbacks=callbacks, **defaults)
 
 
+OBSERVER = ["RankRecorder"]
+"""The tests' observer keeps each rank's batch sizes and updates from the batch hooks: declared public."""
+
+
 def _ddp_strategy(**kwargs) -> DPStrategy:
-    return DPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    return DPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, public_state=OBSERVER, **kwargs)
 
 
 def _assert_ranks_agree(records: list[dict]) -> None:
@@ -93,7 +97,8 @@ def test_noise_is_added_once_with_the_global_batch(tmp_path):
     # One process, the same noise seed, the same global B: the very same update.
     single = ZeroGradModule()
     single.load_state_dict({k: v for k, v in zip(single.state_dict(), _split_like(single, records[0]["start"]))})
-    reference = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, noise=GaussianNoise(seed=3), sampler_seed=0)
+    reference = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, noise=GaussianNoise(seed=3), sampler_seed=0,
+                           public_state=OBSERVER)
     _trainer(reference, 1, max_steps=1).fit(single, loader(data, global_b))
     torch.testing.assert_close(flat_params(single) - records[0]["start"], update.float(), rtol=0, atol=1e-6)
 
@@ -120,7 +125,7 @@ def test_noiseless_update_equals_the_single_process_update(tmp_path):
     single = SeededClassifier(seed=1)
     torch.testing.assert_close(flat_params(single), records[0]["start"], rtol=0, atol=0)
     assert max(_example_grad_norms(single, data)) > C, "clipping should be active"
-    reference = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, noise=ZeroNoise())
+    reference = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, noise=ZeroNoise(), public_state=OBSERVER)
     _trainer(reference, 1, max_steps=steps).fit(single, loader(data, WORLD * per_rank_batch))
     assert not torch.equal(flat_params(single), records[0]["start"]), "the update must not be trivial"
     torch.testing.assert_close(records[0]["end"], flat_params(single), rtol=0, atol=1e-6)
@@ -206,7 +211,7 @@ def test_digits_on_two_processes_matches_one_process_at_the_same_epsilon(tmp_pat
 
     seeds = dict(sampler_seed=0, noise=GaussianNoise(seed=0))  # reproducible; spread over seeds ≈ ±2 points
     acc2, ddp = run(WORLD, _ddp_strategy(noise_multiplier=1.0, max_grad_norm=1.0, **seeds))
-    acc1, one = run(1, DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, **seeds))
+    acc1, one = run(1, DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, public_state=OBSERVER, **seeds))
     assert ddp.ledger.state_dict() == one.ledger.state_dict()
     print(f"digits test accuracy: 1 process {acc1:.3f}, 2 processes {acc2:.3f}")
     assert min(acc1, acc2) > 0.8 and abs(acc2 - acc1) < 0.06, (acc1, acc2)
@@ -299,7 +304,8 @@ class _DiagnosticsRecorder(pl.Callback):
 def test_non_private_norms_are_every_ranks_examples(tmp_path):
     """The diagnostics' per-example norms (monitor quantiles, clip fraction) cover both ranks'
     Poisson shards: the same on every rank, as many as the two local batches together."""
-    strategy = _ddp_strategy(noise_multiplier=1.0, max_grad_norm=0.5, sampler_seed=1)
+    strategy = DPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, noise_multiplier=1.0, max_grad_norm=0.5,
+                          sampler_seed=1, public_state=[*OBSERVER, "_DiagnosticsRecorder"])
     _trainer(strategy, WORLD, tmp_path, max_steps=3, callbacks=[_DiagnosticsRecorder(tmp_path)]).fit(
         _AdamClassifier(), loader(classification_data(200), 10)
     )

@@ -57,12 +57,16 @@ def _fit(strategy, model, data, out_dir: Path | None, batch_size: int, **kwargs)
     return trainer
 
 
+OBSERVER = ["FullParamRecorder"]
+"""The tests' observer keeps parameters, gradients and batch sizes from the batch hooks: declared public."""
+
+
 def _sharded(**kwargs) -> DPShardedStrategy:
-    return DPShardedStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    return DPShardedStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, public_state=OBSERVER, **kwargs)
 
 
 def _replicated(**kwargs) -> DPStrategy:
-    return DPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    return DPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, public_state=OBSERVER, **kwargs)
 
 
 def _relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

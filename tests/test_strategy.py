@@ -67,7 +67,8 @@ def _run_zero_grad(sigma, C, batch_size, n=400, steps=3, frozen=False):
     model = ZeroGradModule(frozen=frozen)
     frozen_before = model.frozen.weight.detach().clone()
     recorder = RecordUpdates()
-    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, noise=GaussianNoise(seed=5))
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, noise=GaussianNoise(seed=5),
+                          public_state=["RecordUpdates"])  # the test's observer of updates and batch sizes
     trainer = quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder])
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(n, 100)), batch_size=batch_size))
     return torch.cat(recorder.updates).double(), model, frozen_before, recorder
@@ -292,7 +293,8 @@ def test_physical_batches_add_noise_once_per_logical_step():
 def _run_zero_grad_split(sigma, C, batch_size, max_physical, n=400, steps=3):
     model = ZeroGradModule()
     recorder = RecordUpdates()
-    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, max_physical_batch_size=max_physical)
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, sampler_seed=1, max_physical_batch_size=max_physical,
+                          public_state=["RecordUpdates"])
     trainer = quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder])
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(n, 100)), batch_size=batch_size))
     return torch.cat(recorder.updates).double(), model, None, recorder

@@ -29,7 +29,8 @@ class _Releases(Callback):
 def test_banded_run_samples_groups_charges_rounds_and_reports_phi_t():
     n, batch_size, bands, steps = 200, 10, 4, 10
     recorder = _Releases()
-    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, noise="banded", bands=bands, sampler_seed=0)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, noise="banded", bands=bands, sampler_seed=0,
+                          public_state=["_Releases"])  # the test's observer of the batches
     quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder]).fit(TinyClassifier(), make_loader(n, batch_size=batch_size))
     q_g = bands * batch_size / n
     assert strategy.sample_rate == pytest.approx(q_g)

@@ -16,7 +16,7 @@ from lightning_dp.mechanism.csprng import SecureGaussianNoise
 def test_secure_update_noise_std_is_sigma_c_over_expected_b():
     sigma, C, batch_size = 0.8, 2.0, 20
     recorder = RecordUpdates()
-    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, secure_mode=True)
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, secure_mode=True, public_state=["RecordUpdates"])
     trainer = quiet_trainer(strategy=strategy, max_steps=3, callbacks=[recorder])
     trainer.fit(ZeroGradModule(), DataLoader(TensorDataset(torch.randn(400, 100)), batch_size=batch_size))
     assert isinstance(strategy.private_step.noise, SecureGaussianNoise) and strategy.private_step._batches.inner.secure

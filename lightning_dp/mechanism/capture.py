@@ -39,6 +39,15 @@ TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
 """Example dimensions of a position-wise layer inside a time-major container (before moving)."""
 
 
+def autocast_state() -> Optional[tuple[str, torch.dtype]]:
+    """The autocast in effect now, as (device type, dtype) (``None``: none): a layer replayed per example after the
+    backward (outside the training step's autocast) must compute in the precision of its recorded call."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
 @dataclass(eq=False)  # a call is itself: compared by identity (list.remove must not compare tensors)
 class Record:
     """One call of a hooked layer: its inputs and, after backward, its output gradients.
@@ -59,6 +68,8 @@ class Record:
     scaled: Optional[Tensor] = None  # y of an output verified as weight ⊙ y (validators/elementwise_scale.py)
     projections: Optional[Any] = None  # a self-attention call's projection nodes (attention_nodes.Projections)
     tape: Optional[RecurrentTape] = None  # an RNN call's forms, left by its backward (recurrent_tape.py)
+    autocast: Optional[tuple[str, torch.dtype]] = field(default_factory=lambda: autocast_state())
+    # (device type, dtype) of the autocast the call ran under: a replay per example runs under the same
 
     @property
     def grad_out(self) -> Optional[Tensor]:

@@ -108,6 +108,17 @@ class FSDPLayout:
             for group in _param_groups(m):
                 yield from group.fsdp_params
 
+    def sharded_parameters(self) -> list[tuple[str, Tensor]]:
+        """(name, sharded parameter) of every sharded parameter: what the module holds between steps, whichever of
+        the sharded and all-gathered tensors it holds now (the release boundary fingerprints these)."""
+        names = {id(m): name for name, m in self.module.named_modules()}
+        out = []
+        for fp in self._fsdp_params():
+            info = fp._module_info
+            prefix = names.get(id(info.module), "")
+            out.append((f"{prefix}.{info.param_name}" if prefix else info.param_name, fp.sharded_param))
+        return out
+
     def seal(self) -> None:
         """Switch FSDP2's gradient reduce-scatter (and HSDP all-reduce) off for every sharded module, and
         from the end of the first forward on drop every autograd gradient of an unsharded leaf as it

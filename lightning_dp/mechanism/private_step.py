@@ -29,6 +29,7 @@ Plain PyTorch (``examples/plain_pytorch.py``)::
 from __future__ import annotations
 
 import math
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ from torch.utils.data import DataLoader
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.boundary import (
+    ReleaseBoundary,
+    StateSnapshot,
+    attribute_keys,
+    gradient_hooks,
+    state_written_error,
+)
 from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
@@ -55,7 +63,10 @@ from lightning_dp.mechanism.recorded_batches import RecordedBatches
 from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
 from lightning_dp.mechanism.validators import validate_module
+from lightning_dp.mechanism.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.mechanism.validators.loaders import TrainingPopulation, training_population
+from lightning_dp.mechanism.validators.rng import forked_rngs
+from lightning_dp.mechanism.validators.schedule import VerificationSchedule
 from lightning_dp.mechanism.validators.probe import (
     PROBE_EXAMPLES,
     ExampleIndependenceProbe,
@@ -152,6 +163,13 @@ class PrivateStep:
             (its augmented views, e.g. :class:`lightning_dp.data.AugmentedViews`); its gradient is the
             mean over them, clipped once (:func:`~lightning_dp.mechanism.grad_sample.base.mean_over_views`).
             Needs an engine with ``supports_views`` ("auto" picks one).
+        public_state: names of module or callback state declared public: the release boundary
+            (:mod:`~lightning_dp.mechanism.boundary`) does not refuse their changes.
+        verify: when the batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) compares the step's
+            own examples in a batch, in halves and alone: ``"sampled"`` (default: the first step, then random steps
+            within ``verify_budget`` of the training time), ``"every_step"`` or ``"first_step"``
+            (:mod:`~lightning_dp.mechanism.validators.schedule`).
+        verify_budget: the share of training time the later batch checks may take (``"sampled"``).
     """
 
     def __init__(
@@ -166,6 +184,9 @@ class PrivateStep:
         sampler_seed: Optional[int] = None,
         secure_sampling: bool = False,
         views_per_example: int = 1,
+        public_state: Sequence[str] = (),
+        verify: str = "sampled",
+        verify_budget: float = 0.05,
     ) -> None:
         if not (isinstance(views_per_example, int) and views_per_example >= 1):
             raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
@@ -198,6 +219,14 @@ class PrivateStep:
         self._examples = -1
         self._verified = False
         self._ceiling: Optional[tuple[float, float, int]] = None  # (σ, q, rounds still within target_epsilon)
+        self.boundary = ReleaseBoundary(public_state)
+        self.schedule = VerificationSchedule(verify, verify_budget)
+        """When the batch check runs (:mod:`~lightning_dp.mechanism.validators.schedule`)."""
+        self._random_step = False  # the first probe saw the step draw random numbers: batches are not comparable
+        self._tolerance_low = False
+        self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
+        """The release boundary (:mod:`~lightning_dp.mechanism.boundary`): checked before every release."""
+        self._optimizer: Optional[Optimizer] = None
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -224,9 +253,13 @@ class PrivateStep:
             raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
         self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
         self.distribution = distribution
+        hooks, keys = gradient_hooks([p for p in module.parameters() if p.requires_grad]), attribute_keys(module)
+        if distribution.layout is not None:
+            self.boundary.parameters = distribution.layout.sharded_parameters
         engine.attach(module)
         _ATTACHED.add(module)
-        self._engine, self._module = engine, module
+        self._engine, self._module, self._optimizer = engine, module, optimizer
+        self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)
         return engine.name
 
     def _engine_for(self, module: nn.Module, name: str, distribution: Distribution) -> GradSampleEngine:
@@ -251,8 +284,25 @@ class PrivateStep:
         assert self._engine is not None and self._module is not None
         engine = self._engine_for(self._module, name, self.distribution)
         self._engine.detach()
+        hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
         engine.attach(self._module)
         self._engine, self.engine_name = engine, name
+        self.boundary.attach(self._module, self._optimizer, hooks, keys, engine.owned_attributes)
+
+    def refresh_parameters(self) -> bool:
+        """Re-attach the engine when the trainable parameters changed since :meth:`attach` (their identities or
+        names: a pruning callback, a finetuning callback unfreezing layers); the probe must then pass again before
+        the next release (:attr:`verified` turns False). Returns whether they changed. The model is validated
+        again first: a change no engine serves is refused here."""
+        if self._module is None or not self.boundary.parameters_changed():
+            return False
+        problems = validate_module(self._module)
+        if problems:
+            raise PrivacyConfigurationError("The model's trainable parameters changed during training and it can no "
+                                            "longer be trained privately:\n- " + "\n- ".join(problems))
+        self._switch_engine(self.engine_name)
+        self._verified = False
+        return True
 
     def detach(self) -> None:
         """Remove the engine's hooks from the model."""
@@ -260,6 +310,7 @@ class PrivateStep:
             self._engine.detach()
             self._engine = None
             _ATTACHED.discard(self._module)
+        self.boundary.detach()
 
     @property
     def mechanism(self) -> str:
@@ -333,10 +384,13 @@ class PrivateStep:
         if not fixed:
             return collate([dataset[i] for i in indices])
         items = []
-        for i in indices:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(i))
+        state = torch.get_rng_state()
+        try:
+            for i in indices:
+                torch.default_generator.manual_seed(int(i))  # the CPU generator only: torch.manual_seed costs ~0.1 ms
                 items.append(dataset[i])
+        finally:
+            torch.set_rng_state(state)
         return collate(items)
 
     # ------------------------------------------------------------------ calibration
@@ -429,7 +483,8 @@ class PrivateStep:
 
     # ------------------------------------------------------------------ the step
     def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
-               to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function") -> None:
+               to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function",
+               replay_hooks: Optional[Callable[[Any], None]] = None) -> None:
         """The first step's probe on fixed, public examples (the first of this rank's shard):
         example independence, no summed loss, every use of every parameter captured.
 
@@ -439,20 +494,31 @@ class PrivateStep:
             low_precision: looser tolerance for autocast runs.
             to_device: moves a collated batch where the model is.
             what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
+            replay_hooks: runs the hooks a training loop calls around a step (batch start and end) on a batch, so
+                that state they keep from it is refused before the first release (see :meth:`verify_on`).
         """
         assert self.plan is not None and self._batches is not None, "poisson_loader() first"
         where = self.distribution
         indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+        replay = None if replay_hooks is None else (
+            lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True))))  # noqa: E731
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
-                       low_precision, what)
+                       low_precision, what, replay)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
-                  low_precision: bool = False, what: str = "the loss function") -> None:
+                  low_precision: bool = False, what: str = "the loss function",
+                  replay_hooks: Optional[Callable[[list[int]], None]] = None) -> None:
         """:meth:`verify` on examples the caller reads itself: ``loss_of_examples(idx)`` is the loss of the
         examples ``idx`` (a list of ``indices``' entries) in one batch. For loops without :meth:`poisson_loader`
-        (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers)."""
+        (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers).
+
+        After the probe, ``replay_hooks(indices)`` (if given) runs the loop's batch hooks on these examples: a change
+        of the fingerprinted state it makes (a memory bank filled in ``on_train_batch_end``) is refused now, before
+        the first release, rather than at the next release. Everything the probe and the replay wrote is restored
+        afterwards (:class:`~lightning_dp.mechanism.boundary.StateSnapshot`): they leave no trace."""
         assert self._engine is not None and self._module is not None, "attach() first"
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        self.boundary.check_hooks(named)
 
         def loss_of(idx: list[int]) -> Tensor:
             out = loss_of_examples(idx)
@@ -469,10 +535,99 @@ class PrivateStep:
         params = [p for _, p in named]
         layout = self.distribution.layout
         leaves = None if layout is None else partial(layout.autograd_params, params)
-        self._probe_engines(lambda: ExampleIndependenceProbe(self._module, self._engine, params,
-                                                             [n for n, _ in named], loss_of, tol,
-                                                             autograd_params=leaves).run(list(indices)))
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+
+        def probe() -> None:
+            assert self._module is not None and self._engine is not None
+            state = self.boundary.fingerprint(self._module)
+            checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
+                                               autograd_params=leaves, state=state)
+            checked.run(list(indices))
+            self._random_step, self._tolerance_low = checked.random, low_precision
+            self._compute_dtype = checked.compute_dtype
+
+        try:
+            with forked_rngs():
+                self._probe_engines(probe)
+                if replay_hooks is not None:
+                    self._replay(replay_hooks, list(indices))
+        finally:
+            snapshot.restore()  # the probe's passes leave no trace in the user's state (metrics, lists, counters)
         self._verified = True
+        self.boundary.ensure_baseline()
+
+    # ------------------------------------------------------------------ the batch check
+    def batch_check_due(self) -> bool:
+        """Whether this step's batch is checked (:attr:`schedule`; call once per step, before :meth:`check_batch`).
+        Every rank decides alike (one all-reduce of the decision when distributed); never under FSDP2 sharding, whose
+        passes would need every rank in lockstep."""
+        due = self.schedule.due()
+        if self.distribution.layout is not None:
+            return False
+        if self.distribution.all_reduce is None:
+            return due
+        assert self._module is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        flag = torch.tensor([float(due and self.distribution.rank == 0)], device=device)
+        self.distribution.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def check_batch(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int], step: int,
+                    max_examples: int = 128) -> None:
+        """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's sampled examples,
+        before its release: ``loss_of_examples(idx)`` is the user's loss of the examples ``idx`` as one batch.
+        Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
+        whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory)."""
+        assert self._module is not None and self._engine is not None
+        start = time.perf_counter()
+        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        reference = params[0] if params else torch.zeros(())
+        dtype = reference.dtype
+        if self._compute_dtype is not None and torch.finfo(self._compute_dtype).eps > torch.finfo(dtype).eps:
+            dtype = self._compute_dtype
+        tol = batch_tolerance(dtype, reference.device, self._tolerance_low)
+        error: Optional[PrivacyConfigurationError] = None
+
+        def loss_of(idx: list[int]) -> Tensor:
+            loss = mean_loss(loss_of_examples(idx), len(idx))
+            return loss.get("loss") if isinstance(loss, dict) else loss
+
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+        try:
+            with forked_rngs():
+                BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
+                                      rng=self.schedule.rng, max_examples=max_examples).check(indices, step,
+                                                                                              self._random_step)
+        except PrivacyConfigurationError as err:
+            error = err
+        finally:
+            snapshot.restore()
+            self.schedule.checked(time.perf_counter() - start)
+        refused, _ = self._refused_anywhere(error is not None, False)
+        if error is not None:
+            raise error
+        if refused:
+            raise _another_rank_error(f"found examples interacting at step {step}")
+
+    def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
+        """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""
+        assert self._module is not None and self._engine is not None
+        fingerprint = self.boundary.fingerprint(self._module)
+        before = fingerprint.take(self.boundary.callbacks(), full=True)
+        try:
+            replay_hooks(indices)
+        except PrivacyConfigurationError:
+            raise
+        except Exception:  # noqa: BLE001  (a hook that needs more of the loop than a replay gives: checked per step)
+            pass
+        finally:
+            self._engine.begin_step(None)
+        changed = fingerprint.changed(before, fingerprint.take(self.boundary.callbacks(), full=True))
+        if changed:
+            raise state_written_error(changed, "in the hooks the loop runs around a step (on_train_batch_start, "
+                                               "on_before_backward, on_train_batch_end), replayed on the first step's "
+                                               "examples before any release")
 
     def _probe_engines(self, probe: Callable[[], None]) -> None:
         """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it
@@ -532,6 +687,10 @@ class PrivateStep:
         """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
         every hooked layer is checked against it. Returns the count."""
         assert self._engine is not None, "attach() first"
+        if self.refresh_parameters():
+            raise PrivacyConfigurationError(
+                "The model's trainable parameters changed since verify() (their identities or names): the engine was "
+                "re-attached; call verify(...) again before the next release.")
         n = len(self.take()) if num_examples is None else num_examples
         self._engine.begin_step(n)
         self._examples = n
@@ -601,6 +760,9 @@ class PrivateStep:
             raise PrivacyConfigurationError(
                 f"step {index} would spend more than target_epsilon = {self.target_epsilon}: not released. Stop "
                 "when affordable() turns False (DPStrategy does).")
+        assert self._module is not None
+        self.boundary.check_release(optimizer if optimizer is not None else self._optimizer,
+                                    [(name, p) for name, p in self._module.named_parameters() if p.requires_grad])
         params = self.params()
         batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
         if empty:

@@ -111,7 +111,8 @@ def test_refusals_come_before_training():
 
 def _dp_trainer(steps, callbacks, **kw):
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, per_sample=kw.pop("per_sample", "opacus_hooks"),
-                          noise=GaussianNoise(seed=0), sampler_seed=0)
+                          noise=GaussianNoise(seed=0), sampler_seed=0,
+                          public_state=["Probe"])  # the test's observer of the optimizer's kind
     return quiet_trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **kw)
 
 

@@ -39,7 +39,8 @@ def _fit(tmp_path, diagnostics):
     logger = pl.loggers.TensorBoardLogger(str(tmp_path), name="run")
     capture = CaptureV()
     monitor = SecondMomentMonitor(every_n_steps=2, diagnostics=diagnostics)
-    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=4, logger=logger, callbacks=[capture, monitor])
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, public_state=["CaptureV"]), max_steps=4,
+                            logger=logger, callbacks=[capture, monitor])
     trainer.fit(AdamModule(), make_loader())
     events = EventAccumulator(logger.log_dir)
     events.Reload()

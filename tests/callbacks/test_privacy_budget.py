@@ -45,7 +45,8 @@ def _trainer(callbacks, max_steps, tmp_path=None, sigma=SIGMA, strategy=None, **
     kw.setdefault("logger", False)
     kw.setdefault("enable_progress_bar", False)
     return pl.Trainer(
-        strategy=strategy if strategy is not None else DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0),
+        strategy=strategy if strategy is not None else DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0,
+                                                                  public_state=["Seen"]),  # the test's observer
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks,
         enable_checkpointing=False, enable_model_summary=False,
         default_root_dir=tmp_path, **kw,

@@ -68,7 +68,8 @@ def _fit(tmp_path, monitor, *, kind="adam", sigma=1.0, steps=7, extra=(), logger
     pl.seed_everything(0, verbose=False)
     capture = Capture()
     log = (TensorBoardLogger(str(tmp_path), name="run") if logger == "tb" else CSVLogger(str(tmp_path), name="run"))
-    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0) if sigma is not None else "auto"
+    strategy = (DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0, public_state=["Capture"])  # the test's observer
+                if sigma is not None else "auto")
     trainer = quiet_trainer(strategy=strategy, max_steps=steps, logger=log,
                             callbacks=[*extra, monitor, capture])
     trainer.fit(AdamModule(kind), make_loader(n=100, batch_size=20))

@@ -25,7 +25,7 @@ class _Released(Callback):
 
 def test_the_average_is_the_ema_of_the_released_parameters():
     released = _Released()
-    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, public_state=["_Released"])  # the test's observer
     module = TinyClassifier()
     quiet_trainer(strategy=strategy, max_steps=12, callbacks=[released, EMAWeightAveraging(decay=DECAY)]).fit(
         module, make_loader(n=100, batch_size=10))

@@ -1511,13 +1511,14 @@ def reference_update(model: Base, dataset: Dataset, collate: Callable, C: float,
 
 
 def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = None, per_sample: str = "auto",
-                 C: float = 0.3, physical: Optional[int] = None, **trainer_kwargs: Any) -> tuple[DPStrategy, list[Tensor]]:
+                 C: float = 0.3, physical: Optional[int] = None, public_state: Sequence[str] = (),
+                 **trainer_kwargs: Any) -> tuple[DPStrategy, list[Tensor]]:
     """One step of DPStrategy with zero noise and q = 1; returns the strategy and the parameter update."""
     from conftest import quiet_trainer
 
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, per_sample=per_sample, noise=ZeroNoise(),
-                          max_physical_batch_size=physical)
+                          max_physical_batch_size=physical, public_state=public_state)
     trainer = quiet_trainer(strategy=strategy, max_steps=1, **trainer_kwargs)
     loader = DataLoader(dataset, batch_size=len(dataset), collate_fn=collate)
     trainer.fit(model, loader)
@@ -1527,14 +1528,15 @@ def private_step(model: Base, dataset: Dataset, collate: Optional[Callable] = No
 
 def assert_exact(factory: Callable[[], Base], dataset: Dataset, collate: Optional[Callable] = None,
                  per_sample: str = "auto", C: float = 0.3, physical: Optional[int] = None, rtol: float = 1e-6,
-                 atol: float = 1e-9, **trainer_kwargs: Any) -> DPStrategy:
+                 atol: float = 1e-9, public_state: Sequence[str] = (), **trainer_kwargs: Any) -> DPStrategy:
     """The private step equals the per-example-loop reference (float64; ``rtol``/``atol`` looser only for a model
     that computes part of its forward in float32 itself)."""
     torch.manual_seed(0)
     model = factory().double()
     reference = reference_update(copy.deepcopy(model), _as_double(dataset), collate or default_collate, C,
                                  float(len(dataset)))
-    strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, physical, **trainer_kwargs)
+    strategy, update = private_step(model, _as_double(dataset), collate, per_sample, C, physical, public_state,
+                                    **trainer_kwargs)
     for got, want in zip(update, reference):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     return strategy

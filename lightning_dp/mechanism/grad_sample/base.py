@@ -59,6 +59,9 @@ class GradSampleEngine(ABC):
     name: ClassVar[str] = ""
     supports_views: ClassVar[bool] = False
     """Whether the engine can take K consecutive rows as one example (augmentation multiplicity)."""
+    owned_attributes: ClassVar[frozenset[str]] = frozenset()
+    """Attribute names the engine sets on the model's modules while it runs (the release boundary neither
+    fingerprints nor restores them: :mod:`~lightning_dp.mechanism.boundary`)."""
     views_per_example: int = 1
     """K: rows per example (each example's K augmented views, consecutive); set before :meth:`attach`.
     :meth:`begin_step` still counts examples; K > 1 needs :attr:`supports_views`."""

@@ -329,6 +329,18 @@ def replayed_layer_grads(
 def vmap_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
+    """:func:`_layer_grads` under the autocast the layer's calls ran under (``bf16-mixed``: a replay outside it would
+    meet bfloat16 inputs with float32 weights)."""
+    state = next((rec.autocast for rec in calls.records if rec.autocast is not None), None)
+    if state is None:
+        return _layer_grads(calls, wanted, n)
+    with torch.autocast(state[0], dtype=state[1]):
+        return _layer_grads(calls, wanted, n)
+
+
+def _layer_grads(
+    calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
+) -> dict[str, Tensor]:
     """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one layer,
     g_i = n · Σ_k ∂⟨f_k(θ, x_i), δ_{k,i}⟩/∂θ over the layer's output tensors k, by vmap over
     examples, summed over the layer's calls.

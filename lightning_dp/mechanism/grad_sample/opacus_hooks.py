@@ -39,6 +39,8 @@ class OpacusHooksEngine(GradSampleEngine):
 
     name = "opacus_hooks"
     supports_views = True
+    owned_attributes = frozenset({"activations", "max_batch_len", "autograd_grad_sample_hooks", "_forward_counter",
+                                  "norm_sample", "grad_sample", "_current_grad_sample"})
 
     def __init__(self) -> None:
         self._hooks: Optional[GradSampleHooks] = None

@@ -58,7 +58,7 @@ def batch_mixing_layers(module: nn.Module) -> list[str]:
 def unnoised_state_layers(module: nn.Module) -> list[str]:
     """Error messages for layers whose forward writes data-dependent state that the noise never covers
     (the released weights or buffers would reveal the batch). The first step's probe also catches any
-    such write at run time (:func:`~lightning_dp.mechanism.validators.probe.state_fingerprint`)."""
+    such write at run time (:class:`~lightning_dp.mechanism.boundary.state.StateFingerprint`)."""
     errors = []
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
@@ -121,11 +121,32 @@ def parametrized_layers(module: nn.Module) -> list[str]:
     return errors
 
 
+def pruned_layers(module: nn.Module) -> list[str]:
+    """Error messages for layers pruned by ``torch.nn.utils.prune`` (Lightning's ``ModelPruning`` callback applies it
+    at an epoch's end): the layer's ``weight`` becomes ``weight_orig ⊙ weight_mask``, recomputed by a forward pre-hook,
+    and the trainable tensor is ``weight_orig``, read outside the layer's own rule."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    errors = []
+    for name, sub in module.named_modules():
+        pruned = sorted({hook._tensor_name for hook in sub._forward_pre_hooks.values()
+                         if isinstance(hook, BasePruningMethod)})
+        if pruned:
+            errors.append(
+                f"layer '{name}' ({type(sub).__name__}) is pruned (torch.nn.utils.prune on {pruned}, e.g. by "
+                "Lightning's ModelPruning callback): its weight is recomputed from weight_orig and a mask in a forward "
+                "pre-hook, which no per-example engine differentiates through. Prune outside the private fit: train "
+                "privately, then prune the released weights (and fine-tune privately again after "
+                "torch.nn.utils.prune.remove(layer, 'weight') makes the pruned weight a plain parameter).")
+    return errors
+
+
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none). Also installs the
     call-time checks of :func:`install_call_checks`, active while ``module`` is attached to a private step."""
     install_call_checks(module)
-    return batch_mixing_layers(module) + unnoised_state_layers(module) + parametrized_layers(module)
+    return (batch_mixing_layers(module) + unnoised_state_layers(module) + parametrized_layers(module)
+            + pruned_layers(module))
 
 
 # ---------------------------------------------------------------------- call-time checks

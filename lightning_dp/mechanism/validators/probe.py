@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.boundary.state import StateFingerprint
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
 
 LossOf = Callable[[Sequence[int]], Tensor]
@@ -78,21 +79,29 @@ class ExampleIndependenceProbe:
         autograd_params: the leaves autograd's reference differentiates, one per parameter, asked for when
             the reference pass runs (default: ``params``). FSDP2 runs forward and backward on unsharded copies
             of its sharded parameters (:meth:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout.autograd_params`).
+        state: the fingerprint of the state no pass may write (default: the module's, less the engine's own
+            attributes; :class:`~lightning_dp.mechanism.boundary.state.StateFingerprint`).
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
                  names: Sequence[str], loss_of: LossOf, rtol: float,
-                 autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None) -> None:
+                 autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
+                 state: Optional[StateFingerprint] = None) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
         self.loss_of, self.rtol = loss_of, rtol
         self.autograd_params = autograd_params
+        self.state = state if state is not None else StateFingerprint(module, skip_keys=engine.owned_attributes)
+        self.random = False
+        """Set by :meth:`run`: the step draws random numbers of its own (only the coarse checks could run)."""
+        self.compute_dtype: Optional[torch.dtype] = None
+        """Set by :meth:`run`: the lowest-precision floating dtype the forward computed in (:class:`LowestFloat`)."""
 
     def run(self, indices: Sequence[int]) -> None:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
         if len(indices) < 2:
             return  # one example cannot interact with another; nothing to compare
         saved = [p.grad for p in self.params]
-        before = state_fingerprint(self.module)
+        before = self.state.take(full=True)
         modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
         for m, _ in modes:
             m.training = False
@@ -102,7 +111,9 @@ class ExampleIndependenceProbe:
                     # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
                     # with other leading dimensions and never sliced per example afterwards (capture.py)
                     alone = [self._engine_pass([i]) for i in indices]
-                    together = self._engine_pass(list(indices))
+                    with LowestFloat() as watch:
+                        together = self._engine_pass(list(indices))
+                    self.compute_dtype = watch.lowest
                     reseeded = self._engine_pass(list(indices), seed=1)
                     # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
                     bound = float(torch.cat([a.norms.double() for a in alone]).median())
@@ -115,22 +126,22 @@ class ExampleIndependenceProbe:
                 for p, g in zip(self.params, saved):
                     p.grad = g
         except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
-            changed = _written(self.module, before)
+            changed = self.state.changed(before, self.state.take(full=True))
             if changed:
                 raise state_mutation_error(changed) from err
             raise
-        changed = _written(self.module, before)
+        changed = self.state.changed(before, self.state.take(full=True))
         if changed:
             raise state_mutation_error(changed)
-        random = not self._close(together.norms.double(), reseeded.norms.double(),
-                                 float(together.norms.double().max()) * len(indices) ** 0.5)
+        random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
+                                               float(together.norms.double().max()) * len(indices) ** 0.5)
         self._compare(together, alone, reference, len(indices), random)
         if clipped is not None and not random:
             self._check_clipping(clipped, alone, bound)
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
-        torch.manual_seed(seed)
+        seed_all(seed)
         try:
             loss = self.loss_of(indices)
             if backward:
@@ -223,6 +234,18 @@ class ExampleIndependenceProbe:
                 raise uncaptured_use_error(name)
 
 
+def seed_all(seed: int) -> None:
+    """One seed for torch's, NumPy's and Python's generators: two passes seeded alike draw alike (the callers fork
+    the generators, :func:`~lightning_dp.mechanism.validators.rng.forked_rngs`)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def gradients_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Optional[Tensor]]:
     """∂loss/∂leaves by ``torch.autograd.grad``; where the graph holds a ``torch.utils.checkpoint(use_reentrant=True)``
     block on inputs that require grad (Hugging Face's gradient checkpointing with ``use_reentrant=True``), which
@@ -273,25 +296,6 @@ def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
     return bool((((together / alone.clamp_min(1e-30)) - k).abs() <= 0.02 * k).all())
 
 
-def state_fingerprint(module: nn.Module) -> dict[str, tuple[float, float]]:
-    """(sum, sum of squares) in float64 of every parameter and floating-point buffer: a change made by a
-    forward pass (not by the optimizer) shows, without copying the model."""
-    out = {}
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for name, t in named:
-            if not t.is_floating_point():
-                continue  # counters (BatchNorm's num_batches_tracked) count calls, not data
-            local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: this rank's rows
-            flat = local.detach().double().reshape(-1)
-            out[f"{kind} {name}"] = (float(flat.sum()), float(flat.square().sum()))
-    return out
-
-
-def _written(module: nn.Module, before: dict[str, tuple[float, float]]) -> list[str]:
-    """The parameters and buffers whose :func:`state_fingerprint` differs from ``before``."""
-    return [name for name, value in state_fingerprint(module).items() if value != before.get(name)]
-
-
 class StateWriteError(PrivacyConfigurationError):
     """The probe's refusal of a forward that wrote the model's own state (:func:`state_mutation_error`): a property
     of the model, not of the engine, and the write has happened: ``per_sample="auto"`` tries no other engine (its
@@ -305,10 +309,29 @@ def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
     return StateWriteError(
         "The forward pass changed the model's own state, outside the gradient: " + ", ".join(changed[:6])
         + (" …" if len(changed) > 6 else "") + ". What a forward writes from the data (nn.Embedding(max_norm=...) "
-        "renormalising the rows the batch looked up, running statistics, an EMA of activations) is released with "
-        "the model without noise, so the guarantee would not hold. Nothing was released. Remove the in-place "
-        "update (max_norm=None and normalise functionally, e.g. F.normalize; track_running_stats=False), or make "
-        "the state a non-trainable function of the parameters only.")
+        "renormalising the rows the batch looked up, running statistics, an EMA of activations, a counter or a "
+        "memory bank kept as an attribute) is released with the model without noise, so the guarantee would not "
+        "hold. Nothing was released. Remove the in-place update (max_norm=None and normalise functionally, e.g. "
+        "F.normalize; track_running_stats=False), or make the state a non-trainable function of the parameters "
+        "only; state that is not derived from the training data (a step counter) can be declared public: "
+        "DPStrategy(public_state=[...]).")
+
+
+class LowestFloat(TorchFunctionMode):
+    """Watches one pass: :attr:`lowest` is the floating dtype of least precision among the results of the torch calls
+    it made (a float64 model that computes its rotary embedding in float32 computes, in part, in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lowest: Optional[torch.dtype] = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, Tensor) and t.is_floating_point() and (
+                    self.lowest is None or torch.finfo(t.dtype).eps > torch.finfo(self.lowest).eps):
+                self.lowest = t.dtype
+        return out
 
 
 class NoDropout(TorchFunctionMode):

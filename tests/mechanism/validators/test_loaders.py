@@ -85,7 +85,7 @@ def test_held_out_examples_are_never_trained_on():
     x[:, 3] = torch.arange(n, dtype=torch.float32)  # the example's own index, to see who was trained on
     data = TensorDataset(x, (x[:, 0] > 0).long())
     train = list(range(20, 60))  # not a prefix: positions must be mapped to these indices
-    model, strategy = _SeenExamples(), DPStrategy(noise_multiplier=1.0, sampler_seed=0)
+    model, strategy = _SeenExamples(), DPStrategy(noise_multiplier=1.0, sampler_seed=0, public_state=["seen"])
     quiet_trainer(strategy=strategy, max_epochs=3).fit(model, DataLoader(data, batch_size=10,
                                                                          sampler=SubsetRandomSampler(train)))
     assert strategy.num_samples == 40 and strategy.sample_rate == pytest.approx(0.25)

@@ -1,0 +1,65 @@
+"""Shared pieces of the release-boundary tests: a small classifier, a loader, and how a run is judged."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import DPStrategy
+
+
+def data(n: int = 64, d: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def loader(n: int = 64, batch_size: int = 16) -> DataLoader:
+    return DataLoader(data(n), batch_size=batch_size)
+
+
+class Classifier(pl.LightningModule):
+    """A plain two-layer classifier with SGD(lr=1); subclasses add one habit each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def strategy(**kwargs: Any) -> DPStrategy:
+    kwargs.setdefault("noise_multiplier", 1.0)
+    kwargs.setdefault("max_grad_norm", 1.0)
+    kwargs.setdefault("sampler_seed", 0)
+    return DPStrategy(**kwargs)
+
+
+def fit(model: pl.LightningModule, steps: int = 3, callbacks: Optional[list] = None, n: int = 64,
+        **strategy_kwargs: Any) -> DPStrategy:
+    """``steps`` private steps of ``model``; returns the strategy."""
+    dp = strategy(**strategy_kwargs)
+    quiet_trainer(strategy=dp, max_steps=steps, callbacks=callbacks or []).fit(model, loader(n))
+    return dp
+
+
+def parameters(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def unchanged(before: list[torch.Tensor], model: nn.Module) -> bool:
+    return all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
