@@ -81,6 +81,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         sampler_seed: seed of the Poisson sampler (tests only; rank r uses ``sampler_seed + r``).
         secure_mode: noise and sampling from the OS's CSPRNG (as ``DPStrategy``).
         resume_privacy: ``"strict"`` or ``"new"``, as ``DPStrategy``.
+        on_budget_short: ``"refuse"`` or ``"recalibrate"``, as ``DPStrategy``.
         augmentation_multiplicity: 1 only (K > 1 needs an engine that does not run on sharded parameters).
         data_parallel_size: processes the model is sharded over (default: all of them). Tensor
             parallelism is not supported.
@@ -114,6 +115,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         secure_mode: bool = False,
         resume_privacy: Literal["strict", "new"] = "strict",
         augmentation_multiplicity: int = 1,
+        on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -142,7 +144,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
             noise_multiplier, max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
             accountant=accountant, per_sample="ghost", max_physical_batch_size=max_physical_batch_size,
             noise=noise, bands=1, sampler_seed=sampler_seed, secure_mode=secure_mode,
-            resume_privacy=resume_privacy, augmentation_multiplicity=1,
+            resume_privacy=resume_privacy, augmentation_multiplicity=1, on_budget_short=on_budget_short,
         )
         self._start_method = start_method
         self.layout: Optional[FSDPLayout] = None
