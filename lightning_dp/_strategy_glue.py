@@ -8,9 +8,12 @@ and reduced." This module is that piece. Per logical step (ALGORITHMS.md, "The m
     process_dataloader   the training loader rebuilt around Poisson sampling; σ calibrated/refit
     training_step        the sampler's batch (never read from the data), the first step's probe,
                          empty batches and physical batches
-    optimizer_step       the ceiling (no release past target_epsilon), then the closure wrapped:
+    optimizer_step       the ceiling (no release past target_epsilon or PrivacyBudget's target, decided with
+                         this step's σ), then the closure wrapped:
                          forward + backward, then PrivateStep.release → p.grad = ĝ_t, ledger += 1
-    save/load_checkpoint the privacy state (ledger, σ, C, target, noise state) travels in checkpoints
+    save/load_checkpoint the privacy state (ledger, σ, C, target, noise state) travels in checkpoints; a
+                         restored ledger never shortens the one held, and setup continues the module's
+                         record of this process (lightning_dp.accounting.module_ledgers)
 
 :class:`~lightning_dp.strategy.DPStrategy` (replicated, a ``DDPStrategy``) and
 :class:`~lightning_dp.sharded_strategy.DPShardedStrategy` (FSDP2, a ``ModelParallelStrategy``) mix
@@ -30,6 +33,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -41,6 +45,7 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.mechanism.budget_shortfall import OnBudgetShort
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics
 from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
@@ -86,6 +91,7 @@ class PrivateTraining:
         public_state: Sequence[str] = (),
         verify: str = "sampled",
         verify_budget: float = 0.05,
+        on_budget_short: OnBudgetShort = "refuse",
     ) -> None:
         """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
         check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
@@ -104,7 +110,7 @@ class PrivateTraining:
             noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
             views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
-            verify_budget=verify_budget,
+            verify_budget=verify_budget, on_budget_short=on_budget_short,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
         self._requested_sigma = self.private_step.noise_multiplier
@@ -114,11 +120,13 @@ class PrivateTraining:
         self._examples_this_step = -1
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
+        self._stop_announced = False  # the budget stop is said once per fit
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
     def ledger(self) -> PrivacyLedger:
-        """Every noisy release of this run (restored from checkpoints on resume)."""
+        """Every noisy release of this run: restored from checkpoints on resume, and continuing every release
+        this process already made on the module (an earlier fit; :mod:`lightning_dp.accounting.module_ledgers`)."""
         return self.private_step.ledger
 
     @property
@@ -225,10 +233,20 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
         self.private_step.boundary.callbacks = lambda: module.trainer.callbacks
+        self._stop_announced = False
+        if self.private_step.adopted:
+            rank_zero_info(f"{self.label}: {self.private_step.adopted}.")
         if self.private_step.mechanism == "sign_vote":
             rank_zero_info(f"{self.label}: DP-SignSGD majority vote over {where.world_size} worker(s), each adding "
                            "its own noise")
         rank_zero_info(f"{self.label}: per-example gradients by engine '{engine}'")
+
+    def connect(self, model: "pl.LightningModule") -> None:
+        """Lightning's, then refuse a tuner in a fit (:func:`check_no_tuner`), before any callback's setup."""
+        super().connect(model)  # type: ignore[misc]
+        trainer = model._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            check_no_tuner(trainer, self.label)
 
     # ------------------------------------------------------------------ the release boundary's baselines
     def on_train_start(self) -> None:
@@ -441,15 +459,24 @@ class PrivateTraining:
         still runs (Lightning's loop and the sampler's queue advance; ``training_step`` returns nothing),
         the optimizer does not step, and training stops with a warning. Every rank decides alike."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        self._over_budget = not self.private_step.affordable(trainer.global_step)
-        if self._over_budget:
+        refused = self.private_step.refusal(trainer.global_step)  # with this step's own σ and q
+        self._over_budget = refused is not None
+        if refused is not None:
             closure()
             trainer.should_stop = True
-            rank_zero_warn(f"{self.label}: step {trainer.global_step} would spend more than target_epsilon = "
-                           f"{self.private_step.target_epsilon}: training stops here (nothing released).")
+            self.announce_budget_stop(f"{self.label}: training stops at step {trainer.global_step}: {refused}. "
+                                      "Nothing was released for it.")
             return None
         private_closure = partial(self._private_closure, optimizer, closure)
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
+
+    def announce_budget_stop(self, message: str) -> None:
+        """Say ``message`` (the budget stopped training: ε spent, δ, the step, why) once per fit, on rank 0, as a
+        warning (Lightning's own "max_epochs reached" follows it). The ceiling here and
+        :class:`~lightning_dp.callbacks.PrivacyBudget` share it: a stop both see is said once."""
+        if not self._stop_announced:
+            self._stop_announced = True
+            rank_zero_warn(message)
 
     def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
         self.private_step.expect_request(optimizer)
@@ -482,7 +509,9 @@ class PrivateTraining:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
-            self.private_step.load_state_dict(state, keep_noise_multiplier=self._resume_changes(state))
+            note = self.private_step.load_state_dict(state, keep_noise_multiplier=self._resume_changes(state))
+            if note:
+                rank_zero_info(f"{self.label}: {note}.")
         else:
             rank_zero_warn(
                 f"Checkpoint {checkpoint_path} has no privacy ledger (not written by {self.label}): "
@@ -492,20 +521,24 @@ class PrivateTraining:
 
     def _resume_changes(self, state: dict[str, Any]) -> bool:
         """Compare this run's privacy arguments with the checkpoint's: an error (``resume_privacy="strict"``),
-        or a logged switch to the new σ and C (``"new"``). Returns whether the new values apply."""
+        or a logged switch to the new σ, C or target (``"new"``). Returns whether the new values apply.
+
+        A new ``target_epsilon``/``target_delta`` is the explicit way to raise (or lower) a run's budget: the
+        target stays a ceiling on the whole ledger, the checkpoint's releases included, so ε is exact and the
+        guarantee of the finished run is the new target."""
         changes = self.private_step.changes_from(state, self._requested_sigma)
         if not changes:
             return False
-        target_changed = any(c.startswith("target_") for c in changes)
-        if self.resume_privacy == "strict" or target_changed:
-            fix = ("A different target is refused: keep the checkpoint's target_epsilon/target_delta, or start a new "
-                   "run." if target_changed else
-                   f"Pass the checkpoint's values to continue the same run, or {self.label}(..., resume_privacy='new') "
-                   "to apply the new ones from the resumed step on.")
-            raise PrivacyConfigurationError("Resuming with privacy arguments that differ from the checkpoint's:\n- "
-                                            + "\n- ".join(changes) + "\n" + fix)
+        if self.resume_privacy == "strict":
+            raise PrivacyConfigurationError(
+                "Resuming with privacy arguments that differ from the checkpoint's:\n- " + "\n- ".join(changes)
+                + f"\nPass the checkpoint's values to continue the same run, or {self.label}(..., "
+                "resume_privacy='new') to apply the new ones from the resumed step on (a new target_epsilon is a "
+                "new ceiling on the whole ledger, the checkpoint's releases included).")
+        target = (" The target is a ceiling on the whole ledger: the checkpoint's releases count against the new "
+                  "one." if any(c.startswith("target_") for c in changes) else "")
         rank_zero_warn(f"{self.label}: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
-                       + ". The ledger records each step's σ, so ε counts both parts exactly.")
+                       + ". The ledger records each step's σ, so ε counts both parts exactly." + target)
         return True
 
 
@@ -516,6 +549,18 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
     Lightning only returns rank 0's weights and metrics; without this the main process's
     ``strategy.ledger`` would stay empty after ``fit`` (ε spent would read as zero).
     """
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        """Adopt the module's record here first (the children are new processes, or see this one's objects only as
+        they were at the fork): the strategy's ledger carries it to them."""
+        strategy = self._strategy
+        assert isinstance(strategy, PrivateTraining)
+        module = strategy.lightning_module  # type: ignore[attr-defined]
+        if module is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            note = strategy.private_step.adopt(module)
+            if note:
+                rank_zero_info(f"{strategy.label}: {note}.")
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
@@ -698,6 +743,26 @@ def check_loop(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
     (``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at an epoch's start)."""
     if trainer.accumulate_grad_batches != 1 or trainer.gradient_clip_val:
         check_trainer(trainer, label)
+
+
+def check_no_tuner(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
+    """Refuse Lightning's learning-rate and batch-size finders in a private fit, before any release.
+
+    ``Tuner.lr_find`` and ``LearningRateFinder`` train on the private batches and choose the learning rate from
+    their *un-noised* losses (``_LRCallback`` reads each step's loss): that choice is not a function of the
+    noised releases, so no accounting of those steps would cover it. Both then restore a temporary checkpoint
+    (the weights go back; the ledger keeps the longer record, :meth:`PrivateStep.load_state_dict`).
+    ``BatchSizeFinder`` runs steps on the private data too and rewrites the loader's batch size, i.e. q (Lightning
+    also refuses it, and ``Tuner.scale_batch_size``, for every DDP-family strategy). Tune on public data, with a
+    plain Trainer on a separate copy of the module, then train privately with the values found."""
+    tuners = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, (LearningRateFinder, BatchSizeFinder))]
+    if tuners:
+        raise PrivacyConfigurationError(
+            f"{label} cannot run {', '.join(tuners)} (Tuner.lr_find / Tuner.scale_batch_size): it trains on the "
+            "private data and picks its value from un-noised losses, which no privacy accounting covers, then restores a "
+            "temporary checkpoint. Tune on public data (a plain pl.Trainer without DPStrategy, on a separate copy of "
+            "the module), then train privately with the value found: hyper-parameters chosen on the private data "
+            "spend privacy that no accountant here counts (README: Privacy caveats).")
 
 
 def check_optimizers(optimizers: list[Optimizer], label: str = "DPStrategy") -> None:

@@ -81,6 +81,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         sampler_seed: seed of the Poisson sampler (tests only; rank r uses ``sampler_seed + r``).
         secure_mode: noise and sampling from the OS's CSPRNG (as ``DPStrategy``).
         resume_privacy: ``"strict"`` or ``"new"``, as ``DPStrategy``.
+        on_budget_short: ``"refuse"`` or ``"recalibrate"``, as ``DPStrategy``.
         augmentation_multiplicity: 1 only (K > 1 needs an engine that does not run on sharded parameters).
         public_state: names of state declared public, as ``DPStrategy``.
         verify, verify_budget: as ``DPStrategy`` (the later batch checks do not run on sharded parameters yet:
@@ -120,6 +121,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         public_state: Sequence[str] = (),
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
         verify_budget: float = 0.05,
+        on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -149,7 +151,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
             accountant=accountant, per_sample="ghost", max_physical_batch_size=max_physical_batch_size,
             noise=noise, bands=1, sampler_seed=sampler_seed, secure_mode=secure_mode,
             resume_privacy=resume_privacy, augmentation_multiplicity=1, public_state=public_state,
-            verify=verify, verify_budget=verify_budget,
+            verify=verify, verify_budget=verify_budget, on_budget_short=on_budget_short,
         )
         self._start_method = start_method
         self.layout: Optional[FSDPLayout] = None

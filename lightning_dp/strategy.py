@@ -89,9 +89,20 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             DP-SignSGD, no ``sampler_seed``).
         resume_privacy: what a resumed run does when σ, C, ``target_epsilon`` or
             ``target_delta`` differ from its checkpoint's: ``"strict"`` (default) refuses
-            with an error naming both values; ``"new"`` applies this run's σ and C from the
-            resumed step on, and says so in the log (the ledger records every step's σ, so
-            ε stays exact). A different target ε is always refused.
+            with an error naming both values; ``"new"`` applies this run's σ, C and target
+            from the resumed step on, and says so in the log (the ledger records every step's
+            σ, so ε stays exact). A new target is the explicit way to raise a finished run's
+            budget: it stays a ceiling on the whole ledger, the checkpoint's releases included.
+        on_budget_short: with ``target_epsilon``, what a fit does when the ledger (a resumed
+            checkpoint's, or this module's earlier fits in this process: the ledger travels with
+            the module) leaves too little budget for the plan at the run's σ. σ is raised to σ*,
+            the smallest σ that fits the rest of the plan, when σ* ≤ 3× σ_ref (the larger of the
+            run's σ and the σ the target needs for the plan on its own), with one log line.
+            Beyond 3×, ``"refuse"`` (default) raises ``PrivacyConfigurationError`` before any
+            release, saying how much budget is left and the options (stop here; a larger
+            ``target_epsilon``; this argument); ``"recalibrate"`` trains on at σ* (near-pure noise
+            when σ* ≫ σ_ref: a finished ε = 3 run resumed for more epochs needs σ* ≈ 50×). A spent
+            budget (no σ fits) is always refused (:mod:`lightning_dp.mechanism.budget_shortfall`).
         augmentation_multiplicity: K ≥ 1 (De et al. 2022): every example arrives as K consecutive
             rows, its augmented views (wrap the dataset in :class:`lightning_dp.data.AugmentedViews`
             and use its ``collate`` as the loader's ``collate_fn``); the example's gradient is the
@@ -144,6 +155,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         public_state: Sequence[str] = (),
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
         verify_budget: float = 0.05,
+        on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -168,8 +180,8 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             accountant=accountant, per_sample=per_sample, max_physical_batch_size=max_physical_batch_size,
             noise=noise, bands=bands, sampler_seed=sampler_seed, secure_mode=secure_mode,
             resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
-            public_state=public_state,
-            verify=verify, verify_budget=verify_budget,
+            public_state=public_state, verify=verify, verify_budget=verify_budget,
+            on_budget_short=on_budget_short,
         )
 
     def __repr__(self) -> str:

@@ -172,6 +172,17 @@ def test_main_process_sees_the_ledger_after_fit(tmp_path):
     assert strategy.expected_batch_size == 20
 
 
+def test_a_second_fork_fit_of_the_same_module_continues_its_ledger(tmp_path):
+    """Training runs in children: the caller's module must still carry their releases into the next fit
+    (issue 34, class 6; ``PrivacyStateLauncher.launch`` adopts the record in the caller)."""
+    module, data = SeededClassifier(), classification_data(200)
+    _trainer(_ddp_strategy(noise_multiplier=1.3, max_grad_norm=1.0), WORLD, max_steps=4).fit(module, loader(data, 10))
+    second = _ddp_strategy(noise_multiplier=1.3, max_grad_norm=1.0)
+    _trainer(second, WORLD, tmp_path, max_steps=4).fit(module, loader(data, 10))
+    assert second.ledger.steps == 8
+    assert load_records(tmp_path, WORLD)[0]["ledger"]["entries"][0][2] == 8  # the ranks charged the whole record
+
+
 def test_checkpoint_saved_under_ddp_resumes_the_ledger(tmp_path):
     data = classification_data(200)
     ckpt_dir, first, second = tmp_path / "ckpt", tmp_path / "first", tmp_path / "second"

@@ -24,22 +24,66 @@ def test_lightning_s_implicit_1000_epochs_is_not_a_plan():
         trainer.fit(TinyClassifier(), make_loader(n=100, batch_size=10))
 
 
-def test_a_resumed_longer_plan_recalibrates_sigma_and_stays_within_the_target(tmp_path, monkeypatch):
+def _finished_run(tmp_path, steps=10, crash_at=None) -> DPStrategy:
+    """A target run planned for ``steps`` steps (stopped at ``crash_at``), its last checkpoint in ``tmp_path``."""
     first = _target_strategy()
-    quiet_trainer(strategy=first, max_steps=10, enable_checkpointing=True,
-                  callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True)] + ([_CrashAt(crash_at)] if crash_at else [])
+    quiet_trainer(strategy=first, max_steps=steps, enable_checkpointing=True, callbacks=callbacks).fit(
         TinyClassifier(), make_loader(n=100, batch_size=10))
+    return first
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.should_stop = trainer.global_step >= self.step
+
+
+def _resume(tmp_path, steps, **kwargs) -> DPStrategy:
+    resumed = DPStrategy(target_epsilon=EPS, target_delta=DELTA, max_grad_norm=1.0, **kwargs)
+    quiet_trainer(strategy=resumed, max_steps=steps).fit(TinyClassifier(), make_loader(n=100, batch_size=10),
+                                                         ckpt_path=str(tmp_path / "last.ckpt"))
+    return resumed
+
+
+def test_a_finished_run_resumed_with_a_longer_plan_is_refused_before_training(tmp_path):
+    """The resume trap (issue 35): the budget left buys no useful step; σ would rise ~1,400× (near-pure noise)."""
+    first = _finished_run(tmp_path)
     assert ledger_epsilon(first.ledger, DELTA) == pytest.approx(EPS, rel=2e-3)
-    resumed = _target_strategy()
+    with pytest.raises(PrivacyConfigurationError, match="near-pure noise") as error:
+        _resume(tmp_path, 30)
+    message = str(error.value)
+    assert "is left" in message and "0 more step(s) at the run's σ" in message  # how much is left
+    assert "stop here" in message and "target_epsilon=<larger>" in message and "resume_privacy='new'" in message
+    assert "on_budget_short='recalibrate'" in message
+
+
+def test_on_budget_short_recalibrate_trains_the_longer_plan_within_the_target(tmp_path, monkeypatch):
+    first = _finished_run(tmp_path)
     said: list[str] = []  # the strategy's log lines (other tests may silence Lightning's loggers)
     monkeypatch.setattr(strategy_module, "rank_zero_info", lambda message, *a, **k: said.append(message))
-    quiet_trainer(strategy=resumed, max_steps=30).fit(TinyClassifier(), make_loader(n=100, batch_size=10),
-                                                      ckpt_path=str(tmp_path / "last.ckpt"))
+    resumed = _resume(tmp_path, 30, on_budget_short="recalibrate")
     assert resumed.ledger.steps == 30
     spent = ledger_epsilon(resumed.ledger, DELTA)
     assert spent <= EPS and spent > 0.99 * EPS  # within the target, the remaining budget used
-    assert resumed.noise_multiplier > first.noise_multiplier
-    assert sum("σ recalibrated" in line for line in said) == 1
+    assert resumed.noise_multiplier > 3 * first.noise_multiplier
+    assert sum("σ recalibrated" in line and "on_budget_short='recalibrate'" in line for line in said) == 1
+
+
+def test_a_crashed_run_resumed_with_a_somewhat_longer_plan_recalibrates_without_asking(tmp_path):
+    """σ* within 3× σ_ref: a moderate rise is applied (logged), not refused."""
+    first = _finished_run(tmp_path, steps=30, crash_at=10)
+    resumed = _resume(tmp_path, 40)
+    assert resumed.ledger.steps == 40
+    assert first.noise_multiplier < resumed.noise_multiplier < 3 * first.noise_multiplier
+    assert ledger_epsilon(resumed.ledger, DELTA) <= EPS
+
+
+def test_on_budget_short_takes_only_its_two_values():
+    with pytest.raises(ValueError, match="on_budget_short"):
+        DPStrategy(target_epsilon=EPS, target_delta=DELTA, on_budget_short="ignore")
 
 
 class _AdamClassifier(TinyClassifier):
@@ -106,3 +150,19 @@ def test_the_noiseless_baseline_with_a_target_trains_its_whole_plan(tmp_path):
         quiet_trainer(strategy=resumed, max_steps=12, callbacks=[AdamVariant("noiseless")]).fit(
             _AdamClassifier(), make_loader(n=100, batch_size=10), ckpt_path=str(tmp_path / "last.ckpt"))
     assert first.ledger.steps == 6 and resumed.ledger.steps == 12 and not resumed.ledger.is_private
+
+
+def test_the_ceilings_stop_is_said_once_with_epsilon_delta_and_the_step():
+    """min_steps makes Lightning go on after the stop: the ceiling refuses every later step, and says so once."""
+    import warnings
+
+    strategy = _target_strategy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy=strategy, max_steps=40, min_steps=40, callbacks=[_LowerSigma()]).fit(
+            TinyClassifier(), make_loader(n=100, batch_size=10))
+    said = [str(w.message) for w in caught if "training stops" in str(w.message)]
+    assert len(said) == 1, said
+    steps = strategy.ledger.steps
+    assert f"training stops at step {steps}" in said[0] and "δ = 1e-05" in said[0]
+    assert f"ε = {ledger_epsilon(strategy.ledger, DELTA):.4g} spent" in said[0]

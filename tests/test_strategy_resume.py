@@ -1,4 +1,4 @@
-"""Resuming never silently changes the privacy arguments (σ, C, target) of a run."""
+"""Resuming never silently changes the privacy arguments (σ, C, target) of a run; a new target only when asked."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from conftest import TinyClassifier, make_loader, quiet_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
+from lightning_dp.accounting import ledger_epsilon
 
 
 @pytest.fixture
@@ -47,10 +48,24 @@ def test_resume_privacy_new_applies_the_new_sigma_and_says_so(checkpoint):
     assert [e.noise_multiplier for e in strategy.ledger.entries] == [1.0, 2.0]  # both parts counted
 
 
-def test_a_new_target_is_refused_even_with_resume_privacy_new(tmp_path):
+@pytest.fixture
+def target_checkpoint(tmp_path):
     strategy = DPStrategy(target_epsilon=3.0, target_delta=1e-5)
     trainer = quiet_trainer(strategy=strategy, max_epochs=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
     trainer.fit(TinyClassifier(), make_loader(n=100, batch_size=10))
-    with pytest.raises(PrivacyConfigurationError, match="target_epsilon"):
-        _resume(str(tmp_path / "last.ckpt"), target_epsilon=5.0, target_delta=1e-5, resume_privacy="new")
+    return str(tmp_path / "last.ckpt")
+
+
+def test_a_new_target_is_refused_by_default_naming_the_explicit_way(target_checkpoint):
+    with pytest.raises(PrivacyConfigurationError, match="target_epsilon") as err:
+        _resume(target_checkpoint, target_epsilon=5.0, target_delta=1e-5)
+    assert "resume_privacy='new'" in str(err.value)
+
+
+def test_a_raised_target_with_resume_privacy_new_is_a_ceiling_on_the_whole_ledger(target_checkpoint):
+    """The explicit way to extend a finished run (issue 35): the checkpoint's releases count against the new target."""
+    with pytest.warns(UserWarning, match="checkpoint's releases count against the new one"):
+        strategy = _resume(target_checkpoint, target_epsilon=5.0, target_delta=1e-5, resume_privacy="new")
+    assert strategy.ledger.steps == 20
+    assert 0.99 * 5.0 < ledger_epsilon(strategy.ledger, 1e-5) <= 5.0

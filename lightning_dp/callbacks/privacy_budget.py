@@ -33,21 +33,26 @@ batched over the entries of one sync; ``rdp_curve``, :mod:`~lightning_dp.account
 ``every_n_steps`` (default 100), at the stopping step and at the end of training.
 
 Stopping (with ``target_epsilon``). After each step, whether one more step with the strategy's
-current (σ, q) keeps ε ≤ target is answered by a :class:`~lightning_dp.accounting.BudgetReservation`:
-budget reserved for a box of (σ, q) around the current one, re-made only when (σ, q) leaves the
-box or the reserved steps are used up (constant σ and q: once per run; σ or q changing every
-step: about once per hundred steps), and checked exactly for the last step. Training thus ends
-at the last step whose ε stays ≤ target, for a few comparisons per step. σ and q must be set
-before ``on_train_batch_end`` of the step before they are used (a release recorded outside the
-box cancels the reservation). With banded noise only the first step of each cycle of b steps is
-charged a round (``DPStrategy.rounds_charged_next_step``), so the steps inside the last
-affordable cycle are all taken. The decision uses ``stop_accountant`` (default ``"rdp"``: the
-running total, cheap and a valid upper bound). With ``stop_accountant="pld"`` or ``"prv"``, a
-step is taken if RDP *or* the tighter accountant certifies it (both are valid bounds); once RDP
-refuses, the number of remaining steps under the current (σ, q) is searched once with the
-tighter accountant (a few seconds to a minute) and recomputed only if σ or q changes. A budget
-too small for the first step raises ``ValueError`` at ``on_train_start``, before any step; a
-resumed run with no budget left stops at once.
+current (σ, q) keeps ε ≤ target is answered by a
+:class:`~lightning_dp.accounting.BudgetReservation`: budget reserved for a box of (σ, q) around the
+current one, re-made only when (σ, q) leaves the box or the reserved steps are used up (constant σ
+and q: once per run; σ or q changing every step: about once per hundred steps), and checked exactly
+for the last step. Training thus ends at the last step whose ε stays ≤ target, for a few comparisons
+per step. The same question is asked again by the strategy right before every release, with that
+release's own (σ, q) (``PrivateStep.release_guards``): a σ or q changed after this callback's check
+of the step before (a schedule in ``on_train_batch_start``, a recalibration when an epoch rebuilds
+the loader, a callback after this one) cannot take a step past the target, nor can
+``Trainer(min_steps=...)`` going on after the stop. The stop is said once per fit, on rank 0, as a
+warning with ε spent, δ, the step and why (shared with the strategy's own ceiling: one line). With
+banded noise only the first step of each cycle of b steps is charged a round
+(``DPStrategy.rounds_charged_next_step``), so the steps inside the last affordable cycle are all
+taken. The decision uses ``stop_accountant`` (default ``"rdp"``: the running total, cheap and a
+valid upper bound). With ``stop_accountant="pld"`` or ``"prv"``, a step is taken if RDP *or* the
+tighter accountant certifies it (both are valid bounds); once RDP refuses, the number of remaining
+steps under the current (σ, q) is searched once with the tighter accountant (a few seconds to a
+minute) and recomputed only if σ or q changes. A budget too small for the first step raises
+``ValueError`` at ``on_train_start``, before any step; a resumed run with no budget left stops at
+once.
 
 Non-private runs (the noiseless baseline, ALGORITHMS.md §5) report ε = inf with a warning.
 """
@@ -194,6 +199,8 @@ class PrivacyBudget(Callback):
         self._logged: Optional[tuple[int, float]] = None  # (global step, ε) of the last logger row
         self._warned_not_private = False
         self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
+        self._guarded: Optional[Any] = None  # the private step whose releases this budget guards (this fit)
+        self._stop_announced = False
 
     # ------------------------------------------------------------------ public
     @property
@@ -229,6 +236,8 @@ class PrivacyBudget(Callback):
         self._check_private(ledger)
         self._update_epsilon(ledger, force=True)
         self._reservation = None  # a fresh one for this fit (the ledger may have been restored)
+        self._stop_announced = False
+        self._guard(trainer)
         if self.target_epsilon is None or self._next_step_allowed(trainer, ledger):
             return
         if ledger.steps == 0:
@@ -237,8 +246,17 @@ class PrivacyBudget(Callback):
                 f"q = {trainer.strategy.sample_rate:.4g} already exceeds target_epsilon = {self.target_epsilon} "
                 f"at δ = {self.delta:.3g}: raise σ (lightning_dp.accounting.calibrate_noise) or the target."
             )
-        rank_zero_warn(f"PrivacyBudget: the budget ε = {self.target_epsilon} is spent ({ledger.steps} steps); stopping.")
+        self._say(trainer, f"PrivacyBudget: training stops before its first step: the budget target_epsilon = "
+                           f"{self.target_epsilon} is spent (ε = {self.epsilon:.4g} at δ = {self.delta:.3g} over "
+                           f"{ledger.steps} release(s), {self.accountant} accountant).")
         trainer.should_stop = True
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Stop guarding the strategy's releases (this fit is over)."""
+        if self._guarded is not None:
+            if self._release_refusal in self._guarded.release_guards:
+                self._guarded.release_guards.remove(self._release_refusal)
+            self._guarded = None
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -247,6 +265,8 @@ class PrivacyBudget(Callback):
         ledger = self._ledger = _ledger_of(trainer)
         self._check_private(ledger)
         if self.target_epsilon is not None and not self._next_step_allowed(trainer, ledger):
+            if not trainer.should_stop:  # already stopping (e.g. the strategy refused a release, and said why)
+                self._announce_stop(trainer, ledger)
             trainer.should_stop = True
         self._update_epsilon(ledger, force=_training_ends_after_this_step(trainer))
         self._log(trainer, pl_module, ledger)
@@ -375,11 +395,57 @@ class PrivacyBudget(Callback):
             logger.log_metrics(values, step=trainer.global_step)
         self._logged = (int(trainer.global_step), epsilon)
 
+    def _guard(self, trainer: "pl.Trainer") -> None:
+        """With a target, also decide at every release, with that release's own (σ, q): the strategy asks
+        :meth:`_release_refusal` right before it privatises a step (``PrivateStep.release_guards``). The check
+        after each step (:meth:`on_train_batch_end`) reads the σ set then; a σ changed before the next release
+        (a schedule in ``on_train_batch_start``, a recalibration at an epoch's loader rebuild, a callback after
+        this one) is only seen here. Removed at :meth:`teardown`."""
+        step = getattr(trainer.strategy, "private_step", None)
+        guards = getattr(step, "release_guards", None)
+        if self.target_epsilon is None or not isinstance(guards, list):
+            return
+        if self._release_refusal not in guards:
+            guards.append(self._release_refusal)
+        self._guarded = step
+
+    def _release_refusal(self, sigma: float, q: float) -> Optional[str]:
+        """Why the release about to be made at (σ, q) must not be (``None``: it keeps ε ≤ target)."""
+        ledger = self._ledger
+        if ledger is None or self.target_epsilon is None or self.delta is None or self._allows(ledger, sigma, q):
+            return None
+        return (f"its release at σ = {sigma:.4g}, q = {q:.4g} would spend more than PrivacyBudget's target_epsilon = "
+                f"{self.target_epsilon} (ε = {self.epsilon:.4g} spent at δ = {self.delta:.3g} over {ledger.steps} "
+                f"release(s), {self.accountant} accountant)")
+
+    def _announce_stop(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> None:
+        """Say that the budget stopped training: ε spent, δ, the step, why."""
+        strategy = trainer.strategy
+        self._say(trainer, f"PrivacyBudget: training stops after step {trainer.global_step}: one more step at "
+                           f"σ = {strategy.noise_multiplier:.4g}, q = {strategy.sample_rate:.4g} would take ε past "
+                           f"target_epsilon = {self.target_epsilon} (ε = {self.epsilon:.4g} spent at δ = "
+                           f"{self.delta:.3g} over {ledger.steps} release(s), {self.accountant} accountant).")
+
+    def _say(self, trainer: "pl.Trainer", message: str) -> None:
+        """``message`` once per fit, on rank 0, as a warning: through the strategy's ``announce_budget_stop`` when
+        it has one (its own ceiling shares the once), else here."""
+        if self._stop_announced:
+            return
+        self._stop_announced = True
+        announce = getattr(trainer.strategy, "announce_budget_stop", None)
+        if callable(announce):
+            announce(message)
+        else:
+            rank_zero_warn(message)
+
     def _next_step_allowed(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> bool:
-        assert self.delta is not None and self.target_epsilon is not None
-        sigma, q = trainer.strategy.noise_multiplier, trainer.strategy.sample_rate
         if getattr(trainer.strategy, "rounds_charged_next_step", 1) == 0:
             return True  # banded noise, inside a cycle: the next step adds no sampled-Gaussian round
+        return self._allows(ledger, trainer.strategy.noise_multiplier, trainer.strategy.sample_rate)
+
+    def _allows(self, ledger: PrivacyLedger, sigma: float, q: float) -> bool:
+        """Whether one more release of (σ, q) after ``ledger`` keeps ε ≤ ``target_epsilon`` (module docs: stopping)."""
+        assert self.delta is not None and self.target_epsilon is not None
         if self._reservation is None:
             self._reservation = BudgetReservation(self._rdp, self.delta, self.target_epsilon)
         if self._reservation.allows_next(ledger, sigma, q):

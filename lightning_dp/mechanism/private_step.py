@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.boundary import (
@@ -50,6 +51,7 @@ from lightning_dp.mechanism.boundary import (
     gradient_hooks,
     state_written_error,
 )
+from lightning_dp.mechanism.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
@@ -78,6 +80,10 @@ if TYPE_CHECKING:
     from lightning_dp.mechanism.fsdp_layout import FSDPLayout
 
 AllReduce = Callable[[Tensor], None]
+
+ReleaseGuard = Callable[[float, float], Optional[str]]
+"""A ceiling besides ``target_epsilon`` (:class:`~lightning_dp.callbacks.PrivacyBudget`'s): given the (σ, q) of the
+release about to be made, the reason to refuse it, or ``None``."""
 
 
 _ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -170,6 +176,12 @@ class PrivateStep:
             within ``verify_budget`` of the training time), ``"every_step"`` or ``"first_step"``
             (:mod:`~lightning_dp.mechanism.validators.schedule`).
         verify_budget: the share of training time the later batch checks may take (``"sampled"``).
+        on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
+            ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
+            that fits (:mod:`~lightning_dp.mechanism.budget_shortfall`).
+
+    The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
+    model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
     """
 
     def __init__(
@@ -187,7 +199,9 @@ class PrivateStep:
         public_state: Sequence[str] = (),
         verify: str = "sampled",
         verify_budget: float = 0.05,
+        on_budget_short: str = "refuse",
     ) -> None:
+        self.on_budget_short = check_on_budget_short(on_budget_short)
         if not (isinstance(views_per_example, int) and views_per_example >= 1):
             raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
@@ -218,14 +232,18 @@ class PrivateStep:
         self._pending: Optional[ClippedBatch] = None
         self._examples = -1
         self._verified = False
-        self._ceiling: Optional[tuple[float, float, int]] = None  # (σ, q, rounds still within target_epsilon)
+        self._ceiling: Optional[tuple[float, float, int, int]] = None  # (σ, q, ledger steps, rounds left in target)
+        self.release_guards: list[ReleaseGuard] = []
+        """Further ceilings, asked before every release with its own (σ, q) (:meth:`refusal`)."""
+        self.adopted: Optional[str] = None
+        """What the last :meth:`attach` adopted of the module's record, as a log line (``None``: nothing)."""
         self.boundary = ReleaseBoundary(public_state)
+        """The release boundary (:mod:`~lightning_dp.mechanism.boundary`): checked before every release."""
         self.schedule = VerificationSchedule(verify, verify_budget)
         """When the batch check runs (:mod:`~lightning_dp.mechanism.validators.schedule`)."""
         self._random_step = False  # the first probe saw the step draw random numbers: batches are not comparable
         self._tolerance_low = False
         self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
-        """The release boundary (:mod:`~lightning_dp.mechanism.boundary`): checked before every release."""
         self._optimizer: Optional[Optimizer] = None
 
     # ------------------------------------------------------------------ model
@@ -260,7 +278,24 @@ class PrivateStep:
         _ATTACHED.add(module)
         self._engine, self._module, self._optimizer = engine, module, optimizer
         self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)
+        self.adopted = self.adopt(module)
         return engine.name
+
+    def adopt(self, module: nn.Module) -> Optional[str]:
+        """Continue ``module``'s record (:mod:`~lightning_dp.accounting.module_ledgers`): the ledger becomes every
+        release this process made on the module (or a part of it) and every one it held, and charges the
+        module's later releases. Returns a log line when it grew (``None``: it already held them all)."""
+        record = module_ledgers.record_of(module)
+        before = self.ledger.steps
+        note = None
+        if record is not None and record is not self.ledger:
+            combined = module_ledgers.combine(self.ledger, record)
+            if combined.added:
+                self.ledger.load_state_dict(combined.ledger.state_dict())
+                self._ceiling = None
+                note = _adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
+        module_ledgers.bind(module, self.ledger)
+        return note
 
     def _engine_for(self, module: nn.Module, name: str, distribution: Distribution) -> GradSampleEngine:
         """A fresh engine ``name`` set up for ``module`` (not attached); refuses a model it cannot serve."""
@@ -311,6 +346,8 @@ class PrivateStep:
             self._engine = None
             _ATTACHED.discard(self._module)
         self.boundary.detach()
+        if self._module is not None:
+            module_ledgers.unbind(self._module, self.ledger)
 
     @property
     def mechanism(self) -> str:
@@ -398,78 +435,118 @@ class PrivateStep:
         """σ for ``target_epsilon`` at ``target_delta`` over ``planned_steps`` (if σ was not given);
         returns the σ set now, or ``None`` when nothing was calibrated."""
         assert self.plan is not None, "poisson_loader() first"
+        self._warn_large_delta()
+        if self.target_epsilon is None or self.noise_multiplier is not None:
+            return None
+        sigma = self._sigma_for(planned_steps)
+        validate_privacy_params(sigma, self.max_grad_norm)
+        self.noise_multiplier = float(sigma)
+        return self.noise_multiplier
+
+    def _warn_large_delta(self) -> None:
+        assert self.plan is not None
         if self.target_delta is not None and self.target_delta >= 1.0 / self.plan.num_samples \
                 and self.distribution.rank == 0:
             warnings.warn(f"target_delta={self.target_delta} is not below 1/N = {1.0 / self.plan.num_samples:.3g}: a "
                           "mechanism that publishes one random example outright satisfies such a δ. Use δ ≪ 1/N "
-                          "(e.g. N^-1.1).", stacklevel=2)
-        if self.target_epsilon is None or self.noise_multiplier is not None:
-            return None
+                          "(e.g. N^-1.1).", stacklevel=3)
+
+    def _sigma_for(self, planned_steps: int) -> float:
+        """σ_plan: the σ ``target_epsilon`` needs for ``planned_steps`` steps on a fresh ledger."""
         from lightning_dp.accounting import calibrate_noise
         from lightning_dp.accounting.banded import calibrate_banded_noise
 
-        assert self.target_delta is not None
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
         q = self.plan.sample_rate
         if self.bands == 1:
-            sigma = calibrate_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.accountant)
-        else:
-            sigma = calibrate_banded_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.bands,
-                                           self.accountant)
-        validate_privacy_params(sigma, self.max_grad_norm)
-        self.noise_multiplier = float(sigma)
-        return self.noise_multiplier
+            return calibrate_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.accountant)
+        return calibrate_banded_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.bands,
+                                      self.accountant)
 
     def fit_target(self, first_step: int, planned_steps: int) -> Optional[str]:
         """Make steps ``first_step`` … ``planned_steps − 1`` fit ``target_epsilon`` after what the ledger has
         spent; returns one log line saying what was done (``None``: nothing to say).
 
-        A fresh run calibrates σ for the plan. A resumed run keeps its σ if the rest of the new plan fits;
-        otherwise σ is recalibrated so that ε(ledger + remaining rounds at the new σ) ≤ target (spent steps
-        counted exactly), or, when nothing is left, the run stops at the last affordable step. Either way
-        :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
+        A fresh ledger calibrates σ for the plan. Otherwise (a resumed run, or a module whose earlier fits the
+        ledger continues) the run's σ is kept if the rest of the plan fits; if not, σ* is the smallest σ with
+        ε(ledger + remaining rounds at σ) ≤ target (spent steps counted exactly). σ* within 3× of the run's σ is
+        applied; beyond that, or when no σ fits, :class:`PrivacyConfigurationError` is raised before any
+        release unless ``on_budget_short="recalibrate"`` (:mod:`~lightning_dp.mechanism.budget_shortfall`).
+        Either way :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
         if self.target_epsilon is None:
             return None
         assert self.plan is not None and self.target_delta is not None
-        if self.noise_multiplier is None:
+        if self.noise_multiplier is None and (not self.ledger.steps or not self.ledger.is_private):
             sigma = self.calibrate(planned_steps)
             return (f"σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} over "
                     f"{planned_steps} steps with q = {self.plan.sample_rate:.5g} ({self.accountant} accountant)")
         if not self.ledger.is_private:
             return None  # the noiseless baseline: ε = ∞ already (warned), no guarantee to keep (see affordable)
         rounds = sum(self.rounds_at(t) for t in range(first_step, planned_steps))
-        left = self._rounds_left()
-        if rounds <= left:
+        if self.noise_multiplier is not None and rounds <= self._rounds_left():
             return None
-        old, q = self.noise_multiplier, self.plan.sample_rate
+        return self._fit_spent(first_step, planned_steps, rounds)
+
+    def _fit_spent(self, first_step: int, planned_steps: int, rounds: int) -> str:
+        """σ* for the plan's remaining ``rounds`` after the ledger, applied or refused (:meth:`fit_target`)."""
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
         from lightning_dp.accounting.calibration import smallest_sigma
         from lightning_dp.accounting.epsilon import ledger_epsilon
         from lightning_dp.accounting.ledger import LedgerEntry
 
-        spent = tuple(self.ledger.entries)
+        old, q, spent = self.noise_multiplier, self.plan.sample_rate, tuple(self.ledger.entries)
+        if old is None:
+            self._warn_large_delta()  # calibrate()'s warning, for a σ calibrated after a continued record
+        run_sigma = next(e.noise_multiplier for e in reversed(spent) if e.private)
+        reference = max(run_sigma, self._sigma_for(max(planned_steps, 1)))
+        if rounds == 0:  # nothing left to train in this plan: σ only for what the strategy reports
+            self.noise_multiplier = old if old is not None else reference
+            return f"the plan's steps are all taken ({self.ledger.steps} releases in the ledger)"
         try:
-            sigma = smallest_sigma(lambda s: ledger_epsilon(spent + (LedgerEntry(s, q, rounds),), self.target_delta,
-                                                            self.accountant), self.target_epsilon, start=old)
+            sigma: Optional[float] = smallest_sigma(
+                lambda s: ledger_epsilon(spent + (LedgerEntry(s, q, rounds),), self.target_delta, self.accountant),
+                self.target_epsilon, start=old or reference)
         except ValueError:
-            return (f"the plan's remaining {planned_steps - first_step} steps exceed target_epsilon = "
-                    f"{self.target_epsilon} after the {self.ledger.steps} spent: training stops after {left} more "
-                    "round(s), the last affordable step")
+            sigma = None
+        if too_noisy(sigma, reference, self.on_budget_short):
+            raise self._shortfall(first_step, planned_steps - first_step, run_sigma, sigma, reference).error()
+        assert sigma is not None
+        validate_privacy_params(sigma, self.max_grad_norm)
         self.noise_multiplier, self._ceiling = float(sigma), None
-        return (f"σ recalibrated {old:.4f} → {sigma:.4f} so that the plan's remaining {planned_steps - first_step} "
-                f"steps and the {self.ledger.steps} spent stay within ε = {self.target_epsilon} at "
-                f"δ = {self.target_delta} ({self.accountant} accountant)")
+        done = (f"the plan's remaining {planned_steps - first_step} steps and the {self.ledger.steps} spent stay "
+                f"within ε = {self.target_epsilon} at δ = {self.target_delta} ({self.accountant} accountant)")
+        if sigma > SIGMA_RATIO_LIMIT * reference:
+            done += f"; {sigma / reference:.1f}× the run's σ, as on_budget_short='recalibrate' asks"
+        if old is None:
+            return f"σ = {sigma:.4f} calibrated so that {done}"
+        return f"σ recalibrated {old:.4f} → {sigma:.4f} so that {done}"
+
+    def _shortfall(self, first_step: int, remaining: int, run_sigma: float, needed: Optional[float],
+                   reference: float) -> Shortfall:
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+        from lightning_dp.accounting.horizon import steps_within_budget
+
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
+        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
+        affordable = steps_within_budget(self.ledger, run_sigma, self.plan.sample_rate, self.target_epsilon,
+                                         self.target_delta, self.accountant, hint=max(2, self.plan.steps_per_epoch))
+        return Shortfall(spent, self.target_epsilon, self.target_delta, self.accountant, self.ledger.steps,
+                         first_step, remaining, run_sigma, affordable, needed, reference)
 
     def _rounds_left(self) -> int:
-        """Sampled-Gaussian rounds at the current (σ, q) that keep the ledger within ``target_epsilon``."""
+        """Sampled-Gaussian rounds at the current (σ, q) that keep the ledger within ``target_epsilon`` (cached for
+        this (σ, q) and this ledger length: a σ or q changed, or a ledger changed outside :meth:`release`, is
+        searched again)."""
         assert self.plan is not None and self.noise_multiplier is not None and self.target_epsilon is not None
-        key = (self.noise_multiplier, self.plan.sample_rate)
-        if self._ceiling is None or self._ceiling[:2] != key:
+        key = (self.noise_multiplier, self.plan.sample_rate, self.ledger.steps)
+        if self._ceiling is None or self._ceiling[:3] != key:
             from lightning_dp.accounting.horizon import steps_within_budget
 
             assert self.target_delta is not None
-            left = steps_within_budget(self.ledger, *key, self.target_epsilon, self.target_delta, self.accountant,
+            left = steps_within_budget(self.ledger, *key[:2], self.target_epsilon, self.target_delta, self.accountant,
                                        hint=max(2, self.plan.steps_per_epoch))
             self._ceiling = (*key, left)
-        return self._ceiling[2]
+        return self._ceiling[3]
 
     def affordable(self, step: Optional[int] = None) -> bool:
         """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target, and in a
@@ -480,6 +557,31 @@ class PrivateStep:
         if not self.ledger.is_private:
             return True
         return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
+
+    def refusal(self, step: Optional[int] = None) -> Optional[str]:
+        """Why step ``step`` must not be released now (``None``: it may), decided with the (σ, q) in force now,
+        those of the release itself: ``target_epsilon`` (:meth:`affordable`), then every :attr:`release_guards`
+        (e.g. :class:`~lightning_dp.callbacks.PrivacyBudget`'s target) for a step that charges a round."""
+        index = self.steps_taken if step is None else step
+        if not self.affordable(index):
+            return (f"its release would spend more than target_epsilon = {self.target_epsilon} "
+                    f"({self._spent_text()})")
+        if self.noise_multiplier is None or self.plan is None or self.rounds_at(index) == 0:
+            return None
+        for guard in list(self.release_guards):
+            reason = guard(self.noise_multiplier, self.plan.sample_rate)
+            if reason:
+                return reason
+        return None
+
+    def _spent_text(self) -> str:
+        """ε spent so far, at ``target_delta`` by the run's accountant, for messages."""
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+
+        assert self.target_delta is not None
+        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
+        return (f"ε = {spent:.4g} spent at δ = {self.target_delta:g} over {self.ledger.steps} release(s), "
+                f"{self.accountant} accountant")
 
     # ------------------------------------------------------------------ the step
     def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
@@ -755,11 +857,11 @@ class PrivateStep:
         if self.noise_multiplier is None:
             raise RuntimeError("σ is not known: give noise_multiplier or call calibrate() first")
         index = self.steps_taken if step is None else step
-        if not self.affordable(index):
+        refused = self.refusal(index)
+        if refused:
             self._pending = None
             raise PrivacyConfigurationError(
-                f"step {index} would spend more than target_epsilon = {self.target_epsilon}: not released. Stop "
-                "when affordable() turns False (DPStrategy does).")
+                f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
         assert self._module is not None
         self.boundary.check_release(optimizer if optimizer is not None else self._optimizer,
                                     [(name, p) for name, p in self._module.named_parameters() if p.requires_grad])
@@ -775,10 +877,10 @@ class PrivateStep:
             self.diagnostics = self._diagnose(batch, params)
         release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self.max_grad_norm,
                                              expected)
-        rounds = self.rounds_at(index)
+        rounds, before = self.rounds_at(index), self.ledger.steps
         self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=rounds, private=not request.clean_mean)
-        if self._ceiling is not None and self.target_epsilon is not None:
-            self._ceiling = (*self._ceiling[:2], self._ceiling[2] - rounds)
+        if self._ceiling is not None and self._ceiling[:3] == (self.noise_multiplier, self.plan.sample_rate, before):
+            self._ceiling = (*self._ceiling[:2], self.ledger.steps, self._ceiling[3] - rounds)
         self.steps_taken = index + 1
         self.last_release = release
         if isinstance(optimizer, PrivateOptimizer):
@@ -817,9 +919,18 @@ class PrivateStep:
             "steps_per_epoch": None if plan is None else plan.steps_per_epoch,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> None:
-        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`)."""
-        self.ledger.load_state_dict(state["ledger"])
+    def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> Optional[str]:
+        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`).
+
+        The ledger never goes backwards: the restored ledger is combined with the one held
+        (:func:`~lightning_dp.accounting.module_ledgers.combine`): a restored prefix of it keeps the longer
+        record (restoring weights does not take back releases), a different history is counted with it.
+        Returns a log line when the restored ledger did not simply extend the one held (``None``: it did)."""
+        restored = PrivacyLedger()
+        restored.load_state_dict(state["ledger"])
+        combined = module_ledgers.combine(restored, self.ledger)
+        self.ledger.load_state_dict(combined.ledger.state_dict())
+        note = None if not combined.added else _restore_note(restored.steps, self.ledger.steps, combined.diverged)
         self._ceiling = None
         if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
             self.noise_multiplier = float(state["noise_multiplier"])
@@ -828,6 +939,7 @@ class PrivateStep:
         if state.get("sample_rate") is not None:
             self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
                                      float(state["sample_rate"]), int(state["steps_per_epoch"]))
+        return note
 
     def changes_from(self, state: Mapping[str, Any], requested_sigma: Optional[float]) -> list[str]:
         """The privacy arguments of this run that differ from a checkpoint's, one line each."""
@@ -840,6 +952,28 @@ class PrivateStep:
             ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
             ("target_delta", self.target_delta, state.get("target_delta")),
         ) if differs(new, old)]
+
+
+def _adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`PrivateStep.adopt`."""
+    if diverged:
+        return (f"the ledger ({held} releases) and this module's record in this process ({record} releases) are "
+                f"different histories: both are counted, their common part once ({total} releases in all)")
+    if held:
+        return (f"the ledger ({held} releases, e.g. a restored checkpoint) is a prefix of this module's record in "
+                f"this process: the longer record is kept ({total} releases; restoring weights does not take back "
+                "releases already made)")
+    return (f"this module already made {record} private release(s) in this process (an earlier fit or private "
+            "step): the ledger continues from them, so ε, target_epsilon and PrivacyBudget count them too")
+
+
+def _restore_note(restored: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`PrivateStep.load_state_dict` when the ledger held more than the checkpoint."""
+    if diverged:
+        return (f"the checkpoint's ledger ({restored} releases) and the one held are different histories: both are "
+                f"counted, their common part once ({total} releases in all)")
+    return (f"the checkpoint's ledger ({restored} releases) is a prefix of the one held ({total}): the longer is "
+            "kept (restoring weights does not take back releases already made)")
 
 
 def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:

@@ -335,3 +335,48 @@ def test_tighter_stop_accountant_takes_exactly_the_steps_it_certifies(stop):
     assert ledger_epsilon(trainer.strategy.ledger, DELTA, stop) <= target < epsilon(sigma, q, steps + 1, DELTA, stop)
     budget.on_train_end(trainer, NullModule())
     assert budget.epsilon == pytest.approx(ledger_epsilon(trainer.strategy.ledger, DELTA, stop), rel=1e-12)
+
+
+# ------------------------------------- the stop is said, and decided with the released σ (issues 34, 35)
+def _fit_recording_warnings(trainer):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Tiny(), _loader())
+    return [str(w.message) for w in caught]
+
+
+def test_a_budget_stop_is_said_once_with_epsilon_delta_and_the_step():
+    """The README Quickstart stopped at step 137 of 155 without a line. min_steps makes Lightning go on after the
+    stop: every later step is refused at its release (nothing spent), and the stop is still said once."""
+    trainer = _trainer([PrivacyBudget(target_epsilon=_target_between(6), delta=DELTA)], max_steps=50, min_steps=9)
+    said = [m for m in _fit_recording_warnings(trainer) if "training stops" in m]
+    assert len(said) == 1, said
+    assert "PrivacyBudget: training stops after step 6" in said[0] and "δ = 1e-05" in said[0]
+    assert f"ε = {epsilon(SIGMA, Q, 6, DELTA):.4g} spent" in said[0]
+    assert trainer.strategy.ledger.steps == 6  # min_steps does not buy releases past the budget
+
+
+class LowerSigmaBefore(Callback):
+    """A σ schedule that lowers σ right before step ``at``, after PrivacyBudget checked the step before."""
+
+    def __init__(self, at: int, sigma: float) -> None:
+        self.at, self.sigma = at, sigma
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            trainer.strategy.private_step.noise_multiplier = self.sigma
+
+
+def test_the_stop_is_decided_with_the_sigma_of_the_step_being_released():
+    """Issue 34, class 7: the check after step 5 allowed step 6 at σ = 1; σ = 0.5 was set before its release,
+    which then spent past the target. The release's own σ decides now."""
+    k, low = 5, 0.5
+    target = epsilon(SIGMA, Q, k + 1, DELTA) * (1 + 1e-6)
+    from lightning_dp.accounting import LedgerEntry
+
+    assert ledger_epsilon((LedgerEntry(SIGMA, Q, k), LedgerEntry(low, Q, 1)), DELTA) > target  # it would overspend
+    trainer = _trainer([PrivacyBudget(target_epsilon=target, delta=DELTA), LowerSigmaBefore(k, low)], max_steps=20)
+    said = [m for m in _fit_recording_warnings(trainer) if "training stops" in m]
+    assert trainer.strategy.ledger.steps == k
+    assert ledger_epsilon(trainer.strategy.ledger, DELTA) <= target
+    assert len(said) == 1 and f"step {k}" in said[0] and "σ = 0.5" in said[0] and "PrivacyBudget's" in said[0]

@@ -128,6 +128,33 @@ def test_calibration_meets_the_target_over_the_planned_steps():
     assert epsilon(sigma, 0.05, 200, 1e-5) == pytest.approx(2.0, rel=1e-3)
 
 
+def test_the_ceiling_sees_releases_charged_outside_release():
+    """A caller that privatises clipped_sums() itself charges the ledger (its documented contract): the ceiling's
+    cached count of rounds left must not outlive that charge."""
+    step = PrivateStep(None, 1.0, GaussianNoise(0), target_epsilon=2.0, target_delta=1e-5)
+    step.attach(nn.Linear(3, 2))
+    step.poisson_loader(DataLoader(TensorDataset(torch.randn(1000, 3)), batch_size=50))
+    step.fit_target(0, 200)
+    assert step.affordable()  # the count of rounds left is cached now
+    step.ledger.record(step.noise_multiplier, 0.05, steps=200)
+    assert not step.affordable() and "would spend more than target_epsilon" in step.refusal()
+
+
+def test_a_second_private_step_on_the_same_model_continues_its_ledger():
+    step, model, _, loader, _ = _setup(GaussianNoise(0))
+    step.verify(lambda batch: _loss(model, batch))
+    for _, batch in zip(range(3), loader):
+        if step.begin():
+            _loss(model, batch).backward()
+        step.release()
+    step.detach()
+    second = PrivateStep(1.0, 0.3, GaussianNoise(1))
+    second.attach(model)
+    assert second.ledger.steps == 3 and "already made 3 private release(s)" in second.adopted
+    step.ledger.record(1.0, 0.2)  # the first step's ledger, reused elsewhere, is not the model's any more
+    assert second.ledger.steps == 3
+
+
 def test_mean_loss_convention():
     assert mean_loss(torch.tensor([1.0, 3.0]), 2) == 2.0
     assert mean_loss({"loss": torch.tensor([1.0, 3.0])}, 2)["loss"] == 2.0

@@ -1,0 +1,108 @@
+"""The ledger travels with the module: per module object, every release made on it in this process.
+
+A privacy guarantee is about what was released, not about which ``Trainer`` or strategy released
+it. A second ``fit`` of the same module (a new ``Trainer``, a new ``DPStrategy``) trains weights that
+already carry every earlier release: its ε composes with them (Dwork & Roth 2014, Thm. 3.16; for
+RDP, Mironov 2017, Prop. 1), so its ledger must continue theirs, never restart at zero.
+
+This module keeps that record: a :class:`weakref.WeakKeyDictionary` from module to the
+:class:`~lightning_dp.accounting.ledger.PrivacyLedger` that charges its releases (weak: the record
+goes when the module does). :class:`~lightning_dp.mechanism.private_step.PrivateStep` binds its own
+ledger to the module and to every submodule at ``attach`` (a model later trained as a part of
+another, or a part trained alone, finds the record), and leaves a copy at ``detach`` (a step reused
+elsewhere does not grow this module's record). Nothing is stored on the module or its tensors, and
+checkpoints hold what they always held (the strategy's ``lightning_dp`` key).
+
+What it cannot see: another process, and another object. A module re-created from a checkpoint
+(``load_from_checkpoint``, ``copy.deepcopy``, unpickling) is a new object; its history is the
+checkpoint's ``lightning_dp`` entry, continued by ``trainer.fit(..., ckpt_path=...)``.
+
+Two records of one module are combined by :func:`combine`: when one is a prefix of the other
+(a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
+so a ledger never goes backwards; otherwise both histories happened, and the record is their common
+prefix followed by the rest of each (a composition: an upper bound on ε, never below either).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The record :func:`combine` made of two ledgers.
+
+    Attributes:
+        ledger: every release of both (a new object).
+        added: releases the second contributed beyond the first (0: the first already held them all).
+        diverged: neither was a prefix of the other (both histories composed).
+    """
+
+    ledger: PrivacyLedger
+    added: int
+    diverged: bool
+
+
+def combine(first: PrivacyLedger, second: PrivacyLedger) -> Combined:
+    """``first`` continued with what ``second`` holds beyond it (module docs): the longer of the two when
+    one is a prefix of the other, else their common prefix, then ``first``'s rest, then ``second``'s.
+    ``first`` is always a prefix of the result (running totals read from it stay valid)."""
+    a, b = first.entries, second.entries
+    i, shared = 0, 0  # whole entries in common; then releases shared in entry i
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    if i < len(a) and i < len(b) and _same_kind(a[i], b[i]):
+        shared = min(a[i].steps, b[i].steps)
+    rest = list(b[i:])
+    if rest and shared:
+        rest[0] = LedgerEntry(rest[0].noise_multiplier, rest[0].sample_rate, rest[0].steps - shared, rest[0].private)
+    out = PrivacyLedger()
+    for entry in (*a, *rest):
+        out.record(entry.noise_multiplier, entry.sample_rate, entry.steps, entry.private)
+    added = out.steps - first.steps
+    first_rest = first.steps - sum(e.steps for e in a[:i]) - shared
+    return Combined(out, added, diverged=added > 0 and first_rest > 0)
+
+
+def _same_kind(x: LedgerEntry, y: LedgerEntry) -> bool:
+    return (x.noise_multiplier, x.sample_rate, x.private) == (y.noise_multiplier, y.sample_rate, y.private)
+
+
+def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
+    """Every release this process made on ``module`` or any of its submodules (one record, combined);
+    ``None`` when there was none."""
+    seen: list[PrivacyLedger] = []
+    for part in module.modules():
+        ledger = _RECORDS.get(part)
+        if ledger is not None and all(ledger is not other for other in seen):
+            seen.append(ledger)
+    if not seen:
+        return None
+    record = seen[0]
+    for other in seen[1:]:
+        record = combine(record, other).ledger
+    return record
+
+
+def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
+    """From now on ``ledger`` (which already holds the module's record) charges the releases made on
+    ``module`` and its submodules."""
+    for part in module.modules():
+        _RECORDS[part] = ledger
+
+
+def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
+    """Leave a copy of ``ledger`` as the record of the parts it was bound to (the step is done with them)."""
+    copy = PrivacyLedger()
+    copy.load_state_dict(ledger.state_dict())
+    for part in module.modules():
+        if _RECORDS.get(part) is ledger:
+            _RECORDS[part] = copy

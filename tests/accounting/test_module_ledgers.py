@@ -1,0 +1,54 @@
+"""The per-module record (accounting/module_ledgers.py): combining two histories never loses a release."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from torch import nn
+
+from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+
+
+def _ledger(*entries: tuple[float, int]) -> PrivacyLedger:
+    ledger = PrivacyLedger()
+    for sigma, steps in entries:
+        ledger.record(sigma, 0.1, steps)
+    return ledger
+
+
+@pytest.mark.parametrize("first, second, steps, added, diverged", [
+    ([(1.0, 5)], [(1.0, 10)], 10, 5, False),                 # a prefix continued: the longer
+    ([(1.0, 10)], [(1.0, 5)], 10, 0, False),                 # a shorter restore: the longer is kept
+    ([(1.0, 10), (2.0, 3)], [(1.0, 10)], 13, 0, False),
+    ([(1.0, 10)], [(1.0, 10), (2.0, 3)], 13, 3, False),
+    ([(1.0, 10)], [(1.0, 5), (2.0, 3)], 13, 3, True),        # split inside an entry: 5 shared, then both rests
+    ([(1.0, 10), (2.0, 3)], [(1.0, 10), (3.0, 4)], 17, 4, True),
+    ([], [(1.0, 4)], 4, 4, False),
+])
+def test_combine_keeps_every_release_once(first, second, steps, added, diverged):
+    a, b = _ledger(*first), _ledger(*second)
+    combined = module_ledgers.combine(a, b)
+    assert combined.ledger.steps == steps and combined.added == added and combined.diverged == diverged
+    assert combined.ledger.entries[:len(a.entries) - 1] == a.entries[:-1]  # the first stays a prefix
+
+
+def test_combine_of_diverged_histories_is_their_composition():
+    combined = module_ledgers.combine(_ledger((1.0, 10)), _ledger((1.0, 5), (2.0, 3)))
+    assert combined.ledger.entries == (LedgerEntry(1.0, 0.1, 10), LedgerEntry(2.0, 0.1, 3))
+
+
+def test_the_record_covers_submodules_and_goes_with_the_module():
+    inner, ledger = nn.Linear(2, 2), _ledger((1.0, 7))
+    module_ledgers.bind(inner, ledger)
+    outer = nn.Sequential(inner, nn.ReLU())
+    assert module_ledgers.record_of(outer).steps == 7  # a trained part inside a new model
+    module_ledgers.unbind(inner, ledger)
+    ledger.record(1.0, 0.1)  # the step's ledger, now used elsewhere, no longer grows the record
+    assert module_ledgers.record_of(inner).steps == 7
+    gone = weakref.ref(inner)
+    del inner, outer
+    gc.collect()
+    assert gone() is None  # the registry holds no module alive
