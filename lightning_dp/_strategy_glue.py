@@ -345,7 +345,7 @@ class PrivateTraining:
         if not step.verified:
             self._verify()
         if step.batch_check_due():
-            self._check_batch(indices)
+            self._check_batch(indices, _batch_idx(args, kwargs))
         if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
@@ -419,16 +419,18 @@ class PrivateTraining:
                 "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
                 "that skips its forward.") from err
 
-    def _check_batch(self, indices: list[int]) -> None:
+    def _check_batch(self, indices: list[int], batch_idx: int) -> None:
         """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's examples, read again
-        through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions."""
+        through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions,
+        passed to ``training_step`` with the step's own ``batch_idx`` (a step that mixes examples on some batch
+        indices only is checked as it runs)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         step = self.private_step
 
         def loss_of(idx: list[int]) -> Any:
             batch = self._as_loop_batch(step.examples(idx, fixed=True))
             with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
-                return module.training_step(batch, 0)
+                return module.training_step(batch, batch_idx)
 
         step.check_batch(loss_of, indices, module.trainer.global_step, max_examples=min(128, self.max_physical_batch_size
                                                                                          or 128))
@@ -578,6 +580,12 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
             assert isinstance(self._strategy, PrivateTraining)
             state = torch.load(io.BytesIO(extra[CHECKPOINT_KEY]), weights_only=False)
             self._strategy.private_step.load_state_dict(state)
+
+
+def _batch_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The ``batch_idx`` Lightning passes to ``training_step`` (0 when the step takes the batch only)."""
+    value = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    return int(value) if isinstance(value, int) else 0
 
 
 def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
