@@ -278,9 +278,9 @@ class PrivateStep:
         The loader's sampler defines the population (:func:`training_population` refuses the ones
         Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
         ``start_step`` continues a banded group cycle on resume."""
-        population = training_population(dataloader)
-        self.plan = self._plan(population)
         where = self.distribution
+        population = training_population(dataloader, where.rank, where.world_size)
+        self.plan = self._plan(population)
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate, self.plan.steps_per_epoch,
                                             self.bands, where.rank, where.world_size, seed, self.secure_sampling)
