@@ -45,6 +45,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
+from lightning_dp.mechanism.fetch import fetch, reads_per_index, seeded
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine, make_engine
 from lightning_dp.mechanism.grad_sample.auto import engines_after, select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
@@ -323,19 +324,22 @@ class PrivateStep:
         return self._batches.take()
 
     def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
-        """The examples ``indices`` collated by the user's ``collate_fn`` (on the CPU).
+        """The examples ``indices`` read as the loader's fetcher reads them (the dataset's ``__getitems__``
+        when it has one, :func:`~lightning_dp.mechanism.fetch.fetch`) and collated by the user's ``collate_fn``
+        (on the CPU).
 
-        ``fixed``: example i is read with torch's generator seeded by i (state restored after), so a
-        randomly augmented dataset gives example i the same views alone and in any batch: the probe
-        then compares like with like and verifies the views' layout too."""
+        ``fixed``: example i is read with torch's, NumPy's and Python's generators seeded by i (states restored
+        after), so a randomly augmented dataset gives example i the same views alone and in any batch: the probe
+        then compares like with like and verifies the views' layout too. A dataset with a ``__getitems__`` of its
+        own reads a batch in one call, as the loader does (a batch-level read is what the probe must see);
+        randomness it draws is then the step's own (the probe notices and says so)."""
         assert self._source is not None, "poisson_loader() first"
         dataset, collate = self._source
-        if not fixed:
-            return collate([dataset[i] for i in indices])
+        if not (fixed and reads_per_index(dataset)):
+            return collate(fetch(dataset, indices))
         items = []
         for i in indices:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(i))
+            with seeded(int(i)):
                 items.append(dataset[i])
         return collate(items)
 
