@@ -63,6 +63,7 @@ from lightning_dp.mechanism.validators.probe import (
     StateWriteError,
     probe_tolerance,
 )
+from lightning_dp.mechanism.validators.records import check_records
 
 if TYPE_CHECKING:
     from lightning_dp.mechanism.fsdp_layout import FSDPLayout
@@ -278,9 +279,11 @@ class PrivateStep:
 
         The loader's sampler defines the population (:func:`training_population` refuses the ones
         Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
-        ``start_step`` continues a banded group cycle on resume."""
+        ``start_step`` continues a banded group cycle on resume. The records it draws are checked first
+        (:func:`~lightning_dp.mechanism.validators.records.check_records`: a fixed record per index, each once)."""
         where = self.distribution
         population = training_population(dataloader, where.rank, where.world_size)
+        check_records(dataloader.dataset, population.indices, population.num_samples)
         self.plan = self._plan(population)
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate, self.plan.steps_per_epoch,

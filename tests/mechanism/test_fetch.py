@@ -135,3 +135,19 @@ def test_a_batch_level_read_that_mixes_examples_is_seen_by_the_probe():
     with pytest.raises(PrivacyConfigurationError, match="Examples interact"):
         zoo.private_step(model, BatchCentred(*_double_data()))
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class NoEmptyRead(ItemsOnly):
+    def __getitems__(self, indices):
+        return list(zip(*(t[torch.tensor(indices)] for t in (self.x, self.y)))) if indices else _fail()
+
+
+def _fail():
+    raise ValueError("torch.stack expects a non-empty TensorList")
+
+
+def test_a_getitems_that_cannot_read_an_empty_batch_is_refused_naming_the_fix():
+    x = torch.randn(40, 4)
+    with pytest.raises(PrivacyConfigurationError, match=r"__getitems__\(\[\]\): make it return \[\]"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, sampler_seed=0), max_steps=12).fit(
+            TinyClassifier(), DataLoader(NoEmptyRead(x, (x[:, 0] > 0).long()), batch_size=1))
