@@ -60,21 +60,21 @@ def _sources(dataset: Any, positions: np.ndarray, bases: dict[int, tuple[int, An
     if isinstance(dataset, DistinctRecords):
         return _sources(dataset.dataset, positions, bases)
     if isinstance(dataset, Subset):
-        return _sources(dataset.dataset, _subset_table(dataset)[positions], bases)
+        return _sources(dataset.dataset, _through_subset(dataset, positions), bases)
     if isinstance(dataset, ConcatDataset):
         return _concat_sources(dataset, positions, bases)
     number = bases.setdefault(id(dataset), (len(bases), dataset))[0]
     return (np.int64(number) << _INDEX_BITS) | positions
 
 
-def _subset_table(subset: Subset) -> np.ndarray:
-    """The Subset's indices as non-negative indices of the dataset it wraps."""
+def _through_subset(subset: Subset, positions: np.ndarray) -> np.ndarray:
+    """The indices of the dataset a Subset wraps that its ``positions`` read (a negative index counted from the end)."""
     size = len(subset.dataset)  # type: ignore[arg-type]
-    table = np.asarray(subset.indices, dtype=np.int64).reshape(-1)
-    if len(table) and (table.min() < -size or table.max() >= size):
+    read = np.asarray(subset.indices, dtype=np.int64).reshape(-1)[positions]
+    if len(read) and (read.min() < -size or read.max() >= size):
         raise PrivacyConfigurationError(f"A Subset of the training dataset lists indices outside the {size} records "
                                         "of the dataset it wraps: list indices 0 … len(dataset) − 1.")
-    return np.where(table < 0, table + size, table)
+    return np.where(read < 0, read + size, read)
 
 
 def _concat_sources(dataset: ConcatDataset, positions: np.ndarray, bases: dict[int, tuple[int, Any]]) -> np.ndarray:

@@ -85,9 +85,15 @@ def check_repeated_records(dataset: Any, at: Callable[[int], int], n: int) -> No
     _refuse_repeated_content(prints, n)
 
 
+def checked_positions(n: int) -> np.ndarray:
+    """The population positions checked, in the order they are read: all ``n`` up to :data:`CONTENT_CHECK_RECORDS`,
+    else that many drawn without replacement, from a public seed (the same on every rank and run)."""
+    return np.random.default_rng(_SAMPLE_SEED).choice(n, size=min(n, CONTENT_CHECK_RECORDS), replace=False)
+
+
 def _fingerprints(dataset: Any, at: Callable[[int], int], n: int) -> Optional[dict[int, Fingerprint]]:
     """Fingerprints of the checked records by dataset index (``None``: some record has none)."""
-    order = [at(int(p)) for p in np.random.default_rng(_SAMPLE_SEED).permutation(n)[:CONTENT_CHECK_RECORDS]]
+    order = [at(int(p)) for p in checked_positions(n)]
     step = 1 if reads_per_index(dataset) else _BATCH
     prints: dict[int, Fingerprint] = {}
     digested = held = 0

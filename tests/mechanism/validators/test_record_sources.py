@@ -38,3 +38,7 @@ def test_a_record_read_at_two_positions_is_refused(make, population, match):
 def test_a_subset_index_outside_its_dataset_is_refused():
     with pytest.raises(PrivacyConfigurationError, match="outside the 10 records"):
         check_sources(Subset(_data(), [0, 10]), None)
+
+
+def test_an_index_outside_that_is_never_read_is_no_concern():
+    check_sources(Subset(_data(), [0, 1, 10]), [0, 1])

@@ -214,7 +214,7 @@ def test_a_large_dataset_is_checked_on_a_sample_that_still_sees_wholesale_repeti
 def test_one_chance_pair_in_a_sample_is_not_repetition(monkeypatch):
     monkeypatch.setattr(repeated_records, "CONTENT_CHECK_RECORDS", 300)
     rows = torch.randn(3000, 3)
-    order = np.random.default_rng(repeated_records._SAMPLE_SEED).permutation(3000)[:300]
+    order = repeated_records.checked_positions(3000)
     rows[int(order[1])] = rows[int(order[0])]  # a pair the sample sees: r̂ = 1 · 2999 / 44850 ≈ 0.07, one pair only
     check_records(Fresh(rows), None, 3000)
 
