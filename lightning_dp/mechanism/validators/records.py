@@ -9,7 +9,8 @@ record's privacy loss only if
    text chunk, or augmenting from a generator of its own such as an unseeded ``numpy.random.default_rng()``,
    does not: then which data a step uses is not who was sampled). And the batch read in another order (rotated
    by one) with that seed must not give the same records in the same order (it does when the record is drawn
-   from the seeded generator whatever the index). A few public positions (:data:`FIXED_RECORD_PROBES`), three reads.
+   from the seeded generator whatever the index). A few public positions (:data:`FIXED_RECORD_PROBES`), three
+   reads.
 2. **a record has one index.** Repetition that torch's wrappers show (a Subset index listed twice, a
    dataset concatenated with itself) is refused before anything is read (:mod:`.record_sources`);
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
@@ -36,7 +37,7 @@ from lightning_dp.mechanism.validators.record_sources import check_sources
 from lightning_dp.mechanism.validators.repeated_records import READ_SEED, check_repeated_records
 
 FIXED_RECORD_PROBES = 4
-"""Positions read twice (spread evenly over the population: first, last and between)."""
+"""Positions read, as one batch, three times (spread evenly over the population: first, last and between)."""
 
 _FIXED_FIX = ("DP's privacy unit is a fixed record per index: make __getitem__(i) return record i (e.g. the i-th "
               "chunk of the text, not a random one). If the randomness is augmentation, draw it from torch's random "

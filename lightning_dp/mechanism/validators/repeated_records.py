@@ -55,7 +55,7 @@ HELD_BYTES = 256 * 2**20
 theirs anyway; beyond this, later views are compared by content only)."""
 
 REPEATED_COPIES = 0.05
-"""Refused when records have on average this many other exact copies or more (5 % of the data doubled)."""
+"""Refused when records have on average this many other exact copies or more (5 % of them with one copy each)."""
 
 MIN_PAIRS = 3
 """Equal pairs a sample must show before its estimate is trusted (one chance pair in a huge dataset is not
