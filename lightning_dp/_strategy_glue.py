@@ -40,6 +40,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
@@ -300,7 +301,7 @@ class PrivateTraining:
                 "the datasets in one DataLoader (torch.utils.data.ConcatDataset, returning a tag per source "
                 "if training_step needs to tell them apart).")
         self._loaded_for = when
-        if dataloader.batch_size is None and dataloader.batch_sampler is None:
+        if (dataloader.batch_size is None and dataloader.batch_sampler is None) or _injected(dataloader.sampler):
             dataloader = _loader_before_sampler_injection(trainer, dataloader)
         loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
         self._calibrate(trainer)
@@ -686,11 +687,19 @@ def planned_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
     return int(min(candidates))
 
 
+def _injected(sampler: object) -> bool:
+    """Whether ``sampler`` may be the ``DistributedSampler(dataloader.dataset)`` Lightning puts in place of a
+    ``RandomSampler`` or ``SequentialSampler`` (``_get_distributed_sampler``): that one says nothing of the
+    sampler it replaced (over the whole dataset? a prefix? with replacement?)."""
+    return type(sampler) is DistributedSampler
+
+
 def _loader_before_sampler_injection(trainer: "pl.Trainer", dataloader: DataLoader) -> DataLoader:
     """The user's training loader as given. Lightning injects its ``DistributedSampler`` (the private
-    strategies are distributed strategies) before :meth:`PrivateTraining.process_dataloader`, and for a
-    loader built from a ``BatchSampler`` the rebuilt one has neither ``batch_size`` nor batch
-    sampler: ask the fit loop's source for the original (the loader passed to ``fit``, or
+    strategies are distributed strategies) before :meth:`PrivateTraining.process_dataloader`: in place of a
+    ``RandomSampler`` or ``SequentialSampler`` it is a sampler over the whole dataset whatever the user's was,
+    and for a loader built from a ``BatchSampler`` the rebuilt one has neither ``batch_size`` nor batch
+    sampler. Ask the fit loop's source for the original (the loader passed to ``fit``, or
     ``train_dataloader()`` called again)."""
     source = getattr(trainer.fit_loop, "_data_source", None)
     original = source.dataloader() if source is not None and source.is_defined() else None

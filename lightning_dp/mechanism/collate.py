@@ -8,6 +8,8 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.mechanism.fetch import fetch
+
 
 def _empty_like(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -25,8 +27,9 @@ class EmptySafeCollate:
     """Wraps a collate function; an empty index list gives a batch of size 0.
 
     The empty batch has the structure, dtypes and trailing shapes of a real one
-    (built from ``dataset[0]`` and sliced to length 0), so code that only looks at
-    shapes keeps working. Picklable, for DataLoader workers.
+    (record 0 read as the loader's fetcher reads it, :func:`~lightning_dp.mechanism.fetch.fetch`:
+    through the dataset's ``__getitems__`` when it has one; collated and sliced to length 0),
+    so code that only looks at shapes keeps working. Picklable, for DataLoader workers.
     """
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[Sequence[Any]], Any] | None = None) -> None:
@@ -34,8 +37,8 @@ class EmptySafeCollate:
         self.collate_fn = collate_fn or default_collate
 
     def __call__(self, examples: Sequence[Any]) -> Any:
-        if len(examples) == 0:
-            return _empty_like(self.collate_fn([self.dataset[0]]))
+        if hasattr(examples, "__len__") and len(examples) == 0:
+            return _empty_like(self.collate_fn(fetch(self.dataset, [0])))
         return self.collate_fn(examples)
 
 

@@ -55,6 +55,7 @@ from lightning_dp.mechanism.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall
 from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
+from lightning_dp.mechanism.fetch import fetch, reads_per_index, reseed, seeded
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine, make_engine
 from lightning_dp.mechanism.grad_sample.auto import engines_after, select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
@@ -75,6 +76,7 @@ from lightning_dp.mechanism.validators.probe import (
     StateWriteError,
     probe_tolerance,
 )
+from lightning_dp.mechanism.validators.records import check_records
 
 if TYPE_CHECKING:
     from lightning_dp.mechanism.fsdp_layout import FSDPLayout
@@ -365,10 +367,12 @@ class PrivateStep:
 
         The loader's sampler defines the population (:func:`training_population` refuses the ones
         Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
-        ``start_step`` continues a banded group cycle on resume."""
-        population = training_population(dataloader)
-        self.plan = self._plan(population)
+        ``start_step`` continues a banded group cycle on resume. The records it draws are checked first
+        (:func:`~lightning_dp.mechanism.validators.records.check_records`: a fixed record per index, each once)."""
         where = self.distribution
+        population = training_population(dataloader, where.rank, where.world_size)
+        check_records(dataloader.dataset, population.indices, population.num_samples)
+        self.plan = self._plan(population)
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate, self.plan.steps_per_epoch,
                                             self.bands, where.rank, where.world_size, seed, self.secure_sampling)
@@ -411,23 +415,24 @@ class PrivateStep:
         return self._batches.take()
 
     def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
-        """The examples ``indices`` collated by the user's ``collate_fn`` (on the CPU).
+        """The examples ``indices`` read as the loader's fetcher reads them (the dataset's ``__getitems__``
+        when it has one, :func:`~lightning_dp.mechanism.fetch.fetch`) and collated by the user's ``collate_fn``
+        (on the CPU).
 
-        ``fixed``: example i is read with torch's generator seeded by i (state restored after), so a
-        randomly augmented dataset gives example i the same views alone and in any batch: the probe
-        then compares like with like and verifies the views' layout too."""
+        ``fixed``: example i is read with torch's, NumPy's and Python's generators seeded by i (states restored
+        after), so a randomly augmented dataset gives example i the same views alone and in any batch: the probe
+        then compares like with like and verifies the views' layout too. A dataset with a ``__getitems__`` of its
+        own reads a batch in one call, as the loader does (a batch-level read is what the probe must see);
+        randomness it draws is then the step's own (the probe notices and says so)."""
         assert self._source is not None, "poisson_loader() first"
         dataset, collate = self._source
-        if not fixed:
-            return collate([dataset[i] for i in indices])
+        if not (fixed and reads_per_index(dataset)):
+            return collate(fetch(dataset, indices))
         items = []
-        state = torch.get_rng_state()
-        try:
+        with seeded(0):  # the generators' states saved once, restored after the last example
             for i in indices:
-                torch.default_generator.manual_seed(int(i))  # the CPU generator only: torch.manual_seed costs ~0.1 ms
+                reseed(int(i))
                 items.append(dataset[i])
-        finally:
-            torch.set_rng_state(state)
         return collate(items)
 
     # ------------------------------------------------------------------ calibration

@@ -5,7 +5,11 @@ step independently with rate q = B/N). That is only right if the examples it sam
 are the ones the user meant to train on, and the accountant's N is their number:
 
 - ``RandomSampler`` / ``SequentialSampler`` (``shuffle=True/False``) and Lightning's
-  ``DistributedSampler``: the whole dataset; N = len(dataset).
+  ``DistributedSampler``: the whole dataset; N = len(dataset). Such a sampler reads positions
+  0 … len(data_source) − 1 of the loader's dataset, whatever its ``data_source`` holds: one whose
+  data source is shorter (a sampler over a prefix or over another dataset) is refused. A
+  ``DistributedSampler`` the user built must be one shard of the loader's dataset for this run's
+  processes (its ``num_replicas`` and ``rank``), as Lightning's is.
 - ``SubsetRandomSampler`` (a train/validation split over one dataset): Poisson sampling over
   its indices only; N = their number. The held-out examples are never touched.
 - ``BatchSampler`` over one of the above: its ``batch_size`` is the expected batch.
@@ -57,7 +61,7 @@ def _unwrap(sampler: Any) -> Any:
     return inner if isinstance(sampler, DistributedSampler) and inner is not None else sampler
 
 
-def _population_of(sampler: Any, dataset_size: int) -> Optional[Sequence[int]]:
+def _population_of(sampler: Any, dataset_size: int, rank: int, world_size: int) -> Optional[Sequence[int]]:
     sampler = _unwrap(sampler)
     if isinstance(sampler, SubsetRandomSampler):
         indices = [int(i) for i in sampler.indices]
@@ -68,13 +72,18 @@ def _population_of(sampler: Any, dataset_size: int) -> Optional[Sequence[int]]:
         if any(not 0 <= i < dataset_size for i in indices):
             raise PrivacyConfigurationError("The training SubsetRandomSampler has indices outside the dataset.")
         return indices
+    if isinstance(sampler, (RandomSampler, SequentialSampler)):
+        _check_source(sampler.data_source, dataset_size, type(sampler).__name__)
     if isinstance(sampler, RandomSampler):
         if sampler.replacement or sampler.num_samples != dataset_size:
             raise PrivacyConfigurationError(
                 "The training RandomSampler draws with replacement or a custom num_samples, which Poisson sampling "
                 "does not reproduce. " + _FIX)
         return None
-    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+    if isinstance(sampler, DistributedSampler):
+        _check_shard(sampler, dataset_size, rank, world_size)
+        return None
+    if isinstance(sampler, SequentialSampler):
         return None
     raise PrivacyConfigurationError(
         f"The training DataLoader uses a {type(sampler).__name__}, which decides who is trained on in a way "
@@ -82,11 +91,43 @@ def _population_of(sampler: Any, dataset_size: int) -> Optional[Sequence[int]]:
         "change the sampling probabilities). " + _FIX)
 
 
-def training_population(dl: DataLoader) -> TrainingPopulation:
-    """Check the user's training loader and return what Poisson sampling replaces it with.
+def _check_source(source: Any, dataset_size: int, what: str) -> None:
+    """A sampler over ``source`` reads positions 0 … len(source) − 1 of the loader's dataset: all of it only if
+    ``source`` is as long."""
+    size = len(source)
+    if size != dataset_size:
+        raise PrivacyConfigurationError(
+            f"The training DataLoader's {what} draws from another dataset than the DataLoader reads (its data source "
+            f"has {size} records, the DataLoader's dataset {dataset_size}): your loader reads positions "
+            f"0 … {size - 1} of the DataLoader's dataset whatever the sampler's dataset holds, and Poisson sampling "
+            "must draw the records your loader draws. Give the DataLoader the dataset you mean to train on "
+            "(DataLoader(train_set, batch_size=B, shuffle=True)), or a split as SubsetRandomSampler(train_indices).")
+
+
+def _check_shard(sampler: DistributedSampler, dataset_size: int, rank: int, world_size: int) -> None:
+    """A DistributedSampler stands for the whole dataset only as one shard of it for this run's processes."""
+    _check_source(sampler.dataset, dataset_size, "DistributedSampler")
+    if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+        raise PrivacyConfigurationError(
+            f"The training DataLoader's DistributedSampler is built for {sampler.num_replicas} process(es) (this one "
+            f"rank {sampler.rank}), but the run has {world_size} (this one rank {rank}): your loader would train on "
+            "another share of the data than Poisson sampling draws. Remove the DistributedSampler: DPStrategy "
+            "samples each process's shard itself (Lightning's use_distributed_sampler=True, the default, is all "
+            "it needs).")
+    if sampler.drop_last and not sampler.shuffle and dataset_size % world_size:
+        raise PrivacyConfigurationError(
+            "The training DataLoader's DistributedSampler(shuffle=False, drop_last=True) never draws the last "
+            f"{dataset_size % world_size} record(s), which Poisson sampling would train on. Remove the "
+            "DistributedSampler (DPStrategy samples each process's shard itself), or pass a Subset without them.")
+
+
+def training_population(dl: DataLoader, rank: int = 0, world_size: int = 1) -> TrainingPopulation:
+    """Check the user's training loader and return what Poisson sampling replaces it with (``rank`` of
+    ``world_size`` processes: the shard a ``DistributedSampler`` must be).
 
     Raises:
-        PrivacyConfigurationError: an iterable dataset, an unknown sampler or batch sampler, or no batch size.
+        PrivacyConfigurationError: an iterable dataset, an unknown sampler or batch sampler, a sampler over
+            another dataset or shard, or no batch size.
     """
     dataset = dl.dataset
     if isinstance(dataset, IterableDataset):
@@ -107,7 +148,7 @@ def training_population(dl: DataLoader) -> TrainingPopulation:
         raise PrivacyConfigurationError("Cannot read the expected batch size from the training DataLoader: "
                                         "give it `batch_size=`.")
     size = len(dataset)  # type: ignore[arg-type]
-    indices = _population_of(sampler, size)
+    indices = _population_of(sampler, size, rank, world_size)
     n = size if indices is None else len(indices)
     if n == 0:
         raise PrivacyConfigurationError("The training set is empty.")

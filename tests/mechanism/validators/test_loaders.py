@@ -10,10 +10,13 @@ from torch.utils.data import (
     DataLoader,
     RandomSampler,
     Sampler,
+    SequentialSampler,
+    Subset,
     SubsetRandomSampler,
     TensorDataset,
     WeightedRandomSampler,
 )
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.mechanism.validators.loaders import training_population
@@ -106,3 +109,76 @@ def test_weighted_sampler_is_refused_by_the_strategy():
     dl = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler(torch.ones(40), 40))
     with pytest.raises(PrivacyConfigurationError, match="WeightedRandomSampler"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(TinyClassifier(), dl)
+
+
+# ---------------------------------------------------------------- samplers whose data source is not the dataset
+def _prefix(d: TensorDataset) -> Subset:
+    return Subset(d, range(10))
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda d: DataLoader(d, batch_size=4, sampler=SequentialSampler(_prefix(d))),
+     "SequentialSampler draws from another"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=RandomSampler(_prefix(d))), "RandomSampler draws from another"),
+    (lambda d: DataLoader(d, batch_sampler=BatchSampler(SequentialSampler(_prefix(d)), 4, False)), "another dataset"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=DistributedSampler(_prefix(d), num_replicas=1, rank=0)),
+     "DistributedSampler draws from another"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=DistributedSampler(d, num_replicas=2, rank=0)), "built for 2"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=DistributedSampler(d, num_replicas=3, rank=0, shuffle=False,
+                                                                       drop_last=True)), "never draws the last 1"),
+])
+def test_samplers_over_other_records_are_refused_naming_the_fix(make, match):
+    world = 3 if "last" in match else 1
+    with pytest.raises(PrivacyConfigurationError, match=match) as err:
+        training_population(make(_data()), rank=0, world_size=world)
+    assert "Give the DataLoader the dataset" in str(err.value) or "Remove the DistributedSampler" in str(err.value)
+
+
+def test_samplers_over_all_the_records_stand_for_the_whole_dataset():
+    """A data source as long as the dataset reads all its positions; a DistributedSampler that is this rank's
+    shard of it (as Lightning's is) stands for the whole dataset too."""
+    data, twin = _data(), _data()
+    for dl, rank, world in ((DataLoader(data, batch_size=4, sampler=RandomSampler(twin)), 0, 1),
+                            (DataLoader(data, batch_size=4, sampler=SequentialSampler(range(40))), 0, 1),
+                            (DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, rank=1)), 1, 2)):
+        pop = training_population(dl, rank=rank, world_size=world)
+        assert (pop.indices, pop.num_samples) == (None, 40)
+
+
+def _fit_refused(dl: DataLoader, match: str) -> None:
+    model = TinyClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PrivacyConfigurationError, match=match):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2).fit(model, dl)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())), "a release happened"
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda d: DataLoader(d, batch_size=4, sampler=SequentialSampler(_prefix(d))), "SequentialSampler draws from"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=RandomSampler(_prefix(d))), "RandomSampler draws from"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=RandomSampler(d, replacement=True)), "replacement"),
+    (lambda d: DataLoader(d, batch_size=4, sampler=DistributedSampler(d, num_replicas=2, rank=0)), "built for 2"),
+])
+def test_the_strategy_sees_the_users_sampler_behind_lightnings(make, match):
+    """Lightning puts its DistributedSampler(dataset) in place of a RandomSampler or SequentialSampler before the
+    strategy sees the loader, and keeps a user's DistributedSampler: both used to be taken for the whole dataset."""
+    _fit_refused(make(_data()), match)
+
+
+def test_a_users_distributed_sampler_for_this_run_trains_on_the_whole_dataset():
+    data = _data()
+    strategy = DPStrategy(noise_multiplier=1.0, sampler_seed=0)
+    quiet_trainer(strategy=strategy, max_steps=2).fit(
+        TinyClassifier(), DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0)))
+    assert strategy.num_samples == 40 and strategy.ledger.steps == 2
+
+
+class _LoaderInHook(TinyClassifier):
+    def train_dataloader(self):
+        data = _data()
+        return DataLoader(data, batch_size=4, sampler=SequentialSampler(_prefix(data)))
+
+
+def test_a_prefix_sampler_from_train_dataloader_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match="SequentialSampler draws from another"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2).fit(_LoaderInHook())
