@@ -233,7 +233,7 @@ class PrivateTraining:
         """Attach the engine and choose the release rule for ``where`` (after the optimizers exist)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
-        self.private_step.boundary.callbacks = lambda: module.trainer.callbacks
+        self.private_step.boundary.callbacks = lambda: _observers(module.trainer)
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")
@@ -581,6 +581,12 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
             assert isinstance(self._strategy, PrivateTraining)
             state = torch.load(io.BytesIO(extra[CHECKPOINT_KEY]), weights_only=False)
             self._strategy.private_step.load_state_dict(state)
+
+
+def _observers(trainer: "pl.Trainer") -> list[Any]:
+    """The callbacks and the LightningDataModule: what, besides the module, may keep state from the batch."""
+    datamodule = getattr(trainer, "datamodule", None)
+    return [*trainer.callbacks, *([datamodule] if datamodule is not None else [])]
 
 
 def _batch_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

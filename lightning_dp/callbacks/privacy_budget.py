@@ -113,6 +113,15 @@ def _fit_ends_after_this_epoch(trainer: "pl.Trainer") -> bool:
     return max_epochs is not None and max_epochs >= 0 and getattr(trainer, "current_epoch", 0) + 1 >= max_epochs
 
 
+def _plan_ends_here(trainer: "pl.Trainer") -> bool:
+    """Training ends after this step anyway (``max_steps`` reached, or the last batch of the last epoch): a budget
+    spent exactly by the plan stops nothing, so there is no stop to announce."""
+    if _training_ends_after_this_step(trainer):
+        return True
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False)) and _fit_ends_after_this_epoch(trainer)
+
+
 class PrivacyBudget(Callback):
     """Log ε of the run so far; with ``target_epsilon``, never take a step that exceeds it.
 
@@ -265,7 +274,8 @@ class PrivacyBudget(Callback):
         ledger = self._ledger = _ledger_of(trainer)
         self._check_private(ledger)
         if self.target_epsilon is not None and not self._next_step_allowed(trainer, ledger):
-            if not trainer.should_stop:  # already stopping (e.g. the strategy refused a release, and said why)
+            if not trainer.should_stop and not _plan_ends_here(trainer):
+                # not already stopping (the strategy refused a release and said why) nor at the plan's own end
                 self._announce_stop(trainer, ledger)
             trainer.should_stop = True
         self._update_epsilon(ledger, force=_training_ends_after_this_step(trainer))

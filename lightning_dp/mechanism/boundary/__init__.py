@@ -76,7 +76,7 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
 
 def _public_name(entry: str) -> str:
     kind, _, path = entry.partition(" ")
-    return path if kind in ("buffer", "attribute", "callback", "parameter") else entry
+    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter") else entry
 
 
 class ReleaseBoundary:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequen
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 Fingerprint = dict[str, Hashable]
 """Entry name (``"buffer stats.count"``, ``"attribute queue"``, ``"callback Memory.bank"``) → token."""
@@ -102,12 +103,20 @@ def _is_library(obj: Any) -> bool:
     return module.split(".")[0] in _LIBRARY_PREFIXES
 
 
+DATAMODULE_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
+"""A LightningDataModule's hooks that are handed the training batch."""
+
+
 def trusted_callback(callback: Any) -> bool:
-    """A callback whose state cannot hold private data: one of Lightning's or lightning_dp's own, or any callback that
-    overrides none of the :data:`DATA_HOOKS` (it never sees the batch)."""
+    """A callback (or the trainer's LightningDataModule) whose state cannot hold private data: one of Lightning's or
+    lightning_dp's own, or one that overrides none of the hooks handed the batch (:data:`DATA_HOOKS`; for a datamodule
+    :data:`DATAMODULE_HOOKS`)."""
     cls = type(callback)
     if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
         return True
+    datamodule = next((b for b in cls.__mro__ if b.__name__ == "LightningDataModule"), None)
+    if datamodule is not None:
+        return all(getattr(cls, hook, None) is getattr(datamodule, hook, None) for hook in DATAMODULE_HOOKS)
     bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
@@ -204,7 +213,7 @@ class StateFingerprint:
             if not is_public(name, self.public):
                 tensors.append((f"buffer {name}", b))
             seen.add(id(b))
-        walker = _Walker(seen, self._sums, full)
+        walker = _Walker(seen, {id(m) for m in self.module.modules()}, self._sums, full)
         for prefix, m in self.module.named_modules():
             for key, value in self._attributes(m):
                 path = f"{prefix}.{key}" if prefix else key
@@ -214,10 +223,11 @@ class StateFingerprint:
             if trusted_callback(cb):
                 continue
             label = type(cb).__name__
+            kind = "datamodule" if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__) else "callback"
             for key, value in _callback_state(cb):
                 path = f"{label}.{key}"
                 if not is_public(path, self.public) and not is_public(label, self.public):
-                    entries[f"callback {path}"] = walker.token(value)
+                    entries[f"{kind} {path}"] = walker.token(value)
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
         return entries
@@ -275,8 +285,9 @@ def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
 class _Walker:
     """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
 
-    def __init__(self, params_and_buffers: set[int], sums: _Checksums, full: bool) -> None:
+    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool) -> None:
         self._known = params_and_buffers
+        self._registered = registered
         self._sums = sums
         self._full = full
         self._objects: set[int] = set()
@@ -293,6 +304,11 @@ class _Walker:
         np_token = _numpy_token(value)
         if np_token is not None:
             return np_token
+        if isinstance(value, nn.Module) and id(value) not in self._registered and depth < MAX_DEPTH:
+            # a module held outside the model's registry (in a Python list, a dict, a helper object): its tensors are
+            # nobody else's to fingerprint
+            tensors = [*value.parameters(), *value.buffers()]
+            return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
         if isinstance(value, (nn.Module, _FUNCTIONS)):
             return (type(value).__name__, id(value))
         if depth >= MAX_DEPTH:
@@ -304,8 +320,8 @@ class _Walker:
                     tuple((repr(k), self.token(v, depth + 1)) for k, v in _sample(list(value.items()))))
         if isinstance(value, (set, frozenset)):
             return (type(value).__name__, len(value), frozenset(self.token(v, depth + 1) for v in value))
-        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
-            return ("object", type(value).__name__, id(value))
+        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, (type, Dataset)):
+            return ("object", type(value).__name__, id(value))  # a dataset is the data, not state
         if id(value) in self._objects:
             return ("seen", id(value))
         self._objects.add(id(value))

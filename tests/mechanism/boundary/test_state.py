@@ -5,6 +5,7 @@ that starts later, before the next one), unless declared public; a checkpoint is
 from __future__ import annotations
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from cases import Classifier, fit, loader, parameters, strategy, unchanged
 from conftest import quiet_trainer
@@ -216,3 +217,49 @@ def test_the_probe_and_the_replay_leave_no_trace():
     assert int(model.steps_seen) == 3
     assert len(model.training_step_outputs) == 3
     assert float(model.train_loss.weight) == 3.0
+
+
+class StatsInAListedModule(Classifier):
+    """A normaliser module kept in a plain list (never registered), its running mean updated from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(4, affine=False)
+        self.helpers = [norm]
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.helpers[0].running_mean.mul_(0.9).add_(0.1 * batch[0].mean(0))
+        return super().training_step(batch, batch_idx)
+
+
+class NormalisingDataModule(pl.LightningDataModule):
+    """A datamodule that accumulates the batches' feature means in on_after_batch_transfer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_mean = torch.zeros(4)
+
+    def train_dataloader(self):
+        return loader()
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer is not None and self.trainer.training:
+            self.seen_mean = 0.9 * self.seen_mean + 0.1 * batch[0].mean(0)
+        return batch
+
+
+def test_a_module_held_in_a_list_is_fingerprinted():
+    model = StatsInAListedModule()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)attribute helpers.*public_state"):
+        fit(model)
+    assert unchanged(before, model)
+
+
+def test_a_datamodule_keeping_batch_statistics_is_refused_before_any_release():
+    model = Classifier()
+    before = parameters(model)
+    with pytest.raises(StateWrittenError, match=r"(?s)datamodule NormalisingDataModule.seen_mean.*public_state"):
+        quiet_trainer(strategy=strategy(), max_steps=3).fit(model, datamodule=NormalisingDataModule())
+    assert unchanged(before, model)
