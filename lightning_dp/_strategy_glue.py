@@ -260,7 +260,7 @@ class PrivateTraining:
         """Check the state kept since the last update, then leave validation (held-out data) unwatched."""
         super().on_validation_start()  # type: ignore[misc]
         if self._fitting():
-            self.private_step.boundary.pause("between the last update and validation (in a batch-end or epoch hook)")
+            self.private_step.pause_boundary("between the last update and validation (in a batch-end or epoch hook)")
 
     def on_validation_end(self) -> None:
         """Validation is over: the state now is the baseline of the next release."""
@@ -271,7 +271,7 @@ class PrivateTraining:
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
         super().on_train_end()  # type: ignore[misc]
-        self.private_step.boundary.check_kept("after the last update (in a batch-end or epoch-end hook)")
+        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)")
 
     def _fitting(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -502,7 +502,7 @@ class PrivateTraining:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
         when the state it holds changed since the last update (the release boundary)."""
-        self.private_step.boundary.check_kept("after the last update, before a checkpoint was written (in a batch-end "
+        self.private_step.check_kept("after the last update, before a checkpoint was written (in a batch-end "
                                               "or epoch hook)")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]

@@ -247,6 +247,7 @@ class PrivateStep:
         self._tolerance_low = False
         self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
         self._optimizer: Optional[Optimizer] = None
+        self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -331,7 +332,10 @@ class PrivateStep:
         names: a pruning callback, a finetuning callback unfreezing layers); the probe must then pass again before
         the next release (:attr:`verified` turns False). Returns whether they changed. The model is validated
         again first: a change no engine serves is refused here."""
-        if self._module is None or not self.boundary.parameters_changed():
+        if self._module is None:
+            return False
+        self._parameters_checked = True  # for this step (until its release)
+        if not self.boundary.parameters_changed():
             return False
         problems = validate_module(self._module)
         if problems:
@@ -657,7 +661,8 @@ class PrivateStep:
             with forked_rngs():
                 self._probe_engines(probe)
                 if replay_hooks is not None:
-                    self._replay(replay_hooks, list(indices))
+                    self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
+                                       "found state kept by the batch hooks (the release boundary)")
         finally:
             snapshot.restore()  # the probe's passes leave no trace in the user's state (metrics, lists, counters)
         self._verified = True
@@ -715,7 +720,31 @@ class PrivateStep:
         if error is not None:
             raise error
         if refused:
-            raise _another_rank_error(f"found examples interacting at step {step}")
+            raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
+
+    def check_kept(self, where: str) -> None:
+        """The release boundary's comparison of the kept state with the last update's (:meth:`ReleaseBoundary.check_kept`),
+        on every rank alike (:meth:`on_every_rank`)."""
+        self.on_every_rank(lambda: self.boundary.check_kept(where), f"found state changed {where}")
+
+    def pause_boundary(self, where: str) -> None:
+        """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike."""
+        self.on_every_rank(lambda: self.boundary.pause(where), f"found state changed {where}")
+
+    def on_every_rank(self, check: Callable[[], None], what: str) -> None:
+        """Run ``check``; when distributed, every rank learns whether any rank's raised (one all-reduce) and raises too,
+        so that no rank waits in a collective its refusing peer never joins."""
+        error: Optional[PrivacyConfigurationError] = None
+        try:
+            check()
+        except PrivacyConfigurationError as err:
+            error = err
+        if self.distribution.all_reduce is not None:
+            refused, _ = self._refused_anywhere(error is not None, False)
+            if refused and error is None:
+                raise _another_rank_error(what)
+        if error is not None:
+            raise error
 
     def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
         """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""
@@ -761,7 +790,7 @@ class PrivateStep:
             tried.append(self.engine_name)
             if final:
                 raise error if isinstance(error, StateWriteError) else \
-                    _another_rank_error("wrote the model's own state in its forward")
+                    _another_rank_error("(the first step's probe) wrote the model's own state in its forward")
             if later is None:
                 later = (engines_after(self._module, self.engine_name, self.views_per_example)
                          if self._auto and self.distribution.layout is None else [])
@@ -794,7 +823,7 @@ class PrivateStep:
         """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
         every hooked layer is checked against it. Returns the count."""
         assert self._engine is not None, "attach() first"
-        if self.refresh_parameters():
+        if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
                 "re-attached; call verify(...) again before the next release.")
@@ -868,8 +897,9 @@ class PrivateStep:
             raise PrivacyConfigurationError(
                 f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
         assert self._module is not None
-        self.boundary.check_release(optimizer if optimizer is not None else self._optimizer,
-                                    [(name, p) for name, p in self._module.named_parameters() if p.requires_grad])
+        target = optimizer if optimizer is not None else self._optimizer
+        self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
+                           "refused its release (the release boundary)")
         params = self.params()
         batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
         if empty:
@@ -887,6 +917,7 @@ class PrivateStep:
         if self._ceiling is not None and self._ceiling[:3] == (self.noise_multiplier, self.plan.sample_rate, before):
             self._ceiling = (*self._ceiling[:2], self.ledger.steps, self._ceiling[3] - rounds)
         self.steps_taken = index + 1
+        self._parameters_checked = False
         self.last_release = release
         if isinstance(optimizer, PrivateOptimizer):
             optimizer.observe_release(release)
@@ -1014,16 +1045,17 @@ def _headline(err: BaseException) -> str:
 
 
 def _another_rank_error(what: str) -> PrivacyConfigurationError:
+    """The error of a rank whose own check passed while another rank's refused (every rank stops alike)."""
     return PrivacyConfigurationError(
-        f"The first step's probe on another rank's examples {what} (this rank's probe passed): see that rank's error. "
-        "Nothing was released.")
+        f"A check on another rank's examples {what} (this rank's check passed): see that rank's error. Nothing was "
+        "released.")
 
 
 def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
     """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice), with the others'
     first lines; a rank whose own probe passed while another rank's refused says so."""
     if not refusals:
-        return _another_rank_error(f"refused engine '{engine}'")
+        return _another_rank_error(f"(the first step's probe) refused engine '{engine}'")
     first = refusals[0][1]
     if len(refusals) == 1:
         return first

@@ -126,6 +126,7 @@ class ReleaseBoundary:
         if self._fingerprint is None or self._fingerprint.module is not module \
                 or not self.engine_keys <= self._fingerprint.skip_keys:
             self._fingerprint = self.fingerprint(module)
+        self._fingerprint.refresh()
         self._module = module
         self._signature = self._parameter_signature()
         self._watch(optimizer)
@@ -182,10 +183,12 @@ class ReleaseBoundary:
         return self._module is not None and self._parameter_signature() != self._signature
 
     def _parameter_signature(self) -> ParameterSignature:
-        assert self._module is not None
-        if self.parameters is None:
-            return parameter_signature(self._module)
-        return tuple((name, id(p)) for name, p in self.parameters() if p.requires_grad)
+        return tuple((name, id(p)) for name, p in self.trainable())
+
+    def trainable(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter) of the model's trainable parameters now (cheap: no walk of the module tree)."""
+        assert self._fingerprint is not None, "attach() first"
+        return self._fingerprint.trainable()
 
     def check_release(self, optimizer: Optional[Optimizer], named: Sequence[tuple[str, Tensor]]) -> None:
         """Before privatising: rules 1–3 (module docstring). Raises :class:`PrivacyConfigurationError`."""

@@ -190,34 +190,86 @@ class StateFingerprint:
         self.module = module
         self.public = tuple(public)
         self.skip_keys = frozenset(skip_keys) | framework_keys()
-        self.parameters = parameters if parameters is not None else module.named_parameters
-        """(name, tensor) of the parameters the module keeps between steps (under FSDP2 the sharded ones:
-        :meth:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout.sharded_parameters`)."""
+        self.parameters = parameters
+        """(name, tensor) of the parameters the module keeps between steps, when not its registered ones (under
+        FSDP2 the sharded ones: :meth:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout.sharded_parameters`)."""
         self._sums = _Checksums()
+        self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
+        self._counts: list[int] = []
+        self._registered: set[int] = set()
+        self._param_slots: list[tuple[str, dict, str]] = []
+        self._all_param_slots: list[tuple[str, dict, str]] = []
+        self._buffer_slots: list[tuple[str, dict, str]] = []
+        self._public_memo: dict[str, bool] = {}
+
+    def refresh(self) -> None:
+        """Walk the module tree again at the next fingerprint (a re-attached engine, a changed parameter set)."""
+        self._layout = None
+
+    def _structure(self) -> list[tuple[str, nn.Module, Optional[list[str]]]]:
+        """(name prefix, module, attribute mode) of every module, walked once (again when a module gains or loses a
+        parameter or buffer): the mode is ``None`` for torch's own layers (configuration only), the persistent state
+        names of a torchmetrics ``Metric``, else ``[]`` (all). Also the parameter and buffer slots, public ones left
+        out, as (entry name, the module's dict, key): a tensor replaced in its slot is read anew."""
+        if self._layout is not None and self._counts == [len(m._parameters) + len(m._buffers)
+                                                         for _, m, _ in self._layout]:
+            return self._layout
+        self._layout = [(f"{name}." if name else "", m, _attribute_mode(m)) for name, m in self.module.named_modules()]
+        self._counts = [len(m._parameters) + len(m._buffers) for _, m, _ in self._layout]
+        self._registered = {id(m) for _, m, _ in self._layout}
+        self._all_param_slots = [(prefix + key, m._parameters, key) for prefix, m, _ in self._layout
+                                 for key in m._parameters]
+        self._param_slots = [(f"parameter {name}", slots, key) for name, slots, key in self._all_param_slots
+                             if not self._is_public(name)]
+        self._buffer_slots = [(f"buffer {prefix}{key}", m._buffers, key) for prefix, m, _ in self._layout
+                              for key in m._buffers if not self._is_public(prefix + key)]
+        return self._layout
+
+    def trainable(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter) of every trainable parameter, each once (as ``named_parameters``, without walking the
+        module tree again: from the slots of :meth:`_structure`)."""
+        if self.parameters is not None:
+            return [(name, p) for name, p in self.parameters() if p.requires_grad]
+        self._structure()
+        out, seen = [], set()
+        for name, slots, key in self._all_param_slots:
+            p = slots.get(key)
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    def _is_public(self, path: str) -> bool:
+        known = self._public_memo.get(path)
+        if known is None:
+            known = self._public_memo[path] = is_public(path, self.public)
+        return known
 
     # ------------------------------------------------------------------ taking
     def take(self, callbacks: Sequence[Any] = (), full: bool = False) -> Fingerprint:
         """The fingerprint now. ``full``: recompute every content checksum (parameters included)."""
         entries: Fingerprint = {}
         tensors: list[tuple[str, Tensor]] = []
-        seen: set[int] = set()
-        for name, p in self.parameters():
-            if is_public(name, self.public):
+        layout = self._structure()
+        if self.parameters is not None:
+            params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
+        else:
+            params = [(name, slots[key]) for name, slots, key in self._param_slots if slots.get(key) is not None]
+        if full:
+            tensors.extend(params)
+        else:
+            for name, p in params:
+                entries[name] = (p.data_ptr(), p._version, p.shape) if type(p) is nn.Parameter else self._sums.key(p)[1:]
+        buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
+        tensors.extend(buffers)
+        seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
+        walker = _Walker(seen, self._registered, self._sums, full)
+        for prefix, m, mode in layout:
+            if mode is None:
                 continue
-            if full:
-                tensors.append((f"parameter {name}", p))
-            else:
-                entries[f"parameter {name}"] = self._sums.key(p)[1:]
-            seen.add(id(p))
-        for name, b in self.module.named_buffers():
-            if not is_public(name, self.public):
-                tensors.append((f"buffer {name}", b))
-            seen.add(id(b))
-        walker = _Walker(seen, {id(m) for m in self.module.modules()}, self._sums, full)
-        for prefix, m in self.module.named_modules():
-            for key, value in self._attributes(m):
-                path = f"{prefix}.{key}" if prefix else key
-                if not is_public(path, self.public):
+            for key, value in self._attributes(m, mode):
+                path = prefix + key
+                if not self._is_public(path):
                     entries[f"attribute {path}"] = walker.token(value)
         for cb in callbacks:
             if trusted_callback(cb):
@@ -226,19 +278,15 @@ class StateFingerprint:
             kind = "datamodule" if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__) else "callback"
             for key, value in _callback_state(cb):
                 path = f"{label}.{key}"
-                if not is_public(path, self.public) and not is_public(label, self.public):
+                if not self._is_public(path) and not self._is_public(label):
                     entries[f"{kind} {path}"] = walker.token(value)
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
         return entries
 
-    def _attributes(self, m: nn.Module) -> Iterator[tuple[str, Any]]:
-        cls = type(m)
-        if cls.__module__.startswith("torch."):
-            return  # torch's own layers keep configuration only; their tensors are parameters and buffers
-        metric_states = _metric_states(m)
-        if metric_states is not None:
-            yield from ((k, getattr(m, k)) for k in metric_states)
+    def _attributes(self, m: nn.Module, mode: list[str]) -> Iterator[tuple[str, Any]]:
+        if mode:
+            yield from ((k, getattr(m, k)) for k in mode)
             return
         for key, value in vars(m).items():
             if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, (nn.Module, _FUNCTIONS)):
@@ -259,6 +307,18 @@ class StateFingerprint:
 
 _MISSING = object()
 _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
+    """How :class:`StateFingerprint` reads ``m``'s attributes: ``None`` (none) for torch's own layers (configuration
+    only; their tensors are parameters and buffers) and for a torchmetrics ``Metric`` without persistent states, the
+    names of a ``Metric``'s persistent states, else ``[]``: every attribute."""
+    if type(m).__module__.startswith("torch."):
+        return None
+    states = _metric_states(m)
+    if states is not None:
+        return states if states else None
+    return []
 
 
 def _metric_states(m: nn.Module) -> Optional[list[str]]:
