@@ -328,3 +328,4 @@ def test_non_private_norms_are_every_ranks_examples(tmp_path):
         assert size == norms.numel() == sum(local)
         assert torch.equal(seen[1][step][0], norms) and seen[1][step][1:] == (size, fraction)
         assert fraction == pytest.approx(float((norms > 0.5).float().mean()))
+
