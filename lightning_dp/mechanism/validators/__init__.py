@@ -15,6 +15,13 @@ would otherwise corrupt, and refused with an error that names the fix:
 - :mod:`.probe`: on the first step, example i's per-example gradient does not depend on the
   other examples of the batch (no interaction through the loss or the model, no summed loss),
   and the engine's gradient equals autograd's (every use of every parameter captured).
+- :mod:`.batch_check` (when: :mod:`.schedule`): the same on a step's own sampled batch — as one
+  batch, as two halves and two examples alone — on the first step and at random later steps
+  (or every step); the checks' passes leave the generators as they were (:mod:`.rng`).
+- :mod:`.records`: each index reads one fixed record, each record is in the data once.
+
+What leaves a step besides the noised update (kept state, raw gradients, uncovered optimizer
+tensors) is the release boundary's to refuse: :mod:`lightning_dp.mechanism.boundary`.
 - :mod:`.loaders`: the training loader's sampler can be replaced by Poisson sampling without
   training on examples the user held out.
 """
