@@ -346,7 +346,10 @@ class PrivateTraining:
         if not step.verified:
             self._verify()
         if step.batch_check_due():
+            first = step.schedule.checks == 0
             self._check_batch(indices, _batch_idx(args, kwargs))
+            if first:
+                self._check_later_in_the_plan(indices)
         if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
@@ -411,7 +414,7 @@ class PrivateTraining:
         low = "16" in str(module.trainer.precision)
         try:
             self.private_step.verify(loss_of, low_precision=low, to_device=self._as_loop_batch, what="training_step",
-                                     replay_hooks=partial(_replay_batch_hooks, module, self.precision_plugin))  # type: ignore[attr-defined]
+                                     replay_hooks=self._replay_now_and_later)
         except PrivacyConfigurationError as err:
             if "DTensor" not in str(err):
                 raise
@@ -420,21 +423,54 @@ class PrivateTraining:
                 "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
                 "that skips its forward.") from err
 
-    def _check_batch(self, indices: list[int], batch_idx: int) -> None:
+    def _replay_now_and_later(self, batch: Any) -> None:
+        """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
+        (:meth:`_later_in_the_plan`): a memory bank filled from a later epoch on is refused before any release."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
+        for step, epoch in self._later_in_the_plan():
+            with _progress_as(module.trainer, step, epoch):
+                _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
+
+    def _later_in_the_plan(self) -> list[tuple[int, int]]:
+        """(step, epoch) of the plan's last step and of one random later step: the first step's checks also run with
+        the module made to believe it is there (:func:`_progress_as`), so behaviour keyed on ``global_step`` or
+        ``current_epoch`` (in-batch negatives after a warm-up, a memory bank from epoch 2) shows before any release."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        per_epoch = max(1, self.steps_per_epoch or 1)
+        try:
+            last = planned_steps(trainer, per_epoch) - 1
+        except PrivacyConfigurationError:
+            last = 100 * per_epoch  # no planned length (a budget stops the run): look well ahead
+        if last <= trainer.global_step:
+            return []
+        later = self.private_step.schedule.rng.randint(trainer.global_step + 1, last)
+        return [(s, s // per_epoch) for s in sorted({last, later})]
+
+    def _check_later_in_the_plan(self, indices: list[int]) -> None:
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
+        for step, epoch in self._later_in_the_plan():
+            with _progress_as(trainer, step, epoch):
+                self._check_batch(indices, step % per_epoch, as_of=f"as the model runs at step {step}, epoch {epoch}",
+                                  charge=False, step=now)
+
+    def _check_batch(self, indices: list[int], batch_idx: int, as_of: str = "", charge: bool = True,
+                     step: Optional[int] = None) -> None:
         """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's examples, read again
         through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions,
         passed to ``training_step`` with the step's own ``batch_idx`` (a step that mixes examples on some batch
         indices only is checked as it runs)."""
         module = self.lightning_module  # type: ignore[attr-defined]
-        step = self.private_step
+        private = self.private_step
 
         def loss_of(idx: list[int]) -> Any:
-            batch = self._as_loop_batch(step.examples(idx, fixed=True))
+            batch = self._as_loop_batch(private.examples(idx, fixed=True))
             with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
                 return module.training_step(batch, batch_idx)
 
-        step.check_batch(loss_of, indices, module.trainer.global_step, max_examples=min(128, self.max_physical_batch_size
-                                                                                         or 128))
+        private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
+                            max_examples=min(128, self.max_physical_batch_size or 128), as_of=as_of, charge=charge)
 
     def _collated(self, indices: list[int]) -> Any:
         """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
@@ -599,6 +635,20 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     if args:
         return (batch, *args[1:]), kwargs
     return args, {**kwargs, "batch": batch}
+
+
+@contextmanager
+def _progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]:
+    """Inside, ``trainer.global_step``/``module.global_step`` read ``step`` and ``current_epoch`` reads ``epoch`` (the
+    fit loop's two counters, restored on exit): the first step's checks run the user's code as it would run later."""
+    optimizer_steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    epochs = trainer.fit_loop.epoch_progress.current
+    saved = optimizer_steps.completed, epochs.completed
+    optimizer_steps.completed, epochs.completed = step, epoch
+    try:
+        yield
+    finally:
+        optimizer_steps.completed, epochs.completed = saved
 
 
 def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any) -> None:

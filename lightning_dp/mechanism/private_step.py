@@ -685,11 +685,13 @@ class PrivateStep:
         return bool(flag.item() > 0)
 
     def check_batch(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int], step: int,
-                    max_examples: int = 128) -> None:
+                    max_examples: int = 128, as_of: str = "", charge: bool = True) -> None:
         """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's sampled examples,
         before its release: ``loss_of_examples(idx)`` is the user's loss of the examples ``idx`` as one batch.
         Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
-        whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory)."""
+        whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
+        ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
+        counts against the schedule's budget (not for the first step's checks)."""
         assert self._module is not None and self._engine is not None
         start = time.perf_counter()
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
@@ -709,13 +711,14 @@ class PrivateStep:
         try:
             with forked_rngs():
                 BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                      rng=self.schedule.rng, max_examples=max_examples).check(indices, step,
-                                                                                              self._random_step)
+                                      rng=self.schedule.rng, max_examples=max_examples).check(
+                    indices, step, self._random_step, as_of)
         except PrivacyConfigurationError as err:
             error = err
         finally:
             snapshot.restore()
-            self.schedule.checked(time.perf_counter() - start)
+            if charge:
+                self.schedule.checked(time.perf_counter() - start)
         refused, _ = self._refused_anywhere(error is not None, False)
         if error is not None:
             raise error

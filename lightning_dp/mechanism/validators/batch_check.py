@@ -86,10 +86,12 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         self.rng = rng or random.Random()
         self.max_examples = max_examples
 
-    def check(self, indices: Sequence[int], step: int, random_step: bool = False) -> None:
+    def check(self, indices: Sequence[int], step: int, random_step: bool = False, as_of: str = "") -> None:
         """Check the batch ``indices`` of step ``step``; raises :class:`PrivacyConfigurationError` (nothing changes).
         ``random_step``: the step draws random numbers of its own (augmentation in ``training_step``, MixUp): the
-        replacement test runs instead (:meth:`_replacement`)."""
+        replacement test runs instead (:meth:`_replacement`). ``as_of``: when the model was made to believe it runs
+        (the first step checks the plan's later steps too), for the refusal's message."""
+        self._as_of = as_of
         chosen = list(indices)
         if len(chosen) > self.max_examples:
             chosen = self.rng.sample(chosen, self.max_examples)
@@ -143,7 +145,7 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         gap = (norms[kept] - other.norms.double()[kept]).abs()
         differing = int((gap > self.rtol * scale + 1e-12).sum())
         if differing:
-            raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name)
+            raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name, self._as_of)
 
     def _verdict(self, whole: ClippedBatch, parts: list[tuple[list[int], ClippedBatch]], step: int) -> None:
         norms = whole.norms.double()
@@ -160,15 +162,16 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
                   if float((half.sums[p].double() + rest.sums[p].double() - whole.sums[p].double()).norm())
                   > self.rtol * total + 1e-12]
         if differing or summed:
-            raise batch_interaction_error(step, len(norms), differing, summed, self.engine.name)
+            raise batch_interaction_error(step, len(norms), differing, summed, self.engine.name, self._as_of)
 
 
 def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[str],
-                            engine: str) -> PrivacyConfigurationError:
+                            engine: str, as_of: str = "") -> PrivacyConfigurationError:
     """The refusal of an interaction the batch check found (counts only: no gradient values of the data)."""
     where = f" and the sums of {', '.join(summed[:4])}{' …' if len(summed) > 4 else ''} changed" if summed else ""
+    when = f" ({as_of})" if as_of else ""
     return PrivacyConfigurationError(
-        f"Examples interact at step {step}: checked on {m} examples of the step's own sampled batch (as one batch, "
+        f"Examples interact at step {step}{when}: checked on {m} examples of the step's own sampled batch (as one batch, "
         f"as two halves and two of them alone), {differing} example gradient(s) changed with the batch's composition"
         f"{where}. Per-example clipping then does not bound one example's influence by C. Nothing was released for "
         "this step. Typical causes the first step cannot show: an operation across the batch that starts after a "

@@ -89,9 +89,9 @@ class FeatureQueueCallback(Callback):
         self.queue = torch.cat([self.queue, batch[0]])[-32:]
 
 
-class LateWriter(Classifier):
-    """Starts keeping batch statistics after a warm-up (the first step's replay cannot see it): from the end of the
-    second step on (global_step counts the updates made)."""
+class WarmupWriter(Classifier):
+    """Keeps batch statistics from the third step on (global_step counts the updates made): the first step's replay,
+    run as the module would run later in the plan too, refuses it before any release."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,11 +102,30 @@ class LateWriter(Classifier):
             self.stat.copy_(batch[0].mean(0))
 
 
+class LateWriter(Classifier):
+    """Keeps batch statistics from its own fourth call on: a counter of its own (declared public) that the first step's
+    replays (three calls, restored after) never bring there, so only the per-step comparison can see the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(4))
+        self.calls = 0
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.calls += 1
+        if self.calls >= 4:
+            self.stat.copy_(batch[0].mean(0))
+
+
 class LateStatistic(Callback):
     """The same write from a callback (it runs before ModelCheckpoint's on_train_batch_end)."""
 
+    def __init__(self) -> None:
+        self.calls = 0
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= 2:
+        self.calls += 1
+        if self.calls >= 4:
             pl_module.stat.copy_(batch[0].mean(0))
 
 
@@ -137,12 +156,20 @@ def test_state_kept_in_batch_end_hooks_is_refused_before_any_release(factory, ca
     assert unchanged(before, model), "a release happened"
 
 
+def test_a_write_keyed_on_the_step_is_refused_before_any_release():
+    model = WarmupWriter()
+    before = parameters(model)
+    with pytest.raises(StateWrittenError, match="(?s)replayed.*buffer stat"):
+        fit(model, steps=6)
+    assert unchanged(before, model), "a release happened"
+
+
 def test_a_write_that_starts_later_is_refused_before_the_next_release():
     model = LateWriter()
     with pytest.raises(StateWrittenError, match="buffer stat") as info:
-        fit(model, steps=6)
+        fit(model, steps=6, public_state=["calls"])
     assert "between the last update and this release" in str(info.value)
-    assert model.trainer.strategy.ledger.steps == 2, "steps 0 and 1 released; step 2 refused after the write"
+    assert model.trainer.strategy.ledger.steps == 4, "steps 0-3 released; the write after step 3 refused at step 4"
 
 
 def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
@@ -150,16 +177,16 @@ def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
     model.on_train_batch_end = lambda *args: None  # the callback writes instead, before the checkpoint is saved
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     with pytest.raises(StateWrittenError, match="before a checkpoint was written"):
-        quiet_trainer(strategy=strategy(), max_steps=6, callbacks=[LateStatistic(), ckpt],
-                      enable_checkpointing=True).fit(model, loader())
+        quiet_trainer(strategy=strategy(public_state=["LateStatistic.calls", "calls"]), max_steps=6,
+                      callbacks=[LateStatistic(), ckpt], enable_checkpointing=True).fit(model, loader())
     saved = list(tmp_path.glob("*.ckpt"))
-    assert len(saved) == 1, "the checkpoint of step 1 is written, none after the write"
+    assert len(saved) == 3, "the checkpoints of steps 1-3 are written, none after the write"
     assert not torch.load(saved[0], weights_only=False)["state_dict"]["stat"].any()
 
 
 @pytest.mark.parametrize("factory,public", [(IntegerCounter, ["positives"]), (MemoryBank, ["bank"]),
                                             (NumpyNormaliserAfterStep, ["normaliser"]),
-                                            (LateWriter, ["stat*"])])
+                                            (LateWriter, ["stat*", "calls"])])
 def test_declared_public_state_trains(factory, public):
     model = factory()
     dp = fit(model, steps=4, public_state=public)

@@ -69,14 +69,31 @@ class CovariancePenalty(Classifier):
 class NegativesAfterWarmup(Classifier):
     """From the third step on, an in-batch contrastive term (every other example is a negative)."""
 
+    def warm(self) -> bool:
+        return self.global_step >= 2
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         z = F.normalize(torch.tanh(self.net[0](x)), dim=1)
         loss = F.cross_entropy(self.net[2](torch.tanh(self.net[0](x))), y)
-        if self.global_step >= 2:
+        if self.warm():
             logits = z @ z.T / 0.5
             loss = loss + F.cross_entropy(logits, torch.arange(len(x)))
         return loss
+
+
+class NegativesAfterOwnCount(NegativesAfterWarmup):
+    """The same, warmed up by a counter of its own (declared public): invisible to the first step's look ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.calls += 1  # the first step's replays leave it as it was
+
+    def warm(self) -> bool:
+        return self.calls >= 3
 
 
 class MixUp(Classifier):
@@ -122,15 +139,24 @@ def test_the_covariance_penalty_is_below_the_first_probe_tolerance():
         PrivateStep.check_batch = original
 
 
-@pytest.mark.parametrize("verify,steps,kwargs", [("every_step", 6, {}), ("sampled", 120, {"verify_budget": 0.5})])
-def test_an_interaction_that_starts_after_a_warmup_is_refused_before_its_release(verify, steps, kwargs):
+def test_an_interaction_keyed_on_the_step_is_refused_before_any_release():
+    """The first step's checks also run as the module would at later steps of the plan (global_step, current_epoch)."""
     model = NegativesAfterWarmup()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 0 \(as the model runs at step"):
+        run(model, classes(), steps=6)
+    assert unchanged(before, model), "a release happened"
+
+
+@pytest.mark.parametrize("verify,steps,kwargs", [("every_step", 12, {}), ("sampled", 120, {"verify_budget": 0.5})])
+def test_an_interaction_that_starts_after_a_warmup_is_refused_before_its_release(verify, steps, kwargs):
+    model = NegativesAfterOwnCount()
     with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step (\d+)") as info:
-        run(model, classes(), steps=steps, verify=verify, **kwargs)
+        run(model, classes(), steps=steps, verify=verify, public_state=["calls"], **kwargs)
     step = int(re.search(r"at step (\d+)", str(info.value)).group(1))
-    assert step >= 2 and model.trainer.strategy.ledger.steps == step, "every step before it released, none after"
+    assert step >= 3 and model.trainer.strategy.ledger.steps == step, "every step before it released, none after"
     if verify == "every_step":
-        assert step == 2
+        assert step == 3
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap", "opacus_hooks"])
