@@ -91,7 +91,7 @@ class PrivateTraining:
         augmentation_multiplicity: int,
         public_state: Sequence[str] = (),
         verify: str = "sampled",
-        verify_budget: float = 0.05,
+        verify_budget: float = 0.02,
         on_budget_short: OnBudgetShort = "refuse",
     ) -> None:
         """Check the privacy arguments (see ``DPStrategy``) and build the private step."""

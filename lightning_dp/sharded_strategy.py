@@ -120,7 +120,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         augmentation_multiplicity: int = 1,
         public_state: Sequence[str] = (),
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
-        verify_budget: float = 0.05,
+        verify_budget: float = 0.02,
         on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,

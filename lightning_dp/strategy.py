@@ -115,10 +115,11 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             counter, a schedule) or that you accept leaves unprotected, like a logged metric. Any other change is
             refused before the next release.
         verify: when the step's own sampled examples are checked for interactions (as one batch, in two halves
-            and alone, before the release): ``"sampled"`` (default: the first step, then random later steps taking
-            about ``verify_budget`` of the training time), ``"every_step"`` (certainty at about twice the cost per
-            step) or ``"first_step"``. The first step's probe runs in every mode.
-        verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.05).
+            and alone, before the release): ``"sampled"`` (default: the first step — also as the module would run at
+            the plan's last step and a random later one — then random later steps taking about ``verify_budget``
+            of the training time), ``"every_step"`` (certainty at about twice the cost per step) or
+            ``"first_step"``. The first step's probe runs in every mode.
+        verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.02).
         accelerator: the accelerator (set by the Trainer; as for Lightning's ``DDPStrategy``).
         parallel_devices: the devices of the processes (set by the Trainer).
         cluster_environment: the cluster environment (set by the Trainer).
@@ -154,7 +155,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         augmentation_multiplicity: int = 1,
         public_state: Sequence[str] = (),
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
-        verify_budget: float = 0.05,
+        verify_budget: float = 0.02,
         on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,

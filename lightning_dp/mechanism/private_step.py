@@ -200,7 +200,7 @@ class PrivateStep:
         views_per_example: int = 1,
         public_state: Sequence[str] = (),
         verify: str = "sampled",
-        verify_budget: float = 0.05,
+        verify_budget: float = 0.02,
         on_budget_short: str = "refuse",
     ) -> None:
         self.on_budget_short = check_on_budget_short(on_budget_short)

@@ -3,7 +3,7 @@
 ``verify="sampled"`` (the default): the first step's batch is always checked (with the first probe, before the
 first release). Later, every step earns ``budget × its duration`` of credit; a check runs when the credit reaches a
 random threshold drawn after each check, exponential with mean the last check's duration, and costs its duration.
-On average the checks then take ``budget`` of the training time (default 5 %), at times nobody can predict (a
+On average the checks then take ``budget`` of the training time (default 2 %), at times nobody can predict (a
 behaviour that switches on at a fixed step is met at a random later step, never at a fixed period), and checks are
 denser when they are cheap relative to a step. ``"every_step"`` checks every step (a batch check costs about two
 steps); ``"first_step"`` only the first (the behaviour before this setting existed). The times come from the OS
@@ -38,7 +38,7 @@ class VerificationSchedule:
         clock: seconds (default ``time.perf_counter``).
     """
 
-    def __init__(self, mode: str = "sampled", budget: float = 0.05, rng: Optional[random.Random] = None,
+    def __init__(self, mode: str = "sampled", budget: float = 0.02, rng: Optional[random.Random] = None,
                  clock=time.perf_counter) -> None:
         check_verify(mode, budget)
         self.mode, self.budget = mode, float(budget)
