@@ -445,7 +445,8 @@ class PrivateTraining:
         if last <= trainer.global_step:
             return []
         later = self.private_step.schedule.rng.randint(trainer.global_step + 1, last)
-        return [(s, s // per_epoch) for s in sorted({last, later})]
+        # two look-aheads on every rank (equal or not): each check ends with one all-reduce, the same count everywhere
+        return [(s, s // per_epoch) for s in (last, later)]
 
     def _check_later_in_the_plan(self, indices: list[int]) -> None:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]

@@ -632,15 +632,7 @@ class PrivateStep:
         self.boundary.check_hooks(named)
 
         def loss_of(idx: list[int]) -> Tensor:
-            out = loss_of_examples(idx)
-            loss = mean_loss(out, len(idx))
-            loss = loss.get("loss") if isinstance(loss, dict) else loss
-            if not isinstance(loss, Tensor):
-                raise PrivacyConfigurationError(
-                    f"{what} returned {type(out).__name__}, not a loss: the mechanism needs the mean loss (or the "
-                    "vector of per-example losses) on every step; skipping a sampled batch would depend on "
-                    "private data.")
-            return loss
+            return loss_tensor(loss_of_examples(idx), len(idx), what)
 
         tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low_precision)
         params = [p for _, p in named]
@@ -704,8 +696,7 @@ class PrivateStep:
         error: Optional[PrivacyConfigurationError] = None
 
         def loss_of(idx: list[int]) -> Tensor:
-            loss = mean_loss(loss_of_examples(idx), len(idx))
-            return loss.get("loss") if isinstance(loss, dict) else loss
+            return loss_tensor(loss_of_examples(idx), len(idx), "training_step")
 
         snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
         try:
@@ -1033,6 +1024,20 @@ def mean_loss(out: Any, n: int) -> Any:
         loss = loss.mean()
         return {**out, "loss": loss} if isinstance(out, dict) else loss
     return out
+
+
+def loss_tensor(out: Any, n: int, what: str = "training_step") -> Tensor:
+    """The loss tensor of ``out`` (:func:`mean_loss` of n examples; from a dict's ``"loss"``), or the refusal of a step
+    that returned none: which sampled batches were skipped would depend on private data."""
+    loss = mean_loss(out, n)
+    loss = loss.get("loss") if isinstance(loss, dict) else loss
+    if not isinstance(loss, Tensor):
+        raise PrivacyConfigurationError(
+            f"{what} returned {type(out).__name__} without a loss: the mechanism needs the mean loss (or the vector of "
+            "per-example losses) on every step; skipping a sampled batch would depend on private data (which batches "
+            "were skipped is released by the missing update). Return the loss on every step; to ignore some examples, "
+            "zero their per-example losses instead.")
+    return loss
 
 
 def _first_line(err: BaseException) -> str:

@@ -131,6 +131,8 @@ class StateSnapshot:
             restores.append(_attributes(m, keys, 0))
         for cb in callbacks:
             restores.append(_attributes(cb, list(vars(cb)), 0))
+        modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
+        restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         self._restores = restores
 
     def restore(self) -> None:
