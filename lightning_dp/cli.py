@@ -162,7 +162,7 @@ def where_to_look(loggers: list[Any]) -> list[str]:
     log_dir = runs[0].log_dir
     return ["", "where to look:",
             f"  tensorboard --logdir {runs[0].root_dir}     (tab CUSTOM SCALARS: ε vs target, σ, v̂ vs Φ)",
-            f"  lightning-dp report {log_dir}     (v_t figure: histograms and Φ, as a PNG)"]
+            f"  lightning-dp report {log_dir}     (v_t figure, histograms and Φ: {log_dir}/report.png)"]
 
 
 def _usage() -> str:
