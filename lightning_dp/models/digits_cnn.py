@@ -68,10 +68,12 @@ class DigitsCNN(pl.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        """Accuracy on the validation split."""
+        """Accuracy and mean cross-entropy on the validation split (the dashboard draws val/loss beside train/loss)."""
         x, y = batch
-        self.val_acc(self(x), y)
+        logits = self(x)
+        self.val_acc(logits, y)
         self.log("val/acc", self.val_acc, prog_bar=True)
+        self.log("val/loss", nn.functional.cross_entropy(logits, y))
 
     def test_step(self, batch, batch_idx):
         """Accuracy on the test split."""
