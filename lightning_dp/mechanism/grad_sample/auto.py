@@ -61,11 +61,12 @@ def no_engine_message(module: nn.Module, problems: dict[str, list[str]]) -> str:
     if not norms:
         return (f"No per-example gradient engine supports this model ({detail}). Replace the listed layers, or "
                 "freeze them (requires_grad_(False)).")
-    named = ", ".join(f"'{n or '<root>'}'" for n in norms)
-    return (f"No per-example gradient engine supports this model: BatchNorm layer(s) {named} in training mode "
-            "normalise with the batch's statistics, which mixes the examples. Put them in eval mode before fit "
+    named = "; ".join(f"{n or '<root>'} ({type(module.get_submodule(n)).__name__}): mixes examples in training mode"
+                      for n in norms)
+    return (f"No per-example gradient engine supports this model: {named} (a BatchNorm in training mode normalises "
+            "with the batch's statistics). Put it in eval mode before fit "
             f"(e.g. {_eval_call(norms[0])} at the end of __init__: Lightning keeps a module's mode; running statistics "
-            "frozen, the affine weights still train) or replace them with nn.GroupNorm/nn.LayerNorm."
+            "frozen, the affine weights still train) or replace it with nn.GroupNorm/nn.LayerNorm."
             + (f" Then still: {detail}." if all(rest.values()) else ""))
 
 
