@@ -53,6 +53,8 @@ class DigitsCNN(pl.LightningModule):
             head += [nn.Linear(width, hidden), nn.Tanh()]
             width = hidden
         self.head = nn.Sequential(*head, nn.Linear(width, num_classes))
+        # one public, data-free image: Lightning's model summary runs it to show each layer's sizes and FLOPs
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
         self.val_acc = MulticlassAccuracy(num_classes)
         self.test_acc = MulticlassAccuracy(num_classes)
 

@@ -266,3 +266,28 @@ def test_other_engines_reasons_are_one_line_of_headlines_only_where_they_differ(
     assert str(error) == ("Examples interact (parameter a.weight): the details.\n(per_sample='auto' also tried "
                           "'vmap': the same refusal; 'opacus_hooks': The per-example engine failed.)")
     assert error.__cause__ is cause  # the engine's failure stays the cause; the refusal is not printed twice
+
+
+def test_opacus_hooks_on_the_data_layer_raise_no_torch_notice_in_the_probe_or_the_step():
+    """Opacus' full backward hooks fire on the first layer with output gradients only (its input is the data);
+    torch says so with a warning at each backward the probe and the strategy run. Quieted around those calls only
+    (issue 35): nothing reaches the user's console."""
+    import warnings
+
+    from conftest import TinyClassifier, make_loader, quiet_trainer
+
+    from lightning_dp import DPStrategy
+    from lightning_dp.mechanism.grad_sample.opacus_hooks import OUTPUT_HOOK_NOTICE
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, per_sample="opacus_hooks"), max_steps=2).fit(
+            TinyClassifier(), make_loader())
+    assert not [str(w.message) for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:  # outside our calls torch still says it: only ours is quiet
+        warnings.simplefilter("always")
+        step, model, _, _ = _setup("opacus_hooks")
+        step.begin(2)
+        _loss(model, (torch.randn(2, 5), torch.tensor([0, 1]))).backward()
+    assert [w for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]

@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
+from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 
 LossOf = Callable[[Sequence[int]], Tensor]
 """Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
@@ -136,7 +137,8 @@ class ExampleIndependenceProbe:
             if loss.grad_fn is None:
                 raise detached_loss_error(loss)
             if backward:
-                loss.backward()
+                with output_hook_notice_quieted(self.engine.name):
+                    loss.backward()
             return loss
         except PrivacyConfigurationError:
             raise
