@@ -1,30 +1,40 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   -> virtual env + install + the main job (digits CNN, ε ≤ 3)
-#   make test   -> virtual env + install + the test suite
+#   make demo   -> virtual env + the library with what the main job needs ([all]: CLI, data, report)
+#                  + the main job (digits CNN, ε ≤ 3)
+#   make test   -> the same, plus the test and Hugging Face extras ([dev,hf]) + the test suite
+# Each install has its own stamp: `make demo` never installs pytest, transformers or peft; `make test`
+# after it adds them; `make test` alone does both steps.
 # torch is pinned to the CPU build through constraints.txt; installing it first keeps pip
 # from ever resolving a (multi-GB) CUDA build.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install install-test demo test test-all bench clean
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(DEMO_STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[all]"
+	touch $(DEMO_STAMP)
+
+$(TEST_STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[all,dev,hf]"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(DEMO_STAMP)
 
-demo: $(STAMP)
+install-test: $(TEST_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/lightning-dp fit --config configs/digits.yaml
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	LIGHTNING_DP_SLOW=1 $(BIN)/python -m pytest
 
 clean:

@@ -49,6 +49,7 @@ from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
 from lightning_dp.mechanism.budget_shortfall import OnBudgetShort
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics
+from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
 
 CHECKPOINT_KEY = "lightning_dp"
@@ -383,7 +384,8 @@ class PrivateTraining:
         self.private_step.begin(n)
         loss = mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss
-        self.lightning_module.backward(loss)  # type: ignore[attr-defined]
+        with output_hook_notice_quieted(self.private_step.engine_name):
+            self.lightning_module.backward(loss)  # type: ignore[attr-defined]
         self.private_step.bank()
 
     def _physical_batches_in_lockstep(self, count: int) -> int:
@@ -400,8 +402,16 @@ class PrivateTraining:
         args, kwargs = _with_batch(args, kwargs, self._collated([0]))
         loss = mean_loss(super().training_step(*args, **kwargs), 1)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss
-        self.lightning_module.backward(loss)  # type: ignore[attr-defined]
+        with output_hook_notice_quieted(step.engine_name):
+            self.lightning_module.backward(loss)  # type: ignore[attr-defined]
         step.discard()
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward of the step, through the engine's hooks: without torch's notice that Opacus' hooks on
+        the first layer see output gradients only (:func:`~lightning_dp.mechanism.grad_sample.opacus_hooks.
+        output_hook_notice_quieted`: that message, that engine, this call)."""
+        with output_hook_notice_quieted(self.private_step.engine_name):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def _verify(self) -> None:
         """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on the user's ``training_step``."""

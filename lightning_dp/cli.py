@@ -162,7 +162,7 @@ def where_to_look(loggers: list[Any]) -> list[str]:
     log_dir = runs[0].log_dir
     return ["", "where to look:",
             f"  tensorboard --logdir {runs[0].root_dir}     (tab CUSTOM SCALARS: ε vs target, σ, v̂ vs Φ)",
-            f"  lightning-dp report {log_dir}     (v_t figure: histograms and Φ, as a PNG)"]
+            f"  lightning-dp report {log_dir}     (v_t figure, histograms and Φ: {log_dir}/report.png)"]
 
 
 def _usage() -> str:
@@ -200,6 +200,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # summary ("terminate called without an active exception", exit 134): a gloo worker thread
     # dropping the last reference to a finished collective's tensors asks for the GIL, and a thread
     # asking for it during finalization is ended by a forced unwind through a noexcept destructor.
+    missing = _missing_cli_extra()
+    if missing is not None:  # one line with the install command, not an ImportError traceback
+        print(f"lightning-dp {command}: {missing}", file=sys.stderr)
+        return 1
     had_process_group = _process_group_initialized()
     from lightning_dp._warnings import quiet_lightning_adverts
 
@@ -213,6 +217,22 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _missing_cli_extra() -> Optional[str]:
+    """Why LightningCLI cannot run here, as one line naming ``pip install "lightning_dp[cli]"``, or None: jsonargparse
+    not importable, or installed without its ``signatures`` extra (which LightningCLI refuses)."""
+    from lightning_dp._extras import require
+
+    try:
+        require("jsonargparse", "cli")
+    except ImportError as err:
+        return str(err)
+    from pytorch_lightning import cli as lightning_cli
+    if not getattr(lightning_cli, "_JSONARGPARSE_SIGNATURES_AVAILABLE", True):
+        return ('jsonargparse[signatures] is needed here and is not installed: pip install "lightning_dp[cli]" '
+                "(or the [all] extra, which `make demo` installs).")
+    return None
 
 
 def _process_group_initialized() -> bool:

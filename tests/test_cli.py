@@ -1,5 +1,6 @@
 """`lightning-dp fit --config configs/digits.yaml`, shortened: the main job's path end to end."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,21 @@ def test_the_recipe_config_runs_with_public_pretraining_and_ema(tmp_path, capsys
     out = capsys.readouterr().out
     assert "test/acc:" in out and "after 3 steps" in out
     assert "frozen after public pretraining: features (10250 parameters stay trainable)" in caplog.text
+
+
+def test_fit_without_the_cli_extra_prints_one_line_with_the_pip_command(monkeypatch, capsys):
+    """jsonargparse missing (simulated: its import fails): one line on stderr naming pip install "lightning_dp[cli]",
+    exit status 1, no ImportError traceback."""
+    monkeypatch.setitem(sys.modules, "jsonargparse", None)  # `import jsonargparse` raises ImportError
+    assert main(["fit", "--config", "configs/digits.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lightning-dp fit: ") and "Traceback" not in err
+    assert 'pip install "lightning_dp[cli]"' in err
+
+
+def test_fit_with_jsonargparse_but_not_its_signatures_extra_names_the_same_command(monkeypatch, capsys):
+    import pytorch_lightning.cli
+
+    monkeypatch.setattr(pytorch_lightning.cli, "_JSONARGPARSE_SIGNATURES_AVAILABLE", False)
+    assert main(["fit", "--config", "configs/digits.yaml"]) == 1
+    assert 'jsonargparse[signatures] is needed here' in capsys.readouterr().err

@@ -8,13 +8,25 @@ tab:
 
 * ``privacy``: ε spent against the target ε (PrivacyBudget), the noise multiplier σ, and the
   clip fraction when the monitor's non-private diagnostics are on (labelled NOT private);
-* ``training``: the module's own validation accuracy and train/validation loss, matched by
+* ``training``: the module's own validation accuracy, train loss and validation loss, each its own chart, matched by
   Lightning's usual names (``val/acc``, ``val_acc``, ``val/top1_acc``…, ``train/loss``, ``val_loss``);
-* ``v_t``: Φ against the median v̂ and the median v̂ − Φ̄, the v̂ quartile band and the share of
-  coordinates with v̂ − Φ̄ < 0 (SecondMomentMonitor).
+* ``v_t``: the median v̂ with its Q1–Q3 band against Φ, the median v̂ − Φ̄, and the share of coordinates with
+  v̂ − Φ̄ < 0 (SecondMomentMonitor).
+
+What the layout proto (``tensorboard/plugins/custom_scalar/layout.proto``) allows, and what follows from it:
+
+* **Smoothing**: a chart has no smoothing setting. The dashboard's smoothing slider (0.6 by default) applies to
+  ``Multiline`` charts only; a ``Margin`` chart is drawn unsmoothed (its card passes no smoothing to the line
+  chart). ε, its target, σ and Φ are therefore ``Margin`` series whose band is the value itself (value = lower =
+  upper): each chart shows the true values, e.g. ε ending at 3.00, not a smoothed 2.75.
+* **Colours**: a chart has no colour setting either; the dashboard colours every line by its *run*, and tells a
+  run's series apart by marker only (◼ ◆ ▲ ★ ✚, in the order the series are listed). Series that share a chart are
+  therefore few and unlike (ε climbing to its flat target; v̂ and its band against Φ), and the others have their
+  own charts (train and validation loss, v̂ − Φ̄).
 
 Multiline charts take regular expressions (matched from the start of a tag): every tag here is
-escaped and anchored, so ``vt/v/all/median`` does not also pick up ``nonprivate/vt/v/all/median``.
+escaped and anchored, so ``vt/v/all/median`` does not also pick up ``nonprivate/vt/v/all/median``. Margin series
+name tags exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ NOISE_MULTIPLIER = "privacy/noise_multiplier"
 
 #: the user's metrics the dashboard draws (regular expressions, matched from a tag's start)
 VAL_ACCURACY = r"val[/_].*acc"
-LOSSES = r"(train|val)[/_]loss"
+TRAIN_LOSS = r"train[/_]loss"
+VAL_LOSS = r"val[/_]loss"
 
 #: the tag TensorBoard stores a custom-scalars layout under
 CONFIG_TAG = "custom_scalars__config__"
@@ -44,6 +57,12 @@ _written: "weakref.WeakSet[Any]" = weakref.WeakSet()  # writers that already hol
 
 def _exact(tag: str) -> str:
     return f"{re.escape(tag)}$"
+
+
+def _unsmoothed(*series: str) -> list[Any]:
+    """A ``Margin`` chart drawing each tag as a line with no band (value = lower = upper): TensorBoard draws margin
+    charts without smoothing, so the line is the logged values."""
+    return ["Margin", [[tag, tag, tag] for tag in series]]
 
 
 def layout_for(callbacks: Iterable[Any]) -> dict[str, dict[str, list[Any]]]:
@@ -57,11 +76,11 @@ def layout_for(callbacks: Iterable[Any]) -> dict[str, dict[str, list[Any]]]:
     layout: dict[str, dict[str, list[Any]]] = {}
     privacy: dict[str, list[Any]] = {}
     if budgets:
-        epsilon = [_exact(EPSILON)]
         if any(b.target_epsilon is not None for b in budgets):
-            epsilon.append(_exact(TARGET_EPSILON))
-        privacy["ε spent (and target ε)"] = ["Multiline", epsilon]
-        privacy["noise multiplier σ"] = ["Multiline", [_exact(NOISE_MULTIPLIER)]]
+            privacy["ε spent ◼ and target ε ◆ (unsmoothed)"] = _unsmoothed(EPSILON, TARGET_EPSILON)
+        else:
+            privacy["ε spent (unsmoothed)"] = _unsmoothed(EPSILON)
+        privacy["noise multiplier σ (unsmoothed)"] = _unsmoothed(NOISE_MULTIPLIER)
     if any(m.non_private for m in monitors):
         privacy["clip fraction (NOT private)"] = ["Multiline", [_exact(tags.CLIP_FRACTION)]]
     if privacy:
@@ -69,18 +88,43 @@ def layout_for(callbacks: Iterable[Any]) -> dict[str, dict[str, list[Any]]]:
     if budgets or monitors:  # the user's own metrics, by Lightning's usual names, beside what the noise does
         layout["training"] = {
             "validation accuracy (val/…acc…)": ["Multiline", [VAL_ACCURACY]],
-            "loss (train/loss, val/loss)": ["Multiline", [LOSSES]],
+            "train loss (train/loss)": ["Multiline", [TRAIN_LOSS]],
+            "validation loss (val/loss)": ["Multiline", [VAL_LOSS]],
         }
     if monitors:
-        median = lambda family: tags.stat_tag(family, "all", "median")  # noqa: E731
+        v_stat = lambda stat: tags.stat_tag(tags.V, "all", stat)  # noqa: E731
         layout["v_t"] = {
-            "Φ vs median v̂ and median v̂ − Φ̄": [
-                "Multiline", [_exact(tags.PHI), _exact(median(tags.V)), _exact(median(tags.V_MINUS_PHI))]],
-            "v̂: median and Q1–Q3": [
-                "Margin", [median(tags.V), tags.stat_tag(tags.V, "all", "q1"), tags.stat_tag(tags.V, "all", "q3")]],
+            "median v̂ ◼ (band: Q1–Q3) and Φ ◆ (unsmoothed)": [
+                "Margin", [[v_stat("median"), v_stat("q1"), v_stat("q3")], [tags.PHI, tags.PHI, tags.PHI]]],
+            "median v̂ − Φ̄": ["Multiline", [_exact(tags.stat_tag(tags.V_MINUS_PHI, "all", "median"))]],
             "share of coordinates with v̂ − Φ̄ < 0": ["Multiline", [_exact(tags.FRAC_NEGATIVE)]],
         }
     return layout
+
+
+def layout_summary(layout: dict[str, dict[str, list[Any]]]) -> Any:
+    """The ``custom_scalars__config__`` summary of ``layout``: what ``SummaryWriter.add_custom_scalars`` writes, except
+    that a ``Margin`` chart may hold several series (``[[value, lower, upper], ...]``), which the layout proto allows
+    and ``add_custom_scalars`` does not (one series per margin chart)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    categories = []
+    for title, charts in layout.items():
+        drawn = []
+        for name, (kind, content) in charts.items():
+            if kind == "Margin":
+                series = [layout_pb2.MarginChartContent.Series(value=v, lower=lo, upper=hi) for v, lo, hi in content]
+                drawn.append(layout_pb2.Chart(title=name, margin=layout_pb2.MarginChartContent(series=series)))
+            else:
+                drawn.append(layout_pb2.Chart(title=name, multiline=layout_pb2.MultilineChartContent(tag=content)))
+        categories.append(layout_pb2.Category(title=title, chart=drawn))
+    tensor = TensorProto(dtype="DT_STRING", string_val=[layout_pb2.Layout(category=categories).SerializeToString()],
+                         tensor_shape=TensorShapeProto())
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
+    return Summary(value=[Summary.Value(tag=CONFIG_TAG, tensor=tensor, metadata=metadata)])
 
 
 def write_layout(trainer: Any) -> None:
@@ -95,7 +139,7 @@ def write_layout(trainer: Any) -> None:
         return
     for logger in loggers:
         writer = logger.experiment
-        if writer in _written or not hasattr(writer, "add_custom_scalars"):
+        if writer in _written or not hasattr(writer, "_get_file_writer"):
             continue
-        writer.add_custom_scalars(layout)
+        writer._get_file_writer().add_summary(layout_summary(layout))  # as add_custom_scalars does
         _written.add(writer)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_dp.optim.base import UNSUPPORTED_FLAGS
@@ -37,13 +38,15 @@ class AdamVariant(Callback):
     Example::
 
         trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
-                             callbacks=[AdamVariant("bias_corrected", gamma=1e-8)])
+                             callbacks=[AdamVariant("bias_corrected")])   # floor γ' = 0.1·Φ̄
 
     Args:
         name: a variant from :func:`lightning_dp.optim.variant_names`.
         start_step: optimizer step from which the variant is used (0: from the start);
             before it the user's optimizer runs unchanged (post-processing).
-        **hparams: the variant's hyperparameters (``gamma``; ``eps_s``, ``refresh_every``).
+        **hparams: the variant's hyperparameters (``gamma_phi`` or ``gamma``; ``eps_s``, ``refresh_every``).
+
+    When it takes effect it logs one INFO line (rank 0): the optimizers swapped, the variant and its parameters.
 
     Raises:
         ValueError: at construction for an unknown variant or hyperparameter; at fit
@@ -98,6 +101,7 @@ class AdamVariant(Callback):
         strategy.optimizers = new  # the setter rebuilds the LightningOptimizer wrappers
         repoint_schedulers(strategy.lr_scheduler_configs, old, new)
         self._swapped = True
+        rank_zero_info(announcement(old, new, trainer.global_step))
 
     def _validate(self, trainer: "pl.Trainer") -> None:
         for opt in trainer.strategy.optimizers:
@@ -112,6 +116,13 @@ class AdamVariant(Callback):
                 f"AdamVariant({self.name!r}) needs the mechanism's release every step: use "
                 f"Trainer(strategy=lightning_dp.DPStrategy(...)); only 'post_processing' runs without it."
             )
+
+
+def announcement(old: list[Optimizer], new: list[Optimizer], step: int) -> str:
+    """The one line that says the variant took effect: which optimizers, the variant and its parameters, the step."""
+    swaps = "; ".join(f"{type(o).__name__} → {type(n).__name__}(variant={n.variant!r}: {n.preconditioner.describe()})"
+                      for o, n in zip(old, new))
+    return f"AdamVariant: from step {step}, {swaps}; lr, betas, moments and schedulers carried over."
 
 
 def _is_dp_strategy(strategy: object) -> bool:

@@ -116,7 +116,7 @@ def pretrain(
                 optimizer.zero_grad(set_to_none=True)
                 value.backward()
                 optimizer.step()
-                total, count = total + float(value) * len(y), count + len(y)
+                total, count = total + value.item() * len(y), count + len(y)
                 bar.update()
             losses.append(total / max(count, 1))
             log.info("public pretraining epoch %d/%d: loss %.4f", epoch + 1, epochs, losses[-1])

@@ -124,7 +124,7 @@ class SecondMomentMonitor(Callback):
         trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0),
                              callbacks=[SecondMomentMonitor(every_n_steps=50)],
                              logger=pl.loggers.TensorBoardLogger("lightning_logs"))
-        # then: lightning-dp report lightning_logs/version_0 --out report.png
+        # then: lightning-dp report lightning_logs/version_0   (writes report.png into that folder)
     """
 
     def __init__(

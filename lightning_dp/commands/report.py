@@ -1,7 +1,8 @@
 """``lightning-dp report``: the bias-correction seed's Table 1 and Figure 2 for your own run.
 
     lightning-dp report                        # the latest monitored run under lightning_logs/
-    lightning-dp report lightning_logs/version_0 --out report.png
+    lightning-dp report lightning_logs/version_0   # writes lightning_logs/version_0/report.png
+    lightning-dp report lightning_logs/version_0 --out elsewhere.png
 
 Reads only the TensorBoard event files written by
 :class:`~lightning_dp.callbacks.second_moment_monitor.SecondMomentMonitor`
@@ -10,7 +11,8 @@ the second moment at an early and a late logged step (dp-adam-bias-correction.tx
 Table 1: rows clean v — only when the run opted in to ``diagnostics="non_private"`` —,
 private v̂ and corrected v̂ − Φ; columns min, Q1, median, Q3, max, mean), and draws a
 Figure-2-like PNG: histograms of m, v and the update (clean vs private vs corrected)
-at the late step, plus median v̂ against Φ over training.
+at the late step, plus median v̂ against Φ over training, into the run's folder (the one holding its event files;
+``--out`` for another path) and prints where.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from types import ModuleType
 from typing import Any, Optional, Sequence
 
 EVENT_GLOB = "events.out.tfevents.*"
+DEFAULT_NAME = "report.png"
+"""The figure's file name in the run's folder (without ``--out``)."""
 
 
 class _Tags(ModuleType):
@@ -43,8 +47,9 @@ class ReportError(ValueError):
 
 
 # ----------------------------------------------------------------------------- reading
-def find_run(logdir: Path) -> Any:
-    """The loaded ``EventAccumulator`` of the one run under ``logdir`` with monitor tags."""
+def find_run(logdir: Path) -> tuple[Path, Any]:
+    """The folder of the one run under ``logdir`` with monitor tags (the folder of its event files) and its loaded
+    ``EventAccumulator``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not logdir.is_dir():
@@ -66,7 +71,7 @@ def find_run(logdir: Path) -> Any:
         names = ", ".join(str(d) for d, _ in runs)
         raise ReportError(f"several monitored runs under {logdir} ({names}): pass one of them (or no path: the "
                           "latest run under lightning_logs/).")
-    return runs[0][1]
+    return runs[0]
 
 
 def latest_run(root: Path) -> Path:
@@ -256,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("logdir", nargs="?", default=None,
                    help="run directory holding the TensorBoard event files (e.g. lightning_logs/version_0); "
                         "default: the latest monitored run under lightning_logs/")
-    p.add_argument("--out", default="report.png", help="PNG to write (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help=f"PNG to write (default: {DEFAULT_NAME} in the run's folder, beside its event files)")
     p.add_argument("--early", type=int, help="early step for the table (default: the first logged step)")
     p.add_argument("--late", type=int, help="late step for the table and figure (default: the last logged step)")
     return p
@@ -275,17 +281,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         logdir = Path(args.logdir) if args.logdir is not None else latest_run(Path("lightning_logs"))
         if args.logdir is None:
             print(f"run: {logdir} (the latest under lightning_logs/)")
-        acc = find_run(logdir)
+        run, acc = find_run(logdir)
+        out = Path(args.out) if args.out is not None else run / DEFAULT_NAME
         steps = sorted(scalar_series(acc, _median_tag(tags.V)))
         early, late = _pick(steps, args.early, steps[0]), _pick(steps, args.late, steps[-1])
         shown = [early] if early == late else [early, late]
         print(f"## Second-moment statistics (early step {early}, late step {late})\n")
         print(table_markdown(acc, shown))
-        plot_report(acc, late, args.out)
+        plot_report(acc, late, str(out))
     except ReportError as err:
         print(f"lightning-dp report: error: {err}", file=sys.stderr)
         return 2
-    print(f"\nfigure written to {args.out}")
+    print(f"\nfigure written to {out}")
     return 0
 
 

@@ -1060,14 +1060,18 @@ def _another_rank_error(what: str) -> PrivacyConfigurationError:
 
 
 def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
-    """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice), with the others'
-    first lines; a rank whose own probe passed while another rank's refused says so."""
+    """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice: its cause and fix
+    first), then one short line naming the other engines tried, with their refusals' headlines only where they differ
+    from the first's (a summed loss is refused alike by every engine: said once). The first refusal itself is returned
+    with that line appended, so its traceback and cause (an engine's own failure) stay and nothing is printed twice. A
+    rank whose own probe passed while another rank's refused says so."""
     if not refusals:
         return _another_rank_error(f"(the first step's probe) refused engine '{engine}'")
     first = refusals[0][1]
     if len(refusals) == 1:
         return first
-    tried = "; ".join(f"'{name}': {_first_line(err)}" for name, err in refusals[1:])
-    error = PrivacyConfigurationError(f"{first}\n(per_sample='auto' also tried {tried})")
-    error.__cause__ = first
-    return error
+    same = [name for name, err in refusals[1:] if _headline(err) == _headline(first)]
+    other = [f"'{name}': {_headline(err)}" for name, err in refusals[1:] if _headline(err) != _headline(first)]
+    parts = ([f"{', '.join(map(repr, same))}: the same refusal"] if same else []) + other
+    first.args = (f"{first}\n(per_sample='auto' also tried {'; '.join(parts)}.)",)
+    return first

@@ -35,7 +35,7 @@ class DPAdam(DPOptimizerBase):
     variant                     x (averaged into v)                 D(v̂)
     ==========================  ==================================  ===============================
     ``post_processing`` §1      ĝ²                                  √v̂ + ε
-    ``bias_corrected`` §2       ĝ²                                  sqrt(max(v̂ − Φ̄, gamma))
+    ``bias_corrected`` §2       ĝ²                                  sqrt(max(v̂ − Φ̄, γ')), γ' = 0.1·Φ̄
     ``independent_moments`` §3  released second moment ĝ2          sqrt(max(v̂, gamma))
     ``scale_then_privatize`` §4 ĝ² (ĝ noised in scaled space)       √v̂ + ε
     ``noiseless`` §5 (NOT DP)   (clean clipped mean)²               √v̂ + ε
@@ -58,7 +58,7 @@ class DPAdam(DPOptimizerBase):
         from lightning_dp.optim import DPAdam
 
         model = torch.nn.Linear(4, 1)
-        opt = DPAdam(model.parameters(), lr=1e-3, variant="bias_corrected", gamma=1e-8)
+        opt = DPAdam(model.parameters(), lr=1e-3, variant="bias_corrected")   # floor γ' = 0.1·Φ̄
         sigma, C, B = 1.0, 1.0, 64                        # B: the EXPECTED batch size
         for x, y in batches:                              # Poisson-sampled batches
             opt.zero_grad()

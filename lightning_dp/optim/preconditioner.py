@@ -79,6 +79,10 @@ class Preconditioner(ABC):
         """
         return second_moment.sqrt().add_(eps)
 
+    def describe(self) -> str:
+        """The hyperparameters in words, for the log line that announces the variant (``name=value, …``)."""
+        return ", ".join(f"{k}={v!r}" for k, v in self.hparams().items()) or "no hyperparameters"
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
         return f"{type(self).__name__}({args})"

@@ -203,3 +203,14 @@ def test_checkpoint_written_before_the_swap_resumes_then_swaps(tmp_path):
     assert probe.kind is torch.optim.Adam
     assert kinds.kinds == ["Adam", "Adam", "DPAdam", "DPAdam"]
     assert all(int(s["step"]) == 6 for s in resumed.strategy.optimizers[0].state.values())
+
+
+@pytest.mark.parametrize("start_step", [0, 2])
+def test_the_swap_is_announced_once_with_the_variant_and_its_parameters(caplog, start_step):
+    """One INFO line when the variant takes effect (issue 35: nothing said it had): optimizers, variant, floor, step."""
+    with caplog.at_level("INFO"):
+        _fit(AdamModule(scheduler=False), [AdamVariant("bias_corrected", start_step=start_step)], steps=4,
+             strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdamVariant:")]
+    assert lines == [f"AdamVariant: from step {start_step}, Adam → DPAdam(variant='bias_corrected': γ' = 0.1·Φ̄ "
+                     "(relative to the noise variance)); lr, betas, moments and schedulers carried over."]

@@ -107,3 +107,17 @@ def test_resume_keeps_the_checkpoint_weights_and_the_freezing(tmp_path):
         resumed, make_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert torch.equal(resumed.net[0].weight.detach(), saved) and not resumed.net[0].weight.requires_grad
     assert strategy.ledger.steps == 20
+
+
+def test_pretraining_converts_no_tensor_that_requires_grad_to_a_number():
+    """The epoch's loss is summed from detached values: torch's 'Converting a tensor with requires_grad=True to a
+    scalar' warning is not raised by our loop (issue 35: it was, once per fit)."""
+    import warnings
+
+    from lightning_dp.callbacks.public_pretraining import pretrain
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning of the loop fails the test
+        losses = pretrain(TinyClassifier(), _public(n=40), epochs=1, lr=0.05, batch_size=20)
+    assert len(losses) == 1

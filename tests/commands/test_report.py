@@ -132,3 +132,21 @@ def test_symlog_ticks_leave_the_region_around_zero_to_zero():
     assert 0.0 in ticks and len(ticks) <= 7
     assert min(abs(t) for t in ticks if t) >= 1e-5  # nothing within 100× of the linear threshold
     assert max(ticks) == 0.1 and min(ticks) == -0.1
+
+
+def test_without_out_the_figure_lands_in_the_runs_folder_and_its_path_is_printed(private_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Not in the working directory (issue 35): beside the run's event files, also when a parent folder is given."""
+    import shutil
+    from pathlib import Path
+
+    root = tmp_path / "logs"
+    shutil.copytree(private_run, root / "version_0")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main([str(root)]) == 0
+    written = root / "version_0" / "report.png"
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(Path(".").iterdir()) == []
+    assert capsys.readouterr().out.rstrip().endswith(f"figure written to {written}")

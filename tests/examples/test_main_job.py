@@ -125,10 +125,10 @@ def test_the_custom_layout_puts_privacy_first(events):
     assert [c.title for c in layout.category] == ["privacy", "training", "v_t"]
     privacy, training, v_t = layout.category
     assert [t for c in training.chart for t in c.multiline.tag if re.match(t, "val/acc")]
-    epsilon_chart = privacy.chart[0]
-    assert [t.rstrip("$").replace("\\", "") for t in epsilon_chart.multiline.tag] == [EPSILON, TARGET_EPSILON]
+    epsilon_chart = privacy.chart[0]  # unsmoothed: margin series whose band is the value itself
+    assert [(s.value, s.lower, s.upper) for s in epsilon_chart.margin.series] == [(EPSILON,) * 3, (TARGET_EPSILON,) * 3]
     phi_chart = v_t.chart[0]
-    assert len(phi_chart.multiline.tag) == 3 and phi_chart.multiline.tag[0].startswith(tags.PHI)
+    assert [s.value for s in phi_chart.margin.series] == [tags.stat_tag(tags.V, "all", "median"), tags.PHI]
     scalars = set(events.Tags()["scalars"])
     for category in layout.category:  # every chart draws tags that exist
         for chart in category.chart:

@@ -4,6 +4,7 @@ same engine; an explicitly named engine never changes."""
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import pytest
@@ -221,3 +222,72 @@ def test_a_wrong_use_of_the_clip_factors_is_caught_by_the_probe(monkeypatch):
     """The probe's clipped pass (validators/probe.py, _check_clipping): at a bound that clips some examples the
     engine's sum must be Σ min(1, C/‖g_i‖) g_i of its own per-example gradients; every other pass takes C = ∞."""
     _ghost_refused_and_auto_on_vmap(monkeypatch, _SquaredFactors, "clipped the first step's examples wrongly")
+
+
+# ------------------------------------------------------------------ one message, once (issue 35)
+def _messages(err: BaseException) -> list[str]:
+    """The messages Python prints for ``err``: its own and those of its chain (cause, context)."""
+    out: list[str] = []
+    while err is not None:
+        out.append(str(err))
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    return out
+
+
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for s in re.split(r"(?<=\.)\s+(?=[A-Z(])", text) if len(s.strip()) > 20]
+
+
+def test_a_summed_loss_refused_by_every_engine_is_said_once_cause_and_fix_first():
+    """auto probes ghost, vmap and opacus_hooks; each refuses the summed loss alike: the printed refusal (its chain
+    included) names the cause and fix in its first sentence, is short, and repeats no sentence."""
+    step, model, _, _ = _setup()
+    with pytest.raises(PrivacyConfigurationError) as refused:
+        step.verify(lambda batch: F.cross_entropy(model(batch[0].double()), batch[1], reduction="sum"))
+    printed = "\n".join(_messages(refused.value))
+    assert len(printed) < 2000, len(printed)
+    sentences = _sentences(printed)
+    assert len(sentences) == len(set(sentences)), printed
+    first = sentences[0]
+    assert "SUM over the batch" in first and "reduction='mean'" in first, first
+    assert printed.endswith("(per_sample='auto' also tried 'vmap', 'opacus_hooks': the same refusal.)"), printed
+
+
+def test_other_engines_reasons_are_one_line_of_headlines_only_where_they_differ():
+    from lightning_dp.mechanism.private_step import _probe_refusal
+
+    cause = RuntimeError("an engine's own failure")
+    first = PrivacyConfigurationError("Examples interact (parameter a.weight): the details.")
+    first.__cause__ = cause
+    error = _probe_refusal([("ghost", first),
+                            ("vmap", PrivacyConfigurationError("Examples interact: other details.")),
+                            ("opacus_hooks", PrivacyConfigurationError("The per-example engine failed (x): long."))],
+                           "opacus_hooks")
+    assert str(error) == ("Examples interact (parameter a.weight): the details.\n(per_sample='auto' also tried "
+                          "'vmap': the same refusal; 'opacus_hooks': The per-example engine failed.)")
+    assert error.__cause__ is cause  # the engine's failure stays the cause; the refusal is not printed twice
+
+
+def test_opacus_hooks_on_the_data_layer_raise_no_torch_notice_in_the_probe_or_the_step():
+    """Opacus' full backward hooks fire on the first layer with output gradients only (its input is the data);
+    torch says so with a warning at each backward the probe and the strategy run. Quieted around those calls only
+    (issue 35): nothing reaches the user's console."""
+    import warnings
+
+    from conftest import TinyClassifier, make_loader, quiet_trainer
+
+    from lightning_dp import DPStrategy
+    from lightning_dp.mechanism.grad_sample.opacus_hooks import OUTPUT_HOOK_NOTICE
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, per_sample="opacus_hooks"), max_steps=2).fit(
+            TinyClassifier(), make_loader())
+    assert not [str(w.message) for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:  # outside our calls torch still says it: only ours is quiet
+        warnings.simplefilter("always")
+        step, model, _, _ = _setup("opacus_hooks")
+        step.begin(2)
+        _loss(model, (torch.randn(2, 5), torch.tensor([0, 1]))).backward()
+    assert [w for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]

@@ -13,7 +13,7 @@ def test_plain_loop_with_a_hand_built_release_learns():
     x = torch.randn(256, 4)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0]) + 0.1
     model = torch.nn.Linear(4, 1)
-    opt = DPAdam(model.parameters(), lr=0.1, variant="bias_corrected", gamma=1e-8)
+    opt = DPAdam(model.parameters(), lr=0.1, variant="bias_corrected")  # floor γ' = 0.1·Φ̄
     sigma, c, b = 0.5, 1.0, 32
     loss0 = torch.nn.functional.mse_loss(model(x).squeeze(1), y).item()
     for _ in range(40):

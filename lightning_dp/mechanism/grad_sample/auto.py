@@ -15,6 +15,7 @@ parameter, a layer rule's edge case) trains on another instead of being refused.
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_dp.mechanism.grad_sample.base import make_engine
 
@@ -45,11 +46,35 @@ def select_engine(module: nn.Module, views_per_example: int = 1) -> str:
     for name in PREFERENCE:
         if not problems[name]:
             return name
-    detail = "; ".join(f"{k}: {v}" for k, v in problems.items())
-    raise ValueError(
-        f"No per-example gradient engine supports this model ({detail}). Replace the listed layers "
-        "(e.g. BatchNorm -> GroupNorm) or freeze them."
-    )
+    raise ValueError(no_engine_message(module, problems))
+
+
+def no_engine_message(module: nn.Module, problems: dict[str, list[str]]) -> str:
+    """Why no engine serves ``module``, cause and fix first: a BatchNorm in training mode (every engine refuses it)
+    is named once with its fix, eval mode for the whole fit; the engines' other problems follow, engine by engine, only
+    where no engine would serve the model with that fixed."""
+    norms = [name for name, sub in module.named_modules()
+             if isinstance(sub, _BatchNorm) and sub.training and any(p.requires_grad for p in sub.parameters())]
+    rest = {engine: [p for p in found if not any(p.startswith(f"{n or '<root>'} (") for n in norms)]
+            for engine, found in problems.items()}
+    detail = "; ".join(f"{engine}: {'; '.join(found)}" for engine, found in rest.items() if found)
+    if not norms:
+        return (f"No per-example gradient engine supports this model ({detail}). Replace the listed layers, or "
+                "freeze them (requires_grad_(False)).")
+    named = "; ".join(f"{n or '<root>'} ({type(module.get_submodule(n)).__name__}): mixes examples in training mode"
+                      for n in norms)
+    return (f"No per-example gradient engine supports this model: {named} (a BatchNorm in training mode normalises "
+            "with the batch's statistics). Put it in eval mode before fit "
+            f"(e.g. {_eval_call(norms[0])} at the end of __init__: Lightning keeps a module's mode; running statistics "
+            "frozen, the affine weights still train) or replace it with nn.GroupNorm/nn.LayerNorm."
+            + (f" Then still: {detail}." if all(rest.values()) else ""))
+
+
+def _eval_call(name: str) -> str:
+    """The call that puts submodule ``name`` of a LightningModule in eval mode, as the user would write it."""
+    if name and all(part.isidentifier() for part in name.split(".")):
+        return f"self.{name}.eval()"
+    return f"self.get_submodule({name!r}).eval()"
 
 
 def engines_after(module: nn.Module, name: str, views_per_example: int = 1) -> list[str]:

@@ -258,7 +258,8 @@ def check_something_captured(captured_any: bool, n: Optional[int]) -> None:
             "(torch.compile) and run before DPStrategy attached its hooks — compile inside the "
             "LightningModule after setup, or not at all; parameters used only through functional calls "
             "(F.linear(x, self.weight)) outside a module's forward; or a loss that does not depend on "
-            "the parameters. Nothing was released."
+            "the parameters (a loss detached from the model, e.g. torch.tensor(loss.item(), requires_grad=True)). "
+            "Nothing was released."
         )
 
 

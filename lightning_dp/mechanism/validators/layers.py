@@ -156,9 +156,10 @@ def batchnorm_training_error(name: str, module: nn.Module) -> PrivacyConfigurati
         f"layer '{name}' ({type(module).__name__}) ran in training mode during private training: it normalises "
         "with the batch's statistics, so one example changes every other example's output and gradient "
         "(per-example clipping no longer bounds it), and it writes the batch's statistics into its running_mean/"
-        "running_var buffers, released without noise. The step was stopped before its release. Freeze it for the "
-        "whole fit, eval mode (running statistics: a per-example affine map) and requires_grad_(False): e.g. "
-        f"self.{name or '<layer>'}.eval() in on_train_epoch_start, after any model.train() call. Or replace it with "
+        "running_var buffers, released without noise. The step was stopped before its release. Put it in eval mode "
+        "for the whole fit (running statistics frozen: a per-example affine map, whose weights may still train): "
+        f"e.g. self.{name or '<layer>'}.eval() at the end of __init__ (Lightning keeps a module's mode), and again "
+        "in on_train_epoch_start if your code calls model.train(). Or replace it with "
         f"nn.GroupNorm(num_groups, {getattr(module, 'num_features', 'C')}) (or LayerNorm); "
         "opacus.validators.ModuleValidator.fix(model) does this automatically.")
 

@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.boundary.state import StateFingerprint
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
+from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 
 LossOf = Callable[[Sequence[int]], Tensor]
 """Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
@@ -144,8 +145,11 @@ class ExampleIndependenceProbe:
         seed_all(seed)
         try:
             loss = self.loss_of(indices)
+            if loss.grad_fn is None:
+                raise detached_loss_error(loss)
             if backward:
-                loss.backward()
+                with output_hook_notice_quieted(self.engine.name):
+                    loss.backward()
             return loss
         except PrivacyConfigurationError:
             raise
@@ -368,24 +372,26 @@ def _drops_paths(m: nn.Module) -> bool:
 def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
                       summed: bool = False, engine: Optional[str] = None) -> PrivacyConfigurationError:
     """The probe's error when example i's gradient depends on the other examples of the batch (``engine``: the
-    engine that computed them, named as the other possible cause)."""
+    engine that computed them, named as the other possible cause). The cause and its fix come first: a summed loss
+    (every gradient k× its gradient alone) is named as such, with nothing else."""
     if summed or _scaled_by_batch(together, alone, k):
-        cause = (f"Every example's gradient in a batch of {k} is {k}× its gradient alone: the loss is a SUM over the "
-                 "batch (e.g. reduction='sum'). Return the MEAN over examples (reduction='mean'), or return the "
-                 "vector of per-example losses from training_step (DPStrategy takes its mean).")
-    else:
-        cause = ("Likely causes: a loss normalised by a batch-wide count (a token mean over all non-pad tokens of "
-                 "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
-                 "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
-                 "each example's own tokens, or return per-example losses from training_step; an operation across "
-                 "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on "
-                 "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
-                 "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
-                 "forward.")
-        if engine is not None:
-            cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
-                      "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
-                      "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
+        return PrivacyConfigurationError(
+            "The loss is a SUM over the batch (e.g. reduction='sum'): return the MEAN over examples "
+            "(reduction='mean'), or the vector of per-example losses from training_step (DPStrategy takes its mean). "
+            f"The first step's probe found each example's gradient in a batch of {k} to be {k}× its gradient alone, "
+            "so per-example clipping would not bound one example's influence by C. Nothing was released.")
+    cause = ("Likely causes: a loss normalised by a batch-wide count (a token mean over all non-pad tokens of "
+             "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
+             "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
+             "each example's own tokens, or return per-example losses from training_step; an operation across "
+             "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on "
+             "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
+             "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
+             "forward.")
+    if engine is not None:
+        cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
+                  "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
+                  "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
     where = f" (parameter {name})" if name else ""
     return PrivacyConfigurationError(
         f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
@@ -393,6 +399,17 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
         "quoted: they are the training data's). Per-example clipping then does not bound one example's "
         f"influence by C. Nothing was released. {cause}"
     )
+
+
+def detached_loss_error(loss: Tensor) -> PrivacyConfigurationError:
+    """The probe's error when the step's loss has no autograd history (``grad_fn`` is None): a loss taken out of the
+    graph (``.item()``, ``.detach()``, ``.numpy()``) and wrapped in a new tensor has no gradient path to the model."""
+    leaf = " (a new tensor with requires_grad=True)" if loss.requires_grad else ""
+    return PrivacyConfigurationError(
+        f"The loss training_step returned is detached from the model{leaf}: it has no gradient path to any "
+        "parameter, e.g. torch.tensor(loss.item(), requires_grad=True) or loss.detach(). Return the loss tensor "
+        "computed from the model's output itself (log loss.item() separately if you need a number). Nothing was "
+        "released.")
 
 
 def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:

@@ -283,3 +283,19 @@ def test_batchnorm_switched_to_training_mode_later_is_refused_before_any_release
 def test_batchnorm_without_running_statistics_is_refused_before_training():
     zoo.assert_refused(BatchStatisticsOnly, zoo.vector_data(),
                        r"layer 'bn' \(BatchNorm1d\(track_running_stats=False\)\).*GroupNorm\(num_groups, 6\)")
+
+
+def test_auto_names_eval_mode_as_the_fix_for_a_trainable_batchnorm_in_training_mode():
+    """No engine serves a BatchNorm with trainable affine weights in training mode: the refusal names the layer once
+    and the fix that works (eval mode before fit; its weights still train), not 'freeze them'."""
+    from lightning_dp.mechanism.grad_sample.auto import select_engine
+
+    model = TrainableEvalBatchNorm()
+    model.bn.train()
+    with pytest.raises(ValueError, match="No per-example gradient engine") as refused:
+        select_engine(model)
+    text = str(refused.value)
+    assert "self.bn.eval()" in text and "freeze" not in text.lower() and text.count("bn (") == 1, text
+    nested = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"self\.get_submodule\('1'\)\.eval\(\)"):
+        select_engine(nested)

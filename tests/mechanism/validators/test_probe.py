@@ -179,3 +179,18 @@ def test_the_interaction_error_quotes_no_gradient_values():
     message = str(interaction_error(together, alone, 3))
     assert "for 2 of the 3" in message
     assert "1.23" not in message and "3.76" not in message and "0.797" not in message
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["rewrapped-leaf", "plain-number"])
+def test_a_loss_detached_from_the_model_is_named_as_such(requires_grad):
+    """training_step returning torch.tensor(loss.item(), requires_grad=True): no gradient path to the model. Named
+    as a detached loss (it was 'the engine's hooks did not run', or a failure blamed on batch sizes)."""
+    model = Net().double()
+    engine = make_engine("ghost")
+    engine.attach(model)
+
+    def loss_of(idx):
+        return torch.tensor(F.cross_entropy(model(X[idx]), Y[idx]).item(), requires_grad=requires_grad)
+
+    with pytest.raises(PrivacyConfigurationError, match=r"^The loss training_step returned is detached from the model"):
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), ["p"] * 4, loss_of, 1e-8).run([0, 1, 2])

@@ -1,0 +1,47 @@
+"""The Makefile's two commands (issue 35): ``make demo`` installs what the main job needs and nothing of the test or
+Hugging Face extras; ``make test`` adds those, after ``make demo`` or alone. Read with ``make -n`` (nothing runs)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+
+
+def _dry_run(target: str, venv: Path) -> list[str]:
+    out = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def _extras(lines: list[str]) -> set[str]:
+    """The extras of every ``pip install -e ".[…]"`` line."""
+    found: set[str] = set()
+    for line in lines:
+        for group in re.findall(r'-e "\.\[([^\]]*)\]"', line):
+            found |= set(group.split(","))
+    return found
+
+
+def test_make_demo_installs_the_main_jobs_extras_only(tmp_path):
+    lines = _dry_run("demo", tmp_path / "venv")
+    assert _extras(lines) == {"all"}
+    assert any("torch==2.13.0" in line and "-c constraints.txt" in line for line in lines)
+    assert all("-c constraints.txt" in line for line in lines if "pip install" in line)
+    assert lines[-1].endswith("lightning-dp fit --config configs/digits.yaml")
+
+
+def test_make_test_adds_the_test_and_hf_extras_after_demo_or_alone(tmp_path):
+    venv = tmp_path / "venv"
+    alone = _dry_run("test", venv)
+    assert {"dev", "hf"} <= _extras(alone) and any("torch==2.13.0" in line for line in alone)
+    venv.mkdir()
+    (venv / ".installed-demo").touch()  # `make demo` ran: `make test` installs only what it adds
+    after = _dry_run("test", venv)
+    assert {"dev", "hf"} <= _extras(after) and not any("torch==" in line or "-m venv" in line for line in after)
+    assert after[-1].endswith("-m pytest")
