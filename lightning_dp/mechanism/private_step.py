@@ -266,8 +266,8 @@ class PrivateStep:
         if self.engine_name == "auto":
             try:
                 self.engine_name = select_engine(module, self.views_per_example)
-            except ValueError as err:
-                raise PrivacyConfigurationError(str(err)) from err
+            except ValueError as err:  # said once: not chained to the same text
+                raise PrivacyConfigurationError(str(err)) from None
         engine = self._engine_for(module, self.engine_name, distribution)
         self._mechanism = getattr(optimizer, "mechanism", "gaussian")
         if self._mechanism not in PRIVATIZERS:
