@@ -406,13 +406,6 @@ class PrivateTraining:
             self.lightning_module.backward(loss)  # type: ignore[attr-defined]
         step.discard()
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
-        """Lightning's backward of the step, through the engine's hooks: without torch's notice that Opacus' hooks on
-        the first layer see output gradients only (:func:`~lightning_dp.mechanism.grad_sample.opacus_hooks.
-        output_hook_notice_quieted`: that message, that engine, this call)."""
-        with output_hook_notice_quieted(self.private_step.engine_name):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-
     def _verify(self) -> None:
         """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on the user's ``training_step``."""
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -534,11 +527,15 @@ class PrivateTraining:
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward, with the release between the gradient computation and ``on_after_backward``:
-        every hook, callback and logger that reads ``p.grad`` afterwards reads ĝ_t (the release boundary)."""
+        every hook, callback and logger that reads ``p.grad`` afterwards reads ĝ_t (the release boundary). The
+        backward through the engine's hooks runs without torch's notice that Opacus' hooks on the first layer see
+        output gradients only (:func:`~lightning_dp.mechanism.grad_sample.opacus_hooks.output_hook_notice_quieted`:
+        that message, that engine, this call)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         self.pre_backward(closure_loss)  # type: ignore[attr-defined]
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # type: ignore[attr-defined]
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
+        with output_hook_notice_quieted(self.private_step.engine_name):
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
