@@ -115,6 +115,7 @@ class PrivateTraining:
             verify_budget=verify_budget, on_budget_short=on_budget_short,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
+        self.private_step.examples_alone = max_physical_batch_size == 1
         self._requested_sigma = self.private_step.noise_multiplier
         self.resume_privacy = resume_privacy
         self.secure_mode = bool(secure_mode)

@@ -73,7 +73,10 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             named in the log.
         max_physical_batch_size: split larger Poisson batches into physical batches of at
             most this many examples (forward + backward each, clipped sums accumulated);
-            noise is still added once per logical step. ``None``: never split.
+            noise is still added once per logical step. ``None``: never split. ``1``: every
+            example's gradient from its own forward and backward, so examples cannot interact by
+            construction (certainty, at the cost of one pass per example; the interaction checks are
+            then not needed and do not run).
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, ALGORITHMS.md §7), or a

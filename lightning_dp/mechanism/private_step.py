@@ -248,6 +248,9 @@ class PrivateStep:
         self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
+        self.examples_alone = False
+        """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
+        examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -644,7 +647,7 @@ class PrivateStep:
             assert self._module is not None and self._engine is not None
             state = self.boundary.fingerprint(self._module)
             checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                               autograd_params=leaves, state=state)
+                                               autograd_params=leaves, state=state, isolated=self.examples_alone)
             checked.run(list(indices))
             self._random_step, self._tolerance_low = checked.random, low_precision
             self._compute_dtype = checked.compute_dtype
@@ -666,7 +669,7 @@ class PrivateStep:
         Every rank decides alike (one all-reduce of the decision when distributed); never under FSDP2 sharding, whose
         passes would need every rank in lockstep."""
         due = self.schedule.due()
-        if self.distribution.layout is not None:
+        if self.distribution.layout is not None or self.examples_alone:
             return False
         if self.distribution.all_reduce is None:
             return due

@@ -82,16 +82,20 @@ class ExampleIndependenceProbe:
             of its sharded parameters (:meth:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout.autograd_params`).
         state: the fingerprint of the state no pass may write (default: the module's, less the engine's own
             attributes; :class:`~lightning_dp.mechanism.boundary.state.StateFingerprint`).
+        isolated: training puts every example alone in its forward and backward (physical batches of one): examples
+            cannot interact there, so batch and alone are not compared; the norm rule, the clipping and every use of
+            every parameter still are.
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
                  names: Sequence[str], loss_of: LossOf, rtol: float,
                  autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
-                 state: Optional[StateFingerprint] = None) -> None:
+                 state: Optional[StateFingerprint] = None, isolated: bool = False) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
         self.loss_of, self.rtol = loss_of, rtol
         self.autograd_params = autograd_params
         self.state = state if state is not None else StateFingerprint(module, skip_keys=engine.owned_attributes)
+        self.isolated = isolated
         self.random = False
         """Set by :meth:`run`: the step draws random numbers of its own (only the coarse checks could run)."""
         self.compute_dtype: Optional[torch.dtype] = None
@@ -118,7 +122,10 @@ class ExampleIndependenceProbe:
                     reseeded = self._engine_pass(list(indices), seed=1)
                     # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
                     bound = float(torch.cat([a.norms.double() for a in alone]).median())
-                    clipped = self._engine_pass(list(indices), bound=bound) if bound > 0 else None
+                    # isolated: training clips examples alone, so the factors are checked on examples alone
+                    clipped = (None if bound <= 0 else
+                               [self._engine_pass([i], bound=bound) for i in indices] if self.isolated else
+                               self._engine_pass(list(indices), bound=bound))
                     reference = self._autograd_pass(list(indices))
             finally:
                 self.engine.begin_step(None)
@@ -137,7 +144,10 @@ class ExampleIndependenceProbe:
         random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
                                                float(together.norms.double().max()) * len(indices) ** 0.5)
         self._compare(together, alone, reference, len(indices), random)
-        if clipped is not None and not random:
+        if isinstance(clipped, list):
+            for one, example in zip(clipped, alone):
+                self._check_clipping(one, [example], bound)
+        elif clipped is not None and not random:
             self._check_clipping(clipped, alone, bound)
 
     # ------------------------------------------------------------------ passes
@@ -216,7 +226,9 @@ class ExampleIndependenceProbe:
         scale = float(torch.maximum(alone_norms.max(), together_norms.max()))
         if self.autograd_params is None:  # replicated parameters: each alone pass's sum is that example's gradient
             self._check_norms(alone, scale)
-        if random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
+        if self.isolated:  # training never puts two examples in one forward: nothing to compare batch with alone
+            pass
+        elif random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
                 raise interaction_error(together_norms, alone_norms, k, summed=True)
@@ -231,7 +243,7 @@ class ExampleIndependenceProbe:
         for p, name, ref in zip(self.params, self.names, reference):
             summed = sum(a.sums[p].double() for a in alone)
             size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
-            if not random and not self._close(together.sums[p], summed, size):
+            if not random and not self.isolated and not self._close(together.sums[p], summed, size):
                 raise interaction_error(together_norms, alone_norms, k, name, engine=self.engine.name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):

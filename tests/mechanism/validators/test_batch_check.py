@@ -197,3 +197,28 @@ def test_tolerance_follows_the_compute_precision():
         assert batch_tolerance(torch.float32, cpu) == pytest.approx(64 * 2.0 ** -10)
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_examples_alone_are_structurally_interaction_free():
+    """max_physical_batch_size=1: every example differentiated in its own forward and backward. A loss that mixes
+    the batch (here the hard-example mining above) cannot mix anything: the update equals the per-example loop's, and
+    neither the probe nor the batch check refuses it."""
+    import copy
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "zoo"))
+    import zoo
+
+    class Mining(zoo.Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(zoo.D, 8), nn.Tanh(), nn.Linear(8, 3))
+
+        def loss(self, batch):
+            x, y = batch
+            losses = F.cross_entropy(self.net(x), y, reduction="none")
+            return losses.topk(min(2, len(losses))).values.mean()
+
+    strategy = zoo.assert_exact(Mining, zoo.vector_data(), physical=1)
+    assert strategy.private_step.schedule.checks == 0
+    with pytest.raises(PrivacyConfigurationError, match="Examples interact"):
+        zoo.private_step(copy.deepcopy(Mining()).double(), zoo._as_double(zoo.vector_data()))
