@@ -319,18 +319,21 @@ class StateWriteError(PrivacyConfigurationError):
 
 
 def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
-    """The model changed its own parameters or buffers during a forward pass: data-dependent state that the
-    noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch looked up, running
-    statistics); the released model would reveal it."""
+    """The user's step changed the model's own state outside the gradient (its parameters, buffers or attributes):
+    data-dependent state that the noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch
+    looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it."""
+    declarable = [entry.partition(" ")[2] for entry in changed if not entry.startswith("parameter ")][:3]
+    public = (f" If it is not derived from the training data (a step counter), or you accept that it leaves "
+              f"unprotected like a logged metric (a list of losses kept for an epoch-end log), declare it public: "
+              f"DPStrategy(public_state={declarable!r}).") if declarable else ""
     return StateWriteError(
-        "The forward pass changed the model's own state, outside the gradient: " + ", ".join(changed[:6])
-        + (" …" if len(changed) > 6 else "") + ". What a forward writes from the data (nn.Embedding(max_norm=...) "
-        "renormalising the rows the batch looked up, running statistics, an EMA of activations, a counter or a "
-        "memory bank kept as an attribute) is released with the model without noise, so the guarantee would not "
-        "hold. Nothing was released. Remove the in-place update (max_norm=None and normalise functionally, e.g. "
-        "F.normalize; track_running_stats=False), or make the state a non-trainable function of the parameters "
-        "only; state that is not derived from the training data (a step counter) can be declared public: "
-        "DPStrategy(public_state=[...]).")
+        "training_step (its forward or loss) changed the model's own state, outside the gradient: "
+        + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". What a step writes from the data "
+        "(nn.Embedding(max_norm=...) renormalising the rows the batch looked up, running statistics, an EMA of "
+        "activations, a counter or a memory bank kept as an attribute) is released with the model or kept in its "
+        "checkpoints without noise, so the guarantee would not hold. Nothing was released. Remove the update "
+        "(max_norm=None and normalise functionally, e.g. F.normalize; track_running_stats=False), or make the "
+        "state a function of the parameters only." + public)
 
 
 class LowestFloat(TorchFunctionMode):
