@@ -437,9 +437,10 @@ class PrivateTraining:
                 _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
-        """(step, epoch) of the plan's last step and of one random later step: the first step's checks also run with
-        the module made to believe it is there (:func:`_progress_as`), so behaviour keyed on ``global_step`` or
-        ``current_epoch`` (in-batch negatives after a warm-up, a memory bank from epoch 2) shows before any release."""
+        """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it
+        is there (:func:`_progress_as`), so behaviour keyed on ``global_step`` or ``current_epoch`` crossing a
+        threshold (in-batch negatives after a warm-up, a memory bank from epoch 2) shows before any release.
+        Behaviour that comes and goes (every k-th step) is the later random checks' to meet."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         per_epoch = max(1, self.steps_per_epoch or 1)
         try:
@@ -448,9 +449,7 @@ class PrivateTraining:
             last = 100 * per_epoch  # no planned length (a budget stops the run): look well ahead
         if last <= trainer.global_step:
             return []
-        later = self.private_step.schedule.rng.randint(trainer.global_step + 1, last)
-        # two look-aheads on every rank (equal or not): each check ends with one all-reduce, the same count everywhere
-        return [(s, s // per_epoch) for s in (last, later)]
+        return [(last, last // per_epoch)]  # one on every rank: each check ends with one all-reduce
 
     def _check_later_in_the_plan(self, indices: list[int]) -> None:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]

@@ -119,7 +119,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             refused before the next release.
         verify: when the step's own sampled examples are checked for interactions (as one batch, in two halves
             and alone, before the release): ``"sampled"`` (default: the first step — also as the module would run at
-            the plan's last step and a random later one — then random later steps taking about ``verify_budget``
+            the plan's last step — then random later steps taking about ``verify_budget``
             of the training time), ``"every_step"`` (certainty at about twice the cost per step) or
             ``"first_step"``. The first step's probe runs in every mode.
         verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.02).
