@@ -12,8 +12,8 @@ channels, 256 steps); ``conv3d`` a 3-D conv net on 8×16×16 volumes; ``deconv``
 global layer norm γ ⊙ (x − μ)/σ + β over [C, T] with γ, β of shape [1, C, 1], ConvTranspose1d decoder).
 
 One process, three modes interleaved step by step (so machine drift hits them alike): the non-private step, the
-private step with the rules, and the private step with the registry emptied (those layers then take the per-example
-vmap replay, as before the rules). A private step is forward, mean loss, backward, ``engine.clip_and_sum``, the
+private step with the rules, and the private step without them (:func:`rules_disabled`: those layers take the
+per-example vmap replay, as before the rules). A private step is forward, mean loss, backward, ``engine.clip_and_sum``, the
 library's ``Privatizer`` (σCz once, ÷B), SGD step. Medians are printed with the ratios private / non-private;
 ``--rounds R`` repeats each measurement R times (fresh models) and prints medians and the range of the ratio.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, make_engine
+from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, capture, make_engine
 from lightning_dp.mechanism.grad_sample import rules
 
 B = 32
@@ -152,14 +152,20 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable[[Tensor, Ten
 
 @contextlib.contextmanager
 def rules_disabled() -> Iterator[None]:
-    """The registry of closed-form rules emptied (every served layer back to the per-example vmap replay)."""
+    """The code before the rules: the registry of closed-form rules emptied (convolutions but a plain Conv2d, PReLU:
+    back to the per-example vmap replay) and the elementwise-scale rule kept to its former candidates, one trainable
+    1-D weight and nothing else (a global layer norm's weight and bias: back to the replay)."""
     rules.registered_rules()
     saved = list(rules._RULES)
     rules._RULES.clear()
+    former = capture.scale_candidate
+    capture.scale_candidate = lambda m: (lambda c: c if c is not None and len(c) == 1 and c[0].dim() == 1
+                                         else None)(former(m))
     try:
         yield
     finally:
         rules._RULES.extend(saved)
+        capture.scale_candidate = former
 
 
 def steps(name: str) -> dict[str, Callable[[], None]]:
