@@ -136,11 +136,14 @@ CONFIGS = [(seed, dims, transposed) for dims in (1, 2, 3) for transposed in (Fal
 
 
 @pytest.mark.parametrize("seed,dims,transposed", CONFIGS)
-@pytest.mark.parametrize("path", ["ghost", "materialised", "scaled", "vmap"])
+@pytest.mark.parametrize("path", ["ghost", "materialised", "patches", "scaled", "vmap"])
 def test_random_convolutions_match_the_per_example_loop(seed, dims, transposed, path, monkeypatch, rules_only):
+    """``materialised``: per-example gradients by the examples-as-groups convolution; ``patches``: by products over
+    patch columns (depthwise layers' way)."""
     model, x, y = _case(seed, dims, transposed)
-    if path in ("ghost", "materialised"):
+    if path in ("ghost", "materialised", "patches"):
         monkeypatch.setattr(conv_rules, "prefer_conv_ghost", lambda *a: path == "ghost")
+        monkeypatch.setattr(conv_rules, "by_patch_products", lambda m: path == "patches")
     _check(model, x, y, "vmap" if path == "vmap" else "ghost", scaled=path == "scaled", with_squares=path == "scaled")
 
 
@@ -149,6 +152,7 @@ def test_chunked_patch_columns_match(monkeypatch, rules_only, force):
     """Patch columns unfolded one example at a time give the same norms and sums."""
     monkeypatch.setattr(conv_rules, "_MIN_PATCH_CHUNK", 1)
     monkeypatch.setattr(conv_rules, "prefer_conv_ghost", lambda *a: force)
+    monkeypatch.setattr(conv_rules, "by_patch_products", lambda m: True)
     for dims, transposed in ((1, False), (2, True), (3, False)):
         model, x, y = _case(11, dims, transposed)
         _check(model, x, y, "ghost", scaled=False, with_squares=False)
@@ -199,6 +203,30 @@ def test_input_gradient_only_forward_equals_the_module(make):
     torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)
     torch.testing.assert_close(x.grad, gx, rtol=0, atol=1e-12)
     assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize("channels,shape", [(1, (5,)), (1, (3, 4)), (3, (3, 4, 2)), (3, (3,))])
+def test_prelu_input_gradient_only_forward_equals_the_module(channels, shape):
+    """Ghost's forward for nn.PReLU: the module's output and input gradient (zeros in x included), no slope gradient."""
+    torch.manual_seed(0)
+    act = nn.PReLU(channels, init=0.3).double()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    x[0].view(-1)[:2] = 0.0
+    x.requires_grad_(True)
+    out = act(x)
+    g = torch.randn_like(out)
+    gx, = torch.autograd.grad(out, x, g)
+    engine = make_engine("ghost")
+    engine.attach(act)
+    try:
+        assert "forward" in act.__dict__
+        out2 = act(x)
+        out2.backward(g)
+    finally:
+        engine.detach()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, gx, rtol=0, atol=1e-15)
+    assert act.weight.grad is None
 
 
 def test_convolutions_under_bf16_autocast_give_float32_sums_near_float32_norms():
