@@ -13,8 +13,8 @@ global layer norm γ ⊙ (x − μ)/σ + β over [C, T] with γ, β of shape [1,
 
 One process, three modes interleaved step by step (so machine drift hits them alike): the non-private step, the
 private step with the rules, and the private step without them (:func:`rules_disabled`: those layers take the
-per-example vmap replay, as before the rules). A private step is forward, mean loss, backward, ``engine.clip_and_sum``, the
-library's ``Privatizer`` (σCz once, ÷B), SGD step. Medians are printed with the ratios private / non-private;
+per-example vmap replay, as before the rules). A private step is forward, mean loss, backward,
+``engine.clip_and_sum``, the library's ``Privatizer`` (σCz once, ÷B), SGD step. Medians are printed with the ratios private / non-private;
 ``--rounds R`` repeats each measurement R times (fresh models) and prints medians and the range of the ratio.
 """
 

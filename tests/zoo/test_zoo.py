@@ -38,7 +38,7 @@ def test_flattened_examples_are_exact_when_the_flattening_is_a_view(factory, eng
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_conv_per_frame_is_exact(engine):
     """Conv2d on [B·F, C, H, W] (a verified view): ghost takes example i's frames as its positions side by side
-    (ghost.conv_columns, both the ghost norm and materialised gradients)."""
+    (conv_rules.columns, both the ghost norm and materialised gradients)."""
     zoo.assert_exact(zoo.PerFrameConv, zoo.frame_data(), per_sample=engine)
 
 

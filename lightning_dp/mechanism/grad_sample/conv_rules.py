@@ -43,7 +43,13 @@ from torch import Tensor, nn
 
 from lightning_dp.mechanism.capture import LayerCalls
 from lightning_dp.mechanism.grad_sample.base import ParamMap
-from lightning_dp.mechanism.grad_sample.layer_stats import LayerStats, WeightBiasStats, add_parts, prefer_ghost, sq_norms
+from lightning_dp.mechanism.grad_sample.layer_stats import (
+    LayerStats,
+    WeightBiasStats,
+    add_parts,
+    prefer_ghost,
+    sq_norms,
+)
 from lightning_dp.mechanism.grad_sample.rules import LayerRule, register_rule
 
 CONVOLUTIONS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -349,7 +355,8 @@ def _conv_forward(self: nn.Module, input: Tensor) -> Tensor:  # noqa: A002  (the
     return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
 
 
-def _conv_transpose_forward(self: nn.Module, input: Tensor, output_size: Optional[list[int]] = None) -> Tensor:  # noqa: A002
+def _conv_transpose_forward(self: nn.Module, input: Tensor,  # noqa: A002  (the module's own argument name)
+                            output_size: Optional[list[int]] = None) -> Tensor:
     if _replayed_or_unbatched(self, input):
         return type(self).forward(self, input, output_size)
     dims = len(self.kernel_size)

@@ -67,7 +67,6 @@ from lightning_dp.mechanism.grad_sample.layer_stats import (
     MaterialisedStats,
     UnusedStats,
     WeightBiasStats,
-    add_parts,
     bookkept_product,
     gram_sq_norms,
     prefer_ghost,
