@@ -31,7 +31,7 @@ from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
 from lightning_dp.mechanism.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.mechanism.root_parameters import RootParameters
-from lightning_dp.mechanism.validators.elementwise_scale import scale_candidate, scaled_operand
+from lightning_dp.mechanism.validators.elementwise_scale import ScaledOperand, scale_candidate, scaled_operand
 from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
 from lightning_dp.mechanism.validators.layers import parametrized
 
@@ -65,7 +65,7 @@ class Record:
     generation: int = 0  # the LayerCalls generation (step) the call belongs to
     output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
     flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
-    scaled: Optional[Tensor] = None  # y of an output verified as weight ⊙ y (validators/elementwise_scale.py)
+    scaled: Optional[ScaledOperand] = None  # an output verified as w ⊙ y + b (validators/elementwise_scale.py)
     projections: Optional[Any] = None  # a self-attention call's projection nodes (attention_nodes.Projections)
     tape: Optional[RecurrentTape] = None  # an RNN call's forms, left by its backward (recurrent_tape.py)
     autocast: Optional[tuple[str, torch.dtype]] = field(default_factory=lambda: autocast_state())

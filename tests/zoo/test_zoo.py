@@ -38,7 +38,7 @@ def test_flattened_examples_are_exact_when_the_flattening_is_a_view(factory, eng
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_conv_per_frame_is_exact(engine):
     """Conv2d on [B·F, C, H, W] (a verified view): ghost takes example i's frames as its positions side by side
-    (ghost.conv_columns, both the ghost norm and materialised gradients)."""
+    (conv_rules.columns, both the ghost norm and materialised gradients)."""
     zoo.assert_exact(zoo.PerFrameConv, zoo.frame_data(), per_sample=engine)
 
 
@@ -596,9 +596,9 @@ def test_an_unbatched_lookup_with_a_dimension_of_size_one_is_exact(engine):
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 @pytest.mark.parametrize("kind", ["plain", "right", "view", "shifted", "twice", "negated", "doubled", "column"])
 def test_custom_rms_norms_are_exact(kind, engine):
-    """The elementwise-scale rule serves weight ⊙ y and (1 + weight) ⊙ y (verified from autograd's record); a weight
-    also used inside y, negated, doubled, or broadcast along another dimension keeps the per-example vmap: every form
-    exact."""
+    """The elementwise-scale rule serves weight ⊙ y, (1 + weight) ⊙ y, 2·weight ⊙ y and a weight broadcast along
+    another dimension (verified from autograd's record); a weight also used inside y or negated keeps the per-example
+    vmap: every form exact."""
     zoo.assert_exact(lambda: zoo.ScaledTokens(kind), zoo.token_data(), per_sample=engine)
 
 

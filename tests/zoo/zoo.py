@@ -1100,9 +1100,10 @@ class PositionScalars(Base):
 class ScaleNorm(nn.Module):
     """An RMSNorm written the way model libraries write theirs (not ``nn.RMSNorm``): ``kind`` picks how the weight meets
     the normalised tokens. ``plain``/``right``/``view``: ``weight ⊙ y``, ``shifted``: Gemma's ``(1 + weight) ⊙ y``
-    (served by the elementwise-scale rule); ``twice``: the weight also inside y; ``negated``: ``(1 − weight) ⊙ y``;
-    ``doubled``: ``2·weight ⊙ y``; ``column``: the weight broadcast along the second-to-last dimension of a
-    ``[B, D, D]`` operand. The last four must not take the rule (their gradient is not Σ_t δ ⊙ y)."""
+    (served by the elementwise-scale rule); ``twice``: the weight also inside y; ``negated``: ``(1 − weight) ⊙ y``
+    (neither may take the rule: their gradient is not Σ_t δ ⊙ y); ``doubled``: ``2·weight ⊙ y`` (served, the 2 among
+    y's factors); ``column``: the weight broadcast along the second-to-last dimension of a ``[B, D, D]`` operand
+    (served, summed over the last dimension)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()

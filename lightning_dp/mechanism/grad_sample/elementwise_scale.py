@@ -1,13 +1,15 @@
-"""Per-example gradients of a layer whose output is its weight times an operand the weight does not touch.
+"""Per-example gradients of a layer whose output is elementwise-affine in its parameters: w ⊙ y + b.
 
 The capture verifies the form from autograd's record at every call
 (:func:`~lightning_dp.mechanism.validators.elementwise_scale.scaled_operand`: RMSNorm-style layers of model
-libraries, ``return self.weight * y``) and keeps ``y``; example i's weight gradient is then
+libraries, ``return self.weight * y``; global layer norms, ``self.weight * (x - mean) / std + self.bias`` with weight
+and bias [C, 1] on [B, C, T]) and keeps y's factors; example i's gradients are then
 
-    g_i = n · Σ_t δ_{i,t} ⊙ y_{i,t}        ``[n, d]``, summed over the layer's calls
+    g_i(w) = n · Σ_{positions w is broadcast over} δ_i ⊙ y_i        g_i(b) = n · Σ_{positions b is broadcast over} δ_i
 
-(δ: the mean loss's output gradient, hence the factor n; Σ_t over every position of example i). One product and one
-reduction per call, where the per-example vmap ran the layer's forward and backward again for every example.
+summed over the layer's calls (δ: the mean loss's output gradient, hence the factor n; the positions: every dimension
+of the output but the examples' along which the parameter's operand has size 1). A few products and one reduction
+per call, where the per-example vmap ran the layer's forward and backward again for every example.
 """
 
 from __future__ import annotations
@@ -18,22 +20,47 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.mechanism.capture import LayerCalls
+from lightning_dp.mechanism.validators.elementwise_scale import ScaledOperand
 
 
 def scale_served(calls: LayerCalls) -> bool:
-    """Whether every call of the layer was verified as ``weight ⊙ y`` on the step's examples in dimension 0."""
+    """Whether every call of the layer was verified as ``w ⊙ y + b`` on the step's examples in dimension 0."""
     return bool(calls.records) and all(rec.scaled is not None and not rec.flattened for rec in calls.records)
 
 
+def per_example_sum(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` ``[n, *out]`` summed, example by example, over the dimensions along which an operand of ``shape``
+    (padded on the left to t's rank) is broadcast: ``[n, shape.numel()]``."""
+    padded = (1,) * (t.dim() - len(shape)) + tuple(shape)
+    dims = [j for j in range(1, t.dim()) if padded[j] == 1 and t.shape[j] != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).reshape(t.shape[0], -1)
+
+
+def call_grads(op: ScaledOperand, d: Tensor) -> dict[Tensor, Tensor]:
+    """One call's per-example gradients ``{parameter: [n, numel]}`` (without the factor n), for output gradient d,
+    in the product's promoted dtype (as autograd's)."""
+    out: dict[Tensor, Tensor] = {}
+    if op.weight is not None:
+        t = d
+        for u in op.operands:
+            t = t * u
+        for s in op.divisors:
+            t = t / s
+        out[op.weight] = per_example_sum(t, op.weight_shape)
+    if op.bias is not None:
+        out[op.bias] = per_example_sum(d, op.bias_shape)
+    return out
+
+
 def scale_layer_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
-    """Per-example grads ``[n, d]`` of the layer's weight (module docstring); zeros for a call no gradient reached."""
-    (name, weight), = wanted
-    total = weight.new_zeros(n, weight.numel())
+    """Per-example grads ``[n, *p.shape]`` of the layer's ``wanted`` parameters (module docstring); zeros for a call no
+    gradient reached and for a parameter no verified call used."""
+    total = {p: p.new_zeros(n, p.numel()) for _, p in wanted}
     with torch.no_grad():
         for rec in calls.records:
             if rec.grad_out is None:
                 continue
-            y, d = rec.scaled, rec.grad_out
-            prod = (d * y).reshape(n, -1, y.shape[-1]).sum(1)  # in the product's promoted dtype, as autograd's
-            total += prod.to(weight.dtype)
-    return {name: (total * n).view(n, *weight.shape)}
+            for p, g in call_grads(rec.scaled, rec.grad_out).items():
+                if p in total:
+                    total[p] += g.to(p.dtype)
+    return {name: (total[p] * n).view(n, *p.shape) for name, p in wanted}

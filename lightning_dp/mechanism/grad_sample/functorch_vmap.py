@@ -49,6 +49,7 @@ from lightning_dp.mechanism.grad_sample.attention_projections import projection_
 from lightning_dp.mechanism.grad_sample.elementwise_scale import scale_layer_grads, scale_served
 from lightning_dp.mechanism.grad_sample.linear_forms import form_grads
 from lightning_dp.mechanism.grad_sample.rnn_unrolled import recorded_input, unrolled_rnn_grads, unrolled_supported
+from lightning_dp.mechanism.grad_sample.rules import rule_for
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -330,7 +331,11 @@ def vmap_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
     """:func:`_layer_grads` under the autocast the layer's calls ran under (``bf16-mixed``: a replay outside it would
-    meet bfloat16 inputs with float32 weights)."""
+    meet bfloat16 inputs with float32 weights); a layer with a registered closed form (:mod:`.rules`: convolutions,
+    PReLU) takes it instead, in the weights' precision."""
+    rule = rule_for(calls.module)  # never a parametrized module
+    if rule is not None and rule.for_vmap:
+        return rule.grads(calls, wanted, n)
     state = next((rec.autocast for rec in calls.records if rec.autocast is not None), None)
     if state is None:
         return _layer_grads(calls, wanted, n)
@@ -350,9 +355,9 @@ def _layer_grads(
     attention and RNNs); arguments that do not hold one row per example (masks, tables) are
     passed whole to every example (:meth:`LayerCalls.slot_dims`).
 
-    Two layer kinds take a rule of their own, exact and faster: torch's ``nn.MultiheadAttention``
-    (:mod:`.attention`: one batched forward and backward, attention dropout replayed) and the RNNs
-    (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``)."""
+    Layer kinds with a rule of their own, exact and faster: torch's ``nn.MultiheadAttention``
+    (:mod:`.attention`: one batched forward and backward, attention dropout replayed), the RNNs
+    (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``) and the registered rules (:mod:`.rules`)."""
     module = calls.module
     plain = not parametrized(module)  # else weights computed from originals: only a replay on the originals knows them
     if not plain and isinstance(module, nn.RNNBase):

@@ -1,6 +1,6 @@
 """Ghost norms + book-keeping: clipped sums without per-example gradients (engine ``"ghost"``).
 
-For a layer that is linear in its weight W ∈ R^{out×in} (Linear; Conv2d after unfold),
+For a layer that is linear in its weight W ∈ R^{out×in} (Linear; a convolution on its patches),
 example i's weight gradient is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ, with a the layer input, δ the
 output gradient of the *mean* loss (hence the factor n = batch size) and t over tokens or
 spatial positions. Li et al. ("Large language models can be strong DP learners", §4,
@@ -18,14 +18,16 @@ Per layer, the cheaper of the ghost norm and materialising G_i (cost n·T·in·o
 n·in·out) is chosen. Scale-then-privatize (ALGORITHMS.md §4) needs ‖s⊙G_i‖: exact in
 closed form for T = 1 (Σ_{o,j} s²_{oj} δ²_o a²_j) and for Embedding; otherwise that layer
 materialises. Σ_i c_i s⊙G_i = s ⊙ Σ_i c_i G_i stays one contraction. LayerNorm, GroupNorm
-and RMSNorm materialise their small per-example grads in closed form; any other leaf layer
-with parameters falls back to the per-layer vmap of :mod:`.functorch_vmap`.
+and RMSNorm materialise their small per-example grads in closed form; the registered rules of
+:mod:`.rules` serve their families (convolutions of any dimension, plain and transposed:
+:mod:`.conv_rules`; PReLU: :mod:`.prelu_rule`); any other leaf layer with parameters falls
+back to the per-layer vmap of :mod:`.functorch_vmap`.
 
 Memory: book-keeping holds each Linear/Conv/Embedding layer's input and output gradient until
 the clipped sums are taken. Normalisation layers are reduced to their [n, C] per-example grads
 as soon as their output gradient arrives (:func:`reducer_for`), releasing input and output
-gradient during backward; conv patch columns are unfolded a few examples at a time
-(:func:`example_chunks`), never more than the layer's input in size.
+gradient during backward (PReLU too); conv patch columns are unfolded a few examples at a time
+(:func:`~.conv_rules.example_chunks`), never more than the layer's input in size.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
     UnusedStats,
-    add_parts,
+    WeightBiasStats,
     bookkept_product,
     gram_sq_norms,
     prefer_ghost,
@@ -78,6 +80,8 @@ from lightning_dp.mechanism.grad_sample.functorch_vmap import (
     unused_in_step,
     vmap_layer_grads,
 )
+from lightning_dp.mechanism.grad_sample.conv_rules import sharding_served
+from lightning_dp.mechanism.grad_sample.rules import rule_for
 from lightning_dp.mechanism.grad_sample.streamed_sums import StreamedSums
 from lightning_dp.mechanism.validators.layers import parametrized
 
@@ -92,63 +96,6 @@ def prefer_ghost_embedding(T: int, V: int) -> bool:
     ghost norm (a [n, V, d] buffer would be 9.9 GB at n = 64, d = 768); position tables
     (V = T) scatter."""
     return T * T <= 16 * V or V > 8 * T
-
-
-class WeightBiasStats(LayerStats):
-    """Layers whose per-example weight grad is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ (Linear, Conv2d), plus
-    a bias grad ``db``. The clipped sums use G when it was materialised for the norms (c·G),
-    else the subclass's book-keeping contraction (module docstring)."""
-
-    k: float
-    weight: Optional[Tensor]
-    bias: Optional[Tensor]
-    G: Optional[Tensor]
-    db: Tensor
-
-    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
-        out = {}
-        c = c * self.k
-        if self.weight is not None:
-            w = torch.tensordot(c, self.G, dims=1) if self.G is not None else self._bookkept_weight_sum(c)
-            out[self.weight] = self._as_weight(w)
-        if self.bias is not None:
-            out[self.bias] = c @ self.db
-        return out
-
-    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
-        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
-        out = {}
-        c2 = c2 * (self.k * self.k)
-        if self.weight is not None:
-            w = (torch.tensordot(c2, self.G.pow(2), dims=1) if self.G is not None
-                 else self._bookkept_weight_squares(c2))
-            out[self.weight] = self._as_weight(w)
-        if self.bias is not None:
-            out[self.bias] = c2 @ self.db.pow(2)
-        return out
-
-    def _as_weight(self, w: Tensor) -> Tensor:
-        """A [out, in]-ordered weight-shaped result in the parameter's own layout."""
-        return w.reshape(self.weight.shape)
-
-    def representation(self, p: Tensor) -> Optional[Representation]:
-        """Materialised G (or the bias grads) when held, else the subclass's low-rank form."""
-        if p is self.bias:
-            return Dense(self.db * self.k)
-        if self.G is not None:
-            g = self.G.transpose(1, 2) if getattr(self, "transposed", False) else self.G
-            return Dense(g.reshape(g.shape[0], *self.weight.shape) * self.k)
-        return self._low_rank()
-
-    def _low_rank(self) -> Optional[Representation]:
-        return None
-
-    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def _bookkept_weight_squares(self, c2: Tensor) -> Tensor:
-        raise RuntimeError(f"{type(self).__name__}: squares need the materialised per-example grads")
 
 
 class LinearFormStats(WeightBiasStats):
@@ -289,139 +236,6 @@ def hf_conv1d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale,
     return LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares, transposed=True)
 
 
-def conv2d_supported(m: nn.Module) -> bool:
-    """Conv2d shapes the conv rule handles (otherwise: per-layer vmap). A subclass qualifies only if it
-    keeps nn.Conv2d's forward: one that transforms its weight first (timm's weight-standardised
-    StdConv2d) has per-example gradients that are not δ aᵀ."""
-    return (isinstance(m, nn.Conv2d) and type(m).forward is nn.Conv2d.forward
-            and type(m)._conv_forward is nn.Conv2d._conv_forward
-            and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str))
-
-
-def patch_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
-    """Input patches as columns, [n, C·kh·kw, L] (the F.unfold layout; rows in the weight's
-    (C, kh, kw) order), for the Gram matrices aᵀa and per-example grads δ aᵀ.
-
-    For dilation 1 the strided unfold view is copied in its (C, kh, kw, oh, ow) order, whose
-    inner rows of ``ow`` are contiguous: on CPU much faster than F.unfold's im2col or a copy
-    into the token-major (oh, ow, C, kh, kw) order."""
-    if tuple(m.dilation) != (1, 1):
-        return F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
-    ph, pw = m.padding
-    if ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph))
-    (kh, kw), (sh, sw) = m.kernel_size, m.stride
-    v = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, C, oh, ow, kh, kw]
-    n, c, oh, ow = v.shape[:4]
-    return v.permute(0, 1, 4, 5, 2, 3).reshape(n, c * kh * kw, oh * ow)
-
-
-def conv_columns(x: Tensor, m: nn.Conv2d) -> Tensor:
-    """:func:`patch_columns` of one call's input: ``[n, C, H, W]``, or ``[n, k, C, H, W]`` for a call on flattened
-    examples (``[n·k, C, H, W]``: a conv per frame or per patch, recorded per example), whose k images' patches are
-    example i's columns side by side, ``[n, C·kh·kw, k·L]`` (frame-major, as :func:`conv_positions`)."""
-    if x.dim() == 4:
-        return patch_columns(x, m)
-    n, k = x.shape[:2]
-    cols = patch_columns(x.flatten(0, 1), m)
-    return cols.view(n, k, *cols.shape[1:]).transpose(1, 2).reshape(n, cols.shape[1], -1)
-
-
-def _frames(t: Tensor) -> Tensor:
-    """A conv call's ``[n, k, …]`` tensor on flattened examples as the ``[n·k, …]`` images the layer saw."""
-    return t if t.dim() == 4 else t.flatten(0, 1)
-
-
-def conv_positions(d: Tensor) -> Tensor:
-    """One call's output gradient as ``[n, O, positions]``: ``[n, O, oh, ow]``, or ``[n, k, O, oh, ow]`` on flattened
-    examples, whose k frames' positions follow one another (frame-major, as :func:`conv_columns`)."""
-    return d.flatten(2) if d.dim() == 4 else d.transpose(1, 2).flatten(2)
-
-
-_MIN_PATCH_CHUNK = 1 << 16  # elements: CPU patch chunks may always be this large (256 KiB)
-_MIN_PATCH_CHUNK_ACCELERATOR = 1 << 22  # 16 MiB: on a GPU each chunk costs kernel launches
-
-
-def example_chunks(n: int, per_example: int, budget: int, device_type: str = "cpu") -> list[slice]:
-    """Slices of the n examples such that each chunk's patch columns (``per_example``
-    elements per example) fit in max(``budget``, floor) elements; the caller passes the size of
-    the layer's inputs, so unfolding never more than matches the activations it reads. The
-    floor is 2¹⁶ elements on CPU and 2²² on accelerators, where fewer, larger chunks save
-    kernel launches."""
-    floor = _MIN_PATCH_CHUNK if device_type == "cpu" else _MIN_PATCH_CHUNK_ACCELERATOR
-    size = max(1, max(budget, floor) // max(per_example, 1))
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def conv2d_weight_grad(x: Tensor, d: Tensor, m: nn.Conv2d) -> Tensor:
-    """The batch weight gradient of conv ``m`` for input x and output gradient d (one convolution backward)."""
-    return torch.ops.aten.convolution_backward(
-        d, x, m.weight.detach().to(x.dtype), None, list(m.stride), list(m.padding), list(m.dilation), False, [0, 0],
-        1, [False, True, False])[1]
-
-
-class Conv2dStats(WeightBiasStats):
-    """nn.Conv2d (groups = 1): per-example weight grad n Σ_t δ_t a_tᵀ over output positions t.
-
-    Norms either by the ghost norm over patches, Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') (when
-    :func:`prefer_ghost` says so; then the clipped sum is one convolution backward of c ⊙ δ),
-    or from the materialised per-example grads G_i = δ_i a_iᵀ (patches as columns, one bmm;
-    then the clipped sum is c·G). ``calls``: (input, output grad) per call of the layer.
-    """
-
-    def __init__(self, m: nn.Conv2d, calls: list[tuple[Tensor, Tensor]], k: float, weight: Optional[Tensor],
-                 bias: Optional[Tensor], scale: Optional[ParamMap], with_squares: bool) -> None:
-        self.m, self.calls, self.k, self.weight, self.bias = m, calls, k, weight, bias
-        self.sw = None if scale is None or weight is None else scale[weight]
-        self.G: Optional[Tensor] = None
-        n = calls[0][0].shape[0]
-        sq = calls[0][1].new_zeros(n)
-        if weight is not None:
-            sq = sq + self._weight_sq_norms(with_squares)
-        if bias is not None:
-            db = add_parts([conv_positions(d).sum(2) for _, d in calls])
-            self.db = db if scale is None else db * scale[bias]
-            sq = sq + self.db.pow(2).sum(1)
-        self.sq_norms = sq * (k * k)
-
-    def _weight_sq_norms(self, with_squares: bool) -> Tensor:
-        T = sum(conv_positions(d).shape[2] for _, d in self.calls)
-        d_in, d_out = self.weight.shape[1:].numel(), self.weight.shape[0]
-        n = self.calls[0][1].shape[0]
-        chunks = example_chunks(n, d_in * T, sum(x.numel() for x, _ in self.calls), self.calls[0][0].device.type)
-        if self.sw is None and not with_squares and prefer_ghost(T, d_in, d_out):
-            return torch.cat([self._ghost_sq_norms(rows) for rows in self._rows(chunks)])
-        G = self.calls[0][1].new_empty(n, d_out, d_in)
-        for rows, part in zip(self._rows(chunks), chunks):
-            for i, (x, d) in enumerate(rows):  # G[part] = Σ_calls δ Pᵀ in place (β = 0 ignores G's contents)
-                G[part].baddbmm_(conv_positions(d), conv_columns(x, self.m).transpose(1, 2), beta=float(i > 0))
-        G = G.view(n, *self.weight.shape)
-        self.G = G if self.sw is None else G * self.sw
-        return sq_norms(self.G)
-
-    def _rows(self, chunks: list[slice]):
-        """The calls' (input, output grad) restricted to each chunk of examples."""
-        for part in chunks:
-            yield [(x[part], d[part]) for x, d in self.calls]
-
-    def _ghost_sq_norms(self, rows: list[tuple[Tensor, Tensor]]) -> Tensor:
-        a = _cat([conv_columns(x, self.m) for x, _ in rows], dim=2)  # [k, in, T]
-        d = _cat([conv_positions(d) for _, d in rows], dim=2)  # [k, out, T]
-        return (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
-
-    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
-        """Σ_i c_i G_i without G: one convolution backward of c ⊙ δ per call."""
-        return add_parts([conv2d_weight_grad(_frames(x), _frames(d * c.view(-1, *[1] * (d.dim() - 1))), self.m)
-                       for x, d in self.calls])
-
-
-def conv2d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
-    """nn.Conv2d (groups=1): inputs and output grads per call, in the weight's dtype."""
-    m = calls.module
-    pairs = [(_as_float(r.args[0], m.weight), _as_float(r.grad_out, m.weight)) for r in calls.records]
-    return Conv2dStats(m, pairs, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
-
-
 def embedding_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
     """nn.Embedding: indices [n, *] flattened to [n, T]; padding_idx rows get no gradient."""
     m = calls.module
@@ -473,8 +287,14 @@ def is_plain_norm(m: nn.Module) -> bool:
 
 
 def reducer_for(m: nn.Module) -> Optional[RecordReducer]:
-    """The layers the ghost engine reduces during backward: normalisation layers."""
-    return (lambda rec: norm_layer_record_grads(m, rec)) if is_plain_norm(m) and not parametrized(m) else None
+    """The layers the ghost engine reduces during backward: normalisation layers, and those of a registered rule
+    that reduces (PReLU)."""
+    if parametrized(m):
+        return None
+    if is_plain_norm(m):
+        return lambda rec: norm_layer_record_grads(m, rec)
+    rule = rule_for(m)
+    return (lambda rec: rule.record_grads(m, rec)) if rule is not None and rule.reduces else None
 
 
 def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
@@ -489,12 +309,13 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
     m = calls.module
     if parametrized(m):  # weights computed from originals: the layer replayed per example on them
         return fallback_stats(calls, wanted, n, scale, with_squares)
+    rule = rule_for(m)  # the registered rules (rules.py): convolutions, PReLU
+    if rule is not None:
+        return rule.stats(calls, wanted, n, scale, with_squares)
     if type(m) is nn.Linear:
         return linear_stats(calls, wanted, n, scale, with_squares)
     if is_hf_conv1d(m):
         return hf_conv1d_stats(calls, wanted, n, scale, with_squares)
-    if conv2d_supported(m):
-        return conv2d_stats(calls, wanted, n, scale, with_squares)
     if type(m) is nn.Embedding and not m.scale_grad_by_freq:
         return embedding_stats(calls, wanted, n, scale, with_squares)
     if is_plain_norm(m):
@@ -513,7 +334,7 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
 def has_closed_form(m: nn.Module) -> bool:
     """Whether :func:`stats_for` serves ``m`` by a rule of its own (not the per-layer vmap fallback, which
     differentiates the layer's registered parameters again: not possible when FSDP2 shards them)."""
-    return not parametrized(m) and (type(m) is nn.Linear or is_hf_conv1d(m) or conv2d_supported(m)
+    return not parametrized(m) and (type(m) is nn.Linear or is_hf_conv1d(m) or sharding_served(m)
                                     or is_plain_norm(m) or (type(m) is nn.Embedding and not m.scale_grad_by_freq))
 
 
@@ -542,37 +363,10 @@ class _LinearInputGradOnly(torch.autograd.Function):
         return gx, None, None
 
 
-class _Conv2dInputGradOnly(torch.autograd.Function):
-    """F.conv2d (groups=1, zero padding) whose backward computes only the input gradient."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, padding, dilation) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.conf = (stride, padding, dilation)
-        return F.conv2d(x, weight, bias, stride, padding, dilation)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        x, weight = ctx.saved_tensors
-        gx = None
-        if ctx.needs_input_grad[0]:
-            stride, padding, dilation = ctx.conf
-            gx = torch.ops.aten.convolution_backward(
-                g, x, weight.to(g.dtype), None, list(stride), list(padding), list(dilation), False, [0, 0], 1,
-                [True, False, False])[0].to(x.dtype)
-        return gx, None, None, None, None, None
-
-
 def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:  # noqa: A002  (nn.Linear's own name: keyword calls)
     if torch._C._are_functorch_transforms_active():  # replayed inside vmap (a PEFT DoRA layer calls its base layer)
         return F.linear(input, self.weight, self.bias)
     return _LinearInputGradOnly.apply(input, self.weight, self.bias)
-
-
-def _conv2d_forward(self: nn.Conv2d, input: Tensor) -> Tensor:  # noqa: A002
-    if torch._C._are_functorch_transforms_active():
-        return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
-    return _Conv2dInputGradOnly.apply(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 
 def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
@@ -603,14 +397,15 @@ def _rnn_forward(self: nn.RNNBase, *args, **kwargs):
 
 
 def input_grad_only_forward(m: nn.Module):
-    """The book-keeping forward for ``m`` (Linear, supported Conv2d, torch's RNNs), or None (also for a parametrized
+    """The book-keeping forward for ``m`` (Linear, torch's convolutions and RNNs), or None (also for a parametrized
     module: its weight's gradient must reach the originals)."""
     if parametrized(m):
         return None
     if type(m) is nn.Linear:
         return _linear_forward
-    if type(m) is nn.Conv2d and conv2d_supported(m):
-        return _conv2d_forward
+    rule = rule_for(m)
+    if rule is not None:
+        return rule.input_grad_only_forward(m)
     if type(m) in (nn.LSTM, nn.GRU, nn.RNN):
         return _rnn_forward
     return None
@@ -621,7 +416,7 @@ class GhostEngine(GradSampleEngine):
     """Engine ``"ghost"``: ghost norms and one book-keeping contraction per layer (module docstring).
 
     Args:
-        skip_param_grads: book-keeping proper: Linear and Conv2d layers run a forward whose
+        skip_param_grads: book-keeping proper: Linear and convolution layers run a forward whose
             backward skips their weight/bias gradients (``p.grad`` is left as it was, e.g.
             None, after ``loss.backward()``; the engine's clipped sums replace it). Saves the matmul the
             ordinary backward spends on the non-private gradient. ``False`` keeps the
@@ -645,7 +440,7 @@ class GhostEngine(GradSampleEngine):
         self._patched: list[nn.Module] = []
 
     def attach(self, module: nn.Module) -> None:
-        """Hook every leaf module that owns parameters (and patch Linear/Conv2d forwards, see class doc)."""
+        """Hook every leaf module that owns parameters (and patch Linear/convolution forwards, see class doc)."""
         self.detach()
         self._owners = owners_of(module)
         leaves = leaf_layers(module)

@@ -58,6 +58,63 @@ class MaterialisedStats(LayerStats):
         return Dense(self.grads[p])
 
 
+class WeightBiasStats(LayerStats):
+    """Layers whose per-example weight grad is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ (Linear; convolutions on patches), plus
+    a bias grad ``db``. The clipped sums use G when it was materialised for the norms (c·G),
+    else the subclass's book-keeping contraction (Bu et al.; :mod:`.ghost`'s docstring)."""
+
+    k: float
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    G: Optional[Tensor]
+    db: Tensor
+
+    def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
+        out = {}
+        c = c * self.k
+        if self.weight is not None:
+            w = torch.tensordot(c, self.G, dims=1) if self.G is not None else self._bookkept_weight_sum(c)
+            out[self.weight] = self._as_weight(w)
+        if self.bias is not None:
+            out[self.bias] = c @ self.db
+        return out
+
+    def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
+        """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
+        out = {}
+        c2 = c2 * (self.k * self.k)
+        if self.weight is not None:
+            w = (torch.tensordot(c2, self.G.pow(2), dims=1) if self.G is not None
+                 else self._bookkept_weight_squares(c2))
+            out[self.weight] = self._as_weight(w)
+        if self.bias is not None:
+            out[self.bias] = c2 @ self.db.pow(2)
+        return out
+
+    def _as_weight(self, w: Tensor) -> Tensor:
+        """A [out, in]-ordered weight-shaped result in the parameter's own layout."""
+        return w.reshape(self.weight.shape)
+
+    def representation(self, p: Tensor) -> Optional[Representation]:
+        """Materialised G (or the bias grads) when held, else the subclass's low-rank form."""
+        if p is self.bias:
+            return Dense(self.db * self.k)
+        if self.G is not None:
+            g = self.G.transpose(1, 2) if getattr(self, "transposed", False) else self.G
+            return Dense(g.reshape(g.shape[0], *self.weight.shape) * self.k)
+        return self._low_rank()
+
+    def _low_rank(self) -> Optional[Representation]:
+        return None
+
+    def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _bookkept_weight_squares(self, c2: Tensor) -> Tensor:
+        raise RuntimeError(f"{type(self).__name__}: squares need the materialised per-example grads")
+
+
 class UnusedStats(LayerStats):
     """A parameter the step's loss never read (:func:`~.functorch_vmap.unused_in_step`): every example's
     gradient is exactly zero, so it adds nothing to the norms and its clipped sum is zero (not materialised)."""

@@ -1,53 +1,97 @@
-"""Verified from autograd's record: a layer whose output is its weight times something the weight does not touch.
+"""Verified from autograd's record: a layer whose output is elementwise-affine in its parameters.
 
 RMSNorm-style layers written by model libraries (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``, ``MistralRMSNorm``,
-``Qwen2RMSNorm``, …) have no rule of their own: they are not ``nn.RMSNorm``, and the engines differentiate them again
-per example (``torch.func.vmap``), which costs more than the layer's own forward and backward at every call. Most end
-in ``return self.weight * y`` (``y`` the normalised input, maybe cast), and then example i's weight gradient is, for
-the mean loss's output gradient δ (n: the number of examples),
+``Qwen2RMSNorm``, …) and the global layer norms of speech separation (Conv-TasNet's and DPRNN's ``GlobalLayerNorm``:
+``self.weight * (x - mean) / torch.sqrt(var + eps) + self.bias`` with weight and bias of shape [C, 1] on [B, C, T])
+have no rule of their own: they are not torch's norms, and the engines differentiate them again per example
+(``torch.func.vmap``), which costs more than the layer's own forward and backward at every call. They end in
 
-    g_i = n · Σ_t δ_{i,t} ⊙ y_{i,t}        (Σ_t over every position of example i; ⊙ per feature)
+    out = w ⊙ y + b        y = u_1 ⋯ u_k / (s_1 ⋯ s_m)   (the factors' product, broadcast to the output)
 
-exact whatever ``y`` is, provided ``y`` does not depend on the weight. Nothing is taken from the class's name or
-source. :func:`scaled_operand` reads the call's last autograd node, right after the forward:
+with w and b the layer's parameters broadcast over the output (w: the weight's elements laid out along some of the
+output's dimensions, never along the examples), and then example i's gradients are, for the mean loss's output
+gradient δ (n: the number of examples),
 
-- the output is made by one multiplication (``MulBackward0``), one of whose operands is the weight, maybe cast,
-  reshaped or shifted by a constant (``self.weight.float()``, ``weight.view(1, 1, d)``, Gemma's ``1.0 + weight``):
-  the autograd path from that operand reaches the weight's accumulator through casts, views and additions of a
-  constant only (each of derivative 1), and the operand has the weight's d elements, broadcast along the output's
-  last dimension only;
-- the other operand ``y`` has the output's shape (the weight is broadcast, never the examples' values), and its
-  autograd history, walked back to the call's inputs, never reaches the weight (a second use of the weight inside
-  the call, ``self.weight * (x * self.weight.mean())``, would add a gradient this formula misses).
+    g_i(w) = n · Σ_{positions w is broadcast over} δ_i ⊙ y_i        g_i(b) = n · Σ_{positions b is broadcast over} δ_i
 
+exact whatever the factors are, provided none of them depends on w or b. Nothing is taken from the class's name or
+source. :func:`scaled_operand` reads the call's last autograd nodes, right after the forward:
+
+- optionally, the output is an addition (``AddBackward0``, α = 1) of the bias — one of the layer's parameters, maybe
+  cast, reshaped or shifted by a constant — and a term of the output's shape;
+- the term (or the output) is a chain of multiplications and divisions (``MulBackward0``, ``DivBackward0``) whose
+  one side carries the chain on and whose other side (a multiplied factor u_j; a divisor s_j, always the denominator)
+  never reaches a parameter, ending at a multiplication by the weight: the autograd path from that operand reaches
+  the weight's accumulator through casts, views and additions of a constant only (each of derivative 1:
+  ``self.weight.float()``, ``weight.view(1, C, 1)``, ``weight[:, None]``, Gemma's ``1.0 + weight``), and the operand
+  has the weight's elements (the shapes of the operands, padded on the left, are 1 along the examples);
+- the factors' autograd histories, walked back to the call's inputs, never reach a parameter (a second use of the
+  weight inside the call, ``self.weight * (x * self.weight.mean())``, would add a gradient this formula misses).
+
+The operands' shapes are read from autograd's input metadata of the next nodes (a torch without it: not served).
 A layer that passes gets the formula above (:mod:`~lightning_dp.mechanism.grad_sample.elementwise_scale`); any other
-(``(1 - self.weight) * y``, ``2 * self.weight * y``, a bias added after, a history too long to walk) keeps the
-per-example vmap.
-The first step's probe compares the result with autograd's gradient, as for every rule.
+(``(1 - self.weight) * y``, ``2 * self.weight * y``, ``y - bias``, a history too long to walk) keeps the per-example
+vmap. The first step's probe compares the result with autograd's gradient, as for every rule.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
 
+import torch
 from torch import Tensor, nn
 
 _PASS_THROUGH = frozenset({"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                            "UnsqueezeBackward0", "AliasBackward0"})
-"""Autograd nodes between the weight and its operand that keep its values (casts, views of its d elements)."""
+"""Autograd nodes between a parameter and its operand that keep its values (casts, views of its elements)."""
 
 WALK_LIMIT = 256
-"""Most autograd nodes walked back from ``y`` before giving up (the call then keeps the per-example vmap)."""
+"""Most autograd nodes walked back from a factor before giving up (the call then keeps the per-example vmap)."""
+
+CHAIN_LIMIT = 8
+"""Most multiplications and divisions between the output and the weight (more: the per-example vmap)."""
 
 
-def scale_candidate(module: nn.Module) -> Optional[nn.Parameter]:
-    """The weight of a layer :func:`scaled_operand` may serve: one trainable 1-D parameter of its own, and no
-    children with parameters; else None."""
+@dataclass(eq=False)
+class ScaledOperand:
+    """A call verified as ``out = w ⊙ (Π operands / Π divisors) + b`` (module docstring), its tensors detached.
+
+    ``weight_shape``/``bias_shape``: the shapes of the operands w and b as the output's operation saw them (each the
+    parameter's elements, broadcast over the output); ``weight``/``bias``: the parameters (None: absent)."""
+
+    shape: torch.Size
+    weight: Optional[Tensor] = None
+    weight_shape: Optional[torch.Size] = None
+    operands: tuple[Tensor, ...] = ()
+    divisors: tuple[Tensor, ...] = ()
+    bias: Optional[Tensor] = None
+    bias_shape: Optional[torch.Size] = None
+
+    @property
+    def y(self) -> Tensor:
+        """∂out/∂w elementwise: the factors' product broadcast to the output's shape."""
+        y = self.operands[0] if self.operands else torch.ones((), dtype=self.divisors[0].dtype,
+                                                               device=self.divisors[0].device)
+        for u in self.operands[1:]:
+            y = y * u
+        for s in self.divisors:
+            y = y / s
+        return y.expand(self.shape)
+
+
+Candidate = Union[Tensor, Sequence[Tensor]]
+
+
+def scale_candidate(module: nn.Module) -> Optional[tuple[nn.Parameter, ...]]:
+    """The parameters of a layer :func:`scaled_operand` may serve: one or two trainable parameters of its own (a
+    weight, maybe a bias), and no children with parameters; else None."""
     params = list(module.parameters())
-    if len(params) != 1 or not params[0].requires_grad or params[0].dim() != 1:
-        return None
     own = list(module.parameters(recurse=False))
-    return params[0] if own and own[0] is params[0] else None
+    trainable = tuple(p for p in own if p.requires_grad)
+    if len(own) != len(params) or not 1 <= len(trainable) <= 2:
+        return None
+    return trainable
 
 
 def _shifted(node: Any) -> Any:
@@ -93,29 +137,112 @@ def _reaches(node: Any, weight: Tensor, stop: set, limit: int = WALK_LIMIT) -> b
     return False
 
 
-def scaled_operand(weight: Tensor, out: Any, inputs: Sequence[Tensor]) -> Optional[Tensor]:
-    """``y`` (detached) when the call's output ``out`` is verified to be ``weight ⊙ y`` with ``y`` independent of
-    ``weight`` (module docstring); else None. ``inputs``: the call's tensor arguments (where the walk stops)."""
-    if not isinstance(out, Tensor) or out.dim() < 2 or out.shape[-1] != weight.numel():
-        return None
-    node = out.grad_fn
-    if node is None or node.name() != "MulBackward0":
-        return None
-    (left, _), (right, _) = node.next_functions
+def _param_of(node: Any, params: Sequence[Tensor]) -> Optional[Tensor]:
+    """The parameter whose values ``node`` passes on with derivative 1 (:func:`_is_weight`), or None."""
+    return next((p for p in params if _is_weight(node, p)), None)
+
+
+def _operand_shape(edge: tuple[Any, int]) -> torch.Size:
+    """The shape of the tensor an autograd edge carries (the next node's input metadata)."""
+    fn, nr = edge
+    return torch.Size(fn._input_metadata[nr].shape)
+
+
+def _free(node: Any, params: Sequence[Tensor], stop: set) -> bool:
+    """Whether the autograd history from ``node`` reaches none of ``params`` (a constant: None)."""
+    return node is None or not any(_reaches(node, p, stop) for p in params)
+
+
+def _along_examples(shape: torch.Size, out: torch.Size) -> bool:
+    """Whether an operand of ``shape`` is laid out along the examples (dimension 0 of the output), or does not
+    broadcast to the output."""
+    padded = (1,) * (len(out) - len(shape)) + tuple(shape)
     try:
-        if _is_weight(left, weight) and not _is_weight(right, weight):
-            w_side, y, y_node = node._saved_self, node._saved_other, right
-        elif _is_weight(right, weight) and not _is_weight(left, weight):
-            w_side, y, y_node = node._saved_other, node._saved_self, left
+        fits = torch.broadcast_shapes(torch.Size(padded), out) == out
+    except RuntimeError:
+        return True
+    return len(padded) != len(out) or padded[0] != 1 or not fits
+
+
+def _bias_split(node: Any, params: Sequence[Tensor]) -> Optional[tuple[Any, Tensor, torch.Size]]:
+    """For an output ``term + b`` (``AddBackward0``, α = 1, b one of ``params`` through casts and views): (the
+    term's node, b, the shape of b's operand); else None."""
+    if node.name() != "AddBackward0" or getattr(node, "_saved_alpha", 1) != 1:
+        return None
+    edges = node.next_functions
+    for k in (0, 1):
+        bias = None if edges[k][0] is None else _param_of(edges[k][0], params)
+        if bias is not None:
+            return edges[1 - k][0], bias, _operand_shape(edges[k])
+    return None
+
+
+def _weight_chain(node: Any, params: Sequence[Tensor], stop: set):
+    """Follow multiplications and divisions from ``node`` down to the multiplication by a parameter (the weight):
+    (weight, its operand's shape, the multiplied factors, the divisors), the factors detached; None if the chain is
+    anything else (module docstring)."""
+    operands: list[Tensor] = []
+    divisors: list[Tensor] = []
+    for _ in range(CHAIN_LIMIT):
+        if node is None or node.name() not in ("MulBackward0", "DivBackward0"):
+            return None
+        (left, ln), (right, rn) = node.next_functions
+        lw = None if left is None else _param_of(left, params)
+        rw = None if right is None else _param_of(right, params)
+        if node.name() == "DivBackward0":  # the chain goes on in the numerator; the divisor is free of parameters
+            if not _free(right, params, stop):
+                return None
+            divisors.append(node._saved_other.detach())
+            if lw is not None:
+                return lw, _operand_shape((left, ln)), operands, divisors
+            node = left
+        elif lw is not None and rw is None and _free(right, params, stop):  # w ⊙ u
+            operands.append(node._saved_other.detach())
+            return lw, _operand_shape((left, ln)), operands, divisors
+        elif rw is not None and lw is None and _free(left, params, stop):  # u ⊙ w
+            operands.append(node._saved_self.detach())
+            return rw, _operand_shape((right, rn)), operands, divisors
+        elif _free(right, params, stop) and not _free(left, params, stop):  # (chain) ⊙ u
+            operands.append(node._saved_other.detach())
+            node = left
+        elif _free(left, params, stop) and not _free(right, params, stop):  # u ⊙ (chain)
+            operands.append(node._saved_self.detach())
+            node = right
         else:
             return None
-    except RuntimeError:  # an operand autograd did not save
-        return None
-    if not isinstance(y, Tensor) or y.shape != out.shape or w_side.numel() != weight.numel():
-        return None
-    if w_side.dim() > 1 and any(s != 1 for s in w_side.shape[:-1]):
+    return None
+
+
+def scaled_operand(candidate: Candidate, out: Any, inputs: Sequence[Tensor]) -> Optional[ScaledOperand]:
+    """The call's :class:`ScaledOperand` when its output ``out`` is verified to be ``w ⊙ y + b`` with y free of the
+    ``candidate`` parameters (:func:`scale_candidate`, or one weight); else None. ``inputs``: the call's tensor
+    arguments (where the walks stop)."""
+    params = (candidate,) if isinstance(candidate, Tensor) else tuple(candidate)
+    if not isinstance(out, Tensor) or out.dim() < 2 or out.grad_fn is None:
         return None
     stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    if y_node is not None and _reaches(y_node, weight, stop):
+    try:
+        return _verified(out, params, stop)
+    except (RuntimeError, AttributeError):  # an operand autograd did not save; a torch without input metadata
         return None
-    return y.detach()
+
+
+def _verified(out: Tensor, params: tuple[Tensor, ...], stop: set) -> Optional[ScaledOperand]:
+    node, bias, bias_shape = out.grad_fn, None, None
+    split = _bias_split(node, params)
+    if split is not None:
+        node, bias, bias_shape = split
+        if bias.numel() != bias_shape.numel() or _along_examples(bias_shape, out.shape):
+            return None
+        if _free(node, params, stop):  # a term without the weight (a frozen one): the bias alone
+            return ScaledOperand(out.shape, bias=bias, bias_shape=bias_shape)
+    chain = _weight_chain(node, params, stop)
+    if chain is None:
+        return None
+    weight, weight_shape, operands, divisors = chain
+    if weight is bias or weight.numel() != weight_shape.numel() or _along_examples(weight_shape, out.shape):
+        return None
+    term = torch.broadcast_shapes(weight_shape, *(t.shape for t in (*operands, *divisors)))
+    if term != out.shape:  # the term has the output's shape: the bias is what is broadcast, never the term
+        return None
+    return ScaledOperand(out.shape, weight, weight_shape, tuple(operands), tuple(divisors), bias, bias_shape)

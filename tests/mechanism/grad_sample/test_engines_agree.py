@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import lightning_dp.mechanism.grad_sample.conv_rules as conv_rules
 import lightning_dp.mechanism.grad_sample.ghost as ghost
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.grad_sample import available_engines, make_engine, select_engine  # registers all
@@ -122,6 +123,7 @@ def check(engine_name: str, case: zoo.Case, monkeypatch: pytest.MonkeyPatch) -> 
             if engine_name == "ghost":
                 monkeypatch.setattr(ghost, "prefer_ghost", _forced(_PREFER_GHOST, force_ghost))
                 monkeypatch.setattr(ghost, "prefer_ghost_embedding", _forced(_PREFER_GHOST_EMBEDDING, force_ghost))
+                monkeypatch.setattr(conv_rules, "prefer_conv_ghost", _forced(_PREFER_CONV_GHOST, force_ghost))
             engine.begin_step(x.shape[0])
             model.zero_grad()
             case.loss(model, x, y).backward()
@@ -136,6 +138,7 @@ def check(engine_name: str, case: zoo.Case, monkeypatch: pytest.MonkeyPatch) -> 
 
 _PREFER_GHOST = ghost.prefer_ghost
 _PREFER_GHOST_EMBEDDING = ghost.prefer_ghost_embedding
+_PREFER_CONV_GHOST = conv_rules.prefer_conv_ghost
 
 
 def _forced(rule, force: bool):

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_dp.mechanism.grad_sample.conv_rules as conv_rules
 import lightning_dp.mechanism.grad_sample.ghost as ghost
 from lightning_dp.mechanism.grad_sample.base import make_engine
 from gs_cases import (
@@ -44,6 +45,7 @@ def test_frozen_parameters_ignored(kind):
 def test_both_norm_paths(monkeypatch, force):
     """Ghost norm and materialised norm, for Linear/Conv2d and Embedding, both exact."""
     monkeypatch.setattr(ghost, "prefer_ghost", lambda *a: force)
+    monkeypatch.setattr(conv_rules, "prefer_conv_ghost", lambda *a: force)
     monkeypatch.setattr(ghost, "prefer_ghost_embedding", lambda *a: force)
     for kind in ("lm", "cnn"):
         check_engine(make_engine("ghost"), kind, 5, scaled=False, freeze=False, with_squares=False)
@@ -61,10 +63,21 @@ def test_clipping_bound():
     check_clipping_bound(make_engine("ghost"))
 
 
+class _SigmoidGate(nn.Module):
+    """A leaf without a closed-form rule: x ⊙ σ(w)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.weight)
+
+
 def test_fallback_layer_and_no_state_left():
-    """A leaf layer without a ghost rule (PReLU) goes through vmap; nothing survives the step."""
+    """A leaf layer without a ghost rule goes through vmap; nothing survives the step."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.PReLU(5), nn.Linear(5, 3)).double()
+    model = nn.Sequential(nn.Linear(6, 5), _SigmoidGate(5), nn.Linear(5, 3)).double()
     engine = make_engine("ghost")
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
     params = list(model.parameters())
@@ -144,7 +157,7 @@ class _ConvZoo(nn.Module):
 @pytest.mark.parametrize("force", [True, False])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_conv_layouts_both_norm_paths(monkeypatch, force, scaled):
-    monkeypatch.setattr(ghost, "prefer_ghost", lambda *a: force)
+    monkeypatch.setattr(conv_rules, "prefer_conv_ghost", lambda *a: force)
     torch.manual_seed(0)
     model = _ConvZoo().double()
     x, y = torch.randn(5, 2, 9, 7, dtype=torch.float64), torch.randint(0, 3, (5,))
@@ -167,21 +180,21 @@ def _check_against_reference(model: nn.Module, x, y, scaled: bool, with_squares:
 
 def test_conv_chunked_patches_match_reference(monkeypatch):
     """Patch columns unfolded a few examples at a time (the memory bound) give the same sums."""
-    monkeypatch.setattr(ghost, "_MIN_PATCH_CHUNK", 1)
+    monkeypatch.setattr(conv_rules, "_MIN_PATCH_CHUNK", 1)
     for force in (True, False):
         test_conv_layouts_both_norm_paths(monkeypatch, force, scaled=False)
 
 
 @pytest.mark.parametrize("n,per_example,budget", [(64, 9216, 65536 * 4), (5, 1134, 630), (7, 10, 10**6), (1, 50, 0)])
 def test_example_chunks_cover_the_batch_within_budget(monkeypatch, n, per_example, budget):
-    monkeypatch.setattr(ghost, "_MIN_PATCH_CHUNK", 64)
-    chunks = ghost.example_chunks(n, per_example, budget)
+    monkeypatch.setattr(conv_rules, "_MIN_PATCH_CHUNK", 64)
+    chunks = conv_rules.example_chunks(n, per_example, budget)
     assert [i for s in chunks for i in range(n)[s]] == list(range(n))
     for s in chunks:
         k = len(range(n)[s])
         assert k == 1 or k * per_example <= max(budget, 64)
     assert len(chunks) <= 1 + n * per_example // max(budget, 64)
-    assert len(ghost.example_chunks(n, per_example, budget, "cuda")) <= len(chunks)  # GPU: fewer launches
+    assert len(conv_rules.example_chunks(n, per_example, budget, "cuda")) <= len(chunks)  # GPU: fewer launches
 
 
 class _NormTwice(nn.Module):
