@@ -7,7 +7,7 @@ Prints:
    (b − 1)·d·4 bytes;
 2. for a long run (N = 50 000, B = 500, T = 2000 steps, δ = 1e-5), the mean prefix-sum noise
    variance of banded noise relative to independent noise at equal ε, for several b, with the
-   Fichtenberger coefficients and with optimised ones (ALGORITHMS.md §7; design-principles §4.5).
+   Fichtenberger coefficients and with optimised ones (docs/algorithms.md §7; design-principles §4.5).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compare the DP-Adam variants and DP-SGD on the digits CNN (issue 4, item 5).
 
-ALGORITHMS.md §1–§5 define the variants; "What the seeds measured" lists what the
+docs/algorithms.md §1–§5 define the variants; "What the seeds measured" lists what the
 papers found. For every ε in the config (δ fixed), every method and every point of
 its small hyperparameter grid is trained with every seed under
 ``DPStrategy(target_epsilon=ε, target_delta=δ)`` (σ calibrated for the planned

@@ -1,6 +1,6 @@
 """DP-SignSGD with majority vote on breast-cancer logistic regression (seed paper §4.1, in spirit).
 
-ALGORITHMS.md §6; seed: dp-sign-sgd-heavy-tailed.txt, §4.1 (which used UCI Mushroom).
+docs/algorithms.md §6; seed: dp-sign-sgd-heavy-tailed.txt, §4.1 (which used UCI Mushroom).
 scikit-learn's breast-cancer data (569 × 30, ships with scikit-learn), standardised,
 80/20 stratified split, the training set split evenly over 10 workers. Logistic
 regression trained by

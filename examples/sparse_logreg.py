@@ -1,6 +1,6 @@
 """1-D sparse logistic regression with private AdaGrad (issue 9 c; design-principles §5.1).
 
-The paper's setup, as far as its text survives (ALGORITHMS.md "What the seeds measured";
+The paper's setup, as far as its text survives (docs/algorithms.md "What the seeds measured";
 the symbols were lost, the values marked *assumed* below are ours, in the config):
 inputs x ~ N(0, 1), labels y ∈ {−1, +1} with P(y = 1 | x) = sigmoid(w* x) (w* = 1,
 *assumed*; its population loss 0.5994 is close to the paper's 0.5976), loss
@@ -10,7 +10,7 @@ clip norm C and noise multiplier σ (1 and 1, *assumed*); AdaGrad from w = 0 wit
 tuned base learning rate. Test loss on fresh, non-sparse samples, averaged over 30
 trials (fresh data and noise per trial, the same data for every method).
 
-Methods (ALGORITHMS.md §1–§3, AdaGrad forms, :class:`~lightning_dp.optim.DPAdagrad`):
+Methods (docs/algorithms.md §1–§3, AdaGrad forms, :class:`~lightning_dp.optim.DPAdagrad`):
 non-private AdaGrad (no clipping, no noise); post-processing (AdaGrad on ĝ); bias
 correction (subtract tΦ, floor γ'); independent moments (ĝ and the second moment
 noised separately with √2σ each); and the paper's "independent moments for free"

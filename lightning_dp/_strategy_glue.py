@@ -1,9 +1,9 @@
 """The Lightning glue every private strategy shares: :class:`PrivateTraining`, hooks around one
 :class:`~lightning_dp.mechanism.private_step.PrivateStep`.
 
-ARCHITECTURE.md: "Several strategies (replicated, sharded) share one piece of mechanism glue
+docs/architecture.md: "Several strategies (replicated, sharded) share one piece of mechanism glue
 (sampling, clipping request, privatising, ledger); each adds only how its gradients are laid out
-and reduced." This module is that piece. Per logical step (ALGORITHMS.md, "The mechanism"):
+and reduced." This module is that piece. Per logical step (docs/algorithms.md, "The mechanism"):
 
     process_dataloader   the training loader rebuilt around Poisson sampling; σ calibrated/refit
     training_step        the sampler's batch (never read from the data), the first step's probe,

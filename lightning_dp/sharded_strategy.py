@@ -1,6 +1,6 @@
 """DPShardedStrategy: private training of models sharded by FSDP2, on Lightning's ``ModelParallelStrategy``.
 
-The same mechanism as :class:`~lightning_dp.strategy.DPStrategy` (ALGORITHMS.md, "The mechanism"),
+The same mechanism as :class:`~lightning_dp.strategy.DPStrategy` (docs/algorithms.md, "The mechanism"),
 with parameters, gradients and optimizer state sharded over the ranks instead of replicated:
 
     each rank         Poisson-samples its own examples; forward + backward on the all-gathered

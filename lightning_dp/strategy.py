@@ -1,10 +1,10 @@
 """DPStrategy: Lightning glue around the private mechanism of :mod:`lightning_dp.mechanism`.
 
-The strategy owns privacy (ARCHITECTURE.md): it swaps the training loader for Poisson
+The strategy owns privacy (docs/architecture.md): it swaps the training loader for Poisson
 sampling, attaches a per-example gradient engine, and wraps Lightning's optimizer
 closure so that after the user's forward and backward the gradients are replaced by
 
-    ĝ_t = (Σ_i clip_C(g_{t,i}) + σ C z_t) / B          (ALGORITHMS.md, "The mechanism")
+    ĝ_t = (Σ_i clip_C(g_{t,i}) + σ C z_t) / B          (docs/algorithms.md, "The mechanism")
 
 before the optimizer (and Lightning's ``on_before_optimizer_step``) sees them. Every
 release is recorded in :attr:`DPStrategy.ledger`, which travels in checkpoints.
@@ -79,7 +79,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             then not needed and do not run).
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
-            b-min-separated sampling, ALGORITHMS.md §7), or a
+            b-min-separated sampling, docs/algorithms.md §7), or a
             :class:`~lightning_dp.mechanism.NoiseMechanism` instance.
         bands: b for ``noise="banded"``: the data is split into b groups and step t
             Poisson-samples group t mod b; the noise history costs (b − 1)·d floats.

@@ -1,6 +1,6 @@
 """DPStrategy on 2 CPU processes (gloo): the same guarantee and the same update as on one.
 
-ALGORITHMS.md, "The mechanism": ĝ = (Σ_i clip_C(g_i) + σ C z) / B with B the *global*
+docs/algorithms.md, "The mechanism": ĝ = (Σ_i clip_C(g_i) + σ C z) / B with B the *global*
 expected batch. Under DDP every rank clips its own Poisson shard, rank 0 alone adds σ C z,
 and one all-reduce sums the ranks' sums (issue 6). Processes are forked by Lightning's
 launcher; each rank writes what it saw with :class:`ddp_helpers.RankRecorder`.

@@ -1,6 +1,6 @@
 """DPShardedStrategy on 2 CPU processes (gloo, FSDP2): the same update and the same guarantee as DPStrategy.
 
-ALGORITHMS.md, "The mechanism": ĝ = (Σ_i clip_C(g_i) + σ C z) / B. Sharded, each rank clips its own
+docs/algorithms.md, "The mechanism": ĝ = (Σ_i clip_C(g_i) + σ C z) / B. Sharded, each rank clips its own
 Poisson examples with whole-model norms, the clipped sums are reduce-scattered, and each rank adds
 σCz to the rows it owns from its own stream (lightning_dp/mechanism/sharded_privatizer.py). Processes
 are forked by Lightning's launcher; each rank writes what it saw (:class:`FullParamRecorder`).

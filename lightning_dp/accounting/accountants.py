@@ -11,7 +11,7 @@ Each accountant maps a non-empty list of private, non-trivial ledger entries
                    ledger has many distinct (σ, q).
 ``"prv"``          Opacus' PRV accountant (Gopi et al. 2021), returns its upper bound
                    (``eps_error=0.01``). Tighter than RDP, about 0.01 above PLD.
-``"integer_rdp"``  The DP-SignSGD paper's coarse method (ALGORITHMS.md §6): integer orders
+``"integer_rdp"``  The DP-SignSGD paper's coarse method (docs/algorithms.md §6): integer orders
                    α ∈ {2, …, 20} and Mironov's conversion ε = RDP(α) + log(1/δ)/(α − 1).
                    Valid but loose; for comparison only.
 

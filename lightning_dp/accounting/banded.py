@@ -1,6 +1,6 @@
 """Sensitivity and privacy accounting of banded DP-MF under b-min-separated participation.
 
-ALGORITHMS.md §7. The mechanism (:mod:`lightning_dp.mechanism.banded_noise`) releases
+docs/algorithms.md §7. The mechanism (:mod:`lightning_dp.mechanism.banded_noise`) releases
 Ĉ⁻¹(Ĉ X + σ C_clip Z) with Ĉ the b-banded lower-triangular Toeplitz strategy normalised to
 max column norm 1 (sens = ‖c‖₂ is divided out). Sampling is cyclic Poisson
 (:mod:`lightning_dp.mechanism.min_sep_sampling`): b fixed groups, step t samples group t mod b

@@ -1,6 +1,6 @@
 """ε of a fixed setting, and of a heterogeneous ledger (σ or q changing mid-run).
 
-The sampled Gaussian mechanism of ALGORITHMS.md ("The mechanism"), composed T times, is
+The sampled Gaussian mechanism of docs/algorithms.md ("The mechanism"), composed T times, is
 what every private variant releases; its ε is computed by one of the maintained
 accountants of :mod:`lightning_dp.accounting.accountants`.
 """

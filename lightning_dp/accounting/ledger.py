@@ -2,7 +2,7 @@
 
 The ledger is the single source of truth for what a run has spent. The strategy
 records one entry per logical optimizer step (the sampled Gaussian mechanism of
-ALGORITHMS.md, "The mechanism"); accountants and the ``PrivacyBudget`` callback read
+docs/algorithms.md, "The mechanism"); accountants and the ``PrivacyBudget`` callback read
 it. Consecutive steps with the same ``(σ, q)`` are run-length merged, so a ledger of
 10^6 constant steps is one entry.
 

@@ -11,7 +11,7 @@ the same series vectorised over orders (timings in that module; the tests hold i
 * converts a composed RDP vector to ε for a δ, either with the tight conversion Opacus uses
   (Balle et al. 2020, "Hypothesis testing interpretations and Rényi DP", Thm. 21) or with
   Mironov's original conversion ε = RDP(α) + log(1/δ)/(α − 1) (Mironov 2017, Prop. 3),
-  which the DP-SignSGD paper uses on integer orders (ALGORITHMS.md §6).
+  which the DP-SignSGD paper uses on integer orders (docs/algorithms.md §6).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightning_dp.accounting.sgm_rdp import RDP_CURVES, check_curve
 #: Opacus' default RDP orders (fractional 1.1 … 10.9, then integers 12 … 63).
 RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)])
 
-#: The DP-SignSGD paper's coarse grid: integer orders α ∈ {2, …, 20} (ALGORITHMS.md §6).
+#: The DP-SignSGD paper's coarse grid: integer orders α ∈ {2, …, 20} (docs/algorithms.md §6).
 INTEGER_ORDERS: tuple[float, ...] = tuple(float(a) for a in range(2, 21))
 
 
@@ -149,6 +149,6 @@ def rdp_to_epsilon(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> 
 def rdp_to_epsilon_mironov(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
     """ε(δ) = min_α RDP(α) + log(1/δ)/(α − 1): Mironov 2017, Prop. 3 (looser than Balle et al.).
 
-    This is the conversion of the DP-SignSGD paper (ALGORITHMS.md §6); kept for comparison.
+    This is the conversion of the DP-SignSGD paper (docs/algorithms.md §6); kept for comparison.
     """
     return epsilon_from_offsets(rdp, _mironov_offsets(tuple(orders), float(delta)))

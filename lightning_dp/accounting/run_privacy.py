@@ -36,7 +36,7 @@ MARK = "allow_mismatch"
 
 
 def default_delta(num_samples: int) -> float:
-    """δ = 1 / N^1.1: below 1/N as it must be (ARCHITECTURE.md), the choice of the
+    """δ = 1 / N^1.1: below 1/N as it must be (docs/architecture.md), the choice of the
     DP-SignSGD paper's experiments. Used only when neither the strategy nor the user gives δ."""
     return 1.0 / float(num_samples) ** 1.1
 

@@ -1,4 +1,4 @@
-"""Per-worker noise calibration for DP-SignSGD (ALGORITHMS.md §6), ours and the paper's.
+"""Per-worker noise calibration for DP-SignSGD (docs/algorithms.md §6), ours and the paper's.
 
 Each DP-SignSGD worker runs the sampled Gaussian mechanism (SGM) on its *local* data:
 local Poisson rate q, noise multiplier σ, T steps, per-example clipping to C (so the

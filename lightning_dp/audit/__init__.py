@@ -1,4 +1,4 @@
-"""Privacy auditing in one training run (Steinke, Nasr & Jagielski 2023; ALGORITHMS.md §8).
+"""Privacy auditing in one training run (Steinke, Nasr & Jagielski 2023; docs/algorithms.md §8).
 
 An accountant proves ε for the algorithm we meant to run; an audit measures, from
 outside, a lower bound on the ε of the code we actually ran. :func:`run_audit` inserts m

@@ -1,6 +1,6 @@
 """The one-run ε lower bound of Steinke, Nasr & Jagielski (NeurIPS 2023, arXiv:2305.08846).
 
-ALGORITHMS.md §8. m canaries are each included independently with probability ½
+docs/algorithms.md §8. m canaries are each included independently with probability ½
 (S_i ∈ {-1, +1}); the auditor, seeing only the output, guesses T_i ∈ {-1, 0, +1}
 (0 = abstain). With r = #{i : T_i ≠ 0} guesses and W = #{i : T_i = S_i} correct ones,
 the paper's main theorem (Thm. 3; Thm. 1 is its informal statement) says that if the

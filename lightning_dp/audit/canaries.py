@@ -1,4 +1,4 @@
-"""Input-space canaries for the one-run audit (Steinke, Nasr & Jagielski 2023, Alg. 1; ALGORITHMS.md §8).
+"""Input-space canaries for the one-run audit (Steinke, Nasr & Jagielski 2023, Alg. 1; docs/algorithms.md §8).
 
 m canaries are out-of-distribution inputs with random labels (random ±a pixels for
 images, random ±a features for tables): examples a model only fits by memorising them.

@@ -1,4 +1,4 @@
-"""White-box "Dirac" gradient canaries (Steinke, Nasr & Jagielski 2023, §7 / Alg. 2; ALGORITHMS.md §8).
+"""White-box "Dirac" gradient canaries (Steinke, Nasr & Jagielski 2023, §7 / Alg. 2; docs/algorithms.md §8).
 
 Each canary i is an example whose gradient is exactly C·e_i: norm C (the clipping norm,
 so clipping leaves it untouched) along its own coordinate, and nothing else. This is

@@ -1,6 +1,6 @@
 """One audited training run: canaries in, train once with DPStrategy, ε lower bound out.
 
-Steinke, Nasr & Jagielski (2023), ALGORITHMS.md §8: draw m canaries with public ½-coins,
+Steinke, Nasr & Jagielski (2023), docs/algorithms.md §8: draw m canaries with public ½-coins,
 train once, score every canary, turn the correct guesses into an ε lower bound at the
 stated confidence (:mod:`lightning_dp.audit.bound`), and compare it with the ε the
 accountant claims for the same run (``ledger_epsilon`` of the strategy's ledger, same δ).

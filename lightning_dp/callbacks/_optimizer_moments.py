@@ -1,6 +1,6 @@
 """Read m̂, v̂, Φ̄ and the applied update of one parameter from an optimizer's state.
 
-Post-processing of the optimizer state (ALGORITHMS.md §1–§2), no data: supports
+Post-processing of the optimizer state (docs/algorithms.md §1–§2), no data: supports
 :class:`~lightning_dp.optim.DPAdam` / :class:`~lightning_dp.optim.DPAdagrad` (any
 variant) and ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad``. For the DP optimizers
 the divisor D(v̂) comes from the variant's own

@@ -3,7 +3,7 @@
 The LightningModule keeps returning a plain ``torch.optim`` optimizer from
 ``configure_optimizers``; this callback replaces it in the strategy with
 :class:`~lightning_dp.optim.DPAdam` / :class:`~lightning_dp.optim.DPAdagrad`
-running the chosen variant (ALGORITHMS.md §1–§5), keeping param groups (lr,
+running the chosen variant (docs/algorithms.md §1–§5), keeping param groups (lr,
 betas, eps, weight decay, every key), the moments m, v and the step count, and
 re-pointing LR schedulers.
 

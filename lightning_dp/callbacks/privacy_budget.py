@@ -1,7 +1,7 @@
 """PrivacyBudget: report what a run has spent, and stop before it overspends.
 
 Reads the :class:`~lightning_dp.accounting.PrivacyLedger` that :class:`DPStrategy` keeps
-(one entry per release of the sampled Gaussian mechanism, ALGORITHMS.md "The mechanism")
+(one entry per release of the sampled Gaussian mechanism, docs/algorithms.md "The mechanism")
 and, every ``log_every_n_steps``, writes one row to the trainer's loggers (``privacy/epsilon``,
 ``privacy/delta``, ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``, and
 ``privacy/target_epsilon`` when there is a target: ``privacy/epsilon`` once per logged step) and
@@ -54,7 +54,7 @@ minute) and recomputed only if σ or q changes. A budget too small for the first
 ``ValueError`` at ``on_train_start``, before any step; a resumed run with no budget left stops at
 once.
 
-Non-private runs (the noiseless baseline, ALGORITHMS.md §5) report ε = inf with a warning.
+Non-private runs (the noiseless baseline, docs/algorithms.md §5) report ε = inf with a warning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SecondMomentMonitor: what the DP noise does to Adam's second moment, logged every n steps.
 
 The bias-correction seed (dp-adam-bias-correction.txt, Table 1 and Figure 2) shows
-that under DP the noise variance Φ = (σC/B)² dominates Adam's v̂ (ALGORITHMS.md §1),
+that under DP the noise variance Φ = (σC/B)² dominates Adam's v̂ (docs/algorithms.md §1),
 and the design-principles seed (Fig. 4) reports the share of coordinates with
 v̂ − Φ < 0. This callback logs those quantities for the user's own run. They are
 post-processing of the optimizer state (noisy quantities) and cost no privacy.
@@ -57,7 +57,7 @@ class SecondMomentMonitor(Callback):
     variant) and ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad``; others are skipped with
     a warning.
 
-    Quantities, per parameter (ALGORITHMS.md §1–§2):
+    Quantities, per parameter (docs/algorithms.md §1–§2):
 
     * v̂ = v/(1−β2^t) for Adam (``exp_avg_sq``); the running sum ``sum`` for AdaGrad;
     * Φ = per-coordinate variance of the noise in the last step's ĝ,

@@ -3,7 +3,7 @@
     lightning-dp audit --config configs/digits.yaml --canaries 200 --confidence 0.95 [--max-epochs N]
     lightning-dp audit --config configs/audit_digits.yaml --kind gradient
 
-Prints the empirical ε lower bound (Steinke, Nasr & Jagielski 2023; ALGORITHMS.md §8)
+Prints the empirical ε lower bound (Steinke, Nasr & Jagielski 2023; docs/algorithms.md §8)
 next to the accountant's ε for the same run. Exit status: 0 when the lower bound is at
 most the claimed ε, 1 when it exceeds it (the implementation leaks more than claimed),
 2 on bad input.

@@ -126,7 +126,7 @@ def _progress(label: str, work: Callable[[], _T], quiet: bool) -> _T:
 
 
 def _sign_sgd_rows(args: argparse.Namespace, setting: Setting) -> list[tuple[str, str]]:
-    """The seed paper's calibration next to ours (ALGORITHMS.md §6): its σ protects only σ/2."""
+    """The seed paper's calibration next to ours (docs/algorithms.md §6): its σ protects only σ/2."""
     from lightning_dp.accounting import epsilon
 
     q, steps, delta = setting.sample_rate, setting.steps, args.delta

@@ -1,4 +1,4 @@
-"""Coefficients of a banded lower-triangular Toeplitz strategy matrix C (DP-MF, ALGORITHMS.md §7).
+"""Coefficients of a banded lower-triangular Toeplitz strategy matrix C (DP-MF, docs/algorithms.md §7).
 
 A b-banded Toeplitz strategy is given by b numbers c_0..c_{b-1}: C[t, s] = c_{t-s} for
 0 ≤ t - s < b, else 0. The noise added to the gradient of step t is row t of C⁻¹ z
@@ -66,7 +66,7 @@ def fichtenberger_coefficients(bands: int) -> np.ndarray:
     """c_j = binom(2j, j) / 4^j for j < ``bands`` (1, 1/2, 3/8, 5/16, …).
 
     The Toeplitz square root of the prefix-sum matrix (C·C = A), truncated to b bands
-    (ALGORITHMS.md §7; Fichtenberger et al. 2023). Computed as the running product
+    (docs/algorithms.md §7; Fichtenberger et al. 2023). Computed as the running product
     c_j = c_{j−1} · (2j − 1) / (2j), exact to rounding.
     """
     bands = check_bands(bands)
@@ -107,7 +107,7 @@ def prefix_sum_error(coefficients: Sequence[float], n: int) -> float:
     """Mean variance of the prefix-sum noise, (1/n)·sens²·‖A C⁻¹‖_F², for unit σ·C_clip.
 
     The noise of the prefix sum at step t is Σ_{s≤t} (sens·C⁻¹z)_s with sens = ‖c‖₂
-    (design-principles §4.5; ALGORITHMS.md §7). A C⁻¹ is lower-triangular Toeplitz with
+    (design-principles §4.5; docs/algorithms.md §7). A C⁻¹ is lower-triangular Toeplitz with
     coefficients s_k = Σ_{i≤k} r_i (r from :func:`inverse_coefficients`), hence
     ‖A C⁻¹‖_F² = Σ_k (n − k) s_k². Independent noise (c = [1]) gives (n + 1)/2.
     """

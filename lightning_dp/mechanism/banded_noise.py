@@ -1,6 +1,6 @@
 """Correlated noise: the banded-Toeplitz matrix-factorisation mechanism (DP-MF / BandMF), streamed.
 
-ALGORITHMS.md §7 (design-principles §2.1, §4.5). With a b-banded lower-triangular Toeplitz
+docs/algorithms.md §7 (design-principles §2.1, §4.5). With a b-banded lower-triangular Toeplitz
 strategy C (coefficients c_0..c_{b−1}, see :mod:`lightning_dp.mechanism.banded_coefficients`)
 the noise added to the clipped sum of step t is row t of C⁻¹ Z, computed one step at a time
 from the last b − 1 outputs:
@@ -61,7 +61,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class BandedToeplitzNoise(NoiseMechanism):
-    """Streamed b-banded Toeplitz DP-MF noise (ALGORITHMS.md §7); returns sens · C⁻¹ z one row per step.
+    """Streamed b-banded Toeplitz DP-MF noise (docs/algorithms.md §7); returns sens · C⁻¹ z one row per step.
 
     Args:
         bands: b ≥ 1, the number of bands of the strategy C (b = 1: independent noise).
@@ -203,7 +203,7 @@ class BandedToeplitzNoise(NoiseMechanism):
     def phi_factor(self, step: int) -> float:
         """sens² · Σ_j (C⁻¹)_{step,j}²: the noise variance of ``step`` (0-based) per unit (σ C_clip)².
 
-        ALGORITHMS.md §7: Φ_t = (σ · C_clip / B)² · phi_factor(t). Equal to 1 for every step
+        docs/algorithms.md §7: Φ_t = (σ · C_clip / B)² · phi_factor(t). Equal to 1 for every step
         when b = 1; for b > 1 it starts at sens² = ‖c‖² and increases towards its limit.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:

@@ -5,7 +5,7 @@ data-parallel mesh of W ranks: rank r holds rows [r·c, (r+1)·c) of the full te
 (``torch.chunk``'s split; trailing ranks may hold fewer rows, or none). For each module's forward and
 backward FSDP2 all-gathers the full ("unsharded") parameter into a separate leaf tensor, swaps it into
 the module, and swaps the sharded ``DTensor`` back afterwards. What that means for the private step
-(ALGORITHMS.md, "The mechanism"):
+(docs/algorithms.md, "The mechanism"):
 
 - The per-example engine's captured activations and output gradients are full-size, so its per-example
   norms are whole-model norms, and its clipped sums Σ_i clip_C(g_i) are full-size tensors, keyed by
@@ -168,7 +168,7 @@ class FSDPLayout:
         return out
 
     def full_request(self, request: MechanismRequest) -> MechanismRequest:
-        """``request`` with its per-coordinate scale (scale-then-privatize, ALGORITHMS.md §4) gathered to full
+        """``request`` with its per-coordinate scale (scale-then-privatize, docs/algorithms.md §4) gathered to full
         size: the scale is computed from the optimizer's sharded state, while the engine scales each example's
         whole gradient before clipping. The scale depends only on earlier releases (public): gathering it is
         post-processing. A collective every rank joins."""

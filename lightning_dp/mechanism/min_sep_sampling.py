@@ -1,6 +1,6 @@
 """b-min-separated participation ("cyclic Poisson"): the sampling scheme banded DP-MF needs.
 
-ALGORITHMS.md §7; Choquette-Choo et al. 2023, "(Amplified) banded matrix factorization",
+docs/algorithms.md §7; Choquette-Choo et al. 2023, "(Amplified) banded matrix factorization",
 arXiv 2306.08153, Alg. 2 / Thm. 5. The data are split into b fixed groups; logical step t
 Poisson-samples group t mod b only, each of its members independently with the *group* rate
 q_g. An example of group g can therefore appear only in steps t ≡ g (mod b): any two of its

@@ -1,7 +1,7 @@
 """Noise mechanisms: where the one noise draw per logical step comes from.
 
 A mechanism returns *unit* noise shaped like the gradients; the privatizer scales it
-by σ·C. Today's mechanism draws independent standard Gaussians (ALGORITHMS.md, "The
+by σ·C. Today's mechanism draws independent standard Gaussians (docs/algorithms.md, "The
 mechanism": z_t ~ N(0, I_d)); correlated-noise mechanisms (DP-MF, §7) implement the
 same interface and keep their history in :meth:`state_dict`.
 """

@@ -1,7 +1,7 @@
 """One private step, Lightning-free: what ``DPStrategy``, a plain PyTorch loop and a sharded
 strategy share. A reader audits the whole mechanism here.
 
-Per logical step t (ALGORITHMS.md, "The mechanism"):
+Per logical step t (docs/algorithms.md, "The mechanism"):
 
     indices ← the Poisson sampler's batch (never read from the data)        :meth:`PrivateStep.take`
     S_t     = Σ_i clip_C(g_{t,i}), over one or more physical batches        :meth:`begin`, :meth:`bank`

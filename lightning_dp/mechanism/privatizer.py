@@ -1,6 +1,6 @@
 """The mechanism of one logical step: clipped sums -> noise once -> / B -> p.grad.
 
-ALGORITHMS.md, "The mechanism":
+docs/algorithms.md, "The mechanism":
 
     S_t = Σ_i clip_C(g_{t,i})            (the engine's ClippedBatch)
     ĝ_t = (S_t + σ C z_t) / B            (here; B the expected global batch)

@@ -1,6 +1,6 @@
 """What an optimizer variant asks of the mechanism, and what the mechanism releases.
 
-The contract of ARCHITECTURE.md ("the strategy asks the variant, never the reverse"):
+The contract of docs/architecture.md ("the strategy asks the variant, never the reverse"):
 
 * before a step, the strategy asks the optimizer for a :class:`MechanismRequest`
   (a per-coordinate scale for scale-then-privatize, a second noised statistic for
@@ -28,13 +28,13 @@ class MechanismRequest:
     Attributes:
         scale: per-parameter, per-coordinate scale ``s_t`` applied to every
             per-example gradient *before* clipping, and undone after the noise
-            (scale-then-privatize, ALGORITHMS.md §4). Must depend only on earlier
+            (scale-then-privatize, docs/algorithms.md §4). Must depend only on earlier
             private outputs.
         second_moment: release the noised per-example second moment
             ``(Σ_i clip_C(g_i)² + σ₂ C² z) / B`` next to ĝ (independent moments,
-            ALGORITHMS.md §3). The budget is split: both statistics get √2 σ.
+            docs/algorithms.md §3). The budget is split: both statistics get √2 σ.
         clean_mean: also hand over the *un-noised* clipped mean ``S_t / B``.
-            This is not private (the noiseless baseline, ALGORITHMS.md §5); the
+            This is not private (the noiseless baseline, docs/algorithms.md §5); the
             strategy records such steps as non-private.
     """
 
@@ -58,7 +58,7 @@ class Release:
     Attributes:
         noise_std: per-coordinate std of the noise in the gradient written to
             ``p.grad`` *before* unscaling, i.e. σ·C/B (×√2 when the budget is split).
-            Its square is Φ of the bias-correction paper (ALGORITHMS.md §2).
+            Its square is Φ of the bias-correction paper (docs/algorithms.md §2).
         expected_batch_size: the global expected batch B the sums were divided by.
         noise_multiplier: σ of the step (the ledger's value).
         max_grad_norm: C of the step.

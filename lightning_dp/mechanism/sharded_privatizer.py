@@ -1,6 +1,6 @@
 """The noised mean for parameters sharded by FSDP2: reduce-scatter the clipped sums, noise each shard once.
 
-ALGORITHMS.md, "The mechanism": ĝ_t = (S_t + σ C z_t) / B, S_t = Σ_i clip_C(g_{t,i}) over the
+docs/algorithms.md, "The mechanism": ĝ_t = (S_t + σ C z_t) / B, S_t = Σ_i clip_C(g_{t,i}) over the
 examples of every rank, z_t ~ N(0, I_d), B the expected global batch. With replicated parameters
 (:class:`~lightning_dp.mechanism.privatizer.Privatizer`) rank 0 adds σCz to its full sum before one
 all-reduce. With sharded parameters (:class:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout`) rank r

@@ -1,4 +1,4 @@
-"""The DP-SignSGD release of one step under data parallelism (ALGORITHMS.md §6).
+"""The DP-SignSGD release of one step under data parallelism (docs/algorithms.md §6).
 
 Each rank is a worker: it clips its own Poisson batch per example, adds its OWN noise
 σC to its sum, and sends only sign(·) as int8; the vote sign(Σ_m signs) is written to

@@ -1,6 +1,6 @@
 """DP-SignSGD's mechanism: each worker privatises its own sign, the server votes.
 
-ALGORITHMS.md §6 (seed: dp-sign-sgd-heavy-tailed.txt, Algorithms 1 and 2). Per step,
+docs/algorithms.md §6 (seed: dp-sign-sgd-heavy-tailed.txt, Algorithms 1 and 2). Per step,
 for every worker m holding its own local dataset:
 
     S_m    = Σ_{i in batch_m} clip_C(g_i)          # per-example clipping, Poisson batch
@@ -48,7 +48,7 @@ def noisy_sum(
     max_grad_norm: float,
     generator: Optional[torch.Generator] = None,
 ) -> Tensor:
-    """S_m + σ C z_m, the worker's pre-sign statistic (ALGORITHMS.md §6, line ``out_m``).
+    """S_m + σ C z_m, the worker's pre-sign statistic (docs/algorithms.md §6, line ``out_m``).
 
     Args:
         clipped_sum: S_m, the sum of the worker's per-example clipped gradients (any shape).
@@ -76,7 +76,7 @@ def worker_sign(
     max_grad_norm: float,
     generator: Optional[torch.Generator] = None,
 ) -> Tensor:
-    """One worker's message: sign(S_m + σ C z_m) as int8 in {-1, 0, +1} (ALGORITHMS.md §6).
+    """One worker's message: sign(S_m + σ C z_m) as int8 in {-1, 0, +1} (docs/algorithms.md §6).
 
     Exact zeros of the noisy statistic map to 0 (with σ > 0 that has probability zero;
     with σ = 0 it is the sign of an all-zero sum, e.g. an empty Poisson batch).

@@ -1,11 +1,11 @@
-"""DP-Adam and DP-AdaGrad variants (ALGORITHMS.md §1–§5).
+"""DP-Adam and DP-AdaGrad variants (docs/algorithms.md §1–§5).
 
 ``DPAdam(params, variant=...)`` / ``DPAdagrad(params, variant=...)`` implement the
 :class:`~lightning_dp.mechanism.release.PrivateOptimizer` protocol; the variant
 (a :class:`Preconditioner`) decides what the mechanism must release and how the
 second moment is formed. Variants: see :func:`variant_names`.
 
-DP-SignSGD with majority vote (ALGORITHMS.md §6): :class:`DPSignSGD` (the update) and
+DP-SignSGD with majority vote (docs/algorithms.md §6): :class:`DPSignSGD` (the update) and
 :class:`VirtualWorkersSignSGD` (M workers in one process).
 """
 

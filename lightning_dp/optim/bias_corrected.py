@@ -1,7 +1,7 @@
-"""DP-AdamBC: subtract the DP noise variance from the second moment (ALGORITHMS.md §2).
+"""DP-AdamBC: subtract the DP noise variance from the second moment (docs/algorithms.md §2).
 
-Paper: "DP-Adam with corrected DP bias in second moment estimation", Alg. 1
-(../shared/papers/dp-adam-bias-correction.txt).
+Paper: Tang et al., "DP-AdamBC: Your DP-Adam Is Actually DP-SGD (Unless You Apply Bias Correction)", AAAI 2024,
+Algorithm 1.
 """
 
 from __future__ import annotations

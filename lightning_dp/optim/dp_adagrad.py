@@ -1,4 +1,4 @@
-"""DPAdagrad: AdaGrad whose accumulator follows a DP variant (ALGORITHMS.md §1–§5, AdaGrad forms)."""
+"""DPAdagrad: AdaGrad whose accumulator follows a DP variant (docs/algorithms.md §1–§5, AdaGrad forms)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DPAdam: Adam / AdamW whose second moment follows a DP variant (ALGORITHMS.md §1–§5)."""
+"""DPAdam: Adam / AdamW whose second moment follows a DP variant (docs/algorithms.md §1–§5)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def ema_average(state: dict[str, Any], key: str, value: Tensor, beta2: float, st
 
     ``state[key] ← β2·state[key] + (1−β2)·value`` and the result is
     ``state[key] / (1 − β2^t)``, i.e. ``Σ_s (1-β2) β2^{t-s} x_s / (1-β2^t)``
-    (ALGORITHMS.md §2). A key first seen at step t > 1 is back-filled as if
+    (docs/algorithms.md §2). A key first seen at step t > 1 is back-filled as if
     ``value`` had been observed at steps 1..t-1.
     """
     if key not in state:

@@ -1,4 +1,4 @@
-"""Independent moment estimation, per-example form (ALGORITHMS.md §3).
+"""Independent moment estimation, per-example form (docs/algorithms.md §3).
 
 The mechanism releases, next to ĝ (noised with √2σ), a separately noised
 per-example second moment ``ĝ2 = (Σ_i clip_C(g_i)² + √2σC² z2) / B``

@@ -1,4 +1,4 @@
-"""Noiseless preconditioner: NOT differentially private (ALGORITHMS.md §5).
+"""Noiseless preconditioner: NOT differentially private (docs/algorithms.md §5).
 
 A research baseline from design-principles Alg. 9: m from the noisy ĝ, v from the
 clean clipped mean ḡ = S/B. The mechanism hands the clean mean over only when

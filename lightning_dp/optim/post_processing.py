@@ -1,4 +1,4 @@
-"""Post-processing DP-Adam: plain Adam/AdaGrad on the privatised gradient ĝ (ALGORITHMS.md §1)."""
+"""Post-processing DP-Adam: plain Adam/AdaGrad on the privatised gradient ĝ (docs/algorithms.md §1)."""
 
 from __future__ import annotations
 

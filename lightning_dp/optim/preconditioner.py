@@ -1,7 +1,7 @@
 """The preconditioner interface shared by every DP-Adam / DP-AdaGrad variant.
 
 A variant differs from plain Adam (or AdaGrad) in three places only, so a
-:class:`Preconditioner` answers three questions (ALGORITHMS.md §1–§5):
+:class:`Preconditioner` answers three questions (docs/algorithms.md §1–§5):
 
 * :meth:`Preconditioner.request` — what the mechanism must do for the coming step
   (a per-coordinate scale, a second noised statistic, the clean mean);
@@ -100,7 +100,7 @@ def lookup(mapping: Optional[Mapping[Tensor, Tensor]], p: Tensor, what: str, var
 
 
 def noise_variance(p: Tensor, release: Release) -> Union[Tensor, float]:
-    """Per-coordinate variance Φ of the noise in ``p.grad`` (ALGORITHMS.md §2).
+    """Per-coordinate variance Φ of the noise in ``p.grad`` (docs/algorithms.md §2).
 
     ``release.noise_std² `` = (σC/B)² — or ``(noise_std / s)²`` per coordinate when
     the mechanism worked in a scaled space (``release.scale``, §4).

@@ -1,4 +1,4 @@
-"""Scale-then-privatize (ALGORITHMS.md §4; design-principles Alg. 8; DP² for τ > 1).
+"""Scale-then-privatize (docs/algorithms.md §4; design-principles Alg. 8; DP² for τ > 1).
 
 The variant supplies a per-coordinate scale ``s_t = 1 / (sqrt(v_{t-1}) + ε_s)``
 from the optimizer's raw second moment of the previous step; the strategy clips

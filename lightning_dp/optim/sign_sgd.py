@@ -1,4 +1,4 @@
-"""DP-SignSGD with majority vote (ALGORITHMS.md §6): the update, and M virtual workers.
+"""DP-SignSGD with majority vote (docs/algorithms.md §6): the update, and M virtual workers.
 
 * :class:`DPSignSGD` is the optimizer-side update θ -= η·vote. It never sees data: the
   vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.mechanism.sign_vote`),
@@ -42,7 +42,7 @@ GradientNoise = Callable[[tuple[int, ...], torch.Generator], Tensor]
 
 
 class DPSignSGD(torch.optim.Optimizer):
-    """θ -= η · sign(p.grad), where ``p.grad`` holds the majority vote (ALGORITHMS.md §6).
+    """θ -= η · sign(p.grad), where ``p.grad`` holds the majority vote (docs/algorithms.md §6).
 
     The optimizer takes the sign once more, which leaves a vote in {-1, 0, +1}
     unchanged. It adds no privacy itself: privacy comes from whoever wrote ``p.grad``
@@ -91,7 +91,7 @@ class VoteStep:
 
 
 class VirtualWorkersSignSGD:
-    """M DP-SignSGD workers in one process (ALGORITHMS.md §6, mode (b) of issue 7).
+    """M DP-SignSGD workers in one process (docs/algorithms.md §6, mode (b) of issue 7).
 
     Each worker runs the library's private step (:class:`~lightning_dp.mechanism.private_step.PrivateStep`)
     on its own local data: its Poisson sampler (:class:`~lightning_dp.mechanism.sampling.PoissonBatchSampler`),

@@ -1,4 +1,4 @@
-"""Registry of DP-Adam / DP-AdaGrad variants by name (ALGORITHMS.md §1–§5).
+"""Registry of DP-Adam / DP-AdaGrad variants by name (docs/algorithms.md §1–§5).
 
 Adding a variant is one class and one :func:`register_variant` call; nothing
 else in the package switches on variant names.

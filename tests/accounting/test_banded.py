@@ -1,4 +1,4 @@
-"""Banded DP-MF accounting (ALGORITHMS.md §7): sensitivity by brute force, ⌈T/b⌉ rounds, error at equal ε."""
+"""Banded DP-MF accounting (docs/algorithms.md §7): sensitivity by brute force, ⌈T/b⌉ rounds, error at equal ε."""
 
 import math
 

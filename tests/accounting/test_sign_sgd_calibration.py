@@ -1,4 +1,4 @@
-"""Per-worker σ calibration for DP-SignSGD: ours vs the seed paper's integer grid (ALGORITHMS.md §6)."""
+"""Per-worker σ calibration for DP-SignSGD: ours vs the seed paper's integer grid (docs/algorithms.md §6)."""
 
 from __future__ import annotations
 

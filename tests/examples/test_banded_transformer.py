@@ -1,4 +1,4 @@
-"""Smoke run of configs/banded_transformer.yaml: independent vs banded noise at equal ε (ALGORITHMS.md §7)."""
+"""Smoke run of configs/banded_transformer.yaml: independent vs banded noise at equal ε (docs/algorithms.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Banded-Toeplitz DP-MF noise (ALGORITHMS.md §7): covariance C⁻¹C⁻ᵀ, b = 1 ≡ Gaussian, Φ_t, state."""
+"""Banded-Toeplitz DP-MF noise (docs/algorithms.md §7): covariance C⁻¹C⁻ᵀ, b = 1 ≡ Gaussian, Φ_t, state."""
 
 import io
 import math

@@ -1,4 +1,4 @@
-"""Independent moments (ALGORITHMS.md §3, per-example form): the second statistic
+"""Independent moments (docs/algorithms.md §3, per-example form): the second statistic
 Σ_i clip_C(g_i)² is noised for sensitivity C². An adversarial search over neighbouring
 batches (one example added) must never move it by more than C², and must get close."""
 

@@ -1,4 +1,4 @@
-"""DP-SignSGD mechanism (ALGORITHMS.md §6): worker signs, the vote, the int8 all-reduce."""
+"""DP-SignSGD mechanism (docs/algorithms.md §6): worker signs, the vote, the int8 all-reduce."""
 
 from __future__ import annotations
 

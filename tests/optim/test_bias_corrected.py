@@ -1,4 +1,4 @@
-"""Φ of DP-AdamBC (ALGORITHMS.md §2): per-coordinate under a scale, back-filled when switched on late."""
+"""Φ of DP-AdamBC (docs/algorithms.md §2): per-coordinate under a scale, back-filled when switched on late."""
 
 from __future__ import annotations
 

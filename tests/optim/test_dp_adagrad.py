@@ -1,4 +1,4 @@
-"""DPAdagrad equals a plain re-implementation of each AdaGrad analogue (ALGORITHMS.md §1–§5)."""
+"""DPAdagrad equals a plain re-implementation of each AdaGrad analogue (docs/algorithms.md §1–§5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DPAdam equals a plain re-implementation of each variant's formula (ALGORITHMS.md §1–§5).
+"""DPAdam equals a plain re-implementation of each variant's formula (docs/algorithms.md §1–§5).
 
 The reference below is written from the formulas, with python loops over the
 steps and no code shared with the package. Gradients and releases are fixed.
@@ -31,7 +31,7 @@ def fixed_problem(seed: int = 0):
 
 
 def reference_adam(theta0, grads, second, clean, sigma_c_b, variant, lr, b1, b2, eps, wd, decoupled, gamma):
-    """Adam written from ALGORITHMS.md, per parameter, with explicit sums for Φ̄."""
+    """Adam written from docs/algorithms.md, per parameter, with explicit sums for Φ̄."""
     out = []
     for k, th0 in enumerate(theta0):
         theta, m, v, phis = th0.clone(), torch.zeros_like(th0), torch.zeros_like(th0), []

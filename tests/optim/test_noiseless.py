@@ -1,4 +1,4 @@
-"""The noiseless baseline (ALGORITHMS.md §5) is loudly non-private."""
+"""The noiseless baseline (docs/algorithms.md §5) is loudly non-private."""
 
 from __future__ import annotations
 

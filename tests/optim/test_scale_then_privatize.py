@@ -1,4 +1,4 @@
-"""Scale-then-privatize's request: s_t = 1/(sqrt(v_{t-1}) + eps_s), uniform at t = 1 (ALGORITHMS.md §4)."""
+"""Scale-then-privatize's request: s_t = 1/(sqrt(v_{t-1}) + eps_s), uniform at t = 1 (docs/algorithms.md §4)."""
 
 from __future__ import annotations
 

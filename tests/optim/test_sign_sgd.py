@@ -1,4 +1,4 @@
-"""DP-SignSGD optimizer and the M-virtual-workers runner (ALGORITHMS.md §6)."""
+"""DP-SignSGD optimizer and the M-virtual-workers runner (docs/algorithms.md §6)."""
 
 from __future__ import annotations
 

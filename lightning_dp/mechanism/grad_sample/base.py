@@ -1,7 +1,7 @@
 """The per-example gradient engine interface and its registry.
 
 An engine turns one forward + backward of a *mean* loss into the per-example clipped
-statistics the mechanism needs (ALGORITHMS.md, "The mechanism"):
+statistics the mechanism needs (docs/algorithms.md, "The mechanism"):
 
     S   = Σ_i clip_C(s ⊙ g_i)          (always)
     S2  = Σ_i clip_C(s ⊙ g_i)²         (only when asked, for independent moments)
@@ -141,7 +141,7 @@ def mean_over_views(grad_samples: Sequence[Tensor], views: int) -> list[Tensor]:
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
-    """min(1, C / ‖g_i‖) per example (ALGORITHMS.md, clip_C). Zero norms give 1."""
+    """min(1, C / ‖g_i‖) per example (docs/algorithms.md, clip_C). Zero norms give 1."""
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 

@@ -9,7 +9,7 @@ the per-example gradient of its parameters θ is the vector-Jacobian product
     g_i = n · ∂⟨f(θ, x_i), δ_i⟩ / ∂θ          (n = batch size, undoing the mean's 1/n)
 
 which ``torch.func.vmap(torch.func.grad(...))`` evaluates for all i at once, for any
-leaf module with parameters (ALGORITHMS.md, "The mechanism": this is g_{t,i}). Clipping
+leaf module with parameters (docs/algorithms.md, "The mechanism": this is g_{t,i}). Clipping
 and summing then use :func:`clip_and_sum_materialised`.
 
 The hook machinery (:class:`~lightning_dp.mechanism.capture.ActivationCapture`) is shared

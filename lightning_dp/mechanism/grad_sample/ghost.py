@@ -12,10 +12,10 @@ ghost clipping) give its norm without forming G_i:
 and Bu et al.'s book-keeping turns the clipped sum into one contraction of the stored
 (a, δ), with no second backward:
 
-    Σ_i c_i G_i = (c ⊙ n δ)ᵀ a,     c_i = min(1, C/‖g_i‖)   (ALGORITHMS.md, clip_C)
+    Σ_i c_i G_i = (c ⊙ n δ)ᵀ a,     c_i = min(1, C/‖g_i‖)   (docs/algorithms.md, clip_C)
 
 Per layer, the cheaper of the ghost norm and materialising G_i (cost n·T·in·out, memory
-n·in·out) is chosen. Scale-then-privatize (ALGORITHMS.md §4) needs ‖s⊙G_i‖: exact in
+n·in·out) is chosen. Scale-then-privatize (docs/algorithms.md §4) needs ‖s⊙G_i‖: exact in
 closed form for T = 1 (Σ_{o,j} s²_{oj} δ²_o a²_j) and for Embedding; otherwise that layer
 materialises. Σ_i c_i s⊙G_i = s ⊙ Σ_i c_i G_i stays one contraction. LayerNorm, GroupNorm
 and RMSNorm materialise their small per-example grads in closed form; the registered rules of

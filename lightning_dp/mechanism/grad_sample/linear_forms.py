@@ -6,7 +6,7 @@ A form is what a linear map saw and received at every position: ``a`` ``[n, T, i
 G_i = Σ_t d_{i,t} ⊗ a_{i,t} and its bias gradient Σ_t d_{i,t}. Several weights may share one form (an LSTM's W_ih
 and W_hh read columns of [x_t, h_{t−1}] and share the gate gradients), and several biases one Σ_t d. The ghost engine
 takes their norms and clipped sums as for a Linear layer (Li et al. §4, ghost clipping; Bu et al.'s book-keeping;
-ALGORITHMS.md clip_C):
+docs/algorithms.md clip_C):
 
     ‖G_i‖² = Σ_{t,t'} (a_t·a_t')(d_t·d_t')      cost n·T²·(in + out); or G_i materialised, n·T·in·out
     Σ_i c_i G_i = (c ⊙ d)ᵀ a                     one product over all n·T positions

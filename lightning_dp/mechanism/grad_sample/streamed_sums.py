@@ -1,7 +1,7 @@
 """Clipped sums computed one layer at a time, when read: the ghost engine's sums for sharded models.
 
 The ghost engine (:mod:`.ghost`) first computes every example's whole-model norm, hence the clip
-factors c_i = min(1, C/‖g_i‖) (ALGORITHMS.md, clip_C); each layer's clipped sum Σ_i c_i g_i is then
+factors c_i = min(1, C/‖g_i‖) (docs/algorithms.md, clip_C); each layer's clipped sum Σ_i c_i g_i is then
 one contraction of that layer's captured activations and output gradients. Computed eagerly, the sums
 of all layers exist at once: one model-sized gradient, whatever the sharding. :class:`StreamedSums`
 is the same mapping parameter → Σ_i c_i g_i, computed when a parameter is first read and forgotten

@@ -1,6 +1,6 @@
 """Shared models and the brute-force reference for the per-example engine tests.
 
-The reference follows ALGORITHMS.md "The mechanism" literally: one backward per example,
+The reference follows docs/algorithms.md "The mechanism" literally: one backward per example,
 scale, clip with ``clip_factors``, sum.
 """
 

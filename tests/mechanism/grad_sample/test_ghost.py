@@ -1,4 +1,4 @@
-"""Ghost engine == brute-force per-example clipping (ALGORITHMS.md "The mechanism", §4)."""
+"""Ghost engine == brute-force per-example clipping (docs/algorithms.md "The mechanism", §4)."""
 
 import pytest
 import torch
