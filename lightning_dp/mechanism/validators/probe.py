@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.boundary.state import StateFingerprint
+from lightning_dp.mechanism.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
 from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 
@@ -98,6 +99,8 @@ class ExampleIndependenceProbe:
         self.isolated = isolated
         self.random = False
         """Set by :meth:`run`: the step draws random numbers of its own (only the coarse checks could run)."""
+        self.interaction_rtol = rtol
+        """Set by :meth:`run`: the tolerance of the batch-against-alone comparisons (:meth:`_interaction_tolerance`)."""
         self.compute_dtype: Optional[torch.dtype] = None
         """Set by :meth:`run`: the lowest-precision floating dtype the forward computed in (:class:`LowestFloat`)."""
 
@@ -143,6 +146,7 @@ class ExampleIndependenceProbe:
             raise state_mutation_error(changed)
         random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
                                                float(together.norms.double().max()) * len(indices) ** 0.5)
+        self.interaction_rtol = self._interaction_tolerance()
         self._compare(together, alone, reference, len(indices), random)
         if isinstance(clipped, list):
             for one, example in zip(clipped, alone):
@@ -213,8 +217,19 @@ class ExampleIndependenceProbe:
             if not self._close(got, want, max(float(want.norm()), float(got.norm()), bound * 1e-3)):
                 raise clipping_error(self.engine.name, name)
 
-    def _close(self, a: Tensor, b: Tensor, scale: float) -> bool:
-        return float((a.double() - b.double()).norm()) <= self.rtol * scale + 1e-12
+    def _close(self, a: Tensor, b: Tensor, scale: float, rtol: Optional[float] = None) -> bool:
+        return float((a.double() - b.double()).norm()) <= (self.rtol if rtol is None else rtol) * scale + 1e-12
+
+    def _interaction_tolerance(self) -> float:
+        """The tolerance of the batch-against-alone comparisons: the same examples through the same code, so rounding
+        only (:func:`~lightning_dp.mechanism.validators.tolerance.batch_tolerance`, 64 ulps of the precision the forward
+        computed in), never looser than ``rtol`` (which also bounds the comparisons of different code paths: the
+        engine's norm against its sum, its sum against autograd's)."""
+        reference = self.params[0] if self.params else torch.zeros(())
+        dtype = reference.dtype if reference.is_floating_point() else torch.float32
+        if self.compute_dtype is not None and torch.finfo(self.compute_dtype).eps > torch.finfo(dtype).eps:
+            dtype = self.compute_dtype
+        return min(self.rtol, batch_tolerance(dtype, reference.device, low_precision=self.rtol >= LOW_PRECISION_TOLERANCE))
 
     def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int,
                  random: bool) -> None:
@@ -238,12 +253,13 @@ class ExampleIndependenceProbe:
                 "only a summed loss and uncaptured parameter uses were checked. Make sure examples do not "
                 "interact through the loss or the model (see the README: what the strategy verifies).",
                 stacklevel=2)
-        elif not self._close(together_norms, alone_norms, scale * k ** 0.5):
+        elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             raise interaction_error(together_norms, alone_norms, k, engine=self.engine.name)
         for p, name, ref in zip(self.params, self.names, reference):
             summed = sum(a.sums[p].double() for a in alone)
             size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
-            if not random and not self.isolated and not self._close(together.sums[p], summed, size):
+            if not random and not self.isolated and not self._close(together.sums[p], summed, size,
+                                                                    self.interaction_rtol):
                 raise interaction_error(together_norms, alone_norms, k, name, engine=self.engine.name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
