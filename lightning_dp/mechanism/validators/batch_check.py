@@ -15,7 +15,7 @@ every pass, on m of the batch's examples (all of them up to ``max_examples``):
 and requires, with τ = :func:`batch_tolerance` (from the compute dtype) and s = max_i ‖g_i^all‖ (the norms' scale),
 
     | ‖g_i^all‖ − ‖g_i^part‖ | ≤ τ · s                 for every example i of every part (H, R, alone)
-    ‖S_H + S_R − S_all‖_p     ≤ τ · (Σ_i ‖g_i^all‖²)^½  for every parameter p (S: the unclipped sums)
+    ‖S_H + S_R − S_all‖_p     ≤ τ · Σ_i ‖g_i^all‖       for every parameter p (S: the unclipped sums)
 
 Halving the batch changes, for every example, which others share its batch: an example's gradient that depends on
 the others moves for some example (top-k: the halves keep other examples; a batch statistic: both halves differ from
@@ -129,7 +129,7 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
             gap = (norms[positions] - part.norms.double()).abs()
             differing += int((gap > self.rtol * scale + 1e-12).sum())
         half, rest = parts[0][1], parts[1][1]
-        total = float(norms.square().sum().sqrt())  # the sums' rounding grows like the root of the squared norms
+        total = float(norms.sum())  # the sums' rounding is bounded by their terms' sizes
         summed = [name for p, name in zip(self.params, self.names)
                   if float((half.sums[p].double() + rest.sums[p].double() - whole.sums[p].double()).norm())
                   > self.rtol * total + 1e-12]

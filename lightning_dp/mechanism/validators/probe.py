@@ -258,8 +258,9 @@ class ExampleIndependenceProbe:
         for p, name, ref in zip(self.params, self.names, reference):
             summed = sum(a.sums[p].double() for a in alone)
             size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
-            if not random and not self.isolated and not self._close(together.sums[p], summed, size,
-                                                                    self.interaction_rtol):
+            # per parameter the fixed rtol: a parameter whose gradient cancels analytically (a bias before a
+            # normalisation) keeps rounding of its intermediate terms, whose size is not known here
+            if not random and not self.isolated and not self._close(together.sums[p], summed, size):
                 raise interaction_error(together_norms, alone_norms, k, name, engine=self.engine.name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
