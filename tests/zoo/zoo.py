@@ -749,6 +749,18 @@ class Leaf(nn.Module):
         return out if scale is None else out * scale
 
 
+class NormOnTheData(Base):
+    """``nn.RMSNorm`` over the last dimension of the raw features (an input that does not require grad), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.RMSNorm(D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(self.norm(x)), y)
+
+
 class KeywordLeaf(Base):
     """Leaf layers called with keyword tensors: ``self.leaf(x=h)``, ``self.lin(input=h)``."""
 

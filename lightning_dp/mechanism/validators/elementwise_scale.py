@@ -28,6 +28,7 @@ The first step's probe compares the result with autograd's gradient, as for ever
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
@@ -93,6 +94,17 @@ def _reaches(node: Any, weight: Tensor, stop: set, limit: int = WALK_LIMIT) -> b
     return False
 
 
+def _operand_shape(saved: Optional[Tensor], node: Any, nr: int) -> Optional[tuple[int, ...]]:
+    """The shape of the weight's operand of the multiplication. Autograd saves that operand only when the other one,
+    ``y``, requires grad (its gradient is δ ⊙ w): an ``nn.RMSNorm`` on the data itself (an input that does not require
+    grad) leaves it unsaved, and its shape is then read from the autograd node that produced it (its output
+    metadata), the weight's own accumulator or the cast or view in between."""
+    if isinstance(saved, Tensor):
+        return tuple(saved.shape)
+    metadata = getattr(node, "_input_metadata", None)
+    return None if metadata is None or nr >= len(metadata) else tuple(metadata[nr].shape)
+
+
 def scaled_operand(weight: Tensor, out: Any, inputs: Sequence[Tensor]) -> Optional[Tensor]:
     """``y`` (detached) when the call's output ``out`` is verified to be ``weight ⊙ y`` with ``y`` independent of
     ``weight`` (module docstring); else None. ``inputs``: the call's tensor arguments (where the walk stops)."""
@@ -101,19 +113,19 @@ def scaled_operand(weight: Tensor, out: Any, inputs: Sequence[Tensor]) -> Option
     node = out.grad_fn
     if node is None or node.name() != "MulBackward0":
         return None
-    (left, _), (right, _) = node.next_functions
+    (left, left_nr), (right, right_nr) = node.next_functions
     try:
         if _is_weight(left, weight) and not _is_weight(right, weight):
-            w_side, y, y_node = node._saved_self, node._saved_other, right
+            w_shape, y, y_node = _operand_shape(node._saved_self, left, left_nr), node._saved_other, right
         elif _is_weight(right, weight) and not _is_weight(left, weight):
-            w_side, y, y_node = node._saved_other, node._saved_self, left
+            w_shape, y, y_node = _operand_shape(node._saved_other, right, right_nr), node._saved_self, left
         else:
             return None
     except RuntimeError:  # an operand autograd did not save
         return None
-    if not isinstance(y, Tensor) or y.shape != out.shape or w_side.numel() != weight.numel():
+    if not isinstance(y, Tensor) or y.shape != out.shape or w_shape is None or math.prod(w_shape) != weight.numel():
         return None
-    if w_side.dim() > 1 and any(s != 1 for s in w_side.shape[:-1]):
+    if len(w_shape) > 1 and any(s != 1 for s in w_shape[:-1]):
         return None
     stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
     if y_node is not None and _reaches(y_node, weight, stop):

@@ -110,3 +110,18 @@ def test_only_shifts_of_derivative_one_pass_through():
         assert scaled_operand(w, out, [x]) is not None, name
     for name, out in refused.items():
         assert scaled_operand(w, out, [x]) is None, name
+
+
+def test_an_rms_norm_on_an_input_that_does_not_require_grad_is_verified():
+    """nn.RMSNorm on the data itself (issue 37): autograd does not save the weight's operand when y needs no gradient;
+    its shape comes from the autograd record instead of an AttributeError."""
+    norm = nn.RMSNorm(zoo.D).double()
+    x = torch.randn(3, 4, zoo.D, dtype=torch.float64)
+    y = scaled_operand(norm.weight, norm(x), [x])
+    assert y is not None
+    torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_rms_norm_over_the_data_trains_exactly(engine):
+    zoo.assert_exact(zoo.NormOnTheData, zoo.vector_data(), per_sample=engine)
