@@ -14,8 +14,9 @@ gradients there, so these layers get exact per-example gradients unchanged.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -51,9 +52,39 @@ def _attention(m: nn.MultiheadAttention) -> ExampleDims:
     return ExampleDims(lambda key: slots.get(key), (seq, 0))
 
 
+STATE_NAMES = frozenset({"hx", "h0", "h_0", "hidden", "hidden_state", "state", "states", "initial_state"})
+"""Argument names an RNN subclass's ``forward`` gives its initial state (``[L, B, H]``: the examples in dimension 1)."""
+
+_TORCH_FORWARDS = frozenset({nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward, nn.RNNBase.forward})
+_PARAMETERS: dict[Any, tuple[str, ...]] = {}
+
+
+def _parameter_names(m: nn.Module) -> tuple[str, ...]:
+    """The names of ``m.forward``'s parameters in order (without ``self``), cached per function."""
+    fn = getattr(type(m), "forward")
+    if fn not in _PARAMETERS:
+        _PARAMETERS[fn] = tuple(inspect.signature(fn).parameters)[1:]
+    return _PARAMETERS[fn]
+
+
 def _recurrent(m: nn.RNNBase) -> ExampleDims:
+    """torch's RNNs: ``input`` at the sequence layout's example dimension, ``hx`` in dimension 1. A subclass with a
+    ``forward`` of its own (an LSTM taking ``lengths=`` and packing inside: ``forward(self, x, lengths=None)``) binds
+    its call to its own signature (:func:`~.capture.bind_call`): its first argument is the input, an argument named
+    like a state (:data:`STATE_NAMES`) holds the examples in dimension 1, and any other tensor is one row per example
+    in dimension 0 (``lengths`` ``[B]``, a mask ``[B, T]``; passed whole when it has no such rows)."""
     seq = 0 if m.batch_first else 1
-    return ExampleDims(lambda key: seq if key in ("0", "input") else 1, (seq, 1, 1))
+    if type(m).forward in _TORCH_FORWARDS:
+        return ExampleDims(lambda key: seq if key in ("0", "input") else 1, (seq, 1, 1))
+    names = _parameter_names(m)
+
+    def argument(key: str) -> int:
+        name = names[int(key)] if key.isdigit() and int(key) < len(names) else key
+        if key == "0" or (names and name == names[0]):
+            return seq
+        return 1 if name in STATE_NAMES else 0
+
+    return ExampleDims(argument, (seq, 1, 1))
 
 
 TIME_MAJOR_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,

@@ -350,6 +350,15 @@ def test_a_packed_sequence_is_exact(factory, engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("batch_first,keyword", [(True, True), (False, False)], ids=["bf-keyword", "tm-positional"])
+def test_an_rnn_subclass_with_a_lengths_tensor_is_exact(batch_first, keyword, engine):
+    """An nn.LSTM subclass whose forward(x, lengths=None) packs inside: lengths [B] is sliced per example in each
+    replay (example_dims._recurrent), not handed whole (issue 37)."""
+    zoo.assert_exact(lambda: zoo.RecurrentWithLengths(batch_first, keyword), zoo.token_data(pad=True),
+                     per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_packed_inter_layer_dropout_in_training_is_refused_naming_the_fix(engine):
     zoo.assert_refused(lambda: zoo.PackedRecurrent("GRU", num_layers=2, dropout=0.5), zoo.token_data(pad=True),
                        r"PackedSequence.*dropout=0.5.*F.dropout", per_sample=engine)

@@ -632,6 +632,42 @@ class PackedRecurrent(Base):
         return loss.mean()
 
 
+class LengthsLSTM(nn.LSTM):
+    """An ``nn.LSTM`` subclass as forecasting and speech code writes it: ``forward(x, lengths=None)`` packs inside
+    (``pack_padded_sequence``) and pads the output back; ``lengths`` is ``[B]``, one per example."""
+
+    def forward(self, x, lengths=None):  # type: ignore[override]
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        if lengths is None:
+            return super().forward(x)
+        total = x.shape[1 if self.batch_first else 0]
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=self.batch_first, enforce_sorted=False)
+        out, hidden = super().forward(packed)
+        out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=total)
+        return out, hidden
+
+
+class RecurrentWithLengths(Base):
+    """:class:`LengthsLSTM` called with the lengths as a keyword tensor (or positionally), classifying from h_n and
+    reading the padded output."""
+
+    def __init__(self, batch_first: bool = True, keyword: bool = True) -> None:
+        super().__init__()
+        self.batch_first, self.keyword = batch_first, keyword
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = LengthsLSTM(D, D, batch_first=batch_first)
+
+    def loss(self, batch):
+        x, y = batch
+        lengths = (y != -100).sum(1)  # token_data(pad=True): example i has 1 + i % T steps
+        h = self.emb(x) if self.batch_first else self.emb(x).transpose(0, 1)
+        out, (h_n, _) = self.rnn(h, lengths=lengths) if self.keyword else self.rnn(h, lengths)
+        out = out if self.batch_first else out.transpose(0, 1)
+        loss = F.cross_entropy(self.head(torch.tanh(h_n[-1])), y[:, 0], reduction="none")
+        return (loss + per_example_token_mean(self.head(out), y)).mean()
+
+
 class WritesState(Base):
     """A forward that writes data-dependent state into the model, outside the gradient (released unnoised):
     ``max_norm`` (nn.Embedding renormalising the looked-up rows in place), ``activation_ema`` (a custom

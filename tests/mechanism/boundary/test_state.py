@@ -216,3 +216,17 @@ def test_the_probe_and_the_replay_leave_no_trace():
     assert int(model.steps_seen) == 3
     assert len(model.training_step_outputs) == 3
     assert float(model.train_loss.weight) == 3.0
+
+
+def test_a_snapshot_restore_leaves_parameters_held_in_attributes_untouched():
+    """An nn.LSTM subclass defined by the user keeps its Parameters in the inherited ``_flat_weights`` list: the probe's
+    restore must not copy them back (their version counter would move and read as a write at the next release)."""
+    from lightning_dp.mechanism.boundary.snapshot import StateSnapshot
+
+    class Subclassed(nn.LSTM):
+        pass
+
+    rnn = Subclassed(3, 4)
+    versions = [p._version for p in rnn.parameters()]
+    StateSnapshot(rnn).restore()
+    assert [p._version for p in rnn.parameters()] == versions
