@@ -93,6 +93,19 @@ TIME_MAJOR_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer
 stacks too: their final ``norm`` sees the last layer's time-major output; ``nn.Transformer`` is two stacks)."""
 
 
+POSITION_WISE: tuple[type[nn.Module], ...] = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding)
+"""torch layers that act on each position of ``[…, d]`` alone: called on ``[T, B, …]`` outside a time-major
+container (a tutorial ViT's norms and MLP around ``nn.MultiheadAttention(batch_first=False)``) they are served
+time-major where autograd's record proves dimension 1 holds the examples (:mod:`~.validators.example_layout`,
+:meth:`~.capture.ActivationCapture._time_major_call`)."""
+
+
+def position_wise(module: nn.Module) -> bool:
+    """Whether ``module`` is one of :data:`POSITION_WISE` with that class's own forward (a subclass that rearranges its
+    input first is not position-wise)."""
+    return any(isinstance(module, kind) and type(module).forward is kind.forward for kind in POSITION_WISE)
+
+
 def time_major_layers(root: nn.Module) -> set[int]:
     """``id`` of every position-wise layer (Linear, LayerNorm, …: not a unit, not an RNN) inside a
     :data:`TIME_MAJOR_CONTAINERS` layer built with ``batch_first=False``. Their calls see ``[T, B, …]``;

@@ -441,7 +441,11 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
     like = m.weight if m.weight is not None else rec.grad_out
     x, d = _as_float(rec.args[0], like), _as_float(rec.grad_out, like)
     if isinstance(m, nn.GroupNorm):
-        xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
+        # channels in dimension 1 of what the layer saw: [n, C, …], or [n, k, C, …] for a call on flattened rows
+        # ([n·k, C, …] recorded per example), normalised row by row
+        flat = rec.flattened and x.dim() > 2
+        xhat = F.group_norm(x.flatten(0, 1) if flat else x, m.num_groups, eps=m.eps).view(x.shape)
+        dims = tuple(k for k in range(1, x.dim()) if k != (2 if flat else 1))
     else:
         k = len(m.normalized_shape)
         if isinstance(m, nn.LayerNorm):
