@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 from lightning_dp.mechanism.attention_nodes import projection_candidate, record_projections
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
+from lightning_dp.mechanism.engine_hooks import EngineHook
 from lightning_dp.mechanism.example_dims import (
     BATCH_FIRST,
     UNITS,
@@ -409,18 +410,19 @@ class ActivationCapture:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
             hooked = {id(layer) for _, layer in layers}
             self.roots.attach(root, lambda m: id(m) in covered, lambda m: id(m) in hooked)
-            self._handles.extend(m.register_forward_hook(_contiguous_output_grad)
+            self._handles.extend(m.register_forward_hook(EngineHook(_contiguous_output_grad))
                                  for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls
             hook = self._hook(calls, reducer_for(module), id(module) in time_major)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(EngineHook(hook), with_kwargs=True))
             if isinstance(module, (*UNITS, nn.RNNBase)):
-                self._handles.append(module.register_forward_pre_hook(self._remember_rng))
+                self._handles.append(module.register_forward_pre_hook(EngineHook(self._remember_rng)))
             dims = TIME_MAJOR if id(module) in time_major else example_dims(module)
             if dims is not BATCH_FIRST:
-                self._handles.append(module.register_forward_pre_hook(self._sites_at(dims), with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(EngineHook(self._sites_at(dims)),
+                                                                      with_kwargs=True))
 
     def _sites_at(self, dims: ExampleDims) -> Callable[[nn.Module, tuple, dict], Optional[tuple[tuple, dict]]]:
         """Forward pre-hook of a layer whose arguments hold the examples elsewhere than in dimension 0 (RNNs,

@@ -30,7 +30,6 @@ gradient during backward; conv patch columns are unfolded a few examples at a ti
 
 from __future__ import annotations
 
-import types
 from typing import Optional, Sequence
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_dp.mechanism.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.mechanism.example_dims import time_major_layers
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -657,8 +657,8 @@ class GhostEngine(GradSampleEngine):
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)
-                if fwd is not None and "forward" not in m.__dict__ and self._sole_owner(m):
-                    m.forward = types.MethodType(fwd, m)
+                if fwd is not None and is_own_forward(m) and self._sole_owner(m):
+                    m.forward = ReplacedForward(fwd, m)
                     self._patched.append(m)
 
     def begin_step(self, num_examples: Optional[int]) -> None:
