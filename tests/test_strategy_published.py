@@ -10,7 +10,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp import DPStrategy
+from lightning_dp import DPStrategy, PrivacyConfigurationError
 
 
 class Template(pl.LightningModule):
@@ -120,3 +120,91 @@ def test_tensorboard_traces_the_graph_of_an_attached_model(tmp_path, engine):
     trainer.fit(TimeMajorGraph(), loader)
     assert strategy.ledger.steps == 1
     assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+# ---------------------------------------------------------------- Trainer(gradient_clip_val=...)
+class ClipWatch(pl.Callback):
+    """The norm of each applied update (SGD, lr = 1: the gradient the optimizer used) and the Trainer's
+    gradient_clip_val during the fit."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.during: list[object] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = [p.detach().clone() for p in pl_module.parameters()]
+        self.during.append(trainer.gradient_clip_val)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        delta = [p.detach() - b for p, b in zip(pl_module.parameters(), self._before)]
+        self.norms.append(float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
+
+
+class UnitStep(Template):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def _fit_with_clip(strategy, **trainer_kwargs) -> tuple[pl.Trainer, ClipWatch]:
+    watch = ClipWatch()
+    trainer = quiet_trainer(strategy=strategy, max_steps=2, callbacks=[watch], **trainer_kwargs)
+    torch.manual_seed(0)
+    trainer.fit(UnitStep(Net()), _loader())
+    return trainer, watch
+
+
+def test_a_published_gradient_clip_val_becomes_the_per_example_bound(caplog):
+    """Not given max_grad_norm: C = gradient_clip_val, said once, and Lightning's clipping of the released (noised)
+    gradient is off during the fit: the noised updates are larger than C (σ = 10), which Lightning would have cut to C;
+    the Trainer gets its value back afterwards."""
+    strategy = DPStrategy(noise_multiplier=10.0, sampler_seed=0, public_state=["ClipWatch"])
+    with caplog.at_level("INFO"):
+        trainer, watch = _fit_with_clip(strategy, gradient_clip_val=0.5)
+    assert strategy.max_grad_norm == 0.5
+    assert strategy.last_release.noise_std == pytest.approx(10.0 * 0.5 / 10)
+    assert [r.getMessage() for r in caplog.records if "gradient_clip_val" in r.getMessage()] == [
+        "DPStrategy: per-example clipping bound C = 0.5, from Trainer(gradient_clip_val=0.5); Lightning's own clipping "
+        "of the batch gradient is off for this fit"]
+    assert watch.during == [None, None] and min(watch.norms) > 0.5
+    assert trainer.gradient_clip_val == 0.5
+
+
+def test_the_registered_strategy_takes_gradient_clip_val_as_its_bound_too():
+    trainer = quiet_trainer(strategy="dp", max_steps=1, gradient_clip_val=0.25)
+    trainer.fit(UnitStep(Net()), _loader())
+    assert trainer.strategy.max_grad_norm == 0.25
+
+
+def test_the_same_bound_given_twice_trains_and_a_different_one_is_refused():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, public_state=["ClipWatch"])
+    trainer, watch = _fit_with_clip(strategy, gradient_clip_val=0.5)
+    assert strategy.max_grad_norm == 0.5 and watch.during == [None, None] and trainer.gradient_clip_val == 0.5
+    model = UnitStep(Net())
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=1,
+                            gradient_clip_val=0.5)
+    with pytest.raises(PrivacyConfigurationError,
+                       match=r"gradient_clip_val=0.5\) and DPStrategy\(max_grad_norm=1.0\) give two different"):
+        trainer.fit(model, _loader())
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class Owned(UnitStep):
+    """The template with its network built inside (a checkpoint of plain tensors: weights-only loadable)."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.net = Net()
+
+
+def test_a_resumed_fit_with_the_same_published_config_keeps_its_bound(tmp_path):
+    """C adopted from gradient_clip_val is the checkpoint's C: a resumed fit with the same config is not refused as
+    a change of C (the adoption happens before the checkpoint's privacy arguments are compared)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1, gradient_clip_val=0.5,
+                            enable_checkpointing=True, callbacks=[checkpoint])
+    trainer.fit(Owned(), _loader())
+    strategy = DPStrategy(noise_multiplier=1.0)
+    resumed = quiet_trainer(strategy=strategy, max_steps=2, gradient_clip_val=0.5)
+    resumed.fit(Owned(), _loader(), ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+    assert strategy.max_grad_norm == 0.5 and strategy.ledger.steps == 2
