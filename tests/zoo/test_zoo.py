@@ -379,6 +379,34 @@ def test_an_rnn_subclass_with_a_lengths_tensor_is_exact(batch_first, keyword, en
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_batch_sorted_before_packing_is_exact(engine):
+    """Sorting by length and undoing the order on the outputs reorders the examples: each row is still one example,
+    so the probe and the later batch checks accept a permutation of the per-example norms (issue 37: it was reported
+    as "examples interact")."""
+    zoo.assert_exact(zoo.SortedPacking, zoo.token_data(pad=True), per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_outputs_left_in_sorted_order_are_refused_naming_the_sort(engine):
+    zoo.assert_refused(lambda: zoo.SortedPacking(unsort=False), zoo.token_data(pad=True),
+                       r"(?s)Examples interact.*sorts a tensor.*out\[order.argsort\(\)\]", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap", "auto"])
+def test_opacus_dplstm_on_a_packed_sequence_is_refused_naming_torch_lstm(engine):
+    zoo.assert_refused(zoo.PackedOpacusLSTM, zoo.token_data(pad=True),
+                       "DPLSTM.*PackedSequence.*Replace opacus.layers.DPLSTM by torch.nn.LSTM", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_double_backward_is_refused_naming_the_cause(engine):
+    """A physics-informed residual (torch.autograd.grad(..., create_graph=True)): no engine's layer-by-layer rule
+    sees the second-order path; named with the fixes, not "examples interact" (issue 37)."""
+    zoo.assert_refused(zoo.PhysicsInformed, zoo.vector_data(),
+                       "create_graph=True.*no per-example engine serves it.*finite difference", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_packed_inter_layer_dropout_in_training_is_refused_naming_the_fix(engine):
     zoo.assert_refused(lambda: zoo.PackedRecurrent("GRU", num_layers=2, dropout=0.5), zoo.token_data(pad=True),
                        r"PackedSequence.*dropout=0.5.*F.dropout", per_sample=engine)

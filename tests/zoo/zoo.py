@@ -727,6 +727,62 @@ class RecurrentWithLengths(Base):
         return (loss + per_example_token_mean(self.head(out), y)).mean()
 
 
+class SortedPacking(Base):
+    """The batch sorted by length before ``pack_padded_sequence(enforce_sorted=True)`` (the pre-1.1 torch idiom, still in
+    published code); ``unsort``: the logits put back in the batch's order (``logits[order.argsort()]``), else paired
+    in sorted order with the unsorted targets (a bug: example i's logits meet example j's label)."""
+
+    def __init__(self, unsort: bool = True) -> None:
+        super().__init__()
+        self.unsort = unsort
+        self.emb, self.rnn, self.head = nn.Embedding(V, D), nn.LSTM(D, D, batch_first=True), nn.Linear(D, V)
+
+    def loss(self, batch):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        x, y = batch
+        lengths, order = (y != -100).sum(1).sort(descending=True)
+        packed = pack_padded_sequence(self.emb(x[order]), lengths.cpu(), batch_first=True, enforce_sorted=True)
+        _, (h, _) = self.rnn(packed)
+        logits = self.head(torch.tanh(h[-1]))
+        return F.cross_entropy(logits[order.argsort()] if self.unsort else logits, y[:, 0])
+
+
+class PackedOpacusLSTM(Base):
+    """``opacus.layers.DPLSTM`` on a PackedSequence: refused naming ``torch.nn.LSTM``, which is served there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = DPLSTM(D, D, batch_first=True)
+
+    def loss(self, batch):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        x, y = batch
+        lengths = (y != -100).sum(1).cpu()
+        _, (h, _) = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
+        return F.cross_entropy(self.head(h[-1]), y[:, 0])
+
+
+class PhysicsInformed(Base):
+    """A physics-informed loss: u = net(t) and the residual of du/dt = cos(t), du/dt by
+    ``torch.autograd.grad(u, t, create_graph=True)`` (a double backward), plus a data term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def loss(self, batch):
+        x, y = batch
+        t = x[:, :1].clone().requires_grad_(True)
+        u = self.net(t)
+        du = torch.autograd.grad(u.sum(), t, create_graph=True)[0]
+        return ((du - torch.cos(t)) ** 2).mean() + ((u - y[:, None].to(u.dtype)) ** 2).mean()
+
+
 class WritesState(Base):
     """A forward that writes data-dependent state into the model, outside the gradient (released unnoised):
     ``max_norm`` (nn.Embedding renormalising the looked-up rows in place), ``activation_ema`` (a custom
