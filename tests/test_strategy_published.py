@@ -79,7 +79,8 @@ def test_a_template_keeping_its_network_in_hparams_checkpoints_every_step(tmp_pa
     assert keys == plain_keys
     assert type(net) is type(_net(engine)) and "_dp_root_reader" not in vars(net)
     net(torch.randn(3, 4))  # the loaded network runs; its dropped hooks remove themselves
-    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in net.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._forward_hooks_with_kwargs
+                   or m._forward_pre_hooks_with_kwargs or m._forward_hooks_always_called for m in net.modules())
 
 
 class TimeMajorGraph(pl.LightningModule):

@@ -478,10 +478,10 @@ class ActivationCapture:
             # A call without the examples (T5's [T, T] buckets) or on one row of them (Hugging Face's [1, T] position
             # ids; PEFT's prompt embedding, later .repeat(B, 1, 1)): its output is followed to where it meets the
             # examples, never expanded before the model sees it (that would change every shape computed from it).
-            one_row = (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
-                       and dims.output(0) == 0)
             tm = time_major or (position and self._time_major_call(calls, inputs, leaves, live, n))
             cdims = TIME_MAJOR if tm else dims
+            one_row = (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
+                       and dims.output(0) == 0 and not tm)
             if one_row or (n is not None and not tm and self._is_lookup(module, inputs, out, n, dims)):
                 out, aliases = _aliased(out, leaves, live)
                 self._carry_followed(leaves, aliases)

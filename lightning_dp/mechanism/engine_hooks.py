@@ -27,8 +27,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+"""Per-hook flags torch keeps by hook id beside the hooks (removed with them)."""
 
 
 def tracing() -> bool:
@@ -41,11 +42,17 @@ class DroppedHook:
     every dropped hook of the module (its forward and backward hooks alike)."""
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        dropped = set()
         for name in _HOOK_DICTS:
             hooks = module.__dict__.get(name)
             if hooks:
                 for key in [k for k, h in hooks.items() if isinstance(h, DroppedHook)]:
                     del hooks[key]
+                    dropped.add(key)
+        for name in _FLAG_DICTS:
+            flags = module.__dict__.get(name)
+            for key in dropped & set(flags or ()):
+                del flags[key]
         return None
 
 
