@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
@@ -77,7 +78,7 @@ class PrivateTraining:
     def _init_privacy(
         self,
         noise_multiplier: Optional[float],
-        max_grad_norm: float,
+        max_grad_norm: Optional[float],
         *,
         target_epsilon: Optional[float],
         target_delta: Optional[float],
@@ -108,8 +109,11 @@ class PrivateTraining:
             if noise not in (None, "gaussian"):
                 raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
             mechanism = SecureGaussianNoise()
+        self._max_grad_norm_given = max_grad_norm is not None  # else C may come from Trainer(gradient_clip_val)
+        self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep(
-            noise_multiplier, max_grad_norm, mechanism, engine=per_sample, target_epsilon=target_epsilon,
+            noise_multiplier, DEFAULT_MAX_GRAD_NORM if max_grad_norm is None else max_grad_norm, mechanism,
+            engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
             views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
             verify_budget=verify_budget, on_budget_short=on_budget_short,
@@ -250,6 +254,7 @@ class PrivateTraining:
         trainer = model._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_no_tuner(trainer, self.label)
+            adopt_gradient_clip(trainer, self, self.label)  # before a resumed checkpoint's C is compared
 
     # ------------------------------------------------------------------ the release boundary's baselines
     def on_train_start(self) -> None:
@@ -283,6 +288,7 @@ class PrivateTraining:
         """Detach the engine's hooks, then Lightning's teardown."""
         self.private_step.detach()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
+        restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ data
@@ -799,11 +805,7 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
             f"{label} supports automatic optimization only: remove `self.automatic_optimization = False` "
             "(the strategy must own backward, clipping and noise)."
         )
-    if trainer.gradient_clip_val:
-        raise PrivacyConfigurationError(
-            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the batch gradient, not each example's: "
-            f"remove it and set {label}(max_grad_norm=...) instead."
-        )
+    adopt_gradient_clip(trainer, trainer.strategy, label)  # taken as C, or refused (lightning_dp/_gradient_clip.py)
     if trainer.accumulate_grad_batches != 1:
         raise PrivacyConfigurationError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would add noise to each micro-batch "
@@ -879,7 +881,11 @@ def _one_optimizer(label: str) -> str:
             "put all parameter groups in one optimizer.")
 
 
-REGISTERED_DEFAULTS: dict[str, float] = {"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+REGISTERED_DEFAULTS: dict[str, float] = {"noise_multiplier": 1.0, "max_grad_norm": DEFAULT_MAX_GRAD_NORM}
 """What ``Trainer(strategy="dp")`` builds: ``DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)`` (σ = 1 and C = 1,
 Opacus' example defaults; pass a ``DPStrategy`` instance for anything else). Registered when Lightning and
-``lightning_dp`` are both imported, in either order."""
+``lightning_dp`` are both imported, in either order. C is registered as the strategy's default, not as a given
+value (:data:`REGISTERED_ARGUMENTS`): a Trainer's ``gradient_clip_val`` becomes C as with ``DPStrategy(...)``."""
+
+REGISTERED_ARGUMENTS: dict[str, float] = {"noise_multiplier": REGISTERED_DEFAULTS["noise_multiplier"]}
+"""The arguments the registry passes (C left to its default: :data:`REGISTERED_DEFAULTS`)."""

@@ -43,7 +43,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dp._strategy_glue import (
-    REGISTERED_DEFAULTS,
+    REGISTERED_ARGUMENTS,
     PrivacyStateLauncher,
     PrivateTraining,
     check_optimizers,
@@ -68,7 +68,8 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
 
     Args:
         noise_multiplier: σ; the noise std is σ·C. Give this or ``target_epsilon``.
-        max_grad_norm: C, the per-example clipping norm.
+        max_grad_norm: C, the per-example clipping norm (not given: the Trainer's ``gradient_clip_val``, else 1.0;
+            as ``DPStrategy``).
         target_epsilon: calibrate σ before the first step so that the planned run spends at most this ε.
         target_delta: δ for calibration.
         accountant: accountant used for calibration (see :mod:`lightning_dp.accounting`).
@@ -106,7 +107,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
     def __init__(
         self,
         noise_multiplier: Optional[float] = None,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: Optional[float] = None,
         *,
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
@@ -245,6 +246,6 @@ class _ShardedStateLauncher(PrivacyStateLauncher):
 
 StrategyRegistry.register(DPShardedStrategy.strategy_name, DPShardedStrategy,
                           description="Differentially private training of FSDP2-sharded models (lightning_dp)",
-                          override=True, **REGISTERED_DEFAULTS)
+                          override=True, **REGISTERED_ARGUMENTS)
 """``Trainer(strategy="dp_sharded")``: ``DPShardedStrategy(noise_multiplier=1.0, max_grad_norm=1.0)``, the same
 documented defaults as ``strategy="dp"``; registered with it, whichever package the user imports first."""

@@ -41,6 +41,7 @@ from pytorch_lightning.strategies.strategy import Strategy
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_dp._strategy_glue import (
+    REGISTERED_ARGUMENTS,
     REGISTERED_DEFAULTS,
     PrivacyStateLauncher,
     PrivateTraining,
@@ -62,7 +63,11 @@ class DPStrategy(PrivateTraining, DDPStrategy):
 
     Args:
         noise_multiplier: σ; the noise std is σ·C. Give this or ``target_epsilon``.
-        max_grad_norm: C, the per-example clipping norm.
+        max_grad_norm: C, the per-example clipping norm. Not given: the Trainer's ``gradient_clip_val`` (with
+            ``gradient_clip_algorithm="norm"``, Lightning's default) when it has one, said in one INFO line, and
+            Lightning's own clipping of the batch gradient is off for the fit (it would clip the released, noised
+            gradient); else 1.0. Given as well, a different ``gradient_clip_val`` is refused naming both, and
+            ``gradient_clip_algorithm="value"`` is always refused (:mod:`lightning_dp._gradient_clip`).
         target_epsilon: calibrate σ before the first step so that the planned run
             (``max_steps`` or ``max_epochs``) spends at most this ε at ``target_delta``.
         target_delta: δ for calibration (warns when δ ≥ 1/N).
@@ -143,7 +148,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
     def __init__(
         self,
         noise_multiplier: Optional[float] = None,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: Optional[float] = None,
         *,
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
@@ -243,4 +248,4 @@ class DPStrategy(PrivateTraining, DDPStrategy):
 
 StrategyRegistry.register(DPStrategy.strategy_name, DPStrategy, description="Differentially private training "
                           "(lightning_dp): per-example clipping, Gaussian noise, Poisson sampling",
-                          override=True, **REGISTERED_DEFAULTS)
+                          override=True, **REGISTERED_ARGUMENTS)

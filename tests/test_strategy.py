@@ -159,7 +159,8 @@ class TwoOptimizers(TinyClassifier):
     "module,trainer_kwargs,match",
     [
         (BatchNormModule, {}, r"net\.1.*BatchNorm1d.*GroupNorm"),
-        (TinyClassifier, {"gradient_clip_val": 1.0}, "gradient_clip_val.*max_grad_norm"),
+        (TinyClassifier, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
+         "gradient_clip_algorithm='value'.*max_grad_norm"),
         (TinyClassifier, {"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
         (TinyClassifier, {"precision": "bf16-true"}, "precision"),
         (ManualModule, {}, "automatic optimization"),

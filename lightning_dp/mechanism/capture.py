@@ -28,11 +28,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 from lightning_dp.mechanism.attention_nodes import projection_candidate, record_projections
 from lightning_dp.mechanism.broadcast_sites import BroadcastSites, adds_up
-from lightning_dp.mechanism.example_dims import BATCH_FIRST, UNITS, ExampleDims, draws_randomness, example_dims
+from lightning_dp.mechanism.engine_hooks import EngineHook
+from lightning_dp.mechanism.example_dims import (
+    BATCH_FIRST,
+    UNITS,
+    ExampleDims,
+    draws_randomness,
+    example_dims,
+    position_wise,
+)
 from lightning_dp.mechanism.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.mechanism.root_parameters import RootParameters
 from lightning_dp.mechanism.validators.elementwise_scale import ScaledOperand, scale_candidate, scaled_operand
-from lightning_dp.mechanism.validators.example_dim import flattened_rows, packed_sequence_error, unbatched_call
+from lightning_dp.mechanism.validators.example_dim import (
+    ambiguous_layout_error,
+    flattened_rows,
+    packed_sequence_error,
+    unbatched_call,
+)
+from lightning_dp.mechanism.validators.example_layout import ROWS, example_minor_rows, examples_in
 from lightning_dp.mechanism.validators.layers import parametrized
 
 TIME_MAJOR = ExampleDims(lambda key: 1, (1,))
@@ -64,7 +78,8 @@ class Record:
     rng: Optional[Any] = None  # random state before the call, for layers that draw (example_dims.draws_randomness)
     generation: int = 0  # the LayerCalls generation (step) the call belongs to
     output: Optional[Tensor] = None  # an RNN's output sequence (detached): its last layer's values (rnn_unrolled)
-    flattened: bool = False  # called on flattened examples [n·m, …], recorded as [n, m, …] (validators/example_dim.py)
+    flattened: bool = False  # example i's slice is laid out as the layer was called: flattened examples [n·m, …],
+    # recorded as [n, m, …] (validators/example_dim.py), or a lookup without the examples repeated n times
     scaled: Optional[ScaledOperand] = None  # an output verified as w ⊙ y + b (validators/elementwise_scale.py)
     projections: Optional[Any] = None  # a self-attention call's projection nodes (attention_nodes.Projections)
     tape: Optional[RecurrentTape] = None  # an RNN call's forms, left by its backward (recurrent_tape.py)
@@ -325,13 +340,19 @@ def _contiguous_output_grad(module: nn.Module, args: tuple, out: Any) -> None:
         out.register_hook(lambda g: None if g.is_contiguous() else g.contiguous())
 
 
-def grouped(a: Any, rows: int, n: int) -> Any:
+def grouped(a: Any, rows: int, n: int, minor: bool = False) -> Any:
     """Every tensor in ``a`` (nested tuples/lists too) with ``rows`` = n·m rows in dimension 0, as ``[n, m, …]``
-    (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`)."""
+    (a view where the layout allows): example i's rows together (:func:`~.validators.example_dim.flattened_rows`).
+    ``minor``: the rows are example-minor, example i's are i, n + i, … (a reshape of ``[m, n, …]``:
+    :func:`~.validators.example_layout.example_minor_rows`), regrouped by a transposed view."""
     if isinstance(a, Tensor):
-        return a.reshape(n, rows // n, *a.shape[1:]) if a.dim() > 0 and a.shape[0] == rows else a
+        if a.dim() == 0 or a.shape[0] != rows:
+            return a
+        if minor:
+            return a.reshape(rows // n, n, *a.shape[1:]).transpose(0, 1)
+        return a.reshape(n, rows // n, *a.shape[1:])
     if isinstance(a, (tuple, list)):
-        return type(a)(grouped(v, rows, n) for v in a)
+        return type(a)(grouped(v, rows, n, minor) for v in a)
     return a
 
 
@@ -359,6 +380,8 @@ class ActivationCapture:
         self._rng: Optional[Any] = None
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
         self._anchors: dict[Any, int] = {}  # autograd node of a layer output this step → its rows (n, or n·m flattened)
+        self._layouts: dict[Any, int] = {}  # autograd node of a layer output this step → its example dim (≠ 0)
+        self._time_major: set[int] = set()  # layers proven time-major in this run (_time_major_call)
         # layers once called without an example dimension (kept for the run), with the ranks of those calls
         self._lookups: dict[int, set[tuple[int, ...]]] = {}
         self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
@@ -387,18 +410,19 @@ class ActivationCapture:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
             hooked = {id(layer) for _, layer in layers}
             self.roots.attach(root, lambda m: id(m) in covered, lambda m: id(m) in hooked)
-            self._handles.extend(m.register_forward_hook(_contiguous_output_grad)
+            self._handles.extend(m.register_forward_hook(EngineHook(_contiguous_output_grad))
                                  for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
         for name, module in layers:
             calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
             self._calls[id(module)] = calls
             hook = self._hook(calls, reducer_for(module), id(module) in time_major)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(EngineHook(hook), with_kwargs=True))
             if isinstance(module, (*UNITS, nn.RNNBase)):
-                self._handles.append(module.register_forward_pre_hook(self._remember_rng))
+                self._handles.append(module.register_forward_pre_hook(EngineHook(self._remember_rng)))
             dims = TIME_MAJOR if id(module) in time_major else example_dims(module)
             if dims is not BATCH_FIRST:
-                self._handles.append(module.register_forward_pre_hook(self._sites_at(dims), with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(EngineHook(self._sites_at(dims)),
+                                                                      with_kwargs=True))
 
     def _sites_at(self, dims: ExampleDims) -> Callable[[nn.Module, tuple, dict], Optional[tuple[tuple, dict]]]:
         """Forward pre-hook of a layer whose arguments hold the examples elsewhere than in dimension 0 (RNNs,
@@ -430,6 +454,7 @@ class ActivationCapture:
         dims = TIME_MAJOR if time_major else example_dims(calls.module)
         params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
         scale_weight = scale_candidate(calls.module)
+        position = position_wise(calls.module)  # may be served time-major where proven (_time_major_call)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             if self._sites is not None:
@@ -453,30 +478,34 @@ class ActivationCapture:
             # A call without the examples (T5's [T, T] buckets) or on one row of them (Hugging Face's [1, T] position
             # ids; PEFT's prompt embedding, later .repeat(B, 1, 1)): its output is followed to where it meets the
             # examples, never expanded before the model sees it (that would change every shape computed from it).
+            tm = time_major or (position and self._time_major_call(calls, inputs, leaves, live, n))
+            cdims = TIME_MAJOR if tm else dims
             one_row = (n is not None and n > 1 and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == 1
-                       and dims.output(0) == 0)
-            if one_row or (n is not None and not time_major and self._is_lookup(module, inputs, out, n, dims)):
+                       and dims.output(0) == 0 and not tm)
+            if one_row or (n is not None and not tm and self._is_lookup(module, inputs, out, n, dims)):
                 out, aliases = _aliased(out, leaves, live)
                 self._carry_followed(leaves, aliases)
                 self._record_lookup(calls, args, kwargs, out, n, inputs)
                 return out
-            rows = None if time_major else self._flattened_rows(inputs, leaves, live, n, dims)
+            rows, minor = (None, False) if tm else self._flattened_rows(inputs, leaves, live, n, dims)
+            if minor and isinstance(module, nn.RNNBase):
+                rows, minor = None, False  # its rule reads example-major rows: refused below
             # flattened examples: record [n, m, …] (validators/example_dim.py); an RNN's call stays on its n·m rows,
             # its rule sums each example's (rnn_unrolled.py)
             flat_rnn = rows is not None and isinstance(module, nn.RNNBase)
             if rows is not None and not flat_rnn:
-                args, kwargs = grouped(args, rows, n), {k: grouped(v, rows, n) for k, v in kwargs.items()}
+                args, kwargs = grouped(args, rows, n, minor), {k: grouped(v, rows, n, minor) for k, v in kwargs.items()}
             if n is not None:
-                wrong = [k for k in live if leaves[k].dim() <= dims.output(k) or leaves[k].shape[dims.output(k)] != n]
+                wrong = [k for k in live if leaves[k].dim() <= cdims.output(k) or leaves[k].shape[cdims.output(k)] != n]
                 if wrong and rows is None:
                     calls.mismatches.extend(tuple(leaves[k].shape) for k in wrong)
                     return None
                 if not flat_rnn:
-                    self._note_unbatched(calls, args, kwargs, n, dims)
-            if time_major:  # position-wise layer on [T, B, …]: record it batch-first (views)
+                    self._note_unbatched(calls, args, kwargs, n, cdims)
+            if tm:  # position-wise layer on [T, B, …]: record it batch-first (views)
                 args = tuple(_to_front(a, n) for a in args)
                 kwargs = {k: _to_front(v, n) for k, v in kwargs.items()}
-            scaled = (None if scale_weight is None or rows is not None or time_major
+            scaled = (None if scale_weight is None or rows is not None or tm
                       else scaled_operand(scale_weight, out, inputs))
             projections = (record_projections(module, args[0], leaves[0], self._mapping)
                            if n is not None and rows is None and projection_candidate(module, args, kwargs) else None)
@@ -484,16 +513,19 @@ class ActivationCapture:
             out, aliases = _aliased(out, leaves, live)
             self._carry_followed(leaves, aliases)
             leaves = aliases
-            if n is not None and not time_major:  # outputs with the examples (or verified rows) in dimension 0
+            if n is not None and not tm and not minor:  # outputs with the examples (or verified rows) in dimension 0
                 self._anchors.update((leaves[k].grad_fn, rows or n) for k in live
                                      if dims.output(k) == 0 and leaves[k].grad_fn is not None)
+            if n is not None and rows is None:  # outputs with the examples in another dimension (example_layout.py)
+                self._layouts.update((leaves[k].grad_fn, cdims.output(k)) for k in live
+                                     if cdims.output(k) != 0 and leaves[k].grad_fn is not None)
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          _rnn_output(module, leaves[0], tape), rows is not None, scaled,
                          projections, tape)
             calls.records.append(rec)
-            front = ((lambda g: g.movedim(1, 0)) if time_major else (lambda g: g) if rows is None or flat_rnn
-                     else (lambda g: g.reshape(n, rows // n, *g.shape[1:])))
+            front = ((lambda g: g.movedim(1, 0)) if tm else (lambda g: g) if rows is None or flat_rnn
+                     else (lambda g: grouped(g, rows, n, minor)))
             if reducer is not None and len(leaves) == 1:
                 out.register_hook(lambda g: None if self._mapping() else calls.reduce(rec, front(g), reducer))
             else:
@@ -535,7 +567,8 @@ class ActivationCapture:
         ranks = (*(t.dim() for t in inputs), out.dim())
         if ranks in self._lookups.get(id(module), ()):
             return True
-        if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n, self._anchors)) for t in inputs):
+        if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n, self._anchors)
+                                or example_minor_rows(t, n, self._layout) is not None) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
         if ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n):
             # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
@@ -565,8 +598,10 @@ class ActivationCapture:
         def rows(a: Any) -> Any:
             return tree_map(grown, a)
 
+        # without any example dimension, example i's call is the whole call as made: replayed as laid out, like rows
+        # of flattened examples (a Conv1d takes no extra leading dimension); a [1, …] call's 1 is the example's own
         rec = Record(_detached(rows(tuple(args))), {k: _detached(rows(v)) for k, v in kwargs.items()}, [None],
-                     None, calls.generation)
+                     None, calls.generation, flattened=not one)
         calls.records.append(rec)
         shape = tuple(out.shape)
 
@@ -617,18 +652,60 @@ class ActivationCapture:
             self._sites = None
 
     def _flattened_rows(self, inputs: list[Tensor], leaves: list, live: list[int], n: Optional[int],
-                        dims: ExampleDims) -> Optional[int]:
+                        dims: ExampleDims) -> tuple[Optional[int], bool]:
         """The row count n·m (m > 1) of a call on flattened examples, else ``None``: every live output has
         that many rows at its example dimension (0, or an RNN's 1 for h_n), and an argument is a verified flattening of ``[n, …]``
-        (:func:`~.validators.example_dim.flattened_rows`) or an earlier call of the step had that many."""
+        (:func:`~.validators.example_dim.flattened_rows`) or an earlier call of the step had that many; and whether
+        the rows are example-minor instead (an argument made by a reshape of ``[m, n, …]`` whose dimension 1 is proven
+        to hold the examples, :func:`~.validators.example_layout.example_minor_rows`; not for an RNN, whose rule reads
+        example-major rows; never matched by count)."""
         if not n or any(leaves[k].dim() <= dims.output(k) for k in live) or dims.output(live[0]) != 0:
-            return None
+            return None, False
         rows = leaves[live[0]].shape[0]  # an RNN's h_n/c_n hold them in dimension 1 (its ExampleDims)
         if rows <= n or rows % n or any(leaves[k].shape[dims.output(k)] != rows for k in live):
-            return None
-        if any(t.dim() > 0 and t.shape[0] == rows and flattened_rows(t, n, self._anchors) for t in inputs):
+            return None, False
+        own = [t for t in inputs if t.dim() > 0 and t.shape[0] == rows]
+        if any(flattened_rows(t, n, self._anchors) for t in own):
             self._flattened.add(rows)
-        return rows if rows in self._flattened else None
+            return rows, False
+        if any(example_minor_rows(t, n, self._layout) == rows // n for t in own):
+            return rows, True
+        return (rows if rows in self._flattened else None), False
+
+    def _layout(self, node: Any) -> Optional[int]:
+        """Where a layer output of this step holds the examples (:data:`~.validators.example_layout.Layout`): its
+        example dimension, :data:`~.validators.example_layout.ROWS` for flattened rows, ``None`` for any other node."""
+        found = self._layouts.get(node)
+        if found is not None:
+            return found
+        rows = self._anchors.get(node)
+        return None if rows is None else 0 if rows == self.expected else ROWS
+
+    def _time_major_call(self, calls: LayerCalls, inputs: list[Tensor], leaves: list, live: list[int],
+                         n: Optional[int]) -> bool:
+        """Whether a position-wise layer (:func:`position_wise`) was called time-major, ``[T, B, …]``, as proven by
+        :func:`~.validators.example_layout.examples_in` on its input: dimension 1 holds the step's n examples (a
+        transpose of a batch-first tensor, the output of a time-major attention or RNN or of another layer proven so).
+        Walked only where dimension 0 of the outputs is not n (otherwise refused) or where both dimensions are n
+        (T = B: the layout must be told apart); there a layer once proven time-major whose layout nothing decides is
+        refused (:func:`~.validators.example_dim.ambiguous_layout_error`), and any other stays batch-first."""
+        module = calls.module
+        if n is None or not live:
+            return False
+        outs = [leaves[k] for k in live]
+        if any(t.dim() < 3 or t.shape[1] != n for t in outs):
+            return False
+        x = next((t for t in inputs if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(outs[0].shape[:2])), None)
+        if x is None:
+            return False
+        ambiguous = all(t.shape[0] == n for t in outs)
+        verdict = examples_in(x, 1, n, self._layout)
+        if verdict:
+            self._time_major.add(id(module))
+            return True
+        if ambiguous and verdict is None and id(module) in self._time_major:
+            raise ambiguous_layout_error(calls.name, tuple(outs[0].shape), n)
+        return False
 
     @staticmethod
     def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int, dims: ExampleDims) -> None:
@@ -669,6 +746,7 @@ class ActivationCapture:
         self.expected = None
         self._flattened.clear()
         self._anchors.clear()
+        self._layouts.clear()
         self._close_sites()
         self.roots.clear()
         for calls in self._calls.values():

@@ -14,8 +14,9 @@ gradients there, so these layers get exact per-example gradients unchanged.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -51,15 +52,58 @@ def _attention(m: nn.MultiheadAttention) -> ExampleDims:
     return ExampleDims(lambda key: slots.get(key), (seq, 0))
 
 
+STATE_NAMES = frozenset({"hx", "h0", "h_0", "hidden", "hidden_state", "state", "states", "initial_state"})
+"""Argument names an RNN subclass's ``forward`` gives its initial state (``[L, B, H]``: the examples in dimension 1)."""
+
+_TORCH_FORWARDS = frozenset({nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward, nn.RNNBase.forward})
+_PARAMETERS: dict[Any, tuple[str, ...]] = {}
+
+
+def _parameter_names(m: nn.Module) -> tuple[str, ...]:
+    """The names of ``m.forward``'s parameters in order (without ``self``), cached per function."""
+    fn = getattr(type(m), "forward")
+    if fn not in _PARAMETERS:
+        _PARAMETERS[fn] = tuple(inspect.signature(fn).parameters)[1:]
+    return _PARAMETERS[fn]
+
+
 def _recurrent(m: nn.RNNBase) -> ExampleDims:
+    """torch's RNNs: ``input`` at the sequence layout's example dimension, ``hx`` in dimension 1. A subclass with a
+    ``forward`` of its own (an LSTM taking ``lengths=`` and packing inside: ``forward(self, x, lengths=None)``) binds
+    its call to its own signature (:func:`~.capture.bind_call`): its first argument is the input, an argument named
+    like a state (:data:`STATE_NAMES`) holds the examples in dimension 1, and any other tensor is one row per example
+    in dimension 0 (``lengths`` ``[B]``, a mask ``[B, T]``; passed whole when it has no such rows)."""
     seq = 0 if m.batch_first else 1
-    return ExampleDims(lambda key: seq if key in ("0", "input") else 1, (seq, 1, 1))
+    if type(m).forward in _TORCH_FORWARDS:
+        return ExampleDims(lambda key: seq if key in ("0", "input") else 1, (seq, 1, 1))
+    names = _parameter_names(m)
+
+    def argument(key: str) -> int:
+        name = names[int(key)] if key.isdigit() and int(key) < len(names) else key
+        if key == "0" or (names and name == names[0]):
+            return seq
+        return 1 if name in STATE_NAMES else 0
+
+    return ExampleDims(argument, (seq, 1, 1))
 
 
 TIME_MAJOR_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
                                                       nn.TransformerEncoder, nn.TransformerDecoder)
 """torch layers that run their position-wise sublayers on ``[T, B, d]`` when ``batch_first=False`` (the
 stacks too: their final ``norm`` sees the last layer's time-major output; ``nn.Transformer`` is two stacks)."""
+
+
+POSITION_WISE: tuple[type[nn.Module], ...] = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding)
+"""torch layers that act on each position of ``[…, d]`` alone: called on ``[T, B, …]`` outside a time-major
+container (a tutorial ViT's norms and MLP around ``nn.MultiheadAttention(batch_first=False)``) they are served
+time-major where autograd's record proves dimension 1 holds the examples (:mod:`~.validators.example_layout`,
+:meth:`~.capture.ActivationCapture._time_major_call`)."""
+
+
+def position_wise(module: nn.Module) -> bool:
+    """Whether ``module`` is one of :data:`POSITION_WISE` with that class's own forward (a subclass that rearranges its
+    input first is not position-wise)."""
+    return any(isinstance(module, kind) and type(module).forward is kind.forward for kind in POSITION_WISE)
 
 
 def time_major_layers(root: nn.Module) -> set[int]:

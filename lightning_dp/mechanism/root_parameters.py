@@ -33,6 +33,7 @@ the examples (``h @ self.weight.t()``) leaves the parameter without per-example 
 
 from __future__ import annotations
 
+import copyreg
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.mechanism.broadcast_sites import adds_up
+from lightning_dp.mechanism.engine_hooks import EngineHook
 from lightning_dp.mechanism.validators.example_dim import mixed_use_error
 
 _SUBCLASSES: dict[type, type] = {}
@@ -54,8 +56,39 @@ def _intercepting(cls: type) -> type:
             reader = self.__dict__.get("_dp_root_reader")
             return reader(name, value) if reader is not None else value
 
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__})
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            return _as_base(cls.__reduce_ex__(self, protocol), type(self), cls)
+
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
+                                                       "__module__": cls.__module__})
     return _SUBCLASSES[cls]
+
+
+def _as_base(reduced: Any, sub: type, cls: type) -> Any:
+    """A module's pickle (or deep copy) recipe with its own class ``cls`` in place of the intercepting ``sub`` and
+    without the reader: a module pickled or copied while a step reads its parameters is the user's module, detached
+    (:mod:`~lightning_dp.mechanism.engine_hooks`)."""
+    if not isinstance(reduced, tuple) or len(reduced) < 2:
+        return reduced
+    fn, args, *rest = reduced
+    args = tuple(cls if a is sub else a for a in args)
+    if fn is copyreg.__newobj__:  # pickle checks that __newobj__'s class is the object's: build it by our own call
+        fn = _new
+    elif fn is copyreg.__newobj_ex__:
+        fn = _new_ex
+    if rest and isinstance(rest[0], dict) and "_dp_root_reader" in rest[0]:
+        rest[0] = {k: v for k, v in rest[0].items() if k != "_dp_root_reader"}
+    return (fn, args, *rest)
+
+
+def _new(cls: type, *args: Any) -> Any:
+    """``copyreg.__newobj__`` under another name (a module pickled as its own class, :func:`_as_base`)."""
+    return cls.__new__(cls, *args)
+
+
+def _new_ex(cls: type, args: tuple, kwargs: dict) -> Any:
+    """``copyreg.__newobj_ex__`` under another name."""
+    return cls.__new__(cls, *args, **kwargs)
 
 
 _MODULE_GETATTR = nn.Module.__getattr__.__code__
@@ -70,8 +103,8 @@ class _Running:
 
     def __init__(self, module: nn.Module) -> None:
         self.depth = 0
-        self.handles = [module.register_forward_pre_hook(self._enter),
-                        module.register_forward_hook(self._leave, always_call=True)]
+        self.handles = [module.register_forward_pre_hook(EngineHook(self._enter)),
+                        module.register_forward_hook(EngineHook(self._leave), always_call=True)]
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self.depth += 1
@@ -92,6 +125,10 @@ class _OutsideReads(dict):
     def __init__(self, items: dict, running: _Running, reader: Callable[[str, Any], Any]) -> None:
         super().__init__(items)
         self._running, self._reader = running, reader
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickled or copied, a plain dict (the module's own ``_parameters``, without the step's reader)."""
+        return dict, (dict(self),)
 
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)

@@ -440,6 +440,65 @@ class RecurrentOnFeatures(Base):
         return F.cross_entropy(self.head(last), y)
 
 
+class _TutorialAttentionBlock(nn.Module):
+    """Lightning's ViT tutorial block, time-major: ``nn.MultiheadAttention`` at torch's default ``batch_first=False``
+    and the plain ``LayerNorm``/``Linear`` layers around it on ``[T, B, d]``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.layer_norm_1, self.layer_norm_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2)
+        self.linear = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(0.0), nn.Linear(hidden, dim),
+                                    nn.Dropout(0.0))
+
+    def forward(self, x):
+        inp_x = self.layer_norm_1(x)
+        x = x + self.attn(inp_x, inp_x, inp_x)[0]
+        return x + self.linear(self.layer_norm_2(x))
+
+
+class TutorialViT(Base):
+    """A tutorial Vision Transformer on feature patches ``[B, T, d]``: a patch embedding, a class token
+    ``repeat(B, 1, 1)``-ed, a learned position table, then ``x.transpose(0, 1)`` and time-major blocks; the head reads
+    ``x[0]``. ``cls``: with the class token the sequence has T + 1 = 6 = N positions, so dimension 0 and dimension 1
+    of every block's activations both have the step's n (the layout is told apart from autograd's record alone)."""
+
+    def __init__(self, cls: bool = True) -> None:
+        super().__init__()
+        self.cls = cls
+        self.input_layer = nn.Linear(D, D)
+        self.blocks = nn.Sequential(_TutorialAttentionBlock(D, 8), _TutorialAttentionBlock(D, 8))
+        self.mlp_head = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 3))
+        self.cls_token = nn.Parameter(0.5 * torch.randn(1, 1, D))
+        self.pos_embedding = nn.Parameter(0.5 * torch.randn(1, T + 1, D))
+        self.dropout = nn.Dropout(0.0)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.input_layer(x)
+        if self.cls:
+            h = torch.cat([self.cls_token.repeat(h.shape[0], 1, 1), h], dim=1)
+        h = self.dropout(h + self.pos_embedding[:, : h.shape[1]])
+        h = self.blocks(h.transpose(0, 1))
+        return F.cross_entropy(self.mlp_head(h[0] if self.cls else h.mean(0)), y)
+
+
+class TimeMajorUndecided(Base):
+    """One LayerNorm called time-major twice per step: on ``h.transpose(0, 1)`` (proven) and on a roll of it along time
+    (``torch.roll``: an operation whose effect on the dimensions the layout walk does not follow): the second call's
+    layout is not proven, and it stays refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        h = self.proj(x).transpose(0, 1)  # [T, B, d]
+        h = self.norm(h) + self.norm(torch.roll(h, 1, 0))
+        return F.cross_entropy(self.head(h.mean(0)), y)
+
+
 class RecurrentOutputInPlace(Base):
     """The RNN's output changed in place (``out.mul_(s)``, ``F.relu(out, inplace=True)``): torch's CPU backward allows
     it, and the values the engine keeps of the output (the unrolled rule reads the last layer's) must not change with
@@ -632,6 +691,98 @@ class PackedRecurrent(Base):
         return loss.mean()
 
 
+class LengthsLSTM(nn.LSTM):
+    """An ``nn.LSTM`` subclass as forecasting and speech code writes it: ``forward(x, lengths=None)`` packs inside
+    (``pack_padded_sequence``) and pads the output back; ``lengths`` is ``[B]``, one per example."""
+
+    def forward(self, x, lengths=None):  # type: ignore[override]
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        if lengths is None:
+            return super().forward(x)
+        total = x.shape[1 if self.batch_first else 0]
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=self.batch_first, enforce_sorted=False)
+        out, hidden = super().forward(packed)
+        out, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=total)
+        return out, hidden
+
+
+class RecurrentWithLengths(Base):
+    """:class:`LengthsLSTM` called with the lengths as a keyword tensor (or positionally), classifying from h_n and
+    reading the padded output."""
+
+    def __init__(self, batch_first: bool = True, keyword: bool = True) -> None:
+        super().__init__()
+        self.batch_first, self.keyword = batch_first, keyword
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = LengthsLSTM(D, D, batch_first=batch_first)
+
+    def loss(self, batch):
+        x, y = batch
+        lengths = (y != -100).sum(1)  # token_data(pad=True): example i has 1 + i % T steps
+        h = self.emb(x) if self.batch_first else self.emb(x).transpose(0, 1)
+        out, (h_n, _) = self.rnn(h, lengths=lengths) if self.keyword else self.rnn(h, lengths)
+        out = out if self.batch_first else out.transpose(0, 1)
+        loss = F.cross_entropy(self.head(torch.tanh(h_n[-1])), y[:, 0], reduction="none")
+        return (loss + per_example_token_mean(self.head(out), y)).mean()
+
+
+class SortedPacking(Base):
+    """The batch sorted by length before ``pack_padded_sequence(enforce_sorted=True)`` (the pre-1.1 torch idiom, still in
+    published code); ``unsort``: the logits put back in the batch's order (``logits[order.argsort()]``), else paired
+    in sorted order with the unsorted targets (a bug: example i's logits meet example j's label)."""
+
+    def __init__(self, unsort: bool = True) -> None:
+        super().__init__()
+        self.unsort = unsort
+        self.emb, self.rnn, self.head = nn.Embedding(V, D), nn.LSTM(D, D, batch_first=True), nn.Linear(D, V)
+
+    def loss(self, batch):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        x, y = batch
+        lengths, order = (y != -100).sum(1).sort(descending=True)
+        packed = pack_padded_sequence(self.emb(x[order]), lengths.cpu(), batch_first=True, enforce_sorted=True)
+        _, (h, _) = self.rnn(packed)
+        logits = self.head(torch.tanh(h[-1]))
+        return F.cross_entropy(logits[order.argsort()] if self.unsort else logits, y[:, 0])
+
+
+class PackedOpacusLSTM(Base):
+    """``opacus.layers.DPLSTM`` on a PackedSequence: refused naming ``torch.nn.LSTM``, which is served there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.rnn = DPLSTM(D, D, batch_first=True)
+
+    def loss(self, batch):
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        x, y = batch
+        lengths = (y != -100).sum(1).cpu()
+        _, (h, _) = self.rnn(pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False))
+        return F.cross_entropy(self.head(h[-1]), y[:, 0])
+
+
+class PhysicsInformed(Base):
+    """A physics-informed loss: u = net(t) and the residual of du/dt = cos(t), du/dt by
+    ``torch.autograd.grad(u, t, create_graph=True)`` (a double backward), plus a data term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def loss(self, batch):
+        x, y = batch
+        t = x[:, :1].clone().requires_grad_(True)
+        u = self.net(t)
+        du = torch.autograd.grad(u.sum(), t, create_graph=True)[0]
+        return ((du - torch.cos(t)) ** 2).mean() + ((u - y[:, None].to(u.dtype)) ** 2).mean()
+
+
 class WritesState(Base):
     """A forward that writes data-dependent state into the model, outside the gradient (released unnoised):
     ``max_norm`` (nn.Embedding renormalising the looked-up rows in place), ``activation_ema`` (a custom
@@ -747,6 +898,18 @@ class Leaf(nn.Module):
     def forward(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:
         out = x @ self.w + self.b
         return out if scale is None else out * scale
+
+
+class NormOnTheData(Base):
+    """``nn.RMSNorm`` over the last dimension of the raw features (an input that does not require grad), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.RMSNorm(D), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(self.norm(x)), y)
 
 
 class KeywordLeaf(Base):
@@ -982,22 +1145,75 @@ class WindowCopy(Base):
     """timm's window partition (SwinV2, MobileViT's patch unfold): tokens ``[B, 4, d]`` regrouped into windows by a
     reshape that has to copy, ``h.view(B, 2, 2, d).transpose(1, 2).reshape(B·2, 2, d)``, a layer on the windows, then
     back. Verified by autograd's record of the copy (validators/example_dim.reshaped_copy_of_examples). With
-    ``time_major`` the batch dimension is moved before flattening, ``h.transpose(0, 1).reshape(4·B, d)``: refused."""
+    ``time_major`` the batch dimension is moved before flattening, ``h.transpose(0, 1).reshape(4·B, d)``: example-minor
+    rows, proven from the record (validators/example_layout.example_minor_rows); ``opaque``: the tokens pass through
+    ``torch.roll`` first, whose effect on the dimensions the walk does not follow: refused."""
 
-    def __init__(self, time_major: bool = False) -> None:
+    def __init__(self, time_major: bool = False, opaque: bool = False) -> None:
         super().__init__()
-        self.time_major = time_major
+        self.time_major, self.opaque = time_major, opaque
         self.emb, self.inner, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
 
     def loss(self, batch):
         x, y = batch
-        b, h = x.shape[0], self.emb(x)[:, :4]
+        h = self.emb(x)
+        b, h = x.shape[0], (torch.roll(h, 1, 1) if self.opaque else h)[:, :4]
         if self.time_major:
             out = torch.tanh(self.inner(h.transpose(0, 1).reshape(4 * b, D))).view(4, b, D).transpose(0, 1)
         else:
             windows = h.view(b, 2, 2, D).transpose(1, 2).reshape(b * 2, 2, D)
             out = torch.tanh(self.inner(windows)).view(b, 2, 2, D).transpose(1, 2).reshape(b, 4, D)
         return F.cross_entropy(self.head(out).transpose(1, 2), y[:, :4])
+
+
+class StackedSpeakers(Base):
+    """A dual-path separator (JusperLee's Dual-Path-RNN, asteroid's DPRNN) in small: an encoder ``Conv1d`` on the
+    waveform, chunks ``[B·S, K, C]`` through an intra-chunk LSTM and a ``GroupNorm`` on the flattened rows
+    ``[B·S, C, K]``, a ``Conv1d`` making two speakers' channels, then
+    ``torch.stack(chunk(h, 2, 1), 0).view(2·B, C, L)`` (speaker-major rows: example b owns rows b and B + b) into the
+    output ``Conv1d``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.rnn = nn.Conv1d(1, 4, 2), nn.LSTM(4, 4, batch_first=True)
+        self.norm, self.split, self.end = nn.GroupNorm(1, 4), nn.Conv1d(4, 8, 1), nn.Conv1d(4, 1, 3, padding=1)
+
+    def forward(self, wave):  # [B, L]
+        h = torch.relu(self.enc(wave.unsqueeze(1)))  # [B, C, 8]
+        b, c, length = h.shape
+        chunks = h.view(b, c, 2, length // 2).permute(0, 2, 3, 1).reshape(b * 2, length // 2, c)  # [B·S, K, C]
+        out, _ = self.rnn(chunks)
+        out = self.norm(out.transpose(1, 2).contiguous())  # [B·S, C, K]
+        h = h + out.view(b, 2, c, length // 2).permute(0, 2, 1, 3).reshape(b, c, length)
+        h = torch.stack(torch.chunk(self.split(h), 2, dim=1), 0)  # [2, B, C, L]
+        return torch.sigmoid(self.end(h.view(2 * b, c, length)).view(2, b, length))
+
+    def loss(self, batch):
+        x, y = batch
+        return ((self(x).mean(2).transpose(0, 1) - y) ** 2).mean()
+
+
+def waveform_data(seed: int = 0) -> TensorDataset:
+    """Waveforms ``[N, 9]`` and two speakers' targets ``[N, 2]``."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(N, 9, generator=g), torch.rand(N, 2, generator=g))
+
+
+class ConvOnATable(Base):
+    """A ``Conv1d`` called on a fixed table without the examples (a filterbank template ``[3, 2, L]``), its output
+    added to every example's features: a lookup served at the broadcast site, replayed per example on the table as it
+    was called (a ``Conv1d`` takes no extra leading dimension)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bank, self.head = nn.Conv1d(2, 2, 3, padding=1), nn.Linear(2 * T, 3)
+        self.register_buffer("template", torch.linspace(-1, 1, 6 * T).view(3, 2, T))
+
+    def loss(self, batch):
+        x, y = batch  # x [B, T, D]
+        filtered = self.bank(self.template)  # [3, 2, T]: no example dimension
+        h = x[:, :, :3].transpose(1, 2).unsqueeze(2) * filtered  # [B, 3, 2, T]: the table broadcast over the batch
+        return F.cross_entropy(self.head(torch.tanh(h.sum(1)).flatten(1)), y)
 
 
 class PooledHeads(Base):

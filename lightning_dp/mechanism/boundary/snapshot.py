@@ -24,7 +24,12 @@ Restore = Callable[[], None]
 
 
 def _contents(value: Any, depth: int) -> Restore:
-    """A function that puts ``value``'s current contents back into the same object."""
+    """A function that puts ``value``'s current contents back into the same object. A parameter held in an attribute
+    (``nn.LSTM``'s ``_flat_weights``, inherited by a user's subclass) is the model itself, not kept state: never copied
+    back (that would move its version counter, which the release boundary reads as a write); a write to it is refused
+    by the fingerprint instead."""
+    if isinstance(value, nn.Parameter):
+        return _nothing
     if isinstance(value, Tensor):
         saved = value.detach().clone()
         return lambda: _copy_tensor(value, saved)

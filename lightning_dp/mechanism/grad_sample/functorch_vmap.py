@@ -409,7 +409,7 @@ def _layer_grads(
             rows = [leaves[k].index_select(d, i.view(1))
                     if whole and leaves[k].shape[d] == n > 1 and leaves[k].shape != delta.shape else leaves[k]
                     for (k, d), delta in zip(present, deltas)]
-            rows = [row if flat else row.squeeze(d) for row, (_, d) in zip(rows, present)]
+            rows = [row if flat and not whole else row.squeeze(d) for row, (_, d) in zip(rows, present)]
             for row, delta in zip(rows, deltas):  # the replay is example i's call: its output has δ_i's shape
                 if row.shape != delta.shape:
                     raise replay_shape_error(calls.name, tuple(row.shape), tuple(delta.shape))

@@ -32,7 +32,6 @@ gradient during backward (PReLU too); conv patch columns are unfolded a few exam
 
 from __future__ import annotations
 
-import types
 from typing import Optional, Sequence
 
 import torch
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_dp.mechanism.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.mechanism.example_dims import time_major_layers
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -255,7 +255,11 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
     like = m.weight if m.weight is not None else rec.grad_out
     x, d = _as_float(rec.args[0], like), _as_float(rec.grad_out, like)
     if isinstance(m, nn.GroupNorm):
-        xhat, dims = F.group_norm(x, m.num_groups, eps=m.eps), tuple(range(2, x.dim()))
+        # channels in dimension 1 of what the layer saw: [n, C, …], or [n, k, C, …] for a call on flattened rows
+        # ([n·k, C, …] recorded per example), normalised row by row
+        flat = rec.flattened and x.dim() > 2
+        xhat = F.group_norm(x.flatten(0, 1) if flat else x, m.num_groups, eps=m.eps).view(x.shape)
+        dims = tuple(k for k in range(1, x.dim()) if k != (2 if flat else 1))
     else:
         k = len(m.normalized_shape)
         if isinstance(m, nn.LayerNorm):
@@ -448,8 +452,8 @@ class GhostEngine(GradSampleEngine):
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)
-                if fwd is not None and "forward" not in m.__dict__ and self._sole_owner(m):
-                    m.forward = types.MethodType(fwd, m)
+                if fwd is not None and is_own_forward(m) and self._sole_owner(m):
+                    m.forward = ReplacedForward(fwd, m)
                     self._patched.append(m)
 
     def begin_step(self, num_examples: Optional[int]) -> None:

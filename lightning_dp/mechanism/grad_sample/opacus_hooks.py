@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.parametrize import ParametrizationList
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.engine_hooks import EngineCallable, EngineHook
 
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
@@ -79,10 +80,12 @@ class OpacusHooksEngine(GradSampleEngine):
             self.detach()
         self._hooks = _grad_sample_hooks()(module, batch_first=True, loss_reduction="mean", strict=False)
         self._module = module
+        _detachable(module, self._hooks)
         for name, sub in module.named_modules():
             if any(p.requires_grad for p in sub.parameters(recurse=False)):
-                self._watch.append(sub.register_forward_pre_hook(self._follow_mode))
-                self._watch.append(sub.register_forward_hook(self._verify_call(name or "<root>"), with_kwargs=True))
+                self._watch.append(sub.register_forward_pre_hook(EngineHook(self._follow_mode)))
+                self._watch.append(sub.register_forward_hook(EngineHook(self._verify_call(name or "<root>")),
+                                                             with_kwargs=True))
 
     def _follow_mode(self, module: nn.Module, args: tuple) -> None:
         """Opacus captures activations only in training mode but runs its backward hook in any mode: a
@@ -249,6 +252,23 @@ def _takes_more_than_one_argument(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return True
     return len(params) > 1 or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+def _detachable(module: nn.Module, hooks: "GradSampleHooks") -> None:
+    """What Opacus leaves on the model, made to pickle and copy as the user's module (:mod:`~..engine_hooks`): its
+    hooks as :class:`EngineHook`, the per-example function its torch.func fallback keeps on a layer
+    (``ft_compute_sample_grad``, a closure) as an :class:`EngineCallable`, and its list of hook handles on the root
+    taken off the model (Opacus keeps its own reference and removes the hooks from it; a module pickled with the list
+    would refuse Opacus' hooks later: "Trying to add hooks twice")."""
+    for handle in getattr(hooks, "autograd_grad_sample_hooks", ()):
+        registered = handle.hooks_dict_ref()
+        if registered is not None and handle.id in registered:
+            registered[handle.id] = EngineHook(registered[handle.id])
+    for sub in module.modules():
+        prepared = sub.__dict__.get("ft_compute_sample_grad")
+        if prepared is not None and not isinstance(prepared, EngineCallable):
+            sub.__dict__["ft_compute_sample_grad"] = EngineCallable(prepared)
+    module.__dict__.pop("autograd_grad_sample_hooks", None)
 
 
 def _grad_sample_hooks() -> Any:

@@ -128,6 +128,8 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         for positions, part in parts:
             gap = (norms[positions] - part.norms.double()).abs()
             differing += int((gap > self.rtol * scale + 1e-12).sum())
+        if differing and _reordered(norms, [part.norms.double() for _, part in parts], self.rtol * scale + 1e-12):
+            differing = 0  # the rows are the examples in another order (a batch sorted before packing): served
         half, rest = parts[0][1], parts[1][1]
         total = float(norms.sum())  # the sums' rounding is bounded by their terms' sizes
         summed = [name for p, name in zip(self.params, self.names)
@@ -135,6 +137,19 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
                   > self.rtol * total + 1e-12]
         if differing or summed:
             raise batch_interaction_error(step, len(norms), differing, summed, self.engine.name, self._as_of)
+
+
+def _reordered(whole: Tensor, parts: list[Tensor], tolerance: float) -> bool:
+    """Whether the batch's per-row norms are its examples' norms in another order: the two halves' together are the
+    whole batch's up to order (sorted, each within ``tolerance``), and each example alone has a norm the batch has.
+    A step that sorts its batch (by length before ``pack_padded_sequence(enforce_sorted=True)``) and undoes the order
+    on its outputs has one example per row in every pass, in an order that depends on the batch."""
+    halves = torch.cat(parts[:2])
+    if halves.shape != whole.shape:
+        return False
+    if float((whole.sort().values - halves.sort().values).abs().max()) > tolerance:
+        return False
+    return all(float((whole - lone).abs().min()) <= tolerance for part in parts[2:] for lone in part)
 
 
 def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[str],

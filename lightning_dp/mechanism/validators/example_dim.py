@@ -25,7 +25,9 @@ FIX = (
     "contiguous [B, ...] tensor as a view (h.contiguous().view(-1, d): example i then owns rows i*T...(i+1)*T-1; "
     "a reshape of activations that copies is verified too, but a copy of data such as x[:, :-1].reshape(-1), a "
     "transpose of the batch dimension before flattening, or indexing hides that), and run "
-    "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer). "
+    "time-major code batch-first (batch_first=True, or transpose to [B, T, ...] before the layer; nn.Linear, "
+    "nn.LayerNorm, nn.RMSNorm and nn.Embedding on [T, B, ...] are served where autograd's record shows dimension 1 "
+    "holds the examples: a transpose of a batch-first tensor, or the output of a time-major attention or RNN). "
     "An unbatched lookup ([T] or [T, T] indices) is served where its result is broadcast over the examples "
     "(added to a [B, ...] tensor); any other use of it needs the batch as leading dimension ([B, T])."
 )
@@ -184,6 +186,19 @@ def example_dim_error(mismatched: Mapping[str, Sequence[tuple[int, ...]]],
         + "\nPer-example clipping would clip per token or per time step, and one example could move the "
         "released sum by more than C. Nothing was released. " + FIX
     )
+
+
+def ambiguous_layout_error(name: str, shape: tuple[int, ...], n: int) -> PrivacyConfigurationError:
+    """A layer proven time-major (``[T, B, …]``) earlier in the run, called now on a tensor whose dimensions 0 and 1
+    both have the step's n examples (T = B) and whose layout autograd's record does not decide (refused, before any
+    release: clipping per time step would let one example move the sum by T·C)."""
+    return PrivacyConfigurationError(
+        f"layer '{name or '<root>'}' ran time-major ([T, B, ...]) earlier in this run, and this step it was called on "
+        f"shape {shape} with {n} examples: both dimension 0 and dimension 1 have {n} entries, and autograd's record "
+        "does not show which one holds the examples (the input has no record that leads back to a layer with a known "
+        "layout). Per-example clipping could clip per time step. Nothing was released. Run the layer batch-first "
+        "([B, T, ...]: transpose before it, or batch_first=True in the attention or RNN around it), or compute its "
+        "input from a layer whose layout is known (a transpose of the batch-first embedding, the attention's output).")
 
 
 def flattened_rnn_error(name: str, module: nn.Module) -> PrivacyConfigurationError:

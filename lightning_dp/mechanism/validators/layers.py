@@ -14,7 +14,9 @@ the model is attached to a private step, that refuses the call before it runs:
 
 - a BatchNorm running in training mode (any ``model.train()`` call, by the user's code or by Lightning before 2.2
   at the start of fit, switches a frozen BatchNorm back to batch statistics): :func:`batchnorm_training_error`;
-- an ``nn.EmbeddingBag`` called on a flat 1-D input with ``offsets``: :func:`embedding_bag_offsets_error`.
+- an ``nn.EmbeddingBag`` called on a flat 1-D input with ``offsets``: :func:`embedding_bag_offsets_error`;
+- Opacus' ``DPLSTM``/``DPGRU``/``DPRNN`` called on a ``PackedSequence``: :func:`opacus_packed_error` (torch's own RNN,
+  which is served there, is named).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
@@ -174,6 +177,30 @@ def embedding_bag_offsets_error(name: str, module: nn.Module) -> PrivacyConfigur
         "sum/mean/max), and pass per_sample_weights as [B, L] too (mode='sum').")
 
 
+def opacus_recurrent(module: nn.Module) -> Optional[str]:
+    """The torch RNN that replaces an Opacus DP RNN (``opacus.layers.DPLSTM`` → ``"LSTM"``, ``DPGRU`` → ``"GRU"``,
+    ``DPRNN`` → ``"RNN"``), or None for any other module (read from the class, without importing Opacus)."""
+    if not type(module).__module__.startswith("opacus."):
+        return None
+    names = [cls.__name__ for cls in type(module).__mro__]
+    if "DPRNNBase" not in names:
+        return None
+    return next((kind for dp, kind in (("DPLSTM", "LSTM"), ("DPGRU", "GRU"), ("DPRNN", "RNN")) if dp in names), "LSTM")
+
+
+def opacus_packed_error(name: str, module: nn.Module) -> PrivacyConfigurationError:
+    """Opacus' DP RNN called on a ``PackedSequence``: its cells' linear layers see each time step's rows of the packed
+    batch (as many as the sequences that long), which no engine maps back to examples; torch's RNN is served there."""
+    kind = opacus_recurrent(module) or "LSTM"
+    return PrivacyConfigurationError(
+        f"layer '{name or '<root>'}' (opacus.layers.DP{kind}) was called on a PackedSequence: its cells run one "
+        "time step at a time on the packed rows of the sequences still running, so its linear layers never see one "
+        f"row per example, and no engine can split their gradients by example. Nothing was released. Replace "
+        f"opacus.layers.DP{kind} by torch.nn.{kind} (the same constructor arguments): lightning_dp serves "
+        f"torch.nn.{kind} on a PackedSequence exactly, and faster (the DP layers were Opacus' way to hook an RNN; "
+        "the per-example engines here do not need them).")
+
+
 def _attached(root: nn.Module) -> bool:
     from lightning_dp.mechanism import private_step  # (imports this package: not at module level)
 
@@ -235,6 +262,16 @@ class _EmbeddingBagInput(_CallCheck):
             raise embedding_bag_offsets_error(self.name, module)
 
 
+class _OpacusRecurrentInput(_CallCheck):
+    """Refuses a differentiated call of Opacus' DP RNN on a ``PackedSequence`` (:func:`opacus_packed_error`)."""
+
+    def check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if (isinstance(x, PackedSequence) and torch.is_grad_enabled()
+                and any(p.requires_grad for p in module.parameters())):
+            raise opacus_packed_error(self.name, module)
+
+
 def install_call_checks(root: nn.Module) -> None:
     """Forward pre-hooks on the layers of ``root`` whose use depends on the call (module docstring); any such
     hooks of an earlier call are replaced."""
@@ -243,7 +280,8 @@ def install_call_checks(root: nn.Module) -> None:
             _remove(sub, hook)
         check: Optional[type[_CallCheck]] = (
             _BatchNormMode if isinstance(sub, _BatchNorm) else
-            _EmbeddingBagInput if isinstance(sub, nn.EmbeddingBag) else None)
+            _EmbeddingBagInput if isinstance(sub, nn.EmbeddingBag) else
+            _OpacusRecurrentInput if opacus_recurrent(sub) is not None else None)
         if check is not None:
             sub.register_forward_pre_hook(check(name, root), with_kwargs=True)
 

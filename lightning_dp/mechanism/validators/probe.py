@@ -53,6 +53,7 @@ from lightning_dp.mechanism.boundary.state import StateFingerprint
 from lightning_dp.mechanism.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
 from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
+from lightning_dp.mechanism.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint
 
 LossOf = Callable[[Sequence[int]], Tensor]
 """Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
@@ -103,6 +104,8 @@ class ExampleIndependenceProbe:
         """Set by :meth:`run`: the tolerance of the batch-against-alone comparisons (:meth:`_interaction_tolerance`)."""
         self.compute_dtype: Optional[torch.dtype] = None
         """Set by :meth:`run`: the lowest-precision floating dtype the forward computed in (:class:`LowestFloat`)."""
+        self._sorted = False  # the step sorted a tensor (validators/step_calls.py): named if examples interact
+        self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
 
     def run(self, indices: Sequence[int]) -> None:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
@@ -113,6 +116,7 @@ class ExampleIndependenceProbe:
         modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
         for m, _ in modes:
             m.training = False
+        calls = self._calls = StepWatch()
         try:
             try:
                 with torch.random.fork_rng(devices=[]), NoDropout():
@@ -140,30 +144,45 @@ class ExampleIndependenceProbe:
             changed = self.state.changed(before, self.state.take(full=True))
             if changed:
                 raise state_mutation_error(changed) from err
+            if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
+                raise double_backward_error(self.engine.name) from err
             raise
         changed = self.state.changed(before, self.state.take(full=True))
         if changed:
             raise state_mutation_error(changed)
+        if calls.double_backward:
+            raise double_backward_error(self.engine.name)
+        self._sorted = calls.sorted
         random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
                                                float(together.norms.double().max()) * len(indices) ** 0.5)
         self.interaction_rtol = self._interaction_tolerance()
-        self._compare(together, alone, reference, len(indices), random)
+        permuted = self._compare(together, alone, reference, len(indices), random)
+        if permuted and (clipped is None or random):
+            raise self._interaction(together.norms.double(), torch.cat([a.norms.double() for a in alone]),
+                                    len(indices))
         if isinstance(clipped, list):
             for one, example in zip(clipped, alone):
                 self._check_clipping(one, [example], bound)
         elif clipped is not None and not random:
-            self._check_clipping(clipped, alone, bound)
+            try:
+                self._check_clipping(clipped, alone, bound)
+            except PrivacyConfigurationError:
+                if permuted:  # rows that looked like a reordering of the examples are not: they interact
+                    raise self._interaction(together.norms.double(),
+                                            torch.cat([a.norms.double() for a in alone]), len(indices)) from None
+                raise
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
         seed_all(seed)
         try:
-            loss = self.loss_of(indices)
-            if loss.grad_fn is None:
-                raise detached_loss_error(loss)
-            if backward:
-                with output_hook_notice_quieted(self.engine.name):
-                    loss.backward()
+            with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
+                loss = self.loss_of(indices)  # gradients with create_graph=True, which is no double backward of the step
+                if loss.grad_fn is None:
+                    raise detached_loss_error(loss)
+                if backward:
+                    with output_hook_notice_quieted(self.engine.name):
+                        loss.backward()
             return loss
         except PrivacyConfigurationError:
             raise
@@ -231,8 +250,17 @@ class ExampleIndependenceProbe:
             dtype = self.compute_dtype
         return min(self.rtol, batch_tolerance(dtype, reference.device, low_precision=self.rtol >= LOW_PRECISION_TOLERANCE))
 
+    def _interaction(self, together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
+                     summed: bool = False) -> PrivacyConfigurationError:
+        return interaction_error(together, alone, k, name, summed=summed, engine=self.engine.name,
+                                 sorted_batch=self._sorted)
+
     def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int,
-                 random: bool) -> None:
+                 random: bool) -> bool:
+        """The comparisons of the module docstring; returns whether the batch's rows are the examples in another
+        order (the same norms, :func:`same_norms`: a batch sorted before packing), which :meth:`run` then confirms
+        with the clipped pass (a weighted sum whose weights follow each row's own norm)."""
+        permuted = False
         alone_norms = torch.cat([a.norms.double() for a in alone])
         together_norms = together.norms.double()
         bad = [name for name, ref in zip(self.names, reference) if not bool(torch.isfinite(ref).all())]
@@ -246,7 +274,7 @@ class ExampleIndependenceProbe:
         elif random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
-                raise interaction_error(together_norms, alone_norms, k, summed=True)
+                raise self._interaction(together_norms, alone_norms, k, summed=True)
             warnings.warn(
                 "DPStrategy: the training step draws random numbers outside dropout modules (e.g. augmentation), "
                 "so the first step's probe could not compare each example's gradient in a batch and alone; "
@@ -254,17 +282,29 @@ class ExampleIndependenceProbe:
                 "interact through the loss or the model (see the README: what the strategy verifies).",
                 stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
-            raise interaction_error(together_norms, alone_norms, k, engine=self.engine.name)
+            if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
+                raise self._interaction(together_norms, alone_norms, k)
+            permuted = True
         for p, name, ref in zip(self.params, self.names, reference):
             summed = sum(a.sums[p].double() for a in alone)
             size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
             # per parameter the fixed rtol: a parameter whose gradient cancels analytically (a bias before a
             # normalisation) keeps rounding of its intermediate terms, whose size is not known here
             if not random and not self.isolated and not self._close(together.sums[p], summed, size):
-                raise interaction_error(together_norms, alone_norms, k, name, engine=self.engine.name)
+                raise self._interaction(together_norms, alone_norms, k, name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
+        return permuted
+
+
+def same_norms(a: Tensor, b: Tensor, tolerance: float) -> bool:
+    """Whether two vectors of per-example norms are the same up to the order of the examples (sorted, then within
+    ``tolerance`` in L2): a batch that reorders its examples (sorted by length before packing) still has one example
+    per row, so per-row clipping still bounds each example by C."""
+    if a.shape != b.shape:
+        return False
+    return float((a.double().sort().values - b.double().sort().values).norm()) <= tolerance + 1e-12
 
 
 def seed_all(seed: int) -> None:
@@ -402,9 +442,11 @@ def _drops_paths(m: nn.Module) -> bool:
 
 
 def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
-                      summed: bool = False, engine: Optional[str] = None) -> PrivacyConfigurationError:
+                      summed: bool = False, engine: Optional[str] = None,
+                      sorted_batch: bool = False) -> PrivacyConfigurationError:
     """The probe's error when example i's gradient depends on the other examples of the batch (``engine``: the
-    engine that computed them, named as the other possible cause). The cause and its fix come first: a summed loss
+    engine that computed them, named as the other possible cause; ``sorted_batch``: the step sorted a tensor, the
+    likeliest cause then, :func:`~.step_calls.sorted_batch_hint`). The cause and its fix come first: a summed loss
     (every gradient k× its gradient alone) is named as such, with nothing else."""
     if summed or _scaled_by_batch(together, alone, k):
         return PrivacyConfigurationError(
@@ -424,6 +466,8 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
         cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
                   "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
                   "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
+    if sorted_batch:
+        cause = sorted_batch_hint() + cause
     where = f" (parameter {name})" if name else ""
     return PrivacyConfigurationError(
         f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
@@ -480,7 +524,7 @@ def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
 
 
 _ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_dp/mechanism/
-_HARNESS = ("private_step.py", os.path.join("validators", "probe.py"))
+_HARNESS = ("private_step.py", os.path.join("validators", "probe.py"), os.path.join("validators", "step_calls.py"))
 _OPACUS = f"{os.sep}opacus{os.sep}"
 
 

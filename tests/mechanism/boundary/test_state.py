@@ -290,3 +290,17 @@ def test_a_datamodule_keeping_batch_statistics_is_refused_before_any_release():
     with pytest.raises(StateWrittenError, match=r"(?s)datamodule NormalisingDataModule.seen_mean.*public_state"):
         quiet_trainer(strategy=strategy(), max_steps=3).fit(model, datamodule=NormalisingDataModule())
     assert unchanged(before, model)
+
+
+def test_a_snapshot_restore_leaves_parameters_held_in_attributes_untouched():
+    """An nn.LSTM subclass defined by the user keeps its Parameters in the inherited ``_flat_weights`` list: the probe's
+    restore must not copy them back (their version counter would move and read as a write at the next release)."""
+    from lightning_dp.mechanism.boundary.snapshot import StateSnapshot
+
+    class Subclassed(nn.LSTM):
+        pass
+
+    rnn = Subclassed(3, 4)
+    versions = [p._version for p in rnn.parameters()]
+    StateSnapshot(rnn).restore()
+    assert [p._version for p in rnn.parameters()] == versions

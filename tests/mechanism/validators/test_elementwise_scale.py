@@ -196,3 +196,18 @@ def test_a_frozen_weight_leaves_the_bias_alone_served():
     op = scaled_operand([b], out, [x])
     assert op is not None and op.weight is None and op.bias is b
     _assert_exact(op, out, [b], "frozen weight")
+
+
+def test_an_rms_norm_on_an_input_that_does_not_require_grad_is_verified():
+    """nn.RMSNorm on the data itself (issue 37): autograd does not save the weight's operand when y needs no gradient;
+    its shape comes from the autograd record instead of an AttributeError."""
+    norm = nn.RMSNorm(zoo.D).double()
+    x = torch.randn(3, 4, zoo.D, dtype=torch.float64)
+    op = scaled_operand(norm.weight, norm(x), [x])
+    assert op is not None
+    torch.testing.assert_close(op.y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_rms_norm_over_the_data_trains_exactly(engine):
+    zoo.assert_exact(zoo.NormOnTheData, zoo.vector_data(), per_sample=engine)

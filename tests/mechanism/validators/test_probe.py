@@ -194,3 +194,23 @@ def test_a_loss_detached_from_the_model_is_named_as_such(requires_grad):
 
     with pytest.raises(PrivacyConfigurationError, match=r"^The loss training_step returned is detached from the model"):
         ExampleIndependenceProbe(model, engine, list(model.parameters()), ["p"] * 4, loss_of, 1e-8).run([0, 1, 2])
+
+
+def test_norms_are_compared_up_to_the_order_of_the_examples_only():
+    """A batch that reorders its examples (sorted before packing) keeps one example per row: the probe accepts the same
+    norms in another order (then confirmed by its clipped pass), never different ones."""
+    from lightning_dp.mechanism.validators.probe import same_norms
+
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert same_norms(a, a.flip(0), 1e-9)
+    assert not same_norms(a, torch.tensor([1.0, 2.0, 3.5]), 1e-3)
+    assert not same_norms(a, a[:2], 1.0)
+
+
+def test_the_batch_check_accepts_a_reordering_and_nothing_else():
+    from lightning_dp.mechanism.validators.batch_check import _reordered
+
+    whole = torch.tensor([4.0, 1.0, 3.0, 2.0])
+    assert _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.0]), torch.tensor([3.0])], 1e-9)
+    assert not _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.5])], 1e-3)  # a norm moved
+    assert not _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.0]), torch.tensor([5.0])], 1e-3)
