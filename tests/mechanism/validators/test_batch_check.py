@@ -154,11 +154,31 @@ def test_an_interaction_keyed_on_the_step_is_refused_before_any_release():
     assert unchanged(before, model), "a release happened"
 
 
-@pytest.mark.parametrize("verify,steps,kwargs", [("every_step", 12, {}), ("sampled", 120, {"verify_budget": 0.5})])
-def test_an_interaction_that_starts_after_a_warmup_is_refused_before_its_release(verify, steps, kwargs):
+class _Ticks:
+    """A clock that advances one second per reading: every step lasts a second, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("verify,steps", [("every_step", 12), ("sampled", 40)])
+def test_an_interaction_that_starts_after_a_warmup_is_refused_before_its_release(verify, steps):
+    """Under "sampled" the later checks land at random steps: with a step of one tick and a budget of half the
+    time, the schedule checks most steps, and the first checked step after the warm-up is refused."""
+    import random as rand
+
+    from lightning_dp.mechanism.validators.schedule import VerificationSchedule
+
     model = NegativesAfterOwnCount()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, verify=verify,
+                          public_state=["calls"])
+    strategy.private_step.schedule = VerificationSchedule(verify, 0.5, rng=rand.Random(0), clock=_Ticks())
     with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step (\d+)") as info:
-        run(model, classes(), steps=steps, verify=verify, public_state=["calls"], **kwargs)
+        quiet_trainer(strategy=strategy, max_steps=steps).fit(model, DataLoader(classes(), batch_size=32))
     step = int(re.search(r"at step (\d+)", str(info.value)).group(1))
     assert step >= 3 and model.trainer.strategy.ledger.steps == step, "every step before it released, none after"
     if verify == "every_step":
