@@ -84,12 +84,14 @@ def _plain(value: Any) -> bool:
 
 
 def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
-    """Restore ``owner.key`` for every key: the same object, with its contents."""
+    """Restore ``owner.key`` for every key: the same object, with its contents; a public attribute (no leading
+    underscore: not a framework's lazily made one) that the passes added is removed."""
     held = {k: owner.__dict__[k] for k in keys if k in owner.__dict__}
     inner = [_contents(v, depth) for v in held.values()]
+    before = set(owner.__dict__)
 
     def put() -> None:
-        for key in [k for k in owner.__dict__ if k in keys and k not in held]:
+        for key in [k for k in owner.__dict__ if k not in before and not k.startswith("_")]:
             del owner.__dict__[key]
         for key, value in held.items():
             if owner.__dict__.get(key, _ABSENT) is not value:
@@ -132,6 +134,9 @@ class StateSnapshot:
             restores.append(_rebind_buffers(m, buffers))
             keys = [k for k in vars(m) if k not in skip and not k.startswith("_dp_")]
             if type(m).__module__.startswith("torch."):
+                # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
+                # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
+                restores.append(_attributes(m, keys, MAX_DEPTH))
                 continue
             restores.append(_attributes(m, keys, 0))
         for cb in callbacks:

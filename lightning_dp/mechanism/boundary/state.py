@@ -285,12 +285,14 @@ class StateFingerprint:
         return entries
 
     def _attributes(self, m: nn.Module, mode: list[str]) -> Iterator[tuple[str, Any]]:
-        if mode:
+        if mode and mode is not _DATA_ONLY:
             yield from ((k, getattr(m, k)) for k in mode)
             return
         for key, value in vars(m).items():
             if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, (nn.Module, _FUNCTIONS)):
                 continue
+            if mode is _DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
+                continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
             yield key, value
 
     # ------------------------------------------------------------------ comparing
@@ -306,15 +308,21 @@ class StateFingerprint:
 
 
 _MISSING = object()
+_CONFIGURATION = (bool, int, float, str, tuple, torch.dtype, torch.device, torch.Size)
 _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 
+_DATA_ONLY = ["<data>"]
+"""The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
+
+
 def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
-    """How :class:`StateFingerprint` reads ``m``'s attributes: ``None`` (none) for torch's own layers (configuration
-    only; their tensors are parameters and buffers) and for a torchmetrics ``Metric`` without persistent states, the
-    names of a ``Metric``'s persistent states, else ``[]``: every attribute."""
+    """How :class:`StateFingerprint` reads ``m``'s attributes: for torch's own layers only the values that can hold
+    data (their configuration — sizes, flags, names — is not state, but a tensor a user caches on an ``nn.Linear`` is:
+    :data:`_DATA_ONLY`), for a torchmetrics ``Metric`` the names of its persistent states (``None``: it has none),
+    else ``[]``: every attribute."""
     if type(m).__module__.startswith("torch."):
-        return None
+        return _DATA_ONLY
     states = _metric_states(m)
     if states is not None:
         return states if states else None

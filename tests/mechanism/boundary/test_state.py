@@ -304,3 +304,33 @@ def test_a_snapshot_restore_leaves_parameters_held_in_attributes_untouched():
     versions = [p._version for p in rnn.parameters()]
     StateSnapshot(rnn).restore()
     assert [p._version for p in rnn.parameters()] == versions
+
+
+class CachedOnABuiltinLayer(Classifier):
+    """Keeps the batch's inputs on torch's own nn.Linear (an attribute set on a library layer)."""
+
+    def training_step(self, batch, batch_idx):
+        self.net[0].last_inputs = batch[0].detach()
+        return super().training_step(batch, batch_idx)
+
+
+def test_data_cached_on_a_torch_layer_is_fingerprinted():
+    model = CachedOnABuiltinLayer()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)attribute net.0.last_inputs.*public_state"):
+        fit(model)
+    assert unchanged(before, model)
+
+
+def test_an_attribute_the_probe_adds_is_removed_again():
+    """A step that caches its batch on a torch layer, declared public: the first step's passes (probe, checks,
+    replays) leave nothing behind; only the real steps' value is there."""
+    model = CachedOnABuiltinLayer()
+    seen = []
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(hasattr(pl_module.net[0], "last_inputs"))
+
+    fit(model, steps=2, callbacks=[Spy()], public_state=["net.0.last_inputs", "Spy"])
+    assert seen[0] is False and seen[1] is True
