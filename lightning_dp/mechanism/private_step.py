@@ -416,7 +416,7 @@ class PrivateStep:
         (:func:`~lightning_dp.mechanism.validators.records.check_records`: a fixed record per index, each once)."""
         where = self.distribution
         population = training_population(dataloader, where.rank, where.world_size)
-        check_records(dataloader.dataset, population.indices, population.num_samples)
+        check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler: Any
         if self.users is not None:
