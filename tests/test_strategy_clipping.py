@@ -181,3 +181,20 @@ def test_the_probe_checks_each_policys_factors(monkeypatch):
     strategy = DPStrategy(noise_multiplier=1.0, clipping=PerLayerClipping(1.0), per_sample="ghost", sampler_seed=0)
     with pytest.raises(PrivacyConfigurationError, match="clipped the first step's examples wrongly"):
         quiet_trainer(strategy=strategy, max_steps=1).fit(TinyClassifier(), make_loader(n=40, batch_size=8))
+
+
+def test_lightning_dp_fit_takes_a_policy_from_the_command_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from pathlib import Path
+
+    from lightning_dp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+    args = ["fit", "--config", str(config), "--trainer.max_steps=2", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--test_after_fit=false",
+            "--trainer.strategy.max_grad_norm=null", "--trainer.strategy.clipping=lightning_dp.AutomaticClipping",
+            "--trainer.strategy.clipping.max_grad_norm=2.0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "C = 2," in out and "clipping: automatic clipping" in out
