@@ -153,3 +153,18 @@ def test_the_probe_checks_the_engines_norms_of_a_users_records(monkeypatch):
     dataset, ids = _data()
     with pytest.raises(PrivacyConfigurationError, match="clipped the first step's examples wrongly"):
         _step(dataset, ids, engine="ghost")
+
+
+def test_a_modules_ledger_is_not_continued_in_another_unit():
+    dataset, ids = _data()
+    model = TinyClassifier()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(model, DataLoader(dataset, batch_size=4))
+    users = DPStrategy(noise_multiplier=1.0, privacy_unit=Users(ids, users_per_batch=2))
+    with pytest.raises(PrivacyConfigurationError, match="accounted per example; a run per user cannot continue it"):
+        quiet_trainer(strategy=users, max_steps=1).fit(model, DataLoader(dataset, batch_size=4))
+    other = TinyClassifier()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, privacy_unit=Users(ids, users_per_batch=2)),
+                  max_steps=1).fit(other, DataLoader(dataset, batch_size=4))
+    with pytest.raises(PrivacyConfigurationError, match="accounted per user; a run per example cannot continue it"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(other,
+                                                                                 DataLoader(dataset, batch_size=4))

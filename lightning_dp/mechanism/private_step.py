@@ -335,6 +335,7 @@ class PrivateStep:
             combined = module_ledgers.combine(self.ledger, record)
             if combined.added:
                 self.ledger.load_state_dict(combined.ledger.state_dict())
+                self.ledger.unit = getattr(record, "unit", "example")  # what the adopted releases protect
                 self._ceiling = None
                 note = _adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
         module_ledgers.bind(module, self.ledger)
@@ -417,6 +418,7 @@ class PrivateStep:
         where = self.distribution
         population = training_population(dataloader, where.rank, where.world_size)
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
+        self._check_ledger_unit()
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler: Any
         if self.users is not None:
@@ -450,16 +452,21 @@ class PrivateStep:
         if k > n:
             raise PrivacyConfigurationError(f"Users(users_per_batch={k}) exceeds the {n} users of the training data: "
                                             "lower users_per_batch.")
-        if self.ledger.steps and getattr(self.ledger, "unit", "example") != "user":
-            raise PrivacyConfigurationError(
-                "this module's ledger holds releases accounted per example; a user-level run cannot continue it (its "
-                "ε would mix the two units). Train a fresh copy of the module with privacy_unit=Users(...).")
-        self.ledger.unit = "user"
         rate = k / n
         self.plan = SamplingPlan(n, float(k), rate, min_sep_steps_per_epoch(rate, 1))
         where = self.distribution
         return UserPoissonBatchSampler(members, rate, self.plan.steps_per_epoch, where.rank, where.world_size, seed,
                                        self.secure_sampling, self.users.max_examples_per_user)
+
+    def _check_ledger_unit(self) -> None:
+        """The ledger counts one unit: a module's record of releases per example is not continued per user (nor the
+        reverse: its ε would mix the two units)."""
+        held = getattr(self.ledger, "unit", "example")
+        if self.ledger.steps and held != self.unit:
+            raise PrivacyConfigurationError(
+                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
+                f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
+        self.ledger.unit = self.unit
 
     def groups_of(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
         """The units of a batch's records (user-level DP; ``None``: every example its own unit)."""

@@ -192,6 +192,8 @@ def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[
     clips per parameter) and the factors applied per example (per parameter). Squares are Σ_i f_i² g_i², the
     per-example second moment: refused for units of several examples (the private step does so)."""
     b = grad_samples[0].shape[0]
+    if with_squares and rule.groups is not None:
+        raise ValueError("squares of per-example gradients are not a unit's second moment: not with grouped units")
     if rule.groups is None:
         units = grad_samples
     else:
