@@ -580,9 +580,15 @@ class PrivateTraining:
         return closure_loss
 
     def _log_clip_norm(self, trainer: "pl.Trainer") -> None:
-        """``privacy/clip_norm``, the bound the next step clips at, to the loggers every ``log_every_n_steps`` (runs
-        with a clipping policy; flat clipping's C never changes). A function of the noisy releases only."""
-        if isinstance(self.private_step.clipping, FlatClipping) or not trainer.loggers:
+        """``privacy/clip_norm``, the bound the next step clips at, into ``trainer.callback_metrics`` every step and to
+        the loggers every ``log_every_n_steps`` (runs with a clipping policy; flat clipping's C never changes). A
+        function of the noisy releases only."""
+        if isinstance(self.private_step.clipping, FlatClipping):
+            return
+        metrics = getattr(trainer, "callback_metrics", None)
+        if isinstance(metrics, dict):  # every step, for callbacks (e.g. a checkpoint or early stop on it)
+            metrics["privacy/clip_norm"] = torch.tensor(self.max_grad_norm, dtype=torch.float64)
+        if not trainer.loggers:
             return
         every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
         step = trainer.global_step
