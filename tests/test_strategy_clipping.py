@@ -199,3 +199,12 @@ def test_lightning_dp_fit_takes_a_policy_from_the_command_line(tmp_path, capsys,
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "C = 2," in out and "clipping: automatic clipping" in out
+
+
+def test_the_sharded_strategy_refuses_policies_and_users_by_name():
+    from lightning_dp import DPShardedStrategy, Users
+
+    with pytest.raises(PrivacyConfigurationError, match=r"DPShardedStrategy\(clipping=...\).*Use DPStrategy"):
+        DPShardedStrategy(noise_multiplier=1.0, clipping=AutomaticClipping(1.0))
+    with pytest.raises(PrivacyConfigurationError, match=r"DPShardedStrategy\(privacy_unit=...\)"):
+        DPShardedStrategy(noise_multiplier=1.0, privacy_unit=Users([0, 1], users_per_batch=1))
