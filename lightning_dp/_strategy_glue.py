@@ -396,7 +396,7 @@ class PrivateTraining:
                     self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)), indices=head)
                 args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
                 own = last
-        step.begin(n, own)
+        step.begin(n, own, stand_in=own is None)
         out = super().training_step(*args, **kwargs)  # type: ignore[misc]
         if out is None or (isinstance(out, dict) and out.get("loss") is None):
             raise PrivacyConfigurationError(
@@ -435,7 +435,7 @@ class PrivateTraining:
         """Forward + backward of a stand-in example whose gradient is dropped (nothing banked): this rank joins
         the collectives of a physical batch its peers run and it has not."""
         step = self.private_step
-        step.begin(1)
+        step.begin(1, stand_in=True)
         args, kwargs = _with_batch(args, kwargs, self._collated([0]))
         loss = mean_loss(super().training_step(*args, **kwargs), 1)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss

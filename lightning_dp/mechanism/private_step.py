@@ -896,11 +896,12 @@ class PrivateStep:
         """Whether :meth:`verify` has passed in this process."""
         return self._verified
 
-    def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None) -> int:
+    def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None,
+              stand_in: bool = False) -> int:
         """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
         every hooked layer is checked against it. Returns the count. User-level DP: ``indices`` are the batch's
-        records, whose users are clipped together (default: the batch taken; ``None`` with a count: each example
-        its own unit, only for a stand-in whose gradient is discarded)."""
+        records, whose users are clipped together (default: the batch taken); a count without them is refused
+        unless ``stand_in`` (a stand-in example whose gradient is discarded)."""
         assert self._engine is not None, "attach() first"
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
@@ -910,6 +911,9 @@ class PrivateStep:
             indices = self.take()
         n = len(indices) if num_examples is None and indices is not None else num_examples
         assert n is not None
+        if self.users is not None and indices is None and n > 0 and not stand_in:
+            raise RuntimeError("user-level DP: begin(n, indices) needs the batch's records, whose users are clipped "
+                               "together (begin() takes them from the sampler)")
         self._groups = None if indices is None or n == 0 else self.groups_of(indices)
         self._engine.begin_step(n)
         self._examples = n
