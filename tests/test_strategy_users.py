@@ -168,3 +168,29 @@ def test_a_modules_ledger_is_not_continued_in_another_unit():
     with pytest.raises(PrivacyConfigurationError, match="accounted per user; a run per example cannot continue it"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(other,
                                                                                  DataLoader(dataset, batch_size=4))
+
+
+def test_a_plain_pytorch_loop_trains_per_user():
+    """PrivateStep without Lightning: begin() takes the sampled records and their users from the sampler."""
+    from lightning_dp.mechanism import GaussianNoise
+    from lightning_dp.mechanism.private_step import PrivateStep
+
+    dataset, ids = _data(n_users=20)
+    torch.manual_seed(0)
+    model = TinyClassifier().net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = PrivateStep(1.0, 0.5, GaussianNoise(seed=0), sampler_seed=0, privacy_unit=Users(ids, users_per_batch=4))
+    step.attach(model, optimizer)
+    loader = step.poisson_loader(DataLoader(dataset, batch_size=8))
+    step.verify(lambda batch: F.cross_entropy(model(batch[0]), batch[1]))
+    for x, y in loader:
+        step.begin()
+        F.cross_entropy(model(x), y).backward()
+        step.release()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert step.ledger.steps == step.plan.steps_per_epoch == 5 and step.ledger.unit == "user"
+    assert (step.plan.num_samples, step.plan.expected_batch_size, step.plan.sample_rate) == (20, 4.0, 0.2)
+    with pytest.raises(RuntimeError, match="needs the batch's records"):
+        step.begin(3)
+    step.detach()
