@@ -48,10 +48,13 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
 from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
 from lightning_dp.mechanism.budget_shortfall import OnBudgetShort
+from lightning_dp.mechanism.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics
 from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
+from lightning_dp.mechanism.units import Users
+from lightning_dp.mechanism.units.physical import user_chunks
 
 CHECKPOINT_KEY = "lightning_dp"
 """Where the private step's state lives in a Lightning checkpoint dict."""
@@ -95,6 +98,8 @@ class PrivateTraining:
         verify: str = "sampled",
         verify_budget: float = 0.02,
         on_budget_short: OnBudgetShort = "refuse",
+        clipping: Optional[ClippingPolicy] = None,
+        privacy_unit: Optional[Users] = None,
     ) -> None:
         """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
         check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
@@ -116,10 +121,11 @@ class PrivateTraining:
             engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
             views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
-            verify_budget=verify_budget, on_budget_short=on_budget_short,
+            verify_budget=verify_budget, on_budget_short=on_budget_short, clipping=clipping,
+            privacy_unit=privacy_unit,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
-        self.private_step.examples_alone = max_physical_batch_size == 1
+        self.private_step.examples_alone = max_physical_batch_size == 1 and privacy_unit is None  # users: kept whole
         self._requested_sigma = self.private_step.noise_multiplier
         self.resume_privacy = resume_privacy
         self.secure_mode = bool(secure_mode)
@@ -145,8 +151,20 @@ class PrivateTraining:
 
     @property
     def max_grad_norm(self) -> float:
-        """C, the per-example clipping norm."""
+        """C, the per-example (per-user) clipping norm now: the clipping policy's bound (the adaptive policy's moves
+        after every step)."""
         return self.private_step.max_grad_norm
+
+    @property
+    def clipping(self) -> ClippingPolicy:
+        """The clipping policy (:mod:`lightning_dp.mechanism.clipping`; flat clipping unless one was given)."""
+        return self.private_step.clipping
+
+    @property
+    def privacy_unit(self) -> str:
+        """What ε protects: ``"example"``, or ``"user"`` with ``privacy_unit=Users(...)`` (N, q and the expected
+        batch are then counted in users)."""
+        return self.private_step.unit
 
     @property
     def target_epsilon(self) -> Optional[float]:
@@ -175,13 +193,13 @@ class PrivateTraining:
 
     @property
     def expected_batch_size(self) -> Optional[float]:
-        """Global expected batch B = world_size × loader batch_size."""
+        """Global expected batch B = world_size × loader batch_size (user-level DP: k, in users)."""
         plan = self.private_step.plan
         return None if plan is None else plan.expected_batch_size
 
     @property
     def num_samples(self) -> Optional[int]:
-        """N, the size of the training set."""
+        """N, the size of the training set (user-level DP: the number of users)."""
         plan = self.private_step.plan
         return None if plan is None else plan.num_samples
 
@@ -247,6 +265,8 @@ class PrivateTraining:
             rank_zero_info(f"{self.label}: DP-SignSGD majority vote over {where.world_size} worker(s), each adding "
                            "its own noise")
         rank_zero_info(f"{self.label}: per-example gradients by engine '{engine}'")
+        if not isinstance(self.private_step.clipping, FlatClipping):
+            rank_zero_info(f"{self.label}: {self.private_step.clipping.describe()}")
 
     def connect(self, model: "pl.LightningModule") -> None:
         """Lightning's, then refuse a tuner in a fit (:func:`check_no_tuner`), before any callback's setup."""
@@ -312,6 +332,10 @@ class PrivateTraining:
         if (dataloader.batch_size is None and dataloader.batch_sampler is None) or _injected(dataloader.sampler):
             dataloader = _loader_before_sampler_injection(trainer, dataloader)
         loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
+        if self.private_step.users is not None:
+            rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "
+                           f"{self.private_step.users.users_per_batch} expected per step (q = {self.sample_rate:.4g}); "
+                           "the DataLoader's batch_size is not used")
         self._calibrate(trainer)
         return loader
 
@@ -366,17 +390,19 @@ class PrivateTraining:
             args, kwargs = _with_batch(args, kwargs, self._collated([0]))
             n = 1
         limit = self.max_physical_batch_size
+        own: Optional[list[int]] = indices if len(indices) else None  # the records of this (physical) batch
         if limit is not None:
             # Physical batches are collated anew from the step's indices (any collate layout is split right).
-            chunks = [indices[start:start + limit] for start in range(0, n, limit)] if len(indices) else [[0]]
+            chunks = self._chunks(indices, limit) if len(indices) else [[0]]
             for _ in range(self._physical_batches_in_lockstep(len(chunks)) - len(chunks)):
                 self._stand_in_step(args, kwargs)
             if len(chunks) > 1:
                 *heads, last = chunks
                 for head in heads:
-                    self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)))
+                    self._physical_step(len(head), *_with_batch(args, kwargs, self._collated(head)), indices=head)
                 args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
-        step.begin(n)
+                own = last
+        step.begin(n, own, stand_in=own is None)
         out = super().training_step(*args, **kwargs)  # type: ignore[misc]
         if out is None or (isinstance(out, dict) and out.get("loss") is None):
             raise PrivacyConfigurationError(
@@ -386,9 +412,19 @@ class PrivateTraining:
                 "losses instead (a mean over the batch, or a vector of per-example losses).")
         return mean_loss(out, n)
 
-    def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward + backward one physical batch of n examples and bank its clipped sums (no noise yet)."""
-        self.private_step.begin(n)
+    def _chunks(self, indices: list[int], limit: int) -> list[list[int]]:
+        """The step's records cut into physical batches of at most ``limit``; user-level DP cuts between users only
+        (:func:`~lightning_dp.mechanism.units.physical.user_chunks`)."""
+        groups = self.private_step.groups_of(indices)
+        if groups is not None:
+            return user_chunks(indices, groups, limit)
+        return [indices[start:start + limit] for start in range(0, len(indices), limit)]
+
+    def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       indices: Optional[list[int]] = None) -> None:
+        """Forward + backward one physical batch of n examples (the records ``indices``) and bank its clipped sums
+        (no noise yet)."""
+        self.private_step.begin(n, indices)
         loss = mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with output_hook_notice_quieted(self.private_step.engine_name):
@@ -405,7 +441,7 @@ class PrivateTraining:
         """Forward + backward of a stand-in example whose gradient is dropped (nothing banked): this rank joins
         the collectives of a physical batch its peers run and it has not."""
         step = self.private_step
-        step.begin(1)
+        step.begin(1, stand_in=True)
         args, kwargs = _with_batch(args, kwargs, self._collated([0]))
         loss = mean_loss(super().training_step(*args, **kwargs), 1)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss
@@ -544,9 +580,27 @@ class PrivateTraining:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
+        self._log_clip_norm(module.trainer)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
         self.post_backward(closure_loss)  # type: ignore[attr-defined]
         return closure_loss
+
+    def _log_clip_norm(self, trainer: "pl.Trainer") -> None:
+        """``privacy/clip_norm``, the bound the next step clips at, into ``trainer.callback_metrics`` every step and to
+        the loggers every ``log_every_n_steps`` (runs with a clipping policy; flat clipping's C never changes). A
+        function of the noisy releases only."""
+        if isinstance(self.private_step.clipping, FlatClipping):
+            return
+        metrics = getattr(trainer, "callback_metrics", None)
+        if isinstance(metrics, dict):  # every step, for callbacks (e.g. a checkpoint or early stop on it)
+            metrics["privacy/clip_norm"] = torch.tensor(self.max_grad_norm, dtype=torch.float64)
+        if not trainer.loggers:
+            return
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        step = trainer.global_step
+        if step % every == 0 and self.global_rank == 0:  # type: ignore[attr-defined]
+            for logger in trainer.loggers:
+                logger.log_metrics({"privacy/clip_norm": self.max_grad_norm}, step=step)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:

@@ -141,12 +141,18 @@ def privacy_summary(
     else:
         eps = ledger_epsilon(ledger, chosen.value, accountant) if ledger.steps else 0.0
         eps_text = "inf (a non-private variant was used)" if math.isinf(eps) else f"{eps:.4f}"
-        lines.append(f"privacy: ε = {eps_text} at δ = {chosen.value:g} after {ledger.steps} steps "
+        unit = "" if getattr(ledger, "unit", "example") == "example" else f" per {ledger.unit}"
+        lines.append(f"privacy: ε = {eps_text}{unit} at δ = {chosen.value:g} after {ledger.steps} steps "
                      f"({accountant} accountant: the strategy's; δ: {chosen.source})")
+    counted = "users" if getattr(ledger, "unit", "example") == "user" else "examples"
     lines.append(
         f"mechanism: σ = {strategy.noise_multiplier:.4g}, C = {strategy.max_grad_norm:g}, "
-        f"q = {strategy.sample_rate:.4g} (expected batch {strategy.expected_batch_size:g} of N = {strategy.num_samples})"
+        f"q = {strategy.sample_rate:.4g} (expected batch {strategy.expected_batch_size:g} of N = {strategy.num_samples}"
+        + (f" {counted})" if counted == "users" else ")")
     )
+    clipping = getattr(strategy, "clipping", None)
+    if clipping is not None and type(clipping).__name__ != "FlatClipping":
+        lines.append(f"clipping: {clipping.describe()}")
     return "\n".join(lines)
 
 

@@ -84,6 +84,8 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         resume_privacy: ``"strict"`` or ``"new"``, as ``DPStrategy``.
         on_budget_short: ``"refuse"`` or ``"recalibrate"``, as ``DPStrategy``.
         augmentation_multiplicity: 1 only (K > 1 needs an engine that does not run on sharded parameters).
+        clipping, privacy_unit: ``None`` only: clipping policies and user-level DP (``DPStrategy``'s) are refused here
+            by name (they need per-parameter or per-user norms the sharded privatizer's streamed sums do not give).
         public_state: names of state declared public, as ``DPStrategy``.
         verify, verify_budget: as ``DPStrategy`` (the later batch checks do not run on sharded parameters yet:
             the first step's probe does).
@@ -123,6 +125,8 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
         verify_budget: float = 0.02,
         on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
+        clipping: Optional[Any] = None,
+        privacy_unit: Optional[Any] = None,
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
@@ -145,6 +149,11 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
             raise PrivacyConfigurationError(
                 "DPShardedStrategy does not support banded (correlated) noise yet: its history would be kept and "
                 "checkpointed per shard. Use noise='gaussian' (the default) or DPStrategy(noise='banded').")
+        if clipping is not None or privacy_unit is not None:
+            raise PrivacyConfigurationError(
+                f"DPShardedStrategy({'clipping' if clipping is not None else 'privacy_unit'}=...): clipping policies "
+                "and user-level DP need per-parameter or per-user norms that the sharded privatizer's streamed sums do "
+                "not give. Use DPStrategy with them, or flat clipping (max_grad_norm) here.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self._init_privacy(

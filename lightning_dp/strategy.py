@@ -51,6 +51,8 @@ from lightning_dp._strategy_glue import (
     setup_optimizers,
 )
 from lightning_dp.mechanism import NoiseMechanism
+from lightning_dp.mechanism.clipping import ClippingPolicy
+from lightning_dp.mechanism.units import Users
 from lightning_dp.mechanism.private_step import Distribution
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,9 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         max_grad_norm: C, the per-example clipping norm. Not given: the Trainer's ``gradient_clip_val`` (with
             ``gradient_clip_algorithm="norm"``, Lightning's default) when it has one, said in one INFO line, and
             Lightning's own clipping of the batch gradient is off for the fit (it would clip the released, noised
-            gradient); else 1.0. Given as well, a different ``gradient_clip_val`` is refused naming both, and
-            ``gradient_clip_algorithm="value"`` is always refused (:mod:`lightning_dp._gradient_clip`).
+            gradient); else the bound of ``clipping``; else 1.0. Given as well, a different ``gradient_clip_val`` is
+            refused naming both, and ``gradient_clip_algorithm="value"`` is always refused
+            (:mod:`lightning_dp._gradient_clip`); given with a ``clipping`` policy, the two must agree.
         target_epsilon: calibrate σ before the first step so that the planned run
             (``max_steps`` or ``max_epochs``) spends at most this ε at ``target_delta``.
         target_delta: δ for calibration (warns when δ ≥ 1/N).
@@ -128,6 +131,14 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             of the training time), ``"every_step"`` (certainty at about twice the cost per step) or
             ``"first_step"``. The first step's probe runs in every mode.
         verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.02).
+        clipping: a clipping policy (docs/clipping.md): :class:`~lightning_dp.PerLayerClipping` (each parameter
+            tensor to C_p, √(Σ C_p²) = C), :class:`~lightning_dp.AutomaticClipping` (g·C/(‖g‖ + γ), Bu et al. 2023)
+            or :class:`~lightning_dp.AdaptiveClipping` (a bound that tracks a quantile of the norms, Andrew et al.
+            2021; ``max_grad_norm`` then reads the current bound, logged as ``privacy/clip_norm``). ``None``
+            (default): flat clipping at ``max_grad_norm``. The sensitivity is C for every policy.
+        privacy_unit: :class:`~lightning_dp.Users` for user-level DP (docs/user_level.md): users are
+            Poisson-sampled (q = k / n_users), each user's mean gradient over its records is clipped to C, the
+            accounting is per user (N = n_users; ``expected_batch_size`` is k). ``None`` (default): the example.
         accelerator: the accelerator (set by the Trainer; as for Lightning's ``DDPStrategy``).
         parallel_devices: the devices of the processes (set by the Trainer).
         cluster_environment: the cluster environment (set by the Trainer).
@@ -165,6 +176,8 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         verify: Literal["first_step", "sampled", "every_step"] = "sampled",
         verify_budget: float = 0.02,
         on_budget_short: Literal["refuse", "recalibrate"] = "refuse",
+        clipping: Optional[ClippingPolicy] = None,
+        privacy_unit: Optional[Users] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -190,7 +203,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             noise=noise, bands=bands, sampler_seed=sampler_seed, secure_mode=secure_mode,
             resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
             public_state=public_state, verify=verify, verify_budget=verify_budget,
-            on_budget_short=on_budget_short,
+            on_budget_short=on_budget_short, clipping=clipping, privacy_unit=privacy_unit,
         )
 
     def __repr__(self) -> str:

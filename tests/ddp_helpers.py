@@ -128,6 +128,7 @@ class RankRecorder(Callback):
             "expected_batch_size": strategy.expected_batch_size,
             "num_samples": strategy.num_samples,
             "noise_multiplier": strategy.noise_multiplier,
+            "max_grad_norm": strategy.max_grad_norm,
         }
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 

@@ -50,6 +50,9 @@ class PrivacyLedger:
         self._entries: list[LedgerEntry] = []
         self._steps = 0
         self._private = True
+        self.unit = "example"
+        """What one release's ε protects: ``"example"`` (a record) or ``"user"`` (all of a user's records, with
+        ``DPStrategy(privacy_unit=Users(...))``): N and q are then counted in users."""
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Append ``steps`` releases with noise multiplier σ and sampling rate q."""
@@ -106,14 +109,20 @@ class PrivacyLedger:
         return self._entries[index]
 
     def __repr__(self) -> str:
-        return f"PrivacyLedger(steps={self.steps}, entries={len(self._entries)})"
+        unit = "" if self.unit == "example" else f", per {self.unit}"
+        return f"PrivacyLedger(steps={self.steps}, entries={len(self._entries)}{unit})"
 
     def state_dict(self) -> dict[str, Any]:
         """Serialisable state, for checkpoints."""
-        return {"entries": [[e.noise_multiplier, e.sample_rate, e.steps, e.private] for e in self._entries]}
+        state: dict[str, Any] = {"entries": [[e.noise_multiplier, e.sample_rate, e.steps, e.private]
+                                             for e in self._entries]}
+        if self.unit != "example":
+            state["unit"] = self.unit
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the ledger's content with a saved state."""
         self._entries = [LedgerEntry(float(s), float(q), int(n), bool(p)) for s, q, n, p in state["entries"]]
         self._steps = sum(e.steps for e in self._entries)
         self._private = all(e.private for e in self._entries)
+        self.unit = str(state.get("unit", self.unit))

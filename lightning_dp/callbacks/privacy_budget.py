@@ -87,6 +87,16 @@ _RUNNING = ("rdp", "integer_rdp")
 _KEY = EPSILON
 
 
+EPSILON_PER_USER = "privacy/epsilon_per_user"
+"""With ``DPStrategy(privacy_unit=Users(...))`` ε is per user: logged under this tag too."""
+
+
+def _per_unit(ledger: PrivacyLedger) -> str:
+    """`` per user`` for a user-level ledger (its ε protects all of a user's records), else nothing."""
+    unit = getattr(ledger, "unit", "example")
+    return "" if unit == "example" else f" per {unit}"
+
+
 def _ledger_of(trainer: "pl.Trainer") -> PrivacyLedger:
     ledger = getattr(trainer.strategy, "ledger", None)
     if not isinstance(ledger, PrivacyLedger):
@@ -239,7 +249,7 @@ class PrivacyBudget(Callback):
         self._resolve(trainer)
         self._resolve_default_delta(trainer)
         rank_zero_info(
-            f"PrivacyBudget: ε reported at δ = {self.delta:.3g} ({self._delta_source}) with the "
+            f"PrivacyBudget: ε{_per_unit(ledger)} reported at δ = {self.delta:.3g} ({self._delta_source}) with the "
             f"{self.accountant!r} accountant ({self._accountant_source})."
         )
         self._check_private(ledger)
@@ -300,7 +310,7 @@ class PrivacyBudget(Callback):
             self._logged = (step, epsilon)
         self._show(trainer, epsilon)
         rank_zero_info(
-            f"PrivacyBudget: ε = {epsilon:.4g} at δ = {self.delta:.3g} ({self.accountant} accountant) "
+            f"PrivacyBudget: ε = {epsilon:.4g}{_per_unit(ledger)} at δ = {self.delta:.3g} ({self.accountant} accountant) "
             f"after {ledger.steps} steps"
         )
 
@@ -401,6 +411,8 @@ class PrivacyBudget(Callback):
         }
         if self.target_epsilon is not None:
             values[TARGET_EPSILON] = self.target_epsilon
+        if getattr(ledger, "unit", "example") == "user":  # user-level DP: the same ε, under a tag that says so
+            values[EPSILON_PER_USER] = epsilon
         for logger in trainer.loggers:
             logger.log_metrics(values, step=trainer.global_step)
         self._logged = (int(trainer.global_step), epsilon)

@@ -51,6 +51,8 @@ from lightning_dp.mechanism.boundary import (
     gradient_hooks,
     state_written_error,
 )
+from lightning_dp.mechanism.clipping import ClippingPolicy, ClipRule, as_rule
+from lightning_dp.mechanism.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.mechanism.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
@@ -65,6 +67,7 @@ from lightning_dp.mechanism.privatizer import Privatizer, StepPrivatizer, flat_a
 from lightning_dp.mechanism.recorded_batches import RecordedBatches
 from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
 from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
+from lightning_dp.mechanism.units import UserPoissonBatchSampler, Users
 from lightning_dp.mechanism.validators import validate_module
 from lightning_dp.mechanism.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.mechanism.validators.loaders import TrainingPopulation, training_population
@@ -181,6 +184,9 @@ class PrivateStep:
         on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
             ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
             that fits (:mod:`~lightning_dp.mechanism.budget_shortfall`).
+        clipping: the clipping policy (:mod:`~lightning_dp.mechanism.clipping`; ``None``: flat clipping at
+            ``max_grad_norm``). A ``max_grad_norm`` given beside it must equal its bound.
+        privacy_unit: :class:`~lightning_dp.mechanism.units.Users` for user-level DP (``None``: the example).
 
     The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
     model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
@@ -189,7 +195,7 @@ class PrivateStep:
     def __init__(
         self,
         noise_multiplier: Optional[float],
-        max_grad_norm: float,
+        max_grad_norm: Optional[float],
         noise: NoiseMechanism,
         engine: str = "auto",
         target_epsilon: Optional[float] = None,
@@ -202,15 +208,25 @@ class PrivateStep:
         verify: str = "sampled",
         verify_budget: float = 0.02,
         on_budget_short: str = "refuse",
+        clipping: Optional[ClippingPolicy] = None,
+        privacy_unit: Optional[Users] = None,
     ) -> None:
         self.on_budget_short = check_on_budget_short(on_budget_short)
+        self.clipping = resolve_clipping(max_grad_norm, clipping)
+        """The clipping policy (:mod:`~lightning_dp.mechanism.clipping`): C is its bound (:attr:`max_grad_norm`)."""
+        if hasattr(self.clipping, "secure"):  # the adaptive policy's count noise, from the CSPRNG in secure mode
+            self.clipping.secure = secure_sampling  # type: ignore[attr-defined]
+        if privacy_unit is not None and not isinstance(privacy_unit, Users):
+            raise TypeError(f"privacy_unit must be None (the example) or Users(...), got {privacy_unit!r}")
+        self.users = privacy_unit
+        """User-level DP (:class:`~lightning_dp.mechanism.units.Users`), or ``None``: the example is the unit."""
         if not (isinstance(views_per_example, int) and views_per_example >= 1):
             raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
-        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
+        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0,
+                                self.clipping.configured_bound)
         if engine != "auto":
             make_engine(engine)  # fail fast on an unknown name
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
         self.noise = noise
         self.engine_name = engine
         self._auto = engine == "auto"
@@ -232,6 +248,7 @@ class PrivateStep:
         self._source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
         self._request: MechanismRequest = DEFAULT_REQUEST
         self._pending: Optional[ClippedBatch] = None
+        self._groups: Optional[torch.Tensor] = None  # the units of the physical batch begun (user-level DP)
         self._examples = -1
         self._verified = False
         self._ceiling: Optional[tuple[float, float, int, int]] = None  # (σ, q, ledger steps, rounds left in target)
@@ -251,6 +268,16 @@ class PrivateStep:
         self.examples_alone = False
         """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
         examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C now: the clipping policy's bound (the adaptive policy moves it after each release)."""
+        return self.clipping.max_grad_norm
+
+    @property
+    def unit(self) -> str:
+        """What one ε protects: ``"example"`` or ``"user"``."""
+        return "example" if self.users is None else "user"
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -275,17 +302,27 @@ class PrivateStep:
         self._mechanism = getattr(optimizer, "mechanism", "gaussian")
         if self._mechanism not in PRIVATIZERS:
             raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
+        self._refuse_combinations(distribution)
         self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
         self.distribution = distribution
         hooks, keys = gradient_hooks([p for p in module.parameters() if p.requires_grad]), attribute_keys(module)
         if distribution.layout is not None:
             self.boundary.parameters = distribution.layout.sharded_parameters
+        self.clipping.bind([name for name, p in module.named_parameters() if p.requires_grad])
         engine.attach(module)
         _ATTACHED.add(module)
         self._engine, self._module, self._optimizer = engine, module, optimizer
         self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)
         self.adopted = self.adopt(module)
         return engine.name
+
+    def _refuse_combinations(self, where: Distribution) -> None:
+        """The clipping policy's and the privacy unit's refusals of this run's settings, before any release."""
+        settings = dict(sharded=where.layout is not None, mechanism=self._mechanism, bands=self.bands,
+                        second_moment=False, users=self.users is not None)
+        reason = self.clipping.refusal(**settings) or unit_refusal(self.users, **settings)
+        if reason:
+            raise PrivacyConfigurationError(reason + ".")
 
     def adopt(self, module: nn.Module) -> Optional[str]:
         """Continue ``module``'s record (:mod:`~lightning_dp.accounting.module_ledgers`): the ledger becomes every
@@ -298,6 +335,7 @@ class PrivateStep:
             combined = module_ledgers.combine(self.ledger, record)
             if combined.added:
                 self.ledger.load_state_dict(combined.ledger.state_dict())
+                self.ledger.unit = getattr(record, "unit", "example")  # what the adopted releases protect
                 self._ceiling = None
                 note = _adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
         module_ledgers.bind(module, self.ledger)
@@ -324,6 +362,7 @@ class PrivateStep:
         """Replace the attached engine by a fresh engine ``name`` (auto's next choice after a refused probe)."""
         assert self._engine is not None and self._module is not None
         engine = self._engine_for(self._module, name, self.distribution)
+        self.clipping.bind([n for n, p in self._module.named_parameters() if p.requires_grad])
         self._engine.detach()
         hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
         engine.attach(self._module)
@@ -378,11 +417,17 @@ class PrivateStep:
         (:func:`~lightning_dp.mechanism.validators.records.check_records`: a fixed record per index, each once)."""
         where = self.distribution
         population = training_population(dataloader, where.rank, where.world_size)
-        check_records(dataloader.dataset, population.indices, population.num_samples)
-        self.plan = self._plan(population)
+        check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
+        self._check_ledger_unit()
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
-        sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate, self.plan.steps_per_epoch,
-                                            self.bands, where.rank, where.world_size, seed, self.secure_sampling)
+        sampler: Any
+        if self.users is not None:
+            sampler = self._user_sampler(dataloader.dataset, population, seed)
+        else:
+            self.plan = self._plan(population)
+            sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate,
+                                                self.plan.steps_per_epoch, self.bands, where.rank, where.world_size,
+                                                seed, self.secure_sampling)
         sampler.step = start_step
         self._batches = RecordedBatches(sampler, population.indices)
         dl = dataloader
@@ -395,6 +440,37 @@ class PrivateStep:
             kwargs["prefetch_factor"] = dl.prefetch_factor
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
         return DataLoader(dl.dataset, batch_sampler=self._batches, **kwargs)
+
+    def _user_sampler(self, dataset: Any, population: TrainingPopulation,
+                      seed: Optional[int]) -> UserPoissonBatchSampler:
+        """User-level DP: the plan over users (N = n_users, B = k) and the sampler of users
+        (:mod:`~lightning_dp.mechanism.units`); the ledger then counts releases per user."""
+        assert self.users is not None
+        positions = population.indices if population.indices is not None else range(population.num_samples)
+        members = self.users.partition(dataset, positions)
+        k, n = self.users.users_per_batch, len(members)
+        if k > n:
+            raise PrivacyConfigurationError(f"Users(users_per_batch={k}) exceeds the {n} users of the training data: "
+                                            "lower users_per_batch.")
+        rate = k / n
+        self.plan = SamplingPlan(n, float(k), rate, min_sep_steps_per_epoch(rate, 1))
+        where = self.distribution
+        return UserPoissonBatchSampler(members, rate, self.plan.steps_per_epoch, where.rank, where.world_size, seed,
+                                       self.secure_sampling, self.users.max_examples_per_user)
+
+    def _check_ledger_unit(self) -> None:
+        """The ledger counts one unit: a module's record of releases per example is not continued per user (nor the
+        reverse: its ε would mix the two units)."""
+        held = getattr(self.ledger, "unit", "example")
+        if self.ledger.steps and held != self.unit:
+            raise PrivacyConfigurationError(
+                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
+                f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
+        self.ledger.unit = self.unit
+
+    def groups_of(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
+        """The units of a batch's records (user-level DP; ``None``: every example its own unit)."""
+        return None if self.users is None else self.users.groups_of(indices)
 
     def _plan(self, population: TrainingPopulation) -> SamplingPlan:
         n, world = population.num_samples, self.distribution.world_size
@@ -613,7 +689,10 @@ class PrivateStep:
         """
         assert self.plan is not None and self._batches is not None, "poisson_loader() first"
         where = self.distribution
-        indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+        if isinstance(self._batches.inner, UserPoissonBatchSampler):  # two records of each of the first users
+            indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
+        else:
+            indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
         replay = None if replay_hooks is None else (
             lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True))))  # noqa: E731
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
@@ -647,7 +726,8 @@ class PrivateStep:
             assert self._module is not None and self._engine is not None
             state = self.boundary.fingerprint(self._module)
             checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                               autograd_params=leaves, state=state, isolated=self.examples_alone)
+                                               autograd_params=leaves, state=state, isolated=self.examples_alone,
+                                               clipping=self.clipping, grouped=self.users is not None)
             checked.run(list(indices))
             self._random_step, self._tolerance_low = checked.random, low_precision
             self._compute_dtype = checked.compute_dtype
@@ -816,15 +896,25 @@ class PrivateStep:
         """Whether :meth:`verify` has passed in this process."""
         return self._verified
 
-    def begin(self, num_examples: Optional[int] = None) -> int:
+    def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None,
+              stand_in: bool = False) -> int:
         """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
-        every hooked layer is checked against it. Returns the count."""
+        every hooked layer is checked against it. Returns the count. User-level DP: ``indices`` are the batch's
+        records, whose users are clipped together (default: the batch taken); a count without them is refused
+        unless ``stand_in`` (a stand-in example whose gradient is discarded)."""
         assert self._engine is not None, "attach() first"
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
                 "re-attached; call verify(...) again before the next release.")
-        n = len(self.take()) if num_examples is None else num_examples
+        if num_examples is None:
+            indices = self.take()
+        n = len(indices) if num_examples is None and indices is not None else num_examples
+        assert n is not None
+        if self.users is not None and indices is None and n > 0 and not stand_in:
+            raise RuntimeError("user-level DP: begin(n, indices) needs the batch's records, whose users are clipped "
+                               "together (begin() takes them from the sampler)")
+        self._groups = None if indices is None or n == 0 else self.groups_of(indices)
         self._engine.begin_step(n)
         self._examples = n
         return n
@@ -852,8 +942,14 @@ class PrivateStep:
     def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
         assert self._engine is not None
         request = self._request
-        bound = self.max_grad_norm if max_grad_norm is None else max_grad_norm
-        return self._engine.clip_and_sum(self.params(), bound, request.scale, request.second_moment)
+        rule = as_rule(max_grad_norm) if max_grad_norm is not None else ClipRule(self.clipping, self._groups)
+        if request.second_moment and not rule.is_flat_per_example:
+            reason = self.clipping.refusal(sharded=False, mechanism="gaussian", bands=1, second_moment=True,
+                                           users=self.users is not None) \
+                or unit_refusal(self.users, sharded=False, mechanism="gaussian", bands=1, second_moment=True)
+            if reason:
+                raise PrivacyConfigurationError(reason + ". Nothing was released.")
+        return self._engine.clip_and_sum(self.params(), rule, request.scale, request.second_moment)
 
     def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
         """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
@@ -907,8 +1003,11 @@ class PrivateStep:
                                             "draw per step: use noise='gaussian' with this variant.")
         if self.diagnostics_enabled:
             self.diagnostics = self._diagnose(batch, params)
-        release = self._privatizer.privatize(batch, params, request, self.noise_multiplier, self.max_grad_norm,
-                                             expected)
+        sigma = self.clipping.gradient_noise_multiplier(self.noise_multiplier, expected)
+        release = self._privatizer.privatize(batch, params, request, sigma, self.max_grad_norm, expected)
+        where = self.distribution
+        self.clipping.after_release(batch.norms, expected, self.noise_multiplier, where.all_reduce, where.rank,
+                                    where.world_size)
         rounds, before = self.rounds_at(index), self.ledger.steps
         self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=rounds, private=not request.clean_mean)
         if self._ceiling is not None and self._ceiling[:3] == (self.noise_multiplier, self.plan.sample_rate, before):
@@ -941,7 +1040,9 @@ class PrivateStep:
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,
             "noise": self.noise.state_dict(),
-            "max_grad_norm": self.max_grad_norm,
+            "max_grad_norm": self.clipping.configured_bound,
+            "clipping": self.clipping.state_dict(),
+            "privacy_unit": self.unit,
             "target_epsilon": self.target_epsilon,
             "target_delta": self.target_delta,
             "accountant": self.accountant,
@@ -968,6 +1069,12 @@ class PrivateStep:
         if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
             self.noise_multiplier = float(state["noise_multiplier"])
         self.noise.load_state_dict(state.get("noise", {}))
+        if state.get("privacy_unit", "example") != self.unit:
+            raise PrivacyConfigurationError(
+                f"the checkpoint accounted its releases per {state.get('privacy_unit', 'example')}, this run per "
+                f"{self.unit}: resume with the checkpoint's privacy_unit.")
+        if "clipping" in state:
+            self.clipping.load_state_dict(state["clipping"])
         self.steps_taken = int(state.get("steps_taken", self.steps_taken))
         if state.get("sample_rate") is not None:
             self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
@@ -981,7 +1088,7 @@ class PrivateStep:
 
         return [f"{label}: checkpoint {old}, this run {new}" for label, new, old in (
             ("noise_multiplier (σ)", requested_sigma, state.get("noise_multiplier")),
-            ("max_grad_norm (C)", self.max_grad_norm, state.get("max_grad_norm")),
+            ("max_grad_norm (C)", self.clipping.configured_bound, state.get("max_grad_norm")),
             ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
             ("target_delta", self.target_delta, state.get("target_delta")),
         ) if differs(new, old)]

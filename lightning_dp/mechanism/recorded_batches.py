@@ -53,3 +53,7 @@ class RecordedBatches(Sampler[list[int]]):
         public choice, independent of who was sampled: the probe's examples)."""
         chosen = list(range(rank, num_samples, world_size))[:k]
         return chosen if self.population is None else [self.population[i] for i in chosen]
+
+    def positions(self, chosen: Sequence[int]) -> list[int]:
+        """The dataset indices of population positions ``chosen``."""
+        return list(chosen) if self.population is None else [self.population[i] for i in chosen]

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Optional, Sequence, TypeVar
+from typing import ClassVar, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
+
+from lightning_dp.mechanism.clipping.flat import flat_factors
+from lightning_dp.mechanism.clipping.rule import ClipRule, as_rule
 
 ParamMap = Mapping[Tensor, Tensor]
 
@@ -31,7 +34,8 @@ class ClippedBatch:
     Attributes:
         sums: Σ_i clip_C(s ⊙ g_i) for every trainable parameter (zeros if the batch is empty).
         square_sums: Σ_i clip_C(s ⊙ g_i)² per parameter, or ``None`` if not requested.
-        norms: per-example L2 norms of s ⊙ g_i over all trainable parameters, before clipping.
+        norms: per-example L2 norms of s ⊙ g_i over all trainable parameters, before clipping (per unit when the
+            rule groups examples into units: the norm of the unit's mean gradient).
         batch_size: number of examples in the batch.
     """
 
@@ -82,7 +86,7 @@ class GradSampleEngine(ABC):
     def clip_and_sum(
         self,
         params: Sequence[nn.Parameter],
-        max_grad_norm: float,
+        max_grad_norm: Union[float, ClipRule],
         scale: Optional[ParamMap] = None,
         with_squares: bool = False,
     ) -> ClippedBatch:
@@ -90,7 +94,8 @@ class GradSampleEngine(ABC):
 
         Args:
             params: the trainable parameters, in a fixed order.
-            max_grad_norm: C.
+            max_grad_norm: C (flat clipping of each example), or a
+                :class:`~lightning_dp.mechanism.clipping.rule.ClipRule`: a clipping policy and the examples' units.
             scale: optional per-coordinate scale s per parameter (scale-then-privatize).
             with_squares: also return Σ_i clip_C(s ⊙ g_i)².
         """
@@ -142,13 +147,13 @@ def mean_over_views(grad_samples: Sequence[Tensor], views: int) -> list[Tensor]:
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     """min(1, C / ‖g_i‖) per example (docs/algorithms.md, clip_C). Zero norms give 1."""
-    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return flat_factors(norms, max_grad_norm)
 
 
 def clip_and_sum_materialised(
     params: Sequence[nn.Parameter],
     grad_samples: Sequence[Tensor],
-    max_grad_norm: float,
+    max_grad_norm: Union[float, ClipRule],
     scale: Optional[ParamMap] = None,
     with_squares: bool = False,
 ) -> ClippedBatch:
@@ -156,8 +161,10 @@ def clip_and_sum_materialised(
 
     ``grad_samples[k]`` has shape ``[b, *params[k].shape]``. Low-precision per-example
     gradients (bf16/fp16 autocast) are clipped in float32, so the clipped sum's
-    sensitivity is C for the gradients actually computed.
+    sensitivity is C for the gradients actually computed. A clipping policy other than flat, or
+    units of several examples, take :func:`clip_and_sum_by_rule`.
     """
+    rule = as_rule(max_grad_norm)
     grad_samples = [gs.float() if gs.dtype in (torch.bfloat16, torch.float16) else gs for gs in grad_samples]
     if scale is not None:
         grad_samples = [gs * scale[p].unsqueeze(0) for p, gs in zip(params, grad_samples)]
@@ -166,14 +173,42 @@ def clip_and_sum_materialised(
         zeros = {p: torch.zeros_like(p) for p in params}
         squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
         return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
+    if not rule.is_flat_per_example:
+        return clip_and_sum_by_rule(params, grad_samples, rule, with_squares)
     sq_norms = torch.stack([gs.reshape(b, -1).pow(2).sum(1) for gs in grad_samples], dim=0).sum(0)
     norms = sq_norms.sqrt()
-    factors = clip_factors(norms, max_grad_norm)
+    factors = rule.policy.factors(norms)
     sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
     squares = None
     if with_squares:
         squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
     return ClippedBatch(sums, squares, norms.detach(), b)
+
+
+def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[Tensor], rule: ClipRule,
+                         with_squares: bool = False) -> ClippedBatch:
+    """:func:`clip_and_sum_materialised` for any :class:`~lightning_dp.mechanism.clipping.rule.ClipRule`: each unit's
+    summed gradient is formed (a sum over its examples' rows), its norms taken (per parameter when the policy
+    clips per parameter) and the factors applied per example (per parameter). Squares are Σ_i f_i² g_i², the
+    per-example second moment: refused for units of several examples (the private step does so)."""
+    b = grad_samples[0].shape[0]
+    if with_squares and rule.groups is not None:
+        raise ValueError("squares of per-example gradients are not a unit's second moment: not with grouped units")
+    if rule.groups is None:
+        units = grad_samples
+    else:
+        groups = rule.groups.to(grad_samples[0].device)
+        count = rule.num_units()
+        units = [gs.new_zeros((count, *gs.shape[1:])).index_add_(0, groups, gs) for gs in grad_samples]
+    per_param = torch.stack([u.reshape(u.shape[0], -1).pow(2).sum(1) for u in units], dim=0)  # [P, u]
+    sq = per_param if rule.per_parameter else per_param.sum(0)
+    factors = rule.example_factors(sq)
+    rows = factors if rule.per_parameter else factors.expand(len(params), b)
+    sums = {p: torch.einsum("b,b...->...", f, gs) for p, f, gs in zip(params, rows, grad_samples)}
+    squares = None
+    if with_squares:
+        squares = {p: torch.einsum("b,b...->...", f.pow(2), gs.pow(2)) for p, f, gs in zip(params, rows, grad_samples)}
+    return ClippedBatch(sums, squares, rule.unit_norms(sq).detach(), b)
 
 
 def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:

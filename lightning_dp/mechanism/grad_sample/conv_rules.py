@@ -294,7 +294,8 @@ class ConvStats(WeightBiasStats):
         self.G: Optional[Tensor] = None
         sq = patches.calls[0][1].new_zeros(patches.n)
         if weight is not None:
-            sq = sq + self._weight_sq_norms(with_squares)
+            self.weight_sq = self._weight_sq_norms(with_squares)
+            sq = sq + self.weight_sq
         if bias is not None:
             db = patches.bias_grads()
             self.db = db if scale is None else db * scale[bias]

@@ -32,7 +32,7 @@ gradient during backward (PReLU too); conv patch columns are unfolded a few exam
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +41,15 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_dp.mechanism.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.mechanism.example_dims import time_major_layers
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.mechanism.clipping.rule import ClipRule, as_rule
 from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
     ParamMap,
-    clip_factors,
     register_engine,
 )
+from lightning_dp.mechanism.grad_sample.ghost_units import unit_sq_norms
 from lightning_dp.mechanism.capture import (
     ActivationCapture,
     LayerCalls,
@@ -116,7 +118,8 @@ class LinearFormStats(WeightBiasStats):
         n, T = a.shape[0], a.shape[1]
         sq = a.new_zeros(n)
         if weight is not None:
-            sq = sq + self._weight_sq_norms(T, with_squares)
+            self.weight_sq = self._weight_sq_norms(T, with_squares)
+            sq = sq + self.weight_sq
         if bias is not None:
             self.db = d.sum(1) if self.sb is None else d.sum(1) * self.sb
             sq = sq + self.db.pow(2).sum(1)
@@ -475,7 +478,7 @@ class GhostEngine(GradSampleEngine):
     def clip_and_sum(
         self,
         params: Sequence[nn.Parameter],
-        max_grad_norm: float,
+        max_grad_norm: Union[float, ClipRule],
         scale: Optional[ParamMap] = None,
         with_squares: bool = False,
     ) -> ClippedBatch:
@@ -488,6 +491,7 @@ class GhostEngine(GradSampleEngine):
             self._capture.clear()
 
     def _clip_and_sum(self, params, max_grad_norm, scale, with_squares) -> ClippedBatch:
+        rule = as_rule(max_grad_norm)
         layers = self._capture.completed()
         n = step_batch_size(self._capture, layers)
         if n == 0:
@@ -497,13 +501,15 @@ class GhostEngine(GradSampleEngine):
         stats = self._layer_stats(params, layers, n, scale, with_squares)
         ran = {p: self._owners_that_ran(p, layers) for p in params}
         shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
+        if rule.per_parameter or rule.grouped:
+            return self._clip_by_rule(params, rule, stats, ran, shared, layers, n, scale, with_squares)
         reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
                 for p in shared}
         sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
             sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
         norms = sq.clamp_min(0).sqrt()
-        c = clip_factors(norms, max_grad_norm)
+        c = rule.example_factors(sq)
         if self.stream_sums and not with_squares:
             keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}  # stats by parameter: root-owned and unused ones
@@ -521,6 +527,69 @@ class GhostEngine(GradSampleEngine):
                 squares[p] = torch.tensordot(c * c, total * total, dims=1).reshape(p.shape)
         return ClippedBatch({p: sums[p] for p in params},
                             None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
+
+    def _clip_by_rule(self, params, rule: ClipRule, stats: dict[int, LayerStats], ran: dict, shared: list,
+                      layers: dict[int, LayerCalls], n: int, scale, with_squares: bool) -> ClippedBatch:
+        """Per-parameter norms (per-layer clipping) or norms of units of several examples (users), then the
+        factors per example (per parameter) in each layer's own contraction (:mod:`.ghost_units`)."""
+        if with_squares:
+            raise PrivacyConfigurationError("a second moment (independent_moments) is not served with per-layer "
+                                            "clipping or user-level units: use flat clipping of examples with it")
+        members: dict[int, list[Tensor]] = {}
+        for p in params:
+            for key in ([id(p)] if id(p) in stats else []) + [id(mod) for mod, _, _ in ran[p] if id(mod) in stats]:
+                members.setdefault(key, []).append(p)
+        if rule.grouped:
+            sq = self._unit_sq_norms(params, rule, stats, ran, layers, n, scale)
+        else:
+            sq = self._param_sq_norms(params, stats, members, ran, shared, layers, n, scale)
+        used = sq if rule.per_parameter else sq.sum(0)
+        f = rule.example_factors(used)
+        row = {p: k for k, p in enumerate(params)}  # by identity (a tensor's == is elementwise)
+        sums: dict[Tensor, Tensor] = {}
+        for key, st in stats.items():
+            parts = (st.sums_by_param({p: f[row[p]] for p in members.get(key, [])})
+                     if rule.per_parameter else st.sums(f))
+            for p, v in parts.items():
+                sums[p] = sums[p] + v if p in sums else v
+        zero = {p: torch.zeros_like(p) for p in params if p not in sums}
+        return ClippedBatch({p: sums[p] if p in sums else zero[p] for p in params}, None,
+                            rule.unit_norms(used).detach(), n)
+
+    def _param_sq_norms(self, params, stats: dict[int, LayerStats], members: dict[int, list[Tensor]], ran: dict,
+                        shared: list, layers: dict[int, LayerCalls], n: int, scale) -> Tensor:
+        """Each example's squared norm per parameter ``[P, n]``: the layers' parts, a layer holding only their
+        total materialised, tied parameters' cross terms added."""
+        wanted = set(params)
+        reps = {p: self._representations(p, ran[p], stats, layers, n, scale, False, wanted) for p in shared}
+        total = {p: params[0].new_zeros(n, dtype=torch.float32) for p in params}
+        for key, ps in members.items():
+            parts = stats[key].param_sq_norms(ps)
+            if parts is None:
+                calls = layers[key]
+                stats[key] = fallback_stats(calls, _wanted(calls.module, wanted), n, scale, False)
+                parts = stats[key].param_sq_norms(ps)
+            for p in ps:
+                total[p] = total[p] + parts[p]
+        for p, rs in reps.items():
+            total[p] = total[p] + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
+        return torch.stack([total[p] for p in params])
+
+    def _unit_sq_norms(self, params, rule: ClipRule, stats: dict[int, LayerStats], ran: dict,
+                       layers: dict[int, LayerCalls], n: int, scale) -> Tensor:
+        """Each unit's squared norm of its summed gradient per parameter ``[P, u]`` (:mod:`.ghost_units`)."""
+        assert rule.groups is not None
+        units, wanted = rule.num_units(), set(params)
+        out = []
+        for p in params:
+            if id(p) in stats:
+                reps = [stats[id(p)].representation(p)]
+            else:
+                reps = self._representations(p, ran[p], stats, layers, n, scale, False, wanted)
+            reps = [r for r in reps if r is not None]  # a parameter the step never read: zero
+            out.append(unit_sq_norms(reps, rule.groups, units, p.shape[0]) if reps
+                       else params[0].new_zeros(units, dtype=torch.float32))
+        return torch.stack(out)
 
     def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale,
                      with_squares) -> dict[int, LayerStats]:

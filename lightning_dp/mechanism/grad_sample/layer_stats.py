@@ -35,6 +35,19 @@ class LayerStats:
         """Example i's gradient of ``p`` in a form the tied-weight cross terms read (None: not available)."""
         return None
 
+    def param_sq_norms(self, params: list[Tensor]) -> Optional[dict[Tensor, Tensor]]:
+        """Each example's squared norm per parameter of the layer's ``params`` (per-layer clipping), from what the
+        norms were computed with; ``None`` where the layer holds only their total (then materialised)."""
+        return {params[0]: self.sq_norms} if len(params) == 1 else None
+
+    def sums_by_param(self, factors: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Σ_i c_{i,p} s⊙g_i for a factor vector per parameter: one :meth:`sums` per distinct vector."""
+        out: dict[Tensor, Tensor] = {}
+        for c in {id(c): c for c in factors.values()}.values():
+            part = self.sums(c)
+            out.update({p: part[p] for p, f in factors.items() if f is c})
+        return out
+
 
 class MaterialisedStats(LayerStats):
     """Per-example grads ``[n, *p.shape]`` held explicitly (small layers, fallbacks)."""
@@ -57,6 +70,14 @@ class MaterialisedStats(LayerStats):
         """The materialised per-example gradients of ``p``."""
         return Dense(self.grads[p])
 
+    def param_sq_norms(self, params: list[Tensor]) -> Optional[dict[Tensor, Tensor]]:
+        """Each parameter's per-example squared norms."""
+        return {p: sq_norms(self.grads[p]) for p in params}
+
+    def sums_by_param(self, factors: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Σ_i c_{i,p} · g_i per parameter."""
+        return {p: torch.tensordot(c, self.grads[p], dims=1) for p, c in factors.items()}
+
 
 class WeightBiasStats(LayerStats):
     """Layers whose per-example weight grad is G_i = n Σ_t δ_{i,t} a_{i,t}ᵀ (Linear; convolutions on patches), plus
@@ -68,6 +89,29 @@ class WeightBiasStats(LayerStats):
     bias: Optional[Tensor]
     G: Optional[Tensor]
     db: Tensor
+    weight_sq: Optional[Tensor] = None
+    """The weight's part of the per-example squared norms (before k²), kept by subclasses that compute it apart."""
+
+    def param_sq_norms(self, params: list[Tensor]) -> Optional[dict[Tensor, Tensor]]:
+        """Weight and bias apart: the weight's part as computed for the norms, the bias's k²‖db_i‖²."""
+        if self.weight is not None and self.bias is not None and self.weight_sq is None:
+            return None
+        kk = self.k * self.k
+        out = {}
+        if self.weight is not None:
+            out[self.weight] = self.sq_norms if self.bias is None else self.weight_sq * kk
+        if self.bias is not None:
+            out[self.bias] = self.db.pow(2).sum(1) * kk
+        return {p: out[p] for p in params}
+
+    def sums_by_param(self, factors: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """The weight's contraction with its factors, the bias's with its own."""
+        out = {}
+        if self.weight is not None and self.weight in factors:
+            out[self.weight] = super().sums_by_param({self.weight: factors[self.weight]})[self.weight]
+        if self.bias is not None and self.bias in factors:
+            out[self.bias] = (factors[self.bias] * self.k) @ self.db
+        return out
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
@@ -124,6 +168,10 @@ class UnusedStats(LayerStats):
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i · 0."""
+        return {self.p: torch.zeros_like(self.p)}
+
+    def sums_by_param(self, factors: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Zero."""
         return {self.p: torch.zeros_like(self.p)}
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:

@@ -50,8 +50,10 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mechanism.boundary.state import StateFingerprint
+from lightning_dp.mechanism.clipping import ClippingPolicy, ClipRule, FlatClipping
+from lightning_dp.mechanism.clipping.reference import pseudo_units, reference_sums
+from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine
 from lightning_dp.mechanism.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
-from lightning_dp.mechanism.grad_sample.base import ClippedBatch, GradSampleEngine, clip_factors
 from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
 from lightning_dp.mechanism.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint
 
@@ -87,13 +89,20 @@ class ExampleIndependenceProbe:
         isolated: training puts every example alone in its forward and backward (physical batches of one): examples
             cannot interact there, so batch and alone are not compared; the norm rule, the clipping and every use of
             every parameter still are.
+        clipping: the run's clipping policy (default flat): its factors are the ones checked.
+        grouped: training clips units of several examples (user-level DP): the clipped pass puts the examples in
+            units of two (:func:`~lightning_dp.mechanism.clipping.reference.pseudo_units`), so the engine's norms of
+            sums across examples are checked too.
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
                  names: Sequence[str], loss_of: LossOf, rtol: float,
                  autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
-                 state: Optional[StateFingerprint] = None, isolated: bool = False) -> None:
+                 state: Optional[StateFingerprint] = None, isolated: bool = False,
+                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.clipping = clipping if clipping is not None else FlatClipping()
+        self.grouped = grouped and not isolated
         self.loss_of, self.rtol = loss_of, rtol
         self.autograd_params = autograd_params
         self.state = state if state is not None else StateFingerprint(module, skip_keys=engine.owned_attributes)
@@ -131,8 +140,8 @@ class ExampleIndependenceProbe:
                     bound = float(torch.cat([a.norms.double() for a in alone]).median())
                     # isolated: training clips examples alone, so the factors are checked on examples alone
                     clipped = (None if bound <= 0 else
-                               [self._engine_pass([i], bound=bound) for i in indices] if self.isolated else
-                               self._engine_pass(list(indices), bound=bound))
+                               [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
+                               else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
                     reference = self._autograd_pass(list(indices))
             finally:
                 self.engine.begin_step(None)
@@ -189,13 +198,17 @@ class ExampleIndependenceProbe:
         except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
             raise probe_failure_error(err, len(indices)) from err
 
-    def _engine_pass(self, indices: list[int], seed: int = 0, bound: float = float("inf")) -> ClippedBatch:
+    def _rule(self, bound: float, count: int) -> ClipRule:
+        """The run's policy at ``bound``, on ``count`` examples (in units of two when training groups them)."""
+        return ClipRule(self.clipping.at_bound(bound), pseudo_units(count) if self.grouped else None)
+
+    def _engine_pass(self, indices: list[int], seed: int = 0, rule: Optional[ClipRule] = None) -> ClippedBatch:
         for p in self.params:
             p.grad = None
         self.engine.begin_step(len(indices))
         self._loss(indices, backward=True, seed=seed)
         try:
-            return self.engine.clip_and_sum(self.params, bound)
+            return self.engine.clip_and_sum(self.params, float("inf") if rule is None else rule)
         except PrivacyConfigurationError:
             raise
         except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
@@ -225,13 +238,14 @@ class ExampleIndependenceProbe:
                 raise norm_mismatch_error(self.engine.name)
 
     def _check_clipping(self, clipped: ClippedBatch, alone: list[ClippedBatch], bound: float) -> None:
-        """The engine's clipped sum at a bound C that clips some of the examples must be Σ_i min(1, C/‖g_i‖) g_i of
-        the gradients and norms it computed for each example alone (the probe's other passes take C = ∞, where every
-        factor is 1 and a mistake in applying the factors could not show)."""
-        norms = torch.cat([a.norms.double() for a in alone])
-        factors = clip_factors(norms, bound)
-        for p, name in zip(self.params, self.names):
-            want = sum(float(c) * a.sums[p].double() for c, a in zip(factors, alone))
+        """The engine's clipped sum at a bound C that clips some of the examples must be the policy's Σ_u c_u g_u of
+        the gradients it computed for each example alone (flat: Σ_i min(1, C/‖g_i‖) g_i; units of two examples when
+        training groups them; :func:`~lightning_dp.mechanism.clipping.reference.reference_sums`). The probe's other
+        passes take C = ∞, where every factor is 1 and a mistake in applying the factors could not show."""
+        groups = pseudo_units(len(alone)) if self.grouped and len(alone) > 1 else None
+        wanted = reference_sums(self.clipping.at_bound(bound), [[a.sums[p] for p in self.params] for a in alone],
+                                groups)
+        for p, name, want in zip(self.params, self.names, wanted):
             got = clipped.sums[p].double()
             if not self._close(got, want, max(float(want.norm()), float(got.norm()), bound * 1e-3)):
                 raise clipping_error(self.engine.name, name)
@@ -343,8 +357,8 @@ def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
     """The probe's error when an engine's clipped sum is not the clip factors applied to its per-example gradients."""
     return PrivacyConfigurationError(
         f"Engine '{engine}' clipped the first step's examples wrongly (parameter {name}): its clipped sum is not "
-        "Σ_i min(1, C/‖g_i‖) g_i of the per-example gradients it computed, so one example's influence would not be "
-        "bounded by C. Nothing was released. Try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
+        "the clipping policy's Σ_u c_u g_u (flat: Σ_i min(1, C/‖g_i‖) g_i) of the per-example gradients it computed, "
+        "so one unit's influence would not be bounded by C. Nothing was released. Try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
         "tries each engine that serves the model) and please report the model to lightning_dp.")
 
 

@@ -45,9 +45,11 @@ _FIXED_FIX = ("DP's privacy unit is a fixed record per index: make __getitem__(i
               "lightning_dp.data.AugmentedViews.")
 
 
-def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int) -> None:
+def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int,
+                  per_user: bool = False) -> None:
     """Check the population (``indices`` of ``dataset``; ``None``: all ``num_samples`` of them) as the module
-    docstring says.
+    docstring says. ``per_user``: the privacy unit is a user (user-level DP), sampled once per step however many
+    records it holds: records repeated in the data (a user's identical messages) are not looked for.
 
     Raises:
         PrivacyConfigurationError: naming what is wrong and the fix.
@@ -59,7 +61,7 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
         return position if indices is None else int(indices[position])
 
     _check_fixed_records(dataset, at, num_samples)
-    if not _declared_distinct(dataset):
+    if not per_user and not _declared_distinct(dataset):
         check_repeated_records(dataset, at, num_samples)
 
 
