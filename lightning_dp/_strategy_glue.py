@@ -114,10 +114,11 @@ class PrivateTraining:
             if noise not in (None, "gaussian"):
                 raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
             mechanism = SecureGaussianNoise()
-        self._max_grad_norm_given = max_grad_norm is not None  # else C may come from Trainer(gradient_clip_val)
+        # else C may come from Trainer(gradient_clip_val); a clipping policy gives its own bound
+        self._max_grad_norm_given = max_grad_norm is not None or clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep(
-            noise_multiplier, DEFAULT_MAX_GRAD_NORM if max_grad_norm is None else max_grad_norm, mechanism,
+            noise_multiplier, max_grad_norm, mechanism,
             engine=per_sample, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
             views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,

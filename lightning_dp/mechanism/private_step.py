@@ -51,7 +51,7 @@ from lightning_dp.mechanism.boundary import (
     gradient_hooks,
     state_written_error,
 )
-from lightning_dp.mechanism.clipping import ClippingPolicy, ClipRule, as_rule
+from lightning_dp.mechanism.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rule
 from lightning_dp.mechanism.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.mechanism.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.mechanism.collate import EmptySafeCollate
@@ -273,6 +273,16 @@ class PrivateStep:
     def max_grad_norm(self) -> float:
         """C now: the clipping policy's bound (the adaptive policy moves it after each release)."""
         return self.clipping.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        """Set C of flat clipping (a Trainer's ``gradient_clip_val`` taken as C); a policy keeps its own bound."""
+        if not isinstance(self.clipping, FlatClipping):
+            raise PrivacyConfigurationError(
+                f"C comes from clipping={type(self.clipping).__name__}: it cannot be set to {value!r} from elsewhere "
+                "(a Trainer's gradient_clip_val); give the bound in the policy only.")
+        validate_privacy_params(1.0, float(value))
+        self.clipping = FlatClipping(float(value))
 
     @property
     def unit(self) -> str:
