@@ -8,7 +8,7 @@ Prints:
    tiny digits MLP whose step is ~4× cheaper; with σ constant, with σ or q changing every step
    on a schedule, with both jittering randomly, all with the default rdp_curve="auto", and a
    schedule with rdp_curve="exact" (every σ exact) and with rdp_curve="exact", rdp_quantum=5e-3
-   (exact once per 0.5 % grid cell, the README's tight setting for σ < 1 schedules). σ and q are changed through the strategy's private
+   (exact once per 0.5 % grid cell, docs/accounting.md's tight setting for σ < 1 schedules). σ and q are changed through the strategy's private
    ``_noise_multiplier`` / ``_sample_rate`` (benchmark only).
 4. σ needed at ε = 1 by each accountant (the issue's comparison with the DP-SignSGD grid).
 """

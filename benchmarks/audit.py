@@ -3,7 +3,7 @@
 Prints (1) the lower bound of Steinke, Nasr & Jagielski (2023) for ε0-randomized response,
 whose ε is known (the bound's tightness), and (2) audits of the digits job
 (configs/audit_digits.yaml) with the real mechanism and with deliberately broken ones:
-no noise, and noise 10× too small (a wrong-constant bug). Figures go in the README.
+no noise, and noise 10× too small (a wrong-constant bug). Figures go in docs/auditing.md.
 """
 
 from __future__ import annotations

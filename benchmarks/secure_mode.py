@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/secure_mode.py
 
-Prints, for the parameter counts of the README table's models (digits CNN, MLP 784-512-512-10,
+Prints, for the parameter counts of docs/secure_mode.md's table's models (digits CNN, MLP 784-512-512-10,
 the 2-layer d=128 transformer LM) and for flat tensors of 2^20 and 10·2^20 coordinates: ms per
 noise draw added in place, torch's generator vs the secure one, and the ratio; the cost of one
 secure Poisson batch of the main job (N = 1437, q = 64/1437); and the main job's mean step time

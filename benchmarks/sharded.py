@@ -19,7 +19,7 @@ Per rank, measured in the forked workers (tensor bytes, as in ``benchmarks/speed
   activations, per-example state, clipped sums, the reduce-scatter buffers, FSDP2's all-gathered
   layers, the new gradients.
 
-Then the README's capacity table is *computed* from these measured bytes (see :func:`capacity`).
+Then docs/distributed.md's capacity table is *computed* from these measured bytes (see :func:`capacity`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ post-processing Adam and bias correction with absolute and relative floors over 
 the runs are short, so differences of a few points are noise). Choosing lr on these numbers is tuning on the test
 split: they describe the floors' robustness, not a tuned result.
 
-    python examples/bias_correction_floor.py                  # the README table: ≈ 23 min on a loaded 2-core machine
+    python examples/bias_correction_floor.py                  # the docs/adam.md table: ≈ 23 min on a loaded 2-core machine
     python examples/bias_correction_floor.py --smoke          # CI: a few steps
 """
 

@@ -13,7 +13,7 @@ recipe, ``configs/digits_best.yaml``: only the linear head is privatised, 20 epo
     python examples/digits_recipe.py --eps 1 3 8 --seeds 0 1 2 --out docs/results/digits_recipe.md
 
 Tuning on the private training data spends privacy that no accountant here counts: the choices
-were made on the validation split (a sweep at ε = 3, three seeds), and the README says so.
+were made on the validation split (a sweep at ε = 3, three seeds), and docs/results/digits_recipe.md says so.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
         secure_mode: draw the noise and the Poisson sampling from the operating system's CSPRNG,
             with the Holohan & Braghin (2021) mitigation against floating-point attacks on the
-            Gaussian (:mod:`lightning_dp.mechanism.csprng`). Slower (README: secure mode); for
+            Gaussian (:mod:`lightning_dp.mechanism.csprng`). Slower (docs/secure_mode.md); for
             models you publish when the attacker may see the floating-point output. Works with
             ``noise="gaussian"`` and ``GaussianNoise``-free runs only (not banded noise, not
             DP-SignSGD, no ``sampler_seed``).
@@ -120,7 +120,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             mean over its views, clipped once, so the guarantee and the accounting are unchanged.
             Needs the ``vmap`` or ``opacus_hooks`` engine ("auto" picks one).
         public_state: names of module or callback state that the release boundary lets change outside the
-            private update (README, "The release boundary"): attribute paths of the LightningModule (``"queue"``,
+            private update (docs/release_boundary.md): attribute paths of the LightningModule (``"queue"``,
             ``"encoder.stats"``, shell wildcards ``"meters.*"``), buffer names, and ``"CallbackClass"`` or
             ``"CallbackClass.attribute"``. Declare only state that is not derived from the training data (a step
             counter, a schedule) or that you accept leaves unprotected, like a logged metric. Any other change is

@@ -15,7 +15,7 @@ same way. ``DPStrategy(secure_mode=True)`` draws instead:
   the low bits must now search 2^{p(2n−1)} combinations (p = 53) instead of one sample's.
 
 This is a mitigation, not a proof: the noise is still a sum of floating-point samples. Costs
-(measured by ``benchmarks/secure_mode.py``) are in the README. Every draw is fresh; no state is
+(measured by ``benchmarks/secure_mode.py``) are in docs/secure_mode.md. Every draw is fresh; no state is
 kept, so nothing can be checkpointed or replayed.
 """
 

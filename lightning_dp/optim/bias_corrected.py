@@ -17,14 +17,14 @@ from lightning_dp.optim.preconditioner import AverageFn, Preconditioner, noise_v
 
 
 #: default floor of v̂ − Φ̄ as a fraction of Φ̄. The paper's own settings put γ' at about 0.04 Φ (CIFAR10: γ' = 1e-8,
-#: Φ = (1·1/2048)² ≈ 2.4e-7; SNLI: γ' = 1e-9, Φ ≈ 2.4e-8); on the digits CNN and a digits LSTM at ε = 3 (README,
+#: Φ = (1·1/2048)² ≈ 2.4e-7; SNLI: γ' = 1e-9, Φ ≈ 2.4e-8); on the digits CNN and a digits LSTM at ε = 3 (docs/adam.md,
 #: "Private Adam") 0.1 was as accurate as 0.04 at lr 3e-3 and better at the common DP-Adam lr 1e-2 (90 vs 86 %,
 #: 79 vs 76 %), where 0.01 lost 10–20 points
 GAMMA_PHI = 0.1
 
 #: a floor below this fraction of Φ̄ lets a coordinate whose v̂ − Φ̄ is at the floor step ≈ 0.23/√(γ'/Φ̄) times the
 #: learning rate (m̂ of pure noise has standard deviation ≈ 0.23 √Φ at β1 = 0.9): 2.3× at 1e-2, 23× at 1e-4; measured,
-#: 1e-2 and below lost 10–80 points at lr 1e-2 (README), so such a floor is warned about
+#: 1e-2 and below lost 10–80 points at lr 1e-2 (docs/adam.md), so such a floor is warned about
 EXPLOSIVE_GAMMA_PHI = 1e-2
 
 

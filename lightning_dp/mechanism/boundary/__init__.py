@@ -23,7 +23,7 @@ release it would corrupt, naming the fix:
    ``weight_orig``, a finetuning callback unfreezing layers) re-attaches and re-verifies before the next
    release, or is refused.
 
-What it cannot see is listed in :mod:`.state`; README, "The release boundary", is the user-facing statement.
+What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
 """
 
 from __future__ import annotations

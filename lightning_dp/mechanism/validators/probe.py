@@ -293,7 +293,7 @@ class ExampleIndependenceProbe:
                 "DPStrategy: the training step draws random numbers outside dropout modules (e.g. augmentation), "
                 "so the first step's probe could not compare each example's gradient in a batch and alone; "
                 "only a summed loss and uncaptured parameter uses were checked. Make sure examples do not "
-                "interact through the loss or the model (see the README: what the strategy verifies).",
+                "interact through the loss or the model (see docs/verification.md).",
                 stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):

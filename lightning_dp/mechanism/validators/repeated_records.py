@@ -22,7 +22,7 @@ otherwise a public random sample of that many, a birthday test: data doubled giv
 m(m − 1)/2 / (N − 1) ≈ 50 pairs in expectation at N = 10⁶, m = 10⁴ (≈ 5 at N = 10⁷; then detected with
 probability ≈ 0.88). Reading stops early once :data:`CONTENT_CHECK_BYTES` have been digested (the records
 read so far are still a random sample). The same records on every rank (the sample's seed is public): every
-rank reaches the same verdict. Cost: one read and one digest per checked record (measured in the README).
+rank reaches the same verdict. Cost: one read and one digest per checked record (measured in docs/verification.md).
 
 What it cannot see: copies that differ in any byte (re-encoded or resized images, a copy with its own
 augmentation drawn from a generator of its own, a record that carries its position), repetition below
