@@ -3,6 +3,7 @@ Hugging Face extras; ``make test`` adds those, after ``make demo`` or alone. Rea
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,7 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make i
 
 
 def _dry_run(target: str, venv: Path) -> list[str]:
-    out = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    # CI runs this suite from inside `make test`: a nested make inherits MAKELEVEL/MAKEFLAGS and would print
+    # "Entering/Leaving directory" lines, so run it as a top-level make that prints only the commands.
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"}}
+    cmd = ["make", "--no-print-directory", "-n", target, f"VENV={venv}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=env)
     return out.stdout.splitlines()
 
 
