@@ -17,7 +17,7 @@ import torch
 
 from lightning_dp.audit import count_correct, epsilon_lower_bound, run_audit
 from lightning_dp.audit.bound import rr_accuracy
-from lightning_dp.mechanism import GaussianNoise, NoiseMechanism
+from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 
 
 class ScaledNoise(NoiseMechanism):

@@ -18,13 +18,13 @@ import torch
 
 from lightning_dp.accounting import calibrate_noise
 from lightning_dp.accounting.banded import calibrate_banded_noise
-from lightning_dp.mechanism import GaussianNoise
-from lightning_dp.mechanism.banded_coefficients import (
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.accounting.banded_coefficients import (
     fichtenberger_coefficients,
     optimize_banded_coefficients,
     prefix_sum_error,
 )
-from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
 
 
 def time_sample(noise, like, repeats: int = 20) -> float:

@@ -30,8 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, capture, make_engine
-from lightning_dp.mechanism.grad_sample import rules
+from lightning_dp.grad_sample import make_engine
+
+from lightning_dp.grad_sample.capture import activations as capture
+
+from lightning_dp.privacy.noise import GaussianNoise
+
+from lightning_dp.privacy.privatizer import Privatizer
+
+from lightning_dp.privacy.release import DEFAULT_REQUEST
+from lightning_dp.grad_sample import rules
 
 B = 32
 

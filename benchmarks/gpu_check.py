@@ -258,7 +258,7 @@ def leaked_modes() -> int:
     """Broadcast-site TorchFunctionModes left active (what tests/conftest.py's fixture checks); closes them."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+    from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites
 
     left = [m for m in _get_current_function_mode_stack() if isinstance(m, BroadcastSites)]
     for mode in reversed(left):

@@ -31,8 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.losses import per_example_token_mean
-from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, make_engine
-from lightning_dp.mechanism.grad_sample import select_engine
+from lightning_dp.grad_sample import make_engine
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.privatizer import Privatizer
+from lightning_dp.privacy.release import DEFAULT_REQUEST
+from lightning_dp.grad_sample import select_engine
 
 V, T, B, D = 512, 32, 16, 64
 

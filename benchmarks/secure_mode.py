@@ -1,4 +1,4 @@
-"""Cost of DPStrategy(secure_mode=True) (mechanism/csprng.py). Run by hand:
+"""Cost of DPStrategy(secure_mode=True) (privacy/csprng.py). Run by hand:
 
     OMP_NUM_THREADS=1 python benchmarks/secure_mode.py
 
@@ -20,9 +20,9 @@ from torch import nn
 
 from lightning_dp import DPStrategy
 from lightning_dp.data import DigitsDataModule
-from lightning_dp.mechanism import GaussianNoise
-from lightning_dp.mechanism.csprng import SecureGaussianNoise
-from lightning_dp.mechanism.min_sep_sampling import MinSepPoissonBatchSampler
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.csprng import SecureGaussianNoise
+from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler
 from lightning_dp.models import DigitsCNN
 from lightning_dp.models.tiny_transformer import TinyTransformerLM
 

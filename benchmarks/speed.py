@@ -13,7 +13,7 @@ over Opacus, then the issue's targets.
 Backends (``BACKENDS``):
 
 * ``plain``: bare loops. Engines: forward, mean loss, backward, ``engine.clip_and_sum``,
-  then the library's :class:`~lightning_dp.mechanism.Privatizer` (σCz once, / B), optimizer step.
+  then the library's :class:`~lightning_dp.privacy.privatizer.Privatizer` (σCz once, / B), optimizer step.
 * ``lightning``: the same models inside ``pl.Trainer``: non-private Trainer, Opacus in a
   LightningModule (its DPOptimizer driven by Lightning's closure; uniform batches), and
   ``DPStrategy(per_sample=engine)`` (Poisson batches of expected size ``--batch``). Time per
@@ -181,7 +181,10 @@ def engine_loop(name: str):
     """Plain loop around one lightning_dp engine and the library's Privatizer (as DPStrategy runs them)."""
 
     def make(model, loss_fn, batch, args) -> Callable[[], None]:
-        from lightning_dp.mechanism import DEFAULT_REQUEST, GaussianNoise, Privatizer, make_engine
+        from lightning_dp.grad_sample import make_engine
+        from lightning_dp.privacy.noise import GaussianNoise
+        from lightning_dp.privacy.privatizer import Privatizer
+        from lightning_dp.privacy.release import DEFAULT_REQUEST
 
         engine = make_engine(name)
         engine.attach(model)
@@ -203,7 +206,7 @@ def engine_loop(name: str):
 
 def noise_only_loop(model, loss_fn, batch, args) -> Callable[[], None]:
     """Only the σCz draw of a private step (GaussianNoise, as the Privatizer draws it)."""
-    from lightning_dp.mechanism import GaussianNoise
+    from lightning_dp.privacy.noise import GaussianNoise
 
     params = [p for p in model.parameters() if p.requires_grad]
     noise = GaussianNoise()

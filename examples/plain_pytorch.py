@@ -1,7 +1,7 @@
 """DP-SGD in a plain PyTorch loop (no Lightning) with lightning_dp's private step.
 
 The same mechanism ``DPStrategy`` drives from Lightning's hooks
-(:class:`lightning_dp.mechanism.private_step.PrivateStep`): Poisson sampling, the first
+(:class:`lightning_dp.privacy.private_step.PrivateStep`): Poisson sampling, the first
 step's verification of the model and loss, per-example clipping, noise once per step,
 and the ledger. Data: scikit-learn's handwritten digits (ships with scikit-learn).
 
@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.accounting import ledger_epsilon
-from lightning_dp.mechanism import GaussianNoise
-from lightning_dp.mechanism.private_step import PrivateStep
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.private_step import PrivateStep
 
 
 @dataclass(frozen=True)

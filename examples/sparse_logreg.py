@@ -16,9 +16,9 @@ correction (subtract tΦ, floor γ'); independent moments (ĝ and the second mom
 noised separately with √2σ each); and the paper's "independent moments for free"
 (σ on each release: twice the privacy cost of the others, a reference only). The
 privacy step of every private method is the library's: per-example clipping by
-:func:`~lightning_dp.mechanism.grad_sample.base.clip_and_sum_materialised` and noise by
-:class:`~lightning_dp.mechanism.Privatizer`, which hands DPAdagrad its
-:class:`~lightning_dp.mechanism.Release`. The paper used DP-MF correlated noise; we use
+:func:`~lightning_dp.grad_sample.base.clip_and_sum_materialised` and noise by
+:class:`~lightning_dp.privacy.privatizer.Privatizer`, which hands DPAdagrad its
+:class:`~lightning_dp.privacy.release.Release`. The paper used DP-MF correlated noise; we use
 independent Gaussian noise (DP-SGD), see docs/results/sparse_logreg.md.
 
 The learning rate (and γ) of each method is chosen on a validation sample drawn like the
@@ -44,8 +44,12 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 
-from lightning_dp.mechanism import GaussianNoise, MechanismRequest, Privatizer
-from lightning_dp.mechanism.grad_sample.base import clip_and_sum_materialised
+from lightning_dp.privacy.noise import GaussianNoise
+
+from lightning_dp.privacy.privatizer import Privatizer
+
+from lightning_dp.privacy.release import MechanismRequest
+from lightning_dp.grad_sample.base import clip_and_sum_materialised
 from lightning_dp.optim import DPAdagrad
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,20 +11,20 @@ from lightning_dp._lazy import after_import, lazy_exports
 
 _EXPORTS = {
     "AdamVariant": "lightning_dp.callbacks",
-    "AdaptiveClipping": "lightning_dp.mechanism.clipping",
-    "AutomaticClipping": "lightning_dp.mechanism.clipping",
+    "AdaptiveClipping": "lightning_dp.clipping",
+    "AutomaticClipping": "lightning_dp.clipping",
     "DPAdagrad": "lightning_dp.optim",
     "DPAdam": "lightning_dp.optim",
     "DPShardedStrategy": "lightning_dp.sharded_strategy",
     "DPStrategy": "lightning_dp.strategy",
     "LedgerEntry": "lightning_dp.accounting.ledger",
     "PrivacyBudget": "lightning_dp.callbacks",
-    "PerLayerClipping": "lightning_dp.mechanism.clipping",
+    "PerLayerClipping": "lightning_dp.clipping",
     "PrivacyConfigurationError": "lightning_dp.errors",
     "PrivacyLedger": "lightning_dp.accounting.ledger",
     "PublicPretraining": "lightning_dp.callbacks",
     "SecondMomentMonitor": "lightning_dp.callbacks",
-    "Users": "lightning_dp.mechanism.units",
+    "Users": "lightning_dp.units",
     "calibrate_noise": "lightning_dp.accounting.calibration",
     "epsilon": "lightning_dp.accounting.epsilon",
     "ledger_epsilon": "lightning_dp.accounting.epsilon",
@@ -61,8 +61,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from lightning_dp.callbacks import AdamVariant, PrivacyBudget, PublicPretraining, SecondMomentMonitor
     from lightning_dp.errors import PrivacyConfigurationError
     from lightning_dp.losses import per_example_token_mean
-    from lightning_dp.mechanism.clipping import AdaptiveClipping, AutomaticClipping, PerLayerClipping
-    from lightning_dp.mechanism.units import Users
+    from lightning_dp.clipping import AdaptiveClipping, AutomaticClipping, PerLayerClipping
+    from lightning_dp.units import Users
     from lightning_dp.optim import DPAdagrad, DPAdam
     from lightning_dp.sharded_strategy import DPShardedStrategy
     from lightning_dp.strategy import DPStrategy

@@ -1,5 +1,5 @@
 """Lazy package exports (PEP 562): ``from lightning_dp import DPStrategy`` imports the strategy (and
-Lightning) only when the name is first used, so ``import lightning_dp.mechanism`` stays torch-only
+Lightning) only when the name is first used, so ``import lightning_dp.privacy`` stays torch-only
 and ``lightning-dp --help`` starts fast."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Lightning glue every private strategy shares: :class:`PrivateTraining`, hooks around one
-:class:`~lightning_dp.mechanism.private_step.PrivateStep`.
+:class:`~lightning_dp.privacy.private_step.PrivateStep`.
 
 docs/architecture.md: "Several strategies (replicated, sharded) share one piece of mechanism glue
 (sampling, clipping request, privatising, ledger); each adds only how its gradients are laid out
@@ -18,7 +18,7 @@ and reduced." This module is that piece. Per logical step (docs/algorithms.md, "
 :class:`~lightning_dp.strategy.DPStrategy` (replicated, a ``DDPStrategy``) and
 :class:`~lightning_dp.sharded_strategy.DPShardedStrategy` (FSDP2, a ``ModelParallelStrategy``) mix
 it in before their Lightning base; each adds its ``setup`` (how the model is placed and which
-:class:`~lightning_dp.mechanism.private_step.Distribution` the mechanism gets) and its launcher.
+:class:`~lightning_dp.privacy.private_step.Distribution` the mechanism gets) and its launcher.
 """
 
 from __future__ import annotations
@@ -45,16 +45,17 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.mechanism import GaussianNoise, NoiseMechanism, Release
-from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
-from lightning_dp.mechanism.budget_shortfall import OnBudgetShort
-from lightning_dp.mechanism.clipping import ClippingPolicy, FlatClipping
-from lightning_dp.mechanism.csprng import SecureGaussianNoise
-from lightning_dp.mechanism.diagnostics import StepDiagnostics
-from lightning_dp.mechanism.grad_sample.opacus_hooks import output_hook_notice_quieted
-from lightning_dp.mechanism.private_step import Distribution, PrivateStep, mean_loss
-from lightning_dp.mechanism.units import Users
-from lightning_dp.mechanism.units.physical import user_chunks
+from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
+from lightning_dp.privacy.release import Release
+from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
+from lightning_dp.privacy.budget_shortfall import OnBudgetShort
+from lightning_dp.clipping import ClippingPolicy, FlatClipping
+from lightning_dp.privacy.csprng import SecureGaussianNoise
+from lightning_dp.diagnostics import StepDiagnostics
+from lightning_dp._warnings import output_hook_notice_quieted
+from lightning_dp.privacy.private_step import Distribution, PrivateStep, mean_loss
+from lightning_dp.units import Users
+from lightning_dp.units.physical import user_chunks
 
 CHECKPOINT_KEY = "lightning_dp"
 """Where the private step's state lives in a Lightning checkpoint dict."""
@@ -125,7 +126,7 @@ class PrivateTraining:
             verify_budget=verify_budget, on_budget_short=on_budget_short, clipping=clipping,
             privacy_unit=privacy_unit,
         )
-        """The Lightning-free mechanism (:class:`~lightning_dp.mechanism.private_step.PrivateStep`) these hooks drive."""
+        """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
         self.private_step.examples_alone = max_physical_batch_size == 1 and privacy_unit is None  # users: kept whole
         self._requested_sigma = self.private_step.noise_multiplier
         self.resume_privacy = resume_privacy
@@ -158,7 +159,7 @@ class PrivateTraining:
 
     @property
     def clipping(self) -> ClippingPolicy:
-        """The clipping policy (:mod:`lightning_dp.mechanism.clipping`; flat clipping unless one was given)."""
+        """The clipping policy (:mod:`lightning_dp.clipping`; flat clipping unless one was given)."""
         return self.private_step.clipping
 
     @property
@@ -222,7 +223,7 @@ class PrivateTraining:
 
     @property
     def last_release(self) -> Optional[Release]:
-        """The :class:`~lightning_dp.mechanism.Release` of the last step (``None`` before the first)."""
+        """The :class:`~lightning_dp.privacy.release.Release` of the last step (``None`` before the first)."""
         return self.private_step.last_release
 
     @property
@@ -231,7 +232,7 @@ class PrivateTraining:
         return self.private_step.diagnostics
 
     def enable_non_private_diagnostics(self) -> None:
-        """Compute :class:`~lightning_dp.mechanism.diagnostics.StepDiagnostics` every step.
+        """Compute :class:`~lightning_dp.diagnostics.StepDiagnostics` every step.
 
         They are read from un-noised per-example data: anything logged from them is not
         covered by the DP guarantee (the model still is). Warns once.
@@ -280,7 +281,7 @@ class PrivateTraining:
     # ------------------------------------------------------------------ the release boundary's baselines
     def on_train_start(self) -> None:
         """The state as training starts (after every ``on_train_start`` hook) is what the first release is compared
-        with (:mod:`~lightning_dp.mechanism.boundary`)."""
+        with (:mod:`~lightning_dp.privacy.boundary`)."""
         super().on_train_start()  # type: ignore[misc]
         self.private_step.boundary.baseline()
 
@@ -356,7 +357,7 @@ class PrivateTraining:
 
         The number of examples is the sampler's (:class:`RecordedBatches`), never read from
         the batch; the engine checks every layer against it. Before the first release the
-        probe of :mod:`~lightning_dp.mechanism.validators.probe` runs once. A returned vector of
+        probe of :mod:`~lightning_dp.validators.probe` runs once. A returned vector of
         per-example losses (shape ``[n]``) is averaged here.
 
         An empty Poisson batch: with one process the step is skipped (zero loss). With several,
@@ -415,7 +416,7 @@ class PrivateTraining:
 
     def _chunks(self, indices: list[int], limit: int) -> list[list[int]]:
         """The step's records cut into physical batches of at most ``limit``; user-level DP cuts between users only
-        (:func:`~lightning_dp.mechanism.units.physical.user_chunks`)."""
+        (:func:`~lightning_dp.units.physical.user_chunks`)."""
         groups = self.private_step.groups_of(indices)
         if groups is not None:
             return user_chunks(indices, groups, limit)
@@ -451,7 +452,7 @@ class PrivateTraining:
         step.discard()
 
     def _verify(self) -> None:
-        """The first step's probe (:mod:`~lightning_dp.mechanism.validators.probe`) on the user's ``training_step``."""
+        """The first step's probe (:mod:`~lightning_dp.validators.probe`) on the user's ``training_step``."""
         module = self.lightning_module  # type: ignore[attr-defined]
 
         def loss_of(batch: Any) -> Any:
@@ -504,7 +505,7 @@ class PrivateTraining:
 
     def _check_batch(self, indices: list[int], batch_idx: int, as_of: str = "", charge: bool = True,
                      step: Optional[int] = None) -> None:
-        """The batch check (:mod:`~lightning_dp.mechanism.validators.batch_check`) on this step's examples, read again
+        """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's examples, read again
         through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions,
         passed to ``training_step`` with the step's own ``batch_idx`` (a step that mixes examples on some batch
         indices only is checked as it runs)."""
@@ -572,7 +573,7 @@ class PrivateTraining:
         """Lightning's backward, with the release between the gradient computation and ``on_after_backward``:
         every hook, callback and logger that reads ``p.grad`` afterwards reads ĝ_t (the release boundary). The
         backward through the engine's hooks runs without torch's notice that Opacus' hooks on the first layer see
-        output gradients only (:func:`~lightning_dp.mechanism.grad_sample.opacus_hooks.output_hook_notice_quieted`:
+        output gradients only (:func:`~lightning_dp._warnings.output_hook_notice_quieted`:
         that message, that engine, this call)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         self.pre_backward(closure_loss)  # type: ignore[attr-defined]
@@ -725,7 +726,7 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
     logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`)."""
-    from lightning_dp.mechanism.boundary.state import trusted_callback
+    from lightning_dp.validators.kept_state import trusted_callback
 
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]

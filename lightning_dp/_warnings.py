@@ -71,3 +71,24 @@ def quiet_lightning() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+#: torch's notice when a full backward hook fires on a module none of whose inputs requires grad (torch/utils/hooks.py)
+OUTPUT_HOOK_NOTICE = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+@contextlib.contextmanager
+def output_hook_notice_quieted(engine: str) -> Iterator[None]:
+    """A backward through engine ``engine``'s hooks, without torch's notice :data:`OUTPUT_HOOK_NOTICE`.
+
+    Opacus' hooks (``opacus_hooks``) are full backward hooks on every layer with parameters; on the first layer,
+    whose input is the data (which requires no gradient), torch calls them with the output gradient only and says
+    so, once per backward's call site. That gradient is all Opacus' rules use: the notice describes the intended
+    case, not a mistake of the user's. Only this message, only around a backward that the strategy or the probe
+    runs itself, only for that engine; every other warning is left alone."""
+    if engine != "opacus_hooks":  # the engine whose full backward hooks torch notices (grad_sample/opacus_hooks.py)
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OUTPUT_HOOK_NOTICE, category=UserWarning)
+        yield

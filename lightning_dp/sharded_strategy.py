@@ -11,10 +11,10 @@ with parameters, gradients and optimizer state sharded over the ranks instead of
     optimizer         steps on the sharded parameters with the sharded ĝ (its state is sharded alike)
 
 FSDP2's own gradient reduce-scatter is switched off and autograd's gradients of the unsharded
-parameters are discarded (:class:`~lightning_dp.mechanism.fsdp_layout.FSDPLayout`): nothing
+parameters are discarded (:class:`~lightning_dp.sharding.fsdp_layout.FSDPLayout`): nothing
 non-private is communicated. The Lightning hooks (data, step, ceiling, checkpoints) are
 :class:`~lightning_dp._strategy_glue.PrivateTraining`, shared with ``DPStrategy``; this file adds how a
-sharded model is set up and which :class:`~lightning_dp.mechanism.private_step.Distribution` it gets.
+sharded model is set up and which :class:`~lightning_dp.privacy.private_step.Distribution` it gets.
 
 The user's LightningModule shards itself in ``configure_model`` as Lightning documents::
 
@@ -52,9 +52,9 @@ from lightning_dp._strategy_glue import (
     one_optimizer_expected,
 )
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.mechanism import NoiseMechanism
-from lightning_dp.mechanism.fsdp_layout import FSDPLayout
-from lightning_dp.mechanism.private_step import Distribution
+from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.sharding.fsdp_layout import FSDPLayout
+from lightning_dp.privacy.private_step import Distribution
 
 __all__ = ["DPShardedStrategy"]
 
@@ -76,7 +76,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         per_sample: ``"auto"`` or ``"ghost"``: sharded parameters are served by the ghost engine only.
         max_physical_batch_size: split larger Poisson batches into physical batches of at most this many
             examples (noise still once per logical step).
-        noise: ``"gaussian"`` (default) or a :class:`~lightning_dp.mechanism.NoiseMechanism` with a
+        noise: ``"gaussian"`` (default) or a :class:`~lightning_dp.privacy.noise.NoiseMechanism` with a
             ``for_rank(rank)`` method returning that rank's independent stream. Banded noise is not
             supported yet.
         sampler_seed: seed of the Poisson sampler (tests only; rank r uses ``sampler_seed + r``).

@@ -1,4 +1,4 @@
-"""DPStrategy: Lightning glue around the private mechanism of :mod:`lightning_dp.mechanism`.
+"""DPStrategy: Lightning glue around the private step of :mod:`lightning_dp.privacy`.
 
 The strategy owns privacy (docs/architecture.md): it swaps the training loader for Poisson
 sampling, attaches a per-example gradient engine, and wraps Lightning's optimizer
@@ -50,10 +50,10 @@ from lightning_dp._strategy_glue import (
     planned_steps,
     setup_optimizers,
 )
-from lightning_dp.mechanism import NoiseMechanism
-from lightning_dp.mechanism.clipping import ClippingPolicy
-from lightning_dp.mechanism.units import Users
-from lightning_dp.mechanism.private_step import Distribution
+from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.clipping import ClippingPolicy
+from lightning_dp.units import Users
+from lightning_dp.privacy.private_step import Distribution
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         target_delta: δ for calibration (warns when δ ≥ 1/N).
         accountant: accountant used for calibration (see :mod:`lightning_dp.accounting`).
         per_sample: per-example gradient engine, by registered name
-            (see :func:`lightning_dp.mechanism.available_engines`), or ``"auto"`` (default):
+            (see :func:`lightning_dp.grad_sample.available_engines`), or ``"auto"`` (default):
             the fastest engine valid for the model (ghost, then vmap, then opacus_hooks),
             named in the log.
         max_physical_batch_size: split larger Poisson batches into physical batches of at
@@ -88,13 +88,13 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, docs/algorithms.md §7), or a
-            :class:`~lightning_dp.mechanism.NoiseMechanism` instance.
+            :class:`~lightning_dp.privacy.noise.NoiseMechanism` instance.
         bands: b for ``noise="banded"``: the data is split into b groups and step t
             Poisson-samples group t mod b; the noise history costs (b − 1)·d floats.
         sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
         secure_mode: draw the noise and the Poisson sampling from the operating system's CSPRNG,
             with the Holohan & Braghin (2021) mitigation against floating-point attacks on the
-            Gaussian (:mod:`lightning_dp.mechanism.csprng`). Slower (docs/secure_mode.md); for
+            Gaussian (:mod:`lightning_dp.privacy.csprng`). Slower (docs/secure_mode.md); for
             models you publish when the attacker may see the floating-point output. Works with
             ``noise="gaussian"`` and ``GaussianNoise``-free runs only (not banded noise, not
             DP-SignSGD, no ``sampler_seed``).
@@ -113,7 +113,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             release, saying how much budget is left and the options (stop here; a larger
             ``target_epsilon``; this argument); ``"recalibrate"`` trains on at σ* (near-pure noise
             when σ* ≫ σ_ref: a finished ε = 3 run resumed for more epochs needs σ* ≈ 50×). A spent
-            budget (no σ fits) is always refused (:mod:`lightning_dp.mechanism.budget_shortfall`).
+            budget (no σ fits) is always refused (:mod:`lightning_dp.privacy.budget_shortfall`).
         augmentation_multiplicity: K ≥ 1 (De et al. 2022): every example arrives as K consecutive
             rows, its augmented views (wrap the dataset in :class:`lightning_dp.data.AugmentedViews`
             and use its ``collate`` as the loader's ``collate_fn``); the example's gradient is the

@@ -68,12 +68,12 @@ def quiet_trainer(**kwargs) -> pl.Trainer:
 
 @pytest.fixture(autouse=True)
 def _no_broadcast_site_mode_left_behind():
-    """The broadcast sites' TorchFunctionMode (mechanism/broadcast_sites.py) must end with its step: one left
+    """The broadcast sites' TorchFunctionMode (grad_sample/capture/broadcast_sites.py) must end with its step: one left
     active would intercept every later torch call of the process. Fails the test that leaked it."""
     yield
     from torch.overrides import _get_current_function_mode_stack
 
-    from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+    from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites
 
     left = [m for m in _get_current_function_mode_stack() if isinstance(m, BroadcastSites)]
     for mode in reversed(left):

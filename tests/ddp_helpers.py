@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.mechanism import NoiseMechanism
+from lightning_dp.privacy.noise import NoiseMechanism
 
 
 class ZeroNoise(NoiseMechanism):

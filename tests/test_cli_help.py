@@ -97,7 +97,7 @@ def test_log_format_survives_importing_opacus():
         "import logging\n"
         "from lightning_dp.accounting import epsilon\n"
         "epsilon(1.0, 0.01, 10, 1e-5, 'prv')  # imports Opacus\n"
-        "from lightning_dp.mechanism.grad_sample.opacus_hooks import _grad_sample_hooks\n"
+        "from lightning_dp.grad_sample.opacus_hooks import _grad_sample_hooks\n"
         "_grad_sample_hooks()\n"
         "import sys; assert 'opacus.utils.module_utils' in sys.modules\n"
         "assert not logging.getLogger().handlers, logging.getLogger().handlers\n"

@@ -31,7 +31,7 @@ from scipy import stats
 from torch.utils.data import TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.mechanism import GaussianNoise
+from lightning_dp.privacy.noise import GaussianNoise
 
 WORLD = 2
 # A rank stuck in a collective its peer never joins raises after this instead of hanging.

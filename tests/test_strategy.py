@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
-from lightning_dp.mechanism import GaussianNoise
+from lightning_dp.privacy.noise import GaussianNoise
 
 
 def test_user_module_trains_and_every_step_is_recorded():
@@ -316,7 +316,7 @@ def test_bf16_autocast_trains_and_clips_in_float32():
 
 
 def test_low_precision_grad_samples_are_clipped_in_float32():
-    from lightning_dp.mechanism.grad_sample import clip_and_sum_materialised
+    from lightning_dp.grad_sample import clip_and_sum_materialised
 
     p = nn.Parameter(torch.zeros(300))
     gs = (torch.randn(4, 300) * 50).to(torch.bfloat16)

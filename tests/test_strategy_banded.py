@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.accounting import ledger_epsilon
 from lightning_dp.accounting.banded import banded_epsilon
-from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
 
 
 class _Releases(Callback):

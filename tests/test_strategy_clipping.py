@@ -22,7 +22,7 @@ from lightning_dp import (
     PrivacyConfigurationError,
     ledger_epsilon,
 )
-from lightning_dp.mechanism import GaussianNoise
+from lightning_dp.privacy.noise import GaussianNoise
 
 
 def _norms(model: TinyClassifier, loader: DataLoader) -> torch.Tensor:
@@ -168,7 +168,7 @@ strategy:
 def test_the_probe_checks_each_policys_factors(monkeypatch):
     """A ghost engine that clips a layer's bias with its weight's per-layer factor is refused by the first step's
     probe (its clipped pass applies the run's policy), before any release."""
-    from lightning_dp.mechanism.grad_sample.layer_stats import WeightBiasStats
+    from lightning_dp.grad_sample.layer_stats import WeightBiasStats
 
     def mixed(self, factors):
         out = {}

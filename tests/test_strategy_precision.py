@@ -14,7 +14,7 @@ from conftest import quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent / "zoo"))
-sys.path.insert(0, str(Path(__file__).parent / "mechanism" / "boundary"))
+sys.path.insert(0, str(Path(__file__).parent / "privacy" / "boundary"))
 import zoo  # noqa: E402
 from cases import Classifier, data  # noqa: E402
 

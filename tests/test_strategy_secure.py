@@ -10,7 +10,7 @@ from test_strategy import RecordUpdates, ZeroGradModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.mechanism.csprng import SecureGaussianNoise
+from lightning_dp.privacy.csprng import SecureGaussianNoise
 
 
 def test_secure_update_noise_std_is_sigma_c_over_expected_b():

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy, PerLayerClipping, PrivacyBudget, PrivacyConfigurationError, Users
 from lightning_dp.cli import privacy_summary
-from lightning_dp.mechanism.grad_sample import ghost_units
+from lightning_dp.grad_sample import ghost_units
 
 
 def _data(n_users: int = 6, heavy: int = 0, seed: int = 0) -> tuple[TensorDataset, list[int]]:
@@ -149,7 +149,7 @@ def test_the_probe_checks_the_engines_norms_of_a_users_records(monkeypatch):
             out = part if out is None else out + part
         return out
 
-    monkeypatch.setattr("lightning_dp.mechanism.grad_sample.ghost.unit_sq_norms", forgetful)
+    monkeypatch.setattr("lightning_dp.grad_sample.ghost.unit_sq_norms", forgetful)
     dataset, ids = _data()
     with pytest.raises(PrivacyConfigurationError, match="clipped the first step's examples wrongly"):
         _step(dataset, ids, engine="ghost")
@@ -172,8 +172,8 @@ def test_a_modules_ledger_is_not_continued_in_another_unit():
 
 def test_a_plain_pytorch_loop_trains_per_user():
     """PrivateStep without Lightning: begin() takes the sampled records and their users from the sampler."""
-    from lightning_dp.mechanism import GaussianNoise
-    from lightning_dp.mechanism.private_step import PrivateStep
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
 
     dataset, ids = _data(n_users=20)
     torch.manual_seed(0)

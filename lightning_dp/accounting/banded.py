@@ -1,9 +1,9 @@
 """Sensitivity and privacy accounting of banded DP-MF under b-min-separated participation.
 
-docs/algorithms.md §7. The mechanism (:mod:`lightning_dp.mechanism.banded_noise`) releases
+docs/algorithms.md §7. The mechanism (:mod:`lightning_dp.privacy.banded_noise`) releases
 Ĉ⁻¹(Ĉ X + σ C_clip Z) with Ĉ the b-banded lower-triangular Toeplitz strategy normalised to
 max column norm 1 (sens = ‖c‖₂ is divided out). Sampling is cyclic Poisson
-(:mod:`lightning_dp.mechanism.min_sep_sampling`): b fixed groups, step t samples group t mod b
+(:mod:`lightning_dp.privacy.min_sep_sampling`): b fixed groups, step t samples group t mod b
 with rate q_g.
 
 **Why ⌈T/b⌉ sampled Gaussian steps.** Column s of Ĉ is non-zero only in rows s..s+b−1. An
@@ -34,7 +34,7 @@ import numpy as np
 from lightning_dp.accounting.calibration import calibrate_noise
 from lightning_dp.accounting.checks import check_steps
 from lightning_dp.accounting.epsilon import epsilon
-from lightning_dp.mechanism.banded_coefficients import check_bands
+from lightning_dp.accounting.banded_coefficients import check_bands
 
 
 def banded_rounds(steps: int, bands: int) -> int:
@@ -63,7 +63,7 @@ def banded_epsilon(
 
     Equals :func:`~lightning_dp.accounting.epsilon` (σ, q_g, ⌈T/b⌉, δ) (module docstring; Choquette-Choo
     et al. 2023, Thm. 5). σ is the multiplier of the normalised strategy, i.e. the ``noise_multiplier``
-    given to the strategy with :class:`~lightning_dp.mechanism.banded_noise.BandedToeplitzNoise`.
+    given to the strategy with :class:`~lightning_dp.privacy.banded_noise.BandedToeplitzNoise`.
 
     Args:
         noise_multiplier: σ > 0.

@@ -7,7 +7,7 @@ RDP, Mironov 2017, Prop. 1), so its ledger must continue theirs, never restart a
 
 This module keeps that record: a :class:`weakref.WeakKeyDictionary` from module to the
 :class:`~lightning_dp.accounting.ledger.PrivacyLedger` that charges its releases (weak: the record
-goes when the module does). :class:`~lightning_dp.mechanism.private_step.PrivateStep` binds its own
+goes when the module does). :class:`~lightning_dp.privacy.private_step.PrivateStep` binds its own
 ledger to the module and to every submodule at ``attach`` (a model later trained as a part of
 another, or a part trained alone, finds the record), and leaves a copy at ``detach`` (a step reused
 elsewhere does not grow this module's record). Nothing is stored on the module or its tensors, and

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_dp.audit._wrapped_data import TrainSetWrapper
-from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.privacy.sampling import secure_seed
 
 
 @dataclass(frozen=True)

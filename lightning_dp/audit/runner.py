@@ -25,8 +25,8 @@ from lightning_dp.accounting import ledger_epsilon
 from lightning_dp.audit.bound import BoundResult, audit_from_scores
 from lightning_dp.audit.canaries import CanaryDataModule, canary_losses, draw_coins, loss_scores, make_input_canaries
 from lightning_dp.audit.gradient_canaries import GradientCanaryDataModule, GradientCanaryModule
-from lightning_dp.mechanism import NoiseMechanism
-from lightning_dp.mechanism.sampling import secure_seed
+from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.privacy.sampling import secure_seed
 from lightning_dp.strategy import DPStrategy
 
 KINDS = ("input", "gradient")

@@ -2,7 +2,7 @@
 
 The seed's Table 1 / Figure 2 compare the private v^p with the v^c Adam would keep
 without noise. :class:`CleanMoments` keeps those EMAs from the strategy's
-:class:`~lightning_dp.mechanism.diagnostics.StepDiagnostics` (never from per-example
+:class:`~lightning_dp.diagnostics.StepDiagnostics` (never from per-example
 tensors), with each parameter's own optimizer betas:
 ``m^c ← β1 m^c + (1−β1) ḡ``, ``v^c ← β2 v^c + (1−β2) ḡ²`` and the bias corrections
 ``/(1−β^t)``, t counted from the first folded step (docs/algorithms.md §1). For AdaGrad,

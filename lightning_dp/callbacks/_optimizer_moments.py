@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim.base import DPOptimizerBase
 from lightning_dp.optim.preconditioner import noise_variance
 

@@ -37,7 +37,12 @@ from typing import Any, Iterable
 
 from lightning_fabric.loggers.tensorboard import TensorBoardLogger as _TensorBoardLoggerBase
 
-from lightning_dp.callbacks import _monitor_tags as tags
+import lightning_dp.callbacks._monitor_tags as tags
+
+BUDGET, MONITOR = "budget", "monitor"
+"""The ``layout_role`` of :class:`~lightning_dp.callbacks.PrivacyBudget` and
+:class:`~lightning_dp.callbacks.SecondMomentMonitor`: what each contributes to the layout (a class attribute, so
+this module needs not import the callbacks that call it)."""
 
 #: PrivacyBudget's tags (written by :mod:`lightning_dp.callbacks.privacy_budget`)
 EPSILON = "privacy/epsilon"
@@ -67,12 +72,9 @@ def _unsmoothed(*series: str) -> list[Any]:
 
 def layout_for(callbacks: Iterable[Any]) -> dict[str, dict[str, list[Any]]]:
     """The layout (``SummaryWriter.add_custom_scalars`` format) for the lightning_dp callbacks among ``callbacks``."""
-    from lightning_dp.callbacks.privacy_budget import PrivacyBudget
-    from lightning_dp.callbacks.second_moment_monitor import SecondMomentMonitor
-
     callbacks = list(callbacks)
-    budgets = [c for c in callbacks if isinstance(c, PrivacyBudget)]
-    monitors = [c for c in callbacks if isinstance(c, SecondMomentMonitor)]
+    budgets = [c for c in callbacks if getattr(c, "layout_role", None) == BUDGET]
+    monitors = [c for c in callbacks if getattr(c, "layout_role", None) == MONITOR]
     layout: dict[str, dict[str, list[Any]]] = {}
     privacy: dict[str, list[Any]] = {}
     if budgets:

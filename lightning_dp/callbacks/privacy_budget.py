@@ -79,7 +79,7 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
-from lightning_dp.callbacks._tb_layout import EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
+from lightning_dp.callbacks._tb_layout import BUDGET, EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
 
 __all__ = ["PrivacyBudget", "default_delta"]
 
@@ -172,6 +172,9 @@ class PrivacyBudget(Callback):
         allow_mismatch: the one way to report at a ``delta`` / with an ``accountant`` that differs
             from the strategy's on purpose (both values are then named in the log).
     """
+
+    layout_role = BUDGET
+    """What this callback draws in the TensorBoard layout (:mod:`lightning_dp.callbacks._tb_layout`)."""
 
     def __init__(
         self,

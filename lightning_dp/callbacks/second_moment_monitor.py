@@ -23,12 +23,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dp._warnings import filter_upstream_noise
-from lightning_dp.callbacks import _monitor_tags as tags
+import lightning_dp.callbacks._monitor_tags as tags
 from lightning_dp.callbacks._clean_moments import CleanMoments
 from lightning_dp.callbacks._hist_bins import histogram_edges
 from lightning_dp.callbacks._optimizer_moments import family_of, mean_phi, param_moments
 from lightning_dp.callbacks._subsample import CoordinateSample
-from lightning_dp.callbacks._tb_layout import write_layout
+from lightning_dp.callbacks._tb_layout import MONITOR, write_layout
 from lightning_dp.callbacks._vstats import Summary
 from lightning_dp.optim.noiseless import NotPrivateWarning
 
@@ -126,6 +126,9 @@ class SecondMomentMonitor(Callback):
                              logger=pl.loggers.TensorBoardLogger("lightning_logs"))
         # then: lightning-dp report lightning_logs/version_0   (writes report.png into that folder)
     """
+
+    layout_role = MONITOR
+    """What this callback draws in the TensorBoard layout (:mod:`lightning_dp.callbacks._tb_layout`)."""
 
     def __init__(
         self,

@@ -9,8 +9,8 @@
 The setting is either q and T, or what a Lightning run has: N training examples, the
 (global, expected) batch size B and the number of epochs E; then q = B/N and
 T = E × steps per epoch, derived as ``DPStrategy`` derives them
-(:func:`~lightning_dp.mechanism.min_sep_sampling.group_sample_rate`,
-:func:`~lightning_dp.mechanism.min_sep_sampling.min_sep_steps_per_epoch`: round(N/B)).
+(:func:`~lightning_dp.privacy.min_sep_sampling.group_sample_rate`,
+:func:`~lightning_dp.privacy.min_sep_sampling.min_sep_steps_per_epoch`: round(N/B)).
 
 Accountants are those of :mod:`lightning_dp.accounting.accountants`; ``integer_rdp`` is the
 DP-SignSGD paper's coarse grid, shown for comparison only.
@@ -104,7 +104,7 @@ def derive_setting(num_samples: int, batch_size: int, epochs: int, parser: argpa
             parser.error(f"{flag} must be a positive integer, got {value}")
     if batch_size > num_samples:
         parser.error(f"--batch-size {batch_size} exceeds --dataset-size {num_samples}: lower the batch size")
-    from lightning_dp.mechanism.min_sep_sampling import group_sample_rate, min_sep_steps_per_epoch
+    from lightning_dp.privacy.min_sep_sampling import group_sample_rate, min_sep_steps_per_epoch
 
     q = group_sample_rate(batch_size, num_samples, 1)
     per_epoch = min_sep_steps_per_epoch(q, 1)

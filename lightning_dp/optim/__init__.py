@@ -1,7 +1,7 @@
 """DP-Adam and DP-AdaGrad variants (docs/algorithms.md §1–§5).
 
 ``DPAdam(params, variant=...)`` / ``DPAdagrad(params, variant=...)`` implement the
-:class:`~lightning_dp.mechanism.release.PrivateOptimizer` protocol; the variant
+:class:`~lightning_dp.privacy.release.PrivateOptimizer` protocol; the variant
 (a :class:`Preconditioner`) decides what the mechanism must release and how the
 second moment is formed. Variants: see :func:`variant_names`.
 

@@ -1,6 +1,6 @@
 """Common machinery of :class:`DPAdam` and :class:`DPAdagrad`: the mechanism contract.
 
-Implements the :class:`~lightning_dp.mechanism.release.PrivateOptimizer` protocol
+Implements the :class:`~lightning_dp.privacy.release.PrivateOptimizer` protocol
 (``mechanism_request()`` / ``observe_release(release)``) by delegating to the
 variant's :class:`~lightning_dp.optim.preconditioner.Preconditioner`, and
 enforces that a variant which needs the mechanism's release gets one before
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_dp.mechanism.release import MechanismRequest, Release
+from lightning_dp.privacy.release import MechanismRequest, Release
 from lightning_dp.optim.preconditioner import Preconditioner
 from lightning_dp.optim.variants import make_preconditioner
 
@@ -63,7 +63,7 @@ class DPOptimizerBase(Optimizer):
     def observe_release(self, release: Release) -> None:
         """Receive the step's release; must precede each :meth:`step`."""
         if not isinstance(release, Release):
-            raise TypeError(f"observe_release expects a lightning_dp.mechanism.release.Release, got {type(release)!r}.")
+            raise TypeError(f"observe_release expects a lightning_dp.privacy.release.Release, got {type(release)!r}.")
         self._dp["release"] = release
 
     def _take_release(self) -> Optional[Release]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim.preconditioner import AverageFn, Preconditioner, noise_variance
 
 
@@ -32,7 +32,7 @@ class BiasCorrected(Preconditioner):
     """Divisor ``sqrt(max(v̂_t − Φ̄_t, γ'))`` — no ε outside the root (§2, Alg. 1).
 
     Φ_t is the per-coordinate variance of the noise in ĝ_t, read from the step's
-    :class:`~lightning_dp.mechanism.release.Release` (``noise_std² = (σC/B)²`` from
+    :class:`~lightning_dp.privacy.release.Release` (``noise_std² = (σC/B)²`` from
     the strategy's actual σ, C and global expected B). Φ̄_t is Φ averaged exactly
     like ĝ² is averaged into v: for Adam the bias-corrected EMA
     ``Σ_s (1-β2) β2^{t-s} Φ_s / (1-β2^t)`` (equal to Φ while Φ is constant, as in

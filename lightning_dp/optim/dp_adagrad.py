@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim.base import DPOptimizerBase, Params, as_tensor_like
 
 

@@ -6,7 +6,7 @@ from typing import Any, Optional, Union
 
 from torch import Tensor
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim.base import DPOptimizerBase, Params, as_tensor_like
 
 
@@ -48,13 +48,13 @@ class DPAdam(DPOptimizerBase):
     ``state_dict()``. ``eps`` is unused by the variants with a ``gamma``.
 
     Every variant but ``post_processing`` needs the mechanism's
-    :class:`~lightning_dp.mechanism.release.Release` before each step: under
+    :class:`~lightning_dp.privacy.release.Release` before each step: under
     ``DPStrategy`` that is automatic; in a plain loop call
     :meth:`mechanism_request` before the forward pass, privatise, then
     :meth:`observe_release` before :meth:`step`::
 
         import torch
-        from lightning_dp.mechanism.release import Release
+        from lightning_dp.privacy.release import Release
         from lightning_dp.optim import DPAdam
 
         model = torch.nn.Linear(4, 1)

@@ -12,7 +12,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.release import MechanismRequest, Release
+from lightning_dp.privacy.release import MechanismRequest, Release
 from lightning_dp.optim.preconditioner import AverageFn, Preconditioner, lookup
 
 _REQUEST = MechanismRequest(second_moment=True)

@@ -13,7 +13,7 @@ from typing import ClassVar, Optional
 
 from torch import Tensor
 
-from lightning_dp.mechanism.release import MechanismRequest, Release
+from lightning_dp.privacy.release import MechanismRequest, Release
 from lightning_dp.optim.preconditioner import Preconditioner, lookup
 
 _REQUEST = MechanismRequest(clean_mean=True)

@@ -16,21 +16,28 @@ exponential moving average with bias correction for Adam, a running sum for
 AdaGrad. A preconditioner that must average a further quantity the same way
 (the noise variance Φ of bias correction) receives an ``average`` function.
 Preconditioners never see per-example data, only the mechanism's
-:class:`~lightning_dp.mechanism.release.Release` (post-processing).
+:class:`~lightning_dp.privacy.release.Release` (post-processing).
 """
 
 from __future__ import annotations
 
 import inspect
 from abc import ABC
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Union
 
 from torch import Tensor
 
-from lightning_dp.mechanism.release import DEFAULT_REQUEST, MechanismRequest, Release
+from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Release
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dp.optim.base import DPOptimizerBase
+
+
+class SteppingOptimizer(Protocol):
+    """What a variant reads of the optimizer it preconditions (a :class:`~lightning_dp.optim.base.DPOptimizerBase`;
+    named by its shape so the variants need not import the optimizer that builds them)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+    second_moment_key: str
 
 #: ``average(key, value)`` folds ``value`` into ``state[key]`` exactly as the
 #: optimizer folds its second-moment statistic into ``v`` and returns the
@@ -57,7 +64,7 @@ class Preconditioner(ABC):
         names = inspect.signature(type(self).__init__).parameters
         return {k: getattr(self, k) for k in names if k != "self"}
 
-    def request(self, optimizer: "DPOptimizerBase") -> MechanismRequest:
+    def request(self, optimizer: SteppingOptimizer) -> MechanismRequest:
         """What the mechanism must do for the coming step (default: nothing extra)."""
         return DEFAULT_REQUEST
 

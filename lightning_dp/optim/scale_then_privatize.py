@@ -9,16 +9,13 @@ on earlier private outputs, so privacy equals DP-SGD's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.release import MechanismRequest
-from lightning_dp.optim.preconditioner import Preconditioner
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_dp.optim.base import DPOptimizerBase
+from lightning_dp.privacy.release import MechanismRequest
+from lightning_dp.optim.preconditioner import Preconditioner, SteppingOptimizer
 
 
 class ScaleThenPrivatize(Preconditioner):
@@ -49,7 +46,7 @@ class ScaleThenPrivatize(Preconditioner):
         self.eps_s = float(eps_s)
         self.refresh_every = int(refresh_every)
 
-    def request(self, optimizer: "DPOptimizerBase") -> MechanismRequest:
+    def request(self, optimizer: SteppingOptimizer) -> MechanismRequest:
         """``MechanismRequest(scale={p: s_t})`` for every parameter (idempotent within a step)."""
         scale = {p: self._scale(p, optimizer.state[p], optimizer.second_moment_key)
                  for group in optimizer.param_groups for p in group["params"]}

@@ -1,14 +1,14 @@
 """DP-SignSGD with majority vote (docs/algorithms.md §6): the update, and M virtual workers.
 
 * :class:`DPSignSGD` is the optimizer-side update θ -= η·vote. It never sees data: the
-  vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.mechanism.sign_vote`),
+  vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.privacy.sign_vote`),
   either by the strategy in DDP mode (each rank a worker, the vote all-reduced as int8
   signs) or by :class:`VirtualWorkersSignSGD`.
 * :class:`VirtualWorkersSignSGD` runs M workers in one process, for research on one
   machine: per step each worker Poisson-samples its local data with rate q, clips each
   example's gradient to C, adds its own noise σC, sends sign(·); the server votes and
   the parameters move by η·vote. Each worker is the library's private step
-  (:class:`~lightning_dp.mechanism.private_step.PrivateStep`: sampler, engine, probe) with
+  (:class:`~lightning_dp.privacy.private_step.PrivateStep`: sampler, engine, probe) with
   the DDP mode's sign-vote release rule: no mechanism code of its own.
 
 Privacy accounting: every worker runs the sampled Gaussian mechanism on its own local
@@ -28,14 +28,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.mechanism.grad_sample.base import ClippedBatch
-from lightning_dp.mechanism.noise import GaussianNoise
-from lightning_dp.mechanism.private_step import PrivateStep
-from lightning_dp.mechanism.release import DEFAULT_REQUEST
-from lightning_dp.mechanism.sampling import PoissonBatchSampler, secure_seed
-from lightning_dp.mechanism.sign_privatizer import SignVotePrivatizer
-from lightning_dp.mechanism.sign_vote import SIGN_DTYPE, majority_vote
-from lightning_dp.mechanism.validators.probe import PROBE_EXAMPLES
+from lightning_dp.grad_sample.base import ClippedBatch
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.private_step import PrivateStep
+from lightning_dp.privacy.release import DEFAULT_REQUEST
+from lightning_dp.privacy.sampling import PoissonBatchSampler, secure_seed
+from lightning_dp.privacy.sign_privatizer import SignVotePrivatizer
+from lightning_dp.privacy.sign_vote import SIGN_DTYPE, majority_vote
+from lightning_dp.validators.probe import PROBE_EXAMPLES
 
 GradientNoise = Callable[[tuple[int, ...], torch.Generator], Tensor]
 """``(shape, generator) -> noise`` added to a worker's mean-gradient estimate (research only)."""
@@ -93,11 +93,11 @@ class VoteStep:
 class VirtualWorkersSignSGD:
     """M DP-SignSGD workers in one process (docs/algorithms.md §6, mode (b) of issue 7).
 
-    Each worker runs the library's private step (:class:`~lightning_dp.mechanism.private_step.PrivateStep`)
-    on its own local data: its Poisson sampler (:class:`~lightning_dp.mechanism.sampling.PoissonBatchSampler`),
+    Each worker runs the library's private step (:class:`~lightning_dp.privacy.private_step.PrivateStep`)
+    on its own local data: its Poisson sampler (:class:`~lightning_dp.privacy.sampling.PoissonBatchSampler`),
     per-example clipped sums from the step's engine (any model ``DPStrategy`` accepts, checked by the same
     validators and the first-step probe), and the DDP mode's release rule
-    (:class:`~lightning_dp.mechanism.sign_privatizer.SignVotePrivatizer`: its own noise σC, then the sign).
+    (:class:`~lightning_dp.privacy.sign_privatizer.SignVotePrivatizer`: its own noise σC, then the sign).
     The server votes and the parameters move by η·vote; the step's ledger is charged one round per step.
 
     Args:

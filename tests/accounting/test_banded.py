@@ -17,12 +17,12 @@ from lightning_dp.accounting.banded import (
     rounds_charged_at,
     strategy_matrix,
 )
-from lightning_dp.mechanism.banded_coefficients import (
+from lightning_dp.accounting.banded_coefficients import (
     fichtenberger_coefficients,
     optimize_banded_coefficients,
     prefix_sum_error,
 )
-from lightning_dp.mechanism.banded_noise import BandedToeplitzNoise
+from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
 
 COEFFICIENTS = {
     "fichtenberger-3": fichtenberger_coefficients(3),

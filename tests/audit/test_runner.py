@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.audit import AuditResult, load_config, run_audit
-from lightning_dp.mechanism import GaussianNoise, NoiseMechanism
+from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.strategy import DPStrategy
 
 

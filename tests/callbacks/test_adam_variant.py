@@ -11,7 +11,7 @@ from conftest import TinyClassifier, make_loader, quiet_trainer
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from lightning_dp.callbacks.adam_variant import AdamVariant
-from lightning_dp.mechanism import GaussianNoise
+from lightning_dp.privacy.noise import GaussianNoise
 from lightning_dp.optim import DPAdagrad, DPAdam, NotPrivateWarning
 from lightning_dp.strategy import DPStrategy
 

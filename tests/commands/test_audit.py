@@ -10,7 +10,7 @@ import yaml
 
 from lightning_dp.audit import run_audit
 from lightning_dp.commands import audit as audit_command
-from lightning_dp.mechanism import NoiseMechanism
+from lightning_dp.privacy.noise import NoiseMechanism
 
 
 class ZeroNoise(NoiseMechanism):

@@ -74,7 +74,7 @@ def test_dataset_size_batch_size_epochs_derive_q_and_t(i, n, b, epochs, capsys):
 
 def test_steps_per_epoch_is_the_strategys():
     """T = E × round(N/B), by the function the strategy plans with (not 60000/256 = 234.375 per epoch)."""
-    from lightning_dp.mechanism.min_sep_sampling import min_sep_steps_per_epoch
+    from lightning_dp.privacy.min_sep_sampling import min_sep_steps_per_epoch
 
     setting = budget.derive_setting(60_000, 256, 3, budget.build_parser())
     assert setting.sample_rate == 256 / 60_000

@@ -9,8 +9,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from lightning_dp.mechanism import GaussianNoise, MechanismRequest, Privatizer
-from lightning_dp.mechanism.grad_sample.base import clip_and_sum_materialised
+from lightning_dp.privacy.noise import GaussianNoise
+
+from lightning_dp.privacy.privatizer import Privatizer
+
+from lightning_dp.privacy.release import MechanismRequest
+from lightning_dp.grad_sample.base import clip_and_sum_materialised
 from example_loader import load_example
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from example_loader import load_example
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim import DPAdam
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.mechanism import make_engine
-from lightning_dp.mechanism.grad_sample.auto import select_engine, unsupported_by_engine
+from lightning_dp.grad_sample import make_engine
+from lightning_dp.grad_sample.auto import select_engine, unsupported_by_engine
 from lightning_dp.models.tiny_transformer import TinyTransformerLM, evaluate_loss, parameter_count
 
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_dp.mechanism.release import PrivateOptimizer, Release
+from lightning_dp.privacy.release import PrivateOptimizer, Release
 from lightning_dp.optim import DPAdagrad, DPAdam, variant_names
 
 RELEASE = Release(noise_std=0.1, expected_batch_size=10.0, noise_multiplier=1.0, max_grad_norm=1.0)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim import DPAdagrad
 
 STEPS = 6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dp.mechanism.release import Release
+from lightning_dp.privacy.release import Release
 from lightning_dp.optim import DPAdam
 
 

@@ -162,7 +162,7 @@ def test_summed_loss_is_refused_naming_mean(engine):
                                           (zoo.BiasTable, zoo.token_data)])
 def test_parameters_of_a_module_with_children_broadcast_over_the_examples_are_exact(factory, data, engine):
     """Any shape ([d] bias or scale, an indexed table): per-example gradients from the broadcast sites
-    (mechanism/root_parameters.py)."""
+    (grad_sample/capture/root_parameters.py)."""
     zoo.assert_exact(factory, data(), per_sample=engine)
 
 
@@ -302,7 +302,7 @@ def test_an_rnn_output_changed_in_place_is_exact(kind, how, engine):
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_table_handed_over_as_an_attribute_stays_followed(engine):
     """The model keeps the table in an attribute each forward: a function of the parameters only, declared public
-    (the release boundary refuses any undeclared kept state: tests/mechanism/boundary)."""
+    (the release boundary refuses any undeclared kept state: tests/privacy/boundary)."""
     zoo.assert_exact(zoo.TableThroughAnAttribute, zoo.token_data(), per_sample=engine, public_state=["scaled.table"])
 
 
@@ -315,7 +315,7 @@ def test_a_table_handed_out_without_arguments_is_exact(rows, engine):
 
 
 def test_auto_serves_torch_attention_and_rnns_without_opacus():
-    from lightning_dp.mechanism.grad_sample import select_engine
+    from lightning_dp.grad_sample import select_engine
 
     for model in (zoo.TorchAttention(), zoo.TorchEncoderLayer(), zoo.TorchRecurrent("LSTM", False)):
         assert select_engine(model) == "ghost"
@@ -337,7 +337,7 @@ def test_root_owned_tokens_repeated_resampled_and_read_twice_are_exact(engine):
 
 
 def test_auto_keeps_root_owned_tokens_on_ghost():
-    from lightning_dp.mechanism.grad_sample import select_engine
+    from lightning_dp.grad_sample import select_engine
 
     assert select_engine(zoo.ViTClassifier()) == "ghost"
 
@@ -446,7 +446,7 @@ def test_parametrized_weights_are_exact(kind, engine):
 
 
 def test_parametrized_weights_are_refused_by_opacus_hooks_and_auto_passes_it_by():
-    from lightning_dp.mechanism.grad_sample import make_engine, select_engine
+    from lightning_dp.grad_sample import make_engine, select_engine
 
     problems = make_engine("opacus_hooks").unsupported_layers(zoo.Parametrized("linear"))
     assert any("parametrization" in p for p in problems)
@@ -472,7 +472,7 @@ def test_a_spectral_norm_is_refused_by_name(engine):
 @pytest.mark.parametrize("factory", [zoo.UnbatchedPositions, zoo.RelativeBias])
 def test_an_unbatched_lookup_broadcast_over_the_examples_is_exact(factory, engine):
     """No example dimension at all ([T], [T, T] indices): per-example gradients from the broadcast sites
-    (mechanism/broadcast_sites.py)."""
+    (grad_sample/capture/broadcast_sites.py)."""
     zoo.assert_exact(factory, zoo.token_data(), per_sample=engine)
 
 
@@ -501,7 +501,7 @@ def test_a_forward_that_raises_after_an_unbatched_lookup_leaves_no_mode_behind()
 
     from torch.overrides import _get_current_function_mode_stack
 
-    from lightning_dp.mechanism.broadcast_sites import BroadcastSites
+    from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites
 
     with pytest.raises(Exception, match="a bug in the user's code"):
         zoo.private_step(Raises().double(), zoo._as_double(zoo.token_data()))

@@ -22,8 +22,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp import DPStrategy
 from lightning_dp.losses import per_example_token_mean
-from lightning_dp.mechanism.noise import NoiseMechanism
-from lightning_dp.mechanism.validators.probe import gradients_of
+from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.validators.probe import gradients_of
 
 V, T, D, N = 11, 5, 6, 6  # vocabulary, tokens, width, examples
 

@@ -1,0 +1,113 @@
+"""Clipping helpers shared by the engines (the interface itself is :mod:`lightning_dp.privacy.engine`).
+
+An engine turns one forward + backward of a *mean* loss into the per-example clipped
+statistics the mechanism needs (docs/algorithms.md, "The mechanism"):
+
+    S   = Σ_i clip_C(s ⊙ g_i)          (always)
+    S2  = Σ_i clip_C(s ⊙ g_i)²         (only when asked, for independent moments)
+    ‖s ⊙ g_i‖ for every example         (norms before clipping; diagnostics)
+
+How it gets there is its own business: materialise per-example gradients (Opacus
+hooks, torch.func.vmap) or never materialise them (ghost clipping / book-keeping).
+Engines are registered by name; ``DPStrategy(per_sample=name)`` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.clipping.flat import flat_factors
+from lightning_dp.clipping.rule import ClipRule, as_rule
+from lightning_dp.privacy.engine import (  # noqa: F401  (the interface, re-exported for the engines)
+    ClippedBatch,
+    GradSampleEngine,
+    ParamMap,
+    available_engines,
+    make_engine,
+    merge_clipped,
+    register_engine,
+)
+
+
+def mean_over_views(grad_samples: Sequence[Tensor], views: int) -> list[Tensor]:
+    """Per-row gradients ``[n·K, …]`` → per-example gradients ``[n, …]``: the mean over each example's K
+    consecutive rows (its augmented views). Augmentation multiplicity (De et al. 2022, §3.1, eq. 2): the
+    example's gradient is the mean of its views' gradients, clipped ONCE, so one example still moves the
+    sum by at most C and the accounting is unchanged. ``views = 1`` returns the input."""
+    if views == 1:
+        return list(grad_samples)
+    out = []
+    for gs in grad_samples:
+        if gs.shape[0] % views:
+            raise ValueError(f"{gs.shape[0]} rows are not a multiple of {views} views per example")
+        out.append(gs.view(gs.shape[0] // views, views, *gs.shape[1:]).mean(1))
+    return out
+
+
+def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
+    """min(1, C / ‖g_i‖) per example (docs/algorithms.md, clip_C). Zero norms give 1."""
+    return flat_factors(norms, max_grad_norm)
+
+
+def clip_and_sum_materialised(
+    params: Sequence[nn.Parameter],
+    grad_samples: Sequence[Tensor],
+    max_grad_norm: Union[float, ClipRule],
+    scale: Optional[ParamMap] = None,
+    with_squares: bool = False,
+) -> ClippedBatch:
+    """Shared clipping for engines that materialise per-example gradients.
+
+    ``grad_samples[k]`` has shape ``[b, *params[k].shape]``. Low-precision per-example
+    gradients (bf16/fp16 autocast) are clipped in float32, so the clipped sum's
+    sensitivity is C for the gradients actually computed. A clipping policy other than flat, or
+    units of several examples, take :func:`clip_and_sum_by_rule`.
+    """
+    rule = as_rule(max_grad_norm)
+    grad_samples = [gs.float() if gs.dtype in (torch.bfloat16, torch.float16) else gs for gs in grad_samples]
+    if scale is not None:
+        grad_samples = [gs * scale[p].unsqueeze(0) for p, gs in zip(params, grad_samples)]
+    b = grad_samples[0].shape[0] if grad_samples else 0
+    if b == 0:
+        zeros = {p: torch.zeros_like(p) for p in params}
+        squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
+        return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
+    if not rule.is_flat_per_example:
+        return clip_and_sum_by_rule(params, grad_samples, rule, with_squares)
+    sq_norms = torch.stack([gs.reshape(b, -1).pow(2).sum(1) for gs in grad_samples], dim=0).sum(0)
+    norms = sq_norms.sqrt()
+    factors = rule.policy.factors(norms)
+    sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
+    squares = None
+    if with_squares:
+        squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
+    return ClippedBatch(sums, squares, norms.detach(), b)
+
+
+def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[Tensor], rule: ClipRule,
+                         with_squares: bool = False) -> ClippedBatch:
+    """:func:`clip_and_sum_materialised` for any :class:`~lightning_dp.clipping.rule.ClipRule`: each unit's
+    summed gradient is formed (a sum over its examples' rows), its norms taken (per parameter when the policy
+    clips per parameter) and the factors applied per example (per parameter). Squares are Σ_i f_i² g_i², the
+    per-example second moment: refused for units of several examples (the private step does so)."""
+    b = grad_samples[0].shape[0]
+    if with_squares and rule.groups is not None:
+        raise ValueError("squares of per-example gradients are not a unit's second moment: not with grouped units")
+    if rule.groups is None:
+        units = grad_samples
+    else:
+        groups = rule.groups.to(grad_samples[0].device)
+        count = rule.num_units()
+        units = [gs.new_zeros((count, *gs.shape[1:])).index_add_(0, groups, gs) for gs in grad_samples]
+    per_param = torch.stack([u.reshape(u.shape[0], -1).pow(2).sum(1) for u in units], dim=0)  # [P, u]
+    sq = per_param if rule.per_parameter else per_param.sum(0)
+    factors = rule.example_factors(sq)
+    rows = factors if rule.per_parameter else factors.expand(len(params), b)
+    sums = {p: torch.einsum("b,b...->...", f, gs) for p, f, gs in zip(params, rows, grad_samples)}
+    squares = None
+    if with_squares:
+        squares = {p: torch.einsum("b,b...->...", f.pow(2), gs.pow(2)) for p, f, gs in zip(params, rows, grad_samples)}
+    return ClippedBatch(sums, squares, rule.unit_norms(sq).detach(), b)

@@ -1,0 +1,1 @@
+"""Activation capture: what the engines record of each hooked layer's calls."""

@@ -1,0 +1,218 @@
+"""The release boundary: nothing derived from the private batch leaves a step except the noised mean.
+
+The guarantee covers what the Gaussian mechanism releases, ĝ_t = (Σ_i clip_C(g_i) + σ C z_t) / B, and the
+ledger that counts those releases. Everything else a step computes from the batch must stay inside it. The
+rules, each enforced here (:class:`ReleaseBoundary`) and nowhere else; a violation is refused before the
+release it would corrupt, naming the fix:
+
+1. **Optimizer ⊆ mechanism** (:mod:`.coverage`): every tensor of every parameter group that requires grad
+   is one the release writes, at every release.
+2. **No raw gradient observable** (:mod:`.hooks`): no gradient hook on a parameter (it would see the raw
+   batch gradient); the strategies release *inside* Lightning's backward, before ``on_after_backward``, so
+   every Lightning hook, callback and logger that reads ``p.grad`` reads ĝ_t (or ``None``).
+3. **Kept state** (:mod:`.state`): the module's parameters, buffers (all dtypes) and attributes, and the
+   state of callbacks that are not Lightning's or lightning_dp's own, are fingerprinted after each optimizer
+   step (the *update*: the optimizer applying ĝ_t, and whatever hooks compute from ĝ_t before it, may change
+   anything) and compared before the next release: any change in between — in ``training_step``, the forward,
+   the backward, a batch-start or batch-end hook, an epoch hook — is a write from the batch the noise does not
+   cover. Validation is outside (its data is not the training set): checked at its start, baselined at its
+   end. A checkpoint is checked before it is written. State declared ``public_state`` is skipped: the user
+   says it is not derived from the training data, or accepts that it leaves unprotected, like a logged metric.
+4. **The parameter set** (:func:`parameter_signature`): the trainable parameters and their names are those
+   the engine was attached to and the probe verified; a change (a pruning callback renaming ``weight`` to
+   ``weight_orig``, a finetuning callback unfreezing layers) re-attaches and re-verifies before the next
+   release, or is refused.
+
+What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.boundary.coverage import uncovered_error, uncovered_tensors
+from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
+from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.validators.kept_state import (
+    Fingerprint,
+    StateFingerprint,
+    attribute_keys,
+    is_public,
+    trusted_callback,
+)
+
+__all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks", "is_public",
+           "parameter_signature", "state_written_error", "trusted_callback"]
+
+ParameterSignature = tuple[tuple[str, int], ...]
+
+
+def parameter_signature(module: nn.Module) -> ParameterSignature:
+    """(name, identity) of every trainable parameter, in the module's order."""
+    return tuple((name, id(p)) for name, p in module.named_parameters() if p.requires_grad)
+
+
+class StateWrittenError(PrivacyConfigurationError):
+    """Kept state changed where only the release may leave the step (:func:`state_written_error`)."""
+
+
+def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
+    """The refusal of a write to kept state, naming what changed, where, and the two fixes."""
+    shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+    public = [_public_name(c) for c in changed[:3]]
+    return StateWrittenError(
+        f"State changed {where}: {shown}. What a step computes from its batch and keeps (a buffer, a Python "
+        "attribute such as a memory bank, a queue or a NumPy running mean, a callback's state) is saved in "
+        "checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
+        "the guarantee would not cover it. Nothing more was released. Compute it from public data or from the "
+        "released model only (e.g. in on_train_epoch_end from the parameters); or, if it is not derived from the "
+        "training data (a step counter, a schedule) or you accept that it leaves unprotected like a logged metric, "
+        f"declare it public: DPStrategy(public_state={public!r}).")
+
+
+def _public_name(entry: str) -> str:
+    kind, _, path = entry.partition(" ")
+    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter") else entry
+
+
+class ReleaseBoundary:
+    """The rules of the module docstring for one attached model and optimizer.
+
+    Args:
+        public_state: names of state declared public (:func:`~lightning_dp.validators.kept_state.is_public`).
+
+    Life cycle (driven by :class:`~lightning_dp.privacy.private_step.PrivateStep` and the Lightning glue):
+    :meth:`attach`, :meth:`baseline` when training starts, :meth:`check_release` before every release, the
+    optimizer's step post-hook re-baselines (:meth:`updated`), :meth:`pause`/:meth:`baseline` around validation,
+    :meth:`check_kept` before a checkpoint is written, :meth:`detach`.
+    """
+
+    def __init__(self, public_state: Sequence[str] = ()) -> None:
+        if isinstance(public_state, str) or not all(isinstance(n, str) and n for n in public_state):
+            raise ValueError(f"public_state must be a list of non-empty names, got {public_state!r}")
+        self.public_state = tuple(public_state)
+        self.callbacks: Callable[[], Sequence[Any]] = lambda: ()
+        """The callbacks whose state is fingerprinted too (set by the Lightning glue: ``trainer.callbacks``)."""
+        self._module: Optional[nn.Module] = None
+        self._fingerprint: Optional[StateFingerprint] = None
+        self._baseline: Optional[Fingerprint] = None
+        self._allowed: HookKeys = {}
+        self._signature: ParameterSignature = ()
+        self._step_hook: Any = None
+        self._watched: Optional[Optimizer] = None
+        self.engine_keys: frozenset[str] = frozenset()
+        """Attribute names the engine keeps on the model's modules (never fingerprinted nor restored)."""
+        self.parameters: Optional[Callable[[], Any]] = None
+        """Where the kept parameters are read (``None``: the module's; FSDP2: the sharded parameters)."""
+
+    # ------------------------------------------------------------------ life cycle
+    def attach(self, module: nn.Module, optimizer: Optional[Optimizer], hooks_before: HookKeys,
+               keys_before: set[str], engine_owned: frozenset[str] = frozenset()) -> None:
+        """Start guarding ``module``: the gradient hooks and module attributes the engine added since
+        ``hooks_before`` and ``keys_before`` (:func:`~lightning_dp.validators.kept_state.attribute_keys`), and
+        the attribute names it declares (``engine_owned``), are its own; the optimizer's steps re-baseline the
+        state."""
+        self.detach()
+        params = [p for p in module.parameters() if p.requires_grad]
+        after = gradient_hooks(params)
+        self._allowed = {k: v - hooks_before.get(k, frozenset()) for k, v in after.items()}
+        self.engine_keys = self.engine_keys | engine_owned | (attribute_keys(module) - keys_before)
+        if module is not self._module:
+            self._baseline = None
+        if self._fingerprint is None or self._fingerprint.module is not module \
+                or not self.engine_keys <= self._fingerprint.skip_keys:
+            self._fingerprint = self.fingerprint(module)
+        self._fingerprint.refresh()
+        self._module = module
+        self._signature = self._parameter_signature()
+        self._watch(optimizer)
+
+    def _watch(self, optimizer: Optional[Optimizer]) -> None:
+        """Re-baseline after each step of ``optimizer`` (a callback may swap the optimizer: the one a release is
+        for is watched from that release on)."""
+        if optimizer is None or optimizer is self._watched:
+            return
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook = optimizer.register_step_post_hook(lambda *_: self.updated())
+        self._watched = optimizer
+
+    def detach(self) -> None:
+        """Stop guarding (removes the optimizer hook)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._watched = None
+
+    def baseline(self) -> None:
+        """The state as it is now is the state a later release is compared with (training starts, validation
+        ended, a verified re-attachment)."""
+        if self._fingerprint is not None:
+            self._baseline = self._fingerprint.take(self.callbacks())
+
+    def fingerprint(self, module: nn.Module) -> StateFingerprint:
+        """A fingerprint of ``module``'s state as this boundary sees it (public names and the engine's attributes
+        skipped, parameters read from :attr:`parameters`)."""
+        return StateFingerprint(module, self.public_state, self.engine_keys, self.parameters)
+
+    def ensure_baseline(self) -> None:
+        """Take a baseline if none was taken (a plain loop: after its ``verify()``)."""
+        if self._baseline is None:
+            self.baseline()
+
+    def untrusted_callbacks(self) -> list[Any]:
+        """The callbacks whose state is fingerprinted (not Lightning's or lightning_dp's own)."""
+        return [cb for cb in self.callbacks() if not trusted_callback(cb)]
+
+    def updated(self) -> None:
+        """The optimizer applied the release: the state after it is the new baseline."""
+        self.baseline()
+
+    def pause(self, where: str) -> None:
+        """Validation starts: check what changed since the update, then stop comparing until :meth:`baseline`."""
+        self.check_kept(where)
+        self._baseline = None
+
+    # ------------------------------------------------------------------ checks
+    def parameters_changed(self) -> bool:
+        """Whether the trainable parameters (identities or names) differ from those attached."""
+        return self._module is not None and self._parameter_signature() != self._signature
+
+    def _parameter_signature(self) -> ParameterSignature:
+        return tuple((name, id(p)) for name, p in self.trainable())
+
+    def trainable(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter) of the model's trainable parameters now (cheap: no walk of the module tree)."""
+        assert self._fingerprint is not None, "attach() first"
+        return self._fingerprint.trainable()
+
+    def check_release(self, optimizer: Optional[Optimizer], named: Sequence[tuple[str, Tensor]]) -> None:
+        """Before privatising: rules 1–3 (module docstring). Raises :class:`PrivacyConfigurationError`."""
+        assert self._module is not None, "attach() first"
+        self._watch(optimizer)
+        if optimizer is not None:
+            missing = uncovered_tensors(optimizer, [p for _, p in named])
+            if missing:
+                raise uncovered_error(self._module, missing)
+        self.check_hooks(named)
+        self.check_kept("between the last update and this release (in training_step, the forward or backward, or "
+                        "a hook or callback around them: on_train_batch_start/end, epoch hooks)")
+
+    def check_hooks(self, named: Sequence[tuple[str, Tensor]]) -> None:
+        """Rule 2: no gradient hook on a parameter but the engine's (before the probe and every release)."""
+        hooked = user_hooked(named, self._allowed)
+        if hooked:
+            raise hooked_error(hooked)
+
+    def check_kept(self, where: str) -> None:
+        """Refuse if the fingerprinted state differs from the baseline (none taken: nothing to compare)."""
+        if self._fingerprint is None or self._baseline is None:
+            return
+        now = self._fingerprint.take(self.callbacks())
+        changed = StateFingerprint.changed(self._baseline, now)
+        if changed:
+            raise state_written_error(changed, where)

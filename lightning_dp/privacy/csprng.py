@@ -1,0 +1,99 @@
+"""Secure mode: noise and Poisson sampling from the operating system's CSPRNG.
+
+torch's generators (Mersenne Twister on CPU, Philox on CUDA) are statistically sound but
+predictable from their state, and a floating-point Gaussian is not the continuous one the
+proofs assume: Mironov (2012, "On significance of the least significant bits for differential
+privacy") showed that the low bits of floating-point Laplace samples reveal the unnoised value,
+and Jin et al. (2021, arXiv 2112.05307) attacked Gaussian samplers, Opacus' among them, the
+same way. ``DPStrategy(secure_mode=True)`` draws instead:
+
+- **uniforms** from ``os.urandom`` (the kernel's CSPRNG): 53 random bits per double;
+- **Gaussians** by the Box–Muller transform of those uniforms, in float64, then the mitigation of
+  Holohan & Braghin (2021, "Secure random sampling in differential privacy", arXiv 2107.10138,
+  §5.1) that Opacus' ``secure_mode`` also uses: each coordinate is the sum of 2n = 4 independent
+  N(0, σ²) draws divided by √(2n) = 2. The variance stays σ²; an attacker who wants to invert
+  the low bits must now search 2^{p(2n−1)} combinations (p = 53) instead of one sample's.
+
+This is a mitigation, not a proof: the noise is still a sum of floating-point samples. Costs
+(measured by ``benchmarks/secure_mode.py``) are in docs/secure_mode.md. Every draw is fresh; no state is
+kept, so nothing can be checkpointed or replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_dp.privacy.noise import NoiseMechanism
+
+SUMMED_DRAWS = 4
+"""2n of Holohan & Braghin §5.1 (n = 2, as Opacus): Gaussians summed per coordinate."""
+
+CHUNK = 1 << 16
+"""Coordinates per secure draw in :meth:`SecureGaussianNoise.add_noise_` (≈ 10 MiB of float64 temporaries)."""
+
+
+def secure_uniform(count: int) -> Tensor:
+    """``count`` float64 uniforms in [0, 1), 53 bits each from ``os.urandom``."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.float64)
+    bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(11)
+    return torch.from_numpy(bits.astype(np.float64) * 2.0 ** -53)
+
+
+def secure_standard_normal(count: int) -> Tensor:
+    """``count`` float64 N(0, 1) samples: Box–Muller on :func:`secure_uniform` (1 − u ∈ (0, 1] for the log)."""
+    pairs = (count + 1) // 2
+    u = secure_uniform(2 * pairs).view(2, pairs)
+    radius = torch.sqrt(-2.0 * torch.log1p(-u[0]))
+    angle = 2.0 * math.pi * u[1]
+    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
+
+
+def secure_gaussian(count: int) -> Tensor:
+    """``count`` float64 N(0, 1) samples, each the sum of :data:`SUMMED_DRAWS` secure draws / √SUMMED_DRAWS
+    (Holohan & Braghin 2021, §5.1)."""
+    draws = secure_standard_normal(SUMMED_DRAWS * count).view(SUMMED_DRAWS, count)
+    return draws.sum(0) / math.sqrt(SUMMED_DRAWS)
+
+
+class SecureGaussianNoise(NoiseMechanism):
+    """Independent N(0, I) noise from :func:`secure_gaussian` (drawn on the CPU in float64, then cast and
+    moved to each tensor's device: on a GPU every step copies a model-sized tensor to the device)."""
+
+    def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
+        """t ← scale_by · t + std · z in place, z from :func:`secure_gaussian`, :data:`CHUNK` coordinates at a
+        time: the float64 temporaries (≈ 100 bytes per coordinate) never exceed one chunk's, and every
+        coordinate gets its own fresh draw."""
+        if not std > 0:
+            raise ValueError(f"std must be > 0, got {std!r}")
+        for t in tensors:
+            if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
+                t.mul_(scale_by).add_(secure_gaussian(t.numel()).view(t.shape).to(t.device, t.dtype), alpha=std)
+                continue
+            flat = t.view(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                piece = flat[start : start + CHUNK]
+                z = secure_gaussian(piece.numel()).to(device=piece.device, dtype=piece.dtype)
+                if scale_by != 1.0:
+                    piece.mul_(scale_by)
+                piece.add_(z, alpha=std)
+
+    def for_rank(self, rank: int) -> "SecureGaussianNoise":
+        """This mechanism: every draw reads ``os.urandom`` afresh, so the ranks' streams are independent."""
+        return self
+
+    def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
+        """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
+        sizes = [t.numel() for t in like]
+        flat = secure_gaussian(sum(sizes))
+        return [chunk.view(t.shape).to(device=t.device, dtype=t.dtype) for chunk, t in zip(flat.split(sizes), like)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: there is no generator state (and none may ever be saved)."""
+        return {}

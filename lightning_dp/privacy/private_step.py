@@ -1,0 +1,1191 @@
+"""One private step, Lightning-free: what ``DPStrategy``, a plain PyTorch loop and a sharded
+strategy share. A reader audits the whole mechanism here.
+
+Per logical step t (docs/algorithms.md, "The mechanism"):
+
+    indices ← the Poisson sampler's batch (never read from the data)        :meth:`PrivateStep.take`
+    S_t     = Σ_i clip_C(g_{t,i}), over one or more physical batches        :meth:`begin`, :meth:`bank`
+    ĝ_t     = (S_t + σ C z_t) / B, noise once (one rank), into p.grad       :meth:`release`
+    ledger += the rounds the noise mechanism charges for step t             (same call)
+
+The release rule is a :class:`~lightning_dp.privacy.privatizer.StepPrivatizer`, chosen by the
+optimizer's ``mechanism`` marker from :data:`PRIVATIZERS` (the noised mean, or DP-SignSGD's vote).
+Before the first release :meth:`verify` runs the example-independence probe
+(:mod:`~lightning_dp.validators.probe`); a release before it is refused.
+
+Plain PyTorch (``examples/plain_pytorch.py``)::
+
+    step = PrivateStep(noise_multiplier=1.0, max_grad_norm=1.0)
+    step.attach(model, optimizer)
+    loader = step.poisson_loader(DataLoader(dataset, batch_size=64))
+    step.verify(lambda batch: F.cross_entropy(model(batch[0]), batch[1]))
+    for x, y in loader:
+        step.begin()
+        F.cross_entropy(model(x), y).backward()
+        step.release()                       # p.grad ← ĝ_t, ledger += 1
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.boundary import (
+    ReleaseBoundary,
+    StateSnapshot,
+    attribute_keys,
+    gradient_hooks,
+    state_written_error,
+)
+from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rule
+from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
+from lightning_dp.privacy.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
+from lightning_dp.records.collate import EmptySafeCollate
+from lightning_dp.privacy.csprng import SecureGaussianNoise
+from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
+from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
+from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, engines_after, make_engine, merge_clipped, select_engine
+from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
+from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.privacy.privatizer import Privatizer, StepPrivatizer, flat_all_reduce, validate_privacy_params
+from lightning_dp.records.recorded_batches import RecordedBatches
+from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
+from lightning_dp.privacy.sign_privatizer import SignVotePrivatizer
+from lightning_dp.units import UserPoissonBatchSampler, Users
+from lightning_dp.validators import validate_module
+from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one step at a time: hooks of two would mix)
+from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
+from lightning_dp.validators.loaders import TrainingPopulation, training_population
+from lightning_dp.validators.rng import forked_rngs
+from lightning_dp.validators.schedule import VerificationSchedule
+from lightning_dp.validators.probe import (
+    PROBE_EXAMPLES,
+    ExampleIndependenceProbe,
+    StateWriteError,
+    probe_tolerance,
+)
+from lightning_dp.validators.records import check_records
+
+if TYPE_CHECKING:
+    from lightning_dp.sharding.fsdp_layout import FSDPLayout
+
+AllReduce = Callable[[Tensor], None]
+
+ReleaseGuard = Callable[[float, float], Optional[str]]
+"""A ceiling besides ``target_epsilon`` (:class:`~lightning_dp.callbacks.PrivacyBudget`'s): given the (σ, q) of the
+release about to be made, the reason to refuse it, or ``None``."""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Where this process stands among the workers of one step.
+
+    Attributes:
+        rank: this process's rank (rank 0 adds the Gaussian noise).
+        world_size: number of processes that each sample and clip their own shard.
+        all_reduce: in-place SUM all-reduce of one tensor (``None`` with one process).
+        layout: where the parameters live when FSDP2 shards them (``None``: replicated on every rank).
+            Then each rank noises the shard it owns from its own stream, after a reduce-scatter of the
+            clipped sums (:class:`~lightning_dp.privacy.sharded_privatizer.ShardedPrivatizer`).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce: Optional[AllReduce] = None
+    layout: Optional["FSDPLayout"] = None
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """The sampling a run's accounting rests on.
+
+    Attributes:
+        num_samples: N, the population Poisson sampling draws from.
+        expected_batch_size: B = world_size × the loader's batch size (the divisor of ĝ).
+        sample_rate: q (the within-group rate q_g = bB/N with b-min-separation, b bands).
+        steps_per_epoch: logical steps per epoch.
+    """
+
+    num_samples: int
+    expected_batch_size: float
+    sample_rate: float
+    steps_per_epoch: int
+
+
+def _gaussian(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    if where.layout is not None:
+        from lightning_dp.privacy.sharded_privatizer import ShardedPrivatizer, rank_stream
+
+        return ShardedPrivatizer(rank_stream(noise, where.rank), where.layout)
+    reduce = None if where.all_reduce is None else partial(flat_all_reduce, all_reduce=where.all_reduce)
+    return Privatizer(noise, reduce=reduce, adds_noise=where.rank == 0)
+
+
+def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
+    if where.layout is not None:
+        raise PrivacyConfigurationError("DP-SignSGD's vote needs every worker's whole noisy sum: it does not run on "
+                                        "sharded parameters. Use DPStrategy with DP-SignSGD.")
+    if getattr(noise, "bands", 1) > 1:
+        raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
+    if isinstance(noise, SecureGaussianNoise):
+        raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
+                                        "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
+    return SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
+
+
+PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {
+    "gaussian": _gaussian,
+    "sign_vote": _sign_vote,
+}
+"""Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``)."""
+
+
+class PrivateStep:
+    """The private step of the module docstring, for one model and one noise mechanism.
+
+    Args:
+        noise_multiplier: σ (``None``: calibrated from ``target_epsilon`` by :meth:`calibrate`).
+        max_grad_norm: C.
+        noise: the noise mechanism (z_t); its banded rounds drive the ledger.
+        engine: per-example gradient engine by name, or ``"auto"``.
+        target_epsilon, target_delta, accountant: the calibration target, when σ is not given.
+        sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
+        secure_sampling: draw the sampling from the OS's CSPRNG (secure mode).
+        views_per_example: K, augmentation multiplicity: every example arrives as K consecutive rows
+            (its augmented views, e.g. :class:`lightning_dp.data.AugmentedViews`); its gradient is the
+            mean over them, clipped once (:func:`~lightning_dp.grad_sample.base.mean_over_views`).
+            Needs an engine with ``supports_views`` ("auto" picks one).
+        public_state: names of module or callback state declared public: the release boundary
+            (:mod:`~lightning_dp.privacy.boundary`) does not refuse their changes.
+        verify: when the batch check (:mod:`~lightning_dp.validators.batch_check`) compares the step's
+            own examples in a batch, in halves and alone: ``"sampled"`` (default: the first step, then random steps
+            within ``verify_budget`` of the training time), ``"every_step"`` or ``"first_step"``
+            (:mod:`~lightning_dp.validators.schedule`).
+        verify_budget: the share of training time the later batch checks may take (``"sampled"``).
+        on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
+            ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
+            that fits (:mod:`~lightning_dp.privacy.budget_shortfall`).
+        clipping: the clipping policy (:mod:`~lightning_dp.clipping`; ``None``: flat clipping at
+            ``max_grad_norm``). A ``max_grad_norm`` given beside it must equal its bound.
+        privacy_unit: :class:`~lightning_dp.units.Users` for user-level DP (``None``: the example).
+
+    The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
+    model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: Optional[float],
+        max_grad_norm: Optional[float],
+        noise: NoiseMechanism,
+        engine: str = "auto",
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        accountant: str = "rdp",
+        sampler_seed: Optional[int] = None,
+        secure_sampling: bool = False,
+        views_per_example: int = 1,
+        public_state: Sequence[str] = (),
+        verify: str = "sampled",
+        verify_budget: float = 0.02,
+        on_budget_short: str = "refuse",
+        clipping: Optional[ClippingPolicy] = None,
+        privacy_unit: Optional[Users] = None,
+    ) -> None:
+        self.on_budget_short = check_on_budget_short(on_budget_short)
+        self.clipping = resolve_clipping(max_grad_norm, clipping)
+        """The clipping policy (:mod:`~lightning_dp.clipping`): C is its bound (:attr:`max_grad_norm`)."""
+        if hasattr(self.clipping, "secure"):  # the adaptive policy's count noise, from the CSPRNG in secure mode
+            self.clipping.secure = secure_sampling  # type: ignore[attr-defined]
+        if privacy_unit is not None and not isinstance(privacy_unit, Users):
+            raise TypeError(f"privacy_unit must be None (the example) or Users(...), got {privacy_unit!r}")
+        self.users = privacy_unit
+        """User-level DP (:class:`~lightning_dp.units.Users`), or ``None``: the example is the unit."""
+        if not (isinstance(views_per_example, int) and views_per_example >= 1):
+            raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
+        validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0,
+                                self.clipping.configured_bound)
+        if engine != "auto":
+            make_engine(engine)  # fail fast on an unknown name
+        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self.noise = noise
+        self.engine_name = engine
+        self._auto = engine == "auto"
+        self.target_epsilon, self.target_delta, self.accountant = target_epsilon, target_delta, accountant
+        self.sampler_seed, self.secure_sampling = sampler_seed, secure_sampling
+        self.views_per_example = views_per_example
+        self.ledger = PrivacyLedger()
+        self.plan: Optional[SamplingPlan] = None
+        self.distribution = Distribution()
+        self.last_release: Optional[Release] = None
+        self.diagnostics: Optional[StepDiagnostics] = None
+        self.diagnostics_enabled = False
+        self.steps_taken = 0
+        self._engine: Optional[GradSampleEngine] = None
+        self._module: Optional[nn.Module] = None
+        self._privatizer: Optional[StepPrivatizer] = None
+        self._mechanism = "gaussian"
+        self._batches: Optional[RecordedBatches] = None
+        self._source: Optional[tuple[Any, Callable[[list[Any]], Any]]] = None
+        self._request: MechanismRequest = DEFAULT_REQUEST
+        self._pending: Optional[ClippedBatch] = None
+        self._groups: Optional[torch.Tensor] = None  # the units of the physical batch begun (user-level DP)
+        self._examples = -1
+        self._verified = False
+        self._ceiling: Optional[tuple[float, float, int, int]] = None  # (σ, q, ledger steps, rounds left in target)
+        self.release_guards: list[ReleaseGuard] = []
+        """Further ceilings, asked before every release with its own (σ, q) (:meth:`refusal`)."""
+        self.adopted: Optional[str] = None
+        """What the last :meth:`attach` adopted of the module's record, as a log line (``None``: nothing)."""
+        self.boundary = ReleaseBoundary(public_state)
+        """The release boundary (:mod:`~lightning_dp.privacy.boundary`): checked before every release."""
+        self.schedule = VerificationSchedule(verify, verify_budget)
+        """When the batch check runs (:mod:`~lightning_dp.validators.schedule`)."""
+        self._random_step = False  # the first probe saw the step draw random numbers: batches are not comparable
+        self._tolerance_low = False
+        self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
+        self._optimizer: Optional[Optimizer] = None
+        self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
+        self.examples_alone = False
+        """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
+        examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C now: the clipping policy's bound (the adaptive policy moves it after each release)."""
+        return self.clipping.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        """Set C of flat clipping (a Trainer's ``gradient_clip_val`` taken as C); a policy keeps its own bound."""
+        if not isinstance(self.clipping, FlatClipping):
+            raise PrivacyConfigurationError(
+                f"C comes from clipping={type(self.clipping).__name__}: it cannot be set to {value!r} from elsewhere "
+                "(a Trainer's gradient_clip_val); give the bound in the policy only.")
+        validate_privacy_params(1.0, float(value))
+        self.clipping = FlatClipping(float(value))
+
+    @property
+    def unit(self) -> str:
+        """What one ε protects: ``"example"`` or ``"user"``."""
+        return "example" if self.users is None else "user"
+
+    # ------------------------------------------------------------------ model
+    def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
+               distribution: Distribution = Distribution()) -> str:
+        """Validate ``module``, attach the engine, choose the release rule; returns the engine's name.
+
+        Raises :class:`PrivacyConfigurationError` naming every layer that cannot be trained privately."""
+        if module in ATTACHED:
+            raise PrivacyConfigurationError(
+                f"{type(module).__name__} is already attached to another private step (a DPStrategy fit, a "
+                "PrivateStep or a VirtualWorkersSignSGD that was not detached): two engines on one model capture "
+                "each other's calls. Call detach() on the first (DPStrategy does at teardown) or use a copy.")
+        problems = validate_module(module)
+        if problems:
+            raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        if self.engine_name == "auto":
+            try:
+                self.engine_name = select_engine(module, self.views_per_example)
+            except ValueError as err:  # said once: not chained to the same text
+                raise PrivacyConfigurationError(str(err)) from None
+        engine = self._engine_for(module, self.engine_name, distribution)
+        self._mechanism = getattr(optimizer, "mechanism", "gaussian")
+        if self._mechanism not in PRIVATIZERS:
+            raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
+        self._refuse_combinations(distribution)
+        self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
+        self.distribution = distribution
+        hooks, keys = gradient_hooks([p for p in module.parameters() if p.requires_grad]), attribute_keys(module)
+        if distribution.layout is not None:
+            self.boundary.parameters = distribution.layout.sharded_parameters
+        self.clipping.bind([name for name, p in module.named_parameters() if p.requires_grad])
+        engine.attach(module)
+        ATTACHED.add(module)
+        self._engine, self._module, self._optimizer = engine, module, optimizer
+        self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)
+        self.adopted = self.adopt(module)
+        return engine.name
+
+    def _refuse_combinations(self, where: Distribution) -> None:
+        """The clipping policy's and the privacy unit's refusals of this run's settings, before any release."""
+        settings = dict(sharded=where.layout is not None, mechanism=self._mechanism, bands=self.bands,
+                        second_moment=False, users=self.users is not None)
+        reason = self.clipping.refusal(**settings) or unit_refusal(self.users, **settings)
+        if reason:
+            raise PrivacyConfigurationError(reason + ".")
+
+    def adopt(self, module: nn.Module) -> Optional[str]:
+        """Continue ``module``'s record (:mod:`~lightning_dp.accounting.module_ledgers`): the ledger becomes every
+        release this process made on the module (or a part of it) and every one it held, and charges the
+        module's later releases. Returns a log line when it grew (``None``: it already held them all)."""
+        record = module_ledgers.record_of(module)
+        before = self.ledger.steps
+        note = None
+        if record is not None and record is not self.ledger:
+            combined = module_ledgers.combine(self.ledger, record)
+            if combined.added:
+                self.ledger.load_state_dict(combined.ledger.state_dict())
+                self.ledger.unit = getattr(record, "unit", "example")  # what the adopted releases protect
+                self._ceiling = None
+                note = _adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
+        module_ledgers.bind(module, self.ledger)
+        return note
+
+    def _engine_for(self, module: nn.Module, name: str, distribution: Distribution) -> GradSampleEngine:
+        """A fresh engine ``name`` set up for ``module`` (not attached); refuses a model it cannot serve."""
+        engine = make_engine(name)
+        if self.views_per_example > 1 and not engine.supports_views:
+            raise PrivacyConfigurationError(
+                f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
+                "multiplicity): use per_sample='auto', 'vmap' or 'opacus_hooks'.")
+        engine.views_per_example = self.views_per_example
+        if distribution.layout is not None and hasattr(engine, "stream_sums"):
+            engine.stream_sums = True  # the sharded privatizer reads one parameter's sum at a time
+        problems = [f"engine '{engine.name}' cannot serve layer {what}" for what in engine.unsupported_layers(module)]
+        if problems:
+            raise PrivacyConfigurationError(
+                "The model cannot be trained privately:\n- " + "\n- ".join(problems)
+                + "\nUse per_sample='auto' (it picks an engine that serves every layer), or change the layers named.")
+        return engine
+
+    def _switch_engine(self, name: str) -> None:
+        """Replace the attached engine by a fresh engine ``name`` (auto's next choice after a refused probe)."""
+        assert self._engine is not None and self._module is not None
+        engine = self._engine_for(self._module, name, self.distribution)
+        self.clipping.bind([n for n, p in self._module.named_parameters() if p.requires_grad])
+        self._engine.detach()
+        hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
+        engine.attach(self._module)
+        self._engine, self.engine_name = engine, name
+        self.boundary.attach(self._module, self._optimizer, hooks, keys, engine.owned_attributes)
+
+    def refresh_parameters(self) -> bool:
+        """Re-attach the engine when the trainable parameters changed since :meth:`attach` (their identities or
+        names: a pruning callback, a finetuning callback unfreezing layers); the probe must then pass again before
+        the next release (:attr:`verified` turns False). Returns whether they changed. The model is validated
+        again first: a change no engine serves is refused here."""
+        if self._module is None:
+            return False
+        self._parameters_checked = True  # for this step (until its release)
+        if not self.boundary.parameters_changed():
+            return False
+        problems = validate_module(self._module)
+        if problems:
+            raise PrivacyConfigurationError("The model's trainable parameters changed during training and it can no "
+                                            "longer be trained privately:\n- " + "\n- ".join(problems))
+        self._switch_engine(self.engine_name)
+        self._verified = False
+        return True
+
+    def detach(self) -> None:
+        """Remove the engine's hooks from the model."""
+        if self._engine is not None:
+            self._engine.detach()
+            self._engine = None
+            ATTACHED.discard(self._module)
+        self.boundary.detach()
+        if self._module is not None:
+            module_ledgers.unbind(self._module, self.ledger)
+
+    @property
+    def mechanism(self) -> str:
+        """The release rule in use (a key of :data:`PRIVATIZERS`)."""
+        return self._mechanism
+
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters of the attached model, in the engine's order."""
+        assert self._module is not None, "attach() first"
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ data
+    def poisson_loader(self, dataloader: DataLoader, start_step: int = 0) -> DataLoader:
+        """``dataloader`` rebuilt around Poisson sampling of its population (one shard per rank).
+
+        The loader's sampler defines the population (:func:`training_population` refuses the ones
+        Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
+        ``start_step`` continues a banded group cycle on resume. The records it draws are checked first
+        (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
+        where = self.distribution
+        population = training_population(dataloader, where.rank, where.world_size)
+        check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
+        self._check_ledger_unit()
+        seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
+        sampler: Any
+        if self.users is not None:
+            sampler = self._user_sampler(dataloader.dataset, population, seed)
+        else:
+            self.plan = self._plan(population)
+            sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate,
+                                                self.plan.steps_per_epoch, self.bands, where.rank, where.world_size,
+                                                seed, self.secure_sampling)
+        sampler.step = start_step
+        self._batches = RecordedBatches(sampler, population.indices)
+        dl = dataloader
+        kwargs: dict[str, Any] = dict(
+            num_workers=dl.num_workers, collate_fn=EmptySafeCollate(dl.dataset, dl.collate_fn),
+            pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
+        )
+        if dl.num_workers > 0:
+            kwargs["prefetch_factor"] = dl.prefetch_factor
+        self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
+        return DataLoader(dl.dataset, batch_sampler=self._batches, **kwargs)
+
+    def _user_sampler(self, dataset: Any, population: TrainingPopulation,
+                      seed: Optional[int]) -> UserPoissonBatchSampler:
+        """User-level DP: the plan over users (N = n_users, B = k) and the sampler of users
+        (:mod:`~lightning_dp.units`); the ledger then counts releases per user."""
+        assert self.users is not None
+        positions = population.indices if population.indices is not None else range(population.num_samples)
+        members = self.users.partition(dataset, positions)
+        k, n = self.users.users_per_batch, len(members)
+        if k > n:
+            raise PrivacyConfigurationError(f"Users(users_per_batch={k}) exceeds the {n} users of the training data: "
+                                            "lower users_per_batch.")
+        rate = k / n
+        self.plan = SamplingPlan(n, float(k), rate, min_sep_steps_per_epoch(rate, 1))
+        where = self.distribution
+        return UserPoissonBatchSampler(members, rate, self.plan.steps_per_epoch, where.rank, where.world_size, seed,
+                                       self.secure_sampling, self.users.max_examples_per_user)
+
+    def _check_ledger_unit(self) -> None:
+        """The ledger counts one unit: a module's record of releases per example is not continued per user (nor the
+        reverse: its ε would mix the two units)."""
+        held = getattr(self.ledger, "unit", "example")
+        if self.ledger.steps and held != self.unit:
+            raise PrivacyConfigurationError(
+                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
+                f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
+        self.ledger.unit = self.unit
+
+    def groups_of(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
+        """The units of a batch's records (user-level DP; ``None``: every example its own unit)."""
+        return None if self.users is None else self.users.groups_of(indices)
+
+    def _plan(self, population: TrainingPopulation) -> SamplingPlan:
+        n, world = population.num_samples, self.distribution.world_size
+        expected = population.batch_size * world
+        if expected > n:
+            raise PrivacyConfigurationError(
+                f"Expected global batch {expected} (= {world} processes × batch_size {population.batch_size}) "
+                f"exceeds the number of training examples {n}: lower batch_size.")
+        # Poisson sampling is the b = 1 case of b-min-separated participation (q_g = bB/N).
+        try:
+            rate = group_sample_rate(expected, n, self.bands)
+        except ValueError as err:
+            raise PrivacyConfigurationError(str(err)) from err
+        return SamplingPlan(n, float(expected), rate, min_sep_steps_per_epoch(rate, self.bands))
+
+    @property
+    def bands(self) -> int:
+        """b of the noise mechanism (1: independent noise, plain Poisson sampling)."""
+        return int(getattr(self.noise, "bands", 1))
+
+    def take(self) -> list[int]:
+        """The dataset indices of the batch being trained on now (the sampler's record)."""
+        if self._batches is None:
+            raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
+        return self._batches.take()
+
+    def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
+        """The examples ``indices`` read as the loader's fetcher reads them (the dataset's ``__getitems__``
+        when it has one, :func:`~lightning_dp.records.fetch.fetch`) and collated by the user's ``collate_fn``
+        (on the CPU).
+
+        ``fixed``: example i is read with torch's, NumPy's and Python's generators seeded by i (states restored
+        after), so a randomly augmented dataset gives example i the same views alone and in any batch: the probe
+        then compares like with like and verifies the views' layout too. A dataset with a ``__getitems__`` of its
+        own reads a batch in one call, as the loader does (a batch-level read is what the probe must see);
+        randomness it draws is then the step's own (the probe notices and says so)."""
+        assert self._source is not None, "poisson_loader() first"
+        dataset, collate = self._source
+        if not (fixed and reads_per_index(dataset)):
+            return collate(fetch(dataset, indices))
+        items = []
+        with seeded(0):  # the generators' states saved once, restored after the last example
+            for i in indices:
+                reseed(int(i))
+                items.append(dataset[i])
+        return collate(items)
+
+    # ------------------------------------------------------------------ calibration
+    def calibrate(self, planned_steps: int) -> Optional[float]:
+        """σ for ``target_epsilon`` at ``target_delta`` over ``planned_steps`` (if σ was not given);
+        returns the σ set now, or ``None`` when nothing was calibrated."""
+        assert self.plan is not None, "poisson_loader() first"
+        self._warn_large_delta()
+        if self.target_epsilon is None or self.noise_multiplier is not None:
+            return None
+        sigma = self._sigma_for(planned_steps)
+        validate_privacy_params(sigma, self.max_grad_norm)
+        self.noise_multiplier = float(sigma)
+        return self.noise_multiplier
+
+    def _warn_large_delta(self) -> None:
+        assert self.plan is not None
+        if self.target_delta is not None and self.target_delta >= 1.0 / self.plan.num_samples \
+                and self.distribution.rank == 0:
+            warnings.warn(f"target_delta={self.target_delta} is not below 1/N = {1.0 / self.plan.num_samples:.3g}: a "
+                          "mechanism that publishes one random example outright satisfies such a δ. Use δ ≪ 1/N "
+                          "(e.g. N^-1.1).", stacklevel=3)
+
+    def _sigma_for(self, planned_steps: int) -> float:
+        """σ_plan: the σ ``target_epsilon`` needs for ``planned_steps`` steps on a fresh ledger."""
+        from lightning_dp.accounting import calibrate_noise
+        from lightning_dp.accounting.banded import calibrate_banded_noise
+
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
+        q = self.plan.sample_rate
+        if self.bands == 1:
+            return calibrate_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.accountant)
+        return calibrate_banded_noise(self.target_epsilon, self.target_delta, q, planned_steps, self.bands,
+                                      self.accountant)
+
+    def fit_target(self, first_step: int, planned_steps: int) -> Optional[str]:
+        """Make steps ``first_step`` … ``planned_steps − 1`` fit ``target_epsilon`` after what the ledger has
+        spent; returns one log line saying what was done (``None``: nothing to say).
+
+        A fresh ledger calibrates σ for the plan. Otherwise (a resumed run, or a module whose earlier fits the
+        ledger continues) the run's σ is kept if the rest of the plan fits; if not, σ* is the smallest σ with
+        ε(ledger + remaining rounds at σ) ≤ target (spent steps counted exactly). σ* within 3× of the run's σ is
+        applied; beyond that, or when no σ fits, :class:`PrivacyConfigurationError` is raised before any
+        release unless ``on_budget_short="recalibrate"`` (:mod:`~lightning_dp.privacy.budget_shortfall`).
+        Either way :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
+        if self.target_epsilon is None:
+            return None
+        assert self.plan is not None and self.target_delta is not None
+        if self.noise_multiplier is None and (not self.ledger.steps or not self.ledger.is_private):
+            sigma = self.calibrate(planned_steps)
+            return (f"σ = {sigma:.4f} calibrated for ε = {self.target_epsilon} at δ = {self.target_delta} over "
+                    f"{planned_steps} steps with q = {self.plan.sample_rate:.5g} ({self.accountant} accountant)")
+        if not self.ledger.is_private:
+            return None  # the noiseless baseline: ε = ∞ already (warned), no guarantee to keep (see affordable)
+        rounds = sum(self.rounds_at(t) for t in range(first_step, planned_steps))
+        if self.noise_multiplier is not None and rounds <= self._rounds_left():
+            return None
+        return self._fit_spent(first_step, planned_steps, rounds)
+
+    def _fit_spent(self, first_step: int, planned_steps: int, rounds: int) -> str:
+        """σ* for the plan's remaining ``rounds`` after the ledger, applied or refused (:meth:`fit_target`)."""
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
+        from lightning_dp.accounting.calibration import smallest_sigma
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+        from lightning_dp.accounting.ledger import LedgerEntry
+
+        old, q, spent = self.noise_multiplier, self.plan.sample_rate, tuple(self.ledger.entries)
+        if old is None:
+            self._warn_large_delta()  # calibrate()'s warning, for a σ calibrated after a continued record
+        run_sigma = next(e.noise_multiplier for e in reversed(spent) if e.private)
+        reference = max(run_sigma, self._sigma_for(max(planned_steps, 1)))
+        if rounds == 0:  # nothing left to train in this plan: σ only for what the strategy reports
+            self.noise_multiplier = old if old is not None else reference
+            return f"the plan's steps are all taken ({self.ledger.steps} releases in the ledger)"
+        try:
+            sigma: Optional[float] = smallest_sigma(
+                lambda s: ledger_epsilon(spent + (LedgerEntry(s, q, rounds),), self.target_delta, self.accountant),
+                self.target_epsilon, start=old or reference)
+        except ValueError:
+            sigma = None
+        if too_noisy(sigma, reference, self.on_budget_short):
+            raise self._shortfall(first_step, planned_steps - first_step, run_sigma, sigma, reference).error()
+        assert sigma is not None
+        validate_privacy_params(sigma, self.max_grad_norm)
+        self.noise_multiplier, self._ceiling = float(sigma), None
+        done = (f"the plan's remaining {planned_steps - first_step} steps and the {self.ledger.steps} spent stay "
+                f"within ε = {self.target_epsilon} at δ = {self.target_delta} ({self.accountant} accountant)")
+        if sigma > SIGMA_RATIO_LIMIT * reference:
+            done += f"; {sigma / reference:.1f}× the run's σ, as on_budget_short='recalibrate' asks"
+        if old is None:
+            return f"σ = {sigma:.4f} calibrated so that {done}"
+        return f"σ recalibrated {old:.4f} → {sigma:.4f} so that {done}"
+
+    def _shortfall(self, first_step: int, remaining: int, run_sigma: float, needed: Optional[float],
+                   reference: float) -> Shortfall:
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+        from lightning_dp.accounting.horizon import steps_within_budget
+
+        assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
+        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
+        affordable = steps_within_budget(self.ledger, run_sigma, self.plan.sample_rate, self.target_epsilon,
+                                         self.target_delta, self.accountant, hint=max(2, self.plan.steps_per_epoch))
+        return Shortfall(spent, self.target_epsilon, self.target_delta, self.accountant, self.ledger.steps,
+                         first_step, remaining, run_sigma, affordable, needed, reference)
+
+    def _rounds_left(self) -> int:
+        """Sampled-Gaussian rounds at the current (σ, q) that keep the ledger within ``target_epsilon`` (cached for
+        this (σ, q) and this ledger length: a σ or q changed, or a ledger changed outside :meth:`release`, is
+        searched again)."""
+        assert self.plan is not None and self.noise_multiplier is not None and self.target_epsilon is not None
+        key = (self.noise_multiplier, self.plan.sample_rate, self.ledger.steps)
+        if self._ceiling is None or self._ceiling[:3] != key:
+            from lightning_dp.accounting.horizon import steps_within_budget
+
+            assert self.target_delta is not None
+            left = steps_within_budget(self.ledger, *key[:2], self.target_epsilon, self.target_delta, self.accountant,
+                                       hint=max(2, self.plan.steps_per_epoch))
+            self._ceiling = (*key, left)
+        return self._ceiling[3]
+
+    def affordable(self, step: Optional[int] = None) -> bool:
+        """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target, and in a
+        run already declared non-private: the noiseless research baseline's ledger is ε = ∞ from its first
+        release, with a warning, and has no guarantee to protect)."""
+        if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
+            return True
+        if not self.ledger.is_private:
+            return True
+        return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
+
+    def refusal(self, step: Optional[int] = None) -> Optional[str]:
+        """Why step ``step`` must not be released now (``None``: it may), decided with the (σ, q) in force now,
+        those of the release itself: ``target_epsilon`` (:meth:`affordable`), then every :attr:`release_guards`
+        (e.g. :class:`~lightning_dp.callbacks.PrivacyBudget`'s target) for a step that charges a round."""
+        index = self.steps_taken if step is None else step
+        if not self.affordable(index):
+            return (f"its release would spend more than target_epsilon = {self.target_epsilon} "
+                    f"({self._spent_text()})")
+        if self.noise_multiplier is None or self.plan is None or self.rounds_at(index) == 0:
+            return None
+        for guard in list(self.release_guards):
+            reason = guard(self.noise_multiplier, self.plan.sample_rate)
+            if reason:
+                return reason
+        return None
+
+    def _spent_text(self) -> str:
+        """ε spent so far, at ``target_delta`` by the run's accountant, for messages."""
+        from lightning_dp.accounting.epsilon import ledger_epsilon
+
+        assert self.target_delta is not None
+        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
+        return (f"ε = {spent:.4g} spent at δ = {self.target_delta:g} over {self.ledger.steps} release(s), "
+                f"{self.accountant} accountant")
+
+    # ------------------------------------------------------------------ the step
+    def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
+               to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function",
+               replay_hooks: Optional[Callable[[Any], None]] = None) -> None:
+        """The first step's probe on fixed, public examples (the first of this rank's shard):
+        example independence, no summed loss, every use of every parameter captured.
+
+        Args:
+            loss_of_batch: the user's forward and loss on a batch: the mean loss, a vector of
+                per-example losses (:func:`mean_loss`), or a dict holding either under ``"loss"``.
+            low_precision: looser tolerance for autocast runs.
+            to_device: moves a collated batch where the model is.
+            what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
+            replay_hooks: runs the hooks a training loop calls around a step (batch start and end) on a batch, so
+                that state they keep from it is refused before the first release (see :meth:`verify_on`).
+        """
+        assert self.plan is not None and self._batches is not None, "poisson_loader() first"
+        where = self.distribution
+        if isinstance(self._batches.inner, UserPoissonBatchSampler):  # two records of each of the first users
+            indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
+        else:
+            indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+        replay = None if replay_hooks is None else (
+            lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True))))  # noqa: E731
+        self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
+                       low_precision, what, replay)
+
+    def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
+                  low_precision: bool = False, what: str = "the loss function",
+                  replay_hooks: Optional[Callable[[list[int]], None]] = None) -> None:
+        """:meth:`verify` on examples the caller reads itself: ``loss_of_examples(idx)`` is the loss of the
+        examples ``idx`` (a list of ``indices``' entries) in one batch. For loops without :meth:`poisson_loader`
+        (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers).
+
+        After the probe, ``replay_hooks(indices)`` (if given) runs the loop's batch hooks on these examples: a change
+        of the fingerprinted state it makes (a memory bank filled in ``on_train_batch_end``) is refused now, before
+        the first release, rather than at the next release. Everything the probe and the replay wrote is restored
+        afterwards (:class:`~lightning_dp.privacy.boundary.StateSnapshot`): they leave no trace."""
+        assert self._engine is not None and self._module is not None, "attach() first"
+        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        self.boundary.check_hooks(named)
+
+        def loss_of(idx: list[int]) -> Tensor:
+            return loss_tensor(loss_of_examples(idx), len(idx), what)
+
+        tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low_precision)
+        params = [p for _, p in named]
+        layout = self.distribution.layout
+        leaves = None if layout is None else partial(layout.autograd_params, params)
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+
+        def probe() -> None:
+            assert self._module is not None and self._engine is not None
+            state = self.boundary.fingerprint(self._module)
+            checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
+                                               autograd_params=leaves, state=state, isolated=self.examples_alone,
+                                               clipping=self.clipping, grouped=self.users is not None)
+            checked.run(list(indices))
+            self._random_step, self._tolerance_low = checked.random, low_precision
+            self._compute_dtype = checked.compute_dtype
+
+        try:
+            with forked_rngs():
+                self._probe_engines(probe)
+                if replay_hooks is not None:
+                    self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
+                                       "found state kept by the batch hooks (the release boundary)")
+        finally:
+            snapshot.restore()  # the probe's passes leave no trace in the user's state (metrics, lists, counters)
+        self._verified = True
+        self.boundary.ensure_baseline()
+
+    # ------------------------------------------------------------------ the batch check
+    def batch_check_due(self) -> bool:
+        """Whether this step's batch is checked (:attr:`schedule`; call once per step, before :meth:`check_batch`).
+        Every rank decides alike (one all-reduce of the decision when distributed); never under FSDP2 sharding, whose
+        passes would need every rank in lockstep."""
+        due = self.schedule.due()
+        if self.distribution.layout is not None or self.examples_alone:
+            return False
+        if self.distribution.all_reduce is None:
+            return due
+        assert self._module is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        flag = torch.tensor([float(due and self.distribution.rank == 0)], device=device)
+        self.distribution.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def check_batch(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int], step: int,
+                    max_examples: int = 128, as_of: str = "", charge: bool = True) -> None:
+        """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's sampled examples,
+        before its release: ``loss_of_examples(idx)`` is the user's loss of the examples ``idx`` as one batch.
+        Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
+        whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
+        ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
+        counts against the schedule's budget (not for the first step's checks)."""
+        assert self._module is not None and self._engine is not None
+        start = time.perf_counter()
+        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        reference = params[0] if params else torch.zeros(())
+        dtype = reference.dtype
+        if self._compute_dtype is not None and torch.finfo(self._compute_dtype).eps > torch.finfo(dtype).eps:
+            dtype = self._compute_dtype
+        tol = batch_tolerance(dtype, reference.device, self._tolerance_low)
+        error: Optional[PrivacyConfigurationError] = None
+
+        def loss_of(idx: list[int]) -> Tensor:
+            return loss_tensor(loss_of_examples(idx), len(idx), "training_step")
+
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+        try:
+            with forked_rngs():
+                BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
+                                      rng=self.schedule.rng, max_examples=max_examples).check(
+                    indices, step, self._random_step, as_of)
+        except PrivacyConfigurationError as err:
+            error = err
+        finally:
+            snapshot.restore()
+            if charge:
+                self.schedule.checked(time.perf_counter() - start)
+        refused, _ = self._refused_anywhere(error is not None, False)
+        if error is not None:
+            raise error
+        if refused:
+            raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
+
+    def check_kept(self, where: str) -> None:
+        """The release boundary's comparison of the kept state with the last update's (:meth:`ReleaseBoundary.check_kept`),
+        on every rank alike (:meth:`on_every_rank`)."""
+        self.on_every_rank(lambda: self.boundary.check_kept(where), f"found state changed {where}")
+
+    def pause_boundary(self, where: str) -> None:
+        """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike."""
+        self.on_every_rank(lambda: self.boundary.pause(where), f"found state changed {where}")
+
+    def on_every_rank(self, check: Callable[[], None], what: str) -> None:
+        """Run ``check``; when distributed, every rank learns whether any rank's raised (one all-reduce) and raises too,
+        so that no rank waits in a collective its refusing peer never joins."""
+        error: Optional[PrivacyConfigurationError] = None
+        try:
+            check()
+        except PrivacyConfigurationError as err:
+            error = err
+        if self.distribution.all_reduce is not None:
+            refused, _ = self._refused_anywhere(error is not None, False)
+            if refused and error is None:
+                raise _another_rank_error(what)
+        if error is not None:
+            raise error
+
+    def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
+        """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""
+        assert self._module is not None and self._engine is not None
+        fingerprint = self.boundary.fingerprint(self._module)
+        before = fingerprint.take(self.boundary.callbacks(), full=True)
+        try:
+            replay_hooks(indices)
+        except PrivacyConfigurationError:
+            raise
+        except Exception:  # noqa: BLE001  (a hook that needs more of the loop than a replay gives: checked per step)
+            pass
+        finally:
+            self._engine.begin_step(None)
+        changed = fingerprint.changed(before, fingerprint.take(self.boundary.callbacks(), full=True))
+        if changed:
+            raise state_written_error(changed, "in the hooks the loop runs around a step (on_train_batch_start, "
+                                               "on_before_backward, on_train_batch_end), replayed on the first step's "
+                                               "examples before any release")
+
+    def _probe_engines(self, probe: Callable[[], None]) -> None:
+        """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it
+        refuses gives way to the next engine of :func:`~lightning_dp.grad_sample.auto.engines_after`, probed
+        again from the start; the first engine the probe passes trains, with a warning naming the refusal. A forward
+        that wrote the model's own state (:class:`~lightning_dp.validators.probe.StateWriteError`) is
+        refused at once: the model's doing, and already done. Every rank takes the same engine: each attempt ends
+        with one all-reduce of the counts of ranks that refused and that found a state write, and the next engine
+        is tried while any refused. None passing: the first engine's refusal, naming the others'."""
+        assert self._module is not None
+        refusals: list[tuple[str, PrivacyConfigurationError]] = []
+        tried: list[str] = []
+        later: Optional[list[str]] = None
+        while True:
+            error: Optional[PrivacyConfigurationError] = None
+            try:
+                probe()
+            except PrivacyConfigurationError as err:
+                error = err
+                refusals.append((self.engine_name, err))
+            refused, final = self._refused_anywhere(error is not None, isinstance(error, StateWriteError))
+            if not refused:
+                break
+            tried.append(self.engine_name)
+            if final:
+                raise error if isinstance(error, StateWriteError) else \
+                    _another_rank_error("(the first step's probe) wrote the model's own state in its forward")
+            if later is None:
+                later = (engines_after(self._module, self.engine_name, self.views_per_example)
+                         if self._auto and self.distribution.layout is None else [])
+            if not later:
+                raise _probe_refusal(refusals, self.engine_name)
+            self._switch_engine(later.pop(0))
+        if tried and self.distribution.rank == 0:  # every rank took the same engine: one warning
+            why = f" The refusal: {_headline(refusals[0][1])}." if refusals else ""
+            warnings.warn(
+                f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
+                f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
+
+    def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
+        """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
+        of the two counts, when distributed)."""
+        if self.distribution.all_reduce is None:
+            return refused, final
+        assert self._module is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        counts = torch.tensor([float(refused), float(final)], device=device)
+        self.distribution.all_reduce(counts)
+        return bool(counts[0].item() > 0), bool(counts[1].item() > 0)
+
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`verify` has passed in this process."""
+        return self._verified
+
+    def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None,
+              stand_in: bool = False) -> int:
+        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
+        every hooked layer is checked against it. Returns the count. User-level DP: ``indices`` are the batch's
+        records, whose users are clipped together (default: the batch taken); a count without them is refused
+        unless ``stand_in`` (a stand-in example whose gradient is discarded)."""
+        assert self._engine is not None, "attach() first"
+        if not self._parameters_checked and self.refresh_parameters():
+            raise PrivacyConfigurationError(
+                "The model's trainable parameters changed since verify() (their identities or names): the engine was "
+                "re-attached; call verify(...) again before the next release.")
+        if num_examples is None:
+            indices = self.take()
+        n = len(indices) if num_examples is None and indices is not None else num_examples
+        assert n is not None
+        if self.users is not None and indices is None and n > 0 and not stand_in:
+            raise RuntimeError("user-level DP: begin(n, indices) needs the batch's records, whose users are clipped "
+                               "together (begin() takes them from the sampler)")
+        self._groups = None if indices is None or n == 0 else self.groups_of(indices)
+        self._engine.begin_step(n)
+        self._examples = n
+        return n
+
+    def expect_request(self, optimizer: Optional[Optimizer]) -> MechanismRequest:
+        """Ask the optimizer what the coming release must include (before its forward pass). Under sharding
+        a scale (scale-then-privatize) is gathered to full size: the engine scales whole per-example gradients."""
+        request = optimizer.mechanism_request() if isinstance(optimizer, PrivateOptimizer) else DEFAULT_REQUEST
+        if self.distribution.layout is not None:
+            request = self.distribution.layout.full_request(request)
+        self._request = request
+        self._pending = None
+        return self._request
+
+    def discard(self) -> None:
+        """Drop what the engine captured since :meth:`begin` (a stand-in pass run only to join collectives)."""
+        assert self._engine is not None, "attach() first"
+        self._engine.begin_step(None)
+
+    def bank(self) -> None:
+        """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
+        part = self._clipped()
+        self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+
+    def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+        assert self._engine is not None
+        request = self._request
+        rule = as_rule(max_grad_norm) if max_grad_norm is not None else ClipRule(self.clipping, self._groups)
+        if request.second_moment and not rule.is_flat_per_example:
+            reason = self.clipping.refusal(sharded=False, mechanism="gaussian", bands=1, second_moment=True,
+                                           users=self.users is not None) \
+                or unit_refusal(self.users, sharded=False, mechanism="gaussian", bands=1, second_moment=True)
+            if reason:
+                raise PrivacyConfigurationError(reason + ". Nothing was released.")
+        return self._engine.clip_and_sum(self.params(), rule, request.scale, request.second_moment)
+
+    def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+        """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
+        before any noise: what :meth:`release` privatises, and what release rules run outside it take (the
+        caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
+        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines).
+        Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
+        if not self._verified:
+            raise RuntimeError("call verify() or verify_on() before taking clipped sums: the probe checks the "
+                               "assumptions the guarantee rests on")
+        batch = self._clipped(max_grad_norm)
+        if self._pending is not None:
+            batch, self._pending = merge_clipped(self._pending, batch), None
+        return batch
+
+    def release(self, step: Optional[int] = None, optimizer: Optional[Optimizer] = None,
+                empty: bool = False) -> Release:
+        """Privatise the clipped sums of this logical step into ``p.grad`` and charge the ledger.
+
+        Args:
+            step: 0-based index of the step (default: steps released so far in this process).
+            optimizer: receives the release when it is a
+                :class:`~lightning_dp.privacy.release.PrivateOptimizer`.
+            empty: this rank's batch was empty and a stand-in example was differentiated so that it
+                takes part in collectives: its gradient is discarded (zero sums).
+        """
+        if self._privatizer is None or self.plan is None:
+            raise RuntimeError("the mechanism is not set up: attach() and poisson_loader() first")
+        if not self._verified:
+            raise RuntimeError("call verify(loss_of_batch) before the first release: the probe checks the "
+                               "assumptions the guarantee rests on")
+        if self.noise_multiplier is None:
+            raise RuntimeError("σ is not known: give noise_multiplier or call calibrate() first")
+        index = self.steps_taken if step is None else step
+        refused = self.refusal(index)
+        if refused:
+            self._pending = None
+            raise PrivacyConfigurationError(
+                f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
+        assert self._module is not None
+        target = optimizer if optimizer is not None else self._optimizer
+        self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
+                           "refused its release (the release boundary)")
+        params = self.params()
+        batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
+        if empty:
+            batch = _zero_clipped_batch(batch)
+        request, expected = self._request, self.plan.expected_batch_size
+        if request.second_moment and self.bands > 1:
+            raise PrivacyConfigurationError("independent_moments draws noise twice per step; banded noise streams one "
+                                            "draw per step: use noise='gaussian' with this variant.")
+        if self.diagnostics_enabled:
+            self.diagnostics = self._diagnose(batch, params)
+        sigma = self.clipping.gradient_noise_multiplier(self.noise_multiplier, expected)
+        release = self._privatizer.privatize(batch, params, request, sigma, self.max_grad_norm, expected)
+        where = self.distribution
+        self.clipping.after_release(batch.norms, expected, self.noise_multiplier, where.all_reduce, where.rank,
+                                    where.world_size)
+        rounds, before = self.rounds_at(index), self.ledger.steps
+        self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=rounds, private=not request.clean_mean)
+        if self._ceiling is not None and self._ceiling[:3] == (self.noise_multiplier, self.plan.sample_rate, before):
+            self._ceiling = (*self._ceiling[:2], self.ledger.steps, self._ceiling[3] - rounds)
+        self.steps_taken = index + 1
+        self._parameters_checked = False
+        self.last_release = release
+        if isinstance(optimizer, PrivateOptimizer):
+            optimizer.observe_release(release)
+        return release
+
+    def rounds_at(self, step: int) -> int:
+        """Sampled-Gaussian rounds step ``step`` charges: the noise mechanism's (banded: one per cycle of
+        b steps); DP-SignSGD's workers always 1."""
+        return 1 if self._mechanism == "sign_vote" else self.noise.rounds_at(step)
+
+    def _diagnose(self, batch: ClippedBatch, params: list[nn.Parameter]) -> StepDiagnostics:
+        assert self.plan is not None
+        diagnostics = diagnose(batch, params, self.plan.expected_batch_size, self.max_grad_norm)  # before the noise
+        if self.distribution.all_reduce is not None:
+            flat_all_reduce(list(diagnostics.clean_mean.values()), self.distribution.all_reduce)
+            diagnostics = gathered(diagnostics)  # norms, clip fraction: every rank's examples
+        return diagnostics
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The privacy state a resumed run must continue from (never the noise RNG)."""
+        plan = self.plan
+        return {
+            "ledger": self.ledger.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "noise": self.noise.state_dict(),
+            "max_grad_norm": self.clipping.configured_bound,
+            "clipping": self.clipping.state_dict(),
+            "privacy_unit": self.unit,
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
+            "accountant": self.accountant,
+            "steps_taken": self.steps_taken,
+            "sample_rate": None if plan is None else plan.sample_rate,
+            "expected_batch_size": None if plan is None else plan.expected_batch_size,
+            "num_samples": None if plan is None else plan.num_samples,
+            "steps_per_epoch": None if plan is None else plan.steps_per_epoch,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> Optional[str]:
+        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`).
+
+        The ledger never goes backwards: the restored ledger is combined with the one held
+        (:func:`~lightning_dp.accounting.module_ledgers.combine`): a restored prefix of it keeps the longer
+        record (restoring weights does not take back releases), a different history is counted with it.
+        Returns a log line when the restored ledger did not simply extend the one held (``None``: it did)."""
+        restored = PrivacyLedger()
+        restored.load_state_dict(state["ledger"])
+        combined = module_ledgers.combine(restored, self.ledger)
+        self.ledger.load_state_dict(combined.ledger.state_dict())
+        note = None if not combined.added else _restore_note(restored.steps, self.ledger.steps, combined.diverged)
+        self._ceiling = None
+        if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
+            self.noise_multiplier = float(state["noise_multiplier"])
+        self.noise.load_state_dict(state.get("noise", {}))
+        if state.get("privacy_unit", "example") != self.unit:
+            raise PrivacyConfigurationError(
+                f"the checkpoint accounted its releases per {state.get('privacy_unit', 'example')}, this run per "
+                f"{self.unit}: resume with the checkpoint's privacy_unit.")
+        if "clipping" in state:
+            self.clipping.load_state_dict(state["clipping"])
+        self.steps_taken = int(state.get("steps_taken", self.steps_taken))
+        if state.get("sample_rate") is not None:
+            self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
+                                     float(state["sample_rate"]), int(state["steps_per_epoch"]))
+        return note
+
+    def changes_from(self, state: Mapping[str, Any], requested_sigma: Optional[float]) -> list[str]:
+        """The privacy arguments of this run that differ from a checkpoint's, one line each."""
+        def differs(new: Optional[float], old: Optional[float]) -> bool:
+            return new is not None and old is not None and not math.isclose(float(new), float(old), rel_tol=1e-9)
+
+        return [f"{label}: checkpoint {old}, this run {new}" for label, new, old in (
+            ("noise_multiplier (σ)", requested_sigma, state.get("noise_multiplier")),
+            ("max_grad_norm (C)", self.clipping.configured_bound, state.get("max_grad_norm")),
+            ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
+            ("target_delta", self.target_delta, state.get("target_delta")),
+        ) if differs(new, old)]
+
+
+def _adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`PrivateStep.adopt`."""
+    if diverged:
+        return (f"the ledger ({held} releases) and this module's record in this process ({record} releases) are "
+                f"different histories: both are counted, their common part once ({total} releases in all)")
+    if held:
+        return (f"the ledger ({held} releases, e.g. a restored checkpoint) is a prefix of this module's record in "
+                f"this process: the longer record is kept ({total} releases; restoring weights does not take back "
+                "releases already made)")
+    return (f"this module already made {record} private release(s) in this process (an earlier fit or private "
+            "step): the ledger continues from them, so ε, target_epsilon and PrivacyBudget count them too")
+
+
+def _restore_note(restored: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`PrivateStep.load_state_dict` when the ledger held more than the checkpoint."""
+    if diverged:
+        return (f"the checkpoint's ledger ({restored} releases) and the one held are different histories: both are "
+                f"counted, their common part once ({total} releases in all)")
+    return (f"the checkpoint's ledger ({restored} releases) is a prefix of the one held ({total}): the longer is "
+            "kept (restoring weights does not take back releases already made)")
+
+
+def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
+    zeros = {p: torch.zeros_like(s) for p, s in batch.sums.items()}
+    squares = None if batch.square_sums is None else {p: torch.zeros_like(s) for p, s in batch.square_sums.items()}
+    return ClippedBatch(zeros, squares, batch.norms[:0], 0)
+
+
+def mean_loss(out: Any, n: int) -> Any:
+    """``out`` (a loss, or a dict with ``"loss"``) with a vector of n per-example losses replaced by its
+    mean: the per-example loss convention (each example's loss is its own, the batch loss their mean)."""
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if isinstance(loss, Tensor) and loss.dim() == 1:
+        if loss.shape[0] != n:
+            raise PrivacyConfigurationError(
+                f"the step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
+                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
+        loss = loss.mean()
+        return {**out, "loss": loss} if isinstance(out, dict) else loss
+    return out
+
+
+def loss_tensor(out: Any, n: int, what: str = "training_step") -> Tensor:
+    """The loss tensor of ``out`` (:func:`mean_loss` of n examples; from a dict's ``"loss"``), or the refusal of a step
+    that returned none: which sampled batches were skipped would depend on private data."""
+    loss = mean_loss(out, n)
+    loss = loss.get("loss") if isinstance(loss, dict) else loss
+    if not isinstance(loss, Tensor):
+        raise PrivacyConfigurationError(
+            f"{what} returned {type(out).__name__} without a loss: the mechanism needs the mean loss (or the vector of "
+            "per-example losses) on every step; skipping a sampled batch would depend on private data (which batches "
+            "were skipped is released by the missing update). Return the loss on every step; to ignore some examples, "
+            "zero their per-example losses instead.")
+    return loss
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _headline(err: BaseException) -> str:
+    """The refusal's first clause (up to its first ':' or '('): a warning that training goes on carries no details
+    that could quote the data."""
+    line = _first_line(err)
+    cut = min((i for i in (line.find(":"), line.find("(")) if i > 0), default=len(line))
+    return line[:cut].strip()
+
+
+def _another_rank_error(what: str) -> PrivacyConfigurationError:
+    """The error of a rank whose own check passed while another rank's refused (every rank stops alike)."""
+    return PrivacyConfigurationError(
+        f"A check on another rank's examples {what} (this rank's check passed): see that rank's error. Nothing was "
+        "released.")
+
+
+def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
+    """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice: its cause and fix
+    first), then one short line naming the other engines tried, with their refusals' headlines only where they differ
+    from the first's (a summed loss is refused alike by every engine: said once). The first refusal itself is returned
+    with that line appended, so its traceback and cause (an engine's own failure) stay and nothing is printed twice. A
+    rank whose own probe passed while another rank's refused says so."""
+    if not refusals:
+        return _another_rank_error(f"(the first step's probe) refused engine '{engine}'")
+    first = refusals[0][1]
+    if len(refusals) == 1:
+        return first
+    same = [name for name, err in refusals[1:] if _headline(err) == _headline(first)]
+    other = [f"'{name}': {_headline(err)}" for name, err in refusals[1:] if _headline(err) != _headline(first)]
+    parts = ([f"{', '.join(map(repr, same))}: the same refusal"] if same else []) + other
+    first.args = (f"{first}\n(per_sample='auto' also tried {'; '.join(parts)}.)",)
+    return first

@@ -1,0 +1,56 @@
+"""A collate function that survives the empty batches of Poisson sampling."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from lightning_dp.records.fetch import fetch
+
+
+def _empty_like(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class EmptySafeCollate:
+    """Wraps a collate function; an empty index list gives a batch of size 0.
+
+    The empty batch has the structure, dtypes and trailing shapes of a real one
+    (record 0 read as the loader's fetcher reads it, :func:`~lightning_dp.records.fetch.fetch`:
+    through the dataset's ``__getitems__`` when it has one; collated and sliced to length 0),
+    so code that only looks at shapes keeps working. Picklable, for DataLoader workers.
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[Sequence[Any]], Any] | None = None) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, examples: Sequence[Any]) -> Any:
+        if hasattr(examples, "__len__") and len(examples) == 0:
+            return _empty_like(self.collate_fn(fetch(self.dataset, [0])))
+        return self.collate_fn(examples)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the first tensor found in ``batch`` (-1 if there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else -1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size_of(item)
+            if size >= 0:
+                return size
+    return -1

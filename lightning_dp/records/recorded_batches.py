@@ -1,0 +1,59 @@
+"""The sampler's own account of each step's examples: how many, and which.
+
+The mechanism must know how many examples a step holds to verify every layer's example
+dimension (:mod:`~lightning_dp.validators.example_dim`). Reading it from the batch
+(the first tensor's leading dimension) would assume what is being verified: a time-major
+collate gives ``[T, B]``. The batch sampler knows: :class:`RecordedBatches` keeps each batch's
+indices, in order, until the training step takes them. Batch samplers run in the main process
+even with loader workers, and batches arrive in the order their indices were drawn, so a queue
+matches prefetched batches to steps; a new epoch (a new iterator) discards what an interrupted
+epoch left (``limit_train_batches``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator, Optional, Sequence
+
+from torch.utils.data import Sampler
+
+
+class RecordedBatches(Sampler[list[int]]):
+    """Wraps a batch sampler of positions ``0..N-1``; yields dataset indices and records them.
+
+    Args:
+        inner: the batch sampler (e.g. Poisson) over positions in the population.
+        population: dataset index of each position (``None``: position = dataset index), e.g.
+            the indices of the user's ``SubsetRandomSampler``.
+    """
+
+    def __init__(self, inner: Sampler[list[int]], population: Optional[Sequence[int]] = None) -> None:
+        self.inner = inner
+        self.population = None if population is None else list(population)
+        self._queue: deque[list[int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._queue.clear()
+        for batch in self.inner:
+            indices = batch if self.population is None else [self.population[i] for i in batch]
+            self._queue.append(indices)
+            yield indices
+
+    def take(self) -> list[int]:
+        """The dataset indices of the oldest batch not yet taken (the batch being trained on now)."""
+        if not self._queue:
+            raise RuntimeError("DPStrategy: a training step ran on a batch its Poisson sampler did not draw.")
+        return self._queue.popleft()
+
+    def first_indices(self, k: int, num_samples: int, rank: int = 0, world_size: int = 1) -> list[int]:
+        """The first k dataset indices of shard ``rank`` of the ``num_samples`` positions (a fixed,
+        public choice, independent of who was sampled: the probe's examples)."""
+        chosen = list(range(rank, num_samples, world_size))[:k]
+        return chosen if self.population is None else [self.population[i] for i in chosen]
+
+    def positions(self, chosen: Sequence[int]) -> list[int]:
+        """The dataset indices of population positions ``chosen``."""
+        return list(chosen) if self.population is None else [self.population[i] for i in chosen]

@@ -1,0 +1,171 @@
+"""Interaction checks beyond the first step: the probe's comparison, on a step's own sampled batch.
+
+The first step's probe (:mod:`.probe`) compares k ≤ 6 fixed examples in a batch and alone. What it cannot see:
+behaviour that starts after the first step (in-batch negatives after a warm-up), an effect that needs a larger
+batch (hard-example mining keeping the top 8 of 64 losses), first records that are not representative
+(class-sorted data with a class-weighted loss), and a coupling below its tolerance (a small batch-covariance
+penalty). The batch check runs on the Poisson batch of the step being taken (its first step and later steps
+chosen by :mod:`.schedule`), before that step's release, with clipping off (C = ∞), dropout off and one seed for
+every pass, on m of the batch's examples (all of them up to ``max_examples``):
+
+    g_i^all            the engine's per-example gradients of the m examples as one batch
+    g_i^H, g_i^R       the same for a random half H and the rest R, each as one batch
+    g_j^alone          two random examples, each as a batch of one
+
+and requires, with τ = :func:`batch_tolerance` (from the compute dtype) and s = max_i ‖g_i^all‖ (the norms' scale),
+
+    | ‖g_i^all‖ − ‖g_i^part‖ | ≤ τ · s                 for every example i of every part (H, R, alone)
+    ‖S_H + S_R − S_all‖_p     ≤ τ · Σ_i ‖g_i^all‖       for every parameter p (S: the unclipped sums)
+
+Halving the batch changes, for every example, which others share its batch: an example's gradient that depends on
+the others moves for some example (top-k: the halves keep other examples; a batch statistic: both halves differ from
+the whole; in-batch negatives: each example loses half its negatives), while rounding moves it by a few ulps. It
+costs about two passes over the batch.
+
+A step that draws random numbers of its own (augmentation or MixUp inside ``training_step``, seen by the first
+probe) cannot be compared across batch sizes: its draws depend on the batch's shape. For it the batch runs twice with
+one seed and one size, the second time with a random half of its examples replaced by copies of the others; every
+example that kept its own data must keep its gradient (:meth:`BatchInteractionCheck._replacement`). Torch's, NumPy's
+and Python's generators are seeded alike for every pass and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.engine import ClippedBatch
+from lightning_dp.validators.probe import ExampleIndependenceProbe, NoDropout, _drops_paths
+from lightning_dp.validators.tolerance import batch_tolerance
+
+__all__ = ["BatchInteractionCheck", "batch_interaction_error", "batch_tolerance"]
+
+class BatchInteractionCheck(ExampleIndependenceProbe):
+    """The check of the module docstring for one model, engine and parameter list (as :class:`ExampleIndependenceProbe`,
+    whose passes it shares; ``rtol`` is τ).
+
+    Args (besides the probe's):
+        rng: the random choice of the examples compared (OS-seeded by the caller; never the data's).
+        max_examples: m, the most examples of the batch taken as "all".
+    """
+
+    def __init__(self, *args, rng: Optional[random.Random] = None, max_examples: int = 128, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = rng or random.Random()
+        self.max_examples = max_examples
+
+    def check(self, indices: Sequence[int], step: int, random_step: bool = False, as_of: str = "") -> None:
+        """Check the batch ``indices`` of step ``step``; raises :class:`PrivacyConfigurationError` (nothing changes).
+        ``random_step``: the step draws random numbers of its own (augmentation in ``training_step``, MixUp): the
+        replacement test runs instead (:meth:`_replacement`). ``as_of``: when the model was made to believe it runs
+        (the first step checks the plan's later steps too), for the refusal's message."""
+        self._as_of = as_of
+        chosen = list(indices)
+        if len(chosen) > self.max_examples:
+            chosen = self.rng.sample(chosen, self.max_examples)
+        if len(chosen) < 2:
+            return  # one example cannot interact with another
+        saved = [p.grad for p in self.params]
+        modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
+        for m, _ in modes:
+            m.training = False
+        try:
+            with torch.random.fork_rng(devices=[]), NoDropout():
+                if random_step:
+                    self._replacement(chosen, step)
+                else:
+                    self._halves(chosen, step)
+        finally:
+            self.engine.begin_step(None)
+            for m, mode in modes:
+                m.training = mode
+            for p, g in zip(self.params, saved):
+                p.grad = g
+
+    def _halves(self, chosen: list[int], step: int) -> None:
+        """The comparison of the module docstring: the batch, its two halves, two examples alone."""
+        order = list(range(len(chosen)))
+        self.rng.shuffle(order)
+        half, rest = sorted(order[: len(order) // 2]), sorted(order[len(order) // 2:])
+        lone = self.rng.sample(range(len(chosen)), min(2, len(chosen)))
+        whole = self._engine_pass(chosen)
+        parts = [self._engine_pass([chosen[i] for i in part]) for part in (half, rest)]
+        alone = [self._engine_pass([chosen[i]]) for i in lone]
+        self._verdict(whole, [(half, parts[0]), (rest, parts[1]), *(([i], a) for i, a in zip(lone, alone))], step)
+
+    def _replacement(self, chosen: list[int], step: int) -> None:
+        """For a step that draws random numbers: the batch twice with one seed and one size (so every draw is the
+        same), the second time with a random half R of its examples replaced by copies of the others. An example
+        outside R keeps its own data and its own draws: its gradient may change only if it depends on other examples
+        (MixUp pairs example i with example π(i): for about half of them π(i) is in R)."""
+        order = list(range(len(chosen)))
+        self.rng.shuffle(order)
+        replaced = set(order[: len(order) // 2])
+        kept = [i for i in range(len(chosen)) if i not in replaced]
+        donors = [chosen[self.rng.choice(kept)] for _ in replaced]
+        swapped = list(chosen)
+        for position, donor in zip(sorted(replaced), donors):
+            swapped[position] = donor
+        whole = self._engine_pass(chosen)
+        other = self._engine_pass(swapped)
+        norms = whole.norms.double()
+        scale = float(norms.max()) if norms.numel() else 0.0
+        gap = (norms[kept] - other.norms.double()[kept]).abs()
+        differing = int((gap > self.rtol * scale + 1e-12).sum())
+        if differing:
+            raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name, self._as_of)
+
+    def _verdict(self, whole: ClippedBatch, parts: list[tuple[list[int], ClippedBatch]], step: int) -> None:
+        norms = whole.norms.double()
+        if not bool(torch.isfinite(norms).all()):
+            return  # not finite: the first probe names it; nothing to compare here
+        scale = float(norms.max()) if norms.numel() else 0.0
+        differing = 0
+        for positions, part in parts:
+            gap = (norms[positions] - part.norms.double()).abs()
+            differing += int((gap > self.rtol * scale + 1e-12).sum())
+        if differing and _reordered(norms, [part.norms.double() for _, part in parts], self.rtol * scale + 1e-12):
+            differing = 0  # the rows are the examples in another order (a batch sorted before packing): served
+        half, rest = parts[0][1], parts[1][1]
+        total = float(norms.sum())  # the sums' rounding is bounded by their terms' sizes
+        summed = [name for p, name in zip(self.params, self.names)
+                  if float((half.sums[p].double() + rest.sums[p].double() - whole.sums[p].double()).norm())
+                  > self.rtol * total + 1e-12]
+        if differing or summed:
+            raise batch_interaction_error(step, len(norms), differing, summed, self.engine.name, self._as_of)
+
+
+def _reordered(whole: Tensor, parts: list[Tensor], tolerance: float) -> bool:
+    """Whether the batch's per-row norms are its examples' norms in another order: the two halves' together are the
+    whole batch's up to order (sorted, each within ``tolerance``), and each example alone has a norm the batch has.
+    A step that sorts its batch (by length before ``pack_padded_sequence(enforce_sorted=True)``) and undoes the order
+    on its outputs has one example per row in every pass, in an order that depends on the batch."""
+    halves = torch.cat(parts[:2])
+    if halves.shape != whole.shape:
+        return False
+    if float((whole.sort().values - halves.sort().values).abs().max()) > tolerance:
+        return False
+    return all(float((whole - lone).abs().min()) <= tolerance for part in parts[2:] for lone in part)
+
+
+def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[str],
+                            engine: str, as_of: str = "") -> PrivacyConfigurationError:
+    """The refusal of an interaction the batch check found (counts only: no gradient values of the data)."""
+    where = f" and the sums of {', '.join(summed[:4])}{' …' if len(summed) > 4 else ''} changed" if summed else ""
+    when = f" ({as_of})" if as_of else ""
+    return PrivacyConfigurationError(
+        f"Examples interact at step {step}{when}: checked on {m} examples of the step's own sampled batch (as one batch, "
+        f"as two halves and two of them alone), {differing} example gradient(s) changed with the batch's composition"
+        f"{where}. Per-example clipping then does not bound one example's influence by C. Nothing was released for "
+        "this step. Typical causes the first step cannot show: an operation across the batch that starts after a "
+        "warm-up (in-batch negatives, a contrastive loss over the batch), a selection by rank within the batch "
+        "(hard-example mining with top-k), a loss weighted by the batch's own statistics (class weights from its "
+        "labels), a penalty on batch statistics (a covariance or mean of the batch's features), or augmentation that "
+        "mixes examples (MixUp/CutMix inside training_step). Make every example's loss its own (per-example "
+        f"weights fixed in advance, negatives from public data); if the examples are independent, engine '{engine}' "
+        "gets a per-example gradient wrong: try another (per_sample='ghost', 'vmap' or 'opacus_hooks') and please "
+        "report it.")

@@ -1,0 +1,420 @@
+"""The release boundary's view of kept state: a cheap fingerprint of everything a step could write.
+
+What leaves a private step is the noised mean ĝ_t (and the ledger). Anything else computed from the
+batch and *kept* — a buffer, a Python attribute, a callback's state — is saved in checkpoints and fed to
+later steps without noise, so the guarantee would not cover it. The mechanism therefore fingerprints the
+state it can see and refuses a change that the optimizer's step on the released gradient does not explain
+(:class:`~lightning_dp.privacy.boundary.ReleaseBoundary` says when). What is fingerprinted:
+
+* every parameter of the module (identity, storage and version counter: the optimizer's in-place update
+  shows; a full pass also compares contents);
+* every buffer, of every dtype (integer and bool counters included): a content checksum, recomputed only
+  when the tensor's storage or version counter moved (a full pass recomputes all);
+* the attributes of every module whose class is not torch's own — tensors, NumPy arrays, numbers,
+  strings, containers of them, and plain Python objects (a ``RunningMeanStd`` helper) to a bounded depth;
+  a torchmetrics ``Metric`` contributes only its persistent states (non-persistent ones feed ``self.log``,
+  whose values are reported, not released: see the README's caveats);
+* the same attributes of every callback that is handed the batch (it overrides ``on_train_batch_start``,
+  ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
+  what its ``state_dict()`` returns (what a checkpoint keeps of it).
+
+What it cannot see: module-level globals, files, closures, objects of library classes mutated in place
+(their identity is compared, not their contents), containers beyond :data:`MAX_ITEMS` items (their length
+and a sample are compared), and writes through ``tensor.data`` between full passes (the version counter
+of ``.data`` is not the tensor's). Entries matching a declared public name (``public_state``) are skipped.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import types
+import weakref
+from collections import deque
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+Fingerprint = dict[str, Hashable]
+"""Entry name (``"buffer stats.count"``, ``"attribute queue"``, ``"callback Memory.bank"``) → token."""
+
+MAX_ITEMS = 16384
+"""Container items tokenised one by one; a longer container is compared by its length and a strided sample."""
+
+MAX_DEPTH = 4
+"""Nesting depth followed into containers and plain objects."""
+
+_LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
+                     "transformers", "peft", "timm", "numpy", "tensorboard", "logging", "threading", "builtins",
+                     "opacus", "jsonargparse", "omegaconf", "hydra", "typing", "collections", "functools")
+"""Classes from these packages are library objects: compared by identity, never walked into."""
+
+_TRUSTED_CALLBACK_PREFIXES = ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks", "lightning_dp.")
+"""Callbacks defined here keep no state computed from the training batch (ModelCheckpoint, EMA, progress bars,
+lightning_dp's own)."""
+
+DATA_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward")
+"""The callback hooks that are handed the private batch, its outputs or its loss. The others see only what is public
+or guarded: ``on_after_backward`` and ``on_before_optimizer_step`` run after the release (``p.grad`` = ĝ_t), epoch
+hooks see the module (whose state is fingerprinted) and the logged metrics (reported, not released: README caveats),
+validation hooks see held-out data."""
+
+
+def _module_keys() -> frozenset[str]:
+    import pytorch_lightning as pl
+
+    keys = set(vars(nn.Module())) | set(vars(pl.LightningModule()))
+    return frozenset(keys)
+
+
+_FRAMEWORK_KEYS: Optional[frozenset[str]] = None
+
+
+def framework_keys() -> frozenset[str]:
+    """Attribute names that torch's ``nn.Module`` and Lightning's ``LightningModule`` keep themselves."""
+    global _FRAMEWORK_KEYS
+    if _FRAMEWORK_KEYS is None:
+        _FRAMEWORK_KEYS = _module_keys() | {"_hparams_name", "_log_hyperparams", "_ldp_probe"}
+    return _FRAMEWORK_KEYS
+
+
+def attribute_keys(module: nn.Module) -> set[str]:
+    """Every attribute name held by ``module`` or a submodule (before and after an engine attaches: the difference
+    is the engine's own, never fingerprinted nor restored)."""
+    return {key for m in module.modules() for key in vars(m)}
+
+
+def is_public(path: str, patterns: Sequence[str]) -> bool:
+    """Whether ``path`` (``queue``, ``encoder.stats.mean``, ``MyCallback.bank``) is covered by a declared public
+    name: an exact match, a prefix followed by ``.`` or ``[``, or a shell-style wildcard (``metrics.*``)."""
+    for pattern in patterns:
+        if path == pattern or path.startswith(pattern + ".") or path.startswith(pattern + "["):
+            return True
+        if any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(path, pattern):
+            return True
+    return False
+
+
+def _is_library(obj: Any) -> bool:
+    module = type(obj).__module__ or ""
+    return module.split(".")[0] in _LIBRARY_PREFIXES
+
+
+DATAMODULE_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
+"""A LightningDataModule's hooks that are handed the training batch."""
+
+
+def trusted_callback(callback: Any) -> bool:
+    """A callback (or the trainer's LightningDataModule) whose state cannot hold private data: one of Lightning's or
+    lightning_dp's own, or one that overrides none of the hooks handed the batch (:data:`DATA_HOOKS`; for a datamodule
+    :data:`DATAMODULE_HOOKS`)."""
+    cls = type(callback)
+    if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
+        return True
+    datamodule = next((b for b in cls.__mro__ if b.__name__ == "LightningDataModule"), None)
+    if datamodule is not None:
+        return all(getattr(cls, hook, None) is getattr(datamodule, hook, None) for hook in DATAMODULE_HOOKS)
+    bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
+    base = bases[0] if bases else object
+    return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
+
+
+class _Checksums:
+    """Content checksums of tensors, cached by (identity, storage, version counter): unchanged tensors cost a
+    dictionary lookup; changed ones one float64 reduction each, gathered with one host copy per device."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
+
+    @staticmethod
+    def key(t: Tensor) -> tuple[Any, ...]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return (id(t), local.data_ptr() if local.numel() else 0, t._version, tuple(t.shape), t.dtype)
+
+    def tokens(self, tensors: Sequence[Tensor], full: bool) -> list[Hashable]:
+        keys = [self.key(t) for t in tensors]
+        todo = [i for i, (t, k) in enumerate(zip(tensors, keys)) if full or not self._fresh(t, k)]
+        for i, value in zip(todo, _content_sums([tensors[i] for i in todo])):
+            self._cache[id(tensors[i])] = (weakref.ref(tensors[i]), keys[i], value)
+        return [(k[3], str(k[4]), self._cache[id(t)][2]) for t, k in zip(tensors, keys)]
+
+    def _fresh(self, t: Tensor, key: tuple[Any, ...]) -> bool:
+        """A cached checksum of this very tensor (not a new one at a reused address) at this version."""
+        cached = self._cache.get(id(t))
+        return cached is not None and cached[0]() is t and cached[1] == key
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+
+def _content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
+    """(Σx, Σx², Σ w_j x_j) in float64 per tensor, w_j = 1 + (j mod 251): a write of any value shows, and a
+    permutation of values mostly does too."""
+    out: list[Optional[bytes]] = [None] * len(tensors)
+    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            x = local.detach()
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            x = x.reshape(-1).to(torch.float64)
+            if x.numel() == 0:
+                stats = torch.zeros(3, dtype=torch.float64, device=x.device)
+            else:
+                weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(251).add_(1)
+                stats = torch.stack([x.sum(), x.square().sum(), (x * weights).sum()])
+            by_device.setdefault(stats.device, []).append((i, stats))
+        for items in by_device.values():
+            host = torch.stack([s for _, s in items]).cpu().numpy()
+            for (i, _), row in zip(items, host):
+                out[i] = row.tobytes()
+    return [b for b in out if b is not None]
+
+
+class StateFingerprint:
+    """Takes fingerprints of one module's state and of some callbacks' (see the module docstring).
+
+    Args:
+        module: the model.
+        public: declared public names (:func:`is_public`); their entries are never fingerprinted.
+        skip_keys: attribute names the mechanism itself keeps on modules (its engine's).
+        parameters: where the parameters are read (default: ``module.named_parameters``).
+    """
+
+    def __init__(self, module: nn.Module, public: Sequence[str] = (), skip_keys: Iterable[str] = (),
+                 parameters: Optional[Callable[[], Iterable[tuple[str, Tensor]]]] = None) -> None:
+        self.module = module
+        self.public = tuple(public)
+        self.skip_keys = frozenset(skip_keys) | framework_keys()
+        self.parameters = parameters
+        """(name, tensor) of the parameters the module keeps between steps, when not its registered ones (under
+        FSDP2 the sharded ones: :meth:`~lightning_dp.sharding.fsdp_layout.FSDPLayout.sharded_parameters`)."""
+        self._sums = _Checksums()
+        self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
+        self._counts: list[int] = []
+        self._registered: set[int] = set()
+        self._param_slots: list[tuple[str, dict, str]] = []
+        self._all_param_slots: list[tuple[str, dict, str]] = []
+        self._buffer_slots: list[tuple[str, dict, str]] = []
+        self._public_memo: dict[str, bool] = {}
+
+    def refresh(self) -> None:
+        """Walk the module tree again at the next fingerprint (a re-attached engine, a changed parameter set)."""
+        self._layout = None
+
+    def _structure(self) -> list[tuple[str, nn.Module, Optional[list[str]]]]:
+        """(name prefix, module, attribute mode) of every module, walked once (again when a module gains or loses a
+        parameter or buffer): the mode is ``None`` for torch's own layers (configuration only), the persistent state
+        names of a torchmetrics ``Metric``, else ``[]`` (all). Also the parameter and buffer slots, public ones left
+        out, as (entry name, the module's dict, key): a tensor replaced in its slot is read anew."""
+        if self._layout is not None and self._counts == [len(m._parameters) + len(m._buffers)
+                                                         for _, m, _ in self._layout]:
+            return self._layout
+        self._layout = [(f"{name}." if name else "", m, _attribute_mode(m)) for name, m in self.module.named_modules()]
+        self._counts = [len(m._parameters) + len(m._buffers) for _, m, _ in self._layout]
+        self._registered = {id(m) for _, m, _ in self._layout}
+        self._all_param_slots = [(prefix + key, m._parameters, key) for prefix, m, _ in self._layout
+                                 for key in m._parameters]
+        self._param_slots = [(f"parameter {name}", slots, key) for name, slots, key in self._all_param_slots
+                             if not self._is_public(name)]
+        self._buffer_slots = [(f"buffer {prefix}{key}", m._buffers, key) for prefix, m, _ in self._layout
+                              for key in m._buffers if not self._is_public(prefix + key)]
+        return self._layout
+
+    def trainable(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter) of every trainable parameter, each once (as ``named_parameters``, without walking the
+        module tree again: from the slots of :meth:`_structure`)."""
+        if self.parameters is not None:
+            return [(name, p) for name, p in self.parameters() if p.requires_grad]
+        self._structure()
+        out, seen = [], set()
+        for name, slots, key in self._all_param_slots:
+            p = slots.get(key)
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    def _is_public(self, path: str) -> bool:
+        known = self._public_memo.get(path)
+        if known is None:
+            known = self._public_memo[path] = is_public(path, self.public)
+        return known
+
+    # ------------------------------------------------------------------ taking
+    def take(self, callbacks: Sequence[Any] = (), full: bool = False) -> Fingerprint:
+        """The fingerprint now. ``full``: recompute every content checksum (parameters included)."""
+        entries: Fingerprint = {}
+        tensors: list[tuple[str, Tensor]] = []
+        layout = self._structure()
+        if self.parameters is not None:
+            params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
+        else:
+            params = [(name, slots[key]) for name, slots, key in self._param_slots if slots.get(key) is not None]
+        if full:
+            tensors.extend(params)
+        else:
+            for name, p in params:
+                entries[name] = (p.data_ptr(), p._version, p.shape) if type(p) is nn.Parameter else self._sums.key(p)[1:]
+        buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
+        tensors.extend(buffers)
+        seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
+        walker = _Walker(seen, self._registered, self._sums, full)
+        for prefix, m, mode in layout:
+            if mode is None:
+                continue
+            for key, value in self._attributes(m, mode):
+                path = prefix + key
+                if not self._is_public(path):
+                    entries[f"attribute {path}"] = walker.token(value)
+        for cb in callbacks:
+            if trusted_callback(cb):
+                continue
+            label = type(cb).__name__
+            kind = "datamodule" if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__) else "callback"
+            for key, value in _callback_state(cb):
+                path = f"{label}.{key}"
+                if not self._is_public(path) and not self._is_public(label):
+                    entries[f"{kind} {path}"] = walker.token(value)
+        names = [n for n, _ in tensors]
+        entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
+        return entries
+
+    def _attributes(self, m: nn.Module, mode: list[str]) -> Iterator[tuple[str, Any]]:
+        if mode and mode is not _DATA_ONLY:
+            yield from ((k, getattr(m, k)) for k in mode)
+            return
+        for key, value in vars(m).items():
+            if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, (nn.Module, _FUNCTIONS)):
+                continue
+            if mode is _DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
+                continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
+            yield key, value
+
+    # ------------------------------------------------------------------ comparing
+    @staticmethod
+    def changed(before: Fingerprint, after: Fingerprint) -> list[str]:
+        """Entries that differ, appeared or disappeared, in a stable order."""
+        names = list(after) + [n for n in before if n not in after]
+        return [n for n in names if before.get(n, _MISSING) != after.get(n, _MISSING)]
+
+    def forget(self) -> None:
+        """Drop cached checksums (a later fingerprint recomputes them)."""
+        self._sums.forget()
+
+
+_MISSING = object()
+_CONFIGURATION = (bool, int, float, str, tuple, torch.dtype, torch.device, torch.Size)
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+_DATA_ONLY = ["<data>"]
+"""The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
+
+
+def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
+    """How :class:`StateFingerprint` reads ``m``'s attributes: for torch's own layers only the values that can hold
+    data (their configuration — sizes, flags, names — is not state, but a tensor a user caches on an ``nn.Linear`` is:
+    :data:`_DATA_ONLY`), for a torchmetrics ``Metric`` the names of its persistent states (``None``: it has none),
+    else ``[]``: every attribute."""
+    if type(m).__module__.startswith("torch."):
+        return _DATA_ONLY
+    states = _metric_states(m)
+    if states is not None:
+        return states if states else None
+    return []
+
+
+def _metric_states(m: nn.Module) -> Optional[list[str]]:
+    """A torchmetrics ``Metric``'s persistent states (what its state dict keeps), or ``None`` for other modules."""
+    defaults = getattr(m, "_defaults", None)
+    persistent = getattr(m, "_persistent", None)
+    if not isinstance(defaults, dict) or not isinstance(persistent, dict) or not hasattr(m, "_update_count"):
+        return None
+    return [name for name in defaults if persistent.get(name)]
+
+
+def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
+    for key, value in vars(cb).items():
+        if not isinstance(value, _FUNCTIONS):
+            yield key, value
+    try:
+        state = cb.state_dict()
+    except Exception:  # noqa: BLE001  (a user's state_dict that fails here fails in checkpoints too)
+        state = None
+    if state:
+        yield "state_dict()", state
+
+
+class _Walker:
+    """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
+
+    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool) -> None:
+        self._known = params_and_buffers
+        self._registered = registered
+        self._sums = sums
+        self._full = full
+        self._objects: set[int] = set()
+
+    def token(self, value: Any, depth: int = 0) -> Hashable:
+        if value is None or isinstance(value, (bool, int, str, bytes)):
+            return (type(value).__name__, value)
+        if isinstance(value, float):
+            return ("float", repr(value))
+        if isinstance(value, Tensor):
+            if id(value) in self._known:
+                return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
+            return ("tensor", self._sums.tokens([value], self._full)[0])
+        np_token = _numpy_token(value)
+        if np_token is not None:
+            return np_token
+        if isinstance(value, nn.Module) and id(value) not in self._registered and depth < MAX_DEPTH:
+            # a module held outside the model's registry (in a Python list, a dict, a helper object): its tensors are
+            # nobody else's to fingerprint
+            tensors = [*value.parameters(), *value.buffers()]
+            return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
+        if isinstance(value, (nn.Module, _FUNCTIONS)):
+            return (type(value).__name__, id(value))
+        if depth >= MAX_DEPTH:
+            return ("deep", type(value).__name__, id(value))
+        if isinstance(value, (list, tuple, deque)):
+            return (type(value).__name__, len(value), tuple(self.token(v, depth + 1) for v in _sample(value)))
+        if isinstance(value, dict):
+            return (type(value).__name__, len(value),
+                    tuple((repr(k), self.token(v, depth + 1)) for k, v in _sample(list(value.items()))))
+        if isinstance(value, (set, frozenset)):
+            return (type(value).__name__, len(value), frozenset(self.token(v, depth + 1) for v in value))
+        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, (type, Dataset)):
+            return ("object", type(value).__name__, id(value))  # a dataset is the data, not state
+        if id(value) in self._objects:
+            return ("seen", id(value))
+        self._objects.add(id(value))
+        fields = vars(value)
+        return ("object", type(value).__name__,
+                tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not isinstance(v, _FUNCTIONS)))
+
+
+def _sample(items: Sequence[Any]) -> Sequence[Any]:
+    if len(items) <= MAX_ITEMS:
+        return items
+    stride = len(items) // MAX_ITEMS + 1
+    return [*items[:64], *items[64:-64:stride], *items[-64:]]
+
+
+def _numpy_token(value: Any) -> Optional[Hashable]:
+    module = type(value).__module__
+    if module != "numpy":
+        return None
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return ("numpy scalar", repr(value.item()))
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return ("ndarray", value.shape, "object", id(value))
+        return ("ndarray", value.shape, str(value.dtype), hashlib.blake2b(value.tobytes(), digest_size=16).digest())
+    return None

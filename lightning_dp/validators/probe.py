@@ -1,0 +1,578 @@
+"""The first step's probe: examples do not interact, and the engine sees every gradient path.
+
+Per-example clipping bounds what one example adds to the released sum S = Σ_i clip_C(g_i) by C
+only if g_i, what the engine calls example i's gradient, is example i's alone. Two kinds of
+user code break that silently, and neither shows in the model's structure:
+
+- **Examples interact** through the loss or the model: a token mean normalised by the batch's
+  non-pad count, ``h - h.mean(0)``, a summed loss (every g_i then scales with the batch size).
+  Then g_i depends on which other examples were sampled.
+- **A gradient path the engine does not capture**: a parameter also used outside the module
+  that owns it (``F.linear(h, self.emb.weight)``), a compiled graph whose hooks never fire.
+  Then Σ_i g_i differs from the gradient autograd computes.
+
+The probe runs once, before the first release, on k examples (a fixed, public choice of
+indices: the first k of the rank's shard), with clipping switched off:
+
+    g_i^batch   the engine's per-example gradients of the k examples as one batch
+    g_i^alone   the engine's gradient of example i as a batch of one            (k passes)
+    ∇           autograd's gradient of the batch's mean loss, engine detached   (1 pass)
+
+and requires, to a tolerance set by the precision,
+
+    ‖g_i^batch‖ = ‖g_i^alone‖ for every i        (no interaction, no per-batch scaling)
+    Σ_i g_i^batch = Σ_i g_i^alone                 (the same, per coordinate)
+    Σ_i g_i^batch = k · ∇                          (every use of every parameter captured)
+
+The model runs in the modes the step runs it in (a module that mixes examples only in training mode — a
+batch-level token mix, CutMix inside the model — is seen; one that caches in eval mode is not switched into
+it), with dropout switched off (:class:`NoDropout`: torch's dropout functions are the identity and attention's
+``dropout_p`` is 0 during the probe; drop-path modules are put in eval) and the same random seed for every pass, so
+the passes are comparable. A step that still draws random numbers of its own (augmentation in ``training_step``) is
+detected by one more batch pass with another seed; then only the coarse checks run (a summed loss: the ratios'
+geometric mean > √k; uncaptured uses: same seed as autograd's pass), with a warning; the user's gradients, RNG state
+and drop-path modes are restored. What it cannot see: code paths the first k examples do not take, and interactions
+that vanish for these k examples (e.g. a token-mean loss over examples of equal length). It costs k + 3
+forward/backward passes on ≤ k examples, once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
+from lightning_dp.clipping.reference import pseudo_units, reference_sums
+from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine
+from lightning_dp.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
+from lightning_dp._warnings import output_hook_notice_quieted
+from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint
+
+LossOf = Callable[[Sequence[int]], Tensor]
+"""Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
+
+PROBE_EXAMPLES = 6
+
+
+def probe_tolerance(dtype: torch.dtype, low_precision: bool) -> float:
+    """Relative tolerance of the probe's comparisons: float rounding of different batch shapes,
+    not interactions. bf16/fp16 autocast computes in ~3 significant digits."""
+    if low_precision:
+        return 3e-2
+    return 1e-6 if dtype == torch.float64 else 1e-3  # float64 models may compute parts in float32 (RoPE)
+
+
+class ExampleIndependenceProbe:
+    """Runs the probe of the module docstring for one model, engine and parameter list.
+
+    Args:
+        module: the model the engine is attached to.
+        engine: the attached engine (detached and re-attached once for autograd's reference).
+        params: the trainable parameters, in the engine's order.
+        names: a display name per parameter (for the errors).
+        loss_of: the user's forward and loss on the examples with these indices.
+        rtol: relative tolerance (:func:`probe_tolerance`).
+        autograd_params: the leaves autograd's reference differentiates, one per parameter, asked for when
+            the reference pass runs (default: ``params``). FSDP2 runs forward and backward on unsharded copies
+            of its sharded parameters (:meth:`~lightning_dp.sharding.fsdp_layout.FSDPLayout.autograd_params`).
+        state: the fingerprint of the state no pass may write (default: the module's, less the engine's own
+            attributes; :class:`~lightning_dp.validators.kept_state.StateFingerprint`).
+        isolated: training puts every example alone in its forward and backward (physical batches of one): examples
+            cannot interact there, so batch and alone are not compared; the norm rule, the clipping and every use of
+            every parameter still are.
+        clipping: the run's clipping policy (default flat): its factors are the ones checked.
+        grouped: training clips units of several examples (user-level DP): the clipped pass puts the examples in
+            units of two (:func:`~lightning_dp.clipping.reference.pseudo_units`), so the engine's norms of
+            sums across examples are checked too.
+    """
+
+    def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
+                 names: Sequence[str], loss_of: LossOf, rtol: float,
+                 autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
+                 state: Optional[StateFingerprint] = None, isolated: bool = False,
+                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False) -> None:
+        self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.clipping = clipping if clipping is not None else FlatClipping()
+        self.grouped = grouped and not isolated
+        self.loss_of, self.rtol = loss_of, rtol
+        self.autograd_params = autograd_params
+        self.state = state if state is not None else StateFingerprint(module, skip_keys=engine.owned_attributes)
+        self.isolated = isolated
+        self.random = False
+        """Set by :meth:`run`: the step draws random numbers of its own (only the coarse checks could run)."""
+        self.interaction_rtol = rtol
+        """Set by :meth:`run`: the tolerance of the batch-against-alone comparisons (:meth:`_interaction_tolerance`)."""
+        self.compute_dtype: Optional[torch.dtype] = None
+        """Set by :meth:`run`: the lowest-precision floating dtype the forward computed in (:class:`LowestFloat`)."""
+        self._sorted = False  # the step sorted a tensor (validators/step_calls.py): named if examples interact
+        self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
+
+    def run(self, indices: Sequence[int]) -> None:
+        """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
+        if len(indices) < 2:
+            return  # one example cannot interact with another; nothing to compare
+        saved = [p.grad for p in self.params]
+        before = self.state.take(full=True)
+        modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
+        for m, _ in modes:
+            m.training = False
+        calls = self._calls = StepWatch()
+        try:
+            try:
+                with torch.random.fork_rng(devices=[]), NoDropout():
+                    # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
+                    # with other leading dimensions and never sliced per example afterwards (capture.py)
+                    alone = [self._engine_pass([i]) for i in indices]
+                    with LowestFloat() as watch:
+                        together = self._engine_pass(list(indices))
+                    self.compute_dtype = watch.lowest
+                    reseeded = self._engine_pass(list(indices), seed=1)
+                    # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
+                    bound = float(torch.cat([a.norms.double() for a in alone]).median())
+                    # isolated: training clips examples alone, so the factors are checked on examples alone
+                    clipped = (None if bound <= 0 else
+                               [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
+                               else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
+                    reference = self._autograd_pass(list(indices))
+            finally:
+                self.engine.begin_step(None)
+                for m, mode in modes:
+                    m.training = mode
+                for p, g in zip(self.params, saved):
+                    p.grad = g
+        except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
+            changed = self.state.changed(before, self.state.take(full=True))
+            if changed:
+                raise state_mutation_error(changed) from err
+            if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
+                raise double_backward_error(self.engine.name) from err
+            raise
+        changed = self.state.changed(before, self.state.take(full=True))
+        if changed:
+            raise state_mutation_error(changed)
+        if calls.double_backward:
+            raise double_backward_error(self.engine.name)
+        self._sorted = calls.sorted
+        random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
+                                               float(together.norms.double().max()) * len(indices) ** 0.5)
+        self.interaction_rtol = self._interaction_tolerance()
+        permuted = self._compare(together, alone, reference, len(indices), random)
+        if permuted and (clipped is None or random):
+            raise self._interaction(together.norms.double(), torch.cat([a.norms.double() for a in alone]),
+                                    len(indices))
+        if isinstance(clipped, list):
+            for one, example in zip(clipped, alone):
+                self._check_clipping(one, [example], bound)
+        elif clipped is not None and not random:
+            try:
+                self._check_clipping(clipped, alone, bound)
+            except PrivacyConfigurationError:
+                if permuted:  # rows that looked like a reordering of the examples are not: they interact
+                    raise self._interaction(together.norms.double(),
+                                            torch.cat([a.norms.double() for a in alone]), len(indices)) from None
+                raise
+
+    # ------------------------------------------------------------------ passes
+    def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
+        seed_all(seed)
+        try:
+            with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
+                loss = self.loss_of(indices)  # gradients with create_graph=True, which is no double backward of the step
+                if loss.grad_fn is None:
+                    raise detached_loss_error(loss)
+                if backward:
+                    with output_hook_notice_quieted(self.engine.name):
+                        loss.backward()
+            return loss
+        except PrivacyConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
+            raise probe_failure_error(err, len(indices)) from err
+
+    def _rule(self, bound: float, count: int) -> ClipRule:
+        """The run's policy at ``bound``, on ``count`` examples (in units of two when training groups them)."""
+        return ClipRule(self.clipping.at_bound(bound), pseudo_units(count) if self.grouped else None)
+
+    def _engine_pass(self, indices: list[int], seed: int = 0, rule: Optional[ClipRule] = None) -> ClippedBatch:
+        for p in self.params:
+            p.grad = None
+        self.engine.begin_step(len(indices))
+        self._loss(indices, backward=True, seed=seed)
+        try:
+            return self.engine.clip_and_sum(self.params, float("inf") if rule is None else rule)
+        except PrivacyConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
+            raise engine_failure_error(err) from err
+
+    def _autograd_pass(self, indices: list[int]) -> list[Tensor]:
+        self.engine.detach()
+        try:
+            loss = self._loss(indices)
+            leaves = list(self.params if self.autograd_params is None else self.autograd_params())
+            grads = gradients_of(loss, leaves)
+        finally:
+            self.engine.attach(self.module)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+
+    # ------------------------------------------------------------------ verdict
+    def _check_norms(self, alone: list[ClippedBatch], scale: float) -> None:
+        """An example alone is a batch of one: the engine's unclipped sum is its gradient, whose norm must be the
+        norm the engine clips by. The two come from different code (a ghost norm from activation Gram matrices; the
+        sum from one weighted contraction), so a wrong norm rule — the one error that silently loosens the clipping
+        bound and that the other comparisons, engine against itself and sums against autograd, cannot see — shows
+        here."""
+        for batch in alone:
+            actual = torch.sqrt(sum(batch.sums[p].double().pow(2).sum() for p in self.params))
+            claimed = batch.norms.double().reshape(-1)[0]
+            if not self._close(claimed, actual, scale):
+                raise norm_mismatch_error(self.engine.name)
+
+    def _check_clipping(self, clipped: ClippedBatch, alone: list[ClippedBatch], bound: float) -> None:
+        """The engine's clipped sum at a bound C that clips some of the examples must be the policy's Σ_u c_u g_u of
+        the gradients it computed for each example alone (flat: Σ_i min(1, C/‖g_i‖) g_i; units of two examples when
+        training groups them; :func:`~lightning_dp.clipping.reference.reference_sums`). The probe's other
+        passes take C = ∞, where every factor is 1 and a mistake in applying the factors could not show."""
+        groups = pseudo_units(len(alone)) if self.grouped and len(alone) > 1 else None
+        wanted = reference_sums(self.clipping.at_bound(bound), [[a.sums[p] for p in self.params] for a in alone],
+                                groups)
+        for p, name, want in zip(self.params, self.names, wanted):
+            got = clipped.sums[p].double()
+            if not self._close(got, want, max(float(want.norm()), float(got.norm()), bound * 1e-3)):
+                raise clipping_error(self.engine.name, name)
+
+    def _close(self, a: Tensor, b: Tensor, scale: float, rtol: Optional[float] = None) -> bool:
+        return float((a.double() - b.double()).norm()) <= (self.rtol if rtol is None else rtol) * scale + 1e-12
+
+    def _interaction_tolerance(self) -> float:
+        """The tolerance of the batch-against-alone comparisons: the same examples through the same code, so rounding
+        only (:func:`~lightning_dp.validators.tolerance.batch_tolerance`, 64 ulps of the precision the forward
+        computed in), never looser than ``rtol`` (which also bounds the comparisons of different code paths: the
+        engine's norm against its sum, its sum against autograd's)."""
+        reference = self.params[0] if self.params else torch.zeros(())
+        dtype = reference.dtype if reference.is_floating_point() else torch.float32
+        if self.compute_dtype is not None and torch.finfo(self.compute_dtype).eps > torch.finfo(dtype).eps:
+            dtype = self.compute_dtype
+        return min(self.rtol, batch_tolerance(dtype, reference.device, low_precision=self.rtol >= LOW_PRECISION_TOLERANCE))
+
+    def _interaction(self, together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
+                     summed: bool = False) -> PrivacyConfigurationError:
+        return interaction_error(together, alone, k, name, summed=summed, engine=self.engine.name,
+                                 sorted_batch=self._sorted)
+
+    def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int,
+                 random: bool) -> bool:
+        """The comparisons of the module docstring; returns whether the batch's rows are the examples in another
+        order (the same norms, :func:`same_norms`: a batch sorted before packing), which :meth:`run` then confirms
+        with the clipped pass (a weighted sum whose weights follow each row's own norm)."""
+        permuted = False
+        alone_norms = torch.cat([a.norms.double() for a in alone])
+        together_norms = together.norms.double()
+        bad = [name for name, ref in zip(self.names, reference) if not bool(torch.isfinite(ref).all())]
+        if bad or not bool(torch.isfinite(together_norms).all() and torch.isfinite(alone_norms).all()):
+            raise non_finite_error(bad)
+        scale = float(torch.maximum(alone_norms.max(), together_norms.max()))
+        if self.autograd_params is None:  # replicated parameters: each alone pass's sum is that example's gradient
+            self._check_norms(alone, scale)
+        if self.isolated:  # training never puts two examples in one forward: nothing to compare batch with alone
+            pass
+        elif random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
+            ratios = together_norms / alone_norms.clamp_min(1e-30)
+            if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
+                raise self._interaction(together_norms, alone_norms, k, summed=True)
+            warnings.warn(
+                "DPStrategy: the training step draws random numbers outside dropout modules (e.g. augmentation), "
+                "so the first step's probe could not compare each example's gradient in a batch and alone; "
+                "only a summed loss and uncaptured parameter uses were checked. Make sure examples do not "
+                "interact through the loss or the model (see docs/verification.md).",
+                stacklevel=2)
+        elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
+            if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
+                raise self._interaction(together_norms, alone_norms, k)
+            permuted = True
+        for p, name, ref in zip(self.params, self.names, reference):
+            summed = sum(a.sums[p].double() for a in alone)
+            size = max(float(summed.norm()), float(together.sums[p].double().norm()), scale * 1e-3)
+            # per parameter the fixed rtol: a parameter whose gradient cancels analytically (a bias before a
+            # normalisation) keeps rounding of its intermediate terms, whose size is not known here
+            if not random and not self.isolated and not self._close(together.sums[p], summed, size):
+                raise self._interaction(together_norms, alone_norms, k, name)
+            autograd_sum = ref.double() * k
+            if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
+                raise uncaptured_use_error(name)
+        return permuted
+
+
+def same_norms(a: Tensor, b: Tensor, tolerance: float) -> bool:
+    """Whether two vectors of per-example norms are the same up to the order of the examples (sorted, then within
+    ``tolerance`` in L2): a batch that reorders its examples (sorted by length before packing) still has one example
+    per row, so per-row clipping still bounds each example by C."""
+    if a.shape != b.shape:
+        return False
+    return float((a.double().sort().values - b.double().sort().values).norm()) <= tolerance + 1e-12
+
+
+def seed_all(seed: int) -> None:
+    """One seed for torch's, NumPy's and Python's generators: two passes seeded alike draw alike (the callers fork
+    the generators, :func:`~lightning_dp.validators.rng.forked_rngs`)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def gradients_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Optional[Tensor]]:
+    """∂loss/∂leaves by ``torch.autograd.grad``; where the graph holds a ``torch.utils.checkpoint(use_reentrant=True)``
+    block on inputs that require grad (Hugging Face's gradient checkpointing with ``use_reentrant=True``), which
+    refuses ``.grad()``, by ``loss.backward()`` into the leaves' ``.grad`` instead, their earlier ``.grad`` restored."""
+    try:
+        return list(torch.autograd.grad(loss, list(leaves), allow_unused=True, retain_graph=True))
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+    saved = [p.grad for p in leaves]
+    for p in leaves:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in leaves]
+    finally:
+        for p, g in zip(leaves, saved):
+            p.grad = g
+
+
+def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
+    """The probe's error when an engine's clipped sum is not the clip factors applied to its per-example gradients."""
+    return PrivacyConfigurationError(
+        f"Engine '{engine}' clipped the first step's examples wrongly (parameter {name}): its clipped sum is not "
+        "the clipping policy's Σ_u c_u g_u (flat: Σ_i min(1, C/‖g_i‖) g_i) of the per-example gradients it computed, "
+        "so one unit's influence would not be bounded by C. Nothing was released. Try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
+        "tries each engine that serves the model) and please report the model to lightning_dp.")
+
+
+def _differing(together: Tensor, alone: Tensor) -> int:
+    """How many examples' norms differ batch against alone beyond rounding (a count: no values of the data)."""
+    return int(((together.double() - alone.double()).abs() > 1e-6 * alone.double().abs().clamp_min(1e-30)).sum())
+
+
+def norm_mismatch_error(engine: str) -> PrivacyConfigurationError:
+    """The probe's error when an engine's per-example norm is not the norm of that example's gradient (no values:
+    they are the training data's)."""
+    return PrivacyConfigurationError(
+        f"Engine '{engine}' computed a per-example gradient norm that is not the norm of the gradient it computed for "
+        "that example alone: clipping by that norm would not bound the example's influence by C. Nothing was "
+        "released. This is the engine's error on one of the model's layers: try another engine "
+        "(per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please "
+        "report the model to lightning_dp.")
+
+
+def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
+    """Every example's gradient k× its gradient alone (within 2 %): a summed loss."""
+    return bool((((together / alone.clamp_min(1e-30)) - k).abs() <= 0.02 * k).all())
+
+
+class StateWriteError(PrivacyConfigurationError):
+    """The probe's refusal of a forward that wrote the model's own state (:func:`state_mutation_error`): a property
+    of the model, not of the engine, and the write has happened: ``per_sample="auto"`` tries no other engine (its
+    probe would see the state already written and nothing change)."""
+
+
+def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
+    """The user's step changed the model's own state outside the gradient (its parameters, buffers or attributes):
+    data-dependent state that the noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch
+    looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it."""
+    declarable = [entry.partition(" ")[2] for entry in changed if not entry.startswith("parameter ")][:3]
+    public = (f" If it is not derived from the training data (a step counter), or you accept that it leaves "
+              f"unprotected like a logged metric (a list of losses kept for an epoch-end log), declare it public: "
+              f"DPStrategy(public_state={declarable!r}).") if declarable else ""
+    return StateWriteError(
+        "training_step (its forward or loss) changed the model's own state, outside the gradient: "
+        + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". What a step writes from the data "
+        "(nn.Embedding(max_norm=...) renormalising the rows the batch looked up, running statistics, an EMA of "
+        "activations, a counter or a memory bank kept as an attribute) is released with the model or kept in its "
+        "checkpoints without noise, so the guarantee would not hold. Nothing was released. Remove the update "
+        "(max_norm=None and normalise functionally, e.g. F.normalize; track_running_stats=False), or make the "
+        "state a function of the parameters only." + public)
+
+
+class LowestFloat(TorchFunctionMode):
+    """Watches one pass: :attr:`lowest` is the floating dtype of least precision among the results of the torch calls
+    it made (a float64 model that computes its rotary embedding in float32 computes, in part, in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lowest: Optional[torch.dtype] = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, Tensor) and t.is_floating_point() and (
+                    self.lowest is None or torch.finfo(t.dtype).eps > torch.finfo(self.lowest).eps):
+                self.lowest = t.dtype
+        return out
+
+
+class NoDropout(TorchFunctionMode):
+    """Dropout off while the probe runs, the model otherwise in its own modes: torch's dropout functions return their
+    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention, ``nn.MultiheadAttention``'s weights dropout) and
+    ``scaled_dot_product_attention`` runs with ``dropout_p = 0``; the engines' replays inside the probe see the same."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in DROPOUT_FUNCTIONS:
+            return args[0] if args else kwargs["input"]
+        if name == "scaled_dot_product_attention":
+            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, …)
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+DROPOUT_FUNCTIONS: frozenset[str] = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_"})
+"""torch functions whose training-mode result is a random mask: the identity during the probe."""
+
+
+def _drops_paths(m: nn.Module) -> bool:
+    """A stochastic-depth module (timm's ``DropPath``, torchvision's ``StochasticDepth``, ``DropBlock``): it draws its
+    masks with ``bernoulli_``, not a dropout function, and is the identity in eval mode."""
+    name = type(m).__name__
+    return m.training and any(key in name for key in ("DropPath", "StochasticDepth", "DropBlock"))
+
+
+def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
+                      summed: bool = False, engine: Optional[str] = None,
+                      sorted_batch: bool = False) -> PrivacyConfigurationError:
+    """The probe's error when example i's gradient depends on the other examples of the batch (``engine``: the
+    engine that computed them, named as the other possible cause; ``sorted_batch``: the step sorted a tensor, the
+    likeliest cause then, :func:`~.step_calls.sorted_batch_hint`). The cause and its fix come first: a summed loss
+    (every gradient k× its gradient alone) is named as such, with nothing else."""
+    if summed or _scaled_by_batch(together, alone, k):
+        return PrivacyConfigurationError(
+            "The loss is a SUM over the batch (e.g. reduction='sum'): return the MEAN over examples "
+            "(reduction='mean'), or the vector of per-example losses from training_step (DPStrategy takes its mean). "
+            f"The first step's probe found each example's gradient in a batch of {k} to be {k}× its gradient alone, "
+            "so per-example clipping would not bound one example's influence by C. Nothing was released.")
+    cause = ("Likely causes: a loss normalised by a batch-wide count (a token mean over all non-pad tokens of "
+             "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
+             "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
+             "each example's own tokens, or return per-example losses from training_step; an operation across "
+             "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on "
+             "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
+             "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
+             "forward.")
+    if engine is not None:
+        cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
+                  "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
+                  "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
+    if sorted_batch:
+        cause = sorted_batch_hint() + cause
+    where = f" (parameter {name})" if name else ""
+    return PrivacyConfigurationError(
+        f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
+        f"{k} and one by one, and they differ (for {_differing(together, alone)} of the {k}; no gradient values are "
+        "quoted: they are the training data's). Per-example clipping then does not bound one example's "
+        f"influence by C. Nothing was released. {cause}"
+    )
+
+
+def detached_loss_error(loss: Tensor) -> PrivacyConfigurationError:
+    """The probe's error when the step's loss has no autograd history (``grad_fn`` is None): a loss taken out of the
+    graph (``.item()``, ``.detach()``, ``.numpy()``) and wrapped in a new tensor has no gradient path to the model."""
+    leaf = " (a new tensor with requires_grad=True)" if loss.requires_grad else ""
+    return PrivacyConfigurationError(
+        f"The loss training_step returned is detached from the model{leaf}: it has no gradient path to any "
+        "parameter, e.g. torch.tensor(loss.item(), requires_grad=True) or loss.detach(). Return the loss tensor "
+        "computed from the model's output itself (log loss.item() separately if you need a number). Nothing was "
+        "released.")
+
+
+def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
+    """The probe's error when the user's training_step fails on a batch of ``k`` examples, with the likely
+    cause: an in-place op on an output that torch's full backward hooks wrap (the opacus_hooks engine), a
+    forward that insists on training mode (the probe turns dropout off by putting every module without
+    parameters of its own in eval mode), or a step that does not accept every batch size."""
+    text = f"{type(err).__name__}: {err}"
+    if "is a view and is being modified inplace" in text:
+        cause = ("A layer's output is modified in place (e.g. q = self.q(h); q /= s) and the engine wraps that "
+                 "output in a custom autograd function (per_sample='opacus_hooks' uses torch's full backward hooks, "
+                 "which forbid it). Use per_sample='ghost' or 'vmap' (both serve it), or write q = q / s.")
+    elif _engine_frame(err) is not None:
+        cause = (f"The failure is inside the per-example engine ({_engine_frame(err)}), not in your training_step: "
+                 "the engine cannot serve this model as it is. Try another engine (per_sample='ghost', 'vmap' or "
+                 "'opacus_hooks'), and please report the model to lightning_dp.")
+    elif re.search(r"\btrain(ing)?\b|\.train\(\)", str(err), re.IGNORECASE):
+        cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
+                 "eval mode (layers with parameters stay in training mode). A forward that requires training mode "
+                 "there cannot be probed: make the check read a layer with parameters, or drop it.")
+    else:
+        cause = ("Poisson sampling makes batches of any size ≥ 0, so training_step must accept them (e.g. avoid "
+                 ".squeeze() on the batch dimension).")
+    return PrivacyConfigurationError(
+        f"The first step's probe ran training_step on a batch of {k} example(s) and it failed ({text}). {cause}")
+
+
+def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
+    """The probe's error when the gradients themselves are NaN or infinite (nothing else can be compared)."""
+    where = f" (autograd's gradient of {', '.join(names[:4])}{' …' if len(names) > 4 else ''})" if names else ""
+    return PrivacyConfigurationError(
+        f"The first step's probe found gradients that are not finite (NaN or inf){where} on the first examples of "
+        "the batch: the model's forward or loss produces them, privately or not (e.g. a softmax over a fully "
+        "masked row, log of zero, a sequence shorter than a layer's window or stride). Clipping a NaN gives NaN, so "
+        "nothing was released. Fix the model or the data (check a non-private step on the same batch).")
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_dp/
+_ENGINE_DIR = os.path.join(_PACKAGE, "grad_sample") + os.sep  # the engines and their capture
+_HARNESS = ("private_step.py", os.path.join("validators", "probe.py"), os.path.join("validators", "step_calls.py"))
+_OPACUS = f"{os.sep}opacus{os.sep}"
+
+
+def _engine_frame(err: BaseException) -> Optional[str]:
+    """``file:line`` of the deepest frame of ``err``'s traceback in the engine's own code (capture, broadcast sites,
+    grad_sample, and Opacus' hooks; not the probe or the step that call the user's code), or None."""
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        name = os.path.abspath(frame.filename)
+        if name.startswith(_ENGINE_DIR) and not name.endswith(_HARNESS):
+            found = f"{os.path.relpath(name, _PACKAGE)}:{frame.lineno}"
+        elif _OPACUS in name:  # the opacus_hooks engine's rules and hooks run inside the user's forward and backward
+            found = f"opacus{os.sep}{name.split(_OPACUS, 1)[1]}:{frame.lineno}"
+    return found
+
+
+def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
+    """The probe's error when the engine itself fails computing the first examples' per-example gradients."""
+    where = _engine_frame(err) or "the engine"
+    return PrivacyConfigurationError(
+        f"The per-example engine failed on this model in the first step's probe ({type(err).__name__}: {err}; at "
+        f"{where}): it cannot serve the model as it is. Nothing was released. Try another engine (per_sample='ghost', "
+        "'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model), and please report the model to "
+        "lightning_dp.")
+
+
+def uncaptured_use_error(name: str) -> PrivacyConfigurationError:
+    """The probe's error when autograd's gradient of a parameter differs from the engine's sum."""
+    return PrivacyConfigurationError(
+        f"Parameter {name} receives gradient through a use the per-example engine does not capture: its "
+        "per-example gradients do not add up to autograd's gradient. Typical causes: the parameter is also used "
+        "outside the forward of the module that owns it (a functional call such as F.linear(h, self.emb.weight) "
+        "for weight tying: make the output layer an nn.Linear whose .weight is the embedding's Parameter), a "
+        "parameter read directly in a parent module's forward, or a torch.compile'd graph that bypasses the "
+        "engine's hooks. Nothing was released."
+    )

@@ -1,0 +1,117 @@
+"""The records the loader really draws: one fixed record per index, each record once.
+
+The privacy unit is one record of the dataset the training loader reads. Poisson sampling draws dataset
+*indices*, each independently with rate q, and the accountant charges each index's chances; that is each
+record's privacy loss only if
+
+1. **an index reads one fixed record.** Reading a batch of indices twice, with torch's, NumPy's and
+   Python's random generators seeded alike, must give the same records (a ``__getitem__`` drawing a random
+   text chunk, or augmenting from a generator of its own such as an unseeded ``numpy.random.default_rng()``,
+   does not: then which data a step uses is not who was sampled). And the batch read in another order (rotated
+   by one) with that seed must not give the same records in the same order (it does when the record is drawn
+   from the seeded generator whatever the index). A few public positions (:data:`FIXED_RECORD_PROBES`), three
+   reads.
+2. **a record has one index.** Repetition that torch's wrappers show (a Subset index listed twice, a
+   dataset concatenated with itself) is refused before anything is read (:mod:`.record_sources`);
+   repetition inside a dataset's own ``__getitem__`` is looked for in the records
+   (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`).
+3. **an empty batch can be read**: a ``__getitems__`` must accept the empty list of indices Poisson sampling
+   draws for an empty step (the loader's fetcher calls it; :mod:`~lightning_dp.records.fetch`).
+
+Records are read as the loader's fetcher reads them. :func:`check_records` runs once per training loader,
+before training (:meth:`~lightning_dp.privacy.private_step.PrivateStep.poisson_loader`), in the main
+process. Errors name positions, never data values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from torch.utils.data import Subset
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.distinct_records import DistinctRecords
+from lightning_dp.records.fetch import fetch, seeded
+from lightning_dp.records.record_fingerprint import fingerprint
+from lightning_dp.validators.record_sources import check_sources
+from lightning_dp.validators.repeated_records import READ_SEED, check_repeated_records
+
+FIXED_RECORD_PROBES = 4
+"""Positions read, as one batch, three times (spread evenly over the population: first, last and between)."""
+
+_FIXED_FIX = ("DP's privacy unit is a fixed record per index: make __getitem__(i) return record i (e.g. the i-th "
+              "chunk of the text, not a random one). If the randomness is augmentation, draw it from torch's random "
+              "generator (or NumPy's or Python's global one), which the probe seeds per index, or use "
+              "lightning_dp.data.AugmentedViews.")
+
+
+def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int,
+                  per_user: bool = False) -> None:
+    """Check the population (``indices`` of ``dataset``; ``None``: all ``num_samples`` of them) as the module
+    docstring says. ``per_user``: the privacy unit is a user (user-level DP), sampled once per step however many
+    records it holds: records repeated in the data (a user's identical messages) are not looked for.
+
+    Raises:
+        PrivacyConfigurationError: naming what is wrong and the fix.
+    """
+    check_sources(dataset, indices)
+    _check_empty_read(dataset)
+
+    def at(position: int) -> int:
+        return position if indices is None else int(indices[position])
+
+    _check_fixed_records(dataset, at, num_samples)
+    if not per_user and not _declared_distinct(dataset):
+        check_repeated_records(dataset, at, num_samples)
+
+
+def _check_empty_read(dataset: Any) -> None:
+    many = getattr(dataset, "__getitems__", None)
+    if not many:
+        return
+    try:
+        many([])
+    except Exception as err:  # noqa: BLE001  (the user's __getitems__, any failure)
+        raise PrivacyConfigurationError(
+            f"The training dataset's __getitems__ fails on an empty list of indices ({type(err).__name__}). Poisson "
+            "sampling draws each record independently, so a step's batch can be empty, and the loader then calls "
+            "__getitems__([]): make it return [] (an empty list of records).") from err
+
+
+def _check_fixed_records(dataset: Any, at: Callable[[int], int], n: int) -> None:
+    """Read a few public indices as one batch, twice with one seed and once rotated by one place with it: the same
+    batch must give the same records, and the rotated batch must not give the records in the same order (it does
+    when each record is drawn whatever its index, or when all of them are equal). Batches, as the loader reads
+    them: a ``__getitems__`` that works on its batch as a whole is read as it is meant to be."""
+    steps = max(1, FIXED_RECORD_PROBES - 1)
+    chosen = sorted({at(round(j * (n - 1) / steps)) for j in range(FIXED_RECORD_PROBES)})
+    first, again, rotated = (_read(dataset, order) for order in (chosen, chosen, chosen[1:] + chosen[:1]))
+    if first is None or again is None or rotated is None:
+        return  # no fingerprint: not checked
+    if first != again:
+        raise PrivacyConfigurationError(
+            f"The training dataset gives different records for the same index: indices {chosen}, read twice with "
+            "torch's, NumPy's and Python's random generators seeded alike, gave different records (a random chunk "
+            "drawn in __getitem__, or randomness from a generator of the dataset's own such as "
+            "numpy.random.default_rng()). Poisson sampling draws indices, so a step would use data other than the "
+            "records it sampled. " + _FIXED_FIX)
+    if len(chosen) > 1 and first == rotated:
+        raise PrivacyConfigurationError(
+            f"The training dataset ignores its index: indices {chosen} read in another order, with the same seed, gave "
+            "the same records in the same order (a record drawn at random in __getitem__ whatever the index, e.g. a "
+            "random text chunk). Poisson sampling draws indices, so a step would use data other than the records "
+            "it sampled. " + _FIXED_FIX)
+
+
+def _read(dataset: Any, indices: list[int]) -> Optional[bytes]:
+    """The digest of the batch ``indices`` read as the loader reads it, the generators seeded (``None``: opaque)."""
+    with seeded(READ_SEED):
+        found = fingerprint(fetch(dataset, indices))
+    return None if found is None else found.digest
+
+
+def _declared_distinct(dataset: Any) -> bool:
+    """Whether the loader's dataset, or the one a chain of Subsets of it takes, is a :class:`DistinctRecords`."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return isinstance(dataset, DistinctRecords)

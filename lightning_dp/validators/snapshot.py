@@ -1,0 +1,159 @@
+"""Put the user's state back as it was: the probe's and the later checks' passes leave no trace.
+
+The first step's probe and the interaction checks run the user's ``training_step`` on examples several
+times. Whatever those passes write — a torchmetrics ``MeanMetric``'s running sums, a ``training_step_outputs``
+list, a counter declared public, a callback's history — must be exactly as if they never ran: the training
+that follows (and its logged epoch means) sees only the real steps. :class:`StateSnapshot` records the objects
+held by the module's attributes, its buffers, every torchmetrics state, and the attributes of the given
+callbacks, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
+object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
+gets its old values), to :data:`~lightning_dp.validators.kept_state.MAX_DEPTH` levels.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.validators.kept_state import MAX_DEPTH, framework_keys
+
+Restore = Callable[[], None]
+
+
+def _contents(value: Any, depth: int) -> Restore:
+    """A function that puts ``value``'s current contents back into the same object. A parameter held in an attribute
+    (``nn.LSTM``'s ``_flat_weights``, inherited by a user's subclass) is the model itself, not kept state: never copied
+    back (that would move its version counter, which the release boundary reads as a write); a write to it is refused
+    by the fingerprint instead."""
+    if isinstance(value, nn.Parameter):
+        return _nothing
+    if isinstance(value, Tensor):
+        saved = value.detach().clone()
+        return lambda: _copy_tensor(value, saved)
+    if type(value).__module__ == "numpy" and hasattr(value, "copy") and hasattr(value, "shape"):
+        saved_array = value.copy()
+
+        def put_array() -> None:
+            if value.shape == saved_array.shape:
+                value[...] = saved_array
+        return put_array
+    if depth >= MAX_DEPTH or isinstance(value, nn.Module):
+        return _nothing
+    if isinstance(value, (list, deque)):
+        items = list(value)
+        inner = [_contents(v, depth + 1) for v in items]
+
+        def put_sequence() -> None:
+            value.clear()
+            value.extend(items)
+            for restore in inner:
+                restore()
+        return put_sequence
+    if isinstance(value, dict):
+        pairs = list(value.items())
+        inner = [_contents(v, depth + 1) for _, v in pairs]
+
+        def put_dict() -> None:
+            value.clear()
+            value.update(pairs)
+            for restore in inner:
+                restore()
+        return put_dict
+    if isinstance(value, set):
+        members = set(value)
+
+        def put_set() -> None:
+            value.clear()
+            value.update(members)
+        return put_set
+    if isinstance(value, tuple):
+        inner = [_contents(v, depth + 1) for v in value]
+        return lambda: [restore() for restore in inner] and None
+    if hasattr(value, "__dict__") and not isinstance(value, type) and _plain(value):
+        return _attributes(value, list(vars(value)), depth + 1)
+    return _nothing
+
+
+def _plain(value: Any) -> bool:
+    root = (type(value).__module__ or "").split(".")[0]
+    return root not in ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins", "logging",
+                        "threading", "transformers", "torchmetrics")
+
+
+def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
+    """Restore ``owner.key`` for every key: the same object, with its contents; a public attribute (no leading
+    underscore: not a framework's lazily made one) that the passes added is removed."""
+    held = {k: owner.__dict__[k] for k in keys if k in owner.__dict__}
+    inner = [_contents(v, depth) for v in held.values()]
+    before = set(owner.__dict__)
+
+    def put() -> None:
+        for key in [k for k in owner.__dict__ if k not in before and not k.startswith("_")]:
+            del owner.__dict__[key]
+        for key, value in held.items():
+            if owner.__dict__.get(key, _ABSENT) is not value:
+                owner.__dict__[key] = value
+        for restore in inner:
+            restore()
+    return put
+
+
+def _copy_tensor(target: Tensor, saved: Tensor) -> None:
+    with torch.no_grad():
+        if target.shape == saved.shape:
+            target.copy_(saved)
+        else:
+            target.data = saved
+
+
+def _nothing() -> None:
+    pass
+
+
+_ABSENT = object()
+
+
+class StateSnapshot:
+    """What the user's passes may write, recorded now; :meth:`restore` puts it back.
+
+    Args:
+        module: the model (its buffers, its modules' own attributes, torchmetrics states).
+        callbacks: objects whose attributes are restored too (the untrusted callbacks).
+        skip_keys: attribute names never touched (the engine's own).
+    """
+
+    def __init__(self, module: nn.Module, callbacks: Sequence[Any] = (), skip_keys: Iterable[str] = ()) -> None:
+        skip = framework_keys() | frozenset(skip_keys)
+        restores: list[Restore] = []
+        for m in module.modules():
+            buffers = [(name, b) for name, b in m._buffers.items() if b is not None]
+            restores.extend(_contents(b, 0) for _, b in buffers)
+            restores.append(_rebind_buffers(m, buffers))
+            keys = [k for k in vars(m) if k not in skip and not k.startswith("_dp_")]
+            if type(m).__module__.startswith("torch."):
+                # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
+                # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
+                restores.append(_attributes(m, keys, MAX_DEPTH))
+                continue
+            restores.append(_attributes(m, keys, 0))
+        for cb in callbacks:
+            restores.append(_attributes(cb, list(vars(cb)), 0))
+        modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
+        restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
+        self._restores = restores
+
+    def restore(self) -> None:
+        """Put every recorded reference and content back."""
+        for restore in self._restores:
+            restore()
+
+
+def _rebind_buffers(m: nn.Module, buffers: list[tuple[str, Tensor]]) -> Restore:
+    def put() -> None:
+        for name, b in buffers:
+            if m._buffers.get(name) is not b:
+                m._buffers[name] = b
+    return put

@@ -1,0 +1,146 @@
+"""Activation capture (grad_sample/capture/activations.py): keyword binding, example dimension, broadcast lookups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.grad_sample.capture.activations import ActivationCapture, bind_call
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, scale=None, *, shift=None):
+        out = x * self.w
+        out = out if scale is None else out * scale
+        return out if shift is None else out + shift
+
+
+def test_keyword_and_positional_calls_record_alike():
+    m = Scaled()
+    x, s = torch.randn(2, 3), torch.randn(2, 3)
+    args, kwargs = bind_call(m, (), {"x": x, "scale": s})
+    assert len(args) == 2 and args[0] is x and args[1] is s and kwargs == {}
+    args, kwargs = bind_call(m, (x,), {"shift": s})
+    assert len(args) == 1 and args[0] is x and list(kwargs) == ["shift"]
+
+
+def _captured(m: nn.Module, n, *inputs, **kw):
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(n)
+    out = m(*inputs, **kw)
+    out.sum().backward()
+    return capture, out
+
+
+def test_calls_with_another_example_dimension_are_refused_not_recorded():
+    m = nn.Linear(3, 2)
+    capture, _ = _captured(m, 4, torch.randn(12, 3))  # [B·T, d] with B = 4, a copy: no verified flattening
+    assert capture.unserved() == {"m": [(12, 2)]}  # taken for a shared table, never broadcast over the examples
+    assert not capture.any_recorded()
+    capture.clear()
+    capture, _ = _captured(m, 4, torch.randn(8, 4, 3))  # [T, B, d] with T ≠ B: time-major
+    assert capture.mismatched() == {"m": [(8, 4, 2)]}
+    capture.clear()
+
+
+def test_a_one_row_lookup_is_recorded_per_example_where_it_meets_the_batch():
+    """A [1, T] position lookup: the model gets its [1, T, d] output unchanged (a .repeat(B, 1, 1) or .view(B, …)
+    of it keeps working); it is recorded as n rows, with example i's gradient from the broadcast site."""
+    m = nn.Embedding(5, 3)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    out = m(torch.arange(3)[None])
+    assert out.shape == (1, 3, 3)
+    h = torch.randn(4, 3, 3)
+    (out + h).pow(2).sum().backward()
+    rec = capture.completed()[id(m)].records[0]
+    assert rec.args[0].shape == (4, 3) and rec.grad_out.shape == (4, 3, 3)
+    torch.testing.assert_close(rec.grad_out, 2 * (out.detach() + h))  # row i: example i's own gradient
+    assert capture.mismatched() == {}
+    capture.clear()
+
+
+def test_a_one_row_lookup_used_otherwise_than_broadcast_is_a_mismatch():
+    m = nn.Embedding(5, 3)
+    capture, out = _captured(m, 4, torch.arange(3)[None])  # out.sum(): never meets the examples
+    assert capture.unserved() == {"m": [(1, 3, 3)]} and capture.mismatched() == {}
+    capture.clear()
+
+
+def test_arguments_seen_unbatched_are_never_sliced_later():
+    m = Scaled()
+    gate = torch.randn(3)  # [3]: the same length as a batch of 3
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    for n in (1, 3):
+        capture.begin_step(n)
+        m(torch.randn(n, 3), scale=gate).sum().backward()
+    calls = capture.completed()[id(m)]
+    assert calls.slot_dims(calls.records[0], 3) == ([0, None], {})
+
+
+def test_begin_step_drops_what_an_earlier_forward_left():
+    m = nn.Linear(3, 2)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    m(torch.randn(2, 3)).sum().backward()  # e.g. a validation_step that differentiated
+    capture.begin_step(5)
+    assert capture.completed() == {}
+    m(torch.randn(5, 3)).sum().backward()
+    assert [r.grad_out.shape[0] for r in capture.completed()[id(m)].records] == [5]
+
+
+def test_suspended_capture_records_nothing():
+    m = nn.Linear(3, 2)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    with capture.suspended():
+        out = m(torch.randn(1, 3))
+    assert out.shape == (1, 2) and not capture.any_recorded()
+
+
+def test_a_finished_step_does_not_broadcast_later_calls():
+    """After the step's statistics are taken (clear), a grad-enabled forward of one example, e.g. a
+    saliency map in a callback, is the model's own output, not expanded to the last step's batch."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites
+
+    m = nn.Embedding(5, 3)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    (m(torch.arange(3)[None]) + torch.randn(4, 3, 3)).sum().backward()
+    capture.clear()
+    later = m(torch.arange(3)[None])
+    assert later.shape == (1, 3, 3)
+    assert not any(isinstance(mode, BroadcastSites) for mode in _get_current_function_mode_stack())
+
+
+class _Owner(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.w, self.child = nn.Parameter(torch.randn(3, 3)), child
+
+    def forward(self, x):
+        return self.child(x @ self.w)
+
+
+def test_a_module_owning_parameters_with_stateless_children_is_one_layer():
+    """Mixture-of-experts `experts` (stacked weights, an act_fn child) are hooked as one layer; a child that draws
+    (dropout) or mixes the batch (batch norm, even without state) keeps the module out, as does having no child."""
+    from lightning_dp.grad_sample.capture.activations import is_unit, leaf_layers
+
+    assert is_unit(_Owner(nn.SiLU())) and is_unit(_Owner(nn.Sequential(nn.GELU(), nn.Identity())))
+    assert not is_unit(_Owner(nn.Dropout(0.1)))
+    assert not is_unit(_Owner(nn.BatchNorm1d(3, affine=False, track_running_stats=False)))
+    assert not is_unit(nn.Linear(3, 3))
+    assert [name for name, _ in leaf_layers(nn.Sequential(_Owner(nn.SiLU()), nn.ParameterDict({"a": nn.Parameter(
+        torch.ones(3))})))] == ["0"]  # a ParameterDict holds parameters, has no forward: never hooked
