@@ -48,12 +48,13 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.privacy.release import Release
 from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
-from lightning_dp.privacy.budget_shortfall import OnBudgetShort
+from lightning_dp.accounting.budget_shortfall import OnBudgetShort
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics
 from lightning_dp._warnings import output_hook_notice_quieted
-from lightning_dp.privacy.private_step import Distribution, PrivateStep, mean_loss
+from lightning_dp.losses import mean_loss
+from lightning_dp.privacy.private_step import Distribution, PrivateStep
 from lightning_dp.units import Users
 from lightning_dp.units.physical import user_chunks
 

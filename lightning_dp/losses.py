@@ -11,8 +11,12 @@ helper below averages each example over its own tokens; ``training_step`` may re
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_dp.errors import PrivacyConfigurationError
 
 
 def per_example_token_mean(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
@@ -38,3 +42,31 @@ def per_example_token_mean(logits: Tensor, targets: Tensor, ignore_index: int = 
     tokens = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=ignore_index, reduction="none")
     counts = (targets != ignore_index).sum(1).clamp_min(1).to(tokens.dtype)
     return tokens.sum(1) / counts
+
+
+def mean_loss(out: Any, n: int) -> Any:
+    """``out`` (a loss, or a dict with ``"loss"``) with a vector of n per-example losses replaced by its
+    mean: the per-example loss convention (each example's loss is its own, the batch loss their mean)."""
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if isinstance(loss, Tensor) and loss.dim() == 1:
+        if loss.shape[0] != n:
+            raise PrivacyConfigurationError(
+                f"the step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
+                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
+        loss = loss.mean()
+        return {**out, "loss": loss} if isinstance(out, dict) else loss
+    return out
+
+
+def loss_tensor(out: Any, n: int, what: str = "training_step") -> Tensor:
+    """The loss tensor of ``out`` (:func:`mean_loss` of n examples; from a dict's ``"loss"``), or the refusal of a step
+    that returned none: which sampled batches were skipped would depend on private data."""
+    loss = mean_loss(out, n)
+    loss = loss.get("loss") if isinstance(loss, dict) else loss
+    if not isinstance(loss, Tensor):
+        raise PrivacyConfigurationError(
+            f"{what} returned {type(out).__name__} without a loss: the mechanism needs the mean loss (or the vector of "
+            "per-example losses) on every step; skipping a sampled batch would depend on private data (which batches "
+            "were skipped is released by the missing update). Return the loss on every step; to ignore some examples, "
+            "zero their per-example losses instead.")
+    return loss

@@ -113,7 +113,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             release, saying how much budget is left and the options (stop here; a larger
             ``target_epsilon``; this argument); ``"recalibrate"`` trains on at σ* (near-pure noise
             when σ* ≫ σ_ref: a finished ε = 3 run resumed for more epochs needs σ* ≈ 50×). A spent
-            budget (no σ fits) is always refused (:mod:`lightning_dp.privacy.budget_shortfall`).
+            budget (no σ fits) is always refused (:mod:`lightning_dp.accounting.budget_shortfall`).
         augmentation_multiplicity: K ≥ 1 (De et al. 2022): every example arrives as K consecutive
             rows, its augmented views (wrap the dataset in :class:`lightning_dp.data.AugmentedViews`
             and use its ``collate`` as the loader's ``collate_fn``); the example's gradient is the

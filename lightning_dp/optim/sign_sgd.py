@@ -1,7 +1,7 @@
 """DP-SignSGD with majority vote (docs/algorithms.md §6): the update, and M virtual workers.
 
 * :class:`DPSignSGD` is the optimizer-side update θ -= η·vote. It never sees data: the
-  vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.privacy.sign_vote`),
+  vote in ``p.grad`` was produced by the mechanism (:mod:`lightning_dp.sign_sgd.vote`),
   either by the strategy in DDP mode (each rank a worker, the vote all-reduced as int8
   signs) or by :class:`VirtualWorkersSignSGD`.
 * :class:`VirtualWorkersSignSGD` runs M workers in one process, for research on one
@@ -33,8 +33,8 @@ from lightning_dp.privacy.noise import GaussianNoise
 from lightning_dp.privacy.private_step import PrivateStep
 from lightning_dp.privacy.release import DEFAULT_REQUEST
 from lightning_dp.privacy.sampling import PoissonBatchSampler, secure_seed
-from lightning_dp.privacy.sign_privatizer import SignVotePrivatizer
-from lightning_dp.privacy.sign_vote import SIGN_DTYPE, majority_vote
+from lightning_dp.sign_sgd.privatizer import SignVotePrivatizer
+from lightning_dp.sign_sgd.vote import SIGN_DTYPE, majority_vote
 from lightning_dp.validators.probe import PROBE_EXAMPLES
 
 GradientNoise = Callable[[tuple[int, ...], torch.Generator], Tensor]
@@ -97,7 +97,7 @@ class VirtualWorkersSignSGD:
     on its own local data: its Poisson sampler (:class:`~lightning_dp.privacy.sampling.PoissonBatchSampler`),
     per-example clipped sums from the step's engine (any model ``DPStrategy`` accepts, checked by the same
     validators and the first-step probe), and the DDP mode's release rule
-    (:class:`~lightning_dp.privacy.sign_privatizer.SignVotePrivatizer`: its own noise σC, then the sign).
+    (:class:`~lightning_dp.sign_sgd.privatizer.SignVotePrivatizer`: its own noise σC, then the sign).
     The server votes and the parameters move by η·vote; the step's ledger is charged one round per step.
 
     Args:

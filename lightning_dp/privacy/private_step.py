@@ -29,7 +29,6 @@ Plain PyTorch (``examples/plain_pytorch.py``)::
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -43,40 +42,31 @@ from torch.utils.data import DataLoader
 from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.losses import loss_tensor, mean_loss  # noqa: F401  (the loss convention, where callers import it)
 from lightning_dp.privacy.boundary import (
     ReleaseBoundary,
-    StateSnapshot,
     attribute_keys,
     gradient_hooks,
-    state_written_error,
 )
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rule
 from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
-from lightning_dp.privacy.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
+from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.records.collate import EmptySafeCollate
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
-from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, engines_after, make_engine, merge_clipped, select_engine
+from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.privatizer import Privatizer, StepPrivatizer, flat_all_reduce, validate_privacy_params
 from lightning_dp.records.recorded_batches import RecordedBatches
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
-from lightning_dp.privacy.sign_privatizer import SignVotePrivatizer
 from lightning_dp.units import UserPoissonBatchSampler, Users
 from lightning_dp.validators import validate_module
+from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one step at a time: hooks of two would mix)
-from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
-from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.schedule import VerificationSchedule
-from lightning_dp.validators.probe import (
-    PROBE_EXAMPLES,
-    ExampleIndependenceProbe,
-    StateWriteError,
-    probe_tolerance,
-)
 from lightning_dp.validators.records import check_records
 
 if TYPE_CHECKING:
@@ -143,6 +133,8 @@ def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
     if isinstance(noise, SecureGaussianNoise):
         raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
                                         "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
+    from lightning_dp.sign_sgd.privatizer import SignVotePrivatizer  # DP-SignSGD's own package (not the core's)
+
     return SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
 
 
@@ -153,7 +145,7 @@ PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]]
 """Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``)."""
 
 
-class PrivateStep:
+class PrivateStep(StepChecks):
     """The private step of the module docstring, for one model and one noise mechanism.
 
     Args:
@@ -177,7 +169,7 @@ class PrivateStep:
         verify_budget: the share of training time the later batch checks may take (``"sampled"``).
         on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
             ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
-            that fits (:mod:`~lightning_dp.privacy.budget_shortfall`).
+            that fits (:mod:`~lightning_dp.accounting.budget_shortfall`).
         clipping: the clipping policy (:mod:`~lightning_dp.clipping`; ``None``: flat clipping at
             ``max_grad_norm``). A ``max_grad_norm`` given beside it must equal its bound.
         privacy_unit: :class:`~lightning_dp.units.Users` for user-level DP (``None``: the example).
@@ -563,7 +555,7 @@ class PrivateStep:
         ledger continues) the run's σ is kept if the rest of the plan fits; if not, σ* is the smallest σ with
         ε(ledger + remaining rounds at σ) ≤ target (spent steps counted exactly). σ* within 3× of the run's σ is
         applied; beyond that, or when no σ fits, :class:`PrivacyConfigurationError` is raised before any
-        release unless ``on_budget_short="recalibrate"`` (:mod:`~lightning_dp.privacy.budget_shortfall`).
+        release unless ``on_budget_short="recalibrate"`` (:mod:`~lightning_dp.accounting.budget_shortfall`).
         Either way :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
         if self.target_epsilon is None:
             return None
@@ -675,133 +667,6 @@ class PrivateStep:
         return (f"ε = {spent:.4g} spent at δ = {self.target_delta:g} over {self.ledger.steps} release(s), "
                 f"{self.accountant} accountant")
 
-    # ------------------------------------------------------------------ the step
-    def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
-               to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function",
-               replay_hooks: Optional[Callable[[Any], None]] = None) -> None:
-        """The first step's probe on fixed, public examples (the first of this rank's shard):
-        example independence, no summed loss, every use of every parameter captured.
-
-        Args:
-            loss_of_batch: the user's forward and loss on a batch: the mean loss, a vector of
-                per-example losses (:func:`mean_loss`), or a dict holding either under ``"loss"``.
-            low_precision: looser tolerance for autocast runs.
-            to_device: moves a collated batch where the model is.
-            what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
-            replay_hooks: runs the hooks a training loop calls around a step (batch start and end) on a batch, so
-                that state they keep from it is refused before the first release (see :meth:`verify_on`).
-        """
-        assert self.plan is not None and self._batches is not None, "poisson_loader() first"
-        where = self.distribution
-        if isinstance(self._batches.inner, UserPoissonBatchSampler):  # two records of each of the first users
-            indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
-        else:
-            indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
-        replay = None if replay_hooks is None else (
-            lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True))))  # noqa: E731
-        self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
-                       low_precision, what, replay)
-
-    def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
-                  low_precision: bool = False, what: str = "the loss function",
-                  replay_hooks: Optional[Callable[[list[int]], None]] = None) -> None:
-        """:meth:`verify` on examples the caller reads itself: ``loss_of_examples(idx)`` is the loss of the
-        examples ``idx`` (a list of ``indices``' entries) in one batch. For loops without :meth:`poisson_loader`
-        (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers).
-
-        After the probe, ``replay_hooks(indices)`` (if given) runs the loop's batch hooks on these examples: a change
-        of the fingerprinted state it makes (a memory bank filled in ``on_train_batch_end``) is refused now, before
-        the first release, rather than at the next release. Everything the probe and the replay wrote is restored
-        afterwards (:class:`~lightning_dp.privacy.boundary.StateSnapshot`): they leave no trace."""
-        assert self._engine is not None and self._module is not None, "attach() first"
-        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
-        self.boundary.check_hooks(named)
-
-        def loss_of(idx: list[int]) -> Tensor:
-            return loss_tensor(loss_of_examples(idx), len(idx), what)
-
-        tol = probe_tolerance(named[0][1].dtype if named else torch.float32, low_precision)
-        params = [p for _, p in named]
-        layout = self.distribution.layout
-        leaves = None if layout is None else partial(layout.autograd_params, params)
-        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
-
-        def probe() -> None:
-            assert self._module is not None and self._engine is not None
-            state = self.boundary.fingerprint(self._module)
-            checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                               autograd_params=leaves, state=state, isolated=self.examples_alone,
-                                               clipping=self.clipping, grouped=self.users is not None)
-            checked.run(list(indices))
-            self._random_step, self._tolerance_low = checked.random, low_precision
-            self._compute_dtype = checked.compute_dtype
-
-        try:
-            with forked_rngs():
-                self._probe_engines(probe)
-                if replay_hooks is not None:
-                    self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
-                                       "found state kept by the batch hooks (the release boundary)")
-        finally:
-            snapshot.restore()  # the probe's passes leave no trace in the user's state (metrics, lists, counters)
-        self._verified = True
-        self.boundary.ensure_baseline()
-
-    # ------------------------------------------------------------------ the batch check
-    def batch_check_due(self) -> bool:
-        """Whether this step's batch is checked (:attr:`schedule`; call once per step, before :meth:`check_batch`).
-        Every rank decides alike (one all-reduce of the decision when distributed); never under FSDP2 sharding, whose
-        passes would need every rank in lockstep."""
-        due = self.schedule.due()
-        if self.distribution.layout is not None or self.examples_alone:
-            return False
-        if self.distribution.all_reduce is None:
-            return due
-        assert self._module is not None
-        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
-        flag = torch.tensor([float(due and self.distribution.rank == 0)], device=device)
-        self.distribution.all_reduce(flag)
-        return bool(flag.item() > 0)
-
-    def check_batch(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int], step: int,
-                    max_examples: int = 128, as_of: str = "", charge: bool = True) -> None:
-        """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's sampled examples,
-        before its release: ``loss_of_examples(idx)`` is the user's loss of the examples ``idx`` as one batch.
-        Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
-        whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
-        ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
-        counts against the schedule's budget (not for the first step's checks)."""
-        assert self._module is not None and self._engine is not None
-        start = time.perf_counter()
-        named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        reference = params[0] if params else torch.zeros(())
-        dtype = reference.dtype
-        if self._compute_dtype is not None and torch.finfo(self._compute_dtype).eps > torch.finfo(dtype).eps:
-            dtype = self._compute_dtype
-        tol = batch_tolerance(dtype, reference.device, self._tolerance_low)
-        error: Optional[PrivacyConfigurationError] = None
-
-        def loss_of(idx: list[int]) -> Tensor:
-            return loss_tensor(loss_of_examples(idx), len(idx), "training_step")
-
-        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
-        try:
-            with forked_rngs():
-                BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                      rng=self.schedule.rng, max_examples=max_examples).check(
-                    indices, step, self._random_step, as_of)
-        except PrivacyConfigurationError as err:
-            error = err
-        finally:
-            snapshot.restore()
-            if charge:
-                self.schedule.checked(time.perf_counter() - start)
-        refused, _ = self._refused_anywhere(error is not None, False)
-        if error is not None:
-            raise error
-        if refused:
-            raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
 
     def check_kept(self, where: str) -> None:
         """The release boundary's comparison of the kept state with the last update's (:meth:`ReleaseBoundary.check_kept`),
@@ -827,62 +692,6 @@ class PrivateStep:
         if error is not None:
             raise error
 
-    def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
-        """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""
-        assert self._module is not None and self._engine is not None
-        fingerprint = self.boundary.fingerprint(self._module)
-        before = fingerprint.take(self.boundary.callbacks(), full=True)
-        try:
-            replay_hooks(indices)
-        except PrivacyConfigurationError:
-            raise
-        except Exception:  # noqa: BLE001  (a hook that needs more of the loop than a replay gives: checked per step)
-            pass
-        finally:
-            self._engine.begin_step(None)
-        changed = fingerprint.changed(before, fingerprint.take(self.boundary.callbacks(), full=True))
-        if changed:
-            raise state_written_error(changed, "in the hooks the loop runs around a step (on_train_batch_start, "
-                                               "on_before_backward, on_train_batch_end), replayed on the first step's "
-                                               "examples before any release")
-
-    def _probe_engines(self, probe: Callable[[], None]) -> None:
-        """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it
-        refuses gives way to the next engine of :func:`~lightning_dp.grad_sample.auto.engines_after`, probed
-        again from the start; the first engine the probe passes trains, with a warning naming the refusal. A forward
-        that wrote the model's own state (:class:`~lightning_dp.validators.probe.StateWriteError`) is
-        refused at once: the model's doing, and already done. Every rank takes the same engine: each attempt ends
-        with one all-reduce of the counts of ranks that refused and that found a state write, and the next engine
-        is tried while any refused. None passing: the first engine's refusal, naming the others'."""
-        assert self._module is not None
-        refusals: list[tuple[str, PrivacyConfigurationError]] = []
-        tried: list[str] = []
-        later: Optional[list[str]] = None
-        while True:
-            error: Optional[PrivacyConfigurationError] = None
-            try:
-                probe()
-            except PrivacyConfigurationError as err:
-                error = err
-                refusals.append((self.engine_name, err))
-            refused, final = self._refused_anywhere(error is not None, isinstance(error, StateWriteError))
-            if not refused:
-                break
-            tried.append(self.engine_name)
-            if final:
-                raise error if isinstance(error, StateWriteError) else \
-                    _another_rank_error("(the first step's probe) wrote the model's own state in its forward")
-            if later is None:
-                later = (engines_after(self._module, self.engine_name, self.views_per_example)
-                         if self._auto and self.distribution.layout is None else [])
-            if not later:
-                raise _probe_refusal(refusals, self.engine_name)
-            self._switch_engine(later.pop(0))
-        if tried and self.distribution.rank == 0:  # every rank took the same engine: one warning
-            why = f" The refusal: {_headline(refusals[0][1])}." if refusals else ""
-            warnings.warn(
-                f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
-                f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
 
     def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
         """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
@@ -1126,66 +935,3 @@ def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
     return ClippedBatch(zeros, squares, batch.norms[:0], 0)
 
 
-def mean_loss(out: Any, n: int) -> Any:
-    """``out`` (a loss, or a dict with ``"loss"``) with a vector of n per-example losses replaced by its
-    mean: the per-example loss convention (each example's loss is its own, the batch loss their mean)."""
-    loss = out.get("loss") if isinstance(out, dict) else out
-    if isinstance(loss, Tensor) and loss.dim() == 1:
-        if loss.shape[0] != n:
-            raise PrivacyConfigurationError(
-                f"the step returned a loss vector of {loss.shape[0]} entries for a batch of {n} examples: return "
-                "the mean loss, or one loss per example (e.g. lightning_dp.per_example_token_mean for token losses).")
-        loss = loss.mean()
-        return {**out, "loss": loss} if isinstance(out, dict) else loss
-    return out
-
-
-def loss_tensor(out: Any, n: int, what: str = "training_step") -> Tensor:
-    """The loss tensor of ``out`` (:func:`mean_loss` of n examples; from a dict's ``"loss"``), or the refusal of a step
-    that returned none: which sampled batches were skipped would depend on private data."""
-    loss = mean_loss(out, n)
-    loss = loss.get("loss") if isinstance(loss, dict) else loss
-    if not isinstance(loss, Tensor):
-        raise PrivacyConfigurationError(
-            f"{what} returned {type(out).__name__} without a loss: the mechanism needs the mean loss (or the vector of "
-            "per-example losses) on every step; skipping a sampled batch would depend on private data (which batches "
-            "were skipped is released by the missing update). Return the loss on every step; to ignore some examples, "
-            "zero their per-example losses instead.")
-    return loss
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def _headline(err: BaseException) -> str:
-    """The refusal's first clause (up to its first ':' or '('): a warning that training goes on carries no details
-    that could quote the data."""
-    line = _first_line(err)
-    cut = min((i for i in (line.find(":"), line.find("(")) if i > 0), default=len(line))
-    return line[:cut].strip()
-
-
-def _another_rank_error(what: str) -> PrivacyConfigurationError:
-    """The error of a rank whose own check passed while another rank's refused (every rank stops alike)."""
-    return PrivacyConfigurationError(
-        f"A check on another rank's examples {what} (this rank's check passed): see that rank's error. Nothing was "
-        "released.")
-
-
-def _probe_refusal(refusals: Sequence[tuple[str, PrivacyConfigurationError]], engine: str) -> PrivacyConfigurationError:
-    """The error of a probe no engine passed: the first engine's refusal (``auto``'s first choice: its cause and fix
-    first), then one short line naming the other engines tried, with their refusals' headlines only where they differ
-    from the first's (a summed loss is refused alike by every engine: said once). The first refusal itself is returned
-    with that line appended, so its traceback and cause (an engine's own failure) stay and nothing is printed twice. A
-    rank whose own probe passed while another rank's refused says so."""
-    if not refusals:
-        return _another_rank_error(f"(the first step's probe) refused engine '{engine}'")
-    first = refusals[0][1]
-    if len(refusals) == 1:
-        return first
-    same = [name for name, err in refusals[1:] if _headline(err) == _headline(first)]
-    other = [f"'{name}': {_headline(err)}" for name, err in refusals[1:] if _headline(err) != _headline(first)]
-    parts = ([f"{', '.join(map(repr, same))}: the same refusal"] if same else []) + other
-    first.args = (f"{first}\n(per_sample='auto' also tried {'; '.join(parts)}.)",)
-    return first

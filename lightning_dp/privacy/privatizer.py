@@ -45,7 +45,7 @@ def validate_privacy_params(noise_multiplier: float, max_grad_norm: float) -> No
 
 class StepPrivatizer(Protocol):
     """What the private step asks of a release rule: the noised mean (:class:`Privatizer`) and the
-    DP-SignSGD vote (:class:`~lightning_dp.privacy.sign_privatizer.SignVotePrivatizer`) both fit."""
+    DP-SignSGD vote (:class:`~lightning_dp.sign_sgd.privatizer.SignVotePrivatizer`) both fit."""
 
     noise: NoiseMechanism
 

@@ -254,7 +254,7 @@ def test_a_summed_loss_refused_by_every_engine_is_said_once_cause_and_fix_first(
 
 
 def test_other_engines_reasons_are_one_line_of_headlines_only_where_they_differ():
-    from lightning_dp.privacy.private_step import _probe_refusal
+    from lightning_dp.validators.step_checks import _probe_refusal
 
     cause = RuntimeError("an engine's own failure")
     first = PrivacyConfigurationError("Examples interact (parameter a.weight): the details.")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.sign_vote import majority_vote
+from lightning_dp.sign_sgd.vote import majority_vote
 from lightning_dp.optim.sign_sgd import DPSignSGD, VirtualWorkersSignSGD
 
 

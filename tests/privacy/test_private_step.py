@@ -14,7 +14,8 @@ from lightning_dp.accounting import ledger_epsilon
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.privacy.release import Release
 from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
-from lightning_dp.privacy.private_step import PrivateStep, mean_loss
+from lightning_dp.losses import mean_loss
+from lightning_dp.privacy.private_step import PrivateStep
 from lightning_dp.optim import DPSignSGD
 from lightning_dp.errors import PrivacyConfigurationError
 

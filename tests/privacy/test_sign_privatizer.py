@@ -3,7 +3,7 @@ from torch import nn
 
 from lightning_dp.grad_sample import ClippedBatch
 from lightning_dp.privacy.release import DEFAULT_REQUEST
-from lightning_dp.privacy.sign_privatizer import SignVotePrivatizer
+from lightning_dp.sign_sgd.privatizer import SignVotePrivatizer
 
 
 def test_one_worker_writes_the_sign_of_the_noisy_sum():

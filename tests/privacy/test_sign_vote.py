@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from scipy import stats
 
 from lightning_dp.grad_sample.base import clip_and_sum_materialised
-from lightning_dp.privacy.sign_vote import (
+from lightning_dp.sign_sgd.vote import (
     SIGN_DTYPE,
     all_reduce_vote,
     all_reduce_votes,

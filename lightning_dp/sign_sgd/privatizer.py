@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_dp.privacy.engine import ClippedBatch
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Release
-from lightning_dp.privacy.sign_vote import SIGN_DTYPE, all_reduce_votes
+from lightning_dp.sign_sgd.vote import SIGN_DTYPE, all_reduce_votes
 
 
 class SignVotePrivatizer:
