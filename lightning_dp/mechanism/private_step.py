@@ -248,6 +248,7 @@ class PrivateStep:
         self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
+        self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
 
     # ------------------------------------------------------------------ model
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer] = None,
@@ -321,6 +322,7 @@ class PrivateStep:
         """Replace the attached engine by a fresh engine ``name`` (auto's next choice after a refused probe)."""
         assert self._engine is not None and self._module is not None
         engine = self._engine_for(self._module, name, self.distribution)
+        self.discard_noise()
         self._engine.detach()
         hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
         engine.attach(self._module)
@@ -346,7 +348,10 @@ class PrivateStep:
         return True
 
     def detach(self) -> None:
-        """Remove the engine's hooks from the model."""
+        """Remove the engine's hooks from the model; drop the noise drawn ahead and join its worker."""
+        for noise in {id(n): n for n in (self.noise, getattr(self._privatizer, "noise", None))
+                      if isinstance(n, NoiseMechanism)}.values():
+            noise.close()
         if self._engine is not None:
             self._engine.detach()
             self._engine = None
@@ -573,6 +578,7 @@ class PrivateStep:
         (e.g. :class:`~lightning_dp.callbacks.PrivacyBudget`'s target) for a step that charges a round."""
         index = self.steps_taken if step is None else step
         if not self.affordable(index):
+            self.discard_noise()  # not released: the noise drawn ahead for it goes too
             return (f"its release would spend more than target_epsilon = {self.target_epsilon} "
                     f"({self._spent_text()})")
         if self.noise_multiplier is None or self.plan is None or self.rounds_at(index) == 0:
@@ -580,8 +586,17 @@ class PrivateStep:
         for guard in list(self.release_guards):
             reason = guard(self.noise_multiplier, self.plan.sample_rate)
             if reason:
+                self.discard_noise()
                 return reason
         return None
+
+    def discard_noise(self) -> None:
+        """Drop the noise drawn ahead for the next release (:mod:`~lightning_dp.mechanism.noise_prefetch`): called
+        wherever a step will not be released (refused, unaffordable, raised) or the next release's tensors change
+        (parameter set, engine, restored state), so a draw made for one release is never used by another."""
+        mechanisms = [self.noise, getattr(self._privatizer, "noise", None)]
+        for noise in {id(n): n for n in mechanisms if isinstance(n, NoiseMechanism)}.values():
+            noise.discard_prefetched()
 
     def _spent_text(self) -> str:
         """ε spent so far, at ``target_delta`` by the run's accountant, for messages."""
@@ -817,6 +832,8 @@ class PrivateStep:
         """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
         every hooked layer is checked against it. Returns the count."""
         assert self._engine is not None, "attach() first"
+        if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
+            self.discard_noise()
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
@@ -824,6 +841,7 @@ class PrivateStep:
         n = len(self.take()) if num_examples is None else num_examples
         self._engine.begin_step(n)
         self._examples = n
+        self._open_batch = True
         return n
 
     def expect_request(self, optimizer: Optional[Optimizer]) -> MechanismRequest:
@@ -840,11 +858,13 @@ class PrivateStep:
         """Drop what the engine captured since :meth:`begin` (a stand-in pass run only to join collectives)."""
         assert self._engine is not None, "attach() first"
         self._engine.begin_step(None)
+        self._open_batch = False
 
     def bank(self) -> None:
         """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
         part = self._clipped()
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+        self._open_batch = False
 
     def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
         assert self._engine is not None
@@ -862,6 +882,7 @@ class PrivateStep:
             raise RuntimeError("call verify() or verify_on() before taking clipped sums: the probe checks the "
                                "assumptions the guarantee rests on")
         batch = self._clipped(max_grad_norm)
+        self._open_batch = False
         if self._pending is not None:
             batch, self._pending = merge_clipped(self._pending, batch), None
         return batch
@@ -890,7 +911,18 @@ class PrivateStep:
             self._pending = None
             raise PrivacyConfigurationError(
                 f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
-        assert self._module is not None
+        self._open_batch = False
+        try:
+            return self._release(index, optimizer, empty)
+        except BaseException:
+            self.discard_noise()  # a release that raised leaves no draw for the next one
+            raise
+
+    def _release(self, index: int, optimizer: Optional[Optimizer], empty: bool) -> Release:
+        """:meth:`release` once it may release step ``index``: the boundary's checks, the clipped sums, the noise,
+        the ledger."""
+        assert self._module is not None and self._privatizer is not None and self.plan is not None
+        assert self.noise_multiplier is not None
         target = optimizer if optimizer is not None else self._optimizer
         self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
                            "refused its release (the release boundary)")
@@ -965,6 +997,7 @@ class PrivateStep:
         if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
             self.noise_multiplier = float(state["noise_multiplier"])
         self.noise.load_state_dict(state.get("noise", {}))
+        self.discard_noise()  # never a draw made before the restore
         self.steps_taken = int(state.get("steps_taken", self.steps_taken))
         if state.get("sample_rate") is not None:
             self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
