@@ -145,6 +145,20 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: float) -> tuple[Tensor, Tensor]:
+    """(norms, clip factors) of n examples from their squared norms per part (layer, parameter), each ``[n]``.
+
+    The sum over parts and the factor are taken in float64, the only place the norms are wider than the gradients:
+    the bound ‖c_i g_i‖ ≤ C is a statement about the whole gradient, and a float32 sum of L parts carries a relative
+    error up to L·2⁻²⁴ (10⁻⁵ at a few hundred layers) that would let c_i g_i exceed C by as much. Each part stays in
+    its own dtype (a per-layer reduction is accurate to its own rounding); the n-vectors cost nothing. Returned in
+    the parts' dtype, ready for the contractions: c_i ‖g_i‖ ≤ C(1 + 2⁻²⁴) in float32."""
+    dtype = sq_parts[0].dtype
+    sq = torch.stack(list(sq_parts)).sum(0, dtype=torch.float64).clamp_min(0)
+    norms = sq.sqrt()
+    return norms.to(dtype), clip_factors(norms, max_grad_norm).to(dtype)
+
+
 def clip_and_sum_materialised(
     params: Sequence[nn.Parameter],
     grad_samples: Sequence[Tensor],
@@ -166,9 +180,8 @@ def clip_and_sum_materialised(
         zeros = {p: torch.zeros_like(p) for p in params}
         squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
         return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
-    sq_norms = torch.stack([gs.reshape(b, -1).pow(2).sum(1) for gs in grad_samples], dim=0).sum(0)
-    norms = sq_norms.sqrt()
-    factors = clip_factors(norms, max_grad_norm)
+    norms, factors = clip_from_parts([torch.linalg.vector_norm(gs.reshape(b, -1), dim=1).square()
+                                      for gs in grad_samples], max_grad_norm)  # no g² temporary
     sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
     squares = None
     if with_squares:

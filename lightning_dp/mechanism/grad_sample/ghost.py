@@ -43,7 +43,7 @@ from lightning_dp.mechanism.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
     ParamMap,
-    clip_factors,
+    clip_from_parts,
     register_engine,
 )
 from lightning_dp.mechanism.capture import (
@@ -700,11 +700,10 @@ class GhostEngine(GradSampleEngine):
         shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
         reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
                 for p in shared}
-        sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
+        parts = [st.sq_norms for st in stats.values()]
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
-            sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
-        norms = sq.clamp_min(0).sqrt()
-        c = clip_factors(norms, max_grad_norm)
+            parts += [2 * cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:]]
+        norms, c = clip_from_parts(parts, max_grad_norm)  # summed over layers in float64
         if self.stream_sums and not with_squares:
             keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}  # stats by parameter: root-owned and unused ones
