@@ -118,13 +118,14 @@ def noise_plan(tensors: Sequence[Tensor]) -> Plan:
         key = (t.device, t.dtype)
         open_.setdefault(key, [])
         sizes.setdefault(key, 0)
-        flat = t.view(-1)
-        for start in range(0, flat.numel(), step):
-            piece = flat[start : start + step]
-            if sizes[key] + piece.numel() > step:
+        flat, numel = t.view(-1), t.numel()
+        for start in range(0, numel, step):
+            piece = flat if numel <= step else flat[start : start + step]  # (no slice for a tensor in one piece)
+            size = min(step, numel - start)
+            if sizes[key] + size > step:
                 close(key)
             open_[key].append(piece)
-            sizes[key] += piece.numel()
+            sizes[key] += size
     for key in list(open_):
         close(key)
     return plan

@@ -866,22 +866,26 @@ class PrivateStep:
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
         self._open_batch = False
 
-    def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+    def _clipped(self, max_grad_norm: Optional[float] = None,
+                 params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         assert self._engine is not None
         request = self._request
         bound = self.max_grad_norm if max_grad_norm is None else max_grad_norm
-        return self._engine.clip_and_sum(self.params(), bound, request.scale, request.second_moment)
+        return self._engine.clip_and_sum(self.params() if params is None else params, bound, request.scale,
+                                         request.second_moment)
 
-    def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+    def clipped_sums(self, max_grad_norm: Optional[float] = None,
+                     params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
         before any noise: what :meth:`release` privatises, and what release rules run outside it take (the
         caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
-        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines).
+        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines); ``params``: the
+        trainable parameters (:meth:`params`) when the caller has them already (one module walk per step).
         Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
         if not self._verified:
             raise RuntimeError("call verify() or verify_on() before taking clipped sums: the probe checks the "
                                "assumptions the guarantee rests on")
-        batch = self._clipped(max_grad_norm)
+        batch = self._clipped(max_grad_norm, params)
         self._open_batch = False
         if self._pending is not None:
             batch, self._pending = merge_clipped(self._pending, batch), None
@@ -927,7 +931,7 @@ class PrivateStep:
         self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
                            "refused its release (the release boundary)")
         params = self.params()
-        batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
+        batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
         if empty:
             batch = _zero_clipped_batch(batch)
         request, expected = self._request, self.plan.expected_batch_size

@@ -146,15 +146,16 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
 
 
 def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: float) -> tuple[Tensor, Tensor]:
-    """(norms, clip factors) of n examples from their squared norms per part (layer, parameter), each ``[n]``.
+    """(norms, clip factors) of n examples from their squared norms per part (layer, parameter), each ``[n]`` (or
+    ``[L, n]`` for L stacked layers).
 
     The sum over parts and the factor are taken in float64, the only place the norms are wider than the gradients:
     the bound ‖c_i g_i‖ ≤ C is a statement about the whole gradient, and a float32 sum of L parts carries a relative
     error up to L·2⁻²⁴ (10⁻⁵ at a few hundred layers) that would let c_i g_i exceed C by as much. Each part stays in
     its own dtype (a per-layer reduction is accurate to its own rounding); the n-vectors cost nothing. Returned in
     the parts' dtype, ready for the contractions: c_i ‖g_i‖ ≤ C(1 + 2⁻²⁴) in float32."""
-    dtype = sq_parts[0].dtype
-    sq = torch.stack(list(sq_parts)).sum(0, dtype=torch.float64).clamp_min(0)
+    dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
+    sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
     norms = sq.sqrt()
     return norms.to(dtype), clip_factors(norms, max_grad_norm).to(dtype)
 

@@ -60,6 +60,7 @@ from lightning_dp.mechanism.grad_sample.attention_projections import projection_
 from lightning_dp.mechanism.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
 from lightning_dp.mechanism.grad_sample.linear_forms import form_stats
 from lightning_dp.mechanism.grad_sample.recurrent_forward import taped_forward
+from lightning_dp.mechanism.grad_sample.layer_groups import stack_small_layers
 from lightning_dp.mechanism.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
@@ -451,7 +452,9 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
         dims = tuple(range(1, x.dim() - k))
     n = d.shape[0]
     grads = {}
-    for pname, _ in direct_trainable(m):
+    for pname, p in m._parameters.items():  # a plain norm layer's own (direct_trainable, without its module walk)
+        if p is None or not p.requires_grad:
+            continue
         g = d * xhat if pname == "weight" else d
         grads[pname] = (g.sum(dims) if dims else g) * n
     return grads
@@ -695,12 +698,13 @@ class GhostEngine(GradSampleEngine):
             zeros = {p: torch.zeros_like(p) for p in params}
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
-        stats = self._layer_stats(params, layers, n, scale, with_squares)
         ran = {p: self._owners_that_ran(p, layers) for p in params}
         shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
+        stackable = scale is None and not with_squares and not self.stream_sums
+        stats, groups = self._layer_stats(params, layers, n, scale, with_squares, ran, stackable and not shared)
         reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
                 for p in shared}
-        parts = [st.sq_norms for st in stats.values()]
+        parts = [st.sq_norms for st in [*stats.values(), *groups]]
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
             parts += [2 * cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:]]
         norms, c = clip_from_parts(parts, max_grad_norm)  # summed over layers in float64
@@ -710,7 +714,7 @@ class GhostEngine(GradSampleEngine):
             return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
-        for st in stats.values():
+        for st in [*stats.values(), *groups]:
             for p, v in st.sums(c).items():  # a tied weight gets every owner's contraction
                 sums[p] = sums[p] + v if p in sums else v
             if squares is not None:
@@ -722,14 +726,17 @@ class GhostEngine(GradSampleEngine):
         return ClippedBatch({p: sums[p] for p in params},
                             None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
 
-    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale,
-                     with_squares) -> dict[int, LayerStats]:
-        """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner)."""
+    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale, with_squares,
+                     ran: dict[Tensor, list], stackable: bool) -> tuple[dict[int, LayerStats], list[LayerStats]]:
+        """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner), and, when
+        ``stackable`` (no scale, no squares, no streaming, no tied weight), the groups of small layers of one shape
+        that are clipped together instead (:mod:`.layer_groups`)."""
         wanted_set = set(params)
         stats: dict[int, LayerStats] = {}
+        modules: dict[int, nn.Module] = {}
         roots = self._capture.roots
         for p in params:
-            owners = [] if roots.owns(p) else self._owners_that_ran(p, layers)
+            owners = [] if roots.owns(p) else ran[p]
             direct = roots.direct(p, bool(owners))  # read outside any layer (root_parameters.py)
             if direct is not None:
                 stats[id(p)] = MaterialisedStats({p: direct}, scale)
@@ -740,9 +747,15 @@ class GhostEngine(GradSampleEngine):
                 stats[id(p)] = UnusedStats(p, n)
                 continue
             for mod, _, _ in owners:
-                if id(mod) not in stats:
-                    stats[id(mod)] = stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)
-        return stats
+                modules.setdefault(id(mod), mod)
+        wanted = {key: _wanted(mod, wanted_set) for key, mod in modules.items()}
+        groups: list[LayerStats] = []
+        if stackable:
+            groups, served = stack_small_layers({key: (layers[key], wanted[key]) for key in modules}, n)
+            modules = {key: mod for key, mod in modules.items() if key not in served}
+        for key in modules:
+            stats[key] = stats_for(layers[key], wanted[key], n, scale, with_squares)
+        return stats, groups
 
     def _owners_that_ran(self, p: Tensor, layers: dict[int, LayerCalls]) -> list[tuple[nn.Module, str, str]]:
         """The owners of ``p`` whose calls were captured this step. An owner that did not run adds nothing
