@@ -74,6 +74,11 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         max_physical_batch_size: split larger Poisson batches into physical batches of at
             most this many examples (forward + backward each, clipped sums accumulated);
             noise is still added once per logical step. ``None``: never split.
+        fixed_batch_size: F: every physical batch is exactly F rows (fixed shapes, e.g. for ``torch.compile``): the
+            Poisson batch's examples, then padding rows (zeroed records, clip factor 0: they add exactly nothing); a
+            larger Poisson batch runs as several padded physical batches. Nothing is truncated, so the accounting is
+            unchanged (:mod:`lightning_dp.mechanism.fixed_batch`). Costs the padding rows' compute; the logged loss is
+            the mean over the F rows. Not with ``max_physical_batch_size``. ``None`` (default): Poisson shapes.
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, ALGORITHMS.md §7), or a
@@ -147,6 +152,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         accountant: str = "rdp",
         per_sample: str = "auto",
         max_physical_batch_size: Optional[int] = None,
+        fixed_batch_size: Optional[int] = None,
         noise: Optional[Union[str, NoiseMechanism]] = None,
         bands: int = 1,
         sampler_seed: Optional[int] = None,
@@ -182,7 +188,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             noise=noise, bands=bands, sampler_seed=sampler_seed, secure_mode=secure_mode,
             resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
             public_state=public_state, verify=verify, verify_budget=verify_budget,
-            on_budget_short=on_budget_short,
+            on_budget_short=on_budget_short, fixed_batch_size=fixed_batch_size,
         )
 
     def __repr__(self) -> str:

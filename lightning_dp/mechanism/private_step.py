@@ -56,6 +56,7 @@ from lightning_dp.mechanism.collate import EmptySafeCollate
 from lightning_dp.mechanism.csprng import SecureGaussianNoise
 from lightning_dp.mechanism.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.mechanism.fetch import fetch, reads_per_index, reseed, seeded
+from lightning_dp.mechanism.fixed_batch import PaddedCollate, check_fixed_batch_size
 from lightning_dp.mechanism.grad_sample import ClippedBatch, GradSampleEngine, make_engine
 from lightning_dp.mechanism.grad_sample.auto import engines_after, select_engine
 from lightning_dp.mechanism.grad_sample.base import merge_clipped
@@ -181,6 +182,9 @@ class PrivateStep:
         on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
             ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
             that fits (:mod:`~lightning_dp.mechanism.budget_shortfall`).
+        fixed_batch_size: F: every physical batch is exactly F rows, the Poisson sample's examples then padding rows
+            whose clip factor is 0 (:mod:`~lightning_dp.mechanism.fixed_batch`: the accounting is unchanged). The
+            loader pads (:meth:`poisson_loader`); :meth:`begin` takes the padding count.
 
     The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
     model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
@@ -202,8 +206,12 @@ class PrivateStep:
         verify: str = "sampled",
         verify_budget: float = 0.02,
         on_budget_short: str = "refuse",
+        fixed_batch_size: Optional[int] = None,
     ) -> None:
         self.on_budget_short = check_on_budget_short(on_budget_short)
+        self.fixed_batch_size = None if fixed_batch_size is None else check_fixed_batch_size(fixed_batch_size)
+        self._padder: Optional[PaddedCollate] = None
+        self._padding = 0  # padding rows of the physical batch begun last (fixed_batch_size)
         if not (isinstance(views_per_example, int) and views_per_example >= 1):
             raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0, max_grad_norm)
@@ -309,6 +317,10 @@ class PrivateStep:
                 f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
                 "multiplicity): use per_sample='auto', 'vmap' or 'opacus_hooks'.")
         engine.views_per_example = self.views_per_example
+        if self.fixed_batch_size is not None and not engine.supports_padding:
+            raise PrivacyConfigurationError(
+                f"engine '{engine.name}' cannot clip padded batches (fixed_batch_size): use per_sample='auto', "
+                "'ghost', 'vmap' or 'opacus_hooks'.")
         if distribution.layout is not None and hasattr(engine, "stream_sums"):
             engine.stream_sums = True  # the sharded privatizer reads one parameter's sum at a time
         problems = [f"engine '{engine.name}' cannot serve layer {what}" for what in engine.unsupported_layers(module)]
@@ -388,8 +400,11 @@ class PrivateStep:
         sampler.step = start_step
         self._batches = RecordedBatches(sampler, population.indices)
         dl = dataloader
+        collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)
+        if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
+            collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)
         kwargs: dict[str, Any] = dict(
-            num_workers=dl.num_workers, collate_fn=EmptySafeCollate(dl.dataset, dl.collate_fn),
+            num_workers=dl.num_workers, collate_fn=collate,
             pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
             multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
         )
@@ -422,6 +437,13 @@ class PrivateStep:
         if self._batches is None:
             raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
         return self._batches.take()
+
+    def padded_examples(self, indices: Sequence[int], padding: int) -> Any:
+        """The examples ``indices`` and ``padding`` padding records after them, collated by the user's ``collate_fn``
+        (fixed-shape batches: :mod:`~lightning_dp.mechanism.fixed_batch`)."""
+        assert self._source is not None and self._padder is not None, "poisson_loader() with fixed_batch_size first"
+        dataset, collate = self._source
+        return collate(list(fetch(dataset, indices)) + self._padder.padding(padding))
 
     def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
         """The examples ``indices`` read as the loader's fetcher reads them (the dataset's ``__getitems__``
@@ -828,9 +850,10 @@ class PrivateStep:
         """Whether :meth:`verify` has passed in this process."""
         return self._verified
 
-    def begin(self, num_examples: Optional[int] = None) -> int:
-        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
-        every hooked layer is checked against it. Returns the count."""
+    def begin(self, num_examples: Optional[int] = None, padding: int = 0) -> int:
+        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch), followed by
+        ``padding`` padding rows (fixed-shape batches: clip factor 0, not counted); every hooked layer is checked
+        against the n + padding rows. Returns the count of examples."""
         assert self._engine is not None, "attach() first"
         if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
             self.discard_noise()
@@ -839,8 +862,8 @@ class PrivateStep:
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
                 "re-attached; call verify(...) again before the next release.")
         n = len(self.take()) if num_examples is None else num_examples
-        self._engine.begin_step(n)
-        self._examples = n
+        self._engine.begin_step(n + padding)
+        self._examples, self._padding = n, padding
         self._open_batch = True
         return n
 
@@ -871,8 +894,12 @@ class PrivateStep:
         assert self._engine is not None
         request = self._request
         bound = self.max_grad_norm if max_grad_norm is None else max_grad_norm
-        return self._engine.clip_and_sum(self.params() if params is None else params, bound, request.scale,
-                                         request.second_moment)
+        self._engine.padding_rows = self._padding  # only around this call: the probe's and checks' batches hold none
+        try:
+            return self._engine.clip_and_sum(self.params() if params is None else params, bound, request.scale,
+                                             request.second_moment)
+        finally:
+            self._engine.padding_rows, self._padding = 0, 0
 
     def clipped_sums(self, max_grad_norm: Optional[float] = None,
                      params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:

@@ -65,6 +65,12 @@ class GradSampleEngine(ABC):
     views_per_example: int = 1
     """K: rows per example (each example's K augmented views, consecutive); set before :meth:`attach`.
     :meth:`begin_step` still counts examples; K > 1 needs :attr:`supports_views`."""
+    supports_padding: ClassVar[bool] = False
+    """Whether :meth:`clip_and_sum` honours :attr:`padding_rows` (fixed-shape batches)."""
+    padding_rows: int = 0
+    """Rows (examples) at the end of the current physical batch that are padding, not examples (fixed-shape batches,
+    :mod:`~lightning_dp.mechanism.fixed_batch`): their clip factors are 0, so they add exactly nothing to the sums,
+    and they are left out of the norms and the count. Set by the private step around :meth:`clip_and_sum` only."""
 
     @abstractmethod
     def attach(self, module: nn.Module) -> None:
@@ -145,7 +151,7 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
-def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: float) -> tuple[Tensor, Tensor]:
+def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: float, padding: int = 0) -> tuple[Tensor, Tensor]:
     """(norms, clip factors) of n examples from their squared norms per part (layer, parameter), each ``[n]`` (or
     ``[L, n]`` for L stacked layers).
 
@@ -153,11 +159,17 @@ def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: float) -> tuple[T
     the bound ‖c_i g_i‖ ≤ C is a statement about the whole gradient, and a float32 sum of L parts carries a relative
     error up to L·2⁻²⁴ (10⁻⁵ at a few hundred layers) that would let c_i g_i exceed C by as much. Each part stays in
     its own dtype (a per-layer reduction is accurate to its own rounding); the n-vectors cost nothing. Returned in
-    the parts' dtype, ready for the contractions: c_i ‖g_i‖ ≤ C(1 + 2⁻²⁴) in float32."""
+    the parts' dtype, ready for the contractions: c_i ‖g_i‖ ≤ C(1 + 2⁻²⁴) in float32.
+
+    ``padding``: the last ``padding`` rows are padding (fixed-shape batches): their factors are exactly 0, so
+    Σ_i c_i g_i over the padded batch is the sum over its examples, whatever the padding rows hold."""
     dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
     sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
     norms = sq.sqrt()
-    return norms.to(dtype), clip_factors(norms, max_grad_norm).to(dtype)
+    factors = clip_factors(norms, max_grad_norm).to(dtype)
+    if padding:
+        factors[n - padding:] = 0.0
+    return norms.to(dtype), factors
 
 
 def clip_and_sum_materialised(
@@ -166,8 +178,10 @@ def clip_and_sum_materialised(
     max_grad_norm: float,
     scale: Optional[ParamMap] = None,
     with_squares: bool = False,
+    padding: int = 0,
 ) -> ClippedBatch:
-    """Shared clipping for engines that materialise per-example gradients.
+    """Shared clipping for engines that materialise per-example gradients (``padding``: rows at the end that are
+    padding, :attr:`GradSampleEngine.padding_rows`).
 
     ``grad_samples[k]`` has shape ``[b, *params[k].shape]``. Low-precision per-example
     gradients (bf16/fp16 autocast) are clipped in float32, so the clipped sum's
@@ -182,12 +196,12 @@ def clip_and_sum_materialised(
         squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
         return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
     norms, factors = clip_from_parts([torch.linalg.vector_norm(gs.reshape(b, -1), dim=1).square()
-                                      for gs in grad_samples], max_grad_norm)  # no g² temporary
+                                      for gs in grad_samples], max_grad_norm, padding)  # no g² temporary
     sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
     squares = None
     if with_squares:
         squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
-    return ClippedBatch(sums, squares, norms.detach(), b)
+    return ClippedBatch(sums, squares, norms[:b - padding].detach(), b - padding)
 
 
 def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:

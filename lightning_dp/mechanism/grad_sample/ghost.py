@@ -640,6 +640,7 @@ class GhostEngine(GradSampleEngine):
     stream_sums: bool = False
 
     name = "ghost"
+    supports_padding = True
 
     def __init__(self, skip_param_grads: bool = True) -> None:
         self.skip_param_grads = skip_param_grads
@@ -707,11 +708,13 @@ class GhostEngine(GradSampleEngine):
         parts = [st.sq_norms for st in [*stats.values(), *groups]]
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
             parts += [2 * cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:]]
-        norms, c = clip_from_parts(parts, max_grad_norm)  # summed over layers in float64
+        pad = self.padding_rows
+        norms, c = clip_from_parts(parts, max_grad_norm, pad)  # summed over layers in float64; padding rows: c = 0
         if self.stream_sums and not with_squares:
             keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}  # stats by parameter: root-owned and unused ones
-            return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
+            return ClippedBatch(StreamedSums(params, stats, keys, c), None,  # type: ignore[arg-type]
+                                norms[:n - pad].detach(), n - pad)
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
         for st in [*stats.values(), *groups]:
@@ -724,7 +727,8 @@ class GhostEngine(GradSampleEngine):
                 total = sum(dense(r, p.shape[0]) for r in rs)
                 squares[p] = torch.tensordot(c * c, total * total, dims=1).reshape(p.shape)
         return ClippedBatch({p: sums[p] for p in params},
-                            None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
+                            None if squares is None else {p: squares[p] for p in params}, norms[:n - pad].detach(),
+                            n - pad)
 
     def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale, with_squares,
                      ran: dict[Tensor, list], stackable: bool) -> tuple[dict[int, LayerStats], list[LayerStats]]:
