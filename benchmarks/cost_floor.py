@@ -10,8 +10,8 @@ round* (paired ratios). Every mode trains on exactly B rows, with Adam:
 
 * ``nonprivate``: forward, mean loss, backward, Adam step.
 * ``ldp``: lightning_dp's whole private step in a plain loop (:class:`~lightning_dp.mechanism.private_step.PrivateStep`,
-  ghost engine): the release boundary's checks, clipping, noise once (drawn ahead: ``noise_prefetch``), ÷B, the
-  ledger, Adam step, the boundary's fingerprint after it.
+  ghost engine, the defaults): the release boundary's checks, clipping, noise once (drawn ahead when a CPU is free:
+  ``noise_prefetch``, ``prefetch="auto"``), ÷B, the ledger, Adam step, the boundary's fingerprint after it.
 * ``ldp_sync``: the same, the noise drawn at the release (``GaussianNoise(prefetch=False)``).
 * ``opacus_ghost``: Opacus' ghost clipping (``GradSampleModuleFastGradientClipping`` + ``DPOptimizerFastGradientClipping``
   + ``DPLossFastGradientClipping``: two backward passes).
@@ -114,7 +114,7 @@ def ldp(prefetch: bool) -> Callable[..., Callable[[], None]]:
 
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         try:
-            noise = GaussianNoise(prefetch=prefetch)
+            noise = GaussianNoise() if prefetch else GaussianNoise(prefetch=False)  # the default: prefetch="auto"
         except TypeError:  # a version without noise_prefetch (a "before" run): noise drawn at the release
             noise = GaussianNoise()
         step = PrivateStep(SIGMA, CLIP, noise, engine="ghost", sampler_seed=0)

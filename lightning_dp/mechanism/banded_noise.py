@@ -56,6 +56,7 @@ from lightning_dp.mechanism.banded_coefficients import (
     inverse_coefficients,
 )
 from lightning_dp.mechanism.noise import GaussianNoise, NoiseMechanism
+from lightning_dp.mechanism.noise_prefetch import Prefetch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -91,7 +92,7 @@ class BandedToeplitzNoise(NoiseMechanism):
         coefficients: Optional[Sequence[float]] = None,
         seed: Optional[int] = None,
         source: Optional[NoiseMechanism] = None,
-        prefetch: bool = True,
+        prefetch: Prefetch = "auto",
     ) -> None:
         bands = check_bands(bands)
         c = check_coefficients(fichtenberger_coefficients(bands) if coefficients is None else coefficients)

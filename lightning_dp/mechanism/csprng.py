@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.mechanism.noise import NoiseMechanism
-from lightning_dp.mechanism.noise_prefetch import DrawsAhead
+from lightning_dp.mechanism.noise_prefetch import DrawsAhead, Prefetch
 
 SUMMED_DRAWS = 4
 """2n of Holohan & Braghin §5.1 (n = 2, as Opacus): Gaussians summed per coordinate."""
@@ -69,11 +69,12 @@ class SecureGaussianNoise(DrawsAhead, NoiseMechanism):
 
     Args:
         prefetch: draw the next release's noise (on the CPU, cast to the tensors' dtype) in a worker thread while
-            the current step runs (:mod:`~lightning_dp.mechanism.noise_prefetch`); the same function draws it, so
-            the same distribution. Costs d numbers held between releases.
+            the current step runs (:mod:`~lightning_dp.mechanism.noise_prefetch`; ``"auto"``, the default: while a
+            CPU is free for the worker); the same function draws it, so the same distribution. Costs d numbers held
+            between releases.
     """
 
-    def __init__(self, prefetch: bool = True) -> None:
+    def __init__(self, prefetch: Prefetch = "auto") -> None:
         self._init_ahead(prefetch)
 
     def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.mechanism.noise_prefetch import DrawsAhead
+from lightning_dp.mechanism.noise_prefetch import DrawsAhead, Prefetch
 from lightning_dp.mechanism.seeding import secure_seed
 
 
@@ -153,13 +153,14 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
             that share one generator for sampling and noise, e.g. ``VirtualWorkersSignSGD``);
             not with ``seed``. Such a mechanism never draws ahead (the generator is not its alone).
         prefetch: draw the next release's noise while the current step runs
-            (:mod:`~lightning_dp.mechanism.noise_prefetch`; a worker thread on CPU, a side stream on CUDA).
-            The same draws from the same generators in the same order: a seeded stream is the same sequence
-            either way. Costs d numbers held between releases (d = the number of noised coordinates).
+            (:mod:`~lightning_dp.mechanism.noise_prefetch`; a worker thread on CPU, a side stream on CUDA):
+            ``"auto"`` (default: on CPU only while a CPU is free for the worker), ``True``, ``False``. The same
+            draws from the same generators in the same order: a seeded stream is the same sequence either way.
+            Costs d numbers held between releases (d = the number of noised coordinates).
     """
 
     def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: Prefetch = "auto") -> None:
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both")
         self._seed = seed
@@ -167,7 +168,7 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         self._generators: dict[torch.device, torch.Generator] = {}
         if generator is not None:
             self._generators[torch.device(generator.device)] = generator
-        self._init_ahead(prefetch and generator is None)
+        self._init_ahead(prefetch if generator is None else False)
 
     def for_rank(self, rank: int) -> "GaussianNoise":
         """A stream independent of every other rank's, for process ``rank`` of a sharded release (each rank

@@ -35,9 +35,15 @@ stream at submit (the launch returns at once), and the taking stream waits on an
 each draw is marked as used by the taking stream (``record_stream``) so the allocator never hands its memory out
 while that stream still reads it.
 
+**When.** A worker thread only helps when a CPU is free to run it: when torch's intra-op threads already take
+every CPU this process may run on, the worker would only take turns with them (measured: no gain at 2 threads on
+this repository's 2-core machine, and a worse spread). So ``prefetch="auto"`` (the mechanisms' default) draws
+ahead on CPU only while ``torch.get_num_threads()`` is below the CPUs the process may use (:func:`spare_cpu`,
+asked at every release), and always on CUDA (a side stream costs no CPU); ``True`` always, ``False`` never.
+Either way the draws are the same calls in the same order: the choice changes when a draw is made, never what.
+
 **Cost.** The prefetched draws of a step are held until the next release: d numbers in the gradients' dtype
-(the mechanism draws one model-sized noise tensor ahead instead of into a small scratch buffer). Prefetching is
-the default of the mechanisms; ``prefetch=False`` turns it off.
+(the mechanism draws one model-sized noise tensor ahead instead of into a small scratch buffer).
 
 One training thread drives a prefetcher (the release is not thread-safe either).
 """
@@ -50,7 +56,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -62,6 +68,25 @@ DrawFn = Callable[[CallKey], list[Tensor]]
 """Makes the draws of one call key (in the order the call itself makes them)."""
 
 _LIVE: "weakref.WeakSet[NoisePrefetcher]" = weakref.WeakSet()
+
+Prefetch = Union[bool, str]
+"""``"auto"`` (draw ahead where it pays: :func:`spare_cpu` on CPU, always on CUDA), ``True`` or ``False``."""
+
+
+def spare_cpu() -> bool:
+    """Whether a CPU is left for the worker: torch's intra-op threads fewer than the CPUs this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return torch.get_num_threads() < cpus
+
+
+def check_prefetch(prefetch: Any) -> Prefetch:
+    """``prefetch`` if it is ``"auto"``, ``True`` or ``False``, else ``ValueError``."""
+    if not (prefetch is True or prefetch is False or prefetch == "auto"):
+        raise ValueError(f"prefetch must be 'auto', True or False, got {prefetch!r}")
+    return prefetch
 
 
 @dataclass
@@ -195,10 +220,11 @@ class DrawsAhead:
     _prefetcher: Optional[NoisePrefetcher] = None
     _calls: Optional[list[CallKey]] = None
 
-    def _init_ahead(self, prefetch: bool) -> None:
-        self.prefetch = bool(prefetch)
-        """Whether the next release's noise is drawn during the current step (:mod:`~lightning_dp.mechanism.noise_prefetch`)."""
-        self._prefetcher = NoisePrefetcher() if prefetch else None
+    def _init_ahead(self, prefetch: Prefetch) -> None:
+        self.prefetch = check_prefetch(prefetch)
+        """Whether the next release's noise is drawn during the current step (:mod:`~lightning_dp.mechanism.noise_prefetch`):
+        ``"auto"``, ``True`` or ``False``."""
+        self._prefetcher = NoisePrefetcher() if prefetch is not False else None
         self._calls = None
 
     def _draw_key(self, key: CallKey) -> list[Tensor]:
@@ -225,7 +251,10 @@ class DrawsAhead:
             prefetcher.discard()
             raise
         calls, self._calls = self._calls, None
-        prefetcher.submit(calls, self._draw_key, self._stream_device(calls))
+        stream = self._stream_device(calls)
+        if self.prefetch == "auto" and stream is None and not spare_cpu():
+            return  # no CPU free for a worker: the next release draws at its calls
+        prefetcher.submit(calls, self._draw_key, stream)
 
     def _ahead(self, key: CallKey) -> Optional[list[Tensor]]:
         """Inside :meth:`step`: the draws made ahead for ``key``, or ``None`` (draw now); the key is recorded for the

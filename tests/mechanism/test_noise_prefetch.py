@@ -68,7 +68,7 @@ def test_releases_take_the_draws_made_ahead(monkeypatch):
     """The positive control of the sentinel tests below: from the second release on, the noise is the draw made
     during the previous step (here SENTINEL), and it is used exactly once per release."""
     params = [nn.Parameter(torch.zeros(1000))]
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     made = _sentinel_draws(noise, monkeypatch)
     priv = Privatizer(noise)
     _release(priv, params)
@@ -84,7 +84,7 @@ def test_prefetched_noise_has_unit_variance_per_coordinate_and_fresh_draws_each_
     """Per coordinate over 600 releases: variance σ²C²/B² within a chi-square bound (Bonferroni over coordinates),
     and consecutive draws uncorrelated (lag-1 correlation of every coordinate, pooled)."""
     params = [nn.Parameter(torch.zeros(64))]
-    priv = Privatizer(GaussianNoise())
+    priv = Privatizer(GaussianNoise(prefetch=True))
     steps, sigma, C, B = 600, 0.8, 1.5, 4.0
     z = torch.stack([(_release(priv, params, sigma=sigma, C=C, B=B), _grads(params))[1] for _ in range(steps)])
     priv.noise.close()
@@ -100,7 +100,7 @@ def test_prefetched_noise_has_unit_variance_per_coordinate_and_fresh_draws_each_
 
 def test_secure_prefetched_noise_has_unit_variance_and_is_fresh():
     params = [nn.Parameter(torch.zeros(20000))]
-    noise = SecureGaussianNoise()
+    noise = SecureGaussianNoise(prefetch=True)
     priv = Privatizer(noise)
     draws = []
     for _ in range(3):
@@ -116,7 +116,7 @@ def test_secure_prefetched_noise_has_unit_variance_and_is_fresh():
 
 
 def test_secure_releases_take_the_draws_made_ahead(monkeypatch):
-    noise = SecureGaussianNoise()
+    noise = SecureGaussianNoise(prefetch=True)
     monkeypatch.setattr(noise, "_draw_key", lambda key: [torch.full((size,), SENTINEL, dtype=dtype)
                                                           for dtype, size in key[1]])
     params = [nn.Parameter(torch.zeros(100))]
@@ -145,7 +145,7 @@ def test_banded_stream_is_the_same_with_and_without_prefetch():
 @pytest.mark.parametrize("change", ["shape", "dtype", "count", "std"])
 def test_a_release_of_other_tensors_or_std_drops_the_draws_made_ahead(change, monkeypatch):
     params = [nn.Parameter(torch.zeros(100)), nn.Parameter(torch.zeros(10))]
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     _sentinel_draws(noise, monkeypatch)
     priv = Privatizer(noise)
     _release(priv, params)
@@ -165,7 +165,7 @@ def test_a_release_of_other_tensors_or_std_drops_the_draws_made_ahead(change, mo
 
 def test_an_exception_inside_a_release_drops_the_draws(monkeypatch):
     params = [nn.Parameter(torch.zeros(100))]
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     _sentinel_draws(noise, monkeypatch)
     _release(Privatizer(noise), params)
     assert noise._prefetcher.pending == 1
@@ -180,7 +180,7 @@ def test_an_exception_inside_a_release_drops_the_draws(monkeypatch):
 
 
 def test_a_draw_is_handed_out_once():
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     with noise.step():
         noise.add_noise_([torch.zeros(10)], 1.0)
     prefetcher = noise._prefetcher
@@ -193,7 +193,7 @@ def test_a_draw_is_handed_out_once():
 def test_a_draw_at_the_call_outside_a_release_drops_the_draws_made_ahead(monkeypatch):
     """sample()/add_noise_() outside step(): drawn at the call, after the worker's job is dropped (the generators
     are never shared with the worker, and a draw made ahead is for a release only)."""
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     _sentinel_draws(noise, monkeypatch)
     with noise.step():
         noise.add_noise_([torch.zeros(100)], 1.0)
@@ -204,7 +204,7 @@ def test_a_draw_at_the_call_outside_a_release_drops_the_draws_made_ahead(monkeyp
 
 
 def test_copies_and_pickles_hold_no_draws():
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     with noise.step():
         noise.add_noise_([torch.zeros(100)], 1.0)
     assert noise._prefetcher.pending == 1
@@ -214,7 +214,7 @@ def test_copies_and_pickles_hold_no_draws():
 
 
 def test_a_forked_child_starts_empty(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     with noise.step():
         noise.add_noise_([torch.zeros(100)], 1.0)
     parents = noise._prefetcher._worker
@@ -226,7 +226,7 @@ def test_a_forked_child_starts_empty(monkeypatch):
 
 # ----------------------------------------------------------------------------- the worker
 def test_worker_starts_lazily_is_a_daemon_and_is_joined_at_close():
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     assert noise._prefetcher._worker is None
     _release(Privatizer(noise), [nn.Parameter(torch.zeros(10))])
     thread = noise._prefetcher._worker.thread
@@ -252,6 +252,37 @@ def test_a_worker_exception_is_raised_at_the_next_take():
     prefetcher.close()
 
 
+@pytest.mark.parametrize("spare", [True, False])
+def test_auto_draws_ahead_on_cpu_only_while_a_cpu_is_spare(spare, monkeypatch):
+    """prefetch="auto" (the default): a worker only where a CPU is free for it (torch's threads fewer than the CPUs);
+    the noise is the same calls either way."""
+    import lightning_dp.mechanism.noise_prefetch as noise_prefetch
+
+    monkeypatch.setattr(noise_prefetch, "spare_cpu", lambda: spare)
+    noise = GaussianNoise(seed=0)
+    assert noise.prefetch == "auto"
+    _release(Privatizer(noise), [nn.Parameter(torch.zeros(10))])
+    assert noise._prefetcher.pending == int(spare) and (noise._prefetcher._worker is not None) == spare
+    noise.close()
+
+
+def test_spare_cpu_compares_torch_threads_with_the_usable_cpus(monkeypatch):
+    import os
+
+    import lightning_dp.mechanism.noise_prefetch as noise_prefetch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for threads, spare in [(1, True), (2, False), (4, False)]:
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        assert noise_prefetch.spare_cpu() is spare
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_prefetch_takes_auto_true_or_false(bad):
+    with pytest.raises(ValueError, match="prefetch"):
+        GaussianNoise(prefetch=bad)
+
+
 def test_no_prefetch_draws_nothing_ahead():
     noise = GaussianNoise(seed=0, prefetch=False)
     _release(Privatizer(noise), [nn.Parameter(torch.zeros(10))])
@@ -265,7 +296,7 @@ def test_a_shared_generator_is_never_drawn_ahead():
 
 
 def test_a_rank_that_adds_no_noise_draws_nothing_ahead():
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     p = nn.Parameter(torch.zeros(10))
     Privatizer(noise, reduce=lambda ts: None, adds_noise=False).privatize(
         ClippedBatch({p: torch.zeros(10)}, None, torch.zeros(0), 0), [p], MechanismRequest(), 1.0, 1.0, 1.0)
@@ -273,9 +304,9 @@ def test_a_rank_that_adds_no_noise_draws_nothing_ahead():
 
 
 def test_per_rank_streams_draw_ahead_independently():
-    noise = GaussianNoise(seed=3)
+    noise = GaussianNoise(seed=3, prefetch=True)
     ranks = [noise.for_rank(r) for r in range(2)]
-    assert all(r.prefetch for r in ranks) and ranks[0]._prefetcher is not ranks[1]._prefetcher
+    assert all(r.prefetch is True for r in ranks) and ranks[0]._prefetcher is not ranks[1]._prefetcher
 
 
 # ----------------------------------------------------------------------------- the private step drops unused draws
@@ -318,7 +349,7 @@ def _held(noise) -> int:
 
 def test_the_private_step_releases_with_draws_made_ahead(monkeypatch):
     """Positive control: after a release the next one's draws are held, and the next release uses them."""
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     assert _held(noise) == 1
@@ -329,7 +360,7 @@ def test_the_private_step_releases_with_draws_made_ahead(monkeypatch):
 
 
 def test_a_refused_step_drops_the_draws(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     assert _held(noise) == 1
@@ -340,7 +371,7 @@ def test_a_refused_step_drops_the_draws(monkeypatch):
 
 
 def test_a_release_that_raises_drops_the_draws(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     assert _held(noise) == 1
@@ -352,7 +383,7 @@ def test_a_release_that_raises_drops_the_draws(monkeypatch):
 
 
 def test_a_step_that_raised_before_its_release_drops_the_draws(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     one_step(release=False)  # forward and backward ran, the release never came (the step raised)
@@ -363,7 +394,7 @@ def test_a_step_that_raised_before_its_release_drops_the_draws(monkeypatch):
 
 
 def test_a_changed_parameter_set_or_a_restore_drops_the_draws(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     model[0].bias.requires_grad_(False)
@@ -379,7 +410,7 @@ def test_a_changed_parameter_set_or_a_restore_drops_the_draws(monkeypatch):
 
 
 def test_detach_joins_the_worker(monkeypatch):
-    noise = GaussianNoise(seed=0)
+    noise = GaussianNoise(seed=0, prefetch=True)
     step, model, one_step = _private_step(noise, monkeypatch)
     one_step()
     thread = noise._prefetcher._worker.thread
