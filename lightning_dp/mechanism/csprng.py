@@ -110,6 +110,10 @@ class SecureGaussianNoise(DrawsAhead, NoiseMechanism):
             return [secure_gaussian(sum(shapes))]
         return [_unit(dtype, size) for dtype, size in shapes]
 
+    def _numel(self, keys: Sequence[Hashable]) -> int:
+        return sum(sum(shapes) if kind == "sample" else sum(size for _, size in shapes)  # type: ignore[misc]
+                   for kind, shapes in keys)  # type: ignore[misc]
+
     def state_dict(self) -> dict[str, Any]:
         """Nothing: there is no generator state (and none may ever be saved)."""
         return {}

@@ -239,6 +239,9 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         return [torch.empty(d.size, device=d.device, dtype=d.dtype).normal_(0.0, std, generator=self._generator(d.device))
                 for d in draws]
 
+    def _numel(self, keys: Sequence[Hashable]) -> int:
+        return sum(d.size for _, _, draws in keys for d in draws)  # type: ignore[misc]
+
     def _stream_device(self, keys: Sequence[Hashable]) -> Optional[torch.device]:
         devices = [d.device for _, _, draws in keys for d in draws]  # type: ignore[misc]
         return next((d for d in devices if d.type == "cuda"), None)

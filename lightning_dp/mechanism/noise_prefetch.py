@@ -37,9 +37,11 @@ while that stream still reads it.
 
 **When.** A worker thread only helps when a CPU is free to run it: when torch's intra-op threads already take
 every CPU this process may run on, the worker would only take turns with them (measured: no gain at 2 threads on
-this repository's 2-core machine, and a worse spread). So ``prefetch="auto"`` (the mechanisms' default) draws
-ahead on CPU only while ``torch.get_num_threads()`` is below the CPUs the process may use (:func:`spare_cpu`,
-asked at every release), and always on CUDA (a side stream costs no CPU); ``True`` always, ``False`` never.
+this repository's 2-core machine, and a worse spread); and handing a small draw to a thread costs more than
+drawing it (the digits CNN's 10k coordinates: 0.1 ms of ``normal_``, slower ahead). So ``prefetch="auto"`` (the
+mechanisms' default) draws ahead on CPU only while ``torch.get_num_threads()`` is below the CPUs the process may
+use (:func:`spare_cpu`, asked at every release) and the release draws at least :data:`MIN_AHEAD` numbers, and
+always on CUDA (a side stream costs no CPU); ``True`` always, ``False`` never.
 Either way the draws are the same calls in the same order: the choice changes when a draw is made, never what.
 
 **Cost.** The prefetched draws of a step are held until the next release: d numbers in the gradients' dtype
@@ -68,6 +70,9 @@ DrawFn = Callable[[CallKey], list[Tensor]]
 """Makes the draws of one call key (in the order the call itself makes them)."""
 
 _LIVE: "weakref.WeakSet[NoisePrefetcher]" = weakref.WeakSet()
+
+MIN_AHEAD = 1 << 16
+"""Numbers a release must draw for ``prefetch="auto"`` to draw them ahead on CPU (≈ 0.2 ms of ``normal_`` here)."""
 
 Prefetch = Union[bool, str]
 """``"auto"`` (draw ahead where it pays: :func:`spare_cpu` on CPU, always on CUDA), ``True`` or ``False``."""
@@ -234,6 +239,14 @@ class DrawsAhead:
         """The CUDA device whose side stream draws ``keys`` (``None``: the worker thread draws them)."""
         return None
 
+    def _numel(self, keys: Sequence[CallKey]) -> int:
+        """How many numbers ``keys`` draw."""
+        raise NotImplementedError
+
+    def _pays(self, keys: Sequence[CallKey]) -> bool:
+        """Whether ``prefetch="auto"`` draws ``keys`` ahead on the CPU: a CPU is free and the draw is large enough."""
+        return spare_cpu() and self._numel(keys) >= MIN_AHEAD
+
     @contextmanager
     def step(self) -> Iterator[None]:
         """One release's noise calls: inside, each call takes its draws made during the previous step (when its key
@@ -252,8 +265,8 @@ class DrawsAhead:
             raise
         calls, self._calls = self._calls, None
         stream = self._stream_device(calls)
-        if self.prefetch == "auto" and stream is None and not spare_cpu():
-            return  # no CPU free for a worker: the next release draws at its calls
+        if self.prefetch == "auto" and stream is None and not self._pays(calls):
+            return  # no CPU free for a worker, or too little to draw: the next release draws at its calls
         prefetcher.submit(calls, self._draw_key, stream)
 
     def _ahead(self, key: CallKey) -> Optional[list[Tensor]]:

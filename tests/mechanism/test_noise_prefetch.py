@@ -252,17 +252,18 @@ def test_a_worker_exception_is_raised_at_the_next_take():
     prefetcher.close()
 
 
-@pytest.mark.parametrize("spare", [True, False])
-def test_auto_draws_ahead_on_cpu_only_while_a_cpu_is_spare(spare, monkeypatch):
-    """prefetch="auto" (the default): a worker only where a CPU is free for it (torch's threads fewer than the CPUs);
-    the noise is the same calls either way."""
+@pytest.mark.parametrize("spare,size,ahead", [(True, 70_000, True), (False, 70_000, False), (True, 1_000, False)])
+@pytest.mark.parametrize("mechanism", ["gaussian", "secure"])
+def test_auto_draws_ahead_on_cpu_only_where_it_pays(spare, size, ahead, mechanism, monkeypatch):
+    """prefetch="auto" (the default): a worker only where a CPU is free for it (torch's threads fewer than the CPUs)
+    and the release draws at least MIN_AHEAD numbers; the noise is the same calls either way."""
     import lightning_dp.mechanism.noise_prefetch as noise_prefetch
 
     monkeypatch.setattr(noise_prefetch, "spare_cpu", lambda: spare)
-    noise = GaussianNoise(seed=0)
-    assert noise.prefetch == "auto"
-    _release(Privatizer(noise), [nn.Parameter(torch.zeros(10))])
-    assert noise._prefetcher.pending == int(spare) and (noise._prefetcher._worker is not None) == spare
+    noise = GaussianNoise(seed=0) if mechanism == "gaussian" else SecureGaussianNoise()
+    assert noise.prefetch == "auto" and 70_000 > noise_prefetch.MIN_AHEAD > 1_000
+    _release(Privatizer(noise), [nn.Parameter(torch.zeros(size))])
+    assert noise._prefetcher.pending == int(ahead) and (noise._prefetcher._worker is not None) == ahead
     noise.close()
 
 
