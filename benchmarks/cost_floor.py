@@ -4,7 +4,8 @@
     PYTHONPATH=. python benchmarks/cost_floor.py --models mlp --batches 64 --threads 1 --rounds 20
 
 For each (model, batch B, torch threads), one child process builds every mode on a copy of the same model and
-times one step of each in turn, round after round (a busy machine slows every mode alike); it prints the median
+times one step of each in turn, in a shuffled order each round (a busy machine slows every mode alike, and no mode
+always follows another: the position in a round alone moved a ratio by ~5 %); it prints the median
 ms/step of each mode and the median over rounds of each mode's time over the non-private step's *in the same
 round* (paired ratios). Every mode trains on exactly B rows, with Adam:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -194,10 +196,13 @@ def measure(name: str, B: int, modes: list[str], rounds: int, warmup: int) -> di
             errors[mode] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
             steps.pop(mode, None)
     times: dict[str, list[float]] = {m: [] for m in steps}
+    order = random.Random(0)
     for i in range(warmup + rounds):
-        for mode, step in steps.items():
+        modes_now = list(steps)
+        order.shuffle(modes_now)  # no mode always runs right after another (position in the round biases by ~5 %)
+        for mode in modes_now:
             t0 = time.perf_counter()
-            step()
+            steps[mode]()
             if i >= warmup:
                 times[mode].append((time.perf_counter() - t0) * 1e3)
     base = times.get("nonprivate")
