@@ -106,6 +106,9 @@ class PrivateTraining:
         if fixed_batch_size is not None and max_physical_batch_size is not None:
             raise ValueError("give fixed_batch_size or max_physical_batch_size, not both (with fixed_batch_size every "
                              "physical batch has exactly that many rows)")
+        if fixed_batch_size is not None and augmentation_multiplicity != 1:
+            raise ValueError("fixed_batch_size is not supported with augmentation_multiplicity > 1 yet (padding "
+                             "records would have to be padded views): use one of the two")
         mechanism = make_noise(noise, bands)
         if secure_mode:
             if sampler_seed is not None:

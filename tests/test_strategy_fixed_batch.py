@@ -56,3 +56,5 @@ def test_fixed_batch_size_and_max_physical_batch_size_are_exclusive():
         DPStrategy(noise_multiplier=1.0, fixed_batch_size=8, max_physical_batch_size=4)
     with pytest.raises(ValueError, match="fixed_batch_size"):
         DPStrategy(noise_multiplier=1.0, fixed_batch_size=0)
+    with pytest.raises(ValueError, match="augmentation_multiplicity"):
+        DPStrategy(noise_multiplier=1.0, fixed_batch_size=8, augmentation_multiplicity=2)
