@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import TinyClassifier, make_loader, quiet_trainer
 
-from lightning_dp import DPStrategy
+from lightning_dp import DPStrategy, Users
 from lightning_dp.mechanism import GaussianNoise
+from lightning_dp.mechanism.clipping import AdaptiveClipping, AutomaticClipping, PerLayerClipping
 
 
 class _Zero(GaussianNoise):
@@ -28,11 +29,12 @@ class _Shapes(TinyClassifier):
         return super().training_step(batch, batch_idx)
 
 
-def _train(fixed, steps=6, batch_size=10):
+def _train(fixed, steps=6, batch_size=10, clipping=None, engine="auto"):
     torch.manual_seed(0)
     model = _Shapes()
-    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.2, noise=_Zero(), sampler_seed=3,
-                          fixed_batch_size=fixed, public_state=["rows"])
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=None if clipping else 0.2, clipping=clipping,
+                          noise=_Zero(), sampler_seed=3, fixed_batch_size=fixed, public_state=["rows"],
+                          per_sample=engine)
     quiet_trainer(strategy=strategy, max_steps=steps).fit(model, make_loader(n=60, batch_size=batch_size))
     return torch.cat([p.detach().flatten() for p in model.parameters()]), strategy, model
 
@@ -58,3 +60,32 @@ def test_fixed_batch_size_and_max_physical_batch_size_are_exclusive():
         DPStrategy(noise_multiplier=1.0, fixed_batch_size=0)
     with pytest.raises(ValueError, match="augmentation_multiplicity"):
         DPStrategy(noise_multiplier=1.0, fixed_batch_size=8, augmentation_multiplicity=2)
+
+
+_POLICIES = {
+    "automatic": lambda: AutomaticClipping(0.2, gamma=0.01),
+    "per_layer": lambda: PerLayerClipping(0.2),
+    "adaptive": lambda: _seeded(AdaptiveClipping(initial_norm=0.2)),
+}
+
+
+def _seeded(policy):
+    policy._generator.manual_seed(0)  # the count's noise, the same draws in both runs
+    return policy
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap", "opacus_hooks"])
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+def test_clipping_policies_on_fixed_shapes_give_the_poisson_updates(policy, engine):
+    """A clipping policy with fixed_batch_size: padding rows' factors are 0 under the policy too, so the updates
+    (and the adaptive bound, which counts the examples' norms only) are those of the Poisson batches."""
+    poisson, reference, _ = _train(None, clipping=_POLICIES[policy](), engine=engine)
+    padded, strategy, model = _train(7, clipping=_POLICIES[policy](), engine=engine)
+    torch.testing.assert_close(padded, poisson, rtol=1e-5, atol=1e-6)
+    assert set(model.rows) == {7}
+    assert strategy.max_grad_norm == pytest.approx(reference.max_grad_norm, rel=1e-6)  # adaptive: the same C
+
+
+def test_fixed_batch_size_and_users_are_refused_together():
+    with pytest.raises(ValueError, match="fixed_batch_size.*privacy_unit=Users"):
+        DPStrategy(noise_multiplier=1.0, fixed_batch_size=8, privacy_unit=Users(list(range(60)), users_per_batch=4))
