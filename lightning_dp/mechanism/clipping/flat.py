@@ -13,7 +13,7 @@ EPSILON = 1e-6
 
 
 def flat_factors(norms: Tensor, bound: float) -> Tensor:
-    """min(1, C / ‖g_u‖) per unit (ALGORITHMS.md, clip_C). Zero norms give 1."""
+    """min(1, C / ‖g_u‖) per unit (docs/algorithms.md, clip_C). Zero norms give 1."""
     return (bound / (norms + EPSILON)).clamp(max=1.0)
 
 
