@@ -53,7 +53,8 @@ from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics
 from lightning_dp._warnings import output_hook_notice_quieted
-from lightning_dp.losses import mean_loss
+from lightning_dp.losses import loss_tensor, mean_loss
+from lightning_dp.performance.fixed_batch import chunks as padded_chunks
 from lightning_dp.privacy.private_step import Distribution, PrivateStep
 from lightning_dp.units import Users
 from lightning_dp.units.physical import user_chunks
@@ -102,6 +103,7 @@ class PrivateTraining:
         on_budget_short: OnBudgetShort = "refuse",
         clipping: Optional[ClippingPolicy] = None,
         privacy_unit: Optional[Users] = None,
+        fixed_batch_size: Optional[int] = None,
     ) -> None:
         """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
         check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
@@ -109,6 +111,12 @@ class PrivateTraining:
             raise ValueError(f"resume_privacy must be 'strict' or 'new', got {resume_privacy!r}")
         if max_physical_batch_size is not None and max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        if fixed_batch_size is not None and max_physical_batch_size is not None:
+            raise ValueError("give fixed_batch_size or max_physical_batch_size, not both (with fixed_batch_size every "
+                             "physical batch has exactly that many rows)")
+        if fixed_batch_size is not None and augmentation_multiplicity != 1:
+            raise ValueError("fixed_batch_size is not supported with augmentation_multiplicity > 1 yet (padding "
+                             "records would have to be padded views): use one of the two")
         mechanism = make_noise(noise, bands)
         if secure_mode:
             if sampler_seed is not None:
@@ -125,7 +133,7 @@ class PrivateTraining:
             target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
             views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
             verify_budget=verify_budget, on_budget_short=on_budget_short, clipping=clipping,
-            privacy_unit=privacy_unit,
+            privacy_unit=privacy_unit, fixed_batch_size=fixed_batch_size,
         )
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
         self.private_step.examples_alone = max_physical_batch_size == 1 and privacy_unit is None  # users: kept whole
@@ -385,6 +393,8 @@ class PrivateTraining:
             self._check_batch(indices, _batch_idx(args, kwargs))
             if first:
                 self._check_later_in_the_plan(indices)
+        if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
+            return self._fixed_shape_step(indices, args, kwargs)
         if n == 0:
             if not self._distributed:
                 # Nothing to differentiate: the step still happens, its clipped sum is zero.
@@ -423,12 +433,34 @@ class PrivateTraining:
             return user_chunks(indices, groups, limit)
         return [indices[start:start + limit] for start in range(0, len(indices), limit)]
 
+    def _fixed_shape_step(self, indices: list[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The step's examples in physical batches of exactly F rows (:mod:`~lightning_dp.performance.fixed_batch`):
+        n ≤ F (also n = 0) runs the loader's batch, padded to F already; n > F runs ⌈n / F⌉ padded batches collated
+        anew, the first ones banked. Every rank runs at least one batch, so an empty one needs no stand-in."""
+        step = self.private_step
+        assert step.fixed_batch_size is not None
+        parts = padded_chunks(indices, step.fixed_batch_size)
+        for head, padding in parts[:-1]:
+            self._physical_step(len(head), *_with_batch(args, kwargs, self._padded(head, padding)), indices=head,
+                                padding=padding)
+        last, padding = parts[-1]
+        if len(parts) > 1:
+            args, kwargs = _with_batch(args, kwargs, self._padded(last, padding))
+        step.begin(len(last), last, stand_in=not last, padding=padding)
+        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        loss_tensor(out, step.fixed_batch_size)  # a step without a loss is refused, as below
+        return mean_loss(out, step.fixed_batch_size)
+
+    def _padded(self, indices: list[int], padding: int) -> Any:
+        """The examples ``indices`` and ``padding`` padding rows, collated and moved as the loop's batches are."""
+        return self._as_loop_batch(self.private_step.padded_examples(indices, padding))
+
     def _physical_step(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       indices: Optional[list[int]] = None) -> None:
-        """Forward + backward one physical batch of n examples (the records ``indices``) and bank its clipped sums
-        (no noise yet)."""
-        self.private_step.begin(n, indices)
-        loss = mean_loss(super().training_step(*args, **kwargs), n)  # type: ignore[misc]
+                       indices: Optional[list[int]] = None, padding: int = 0) -> None:
+        """Forward + backward one physical batch of n examples (the records ``indices``, then ``padding`` padding
+        rows) and bank its clipped sums (no noise yet)."""
+        self.private_step.begin(n, indices, padding=padding)
+        loss = mean_loss(super().training_step(*args, **kwargs), n + padding)  # type: ignore[misc]
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with output_hook_notice_quieted(self.private_step.engine_name):
             self.lightning_module.backward(loss)  # type: ignore[attr-defined]

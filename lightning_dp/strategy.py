@@ -85,6 +85,12 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             example's gradient from its own forward and backward, so examples cannot interact by
             construction (certainty, at the cost of one pass per example; the interaction checks are
             then not needed and do not run).
+        fixed_batch_size: F: every physical batch is exactly F rows (fixed shapes, e.g. for ``torch.compile``): the
+            Poisson batch's examples, then padding rows (zeroed records, clip factor 0: they add exactly nothing); a
+            larger Poisson batch runs as several padded physical batches. Nothing is truncated, so the accounting is
+            unchanged (:mod:`lightning_dp.performance.fixed_batch`). Costs the padding rows' compute; the logged loss is
+            the mean over the F rows. Every ``clipping`` policy is served; not with ``max_physical_batch_size``,
+            ``augmentation_multiplicity > 1`` or ``privacy_unit``. ``None`` (default): Poisson shapes.
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, docs/algorithms.md §7), or a
@@ -166,6 +172,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         accountant: str = "rdp",
         per_sample: str = "auto",
         max_physical_batch_size: Optional[int] = None,
+        fixed_batch_size: Optional[int] = None,
         noise: Optional[Union[str, NoiseMechanism]] = None,
         bands: int = 1,
         sampler_seed: Optional[int] = None,
@@ -204,6 +211,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
             public_state=public_state, verify=verify, verify_budget=verify_budget,
             on_budget_short=on_budget_short, clipping=clipping, privacy_unit=privacy_unit,
+            fixed_batch_size=fixed_batch_size,
         )
 
     def __repr__(self) -> str:

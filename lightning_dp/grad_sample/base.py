@@ -52,14 +52,47 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     return flat_factors(norms, max_grad_norm)
 
 
+def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: Union[float, ClipRule],
+                    padding: int = 0) -> tuple[Tensor, Tensor]:
+    """(norms, clip factors) of n examples from their squared norms per part (layer, parameter), each ``[n]`` (or
+    ``[L, n]`` for L stacked layers).
+
+    ``max_grad_norm``: C (flat clipping), or a :class:`~lightning_dp.clipping.rule.ClipRule` whose
+    policy takes one factor per example from its whole norm (flat, automatic, adaptive: not per parameter, every
+    example its own unit); the factors are the policy's (:meth:`ClipRule.example_factors`).
+
+    The sum over parts and the factor are taken in float64, the only place the norms are wider than the gradients:
+    the bound ‖c_i g_i‖ ≤ C is a statement about the whole gradient, and a float32 sum of L parts carries a relative
+    error up to L·2⁻²⁴ (10⁻⁵ at a few hundred layers) that would let c_i g_i exceed C by as much. Each part stays in
+    its own dtype (a per-layer reduction is accurate to its own rounding); the n-vectors cost nothing. Returned in
+    the parts' dtype, ready for the contractions: c_i ‖g_i‖ ≤ C(1 + 2⁻²⁴) in float32.
+
+    ``padding``: the last ``padding`` rows are padding (fixed-shape batches): their factors are exactly 0, so
+    Σ_i c_i g_i over the padded batch is the sum over its examples, whatever the padding rows hold."""
+    rule = as_rule(max_grad_norm)
+    if rule.per_parameter or rule.grouped:
+        raise ValueError(f"clip_from_parts takes one whole norm per example; {rule.policy.describe()} with "
+                         f"{'units of several examples' if rule.grouped else 'norms per parameter'} is "
+                         "clip_and_sum_by_rule's")
+    dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
+    sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
+    norms = sq.sqrt()
+    factors = rule.example_factors(sq).to(dtype)
+    if padding:
+        factors[n - padding:] = 0.0
+    return norms.to(dtype), factors
+
+
 def clip_and_sum_materialised(
     params: Sequence[nn.Parameter],
     grad_samples: Sequence[Tensor],
     max_grad_norm: Union[float, ClipRule],
     scale: Optional[ParamMap] = None,
     with_squares: bool = False,
+    padding: int = 0,
 ) -> ClippedBatch:
-    """Shared clipping for engines that materialise per-example gradients.
+    """Shared clipping for engines that materialise per-example gradients (``padding``: rows at the end that are
+    padding, :attr:`GradSampleEngine.padding_rows`).
 
     ``grad_samples[k]`` has shape ``[b, *params[k].shape]``. Low-precision per-example
     gradients (bf16/fp16 autocast) are clipped in float32, so the clipped sum's
@@ -76,26 +109,30 @@ def clip_and_sum_materialised(
         squares = {p: torch.zeros_like(p) for p in params} if with_squares else None
         return ClippedBatch(zeros, squares, torch.zeros(0, device=params[0].device), 0)
     if not rule.is_flat_per_example:
-        return clip_and_sum_by_rule(params, grad_samples, rule, with_squares)
-    sq_norms = torch.stack([gs.reshape(b, -1).pow(2).sum(1) for gs in grad_samples], dim=0).sum(0)
-    norms = sq_norms.sqrt()
-    factors = rule.policy.factors(norms)
+        return clip_and_sum_by_rule(params, grad_samples, rule, with_squares, padding)
+    norms, factors = clip_from_parts([torch.linalg.vector_norm(gs.reshape(b, -1), dim=1).square()
+                                      for gs in grad_samples], rule, padding)  # no g² temporary
     sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
     squares = None
     if with_squares:
         squares = {p: torch.einsum("b,b...->...", factors.pow(2), gs.pow(2)) for p, gs in zip(params, grad_samples)}
-    return ClippedBatch(sums, squares, norms.detach(), b)
+    return ClippedBatch(sums, squares, norms[:b - padding].detach(), b - padding)
 
 
 def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[Tensor], rule: ClipRule,
-                         with_squares: bool = False) -> ClippedBatch:
+                         with_squares: bool = False, padding: int = 0) -> ClippedBatch:
     """:func:`clip_and_sum_materialised` for any :class:`~lightning_dp.clipping.rule.ClipRule`: each unit's
     summed gradient is formed (a sum over its examples' rows), its norms taken (per parameter when the policy
     clips per parameter) and the factors applied per example (per parameter). Squares are Σ_i f_i² g_i², the
-    per-example second moment: refused for units of several examples (the private step does so)."""
+    per-example second moment: refused for units of several examples (the private step does so).
+
+    ``padding``: the last rows are padding (fixed-shape batches): their factors are exactly 0 and they are left out
+    of the norms and the count. Only with every example its own unit (a padding row belongs to no unit)."""
     b = grad_samples[0].shape[0]
     if with_squares and rule.groups is not None:
         raise ValueError("squares of per-example gradients are not a unit's second moment: not with grouped units")
+    if padding and rule.groups is not None:
+        raise ValueError("padding rows (fixed_batch_size) belong to no unit: not with units of several examples")
     if rule.groups is None:
         units = grad_samples
     else:
@@ -105,9 +142,13 @@ def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[
     per_param = torch.stack([u.reshape(u.shape[0], -1).pow(2).sum(1) for u in units], dim=0)  # [P, u]
     sq = per_param if rule.per_parameter else per_param.sum(0)
     factors = rule.example_factors(sq)
+    if padding:
+        factors = factors.clone()
+        factors[..., b - padding:] = 0.0
+        sq = sq[..., :b - padding]
     rows = factors if rule.per_parameter else factors.expand(len(params), b)
     sums = {p: torch.einsum("b,b...->...", f, gs) for p, f, gs in zip(params, rows, grad_samples)}
     squares = None
     if with_squares:
         squares = {p: torch.einsum("b,b...->...", f.pow(2), gs.pow(2)) for p, f, gs in zip(params, rows, grad_samples)}
-    return ClippedBatch(sums, squares, rule.unit_norms(sq).detach(), b)
+    return ClippedBatch(sums, squares, rule.unit_norms(sq).detach(), b - padding)

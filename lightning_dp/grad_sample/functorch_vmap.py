@@ -440,6 +440,7 @@ class FunctorchVmapEngine(GradSampleEngine):
     """
 
     name = "vmap"
+    supports_padding = True
     supports_views = True
 
     def __init__(self) -> None:
@@ -472,7 +473,8 @@ class FunctorchVmapEngine(GradSampleEngine):
         try:
             with self._capture.suspended():
                 samples = mean_over_views(self._grad_samples(params), self.views_per_example)
-            return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares)
+            return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares,
+                                             self.padding_rows)
         finally:
             self._capture.clear()
 

@@ -47,6 +47,7 @@ from lightning_dp.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
     ParamMap,
+    clip_from_parts,
     register_engine,
 )
 from lightning_dp.grad_sample.ghost_units import unit_sq_norms
@@ -64,6 +65,7 @@ from lightning_dp.grad_sample.attention_projections import projection_forms
 from lightning_dp.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
 from lightning_dp.grad_sample.linear_forms import form_stats
 from lightning_dp.grad_sample.recurrent_forward import taped_forward
+from lightning_dp.grad_sample.layer_groups import stack_small_layers
 from lightning_dp.grad_sample.layer_stats import (
     LayerStats,
     MaterialisedStats,
@@ -272,7 +274,9 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
         dims = tuple(range(1, x.dim() - k))
     n = d.shape[0]
     grads = {}
-    for pname, _ in direct_trainable(m):
+    for pname, p in m._parameters.items():  # a plain norm layer's own (direct_trainable, without its module walk)
+        if p is None or not p.requires_grad:
+            continue
         g = d * xhat if pname == "weight" else d
         grads[pname] = (g.sum(dims) if dims else g) * n
     return grads
@@ -439,6 +443,7 @@ class GhostEngine(GradSampleEngine):
     stream_sums: bool = False
 
     name = "ghost"
+    supports_padding = True
 
     def __init__(self, skip_param_grads: bool = True) -> None:
         self.skip_param_grads = skip_param_grads
@@ -498,25 +503,28 @@ class GhostEngine(GradSampleEngine):
             zeros = {p: torch.zeros_like(p) for p in params}
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
-        stats = self._layer_stats(params, layers, n, scale, with_squares)
         ran = {p: self._owners_that_ran(p, layers) for p in params}
         shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
-        if rule.per_parameter or rule.grouped:
+        whole = not (rule.per_parameter or rule.grouped)  # one factor per example from its whole norm
+        stackable = whole and scale is None and not with_squares and not self.stream_sums and not shared
+        stats, groups = self._layer_stats(params, layers, n, scale, with_squares, ran, stackable)
+        if not whole:  # per-parameter norms or units' norms: every layer's own stats (never stacked)
             return self._clip_by_rule(params, rule, stats, ran, shared, layers, n, scale, with_squares)
         reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
                 for p in shared}
-        sq = torch.stack([st.sq_norms for st in stats.values()]).sum(0)
+        parts = [st.sq_norms for st in [*stats.values(), *groups]]
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
-            sq = sq + 2 * sum(cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:])
-        norms = sq.clamp_min(0).sqrt()
-        c = rule.example_factors(sq)
+            parts += [2 * cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:]]
+        pad = self.padding_rows
+        norms, c = clip_from_parts(parts, rule, pad)  # summed over layers in float64; the policy's factors; padding: 0
         if self.stream_sums and not with_squares:
             keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}  # stats by parameter: root-owned and unused ones
-            return ClippedBatch(StreamedSums(params, stats, keys, c), None, norms.detach(), n)  # type: ignore[arg-type]
+            return ClippedBatch(StreamedSums(params, stats, keys, c), None,  # type: ignore[arg-type]
+                                norms[:n - pad].detach(), n - pad)
         sums: dict[Tensor, Tensor] = {}
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
-        for st in stats.values():
+        for st in [*stats.values(), *groups]:
             for p, v in st.sums(c).items():  # a tied weight gets every owner's contraction
                 sums[p] = sums[p] + v if p in sums else v
             if squares is not None:
@@ -526,7 +534,8 @@ class GhostEngine(GradSampleEngine):
                 total = sum(dense(r, p.shape[0]) for r in rs)
                 squares[p] = torch.tensordot(c * c, total * total, dims=1).reshape(p.shape)
         return ClippedBatch({p: sums[p] for p in params},
-                            None if squares is None else {p: squares[p] for p in params}, norms.detach(), n)
+                            None if squares is None else {p: squares[p] for p in params}, norms[:n - pad].detach(),
+                            n - pad)
 
     def _clip_by_rule(self, params, rule: ClipRule, stats: dict[int, LayerStats], ran: dict, shared: list,
                       layers: dict[int, LayerCalls], n: int, scale, with_squares: bool) -> ClippedBatch:
@@ -535,6 +544,10 @@ class GhostEngine(GradSampleEngine):
         if with_squares:
             raise PrivacyConfigurationError("a second moment (independent_moments) is not served with per-layer "
                                             "clipping or user-level units: use flat clipping of examples with it")
+        pad = self.padding_rows
+        if pad and rule.grouped:
+            raise PrivacyConfigurationError("padding rows (fixed_batch_size) belong to no unit: not served with "
+                                            "units of several examples (privacy_unit=Users)")
         members: dict[int, list[Tensor]] = {}
         for p in params:
             for key in ([id(p)] if id(p) in stats else []) + [id(mod) for mod, _, _ in ran[p] if id(mod) in stats]:
@@ -545,6 +558,10 @@ class GhostEngine(GradSampleEngine):
             sq = self._param_sq_norms(params, stats, members, ran, shared, layers, n, scale)
         used = sq if rule.per_parameter else sq.sum(0)
         f = rule.example_factors(used)
+        if pad:  # padding rows (fixed_batch_size): factor exactly 0, out of the norms and the count
+            f = f.clone()
+            f[..., n - pad:] = 0.0
+            used = used[..., :n - pad]
         row = {p: k for k, p in enumerate(params)}  # by identity (a tensor's == is elementwise)
         sums: dict[Tensor, Tensor] = {}
         for key, st in stats.items():
@@ -554,7 +571,7 @@ class GhostEngine(GradSampleEngine):
                 sums[p] = sums[p] + v if p in sums else v
         zero = {p: torch.zeros_like(p) for p in params if p not in sums}
         return ClippedBatch({p: sums[p] if p in sums else zero[p] for p in params}, None,
-                            rule.unit_norms(used).detach(), n)
+                            rule.unit_norms(used).detach(), n - pad)
 
     def _param_sq_norms(self, params, stats: dict[int, LayerStats], members: dict[int, list[Tensor]], ran: dict,
                         shared: list, layers: dict[int, LayerCalls], n: int, scale) -> Tensor:
@@ -591,14 +608,17 @@ class GhostEngine(GradSampleEngine):
                        else params[0].new_zeros(units, dtype=torch.float32))
         return torch.stack(out)
 
-    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale,
-                     with_squares) -> dict[int, LayerStats]:
-        """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner)."""
+    def _layer_stats(self, params, layers: dict[int, LayerCalls], n: int, scale, with_squares,
+                     ran: dict[Tensor, list], stackable: bool) -> tuple[dict[int, LayerStats], list[LayerStats]]:
+        """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner), and, when
+        ``stackable`` (no scale, no squares, no streaming, no tied weight), the groups of small layers of one shape
+        that are clipped together instead (:mod:`.layer_groups`)."""
         wanted_set = set(params)
         stats: dict[int, LayerStats] = {}
+        modules: dict[int, nn.Module] = {}
         roots = self._capture.roots
         for p in params:
-            owners = [] if roots.owns(p) else self._owners_that_ran(p, layers)
+            owners = [] if roots.owns(p) else ran[p]
             direct = roots.direct(p, bool(owners))  # read outside any layer (root_parameters.py)
             if direct is not None:
                 stats[id(p)] = MaterialisedStats({p: direct}, scale)
@@ -609,9 +629,15 @@ class GhostEngine(GradSampleEngine):
                 stats[id(p)] = UnusedStats(p, n)
                 continue
             for mod, _, _ in owners:
-                if id(mod) not in stats:
-                    stats[id(mod)] = stats_for(layers[id(mod)], _wanted(mod, wanted_set), n, scale, with_squares)
-        return stats
+                modules.setdefault(id(mod), mod)
+        wanted = {key: _wanted(mod, wanted_set) for key, mod in modules.items()}
+        groups: list[LayerStats] = []
+        if stackable:
+            groups, served = stack_small_layers({key: (layers[key], wanted[key]) for key in modules}, n)
+            modules = {key: mod for key, mod in modules.items() if key not in served}
+        for key in modules:
+            stats[key] = stats_for(layers[key], wanted[key], n, scale, with_squares)
+        return stats, groups
 
     def _owners_that_ran(self, p: Tensor, layers: dict[int, LayerCalls]) -> list[tuple[nn.Module, str, str]]:
         """The owners of ``p`` whose calls were captured this step. An owner that did not run adds nothing

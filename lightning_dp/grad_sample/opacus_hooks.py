@@ -40,6 +40,7 @@ class OpacusHooksEngine(GradSampleEngine):
     """Engine ``"opacus_hooks"``: Opacus' per-layer grad samplers, materialised."""
 
     name = "opacus_hooks"
+    supports_padding = True
     supports_views = True
     owned_attributes = frozenset({"activations", "max_batch_len", "autograd_grad_sample_hooks", "_forward_counter",
                                   "norm_sample", "grad_sample", "_current_grad_sample"})
@@ -142,7 +143,8 @@ class OpacusHooksEngine(GradSampleEngine):
                     "into a supported layer."
                 )
             samples = mean_over_views(samples, self.views_per_example)
-            return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares)
+            return clip_and_sum_materialised(params, samples, max_grad_norm, scale, with_squares,
+                                             self.padding_rows)
         finally:
             for p in params:
                 p.grad_sample = None

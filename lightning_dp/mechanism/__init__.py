@@ -35,6 +35,8 @@ MOVED = {
     "sign_privatizer": "lightning_dp.sign_sgd.privatizer",
     "sign_vote": "lightning_dp.sign_sgd.vote",
     "budget_shortfall": "lightning_dp.accounting.budget_shortfall",
+    "noise_prefetch": "lightning_dp.performance.noise_prefetch",
+    "fixed_batch": "lightning_dp.performance.fixed_batch",
     "boundary.state": "lightning_dp.validators.kept_state",
     "boundary.snapshot": "lightning_dp.validators.snapshot",
     "boundary": "lightning_dp.privacy.boundary",

@@ -42,7 +42,7 @@ weights, not full checkpoints).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from lightning_dp.accounting.banded_coefficients import (
     inverse_coefficients,
 )
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
+from lightning_dp.performance.noise_prefetch import Prefetch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -70,7 +71,9 @@ class BandedToeplitzNoise(NoiseMechanism):
             Any scale: the mechanism normalises by ‖c‖₂.
         seed: seed of the fresh Gaussian draws z_t (as in :class:`GaussianNoise`; ``None``,
             the default and the only safe choice in production, draws it from the OS).
-        source: the unit-noise source of z_t (default ``GaussianNoise(seed)``); for tests.
+        source: the unit-noise source of z_t (default ``GaussianNoise(seed, prefetch=prefetch)``); for tests.
+        prefetch: the default source draws z_{t+1} while step t runs (:mod:`~lightning_dp.performance.noise_prefetch`);
+            the recursion itself stays at the release (it needs w_t).
 
     Call :meth:`sample` exactly once per logical step, always with the same list of tensors
     (the same shapes in the same order), and pair it with a b-min-separated sampler
@@ -89,6 +92,7 @@ class BandedToeplitzNoise(NoiseMechanism):
         coefficients: Optional[Sequence[float]] = None,
         seed: Optional[int] = None,
         source: Optional[NoiseMechanism] = None,
+        prefetch: Prefetch = "auto",
     ) -> None:
         bands = check_bands(bands)
         c = check_coefficients(fichtenberger_coefficients(bands) if coefficients is None else coefficients)
@@ -100,7 +104,7 @@ class BandedToeplitzNoise(NoiseMechanism):
         self.coefficients = c
         self.sensitivity = column_norm(c)
         self._normalised = c / self.sensitivity
-        self._source = source if source is not None else GaussianNoise(seed)
+        self._source = source if source is not None else GaussianNoise(seed, prefetch=prefetch)
         self._rings: list[_Ring] = []
         self._loaded: Optional[list[list[Tensor]]] = None  # history from a checkpoint, placed at the next sample
         self._weights: dict[tuple[torch.device, torch.dtype], Tensor] = {}
@@ -128,6 +132,18 @@ class BandedToeplitzNoise(NoiseMechanism):
         out = [self._row(ring, z).view(ref.shape).to(ref.dtype) for ring, ref, z in zip(self._rings, like, fresh)]
         self._steps += 1
         return out
+
+    def step(self) -> ContextManager[None]:
+        """One release: the source's (its z_t may have been drawn during the previous step)."""
+        return self._source.step()
+
+    def discard_prefetched(self) -> None:
+        """Drop the source's draws made ahead."""
+        self._source.discard_prefetched()
+
+    def close(self) -> None:
+        """Join the source's worker."""
+        self._source.close()
 
     def advance(self) -> None:
         """Count a step without drawing noise: for data-parallel ranks that do not add the noise.
@@ -240,6 +256,7 @@ class BandedToeplitzNoise(NoiseMechanism):
         Coefficients that differ from this mechanism's raise ``ValueError``.
         """
         self._rings = []
+        self._source.discard_prefetched()  # a restored stream continues with fresh draws only
         if not state:
             self._steps, self._loaded = 0, None
             return

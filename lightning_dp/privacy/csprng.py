@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
 SUMMED_DRAWS = 4
 """2n of Holohan & Braghin §5.1 (n = 2, as Opacus): Gaussians summed per coordinate."""
@@ -62,27 +63,34 @@ def secure_gaussian(count: int) -> Tensor:
     return draws.sum(0) / math.sqrt(SUMMED_DRAWS)
 
 
-class SecureGaussianNoise(NoiseMechanism):
+class SecureGaussianNoise(DrawsAhead, NoiseMechanism):
     """Independent N(0, I) noise from :func:`secure_gaussian` (drawn on the CPU in float64, then cast and
-    moved to each tensor's device: on a GPU every step copies a model-sized tensor to the device)."""
+    moved to each tensor's device: on a GPU every step copies a model-sized tensor to the device).
+
+    Args:
+        prefetch: draw the next release's noise (on the CPU, cast to the tensors' dtype) in a worker thread while
+            the current step runs (:mod:`~lightning_dp.performance.noise_prefetch`; ``"auto"``, the default: while a
+            CPU is free for the worker); the same function draws it, so the same distribution. Costs d numbers held
+            between releases.
+    """
+
+    def __init__(self, prefetch: Prefetch = "auto") -> None:
+        self._init_ahead(prefetch)
 
     def add_noise_(self, tensors: Sequence[Tensor], std: float, scale_by: float = 1.0) -> None:
         """t ← scale_by · t + std · z in place, z from :func:`secure_gaussian`, :data:`CHUNK` coordinates at a
         time: the float64 temporaries (≈ 100 bytes per coordinate) never exceed one chunk's, and every
-        coordinate gets its own fresh draw."""
+        coordinate gets its own fresh draw. Inside :meth:`step` the draws may have been made ahead, during the
+        previous step (:mod:`~lightning_dp.performance.noise_prefetch`)."""
         if not std > 0:
             raise ValueError(f"std must be > 0, got {std!r}")
-        for t in tensors:
-            if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
-                t.mul_(scale_by).add_(secure_gaussian(t.numel()).view(t.shape).to(t.device, t.dtype), alpha=std)
-                continue
-            flat = t.view(-1)
-            for start in range(0, flat.numel(), CHUNK):
-                piece = flat[start : start + CHUNK]
-                z = secure_gaussian(piece.numel()).to(device=piece.device, dtype=piece.dtype)
-                if scale_by != 1.0:
-                    piece.mul_(scale_by)
-                piece.add_(z, alpha=std)
+        pieces = _pieces(tensors)
+        ahead = self._ahead(("add", tuple((p.dtype, p.numel()) for p in pieces)))
+        for piece, z in zip(pieces, ahead if ahead is not None else (_unit(p.dtype, p.numel()) for p in pieces)):
+            z = z.view(piece.shape).to(device=piece.device)
+            if scale_by != 1.0:
+                piece.mul_(scale_by)
+            piece.add_(z, alpha=std)
 
     def for_rank(self, rank: int) -> "SecureGaussianNoise":
         """This mechanism: every draw reads ``os.urandom`` afresh, so the ranks' streams are independent."""
@@ -91,9 +99,39 @@ class SecureGaussianNoise(NoiseMechanism):
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
         sizes = [t.numel() for t in like]
-        flat = secure_gaussian(sum(sizes))
+        ahead = self._ahead(("sample", tuple(sizes)))
+        flat = ahead[0] if ahead is not None else secure_gaussian(sum(sizes))
         return [chunk.view(t.shape).to(device=t.device, dtype=t.dtype) for chunk, t in zip(flat.split(sizes), like)]
+
+    def _draw_key(self, key: Hashable) -> list[Tensor]:
+        """The draws of one call key, on the CPU (:class:`~.noise_prefetch.DrawsAhead`)."""
+        kind, shapes = key  # type: ignore[misc]
+        if kind == "sample":
+            return [secure_gaussian(sum(shapes))]
+        return [_unit(dtype, size) for dtype, size in shapes]
+
+    def _numel(self, keys: Sequence[Hashable]) -> int:
+        return sum(sum(shapes) if kind == "sample" else sum(size for _, size in shapes)  # type: ignore[misc]
+                   for kind, shapes in keys)  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: there is no generator state (and none may ever be saved)."""
         return {}
+
+
+def _pieces(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The pieces :meth:`SecureGaussianNoise.add_noise_` draws for, in order: a non-contiguous tensor whole (rare:
+    engines return contiguous sums), a contiguous one in flat chunks of :data:`CHUNK` coordinates."""
+    out: list[Tensor] = []
+    for t in tensors:
+        if not t.is_contiguous():
+            out.append(t)
+            continue
+        flat = t.view(-1)
+        out.extend(flat[start : start + CHUNK] for start in range(0, flat.numel(), CHUNK))
+    return out
+
+
+def _unit(dtype: torch.dtype, size: int) -> Tensor:
+    """``size`` coordinates of :func:`secure_gaussian`, cast to ``dtype`` (on the CPU)."""
+    return secure_gaussian(size).to(dtype=dtype)

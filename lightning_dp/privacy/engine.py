@@ -78,6 +78,12 @@ class GradSampleEngine(ABC):
     owned_attributes: ClassVar[frozenset[str]] = frozenset()
     """Attribute names the engine sets on the model's modules while it runs (the release boundary neither
     fingerprints nor restores them: :mod:`~lightning_dp.privacy.boundary`)."""
+    supports_padding: ClassVar[bool] = False
+    """Whether :meth:`clip_and_sum` honours :attr:`padding_rows` (fixed-shape batches)."""
+    padding_rows: int = 0
+    """Rows (examples) at the end of the current physical batch that are padding, not examples (fixed-shape batches,
+    :mod:`~lightning_dp.performance.fixed_batch`): their clip factors are 0, so they add exactly nothing to the sums,
+    and they are left out of the norms and the count. Set by the private step around :meth:`clip_and_sum` only."""
     views_per_example: int = 1
     """K: rows per example (each example's K augmented views, consecutive); set before :meth:`attach`.
     :meth:`begin_step` still counts examples; K > 1 needs :attr:`supports_views`."""

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
 
 _MIN_CHUNK = 1 << 16  # smallest scratch chunk of GaussianNoise.add_noise_ (256 KiB in float32)
@@ -60,42 +62,88 @@ class NoiseMechanism(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
 
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One release's noise calls (the privatizer's). A mechanism that draws ahead
+        (:mod:`~lightning_dp.performance.noise_prefetch`) hands the calls inside the draws it made during the
+        previous step, draws the same calls ahead for the next on a normal exit, and drops every draw held on an
+        exception. This one draws at every call."""
+        yield
 
-@dataclass
-class _Bucket:
-    """Pieces of tensors (flat, each ≤ the scratch) waiting for one shared draw of
-    N(0, std²) into ``scratch`` (:meth:`GaussianNoise.add_noise_`): a full-size piece is drawn
-    alone, small ones together."""
+    def discard_prefetched(self) -> None:
+        """Drop the noise drawn ahead, if any (a step that will not be released: it is never reused)."""
 
-    scratch: Tensor
-    generator: torch.Generator
-    std: float
-    scale_by: float
-    pieces: list[Tensor] = field(default_factory=list)
-    size: int = 0
-
-    def add(self, piece: Tensor) -> None:
-        """Queue ``piece``; first draw for the queued ones if it would not fit beside them."""
-        if self.size + piece.numel() > self.scratch.numel():
-            self.flush()
-        self.pieces.append(piece)
-        self.size += piece.numel()
-
-    def flush(self) -> None:
-        """piece ← scale_by · piece + N(0, std²) for every queued piece, from one draw."""
-        if not self.pieces:
-            return
-        z = self.scratch[: self.size].normal_(0.0, self.std, generator=self.generator)
-        if len(self.pieces) == 1:
-            torch.add(z, self.pieces[0], alpha=self.scale_by, out=self.pieces[0])  # one fused pass
-        else:
-            if self.scale_by != 1.0:
-                torch._foreach_mul_(self.pieces, self.scale_by)
-            torch._foreach_add_(self.pieces, z.split([p.numel() for p in self.pieces]))
-        self.pieces, self.size = [], 0
+    def close(self) -> None:
+        """Stop drawing ahead and join the worker, if any (detach, teardown)."""
 
 
-class GaussianNoise(NoiseMechanism):
+@dataclass(frozen=True)
+class _Draw:
+    """One draw of ``size`` numbers on ``device`` in ``dtype`` (a flat N(0, std²) tensor)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    size: int
+
+
+Plan = list[tuple[_Draw, list[Tensor]]]
+"""The draws of one :meth:`GaussianNoise.add_noise_` call, in order, each with the pieces of tensors it noises."""
+
+
+def noise_plan(tensors: Sequence[Tensor]) -> Plan:
+    """How :meth:`GaussianNoise.add_noise_` cuts ``tensors`` into draws (see there), in the order they are drawn.
+
+    Contiguous tensors are cut into flat pieces of at most ``step`` = min(d, max(2¹⁶, ⌈d/8⌉)) numbers (d the total);
+    pieces of one (device, dtype) are gathered into one draw until the next would not fit beside them (a full-size
+    piece is drawn alone); the open gatherings are drawn at the end, in the order their (device, dtype) first
+    appeared. A non-contiguous tensor (rare: engines return contiguous sums) gets one full-size draw of its own
+    where it stands."""
+    total = sum(t.numel() for t in tensors)
+    if total == 0:
+        return []
+    step = min(max(_MIN_CHUNK, -(-total // 8)), total)
+    plan: Plan = []
+    open_: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+
+    def close(key: tuple[torch.device, torch.dtype]) -> None:
+        if open_[key]:
+            plan.append((_Draw(key[0], key[1], sizes[key]), open_[key]))
+            open_[key], sizes[key] = [], 0
+
+    for t in tensors:
+        if not t.is_contiguous():
+            plan.append((_Draw(t.device, t.dtype, t.numel()), [t]))
+            continue
+        key = (t.device, t.dtype)
+        open_.setdefault(key, [])
+        sizes.setdefault(key, 0)
+        flat, numel = t.view(-1), t.numel()
+        for start in range(0, numel, step):
+            piece = flat if numel <= step else flat[start : start + step]  # (no slice for a tensor in one piece)
+            size = min(step, numel - start)
+            if sizes[key] + size > step:
+                close(key)
+            open_[key].append(piece)
+            sizes[key] += size
+    for key in list(open_):
+        close(key)
+    return plan
+
+
+def _apply(z: Tensor, pieces: list[Tensor], scale_by: float) -> None:
+    """piece ← scale_by · piece + z for the pieces of one draw z (already scaled by std): one fused pass for a
+    single piece, two multi-tensor updates for several."""
+    if len(pieces) == 1:
+        t = pieces[0]
+        torch.add(z.view(t.shape), t, alpha=scale_by, out=t)
+        return
+    if scale_by != 1.0:
+        torch._foreach_mul_(pieces, scale_by)
+    torch._foreach_add_(pieces, z.split([p.numel() for p in pieces]))
+
+
+class GaussianNoise(DrawsAhead, NoiseMechanism):
     """Independent N(0, I) draws from a private generator per device.
 
     Args:
@@ -103,10 +151,16 @@ class GaussianNoise(NoiseMechanism):
             in production) draws a fresh seed from the OS. A fixed seed is for tests.
         generator: draw from this generator on its device instead (reproducible research runs
             that share one generator for sampling and noise, e.g. ``VirtualWorkersSignSGD``);
-            not with ``seed``.
+            not with ``seed``. Such a mechanism never draws ahead (the generator is not its alone).
+        prefetch: draw the next release's noise while the current step runs
+            (:mod:`~lightning_dp.performance.noise_prefetch`; a worker thread on CPU, a side stream on CUDA):
+            ``"auto"`` (default: on CPU only while a CPU is free for the worker), ``True``, ``False``. The same
+            draws from the same generators in the same order: a seeded stream is the same sequence either way.
+            Costs d numbers held between releases (d = the number of noised coordinates).
     """
 
-    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 prefetch: Prefetch = "auto") -> None:
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both")
         self._seed = seed
@@ -114,6 +168,7 @@ class GaussianNoise(NoiseMechanism):
         self._generators: dict[torch.device, torch.Generator] = {}
         if generator is not None:
             self._generators[torch.device(generator.device)] = generator
+        self._init_ahead(prefetch if generator is None else False)
 
     def for_rank(self, rank: int) -> "GaussianNoise":
         """A stream independent of every other rank's, for process ``rank`` of a sharded release (each rank
@@ -123,9 +178,9 @@ class GaussianNoise(NoiseMechanism):
             raise ValueError("a GaussianNoise drawing from a given generator cannot be split into independent "
                              "per-rank streams: give seed= (tests) or nothing (production)")
         if self._seed is None:
-            return GaussianNoise()
+            return GaussianNoise(prefetch=self.prefetch)
         digest = hashlib.sha256(f"lightning_dp.GaussianNoise/{self._seed}/rank{rank}".encode()).digest()
-        return GaussianNoise(seed=int.from_bytes(digest[:8], "little") >> 1)
+        return GaussianNoise(seed=int.from_bytes(digest[:8], "little") >> 1, prefetch=self.prefetch)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -141,47 +196,67 @@ class GaussianNoise(NoiseMechanism):
         """t ← scale_by · t + std · z in place, z ~ N(0, I) from this mechanism's private generator.
 
         Tensors are cut into pieces of at most the scratch size, min(d, max(2¹⁶, d/8)) numbers
-        for d coordinates, so no noise tensor as large as the model is ever allocated. A
-        full-size piece gets its own draw (``normal_(0, std)``: the scaling fused into the draw)
-        added in one pass; smaller pieces (small tensors, tails) share one draw and two
+        for d coordinates (:func:`noise_plan`), so no noise tensor as large as the model is ever allocated
+        when drawing at the call. A full-size piece gets its own draw (``normal_(0, std)``: the scaling fused
+        into the draw) added in one pass; smaller pieces (small tensors, tails) share one draw and two
         multi-tensor updates (few kernel launches for a model of many small tensors). Every
-        coordinate gets its own fresh draw. A subclass that overrides :meth:`sample` gets
-        the generic path (its samples, scaled).
+        coordinate gets its own fresh draw. Inside :meth:`step` the draws may have been made ahead, during the
+        previous step (the same draws, held until now: :mod:`~lightning_dp.performance.noise_prefetch`). A subclass
+        that overrides :meth:`sample` gets the generic path (its samples, scaled).
         """
         if not std > 0:
             raise ValueError(f"std must be > 0, got {std!r}")
         if type(self).sample is not GaussianNoise.sample:
             super().add_noise_(tensors, std, scale_by)
             return
-        total = sum(t.numel() for t in tensors)
-        if total == 0:
+        plan = noise_plan(tensors)
+        if not plan:
             return
-        step = min(max(_MIN_CHUNK, -(-total // 8)), total)
-        buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
-        for t in tensors:
-            if not t.is_contiguous():  # rare (engines return contiguous sums): one full-size draw
-                z = torch.empty(t.shape, device=t.device, dtype=t.dtype)
-                torch.add(z.normal_(0.0, std, generator=self._generator(t.device)), t, alpha=scale_by, out=t)
-                continue
-            key = (t.device, t.dtype)
-            if key not in buckets:
-                scratch = torch.empty(step, device=t.device, dtype=t.dtype)
-                buckets[key] = _Bucket(scratch, self._generator(t.device), std, scale_by)
-            flat = t.view(-1)
-            for start in range(0, flat.numel(), step):
-                buckets[key].add(flat[start : start + step])
-        for bucket in buckets.values():
-            bucket.flush()
+        ahead = self._ahead(("add", float(std), tuple(draw for draw, _ in plan)))
+        draws = iter(ahead) if ahead is not None else self._drawn_now(plan, float(std))
+        for (_, pieces), z in zip(plan, draws):
+            _apply(z, pieces, scale_by)
+
+    def _drawn_now(self, plan: Plan, std: float) -> Iterator[Tensor]:
+        """The plan's draws made now, one at a time into one scratch buffer per (device, dtype) (each used before
+        the next is drawn over it); a draw larger than the scratch (a non-contiguous tensor) into its own tensor."""
+        scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        largest = max(draw.size for draw, pieces in plan if pieces[0].is_contiguous()) if any(
+            pieces[0].is_contiguous() for _, pieces in plan) else 0
+        for draw, pieces in plan:
+            if pieces[0].is_contiguous():
+                key = (draw.device, draw.dtype)
+                if key not in scratch:
+                    scratch[key] = torch.empty(largest, device=draw.device, dtype=draw.dtype)
+                z = scratch[key][: draw.size]
+            else:
+                z = torch.empty(draw.size, device=draw.device, dtype=draw.dtype)
+            yield z.normal_(0.0, std, generator=self._generator(draw.device))
+
+    def _draw_key(self, key: Hashable) -> list[Tensor]:
+        """The draws of one call key, made as the call makes them (:class:`~.noise_prefetch.DrawsAhead`)."""
+        kind, std, draws = key  # type: ignore[misc]
+        return [torch.empty(d.size, device=d.device, dtype=d.dtype).normal_(0.0, std, generator=self._generator(d.device))
+                for d in draws]
+
+    def _numel(self, keys: Sequence[Hashable]) -> int:
+        return sum(d.size for _, _, draws in keys for d in draws)  # type: ignore[misc]
+
+    def _stream_device(self, keys: Sequence[Hashable]) -> Optional[torch.device]:
+        devices = [d.device for _, _, draws in keys for d in draws]  # type: ignore[misc]
+        return next((d for d in devices if d.type == "cuda"), None)
 
     def _draw(self, like: Sequence[Tensor], std: float) -> list[Tensor]:
-        out: list[Optional[Tensor]] = [None] * len(like)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(like):
             groups.setdefault((t.device, t.dtype), []).append(i)
-        for (device, dtype), idx in groups.items():
-            sizes = [like[i].numel() for i in idx]
-            flat = torch.empty(sum(sizes), device=device, dtype=dtype)
-            flat.normal_(0.0, std, generator=self._generator(device))
-            for i, chunk in zip(idx, flat.split(sizes)):
+        plan = [(_Draw(device, dtype, sum(like[i].numel() for i in idx)), idx) for (device, dtype), idx in groups.items()]
+        ahead = self._ahead(("sample", float(std), tuple(draw for draw, _ in plan)))
+        if ahead is None:
+            ahead = [torch.empty(d.size, device=d.device, dtype=d.dtype).normal_(0.0, std, generator=self._generator(d.device))
+                     for d, _ in plan]
+        out: list[Optional[Tensor]] = [None] * len(like)
+        for (_, idx), flat in zip(plan, ahead):
+            for i, chunk in zip(idx, flat.split([like[i].numel() for i in idx])):
                 out[i] = chunk.view(like[i].shape)
         return out  # type: ignore[return-value]

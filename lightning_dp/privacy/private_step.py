@@ -55,6 +55,7 @@ from lightning_dp.records.collate import EmptySafeCollate
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
+from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batch_size
 from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
 from lightning_dp.privacy.noise import NoiseMechanism
@@ -173,6 +174,11 @@ class PrivateStep(StepChecks):
         clipping: the clipping policy (:mod:`~lightning_dp.clipping`; ``None``: flat clipping at
             ``max_grad_norm``). A ``max_grad_norm`` given beside it must equal its bound.
         privacy_unit: :class:`~lightning_dp.units.Users` for user-level DP (``None``: the example).
+        fixed_batch_size: F: every physical batch is exactly F rows, the Poisson sample's examples then padding rows
+            whose clip factor is 0 (:mod:`~lightning_dp.performance.fixed_batch`: the accounting is unchanged). The
+            loader pads (:meth:`poisson_loader`); :meth:`begin` takes the padding count. Every clipping policy
+            is served (padding rows' factors are 0 under each); not with ``privacy_unit`` (a padding row belongs to
+            no user).
 
     The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
     model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
@@ -196,6 +202,7 @@ class PrivateStep(StepChecks):
         on_budget_short: str = "refuse",
         clipping: Optional[ClippingPolicy] = None,
         privacy_unit: Optional[Users] = None,
+        fixed_batch_size: Optional[int] = None,
     ) -> None:
         self.on_budget_short = check_on_budget_short(on_budget_short)
         self.clipping = resolve_clipping(max_grad_norm, clipping)
@@ -206,6 +213,12 @@ class PrivateStep(StepChecks):
             raise TypeError(f"privacy_unit must be None (the example) or Users(...), got {privacy_unit!r}")
         self.users = privacy_unit
         """User-level DP (:class:`~lightning_dp.units.Users`), or ``None``: the example is the unit."""
+        self.fixed_batch_size = None if fixed_batch_size is None else check_fixed_batch_size(fixed_batch_size)
+        if self.fixed_batch_size is not None and self.users is not None:
+            raise ValueError("fixed_batch_size is not supported with privacy_unit=Users(...) (a padding row belongs to "
+                             "no user, and physical batches are cut between users): use one of the two")
+        self._padder: Optional[PaddedCollate] = None
+        self._padding = 0  # padding rows of the physical batch begun last (fixed_batch_size)
         if not (isinstance(views_per_example, int) and views_per_example >= 1):
             raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0,
@@ -251,6 +264,7 @@ class PrivateStep(StepChecks):
         self._compute_dtype: Optional[torch.dtype] = None  # the lowest precision the first probe saw the forward use
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
+        self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
         self.examples_alone = False
         """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
         examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
@@ -345,6 +359,10 @@ class PrivateStep(StepChecks):
                 f"engine '{engine.name}' cannot take {self.views_per_example} rows as one example (augmentation "
                 "multiplicity): use per_sample='auto', 'vmap' or 'opacus_hooks'.")
         engine.views_per_example = self.views_per_example
+        if self.fixed_batch_size is not None and not engine.supports_padding:
+            raise PrivacyConfigurationError(
+                f"engine '{engine.name}' cannot clip padded batches (fixed_batch_size): use per_sample='auto', "
+                "'ghost', 'vmap' or 'opacus_hooks'.")
         if distribution.layout is not None and hasattr(engine, "stream_sums"):
             engine.stream_sums = True  # the sharded privatizer reads one parameter's sum at a time
         problems = [f"engine '{engine.name}' cannot serve layer {what}" for what in engine.unsupported_layers(module)]
@@ -359,6 +377,7 @@ class PrivateStep(StepChecks):
         assert self._engine is not None and self._module is not None
         engine = self._engine_for(self._module, name, self.distribution)
         self.clipping.bind([n for n, p in self._module.named_parameters() if p.requires_grad])
+        self.discard_noise()
         self._engine.detach()
         hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
         engine.attach(self._module)
@@ -384,7 +403,10 @@ class PrivateStep(StepChecks):
         return True
 
     def detach(self) -> None:
-        """Remove the engine's hooks from the model."""
+        """Remove the engine's hooks from the model; drop the noise drawn ahead and join its worker."""
+        for noise in {id(n): n for n in (self.noise, getattr(self._privatizer, "noise", None))
+                      if isinstance(n, NoiseMechanism)}.values():
+            noise.close()
         if self._engine is not None:
             self._engine.detach()
             self._engine = None
@@ -427,8 +449,11 @@ class PrivateStep(StepChecks):
         sampler.step = start_step
         self._batches = RecordedBatches(sampler, population.indices)
         dl = dataloader
+        collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)
+        if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
+            collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)
         kwargs: dict[str, Any] = dict(
-            num_workers=dl.num_workers, collate_fn=EmptySafeCollate(dl.dataset, dl.collate_fn),
+            num_workers=dl.num_workers, collate_fn=collate,
             pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
             multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
         )
@@ -492,6 +517,13 @@ class PrivateStep(StepChecks):
         if self._batches is None:
             raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
         return self._batches.take()
+
+    def padded_examples(self, indices: Sequence[int], padding: int) -> Any:
+        """The examples ``indices`` and ``padding`` padding records after them, collated by the user's ``collate_fn``
+        (fixed-shape batches: :mod:`~lightning_dp.performance.fixed_batch`)."""
+        assert self._source is not None and self._padder is not None, "poisson_loader() with fixed_batch_size first"
+        dataset, collate = self._source
+        return collate(list(fetch(dataset, indices)) + self._padder.padding(padding))
 
     def examples(self, indices: Sequence[int], fixed: bool = False) -> Any:
         """The examples ``indices`` read as the loader's fetcher reads them (the dataset's ``__getitems__``
@@ -648,6 +680,7 @@ class PrivateStep(StepChecks):
         (e.g. :class:`~lightning_dp.callbacks.PrivacyBudget`'s target) for a step that charges a round."""
         index = self.steps_taken if step is None else step
         if not self.affordable(index):
+            self.discard_noise()  # not released: the noise drawn ahead for it goes too
             return (f"its release would spend more than target_epsilon = {self.target_epsilon} "
                     f"({self._spent_text()})")
         if self.noise_multiplier is None or self.plan is None or self.rounds_at(index) == 0:
@@ -655,8 +688,17 @@ class PrivateStep(StepChecks):
         for guard in list(self.release_guards):
             reason = guard(self.noise_multiplier, self.plan.sample_rate)
             if reason:
+                self.discard_noise()
                 return reason
         return None
+
+    def discard_noise(self) -> None:
+        """Drop the noise drawn ahead for the next release (:mod:`~lightning_dp.performance.noise_prefetch`): called
+        wherever a step will not be released (refused, unaffordable, raised) or the next release's tensors change
+        (parameter set, engine, restored state), so a draw made for one release is never used by another."""
+        mechanisms = [self.noise, getattr(self._privatizer, "noise", None)]
+        for noise in {id(n): n for n in mechanisms if isinstance(n, NoiseMechanism)}.values():
+            noise.discard_prefetched()
 
     def _spent_text(self) -> str:
         """ε spent so far, at ``target_delta`` by the run's accountant, for messages."""
@@ -710,16 +752,23 @@ class PrivateStep(StepChecks):
         return self._verified
 
     def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None,
-              stand_in: bool = False) -> int:
-        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch);
-        every hooked layer is checked against it. Returns the count. User-level DP: ``indices`` are the batch's
+              stand_in: bool = False, padding: int = 0) -> int:
+        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch), followed by
+        ``padding`` padding rows (fixed-shape batches: clip factor 0, not counted); every hooked layer is checked
+        against the n + padding rows. Returns the count of examples. User-level DP: ``indices`` are the batch's
         records, whose users are clipped together (default: the batch taken); a count without them is refused
-        unless ``stand_in`` (a stand-in example whose gradient is discarded)."""
+        unless ``stand_in`` (a stand-in example whose gradient is discarded). Padding is refused with user-level
+        DP (a padding row belongs to no user)."""
         assert self._engine is not None, "attach() first"
+        if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
+            self.discard_noise()
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
                 "re-attached; call verify(...) again before the next release.")
+        if padding < 0 or (padding and self.users is not None):
+            raise ValueError(f"padding must be a count >= 0 of padding rows, and none under user-level DP; got "
+                             f"{padding!r}")
         if num_examples is None:
             indices = self.take()
         n = len(indices) if num_examples is None and indices is not None else num_examples
@@ -728,8 +777,9 @@ class PrivateStep(StepChecks):
             raise RuntimeError("user-level DP: begin(n, indices) needs the batch's records, whose users are clipped "
                                "together (begin() takes them from the sampler)")
         self._groups = None if indices is None or n == 0 else self.groups_of(indices)
-        self._engine.begin_step(n)
-        self._examples = n
+        self._engine.begin_step(n + padding)
+        self._examples, self._padding = n, padding
+        self._open_batch = True
         return n
 
     def expect_request(self, optimizer: Optional[Optimizer]) -> MechanismRequest:
@@ -746,13 +796,16 @@ class PrivateStep(StepChecks):
         """Drop what the engine captured since :meth:`begin` (a stand-in pass run only to join collectives)."""
         assert self._engine is not None, "attach() first"
         self._engine.begin_step(None)
+        self._open_batch = False
 
     def bank(self) -> None:
         """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
         part = self._clipped()
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
+        self._open_batch = False
 
-    def _clipped(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+    def _clipped(self, max_grad_norm: Optional[float] = None,
+                 params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         assert self._engine is not None
         request = self._request
         rule = as_rule(max_grad_norm) if max_grad_norm is not None else ClipRule(self.clipping, self._groups)
@@ -762,18 +815,26 @@ class PrivateStep(StepChecks):
                 or unit_refusal(self.users, sharded=False, mechanism="gaussian", bands=1, second_moment=True)
             if reason:
                 raise PrivacyConfigurationError(reason + ". Nothing was released.")
-        return self._engine.clip_and_sum(self.params(), rule, request.scale, request.second_moment)
+        self._engine.padding_rows = self._padding  # only around this call: the probe's and checks' batches hold none
+        try:
+            return self._engine.clip_and_sum(self.params() if params is None else params, rule, request.scale,
+                                             request.second_moment)
+        finally:
+            self._engine.padding_rows, self._padding = 0, 0
 
-    def clipped_sums(self, max_grad_norm: Optional[float] = None) -> ClippedBatch:
+    def clipped_sums(self, max_grad_norm: Optional[float] = None,
+                     params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
         before any noise: what :meth:`release` privatises, and what release rules run outside it take (the
         caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
-        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines).
+        ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines); ``params``: the
+        trainable parameters (:meth:`params`) when the caller has them already (one module walk per step).
         Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
         if not self._verified:
             raise RuntimeError("call verify() or verify_on() before taking clipped sums: the probe checks the "
                                "assumptions the guarantee rests on")
-        batch = self._clipped(max_grad_norm)
+        batch = self._clipped(max_grad_norm, params)
+        self._open_batch = False
         if self._pending is not None:
             batch, self._pending = merge_clipped(self._pending, batch), None
         return batch
@@ -802,12 +863,23 @@ class PrivateStep(StepChecks):
             self._pending = None
             raise PrivacyConfigurationError(
                 f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
-        assert self._module is not None
+        self._open_batch = False
+        try:
+            return self._release(index, optimizer, empty)
+        except BaseException:
+            self.discard_noise()  # a release that raised leaves no draw for the next one
+            raise
+
+    def _release(self, index: int, optimizer: Optional[Optimizer], empty: bool) -> Release:
+        """:meth:`release` once it may release step ``index``: the boundary's checks, the clipped sums, the noise,
+        the ledger."""
+        assert self._module is not None and self._privatizer is not None and self.plan is not None
+        assert self.noise_multiplier is not None
         target = optimizer if optimizer is not None else self._optimizer
         self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
                            "refused its release (the release boundary)")
         params = self.params()
-        batch = self.clipped_sums()  # this physical batch merged with the step's earlier ones
+        batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
         if empty:
             batch = _zero_clipped_batch(batch)
         request, expected = self._request, self.plan.expected_batch_size
@@ -888,6 +960,7 @@ class PrivateStep(StepChecks):
                 f"{self.unit}: resume with the checkpoint's privacy_unit.")
         if "clipping" in state:
             self.clipping.load_state_dict(state["clipping"])
+        self.discard_noise()  # never a draw made before the restore
         self.steps_taken = int(state.get("steps_taken", self.steps_taken))
         if state.get("sample_rate") is not None:
             self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),

@@ -97,13 +97,15 @@ class Privatizer:
         clean = [s.clone() for s in sums] if request.clean_mean else []
         if self.adds_noise and self.reduce is None:
             # One pass: S ← S/B + (σC/B)·z (the same N(0, (σC/B)²) per coordinate as (S + σCz)/B).
-            self.noise.add_noise_(sums, sigma * max_grad_norm / expected_batch_size, 1.0 / expected_batch_size)
-            self._add_noise(squares, sigma * max_grad_norm**2)
+            with self.noise.step():  # this release's draws (made during the step when drawn ahead)
+                self.noise.add_noise_(sums, sigma * max_grad_norm / expected_batch_size, 1.0 / expected_batch_size)
+                self._add_noise(squares, sigma * max_grad_norm**2)
             grads = sums
         else:
             if self.adds_noise:
-                self._add_noise(sums, sigma * max_grad_norm)
-                self._add_noise(squares, sigma * max_grad_norm**2)
+                with self.noise.step():
+                    self._add_noise(sums, sigma * max_grad_norm)
+                    self._add_noise(squares, sigma * max_grad_norm**2)
             else:
                 self.noise.advance()
             if self.reduce is not None:

@@ -101,9 +101,10 @@ class ShardedPrivatizer:
             assert square_sums is not None
             squares = reduce_scatter_rows(lambda i: _full(square_sums.pop(params[i]), params[i]), params, layout)
         clean = [s.clone() for s in sums] if request.clean_mean else []
-        self.noise.add_noise_(sums, sigma * max_grad_norm / B, 1.0 / B)  # ĝ[R_r] = S[R_r]/B + (σC/B)·z^(r)
-        if squares:
-            self.noise.add_noise_(squares, sigma * max_grad_norm**2)
+        with self.noise.step():  # this release's draws (made during the step when drawn ahead)
+            self.noise.add_noise_(sums, sigma * max_grad_norm / B, 1.0 / B)  # ĝ[R_r] = S[R_r]/B + (σC/B)·z^(r)
+            if squares:
+                self.noise.add_noise_(squares, sigma * max_grad_norm**2)
         scale = None
         if request.scale is not None:  # scale-then-privatize (§4): the engine clipped s ⊙ g_i; undo s on the shard
             scale = [self._rows(request.scale[p], p) for p in params]

@@ -32,9 +32,15 @@ def gradient_hooks(params: Sequence[Tensor]) -> HookKeys:
 
 
 def user_hooked(named: Sequence[tuple[str, Tensor]], allowed: HookKeys) -> list[str]:
-    """Names of parameters holding a gradient hook that is not in ``allowed`` (the engine's own)."""
-    now = gradient_hooks([p for _, p in named])
-    return [name for name, p in named if now.get(id(p), frozenset()) - allowed.get(id(p), frozenset())]
+    """Names of parameters holding a gradient hook that is not in ``allowed`` (the engine's own). A parameter
+    without any hook (the usual case) costs two attribute reads; only hooked ones are compared key by key."""
+    out = []
+    for name, p in named:
+        if not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None):
+            continue
+        if gradient_hooks([p]).get(id(p), frozenset()) - allowed.get(id(p), frozenset()):
+            out.append(name)
+    return out
 
 
 def hooked_error(names: Sequence[str]) -> PrivacyConfigurationError:
