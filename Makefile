@@ -2,6 +2,8 @@
 #   make demo   -> virtual env + the library with what the main job needs ([all]: CLI, data, report)
 #                  + the main job (digits CNN, ε ≤ 3)
 #   make test   -> the same, plus the test and Hugging Face extras ([dev,hf]) + the test suite
+#                  (and the docs extra [docs] where it installs; without it the docs build test skips)
+#   make docs   -> the documentation site, built strictly into site/ (mkdocs.yml)
 # Each install has its own stamp: `make demo` never installs pytest, transformers or peft; `make test`
 # after it adds them; `make test` alone does both steps.
 # torch is pinned to the CPU build through constraints.txt; installing it first keeps pip
@@ -11,8 +13,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install install-test demo test test-all bench clean
+.PHONY: install install-test demo test test-all docs bench clean
 
 $(DEMO_STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +25,12 @@ $(DEMO_STAMP): setup.cfg pyproject.toml constraints.txt
 
 $(TEST_STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[all,dev,hf]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]" || echo "mkdocs not installable here: the docs build test will skip"
 	touch $(TEST_STAMP)
+
+$(DOCS_STAMP): $(DEMO_STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 install: $(DEMO_STAMP)
 
@@ -37,5 +45,8 @@ test: $(TEST_STAMP)
 test-all: $(TEST_STAMP)
 	LIGHTNING_DP_SLOW=1 $(BIN)/python -m pytest
 
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) lightning_logs *.egg-info
+	rm -rf $(VENV) lightning_logs *.egg-info site

@@ -1,7 +1,7 @@
 """Every relative link in the README and docs/ names a file of the repository (and, within the README, a heading).
 
-The substitute for ``mkdocs build --strict`` (mkdocs is not installable offline): a page moved or renamed without
-its links following fails here.
+Runs where mkdocs is not installed (``tests/test_docs_build.py``, the strict site build, skips there) and covers the
+README, which is not a page of the site: a page moved or renamed without its links following fails here.
 """
 from __future__ import annotations
 

@@ -50,3 +50,11 @@ def test_make_test_adds_the_test_and_hf_extras_after_demo_or_alone(tmp_path):
     after = _dry_run("test", venv)
     assert {"dev", "hf"} <= _extras(after) and not any("torch==" in line or "-m venv" in line for line in after)
     assert after[-1].endswith("-m pytest")
+
+
+def test_make_test_tries_the_docs_extra_without_failing_and_make_docs_builds_strictly(tmp_path):
+    venv = tmp_path / "venv"
+    docs_lines = [line for line in _dry_run("test", venv) if '-e ".[docs]"' in line]
+    assert len(docs_lines) == 1 and "-c constraints.txt" in docs_lines[0] and "|| echo" in docs_lines[0]
+    lines = _dry_run("docs", venv)
+    assert "docs" in _extras(lines) and lines[-1].endswith("-m mkdocs build --strict -d site")
