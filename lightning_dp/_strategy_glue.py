@@ -24,10 +24,9 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
-import math
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -45,18 +44,14 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.privacy.release import Release
-from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
-from lightning_dp.accounting.budget_shortfall import OnBudgetShort
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
-from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics
 from lightning_dp._warnings import output_hook_notice_quieted
 from lightning_dp.losses import loss_tensor, mean_loss
 from lightning_dp.performance.fixed_batch import chunks as padded_chunks
+from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig, check_target
 from lightning_dp.privacy.private_step import Distribution, PrivateStep
-from lightning_dp.units import Users
 from lightning_dp.units.physical import user_chunks
 
 CHECKPOINT_KEY = "lightning_dp"
@@ -81,72 +76,50 @@ class PrivateTraining:
     secure_mode: bool
     max_physical_batch_size: Optional[int]
 
-    def _init_privacy(
-        self,
-        noise_multiplier: Optional[float],
-        max_grad_norm: Optional[float],
-        *,
-        target_epsilon: Optional[float],
-        target_delta: Optional[float],
-        accountant: str,
-        per_sample: str,
-        max_physical_batch_size: Optional[int],
-        noise: Optional[Union[str, NoiseMechanism]],
-        bands: int,
-        sampler_seed: Optional[int],
-        secure_mode: bool,
-        resume_privacy: Literal["strict", "new"],
-        augmentation_multiplicity: int,
-        public_state: Sequence[str] = (),
-        verify: str = "sampled",
-        verify_budget: float = 0.02,
-        on_budget_short: OnBudgetShort = "refuse",
-        clipping: Optional[ClippingPolicy] = None,
-        privacy_unit: Optional[Users] = None,
-        fixed_batch_size: Optional[int] = None,
-    ) -> None:
-        """Check the privacy arguments (see ``DPStrategy``) and build the private step."""
-        check_noise_arguments(noise_multiplier, target_epsilon, target_delta)
+    def _init_privacy(self, privacy: PrivacyConfig, execution: ExecutionConfig,
+                      resume_privacy: Literal["strict", "new"]) -> None:
+        """Check the strategy's privacy settings (see ``DPStrategy``) and build the private step from them: the two
+        frozen configurations are built once, by the strategy from its keyword arguments, and handed down unchanged
+        (:mod:`~lightning_dp.privacy.config`)."""
+        check_noise_arguments(privacy.noise_multiplier, privacy.target_epsilon, privacy.target_delta)
         if resume_privacy not in ("strict", "new"):
             raise ValueError(f"resume_privacy must be 'strict' or 'new', got {resume_privacy!r}")
-        if max_physical_batch_size is not None and max_physical_batch_size < 1:
-            raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
-        if fixed_batch_size is not None and max_physical_batch_size is not None:
-            raise ValueError("give fixed_batch_size or max_physical_batch_size, not both (with fixed_batch_size every "
-                             "physical batch has exactly that many rows)")
-        if fixed_batch_size is not None and augmentation_multiplicity != 1:
+        if execution.fixed_batch_size is not None and execution.views_per_example != 1:
             raise ValueError("fixed_batch_size is not supported with augmentation_multiplicity > 1 yet (padding "
                              "records would have to be padded views): use one of the two")
-        mechanism = make_noise(noise, bands)
-        if secure_mode:
-            if sampler_seed is not None:
+        if privacy.secure_mode:
+            if privacy.sampler_seed is not None:
                 raise ValueError("secure_mode draws the sampling from the OS's CSPRNG: remove sampler_seed")
-            if noise not in (None, "gaussian"):
-                raise ValueError(f"secure_mode supports noise='gaussian' only, got {noise!r}")
-            mechanism = SecureGaussianNoise()
+            if privacy.noise not in (None, "gaussian"):
+                raise ValueError(f"secure_mode supports noise='gaussian' only, got {privacy.noise!r}")
         # else C may come from Trainer(gradient_clip_val); a clipping policy gives its own bound
-        self._max_grad_norm_given = max_grad_norm is not None or clipping is not None
+        self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
-        self.private_step = PrivateStep(
-            noise_multiplier, max_grad_norm, mechanism,
-            engine=per_sample, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant, sampler_seed=sampler_seed, secure_sampling=secure_mode,
-            views_per_example=augmentation_multiplicity, public_state=public_state, verify=verify,
-            verify_budget=verify_budget, on_budget_short=on_budget_short, clipping=clipping,
-            privacy_unit=privacy_unit, fixed_batch_size=fixed_batch_size,
-        )
+        self.private_step = PrivateStep.from_config(privacy, execution)
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
-        self.private_step.examples_alone = max_physical_batch_size == 1 and privacy_unit is None  # users: kept whole
+        self.private_step.examples_alone = (execution.max_physical_batch_size == 1
+                                            and privacy.privacy_unit is None)  # users: kept whole
         self._requested_sigma = self.private_step.noise_multiplier
         self.resume_privacy = resume_privacy
-        self.secure_mode = bool(secure_mode)
-        self.max_physical_batch_size = max_physical_batch_size
+        self.secure_mode = bool(privacy.secure_mode)
+        self.max_physical_batch_size = execution.max_physical_batch_size
         self._examples_this_step = -1
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._stop_announced = False  # the budget stop is said once per fit
 
     # ------------------------------------------------------------------ public state (the private step's)
+    @property
+    def privacy_config(self) -> PrivacyConfig:
+        """The frozen privacy configuration built from this strategy's keyword arguments and handed to the private
+        step unchanged (:class:`~lightning_dp.privacy.config.PrivacyConfig`)."""
+        return self.private_step.config
+
+    @property
+    def execution_config(self) -> ExecutionConfig:
+        """How the private step runs (:class:`~lightning_dp.privacy.config.ExecutionConfig`), frozen."""
+        return self.private_step.execution
+
     @property
     def ledger(self) -> PrivacyLedger:
         """Every noisy release of this run: restored from checkpoints on resume, and continuing every release
@@ -790,21 +763,6 @@ def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
         del module.log, module.log_dict
 
 
-def make_noise(noise: Optional[Union[str, NoiseMechanism]], bands: int) -> NoiseMechanism:
-    """The noise mechanism named by ``noise`` (see ``DPStrategy``)."""
-    if isinstance(noise, NoiseMechanism):
-        if bands != 1 and bands != getattr(noise, "bands", 1):
-            raise ValueError(f"bands={bands} conflicts with the given noise mechanism ({noise!r})")
-        return noise
-    if noise in (None, "gaussian"):
-        if bands != 1:
-            raise ValueError(f"bands={bands} needs noise='banded' (independent Gaussian noise has one band)")
-        return GaussianNoise()
-    if noise == "banded":
-        return BandedToeplitzNoise(bands)
-    raise ValueError(f"noise must be 'gaussian', 'banded' or a NoiseMechanism, got {noise!r}")
-
-
 _LIGHTNING_IMPLICIT_MAX_EPOCHS = 1000
 """Lightning's ``max_epochs`` when neither ``max_epochs`` nor ``max_steps`` is given (loops/utilities.py)."""
 
@@ -873,17 +831,12 @@ def _is_train_loader(trainer: "pl.Trainer", dataloader: object) -> bool:
     return trainer.state.stage == RunningStage.TRAINING
 
 
-def check_noise_arguments(
-    noise_multiplier: Optional[float], target_epsilon: Optional[float], target_delta: Optional[float]
-) -> None:
-    """Exactly one of σ or a target ε (with δ in (0, 1)); raises ``ValueError``."""
+def check_noise_arguments(noise_multiplier: Optional[float], target_epsilon: Optional[float],
+                          target_delta: Optional[float]) -> None:
+    """Exactly one of σ or a target ε (with δ in (0, 1)), as the strategies take them; raises ``ValueError``."""
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("Give exactly one of noise_multiplier (σ) or target_epsilon (with target_delta).")
-    if target_epsilon is not None:
-        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
-        if target_delta is None or not 0 < target_delta < 1:
-            raise ValueError(f"target_epsilon needs target_delta in (0, 1), got {target_delta!r}")
+    check_target(target_epsilon, target_delta)
 
 
 def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:

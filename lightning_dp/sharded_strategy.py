@@ -52,6 +52,7 @@ from lightning_dp._strategy_glue import (
     one_optimizer_expected,
 )
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.sharding.fsdp_layout import FSDPLayout
 from lightning_dp.privacy.private_step import Distribution
@@ -157,11 +158,13 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self._init_privacy(
-            noise_multiplier, max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
-            accountant=accountant, per_sample="ghost", max_physical_batch_size=max_physical_batch_size,
-            noise=noise, bands=1, sampler_seed=sampler_seed, secure_mode=secure_mode,
-            resume_privacy=resume_privacy, augmentation_multiplicity=1, public_state=public_state,
-            verify=verify, verify_budget=verify_budget, on_budget_short=on_budget_short,
+            PrivacyConfig(
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
+                target_delta=target_delta, accountant=accountant, noise=noise, secure_mode=secure_mode,
+                sampler_seed=sampler_seed, public_state=public_state, on_budget_short=on_budget_short),
+            ExecutionConfig(engine="ghost", max_physical_batch_size=max_physical_batch_size, verify=verify,
+                            verify_budget=verify_budget),
+            resume_privacy,
         )
         self._start_method = start_method
         self.layout: Optional[FSDPLayout] = None

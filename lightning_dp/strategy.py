@@ -50,6 +50,7 @@ from lightning_dp._strategy_glue import (
     planned_steps,
     setup_optimizers,
 )
+from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.clipping import ClippingPolicy
 from lightning_dp.units import Users
@@ -205,13 +206,16 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             start_method=start_method,
         )
         self._init_privacy(
-            noise_multiplier, max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
-            accountant=accountant, per_sample=per_sample, max_physical_batch_size=max_physical_batch_size,
-            noise=noise, bands=bands, sampler_seed=sampler_seed, secure_mode=secure_mode,
-            resume_privacy=resume_privacy, augmentation_multiplicity=augmentation_multiplicity,
-            public_state=public_state, verify=verify, verify_budget=verify_budget,
-            on_budget_short=on_budget_short, clipping=clipping, privacy_unit=privacy_unit,
-            fixed_batch_size=fixed_batch_size,
+            PrivacyConfig(
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
+                target_delta=target_delta, accountant=accountant, noise=noise, bands=bands, secure_mode=secure_mode,
+                sampler_seed=sampler_seed, clipping=clipping, privacy_unit=privacy_unit, public_state=public_state,
+                on_budget_short=on_budget_short),
+            ExecutionConfig(
+                engine=per_sample, views_per_example=augmentation_multiplicity,
+                max_physical_batch_size=max_physical_batch_size, fixed_batch_size=fixed_batch_size, verify=verify,
+                verify_budget=verify_budget),
+            resume_privacy,
         )
 
     def __repr__(self) -> str:

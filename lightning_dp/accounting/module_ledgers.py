@@ -106,3 +106,25 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
     for part in module.modules():
         if _RECORDS.get(part) is ledger:
             _RECORDS[part] = copy
+
+
+def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`~lightning_dp.privacy.private_step.PrivateStep.adopt`."""
+    if diverged:
+        return (f"the ledger ({held} releases) and this module's record in this process ({record} releases) are "
+                f"different histories: both are counted, their common part once ({total} releases in all)")
+    if held:
+        return (f"the ledger ({held} releases, e.g. a restored checkpoint) is a prefix of this module's record in "
+                f"this process: the longer record is kept ({total} releases; restoring weights does not take back "
+                "releases already made)")
+    return (f"this module already made {record} private release(s) in this process (an earlier fit or private "
+            "step): the ledger continues from them, so ε, target_epsilon and PrivacyBudget count them too")
+
+
+def restore_note(restored: int, total: int, diverged: bool) -> str:
+    """The log line of :meth:`~lightning_dp.privacy.private_step.PrivateStep.load_state_dict` when the ledger held more than the checkpoint."""
+    if diverged:
+        return (f"the checkpoint's ledger ({restored} releases) and the one held are different histories: both are "
+                f"counted, their common part once ({total} releases in all)")
+    return (f"the checkpoint's ledger ({restored} releases) is a prefix of the one held ({total}): the longer is "
+            "kept (restoring weights does not take back releases already made)")

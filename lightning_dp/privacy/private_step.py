@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting.module_ledgers import adoption_note, restore_note
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor, mean_loss  # noqa: F401  (the loss convention, where callers import it)
@@ -52,6 +53,7 @@ from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rul
 from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.records.collate import EmptySafeCollate
+from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
@@ -149,36 +151,15 @@ PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]]
 class PrivateStep(StepChecks):
     """The private step of the module docstring, for one model and one noise mechanism.
 
-    Args:
-        noise_multiplier: σ (``None``: calibrated from ``target_epsilon`` by :meth:`calibrate`).
-        max_grad_norm: C.
-        noise: the noise mechanism (z_t); its banded rounds drive the ledger.
-        engine: per-example gradient engine by name, or ``"auto"``.
-        target_epsilon, target_delta, accountant: the calibration target, when σ is not given.
-        sampler_seed: seed of the Poisson sampler (tests only; default from the OS).
-        secure_sampling: draw the sampling from the OS's CSPRNG (secure mode).
-        views_per_example: K, augmentation multiplicity: every example arrives as K consecutive rows
-            (its augmented views, e.g. :class:`lightning_dp.data.AugmentedViews`); its gradient is the
-            mean over them, clipped once (:func:`~lightning_dp.grad_sample.base.mean_over_views`).
-            Needs an engine with ``supports_views`` ("auto" picks one).
-        public_state: names of module or callback state declared public: the release boundary
-            (:mod:`~lightning_dp.privacy.boundary`) does not refuse their changes.
-        verify: when the batch check (:mod:`~lightning_dp.validators.batch_check`) compares the step's
-            own examples in a batch, in halves and alone: ``"sampled"`` (default: the first step, then random steps
-            within ``verify_budget`` of the training time), ``"every_step"`` or ``"first_step"``
-            (:mod:`~lightning_dp.validators.schedule`).
-        verify_budget: the share of training time the later batch checks may take (``"sampled"``).
-        on_budget_short: with ``target_epsilon``, when the ledger leaves too little budget for the plan:
-            ``"refuse"`` (default) unless σ stays within 3× of the run's; ``"recalibrate"`` trains on at the σ
-            that fits (:mod:`~lightning_dp.accounting.budget_shortfall`).
-        clipping: the clipping policy (:mod:`~lightning_dp.clipping`; ``None``: flat clipping at
-            ``max_grad_norm``). A ``max_grad_norm`` given beside it must equal its bound.
-        privacy_unit: :class:`~lightning_dp.units.Users` for user-level DP (``None``: the example).
-        fixed_batch_size: F: every physical batch is exactly F rows, the Poisson sample's examples then padding rows
-            whose clip factor is 0 (:mod:`~lightning_dp.performance.fixed_batch`: the accounting is unchanged). The
-            loader pads (:meth:`poisson_loader`); :meth:`begin` takes the padding count. Every clipping policy
-            is served (padding rows' factors are 0 under each); not with ``privacy_unit`` (a padding row belongs to
-            no user).
+    The keyword arguments are the fields of the two frozen configurations it keeps (:attr:`config`,
+    :attr:`execution`; :mod:`~lightning_dp.privacy.config` documents each): ``noise_multiplier``, ``max_grad_norm``,
+    ``noise`` (a :class:`~lightning_dp.privacy.noise.NoiseMechanism`), ``target_epsilon``, ``target_delta``,
+    ``accountant``, ``sampler_seed``, ``secure_sampling`` (``secure_mode``), ``clipping``, ``privacy_unit``,
+    ``public_state`` and ``on_budget_short`` are :class:`~lightning_dp.privacy.config.PrivacyConfig`'s; ``engine``,
+    ``views_per_example``, ``fixed_batch_size``, ``verify`` and ``verify_budget`` are
+    :class:`~lightning_dp.privacy.config.ExecutionConfig`'s. A strategy builds both once and calls
+    :meth:`from_config`. With ``fixed_batch_size`` the loader pads (:meth:`poisson_loader`) and :meth:`begin` takes
+    the padding count (not with ``privacy_unit``: a padding row belongs to no user).
 
     The ledger continues the module's: :meth:`attach` adopts every release this process already made on the
     model (:mod:`~lightning_dp.accounting.module_ledgers`), and :meth:`load_state_dict` never shortens it.
@@ -204,33 +185,58 @@ class PrivateStep(StepChecks):
         privacy_unit: Optional[Users] = None,
         fixed_batch_size: Optional[int] = None,
     ) -> None:
-        self.on_budget_short = check_on_budget_short(on_budget_short)
-        self.clipping = resolve_clipping(max_grad_norm, clipping)
+        self.config = PrivacyConfig(
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, noise=noise, secure_mode=secure_sampling,
+            sampler_seed=sampler_seed, clipping=clipping, privacy_unit=privacy_unit, public_state=tuple(public_state),
+            on_budget_short=on_budget_short)
+        """What the guarantee depends on (:class:`~lightning_dp.privacy.config.PrivacyConfig`), frozen: read, never
+        written (σ calibrated from a target is state: :attr:`noise_multiplier`)."""
+        self.execution = ExecutionConfig(engine=engine, views_per_example=views_per_example,
+                                         fixed_batch_size=fixed_batch_size, verify=verify, verify_budget=verify_budget)
+        """How the step runs (:class:`~lightning_dp.privacy.config.ExecutionConfig`), frozen."""
+        self._configure(self.config, self.execution)
+
+    @classmethod
+    def from_config(cls, privacy: PrivacyConfig, execution: ExecutionConfig = ExecutionConfig()) -> "PrivateStep":
+        """The private step of a configuration built once by a strategy (its keyword arguments), handed down unchanged.
+        ``privacy.noise`` names the mechanism (:meth:`PrivacyConfig.noise_mechanism`)."""
+        step = cls.__new__(cls)
+        step.config, step.execution = privacy, execution
+        step._configure(privacy, execution)
+        return step
+
+    def _configure(self, privacy: PrivacyConfig, execution: ExecutionConfig) -> None:
+        """Everything the step holds, from the two frozen configurations."""
+        noise_multiplier, engine = privacy.noise_multiplier, execution.engine
+        secure_sampling, views_per_example = privacy.secure_mode, execution.views_per_example
+        self.on_budget_short = check_on_budget_short(privacy.on_budget_short)
+        self.clipping = resolve_clipping(privacy.max_grad_norm, privacy.clipping)
         """The clipping policy (:mod:`~lightning_dp.clipping`): C is its bound (:attr:`max_grad_norm`)."""
         if hasattr(self.clipping, "secure"):  # the adaptive policy's count noise, from the CSPRNG in secure mode
             self.clipping.secure = secure_sampling  # type: ignore[attr-defined]
-        if privacy_unit is not None and not isinstance(privacy_unit, Users):
-            raise TypeError(f"privacy_unit must be None (the example) or Users(...), got {privacy_unit!r}")
-        self.users = privacy_unit
+        if privacy.privacy_unit is not None and not isinstance(privacy.privacy_unit, Users):
+            raise TypeError(f"privacy_unit must be None (the example) or Users(...), got {privacy.privacy_unit!r}")
+        self.users = privacy.privacy_unit
         """User-level DP (:class:`~lightning_dp.units.Users`), or ``None``: the example is the unit."""
-        self.fixed_batch_size = None if fixed_batch_size is None else check_fixed_batch_size(fixed_batch_size)
+        fixed = execution.fixed_batch_size
+        self.fixed_batch_size = None if fixed is None else check_fixed_batch_size(fixed)
         if self.fixed_batch_size is not None and self.users is not None:
             raise ValueError("fixed_batch_size is not supported with privacy_unit=Users(...) (a padding row belongs to "
                              "no user, and physical batches are cut between users): use one of the two")
         self._padder: Optional[PaddedCollate] = None
         self._padding = 0  # padding rows of the physical batch begun last (fixed_batch_size)
-        if not (isinstance(views_per_example, int) and views_per_example >= 1):
-            raise ValueError(f"views_per_example must be an integer >= 1, got {views_per_example!r}")
         validate_privacy_params(noise_multiplier if noise_multiplier is not None else 1.0,
                                 self.clipping.configured_bound)
         if engine != "auto":
             make_engine(engine)  # fail fast on an unknown name
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-        self.noise = noise
+        self.noise = privacy.noise_mechanism()
         self.engine_name = engine
         self._auto = engine == "auto"
-        self.target_epsilon, self.target_delta, self.accountant = target_epsilon, target_delta, accountant
-        self.sampler_seed, self.secure_sampling = sampler_seed, secure_sampling
+        self.target_epsilon, self.target_delta, self.accountant = (privacy.target_epsilon, privacy.target_delta,
+                                                                   privacy.accountant)
+        self.sampler_seed, self.secure_sampling = privacy.sampler_seed, secure_sampling
         self.views_per_example = views_per_example
         self.ledger = PrivacyLedger()
         self.plan: Optional[SamplingPlan] = None
@@ -255,9 +261,9 @@ class PrivateStep(StepChecks):
         """Further ceilings, asked before every release with its own (σ, q) (:meth:`refusal`)."""
         self.adopted: Optional[str] = None
         """What the last :meth:`attach` adopted of the module's record, as a log line (``None``: nothing)."""
-        self.boundary = ReleaseBoundary(public_state)
+        self.boundary = ReleaseBoundary(privacy.public_state)
         """The release boundary (:mod:`~lightning_dp.privacy.boundary`): checked before every release."""
-        self.schedule = VerificationSchedule(verify, verify_budget)
+        self.schedule = VerificationSchedule(execution.verify, execution.verify_budget)
         """When the batch check runs (:mod:`~lightning_dp.validators.schedule`)."""
         self._random_step = False  # the first probe saw the step draw random numbers: batches are not comparable
         self._tolerance_low = False
@@ -347,7 +353,7 @@ class PrivateStep(StepChecks):
                 self.ledger.load_state_dict(combined.ledger.state_dict())
                 self.ledger.unit = getattr(record, "unit", "example")  # what the adopted releases protect
                 self._ceiling = None
-                note = _adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
+                note = adoption_note(before, record.steps, self.ledger.steps, combined.diverged)
         module_ledgers.bind(module, self.ledger)
         return note
 
@@ -949,7 +955,7 @@ class PrivateStep(StepChecks):
         restored.load_state_dict(state["ledger"])
         combined = module_ledgers.combine(restored, self.ledger)
         self.ledger.load_state_dict(combined.ledger.state_dict())
-        note = None if not combined.added else _restore_note(restored.steps, self.ledger.steps, combined.diverged)
+        note = None if not combined.added else restore_note(restored.steps, self.ledger.steps, combined.diverged)
         self._ceiling = None
         if state.get("noise_multiplier") is not None and not keep_noise_multiplier:
             self.noise_multiplier = float(state["noise_multiplier"])
@@ -978,28 +984,6 @@ class PrivateStep(StepChecks):
             ("target_epsilon", self.target_epsilon, state.get("target_epsilon")),
             ("target_delta", self.target_delta, state.get("target_delta")),
         ) if differs(new, old)]
-
-
-def _adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
-    """The log line of :meth:`PrivateStep.adopt`."""
-    if diverged:
-        return (f"the ledger ({held} releases) and this module's record in this process ({record} releases) are "
-                f"different histories: both are counted, their common part once ({total} releases in all)")
-    if held:
-        return (f"the ledger ({held} releases, e.g. a restored checkpoint) is a prefix of this module's record in "
-                f"this process: the longer record is kept ({total} releases; restoring weights does not take back "
-                "releases already made)")
-    return (f"this module already made {record} private release(s) in this process (an earlier fit or private "
-            "step): the ledger continues from them, so ε, target_epsilon and PrivacyBudget count them too")
-
-
-def _restore_note(restored: int, total: int, diverged: bool) -> str:
-    """The log line of :meth:`PrivateStep.load_state_dict` when the ledger held more than the checkpoint."""
-    if diverged:
-        return (f"the checkpoint's ledger ({restored} releases) and the one held are different histories: both are "
-                f"counted, their common part once ({total} releases in all)")
-    return (f"the checkpoint's ledger ({restored} releases) is a prefix of the one held ({total}): the longer is "
-            "kept (restoring weights does not take back releases already made)")
 
 
 def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
