@@ -611,7 +611,8 @@ class PrivateTraining:
                 logger.log_metrics({"privacy/clip_norm": self.max_grad_norm}, step=step)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
         when the state it holds changed since the last update (the release boundary)."""
         self.private_step.check_kept("after the last update, before a checkpoint was written (in a batch-end "
@@ -747,7 +748,8 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
             for cb in callbacks:
                 cb.on_before_backward(trainer, module, loss)
             module.on_before_backward(loss)
-        outputs = {"loss": loss.detach()} if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
+            outputs = {"loss": loss.detach()}
         for cb in callbacks:
             cb.on_train_batch_end(trainer, module, outputs, batch, 0)
         module.on_train_batch_end(outputs, batch, 0)
@@ -884,7 +886,8 @@ def check_no_tuner(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
     if tuners:
         raise PrivacyConfigurationError(
             f"{label} cannot run {', '.join(tuners)} (Tuner.lr_find / Tuner.scale_batch_size): it trains on the "
-            "private data and picks its value from un-noised losses, which no privacy accounting covers, then restores a "
+            "private data and picks its value from un-noised losses, which no privacy accounting covers, then restores "
+            "a "
             "temporary checkpoint. Tune on public data (a plain pl.Trainer without DPStrategy, on a separate copy of "
             "the module), then train privately with the value found: hyper-parameters chosen on the private data "
             "spend privacy that no accountant here counts (README: Privacy caveats).")

@@ -137,7 +137,8 @@ def privacy_summary(
     accountant = resolve_accountant(strategy).value
     chosen = _summary_delta(strategy, delta, allow_mismatch)
     if chosen is None:
-        lines.append(f"privacy: ε not computed (no target_delta, N unknown): give --privacy_delta; {ledger.steps} steps")
+        lines.append("privacy: ε not computed (no target_delta, N unknown): give --privacy_delta; "
+                     f"{ledger.steps} steps")
     else:
         eps = ledger_epsilon(ledger, chosen.value, accountant) if ledger.steps else 0.0
         eps_text = "inf (a non-private variant was used)" if math.isinf(eps) else f"{eps:.4f}"

@@ -51,7 +51,8 @@ class StepDiagnostics:
         return torch.quantile(self.norms.float(), torch.tensor(qs)).tolist()
 
 
-def diagnose(batch: ClippedBatch, params: list[Tensor], expected_batch_size: float, max_grad_norm: float) -> StepDiagnostics:
+def diagnose(batch: ClippedBatch, params: list[Tensor], expected_batch_size: float,
+             max_grad_norm: float) -> StepDiagnostics:
     """Build :class:`StepDiagnostics` from a batch's clipped sums, before noise is added."""
     clean = {p: batch.sums[p].detach().clone() / expected_batch_size for p in params}
     norms = batch.norms.detach().clone()

@@ -100,4 +100,5 @@ AdamVariant = _copies["lightning_dp.callbacks"].AdamVariant
 PublicPretraining = _copies["lightning_dp.callbacks"].PublicPretraining
 SecondMomentMonitor = _copies["lightning_dp.callbacks"].SecondMomentMonitor
 
-__all__ = ["AdamVariant", "DPShardedStrategy", "DPStrategy", "PrivacyBudget", "PublicPretraining", "SecondMomentMonitor"]
+__all__ = ["AdamVariant", "DPShardedStrategy", "DPStrategy", "PrivacyBudget", "PublicPretraining",
+           "SecondMomentMonitor"]

@@ -124,7 +124,8 @@ def pretrain(
     for p in params:
         p.grad = None
     model.to(home).train(was_training)
-    log.info("public pretraining: %d epochs over %d examples in %.1f s", epochs, len(dataset), time.perf_counter() - start)
+    log.info("public pretraining: %d epochs over %d examples in %.1f s", epochs, len(dataset),
+             time.perf_counter() - start)
     return losses
 
 

@@ -39,7 +39,8 @@ _T = TypeVar("_T")
 def build_parser() -> argparse.ArgumentParser:
     """The ``budget`` subcommand's argument parser."""
     p = argparse.ArgumentParser(prog="lightning-dp budget", description=__doc__.splitlines()[0])
-    s = p.add_argument_group("setting", "either --sample-rate and --steps, or --dataset-size, --batch-size and --epochs")
+    s = p.add_argument_group("setting",
+                             "either --sample-rate and --steps, or --dataset-size, --batch-size and --epochs")
     s.add_argument("--sample-rate", "-q", type=float, help="q = expected batch / N")
     s.add_argument("--steps", "-T", type=int, help="number of steps")
     s.add_argument("--dataset-size", "-N", type=int, help="N, the number of training examples")
@@ -331,7 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             }
             sigma = sigmas[args.accountants[0]]
             print(f"σ for ε = {args.target_epsilon:g}, q = {q:g}, T = {steps}, δ = {delta:g}")
-            rows = [(n, f"{s:.4f}") for n, s in sigmas.items()] + (_sign_sgd_rows(args, setting) if args.sign_sgd else [])
+            rows = [(n, f"{s:.4f}") for n, s in sigmas.items()]
+            rows += _sign_sgd_rows(args, setting) if args.sign_sgd else []
             print(_table(("accountant", "noise_multiplier"), rows))
         if args.plot:
             plot_epsilon(args, setting, sigma)

@@ -53,7 +53,8 @@ def find_run(logdir: Path) -> tuple[Path, Any]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not logdir.is_dir():
-        raise ReportError(f"{logdir} is not a directory: pass the logger's run directory, e.g. lightning_logs/version_0.")
+        raise ReportError(f"{logdir} is not a directory: pass the logger's run directory, "
+                          "e.g. lightning_logs/version_0.")
     dirs = sorted({f.parent for f in logdir.rglob(EVENT_GLOB)})
     if not dirs:
         raise ReportError(f"no TensorBoard event files ({EVENT_GLOB}) under {logdir}: train with "

@@ -66,7 +66,8 @@ class DigitsDataModule(pl.LightningDataModule):
         x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
         y = torch.tensor(digits.target, dtype=torch.long)
         seed = self.hparams.split_seed
-        x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=self.hparams.test_fraction, random_state=seed, stratify=y)
+        x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=self.hparams.test_fraction, random_state=seed,
+                                                  stratify=y)
         if self.hparams.val_fraction > 0:
             x_tr, x_va, y_tr, y_va = train_test_split(
                 x_tr, y_tr, test_size=self.hparams.val_fraction, random_state=seed, stratify=y_tr

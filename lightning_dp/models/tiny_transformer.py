@@ -133,7 +133,8 @@ class TinyTransformerLM(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``DPShardedStrategy`` (Lightning's ``ModelParallelStrategy``: a device mesh is set), shard each
-        block and then the root with FSDP2's ``fully_shard``; otherwise nothing (replicated, as under ``DPStrategy``)."""
+        block and then the root with FSDP2's ``fully_shard``; otherwise nothing (replicated, as under
+        ``DPStrategy``)."""
         if self.device_mesh is None:
             return
         from torch.distributed.fsdp import fully_shard

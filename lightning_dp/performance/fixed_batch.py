@@ -54,7 +54,8 @@ from lightning_dp.records.fetch import fetch
 def check_fixed_batch_size(size: Any) -> int:
     """``size`` as F ≥ 1, or ``ValueError``."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"fixed_batch_size must be a positive integer (the rows of every physical batch), got {size!r}")
+        raise ValueError("fixed_batch_size must be a positive integer (the rows of every physical batch), "
+                         f"got {size!r}")
     return size
 
 

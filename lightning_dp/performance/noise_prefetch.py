@@ -227,7 +227,8 @@ class DrawsAhead:
 
     def _init_ahead(self, prefetch: Prefetch) -> None:
         self.prefetch = check_prefetch(prefetch)
-        """Whether the next release's noise is drawn during the current step (:mod:`~lightning_dp.performance.noise_prefetch`):
+        """Whether the next release's noise is drawn during the current step
+        (:mod:`~lightning_dp.performance.noise_prefetch`):
         ``"auto"``, ``True`` or ``False``."""
         self._prefetcher = NoisePrefetcher() if prefetch is not False else None
         self._calls = None

@@ -98,7 +98,8 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps_per_epoch):
             members = self.groups[self.step % self.bands]
-            uniforms = secure_uniform(len(members)) if self.secure else torch.rand(len(members), generator=self._generator)
+            count = len(members)
+            uniforms = secure_uniform(count) if self.secure else torch.rand(count, generator=self._generator)
             keep = uniforms < self.sample_rate
             self.step += 1
             yield members[keep].tolist()

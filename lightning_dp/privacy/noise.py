@@ -188,6 +188,11 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
             self._generators[device] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[device]
 
+    def _normal(self, draw: _Draw, std: float) -> Tensor:
+        """One draw's N(0, std²) numbers, from its device's generator."""
+        return torch.empty(draw.size, device=draw.device, dtype=draw.dtype).normal_(0.0, std,
+                                                                                    generator=self._generator(draw.device))
+
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
         return self._draw(like, 1.0)
@@ -236,8 +241,7 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
     def _draw_key(self, key: Hashable) -> list[Tensor]:
         """The draws of one call key, made as the call makes them (:class:`~.noise_prefetch.DrawsAhead`)."""
         kind, std, draws = key  # type: ignore[misc]
-        return [torch.empty(d.size, device=d.device, dtype=d.dtype).normal_(0.0, std, generator=self._generator(d.device))
-                for d in draws]
+        return [self._normal(d, std) for d in draws]
 
     def _numel(self, keys: Sequence[Hashable]) -> int:
         return sum(d.size for _, _, draws in keys for d in draws)  # type: ignore[misc]
@@ -250,11 +254,11 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(like):
             groups.setdefault((t.device, t.dtype), []).append(i)
-        plan = [(_Draw(device, dtype, sum(like[i].numel() for i in idx)), idx) for (device, dtype), idx in groups.items()]
+        plan = [(_Draw(device, dtype, sum(like[i].numel() for i in idx)), idx)
+                for (device, dtype), idx in groups.items()]
         ahead = self._ahead(("sample", float(std), tuple(draw for draw, _ in plan)))
         if ahead is None:
-            ahead = [torch.empty(d.size, device=d.device, dtype=d.dtype).normal_(0.0, std, generator=self._generator(d.device))
-                     for d, _ in plan]
+            ahead = [self._normal(d, std) for d, _ in plan]
         out: list[Optional[Tensor]] = [None] * len(like)
         for (_, idx), flat in zip(plan, ahead):
             for i, chunk in zip(idx, flat.split([like[i].numel() for i in idx])):

@@ -52,11 +52,11 @@ from lightning_dp.privacy.boundary import (
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rule
 from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
-from lightning_dp.records.collate import EmptySafeCollate
+from lightning_dp.records.collate import EmptySafeCollate, loader_like
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
-from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
+from lightning_dp.records.fetch import fetch, read_examples
 from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batch_size
 from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
@@ -458,15 +458,8 @@ class PrivateStep(StepChecks):
         collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)
         if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
             collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)
-        kwargs: dict[str, Any] = dict(
-            num_workers=dl.num_workers, collate_fn=collate,
-            pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
-            multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
-        )
-        if dl.num_workers > 0:
-            kwargs["prefetch_factor"] = dl.prefetch_factor
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
-        return DataLoader(dl.dataset, batch_sampler=self._batches, **kwargs)
+        return loader_like(dl, self._batches, collate)
 
     def _user_sampler(self, dataset: Any, population: TrainingPopulation,
                       seed: Optional[int]) -> UserPoissonBatchSampler:
@@ -542,15 +535,7 @@ class PrivateStep(StepChecks):
         own reads a batch in one call, as the loader does (a batch-level read is what the probe must see);
         randomness it draws is then the step's own (the probe notices and says so)."""
         assert self._source is not None, "poisson_loader() first"
-        dataset, collate = self._source
-        if not (fixed and reads_per_index(dataset)):
-            return collate(fetch(dataset, indices))
-        items = []
-        with seeded(0):  # the generators' states saved once, restored after the last example
-            for i in indices:
-                reseed(int(i))
-                items.append(dataset[i])
-        return collate(items)
+        return read_examples(*self._source, indices, fixed)
 
     # ------------------------------------------------------------------ calibration
     def calibrate(self, planned_steps: int) -> Optional[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.records.fetch import fetch
@@ -54,3 +54,16 @@ def batch_size_of(batch: Any) -> int:
             if size >= 0:
                 return size
     return -1
+
+
+def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]], Any]) -> DataLoader:
+    """A loader over ``dl``'s dataset drawing ``batch_sampler``'s batches, collated by ``collate``, with ``dl``'s
+    workers, pinning, timeout, worker init, multiprocessing context and persistence."""
+    kwargs: dict[str, Any] = dict(
+        num_workers=dl.num_workers, collate_fn=collate,
+        pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
+    )
+    if dl.num_workers > 0:
+        kwargs["prefetch_factor"] = dl.prefetch_factor
+    return DataLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -71,3 +71,17 @@ def reseed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+def read_examples(dataset: Any, collate: Callable[[Any], Any], indices: Sequence[int], fixed: bool = False) -> Any:
+    """The examples ``indices`` read as the loader's fetcher reads them (:func:`fetch`) and collated; ``fixed``:
+    example i read with the generators seeded by i (states restored after), unless the dataset reads a batch in one
+    call (:func:`reads_per_index`). See :meth:`~lightning_dp.privacy.private_step.PrivateStep.examples`."""
+    if not (fixed and reads_per_index(dataset)):
+        return collate(fetch(dataset, indices))
+    items = []
+    with seeded(0):  # the generators' states saved once, restored after the last example
+        for i in indices:
+            reseed(int(i))
+            items.append(dataset[i])
+    return collate(items)

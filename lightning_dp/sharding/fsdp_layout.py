@@ -63,7 +63,8 @@ class FSDPLayout:
             raise PrivacyConfigurationError(
                 "DPShardedStrategy found no module sharded by FSDP2: call "
                 "torch.distributed.fsdp.fully_shard(block, mesh=self.device_mesh['data_parallel']) on each block and "
-                "then on the root module in your LightningModule's configure_model (see docs/distributed.md, Sharded training).")
+                "then on the root module in your LightningModule's configure_model (see docs/distributed.md, Sharded "
+                "training).")
         problems = []
         mesh = None
         for name, p in module.named_parameters():

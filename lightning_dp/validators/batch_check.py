@@ -158,7 +158,8 @@ def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[
     where = f" and the sums of {', '.join(summed[:4])}{' …' if len(summed) > 4 else ''} changed" if summed else ""
     when = f" ({as_of})" if as_of else ""
     return PrivacyConfigurationError(
-        f"Examples interact at step {step}{when}: checked on {m} examples of the step's own sampled batch (as one batch, "
+        f"Examples interact at step {step}{when}: checked on {m} examples of the step's own sampled batch (as one "
+        "batch, "
         f"as two halves and two of them alone), {differing} example gradient(s) changed with the batch's composition"
         f"{where}. Per-example clipping then does not bound one example's influence by C. Nothing was released for "
         "this step. Typical causes the first step cannot show: an operation across the batch that starts after a "

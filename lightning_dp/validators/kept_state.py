@@ -259,7 +259,8 @@ class StateFingerprint:
             tensors.extend(params)
         else:
             for name, p in params:
-                entries[name] = (p.data_ptr(), p._version, p.shape) if type(p) is nn.Parameter else self._sums.key(p)[1:]
+                plain = type(p) is nn.Parameter
+                entries[name] = (p.data_ptr(), p._version, p.shape) if plain else self._sums.key(p)[1:]
         buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
         tensors.extend(buffers)
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}

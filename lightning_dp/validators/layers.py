@@ -87,7 +87,8 @@ def parametrized(module: nn.Module) -> bool:
     """Whether ``module`` computes some of its tensors from others by ``torch.nn.utils.parametrize`` (weight_norm,
     orthogonal, a user's parametrization): the trainable tensors are the originals
     (``parametrizations.weight.original0``, …), which no closed-form rule knows. Such a module is hooked as one unit
-    (:func:`~lightning_dp.grad_sample.capture.activations.is_unit`) and its per-example gradients come from replaying it per example
+    (:func:`~lightning_dp.grad_sample.capture.activations.is_unit`) and its per-example gradients come from replaying it
+    per example
     on its originals (the per-layer vmap, or one backward per example for an RNN), the parametrization recomputed
     inside; the closed-form rules, the ghost engine's input-gradient-only forwards and the normalisation reducers all
     pass it by."""
@@ -110,7 +111,8 @@ def parametrized_layers(module: nn.Module) -> list[str]:
                     f"layer '{name}' ({type(sub).__name__}) has a spectral norm on {spectral} "
                     "(torch.nn.utils.parametrizations.spectral_norm): its power iteration writes the parametrization's "
                     "u and v buffers in every training forward, which the model would release without noise. Remove it "
-                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, name)), or normalise by a norm computed "
+                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, name)), or normalise by a norm "
+                    "computed "
                     "in the forward instead; weight_norm and orthogonal parametrizations are served.")
         for hook in sub._forward_pre_hooks.values():
             for kind, api, remove in _LEGACY_REPARAMETRIZATIONS:

@@ -186,7 +186,8 @@ class ExampleIndependenceProbe:
         seed_all(seed)
         try:
             with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
-                loss = self.loss_of(indices)  # gradients with create_graph=True, which is no double backward of the step
+                # (gradients with create_graph=True, which is no double backward of the step)
+                loss = self.loss_of(indices)
                 if loss.grad_fn is None:
                     raise detached_loss_error(loss)
                 if backward:
@@ -262,7 +263,8 @@ class ExampleIndependenceProbe:
         dtype = reference.dtype if reference.is_floating_point() else torch.float32
         if self.compute_dtype is not None and torch.finfo(self.compute_dtype).eps > torch.finfo(dtype).eps:
             dtype = self.compute_dtype
-        return min(self.rtol, batch_tolerance(dtype, reference.device, low_precision=self.rtol >= LOW_PRECISION_TOLERANCE))
+        low = self.rtol >= LOW_PRECISION_TOLERANCE
+        return min(self.rtol, batch_tolerance(dtype, reference.device, low_precision=low))
 
     def _interaction(self, together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
                      summed: bool = False) -> PrivacyConfigurationError:
@@ -358,7 +360,8 @@ def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
     return PrivacyConfigurationError(
         f"Engine '{engine}' clipped the first step's examples wrongly (parameter {name}): its clipped sum is not "
         "the clipping policy's Σ_u c_u g_u (flat: Σ_i min(1, C/‖g_i‖) g_i) of the per-example gradients it computed, "
-        "so one unit's influence would not be bounded by C. Nothing was released. Try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
+        "so one unit's influence would not be bounded by C. Nothing was released. Try another engine "
+        "(per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
         "tries each engine that serves the model) and please report the model to lightning_dp.")
 
 

@@ -7,7 +7,8 @@ those comparisons fail for a reason "examples interact" would misname:
   ``torch.autograd.grad(u, x, create_graph=True)``), a gradient penalty, input-gradient regularisation. The loss
   depends on ∂f/∂x as well as on the layers' outputs, and every per-example engine here computes example i's
   gradient layer by layer from its output gradient alone, g_i = n · ∂⟨f(θ, x_i), δ_i⟩/∂θ: the second-order path
-  (through ∂f/∂x) is not in it, and the inner ``autograd.grad`` also fires the engines' output hooks. No engine serves it:
+  (through ∂f/∂x) is not in it, and the inner ``autograd.grad`` also fires the engines' output hooks. No engine serves
+  it:
   :func:`double_backward_error` names the cause and the fixes, whatever the comparisons said;
 - **a batch sorted** before packing (``lengths.sort(descending=True)`` and ``x[order]``, then
   ``pack_padded_sequence(..., enforce_sorted=True)``): each row is still one example, in another order. The probe

@@ -438,7 +438,8 @@ class ActivationCapture:
             sites = self._sites
             if sites is None or not sites.following or self._suspended:
                 return None
-            return tuple(at(sites, str(i), a) for i, a in enumerate(args)), {k: at(sites, k, v) for k, v in kwargs.items()}
+            followed_args = tuple(at(sites, str(i), a) for i, a in enumerate(args))
+            return followed_args, {k: at(sites, k, v) for k, v in kwargs.items()}
 
         return pre
 
@@ -654,7 +655,8 @@ class ActivationCapture:
     def _flattened_rows(self, inputs: list[Tensor], leaves: list, live: list[int], n: Optional[int],
                         dims: ExampleDims) -> tuple[Optional[int], bool]:
         """The row count n·m (m > 1) of a call on flattened examples, else ``None``: every live output has
-        that many rows at its example dimension (0, or an RNN's 1 for h_n), and an argument is a verified flattening of ``[n, …]``
+        that many rows at its example dimension (0, or an RNN's 1 for h_n), and an argument is a verified flattening of
+        ``[n, …]``
         (:func:`~.validators.example_dim.flattened_rows`) or an earlier call of the step had that many; and whether
         the rows are example-minor instead (an argument made by a reshape of ``[m, n, …]`` whose dimension 1 is proven
         to hold the examples, :func:`~.validators.example_layout.example_minor_rows`; not for an RNN, whose rule reads

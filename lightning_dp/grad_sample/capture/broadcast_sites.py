@@ -10,7 +10,8 @@ hook on the lookup sees only Σ_i δ_i. This module finds the broadcast instead.
 From the lookup's call until the end of the step a :class:`torch.overrides.TorchFunctionMode`
 follows every tensor computed from the lookup's output (:class:`BroadcastSites`). At a
 **broadcast site**, an operation whose result has the step's n examples in dimension 0 (or the n·m
-rows of verified flattened examples, :mod:`~.validators.example_dim`) while the followed tensor t has none there (dimension 0 of size 1, or fewer dimensions: ``scores + bias``,
+rows of verified flattened examples, :mod:`~.validators.example_dim`) while the followed tensor t has none there
+(dimension 0 of size 1, or fewer dimensions: ``scores + bias``,
 ``bias.expand(B, …)``, ``mask_token.repeat(B, k, 1)``, a batched matmul), t is replaced by its explicit
 expansion e = t.expand(n, …) (a view: the same values, so the model computes the same result), and a hook
 on e receives example i's gradient in row i. Each site's rows are mapped back to the lookup's
@@ -24,7 +25,8 @@ call with its inputs expanded to n rows (views) and these δ_i, so every engine 
 ordinary batched call.
 
 A layer whose arguments hold the examples in another dimension (an RNN's h0 ``[L, n, H]``, time-major attention
-and position-wise layers; :mod:`~lightning_dp.grad_sample.capture.example_dims`) is a site too, for a followed argument with n
+and position-wise layers; :mod:`~lightning_dp.grad_sample.capture.example_dims`) is a site too, for a followed argument
+with n
 there (a learned ``[L, 1, H]`` state ``.expand(-1, B, -1)``-ed: no operation on the way grew dimension 0): the layer
 gets an alias whose gradient, its own use alone, is sliced per example by the layer's contract,
 G_i = G ⊙ 1[index = i], and mapped back as above (:meth:`BroadcastSites.at_layer`). Every site is an autograd
@@ -153,7 +155,8 @@ class _Source:
         self._add(self._back(t_edge, rows), start, start + rows.shape[0])
 
     def reject(self) -> None:
-        """A site whose rows cannot be taken for the examples' (an unconfirmed block of copies): nothing is handed over."""
+        """A site whose rows cannot be taken for the examples' (an unconfirmed block of copies): nothing is handed
+        over."""
         self.rejected = True
 
     def settle(self, total: Tensor) -> None:
@@ -181,7 +184,8 @@ class _Site(torch.autograd.Function):
 
 
 _SLICED_ELEMENTS = 1 << 24
-"""Elements of the masked gradients one batched map-back of :meth:`_Source.arrive_sliced` may hold (64 MiB in float32)."""
+"""Elements of the masked gradients one batched map-back of :meth:`_Source.arrive_sliced` may hold (64 MiB in
+float32)."""
 
 
 class _Block:
@@ -332,7 +336,8 @@ class BroadcastSites(TorchFunctionMode):
                 self._remember(t, sources)
         return result
 
-    def _repeated(self, t: Tensor, sources: tuple[_Source, ...], reps: tuple, result: Any, rows: set[int]) -> Optional[Tensor]:
+    def _repeated(self, t: Tensor, sources: tuple[_Source, ...], reps: tuple, result: Any,
+                  rows: set[int]) -> Optional[Tensor]:
         """``t.repeat(n, …)`` (or ``tile``) of a ``t`` whose aligned dimension 0 is 1 or absent: a broadcast site
         too (ViTMAE's ``mask_token.repeat(B, k, 1)``), served as ``t.expand(n, …).repeat(1, …)`` (the same
         values). None when it is not one."""
@@ -503,7 +508,8 @@ class BroadcastSites(TorchFunctionMode):
 
     def at_layer(self, t: Any, dim: int) -> Any:
         """A layer's argument holding the examples in dimension ``dim`` by the layer's contract (an RNN's h0, a
-        time-major attention's query; :mod:`~lightning_dp.grad_sample.capture.example_dims`), called from the layer's forward
+        time-major attention's query; :mod:`~lightning_dp.grad_sample.capture.example_dims`), called from the layer's
+        forward
         pre-hook: a followed ``t`` with n there (``h0.expand(L, B, H)`` of a learned ``[L, 1, H]`` state: the batch
         is not in dimension 0, so no operation on the way was a site) is a broadcast site. The layer gets an alias
         of t whose gradient, the layer's use alone, reaches each source sliced per example
@@ -570,7 +576,8 @@ SHAPED_FIRST: frozenset[str] = frozenset({"scaled_dot_product_attention", "matmu
 
 def _shape_only(name: str, args: tuple, kwargs: dict) -> Optional[Tensor]:
     """An empty meta tensor of the shape ``name``'s result will have (SDPA: the broadcast batch dimensions of query,
-    key and value, into which the mask's must broadcast, then the query's length and the value's width; matmul of ≥ 2-D operands: the broadcast batch
+    key and value, into which the mask's must broadcast, then the query's length and the value's width; matmul of ≥ 2-D
+    operands: the broadcast batch
     dimensions, then rows × columns), or None where the rule does not cover the call (computed for real)."""
     if name == "scaled_dot_product_attention":
         keys = ("query", "key", "value", "attn_mask")

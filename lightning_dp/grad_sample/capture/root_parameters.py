@@ -148,7 +148,8 @@ class RootParameters:
     Args:
         expected: a callable returning the step's number of examples (``None``: not verified, no capture)
             and whether capturing is on (the engine's capture is not suspended).
-        follow: the capture's :meth:`~lightning_dp.grad_sample.capture.activations.ActivationCapture.follow` (the broadcast
+        follow: the capture's :meth:`~lightning_dp.grad_sample.capture.activations.ActivationCapture.follow` (the
+        broadcast
             sites of a read).
     """
 
