@@ -385,6 +385,10 @@ class ConvRule(LayerRule):
             return False
         return base in TRANSPOSED or type(m)._conv_forward is base._conv_forward
 
+    def closed_form(self, m: nn.Module) -> bool:
+        """Under FSDP2 only the convolutions of :func:`sharding_served`."""
+        return sharding_served(m)
+
     def stats(self, calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale: Optional[ParamMap],
               with_squares: bool) -> LayerStats:
         """Ghost norm or materialised G, whichever is cheaper; book-keeping sums (:class:`ConvStats`)."""
@@ -406,7 +410,7 @@ class ConvRule(LayerRule):
 
 def sharding_served(m: nn.Module) -> bool:
     """The convolutions the ghost engine served under FSDP2 before this rule (``nn.Conv2d``-like, groups 1, zero
-    numeric padding; :func:`~.ghost.has_closed_form`). The rule's other forms are not tested under sharding and
-    keep being refused there."""
+    numeric padding; :meth:`ConvRule.closed_form`, read by :func:`~.ghost.has_closed_form`). The rule's other forms
+    are not tested under sharding and keep being refused there."""
     return (ConvRule().serves(m) and isinstance(m, nn.Conv2d) and m.groups == 1 and m.padding_mode == "zeros"
             and not isinstance(m.padding, str))

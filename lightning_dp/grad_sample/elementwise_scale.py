@@ -10,6 +10,10 @@ and bias [C, 1] on [B, C, T]) and keeps y's factors; example i's gradients are t
 summed over the layer's calls (δ: the mean loss's output gradient, hence the factor n; the positions: every dimension
 of the output but the examples' along which the parameter's operand has size 1). A few products and one reduction
 per call, where the per-example vmap ran the layer's forward and backward again for every example.
+
+Both engines take them (:class:`ElementwiseScaleRule`, last in the registry's precedence: a layer is of this family
+only by its calls, verified at each): the ghost engine materialised, the vmap engine under the calls' autocast, as
+its replay would run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.grad_sample.capture.activations import LayerCalls
+from lightning_dp.grad_sample.rules import LayerRule, register_rule
 from lightning_dp.validators.elementwise_scale import ScaledOperand
 
 
@@ -64,3 +69,23 @@ def scale_layer_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Paramete
                 if p in total:
                     total[p] += g.to(p.dtype)
     return {name: (total[p] * n).view(n, *p.shape) for name, p in wanted}
+
+
+@register_rule
+class ElementwiseScaleRule(LayerRule):
+    """Any layer whose every call was verified as ``w ⊙ y + b`` (module docstring)."""
+
+    name = "elementwise_scale"
+    vmap_autocast = True  # as the vmap engine took these grads before the registry
+
+    def serves(self, m: nn.Module) -> bool:
+        """No layer by its class alone: :meth:`serves_calls` reads the calls' verification."""
+        return False
+
+    def serves_calls(self, calls: LayerCalls) -> bool:
+        """:func:`scale_served`."""
+        return scale_served(calls)
+
+    def grads(self, calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
+        """:func:`scale_layer_grads` (the ghost engine's stats: these, materialised)."""
+        return scale_layer_grads(calls, wanted, n)

@@ -23,7 +23,7 @@ used only inside the forward of a module that owns it (the probe compares with a
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Iterator, Optional, Sequence
 
@@ -45,11 +45,8 @@ from lightning_dp.grad_sample.capture.activations import (
 )
 from lightning_dp.grad_sample.capture.example_dims import example_dims, time_major_layers
 from lightning_dp.grad_sample.attention import attention_grads, attention_supported
-from lightning_dp.grad_sample.attention_projections import projection_forms
-from lightning_dp.grad_sample.elementwise_scale import scale_layer_grads, scale_served
-from lightning_dp.grad_sample.linear_forms import form_grads
-from lightning_dp.grad_sample.rnn_unrolled import recorded_input, unrolled_rnn_grads, unrolled_supported
-from lightning_dp.grad_sample.rules import rule_for
+from lightning_dp.grad_sample.rnn_unrolled import recorded_input
+from lightning_dp.grad_sample.rules import rule_for_calls
 from lightning_dp.grad_sample.base import (
     ClippedBatch,
     GradSampleEngine,
@@ -251,7 +248,7 @@ def _is_packed(rec: Any) -> bool:
 
 def packed_loop_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
     """:func:`loop_layer_grads` for an RNN whose calls include some on a ``PackedSequence`` the unrolled rule does not
-    serve (a parametrized RNN): example i is packed alone from its own ℓ_i steps (the batch's order:
+    serve (a subclass of torch's RNNs): example i is packed alone from its own ℓ_i steps (the batch's order:
     ``unsorted_indices``) with its own initial state, and g_i = n · ∂(⟨out_i, δ_i⟩ + ⟨h_n,i, δh_i⟩ + …)/∂θ,
     δ_i its rows of the packed output gradient."""
     padded = [r for r in calls.records if not _is_packed(r)]
@@ -280,15 +277,6 @@ def packed_loop_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Paramete
 def _hidden_dims(hx: Any) -> Any:
     """Example dimension of an RNN's initial state (``[L, n, H]``, or LSTM's pair of them)."""
     return None if hx is None else [1, 1] if isinstance(hx, (tuple, list)) else 1
-
-
-def packed_rnn_layer_grads(calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
-    """An RNN called on a ``PackedSequence`` (as well, maybe, as on padded tensors): the unrolled rule
-    (:mod:`.rnn_unrolled`), or one backward per example where it does not serve (a parametrized RNN). Inter-layer
-    dropout in training on a ``PackedSequence`` never gets here: the capture refuses it."""
-    if all(unrolled_supported(calls.module, rec) for rec in calls.records):
-        return unrolled_rnn_grads(calls, wanted, n)
-    return packed_loop_grads(calls, wanted, n)
 
 
 def replayed_layer_grads(
@@ -330,23 +318,25 @@ def replayed_layer_grads(
 def vmap_layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
-    """:func:`_layer_grads` under the autocast the layer's calls ran under (``bf16-mixed``: a replay outside it would
-    meet bfloat16 inputs with float32 weights); a layer with a registered closed form (:mod:`.rules`: convolutions,
-    PReLU) takes it instead, in the weights' precision."""
-    rule = rule_for(calls.module)  # never a parametrized module
-    if rule is not None and rule.for_vmap:
+    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one layer: the first registered rule with
+    :attr:`~.rules.LayerRule.for_vmap` serving its calls (:mod:`.rules`, in their precedence: convolutions, PReLU,
+    torch's RNNs, self-attention's projections, layers verified as w ⊙ y + b; never a parametrized layer), else
+    :func:`_layer_grads`'s replay. Which rule a layer family gets is the registry's alone; what is left here is how
+    the layer is replayed: under the autocast its calls ran under (``bf16-mixed``: a replay outside it would meet
+    bfloat16 inputs with float32 weights; a rule with :attr:`~.rules.LayerRule.vmap_autocast` too, the others in the
+    weights' precision)."""
+    rule = rule_for_calls(calls, for_vmap=True)  # never a parametrized module
+    if rule is not None and not rule.vmap_autocast:
         return rule.grads(calls, wanted, n)
     state = next((rec.autocast for rec in calls.records if rec.autocast is not None), None)
-    if state is None:
-        return _layer_grads(calls, wanted, n)
-    with torch.autocast(state[0], dtype=state[1]):
-        return _layer_grads(calls, wanted, n)
+    with nullcontext() if state is None else torch.autocast(state[0], dtype=state[1]):
+        return rule.grads(calls, wanted, n) if rule is not None else _layer_grads(calls, wanted, n)
 
 
 def _layer_grads(
     calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int
 ) -> dict[str, Tensor]:
-    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one layer,
+    """Per-example grads ``[n, *p.shape]`` of ``wanted`` parameters of one layer no registered rule serves,
     g_i = n · Σ_k ∂⟨f_k(θ, x_i), δ_{k,i}⟩/∂θ over the layer's output tensors k, by vmap over
     examples, summed over the layer's calls.
 
@@ -355,32 +345,27 @@ def _layer_grads(
     attention and RNNs); arguments that do not hold one row per example (masks, tables) are
     passed whole to every example (:meth:`LayerCalls.slot_dims`).
 
-    Layer kinds with a rule of their own, exact and faster: torch's ``nn.MultiheadAttention``
-    (:mod:`.attention`: one batched forward and backward, attention dropout replayed), the RNNs
-    (:mod:`.rnn_unrolled`, padded tensors or a ``PackedSequence``) and the registered rules (:mod:`.rules`)."""
+    What is decided here is only how a layer is replayed, where vmap cannot run it as it is: a parametrized RNN and
+    an RNN's calls the unrolled rule does not cover (fused kernels torch.func cannot vmap: one small backward per
+    example, :func:`loop_layer_grads`; a ``PackedSequence`` packed example by example, :func:`packed_loop_grads`; on
+    flattened examples, refused), torch's ``nn.MultiheadAttention`` whose projections were not read from autograd's
+    record (:mod:`.attention`: one batched forward and backward, attention dropout replayed from the call's random
+    state), a call that drew random numbers (:func:`replayed_layer_grads`), an RNN cell called without a state,
+    and shapes or control flow that depend on the data (:func:`replay_by_loop`)."""
     module = calls.module
     plain = not parametrized(module)  # else weights computed from originals: only a replay on the originals knows them
     if not plain and isinstance(module, nn.RNNBase):
         return loop_layer_grads(calls, wanted, n)
-    if plain and scale_served(calls):
-        return scale_layer_grads(calls, wanted, n)
-    forms = projection_forms(calls, wanted, n) if plain and isinstance(module, nn.MultiheadAttention) else None
-    if forms is not None:  # self-attention's projections from autograd's record (attention_projections.py)
-        return form_grads(forms, wanted, n)
     if (plain and isinstance(module, nn.MultiheadAttention)
             and all(attention_supported(module, r) for r in calls.records)):
         return attention_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(_is_packed(rec) for rec in calls.records):
-        return packed_rnn_layer_grads(calls, wanted, n)
+        return packed_loop_grads(calls, wanted, n)
     if isinstance(module, nn.RNNBase) and any(rec.flattened for rec in calls.records):
-        if not all(unrolled_supported(module, rec) for rec in calls.records):
-            raise flattened_rnn_error(calls.name, module)
-        return unrolled_rnn_grads(calls, wanted, n)  # on the n·m rows, each example's summed (rnn_unrolled.py)
+        raise flattened_rnn_error(calls.name, module)  # its rows are not one example's: no per-example replay
     if any(rec.rng is not None for rec in calls.records):
         return replayed_layer_grads(calls, wanted, n)
     if isinstance(calls.module, nn.RNNBase):
-        if all(unrolled_supported(calls.module, rec) for rec in calls.records):
-            return unrolled_rnn_grads(calls, wanted, n)
         return loop_layer_grads(calls, wanted, n)
     params = {name: p.detach() for name, p in wanted}
     dims = example_dims(calls.module)

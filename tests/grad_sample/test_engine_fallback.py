@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_dp.grad_sample.ghost as ghost
+import lightning_dp.grad_sample.linear_rule as linear_rule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.grad_sample.auto import engines_after
@@ -32,7 +32,7 @@ def _wrong_linear_rule(calls, wanted, n, scale, with_squares):
     m = calls.module
     a = torch.cat([2 * r.args[0].reshape(n, -1, m.in_features) for r in calls.records], 1)
     d = torch.cat([r.grad_out.reshape(n, -1, m.out_features) for r in calls.records], 1)
-    return ghost.LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+    return linear_rule.LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
 
 
 def _failing_linear_rule(calls, wanted, n, scale, with_squares):
@@ -77,7 +77,7 @@ def _assert_release_is_the_reference(step: PrivateStep, model: nn.Module, optimi
 
 @pytest.mark.parametrize("rule", [_wrong_linear_rule, _failing_linear_rule], ids=["wrong", "failing"])
 def test_an_engine_the_probe_refuses_gives_way_to_the_next_that_passes(monkeypatch, rule):
-    monkeypatch.setattr(ghost, "linear_stats", rule)
+    monkeypatch.setattr(linear_rule, "linear_stats", rule)
     step, model, optimizer, loader = _setup()
     assert step.engine_name == "ghost"
     with pytest.warns(UserWarning, match="(?s)refused engine\\(s\\) 'ghost'.*passed engine 'vmap'"):
@@ -87,7 +87,7 @@ def test_an_engine_the_probe_refuses_gives_way_to_the_next_that_passes(monkeypat
 
 
 def test_an_engine_named_by_the_user_is_never_replaced(monkeypatch):
-    monkeypatch.setattr(ghost, "linear_stats", _wrong_linear_rule)
+    monkeypatch.setattr(linear_rule, "linear_stats", _wrong_linear_rule)
     step, model, _, _ = _setup("ghost")
     with pytest.raises(PrivacyConfigurationError) as refused:
         step.verify(lambda batch: _loss(model, batch))
@@ -169,7 +169,7 @@ def test_a_forward_that_writes_the_models_state_is_refused_by_auto_without_tryin
     timm sweep: a data-dependent initialisation then trained on 'vmap', its buffer holding the private batch's mean).
     An engine failing after the write reports the write."""
     if broken:
-        monkeypatch.setattr(ghost, "linear_stats", _failing_linear_rule)
+        monkeypatch.setattr(linear_rule, "linear_stats", _failing_linear_rule)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 5) + 3, torch.randint(0, 3, (32,)))
     model = nn.Sequential(_ActNorm(5), nn.Linear(5, 3)).double()
@@ -184,7 +184,7 @@ def test_a_forward_that_writes_the_models_state_is_refused_by_auto_without_tryin
 def _ghost_refused_and_auto_on_vmap(monkeypatch, rule: type, refusal: str):
     """With ghost's Linear rule replaced by ``rule``: the probe refuses ghost named (``refusal``), and ``auto`` passes
     over it to vmap with a warning; returns the ``auto`` setup (step, model, optimizer, loader) after its probe."""
-    monkeypatch.setattr(ghost, "LinearFormStats", rule)
+    monkeypatch.setattr(linear_rule, "LinearFormStats", rule)
     step, model, _, _ = _setup("ghost")
     with pytest.raises(PrivacyConfigurationError, match=refusal):
         step.verify(lambda batch: _loss(model, batch))
@@ -194,7 +194,7 @@ def _ghost_refused_and_auto_on_vmap(monkeypatch, rule: type, refusal: str):
     return step, model, optimizer, loader
 
 
-class _Underestimating(ghost.LinearFormStats):
+class _Underestimating(linear_rule.LinearFormStats):
     """ghost's Linear rule with a wrong norm (half of it) and right sums: examples would be clipped too little."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -211,7 +211,7 @@ def test_a_wrong_norm_rule_is_caught_by_the_probe_and_auto_moves_on(monkeypatch)
     _assert_release_is_the_reference(step, model, optimizer, loader)
 
 
-class _SquaredFactors(ghost.LinearFormStats):
+class _SquaredFactors(linear_rule.LinearFormStats):
     """ghost's Linear rule applying the clip factors squared: right at C = ∞ (every factor 1), wrong when clipping."""
 
     def sums(self, c: Tensor) -> dict:

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 import lightning_dp.grad_sample.conv_rules as conv_rules
-import lightning_dp.grad_sample.ghost as ghost
+import lightning_dp.grad_sample.embedding_rule as embedding_rule
+import lightning_dp.grad_sample.linear_rule as linear_rule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.grad_sample import available_engines, make_engine, select_engine  # registers all
 from lightning_dp.grad_sample.base import ClippedBatch
@@ -121,8 +122,9 @@ def check(engine_name: str, case: zoo.Case, monkeypatch: pytest.MonkeyPatch) -> 
     try:
         for C, squares, force_ghost in ((small_c(norms), False, True), (1e12, True, False)):
             if engine_name == "ghost":
-                monkeypatch.setattr(ghost, "prefer_ghost", _forced(_PREFER_GHOST, force_ghost))
-                monkeypatch.setattr(ghost, "prefer_ghost_embedding", _forced(_PREFER_GHOST_EMBEDDING, force_ghost))
+                monkeypatch.setattr(linear_rule, "prefer_ghost", _forced(_PREFER_GHOST, force_ghost))
+                monkeypatch.setattr(embedding_rule, "prefer_ghost_embedding",
+                                    _forced(_PREFER_GHOST_EMBEDDING, force_ghost))
                 monkeypatch.setattr(conv_rules, "prefer_conv_ghost", _forced(_PREFER_CONV_GHOST, force_ghost))
             engine.begin_step(x.shape[0])
             model.zero_grad()
@@ -136,8 +138,8 @@ def check(engine_name: str, case: zoo.Case, monkeypatch: pytest.MonkeyPatch) -> 
             assert p.grad is None and torch.equal(p.detach(), frozen[name]), f"frozen {name} changed"
 
 
-_PREFER_GHOST = ghost.prefer_ghost
-_PREFER_GHOST_EMBEDDING = ghost.prefer_ghost_embedding
+_PREFER_GHOST = linear_rule.prefer_ghost
+_PREFER_GHOST_EMBEDDING = embedding_rule.prefer_ghost_embedding
 _PREFER_CONV_GHOST = conv_rules.prefer_conv_ghost
 
 

@@ -5,7 +5,10 @@ import torch
 from torch import nn
 
 import lightning_dp.grad_sample.conv_rules as conv_rules
+import lightning_dp.grad_sample.embedding_rule as embedding_rule
 import lightning_dp.grad_sample.ghost as ghost
+import lightning_dp.grad_sample.linear_rule as linear_rule
+import lightning_dp.grad_sample.norm_rule as norm_rule
 from lightning_dp.grad_sample.base import make_engine
 from gs_cases import (
     assert_close_batch,
@@ -44,9 +47,9 @@ def test_frozen_parameters_ignored(kind):
 @pytest.mark.parametrize("force", [True, False])
 def test_both_norm_paths(monkeypatch, force):
     """Ghost norm and materialised norm, for Linear/Conv2d and Embedding, both exact."""
-    monkeypatch.setattr(ghost, "prefer_ghost", lambda *a: force)
+    monkeypatch.setattr(linear_rule, "prefer_ghost", lambda *a: force)
     monkeypatch.setattr(conv_rules, "prefer_conv_ghost", lambda *a: force)
-    monkeypatch.setattr(ghost, "prefer_ghost_embedding", lambda *a: force)
+    monkeypatch.setattr(embedding_rule, "prefer_ghost_embedding", lambda *a: force)
     for kind in ("lm", "cnn"):
         check_engine(make_engine("ghost"), kind, 5, scaled=False, freeze=False, with_squares=False)
 
@@ -243,7 +246,7 @@ def test_norm_layer_calls_release_their_tensors_during_backward():
             assert got.records == [] and len(ref.records) == (2 if name == "ln" else 1)
             expect = {}
             for r in ref.records:
-                for k, g in ghost.norm_layer_record_grads(m, r).items():
+                for k, g in norm_rule.norm_layer_record_grads(m, r).items():
                     expect[k] = expect.get(k, 0) + g
             assert set(got.reduced) == {k for k, _ in m.named_parameters()}
             for k, g in expect.items():
@@ -271,15 +274,15 @@ def test_large_vocabulary_embedding_never_scatters(monkeypatch):
     def no_scatter(self):
         raise AssertionError("scattered into [n, V, d]")
 
-    monkeypatch.setattr(ghost.EmbeddingStats, "_scatter", no_scatter)
+    monkeypatch.setattr(embedding_rule.EmbeddingStats, "_scatter", no_scatter)
     torch.manual_seed(0)
     n, T, V, dim = 3, 300, 5000, 4
     idx, d = torch.randint(0, 20, (n, T)), torch.randn(n, T, dim, dtype=torch.float64)
     weight = torch.zeros(V, dim, dtype=torch.float64)
-    got = ghost.EmbeddingStats(idx, d, weight, None, with_squares=False).sq_norms
+    got = embedding_rule.EmbeddingStats(idx, d, weight, None, with_squares=False).sq_norms
     expect = [torch.zeros(V, dim, dtype=torch.float64).index_add_(0, idx[i], d[i]).square().sum() for i in range(n)]
     torch.testing.assert_close(got, torch.stack(expect))
-    assert not ghost.prefer_ghost_embedding(64, 64)  # position tables (V = T) still scatter
+    assert not embedding_rule.prefer_ghost_embedding(64, 64)  # position tables (V = T) still scatter
 
 
 def test_bf16_autocast_conv_and_norm_layers_give_float32_sums_near_float32_norms():

@@ -1,4 +1,4 @@
-"""The ghost engine's RNN rule (ghost_recurrent.py, linear_forms.py): squared per-example norms and clipped sums from the linear forms,
+"""The ghost engine's RNN rule (recurrent_rule.py, linear_forms.py): squared per-example norms and clipped sums from the linear forms,
 by ghost norm and by materialised G alike, against one backward per example; over layouts, directions, a frozen
 subset of the weights, several calls of one layer, flattened rows and a PackedSequence."""
 
@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_dp.grad_sample.capture.activations import ActivationCapture, LayerCalls, Record
 from lightning_dp.grad_sample import linear_forms
 from lightning_dp.grad_sample.functorch_vmap import loop_layer_grads, packed_loop_grads
-from lightning_dp.grad_sample.ghost_recurrent import recurrent_served, recurrent_stats
+from lightning_dp.grad_sample.recurrent_rule import recurrent_served, recurrent_stats
 from lightning_dp.grad_sample.linear_forms import FormStats
 from lightning_dp.grad_sample.layer_stats import MaterialisedStats
 

@@ -126,9 +126,9 @@ class ConvOneDLM(nn.Module):
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("T", [1, 5])
 def test_hugging_face_conv1d_takes_the_linear_rule_and_is_exact(tied, scaled, T):
-    from lightning_dp.grad_sample import ghost
+    from lightning_dp.grad_sample import linear_rule
 
     torch.manual_seed(0)
     model = ConvOneDLM(tied).double()
-    assert ghost.is_hf_conv1d(model.proj)
+    assert linear_rule.is_hf_conv1d(model.proj)
     _check_against_loop(model, T, 5, scaled)

@@ -1,0 +1,86 @@
+"""``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: per-example gradients in closed form, reduced during backward.
+
+With x̂ the call's input normalised as the layer normalises it (without its affine weights) and δ the mean loss's
+output gradient (hence the factor n), example i's gradients are per-example reductions
+
+    g_i(weight) = n Σ δ_i ⊙ x̂_i        g_i(bias) = n Σ δ_i
+
+over every dimension but the normalised shape's (LayerNorm, RMSNorm) or the channels' (GroupNorm): ``[n, C]``, far
+smaller than the input and output gradient they replace. The ghost engine folds each call into them as the call's
+output gradient arrives (:attr:`~.rules.LayerRule.reduces`), releasing both during backward; the vmap engine replays
+these layers (``for_vmap`` off; ``nn.RMSNorm``'s torch forward, one multiplication by its weight, takes the
+elementwise-scale rule there, :mod:`.elementwise_scale`).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.grad_sample.capture.activations import Record
+from lightning_dp.grad_sample.rules import LayerRule, register_rule
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def _as_float(t: Tensor, like: Tensor) -> Tensor:
+    return t.to(like.dtype) if t.dtype != like.dtype else t
+
+
+def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
+    """LayerNorm / GroupNorm / RMSNorm, one call: per-example grads n Σ δ⊙x̂ (weight) and
+    n Σ δ (bias) of its trainable parameters, n = dimension 0 of the output gradient.
+
+    The ghost engine reduces these layers during backward (:meth:`LayerCalls.reduce`): the
+    grads are [n, C], far smaller than the input and output gradient they replace."""
+    like = m.weight if m.weight is not None else rec.grad_out
+    x, d = _as_float(rec.args[0], like), _as_float(rec.grad_out, like)
+    if isinstance(m, nn.GroupNorm):
+        # channels in dimension 1 of what the layer saw: [n, C, …], or [n, k, C, …] for a call on flattened rows
+        # ([n·k, C, …] recorded per example), normalised row by row
+        flat = rec.flattened and x.dim() > 2
+        xhat = F.group_norm(x.flatten(0, 1) if flat else x, m.num_groups, eps=m.eps).view(x.shape)
+        dims = tuple(k for k in range(1, x.dim()) if k != (2 if flat else 1))
+    else:
+        k = len(m.normalized_shape)
+        if isinstance(m, nn.LayerNorm):
+            xhat = F.layer_norm(x, m.normalized_shape, eps=m.eps)
+        else:
+            xhat = F.rms_norm(x, m.normalized_shape, eps=m.eps)
+        dims = tuple(range(1, x.dim() - k))
+    n = d.shape[0]
+    grads = {}
+    for pname, p in m._parameters.items():  # a plain norm layer's own (direct_trainable, without its module walk)
+        if p is None or not p.requires_grad:
+            continue
+        g = d * xhat if pname == "weight" else d
+        grads[pname] = (g.sum(dims) if dims else g) * n
+    return grads
+
+
+def is_plain_norm(m: nn.Module) -> bool:
+    """LayerNorm / GroupNorm / RMSNorm with the torch forward (a subclass that permutes inside its
+    forward, timm's channels-first LayerNorm2d, normalises another axis: per-layer vmap instead)."""
+    return any(isinstance(m, kind) and type(m).forward is kind.forward for kind in _NORMS)
+
+
+@register_rule
+class NormRule(LayerRule):
+    """LayerNorm / GroupNorm / RMSNorm with torch's forward (module docstring): the ghost engine's stats are the
+    calls reduced during backward plus any still held (:meth:`~.rules.LayerRule.grads`)."""
+
+    name = "norm"
+    reduces = True
+    for_vmap = False  # the vmap engine replays them
+
+    def serves(self, m: nn.Module) -> bool:
+        """:func:`is_plain_norm`."""
+        return is_plain_norm(m)
+
+    def closed_form(self, m: nn.Module) -> bool:
+        """Served under FSDP2."""
+        return True
+
+    def record_grads(self, m: nn.Module, rec: Record) -> dict[str, Tensor]:
+        """:func:`norm_layer_record_grads`."""
+        return norm_layer_record_grads(m, rec)
