@@ -40,7 +40,7 @@ class Dense:
 class LowRank:
     """G_i = k Σ_t l_{i,t} r_{i,t}ᵀ with ``l`` [n, T, rows] and ``r`` [n, T, cols]."""
 
-    l: Tensor
+    l: Tensor  # noqa: E741  (the formula's l_{i,t}, docs/algorithms.md)
     r: Tensor
     k: float = 1.0
 

@@ -74,7 +74,8 @@ class LinearGroup(LayerStats):
         dtype = self.weights[0].dtype
         n = int(k)
         self.a = torch.stack([calls.records[0].args[0].reshape(n, -1).to(dtype) for calls, _ in members])  # [L, n, in]
-        self.d = torch.stack([calls.records[0].grad_out.reshape(n, -1).to(dtype) for calls, _ in members])  # [L, n, out]
+        # [L, n, out]
+        self.d = torch.stack([calls.records[0].grad_out.reshape(n, -1).to(dtype) for calls, _ in members])
         d2 = torch.linalg.vector_norm(self.d, dim=2).square()
         a2 = torch.linalg.vector_norm(self.a, dim=2).square()
         sq = d2 * (a2 + 1.0) if self.biases[0] is not None else d2 * a2

@@ -38,7 +38,8 @@ from lightning_dp.grad_sample.layer_stats import (
 class LinearForm:
     """Per-example gradients that are sums of outer products over time: example i's gradient of each weight is
     its columns of Σ_t d_{i,t} ⊗ a_{i,t} ``[out, in]``, of each bias Σ_t d_{i,t} (Bu et al.'s book-keeping).
-    ``a``: ``[n, T, in]``; ``d``: ``[n, T, out]`` (already multiplied by n, the batch size: the mean loss's 1/n undone); ``weights``: parameter
+    ``a``: ``[n, T, in]``; ``d``: ``[n, T, out]`` (already multiplied by n, the batch size: the mean loss's 1/n undone);
+    ``weights``: parameter
     name → its columns of ``a``; ``biases``: the names whose per-example gradient is Σ_t d_{i,t} (an LSTM's
     ``bias_ih`` and ``bias_hh`` are both)."""
 

@@ -12,7 +12,8 @@ clipping (as the engine did before), one ``autograd.Function``:
   kernel's own autograd would keep more: every gate of every step);
 * backward: :func:`~.rnn_unrolled.layers_backward` from the output gradients ∂/∂output, ∂/∂h_n, ∂/∂c_n: the input
   and initial-state gradients autograd asks for, and the weights' linear forms, left on the call's
-  :class:`~lightning_dp.grad_sample.capture.recurrent_tape.RecurrentTape` for the clipping. The weights get no ``.grad`` (as
+  :class:`~lightning_dp.grad_sample.capture.recurrent_tape.RecurrentTape` for the clipping. The weights get no ``.grad``
+  (as
   ghost's Linear layers: their clipped sums replace it).
 
 A ``PackedSequence`` (``pack_padded_sequence``, sorted or not) runs the kernel's packed form on its data, the states

@@ -41,6 +41,7 @@ MOVED = {
     "boundary.snapshot": "lightning_dp.validators.snapshot",
     "boundary": "lightning_dp.privacy.boundary",
     "banded_coefficients": "lightning_dp.accounting.banded_coefficients",
+    "grad_sample.ghost_recurrent": "lightning_dp.grad_sample.recurrent_rule",
     "grad_sample": "lightning_dp.grad_sample",
     "capture": "lightning_dp.grad_sample.capture.activations",
     "broadcast_sites": "lightning_dp.grad_sample.capture.broadcast_sites",
