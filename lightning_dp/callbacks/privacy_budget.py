@@ -435,7 +435,8 @@ class PrivacyBudget(Callback):
         stating ε as reported."""
         assert self.delta is not None and self.target_epsilon is not None
         held = self._ceiling
-        if held is None or held.ledger is not ledger or held.delta != self.delta:
+        if held is None or (held.ledger, held.delta, held.target_epsilon, held.accountant) != (
+                ledger, self.delta, self.target_epsilon, self.stop_accountant):
             held = EpsilonCeiling(self.target_epsilon, self.delta, ledger, self.stop_accountant, running=self._rdp,
                                   owner="PrivacyBudget's target_epsilon",
                                   spent=lambda: (self.epsilon, str(self.accountant)))

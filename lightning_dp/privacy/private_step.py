@@ -77,7 +77,6 @@ if TYPE_CHECKING:
 AllReduce = Callable[[Tensor], None]
 
 
-
 @dataclass(frozen=True)
 class Distribution:
     """Where this process stands among the workers of one step.
