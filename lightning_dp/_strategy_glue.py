@@ -548,7 +548,9 @@ class PrivateTraining:
     ) -> Any:
         """Run the optimizer on the private gradient: the closure is wrapped to privatise.
 
-        The ceiling: a step whose release would take ε past ``target_epsilon`` is not taken. The closure
+        The ceilings: a step whose release any ceiling of the private step refuses (``target_epsilon``'s, and
+        every one added to ``PrivateStep.ceilings``, e.g. PrivacyBudget's: :mod:`~lightning_dp.accounting.ceiling`)
+        is not taken; only the step is asked (``PrivateStep.refusal``). The closure
         still runs (Lightning's loop and the sampler's queue advance; ``training_step`` returns nothing),
         the optimizer does not step, and training stops with a warning. Every rank decides alike."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]

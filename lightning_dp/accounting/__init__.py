@@ -10,6 +10,7 @@ from lightning_dp._lazy import lazy_exports
 
 _EXPORTS = {
     "BudgetReservation": "lightning_dp.accounting.reservation",
+    "EpsilonCeiling": "lightning_dp.accounting.ceiling",
     "INTEGER_ORDERS": "lightning_dp.accounting.rdp",
     "LedgerEntry": "lightning_dp.accounting.ledger",
     "PrivacyLedger": "lightning_dp.accounting.ledger",
@@ -37,6 +38,7 @@ from lightning_dp.accounting.epsilon import epsilon, ledger_epsilon  # noqa: E40
 if TYPE_CHECKING:  # names load on first use (numpy/scipy/Opacus only when accounting is used)
     from lightning_dp.accounting.accountants import available_accountants, get_accountant, register_accountant
     from lightning_dp.accounting.calibration import calibrate_noise
+    from lightning_dp.accounting.ceiling import EpsilonCeiling
     from lightning_dp.accounting.epsilon import epsilon, ledger_epsilon
     from lightning_dp.accounting.horizon import steps_within_budget
     from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # names load on first use (numpy/scipy/Opacus only when accou
 
 __all__ = [
     "BudgetReservation",
+    "EpsilonCeiling",
     "INTEGER_ORDERS",
     "LedgerEntry",
     "PrivacyLedger",

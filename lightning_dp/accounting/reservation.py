@@ -10,7 +10,7 @@ Instead, a *reservation* is made rarely and checked cheaply:
   current (σ, q), take r̄ = :meth:`RunningRDP.bound_step` (σ_min, q_max) — per order at least the
   charge of any release in B — and K = :meth:`RunningRDP.affordable_steps` (δ, ε*, r̄). Any K
   releases from B leave ε(T + Σ rᵢ) ≤ ε(T + K·r̄) ≤ ε*, because ε = min_α (RDP_α + offset_α)
-  is non-decreasing in every order's RDP (Balle et al. 2020, Thm. 21; docs/algorithms.md §6).
+  is non-decreasing in every order's RDP (Balle et al. 2020, Thm. 21; docs/algorithms.md, "The ε ceiling").
 * While every release since s₀ stayed in B and fewer than K were made, the next step is
   allowed after two float and one integer comparison. Otherwise a new reservation is made
   from the synced total. If the box leaves no step (K = 0) but is wider than a point, the next

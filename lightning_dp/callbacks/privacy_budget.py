@@ -32,17 +32,19 @@ batched over the entries of one sync; ``rdp_curve``, :mod:`~lightning_dp.account
 ``"pld"`` / ``"prv"`` compose the whole ledger (0.1 s to seconds), so they report every
 ``every_n_steps`` (default 100), at the stopping step and at the end of training.
 
-Stopping (with ``target_epsilon``). After each step, whether one more step with the strategy's
-current (σ, q) keeps ε ≤ target is answered by a
-:class:`~lightning_dp.accounting.BudgetReservation`: budget reserved for a box of (σ, q) around the
-current one, re-made only when (σ, q) leaves the box or the reserved steps are used up (constant σ
+Stopping (with ``target_epsilon``). The target is an
+:class:`~lightning_dp.accounting.ceiling.EpsilonCeiling` over the strategy's ledger, the same kind of object as
+the strategy's own ``target_epsilon``: this callback adds it to the private step (``PrivateStep.ceilings``) for
+the fit, and the step refuses any release it refuses, asked right before the release with that release's own
+(σ, q): a σ or q changed after this callback's check of the step before (a schedule in
+``on_train_batch_start``, a recalibration when an epoch rebuilds the loader, a callback after this one) cannot take
+a step past the target, nor can ``Trainer(min_steps=...)`` going on after the stop. After each step the callback
+asks the same ceiling about one more step with the strategy's current (σ, q), to stop training and say why. The
+ceiling answers with a :class:`~lightning_dp.accounting.BudgetReservation`: budget reserved for a box of (σ, q)
+around the current one, re-made only when (σ, q) leaves the box or the reserved steps are used up (constant σ
 and q: once per run; σ or q changing every step: about once per hundred steps), and checked exactly
 for the last step. Training thus ends at the last step whose ε stays ≤ target, for a few comparisons
-per step. The same question is asked again by the strategy right before every release, with that
-release's own (σ, q) (``PrivateStep.release_guards``): a σ or q changed after this callback's check
-of the step before (a schedule in ``on_train_batch_start``, a recalibration when an epoch rebuilds
-the loader, a callback after this one) cannot take a step past the target, nor can
-``Trainer(min_steps=...)`` going on after the stop. The stop is said once per fit, on rank 0, as a
+per step. The stop is said once per fit, on rank 0, as a
 warning with ε spent, δ, the step and why (shared with the strategy's own ceiling: one line). With
 banded noise only the first step of each cycle of b steps is charged a round
 (``DPStrategy.rounds_charged_next_step``), so the steps inside the last affordable cycle are all
@@ -67,16 +69,8 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp._warnings import filter_upstream_noise
-from lightning_dp.accounting import (
-    BudgetReservation,
-    LedgerEntry,
-    PrivacyLedger,
-    RunningRDP,
-    get_accountant,
-    ledger_epsilon,
-    running_for,
-    steps_within_budget,
-)
+from lightning_dp.accounting import PrivacyLedger, RunningRDP, get_accountant, ledger_epsilon, running_for
+from lightning_dp.accounting.ceiling import EpsilonCeiling
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
 from lightning_dp.callbacks._tb_layout import BUDGET, EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
@@ -215,13 +209,12 @@ class PrivacyBudget(Callback):
         self._report_kind: Optional[str] = None
         self._pending_report: Optional[tuple[Optional[str], dict[str, Any]]] = None  # loaded before setup
         self._ledger: Optional[PrivacyLedger] = None  # the strategy's, seen at the last hook
-        self._reservation: Optional[BudgetReservation] = None  # made at the first stop check (needs δ)
+        self._ceiling: Optional[EpsilonCeiling] = None  # the target over the strategy's ledger (made at train start)
         self._epsilon = 0.0  # PLD/PRV: ε as of the last report
         self._reported_key: Optional[tuple[int, Optional[float], Optional[str]]] = None  # (steps, δ, accountant) of it
         self._logged: Optional[tuple[int, float]] = None  # (global step, ε) of the last logger row
         self._warned_not_private = False
-        self._horizon: Optional[tuple[Any, int]] = None  # ((σ, q, entries), last allowed step)
-        self._guarded: Optional[Any] = None  # the private step whose releases this budget guards (this fit)
+        self._guarded: Optional[Any] = None  # the private step this budget's ceiling is added to (this fit)
         self._stop_announced = False
 
     # ------------------------------------------------------------------ public
@@ -257,7 +250,8 @@ class PrivacyBudget(Callback):
         )
         self._check_private(ledger)
         self._update_epsilon(ledger, force=True)
-        self._reservation = None  # a fresh one for this fit (the ledger may have been restored)
+        self._unguard()
+        self._ceiling = None  # a fresh one for this fit (the ledger may have been restored)
         self._stop_announced = False
         self._guard(trainer)
         if self.target_epsilon is None or self._next_step_allowed(trainer, ledger):
@@ -274,11 +268,8 @@ class PrivacyBudget(Callback):
         trainer.should_stop = True
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        """Stop guarding the strategy's releases (this fit is over)."""
-        if self._guarded is not None:
-            if self._release_refusal in self._guarded.release_guards:
-                self._guarded.release_guards.remove(self._release_refusal)
-            self._guarded = None
+        """Take this budget's ceiling off the private step (this fit is over)."""
+        self._unguard()
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -421,27 +412,38 @@ class PrivacyBudget(Callback):
         self._logged = (int(trainer.global_step), epsilon)
 
     def _guard(self, trainer: "pl.Trainer") -> None:
-        """With a target, also decide at every release, with that release's own (σ, q): the strategy asks
-        :meth:`_release_refusal` right before it privatises a step (``PrivateStep.release_guards``). The check
-        after each step (:meth:`on_train_batch_end`) reads the σ set then; a σ changed before the next release
-        (a schedule in ``on_train_batch_start``, a recalibration at an epoch's loader rebuild, a callback after
-        this one) is only seen here. Removed at :meth:`teardown`."""
+        """With a target, add its ceiling to the private step (``PrivateStep.ceilings``): the step then refuses a
+        release it refuses, decided with that release's own (σ, q). The check after each step
+        (:meth:`on_train_batch_end`) reads the σ set then; a σ changed before the next release (a schedule in
+        ``on_train_batch_start``, a recalibration at an epoch's loader rebuild, a callback after this one) is only
+        seen there. Taken off at :meth:`teardown`."""
         step = getattr(trainer.strategy, "private_step", None)
-        guards = getattr(step, "release_guards", None)
-        if self.target_epsilon is None or not isinstance(guards, list):
+        ceilings = getattr(step, "ceilings", None)
+        if self.target_epsilon is None or not isinstance(ceilings, list):
             return
-        if self._release_refusal not in guards:
-            guards.append(self._release_refusal)
+        ceilings.append(self._ceiling_over(_ledger_of(trainer)))
         self._guarded = step
 
-    def _release_refusal(self, sigma: float, q: float) -> Optional[str]:
-        """Why the release about to be made at (σ, q) must not be (``None``: it keeps ε ≤ target)."""
-        ledger = self._ledger
-        if ledger is None or self.target_epsilon is None or self.delta is None or self._allows(ledger, sigma, q):
-            return None
-        return (f"its release at σ = {sigma:.4g}, q = {q:.4g} would spend more than PrivacyBudget's target_epsilon = "
-                f"{self.target_epsilon} (ε = {self.epsilon:.4g} spent at δ = {self.delta:.3g} over {ledger.steps} "
-                f"release(s), {self.accountant} accountant)")
+    def _unguard(self) -> None:
+        if self._guarded is not None:
+            self._guarded.ceilings[:] = [c for c in self._guarded.ceilings if c is not self._ceiling]
+            self._guarded = None
+
+    def _ceiling_over(self, ledger: PrivacyLedger) -> EpsilonCeiling:
+        """This budget's ceiling over ``ledger`` (:mod:`~lightning_dp.accounting.ceiling`): ``target_epsilon`` at δ by
+        ``stop_accountant`` on this callback's running RDP total (its stop agrees with the ε it reports), its reasons
+        stating ε as reported."""
+        assert self.delta is not None and self.target_epsilon is not None
+        held = self._ceiling
+        if held is None or (held.ledger, held.delta, held.target_epsilon, held.accountant) != (
+                ledger, self.delta, self.target_epsilon, self.stop_accountant):
+            held = EpsilonCeiling(self.target_epsilon, self.delta, ledger, self.stop_accountant, running=self._rdp,
+                                  owner="PrivacyBudget's target_epsilon",
+                                  spent=lambda: (self.epsilon, str(self.accountant)))
+            if self._guarded is not None:  # the step asks the new one from now on
+                self._guarded.ceilings[:] = [held if c is self._ceiling else c for c in self._guarded.ceilings]
+            self._ceiling = held
+        return held
 
     def _announce_stop(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> None:
         """Say that the budget stopped training: ε spent, δ, the step, why."""
@@ -464,42 +466,11 @@ class PrivacyBudget(Callback):
             rank_zero_warn(message)
 
     def _next_step_allowed(self, trainer: "pl.Trainer", ledger: PrivacyLedger) -> bool:
-        if getattr(trainer.strategy, "rounds_charged_next_step", 1) == 0:
-            return True  # banded noise, inside a cycle: the next step adds no sampled-Gaussian round
-        return self._allows(ledger, trainer.strategy.noise_multiplier, trainer.strategy.sample_rate)
-
-    def _allows(self, ledger: PrivacyLedger, sigma: float, q: float) -> bool:
-        """Whether one more release of (σ, q) after ``ledger`` keeps ε ≤ ``target_epsilon`` (module docs: stopping)."""
-        assert self.delta is not None and self.target_epsilon is not None
-        if self._reservation is None:
-            self._reservation = BudgetReservation(self._rdp, self.delta, self.target_epsilon)
-        if self._reservation.allows_next(ledger, sigma, q):
-            return True  # RDP certifies it: a valid bound whatever the reporting accountant
-        if self.stop_accountant == "rdp" or not ledger.is_private:
-            return False
-        if self.stop_accountant == "integer_rdp":
-            return ledger_epsilon(ledger.entries + (LedgerEntry(sigma, q, 1),), self.delta, "integer_rdp") <= self.target_epsilon
-        return ledger.steps + 1 <= self._last_allowed_step(ledger, sigma, q)
-
-    def _last_allowed_step(self, ledger: PrivacyLedger, sigma: float, q: float) -> int:
-        """Total step count up to which ``stop_accountant`` certifies the budget at constant (σ, q)."""
-        entries = ledger.entries
-        key = (sigma, q)
-        if self._horizon is not None:
-            (old_key, old_len), last = self._horizon
-            tail = entries[-1] if entries else None
-            same_tail = tail is not None and (tail.noise_multiplier, tail.sample_rate, tail.private) == (sigma, q, True)
-            if old_key == key and (len(entries) == old_len or (len(entries) == old_len + 1 and same_tail)):
-                return last
-        assert self.delta is not None and self.target_epsilon is not None
-        more = steps_within_budget(
-            entries, sigma, q, self.target_epsilon, self.delta, self.stop_accountant, hint=max(2, ledger.steps // 8)
-        )
-        last = ledger.steps + more
-        # after the next step the tail entry is (σ, q): remember the length it will have
-        tail_is_key = bool(entries) and (entries[-1].noise_multiplier, entries[-1].sample_rate) == key
-        self._horizon = ((key, len(entries) + (0 if tail_is_key else 1)), last)
-        return last
+        """Whether the ceiling allows one more step at the strategy's current (σ, q) (banded noise, inside a cycle:
+        the next step adds no sampled-Gaussian round)."""
+        rounds = getattr(trainer.strategy, "rounds_charged_next_step", 1)
+        strategy = trainer.strategy
+        return self._ceiling_over(ledger).allows(strategy.noise_multiplier, strategy.sample_rate, rounds)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -533,4 +504,4 @@ class PrivacyBudget(Callback):
                 self.delta, self._delta_source = self._restored_delta, "restored from the checkpoint"
         self._epsilon = float(state_dict.get("epsilon", 0.0))
         self._reported_key = None
-        self._horizon = self._reservation = None
+        self._ceiling = None

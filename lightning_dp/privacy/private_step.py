@@ -73,13 +73,10 @@ from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
 
 if TYPE_CHECKING:
+    from lightning_dp.accounting.ceiling import EpsilonCeiling
     from lightning_dp.sharding.fsdp_layout import FSDPLayout
 
 AllReduce = Callable[[Tensor], None]
-
-ReleaseGuard = Callable[[float, float], Optional[str]]
-"""A ceiling besides ``target_epsilon`` (:class:`~lightning_dp.callbacks.PrivacyBudget`'s): given the (σ, q) of the
-release about to be made, the reason to refuse it, or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -256,9 +253,10 @@ class PrivateStep(StepChecks):
         self._groups: Optional[torch.Tensor] = None  # the units of the physical batch begun (user-level DP)
         self._examples = -1
         self._verified = False
-        self._ceiling: Optional[tuple[float, float, int, int]] = None  # (σ, q, ledger steps, rounds left in target)
-        self.release_guards: list[ReleaseGuard] = []
-        """Further ceilings, asked before every release with its own (σ, q) (:meth:`refusal`)."""
+        self._ceiling: Optional[EpsilonCeiling] = None  # target_epsilon's, built when first asked (_target)
+        self.ceilings: list[Any] = []
+        """Ceilings added to ``target_epsilon``'s (:class:`~lightning_dp.callbacks.PrivacyBudget`'s): each an
+        :class:`~lightning_dp.accounting.ceiling.EpsilonCeiling`, asked before every release (:meth:`refusal`)."""
         self.adopted: Optional[str] = None
         """What the last :meth:`attach` adopted of the module's record, as a log line (``None``: nothing)."""
         self.boundary = ReleaseBoundary(privacy.public_state)
@@ -579,7 +577,7 @@ class PrivateStep(StepChecks):
         ε(ledger + remaining rounds at σ) ≤ target (spent steps counted exactly). σ* within 3× of the run's σ is
         applied; beyond that, or when no σ fits, :class:`PrivacyConfigurationError` is raised before any
         release unless ``on_budget_short="recalibrate"`` (:mod:`~lightning_dp.accounting.budget_shortfall`).
-        Either way :meth:`affordable` refuses any release beyond the target afterwards (the ceiling)."""
+        Either way the ceiling (:meth:`refusal`) refuses any release beyond the target afterwards."""
         if self.target_epsilon is None:
             return None
         assert self.plan is not None and self.target_delta is not None
@@ -590,7 +588,8 @@ class PrivateStep(StepChecks):
         if not self.ledger.is_private:
             return None  # the noiseless baseline: ε = ∞ already (warned), no guarantee to keep (see affordable)
         rounds = sum(self.rounds_at(t) for t in range(first_step, planned_steps))
-        if self.noise_multiplier is not None and rounds <= self._rounds_left():
+        ceiling = self._target()
+        if self.noise_multiplier is not None and ceiling.allows(self.noise_multiplier, self.plan.sample_rate, rounds):
             return None
         return self._fit_spent(first_step, planned_steps, rounds)
 
@@ -619,7 +618,7 @@ class PrivateStep(StepChecks):
             raise self._shortfall(first_step, planned_steps - first_step, run_sigma, sigma, reference).error()
         assert sigma is not None
         validate_privacy_params(sigma, self.max_grad_norm)
-        self.noise_multiplier, self._ceiling = float(sigma), None
+        self.noise_multiplier = float(sigma)
         done = (f"the plan's remaining {planned_steps - first_step} steps and the {self.ledger.steps} spent stay "
                 f"within ε = {self.target_epsilon} at δ = {self.target_delta} ({self.accountant} accountant)")
         if sigma > SIGMA_RATIO_LIMIT * reference:
@@ -630,30 +629,25 @@ class PrivateStep(StepChecks):
 
     def _shortfall(self, first_step: int, remaining: int, run_sigma: float, needed: Optional[float],
                    reference: float) -> Shortfall:
-        from lightning_dp.accounting.epsilon import ledger_epsilon
-        from lightning_dp.accounting.horizon import steps_within_budget
-
+        ceiling = self._target()
         assert self.plan is not None and self.target_epsilon is not None and self.target_delta is not None
-        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
-        affordable = steps_within_budget(self.ledger, run_sigma, self.plan.sample_rate, self.target_epsilon,
-                                         self.target_delta, self.accountant, hint=max(2, self.plan.steps_per_epoch))
+        spent, hint = ceiling.spent(), max(2, self.plan.steps_per_epoch)
+        affordable = ceiling.rounds_left(run_sigma, self.plan.sample_rate, hint)
         return Shortfall(spent, self.target_epsilon, self.target_delta, self.accountant, self.ledger.steps,
                          first_step, remaining, run_sigma, affordable, needed, reference)
 
-    def _rounds_left(self) -> int:
-        """Sampled-Gaussian rounds at the current (σ, q) that keep the ledger within ``target_epsilon`` (cached for
-        this (σ, q) and this ledger length: a σ or q changed, or a ledger changed outside :meth:`release`, is
-        searched again)."""
-        assert self.plan is not None and self.noise_multiplier is not None and self.target_epsilon is not None
-        key = (self.noise_multiplier, self.plan.sample_rate, self.ledger.steps)
-        if self._ceiling is None or self._ceiling[:3] != key:
-            from lightning_dp.accounting.horizon import steps_within_budget
+    def _target(self) -> "EpsilonCeiling":
+        """``target_epsilon``'s ceiling at ``target_delta`` by the run's accountant over the ledger
+        (:class:`~lightning_dp.accounting.ceiling.EpsilonCeiling`); built again when the target changed or the
+        ledger was replaced (restored, adopted: ``_ceiling`` is dropped there)."""
+        from lightning_dp.accounting.ceiling import EpsilonCeiling
 
-            assert self.target_delta is not None
-            left = steps_within_budget(self.ledger, *key[:2], self.target_epsilon, self.target_delta, self.accountant,
-                                       hint=max(2, self.plan.steps_per_epoch))
-            self._ceiling = (*key, left)
-        return self._ceiling[3]
+        assert self.target_epsilon is not None and self.target_delta is not None
+        held = self._ceiling
+        if held is None or (held.target_epsilon, held.delta, held.accountant) != (
+                self.target_epsilon, self.target_delta, self.accountant):
+            held = self._ceiling = EpsilonCeiling(self.target_epsilon, self.target_delta, self.ledger, self.accountant)
+        return held
 
     def affordable(self, step: Optional[int] = None) -> bool:
         """Whether releasing step ``step`` keeps ε within ``target_epsilon`` (always, without a target, and in a
@@ -661,27 +655,30 @@ class PrivateStep(StepChecks):
         release, with a warning, and has no guarantee to protect)."""
         if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
             return True
-        if not self.ledger.is_private:
-            return True
-        return self.rounds_at(self.steps_taken if step is None else step) <= self._rounds_left()
+        index = self.steps_taken if step is None else step
+        return not self.ledger.is_private or self._target().allows(self.noise_multiplier, self.plan.sample_rate,
+                                                                   self.rounds_at(index))
 
     def refusal(self, step: Optional[int] = None) -> Optional[str]:
-        """Why step ``step`` must not be released now (``None``: it may), decided with the (σ, q) in force now,
-        those of the release itself: ``target_epsilon`` (:meth:`affordable`), then every :attr:`release_guards`
-        (e.g. :class:`~lightning_dp.callbacks.PrivacyBudget`'s target) for a step that charges a round."""
-        index = self.steps_taken if step is None else step
-        if not self.affordable(index):
-            self.discard_noise()  # not released: the noise drawn ahead for it goes too
-            return (f"its release would spend more than target_epsilon = {self.target_epsilon} "
-                    f"({self._spent_text()})")
-        if self.noise_multiplier is None or self.plan is None or self.rounds_at(index) == 0:
+        """Why step ``step`` must not be released now (``None``: it may): the reason of the first ceiling that
+        refuses it, ``target_epsilon``'s (:meth:`affordable`) then every one in :attr:`ceilings`, each asked with
+        the (σ, q) in force now, those of the release itself, and the rounds it charges (docs/accounting.md)."""
+        rounds = self.rounds_at(self.steps_taken if step is None else step)
+        if self.noise_multiplier is None or self.plan is None or not rounds:  # no round: nothing spent
             return None
-        for guard in list(self.release_guards):
-            reason = guard(self.noise_multiplier, self.plan.sample_rate)
+        sigma, q = self.noise_multiplier, self.plan.sample_rate
+        own = [self._target()] if self.target_epsilon is not None and self.ledger.is_private else []
+        for ceiling in own + list(self.ceilings):
+            reason = ceiling.refusal(sigma, q, rounds) if hasattr(ceiling, "refusal") else ceiling(sigma, q)
             if reason:
-                self.discard_noise()
+                self.discard_noise()  # not released: the noise drawn ahead for it goes too
                 return reason
         return None
+
+    @property
+    def release_guards(self) -> list[Any]:
+        """:attr:`ceilings`, by its former name (a plain function (σ, q) → reason is asked too)."""
+        return self.ceilings
 
     def discard_noise(self) -> None:
         """Drop the noise drawn ahead for the next release (:mod:`~lightning_dp.performance.noise_prefetch`): called
@@ -690,16 +687,6 @@ class PrivateStep(StepChecks):
         mechanisms = [self.noise, getattr(self._privatizer, "noise", None)]
         for noise in {id(n): n for n in mechanisms if isinstance(n, NoiseMechanism)}.values():
             noise.discard_prefetched()
-
-    def _spent_text(self) -> str:
-        """ε spent so far, at ``target_delta`` by the run's accountant, for messages."""
-        from lightning_dp.accounting.epsilon import ledger_epsilon
-
-        assert self.target_delta is not None
-        spent = ledger_epsilon(self.ledger, self.target_delta, self.accountant)
-        return (f"ε = {spent:.4g} spent at δ = {self.target_delta:g} over {self.ledger.steps} release(s), "
-                f"{self.accountant} accountant")
-
 
     def check_kept(self, where: str) -> None:
         """The release boundary's comparison of the kept state with the last update's (:meth:`ReleaseBoundary.check_kept`),
@@ -884,10 +871,8 @@ class PrivateStep(StepChecks):
         where = self.distribution
         self.clipping.after_release(batch.norms, expected, self.noise_multiplier, where.all_reduce, where.rank,
                                     where.world_size)
-        rounds, before = self.rounds_at(index), self.ledger.steps
+        rounds = self.rounds_at(index)
         self.ledger.record(self.noise_multiplier, self.plan.sample_rate, steps=rounds, private=not request.clean_mean)
-        if self._ceiling is not None and self._ceiling[:3] == (self.noise_multiplier, self.plan.sample_rate, before):
-            self._ceiling = (*self._ceiling[:2], self.ledger.steps, self._ceiling[3] - rounds)
         self.steps_taken = index + 1
         self._parameters_checked = False
         self.last_release = release
