@@ -45,7 +45,11 @@ if TYPE_CHECKING:  # names load on first use (numpy/scipy/Opacus only when accou
     from lightning_dp.accounting.rdp import INTEGER_ORDERS, RDP_ORDERS, rdp_to_epsilon, step_rdp
     from lightning_dp.accounting.reservation import BudgetReservation
     from lightning_dp.accounting.running_rdp import RunningRDP, running_for
-    from lightning_dp.accounting.sgm_rdp import sampled_gaussian_rdp, sampled_gaussian_rdp_upper, sampled_gaussian_rdp_upper_many
+    from lightning_dp.accounting.sgm_rdp import (
+        sampled_gaussian_rdp,
+        sampled_gaussian_rdp_upper,
+        sampled_gaussian_rdp_upper_many,
+    )
 
 __all__ = [
     "BudgetReservation",

@@ -122,7 +122,8 @@ def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
 
 
 def restore_note(restored: int, total: int, diverged: bool) -> str:
-    """The log line of :meth:`~lightning_dp.privacy.private_step.PrivateStep.load_state_dict` when the ledger held more than the checkpoint."""
+    """The log line of :meth:`~lightning_dp.privacy.private_step.PrivateStep.load_state_dict` when the ledger held
+    more than the checkpoint."""
     if diverged:
         return (f"the checkpoint's ledger ({restored} releases) and the one held are different histories: both are "
                 f"counted, their common part once ({total} releases in all)")

@@ -88,7 +88,8 @@ def step_rdp(
     ``curve="exact"``: Opacus' ``compute_rdp`` with ``steps=1`` (vectorised,
     :func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp`); ``"chord"``: its
     upper bound exact at integer orders (:func:`~lightning_dp.accounting.sgm_rdp.sampled_gaussian_rdp_upper`,
-    cheaper; timings in :mod:`~lightning_dp.accounting.sgm_rdp`). Cached per (σ, q, orders, curve) in :data:`STEP_CACHE`: a run whose σ is
+    cheaper; timings in :mod:`~lightning_dp.accounting.sgm_rdp`). Cached per (σ, q, orders, curve) in
+    :data:`STEP_CACHE`: a run whose σ is
     constant pays once. ``σ = 0`` gives ``inf`` (no privacy), ``q = 0`` gives 0. The returned
     array is read-only; multiply it by a step count to compose.
     """

@@ -4,7 +4,8 @@ Rényi DP composes additively (Mironov 2017, Prop. 1): the RDP of a run whose σ
 changes mid-way is the sum over steps of the one-step RDP vectors of Opacus
 (:func:`~lightning_dp.accounting.rdp.step_rdp`). Keeping that sum up to date costs one
 weighted sum over the new ledger entries' vectors, instead of recomputing the whole history each
-time ε is asked for (which took Opacus 118 s at 10^4 changing steps, docs/accounting.md). The one-step vector of a given (σ, q) is cached, so a run with
+time ε is asked for (which took Opacus 118 s at 10^4 changing steps, docs/accounting.md). The one-step vector of a given
+(σ, q) is cached, so a run with
 constant σ pays for Opacus' curve once.
 
 Optional ``quantum``: round σ *down* and q *up* to a geometric grid of relative spacing

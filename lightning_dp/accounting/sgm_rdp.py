@@ -193,7 +193,8 @@ def _log_a_fractional(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
         safe = np.where(np.isfinite(top), top, 0.0)
         with np.errstate(invalid="ignore"):
             rescale = np.where(np.isfinite(ref[:, active]), np.exp(ref[:, active] - safe), 0.0)
-        acc[:, active] = acc[:, active] * rescale + (sign[active, start:][None] * np.exp(kept - safe[:, :, None])).sum(axis=2)
+        terms = sign[active, start:][None] * np.exp(kept - safe[:, :, None])
+        acc[:, active] = acc[:, active] * rescale + terms.sum(axis=2)
         ref[:, active] = top
         active = active[~done]
         start, size = start + size, min(2 * size, _MAX_CHUNK)

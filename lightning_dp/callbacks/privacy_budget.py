@@ -304,7 +304,8 @@ class PrivacyBudget(Callback):
             self._logged = (step, epsilon)
         self._show(trainer, epsilon)
         rank_zero_info(
-            f"PrivacyBudget: ε = {epsilon:.4g}{_per_unit(ledger)} at δ = {self.delta:.3g} ({self.accountant} accountant) "
+            f"PrivacyBudget: ε = {epsilon:.4g}{_per_unit(ledger)} at δ = {self.delta:.3g} ({self.accountant} "
+            "accountant) "
             f"after {ledger.steps} steps"
         )
 

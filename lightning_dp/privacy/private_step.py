@@ -67,7 +67,7 @@ from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Priv
 from lightning_dp.units import UserPoissonBatchSampler, Users
 from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
-from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one step at a time: hooks of two would mix)
+from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
@@ -315,7 +315,8 @@ class PrivateStep(StepChecks):
         engine = self._engine_for(module, self.engine_name, distribution)
         self._mechanism = getattr(optimizer, "mechanism", "gaussian")
         if self._mechanism not in PRIVATIZERS:
-            raise PrivacyConfigurationError(f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
+            raise PrivacyConfigurationError(
+                f"optimizer asks for mechanism {self._mechanism!r}; known: {sorted(PRIVATIZERS)}")
         self._refuse_combinations(distribution)
         self._privatizer = PRIVATIZERS[self._mechanism](self.noise, distribution)
         self.distribution = distribution
@@ -383,7 +384,8 @@ class PrivateStep(StepChecks):
         self.clipping.bind([n for n, p in self._module.named_parameters() if p.requires_grad])
         self.discard_noise()
         self._engine.detach()
-        hooks, keys = gradient_hooks([p for p in self._module.parameters() if p.requires_grad]), attribute_keys(self._module)
+        hooks = gradient_hooks([p for p in self._module.parameters() if p.requires_grad])
+        keys = attribute_keys(self._module)
         engine.attach(self._module)
         self._engine, self.engine_name = engine, name
         self.boundary.attach(self._module, self._optimizer, hooks, keys, engine.owned_attributes)
@@ -689,7 +691,8 @@ class PrivateStep(StepChecks):
             noise.discard_prefetched()
 
     def check_kept(self, where: str) -> None:
-        """The release boundary's comparison of the kept state with the last update's (:meth:`ReleaseBoundary.check_kept`),
+        """The release boundary's comparison of the kept state with the last update's
+        (:meth:`ReleaseBoundary.check_kept`),
         on every rank alike (:meth:`on_every_rank`)."""
         self.on_every_rank(lambda: self.boundary.check_kept(where), f"found state changed {where}")
 
@@ -804,7 +807,8 @@ class PrivateStep(StepChecks):
                      params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         """S = Σ_i clip_C(g_i) of the examples differentiated since :meth:`begin` (banked parts included),
         before any noise: what :meth:`release` privatises, and what release rules run outside it take (the
-        caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s workers.
+        caller privatises it and charges :attr:`ledger`): :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s
+        workers.
         ``max_grad_norm`` overrides C (``math.inf``: unclipped, only for non-private baselines); ``params``: the
         trainable parameters (:meth:`params`) when the caller has them already (one module walk per step).
         Refused before :meth:`verify`/:meth:`verify_on` has passed, like :meth:`release`."""
