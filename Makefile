@@ -2,7 +2,7 @@
 #   make demo   -> virtual env + the library with what the main job needs ([all]: CLI, data, report)
 #                  + the main job (digits CNN, ε ≤ 3)
 #   make test   -> the same, plus the test and Hugging Face extras ([dev,hf]) + the test suite
-#                  (and the docs extra [docs] where it installs; without it the docs build test skips)
+#                  (and the docs [docs] and lint [lint] extras where they install; without them those tests skip)
 #   make docs   -> the documentation site, built strictly into site/ (mkdocs.yml)
 # Each install has its own stamp: `make demo` never installs pytest, transformers or peft; `make test`
 # after it adds them; `make test` alone does both steps.
@@ -26,6 +26,7 @@ $(DEMO_STAMP): setup.cfg pyproject.toml constraints.txt
 $(TEST_STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[all,dev,hf]"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[docs]" || echo "mkdocs not installable here: the docs build test will skip"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lint]" || echo "ruff not installable here: the lint test will skip"
 	touch $(TEST_STAMP)
 
 $(DOCS_STAMP): $(DEMO_STAMP)

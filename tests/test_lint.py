@@ -1,5 +1,5 @@
 """``ruff check lightning_dp`` is clean under the configuration in pyproject.toml (line length 120; pycodestyle and
-pyflakes). ruff comes with the ``dev`` extra (``make test``)."""
+pyflakes). ruff comes with the ``lint`` extra, which ``make test`` installs where the index has it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_package_is_lint_clean():
-    pytest.importorskip("ruff", reason="ruff is in the dev extra: pip install -e '.[dev]'")
+    pytest.importorskip("ruff", reason="ruff is in the lint extra: pip install -e '.[lint]'")
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "lightning_dp"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
