@@ -54,6 +54,7 @@ from lightning_dp._strategy_glue import (
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.grad_sample.fsdp_support import engine_problems
 from lightning_dp.sharding.fsdp_layout import FSDPLayout
 from lightning_dp.privacy.private_step import Distribution
 
@@ -205,7 +206,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
         if not fitting:
             return
         check_optimizers(self.optimizers, self.label)
-        self.layout = FSDPLayout(self.lightning_module)
+        self.layout = FSDPLayout(self.lightning_module, engine_problems)
         self.layout.seal()  # before any forward: FSDP2 never reduce-scatters an autograd gradient
         all_reduce = dist.all_reduce if self._distributed else None
         self._attach(Distribution(self.global_rank, self.world_size, all_reduce, layout=self.layout))

@@ -29,7 +29,7 @@ here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -54,7 +54,9 @@ class FSDPLayout:
     FSDP2 replaces it).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, engine_problems: Callable[[nn.Module], list[str]] = lambda m: []) -> None:
+        """Check ``module``'s sharding (and, by ``engine_problems``, what the engine cannot serve sharded: the
+        strategy passes :func:`lightning_dp.grad_sample.fsdp_support.engine_problems`); refused naming each problem."""
         from torch.distributed.tensor import DTensor, Shard
 
         self.module = module
@@ -221,30 +223,6 @@ def layer_class(m: nn.Module) -> type:
     return type(m).__bases__[-1] if isinstance(m, FSDPModule) else type(m)
 
 
-def engine_problems(module: nn.Module) -> list[str]:
-    """What the ghost engine cannot serve once FSDP2 shards ``module``: layers without a closed-form rule of
-    their own (the per-layer vmap fallback differentiates the registered, now sharded, parameters) and
-    parameters read directly by a module with children (captured by identity, which FSDP2 swaps)."""
-    from lightning_dp.grad_sample.capture.activations import direct_trainable, is_unit, leaf_layers
-    from lightning_dp.grad_sample.ghost import has_closed_form
-
-    problems = []
-    leaves = {id(m) for _, m in leaf_layers(module)}
-    for name, m in module.named_modules():
-        own = direct_trainable(m)
-        if not own:
-            continue
-        label = f"{name or '<root>'} ({layer_class(m).__name__})"
-        if id(m) not in leaves and not is_unit(m):
-            problems.append(f"{label} reads its own parameter(s) {', '.join(n for n, _ in own)} directly: under "
-                            "sharding move each into a leaf layer (e.g. an nn.Embedding or a Linear) or freeze it")
-        elif not has_closed_form(m):
-            problems.append(f"layer {label} has no closed-form per-example rule in the ghost engine (only Linear, "
-                            "Conv2d, Embedding, LayerNorm/GroupNorm/RMSNorm and Hugging Face's Conv1D do): under "
-                            "sharding the per-layer vmap fallback cannot run; freeze or replace it")
-    return problems
-
-
 def _param_groups(m: nn.Module) -> list[Any]:
     """FSDP2's parameter groups (``FSDPParamGroup``) of one sharded module."""
     state = m._get_fsdp_state()  # type: ignore[operator]
@@ -270,4 +248,4 @@ def local_bytes(tensors: Sequence[Tensor]) -> int:
     return total
 
 
-__all__ = ["FSDPLayout", "engine_problems", "fsdp_modules", "layer_class", "local_bytes"]
+__all__ = ["FSDPLayout", "fsdp_modules", "layer_class", "local_bytes"]
