@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from lightning_dp._lazy import lazy_exports
 from lightning_dp.grad_sample.capture.activations import (
     ActivationCapture,
     LayerCalls,
@@ -518,3 +519,14 @@ def missing_message(p: Tensor, owners: list[tuple[nn.Module, str, str]]) -> Exce
     """The error for a trainable parameter with no captured use (see :func:`missing_gradient_error`)."""
     where = ", ".join(f"{m or '<root>'}.{a}" for _, m, a in owners) or "a module outside the attached one"
     return missing_gradient_error(where, tuple(p.shape))
+
+
+__getattr__ = lazy_exports(__name__, {
+    "form_grads": "lightning_dp.grad_sample.linear_forms",
+    "projection_forms": "lightning_dp.grad_sample.attention_projections",
+    "rule_for": "lightning_dp.grad_sample.rules", "scale_layer_grads": "lightning_dp.grad_sample.elementwise_scale",
+    "scale_served": "lightning_dp.grad_sample.elementwise_scale",
+    "unrolled_rnn_grads": "lightning_dp.grad_sample.rnn_unrolled",
+    "unrolled_supported": "lightning_dp.grad_sample.rnn_unrolled"
+})
+"""Names this module held before they moved (read access by the old name; new code imports their homes)."""

@@ -37,6 +37,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_dp._lazy import lazy_exports
 from lightning_dp.grad_sample.capture.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.grad_sample.capture.example_dims import time_major_layers
 from lightning_dp.errors import PrivacyConfigurationError
@@ -355,3 +356,32 @@ class GhostEngine(GradSampleEngine):
     def unsupported_layers(self, module: nn.Module) -> list[str]:
         """Structural problems (tied weights are served: their norms' cross terms, ghost_tied.py)."""
         return structural_problems(module)
+
+
+__getattr__ = lazy_exports(__name__, {
+    "Dense": "lightning_dp.grad_sample.ghost_tied", "EmbeddingStats": "lightning_dp.grad_sample.embedding_rule",
+    "LinearFormStats": "lightning_dp.grad_sample.linear_rule", "Lookup": "lightning_dp.grad_sample.ghost_tied",
+    "LowRank": "lightning_dp.grad_sample.ghost_tied", "Record": "lightning_dp.grad_sample.capture.activations",
+    "Representation": "lightning_dp.grad_sample.ghost_tied",
+    "WeightBiasStats": "lightning_dp.grad_sample.layer_stats",
+    "_LinearInputGradOnly": "lightning_dp.grad_sample.linear_rule", "_NORMS": "lightning_dp.grad_sample.norm_rule",
+    "_as_float": "lightning_dp.grad_sample.conv_rules", "_cat": "lightning_dp.grad_sample.linear_rule",
+    "_linear_forward": "lightning_dp.grad_sample.linear_rule",
+    "_rnn_forward": "lightning_dp.grad_sample.recurrent_rule",
+    "bookkept_product": "lightning_dp.grad_sample.layer_stats",
+    "embedding_stats": "lightning_dp.grad_sample.embedding_rule",
+    "form_stats": "lightning_dp.grad_sample.linear_forms", "gram_sq_norms": "lightning_dp.grad_sample.layer_stats",
+    "hf_conv1d_stats": "lightning_dp.grad_sample.linear_rule", "is_hf_conv1d": "lightning_dp.grad_sample.linear_rule",
+    "is_plain_norm": "lightning_dp.grad_sample.norm_rule", "linear_stats": "lightning_dp.grad_sample.linear_rule",
+    "norm_layer_record_grads": "lightning_dp.grad_sample.norm_rule",
+    "prefer_ghost": "lightning_dp.grad_sample.layer_stats",
+    "prefer_ghost_embedding": "lightning_dp.grad_sample.embedding_rule",
+    "projection_forms": "lightning_dp.grad_sample.attention_projections",
+    "recurrent_served": "lightning_dp.grad_sample.recurrent_rule",
+    "recurrent_stats": "lightning_dp.grad_sample.recurrent_rule",
+    "scale_layer_grads": "lightning_dp.grad_sample.elementwise_scale",
+    "scale_served": "lightning_dp.grad_sample.elementwise_scale",
+    "sharding_served": "lightning_dp.grad_sample.conv_rules", "sq_norms": "lightning_dp.grad_sample.layer_stats",
+    "taped_forward": "lightning_dp.grad_sample.recurrent_forward"
+})
+"""Names this module held before they moved (read access by the old name; new code imports their homes)."""

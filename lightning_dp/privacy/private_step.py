@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_dp._lazy import lazy_exports
 from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.module_ledgers import adoption_note, restore_note
 from lightning_dp.accounting.ledger import PrivacyLedger
@@ -966,3 +967,15 @@ def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
     return ClippedBatch(zeros, squares, batch.norms[:0], 0)
 
 
+__getattr__ = lazy_exports(__name__, {
+    "BatchInteractionCheck": "lightning_dp.validators.batch_check",
+    "ExampleIndependenceProbe": "lightning_dp.validators.probe", "PROBE_EXAMPLES": "lightning_dp.validators.probe",
+    "SignVotePrivatizer": "lightning_dp.sign_sgd.privatizer", "StateSnapshot": "lightning_dp.validators.snapshot",
+    "StateWriteError": "lightning_dp.validators.probe", "_first_line": "lightning_dp.validators.step_checks",
+    "_headline": "lightning_dp.validators.step_checks", "batch_tolerance": "lightning_dp.validators.tolerance",
+    "engines_after": "lightning_dp.privacy.engine", "forked_rngs": "lightning_dp.validators.rng",
+    "probe_tolerance": "lightning_dp.validators.probe", "reads_per_index": "lightning_dp.records.fetch",
+    "reseed": "lightning_dp.records.fetch", "seeded": "lightning_dp.records.fetch",
+    "state_written_error": "lightning_dp.privacy.boundary"
+})
+"""Names this module held before they moved (read access by the old name; new code imports their homes)."""

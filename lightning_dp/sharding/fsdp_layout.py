@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
 
+from lightning_dp._lazy import lazy_exports
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.release import MechanismRequest
 
@@ -249,3 +250,9 @@ def local_bytes(tensors: Sequence[Tensor]) -> int:
 
 
 __all__ = ["FSDPLayout", "fsdp_modules", "layer_class", "local_bytes"]
+
+
+__getattr__ = lazy_exports(__name__, {
+    "engine_problems": "lightning_dp.grad_sample.fsdp_support"
+})
+"""Names this module held before they moved (read access by the old name; new code imports their homes)."""
