@@ -10,13 +10,12 @@ read-only, so callbacks never touch per-example tensors themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp.privacy.engine import ClippedBatch
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,16 @@ class StepDiagnostics:
         return torch.quantile(self.norms.float(), torch.tensor(qs)).tolist()
 
 
-def diagnose(batch: ClippedBatch, params: list[Tensor], expected_batch_size: float,
+class ClippedSums(Protocol):
+    """What :func:`diagnose` reads of a :class:`~lightning_dp.privacy.engine.ClippedBatch` (named by its shape, so
+    this module needs nothing of the core)."""
+
+    sums: dict[Tensor, Tensor]
+    norms: Tensor
+    batch_size: int
+
+
+def diagnose(batch: ClippedSums, params: list[Tensor], expected_batch_size: float,
              max_grad_norm: float) -> StepDiagnostics:
     """Build :class:`StepDiagnostics` from a batch's clipped sums, before noise is added."""
     clean = {p: batch.sums[p].detach().clone() / expected_batch_size for p in params}

@@ -28,6 +28,7 @@ Plain PyTorch (``examples/plain_pytorch.py``)::
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -134,9 +135,8 @@ def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
     if isinstance(noise, SecureGaussianNoise):
         raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
                                         "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
-    from lightning_dp.sign_sgd.privatizer import SignVotePrivatizer  # DP-SignSGD's own package (not the core's)
-
-    return SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
+    vote = importlib.import_module("lightning_dp.sign_sgd.privatizer")  # DP-SignSGD's own package, reached by name
+    return vote.SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
 
 
 PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {

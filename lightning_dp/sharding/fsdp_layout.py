@@ -29,13 +29,22 @@ here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, TypeVar
 
 from torch import Tensor, nn
 
 from lightning_dp._lazy import lazy_exports
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.release import MechanismRequest
+
+
+class Scaled(Protocol):
+    """What :meth:`FSDPLayout.full_request` reads of a :class:`~lightning_dp.privacy.release.MechanismRequest` (a
+    dataclass with a per-coordinate ``scale``), named by its shape so that this module needs nothing of the core."""
+
+    scale: Optional[Mapping[Tensor, Tensor]]
+
+
+R = TypeVar("R", bound=Scaled)
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -171,7 +180,7 @@ class FSDPLayout:
             out.append(p if u is None else u)
         return out
 
-    def full_request(self, request: MechanismRequest) -> MechanismRequest:
+    def full_request(self, request: R) -> R:
         """``request`` with its per-coordinate scale (scale-then-privatize, docs/algorithms.md §4) gathered to full
         size: the scale is computed from the optimizer's sharded state, while the engine scales each example's
         whole gradient before clipping. The scale depends only on earlier releases (public): gathering it is
