@@ -51,7 +51,7 @@ class StepDiagnostics:
 
 
 class ClippedSums(Protocol):
-    """What :func:`diagnose` reads of a :class:`~lightning_dp.privacy.engine.ClippedBatch` (named by its shape, so
+    """What :func:`diagnose` reads of a :class:`~lightning_dp.engine_api.ClippedBatch` (named by its shape, so
     this module needs nothing of the core)."""
 
     sums: dict[Tensor, Tensor]

@@ -142,6 +142,20 @@ def test_no_import_cycle_longer_than_three_modules():
     assert not long, f"import cycles over {MAX_CYCLE} modules: {long}"
 
 
+def test_no_room_imports_from_a_room_above_it():
+    """Rooms are the package's top-level folders and modules: their imports form no loop, so each stands on a floor
+    above everything it imports (docs/architecture.md, "The rooms")."""
+
+    def room(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else "__init__"
+
+    graph: dict[str, set[str]] = {}
+    for module in _modules():
+        graph.setdefault(room(module), set()).update(room(t) for t in _imports(module) if room(t) != room(module))
+    loops = _cycles({r: sorted(ts) for r, ts in graph.items()})
+    assert not loops, f"rooms that import each other: {loops}"
+
+
 def test_the_privacy_core_is_small_and_imports_no_engine_machinery():
     core = [p for name, p in _modules().items() if name == CORE or name.startswith(CORE + ".")]
     assert core and _lines(core) <= MAX_CORE_LINES, f"lightning_dp/privacy/ has {_lines(core)} lines"

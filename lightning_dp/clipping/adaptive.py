@@ -32,8 +32,7 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.clipping.flat import flat_factors
 from lightning_dp.clipping.policy import ClippingPolicy, positive
-from lightning_dp.privacy.csprng import secure_gaussian
-from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.secure_random import secure_gaussian, secure_seed
 
 
 def raised_noise_multiplier(sigma: float, count_std: float) -> float:

@@ -1,4 +1,4 @@
-"""Clipping helpers shared by the engines (the interface itself is :mod:`lightning_dp.privacy.engine`).
+"""Clipping helpers shared by the engines (the interface itself is :mod:`lightning_dp.engine_api`).
 
 An engine turns one forward + backward of a *mean* loss into the per-example clipped
 statistics the mechanism needs (docs/algorithms.md, "The mechanism"):
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import flat_factors
 from lightning_dp.clipping.rule import ClipRule, as_rule
-from lightning_dp.privacy.engine import (  # noqa: F401  (the interface, re-exported for the engines)
+from lightning_dp.engine_api import (  # noqa: F401  (the interface, re-exported for the engines)
     ClippedBatch,
     GradSampleEngine,
     ParamMap,

@@ -28,7 +28,7 @@ MOVED = {
     "banded_noise": "lightning_dp.privacy.banded_noise",
     "sampling": "lightning_dp.privacy.sampling",
     "min_sep_sampling": "lightning_dp.privacy.min_sep_sampling",
-    "seeding": "lightning_dp.privacy.seeding",
+    "seeding": "lightning_dp.secure_random",
     "release": "lightning_dp.privacy.release",
     "privatizer": "lightning_dp.privacy.privatizer",
     "sharded_privatizer": "lightning_dp.privacy.sharded_privatizer",
@@ -58,6 +58,7 @@ MOVED = {
     "record_fingerprint": "lightning_dp.records.record_fingerprint",
     "recorded_batches": "lightning_dp.records.recorded_batches",
     "clipping": "lightning_dp.clipping",
+    "units.user_sampler": "lightning_dp.privacy.user_sampling",
     "units": "lightning_dp.units",
     "diagnostics": "lightning_dp.diagnostics",
 }
@@ -103,9 +104,9 @@ if not any(isinstance(f, _Alias) for f in sys.meta_path):
     sys.meta_path.insert(0, _Alias())
 
 __getattr__ = lazy_exports(__name__, {
-    "ClippedBatch": "lightning_dp.privacy.engine", "GradSampleEngine": "lightning_dp.privacy.engine",
-    "available_engines": "lightning_dp.privacy.engine", "make_engine": "lightning_dp.privacy.engine",
-    "register_engine": "lightning_dp.privacy.engine",
+    "ClippedBatch": "lightning_dp.engine_api", "GradSampleEngine": "lightning_dp.engine_api",
+    "available_engines": "lightning_dp.engine_api", "make_engine": "lightning_dp.engine_api",
+    "register_engine": "lightning_dp.engine_api",
     "GaussianNoise": "lightning_dp.privacy.noise", "NoiseMechanism": "lightning_dp.privacy.noise",
     "Privatizer": "lightning_dp.privacy.privatizer", "flat_all_reduce": "lightning_dp.privacy.privatizer",
     "validate_privacy_params": "lightning_dp.privacy.privatizer",

@@ -92,7 +92,7 @@ class ExecutionConfig:
     """How a private step runs; nothing here changes what is released or what the ledger is charged.
 
     Attributes:
-        engine: the per-example gradient engine by name, or ``"auto"`` (:mod:`lightning_dp.privacy.engine`).
+        engine: the per-example gradient engine by name, or ``"auto"`` (:mod:`lightning_dp.engine_api`).
         views_per_example: K, augmentation multiplicity (each example's K views, clipped once as their mean).
         max_physical_batch_size: the most examples one forward and backward holds (``1``: every example alone).
         fixed_batch_size: F: every physical batch exactly F rows (:mod:`lightning_dp.performance.fixed_batch`).

@@ -21,46 +21,24 @@ kept, so nothing can be checkpointed or replayed.
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any, Hashable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_dp.privacy.noise import NoiseMechanism
+import lightning_dp.secure_random as secure_random
+from lightning_dp.secure_random import SUMMED_DRAWS, secure_standard_normal, secure_uniform  # noqa: F401  (re-exported)
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
-
-SUMMED_DRAWS = 4
-"""2n of Holohan & Braghin §5.1 (n = 2, as Opacus): Gaussians summed per coordinate."""
 
 CHUNK = 1 << 16
 """Coordinates per secure draw in :meth:`SecureGaussianNoise.add_noise_` (≈ 10 MiB of float64 temporaries)."""
 
 
-def secure_uniform(count: int) -> Tensor:
-    """``count`` float64 uniforms in [0, 1), 53 bits each from ``os.urandom``."""
-    if count <= 0:
-        return torch.zeros(0, dtype=torch.float64)
-    bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(11)
-    return torch.from_numpy(bits.astype(np.float64) * 2.0 ** -53)
-
-
-def secure_standard_normal(count: int) -> Tensor:
-    """``count`` float64 N(0, 1) samples: Box–Muller on :func:`secure_uniform` (1 − u ∈ (0, 1] for the log)."""
-    pairs = (count + 1) // 2
-    u = secure_uniform(2 * pairs).view(2, pairs)
-    radius = torch.sqrt(-2.0 * torch.log1p(-u[0]))
-    angle = 2.0 * math.pi * u[1]
-    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]
-
-
 def secure_gaussian(count: int) -> Tensor:
-    """``count`` float64 N(0, 1) samples, each the sum of :data:`SUMMED_DRAWS` secure draws / √SUMMED_DRAWS
-    (Holohan & Braghin 2021, §5.1)."""
-    draws = secure_standard_normal(SUMMED_DRAWS * count).view(SUMMED_DRAWS, count)
-    return draws.sum(0) / math.sqrt(SUMMED_DRAWS)
+    """:func:`lightning_dp.secure_random.secure_gaussian`, its draws from this module's
+    :func:`secure_standard_normal` (the one the noise below uses)."""
+    return secure_random.secure_gaussian(count, secure_standard_normal)
 
 
 class SecureGaussianNoise(DrawsAhead, NoiseMechanism):

@@ -25,8 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_dp.accounting.banded_coefficients import check_bands
-from lightning_dp.privacy.csprng import secure_uniform
-from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.secure_random import secure_seed, secure_uniform
 
 
 class MinSepPoissonBatchSampler(Sampler[list[int]]):

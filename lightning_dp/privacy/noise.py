@@ -17,7 +17,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.secure_random import secure_seed
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
 

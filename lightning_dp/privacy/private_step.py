@@ -28,7 +28,6 @@ Plain PyTorch (``examples/plain_pytorch.py``)::
 
 from __future__ import annotations
 
-import importlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -56,17 +55,17 @@ from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.records.collate import EmptySafeCollate, loader_like
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
-from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, read_examples
 from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batch_size
-from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
+from lightning_dp.engine_api import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.privatizer import Privatizer, StepPrivatizer, flat_all_reduce, validate_privacy_params
 from lightning_dp.records.recorded_batches import RecordedBatches
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
-from lightning_dp.units import UserPoissonBatchSampler, Users
+from lightning_dp.privacy.user_sampling import UserPoissonBatchSampler
+from lightning_dp.units import Users
 from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
@@ -126,24 +125,9 @@ def _gaussian(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
     return Privatizer(noise, reduce=reduce, adds_noise=where.rank == 0)
 
 
-def _sign_vote(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
-    if where.layout is not None:
-        raise PrivacyConfigurationError("DP-SignSGD's vote needs every worker's whole noisy sum: it does not run on "
-                                        "sharded parameters. Use DPStrategy with DP-SignSGD.")
-    if getattr(noise, "bands", 1) > 1:
-        raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
-    if isinstance(noise, SecureGaussianNoise):
-        raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
-                                        "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
-    vote = importlib.import_module("lightning_dp.sign_sgd.privatizer")  # DP-SignSGD's own package, reached by name
-    return vote.SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
-
-
-PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {
-    "gaussian": _gaussian,
-    "sign_vote": _sign_vote,
-}
-"""Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``)."""
+PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {"gaussian": _gaussian}
+"""Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``). DP-SignSGD's
+``"sign_vote"`` registers itself when its optimizer is imported (:mod:`lightning_dp.sign_sgd.privatizer`)."""
 
 
 class PrivateStep(StepChecks):
@@ -970,10 +954,11 @@ def _zero_clipped_batch(batch: ClippedBatch) -> ClippedBatch:
 __getattr__ = lazy_exports(__name__, {
     "BatchInteractionCheck": "lightning_dp.validators.batch_check",
     "ExampleIndependenceProbe": "lightning_dp.validators.probe", "PROBE_EXAMPLES": "lightning_dp.validators.probe",
-    "SignVotePrivatizer": "lightning_dp.sign_sgd.privatizer", "StateSnapshot": "lightning_dp.validators.snapshot",
+    "SecureGaussianNoise": "lightning_dp.privacy.csprng", "SignVotePrivatizer": "lightning_dp.sign_sgd.privatizer",
+    "StateSnapshot": "lightning_dp.validators.snapshot",
     "StateWriteError": "lightning_dp.validators.probe", "_first_line": "lightning_dp.validators.step_checks",
     "_headline": "lightning_dp.validators.step_checks", "batch_tolerance": "lightning_dp.validators.tolerance",
-    "engines_after": "lightning_dp.privacy.engine", "forked_rngs": "lightning_dp.validators.rng",
+    "engines_after": "lightning_dp.engine_api", "forked_rngs": "lightning_dp.validators.rng",
     "probe_tolerance": "lightning_dp.validators.probe", "reads_per_index": "lightning_dp.records.fetch",
     "reseed": "lightning_dp.records.fetch", "seeded": "lightning_dp.records.fetch",
     "state_written_error": "lightning_dp.privacy.boundary"

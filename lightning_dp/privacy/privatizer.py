@@ -25,7 +25,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.engine import ClippedBatch
+from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.release import MechanismRequest, Release
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler
-from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.secure_random import secure_seed
 
 __all__ = ["PoissonBatchSampler", "secure_seed", "steps_per_epoch_for"]
 

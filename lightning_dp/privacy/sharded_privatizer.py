@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.sharding.fsdp_layout import FSDPLayout
-from lightning_dp.privacy.engine import ClippedBatch
+from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.release import MechanismRequest, Release
 

@@ -18,8 +18,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.engine import ClippedBatch
+from lightning_dp.engine_api import ClippedBatch
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
+from lightning_dp.privacy.private_step import PRIVATIZERS, Distribution
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Release
 from lightning_dp.sign_sgd.vote import SIGN_DTYPE, all_reduce_votes
 
@@ -78,3 +81,20 @@ class SignVotePrivatizer:
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
         )
+
+
+def for_step(noise: NoiseMechanism, where: Distribution) -> SignVotePrivatizer:
+    """The release rule of a private step whose optimizer asks for ``mechanism = "sign_vote"``
+    (:class:`~lightning_dp.optim.sign_sgd.DPSignSGD`), or the refusal of a setting the vote cannot serve."""
+    if where.layout is not None:
+        raise PrivacyConfigurationError("DP-SignSGD's vote needs every worker's whole noisy sum: it does not run on "
+                                        "sharded parameters. Use DPStrategy with DP-SignSGD.")
+    if getattr(noise, "bands", 1) > 1:
+        raise PrivacyConfigurationError("DP-SignSGD adds noise per worker; it cannot use banded noise.")
+    if isinstance(noise, SecureGaussianNoise):
+        raise PrivacyConfigurationError("DP-SignSGD draws each worker's noise itself: secure_mode does not cover it "
+                                        "yet; use DPStrategy(secure_mode=False) with DP-SignSGD.")
+    return SignVotePrivatizer(where.all_reduce, where.world_size)  # a fresh OS-seeded generator per worker
+
+
+PRIVATIZERS["sign_vote"] = for_step  # registered with the private step's release rules (privacy/private_step.py)

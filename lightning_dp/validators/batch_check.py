@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.engine import ClippedBatch
+from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.validators.probe import ExampleIndependenceProbe, NoDropout, _drops_paths
 from lightning_dp.validators.tolerance import batch_tolerance
 

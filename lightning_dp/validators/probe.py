@@ -52,7 +52,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
-from lightning_dp.privacy.engine import ClippedBatch, GradSampleEngine
+from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
 from lightning_dp.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp._warnings import output_hook_notice_quieted
 from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint

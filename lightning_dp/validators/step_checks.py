@@ -21,9 +21,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
-from lightning_dp.privacy.boundary import state_written_error
-from lightning_dp.privacy.engine import engines_after
-from lightning_dp.units import UserPoissonBatchSampler
+from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
 from lightning_dp.validators.rng import forked_rngs
@@ -52,7 +50,7 @@ class StepChecks:
         """
         assert self.plan is not None and self._batches is not None, "poisson_loader() first"
         where = self.distribution
-        if isinstance(self._batches.inner, UserPoissonBatchSampler):  # two records of each of the first users
+        if hasattr(self._batches.inner, "first_positions"):  # users (user_sampling.py): two records of the first users
             indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
         else:
             indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
@@ -177,9 +175,9 @@ class StepChecks:
             self._engine.begin_step(None)
         changed = fingerprint.changed(before, fingerprint.take(self.boundary.callbacks(), full=True))
         if changed:
-            raise state_written_error(changed, "in the hooks the loop runs around a step (on_train_batch_start, "
-                                               "on_before_backward, on_train_batch_end), replayed on the first step's "
-                                               "examples before any release")
+            raise self.boundary.written_error(
+                changed, "in the hooks the loop runs around a step (on_train_batch_start, on_before_backward, "
+                         "on_train_batch_end), replayed on the first step's examples before any release")
 
     def _probe_engines(self, probe: Callable[[], None]) -> None:
         """Run ``probe`` on the attached engine. Under ``per_sample="auto"`` (replicated parameters) an engine it

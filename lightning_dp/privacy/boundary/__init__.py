@@ -208,6 +208,10 @@ class ReleaseBoundary:
         if hooked:
             raise hooked_error(hooked)
 
+    def written_error(self, changed: Sequence[str], where: str) -> StateWrittenError:
+        """The refusal of a write to kept state (:func:`state_written_error`), for the checks that find one."""
+        return state_written_error(changed, where)
+
     def check_kept(self, where: str) -> None:
         """Refuse if the fingerprinted state differs from the baseline (none taken: nothing to compare)."""
         if self._fingerprint is None or self._baseline is None:

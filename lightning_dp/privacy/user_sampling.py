@@ -15,9 +15,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from lightning_dp.privacy.csprng import secure_uniform
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler
-from lightning_dp.privacy.seeding import secure_seed
+from lightning_dp.secure_random import secure_seed, secure_uniform
 
 
 class UserPoissonBatchSampler(Sampler[list[int]]):
