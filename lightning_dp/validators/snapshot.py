@@ -34,6 +34,8 @@ def _contents(value: Any, depth: int) -> Restore:
         saved = value.detach().clone()
         return lambda: _copy_tensor(value, saved)
     if type(value).__module__ == "numpy" and hasattr(value, "copy") and hasattr(value, "shape"):
+        if not getattr(getattr(value, "flags", None), "writeable", False):
+            return _nothing  # a NumPy scalar or a read-only array: no pass can have written it in place
         saved_array = value.copy()
 
         def put_array() -> None:
