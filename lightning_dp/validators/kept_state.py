@@ -132,6 +132,8 @@ class _Checksums:
     @staticmethod
     def key(t: Tensor) -> tuple[Any, ...]:
         local = t.to_local() if hasattr(t, "to_local") else t
+        if local.layout != torch.strided:  # sparse: no storage of its own to key on, so never taken as unchanged
+            return (id(t), object(), t._version, tuple(t.shape), t.dtype)
         return (id(t), local.data_ptr() if local.numel() else 0, t._version, tuple(t.shape), t.dtype)
 
     def tokens(self, tensors: Sequence[Tensor], full: bool) -> list[Hashable]:
@@ -158,10 +160,7 @@ def _content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
     with torch.no_grad():
         for i, t in enumerate(tensors):
             local = t.to_local() if hasattr(t, "to_local") else t
-            x = local.detach()
-            if x.is_complex():
-                x = torch.view_as_real(x)
-            x = x.reshape(-1).to(torch.float64)
+            x = _flat_contents(local.detach())
             if x.numel() == 0:
                 stats = torch.zeros(3, dtype=torch.float64, device=x.device)
             else:
@@ -173,6 +172,17 @@ def _content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
             for (i, _), row in zip(items, host):
                 out[i] = row.tobytes()
     return [b for b in out if b is not None]
+
+
+def _flat_contents(x: Tensor) -> Tensor:
+    """``x``'s numbers as one float64 vector: a strided tensor's elements (complex as pairs), a sparse tensor's indices
+    then values (a sparse adjacency kept by a graph model: no dense copy)."""
+    if x.layout != torch.strided:
+        coo = x if x.layout == torch.sparse_coo else x.to_sparse_coo()
+        return torch.cat([coo._indices().reshape(-1).to(torch.float64), _flat_contents(coo._values())])
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    return x.reshape(-1).to(torch.float64)
 
 
 class StateFingerprint:
