@@ -21,9 +21,8 @@ How a release is decided (O(1) Python work per step almost always; exact at the 
    last step exactly. The step's own ceiling keeps that total on the exact curve, so it allows exactly what
    :func:`~lightning_dp.accounting.epsilon.ledger_epsilon` allows. PrivacyBudget's total is the one it reports
    with (``rdp_curve``, ``rdp_quantum``), so its stop agrees with the ε it shows.
-3. **Otherwise** (``"pld"``, ``"prv"``, or an RDP total asked for another accountant) RDP certifying a release is
-   enough (both are valid upper bounds of ε), and what RDP does not certify the accountant decides exactly: the
-   rounds left at (σ, q), k* = max{k : ε(ledger + k·(σ, q)) ≤ ε*}
+3. **Otherwise** (``"pld"``, ``"prv"``, or an RDP total asked for another accountant) the accountant decides, so
+   that the ε it reports never passes the target: the rounds left at (σ, q), k* = max{k : ε(ledger + k·(σ, q)) ≤ ε*}
    (:func:`~lightning_dp.accounting.horizon.steps_within_budget`), searched once per (σ, q) and counted down as
    releases at that (σ, q) are recorded.
 
@@ -96,19 +95,14 @@ class EpsilonCeiling:
         sigma, q, ledger = noise_multiplier, sample_rate, self.ledger
         if rounds <= 0 or q == 0:
             return True
-        if rounds == 1 and self.reservation.allows_next(ledger, sigma, q):
-            return True
         if not ledger.is_private or not sigma > 0:
             return False
-        if rounds == 1 and self.final:
-            return False  # the reservation checked this release exactly
-        if rounds > 1:
-            self.running.sync(ledger)
-            if self.running.epsilon_after(self.delta, sigma, q, rounds) <= self.target_epsilon:
-                return True  # RDP certifies them: a valid bound whatever the accountant (the answer, when final)
-            if self.final:
-                return False
-        return rounds <= self.rounds_left(sigma, q, hint=rounds)
+        if not self.final:  # the accountant's own count, so that the ε it reports never passes the target
+            return rounds <= self.rounds_left(sigma, q, hint=rounds)
+        if rounds == 1:
+            return self.reservation.allows_next(ledger, sigma, q)  # exact at the boundary (module docs, 2)
+        self.running.sync(ledger)
+        return self.running.epsilon_after(self.delta, sigma, q, rounds) <= self.target_epsilon
 
     def refusal(self, noise_multiplier: float, sample_rate: float, rounds: int = 1) -> Optional[str]:
         """Why a release of ``rounds`` rounds at (σ, q) must not be made now (``None``: :meth:`allows` it)."""
