@@ -79,17 +79,9 @@ class AdaptiveClipping(ClippingPolicy):
         self._generator = torch.Generator().manual_seed(secure_seed())
 
     @property
-    def max_grad_norm(self) -> float:
-        """C_t, the bound the next step clips at."""
-        return self._bound
-
-    @property
     def configured_bound(self) -> float:
         """C_0."""
         return self.initial_norm
-
-    def _set_bound(self, bound: float) -> None:
-        self._bound = float(bound)
 
     def factors(self, norms: Tensor) -> Tensor:
         """min(1, C_t/‖g_u‖): flat clipping at the current bound."""

@@ -26,14 +26,6 @@ class AutomaticClipping(ClippingPolicy):
         self._bound = positive(max_grad_norm, "max_grad_norm (C)")
         self.gamma = positive(gamma, "gamma (γ)")
 
-    @property
-    def max_grad_norm(self) -> float:
-        """C."""
-        return self._bound
-
-    def _set_bound(self, bound: float) -> None:
-        self._bound = float(bound)
-
     def factors(self, norms: Tensor) -> Tensor:
         """C / (‖g_u‖ + γ) (Bu et al. 2023, eq. 4.1)."""
         return self._bound / (norms + self.gamma)

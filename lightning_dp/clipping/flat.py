@@ -27,14 +27,6 @@ class FlatClipping(ClippingPolicy):
     def __init__(self, max_grad_norm: float = 1.0) -> None:
         self._bound = positive(max_grad_norm, "max_grad_norm (the clipping norm C)")
 
-    @property
-    def max_grad_norm(self) -> float:
-        """C."""
-        return self._bound
-
-    def _set_bound(self, bound: float) -> None:
-        self._bound = float(bound)
-
     def factors(self, norms: Tensor) -> Tensor:
         """min(1, C/‖g_u‖)."""
         return flat_factors(norms, self._bound)

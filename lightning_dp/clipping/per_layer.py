@@ -54,16 +54,11 @@ class PerLayerClipping(ClippingPolicy):
                 "max_grad_norm (C is then √(Σ C_p²)).")
         self._names: Optional[list[str]] = None
 
-    @property
-    def max_grad_norm(self) -> float:
-        """C = √(Σ_p C_p²)."""
-        return self._bound
-
     def _set_bound(self, bound: float) -> None:
         scale = float(bound) / self._bound
         if self.budgets is not None:
             self.budgets = {k: v * scale for k, v in self.budgets.items()}
-        self._bound = float(bound)
+        super()._set_bound(bound)
 
     def bind(self, names: Sequence[str]) -> None:
         """Check that named budgets cover exactly the trainable parameters ``names``."""

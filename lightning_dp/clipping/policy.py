@@ -15,7 +15,7 @@ Policies: :class:`~.flat.FlatClipping` (the default, min(1, C/‖g‖)), :class:
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import Any, ClassVar, Optional, Sequence
 
 from torch import Tensor
@@ -26,17 +26,20 @@ from lightning_dp.errors import PrivacyConfigurationError
 class ClippingPolicy(ABC):
     """How per-unit gradients are clipped; one instance per run (it may keep state: the adaptive bound).
 
-    Subclasses define :meth:`factors` (or :meth:`parameter_factors` with :attr:`per_parameter`) and the bound C
-    they guarantee (:attr:`max_grad_norm`)."""
+    Subclasses define :meth:`factors` (or :meth:`parameter_factors` with :attr:`per_parameter`) and set the bound C
+    they guarantee (``_bound``, read as :attr:`max_grad_norm`)."""
 
     per_parameter: ClassVar[bool] = False
     """Whether the factors depend on each parameter tensor's own norm (per-layer clipping): engines then give the
     norms per parameter, ``[P, units]``, and apply one factor per (parameter, unit)."""
 
+    _bound: float
+    """C now; each subclass sets it in ``__init__`` (the adaptive policy moves it after every release)."""
+
     @property
-    @abstractmethod
     def max_grad_norm(self) -> float:
         """C now: the L2 sensitivity of the clipped sum (the noise is σC); what ``strategy.max_grad_norm`` reads."""
+        return self._bound
 
     @property
     def configured_bound(self) -> float:
@@ -63,9 +66,9 @@ class ClippingPolicy(ABC):
         other._set_bound(bound)
         return other
 
-    @abstractmethod
     def _set_bound(self, bound: float) -> None:
         """Clip at ``bound`` from now on (:meth:`at_bound`)."""
+        self._bound = float(bound)
 
     def gradient_noise_multiplier(self, sigma: float, expected_units: float) -> float:
         """The noise multiplier of the gradient's noise for an accounted multiplier ``sigma`` (the ledger's). The
