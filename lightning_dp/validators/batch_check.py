@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.engine_api import ClippedBatch
-from lightning_dp.validators.probe import ExampleIndependenceProbe, NoDropout, _drops_paths
+from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes
 from lightning_dp.validators.tolerance import batch_tolerance
 
 __all__ = ["BatchInteractionCheck", "batch_interaction_error", "batch_tolerance"]
@@ -69,22 +69,11 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
             chosen = self.rng.sample(chosen, self.max_examples)
         if len(chosen) < 2:
             return  # one example cannot interact with another
-        saved = [p.grad for p in self.params]
-        modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
-        for m, _ in modes:
-            m.training = False
-        try:
-            with torch.random.fork_rng(devices=[]), NoDropout():
-                if random_step:
-                    self._replacement(chosen, step)
-                else:
-                    self._halves(chosen, step)
-        finally:
-            self.engine.begin_step(None)
-            for m, mode in modes:
-                m.training = mode
-            for p, g in zip(self.params, saved):
-                p.grad = g
+        with check_passes(self.module, self.params, self.engine):
+            if random_step:
+                self._replacement(chosen, step)
+            else:
+                self._halves(chosen, step)
 
     def _halves(self, chosen: list[int], step: int) -> None:
         """The comparison of the module docstring: the batch, its two halves, two examples alone."""

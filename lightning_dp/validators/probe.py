@@ -38,11 +38,13 @@ forward/backward passes on ≤ k examples, once.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import os
 import re
 import traceback
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -120,35 +122,24 @@ class ExampleIndependenceProbe:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
         if len(indices) < 2:
             return  # one example cannot interact with another; nothing to compare
-        saved = [p.grad for p in self.params]
         before = self.state.take(full=True)
-        modes = [(m, m.training) for m in self.module.modules() if _drops_paths(m)]
-        for m, _ in modes:
-            m.training = False
         calls = self._calls = StepWatch()
         try:
-            try:
-                with torch.random.fork_rng(devices=[]), NoDropout():
-                    # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
-                    # with other leading dimensions and never sliced per example afterwards (capture.py)
-                    alone = [self._engine_pass([i]) for i in indices]
-                    with LowestFloat() as watch:
-                        together = self._engine_pass(list(indices))
-                    self.compute_dtype = watch.lowest
-                    reseeded = self._engine_pass(list(indices), seed=1)
-                    # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
-                    bound = float(torch.cat([a.norms.double() for a in alone]).median())
-                    # isolated: training clips examples alone, so the factors are checked on examples alone
-                    clipped = (None if bound <= 0 else
-                               [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
-                               else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
-                    reference = self._autograd_pass(list(indices))
-            finally:
-                self.engine.begin_step(None)
-                for m, mode in modes:
-                    m.training = mode
-                for p, g in zip(self.params, saved):
-                    p.grad = g
+            with check_passes(self.module, self.params, self.engine):
+                # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
+                # with other leading dimensions and never sliced per example afterwards (capture.py)
+                alone = [self._engine_pass([i]) for i in indices]
+                with LowestFloat() as watch:
+                    together = self._engine_pass(list(indices))
+                self.compute_dtype = watch.lowest
+                reseeded = self._engine_pass(list(indices), seed=1)
+                # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
+                bound = float(torch.cat([a.norms.double() for a in alone]).median())
+                # isolated: training clips examples alone, so the factors are checked on examples alone
+                clipped = (None if bound <= 0 else
+                           [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
+                           else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
+                reference = self._autograd_pass(list(indices))
         except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
             changed = self.state.changed(before, self.state.take(full=True))
             if changed:
@@ -449,6 +440,26 @@ DROPOUT_FUNCTIONS: frozenset[str] = frozenset({
     "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
     "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_"})
 """torch functions whose training-mode result is a random mask: the identity during the probe."""
+
+
+@contextmanager
+def check_passes(module: nn.Module, params: Sequence[Tensor], engine: GradSampleEngine) -> Iterator[None]:
+    """Where the checks run the user's step (the probe, the batch check): stochastic-depth modules in eval, dropout
+    off (:class:`NoDropout`), the RNG forked; afterwards the engine's captures dropped and the modes and the
+    parameters' ``.grad`` as they were."""
+    saved = [p.grad for p in params]
+    modes = [(m, m.training) for m in module.modules() if _drops_paths(m)]
+    for m, _ in modes:
+        m.training = False
+    try:
+        with torch.random.fork_rng(devices=[]), NoDropout():
+            yield
+    finally:
+        engine.begin_step(None)
+        for m, mode in modes:
+            m.training = mode
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 def _drops_paths(m: nn.Module) -> bool:
