@@ -44,6 +44,8 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.privacy.boundary import is_public
+from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, fed_back
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -241,7 +243,10 @@ class PrivateTraining:
         """Attach the engine and choose the release rule for ``where`` (after the optimizers exist)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
-        self.private_step.boundary.callbacks = lambda: _observers(module.trainer)
+        boundary = self.private_step.boundary
+        boundary.callbacks = lambda: _observers(module.trainer)
+        boundary.fed_back = lambda: fed_back(module.trainer, lambda name: name in NOT_FROM_DATA
+                                             or is_public(name, boundary.public_state))
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")

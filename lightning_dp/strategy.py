@@ -92,6 +92,9 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             unchanged (:mod:`lightning_dp.performance.fixed_batch`). Costs the padding rows' compute; the logged loss is
             the mean over the F rows. Every ``clipping`` policy is served; not with ``max_physical_batch_size``,
             ``augmentation_multiplicity > 1`` or ``privacy_unit``. ``None`` (default): Poisson shapes.
+        retain_cpu_memory: on CPU, keep freed memory for the next step (glibc's malloc thresholds, set once per
+            process: :mod:`lightning_dp.performance.cpu_memory`): a private step then re-faults no pages each step
+            (the digits CNN: 6.3 → 3.9 ms/step alone in its process). ``False`` leaves the allocator alone.
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, docs/algorithms.md §7), or a
@@ -174,6 +177,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
         per_sample: str = "auto",
         max_physical_batch_size: Optional[int] = None,
         fixed_batch_size: Optional[int] = None,
+        retain_cpu_memory: bool = True,
         noise: Optional[Union[str, NoiseMechanism]] = None,
         bands: int = 1,
         sampler_seed: Optional[int] = None,
@@ -214,7 +218,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             ExecutionConfig(
                 engine=per_sample, views_per_example=augmentation_multiplicity,
                 max_physical_batch_size=max_physical_batch_size, fixed_batch_size=fixed_batch_size, verify=verify,
-                verify_budget=verify_budget),
+                verify_budget=verify_budget, retain_cpu_memory=retain_cpu_memory),
             resume_privacy,
         )
 

@@ -74,11 +74,13 @@ from lightning_dp.accounting.ceiling import EpsilonCeiling
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
 from lightning_dp.callbacks._tb_layout import BUDGET, EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
+from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA
 
 __all__ = ["PrivacyBudget", "default_delta"]
 
 _RUNNING = ("rdp", "integer_rdp")
 _KEY = EPSILON
+NOT_FROM_DATA.add(_KEY)  # ε is the ledger's: monitoring it steers nothing by the data (boundary rule 6)
 
 
 EPSILON_PER_USER = "privacy/epsilon_per_user"

@@ -98,6 +98,8 @@ class ExecutionConfig:
         fixed_batch_size: F: every physical batch exactly F rows (:mod:`lightning_dp.performance.fixed_batch`).
         verify: when the batch check runs: ``"sampled"``, ``"every_step"`` or ``"first_step"``.
         verify_budget: the share of training time the later batch checks may take.
+        retain_cpu_memory: on CPU, keep freed memory for the next step instead of re-faulting it every step
+            (:mod:`lightning_dp.performance.cpu_memory`: glibc's malloc thresholds, once per process).
     """
 
     engine: str = "auto"
@@ -106,6 +108,7 @@ class ExecutionConfig:
     fixed_batch_size: Optional[int] = None
     verify: str = "sampled"
     verify_budget: float = 0.02
+    retain_cpu_memory: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.views_per_example, int) and self.views_per_example >= 1):

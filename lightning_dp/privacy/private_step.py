@@ -57,6 +57,7 @@ from lightning_dp.records.collate import EmptySafeCollate, loader_like
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, read_examples
+from lightning_dp.performance.cpu_memory import retain_freed_memory
 from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batch_size
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
@@ -138,7 +139,7 @@ class PrivateStep(StepChecks):
     ``noise`` (a :class:`~lightning_dp.privacy.noise.NoiseMechanism`), ``target_epsilon``, ``target_delta``,
     ``accountant``, ``sampler_seed``, ``secure_sampling`` (``secure_mode``), ``clipping``, ``privacy_unit``,
     ``public_state`` and ``on_budget_short`` are :class:`~lightning_dp.privacy.config.PrivacyConfig`'s; ``engine``,
-    ``views_per_example``, ``fixed_batch_size``, ``verify`` and ``verify_budget`` are
+    ``views_per_example``, ``fixed_batch_size``, ``verify``, ``verify_budget`` and ``retain_cpu_memory`` are
     :class:`~lightning_dp.privacy.config.ExecutionConfig`'s. A strategy builds both once and calls
     :meth:`from_config`. With ``fixed_batch_size`` the loader pads (:meth:`poisson_loader`) and :meth:`begin` takes
     the padding count (not with ``privacy_unit``: a padding row belongs to no user).
@@ -166,6 +167,7 @@ class PrivateStep(StepChecks):
         clipping: Optional[ClippingPolicy] = None,
         privacy_unit: Optional[Users] = None,
         fixed_batch_size: Optional[int] = None,
+        retain_cpu_memory: bool = True,
     ) -> None:
         self.config = PrivacyConfig(
             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
@@ -175,7 +177,8 @@ class PrivateStep(StepChecks):
         """What the guarantee depends on (:class:`~lightning_dp.privacy.config.PrivacyConfig`), frozen: read, never
         written (σ calibrated from a target is state: :attr:`noise_multiplier`)."""
         self.execution = ExecutionConfig(engine=engine, views_per_example=views_per_example,
-                                         fixed_batch_size=fixed_batch_size, verify=verify, verify_budget=verify_budget)
+                                         fixed_batch_size=fixed_batch_size, verify=verify, verify_budget=verify_budget,
+                                         retain_cpu_memory=retain_cpu_memory)
         """How the step runs (:class:`~lightning_dp.privacy.config.ExecutionConfig`), frozen."""
         self._configure(self.config, self.execution)
 
@@ -310,6 +313,8 @@ class PrivateStep(StepChecks):
             self.boundary.parameters = distribution.layout.sharded_parameters
         self.clipping.bind([name for name, p in module.named_parameters() if p.requires_grad])
         engine.attach(module)
+        if self.execution.retain_cpu_memory and any(p.device.type == "cpu" for p in module.parameters()):
+            retain_freed_memory()  # no page faults per step on CPU (performance/cpu_memory.py)
         ATTACHED.add(module)
         self._engine, self._module, self._optimizer = engine, module, optimizer
         self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)

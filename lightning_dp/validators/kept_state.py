@@ -10,6 +10,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   shows; a full pass also compares contents);
 * every buffer, of every dtype (integer and bool counters included): a content checksum, recomputed only
   when the tensor's storage or version counter moved (a full pass recomputes all);
+* the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
+  as module attributes are (the engine's own, such as Opacus' ``grad_sample``, skipped);
 * the attributes of every module whose class is not torch's own — tensors, NumPy arrays, numbers,
   strings, containers of them, and plain Python objects (a ``RunningMeanStd`` helper) to a bounded depth;
   a torchmetrics ``Metric`` contributes only its persistent states (non-persistent ones feed ``self.log``,
@@ -18,17 +20,21 @@ state it can see and refuses a change that the optimizer's step on the released 
   ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
   what its ``state_dict()`` returns (what a checkpoint keeps of it).
 
-What it cannot see: module-level globals, files, closures, objects of library classes mutated in place
-(their identity is compared, not their contents), containers beyond :data:`MAX_ITEMS` items (their length
-and a sample are compared), and writes through ``tensor.data`` between full passes (the version counter
-of ``.data`` is not the tensor's). Entries matching a declared public name (``public_state``) are skipped.
+What it cannot see: module-level globals, what a file on disk holds (a stream kept on the module is compared by
+its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents), closures, objects of library
+classes mutated in place (their identity is compared, not their contents), containers beyond :data:`MAX_ITEMS`
+items (their length and a sample are compared), and writes through ``tensor.data`` between full passes (the
+version counter of ``.data`` is not the tensor's). Entries matching a declared public name (``public_state``) are
+skipped.
 """
 
 from __future__ import annotations
 
+import array
 import fnmatch
 import functools
 import hashlib
+import io
 import types
 import weakref
 from collections import deque
@@ -275,6 +281,9 @@ class StateFingerprint:
         tensors.extend(buffers)
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
         walker = _Walker(seen, self._registered, self._sums, full)
+        for name, t in (*params, *buffers):
+            if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
+                self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
         for prefix, m, mode in layout:
             if mode is None:
                 continue
@@ -294,6 +303,14 @@ class StateFingerprint:
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
         return entries
+
+    def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
+        """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
+        for key, value in vars(t).items():
+            if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, _FUNCTIONS):
+                continue
+            if not self._is_public(f"{path}.{key}"):
+                entries[f"attribute {path}.{key}"] = walker.token(value)
 
     def _attributes(self, m: nn.Module, mode: list[str]) -> Iterator[tuple[str, Any]]:
         if mode and mode is not _DATA_ONLY:
@@ -399,6 +416,9 @@ class _Walker:
                     tuple((repr(k), self.token(v, depth + 1)) for k, v in _sample(list(value.items()))))
         if isinstance(value, (set, frozenset)):
             return (type(value).__name__, len(value), frozenset(self.token(v, depth + 1) for v in value))
+        raw = _raw_token(value)
+        if raw is not None:
+            return raw
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, (type, Dataset)):
             return ("object", type(value).__name__, id(value))  # a dataset is the data, not state
         if id(value) in self._objects:
@@ -414,6 +434,31 @@ def _sample(items: Sequence[Any]) -> Sequence[Any]:
         return items
     stride = len(items) // MAX_ITEMS + 1
     return [*items[:64], *items[64:-64:stride], *items[-64:]]
+
+
+def _digest(data: Any) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _raw_token(value: Any) -> Optional[Hashable]:
+    """Mutable byte containers and streams, which hold data without a ``__dict__``: their contents (``bytearray``,
+    ``array.array``, ``memoryview``, ``io.BytesIO``, ``io.StringIO``) or, for another stream (a file written by the
+    step), its position: a write moves it."""
+    if isinstance(value, (bytearray, memoryview)):
+        return (type(value).__name__, _digest(value))
+    if isinstance(value, array.array):
+        return ("array", value.typecode, _digest(value.tobytes()))
+    if isinstance(value, io.BytesIO):
+        return ("BytesIO", _digest(value.getbuffer()), value.tell())
+    if isinstance(value, io.StringIO):
+        return ("StringIO", _digest(value.getvalue().encode("utf-8", "surrogatepass")), value.tell())
+    if isinstance(value, io.IOBase):
+        try:
+            position = None if value.closed else value.tell()
+        except (OSError, ValueError):  # a pipe or socket: not seekable
+            position = None
+        return ("stream", type(value).__name__, id(value), value.closed, position)
+    return None
 
 
 def _numpy_token(value: Any) -> Optional[Hashable]:

@@ -22,6 +22,10 @@ release it would corrupt, naming the fix:
    the engine was attached to and the probe verified; a change (a pruning callback renaming ``weight`` to
    ``weight_orig``, a finetuning callback unfreezing layers) re-attaches and re-verifies before the next
    release, or is refused.
+5. (Examples do not interact: :mod:`lightning_dp.validators`, the probe and the batch check.)
+6. **No logged value feeds back** (:mod:`.feedback`): a plateau scheduler or callback that monitors a value a
+   training hook logged (it would steer the learning rate, the stopping step or the kept checkpoint from un-noised
+   training data) is refused before the next release and when validation starts.
 
 What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
 """
@@ -35,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary.coverage import uncovered_error, uncovered_tensors
+from lightning_dp.privacy.boundary.feedback import Consumer, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.kept_state import (
@@ -97,6 +102,9 @@ class ReleaseBoundary:
         self.public_state = tuple(public_state)
         self.callbacks: Callable[[], Sequence[Any]] = lambda: ()
         """The callbacks whose state is fingerprinted too (set by the Lightning glue: ``trainer.callbacks``)."""
+        self.fed_back: Callable[[], Sequence[Consumer]] = lambda: ()
+        """Schedulers and callbacks that monitor a value logged from the training data (rule 6; set by the Lightning
+        glue: :func:`~lightning_dp.privacy.boundary.feedback.fed_back`)."""
         self._module: Optional[nn.Module] = None
         self._fingerprint: Optional[StateFingerprint] = None
         self._baseline: Optional[Fingerprint] = None
@@ -174,6 +182,7 @@ class ReleaseBoundary:
 
     def pause(self, where: str) -> None:
         """Validation starts: check what changed since the update, then stop comparing until :meth:`baseline`."""
+        self.check_feedback()
         self.check_kept(where)
         self._baseline = None
 
@@ -199,8 +208,15 @@ class ReleaseBoundary:
             if missing:
                 raise uncovered_error(self._module, missing)
         self.check_hooks(named)
+        self.check_feedback()
         self.check_kept("between the last update and this release (in training_step, the forward or backward, or "
                         "a hook or callback around them: on_train_batch_start/end, epoch hooks)")
+
+    def check_feedback(self) -> None:
+        """Rule 6: no scheduler or callback monitors a value logged from the training data."""
+        found = self.fed_back()
+        if found:
+            raise feedback_error(found)
 
     def check_hooks(self, named: Sequence[tuple[str, Tensor]]) -> None:
         """Rule 2: no gradient hook on a parameter but the engine's (before the probe and every release)."""

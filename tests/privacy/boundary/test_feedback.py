@@ -1,0 +1,144 @@
+"""Rule 6 (privacy/boundary/feedback.py): a value logged from the training batch does not feed back into training.
+A plateau scheduler, EarlyStopping or ModelCheckpoint monitoring a training-logged value is refused before the
+release it would steer (nothing released, parameters untouched); monitoring a validation metric, ε, or a name
+declared public is not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from cases import Classifier, fit, loader, parameters, strategy, unchanged
+from conftest import quiet_trainer
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
+
+from lightning_dp import PrivacyConfigurationError
+from lightning_dp.callbacks import PrivacyBudget
+from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, consumers, fed_back
+
+
+class LogsTrainLoss(Classifier):
+    """Logs its training loss (on_step and on_epoch: the forked names too) and a validation loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+
+class PlateauOn(LogsTrainLoss):
+    """ReduceLROnPlateau on a monitored name."""
+
+    def __init__(self, monitor: str, interval: str = "step") -> None:
+        super().__init__()
+        self.monitor, self.interval = monitor, interval
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": self.monitor,
+                                                   "interval": self.interval}}
+
+
+class EpochEndTrainAccuracy(LogsTrainLoss):
+    """Logs a training statistic only at epoch end (after the epoch's releases)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self._correct = getattr(self, "_correct", 0) + int((self(x).argmax(1) == y).sum())  # public_state below
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train_acc", float(self._correct))
+
+
+def _refused(model, callbacks=(), **kwargs) -> str:
+    before = parameters(model)
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    trainer = quiet_trainer(strategy=strategy(**kwargs), max_steps=3, callbacks=list(callbacks),
+                            enable_checkpointing=checkpointing)
+    with pytest.raises(PrivacyConfigurationError, match="feeds back into training") as info:
+        trainer.fit(model, loader())
+    assert unchanged(before, model), "a release was made before the refusal"
+    return str(info.value)
+
+
+@pytest.mark.parametrize("monitor", ["train_loss", "train_loss_step"])
+def test_plateau_scheduler_on_the_training_loss_is_refused_before_any_release(monitor):
+    message = _refused(PlateauOn(monitor))
+    assert f"ReduceLROnPlateau monitors {monitor!r}" in message and "validation_step" in message
+
+
+@pytest.mark.parametrize("make", [lambda: EarlyStopping(monitor="train_loss", check_on_train_epoch_end=True),
+                                  lambda: ModelCheckpoint(monitor="train_loss_epoch")],
+                         ids=["EarlyStopping", "ModelCheckpoint"])
+def test_callbacks_monitoring_the_training_loss_are_refused(make, tmp_path):
+    callback = make()
+    if isinstance(callback, ModelCheckpoint):
+        callback.dirpath = str(tmp_path)
+    assert type(callback).__name__ in _refused(LogsTrainLoss(), [callback])
+
+
+def test_an_epoch_end_training_statistic_is_refused_before_the_next_release():
+    """Logged in on_train_epoch_end (after the epoch's releases and its validation): the epoch-interval plateau
+    update reads it, and the next epoch's first release is refused: no release is made with what it steered."""
+    model = PlateauOn("train_acc", interval="epoch")
+    model.__class__ = type("PlateauOnEpochAcc", (EpochEndTrainAccuracy, PlateauOn), {})
+    dp = strategy(public_state=["_correct"])
+    trainer = quiet_trainer(strategy=dp, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0)
+    with pytest.raises(PrivacyConfigurationError, match="monitors 'train_acc'"):
+        trainer.fit(model, loader(64), loader(16))
+    assert trainer.current_epoch == 1 and dp.ledger.steps == len(trainer.train_dataloader), \
+        "refused at the second epoch's first release"
+
+
+def test_a_user_callback_with_a_monitor_is_a_consumer():
+    class Steer(Callback):
+        monitor = "train_loss"
+
+    with pytest.raises(PrivacyConfigurationError, match="the callback Steer monitors 'train_loss'"):
+        fit(LogsTrainLoss(), callbacks=[Steer()])
+
+
+def test_monitoring_validation_loss_epsilon_or_a_public_name_is_allowed(tmp_path):
+    fit(PlateauOn("val_loss", interval="epoch"), steps=3)
+    assert "privacy/epsilon" in NOT_FROM_DATA
+    stop = EarlyStopping(monitor="privacy/epsilon", stopping_threshold=1e9, check_on_train_epoch_end=True)
+    fit(LogsTrainLoss(), steps=3, callbacks=[PrivacyBudget(delta=1e-5), stop])
+    fit(PlateauOn("train_loss"), steps=3, public_state=["train_loss"])
+
+
+def test_consumers_and_fed_back_read_the_trainer():
+    class Config:
+        reduce_on_plateau, monitor = True, "a"
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD([torch.zeros(1)], lr=1.0))
+
+    class NotPlateau(Config):
+        reduce_on_plateau = False
+
+    class Meta:
+        def __init__(self, name: str, forked: bool) -> None:
+            self.name, self.forked = name, forked
+
+        def forked_name(self, on_step: bool) -> str:
+            return self.name + ("_step" if on_step else "_epoch")
+
+    class Result:
+        def __init__(self, meta: Meta) -> None:
+            self.meta = meta
+
+    class Trainer:
+        lr_scheduler_configs = [Config(), NotPlateau()]
+        callbacks = [EarlyStopping(monitor="b_epoch"), EarlyStopping(monitor="c")]
+
+        class fit_loop:  # noqa: N801  (Lightning's attribute names)
+            class epoch_loop:  # noqa: N801
+                _results = {"training_step.a": Result(Meta("a", False)), "training_step.b": Result(Meta("b", True))}
+
+    assert [name for _, name in consumers(Trainer())] == ["a", "b_epoch", "c"]
+    assert [name for _, name in fed_back(Trainer(), lambda n: False)] == ["a", "b_epoch"]
+    assert [name for _, name in fed_back(Trainer(), lambda n: n == "a")] == ["b_epoch"]
