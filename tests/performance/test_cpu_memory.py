@@ -47,7 +47,8 @@ def test_retained_memory_is_not_faulted_again():
     default = _faults_per_call("default")
     if default < 50:
         pytest.skip(f"this machine's allocator does not re-fault the workload ({default:.0f} faults per call)")
-    assert _faults_per_call("retain") < 10, "memory freed by one call was faulted in again by the next"
+    retained = _faults_per_call("retain")  # 0 alone on this machine, ~15 beside a busy suite; the default ~600
+    assert retained < default / 4, f"memory freed by one call was faulted in again by the next ({retained:.0f} faults)"
 
 
 @pytest.fixture
