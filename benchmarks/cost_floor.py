@@ -265,7 +265,7 @@ def main() -> None:
                         cells.append(f"{r['ms'][m]:.1f} ms ({r['ratio'][m]:.2f}x, IQR {lo:.2f}-{hi:.2f})")
                 speedup = r.get("vs_ldp", {}).get("opacus_ghost")
                 print(f"| {name} | {B} | {threads} | {r['ms'].get('nonprivate', float('nan')):.1f} | " + " | ".join(cells)
-                      + f" | {speedup:.2f}x |" if speedup else " | n/a |", flush=True)
+                      + (f" | {speedup:.2f}x |" if speedup else " | n/a |"), flush=True)
 
 
 if __name__ == "__main__":
