@@ -44,7 +44,8 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.boundary import is_public
+from lightning_dp.privacy.boundary import hyperparameters, hyperparameters_error, is_public
+from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, fed_back
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -486,10 +487,17 @@ class PrivateTraining:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`): a memory bank filled from a later epoch on is refused before any release."""
         module = self.lightning_module  # type: ignore[attr-defined]
+        optimizers = module.trainer.optimizers
+        before = [hyperparameters(opt) for opt in optimizers]
         _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
         for step, epoch in self._later_in_the_plan():
             with _progress_as(module.trainer, step, epoch):
                 _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
+        for opt, taken in zip(optimizers, before):  # a learning rate set from the loss at batch end (rule 3)
+            changed = StateFingerprint.changed(taken, hyperparameters(opt))
+            if changed:
+                raise hyperparameters_error(changed, "by the batch hooks (training_step, on_train_batch_start/end, "
+                                            "on_before_backward, replayed on the probe's examples)")
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
         """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it

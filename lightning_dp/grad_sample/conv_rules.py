@@ -47,6 +47,7 @@ from lightning_dp.grad_sample.layer_stats import (
     LayerStats,
     WeightBiasStats,
     add_parts,
+    gram_sq_norms,
     prefer_ghost,
     sq_norms,
 )
@@ -196,8 +197,7 @@ class ConvPatches:
         pairs = list(self._grouped(part))
         a = torch.cat([p[0] for p in pairs], 2) if len(pairs) > 1 else pairs[0][0]
         d = torch.cat([p[1] for p in pairs], 2) if len(pairs) > 1 else pairs[0][1]
-        gram = (torch.bmm(a.transpose(1, 2), a) * torch.bmm(d.transpose(1, 2), d)).sum((1, 2))
-        return gram.view(-1, self.geom.groups).sum(1)
+        return gram_sq_norms(a.transpose(1, 2), d.transpose(1, 2)).view(-1, self.geom.groups).sum(1)
 
     def materialise(self) -> Tensor:
         """G_i = Σ_calls Σ_t δ_{i,t} a_{i,t}ᵀ, laid out as the weight: ``[n, *weight.shape]``; by one convolution

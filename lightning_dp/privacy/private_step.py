@@ -733,6 +733,7 @@ class PrivateStep(StepChecks):
         assert self._engine is not None, "attach() first"
         if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
             self.discard_noise()
+        self.boundary.step_begins()
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "

@@ -429,6 +429,25 @@ class _Walker:
                 tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not isinstance(v, _FUNCTIONS)))
 
 
+def hyperparameters(optimizer: Any) -> Fingerprint:
+    """Each parameter group's hyper-parameters (every key but ``params``: learning rate, momentum, betas, weight
+    decay, …), what sets the next update besides the released gradient, as fingerprint entries
+    (``"optimizer param_groups[0].lr"``)."""
+    return {f"optimizer param_groups[{i}].{key}": _hyper_token(value)
+            for i, group in enumerate(optimizer.param_groups) for key, value in group.items() if key != "params"}
+
+
+def _hyper_token(value: Any) -> Hashable:
+    if isinstance(value, Tensor):  # a tensor learning rate (capturable or fused optimizers)
+        return ("tensor", tuple(value.shape), tuple(value.detach().reshape(-1).tolist()) if value.numel() <= 16
+                else (id(value), value._version))
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
 def _sample(items: Sequence[Any]) -> Sequence[Any]:
     if len(items) <= MAX_ITEMS:
         return items

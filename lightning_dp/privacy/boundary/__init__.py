@@ -46,12 +46,14 @@ from lightning_dp.validators.kept_state import (
     Fingerprint,
     StateFingerprint,
     attribute_keys,
+    hyperparameters,
     is_public,
     trusted_callback,
 )
 
-__all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks", "is_public",
-           "parameter_signature", "state_written_error", "trusted_callback"]
+__all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
+           "hyperparameters", "hyperparameters_error", "is_public", "parameter_signature", "state_written_error",
+           "trusted_callback"]
 
 ParameterSignature = tuple[tuple[str, int], ...]
 
@@ -84,6 +86,15 @@ def _public_name(entry: str) -> str:
     return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter") else entry
 
 
+def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
+    """The refusal of an optimizer hyper-parameter changed within a step (rule 3)."""
+    return StateWrittenError(
+        f"The optimizer's hyper-parameters changed {where}: {', '.join(changed[:6])}. A learning rate, momentum or "
+        "weight decay set from the batch or its loss steers every later update by un-noised training data, outside "
+        "the guarantee. Nothing more was released. Set them from the step count (a learning-rate scheduler, which "
+        "Lightning steps after the update) or from held-out data at validation.")
+
+
 class ReleaseBoundary:
     """The rules of the module docstring for one attached model and optimizer.
 
@@ -106,6 +117,7 @@ class ReleaseBoundary:
         """Schedulers and callbacks that monitor a value logged from the training data (rule 6; set by the Lightning
         glue: :func:`~lightning_dp.privacy.boundary.feedback.fed_back`)."""
         self._module: Optional[nn.Module] = None
+        self._hyper: Optional[tuple[int, Fingerprint]] = None  # (optimizer id, its hyper-parameters) at step begin
         self._fingerprint: Optional[StateFingerprint] = None
         self._baseline: Optional[Fingerprint] = None
         self._allowed: HookKeys = {}
@@ -199,9 +211,26 @@ class ReleaseBoundary:
         assert self._fingerprint is not None, "attach() first"
         return self._fingerprint.trainable()
 
+    def step_begins(self) -> None:
+        """A step's first (physical) batch begins: its optimizer's hyper-parameters now are what its release is
+        compared with (:meth:`check_hyperparameters`)."""
+        if self._hyper is None and self._watched is not None:
+            self._hyper = (id(self._watched), hyperparameters(self._watched))
+
+    def check_hyperparameters(self, optimizer: Optional[Optimizer]) -> None:
+        """Rule 3 for the optimizer: no hyper-parameter changed between the step's beginning and its release (in
+        ``training_step``, the forward or the backward). Schedulers step after the update, outside that window."""
+        taken, self._hyper = self._hyper, None
+        if taken is None or optimizer is None or taken[0] != id(optimizer):
+            return
+        changed = StateFingerprint.changed(taken[1], hyperparameters(optimizer))
+        if changed:
+            raise hyperparameters_error(changed, "within the step (in training_step, the forward or the backward)")
+
     def check_release(self, optimizer: Optional[Optimizer], named: Sequence[tuple[str, Tensor]]) -> None:
         """Before privatising: rules 1–3 (module docstring). Raises :class:`PrivacyConfigurationError`."""
         assert self._module is not None, "attach() first"
+        self.check_hyperparameters(optimizer)
         self._watch(optimizer)
         if optimizer is not None:
             missing = uncovered_tensors(optimizer, [p for _, p in named])

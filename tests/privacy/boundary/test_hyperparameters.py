@@ -1,0 +1,109 @@
+"""Rule 3 for the optimizer (privacy/boundary/__init__.py): a learning rate (or any hyper-parameter of a parameter
+group) set from the batch or its loss — in training_step, the backward or a batch hook — is refused before the
+release it would steer; a scheduler stepping after the update is not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from cases import Classifier, fit, parameters, unchanged
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import PrivacyConfigurationError
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.private_step import PrivateStep
+
+
+class LossSetsLearningRate(Classifier):
+    """Sets the learning rate from the batch's loss in training_step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.optimizers().param_groups[0]["lr"] = 0.1 + float(loss.detach())
+        return loss
+
+
+class LaterMomentumFromLabels(Classifier):
+    """From the third batch on, sets SGD's momentum from the share of positive labels."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx >= 2:
+            self.optimizers().param_groups[0]["momentum"] = float((batch[1] == 1).float().mean())
+        return super().training_step(batch, batch_idx)
+
+
+class BatchEndSetsLearningRate(Classifier):
+    """Halves the learning rate at batch end when the loss is small."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if float(outputs["loss"]) < 100:
+            self.optimizers().param_groups[0]["lr"] *= 0.5
+
+
+class StepScheduled(Classifier):
+    """A LambdaLR stepped by Lightning after every update (a function of the step count only)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize("model, key", [(LossSetsLearningRate, "param_groups[0].lr"),
+                                        (BatchEndSetsLearningRate, "param_groups[0].lr")])
+def test_a_hyperparameter_set_from_the_batch_is_refused_before_any_release(model, key):
+    m = model()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=r"hyper-parameters changed .*" + key.replace("[", r"\[")):
+        fit(m, steps=3)
+    assert unchanged(before, m)
+
+
+def test_a_write_that_starts_later_is_refused_before_that_steps_release():
+    strategy_steps = []
+
+    class Record(LaterMomentumFromLabels):
+        def on_after_backward(self) -> None:
+            strategy_steps.append(self.trainer.global_step)
+
+    with pytest.raises(PrivacyConfigurationError, match=r"param_groups\[0\]\.momentum"):
+        fit(Record(), steps=6, n=256)
+    assert strategy_steps == [0, 1], "the third step's release was refused, the first two made"
+
+
+def test_a_scheduler_stepping_after_the_update_is_allowed():
+    dp = fit(StepScheduled(), steps=4)
+    assert dp.ledger.steps == 4
+
+
+def test_a_plain_loop_is_checked_between_begin_and_release():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0)
+    step.attach(model, opt)
+    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
+    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    try:
+        for attempt in range(2):
+            opt.zero_grad()
+            step.begin(32)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if attempt == 1:
+                opt.param_groups[0]["lr"] = float(loss)
+                with pytest.raises(PrivacyConfigurationError, match=r"param_groups\[0\]\.lr"):
+                    step.release(optimizer=opt)
+            else:
+                step.release(optimizer=opt)
+                opt.step()
+                opt.param_groups[0]["lr"] = 0.05  # after the update, before the next step: a schedule's place
+    finally:
+        step.detach()
