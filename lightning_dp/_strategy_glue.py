@@ -45,7 +45,7 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import hyperparameters, hyperparameters_error, is_public
-from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.kept_state import StateFingerprint, trusted_callback, user_modules
 from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, fed_back
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -246,6 +246,8 @@ class PrivateTraining:
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
         boundary = self.private_step.boundary
         boundary.callbacks = lambda: _observers(module.trainer)
+        boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
+                                                                          if not trusted_callback(cb)])
         boundary.fed_back = lambda: fed_back(module.trainer, lambda name: name in NOT_FROM_DATA
                                              or is_public(name, boundary.public_state))
         self._stop_announced = False

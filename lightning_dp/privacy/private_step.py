@@ -449,6 +449,7 @@ class PrivateStep(StepChecks):
         if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
             collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
+        self.boundary.datasets = lambda: [dl.dataset]  # a record written in place is refused (kept_state.py)
         return loader_like(dl, self._batches, collate)
 
     def _user_sampler(self, dataset: Any, population: TrainingPopulation,

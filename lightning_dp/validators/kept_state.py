@@ -20,8 +20,15 @@ state it can see and refuses a change that the optimizer's step on the released 
   ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
   what its ``state_dict()`` returns (what a checkpoint keeps of it).
 
-What it cannot see: module-level globals, what a file on disk holds (a stream kept on the module is compared by
-its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents), closures, objects of library
+* the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
+  version counter, so a record written in place shows);
+* the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
+  the callbacks above), read as attributes are, under the Lightning strategies (a plain loop's own globals change
+  every iteration).
+
+What it cannot see: globals of other modules and of plain loops, what a file on disk holds (a stream kept on the
+module is compared by its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
+closures, objects of library
 classes mutated in place (their identity is compared, not their contents), containers beyond :data:`MAX_ITEMS`
 items (their length and a sample are compared), and writes through ``tensor.data`` between full passes (the
 version counter of ``.data`` is not the tensor's). Entries matching a declared public name (``public_state``) are
@@ -35,6 +42,7 @@ import fnmatch
 import functools
 import hashlib
 import io
+import sys
 import types
 import weakref
 from collections import deque
@@ -209,6 +217,10 @@ class StateFingerprint:
         self.parameters = parameters
         """(name, tensor) of the parameters the module keeps between steps, when not its registered ones (under
         FSDP2 the sharded ones: :meth:`~lightning_dp.sharding.fsdp_layout.FSDPLayout.sharded_parameters`)."""
+        self.datasets: Callable[[], Iterable[Any]] = lambda: ()
+        """The training data (:func:`dataset_token`: written in place, a record would no longer be itself)."""
+        self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
+        """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
         self._counts: list[int] = []
@@ -300,6 +312,15 @@ class StateFingerprint:
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
                     entries[f"{kind} {path}"] = walker.token(value)
+        for i, dataset in enumerate(self.datasets()):
+            entries[f"dataset {i} ({type(dataset).__name__})"] = dataset_token(dataset)
+        for mod in self.modules():
+            for key, value in list(vars(mod).items()):
+                if key.startswith("__") or isinstance(value, (types.ModuleType, type, *_FUNCTIONS)):
+                    continue
+                path = f"{mod.__name__}.{key}"
+                if not self._is_public(key) and not self._is_public(path):
+                    entries[f"global {path}"] = walker.token(value)
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
         return entries
@@ -419,14 +440,54 @@ class _Walker:
         raw = _raw_token(value)
         if raw is not None:
             return raw
-        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, (type, Dataset)):
-            return ("object", type(value).__name__, id(value))  # a dataset is the data, not state
+        if isinstance(value, Dataset):
+            return dataset_token(value)  # the data, not state: its tensors by version, so an in-place write shows
+        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
+            return ("object", type(value).__name__, id(value))
         if id(value) in self._objects:
             return ("seen", id(value))
         self._objects.add(id(value))
         fields = vars(value)
         return ("object", type(value).__name__,
                 tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not isinstance(v, _FUNCTIONS)))
+
+
+def dataset_token(dataset: Any) -> Hashable:
+    """A dataset's identity and the tensors it holds — in its attributes, in their lists, tuples and dicts, and in
+    the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), to a depth of 3 — by identity, shape and
+    version counter: a record written in place (a label relabelled from the batch) shows; contents are not read
+    (a dataset's size is unbounded), nor are caches of other types."""
+    found: list[tuple[str, Hashable]] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, path: str, depth: int) -> None:
+        if id(value) in seen or depth > 3:
+            return
+        seen.add(id(value))
+        if isinstance(value, Tensor):
+            found.append((path, (id(value), value._version, tuple(value.shape))))
+        elif isinstance(value, (list, tuple)) and len(value) <= 64:
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, dict) and len(value) <= 64:
+            for key, item in value.items():
+                visit(item, f"{path}[{key!r}]", depth + 1)
+        elif isinstance(value, Dataset) and hasattr(value, "__dict__"):
+            for key, item in vars(value).items():
+                visit(item, f"{path}.{key}", depth + 1)
+
+    visit(dataset, "", 0)
+    return ("dataset", type(dataset).__name__, id(dataset), tuple(found))
+
+
+def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
+    """The Python modules that define ``classes`` and their bases, libraries' left out (the user's own code: a
+    training script's ``__main__``, the module of a LightningModule or of a callback handed the batch), whose
+    module-level globals a step could write (``global MEMORY; MEMORY.append(x)``)."""
+    names = {base.__module__ for cls in classes for base in cls.__mro__}
+    found = [sys.modules.get(name) for name in sorted(names)
+             if name and name.split(".")[0] not in _LIBRARY_PREFIXES]
+    return [m for m in found if m is not None]
 
 
 def hyperparameters(optimizer: Any) -> Fingerprint:

@@ -113,6 +113,10 @@ class ReleaseBoundary:
         self.public_state = tuple(public_state)
         self.callbacks: Callable[[], Sequence[Any]] = lambda: ()
         """The callbacks whose state is fingerprinted too (set by the Lightning glue: ``trainer.callbacks``)."""
+        self.datasets: Callable[[], Sequence[Any]] = lambda: ()
+        """The training data whose records must stay as they are (set by the private step's loader)."""
+        self.global_modules: Callable[[], Sequence[Any]] = lambda: ()
+        """The Python modules whose globals are kept state too (set by the Lightning glue: the user's code)."""
         self.fed_back: Callable[[], Sequence[Consumer]] = lambda: ()
         """Schedulers and callbacks that monitor a value logged from the training data (rule 6; set by the Lightning
         glue: :func:`~lightning_dp.privacy.boundary.feedback.fed_back`)."""
@@ -177,7 +181,10 @@ class ReleaseBoundary:
     def fingerprint(self, module: nn.Module) -> StateFingerprint:
         """A fingerprint of ``module``'s state as this boundary sees it (public names and the engine's attributes
         skipped, parameters read from :attr:`parameters`)."""
-        return StateFingerprint(module, self.public_state, self.engine_keys, self.parameters)
+        fingerprint = StateFingerprint(module, self.public_state, self.engine_keys, self.parameters)
+        fingerprint.modules = lambda: self.global_modules()
+        fingerprint.datasets = lambda: self.datasets()
+        return fingerprint
 
     def ensure_baseline(self) -> None:
         """Take a baseline if none was taken (a plain loop: after its ``verify()``)."""
