@@ -7,7 +7,8 @@ state it can see and refuses a change that the optimizer's step on the released 
 (:class:`~lightning_dp.privacy.boundary.ReleaseBoundary` says when). What is fingerprinted:
 
 * every parameter of the module (identity, storage and version counter: the optimizer's in-place update
-  shows; a full pass also compares contents);
+  shows; its L2 norm, by one fused reduction, so a write through ``p.data`` shows too; a full pass compares
+  contents);
 * every buffer, of every dtype (integer and bool counters included): a content checksum, recomputed only
   when the tensor's storage or version counter moved (a full pass recomputes all);
 * the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
@@ -28,11 +29,10 @@ state it can see and refuses a change that the optimizer's step on the released 
 
 What it cannot see: globals of other modules and of plain loops, what a file on disk holds (a stream kept on the
 module is compared by its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
-closures, objects of library
-classes mutated in place (their identity is compared, not their contents), containers beyond :data:`MAX_ITEMS`
-items (their length and a sample are compared), and writes through ``tensor.data`` between full passes (the
-version counter of ``.data`` is not the tensor's). Entries matching a declared public name (``public_state``) are
-skipped.
+closures, objects of library classes mutated in place (their identity is compared, not their contents),
+containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through a buffer's
+``.data`` between full passes (the version counter of ``.data`` is not the tensor's; a parameter's norm is compared
+every time). Entries matching a declared public name (``public_state``) are skipped.
 """
 
 from __future__ import annotations
@@ -286,9 +286,14 @@ class StateFingerprint:
         if full:
             tensors.extend(params)
         else:
+            plain: list[tuple[str, Tensor]] = []
             for name, p in params:
-                plain = type(p) is nn.Parameter
-                entries[name] = (p.data_ptr(), p._version, p.shape) if plain else self._sums.key(p)[1:]
+                if type(p) is nn.Parameter and p.layout == torch.strided:
+                    plain.append((name, p))
+                    entries[name] = (p.data_ptr(), p._version, p.shape)
+                else:
+                    entries[name] = self._sums.key(p)[1:]
+            entries.update(_norm_tokens(plain))
         buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
         tensors.extend(buffers)
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
@@ -491,11 +496,20 @@ def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
 
 
 def hyperparameters(optimizer: Any) -> Fingerprint:
-    """Each parameter group's hyper-parameters (every key but ``params``: learning rate, momentum, betas, weight
-    decay, …), what sets the next update besides the released gradient, as fingerprint entries
-    (``"optimizer param_groups[0].lr"``)."""
-    return {f"optimizer param_groups[{i}].{key}": _hyper_token(value)
-            for i, group in enumerate(optimizer.param_groups) for key, value in group.items() if key != "params"}
+    """What sets the next update besides the released gradient, as fingerprint entries: each parameter group's
+    hyper-parameters (every key but ``params``: learning rate, momentum, betas, weight decay, …;
+    ``"optimizer param_groups[0].lr"``) and the optimizer's state (``"optimizer state[0][1].exp_avg"``: group,
+    parameter, key; a tensor by identity, shape and version counter, so an in-place write shows)."""
+    out: Fingerprint = {}
+    for i, group in enumerate(optimizer.param_groups):
+        out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
+                    for key, value in group.items() if key != "params"})
+        for j, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
+                         else _hyper_token(value))
+                out[f"optimizer state[{i}][{j}].{key}"] = token
+    return out
 
 
 def _hyper_token(value: Any) -> Hashable:
@@ -514,6 +528,19 @@ def _sample(items: Sequence[Any]) -> Sequence[Any]:
         return items
     stride = len(items) // MAX_ITEMS + 1
     return [*items[:64], *items[64:-64:stride], *items[-64:]]
+
+
+def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
+    """Each parameter's L2 norm, by one fused reduction per device and dtype and one host copy: a write through
+    ``p.data`` (which moves neither the storage nor the version counter) changes it. Entries ``"contents of
+    parameter NAME"``."""
+    if not named:
+        return {}
+    with torch.no_grad():
+        norms = torch._foreach_norm([p.detach() for _, p in named])
+        values = torch.stack([n.to(torch.float64).cpu() for n in norms]).tolist() if len(
+            {n.device for n in norms}) > 1 else torch.stack(norms).to(torch.float64).cpu().tolist()
+    return {f"contents of {name}": value for (name, _), value in zip(named, values)}
 
 
 def _digest(data: Any) -> bytes:

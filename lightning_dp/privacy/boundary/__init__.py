@@ -82,17 +82,19 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
 
 
 def _public_name(entry: str) -> str:
+    entry = entry.removeprefix("contents of ")
     kind, _, path = entry.partition(" ")
     return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter") else entry
 
 
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
-    """The refusal of an optimizer hyper-parameter changed within a step (rule 3)."""
+    """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
     return StateWrittenError(
-        f"The optimizer's hyper-parameters changed {where}: {', '.join(changed[:6])}. A learning rate, momentum or "
-        "weight decay set from the batch or its loss steers every later update by un-noised training data, outside "
-        "the guarantee. Nothing more was released. Set them from the step count (a learning-rate scheduler, which "
-        "Lightning steps after the update) or from held-out data at validation.")
+        f"The optimizer's hyper-parameters or state changed {where}: {', '.join(changed[:6])}. A learning rate, "
+        "momentum or weight decay set from the batch or its loss, or a moment written from it, steers every later "
+        "update by un-noised training data, outside the guarantee. Nothing more was released. Set hyper-parameters "
+        "from the step count (a learning-rate scheduler, which Lightning steps after the update) or from held-out "
+        "data at validation; leave the optimizer's state to its step.")
 
 
 class ReleaseBoundary:

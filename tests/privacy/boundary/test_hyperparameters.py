@@ -60,7 +60,7 @@ class StepScheduled(Classifier):
 def test_a_hyperparameter_set_from_the_batch_is_refused_before_any_release(model, key):
     m = model()
     before = parameters(m)
-    with pytest.raises(PrivacyConfigurationError, match=r"hyper-parameters changed .*" + key.replace("[", r"\[")):
+    with pytest.raises(PrivacyConfigurationError, match=r"hyper-parameters or state changed .*" + key.replace("[", r"\[")):
         fit(m, steps=3)
     assert unchanged(before, m)
 
@@ -105,5 +105,51 @@ def test_a_plain_loop_is_checked_between_begin_and_release():
                 step.release(optimizer=opt)
                 opt.step()
                 opt.param_groups[0]["lr"] = 0.05  # after the update, before the next step: a schedule's place
+    finally:
+        step.detach()
+
+
+class WritesAdamMoment(Classifier):
+    """Adds the batch's mean feature to Adam's first moments in training_step (from the second step, when they
+    exist)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        for state in self.optimizers().optimizer.state.values():
+            state["exp_avg"].add_(batch[0].mean())
+        return loss
+
+
+def test_the_optimizer_state_written_from_the_batch_is_refused_before_that_release():
+    with pytest.raises(PrivacyConfigurationError, match=r"optimizer state\[0\]\[0\]\.exp_avg"):
+        fit(WritesAdamMoment(), steps=3)
+
+
+def test_a_parameter_written_through_data_is_refused_before_the_release():
+    """``p.data.copy_`` moves neither the storage nor the version counter: the parameter's norm shows it (in a plain
+    loop, where no batch check runs between begin and release)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0, verify="first_step")
+    step.attach(model, opt)
+    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
+    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    try:
+        for attempt in range(2):
+            opt.zero_grad()
+            step.begin(32)
+            nn.functional.cross_entropy(model(x), y).backward()
+            if attempt == 1:
+                model[2].bias.data.copy_(x[:2, 0])
+                with pytest.raises(PrivacyConfigurationError, match=r"contents of parameter 2\.bias"):
+                    step.release(optimizer=opt)
+            else:
+                step.release(optimizer=opt)
+                opt.step()
     finally:
         step.detach()
