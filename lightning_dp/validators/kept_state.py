@@ -21,6 +21,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
   what its ``state_dict()`` returns (what a checkpoint keeps of it).
 
+* what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
+  a partial's arguments, a bound method's object), hooks defined by libraries (the engine's) left out;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
   version counter, so a record written in place shows);
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
@@ -308,6 +310,12 @@ class StateFingerprint:
                 path = prefix + key
                 if not self._is_public(path):
                     entries[f"attribute {path}"] = walker.token(value)
+        for prefix, m, _ in layout:
+            for kind in _HOOK_DICTS:
+                for handle, fn in (getattr(m, kind, None) or {}).items():
+                    path = f"{prefix}{kind}[{handle}]"
+                    if not _library_callable(fn) and not self._is_public(path):
+                        entries[f"hook {path}"] = tuple(walker.token(v) for v in _callable_state(fn))
         for cb in callbacks:
             if trusted_callback(cb):
                 continue
@@ -343,7 +351,8 @@ class StateFingerprint:
             yield from ((k, getattr(m, k)) for k in mode)
             return
         for key, value in vars(m).items():
-            if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, (nn.Module, _FUNCTIONS)):
+            if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
+                    or _library_function(value)):
                 continue
             if mode is _DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
                 continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
@@ -394,7 +403,7 @@ def _metric_states(m: nn.Module) -> Optional[list[str]]:
 
 def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
     for key, value in vars(cb).items():
-        if not isinstance(value, _FUNCTIONS):
+        if not _library_function(value):
             yield key, value
     try:
         state = cb.state_dict()
@@ -431,6 +440,12 @@ class _Walker:
             # nobody else's to fingerprint
             tensors = [*value.parameters(), *value.buffers()]
             return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
+        if isinstance(value, _FUNCTIONS) and not _library_callable(value) and depth < MAX_DEPTH:
+            if id(value) in self._objects:
+                return ("seen", id(value))
+            self._objects.add(id(value))  # what a closure, a default argument or a bound object keeps
+            return ("callable", getattr(value, "__qualname__", type(value).__name__),
+                    tuple(self.token(v, depth + 1) for v in _callable_state(value)))
         if isinstance(value, (nn.Module, _FUNCTIONS)):
             return (type(value).__name__, id(value))
         if depth >= MAX_DEPTH:
@@ -454,7 +469,7 @@ class _Walker:
         self._objects.add(id(value))
         fields = vars(value)
         return ("object", type(value).__name__,
-                tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not isinstance(v, _FUNCTIONS)))
+                tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not _library_function(v)))
 
 
 def dataset_token(dataset: Any) -> Hashable:
@@ -521,6 +536,40 @@ def _hyper_token(value: Any) -> Hashable:
         return value
     except TypeError:
         return repr(value)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+"""The hooks a module keeps: a user's hook may keep what it sees in its closure, a default argument or its object."""
+
+
+def _library_callable(fn: Any) -> bool:
+    """A hook defined by a library (an engine's capture, Opacus', torch's own): its state is its owner's."""
+    target = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__func__", fn)
+    module = getattr(target, "__module__", None) if isinstance(target, types.FunctionType) else type(target).__module__
+    return (module or "").split(".")[0] in _LIBRARY_PREFIXES
+
+
+def _library_function(value: Any) -> bool:
+    """A function, method or partial defined by a library: nothing of the user's is kept in it."""
+    return isinstance(value, _FUNCTIONS) and _library_callable(value)
+
+
+def _callable_state(fn: Any) -> list[Any]:
+    """What a callable keeps between calls: a partial's arguments, a bound method's object, a function's closure
+    cells and default arguments (``def hook(m, i, o, store=[])``), a callable object itself."""
+    if isinstance(fn, functools.partial):
+        return [*fn.args, *fn.keywords.values(), *_callable_state(fn.func)]
+    if isinstance(fn, types.MethodType):
+        return [fn.__self__, *_callable_state(fn.__func__)]
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    return [fn]
 
 
 def _sample(items: Sequence[Any]) -> Sequence[Any]:
