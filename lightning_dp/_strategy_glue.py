@@ -246,6 +246,7 @@ class PrivateTraining:
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
         boundary = self.private_step.boundary
         boundary.callbacks = lambda: _observers(module.trainer)
+        boundary.library_objects = lambda: _loop_objects(module.trainer)
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
         boundary.fed_back = lambda: fed_back(module.trainer, lambda name: name in NOT_FROM_DATA
@@ -717,6 +718,16 @@ def _observers(trainer: "pl.Trainer") -> list[Any]:
     """The callbacks and the LightningDataModule: what, besides the module, may keep state from the batch."""
     datamodule = getattr(trainer, "datamodule", None)
     return [*trainer.callbacks, *([datamodule] if datamodule is not None else [])]
+
+
+def _loop_objects(trainer: "pl.Trainer") -> list[tuple[str, Any]]:
+    """The loop's own objects a step could stash data on (attributes added to them are kept state)."""
+    loader = getattr(trainer.fit_loop, "_combined_loader", None)
+    return [("trainer", trainer), ("trainer.strategy", trainer.strategy),
+            *[(f"trainer.optimizers[{i}]", opt) for i, opt in enumerate(trainer.optimizers)],
+            *[(f"self.optimizers()[{i}]", opt)  # the LightningOptimizer wrappers training_step is handed
+              for i, opt in enumerate(getattr(trainer.strategy, "_lightning_optimizers", None) or [])],
+            *([("trainer.train_dataloader", trainer.train_dataloader)] if loader is not None else [])]
 
 
 def _batch_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -864,6 +864,7 @@ class PrivateStep(StepChecks):
             self.diagnostics = self._diagnose(batch, params)
         sigma = self.clipping.gradient_noise_multiplier(self.noise_multiplier, expected)
         release = self._privatizer.privatize(batch, params, request, sigma, self.max_grad_norm, expected)
+        self.boundary.released(params)  # the optimizer must step with exactly this (boundary rule 2)
         where = self.distribution
         self.clipping.after_release(batch.norms, expected, self.noise_multiplier, where.all_reduce, where.rank,
                                     where.world_size)

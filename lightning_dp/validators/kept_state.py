@@ -21,6 +21,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
   what its ``state_dict()`` returns (what a checkpoint keeps of it).
 
+* public attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training
+  loader) after the first fingerprint: ``trainer.memory = batch`` (``library_objects``; set by the Lightning glue);
 * what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
   a partial's arguments, a bound method's object), hooks defined by libraries (the engine's) left out;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
@@ -221,6 +223,11 @@ class StateFingerprint:
         FSDP2 the sharded ones: :meth:`~lightning_dp.sharding.fsdp_layout.FSDPLayout.sharded_parameters`)."""
         self.datasets: Callable[[], Iterable[Any]] = lambda: ()
         """The training data (:func:`dataset_token`: written in place, a record would no longer be itself)."""
+        self.library_objects: Callable[[], Iterable[tuple[str, Any]]] = lambda: ()
+        """(label, object) of the loop's own objects a step could stash data on (the trainer, its strategy, the
+        optimizers, the training loader; set by the Lightning glue): their public attributes added after the first
+        fingerprint are kept state."""
+        self._known_keys: dict[int, set[str]] = {}
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
@@ -325,6 +332,12 @@ class StateFingerprint:
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
                     entries[f"{kind} {path}"] = walker.token(value)
+        for label, obj in self.library_objects():
+            keys = [k for k in getattr(obj, "__dict__", {}) if not k.startswith("_")]
+            known = self._known_keys.setdefault(id(obj), set(keys))
+            for key in keys:
+                if key not in known and not self._is_public(f"{label}.{key}"):
+                    entries[f"attribute {label}.{key}"] = walker.token(vars(obj)[key])
         for i, dataset in enumerate(self.datasets()):
             entries[f"dataset {i} ({type(dataset).__name__})"] = dataset_token(dataset)
         for mod in self.modules():

@@ -9,7 +9,8 @@ release it would corrupt, naming the fix:
    is one the release writes, at every release.
 2. **No raw gradient observable** (:mod:`.hooks`): no gradient hook on a parameter (it would see the raw
    batch gradient); the strategies release *inside* Lightning's backward, before ``on_after_backward``, so
-   every Lightning hook, callback and logger that reads ``p.grad`` reads ĝ_t (or ``None``).
+   every Lightning hook, callback and logger that reads ``p.grad`` reads ĝ_t (or ``None``); and the optimizer
+   steps with ĝ_t as released (:meth:`ReleaseBoundary.check_gradients`, just before the update).
 3. **Kept state** (:mod:`.state`): the module's parameters, buffers (all dtypes) and attributes, and the
    state of callbacks that are not Lightning's or lightning_dp's own, are fingerprinted after each optimizer
    step (the *update*: the optimizer applying ĝ_t, and whatever hooks compute from ĝ_t before it, may change
@@ -84,7 +85,7 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
 def _public_name(entry: str) -> str:
     entry = entry.removeprefix("contents of ")
     kind, _, path = entry.partition(" ")
-    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter") else entry
+    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook") else entry
 
 
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
@@ -117,6 +118,8 @@ class ReleaseBoundary:
         """The callbacks whose state is fingerprinted too (set by the Lightning glue: ``trainer.callbacks``)."""
         self.datasets: Callable[[], Sequence[Any]] = lambda: ()
         """The training data whose records must stay as they are (set by the private step's loader)."""
+        self.library_objects: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()
+        """The loop's own objects whose added attributes are kept state (set by the Lightning glue)."""
         self.global_modules: Callable[[], Sequence[Any]] = lambda: ()
         """The Python modules whose globals are kept state too (set by the Lightning glue: the user's code)."""
         self.fed_back: Callable[[], Sequence[Consumer]] = lambda: ()
@@ -129,6 +132,8 @@ class ReleaseBoundary:
         self._allowed: HookKeys = {}
         self._signature: ParameterSignature = ()
         self._step_hook: Any = None
+        self._pre_hook: Any = None
+        self._released: Optional[list[tuple[str, Tensor, int, int]]] = None  # (name, p, id(p.grad), its version)
         self._watched: Optional[Optimizer] = None
         self.engine_keys: frozenset[str] = frozenset()
         """Attribute names the engine keeps on the model's modules (never fingerprinted nor restored)."""
@@ -164,14 +169,17 @@ class ReleaseBoundary:
             return
         if self._step_hook is not None:
             self._step_hook.remove()
+            self._pre_hook.remove()
         self._step_hook = optimizer.register_step_post_hook(lambda *_: self.updated())
+        self._pre_hook = optimizer.register_step_pre_hook(self._before_step)
         self._watched = optimizer
 
     def detach(self) -> None:
         """Stop guarding (removes the optimizer hook)."""
         if self._step_hook is not None:
             self._step_hook.remove()
-            self._step_hook = None
+            self._pre_hook.remove()
+            self._step_hook = self._pre_hook = None
         self._watched = None
 
     def baseline(self) -> None:
@@ -186,6 +194,7 @@ class ReleaseBoundary:
         fingerprint = StateFingerprint(module, self.public_state, self.engine_keys, self.parameters)
         fingerprint.modules = lambda: self.global_modules()
         fingerprint.datasets = lambda: self.datasets()
+        fingerprint.library_objects = lambda: self.library_objects()
         return fingerprint
 
     def ensure_baseline(self) -> None:
@@ -250,6 +259,48 @@ class ReleaseBoundary:
         self.check_kept(contents=True, where="between the last update and this release (in training_step, the "
                         "forward or backward, or "
                         "a hook or callback around them: on_train_batch_start/end, epoch hooks)")
+
+    def released(self, params: Sequence[Tensor]) -> None:
+        """The release wrote ĝ_t into these parameters' ``.grad``: what the optimizer must step with (rule 2)."""
+        names = {id(p): name for name, p in self.trainable()}
+        self._released = [(names.get(id(p), "?"), p, id(p.grad), -1 if p.grad is None else p.grad._version)
+                          for p in params]
+
+    def check_gradients(self) -> None:
+        """Rule 2 after the release: the optimizer steps with ĝ_t as released. A hook that rewrites ``p.grad`` between
+        the release and the update (``on_after_backward``, ``on_before_optimizer_step``) with something it reads
+        itself — a batch fetched from the dataset, a backward of its own — would step with un-noised data; refused
+        before the update unless ``"p.grad"`` is declared public (post-processing of ĝ_t only)."""
+        taken, self._released = self._released, None
+        if taken is None or "p.grad" in self.public_state:
+            return
+        changed = [name for name, p, grad, version in taken
+                   if id(p.grad) != grad or (p.grad is not None and p.grad._version != version)]
+        if changed:
+            raise PrivacyConfigurationError(
+                f"The released gradient ĝ_t was changed before the optimizer stepped with it: .grad of "
+                f"{', '.join(changed[:6])}{' and more' if len(changed) > 6 else ''} (in on_after_backward, "
+                "on_before_optimizer_step or a callback's). A gradient from data the hook read itself (a batch "
+                "fetched from the dataset, a backward of its own) is not noised, so the update would leave the "
+                "guarantee; the update was not made. Post-process ĝ_t inside the optimizer, or, if the change is a "
+                "function of ĝ_t and public values only, declare it: DPStrategy(public_state=['p.grad']).")
+
+    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """The optimizer's step pre-hook: the gradients are checked just before the update — after the closure
+        (Lightning's training step, release and gradient hooks) when the step is given one, else now."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (the optimizer, closure?)
+        if closure is None:
+            self.check_gradients()
+            return None
+
+        def checked() -> Any:
+            result = closure()
+            self.check_gradients()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked}
+        return (args[0], checked, *args[2:]), kwargs
 
     def check_feedback(self) -> None:
         """Rule 6: no scheduler or callback monitors a value logged from the training data."""

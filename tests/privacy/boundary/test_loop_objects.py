@@ -1,0 +1,59 @@
+"""Data stashed on the loop's own objects (validators/kept_state.py, library_objects): an attribute a step adds to
+the trainer, its strategy, an optimizer or the training loader — the batch kept as next step's negatives — is kept
+state, refused before any release unless declared public."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from cases import Classifier, fit, parameters, unchanged
+
+from lightning_dp import PrivacyConfigurationError
+
+
+class StashesOnTrainer(Classifier):
+    """Keeps the batch on the trainer and uses the last one as extra (un-clipped) negatives."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        previous = getattr(self.trainer, "memory", None)
+        if previous is not None:
+            loss = loss + 0.0 * self(previous).sum()
+        self.trainer.memory = batch[0].detach()
+        return loss
+
+
+class StashesOnOptimizer(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.optimizers().optimizer.seen = int((batch[1] == 1).sum())
+        return super().training_step(batch, batch_idx)
+
+
+class StashesOnWrapper(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.optimizers().seen = int((batch[1] == 1).sum())
+        return super().training_step(batch, batch_idx)
+
+
+class StashesOnLoader(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.train_dataloader.last_labels = batch[1].tolist()
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("model, entry", [(StashesOnTrainer, "trainer.memory"),
+                                          (StashesOnOptimizer, r"trainer.optimizers\[0\].seen"),
+                                          (StashesOnWrapper, r"self.optimizers\(\)\[0\].seen"),
+                                          (StashesOnLoader, "trainer.train_dataloader.last_labels")])
+def test_data_stashed_on_the_loop_is_refused_before_any_release(model, entry):
+    m = model()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=entry):
+        fit(m, steps=3)
+    assert unchanged(before, m)
+
+
+def test_a_public_stash_is_allowed():
+    fit(StashesOnOptimizer(), steps=3, public_state=["trainer.optimizers[0].seen"])
