@@ -46,7 +46,7 @@ from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_cl
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import hyperparameters, hyperparameters_error, is_public
 from lightning_dp.validators.kept_state import StateFingerprint, trusted_callback, user_modules
-from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, fed_back
+from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics

@@ -13,9 +13,15 @@ another, or a part trained alone, finds the record), and leaves a copy at ``deta
 elsewhere does not grow this module's record). Nothing is stored on the module or its tensors, and
 checkpoints hold what they always held (the strategy's ``lightning_dp`` key).
 
-What it cannot see: another process, and another object. A module re-created from a checkpoint
-(``load_from_checkpoint``, ``copy.deepcopy``, unpickling) is a new object; its history is the
-checkpoint's ``lightning_dp`` entry, continued by ``trainer.fit(..., ckpt_path=...)``.
+A module re-created in this process as another object (``copy.deepcopy``, unpickling, ``load_state_dict`` of
+a trained module's weights into a fresh one, ``load_from_checkpoint`` of a checkpoint written at the end of a fit)
+is found by its weights: when a step detaches, every trainable parameter the releases changed leaves a digest
+of its contents (float64 sums of its values, of their squares and of a position-weighted sum, with its shape and
+dtype) mapped to a copy of the record, and a module attached later whose trainable parameter has such a digest
+continues that record (conservative: fine-tuning weights trained on other data counts their releases too).
+
+What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
+continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them.
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
@@ -25,15 +31,34 @@ prefix followed by the rest of each (a composition: an upper bound on ε, never 
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
+_BY_CONTENT: dict[bytes, PrivacyLedger] = {}
+"""Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
+_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, bytes]]" = weakref.WeakKeyDictionary()
+
+
+def digest(t: Tensor) -> bytes:
+    """A digest of ``t``'s contents: its shape, dtype and the float64 sums Σx, Σx², Σ (1 + j mod 251)·x_j."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    with torch.no_grad():
+        x = local.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(251).add_(1)
+        sums = torch.stack([x.sum(), x.square().sum(), (x * weights).sum()]).cpu().numpy().tobytes()
+    return hashlib.blake2b(repr((tuple(local.shape), str(local.dtype))).encode() + sums, digest_size=16).digest()
+
+
+def _trainable(module: nn.Module) -> list[Tensor]:
+    return [p for p in module.parameters() if p.requires_grad and p.numel() and p.dtype.is_floating_point]
 
 
 @dataclass(frozen=True)
@@ -80,8 +105,10 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     """Every release this process made on ``module`` or any of its submodules (one record, combined);
     ``None`` when there was none."""
     seen: list[PrivacyLedger] = []
-    for part in module.modules():
-        ledger = _RECORDS.get(part)
+    found = [_RECORDS.get(part) for part in module.modules()]
+    if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring)
+        found += [_BY_CONTENT.get(digest(p)) for p in _trainable(module)]
+    for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
     if not seen:
@@ -97,15 +124,23 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     ``module`` and its submodules."""
     for part in module.modules():
         _RECORDS[part] = ledger
+    _AT_BIND[module] = {id(p): digest(p) for p in _trainable(module)}
 
 
 def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
-    """Leave a copy of ``ledger`` as the record of the parts it was bound to (the step is done with them)."""
+    """Leave a copy of ``ledger`` as the record of the parts it was bound to (the step is done with them), and of
+    the weights its releases changed (found again in another object: module docstring)."""
     copy = PrivacyLedger()
     copy.load_state_dict(ledger.state_dict())
     for part in module.modules():
         if _RECORDS.get(part) is ledger:
             _RECORDS[part] = copy
+    before = _AT_BIND.pop(module, {})
+    if copy.steps:
+        for p in _trainable(module):
+            now = digest(p)
+            if before.get(id(p)) != now:
+                _BY_CONTENT[now] = copy
 
 
 def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:

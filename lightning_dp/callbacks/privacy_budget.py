@@ -74,7 +74,7 @@ from lightning_dp.accounting.ceiling import EpsilonCeiling
 from lightning_dp.accounting.checks import check_delta, check_target_epsilon
 from lightning_dp.accounting.run_privacy import default_delta, resolve_accountant, resolve_delta
 from lightning_dp.callbacks._tb_layout import BUDGET, EPSILON, NOISE_MULTIPLIER, TARGET_EPSILON, write_layout
-from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA
+from lightning_dp.validators.monitored import NOT_FROM_DATA
 
 __all__ = ["PrivacyBudget", "default_delta"]
 

@@ -34,9 +34,10 @@ state it can see and refuses a change that the optimizer's step on the released 
 What it cannot see: globals of other modules and of plain loops, what a file on disk holds (a stream kept on the
 module is compared by its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
 closures, objects of library classes mutated in place (their identity is compared, not their contents),
-containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through a buffer's
-``.data`` between full passes (the version counter of ``.data`` is not the tensor's; a parameter's norm is compared
-every time). Entries matching a declared public name (``public_state``) are skipped.
+containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through an integer
+buffer's ``.data`` between full passes (the version counter of ``.data`` is not the tensor's; the norms of
+parameters and floating buffers are compared every time). Entries matching a declared public name
+(``public_state``) are skipped.
 """
 
 from __future__ import annotations
@@ -292,19 +293,22 @@ class StateFingerprint:
             params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
         else:
             params = [(name, slots[key]) for name, slots, key in self._param_slots if slots.get(key) is not None]
+        plain: list[tuple[str, Tensor]] = []
         if full:
             tensors.extend(params)
         else:
-            plain: list[tuple[str, Tensor]] = []
             for name, p in params:
                 if type(p) is nn.Parameter and p.layout == torch.strided:
                     plain.append((name, p))
                     entries[name] = (p.data_ptr(), p._version, p.shape)
                 else:
                     entries[name] = self._sums.key(p)[1:]
-            entries.update(_norm_tokens(plain))
         buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
         tensors.extend(buffers)
+        if not full:  # norms show a write through .data, which moves no version counter
+            plain.extend((name, b) for name, b in buffers if type(b) is Tensor and b.dtype.is_floating_point
+                         and b.layout == torch.strided and b.numel())
+            entries.update(_norm_tokens(plain))
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
         walker = _Walker(seen, self._registered, self._sums, full)
         for name, t in (*params, *buffers):

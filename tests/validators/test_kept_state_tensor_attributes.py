@@ -68,3 +68,12 @@ def test_the_fingerprint_reads_tensor_attributes_and_skips_the_engines():
 def test_the_opacus_engine_runs_with_its_tensor_attributes():
     pytest.importorskip("opacus")
     fit(Classifier(), steps=3, per_sample="opacus_hooks")
+
+
+def test_a_float_buffer_written_through_data_shows_between_full_passes():
+    model = Classifier()
+    model.register_buffer("mean", torch.zeros(4))
+    fingerprint = StateFingerprint(model)
+    before = fingerprint.take()
+    model.mean.data.copy_(torch.ones(4))  # neither storage nor version counter moves
+    assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of buffer mean"]

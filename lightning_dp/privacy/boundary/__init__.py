@@ -24,9 +24,8 @@ release it would corrupt, naming the fix:
    ``weight_orig``, a finetuning callback unfreezing layers) re-attaches and re-verifies before the next
    release, or is refused.
 5. (Examples do not interact: :mod:`lightning_dp.validators`, the probe and the batch check.)
-6. **No logged value feeds back** (:mod:`.feedback`): a plateau scheduler or callback that monitors a value a
-   training hook logged (it would steer the learning rate, the stopping step or the kept checkpoint from un-noised
-   training data) is refused before the next release and when validation starts.
+6. **No logged value feeds back** (:mod:`.feedback`): a scheduler or callback monitoring a value a training hook
+   logged (steering the learning rate, the stop or the kept checkpoint by it) is refused before the next release.
 
 What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
 """
@@ -123,8 +122,7 @@ class ReleaseBoundary:
         self.global_modules: Callable[[], Sequence[Any]] = lambda: ()
         """The Python modules whose globals are kept state too (set by the Lightning glue: the user's code)."""
         self.fed_back: Callable[[], Sequence[Consumer]] = lambda: ()
-        """Schedulers and callbacks that monitor a value logged from the training data (rule 6; set by the Lightning
-        glue: :func:`~lightning_dp.privacy.boundary.feedback.fed_back`)."""
+        """Schedulers and callbacks monitoring a value logged from the training data (rule 6; set by the glue)."""
         self._module: Optional[nn.Module] = None
         self._hyper: Optional[tuple[int, Fingerprint]] = None  # (optimizer id, its hyper-parameters) at step begin
         self._fingerprint: Optional[StateFingerprint] = None
@@ -230,14 +228,13 @@ class ReleaseBoundary:
         return self._fingerprint.trainable()
 
     def step_begins(self) -> None:
-        """A step's first (physical) batch begins: its optimizer's hyper-parameters now are what its release is
-        compared with (:meth:`check_hyperparameters`)."""
+        """A step's first batch begins: what its release compares the optimizer with (:meth:`check_hyperparameters`)."""
         if self._hyper is None and self._watched is not None:
             self._hyper = (id(self._watched), hyperparameters(self._watched))
 
     def check_hyperparameters(self, optimizer: Optional[Optimizer]) -> None:
-        """Rule 3 for the optimizer: no hyper-parameter changed between the step's beginning and its release (in
-        ``training_step``, the forward or the backward). Schedulers step after the update, outside that window."""
+        """Rule 3 for the optimizer: nothing changed from the step's beginning to its release (schedulers step after
+        the update, outside that window)."""
         taken, self._hyper = self._hyper, None
         if taken is None or optimizer is None or taken[0] != id(optimizer):
             return
@@ -267,10 +264,8 @@ class ReleaseBoundary:
                           for p in params]
 
     def check_gradients(self) -> None:
-        """Rule 2 after the release: the optimizer steps with ĝ_t as released. A hook that rewrites ``p.grad`` between
-        the release and the update (``on_after_backward``, ``on_before_optimizer_step``) with something it reads
-        itself — a batch fetched from the dataset, a backward of its own — would step with un-noised data; refused
-        before the update unless ``"p.grad"`` is declared public (post-processing of ĝ_t only)."""
+        """Rule 2 after the release: the optimizer steps with ĝ_t as released (a hook rewriting ``p.grad`` with data
+        it read itself would not); refused before the update unless ``"p.grad"`` is declared public."""
         taken, self._released = self._released, None
         if taken is None or "p.grad" in self.public_state:
             return
@@ -286,8 +281,7 @@ class ReleaseBoundary:
                 "function of ĝ_t and public values only, declare it: DPStrategy(public_state=['p.grad']).")
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        """The optimizer's step pre-hook: the gradients are checked just before the update — after the closure
-        (Lightning's training step, release and gradient hooks) when the step is given one, else now."""
+        """The step pre-hook: :meth:`check_gradients` just before the update (after the closure, if given one)."""
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (the optimizer, closure?)
         if closure is None:
             self.check_gradients()
@@ -319,10 +313,8 @@ class ReleaseBoundary:
         return state_written_error(changed, where)
 
     def check_kept(self, where: str, contents: bool = False) -> None:
-        """Refuse if the fingerprinted state differs from the baseline (none taken: nothing to compare).
-        ``contents``: also the parameters' norms (before a release). Elsewhere — validation, a checkpoint, the end
-        of training — Lightning's weight-averaging callbacks swap the released parameters' average in through
-        ``.data`` (post-processing), which only their norms would show; a write by version counter still does."""
+        """Refuse if the fingerprinted state differs from the baseline (none taken: nothing to compare). ``contents``:
+        also the norms (before a release; elsewhere weight averaging swaps its average in through ``.data``)."""
         if self._fingerprint is None or self._baseline is None:
             return
         now = self._fingerprint.take(self.callbacks())

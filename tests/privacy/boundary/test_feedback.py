@@ -15,7 +15,7 @@ from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
 from lightning_dp import PrivacyConfigurationError
 from lightning_dp.callbacks import PrivacyBudget
-from lightning_dp.privacy.boundary.feedback import NOT_FROM_DATA, consumers, fed_back
+from lightning_dp.validators.monitored import NOT_FROM_DATA, consumers, fed_back
 
 
 class LogsTrainLoss(Classifier):
