@@ -1,11 +1,15 @@
 """What the training loop monitors, read from Lightning's objects for the release boundary's feedback rule
 (:mod:`lightning_dp.privacy.boundary.feedback`): the schedulers and callbacks that steer training by a logged
-value, and the names the training hooks logged (``trainer.fit_loop.epoch_loop._results``: every key logged by
-``training_step`` and the training hooks, with its ``_step``/``_epoch`` forms)."""
+value, the names the training hooks logged (``trainer.fit_loop.epoch_loop._results``: every key logged by
+``training_step`` and the training hooks, with its ``_step``/``_epoch`` forms), and whether validation reads the
+training records."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+from torch.utils.data import Dataset, Subset
 
 NOT_FROM_DATA: set[str] = set()
 """Names that lightning_dp's own callbacks log in training hooks and whose values are functions of the ledger, not of
@@ -13,6 +17,9 @@ the data (ε): each callback adds its own when it is imported."""
 
 Consumer = tuple[str, str]
 """(who reads the value — a scheduler or callback, by class —, the monitored name)."""
+
+Finding = tuple[str, str, str]
+"""(who, the monitored name, why the value is the training data's)."""
 
 
 def consumers(trainer: Any) -> list[Consumer]:
@@ -44,7 +51,62 @@ def training_logged(trainer: Any) -> set[str]:
     return names
 
 
-def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Consumer]:
-    """The consumers of ``trainer`` that monitor a value the training loop logged (not ``exempt``)."""
-    logged = training_logged(trainer)
-    return [(who, name) for who, name in consumers(trainer) if name in logged and not exempt(name)]
+def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Finding]:
+    """The consumers of ``trainer`` that monitor a value computed from the training data (not ``exempt``): one the
+    training loop logged, or any value at all when the validation loaders read the training records (validating on
+    the training set makes every validation metric a statistic of the private data)."""
+    logged, on_training_data = training_logged(trainer), validates_on_training_data(trainer)
+    found = []
+    for who, name in consumers(trainer):
+        if exempt(name):
+            continue
+        if name in logged:
+            found.append((who, name, "logged by a training hook"))
+        elif on_training_data:
+            found.append((who, name, "computed by validation on the training records"))
+    return found
+
+
+def _memory(dataset: Any, depth: int = 0) -> list[tuple[int, int]]:
+    """The memory intervals [start, end) of the tensors a dataset holds (attributes, their lists and tuples, the
+    datasets it wraps), to depth 3."""
+    found: list[tuple[int, int]] = []
+    for value in (vars(dataset).values() if hasattr(dataset, "__dict__") else ()):
+        for item in (value if isinstance(value, (list, tuple)) and len(value) <= 64 else [value]):
+            if isinstance(item, Tensor) and item.numel():
+                extent = 1 + sum((n - 1) * abs(st) for n, st in zip(item.shape, item.stride()))
+                found.append((item.data_ptr(), item.data_ptr() + extent * item.element_size()))
+            elif isinstance(item, Dataset) and depth < 3:
+                found += _memory(item, depth + 1)
+    return found
+
+
+def _records(dataset: Any) -> tuple[Any, Optional[set[int]]]:
+    """(the dataset under any ``Subset`` wrappers, the indices of it read; ``None``: all)."""
+    indices: Optional[list[int]] = None
+    while isinstance(dataset, Subset):
+        own = [int(i) for i in dataset.indices]
+        indices = own if indices is None else [own[i] for i in indices]
+        dataset = dataset.dataset
+    return dataset, None if indices is None else set(indices)
+
+
+def validates_on_training_data(trainer: Any) -> bool:
+    """Whether a validation loader reads training records: the training loader's dataset (under its ``Subset``
+    wrappers, indices in common), or tensors in the same memory (a second dataset over the same tensors; disjoint
+    slices of one tensor, a ``random_split`` into disjoint subsets, are held out)."""
+    train = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
+    loaders = getattr(trainer, "val_dataloaders", None)
+    if train is None or loaders is None:
+        return False
+    base, rows = _records(train)
+    memory = _memory(base)
+    for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+        val = getattr(loader, "dataset", None)
+        if val is None:
+            continue
+        val_base, val_rows = _records(val)
+        same = val_base is base or any(a < d and c < b for a, b in memory for c, d in _memory(val_base))
+        if same and (rows is None or val_rows is None or rows & val_rows):
+            return True
+    return False

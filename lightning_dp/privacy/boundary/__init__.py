@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary.coverage import uncovered_error, uncovered_tensors
-from lightning_dp.privacy.boundary.feedback import Consumer, feedback_error
+from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.kept_state import (
@@ -121,7 +121,7 @@ class ReleaseBoundary:
         """The loop's own objects whose added attributes are kept state (set by the Lightning glue)."""
         self.global_modules: Callable[[], Sequence[Any]] = lambda: ()
         """The Python modules whose globals are kept state too (set by the Lightning glue: the user's code)."""
-        self.fed_back: Callable[[], Sequence[Consumer]] = lambda: ()
+        self.fed_back: Callable[[], Sequence[Finding]] = lambda: ()
         """Schedulers and callbacks monitoring a value logged from the training data (rule 6; set by the glue)."""
         self._module: Optional[nn.Module] = None
         self._hyper: Optional[tuple[int, Fingerprint]] = None  # (optimizer id, its hyper-parameters) at step begin

@@ -10,7 +10,8 @@ logged: :func:`~lightning_dp.validators.monitored.fed_back` finds them (the Ligh
 boundary). The values lightning_dp's callbacks log there are functions of the ledger (ε) and are exempt; a name
 declared in ``public_state`` is too (the user says it is computed from public data only).
 
-Monitor a metric of held-out data (logged in ``validation_step``) instead. Checked before every release and when
+Monitor a metric of held-out data (logged in ``validation_step`` on records that are not the training set's)
+instead. Checked before every release and when
 validation starts (so an epoch-end metric is refused before the first release it could steer), on every rank alike.
 """
 
@@ -19,15 +20,15 @@ from __future__ import annotations
 from typing import Iterable
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.monitored import Consumer
+from lightning_dp.validators.monitored import Finding
 
-__all__ = ["Consumer", "feedback_error"]
+__all__ = ["Finding", "feedback_error"]
 
 
-def feedback_error(found: Iterable[Consumer]) -> PrivacyConfigurationError:
+def feedback_error(found: Iterable[Finding]) -> PrivacyConfigurationError:
     """The refusal of :func:`~lightning_dp.validators.monitored.fed_back`'s findings, naming each consumer and the
     fix."""
-    lines = "\n".join(f"- {who} monitors {name!r}, logged by a training hook" for who, name in found)
+    lines = "\n".join(f"- {who} monitors {name!r}, {why}" for who, name, why in found)
     return PrivacyConfigurationError(
         "A value logged from the private training batch feeds back into training:\n" + lines + "\nIt is not noised, "
         "so the learning rate, the stopping step or the kept checkpoint it chooses would leak the training data "

@@ -140,5 +140,46 @@ def test_consumers_and_fed_back_read_the_trainer():
                 _results = {"training_step.a": Result(Meta("a", False)), "training_step.b": Result(Meta("b", True))}
 
     assert [name for _, name in consumers(Trainer())] == ["a", "b_epoch", "c"]
-    assert [name for _, name in fed_back(Trainer(), lambda n: False)] == ["a", "b_epoch"]
-    assert [name for _, name in fed_back(Trainer(), lambda n: n == "a")] == ["b_epoch"]
+    assert [name for _, name, _ in fed_back(Trainer(), lambda n: False)] == ["a", "b_epoch"]
+    assert [name for _, name, _ in fed_back(Trainer(), lambda n: n == "a")] == ["b_epoch"]
+
+
+def _split_loaders(kind: str):
+    from torch.utils.data import DataLoader, Subset, TensorDataset, random_split
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    full = TensorDataset(x, y)
+    if kind == "same loader":
+        train = val = full
+    elif kind == "same tensors":
+        train, val = full, TensorDataset(x, y)
+    elif kind == "overlapping subsets":
+        train, val = Subset(full, range(0, 64)), Subset(full, range(48, 96))
+    elif kind == "random_split":
+        train, val = random_split(full, [64, 32], generator=g)
+    else:  # disjoint slices of the same tensors
+        train, val = TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+    return DataLoader(train, batch_size=16), DataLoader(val, batch_size=16)
+
+
+@pytest.mark.parametrize("kind", ["same loader", "same tensors", "overlapping subsets"])
+def test_monitoring_validation_on_the_training_records_is_refused(kind):
+    train, val = _split_loaders(kind)
+    model = LogsTrainLoss()
+    before = parameters(model)
+    trainer = quiet_trainer(strategy=strategy(), max_steps=3, num_sanity_val_steps=0,
+                            callbacks=[EarlyStopping(monitor="val_loss")])
+    with pytest.raises(PrivacyConfigurationError, match="monitors 'val_loss', computed by validation on the training"):
+        trainer.fit(model, train, val)
+    assert unchanged(before, model)
+
+
+@pytest.mark.parametrize("kind", ["random_split", "disjoint slices"])
+def test_monitoring_held_out_validation_is_allowed(kind):
+    train, val = _split_loaders(kind)
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=3, num_sanity_val_steps=0, val_check_interval=2,
+                  callbacks=[EarlyStopping(monitor="val_loss")]).fit(LogsTrainLoss(), train, val)
+    assert dp.ledger.steps == 3
