@@ -10,9 +10,8 @@ logged: :func:`~lightning_dp.validators.monitored.fed_back` finds them (the Ligh
 boundary). The values lightning_dp's callbacks log there are functions of the ledger (ε) and are exempt; a name
 declared in ``public_state`` is too (the user says it is computed from public data only).
 
-Monitor a metric of held-out data (logged in ``validation_step`` on records that are not the training set's)
-instead. Checked before every release and when
-validation starts (so an epoch-end metric is refused before the first release it could steer), on every rank alike.
+Monitor a metric of held-out data (``validation_step`` on records that are not the training set's) instead.
+Checked before every release and when validation starts, on every rank alike.
 """
 
 from __future__ import annotations
