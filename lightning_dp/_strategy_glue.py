@@ -47,6 +47,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import hyperparameters, hyperparameters_error, is_public
 from lightning_dp.validators.kept_state import StateFingerprint, trusted_callback, user_modules
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back
+from lightning_dp.validators.record_reads import RecordReads
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -99,6 +100,7 @@ class PrivateTraining:
         self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep.from_config(privacy, execution)
+        self._record_reads = RecordReads()
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
         self.private_step.examples_alone = (execution.max_physical_batch_size == 1
                                             and privacy.privacy_unit is None)  # users: kept whole
@@ -398,7 +400,7 @@ class PrivateTraining:
                 args, kwargs, n = *_with_batch(args, kwargs, self._collated(last)), len(last)
                 own = last
         step.begin(n, own, stand_in=own is None)
-        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        out = self._users_step(args, kwargs)
         if out is None or (isinstance(out, dict) and out.get("loss") is None):
             raise PrivacyConfigurationError(
                 f"training_step returned {type(out).__name__} without a loss on a step with {n} sampled example(s): "
@@ -406,6 +408,14 @@ class PrivateTraining:
                 "missing update). Return the loss on every step; to ignore some examples, zero their per-example "
                 "losses instead (a mean over the batch, or a vector of per-example losses).")
         return mean_loss(out, n)
+
+    def _users_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The user's ``training_step``, refused when it reads training records itself
+        (:mod:`~lightning_dp.validators.record_reads`)."""
+        datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
+        self._record_reads.dataset = datasets[0] if datasets else None
+        with self._record_reads.user_step():
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def _chunks(self, indices: list[int], limit: int) -> list[list[int]]:
         """The step's records cut into physical batches of at most ``limit``; user-level DP cuts between users only
@@ -429,7 +439,7 @@ class PrivateTraining:
         if len(parts) > 1:
             args, kwargs = _with_batch(args, kwargs, self._padded(last, padding))
         step.begin(len(last), last, stand_in=not last, padding=padding)
-        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        out = self._users_step(args, kwargs)
         loss_tensor(out, step.fixed_batch_size)  # a step without a loss is refused, as below
         return mean_loss(out, step.fixed_batch_size)
 
@@ -442,7 +452,7 @@ class PrivateTraining:
         """Forward + backward one physical batch of n examples (the records ``indices``, then ``padding`` padding
         rows) and bank its clipped sums (no noise yet)."""
         self.private_step.begin(n, indices, padding=padding)
-        loss = mean_loss(super().training_step(*args, **kwargs), n + padding)  # type: ignore[misc]
+        loss = mean_loss(self._users_step(args, kwargs), n + padding)
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with output_hook_notice_quieted(self.private_step.engine_name):
             self.lightning_module.backward(loss)  # type: ignore[attr-defined]
@@ -460,7 +470,7 @@ class PrivateTraining:
         step = self.private_step
         step.begin(1, stand_in=True)
         args, kwargs = _with_batch(args, kwargs, self._collated([0]))
-        loss = mean_loss(super().training_step(*args, **kwargs), 1)  # type: ignore[misc]
+        loss = mean_loss(self._users_step(args, kwargs), 1)
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with output_hook_notice_quieted(step.engine_name):
             self.lightning_module.backward(loss)  # type: ignore[attr-defined]

@@ -1,0 +1,79 @@
+"""Records read by the user's step itself (validators/record_reads.py): a training_step that reads the training
+dataset — directly, through a Subset, by an inherited __getitem__ — is refused before its release; the loader's and
+the checks' own reads, and other datasets, are not watched; the classes are left as they were."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+
+from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E402
+from conftest import quiet_trainer  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.record_reads import RecordReads, wrapped_datasets  # noqa: E402
+
+
+class ReadsNegatives(Classifier):
+    """Reads a training record besides the batch (a margin from its features)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = self.trainer.train_dataloader.dataset[0]
+        return super().training_step(batch, batch_idx) * (1.0 + 0.0 * x.abs().sum())
+
+
+class Records(Dataset):
+    """A dataset whose item access is inherited from its base."""
+
+    def __init__(self) -> None:
+        self.inner = data(64)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        return self.inner[i]
+
+
+class Inherited(Records):
+    pass
+
+
+@pytest.mark.parametrize("dataset", [lambda: data(64), lambda: Subset(data(80), range(64)), Inherited],
+                         ids=["TensorDataset", "Subset", "inherited __getitem__"])
+def test_a_step_reading_training_records_is_refused_before_its_release(dataset):
+    model = ReadsNegatives()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match="read records of the training dataset itself"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(model, DataLoader(dataset(), batch_size=16))
+    assert unchanged(before, model)
+    assert "__getitem__" not in Inherited.__dict__, "the class is left as it was"
+
+
+def test_other_datasets_and_other_times_are_not_watched():
+    watched, other = data(8), data(8)
+    reads = RecordReads()
+    reads.dataset = watched
+    original = TensorDataset.__getitem__
+    with reads.user_step():
+        other[0]
+    watched[0]  # outside the step
+    assert TensorDataset.__getitem__ is original
+    with pytest.raises(PrivacyConfigurationError):
+        with reads.user_step():
+            watched[1]
+    assert TensorDataset.__getitem__ is original
+
+
+def test_wrapped_datasets_unwraps_subsets_and_concatenations():
+    a, b = data(4), data(4)
+    chain = Subset(torch.utils.data.ConcatDataset([a, Subset(b, [0, 1])]), [0, 5])
+    found = wrapped_datasets(chain)
+    assert any(d is a for d in found) and any(d is b for d in found) and len(found) == 5
