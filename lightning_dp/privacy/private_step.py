@@ -450,6 +450,7 @@ class PrivateStep(StepChecks):
             collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
         self.boundary.datasets = lambda: [dl.dataset]  # a record written in place is refused (kept_state.py)
+        self.boundary.new_datasets()
         return loader_like(dl, self._batches, collate)
 
     def _user_sampler(self, dataset: Any, population: TrainingPopulation,

@@ -57,6 +57,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from lightning_dp.errors import PrivacyConfigurationError
+
 Fingerprint = dict[str, Hashable]
 """Entry name (``"buffer stats.count"``, ``"attribute queue"``, ``"callback Memory.bank"``) → token."""
 
@@ -342,8 +344,7 @@ class StateFingerprint:
             for key in keys:
                 if key not in known and not self._is_public(f"{label}.{key}"):
                     entries[f"attribute {label}.{key}"] = walker.token(vars(obj)[key])
-        for i, dataset in enumerate(self.datasets()):
-            entries[f"dataset {i} ({type(dataset).__name__})"] = dataset_token(dataset)
+        entries.update(self.dataset_entries())
         for mod in self.modules():
             for key, value in list(vars(mod).items()):
                 if key.startswith("__") or isinstance(value, (types.ModuleType, type, *_FUNCTIONS)):
@@ -354,6 +355,15 @@ class StateFingerprint:
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
         return entries
+
+    def dataset_entries(self) -> Fingerprint:
+        """The training data's entries (:func:`dataset_token`)."""
+        return {f"dataset {i} ({type(d).__name__})": dataset_token(d) for i, d in enumerate(self.datasets())}
+
+    def with_new_datasets(self, baseline: Fingerprint) -> Fingerprint:
+        """``baseline`` with the training data's entries taken now (a loader rebuilt on other records: what they
+        are now is what later steps must leave as it is)."""
+        return {**{k: v for k, v in baseline.items() if not k.startswith("dataset ")}, **self.dataset_entries()}
 
     def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
         """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
@@ -542,6 +552,16 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
                          else _hyper_token(value))
                 out[f"optimizer state[{i}][{j}].{key}"] = token
     return out
+
+
+def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
+    """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
+    return PrivacyConfigurationError(
+        f"The optimizer's hyper-parameters or state changed {where}: {', '.join(changed[:6])}. A learning rate, "
+        "momentum or weight decay set from the batch or its loss, or a moment written from it, steers every later "
+        "update by un-noised training data, outside the guarantee. Nothing more was released. Set hyper-parameters "
+        "from the step count (a learning-rate scheduler, which Lightning steps after the update) or from held-out "
+        "data at validation; leave the optimizer's state to its step.")
 
 
 def _hyper_token(value: Any) -> Hashable:

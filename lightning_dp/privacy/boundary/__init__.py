@@ -47,6 +47,7 @@ from lightning_dp.validators.kept_state import (
     StateFingerprint,
     attribute_keys,
     hyperparameters,
+    hyperparameters_error,
     is_public,
     trusted_callback,
 )
@@ -85,16 +86,6 @@ def _public_name(entry: str) -> str:
     entry = entry.removeprefix("contents of ")
     kind, _, path = entry.partition(" ")
     return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook") else entry
-
-
-def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
-    """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
-    return StateWrittenError(
-        f"The optimizer's hyper-parameters or state changed {where}: {', '.join(changed[:6])}. A learning rate, "
-        "momentum or weight decay set from the batch or its loss, or a moment written from it, steers every later "
-        "update by un-noised training data, outside the guarantee. Nothing more was released. Set hyper-parameters "
-        "from the step count (a learning-rate scheduler, which Lightning steps after the update) or from held-out "
-        "data at validation; leave the optimizer's state to its step.")
 
 
 class ReleaseBoundary:
@@ -195,6 +186,11 @@ class ReleaseBoundary:
         fingerprint.library_objects = lambda: self.library_objects()
         return fingerprint
 
+    def new_datasets(self) -> None:
+        """The loader was built on (other) records: the baseline takes them as they are now."""
+        if self._fingerprint is not None and self._baseline is not None:
+            self._baseline = self._fingerprint.with_new_datasets(self._baseline)
+
     def ensure_baseline(self) -> None:
         """Take a baseline if none was taken (a plain loop: after its ``verify()``)."""
         if self._baseline is None:
@@ -258,7 +254,7 @@ class ReleaseBoundary:
                         "a hook or callback around them: on_train_batch_start/end, epoch hooks)")
 
     def released(self, params: Sequence[Tensor]) -> None:
-        """The release wrote ĝ_t into these parameters' ``.grad``: what the optimizer must step with (rule 2)."""
+        """The release wrote ĝ_t into these ``.grad``: what the optimizer must step with (rule 2)."""
         names = {id(p): name for name, p in self.trainable()}
         self._released = [(names.get(id(p), "?"), p, id(p.grad), -1 if p.grad is None else p.grad._version)
                           for p in params]

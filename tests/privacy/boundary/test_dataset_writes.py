@@ -61,3 +61,16 @@ def test_the_token_follows_wrapped_datasets_and_in_place_writes():
     assert dataset_token(wrapped) == before
     base.tensors[0][3, 0] += 1.0
     assert dataset_token(wrapped) != before
+
+
+class ReloadsOtherRecords(Classifier):
+    """A new training set every epoch (reload_dataloaders_every_n_epochs): the records as loaded are the baseline."""
+
+    def train_dataloader(self):
+        return DataLoader(data(64 + 16 * self.trainer.current_epoch, seed=self.trainer.current_epoch), batch_size=16)
+
+
+def test_a_loader_rebuilt_on_other_records_trains():
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_epochs=3, reload_dataloaders_every_n_epochs=1).fit(ReloadsOtherRecords())
+    assert dp.ledger.steps >= 12
