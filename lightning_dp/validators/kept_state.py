@@ -617,16 +617,36 @@ def _sample(items: Sequence[Any]) -> Sequence[Any]:
 
 
 def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
-    """Each parameter's L2 norm, by one fused reduction per device and dtype and one host copy: a write through
-    ``p.data`` (which moves neither the storage nor the version counter) changes it. Entries ``"contents of
-    parameter NAME"``."""
-    if not named:
-        return {}
+    """Each tensor's L2 norm, by one fused reduction: a write through ``p.data`` (which moves neither the storage nor
+    the version counter) changes it. On the CPU one entry per tensor (``"contents of parameter NAME"``); on an
+    accelerator one entry per device holding the norms there (:class:`_DeviceNorms`: no host copy until compared,
+    so taking the baseline after the update does not wait for the device)."""
+    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    for name, t in named:
+        by_device.setdefault(t.device, []).append((name, t))
+    out: Fingerprint = {}
     with torch.no_grad():
-        norms = torch._foreach_norm([p.detach() for _, p in named])
-        values = torch.stack([n.to(torch.float64).cpu() for n in norms]).tolist() if len(
-            {n.device for n in norms}) > 1 else torch.stack(norms).to(torch.float64).cpu().tolist()
-    return {f"contents of {name}": value for (name, _), value in zip(named, values)}
+        for device, group in by_device.items():
+            norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm([t.detach() for _, t in group])])
+            if device.type == "cpu":
+                out.update({f"contents of {name}": value for (name, _), value in zip(group, norms.tolist())})
+            else:
+                out[f"contents of {len(group)} parameters and buffers on {device}"] = _DeviceNorms(norms)
+    return out
+
+
+class _DeviceNorms:
+    """Norms kept on their device; equal when every norm is (one comparison, one wait for the device)."""
+
+    def __init__(self, norms: Tensor) -> None:
+        self.norms = norms
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _DeviceNorms) and self.norms.shape == other.norms.shape and bool(
+            torch.equal(self.norms, other.norms))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.norms.shape))
 
 
 def _digest(data: Any) -> bytes:

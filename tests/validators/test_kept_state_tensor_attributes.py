@@ -77,3 +77,13 @@ def test_a_float_buffer_written_through_data_shows_between_full_passes():
     before = fingerprint.take()
     model.mean.data.copy_(torch.ones(4))  # neither storage nor version counter moves
     assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of buffer mean"]
+
+
+def test_norms_kept_on_a_device_compare_by_value_when_compared():
+    from lightning_dp.validators.kept_state import _DeviceNorms
+
+    before = {"contents of 2 parameters and buffers on cuda:0": _DeviceNorms(torch.tensor([1.0, 2.0]))}
+    same = {"contents of 2 parameters and buffers on cuda:0": _DeviceNorms(torch.tensor([1.0, 2.0]))}
+    moved = {"contents of 2 parameters and buffers on cuda:0": _DeviceNorms(torch.tensor([1.0, 2.5]))}
+    assert StateFingerprint.changed(before, same) == []
+    assert StateFingerprint.changed(before, moved) == list(moved)
