@@ -44,10 +44,10 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.boundary import hyperparameters, hyperparameters_error, is_public
-from lightning_dp.validators.kept_state import StateFingerprint, trusted_callback, user_modules
+from lightning_dp.privacy.boundary import is_public
+from lightning_dp.validators.kept_state import trusted_callback, user_modules
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back
-from lightning_dp.validators.record_reads import RecordReads
+from lightning_dp.validators.record_reads import refuse_record_reads
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -100,7 +100,6 @@ class PrivateTraining:
         self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep.from_config(privacy, execution)
-        self._record_reads = RecordReads()
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
         self.private_step.examples_alone = (execution.max_physical_batch_size == 1
                                             and privacy.privacy_unit is None)  # users: kept whole
@@ -413,8 +412,7 @@ class PrivateTraining:
         """The user's ``training_step``, refused when it reads training records itself
         (:mod:`~lightning_dp.validators.record_reads`)."""
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
-        self._record_reads.dataset = datasets[0] if datasets else None
-        with self._record_reads.user_step():
+        with refuse_record_reads(datasets[0] if datasets else None):
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def _chunks(self, indices: list[int], limit: int) -> list[list[int]]:
@@ -499,18 +497,14 @@ class PrivateTraining:
     def _replay_now_and_later(self, batch: Any) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`): a memory bank filled from a later epoch on is refused before any release."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        optimizers = module.trainer.optimizers
-        before = [hyperparameters(opt) for opt in optimizers]
+        module, boundary = self.lightning_module, self.private_step.boundary  # type: ignore[attr-defined]
+        boundary.step_begins()  # the optimizer as the replays find it: a learning rate set at batch end is refused
         _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
         for step, epoch in self._later_in_the_plan():
             with _progress_as(module.trainer, step, epoch):
                 _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
-        for opt, taken in zip(optimizers, before):  # a learning rate set from the loss at batch end (rule 3)
-            changed = StateFingerprint.changed(taken, hyperparameters(opt))
-            if changed:
-                raise hyperparameters_error(changed, "by the batch hooks (training_step, on_train_batch_start/end, "
-                                            "on_before_backward, replayed on the probe's examples)")
+        boundary.check_hyperparameters(self.optimizers[0], "by the batch hooks replayed on the probe's examples "  # type: ignore[attr-defined]
+                                       "(training_step, on_train_batch_start/end, on_before_backward)")
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
         """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it

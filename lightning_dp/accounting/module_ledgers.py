@@ -36,10 +36,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.validators.kept_state import content_sums
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
@@ -48,13 +48,11 @@ _AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, bytes]]" = weakref.Wea
 
 
 def digest(t: Tensor) -> bytes:
-    """A digest of ``t``'s contents: its shape, dtype and the float64 sums Σx, Σx², Σ (1 + j mod 251)·x_j."""
+    """A digest of ``t``'s contents: its shape, dtype and the kept-state checksums of its values
+    (:func:`~lightning_dp.validators.kept_state.content_sums`: float64 Σx, Σx², Σ (1 + j mod 251)·x_j)."""
     local = t.to_local() if hasattr(t, "to_local") else t
-    with torch.no_grad():
-        x = local.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(251).add_(1)
-        sums = torch.stack([x.sum(), x.square().sum(), (x * weights).sum()]).cpu().numpy().tobytes()
-    return hashlib.blake2b(repr((tuple(local.shape), str(local.dtype))).encode() + sums, digest_size=16).digest()
+    head = repr((tuple(local.shape), str(local.dtype))).encode()
+    return hashlib.blake2b(head + content_sums([t])[0], digest_size=16).digest()
 
 
 def _trainable(module: nn.Module) -> list[Tensor]:

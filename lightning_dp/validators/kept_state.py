@@ -160,7 +160,7 @@ class _Checksums:
     def tokens(self, tensors: Sequence[Tensor], full: bool) -> list[Hashable]:
         keys = [self.key(t) for t in tensors]
         todo = [i for i, (t, k) in enumerate(zip(tensors, keys)) if full or not self._fresh(t, k)]
-        for i, value in zip(todo, _content_sums([tensors[i] for i in todo])):
+        for i, value in zip(todo, content_sums([tensors[i] for i in todo])):
             self._cache[id(tensors[i])] = (weakref.ref(tensors[i]), keys[i], value)
         return [(k[3], str(k[4]), self._cache[id(t)][2]) for t, k in zip(tensors, keys)]
 
@@ -173,7 +173,7 @@ class _Checksums:
         self._cache.clear()
 
 
-def _content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
+def content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
     """(Σx, Σx², Σ w_j x_j) in float64 per tensor, w_j = 1 + (j mod 251): a write of any value shows, and a
     permutation of values mostly does too."""
     out: list[Optional[bytes]] = [None] * len(tensors)
@@ -368,7 +368,7 @@ class StateFingerprint:
     def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
         """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
         for key, value in vars(t).items():
-            if key in self.skip_keys or key.startswith("_dp_") or isinstance(value, _FUNCTIONS):
+            if key in self.skip_keys or key.startswith("_dp_") or _library_function(value):
                 continue
             if not self._is_public(f"{path}.{key}"):
                 entries[f"attribute {path}.{key}"] = walker.token(value)
@@ -499,32 +499,42 @@ class _Walker:
                 tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not _library_function(v)))
 
 
-def dataset_token(dataset: Any) -> Hashable:
-    """A dataset's identity and the tensors it holds — in its attributes, in their lists, tuples and dicts, and in
-    the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), to a depth of 3 — by identity, shape and
-    version counter: a record written in place (a label relabelled from the batch) shows; contents are not read
-    (a dataset's size is unbounded), nor are caches of other types."""
-    found: list[tuple[str, Hashable]] = []
+def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
+    """The datasets ``dataset`` is made of (itself and those it wraps: ``Subset.dataset``, ``ConcatDataset.datasets``,
+    any dataset held as an attribute) and the tensors they hold (in their attributes and in those attributes'
+    lists, tuples and dicts of at most 64 items), each once, six attribute or item levels deep; tensors named by
+    their path."""
+    datasets: list[Any] = []
+    tensors: list[tuple[str, Tensor]] = []
     seen: set[int] = set()
 
     def visit(value: Any, path: str, depth: int) -> None:
-        if id(value) in seen or depth > 3:
+        if id(value) in seen or depth > 6:
             return
         seen.add(id(value))
         if isinstance(value, Tensor):
-            found.append((path, (id(value), value._version, tuple(value.shape))))
+            tensors.append((path, value))
         elif isinstance(value, (list, tuple)) and len(value) <= 64:
             for i, item in enumerate(value):
                 visit(item, f"{path}[{i}]", depth + 1)
         elif isinstance(value, dict) and len(value) <= 64:
             for key, item in value.items():
                 visit(item, f"{path}[{key!r}]", depth + 1)
-        elif isinstance(value, Dataset) and hasattr(value, "__dict__"):
-            for key, item in vars(value).items():
+        elif isinstance(value, Dataset):
+            datasets.append(value)
+            for key, item in (vars(value).items() if hasattr(value, "__dict__") else ()):
                 visit(item, f"{path}.{key}", depth + 1)
 
     visit(dataset, "", 0)
-    return ("dataset", type(dataset).__name__, id(dataset), tuple(found))
+    return datasets, tensors
+
+
+def dataset_token(dataset: Any) -> Hashable:
+    """A dataset's identity and its tensors (:func:`dataset_parts`) by identity, shape and version counter: a record
+    written in place (a label relabelled from the batch) shows; contents are not read (a dataset's size is
+    unbounded), nor are caches of other types."""
+    tensors = tuple((path, (id(t), t._version, tuple(t.shape))) for path, t in dataset_parts(dataset)[1])
+    return ("dataset", type(dataset).__name__, id(dataset), tensors)
 
 
 def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:

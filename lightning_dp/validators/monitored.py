@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from torch import Tensor
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Subset
+
+from lightning_dp.validators.kept_state import dataset_parts
 
 NOT_FROM_DATA: set[str] = set()
 """Names that lightning_dp's own callbacks log in training hooks and whose values are functions of the ledger, not of
@@ -67,17 +68,13 @@ def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Finding]:
     return found
 
 
-def _memory(dataset: Any, depth: int = 0) -> list[tuple[int, int]]:
-    """The memory intervals [start, end) of the tensors a dataset holds (attributes, their lists and tuples, the
-    datasets it wraps), to depth 3."""
-    found: list[tuple[int, int]] = []
-    for value in (vars(dataset).values() if hasattr(dataset, "__dict__") else ()):
-        for item in (value if isinstance(value, (list, tuple)) and len(value) <= 64 else [value]):
-            if isinstance(item, Tensor) and item.numel():
-                extent = 1 + sum((n - 1) * abs(st) for n, st in zip(item.shape, item.stride()))
-                found.append((item.data_ptr(), item.data_ptr() + extent * item.element_size()))
-            elif isinstance(item, Dataset) and depth < 3:
-                found += _memory(item, depth + 1)
+def _memory(dataset: Any) -> list[tuple[int, int]]:
+    """The memory intervals [start, end) of the tensors a dataset holds (:func:`~.kept_state.dataset_parts`)."""
+    found = []
+    for _, t in dataset_parts(dataset)[1]:
+        if t.numel():
+            extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+            found.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
     return found
 
 

@@ -3,7 +3,7 @@
 The accounting assumes each record enters step t only through the Poisson sample (probability q). A
 ``training_step`` that reads the training dataset itself — ``self.trainer.train_dataloader.dataset[i]`` for
 negatives, neighbours or a replay buffer — brings records the sampler did not draw into the step, outside that
-probability (and unclipped by their own examples' bounds where they act on every gradient). :class:`RecordReads`
+probability (and unclipped by their own examples' bounds where they act on every gradient). :func:`refuse_record_reads`
 watches the training dataset (and the datasets it wraps: ``Subset``, ``ConcatDataset``) while the user's step runs:
 its ``__getitem__``/``__getitems__`` are wrapped on their classes for that time only (restored after, so nothing of
 it is left between steps), and a read of a watched object is refused when the step returns — before its backward,
@@ -20,71 +20,49 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from torch.utils.data import ConcatDataset, Subset
-
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.kept_state import dataset_parts
 
 _METHODS = ("__getitem__", "__getitems__")
 
 
-def wrapped_datasets(dataset: Any) -> list[Any]:
-    """``dataset`` and the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), each once."""
-    out, todo = [], [dataset]
-    while todo:
-        d = todo.pop()
-        if d is None or any(d is o for o in out):
-            continue
-        out.append(d)
-        if isinstance(d, Subset):
-            todo.append(d.dataset)
-        elif isinstance(d, ConcatDataset):
-            todo.extend(d.datasets)
-    return out
+@contextmanager
+def refuse_record_reads(dataset: Any) -> Iterator[None]:
+    """Run the user's step; refuse, when it returns, if it read records of ``dataset`` or of the datasets it is made
+    of (:func:`~.kept_state.dataset_parts`) itself. ``None``: nothing is watched."""
+    if dataset is None:
+        yield
+        return
+    watched = dataset_parts(dataset)[0]
+    ids = {id(d) for d in watched}
+    reads: list[str] = []
+    saved: list[tuple[type, str, Any]] = []
+    thread = threading.get_ident()
+    for cls in {type(d) for d in watched}:
+        for name in _METHODS:
+            original = getattr(cls, name, None)  # its own or inherited: set on the class itself for the step
+            if original is None:
+                continue
 
+            def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                if id(obj) in ids and threading.get_ident() == thread:
+                    reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
+                return _original(obj, *args, **kwargs)
 
-class RecordReads:
-    """Watches the training dataset's item access while the user's step runs (module docstring)."""
-
-    def __init__(self) -> None:
-        self.dataset: Any = None
-        """The training loader's dataset (set by the Lightning glue); ``None``: nothing is watched."""
-
-    @contextmanager
-    def user_step(self) -> Iterator[None]:
-        """Run the user's step; refuse, when it returns, if it read a watched dataset's records itself."""
-        if self.dataset is None:
-            yield
-            return
-        watched = wrapped_datasets(self.dataset)
-        ids = {id(d) for d in watched}
-        reads: list[str] = []
-        saved: list[tuple[type, str, Any]] = []
-        thread = threading.get_ident()
-        for cls in {type(d) for d in watched}:
-            for name in _METHODS:
-                original = getattr(cls, name, None)  # its own or inherited: set on the class itself for the step
-                if original is None:
-                    continue
-
-                def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-                    if id(obj) in ids and threading.get_ident() == thread:
-                        reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
-                    return _original(obj, *args, **kwargs)
-
-                saved.append((cls, name, cls.__dict__.get(name)))
-                setattr(cls, name, counting)
-        try:
-            yield
-        finally:
-            for cls, name, own in saved:
-                if own is None:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, own)
-        if reads:
-            raise PrivacyConfigurationError(
-                f"training_step read records of the training dataset itself ({', '.join(reads[:3])}"
-                f"{' and more' if len(reads) > 3 else ''}): only the Poisson-sampled batch may enter a step, each "
-                "record with probability q, which the accounting assumes. Records read besides it (negatives, "
-                "neighbours, a replay buffer) enter every step unaccounted for. Nothing was released. Use the batch "
-                "the step is handed; take extra examples from public data.")
+            saved.append((cls, name, cls.__dict__.get(name)))
+            setattr(cls, name, counting)
+    try:
+        yield
+    finally:
+        for cls, name, own in saved:
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+    if reads:
+        raise PrivacyConfigurationError(
+            f"training_step read records of the training dataset itself ({', '.join(reads[:3])}"
+            f"{' and more' if len(reads) > 3 else ''}): only the Poisson-sampled batch may enter a step, each "
+            "record with probability q, which the accounting assumes. Records read besides it (negatives, "
+            "neighbours, a replay buffer) enter every step unaccounted for. Nothing was released. Use the batch "
+            "the step is handed; take extra examples from public data.")

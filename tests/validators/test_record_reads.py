@@ -18,7 +18,8 @@ from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E40
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.record_reads import RecordReads, wrapped_datasets  # noqa: E402
+from lightning_dp.validators.kept_state import dataset_parts  # noqa: E402
+from lightning_dp.validators.record_reads import refuse_record_reads  # noqa: E402
 
 
 class ReadsNegatives(Classifier):
@@ -59,21 +60,20 @@ def test_a_step_reading_training_records_is_refused_before_its_release(dataset):
 
 def test_other_datasets_and_other_times_are_not_watched():
     watched, other = data(8), data(8)
-    reads = RecordReads()
-    reads.dataset = watched
     original = TensorDataset.__getitem__
-    with reads.user_step():
+    with refuse_record_reads(watched):
         other[0]
     watched[0]  # outside the step
     assert TensorDataset.__getitem__ is original
     with pytest.raises(PrivacyConfigurationError):
-        with reads.user_step():
+        with refuse_record_reads(watched):
             watched[1]
     assert TensorDataset.__getitem__ is original
 
 
-def test_wrapped_datasets_unwraps_subsets_and_concatenations():
+def test_the_datasets_a_dataset_is_made_of_unwrap_subsets_and_concatenations():
     a, b = data(4), data(4)
     chain = Subset(torch.utils.data.ConcatDataset([a, Subset(b, [0, 1])]), [0, 5])
-    found = wrapped_datasets(chain)
+    found, tensors = dataset_parts(chain)
     assert any(d is a for d in found) and any(d is b for d in found) and len(found) == 5
+    assert {id(t) for _, t in tensors} == {id(t) for t in (*a.tensors, *b.tensors)}

@@ -228,15 +228,15 @@ class ReleaseBoundary:
         if self._hyper is None and self._watched is not None:
             self._hyper = (id(self._watched), hyperparameters(self._watched))
 
-    def check_hyperparameters(self, optimizer: Optional[Optimizer]) -> None:
-        """Rule 3 for the optimizer: nothing changed from the step's beginning to its release (schedulers step after
-        the update, outside that window)."""
+    def check_hyperparameters(self, optimizer: Optional[Optimizer],
+                              where: str = "within the step (in training_step, the forward or the backward)") -> None:
+        """Rule 3 for the optimizer: nothing changed since :meth:`step_begins` (schedulers step after the update)."""
         taken, self._hyper = self._hyper, None
         if taken is None or optimizer is None or taken[0] != id(optimizer):
             return
         changed = StateFingerprint.changed(taken[1], hyperparameters(optimizer))
         if changed:
-            raise hyperparameters_error(changed, "within the step (in training_step, the forward or the backward)")
+            raise hyperparameters_error(changed, where)
 
     def check_release(self, optimizer: Optional[Optimizer], named: Sequence[tuple[str, Tensor]]) -> None:
         """Before privatising: rules 1–3 (module docstring). Raises :class:`PrivacyConfigurationError`."""

@@ -8,13 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from cases import Classifier, fit, parameters, unchanged
+from cases import Classifier, fit, parameters, plain_step, unchanged
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.privacy.noise import GaussianNoise
-from lightning_dp.privacy.private_step import PrivateStep
 
 
 class LossSetsLearningRate(Classifier):
@@ -60,7 +57,8 @@ class StepScheduled(Classifier):
 def test_a_hyperparameter_set_from_the_batch_is_refused_before_any_release(model, key):
     m = model()
     before = parameters(m)
-    with pytest.raises(PrivacyConfigurationError, match=r"hyper-parameters or state changed .*" + key.replace("[", r"\[")):
+    pattern = r"hyper-parameters or state changed .*" + key.replace("[", r"\[")
+    with pytest.raises(PrivacyConfigurationError, match=pattern):
         fit(m, steps=3)
     assert unchanged(before, m)
 
@@ -85,12 +83,7 @@ def test_a_scheduler_stepping_after_the_update_is_allowed():
 def test_a_plain_loop_is_checked_between_begin_and_release():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
-    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0)
-    step.attach(model, opt)
-    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
-    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    step, opt, x, y = plain_step(model)
     try:
         for attempt in range(2):
             opt.zero_grad()
@@ -133,12 +126,7 @@ def test_a_parameter_written_through_data_is_refused_before_the_release():
     loop, where no batch check runs between begin and release)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
-    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0, verify="first_step")
-    step.attach(model, opt)
-    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
-    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    step, opt, x, y = plain_step(model, verify="first_step")
     try:
         for attempt in range(2):
             opt.zero_grad()

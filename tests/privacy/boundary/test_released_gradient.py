@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import Classifier, data, fit, parameters
+from cases import Classifier, data, fit, parameters, plain_step
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.privacy.noise import GaussianNoise
-from lightning_dp.privacy.private_step import PrivateStep
 
 TRAINING = data(64)  # the training set, also reachable as a global
 
@@ -51,12 +48,7 @@ def test_post_processing_declared_public_trains():
 def test_a_plain_loop_is_checked_at_the_optimizer_step():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
-    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0)
-    step.attach(model, opt)
-    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
-    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    step, opt, x, y = plain_step(model)
     try:
         for attempt in range(2):
             opt.zero_grad()
