@@ -94,7 +94,7 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             ``augmentation_multiplicity > 1`` or ``privacy_unit``. ``None`` (default): Poisson shapes.
         retain_cpu_memory: on CPU, keep freed memory for the next step (glibc's malloc thresholds, set once per
             process: :mod:`lightning_dp.performance.cpu_memory`): a private step then re-faults no pages each step
-            (the digits CNN: 6.3 → 3.9 ms/step alone in its process). ``False`` leaves the allocator alone.
+            (the digits CNN: 6.3 → 4.1 ms/step alone in its process). ``False`` leaves the allocator alone.
         noise: ``"gaussian"`` (default: fresh independent Gaussians from an OS-seeded
             generator), ``"banded"`` (correlated DP-MF noise with ``bands`` bands and
             b-min-separated sampling, docs/algorithms.md §7), or a

@@ -197,15 +197,13 @@ def gram_sq_norms(a: Tensor, d: Tensor) -> Tensor:
     if k == 1:
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
     size = -(-T // k)
-    total: Optional[Tensor] = None
+    total = a.new_zeros(a.shape[0])
     for start in range(0, T, size):
         rows = slice(start, min(start + size, T))
         block = torch.bmm(a[:, rows], a[:, start:].transpose(1, 2)).mul_(
             torch.bmm(d[:, rows], d[:, start:].transpose(1, 2)))
         width = rows.stop - start
-        part = block[:, :, :width].sum((1, 2)) + 2 * block[:, :, width:].sum((1, 2))
-        total = part if total is None else total + part
-    assert total is not None
+        total += block[:, :, :width].sum((1, 2)) + 2 * block[:, :, width:].sum((1, 2))
     return total
 
 
