@@ -45,8 +45,10 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import trusted_callback, user_modules
-from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back
+from lightning_dp.validators.kept_state import (hyperparameters_error, steered_hyperparameters, trusted_callback,
+                                                user_modules)
+from lightning_dp.validators.logged_reads import LoggedReads
+from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged
 from lightning_dp.validators.record_reads import refuse_record_reads
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -111,6 +113,7 @@ class PrivateTraining:
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._stop_announced = False  # the budget stop is said once per fit
+        self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -250,8 +253,7 @@ class PrivateTraining:
         boundary.library_objects = lambda: _loop_objects(module.trainer)
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
-        boundary.fed_back = lambda: fed_back(module.trainer, lambda name: name in NOT_FROM_DATA
-                                             or is_public(name, boundary.public_state))
+        boundary.fed_back = lambda: self._fed_back(module.trainer)
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")
@@ -273,9 +275,29 @@ class PrivateTraining:
     # ------------------------------------------------------------------ the release boundary's baselines
     def on_train_start(self) -> None:
         """The state as training starts (after every ``on_train_start`` hook) is what the first release is compared
-        with (:mod:`~lightning_dp.privacy.boundary`)."""
+        with (:mod:`~lightning_dp.privacy.boundary`); the logged metrics are watched from now on
+        (:mod:`~lightning_dp.validators.logged_reads`)."""
         super().on_train_start()  # type: ignore[misc]
         self.private_step.boundary.baseline()
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
+                                         lambda reader, names: self._read_logged(trainer, reader))
+        self._logged_reads.install()
+
+    def _exempt(self, name: str) -> bool:
+        """A logged name whose value is not the training data's: ε, or declared public."""
+        return name in NOT_FROM_DATA or is_public(name, self.private_step.boundary.public_state)
+
+    def _fed_back(self, trainer: "pl.Trainer") -> list[Any]:
+        """Rule 10's findings for the boundary; first, a hyper-parameter set after a logged value was read."""
+        if self._logged_reads is not None:
+            self._logged_reads.check_release()
+        return fed_back(trainer, self._exempt)
+
+    def _read_logged(self, trainer: "pl.Trainer", reader: Any) -> None:
+        """The user's code read a training-logged value outside a step: a callback that did keeps state from now on."""
+        if any(reader is cb for cb in trainer.callbacks):
+            self.private_step.boundary.watch(reader)
 
     def on_validation_start(self) -> None:
         """Check the state kept since the last update, then leave validation (held-out data) unwatched."""
@@ -292,6 +314,8 @@ class PrivateTraining:
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
         super().on_train_end()  # type: ignore[misc]
+        if self._logged_reads is not None:
+            self._logged_reads.stop()
         self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)")
 
     def _fitting(self) -> bool:
@@ -301,6 +325,8 @@ class PrivateTraining:
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown."""
         self.private_step.detach()
+        if self._logged_reads is not None:
+            self._logged_reads.stop()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
@@ -366,6 +392,8 @@ class PrivateTraining:
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
             return None
         check_loop(self.lightning_module.trainer, self.label)  # type: ignore[attr-defined]
+        if self._logged_reads is not None:
+            self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
         if step.refresh_parameters():
             rank_zero_info(f"{self.label}: the trainable parameters changed; the engine was re-attached and the "
                            "probe runs again before the next release")
@@ -494,17 +522,30 @@ class PrivateTraining:
                 "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
                 "that skips its forward.") from err
 
-    def _replay_now_and_later(self, batch: Any) -> None:
+    def _replay_now_and_later(self, batch: Any, other: Any) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
-        (:meth:`_later_in_the_plan`): a memory bank filled from a later epoch on is refused before any release."""
-        module, boundary = self.lightning_module, self.private_step.boundary  # type: ignore[attr-defined]
-        boundary.step_begins()  # the optimizer as the replays find it: a learning rate set at batch end is refused
-        _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
-        for step, epoch in self._later_in_the_plan():
-            with _progress_as(module.trainer, step, epoch):
-                _replay_batch_hooks(module, self.precision_plugin, batch)  # type: ignore[attr-defined]
-        boundary.check_hyperparameters(self.optimizers[0], "by the batch hooks replayed on the probe's examples "  # type: ignore[attr-defined]
-                                       "(training_step, on_train_batch_start/end, on_before_backward)")
+        (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
+        refused before any release. Each is replayed on ``other`` examples too, their loss moved far: a hyper-parameter
+        the two replays set apart is set from the data (:func:`~.validators.kept_state.steered_hyperparameters`)."""
+        module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
+        per_epoch = max(1, self.steps_per_epoch or 1)
+
+        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False) -> Callable[[], None]:
+            def run() -> None:
+                if progress is None:
+                    _replay_batch_hooks(module, precision, examples, 0, moved)
+                    return
+                with _progress_as(module.trainer, *progress):  # an epoch's last batch_idx: `if batch_idx >= k`
+                    _replay_batch_hooks(module, precision, examples, min(per_epoch - 1, progress[0]), moved)
+            return run
+
+        for progress in (None, *self._later_in_the_plan()):
+            steered = steered_hyperparameters(self.optimizers[0], [replay(batch, progress),  # type: ignore[attr-defined]
+                                                                   replay(other, progress, moved=True)])
+            if steered:
+                raise hyperparameters_error(steered, "from the batch by the hooks around a step (on_train_batch_start/"
+                                            "end, on_before_backward, training_step), replayed on two sets of the "
+                                            "probe's examples")
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
         """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it
@@ -760,22 +801,28 @@ def _progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]
         optimizer_steps.completed, epochs.completed = saved
 
 
-def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any) -> None:
+def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
+                        moved: bool = False) -> None:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
-    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`)."""
+    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`).
+    ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
+    (``if loss < 100: lr *= 0.5``) differs from the replay that was not."""
     from lightning_dp.validators.kept_state import trusted_callback
 
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
     with _silenced_logging(module):
         for cb in callbacks:
-            cb.on_train_batch_start(trainer, module, batch, 0)
-        module.on_train_batch_start(batch, 0)
+            cb.on_train_batch_start(trainer, module, batch, batch_idx)
+        module.on_train_batch_start(batch, batch_idx)
         with precision.train_step_context():
-            outputs = module.training_step(batch, 0)
+            outputs = module.training_step(batch, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if moved and isinstance(loss, torch.Tensor):
+            loss = (loss.detach() + 1) * 1000
+            outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
         if isinstance(loss, torch.Tensor):
             for cb in callbacks:
                 cb.on_before_backward(trainer, module, loss)
@@ -783,8 +830,8 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
         if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
             outputs = {"loss": loss.detach()}
         for cb in callbacks:
-            cb.on_train_batch_end(trainer, module, outputs, batch, 0)
-        module.on_train_batch_end(outputs, batch, 0)
+            cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        module.on_train_batch_end(outputs, batch, batch_idx)
 
 
 @contextmanager

@@ -124,20 +124,15 @@ def _is_library(obj: Any) -> bool:
     return module.split(".")[0] in _LIBRARY_PREFIXES
 
 
-DATAMODULE_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
-"""A LightningDataModule's hooks that are handed the training batch."""
-
-
 def trusted_callback(callback: Any) -> bool:
-    """A callback (or the trainer's LightningDataModule) whose state cannot hold private data: one of Lightning's or
-    lightning_dp's own, or one that overrides none of the hooks handed the batch (:data:`DATA_HOOKS`; for a datamodule
-    :data:`DATAMODULE_HOOKS`)."""
+    """A callback whose state cannot hold private data: one of Lightning's or lightning_dp's own, or one that
+    overrides none of the hooks handed the batch (:data:`DATA_HOOKS`). The trainer's LightningDataModule is never
+    trusted unless a library defines it: the step reaches it (``self.trainer.datamodule.memory.append(x)``)."""
     cls = type(callback)
     if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
         return True
-    datamodule = next((b for b in cls.__mro__ if b.__name__ == "LightningDataModule"), None)
-    if datamodule is not None:
-        return all(getattr(cls, hook, None) is getattr(datamodule, hook, None) for hook in DATAMODULE_HOOKS)
+    if any(b.__name__ == "LightningDataModule" for b in cls.__mro__):
+        return cls.__module__.split(".")[0] in _LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
     bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
@@ -231,6 +226,7 @@ class StateFingerprint:
         optimizers, the training loader; set by the Lightning glue): their public attributes added after the first
         fingerprint are kept state."""
         self._known_keys: dict[int, set[str]] = {}
+        self._readers: set[int] = set()  # callbacks that read a value logged from the data (:meth:`watch`)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
@@ -330,7 +326,7 @@ class StateFingerprint:
                     if not _library_callable(fn) and not self._is_public(path):
                         entries[f"hook {path}"] = tuple(walker.token(v) for v in _callable_state(fn))
         for cb in callbacks:
-            if trusted_callback(cb):
+            if trusted_callback(cb) and id(cb) not in self._readers:
                 continue
             label = type(cb).__name__
             kind = "datamodule" if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__) else "callback"
@@ -338,12 +334,19 @@ class StateFingerprint:
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
                     entries[f"{kind} {path}"] = walker.token(value)
+        users = [m for _, m, mode in layout if mode == []] + [cb for cb in callbacks if not trusted_callback(cb)]
+        for cls, key, value in class_attributes(type(obj) for obj in users):
+            path = f"{cls.__qualname__}.{key}"
+            if not self._is_public(path) and not self._is_public(key):
+                entries[f"class attribute {path}"] = walker.token(value)
         for label, obj in self.library_objects():
-            keys = [k for k in getattr(obj, "__dict__", {}) if not k.startswith("_")]
-            known = self._known_keys.setdefault(id(obj), set(keys))
-            for key in keys:
-                if key not in known and not self._is_public(f"{label}.{key}"):
-                    entries[f"attribute {label}.{key}"] = walker.token(vars(obj)[key])
+            fields = getattr(obj, "__dict__", {})
+            known = self._known_keys.setdefault(id(obj), set(fields))
+            for key, value in fields.items():
+                # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data
+                if key not in known and (not key.startswith("_") or _holds_tensors(value)) \
+                        and not self._is_public(f"{label}.{key}"):
+                    entries[f"attribute {label}.{key}"] = walker.token(value)
         entries.update(self.dataset_entries())
         for mod in self.modules():
             for key, value in list(vars(mod).items()):
@@ -360,10 +363,23 @@ class StateFingerprint:
         """The training data's entries (:func:`dataset_token`)."""
         return {f"dataset {i} ({type(d).__name__})": dataset_token(d) for i, d in enumerate(self.datasets())}
 
-    def with_new_datasets(self, baseline: Fingerprint) -> Fingerprint:
-        """``baseline`` with the training data's entries taken now (a loader rebuilt on other records: what they
-        are now is what later steps must leave as it is)."""
-        return {**{k: v for k, v in baseline.items() if not k.startswith("dataset ")}, **self.dataset_entries()}
+    def with_new_datasets(self, baseline: Fingerprint, callbacks: Sequence[Any] = ()) -> Fingerprint:
+        """``baseline`` with the training data's entries, and the LightningDataModule's (which built the loader), taken
+        now: a loader rebuilt on other records (``reload_dataloaders_every_n_epochs``), what they are now is what
+        later steps must leave as it is."""
+        fresh = {k: v for k, v in self.take(callbacks).items() if k.startswith("datamodule ")}
+        kept = {k: v for k, v in baseline.items() if not k.startswith(("dataset ", "datamodule "))}
+        return {**kept, **fresh, **self.dataset_entries()}
+
+    def watch(self, callback: Any, baseline: Fingerprint, callbacks: Sequence[Any]) -> Fingerprint:
+        """``callback`` read a value logged from the training data (:mod:`~lightning_dp.validators.logged_reads`):
+        from now on its state is kept state, whatever hooks it overrides; returns ``baseline`` with its state now."""
+        if id(callback) in self._readers or not trusted_callback(callback) \
+                or type(callback).__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
+            return baseline
+        self._readers.add(id(callback))
+        now = self.take(callbacks)
+        return {**baseline, **{k: v for k, v in now.items() if k not in baseline}}
 
     def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
         """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
@@ -499,6 +515,34 @@ class _Walker:
                 tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not _library_function(v)))
 
 
+def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
+    """(class, name, value) of the data held by the user's classes themselves — ``history = []`` in a class body,
+    shared by every instance, appended through ``self.history`` — for ``classes`` and their bases, libraries'
+    left out; methods, properties and other descriptors, nested classes and dunder names skipped."""
+    seen: set[type] = set()
+    for cls in classes:
+        for base in cls.__mro__:
+            if base in seen or (base.__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+                continue
+            seen.add(base)
+            for key, value in list(vars(base).items()):
+                if key.startswith("__") or hasattr(type(value), "__get__") \
+                        or isinstance(value, (type, types.ModuleType)):
+                    continue
+                yield base, key, value
+
+
+def _holds_tensors(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is or holds (in a list, tuple, deque or dict, two levels deep) a tensor or a NumPy array."""
+    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
+        return True
+    if depth < 2 and isinstance(value, (list, tuple, deque)):
+        return any(_holds_tensors(v, depth + 1) for v in _sample(value))
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_tensors(v, depth + 1) for v in _sample(list(value.values())))
+    return False
+
+
 def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
     """The datasets ``dataset`` is made of (itself and those it wraps: ``Subset.dataset``, ``ConcatDataset.datasets``,
     any dataset held as an attribute) and the tensors they hold (in their attributes and in those attributes'
@@ -530,11 +574,28 @@ def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
 
 
 def dataset_token(dataset: Any) -> Hashable:
-    """A dataset's identity and its tensors (:func:`dataset_parts`) by identity, shape and version counter: a record
-    written in place (a label relabelled from the batch) shows; contents are not read (a dataset's size is
-    unbounded), nor are caches of other types."""
-    tensors = tuple((path, (id(t), t._version, tuple(t.shape))) for path, t in dataset_parts(dataset)[1])
-    return ("dataset", type(dataset).__name__, id(dataset), tensors)
+    """A dataset's identity and its tensors (:func:`dataset_parts`) by identity, shape and version counter, and the
+    records its datasets hold as NumPy arrays or Python lists of numbers or strings (:func:`_records_token`): a
+    record written in place (a label relabelled from the batch) shows. Tensors' contents are not read (a dataset's
+    size is unbounded), nor are caches of other types (a dict a lazy ``__getitem__`` fills)."""
+    datasets, tensors = dataset_parts(dataset)
+    return ("dataset", type(dataset).__name__, id(dataset),
+            tuple((path, (id(t), t._version, tuple(t.shape))) for path, t in tensors),
+            tuple((key, token) for d in datasets for key, value in (vars(d).items() if hasattr(d, "__dict__") else ())
+                  for token in [_records_token(value)] if token is not None))
+
+
+def _records_token(value: Any) -> Optional[Hashable]:
+    """A NumPy array of records (:func:`_array_digest`) or a list of plain numbers or strings (labels kept as a
+    list: its length and hash), else ``None``."""
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+        return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
+    if isinstance(value, list) and value and isinstance(value[0], (int, float, str, bool)):
+        try:
+            return ("list", len(value), hash(tuple(value)))
+        except TypeError:  # an unhashable item further on
+            return ("list", len(value), id(value))
+    return None
 
 
 def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
@@ -550,9 +611,11 @@ def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
 def hyperparameters(optimizer: Any) -> Fingerprint:
     """What sets the next update besides the released gradient, as fingerprint entries: each parameter group's
     hyper-parameters (every key but ``params``: learning rate, momentum, betas, weight decay, …;
-    ``"optimizer param_groups[0].lr"``) and the optimizer's state (``"optimizer state[0][1].exp_avg"``: group,
-    parameter, key; a tensor by identity, shape and version counter, so an in-place write shows)."""
-    out: Fingerprint = {}
+    ``"optimizer param_groups[0].lr"``), its ``defaults`` (``"optimizer defaults.lr"``) and its state
+    (``"optimizer state[0][1].exp_avg"``: group, parameter, key; a tensor by identity, shape and version counter, so an
+    in-place write shows)."""
+    out: Fingerprint = {f"optimizer defaults.{key}": _hyper_token(value)
+                        for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
     for i, group in enumerate(optimizer.param_groups):
         out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
                     for key, value in group.items() if key != "params"})
@@ -562,6 +625,30 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
                          else _hyper_token(value))
                 out[f"optimizer state[{i}][{j}].{key}"] = token
     return out
+
+
+def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]]) -> list[str]:
+    """Run each of ``replays`` (the loop's batch hooks on different examples) from the optimizer as it is now,
+    putting its hyper-parameters back after each, and name what the data steers: a hyper-parameter or default the
+    replays set to different values (a learning rate from the loss; a warm-up from the step count sets the same
+    value whatever the batch, and is allowed), or a state entry any replay wrote (a moment written from the batch)."""
+    before = hyperparameters(optimizer)
+    saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+             dict(getattr(optimizer, "defaults", None) or {}))
+    seen: list[Fingerprint] = []
+    for replay in replays:
+        try:
+            replay()
+        finally:
+            seen.append(hyperparameters(optimizer))
+            for group, values in zip(optimizer.param_groups, saved[0]):
+                group.update(values)
+            if isinstance(getattr(optimizer, "defaults", None), dict):
+                optimizer.defaults.clear()
+                optimizer.defaults.update(saved[1])
+    state = {n for h in seen for n in StateFingerprint.changed(before, h) if n.startswith("optimizer state")}
+    steered = {n for h in seen[1:] for n in StateFingerprint.changed(seen[0], h)}
+    return sorted(state | steered)
 
 
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
@@ -695,5 +782,19 @@ def _numpy_token(value: Any) -> Optional[Hashable]:
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             return ("ndarray", value.shape, "object", id(value))
-        return ("ndarray", value.shape, str(value.dtype), hashlib.blake2b(value.tobytes(), digest_size=16).digest())
+        return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
     return None
+
+
+ARRAY_BYTES = 1 << 20
+"""NumPy arrays up to this size are compared by a digest of all their bytes; larger ones (a datamodule's raw data)
+by their identity, memory address and a digest of :data:`ARRAY_BYTES` bytes in strided rows, every step."""
+
+
+def _array_digest(value: Any) -> bytes:
+    if value.nbytes <= ARRAY_BYTES:
+        return _digest(value.tobytes())
+    flat = value.reshape(-1) if value.flags.c_contiguous else value.ravel()
+    stride = max(1, flat.size // (ARRAY_BYTES // max(1, value.itemsize)))
+    return _digest(flat[::stride].tobytes()) + id(value).to_bytes(8, "little") + \
+        value.__array_interface__["data"][0].to_bytes(8, "little")

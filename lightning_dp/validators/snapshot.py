@@ -13,12 +13,13 @@ gets its old values), to :data:`~lightning_dp.validators.kept_state.MAX_DEPTH` l
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.validators.kept_state import MAX_DEPTH, framework_keys
+from lightning_dp.validators.kept_state import MAX_DEPTH, class_attributes, framework_keys
 
 Restore = Callable[[], None]
 
@@ -103,6 +104,11 @@ def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
     return put
 
 
+def _rebind_class_attribute(cls: type, key: str, value: Any) -> None:
+    if vars(cls).get(key, _ABSENT) is not value:
+        setattr(cls, key, value)
+
+
 def _copy_tensor(target: Tensor, saved: Tensor) -> None:
     with torch.no_grad():
         if target.shape == saved.shape:
@@ -143,6 +149,10 @@ class StateSnapshot:
             restores.append(_attributes(m, keys, 0))
         for cb in callbacks:
             restores.append(_attributes(cb, list(vars(cb)), 0))
+        users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
+        for cls, key, value in class_attributes(type(obj) for obj in users):  # `history = []` in a class body
+            restores.append(_contents(value, 0))
+            restores.append(partial(_rebind_class_attribute, cls, key, value))
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         self._restores = restores

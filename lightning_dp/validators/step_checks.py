@@ -46,7 +46,9 @@ class StepChecks:
             to_device: moves a collated batch where the model is.
             what: how errors name ``loss_of_batch`` (e.g. ``"training_step"``).
             replay_hooks: runs the hooks a training loop calls around a step (batch start and end) on a batch, so
-                that state they keep from it is refused before the first release (see :meth:`verify_on`).
+                that state they keep from it is refused before the first release (see :meth:`verify_on`); called
+                with the probe's examples and with the first half of them (a hyper-parameter set apart by the two is
+                set from the data).
         """
         assert self.plan is not None and self._batches is not None, "poisson_loader() first"
         where = self.distribution
@@ -55,7 +57,8 @@ class StepChecks:
         else:
             indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
         replay = None if replay_hooks is None else (
-            lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True))))  # noqa: E731
+            lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True)),  # noqa: E731
+                                     to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
                        low_precision, what, replay)
 

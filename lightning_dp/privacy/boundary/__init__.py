@@ -19,13 +19,11 @@ release it would corrupt, naming the fix:
    cover. Validation is outside (its data is not the training set): checked at its start, baselined at its
    end. A checkpoint is checked before it is written. State declared ``public_state`` is skipped: the user
    says it is not derived from the training data, or accepts that it leaves unprotected, like a logged metric.
-4. **The parameter set** (:func:`parameter_signature`): the trainable parameters and their names are those
-   the engine was attached to and the probe verified; a change (a pruning callback renaming ``weight`` to
-   ``weight_orig``, a finetuning callback unfreezing layers) re-attaches and re-verifies before the next
-   release, or is refused.
+4. **The parameter set** (:func:`parameter_signature`): the trainable parameters and their names are those the
+   engine was attached to and the probe verified; a change re-attaches and re-verifies, or is refused.
 5. (Examples do not interact: :mod:`lightning_dp.validators`, the probe and the batch check.)
-6. **No logged value feeds back** (:mod:`.feedback`): a scheduler or callback monitoring a value a training hook
-   logged (steering the learning rate, the stop or the kept checkpoint by it) is refused before the next release.
+6. **No logged value feeds back** (:mod:`.feedback`, :mod:`lightning_dp.validators.logged_reads`): nothing monitors,
+   or reads back inside a step, a value a training hook logged; a reader's later writes are kept state.
 
 What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
 """
@@ -189,7 +187,12 @@ class ReleaseBoundary:
     def new_datasets(self) -> None:
         """The loader was built on (other) records: the baseline takes them as they are now."""
         if self._fingerprint is not None and self._baseline is not None:
-            self._baseline = self._fingerprint.with_new_datasets(self._baseline)
+            self._baseline = self._fingerprint.with_new_datasets(self._baseline, self.callbacks())
+
+    def watch(self, callback: Any) -> None:
+        """``callback`` read a value logged from the data: its state is kept state from now on (baseline: as it is)."""
+        if self._fingerprint is not None and self._baseline is not None:
+            self._baseline = self._fingerprint.watch(callback, self._baseline, self.callbacks())
 
     def ensure_baseline(self) -> None:
         """Take a baseline if none was taken (a plain loop: after its ``verify()``)."""

@@ -141,3 +141,61 @@ def test_a_parameter_written_through_data_is_refused_before_the_release():
                 opt.step()
     finally:
         step.detach()
+
+
+class BatchEndWarmup(Classifier):
+    """A linear warm-up set at batch end from the step count alone (public: the same whatever the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: list[float] = []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for group in self.optimizers().optimizer.param_groups:
+            group["lr"] = min(1.0, (self.global_step + 1) / 10)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+def test_a_warmup_from_the_step_count_at_batch_end_is_allowed_and_the_replays_leave_the_rate_as_it_was():
+    model = BatchEndWarmup()
+    dp = fit(model, steps=4, public_state=["rates"])
+    assert dp.ledger.steps == 4
+    assert model.rates == pytest.approx([1.0, 0.2, 0.3, 0.4]), \
+        "the first update at the optimizer's own rate: the replays' warm-up values were put back"
+
+
+class LateBatchEndSetsLearningRate(Classifier):
+    """Sets the learning rate from the loss at batch end, from the third batch of an epoch on."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= 2:
+            self.optimizers().optimizer.param_groups[0]["lr"] = 0.1 * float(outputs["loss"])
+
+
+def test_a_rate_set_from_the_loss_only_later_in_an_epoch_is_refused_before_any_release():
+    """The replay as of the plan's last step runs with an epoch's last batch_idx."""
+    m = LateBatchEndSetsLearningRate()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)from the batch.*param_groups\[0\]\.lr"):
+        fit(m, steps=6)
+    assert unchanged(before, m)
+
+
+class StashInDefaults(Classifier):
+    """Keeps the last loss in the optimizer's ``defaults`` and scales the next loss by it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * self.optimizers().optimizer.defaults.get("memory", 1.0)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.optimizers().optimizer.defaults["memory"] = float(outputs["loss"])
+
+
+def test_data_kept_in_the_optimizers_defaults_is_refused_before_any_release():
+    m = StashInDefaults()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=r"optimizer defaults\.memory"):
+        fit(m, steps=3)
+    assert unchanged(before, m)

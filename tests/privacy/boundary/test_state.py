@@ -103,8 +103,8 @@ class WarmupWriter(Classifier):
 
 
 class LateWriter(Classifier):
-    """Keeps batch statistics from its own fourth call on: a counter of its own (declared public) that the first step's
-    replays (three calls, restored after) never bring there, so only the per-step comparison can see the write."""
+    """Keeps batch statistics from its own fifth call on: a counter of its own (declared public) that the first step's
+    replays (four calls, restored after) never bring there, so only the per-step comparison can see the write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,7 +113,7 @@ class LateWriter(Classifier):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.calls += 1
-        if self.calls >= 4:
+        if self.calls >= 5:
             self.stat.copy_(batch[0].mean(0))
 
 
@@ -125,7 +125,7 @@ class LateStatistic(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.calls += 1
-        if self.calls >= 4:
+        if self.calls >= 5:
             pl_module.stat.copy_(batch[0].mean(0))
 
 
@@ -169,7 +169,7 @@ def test_a_write_that_starts_later_is_refused_before_the_next_release():
     with pytest.raises(StateWrittenError, match="buffer stat") as info:
         fit(model, steps=6, public_state=["calls"])
     assert "between the last update and this release" in str(info.value)
-    assert model.trainer.strategy.ledger.steps == 4, "steps 0-3 released; the write after step 3 refused at step 4"
+    assert model.trainer.strategy.ledger.steps == 5, "steps 0-4 released; the write after step 4 refused at step 5"
 
 
 def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
@@ -180,7 +180,7 @@ def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
         quiet_trainer(strategy=strategy(public_state=["LateStatistic.calls", "calls"]), max_steps=6,
                       callbacks=[LateStatistic(), ckpt], enable_checkpointing=True).fit(model, loader())
     saved = list(tmp_path.glob("*.ckpt"))
-    assert len(saved) == 3, "the checkpoints of steps 1-3 are written, none after the write"
+    assert len(saved) == 4, "the checkpoints of steps 1-4 are written, none after the write"
     assert not torch.load(saved[0], weights_only=False)["state_dict"]["stat"].any()
 
 

@@ -1,0 +1,194 @@
+"""Values logged from the training data are reports, not inputs: the user's code reading them back is watched.
+
+``self.log("train_loss", loss)`` in a training hook puts an un-noised statistic of the private batch into the
+trainer's ``callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics``. Shown by a logger or the progress bar
+it is a report, outside the guarantee and said so (the README's caveats). Read back by the user's code it can steer
+training without noise: a loss scaled by the last logged loss, a learning rate set from it, a callback that keeps it
+for the model to read. During a private fit those three dicts are :class:`LoggedMetrics`; when the user's code (the
+first caller outside the standard library that is not a library's: torch, Lightning, lightning_dp, …) reads a value a
+training hook logged (:func:`~lightning_dp.validators.monitored.training_logged`, kept for the whole fit):
+
+* inside a step, before its update (``training_step``, the forward, ``backward``, ``on_train_batch_start``,
+  ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``, ``optimizer_step``, the schedulers'
+  ``lr_scheduler_step``): refused at once; there it can only steer the release or the update;
+* anywhere else (``on_train_batch_end``, epoch hooks, validation): allowed (a callback printing the loss), and the
+  reader is told to the release boundary (:attr:`LoggedReads.on_read`), which from then on fingerprints the reading
+  callback, so that keeping the value is refused before the next release; and the optimizers' hyper-parameters as
+  they were at the read are compared before the next release (:meth:`LoggedReads.check_release`: a learning rate
+  set from the value is refused; a scheduler's step, which may change ``lr`` and momenta, is not).
+
+Reads through ``[]``, ``get``, ``items``, ``values``, ``pop``, ``copy`` and ``copy.deepcopy`` are seen; ``dict(m)`` and
+``{**m}`` (which CPython copies without calling them) and Lightning's private ``trainer._results`` are not.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterable, Optional
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.kept_state import (_LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
+                                                hyperparameters_error)
+
+STEP_HOOKS = frozenset({
+    "training_step", "backward", "on_train_batch_start", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping", "on_before_zero_grad",
+    "optimizer_zero_grad", "lr_scheduler_step"})
+"""The hooks Lightning runs inside a step before its update (as ``LightningModule._current_fx_name`` names them), and
+the schedulers' step: a training-logged value read there can only steer the release or the update."""
+
+SCHEDULED = frozenset({"lr", "initial_lr", "momentum", "betas", "max_lr", "base_lr", "max_momentum", "base_momentum"})
+"""The hyper-parameters torch's schedulers set (learning rates, momenta): their change is a scheduler's when one
+stepped."""
+
+_LIBRARIES = frozenset(_LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX", "tqdm", "rich", "pandas", "yaml",
+                                              "fsspec", "wandb", "mlflow", "neptune", "comet_ml", "_pytest", "pluggy"}
+_STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
+_THIS = __name__
+
+
+class LoggedReads:
+    """The watch over one trainer's logged metrics during a private fit.
+
+    Args:
+        trainer: the Lightning trainer.
+        private: the names whose values are the training data's now (logged by a training hook, not declared public
+            nor ε's), as :func:`~lightning_dp.validators.monitored.training_logged` finds them.
+        on_read: told ``(reader, names)`` when the user's code reads such values outside a step; ``reader`` is the
+            object whose method read them (a callback, the module) or ``None``.
+    """
+
+    def __init__(self, trainer: Any, private: Callable[[], Iterable[str]],
+                 on_read: Callable[[Any, list[str]], None] = lambda reader, names: None) -> None:
+        self.trainer = trainer
+        self.private = private
+        self.on_read = on_read
+        self.active = False
+        self._names: set[str] = set()  # every name logged by a training hook this fit (the results reset each epoch)
+        self._read: Optional[tuple[list[str], Fingerprint, list[Any]]] = None  # names, hyper-parameters, schedulers
+
+    def install(self) -> None:
+        """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
+        connector = getattr(self.trainer, "_logger_connector", None)
+        if connector is None:
+            return
+        for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
+            current = getattr(connector, attribute, None)
+            if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
+                setattr(connector, attribute, LoggedMetrics(current, self))
+        self.active = True
+
+    def stop(self) -> None:
+        """Training is over: the logged values may be read (a report of the run)."""
+        self.active = False
+
+    def check(self, keys: Iterable[Any]) -> None:
+        """Called by :class:`LoggedMetrics` before ``keys`` are read: refuse or report a read by the user's code."""
+        if not self.active:
+            return
+        reader = _users_frame()
+        if reader is None:
+            return
+        self._names |= set(self.private())
+        names = sorted(str(k) for k in keys if k in self._names)
+        if not names:
+            return
+        module = getattr(self.trainer, "lightning_module", None)
+        hook = getattr(module, "_current_fx_name", None)
+        if hook in STEP_HOOKS:
+            raise logged_read_error(names, f"in {hook}")
+        if self._read is None:
+            self._read = (names, self._hyperparameters(), self._scheduler_steps())
+        self.on_read(reader.f_locals.get("self"), names)
+
+    def check_release(self) -> None:
+        """Before a release: refuse if the optimizers' hyper-parameters changed since the user's code read a
+        training-logged value (outside a step), other than by a scheduler's step (``lr``, momenta)."""
+        taken, self._read = self._read, None
+        if taken is None:
+            return
+        names, before, steps = taken
+        stepped = self._scheduler_steps() != steps
+        changed = [n for n in StateFingerprint.changed(before, self._hyperparameters())
+                   if not (stepped and n.rpartition(".")[2] in SCHEDULED)]
+        if changed:
+            raise hyperparameters_error(changed, f"after the user's code read {', '.join(repr(n) for n in names)}, "
+                                        "logged from the training data (outside a step)")
+
+    def _hyperparameters(self) -> Fingerprint:
+        return {f"[{i}] {k}": v for i, opt in enumerate(getattr(self.trainer, "optimizers", ()) or ())
+                for k, v in hyperparameters(opt).items()}
+
+    def _scheduler_steps(self) -> list[Any]:
+        return [getattr(c.scheduler, "last_epoch", None) for c in getattr(self.trainer, "lr_scheduler_configs", ())]
+
+
+def logged_read_error(names: list[str], where: str) -> PrivacyConfigurationError:
+    """The refusal of a training-logged value read back inside a step."""
+    return PrivacyConfigurationError(
+        f"The logged value(s) {', '.join(repr(n) for n in names)} were read back {where}: they were logged by a "
+        "training hook from the private batch, without noise, and read here they steer this step's release or update "
+        "(a loss scaled by the last loss, a learning rate set from it), outside the guarantee. Nothing more was "
+        "released. Steer training by the step count or by metrics of held-out data (logged in validation_step); or, "
+        "if the value is computed from public data only, declare it: DPStrategy(public_state=[name]) "
+        "(docs/release_boundary.md, rule 10).")
+
+
+class LoggedMetrics(dict):
+    """One of the trainer's metric dicts, whose reads are shown to :class:`LoggedReads` first."""
+
+    def __init__(self, data: Any = (), reads: Optional[LoggedReads] = None) -> None:
+        super().__init__(data)
+        self.reads = reads  # None: a copy Lightning made of it (``apply_to_collection`` at teardown), not watched
+
+    def _check(self, keys: Iterable[Any]) -> None:
+        if self.reads is not None:
+            self.reads.check(keys)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check((key,))
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            self._check((key,))
+        return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self._check((key,))
+        return super().pop(key, *default)
+
+    def items(self) -> Any:
+        self._check(self.keys())
+        return super().items()
+
+    def values(self) -> Any:
+        self._check(self.keys())
+        return super().values()
+
+    def copy(self) -> dict:
+        self._check(self.keys())
+        return dict(super().items())
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        import copy
+
+        self._check(self.keys())
+        return copy.deepcopy(dict(super().items()), memo)
+
+    def __reduce__(self) -> Any:  # pickled (a checkpoint, a spawned process) as the plain dict it stands for
+        return (dict, (dict(super().items()),))
+
+
+def _users_frame() -> Optional[Any]:
+    """The frame of the first caller that is neither this module nor the standard library, if it is the user's code
+    (not a library's)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        top = name.split(".")[0]
+        if name != _THIS and top not in _STANDARD:
+            return None if top in _LIBRARIES else frame
+        frame = frame.f_back
+    return None

@@ -1,0 +1,172 @@
+"""Values logged from the training data, read back by the user's code (validators/logged_reads.py, rule 10 of
+docs/release_boundary.md): refused inside a step; elsewhere the reader's later writes are kept state."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier, fit, loader, parameters, strategy, unchanged  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.logged_reads import LoggedMetrics, LoggedReads  # noqa: E402
+
+
+class Logs(Classifier):
+    """Logs its training loss (per step and per epoch)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+class ScalesByLastLoss(Logs):
+    """Scales its loss by the last logged one (read inside training_step)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        last = self.trainer.callback_metrics.get("train_loss_step")
+        loss = super().training_step(batch, batch_idx)
+        return loss if last is None else loss * float(last)
+
+
+def test_a_logged_loss_read_inside_training_step_is_refused_before_that_release():
+    model = ScalesByLastLoss()
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)'train_loss_step' were read back in training_step"):
+        quiet_trainer(strategy=dp, max_steps=4).fit(model, loader())
+    assert dp.ledger.steps == 1, "the first step (nothing logged yet) released; the second refused"
+
+
+def test_a_name_declared_public_may_be_read_back():
+    dp = fit(ScalesByLastLoss(), steps=3, public_state=["train_loss*"])
+    assert dp.ledger.steps == 3
+
+
+class RateFromLossAfterUpdate(Logs):
+    """Lightning's documented optimizer_step override, setting the rate from the logged loss after the update."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * float(self.trainer.callback_metrics["train_loss_step"])
+
+
+def test_a_rate_set_from_the_logged_loss_in_optimizer_step_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match="read back in optimizer_step"):
+        fit(RateFromLossAfterUpdate(), steps=3)
+
+
+class Keeps(pl.Callback):
+    """Keeps the epoch's training loss (a callback handed no batch)."""
+
+    def __init__(self) -> None:
+        self.last = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last = float(trainer.callback_metrics["train_loss_epoch"])
+
+
+def test_a_callback_that_keeps_a_logged_value_is_refused_before_the_next_release():
+    keeps = Keeps()
+    model = Logs()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)between the last update and this release.*Keeps\.last"):
+        fit(model, steps=8, callbacks=[keeps])  # 4 steps an epoch: refused at the fifth release
+    assert model.trainer.strategy.ledger.steps == 4
+
+
+class ManualPlateau(pl.Callback):
+    """Halves the rate at epoch end when the training loss went up (ReduceLROnPlateau by hand)."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if float(trainer.callback_metrics["train_loss_epoch"]) > 0.0:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] *= 0.5
+
+
+def test_a_rate_set_at_epoch_end_from_the_logged_loss_is_refused_before_the_next_release():
+    model = Logs()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)after the user's code read 'train_loss_epoch'.*param_groups\[0\]\.lr"):
+        fit(model, steps=8, callbacks=[ManualPlateau()])
+    assert model.trainer.strategy.ledger.steps == 4
+
+
+class Prints(pl.Callback):
+    """Reports the training loss, at batch end and epoch end (keeps nothing)."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        print({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        print(f"epoch loss {float(trainer.callback_metrics['train_loss_epoch']):.3f}")
+
+
+class LogsWithSchedule(Logs):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+
+def test_reporting_a_logged_value_with_a_scheduler_stepping_is_allowed_and_it_is_readable_after_the_fit(capsys):
+    model = LogsWithSchedule()
+    dp = fit(model, steps=8, callbacks=[Prints()])
+    assert dp.ledger.steps == 8
+    assert "epoch loss" in capsys.readouterr().out
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.25), "two epochs, two halvings"
+    assert float(model.trainer.callback_metrics["train_loss_epoch"]) > 0  # the fit is over: a report
+
+
+class ValidationSteered(Logs):
+    """Reads a held-out metric inside training_step (allowed: validation data is not the training set)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        held_out = self.trainer.callback_metrics.get("val_loss")
+        loss = super().training_step(batch, batch_idx)
+        return loss if held_out is None else loss * (1 + 0 * float(held_out))
+
+
+def test_a_held_out_metric_may_be_read_inside_a_step():
+    model = ValidationSteered()
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=6, val_check_interval=2, limit_val_batches=1).fit(
+        model, loader(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=8))
+    assert dp.ledger.steps == 6
+
+
+def test_the_metrics_dict_sees_each_way_of_reading_a_value_and_pickles_as_a_plain_dict():
+    import copy
+    import pickle
+
+    class Trainer:
+        lightning_module = None
+
+    reads = LoggedReads(Trainer(), lambda: ["secret"])
+    reads.active = True
+    metrics = LoggedMetrics({"secret": torch.tensor(1.0), "other": 2}, reads)
+    seen = []
+    reads.on_read = lambda reader, names: seen.append(tuple(names))
+    assert metrics["other"] == 2 and not seen
+    for read in (lambda m: m["secret"], lambda m: m.get("secret"), lambda m: list(m.items()),
+                 lambda m: list(m.values()), lambda m: m.copy(), lambda m: copy.deepcopy(m)):
+        read(metrics)
+    assert seen == [("secret",)] * 6
+    assert type(pickle.loads(pickle.dumps(metrics))) is dict
+    reads.stop()
+    metrics["secret"]
+    assert len(seen) == 6, "after the fit: not watched"
