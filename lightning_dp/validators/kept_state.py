@@ -18,15 +18,17 @@ state it can see and refuses a change that the optimizer's step on the released 
   a torchmetrics ``Metric`` contributes only its persistent states (non-persistent ones feed ``self.log``,
   whose values are reported, not released: see the README's caveats);
 * the same attributes of every callback that is handed the batch (it overrides ``on_train_batch_start``,
-  ``on_train_batch_end`` or ``on_before_backward``) and is not one of Lightning's or lightning_dp's own, and
-  what its ``state_dict()`` returns (what a checkpoint keeps of it).
-
-* public attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training
-  loader) after the first fingerprint: ``trainer.memory = batch`` (``library_objects``; set by the Lightning glue);
+  ``on_train_batch_end`` or ``on_before_backward``), or that read a value logged from the data (:meth:`watch`), and
+  is not one of Lightning's or lightning_dp's own, and what its ``state_dict()`` returns (what a checkpoint keeps of
+  it); and of the user's LightningDataModule;
+* the data held by the user's classes themselves (:func:`class_attributes`: ``history = []`` in a class body);
+* attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader) after
+  the first fingerprint: ``trainer.memory = batch``, and private names holding a tensor or an array
+  (``library_objects``; set by the Lightning glue);
 * what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
   a partial's arguments, a bound method's object), hooks defined by libraries (the engine's) left out;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
-  version counter, so a record written in place shows);
+  version counter, so a record written in place shows), and its records kept as NumPy arrays or lists;
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
   the callbacks above), read as attributes are, under the Lightning strategies (a plain loop's own globals change
   every iteration).

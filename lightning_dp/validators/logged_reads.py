@@ -79,8 +79,14 @@ class LoggedReads:
         self.active = True
 
     def stop(self) -> None:
-        """Training is over: the logged values may be read (a report of the run)."""
+        """Training is over: the logged values may be read (a report of the run); the trainer's dicts are plain
+        dicts again (Lightning copies them by their type and saves them: a spawned process's results)."""
         self.active = False
+        connector = getattr(self.trainer, "_logger_connector", None)
+        for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
+            current = getattr(connector, attribute, None)
+            if isinstance(current, LoggedMetrics):
+                setattr(connector, attribute, dict(super(LoggedMetrics, current).items()))
 
     def check(self, keys: Iterable[Any]) -> None:
         """Called by :class:`LoggedMetrics` before ``keys`` are read: refuse or report a read by the user's code."""
