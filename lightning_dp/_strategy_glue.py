@@ -47,9 +47,9 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.kept_state import (hyperparameters_error, steered_hyperparameters, trusted_callback,
                                                 user_modules)
-from lightning_dp.validators.logged_reads import LoggedReads
+from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged
-from lightning_dp.validators.record_reads import refuse_record_reads
+from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -114,6 +114,7 @@ class PrivateTraining:
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
+        self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -283,6 +284,11 @@ class PrivateTraining:
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
+        datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
+        self._record_watch = RecordWatch(datasets[0] if datasets else None,
+                                         lambda: getattr(trainer.lightning_module, "_current_fx_name", None)
+                                         in STEP_HOOKS, "The step (training_step or a hook Lightning runs in it)")
+        self._record_watch.start()
 
     def _exempt(self, name: str) -> bool:
         """A logged name whose value is not the training data's: ε, or declared public."""
@@ -292,6 +298,8 @@ class PrivateTraining:
         """Rule 10's findings for the boundary; first, a hyper-parameter set after a logged value was read."""
         if self._logged_reads is not None:
             self._logged_reads.check_release()
+        if self._record_watch is not None:
+            self._record_watch.check()
         return fed_back(trainer, self._exempt)
 
     def _read_logged(self, trainer: "pl.Trainer", reader: Any) -> None:
@@ -314,9 +322,15 @@ class PrivateTraining:
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
         super().on_train_end()  # type: ignore[misc]
+        self._stop_watching()
+        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)")
+
+    def _stop_watching(self) -> None:
+        """Training is over (or failed): the logged metrics and the records are no longer watched."""
         if self._logged_reads is not None:
             self._logged_reads.stop()
-        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)")
+        if self._record_watch is not None:
+            self._record_watch.stop()
 
     def _fitting(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -325,8 +339,7 @@ class PrivateTraining:
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown."""
         self.private_step.detach()
-        if self._logged_reads is not None:
-            self._logged_reads.stop()
+        self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
@@ -437,11 +450,12 @@ class PrivateTraining:
         return mean_loss(out, n)
 
     def _users_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The user's ``training_step``, refused when it reads training records itself
+        """The user's ``training_step``, refused when it (or a hook before it) read training records itself
         (:mod:`~lightning_dp.validators.record_reads`)."""
-        datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
-        with refuse_record_reads(datasets[0] if datasets else None):
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if self._record_watch is not None:
+            self._record_watch.check()
+        return out
 
     def _chunks(self, indices: list[int], limit: int) -> list[list[int]]:
         """The step's records cut into physical batches of at most ``limit``; user-level DP cuts between users only

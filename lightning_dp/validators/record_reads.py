@@ -3,12 +3,16 @@
 The accounting assumes each record enters step t only through the Poisson sample (probability q). A
 ``training_step`` that reads the training dataset itself — ``self.trainer.train_dataloader.dataset[i]`` for
 negatives, neighbours or a replay buffer — brings records the sampler did not draw into the step, outside that
-probability (and unclipped by their own examples' bounds where they act on every gradient). :func:`refuse_record_reads`
-watches the training dataset (and the datasets it wraps: ``Subset``, ``ConcatDataset``) while the user's step runs:
-its ``__getitem__``/``__getitems__`` are wrapped on their classes for that time only (restored after, so nothing of
-it is left between steps), and a read of a watched object is refused when the step returns — before its backward,
-hence before its release. The loader's own reads (the sample, fetched by Lightning's loop before the step) and the
-checks' (run before the step) are outside the window.
+probability (and unclipped by their own examples' bounds where they act on every gradient). :class:`RecordWatch`
+watches the training dataset (and the datasets it wraps: ``Subset``, ``ConcatDataset``): its
+``__getitem__``/``__getitems__`` are wrapped on their classes while watched (under Lightning: the fit's training; a
+plain loop: :func:`refuse_record_reads` around the user's step), and a read of a watched object while the step runs
+(under Lightning: while the module runs one of the hooks of a step before its update — ``training_step``,
+``on_train_batch_start``, ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``,
+``optimizer_step``: :data:`~.logged_reads.STEP_HOOKS`) is refused at once, and again before the release if a handler
+swallowed the error. The loader's own reads (the sample, fetched by Lightning's loop between the hooks), the checks'
+(:mod:`lightning_dp.records.fetch`) and reads in other hooks (a training accuracy over the whole set at epoch end,
+a report) are not counted.
 
 What it cannot see: reads that bypass the dataset's item access (``dataset.tensors[0][i]``), and other copies of the
 data (a tensor loaded again from disk).
@@ -16,9 +20,10 @@ data (a tensor loaded again from disk).
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import dataset_parts
@@ -26,43 +31,88 @@ from lightning_dp.validators.kept_state import dataset_parts
 _METHODS = ("__getitem__", "__getitems__")
 
 
-@contextmanager
-def refuse_record_reads(dataset: Any) -> Iterator[None]:
-    """Run the user's step; refuse, when it returns, if it read records of ``dataset`` or of the datasets it is made
-    of (:func:`~.kept_state.dataset_parts`) itself. ``None``: nothing is watched."""
-    if dataset is None:
-        yield
-        return
-    watched = dataset_parts(dataset)[0]
-    ids = {id(d) for d in watched}
-    reads: list[str] = []
-    saved: list[tuple[type, str, Any]] = []
-    thread = threading.get_ident()
-    for cls in {type(d) for d in watched}:
-        for name in _METHODS:
-            original = getattr(cls, name, None)  # its own or inherited: set on the class itself for the step
-            if original is None:
-                continue
+class RecordWatch:
+    """Counts reads of the training records (``dataset`` and the datasets it is made of:
+    :func:`~.kept_state.dataset_parts`) through their classes' item access while :meth:`start`-ed and ``counting()``
+    says so; lightning_dp's own reads (:mod:`lightning_dp.records.fetch`: the probe's, the checks') are not counted.
 
-            def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-                if id(obj) in ids and threading.get_ident() == thread:
-                    reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
-                return _original(obj, *args, **kwargs)
+    Args:
+        dataset: the training dataset (``None``: nothing is watched).
+        counting: whether a read now is one of the step's (the Lightning glue: the module runs a hook of the step).
+        where: how the refusal names where the reads happened.
+    """
 
-            saved.append((cls, name, cls.__dict__.get(name)))
-            setattr(cls, name, counting)
-    try:
-        yield
-    finally:
-        for cls, name, own in saved:
+    def __init__(self, dataset: Any, counting: Callable[[], bool] = lambda: True,
+                 where: str = "training_step") -> None:
+        self.watched = dataset_parts(dataset)[0] if dataset is not None else []
+        self.counting = counting
+        self.where = where
+        self.reads: list[str] = []
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def start(self) -> None:
+        """Wrap the item access of the watched datasets' classes (on the classes: ``obj[i]`` looks them up there)."""
+        if self._saved or not self.watched:
+            return
+        ids, thread = {id(d) for d in self.watched}, threading.get_ident()
+        for cls in {type(d) for d in self.watched}:
+            for name in _METHODS:
+                original = getattr(cls, name, None)  # its own or inherited: set on the class itself while watched
+                if original is None:
+                    continue
+
+                def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                    if id(obj) in ids and threading.get_ident() == thread and self.counting() and not _ours():
+                        self.reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
+                        raise self.error(self.reads)  # at once; and again at check() if a handler swallows it
+                    return _original(obj, *args, **kwargs)
+
+                self._saved.append((cls, name, cls.__dict__.get(name)))
+                setattr(cls, name, counting)
+
+    def stop(self) -> None:
+        """Put the classes back as they were."""
+        for cls, name, own in reversed(self._saved):
             if own is None:
                 delattr(cls, name)
             else:
                 setattr(cls, name, own)
-    if reads:
-        raise PrivacyConfigurationError(
-            f"training_step read records of the training dataset itself ({', '.join(reads[:3])}"
+        self._saved = []
+
+    def check(self) -> None:
+        """Refuse if records were read since the last check."""
+        reads, self.reads = self.reads, []
+        if reads:
+            raise self.error(reads)
+
+    def error(self, reads: list[str]) -> PrivacyConfigurationError:
+        """The refusal of ``reads``."""
+        return PrivacyConfigurationError(
+            f"{self.where} read records of the training dataset itself ({', '.join(reads[:3])}"
             f"{' and more' if len(reads) > 3 else ''}): only the Poisson-sampled batch may enter a step, each "
             "record with probability q, which the accounting assumes. Records read besides it (negatives, "
             "neighbours, a replay buffer) enter every step unaccounted for. Nothing was released. Use the batch "
             "the step is handed; take extra examples from public data.")
+
+
+def _ours() -> bool:
+    """Whether lightning_dp's own reading of examples (:mod:`lightning_dp.records.fetch`) is on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "lightning_dp.records.fetch":
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextmanager
+def refuse_record_reads(dataset: Any) -> Iterator[None]:
+    """Run the user's step; refuse, when it returns, if it read records of ``dataset`` or of the datasets it is made
+    of (:func:`~.kept_state.dataset_parts`) itself. ``None``: nothing is watched."""
+    watch = RecordWatch(dataset)
+    watch.start()
+    try:
+        yield
+    finally:
+        watch.stop()
+    watch.check()

@@ -77,3 +77,49 @@ def test_the_datasets_a_dataset_is_made_of_unwrap_subsets_and_concatenations():
     found, tensors = dataset_parts(chain)
     assert any(d is a for d in found) and any(d is b for d in found) and len(found) == 5
     assert {id(t) for _, t in tensors} == {id(t) for t in (*a.tensors, *b.tensors)}
+
+
+class InjectsAtBatchStart(Classifier):
+    """Writes a training record into the batch in on_train_batch_start (a hard negative, outside the sample)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        batch[0][0] = self.trainer.train_dataloader.dataset[0][0]
+
+
+class ReadsAfterBackward(Classifier):
+    """Reads a record in on_before_optimizer_step, from the third step on (after the first step's checks)."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.global_step >= 2:
+            self.trainer.train_dataloader.dataset[3]
+
+
+@pytest.mark.parametrize("model, released", [(InjectsAtBatchStart, 0), (ReadsAfterBackward, 2)])
+def test_a_hook_of_the_step_reading_training_records_is_refused_before_the_update(model, released):
+    m = model()
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)hook Lightning runs in it\) read records"):
+        quiet_trainer(strategy=dp, max_steps=4).fit(m, DataLoader(data(64), batch_size=16))
+    assert m.trainer.global_step == released, "the refused step's update was not made"
+    assert "__getitem__" not in TensorDataset.__dict__ or TensorDataset.__getitem__ is ORIGINAL
+
+
+ORIGINAL = TensorDataset.__getitem__
+
+
+class TrainingAccuracyAtEpochEnd(Classifier):
+    """Reports the accuracy over the whole training set at epoch end (a report: allowed)."""
+
+    def on_train_epoch_end(self) -> None:
+        dataset = self.trainer.train_dataloader.dataset
+        with torch.no_grad():
+            right = sum(int(self(dataset[i][0][None]).argmax() == dataset[i][1]) for i in range(len(dataset)))
+        self.accuracy = right / len(dataset)
+
+
+def test_reading_the_training_set_outside_a_step_is_not_refused():
+    m = TrainingAccuracyAtEpochEnd()
+    dp = strategy(public_state=["accuracy"])
+    quiet_trainer(strategy=dp, max_steps=8).fit(m, DataLoader(data(64), batch_size=16))
+    assert dp.ledger.steps == 8 and 0 <= m.accuracy <= 1
+    assert TensorDataset.__getitem__ is ORIGINAL, "the class is left as it was"
