@@ -782,7 +782,11 @@ def _observers(trainer: "pl.Trainer") -> list[Any]:
 def _loop_objects(trainer: "pl.Trainer") -> list[tuple[str, Any]]:
     """The loop's own objects a step could stash data on (attributes added to them are kept state)."""
     loader = getattr(trainer.fit_loop, "_combined_loader", None)
-    return [("trainer", trainer), ("trainer.strategy", trainer.strategy),
+    others = [("trainer.fit_loop", trainer.fit_loop), ("trainer.fit_loop.epoch_loop", trainer.fit_loop.epoch_loop),
+              ("trainer.accelerator", trainer.accelerator), ("trainer.precision_plugin", trainer.precision_plugin),
+              ("trainer.profiler", trainer.profiler), *[(f"trainer.loggers[{i}]", lg)
+                                                       for i, lg in enumerate(trainer.loggers)]]
+    return [("trainer", trainer), ("trainer.strategy", trainer.strategy), *others,
             *[(f"trainer.optimizers[{i}]", opt) for i, opt in enumerate(trainer.optimizers)],
             *[(f"self.optimizers()[{i}]", opt)  # the LightningOptimizer wrappers training_step is handed
               for i, opt in enumerate(getattr(trainer.strategy, "_lightning_optimizers", None) or [])],

@@ -22,9 +22,9 @@ state it can see and refuses a change that the optimizer's step on the released 
   is not one of Lightning's or lightning_dp's own, and what its ``state_dict()`` returns (what a checkpoint keeps of
   it); and of the user's LightningDataModule;
 * the data held by the user's classes themselves (:func:`class_attributes`: ``history = []`` in a class body);
-* attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader) after
-  the first fingerprint: ``trainer.memory = batch``, and private names holding a tensor or an array
-  (``library_objects``; set by the Lightning glue);
+* attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader, its
+  loops, accelerator, precision plugin, profiler and loggers) after the first fingerprint: ``trainer.memory = batch``,
+  and private names holding a tensor or an array (``library_objects``; set by the Lightning glue);
 * what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
   a partial's arguments, a bound method's object), hooks defined by libraries (the engine's) left out;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and

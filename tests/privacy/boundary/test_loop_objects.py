@@ -43,6 +43,34 @@ class StashesOnLoader(Classifier):
         return super().training_step(batch, batch_idx)
 
 
+def _stashes_on(path: str) -> type:
+    """A model keeping the last loss at batch end on ``self.trainer.<path>`` and scaling the next loss by it."""
+
+    def owner(module: Classifier) -> Any:
+        obj = module.trainer
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    class StashesOnLoopPart(Classifier):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch, batch_idx) * getattr(owner(self), "memory", 1.0)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            owner(self).memory = float(outputs["loss"])
+
+    return StashesOnLoopPart
+
+
+@pytest.mark.parametrize("path", ["fit_loop", "fit_loop.epoch_loop", "precision_plugin", "accelerator", "profiler"])
+def test_data_stashed_on_the_loops_other_parts_is_refused_before_any_release(path):
+    m = _stashes_on(path)()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=rf"attribute trainer\.{path.replace('.', '[.]')}\.memory"):
+        fit(m, steps=3)
+    assert unchanged(before, m)
+
+
 @pytest.mark.parametrize("model, entry", [(StashesOnTrainer, "trainer.memory"),
                                           (StashesOnOptimizer, r"trainer.optimizers\[0\].seen"),
                                           (StashesOnWrapper, r"self.optimizers\(\)\[0\].seen"),
