@@ -8,9 +8,10 @@ read twice: a repeated Subset index (``-1`` and ``n − 1`` included), a dataset
 ConcatDataset (oversampling), overlapping Subsets of one dataset. Poisson sampling gives each position its
 own chance per step, so that record's privacy loss would add up over its copies: refused.
 
-:class:`~lightning_dp.data.DistinctRecords` is looked through; any other dataset is a base, whatever its
-``__getitem__`` does (what it reads is the content check's to see: :mod:`.records`). Cost: a few NumPy
-operations per position, no data read.
+:class:`~lightning_dp.data.DistinctRecords` is looked through, and so is a dataset of the user's that is a view
+of one other dataset of its length (:func:`view_of`: an augmented copy, so ``ConcatDataset([base, Flipped(base)])``
+reads every record twice); any other dataset is a base, whatever its ``__getitem__`` does (what it reads is the
+content check's to see: :mod:`.records`). Cost: a few NumPy operations per position, no data read.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from torch.utils.data import ConcatDataset, Subset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.errors import PrivacyConfigurationError
@@ -26,8 +27,10 @@ from lightning_dp.errors import PrivacyConfigurationError
 _INDEX_BITS = 40
 """A source key is ``base number << 40 | index``: bases of up to 2⁴⁰ records."""
 
-REPEAT_FIX = ("Pass each record once: oversampling (a record listed twice, a dataset concatenated with itself) is not "
-              "compatible with DP accounting, whose unit is one record; to weight records, weight their losses.")
+REPEAT_FIX = ("Pass each record once: oversampling (a record listed twice, a dataset concatenated with itself or with "
+              "an augmented copy of itself) is not compatible with DP accounting, whose unit is one record; to weight "
+              "records, weight their losses; for several augmented views of each record, use "
+              "DPStrategy(augmentation_multiplicity=K) or lightning_dp.data.AugmentedViews.")
 
 
 def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
@@ -37,7 +40,7 @@ def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
         PrivacyConfigurationError: naming two such positions and the fix.
     """
     if not isinstance(dataset, (Subset, ConcatDataset, DistinctRecords)):
-        return  # a base: its positions are its records
+        return  # a base or a view of one (:func:`view_of`): its positions are its records
     positions = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
     bases: dict[int, tuple[int, Any]] = {}
     keys = _sources(dataset, positions, bases)
@@ -50,7 +53,8 @@ def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
         raise PrivacyConfigurationError(
             f"The training dataset reads one record more than once: positions {first} and {second} both read record "
             f"{index} of the same {type(base).__name__} ({len(same)} repeated reading(s) in all), through a Subset "
-            "index listed twice or a dataset reached twice in a ConcatDataset (or overlapping Subsets of it). Poisson "
+            "index listed twice or a dataset reached twice in a ConcatDataset (or overlapping Subsets of it, or a view "
+            "of it such as an augmented copy beside it). Poisson "
             "sampling gives every position its own chance per step, so that record's privacy loss would add up over "
             "its copies. " + REPEAT_FIX)
 
@@ -63,8 +67,27 @@ def _sources(dataset: Any, positions: np.ndarray, bases: dict[int, tuple[int, An
         return _sources(dataset.dataset, _through_subset(dataset, positions), bases)
     if isinstance(dataset, ConcatDataset):
         return _concat_sources(dataset, positions, bases)
+    inner = view_of(dataset)
+    if inner is not None:
+        return _sources(inner, positions, bases)
     number = bases.setdefault(id(dataset), (len(bases), dataset))[0]
     return (np.int64(number) << _INDEX_BITS) | positions
+
+
+def view_of(dataset: Any) -> Optional[Any]:
+    """The dataset ``dataset`` is a view of, if it is one: a dataset class of the user's (not torch's) whose
+    attributes hold exactly one other dataset, of the same length (``Flipped(base)`` returning ``base[i]`` flipped).
+    Position i is taken to read that dataset's record i: whatever its order, a view reads each of the other's
+    records once, so beside it in a ConcatDataset (the data "doubled by augmentation") every record is read twice."""
+    if (type(dataset).__module__ or "").split(".")[0] == "torch" or not hasattr(dataset, "__dict__"):
+        return None
+    held = [v for v in vars(dataset).values() if isinstance(v, Dataset) and v is not dataset]
+    if len(held) != 1:
+        return None
+    try:
+        return held[0] if len(held[0]) == len(dataset) else None
+    except TypeError:  # no len: an iterable dataset
+        return None
 
 
 def _through_subset(subset: Subset, positions: np.ndarray) -> np.ndarray:

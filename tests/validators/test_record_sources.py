@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import ConcatDataset, Subset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_dp import PrivacyConfigurationError
 from lightning_dp.data import DistinctRecords
@@ -42,3 +42,36 @@ def test_a_subset_index_outside_its_dataset_is_refused():
 
 def test_an_index_outside_that_is_never_read_is_no_concern():
     check_sources(Subset(_data(), [0, 1, 10]), [0, 1])
+
+
+class _Flipped(Dataset):
+    """An augmented copy of a dataset: record i of ``base``, its features reversed."""
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return x.flip(0), y
+
+
+def test_a_dataset_beside_an_augmented_copy_of_itself_is_refused():
+    base = TensorDataset(torch.randn(8, 3), torch.zeros(8))
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)positions 0 and 8 both read record 0.*augmentation_multip"):
+        check_sources(ConcatDataset([base, _Flipped(base)]), None)
+    check_sources(_Flipped(base), None)  # a view alone reads each record once
+    halves = ConcatDataset([Subset(base, range(4)), _Flipped(Subset(base, range(4, 8)))])
+    check_sources(halves, None)  # a copy of the other half: each record once
+
+
+def test_a_wrapper_of_another_length_is_a_base_of_its_own():
+    base = TensorDataset(torch.randn(8, 3), torch.zeros(8))
+
+    class Pairs(_Flipped):
+        def __len__(self) -> int:
+            return len(self.base) // 2
+
+    check_sources(ConcatDataset([base, Pairs(base)]), None)
