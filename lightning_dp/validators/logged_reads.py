@@ -17,14 +17,14 @@ training hook logged (:func:`~lightning_dp.validators.monitored.training_logged`
   they were at the read are compared before the next release (:meth:`LoggedReads.check_release`: a learning rate
   set from the value is refused; a scheduler's step, which may change ``lr`` and momenta, is not).
 
-Reads through ``[]``, ``get``, ``items``, ``values``, ``pop``, ``copy`` and ``copy.deepcopy`` are seen; ``dict(m)`` and
-``{**m}`` (which CPython copies without calling them) and Lightning's private ``trainer._results`` are not.
+Reads through ``[]``, ``get``, ``items``, ``values``, ``pop``, ``copy``, ``copy.copy``, ``copy.deepcopy``, ``dict(m)``
+and ``{**m}`` are seen; Lightning's private ``trainer._results`` is not.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import (_LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
@@ -118,8 +118,11 @@ class LoggedReads:
         changed = [n for n in StateFingerprint.changed(before, self._hyperparameters())
                    if not (stepped and n.rpartition(".")[2] in SCHEDULED)]
         if changed:
-            raise hyperparameters_error(changed, f"after the user's code read {', '.join(repr(n) for n in names)}, "
-                                        "logged from the training data (outside a step)")
+            error = hyperparameters_error(changed, f"after the user's code read {', '.join(repr(n) for n in names)}, "
+                                          "logged from the training data (outside a step)")
+            raise PrivacyConfigurationError(
+                f"{error} If the value was only reported (printed) and the rate is set from the step count, declare "
+                f"the name public: DPStrategy(public_state={names!r}).")
 
     def _hyperparameters(self) -> Fingerprint:
         return {f"[{i}] {k}": v for i, opt in enumerate(getattr(self.trainer, "optimizers", ()) or ())
@@ -176,6 +179,12 @@ class LoggedMetrics(dict):
     def copy(self) -> dict:
         self._check(self.keys())
         return dict(super().items())
+
+    def __copy__(self) -> dict:
+        return self.copy()
+
+    def __iter__(self) -> Iterator[Any]:  # its own: CPython's ``dict(m)`` and ``{**m}`` then read through __getitem__
+        return iter(list(self.keys()))
 
     def __deepcopy__(self, memo: dict) -> dict:
         import copy

@@ -163,10 +163,12 @@ def test_the_metrics_dict_sees_each_way_of_reading_a_value_and_pickles_as_a_plai
     reads.on_read = lambda reader, names: seen.append(tuple(names))
     assert metrics["other"] == 2 and not seen
     for read in (lambda m: m["secret"], lambda m: m.get("secret"), lambda m: list(m.items()),
-                 lambda m: list(m.values()), lambda m: m.copy(), lambda m: copy.deepcopy(m)):
+                 lambda m: list(m.values()), lambda m: m.copy(), lambda m: copy.deepcopy(m), lambda m: copy.copy(m),
+                 lambda m: dict(m), lambda m: {**m}):
         read(metrics)
-    assert seen == [("secret",)] * 6
+    assert seen == [("secret",)] * 9
+    assert sorted(metrics) == ["other", "secret"] and len(seen) == 9, "the names alone are not the data's"
     assert type(pickle.loads(pickle.dumps(metrics))) is dict
     reads.stop()
     metrics["secret"]
-    assert len(seen) == 6, "after the fit: not watched"
+    assert len(seen) == 9, "after the fit: not watched"
