@@ -323,7 +323,11 @@ class PrivateTraining:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
         super().on_train_end()  # type: ignore[misc]
         self._stop_watching()
-        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)")
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        averaging = any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
+                        for cb in trainer.callbacks for b in type(cb).__mro__)
+        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)",
+                                     skip=("parameter ",) if averaging else ())  # its average copied in: released
 
     def _stop_watching(self) -> None:
         """Training is over (or failed): the logged metrics and the records are no longer watched."""
@@ -771,6 +775,10 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
             assert isinstance(self._strategy, PrivateTraining)
             state = torch.load(io.BytesIO(extra[CHECKPOINT_KEY]), weights_only=False)
             self._strategy.private_step.load_state_dict(state)
+
+
+_WEIGHT_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging", "EMAWeightAveraging")
+"""Lightning's callbacks that copy an average of the released weights into the model when training ends."""
 
 
 def _observers(trainer: "pl.Trainer") -> list[Any]:

@@ -682,11 +682,9 @@ class PrivateStep(StepChecks):
         for noise in {id(n): n for n in mechanisms if isinstance(n, NoiseMechanism)}.values():
             noise.discard_prefetched()
 
-    def check_kept(self, where: str) -> None:
-        """The release boundary's comparison of the kept state with the last update's
-        (:meth:`ReleaseBoundary.check_kept`),
-        on every rank alike (:meth:`on_every_rank`)."""
-        self.on_every_rank(lambda: self.boundary.check_kept(where), f"found state changed {where}")
+    def check_kept(self, where: str, skip: tuple[str, ...] = ()) -> None:
+        """:meth:`ReleaseBoundary.check_kept` (kept state against the last update's), on every rank alike."""
+        self.on_every_rank(lambda: self.boundary.check_kept(where, skip=skip), f"found state changed {where}")
 
     def pause_boundary(self, where: str) -> None:
         """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike."""

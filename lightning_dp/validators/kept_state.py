@@ -345,9 +345,10 @@ class StateFingerprint:
             fields = getattr(obj, "__dict__", {})
             known = self._known_keys.setdefault(id(obj), set(fields))
             for key, value in fields.items():
-                # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data
+                # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data;
+                # so is a function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR)
                 if key not in known and (not key.startswith("_") or _holds_tensors(value)) \
-                        and not self._is_public(f"{label}.{key}"):
+                        and not _library_function(value) and not self._is_public(f"{label}.{key}"):
                     entries[f"attribute {label}.{key}"] = walker.token(value)
         entries.update(self.dataset_entries())
         for mod in self.modules():
@@ -446,9 +447,15 @@ def _metric_states(m: nn.Module) -> Optional[list[str]]:
     return [name for name in defaults if persistent.get(name)]
 
 
+_DATAMODULE_KEYS = frozenset({"_hparams", "_hparams_initial", "_hparams_name", "_log_hyperparams", "trainer",
+                               "prepare_data_per_node", "allow_zero_length_dataloader_with_multiple_devices"})
+"""What Lightning keeps on a LightningDataModule itself (``_hparams`` is made on first reading ``self.hparams``)."""
+
+
 def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
+    datamodule = any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__)
     for key, value in vars(cb).items():
-        if not _library_function(value):
+        if not _library_function(value) and not (datamodule and key in _DATAMODULE_KEYS):
             yield key, value
     try:
         state = cb.state_dict()

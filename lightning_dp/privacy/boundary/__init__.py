@@ -311,13 +311,14 @@ class ReleaseBoundary:
         """The refusal of a write to kept state (:func:`state_written_error`), for the checks that find one."""
         return state_written_error(changed, where)
 
-    def check_kept(self, where: str, contents: bool = False) -> None:
+    def check_kept(self, where: str, contents: bool = False, skip: tuple[str, ...] = ()) -> None:
         """Refuse if the fingerprinted state differs from the baseline (none taken: nothing to compare). ``contents``:
-        also the norms (before a release; elsewhere weight averaging swaps its average in through ``.data``)."""
+        also the norms (before a release; elsewhere weight averaging swaps its average in through ``.data``);
+        entries starting with one of ``skip`` are not compared (``"parameter "``: weight averaging at train end)."""
         if self._fingerprint is None or self._baseline is None:
             return
         now = self._fingerprint.take(self.callbacks())
         changed = [c for c in StateFingerprint.changed(self._baseline, now)
-                   if contents or not c.startswith("contents of ")]
+                   if (contents or not c.startswith("contents of ")) and not c.startswith(skip)]
         if changed:
             raise state_written_error(changed, where)
