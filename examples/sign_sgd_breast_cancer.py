@@ -81,7 +81,11 @@ class Data:
 
 
 def load_data(seed: int) -> Data:
-    """Breast cancer, 80/20 stratified split, features standardised on train, 10 workers."""
+    """Breast cancer, 80/20 stratified split, features standardised on train, 10 workers.
+
+    As in the paper's setup, the standardisation uses the training split's own mean and standard deviation, a
+    statistic no noise covers (docs/release_boundary.md, rule 11): the ε this example reports is the optimizer's,
+    not the whole pipeline's."""
     from sklearn.datasets import load_breast_cancer
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler

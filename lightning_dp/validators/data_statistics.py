@@ -1,0 +1,183 @@
+"""Statistics of the training data computed before training: exact, un-noised, and kept or trained on.
+
+A normalisation layer holding the training features' mean and standard deviation (``register_buffer("mean",
+x_train.mean(0))``), class weights from the training labels' frequencies (``CrossEntropyLoss(weight=1 / counts)``),
+or features standardised with their own statistics (scikit-learn's ``StandardScaler().fit(x_train)``) are functions
+of every training record that no noise covers: a buffer is released with the model (and saved in its checkpoints),
+and data scaled by its own statistics makes every example's gradient depend on all the others. Whatever σ the
+ledger counts, the trained model is then not differentially private.
+
+:func:`data_statistics_held` looks, once before the first release, for
+
+* tensors (and NumPy arrays, lists and tuples of numbers) held by the model's modules (buffers and attributes), the
+  LightningDataModule and the training datasets' own attributes that equal, to float precision, a statistic of the
+  training tensors: per-feature and per-channel mean, standard deviation and variance, the features' global mean and
+  standard deviation, the labels' class counts, frequencies and inverse frequencies (normalised to sum 1 or to mean 1);
+* feature tensors every column of which has mean 0 and standard deviation 1 (either convention) to float precision:
+  standardised with their own statistics.
+
+Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
+0 or 1. Names declared
+public are skipped (:func:`~lightning_dp.validators.kept_state.is_public`). What it cannot see: a statistic
+transformed after it was computed (rounded, scaled, combined with public constants), statistics of a subset of the
+data, and data scaled by its own statistics in another way (min-max to [0, 1] is also what dividing by a known range
+gives, so it is not looked for).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.kept_state import dataset_parts, framework_keys, is_public
+
+MAX_ELEMENTS = 1 << 27
+"""Training tensors with more elements are not summarised (the check runs once, in the main process)."""
+
+_RTOL, _ATOL = 1e-4, 1e-6
+
+
+def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = ()) -> list[str]:
+    """What ``holders`` ((path, object): modules, a datamodule) keep that is a statistic of ``dataset``'s tensors,
+    and which of its feature tensors are standardised with their own statistics, as readable findings."""
+    datasets, tensors = dataset_parts(dataset)
+    stats = [(f"{name} of the training {path.lstrip('.') or 'tensor'}", value)
+             for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
+    found = [f"the training {path.lstrip('.') or 'tensor'} is standardised with its own mean and standard deviation"
+             for path, t in tensors if _standardised(t)]
+    if not stats:
+        return found
+    owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
+    data_ids = {id(t) for _, t in tensors}
+    for path, value in _candidates(owners):
+        name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ")) else path
+        if id(value) in data_ids or is_public(name, public):
+            continue
+        candidate = _as_tensor(value)
+        if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)):
+            continue
+        for name, stat in stats:
+            if _equal(candidate, stat):
+                found.append(f"{path} equals the {name}")
+                break
+    return found
+
+
+def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
+    """The refusal of :func:`data_statistics_held`'s findings."""
+    lines = "\n".join(f"- {f}" for f in found[:6])
+    return PrivacyConfigurationError(
+        "Statistics of the training data were computed without noise before training:\n" + lines + "\nThey depend on "
+        "every training record and no noise covers them: a buffer is released with the model and its checkpoints, "
+        "and data scaled by its own statistics makes each example's gradient depend on all the others, so the model "
+        "would not be differentially private whatever σ the ledger counts. Nothing was released. Normalise with "
+        "public constants (a known range: pixels / 255, digits / 16) or statistics of public data; weight classes by "
+        "a public prior; or estimate them with a DP mechanism of your own and account for its ε. If a value is not "
+        "derived from this training data, declare it: DPStrategy(public_state=[name]).")
+
+
+def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:
+    """The summaries of one training tensor that code commonly keeps (module docstring)."""
+    with torch.no_grad():
+        if t.dtype.is_floating_point and t.dim() >= 2 and t.shape[0] > 1:
+            x = t.detach().to(torch.float64)
+            flat = x.reshape(x.shape[0], -1)
+            yield "per-feature mean", flat.mean(0)
+            for correction in (0, 1):
+                yield "per-feature standard deviation", flat.std(0, correction=correction)
+                yield "per-feature variance", flat.var(0, correction=correction)
+            if x.dim() >= 3:  # [N, C, ...]: per channel
+                dims = [0, *range(2, x.dim())]
+                yield "per-channel mean", x.mean(dims)
+                for correction in (0, 1):
+                    yield "per-channel standard deviation", x.std(dims, correction=correction)
+            yield "mean", x.mean()
+            yield "standard deviation", x.std()
+        elif not t.dtype.is_floating_point and t.dim() == 1 and t.numel() > 1 and int(t.min()) >= 0:
+            counts = torch.bincount(t.detach().to(torch.int64).cpu()).to(torch.float64)
+            if len(counts) < 2 or len(counts) > 10_000:
+                return
+            present = counts[counts > 0]
+            yield "class counts", counts
+            yield "class frequencies", counts / counts.sum()
+            if len(present) == len(counts):
+                inverse = 1 / counts
+                yield "inverse class counts", inverse
+                yield "inverse class frequencies (summing to 1)", inverse / inverse.sum()
+                yield "inverse class frequencies (averaging 1)", inverse / inverse.mean()
+                yield "balanced class weights", counts.sum() / (len(counts) * counts)
+
+
+def _standardised(t: Tensor) -> bool:
+    if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 20 or t.numel() > MAX_ELEMENTS:
+        return False
+    flat = t.detach().to(torch.float64).reshape(t.shape[0], -1)
+    if flat.shape[1] < 2:
+        return False
+    tol = 1e-5 if t.dtype == torch.float64 else 1e-4
+    means_zero = bool((flat.mean(0).abs() <= tol).all())
+    return means_zero and any(bool(((flat.std(0, correction=c) - 1).abs() <= tol).all()) for c in (0, 1))
+
+
+def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """(path, value) of the tensors, arrays and number sequences the owners hold: a module's buffers and its
+    submodules' attributes, another object's attributes (one level into lists, tuples and dicts of them)."""
+    for label, owner in owners:
+        if isinstance(owner, nn.Module):
+            for name, b in owner.named_buffers():
+                yield f"buffer {name}", b
+            for prefix, m in owner.named_modules():
+                yield from _attributes(f"attribute {prefix + '.' if prefix else ''}", m, framework_keys())
+        else:
+            yield from _attributes(f"{label}.", owner)
+
+
+def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    for key, value in (vars(owner).items() if hasattr(owner, "__dict__") else ()):
+        if isinstance(value, (nn.Module, nn.Parameter)) or key.startswith("__") or key in skip:
+            continue
+        yield f"{prefix}{key}", value
+        if isinstance(value, (list, tuple)) and 0 < len(value) <= 16 and not _numbers(value):
+            for i, item in enumerate(value):
+                yield f"{prefix}{key}[{i}]", item
+        elif isinstance(value, dict) and len(value) <= 64:
+            for k, item in value.items():
+                yield f"{prefix}{key}[{k!r}]", item
+        elif hasattr(value, "__dict__") and not isinstance(value, (Tensor, type)) \
+                and type(value).__module__.split(".")[0] not in ("torch", "pytorch_lightning", "lightning"):
+            for k, item in vars(value).items():  # a transform object: Normalize(mean, std)
+                if not k.startswith("__"):
+                    yield f"{prefix}{key}.{k}", item
+
+
+def _numbers(value: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+def _as_tensor(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach() if value.dtype.is_floating_point or not value.dtype.is_complex else None
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype.kind in "fiu":
+        return torch.as_tensor(value)
+    if isinstance(value, (list, tuple)) and value and _numbers(value):
+        return torch.tensor(value, dtype=torch.float64)
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    return None
+
+
+def _constant(t: Tensor) -> bool:
+    flat = t.reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
+def _equal(candidate: Tensor, stat: Tensor) -> bool:
+    """Equal to float precision; a constant statistic (all zero, all one) never matches: it says nothing of the data."""
+    if candidate.numel() != stat.numel() or (stat.numel() > 1 and _constant(stat)) \
+            or (stat.numel() == 1 and float(stat) in (0.0, 1.0)):
+        return False
+    c = candidate.detach().to("cpu", torch.float64).reshape(-1)
+    return bool(torch.allclose(c, stat.reshape(-1).cpu(), rtol=_RTOL, atol=_ATOL))

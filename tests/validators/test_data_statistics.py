@@ -1,0 +1,109 @@
+"""Statistics of the training data kept or trained on (validators/data_statistics.py): a normalisation buffer holding
+the training mean, class weights from the training labels, features standardised with their own statistics, a
+transform of the datamodule holding them — refused before any release; public constants and the data's own values
+are not statistics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+
+X, Y = data(64).tensors
+
+
+class Normalised(Classifier):
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward((x - self.mean) / self.std)
+
+
+class ClassWeighted(Classifier):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.criterion = nn.CrossEntropyLoss(weight=weight)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.criterion(self(batch[0]), batch[1])
+
+
+COUNTS = torch.bincount(Y).double()
+
+
+@pytest.mark.parametrize("model, what", [
+    (lambda: Normalised(X.mean(0), X.std(0)), "buffer mean equals the per-feature mean"),
+    (lambda: Normalised(X.mean(0) * 0 + 0.5, X.std(0, correction=0)), "per-feature standard deviation"),
+    (lambda: ClassWeighted((COUNTS.sum() / (2 * COUNTS)).float()), "balanced class weights"),
+    (lambda: ClassWeighted((1 / COUNTS / (1 / COUNTS).sum()).float()), "inverse class frequencies"),
+])
+def test_a_statistic_of_the_training_data_held_by_the_model_is_refused_before_any_release(model, what):
+    m = model()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)without noise before training.*{what}"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(m, DataLoader(TensorDataset(X, Y), batch_size=16))
+    assert unchanged(before, m)
+
+
+def test_features_standardised_with_their_own_statistics_are_refused():
+    standardised = (X - X.mean(0)) / X.std(0)
+    with pytest.raises(PrivacyConfigurationError, match="standardised with its own mean and standard deviation"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(
+            Classifier(), DataLoader(TensorDataset(standardised, Y), batch_size=16))
+
+
+class Standardise:
+    """A transform object of the user's (as torchvision's Normalize keeps them)."""
+
+    def __init__(self, mean: list[float], std: list[float]) -> None:
+        self.mean, self.std = mean, std
+
+
+class WithTransform(pl.LightningDataModule):
+    def __init__(self, transform: Standardise) -> None:
+        super().__init__()
+        self.transform = transform
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(X, Y), batch_size=16)
+
+
+def test_a_transform_of_the_datamodule_holding_the_training_mean_is_refused():
+    transform = Standardise(X.mean(0).tolist(), [1.0] * 4)
+    with pytest.raises(PrivacyConfigurationError, match=r"datamodule\.transform\.mean equals the per-feature mean"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(Classifier(), datamodule=WithTransform(transform))
+
+
+def test_public_constants_a_declared_name_and_numpy_statistics_are_told_apart():
+    dataset = TensorDataset(X, Y)
+    public = Normalised(torch.full((4,), 0.5), torch.full((4,), 2.0))
+    assert data_statistics_held([("model", public)], dataset) == []
+    private = Normalised(X.mean(0), torch.full((4,), 2.0))
+    assert data_statistics_held([("model", private)], dataset, public=["mean"]) == []
+    holder = nn.Module()
+    holder.counts = np.bincount(Y.numpy())  # an attribute, as NumPy
+    assert data_statistics_held([("model", holder)], dataset) == ["attribute counts equals the class counts of the "
+                                                                   "training tensors[1]"]
+
+
+def test_ordinary_fits_pass():
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=3).fit(Classifier(), DataLoader(TensorDataset(X / 3.0, Y), batch_size=16))
+    assert dp.ledger.steps == 3
