@@ -59,9 +59,13 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
         candidate = _as_tensor(value)
         if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)):
             continue
-        for name, stat in stats:
-            if _equal(candidate, stat):
-                found.append(f"{path} equals the {name}")
+        for stat_name, stat in stats:
+            try:
+                same = _equal(candidate, stat)
+            except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one (DTensor)
+                break
+            if same:
+                found.append(f"{path} equals the {stat_name}")
                 break
     return found
 
@@ -158,8 +162,8 @@ def _numbers(value: Any) -> bool:
 
 
 def _as_tensor(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach() if value.dtype.is_floating_point or not value.dtype.is_complex else None
+    if isinstance(value, Tensor):  # dense and real (a sparse adjacency is not a summary)
+        return value.detach() if value.layout == torch.strided and not value.dtype.is_complex else None
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype.kind in "fiu":
         return torch.as_tensor(value)
     if isinstance(value, (list, tuple)) and value and _numbers(value):
