@@ -20,8 +20,12 @@ of its contents (float64 sums of its values, of their squares and of a position-
 dtype) mapped to a copy of the record, and a module attached later whose trainable parameter has such a digest
 continues that record (conservative: fine-tuning weights trained on other data counts their releases too).
 
+Weights saved or loaded in half precision (float16 or bfloat16, kept so or cast back) are found too: each changed
+parameter also leaves the digests of its roundings there.
+
 What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
-continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them.
+continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them otherwise
+(quantised to integers, pruned, perturbed).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
@@ -36,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
@@ -138,7 +143,21 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
         for p in _trainable(module):
             now = digest(p)
             if before.get(id(p)) != now:
-                _BY_CONTENT[now] = copy
+                for key in (now, *_rounded_digests(p)):
+                    _BY_CONTENT[key] = copy
+
+
+LOWER_PRECISIONS = (torch.float16, torch.bfloat16)
+"""The precisions trained weights are commonly saved or served in: a module holding them rounded there (in that dtype,
+or back in the trained one) is found by the same record."""
+
+
+def _rounded_digests(p: Tensor) -> list[bytes]:
+    """Digests of ``p`` rounded to each of :data:`LOWER_PRECISIONS`, in that dtype and cast back to its own."""
+    if p.dtype in LOWER_PRECISIONS:
+        return []
+    rounded = [p.detach().to(dtype) for dtype in LOWER_PRECISIONS]
+    return [d for r in rounded for d in (digest(r), digest(r.to(p.dtype)))]
 
 
 def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:

@@ -40,8 +40,19 @@ def _encoder_only(model: Classifier) -> Classifier:
     return fresh
 
 
+def _rounded(dtype: torch.dtype):
+    """The trained weights saved in ``dtype`` and loaded into a fresh float32 module."""
+    def recreate(model: Classifier) -> Classifier:
+        fresh = Classifier()
+        fresh.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        return fresh
+    return recreate
+
+
 @pytest.mark.parametrize("recreate", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), _loaded,
-                                      _encoder_only], ids=["deepcopy", "pickle", "load_state_dict", "a part"])
+                                      _encoder_only, _rounded(torch.float16), _rounded(torch.bfloat16)],
+                         ids=["deepcopy", "pickle", "load_state_dict", "a part", "float16 round trip",
+                              "bfloat16 round trip"])
 def test_a_recreated_module_continues_the_record(trained, recreate):
     again = fit(recreate(trained), steps=2)
     assert again.ledger.steps == 5
