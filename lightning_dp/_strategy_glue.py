@@ -47,7 +47,6 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.kept_state import (hyperparameters_error, steered_hyperparameters, trusted_callback,
                                                 user_modules)
-from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged
 from lightning_dp.validators.record_reads import RecordWatch
@@ -282,7 +281,6 @@ class PrivateTraining:
         super().on_train_start()  # type: ignore[misc]
         self.private_step.boundary.baseline()
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        self._refuse_data_statistics(trainer)
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
@@ -291,18 +289,6 @@ class PrivateTraining:
                                          lambda: getattr(trainer.lightning_module, "_current_fx_name", None)
                                          in STEP_HOOKS, "The step (training_step or a hook Lightning runs in it)")
         self._record_watch.start()
-
-    def _refuse_data_statistics(self, trainer: "pl.Trainer") -> None:
-        """Before the first release: no statistic of the training data is kept by the model or the datamodule, nor
-        are the features standardised with their own (:mod:`~lightning_dp.validators.data_statistics`)."""
-        datasets = self.private_step.boundary.datasets()
-        if not datasets:
-            return
-        holders = [("model", trainer.lightning_module)] + ([("datamodule", trainer.datamodule)]
-                                                           if getattr(trainer, "datamodule", None) is not None else [])
-        found = data_statistics_held(holders, datasets[0], self.private_step.boundary.public_state)
-        if found:
-            raise data_statistics_error(found)
 
     def _exempt(self, name: str) -> bool:
         """A logged name whose value is not the training data's: ε, or declared public."""

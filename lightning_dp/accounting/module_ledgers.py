@@ -49,7 +49,8 @@ from lightning_dp.validators.kept_state import content_sums
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 """Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
-_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, bytes]]" = weakref.WeakKeyDictionary()
+_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, ...]]]" = weakref.WeakKeyDictionary()
+"""Each trainable parameter's digests when bound: its own and its roundings' (:func:`_rounded_digests`)."""
 
 
 def digest(t: Tensor) -> bytes:
@@ -127,7 +128,7 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     ``module`` and its submodules."""
     for part in module.modules():
         _RECORDS[part] = ledger
-    _AT_BIND[module] = {id(p): digest(p) for p in _trainable(module)}
+    _AT_BIND[module] = {id(p): (digest(p), *_rounded_digests(p)) for p in _trainable(module)}
 
 
 def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
@@ -141,9 +142,11 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
     before = _AT_BIND.pop(module, {})
     if copy.steps:
         for p in _trainable(module):
-            now = digest(p)
-            if before.get(id(p)) != now:
-                for key in (now, *_rounded_digests(p)):
+            then, now = before.get(id(p), ()), (digest(p), *_rounded_digests(p))
+            # a digest the releases changed: a rounding they did not move (a norm's weight of ones trained by 1e-5,
+            # still ones in bfloat16) is also a fresh module's, and would hand it this record
+            for key in now:
+                if key not in then:
                     _BY_CONTENT[key] = copy
 
 

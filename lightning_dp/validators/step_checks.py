@@ -23,6 +23,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
+from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -51,6 +52,7 @@ class StepChecks:
                 set from the data).
         """
         assert self.plan is not None and self._batches is not None, "poisson_loader() first"
+        self._refuse_data_statistics()
         where = self.distribution
         if hasattr(self._batches.inner, "first_positions"):  # users (user_sampling.py): two records of the first users
             indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
@@ -61,6 +63,16 @@ class StepChecks:
                                      to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
                        low_precision, what, replay)
+
+    def _refuse_data_statistics(self) -> None:
+        """Rule 11 of the release boundary: neither the model nor a LightningDataModule keeps a statistic of the
+        training data, nor are its features standardised with their own (:mod:`.data_statistics`)."""
+        assert self._source is not None and self._module is not None
+        holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
+                                               if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__)]
+        found = data_statistics_held(holders, self._source[0], self.boundary.public_state)
+        if found:
+            raise data_statistics_error(found)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",

@@ -107,3 +107,22 @@ def test_ordinary_fits_pass():
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=3).fit(Classifier(), DataLoader(TensorDataset(X / 3.0, Y), batch_size=16))
     assert dp.ledger.steps == 3
+
+
+class Centre(nn.Module):
+    def __init__(self, mean: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - self.mean
+
+
+def test_a_plain_loop_is_checked_when_it_verifies():
+    from cases import plain_step
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)  # plain_step's data
+    model = nn.Sequential(Centre(x.mean(0)), nn.Linear(4, 2))
+    with pytest.raises(PrivacyConfigurationError, match=r"buffer 0\.mean equals the per-feature mean"):
+        plain_step(model)
