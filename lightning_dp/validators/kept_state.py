@@ -70,7 +70,7 @@ MAX_ITEMS = 16384
 MAX_DEPTH = 4
 """Nesting depth followed into containers and plain objects."""
 
-_LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
+LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
                      "transformers", "peft", "timm", "numpy", "tensorboard", "logging", "threading", "builtins",
                      "opacus", "jsonargparse", "omegaconf", "hydra", "typing", "collections", "functools")
 """Classes from these packages are library objects: compared by identity, never walked into."""
@@ -123,7 +123,7 @@ def is_public(path: str, patterns: Sequence[str]) -> bool:
 
 def _is_library(obj: Any) -> bool:
     module = type(obj).__module__ or ""
-    return module.split(".")[0] in _LIBRARY_PREFIXES
+    return module.split(".")[0] in LIBRARY_PREFIXES
 
 
 def trusted_callback(callback: Any) -> bool:
@@ -134,7 +134,7 @@ def trusted_callback(callback: Any) -> bool:
     if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
         return True
     if any(b.__name__ == "LightningDataModule" for b in cls.__mro__):
-        return cls.__module__.split(".")[0] in _LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
+        return cls.__module__.split(".")[0] in LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
     bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
@@ -531,7 +531,7 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
     seen: set[type] = set()
     for cls in classes:
         for base in cls.__mro__:
-            if base in seen or (base.__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+            if base in seen or (base.__module__ or "").split(".")[0] in LIBRARY_PREFIXES:
                 continue
             seen.add(base)
             for key, value in list(vars(base).items()):
@@ -613,7 +613,7 @@ def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
     module-level globals a step could write (``global MEMORY; MEMORY.append(x)``)."""
     names = {base.__module__ for cls in classes for base in cls.__mro__}
     found = [sys.modules.get(name) for name in sorted(names)
-             if name and name.split(".")[0] not in _LIBRARY_PREFIXES]
+             if name and name.split(".")[0] not in LIBRARY_PREFIXES]
     return [m for m in found if m is not None]
 
 
@@ -689,7 +689,7 @@ def _library_callable(fn: Any) -> bool:
     """A hook defined by a library (an engine's capture, Opacus', torch's own): its state is its owner's."""
     target = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__func__", fn)
     module = getattr(target, "__module__", None) if isinstance(target, types.FunctionType) else type(target).__module__
-    return (module or "").split(".")[0] in _LIBRARY_PREFIXES
+    return (module or "").split(".")[0] in LIBRARY_PREFIXES
 
 
 def _library_function(value: Any) -> bool:

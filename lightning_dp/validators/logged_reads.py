@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import (_LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
+from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
                                                 hyperparameters_error)
 
 STEP_HOOKS = frozenset({
@@ -41,7 +41,7 @@ SCHEDULED = frozenset({"lr", "initial_lr", "momentum", "betas", "max_lr", "base_
 """The hyper-parameters torch's schedulers set (learning rates, momenta): their change is a scheduler's when one
 stepped."""
 
-_LIBRARIES = frozenset(_LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX", "tqdm", "rich", "pandas", "yaml",
+_LIBRARIES = frozenset(LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX", "tqdm", "rich", "pandas", "yaml",
                                               "fsspec", "wandb", "mlflow", "neptune", "comet_ml", "_pytest", "pluggy"}
 _STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
 _THIS = __name__

@@ -70,3 +70,20 @@ def test_the_digest_follows_contents_shape_and_dtype():
     assert module_ledgers.digest(x) != module_ledgers.digest(x.flip(0))  # the same values elsewhere
     assert module_ledgers.digest(x) != module_ledgers.digest(x.view(3, 4))
     assert module_ledgers.digest(x) != module_ledgers.digest(x.double())
+
+
+class Normed(Classifier):
+    """A classifier with a LayerNorm (weight of ones, bias of zeros) trained with a tiny learning rate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+
+def test_a_fresh_module_is_not_taken_for_a_rounding_of_barely_trained_weights():
+    """The norm's weight moved by ~1e-6 is still all ones in bfloat16: that rounding is a fresh module's too."""
+    assert fit(Normed(), steps=3).ledger.steps == 3
+    assert fit(Normed(), steps=2).ledger.steps == 2
