@@ -285,9 +285,10 @@ class PrivateTraining:
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
+        module = trainer.lightning_module  # read once: the watch asks at every record the loader reads
         self._record_watch = RecordWatch(datasets[0] if datasets else None,
-                                         lambda: getattr(trainer.lightning_module, "_current_fx_name", None)
-                                         in STEP_HOOKS, "The step (training_step or a hook Lightning runs in it)")
+                                         lambda: module._current_fx_name in STEP_HOOKS,
+                                         "The step (training_step or a hook Lightning runs in it)")
         self._record_watch.start()
 
     def _exempt(self, name: str) -> bool:

@@ -62,7 +62,7 @@ class RecordWatch:
                     continue
 
                 def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-                    if id(obj) in ids and threading.get_ident() == thread and self.counting() and not _ours():
+                    if id(obj) in ids and self.counting() and threading.get_ident() == thread and not _ours():
                         self.reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
                         raise self.error(self.reads)  # at once; and again at check() if a handler swallows it
                     return _original(obj, *args, **kwargs)
