@@ -316,7 +316,9 @@ class ConvStats(WeightBiasStats):
 
 class _ConvInputGradOnly(torch.autograd.Function):
     """A convolution (plain or transposed, any dimension) whose backward computes only the input gradient: the
-    weight and bias gradients come from :class:`ConvStats` (book-keeping), not from the ordinary backward."""
+    weight and bias gradients come from :class:`ConvStats` (book-keeping), not from the ordinary backward. For a call
+    whose input does not require grad (a first layer); any other call takes torch's own convolution on the detached
+    weight and bias (:func:`_conv_forward`: the same values, without this Function's Python dispatch)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], conf: tuple) -> Tensor:
@@ -352,6 +354,9 @@ def _conv_forward(self: nn.Module, input: Tensor) -> Tensor:  # noqa: A002  (the
     padding = geom.symmetric()
     if padding is None:  # reflect/replicate/circular, or an asymmetric 'same': padded first, as the module does
         input, padding = F.pad(input, geom.pads, mode=geom.mode), (0,) * geom.dims
+    if input.requires_grad:  # torch's own convolution on the parameters detached: its backward is the input gradient
+        bias = None if self.bias is None else self.bias.detach()
+        return _CONV_FN[geom.dims](input, self.weight.detach(), bias, self.stride, padding, self.dilation, self.groups)
     conf = (self.stride, padding, self.dilation, False, (0,) * geom.dims, self.groups)
     return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
 
@@ -363,6 +368,10 @@ def _conv_transpose_forward(self: nn.Module, input: Tensor,  # noqa: A002  (the 
     dims = len(self.kernel_size)
     out_pad = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size, dims,
                                    self.dilation)
+    if input.requires_grad:  # as _conv_forward: torch's own transposed convolution on the detached parameters
+        bias = None if self.bias is None else self.bias.detach()
+        return _CONV_TRANSPOSE_FN[dims](input, self.weight.detach(), bias, self.stride, self.padding, out_pad,
+                                        self.groups, self.dilation)
     conf = (self.stride, self.padding, self.dilation, True, tuple(out_pad), self.groups)
     return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
 
