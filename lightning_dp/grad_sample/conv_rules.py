@@ -292,15 +292,14 @@ class ConvStats(WeightBiasStats):
         self.patches, self.k, self.weight, self.bias = patches, k, weight, bias
         self.sw = None if scale is None or weight is None else scale[weight]
         self.G: Optional[Tensor] = None
-        sq = patches.calls[0][1].new_zeros(patches.n)
+        sq: Optional[Tensor] = None  # 0 + x is x: the first part is taken as it is
         if weight is not None:
-            self.weight_sq = self._weight_sq_norms(with_squares)
-            sq = sq + self.weight_sq
+            self.weight_sq = sq = self._weight_sq_norms(with_squares)
         if bias is not None:
             db = patches.bias_grads()
             self.db = db if scale is None else db * scale[bias]
-            sq = sq + self.db.pow(2).sum(1)
-        self.sq_norms = sq * (k * k)
+            sq = self.db.pow(2).sum(1) if sq is None else sq + self.db.pow(2).sum(1)
+        self.sq_norms = (patches.calls[0][1].new_zeros(patches.n) if sq is None else sq) * (k * k)
 
     def _weight_sq_norms(self, with_squares: bool) -> Tensor:
         p = self.patches

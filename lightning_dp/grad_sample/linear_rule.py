@@ -57,14 +57,13 @@ class LinearFormStats(WeightBiasStats):
         self.sb = None if scale is None or bias is None else scale[bias]
         self.G: Optional[Tensor] = None
         n, T = a.shape[0], a.shape[1]
-        sq = a.new_zeros(n)
+        sq: Optional[Tensor] = None  # 0 + x is x: the first part is taken as it is
         if weight is not None:
-            self.weight_sq = self._weight_sq_norms(T, with_squares)
-            sq = sq + self.weight_sq
+            self.weight_sq = sq = self._weight_sq_norms(T, with_squares)
         if bias is not None:
             self.db = d.sum(1) if self.sb is None else d.sum(1) * self.sb
-            sq = sq + self.db.pow(2).sum(1)
-        self.sq_norms = sq * (k * k)
+            sq = self.db.pow(2).sum(1) if sq is None else sq + self.db.pow(2).sum(1)
+        self.sq_norms = (a.new_zeros(n) if sq is None else sq) * (k * k)
 
     def _weight_sq_norms(self, T: int, with_squares: bool) -> Tensor:
         a, d, sw = self.a, self.d, self.sw
