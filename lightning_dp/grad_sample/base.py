@@ -77,7 +77,7 @@ def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: Union[float, Clip
     dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
     sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
     norms = sq.sqrt()
-    factors = rule.example_factors(sq).to(dtype)
+    factors = rule.policy.factors(norms).to(dtype)  # rule.example_factors(sq) of single examples, norms taken once
     if padding:
         factors[n - padding:] = 0.0
     return norms.to(dtype), factors

@@ -292,15 +292,14 @@ class ConvStats(WeightBiasStats):
         self.patches, self.k, self.weight, self.bias = patches, k, weight, bias
         self.sw = None if scale is None or weight is None else scale[weight]
         self.G: Optional[Tensor] = None
-        sq = patches.calls[0][1].new_zeros(patches.n)
+        sq: Optional[Tensor] = None  # 0 + x is x: the first part is taken as it is
         if weight is not None:
-            self.weight_sq = self._weight_sq_norms(with_squares)
-            sq = sq + self.weight_sq
+            self.weight_sq = sq = self._weight_sq_norms(with_squares)
         if bias is not None:
             db = patches.bias_grads()
             self.db = db if scale is None else db * scale[bias]
-            sq = sq + self.db.pow(2).sum(1)
-        self.sq_norms = sq * (k * k)
+            sq = self.db.pow(2).sum(1) if sq is None else sq + self.db.pow(2).sum(1)
+        self.sq_norms = (patches.calls[0][1].new_zeros(patches.n) if sq is None else sq) * (k * k)
 
     def _weight_sq_norms(self, with_squares: bool) -> Tensor:
         p = self.patches
@@ -316,7 +315,9 @@ class ConvStats(WeightBiasStats):
 
 class _ConvInputGradOnly(torch.autograd.Function):
     """A convolution (plain or transposed, any dimension) whose backward computes only the input gradient: the
-    weight and bias gradients come from :class:`ConvStats` (book-keeping), not from the ordinary backward."""
+    weight and bias gradients come from :class:`ConvStats` (book-keeping), not from the ordinary backward. For a call
+    whose input does not require grad (a first layer); any other call takes torch's own convolution on the detached
+    weight and bias (:func:`_conv_forward`: the same values, without this Function's Python dispatch)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], conf: tuple) -> Tensor:
@@ -352,6 +353,9 @@ def _conv_forward(self: nn.Module, input: Tensor) -> Tensor:  # noqa: A002  (the
     padding = geom.symmetric()
     if padding is None:  # reflect/replicate/circular, or an asymmetric 'same': padded first, as the module does
         input, padding = F.pad(input, geom.pads, mode=geom.mode), (0,) * geom.dims
+    if input.requires_grad:  # torch's own convolution on the parameters detached: its backward is the input gradient
+        bias = None if self.bias is None else self.bias.detach()
+        return _CONV_FN[geom.dims](input, self.weight.detach(), bias, self.stride, padding, self.dilation, self.groups)
     conf = (self.stride, padding, self.dilation, False, (0,) * geom.dims, self.groups)
     return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
 
@@ -363,6 +367,10 @@ def _conv_transpose_forward(self: nn.Module, input: Tensor,  # noqa: A002  (the 
     dims = len(self.kernel_size)
     out_pad = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size, dims,
                                    self.dilation)
+    if input.requires_grad:  # as _conv_forward: torch's own transposed convolution on the detached parameters
+        bias = None if self.bias is None else self.bias.detach()
+        return _CONV_TRANSPOSE_FN[dims](input, self.weight.detach(), bias, self.stride, self.padding, out_pad,
+                                        self.groups, self.dilation)
     conf = (self.stride, self.padding, self.dilation, True, tuple(out_pad), self.groups)
     return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
 

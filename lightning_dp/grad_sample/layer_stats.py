@@ -18,6 +18,12 @@ def sq_norms(g: Tensor) -> Tensor:
     return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
 
+def weighted_sum(c: Tensor, g: Tensor) -> Tensor:
+    """Σ_i c_i g[i] ``g.shape[1:]``: ``torch.tensordot(c, g, dims=1)``'s one product (the same values) without its
+    Python argument handling."""
+    return (c @ g.reshape(g.shape[0], -1)).reshape(g.shape[1:])
+
+
 class LayerStats:
     """Per-layer statistics: squared per-example norms, then clipped sums on demand."""
 
@@ -60,7 +66,7 @@ class MaterialisedStats(LayerStats):
 
     def sums(self, c: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i · g_i per parameter, for per-example clip factors c."""
-        return {p: torch.tensordot(c, g, dims=1) for p, g in self.grads.items()}
+        return {p: weighted_sum(c, g) for p, g in self.grads.items()}
 
     def squares(self, c2: Tensor) -> dict[Tensor, Tensor]:
         """Σ_i c_i² · g_i² per parameter, for squared clip factors c2."""
@@ -76,7 +82,7 @@ class MaterialisedStats(LayerStats):
 
     def sums_by_param(self, factors: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """Σ_i c_{i,p} · g_i per parameter."""
-        return {p: torch.tensordot(c, self.grads[p], dims=1) for p, c in factors.items()}
+        return {p: weighted_sum(c, self.grads[p]) for p, c in factors.items()}
 
 
 class WeightBiasStats(LayerStats):
@@ -118,7 +124,7 @@ class WeightBiasStats(LayerStats):
         out = {}
         c = c * self.k
         if self.weight is not None:
-            w = torch.tensordot(c, self.G, dims=1) if self.G is not None else self._bookkept_weight_sum(c)
+            w = weighted_sum(c, self.G) if self.G is not None else self._bookkept_weight_sum(c)
             out[self.weight] = self._as_weight(w)
         if self.bias is not None:
             out[self.bias] = c @ self.db

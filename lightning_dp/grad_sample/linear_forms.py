@@ -31,6 +31,7 @@ from lightning_dp.grad_sample.layer_stats import (
     gram_sq_norms,
     prefer_ghost,
     sq_norms,
+    weighted_sum,
 )
 
 
@@ -140,7 +141,7 @@ class FormStats(LayerStats):
         out: dict[Tensor, Tensor] = {}
         for form, G, db in zip(self.forms, self.G, self.db):
             if form.weights:
-                w = torch.tensordot(c, G, dims=1) if G is not None else bookkept_product(form.a, form.d, c)
+                w = weighted_sum(c, G) if G is not None else bookkept_product(form.a, form.d, c)
                 out.update({self.params[name]: w[:, cols].contiguous() for name, cols in form.weights.items()})
             if db is not None:
                 out.update({self.params[name]: c @ db for name in form.biases})

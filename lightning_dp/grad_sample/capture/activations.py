@@ -85,6 +85,7 @@ class Record:
     tape: Optional[RecurrentTape] = None  # an RNN call's forms, left by its backward (recurrent_tape.py)
     autocast: Optional[tuple[str, torch.dtype]] = field(default_factory=lambda: autocast_state())
     # (device type, dtype) of the autocast the call ran under: a replay per example runs under the same
+    norm_stats: Optional[tuple[Tensor, Tensor]] = None  # a LayerNorm/GroupNorm call's own mean and 1/σ (norm_stats)
 
     @property
     def grad_out(self) -> Optional[Tensor]:
@@ -320,6 +321,29 @@ def _aliased(out: Any, leaves: list, live: list[int]) -> tuple[Any, list]:
     return tree_unflatten(flat, spec), flat
 
 
+NORMALISATIONS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm)
+"""Layers whose calls keep the statistics they normalised with (:func:`norm_stats`)."""
+
+_NORM_NODES = ("NativeLayerNormBackward0", "NativeGroupNormBackward0")
+
+
+def norm_stats(out: Any) -> Optional[tuple[Tensor, Tensor]]:
+    """The mean and 1/σ a layer norm or group norm call normalised with (``[*, 1]`` per row of a layer norm,
+    ``[N, G]`` per example and group of a group norm), as torch's kernel saved them for its backward: the per-example
+    gradient of the layer's weight needs the normalised input again, (x − μ)·(1/σ), which is then one elementwise
+    pass instead of a second normalisation (:func:`~lightning_dp.grad_sample.norm_rule.normalised`). Kept for
+    batch-first calls only (a time-major or flattened call's statistics are laid out as the call, not as recorded).
+    None for an output not made by torch's kernel (a subclass's own forward, a traced or compiled call)."""
+    node = out.grad_fn if isinstance(out, Tensor) else None
+    if node is None or type(node).__name__ not in _NORM_NODES:
+        return None
+    try:  # detached: a saved output unpacks with the node as its grad_fn, and a record holding that node (whose hooks
+        # hold the record) would keep the step's whole graph alive, a cycle through C++ that Python never collects
+        return node._saved_result1.detach(), node._saved_result2.detach()
+    except (AttributeError, RuntimeError):  # another torch's node layout, or its saved tensors already released
+        return None
+
+
 def _rnn_output(module: nn.Module, out: Any, tape: Optional[RecurrentTape]) -> Optional[Tensor]:
     """What a record keeps of an RNN call's output sequence (its last layer's values, which the unrolled rule need not
     recompute): a copy, since the model may change the output in place (``out.mul_(mask)``: torch's own backward
@@ -511,6 +535,8 @@ class ActivationCapture:
             projections = (record_projections(module, args[0], leaves[0], self._mapping)
                            if n is not None and rows is None and projection_candidate(module, args, kwargs) else None)
             tape = tape_of(leaves[0]) if isinstance(module, nn.RNNBase) else None  # before the aliases replace it
+            # a batch-first call's own statistics (before the aliases replace its output), in the layout recorded
+            stats = norm_stats(leaves[0]) if isinstance(module, NORMALISATIONS) and not tm and rows is None else None
             out, aliases = _aliased(out, leaves, live)
             self._carry_followed(leaves, aliases)
             leaves = aliases
@@ -523,7 +549,7 @@ class ActivationCapture:
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          _rnn_output(module, leaves[0], tape), rows is not None, scaled,
-                         projections, tape)
+                         projections, tape, norm_stats=stats)
             calls.records.append(rec)
             front = ((lambda g: g.movedim(1, 0)) if tm else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: grouped(g, rows, n, minor)))

@@ -1,0 +1,129 @@
+"""The private step of another git revision against the working tree's, interleaved in one process (issue 38). Run
+by hand from the repository root:
+
+    PYTHONPATH=. python benchmarks/ab_revisions.py --rev HEAD~1 --model digits --rounds 800
+
+Separate processes on this shared 2-vCPU machine differ by more than a change worth keeping (cost_floor.py's digits
+ratio moves by ±0.06 between runs of the same code); steps of both trees interleaved in one process do not. The
+revision's ``lightning_dp`` is unpacked (``git archive``) into a temporary directory as the package
+``lightning_dp_rev``, every import renamed, so that both trees run side by side: each builds the same model (same
+initial weights, :func:`cost_floor.build`) with its own :class:`~lightning_dp.privacy.private_step.PrivateStep`
+(ghost engine, Adam, noise drawn at the release unless ``--prefetch``), and the non-private step runs beside them.
+Each round runs one step of each in a shuffled order. Printed: each tree's median ms per step and median ratio to
+the non-private step of the same round, and the median and quartiles of the per-round difference rev − working
+tree (positive: the working tree is faster).
+
+A revision against an unchanged tree (``--rev HEAD``, nothing uncommitted) measures the harness's own offset (measured
+2026-11-29: 0.01–0.04 ms on the digits CNN, 0.07 ms on the MLP); only a difference well above it is the change's.
+Watch the page faults printed too: a change of allocation history can make one tree fault where the other does not
+(a reference cycle through the autograd graph once did: 320 faults a step), which is real but not the change's
+arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import warnings
+from io import BytesIO
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cost_floor as cf  # noqa: E402
+
+RENAMED = "lightning_dp_rev"
+
+
+def unpack_revision(rev: str, into: Path) -> None:
+    """``lightning_dp`` at ``rev`` as the package :data:`RENAMED` under ``into`` (its imports renamed)."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "lightning_dp"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    package = into / RENAMED
+    (into / "lightning_dp").rename(package)
+    name = re.compile(r"\blightning_dp\b(?!_)")
+    for path in package.rglob("*.py"):
+        path.write_text(name.sub(RENAMED, path.read_text()))
+
+
+def private_step(package: str, model_name: str, batch: int, prefetch: bool) -> Callable[[], None]:
+    """One private step of ``package``'s :class:`PrivateStep` on a fresh copy of the model (cost_floor.py's loop)."""
+    noise = importlib.import_module(package + ".privacy.noise")
+    steps = importlib.import_module(package + ".privacy.private_step")
+    model, tokens, (x, y) = cf.build(model_name, batch)
+    opt = torch.optim.Adam(model.parameters(), lr=cf.LR)
+    step = steps.PrivateStep(cf.SIGMA, cf.CLIP, noise.GaussianNoise() if prefetch else noise.GaussianNoise(
+        prefetch=False), engine="ghost", sampler_seed=0)
+    step.attach(model, opt)
+    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=max(1, batch // 4)))
+    step.verify(lambda b: cf.loss_of(model(b[0]), b[1], tokens))
+
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        step.begin(batch)
+        cf.loss_of(model(x), y, tokens).backward()
+        step.release(optimizer=opt)
+        opt.step()
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default="HEAD", help="the git revision compared with the working tree")
+    ap.add_argument("--model", default="digits", choices=cf.MODELS)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=600)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefetch", action="store_true", help="noise drawn ahead (prefetch='auto') in both trees")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        unpack_revision(args.rev, Path(tmp))
+        sys.path.insert(0, tmp)
+        model, tokens, data = cf.build(args.model, args.batch)
+        steps = {"nonprivate": cf.nonprivate(model, tokens, data, args.batch),
+                 "rev": private_step(RENAMED, args.model, args.batch, args.prefetch),
+                 "tree": private_step("lightning_dp", args.model, args.batch, args.prefetch)}
+        ms: dict[str, list[float]] = {k: [] for k in steps}
+        faults: dict[str, list[int]] = {k: [] for k in steps}
+        order = random.Random(0)
+        for _ in range(args.rounds):
+            names = list(steps)
+            order.shuffle(names)
+            for name in names:
+                before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+                steps[name]()
+                ms[name].append((time.perf_counter() - start) * 1e3)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    skip = max(3, args.rounds // 20)  # warm-up
+    ms = {k: v[skip:] for k, v in ms.items()}
+    for name in ("rev", "tree"):
+        ratio = statistics.median(a / b for a, b in zip(ms[name], ms["nonprivate"]))
+        print(f"{name:5s} {statistics.median(ms[name]):8.3f} ms  {ratio:.3f}x non-private  "
+              f"{statistics.mean(faults[name][skip:]):6.1f} page faults/step")
+    diff = [a - b for a, b in zip(ms["rev"], ms["tree"])]
+    q1, _, q3 = statistics.quantiles(diff, n=4)
+    print(f"non-private {statistics.median(ms['nonprivate']):.3f} ms; rev - tree: median "
+          f"{statistics.median(diff):.3f} ms (quartiles {q1:.3f} .. {q3:.3f})")
+
+
+if __name__ == "__main__":
+    main()
