@@ -229,6 +229,7 @@ class StateFingerprint:
         fingerprint are kept state."""
         self._known_keys: dict[int, set[str]] = {}
         self._readers: set[int] = set()  # callbacks that read a value logged from the data (:meth:`watch`)
+        self._state_keys: dict[int, tuple[nn.Module, tuple[Any, ...], list[str]]] = {}  # :meth:`_attributes`' names
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
@@ -392,17 +393,26 @@ class StateFingerprint:
             if not self._is_public(f"{path}.{key}"):
                 entries[f"attribute {path}.{key}"] = walker.token(value)
 
-    def _attributes(self, m: nn.Module, mode: list[str]) -> Iterator[tuple[str, Any]]:
+    def _attributes(self, m: nn.Module, mode: list[str]) -> list[tuple[str, Any]]:
+        """(name, value) of ``m``'s attributes that are state (see :func:`_attribute_mode`). Which names those are is
+        kept per module and reused while every attribute still holds the same object, of the same type."""
         if mode and mode is not _DATA_ONLY:
-            yield from ((k, getattr(m, k)) for k in mode)
-            return
-        for key, value in vars(m).items():
+            return [(k, getattr(m, k)) for k in mode]
+        fields = vars(m)
+        held = (*map(id, fields.values()), *map(type, fields.values()))  # the objects, and their types (reused address)
+        cached = self._state_keys.get(id(m))
+        if cached is not None and cached[0] is m and cached[1] == held:
+            return [(k, fields[k]) for k in cached[2]]
+        keys = []
+        for key, value in fields.items():
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
                     or _library_function(value)):
                 continue
             if mode is _DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
                 continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
-            yield key, value
+            keys.append(key)
+        self._state_keys[id(m)] = (m, held, keys)
+        return [(k, fields[k]) for k in keys]
 
     # ------------------------------------------------------------------ comparing
     @staticmethod
@@ -733,7 +743,7 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
     out: Fingerprint = {}
     with torch.no_grad():
         for device, group in by_device.items():
-            norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm([t.detach() for _, t in group])])
+            norms = torch.stack(torch._foreach_norm([t.detach() for _, t in group])).to(torch.float64)
             if device.type == "cpu":
                 out.update({f"contents of {name}": value for (name, _), value in zip(group, norms.tolist())})
             else:
