@@ -45,8 +45,8 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import (hyperparameters_error, steered_hyperparameters, trusted_callback,
-                                                user_modules)
+from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, steered_hyperparameters,
+                                                trusted_callback, user_modules)
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged
 from lightning_dp.validators.record_reads import RecordWatch
@@ -115,6 +115,7 @@ class PrivateTraining:
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
+        self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -304,9 +305,29 @@ class PrivateTraining:
         return fed_back(trainer, self._exempt)
 
     def _read_logged(self, trainer: "pl.Trainer", reader: Any) -> None:
-        """The user's code read a training-logged value outside a step: a callback that did keeps state from now on."""
+        """The user's code read a training-logged value outside a step: a callback that did keeps state from now on;
+        during validation (whose writes the boundary does not watch) the state as it is now is what validation must
+        end with (:meth:`on_validation_end`)."""
+        boundary = self.private_step.boundary
         if any(reader is cb for cb in trainer.callbacks):
-            self.private_step.boundary.watch(reader)
+            boundary.watch(reader)
+        if (trainer.validating or trainer.sanity_checking) and self._read_in_validation is None:
+            fingerprint = boundary.fingerprint(trainer.lightning_module)
+            self._read_in_validation = (fingerprint, fingerprint.take(boundary.callbacks()))
+
+    def _check_read_in_validation(self, trainer: "pl.Trainer") -> None:
+        """Validation read a training-logged value: nothing it kept may have changed since (else it could carry it)."""
+        taken, self._read_in_validation = self._read_in_validation, None
+        if taken is None:
+            return
+        fingerprint, before = taken
+        skip = ("contents of ", "parameter ") if _averaging(trainer) else ("contents of ",)  # EMA swaps its weights
+        changed = [c for c in StateFingerprint.changed(before, fingerprint.take(self.private_step.boundary.callbacks()))
+                   if not c.startswith(skip)]
+        if changed:
+            raise self.private_step.boundary.written_error(
+                changed, "during validation after its code read a value logged from the training data (a value kept "
+                "there would steer later steps)")
 
     def on_validation_start(self) -> None:
         """Check the state kept since the last update, then leave validation (held-out data) unwatched."""
@@ -318,6 +339,7 @@ class PrivateTraining:
         """Validation is over: the state now is the baseline of the next release."""
         super().on_validation_end()  # type: ignore[misc]
         if self._fitting():
+            self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
 
     def on_train_end(self) -> None:
@@ -325,10 +347,8 @@ class PrivateTraining:
         super().on_train_end()  # type: ignore[misc]
         self._stop_watching()
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        averaging = any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
-                        for cb in trainer.callbacks for b in type(cb).__mro__)
         self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)",
-                                     skip=("parameter ",) if averaging else ())  # its average copied in: released
+                                     skip=("parameter ",) if _averaging(trainer) else ())  # its average: released
 
     def _stop_watching(self) -> None:
         """Training is over (or failed): the logged metrics and the records are no longer watched."""
@@ -780,6 +800,12 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
 
 _WEIGHT_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging", "EMAWeightAveraging")
 """Lightning's callbacks that copy an average of the released weights into the model when training ends."""
+
+
+def _averaging(trainer: "pl.Trainer") -> bool:
+    """Whether one of Lightning's weight-averaging callbacks (or a subclass) swaps weights into the model."""
+    return any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
+               for cb in trainer.callbacks for b in type(cb).__mro__)
 
 
 def _observers(trainer: "pl.Trainer") -> list[Any]:

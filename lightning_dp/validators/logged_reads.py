@@ -15,7 +15,8 @@ training hook logged (:func:`~lightning_dp.validators.monitored.training_logged`
   reader is told to the release boundary (:attr:`LoggedReads.on_read`), which from then on fingerprints the reading
   callback, so that keeping the value is refused before the next release; and the optimizers' hyper-parameters as
   they were at the read are compared before the next release (:meth:`LoggedReads.check_release`: a learning rate
-  set from the value is refused; a scheduler's step, which may change ``lr`` and momenta, is not).
+  set from the value is refused; a scheduler's step, which may change ``lr`` and momenta, is not). During validation
+  (unwatched by the boundary) the Lightning glue takes the state at the read, and validation must end with it.
 
 Reads through ``[]``, ``get``, ``items``, ``values``, ``pop``, ``copy``, ``copy.copy``, ``copy.deepcopy``, ``dict(m)``
 and ``{**m}`` are seen; Lightning's private ``trainer._results`` is not.

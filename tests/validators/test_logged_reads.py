@@ -172,3 +172,48 @@ def test_the_metrics_dict_sees_each_way_of_reading_a_value_and_pickles_as_a_plai
     reads.stop()
     metrics["secret"]
     assert len(seen) == 9, "after the fit: not watched"
+
+
+class KeepsTrainingLossAtValidation(Logs):
+    """Validates on held-out data, and at its end keeps the training loss to scale the next steps' loss by."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", Classifier.training_step(self, batch, batch_idx))
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("train_loss_step")
+        if value is not None:
+            self.scale = float(value)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * getattr(self, "scale", 1.0)
+
+
+class ReportsAtValidation(KeepsTrainingLossAtValidation):
+    """Prints the training loss beside the held-out one and keeps held-out results (a report: allowed)."""
+
+    def on_validation_epoch_end(self) -> None:
+        print("train", float(self.trainer.callback_metrics["train_loss_step"]))
+        self.held_out = getattr(self, "held_out", []) + [float(self.trainer.callback_metrics["val_loss"])]
+
+
+def _validated_fit(model: Logs, **kwargs: Any) -> Any:
+    dp = strategy(**kwargs)
+    quiet_trainer(strategy=dp, max_steps=8, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0).fit(
+        model, loader(), loader(32))
+    return dp
+
+
+def test_state_kept_during_validation_after_reading_a_training_value_is_refused():
+    model = KeepsTrainingLossAtValidation()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after its code read.*attribute scale"):
+        _validated_fit(model)
+    assert model.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
+
+
+def test_held_out_results_kept_after_reading_a_training_value_are_refused_unless_declared_public():
+    model = ReportsAtValidation()
+    with pytest.raises(PrivacyConfigurationError, match="attribute held_out"):
+        _validated_fit(model)  # held-out results kept after the read: not told apart from a kept training value
+    dp = _validated_fit(ReportsAtValidation(), public_state=["held_out"])
+    assert dp.ledger.steps == 8
