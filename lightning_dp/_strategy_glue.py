@@ -48,7 +48,7 @@ from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, steered_hyperparameters,
                                                 trusted_callback, user_modules)
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
-from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged
+from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged, validates_on_training_data
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -308,15 +308,21 @@ class PrivateTraining:
         """The user's code read a training-logged value outside a step: a callback that did keeps state from now on;
         during validation (whose writes the boundary does not watch) the state as it is now is what validation must
         end with (:meth:`on_validation_end`)."""
-        boundary = self.private_step.boundary
         if any(reader is cb for cb in trainer.callbacks):
-            boundary.watch(reader)
-        if (trainer.validating or trainer.sanity_checking) and self._read_in_validation is None:
+            self.private_step.boundary.watch(reader)
+        self._validation_read_training_data(trainer)
+
+    def _validation_read_training_data(self, trainer: "pl.Trainer", now: bool = False) -> None:
+        """During validation (``now``: it is starting), a training-logged value or a training record was read (by its
+        hooks, or by a validation loader over the training records): the state now is what validation must end
+        with."""
+        if self._read_in_validation is None and (now or trainer.validating or trainer.sanity_checking):
+            boundary = self.private_step.boundary
             fingerprint = boundary.fingerprint(trainer.lightning_module)
             self._read_in_validation = (fingerprint, fingerprint.take(boundary.callbacks()))
 
     def _check_read_in_validation(self, trainer: "pl.Trainer") -> None:
-        """Validation read a training-logged value: nothing it kept may have changed since (else it could carry it)."""
+        """Validation read training data: nothing it kept may have changed since (else it could carry it)."""
         taken, self._read_in_validation = self._read_in_validation, None
         if taken is None:
             return
@@ -326,19 +332,26 @@ class PrivateTraining:
                    if not c.startswith(skip)]
         if changed:
             raise self.private_step.boundary.written_error(
-                changed, "during validation after its code read a value logged from the training data (a value kept "
-                "there would steer later steps)")
+                changed, "during validation after it read training data (a value logged from it, or its records: "
+                "what validation keeps from them would steer later steps)")
 
     def on_validation_start(self) -> None:
         """Check the state kept since the last update, then leave validation (held-out data) unwatched."""
         super().on_validation_start()  # type: ignore[misc]
         if self._fitting():
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            if self._record_watch is not None:  # told of validation's reads of the training records, while it runs
+                self._record_watch.elsewhere = lambda: self._validation_read_training_data(trainer)
+            if validates_on_training_data(trainer):  # its loader may prefetch a batch before this hook
+                self._validation_read_training_data(trainer, now=True)
             self.private_step.pause_boundary("between the last update and validation (in a batch-end or epoch hook)")
 
     def on_validation_end(self) -> None:
         """Validation is over: the state now is the baseline of the next release."""
         super().on_validation_end()  # type: ignore[misc]
         if self._fitting():
+            if self._record_watch is not None:
+                self._record_watch.elsewhere = None
             self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import dataset_parts
@@ -43,10 +43,12 @@ class RecordWatch:
     """
 
     def __init__(self, dataset: Any, counting: Callable[[], bool] = lambda: True,
-                 where: str = "training_step") -> None:
+                 where: str = "training_step", elsewhere: Optional[Callable[[], None]] = None) -> None:
         self.watched = dataset_parts(dataset)[0] if dataset is not None else []
         self.counting = counting
         self.where = where
+        self.elsewhere = elsewhere
+        """Told of a read that is not counted (outside the step's hooks: validation reading training records)."""
         self.reads: list[str] = []
         self._saved: list[tuple[type, str, Any]] = []
 
@@ -65,6 +67,8 @@ class RecordWatch:
                     if id(obj) in ids and self.counting() and threading.get_ident() == thread and not _ours():
                         self.reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
                         raise self.error(self.reads)  # at once; and again at check() if a handler swallows it
+                    if self.elsewhere is not None and id(obj) in ids:
+                        self.elsewhere()
                     return _original(obj, *args, **kwargs)
 
                 self._saved.append((cls, name, cls.__dict__.get(name)))

@@ -206,7 +206,7 @@ def _validated_fit(model: Logs, **kwargs: Any) -> Any:
 
 def test_state_kept_during_validation_after_reading_a_training_value_is_refused():
     model = KeepsTrainingLossAtValidation()
-    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after its code read.*attribute scale"):
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after it read training data.*attribute scale"):
         _validated_fit(model)
     assert model.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
 

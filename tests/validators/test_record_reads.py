@@ -123,3 +123,52 @@ def test_reading_the_training_set_outside_a_step_is_not_refused():
     quiet_trainer(strategy=dp, max_steps=8).fit(m, DataLoader(data(64), batch_size=16))
     assert dp.ledger.steps == 8 and 0 <= m.accuracy <= 1
     assert TensorDataset.__getitem__ is ORIGINAL, "the class is left as it was"
+
+
+class Validated(Classifier):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+
+class KeepsARecordAtValidation(Validated):
+    """Reads a training record at validation end and uses it as an extra negative in later steps."""
+
+    def on_validation_epoch_end(self) -> None:
+        self.memory = self.trainer.train_dataloader.dataset[0][0][None]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        memory = getattr(self, "memory", None)
+        return loss if memory is None else loss + 0.0 * self(memory).sum()
+
+
+class KeepsAValidationLoss(Validated):
+    """Keeps its last validation loss to scale the training loss by (validated on the training records)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.scale = float(Classifier.training_step(self, batch, batch_idx))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * getattr(self, "scale", 1.0)
+
+
+def _fit_validated(model: Classifier, validation_data: Any) -> Any:
+    dp = strategy()
+    train = data(64)
+    validation = train if validation_data is None else validation_data  # one batch: fetched before validation starts
+    quiet_trainer(strategy=dp, max_steps=8, val_check_interval=2, num_sanity_val_steps=0).fit(
+        model, DataLoader(train, batch_size=16), DataLoader(validation, batch_size=len(validation)))
+    return dp
+
+
+@pytest.mark.parametrize("model", [KeepsARecordAtValidation, KeepsAValidationLoss])
+def test_state_kept_by_validation_after_reading_training_records_is_refused(model):
+    m = model()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after it read training data.*"
+                                                        r"attribute (memory|scale)"):
+        _fit_validated(m, None if model is KeepsAValidationLoss else data(32, seed=1))
+    assert m.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
+
+
+def test_validation_on_the_training_records_that_keeps_nothing_passes():
+    assert _fit_validated(Validated(), None).ledger.steps == 8
