@@ -32,11 +32,13 @@ from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, S
                                                 hyperparameters_error)
 
 STEP_HOOKS = frozenset({
+    "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
     "training_step", "backward", "on_train_batch_start", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping", "on_before_zero_grad",
     "optimizer_zero_grad", "lr_scheduler_step"})
-"""The hooks Lightning runs inside a step before its update (as ``LightningModule._current_fx_name`` names them), and
-the schedulers' step: a training-logged value read there can only steer the release or the update."""
+"""The hooks Lightning runs inside a step before its update (as ``LightningModule._current_fx_name`` names them; the
+batch-transfer hooks also run for validation batches), and the schedulers' step: a training-logged value read there
+can only steer the release or the update."""
 
 SCHEDULED = frozenset({"lr", "initial_lr", "momentum", "betas", "max_lr", "base_lr", "max_momentum", "base_momentum"})
 """The hyper-parameters torch's schedulers set (learning rates, momenta): their change is a scheduler's when one

@@ -1,21 +1,23 @@
 """Records read by the user's step itself: only the sampled batch may enter a step.
 
-The accounting assumes each record enters step t only through the Poisson sample (probability q). A
-``training_step`` that reads the training dataset itself — ``self.trainer.train_dataloader.dataset[i]`` for
-negatives, neighbours or a replay buffer — brings records the sampler did not draw into the step, outside that
-probability (and unclipped by their own examples' bounds where they act on every gradient). :class:`RecordWatch`
-watches the training dataset (and the datasets it wraps: ``Subset``, ``ConcatDataset``): its
-``__getitem__``/``__getitems__`` are wrapped on their classes while watched (under Lightning: the fit's training; a
-plain loop: :func:`refuse_record_reads` around the user's step), and a read of a watched object while the step runs
-(under Lightning: while the module runs one of the hooks of a step before its update — ``training_step``,
-``on_train_batch_start``, ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``,
-``optimizer_step``: :data:`~.logged_reads.STEP_HOOKS`) is refused at once, and again before the release if a handler
-swallowed the error. The loader's own reads (the sample, fetched by Lightning's loop between the hooks), the checks'
-(:mod:`lightning_dp.records.fetch`) and reads in other hooks (a training accuracy over the whole set at epoch end,
-a report) are not counted.
+The accounting assumes each record enters step t only through the Poisson sample (probability q). A ``training_step``
+that reads the training dataset itself — ``self.trainer.train_dataloader.dataset[i]`` for negatives, neighbours or a
+replay buffer — brings records the sampler did not draw into the step, outside that probability (and unclipped by
+their own examples' bounds where they act on every gradient). :class:`RecordWatch` watches the training dataset (and
+the datasets it wraps: ``Subset``, ``ConcatDataset``): its ``__getitem__``/``__getitems__`` are wrapped on their
+classes while watched (under Lightning: the fit's training; a plain loop: :func:`refuse_record_reads` around the
+user's step), and a read of a watched object while the step runs (under Lightning: while the module runs one of the
+hooks of a step before its update — the batch-transfer hooks, ``training_step``, ``on_train_batch_start``,
+``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``, ``optimizer_step``:
+:data:`~.logged_reads.STEP_HOOKS`) is refused at once, and again before the release if a handler swallowed the error.
+The loader's own reads (the sample, fetched by Lightning's loop between the hooks), the checks'
+(:mod:`lightning_dp.records.fetch`) and reads in other hooks (a training accuracy over the whole set at epoch end, a
+report) are not counted.
 
-What it cannot see: reads that bypass the dataset's item access (``dataset.tensors[0][i]``), and other copies of the
-data (a tensor loaded again from disk).
+What it cannot see: reads that bypass the dataset's item access (``dataset.tensors[0][i]``), a new dataset object
+built over the same tensors in the step, and other copies of the data (a tensor loaded again from disk). During
+validation (under Lightning) a read is not refused but told (:attr:`RecordWatch.elsewhere`): validation must then end
+with the state it had (the glue).
 """
 
 from __future__ import annotations
