@@ -24,7 +24,7 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
@@ -592,12 +592,21 @@ class PrivateTraining:
             return run
 
         for progress in (None, *self._later_in_the_plan()):
-            steered = steered_hyperparameters(self.optimizers[0], [replay(batch, progress),  # type: ignore[attr-defined]
-                                                                   replay(other, progress, moved=True)])
+            with self._watches_paused():
+                steered = steered_hyperparameters(self.optimizers[0], [  # type: ignore[attr-defined]
+                    replay(batch, progress), replay(other, progress, moved=True)])
             if steered:
                 raise hyperparameters_error(steered, "from the batch by the hooks around a step (on_train_batch_start/"
                                             "end, on_before_backward, training_step), replayed on two sets of the "
                                             "probe's examples")
+
+    @contextmanager
+    def _watches_paused(self) -> Iterator[None]:
+        """The logged-metric and record watches do not count the replays' reads (the real hooks' reads are counted
+        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge)."""
+        with self._logged_reads.paused() if self._logged_reads is not None else nullcontext(), \
+                self._record_watch.paused() if self._record_watch is not None else nullcontext():
+            yield
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
         """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it

@@ -25,6 +25,7 @@ and ``{**m}`` are seen; Lightning's private ``trainer._results`` is not.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
@@ -80,6 +81,16 @@ class LoggedReads:
             if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
                 setattr(connector, attribute, LoggedMetrics(current, self))
         self.active = True
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Reads inside are not watched: the first step's replays of the batch hooks (what the hooks keep or set there
+        is judged by the replays themselves; the real hooks' reads are watched when they run)."""
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
 
     def stop(self) -> None:
         """Training is over: the logged values may be read (a report of the run); the trainer's dicts are plain

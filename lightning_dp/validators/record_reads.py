@@ -52,7 +52,19 @@ class RecordWatch:
         self.elsewhere = elsewhere
         """Told of a read that is not counted (outside the step's hooks: validation reading training records)."""
         self.reads: list[str] = []
+        self.quiet = False
+        """Reads are not counted (:meth:`paused`)."""
         self._saved: list[tuple[type, str, Any]] = []
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Reads inside are not counted: the first step's replays of the batch hooks run inside ``training_step``,
+        where a batch-end hook's read (allowed when it really runs) would count."""
+        quiet, self.quiet = self.quiet, True
+        try:
+            yield
+        finally:
+            self.quiet = quiet
 
     def start(self) -> None:
         """Wrap the item access of the watched datasets' classes (on the classes: ``obj[i]`` looks them up there)."""
@@ -66,7 +78,8 @@ class RecordWatch:
                     continue
 
                 def counting(obj: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-                    if id(obj) in ids and self.counting() and threading.get_ident() == thread and not _ours():
+                    if id(obj) in ids and not self.quiet and self.counting() and threading.get_ident() == thread \
+                            and not _ours():
                         self.reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
                         raise self.error(self.reads)  # at once; and again at check() if a handler swallows it
                     if self.elsewhere is not None and id(obj) in ids:

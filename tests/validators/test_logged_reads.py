@@ -217,3 +217,31 @@ def test_held_out_results_kept_after_reading_a_training_value_are_refused_unless
         _validated_fit(model)  # held-out results kept after the read: not told apart from a kept training value
     dp = _validated_fit(ReportsAtValidation(), public_state=["held_out"])
     assert dp.ledger.steps == 8
+
+
+class FrozenFirstLayer(Logs):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+
+
+class Unfreeze(pl.Callback):
+    """Unfreezes the first layer at the second epoch: the engine re-attaches and the checks (with the batch hooks'
+    replays) run again, now with a training loss logged."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.net[0].weight.requires_grad_(True)
+
+
+class PrintsAtBatchEnd(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if "train_loss_step" in trainer.callback_metrics:
+            print("loss", float(trainer.callback_metrics["train_loss_step"]))
+
+
+def test_a_report_at_batch_end_is_not_refused_when_the_checks_replay_the_hooks_later(capsys):
+    dp = fit(FrozenFirstLayer(), steps=8, callbacks=[Unfreeze(), PrintsAtBatchEnd()])
+    assert dp.ledger.steps == 8
+    assert capsys.readouterr().out.count("loss") >= 7

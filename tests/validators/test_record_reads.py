@@ -172,3 +172,16 @@ def test_state_kept_by_validation_after_reading_training_records_is_refused(mode
 
 def test_validation_on_the_training_records_that_keeps_nothing_passes():
     assert _fit_validated(Validated(), None).ledger.steps == 8
+
+
+class ShowsARecordAtBatchEnd(Classifier):
+    """Looks at a training record at batch end (a report: allowed where it really runs)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.trainer.train_dataloader.dataset[0]
+
+
+def test_a_batch_end_read_is_not_counted_when_the_checks_replay_the_hook():
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=3).fit(ShowsARecordAtBatchEnd(), DataLoader(data(64), batch_size=16))
+    assert dp.ledger.steps == 3
