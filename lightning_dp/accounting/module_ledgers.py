@@ -49,8 +49,7 @@ from lightning_dp.validators.kept_state import content_sums
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 """Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
-_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, ...]]]" = weakref.WeakKeyDictionary()
-"""Each trainable parameter's digests when bound: its own and its roundings' (:func:`_rounded_digests`)."""
+_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, bytes]]" = weakref.WeakKeyDictionary()
 
 
 def digest(t: Tensor) -> bytes:
@@ -128,7 +127,7 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     ``module`` and its submodules."""
     for part in module.modules():
         _RECORDS[part] = ledger
-    _AT_BIND[module] = {id(p): (digest(p), *_rounded_digests(p)) for p in _trainable(module)}
+    _AT_BIND[module] = {id(p): digest(p) for p in _trainable(module)}
 
 
 def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
@@ -142,11 +141,9 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
     before = _AT_BIND.pop(module, {})
     if copy.steps:
         for p in _trainable(module):
-            then, now = before.get(id(p), ()), (digest(p), *_rounded_digests(p))
-            # a digest the releases changed: a rounding they did not move (a norm's weight of ones trained by 1e-5,
-            # still ones in bfloat16) is also a fresh module's, and would hand it this record
-            for key in now:
-                if key not in then:
+            now = digest(p)
+            if before.get(id(p)) != now:
+                for key in (now, *_rounded_digests(p)):
                     _BY_CONTENT[key] = copy
 
 
@@ -156,11 +153,18 @@ or back in the trained one) is found by the same record."""
 
 
 def _rounded_digests(p: Tensor) -> list[bytes]:
-    """Digests of ``p`` rounded to each of :data:`LOWER_PRECISIONS`, in that dtype and cast back to its own."""
+    """Digests of ``p`` rounded to each of :data:`LOWER_PRECISIONS`, in that dtype and cast back to its own; none for a
+    rounding that is constant (a norm's weight of ones moved by 1e-6 is ones again in bfloat16, as a fresh module's is:
+    its digest would hand a fresh module this record)."""
     if p.dtype in LOWER_PRECISIONS:
         return []
-    rounded = [p.detach().to(dtype) for dtype in LOWER_PRECISIONS]
-    return [d for r in rounded for d in (digest(r), digest(r.to(p.dtype)))]
+    out = []
+    for dtype in LOWER_PRECISIONS:
+        rounded = p.detach().to(dtype)
+        local = (rounded.to_local() if hasattr(rounded, "to_local") else rounded).reshape(-1)
+        if local.numel() and not bool((local == local[0]).all()):
+            out += [digest(rounded), digest(rounded.to(p.dtype))]
+    return out
 
 
 def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
