@@ -285,6 +285,7 @@ class PrivateTraining:
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
+        self._logged_reads.watch_metrics(trainer.lightning_module)
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
         module = trainer.lightning_module  # read once: the watch asks at every record the loader reads
         self._record_watch = RecordWatch(datasets[0] if datasets else None,

@@ -19,7 +19,9 @@ training hook logged (:func:`~lightning_dp.validators.monitored.training_logged`
   (unwatched by the boundary) the Lightning glue takes the state at the read, and validation must end with it.
 
 Reads through ``[]``, ``get``, ``items``, ``values``, ``pop``, ``copy``, ``copy.copy``, ``copy.deepcopy``, ``dict(m)``
-and ``{**m}`` are seen; Lightning's private ``trainer._results`` is not.
+and ``{**m}`` are seen; Lightning's private ``trainer._results`` is not. A torchmetrics ``Metric`` of the module is the
+same kind of value (its states accumulate the training batches and are not fingerprinted): its ``compute()`` by the
+user's code inside a step is refused too (:meth:`LoggedReads.watch_metrics`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
+
+from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
@@ -70,6 +74,7 @@ class LoggedReads:
         self.active = False
         self._names: set[str] = set()  # every name logged by a training hook this fit (the results reset each epoch)
         self._read: Optional[tuple[list[str], Fingerprint, list[Any]]] = None  # names, hyper-parameters, schedulers
+        self._metrics: dict[nn.Module, Any] = {}  # torchmetrics metrics watched → their own compute
 
     def install(self) -> None:
         """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
@@ -81,6 +86,31 @@ class LoggedReads:
             if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
                 setattr(connector, attribute, LoggedMetrics(current, self))
         self.active = True
+
+    def watch_metrics(self, module: nn.Module) -> None:
+        """Watch the ``compute()`` of every torchmetrics ``Metric`` in ``module``: its states accumulate the training
+        batches (updated in ``training_step`` or a batch hook; they are not fingerprinted: they feed ``self.log``), so
+        computing it inside a step reads back a statistic of the data as a logged value would (refused)."""
+        for name, metric in module.named_modules():
+            compute = vars(metric).get("compute")
+            if not hasattr(metric, "_update_count") or not callable(compute) or metric in self._metrics:
+                continue
+
+            def guarded(*args: Any, _compute: Any = compute, _name: str = name, **kwargs: Any) -> Any:
+                if self.active and _users_frame() is not None:
+                    hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
+                    if hook in STEP_HOOKS:
+                        raise logged_read_error([f"{_name}.compute()"], f"in {hook}")
+                return _compute(*args, **kwargs)
+
+            self._metrics[metric] = compute
+            metric.compute = guarded
+
+    def unwatch_metrics(self) -> None:
+        """Give the metrics their own ``compute`` back."""
+        for metric, compute in self._metrics.items():
+            metric.compute = compute
+        self._metrics.clear()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -94,8 +124,10 @@ class LoggedReads:
 
     def stop(self) -> None:
         """Training is over: the logged values may be read (a report of the run); the trainer's dicts are plain
-        dicts again (Lightning copies them by their type and saves them: a spawned process's results)."""
+        dicts again (Lightning copies them by their type and saves them: a spawned process's results), and the
+        metrics compute as they did."""
         self.active = False
+        self.unwatch_metrics()
         connector = getattr(self.trainer, "_logger_connector", None)
         for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
             current = getattr(connector, attribute, None)

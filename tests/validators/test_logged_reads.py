@@ -245,3 +245,47 @@ def test_a_report_at_batch_end_is_not_refused_when_the_checks_replay_the_hooks_l
     dp = fit(FrozenFirstLayer(), steps=8, callbacks=[Unfreeze(), PrintsAtBatchEnd()])
     assert dp.ledger.steps == 8
     assert capsys.readouterr().out.count("loss") >= 7
+
+
+class WeightsByItsRunningLoss(Classifier):
+    """Keeps a running mean of the loss in a torchmetrics metric (updated at batch end) and scales the loss by it."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.running = torchmetrics.MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        weight = float(self.running.compute()) if self.running.update_count else 1.0
+        return super().training_step(batch, batch_idx) * weight
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.running.update(outputs["loss"])
+
+
+class LogsItsAccuracy(Classifier):
+    """The ordinary use: a metric updated in training_step and logged (Lightning computes it)."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[0])
+        self.accuracy(logits.argmax(1), batch[1])
+        self.log("train_acc", self.accuracy, on_step=True, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, batch[1])
+
+
+def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
+    model = WeightsByItsRunningLoss()
+    with pytest.raises(PrivacyConfigurationError, match=r"'running\.compute\(\)' were read back in training_step"):
+        fit(model, steps=4)
+    assert model.trainer.strategy.ledger.steps == 1
+    assert model.running.compute.__name__ != "guarded", "the metric computes as before once training ends"
+    logged = LogsItsAccuracy()
+    assert fit(logged, steps=8).ledger.steps == 8
+    assert 0 <= float(logged.accuracy.compute()) <= 1
