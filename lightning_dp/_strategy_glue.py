@@ -629,7 +629,8 @@ class PrivateTraining:
         per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
         for step, epoch in self._later_in_the_plan():
             with _progress_as(trainer, step, epoch):
-                self._check_batch(indices, step % per_epoch, as_of=f"as the model runs at step {step}, epoch {epoch}",
+                self._check_batch(indices, min(per_epoch - 1, step),  # an epoch's last batch_idx: `if batch_idx >= k`
+                                  as_of=f"as the model runs at step {step}, epoch {epoch}",
                                   charge=False, step=now)
 
     def _check_batch(self, indices: list[int], batch_idx: int, as_of: str = "", charge: bool = True,

@@ -154,6 +154,26 @@ def test_an_interaction_keyed_on_the_step_is_refused_before_any_release():
     assert unchanged(before, model), "a release happened"
 
 
+class CentresLaterInTheEpoch(Classifier):
+    """Centres the batch on its own mean from the third batch of every epoch (``batch_idx >= 2``)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx >= 2:
+            x = x - x.mean(0, keepdim=True)
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def test_an_interaction_keyed_on_the_batch_index_is_refused_before_any_release():
+    """The checks as of a later step run with an epoch's last ``batch_idx`` (4 batches an epoch, 6 steps: the plan's
+    last step is an epoch's second batch, which ``step % steps_per_epoch`` would have checked)."""
+    model = CentresLaterInTheEpoch()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 0 \(as the model runs at step 5"):
+        run(model, classes(), steps=6)
+    assert unchanged(before, model), "a release happened"
+
+
 class _Ticks:
     """A clock that advances one second per reading: every step lasts a second, whatever the machine's load."""
 
