@@ -255,7 +255,7 @@ class PrivateTraining:
         boundary.library_objects = lambda: _loop_objects(module.trainer)
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
-        boundary.fed_back = lambda: self._fed_back(module.trainer)
+        boundary.fed_back = lambda: self._reads_and_feedback(module.trainer)
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")
@@ -281,13 +281,13 @@ class PrivateTraining:
         (:mod:`~lightning_dp.validators.logged_reads`)."""
         super().on_train_start()  # type: ignore[misc]
         self.private_step.boundary.baseline()
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = module.trainer
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
-        self._logged_reads.watch_metrics(trainer.lightning_module)
+        self._logged_reads.watch_metrics(module)
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
-        module = trainer.lightning_module  # read once: the watch asks at every record the loader reads
         self._record_watch = RecordWatch(datasets[0] if datasets else None,
                                          lambda: module._current_fx_name in STEP_HOOKS,
                                          "The step (training_step or a hook Lightning runs in it)")
@@ -297,8 +297,10 @@ class PrivateTraining:
         """A logged name whose value is not the training data's: ε, or declared public."""
         return name in NOT_FROM_DATA or is_public(name, self.private_step.boundary.public_state)
 
-    def _fed_back(self, trainer: "pl.Trainer") -> list[Any]:
-        """Rule 10's findings for the boundary; first, a hyper-parameter set after a logged value was read."""
+    def _reads_and_feedback(self, trainer: "pl.Trainer") -> list[Any]:
+        """What the boundary asks before every release and when validation starts: refuse a hyper-parameter set
+        after a logged value was read and a training record read in the step's hooks (rules 8, 10); then rule 10's
+        monitored values."""
         if self._logged_reads is not None:
             self._logged_reads.check_release()
         if self._record_watch is not None:

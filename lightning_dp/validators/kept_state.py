@@ -126,6 +126,11 @@ def _is_library(obj: Any) -> bool:
     return module.split(".")[0] in LIBRARY_PREFIXES
 
 
+def is_datamodule(obj: Any) -> bool:
+    """Whether ``obj`` is a LightningDataModule (of either Lightning package)."""
+    return any(b.__name__ == "LightningDataModule" for b in type(obj).__mro__)
+
+
 def trusted_callback(callback: Any) -> bool:
     """A callback whose state cannot hold private data: one of Lightning's or lightning_dp's own, or one that
     overrides none of the hooks handed the batch (:data:`DATA_HOOKS`). The trainer's LightningDataModule is never
@@ -133,7 +138,7 @@ def trusted_callback(callback: Any) -> bool:
     cls = type(callback)
     if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
         return True
-    if any(b.__name__ == "LightningDataModule" for b in cls.__mro__):
+    if is_datamodule(callback):
         return cls.__module__.split(".")[0] in LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
     bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
@@ -332,7 +337,7 @@ class StateFingerprint:
             if trusted_callback(cb) and id(cb) not in self._readers:
                 continue
             label = type(cb).__name__
-            kind = "datamodule" if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__) else "callback"
+            kind = "datamodule" if is_datamodule(cb) else "callback"
             for key, value in _callback_state(cb):
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
@@ -463,7 +468,7 @@ _DATAMODULE_KEYS = frozenset({"_hparams", "_hparams_initial", "_hparams_name", "
 
 
 def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
-    datamodule = any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__)
+    datamodule = is_datamodule(cb)
     for key, value in vars(cb).items():
         if not _library_function(value) and not (datamodule and key in _DATAMODULE_KEYS):
             yield key, value
@@ -660,8 +665,10 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
             replay()
         finally:
             seen.append(hyperparameters(optimizer))
-            for group, values in zip(optimizer.param_groups, saved[0]):
-                group.update(values)
+            for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
+                params = group["params"]
+                group.clear()
+                group.update(values, params=params)
             if isinstance(getattr(optimizer, "defaults", None), dict):
                 optimizer.defaults.clear()
                 optimizer.defaults.update(saved[1])

@@ -24,6 +24,7 @@ from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.validators.kept_state import is_datamodule
 from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -69,7 +70,7 @@ class StepChecks:
         training data, nor are its features standardised with their own (:mod:`.data_statistics`)."""
         assert self._source is not None and self._module is not None
         holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
-                                               if any(b.__name__ == "LightningDataModule" for b in type(cb).__mro__)]
+                                               if is_datamodule(cb)]
         found = data_statistics_held(holders, self._source[0], self.boundary.public_state)
         if found:
             raise data_statistics_error(found)

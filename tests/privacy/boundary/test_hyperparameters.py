@@ -199,3 +199,23 @@ def test_data_kept_in_the_optimizers_defaults_is_refused_before_any_release():
     with pytest.raises(PrivacyConfigurationError, match=r"optimizer defaults\.memory"):
         fit(m, steps=3)
     assert unchanged(before, m)
+
+
+def test_the_replays_leave_the_optimizer_as_they_found_it():
+    """A key a replayed hook adds to a parameter group, or a rate it sets, is gone after the replays; what they set
+    alike is not called steered, what they set apart is."""
+    from lightning_dp.validators.kept_state import steered_hyperparameters
+
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+    values = iter([1.0, 2.0])
+
+    def alike() -> None:
+        opt.param_groups[0]["seen"] = 3
+        opt.param_groups[0]["lr"] = 0.1
+
+    def apart() -> None:
+        opt.param_groups[0]["lr"] = next(values)
+
+    assert steered_hyperparameters(opt, [alike, alike]) == []
+    assert steered_hyperparameters(opt, [apart, apart]) == ["optimizer param_groups[0].lr"]
+    assert opt.param_groups[0]["lr"] == 0.5 and "seen" not in opt.param_groups[0]
