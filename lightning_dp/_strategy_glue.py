@@ -563,6 +563,7 @@ class PrivateTraining:
 
         def loss_of(batch: Any) -> Any:
             with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
+                _batch_start(module, batch, 0)
                 return module.training_step(batch, 0)
 
         low = "16" in str(module.trainer.precision)
@@ -644,9 +645,10 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
         private = self.private_step
 
-        def loss_of(idx: list[int]) -> Any:
-            batch = self._as_loop_batch(private.examples(idx, fixed=True))
+        def loss_of(examples: Any) -> Any:
+            batch = self._as_loop_batch(examples)
             with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
+                _batch_start(module, batch, batch_idx)
                 return module.training_step(batch, batch_idx)
 
         private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
@@ -878,6 +880,23 @@ def _progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]
         yield
     finally:
         optimizer_steps.completed, epochs.completed = saved
+
+
+def _batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    """``on_train_batch_start`` of every callback that is not Lightning's or lightning_dp's, then of the module, on
+    ``batch`` as the loop runs them before ``training_step``: the checks' passes see what they do to the batch (centre
+    it on the data's mean, relabel it from neighbours). A hook that needs more of the loop than a check gives (it
+    raises) is left out of that pass."""
+    from lightning_dp.validators.kept_state import trusted_callback
+
+    trainer = module.trainer
+    try:
+        for cb in trainer.callbacks:
+            if not trusted_callback(cb):
+                cb.on_train_batch_start(trainer, module, batch, batch_idx)
+        module.on_train_batch_start(batch, batch_idx)
+    except Exception:  # noqa: BLE001  (checked as it runs: the release boundary compares what it keeps)
+        pass
 
 
 def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,

@@ -27,6 +27,10 @@ probe) cannot be compared across batch sizes: its draws depend on the batch's sh
 one seed and one size, the second time with a random half of its examples replaced by copies of the others; every
 example that kept its own data must keep its gradient (:meth:`BatchInteractionCheck._replacement`). Torch's, NumPy's
 and Python's generators are seeded alike for every pass and restored afterwards.
+
+Last, the whole batch passes once more with the training data's other copies in memory exchanged for other values
+(:mod:`.outside_records`): a step that reads only its batch gives bit for bit the same gradients; one that reads other
+records (neighbours, negatives, soft targets from the training tensors or a copy of them) does not.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.engine_api import ClippedBatch
+from lightning_dp.validators.outside_records import ExchangedRecords, outside_records_error
 from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes
 from lightning_dp.validators.tolerance import batch_tolerance
 
@@ -51,12 +56,17 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
     Args (besides the probe's):
         rng: the random choice of the examples compared (OS-seeded by the caller; never the data's).
         max_examples: m, the most examples of the batch taken as "all".
+        outside: the training data's copies to exchange for the last pass (``None``: no such pass). ``loss_of`` must
+            then give a batch the loss of the records it read for the first pass of those examples (not read again
+            from the exchanged data).
     """
 
-    def __init__(self, *args, rng: Optional[random.Random] = None, max_examples: int = 128, **kwargs) -> None:
+    def __init__(self, *args, rng: Optional[random.Random] = None, max_examples: int = 128,
+                 outside: Optional[ExchangedRecords] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rng = rng or random.Random()
         self.max_examples = max_examples
+        self.outside = outside
 
     def check(self, indices: Sequence[int], step: int, random_step: bool = False, as_of: str = "") -> None:
         """Check the batch ``indices`` of step ``step``; raises :class:`PrivacyConfigurationError` (nothing changes).
@@ -85,6 +95,7 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         parts = [self._engine_pass([chosen[i] for i in part]) for part in (half, rest)]
         alone = [self._engine_pass([chosen[i]]) for i in lone]
         self._verdict(whole, [(half, parts[0]), (rest, parts[1]), *(([i], a) for i, a in zip(lone, alone))], step)
+        self._exchanged(chosen, whole, step)
 
     def _replacement(self, chosen: list[int], step: int) -> None:
         """For a step that draws random numbers: the batch twice with one seed and one size (so every draw is the
@@ -107,6 +118,30 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         differing = int((gap > self.rtol * scale + 1e-12).sum())
         if differing:
             raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name, self._as_of)
+        self._exchanged(chosen, whole, step)
+
+    def _exchanged(self, chosen: list[int], whole: ClippedBatch, step: int) -> None:
+        """The batch once more with the training data's other copies exchanged (:mod:`.outside_records`): every
+        per-example norm and every parameter's sum must be the first pass's; a failure only this pass meets is the
+        step reading the exchanged data too."""
+        if self.outside is None or not self.outside.arrays:
+            return
+        try:
+            with self.outside.exchanged():
+                other = self._engine_pass(chosen)
+        except Exception as err:  # noqa: BLE001  (the same batch ran before: only the exchange can make it fail)
+            raise outside_records_error(step, 0, [], self.outside.names, err, self._as_of) from err
+        norms, moved = whole.norms.double(), other.norms.double()
+        if not bool(torch.isfinite(norms).all()):
+            return
+        scale = float(norms.max()) if norms.numel() else 0.0
+        differing = int(((norms - moved).abs() > self.rtol * scale + 1e-12).sum()) if moved.shape == norms.shape \
+            else len(chosen)
+        total = float(norms.sum())
+        summed = [name for p, name in zip(self.params, self.names)
+                  if float((other.sums[p].double() - whole.sums[p].double()).norm()) > self.rtol * total + 1e-12]
+        if differing or summed:
+            raise outside_records_error(step, differing, summed, self.outside.names, None, self._as_of)
 
     def _verdict(self, whole: ClippedBatch, parts: list[tuple[list[int], ClippedBatch]], step: int) -> None:
         norms = whole.norms.double()

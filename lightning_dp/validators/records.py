@@ -15,7 +15,9 @@ record's privacy loss only if
    dataset concatenated with itself) is refused before anything is read (:mod:`.record_sources`);
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
    (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`).
-3. **an empty batch can be read**: a ``__getitems__`` must accept the empty list of indices Poisson sampling
+3. **a record is its own data**: no two records read the same rows of the arrays the dataset holds (overlapping
+   windows, records mixed with their neighbours: :mod:`.shared_records`; not for user-level DP).
+4. **an empty batch can be read**: a ``__getitems__`` must accept the empty list of indices Poisson sampling
    draws for an empty step (the loader's fetcher calls it; :mod:`~lightning_dp.records.fetch`).
 
 Records are read as the loader's fetcher reads them. :func:`check_records` runs once per training loader,
@@ -35,6 +37,7 @@ from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.validators.record_sources import check_sources
 from lightning_dp.validators.repeated_records import READ_SEED, check_repeated_records
+from lightning_dp.validators.shared_records import check_shared_records
 
 FIXED_RECORD_PROBES = 4
 """Positions read, as one batch, three times (spread evenly over the population: first, last and between)."""
@@ -63,6 +66,8 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     _check_fixed_records(dataset, at, num_samples)
     if not per_user and not _declared_distinct(dataset):
         check_repeated_records(dataset, at, num_samples)
+    if not per_user:
+        check_shared_records(dataset, at, num_samples)
 
 
 def _check_empty_read(dataset: Any) -> None:

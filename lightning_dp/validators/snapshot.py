@@ -32,8 +32,8 @@ def _contents(value: Any, depth: int) -> Restore:
     if isinstance(value, nn.Parameter):
         return _nothing
     if isinstance(value, Tensor):
-        saved = value.detach().clone()
-        return lambda: _copy_tensor(value, saved)
+        saved, version = value.detach().clone(), value._version
+        return lambda: _copy_tensor(value, saved, version)
     if type(value).__module__ == "numpy" and hasattr(value, "copy") and hasattr(value, "shape"):
         if not getattr(getattr(value, "flags", None), "writeable", False):
             return _nothing  # a NumPy scalar or a read-only array: no pass can have written it in place
@@ -109,7 +109,13 @@ def _rebind_class_attribute(cls: type, key: str, value: Any) -> None:
         setattr(cls, key, value)
 
 
-def _copy_tensor(target: Tensor, saved: Tensor) -> None:
+def _copy_tensor(target: Tensor, saved: Tensor, version: int) -> None:
+    """Put ``saved`` back into ``target`` unless it still holds it (its version counter did not move and its contents
+    are equal: a write through ``.data`` moves no counter): a tensor the model merely refers to (the training tensor,
+    kept for a report) is not written, so its version — which the release boundary compares — stays."""
+    if target._version == version and target.shape == saved.shape and target.layout == torch.strided \
+            and torch.equal(target, saved):
+        return
     with torch.no_grad():
         if target.shape == saved.shape:
             target.copy_(saved)

@@ -11,6 +11,7 @@ refuses to run until :meth:`StepChecks.verify` (or :meth:`StepChecks.verify_on`)
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from functools import partial
@@ -23,6 +24,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
+from lightning_dp.validators.outside_records import ExchangedRecords, training_copies
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.kept_state import is_datamodule
 from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
@@ -136,10 +138,13 @@ class StepChecks:
         self.distribution.all_reduce(flag)
         return bool(flag.item() > 0)
 
-    def check_batch(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int], step: int,
+    def check_batch(self, loss_of_batch: Callable[[Any], Any], indices: Sequence[int], step: int,
                     max_examples: int = 128, as_of: str = "", charge: bool = True) -> None:
         """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's sampled examples,
-        before its release: ``loss_of_examples(idx)`` is the user's loss of the examples ``idx`` as one batch.
+        before its release: ``loss_of_batch(batch)`` is the user's loss of a batch of examples read by
+        :meth:`examples` (``fixed``; each set of examples is read once, and every pass gets its own copy, so the last
+        pass runs on the records read before the training data's other copies were exchanged:
+        :mod:`~lightning_dp.validators.outside_records`).
         Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
         whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
         ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
@@ -155,14 +160,25 @@ class StepChecks:
         tol = batch_tolerance(dtype, reference.device, self._tolerance_low)
         error: Optional[PrivacyConfigurationError] = None
 
+        read: dict[tuple[int, ...], Any] = {}
+        copies = [True]
+
         def loss_of(idx: list[int]) -> Tensor:
-            return loss_tensor(loss_of_examples(idx), len(idx), "training_step")
+            key = tuple(idx)
+            if key not in read:
+                read[key] = self.examples(idx, fixed=True)
+            try:
+                batch = copy.deepcopy(read[key])
+            except Exception:  # noqa: BLE001  (a batch object that cannot be copied: read again, no exchanged pass)
+                copies[0], batch = False, self.examples(idx, fixed=True)
+            return loss_tensor(loss_of_batch(batch), len(idx), "training_step")
 
         snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
         try:
             with forked_rngs():
                 BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                      rng=self.schedule.rng, max_examples=max_examples).check(
+                                      rng=self.schedule.rng, max_examples=max_examples,
+                                      outside=self._training_copies(lambda: copies[0])).check(
                     indices, step, self._random_step, as_of)
         except PrivacyConfigurationError as err:
             error = err
@@ -175,6 +191,15 @@ class StepChecks:
             raise error
         if refused:
             raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
+
+    def _training_copies(self, copyable: Callable[[], bool]) -> ExchangedRecords:
+        """The training data's copies in memory the batch check exchanges (:func:`training_copies`: the training
+        dataset's, and those the model, the datamodule, the callbacks and the user's globals keep); none when a
+        batch cannot be copied (``copyable()`` false by then: its records would be read from the exchanged data)."""
+        assert self._source is not None and self._module is not None
+        holders = [("model", self._module), *((type(cb).__name__, cb) for cb in self.boundary.callbacks()),
+                   *((m.__name__, m) for m in self.boundary.global_modules())]
+        return ExchangedRecords(training_copies(self._source[0], holders), copyable)
 
     def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
         """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""

@@ -1,0 +1,298 @@
+"""Only the step's own sampled records may enter it: the training data's other copies exchanged, the step unchanged.
+
+Poisson sampling charges a record's privacy loss on the steps that sample it, and per-example clipping bounds what
+one sampled example adds to the sum. Both hold only if a step's gradients are functions of its own sampled batch. A
+step that reads other training records — soft targets from the nearest training neighbours (``torch.cdist(x,
+dataset.tensors[0])``), negatives or a memory bank that *is* the training tensor or a copy of it held by the model,
+the LightningDataModule or a global (``self.trainer.datamodule.x_train``) — makes every example's gradient depend on
+records the step did not sample: no clipping bounds their influence and no q is their rate.
+
+:class:`ExchangedRecords` is the batch check's last pass (:mod:`.batch_check`): the checked batch, read as usual,
+passes through the step again while every other copy of the training data in memory is *exchanged* in place, exactly
+reversibly, for other values (:func:`exchange`):
+
+* floating point: the sign bit and the top bit of the mantissa of every element flipped (x becomes −x·(1 ± ½)·2^k:
+  every magnitude and sign changes, so sums, distances and norms of the data all move);
+* integers: the lowest bit (a label 0 ↔ 1, a token id 2k ↔ 2k+1); ``uint8`` (pixels): the top bit; ``bool``: negated;
+* a list of numbers or strings: replaced by a list of other values (restored from a copy).
+
+A step that reads only its batch cannot tell: its per-example gradients are bit for bit those of the plain pass
+(same batch, same seed, same state). Any difference — a norm, a parameter's sum, an exception — proves that it read
+the exchanged memory: refused before the step's release (:func:`outside_records_error`). The exchange writes through
+``tensor.data`` (no version counter moves, no autograd graph notices) and is undone in a ``finally``.
+
+What is exchanged (:func:`training_copies`): the tensors of the training dataset and of the datasets it wraps
+(:func:`~lightning_dp.validators.kept_state.dataset_parts`; every view of their memory, anywhere, with them), the
+NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
+NumPy array held by the model (buffers, attributes), the datamodule, a callback or a global of the user's code whose
+rows are rows of a training tensor (its sampled rows found in the tensor's row digests, :func:`row_digests`) or, for
+labels, equal to a training tensor. Not exchanged: tensors in shared memory (a DataLoader's worker processes may be
+reading them) or backed by a file, read-only or memory-mapped NumPy arrays, and copies transformed after they were
+taken (scaled, projected, tokenised again): a step reading those is not seen. Nor is a record read from its file again.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.kept_state import dataset_parts, framework_keys
+
+ROWS_SAMPLED = 16
+"""Rows of a candidate copy looked up in the training tensor's row digests."""
+
+MAX_DIGESTED = 1 << 28
+"""Training tensors of more bytes get no row digests (their copies elsewhere are not looked for)."""
+
+_FLOAT_MASKS = {torch.float16: (torch.int16, -0x8000 | 0x0200), torch.bfloat16: (torch.int16, -0x8000 | 0x0040),
+                torch.float32: (torch.int32, -0x80000000 | 0x00400000),
+                torch.float64: (torch.int64, -0x8000000000000000 | 0x0008000000000000)}
+_INT_MASKS = {torch.uint8: 0x80, torch.int8: 1, torch.int16: 1, torch.int32: 1, torch.int64: 1}
+
+
+class ExchangedRecords:
+    """The training data's copies in memory (:func:`training_copies`), exchanged for the length of a ``with``.
+
+    Args:
+        arrays: (name, tensor or NumPy array or list) to exchange; a name says where it is held (never its data).
+        ready: whether the pass may run now (the caller's condition: its batch was read before the exchange).
+    """
+
+    def __init__(self, arrays: Sequence[tuple[str, Any]], ready: Callable[[], bool] = lambda: True) -> None:
+        self._arrays = [(name, value) for name, value in arrays if exchangeable(value)]
+        self._ready = ready
+
+    @property
+    def arrays(self) -> list[tuple[str, Any]]:
+        """What is exchanged; empty when not :attr:`ready`."""
+        return self._arrays if self._ready() else []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self._arrays]
+
+    @contextmanager
+    def exchanged(self) -> Iterator[None]:
+        """Every array exchanged (:func:`exchange`) on entry and restored on exit, whatever happens in between."""
+        undo: list[Callable[[], None]] = []
+        try:
+            for _, value in self._arrays:
+                undo.append(exchange(value))
+            yield
+        finally:
+            for restore in reversed(undo):
+                restore()
+
+
+def exchangeable(value: Any) -> bool:
+    """Whether :func:`exchange` may write ``value`` in place: a dense tensor of a masked dtype outside shared memory
+    and files, a writeable in-memory NumPy array of numbers, or a non-empty list of numbers or strings."""
+    if isinstance(value, Tensor):
+        dtype_ok = value.dtype in _FLOAT_MASKS or value.dtype in _INT_MASKS or value.dtype == torch.bool
+        if not dtype_ok or value.layout != torch.strided or value.numel() == 0 or value.is_shared():
+            return False
+        storage = value.untyped_storage()
+        return getattr(storage, "filename", None) is None
+    if isinstance(value, np.ndarray):
+        return (value.size > 0 and value.dtype.kind in "fiub" and value.flags.writeable
+                and not isinstance(value, np.memmap) and not _file_backed(value))
+    return isinstance(value, list) and bool(value) and all(isinstance(v, (int, float, str)) for v in value[:64])
+
+
+def _file_backed(array: np.ndarray) -> bool:
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+        if isinstance(base, np.memmap) or type(base).__name__ == "mmap":
+            return True
+    return False
+
+
+def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
+    """Exchange ``value``'s contents in place (module docstring), or only its ``rows`` (along dimension 0); returns
+    the function that restores them exactly."""
+    if isinstance(value, Tensor):
+        data = value.data if rows == slice(None) else value.data[rows]  # its own version counter: the tensor's stays
+        flip = _tensor_flip(data)
+        flip()
+        return flip
+    if isinstance(value, np.ndarray):
+        flip = _array_flip(value if rows == slice(None) else value[rows])
+        flip()
+        return flip
+    saved = value[rows]
+    value[rows] = [_other(v) for v in saved]
+
+    def restore() -> None:
+        value[rows] = saved
+    return restore
+
+
+def _tensor_flip(data: Tensor) -> Callable[[], None]:
+    if data.dtype == torch.bool:
+        return lambda: data.logical_not_()
+    if data.dtype in _FLOAT_MASKS:
+        int_dtype, mask = _FLOAT_MASKS[data.dtype]
+        bits = data.view(int_dtype)
+        return lambda: bits.bitwise_xor_(mask)
+    mask = _INT_MASKS[data.dtype]
+    return lambda: data.bitwise_xor_(mask)
+
+
+def _array_flip(array: np.ndarray) -> Callable[[], None]:
+    if array.dtype.kind == "b":
+        return lambda: np.logical_not(array, out=array)
+    if array.dtype.kind == "f":
+        size = array.dtype.itemsize
+        bits = array.view(f"<i{size}" if array.dtype.byteorder in "<=|" else f">i{size}")
+        sign = -(1 << (8 * size - 1))
+        mantissa = {2: 0x0200, 4: 0x00400000, 8: 0x0008000000000000}[size]
+        mask = np.array(sign | mantissa, dtype=bits.dtype)
+        return lambda: np.bitwise_xor(bits, mask, out=bits)
+    mask = np.array(0x80 if array.dtype == np.uint8 else 1, dtype=array.dtype)
+    return lambda: np.bitwise_xor(array, mask, out=array)
+
+
+def _other(v: Any) -> Any:
+    if isinstance(v, str):
+        return v[::-1] + "\x00"
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v ^ 1
+    return -1.5 * v - 1.0
+
+
+# ---------------------------------------------------------------------------- what is exchanged
+def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(name, array) of the training data in memory: ``dataset``'s tensors and its datasets' arrays and lists of
+    records, and the copies of its tensors ``holders`` ((label, object): the model, the datamodule, callbacks, a
+    module of globals) keep (module docstring)."""
+    datasets, tensors = dataset_parts(dataset)
+    found: list[tuple[str, Any]] = [(f"the training data{path}", t) for path, t in tensors]
+    storages = {_storage_key(t) for _, t in tensors}
+    for d in datasets:
+        for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
+            if isinstance(value, (np.ndarray, list)) and not isinstance(value, Tensor):
+                found.append((f"the training data's {type(d).__name__}.{key}", value))
+    digests = [(t, row_digests(t)) for _, t in tensors]
+    seen = {id(v) for _, v in found}
+    for path, value in _held_arrays(holders):
+        if id(value) in seen or (isinstance(value, Tensor) and _storage_key(value) in storages):
+            continue
+        seen.add(id(value))
+        if any(_is_copy(value, t, rows) for t, rows in digests):
+            found.append((path, value))
+    return found
+
+
+def _storage_key(t: Tensor) -> tuple[str, int]:
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return (str(t.device), id(t))
+
+
+def row_digests(t: Tensor) -> Optional[set[int]]:
+    """A 64-bit digest of every row (along dimension 0) of a training tensor of at least two dimensions, or
+    ``None`` (1-D, empty, too large: :data:`MAX_DIGESTED`)."""
+    if t.dim() < 2 or t.numel() == 0 or t.shape[0] < 2 or t.numel() * t.element_size() > MAX_DIGESTED \
+            or t.dtype not in _FLOAT_MASKS and t.dtype not in _INT_MASKS:
+        return None
+    return set(_digests(t).tolist())
+
+
+def _digests(t: Tensor) -> np.ndarray:
+    """Each row's bytes as 64-bit words (zero-padded), combined with fixed odd multipliers (wrapping)."""
+    rows = t.detach().to("cpu").contiguous().reshape(t.shape[0], -1)
+    raw = rows.numpy().view(np.uint8).reshape(rows.shape[0], -1)
+    pad = (-raw.shape[1]) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros((raw.shape[0], pad), np.uint8)], axis=1)
+    words = raw.view(np.uint64)
+    multipliers = np.random.default_rng(0x5EED).integers(1, 1 << 62, words.shape[1], dtype=np.uint64) * 2 + 1
+    with np.errstate(over="ignore"):
+        return (words * multipliers).sum(axis=1, dtype=np.uint64) ^ np.uint64(words.shape[1])
+
+
+def _is_copy(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
+    """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), or rows of it (half of the sampled
+    rows, at least two, found among ``data``'s row digests)."""
+    candidate = _as_tensor(value)
+    if candidate is None or candidate.dtype.is_floating_point != data.dtype.is_floating_point \
+            or candidate.dim() != data.dim() or tuple(candidate.shape[1:]) != tuple(data.shape[1:]):
+        return False
+    candidate = candidate.to(data.dtype)
+    if rows is None:
+        return data.dim() == 1 and candidate.numel() >= 8 and candidate.shape == data.shape \
+            and bool(torch.equal(candidate.cpu(), data.detach().cpu()))
+    n = candidate.shape[0]
+    sample = candidate[np.linspace(0, n - 1, min(n, ROWS_SAMPLED)).round().astype(np.int64)] if n else candidate
+    if sample.shape[0] == 0:
+        return False
+    flat = sample.reshape(sample.shape[0], -1)
+    varied = (flat != flat[:, :1]).any(1).tolist()  # a constant row (zeros: an empty queue) says nothing
+    hits = sum(v and int(d) in rows for d, v in zip(_digests(sample).tolist(), varied))
+    return (hits >= 2 and 2 * hits >= sample.shape[0]) or (n == 1 and hits == 1)
+
+
+def _as_tensor(value: Any) -> Optional[Tensor]:
+    if isinstance(value, Tensor):
+        return value.detach() if value.layout == torch.strided and value.numel() else None
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return None
+
+
+def _held_arrays(holders: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """(path, tensor or NumPy array) the holders keep: a module's buffers and its modules' attributes (parameters
+    are weights, not records), another object's attributes, one level into lists, tuples and dicts."""
+    for label, owner in holders:
+        if isinstance(owner, nn.Module):
+            for name, b in owner.named_buffers():
+                yield f"the model's buffer {name}", b
+            for prefix, m in owner.named_modules():
+                yield from _attributes(f"the model's attribute {prefix + '.' if prefix else ''}", m, framework_keys())
+        elif isinstance(owner, types.ModuleType):
+            yield from _attributes(f"the global {owner.__name__}.", owner)
+        else:
+            yield from _attributes(f"{label}.", owner)
+
+
+def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    for key, value in list(vars(owner).items()) if hasattr(owner, "__dict__") else ():
+        if key.startswith("__") or key in skip or isinstance(value, nn.Parameter):
+            continue
+        if isinstance(value, (Tensor, np.ndarray)):
+            yield f"{prefix}{key}", value
+        elif isinstance(value, (list, tuple)) and len(value) <= 16:
+            yield from ((f"{prefix}{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (Tensor, np.ndarray)))
+        elif isinstance(value, dict) and len(value) <= 64:
+            yield from ((f"{prefix}{key}[{k!r}]", v) for k, v in value.items() if isinstance(v, (Tensor, np.ndarray)))
+
+
+def outside_records_error(step: int, differing: int, summed: Sequence[str], names: Sequence[str],
+                          failure: Optional[BaseException] = None, as_of: str = "") -> PrivacyConfigurationError:
+    """The refusal of a step that read training records outside its batch (names and counts: no data values)."""
+    when = f" ({as_of})" if as_of else ""
+    held = ", ".join(names[:4]) + (" …" if len(names) > 4 else "")
+    if failure is not None:
+        what = f"the step failed ({type(failure).__name__}) where it had run"
+    else:
+        what = f"{differing} example gradient(s)" + (f" and the sums of {', '.join(summed[:4])}" if summed else "") \
+            + " changed"
+    return PrivacyConfigurationError(
+        f"The step reads training records outside its sampled batch at step {step}{when}: passed again with its own "
+        f"batch unchanged and the training data's other copies in memory exchanged for other values ({held}), "
+        f"{what}. Its gradients then depend on records it did not sample: no per-example clipping bounds their "
+        "influence and the sampling rate is not theirs, so the ledger's ε does not hold. Nothing was released for "
+        "this step. Typical causes: soft targets, weights or negatives computed from the training tensors "
+        "(dataset.tensors[0], a nearest-neighbour search over them), a memory bank or reference set that is the "
+        "training data or a copy of it (self.trainer.datamodule.x_train). Draw negatives and references from "
+        "public data, or from the batch itself with a per-example loss.")

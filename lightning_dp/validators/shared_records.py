@@ -1,0 +1,234 @@
+"""Records that share data: each record must be made of data no other record reads.
+
+The privacy unit is one record of the dataset the loader reads (rule 8 of docs/release_boundary.md): sampling
+charges a record's chances, and clipping bounds what one record adds to a step. A dataset whose records are built
+from rows of the data it holds that other records read too — overlapping windows of a series or a token stream
+(``x[i:i + w]`` with a stride under w), a record mixed with its neighbour (``0.5 * (x[i] + x[i + 1])``), features
+normalised in ``__getitem__`` by statistics of the whole tensor — puts one row's data into several records. Its
+influence is then that of several records (k overlapping windows: k·C per step, k chances to be sampled), which the
+ledger does not count.
+
+:func:`check_shared_records` looks, once before training, at the arrays the training dataset holds with at least as
+many rows (along dimension 0) as there are records: the tensors, NumPy arrays and lists of numbers or strings of its
+datasets (:func:`~lightning_dp.validators.kept_state.dataset_parts`) and of the module-level globals of their
+classes' modules (the user's code). For a few records r — spread over the population — it finds the rows R(r) of each
+array that r depends on: it exchanges ranges of rows in place, exactly reversibly
+(:func:`~lightning_dp.validators.outside_records.exchange`), reads r again (seeded as the loader's fetcher reads it)
+and halves each range that changed it. Then it requires
+
+* that the records at the neighbouring positions and a few others at random do not change when R(r) is exchanged
+  (two records sharing rows); a record that reads :data:`LONG_RECORD` rows or more may share one of them with another
+  record — a next-token window's last target, which is the next window's first input, is ordinary chunking;
+* that the records' rows do not outnumber the array's: the mean |R(r)| times the number of records is at most the
+  number of rows (plus one row per record for records of :data:`LONG_RECORD` rows or more), else records must share
+  rows (pigeonhole: a record mixed with a random partner).
+
+Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
+whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
+files, in tables smaller than the population (a shared lookup table is no person's), or in containers other than
+those above; and rows shared with a record neither at a neighbouring position nor among the sampled ones, when the
+pigeonhole count does not show it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from torch import Tensor
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.fetch import fetch, seeded
+from lightning_dp.records.record_fingerprint import fingerprint
+from lightning_dp.validators.kept_state import dataset_parts, user_modules
+from lightning_dp.validators.outside_records import exchange, exchangeable
+
+PROBED_RECORDS = 3
+"""Records whose rows are searched, spread over the population (first, middle, last)."""
+
+OTHER_RECORDS = 6
+"""Records at random positions checked, besides the neighbours, for rows shared with a probed record."""
+
+MAX_ROWS = 512
+"""The most rows of one array a probed record may read and still be checked against it."""
+
+MAX_READS = 4096
+"""The most reads spent searching one record's rows of one array."""
+
+LONG_RECORD = 8
+"""A record reading this many rows of an array or more may share one of them (module docstring)."""
+
+_SEED = 20260613
+
+
+def check_shared_records(dataset: Any, at: Callable[[int], int], n: int) -> None:
+    """Refuse records sharing rows of the arrays ``dataset`` holds (module docstring): the population is the ``n``
+    records ``dataset[at(p)]``, positions p in ``range(n)``.
+
+    Raises:
+        PrivacyConfigurationError: naming the records, the array and the fix.
+    """
+    if n < 2:
+        return
+    arrays = row_sources(dataset, n)
+    if not arrays:
+        return
+    steps = max(1, PROBED_RECORDS - 1)
+    probes = sorted({round(j * (n - 1) / steps) for j in range(PROBED_RECORDS)})
+    rng = random.Random(_SEED)  # public positions: never the data's
+    for name, array in arrays:
+        sizes: list[int] = []
+        for position in probes:
+            rows = _rows_of(dataset, at(position), array)
+            if rows is None:
+                sizes = []
+                break
+            sizes.append(len(rows))
+            if rows:
+                _refuse_shared(dataset, at, n, position, rows, array, name, rng)
+        rows_held = len(array)
+        mean = sum(sizes) / len(sizes) if sizes else 0.0
+        allowance = n if mean >= LONG_RECORD else 0
+        if sizes and mean * n > rows_held + allowance:
+            raise shared_records_error(
+                f"the records read {mean:g} rows of {name} each on average (records at positions {probes}), and "
+                f"{n} records of that many rows are more than its {rows_held} rows: records must share rows")
+
+
+def row_sources(dataset: Any, n: int) -> list[tuple[str, Any]]:
+    """(name, array) the records may be built from: the training datasets' tensors, arrays and lists, and the
+    globals of their classes' modules, with at least ``n`` rows, that :func:`exchangeable` allows."""
+    datasets, tensors = dataset_parts(dataset)
+    found: list[tuple[str, Any]] = [(f"the dataset's tensor{path}", t) for path, t in tensors]
+    for d in datasets:
+        for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
+            if isinstance(value, (np.ndarray, list)):
+                found.append((f"{type(d).__name__}.{key}", value))
+    for module in user_modules(type(d) for d in datasets):
+        for key, value in list(vars(module).items()):
+            if not key.startswith("__") and isinstance(value, (Tensor, np.ndarray, list)):
+                found.append((f"the global {module.__name__}.{key}", value))
+    seen: set[int] = set()
+    kept = []
+    for name, value in found:
+        if id(value) in seen or not exchangeable(value) or getattr(value, "ndim", 1) == 0 or len(value) < n:
+            continue
+        seen.add(id(value))
+        kept.append((name, value))
+    return kept
+
+
+class _Budget:
+    def __init__(self, reads: int) -> None:
+        self.left = reads
+
+    def spend(self) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+
+def _digest(dataset: Any, index: int) -> Any:
+    """Record ``index`` as the loader reads it (generators seeded), or the type of the error reading it raised."""
+    try:
+        with seeded(_SEED):
+            found = fingerprint(fetch(dataset, [index]))
+    except Exception as err:  # noqa: BLE001  (the user's __getitem__ on exchanged data)
+        return ("error", type(err).__name__)
+    return None if found is None else found.digest
+
+
+def _changes(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> bool:
+    """Whether record ``index`` reads differently with ``rows`` of ``array`` exchanged (restored after)."""
+    undo = []
+    try:
+        for part in _runs(rows):
+            undo.append(exchange(array, part))
+        return _digest(dataset, index) != before
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def _runs(rows: Sequence[int]) -> list[slice]:
+    """``rows`` (sorted) as slices of consecutive rows."""
+    if isinstance(rows, range):
+        return [slice(rows.start, rows.stop)] if len(rows) else []
+    runs: list[slice] = []
+    start = prev = None
+    for r in rows:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            runs.append(slice(start, prev + 1))
+        start = prev = r
+    if start is not None:
+        runs.append(slice(start, prev + 1))
+    return runs
+
+
+def _search(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> Optional[list[int]]:
+    """The rows among ``rows`` whose exchange changes record ``index`` (halving the ranges that do), or ``None``
+    when they are more than :data:`MAX_ROWS` or the search needs more than :data:`MAX_READS` reads."""
+    budget, found = _Budget(MAX_READS), []
+    stack = [rows]
+    while stack:
+        part = stack.pop()
+        if not budget.spend():
+            return None
+        if not _changes(dataset, index, before, array, part):
+            continue
+        if len(part) == 1:
+            found.append(part[0])
+            if len(found) > MAX_ROWS:
+                return None
+            continue
+        mid = len(part) // 2
+        stack.extend([part[mid:], part[:mid]])
+    return sorted(found)
+
+
+def _rows_of(dataset: Any, index: int, array: Any) -> Optional[list[int]]:
+    """R(index): the rows of ``array`` record ``index`` depends on (``None``: not found within the limits)."""
+    before = _digest(dataset, index)
+    if before is None:
+        return None  # an opaque record: not comparable
+    return _search(dataset, index, before, array, range(len(array)))
+
+
+def _refuse_shared(dataset: Any, at: Callable[[int], int], n: int, position: int, rows: list[int], array: Any,
+                   name: str, rng: random.Random) -> None:
+    """Refuse when a record at a neighbouring or random position reads rows of ``rows`` (beyond the one a long
+    record may share)."""
+    others = {p for p in (position - 1, position + 1) if 0 <= p < n}
+    others |= set(rng.sample(range(n), min(n, OTHER_RECORDS)))
+    others.discard(position)
+    index = at(position)
+    for other in sorted(others):
+        j = at(other)
+        if j == index:
+            continue
+        before = _digest(dataset, j)
+        if before is None or not _changes(dataset, j, before, array, rows):
+            continue
+        shared = _search(dataset, j, before, array, rows)
+        if shared is not None and len(shared) <= 1 and len(rows) >= LONG_RECORD:
+            continue  # one row at the edge of long records: a next-token window's last target
+        count = "some" if shared is None else str(len(shared))
+        raise shared_records_error(
+            f"the records at positions {position} and {other} both read {count} of the same rows of {name} "
+            f"(record {position} reads {len(rows)} of its rows)")
+
+
+def shared_records_error(what: str) -> PrivacyConfigurationError:
+    """The refusal of records made of data other records read too (positions and names: no data values)."""
+    return PrivacyConfigurationError(
+        f"Training records share data: {what}. DP's privacy unit is one record of the dataset the loader reads; a row "
+        "in several records (overlapping windows of a series or a text, a record mixed with its neighbour, features "
+        "normalised in __getitem__ by statistics of the whole tensor) has the influence of several records, which "
+        "neither the clipping nor the ledger counts. Make each record its own rows: windows with a stride of at "
+        "least their length (a next-token window may end on the next one's first token), no mixing across records "
+        "in __getitem__ (do augmentation within a record; lightning_dp.data.AugmentedViews), normalisation by public "
+        "constants. If one person's data really spans several records, train with user-level DP (one unit per "
+        "person).")

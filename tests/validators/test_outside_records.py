@@ -1,0 +1,234 @@
+"""Records outside the step's batch (validators/outside_records.py): the exchange is exact and leaves no version
+mark; the training data's copies are found where users keep them (and nothing else is taken for one); a step whose
+gradients read other training records — from the dataset's tensors, a copy on the model, the datamodule or a global,
+behind a warm-up — is refused before any release, and ordinary steps that merely hold the data are not."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+
+from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E402
+from conftest import quiet_trainer  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.outside_records import (  # noqa: E402
+    ExchangedRecords,
+    exchange,
+    exchangeable,
+    training_copies,
+)
+
+# ---------------------------------------------------------------------------- the exchange
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64,
+                                   torch.int32, torch.uint8, torch.bool])
+def test_a_tensor_is_exchanged_everywhere_and_restored_bit_for_bit(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(50, 3, generator=g) * 5).to(dtype) if dtype.is_floating_point or dtype == torch.bool \
+        else torch.randint(0, 200, (50, 3), generator=g).to(dtype)
+    t[0, 0] = 0
+    before, version = t.clone(), t._version
+    restore = exchange(t)
+    changed = t != before if dtype.is_floating_point else t.ne(before)
+    assert bool(changed.all()), "every element takes another value (zero included)"
+    if dtype.is_floating_point:
+        assert bool(((t.float() * before.float()) <= 0).all()), "signs flip"
+        assert bool((t.float().abs() != before.float().abs())[before != 0].all()), "magnitudes move too"
+    restore()
+    assert torch.equal(t.view(torch.uint8) if dtype != torch.bool else t, before.view(torch.uint8)
+                       if dtype != torch.bool else before)
+    assert t._version == version  # the release boundary reads the training tensors' version counters
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8", "bool"])
+def test_a_numpy_array_is_exchanged_and_restored(dtype: str) -> None:
+    a = (np.random.default_rng(0).normal(size=(20, 4)) * 50).astype(dtype)
+    before = a.copy()
+    restore = exchange(a)
+    assert (a != before).all()
+    restore()
+    assert a.tobytes() == before.tobytes()
+
+
+def test_lists_of_records_are_replaced_and_restored() -> None:
+    labels, texts = [0, 1, 1, 3], ["a b", "c", "dd"]
+    for records in (labels, texts):
+        before = list(records)
+        restore = exchange(records)
+        assert all(x != y for x, y in zip(records, before))
+        restore()
+        assert records == before
+
+
+def test_the_exchange_is_undone_when_the_pass_fails() -> None:
+    t = torch.randn(8, 2)
+    before = t.clone()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ExchangedRecords([("x", t)]).exchanged():
+            assert not torch.equal(t, before)
+            raise RuntimeError("boom")
+    assert torch.equal(t, before)
+
+
+def test_memory_others_may_be_reading_is_never_written(tmp_path: Path) -> None:
+    shared = torch.randn(4, 2).share_memory_()  # a DataLoader worker may read it concurrently
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((4, 2), np.float32))
+    mapped = np.load(path, mmap_mode="r+")  # written back to the file
+    frozen = np.ones((4, 2))
+    frozen.flags.writeable = False
+    assert not any(exchangeable(v) for v in (shared, mapped, frozen, torch.zeros(0), [object()]))
+    assert all(exchangeable(v) for v in (torch.randn(4, 2), np.ones((4, 2)), [1, 2], ["a"]))
+
+
+# ---------------------------------------------------------------------------- what is exchanged
+
+
+class Holder:
+    pass
+
+
+def test_copies_are_found_where_users_keep_them_and_nothing_else() -> None:
+    ds = data(64)
+    x, y = ds.tensors
+    model = nn.Linear(4, 2)
+    model.register_buffer("anchors", x[:16].clone())  # rows of the data, released with the model
+    model.register_buffer("queue", torch.zeros(16, 4))  # an empty queue: constant rows say nothing
+    model.unrelated = torch.randn(32, 4)  # same row shape, other values
+    model.alias = x  # the dataset's own memory: exchanged with it, not listed twice
+    dm = Holder()
+    dm.x_train = x.double().numpy().copy()  # a float64 NumPy original of the float32 tensor
+    dm.y_train = y.numpy().copy()
+    dm.y_other = (1 - y).numpy()
+    globals_ = types.ModuleType("user_code")
+    globals_.REFERENCE = x[10:40].numpy().copy()
+    found = dict(training_copies(ds, [("model", model), ("DataModule", dm), ("user_code", globals_)]))
+    names = sorted(found)
+    assert "the training data.tensors[0]" in names and "the training data.tensors[1]" in names
+    assert "the model's buffer anchors" in names
+    assert "DataModule.x_train" in names and "DataModule.y_train" in names
+    assert "the global user_code.REFERENCE" in names
+    for absent in ("queue", "unrelated", "alias", "y_other"):
+        assert not any(absent in n for n in names), absent
+
+
+# ---------------------------------------------------------------------------- steps that read other records
+
+DATASET = data(64)
+X, Y = DATASET.tensors
+REFERENCE = X.numpy().copy()  # a global copy of the training features, as a notebook keeps them
+
+
+class NeighbourTargets(Classifier):
+    """Soft targets from the three nearest training records (a kNN smoothing over the dataset's tensors)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        xs, ys = self.trainer.train_dataloader.dataset.tensors
+        soft = F.one_hot(ys[torch.cdist(x, xs).topk(3, largest=False).indices], 2).float().mean(1)
+        return -(soft * F.log_softmax(self(x), 1)).sum(1).mean()
+
+
+class GlobalReference(Classifier):
+    """Weights each example by its distance to the second nearest record of a global copy."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        w = torch.cdist(x, torch.from_numpy(REFERENCE)).topk(2, largest=False).values[:, 1].detach()
+        return (w * F.cross_entropy(self(x), y, reduction="none")).mean()
+
+
+class AfterWarmup(Classifier):
+    """Centres the batch on the training set's mean, from step 3 on."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step >= 3:
+            x = x - self.trainer.train_dataloader.dataset.tensors[0].mean(0)
+        return F.cross_entropy(self(x), y)
+
+
+class Copies(pl.LightningDataModule):
+    """Keeps the float64 NumPy originals and builds float32 tensors from them (other memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x_train, self.y_train = X.double().numpy().copy(), Y.numpy().copy()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.tensor(self.x_train, dtype=torch.float32),
+                                        torch.from_numpy(self.y_train.copy())), batch_size=16)
+
+
+class OtherClassMargin(Classifier):
+    """A margin from the nearest training record of another class, read from the datamodule's copy."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        dm = self.trainer.datamodule
+        ref, ref_y = torch.from_numpy(dm.x_train).float(), torch.from_numpy(dm.y_train)
+        w = (torch.cdist(x, ref) + 1e6 * (y[:, None] == ref_y[None]).float()).min(1).values.detach()
+        return (w * F.cross_entropy(self(x), y, reduction="none")).mean()
+
+
+class NoisyMean(Classifier):
+    """Draws random numbers of its own (the replacement test's path) and subtracts the training set's mean."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x + 0.1 * torch.randn_like(x) - self.trainer.train_dataloader.dataset.tensors[0].mean(0)
+        return F.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("model", [NeighbourTargets, GlobalReference, AfterWarmup, NoisyMean])
+def test_a_step_reading_other_training_records_is_refused_before_any_release(model: type) -> None:
+    m = model()
+    before = parameters(m)
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match="outside its sampled batch"):
+        quiet_trainer(strategy=dp, max_steps=6).fit(m, DataLoader(DATASET, batch_size=16))
+    assert unchanged(before, m)
+    assert dp.ledger.steps == 0
+
+
+def test_a_copy_in_the_datamodule_read_by_the_step_is_refused() -> None:
+    m = OtherClassMargin()
+    before = parameters(m)
+    with pytest.raises(PrivacyConfigurationError, match="outside its sampled batch.*x_train"):
+        quiet_trainer(strategy=strategy(), max_steps=4).fit(m, datamodule=Copies())
+    assert unchanged(before, m)
+
+
+class ReportsOnTheData(Classifier):
+    """Holds the training tensor (for a training-set accuracy at epoch end) and an empty queue buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = X
+        self.register_buffer("queue", torch.zeros(16, 4))
+
+    def on_train_epoch_end(self) -> None:
+        with torch.no_grad():
+            self.accuracy = float((self(self.full).argmax(1) == Y).float().mean())
+
+
+def test_holding_the_data_without_reading_it_in_the_step_trains() -> None:
+    m = ReportsOnTheData()
+    dp = strategy(public_state=["accuracy"])
+    quiet_trainer(strategy=dp, max_steps=8).fit(m, DataLoader(DATASET, batch_size=16))
+    assert dp.ledger.steps == 8 and 0.0 <= m.accuracy <= 1.0
+    quiet_trainer(strategy=strategy(), max_steps=4).fit(Classifier(), datamodule=Copies())

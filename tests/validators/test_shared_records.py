@@ -1,0 +1,118 @@
+"""Records that share data (validators/shared_records.py): overlapping windows, records mixed with a neighbour or a
+random partner, and records normalised by the whole tensor are refused before training; records that are their own
+rows — a TensorDataset, a Subset or random_split of one, several rows of one's own, a shared class table, next-token
+chunks whose last target is the next chunk's first input — are not; the data is left exactly as it was."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+
+from cases import Classifier, strategy  # noqa: E402
+from conftest import quiet_trainer  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError, Users  # noqa: E402
+from lightning_dp.validators.shared_records import check_shared_records, row_sources  # noqa: E402
+
+G = torch.Generator().manual_seed(3)
+X = torch.randn(64, 4, generator=G)
+Y = (X[:, 0] > 0).long()
+TOKENS = torch.randint(0, 50, (64 * 8 + 1,), generator=G)
+PARTNER = torch.randperm(64, generator=G)
+TABLE = torch.randn(2, 4, generator=G)  # one row per class: no person's
+
+
+class Records(Dataset):
+    """``n`` records, record i given by ``make(i)`` (reading the module's globals above)."""
+
+    def __init__(self, make: Callable[[int], Any], n: int = 64) -> None:
+        self.make, self.n = make, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.make(i), Y[i % 64]
+
+
+class Flat(Dataset):
+    """Windows over a flat copy the dataset keeps (views of its memory)."""
+
+    def __init__(self, stride: int) -> None:
+        self.flat, self.stride = X.reshape(-1).clone(), stride
+
+    def __len__(self) -> int:
+        return (self.flat.numel() - 4) // self.stride + 1
+
+    def __getitem__(self, i: int) -> Any:
+        return self.flat[i * self.stride: i * self.stride + 4], Y[i % 64]
+
+
+def check(dataset: Dataset) -> None:
+    check_shared_records(dataset, lambda p: p, len(dataset))
+
+
+SHARING = {
+    "windows over rows": Records(lambda i: X[i:i + 4].mean(0), 61),
+    "windows over a flat copy (views)": Flat(stride=2),
+    "mixed with its neighbour": Records(lambda i: 0.5 * (X[i] + X[(i + 1) % 64])),
+    "mixed with a random partner": Records(lambda i: 0.7 * X[i] + 0.3 * X[PARTNER[i]]),
+    "normalised by the whole tensor": Records(lambda i: (X[i] - X.mean(0)) / X.std(0)),
+    "next-token windows at half stride": Records(lambda i: TOKENS[i * 4:i * 4 + 9].float()),
+}
+
+OWN = {
+    "a TensorDataset": TensorDataset(X, Y),
+    "windows at their own stride (views)": Flat(stride=4),
+    "two rows of its own": Records(lambda i: X[2 * (i % 32)] + X[2 * (i % 32) + 1], 32),
+    "a class table smaller than the population": Records(lambda i: X[i] + TABLE[Y[i]]),
+    "next-token chunks sharing their edge token": Records(lambda i: TOKENS[i * 8:i * 8 + 9].float()),
+    "a Subset of a TensorDataset": Subset(TensorDataset(X, Y), list(range(0, 64, 2))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARING))
+def test_records_sharing_rows_are_refused(name: str) -> None:
+    dataset = SHARING[name]
+    with pytest.raises(PrivacyConfigurationError, match="Training records share data"):
+        check(dataset)
+
+
+@pytest.mark.parametrize("name", sorted(OWN))
+def test_records_made_of_their_own_rows_pass_and_the_data_is_untouched(name: str) -> None:
+    before = [X.clone(), TOKENS.clone()]
+    versions = [X._version, TOKENS._version]
+    check(OWN[name])
+    assert torch.equal(X, before[0]) and torch.equal(TOKENS, before[1])
+    assert [X._version, TOKENS._version] == versions
+
+
+def test_the_sources_are_the_datasets_arrays_and_their_modules_globals() -> None:
+    names = [name for name, _ in row_sources(SHARING["mixed with its neighbour"], 64)]
+    assert any(n.endswith(f"{__name__}.X") for n in names)
+    assert not any(n.endswith(".TABLE") for n in names), "fewer rows than records: a table, no person's"
+    assert not [n for n, _ in row_sources(SHARING["mixed with its neighbour"], 10_000)], "fewer rows than records"
+
+
+def test_overlapping_windows_behind_random_split_are_refused_in_a_fit() -> None:
+    train, _ = random_split(Records(lambda i: X[i:i + 4].mean(0), 61), [48, 13],
+                            generator=torch.Generator().manual_seed(0))
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match="Training records share data"):
+        quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(train, batch_size=16))
+    assert dp.ledger.steps == 0
+
+
+def test_user_level_units_may_span_several_records() -> None:
+    """Windows of one user's series overlap, and the user is the unit: not refused (the unit is sampled whole)."""
+    dp = strategy(privacy_unit=Users([i // 4 for i in range(61)], users_per_batch=4))
+    quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(
+        Records(lambda i: X[i:i + 4].mean(0), 61), batch_size=16))
+    assert dp.ledger.steps == 2
