@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import dataset_parts, framework_keys, is_public
+from lightning_dp.validators.outside_records import holds_records, row_digests
 
 MAX_ELEMENTS = 1 << 27
 """Training tensors with more elements are not summarised (the check runs once, in the main process)."""
@@ -42,8 +43,37 @@ _RTOL, _ATOL = 1e-4, 1e-6
 
 def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = ()) -> list[str]:
     """What ``holders`` ((path, object): modules, a datamodule) keep that is a statistic of ``dataset``'s tensors,
-    and which of its feature tensors are standardised with their own statistics, as readable findings."""
+    which of its feature tensors are standardised with their own statistics, and which of the modules' parameters
+    and buffers hold training records (:func:`records_in_weights`), as readable findings."""
+    holders = list(holders)
     datasets, tensors = dataset_parts(dataset)
+    in_weights = records_in_weights([m for _, m in holders if isinstance(m, nn.Module)], tensors, public)
+    return in_weights + _statistics_held(holders, datasets, tensors, public)
+
+
+def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str, Tensor]],
+                       public: Sequence[str] = ()) -> list[str]:
+    """The parameters and buffers of ``modules`` that hold training records before training: rows of a training
+    tensor (prototypes, RBF centres or a memory initialised from examples; a buffer of sample inputs) or its labels
+    (:func:`~lightning_dp.validators.outside_records.holds_records`). They are released with the model as they are
+    — DP-SGD's noise covers the updates, not an initial value copied from the data."""
+    digests = [(path, t, row_digests(t)) for path, t in tensors if t.numel()]
+    found = []
+    for module in modules:
+        named = [*(("parameter", n, p) for n, p in module.named_parameters()),
+                 *(("buffer", n, b) for n, b in module.named_buffers())]
+        for kind, name, value in named:
+            if is_public(name, public):
+                continue
+            for path, t, rows in digests:
+                if holds_records(value.detach(), t, rows):
+                    found.append(f"{kind} {name} holds records of the training {path.lstrip('.') or 'tensor'}")
+                    break
+    return found
+
+
+def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any],
+                     tensors: Sequence[tuple[str, Tensor]], public: Sequence[str]) -> list[str]:
     stats = [(f"{name} of the training {path.lstrip('.') or 'tensor'}", value)
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     found = [f"the training {path.lstrip('.') or 'tensor'} is standardised with its own mean and standard deviation"
@@ -73,8 +103,12 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
 def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
     """The refusal of :func:`data_statistics_held`'s findings."""
     lines = "\n".join(f"- {f}" for f in found[:6])
+    records = ("Training records kept in the model's weights or buffers are released with it as they are (initialise "
+               "prototypes, centres or memories from public data or at random). ") \
+        if any(" holds records " in f for f in found) else ""
     return PrivacyConfigurationError(
-        "Statistics of the training data were computed without noise before training:\n" + lines + "\nThey depend on "
+        "Statistics of the training data were computed without noise before training:\n" + lines + "\n" + records
+        + "They depend on "
         "every training record and no noise covers them: a buffer is released with the model and its checkpoints, "
         "and data scaled by its own statistics makes each example's gradient depend on all the others, so the model "
         "would not be differentially private whatever σ the ledger counts. Nothing was released. Normalise with "

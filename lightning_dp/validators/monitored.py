@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from torch.utils.data import Subset
 
 from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.validators.outside_records import holds_records, row_digests
 
 NOT_FROM_DATA: set[str] = set()
 """Names that lightning_dp's own callbacks log in training hooks and whose values are functions of the ledger, not of
@@ -90,8 +91,9 @@ def _records(dataset: Any) -> tuple[Any, Optional[set[int]]]:
 
 def validates_on_training_data(trainer: Any) -> bool:
     """Whether a validation loader reads training records: the training loader's dataset (under its ``Subset``
-    wrappers, indices in common), or tensors in the same memory (a second dataset over the same tensors; disjoint
-    slices of one tensor, a ``random_split`` into disjoint subsets, are held out)."""
+    wrappers, indices in common), tensors in the same memory (a second dataset over the same tensors; disjoint
+    slices of one tensor, a ``random_split`` into disjoint subsets, are held out), or a copy of them (rows of the
+    training tensors in a validation tensor of other memory)."""
     train = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
     loaders = getattr(trainer, "val_dataloaders", None)
     if train is None or loaders is None:
@@ -106,4 +108,14 @@ def validates_on_training_data(trainer: Any) -> bool:
         same = val_base is base or any(a < d and c < b for a, b in memory for c, d in _memory(val_base))
         if same and (rows is None or val_rows is None or rows & val_rows):
             return True
+        if not same and _copies_records(val_base, base):
+            return True
     return False
+
+
+def _copies_records(val: Any, train: Any) -> bool:
+    """Whether a validation dataset in other memory holds the training records: a tensor of it whose rows are rows
+    of a training tensor (a validation set built from a copy of the training data:
+    :func:`~lightning_dp.validators.outside_records.holds_records`)."""
+    train_tensors = [t for _, t in dataset_parts(train)[1] if t.dim() >= 2]
+    return any(holds_records(v, t, row_digests(t)) for _, v in dataset_parts(val)[1] for t in train_tensors)

@@ -34,6 +34,7 @@ taken (scaled, projected, tokenised again): a step reading those is not seen. No
 from __future__ import annotations
 
 import types
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -187,7 +188,7 @@ def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tu
         if id(value) in seen or (isinstance(value, Tensor) and _storage_key(value) in storages):
             continue
         seen.add(id(value))
-        if any(_is_copy(value, t, rows) for t, rows in digests):
+        if any(holds_records(value, t, rows) for t, rows in digests):
             found.append((path, value))
     return found
 
@@ -200,12 +201,27 @@ def _storage_key(t: Tensor) -> tuple[str, int]:
 
 
 def row_digests(t: Tensor) -> Optional[set[int]]:
-    """A 64-bit digest of every row (along dimension 0) of a training tensor of at least two dimensions, or
-    ``None`` (1-D, empty, too large: :data:`MAX_DIGESTED`)."""
+    """A 64-bit digest of every row (along dimension 0) of a training tensor of at least two dimensions that occurs
+    once in it (a row many records share — a one-hot category — is nobody's), or ``None`` (1-D, empty, too large:
+    :data:`MAX_DIGESTED`)."""
     if t.dim() < 2 or t.numel() == 0 or t.shape[0] < 2 or t.numel() * t.element_size() > MAX_DIGESTED \
             or t.dtype not in _FLOAT_MASKS and t.dtype not in _INT_MASKS:
         return None
-    return set(_digests(t).tolist())
+    key = (t._version, tuple(t.shape), t.data_ptr())
+    cached = _DIGESTS.get(id(t))
+    if cached is not None and cached[0]() is t and cached[1] == key:
+        return cached[2]
+    values, counts = np.unique(_digests(t), return_counts=True)
+    unique = set(values[counts == 1].tolist())
+    if len(_DIGESTS) >= 8:
+        _DIGESTS.pop(next(iter(_DIGESTS)))
+    _DIGESTS[id(t)] = (weakref.ref(t), key, unique)
+    return unique
+
+
+_DIGESTS: dict[int, tuple[Any, tuple[Any, ...], set[int]]] = {}
+"""The last few training tensors' row digests (each checked to be the same tensor, version, shape and memory): the
+validation check asks at every release."""
 
 
 def _digests(t: Tensor) -> np.ndarray:
@@ -221,7 +237,7 @@ def _digests(t: Tensor) -> np.ndarray:
         return (words * multipliers).sum(axis=1, dtype=np.uint64) ^ np.uint64(words.shape[1])
 
 
-def _is_copy(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
+def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
     """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), or rows of it (half of the sampled
     rows, at least two, found among ``data``'s row digests)."""
     candidate = _as_tensor(value)

@@ -17,11 +17,13 @@ array that r depends on: it exchanges ranges of rows in place, exactly reversibl
 and halves each range that changed it. Then it requires
 
 * that the records at the neighbouring positions and a few others at random do not change when R(r) is exchanged
-  (two records sharing rows); a record that reads :data:`LONG_RECORD` rows or more may share one of them with another
-  record — a next-token window's last target, which is the next window's first input, is ordinary chunking;
-* that the records' rows do not outnumber the array's: the mean |R(r)| times the number of records is at most the
-  number of rows (plus one row per record for records of :data:`LONG_RECORD` rows or more), else records must share
-  rows (pigeonhole: a record mixed with a random partner).
+  (two records sharing rows); a record of :data:`LONG_RECORD` elements or more may share one element with another
+  (the shared rows are searched element by element) — a next-token window's last target, which is the next window's
+  first input, is ordinary chunking, in a flat token stream or in ``[windows, T]`` inputs and targets over one;
+* that the records' data do not outnumber the array's: the mean number of elements a record reads (its rows'
+  elements counted one by one when it reads several rows) times the number of records is at most the array's
+  elements (plus one per record for records of :data:`LONG_RECORD` elements or more), else records must share data
+  (pigeonhole: a record mixed with a random partner).
 
 Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
 whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
@@ -54,10 +56,13 @@ MAX_ROWS = 512
 """The most rows of one array a probed record may read and still be checked against it."""
 
 MAX_READS = 4096
-"""The most reads spent searching one record's rows of one array."""
+"""The most reads spent searching one record's rows of one array (four times that for a row's elements)."""
+
+MAX_ELEMENTS = 8192
+"""The most elements of one row a probed record may read and still have them counted one by one."""
 
 LONG_RECORD = 8
-"""A record reading this many rows of an array or more may share one of them (module docstring)."""
+"""A record reading this many elements of an array or more may share one of them (module docstring)."""
 
 _SEED = 20260613
 
@@ -84,16 +89,16 @@ def check_shared_records(dataset: Any, at: Callable[[int], int], n: int) -> None
             if rows is None:
                 sizes = []
                 break
-            sizes.append(len(rows))
+            sizes.append(_elements_read(dataset, at(position), array, rows))
             if rows:
                 _refuse_shared(dataset, at, n, position, rows, array, name, rng)
-        rows_held = len(array)
+        held = len(array) * _width(array)
         mean = sum(sizes) / len(sizes) if sizes else 0.0
-        allowance = n if mean >= LONG_RECORD else 0
-        if sizes and mean * n > rows_held + allowance:
+        allowance = n if mean >= LONG_RECORD else 0  # one element each may be shared (module docstring)
+        if sizes and mean * n > held + allowance:
             raise shared_records_error(
-                f"the records read {mean:g} rows of {name} each on average (records at positions {probes}), and "
-                f"{n} records of that many rows are more than its {rows_held} rows: records must share rows")
+                f"the records read {mean:g} elements of {name} each on average (records at positions {probes}), and "
+                f"{n} records of that many are more than its {held} elements: records must share them")
 
 
 def row_sources(dataset: Any, n: int) -> list[tuple[str, Any]]:
@@ -140,10 +145,13 @@ def _digest(dataset: Any, index: int) -> Any:
 
 def _changes(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> bool:
     """Whether record ``index`` reads differently with ``rows`` of ``array`` exchanged (restored after)."""
-    undo = []
+    return _changes_with(dataset, index, before, lambda: [exchange(array, part) for part in _runs(rows)])
+
+
+def _changes_with(dataset: Any, index: int, before: Any, exchanged: Callable[[], list[Callable[[], None]]]) -> bool:
+    undo: list[Callable[[], None]] = []
     try:
-        for part in _runs(rows):
-            undo.append(exchange(array, part))
+        undo = exchanged()
         return _digest(dataset, index) != before
     finally:
         for restore in reversed(undo):
@@ -168,20 +176,21 @@ def _runs(rows: Sequence[int]) -> list[slice]:
     return runs
 
 
-def _search(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> Optional[list[int]]:
-    """The rows among ``rows`` whose exchange changes record ``index`` (halving the ranges that do), or ``None``
-    when they are more than :data:`MAX_ROWS` or the search needs more than :data:`MAX_READS` reads."""
-    budget, found = _Budget(MAX_READS), []
-    stack = [rows]
+def _search(changes: Callable[[Sequence[int]], bool], candidates: Sequence[int],
+            limit: int = MAX_ROWS) -> Optional[list[int]]:
+    """The candidates whose exchange ``changes`` the record (halving the ranges that do), or ``None`` when they are
+    more than ``limit`` or the search needs more than :data:`MAX_READS` reads (four times that for elements)."""
+    budget, found = _Budget(MAX_READS if limit == MAX_ROWS else 4 * MAX_READS), []
+    stack = [candidates]
     while stack:
         part = stack.pop()
         if not budget.spend():
             return None
-        if not _changes(dataset, index, before, array, part):
+        if not changes(part):
             continue
         if len(part) == 1:
             found.append(part[0])
-            if len(found) > MAX_ROWS:
+            if len(found) > limit:
                 return None
             continue
         mid = len(part) // 2
@@ -194,17 +203,69 @@ def _rows_of(dataset: Any, index: int, array: Any) -> Optional[list[int]]:
     before = _digest(dataset, index)
     if before is None:
         return None  # an opaque record: not comparable
-    return _search(dataset, index, before, array, range(len(array)))
+    return _search(lambda rows: _changes(dataset, index, before, array, rows), range(len(array)))
+
+
+def _flat_row(array: Any, row: int) -> Any:
+    """Row ``row`` of ``array`` as a flat view of its memory (``None``: not one: a list's row is one element)."""
+    if isinstance(array, Tensor):
+        try:
+            return array.data[row].view(-1)
+        except RuntimeError:  # not contiguous: no flat view
+            return None
+    if isinstance(array, np.ndarray):
+        flat = array[row].reshape(-1)
+        return flat if flat.size and np.shares_memory(flat, array) else None
+    return None
+
+
+def _elements_of(dataset: Any, index: int, array: Any, row: int) -> Optional[set[int]]:
+    """The elements of ``row`` record ``index`` depends on (``None``: the row has no flat view, or too many)."""
+    flat = _flat_row(array, row)
+    before = _digest(dataset, index)
+    if flat is None or before is None:
+        return None
+    found = _search(lambda part: _changes_with(dataset, index, before, lambda: [exchange(flat, p) for p in
+                                                                                 _runs(part)]),
+                    range(len(flat)), MAX_ELEMENTS)
+    return None if found is None else set(found)
+
+
+def _elements_read(dataset: Any, index: int, array: Any, rows: Sequence[int]) -> int:
+    """How many elements of ``array`` record ``index`` reads, in its ``rows``: a row's width for a record of one row
+    (at most), else counted element by element (the rows' full width when that exceeds the limits)."""
+    width = _width(array)
+    if len(rows) <= 1 or width == 1:
+        return len(rows) * width
+    total = 0
+    for row in rows:
+        elements = _elements_of(dataset, index, array, row)
+        total += width if elements is None else len(elements)
+    return total
+
+
+def _shared_elements(dataset: Any, first: int, second: int, array: Any, rows: Sequence[int]) -> Optional[int]:
+    """How many elements of ``rows`` both records read (``None``: not counted within the limits)."""
+    if not isinstance(array, (Tensor, np.ndarray)) or getattr(array, "ndim", 1) == 1:
+        return len(rows)
+    total = 0
+    for row in rows:
+        a, b = _elements_of(dataset, first, array, row), _elements_of(dataset, second, array, row)
+        if a is None or b is None:
+            return None
+        total += len(a & b)
+    return total
 
 
 def _refuse_shared(dataset: Any, at: Callable[[int], int], n: int, position: int, rows: list[int], array: Any,
                    name: str, rng: random.Random) -> None:
-    """Refuse when a record at a neighbouring or random position reads rows of ``rows`` (beyond the one a long
-    record may share)."""
+    """Refuse when a record at a neighbouring or random position reads data of ``rows`` that record ``position``
+    reads too (beyond the one element a long record may share)."""
     others = {p for p in (position - 1, position + 1) if 0 <= p < n}
     others |= set(rng.sample(range(n), min(n, OTHER_RECORDS)))
     others.discard(position)
     index = at(position)
+    width = _width(array)
     for other in sorted(others):
         j = at(other)
         if j == index:
@@ -212,13 +273,21 @@ def _refuse_shared(dataset: Any, at: Callable[[int], int], n: int, position: int
         before = _digest(dataset, j)
         if before is None or not _changes(dataset, j, before, array, rows):
             continue
-        shared = _search(dataset, j, before, array, rows)
-        if shared is not None and len(shared) <= 1 and len(rows) >= LONG_RECORD:
-            continue  # one row at the edge of long records: a next-token window's last target
-        count = "some" if shared is None else str(len(shared))
+        shared_rows = _search(lambda part: _changes(dataset, j, before, array, part), rows)
+        shared = None if shared_rows is None else _shared_elements(dataset, index, j, array, shared_rows)
+        if shared is not None and shared <= 1 and len(rows) * width >= LONG_RECORD:
+            continue  # one element at the edge of long records: a next-token window's last target
+        count = "some" if shared is None else f"{shared} of the same elements"
         raise shared_records_error(
-            f"the records at positions {position} and {other} both read {count} of the same rows of {name} "
-            f"(record {position} reads {len(rows)} of its rows)")
+            f"the records at positions {position} and {other} both read {count} of {name} (record {position} reads "
+            f"{len(rows)} of its rows)")
+
+
+def _width(array: Any) -> int:
+    """Elements per row."""
+    if isinstance(array, (Tensor, np.ndarray)) and getattr(array, "ndim", 1) > 1:
+        return int(np.prod(array.shape[1:]))
+    return 1
 
 
 def shared_records_error(what: str) -> PrivacyConfigurationError:

@@ -24,6 +24,7 @@ from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E40
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.data import DistinctRecords  # noqa: E402
 from lightning_dp.validators.outside_records import (  # noqa: E402
     ExchangedRecords,
     exchange,
@@ -232,3 +233,41 @@ def test_holding_the_data_without_reading_it_in_the_step_trains() -> None:
     quiet_trainer(strategy=dp, max_steps=8).fit(m, DataLoader(DATASET, batch_size=16))
     assert dp.ledger.steps == 8 and 0.0 <= m.accuracy <= 1.0
     quiet_trainer(strategy=strategy(), max_steps=4).fit(Classifier(), datamodule=Copies())
+
+
+# ---------------------------------------------------------------------------- records in the model's weights
+
+
+class Prototypes(Classifier):
+    """An RBF-style layer whose centres are initialised from training examples."""
+
+    def __init__(self, init: torch.Tensor) -> None:
+        super().__init__()
+        self.centres = nn.Parameter(init.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + 0.0 * torch.cdist(x, self.centres).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("where", ["parameter", "buffer", "labels"])
+def test_training_records_in_the_models_weights_are_refused_before_any_release(where: str) -> None:
+    if where == "parameter":
+        m = Prototypes(X[10:18])
+    else:
+        m = Classifier()
+        m.register_buffer("kept", X[:8].clone() if where == "buffer" else Y.clone())
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match="holds records of the training"):
+        quiet_trainer(strategy=dp, max_steps=2).fit(m, DataLoader(DATASET, batch_size=16))
+    assert dp.ledger.steps == 0
+
+
+def test_weights_like_rows_many_records_share_are_not_records() -> None:
+    """One-hot features: an identity-initialised weight has rows every record of a category has (nobody's)."""
+    g = torch.Generator().manual_seed(1)
+    category = torch.randint(0, 4, (64,), generator=g)
+    onehot = DistinctRecords(TensorDataset(F.one_hot(category, 4).float(), (category > 1).long()))
+    m = Prototypes(torch.eye(4))
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2).fit(m, DataLoader(onehot, batch_size=16))
+    assert dp.ledger.steps == 2

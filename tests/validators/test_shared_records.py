@@ -19,6 +19,7 @@ from cases import Classifier, strategy  # noqa: E402
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError, Users  # noqa: E402
+from lightning_dp.data.pydoc_text import windows  # noqa: E402
 from lightning_dp.validators.shared_records import check_shared_records, row_sources  # noqa: E402
 
 G = torch.Generator().manual_seed(3)
@@ -27,6 +28,7 @@ Y = (X[:, 0] > 0).long()
 TOKENS = torch.randint(0, 50, (64 * 8 + 1,), generator=G)
 PARTNER = torch.randperm(64, generator=G)
 TABLE = torch.randn(2, 4, generator=G)  # one row per class: no person's
+WIDE = torch.randn(64, 64, generator=G)
 
 
 class Records(Dataset):
@@ -64,6 +66,7 @@ SHARING = {
     "windows over a flat copy (views)": Flat(stride=2),
     "mixed with its neighbour": Records(lambda i: 0.5 * (X[i] + X[(i + 1) % 64])),
     "mixed with a random partner": Records(lambda i: 0.7 * X[i] + 0.3 * X[PARTNER[i]]),
+    "mixed with a random partner (wide rows)": Records(lambda i: 0.7 * WIDE[i] + 0.3 * WIDE[PARTNER[i]]),
     "normalised by the whole tensor": Records(lambda i: (X[i] - X.mean(0)) / X.std(0)),
     "next-token windows at half stride": Records(lambda i: TOKENS[i * 4:i * 4 + 9].float()),
 }
@@ -74,6 +77,7 @@ OWN = {
     "two rows of its own": Records(lambda i: X[2 * (i % 32)] + X[2 * (i % 32) + 1], 32),
     "a class table smaller than the population": Records(lambda i: X[i] + TABLE[Y[i]]),
     "next-token chunks sharing their edge token": Records(lambda i: TOKENS[i * 8:i * 8 + 9].float()),
+    "next-token windows as [windows, T] views of one text": windows(TOKENS, 8),
     "a Subset of a TensorDataset": Subset(TensorDataset(X, Y), list(range(0, 64, 2))),
 }
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from cases import Classifier, fit, loader, parameters, strategy, unchanged
+from cases import Classifier, data, fit, loader, parameters, strategy, unchanged
 from conftest import quiet_trainer
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_dp import PrivacyConfigurationError
 from lightning_dp.callbacks import PrivacyBudget
@@ -91,7 +92,7 @@ def test_an_epoch_end_training_statistic_is_refused_before_the_next_release():
     dp = strategy(public_state=["_correct"])
     trainer = quiet_trainer(strategy=dp, max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0)
     with pytest.raises(PrivacyConfigurationError, match="monitors 'train_acc'"):
-        trainer.fit(model, loader(64), loader(16))
+        trainer.fit(model, loader(64), DataLoader(data(16, seed=1), batch_size=16))  # held out: other records
     assert trainer.current_epoch == 1 and dp.ledger.steps == len(trainer.train_dataloader), \
         "refused at the second epoch's first release"
 
@@ -159,12 +160,16 @@ def _split_loaders(kind: str):
         train, val = Subset(full, range(0, 64)), Subset(full, range(48, 96))
     elif kind == "random_split":
         train, val = random_split(full, [64, 32], generator=g)
+    elif kind == "a copy":  # the training data copied (a float64 original cast again), in other memory
+        train, val = full, TensorDataset(x.double().float().clone(), y.clone())
+    elif kind == "a copy of some":
+        train, val = full, TensorDataset(torch.cat([x[:20].clone(), torch.randn(12, 4, generator=g)]), y[:32].clone())
     else:  # disjoint slices of the same tensors
         train, val = TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
     return DataLoader(train, batch_size=16), DataLoader(val, batch_size=16)
 
 
-@pytest.mark.parametrize("kind", ["same loader", "same tensors", "overlapping subsets"])
+@pytest.mark.parametrize("kind", ["same loader", "same tensors", "overlapping subsets", "a copy", "a copy of some"])
 def test_monitoring_validation_on_the_training_records_is_refused(kind):
     train, val = _split_loaders(kind)
     model = LogsTrainLoss()
