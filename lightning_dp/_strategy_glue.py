@@ -50,6 +50,7 @@ from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameter
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged, validates_on_training_data
 from lightning_dp.validators.record_reads import RecordWatch
+from lightning_dp.validators.outside_records import records_in
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -595,14 +596,44 @@ class PrivateTraining:
                     _replay_batch_hooks(module, precision, examples, min(per_epoch - 1, progress[0]), moved)
             return run
 
+        trainer = module.trainer
         for progress in (None, *self._later_in_the_plan()):
             with self._watches_paused():
                 steered = steered_hyperparameters(self.optimizers[0], [  # type: ignore[attr-defined]
-                    replay(batch, progress), replay(other, progress, moved=True)])
+                    replay(batch, progress), replay(other, progress, moved=True)], loop=trainer)
             if steered:
                 raise hyperparameters_error(steered, "from the batch by the hooks around a step (on_train_batch_start/"
                                             "end, on_before_backward, training_step), replayed on two sets of the "
                                             "probe's examples")
+            self._replay_epoch_hooks(progress)
+
+    def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
+        """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
+        (``on_train_epoch_start``/``end``), replayed twice as the module runs at ``progress`` (``None``: now): on
+        the training data, and with its copies in memory exchanged for other values
+        (:mod:`~lightning_dp.validators.outside_records`). A learning rate, or ``trainer.should_stop``, the two
+        replays set apart is set from a statistic of the training data no noise covers (a rate from the training
+        set's accuracy, a stop when it crosses a threshold the exchange moves it over): refused before any release."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = module.trainer
+        if not _overrides_epoch_hooks(module):
+            return
+        exchanged = self.private_step.exchanged_training_data()
+
+        def replay(exchange: bool) -> Callable[[], None]:
+            def run() -> None:
+                with exchanged.exchanged() if exchange else nullcontext(), \
+                        _progress_as(trainer, *progress) if progress is not None else nullcontext():
+                    _replay_epoch_hooks(module)
+            return run
+
+        with self._watches_paused():
+            steered = steered_hyperparameters(self.optimizers[0], [replay(False), replay(True)],  # type: ignore
+                                              loop=trainer)
+        if steered:
+            raise hyperparameters_error(steered, "from the training data by the epoch hooks (on_train_epoch_start/"
+                                        "end), replayed with the training data and with it exchanged for other "
+                                        "values")
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:
@@ -744,9 +775,14 @@ class PrivateTraining:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
-        when the state it holds changed since the last update (the release boundary)."""
+        when the state it holds changed since the last update (the release boundary), or when it holds training
+        records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
+        examples, data passed to ``save_hyperparameters``)."""
         self.private_step.check_kept("after the last update, before a checkpoint was written (in a batch-end "
                                               "or epoch hook)")
+        held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
+        if held:
+            raise records_in_checkpoint_error(held)
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
@@ -880,6 +916,44 @@ def _progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]
         yield
     finally:
         optimizer_steps.completed, epochs.completed = saved
+
+
+def records_in_checkpoint_error(held: list[str]) -> PrivacyConfigurationError:
+    """The refusal of a checkpoint holding training records (paths only)."""
+    return PrivacyConfigurationError(
+        f"The checkpoint about to be written holds training records: {', '.join(held[:4])}"
+        f"{' …' if len(held) > 4 else ''}. A checkpoint is released with the model; the guarantee covers the noised "
+        "updates, not records copied into it (examples added in on_save_checkpoint, data passed to the module's "
+        "__init__ and kept by save_hyperparameters). Nothing was written. Keep examples out of checkpoints (pass data "
+        "through a LightningDataModule, save_hyperparameters(ignore=[...]) for tensors).")
+
+
+def _overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
+    """Whether the module or a callback that is not Lightning's or lightning_dp's has an epoch hook of its own."""
+    from lightning_dp.validators.kept_state import library_callback
+
+    names = ("on_train_epoch_start", "on_train_epoch_end")
+    mine = any(getattr(type(module), n) is not getattr(pl.LightningModule, n) for n in names)
+    return mine or any(getattr(type(cb), n) is not getattr(pl.Callback, n) for cb in module.trainer.callbacks
+                       if not library_callback(cb) for n in names)
+
+
+def _replay_epoch_hooks(module: "pl.LightningModule") -> None:
+    """``on_train_epoch_start`` then ``on_train_epoch_end`` of every callback that is not Lightning's or
+    lightning_dp's and of the module, logging silenced; a hook that needs more of the loop than a replay gives
+    (it raises) ends the replay (both replays alike)."""
+    from lightning_dp.validators.kept_state import library_callback
+
+    trainer = module.trainer
+    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
+    with _silenced_logging(module), torch.no_grad():
+        try:
+            for name in ("on_train_epoch_start", "on_train_epoch_end"):
+                for cb in callbacks:
+                    getattr(cb, name)(trainer, module)
+                getattr(module, name)()
+        except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
+            pass
 
 
 def _batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:

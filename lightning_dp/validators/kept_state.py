@@ -131,6 +131,11 @@ def is_datamodule(obj: Any) -> bool:
     return any(b.__name__ == "LightningDataModule" for b in type(obj).__mro__)
 
 
+def library_callback(callback: Any) -> bool:
+    """One of Lightning's or lightning_dp's own callbacks (their hooks are not the user's code)."""
+    return type(callback).__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)
+
+
 def trusted_callback(callback: Any) -> bool:
     """A callback whose state cannot hold private data: one of Lightning's or lightning_dp's own, or one that
     overrides none of the hooks handed the batch (:data:`DATA_HOOKS`). The trainer's LightningDataModule is never
@@ -651,20 +656,26 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
     return out
 
 
-def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]]) -> list[str]:
+def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]], loop: Any = None) -> list[str]:
     """Run each of ``replays`` (the loop's batch hooks on different examples) from the optimizer as it is now,
     putting its hyper-parameters back after each, and name what the data steers: a hyper-parameter or default the
     replays set to different values (a learning rate from the loss; a warm-up from the step count sets the same
-    value whatever the batch, and is allowed), or a state entry any replay wrote (a moment written from the batch)."""
+    value whatever the batch, and is allowed), or a state entry any replay wrote (a moment written from the batch).
+    ``loop`` (the trainer): its ``should_stop`` is compared and put back the same way (training stopped when the
+    loss or a training accuracy crosses a threshold)."""
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
+    stop = getattr(loop, "should_stop", None)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
-            seen.append(hyperparameters(optimizer))
+            seen.append({**hyperparameters(optimizer),
+                         **({"trainer should_stop": bool(loop.should_stop)} if loop is not None else {})})
+            if loop is not None:
+                loop.should_stop = stop
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
                 params = group["params"]
                 group.clear()

@@ -293,6 +293,31 @@ def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> 
             yield from ((f"{prefix}{key}[{k!r}]", v) for k, v in value.items() if isinstance(v, (Tensor, np.ndarray)))
 
 
+def records_in(value: Any, dataset: Any, path: str = "", depth: int = 0) -> list[str]:
+    """The paths, in a nested dict/list/tuple ``value`` (a checkpoint about to be written), of the tensors and NumPy
+    arrays that hold records of ``dataset``'s tensors (:func:`holds_records`)."""
+    tensors = [t for _, t in dataset_parts(dataset)[1] if t.numel()]
+    digests = [(t, row_digests(t)) for t in tensors]
+    found: list[str] = []
+
+    def visit(item: Any, where: str, level: int) -> None:
+        if level > 6:
+            return
+        if isinstance(item, (Tensor, np.ndarray)):
+            if any(holds_records(item, t, rows) for t, rows in digests):
+                found.append(where or "the checkpoint")
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                visit(inner, f"{where}[{key!r}]", level + 1)
+        elif isinstance(item, (list, tuple)) and len(item) <= 4096:
+            for i, inner in enumerate(item):
+                visit(inner, f"{where}[{i}]", level + 1)
+
+    if digests:
+        visit(value, path, depth)
+    return found
+
+
 def outside_records_error(step: int, differing: int, summed: Sequence[str], names: Sequence[str],
                           failure: Optional[BaseException] = None, as_of: str = "") -> PrivacyConfigurationError:
     """The refusal of a step that read training records outside its batch (names and counts: no data values)."""

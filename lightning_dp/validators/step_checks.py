@@ -192,6 +192,10 @@ class StepChecks:
         if refused:
             raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
 
+    def exchanged_training_data(self) -> ExchangedRecords:
+        """The training data's copies in memory (:meth:`_training_copies`), for a caller's own replays."""
+        return self._training_copies(lambda: True)
+
     def _training_copies(self, copyable: Callable[[], bool]) -> ExchangedRecords:
         """The training data's copies in memory the batch check exchanges (:func:`training_copies`: the training
         dataset's, and those the model, the datamodule, the callbacks and the user's globals keep); none when a

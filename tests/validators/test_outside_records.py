@@ -271,3 +271,37 @@ def test_weights_like_rows_many_records_share_are_not_records() -> None:
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=2).fit(m, DataLoader(onehot, batch_size=16))
     assert dp.ledger.steps == 2
+
+
+# ---------------------------------------------------------------------------- records in checkpoints
+
+
+class ExamplesInCheckpoint(Classifier):
+    """Adds a few training examples to every checkpoint (for a visualisation later)."""
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["examples"] = {"x": self.trainer.train_dataloader.dataset.tensors[0][:8].clone()}
+
+
+class DataInHyperparameters(Classifier):
+    """Keeps its reference data through save_hyperparameters (written into every checkpoint)."""
+
+    def __init__(self, reference: torch.Tensor) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.parametrize("make", [ExamplesInCheckpoint, lambda: DataInHyperparameters(X[:20].clone())],
+                         ids=["on_save_checkpoint", "save_hyperparameters"])
+def test_a_checkpoint_holding_training_records_is_not_written(make: Any, tmp_path: Path) -> None:
+    trainer = quiet_trainer(strategy=strategy(), max_steps=4, enable_checkpointing=True, default_root_dir=tmp_path)
+    with pytest.raises(PrivacyConfigurationError, match="holds training records: checkpoint"):
+        trainer.fit(make(), DataLoader(DATASET, batch_size=16))
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_an_ordinary_checkpoint_is_written(tmp_path: Path) -> None:
+    trainer = quiet_trainer(strategy=strategy(), max_steps=4, enable_checkpointing=True, default_root_dir=tmp_path)
+    public = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))  # not the training records
+    trainer.fit(DataInHyperparameters(public), DataLoader(DATASET, batch_size=16))
+    assert list(tmp_path.rglob("*.ckpt"))

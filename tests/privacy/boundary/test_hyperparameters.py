@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from cases import Classifier, fit, parameters, plain_step, unchanged
 from torch import nn
@@ -219,3 +220,64 @@ def test_the_replays_leave_the_optimizer_as_they_found_it():
     assert steered_hyperparameters(opt, [alike, alike]) == []
     assert steered_hyperparameters(opt, [apart, apart]) == ["optimizer param_groups[0].lr"]
     assert opt.param_groups[0]["lr"] == 0.5 and "seen" not in opt.param_groups[0]
+
+
+# ---------------------------------------------------------------------------- decisions from the training data
+
+
+class TrainingAccuracyRate(pl.Callback):
+    """Sets the learning rate from the training set's accuracy at every epoch's end (read from the tensors)."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        xs, ys = trainer.train_dataloader.dataset.tensors
+        with torch.no_grad():
+            accuracy = float((module(xs).argmax(1) == ys).float().mean())
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = 0.1 * accuracy
+
+
+class StopsOnALowBatchLoss(Classifier):
+    """Stops training once a batch's loss is small (from the third epoch)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch >= 2 and float(outputs["loss"]) < 5.0:
+            self.trainer.should_stop = True
+
+
+class EpochDecay(Classifier):
+    """Halves the learning rate at every epoch's end: a schedule, from no data."""
+
+    def on_train_epoch_end(self) -> None:
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] *= 0.5
+
+
+def test_a_rate_set_from_a_training_statistic_at_epoch_end_is_refused_before_any_release():
+    model = Classifier()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match="from the training data by the epoch hooks.*lr"):
+        fit(model, steps=12, callbacks=[TrainingAccuracyRate()])
+    assert unchanged(before, model)
+
+
+def test_a_stop_decided_from_the_loss_is_refused_before_any_release():
+    model = StopsOnALowBatchLoss()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match="trainer should_stop"):
+        fit(model, steps=20)
+    assert unchanged(before, model)
+
+
+def test_an_epoch_schedule_and_an_epoch_report_train():
+    class Report(pl.Callback):
+        accuracy = 0.0
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            xs, ys = trainer.train_dataloader.dataset.tensors
+            with torch.no_grad():
+                print(f"training accuracy {float((module(xs).argmax(1) == ys).float().mean()):.2f}")
+
+    model = EpochDecay()
+    dp = fit(model, steps=12, callbacks=[Report()])
+    assert dp.ledger.steps == 12
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** model.trainer.current_epoch)
