@@ -51,6 +51,7 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged, validates_on_training_data
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.outside_records import records_in
+from lightning_dp.validators.rng import seeded_from_data_error, seeds_recorded
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -587,17 +588,22 @@ class PrivateTraining:
         module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
         per_epoch = max(1, self.steps_per_epoch or 1)
 
+        seeds: list[list[Any]] = []
+
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False) -> Callable[[], None]:
             def run() -> None:
-                if progress is None:
-                    _replay_batch_hooks(module, precision, examples, 0, moved)
-                    return
-                with _progress_as(module.trainer, *progress):  # an epoch's last batch_idx: `if batch_idx >= k`
-                    _replay_batch_hooks(module, precision, examples, min(per_epoch - 1, progress[0]), moved)
+                with seeds_recorded() as calls:
+                    seeds.append(calls)
+                    if progress is None:
+                        _replay_batch_hooks(module, precision, examples, 0, moved)
+                        return
+                    with _progress_as(module.trainer, *progress):  # an epoch's last batch_idx: `if batch_idx >= k`
+                        _replay_batch_hooks(module, precision, examples, min(per_epoch - 1, progress[0]), moved)
             return run
 
         trainer = module.trainer
         for progress in (None, *self._later_in_the_plan()):
+            seeds.clear()
             with self._watches_paused():
                 steered = steered_hyperparameters(self.optimizers[0], [  # type: ignore[attr-defined]
                     replay(batch, progress), replay(other, progress, moved=True)], loop=trainer)
@@ -605,6 +611,9 @@ class PrivateTraining:
                 raise hyperparameters_error(steered, "from the batch by the hooks around a step (on_train_batch_start/"
                                             "end, on_before_backward, training_step), replayed on two sets of the "
                                             "probe's examples")
+            if len(seeds) == 2 and seeds[0] != seeds[1]:
+                raise seeded_from_data_error("by the hooks around a step (training_step, on_train_batch_start/end, "
+                                             "on_before_backward)")
             self._replay_epoch_hooks(progress)
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
@@ -620,10 +629,13 @@ class PrivateTraining:
             return
         exchanged = self.private_step.exchanged_training_data()
 
+        seeds: list[list[Any]] = []
+
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
-                with exchanged.exchanged() if exchange else nullcontext(), \
+                with exchanged.exchanged() if exchange else nullcontext(), seeds_recorded() as calls, \
                         _progress_as(trainer, *progress) if progress is not None else nullcontext():
+                    seeds.append(calls)
                     _replay_epoch_hooks(module)
             return run
 
@@ -634,6 +646,9 @@ class PrivateTraining:
             raise hyperparameters_error(steered, "from the training data by the epoch hooks (on_train_epoch_start/"
                                         "end), replayed with the training data and with it exchanged for other "
                                         "values")
+        if len(seeds) == 2 and seeds[0] != seeds[1]:
+            raise seeded_from_data_error("by the epoch hooks (on_train_epoch_start/end), replayed with the training "
+                                         "data and with it exchanged")
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:

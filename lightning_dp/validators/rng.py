@@ -5,15 +5,23 @@ numbers (dropout masks, augmentation, a NumPy or ``random`` call in the user's c
 generators, and the real step after the check would draw other numbers than a run without the check: a check that
 changes training is a check nobody can turn on. :func:`forked_rngs` saves torch's CPU and accelerator generators,
 NumPy's global generator and Python's ``random``, and restores them all.
+
+:func:`seeds_recorded` watches the other direction: the user's code seeding those generators from the data (rule 3
+of docs/release_boundary.md), compared across the first step's replays of the loop's hooks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_dp.errors import PrivacyConfigurationError
 
 
 @contextmanager
@@ -34,3 +42,89 @@ def forked_rngs() -> Iterator[None]:
         random.setstate(state)
         if np is not None:
             np.random.set_state(np_state)
+
+
+_SEEDERS = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "set_rng_state"),
+            ("torch.random", "set_rng_state"), ("numpy.random", "seed"), ("numpy.random", "set_state"),
+            ("random", "seed"), ("random", "setstate"))
+"""The global generators' seeding functions (module, name) :func:`seeds_recorded` watches."""
+
+
+@contextmanager
+def seeds_recorded() -> Iterator[list[tuple[str, Hashable]]]:
+    """Within the block, record each seed or state the user's code sets on torch's, NumPy's or Python's global
+    generator (``torch.manual_seed(int(x.sum()))``, ``random.seed(loss)``): a list of (function, value) the block
+    fills. Seeding by lightning_dp's own code (the checks' passes) and by a library on its own account is not
+    recorded; a library function the user's code called (``pl.seed_everything(n)``) is. Two replays of the loop's
+    hooks on different examples that record different lists seed the generators from the data: later random draws
+    (dropout masks, augmentation) would carry the batch into other steps. The functions are put back on exit."""
+    import importlib
+
+    calls: list[tuple[str, Hashable]] = []
+    saved: list[tuple[Any, str, Any]] = []
+    for module_name, name in _SEEDERS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+        saved.append((module, name, original))
+        setattr(module, name, _recording(f"{module_name}.{name}", original, calls))
+    try:
+        yield calls
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def _recording(label: str, original: Callable[..., Any], calls: list[tuple[str, Hashable]]) -> Callable[..., Any]:
+    def seeding(*args: Any, **kwargs: Any) -> Any:
+        if _seeded_by_user():
+            calls.append((label.rpartition(".")[2], _token((args, kwargs))))
+        return original(*args, **kwargs)
+    return seeding
+
+
+def _seeded_by_user() -> bool:
+    """Whether the nearest caller that is neither the standard library nor a third-party library is the user's code
+    (not lightning_dp's)."""
+    from lightning_dp.validators.kept_state import LIBRARY_PREFIXES
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        top = (frame.f_globals.get("__name__", "") or "").split(".")[0]
+        if top == "lightning_dp":
+            return False
+        if top not in _STANDARD and top not in LIBRARY_PREFIXES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _token(value: Any) -> Hashable:
+    """A comparable digest of a seed or a generator state (a tensor's bytes, a NumPy state's arrays)."""
+    if isinstance(value, torch.Tensor):
+        return hashlib.sha256(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    if isinstance(value, (list, tuple)):
+        return tuple(_token(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _token(v)) for k, v in value.items()))
+    if type(value).__module__ == "numpy":
+        return hashlib.sha256(repr(value.tolist() if hasattr(value, "tolist") else value).encode()).hexdigest()
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+_STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
+
+
+def seeded_from_data_error(where: str) -> "PrivacyConfigurationError":
+    """The refusal of a global generator seeded from the data."""
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    return PrivacyConfigurationError(
+        f"A random generator was seeded from the data {where}: replayed on two sets of examples, the hooks seeded "
+        "torch's, NumPy's or Python's global generator with different values. Every later draw (dropout masks, "
+        "augmentation, sampling in your code) then carries the batch into other steps, outside the noise. Nothing "
+        "was released. Seed from the step count or a constant (pl.seed_everything(0); torch.manual_seed(batch_idx)), "
+        "never from the batch, its loss or a statistic of the training data.")
