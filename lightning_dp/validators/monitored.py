@@ -6,6 +6,7 @@ training records."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 from torch.utils.data import Subset
@@ -116,6 +117,21 @@ def validates_on_training_data(trainer: Any) -> bool:
 def _copies_records(val: Any, train: Any) -> bool:
     """Whether a validation dataset in other memory holds the training records: a tensor of it whose rows are rows
     of a training tensor (a validation set built from a copy of the training data:
-    :func:`~lightning_dp.validators.outside_records.holds_records`)."""
+    :func:`~lightning_dp.validators.outside_records.holds_records`). Asked at every release: the answer for a pair
+    of datasets is kept while both live."""
+    key = (id(val), id(train))
+    known = _COPIES.get(key)
+    if known is not None and known[0]() is val and known[1]() is train:
+        return known[2]
     train_tensors = [t for _, t in dataset_parts(train)[1] if t.dim() >= 2]
-    return any(holds_records(v, t, row_digests(t)) for _, v in dataset_parts(val)[1] for t in train_tensors)
+    found = any(holds_records(v, t, row_digests(t)) for _, v in dataset_parts(val)[1] for t in train_tensors)
+    try:
+        if len(_COPIES) >= 8:
+            _COPIES.pop(next(iter(_COPIES)))
+        _COPIES[key] = (weakref.ref(val), weakref.ref(train), found)
+    except TypeError:  # an object without weak references: asked again next time
+        pass
+    return found
+
+
+_COPIES: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
