@@ -50,8 +50,8 @@ from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameter
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged, validates_on_training_data
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.outside_records import records_in
-from lightning_dp.validators.rng import seeded_from_data_error, seeds_recorded
+from lightning_dp.validators.outside_records import exchanged_copy, records_in
+from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -583,37 +583,49 @@ class PrivateTraining:
     def _replay_now_and_later(self, batch: Any, other: Any) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
-        refused before any release. Each is replayed on ``other`` examples too, their loss moved far: a hyper-parameter
-        the two replays set apart is set from the data (:func:`~.validators.kept_state.steered_hyperparameters`)."""
+        refused before any release. Each is replayed on ``other`` examples too, their loss moved far, and on the
+        batch with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged
+        values make fail is left out): a hyper-parameter, ``trainer.should_stop``, a seed of a global generator or an
+        epoch ended by ``on_train_batch_start`` returning -1 that the replays set apart is set from the data
+        (:func:`~.validators.kept_state.steered_hyperparameters`, :func:`~.validators.rng.seeds_recorded`)."""
         module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
         per_epoch = max(1, self.steps_per_epoch or 1)
+        decisions: list[list[Any]] = []
 
-        seeds: list[list[Any]] = []
-
-        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False) -> Callable[[], None]:
+        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
+                   failed: Optional[list[bool]] = None) -> Callable[[], None]:
             def run() -> None:
-                with seeds_recorded() as calls:
-                    seeds.append(calls)
-                    if progress is None:
-                        _replay_batch_hooks(module, precision, examples, 0, moved)
+                with seeds_recorded() as calls, \
+                        _progress_as(module.trainer, *progress) if progress is not None else nullcontext():
+                    decisions.append(calls)
+                    batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
+                    try:
+                        ended = _replay_batch_hooks(module, precision, examples, batch_idx, moved)
+                    except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
+                        if failed is None:
+                            raise
+                        failed.append(True)
                         return
-                    with _progress_as(module.trainer, *progress):  # an epoch's last batch_idx: `if batch_idx >= k`
-                        _replay_batch_hooks(module, precision, examples, min(per_epoch - 1, progress[0]), moved)
+                    calls.append(("on_train_batch_start returned -1", ended))
             return run
 
-        trainer = module.trainer
+        trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
+        where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
+                 "training_step), replayed on two sets of the probe's examples")
         for progress in (None, *self._later_in_the_plan()):
-            seeds.clear()
-            with self._watches_paused():
-                steered = steered_hyperparameters(self.optimizers[0], [  # type: ignore[attr-defined]
-                    replay(batch, progress), replay(other, progress, moved=True)], loop=trainer)
-            if steered:
-                raise hyperparameters_error(steered, "from the batch by the hooks around a step (on_train_batch_start/"
-                                            "end, on_before_backward, training_step), replayed on two sets of the "
-                                            "probe's examples")
-            if len(seeds) == 2 and seeds[0] != seeds[1]:
-                raise seeded_from_data_error("by the hooks around a step (training_step, on_train_batch_start/end, "
-                                             "on_before_backward)")
+            for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
+                decisions.clear()
+                with self._watches_paused():
+                    steered = steered_hyperparameters(optimizer, [replay(batch, progress),
+                                                                  replay(second, progress, moved, failed)],
+                                                      loop=trainer)
+                if failed:
+                    continue
+                if steered:
+                    raise hyperparameters_error(steered, where)
+                if len(decisions) == 2 and decisions[0] != decisions[1]:
+                    raise decided_from_data_error(decisions, "by the hooks around a step (training_step, "
+                                                  "on_train_batch_start/end, on_before_backward)")
             self._replay_epoch_hooks(progress)
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
@@ -647,8 +659,8 @@ class PrivateTraining:
                                         "end), replayed with the training data and with it exchanged for other "
                                         "values")
         if len(seeds) == 2 and seeds[0] != seeds[1]:
-            raise seeded_from_data_error("by the epoch hooks (on_train_epoch_start/end), replayed with the training "
-                                         "data and with it exchanged")
+            raise decided_from_data_error(seeds, "by the epoch hooks (on_train_epoch_start/end), replayed with the "
+                                          "training data and with it exchanged")
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:
@@ -989,7 +1001,7 @@ def _batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> No
 
 
 def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
-                        moved: bool = False) -> None:
+                        moved: bool = False) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
@@ -1003,7 +1015,7 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
     with _silenced_logging(module):
         for cb in callbacks:
             cb.on_train_batch_start(trainer, module, batch, batch_idx)
-        module.on_train_batch_start(batch, batch_idx)
+        ended = module.on_train_batch_start(batch, batch_idx) == -1
         with precision.train_step_context():
             outputs = module.training_step(batch, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -1019,6 +1031,7 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
         for cb in callbacks:
             cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
         module.on_train_batch_end(outputs, batch, batch_idx)
+    return ended
 
 
 @contextmanager

@@ -170,6 +170,29 @@ def _other(v: Any) -> Any:
     return -1.5 * v - 1.0
 
 
+def exchanged_copy(batch: Any) -> Any:
+    """A copy of a collated batch with every tensor and NumPy array in it exchanged (:func:`exchange`; lists,
+    tuples and dicts walked; anything else kept): the first step's replays of the batch hooks run on it, so a
+    decision taken from the batch's values (a learning rate, a stop, a seed) differs from the plain replay's."""
+    if isinstance(batch, Tensor):
+        copy = batch.detach().clone()
+        if exchangeable(copy):
+            exchange(copy)
+        return copy
+    if isinstance(batch, np.ndarray):
+        copy = batch.copy()
+        if exchangeable(copy):
+            exchange(copy)
+        return copy
+    if type(batch) is dict:  # a dict of another class (a tokenizer's batch) is kept: its replay is the plain one's
+        return {k: exchanged_copy(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(exchanged_copy(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(exchanged_copy(v) for v in batch)
+    return batch
+
+
 # ---------------------------------------------------------------------------- what is exchanged
 def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(name, array) of the training data in memory: ``dataset``'s tensors and its datasets' arrays and lists of

@@ -118,13 +118,20 @@ def _token(value: Any) -> Hashable:
 _STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
 
 
-def seeded_from_data_error(where: str) -> "PrivacyConfigurationError":
-    """The refusal of a global generator seeded from the data."""
+def decided_from_data_error(decisions: list[list[tuple[str, Hashable]]], where: str) -> "PrivacyConfigurationError":
+    """The refusal of two replays that seeded a global generator, or ended the epoch, differently (the decisions'
+    names only)."""
     from lightning_dp.errors import PrivacyConfigurationError
 
+    def ended(calls: list[tuple[str, Hashable]]) -> list[Hashable]:
+        return [value for name, value in calls if name.startswith("on_train_batch_start")]
+
+    what = ("the epoch was ended (on_train_batch_start returned -1) for one and not the other"
+            if ended(decisions[0]) != ended(decisions[1]) else
+            "a global random generator (torch's, NumPy's or Python's) was seeded with different values")
     return PrivacyConfigurationError(
-        f"A random generator was seeded from the data {where}: replayed on two sets of examples, the hooks seeded "
-        "torch's, NumPy's or Python's global generator with different values. Every later draw (dropout masks, "
-        "augmentation, sampling in your code) then carries the batch into other steps, outside the noise. Nothing "
-        "was released. Seed from the step count or a constant (pl.seed_everything(0); torch.manual_seed(batch_idx)), "
-        "never from the batch, its loss or a statistic of the training data.")
+        f"A decision was taken from the data {where}: replayed on different data, {what}. Ending an epoch from the "
+        "batch changes which records the next steps sample; a seed from the data carries it into every later draw "
+        "(dropout masks, augmentation). Either steers training by un-noised data, outside the guarantee. Nothing "
+        "was released. Decide from the step count or a constant (pl.seed_everything(0), torch.manual_seed(batch_idx),"
+        " max_steps), never from the batch, its loss or a statistic of the training data.")

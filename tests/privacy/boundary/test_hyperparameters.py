@@ -65,15 +65,32 @@ def test_a_hyperparameter_set_from_the_batch_is_refused_before_any_release(model
 
 
 def test_a_write_that_starts_later_is_refused_before_that_steps_release():
+    """Gated on steps 2 and 3 only: neither the first step's replays (as now and as at the plan's last step) nor
+    their exchanged batch meet it; the step's own comparison refuses it before its release."""
     strategy_steps = []
 
     class Record(LaterMomentumFromLabels):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step in (2, 3):
+                self.optimizers().param_groups[0]["momentum"] = float((batch[1] == 1).float().mean())
+            return Classifier.training_step(self, batch, batch_idx)
+
         def on_after_backward(self) -> None:
             strategy_steps.append(self.trainer.global_step)
 
     with pytest.raises(PrivacyConfigurationError, match=r"param_groups\[0\]\.momentum"):
         fit(Record(), steps=6, n=256)
     assert strategy_steps == [0, 1], "the third step's release was refused, the first two made"
+
+
+def test_a_write_from_a_later_batch_is_refused_on_the_first_step():
+    """From the third batch of an epoch on: the first step's replays as at the plan's last step, on the batch with
+    its labels exchanged, set another momentum: refused before any release."""
+    model = LaterMomentumFromLabels()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"param_groups\[0\]\.momentum"):
+        fit(model, steps=6, n=256)
+    assert unchanged(before, model)
 
 
 def test_a_scheduler_stepping_after_the_update_is_allowed():
@@ -281,3 +298,18 @@ def test_an_epoch_schedule_and_an_epoch_report_train():
     dp = fit(model, steps=12, callbacks=[Report()])
     assert dp.ledger.steps == 12
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** model.trainer.current_epoch)
+
+
+class EndsTheEpochOnPositives(Classifier):
+    """Ends the epoch (on_train_batch_start returns -1) on a batch with many positive labels."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        return -1 if float(batch[1].float().mean()) > 0.6 else None
+
+
+def test_an_epoch_ended_from_the_batch_is_refused_before_any_release():
+    model = EndsTheEpochOnPositives()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"the epoch was ended \(on_train_batch_start returned -1\)"):
+        fit(model, steps=12)
+    assert unchanged(before, model)
