@@ -48,7 +48,8 @@ from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, steered_hyperparameters,
                                                 trusted_callback, user_modules)
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
-from lightning_dp.validators.monitored import NOT_FROM_DATA, fed_back, training_logged, validates_on_training_data
+from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
+                                               validates_on_training_data)
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.outside_records import exchanged_copy, records_in
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
@@ -285,7 +286,7 @@ class PrivateTraining:
         self.private_step.boundary.baseline()
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
-        self._logged_reads = LoggedReads(trainer, lambda: [n for n in training_logged(trainer) if not self._exempt(n)],
+        self._logged_reads = LoggedReads(trainer, lambda: [n for n in private_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
         self._logged_reads.watch_metrics(module)

@@ -661,21 +661,19 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
     putting its hyper-parameters back after each, and name what the data steers: a hyper-parameter or default the
     replays set to different values (a learning rate from the loss; a warm-up from the step count sets the same
     value whatever the batch, and is allowed), or a state entry any replay wrote (a moment written from the batch).
-    ``loop`` (the trainer): its ``should_stop`` is compared and put back the same way (training stopped when the
-    loss or a training accuracy crosses a threshold)."""
+    ``loop`` (the trainer): its ``should_stop``, ``max_epochs`` and ``max_steps`` are compared and put back the
+    same way (training stopped, or lengthened, when the loss or a training accuracy crosses a threshold)."""
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
-    stop = getattr(loop, "should_stop", None)
+    controls = _loop_controls(loop)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
-            seen.append({**hyperparameters(optimizer),
-                         **({"trainer should_stop": bool(loop.should_stop)} if loop is not None else {})})
-            if loop is not None:
-                loop.should_stop = stop
+            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in _loop_controls(loop).items()}})
+            _put_loop_controls(loop, controls)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
                 params = group["params"]
                 group.clear()
@@ -688,11 +686,33 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
     return sorted(state | steered)
 
 
+def _loop_controls(loop: Any) -> dict[str, Any]:
+    """The trainer's decisions on how long training runs (none without a trainer)."""
+    if loop is None:
+        return {}
+    fit = getattr(loop, "fit_loop", None)
+    return {"should_stop": bool(getattr(loop, "should_stop", False)), "max_epochs": getattr(fit, "max_epochs", None),
+            "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None)}
+
+
+def _put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
+    if loop is None:
+        return
+    loop.should_stop = controls["should_stop"]
+    fit = getattr(loop, "fit_loop", None)
+    if fit is not None and getattr(fit, "max_epochs", None) != controls["max_epochs"]:
+        fit.max_epochs = controls["max_epochs"]
+    epoch_loop = getattr(fit, "epoch_loop", None)
+    if epoch_loop is not None and getattr(epoch_loop, "max_steps", None) != controls["max_steps"]:
+        epoch_loop.max_steps = controls["max_steps"]
+
+
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
     """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
     return PrivacyConfigurationError(
-        f"The optimizer's hyper-parameters or state changed {where}: {', '.join(changed[:6])}. A learning rate, "
-        "momentum or weight decay set from the batch or its loss, or a moment written from it, steers every later "
+        f"The optimizer's hyper-parameters or state, or how long the trainer runs, changed {where}: "
+        f"{', '.join(changed[:6])}. A learning rate, momentum or weight decay set from the batch or its loss, a "
+        "moment written from it, or a stop (should_stop, max_epochs, max_steps) decided from it steers every later "
         "update by un-noised training data, outside the guarantee. Nothing more was released. Set hyper-parameters "
         "from the step count (a learning-rate scheduler, which Lightning steps after the update) or from held-out "
         "data at validation; leave the optimizer's state to its step.")

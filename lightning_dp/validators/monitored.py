@@ -41,7 +41,20 @@ def consumers(trainer: Any) -> list[Consumer]:
 
 def training_logged(trainer: Any) -> set[str]:
     """The names the training loop logged so far this epoch (as ``callback_metrics`` keys them)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return _logged(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None))
+
+
+def private_logged(trainer: Any) -> set[str]:
+    """The logged names whose values are the training data's: the training loop's, and the validation loop's too
+    when a validation loader reads the training records (:func:`validates_on_training_data`)."""
+    names = training_logged(trainer)
+    if validates_on_training_data(trainer):
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        names |= _logged(getattr(epoch_loop, "val_loop", None))
+    return names
+
+
+def _logged(loop: Any) -> set[str]:
     results = getattr(loop, "_results", None)
     names: set[str] = set()
     for metric in (results.values() if results is not None else ()):

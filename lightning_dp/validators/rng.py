@@ -83,8 +83,9 @@ def _recording(label: str, original: Callable[..., Any], calls: list[tuple[str, 
 
 
 def _seeded_by_user() -> bool:
-    """Whether the nearest caller that is neither the standard library nor a third-party library is the user's code
-    (not lightning_dp's)."""
+    """Whether the nearest caller outside the standard library is the user's code, or a library's seeding function
+    (``seed_everything``) the user's code called. A library seeding on its own account (torch.compile saving and
+    restoring the generator's state) and lightning_dp's own passes are not the user's."""
     from lightning_dp.validators.kept_state import LIBRARY_PREFIXES
 
     frame = sys._getframe(2)
@@ -92,10 +93,16 @@ def _seeded_by_user() -> bool:
         top = (frame.f_globals.get("__name__", "") or "").split(".")[0]
         if top == "lightning_dp":
             return False
+        if top in LIBRARY_PREFIXES and frame.f_code.co_name not in _SEEDING_FUNCTIONS:
+            return False
         if top not in _STANDARD and top not in LIBRARY_PREFIXES:
             return True
         frame = frame.f_back
     return False
+
+
+_SEEDING_FUNCTIONS = frozenset({"seed_everything", "_collect_rng_states", "_set_rng_states", "reset_seed"})
+"""Libraries' functions whose seeding is their caller's (Lightning's ``seed_everything`` and its helpers)."""
 
 
 def _token(value: Any) -> Hashable:

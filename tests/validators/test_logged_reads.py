@@ -289,3 +289,38 @@ def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
     logged = LogsItsAccuracy()
     assert fit(logged, steps=8).ledger.steps == 8
     assert 0 <= float(logged.accuracy.compute()) <= 1
+
+
+class RateFromValidationLoss(Classifier):
+    """Sets the learning rate by hand from the validation loss at validation end (a plateau rule of its own)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("val_loss")
+        if value is not None:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 0.1 * float(value)
+
+
+def _validating_fit(model: pl.LightningModule, val: Any) -> Any:
+    dp = strategy()
+    trainer = quiet_trainer(strategy=dp, max_steps=12, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(model, loader(64), val)
+    return dp
+
+
+def test_validation_values_are_the_training_datas_when_validation_reads_the_training_records():
+    model = RateFromValidationLoss()
+    with pytest.raises(PrivacyConfigurationError, match="read 'val_loss'"):
+        _validating_fit(model, loader(64))  # the training records again
+
+
+def test_held_out_validation_values_may_steer_the_rate():
+    from torch.utils.data import DataLoader
+
+    from cases import data
+
+    dp = _validating_fit(RateFromValidationLoss(), DataLoader(data(32, seed=5), batch_size=16))
+    assert dp.ledger.steps == 12

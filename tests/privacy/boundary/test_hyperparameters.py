@@ -58,7 +58,7 @@ class StepScheduled(Classifier):
 def test_a_hyperparameter_set_from_the_batch_is_refused_before_any_release(model, key):
     m = model()
     before = parameters(m)
-    pattern = r"hyper-parameters or state changed .*" + key.replace("[", r"\[")
+    pattern = r"hyper-parameters or state.* changed .*" + key.replace("[", r"\[")
     with pytest.raises(PrivacyConfigurationError, match=pattern):
         fit(m, steps=3)
     assert unchanged(before, m)
@@ -312,4 +312,19 @@ def test_an_epoch_ended_from_the_batch_is_refused_before_any_release():
     before = parameters(model)
     with pytest.raises(PrivacyConfigurationError, match=r"the epoch was ended \(on_train_batch_start returned -1\)"):
         fit(model, steps=12)
+    assert unchanged(before, model)
+
+
+def test_a_training_length_decided_from_the_training_data_is_refused_before_any_release():
+    class Longer(pl.Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            xs, ys = trainer.train_dataloader.dataset.tensors
+            with torch.no_grad():
+                accuracy = float((module(xs).argmax(1) == ys).float().mean())
+            trainer.fit_loop.max_epochs = 2 + int(10 * accuracy)
+
+    model = Classifier()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match="trainer max_epochs"):
+        fit(model, steps=12, callbacks=[Longer()])
     assert unchanged(before, model)

@@ -102,9 +102,14 @@ class WarmupWriter(Classifier):
             self.stat.copy_(batch[0].mean(0))
 
 
+LATE_CALL = 9
+"""The late writers' first writing call: past the first step's replays of the batch hooks."""
+
+
 class LateWriter(Classifier):
-    """Keeps batch statistics from its own fifth call on: a counter of its own (declared public) that the first step's
-    replays (four calls, restored after) never bring there, so only the per-step comparison can see the write."""
+    """Keeps batch statistics from its own ninth call on: a counter of its own (declared public) that the first step's
+    replays (eight calls — plain, moved and exchanged, as now and as at the plan's last step —, restored after) never
+    bring there, so only the per-step comparison can see the write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,7 +118,7 @@ class LateWriter(Classifier):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.calls += 1
-        if self.calls >= 5:
+        if self.calls >= LATE_CALL:
             self.stat.copy_(batch[0].mean(0))
 
 
@@ -125,7 +130,7 @@ class LateStatistic(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.calls += 1
-        if self.calls >= 5:
+        if self.calls >= LATE_CALL:
             pl_module.stat.copy_(batch[0].mean(0))
 
 
@@ -167,9 +172,9 @@ def test_a_write_keyed_on_the_step_is_refused_before_any_release():
 def test_a_write_that_starts_later_is_refused_before_the_next_release():
     model = LateWriter()
     with pytest.raises(StateWrittenError, match="buffer stat") as info:
-        fit(model, steps=6, public_state=["calls"])
+        fit(model, steps=LATE_CALL + 1, public_state=["calls"])
     assert "between the last update and this release" in str(info.value)
-    assert model.trainer.strategy.ledger.steps == 5, "steps 0-4 released; the write after step 4 refused at step 5"
+    assert model.trainer.strategy.ledger.steps == LATE_CALL, "steps 0-8 released; the write after step 8 refused next"
 
 
 def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
@@ -177,10 +182,10 @@ def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
     model.on_train_batch_end = lambda *args: None  # the callback writes instead, before the checkpoint is saved
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     with pytest.raises(StateWrittenError, match="before a checkpoint was written"):
-        quiet_trainer(strategy=strategy(public_state=["LateStatistic.calls", "calls"]), max_steps=6,
+        quiet_trainer(strategy=strategy(public_state=["LateStatistic.calls", "calls"]), max_steps=LATE_CALL + 1,
                       callbacks=[LateStatistic(), ckpt], enable_checkpointing=True).fit(model, loader())
     saved = list(tmp_path.glob("*.ckpt"))
-    assert len(saved) == 4, "the checkpoints of steps 1-4 are written, none after the write"
+    assert len(saved) == LATE_CALL - 1, "the checkpoints of steps 1-8 are written, none after the write"
     assert not torch.load(saved[0], weights_only=False)["state_dict"]["stat"].any()
 
 
