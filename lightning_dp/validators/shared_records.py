@@ -82,16 +82,27 @@ def check_shared_records(dataset: Any, at: Callable[[int], int], n: int) -> None
     steps = max(1, PROBED_RECORDS - 1)
     probes = sorted({round(j * (n - 1) / steps) for j in range(PROBED_RECORDS)})
     rng = random.Random(_SEED)  # public positions: never the data's
+    others = {p: _others(p, n, rng) for p in probes}
+    read = sorted({*probes, *(o for group in others.values() for o in group)})
+    for position in read:
+        _digest(dataset, at(position))  # read once before any exchange: a lazy cache fills now, not while exchanged
+    versions = [a._version if isinstance(a, Tensor) else None for _, a in arrays]
+    for position in read:
+        _digest(dataset, at(position))
+    arrays = [(name, a) for (name, a), v in zip(arrays, versions) if v is None or a._version == v]  # written by reads
     for name, array in arrays:
         sizes: list[int] = []
-        for position in probes:
-            rows = _rows_of(dataset, at(position), array)
-            if rows is None:
-                sizes = []
-                break
-            sizes.append(_elements_read(dataset, at(position), array, rows))
-            if rows:
-                _refuse_shared(dataset, at, n, position, rows, array, name, rng)
+        try:
+            for position in probes:
+                rows = _rows_of(dataset, at(position), array)
+                if rows is None:
+                    sizes = []
+                    break
+                sizes.append(_elements_read(dataset, at(position), array, rows))
+                if rows:
+                    _refuse_shared(dataset, at, position, others[position], rows, array, name)
+        except _WrittenWhileExchanged:
+            continue  # the dataset writes this array as it reads: not checked (the write is its own)
         held = len(array) * _width(array)
         mean = sum(sizes) / len(sizes) if sizes else 0.0
         allowance = n if mean >= LONG_RECORD else 0  # one element each may be shared (module docstring)
@@ -145,17 +156,29 @@ def _digest(dataset: Any, index: int) -> Any:
 
 def _changes(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> bool:
     """Whether record ``index`` reads differently with ``rows`` of ``array`` exchanged (restored after)."""
-    return _changes_with(dataset, index, before, lambda: [exchange(array, part) for part in _runs(rows)])
+    return _changes_with(dataset, index, before, lambda: [exchange(array, part) for part in _runs(rows)], array)
 
 
-def _changes_with(dataset: Any, index: int, before: Any, exchanged: Callable[[], list[Callable[[], None]]]) -> bool:
+def _changes_with(dataset: Any, index: int, before: Any, exchanged: Callable[[], list[Callable[[], None]]],
+                  array: Any = None) -> bool:
+    """Whether record ``index`` reads differently while ``exchanged()`` holds (its restores run after). A tensor
+    ``array`` the read writes (its version counter moves) stops the check of that array (the datasets that write as
+    they read are left out beforehand: :func:`check_shared_records`)."""
     undo: list[Callable[[], None]] = []
+    version = array._version if isinstance(array, Tensor) else None
     try:
         undo = exchanged()
-        return _digest(dataset, index) != before
+        changed = _digest(dataset, index) != before
     finally:
         for restore in reversed(undo):
             restore()
+    if version is not None and array._version != version:
+        raise _WrittenWhileExchanged
+    return changed
+
+
+class _WrittenWhileExchanged(Exception):
+    """The dataset wrote an array while it was exchanged (internal: that array is not checked further)."""
 
 
 def _runs(rows: Sequence[int]) -> list[slice]:
@@ -226,7 +249,7 @@ def _elements_of(dataset: Any, index: int, array: Any, row: int) -> Optional[set
     if flat is None or before is None:
         return None
     found = _search(lambda part: _changes_with(dataset, index, before, lambda: [exchange(flat, p) for p in
-                                                                                 _runs(part)]),
+                                                                                 _runs(part)], array),
                     range(len(flat)), MAX_ELEMENTS)
     return None if found is None else set(found)
 
@@ -257,16 +280,21 @@ def _shared_elements(dataset: Any, first: int, second: int, array: Any, rows: Se
     return total
 
 
-def _refuse_shared(dataset: Any, at: Callable[[int], int], n: int, position: int, rows: list[int], array: Any,
-                   name: str, rng: random.Random) -> None:
-    """Refuse when a record at a neighbouring or random position reads data of ``rows`` that record ``position``
-    reads too (beyond the one element a long record may share)."""
+def _others(position: int, n: int, rng: random.Random) -> list[int]:
+    """The positions checked against ``position``'s rows: its neighbours and :data:`OTHER_RECORDS` at random."""
     others = {p for p in (position - 1, position + 1) if 0 <= p < n}
     others |= set(rng.sample(range(n), min(n, OTHER_RECORDS)))
     others.discard(position)
+    return sorted(others)
+
+
+def _refuse_shared(dataset: Any, at: Callable[[int], int], position: int, others: list[int], rows: list[int],
+                   array: Any, name: str) -> None:
+    """Refuse when a record at one of the ``others`` positions reads data of ``rows`` that record ``position``
+    reads too (beyond the one element a long record may share)."""
     index = at(position)
     width = _width(array)
-    for other in sorted(others):
+    for other in others:
         j = at(other)
         if j == index:
             continue

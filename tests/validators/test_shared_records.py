@@ -120,3 +120,31 @@ def test_user_level_units_may_span_several_records() -> None:
     quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(
         Records(lambda i: X[i:i + 4].mean(0), 61), batch_size=16))
     assert dp.ledger.steps == 2
+
+
+class Decoding(Dataset):
+    """Decodes a record into a preallocated tensor on every read (``always``) or on its first read only."""
+
+    def __init__(self, always: bool) -> None:
+        self.cache = torch.zeros(64, 4)
+        self.filled = [False] * 64
+        self.always = always
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> Any:
+        if self.always or not self.filled[i]:
+            self.cache[i] = X[i] * 2  # the "decoding"
+            self.filled[i] = True
+        return self.cache[i], Y[i]
+
+
+@pytest.mark.parametrize("always", [True, False], ids=["writes on every read", "fills a cache once"])
+def test_a_dataset_writing_as_it_reads_is_left_intact(always: bool) -> None:
+    dataset = Decoding(always)
+    check(dataset)
+    filled = torch.tensor(dataset.filled)
+    assert filled.any()
+    assert torch.equal(dataset.cache[filled], X[filled] * 2), "no record garbled by an exchange"
+    assert not dataset.cache[~filled].any()
