@@ -25,8 +25,9 @@ What is exchanged (:func:`training_copies`): the tensors of the training dataset
 (:func:`~lightning_dp.validators.kept_state.dataset_parts`; every view of their memory, anywhere, with them), the
 NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
 NumPy array held by the model (buffers, attributes), the datamodule, a callback or a global of the user's code whose
-rows are rows of a training tensor (its sampled rows found in the tensor's row digests, :func:`row_digests`) or, for
-labels, equal to a training tensor. Not exchanged: tensors in shared memory (a DataLoader's worker processes may be
+rows are rows of a training tensor (its sampled rows found in the tensor's row digests, :func:`row_digests`), that
+is of its shape and the same rows under one affine map (raw pixels of data scaled by 1/255), or, for labels, equal to
+a training tensor. Not exchanged: tensors in shared memory (a DataLoader's worker processes may be
 reading them) or backed by a file, read-only or memory-mapped NumPy arrays, and copies transformed after they were
 taken (scaled, projected, tokenised again): a step reading those is not seen. Nor is a record read from its file again.
 """
@@ -261,11 +262,15 @@ def _digests(t: Tensor) -> np.ndarray:
 
 
 def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
-    """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), or rows of it (half of the sampled
-    rows, at least two, found among ``data``'s row digests)."""
+    """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), rows of it (half of the sampled
+    rows, at least two, found among ``data``'s row digests), or — of its shape — its image under one affine map
+    a·x + b (:func:`_affine_image`: the raw pixels of data scaled by 1/255, features standardised by constants)."""
     candidate = _as_tensor(value)
-    if candidate is None or candidate.dtype.is_floating_point != data.dtype.is_floating_point \
-            or candidate.dim() != data.dim() or tuple(candidate.shape[1:]) != tuple(data.shape[1:]):
+    if candidate is None or candidate.dim() != data.dim() or tuple(candidate.shape[1:]) != tuple(data.shape[1:]):
+        return False
+    if candidate.shape == data.shape and data.dim() >= 2 and _affine_image(candidate, data):
+        return True
+    if candidate.dtype.is_floating_point != data.dtype.is_floating_point:
         return False
     candidate = candidate.to(data.dtype)
     if rows is None:
@@ -279,6 +284,26 @@ def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
     varied = (flat != flat[:, :1]).any(1).tolist()  # a constant row (zeros: an empty queue) says nothing
     hits = sum(v and int(d) in rows for d, v in zip(_digests(sample).tolist(), varied))
     return (hits >= 2 and 2 * hits >= sample.shape[0]) or (n == 1 and hits == 1)
+
+
+def _affine_image(candidate: Tensor, data: Tensor) -> bool:
+    """Whether ``candidate``'s rows are ``data``'s rows, in the same order, under one map y = a·x + b (a ≠ 0), to
+    float precision: fitted on :data:`ROWS_SAMPLED` rows spread over both (at least two of them not constant)."""
+    n = data.shape[0]
+    picked = np.linspace(0, n - 1, min(n, ROWS_SAMPLED)).round().astype(np.int64)
+    x = data.detach()[picked].reshape(len(picked), -1).to("cpu", torch.float64)
+    y = candidate[picked].reshape(len(picked), -1).to("cpu", torch.float64)
+    if int((x != x[:, :1]).any(1).sum()) < 2 or not bool(torch.isfinite(x).all() and torch.isfinite(y).all()):
+        return False
+    xc, yc = x - x.mean(), y - y.mean()
+    spread = float((xc * xc).sum())
+    if spread == 0.0:
+        return False
+    a = float((xc * yc).sum()) / spread
+    if a == 0.0:
+        return False
+    residual = float((yc - a * xc).abs().max())
+    return residual <= 1e-5 * max(float(y.abs().max()), 1e-30)
 
 
 def _as_tensor(value: Any) -> Optional[Tensor]:

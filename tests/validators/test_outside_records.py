@@ -305,3 +305,15 @@ def test_an_ordinary_checkpoint_is_written(tmp_path: Path) -> None:
     public = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))  # not the training records
     trainer.fit(DataInHyperparameters(public), DataLoader(DATASET, batch_size=16))
     assert list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_rescaled_copy_is_a_copy() -> None:
+    """The datamodule keeps the raw values, the dataset the rescaled ones (x / 16, as the digits are): the raw
+    array is the same records under one affine map."""
+    g = torch.Generator().manual_seed(2)
+    raw = torch.randint(0, 17, (64, 8), generator=g).numpy()
+    ds = TensorDataset(torch.tensor(raw / 16.0, dtype=torch.float32), torch.zeros(64, dtype=torch.long))
+    holder = Holder()
+    holder.raw, holder.shifted, holder.unrelated = raw, raw * 2.0 - 3.0, np.random.default_rng(0).random((64, 8))
+    names = [n for n, _ in training_copies(ds, [("DataModule", holder)])]
+    assert "DataModule.raw" in names and "DataModule.shifted" in names and "DataModule.unrelated" not in names
