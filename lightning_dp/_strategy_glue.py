@@ -974,7 +974,7 @@ def _replay_epoch_hooks(module: "pl.LightningModule") -> None:
 
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
-    with _silenced_logging(module), torch.no_grad():
+    with _replaying(module), torch.no_grad():
         try:
             for name in ("on_train_epoch_start", "on_train_epoch_end"):
                 for cb in callbacks:
@@ -1013,7 +1013,7 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
 
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
-    with _silenced_logging(module):
+    with _replaying(module):
         for cb in callbacks:
             cb.on_train_batch_start(trainer, module, batch, batch_idx)
         ended = module.on_train_batch_start(batch, batch_idx) == -1
@@ -1033,6 +1033,34 @@ def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any
             cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
         module.on_train_batch_end(outputs, batch, batch_idx)
     return ended
+
+
+@contextmanager
+def _replaying(module: "pl.LightningModule") -> Iterator[None]:
+    """What a replay of the user's hooks must not do to the run: log (``self.log``, a logger's ``log_metrics``),
+    write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), or advance a learning-rate scheduler stepped by
+    hand (its state is put back: a schedule from ``last_epoch`` would otherwise run ahead)."""
+    trainer = module.trainer
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
+    states = [scheduler.state_dict() for scheduler in schedulers]
+    muted = [(trainer, "save_checkpoint"), *((logger, "log_metrics") for logger in trainer.loggers)]
+    saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
+    with _silenced_logging(module):
+        for obj, name in muted:
+            setattr(obj, name, lambda *args, **kwargs: None)
+        try:
+            yield
+        finally:
+            for (obj, name), value in zip(muted, saved):
+                if value is _ABSENT:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
+            for scheduler, state in zip(schedulers, states):
+                scheduler.load_state_dict(state)
+
+
+_ABSENT = object()
 
 
 @contextmanager

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from cases import Classifier, fit, parameters, plain_step, unchanged
+from cases import Classifier, fit, loader, parameters, plain_step, strategy, unchanged
+from conftest import quiet_trainer
 from torch import nn
 
 from lightning_dp import PrivacyConfigurationError
@@ -328,3 +329,31 @@ def test_a_training_length_decided_from_the_training_data_is_refused_before_any_
     with pytest.raises(PrivacyConfigurationError, match="trainer max_epochs"):
         fit(model, steps=12, callbacks=[Longer()])
     assert unchanged(before, model)
+
+
+def test_the_replays_leave_the_run_as_it_was(tmp_path):
+    """The first step replays the batch and epoch hooks several times: a checkpoint saved by hand at epoch end, a
+    scheduler stepped by hand and the loggers see only the real epochs."""
+    logged = []
+
+    class SavesAndSteps(Classifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "epoch", "frequency": 1000}}
+
+        def on_train_epoch_end(self) -> None:
+            self.lr_schedulers().step()
+            self.trainer.save_checkpoint(tmp_path / f"epoch{self.current_epoch}.ckpt")
+            self.trainer.logger.log_metrics({"epoch_seen": float(self.current_epoch)}, step=self.global_step)
+
+    model = SavesAndSteps()
+    trainer = quiet_trainer(strategy=strategy(), max_steps=12, logger=pl.loggers.CSVLogger(tmp_path))
+    original = trainer.logger.log_metrics
+    trainer.logger.log_metrics = lambda metrics, step=None: (logged.append(dict(metrics)), original(metrics, step))
+    trainer.fit(model, loader())
+    epochs = trainer.current_epoch
+    assert model.lr_schedulers().last_epoch == epochs
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** epochs)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"epoch{e}.ckpt" for e in range(epochs)]
+    assert [m["epoch_seen"] for m in logged if "epoch_seen" in m] == [float(e) for e in range(epochs)]
