@@ -51,7 +51,9 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
                                                validates_on_training_data)
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.outside_records import exchanged_copy, records_in
+from lightning_dp.validators.hook_replays import (batch_start, overrides_epoch_hooks, progress_as, replay_batch_hooks,
+                                                  replay_epoch_hooks, replaying)
+from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -565,8 +567,8 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
 
         def loss_of(batch: Any) -> Any:
-            with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
-                _batch_start(module, batch, 0)
+            with self.precision_plugin.train_step_context(), replaying(module):  # type: ignore[attr-defined]
+                batch_start(module, batch, 0)
                 return module.training_step(batch, 0)
 
         low = "16" in str(module.trainer.precision)
@@ -597,11 +599,11 @@ class PrivateTraining:
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
             def run() -> None:
                 with seeds_recorded() as calls, \
-                        _progress_as(module.trainer, *progress) if progress is not None else nullcontext():
+                        progress_as(module.trainer, *progress) if progress is not None else nullcontext():
                     decisions.append(calls)
                     batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                     try:
-                        ended = _replay_batch_hooks(module, precision, examples, batch_idx, moved)
+                        ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
                     except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
                         if failed is None:
                             raise
@@ -638,7 +640,7 @@ class PrivateTraining:
         set's accuracy, a stop when it crosses a threshold the exchange moves it over): refused before any release."""
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
-        if not _overrides_epoch_hooks(module):
+        if not overrides_epoch_hooks(module):
             return
         exchanged = self.private_step.exchanged_training_data()
 
@@ -647,9 +649,9 @@ class PrivateTraining:
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
                 with exchanged.exchanged() if exchange else nullcontext(), seeds_recorded() as calls, \
-                        _progress_as(trainer, *progress) if progress is not None else nullcontext():
+                        progress_as(trainer, *progress) if progress is not None else nullcontext():
                     seeds.append(calls)
-                    _replay_epoch_hooks(module)
+                    replay_epoch_hooks(module)
             return run
 
         with self._watches_paused():
@@ -673,7 +675,7 @@ class PrivateTraining:
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
         """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it
-        is there (:func:`_progress_as`), so behaviour keyed on ``global_step`` or ``current_epoch`` crossing a
+        is there (:func:`progress_as`), so behaviour keyed on ``global_step`` or ``current_epoch`` crossing a
         threshold (in-batch negatives after a warm-up, a memory bank from epoch 2) shows before any release.
         Behaviour that comes and goes (every k-th step) is the later random checks' to meet."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
@@ -690,7 +692,7 @@ class PrivateTraining:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
         for step, epoch in self._later_in_the_plan():
-            with _progress_as(trainer, step, epoch):
+            with progress_as(trainer, step, epoch):
                 self._check_batch(indices, min(per_epoch - 1, step),  # an epoch's last batch_idx: `if batch_idx >= k`
                                   as_of=f"as the model runs at step {step}, epoch {epoch}",
                                   charge=False, step=now)
@@ -706,8 +708,8 @@ class PrivateTraining:
 
         def loss_of(examples: Any) -> Any:
             batch = self._as_loop_batch(examples)
-            with self.precision_plugin.train_step_context(), _silenced_logging(module):  # type: ignore[attr-defined]
-                _batch_start(module, batch, batch_idx)
+            with self.precision_plugin.train_step_context(), replaying(module):  # type: ignore[attr-defined]
+                batch_start(module, batch, batch_idx)
                 return module.training_step(batch, batch_idx)
 
         private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
@@ -930,147 +932,6 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     if args:
         return (batch, *args[1:]), kwargs
     return args, {**kwargs, "batch": batch}
-
-
-@contextmanager
-def _progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]:
-    """Inside, ``trainer.global_step``/``module.global_step`` read ``step`` and ``current_epoch`` reads ``epoch`` (the
-    fit loop's two counters, restored on exit): the first step's checks run the user's code as it would run later."""
-    optimizer_steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
-    epochs = trainer.fit_loop.epoch_progress.current
-    saved = optimizer_steps.completed, epochs.completed
-    optimizer_steps.completed, epochs.completed = step, epoch
-    try:
-        yield
-    finally:
-        optimizer_steps.completed, epochs.completed = saved
-
-
-def records_in_checkpoint_error(held: list[str]) -> PrivacyConfigurationError:
-    """The refusal of a checkpoint holding training records (paths only)."""
-    return PrivacyConfigurationError(
-        f"The checkpoint about to be written holds training records: {', '.join(held[:4])}"
-        f"{' …' if len(held) > 4 else ''}. A checkpoint is released with the model; the guarantee covers the noised "
-        "updates, not records copied into it (examples added in on_save_checkpoint, data passed to the module's "
-        "__init__ and kept by save_hyperparameters). Nothing was written. Keep examples out of checkpoints (pass data "
-        "through a LightningDataModule, save_hyperparameters(ignore=[...]) for tensors).")
-
-
-def _overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
-    """Whether the module or a callback that is not Lightning's or lightning_dp's has an epoch hook of its own."""
-    from lightning_dp.validators.kept_state import library_callback
-
-    names = ("on_train_epoch_start", "on_train_epoch_end")
-    mine = any(getattr(type(module), n) is not getattr(pl.LightningModule, n) for n in names)
-    return mine or any(getattr(type(cb), n) is not getattr(pl.Callback, n) for cb in module.trainer.callbacks
-                       if not library_callback(cb) for n in names)
-
-
-def _replay_epoch_hooks(module: "pl.LightningModule") -> None:
-    """``on_train_epoch_start`` then ``on_train_epoch_end`` of every callback that is not Lightning's or
-    lightning_dp's and of the module, logging silenced; a hook that needs more of the loop than a replay gives
-    (it raises) ends the replay (both replays alike)."""
-    from lightning_dp.validators.kept_state import library_callback
-
-    trainer = module.trainer
-    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
-    with _replaying(module), torch.no_grad():
-        try:
-            for name in ("on_train_epoch_start", "on_train_epoch_end"):
-                for cb in callbacks:
-                    getattr(cb, name)(trainer, module)
-                getattr(module, name)()
-        except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
-            pass
-
-
-def _batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-    """``on_train_batch_start`` of every callback that is not Lightning's or lightning_dp's, then of the module, on
-    ``batch`` as the loop runs them before ``training_step``: the checks' passes see what they do to the batch (centre
-    it on the data's mean, relabel it from neighbours). A hook that needs more of the loop than a check gives (it
-    raises) is left out of that pass."""
-    from lightning_dp.validators.kept_state import trusted_callback
-
-    trainer = module.trainer
-    try:
-        for cb in trainer.callbacks:
-            if not trusted_callback(cb):
-                cb.on_train_batch_start(trainer, module, batch, batch_idx)
-        module.on_train_batch_start(batch, batch_idx)
-    except Exception:  # noqa: BLE001  (checked as it runs: the release boundary compares what it keeps)
-        pass
-
-
-def _replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
-                        moved: bool = False) -> bool:
-    """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
-    (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
-    that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
-    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`).
-    ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
-    (``if loss < 100: lr *= 0.5``) differs from the replay that was not."""
-    from lightning_dp.validators.kept_state import trusted_callback
-
-    trainer = module.trainer
-    callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
-    with _replaying(module):
-        for cb in callbacks:
-            cb.on_train_batch_start(trainer, module, batch, batch_idx)
-        ended = module.on_train_batch_start(batch, batch_idx) == -1
-        with precision.train_step_context():
-            outputs = module.training_step(batch, batch_idx)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if moved and isinstance(loss, torch.Tensor):
-            loss = (loss.detach() + 1) * 1000
-            outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
-        if isinstance(loss, torch.Tensor):
-            for cb in callbacks:
-                cb.on_before_backward(trainer, module, loss)
-            module.on_before_backward(loss)
-        if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
-            outputs = {"loss": loss.detach()}
-        for cb in callbacks:
-            cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-        module.on_train_batch_end(outputs, batch, batch_idx)
-    return ended
-
-
-@contextmanager
-def _replaying(module: "pl.LightningModule") -> Iterator[None]:
-    """What a replay of the user's hooks must not do to the run: log (``self.log``, a logger's ``log_metrics``),
-    write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), or advance a learning-rate scheduler stepped by
-    hand (its state is put back: a schedule from ``last_epoch`` would otherwise run ahead)."""
-    trainer = module.trainer
-    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
-    states = [scheduler.state_dict() for scheduler in schedulers]
-    muted = [(trainer, "save_checkpoint"), *((logger, "log_metrics") for logger in trainer.loggers)]
-    saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
-    with _silenced_logging(module):
-        for obj, name in muted:
-            setattr(obj, name, lambda *args, **kwargs: None)
-        try:
-            yield
-        finally:
-            for (obj, name), value in zip(muted, saved):
-                if value is _ABSENT:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
-            for scheduler, state in zip(schedulers, states):
-                scheduler.load_state_dict(state)
-
-
-_ABSENT = object()
-
-
-@contextmanager
-def _silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's)."""
-    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
 
 
 _LIGHTNING_IMPLICIT_MAX_EPOCHS = 1000

@@ -307,8 +307,9 @@ def _affine_image(candidate: Tensor, data: Tensor) -> bool:
 
 
 def _as_tensor(value: Any) -> Optional[Tensor]:
-    if isinstance(value, Tensor):
-        return value.detach() if value.layout == torch.strided and value.numel() else None
+    if isinstance(value, Tensor):  # a plain dense tensor (a DTensor shard is compared by no one here)
+        return value.detach() if type(value) in (Tensor, nn.Parameter) and value.layout == torch.strided \
+            and value.numel() else None
     if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
         return torch.from_numpy(np.ascontiguousarray(value))
     return None
@@ -385,3 +386,13 @@ def outside_records_error(step: int, differing: int, summed: Sequence[str], name
         "(dataset.tensors[0], a nearest-neighbour search over them), a memory bank or reference set that is the "
         "training data or a copy of it (self.trainer.datamodule.x_train). Draw negatives and references from "
         "public data, or from the batch itself with a per-example loss.")
+
+
+def records_in_checkpoint_error(held: list[str]) -> PrivacyConfigurationError:
+    """The refusal of a checkpoint holding training records (paths only)."""
+    return PrivacyConfigurationError(
+        f"The checkpoint about to be written holds training records: {', '.join(held[:4])}"
+        f"{' …' if len(held) > 4 else ''}. A checkpoint is released with the model; the guarantee covers the noised "
+        "updates, not records copied into it (examples added in on_save_checkpoint, data passed to the module's "
+        "__init__ and kept by save_hyperparameters). Nothing was written. Keep examples out of checkpoints (pass data "
+        "through a LightningDataModule, save_hyperparameters(ignore=[...]) for tensors).")

@@ -892,7 +892,8 @@ class Leaf(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(D, D) / D ** 0.5)
+        # its own generator: the global one seeded 0 would draw vector_data()'s very values (N = D)
+        self.w = nn.Parameter(torch.randn(D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5)
         self.b = nn.Parameter(torch.zeros(D))
 
     def forward(self, x: Tensor, scale: Optional[Tensor] = None) -> Tensor:

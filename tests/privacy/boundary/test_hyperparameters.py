@@ -357,3 +357,22 @@ def test_the_replays_leave_the_run_as_it_was(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** epochs)
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [f"epoch{e}.ckpt" for e in range(epochs)]
     assert [m["epoch_seen"] for m in logged if "epoch_seen" in m] == [float(e) for e in range(epochs)]
+
+
+def test_the_checks_passes_leave_a_scheduler_stepped_by_hand_where_it_was():
+    """A warm-up stepped by hand in on_train_batch_start: the probe's and the batch check's passes run that hook
+    too, and put the scheduler back after each."""
+
+    class ManualWarmup(Classifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 10**6}}
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.lr_schedulers().step()
+
+    model = ManualWarmup()
+    fit(model, steps=6, verify="every_step")
+    assert model.lr_schedulers().last_epoch == 6
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(7 / 100)

@@ -1,0 +1,167 @@
+"""The user's Lightning hooks run again by the checks: the first step's replays and the checks' passes.
+
+The release boundary judges what the loop's hooks do with the data by running them where the loop would not: the
+probe and the batch check run ``on_train_batch_start`` before ``training_step`` (:func:`batch_start`), as the loop
+does; the first step replays the hooks around a step (:func:`replay_batch_hooks`) and the epoch hooks
+(:func:`replay_epoch_hooks`) on different data, as the module runs now and as it would run at the plan's last step
+(:func:`progress_as`), and compares what they keep and decide (docs/release_boundary.md, rule 3). A replay must leave
+the run as it found it (:func:`replaying`): nothing logged, no checkpoint written, the schedulers' states put back;
+the snapshot (:mod:`.snapshot`) puts the user's state back, :func:`~.kept_state.steered_hyperparameters` the
+optimizer's and the trainer's decisions.
+
+Only the hooks of the module and of callbacks that are not Lightning's or lightning_dp's are run: the libraries'
+callbacks see nothing of the data but what the loop hands them, and their hooks have effects of their own (timers,
+progress bars, checkpoints).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from lightning_dp.validators.kept_state import library_callback, trusted_callback
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["batch_start", "overrides_epoch_hooks", "progress_as", "replay_batch_hooks", "replay_epoch_hooks",
+           "replaying", "silenced_logging"]
+
+
+@contextmanager
+def progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]:
+    """Inside, ``trainer.global_step``/``module.global_step`` read ``step`` and ``current_epoch`` reads ``epoch`` (the
+    fit loop's two counters, restored on exit): the first step's checks run the user's code as it would run later."""
+    optimizer_steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    epochs = trainer.fit_loop.epoch_progress.current
+    saved = optimizer_steps.completed, epochs.completed
+    optimizer_steps.completed, epochs.completed = step, epoch
+    try:
+        yield
+    finally:
+        optimizer_steps.completed, epochs.completed = saved
+
+
+def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
+    """Whether the module or a callback that is not Lightning's or lightning_dp's has an epoch hook of its own (one
+    defined outside the libraries: Lightning's base classes define them all, empty)."""
+    owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
+    return any(_users(getattr(type(owner), name, None)) for owner in owners
+               for name in ("on_train_epoch_start", "on_train_epoch_end"))
+
+
+def _users(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None) or ""
+    return bool(hook) and not module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
+
+
+def replay_epoch_hooks(module: "pl.LightningModule") -> None:
+    """``on_train_epoch_start`` then ``on_train_epoch_end`` of every callback that is not Lightning's or
+    lightning_dp's and of the module, logging silenced; a hook that needs more of the loop than a replay gives
+    (it raises) ends the replay (both replays alike)."""
+    trainer = module.trainer
+    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
+    with replaying(module, rates=False), torch.no_grad():
+        try:
+            for name in ("on_train_epoch_start", "on_train_epoch_end"):
+                for cb in callbacks:
+                    getattr(cb, name)(trainer, module)
+                getattr(module, name)()
+        except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
+            pass
+
+
+def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    """``on_train_batch_start`` of every callback that is not Lightning's or lightning_dp's, then of the module, on
+    ``batch`` as the loop runs them before ``training_step``: the checks' passes see what they do to the batch (centre
+    it on the data's mean, relabel it from neighbours). A hook that needs more of the loop than a check gives (it
+    raises) is left out of that pass."""
+    trainer = module.trainer
+    try:
+        for cb in trainer.callbacks:
+            if not trusted_callback(cb):
+                cb.on_train_batch_start(trainer, module, batch, batch_idx)
+        module.on_train_batch_start(batch, batch_idx)
+    except Exception:  # noqa: BLE001  (checked as it runs: the release boundary compares what it keeps)
+        pass
+
+
+def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
+                        moved: bool = False) -> bool:
+    """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
+    (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
+    that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
+    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`).
+    ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
+    (``if loss < 100: lr *= 0.5``) differs from the replay that was not."""
+    trainer = module.trainer
+    callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
+    with replaying(module, rates=False):
+        for cb in callbacks:
+            cb.on_train_batch_start(trainer, module, batch, batch_idx)
+        ended = module.on_train_batch_start(batch, batch_idx) == -1
+        with precision.train_step_context():
+            outputs = module.training_step(batch, batch_idx)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if moved and isinstance(loss, torch.Tensor):
+            loss = (loss.detach() + 1) * 1000
+            outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
+        if isinstance(loss, torch.Tensor):
+            for cb in callbacks:
+                cb.on_before_backward(trainer, module, loss)
+            module.on_before_backward(loss)
+        if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
+            outputs = {"loss": loss.detach()}
+        for cb in callbacks:
+            cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        module.on_train_batch_end(outputs, batch, batch_idx)
+    return ended
+
+
+@contextmanager
+def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None]:
+    """What a replay of the user's hooks, or a check's pass through them, must not do to the run: log (``self.log``,
+    a logger's ``log_metrics``), write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), or advance a
+    learning-rate scheduler stepped by hand (its state and the optimizers' hyper-parameters are put back: a schedule
+    from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
+    them (the replays compare them, then put them back: :func:`~.kept_state.steered_hyperparameters`)."""
+    trainer = module.trainer
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
+    states = [scheduler.state_dict() for scheduler in schedulers]
+    groups = [(group, {k: v for k, v in group.items() if k != "params"})
+              for optimizer in getattr(trainer, "optimizers", None) or () for group in optimizer.param_groups] \
+        if rates else []
+    muted = [(trainer, "save_checkpoint"), *((logger, "log_metrics") for logger in trainer.loggers)]
+    saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
+    with silenced_logging(module):
+        for obj, name in muted:
+            setattr(obj, name, lambda *args, **kwargs: None)
+        try:
+            yield
+        finally:
+            for (obj, name), value in zip(muted, saved):
+                if value is _ABSENT:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
+            for scheduler, state in zip(schedulers, states):
+                scheduler.load_state_dict(state)
+            for group, values in groups:  # the rates a scheduler stepped by hand set
+                params = group["params"]
+                group.clear()
+                group.update(values, params=params)
+
+
+_ABSENT = object()
+
+
+@contextmanager
+def silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's)."""
+    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
