@@ -45,8 +45,10 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, steered_hyperparameters,
-                                                trusted_callback, user_modules)
+from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, library_callback,
+                                                steered_hyperparameters, trusted_callback, user_modules)
+from lightning_dp.records.fetch import seeded
+from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
                                                validates_on_training_data)
@@ -633,37 +635,49 @@ class PrivateTraining:
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
-        (``on_train_epoch_start``/``end``), replayed twice as the module runs at ``progress`` (``None``: now): on
-        the training data, and with its copies in memory exchanged for other values
-        (:mod:`~lightning_dp.validators.outside_records`). A learning rate, or ``trainer.should_stop``, the two
-        replays set apart is set from a statistic of the training data no noise covers (a rate from the training
-        set's accuracy, a stop when it crosses a threshold the exchange moves it over): refused before any release."""
+        (``on_train_epoch_start``/``end``), replayed twice as the module runs at ``progress`` (``None``: now), from
+        the same state and the same random seeds: on the training data, and with its copies in memory exchanged for
+        other values (:mod:`~lightning_dp.validators.outside_records`). What the two replays leave apart comes from
+        the training data, no noise covers it, and later steps can read it — a learning rate or a stop (a rate from
+        the training set's accuracy), a seed, and the state of the module, of any user callback (one that never sees
+        the batch may still read the dataset: a teacher trained on it at epoch end for the step to distil from) and of
+        the datamodule: refused before any release (state that is only a report may be declared public)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
         if not overrides_epoch_hooks(module):
             return
+        boundary = self.private_step.boundary
         exchanged = self.private_step.exchanged_training_data()
-
+        users = [cb for cb in trainer.callbacks if not library_callback(cb)]
+        fingerprint = boundary.fingerprint(module)
+        snapshot = StateSnapshot(module, users, boundary.engine_keys)
         seeds: list[list[Any]] = []
+        kept: list[dict[str, Any]] = []
 
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
-                with exchanged.exchanged() if exchange else nullcontext(), seeds_recorded() as calls, \
-                        progress_as(trainer, *progress) if progress is not None else nullcontext():
-                    seeds.append(calls)
-                    replay_epoch_hooks(module)
+                try:
+                    with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
+                            seeds_recorded() as calls, \
+                            progress_as(trainer, *progress) if progress is not None else nullcontext():
+                        seeds.append(calls)
+                        replay_epoch_hooks(module)
+                finally:
+                    kept.append(fingerprint.take(users, full=True, every_callback=True))
+                    snapshot.restore()
             return run
 
         with self._watches_paused():
             steered = steered_hyperparameters(self.optimizers[0], [replay(False), replay(True)],  # type: ignore
                                               loop=trainer)
+        where = "by the epoch hooks (on_train_epoch_start/end), replayed on the training data and on it exchanged"
         if steered:
-            raise hyperparameters_error(steered, "from the training data by the epoch hooks (on_train_epoch_start/"
-                                        "end), replayed with the training data and with it exchanged for other "
-                                        "values")
+            raise hyperparameters_error(steered, f"from the training data {where}")
         if len(seeds) == 2 and seeds[0] != seeds[1]:
-            raise decided_from_data_error(seeds, "by the epoch hooks (on_train_epoch_start/end), replayed with the "
-                                          "training data and with it exchanged")
+            raise decided_from_data_error(seeds, where)
+        changed = fingerprint.changed(kept[0], kept[1]) if len(kept) == 2 else []
+        if changed:
+            raise boundary.written_error(changed, f"{where}: computed from the training data, kept for later steps")
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:

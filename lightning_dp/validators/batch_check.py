@@ -126,11 +126,11 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         step reading the exchanged data too."""
         if self.outside is None or not self.outside.arrays:
             return
-        try:
-            with self.outside.exchanged():
+        with self.outside.exchanged():
+            try:
                 other = self._engine_pass(chosen)
-        except Exception as err:  # noqa: BLE001  (the same batch ran before: only the exchange can make it fail)
-            raise outside_records_error(step, 0, [], self.outside.names, err, self._as_of) from err
+            except Exception as err:  # noqa: BLE001  (the same batch ran before: only the exchange can make it fail)
+                raise outside_records_error(step, 0, [], self.outside.names, err, self._as_of) from err
         norms, moved = whole.norms.double(), other.norms.double()
         if not bool(torch.isfinite(norms).all()):
             return

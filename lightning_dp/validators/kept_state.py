@@ -20,7 +20,8 @@ state it can see and refuses a change that the optimizer's step on the released 
 * the same attributes of every callback that is handed the batch (it overrides ``on_train_batch_start``,
   ``on_train_batch_end`` or ``on_before_backward``), or that read a value logged from the data (:meth:`watch`), and
   is not one of Lightning's or lightning_dp's own, and what its ``state_dict()`` returns (what a checkpoint keeps of
-  it); and of the user's LightningDataModule;
+  it); and of the user's LightningDataModule (the first step's epoch-hook replays take every user callback's:
+  ``take(every_callback=True)``);
 * the data held by the user's classes themselves (:func:`class_attributes`: ``history = []`` in a class body);
 * attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader, its
   loops, accelerator, precision plugin, profiler and loggers) after the first fingerprint: ``trainer.memory = batch``,
@@ -295,8 +296,10 @@ class StateFingerprint:
         return known
 
     # ------------------------------------------------------------------ taking
-    def take(self, callbacks: Sequence[Any] = (), full: bool = False) -> Fingerprint:
-        """The fingerprint now. ``full``: recompute every content checksum (parameters included)."""
+    def take(self, callbacks: Sequence[Any] = (), full: bool = False, every_callback: bool = False) -> Fingerprint:
+        """The fingerprint now. ``full``: recompute every content checksum (parameters included).
+        ``every_callback``: the state of every callback that is not a library's, handed the batch or not (the
+        epoch hooks' replays: :mod:`~lightning_dp.validators.hook_replays`)."""
         entries: Fingerprint = {}
         tensors: list[tuple[str, Tensor]] = []
         layout = self._structure()
@@ -339,7 +342,7 @@ class StateFingerprint:
                     if not _library_callable(fn) and not self._is_public(path):
                         entries[f"hook {path}"] = tuple(walker.token(v) for v in _callable_state(fn))
         for cb in callbacks:
-            if trusted_callback(cb) and id(cb) not in self._readers:
+            if (library_callback(cb) if every_callback else trusted_callback(cb)) and id(cb) not in self._readers:
                 continue
             label = type(cb).__name__
             kind = "datamodule" if is_datamodule(cb) else "callback"

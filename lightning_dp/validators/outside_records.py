@@ -102,7 +102,8 @@ def exchangeable(value: Any) -> bool:
         storage = value.untyped_storage()
         return getattr(storage, "filename", None) is None
     if isinstance(value, np.ndarray):
-        return (value.size > 0 and value.dtype.kind in "fiub" and value.flags.writeable
+        sized = value.dtype.kind != "f" or value.dtype.itemsize in (2, 4, 8)
+        return (value.size > 0 and value.dtype.kind in "fiub" and sized and value.flags.writeable
                 and not isinstance(value, np.memmap) and not _file_backed(value))
     return isinstance(value, list) and bool(value) and all(isinstance(v, (int, float, str)) for v in value[:64])
 
@@ -168,7 +169,9 @@ def _other(v: Any) -> Any:
         return not v
     if isinstance(v, int):
         return v ^ 1
-    return -1.5 * v - 1.0
+    if isinstance(v, float):
+        return -1.5 * v - 1.0
+    return v  # an item of another kind further on (only the first 64 were looked at): left as it is
 
 
 def exchanged_copy(batch: Any) -> Any:

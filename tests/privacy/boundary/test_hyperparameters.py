@@ -376,3 +376,58 @@ def test_the_checks_passes_leave_a_scheduler_stepped_by_hand_where_it_was():
     fit(model, steps=6, verify="every_step")
     assert model.lr_schedulers().last_epoch == 6
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(7 / 100)
+
+
+class Teacher(pl.Callback):
+    """Trains a teacher on the whole training set at every epoch's end (it never sees a batch)."""
+
+    def __init__(self) -> None:
+        self.head = nn.Linear(4, 2)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        xs, ys = trainer.train_dataloader.dataset.tensors
+        optimizer = torch.optim.SGD(self.head.parameters(), lr=0.5)
+        with torch.enable_grad():
+            for _ in range(5):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(self.head(xs), ys).backward()
+                optimizer.step()
+
+
+class Student(Classifier):
+    """Distils the teacher's soft labels."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        teacher = next(cb for cb in self.trainer.callbacks if isinstance(cb, Teacher))
+        with torch.no_grad():
+            soft = nn.functional.softmax(teacher.head(x), 1)
+        return -(soft * nn.functional.log_softmax(self(x), 1)).sum(1).mean()
+
+
+class History(pl.Callback):
+    """Keeps the training set's accuracy of every epoch (a report for a plot)."""
+
+    def __init__(self) -> None:
+        self.accuracy: list[float] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        xs, ys = trainer.train_dataloader.dataset.tensors
+        with torch.no_grad():
+            self.accuracy.append(float((module(xs).argmax(1) == ys).float().mean()))
+
+
+def test_state_a_callback_computes_from_the_training_set_at_epoch_end_is_refused_before_any_release():
+    model = Student()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"epoch hooks.*callback Teacher\.head"):
+        fit(model, steps=12, callbacks=[Teacher()])
+    assert unchanged(before, model)
+
+
+def test_a_report_kept_from_the_training_set_trains_once_declared_public():
+    with pytest.raises(PrivacyConfigurationError, match=r"callback History\.accuracy"):
+        fit(Classifier(), steps=12, callbacks=[History()])
+    history = History()
+    dp = fit(Classifier(), steps=12, callbacks=[history], public_state=["History.accuracy"])
+    assert dp.ledger.steps == 12 and len(history.accuracy) == 3, "the real epochs' reports only"
