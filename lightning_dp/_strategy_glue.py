@@ -45,8 +45,9 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, library_callback,
-                                                steered_hyperparameters, trusted_callback, user_modules)
+from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters, hyperparameters_error,
+                                                library_callback, loop_controls, steered_hyperparameters,
+                                                trusted_callback, user_modules)
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
@@ -635,13 +636,15 @@ class PrivateTraining:
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
-        (``on_train_epoch_start``/``end``), replayed twice as the module runs at ``progress`` (``None``: now), from
-        the same state and the same random seeds: on the training data, and with its copies in memory exchanged for
-        other values (:mod:`~lightning_dp.validators.outside_records`). What the two replays leave apart comes from
-        the training data, no noise covers it, and later steps can read it — a learning rate or a stop (a rate from
-        the training set's accuracy), a seed, and the state of the module, of any user callback (one that never sees
-        the batch may still read the dataset: a teacher trained on it at epoch end for the step to distil from) and of
-        the datamodule: refused before any release (state that is only a report may be declared public)."""
+        (``on_train_start``, ``on_train_epoch_start``/``end``), replayed three times as the module runs at ``progress``
+        (``None``: now),
+        each from the same state and the same random seeds: twice on the training data, once with its copies in
+        memory exchanged for other values (:mod:`~lightning_dp.validators.outside_records`). What the exchanged
+        replay leaves apart from the first — and the second plain replay does not (a time stamp, a wall-clock
+        duration) — comes from the training data, no noise covers it, and later steps can read it: a learning rate
+        or a stop (a rate from the training set's accuracy), a seed, the state of the module, of any user callback
+        (one that never sees the batch may still read the dataset: a teacher trained on it at epoch end for the step
+        to distil from) and of the datamodule. Refused before any release (a report may be declared public)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
         if not overrides_epoch_hooks(module):
@@ -651,6 +654,7 @@ class PrivateTraining:
         users = [cb for cb in trainer.callbacks if not library_callback(cb)]
         fingerprint = boundary.fingerprint(module)
         snapshot = StateSnapshot(module, users, boundary.engine_keys)
+        optimizer = self.optimizers[0]  # type: ignore[attr-defined]
         seeds: list[list[Any]] = []
         kept: list[dict[str, Any]] = []
 
@@ -663,21 +667,27 @@ class PrivateTraining:
                         seeds.append(calls)
                         replay_epoch_hooks(module)
                 finally:
-                    kept.append(fingerprint.take(users, full=True, every_callback=True))
+                    kept.append({**fingerprint.take(users, full=True, every_callback=True),
+                                 **hyperparameters(optimizer),
+                                 **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}})
                     snapshot.restore()
             return run
 
         with self._watches_paused():
-            steered = steered_hyperparameters(self.optimizers[0], [replay(False), replay(True)],  # type: ignore
-                                              loop=trainer)
-        where = "by the epoch hooks (on_train_epoch_start/end), replayed on the training data and on it exchanged"
-        if steered:
-            raise hyperparameters_error(steered, f"from the training data {where}")
-        if len(seeds) == 2 and seeds[0] != seeds[1]:
-            raise decided_from_data_error(seeds, where)
-        changed = fingerprint.changed(kept[0], kept[1]) if len(kept) == 2 else []
-        if changed:
-            raise boundary.written_error(changed, f"{where}: computed from the training data, kept for later steps")
+            steered_hyperparameters(optimizer, [replay(False), replay(False), replay(True)], loop=trainer)  # restores
+        if len(kept) != 3:
+            return
+        noisy = set(fingerprint.changed(kept[0], kept[1]))
+        moved = [name for name in fingerprint.changed(kept[0], kept[2]) if name not in noisy]
+        where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
+                 "data and on it exchanged")
+        decided = [name for name in moved if name.startswith(("optimizer ", "trainer "))]
+        if decided:
+            raise hyperparameters_error(decided, f"from the training data {where}")
+        if len(seeds) == 3 and seeds[0] == seeds[1] and seeds[0] != seeds[2]:
+            raise decided_from_data_error([seeds[0], seeds[2]], where)
+        if moved:
+            raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps")
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:

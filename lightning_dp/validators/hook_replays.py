@@ -26,7 +26,12 @@ from lightning_dp.validators.kept_state import library_callback, trusted_callbac
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["batch_start", "overrides_epoch_hooks", "progress_as", "replay_batch_hooks", "replay_epoch_hooks",
+EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
+"""The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
+dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
+
+__all__ = ["EPOCH_HOOKS", "batch_start", "overrides_epoch_hooks", "progress_as", "replay_batch_hooks",
+           "replay_epoch_hooks",
            "replaying", "silenced_logging"]
 
 
@@ -49,7 +54,7 @@ def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
     defined outside the libraries: Lightning's base classes define them all, empty)."""
     owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
     return any(_users(getattr(type(owner), name, None)) for owner in owners
-               for name in ("on_train_epoch_start", "on_train_epoch_end"))
+               for name in EPOCH_HOOKS)
 
 
 def _users(hook: Any) -> bool:
@@ -58,14 +63,14 @@ def _users(hook: Any) -> bool:
 
 
 def replay_epoch_hooks(module: "pl.LightningModule") -> None:
-    """``on_train_epoch_start`` then ``on_train_epoch_end`` of every callback that is not Lightning's or
-    lightning_dp's and of the module, logging silenced; a hook that needs more of the loop than a replay gives
-    (it raises) ends the replay (both replays alike)."""
+    """The :data:`EPOCH_HOOKS` (``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``) of every
+    callback that is not Lightning's or lightning_dp's and of the module, logging silenced; a hook that needs more
+    of the loop than a replay gives (it raises) ends the replay (every replay alike)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
     with replaying(module, rates=False), torch.no_grad():
         try:
-            for name in ("on_train_epoch_start", "on_train_epoch_end"):
+            for name in EPOCH_HOOKS:
                 for cb in callbacks:
                     getattr(cb, name)(trainer, module)
                 getattr(module, name)()
@@ -133,7 +138,8 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
     groups = [(group, {k: v for k, v in group.items() if k != "params"})
               for optimizer in getattr(trainer, "optimizers", None) or () for group in optimizer.param_groups] \
         if rates else []
-    muted = [(trainer, "save_checkpoint"), *((logger, "log_metrics") for logger in trainer.loggers)]
+    muted = [(trainer, "save_checkpoint"), *((logger, name) for logger in trainer.loggers
+                                              for name in ("log_metrics", "log_hyperparams"))]
     saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
     with silenced_logging(module):
         for obj, name in muted:

@@ -669,13 +669,13 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
-    controls = _loop_controls(loop)
+    controls = loop_controls(loop)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
-            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in _loop_controls(loop).items()}})
+            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()}})
             _put_loop_controls(loop, controls)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
                 params = group["params"]
@@ -689,7 +689,7 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
     return sorted(state | steered)
 
 
-def _loop_controls(loop: Any) -> dict[str, Any]:
+def loop_controls(loop: Any) -> dict[str, Any]:
     """The trainer's decisions on how long training runs (none without a trainer)."""
     if loop is None:
         return {}

@@ -153,8 +153,11 @@ class StateSnapshot:
                 restores.append(_attributes(m, keys, MAX_DEPTH))
                 continue
             restores.append(_attributes(m, keys, 0))
+        registered = {id(m) for m in module.modules()}
         for cb in callbacks:
             restores.append(_attributes(cb, list(vars(cb)), 0))
+            restores.extend(_module_tensors(value) for value in list(vars(cb).values())
+                            if isinstance(value, nn.Module) and id(value) not in registered)
         users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
         for cls, key, value in class_attributes(type(obj) for obj in users):  # `history = []` in a class body
             restores.append(_contents(value, 0))
@@ -167,6 +170,13 @@ class StateSnapshot:
         """Put every recorded reference and content back."""
         for restore in self._restores:
             restore()
+
+
+def _module_tensors(m: nn.Module) -> Restore:
+    """A module a callback holds outside the model (a teacher it trains): its parameters' and buffers' contents,
+    written back where a pass changed them."""
+    saved = [(t, t.detach().clone(), t._version) for t in (*m.parameters(), *m.buffers())]
+    return lambda: [_copy_tensor(t, copy, version) for t, copy, version in saved] and None
 
 
 def _rebind_buffers(m: nn.Module, buffers: list[tuple[str, Tensor]]) -> Restore:

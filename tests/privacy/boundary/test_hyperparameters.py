@@ -273,7 +273,7 @@ class EpochDecay(Classifier):
 def test_a_rate_set_from_a_training_statistic_at_epoch_end_is_refused_before_any_release():
     model = Classifier()
     before = parameters(model)
-    with pytest.raises(PrivacyConfigurationError, match="from the training data by the epoch hooks.*lr"):
+    with pytest.raises(PrivacyConfigurationError, match="from the training data by the hooks that see no batch.*lr"):
         fit(model, steps=12, callbacks=[TrainingAccuracyRate()])
     assert unchanged(before, model)
 
@@ -420,7 +420,7 @@ class History(pl.Callback):
 def test_state_a_callback_computes_from_the_training_set_at_epoch_end_is_refused_before_any_release():
     model = Student()
     before = parameters(model)
-    with pytest.raises(PrivacyConfigurationError, match=r"epoch hooks.*callback Teacher\.head"):
+    with pytest.raises(PrivacyConfigurationError, match=r"hooks that see no batch.*callback Teacher\.head"):
         fit(model, steps=12, callbacks=[Teacher()])
     assert unchanged(before, model)
 
@@ -431,3 +431,44 @@ def test_a_report_kept_from_the_training_set_trains_once_declared_public():
     history = History()
     dp = fit(Classifier(), steps=12, callbacks=[history], public_state=["History.accuracy"])
     assert dp.ledger.steps == 12 and len(history.accuracy) == 3, "the real epochs' reports only"
+
+
+class FittedInTrainStart(Classifier):
+    """Fits a frozen teacher submodule to the whole training set in on_train_start (released with the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Linear(4, 2).requires_grad_(False)
+
+    def on_train_start(self) -> None:
+        xs, ys = self.trainer.train_dataloader.dataset.tensors
+        fitted = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(fitted.parameters(), lr=0.5)
+        with torch.enable_grad():
+            for _ in range(5):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(fitted(xs), ys).backward()
+                optimizer.step()
+        self.teacher.load_state_dict(fitted.state_dict())
+
+
+class EpochTimer(pl.Callback):
+    """Times every epoch (a wall-clock stamp: not the data's)."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        import time
+
+        self.started = time.perf_counter()
+
+
+def test_a_teacher_fitted_to_the_training_set_in_on_train_start_is_refused_before_any_release():
+    model = FittedInTrainStart()
+    before = parameters(model.net)
+    with pytest.raises(PrivacyConfigurationError, match=r"on_train_start.*parameter teacher\.weight"):
+        fit(model, steps=4)
+    assert unchanged(before, model.net), "no release was made (the real on_train_start fitted the teacher)"
+
+
+def test_a_timer_callback_trains():
+    dp = fit(Classifier(), steps=8, callbacks=[EpochTimer()])
+    assert dp.ledger.steps == 8
