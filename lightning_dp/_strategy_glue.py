@@ -600,8 +600,8 @@ class PrivateTraining:
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
-            def run() -> None:
-                with seeds_recorded() as calls, \
+            def run() -> None:  # each replay from the same seeds: a random draw of the hooks' is not the data's
+                with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
                         progress_as(module.trainer, *progress) if progress is not None else nullcontext():
                     decisions.append(calls)
                     batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
@@ -662,7 +662,7 @@ class PrivateTraining:
             def run() -> None:
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
-                            seeds_recorded() as calls, \
+                            seeds_recorded() as calls, self._privacy_settings_kept(), \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
                         replay_epoch_hooks(module)
@@ -688,6 +688,18 @@ class PrivateTraining:
             raise decided_from_data_error([seeds[0], seeds[2]], where)
         if moved:
             raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps")
+
+    @contextmanager
+    def _privacy_settings_kept(self) -> Iterator[None]:
+        """σ and C as they were after each replay: a user's hook that changes them (a noise schedule of its own, in
+        ``on_train_start``) runs once per real call, not once per replay as well."""
+        private = self.private_step
+        saved = private.noise_multiplier, private.max_grad_norm
+        try:
+            yield
+        finally:
+            if (private.noise_multiplier, private.max_grad_norm) != saved:
+                private.noise_multiplier, private.max_grad_norm = saved
 
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:

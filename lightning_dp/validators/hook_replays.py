@@ -128,7 +128,8 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
 @contextmanager
 def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None]:
     """What a replay of the user's hooks, or a check's pass through them, must not do to the run: log (``self.log``,
-    a logger's ``log_metrics``), write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), or advance a
+    a logger's ``log_metrics``), write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), leave a module
+    hook registered (``on_train_start`` registering a forward hook: the replays' go again), or advance a
     learning-rate scheduler stepped by hand (its state and the optimizers' hyper-parameters are put back: a schedule
     from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
     them (the replays compare them, then put them back: :func:`~.kept_state.steered_hyperparameters`)."""
@@ -140,6 +141,8 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
         if rates else []
     muted = [(trainer, "save_checkpoint"), *((logger, name) for logger in trainer.loggers
                                               for name in ("log_metrics", "log_hyperparams"))]
+    hooks = [(table, dict(table)) for m in module.modules() for kind in _HOOK_TABLES
+             for table in [getattr(m, kind, None)] if isinstance(table, dict)]
     saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
     with silenced_logging(module):
         for obj, name in muted:
@@ -152,6 +155,10 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
                     delattr(obj, name)
                 else:
                     setattr(obj, name, value)
+            for table, entries in hooks:  # a hook registered by a replayed on_train_start goes again
+                if len(table) != len(entries) or any(k not in entries for k in table):
+                    table.clear()
+                    table.update(entries)
             for scheduler, state in zip(schedulers, states):
                 scheduler.load_state_dict(state)
             for group, values in groups:  # the rates a scheduler stepped by hand set
@@ -161,6 +168,11 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
 
 
 _ABSENT = object()
+
+
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+"""The dicts in which a module keeps its hooks (and their flags)."""
 
 
 @contextmanager

@@ -472,3 +472,28 @@ def test_a_teacher_fitted_to_the_training_set_in_on_train_start_is_refused_befor
 def test_a_timer_callback_trains():
     dp = fit(Classifier(), steps=8, callbacks=[EpochTimer()])
     assert dp.ledger.steps == 8
+
+
+def test_a_random_jitter_of_the_rate_is_not_taken_for_the_data():
+    """Every replay draws from the same seeds: a rate jittered by Python's random at batch end is the same in all."""
+    import random
+
+    class Jitter(Classifier):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 1.0 + 0.1 * random.random()
+
+    dp = fit(Jitter(), steps=6)
+    assert dp.ledger.steps == 6
+
+
+def test_a_hook_registered_in_on_train_start_is_registered_once():
+    calls = []
+
+    class Registers(Classifier):
+        def on_train_start(self) -> None:
+            self.net[0].register_forward_hook(lambda module, args, output: calls.append(1))
+
+    model = Registers()
+    fit(model, steps=2, public_state=["net.0._forward_hooks"])
+    assert len(model.net[0]._forward_hooks) == 1
