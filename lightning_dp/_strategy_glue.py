@@ -651,7 +651,7 @@ class PrivateTraining:
             return
         boundary = self.private_step.boundary
         exchanged = self.private_step.exchanged_training_data()
-        users = [cb for cb in trainer.callbacks if not library_callback(cb)]
+        users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
         fingerprint = boundary.fingerprint(module)
         snapshot = StateSnapshot(module, users, boundary.engine_keys)
         optimizer = self.optimizers[0]  # type: ignore[attr-defined]
