@@ -589,49 +589,60 @@ class PrivateTraining:
     def _replay_now_and_later(self, batch: Any, other: Any) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
-        refused before any release. Each is replayed on ``other`` examples too, their loss moved far, and on the
-        batch with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged
-        values make fail is left out): a hyper-parameter, ``trainer.should_stop``, a seed of a global generator or an
-        epoch ended by ``on_train_batch_start`` returning -1 that the replays set apart is set from the data
+        refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
+        wall clock — is not judged) and once on ``other`` examples, their loss moved far, then likewise on the batch
+        with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged values
+        make fail is left out), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
+        ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
+        returning -1 that the other replay sets apart is set from the data
         (:func:`~.validators.kept_state.steered_hyperparameters`, :func:`~.validators.rng.seeds_recorded`)."""
         module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
         per_epoch = max(1, self.steps_per_epoch or 1)
+        trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         decisions: list[list[Any]] = []
+        records: list[dict[str, Any]] = []
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
             def run() -> None:  # each replay from the same seeds: a random draw of the hooks' is not the data's
-                with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
-                        progress_as(module.trainer, *progress) if progress is not None else nullcontext():
-                    decisions.append(calls)
-                    batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
-                    try:
-                        ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
-                    except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
-                        if failed is None:
-                            raise
-                        failed.append(True)
-                        return
-                    calls.append(("on_train_batch_start returned -1", ended))
+                try:
+                    with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
+                            progress_as(trainer, *progress) if progress is not None else nullcontext():
+                        decisions.append(calls)
+                        batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
+                        try:
+                            ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
+                        except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
+                            if failed is None:
+                                raise
+                            failed.append(True)
+                            return
+                        calls.append(("on_train_batch_start returned -1", ended))
+                finally:
+                    records.append({**hyperparameters(optimizer),
+                                    **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}})
             return run
 
-        trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
-                 "training_step), replayed on two sets of the probe's examples")
+                 "training_step), replayed on the probe's examples, on half of them and on them exchanged")
         for progress in (None, *self._later_in_the_plan()):
             for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
                 decisions.clear()
-                with self._watches_paused():
-                    steered = steered_hyperparameters(optimizer, [replay(batch, progress),
+                records.clear()
+                with self._watches_paused():  # the first two alike: what differs between them is not the data's
+                    written = steered_hyperparameters(optimizer, [replay(batch, progress), replay(batch, progress),
                                                                   replay(second, progress, moved, failed)],
                                                       loop=trainer)
-                if failed:
+                if failed or len(records) != 3:
                     continue
+                noisy = set(StateFingerprint.changed(records[0], records[1]))
+                steered = sorted({n for n in written if n.startswith("optimizer state")}
+                                 | {n for n in StateFingerprint.changed(records[0], records[2]) if n not in noisy})
                 if steered:
                     raise hyperparameters_error(steered, where)
-                if len(decisions) == 2 and decisions[0] != decisions[1]:
-                    raise decided_from_data_error(decisions, "by the hooks around a step (training_step, "
-                                                  "on_train_batch_start/end, on_before_backward)")
+                if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
+                    raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
+                                                  "(training_step, on_train_batch_start/end, on_before_backward)")
             self._replay_epoch_hooks(progress)
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:

@@ -497,3 +497,19 @@ def test_a_hook_registered_in_on_train_start_is_registered_once():
     model = Registers()
     fit(model, steps=2, public_state=["net.0._forward_hooks"])
     assert len(model.net[0]._forward_hooks) == 1
+
+
+def test_a_rate_from_the_wall_clock_is_not_taken_for_the_data():
+    """A rate decayed by elapsed time at batch end differs between two replays on the same examples: not the
+    data's, not judged (a rate from the loss is: test_a_hyperparameter_set_from_the_batch_...)."""
+    import time
+
+    start = time.perf_counter()
+
+    class WallClock(Classifier):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 1.0 / (1.0 + time.perf_counter() - start)
+
+    dp = fit(WallClock(), steps=6)
+    assert dp.ledger.steps == 6

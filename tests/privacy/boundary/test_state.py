@@ -102,14 +102,14 @@ class WarmupWriter(Classifier):
             self.stat.copy_(batch[0].mean(0))
 
 
-LATE_CALL = 9
+LATE_CALL = 13
 """The late writers' first writing call: past the first step's replays of the batch hooks."""
 
 
 class LateWriter(Classifier):
-    """Keeps batch statistics from its own ninth call on: a counter of its own (declared public) that the first step's
-    replays (eight calls — plain, moved and exchanged, as now and as at the plan's last step —, restored after) never
-    bring there, so only the per-step comparison can see the write."""
+    """Keeps batch statistics from its own 13th call on: a counter of its own (declared public) that the first step's
+    replays (twelve calls — plain twice, moved, plain twice, exchanged, as now and as at the plan's last step —,
+    restored after) never bring there, so only the per-step comparison can see the write."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,7 +174,7 @@ def test_a_write_that_starts_later_is_refused_before_the_next_release():
     with pytest.raises(StateWrittenError, match="buffer stat") as info:
         fit(model, steps=LATE_CALL + 1, public_state=["calls"])
     assert "between the last update and this release" in str(info.value)
-    assert model.trainer.strategy.ledger.steps == LATE_CALL, "steps 0-8 released; the write after step 8 refused next"
+    assert model.trainer.strategy.ledger.steps == LATE_CALL, "the steps before the write released; the write refused at the next"
 
 
 def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
@@ -185,7 +185,7 @@ def test_no_checkpoint_is_written_with_state_kept_from_the_batch(tmp_path):
         quiet_trainer(strategy=strategy(public_state=["LateStatistic.calls", "calls"]), max_steps=LATE_CALL + 1,
                       callbacks=[LateStatistic(), ckpt], enable_checkpointing=True).fit(model, loader())
     saved = list(tmp_path.glob("*.ckpt"))
-    assert len(saved) == LATE_CALL - 1, "the checkpoints of steps 1-8 are written, none after the write"
+    assert len(saved) == LATE_CALL - 1, "the checkpoints before the write are written, none after it"
     assert not torch.load(saved[0], weights_only=False)["state_dict"]["stat"].any()
 
 
