@@ -647,13 +647,13 @@ class PrivateTraining:
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
-        (``on_train_start``, ``on_train_epoch_start``/``end``), replayed three times as the module runs at ``progress``
-        (``None``: now),
-        each from the same state and the same random seeds: twice on the training data, once with its copies in
-        memory exchanged for other values (:mod:`~lightning_dp.validators.outside_records`). What the exchanged
-        replay leaves apart from the first — and the second plain replay does not (a time stamp, a wall-clock
-        duration) — comes from the training data, no noise covers it, and later steps can read it: a learning rate
-        or a stop (a rate from the training set's accuracy), a seed, the state of the module, of any user callback
+        (``on_train_start``, ``on_train_epoch_start``/``end``), replayed as the module runs at ``progress`` (``None``:
+        now), each from the same state and the same random seeds: on the training data, with its copies in memory
+        exchanged for other values (:mod:`~lightning_dp.validators.outside_records`), and — only when those two
+        differ — on the training data again. What the exchanged replay leaves apart from the first, and the second
+        plain replay does not (a time stamp, a wall-clock duration), comes from the training data, no noise covers
+        it, and later steps can read it: a learning rate or a stop (a rate from the training set's accuracy), a
+        seed, the state of the module, of any user callback
         (one that never sees the batch may still read the dataset: a teacher trained on it at epoch end for the step
         to distil from) and of the datamodule. Refused before any release (a report may be declared public)."""
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -684,19 +684,21 @@ class PrivateTraining:
                     snapshot.restore()
             return run
 
-        with self._watches_paused():
-            steered_hyperparameters(optimizer, [replay(False), replay(False), replay(True)], loop=trainer)  # restores
+        with self._watches_paused():  # the plain and the exchanged replay; a second plain one only if they differ
+            steered_hyperparameters(optimizer, [replay(False), replay(True)], loop=trainer)  # (it restores)
+            if len(kept) == 2 and (kept[0] != kept[1] or seeds[0] != seeds[1]):
+                steered_hyperparameters(optimizer, [replay(False)], loop=trainer)
         if len(kept) != 3:
             return
-        noisy = set(fingerprint.changed(kept[0], kept[1]))
-        moved = [name for name in fingerprint.changed(kept[0], kept[2]) if name not in noisy]
+        noisy = set(fingerprint.changed(kept[0], kept[2]))
+        moved = [name for name in fingerprint.changed(kept[0], kept[1]) if name not in noisy]
         where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
                  "data and on it exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer "))]
         if decided:
             raise hyperparameters_error(decided, f"from the training data {where}")
-        if len(seeds) == 3 and seeds[0] == seeds[1] and seeds[0] != seeds[2]:
-            raise decided_from_data_error([seeds[0], seeds[2]], where)
+        if len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
+            raise decided_from_data_error([seeds[0], seeds[1]], where)
         if moved:
             raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps")
 
