@@ -45,9 +45,9 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters, hyperparameters_error,
-                                                library_callback, loop_controls, steered_hyperparameters,
-                                                trusted_callback, user_modules)
+from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, library_callback,
+                                                moved_by_data, replay_records, state_written, trusted_callback,
+                                                user_modules)
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
@@ -595,32 +595,27 @@ class PrivateTraining:
         make fail is left out), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
-        (:func:`~.validators.kept_state.steered_hyperparameters`, :func:`~.validators.rng.seeds_recorded`)."""
+        (:func:`~.validators.kept_state.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
         module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
         per_epoch = max(1, self.steps_per_epoch or 1)
         trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         decisions: list[list[Any]] = []
-        records: list[dict[str, Any]] = []
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
             def run() -> None:  # each replay from the same seeds: a random draw of the hooks' is not the data's
-                try:
-                    with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
-                            progress_as(trainer, *progress) if progress is not None else nullcontext():
-                        decisions.append(calls)
-                        batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
-                        try:
-                            ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
-                        except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
-                            if failed is None:
-                                raise
-                            failed.append(True)
-                            return
-                        calls.append(("on_train_batch_start returned -1", ended))
-                finally:
-                    records.append({**hyperparameters(optimizer),
-                                    **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}})
+                with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
+                        progress_as(trainer, *progress) if progress is not None else nullcontext():
+                    decisions.append(calls)
+                    batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
+                    try:
+                        ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
+                    except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
+                        if failed is None:
+                            raise
+                        failed.append(True)
+                        return
+                    calls.append(("on_train_batch_start returned -1", ended))
             return run
 
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
@@ -628,16 +623,12 @@ class PrivateTraining:
         for progress in (None, *self._later_in_the_plan()):
             for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
                 decisions.clear()
-                records.clear()
                 with self._watches_paused():  # the first two alike: what differs between them is not the data's
-                    written = steered_hyperparameters(optimizer, [replay(batch, progress), replay(batch, progress),
-                                                                  replay(second, progress, moved, failed)],
-                                                      loop=trainer)
-                if failed or len(records) != 3:
+                    before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
+                                                              replay(second, progress, moved, failed)], loop=trainer)
+                if failed:
                     continue
-                noisy = set(StateFingerprint.changed(records[0], records[1]))
-                steered = sorted({n for n in written if n.startswith("optimizer state")}
-                                 | {n for n in StateFingerprint.changed(records[0], records[2]) if n not in noisy})
+                steered = state_written(before, seen) + moved_by_data(*seen)
                 if steered:
                     raise hyperparameters_error(steered, where)
                 if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
@@ -678,20 +669,18 @@ class PrivateTraining:
                         seeds.append(calls)
                         replay_epoch_hooks(module)
                 finally:
-                    kept.append({**fingerprint.take(users, full=True, every_callback=True),
-                                 **hyperparameters(optimizer),
-                                 **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}})
+                    kept.append(fingerprint.take(users, full=True, every_callback=True))
                     snapshot.restore()
             return run
 
         with self._watches_paused():  # the plain and the exchanged replay; a second plain one only if they differ
-            steered_hyperparameters(optimizer, [replay(False), replay(True)], loop=trainer)  # (it restores)
-            if len(kept) == 2 and (kept[0] != kept[1] or seeds[0] != seeds[1]):
-                steered_hyperparameters(optimizer, [replay(False)], loop=trainer)
+            _, seen = replay_records(optimizer, [replay(False), replay(True)], loop=trainer)
+            if len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1]):
+                seen += replay_records(optimizer, [replay(False)], loop=trainer)[1]
         if len(kept) != 3:
             return
-        noisy = set(fingerprint.changed(kept[0], kept[2]))
-        moved = [name for name in fingerprint.changed(kept[0], kept[1]) if name not in noisy]
+        plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
+        moved = moved_by_data(plain, again, other)
         where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
                  "data and on it exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer "))]

@@ -36,7 +36,7 @@ records (neighbours, negatives, soft targets from the training tensors or a copy
 from __future__ import annotations
 
 import random
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -113,9 +113,7 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         whole = self._engine_pass(chosen)
         other = self._engine_pass(swapped)
         norms = whole.norms.double()
-        scale = float(norms.max()) if norms.numel() else 0.0
-        gap = (norms[kept] - other.norms.double()[kept]).abs()
-        differing = int((gap > self.rtol * scale + 1e-12).sum())
+        differing = self._norms_apart(norms[kept], other.norms.double()[kept], norms)
         if differing:
             raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name, self._as_of)
         self._exchanged(chosen, whole, step)
@@ -134,12 +132,8 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         norms, moved = whole.norms.double(), other.norms.double()
         if not bool(torch.isfinite(norms).all()):
             return
-        scale = float(norms.max()) if norms.numel() else 0.0
-        differing = int(((norms - moved).abs() > self.rtol * scale + 1e-12).sum()) if moved.shape == norms.shape \
-            else len(chosen)
-        total = float(norms.sum())
-        summed = [name for p, name in zip(self.params, self.names)
-                  if float((other.sums[p].double() - whole.sums[p].double()).norm()) > self.rtol * total + 1e-12]
+        differing = self._norms_apart(norms, moved, norms) if moved.shape == norms.shape else len(chosen)
+        summed = self._sums_apart(whole, lambda p: other.sums[p].double())
         if differing or summed:
             raise outside_records_error(step, differing, summed, self.outside.names, None, self._as_of)
 
@@ -147,20 +141,29 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         norms = whole.norms.double()
         if not bool(torch.isfinite(norms).all()):
             return  # not finite: the first probe names it; nothing to compare here
-        scale = float(norms.max()) if norms.numel() else 0.0
-        differing = 0
-        for positions, part in parts:
-            gap = (norms[positions] - part.norms.double()).abs()
-            differing += int((gap > self.rtol * scale + 1e-12).sum())
-        if differing and _reordered(norms, [part.norms.double() for _, part in parts], self.rtol * scale + 1e-12):
+        differing = sum(self._norms_apart(norms[positions], part.norms.double(), norms) for positions, part in parts)
+        if differing and _reordered(norms, [part.norms.double() for _, part in parts], self._norm_tolerance(norms)):
             differing = 0  # the rows are the examples in another order (a batch sorted before packing): served
         half, rest = parts[0][1], parts[1][1]
-        total = float(norms.sum())  # the sums' rounding is bounded by their terms' sizes
-        summed = [name for p, name in zip(self.params, self.names)
-                  if float((half.sums[p].double() + rest.sums[p].double() - whole.sums[p].double()).norm())
-                  > self.rtol * total + 1e-12]
+        summed = self._sums_apart(whole, lambda p: half.sums[p].double() + rest.sums[p].double())
         if differing or summed:
             raise batch_interaction_error(step, len(norms), differing, summed, self.engine.name, self._as_of)
+
+    def _norm_tolerance(self, norms: Tensor) -> float:
+        """τ · s: the norms' scale s = max_i ‖g_i^all‖ (module docstring)."""
+        return self.rtol * (float(norms.max()) if norms.numel() else 0.0) + 1e-12
+
+    def _norms_apart(self, expected: Tensor, got: Tensor, norms: Tensor) -> int:
+        """How many per-example norms ``got`` differ from ``expected`` by more than :meth:`_norm_tolerance` of the
+        whole batch's ``norms``."""
+        return int(((expected - got).abs() > self._norm_tolerance(norms)).sum())
+
+    def _sums_apart(self, whole: ClippedBatch, sum_of: Callable[[Tensor], Tensor]) -> list[str]:
+        """The parameters whose sum ``sum_of(p)`` differs from the whole batch's by more than τ · Σ_i ‖g_i^all‖ (the
+        sums' rounding is bounded by their terms' sizes)."""
+        tolerance = self.rtol * float(whole.norms.double().sum()) + 1e-12
+        return [name for p, name in zip(self.params, self.names)
+                if float((sum_of(p) - whole.sums[p].double()).norm()) > tolerance]
 
 
 def _reordered(whole: Tensor, parts: list[Tensor], tolerance: float) -> bool:

@@ -6,7 +6,7 @@ does; the first step replays the hooks around a step (:func:`replay_batch_hooks`
 (:func:`replay_epoch_hooks`) on different data, as the module runs now and as it would run at the plan's last step
 (:func:`progress_as`), and compares what they keep and decide (docs/release_boundary.md, rule 3). A replay must leave
 the run as it found it (:func:`replaying`): nothing logged, no checkpoint written, the schedulers' states put back;
-the snapshot (:mod:`.snapshot`) puts the user's state back, :func:`~.kept_state.steered_hyperparameters` the
+the snapshot (:mod:`.snapshot`) puts the user's state back, :func:`~.kept_state.replay_records` the
 optimizer's and the trainer's decisions.
 
 Only the hooks of the module and of callbacks that are not Lightning's or lightning_dp's are run: the libraries'
@@ -132,7 +132,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
     hook registered (``on_train_start`` registering a forward hook: the replays' go again), or advance a
     learning-rate scheduler stepped by hand (its state and the optimizers' hyper-parameters are put back: a schedule
     from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
-    them (the replays compare them, then put them back: :func:`~.kept_state.steered_hyperparameters`)."""
+    them (the replays compare them, then put them back: :func:`~.kept_state.replay_records`)."""
     trainer = module.trainer
     schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
     states = [scheduler.state_dict() for scheduler in schedulers]

@@ -660,12 +660,21 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
 
 
 def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]], loop: Any = None) -> list[str]:
-    """Run each of ``replays`` (the loop's batch hooks on different examples) from the optimizer as it is now,
-    putting its hyper-parameters back after each, and name what the data steers: a hyper-parameter or default the
-    replays set to different values (a learning rate from the loss; a warm-up from the step count sets the same
-    value whatever the batch, and is allowed), or a state entry any replay wrote (a moment written from the batch).
-    ``loop`` (the trainer): its ``should_stop``, ``max_epochs`` and ``max_steps`` are compared and put back the
-    same way (training stopped, or lengthened, when the loss or a training accuracy crosses a threshold)."""
+    """Run each of ``replays`` (the loop's batch hooks on different examples) from the optimizer as it is now
+    (:func:`replay_records`) and name what the data steers: a hyper-parameter or default the replays set to different
+    values (a learning rate from the loss; a warm-up from the step count sets the same value whatever the batch, and
+    is allowed), or a state entry any replay wrote (a moment written from the batch)."""
+    before, seen = replay_records(optimizer, replays, loop)
+    apart = {n for h in seen[1:] for n in StateFingerprint.changed(seen[0], h)}
+    return sorted(set(state_written(before, seen)) | apart)
+
+
+def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
+                   loop: Any = None) -> tuple[Fingerprint, list[Fingerprint]]:
+    """Run each of ``replays``, putting the optimizer's hyper-parameters and defaults back after each; returns the
+    :func:`hyperparameters` before and after each replay. ``loop`` (the trainer): its ``should_stop``,
+    ``max_epochs`` and ``max_steps`` are recorded (``"trainer should_stop"``) and put back the same way (training
+    stopped, or lengthened, when the loss or a training accuracy crosses a threshold)."""
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
@@ -684,9 +693,20 @@ def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]
             if isinstance(getattr(optimizer, "defaults", None), dict):
                 optimizer.defaults.clear()
                 optimizer.defaults.update(saved[1])
-    state = {n for h in seen for n in StateFingerprint.changed(before, h) if n.startswith("optimizer state")}
-    steered = {n for h in seen[1:] for n in StateFingerprint.changed(seen[0], h)}
-    return sorted(state | steered)
+    return before, seen
+
+
+def state_written(before: Fingerprint, seen: Sequence[Fingerprint]) -> list[str]:
+    """The optimizer state entries (moments) any replay wrote: a replay of the hooks may not touch them at all."""
+    return sorted({n for h in seen for n in StateFingerprint.changed(before, h) if n.startswith("optimizer state")})
+
+
+def moved_by_data(plain: Fingerprint, again: Fingerprint, other: Fingerprint) -> list[str]:
+    """The entries a replay on other data (``other``) set apart from a replay on the data (``plain``), except those
+    a second replay on the same data (``again``) already set apart: a wall-clock time, a random draw is not the
+    data's."""
+    noisy = set(StateFingerprint.changed(plain, again))
+    return [name for name in StateFingerprint.changed(plain, other) if name not in noisy]
 
 
 def loop_controls(loop: Any) -> dict[str, Any]:
