@@ -17,9 +17,10 @@ array that r depends on: it exchanges ranges of rows in place, exactly reversibl
 and halves each range that changed it. Then it requires
 
 * that the records at the neighbouring positions and a few others at random do not change when R(r) is exchanged
-  (two records sharing rows); a record of :data:`LONG_RECORD` elements or more may share one element with another
-  (the shared rows are searched element by element) — a next-token window's last target, which is the next window's
-  first input, is ordinary chunking, in a flat token stream or in ``[windows, T]`` inputs and targets over one;
+  (two records sharing rows); a record of :data:`LONG_RECORD` elements or more may touch one element of another's
+  rows (the shared rows are searched element by element; two records reading halves of one row share it) — a
+  next-token window's last target, which is the next window's first input, is ordinary chunking, in a flat token
+  stream or in ``[windows, T]`` inputs and targets over one;
 * that the records' data do not outnumber the array's: the mean number of elements a record reads (its rows'
   elements counted one by one when it reads several rows) times the number of records is at most the array's
   elements (plus one per record for records of :data:`LONG_RECORD` elements or more), else records must share data
@@ -267,17 +268,19 @@ def _elements_read(dataset: Any, index: int, array: Any, rows: Sequence[int]) ->
     return total
 
 
-def _shared_elements(dataset: Any, first: int, second: int, array: Any, rows: Sequence[int]) -> Optional[int]:
-    """How many elements of ``rows`` both records read (``None``: not counted within the limits)."""
+def _edge_elements(dataset: Any, first: int, second: int, array: Any, rows: Sequence[int]) -> Optional[int]:
+    """In the ``rows`` both records read, the elements read by the record that reads fewer of them: 1 when one
+    record only touches the other's edge (a next-token window's last target, the next window's first input), more
+    when they share more (halves of one row, a row mixed into both). ``None``: not counted within the limits."""
     if not isinstance(array, (Tensor, np.ndarray)) or getattr(array, "ndim", 1) == 1:
         return len(rows)
-    total = 0
+    counts = [0, 0]
     for row in rows:
         a, b = _elements_of(dataset, first, array, row), _elements_of(dataset, second, array, row)
         if a is None or b is None:
             return None
-        total += len(a & b)
-    return total
+        counts[0], counts[1] = counts[0] + len(a), counts[1] + len(b)
+    return min(counts)
 
 
 def _others(position: int, n: int, rng: random.Random) -> list[int]:
@@ -302,10 +305,10 @@ def _refuse_shared(dataset: Any, at: Callable[[int], int], position: int, others
         if before is None or not _changes(dataset, j, before, array, rows):
             continue
         shared_rows = _search(lambda part: _changes(dataset, j, before, array, part), rows)
-        shared = None if shared_rows is None else _shared_elements(dataset, index, j, array, shared_rows)
+        shared = None if shared_rows is None else _edge_elements(dataset, index, j, array, shared_rows)
         if shared is not None and shared <= 1 and len(rows) * width >= LONG_RECORD:
             continue  # one element at the edge of long records: a next-token window's last target
-        count = "some" if shared is None else f"{shared} of the same elements"
+        count = "data" if shared_rows is None else f"{len(shared_rows)} of the same rows"
         raise shared_records_error(
             f"the records at positions {position} and {other} both read {count} of {name} (record {position} reads "
             f"{len(rows)} of its rows)")

@@ -66,6 +66,7 @@ SHARING = {
     "windows over a flat copy (views)": Flat(stride=2),
     "mixed with its neighbour": Records(lambda i: 0.5 * (X[i] + X[(i + 1) % 64])),
     "mixed with a random partner": Records(lambda i: 0.7 * X[i] + 0.3 * X[PARTNER[i]]),
+    "halves of its own row and of the next": Records(lambda i: torch.cat([X[i, :2], X[(i + 1) % 64, 2:]])),
     "mixed with a random partner (wide rows)": Records(lambda i: 0.7 * WIDE[i] + 0.3 * WIDE[PARTNER[i]]),
     "normalised by the whole tensor": Records(lambda i: (X[i] - X.mean(0)) / X.std(0)),
     "next-token windows at half stride": Records(lambda i: TOKENS[i * 4:i * 4 + 9].float()),
