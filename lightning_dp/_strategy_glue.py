@@ -123,6 +123,7 @@ class PrivateTraining:
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
+        self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
 
     # ------------------------------------------------------------------ public state (the private step's)
@@ -300,6 +301,26 @@ class PrivateTraining:
                                          lambda: module._current_fx_name in STEP_HOOKS,
                                          "The step (training_step or a hook Lightning runs in it)")
         self._record_watch.start()
+        from lightning_dp.validators.decisions import DecisionWindows  # a Callback: imports Lightning, which imports us
+
+        self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
+                                                 self._logged_reads.moved)
+        trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
+
+    @contextmanager
+    def _other_data(self, floating_only: bool) -> Iterator[None]:
+        """The training data's copies in memory exchanged (given ``True``: its floating-point arrays only), and the
+        values logged from it moved: what the hooks that read no batch see of other data."""
+        moved = self._logged_reads.moved() if self._logged_reads is not None else nullcontext()
+        with self.private_step.exchanged_training_data().exchanged(floating_only), moved:
+            yield
+
+    @contextmanager
+    def _replay_settings(self) -> Iterator[None]:
+        """What every replay of the user's hooks runs in: the same random seeds, the boundary's watches paused, σ and C
+        kept."""
+        with seeded(0), self._watches_paused(), self._privacy_settings_kept():
+            yield
 
     def _exempt(self, name: str) -> bool:
         """A logged name whose value is not the training data's: ε, or declared public."""
@@ -380,6 +401,10 @@ class PrivateTraining:
             self._logged_reads.stop()
         if self._record_watch is not None:
             self._record_watch.stop()
+        windows, self._decision_windows = self._decision_windows, None
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if windows is not None and trainer is not None and windows in trainer.callbacks:
+            trainer.callbacks.remove(windows)
 
     def _fitting(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]

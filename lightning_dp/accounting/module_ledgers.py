@@ -140,9 +140,9 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
             _RECORDS[part] = copy
     before = _AT_BIND.pop(module, {})
     if copy.steps:
-        for p in _trainable(module):
-            now = digest(p)
-            if before.get(id(p)) != now:
+        for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
+            now = digest(p)           # refused before its release) keeps a fresh module's weights, not the record's
+            if id(p) in before and before[id(p)] != now:
                 for key in (now, *_rounded_digests(p)):
                     _BY_CONTENT[key] = copy
 

@@ -32,7 +32,7 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 
 __all__ = ["EPOCH_HOOKS", "batch_start", "overrides_epoch_hooks", "progress_as", "replay_batch_hooks",
            "replay_epoch_hooks",
-           "replaying", "silenced_logging"]
+           "replaying", "silenced_logging", "users_hook"]
 
 
 @contextmanager
@@ -53,11 +53,12 @@ def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
     """Whether the module or a callback that is not Lightning's or lightning_dp's has an epoch hook of its own (one
     defined outside the libraries: Lightning's base classes define them all, empty)."""
     owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
-    return any(_users(getattr(type(owner), name, None)) for owner in owners
+    return any(users_hook(getattr(type(owner), name, None)) for owner in owners
                for name in EPOCH_HOOKS)
 
 
-def _users(hook: Any) -> bool:
+def users_hook(hook: Any) -> bool:
+    """Whether ``hook`` (a class's function) is the user's: defined outside Lightning and lightning_dp."""
     module = getattr(hook, "__module__", None) or ""
     return bool(hook) and not module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
 

@@ -244,6 +244,8 @@ class StateFingerprint:
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
+        self.every_callback = False  # take()'s default: every callback's state, not only the batch-handed ones'
+        self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient (:class:`_Walker`)
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
         self._counts: list[int] = []
         self._registered: set[int] = set()
@@ -334,7 +336,11 @@ class StateFingerprint:
             for key, value in self._attributes(m, mode):
                 path = prefix + key
                 if not self._is_public(path):
-                    entries[f"attribute {path}"] = walker.token(value)
+                    entries[f"attribute {path}"] = walker.named(path, value)
+            if mode is _DATA_ONLY:  # a torch layer's configuration steers the step too (Dropout.p, label_smoothing)
+                for key, value in _configuration(m):
+                    if not self._is_public(prefix + key):
+                        entries[f"configuration {prefix}{key}"] = value
         for prefix, m, _ in layout:
             for kind in _HOOK_DICTS:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
@@ -342,19 +348,20 @@ class StateFingerprint:
                     if not _library_callable(fn) and not self._is_public(path):
                         entries[f"hook {path}"] = tuple(walker.token(v) for v in _callable_state(fn))
         for cb in callbacks:
-            if (library_callback(cb) if every_callback else trusted_callback(cb)) and id(cb) not in self._readers:
+            every = every_callback or self.every_callback
+            if (library_callback(cb) if every else trusted_callback(cb)) and id(cb) not in self._readers:
                 continue
             label = type(cb).__name__
             kind = "datamodule" if is_datamodule(cb) else "callback"
             for key, value in _callback_state(cb):
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
-                    entries[f"{kind} {path}"] = walker.token(value)
+                    entries[f"{kind} {path}"] = walker.named(path, value)
         users = [m for _, m, mode in layout if mode == []] + [cb for cb in callbacks if not trusted_callback(cb)]
         for cls, key, value in class_attributes(type(obj) for obj in users):
             path = f"{cls.__qualname__}.{key}"
             if not self._is_public(path) and not self._is_public(key):
-                entries[f"class attribute {path}"] = walker.token(value)
+                entries[f"class attribute {path}"] = walker.named(path, value)
         for label, obj in self.library_objects():
             fields = getattr(obj, "__dict__", {})
             known = self._known_keys.setdefault(id(obj), set(fields))
@@ -363,17 +370,19 @@ class StateFingerprint:
                 # so is a function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR)
                 if key not in known and (not key.startswith("_") or _holds_tensors(value)) \
                         and not _library_function(value) and not self._is_public(f"{label}.{key}"):
-                    entries[f"attribute {label}.{key}"] = walker.token(value)
+                    entries[f"attribute {label}.{key}"] = walker.named(f"{label}.{key}", value)
         entries.update(self.dataset_entries())
         for mod in self.modules():
             for key, value in list(vars(mod).items()):
-                if key.startswith("__") or isinstance(value, (types.ModuleType, type, *_FUNCTIONS)):
-                    continue
+                if key.startswith("__") or isinstance(value, (types.ModuleType, type)) \
+                        or (isinstance(value, _FUNCTIONS) and not _mutable_state(value)):
+                    continue  # a function that keeps a list, dict or tensor (a default argument, a closure) is state
                 path = f"{mod.__name__}.{key}"
                 if not self._is_public(key) and not self._is_public(path):
-                    entries[f"global {path}"] = walker.token(value)
+                    entries[f"global {path}"] = walker.named(path, value)
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
+        self.graded = walker.graded
         return entries
 
     def dataset_entries(self) -> Fingerprint:
@@ -404,7 +413,7 @@ class StateFingerprint:
             if key in self.skip_keys or key.startswith("_dp_") or _library_function(value):
                 continue
             if not self._is_public(f"{path}.{key}"):
-                entries[f"attribute {path}.{key}"] = walker.token(value)
+                entries[f"attribute {path}.{key}"] = walker.named(f"{path}.{key}", value)
 
     def _attributes(self, m: nn.Module, mode: list[str]) -> list[tuple[str, Any]]:
         """(name, value) of ``m``'s attributes that are state (see :func:`_attribute_mode`). Which names those are is
@@ -446,6 +455,17 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, f
 
 _DATA_ONLY = ["<data>"]
 """The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
+
+
+def _configuration(m: nn.Module) -> list[tuple[str, Any]]:
+    """A torch layer's numbers and flags that set what its forward computes (``Dropout.p``, ``eps``, a loss's
+    ``label_smoothing`` or ``reduction``): set from the data between two releases they steer the next step by it.
+    Its mode (``training``) is the loop's, checked apart (:mod:`.layers`)."""
+    return [(k, v) for k, v in vars(m).items()
+            if type(v) in _NUMBERS and k != "training" and not k.startswith("_")]
+
+
+_NUMBERS = (bool, int, float, str)
 
 
 def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
@@ -497,6 +517,14 @@ class _Walker:
         self._sums = sums
         self._full = full
         self._objects: set[int] = set()
+        self._name = ""
+        self.graded: list[str] = []
+        """Where tensors outside the parameters hold a gradient (:func:`holds_gradient`), by entry name."""
+
+    def named(self, name: str, value: Any) -> Hashable:
+        """:meth:`token` of the value held at entry ``name`` (what :attr:`graded` names)."""
+        self._name = name
+        return self.token(value)
 
     def token(self, value: Any, depth: int = 0) -> Hashable:
         if value is None or isinstance(value, (bool, int, str, bytes)):
@@ -506,7 +534,15 @@ class _Walker:
         if isinstance(value, Tensor):
             if id(value) in self._known:
                 return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
+            if holds_gradient(value) and self._name not in self.graded:
+                self.graded.append(self._name)
             return ("tensor", self._sums.tokens([value], self._full)[0])
+        if callable(getattr(value, "cache_info", None)) and callable(getattr(value, "cache_clear", None)):
+            return ("cached function", getattr(value, "__qualname__", ""), value.cache_info().currsize)  # lru_cache
+        if isinstance(value, types.GeneratorType) and depth < MAX_DEPTH:  # a running average kept in its frame
+            frame = value.gi_frame
+            return ("generator", getattr(value, "__qualname__", ""),
+                    tuple((k, self.token(v, depth + 1)) for k, v in (frame.f_locals if frame else {}).items()))
         np_token = _numpy_token(value)
         if np_token is not None:
             return np_token
@@ -543,8 +579,26 @@ class _Walker:
             return ("seen", id(value))
         self._objects.add(id(value))
         fields = vars(value)
+        shared = [(f"{c.__qualname__}.{k}", v) for c, k, v in class_attributes([type(value)])]  # `history = []`
         return ("object", type(value).__name__,
-                tuple((k, self.token(v, depth + 1)) for k, v in fields.items() if not _library_function(v)))
+                tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
+                      if not _library_function(v)))
+
+
+def holds_gradient(t: Tensor) -> bool:
+    """Whether ``t`` holds a gradient a backward left in it: a leaf that requires grad (a temperature, loss weights
+    kept outside the parameters) or a tensor that retains its gradient (``h.retain_grad()``). Nothing noised it."""
+    if not t.requires_grad:
+        return False
+    if t.is_leaf:
+        return t.grad is not None
+    return t.retains_grad and t.grad is not None
+
+
+def _mutable_state(fn: Any) -> bool:
+    """Whether a function keeps something it can write between calls (a list, dict, set or tensor as a default
+    argument or in a closure)."""
+    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in _callable_state(fn))
 
 
 def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
@@ -558,6 +612,9 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
                 continue
             seen.add(base)
             for key, value in list(vars(base).items()):
+                if isinstance(value, types.FunctionType) and not key.startswith("__") and _mutable_state(value):
+                    yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
+                    continue
                 if key.startswith("__") or hasattr(type(value), "__get__") \
                         or isinstance(value, (type, types.ModuleType)):
                     continue
@@ -646,16 +703,24 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
     ``"optimizer param_groups[0].lr"``), its ``defaults`` (``"optimizer defaults.lr"``) and its state
     (``"optimizer state[0][1].exp_avg"``: group, parameter, key; a tensor by identity, shape and version counter, so an
     in-place write shows)."""
-    out: Fingerprint = {f"optimizer defaults.{key}": _hyper_token(value)
-                        for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
+    out = settings(optimizer)
     for i, group in enumerate(optimizer.param_groups):
-        out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
-                    for key, value in group.items() if key != "params"})
         for j, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
                 token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
                          else _hyper_token(value))
                 out[f"optimizer state[{i}][{j}].{key}"] = token
+    return out
+
+
+def settings(optimizer: Any) -> Fingerprint:
+    """Each parameter group's hyper-parameters and the optimizer's ``defaults`` (:func:`hyperparameters` without the
+    state: cheap enough to note at every batch's end)."""
+    out: Fingerprint = {f"optimizer defaults.{key}": _hyper_token(value)
+                        for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
+    for i, group in enumerate(optimizer.param_groups):
+        out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
+                    for key, value in group.items() if key != "params"})
     return out
 
 
@@ -685,7 +750,7 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
             replay()
         finally:
             seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()}})
-            _put_loop_controls(loop, controls)
+            put_loop_controls(loop, controls)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
                 params = group["params"]
                 group.clear()
@@ -718,7 +783,32 @@ def loop_controls(loop: Any) -> dict[str, Any]:
             "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None)}
 
 
-def _put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
+def decisions(trainer: Any) -> Fingerprint:
+    """What a hook outside the step may decide for later steps: each optimizer's hyper-parameters and defaults
+    (:func:`~.kept_state.settings`, ``"optimizer 0 param_groups[0].lr"``), which optimizers step (one swapped for
+    another), the learning-rate schedulers' states (a scheduler told the loss, applying it at its next step), which
+    of the model's parameters train (a backbone unfrozen) and the trainer's length decisions
+    (``"trainer should_stop"``)."""
+    out: Fingerprint = {f"trainer {k}": v for k, v in loop_controls(trainer).items()}
+    optimizers = list(getattr(trainer, "optimizers", None) or ())
+    out["trainer optimizers"] = tuple(type(o).__qualname__ for o in optimizers)
+    for i, optimizer in enumerate(optimizers):
+        out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in settings(optimizer).items()})
+    for i, scheduler in enumerate(schedulers(trainer)):
+        out.update({f"scheduler {i} {key}": _hyper_token(value) for key, value in scheduler.state_dict().items()})
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None:
+        out["model trainable"] = tuple(name for name, p in module.named_parameters() if p.requires_grad)
+    return out
+
+
+def schedulers(trainer: Any) -> list[Any]:
+    """The learning-rate schedulers Lightning steps for ``trainer``."""
+    return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
+
+
+def put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
+    """The trainer's decisions of :func:`loop_controls` set back to ``controls``."""
     if loop is None:
         return
     loop.should_stop = controls["should_stop"]
@@ -728,6 +818,24 @@ def _put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
     epoch_loop = getattr(fit, "epoch_loop", None)
     if epoch_loop is not None and getattr(epoch_loop, "max_steps", None) != controls["max_steps"]:
         epoch_loop.max_steps = controls["max_steps"]
+
+
+def accepted(baseline: Fingerprint, now: Fingerprint, names: Sequence[str]) -> Fingerprint:
+    """``baseline`` with the entries ``names`` as they are ``now`` (gone where gone)."""
+    kept = {k: v for k, v in baseline.items() if k not in names}
+    return {**kept, **{k: now[k] for k in names if k in now}}
+
+
+def raw_gradient_error(names: Sequence[str]) -> PrivacyConfigurationError:
+    """The refusal of tensors outside the model's parameters that hold a gradient at the release (rule 2)."""
+    return PrivacyConfigurationError(
+        f"Tensors outside the model's trainable parameters hold a gradient from this step's backward: "
+        f"{', '.join(names[:6])}{' and more' if len(names) > 6 else ''} (a tensor with requires_grad=True kept as an "
+        "attribute — a temperature, loss weights — a second optimizer's, or an activation's retain_grad()). Only the "
+        "parameters' per-example gradients are clipped and noised: that gradient is the batch's own, and a step "
+        "taken with it, or a value read from it, would leave the guarantee. Nothing was released. Make the tensor "
+        "an nn.Parameter of the model (it is then privatised with the others and stepped by the optimizer), or "
+        "detach it (requires_grad=False) if it is not trained.")
 
 
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:

@@ -30,11 +30,11 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, hyperparameters,
-                                                hyperparameters_error)
+from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, decisions,
+                                                hyperparameters, hyperparameters_error)
 
 STEP_HOOKS = frozenset({
     "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
@@ -86,6 +86,25 @@ class LoggedReads:
             if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
                 setattr(connector, attribute, LoggedMetrics(current, self))
         self.active = True
+
+    @contextmanager
+    def moved(self) -> Iterator[None]:
+        """Inside, the training-logged values in the trainer's three metric dicts are moved far (1000·(value + 1)):
+        a run of the user's hooks on other data reads other logged values too (:mod:`.decisions`)."""
+        connector = getattr(self.trainer, "_logger_connector", None)
+        names = set(self.private())
+        saved: list[tuple[dict, Any, Any]] = []
+        for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
+            metrics = getattr(connector, attribute, None)
+            for key in [k for k in dict.keys(metrics) if k in names] if isinstance(metrics, dict) else ():
+                value = dict.__getitem__(metrics, key)
+                saved.append((metrics, key, value))
+                dict.__setitem__(metrics, key, _far(value))
+        try:
+            yield
+        finally:
+            for metrics, key, value in reversed(saved):
+                dict.__setitem__(metrics, key, value)
 
     def watch_metrics(self, module: nn.Module) -> None:
         """Watch the ``compute()`` of every torchmetrics ``Metric`` in ``module``: its states accumulate the training
@@ -162,7 +181,7 @@ class LoggedReads:
         names, before, steps = taken
         stepped = self._scheduler_steps() != steps
         changed = [n for n in StateFingerprint.changed(before, self._hyperparameters())
-                   if not (stepped and n.rpartition(".")[2] in SCHEDULED)]
+                   if not (stepped and (n.rpartition(".")[2] in SCHEDULED or n.startswith("scheduler ")))]
         if changed:
             error = hyperparameters_error(changed, f"after the user's code read {', '.join(repr(n) for n in names)}, "
                                           "logged from the training data (outside a step)")
@@ -171,8 +190,10 @@ class LoggedReads:
                 f"the name public: DPStrategy(public_state={names!r}).")
 
     def _hyperparameters(self) -> Fingerprint:
-        return {f"[{i}] {k}": v for i, opt in enumerate(getattr(self.trainer, "optimizers", ()) or ())
-                for k, v in hyperparameters(opt).items()}
+        """The optimizers' hyper-parameters and state, and the other decisions (:func:`~.kept_state.decisions`:
+        which optimizers step and which parameters train, the schedulers, the trainer's stop)."""
+        return {**{f"[{i}] {k}": v for i, opt in enumerate(getattr(self.trainer, "optimizers", ()) or ())
+                   for k, v in hyperparameters(opt).items()}, **decisions(self.trainer)}
 
     def _scheduler_steps(self) -> list[Any]:
         return [getattr(c.scheduler, "last_epoch", None) for c in getattr(self.trainer, "lr_scheduler_configs", ())]
@@ -187,6 +208,12 @@ def logged_read_error(names: list[str], where: str) -> PrivacyConfigurationError
         "released. Steer training by the step count or by metrics of held-out data (logged in validation_step); or, "
         "if the value is computed from public data only, declare it: DPStrategy(public_state=[name]) "
         "(docs/release_boundary.md, rule 10).")
+
+
+def _far(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return (value.detach() + 1) * 1000
+    return (value + 1) * 1000 if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 class LoggedMetrics(dict):

@@ -80,12 +80,16 @@ class ExchangedRecords:
         return [name for name, _ in self._arrays]
 
     @contextmanager
-    def exchanged(self) -> Iterator[None]:
-        """Every array exchanged (:func:`exchange`) on entry and restored on exit, whatever happens in between."""
+    def exchanged(self, floating_only: bool = False) -> Iterator[None]:
+        """Every array exchanged (:func:`exchange`) on entry and restored on exit, whatever happens in between.
+        ``floating_only``: only the arrays of floating-point numbers (the features, not the labels beside them: a
+        statistic of how the two pair, a training loss, may be the same on both exchanged, for a model odd in its
+        input — the exchange turns the sign of every feature and the parity of every label)."""
         undo: list[Callable[[], None]] = []
         try:
             for _, value in self._arrays:
-                undo.append(exchange(value))
+                if not floating_only or _floating(value):
+                    undo.append(exchange(value))
             yield
         finally:
             for restore in reversed(undo):
@@ -174,27 +178,37 @@ def _other(v: Any) -> Any:
     return v  # an item of another kind further on (only the first 64 were looked at): left as it is
 
 
-def exchanged_copy(batch: Any) -> Any:
+def exchanged_copy(batch: Any, floating_only: bool = False) -> Any:
     """A copy of a collated batch with every tensor and NumPy array in it exchanged (:func:`exchange`; lists,
     tuples and dicts walked; anything else kept): the first step's replays of the batch hooks run on it, so a
-    decision taken from the batch's values (a learning rate, a stop, a seed) differs from the plain replay's."""
+    decision taken from the batch's values (a learning rate, a stop, a seed) differs from the plain replay's.
+    ``floating_only``: only its floating-point arrays (see :meth:`ExchangedRecords.exchanged`)."""
     if isinstance(batch, Tensor):
         copy = batch.detach().clone()
-        if exchangeable(copy):
+        if exchangeable(copy) and (not floating_only or _floating(copy)):
             exchange(copy)
         return copy
     if isinstance(batch, np.ndarray):
         copy = batch.copy()
-        if exchangeable(copy):
+        if exchangeable(copy) and (not floating_only or _floating(copy)):
             exchange(copy)
         return copy
     if type(batch) is dict:  # a dict of another class (a tokenizer's batch) is kept: its replay is the plain one's
-        return {k: exchanged_copy(v) for k, v in batch.items()}
+        return {k: exchanged_copy(v, floating_only) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(exchanged_copy(v) for v in batch))
+        return type(batch)(*(exchanged_copy(v, floating_only) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(exchanged_copy(v) for v in batch)
+        return type(batch)(exchanged_copy(v, floating_only) for v in batch)
     return batch
+
+
+def _floating(value: Any) -> bool:
+    """A tensor or NumPy array of floating-point numbers, or a list starting with floats."""
+    if isinstance(value, Tensor):
+        return value.is_floating_point()
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind == "f"
+    return isinstance(value, list) and bool(value) and isinstance(value[0], float)
 
 
 # ---------------------------------------------------------------------------- what is exchanged

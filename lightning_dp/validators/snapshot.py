@@ -160,6 +160,9 @@ class StateSnapshot:
                             if isinstance(value, nn.Module) and id(value) not in registered)
         users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
         for cls, key, value in class_attributes(type(obj) for obj in users):  # `history = []` in a class body
+            if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
+                restores.extend(_contents(v, 0) for v in value)
+                continue
             restores.append(_contents(value, 0))
             restores.append(partial(_rebind_class_attribute, cls, key, value))
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found

@@ -7,25 +7,23 @@ release it would corrupt, naming the fix:
 
 1. **Optimizer ⊆ mechanism** (:mod:`.coverage`): every tensor of every parameter group that requires grad
    is one the release writes, at every release.
-2. **No raw gradient observable** (:mod:`.hooks`): no gradient hook on a parameter (it would see the raw
-   batch gradient); the strategies release *inside* Lightning's backward, before ``on_after_backward``, so
-   every Lightning hook, callback and logger that reads ``p.grad`` reads ĝ_t (or ``None``); and the optimizer
-   steps with ĝ_t as released (:meth:`ReleaseBoundary.check_gradients`, just before the update).
-3. **Kept state** (:mod:`.state`): the module's parameters, buffers (all dtypes) and attributes, and the
-   state of callbacks that are not Lightning's or lightning_dp's own, are fingerprinted after each optimizer
-   step (the *update*: the optimizer applying ĝ_t, and whatever hooks compute from ĝ_t before it, may change
-   anything) and compared before the next release: any change in between — in ``training_step``, the forward,
-   the backward, a batch-start or batch-end hook, an epoch hook — is a write from the batch the noise does not
-   cover. Validation is outside (its data is not the training set): checked at its start, baselined at its
-   end. A checkpoint is checked before it is written. State declared ``public_state`` is skipped: the user
-   says it is not derived from the training data, or accepts that it leaves unprotected, like a logged metric.
+2. **No raw gradient observable** (:mod:`.hooks`): no gradient hook on a parameter; the strategies release *inside*
+   Lightning's backward, before ``on_after_backward``, so every hook and logger reading ``p.grad`` reads ĝ_t; the
+   optimizer steps with ĝ_t as released (:meth:`ReleaseBoundary.check_gradients`); no tensor outside the parameters
+   holds a gradient at the release (a temperature with requires_grad, an activation's ``retain_grad()``).
+3. **Kept state** (:mod:`.state`): the module's parameters, buffers and attributes (torch layers' configuration
+   too), and the state of every callback not Lightning's or lightning_dp's, are fingerprinted after each update
+   (the optimizer applying ĝ_t) and compared before the next release: a change in between — in ``training_step``,
+   a batch hook, an epoch hook — is a write from the batch the noise does not cover; an epoch's hooks' change that
+   their runs on exchanged training data leave alike is not the data's (:mod:`lightning_dp.validators.decisions`).
+   Validation is outside (held-out data): checked at its start, baselined at its end. A checkpoint is checked
+   before it is written. ``public_state`` is skipped: the user says it is not derived from the training data.
 4. **The parameter set** (:func:`parameter_signature`): the trainable parameters and their names are those the
    engine was attached to and the probe verified; a change re-attaches and re-verifies, or is refused.
 5. (Examples do not interact: :mod:`lightning_dp.validators`, the probe and the batch check.)
 6. **No logged value feeds back** (:mod:`.feedback`, :mod:`lightning_dp.validators.logged_reads`): nothing monitors,
    or reads back inside a step, a value a training hook logged; a reader's later writes are kept state.
-
-What it cannot see is listed in :mod:`.state`; docs/release_boundary.md is the user-facing statement.
+What it cannot see: docs/release_boundary.md, the user-facing statement.
 """
 
 from __future__ import annotations
@@ -41,13 +39,8 @@ from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.kept_state import (
-    Fingerprint,
-    StateFingerprint,
-    attribute_keys,
-    hyperparameters,
-    hyperparameters_error,
-    is_public,
-    trusted_callback,
+    Fingerprint, StateFingerprint, accepted, attribute_keys, hyperparameters, hyperparameters_error, is_public,
+    raw_gradient_error, trusted_callback
 )
 
 __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
@@ -182,7 +175,13 @@ class ReleaseBoundary:
         fingerprint.modules = lambda: self.global_modules()
         fingerprint.datasets = lambda: self.datasets()
         fingerprint.library_objects = lambda: self.library_objects()
+        fingerprint.every_callback = True  # a callback the step reaches (trainer.callbacks) may hold what it keeps
         return fingerprint
+
+    def accept(self, names: Sequence[str]) -> None:
+        """These entries, as they are now, are what the next release compares with (judged not the data's)."""
+        if self._fingerprint is not None and self._baseline is not None:
+            self._baseline = accepted(self._baseline, self._fingerprint.take(self.callbacks()), names)
 
     def new_datasets(self) -> None:
         """The loader was built on (other) records: the baseline takes them as they are now."""
@@ -318,6 +317,8 @@ class ReleaseBoundary:
         if self._fingerprint is None or self._baseline is None:
             return
         now = self._fingerprint.take(self.callbacks())
+        if contents and self._fingerprint.graded:
+            raise raw_gradient_error(self._fingerprint.graded)
         changed = [c for c in StateFingerprint.changed(self._baseline, now)
                    if (contents or not c.startswith("contents of ")) and not c.startswith(skip)]
         if changed:

@@ -1,0 +1,335 @@
+"""Decisions the loop's hooks make after the first step, verified when they are made (rule 3 of
+docs/release_boundary.md).
+
+The first step's replays (:mod:`.hook_replays`) judge what the hooks decide as they run at the first step and as
+they would run at the plan's last step. A decision that waits for a threshold of the data — a learning rate cut once
+the batch loss falls under 0.45, a stop once the training set's loss does, a rate set at validation end from the
+training set's accuracy — is made later, by a hook that decided nothing at the first step. Such a decision steers
+every later update (or the number of releases) by un-noised training data.
+
+:class:`DecisionWindows`, a callback the strategy puts first in the trainer's callbacks for a private fit, watches the
+windows in which the user's hooks run outside a step: a batch's end (``on_train_batch_end``), an epoch's end
+(``on_train_epoch_end``) and the end of a validation run during training (``on_validation_epoch_end``,
+``on_validation_end``). It notes the decisions as a window opens — every optimizer's hyper-parameters and defaults,
+``trainer.should_stop``, ``max_epochs``, ``max_steps`` — and compares them when it closes (at the next hook of the
+loop). Only when they changed are the window's hooks of the module and of the callbacks that are not Lightning's or
+lightning_dp's run again, from the decisions (and the user objects' attributes) as they were when it opened: twice as
+they ran, then on other data — at a batch's end its loss (every float tensor of its outputs) moved far, and,
+separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all of them or its
+floating-point ones only (a loss is the same on both exchanged for a model odd in its input); at an epoch's or a
+validation's end with the training data's copies in memory exchanged (:mod:`.outside_records`), all or the
+floating-point ones only — each from the same
+random seeds. A decision the other data sets apart, and the second plain run does not (a time, a random draw), came
+from the training data: refused before the next release. Decisions the window's hooks do not make again
+(a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are not theirs to judge: the
+replays leave them as they were.
+
+What a window cannot see: a decision whose hook keeps a flag it sets in place (a list, a tensor) rather than an
+attribute it binds (its replays then find the flag set and decide nothing), and decisions made in the step itself
+(refused at the release: :meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.check_hyperparameters`).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+
+from lightning_dp.validators.hook_replays import replaying, users_hook
+from lightning_dp.validators.kept_state import (
+    Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls, moved_by_data,
+    put_loop_controls, schedulers,
+)
+from lightning_dp.validators.outside_records import exchanged_copy
+from lightning_dp.validators.snapshot import StateSnapshot
+
+__all__ = ["DecisionWindows", "WINDOW_HOOKS"]
+
+WINDOW_HOOKS = {
+    "batch": ("on_train_batch_end",),
+    "epoch": ("on_train_epoch_end", "on_train_epoch_start"),
+    "epoch start": ("on_train_epoch_start",),
+    "validation": ("on_validation_epoch_end", "on_validation_end"),
+}
+"""The user's hooks each kind of window runs again, in the loop's order (callbacks first, then the module)."""
+
+
+@dataclass
+class _Window:
+    """A window as it opened: the decisions and their values, the user objects' attributes, the hooks' arguments."""
+
+    kind: str
+    decisions: Fingerprint
+    groups: "_Groups"
+    defaults: list[dict[str, Any]]
+    controls: dict[str, Any]
+    optimizers: list[Any]
+    scheduler_states: list[dict[str, Any]]
+    trainable: list[tuple[Any, bool]]
+    attributes: list[tuple[Any, dict[str, Any]]]
+    args: tuple[Any, ...] = ()
+    step: int = 0
+    state: Optional[Fingerprint] = None
+
+
+class DecisionWindows(pl.Callback):
+    """Verify the decisions the user's hooks make outside a step when they make them (module docstring).
+
+    Args:
+        exchanged: a context in which the training data's copies in memory hold other values (given ``True``: only
+            its floating-point arrays, :meth:`~.outside_records.ExchangedRecords.exchanged`).
+        settings: a context every run of the hooks is made in (the same random seeds, the boundary's watches paused,
+            σ and C kept).
+        boundary: the release boundary whose kept state an epoch's hooks may change (what they keep without the data
+            is accepted: :meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.accept`).
+        logs_moved: a context in which the values logged from the training data read other (a batch's other runs;
+            ``exchanged`` moves them too).
+    """
+
+    def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
+                 settings: Callable[[], AbstractContextManager], boundary: Any,
+                 logs_moved: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self._exchanged = exchanged
+        self._logs_moved = logs_moved
+        self._settings = settings
+        self._boundary = boundary
+        self._window: Optional[_Window] = None
+        self._kinds: Optional[frozenset[str]] = None
+
+    # ------------------------------------------------------------------ the loop's hooks
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._kinds = None
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self.close(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.close(trainer, pl_module)
+        self._open("batch", trainer, pl_module, (outputs, batch, batch_idx))
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._window is None:  # the first epoch's (later ones are in the window an epoch's end opened)
+            self._open("epoch start", trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.close(trainer, pl_module)
+        self._open("epoch", trainer, pl_module)
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.close(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.close(trainer, pl_module)
+        if not trainer.sanity_checking:
+            self._open("validation", trainer, pl_module)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.close(trainer, pl_module)
+
+    # ------------------------------------------------------------------ windows
+    def _users(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> list[Any]:
+        """The callbacks that are not Lightning's or lightning_dp's, then the module: whose hooks are run again."""
+        return [*(cb for cb in trainer.callbacks if not library_callback(cb)), module]
+
+    def _state(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> Fingerprint:
+        """The kept state as the release boundary fingerprints it (every user callback's too), contents read anew."""
+        users = [cb for cb in self._users(trainer, module) if cb is not module]
+        datamodule = getattr(trainer, "datamodule", None)
+        return self._boundary.fingerprint(module).take(
+            [*users, *([datamodule] if datamodule is not None else [])], full=True, every_callback=True)
+
+    def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = ()) -> None:
+        if self._kinds is None:  # which windows have hooks of the user's (none: nothing is noted, nothing costs)
+            owners = self._users(trainer, module)
+            self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items()
+                                    if any(_runs_users_code(o, h) for o in owners for h in hooks))
+        if kind not in self._kinds:
+            return
+        optimizers = list(getattr(trainer, "optimizers", None) or ())
+        self._window = _Window(
+            kind, decisions(trainer),
+            *_settings_of(trainer), loop_controls(trainer), optimizers,
+            [copy.deepcopy(scheduler.state_dict()) for scheduler in schedulers(trainer)],
+            [(p, p.requires_grad) for p in module.parameters()],
+            [(o, _public_attributes(o)) for o in self._users(trainer, module)], args, trainer.global_step,
+            self._state(trainer, module) if kind.startswith("epoch") else None)
+
+    def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
+        :class:`~lightning_dp.errors.PrivacyConfigurationError` when the training data set it."""
+        window, self._window = self._window, None
+        if window is None:
+            return
+        written = [] if window.state is None else \
+            [n for n in StateFingerprint.changed(window.state, self._state(trainer, module))]
+        if not written and decisions(trainer) == window.decisions:
+            return
+        steered = self._steered(window, trainer, module)
+        where = _WHERE[window.kind].format(step=window.step)
+        decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
+                         key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
+        if decided:
+            raise hyperparameters_error(decided, where)
+        if steered:
+            raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for later "
+                                                        "steps")
+        if written:  # what the epoch's hooks kept without the data: the next release compares with it
+            self._boundary.accept(written)
+
+    def _steered(self, window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
+        """Run the window's hooks again (twice as they ran, then on other data), each from the state as it is now
+        with the decisions and the user objects' attributes as the window opened; the decisions (and, an epoch's,
+        the kept state) the other data set apart. The run's state is put back as it is now afterwards."""
+        users = [o for o, _ in window.attributes if o is not module]
+        after = StateSnapshot(module, users, self._boundary.engine_keys)
+        now = _settings_of(trainer), loop_controls(trainer)
+        kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
+                [(p, p.requires_grad) for p in module.parameters()])
+        runs: list[Optional[Fingerprint]] = []
+        try:
+            for variant in _variants(window, self._exchanged, self._logs_moved):
+                after.restore()
+                _put_back(window, trainer)
+                try:
+                    with self._settings(), replaying(module, rates=False), torch.no_grad():
+                        _run_hooks(window, trainer, module, variant)
+                        state = self._state(trainer, module) if window.state is not None else {}
+                        runs.append({**state, **decisions(trainer)})  # inside: leaving a replay puts schedulers back
+                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
+                    runs.append(None)
+        finally:
+            after.restore()
+            _put_decisions(trainer, *kept)
+            _put_settings(trainer, *now[0])
+            put_loop_controls(trainer, now[1])
+        plain, again, *others = runs
+        if plain is None or again is None:
+            return []
+        return sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+
+
+_DECISIONS = ("trainer ", "model trainable", "scheduler ", "optimizer ")
+
+
+_WHERE = {
+    "batch": "at the end of step {step} (on_train_batch_end), from the batch or its loss: run again when it was made, "
+             "on the batch with its values exchanged or its loss moved far, the hooks set it apart",
+    "epoch start": "at the start of an epoch (on_train_epoch_start, after step {step}), from the training data: run "
+                   "again when it was made, with the training data's values exchanged, the hooks set it apart",
+    "epoch": "at the end of an epoch (on_train_epoch_end, after step {step}), from the training data: run again when "
+             "it was made, with the training data's values exchanged, the hooks set it apart",
+    "validation": "at the end of a validation during training (on_validation_epoch_end/on_validation_end, after step "
+                  "{step}), from the training data: run again when it was made, with the training data's values "
+                  "exchanged, the hooks set it apart",
+}
+
+
+def _runs_users_code(owner: Any, hook: str) -> bool:
+    """Whether ``owner``'s ``hook`` may run the user's code: the module's own, or a user callback's that is not
+    ``Callback``'s empty one (a subclass of a library's callback runs the user's methods from its hooks:
+    ``BaseFinetuning.finetune_function``)."""
+    defined = getattr(type(owner), hook, None)
+    if isinstance(owner, pl.LightningModule):
+        return users_hook(defined)
+    return defined is not getattr(pl.Callback, hook, None)
+
+
+def _public_attributes(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes a user names (not ``_``-prefixed: Lightning's and torch's own are)."""
+    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+
+
+_Groups = list[list[tuple[dict[str, Any], dict[str, Any]]]]
+"""Per optimizer: (parameter group, its hyper-parameters) of every group."""
+
+
+def _settings_of(trainer: "pl.Trainer") -> tuple[_Groups, list[dict[str, Any]]]:
+    """Every optimizer's parameter groups with their hyper-parameters, and its defaults."""
+    optimizers = list(getattr(trainer, "optimizers", None) or ())
+    return ([[(g, {k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups] for opt in optimizers],
+            [dict(getattr(opt, "defaults", None) or {}) for opt in optimizers])
+
+
+def _put_settings(trainer: "pl.Trainer", groups: _Groups, defaults: list[dict[str, Any]]) -> None:
+    """Every optimizer's parameter groups (a group added since goes), their hyper-parameters and the defaults as
+    given (a key set since goes)."""
+    for optimizer, kept, saved in zip(getattr(trainer, "optimizers", None) or (), groups, defaults):
+        optimizer.param_groups[:] = [group for group, _ in kept]
+        for group, values in kept:
+            params = group["params"]
+            group.clear()
+            group.update(values, params=params)
+        if isinstance(getattr(optimizer, "defaults", None), dict):
+            optimizer.defaults.clear()
+            optimizer.defaults.update(saved)
+
+
+def _put_decisions(trainer: "pl.Trainer", optimizers: list[Any], states: list[dict[str, Any]],
+                   trainable: list[tuple[Any, bool]]) -> None:
+    """Which optimizers step, the schedulers' states and which parameters train, as given."""
+    if list(trainer.strategy.optimizers) != optimizers:
+        trainer.strategy.optimizers = optimizers
+    for scheduler, state in zip(schedulers(trainer), states):
+        scheduler.load_state_dict(copy.deepcopy(state))
+    for p, flag in trainable:
+        if p.requires_grad != flag:
+            p.requires_grad_(flag)
+
+
+def _put_back(window: _Window, trainer: "pl.Trainer") -> None:
+    """The decisions and the user objects' attributes as the window opened."""
+    _put_decisions(trainer, window.optimizers, window.scheduler_states, window.trainable)
+    _put_settings(trainer, window.groups, window.defaults)
+    put_loop_controls(trainer, window.controls)
+    for obj, attributes in window.attributes:
+        for key in [k for k in _public_attributes(obj) if k not in attributes]:
+            delattr(obj, key)
+        for key, value in attributes.items():
+            if vars(obj).get(key, _ABSENT) is not value:
+                setattr(obj, key, value)
+
+
+_ABSENT = object()
+
+
+def _variants(window: _Window, exchanged: Callable[[bool], AbstractContextManager],
+              logs_moved: Callable[[], AbstractContextManager]) -> list[tuple[AbstractContextManager, tuple[Any, ...]]]:
+    """(context, hook arguments) of each run: the window's own twice, then the other data."""
+    if window.kind != "batch":
+        return [(nullcontext(), ()), (nullcontext(), ()), (exchanged(False), ()), (exchanged(True), ())]
+    outputs, batch, batch_idx = window.args
+    return [(nullcontext(), window.args), (nullcontext(), window.args),
+            (logs_moved(), (_moved(outputs), batch, batch_idx)),
+            (nullcontext(), (outputs, exchanged_copy(batch), batch_idx)),
+            (nullcontext(), (outputs, exchanged_copy(batch, floating_only=True), batch_idx))]
+
+
+def _moved(outputs: Any) -> Any:
+    """The outputs with every float tensor moved far (1000·(value + 1)): a value set from the loss past a threshold
+    differs."""
+    if isinstance(outputs, Tensor):
+        return (outputs.detach() + 1) * 1000 if outputs.is_floating_point() else outputs
+    if isinstance(outputs, dict):
+        return {k: _moved(v) for k, v in outputs.items()}
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_moved(v) for v in outputs) if not hasattr(outputs, "_fields") else outputs
+    return outputs
+
+
+def _run_hooks(window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule",
+               variant: tuple[AbstractContextManager, tuple[Any, ...]]) -> None:
+    """The window's hooks, of every user callback, then of the module, with the variant's data."""
+    context, args = variant
+    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
+    with context:
+        for name in WINDOW_HOOKS[window.kind]:
+            for cb in callbacks:
+                getattr(cb, name)(trainer, module, *args)
+            getattr(module, name)(*args)
