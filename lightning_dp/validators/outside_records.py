@@ -24,17 +24,22 @@ the exchanged memory: refused before the step's release (:func:`outside_records_
 What is exchanged (:func:`training_copies`): the tensors of the training dataset and of the datasets it wraps
 (:func:`~lightning_dp.validators.kept_state.dataset_parts`; every view of their memory, anywhere, with them), the
 NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
-NumPy array held by the model (buffers, attributes), the datamodule, a callback or a global of the user's code whose
-rows are rows of a training tensor (its sampled rows found in the tensor's row digests, :func:`row_digests`), that
-is of its shape and the same rows under one affine map (raw pixels of data scaled by 1/255), or, for labels, equal to
-a training tensor. Not exchanged: tensors in shared memory (a DataLoader's worker processes may be
-reading them) or backed by a file, read-only or memory-mapped NumPy arrays, and copies transformed after they were
-taken (scaled, projected, tokenised again): a step reading those is not seen. Nor is a record read from its file again.
+NumPy array the model (buffers, attributes), the datamodule, a callback or a global of the user's code holds,
+directly or further in (:func:`~lightning_dp.validators.holders.held_arrays`: nested containers, helper objects and
+fitted estimators, a ``functools.partial``'s arguments, a function's defaults and closure, the weights of a module
+held outside the model; a bounded walk), whose rows are rows of a training tensor (its sampled rows found in the
+tensor's row digests, :func:`row_digests`; a float16 or bfloat16 copy in the digests of the rows rounded to its type;
+a wider matrix by its first or last columns), that is of its shape and the same rows under one affine map (raw pixels
+of data scaled by 1/255), or, for labels, equal to a training tensor; and records kept one per item of a dict or a
+list (``{i: (x_i, y_i)}``), each item exchanged. A view of memory already listed is exchanged with it, not twice.
+Not exchanged: tensors in shared memory (a DataLoader's worker processes may be
+reading them) or backed by a file, read-only or memory-mapped NumPy arrays, copies the walk does not reach, and copies
+transformed after they were taken (projected, tokenised again): a step reading those is not seen. Nor is a record read
+from its file again.
 """
 
 from __future__ import annotations
 
-import types
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -44,7 +49,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import dataset_parts, framework_keys
+from lightning_dp.validators.holders import RowItems, held_arrays
+from lightning_dp.validators.kept_state import dataset_parts
 
 ROWS_SAMPLED = 16
 """Rows of a candidate copy looked up in the training tensor's row digests."""
@@ -98,13 +104,16 @@ class ExchangedRecords:
 
 def exchangeable(value: Any) -> bool:
     """Whether :func:`exchange` may write ``value`` in place: a dense tensor of a masked dtype outside shared memory
-    and files, a writeable in-memory NumPy array of numbers, or a non-empty list of numbers or strings."""
+    and files, a writeable in-memory NumPy array of numbers, a non-empty list of numbers or strings, or records held
+    one per item of a container (:class:`~lightning_dp.validators.holders.RowItems`) of which one is exchangeable."""
+    if isinstance(value, RowItems):
+        return any(exchangeable(a) for a in value.arrays)
     if isinstance(value, Tensor):
         dtype_ok = value.dtype in _FLOAT_MASKS or value.dtype in _INT_MASKS or value.dtype == torch.bool
-        if not dtype_ok or value.layout != torch.strided or value.numel() == 0 or value.is_shared():
+        if not dtype_ok or value.layout != torch.strided or value.numel() == 0:
             return False
-        storage = value.untyped_storage()
-        return getattr(storage, "filename", None) is None
+        storage = value.untyped_storage()  # its is_shared() costs a tenth of the tensor's (many per-record items)
+        return not storage.is_shared() and getattr(storage, "filename", None) is None
     if isinstance(value, np.ndarray):
         sized = value.dtype.kind != "f" or value.dtype.itemsize in (2, 4, 8)
         return (value.size > 0 and value.dtype.kind in "fiub" and sized and value.flags.writeable
@@ -123,7 +132,10 @@ def _file_backed(array: np.ndarray) -> bool:
 
 def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
     """Exchange ``value``'s contents in place (module docstring), or only its ``rows`` (along dimension 0); returns
-    the function that restores them exactly."""
+    the function that restores them exactly. A :class:`~lightning_dp.validators.holders.RowItems`: each of its
+    exchangeable arrays, whole."""
+    if isinstance(value, RowItems):
+        return _exchange_items(value)
     if isinstance(value, Tensor):
         data = value.data if rows == slice(None) else value.data[rows]  # its own version counter: the tensor's stays
         flip = _tensor_flip(data)
@@ -139,6 +151,30 @@ def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
     def restore() -> None:
         value[rows] = saved
     return restore
+
+
+def _exchange_items(rows: RowItems) -> Callable[[], None]:
+    """Exchange every exchangeable array of ``rows`` (their flips made once, kept on ``rows``: a container may hold
+    a record per item for a hundred thousand records); returns the function restoring them all (the same flips: an
+    exclusive or undoes itself)."""
+    if rows.flips is None:
+        rows.flips = [_item_flip(a) for a in rows.arrays if exchangeable(a)]
+    flips = rows.flips
+
+    def flip_all() -> None:
+        for flip in flips:
+            flip()
+    flip_all()
+    return flip_all
+
+
+def _item_flip(value: Any) -> Callable[[], None]:
+    """The in-place flip of one array: a CPU tensor's through its NumPy view (a NumPy call costs less than torch's)."""
+    if isinstance(value, Tensor):
+        if value.device.type == "cpu" and value.dtype != torch.bfloat16:
+            return _array_flip(value.detach().numpy())
+        return _tensor_flip(value.data)
+    return _array_flip(value)
 
 
 def _tensor_flip(data: Tensor) -> Callable[[], None]:
@@ -203,7 +239,9 @@ def exchanged_copy(batch: Any, floating_only: bool = False) -> Any:
 
 
 def _floating(value: Any) -> bool:
-    """A tensor or NumPy array of floating-point numbers, or a list starting with floats."""
+    """A tensor or NumPy array of floating-point numbers, a list starting with floats, or rows of them."""
+    if isinstance(value, RowItems):
+        return bool(value.arrays) and _floating(value.arrays[0])
     if isinstance(value, Tensor):
         return value.is_floating_point()
     if isinstance(value, np.ndarray):
@@ -215,52 +253,116 @@ def _floating(value: Any) -> bool:
 def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(name, array) of the training data in memory: ``dataset``'s tensors and its datasets' arrays and lists of
     records, and the copies of its tensors ``holders`` ((label, object): the model, the datamodule, callbacks, a
-    module of globals) keep (module docstring)."""
+    module of globals) keep (:func:`~lightning_dp.validators.holders.held_arrays`; module docstring). A copy whose
+    memory is the training data's or an earlier copy's (a view) is exchanged with it, not listed again."""
     datasets, tensors = dataset_parts(dataset)
     found: list[tuple[str, Any]] = [(f"the training data{path}", t) for path, t in tensors]
-    storages = {_storage_key(t) for _, t in tensors}
+    memory = _Memory()
+    for _, t in tensors:
+        memory.add(t, whole_storage=True)
     for d in datasets:
         for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
             if isinstance(value, (np.ndarray, list)) and not isinstance(value, Tensor):
                 found.append((f"the training data's {type(d).__name__}.{key}", value))
+                memory.add(value)
     digests = [(t, row_digests(t)) for _, t in tensors]
-    seen = {id(v) for _, v in found}
-    for path, value in _held_arrays(holders):
-        if id(value) in seen or (isinstance(value, Tensor) and _storage_key(value) in storages):
-            continue
-        seen.add(id(value))
-        if any(holds_records(value, t, rows) for t, rows in digests):
-            found.append((path, value))
+    for path, value in held_arrays(holders):
+        copy = _held_copy(value, digests, memory)
+        if copy is not None:
+            found.append((path, copy))
+            memory.add(copy)
     return found
 
 
-def _storage_key(t: Tensor) -> tuple[str, int]:
+def _held_copy(value: Any, digests: Sequence[tuple[Tensor, Optional[set[int]]]], memory: "_Memory") -> Any:
+    """``value`` if it holds records of a training tensor (:func:`holds_records`) in memory not already listed;
+    for records held one per item, those of its items outside the listed memory; ``None`` otherwise."""
+    if isinstance(value, RowItems):
+        sample = value.sample(ROWS_SAMPLED)
+        if sample is None or not any(holds_records(sample, t, rows) for t, rows in digests):
+            return None
+        items = memory.outside(value)
+        return items if items.arrays else None
+    if memory.overlaps(value) or not any(holds_records(value, t, rows) for t, rows in digests):
+        return None
+    return value
+
+
+class _Memory:
+    """The byte ranges (per device) of what is already listed: a view of them is exchanged with them (listing it
+    again would flip its bits twice, back)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[str, int, int]] = []
+        self._items: set[int] = set()  # the arrays of records held one per item, by identity
+
+    def add(self, value: Any, whole_storage: bool = False) -> None:
+        if isinstance(value, RowItems):
+            self._items.update(id(a) for a in value.arrays)
+            return
+        span = _span(value, whole_storage)
+        if span is not None:
+            self._spans.append(span)
+
+    def overlaps(self, value: Any) -> bool:
+        span = _span(value)
+        return id(value) in self._items or span is not None \
+            and any(d == span[0] and lo < span[2] and span[1] < hi for d, lo, hi in self._spans)
+
+    def outside(self, rows: RowItems) -> RowItems:
+        """``rows``' arrays that start outside the listed memory and were not listed one per item already."""
+        device = str(rows.arrays[0].device) if isinstance(rows.arrays[0], Tensor) else "cpu"
+        starts = np.array([a.data_ptr() if isinstance(a, Tensor) else a.__array_interface__["data"][0]
+                           for a in rows.arrays], dtype=np.uint64)
+        keep = np.array([id(a) not in self._items for a in rows.arrays], dtype=bool)
+        for d, lo, hi in self._spans:
+            if d == device:
+                keep &= (starts < np.uint64(lo)) | (starts >= np.uint64(hi))
+        return RowItems([a for a, k in zip(rows.arrays, keep.tolist()) if k])
+
+
+_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or getattr(np, "byte_bounds")
+
+
+def _span(value: Any, whole_storage: bool = False) -> Optional[tuple[str, int, int]]:
+    """(device, first byte, end) of a tensor's elements (or of its whole storage) or a NumPy array's."""
     try:
-        return (str(t.device), t.untyped_storage().data_ptr())
+        if isinstance(value, Tensor):
+            if whole_storage:
+                storage = value.untyped_storage()
+                return (str(value.device), storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1))
+            offsets = [(n - 1) * st for n, st in zip(value.shape, value.stride()) if n]
+            low, high = sum(o for o in offsets if o < 0), sum(o for o in offsets if o > 0) + 1
+            size = value.element_size()
+            return (str(value.device), value.data_ptr() + low * size, value.data_ptr() + high * size)
+        if isinstance(value, np.ndarray):
+            low, high = _byte_bounds(value)
+            return ("cpu", low, max(high, low + 1))
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return (str(t.device), id(t))
+        return None
+    return None
 
 
-def row_digests(t: Tensor) -> Optional[set[int]]:
+def row_digests(t: Tensor, rounded: Optional[torch.dtype] = None) -> Optional[set[int]]:
     """A 64-bit digest of every row (along dimension 0) of a training tensor of at least two dimensions that occurs
     once in it (a row many records share — a one-hot category — is nobody's), or ``None`` (1-D, empty, too large:
-    :data:`MAX_DIGESTED`)."""
+    :data:`MAX_DIGESTED`). ``rounded``: of its rows rounded to that narrower floating-point type (a float16 copy)."""
     if t.dim() < 2 or t.numel() == 0 or t.shape[0] < 2 or t.numel() * t.element_size() > MAX_DIGESTED \
             or t.dtype not in _FLOAT_MASKS and t.dtype not in _INT_MASKS:
         return None
     key = (t._version, tuple(t.shape), t.data_ptr())
-    cached = _DIGESTS.get(id(t))
+    cached = _DIGESTS.get((id(t), rounded))
     if cached is not None and cached[0]() is t and cached[1] == key:
         return cached[2]
-    values, counts = np.unique(_digests(t), return_counts=True)
+    values, counts = np.unique(_digests(t if rounded is None else t.detach().to(rounded)), return_counts=True)
     unique = set(values[counts == 1].tolist())
     if len(_DIGESTS) >= 8:
         _DIGESTS.pop(next(iter(_DIGESTS)))
-    _DIGESTS[id(t)] = (weakref.ref(t), key, unique)
+    _DIGESTS[(id(t), rounded)] = (weakref.ref(t), key, unique)
     return unique
 
 
-_DIGESTS: dict[int, tuple[Any, tuple[Any, ...], set[int]]] = {}
+_DIGESTS: dict[tuple[int, Optional[torch.dtype]], tuple[Any, tuple[Any, ...], set[int]]] = {}
 """The last few training tensors' row digests (each checked to be the same tensor, version, shape and memory): the
 validation check asks at every release."""
 
@@ -268,6 +370,8 @@ validation check asks at every release."""
 def _digests(t: Tensor) -> np.ndarray:
     """Each row's bytes as 64-bit words (zero-padded), combined with fixed odd multipliers (wrapping)."""
     rows = t.detach().to("cpu").contiguous().reshape(t.shape[0], -1)
+    if rows.dtype == torch.bfloat16:  # no NumPy type: its bits
+        rows = rows.view(torch.int16)
     raw = rows.numpy().view(np.uint8).reshape(rows.shape[0], -1)
     pad = (-raw.shape[1]) % 8
     if pad:
@@ -280,16 +384,26 @@ def _digests(t: Tensor) -> np.ndarray:
 
 def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
     """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), rows of it (half of the sampled
-    rows, at least two, found among ``data``'s row digests), or — of its shape — its image under one affine map
-    a·x + b (:func:`_affine_image`: the raw pixels of data scaled by 1/255, features standardised by constants)."""
+    rows, at least two, found among ``data``'s row digests — or among those of its rows rounded to the value's
+    narrower floating-point type: a float16 copy of float32 data), or — of its shape — its image under one affine
+    map a·x + b (:func:`_affine_image`: the raw pixels of data scaled by 1/255, features standardised by constants).
+    A matrix wider than ``data``'s holds it if its first or last columns do (features and labels concatenated)."""
     candidate = _as_tensor(value)
-    if candidate is None or candidate.dim() != data.dim() or tuple(candidate.shape[1:]) != tuple(data.shape[1:]):
+    if candidate is None or candidate.dim() != data.dim():
+        return False
+    if data.dim() == 2 and candidate.shape[1] > data.shape[1] and rows is not None:
+        width = data.shape[1]
+        return any(holds_records(block, data, rows) for block in (candidate[:, :width], candidate[:, -width:]))
+    if tuple(candidate.shape[1:]) != tuple(data.shape[1:]):
         return False
     if candidate.shape == data.shape and data.dim() >= 2 and _affine_image(candidate, data):
         return True
     if candidate.dtype.is_floating_point != data.dtype.is_floating_point:
         return False
-    candidate = candidate.to(data.dtype)
+    if rows is not None and candidate.dtype.is_floating_point and candidate.element_size() < data.element_size():
+        rows = row_digests(data, candidate.dtype)
+    else:
+        candidate = candidate.to(data.dtype)
     if rows is None:
         return data.dim() == 1 and candidate.numel() >= 8 and candidate.shape == data.shape \
             and bool(torch.equal(candidate.cpu(), data.detach().cpu()))
@@ -330,33 +444,6 @@ def _as_tensor(value: Any) -> Optional[Tensor]:
     if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
         return torch.from_numpy(np.ascontiguousarray(value))
     return None
-
-
-def _held_arrays(holders: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(path, tensor or NumPy array) the holders keep: a module's buffers and its modules' attributes (parameters
-    are weights, not records), another object's attributes, one level into lists, tuples and dicts."""
-    for label, owner in holders:
-        if isinstance(owner, nn.Module):
-            for name, b in owner.named_buffers():
-                yield f"the model's buffer {name}", b
-            for prefix, m in owner.named_modules():
-                yield from _attributes(f"the model's attribute {prefix + '.' if prefix else ''}", m, framework_keys())
-        elif isinstance(owner, types.ModuleType):
-            yield from _attributes(f"the global {owner.__name__}.", owner)
-        else:
-            yield from _attributes(f"{label}.", owner)
-
-
-def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
-    for key, value in list(vars(owner).items()) if hasattr(owner, "__dict__") else ():
-        if key.startswith("__") or key in skip or isinstance(value, nn.Parameter):
-            continue
-        if isinstance(value, (Tensor, np.ndarray)):
-            yield f"{prefix}{key}", value
-        elif isinstance(value, (list, tuple)) and len(value) <= 16:
-            yield from ((f"{prefix}{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (Tensor, np.ndarray)))
-        elif isinstance(value, dict) and len(value) <= 64:
-            yield from ((f"{prefix}{key}[{k!r}]", v) for k, v in value.items() if isinstance(v, (Tensor, np.ndarray)))
 
 
 def records_in(value: Any, dataset: Any, path: str = "", depth: int = 0) -> list[str]:

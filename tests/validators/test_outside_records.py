@@ -5,6 +5,7 @@ behind a warm-up — is refused before any release, and ordinary steps that mere
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from pathlib import Path
@@ -317,3 +318,191 @@ def test_a_rescaled_copy_is_a_copy() -> None:
     holder.raw, holder.shifted, holder.unrelated = raw, raw * 2.0 - 3.0, np.random.default_rng(0).random((64, 8))
     names = [n for n, _ in training_copies(ds, [("DataModule", holder)])]
     assert "DataModule.raw" in names and "DataModule.shifted" in names and "DataModule.unrelated" not in names
+
+
+# ---------------------------------------------------------------------------- copies kept deeper, rounded or widened
+
+
+class Index:
+    """A helper object holding the training set (a nearest-neighbour index of the user's own)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x.clone()
+
+
+def knn_targets(x: torch.Tensor, bank_x: torch.Tensor, bank_y: torch.Tensor, k: int = 3) -> torch.Tensor:
+    """Soft targets from the ``k`` nearest rows of a bank (itself excluded)."""
+    d = torch.cdist(x.float(), bank_x.float())
+    d[d < 1e-3] = 1e9
+    return F.one_hot(bank_y[d.topk(k, largest=False).indices].long(), 2).float().mean(1)
+
+
+def closure_over(bank: torch.Tensor) -> Any:
+    return lambda q: torch.cdist(q, bank)
+
+
+def test_copies_nested_in_containers_objects_callables_and_outside_modules_are_found() -> None:
+    x, y = DATASET.tensors
+    holder = Holder()
+    holder.memory = {"train": {"x": x.clone(), "other": [torch.randn(64, 4)]}}  # two levels down
+    holder.index = Index(x)  # a plain object's attribute
+    holder.targets = functools.partial(knn_targets, bank_x=x.clone().double(), bank_y=y.clone())
+    holder.scaled = lambda q, bank=x * 2.0 + 1.0: q  # an affine copy as a default argument
+    holder.distances = closure_over(x.clone())  # a closure cell
+    holder.table = nn.Embedding.from_pretrained(x.clone())  # a module outside the model: its weight
+    holder.unrelated = {"a": {"b": torch.randn(64, 4)}, "f": functools.partial(knn_targets, bank_x=torch.randn(64, 4))}
+    names = sorted(n for n, _ in training_copies(DATASET, [("Bank", holder)]))
+    for where in ("Bank.memory['train']['x']", "Bank.index.x", "Bank.targets.keywords['bank_x']",
+                  "Bank.scaled.__defaults__[0]", "Bank.distances.<closure bank>", "Bank.table.weight"):
+        assert where in names, (where, names)
+    assert not any("unrelated" in n or "other" in n for n in names), names
+
+
+def test_a_fitted_estimator_s_copy_is_found() -> None:
+    """scikit-learn's NearestNeighbors keeps the training rows in its tree (a compiled type's buffer)."""
+    neighbors = pytest.importorskip("sklearn.neighbors")
+    holder = Holder()
+    holder.nn = neighbors.NearestNeighbors(n_neighbors=3).fit(X.numpy().copy())
+    found = dict(training_copies(DATASET, [("Module", holder)]))
+    assert "Module.nn._fit_X" in found and "Module.nn._tree.data" in found
+
+
+def test_records_held_one_per_item_are_exchanged_item_by_item() -> None:
+    x, y = DATASET.tensors
+    holder = Holder()
+    holder.cache = {i: (x[i].clone(), int(y[i])) for i in range(64)}  # a dict keyed by index
+    holder.rows = [(x[i].clone(), F.one_hot(y[i], 2)) for i in range(64)]  # a list of per-row tuples
+    holder.views = [x[i] for i in range(64)]  # the training memory itself: exchanged with it, not again
+    holder.noise = [torch.randn(4) for _ in range(64)]
+    found = dict(training_copies(DATASET, [("Bank", holder)]))
+    assert "Bank.cache[…][0]" in found and "Bank.rows[…][0]" in found, sorted(found)
+    assert not any("views" in n or "noise" in n for n in found), sorted(found)
+    before = [v[0].clone() for v in holder.cache.values()] + [r[0].clone() for r in holder.rows]
+    with ExchangedRecords(list(found.items())).exchanged():
+        during = [v[0] for v in holder.cache.values()] + [r[0] for r in holder.rows]
+        assert all(bool((a * b < 0).all()) for a, b in zip(during, before)), "every item exchanged"
+        assert all(bool((v * x[i] > 0).all()) for i, v in enumerate(holder.views)), "views flipped once"
+    assert all(torch.equal(a, b) for a, b in zip(during, before))
+
+
+def test_rounded_and_widened_copies_are_copies() -> None:
+    x, y = DATASET.tensors
+    onehot = F.one_hot(y, 2).float()
+    holder = Holder()
+    holder.half, holder.bf16 = x.half(), x[5:30].to(torch.bfloat16)  # rounded: no byte of them is the data's
+    holder.half_np = x.numpy().astype(np.float16)
+    holder.table = torch.cat([x, onehot], 1)  # features and one-hot labels in one table
+    holder.table_np = torch.cat([onehot, x], 1).numpy()  # the features as the last columns
+    holder.noise_half = torch.randn(64, 4).half()
+    holder.noise_table = torch.cat([torch.randn(64, 4), onehot], 1)
+    names = [n for n, _ in training_copies(DATASET, [("DataModule", holder)])]
+    for where in ("half", "bf16", "half_np", "table", "table_np"):
+        assert f"DataModule.{where}" in names, (where, names)
+    assert not any("noise" in n for n in names), names
+
+
+def test_a_view_of_the_training_memory_is_exchanged_once() -> None:
+    x, _ = DATASET.tensors
+    holder = Holder()
+    holder.array = x.numpy()  # the training tensor's own memory, as NumPy
+    holder.copy = x.clone()
+    holder.copy_rows = holder.copy[:32]  # a view of a copy listed already
+    found = dict(training_copies(DATASET, [("Holder", holder)]))
+    assert "Holder.copy" in found and "Holder.array" not in found and "Holder.copy_rows" not in found
+    before = x.clone()
+    with ExchangedRecords(list(found.items())).exchanged():
+        assert bool((torch.from_numpy(holder.array) * before < 0).all())
+        assert bool((holder.copy_rows * before[:32] < 0).all())
+    assert torch.equal(x, before)
+
+
+def test_the_walk_is_bounded() -> None:
+    """A copy past the walk's depth, or past its budget of objects, is not looked for: a huge object graph costs a
+    bounded walk (it runs at every batch check)."""
+    deep = Holder()
+    node = deep
+    for _ in range(12):
+        node.next = Holder()
+        node = node.next
+    node.x = X.clone()
+    wide = Holder()
+    for i in range(400):
+        child = Holder()
+        setattr(wide, f"a{i}", child)
+        for j in range(60):
+            setattr(child, f"k{j}", object())
+    last = Holder()
+    last.x = X.clone()
+    child.k59 = X.clone()
+    names = [n for n, _ in training_copies(DATASET, [("Deep", deep), ("Wide", wide), ("Last", last)])]
+    assert "Last.x" in names and not any(n.startswith(("Deep.", "Wide.")) for n in names), names
+
+
+BANK_X, BANK_Y = X.clone(), Y.clone()
+
+
+class PerRowCache(Classifier):
+    """Soft targets from a dict of per-record (features, label) pairs built from the training set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = {i: (BANK_X[i].clone(), int(BANK_Y[i])) for i in range(len(BANK_X))}
+
+    def bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([v[0] for v in self.cache.values()]), torch.tensor([v[1] for v in self.cache.values()])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        bx, by = self.bank()
+        return F.cross_entropy(self(x), y) + F.cross_entropy(self(x), knn_targets(x, bx, by))
+
+
+class HalfInPartial(PerRowCache):
+    """A float16 copy bound in a functools.partial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets = functools.partial(knn_targets, bank_x=BANK_X.half(), bank_y=BANK_Y)
+
+    def bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.targets.keywords["bank_x"], BANK_Y
+
+
+class TableBank(pl.Callback):
+    """Holds the training rows and their labels as one frozen embedding table."""
+
+    def __init__(self) -> None:
+        self.table = nn.Embedding.from_pretrained(torch.cat([BANK_X, BANK_Y[:, None].float()], 1))
+
+
+class FromCallbackTable(PerRowCache):
+    def bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        table = next(cb for cb in self.trainer.callbacks if isinstance(cb, TableBank)).table.weight
+        return table[:, :4], table[:, 4]
+
+
+@pytest.mark.parametrize("model", [PerRowCache, HalfInPartial, FromCallbackTable])
+def test_a_step_reading_a_deeper_rounded_or_widened_copy_is_refused(model: type) -> None:
+    m = model()
+    before = parameters(m)
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match="outside its sampled batch"):
+        quiet_trainer(strategy=dp, max_steps=4, callbacks=[TableBank()]).fit(m, DataLoader(DATASET, batch_size=16))
+    assert unchanged(before, m)
+    assert dp.ledger.steps == 0
+
+
+class HoldsCopiesReadsBatch(Classifier):
+    """Holds a per-record cache and a float16 copy, and reads only its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = {i: (BANK_X[i].clone(), int(BANK_Y[i])) for i in range(len(BANK_X))}
+        self.half = functools.partial(knn_targets, bank_x=BANK_X.half(), bank_y=BANK_Y)
+
+
+def test_holding_deeper_copies_without_reading_them_trains() -> None:
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=4, callbacks=[TableBank()]).fit(HoldsCopiesReadsBatch(),
+                                                                          DataLoader(DATASET, batch_size=16))
+    assert dp.ledger.steps == 4
