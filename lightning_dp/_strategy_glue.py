@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
@@ -54,8 +55,8 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
                                                validates_on_training_data)
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.hook_replays import (batch_start, overrides_epoch_hooks, progress_as, replay_batch_hooks,
-                                                  replay_epoch_hooks, replaying)
+from lightning_dp.validators.hook_replays import (batch_start, model_kept, overrides_epoch_hooks, progress_as,
+                                                  replay_batch_hooks, replay_epoch_hooks, replaying)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.privacy.release import Release
@@ -278,6 +279,8 @@ class PrivateTraining:
     def connect(self, model: "pl.LightningModule") -> None:
         """Lightning's, then refuse a tuner in a fit (:func:`check_no_tuner`), before any callback's setup."""
         super().connect(model)  # type: ignore[misc]
+        if model._current_fx_name in STEP_HOOKS:  # left by a hook that raised (Lightning restores it on return only):
+            model._current_fx_name = None         # a module whose fit crashed (or its copy) is not inside a step
         trainer = model._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_no_tuner(trainer, self.label)
@@ -386,6 +389,7 @@ class PrivateTraining:
                 self._record_watch.elsewhere = None
             self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
+            self.private_step.schedule.force()  # what validation switched on is checked at the next step
 
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
@@ -486,6 +490,8 @@ class PrivateTraining:
                            "probe runs again before the next release")
         if not step.verified:
             self._verify()
+        if self.lightning_module.trainer.fit_loop.epoch_loop.batch_idx == 0:  # type: ignore[attr-defined]
+            step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():
             first = step.schedule.checks == 0
             self._check_batch(indices, _batch_idx(args, kwargs))
@@ -687,6 +693,7 @@ class PrivateTraining:
 
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
+                model_back = model_kept(module)  # a setup warming the weights up: compared, then put back
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
                             seeds_recorded() as calls, self._privacy_settings_kept(), \
@@ -696,6 +703,9 @@ class PrivateTraining:
                 finally:
                     kept.append(fingerprint.take(users, full=True, every_callback=True))
                     snapshot.restore()
+                    written = model_back()
+                    if written:  # put back as they were: the next release compares with them as they are
+                        boundary.accept([f"parameter {name}" for name in written])
             return run
 
         with self._watches_paused():  # the plain and the exchanged replay; a second plain one only if they differ
@@ -754,11 +764,48 @@ class PrivateTraining:
     def _check_later_in_the_plan(self, indices: list[int]) -> None:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
-        for step, epoch in self._later_in_the_plan():
+        points = [(step, epoch, min(per_epoch - 1, step)) for step, epoch in self._later_in_the_plan()]
+        for step, epoch, batch_idx in points + self._steps_that_differ(indices):
             with progress_as(trainer, step, epoch):
-                self._check_batch(indices, min(per_epoch - 1, step),  # an epoch's last batch_idx: `if batch_idx >= k`
-                                  as_of=f"as the model runs at step {step}, epoch {epoch}",
+                self._check_batch(indices, batch_idx,  # an epoch's last batch_idx: `if batch_idx >= k`
+                                  as_of=f"as the model runs at step {step}, epoch {epoch}, batch_idx {batch_idx}",
                                   charge=False, step=now)
+
+    def _steps_that_differ(self, indices: list[int]) -> list[tuple[int, int, int]]:
+        """(step, epoch, batch_idx) of the next :data:`NEXT_STEPS` steps at which ``training_step`` (with the
+        batch-start hooks) computes another loss on this step's examples than now, from the same seeds and state:
+        behaviour that comes and goes (``if batch_idx % 5 == 2``, every k-th step for k up to 8) is checked as it
+        will run there, on the first step. One forward each; the batch check runs only where the loss differs. Not
+        with several processes (each rank would decide alone: the checks end with collectives)."""
+        if self._distributed or not indices:
+            return []
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer, boundary = module.trainer, self.private_step.boundary
+        per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
+        batch = self._as_loop_batch(self._collated(indices))
+        snapshot = StateSnapshot(module, [cb for cb in _observers(trainer) if not library_callback(cb)],
+                                 boundary.engine_keys)
+
+        def loss_at(step: int) -> Optional[torch.Tensor]:
+            try:
+                with seeded(0), progress_as(trainer, step, step // per_epoch), self._watches_paused(), \
+                        self._privacy_settings_kept(), self.precision_plugin.train_step_context(), \
+                        replaying(module):  # type: ignore[attr-defined]
+                    batch_start(module, batch, step % per_epoch)
+                    out = module.training_step(batch, step % per_epoch)
+                out = out.get("loss") if isinstance(out, dict) else out
+                return out.detach().to(torch.float64) if isinstance(out, torch.Tensor) else None
+            except Exception:  # noqa: BLE001  (a step that cannot run there is the later checks' to meet)
+                return None
+            finally:
+                snapshot.restore()
+
+        here = loss_at(now)
+        if here is None:
+            return []
+        later = [(step, loss_at(step)) for step in range(now + 1, now + 1 + NEXT_STEPS)]
+        return [(step, step // per_epoch, step % per_epoch) for step, loss in later
+                if loss is not None and (loss.shape != here.shape or not torch.equal(loss, here))]
 
     def _check_batch(self, indices: list[int], batch_idx: int, as_of: str = "", charge: bool = True,
                      step: Optional[int] = None) -> None:
@@ -877,6 +924,7 @@ class PrivateTraining:
         if held:
             raise records_in_checkpoint_error(held)
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
+        module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -963,6 +1011,10 @@ def _averaging(trainer: "pl.Trainer") -> bool:
     """Whether one of Lightning's weight-averaging callbacks (or a subclass) swaps weights into the model."""
     return any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
                for cb in trainer.callbacks for b in type(cb).__mro__)
+
+
+NEXT_STEPS = 8
+"""How many steps after the first :meth:`PrivateTraining._steps_that_differ` looks at."""
 
 
 def _observers(trainer: "pl.Trainer") -> list[Any]:

@@ -20,12 +20,16 @@ of its contents (float64 sums of its values, of their squares and of a position-
 dtype) mapped to a copy of the record, and a module attached later whose trainable parameter has such a digest
 continues that record (conservative: fine-tuning weights trained on other data counts their releases too).
 
-Weights saved or loaded in half precision (float16 or bfloat16, kept so or cast back) are found too: each changed
-parameter also leaves the digests of its roundings there.
+Weights saved or loaded in half precision (float16 or bfloat16, kept so or cast back) or in float64 are found too:
+each changed parameter also leaves the digests of its roundings and of its float64 copy there. The weights are marked
+so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a checkpoint from the middle of a fit,
+"the best one", reloaded into a fresh module). Weights *near* trained ones — scaled by 1.0001, noise added — are
+found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
+:func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record.
 
 What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
-continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them otherwise
-(quantised to integers, pruned, perturbed).
+continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
+that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
@@ -49,7 +53,7 @@ from lightning_dp.validators.kept_state import content_sums
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 """Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
-_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, bytes]]" = weakref.WeakKeyDictionary()
+_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, Tensor]]]" = weakref.WeakKeyDictionary()
 
 
 def digest(t: Tensor) -> bytes:
@@ -109,8 +113,9 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     ``None`` when there was none."""
     seen: list[PrivacyLedger] = []
     found = [_RECORDS.get(part) for part in module.modules()]
-    if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring)
+    if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
         found += [_BY_CONTENT.get(digest(p)) for p in _trainable(module)]
+        found += [ledger for p in _trainable(module) for ledger in near(p)]
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -127,24 +132,78 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     ``module`` and its submodules."""
     for part in module.modules():
         _RECORDS[part] = ledger
-    _AT_BIND[module] = {id(p): digest(p) for p in _trainable(module)}
+    _AT_BIND[module] = {id(p): (digest(p), sample(p)) for p in _trainable(module)}
 
 
 def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
     """Leave a copy of ``ledger`` as the record of the parts it was bound to (the step is done with them), and of
     the weights its releases changed (found again in another object: module docstring)."""
-    copy = PrivacyLedger()
-    copy.load_state_dict(ledger.state_dict())
+    copy = _copy(ledger)
     for part in module.modules():
         if _RECORDS.get(part) is ledger:
             _RECORDS[part] = copy
-    before = _AT_BIND.pop(module, {})
-    if copy.steps:
-        for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
-            now = digest(p)           # refused before its release) keeps a fresh module's weights, not the record's
-            if id(p) in before and before[id(p)] != now:
-                for key in (now, *_rounded_digests(p)):
-                    _BY_CONTENT[key] = copy
+    for key in [key for key, held in _BY_CONTENT.items() if held is ledger]:  # marked at a checkpoint: the whole fit
+        _BY_CONTENT[key] = copy
+    for kept in _SKETCHES.values():
+        kept[:] = [(start, end, copy if held is ledger else held) for start, end, held in kept]
+    mark(module, copy)
+    _AT_BIND.pop(module, None)
+
+
+def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
+    """The weights of ``module`` as they are now carry ``ledger``'s releases: each trainable parameter the releases
+    changed since :func:`bind` leaves its digests (:func:`digest`, of its roundings and of it in float64) and a
+    sketch (:func:`sample`, beside the same positions when bound) by which a module holding these weights, or weights
+    near them, is found. At the end of a fit (a copy of the record) and whenever a checkpoint is written (the fit's
+    own ledger: a checkpoint saved mid-fit — "the best one" — reloaded continues every release of the fit, which
+    used the same data; :func:`unbind` leaves the copy in its place)."""
+    if not ledger.steps:
+        return
+    copy = ledger
+    before = _AT_BIND.get(module, {})
+    for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
+        if id(p) not in before:   # refused before its release) keeps a fresh module's weights, not the record's
+            continue
+        now = digest(p)
+        if before[id(p)][0] == now:
+            continue
+        for key in (now, *_rounded_digests(p)):
+            _BY_CONTENT[key] = copy
+        if p.numel() >= _MIN_SKETCHED:
+            _SKETCHES.setdefault(tuple(p.shape), []).append((before[id(p)][1], sample(p), copy))
+
+
+def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
+    out = PrivacyLedger()
+    out.load_state_dict(ledger.state_dict())
+    return out
+
+
+_SKETCH_SIZE = 64
+_MIN_SKETCHED = 16
+_NEAR = 0.1
+_SKETCHES: dict[tuple[int, ...], list[tuple[Tensor, Tensor, PrivacyLedger]]] = {}
+"""Shape → (sketch when bound, sketch after the releases, the record) of every parameter the releases changed."""
+
+
+def sample(p: Tensor) -> Tensor:
+    """``p``'s values at :data:`_SKETCH_SIZE` positions spread evenly over it (all of them when fewer), in float64
+    on the CPU: its sketch, in any dtype the weights are held in."""
+    local = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+    step = max(1, local.numel() // _SKETCH_SIZE)
+    return local[::step][:_SKETCH_SIZE].to("cpu", torch.float64)
+
+
+def near(p: Tensor) -> list[PrivacyLedger]:
+    """The records of trained weights ``p`` lies near: nearer to them (at the sketch's positions) than a tenth of
+    how far the releases moved them from where they were bound (weights scaled by 1.0001, or with noise added,
+    after training; a fresh module initialised as the trained one was is as far from it as training moved it)."""
+    kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED else None
+    if not kept or not p.dtype.is_floating_point:
+        return []
+    here = sample(p)
+    return [ledger for start, end, ledger in kept
+            if float((here - end).norm()) < _NEAR * float((end - start).norm())]
 
 
 LOWER_PRECISIONS = (torch.float16, torch.bfloat16)
@@ -156,9 +215,9 @@ def _rounded_digests(p: Tensor) -> list[bytes]:
     """Digests of ``p`` rounded to each of :data:`LOWER_PRECISIONS`, in that dtype and cast back to its own; none for a
     rounding that is constant (a norm's weight of ones moved by 1e-6 is ones again in bfloat16, as a fresh module's is:
     its digest would hand a fresh module this record)."""
+    out = [digest(p.detach().to(torch.float64))] if p.dtype == torch.float32 else []  # loaded into `.double()`
     if p.dtype in LOWER_PRECISIONS:
-        return []
-    out = []
+        return out
     for dtype in LOWER_PRECISIONS:
         rounded = p.detach().to(dtype)
         local = (rounded.to_local() if hasattr(rounded, "to_local") else rounded).reshape(-1)

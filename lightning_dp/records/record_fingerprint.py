@@ -63,7 +63,24 @@ class _Opaque(Exception):
 
 def fingerprint(record: Any) -> Optional[Fingerprint]:
     """The record's :class:`Fingerprint`, or ``None`` if some part of it has no canonical encoding."""
-    hasher = _Counted()
+    return _fingerprint(record, _Counted())
+
+
+def near_digest(record: Any, offset: float) -> Optional[bytes]:
+    """A digest of the record with each floating-point tensor or array of at least :data:`NEAR_VALUES` values
+    rounded to a grid: steps of the power of two at or below :data:`NEAR_SCALE` × its root mean square, shifted by
+    ``offset`` steps. Two records equal but for a perturbation well under the grid's step (a copy with jitter added)
+    share it on a grid where no value of theirs straddles a step (of two grids offset by half a step, almost always
+    one); ``None`` as for :func:`fingerprint`."""
+    found = _fingerprint(record, _Counted(offset))
+    return None if found is None else found.digest
+
+
+NEAR_SCALE = 1e-3
+NEAR_VALUES = 4
+
+
+def _fingerprint(record: Any, hasher: "_Counted") -> Optional[Fingerprint]:
     places: list[tuple[Any, ...]] = []
     owners: list[Any] = []
     try:
@@ -76,9 +93,10 @@ def fingerprint(record: Any) -> Optional[Fingerprint]:
 class _Counted:
     """BLAKE2b-128 that counts the bytes it is fed."""
 
-    def __init__(self) -> None:
+    def __init__(self, offset: Optional[float] = None) -> None:
         self._hash = hashlib.blake2b(digest_size=16)
         self.nbytes = 0
+        self.offset = offset  # rounding floats to a grid shifted by this many steps (near_digest), or not
 
     def update(self, data: Any) -> None:
         self._hash.update(data)
@@ -128,6 +146,9 @@ def _feed_tensor(t: torch.Tensor, h: "_Counted", places: list, owners: list) -> 
     if t.layout != torch.strided or t.is_quantized:
         raise _Opaque
     h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+    if h.offset is not None and t.is_floating_point() and t.numel() >= NEAR_VALUES:
+        h.update(_on_grid(t.cpu().double().numpy(), h.offset))
+        return
     if t.device.type == "cpu" and t.numel():
         storage = t.untyped_storage()
         if storage.nbytes() > t.numel() * t.element_size():  # a view into a larger buffer
@@ -144,6 +165,9 @@ def _feed_array(a: np.ndarray, h: "_Counted", places: list, owners: list, depth:
             _feed(item, h, places, owners, depth + 1)
         return
     h.update(f"N{a.dtype.str}{a.shape}".encode())
+    if h.offset is not None and a.dtype.kind == "f" and a.size >= NEAR_VALUES:
+        h.update(_on_grid(a.astype(np.float64), h.offset))
+        return
     root = a
     while isinstance(root.base, np.ndarray):
         root = root.base
@@ -153,12 +177,19 @@ def _feed_array(a: np.ndarray, h: "_Counted", places: list, owners: list, depth:
     h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _on_grid(values: np.ndarray, offset: float) -> bytes:
+    """``values`` as steps of the grid :func:`near_digest` describes (int64 bytes)."""
+    rms = float(np.sqrt(np.mean(np.square(values)))) if values.size else 0.0
+    step = 2.0 ** np.floor(np.log2(NEAR_SCALE * rms)) if rms > 0 and np.isfinite(rms) else 1.0
+    return np.floor(values.reshape(-1) / step + offset).astype(np.int64).tobytes() + repr(step).encode()
+
+
 def _feed_unordered(items: list, tag: bytes, h: "_Counted", places: list, owners: list, depth: int) -> None:
     """Items whose order carries no meaning (a mapping's pairs, a set's members): each digested alone, in the order
     of their digests."""
     parts = []
     for item in items:
-        sub = _Counted()
+        sub = _Counted(h.offset)
         _feed(item, sub, places, owners, depth + 1)
         parts.append(sub.digest())
         h.nbytes += sub.nbytes

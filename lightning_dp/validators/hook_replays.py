@@ -16,8 +16,8 @@ progress bars, checkpoints).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -26,13 +26,18 @@ from lightning_dp.validators.kept_state import library_callback, trusted_callbac
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+FIT_START_HOOKS = ("setup", "on_fit_start")
+"""The hooks before training :func:`replay_epoch_hooks` runs first (``setup`` with ``stage="fit"``), of the module
+and the callbacks (not the datamodule's ``setup``, which builds the datasets): a teacher fitted to the training set
+in ``setup``, a non-private warm start, a head fitted in ``on_fit_start``."""
+
 EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 """The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
 dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
 
-__all__ = ["EPOCH_HOOKS", "batch_start", "overrides_epoch_hooks", "progress_as", "replay_batch_hooks",
-           "replay_epoch_hooks",
-           "replaying", "silenced_logging", "users_hook"]
+__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "batch_start", "model_kept", "overrides_epoch_hooks",
+           "overrides_fit_start", "progress_as", "replay_batch_hooks", "replay_epoch_hooks", "replaying",
+           "silenced_logging", "users_hook"]
 
 
 @contextmanager
@@ -54,7 +59,7 @@ def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
     defined outside the libraries: Lightning's base classes define them all, empty)."""
     owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
     return any(users_hook(getattr(type(owner), name, None)) for owner in owners
-               for name in EPOCH_HOOKS)
+               for name in (*FIT_START_HOOKS, *EPOCH_HOOKS))
 
 
 def users_hook(hook: Any) -> bool:
@@ -71,12 +76,44 @@ def replay_epoch_hooks(module: "pl.LightningModule") -> None:
     callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
     with replaying(module, rates=False), torch.no_grad():
         try:
-            for name in EPOCH_HOOKS:
-                for cb in callbacks:
-                    getattr(cb, name)(trainer, module)
-                getattr(module, name)()
+            for name in (*FIT_START_HOOKS, *EPOCH_HOOKS):
+                stage = ("fit",) if name == "setup" else ()
+                with torch.enable_grad() if name in FIT_START_HOOKS else nullcontext():  # as the loop runs them
+                    for cb in callbacks:
+                        getattr(cb, name)(trainer, module, *stage)
+                    getattr(module, name)(*stage)
         except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
             pass
+
+
+def model_kept(module: "pl.LightningModule") -> Callable[[], list[str]]:
+    """A function that puts the model's structure (its modules, parameters and buffers, slot by slot) and, when a
+    ``setup`` or ``on_fit_start`` of the user's may change them, its parameters' values back as they are now: a
+    ``setup`` that builds layers or warms the weights up runs again in a replay without changing the model trained
+    (the replays compare the weights before this puts them back: a warm start on the training data differs on its
+    exchanged copy). Values go back through ``.data``, only where changed; the function returns the names of the
+    parameters a replay wrote in place (their version counters moved: the release boundary takes them as they are)."""
+    slots = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    values = [(name, p, p.detach().clone(), p._version) for name, p in module.named_parameters()] \
+        if overrides_fit_start(module) else []
+
+    def restore() -> list[str]:
+        for m, modules, params, buffers in slots:
+            for table, kept in ((m._modules, modules), (m._parameters, params), (m._buffers, buffers)):
+                if table != kept:
+                    table.clear()
+                    table.update(kept)
+        for _, p, value, _ in values:
+            if not torch.equal(p.data, value):
+                p.data.copy_(value)
+        return [name for name, p, _, version in values if p._version != version]
+    return restore
+
+
+def overrides_fit_start(module: "pl.LightningModule") -> bool:
+    """Whether the module or a user callback has a ``setup`` or ``on_fit_start`` of its own."""
+    owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
+    return any(users_hook(getattr(type(owner), name, None)) for owner in owners for name in FIT_START_HOOKS)
 
 
 def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:

@@ -245,7 +245,9 @@ class StateFingerprint:
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
         self.every_callback = False  # take()'s default: every callback's state, not only the batch-handed ones'
-        self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient (:class:`_Walker`)
+        self._gradients: dict[str, tuple[int, int]] = {}
+        self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient they did not hold
+        # (or not this one, or not so) at the one before: a backward's since (:class:`_Walker`)
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
         self._counts: list[int] = []
         self._registered: set[int] = set()
@@ -382,7 +384,8 @@ class StateFingerprint:
                     entries[f"global {path}"] = walker.named(path, value)
         names = [n for n, _ in tensors]
         entries.update(zip(names, self._sums.tokens([t for _, t in tensors], full)))
-        self.graded = walker.graded
+        self.graded = [name for name, key in walker.graded.items() if self._gradients.get(name) != key]
+        self._gradients = walker.graded
         return entries
 
     def dataset_entries(self) -> Fingerprint:
@@ -518,8 +521,9 @@ class _Walker:
         self._full = full
         self._objects: set[int] = set()
         self._name = ""
-        self.graded: list[str] = []
-        """Where tensors outside the parameters hold a gradient (:func:`holds_gradient`), by entry name."""
+        self.graded: dict[str, tuple[int, int]] = {}
+        """Where tensors outside the parameters hold a gradient (:func:`holds_gradient`): entry name → the gradient's
+        identity and version counter."""
 
     def named(self, name: str, value: Any) -> Hashable:
         """:meth:`token` of the value held at entry ``name`` (what :attr:`graded` names)."""
@@ -534,8 +538,8 @@ class _Walker:
         if isinstance(value, Tensor):
             if id(value) in self._known:
                 return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
-            if holds_gradient(value) and self._name not in self.graded:
-                self.graded.append(self._name)
+            if holds_gradient(value):
+                self.graded[self._name] = (id(value.grad), value.grad._version)
             return ("tensor", self._sums.tokens([value], self._full)[0])
         if callable(getattr(value, "cache_info", None)) and callable(getattr(value, "cache_clear", None)):
             return ("cached function", getattr(value, "__qualname__", ""), value.cache_info().currsize)  # lru_cache

@@ -24,8 +24,14 @@ probability ≈ 0.88). Reading stops early once :data:`CONTENT_CHECK_BYTES` have
 read so far are still a random sample). The same records on every rank (the sample's seed is public): every
 rank reaches the same verdict. Cost: one read and one digest per checked record (measured in docs/verification.md).
 
-What it cannot see: copies that differ in any byte (re-encoded or resized images, a copy with its own
-augmentation drawn from a generator of its own, a record that carries its position), repetition below
+- **near-identical content** (:func:`_refuse_near_copies`): the same count on the records' digests with every
+  floating-point tensor or array of 4 values or more rounded to a grid of 1e-3 of its scale, two grids offset by
+  half a step (:func:`~lightning_dp.records.record_fingerprint.near_digest`): copies with jitter added (SMOTE-like
+  oversampling) meet on one of them.
+
+What it cannot see: copies that differ by more than the grid (re-encoded or resized images, a copy with its own
+augmentation drawn from a generator of its own, a record that carries its position, jitter of 1e-3 of the scale or
+more), near copies of records with fewer than 4 floating-point values, repetition below
 :data:`REPEATED_COPIES` by content alone, and repetition in a large dataset too sparse for the sample;
 records without a fingerprint (opaque objects) are not checked. :class:`~lightning_dp.data.DistinctRecords`
 skips this check for data whose identical records are different people's.
@@ -41,7 +47,7 @@ import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
-from lightning_dp.records.record_fingerprint import Fingerprint, fingerprint
+from lightning_dp.records.record_fingerprint import NEAR_SCALE, Fingerprint, fingerprint, near_digest
 from lightning_dp.validators.record_sources import REPEAT_FIX
 
 CONTENT_CHECK_RECORDS = 10_000
@@ -78,11 +84,13 @@ def check_repeated_records(dataset: Any, at: Callable[[int], int], n: int) -> No
         PrivacyConfigurationError: the same memory read at two positions, or repetition by content beyond
             :data:`REPEATED_COPIES` (see the module docstring).
     """
-    prints = _fingerprints(dataset, at, n)
-    if prints is None or len(prints) < 2:
+    found = _fingerprints(dataset, at, n)
+    if found is None or len(found[0]) < 2:
         return
+    prints, near = found
     _refuse_same_memory(prints)
     _refuse_repeated_content(prints, n)
+    _refuse_near_copies(near, n)
 
 
 def checked_positions(n: int) -> np.ndarray:
@@ -91,11 +99,14 @@ def checked_positions(n: int) -> np.ndarray:
     return np.random.default_rng(_SAMPLE_SEED).choice(n, size=min(n, CONTENT_CHECK_RECORDS), replace=False)
 
 
-def _fingerprints(dataset: Any, at: Callable[[int], int], n: int) -> Optional[dict[int, Fingerprint]]:
-    """Fingerprints of the checked records by dataset index (``None``: some record has none)."""
+def _fingerprints(dataset: Any, at: Callable[[int], int], n: int
+                  ) -> Optional[tuple[dict[int, Fingerprint], list[dict[int, bytes]]]]:
+    """Fingerprints of the checked records by dataset index, and their digests on the two grids of
+    :func:`~lightning_dp.records.record_fingerprint.near_digest` (``None``: some record has none)."""
     order = [at(int(p)) for p in checked_positions(n)]
     step = 1 if reads_per_index(dataset) else _BATCH
     prints: dict[int, Fingerprint] = {}
+    near: list[dict[int, bytes]] = [{}, {}]
     digested = held = 0
     buffers: set[int] = set()
     with seeded(READ_SEED):
@@ -113,10 +124,12 @@ def _fingerprints(dataset: Any, at: Callable[[int], int], n: int) -> Optional[di
                 else:  # compared by content only
                     found = Fingerprint(found.digest, (), (), found.nbytes)
                 prints[index] = found
+                for grid, offset in zip(near, (0.0, 0.5)):
+                    grid[index] = near_digest(record, offset) or found.digest
                 digested += found.nbytes
             if digested >= CONTENT_CHECK_BYTES:
                 break
-    return prints
+    return prints, near
 
 
 def _records(dataset: Any, indices: list[int]) -> list[Any]:
@@ -170,6 +183,26 @@ def _refuse_repeated_content(prints: dict[int, Fingerprint], n: int) -> None:
         "__len__ that repeats the data (index % n), oversampling or a ConcatDataset of copies looks like, and a "
         "repeated record gets a chance per copy in every step: its privacy loss adds up over its copies. "
         + REPEAT_FIX + " If these are different people's records that happen to be identical, declare it: "
+        "lightning_dp.data.DistinctRecords(dataset).")
+
+
+def _refuse_near_copies(near: list[dict[int, bytes]], n: int) -> None:
+    """Records equal but for a small perturbation (copies with jitter added: SMOTE-like oversampling), counted as
+    :func:`_refuse_repeated_content` counts exact copies, on the grid where the most pairs meet."""
+    m = len(near[0])
+    counts = max((Counter(grid.values()) for grid in near), key=lambda c: sum(k * (k - 1) // 2 for k in c.values()))
+    pairs = sum(c * (c - 1) // 2 for c in counts.values())
+    copies = pairs * (n - 1) / (m * (m - 1) / 2)
+    if pairs == 0 or copies < REPEATED_COPIES or (m < n and pairs < MIN_PAIRS):
+        return
+    grid = next(g for g in near if Counter(g.values()) == counts)
+    first, second = _an_equal_pair({i: Fingerprint(d, (), (), 0) for i, d in grid.items()}, counts)
+    raise PrivacyConfigurationError(
+        f"The training records repeat: they have on average {copies:.2g} other near-identical copies each (equal to "
+        f"{NEAR_SCALE:g} of their scale; e.g. indices {first} and {second}). That is what oversampling with jitter "
+        "added to the copies (SMOTE-like) looks like: a record and its perturbed copies are one person's data, each "
+        "copy with its own chance in every step, so the privacy loss adds up over them. " + REPEAT_FIX
+        + " If these are different people's records that happen to be this close, declare it: "
         "lightning_dp.data.DistinctRecords(dataset).")
 
 

@@ -52,6 +52,7 @@ class VerificationSchedule:
         self._checking = 0.0
         self._step_seconds: Optional[float] = None  # a running mean of a step's duration (checks excluded)
         self._check_seconds: Optional[float] = None  # a running mean of a later check's duration
+        self._forced = False
 
     def due(self) -> bool:
         """Whether the step starting now is checked (call once per step, before the check)."""
@@ -63,12 +64,21 @@ class VerificationSchedule:
         self._last, self._checking = now, 0.0
         if self.mode == "every_step" or self.checks == 0:
             return True
+        if self._forced and self.mode == "sampled":
+            self._forced = False
+            return True
         if self.mode == "first_step" or self._step_seconds is None:
             return False
         if self._threshold is None:
             expected = self._check_seconds if self._check_seconds is not None else 2.0 * self._step_seconds
             self._threshold = self.rng.expovariate(1.0 / max(expected, 1e-9))
         return self._credit >= self._threshold
+
+    def force(self) -> None:
+        """The next step is checked (``"sampled"``): an epoch begins, a validation ended — where behaviour keyed on
+        the user's own counters or flags switches on (centring the batch from an epoch on, after a validation). Paid
+        from the credit like the others."""
+        self._forced = True
 
     def checked(self, seconds: float) -> None:
         """A check ran for ``seconds``: it is paid from the credit and the next threshold will be drawn. The first

@@ -14,9 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 
-from cases import Classifier, fit  # noqa: E402
+from cases import Classifier, fit, loader, strategy  # noqa: E402
+from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp.accounting import module_ledgers  # noqa: E402
+from lightning_dp.accounting.ledger import PrivacyLedger  # noqa: E402
 
 
 @pytest.fixture
@@ -49,10 +51,22 @@ def _rounded(dtype: torch.dtype):
     return recreate
 
 
+def _near(change):
+    """The trained weights changed a little (``change`` of each tensor) and loaded into a fresh module."""
+    def recreate(model: Classifier) -> Classifier:
+        fresh = Classifier()
+        generator = torch.Generator().manual_seed(1)
+        fresh.load_state_dict({k: change(v, generator) for k, v in model.state_dict().items()})
+        return fresh
+    return recreate
+
+
 @pytest.mark.parametrize("recreate", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), _loaded,
-                                      _encoder_only, _rounded(torch.float16), _rounded(torch.bfloat16)],
+                                      _encoder_only, _rounded(torch.float16), _rounded(torch.bfloat16),
+                                      _near(lambda v, g: v * 1.0001),
+                                      _near(lambda v, g: v + 1e-4 * torch.randn(v.shape, generator=g))],
                          ids=["deepcopy", "pickle", "load_state_dict", "a part", "float16 round trip",
-                              "bfloat16 round trip"])
+                              "bfloat16 round trip", "scaled by 1.0001", "noise added"])
 def test_a_recreated_module_continues_the_record(trained, recreate):
     again = fit(recreate(trained), steps=2)
     assert again.ledger.steps == 5
@@ -87,3 +101,52 @@ def test_a_fresh_module_is_not_taken_for_a_rounding_of_barely_trained_weights():
     """The norm's weight moved by ~1e-6 is still all ones in bfloat16: that rounding is a fresh module's too."""
     assert fit(Normed(), steps=3).ledger.steps == 3
     assert fit(Normed(), steps=2).ledger.steps == 2
+
+
+def test_a_float64_copy_continues_the_record(trained):
+    fresh = Classifier().double()
+    fresh.load_state_dict(trained.state_dict())
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2, precision="64-true").fit(fresh, loader(64))
+    assert dp.ledger.steps == 5
+
+
+def test_weights_far_from_the_trained_ones_start_their_own_record(trained):
+    """Halfway between where training started and where it ended is not near the trained weights: a tenth of the
+    way is the bound (module_ledgers.near)."""
+    start = Classifier()
+    halfway = Classifier()
+    halfway.load_state_dict({k: (v + start.state_dict()[k]) / 2 for k, v in trained.state_dict().items()})
+    assert fit(halfway, steps=2).ledger.steps == 2
+
+
+def test_a_checkpoint_written_mid_fit_continues_every_release_of_that_fit(tmp_path):
+    """"The best checkpoint" from the middle of a fit, reloaded into a fresh module after it: the fit's later
+    releases used the same data, so the record is the whole fit's (8), not the checkpoint's (2)."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    model = Classifier()
+    dp = strategy()
+    every_two = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    quiet_trainer(strategy=dp, max_steps=8, callbacks=[every_two], enable_checkpointing=True).fit(model, loader(64))
+    assert dp.ledger.steps == 8
+    first = sorted(tmp_path.glob("*step=2*.ckpt"))[0]
+    fresh = Classifier()
+    fresh.load_state_dict(torch.load(first, weights_only=False)["state_dict"])
+    assert fit(fresh, steps=4).ledger.steps == 12
+
+
+def test_a_layer_unfrozen_and_never_trained_leaves_no_record():
+    """A fit stopped right after unfreezing a layer (before its first release) leaves that layer's weights — a fresh
+    module's — without the record (it would hand every later fresh module the fit's releases)."""
+    model = Classifier()
+    model.net[0].requires_grad_(False)
+    assert fit(model, steps=3).ledger.steps == 3
+    ledger = PrivacyLedger()
+    ledger.record(1.0, 0.25, 3)
+    frozen = Classifier()
+    frozen.net[0].requires_grad_(False)
+    module_ledgers.bind(frozen, ledger)
+    frozen.net[0].requires_grad_(True)
+    module_ledgers.unbind(frozen, ledger)
+    assert fit(Classifier(), steps=2).ledger.steps == 2

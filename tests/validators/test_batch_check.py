@@ -174,6 +174,79 @@ def test_an_interaction_keyed_on_the_batch_index_is_refused_before_any_release()
     assert unchanged(before, model), "a release happened"
 
 
+class CentresEveryFifthBatch(Classifier):
+    """Centres the batch on its own mean when ``batch_idx % 5 == 2`` only (behaviour that comes and goes)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx % 5 == 2:
+            x = x - x.mean(0, keepdim=True)
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def test_an_interaction_on_every_fifth_batch_is_refused_before_any_release():
+    """The first step runs training_step once as of each of the next eight steps: where its loss differs (batch 2),
+    the batch check runs as of that step."""
+    model = CentresEveryFifthBatch()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 0 \(.*batch_idx 2\)"):
+        run(model, classes(n=1024), steps=40, verify="first_step")
+    assert unchanged(before, model), "a release happened"
+
+
+class CentresFromItsOwnEpochTwo(Classifier):
+    """Counts epochs itself (declared public) and centres the batch from its third epoch on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs_done = 0
+
+    def on_train_epoch_end(self) -> None:
+        self.epochs_done += 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.epochs_done >= 2:
+            x = x - x.mean(0, keepdim=True)
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+class CentresAfterValidation(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated = False
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+    def on_validation_epoch_end(self) -> None:
+        self.validated = True
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.validated:
+            x = x - x.mean(0, keepdim=True)
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def test_an_interaction_switched_on_at_an_epoch_or_after_a_validation_is_refused_at_the_first_step_it_runs():
+    """An epoch's first step and the first step after a validation are always checked (``"sampled"``), with a budget
+    too small for a random check to land there."""
+    model = CentresFromItsOwnEpochTwo()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, verify_budget=1e-6,
+                          public_state=["epochs_done"])
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 8"):
+        quiet_trainer(strategy=strategy, max_steps=40).fit(model, DataLoader(classes(), batch_size=32))
+    assert strategy.ledger.steps == 8
+    model = CentresAfterValidation()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, verify_budget=1e-6)
+    trainer = quiet_trainer(strategy=strategy, max_steps=40, val_check_interval=2, num_sanity_val_steps=0)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 2"):
+        trainer.fit(model, DataLoader(classes(), batch_size=32), DataLoader(classes(32, seed=5), batch_size=16))
+    assert strategy.ledger.steps == 2
+
+
 class _Ticks:
     """A clock that advances one second per reading: every step lasts a second, whatever the machine's load."""
 

@@ -185,3 +185,29 @@ def test_a_batch_end_read_is_not_counted_when_the_checks_replay_the_hook():
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=3).fit(ShowsARecordAtBatchEnd(), DataLoader(data(64), batch_size=16))
     assert dp.ledger.steps == 3
+
+
+class CrashesOnce(Classifier):
+    """Raises in training_step at step 2 (a user's sanity check), as a NaN guard would."""
+
+    crash_at = 2
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.crash_at:
+            raise RuntimeError("loss is NaN")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_copy_of_a_module_whose_fit_crashed_inside_the_step_trains() -> None:
+    """Lightning leaves the module's current hook name at ``training_step`` when it raises; a copy of it carries the
+    name, and the loader's reads before the next fit's first step were taken for the step's."""
+    import copy
+
+    model = CrashesOnce()
+    with pytest.raises(RuntimeError, match="NaN"):
+        quiet_trainer(strategy=strategy(), max_steps=6).fit(model, DataLoader(data(64), batch_size=16))
+    again = copy.deepcopy(model)
+    again.crash_at = -1
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=3).fit(again, DataLoader(data(64), batch_size=16))
+    assert dp.ledger.steps >= 3

@@ -244,3 +244,32 @@ def test_records_without_a_fingerprint_are_not_checked():
             return Opaque()
 
     check_records(Records(), None, 10)
+
+
+def _jittered(share: float, scale: float, n: int = 200, d: int = 8) -> TensorDataset:
+    """``n`` records of which the last ``share`` are copies of the first ones with noise of ``scale`` added."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, d, generator=g)
+    copies = int(share * n)
+    x[n - copies:] = x[:copies] + scale * torch.randn(copies, d, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def test_copies_with_jitter_added_are_refused_and_distinct_close_records_pass():
+    """SMOTE-like oversampling (a fifth of the records are copies with noise of 1e-5 relative to the data's scale) is
+    repetition by content on a grid of 1e-3 of the scale; the same records without the copies, and copies moved by
+    a tenth of the scale (other records), pass."""
+    _refused(_jittered(0.2, 1e-5), "near-identical copies")
+    check_records(_jittered(0.0, 0.0), None, 200)
+    check_records(_jittered(0.2, 0.1), None, 200)
+    check_records(DistinctRecords(_jittered(0.2, 1e-5)), None, 200)
+
+
+def test_near_digests_follow_the_values_not_their_bytes():
+    from lightning_dp.records.record_fingerprint import near_digest
+
+    x = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    grids = [(near_digest((x, 1), o), near_digest((x + 1e-7, 1), o), near_digest((x + 0.1, 1), o)) for o in (0, .5)]
+    assert any(same == jittered for same, jittered, _ in grids)
+    assert all(same != moved for same, _, moved in grids)
+    assert near_digest((x, 1), 0) != near_digest((x, 0), 0)  # the label is compared exactly

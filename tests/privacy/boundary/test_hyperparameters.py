@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from cases import Classifier, fit, loader, parameters, plain_step, strategy, unchanged
+from cases import Classifier, data, fit, loader, parameters, plain_step, strategy, unchanged
 from conftest import quiet_trainer
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_dp import PrivacyConfigurationError
 
@@ -467,6 +468,57 @@ def test_a_teacher_fitted_to_the_training_set_in_on_train_start_is_refused_befor
     with pytest.raises(PrivacyConfigurationError, match=r"on_train_start.*parameter teacher\.weight"):
         fit(model, steps=4)
     assert unchanged(before, model.net), "no release was made (the real on_train_start fitted the teacher)"
+
+
+class Data(pl.LightningDataModule):
+    def setup(self, stage: str) -> None:
+        self.train_set = data(64)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=16)
+
+
+class FittedInSetup(FittedInTrainStart):
+    """The same teacher, fitted in setup (before training starts) to the datamodule's training set."""
+
+    def setup(self, stage: str) -> None:
+        xs, ys = self.trainer.datamodule.train_set.tensors
+        fitted = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(fitted.parameters(), lr=0.5)
+        for _ in range(5):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(fitted(xs), ys).backward()
+            optimizer.step()
+        self.teacher.load_state_dict(fitted.state_dict())
+
+    def on_train_start(self) -> None:
+        pass
+
+
+class BuildsInSetup(Classifier):
+    """Builds its head in setup and initialises it from a seeded generator (nothing from the data)."""
+
+    def setup(self, stage: str) -> None:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.eye(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+def test_a_teacher_fitted_before_training_is_refused_and_a_layer_built_in_setup_trains():
+    """setup and on_fit_start are replayed with the hooks that see no batch; the model's structure and weights are
+    put back after each replay (the replays do not build the head again, nor reset what training changed)."""
+    model = FittedInSetup()
+    with pytest.raises(PrivacyConfigurationError, match=r"parameter teacher\.weight"):
+        quiet_trainer(strategy=strategy(), max_steps=4).fit(model, datamodule=Data())
+    built = BuildsInSetup()
+    dp = fit(built, steps=4)
+    assert dp.ledger.steps == 4
+    head = built.head
+    assert any(p is head.weight for p in built.parameters()) and not torch.equal(head.weight, torch.eye(2))
 
 
 def test_a_timer_callback_trains():
