@@ -55,8 +55,9 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
                                                validates_on_training_data)
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.hook_replays import (batch_start, model_kept, overrides_epoch_hooks, progress_as,
-                                                  replay_batch_hooks, replay_epoch_hooks, replaying)
+from lightning_dp.validators.hook_replays import (batch_start, configured_settings, model_kept, overrides_epoch_hooks,
+                                                  progress_as, replay_batch_hooks, replay_epoch_hooks, replaying,
+                                                  users_hook)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.privacy.release import Release
@@ -680,7 +681,7 @@ class PrivateTraining:
         to distil from) and of the datamodule. Refused before any release (a report may be declared public)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
-        if not overrides_epoch_hooks(module):
+        if not overrides_epoch_hooks(module) and not users_hook(getattr(type(module), "configure_optimizers", None)):
             return
         boundary = self.private_step.boundary
         exchanged = self.private_step.exchanged_training_data()
@@ -694,14 +695,16 @@ class PrivateTraining:
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
                 model_back = model_kept(module)  # a setup warming the weights up: compared, then put back
+                rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
                             seeds_recorded() as calls, self._privacy_settings_kept(), \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
                         replay_epoch_hooks(module)
+                        rates = configured_settings(module)  # a rate configure_optimizers takes from the data
                 finally:
-                    kept.append(fingerprint.take(users, full=True, every_callback=True))
+                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates})
                     snapshot.restore()
                     written = model_back()
                     if written:  # put back as they were: the next release compares with them as they are
@@ -718,7 +721,7 @@ class PrivateTraining:
         moved = moved_by_data(plain, again, other)
         where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
                  "data and on it exchanged")
-        decided = [name for name in moved if name.startswith(("optimizer ", "trainer "))]
+        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "configured "))]
         if decided:
             raise hyperparameters_error(decided, f"from the training data {where}")
         if len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:

@@ -169,7 +169,7 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
             continue
         for key in (now, *_rounded_digests(p)):
             _BY_CONTENT[key] = copy
-        if p.numel() >= _MIN_SKETCHED:
+        if p.numel() >= _MIN_SKETCHED and not _sharded(p):
             _SKETCHES.setdefault(tuple(p.shape), []).append((before[id(p)][1], sample(p), copy))
 
 
@@ -198,12 +198,17 @@ def near(p: Tensor) -> list[PrivacyLedger]:
     """The records of trained weights ``p`` lies near: nearer to them (at the sketch's positions) than a tenth of
     how far the releases moved them from where they were bound (weights scaled by 1.0001, or with noise added,
     after training; a fresh module initialised as the trained one was is as far from it as training moved it)."""
-    kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED else None
+    kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED and not _sharded(p) else None
     if not kept or not p.dtype.is_floating_point:
         return []
     here = sample(p)
     return [ledger for start, end, ledger in kept
-            if float((here - end).norm()) < _NEAR * float((end - start).norm())]
+            if here.shape == end.shape and float((here - end).norm()) < _NEAR * float((end - start).norm())]
+
+
+def _sharded(p: Tensor) -> bool:
+    """A DTensor (FSDP2): its sketch would be its shard's; sharded weights are found by their digests only."""
+    return hasattr(p, "to_local")
 
 
 LOWER_PRECISIONS = (torch.float16, torch.bfloat16)

@@ -13,15 +13,15 @@ ledger counts, the trained model is then not differentially private.
   LightningDataModule and the training datasets' own attributes that equal, to float precision, a statistic of the
   training tensors: per-feature and per-channel mean, standard deviation and variance, the features' global mean and
   standard deviation, the labels' class counts, frequencies and inverse frequencies (normalised to sum 1 or to mean 1);
-* feature tensors every column of which has mean 0 and standard deviation 1 (either convention) to float precision:
-  standardised with their own statistics.
+* feature tensors every column of which has mean 0 and standard deviation 1 (either convention), median 0 and
+  interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
+  scaled by their own statistics.
 
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
 0 or 1. Names declared
 public are skipped (:func:`~lightning_dp.validators.kept_state.is_public`). What it cannot see: a statistic
 transformed after it was computed (rounded, scaled, combined with public constants), statistics of a subset of the
-data, and data scaled by its own statistics in another way (min-max to [0, 1] is also what dividing by a known range
-gives, so it is not looked for).
+data, and data scaled by its own statistics in another way (to [-1, 1], by a rank transform).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
                      tensors: Sequence[tuple[str, Tensor]], public: Sequence[str]) -> list[str]:
     stats = [(f"{name} of the training {path.lstrip('.') or 'tensor'}", value)
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
-    found = [f"the training {path.lstrip('.') or 'tensor'} is standardised with its own mean and standard deviation"
-             for path, t in tensors if _standardised(t)]
+    found = [f"the training {path.lstrip('.') or 'tensor'} is {how}"
+             for path, t in tensors for how in [_scaled_by_itself(t)] if how]
     if not stats:
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
@@ -149,15 +149,28 @@ def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:
                 yield "balanced class weights", counts.sum() / (len(counts) * counts)
 
 
-def _standardised(t: Tensor) -> bool:
+def _scaled_by_itself(t: Tensor) -> str:
+    """How ``t``'s features were scaled by their own statistics, or "": every column with mean 0 and standard
+    deviation 1 (``StandardScaler``), with median 0 and interquartile range 1 (``RobustScaler``), or reaching both 0
+    and 1 exactly with more than two values in most columns (``MinMaxScaler``, or quantile clip-scaling; a known range
+    divided out rarely has every column at both ends, and one-hot columns have two values)."""
     if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 20 or t.numel() > MAX_ELEMENTS:
-        return False
+        return ""
     flat = t.detach().to(torch.float64).reshape(t.shape[0], -1)
     if flat.shape[1] < 2:
-        return False
+        return ""
     tol = 1e-5 if t.dtype == torch.float64 else 1e-4
-    means_zero = bool((flat.mean(0).abs() <= tol).all())
-    return means_zero and any(bool(((flat.std(0, correction=c) - 1).abs() <= tol).all()) for c in (0, 1))
+    if bool((flat.mean(0).abs() <= tol).all()) and \
+            any(bool(((flat.std(0, correction=c) - 1).abs() <= tol).all()) for c in (0, 1)):
+        return "standardised with its own mean and standard deviation"
+    if flat.numel() <= MAX_ELEMENTS >> 3:
+        q25, q50, q75 = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=0)
+        if bool((q50.abs() <= tol).all()) and bool(((q75 - q25 - 1).abs() <= tol).all()):
+            return "scaled by its own median and interquartile range"
+    ends = bool((flat.min(0).values.abs() <= tol).all()) and bool(((flat.max(0).values - 1).abs() <= tol).all())
+    if ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1]):
+        return "scaled to [0, 1] by its own minimum and maximum (or quantiles)"
+    return ""
 
 
 def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

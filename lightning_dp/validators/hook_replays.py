@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from lightning_dp.validators.kept_state import library_callback, trusted_callback
+from lightning_dp.validators.kept_state import library_callback, settings, trusted_callback
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -35,9 +35,9 @@ EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 """The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
 dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
 
-__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "batch_start", "model_kept", "overrides_epoch_hooks",
-           "overrides_fit_start", "progress_as", "replay_batch_hooks", "replay_epoch_hooks", "replaying",
-           "silenced_logging", "users_hook"]
+__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "batch_start", "configured_settings", "model_kept",
+           "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks", "replay_epoch_hooks",
+           "replaying", "silenced_logging", "users_hook"]
 
 
 @contextmanager
@@ -84,6 +84,25 @@ def replay_epoch_hooks(module: "pl.LightningModule") -> None:
                     getattr(module, name)(*stage)
         except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
             pass
+
+
+def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
+    """The hyper-parameters (:func:`~.kept_state.settings`) of the optimizers the module's ``configure_optimizers``
+    builds now, and its schedulers' states (``"configured optimizer 0 param_groups[0].lr"``): run in the replays of
+    the hooks that see no batch, a learning rate from the training data (``1 / L`` from its spectral norm) differs on
+    its exchanged copy. The optimizers built are dropped; a module without one, or one that fails, gives nothing."""
+    from pytorch_lightning.core.optimizer import _configure_optimizers
+
+    try:
+        optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
+    except Exception:  # noqa: BLE001  (what configure_optimizers needs of the loop is not there: nothing compared)
+        return {}
+    out: dict[str, Any] = {}
+    for i, optimizer in enumerate(optimizers):
+        out.update({f"configured optimizer {i} {k.partition(' ')[2]}": v for k, v in settings(optimizer).items()})
+    for i, config in enumerate(schedulers):
+        out.update({f"configured scheduler {i} {k}": repr(v) for k, v in config.scheduler.state_dict().items()})
+    return out
 
 
 def model_kept(module: "pl.LightningModule") -> Callable[[], list[str]]:

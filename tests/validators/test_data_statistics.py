@@ -69,6 +69,39 @@ def test_features_standardised_with_their_own_statistics_are_refused():
             Classifier(), DataLoader(TensorDataset(standardised, Y), batch_size=16))
 
 
+def _robust(x: torch.Tensor) -> torch.Tensor:
+    q25, q50, q75 = torch.quantile(x, torch.tensor([0.25, 0.5, 0.75]), dim=0)
+    return (x - q50) / (q75 - q25)
+
+
+def _clip_scaled(x: torch.Tensor) -> torch.Tensor:
+    low, high = torch.quantile(x, 0.01, dim=0), torch.quantile(x, 0.99, dim=0)
+    return ((x - low) / (high - low)).clamp(0, 1)
+
+
+@pytest.mark.parametrize("scale,what", [
+    (_robust, "median and interquartile range"),
+    (lambda x: (x - x.min(0).values) / (x.max(0).values - x.min(0).values), r"\[0, 1\] by its own minimum"),
+    (_clip_scaled, r"\[0, 1\] by its own minimum"),
+])
+def test_features_scaled_by_their_own_order_statistics_are_refused(scale, what):
+    with pytest.raises(PrivacyConfigurationError, match=what):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(
+            Classifier(), DataLoader(TensorDataset(scale(X), Y), batch_size=16))
+
+
+def test_binary_features_and_a_known_range_divided_out_train():
+    one_hot = (torch.rand(len(X), 16, generator=torch.Generator().manual_seed(1)) > 0.5).float()  # 0/1: two values
+    known = (X.clamp(-3, 3) + 3) / 6  # a public range: not every column reaches both ends
+    from lightning_dp.data import DistinctRecords
+
+    for features in (one_hot[:, :4], known):  # the classifier reads 4 features (4 binary ones repeat: declared)
+        dp = strategy()
+        records = DistinctRecords(TensorDataset(features, Y))
+        quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(records, batch_size=16))
+        assert dp.ledger.steps == 2
+
+
 class Standardise:
     """A transform object of the user's (as torchvision's Normalize keeps them)."""
 

@@ -521,6 +521,23 @@ def test_a_teacher_fitted_before_training_is_refused_and_a_layer_built_in_setup_
     assert any(p is head.weight for p in built.parameters()) and not torch.equal(head.weight, torch.eye(2))
 
 
+class RateFromTheData(Classifier):
+    """Sets the learning rate to 1/L, L the training set's largest squared singular value (a smoothness bound)."""
+
+    def configure_optimizers(self):
+        x, _ = self.trainer.datamodule.train_set.tensors
+        bound = float(torch.linalg.matrix_norm(x, ord=2)) ** 2 / len(x)
+        return torch.optim.SGD(self.parameters(), lr=1.0 / bound)
+
+
+def test_a_learning_rate_configure_optimizers_takes_from_the_training_data_is_refused_before_any_release():
+    model = RateFromTheData()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"configured optimizer 0 param_groups\[0\]\.lr"):
+        quiet_trainer(strategy=strategy(), max_steps=4).fit(model, datamodule=Data())
+    assert unchanged(before, model), "a release happened"
+
+
 def test_a_timer_callback_trains():
     dp = fit(Classifier(), steps=8, callbacks=[EpochTimer()])
     assert dp.ledger.steps == 8
