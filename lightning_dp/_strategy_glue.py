@@ -126,6 +126,7 @@ class PrivateTraining:
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
+        self._hooks_of_users: dict[tuple[str, ...], tuple[Any, bool]] = {}  # which hooks the user's code has
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
 
     # ------------------------------------------------------------------ public state (the private step's)
@@ -390,7 +391,8 @@ class PrivateTraining:
                 self._record_watch.elsewhere = None
             self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
-            self.private_step.schedule.force()  # what validation switched on is checked at the next step
+            if self._users_code_runs(VALIDATION_HOOKS):
+                self.private_step.schedule.force()  # what validation switched on is checked at the next step
 
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
@@ -399,6 +401,17 @@ class PrivateTraining:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)",
                                      skip=("parameter ",) if _averaging(trainer) else ())  # its average: released
+
+    def _users_code_runs(self, hooks: tuple[str, ...]) -> bool:
+        """Whether the module or a callback that is not Lightning's or lightning_dp's has one of ``hooks`` of its own
+        (answered once per fit and set of hooks)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        known = self._hooks_of_users.get(hooks)
+        if known is None or known[0] is not module:
+            owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
+            known = self._hooks_of_users[hooks] = (module, any(users_hook(getattr(type(owner), name, None))
+                                                               for owner in owners for name in hooks))
+        return known[1]
 
     def _stop_watching(self) -> None:
         """Training is over (or failed): the logged metrics and the records are no longer watched."""
@@ -491,7 +504,8 @@ class PrivateTraining:
                            "probe runs again before the next release")
         if not step.verified:
             self._verify()
-        if self.lightning_module.trainer.fit_loop.epoch_loop.batch_idx == 0:  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():
             first = step.schedule.checks == 0
@@ -1015,6 +1029,12 @@ def _averaging(trainer: "pl.Trainer") -> bool:
     return any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
                for cb in trainer.callbacks for b in type(cb).__mro__)
 
+
+EPOCH_BOUNDARY_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
+VALIDATION_HOOKS = ("validation_step", "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+                    "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end")
+"""The hooks after which user code may have switched the step's behaviour on: an epoch's first step and the step after
+a validation are then always checked (``verify="sampled"``)."""
 
 NEXT_STEPS = 8
 """How many steps after the first :meth:`PrivateTraining._steps_that_differ` looks at."""
