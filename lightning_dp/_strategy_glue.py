@@ -281,6 +281,10 @@ class PrivateTraining:
     def connect(self, model: "pl.LightningModule") -> None:
         """Lightning's, then refuse a tuner in a fit (:func:`check_no_tuner`), before any callback's setup."""
         super().connect(model)  # type: ignore[misc]
+        if _compiled(model):  # the checks run a compiled backward more than once per graph (retained)
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
         if model._current_fx_name in STEP_HOOKS:  # left by a hook that raised (Lightning restores it on return only):
             model._current_fx_name = None         # a module whose fit crashed (or its copy) is not inside a step
         trainer = model._trainer
@@ -1038,6 +1042,16 @@ a validation are then always checked (``verify="sampled"``)."""
 
 NEXT_STEPS = 8
 """How many steps after the first :meth:`PrivateTraining._steps_that_differ` looks at."""
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` (``torch.compile(module)``, which Lightning unwraps) or a part of it (``torch.compile(net)``,
+    ``net.compile()``) runs compiled: its backward graphs then must not donate their buffers (torch's default), which
+    a backward run twice on one graph — as the checks do — cannot take."""
+    if getattr(model, "_compiler_ctx", None):
+        return True
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def _observers(trainer: "pl.Trainer") -> list[Any]:

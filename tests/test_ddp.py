@@ -329,3 +329,30 @@ def test_non_private_norms_are_every_ranks_examples(tmp_path):
         assert torch.equal(seen[1][step][0], norms) and seen[1][step][1:] == (size, fraction)
         assert fraction == pytest.approx(float((norms > 0.5).float().mean()))
 
+
+
+class PerRankSplit(pl.LightningDataModule):
+    """Splits the data in setup(), on every rank, from a generator seeded with the rank (``seed + rank``)."""
+
+    def __init__(self, subsample: bool) -> None:
+        super().__init__()
+        self.subsample = subsample
+
+    def setup(self, stage: str) -> None:
+        x, y = classification_data(200).tensors
+        order = torch.randperm(200, generator=torch.Generator().manual_seed(7 + self.trainer.global_rank))
+        keep = order[: 100 + 50 * self.trainer.global_rank] if self.subsample else order
+        self.train_set = TensorDataset(x[keep], y[keep])
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_set, batch_size=16)
+
+
+@pytest.mark.parametrize("subsample", [False, True], ids=["shuffled per rank", "subsampled per rank"])
+def test_training_datasets_that_differ_between_ranks_are_refused(subsample):
+    """One population for every rank, or the draw puts one record at two ranks' different indices and N, q
+    disagree: refused on every rank (validators/records.check_same_on_every_rank) before any release."""
+    trainer = _trainer(_ddp_strategy(noise_multiplier=1.0, sampler_seed=0), WORLD, max_steps=2)
+    model = SeededClassifier()
+    with pytest.raises(Exception, match="differ between the ranks"):
+        trainer.fit(model, datamodule=PerRankSplit(subsample))

@@ -24,8 +24,10 @@ from the training data: refused before the next release. Decisions the window's 
 (a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are not theirs to judge: the
 replays leave them as they were.
 
-What a window cannot see: a decision whose hook keeps a flag it sets in place (a list, a tensor) rather than an
-attribute it binds (its replays then find the flag set and decide nothing), and decisions made in the step itself
+What a window cannot see: at a batch's end, a decision whose hook keeps a flag it sets in place (a list, a tensor)
+rather than an attribute it binds (its runs again start from the state as it is after it, with only the attributes
+put back: a snapshot of the whole state every step would cost too much; an epoch's window takes one), and decisions
+made in the step itself
 (refused at the release: :meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.check_hyperparameters`).
 """
 
@@ -61,7 +63,8 @@ WINDOW_HOOKS = {
 
 @dataclass
 class _Window:
-    """A window as it opened: the decisions and their values, the user objects' attributes, the hooks' arguments."""
+    """A window as it opened: the decisions and their values, the user objects' attributes, the hooks' arguments; an
+    epoch's also the kept state's fingerprint and a snapshot of the user's state to run its hooks again from."""
 
     kind: str
     decisions: Fingerprint
@@ -75,6 +78,7 @@ class _Window:
     args: tuple[Any, ...] = ()
     step: int = 0
     state: Optional[Fingerprint] = None
+    before: Optional[StateSnapshot] = None
 
 
 class DecisionWindows(pl.Callback):
@@ -145,6 +149,11 @@ class DecisionWindows(pl.Callback):
         return self._boundary.fingerprint(module).take(
             [*users, *([datamodule] if datamodule is not None else [])], full=True, every_callback=True)
 
+    def _snapshot(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> StateSnapshot:
+        """The user's state as it is now, to run a window's hooks again from (an epoch's: once an epoch)."""
+        return StateSnapshot(module, [o for o in self._users(trainer, module) if o is not module],
+                             self._boundary.engine_keys)
+
     def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = ()) -> None:
         if self._kinds is None:  # which windows have hooks of the user's (none: nothing is noted, nothing costs)
             owners = self._users(trainer, module)
@@ -159,7 +168,7 @@ class DecisionWindows(pl.Callback):
             [copy.deepcopy(scheduler.state_dict()) for scheduler in schedulers(trainer)],
             [(p, p.requires_grad) for p in module.parameters()],
             [(o, _public_attributes(o)) for o in self._users(trainer, module)], args, trainer.global_step,
-            self._state(trainer, module) if kind.startswith("epoch") else None)
+            *((self._state(trainer, module), self._snapshot(trainer, module)) if kind.startswith("epoch") else ()))
 
     def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
@@ -184,9 +193,10 @@ class DecisionWindows(pl.Callback):
             self._boundary.accept(written)
 
     def _steered(self, window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
-        """Run the window's hooks again (twice as they ran, then on other data), each from the state as it is now
-        with the decisions and the user objects' attributes as the window opened; the decisions (and, an epoch's,
-        the kept state) the other data set apart. The run's state is put back as it is now afterwards."""
+        """Run the window's hooks again (twice as they ran, then on other data), each from the decisions and the
+        user objects' attributes as the window opened (an epoch's: the whole user state, from its snapshot); the
+        decisions (and, an epoch's, the kept state) the other data set apart. The run's state is put back as it is
+        now afterwards."""
         users = [o for o, _ in window.attributes if o is not module]
         after = StateSnapshot(module, users, self._boundary.engine_keys)
         now = _settings_of(trainer), loop_controls(trainer)
@@ -196,6 +206,8 @@ class DecisionWindows(pl.Callback):
         try:
             for variant in _variants(window, self._exchanged, self._logs_moved):
                 after.restore()
+                if window.before is not None:  # an epoch's: everything as the window opened (a layer's dropout rate)
+                    window.before.restore()
                 _put_back(window, trainer)
                 try:
                     with self._settings(), replaying(module, rates=False), torch.no_grad():

@@ -413,8 +413,8 @@ class StateFingerprint:
     def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
         """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
         for key, value in vars(t).items():
-            if key in self.skip_keys or key.startswith("_dp_") or _library_function(value):
-                continue
+            if key in self.skip_keys or key.startswith(("_dp_", "_dynamo_")) or _library_function(value):
+                continue  # torch.compile marks the parameters it saw (`_dynamo_static_input_type`): torch's own
             if not self._is_public(f"{path}.{key}"):
                 entries[f"attribute {path}.{key}"] = walker.named(f"{path}.{key}", value)
 

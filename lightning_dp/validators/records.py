@@ -27,8 +27,10 @@ process. Errors name positions, never data values.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
@@ -57,6 +59,7 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     Raises:
         PrivacyConfigurationError: naming what is wrong and the fix.
     """
+    check_same_on_every_rank(dataset)  # first: a collective, which every rank must reach
     check_sources(dataset, indices)
     _check_empty_read(dataset)
 
@@ -68,6 +71,52 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
         check_repeated_records(dataset, at, num_samples)
     if not per_user:
         check_shared_records(dataset, at, num_samples)
+
+
+RANK_PROBES = 16
+"""Records read on every rank (spread evenly over the dataset) to compare the ranks' datasets."""
+
+
+def check_same_on_every_rank(dataset: Any) -> None:
+    """Under several processes, refuse training datasets that differ between the ranks: their lengths, or the
+    records at :data:`RANK_PROBES` positions spread over them (fingerprints, compared through two all-reduces of a
+    digest). Poisson sampling draws the same indices on every rank from one population, and the accounting is for
+    that population: a train/validation split drawn per rank (an unseeded ``default_rng``, ``seed + rank``), a
+    per-rank shuffle or subsample makes one record two ranks' different indices (drawn twice in a step, at twice the
+    rate) and the ranks' N and q disagree. Every rank reaches the same verdict."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    try:
+        n = len(dataset)
+    except TypeError:  # an iterable dataset: refused where the loader is built
+        return
+    positions = sorted({round(k * (n - 1) / max(1, RANK_PROBES - 1)) for k in range(RANK_PROBES)}) if n else []
+    digest = hashlib.blake2b(str(n).encode(), digest_size=8)
+    try:
+        with seeded(READ_SEED):
+            for record in fetch(dataset, positions):
+                found = fingerprint(record)
+                digest.update(found.digest if found is not None else b"opaque")
+    except Exception:  # noqa: BLE001  (a dataset the later checks refuse by name: the collectives still run)
+        digest.update(b"unreadable")
+    mine = int.from_bytes(digest.digest(), "little", signed=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    values = torch.tensor([n, mine], dtype=torch.int64, device=device)
+    highest, lowest = values.clone(), values.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    if not torch.equal(highest, lowest):
+        what = "lengths" if int(highest[0]) != int(lowest[0]) else "records"
+        raise PrivacyConfigurationError(
+            f"The training datasets differ between the ranks (their {what}: "
+            f"{int(lowest[0])}–{int(highest[0])} records). Poisson sampling draws the same indices on every rank "
+            "from one population and the accounting is for that population: a split, shuffle or subsample drawn per "
+            "rank (an unseeded numpy.random.default_rng(), a seed plus the rank) puts one record at different indices "
+            "on different ranks — drawn twice in a step, at twice the rate — and the ranks' N and q disagree. Nothing "
+            "was released. Build the dataset alike on every rank (a fixed seed in the datamodule's setup, the same "
+            "for all ranks: pl.seed_everything(seed) before fit, not seed + rank).")
 
 
 def _check_empty_read(dataset: Any) -> None:

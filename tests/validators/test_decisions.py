@@ -262,3 +262,23 @@ def test_the_windows_callback_is_first_during_the_fit_and_gone_after_it() -> Non
     trainer = _fit(Classifier(), [Looks()], steps=2)
     assert len(seen) >= 2 and set(seen) == {DecisionWindows}  # the checks' passes run the hook too
     assert not any(isinstance(cb, DecisionWindows) for cb in trainer.callbacks)
+
+
+class DropoutWhenAccurate(Classifier):
+    """Raises a dropout layer's rate once the training accuracy passes 0.8 (a torch layer's configuration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.0),
+                                       torch.nn.Linear(8, 2))
+
+    def on_train_epoch_end(self) -> None:
+        if _train_set_accuracy(self.trainer, self) > 0.8:
+            self.net[2].p = 0.5
+
+
+def test_state_an_epochs_hook_sets_past_a_threshold_is_judged_from_the_state_before_it():
+    """The runs again start from the state as the epoch's window opened (rate 0), not as the real hook left it
+    (0.5, which the exchanged run, below the threshold, would leave alike): refused, not accepted."""
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)at the end of an epoch.*configuration net\.2\.p"):
+        _fit(DropoutWhenAccurate(), [], steps=40)

@@ -200,3 +200,19 @@ def test_the_same_temperature_as_a_parameter_is_privatised_and_trains() -> None:
     model = ParameterTemperature()
     assert fit(model, steps=3).ledger.steps == 3
     assert model.temperature.item() != 1.0
+
+
+class CompiledNet(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="eager")
+
+
+def test_compiled_models_train():
+    """torch.compile marks the parameters it saw (``_dynamo_static_input_type``): torch's own, not kept state; a
+    compiled LightningModule (as Lightning's docs show) runs its backward graph again in the checks, which buffer
+    donation (aot_autograd's default) would forbid."""
+    torch._dynamo.reset()
+    assert fit(CompiledNet(), steps=2).ledger.steps == 2
+    torch._dynamo.reset()
+    assert fit(torch.compile(Classifier(), backend="aot_eager"), steps=2).ledger.steps == 2
