@@ -60,6 +60,7 @@ from lightning_dp.validators.hook_replays import (batch_start, configured_settin
                                                   users_hook)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
+from lightning_dp.validators.sealed_loss import sealed
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -546,7 +547,10 @@ class PrivateTraining:
                 "skipping a sampled batch depends on private data (which batches were skipped is released by the "
                 "missing update). Return the loss on every step; to ignore some examples, zero their per-example "
                 "losses instead (a mean over the batch, or a vector of per-example losses).")
-        return mean_loss(out, n)
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if getattr(trainer, "_detect_anomaly", False):  # Lightning's finiteness check reads it in optimizer_step
+            return mean_loss(out, n)
+        return sealed(mean_loss(out, n), self.lightning_module)  # its value not readable in optimizer_step
 
     def _users_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The user's ``training_step``, refused when it (or a hook before it) read training records itself

@@ -27,6 +27,10 @@ so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a che
 found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
 :func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record.
 
+A module that holds a privately trained one outside its registry — a teacher in a list, in a function's closure or
+default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
+(:func:`held_modules`).
+
 What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
 continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
 that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer).
@@ -39,7 +43,9 @@ prefix followed by the rest of each (a composition: an upper bound on ε, never 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -112,10 +118,12 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     """Every release this process made on ``module`` or any of its submodules (one record, combined);
     ``None`` when there was none."""
     seen: list[PrivacyLedger] = []
-    found = [_RECORDS.get(part) for part in module.modules()]
-    if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
-        found += [_BY_CONTENT.get(digest(p)) for p in _trainable(module)]
-        found += [ledger for p in _trainable(module) for ledger in near(p)]
+    found = []
+    for owner in (module, *held_modules(module)):  # a teacher held in a list or a function: its releases too
+        found += [_RECORDS.get(part) for part in owner.modules()]
+        if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
+            found += [_BY_CONTENT.get(digest(p)) for p in _trainable(owner)]
+            found += [ledger for p in _trainable(owner) for ledger in near(p)]
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -125,6 +133,55 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     for other in seen[1:]:
         record = combine(record, other).ledger
     return record
+
+
+def held_modules(module: nn.Module, depth: int = 3, budget: int = 2_000) -> list[nn.Module]:
+    """Modules ``module`` (or a part of it) holds outside its registry — in a list, a dict, a helper object, a
+    function's closure, default arguments or the globals it names, a ``functools.partial`` — to ``depth`` levels and
+    ``budget`` objects: a
+    privately trained teacher whose outputs the module trains on (soft targets, stacked logits) carries its releases
+    into this module's (conservative: ε over-counted when the teacher's outputs are only post-processing)."""
+    registered = {id(m) for m in module.modules()}
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    frontier = [v for m in module.modules() for k, v in vars(m).items() if not k.startswith("_")]
+    for _ in range(depth):
+        following: list = []
+        for value in frontier:
+            if id(value) in seen or len(seen) >= budget:
+                continue
+            seen.add(id(value))
+            if isinstance(value, nn.Module):
+                if id(value) not in registered:
+                    found.append(value)
+                continue
+            following.extend(_inside(value))
+        frontier = following
+    return found
+
+
+def _inside(value: object) -> list:
+    """What ``value`` holds that may be (or hold) a module."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)[:256]
+    if isinstance(value, dict):
+        return list(value.values())[:256]
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, types.MethodType):
+        return [value.__self__]
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        named = [value.__globals__[n] for n in value.__code__.co_names if n in value.__globals__]  # `tn(x)`
+        return [*cells, *(value.__defaults__ or ()), *named]
+    if hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType, Tensor)):
+        return [v for k, v in vars(value).items() if not k.startswith("__")]
+    return []
 
 
 def bind(module: nn.Module, ledger: PrivacyLedger) -> None:

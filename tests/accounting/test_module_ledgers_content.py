@@ -150,3 +150,30 @@ def test_a_layer_unfrozen_and_never_trained_leaves_no_record():
     frozen.net[0].requires_grad_(True)
     module_ledgers.unbind(frozen, ledger)
     assert fit(Classifier(), steps=2).ledger.steps == 2
+
+
+class Distilled(Classifier):
+    """A student trained on soft targets from a teacher it holds outside its registry (``how``)."""
+
+    def __init__(self, teacher: torch.nn.Module, how: str) -> None:
+        super().__init__()
+        teacher.requires_grad_(False)
+        if how == "list":
+            self.teachers = [teacher]
+            self.soft = lambda x: self.teachers[0](x).softmax(-1)
+        else:
+            def soft(x, _teacher=teacher):  # held by a function's default argument
+                return _teacher(x).softmax(-1)
+            self.soft = soft
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        with torch.no_grad():
+            target = self.soft(x)
+        return torch.nn.functional.kl_div(self(x).log_softmax(-1), target, reduction="batchmean")
+
+
+@pytest.mark.parametrize("how", ["list", "function"])
+def test_a_student_of_a_privately_trained_teacher_continues_the_teachers_record(trained, how):
+    """The teacher's releases are in the student's outputs: the student's record starts from them."""
+    assert fit(Distilled(trained, how), steps=2).ledger.steps == 5
