@@ -54,6 +54,7 @@ from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
                                                validates_on_training_data)
+from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.hook_replays import (batch_start, configured_settings, model_kept, overrides_epoch_hooks,
                                                   progress_as, replay_batch_hooks, replay_epoch_hooks, replaying,
@@ -123,6 +124,7 @@ class PrivateTraining:
         self._examples_this_step = -1
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
+        self._records: Optional[tuple[int, frozenset[int]]] = None  # the records its loader trains on (loaders.py)
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
@@ -438,6 +440,7 @@ class PrivateTraining:
         self.private_step.detach()
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
+        self._records = None
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
 
@@ -461,6 +464,10 @@ class PrivateTraining:
         self._loaded_for = when
         if (dataloader.batch_size is None and dataloader.batch_sampler is None) or _injected(dataloader.sampler):
             dataloader = _loader_before_sampler_injection(trainer, dataloader)
+        records = record_set(dataloader.dataset)
+        if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
+            raise population_changed_error(len(self._records[1]), len(records[1]))
+        self._records = records
         loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
         if self.private_step.users is not None:
             rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "

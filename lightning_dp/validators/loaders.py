@@ -28,6 +28,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    Subset,
     SubsetRandomSampler,
 )
 from torch.utils.data.distributed import DistributedSampler
@@ -153,3 +154,29 @@ def training_population(dl: DataLoader, rank: int = 0, world_size: int = 1) -> T
     if n == 0:
         raise PrivacyConfigurationError("The training set is empty.")
     return TrainingPopulation(indices, n, int(batch_size))
+
+
+def record_set(dataset: Any) -> tuple[int, frozenset[int]]:
+    """(identity of the dataset under its ``Subset`` wrappers, the set of its indices they keep): which records a
+    training loader trains on, whatever their order."""
+    indices: Optional[list[int]] = None
+    while isinstance(dataset, Subset):
+        indices = list(dataset.indices) if indices is None else [int(dataset.indices[i]) for i in indices]
+        dataset = dataset.dataset
+    if indices is None:
+        try:
+            indices = list(range(len(dataset)))
+        except TypeError:
+            indices = []
+    return id(dataset), frozenset(int(i) for i in indices)
+
+
+def population_changed_error(before: int, now: int) -> PrivacyConfigurationError:
+    """The refusal of a training loader rebuilt on another set of the same dataset's records."""
+    return PrivacyConfigurationError(
+        f"The training loader was rebuilt on another set of the training dataset's records ({before} → {now} "
+        "records): the accounting is for one population, each record sampled at rate q in every step. A subset "
+        "chosen each epoch (a self-paced curriculum keeping the low-loss examples, hard-example mining, resampling "
+        "by class) is chosen from the private data, and a record left out of some epochs is not sampled at q. Nothing "
+        "more was released. Train on the whole population every epoch; weight examples inside the loss instead.")
+

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+import pytorch_lightning as pl
 import torch
 from conftest import TinyClassifier, quiet_trainer
 from torch.utils.data import (
@@ -20,6 +24,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.validators.loaders import training_population
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier as Small  # noqa: E402
 
 
 def _data(n: int = 40) -> TensorDataset:
@@ -182,3 +189,32 @@ class _LoaderInHook(TinyClassifier):
 def test_a_prefix_sampler_from_train_dataloader_is_refused():
     with pytest.raises(PrivacyConfigurationError, match="SequentialSampler draws from another"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=2).fit(_LoaderInHook())
+
+
+class _Curriculum(pl.LightningDataModule):
+    """Rebuilds its training loader every epoch on the records the model finds easiest (``keep`` of them), or on all
+    of them in that order (``keep=1``)."""
+
+    def __init__(self, keep: float) -> None:
+        super().__init__()
+        self.keep = keep
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        self.train_set = TensorDataset(x, (x[:, 0] > 0).long())
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = self.train_set.tensors
+        with torch.no_grad():
+            losses = torch.nn.functional.cross_entropy(self.trainer.lightning_module(x), y, reduction="none")
+        order = losses.argsort().tolist()
+        return DataLoader(Subset(self.train_set, order[: int(self.keep * len(order))]), batch_size=16)
+
+
+def test_a_population_chosen_again_each_epoch_is_refused_and_a_new_order_of_it_trains():
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, sampler_seed=0), max_steps=12,
+                            reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(PrivacyConfigurationError, match="rebuilt on another set of the training dataset's records"):
+        trainer.fit(Small(), datamodule=_Curriculum(0.75))
+    strategy = DPStrategy(noise_multiplier=1.0, sampler_seed=0)
+    quiet_trainer(strategy=strategy, max_steps=12, reload_dataloaders_every_n_epochs=1).fit(
+        Small(), datamodule=_Curriculum(1.0))
+    assert strategy.ledger.steps == 12
