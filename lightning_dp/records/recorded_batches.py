@@ -17,6 +17,8 @@ from typing import Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
+from lightning_dp.errors import PrivacyConfigurationError
+
 
 class RecordedBatches(Sampler[list[int]]):
     """Wraps a batch sampler of positions ``0..N-1``; yields dataset indices and records them.
@@ -45,7 +47,12 @@ class RecordedBatches(Sampler[list[int]]):
     def take(self) -> list[int]:
         """The dataset indices of the oldest batch not yet taken (the batch being trained on now)."""
         if not self._queue:
-            raise RuntimeError("DPStrategy: a training step ran on a batch its Poisson sampler did not draw.")
+            raise PrivacyConfigurationError(
+                "A training step ran on a batch its Poisson sampler did not draw: the step's closure ran twice for one "
+                "batch (a sharpness-aware optimizer, SAM, calling optimizer_closure again in optimizer_step) or a "
+                "loop of one's own called the step without drawing. Each run of the closure is a release on data "
+                "sampled once: the accounting would not hold. Nothing more was released. Run the closure once per "
+                "step (optimizer.step(closure=optimizer_closure)).")
         return self._queue.popleft()
 
     def first_indices(self, k: int, num_samples: int, rank: int = 0, world_size: int = 1) -> list[int]:

@@ -21,7 +21,7 @@ Constant tensors are never taken for a statistic (a zero bias is not the mean of
 0 or 1. Names declared
 public are skipped (:func:`~lightning_dp.validators.kept_state.is_public`). What it cannot see: a statistic
 transformed after it was computed (rounded, scaled, combined with public constants), statistics of a subset of the
-data, and data scaled by its own statistics in another way (to [-1, 1], by a rank transform).
+data, and data scaled by its own statistics in another way (to another range, by a rank transform).
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:
 def _scaled_by_itself(t: Tensor) -> str:
     """How ``t``'s features were scaled by their own statistics, or "": every column with mean 0 and standard
     deviation 1 (``StandardScaler``), with median 0 and interquartile range 1 (``RobustScaler``), or reaching both 0
-    and 1 exactly with more than two values in most columns (``MinMaxScaler``, or quantile clip-scaling; a known range
-    divided out rarely has every column at both ends, and one-hot columns have two values)."""
+    (or -1) and 1 exactly with more than two values in most columns (``MinMaxScaler``, or quantile clip-scaling; a
+    known range divided out rarely has every column at both ends, and one-hot columns have two values)."""
     if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 20 or t.numel() > MAX_ELEMENTS:
         return ""
     flat = t.detach().to(torch.float64).reshape(t.shape[0], -1)
@@ -167,9 +167,11 @@ def _scaled_by_itself(t: Tensor) -> str:
         q25, q50, q75 = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=0)
         if bool((q50.abs() <= tol).all()) and bool(((q75 - q25 - 1).abs() <= tol).all()):
             return "scaled by its own median and interquartile range"
-    ends = bool((flat.min(0).values.abs() <= tol).all()) and bool(((flat.max(0).values - 1).abs() <= tol).all())
-    if ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1]):
-        return "scaled to [0, 1] by its own minimum and maximum (or quantiles)"
+    low, high = flat.min(0).values, flat.max(0).values
+    for bottom in (0.0, -1.0):  # MinMaxScaler's default range, and feature_range=(-1, 1)
+        ends = bool(((low - bottom).abs() <= tol).all()) and bool(((high - 1).abs() <= tol).all())
+        if ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1]):
+            return f"scaled to [{bottom:g}, 1] by its own minimum and maximum (or quantiles)"
     return ""
 
 

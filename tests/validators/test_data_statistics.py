@@ -83,6 +83,7 @@ def _clip_scaled(x: torch.Tensor) -> torch.Tensor:
     (_robust, "median and interquartile range"),
     (lambda x: (x - x.min(0).values) / (x.max(0).values - x.min(0).values), r"\[0, 1\] by its own minimum"),
     (_clip_scaled, r"\[0, 1\] by its own minimum"),
+    (lambda x: 2 * (x - x.min(0).values) / (x.max(0).values - x.min(0).values) - 1, r"\[-1, 1\] by its own minimum"),
 ])
 def test_features_scaled_by_their_own_order_statistics_are_refused(scale, what):
     with pytest.raises(PrivacyConfigurationError, match=what):
