@@ -130,6 +130,8 @@ class PrivateTraining:
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._hooks_of_users: dict[tuple[str, ...], tuple[Any, bool]] = {}  # which hooks the user's code has
+        self._batch_end_writes: set[str] = set()  # kept state the batch-end hooks write without the data (an EMA)
+        self._batch_checked = False  # the batch check ran on this step (its batch-end window is judged)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
 
     # ------------------------------------------------------------------ public state (the private step's)
@@ -316,8 +318,14 @@ class PrivateTraining:
         from lightning_dp.validators.decisions import DecisionWindows  # a Callback: imports Lightning, which imports us
 
         self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
-                                                 self._logged_reads.moved)
+                                                 self._logged_reads.moved, lambda: self._batch_end_writes,
+                                                 self._judged_this_step)
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
+
+    def _judged_this_step(self) -> bool:
+        """Whether the batch check ran on this step (then its batch-end window judges what the hooks write)."""
+        judged, self._batch_checked = self._batch_checked, False
+        return judged
 
     @contextmanager
     def _other_data(self, floating_only: bool) -> Iterator[None]:
@@ -441,6 +449,7 @@ class PrivateTraining:
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
+        self._batch_end_writes = set()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
 
@@ -520,6 +529,7 @@ class PrivateTraining:
         if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():
+            self._batch_checked = True
             first = step.schedule.checks == 0
             self._check_batch(indices, _batch_idx(args, kwargs))
             if first:
@@ -661,22 +671,39 @@ class PrivateTraining:
         per_epoch = max(1, self.steps_per_epoch or 1)
         trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         decisions: list[list[Any]] = []
+        boundary = self.private_step.boundary
+        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
+        fingerprint = boundary.fingerprint(module)
+        snapshot, model_back = StateSnapshot(module, users, boundary.engine_keys), model_kept(module, weights=True)
+        base = fingerprint.take(users, full=True)
+        states: list[tuple[dict[str, Any], ...]] = []  # per run: before the batch-end hooks, then after them
+        rewritten: set[str] = set()
+
+        def marked() -> tuple[dict[str, Any], dict[str, Any]]:  # contents, and every write (a version counter)
+            return fingerprint.take(users, full=True), fingerprint.take(users)
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
-            def run() -> None:  # each replay from the same seeds: a random draw of the hooks' is not the data's
-                with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
-                        progress_as(trainer, *progress) if progress is not None else nullcontext():
-                    decisions.append(calls)
-                    batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
-                    try:
-                        ended = replay_batch_hooks(module, precision, examples, batch_idx, moved)
-                    except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
-                        if failed is None:
-                            raise
-                        failed.append(True)
-                        return
-                    calls.append(("on_train_batch_start returned -1", ended))
+            def run() -> None:  # each replay from the same seeds and state: a random draw is not the data's
+                marks: list[dict[str, Any]] = []
+                try:
+                    with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
+                            progress_as(trainer, *progress) if progress is not None else nullcontext():
+                        decisions.append(calls)
+                        batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
+                        try:
+                            ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
+                                                       before_end=lambda: marks.append(marked()))
+                        except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
+                            if failed is None:
+                                raise
+                            failed.append(True)
+                            return
+                        calls.append(("on_train_batch_start returned -1", ended))
+                        states.append((*marks[0], *marked()))
+                finally:
+                    snapshot.restore()
+                    rewritten.update(model_back())  # put back as they were: their version counters moved
             return run
 
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
@@ -684,11 +711,13 @@ class PrivateTraining:
         for progress in (None, *self._later_in_the_plan()):
             for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
                 decisions.clear()
+                states.clear()
                 with self._watches_paused():  # the first two alike: what differs between them is not the data's
                     before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
                                                               replay(second, progress, moved, failed)], loop=trainer)
                 if failed:
                     continue
+                self._judge_batch_end_writes(base, states)
                 steered = state_written(before, seen) + moved_by_data(*seen)
                 if steered:
                     raise hyperparameters_error(steered, where)
@@ -696,6 +725,31 @@ class PrivateTraining:
                     raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
                                                   "(training_step, on_train_batch_start/end, on_before_backward)")
             self._replay_epoch_hooks(progress)
+        if rewritten:  # the next release compares the weights the replays wrote and put back as they are now
+            boundary.accept([f"parameter {name}" for name in rewritten])
+
+    def _judge_batch_end_writes(self, base: dict[str, Any], states: list[tuple[dict[str, Any], ...]]) -> None:
+        """What the replays of the batch hooks wrote: before the batch-end hooks (``on_train_batch_start``,
+        ``training_step``, ``on_before_backward``: before the release) nothing may be written; what the batch-end
+        hooks write (after the release, in the loop) is refused when the other data set it apart, and otherwise —
+        an EMA of the weights, a counter — is what they may keep writing (:attr:`_batch_end_writes`: accepted when
+        a batch-end window closes, and judged again by its runs at the sampled checks' steps,
+        :mod:`~lightning_dp.validators.decisions`)."""
+        if len(states) != 3:
+            return
+        boundary = self.private_step.boundary
+        early = StateFingerprint.changed(base, states[0][0])  # (contents before the end hooks, writes, contents after,
+        # writes after)
+        if early:
+            raise boundary.written_error(early, "in the hooks the loop runs around a step before its release "
+                                         "(on_train_batch_start, training_step, on_before_backward), replayed on the "
+                                         "first step's examples before any release")
+        moved = moved_by_data(*(state[2] for state in states))
+        if moved:
+            raise boundary.written_error(moved, "at a batch's end (on_train_batch_end), from the batch or its loss: "
+                                         "replayed on the first step's examples, moved far and exchanged, the hooks "
+                                         "set it apart")
+        self._batch_end_writes |= set(StateFingerprint.changed(states[0][1], states[0][3]))
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
@@ -951,7 +1005,7 @@ class PrivateTraining:
         records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
         examples, data passed to ``save_hyperparameters``)."""
         self.private_step.check_kept("after the last update, before a checkpoint was written (in a batch-end "
-                                              "or epoch hook)")
+                                     "or epoch hook)", skip=tuple(self._batch_end_writes))  # an EMA written before
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
         if held:
             raise records_in_checkpoint_error(held)

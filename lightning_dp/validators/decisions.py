@@ -93,13 +93,20 @@ class DecisionWindows(pl.Callback):
             is accepted: :meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.accept`).
         logs_moved: a context in which the values logged from the training data read other (a batch's other runs;
             ``exchanged`` moves them too).
+        batch_writes: the kept state the batch-end hooks were found to write without the data (the first step's
+            replays: an EMA of the weights); a batch's window accepts their changes, and judges them by its runs
+            again when ``judge_now()`` says (the steps the batch check samples).
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
                  settings: Callable[[], AbstractContextManager], boundary: Any,
-                 logs_moved: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 logs_moved: Callable[[], AbstractContextManager] = nullcontext,
+                 batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False) -> None:
         self._exchanged = exchanged
         self._logs_moved = logs_moved
+        self._batch_writes = batch_writes
+        self._judge_now = judge_now
+        self._fingerprint: Optional[tuple[Any, Any]] = None
         self._settings = settings
         self._boundary = boundary
         self._window: Optional[_Window] = None
@@ -142,12 +149,15 @@ class DecisionWindows(pl.Callback):
         """The callbacks that are not Lightning's or lightning_dp's, then the module: whose hooks are run again."""
         return [*(cb for cb in trainer.callbacks if not library_callback(cb)), module]
 
-    def _state(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> Fingerprint:
-        """The kept state as the release boundary fingerprints it (every user callback's too), contents read anew."""
+    def _state(self, trainer: "pl.Trainer", module: "pl.LightningModule", full: bool = True) -> Fingerprint:
+        """The kept state as the release boundary fingerprints it (every user callback's too); ``full``: contents
+        read anew (else tensors by their version counters: cheap enough for every batch)."""
         users = [cb for cb in self._users(trainer, module) if cb is not module]
         datamodule = getattr(trainer, "datamodule", None)
-        return self._boundary.fingerprint(module).take(
-            [*users, *([datamodule] if datamodule is not None else [])], full=True, every_callback=True)
+        if self._fingerprint is None or self._fingerprint[0] is not module:
+            self._fingerprint = (module, self._boundary.fingerprint(module))
+        return self._fingerprint[1].take([*users, *([datamodule] if datamodule is not None else [])], full=full,
+                                         every_callback=True)
 
     def _snapshot(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> StateSnapshot:
         """The user's state as it is now, to run a window's hooks again from (an epoch's: once an epoch)."""
@@ -161,6 +171,8 @@ class DecisionWindows(pl.Callback):
                                     if any(_runs_users_code(o, h) for o in owners for h in hooks))
         if kind not in self._kinds:
             return
+        judge = kind.startswith("epoch") or (kind == "batch" and bool(self._batch_writes()) and self._judge_now())
+        watched = judge or (kind == "batch" and bool(self._batch_writes()))
         optimizers = list(getattr(trainer, "optimizers", None) or ())
         self._window = _Window(
             kind, decisions(trainer),
@@ -168,7 +180,8 @@ class DecisionWindows(pl.Callback):
             [copy.deepcopy(scheduler.state_dict()) for scheduler in schedulers(trainer)],
             [(p, p.requires_grad) for p in module.parameters()],
             [(o, _public_attributes(o)) for o in self._users(trainer, module)], args, trainer.global_step,
-            *((self._state(trainer, module), self._snapshot(trainer, module)) if kind.startswith("epoch") else ()))
+            self._state(trainer, module, full=judge) if watched else None,
+            self._snapshot(trainer, module) if judge else None)
 
     def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
@@ -176,11 +189,15 @@ class DecisionWindows(pl.Callback):
         window, self._window = self._window, None
         if window is None:
             return
+        judged = window.before is not None
         written = [] if window.state is None else \
-            [n for n in StateFingerprint.changed(window.state, self._state(trainer, module))]
+            StateFingerprint.changed(window.state, self._state(trainer, module, full=judged))
         if not written and decisions(trainer) == window.decisions:
             return
-        steered = self._steered(window, trainer, module)
+        if window.kind == "batch" and not judged:  # what the batch-end hooks may write: accepted (judged elsewhere)
+            allowed = self._batch_writes()
+            written = [name for name in written if name in allowed]
+        steered = self._steered(window, trainer, module) if judged or decisions(trainer) != window.decisions else []
         where = _WHERE[window.kind].format(step=window.step)
         decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
                          key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
@@ -189,7 +206,7 @@ class DecisionWindows(pl.Callback):
         if steered:
             raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for later "
                                                         "steps")
-        if written:  # what the epoch's hooks kept without the data: the next release compares with it
+        if written:  # what the hooks kept without the data: the next release compares with it
             self._boundary.accept(written)
 
     def _steered(self, window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
@@ -212,7 +229,7 @@ class DecisionWindows(pl.Callback):
                 try:
                     with self._settings(), replaying(module, rates=False), torch.no_grad():
                         _run_hooks(window, trainer, module, variant)
-                        state = self._state(trainer, module) if window.state is not None else {}
+                        state = self._state(trainer, module) if window.before is not None else {}
                         runs.append({**state, **decisions(trainer)})  # inside: leaving a replay puts schedulers back
                 except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
                     runs.append(None)

@@ -105,16 +105,17 @@ def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
     return out
 
 
-def model_kept(module: "pl.LightningModule") -> Callable[[], list[str]]:
+def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[[], list[str]]:
     """A function that puts the model's structure (its modules, parameters and buffers, slot by slot) and, when a
-    ``setup`` or ``on_fit_start`` of the user's may change them, its parameters' values back as they are now: a
+    ``setup`` or ``on_fit_start`` of the user's may change them (or ``weights``), its parameters' values back as
+    they are now: a
     ``setup`` that builds layers or warms the weights up runs again in a replay without changing the model trained
     (the replays compare the weights before this puts them back: a warm start on the training data differs on its
     exchanged copy). Values go back through ``.data``, only where changed; the function returns the names of the
     parameters a replay wrote in place (their version counters moved: the release boundary takes them as they are)."""
     slots = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(name, p, p.detach().clone(), p._version) for name, p in module.named_parameters()] \
-        if overrides_fit_start(module) else []
+        if weights or overrides_fit_start(module) else []
 
     def restore() -> list[str]:
         for m, modules, params, buffers in slots:
@@ -151,11 +152,12 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> Non
 
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
-                        moved: bool = False) -> bool:
+                        moved: bool = False, before_end: Callable[[], None] = lambda: None) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
-    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`).
+    logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`);
+    ``before_end`` is called just before the batch-end hooks.
     ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
     (``if loss < 100: lr *= 0.5``) differs from the replay that was not."""
     trainer = module.trainer
@@ -176,6 +178,7 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
             module.on_before_backward(loss)
         if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
             outputs = {"loss": loss.detach()}
+        before_end()  # what the batch-end hooks alone write (after the release, in the loop) is told apart
         for cb in callbacks:
             cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
         module.on_train_batch_end(outputs, batch, batch_idx)

@@ -825,7 +825,9 @@ def put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
 
 
 def accepted(baseline: Fingerprint, now: Fingerprint, names: Sequence[str]) -> Fingerprint:
-    """``baseline`` with the entries ``names`` as they are ``now`` (gone where gone)."""
+    """``baseline`` with the entries ``names`` (and the norms of their contents, ``"contents of …"``) as they are
+    ``now`` (gone where gone)."""
+    names = {*names, *(f"contents of {name}" for name in names)}
     kept = {k: v for k, v in baseline.items() if k not in names}
     return {**kept, **{k: now[k] for k in names if k in now}}
 

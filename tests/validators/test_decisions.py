@@ -282,3 +282,57 @@ def test_state_an_epochs_hook_sets_past_a_threshold_is_judged_from_the_state_bef
     (0.5, which the exchanged run, below the threshold, would leave alike): refused, not accepted."""
     with pytest.raises(PrivacyConfigurationError, match=r"(?s)at the end of an epoch.*configuration net\.2\.p"):
         _fit(DropoutWhenAccurate(), [], steps=40)
+
+
+# ----------------------------------------------------------------------------- state the batch-end hooks write
+class AveragesTheWeights(Classifier):
+    """An EMA of the weights (torch's AveragedModel), updated at every batch's end from the released weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        self.ema.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=1.0)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema.update_parameters(self.net)
+
+
+class CountsBatches(pl.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.batches += 1
+
+
+def test_an_ema_of_the_weights_and_a_batch_counter_kept_at_batch_end_train():
+    """What the batch-end hooks write without the data (their runs on other data write it alike) is kept."""
+    model, counter = AveragesTheWeights(), CountsBatches()
+    assert _fit(model, [counter], steps=6).strategy.ledger.steps == 6
+    assert counter.batches == 6 and int(model.ema.n_averaged) == 6
+    assert not torch.equal(model.ema.module[0].weight, model.net[0].weight)  # an average, not a copy
+
+
+class KeepsTheBatchMeanLater(pl.Callback):
+    """Writes a constant at batch end for three calls (its own count: the first step's replays, run as of the plan's
+    last step, do not reach it), then the batch's mean: the same entry, from the data."""
+
+    def __init__(self) -> None:
+        self.level, self.calls = 0.0, 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.calls += 1
+        self.level = float(batch[0].mean()) if self.calls > 3 else 0.0
+
+
+def test_a_batch_end_write_that_turns_to_the_data_later_is_refused_at_a_checked_step():
+    """Accepted while it is written alike, judged again at the steps the batch check runs (every step here)."""
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)at the end of step 4.*callback KeepsTheBatchMeanLater"):
+        _fit(Classifier(), [KeepsTheBatchMeanLater()], steps=8, verify="every_step")
