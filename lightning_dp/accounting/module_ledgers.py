@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
-from lightning_dp.validators.kept_state import content_sums
+from lightning_dp.validators.kept_state import callable_state, content_sums
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
@@ -166,19 +166,11 @@ def _inside(value: object) -> list:
         return list(value)[:256]
     if isinstance(value, dict):
         return list(value.values())[:256]
-    if isinstance(value, functools.partial):
-        return [value.func, *value.args, *value.keywords.values()]
-    if isinstance(value, types.MethodType):
-        return [value.__self__]
-    if isinstance(value, types.FunctionType):
-        cells = []
-        for cell in value.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        named = [value.__globals__[n] for n in value.__code__.co_names if n in value.__globals__]  # `tn(x)`
-        return [*cells, *(value.__defaults__ or ()), *named]
+    if isinstance(value, (functools.partial, types.MethodType, types.FunctionType)):
+        target = value.func if isinstance(value, functools.partial) else getattr(value, "__func__", value)
+        named = [target.__globals__[n] for n in target.__code__.co_names if n in target.__globals__] \
+            if isinstance(target, types.FunctionType) else []  # a global the function calls: `teacher(x)`
+        return [*callable_state(value), *named]
     if hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType, Tensor)):
         return [v for k, v in vars(value).items() if not k.startswith("__")]
     return []

@@ -348,7 +348,7 @@ class StateFingerprint:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
                     path = f"{prefix}{kind}[{handle}]"
                     if not _library_callable(fn) and not self._is_public(path):
-                        entries[f"hook {path}"] = tuple(walker.token(v) for v in _callable_state(fn))
+                        entries[f"hook {path}"] = tuple(walker.token(v) for v in callable_state(fn))
         for cb in callbacks:
             every = every_callback or self.every_callback
             if (library_callback(cb) if every else trusted_callback(cb)) and id(cb) not in self._readers:
@@ -560,7 +560,7 @@ class _Walker:
                 return ("seen", id(value))
             self._objects.add(id(value))  # what a closure, a default argument or a bound object keeps
             return ("callable", getattr(value, "__qualname__", type(value).__name__),
-                    tuple(self.token(v, depth + 1) for v in _callable_state(value)))
+                    tuple(self.token(v, depth + 1) for v in callable_state(value)))
         if isinstance(value, (nn.Module, _FUNCTIONS)):
             return (type(value).__name__, id(value))
         if depth >= MAX_DEPTH:
@@ -602,7 +602,7 @@ def holds_gradient(t: Tensor) -> bool:
 def _mutable_state(fn: Any) -> bool:
     """Whether a function keeps something it can write between calls (a list, dict, set or tensor as a default
     argument or in a closure)."""
-    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in _callable_state(fn))
+    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
 
 
 def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
@@ -882,13 +882,13 @@ def _library_function(value: Any) -> bool:
     return isinstance(value, _FUNCTIONS) and _library_callable(value)
 
 
-def _callable_state(fn: Any) -> list[Any]:
+def callable_state(fn: Any) -> list[Any]:
     """What a callable keeps between calls: a partial's arguments, a bound method's object, a function's closure
     cells and default arguments (``def hook(m, i, o, store=[])``), a callable object itself."""
     if isinstance(fn, functools.partial):
-        return [*fn.args, *fn.keywords.values(), *_callable_state(fn.func)]
+        return [*fn.args, *fn.keywords.values(), *callable_state(fn.func)]
     if isinstance(fn, types.MethodType):
-        return [fn.__self__, *_callable_state(fn.__func__)]
+        return [fn.__self__, *callable_state(fn.__func__)]
     if isinstance(fn, types.FunctionType):
         cells = []
         for cell in fn.__closure__ or ():
