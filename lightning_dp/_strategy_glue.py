@@ -56,12 +56,13 @@ from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.hook_replays import (batch_start, configured_settings, model_kept, overrides_epoch_hooks,
-                                                  progress_as, replay_batch_hooks, replay_epoch_hooks, replaying,
-                                                  users_hook)
+from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
+                                                  overrides_epoch_hooks, progress_as, replay_batch_hooks,
+                                                  replay_epoch_hooks, replaying, runs_users_code, users_hook)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.sealed_loss import sealed
+from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -315,6 +316,7 @@ class PrivateTraining:
                                          lambda: module._current_fx_name in STEP_HOOKS,
                                          "The step (training_step or a hook Lightning runs in it)")
         self._record_watch.start()
+        watch_loss(module)
         from lightning_dp.validators.decisions import DecisionWindows  # a Callback: imports Lightning, which imports us
 
         self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
@@ -423,9 +425,7 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
         known = self._hooks_of_users.get(hooks)
         if known is None or known[0] is not module:
-            owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
-            known = self._hooks_of_users[hooks] = (module, any(users_hook(getattr(type(owner), name, None))
-                                                               for owner in owners for name in hooks))
+            known = self._hooks_of_users[hooks] = (module, runs_users_code(module, hooks))
         return known[1]
 
     def _stop_watching(self) -> None:
@@ -434,6 +434,7 @@ class PrivateTraining:
             self._logged_reads.stop()
         if self._record_watch is not None:
             self._record_watch.stop()
+        watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if windows is not None and trainer is not None and windows in trainer.callbacks:
@@ -517,7 +518,8 @@ class PrivateTraining:
         n = self._examples_this_step = len(indices)
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
             return None
-        check_loop(self.lightning_module.trainer, self.label)  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        check_loop(trainer, self.label)
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
         if step.refresh_parameters():
@@ -525,7 +527,6 @@ class PrivateTraining:
                            "probe runs again before the next release")
         if not step.verified:
             self._verify()
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():
@@ -564,10 +565,9 @@ class PrivateTraining:
                 "skipping a sampled batch depends on private data (which batches were skipped is released by the "
                 "missing update). Return the loss on every step; to ignore some examples, zero their per-example "
                 "losses instead (a mean over the batch, or a vector of per-example losses).")
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if getattr(trainer, "_detect_anomaly", False):  # Lightning's finiteness check reads it in optimizer_step
             return mean_loss(out, n)
-        return sealed(mean_loss(out, n), self.lightning_module)  # its value not readable in optimizer_step
+        return sealed(mean_loss(out, n))  # its value not readable in optimizer_step (validators/sealed_loss.py)
 
     def _users_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The user's ``training_step``, refused when it (or a hook before it) read training records itself
@@ -672,20 +672,13 @@ class PrivateTraining:
         trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         decisions: list[list[Any]] = []
         boundary = self.private_step.boundary
-        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
-        fingerprint = boundary.fingerprint(module)
-        snapshot, model_back = StateSnapshot(module, users, boundary.engine_keys), model_kept(module, weights=True)
-        base = fingerprint.take(users, full=True)
-        states: list[tuple[dict[str, Any], ...]] = []  # per run: before the batch-end hooks, then after them
-        rewritten: set[str] = set()
-
-        def marked() -> tuple[dict[str, Any], dict[str, Any]]:  # contents, and every write (a version counter)
-            return fingerprint.take(users, full=True), fingerprint.take(users)
+        writes = BatchEndWrites(boundary, module, [cb for cb in _observers(trainer) if not library_callback(cb)]) \
+            if self._users_code_runs(BATCH_HOOKS) else None
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
-            def run() -> None:  # each replay from the same seeds and state: a random draw is not the data's
-                marks: list[dict[str, Any]] = []
+            def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
+                first = writes is not None and not writes.runs
                 try:
                     with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
@@ -693,17 +686,18 @@ class PrivateTraining:
                         batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                         try:
                             ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                       before_end=lambda: marks.append(marked()))
+                                                       before_end=writes.before_end if first else lambda: None)
                         except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
                             if failed is None:
                                 raise
                             failed.append(True)
                             return
                         calls.append(("on_train_batch_start returned -1", ended))
-                        states.append((*marks[0], *marked()))
+                        if writes is not None:
+                            writes.ran(first)
                 finally:
-                    snapshot.restore()
-                    rewritten.update(model_back())  # put back as they were: their version counters moved
+                    if writes is not None:
+                        writes.put_back()
             return run
 
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
@@ -711,13 +705,15 @@ class PrivateTraining:
         for progress in (None, *self._later_in_the_plan()):
             for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
                 decisions.clear()
-                states.clear()
+                if writes is not None:
+                    writes.runs.clear()
                 with self._watches_paused():  # the first two alike: what differs between them is not the data's
                     before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
                                                               replay(second, progress, moved, failed)], loop=trainer)
                 if failed:
                     continue
-                self._judge_batch_end_writes(base, states)
+                if writes is not None:
+                    self._batch_end_writes |= writes.judged()
                 steered = state_written(before, seen) + moved_by_data(*seen)
                 if steered:
                     raise hyperparameters_error(steered, where)
@@ -725,31 +721,8 @@ class PrivateTraining:
                     raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
                                                   "(training_step, on_train_batch_start/end, on_before_backward)")
             self._replay_epoch_hooks(progress)
-        if rewritten:  # the next release compares the weights the replays wrote and put back as they are now
-            boundary.accept([f"parameter {name}" for name in rewritten])
-
-    def _judge_batch_end_writes(self, base: dict[str, Any], states: list[tuple[dict[str, Any], ...]]) -> None:
-        """What the replays of the batch hooks wrote: before the batch-end hooks (``on_train_batch_start``,
-        ``training_step``, ``on_before_backward``: before the release) nothing may be written; what the batch-end
-        hooks write (after the release, in the loop) is refused when the other data set it apart, and otherwise —
-        an EMA of the weights, a counter — is what they may keep writing (:attr:`_batch_end_writes`: accepted when
-        a batch-end window closes, and judged again by its runs at the sampled checks' steps,
-        :mod:`~lightning_dp.validators.decisions`)."""
-        if len(states) != 3:
-            return
-        boundary = self.private_step.boundary
-        early = StateFingerprint.changed(base, states[0][0])  # (contents before the end hooks, writes, contents after,
-        # writes after)
-        if early:
-            raise boundary.written_error(early, "in the hooks the loop runs around a step before its release "
-                                         "(on_train_batch_start, training_step, on_before_backward), replayed on the "
-                                         "first step's examples before any release")
-        moved = moved_by_data(*(state[2] for state in states))
-        if moved:
-            raise boundary.written_error(moved, "at a batch's end (on_train_batch_end), from the batch or its loss: "
-                                         "replayed on the first step's examples, moved far and exchanged, the hooks "
-                                         "set it apart")
-        self._batch_end_writes |= set(StateFingerprint.changed(states[0][1], states[0][3]))
+        if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
+            boundary.accept([f"parameter {name}" for name in writes.rewritten])
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
@@ -1107,6 +1080,10 @@ a validation are then always checked (``verify="sampled"``)."""
 
 NEXT_STEPS = 8
 """How many steps after the first :meth:`PrivateTraining._steps_that_differ` looks at."""
+
+
+BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_train_batch_end")
+"""The hooks around a step that are handed the batch, its loss or its outputs."""
 
 
 def _compiled(model: nn.Module) -> bool:

@@ -40,9 +40,8 @@ from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
 
-from lightning_dp.validators.hook_replays import replaying, users_hook
+from lightning_dp.validators.hook_replays import moved_far, replaying, runs_users_code
 from lightning_dp.validators.kept_state import (
     Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls, moved_by_data,
     put_loop_controls, schedulers,
@@ -166,13 +165,12 @@ class DecisionWindows(pl.Callback):
 
     def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = ()) -> None:
         if self._kinds is None:  # which windows have hooks of the user's (none: nothing is noted, nothing costs)
-            owners = self._users(trainer, module)
-            self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items()
-                                    if any(_runs_users_code(o, h) for o in owners for h in hooks))
+            self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items() if runs_users_code(module, hooks))
         if kind not in self._kinds:
             return
-        judge = kind.startswith("epoch") or (kind == "batch" and bool(self._batch_writes()) and self._judge_now())
-        watched = judge or (kind == "batch" and bool(self._batch_writes()))
+        writes = kind == "batch" and bool(self._batch_writes())  # what the batch-end hooks may write (an EMA)
+        judge = kind.startswith("epoch") or (writes and self._judge_now())
+        watched = judge or writes
         optimizers = list(getattr(trainer, "optimizers", None) or ())
         self._window = _Window(
             kind, decisions(trainer),
@@ -189,15 +187,15 @@ class DecisionWindows(pl.Callback):
         window, self._window = self._window, None
         if window is None:
             return
-        judged = window.before is not None
+        judged, decided_now = window.before is not None, decisions(trainer) != window.decisions
         written = [] if window.state is None else \
             StateFingerprint.changed(window.state, self._state(trainer, module, full=judged))
-        if not written and decisions(trainer) == window.decisions:
+        if not written and not decided_now:
             return
         if window.kind == "batch" and not judged:  # what the batch-end hooks may write: accepted (judged elsewhere)
             allowed = self._batch_writes()
             written = [name for name in written if name in allowed]
-        steered = self._steered(window, trainer, module) if judged or decisions(trainer) != window.decisions else []
+        steered = self._steered(window, trainer, module) if judged or decided_now else []
         where = _WHERE[window.kind].format(step=window.step)
         decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
                          key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
@@ -258,16 +256,6 @@ _WHERE = {
                   "{step}), from the training data: run again when it was made, with the training data's values "
                   "exchanged, the hooks set it apart",
 }
-
-
-def _runs_users_code(owner: Any, hook: str) -> bool:
-    """Whether ``owner``'s ``hook`` may run the user's code: the module's own, or a user callback's that is not
-    ``Callback``'s empty one (a subclass of a library's callback runs the user's methods from its hooks:
-    ``BaseFinetuning.finetune_function``)."""
-    defined = getattr(type(owner), hook, None)
-    if isinstance(owner, pl.LightningModule):
-        return users_hook(defined)
-    return defined is not getattr(pl.Callback, hook, None)
 
 
 def _public_attributes(obj: Any) -> dict[str, Any]:
@@ -335,21 +323,9 @@ def _variants(window: _Window, exchanged: Callable[[bool], AbstractContextManage
         return [(nullcontext(), ()), (nullcontext(), ()), (exchanged(False), ()), (exchanged(True), ())]
     outputs, batch, batch_idx = window.args
     return [(nullcontext(), window.args), (nullcontext(), window.args),
-            (logs_moved(), (_moved(outputs), batch, batch_idx)),
+            (logs_moved(), (moved_far(outputs), batch, batch_idx)),
             (nullcontext(), (outputs, exchanged_copy(batch), batch_idx)),
             (nullcontext(), (outputs, exchanged_copy(batch, floating_only=True), batch_idx))]
-
-
-def _moved(outputs: Any) -> Any:
-    """The outputs with every float tensor moved far (1000·(value + 1)): a value set from the loss past a threshold
-    differs."""
-    if isinstance(outputs, Tensor):
-        return (outputs.detach() + 1) * 1000 if outputs.is_floating_point() else outputs
-    if isinstance(outputs, dict):
-        return {k: _moved(v) for k, v in outputs.items()}
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_moved(v) for v in outputs) if not hasattr(outputs, "_fields") else outputs
-    return outputs
 
 
 def _run_hooks(window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule",

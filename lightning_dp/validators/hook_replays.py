@@ -17,11 +17,13 @@ progress bars, checkpoints).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from lightning_dp.validators.kept_state import library_callback, settings, trusted_callback
+from lightning_dp.validators.kept_state import (StateFingerprint, library_callback, moved_by_data, settings,
+                                                trusted_callback)
+from lightning_dp.validators.snapshot import StateSnapshot
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -35,9 +37,9 @@ EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 """The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
 dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
 
-__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "batch_start", "configured_settings", "model_kept",
-           "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks", "replay_epoch_hooks",
-           "replaying", "silenced_logging", "users_hook"]
+__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
+           "moved_far", "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks",
+           "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook"]
 
 
 @contextmanager
@@ -60,6 +62,31 @@ def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
     owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
     return any(users_hook(getattr(type(owner), name, None)) for owner in owners
                for name in (*FIT_START_HOOKS, *EPOCH_HOOKS))
+
+
+def runs_users_code(module: "pl.LightningModule", hooks: Sequence[str]) -> bool:
+    """Whether one of ``hooks`` may run the user's code: the module's own, or that of a callback that is not
+    Lightning's or lightning_dp's and is not ``Callback``'s empty one (a subclass of a library's callback runs the
+    user's methods from its hooks: ``BaseFinetuning.finetune_function``)."""
+    import pytorch_lightning as pl  # here: Lightning imports lightning_dp's strategy, which imports this module
+
+    callbacks = [cb for cb in module.trainer.callbacks if not library_callback(cb)]
+    return any(users_hook(getattr(type(module), name, None)) for name in hooks) or any(
+        getattr(type(cb), name, None) is not getattr(pl.Callback, name, None) for cb in callbacks for name in hooks)
+
+
+def moved_far(value: Any) -> Any:
+    """``value`` with every floating-point tensor and number in it moved far (1000·(value + 1); dicts, lists and
+    tuples walked): a decision taken from the loss past a threshold differs from one taken on the value itself."""
+    if isinstance(value, torch.Tensor):
+        return (value.detach() + 1) * 1000 if value.is_floating_point() else value
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+        return (value + 1) * 1000
+    if isinstance(value, dict):
+        return {k: moved_far(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(moved_far(v) for v in value)
+    return value
 
 
 def users_hook(hook: Any) -> bool:
@@ -170,7 +197,7 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
             outputs = module.training_step(batch, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if moved and isinstance(loss, torch.Tensor):
-            loss = (loss.detach() + 1) * 1000
+            loss = moved_far(loss)
             outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
         if isinstance(loss, torch.Tensor):
             for cb in callbacks:
@@ -243,3 +270,55 @@ def silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
         yield
     finally:
         del module.log, module.log_dict
+
+
+class BatchEndWrites:
+    """What the first step's replays of the batch hooks write (the Lightning glue's ``_replay_now_and_later``), when
+    the module or a callback of the user's has such hooks (``users``: those callbacks and the datamodule). Every run
+    starts from the state as it was (the snapshot, the weights put back); of each group of three (the batch twice,
+    then other data) the first is watched before and after the batch-end hooks, and every run's state after them is
+    compared (:meth:`judged`)."""
+
+    def __init__(self, boundary: Any, module: "pl.LightningModule", users: list[Any]) -> None:
+        self.boundary = boundary
+        self.users = users
+        self.fingerprint = boundary.fingerprint(module)
+        self.snapshot = StateSnapshot(module, self.users, boundary.engine_keys)
+        self.model_back = model_kept(module, weights=True)
+        self.base = self.fingerprint.take(self.users, full=True)
+        self.runs: list[dict[str, Any]] = []  # each run's state after its hooks (contents)
+        self.marks: dict[str, Any] = {}  # the first run's: contents and writes before the batch-end hooks, writes after
+        self.rewritten: set[str] = set()  # parameters a run wrote and put_back() put back (their versions moved)
+
+    def before_end(self) -> None:
+        self.marks = {"contents": self.fingerprint.take(self.users, full=True),
+                      "writes": self.fingerprint.take(self.users)}
+
+    def ran(self, first: bool) -> None:
+        if first:
+            self.marks["writes after"] = self.fingerprint.take(self.users)
+        self.runs.append(self.fingerprint.take(self.users, full=True))
+
+    def put_back(self) -> None:
+        self.snapshot.restore()
+        self.rewritten.update(self.model_back())
+
+    def judged(self) -> set[str]:
+        """What the batch-end hooks may keep writing: before them (``on_train_batch_start``, ``training_step``,
+        ``on_before_backward``: before the release) nothing may be written; what they write (after the release, in
+        the loop) is refused when the other data set it apart, and otherwise — an EMA of the weights, a counter — is
+        returned (accepted when a batch's window closes, judged again at the sampled checks' steps:
+        :mod:`~lightning_dp.validators.decisions`)."""
+        if len(self.runs) != 3 or "writes after" not in self.marks:
+            return set()
+        early = StateFingerprint.changed(self.base, self.marks["contents"])
+        if early:
+            raise self.boundary.written_error(early, "in the hooks the loop runs around a step before its release "
+                                              "(on_train_batch_start, training_step, on_before_backward), replayed "
+                                              "on the first step's examples before any release")
+        moved = moved_by_data(*self.runs)
+        if moved:
+            raise self.boundary.written_error(moved, "at a batch's end (on_train_batch_end), from the batch or its "
+                                              "loss: replayed on the first step's examples, moved far and "
+                                              "exchanged, the hooks set it apart")
+        return set(StateFingerprint.changed(self.marks["writes"], self.marks["writes after"]))

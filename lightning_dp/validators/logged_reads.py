@@ -30,9 +30,10 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.hook_replays import moved_far
 from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, decisions,
                                                 hyperparameters, hyperparameters_error)
 
@@ -99,7 +100,7 @@ class LoggedReads:
             for key in [k for k in dict.keys(metrics) if k in names] if isinstance(metrics, dict) else ():
                 value = dict.__getitem__(metrics, key)
                 saved.append((metrics, key, value))
-                dict.__setitem__(metrics, key, _far(value))
+                dict.__setitem__(metrics, key, moved_far(value))
         try:
             yield
         finally:
@@ -208,12 +209,6 @@ def logged_read_error(names: list[str], where: str) -> PrivacyConfigurationError
         "released. Steer training by the step count or by metrics of held-out data (logged in validation_step); or, "
         "if the value is computed from public data only, declare it: DPStrategy(public_state=[name]) "
         "(docs/release_boundary.md, rule 10).")
-
-
-def _far(value: Any) -> Any:
-    if isinstance(value, Tensor) and value.is_floating_point():
-        return (value.detach() + 1) * 1000
-    return (value + 1) * 1000 if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 class LoggedMetrics(dict):

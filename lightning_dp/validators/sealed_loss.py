@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 
-__all__ = ["SealedLoss", "sealed", "sealed_loss_error"]
+__all__ = ["SealedLoss", "sealed", "sealed_loss_error", "watch"]
 
 _PASSED_ON = frozenset({"detach", "clone", "backward", "requires_grad_", "size", "dim", "numel", "is_floating_point",
                         "__get__"})
@@ -35,7 +35,7 @@ _PASSED_ON = frozenset({"detach", "clone", "backward", "requires_grad_", "size",
 end, the backward differentiates it) and ask its shape, dtype or device. Anything else there — reading its value,
 arithmetic that would carry it into a learning rate — is refused."""
 
-_INSIDE: Callable[[], bool] = lambda: False  # noqa: E731  (set by :func:`sealed`: whether a read is refused now)
+_INSIDE: Callable[[], bool] = lambda: False  # noqa: E731  (set by :func:`watch`: whether a read is refused now)
 
 
 class SealedLoss(Tensor):
@@ -61,20 +61,27 @@ def _libraries_own() -> bool:
     return frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES
 
 
-def sealed(output: Any, module: Any) -> Any:
-    """``output`` (``training_step``'s: a loss, or a dict with ``"loss"``) with its loss a :class:`SealedLoss` whose
-    reads are refused while ``module``'s current hook is ``optimizer_step``."""
+def watch(module: Any) -> None:
+    """From now on a :class:`SealedLoss` is sealed while ``module``'s current hook is ``optimizer_step`` (the private
+    fit of ``module`` starts; ``None``: never, the fit is over)."""
     global _INSIDE
+    if module is None:
+        _INSIDE = lambda: False  # noqa: E731
+        return
     ref = weakref.ref(module)
 
     def inside() -> bool:
         owner = ref()
         return owner is not None and getattr(owner, "_current_fx_name", None) == "optimizer_step"
     _INSIDE = inside
+
+
+def sealed(output: Any) -> Any:
+    """``output`` (``training_step``'s: a loss, or a dict with ``"loss"``) with its loss a :class:`SealedLoss`."""
     if isinstance(output, Tensor) and not isinstance(output, SealedLoss):
         return output.as_subclass(SealedLoss)
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return {**output, "loss": sealed(output["loss"], module)}
+        return {**output, "loss": sealed(output["loss"])}
     return output
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, fit, parameters, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.sealed_loss import SealedLoss, sealed  # noqa: E402
+from lightning_dp.validators.sealed_loss import SealedLoss, sealed, watch  # noqa: E402
 
 
 class RateFromTheClosuresLoss(Classifier):
@@ -82,12 +82,15 @@ def test_a_sealed_loss_is_a_tensor_whose_value_is_free_outside_optimizer_step():
         _current_fx_name = "training_step"
 
     module = Module()
+    watch(module)
     w = torch.ones(3, requires_grad=True)
-    loss = sealed((w * 2).sum(), module)
+    loss = sealed((w * 2).sum())
     assert isinstance(loss, SealedLoss) and isinstance(0.5 / loss.detach(), SealedLoss)
     loss.backward()
     assert torch.equal(w.grad, torch.full((3,), 2.0)) and float(loss) == 6.0
     module._current_fx_name = "optimizer_step"
     with pytest.raises(PrivacyConfigurationError):
         bool(loss.detach() > 1)
-    assert sealed({"loss": loss, "n": 1}, module)["n"] == 1
+    assert sealed({"loss": loss, "n": 1})["n"] == 1
+    watch(None)  # the fit is over: free again
+    assert float(loss) == 6.0
