@@ -115,6 +115,7 @@ class PrivateTraining:
         self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep.from_config(privacy, execution)
+        self.private_step.loop.plain = False  # training_step is the verified loss; the loop draws and seals itself
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
         self.private_step.examples_alone = (execution.max_physical_batch_size == 1
                                             and privacy.privacy_unit is None)  # users: kept whole

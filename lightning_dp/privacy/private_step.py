@@ -71,6 +71,7 @@ from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
+from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
 
@@ -257,6 +258,8 @@ class PrivateStep(StepChecks):
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
         self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
+        self.loop = PlainLoop()
+        """The step's drawn batch and what the loop does with it (:mod:`~lightning_dp.validators.plain_loop`)."""
         self.examples_alone = False
         """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
         examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
@@ -408,6 +411,7 @@ class PrivateStep(StepChecks):
             self._engine = None
             ATTACHED.discard(self._module)
         self.boundary.detach()
+        self.loop.forget()
         if self._module is not None:
             module_ledgers.unbind(self._module, self.ledger)
 
@@ -470,16 +474,6 @@ class PrivateStep(StepChecks):
         return UserPoissonBatchSampler(members, rate, self.plan.steps_per_epoch, where.rank, where.world_size, seed,
                                        self.secure_sampling, self.users.max_examples_per_user)
 
-    def _check_ledger_unit(self) -> None:
-        """The ledger counts one unit: a module's record of releases per example is not continued per user (nor the
-        reverse: its ε would mix the two units)."""
-        held = getattr(self.ledger, "unit", "example")
-        if self.ledger.steps and held != self.unit:
-            raise PrivacyConfigurationError(
-                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
-                f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
-        self.ledger.unit = self.unit
-
     def groups_of(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
         """The units of a batch's records (user-level DP; ``None``: every example its own unit)."""
         return None if self.users is None else self.users.groups_of(indices)
@@ -507,7 +501,11 @@ class PrivateStep(StepChecks):
         """The dataset indices of the batch being trained on now (the sampler's record)."""
         if self._batches is None:
             raise RuntimeError("the training loader was not rebuilt by poisson_loader()")
-        return self._batches.take()
+        indices = self._batches.take(delivered=self.loop.plain)
+        self.loop.drawn(indices, self._batches.batch, self._pending is not None)
+        if self.loop.plain:
+            self.loop.step_begins(self.schedule.due)
+        return indices
 
     def padded_examples(self, indices: Sequence[int], padding: int) -> Any:
         """The examples ``indices`` and ``padding`` padding records after them, collated by the user's ``collate_fn``
@@ -690,33 +688,6 @@ class PrivateStep(StepChecks):
         """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike."""
         self.on_every_rank(lambda: self.boundary.pause(where), f"found state changed {where}")
 
-    def on_every_rank(self, check: Callable[[], None], what: str) -> None:
-        """Run ``check``; when distributed, every rank learns whether any rank's raised (one all-reduce) and raises too,
-        so that no rank waits in a collective its refusing peer never joins."""
-        error: Optional[PrivacyConfigurationError] = None
-        try:
-            check()
-        except PrivacyConfigurationError as err:
-            error = err
-        if self.distribution.all_reduce is not None:
-            refused, _ = self._refused_anywhere(error is not None, False)
-            if refused and error is None:
-                raise _another_rank_error(what)
-        if error is not None:
-            raise error
-
-
-    def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
-        """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
-        of the two counts, when distributed)."""
-        if self.distribution.all_reduce is None:
-            return refused, final
-        assert self._module is not None
-        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
-        counts = torch.tensor([float(refused), float(final)], device=device)
-        self.distribution.all_reduce(counts)
-        return bool(counts[0].item() > 0), bool(counts[1].item() > 0)
-
     @property
     def verified(self) -> bool:
         """Whether :meth:`verify` has passed in this process."""
@@ -733,6 +704,7 @@ class PrivateStep(StepChecks):
         assert self._engine is not None, "attach() first"
         if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
             self.discard_noise()
+            self.loop.abandon()
         self.boundary.step_begins()
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(
@@ -741,13 +713,15 @@ class PrivateStep(StepChecks):
         if padding < 0 or (padding and self.users is not None):
             raise ValueError(f"padding must be a count >= 0 of padding rows, and none under user-level DP; got "
                              f"{padding!r}")
-        if num_examples is None:
-            indices = self.take()
-        n = len(indices) if num_examples is None and indices is not None else num_examples
-        assert n is not None
-        if self.users is not None and indices is None and n > 0 and not stand_in:
+        if self.users is not None and indices is None and num_examples and not stand_in:
             raise RuntimeError("user-level DP: begin(n, indices) needs the batch's records, whose users are clipped "
                                "together (begin() takes them from the sampler)")
+        if num_examples is None or (self._batches is not None and self.loop.takes(num_examples, indices, stand_in)):
+            taken = self.take()  # a count without records: the loader's next batch, which it must be
+            indices = taken if num_examples is None else indices
+        n = len(indices) if num_examples is None and indices is not None else num_examples
+        assert n is not None
+        self.loop.physical(n, indices, stand_in, padding)  # an unused part of the drawn batch
         self._groups = None if indices is None or n == 0 else self.groups_of(indices)
         self._engine.begin_step(n + padding)
         self._examples, self._padding = n, padding
@@ -836,6 +810,7 @@ class PrivateStep(StepChecks):
             self._pending = None
             raise PrivacyConfigurationError(
                 f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
+        self.loop.check_release(empty)  # a batch the loader drew, released once
         self._open_batch = False
         try:
             return self._release(index, optimizer, empty)
@@ -855,6 +830,8 @@ class PrivateStep(StepChecks):
         batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
         if empty:
             batch = _zero_clipped_batch(batch)
+        elif self.loop.plain:
+            check_bound_loss(self, batch.norms)  # the loop's loss is the one verified
         request, expected = self._request, self.plan.expected_batch_size
         if request.second_moment and self.bands > 1:
             raise PrivacyConfigurationError("independent_moments draws noise twice per step; banded noise streams one "
@@ -872,6 +849,7 @@ class PrivateStep(StepChecks):
         self.steps_taken = index + 1
         self._parameters_checked = False
         self.last_release = release
+        self.loop.after_release(target)
         if isinstance(optimizer, PrivateOptimizer):
             optimizer.observe_release(release)
         return release

@@ -66,4 +66,19 @@ def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]
     )
     if dl.num_workers > 0:
         kwargs["prefetch_factor"] = dl.prefetch_factor
-    return DataLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)
+    return DeliveringLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+class DeliveringLoader(DataLoader):
+    """A DataLoader that tells its batch sampler (a :class:`~lightning_dp.records.recorded_batches.RecordedBatches`)
+    each batch it hands the loop, in order: a plain loop's step may take only a batch it was handed, once
+    (:mod:`~lightning_dp.validators.plain_loop`), never one the workers only prefetched."""
+
+    def __iter__(self) -> Any:
+        sampler = self.batch_sampler
+        if hasattr(sampler, "restart"):
+            sampler.restart()
+        for batch in super().__iter__():
+            if hasattr(sampler, "delivered"):
+                sampler.delivered(batch)
+            yield batch

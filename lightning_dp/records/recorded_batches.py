@@ -13,7 +13,7 @@ epoch left (``limit_train_batches``).
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
@@ -33,6 +33,9 @@ class RecordedBatches(Sampler[list[int]]):
         self.inner = inner
         self.population = None if population is None else list(population)
         self._queue: deque[list[int]] = deque()
+        self._delivered: deque[Any] = deque()  # batches the loader handed the loop, not yet taken (DeliveringLoader)
+        self.batch: Any = None
+        """The batch the loader handed the loop for the indices taken last (``None``: not known)."""
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
@@ -44,8 +47,24 @@ class RecordedBatches(Sampler[list[int]]):
             self._queue.append(indices)
             yield indices
 
-    def take(self) -> list[int]:
-        """The dataset indices of the oldest batch not yet taken (the batch being trained on now)."""
+    def restart(self) -> None:
+        """The loader starts a new pass: batches handed out before are not taken any more."""
+        self._delivered.clear()
+
+    def delivered(self, batch: Any) -> None:
+        """The loader handed ``batch`` to the loop (:class:`~lightning_dp.records.collate.DeliveringLoader`)."""
+        self._delivered.append(batch)
+
+    def take(self, delivered: bool = False) -> list[int]:
+        """The dataset indices of the oldest batch not yet taken (the batch being trained on now); ``delivered``: only
+        a batch the loader already handed to the loop may be taken (a plain loop's: not one only prefetched), once."""
+        if delivered and not self._delivered:
+            raise PrivacyConfigurationError(
+                "step.begin() found no batch the Poisson loader handed to the loop that was not taken already: the "
+                "ledger charges every release at the Poisson rate q, which holds only for a batch the private loader "
+                "drew, released once. A batch reused for a second release, or a batch from a DataLoader of one's own, "
+                "would be charged as drawn when it was not. Nothing was released. Iterate the loader poisson_loader() "
+                "returned and call step.begin() once for each batch it yields.")
         if not self._queue:
             raise PrivacyConfigurationError(
                 "A training step ran on a batch its Poisson sampler did not draw: the step's closure ran twice for one "
@@ -53,6 +72,7 @@ class RecordedBatches(Sampler[list[int]]):
                 "loop of one's own called the step without drawing. Each run of the closure is a release on data "
                 "sampled once: the accounting would not hold. Nothing more was released. Run the closure once per "
                 "step (optimizer.step(closure=optimizer_closure)).")
+        self.batch = self._delivered.popleft() if self._delivered else None
         return self._queue.popleft()
 
     def first_indices(self, k: int, num_samples: int, rank: int = 0, world_size: int = 1) -> list[int]:

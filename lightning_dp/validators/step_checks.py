@@ -66,6 +66,7 @@ class StepChecks:
                                      to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
                        low_precision, what, replay)
+        self.loop.loss_of, self.loop.what = (lambda batch: loss_of_batch(to_device(batch))), what  # plain_loop.py
 
     def _refuse_data_statistics(self) -> None:
         """Rule 11 of the release boundary: neither the model nor a LightningDataModule keeps a statistic of the
@@ -261,6 +262,43 @@ class StepChecks:
             warnings.warn(
                 f"per_sample='auto': the first step's probe refused engine(s) {', '.join(map(repr, tried))} on this "
                 f"model and passed engine '{self.engine_name}', which trains it (slower).{why}", stacklevel=3)
+
+    # ------------------------------------------------------------------ refusals every rank shares
+    def on_every_rank(self, check: Callable[[], None], what: str) -> None:
+        """Run ``check``; when distributed, every rank learns whether any rank's raised (one all-reduce) and raises too,
+        so that no rank waits in a collective its refusing peer never joins."""
+        error: Optional[PrivacyConfigurationError] = None
+        try:
+            check()
+        except PrivacyConfigurationError as err:
+            error = err
+        if self.distribution.all_reduce is not None:
+            refused, _ = self._refused_anywhere(error is not None, False)
+            if refused and error is None:
+                raise _another_rank_error(what)
+        if error is not None:
+            raise error
+
+    def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
+        """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
+        of the two counts, when distributed)."""
+        if self.distribution.all_reduce is None:
+            return refused, final
+        assert self._module is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        counts = torch.tensor([float(refused), float(final)], device=device)
+        self.distribution.all_reduce(counts)
+        return bool(counts[0].item() > 0), bool(counts[1].item() > 0)
+
+    def _check_ledger_unit(self) -> None:
+        """The ledger counts one unit: a module's record of releases per example is not continued per user (nor the
+        reverse: its ε would mix the two units)."""
+        held = getattr(self.ledger, "unit", "example")
+        if self.ledger.steps and held != self.unit:
+            raise PrivacyConfigurationError(
+                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
+                f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
+        self.ledger.unit = self.unit
 
 
 def _first_line(err: BaseException) -> str:

@@ -287,7 +287,8 @@ def test_opacus_hooks_on_the_data_layer_raise_no_torch_notice_in_the_probe_or_th
     assert not [str(w.message) for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]
     with warnings.catch_warnings(record=True) as caught:  # outside our calls torch still says it: only ours is quiet
         warnings.simplefilter("always")
-        step, model, _, _ = _setup("opacus_hooks")
-        step.begin(2)
-        _loss(model, (torch.randn(2, 5), torch.tensor([0, 1]))).backward()
+        step, model, _, loader = _setup("opacus_hooks")
+        batch = next(iter(loader))
+        assert step.begin() > 0
+        _loss(model, batch).backward()
     assert [w for w in caught if OUTPUT_HOOK_NOTICE in str(w.message)]

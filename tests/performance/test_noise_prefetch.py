@@ -393,7 +393,7 @@ def test_a_step_that_raised_before_its_release_drops_the_draws(monkeypatch):
     one_step()
     one_step(release=False)  # forward and backward ran, the release never came (the step raised)
     assert _held(noise) == 1
-    step.begin(3)
+    one_step(release=False)  # the next step's begin()
     assert _held(noise) == 0
     step.detach()
 

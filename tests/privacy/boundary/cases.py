@@ -65,9 +65,9 @@ def unchanged(before: list[torch.Tensor], model: nn.Module) -> bool:
     return all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-def plain_step(model: nn.Module, **kwargs: Any) -> tuple[Any, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+def plain_step(model: nn.Module, **kwargs: Any) -> tuple[Any, torch.optim.Optimizer, Any]:
     """A plain PyTorch loop's private step on 32 examples of 4 features (SGD, lr 0.1), attached and verified:
-    (the step, the optimizer, x, y). Detach the step when done."""
+    (the step, the optimizer, its Poisson loader's batches, drawn without end). Detach the step when done."""
     from lightning_dp.privacy.noise import GaussianNoise
     from lightning_dp.privacy.private_step import PrivateStep
 
@@ -76,6 +76,6 @@ def plain_step(model: nn.Module, **kwargs: Any) -> tuple[Any, torch.optim.Optimi
     x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
     step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost", sampler_seed=0, **kwargs)
     step.attach(model, opt)
-    step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
+    loader = step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=8))
     step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
-    return step, opt, x, y
+    return step, opt, (batch for _ in iter(int, 1) for batch in loader)

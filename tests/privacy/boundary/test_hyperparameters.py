@@ -103,11 +103,12 @@ def test_a_scheduler_stepping_after_the_update_is_allowed():
 def test_a_plain_loop_is_checked_between_begin_and_release():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    step, opt, x, y = plain_step(model)
+    step, opt, batches = plain_step(model)
     try:
         for attempt in range(2):
             opt.zero_grad()
-            step.begin(32)
+            x, y = next(batches)
+            step.begin()
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             if attempt == 1:
@@ -146,11 +147,12 @@ def test_a_parameter_written_through_data_is_refused_before_the_release():
     loop, where no batch check runs between begin and release)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    step, opt, x, y = plain_step(model, verify="first_step")
+    step, opt, batches = plain_step(model, verify="first_step")
     try:
         for attempt in range(2):
             opt.zero_grad()
-            step.begin(32)
+            x, y = next(batches)
+            step.begin()
             nn.functional.cross_entropy(model(x), y).backward()
             if attempt == 1:
                 model[2].bias.data.copy_(x[:2, 0])

@@ -48,11 +48,12 @@ def test_post_processing_declared_public_trains():
 def test_a_plain_loop_is_checked_at_the_optimizer_step():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    step, opt, x, y = plain_step(model)
+    step, opt, batches = plain_step(model)
     try:
         for attempt in range(2):
             opt.zero_grad()
-            step.begin(32)
+            x, y = next(batches)
+            step.begin()
             nn.functional.cross_entropy(model(x), y).backward()
             step.release(optimizer=opt)
             if attempt == 0:

@@ -1,0 +1,362 @@
+"""The contract of a loop of one's own with :class:`~lightning_dp.privacy.private_step.PrivateStep`, checked at run time.
+
+The ledger charges each release at the Poisson rate q. That holds only for what the private loader really drew, once:
+
+- **One release per drawn batch** (:meth:`PlainLoop.drawn`, :meth:`PlainLoop.check_release`). A logical step begins
+  with a batch taken from the Poisson loader's record (``step.begin()`` / ``step.take()``); in a plain loop only a
+  batch the loader has *handed to the loop* may be taken, once. A batch reused for a second release, a batch of one's
+  own ``DataLoader`` (shuffled, full-batch) or a release without any ``begin`` is refused: each would be charged at
+  q without having been drawn.
+- **Physical batches are disjoint parts of it** (:meth:`PlainLoop.physical`): gradient accumulation banks parts of
+  the drawn batch, each record at most once (``begin(len(part), part)``); a record in two banked parts would move the
+  released sum by 2C. In a plain loop the parts must cover the drawn batch before its release.
+- **The loss released is the loss verified** (:func:`check_bound_loss`): ``verify(loss_of)`` probes ``loss_of``; the
+  loop back-propagates a loss of its own. On the steps the verification schedule picks (the first, then sampled, or
+  every step under ``verify="every_step"``) the loss given to ``verify`` is run again on the very batch the loader
+  handed the loop, from the generators' state at ``begin``, and its per-example gradient norms must be the loop's
+  (to the batch check's tolerance): a loop that centres its batch, adds an in-batch term or any other loss is refused
+  before that release.
+- **No decision from the un-noised loss** (:meth:`PlainLoop.check_decisions`): the loss the loop back-propagates is
+  watched from its backward on (a :class:`WatchedLoss`); when its value was read (``float(loss)``, ``.item()``, a
+  print) and the optimizer's hyper-parameters then changed between a release and the next step's ``begin`` (or its
+  ``opt.step()``), other than by a ``torch.optim.lr_scheduler`` scheduler stepping on the step count, the change was
+  decided from private data outside the release: refused (release boundary, rule 3). A rate set from the step count
+  while the loss is not read is a schedule and trains.
+
+The Lightning strategies draw, verify and seal their loss themselves (``training_step`` is the verified loss): for
+them only the first two rules apply (``plain = False``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dp.clipping import ClipRule
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.losses import loss_tensor
+from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
+from lightning_dp.validators.rng import forked_rngs
+from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.validators.tolerance import batch_tolerance
+
+__all__ = ["PlainLoop", "WatchedLoss", "check_bound_loss"]
+
+_FIX = ("Iterate the loader poisson_loader() returned and call step.begin() once for each batch it yields, then "
+        "backward, step.release(), optimizer.step()")
+
+
+def not_drawn_error(what: str) -> PrivacyConfigurationError:
+    """The refusal of a release (or a batch begun) that the Poisson loader did not draw for it."""
+    return PrivacyConfigurationError(
+        f"{what}: the ledger charges every release at the Poisson rate q, which holds only for a batch the private "
+        "loader drew, released once. A batch reused for a second release, a batch from a DataLoader of one's own or a "
+        f"release without step.begin() would be charged as drawn when it was not. Nothing was released. {_FIX}.")
+
+
+class WatchedLoss(Tensor):
+    """The loss a plain loop back-propagated: a tensor like any other (what is computed from it is watched too) whose
+    value, once read (``float``, ``.item()``, a comparison, a print), marks the loop's step as having read it."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name not in _PASSED_ON:
+            _note_read(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    def __format__(self, spec: str) -> str:
+        _note_read("__format__")
+        return self.detach().as_subclass(Tensor).__format__(spec)
+
+
+_PASSED_ON = frozenset({"detach", "clone", "backward", "requires_grad_", "size", "dim", "numel", "is_floating_point",
+                        "__get__", "__set__", "grad_fn", "requires_grad", "dtype", "device", "shape", "is_leaf"})
+_WATCHING: Callable[[], Optional["PlainLoop"]] = lambda: None  # noqa: E731  (the loop whose loss is watched now)
+_BACKWARD: Optional[Callable[..., Any]] = None  # torch.autograd.backward while a plain loop's window is open
+
+
+def _note_read(name: str) -> None:
+    loop = _WATCHING()
+    if loop is not None and loop.read is None:
+        loop.read = name
+
+
+def _watched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.autograd.backward`` (``loss.backward()`` calls it) while a plain loop's step is open: the losses
+    back-propagated become :class:`WatchedLoss`."""
+    assert _BACKWARD is not None
+    out = _BACKWARD(tensors, *args, **kwargs)
+    for t in (tensors,) if isinstance(tensors, Tensor) else tuple(tensors):
+        if type(t) is Tensor and t.dim() == 0:
+            t.__class__ = WatchedLoss
+    return out
+
+
+def _watch_backward(on: bool) -> None:
+    global _BACKWARD
+    if on and _BACKWARD is None:
+        _BACKWARD, torch.autograd.backward = torch.autograd.backward, _watched_backward
+    elif not on and _BACKWARD is not None:
+        torch.autograd.backward, _BACKWARD = _BACKWARD, None
+
+
+def _rng_states() -> tuple[Any, ...]:
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+
+
+def _set_rng_states(states: tuple[Any, ...]) -> None:
+    import numpy as np
+
+    cpu, cuda, numpy_state, python = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    np.random.set_state(numpy_state)
+    random.setstate(python)
+
+
+_SCHEDULED = frozenset({"lr", "momentum", "betas"})
+"""What ``torch.optim.lr_scheduler`` schedulers set (OneCycleLR and CyclicLR cycle the momentum or betas too)."""
+
+
+class PlainLoop:
+    """The logical step's drawn batch and what the loop did with it (module docstring).
+
+    Attributes:
+        plain: the loop is the user's own (``False`` under the Lightning strategies: only the draw rules apply).
+        indices: the dataset indices of the step's Poisson batch (``None``: none drawn yet).
+        batch: the batch the loader handed the loop for it (plain loops).
+        loss_of: the loss ``verify`` probed, on a batch as the loader yields it.
+    """
+
+    def __init__(self) -> None:
+        self.plain = True
+        self.indices: Optional[list[int]] = None
+        self.batch: Any = None
+        self.begun: set[int] = set()
+        self.released = True
+        self.stand_in = False
+        self.padding = 0
+        self.loss_of: Optional[Callable[[Any], Any]] = None
+        self.what = "the loss function"
+        self.due = False
+        self._rngs: Optional[tuple[Any, ...]] = None
+        self.read: Optional[str] = None
+        """How the loss's value was read since the step began (``None``: not read)."""
+        self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
+        self._optimizer: Any = None
+        self._hook: Any = None
+        self._schedulers: list[weakref.ref] = []
+
+    # ------------------------------------------------------------------ the draw
+    def drawn(self, indices: list[int], batch: Any, banked: bool) -> None:
+        """A Poisson batch was taken for a new logical step (``banked``: clipped sums of the one before are held)."""
+        if banked:
+            raise PrivacyConfigurationError(
+                "A new Poisson batch was taken while physical batches banked from the one before were never released: "
+                "a release mixing two draws holds records of both (each drawn at rate q), so one record could count "
+                "twice. Release each drawn batch (step.release()) before beginning the next.")
+        self.indices, self.batch, self.begun, self.released, self.stand_in = list(indices), batch, set(), False, False
+
+    def takes(self, n: int, indices: Optional[Sequence[int]], stand_in: bool) -> bool:
+        """Whether ``begin(n, indices)`` starts a new logical step: a count without records when no drawn batch is
+        open (the Poisson loader's next batch is taken: it must be that batch)."""
+        return indices is None and not stand_in and (self.indices is None or self.released)
+
+    def abandon(self) -> None:
+        """The physical batch begun last was neither banked nor released (its step raised): the drawn batch it was part
+        of is not released any more (a count given to the next ``begin`` takes the loader's next batch)."""
+        if self.begun:
+            self.released, self.batch = True, None
+
+    def physical(self, n: int, indices: Optional[Sequence[int]], stand_in: bool, padding: int) -> None:
+        """A physical batch of ``n`` examples (records ``indices``; ``None``: the whole drawn batch) begins: it must be
+        an unused part of the drawn batch."""
+        self.padding = padding
+        if stand_in:
+            self.stand_in = True
+            return
+        if self.indices is None:
+            return  # no Poisson loader (a caller that clips and charges itself: VirtualWorkersSignSGD)
+        if self.released:
+            raise not_drawn_error(f"begin({n}) after the drawn batch was released")
+        drawn = self.indices
+        if indices is None:
+            if self.begun:
+                raise PrivacyConfigurationError(
+                    f"begin({n}) without the records of a physical batch, after part of the drawn batch was begun: "
+                    "name each part's records, begin(len(part), part), with disjoint parts of step.take() (a record in "
+                    "two parts would move the release by 2C). Nothing was released.")
+            if n != len(drawn):
+                raise not_drawn_error(f"begin({n}) counts {n} examples; the Poisson batch drawn for this step holds "
+                                      f"{len(drawn)}")
+            part: Sequence[int] = drawn
+        else:
+            part = list(indices)
+            if n != len(part) or len(set(part)) != len(part):
+                raise PrivacyConfigurationError(f"begin({n}, indices): {len(part)} indices, {len(set(part))} distinct; "
+                                                "each record once, as many as the count.")
+            outside = set(part) - set(drawn)
+            if outside:
+                raise not_drawn_error(f"begin({n}, indices) names {len(outside)} record(s) the Poisson batch of this "
+                                      "step does not hold")
+            again = self.begun.intersection(part)
+            if again:
+                raise PrivacyConfigurationError(
+                    f"{len(again)} record(s) of this physical batch were begun already in another physical batch of "
+                    "the same step: two banked parts holding one record move the released sum by 2C, not C. Split "
+                    "the drawn batch (step.take()) into disjoint parts. Nothing was released.")
+        self.begun.update(part)
+
+    def check_release(self, empty: bool) -> None:
+        """Before a release: a drawn batch is open, not released, a stand-in is released empty, and (plain loops) its
+        physical batches covered it."""
+        _watch_backward(False)
+        if self.indices is None or self.released:
+            raise not_drawn_error("release() without a Poisson batch drawn for it (no step.begin(), or a second "
+                                  "release of one batch)")
+        if self.stand_in and not empty:
+            raise PrivacyConfigurationError("a stand-in batch (begin(..., stand_in=True)) was released with its "
+                                            "gradient: release(empty=True) discards it. Nothing was released.")
+        if self.plain and not empty and len(self.begun) != len(self.indices):
+            raise PrivacyConfigurationError(
+                f"the physical batches begun hold {len(self.begun)} of the {len(self.indices)} records drawn for this "
+                "step: release the whole drawn batch (records left out by the loop's own choice depend on the data). "
+                "Nothing was released.")
+
+    def after_release(self, optimizer: Any) -> None:
+        """The drawn batch was released: no second release of it; the optimizer's hyper-parameters as released are
+        what the next step compares (plain loops)."""
+        self.released, self.stand_in, self.batch = True, False, None
+        if not self.plain or optimizer is None:
+            return
+        if optimizer is not self._optimizer:
+            if self._hook is not None:
+                self._hook.remove()
+            self._optimizer, self._schedulers = optimizer, []
+            self._hook = optimizer.register_step_pre_hook(self._before_update)
+        self._hyper = settings(optimizer)
+
+    # ------------------------------------------------------------------ decisions from the loss
+    def step_begins(self, schedule_due: Callable[[], bool]) -> None:
+        """A plain loop's logical step begins: decisions since the last release are judged, the loss of this step is
+        watched from its backward on, and whether its loss is bound to the verified one this step is decided."""
+        global _WATCHING
+        self.check_decisions("between the last release and this step's begin()")
+        self._hyper, self.read = None, None
+        ref = weakref.ref(self)
+        _WATCHING = ref  # type: ignore[assignment]
+        _watch_backward(True)
+        self.due = self.loss_of is not None and schedule_due()
+        self._rngs = _rng_states() if self.due else None
+
+    def _before_update(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.check_decisions("between the release and optimizer.step()")
+
+    def check_decisions(self, where: str) -> None:
+        """Refuse hyper-parameters changed since the release when the loss's value was read (module docstring)."""
+        if self._hyper is None or self._optimizer is None or self.read is None:
+            return
+        changed = StateFingerprint.changed(self._hyper, settings(self._optimizer))
+        if not changed or self._scheduled(changed):
+            return
+        raise PrivacyConfigurationError(
+            f"The optimizer's hyper-parameters changed {where} ({', '.join(changed[:4])}) after the loop read the "
+            f"value of the loss it back-propagated ({self.read}): the un-noised loss of the private batch steering "
+            "later updates is a release without noise (docs/release_boundary.md, rule 3). Nothing more was released. "
+            "Set rates from the step count (a torch.optim.lr_scheduler scheduler, or by hand without reading the "
+            "loss) or from held-out data; a loss printed for a report is allowed when no rate is set by hand.")
+
+    def _scheduled(self, changed: Sequence[str]) -> bool:
+        """Whether every change is a ``torch.optim.lr_scheduler`` scheduler's (not ``ReduceLROnPlateau``, which is
+        told a value) setting the learning rates it reports (``_last_lr``)."""
+        if any(not name.startswith("optimizer param_groups[") or name.rsplit(".", 1)[-1] not in _SCHEDULED
+               for name in changed):
+            return False
+        optimizer = self._optimizer
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for scheduler in self._scheduler_objects(optimizer):
+            if getattr(scheduler, "_last_lr", None) == rates:
+                return True
+        return False
+
+    def _scheduler_objects(self, optimizer: Any) -> list[Any]:
+        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+        found = [s for s in (r() for r in self._schedulers) if s is not None]
+        if not found:  # once per optimizer (a walk of the referrers)
+            found = [s for s in gc.get_referrers(optimizer) if isinstance(s, LRScheduler)
+                     and not isinstance(s, ReduceLROnPlateau) and getattr(s, "optimizer", None) is optimizer]
+            self._schedulers = [weakref.ref(s) for s in found]
+        return found
+
+    def forget(self) -> None:
+        """Stop watching (detach, a new optimizer)."""
+        global _WATCHING
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self._optimizer, self._hyper, self._schedulers = None, None, None, []
+        if _WATCHING() is self:
+            _WATCHING = lambda: None  # noqa: E731
+            _watch_backward(False)
+
+
+def bound_loss_error(worst: float, tol: float, what: str) -> PrivacyConfigurationError:
+    """The refusal of a loop whose back-propagated loss is not the one ``verify`` checked."""
+    return PrivacyConfigurationError(
+        f"The loss the loop back-propagated is not {what} given to verify(): run again on the batch the loader handed "
+        f"the loop, from the same random state, its per-example gradient norms differ by {worst:.3g} (tolerance "
+        f"{tol:.3g}). The probe verified a loss that is not the one released (a batch centred on its own mean, an "
+        "in-batch term, another transform of the batch). Nothing was released. Give verify() exactly the loss the loop "
+        "computes from the loader's batch, with its random draws after step.begin().")
+
+
+def check_bound_loss(step: Any, norms: Tensor) -> None:
+    """The verified loss of ``step`` (a :class:`~lightning_dp.privacy.private_step.PrivateStep`) on the loop's own batch must give the released pass's per-example norms (module docstring).
+    Everything the pass writes is restored; the generators continue as if it had not run."""
+    loop = step.loop
+    engine, module = step._engine, step._module
+    if not loop.due or loop.loss_of is None or loop.batch is None or engine is None or module is None:
+        return
+    start = time.perf_counter()
+    params = step.params()
+    grads = [p.grad for p in params]
+    rows = len(loop.indices or ()) + loop.padding
+    snapshot = StateSnapshot(module, [], step.boundary.engine_keys)
+    try:
+        with forked_rngs():
+            if loop._rngs is not None:
+                _set_rng_states(loop._rngs)
+            engine.begin_step(rows)
+            loss_tensor(loop.loss_of(loop.batch), rows, loop.what).backward()
+            engine.padding_rows = loop.padding
+            rule = ClipRule(step.clipping, step.groups_of(loop.indices) if loop.indices else None)
+            checked = engine.clip_and_sum(params, rule, step._request.scale, False).norms
+    finally:
+        engine.padding_rows = 0
+        engine.begin_step(None)
+        snapshot.restore()
+        for p, g in zip(params, grads):
+            p.grad = g
+        step.schedule.checked(time.perf_counter() - start)
+    real = norms.detach().double().flatten().sort().values
+    again = checked.detach().double().flatten().to(real.device).sort().values
+    dtype = params[0].dtype if params else torch.float32
+    if step._compute_dtype is not None and torch.finfo(step._compute_dtype).eps > torch.finfo(dtype).eps:
+        dtype = step._compute_dtype
+    scale = float(torch.cat([real, again]).abs().max()) if real.numel() + again.numel() else 0.0
+    tol = batch_tolerance(dtype, params[0].device if params else torch.device("cpu"), step._tolerance_low) * scale
+    worst = math.inf if real.shape != again.shape else float((real - again).abs().max()) if real.numel() else 0.0
+    if worst > tol:
+        raise bound_loss_error(worst, tol, loop.what)
