@@ -695,7 +695,9 @@ class PrivateStep(StepChecks):
 
     def begin(self, num_examples: Optional[int] = None, indices: Optional[Sequence[int]] = None,
               stand_in: bool = False, padding: int = 0) -> int:
-        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch), followed by
+        """Start a (physical) batch of ``num_examples`` (default: :meth:`take` the sampler's next batch; a count without
+        ``indices`` takes it too and must be its count; physical batches are unused parts of it:
+        :mod:`~lightning_dp.validators.plain_loop`), followed by
         ``padding`` padding rows (fixed-shape batches: clip factor 0, not counted); every hooked layer is checked
         against the n + padding rows. Returns the count of examples. User-level DP: ``indices`` are the batch's
         records, whose users are clipped together (default: the batch taken); a count without them is refused

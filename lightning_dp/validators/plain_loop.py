@@ -1,4 +1,4 @@
-"""The contract of a loop of one's own with :class:`~lightning_dp.privacy.private_step.PrivateStep`, checked at run time.
+"""A loop of one's own and :class:`~lightning_dp.privacy.private_step.PrivateStep`: its contract, checked at run time.
 
 The ledger charges each release at the Poisson rate q. That holds only for what the private loader really drew, once:
 
@@ -323,8 +323,9 @@ def bound_loss_error(worst: float, tol: float, what: str) -> PrivacyConfiguratio
 
 
 def check_bound_loss(step: Any, norms: Tensor) -> None:
-    """The verified loss of ``step`` (a :class:`~lightning_dp.privacy.private_step.PrivateStep`) on the loop's own batch must give the released pass's per-example norms (module docstring).
-    Everything the pass writes is restored; the generators continue as if it had not run."""
+    """The verified loss of ``step`` (a :class:`~lightning_dp.privacy.private_step.PrivateStep`) on the loop's own
+    batch must give the released pass's per-example norms (module docstring). Everything the pass writes is restored;
+    the generators continue as if it had not run."""
     loop = step.loop
     engine, module = step._engine, step._module
     if not loop.due or loop.loss_of is None or loop.batch is None or engine is None or module is None:
