@@ -46,9 +46,9 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
-from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, library_callback,
-                                                moved_by_data, replay_records, state_written, trusted_callback,
-                                                user_modules)
+from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
+                                                library_callback, mechanism_decisions, moved_by_data, replay_records,
+                                                state_written, trusted_callback, user_modules)
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
@@ -124,6 +124,7 @@ class PrivateTraining:
         self.secure_mode = bool(privacy.secure_mode)
         self.max_physical_batch_size = execution.max_physical_batch_size
         self._examples_this_step = -1
+        self._mechanism_at_step: Optional[Fingerprint] = None  # σ and C as the user's step began (rule 3)
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._records: Optional[tuple[int, frozenset[int]]] = None  # the records its loader trains on (loaders.py)
@@ -536,6 +537,7 @@ class PrivateTraining:
             self._check_batch(indices, _batch_idx(args, kwargs))
             if first:
                 self._check_later_in_the_plan(indices)
+        self._mechanism_at_step = mechanism_decisions(trainer)  # the user's code may not set σ or C from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
         if n == 0:
@@ -681,9 +683,9 @@ class PrivateTraining:
             def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
                 first = writes is not None and not writes.runs
                 try:
-                    with seeded(0), seeds_recorded() as calls, self._privacy_settings_kept(), \
+                    with seeded(0), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
-                        decisions.append(calls)
+                        decisions.append(calls)  # σ and C: put back by replay_records, which compares them
                         batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                         try:
                             ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
@@ -755,7 +757,7 @@ class PrivateTraining:
                 rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
-                            seeds_recorded() as calls, self._privacy_settings_kept(), \
+                            seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
                         replay_epoch_hooks(module)
@@ -778,7 +780,7 @@ class PrivateTraining:
         moved = moved_by_data(plain, again, other)
         where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
                  "data and on it exchanged")
-        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "configured "))]
+        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
         if decided:
             raise hyperparameters_error(decided, f"from the training data {where}")
         if len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
@@ -947,12 +949,23 @@ class PrivateTraining:
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # type: ignore[attr-defined]
         with output_hook_notice_quieted(self.private_step.engine_name):
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
+        self._check_mechanism_kept(module.trainer)
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
         self._log_clip_norm(module.trainer)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
         self.post_backward(closure_loss)  # type: ignore[attr-defined]
         return closure_loss
+
+    def _check_mechanism_kept(self, trainer: "pl.Trainer") -> None:
+        """Rule 3 for the mechanism: σ and C as the step began (a C set from the batch's losses in ``training_step``
+        would clip, noise and be released by this very step). Refused before the release."""
+        taken, self._mechanism_at_step = self._mechanism_at_step, None
+        if taken is None:
+            return
+        changed = StateFingerprint.changed(taken, mechanism_decisions(trainer))
+        if changed:
+            raise hyperparameters_error(changed, "within the step (in training_step, the forward or the backward)")
 
     def _log_clip_norm(self, trainer: "pl.Trainer") -> None:
         """``privacy/clip_norm``, the bound the next step clips at, into ``trainer.callback_metrics`` every step and to

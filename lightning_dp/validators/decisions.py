@@ -11,18 +11,17 @@ every later update (or the number of releases) by un-noised training data.
 windows in which the user's hooks run outside a step: a batch's end (``on_train_batch_end``), an epoch's end
 (``on_train_epoch_end``) and the end of a validation run during training (``on_validation_epoch_end``,
 ``on_validation_end``). It notes the decisions as a window opens — every optimizer's hyper-parameters and defaults,
-``trainer.should_stop``, ``max_epochs``, ``max_steps`` — and compares them when it closes (at the next hook of the
-loop). Only when they changed are the window's hooks of the module and of the callbacks that are not Lightning's or
-lightning_dp's run again, from the decisions (and the user objects' attributes) as they were when it opened: twice as
-they ran, then on other data — at a batch's end its loss (every float tensor of its outputs) moved far, and,
-separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all of them or its
+``trainer.should_stop``, ``max_epochs``, ``max_steps``, the mechanism's σ and C — and compares them when it closes (at
+the next hook of the loop). Only when they changed are the window's hooks of the module and of the callbacks that are
+not Lightning's or lightning_dp's run again, from the decisions (and the user objects' attributes) as they were when it
+opened: twice as they ran, then on other data — at a batch's end its loss (every float tensor of its outputs) moved far,
+and, separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all of them or its
 floating-point ones only (a loss is the same on both exchanged for a model odd in its input); at an epoch's or a
 validation's end with the training data's copies in memory exchanged (:mod:`.outside_records`), all or the
-floating-point ones only — each from the same
-random seeds. A decision the other data sets apart, and the second plain run does not (a time, a random draw), came
-from the training data: refused before the next release. Decisions the window's hooks do not make again
-(a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are not theirs to judge: the
-replays leave them as they were.
+floating-point ones only — each from the same random seeds. A decision the other data sets apart, and the second plain
+run does not (a time, a random draw), came from the training data: refused before the next release. Decisions the
+window's hooks do not make again (a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are
+not theirs to judge: the replays leave them as they were.
 
 What a window cannot see: at a batch's end, a decision whose hook keeps a flag it sets in place (a list, a tensor)
 rather than an attribute it binds (its runs again start from the state as it is after it, with only the attributes
@@ -43,8 +42,8 @@ import torch
 
 from lightning_dp.validators.hook_replays import moved_far, replaying, runs_users_code
 from lightning_dp.validators.kept_state import (
-    Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls, moved_by_data,
-    put_loop_controls, schedulers,
+    Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls,
+    mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
 )
 from lightning_dp.validators.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -74,6 +73,7 @@ class _Window:
     scheduler_states: list[dict[str, Any]]
     trainable: list[tuple[Any, bool]]
     attributes: list[tuple[Any, dict[str, Any]]]
+    mechanism: dict[str, Any]
     args: tuple[Any, ...] = ()
     step: int = 0
     state: Optional[Fingerprint] = None
@@ -177,7 +177,8 @@ class DecisionWindows(pl.Callback):
             *_settings_of(trainer), loop_controls(trainer), optimizers,
             [copy.deepcopy(scheduler.state_dict()) for scheduler in schedulers(trainer)],
             [(p, p.requires_grad) for p in module.parameters()],
-            [(o, _public_attributes(o)) for o in self._users(trainer, module)], args, trainer.global_step,
+            [(o, _public_attributes(o)) for o in self._users(trainer, module)], mechanism_settings(trainer), args,
+            trainer.global_step,
             self._state(trainer, module, full=judge) if watched else None,
             self._snapshot(trainer, module) if judge else None)
 
@@ -214,7 +215,7 @@ class DecisionWindows(pl.Callback):
         now afterwards."""
         users = [o for o, _ in window.attributes if o is not module]
         after = StateSnapshot(module, users, self._boundary.engine_keys)
-        now = _settings_of(trainer), loop_controls(trainer)
+        now = _settings_of(trainer), loop_controls(trainer), mechanism_settings(trainer)
         kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
                 [(p, p.requires_grad) for p in module.parameters()])
         runs: list[Optional[Fingerprint]] = []
@@ -236,13 +237,14 @@ class DecisionWindows(pl.Callback):
             _put_decisions(trainer, *kept)
             _put_settings(trainer, *now[0])
             put_loop_controls(trainer, now[1])
+            put_mechanism_settings(trainer, now[2])
         plain, again, *others = runs
         if plain is None or again is None:
             return []
         return sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
 
 
-_DECISIONS = ("trainer ", "model trainable", "scheduler ", "optimizer ")
+_DECISIONS = ("trainer ", "privacy ", "model trainable", "scheduler ", "optimizer ")
 
 
 _WHERE = {
@@ -305,6 +307,7 @@ def _put_back(window: _Window, trainer: "pl.Trainer") -> None:
     _put_decisions(trainer, window.optimizers, window.scheduler_states, window.trainable)
     _put_settings(trainer, window.groups, window.defaults)
     put_loop_controls(trainer, window.controls)
+    put_mechanism_settings(trainer, window.mechanism)
     for obj, attributes in window.attributes:
         for key in [k for k in _public_attributes(obj) if k not in attributes]:
             delattr(obj, key)

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.errors import PrivacyConfigurationError
 
 Fingerprint = dict[str, Hashable]
@@ -743,18 +744,21 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
     """Run each of ``replays``, putting the optimizer's hyper-parameters and defaults back after each; returns the
     :func:`hyperparameters` before and after each replay. ``loop`` (the trainer): its ``should_stop``,
     ``max_epochs`` and ``max_steps`` are recorded (``"trainer should_stop"``) and put back the same way (training
-    stopped, or lengthened, when the loss or a training accuracy crosses a threshold)."""
+    stopped, or lengthened, when the loss or a training accuracy crosses a threshold), and so are the mechanism's σ and
+    C (:func:`mechanism_settings`)."""
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
-    controls = loop_controls(loop)
+    controls, mechanism = loop_controls(loop), mechanism_settings(loop)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
-            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()}})
+            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()},
+                         **mechanism_decisions(loop)})
             put_loop_controls(loop, controls)
+            put_mechanism_settings(loop, mechanism)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
                 params = group["params"]
                 group.clear()
@@ -787,13 +791,44 @@ def loop_controls(loop: Any) -> dict[str, Any]:
             "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None)}
 
 
+def mechanism_settings(loop: Any) -> dict[str, Any]:
+    """The Gaussian mechanism's settings where ``loop`` (a trainer) trains with a private strategy: σ
+    (``noise_multiplier``) and the clipping policy (``clipping``: flat clipping by its C; a policy that moves its own
+    bound, by the policy object, whose moves are its own releases'). Set from the data between two releases — a C from
+    the batch's losses, a σ lowered once the loss crosses a threshold — they steer the next release by un-noised data,
+    and C is released with every step (the noise's scale, ``privacy/clip_norm``); none without a private strategy."""
+    step = getattr(getattr(loop, "strategy", None), "private_step", None)
+    if step is None or not hasattr(step, "clipping"):
+        return {}
+    clipping = step.clipping
+    bound = ("C", clipping.max_grad_norm) if isinstance(clipping, FlatClipping) else (type(clipping), id(clipping))
+    return {"noise_multiplier": step.noise_multiplier, "clipping": bound, "policy": clipping}
+
+
+def mechanism_decisions(loop: Any) -> Fingerprint:
+    """:func:`mechanism_settings` as fingerprint entries (``"privacy noise_multiplier"``, ``"privacy clipping"``)."""
+    return {f"privacy {k}": v for k, v in mechanism_settings(loop).items() if k != "policy"}
+
+
+def put_mechanism_settings(loop: Any, settings: dict[str, Any]) -> None:
+    """σ and the clipping policy of ``loop``'s private step set back to ``settings`` (:func:`mechanism_settings`)."""
+    step = getattr(getattr(loop, "strategy", None), "private_step", None)
+    if step is None or not settings:
+        return
+    if step.noise_multiplier != settings["noise_multiplier"]:
+        step.noise_multiplier = settings["noise_multiplier"]
+    if step.clipping is not settings["policy"]:
+        step.clipping = settings["policy"]
+
+
 def decisions(trainer: Any) -> Fingerprint:
     """What a hook outside the step may decide for later steps: each optimizer's hyper-parameters and defaults
     (:func:`~.kept_state.settings`, ``"optimizer 0 param_groups[0].lr"``), which optimizers step (one swapped for
     another), the learning-rate schedulers' states (a scheduler told the loss, applying it at its next step), which
-    of the model's parameters train (a backbone unfrozen) and the trainer's length decisions
-    (``"trainer should_stop"``)."""
+    of the model's parameters train (a backbone unfrozen), the trainer's length decisions (``"trainer should_stop"``)
+    and the mechanism's σ and C (:func:`mechanism_decisions`)."""
     out: Fingerprint = {f"trainer {k}": v for k, v in loop_controls(trainer).items()}
+    out.update(mechanism_decisions(trainer))
     optimizers = list(getattr(trainer, "optimizers", None) or ())
     out["trainer optimizers"] = tuple(type(o).__qualname__ for o in optimizers)
     for i, optimizer in enumerate(optimizers):
@@ -847,12 +882,13 @@ def raw_gradient_error(names: Sequence[str]) -> PrivacyConfigurationError:
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
     """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
     return PrivacyConfigurationError(
-        f"The optimizer's hyper-parameters or state, or how long the trainer runs, changed {where}: "
-        f"{', '.join(changed[:6])}. A learning rate, momentum or weight decay set from the batch or its loss, a "
-        "moment written from it, or a stop (should_stop, max_epochs, max_steps) decided from it steers every later "
-        "update by un-noised training data, outside the guarantee. Nothing more was released. Set hyper-parameters "
-        "from the step count (a learning-rate scheduler, which Lightning steps after the update) or from held-out "
-        "data at validation; leave the optimizer's state to its step.")
+        f"The optimizer's hyper-parameters or state, the mechanism's σ or C, or how long the trainer runs, changed "
+        f"{where}: {', '.join(changed[:6])}. A learning rate, momentum or weight decay set from the batch or its loss, "
+        "a moment written from it, a noise multiplier σ or clipping bound C set from it, or a stop (should_stop, "
+        "max_epochs, max_steps) decided from it steers every later update by un-noised training data, outside the "
+        "guarantee. Nothing more was released. Set hyper-parameters from the step count (a learning-rate scheduler, "
+        "which Lightning steps after the update) or from held-out data at validation; leave σ and C to the strategy "
+        "(a target ε calibrates σ; AdaptiveClipping moves C privately), and the optimizer's state to its step.")
 
 
 def _hyper_token(value: Any) -> Hashable:
