@@ -71,6 +71,7 @@ from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
+from lightning_dp.validators.kept_state import step_mechanism
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
@@ -258,7 +259,7 @@ class PrivateStep(StepChecks):
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
         self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
-        self.loop = PlainLoop()
+        self.loop = PlainLoop(lambda: step_mechanism(self), lambda: self.boundary.public_state)
         """The step's drawn batch and what the loop does with it (:mod:`~lightning_dp.validators.plain_loop`)."""
         self.examples_alone = False
         """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):

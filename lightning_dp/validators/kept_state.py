@@ -792,12 +792,16 @@ def loop_controls(loop: Any) -> dict[str, Any]:
 
 
 def mechanism_settings(loop: Any) -> dict[str, Any]:
-    """The Gaussian mechanism's settings where ``loop`` (a trainer) trains with a private strategy: σ
-    (``noise_multiplier``) and the clipping policy (``clipping``: flat clipping by its C; a policy that moves its own
-    bound, by the policy object, whose moves are its own releases'). Set from the data between two releases — a C from
-    the batch's losses, a σ lowered once the loss crosses a threshold — they steer the next release by un-noised data,
-    and C is released with every step (the noise's scale, ``privacy/clip_norm``); none without a private strategy."""
-    step = getattr(getattr(loop, "strategy", None), "private_step", None)
+    """The Gaussian mechanism's settings where ``loop`` (a trainer) trains with a private strategy
+    (:func:`step_mechanism` of its private step); none without one."""
+    return step_mechanism(getattr(getattr(loop, "strategy", None), "private_step", None))
+
+
+def step_mechanism(step: Any) -> dict[str, Any]:
+    """A private step's σ (``noise_multiplier``) and clipping policy (``clipping``: flat clipping by its C; a policy
+    that moves its own bound, by the policy object, whose moves are its own releases'). Set from the data between two
+    releases — a C from the batch's losses, a σ lowered once the loss crosses a threshold — they steer the next release
+    by un-noised data, and C is released with every step (the noise's scale, ``privacy/clip_norm``)."""
     if step is None or not hasattr(step, "clipping"):
         return {}
     clipping = step.clipping
@@ -807,7 +811,12 @@ def mechanism_settings(loop: Any) -> dict[str, Any]:
 
 def mechanism_decisions(loop: Any) -> Fingerprint:
     """:func:`mechanism_settings` as fingerprint entries (``"privacy noise_multiplier"``, ``"privacy clipping"``)."""
-    return {f"privacy {k}": v for k, v in mechanism_settings(loop).items() if k != "policy"}
+    return mechanism_entries(mechanism_settings(loop))
+
+
+def mechanism_entries(settings: dict[str, Any]) -> Fingerprint:
+    """:func:`step_mechanism`'s settings as fingerprint entries (``"privacy noise_multiplier"``)."""
+    return {f"privacy {k}": v for k, v in settings.items() if k != "policy"}
 
 
 def put_mechanism_settings(loop: Any, settings: dict[str, Any]) -> None:

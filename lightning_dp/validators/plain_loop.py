@@ -22,6 +22,9 @@ The ledger charges each release at the Poisson rate q. That holds only for what 
   ``opt.step()``), other than by a ``torch.optim.lr_scheduler`` scheduler stepping on the step count, the change was
   decided from private data outside the release: refused (release boundary, rule 3). A rate set from the step count
   while the loss is not read is a schedule and trains.
+- **σ and C as given** (:meth:`PlainLoop.check_mechanism`): the step's noise multiplier and clipping policy as released
+  are compared at the next ``begin``; a loop of one's own cannot be replayed to tell a schedule from a value read off
+  the batch (a C from the batch's median loss), so a change is refused unless declared public.
 
 The Lightning strategies draw, verify and seal their loss themselves (``training_step`` is the verified loss): for
 them only the first two rules apply (``plain = False``).
@@ -42,7 +45,7 @@ from torch import Tensor
 from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
-from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
+from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, mechanism_entries, settings
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.tolerance import batch_tolerance
@@ -140,7 +143,12 @@ class PlainLoop:
         loss_of: the loss ``verify`` probed, on a batch as the loader yields it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mechanism: Callable[[], dict[str, Any]] = dict,
+                 public: Callable[[], Sequence[str]] = tuple) -> None:
+        self.mechanism = mechanism
+        """The step's σ and clipping policy now (:func:`~.kept_state.step_mechanism`)."""
+        self.public = public
+        """The names declared public (``"noise_multiplier"``, ``"max_grad_norm"``: a schedule of one's own)."""
         self.plain = True
         self.indices: Optional[list[int]] = None
         self.batch: Any = None
@@ -155,6 +163,7 @@ class PlainLoop:
         self.read: Optional[str] = None
         """How the loss's value was read since the step began (``None``: not read)."""
         self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
+        self._mechanism: Optional[Fingerprint] = None  # σ and C as released
         self._optimizer: Any = None
         self._hook: Any = None
         self._schedulers: list[weakref.ref] = []
@@ -239,6 +248,8 @@ class PlainLoop:
         """The drawn batch was released: no second release of it; the optimizer's hyper-parameters as released are
         what the next step compares (plain loops)."""
         self.released, self.stand_in, self.batch = True, False, None
+        if self.plain:
+            self._mechanism = mechanism_entries(self.mechanism())
         if not self.plain or optimizer is None:
             return
         if optimizer is not self._optimizer:
@@ -254,7 +265,8 @@ class PlainLoop:
         watched from its backward on, and whether its loss is bound to the verified one this step is decided."""
         global _WATCHING
         self.check_decisions("between the last release and this step's begin()")
-        self._hyper, self.read = None, None
+        self.check_mechanism("between the last release and this step's begin()")
+        self._hyper, self.read, self._mechanism = None, None, None
         ref = weakref.ref(self)
         _WATCHING = ref  # type: ignore[assignment]
         _watch_backward(True)
@@ -263,6 +275,24 @@ class PlainLoop:
 
     def _before_update(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self.check_decisions("between the release and optimizer.step()")
+
+    def check_mechanism(self, where: str) -> None:
+        """Refuse σ or C changed since the release (module docstring): in a loop of one's own the library cannot tell a
+        schedule from a value read off the batch (``loss.median()``), so only the strategy's own moves (calibration
+        before the first release, an adaptive policy) and names declared public change them."""
+        if self._mechanism is None:
+            return
+        declared = {"privacy noise_multiplier": "noise_multiplier", "privacy clipping": "max_grad_norm"}
+        changed = [name for name in StateFingerprint.changed(self._mechanism, mechanism_entries(self.mechanism()))
+                   if declared.get(name) not in self.public()]
+        if changed:
+            raise PrivacyConfigurationError(
+                f"The mechanism's σ or C changed {where} ({', '.join(changed)}): in a loop of one's own they cannot be "
+                "told apart from values read off the private batch (a C from the batch's median loss, a σ lowered "
+                "once the loss is low), which would steer the next release by un-noised data (docs/release_boundary.md"
+                ", rule 3). Nothing more was released. Give σ and C before training (or a target ε, which calibrates "
+                "σ; AdaptiveClipping moves C privately); a schedule of one's own from the step count only may be "
+                "declared: PrivateStep(..., public_state=['noise_multiplier']) or ['max_grad_norm'].")
 
     def check_decisions(self, where: str) -> None:
         """Refuse hyper-parameters changed since the release when the loss's value was read (module docstring)."""

@@ -248,3 +248,51 @@ def test_schedules_from_the_step_count_train(plain):
 
     _steps(step, model, opt, loader, report_and_schedule)
     assert step.ledger.steps == 8 and len(printed) == 4
+
+
+# ------------------------------------------------------------------ σ and C: set before training, not from the batch
+def _train(step, model, opt, loader, between=lambda step, losses, epoch: None, epochs: int = 1):
+    for epoch in range(epochs):
+        for x, y in loader:
+            losses = torch.zeros(1)
+            if step.begin():
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                losses.mean().backward()
+            step.release(optimizer=opt)
+            opt.step()
+            opt.zero_grad()
+            between(step, losses.detach(), epoch)
+
+
+def test_a_clipping_bound_set_from_the_batch_losses_between_releases_is_refused(plain):
+    """Hand-rolled 'adaptive' clipping: C from the median per-example loss (a vector the loop never back-propagates)."""
+    step, model, opt, loader, _ = plain()
+
+    def clip_from_loss(step, losses, epoch):
+        step.max_grad_norm = max(0.1, float(losses.median()))
+
+    with pytest.raises(PrivacyConfigurationError, match=r"σ or C changed between the last release.*privacy clipping"):
+        _train(step, model, opt, loader, clip_from_loss)
+    assert step.ledger.steps == 1  # the next release was not made
+
+
+def test_a_noise_multiplier_lowered_once_the_loss_is_low_is_refused(plain):
+    step, model, opt, loader, _ = plain()
+
+    def anneal(step, losses, epoch):
+        if float(losses.mean()) < 10:
+            step.noise_multiplier = 0.5
+
+    with pytest.raises(PrivacyConfigurationError, match=r"privacy noise_multiplier"):
+        _train(step, model, opt, loader, anneal)
+
+
+def test_a_noise_schedule_declared_public_trains_and_is_charged(plain):
+    """Positive control: σ from the epoch number, declared (public_state=['noise_multiplier'])."""
+    step, model, opt, loader, _ = plain(public_state=["noise_multiplier"])
+
+    def by_epoch(step, losses, epoch):
+        step.noise_multiplier = 1.0 + epoch + 1
+
+    _train(step, model, opt, loader, by_epoch, epochs=2)
+    assert {e.noise_multiplier for e in step.ledger.entries} >= {1.0, 2.0}
