@@ -10,7 +10,8 @@ ms/step of each mode and the median over rounds of each mode's time over the non
 round* (paired ratios). Every mode trains on exactly B rows, with Adam:
 
 * ``nonprivate``: forward, mean loss, backward, Adam step.
-* ``ldp``: lightning_dp's whole private step in a plain loop (:class:`~lightning_dp.privacy.private_step.PrivateStep`,
+* ``ldp``: lightning_dp's whole private step in a plain loop, on the batch its Poisson loader draws over exactly the B
+  rows (q = 1; drawn before the timed step) (:class:`~lightning_dp.privacy.private_step.PrivateStep`,
   ghost engine, the defaults): the release boundary's checks, clipping, noise once (drawn ahead when a CPU is free:
   ``noise_prefetch``, ``prefetch="auto"``), ÷B, the ledger, Adam step, the boundary's fingerprint after it.
 * ``ldp_sync``: the same, the noise drawn at the release (``GaussianNoise(prefetch=False)``).
@@ -122,19 +123,40 @@ def ldp(prefetch: bool) -> Callable[..., Callable[[], None]]:
         step = PrivateStep(SIGMA, CLIP, noise, engine="ghost", sampler_seed=0)
         step.attach(model, opt)
         x, y = data
-        step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=max(1, B // 4)))
+        draw, batch = drawn_batches(step, x, y, B)
         step.verify(lambda batch: loss_of(model(batch[0]), batch[1], tokens))
 
         def run() -> None:
+            bx, by = batch()
             opt.zero_grad(set_to_none=True)
-            step.begin(B)
-            loss_of(model(x), y, tokens).backward()
+            step.begin()
+            loss_of(model(bx), by, tokens).backward()
             step.release(optimizer=opt)
             opt.step()
 
+        run.prepare = draw  # type: ignore[attr-defined]
         return run
 
     return make
+
+
+def drawn_batches(step: Any, x: Tensor, y: Tensor, B: int) -> tuple[Callable[[], None], Callable[[], Any]]:
+    """The private step's Poisson loader over exactly the B rows ``x, y`` (q = 1: each pass draws every row, one
+    batch of B), as ``(draw, batch)``: ``draw()`` has the loader hand the loop its next batch — a plain loop may only
+    release a batch its Poisson loader handed it, once — and is run before the timed step (data loading, which the
+    other modes do not time either); ``batch()`` is the batch drawn last."""
+    loader = step.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=B))
+    held: list[Any] = []
+
+    def draw() -> None:
+        held[:] = list(loader)  # one pass: one batch of all B rows
+
+    def batch() -> Any:
+        if not held:
+            draw()  # a step run without its draw (the first, untimed call)
+        return held.pop()
+
+    return draw, batch
 
 
 def opacus_ghost(model: nn.Module, tokens: bool, data: tuple[Tensor, Tensor], B: int) -> Callable[[], None]:
@@ -201,6 +223,9 @@ def measure(name: str, B: int, modes: list[str], rounds: int, warmup: int) -> di
         modes_now = list(steps)
         order.shuffle(modes_now)  # no mode always runs right after another (position in the round biases by ~5 %)
         for mode in modes_now:
+            prepare = getattr(steps[mode], "prepare", None)
+            if prepare is not None:
+                prepare()
             t0 = time.perf_counter()
             steps[mode]()
             if i >= warmup:
