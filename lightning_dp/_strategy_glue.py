@@ -423,7 +423,8 @@ class PrivateTraining:
         self._judge_end("after the last update (in a batch-end or epoch-end hook, or on_train_end)", self._averaged())
 
     def _before_end_hooks(self) -> None:
-        """Training ends (called first of the ``on_train_end`` hooks, by the decision windows): when the user's code
+        """Training ends (called first of the ``on_train_end`` hooks, by the decision windows; again after the
+        strategy's teardown, before ``on_fit_end``): when the user's code
         has a hook that ends a fit (:data:`END_HOOKS`), the user's state as it is now, to put back what such a hook
         computes from the training data and the boundary refuses (:meth:`_judge_end`)."""
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -554,12 +555,10 @@ class PrivateTraining:
         """Detach the engine's hooks, then Lightning's teardown; a fit that ends without error has its end judged
         after the user's ``on_fit_end`` and ``teardown`` (:meth:`_judge_after_users_teardown`)."""
         module = self.lightning_module  # type: ignore[attr-defined]
+        ended = module is not None and self._fitting() and module.trainer.state.status == TrainerStatus.RUNNING
         if module is not None:
             _unwrap_teardown(module)  # a fit that failed in on_fit_end: its module's teardown never ran
-            if self._fitting() and module.trainer.state.status == TrainerStatus.RUNNING:
-                self._judge_after_users_teardown()
-            else:
-                self._end_snapshot = None
+        self._end_snapshot = None
         self.private_step.detach()
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
@@ -567,6 +566,10 @@ class PrivateTraining:
         self._batch_end_writes = set()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
+        if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
+            self.private_step.boundary.baseline()
+            self._before_end_hooks()
+            self._judge_after_users_teardown()
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
