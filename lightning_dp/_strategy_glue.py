@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -58,7 +58,10 @@ from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
                                                   overrides_epoch_hooks, progress_as, replay_batch_hooks,
-                                                  replay_epoch_hooks, replaying, runs_users_code, users_hook)
+                                                  replay_end_hooks, replay_epoch_hooks, replaying, runs_users_code,
+                                                  users_hook)
+from lightning_dp.validators.checkpoint_replays import (checkpoint_from_data_error, checkpoint_hooks_of_users,
+                                                        written_from_data)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.sealed_loss import sealed
@@ -136,6 +139,7 @@ class PrivateTraining:
         self._batch_end_writes: set[str] = set()  # kept state the batch-end hooks write without the data (an EMA)
         self._batch_checked = False  # the batch check ran on this step (its batch-end window is judged)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
+        self._end_snapshot: Optional[tuple[StateSnapshot, Any, Any, list[Any]]] = None  # before the end's hooks
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -323,7 +327,7 @@ class PrivateTraining:
 
         self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
                                                  self._logged_reads.moved, lambda: self._batch_end_writes,
-                                                 self._judged_this_step)
+                                                 self._judged_this_step, self._before_end_hooks)
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
 
     def _judged_this_step(self) -> bool:
@@ -414,12 +418,115 @@ class PrivateTraining:
                 self.private_step.schedule.force()  # what validation switched on is checked at the next step
 
     def on_train_end(self) -> None:
-        """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks)."""
+        """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks) or
+        from the training data by the ``on_train_end`` hooks."""
         super().on_train_end()  # type: ignore[misc]
         self._stop_watching()
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        self.private_step.check_kept("after the last update (in a batch-end or epoch-end hook)",
-                                     skip=("parameter ",) if _averaging(trainer) else ())  # its average: released
+        self._judge_end("after the last update (in a batch-end or epoch-end hook, or on_train_end)", self._averaged())
+
+    def _before_end_hooks(self) -> None:
+        """Training ends (called first of the ``on_train_end`` hooks, by the decision windows; again after the
+        strategy's teardown, before ``on_fit_end``): when the user's code
+        has a hook that ends a fit (:data:`END_HOOKS`), the user's state as it is now, to put back what such a hook
+        computes from the training data and the boundary refuses (:meth:`_judge_end`)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = module.trainer
+        datamodule = getattr(trainer, "datamodule", None)
+        if self._users_code_runs(END_HOOKS) or (datamodule is not None and users_hook(
+                getattr(type(datamodule), "teardown", None))):
+            users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
+            boundary = self.private_step.boundary
+            fingerprint = boundary.fingerprint(module)
+            self._end_snapshot = (StateSnapshot(module, users, boundary.engine_keys), fingerprint,
+                                  fingerprint.take(users, full=True, every_callback=True), users)
+
+    def _judge_end_writes(self, hooks: tuple[str, ...], where: str) -> None:
+        """What the hooks that end the fit (``hooks``, run since :meth:`_before_end_hooks`) wrote, judged as the epoch
+        hooks' are: run again from the state before them, on the training data, on its exchanged copy and on it
+        again. What the exchanged run sets apart (class means of the training features) is put back and refused;
+        what all runs write alike (a counter, a flag, a report of the weights) is accepted. A run that fails accepts
+        nothing (the boundary then refuses every write)."""
+        if self._end_snapshot is None:
+            return
+        snapshot, fingerprint, before, users = self._end_snapshot
+        module = self.lightning_module  # type: ignore[attr-defined]
+        written = StateFingerprint.changed(before, fingerprint.take(users, full=True, every_callback=True))
+        if not written:
+            return
+        after = StateSnapshot(module, users, self.private_step.boundary.engine_keys)
+        runs: list[Any] = []
+        exchanged = self.private_step.exchanged_training_data() if self.private_step._source is not None else None
+        try:
+            for exchange in (False, True, False):
+                if exchange and exchanged is None or len(runs) == 2 and runs[0] == runs[1]:
+                    break
+                snapshot.restore()
+                try:
+                    with exchanged.exchanged() if exchange and exchanged is not None else nullcontext(), \
+                            self._replay_settings(), replaying(module):
+                        replay_end_hooks(module, hooks)
+                    runs.append(fingerprint.take(users, full=True, every_callback=True))
+                except Exception:  # noqa: BLE001  (not compared: every write stays refused)
+                    runs.append(None)
+        finally:
+            after.restore()
+        if len(runs) < 2 or None in runs:
+            return
+        moved = moved_by_data(runs[0], runs[-1], runs[1]) if len(runs) == 3 else []
+        if moved:
+            snapshot.restore()
+            self._end_snapshot = None
+            raise self.private_step.boundary.written_error(
+                moved, f"{where}: computed from the training data (run again on its exchanged copy, the hooks set it "
+                "apart). What was written was put back: the module, its callbacks and the datamodule hold the "
+                "state verified at the last update")
+        self.private_step.boundary.accept(written)
+
+    def _averaged(self) -> tuple[str, ...]:
+        """What the end of a fit does not compare: the parameters, when weight averaging swapped its average in (a
+        function of the releases)."""
+        return ("parameter ",) if _averaging(self.lightning_module.trainer) else ()  # type: ignore[attr-defined]
+
+    def _judge_end(self, where: str, skip: tuple[str, ...] = ()) -> None:
+        """Refuse state changed since the last update (:meth:`PrivateStep.check_kept`); what the hooks that end the
+        fit wrote is put back first (from the state :meth:`_before_end_hooks` took), so the module returned does not
+        hold the refused statistic; the error says what could not be put back (parameters, globals)."""
+        try:
+            self.private_step.check_kept(where, skip=skip)
+        except PrivacyConfigurationError as err:
+            taken, self._end_snapshot = self._end_snapshot, None
+            snapshot = taken[0] if taken is not None else None
+            note = (" The module, its callbacks or the datamodule still hold what was written: do not save or use "
+                    "them as they are.")
+            if snapshot is not None:
+                snapshot.restore()
+                try:
+                    self.private_step.boundary.check_kept(where, skip=skip)
+                    note = (" What was written was put back: the module, its callbacks and the datamodule hold the "
+                            "state verified at the last update.")
+                except PrivacyConfigurationError as left:
+                    note = (" What the module's buffers and attributes and the callbacks' state held was put back; "
+                            f"not all of it ({str(left).partition(': ')[2].partition('. ')[0]}): do not save or "
+                            "use the module as it is.")
+            err.args = (f"{err.args[0] if err.args else ''}{note}", *err.args[1:])
+            raise
+
+    def _judge_after_users_teardown(self) -> None:
+        """The fit ends without error (Lightning's teardown of the strategy runs before the user's ``on_fit_end`` and
+        ``teardown`` hooks, the module's ``teardown`` last of all): the module's ``teardown`` is wrapped, once, so
+        that what those hooks write after the last update is judged when they have run (:meth:`_judge_end`)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        hook = module.teardown
+
+        def teardown(*args: Any, **kwargs: Any) -> None:
+            _unwrap_teardown(module)
+            hook(*args, **kwargs)
+            where = "after training ended (in on_fit_end or teardown: of the module, a callback or the datamodule)"
+            self._judge_end_writes(END_HOOKS[1:], where)  # on_train_end's: refused outright, as a batch's end
+            self._judge_end(where, self._averaged())
+            self._end_snapshot = None
+        teardown._ldp_end = True  # type: ignore[attr-defined]
+        module.__dict__["teardown"] = teardown  # an instance's attribute: Lightning calls getattr(module, "teardown")
 
     def _users_code_runs(self, hooks: tuple[str, ...]) -> bool:
         """Whether the module or a callback that is not Lightning's or lightning_dp's has one of ``hooks`` of its own
@@ -447,7 +554,13 @@ class PrivateTraining:
         return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
 
     def teardown(self) -> None:
-        """Detach the engine's hooks, then Lightning's teardown."""
+        """Detach the engine's hooks, then Lightning's teardown; a fit that ends without error has its end judged
+        after the user's ``on_fit_end`` and ``teardown`` (:meth:`_judge_after_users_teardown`)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        ended = module is not None and self._fitting() and module.trainer.state.status == TrainerStatus.RUNNING
+        if module is not None:
+            _unwrap_teardown(module)  # a fit that failed in on_fit_end: its module's teardown never ran
+        self._end_snapshot = None
         self.private_step.detach()
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
@@ -455,6 +568,10 @@ class PrivateTraining:
         self._batch_end_writes = set()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
+        if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
+            self.private_step.boundary.baseline()
+            self._before_end_hooks()
+            self._judge_after_users_teardown()
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -991,14 +1108,33 @@ class PrivateTraining:
         when the state it holds changed since the last update (the release boundary), or when it holds training
         records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
         examples, data passed to ``save_hyperparameters``)."""
-        self.private_step.check_kept("after the last update, before a checkpoint was written (in a batch-end "
-                                     "or epoch hook)", skip=tuple(self._batch_end_writes))  # an EMA written before
+        self._judge_end("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
+                        "a hook that ends the fit)", skip=tuple(self._batch_end_writes))  # an EMA written before
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
         if held:
             raise records_in_checkpoint_error(held)
+        self.private_step.on_every_rank(lambda: self._check_checkpoint_hooks(checkpoint),
+                                        "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def _check_checkpoint_hooks(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint entry the user's checkpoint hooks computed from the training data: they run again on
+        its exchanged copy (:func:`~lightning_dp.validators.checkpoint_replays.written_from_data`); only while the
+        training data is there to exchange and a hook of the user's runs."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None)
+        step = self.private_step
+        if trainer is None or step._source is None or not step.boundary.datasets() \
+                or not checkpoint_hooks_of_users(trainer, module):
+            return
+        public = step.boundary.public_state
+        moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
+                                  self._replay_settings, step.boundary.engine_keys,
+                                  lambda path: is_public(path, public))
+        if moved:
+            raise checkpoint_from_data_error(moved)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""
@@ -1087,6 +1223,19 @@ def _averaging(trainer: "pl.Trainer") -> bool:
 
 
 EPOCH_BOUNDARY_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
+END_HOOKS = ("on_train_end", "on_fit_end", "teardown")
+"""The user's hooks that run after the last update while the training data is still reachable: what
+``on_train_end`` keeps is refused (as a batch-end hook's), what ``on_fit_end`` and ``teardown`` keep is judged by
+running them again on the exchanged data when the last of them has run; what is refused is put back
+(``PrivateTraining._judge_end``)."""
+
+
+def _unwrap_teardown(module: nn.Module) -> None:
+    """Remove the wrapper ``PrivateTraining._judge_after_users_teardown`` put on the module (none: nothing)."""
+    if getattr(module.__dict__.get("teardown"), "_ldp_end", False):
+        del module.__dict__["teardown"]
+
+
 VALIDATION_HOOKS = ("validation_step", "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
                     "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end")
 """The hooks after which user code may have switched the step's behaviour on: an epoch's first step and the step after

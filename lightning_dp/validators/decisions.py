@@ -95,13 +95,17 @@ class DecisionWindows(pl.Callback):
         batch_writes: the kept state the batch-end hooks were found to write without the data (the first step's
             replays: an EMA of the weights); a batch's window accepts their changes, and judges them by its runs
             again when ``judge_now()`` says (the steps the batch check samples).
+        on_end: called when training ends, after the last window closed and before the user's ``on_train_end``
+            hooks (the glue takes the state that ends the fit is judged against).
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
                  settings: Callable[[], AbstractContextManager], boundary: Any,
                  logs_moved: Callable[[], AbstractContextManager] = nullcontext,
-                 batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False) -> None:
+                 batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False,
+                 on_end: Callable[[], None] = lambda: None) -> None:
         self._exchanged = exchanged
+        self._on_end = on_end
         self._logs_moved = logs_moved
         self._batch_writes = batch_writes
         self._judge_now = judge_now
@@ -142,6 +146,7 @@ class DecisionWindows(pl.Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.close(trainer, pl_module)
+        self._on_end()  # first of the on_train_end hooks: the state before the user's (to put back if refused)
 
     # ------------------------------------------------------------------ windows
     def _users(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> list[Any]:

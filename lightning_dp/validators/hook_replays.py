@@ -39,7 +39,7 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
            "moved_far", "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks",
-           "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook"]
+           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook"]
 
 
 @contextmanager
@@ -322,3 +322,19 @@ class BatchEndWrites:
                                               "loss: replayed on the first step's examples, moved far and "
                                               "exchanged, the hooks set it apart")
         return set(StateFingerprint.changed(self.marks["writes"], self.marks["writes after"]))
+
+
+def replay_end_hooks(module: "pl.LightningModule", hooks: Sequence[str]) -> None:
+    """The hooks that end a fit (``on_train_end``, ``on_fit_end``, ``teardown`` among ``hooks``) of the datamodule
+    (its ``teardown``), of every callback that is not Lightning's or lightning_dp's and of the module, in the loop's
+    order; an error is the caller's (a run that fails is not compared)."""
+    trainer = module.trainer
+    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
+    datamodule = getattr(trainer, "datamodule", None)
+    for name in hooks:
+        stage = ("fit",) if name == "teardown" else ()
+        if name == "teardown" and datamodule is not None:
+            datamodule.teardown("fit")
+        for cb in callbacks:
+            getattr(cb, name)(trainer, module, *stage)
+        getattr(module, name)(*stage)

@@ -1,0 +1,193 @@
+"""What the user's checkpoint hooks put into a checkpoint, judged by running them again on other data.
+
+A checkpoint may carry only what the release boundary verified (docs/release_boundary.md, rule 3). The weights, the
+optimizer's and the loop's state are checked where they are kept; but a module's ``on_save_checkpoint``, a
+callback's ``on_save_checkpoint`` or ``state_dict`` and a datamodule's ``state_dict`` run while the checkpoint is
+written and may put anything into it without keeping it on themselves: class means and a covariance of the training
+features for an OOD detector, read back by ``on_load_checkpoint`` on a resume. :func:`written_from_data` runs those
+hooks of the user's again on a structural copy of the checkpoint being written (its dicts and lists copied, what
+they hold shared), from the same state and seeds: on the training data, with the training data's copies in memory
+exchanged for other values (:mod:`.outside_records`), and — when those two differ — on the training data again. A
+key the exchanged run sets apart from the first, and the second plain run does not (a time stamp is not the data's),
+was computed from the training data and is refused. What the hooks store alike — an epoch counter, a configuration
+string, a public list of class names, ``ModelCheckpoint``'s and the library's own keys (their hooks are not run
+again) — is written. Cost: nothing unless a hook of the user's is there, then two or three runs of those hooks per
+checkpoint.
+
+This module imports no Lightning at import time (the glue imports it; Lightning imports the glue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dp.validators.hook_replays import replaying, users_hook
+from lightning_dp.validators.kept_state import (_numpy_token, content_sums, is_datamodule, library_callback,
+                                                moved_by_data)
+from lightning_dp.validators.snapshot import StateSnapshot
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["checkpoint_hooks_of_users", "checkpoint_from_data_error", "written_from_data"]
+
+MAX_DEPTH = 8
+"""How deep the checkpoint's dicts, lists and tuples are walked (deeper values are compared as one object)."""
+
+
+def _owners(trainer: "pl.Trainer") -> list[Any]:
+    """The user's callbacks (not Lightning's or lightning_dp's) and the datamodule whose checkpoint hooks are theirs."""
+    datamodule = getattr(trainer, "datamodule", None)
+    return [*(cb for cb in trainer.callbacks if not library_callback(cb) and not is_datamodule(cb)),
+            *([datamodule] if datamodule is not None else [])]
+
+
+def checkpoint_hooks_of_users(trainer: "pl.Trainer", module: Any) -> bool:
+    """Whether the module's ``on_save_checkpoint``, a user callback's ``on_save_checkpoint`` or ``state_dict``, or the
+    datamodule's ``state_dict`` is the user's code."""
+    return users_hook(getattr(type(module), "on_save_checkpoint", None)) or any(
+        users_hook(getattr(type(owner), name, None)) for owner in _owners(trainer)
+        for name in ("on_save_checkpoint", "state_dict"))
+
+
+def _structure(value: Any, depth: int = 0) -> Any:
+    """``value`` with its dicts and lists copied (to :data:`MAX_DEPTH`), every other object shared."""
+    if depth >= MAX_DEPTH:
+        return value
+    if type(value) is dict:
+        return {k: _structure(v, depth + 1) for k, v in value.items()}
+    if type(value) is list:
+        return [_structure(v, depth + 1) for v in value]
+    return value
+
+
+def _rerun(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The user's checkpoint hooks run on a structural copy of ``checkpoint``, as Lightning's ``dump_checkpoint``
+    runs them (callbacks' ``state_dict`` under ``"callbacks"``, the datamodule's under its class name, then the
+    callbacks' and the module's ``on_save_checkpoint``); returns the copy."""
+    copy = _structure(checkpoint)
+    owners = _owners(trainer)
+    full = "callbacks" in checkpoint  # weights_only checkpoints run neither callbacks' state nor their hook
+    for owner in owners:
+        if not users_hook(getattr(type(owner), "state_dict", None)):
+            continue
+        state = owner.state_dict()
+        if not state:
+            continue
+        if is_datamodule(owner):
+            copy[type(owner).__qualname__] = state
+        elif full:
+            copy.setdefault("callbacks", {})[owner.state_key] = state
+    if full:
+        for owner in owners:
+            if not is_datamodule(owner) and users_hook(getattr(type(owner), "on_save_checkpoint", None)):
+                owner.on_save_checkpoint(trainer, module, copy)
+    if users_hook(getattr(type(module), "on_save_checkpoint", None)):
+        module.on_save_checkpoint(copy)
+    return copy
+
+
+def _entries(checkpoint: dict[str, Any], known: set[int]) -> dict[str, Hashable]:
+    """Every leaf of ``checkpoint`` by its path (``ood.means``, ``callbacks.Stats.mean``, ``items[0]``): an object the
+    checkpoint being written holds already (``known``: its identity) by its identity, a new tensor or array by its
+    contents, a number or string by its value, another object by a digest of its pickle."""
+    out: dict[str, Hashable] = {}
+    tensors: list[tuple[str, Tensor]] = []
+
+    def visit(value: Any, path: str, depth: int) -> None:
+        if value is None or isinstance(value, (bool, int, str, bytes)):
+            out[path] = (type(value).__name__, value)
+        elif isinstance(value, float):
+            out[path] = ("float", repr(value))
+        elif id(value) in known:
+            out[path] = ("held", id(value))
+        elif isinstance(value, Tensor):
+            tensors.append((path, value))
+        elif isinstance(value, dict) and depth < MAX_DEPTH:
+            out[path] = ("dict", len(value))
+            for k, v in value.items():
+                visit(v, f"{path}.{k}" if path else str(k), depth + 1)
+        elif isinstance(value, (list, tuple)) and depth < MAX_DEPTH:
+            out[path] = (type(value).__name__, len(value))
+            for i, v in enumerate(value):
+                visit(v, f"{path}[{i}]", depth + 1)
+        else:
+            token = _numpy_token(value)
+            out[path] = token if token is not None else _pickled(value)
+
+    visit(checkpoint, "", 0)
+    sums = content_sums([t for _, t in tensors])
+    for (path, t), digest in zip(tensors, sums):
+        out[path] = ("tensor", str(t.dtype), tuple(t.shape), digest)
+    return out
+
+
+def _pickled(value: Any) -> Hashable:
+    try:
+        return ("object", type(value).__qualname__, hashlib.blake2b(pickle.dumps(value), digest_size=16).digest())
+    except Exception:  # noqa: BLE001  (not picklable: it could not be saved either; compared by identity)
+        return ("object", type(value).__qualname__, id(value))
+
+
+def _known(value: Any, into: set[int], depth: int = 0) -> set[int]:
+    into.add(id(value))
+    if depth < MAX_DEPTH and isinstance(value, dict):
+        for v in value.values():
+            _known(v, into, depth + 1)
+    elif depth < MAX_DEPTH and isinstance(value, (list, tuple)):
+        for v in value:
+            _known(v, into, depth + 1)
+    return into
+
+
+def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any],
+                      exchanged: Callable[[], AbstractContextManager], settings: Callable[[], AbstractContextManager],
+                      skip_keys: frozenset[str], public: Callable[[str], bool]) -> list[str]:
+    """The keys of ``checkpoint`` (paths) the user's checkpoint hooks computed from the training data: run again
+    from the same state (put back after each run) in ``settings()`` (the same seeds, the watches paused), on the
+    training data and inside ``exchanged()`` (its copies in memory holding other values), and on the training data
+    again when those two differ; what the exchanged run set apart and the second plain one did not. A run that
+    fails (a hook that needs more of the loop) compares nothing. Paths ``public`` accepts are not returned."""
+    snapshot = StateSnapshot(module, _owners(trainer), skip_keys)
+    known = _known(checkpoint, set())
+
+    def run(exchange: bool) -> Optional[dict[str, Hashable]]:
+        try:
+            with exchanged() if exchange else nullcontext(), settings(), replaying(module), torch.no_grad():
+                return _entries(_rerun(trainer, module, checkpoint), known)
+        except Exception:  # noqa: BLE001  (what the hook needs of the loop is not there, or other values break it)
+            return None
+        finally:
+            snapshot.restore()
+
+    plain = run(False)
+    other = run(True) if plain is not None else None
+    if plain is None or other is None or plain == other:
+        return []
+    again = run(False)
+    if again is None:
+        return []
+    return [path for path in moved_by_data(plain, again, other) if not public(path)]
+
+
+def checkpoint_from_data_error(paths: list[str]) -> Exception:
+    """The refusal of a checkpoint whose keys the user's hooks computed from the training data."""
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    return PrivacyConfigurationError(
+        f"A checkpoint hook computed checkpoint entries from the training data: {shown}. The user's "
+        "on_save_checkpoint (of the module or a callback), a callback's or the datamodule's state_dict, run again "
+        "while the checkpoint was written with the training data's values exchanged, put other values there: a "
+        "statistic of the training set (class means or a covariance of its features for OOD scoring, a "
+        "normalisation, a threshold) that no noise covers, saved with the model and read back on a resume "
+        "(on_load_checkpoint). The checkpoint was not written. Compute it from public or held-out data, or from the "
+        "released model alone (its parameters), or estimate it with a DP mechanism of your own and account for its "
+        "ε; if it is not derived from the training data, or you accept that it leaves unprotected like a logged "
+        f"metric, declare it public: DPStrategy(public_state={paths[:3]!r}).")
