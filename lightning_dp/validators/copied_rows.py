@@ -42,6 +42,9 @@ MIN_WIDTH = 4
 MIN_SHARE = 0.25
 """The share of an array's non-constant blocks that must be the source's rows for it to be taken for a copy."""
 
+VERIFIED = 1 << 22
+"""Elements of the matched blocks compared one by one at most (beyond: a spread sample of the blocks)."""
+
 _BLOCK = 1 << 16
 """Rows keyed at a time (bounds the float64 working copy)."""
 
@@ -190,16 +193,21 @@ def _narrower(copy: Any, source: Any) -> Optional[torch.dtype]:
     return dtype if wide in (torch.float32, torch.float64) else None
 
 
-def _as_values(array: Any, rounded: Optional[torch.dtype] = None) -> Any:
-    """``array`` as float64 values on the CPU (rounded to ``rounded`` first), a tensor or NumPy array."""
+def _blocks(array: Any, width: int) -> Optional[Tensor]:
+    """``array`` as a ``[blocks, width]`` tensor of its own type (no copy where it can be a view; ``None``: not of
+    numbers)."""
     if isinstance(array, np.ndarray):
-        array = torch.from_numpy(array) if array.dtype.kind in "fiub" else None
-    if array is None:
-        return None
-    array = array.detach()
+        if array.dtype.kind not in "fiub":
+            return None
+        array = torch.from_numpy(array)
+    return array.detach().reshape(-1, width)
+
+
+def _values(part: Tensor, rounded: Optional[torch.dtype] = None) -> Tensor:
+    """Some blocks as float64 values on the CPU (rounded to ``rounded`` first)."""
     if rounded is not None:
-        array = array.to(rounded)
-    return array.to("cpu", torch.float64)
+        part = part.to(rounded)
+    return part.to("cpu", torch.float64)
 
 
 def _columns(width: int) -> np.ndarray:
@@ -207,15 +215,15 @@ def _columns(width: int) -> np.ndarray:
 
 
 def _keys(array: Any, width: int, rounded: Optional[torch.dtype] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's key (64 bits over its :data:`KEY_ELEMENTS` spread elements) and whether it is constant."""
-    values = _as_values(array, rounded)
-    flat = values.reshape(-1, width)
+    """Each block's key (64 bits over its :data:`KEY_ELEMENTS` spread elements) and whether those are all equal (a
+    constant block), computed :data:`_BLOCK` blocks at a time."""
+    flat = _blocks(array, width)
     columns = torch.from_numpy(_columns(width))
     multipliers = np.random.default_rng(0xC0DE).integers(1, 1 << 62, len(columns), dtype=np.uint64) * 2 + 1
     keys, constant = [], []
     for start in range(0, flat.shape[0], _BLOCK):
-        part = flat[start:start + _BLOCK]
-        words = part[:, columns].contiguous().numpy().view(np.uint64)
+        part = _values(flat[start:start + _BLOCK][:, columns.to(flat.device)], rounded).contiguous()
+        words = part.numpy().view(np.uint64)
         with np.errstate(over="ignore"):
             mixed = words * multipliers
             mixed ^= mixed >> np.uint64(29)
@@ -251,18 +259,34 @@ def _match(array: Any, width: int, source: Any, keys: np.ndarray, rows: np.ndarr
     if blocks.size == 0 or blocks.size < MIN_SHARE * max(int(varied.sum()), 1):
         return None
     source_rows = rows[where[blocks]]
-    equal = np.zeros(blocks.size, bool)
-    copy_values = _as_values(array).reshape(-1, width)
-    source_values = _as_values(source, rounded).reshape(-1, width)
-    for start in range(0, blocks.size, _BLOCK):
-        b, s = blocks[start:start + _BLOCK], source_rows[start:start + _BLOCK]
-        equal[start:start + _BLOCK] = (copy_values[torch.from_numpy(b)]
-                                       == source_values[torch.from_numpy(s)]).all(1).numpy()
+    equal = _equal(array, source, width, blocks, source_rows, rounded)
     if equal.sum() < MIN_SHARE * max(int(varied.sum()), 1):
         return None
-    blocks, source_rows = blocks[equal], source_rows[equal]
+    blocks, source_rows = blocks[equal], source_rows[equal]  # keys alike, values not: not copies
     if first_is_source:  # a row's blocks repeating its own first block: exchanged with it
         other = blocks // per_row != source_rows
         blocks, source_rows = blocks[other], source_rows[other]
     order = np.argsort(source_rows, kind="stable")
     return source_rows[order], blocks[order] // per_row, blocks[order] % per_row
+
+
+def _equal(array: Any, source: Any, width: int, blocks: np.ndarray, source_rows: np.ndarray,
+           rounded: Optional[torch.dtype]) -> np.ndarray:
+    """Whether each of ``array``'s ``blocks`` equals its source row, element by element (in their own type when it is
+    one, else as float64); when they are more than :data:`VERIFIED` elements, a spread sample of them is compared
+    and the others taken as their keys say."""
+    copy_blocks, source_blocks = _blocks(array, width), _blocks(source, width)
+    same_type = rounded is None and copy_blocks.dtype == source_blocks.dtype
+    equal = np.ones(blocks.size, bool)
+    picked = np.arange(blocks.size)
+    if blocks.size * width > VERIFIED:
+        picked = np.unique(np.linspace(0, blocks.size - 1, max(1, VERIFIED // width)).round().astype(np.int64))
+    step = max(1, (1 << 20) // width)  # about a million elements compared at a time
+    for start in range(0, picked.size, step):
+        at = picked[start:start + step]
+        copy = copy_blocks[torch.from_numpy(blocks[at]).to(copy_blocks.device)]
+        original = source_blocks[torch.from_numpy(source_rows[at]).to(source_blocks.device)]
+        if not same_type:
+            copy, original = _values(copy), _values(original, rounded)
+        equal[at] = (copy.cpu() == original.cpu()).all(1).numpy()
+    return equal

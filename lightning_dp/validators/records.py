@@ -16,7 +16,9 @@ record's privacy loss only if
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
    (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`).
 3. **a record is its own data**: no two records read the same rows of the arrays the dataset holds (overlapping
-   windows, records mixed with their neighbours: :mod:`.shared_records`; not for user-level DP).
+   windows, records mixed with their neighbours or with a partner from a shuffled copy of the data, statistics of
+   the whole tensor cached on the first read: :mod:`.shared_records`; not for user-level DP). What the reads write
+   besides the records is noted before the first read (:mod:`.read_writes`).
 4. **an empty batch can be read**: a ``__getitems__`` must accept the empty list of indices Poisson sampling
    draws for an empty step (the loader's fetcher calls it; :mod:`~lightning_dp.records.fetch`).
 

@@ -26,11 +26,24 @@ and halves each range that changed it. Then it requires
   elements (plus one per record for records of :data:`LONG_RECORD` elements or more), else records must share data
   (pigeonhole: a record mixed with a random partner).
 
+The exchange is faithful to what a record reads:
+
+* copies of an array's rows that the dataset holds elsewhere — a shuffled clone for "offline mixup", a float64 or
+  float16 copy, a bank of negatives, pairs or triplets stacked from the rows — are exchanged with the rows they copy
+  (:mod:`.copied_rows`), so a record reading another record's row through a copy is seen to read it; and the records
+  at the positions of the rows a probed record reads (row j at position j) are checked besides the others;
+* what the reads write besides the records — a statistic of the whole tensor computed on the first read and cached
+  on the dataset, a ``cached_property``, an ``lru_cache``, a global, a transform fitted on first use — is put back
+  before every exchanged read (:mod:`.read_writes`; noted before the dataset's first read, in
+  :func:`~lightning_dp.validators.records.check_records`), so each read computes it from the data as exchanged.
+
 Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
 whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
-files, in tables smaller than the population (a shared lookup table is no person's), or in containers other than
-those above; and rows shared with a record neither at a neighbouring position nor among the sampled ones, when the
-pigeonhole count does not show it.
+files, in tables smaller than the population (a shared lookup table is no person's; a copy of training rows is not a
+table: it moves with them), or in containers other than those above; rows shared with a record neither at a
+neighbouring position, nor at the row's own position, nor among the sampled ones, when the pigeonhole count does not
+show it; copies transformed after they were taken (:mod:`.copied_rows`); and a statistic cached before the dataset
+reached the strategy (your code read a record before ``fit``).
 """
 
 from __future__ import annotations
