@@ -16,7 +16,9 @@ record's privacy loss only if
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
    (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`).
 3. **a record is its own data**: no two records read the same rows of the arrays the dataset holds (overlapping
-   windows, records mixed with their neighbours: :mod:`.shared_records`; not for user-level DP).
+   windows, records mixed with their neighbours or with a partner from a shuffled copy of the data, statistics of
+   the whole tensor cached on the first read: :mod:`.shared_records`; not for user-level DP). What the reads write
+   besides the records is noted before the first read (:mod:`.read_writes`).
 4. **an empty batch can be read**: a ``__getitems__`` must accept the empty list of indices Poisson sampling
    draws for an empty step (the loader's fetcher calls it; :mod:`~lightning_dp.records.fetch`).
 
@@ -39,6 +41,7 @@ from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.validators.record_sources import check_sources
 from lightning_dp.validators.repeated_records import READ_SEED, check_repeated_records
+from lightning_dp.validators.read_writes import ReadWrites
 from lightning_dp.validators.shared_records import check_shared_records
 
 FIXED_RECORD_PROBES = 4
@@ -59,7 +62,8 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     Raises:
         PrivacyConfigurationError: naming what is wrong and the fix.
     """
-    check_same_on_every_rank(dataset)  # first: a collective, which every rank must reach
+    writes = None if per_user else ReadWrites(dataset)  # before any read: what reads write besides the records
+    check_same_on_every_rank(dataset)  # first read: a collective, which every rank must reach
     check_sources(dataset, indices)
     _check_empty_read(dataset)
 
@@ -70,7 +74,7 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     if not per_user and not _declared_distinct(dataset):
         check_repeated_records(dataset, at, num_samples)
     if not per_user:
-        check_shared_records(dataset, at, num_samples)
+        check_shared_records(dataset, at, num_samples, writes)
 
 
 RANK_PROBES = 16

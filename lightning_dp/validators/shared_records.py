@@ -26,11 +26,24 @@ and halves each range that changed it. Then it requires
   elements (plus one per record for records of :data:`LONG_RECORD` elements or more), else records must share data
   (pigeonhole: a record mixed with a random partner).
 
+The exchange is faithful to what a record reads:
+
+* copies of an array's rows that the dataset holds elsewhere — a shuffled clone for "offline mixup", a float64 or
+  float16 copy, a bank of negatives, pairs or triplets stacked from the rows — are exchanged with the rows they copy
+  (:mod:`.copied_rows`), so a record reading another record's row through a copy is seen to read it; and the records
+  at the positions of the rows a probed record reads (row j at position j) are checked besides the others;
+* what the reads write besides the records — a statistic of the whole tensor computed on the first read and cached
+  on the dataset, a ``cached_property``, an ``lru_cache``, a global, a transform fitted on first use — is put back
+  before every exchanged read (:mod:`.read_writes`; noted before the dataset's first read, in
+  :func:`~lightning_dp.validators.records.check_records`), so each read computes it from the data as exchanged.
+
 Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
 whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
-files, in tables smaller than the population (a shared lookup table is no person's), or in containers other than
-those above; and rows shared with a record neither at a neighbouring position nor among the sampled ones, when the
-pigeonhole count does not show it.
+files, in tables smaller than the population (a shared lookup table is no person's; a copy of training rows is not a
+table: it moves with them), or in containers other than those above; rows shared with a record neither at a
+neighbouring position, nor at the row's own position, nor among the sampled ones, when the pigeonhole count does not
+show it; copies transformed after they were taken (:mod:`.copied_rows`); and a statistic cached before the dataset
+reached the strategy (your code read a record before ``fit``).
 """
 
 from __future__ import annotations
@@ -44,8 +57,10 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.record_fingerprint import fingerprint
+from lightning_dp.validators.copied_rows import RowCopies, copied_rows
 from lightning_dp.validators.kept_state import dataset_parts, user_modules
 from lightning_dp.validators.outside_records import exchange, exchangeable
+from lightning_dp.validators.read_writes import ReadWrites
 
 PROBED_RECORDS = 3
 """Records whose rows are searched, spread over the population (first, middle, last)."""
@@ -68,16 +83,18 @@ LONG_RECORD = 8
 _SEED = 20260613
 
 
-def check_shared_records(dataset: Any, at: Callable[[int], int], n: int) -> None:
+def check_shared_records(dataset: Any, at: Callable[[int], int], n: int, writes: Optional[ReadWrites] = None) -> None:
     """Refuse records sharing rows of the arrays ``dataset`` holds (module docstring): the population is the ``n``
-    records ``dataset[at(p)]``, positions p in ``range(n)``.
+    records ``dataset[at(p)]``, positions p in ``range(n)``. ``writes``: the dataset's state noted before its first
+    read (:class:`~lightning_dp.validators.read_writes.ReadWrites`; noted here when not given).
 
     Raises:
         PrivacyConfigurationError: naming the records, the array and the fix.
     """
     if n < 2:
         return
-    arrays = row_sources(dataset, n)
+    held = dataset_arrays(dataset)
+    arrays = [(name, a) for name, a in held if len(a) >= n]
     if not arrays:
         return
     steps = max(1, PROBED_RECORDS - 1)
@@ -85,37 +102,101 @@ def check_shared_records(dataset: Any, at: Callable[[int], int], n: int) -> None
     rng = random.Random(_SEED)  # public positions: never the data's
     others = {p: _others(p, n, rng) for p in probes}
     read = sorted({*probes, *(o for group in others.values() for o in group)})
+    writes = writes if writes is not None else ReadWrites(dataset)
     for position in read:
         _digest(dataset, at(position))  # read once before any exchange: a lazy cache fills now, not while exchanged
     versions = [a._version if isinstance(a, Tensor) else None for _, a in arrays]
     for position in read:
         _digest(dataset, at(position))
     arrays = [(name, a) for (name, a), v in zip(arrays, versions) if v is None or a._version == v]  # written by reads
-    for name, array in arrays:
-        sizes: list[int] = []
-        try:
-            for position in probes:
-                rows = _rows_of(dataset, at(position), array)
-                if rows is None:
-                    sizes = []
-                    break
-                sizes.append(_elements_read(dataset, at(position), array, rows))
-                if rows:
-                    _refuse_shared(dataset, at, position, others[position], rows, array, name)
-        except _WrittenWhileExchanged:
-            continue  # the dataset writes this array as it reads: not checked (the write is its own)
-        held = len(array) * _width(array)
-        mean = sum(sizes) / len(sizes) if sizes else 0.0
-        allowance = n if mean >= LONG_RECORD else 0  # one element each may be shared (module docstring)
-        if sizes and mean * n > held + allowance:
-            raise shared_records_error(
-                f"the records read {mean:g} elements of {name} each on average (records at positions {probes}), and "
-                f"{n} records of that many are more than its {held} elements: records must share them")
+    writes.settle([a for _, a in held if isinstance(a, list)])  # a statistic cached on first use: reset before each
+    try:
+        for name, array in arrays:
+            copies = copied_rows(array, [(k, a) for k, a in held if isinstance(a, (Tensor, np.ndarray))], name)
+            _check_array(_Reader(dataset, writes, copies), at, n, probes, others, name, array)
+    finally:
+        writes.restore()
+
+
+def _check_array(reader: "_Reader", at: Callable[[int], int], n: int, probes: list[int],
+                 others: dict[int, list[int]], name: str, array: Any) -> None:
+    """The checks of the module docstring for one array."""
+    sizes: list[int] = []
+    try:
+        for position in probes:
+            rows = _rows_of(reader, at(position), array)
+            if rows is None:
+                sizes = []
+                break
+            sizes.append(_elements_read(reader, at(position), array, rows))
+            if rows:
+                _refuse_shared(reader, at, position, _with_row_owners(others[position], rows, position, at, n),
+                               rows, array, name)
+    except _WrittenWhileExchanged:
+        return  # the dataset writes this array as it reads: not checked (the write is its own)
+    held = len(array) * _width(array)
+    mean = sum(sizes) / len(sizes) if sizes else 0.0
+    allowance = n if mean >= LONG_RECORD else 0  # one element each may be shared (module docstring)
+    if sizes and mean * n > held + allowance:
+        raise shared_records_error(
+            f"the records read {mean:g} elements of {name} each on average (records at positions {probes}), and "
+            f"{n} records of that many are more than its {held} elements: records must share them"
+            + reader.note())
+
+
+def _with_row_owners(others: list[int], rows: Sequence[int], position: int, at: Callable[[int], int],
+                     n: int) -> list[int]:
+    """``others``, and the positions that read a found row as their own index reads it (row j at position j, where
+    position j is index j: a record reading another's row through a copy or an index array), up to
+    :data:`OTHER_RECORDS` of them."""
+    owners = [r for r in rows if r != position and 0 <= r < n and at(r) == r][:OTHER_RECORDS]
+    return sorted({*others, *owners} - {position})
+
+
+class _Reader:
+    """The dataset read as the loader reads it, each read finding the state earlier reads wrote as before them
+    (:class:`~lightning_dp.validators.read_writes.ReadWrites`), and the copies of an array's rows held elsewhere
+    (:class:`~lightning_dp.validators.copied_rows.RowCopies`) exchanged with them."""
+
+    def __init__(self, dataset: Any, writes: ReadWrites, copies: list[RowCopies]) -> None:
+        self.dataset, self.writes, self.copies = dataset, writes, copies
+
+    def digest(self, index: int) -> Any:
+        self.writes.reset()
+        return _digest(self.dataset, index)
+
+    def exchange_rows(self, array: Any, rows: Sequence[int]) -> list[Callable[[], None]]:
+        """Exchange ``rows`` of ``array`` and their copies; the restores."""
+        runs = _runs(rows)
+        return [exchange(array, part) for part in runs] + [c.exchange(runs) for c in self.copies]
+
+    def exchange_elements(self, flat: Any, row: int, elements: Sequence[int]) -> list[Callable[[], None]]:
+        """Exchange ``elements`` of ``row`` (its memory: ``flat``) and of their copies; the restores."""
+        runs = _runs(elements)
+        return [exchange(flat, p) for p in runs] + [c.exchange([slice(row, row + 1)], runs) for c in self.copies]
+
+    def note(self) -> str:
+        """What the refusal adds: the copies of the array's rows, the state the reads write (names only)."""
+        note = ""
+        if self.copies:
+            names = ", ".join(c.name for c in self.copies[:3]) + (" …" if len(self.copies) > 3 else "")
+            note += (f"; its rows are also held as copies in {names} ({sum(len(c.rows) for c in self.copies)} "
+                     "copied rows, in another order: a record reading a copy reads another record's row)")
+        written = self.writes.written if self.writes.active else []
+        if written:
+            note += (f"; the reads also write {', '.join(written[:3])} (a statistic of every record computed on "
+                     "the first read and kept: each read was made with it computed again)")
+        return note
 
 
 def row_sources(dataset: Any, n: int) -> list[tuple[str, Any]]:
-    """(name, array) the records may be built from: the training datasets' tensors, arrays and lists, and the
-    globals of their classes' modules, with at least ``n`` rows, that :func:`exchangeable` allows."""
+    """(name, array) the records may be built from: the arrays of :func:`dataset_arrays` with at least ``n`` rows."""
+    return [(name, a) for name, a in dataset_arrays(dataset) if len(a) >= n]
+
+
+def dataset_arrays(dataset: Any) -> list[tuple[str, Any]]:
+    """(name, array): the training datasets' tensors, arrays and lists, and the globals of their classes' modules,
+    that :func:`exchangeable` allows, each once."""
     datasets, tensors = dataset_parts(dataset)
     found: list[tuple[str, Any]] = [(f"the dataset's tensor{path}", t) for path, t in tensors]
     for d in datasets:
@@ -129,7 +210,7 @@ def row_sources(dataset: Any, n: int) -> list[tuple[str, Any]]:
     seen: set[int] = set()
     kept = []
     for name, value in found:
-        if id(value) in seen or not exchangeable(value) or getattr(value, "ndim", 1) == 0 or len(value) < n:
+        if id(value) in seen or not exchangeable(value) or getattr(value, "ndim", 1) == 0:
             continue
         seen.add(id(value))
         kept.append((name, value))
@@ -155,12 +236,13 @@ def _digest(dataset: Any, index: int) -> Any:
     return None if found is None else found.digest
 
 
-def _changes(dataset: Any, index: int, before: Any, array: Any, rows: Sequence[int]) -> bool:
-    """Whether record ``index`` reads differently with ``rows`` of ``array`` exchanged (restored after)."""
-    return _changes_with(dataset, index, before, lambda: [exchange(array, part) for part in _runs(rows)], array)
+def _changes(reader: _Reader, index: int, before: Any, array: Any, rows: Sequence[int]) -> bool:
+    """Whether record ``index`` reads differently with ``rows`` of ``array`` (and their copies) exchanged (restored
+    after)."""
+    return _changes_with(reader, index, before, lambda: reader.exchange_rows(array, rows), array)
 
 
-def _changes_with(dataset: Any, index: int, before: Any, exchanged: Callable[[], list[Callable[[], None]]],
+def _changes_with(reader: _Reader, index: int, before: Any, exchanged: Callable[[], list[Callable[[], None]]],
                   array: Any = None) -> bool:
     """Whether record ``index`` reads differently while ``exchanged()`` holds (its restores run after). A tensor
     ``array`` the read writes (its version counter moves) stops the check of that array (the datasets that write as
@@ -169,7 +251,7 @@ def _changes_with(dataset: Any, index: int, before: Any, exchanged: Callable[[],
     version = array._version if isinstance(array, Tensor) else None
     try:
         undo = exchanged()
-        changed = _digest(dataset, index) != before
+        changed = reader.digest(index) != before
     finally:
         for restore in reversed(undo):
             restore()
@@ -222,12 +304,12 @@ def _search(changes: Callable[[Sequence[int]], bool], candidates: Sequence[int],
     return sorted(found)
 
 
-def _rows_of(dataset: Any, index: int, array: Any) -> Optional[list[int]]:
+def _rows_of(reader: _Reader, index: int, array: Any) -> Optional[list[int]]:
     """R(index): the rows of ``array`` record ``index`` depends on (``None``: not found within the limits)."""
-    before = _digest(dataset, index)
+    before = reader.digest(index)
     if before is None:
         return None  # an opaque record: not comparable
-    return _search(lambda rows: _changes(dataset, index, before, array, rows), range(len(array)))
+    return _search(lambda rows: _changes(reader, index, before, array, rows), range(len(array)))
 
 
 def _flat_row(array: Any, row: int) -> Any:
@@ -243,19 +325,20 @@ def _flat_row(array: Any, row: int) -> Any:
     return None
 
 
-def _elements_of(dataset: Any, index: int, array: Any, row: int) -> Optional[set[int]]:
-    """The elements of ``row`` record ``index`` depends on (``None``: the row has no flat view, or too many)."""
+def _elements_of(reader: _Reader, index: int, array: Any, row: int) -> Optional[set[int]]:
+    """The elements of ``row`` record ``index`` depends on, in it and its copies (``None``: the row has no flat view,
+    or too many)."""
     flat = _flat_row(array, row)
-    before = _digest(dataset, index)
+    before = reader.digest(index)
     if flat is None or before is None:
         return None
-    found = _search(lambda part: _changes_with(dataset, index, before, lambda: [exchange(flat, p) for p in
-                                                                                 _runs(part)], array),
+    found = _search(lambda part: _changes_with(reader, index, before,
+                                               lambda: reader.exchange_elements(flat, row, part), array),
                     range(len(flat)), MAX_ELEMENTS)
     return None if found is None else set(found)
 
 
-def _elements_read(dataset: Any, index: int, array: Any, rows: Sequence[int]) -> int:
+def _elements_read(reader: _Reader, index: int, array: Any, rows: Sequence[int]) -> int:
     """How many elements of ``array`` record ``index`` reads, in its ``rows``: a row's width for a record of one row
     (at most), else counted element by element (the rows' full width when that exceeds the limits)."""
     width = _width(array)
@@ -263,12 +346,12 @@ def _elements_read(dataset: Any, index: int, array: Any, rows: Sequence[int]) ->
         return len(rows) * width
     total = 0
     for row in rows:
-        elements = _elements_of(dataset, index, array, row)
+        elements = _elements_of(reader, index, array, row)
         total += width if elements is None else len(elements)
     return total
 
 
-def _edge_elements(dataset: Any, first: int, second: int, array: Any, rows: Sequence[int]) -> Optional[int]:
+def _edge_elements(reader: _Reader, first: int, second: int, array: Any, rows: Sequence[int]) -> Optional[int]:
     """In the ``rows`` both records read, the elements read by the record that reads fewer of them: 1 when one
     record only touches the other's edge (a next-token window's last target, the next window's first input), more
     when they share more (halves of one row, a row mixed into both). ``None``: not counted within the limits."""
@@ -276,7 +359,7 @@ def _edge_elements(dataset: Any, first: int, second: int, array: Any, rows: Sequ
         return len(rows)
     counts = [0, 0]
     for row in rows:
-        a, b = _elements_of(dataset, first, array, row), _elements_of(dataset, second, array, row)
+        a, b = _elements_of(reader, first, array, row), _elements_of(reader, second, array, row)
         if a is None or b is None:
             return None
         counts[0], counts[1] = counts[0] + len(a), counts[1] + len(b)
@@ -291,7 +374,7 @@ def _others(position: int, n: int, rng: random.Random) -> list[int]:
     return sorted(others)
 
 
-def _refuse_shared(dataset: Any, at: Callable[[int], int], position: int, others: list[int], rows: list[int],
+def _refuse_shared(reader: _Reader, at: Callable[[int], int], position: int, others: list[int], rows: list[int],
                    array: Any, name: str) -> None:
     """Refuse when a record at one of the ``others`` positions reads data of ``rows`` that record ``position``
     reads too (beyond the one element a long record may share)."""
@@ -301,17 +384,17 @@ def _refuse_shared(dataset: Any, at: Callable[[int], int], position: int, others
         j = at(other)
         if j == index:
             continue
-        before = _digest(dataset, j)
-        if before is None or not _changes(dataset, j, before, array, rows):
+        before = reader.digest(j)
+        if before is None or not _changes(reader, j, before, array, rows):
             continue
-        shared_rows = _search(lambda part: _changes(dataset, j, before, array, part), rows)
-        shared = None if shared_rows is None else _edge_elements(dataset, index, j, array, shared_rows)
+        shared_rows = _search(lambda part: _changes(reader, j, before, array, part), rows)
+        shared = None if shared_rows is None else _edge_elements(reader, index, j, array, shared_rows)
         if shared is not None and shared <= 1 and len(rows) * width >= LONG_RECORD:
             continue  # one element at the edge of long records: a next-token window's last target
         count = "data" if shared_rows is None else f"{len(shared_rows)} of the same rows"
         raise shared_records_error(
             f"the records at positions {position} and {other} both read {count} of {name} (record {position} reads "
-            f"{len(rows)} of its rows)")
+            f"{len(rows)} of its rows){reader.note()}")
 
 
 def _width(array: Any) -> int:
@@ -325,10 +408,12 @@ def shared_records_error(what: str) -> PrivacyConfigurationError:
     """The refusal of records made of data other records read too (positions and names: no data values)."""
     return PrivacyConfigurationError(
         f"Training records share data: {what}. DP's privacy unit is one record of the dataset the loader reads; a row "
-        "in several records (overlapping windows of a series or a text, a record mixed with its neighbour, features "
-        "normalised in __getitem__ by statistics of the whole tensor) has the influence of several records, which "
-        "neither the clipping nor the ledger counts. Make each record its own rows: windows with a stride of at "
-        "least their length (a next-token window may end on the next one's first token), no mixing across records "
-        "in __getitem__ (do augmentation within a record; lightning_dp.data.AugmentedViews), normalisation by public "
-        "constants. If one person's data really spans several records, train with user-level DP (one unit per "
-        "person).")
+        "in several records (overlapping windows of a series or a text, a record mixed with its neighbour or with a "
+        "partner from a shuffled copy of the data, pairs or triplets built from the training rows, features "
+        "normalised in __getitem__ by statistics of the whole tensor, also when computed once and cached) has the "
+        "influence of several records, which neither the clipping nor the ledger counts. Make each record its own "
+        "rows: windows with a stride of at least their length (a next-token window may end on the next one's first "
+        "token), no mixing across records in __getitem__ (mix inside the step from the same record only: "
+        "augmentation within a record; lightning_dp.data.AugmentedViews), normalisation by public constants. If one "
+        "person's data really spans several records, train with user-level DP, which bounds a person appearing in "
+        "several records: DPStrategy(privacy_unit=Users(user_ids, ...)) (docs/user_level.md).")
