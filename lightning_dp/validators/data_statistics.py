@@ -12,7 +12,11 @@ ledger counts, the trained model is then not differentially private.
 * tensors (and NumPy arrays, lists and tuples of numbers) held by the model's modules (buffers and attributes), the
   LightningDataModule and the training datasets' own attributes that equal, to float precision, a statistic of the
   training tensors: per-feature and per-channel mean, standard deviation and variance, the features' global mean and
-  standard deviation, the labels' class counts, frequencies and inverse frequencies (normalised to sum 1 or to mean 1);
+  standard deviation, the labels' class counts, frequencies, log frequencies (an output bias set to the log prior) and
+  inverse frequencies (normalised to sum 1 or to mean 1); the parameters too (initialised from the data);
+* rows of a parameter, buffer or attribute along a principal direction of the training features (a first layer
+  initialised by PCA: an SVD of the training set, scikit-learn's ``PCA``; a randomised approximation,
+  ``torch.pca_lowrank`` with fewer components than features, is not exact and not seen);
 * feature tensors every column of which has mean 0 and standard deviation 1 (either convention), median 0 and
   interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
   scaled by their own statistics.
@@ -82,8 +86,9 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
     data_ids = {id(t) for _, t in tensors}
+    directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, computed when a candidate has that width
     for path, value in _candidates(owners):
-        name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ")) else path
+        name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
         if id(value) in data_ids or is_public(name, public):
             continue
         candidate = _as_tensor(value)
@@ -97,7 +102,50 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
             if same:
                 found.append(f"{path} equals the {stat_name}")
                 break
+        else:
+            for width in {*candidate.shape[-2:]} if candidate.dim() == 2 else ():
+                if width not in directions:
+                    directions[width] = [(f"principal directions of the training {p.lstrip('.') or 'tensor'}", d)
+                                         for p, t in tensors if t.dim() >= 2 and t[0].numel() == width
+                                         for d in [_principal_directions(t)] if d is not None]
+                found.extend(f"rows of {path} are the {name}" for name, d in directions[width]
+                             if _rows_along(candidate, d))
     return found
+
+
+def _principal_directions(t: Tensor, k: int = 8) -> Any:
+    """The top ``k`` principal directions of a training feature tensor ([D, k], unit columns; of the centred and of
+    the uncentred rows: ``torch.pca_lowrank``'s and a plain SVD's), for 3 ≤ D ≤ 1024 features; ``None`` otherwise."""
+    if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 2:
+        return None
+    x = t.detach().reshape(t.shape[0], -1).to(torch.float64)
+    d = x.shape[1]
+    if not 3 <= d <= 1024 or x.shape[0] * d * d > 4e9:
+        return None
+    with torch.no_grad():
+        out = []
+        for rows in (x - x.mean(0), x):
+            values, vectors = torch.linalg.eigh(rows.T @ rows)
+            out.append(vectors[:, values.argsort(descending=True)[:k]])
+        return torch.cat(out, 1)
+
+
+def _rows_along(candidate: Tensor, directions: Tensor) -> bool:
+    """Whether a row of ``candidate`` ([r, D] or [D, r]: a layer's weight either way) lies along a principal direction,
+    to a cosine of 1 − 1e-6 (a random or trained row does not)."""
+    c = candidate.detach().to("cpu", torch.float64)
+    if c.dim() != 2 or c.numel() > 1 << 22:
+        return False
+    for rows in (c, c.T):
+        if rows.shape[1] != directions.shape[0]:
+            continue
+        norms = rows.norm(dim=1, keepdim=True)
+        if not bool((norms > 0).any()):
+            continue
+        cos = (rows / norms.clamp_min(1e-300)) @ directions
+        if bool((cos.abs() >= 1 - 1e-6).any()):
+            return True
+    return False
 
 
 def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
@@ -142,6 +190,10 @@ def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:
             yield "class counts", counts
             yield "class frequencies", counts / counts.sum()
             if len(present) == len(counts):
+                prior = (counts / counts.sum()).log()  # an output bias set to the log prior (a common initialisation)
+                yield "log class frequencies", prior
+                if len(counts) == 2:
+                    yield "log-odds of class 1", prior[1:] - prior[:1]
                 inverse = 1 / counts
                 yield "inverse class counts", inverse
                 yield "inverse class frequencies (summing to 1)", inverse / inverse.sum()
@@ -180,6 +232,8 @@ def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     submodules' attributes, another object's attributes (one level into lists, tuples and dicts of them)."""
     for label, owner in owners:
         if isinstance(owner, nn.Module):
+            for name, p in owner.named_parameters():  # initialised from the data: a bias set to the log prior
+                yield f"parameter {name}", p
             for name, b in owner.named_buffers():
                 yield f"buffer {name}", b
             for prefix, m in owner.named_modules():

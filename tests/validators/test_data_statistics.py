@@ -62,6 +62,51 @@ def test_a_statistic_of_the_training_data_held_by_the_model_is_refused_before_an
     assert unchanged(before, m)
 
 
+class PriorBias(Classifier):
+    """'Initialise the output bias to the log class prior' (a common recipe), in __init__."""
+
+    def __init__(self, labels: torch.Tensor, odds: bool = False) -> None:
+        super().__init__()
+        prior = (torch.bincount(labels).double() / len(labels)).log()
+        if odds:  # one logit for a binary task: its bias the log-odds
+            self.net[2] = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.net[2].bias.copy_(prior[1:] - prior[:1] if odds else prior)
+
+
+class PcaInit(Classifier):
+    """The first layer's first rows set to the training features' principal directions (an SVD of the centred
+    features, as scikit-learn's PCA computes them)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        _, _, vh = torch.linalg.svd(x - x.mean(0), full_matrices=False)
+        with torch.no_grad():
+            self.net[0].weight[:3].copy_(vh[:3])
+
+
+@pytest.mark.parametrize("model, what", [
+    (lambda: PriorBias(Y), "parameter net.2.bias equals the log class frequencies"),
+    (lambda: PcaInit(X), "rows of parameter net.0.weight are the principal directions"),
+])
+def test_weights_initialised_from_the_training_data_are_refused(model, what):
+    m = model()
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)without noise before training.*{what}"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(m, DataLoader(TensorDataset(X, Y), batch_size=16))
+
+
+def test_the_log_odds_and_weights_from_public_values_are_told_apart():
+    dataset = TensorDataset(X, Y)
+    binary = PriorBias(Y, odds=True)
+    assert data_statistics_held([("model", binary)], dataset) == [
+        "parameter net.2.bias equals the log-odds of class 1 of the training tensors[1]"]
+    uniform = PriorBias(torch.tensor([0, 1]))  # a public prior: log(1/2) for both classes
+    assert data_statistics_held([("model", uniform)], dataset) == []
+    other = PcaInit(torch.randn(64, 4, generator=torch.Generator().manual_seed(7)))  # PCA of other (public) data
+    assert data_statistics_held([("model", other)], dataset) == []
+    assert data_statistics_held([("model", Classifier())], dataset) == []  # random initial weights
+
+
 def test_features_standardised_with_their_own_statistics_are_refused():
     standardised = (X - X.mean(0)) / X.std(0)
     with pytest.raises(PrivacyConfigurationError, match="standardised with its own mean and standard deviation"):
