@@ -52,7 +52,7 @@ from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, h
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
-from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged,
+from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
@@ -402,6 +402,7 @@ class PrivateTraining:
             trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
             if self._record_watch is not None:  # told of validation's reads of the training records, while it runs
                 self._record_watch.elsewhere = lambda: self._validation_read_training_data(trainer)
+                self._record_watch.rows = training_rows(trainer)  # reads of held-out rows of them are not told
             if validates_on_training_data(trainer):  # its loader may prefetch a batch before this hook
                 self._validation_read_training_data(trainer, now=True)
             self.private_step.pause_boundary("between the last update and validation (in a batch-end or epoch hook)")

@@ -156,6 +156,27 @@ def make_engine(name: str) -> GradSampleEngine:
         raise ValueError(f"Unknown per-sample engine {name!r}; available: {available_engines()}") from None
 
 
+_RELEASED = "_lightning_dp_released"
+"""The attribute :func:`mark_released` sets on a ``p.grad`` the release wrote: its version then."""
+
+
+def mark_released(grad: Optional[Tensor]) -> int:
+    """Tag ``grad``, a ``p.grad`` the release just wrote (ĝ_t), with its version, and return that version (-1: no
+    tensor). Until the tensor is changed or replaced it is that release, not a gradient of a later backward
+    (:func:`is_release`)."""
+    if grad is None:
+        return -1
+    setattr(grad, _RELEASED, grad._version)
+    return grad._version
+
+
+def is_release(grad: Optional[Tensor]) -> bool:
+    """Whether ``grad`` is a release's ĝ as it was written (:func:`mark_released`): no backward accumulated into it
+    since (autograd adds in place, a new version, or replaces the tensor) and nothing zeroed it. The ``.grad`` of a
+    parameter in no optimizer group keeps the last release into the next step: no ``zero_grad`` reaches it."""
+    return grad is not None and getattr(grad, _RELEASED, None) == grad._version
+
+
 def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:
     """The statistics of two disjoint physical batches of one logical batch, combined."""
     sums = {p: first.sums[p] + second.sums[p] for p in first.sums}

@@ -36,6 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_dp._lazy import lazy_exports
+from lightning_dp.engine_api import is_release
 from lightning_dp.grad_sample.capture.activations import (
     ActivationCapture,
     LayerCalls,
@@ -503,8 +504,10 @@ def unused_in_step(p: Tensor) -> bool:
     into ``p.grad``: that is refused (:func:`missing_message`). A layer whose forward the ghost engine replaced by
     an input-gradient-only function never fills ``p.grad``; its use is seen by the hook on its output instead,
     which fires whenever a gradient reaches that output, in-place changes included (the capture hands the model
-    a tensor that is not a view: a hook on a view is lost when the view is modified in place)."""
-    return p.grad is None or not bool(p.grad.any())
+    a tensor that is not a view: a hook on a view is lost when the view is modified in place). A ``p.grad`` that is
+    still the previous release, as written (:func:`~lightning_dp.engine_api.is_release`: a parameter in no optimizer
+    group, which no ``zero_grad`` clears), is the library's own output, not a gradient of this step."""
+    return p.grad is None or is_release(p.grad) or not bool(p.grad.any())
 
 
 def unused_grads(p: Tensor, n: Optional[int], owners: list[tuple[nn.Module, str, str]]) -> Tensor:

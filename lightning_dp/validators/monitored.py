@@ -9,9 +9,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Optional
 
-from torch.utils.data import Subset
+from torch.utils.data import Subset, SubsetRandomSampler
 
+from lightning_dp.records.recorded_batches import RecordedBatches
 from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.validators.loaders import _unwrap
 from lightning_dp.validators.outside_records import holds_records, row_digests
 
 NOT_FROM_DATA: set[str] = set()
@@ -93,32 +95,68 @@ def _memory(dataset: Any) -> list[tuple[int, int]]:
     return found
 
 
-def _records(dataset: Any) -> tuple[Any, Optional[set[int]]]:
-    """(the dataset under any ``Subset`` wrappers, the indices of it read; ``None``: all)."""
-    indices: Optional[list[int]] = None
+def _positions(loader: Any) -> Optional[list[int]]:
+    """The positions of ``loader.dataset`` its sampler reads when it fixes them: the Poisson loader's population (the
+    training ``SubsetRandomSampler``'s indices: :class:`~lightning_dp.records.recorded_batches.RecordedBatches`), a
+    ``SubsetRandomSampler``'s indices (under a ``BatchSampler`` or Lightning's distributed wrapper too); ``None``: all
+    (any other sampler)."""
+    batches = getattr(loader, "batch_sampler", None)
+    if isinstance(batches, RecordedBatches):
+        return batches.population
+    sampler = _unwrap(getattr(batches, "sampler", None) or getattr(loader, "sampler", None))
+    return [int(i) for i in sampler.indices] if isinstance(sampler, SubsetRandomSampler) else None
+
+
+def _levels(dataset: Any, indices: Optional[list[int]]) -> list[tuple[Any, Optional[list[int]]]]:
+    """``dataset`` and each dataset under its ``Subset`` wrappers, with the indices of it that positions ``indices``
+    of ``dataset`` read (``None``: all)."""
+    out = [(dataset, indices)]
     while isinstance(dataset, Subset):
-        own = [int(i) for i in dataset.indices]
+        own, size = [int(i) for i in dataset.indices], len(dataset.dataset)  # type: ignore[arg-type]
+        own = [i + size if i < 0 else i for i in own]
         indices = own if indices is None else [own[i] for i in indices]
         dataset = dataset.dataset
-    return dataset, None if indices is None else set(indices)
+        out.append((dataset, indices))
+    return out
+
+
+def _records(dataset: Any, indices: Optional[list[int]] = None) -> tuple[Any, Optional[set[int]]]:
+    """(the dataset under any ``Subset`` wrappers, the indices of it that positions ``indices`` of ``dataset`` read;
+    ``None``: all)."""
+    base, rows = _levels(dataset, indices)[-1]
+    return base, None if rows is None else set(rows)
+
+
+def training_rows(trainer: Any) -> dict[int, set[int]]:
+    """The indices training reads of the training dataset and of each dataset under its ``Subset`` wrappers, by
+    dataset id (the population of the training loader's sampler, mapped down them: the notion of
+    :func:`validates_on_training_data`); a dataset not listed is read whole. A validation read of a listed dataset
+    at other indices reads held-out records (:class:`~.record_reads.RecordWatch`)."""
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        return {}
+    return {id(d): set(rows) for d, rows in _levels(dataset, _positions(loader)) if rows is not None}
 
 
 def validates_on_training_data(trainer: Any) -> bool:
     """Whether a validation loader reads training records: the training loader's dataset (under its ``Subset``
-    wrappers, indices in common), tensors in the same memory (a second dataset over the same tensors; disjoint
-    slices of one tensor, a ``random_split`` into disjoint subsets, are held out), or a copy of them (rows of the
-    training tensors in a validation tensor of other memory)."""
-    train = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
+    wrappers, indices in common: the training population's and those a validation ``SubsetRandomSampler`` reads
+    count, so disjoint ``SubsetRandomSampler`` splits of one dataset are held out), tensors in the same memory (a second
+    dataset over the same tensors; disjoint slices of one tensor, a ``random_split`` into disjoint subsets, are held
+    out), or a copy of them (rows of the training tensors in a validation tensor of other memory)."""
+    train_loader = getattr(trainer, "train_dataloader", None)
+    train = getattr(train_loader, "dataset", None)
     loaders = getattr(trainer, "val_dataloaders", None)
     if train is None or loaders is None:
         return False
-    base, rows = _records(train)
+    base, rows = _records(train, _positions(train_loader))
     memory = _memory(base)
     for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
         val = getattr(loader, "dataset", None)
         if val is None:
             continue
-        val_base, val_rows = _records(val)
+        val_base, val_rows = _records(val, _positions(loader))
         same = val_base is base or any(a < d and c < b for a, b in memory for c, d in _memory(val_base))
         if same and (rows is None or val_rows is None or rows & val_rows):
             return True

@@ -22,6 +22,7 @@ with the state it had (the glue).
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from contextlib import contextmanager
@@ -51,6 +52,9 @@ class RecordWatch:
         self.where = where
         self.elsewhere = elsewhere
         """Told of a read that is not counted (outside the step's hooks: validation reading training records)."""
+        self.rows: dict[int, set[int]] = {}
+        """The indices training reads of a watched dataset, by id (one not listed: all of it); a read elsewhere of
+        other indices only reads held-out records and is not told (:func:`~.monitored.training_rows`)."""
         self.reads: list[str] = []
         self.quiet = False
         """Reads are not counted (:meth:`paused`)."""
@@ -82,12 +86,24 @@ class RecordWatch:
                             and not _ours():
                         self.reads.append(f"{type(obj).__name__}.{_name}({args[0] if args else ''!r})")
                         raise self.error(self.reads)  # at once; and again at check() if a handler swallows it
-                    if self.elsewhere is not None and id(obj) in ids:
+                    if self.elsewhere is not None and id(obj) in ids and not self._held_out(obj, args):
                         self.elsewhere()
                     return _original(obj, *args, **kwargs)
 
                 self._saved.append((cls, name, cls.__dict__.get(name)))
                 setattr(cls, name, counting)
+
+    def _held_out(self, obj: Any, args: tuple) -> bool:
+        """Whether reading ``obj[args[0]]`` (an index, or a list of them) reads none of the records training reads
+        of ``obj`` (:attr:`rows`); a key of another kind (a slice, a tuple) counts as a training read."""
+        rows = self.rows.get(id(obj))
+        if rows is None or not args:
+            return False
+        try:
+            keys, size = args[0] if isinstance(args[0], list) else [args[0]], len(obj)
+            return not any((i + size if i < 0 else i) in rows for i in map(operator.index, keys))
+        except TypeError:
+            return False
 
     def stop(self) -> None:
         """Put the classes back as they were."""

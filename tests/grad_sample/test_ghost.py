@@ -324,3 +324,34 @@ def test_backward_of_a_cleared_step_does_not_reach_the_next_step():
     stale.backward()
     assert all(torch.equal(capture.completed()[id(model.ln)].reduced[k], g) for k, g in fresh.items())
     assert capture.completed()[id(model.ln)].reduced["weight"].shape[0] == 3
+
+
+@pytest.mark.parametrize("name", ["ghost", "vmap"])
+def test_the_previous_release_left_in_an_unused_parameters_grad_is_no_gradient_of_this_step(name):
+    """A parameter in no optimizer group keeps the last release in ``.grad`` (no ``zero_grad`` reaches it): untouched
+    it adds nothing; once a backward adds to it (a use the engine does not capture) it is refused as before, and so
+    is a non-zero ``.grad`` no release wrote."""
+    from lightning_dp.engine_api import mark_released
+
+    model, loss, x, y = make_case("mlp", 3)
+    model.extra = nn.Linear(2, 2).double()
+    engine = make_engine(name)
+    engine.attach(model)
+    params = list(model.parameters())
+
+    def step(loss_fn, released=True):
+        for p in params:
+            p.grad = None
+        for p in model.extra.parameters():
+            p.grad = torch.randn_like(p)  # the previous step's ĝ: noise only
+            if released:
+                mark_released(p.grad)
+        loss_fn(model, x, y).backward()
+        return engine.clip_and_sum(params, 1.0)
+
+    out = step(loss)
+    assert all(not out.sums[p].any() for p in model.extra.parameters())
+    with pytest.raises(ValueError, match="received a gradient, but from no use"):
+        step(lambda m, x, y: loss(m, x, y) + 0.1 * m.extra.weight.sum())
+    with pytest.raises(ValueError, match="received a gradient, but from no use"):
+        step(loss, released=False)

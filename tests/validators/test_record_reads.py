@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, SubsetRandomSampler, TensorDataset, random_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 
@@ -174,6 +174,36 @@ def test_validation_on_the_training_records_that_keeps_nothing_passes():
     assert _fit_validated(Validated(), None).ledger.steps == 8
 
 
+def _fit_split(model: Classifier, kind: str) -> Any:
+    """Train on 64 of 96 records of one dataset, validate on the rest (or, ``overlapping``, on 16 of the 64 too)."""
+    full, dp = data(96), strategy()
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(0)).tolist()
+    rows = order[48:] if kind == "overlapping samplers" else order[64:]
+    train = DataLoader(full, batch_size=16, sampler=SubsetRandomSampler(order[:64]))
+    if kind == "random_split":
+        held, rest = random_split(full, [64, 32], generator=torch.Generator().manual_seed(0))
+        train, val = DataLoader(held, batch_size=16), DataLoader(rest, batch_size=32)
+    else:
+        val = DataLoader(full, batch_size=len(rows), sampler=SubsetRandomSampler(rows))
+    quiet_trainer(strategy=dp, max_steps=8, val_check_interval=2, num_sanity_val_steps=0).fit(model, train, val)
+    return dp
+
+
+@pytest.mark.parametrize("kind", ["disjoint samplers", "random_split"])
+def test_state_kept_by_validation_on_held_out_records_of_the_training_dataset_passes(kind):
+    """Validation reads the training dataset's object, but only records training never reads (a SubsetRandomSampler
+    split, a random_split): what it keeps is held-out data's (the reads are told only for training rows)."""
+    assert _fit_split(KeepsAValidationLoss(), kind).ledger.steps == 8
+
+
+def test_state_kept_by_validation_on_overlapping_samplers_is_refused():
+    m = KeepsAValidationLoss()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after it read training data.*"
+                                                        r"attribute scale"):
+        _fit_split(m, "overlapping samplers")
+    assert m.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
+
+
 class ShowsARecordAtBatchEnd(Classifier):
     """Looks at a training record at batch end (a report: allowed where it really runs)."""
 
@@ -211,3 +241,24 @@ def test_a_copy_of_a_module_whose_fit_crashed_inside_the_step_trains() -> None:
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=3).fit(again, DataLoader(data(64), batch_size=16))
     assert dp.ledger.steps >= 3
+
+
+def test_a_read_elsewhere_is_told_unless_it_reads_only_rows_training_never_reads():
+    """RecordWatch.rows: an index, a negative one, a list (``__getitems__``) of held-out rows is not told; a training
+    row, or a key the watch cannot read (a slice), is."""
+    from lightning_dp.validators.record_reads import RecordWatch
+
+    full, told = data(8), []
+    watch = RecordWatch(full, counting=lambda: False, elsewhere=lambda: told.append(1))
+    watch.rows = {id(full): {0, 1, 2, 3}}
+    watch.start()
+    try:
+        for key, tells in [(5, False), (-1, False), (torch.tensor(6), False), (2, True), (-8, True),
+                           (slice(4, 6), True)]:
+            told.clear()
+            full[key]
+            assert bool(told) is tells, key
+        assert watch._held_out(full, ([4, 5],)) and not watch._held_out(full, ([4, 3],))  # __getitems__' keys
+    finally:
+        watch.stop()
+    assert TensorDataset.__getitem__ is ORIGINAL

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_dp.engine_api import mark_released
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary.coverage import uncovered_error, uncovered_tensors
 from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
@@ -258,8 +259,7 @@ class ReleaseBoundary:
     def released(self, params: Sequence[Tensor]) -> None:
         """The release wrote ĝ_t into these ``.grad``: what the optimizer must step with (rule 2)."""
         names = {id(p): name for name, p in self.trainable()}
-        self._released = [(names.get(id(p), "?"), p, id(p.grad), -1 if p.grad is None else p.grad._version)
-                          for p in params]
+        self._released = [(names.get(id(p), "?"), p, id(p.grad), mark_released(p.grad)) for p in params]
 
     def check_gradients(self) -> None:
         """Rule 2 after the release: the optimizer steps with ĝ_t as released (a hook rewriting ``p.grad`` with data

@@ -146,7 +146,7 @@ def test_consumers_and_fed_back_read_the_trainer():
 
 
 def _split_loaders(kind: str):
-    from torch.utils.data import DataLoader, Subset, TensorDataset, random_split
+    from torch.utils.data import DataLoader, Subset, SubsetRandomSampler, TensorDataset, random_split
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 4, generator=g)
@@ -164,12 +164,23 @@ def _split_loaders(kind: str):
         train, val = full, TensorDataset(x.double().float().clone(), y.clone())
     elif kind == "a copy of some":
         train, val = full, TensorDataset(torch.cat([x[:20].clone(), torch.randn(12, 4, generator=g)]), y[:32].clone())
+    elif kind.endswith("samplers"):  # the README's split: SubsetRandomSamplers over one dataset
+        order = torch.randperm(96, generator=g).tolist()
+        val_rows = order[64:] if kind == "disjoint samplers" else order[48:]
+        return (DataLoader(full, batch_size=16, sampler=SubsetRandomSampler(order[:64])),
+                DataLoader(full, batch_size=16, sampler=SubsetRandomSampler(val_rows)))
+    elif kind.startswith("a sampler and"):  # the training SubsetRandomSampler, a validation Subset
+        order = torch.randperm(96, generator=g).tolist()
+        val_rows = order[64:] if kind.endswith("a disjoint Subset") else order[60:]
+        return (DataLoader(full, batch_size=16, sampler=SubsetRandomSampler(order[:64])),
+                DataLoader(Subset(full, val_rows), batch_size=16))
     else:  # disjoint slices of the same tensors
         train, val = TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
     return DataLoader(train, batch_size=16), DataLoader(val, batch_size=16)
 
 
-@pytest.mark.parametrize("kind", ["same loader", "same tensors", "overlapping subsets", "a copy", "a copy of some"])
+@pytest.mark.parametrize("kind", ["same loader", "same tensors", "overlapping subsets", "a copy", "a copy of some",
+                                  "overlapping samplers", "a sampler and an overlapping Subset"])
 def test_monitoring_validation_on_the_training_records_is_refused(kind):
     train, val = _split_loaders(kind)
     model = LogsTrainLoss()
@@ -181,8 +192,11 @@ def test_monitoring_validation_on_the_training_records_is_refused(kind):
     assert unchanged(before, model)
 
 
-@pytest.mark.parametrize("kind", ["random_split", "disjoint slices"])
+@pytest.mark.parametrize("kind", ["random_split", "disjoint slices", "disjoint samplers",
+                                  "a sampler and a disjoint Subset"])
 def test_monitoring_held_out_validation_is_allowed(kind):
+    """Disjoint SubsetRandomSamplers over one dataset (the README's split) are held out too: the training rows are
+    the population Poisson sampling draws from, the validation rows its sampler's indices."""
     train, val = _split_loaders(kind)
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=3, num_sanity_val_steps=0, val_check_interval=2,

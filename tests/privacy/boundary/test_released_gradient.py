@@ -66,3 +66,41 @@ def test_a_plain_loop_is_checked_at_the_optimizer_step():
                 assert torch.equal(weight, model.weight), "the update was not made"
     finally:
         step.detach()
+
+
+class SpareHeadOutsideTheOptimizer(Classifier):
+    """A trainable head for prediction only: no training step uses it and no optimizer group holds it, so no
+    ``zero_grad`` clears the ĝ the release writes into its ``.grad``. From ``read_from`` on, a step also reads it in a
+    way the engine does not capture (a matmul with the batch)."""
+
+    def __init__(self, read_from: int = -1) -> None:
+        super().__init__()
+        self.aux, self.read_from = nn.Linear(4, 2), read_from
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        if 0 <= self.read_from <= self.global_step:
+            loss = loss + 0.01 * (x @ self.aux.weight.t()).square().mean()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_parameter_no_step_uses_and_no_optimizer_holds_trains(engine):
+    """The previous release left in its ``.grad`` is the library's own output, not a gradient from a use the engine
+    misses (it was refused at the second step)."""
+    model = SpareHeadOutsideTheOptimizer()
+    dp = fit(model, steps=3, per_sample=engine)
+    assert dp.ledger.steps == 3
+    assert model.aux.weight.grad is not None and model.aux.weight.grad.any(), "ĝ (noise only) is still written"
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_uncaptured_use_after_a_release_is_still_refused(engine):
+    """Unused at the first step, then read outside any captured use: autograd adds its gradient to the release
+    left in ``.grad``, which is then no longer the release as written."""
+    with pytest.raises(PrivacyConfigurationError, match="aux.weight .*received a gradient, but from no use"):
+        fit(SpareHeadOutsideTheOptimizer(read_from=1), steps=3, per_sample=engine)
