@@ -24,8 +24,10 @@ costs about two passes over the batch.
 
 A step that draws random numbers of its own (augmentation or MixUp inside ``training_step``, seen by the first
 probe) cannot be compared across batch sizes: its draws depend on the batch's shape. For it the batch runs twice with
-one seed and one size, the second time with a random half of its examples replaced by copies of the others; every
-example that kept its own data must keep its gradient (:meth:`BatchInteractionCheck._replacement`). Torch's, NumPy's
+one seed and one size, a random half of its examples replaced both times by copies of the others, other copies each
+time (so a collate padding to the batch's longest gives both one shape too); every example that kept its own data
+must keep its gradient (:meth:`BatchInteractionCheck._replacement`). Dropout is no such draw: it is off in every pass
+(:class:`~.probe.NoDropout`, attention's and the recurrent layers' included). Torch's, NumPy's
 and Python's generators are seeded alike for every pass and restored afterwards.
 
 Last, the whole batch passes once more with the training data's other copies in memory exchanged for other values
@@ -98,25 +100,27 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         self._exchanged(chosen, whole, step)
 
     def _replacement(self, chosen: list[int], step: int) -> None:
-        """For a step that draws random numbers: the batch twice with one seed and one size (so every draw is the
-        same), the second time with a random half R of its examples replaced by copies of the others. An example
-        outside R keeps its own data and its own draws: its gradient may change only if it depends on other examples
-        (MixUp pairs example i with example π(i): for about half of them π(i) is in R)."""
+        """For a step that draws random numbers: the batch twice with one seed, a random half R of its examples
+        replaced both times by copies of the others (the kept examples K), by another copy each time. An example of K
+        keeps its own data, its place and its own draws in both passes: its gradient may change only if it depends
+        on other examples (MixUp pairs example i with example π(i): for about half of them π(i) is in R, whose data
+        differ between the passes). Both batches hold only K's records, so a collate that pads to the batch's longest
+        gives them one shape, and draws whose layout follows the batch's shape (a token mask of shape [B, L]) are the
+        same too; against the batch itself, R's longest example would change L and every draw (:func:`_donors`)."""
         order = list(range(len(chosen)))
         self.rng.shuffle(order)
-        replaced = set(order[: len(order) // 2])
-        kept = [i for i in range(len(chosen)) if i not in replaced]
-        donors = [chosen[self.rng.choice(kept)] for _ in replaced]
-        swapped = list(chosen)
-        for position, donor in zip(sorted(replaced), donors):
-            swapped[position] = donor
-        whole = self._engine_pass(chosen)
-        other = self._engine_pass(swapped)
-        norms = whole.norms.double()
+        replaced = sorted(order[: len(order) // 2])
+        kept = [i for i in range(len(chosen)) if i not in set(replaced)]
+        first, second = _donors(kept, len(replaced), self.rng)
+        # one example kept (a batch of two): it is compared with the batch itself
+        base_indices = chosen if second is None else [chosen[i] for i in _placed(len(chosen), replaced, second)]
+        base = self._engine_pass(base_indices)
+        other = self._engine_pass([chosen[i] for i in _placed(len(chosen), replaced, first)])
+        norms = base.norms.double()
         differing = self._norms_apart(norms[kept], other.norms.double()[kept], norms)
         if differing:
             raise batch_interaction_error(step, len(chosen), differing, [], self.engine.name, self._as_of)
-        self._exchanged(chosen, whole, step)
+        self._exchanged(base_indices, base, step)
 
     def _exchanged(self, chosen: list[int], whole: ClippedBatch, step: int) -> None:
         """The batch once more with the training data's other copies exchanged (:mod:`.outside_records`): every
@@ -164,6 +168,23 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         tolerance = self.rtol * float(whole.norms.double().sum()) + 1e-12
         return [name for p, name in zip(self.params, self.names)
                 if float((sum_of(p) - whole.sums[p].double()).norm()) > tolerance]
+
+
+def _donors(kept: list[int], count: int, rng: random.Random) -> tuple[list[int], Optional[list[int]]]:
+    """Two lists of ``count`` donors, positions in ``kept``, that differ at every place (:meth:`BatchInteractionCheck.
+    _replacement`); ``None`` for the second when only one example is kept."""
+    first = [rng.choice(kept) for _ in range(count)]
+    if len(kept) < 2:
+        return first, None
+    return first, [rng.choice([k for k in kept if k != d]) for d in first]
+
+
+def _placed(n: int, replaced: list[int], donors: list[int]) -> list[int]:
+    """The positions 0..n-1 with each of ``replaced`` taken by its donor."""
+    positions = list(range(n))
+    for position, donor in zip(replaced, donors):
+        positions[position] = donor
+    return positions
 
 
 def _reordered(whole: Tensor, parts: list[Tensor], tolerance: float) -> bool:

@@ -494,15 +494,34 @@ def _metric_states(m: nn.Module) -> Optional[list[str]]:
     return [name for name in defaults if persistent.get(name)]
 
 
-_DATAMODULE_KEYS = frozenset({"_hparams", "_hparams_initial", "_hparams_name", "_log_hyperparams", "trainer",
-                               "prepare_data_per_node", "allow_zero_length_dataloader_with_multiple_devices"})
-"""What Lightning keeps on a LightningDataModule itself (``_hparams`` is made on first reading ``self.hparams``)."""
+_LIGHTNING_KEYS = frozenset({"_hparams_name", "_log_hyperparams", "trainer", "prepare_data_per_node",
+                              "allow_zero_length_dataloader_with_multiple_devices"})
+"""What Lightning keeps on a LightningDataModule (or another object with its ``HyperparametersMixin``) itself."""
+
+_LAZY_KEYS = frozenset({"_hparams", "_hparams_initial"})
+"""Made empty by Lightning on first reading ``self.hparams`` (a checkpoint reads the datamodule's): empty, they are
+the same as absent; with contents (``save_hyperparameters``, ``self.hparams.x = ...``) they are state, saved in
+every checkpoint."""
+
+
+def _hparams_mixin(obj: Any) -> bool:
+    return any(b.__name__ == "HyperparametersMixin" for b in type(obj).__mro__)
+
+
+def lightning_fields(obj: Any) -> dict[str, Any]:
+    """``vars(obj)``, less what Lightning keeps or lazily makes on a LightningDataModule or another
+    ``HyperparametersMixin`` itself (:data:`_LIGHTNING_KEYS`, an empty ``_hparams``): the datamodule held as a global
+    of the script is fingerprinted as the trainer's is."""
+    fields = vars(obj)
+    if not _hparams_mixin(obj):
+        return fields
+    return {k: v for k, v in fields.items()
+            if k not in _LIGHTNING_KEYS and not (k in _LAZY_KEYS and isinstance(v, dict) and not v)}
 
 
 def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
-    datamodule = is_datamodule(cb)
-    for key, value in vars(cb).items():
-        if not _library_function(value) and not (datamodule and key in _DATAMODULE_KEYS):
+    for key, value in lightning_fields(cb).items():
+        if not _library_function(value):
             yield key, value
     try:
         state = cb.state_dict()
@@ -583,7 +602,7 @@ class _Walker:
         if id(value) in self._objects:
             return ("seen", id(value))
         self._objects.add(id(value))
-        fields = vars(value)
+        fields = lightning_fields(value)  # a LightningDataModule held as a global: its lazily made `_hparams` skipped
         shared = [(f"{c.__qualname__}.{k}", v) for c, k, v in class_attributes([type(value)])]  # `history = []`
         return ("object", type(value).__name__,
                 tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]

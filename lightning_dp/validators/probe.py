@@ -420,20 +420,44 @@ class LowestFloat(TorchFunctionMode):
 
 class NoDropout(TorchFunctionMode):
     """Dropout off while the probe runs, the model otherwise in its own modes: torch's dropout functions return their
-    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention, ``nn.MultiheadAttention``'s weights dropout) and
-    ``scaled_dot_product_attention`` runs with ``dropout_p = 0``; the engines' replays inside the probe see the same."""
+    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention), and the functions that take a dropout
+    probability as an argument run with 0: ``scaled_dot_product_attention`` (``dropout_p``),
+    ``multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``: the mode is not
+    active inside a function it handles, so the dropout it calls itself would not be seen) and the recurrent layers'
+    kernels (``nn.LSTM``/``GRU``/``RNN``'s dropout between layers); the engines' replays inside the probe see the
+    same."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in DROPOUT_FUNCTIONS:
             return args[0] if args else kwargs["input"]
-        if name == "scaled_dot_product_attention":
-            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, …)
-                args = (*args[:4], 0.0, *args[5:])
-            else:
-                kwargs = {**kwargs, "dropout_p": 0.0}
+        if name in _DROPOUT_ARGUMENT:
+            args, kwargs = _no_dropout_argument(name, tuple(args), kwargs)
         return func(*args, **kwargs)
+
+
+_DROPOUT_ARGUMENT: dict[str, tuple[Optional[int], str]] = {
+    "scaled_dot_product_attention": (4, "dropout_p"),   # (query, key, value, attn_mask, dropout_p, …)
+    "multi_head_attention_forward": (10, "dropout_p"),  # (query, key, value, embed_dim, num_heads, in_proj_weight,
+    #                                                      in_proj_bias, bias_k, bias_v, add_zero_attn, dropout_p, …)
+    "lstm": (None, "dropout"), "gru": (None, "dropout"), "rnn_tanh": (None, "dropout"), "rnn_relu": (None, "dropout"),
+}
+"""torch functions taking a dropout probability: (its position, or ``None`` for the first float argument; its name)."""
+
+
+def _no_dropout_argument(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call to ``name`` (:data:`_DROPOUT_ARGUMENT`) with its dropout probability 0. The
+    recurrent kernels (``_VF.lstm(input, hx, weights, bias, num_layers, dropout, train, …)``, with ``batch_sizes``
+    after ``input`` for a packed sequence) take no other float."""
+    position, key = _DROPOUT_ARGUMENT[name]
+    if position is None:
+        position = next((i for i, a in enumerate(args) if type(a) is float), len(args))
+    elif key in kwargs or position >= len(args):
+        return args, {**kwargs, key: 0.0}
+    if position < len(args):
+        return (*args[:position], 0.0, *args[position + 1:]), kwargs
+    return args, kwargs
 
 
 DROPOUT_FUNCTIONS: frozenset[str] = frozenset({

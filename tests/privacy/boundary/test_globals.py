@@ -4,12 +4,16 @@ before the next one, for a write that starts later), unless declared public; glo
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Optional, Sequence
 
 import pytest
+import pytorch_lightning as pl
 import torch
-from cases import Classifier, fit, parameters, unchanged
-from pytorch_lightning.callbacks import Callback
+from cases import Classifier, data, fit, loader, parameters, strategy, unchanged
+from conftest import quiet_trainer
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_dp import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import user_modules
@@ -77,3 +81,85 @@ def test_only_the_users_modules_are_read():
     assert __name__ in modules and "cases" in modules
     assert not any(name.split(".")[0] in ("torch", "pytorch_lightning", "lightning_dp", "builtins")
                    for name in modules)
+
+
+class Records(pl.LightningDataModule):
+    """A LightningDataModule with no save_hyperparameters: Lightning makes its empty `hparams` when a checkpoint
+    first reads them."""
+
+    def setup(self, stage: str) -> None:
+        self.ds = data(64)
+        self.memory: list[torch.Tensor] = []
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.ds, batch_size=16)
+
+
+class Trained(Classifier):
+    """Defined here, so this module's globals are read (user_modules)."""
+
+
+class KeepsInDatamodule(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.datamodule.memory.append(batch[0].detach())
+        return super().training_step(batch, batch_idx)
+
+
+class KeepsInDatamoduleHparams(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.datamodule.hparams["mean"] = float(batch[0].mean())
+        return super().training_step(batch, batch_idx)
+
+
+class EpochNotes(Callback):
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen = trainer.global_step
+
+
+DATAMODULE: Optional[Records] = None
+MODEL: Optional[Classifier] = None
+CALLBACK: Optional[EpochNotes] = None
+
+
+def checkpointed_fit(tmp_path, model: Classifier, datamodule: Optional[Records] = None,
+                     callbacks: Sequence[Callback] = ()) -> None:
+    """Six private steps, a ModelCheckpoint writing at the epoch's end (every 4 steps)."""
+    trainer = quiet_trainer(strategy=strategy(), max_steps=6, enable_checkpointing=True,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path), *callbacks])
+    if datamodule is not None:
+        trainer.fit(model, datamodule=datamodule)
+    else:
+        trainer.fit(model, loader(64))
+
+
+def test_a_datamodule_held_as_a_global_trains_with_checkpoints(tmp_path):
+    """A checkpoint reads the datamodule's `hparams`, which makes them: Lightning's own, not a write of the step."""
+    global DATAMODULE
+    DATAMODULE = Records()
+    checkpointed_fit(tmp_path, Trained(), DATAMODULE)
+    assert DATAMODULE.hparams == {} and list(tmp_path.glob("*.ckpt"))
+
+
+def test_a_module_and_a_callback_held_as_globals_train_with_checkpoints(tmp_path):
+    global MODEL, CALLBACK
+    MODEL, CALLBACK = Trained(), EpochNotes()
+    checkpointed_fit(tmp_path, MODEL, callbacks=[CALLBACK])
+    assert list(tmp_path.glob("*.ckpt"))
+
+
+@pytest.mark.parametrize("as_global", [True, False])
+@pytest.mark.parametrize("model, name", [(KeepsInDatamodule, "memory"), (KeepsInDatamoduleHparams, "_hparams")])
+def test_a_datamodule_written_from_the_batch_is_refused_global_or_not(tmp_path, model, name, as_global):
+    global DATAMODULE
+    datamodule = Records()
+    if as_global:
+        DATAMODULE = datamodule
+    m = model()
+    before = parameters(m)
+    where = f"global {__name__}.DATAMODULE" if as_global else f"datamodule Records.{name}"
+    with pytest.raises(PrivacyConfigurationError, match=re.escape(where)):
+        checkpointed_fit(tmp_path, m, datamodule)
+    assert unchanged(before, m)
