@@ -16,8 +16,8 @@ progress bars, checkpoints).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -39,7 +39,8 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
            "moved_far", "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks",
-           "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook"]
+           "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook",
+           "weights_moved_by_data", "weights_sketch"]
 
 
 @contextmanager
@@ -95,22 +96,35 @@ def users_hook(hook: Any) -> bool:
     return bool(hook) and not module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
 
 
-def replay_epoch_hooks(module: "pl.LightningModule") -> None:
-    """The :data:`EPOCH_HOOKS` (``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``) of every
-    callback that is not Lightning's or lightning_dp's and of the module, logging silenced; a hook that needs more
-    of the loop than a replay gives (it raises) ends the replay (every replay alike)."""
+def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str, set[str]]] = None) -> None:
+    """The :data:`FIT_START_HOOKS` and :data:`EPOCH_HOOKS` (``setup``, ``on_fit_start``, ``on_train_start``,
+    ``on_train_epoch_start``, ``on_train_epoch_end``) of every callback that is not Lightning's or lightning_dp's
+    and of the module, logging silenced, with gradients enabled as the loop runs them (a warm start's backward in
+    ``on_train_start`` runs: the caller puts the engine aside, so its steps move the weights as they do for real); a
+    hook that needs more of the loop than a replay gives (it raises) ends the replay (every replay alike).
+    ``writers``: filled with the hooks that wrote the model's parameters (``"WarmStart.setup"`` → their names), for
+    the refusal to name them."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
-    with replaying(module, rates=False), torch.no_grad():
+    with replaying(module, rates=False), torch.enable_grad():
         try:
             for name in (*FIT_START_HOOKS, *EPOCH_HOOKS):
                 stage = ("fit",) if name == "setup" else ()
-                with torch.enable_grad() if name in FIT_START_HOOKS else nullcontext():  # as the loop runs them
-                    for cb in callbacks:
-                        getattr(cb, name)(trainer, module, *stage)
-                    getattr(module, name)(*stage)
+                for owner in (*callbacks, module):
+                    before = _parameter_versions(module) if writers is not None else {}
+                    hook = getattr(owner, name)
+                    hook(*stage) if owner is module else hook(trainer, module, *stage)
+                    if writers is not None:
+                        wrote = {n for n, v in _parameter_versions(module).items() if before.get(n) != v}
+                        if wrote:
+                            writers.setdefault(f"{type(owner).__name__}.{name}", set()).update(wrote)
         except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
             pass
+
+
+def _parameter_versions(module: "pl.LightningModule") -> dict[str, tuple[int, int]]:
+    """Each parameter's version counter and storage address (an in-place step, a ``.data`` assignment moves one)."""
+    return {name: (p._version, p.data_ptr()) for name, p in module.named_parameters()}
 
 
 def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
@@ -155,6 +169,50 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
                 p.data.copy_(value)
         return [name for name, p, _, version in values if p._version != version]
     return restore
+
+
+SKETCH_POSITIONS = 4096
+"""How many evenly spread values of each parameter :func:`weights_sketch` keeps."""
+
+
+def weights_sketch(module: "pl.LightningModule") -> dict[str, torch.Tensor]:
+    """Each parameter's values at up to :data:`SKETCH_POSITIONS` evenly spread positions (float64 copies on the
+    CPU; a sharded parameter's local shard): how far a replay of the hooks that see no batch moved the weights, for
+    :func:`weights_moved_by_data`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+        flat = t.reshape(-1)
+        every = max(1, flat.numel() // SKETCH_POSITIONS)
+        out[name] = flat[::every][:SKETCH_POSITIONS].to(device="cpu", dtype=torch.float64, copy=True)
+    return out
+
+
+def weights_moved_by_data(plain: dict[str, Any], again: dict[str, Any], other: dict[str, Any],
+                          sketches: Sequence[dict[str, torch.Tensor]], ratio: float = 1000.0) -> list[str]:
+    """The parameters (``"parameter head.weight"``) the replay on other data moved far beyond what the two replays
+    on the same data already set apart: ``plain``, ``other`` and ``again`` are the replays' fingerprints, in that
+    order, and ``sketches`` their :func:`weights_sketch`. A fit whose arithmetic is not bit for bit repeatable (a
+    least-squares solve on several threads, a GPU's atomic sums) leaves the plain replays a few units in the last
+    place apart, and :func:`~.kept_state.moved_by_data` takes such an entry for a time stamp; a warm start or a
+    closed-form head fitted to the training set moves the weights on its exchanged copy by orders of magnitude more
+    (more than ``ratio`` times, and more than 64 units in the last place of the values' scale). A time stamp or an
+    unseeded draw written into the weights moves both alike and is not returned."""
+    noisy = set(StateFingerprint.changed(plain, again)) & set(StateFingerprint.changed(plain, other))
+    first, apart, second = sketches
+    out = []
+    for name, values in first.items():
+        key = f"parameter {name}"
+        if key not in noisy or name not in apart or name not in second or not values.numel() \
+                or apart[name].shape != values.shape or second[name].shape != values.shape:
+            continue
+        noise = float((second[name] - values).abs().max())
+        moved = float((apart[name] - values).abs().max())
+        scale = float(values.abs().max())
+        if moved > ratio * noise and moved > 64 * torch.finfo(torch.float32).eps * scale:
+            out.append(key)
+    return out
 
 
 def overrides_fit_start(module: "pl.LightningModule") -> bool:
