@@ -176,16 +176,17 @@ SKETCH_POSITIONS = 4096
 
 
 def weights_sketch(module: "pl.LightningModule") -> dict[str, torch.Tensor]:
-    """Each parameter's values at up to :data:`SKETCH_POSITIONS` evenly spread positions (float64 copies on the
-    CPU; a sharded parameter's local shard): how far a replay of the hooks that see no batch moved the weights, for
-    :func:`weights_moved_by_data`."""
+    """Each parameter's values at up to :data:`SKETCH_POSITIONS` evenly spread positions (copies where the parameter
+    is, in float32 or wider; a sharded parameter's local shard): how far a replay of the hooks that see no batch moved
+    the weights, for :func:`weights_moved_by_data`."""
     out: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         t = p.detach()
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
         flat = t.reshape(-1)
         every = max(1, flat.numel() // SKETCH_POSITIONS)
-        out[name] = flat[::every][:SKETCH_POSITIONS].to(device="cpu", dtype=torch.float64, copy=True)
+        wide = torch.promote_types(flat.dtype, torch.float32) if flat.is_floating_point() else torch.float32
+        out[name] = flat[::every][:SKETCH_POSITIONS].to(dtype=wide, copy=True)
     return out
 
 

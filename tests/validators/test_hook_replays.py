@@ -97,7 +97,7 @@ def test_a_warm_start_on_the_training_set_is_refused_before_any_release_naming_i
     """The replays run with the engine put aside (ghost's book-keeping forward leaves the weights' gradients to the
     release: a warm start's steps moved nothing there) and with gradients on as the loop runs these hooks."""
     dp = strategy()
-    pattern = r"hooks that see no batch.*fitted to the training data by " + hook.replace(".", r"\.") + r".*parameter net\."
+    pattern = rf"hooks that see no batch.*fitted to the training data by {hook.replace('.', '[.]')}.*parameter net[.]"
     with pytest.raises(PrivacyConfigurationError, match=pattern):
         quiet_trainer(strategy=dp, max_steps=4, callbacks=[cb() for cb in callbacks]).fit(model(), datamodule=Data())
     assert dp.ledger.steps == 0, "refused before any release"
