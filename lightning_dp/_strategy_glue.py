@@ -780,7 +780,8 @@ class PrivateTraining:
         if len(kept) != 3:
             return
         plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
-        moved = moved_by_data(plain, again, other) + weights_moved_by_data(plain, again, other, sketches)
+        moved = [name for name in moved_by_data(plain, again, other) if not name.startswith("parameter ")] \
+            + weights_moved_by_data(plain, again, other, sketches)  # the weights: rounding apart from the data
         where = ("by the hooks that see no batch (setup, on_fit_start, on_train_start, on_train_epoch_start/end), "
                  "replayed on the training data and on it exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "configured "))]

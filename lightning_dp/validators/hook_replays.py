@@ -190,30 +190,52 @@ def weights_sketch(module: "pl.LightningModule") -> dict[str, torch.Tensor]:
     return out
 
 
+ROUNDING_ULPS = 64
+"""How far (in float32 units in the last place of a parameter's largest value) a replay may move the weights from
+another and be taken for rounding (a solve that is not bit for bit repeatable), not for the data."""
+
+
 def weights_moved_by_data(plain: dict[str, Any], again: dict[str, Any], other: dict[str, Any],
                           sketches: Sequence[dict[str, torch.Tensor]], ratio: float = 1000.0) -> list[str]:
-    """The parameters (``"parameter head.weight"``) the replay on other data moved far beyond what the two replays
-    on the same data already set apart: ``plain``, ``other`` and ``again`` are the replays' fingerprints, in that
-    order, and ``sketches`` their :func:`weights_sketch`. A fit whose arithmetic is not bit for bit repeatable (a
-    least-squares solve on several threads, a GPU's atomic sums) leaves the plain replays a few units in the last
-    place apart, and :func:`~.kept_state.moved_by_data` takes such an entry for a time stamp; a warm start or a
-    closed-form head fitted to the training set moves the weights on its exchanged copy by orders of magnitude more
-    (more than ``ratio`` times, and more than 64 units in the last place of the values' scale). A time stamp or an
-    unseeded draw written into the weights moves both alike and is not returned."""
-    noisy = set(StateFingerprint.changed(plain, again)) & set(StateFingerprint.changed(plain, other))
+    """Of the model's parameters (``"parameter head.weight"``), those the replay on other data moved from the first
+    replay on the data; ``plain``, ``other`` and ``again`` are the replays' fingerprints, in that order, and
+    ``sketches`` their :func:`weights_sketch`. Exactly as :func:`~.kept_state.moved_by_data` (which takes an entry
+    the two replays on the same data set apart for a time stamp), except where the arithmetic of a fit is not bit
+    for bit repeatable (a least-squares solve on several threads, a GPU's atomic sums): weights the plain replays
+    leave apart are the data's when the other data moved them more than ``ratio`` times as far; and a move the
+    sketches see and find within :data:`ROUNDING_ULPS` of the values' scale is rounding (the two plain replays
+    happened to round alike), not the data. A warm start or a closed-form head fitted to the training set moves
+    the weights on its exchanged copy by orders of magnitude more; a time stamp or an unseeded draw written into
+    the weights moves both alike and is not returned."""
+    noisy = set(StateFingerprint.changed(plain, again))
     first, apart, second = sketches
     out = []
-    for name, values in first.items():
-        key = f"parameter {name}"
-        if key not in noisy or name not in apart or name not in second or not values.numel() \
-                or apart[name].shape != values.shape or second[name].shape != values.shape:
+    for key in StateFingerprint.changed(plain, other):
+        if not key.startswith("parameter "):
             continue
-        noise = float((second[name] - values).abs().max())
-        moved = float((apart[name] - values).abs().max())
-        scale = float(values.abs().max())
-        if moved > ratio * noise and moved > 64 * torch.finfo(torch.float32).eps * scale:
+        name = key.removeprefix("parameter ")
+        moved, scale = _apart(first.get(name), apart.get(name))
+        if moved is None:  # not comparable (no sketch, a parameter of another shape): as the fingerprint says
+            if key not in noisy:
+                out.append(key)
+            continue
+        rounding = moved <= ROUNDING_ULPS * torch.finfo(torch.float32).eps * scale
+        if key not in noisy:
+            if moved == 0 or not rounding:  # a move between the sampled positions, or beyond rounding
+                out.append(key)
+            continue
+        noise, _ = _apart(first.get(name), second.get(name))
+        if noise is not None and moved > ratio * noise and not rounding:
             out.append(key)
     return out
+
+
+def _apart(values: Optional[torch.Tensor], other: Optional[torch.Tensor]) -> tuple[Optional[float], float]:
+    """The largest difference between two sketches of a parameter, and the first's largest magnitude (``None``
+    and 0 when they cannot be compared)."""
+    if values is None or other is None or other.shape != values.shape or not values.numel():
+        return None, 0.0
+    return float((other - values).abs().max()), float(values.abs().max())
 
 
 def overrides_fit_start(module: "pl.LightningModule") -> bool:
