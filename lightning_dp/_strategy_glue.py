@@ -59,7 +59,7 @@ from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
                                                   overrides_epoch_hooks, progress_as, replay_batch_hooks,
                                                   replay_end_hooks, replay_epoch_hooks, replaying, runs_users_code,
-                                                  users_hook)
+                                                  users_hook, weights_moved_by_data, weights_sketch)
 from lightning_dp.validators.checkpoint_replays import (checkpoint_from_data_error, checkpoint_hooks_of_users,
                                                         written_from_data)
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
@@ -868,43 +868,50 @@ class PrivateTraining:
         optimizer = self.optimizers[0]  # type: ignore[attr-defined]
         seeds: list[list[Any]] = []
         kept: list[dict[str, Any]] = []
+        sketches: list[dict[str, torch.Tensor]] = []
+        writers: dict[str, set[str]] = {}  # the hooks that wrote the weights in a replay (named in the refusal)
 
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
-                model_back = model_kept(module)  # a setup warming the weights up: compared, then put back
+                model_back = model_kept(module, weights=True)  # a warm start (any of these hooks): compared, put back
                 rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
                             seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
-                        replay_epoch_hooks(module)
+                        replay_epoch_hooks(module, writers)
                         rates = configured_settings(module)  # a rate configure_optimizers takes from the data
                 finally:
                     kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates})
+                    sketches.append(weights_sketch(module))  # how far apart, for weights the plain replays round apart
                     snapshot.restore()
                     written = model_back()
                     if written:  # put back as they were: the next release compares with them as they are
                         boundary.accept([f"parameter {name}" for name in written])
             return run
 
-        with self._watches_paused():  # the plain and the exchanged replay; a second plain one only if they differ
+        # the plain and the exchanged replay, a second plain one only if they differ; the engine put aside, as
+        # before it is attached (a warm start's optimizer.step() moves the weights, as in the real setup)
+        with self._watches_paused(), self.private_step.engine_aside():
             _, seen = replay_records(optimizer, [replay(False), replay(True)], loop=trainer)
             if len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1]):
                 seen += replay_records(optimizer, [replay(False)], loop=trainer)[1]
         if len(kept) != 3:
             return
         plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
-        moved = moved_by_data(plain, again, other)
-        where = ("by the hooks that see no batch (on_train_start, on_train_epoch_start/end), replayed on the training "
-                 "data and on it exchanged")
+        moved = [name for name in moved_by_data(plain, again, other) if not name.startswith("parameter ")] \
+            + weights_moved_by_data(plain, again, other, sketches)  # the weights: rounding apart from the data
+        where = ("by the hooks that see no batch (setup, on_fit_start, on_train_start, on_train_epoch_start/end), "
+                 "replayed on the training data and on it exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
         if decided:
             raise hyperparameters_error(decided, f"from the training data {where}")
         if len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
             raise decided_from_data_error([seeds[0], seeds[1]], where)
         if moved:
-            raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps")
+            raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps"
+                                         + _weights_fitted(moved, writers))
 
     @contextmanager
     def _privacy_settings_kept(self) -> Iterator[None]:
@@ -1215,6 +1222,19 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
 
 _WEIGHT_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging", "EMAWeightAveraging")
 """Lightning's callbacks that copy an average of the released weights into the model when training ends."""
+
+
+def _weights_fitted(moved: list[str], writers: dict[str, set[str]]) -> str:
+    """What the refusal of the hooks that see no batch adds when they moved the model's weights: the hooks that wrote
+    them, and the fix (a non-private warm start, a linear probe or a closed-form head fitted to the training data)."""
+    weights = {name.removeprefix("parameter ") for name in moved if name.startswith("parameter ")}
+    if not weights:
+        return ""
+    hooks = sorted(hook for hook, wrote in writers.items() if wrote & weights)
+    by = f" by {', '.join(hooks)}" if hooks else ""
+    return (f" (the model's weights, fitted to the training data{by} without noise or accounting: a non-private "
+            "warm start, a linear probe or a closed-form head; fit them on public data — "
+            "lightning_dp.callbacks.PublicPretraining — or let the private fit train them)")
 
 
 def _averaging(trainer: "pl.Trainer") -> bool:

@@ -16,8 +16,8 @@ progress bars, checkpoints).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -39,7 +39,8 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
            "moved_far", "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks",
-           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook"]
+           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook",
+           "weights_moved_by_data", "weights_sketch"]
 
 
 @contextmanager
@@ -95,22 +96,35 @@ def users_hook(hook: Any) -> bool:
     return bool(hook) and not module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
 
 
-def replay_epoch_hooks(module: "pl.LightningModule") -> None:
-    """The :data:`EPOCH_HOOKS` (``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``) of every
-    callback that is not Lightning's or lightning_dp's and of the module, logging silenced; a hook that needs more
-    of the loop than a replay gives (it raises) ends the replay (every replay alike)."""
+def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str, set[str]]] = None) -> None:
+    """The :data:`FIT_START_HOOKS` and :data:`EPOCH_HOOKS` (``setup``, ``on_fit_start``, ``on_train_start``,
+    ``on_train_epoch_start``, ``on_train_epoch_end``) of every callback that is not Lightning's or lightning_dp's
+    and of the module, logging silenced, with gradients enabled as the loop runs them (a warm start's backward in
+    ``on_train_start`` runs: the caller puts the engine aside, so its steps move the weights as they do for real); a
+    hook that needs more of the loop than a replay gives (it raises) ends the replay (every replay alike).
+    ``writers``: filled with the hooks that wrote the model's parameters (``"WarmStart.setup"`` → their names), for
+    the refusal to name them."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
-    with replaying(module, rates=False), torch.no_grad():
+    with replaying(module, rates=False), torch.enable_grad():
         try:
             for name in (*FIT_START_HOOKS, *EPOCH_HOOKS):
                 stage = ("fit",) if name == "setup" else ()
-                with torch.enable_grad() if name in FIT_START_HOOKS else nullcontext():  # as the loop runs them
-                    for cb in callbacks:
-                        getattr(cb, name)(trainer, module, *stage)
-                    getattr(module, name)(*stage)
+                for owner in (*callbacks, module):
+                    before = _parameter_versions(module) if writers is not None else {}
+                    hook = getattr(owner, name)
+                    hook(*stage) if owner is module else hook(trainer, module, *stage)
+                    if writers is not None:
+                        wrote = {n for n, v in _parameter_versions(module).items() if before.get(n) != v}
+                        if wrote:
+                            writers.setdefault(f"{type(owner).__name__}.{name}", set()).update(wrote)
         except Exception:  # noqa: BLE001  (checked as it runs: the boundary compares what it keeps)
             pass
+
+
+def _parameter_versions(module: "pl.LightningModule") -> dict[str, tuple[int, int]]:
+    """Each parameter's version counter and storage address (an in-place step, a ``.data`` assignment moves one)."""
+    return {name: (p._version, p.data_ptr()) for name, p in module.named_parameters()}
 
 
 def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
@@ -155,6 +169,73 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
                 p.data.copy_(value)
         return [name for name, p, _, version in values if p._version != version]
     return restore
+
+
+SKETCH_POSITIONS = 4096
+"""How many evenly spread values of each parameter :func:`weights_sketch` keeps."""
+
+
+def weights_sketch(module: "pl.LightningModule") -> dict[str, torch.Tensor]:
+    """Each parameter's values at up to :data:`SKETCH_POSITIONS` evenly spread positions (copies where the parameter
+    is, in float32 or wider; a sharded parameter's local shard): how far a replay of the hooks that see no batch moved
+    the weights, for :func:`weights_moved_by_data`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+        flat = t.reshape(-1)
+        every = max(1, flat.numel() // SKETCH_POSITIONS)
+        wide = torch.promote_types(flat.dtype, torch.float32) if flat.is_floating_point() else torch.float32
+        out[name] = flat[::every][:SKETCH_POSITIONS].to(dtype=wide, copy=True)
+    return out
+
+
+ROUNDING_ULPS = 64
+"""How far (in float32 units in the last place of a parameter's largest value) a replay may move the weights from
+another and be taken for rounding (a solve that is not bit for bit repeatable), not for the data."""
+
+
+def weights_moved_by_data(plain: dict[str, Any], again: dict[str, Any], other: dict[str, Any],
+                          sketches: Sequence[dict[str, torch.Tensor]], ratio: float = 1000.0) -> list[str]:
+    """Of the model's parameters (``"parameter head.weight"``), those the replay on other data moved from the first
+    replay on the data; ``plain``, ``other`` and ``again`` are the replays' fingerprints, in that order, and
+    ``sketches`` their :func:`weights_sketch`. Exactly as :func:`~.kept_state.moved_by_data` (which takes an entry
+    the two replays on the same data set apart for a time stamp), except where the arithmetic of a fit is not bit
+    for bit repeatable (a least-squares solve on several threads, a GPU's atomic sums): weights the plain replays
+    leave apart are the data's when the other data moved them more than ``ratio`` times as far; and a move the
+    sketches see and find within :data:`ROUNDING_ULPS` of the values' scale is rounding (the two plain replays
+    happened to round alike), not the data. A warm start or a closed-form head fitted to the training set moves
+    the weights on its exchanged copy by orders of magnitude more; a time stamp or an unseeded draw written into
+    the weights moves both alike and is not returned."""
+    noisy = set(StateFingerprint.changed(plain, again))
+    first, apart, second = sketches
+    out = []
+    for key in StateFingerprint.changed(plain, other):
+        if not key.startswith("parameter "):
+            continue
+        name = key.removeprefix("parameter ")
+        moved, scale = _apart(first.get(name), apart.get(name))
+        if moved is None:  # not comparable (no sketch, a parameter of another shape): as the fingerprint says
+            if key not in noisy:
+                out.append(key)
+            continue
+        rounding = moved <= ROUNDING_ULPS * torch.finfo(torch.float32).eps * scale
+        if key not in noisy:
+            if moved == 0 or not rounding:  # a move between the sampled positions, or beyond rounding
+                out.append(key)
+            continue
+        noise, _ = _apart(first.get(name), second.get(name))
+        if noise is not None and moved > ratio * noise and not rounding:
+            out.append(key)
+    return out
+
+
+def _apart(values: Optional[torch.Tensor], other: Optional[torch.Tensor]) -> tuple[Optional[float], float]:
+    """The largest difference between two sketches of a parameter, and the first's largest magnitude (``None``
+    and 0 when they cannot be compared)."""
+    if values is None or other is None or other.shape != values.shape or not values.numel():
+        return None, 0.0
+    return float((other - values).abs().max()), float(values.abs().max())
 
 
 def overrides_fit_start(module: "pl.LightningModule") -> bool:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -192,6 +193,31 @@ class StepChecks:
             raise error
         if refused:
             raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
+
+    @contextmanager
+    def engine_aside(self) -> Iterator[None]:
+        """The model as the user's code meets it before the engine is attached (in ``setup``): the engine detached
+        (its hooks removed, the layers' own forwards back: ghost's book-keeping forward leaves the weights'
+        gradients to the release, so an ``optimizer.step()`` after a backward through it moves nothing), then
+        attached again; the parameters' ``.grad`` put back as they were. For the replays of the hooks that see no
+        batch (the Lightning glue's ``_replay_epoch_hooks``): a non-private warm start there (plain SGD on the
+        training set) moves the weights in its replays as in the real ``setup``, and its replay on the exchanged
+        data sets them apart (docs/release_boundary.md, rule 3). Nothing captured then belongs to a step."""
+        engine, module = self._engine, self._module
+        if engine is None or module is None:
+            yield
+            return
+        grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
+        engine.detach()
+        try:
+            yield
+        finally:
+            for p, grad, value in grads:
+                if p.grad is not grad:
+                    p.grad = grad
+                if grad is not None and value is not None and not torch.equal(grad, value):
+                    grad.copy_(value)
+            engine.attach(module)
 
     def exchanged_training_data(self) -> ExchangedRecords:
         """The training data's copies in memory (:meth:`_training_copies`), for a caller's own replays."""
