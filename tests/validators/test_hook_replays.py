@@ -192,7 +192,9 @@ def test_the_engine_put_aside_gives_ordinary_gradients_and_comes_back_as_it_was(
     """Inside ``engine_aside`` a backward leaves ordinary gradients (ghost's book-keeping forward is gone) and an
     optimizer's step moves the weights; on exit the gradients are put back and the engine is attached again."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    step, _, x, y = plain_step(model)
+    step, _, _ = plain_step(model)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)  # plain_step's data
     try:
         linear = model[0]
         assert "forward" in vars(linear), "ghost's book-keeping forward is attached"
