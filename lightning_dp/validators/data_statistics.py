@@ -132,17 +132,23 @@ def _principal_directions(t: Tensor, k: int = 8) -> Any:
 
 def _rows_along(candidate: Tensor, directions: Tensor) -> bool:
     """Whether a row of ``candidate`` ([r, D] or [D, r]: a layer's weight either way) lies along a principal direction,
-    to a cosine of 1 − 1e-6 (a random or trained row does not)."""
+    to a cosine of 1 − 1e-6 (a random or trained row does not); rows along an axis or of one magnitude throughout are
+    not compared (an identity or constant initialisation)."""
     c = candidate.detach().to("cpu", torch.float64)
     if c.dim() != 2 or c.numel() > 1 << 22:
         return False
     for rows in (c, c.T):
         if rows.shape[1] != directions.shape[0]:
             continue
-        norms = rows.norm(dim=1, keepdim=True)
-        if not bool((norms > 0).any()):
+        size = rows.abs()
+        top = size.max(1, keepdim=True).values
+        # a row along an axis (an identity initialisation: one-hot data's directions are the axes) or with every entry
+        # of one size (all ones) says nothing of the data: only rows of two or more different sizes are compared
+        telling = ((size > 1e-9 * top).sum(1) >= 2) & ((size - top).abs().amax(1) > 1e-9 * top.squeeze(1))
+        if not bool(telling.any()):
             continue
-        cos = (rows / norms.clamp_min(1e-300)) @ directions
+        rows = rows[telling]
+        cos = (rows / rows.norm(dim=1, keepdim=True)) @ directions
         if bool((cos.abs() >= 1 - 1e-6).any()):
             return True
     return False
