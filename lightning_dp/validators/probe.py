@@ -420,20 +420,28 @@ class LowestFloat(TorchFunctionMode):
 
 class NoDropout(TorchFunctionMode):
     """Dropout off while the probe runs, the model otherwise in its own modes: torch's dropout functions return their
-    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention, ``nn.MultiheadAttention``'s weights dropout) and
-    ``scaled_dot_product_attention`` runs with ``dropout_p = 0``; the engines' replays inside the probe see the same."""
+    input (``nn.Dropout``, ``F.dropout`` in Hugging Face's attention) and ``scaled_dot_product_attention`` and
+    ``multi_head_attention_forward`` (``nn.MultiheadAttention``, in ``nn.TransformerEncoderLayer``: its weights'
+    dropout) run with ``dropout_p = 0``; the engines' replays inside the probe see the same."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in DROPOUT_FUNCTIONS:
             return args[0] if args else kwargs["input"]
-        if name == "scaled_dot_product_attention":
-            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, …)
-                args = (*args[:4], 0.0, *args[5:])
+        where = _DROPOUT_P.get(name)  # attention's dropout_p: the position it has among the arguments
+        if where is not None:
+            if len(args) > where:
+                args = (*args[:where], 0.0, *args[where + 1:])
             else:
                 kwargs = {**kwargs, "dropout_p": 0.0}
         return func(*args, **kwargs)
+
+
+_DROPOUT_P = {"scaled_dot_product_attention": 4, "multi_head_attention_forward": 10}
+"""Attention functions that draw a dropout mask from ``dropout_p`` (their positional index): run with 0. The mode
+does not see the calls inside a function it is handed (``nn.MultiheadAttention``'s ``multi_head_attention_forward``
+drops its weights with a ``dropout`` no mode sees): the function itself is told."""
 
 
 DROPOUT_FUNCTIONS: frozenset[str] = frozenset({
