@@ -137,6 +137,7 @@ class PrivateTraining:
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._hooks_of_users: dict[tuple[str, ...], tuple[Any, bool]] = {}  # which hooks the user's code has
         self._batch_end_writes: set[str] = set()  # kept state the batch-end hooks write without the data (an EMA)
+        self._before_release_writes: set[str] = set()  # what the step's hooks write alike on all data (a counter)
         self._batch_checked = False  # the batch check ran on this step (its batch-end window is judged)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
         self._end_snapshot: Optional[tuple[StateSnapshot, Any, Any, list[Any]]] = None  # before the end's hooks
@@ -566,7 +567,7 @@ class PrivateTraining:
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
-        self._batch_end_writes = set()
+        self._batch_end_writes, self._before_release_writes = set(), set()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
         if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
@@ -655,6 +656,8 @@ class PrivateTraining:
             self._check_batch(indices, _batch_idx(args, kwargs))
             if first:
                 self._check_later_in_the_plan(indices)
+            else:
+                self._judge_before_release(indices, _batch_idx(args, kwargs))
         self._mechanism_at_step = mechanism_decisions(trainer)  # the user's code may not set σ or C from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
@@ -778,7 +781,7 @@ class PrivateTraining:
                 "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
                 "that skips its forward.") from err
 
-    def _replay_now_and_later(self, batch: Any, other: Any) -> None:
+    def _replay_now_and_later(self, batch: Any, other: Any, judge_writes: bool = False) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
         refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
@@ -793,8 +796,12 @@ class PrivateTraining:
         trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
         decisions: list[list[Any]] = []
         boundary = self.private_step.boundary
-        writes = BatchEndWrites(boundary, module, [cb for cb in _observers(trainer) if not library_callback(cb)]) \
-            if self._users_code_runs(BATCH_HOOKS) else None
+        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
+        writes = BatchEndWrites(boundary, module, users) \
+            if judge_writes or self._users_code_runs(BATCH_HOOKS) or self.private_step.probe_writes else None
+        unjudged = None if writes is not None else \
+            (boundary.fingerprint(module), StateSnapshot(module, users, boundary.engine_keys))
+        start = None if unjudged is None else unjudged[0].take(users)
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
@@ -807,7 +814,7 @@ class PrivateTraining:
                         batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                         try:
                             ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                       before_end=writes.before_end if first else lambda: None)
+                                                       before_end=writes.before_end if writes else lambda: None)
                         except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
                             if failed is None:
                                 raise
@@ -831,10 +838,14 @@ class PrivateTraining:
                 with self._watches_paused():  # the first two alike: what differs between them is not the data's
                     before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
                                                               replay(second, progress, moved, failed)], loop=trainer)
+                if unjudged is not None and StateFingerprint.changed(start, unjudged[0].take(users)):
+                    unjudged[1].restore()  # training_step wrote what the probe's passes left alike (global_step)
+                    return self._replay_now_and_later(batch, other, judge_writes=True)
                 if failed:
                     continue
                 if writes is not None:
                     self._batch_end_writes |= writes.judged()
+                    self._before_release_writes |= writes.before_release
                 steered = state_written(before, seen) + moved_by_data(*seen)
                 if steered:
                     raise hyperparameters_error(steered, where)
@@ -844,6 +855,50 @@ class PrivateTraining:
             self._replay_epoch_hooks(progress)
         if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
             boundary.accept([f"parameter {name}" for name in writes.rewritten])
+
+    def _judge_before_release(self, indices: list[int], batch_idx: int) -> None:
+        """At a step the batch check runs after the first: what the hooks before the release were found to write
+        alike on every data (a counter, a time stamp: accepted at every release) is judged again. The batch-start
+        hooks, ``training_step`` and ``on_before_backward`` run from the state as it is now and the same seeds on this
+        step's examples twice, on them exchanged and on half of them with the loss moved far
+        (:func:`~.validators.hook_replays.replay_batch_hooks`, without the batch-end hooks); state the other data set
+        apart, and the second plain run does not, turned to the data: refused before this step's release."""
+        if not self._before_release_writes or not indices:
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer, boundary = module.trainer, self.private_step.boundary
+        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
+        fingerprint, snapshot = boundary.fingerprint(module), StateSnapshot(module, users, boundary.engine_keys)
+        model_back, batch = model_kept(module, weights=True), self._collated(indices)
+        runs: list[Optional[dict[str, Any]]] = []
+
+        def replay(examples: Any, moved: bool = False) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    with seeded(0), self._privacy_settings_kept():
+                        replay_batch_hooks(module, self.precision_plugin, examples,  # type: ignore[attr-defined]
+                                           batch_idx, moved, end=False)
+                    runs.append(fingerprint.take(users, full=True, every_callback=True))
+                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
+                    runs.append(None)
+                finally:
+                    snapshot.restore()
+                    model_back()
+            return run
+
+        half = self._collated(indices[: max(1, len(indices) // 2)])
+        with self._watches_paused():
+            replay_records(self.optimizers[0], [replay(batch), replay(batch), replay(half, True),  # type: ignore
+                                                replay(exchanged_copy(batch))], loop=trainer)
+        plain, again, *others = runs
+        if plain is None or again is None:
+            return
+        moved = sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+        if moved:
+            raise boundary.written_error(moved, (
+                f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
+                "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
+                "again on this step's, on them exchanged and with the loss moved far, the hooks set it apart"))
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
@@ -1075,6 +1130,8 @@ class PrivateTraining:
         with output_hook_notice_quieted(self.private_step.engine_name):
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         self._check_mechanism_kept(module.trainer)
+        if self._before_release_writes:  # written alike on all data (a counter): what this release compares with
+            self.private_step.boundary.accept(sorted(self._before_release_writes))
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
         self._log_clip_norm(module.trainer)

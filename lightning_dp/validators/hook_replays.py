@@ -23,6 +23,7 @@ import torch
 
 from lightning_dp.validators.kept_state import (StateFingerprint, library_callback, moved_by_data, settings,
                                                 trusted_callback)
+from lightning_dp.validators.probe import parameter_entry
 from lightning_dp.validators.snapshot import StateSnapshot
 
 if TYPE_CHECKING:
@@ -260,14 +261,15 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> Non
 
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
-                        moved: bool = False, before_end: Callable[[], None] = lambda: None) -> bool:
+                        moved: bool = False, before_end: Callable[[], None] = lambda: None, end: bool = True) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
     logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`);
     ``before_end`` is called just before the batch-end hooks.
     ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
-    (``if loss < 100: lr *= 0.5``) differs from the replay that was not."""
+    (``if loss < 100: lr *= 0.5``) differs from the replay that was not. ``end=False``: the hooks before the release
+    only (the batch-end hooks not run)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
     with replaying(module, rates=False):
@@ -287,9 +289,10 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
         if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
             outputs = {"loss": loss.detach()}
         before_end()  # what the batch-end hooks alone write (after the release, in the loop) is told apart
-        for cb in callbacks:
+        for cb in callbacks if end else ():
             cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-        module.on_train_batch_end(outputs, batch, batch_idx)
+        if end:
+            module.on_train_batch_end(outputs, batch, batch_idx)
     return ended
 
 
@@ -355,10 +358,11 @@ def silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
 
 class BatchEndWrites:
     """What the first step's replays of the batch hooks write (the Lightning glue's ``_replay_now_and_later``), when
-    the module or a callback of the user's has such hooks (``users``: those callbacks and the datamodule). Every run
-    starts from the state as it was (the snapshot, the weights put back); of each group of three (the batch twice,
-    then other data) the first is watched before and after the batch-end hooks, and every run's state after them is
-    compared (:meth:`judged`)."""
+    the module or a callback of the user's has such hooks, or the probe found ``training_step`` writing (``users``:
+    those callbacks and the datamodule). Every run starts from the state as it was (the snapshot, the weights put
+    back); of each group of three (the batch twice, then other data) the first is watched before and after the
+    batch-end hooks, every run's state after them is compared, and — when the first wrote before them — every run's
+    state before them too (:meth:`judged`)."""
 
     def __init__(self, boundary: Any, module: "pl.LightningModule", users: list[Any]) -> None:
         self.boundary = boundary
@@ -370,10 +374,17 @@ class BatchEndWrites:
         self.runs: list[dict[str, Any]] = []  # each run's state after its hooks (contents)
         self.marks: dict[str, Any] = {}  # the first run's: contents and writes before the batch-end hooks, writes after
         self.rewritten: set[str] = set()  # parameters a run wrote and put_back() put back (their versions moved)
+        self.early: list[Any] = []  # each run's state before the batch-end hooks, when the first wrote before them
+        self.before_release: set[str] = set()  # what the hooks before the release write alike on every data
 
     def before_end(self) -> None:
-        self.marks = {"contents": self.fingerprint.take(self.users, full=True),
-                      "writes": self.fingerprint.take(self.users)}
+        if self.runs:  # a later run of the group: its state before the batch-end hooks, when the first's wrote
+            if self.early:
+                self.early.append(self.fingerprint.take(self.users, full=True))
+            return
+        contents = self.fingerprint.take(self.users, full=True)
+        self.marks = {"contents": contents, "writes": self.fingerprint.take(self.users)}
+        self.early = [contents] if StateFingerprint.changed(self.base, contents) else []
 
     def ran(self, first: bool) -> None:
         if first:
@@ -385,18 +396,25 @@ class BatchEndWrites:
         self.rewritten.update(self.model_back())
 
     def judged(self) -> set[str]:
-        """What the batch-end hooks may keep writing: before them (``on_train_batch_start``, ``training_step``,
-        ``on_before_backward``: before the release) nothing may be written; what they write (after the release, in
-        the loop) is refused when the other data set it apart, and otherwise — an EMA of the weights, a counter — is
-        returned (accepted when a batch's window closes, judged again at the sampled checks' steps:
-        :mod:`~lightning_dp.validators.decisions`)."""
+        """What the batch-end hooks may keep writing. What the hooks before them write (``on_train_batch_start``,
+        ``training_step``, ``on_before_backward``: before the release) is refused when the other data set it apart
+        (a running mean of the batch, a count of its positives) or when it is a parameter; what every run writes alike
+        (a counter) or what the two runs on the batch already set apart (a time stamp) is added to
+        :attr:`before_release` (accepted at every release, judged again at the batch check's steps). What the
+        batch-end hooks write (after the release, in the loop) is refused when the other data set it apart, and
+        otherwise — an EMA of the weights, a counter — is returned (accepted when a batch's window closes, judged
+        again at the sampled checks' steps: :mod:`~lightning_dp.validators.decisions`)."""
         if len(self.runs) != 3 or "writes after" not in self.marks:
             return set()
         early = StateFingerprint.changed(self.base, self.marks["contents"])
-        if early:
-            raise self.boundary.written_error(early, "in the hooks the loop runs around a step before its release "
-                                              "(on_train_batch_start, training_step, on_before_backward), replayed "
-                                              "on the first step's examples before any release")
+        refused = [name for name in early if parameter_entry(name)] + \
+            (moved_by_data(*self.early) if len(self.early) == 3 else early)
+        if refused:
+            raise self.boundary.written_error(list(dict.fromkeys(refused)), (
+                "in the hooks the loop runs around a step before its release (on_train_batch_start, training_step, "
+                "on_before_backward), from the batch or its loss: replayed on the first step's examples, moved far "
+                "and exchanged, before any release, the hooks set it apart or wrote a parameter outside the gradient"))
+        self.before_release.update(early)
         moved = moved_by_data(*self.runs)
         if moved:
             raise self.boundary.written_error(moved, "at a batch's end (on_train_batch_end), from the batch or its "

@@ -88,6 +88,9 @@ class ExampleIndependenceProbe:
             of its sharded parameters (:meth:`~lightning_dp.sharding.fsdp_layout.FSDPLayout.autograd_params`).
         state: the fingerprint of the state no pass may write (default: the module's, less the engine's own
             attributes; :class:`~lightning_dp.validators.kept_state.StateFingerprint`).
+        deferred: the caller replays the loop's batch hooks after the probe and judges what they keep there
+            (:class:`~lightning_dp.validators.hook_replays.BatchEndWrites`): a write to kept state other than a
+            parameter (a step counter) is left to that judgement, in :attr:`written`, not refused here.
         isolated: training puts every example alone in its forward and backward (physical batches of one): examples
             cannot interact there, so batch and alone are not compared; the norm rule, the clipping and every use of
             every parameter still are.
@@ -101,8 +104,9 @@ class ExampleIndependenceProbe:
                  names: Sequence[str], loss_of: LossOf, rtol: float,
                  autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
                  state: Optional[StateFingerprint] = None, isolated: bool = False,
-                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False) -> None:
+                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False, deferred: bool = False) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.deferred, self.written = deferred, []  # type: tuple[bool, list[str]]
         self.clipping = clipping if clipping is not None else FlatClipping()
         self.grouped = grouped and not isolated
         self.loss_of, self.rtol = loss_of, rtol
@@ -119,7 +123,18 @@ class ExampleIndependenceProbe:
         self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
 
     def run(self, indices: Sequence[int]) -> None:
-        """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`."""
+        """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`. A write left to the
+        replays (``deferred``) that the passes then disagree over (the state fed the next pass's loss) is what is
+        refused, as without them: the likely cause."""
+        self.written = []
+        try:
+            self._run(indices)
+        except PrivacyConfigurationError as err:
+            if self.written and not isinstance(err, StateWriteError):
+                raise state_mutation_error(self.written) from err
+            raise
+
+    def _run(self, indices: Sequence[int]) -> None:
         if len(indices) < 2:
             return  # one example cannot interact with another; nothing to compare
         before = self.state.take(full=True)
@@ -141,13 +156,13 @@ class ExampleIndependenceProbe:
                            else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
                 reference = self._autograd_pass(list(indices))
         except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
-            changed = self.state.changed(before, self.state.take(full=True))
+            changed = self.state.changed(before, self.state.take(full=True))  # (no replay judges it: all of it)
             if changed:
                 raise state_mutation_error(changed) from err
             if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
                 raise double_backward_error(self.engine.name) from err
             raise
-        changed = self.state.changed(before, self.state.take(full=True))
+        changed = self._refused(self.state.changed(before, self.state.take(full=True)))
         if changed:
             raise state_mutation_error(changed)
         if calls.double_backward:
@@ -171,6 +186,14 @@ class ExampleIndependenceProbe:
                     raise self._interaction(together.norms.double(),
                                             torch.cat([a.norms.double() for a in alone]), len(indices)) from None
                 raise
+
+    def _refused(self, changed: list[str]) -> list[str]:
+        """The writes the probe refuses: all of them, or (``deferred``) those to parameters, the rest kept in
+        :attr:`written` for the replays to judge (a counter every data writes alike; a running mean they set apart)."""
+        if not self.deferred:
+            return changed
+        self.written = [c for c in changed if not parameter_entry(c)]
+        return [c for c in changed if c not in self.written]
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
@@ -303,6 +326,11 @@ class ExampleIndependenceProbe:
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
                 raise uncaptured_use_error(name)
         return permuted
+
+
+def parameter_entry(name: str) -> bool:
+    """Whether a fingerprint's entry is (or takes in) a parameter: written outside the gradient, never accepted."""
+    return name.startswith(("parameter ", "contents of parameter ")) or " parameters and buffers on " in name
 
 
 def same_norms(a: Tensor, b: Tensor, tolerance: float) -> bool:

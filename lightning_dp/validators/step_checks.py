@@ -37,6 +37,10 @@ class StepChecks:
     """The checks a :class:`~lightning_dp.privacy.private_step.PrivateStep` runs on the user's step before a
     release (see the module's docstring for the state it reads)."""
 
+    probe_writes: Sequence[str] = ()
+    """What the first step's probe found ``training_step`` writing to kept state other than parameters (a step
+    counter), left to the replays of the batch hooks to judge (:meth:`verify_on`'s ``replay_hooks``)."""
+
     # ------------------------------------------------------------------ the first step's probe
     def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
                to_device: Callable[[Any], Any] = lambda batch: batch, what: str = "the loss function",
@@ -88,7 +92,9 @@ class StepChecks:
 
         After the probe, ``replay_hooks(indices)`` (if given) runs the loop's batch hooks on these examples: a change
         of the fingerprinted state it makes (a memory bank filled in ``on_train_batch_end``) is refused now, before
-        the first release, rather than at the next release. Everything the probe and the replay wrote is restored
+        the first release, rather than at the next release; what ``training_step`` writes to kept state other than a
+        parameter is then left by the probe to the replay to judge (:attr:`probe_writes`: a counter every data writes
+        alike is kept). Everything the probe and the replay wrote is restored
         afterwards (:class:`~lightning_dp.privacy.boundary.StateSnapshot`): they leave no trace."""
         assert self._engine is not None and self._module is not None, "attach() first"
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
@@ -108,8 +114,10 @@ class StepChecks:
             state = self.boundary.fingerprint(self._module)
             checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
                                                autograd_params=leaves, state=state, isolated=self.examples_alone,
-                                               clipping=self.clipping, grouped=self.users is not None)
+                                               clipping=self.clipping, grouped=self.users is not None,
+                                               deferred=replay_hooks is not None)
             checked.run(list(indices))
+            self.probe_writes = checked.written  # judged by the replays (refused at the release if not accepted)
             self._random_step, self._tolerance_low = checked.random, low_precision
             self._compute_dtype = checked.compute_dtype
 

@@ -214,3 +214,32 @@ def test_the_batch_check_accepts_a_reordering_and_nothing_else():
     assert _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.0]), torch.tensor([3.0])], 1e-9)
     assert not _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.5])], 1e-3)  # a norm moved
     assert not _reordered(whole, [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 1.0]), torch.tensor([5.0])], 1e-3)
+
+
+class Attending(nn.Module):
+    """nn.TransformerEncoderLayer with dropout: its nn.MultiheadAttention drops attention weights inside
+    F.multi_head_attention_forward, where no dropout module (and no torch-function mode) sees the draw."""
+
+    def __init__(self, centre: bool = False) -> None:
+        super().__init__()
+        self.inp, self.centre = nn.Linear(5, 8), centre
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.enc(self.inp(x).unsqueeze(1).expand(-1, 3, -1)).mean(1)
+        return self.head(h - h.mean(0) if self.centre else h)
+
+
+@pytest.mark.parametrize("engine", ["vmap", "ghost"])
+def test_attention_dropout_is_off_during_the_probe_so_batch_and_alone_are_compared(engine, recwarn):
+    torch.manual_seed(0)
+    _probe_model(Attending().double(), engine)
+    assert not [w for w in recwarn if "draws random numbers" in str(w.message)]
+
+
+@pytest.mark.parametrize("engine", ["vmap", "ghost"])
+def test_examples_mixed_beside_attention_dropout_are_an_interaction(engine):
+    torch.manual_seed(0)  # with the draw seen as augmentation only the coarse checks ran: the centring went unseen
+    with pytest.raises(PrivacyConfigurationError, match="interact"):
+        _probe_model(Attending(centre=True).double(), engine)
