@@ -57,6 +57,7 @@ from __future__ import annotations
 import re
 import string
 import time
+import types
 import warnings
 import weakref
 from collections import Counter
@@ -184,14 +185,16 @@ def _containers(roots: Sequence[tuple[str, Any]], holder: str) -> list[_Containe
         container = _container(path, value, holder)
         if container is not None:
             found.append(container)
+            if container.path.endswith(".get_vocab()"):
+                continue  # a tokenizer: its vocabulary is read once, not again in its inner objects
         queue.extend((p, v, depth + 1) for p, v in _inner(path, value))
     return found
 
 
 def _skipped(value: Any) -> bool:
     if isinstance(value, (str, bytes, int, float, complex, bool, type(None), Tensor, nn.Module, Dataset, DataLoader,
-                          type)) or callable(value) and not hasattr(value, "get_vocab"):
-        return True
+                          type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)):
+        return True  # a callable object of the user's (a tokenizer with __call__) is walked
     module = type(value).__module__ or ""
     return module.split(".")[0] in _OPAQUE and not isinstance(value, (dict, list, tuple, set, frozenset, np.ndarray))
 

@@ -156,7 +156,18 @@ class Tokenizer:
         return [self.get_vocab().get(w, 0) for w in text.split()]
 
 
+class WordSplitter:
+    """A tokenizer of the user's own: callable, its vocabulary an attribute."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text: str) -> list[int]:
+        return [self.vocab.get(w, 0) for w in text.split()]
+
+
 @pytest.mark.parametrize("where, held", [
+    ("splitter.vocab", lambda m: setattr(m, "splitter", WordSplitter(built_vocabulary(TEXTS)))),
     ("encoder.classes_", lambda m: setattr(m, "encoder", Encoder(sorted(set(" ".join(TEXTS).split()))))),
     ("encoder.categories_[0]", lambda m: setattr(m, "encoder", Encoder(sorted(set(" ".join(TEXTS).split()))))),
     ("tokenizer.get_vocab()", lambda m: setattr(m, "tokenizer", Tokenizer(built_vocabulary(TEXTS)))),
@@ -168,6 +179,17 @@ def test_encoders_tokenizers_and_word_lists_built_from_the_records_are_found_whe
     held(model)
     found = vocabulary_held([("model", model)], Texts(TEXTS, LABELS))
     assert any(f.startswith(where + " ") and RARE in f for f in found), found
+
+
+def test_scikit_learn_encoders_fitted_on_the_records_are_found():
+    preprocessing = pytest.importorskip("sklearn.preprocessing")
+    words = " ".join(TEXTS).split()
+    model = Classifier()
+    model.labels = preprocessing.LabelEncoder().fit(words)
+    model.one_hot = preprocessing.OneHotEncoder().fit(np.array(words)[:, None])
+    found = vocabulary_held([("model", model)], Texts(TEXTS, LABELS))
+    assert [f.split(" ")[0] for f in found] == ["labels.classes_", "one_hot.categories_[0]"], found
+    assert all(RARE in f for f in found)
 
 
 class TextData(pl.LightningDataModule):
