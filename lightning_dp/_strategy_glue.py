@@ -62,6 +62,7 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
                                                   users_hook, weights_moved_by_data, weights_sketch)
 from lightning_dp.validators.checkpoint_replays import (checkpoint_from_data_error, checkpoint_hooks_of_users,
                                                         written_from_data)
+from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_in
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.sealed_loss import sealed
@@ -1178,6 +1179,10 @@ class PrivateTraining:
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
         if held:
             raise records_in_checkpoint_error(held)
+        public = self.private_step.boundary.public_state
+        kept = [f for d in self.private_step.boundary.datasets() for f in vocabulary_in(checkpoint, d, public)]
+        if kept:
+            raise vocabulary_error(kept, "in the checkpoint about to be written; nothing was written")
         self.private_step.on_every_rank(lambda: self._check_checkpoint_hooks(checkpoint),
                                         "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()

@@ -27,6 +27,7 @@ from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.outside_records import ExchangedRecords, training_copies
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.validators.kept_state import is_datamodule
 from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
 from lightning_dp.validators.rng import forked_rngs
@@ -75,13 +76,17 @@ class StepChecks:
 
     def _refuse_data_statistics(self) -> None:
         """Rule 11 of the release boundary: neither the model nor a LightningDataModule keeps a statistic of the
-        training data, nor are its features standardised with their own (:mod:`.data_statistics`)."""
+        training data, nor are its features standardised with their own (:mod:`.data_statistics`), nor do they keep
+        a vocabulary built from the training records holding an item of one record (:mod:`.held_vocabulary`)."""
         assert self._source is not None and self._module is not None
         holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
                                                if is_datamodule(cb)]
         found = data_statistics_held(holders, self._source[0], self.boundary.public_state)
         if found:
             raise data_statistics_error(found)
+        found = vocabulary_held(holders, self._source[0], self.boundary.public_state)
+        if found:
+            raise vocabulary_error(found)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",
