@@ -193,8 +193,8 @@ class PlainLoop:
         """A physical batch of ``n`` examples (records ``indices``; ``None``: the whole drawn batch) begins: it must be
         an unused part of the drawn batch."""
         self.padding = padding
+        self.stand_in = stand_in  # the last physical batch's: a stand-in before it was discarded (DDP lockstep)
         if stand_in:
-            self.stand_in = True
             return
         if self.indices is None:
             return  # no Poisson loader (a caller that clips and charges itself: VirtualWorkersSignSGD)
