@@ -377,6 +377,9 @@ class StateFingerprint:
         entries.update(self.dataset_entries())
         for mod in self.modules():
             for key, value in list(vars(mod).items()):
+                if isinstance(value, type) and value.__module__ == mod.__name__ and not key.startswith("__"):
+                    self._class_entries(entries, value, walker)  # a class of the user's own module: its data
+                    continue
                 if key.startswith("__") or isinstance(value, (types.ModuleType, type)) \
                         or (isinstance(value, _FUNCTIONS) and not _mutable_state(value)):
                     continue  # a function that keeps a list, dict or tensor (a default argument, a closure) is state
@@ -388,6 +391,16 @@ class StateFingerprint:
         self.graded = [name for name, key in walker.graded.items() if self._gradients.get(name) != key]
         self._gradients = walker.graded
         return entries
+
+    def _class_entries(self, entries: Fingerprint, cls: type, walker: "_Walker") -> None:
+        """Entries for the data a class of the user's own module holds in its body (:func:`class_attributes`): an
+        ``autograd.Function`` subclass keeping the last step's raw gradient scale, a namespace class used as a mutable
+        config (``HP.temperature`` set from the loss) — read by every later step, as a module's global is."""
+        for owner, key, value in class_attributes([cls]):
+            path = f"{owner.__module__}.{owner.__qualname__}.{key}"
+            if not self._is_public(path) and not self._is_public(f"{owner.__qualname__}.{key}") \
+                    and not self._is_public(key):
+                entries[f"class attribute {path}"] = walker.named(path, value)
 
     def dataset_entries(self) -> Fingerprint:
         """The training data's entries (:func:`dataset_token`)."""

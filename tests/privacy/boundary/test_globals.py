@@ -163,3 +163,63 @@ def test_a_datamodule_written_from_the_batch_is_refused_global_or_not(tmp_path, 
     with pytest.raises(PrivacyConfigurationError, match=re.escape(where)):
         checkpointed_fit(tmp_path, m, datamodule)
     assert unchanged(before, m)
+
+
+# ---------------------------------------------------------------------------- classes of the user's module
+class GradScaleSTE(torch.autograd.Function):
+    """A straight-through estimator whose backward scales by the previous step's raw gradient magnitude, kept in its
+    class body and refreshed once per step: raw, unclipped gradients steering the next release."""
+
+    scale = 1.0
+    last: Optional[torch.Tensor] = None
+    step = -1
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, step: int) -> torch.Tensor:
+        ctx.step = step
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.step != GradScaleSTE.step and GradScaleSTE.last is not None:
+            GradScaleSTE.scale = 1.0 / (1.0 + float(GradScaleSTE.last))
+        GradScaleSTE.step, GradScaleSTE.last = ctx.step, g.detach().abs().mean()
+        return g * GradScaleSTE.scale, None
+
+
+class QuantisedClassifier(Classifier):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](GradScaleSTE.apply(self.net[1](self.net[0](x)), self.global_step))
+
+
+class HP:
+    """A namespace class used as a mutable configuration."""
+
+    temperature = 1.0
+    name = "run"
+
+
+class TemperatureFromLoss(Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        HP.temperature = 1.0 + float(outputs["loss"])
+
+
+class ReadsTheConfig(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x) / HP.temperature, y)
+
+
+def test_a_class_of_the_users_module_keeping_raw_gradient_statistics_is_refused():
+    GradScaleSTE.scale, GradScaleSTE.last, GradScaleSTE.step = 1.0, None, -1
+    with pytest.raises(PrivacyConfigurationError, match=r"class attribute .*GradScaleSTE\.(last|scale|step)"):
+        fit(QuantisedClassifier(), steps=6)
+
+
+def test_a_namespace_class_set_from_the_loss_is_refused_and_a_read_only_one_trains():
+    HP.temperature = 1.0
+    with pytest.raises(PrivacyConfigurationError, match=r"HP\.temperature"):
+        fit(ReadsTheConfig(), steps=6, callbacks=[TemperatureFromLoss()])
+    HP.temperature = 1.0
+    assert fit(ReadsTheConfig(), steps=4).ledger.steps == 4  # read only: trains
