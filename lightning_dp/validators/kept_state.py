@@ -428,7 +428,7 @@ class StateFingerprint:
         held = (*map(id, fields.values()), *map(type, fields.values()))  # the objects, and their types (reused address)
         cached = self._state_keys.get(id(m))
         if cached is not None and cached[0] is m and cached[1] == held:
-            return [(k, fields[k]) for k in cached[2]]
+            return _rnn_listing(m, [(k, fields[k]) for k in cached[2]])
         keys = []
         for key, value in fields.items():
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
@@ -438,7 +438,7 @@ class StateFingerprint:
                 continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
             keys.append(key)
         self._state_keys[id(m)] = (m, held, keys)
-        return [(k, fields[k]) for k in keys]
+        return _rnn_listing(m, [(k, fields[k]) for k in keys])
 
     # ------------------------------------------------------------------ comparing
     @staticmethod
@@ -459,6 +459,23 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, f
 
 _DATA_ONLY = ["<data>"]
 """The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
+
+
+def _rnn_listing(m: nn.Module, fields: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``fields`` of a torch RNN layer with its list of weights for the fused kernel (``_flat_weights``, and the weak
+    references ``_flat_weight_refs`` that tell it is stale) read as what its next forward runs on. torch keeps that
+    list itself, from the parameters: a ``functional_call`` (the per-example replay of a layer whose inter-layer
+    dropout draws, the probe's dropout-free pass) leaves its substitutes listed, and the next forward lists the
+    parameters again (``_update_flat_weights``). So the entry is, per weight, whether the next forward runs on a
+    parameter (or on the weight the module holds now: a ``functional_call``'s while it runs): always, when the listing
+    is stale; a plain tensor written into an up-to-date list is still seen."""
+    if not isinstance(m, nn.RNNBase) or not all(hasattr(m, k) for k in ("_flat_weights", "_flat_weights_names")):
+        return fields
+    stale = getattr(m, "_weights_have_changed", None)
+    relisted = bool(stale()) if callable(stale) else False
+    runs_on = tuple(relisted or isinstance(w, nn.Parameter) or w is getattr(m, name, None)
+                    for name, w in zip(m._flat_weights_names, m._flat_weights))
+    return [(k, runs_on if k == "_flat_weights" else v) for k, v in fields if k != "_flat_weight_refs"]
 
 
 def _configuration(m: nn.Module) -> list[tuple[str, Any]]:
