@@ -1108,7 +1108,14 @@ class PrivateTraining:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
         when the state it holds changed since the last update (the release boundary), or when it holds training
         records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
-        examples, data passed to ``save_hyperparameters``)."""
+        examples, data passed to ``save_hyperparameters``). Written while a decision window is open (an epoch's end:
+        ``ModelCheckpoint`` saves in its own ``on_train_epoch_end``), what the window's hooks wrote so far is judged
+        first, as the window judges it (:meth:`~lightning_dp.validators.decisions.DecisionWindows.before_checkpoint`):
+        an epoch count kept alike on other data is written, a statistic of the training data refused."""
+        windows = self._decision_windows
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if windows is not None and trainer is not None:
+            windows.before_checkpoint(trainer, self.lightning_module)  # type: ignore[attr-defined]
         self._judge_end("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
                         "a hook that ends the fit)", skip=tuple(self._batch_end_writes))  # an EMA written before
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]

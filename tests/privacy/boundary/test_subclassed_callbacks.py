@@ -53,6 +53,15 @@ class CountsEpochs(ModelCheckpoint):
         self.last_epoch = trainer.current_epoch
 
 
+class CountsBeforeSaving(CountsEpochs):
+    """Counts the epoch before Lightning saves it (the checkpoint judges the open epoch window: an epoch count)."""
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.epochs_seen += 1
+        ModelCheckpoint.on_train_epoch_end(self, trainer, pl_module)
+        self.last_epoch = trainer.current_epoch
+
+
 class KeepsBatchMean(ModelCheckpoint):
     """Keeps the last batch's mean feature: the batch's data."""
 
@@ -90,8 +99,9 @@ def test_a_subclass_saving_at_the_training_epoch_end_trains(tmp_path):
     assert len(list(Path(tmp_path).glob("*.ckpt"))) == 3
 
 
-def test_a_subclass_counting_epochs_from_the_loop_trains(tmp_path):
-    ck = CountsEpochs(dirpath=tmp_path, save_top_k=-1)
+@pytest.mark.parametrize("callback", [CountsEpochs, CountsBeforeSaving])
+def test_a_subclass_counting_epochs_from_the_loop_trains(tmp_path, callback):
+    ck = callback(dirpath=tmp_path, save_top_k=-1)
     fit(Classifier(), [ck], epochs=3, validate=False)
     assert ck.epochs_seen == 3 and ck.last_epoch == 2 and len(list(Path(tmp_path).glob("*.ckpt"))) == 3
 
@@ -134,3 +144,4 @@ def test_lightning_state_is_lightnings_unless_the_users_code_names_it_or_hands_l
     assert lightning_owned(Candidates) == lightning_owned(Hands) == frozenset()
     assert "best_model_path" in lightning_owned(Uploads)
     assert lightning_owned(ModelCheckpoint) == lightning_owned(Classifier) == frozenset()
+
