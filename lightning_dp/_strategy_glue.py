@@ -24,6 +24,7 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
+import sys
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
@@ -921,9 +922,11 @@ class PrivateTraining:
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:
         """The logged-metric and record watches do not count the replays' reads (the real hooks' reads are counted
-        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge)."""
+        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge); and the
+        replays write, link or remove no checkpoint file (:func:`_checkpoint_files_kept`)."""
         with self._logged_reads.paused() if self._logged_reads is not None else nullcontext(), \
-                self._record_watch.paused() if self._record_watch is not None else nullcontext():
+                self._record_watch.paused() if self._record_watch is not None else nullcontext(), \
+                _checkpoint_files_kept():
             yield
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
@@ -1180,6 +1183,31 @@ class PrivateTraining:
         rank_zero_warn(f"{self.label}: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
                        + ". The ledger records each step's σ, so ε counts both parts exactly." + target)
         return True
+
+
+@contextmanager
+def _checkpoint_files_kept() -> Iterator[None]:
+    """``ModelCheckpoint``'s file operations do nothing: a replayed hook of a user's subclass of it (its
+    ``on_train_epoch_end``, run again from the state before) would save, link (``save_last="link"``: a ``last-v1``)
+    or remove files the real run decides on. Patched on the class, not the instance, so that no snapshot of the
+    callback's attributes taken meanwhile carries the patch out."""
+    classes = [cls for name in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
+               for cls in [getattr(sys.modules.get(name), "ModelCheckpoint", None)] if isinstance(cls, type)]
+    saved = [(cls, key, vars(cls)[key]) for cls in classes for key in _CHECKPOINT_FILE_OPERATIONS if key in vars(cls)]
+    for cls, key, _ in saved:
+        setattr(cls, key, staticmethod(_no_file_operation))
+    try:
+        yield
+    finally:
+        for cls, key, value in saved:
+            setattr(cls, key, value)
+
+
+_CHECKPOINT_FILE_OPERATIONS = ("_save_checkpoint", "_link_checkpoint", "_remove_checkpoint")
+
+
+def _no_file_operation(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class PrivacyStateLauncher(_MultiProcessingLauncher):

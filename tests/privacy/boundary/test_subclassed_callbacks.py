@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from cases import Classifier, data, loader, strategy
 from conftest import quiet_trainer
@@ -145,3 +146,15 @@ def test_lightning_state_is_lightnings_unless_the_users_code_names_it_or_hands_l
     assert "best_model_path" in lightning_owned(Uploads)
     assert lightning_owned(ModelCheckpoint) == lightning_owned(Classifier) == frozenset()
 
+
+def test_the_replays_of_a_subclass_hooks_write_link_or_remove_no_checkpoint_file(tmp_path):
+    class EpochCount(pl.Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            self.seen += 1  # the epoch's window runs its hooks again, MyCheckpoint's on_train_epoch_end with them
+
+    fit(Classifier(), [EpochCount(), MyCheckpoint(dirpath=tmp_path, save_last="link", monitor="step", mode="max")],
+        epochs=3, validate=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=2-step=12.ckpt", "last.ckpt"]
