@@ -24,6 +24,7 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
+import sys
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
@@ -984,9 +985,11 @@ class PrivateTraining:
     @contextmanager
     def _watches_paused(self) -> Iterator[None]:
         """The logged-metric and record watches do not count the replays' reads (the real hooks' reads are counted
-        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge)."""
+        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge); and the
+        replays write, link or remove no checkpoint file (:func:`_checkpoint_files_kept`)."""
         with self._logged_reads.paused() if self._logged_reads is not None else nullcontext(), \
-                self._record_watch.paused() if self._record_watch is not None else nullcontext():
+                self._record_watch.paused() if self._record_watch is not None else nullcontext(), \
+                _checkpoint_files_kept():
             yield
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
@@ -1173,7 +1176,14 @@ class PrivateTraining:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
         when the state it holds changed since the last update (the release boundary), or when it holds training
         records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
-        examples, data passed to ``save_hyperparameters``)."""
+        examples, data passed to ``save_hyperparameters``). Written while a decision window is open (an epoch's end:
+        ``ModelCheckpoint`` saves in its own ``on_train_epoch_end``), what the window's hooks wrote so far is judged
+        first, as the window judges it (:meth:`~lightning_dp.validators.decisions.DecisionWindows.before_checkpoint`):
+        an epoch count kept alike on other data is written, a statistic of the training data refused."""
+        windows = self._decision_windows
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if windows is not None and trainer is not None:
+            windows.before_checkpoint(trainer, self.lightning_module)  # type: ignore[attr-defined]
         self._judge_end("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
                         "a hook that ends the fit)", skip=tuple(self._batch_end_writes))  # an EMA written before
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
@@ -1242,6 +1252,31 @@ class PrivateTraining:
         rank_zero_warn(f"{self.label}: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
                        + ". The ledger records each step's σ, so ε counts both parts exactly." + target)
         return True
+
+
+@contextmanager
+def _checkpoint_files_kept() -> Iterator[None]:
+    """``ModelCheckpoint``'s file operations do nothing: a replayed hook of a user's subclass of it (its
+    ``on_train_epoch_end``, run again from the state before) would save, link (``save_last="link"``: a ``last-v1``)
+    or remove files the real run decides on. Patched on the class, not the instance, so that no snapshot of the
+    callback's attributes taken meanwhile carries the patch out."""
+    classes = [cls for name in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
+               for cls in [getattr(sys.modules.get(name), "ModelCheckpoint", None)] if isinstance(cls, type)]
+    saved = [(cls, key, vars(cls)[key]) for cls in classes for key in _CHECKPOINT_FILE_OPERATIONS if key in vars(cls)]
+    for cls, key, _ in saved:
+        setattr(cls, key, staticmethod(_no_file_operation))
+    try:
+        yield
+    finally:
+        for cls, key, value in saved:
+            setattr(cls, key, value)
+
+
+_CHECKPOINT_FILE_OPERATIONS = ("_save_checkpoint", "_link_checkpoint", "_remove_checkpoint")
+
+
+def _no_file_operation(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class PrivacyStateLauncher(_MultiProcessingLauncher):

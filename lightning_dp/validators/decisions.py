@@ -168,13 +168,27 @@ class DecisionWindows(pl.Callback):
         return StateSnapshot(module, [o for o in self._users(trainer, module) if o is not module],
                              self._boundary.engine_keys)
 
-    def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = ()) -> None:
+    def before_checkpoint(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        """A checkpoint is about to be written while a window is open (``ModelCheckpoint`` saves in its own
+        ``on_train_epoch_end``, ``on_train_batch_end`` or ``on_validation_end``, after the user's hooks of that window
+        ran): what they wrote so far is judged now, as the window's close judges it — refused before the checkpoint
+        is written; kept alike on other data (an epoch count), accepted as what the checkpoint's check and the next
+        release compare with — and a window of the same kind opens for the hooks that run after the checkpoint."""
+        window = self._window
+        if window is None:
+            return
+        self.close(trainer, module)
+        self._open(window.kind, trainer, module, window.args, judge=window.before is not None)
+
+    def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = (),
+              judge: Optional[bool] = None) -> None:
         if self._kinds is None:  # which windows have hooks of the user's (none: nothing is noted, nothing costs)
             self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items() if runs_users_code(module, hooks))
         if kind not in self._kinds:
             return
         writes = kind == "batch" and bool(self._batch_writes())  # what the batch-end hooks may write (an EMA)
-        judge = kind.startswith("epoch") or (writes and self._judge_now())
+        if judge is None:
+            judge = kind.startswith("epoch") or (writes and self._judge_now())
         watched = judge or writes
         optimizers = list(getattr(trainer, "optimizers", None) or ())
         self._window = _Window(

@@ -441,7 +441,7 @@ class StateFingerprint:
         held = (*map(id, fields.values()), *map(type, fields.values()))  # the objects, and their types (reused address)
         cached = self._state_keys.get(id(m))
         if cached is not None and cached[0] is m and cached[1] == held:
-            return [(k, fields[k]) for k in cached[2]]
+            return _rnn_listing(m, [(k, fields[k]) for k in cached[2]])
         keys = []
         for key, value in fields.items():
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
@@ -451,7 +451,7 @@ class StateFingerprint:
                 continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
             keys.append(key)
         self._state_keys[id(m)] = (m, held, keys)
-        return [(k, fields[k]) for k in keys]
+        return _rnn_listing(m, [(k, fields[k]) for k in keys])
 
     # ------------------------------------------------------------------ comparing
     @staticmethod
@@ -472,6 +472,23 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, f
 
 _DATA_ONLY = ["<data>"]
 """The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
+
+
+def _rnn_listing(m: nn.Module, fields: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``fields`` of a torch RNN layer with its list of weights for the fused kernel (``_flat_weights``, and the weak
+    references ``_flat_weight_refs`` that tell it is stale) read as what its next forward runs on. torch keeps that
+    list itself, from the parameters: a ``functional_call`` (the per-example replay of a layer whose inter-layer
+    dropout draws, the probe's dropout-free pass) leaves its substitutes listed, and the next forward lists the
+    parameters again (``_update_flat_weights``). So the entry is, per weight, whether the next forward runs on a
+    parameter (or on the weight the module holds now: a ``functional_call``'s while it runs): always, when the listing
+    is stale; a plain tensor written into an up-to-date list is still seen."""
+    if not isinstance(m, nn.RNNBase) or not all(hasattr(m, k) for k in ("_flat_weights", "_flat_weights_names")):
+        return fields
+    stale = getattr(m, "_weights_have_changed", None)
+    relisted = bool(stale()) if callable(stale) else False
+    runs_on = tuple(relisted or isinstance(w, nn.Parameter) or w is getattr(m, name, None)
+                    for name, w in zip(m._flat_weights_names, m._flat_weights))
+    return [(k, runs_on if k == "_flat_weights" else v) for k, v in fields if k != "_flat_weight_refs"]
 
 
 def _configuration(m: nn.Module) -> list[tuple[str, Any]]:
@@ -533,15 +550,108 @@ def lightning_fields(obj: Any) -> dict[str, Any]:
 
 
 def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
-    for key, value in lightning_fields(cb).items():
-        if not _library_function(value):
+    owned = lightning_owned(type(cb))  # a subclass of Lightning's callback: what Lightning's own code writes is its
+    fields = lightning_fields(cb)
+    for key, value in fields.items():
+        if key not in owned and not _library_function(value):
             yield key, value
     try:
         state = cb.state_dict()
     except Exception:  # noqa: BLE001  (a user's state_dict that fails here fails in checkpoints too)
         state = None
+    if state and owned and isinstance(state, dict):  # Lightning's entries (ModelCheckpoint's best_model_path) are its
+        state = {k: v for k, v in state.items() if not (k in owned and v is fields.get(k, _MISSING))}
     if state:
         yield "state_dict()", state
+
+
+_OWNED: "weakref.WeakKeyDictionary[type, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def lightning_owned(cls: type) -> frozenset[str]:
+    """The attributes of ``cls`` — the user's subclass of one of Lightning's (or lightning_dp's) callbacks — that are
+    Lightning's state: those its own methods write (``ModelCheckpoint``'s ``best_model_path``, ``best_k_models``,
+    ``kth_value``, ``current_score``; ``EarlyStopping``'s ``wait_count``, ``best_score``), from the values it monitors
+    (judged by rule 10) and the loop's counters, and that the user's code never names (then it may write them: they are
+    judged). Empty — everything judged — for a class that is not such a subclass, and where the user's code calls one
+    of the base's own methods that are not hooks (``self._save_topk_checkpoint(trainer, {...})``: it hands Lightning's
+    code values of its own) or overrides one that returns a value Lightning's code then keeps
+    (``_monitor_candidates``, ``format_checkpoint_name``)."""
+    try:
+        known = _OWNED.get(cls)
+    except TypeError:
+        return frozenset()
+    if known is None:
+        known = _OWNED[cls] = _lightning_owned(cls)
+    return known
+
+
+def _lightning_owned(cls: type) -> frozenset[str]:
+    library = [b for b in cls.__mro__ if (b.__module__ or "").startswith(_TRUSTED_CALLBACK_PREFIXES)]
+    users = [b for b in cls.__mro__ if (b.__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
+             and b.__module__ not in ("abc", "builtins")]
+    if not library or not users or cls in library:
+        return frozenset()
+    hooks = {k for b in library if b.__name__ == "Callback" for k in vars(b)}
+    helpers = {k for b in library for k, v in vars(b).items() if _codes(v) and k not in hooks
+               and not (k.startswith("__") and k.endswith("__"))}
+    named: set[str] = set()
+    for b in users:
+        for key, value in vars(b).items():
+            codes = _codes(value)
+            for code in codes:
+                names = _names(code)
+                if (names - {key}) & helpers:  # a helper of Lightning's called (its own, through super(): Lightning's)
+                    return frozenset()
+                named |= names
+            if key in helpers and any(_returns_value(code) for code in codes):
+                return frozenset()
+    stored = {name for b in library for v in vars(b).values() for code in _codes(v) for name in _stored(code)}
+    return frozenset(stored - named)
+
+
+def _codes(value: Any) -> list[types.CodeType]:
+    """The code objects of a class's member: a function's, a static or class method's, a property's accessors."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [c for f in (value.fget, value.fset, value.fdel) for c in _codes(f)]
+    code = getattr(value, "__code__", None)
+    return [code] if isinstance(code, types.CodeType) else []
+
+
+def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _nested(const)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Every attribute and global name ``code`` (and the functions it defines) reads or writes."""
+    return {name for c in _nested(code) for name in c.co_names}
+
+
+def _stored(code: types.CodeType) -> set[str]:
+    """The attribute names ``code`` (and the functions it defines) assigns (``self.best_model_path = ...``)."""
+    import dis
+
+    return {ins.argval for c in _nested(code) for ins in dis.get_instructions(c)
+            if ins.opname in ("STORE_ATTR", "DELETE_ATTR")}
+
+
+def _returns_value(code: types.CodeType) -> bool:
+    """Whether ``code`` may return something other than None."""
+    import dis
+
+    instructions = list(dis.get_instructions(code))
+    for before, ins in zip([None, *instructions], instructions):
+        if ins.opname == "RETURN_CONST" and ins.argval is not None:
+            return True
+        if ins.opname == "RETURN_VALUE" and not (before is not None and before.opname == "LOAD_CONST"
+                                                 and before.argval is None):
+            return True
+    return False
 
 
 class _Walker:
