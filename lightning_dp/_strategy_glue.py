@@ -66,7 +66,7 @@ from lightning_dp.validators.checkpoint_replays import (checkpoint_from_data_err
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_in
 from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
-from lightning_dp.validators.sealed_loss import sealed
+from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
@@ -1108,7 +1108,9 @@ class PrivateTraining:
                                       "Nothing was released for it.")
             return None
         private_closure = partial(self._private_closure, optimizer, closure)
-        return super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
+        result = super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
+        check_kept(optimizer, [config.scheduler for config in trainer.lr_scheduler_configs])  # nothing kept of the loss
+        return result
 
     def announce_budget_stop(self, message: str) -> None:
         """Say ``message`` (the budget stopped training: ε spent, δ, the step, why) once per fit, on rank 0, as a
@@ -1120,7 +1122,9 @@ class PrivateTraining:
 
     def _private_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
         self.private_step.expect_request(optimizer)
-        return closure()  # training_step, then backward, which releases (:meth:`backward`)
+        # training_step, then backward, which releases (:meth:`backward`); the optimizer is handed the loss sealed for
+        # good, another object than Lightning's outputs["loss"] (validators/sealed_loss.py)
+        return handed(closure())
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward, with the release between the gradient computation and ``on_after_backward``:

@@ -15,19 +15,30 @@ is a report: the batch-end hooks read it (``outputs["loss"]``), and what they de
 to judge.
 
 Not sealed under ``Trainer(detect_anomaly=True)``, whose finiteness check reads the loss there.
+
+What the closure hands the optimizer is sealed for good (:class:`HandedLoss`). Lightning's closure returns the very
+tensor that becomes ``outputs["loss"]``; the strategies hand the optimizer another tensor object on the same memory,
+of which nothing — and nothing computed from it (``detach()``, ``clone()``, arithmetic) — may ever be read, wherever
+it is kept: an optimizer keeping ``loss.detach()`` for a scheduler, a ``training_step`` scaled by it, a history in
+``optimizer.state`` would set later updates from the un-noised loss. ``outputs["loss"]`` is Lightning's own copy and
+stays a report. Belt and braces, :func:`check_kept` refuses after every optimizer step an optimizer (its attributes,
+``state`` entries, parameter groups) or scheduler that holds a sealed loss, before anything reads it or a checkpoint
+writes it. Torch's optimizers only return the closure's loss, and train unchanged.
 """
 
 from __future__ import annotations
 
 import sys
+from itertools import chain
 import weakref
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 
-__all__ = ["SealedLoss", "sealed", "sealed_loss_error", "watch"]
+__all__ = ["HandedLoss", "SealedLoss", "check_kept", "handed", "sealed", "sealed_loss_error", "watch"]
 
 _PASSED_ON = frozenset({"detach", "clone", "backward", "requires_grad_", "size", "dim", "numel", "is_floating_point",
                         "__get__"})
@@ -47,6 +58,89 @@ class SealedLoss(Tensor):
         if name not in _PASSED_ON and _INSIDE() and not _libraries_own():
             raise sealed_loss_error(name)
         return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_MOVED = frozenset({"to", "cpu", "cuda", "__hash__"})
+"""What may also be done with a :class:`HandedLoss`: move it (Lightning moves the optimizer's state to the CPU at the
+fit's end) and hash it (by identity)."""
+
+
+class HandedLoss(SealedLoss):
+    """The loss the closure hands the optimizer: nothing but handing it on and asking its shape, anywhere, ever."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name not in _PASSED_ON and name not in _MOVED:
+            raise sealed_loss_error(name) if _INSIDE() else handed_loss_error(name)
+        return super(SealedLoss, cls).__torch_function__(func, types, args, kwargs or {})
+
+    def as_subclass(self, cls: Any) -> Tensor:  # torch does not dispatch it: it would unseal
+        raise sealed_loss_error("as_subclass") if _INSIDE() else handed_loss_error("as_subclass")
+
+
+def handed(loss: Any) -> Any:
+    """What the closure returned (Lightning's ``outputs["loss"]``), as the optimizer is handed it: another object,
+    a :class:`HandedLoss`, so that what the optimizer derives from it stays sealed and the report does not."""
+    if not isinstance(loss, Tensor):
+        return loss
+    with torch._C.DisableTorchFunctionSubclass():
+        return loss.as_subclass(HandedLoss)
+
+
+def _holds(value: Any, depth: int = 1) -> bool:
+    """Whether ``value`` is a sealed loss, or a list, tuple, set or dict holding one (``depth`` levels down)."""
+    if isinstance(value, SealedLoss):
+        return True
+    if depth and isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds(v, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return any(_holds(v, depth - 1) for v in value.values())
+    return False
+
+
+_SUSPECT = (SealedLoss, list, tuple, set, frozenset, dict)
+
+
+def _plain(state: dict) -> bool:
+    """Whether no entry of an optimizer's ``state`` can hold a sealed loss: the set of the types of every entry's
+    values, collected at C speed (torch's optimizers keep tensors and numbers: 40 µs for 1,000 parameters)."""
+    try:
+        types = set(map(type, chain.from_iterable(map(dict.values, state.values()))))
+    except TypeError:  # an entry that is not a dict
+        return False
+    return not any(issubclass(t, _SUSPECT) for t in types)
+
+
+def check_kept(optimizer: Any, schedulers: Any = ()) -> None:
+    """Refuse an optimizer or scheduler that keeps a sealed loss after the optimizer's step (module docstring): its
+    attributes, the values of its ``state`` entries and of its parameter groups (but ``params``), and the schedulers'
+    attributes, each a sealed loss or a container of one. Type checks only (tens of µs a step for a thousand
+    parameters)."""
+    where = None
+    for key, value in vars(optimizer).items():
+        if key == "state" and isinstance(value, dict):
+            where = None if _plain(value) else next((f"optimizer.state[p][{k!r}]" for entry in value.values()
+                                                     if isinstance(entry, dict) for k, v in entry.items()
+                                                     if _holds(v)), None)
+        elif key == "param_groups" and isinstance(value, list):
+            where = next((f"optimizer.param_groups[{i}][{k!r}]" for i, group in enumerate(value)
+                          if isinstance(group, dict) for k, v in group.items() if k != "params" and _holds(v)), None)
+        elif _holds(value):
+            where = f"optimizer.{key}"
+        if where is not None:
+            break
+    for scheduler in () if where is not None else schedulers:
+        where = next((f"{type(scheduler).__name__}.{k}" for k, v in vars(scheduler).items() if _holds(v)), None)
+        if where is not None:
+            break
+    if where is not None:
+        raise PrivacyConfigurationError(
+            f"{type(optimizer).__name__} keeps the loss its closure returned ({where}) after its step: it is the "
+            "batch's un-noised loss, and a learning rate, a step or a loss scale set from it later steers the updates "
+            "by the private batch, outside the guarantee (a checkpoint would also carry it). Training stops before "
+            "it is read. Keep nothing from the closure's loss in the optimizer or its schedulers; read the loss from "
+            "outputs[\"loss\"] at batch end or self.log it.")
 
 
 _LIBRARIES = ("pytorch_lightning", "lightning", "lightning_dp")
@@ -83,6 +177,16 @@ def sealed(output: Any) -> Any:
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         return {**output, "loss": sealed(output["loss"])}
     return output
+
+
+def handed_loss_error(read: str) -> PrivacyConfigurationError:
+    """The refusal of a read, anywhere, of what the closure handed the optimizer (or of what was computed from it)."""
+    return PrivacyConfigurationError(
+        f"The loss the step's closure handed the optimizer, or a value computed from it, was read ({read}): it is "
+        "the batch's un-noised loss, kept by the optimizer (loss.detach() in its step, a history in its state) or by "
+        "code around optimizer.step(), and a learning rate, a step or a loss scale set from it steers later updates "
+        "by the private batch, outside the guarantee. Keep nothing from the closure's loss; read the loss from "
+        "outputs[\"loss\"] at batch end (a report) or self.log it.")
 
 
 def sealed_loss_error(read: str) -> PrivacyConfigurationError:
