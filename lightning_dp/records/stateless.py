@@ -73,7 +73,13 @@ Digest = dict[str, Any]
 
 
 def _users(cls: type) -> bool:
-    return (cls.__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
+    """Whether ``cls`` is the user's: not the standard library's, nor an installed package's (``site-packages``)."""
+    name = cls.__module__ or ""
+    top = name.split(".")[0]
+    if top in LIBRARY_PREFIXES or top in sys.stdlib_module_names or top.startswith("_"):
+        return False
+    path = getattr(sys.modules.get(name), "__file__", None) or ""
+    return not ("site-packages" in path or "dist-packages" in path)
 
 
 class _Walk:
@@ -224,6 +230,7 @@ class FetchState:
         changed = sorted({k for k in entries.keys() | self._entries.keys()
                           if entries.get(k, _ABSENT) != self._entries.get(k, _ABSENT)})
         refused = self._refused(changed, entries, objects)
+        self._entries, self._objects = entries, objects
         self._compared += 1
         if not refused and self._compared & (self._compared - 1) == 0:
             refused = self._verify_caches()
@@ -238,7 +245,6 @@ class FetchState:
                 "(or in a worker_init_fn from public data), and keep __getitem__ and the collate_fn per-record "
                 "transforms. Allowed: a cache keyed by the record's index holding that record's own value, and a "
                 "handle opened on first use (a file, an LMDB or HDF5 handle) that holds no data.")
-        self._entries, self._objects = entries, objects
 
     def _refused(self, changed: list[str], entries: Digest, objects: dict[str, Any]) -> list[str]:
         allowed: list[str] = []  # paths below which every change is allowed
