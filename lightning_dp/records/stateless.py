@@ -51,7 +51,6 @@ from torch.utils.data import get_worker_info
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import seeded
-from lightning_dp.validators.kept_state import LIBRARY_PREFIXES
 
 MAX_DEPTH = 4
 """Attribute or item levels walked below the dataset and the collate object."""
@@ -76,7 +75,7 @@ def _users(cls: type) -> bool:
     """Whether ``cls`` is the user's: not the standard library's, nor an installed package's (``site-packages``)."""
     name = cls.__module__ or ""
     top = name.split(".")[0]
-    if top in LIBRARY_PREFIXES or top in sys.stdlib_module_names or top.startswith("_"):
+    if top == "lightning_dp" or top in sys.stdlib_module_names or top.startswith("_"):
         return False
     path = getattr(sys.modules.get(name), "__file__", None) or ""
     return not ("site-packages" in path or "dist-packages" in path)
