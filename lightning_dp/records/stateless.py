@@ -289,6 +289,17 @@ class FetchState:
     def _verify_caches(self) -> list[str]:
         """Each cache entry added since the last verification read again: it must come back the same."""
         pending, self._unverified = self._unverified[:VERIFIED], self._unverified[VERIFIED:]
+        kept_items = {id(c): (c, list(c.items())) for c, _ in pending}  # each cache put back as it was, in order
+        try:
+            return self._reread(pending)
+        finally:
+            for cache, items in kept_items.values():
+                cache.clear()
+                cache.update(items)
+            if pending:
+                self._entries, self._objects = self._take()
+
+    def _reread(self, pending: list[tuple[dict, Any]]) -> list[str]:
         for cache, key in pending:
             if key not in cache:
                 continue
@@ -301,8 +312,6 @@ class FetchState:
                 cache[key] = kept
             if fresh is not _ABSENT and not _same(fresh, kept):
                 return [f"a cache keyed by index (entry {key!r} is not that record's own value read again)"]
-        if pending:
-            self._entries, self._objects = self._take()
         return []
 
 
