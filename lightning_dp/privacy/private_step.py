@@ -54,6 +54,7 @@ from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rul
 from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.records.collate import EmptySafeCollate, loader_like
+from lightning_dp.records.stateless import FetchState
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, read_examples
@@ -436,6 +437,7 @@ class PrivateStep(StepChecks):
         (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
         where = self.distribution
         population = training_population(dataloader, where.rank, where.world_size)
+        fetches = FetchState(dataloader.dataset, dataloader.collate_fn).noted()  # before any read: a fetch is stateless
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
         self._check_ledger_unit()
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
@@ -456,7 +458,7 @@ class PrivateStep(StepChecks):
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
         self.boundary.datasets = lambda: [dl.dataset]  # a record written in place is refused (kept_state.py)
         self.boundary.new_datasets()
-        return loader_like(dl, self._batches, collate)
+        return loader_like(dl, self._batches, collate, fetches)
 
     def _user_sampler(self, dataset: Any, population: TrainingPopulation,
                       seed: Optional[int]) -> UserPoissonBatchSampler:

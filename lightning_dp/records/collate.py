@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.records.fetch import fetch
+from lightning_dp.records.stateless import FetchState, NotingWorkerInit, WatchedCollate
 
 
 def _empty_like(batch: Any) -> Any:
@@ -56,25 +57,39 @@ def batch_size_of(batch: Any) -> int:
     return -1
 
 
-def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]], Any]) -> DataLoader:
+def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]], Any],
+                state: FetchState | None = None) -> DataLoader:
     """A loader over ``dl``'s dataset drawing ``batch_sampler``'s batches, collated by ``collate``, with ``dl``'s
-    workers, pinning, timeout, worker init, multiprocessing context and persistence."""
+    workers, pinning, timeout, worker init, multiprocessing context and persistence. Its fetches are stateless: each
+    process's dataset and collate object are compared after every batch with the state noted before its first fetch
+    (:mod:`~lightning_dp.records.stateless`; ``state``: noted for the main process before the checks' first read — here
+    when not given —, after ``dl``'s ``worker_init_fn`` in a worker)."""
+    state = state or FetchState(dl.dataset, dl.collate_fn).noted()
+    init = NotingWorkerInit(dl.worker_init_fn, state) if dl.num_workers > 0 else dl.worker_init_fn
     kwargs: dict[str, Any] = dict(
-        num_workers=dl.num_workers, collate_fn=collate,
-        pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+        num_workers=dl.num_workers, collate_fn=WatchedCollate(collate, state),
+        pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=init,
         multiprocessing_context=dl.multiprocessing_context, persistent_workers=dl.persistent_workers,
     )
     if dl.num_workers > 0:
         kwargs["prefetch_factor"] = dl.prefetch_factor
-    return DeliveringLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)
+    loader = DeliveringLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)
+    loader.fetch_state = state
+    return loader
 
 
 class DeliveringLoader(DataLoader):
     """A DataLoader that tells its batch sampler (a :class:`~lightning_dp.records.recorded_batches.RecordedBatches`)
     each batch it hands the loop, in order: a plain loop's step may take only a batch it was handed, once
-    (:mod:`~lightning_dp.validators.plain_loop`), never one the workers only prefetched."""
+    (:mod:`~lightning_dp.validators.plain_loop`), never one the workers only prefetched. With workers, the main
+    process's dataset is compared before each pass (workers started now inherit it: the checks' reads must not have
+    set a statistic there, :mod:`~lightning_dp.records.stateless`)."""
+
+    fetch_state: Any = None
 
     def __iter__(self) -> Any:
+        if self.num_workers > 0 and self.fetch_state is not None:
+            self.fetch_state.check()
         sampler = self.batch_sampler
         if hasattr(sampler, "restart"):
             sampler.restart()

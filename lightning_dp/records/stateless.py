@@ -1,0 +1,392 @@
+"""A fetch is stateless: reading records must not leave state that shapes later records.
+
+A dataset's ``__getitem__`` or a collate object that collects the first K records or batches it is handed, then
+freezes a mean and deviation and normalises every later record with it ("estimate the normaliser on the first N
+samples"), a running mean updated on every read, or the same done only inside a DataLoader worker
+(``get_worker_info() is not None``): the checks before training read a pristine state and see fixed records, but
+every later release depends on the Poisson-drawn records that set the statistic, un-noised — one record's influence
+is not bounded by the clipping norm.
+
+The strategy owns the rebuilt training loader's fetch path in every process (:class:`WatchedCollate`, installed as
+its collate, and its ``worker_init_fn``): before a process's first fetch it notes a shallow digest (:func:`digest`)
+of the Python state of the dataset (its attributes, those of the objects it holds, to :data:`MAX_DEPTH` levels), of
+the user's collate object, and in a worker of the module-level globals of their classes' modules; after each batch
+is collated it compares. Tensors are compared by identity and shape (in a worker also by version counter: an
+in-place update there is invisible to the main process), NumPy arrays by identity, shape and a few elements,
+containers by identity, length and their first and last :data:`SAMPLED` items, numbers and strings by value. Random
+number generators (``random.Random``, NumPy's and torch's generators) are not walked: their state is not the
+dataset's. A change is refused (``PrivacyConfigurationError``) before the batch is handed to the loop; in a worker
+the error rides with the batch to the main process, which raises it in its place.
+
+Allowed writes (module docstring of the rule in docs/release_boundary.md, rule 8):
+
+* an **index-keyed cache**: a dict whose new keys are indices of the dataset (``0 <= key < len``), its old entries
+  untouched (a sample compared), and whose values are each that record's own: at the comparisons numbered by powers
+  of two, each key added since the last such check is read again (its entry removed, the record read with the
+  generators seeded, the entry compared with the one it replaces, then put back): a value computed from other
+  records does not come back the same;
+* a **handle that holds no data**: an attribute set to an object of a library's class (an open file, an ``h5py``
+  file, an LMDB environment, a ``zipfile.ZipFile``, a database connection) whose own attributes, walked three levels,
+  hold no tensor, array, float, complex number, bytes or object of the user's classes (integers and strings — offsets,
+  names, modes — are allowed inside it, not at the top: an attribute set to a number is refused);
+* what the user's ``worker_init_fn`` writes (the worker's digest is noted after it runs).
+
+Cost: one walk of the digest per batch (a few dozen entries for an ordinary dataset); no tensor is hashed.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import os
+import random
+import sys
+import types
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import get_worker_info
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.fetch import seeded
+
+MAX_DEPTH = 4
+"""Attribute or item levels walked below the dataset and the collate object."""
+
+MAX_NODES = 4_000
+"""Entries per digest at most (beyond: not compared)."""
+
+SAMPLED = 4
+"""Items compared at each end of a list, tuple or dict."""
+
+VERIFIED = 256
+"""Cache entries read again per verification at most (the rest wait for the next)."""
+
+_RNGS = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator, torch.Generator)
+_OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+_DATA = (Tensor, np.ndarray, np.generic, float, complex, bytearray, memoryview, array.array)
+
+Digest = dict[str, Any]
+
+
+def _users(cls: type) -> bool:
+    """Whether ``cls`` is the user's: not the standard library's, nor an installed package's (``site-packages``)."""
+    name = cls.__module__ or ""
+    top = name.split(".")[0]
+    if top == "lightning_dp" or top in sys.stdlib_module_names or top.startswith("_"):
+        return False
+    path = getattr(sys.modules.get(name), "__file__", None) or ""
+    return not ("site-packages" in path or "dist-packages" in path)
+
+
+class _Walk:
+    def __init__(self, versions: bool) -> None:
+        self.versions = versions
+        self.entries: Digest = {}
+        self.objects: dict[str, Any] = {}  # path → the container or object held there (what a change is judged on)
+        self._seen: set[int] = set()
+
+    def visit(self, value: Any, path: str, depth: int) -> None:
+        if len(self.entries) >= MAX_NODES:
+            return
+        entries = self.entries
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            entries[path] = value if not isinstance(value, (str, bytes)) or len(value) <= 256 else \
+                (type(value).__name__, len(value), hash(value))
+            return
+        if isinstance(value, Tensor):
+            entries[path] = ("tensor", id(value), tuple(value.shape), value._version if self.versions else 0)
+            return
+        if isinstance(value, np.ndarray):
+            flat = value.reshape(-1) if value.dtype.hasobject is False else None
+            sample = () if flat is None or flat.size == 0 else (flat[:SAMPLED].tobytes(), flat[-SAMPLED:].tobytes())
+            entries[path] = ("array", id(value), value.shape, sample)
+            return
+        if isinstance(value, _RNGS):
+            entries[path] = ("generator", type(value).__name__)
+            return
+        if isinstance(value, _OPAQUE):
+            entries[path] = ("object", id(value))
+            return
+        if id(value) in self._seen:
+            entries[path] = ("seen", id(value))
+            return
+        self._seen.add(id(value))
+        self.objects[path] = value
+        if isinstance(value, (list, tuple)) or type(value).__name__ == "deque":
+            entries[path] = (type(value).__name__, id(value), len(value))
+            if depth < MAX_DEPTH:
+                n = len(value)
+                for i in [*range(min(n, SAMPLED)), *range(max(SAMPLED, n - SAMPLED), n)]:
+                    self.visit(value[i], f"{path}[{i}]", depth + 1)
+            return
+        if isinstance(value, dict):
+            entries[path] = ("dict", id(value), len(value))
+            if depth < MAX_DEPTH and value:
+                keys = list(value) if len(value) <= 2 * SAMPLED else [*list(value)[:SAMPLED]]
+                for k in keys:
+                    self.visit(value[k], f"{path}[{k!r}]", depth + 1)
+            return
+        if isinstance(value, (set, frozenset)):
+            entries[path] = (type(value).__name__, id(value), len(value))
+            return
+        entries[path] = ("object", type(value).__name__, id(value))
+        if depth < MAX_DEPTH:
+            try:
+                names = vars(value)
+            except TypeError:
+                return
+            for k, v in list(names.items()):
+                self.visit(v, f"{path}.{k}", depth + 1)
+
+
+def digest(roots: dict[str, Any], versions: bool, globals_of: tuple[Any, ...] = ()) -> tuple[Digest, dict[str, Any]]:
+    """The digest of ``roots`` (name → object) and of the module-level globals of the user's modules defining the
+    classes of ``globals_of``: entries (path → token) and the containers and objects held at each path."""
+    walk = _Walk(versions)
+    for name, root in roots.items():
+        walk.visit(root, name, 0)
+    for module in _modules(globals_of):
+        for k, v in list(vars(module).items()):
+            if not k.startswith("__") and not isinstance(v, _OPAQUE):
+                walk.visit(v, f"{module.__name__}.{k}", 1)
+    return walk.entries, walk.objects
+
+
+def _modules(objects: tuple[Any, ...]) -> list[types.ModuleType]:
+    names = {base.__module__ for o in objects for base in type(o).__mro__ if _users(base)}
+    return [m for m in (sys.modules.get(n) for n in sorted(names)) if m is not None]
+
+
+def holds_data(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` may carry numbers computed from records (module docstring: a handle that holds no data)."""
+    top = depth == 0
+    if value is None or isinstance(value, _RNGS + (types.ModuleType, types.BuiltinFunctionType)):
+        return False
+    if isinstance(value, _DATA):
+        return True
+    if isinstance(value, (bool, int, str, bytes)):
+        return top
+    if top and isinstance(value, (list, tuple, dict, set, frozenset, types.SimpleNamespace, types.FunctionType,
+                                  types.MethodType, functools.partial)):
+        return True  # a container (or a function's closure) set by a read: data
+    if _users(type(value)) or depth > 4:
+        return True
+    if isinstance(value, dict):
+        return any(holds_data(v, depth + 1) for v in list(value.values())[:64])
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_data(v, depth + 1) for v in list(value)[:64])
+    try:
+        names = vars(value)
+    except TypeError:
+        return False  # an object of a library's compiled class (a file, a lock, an LMDB environment): no Python state
+    return any(holds_data(v, depth + 1) for v in list(names.values())[:64])
+
+
+def _handle(value: Any) -> bool:
+    """An object of a library's class (not a container) that holds no data: changes inside it are allowed."""
+    return not isinstance(value, (list, tuple, dict, set, frozenset)) and not _users(type(value)) \
+        and not holds_data(value)
+
+
+class FetchState:
+    """The digest of one process's fetch path (module docstring), noted, then compared after each batch."""
+
+    def __init__(self, dataset: Any, collate_fn: Any) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn if _stateful(collate_fn) else None
+        self._pid: Optional[int] = None
+        self._entries: Digest = {}
+        self._objects: dict[str, Any] = {}
+        self._compared = 0
+        self._unverified: list[tuple[dict, Any]] = []
+
+    def _take(self) -> tuple[Digest, dict[str, Any]]:
+        roots = {"dataset": self.dataset}
+        if self.collate_fn is not None:
+            roots["collate_fn"] = self.collate_fn
+        worker = get_worker_info() is not None
+        return digest(roots, versions=worker, globals_of=tuple(roots.values()) if worker else ())
+
+    def note(self) -> None:
+        """The state now is this process's baseline."""
+        self._pid = os.getpid()
+        self._entries, self._objects = self._take()
+
+    def noted(self) -> "FetchState":
+        """:meth:`note`, returning ``self``."""
+        self.note()
+        return self
+
+    def check(self) -> None:
+        """After a batch: refuse a write to the fetch path's state other than those allowed; note the state now."""
+        if self._pid != os.getpid():  # a process whose baseline was not noted (a worker started without our init)
+            self.note()
+            return
+        entries, objects = self._take()
+        changed = sorted({k for k in entries.keys() | self._entries.keys()
+                          if entries.get(k, _ABSENT) != self._entries.get(k, _ABSENT)})
+        refused = self._refused(changed, entries, objects)
+        self._entries, self._objects = entries, objects
+        self._compared += 1
+        if not refused and self._compared & (self._compared - 1) == 0:
+            refused = self._verify_caches()
+        if refused:
+            raise PrivacyConfigurationError(
+                f"Reading records writes state that shapes later records: {', '.join(refused[:6])} changed while the "
+                "training loader fetched and collated a batch. A fetch must be stateless: a normaliser or statistic "
+                "collected from the records read so far (a running mean, a mean and deviation estimated on the first "
+                "records or batches, per worker or not) makes every later record depend on the Poisson-drawn records "
+                "that set it, un-noised — one record's influence is no longer bounded by max_grad_norm. Nothing was "
+                "released with this batch. Fix: compute normalisers from public data or constants before training "
+                "(or in a worker_init_fn from public data), and keep __getitem__ and the collate_fn per-record "
+                "transforms. Allowed: a cache keyed by the record's index holding that record's own value, and a "
+                "handle opened on first use (a file, an LMDB or HDF5 handle) that holds no data.")
+
+    def _refused(self, changed: list[str], entries: Digest, objects: dict[str, Any]) -> list[str]:
+        allowed: list[str] = []  # paths below which every change is allowed
+        refused: list[str] = []
+        for path in changed:
+            if any(path.startswith(a) and path[len(a):len(a) + 1] in (".", "[") for a in allowed):
+                continue
+            if any(_handle(objects[a]) for a in _ancestors(path) if a in objects):
+                continue  # inside a handle that holds no data (a zip file's open-member count)
+            now = objects.get(path, _ABSENT)
+            if isinstance(now, dict) and self._cache_growth(now, entries.get(path), self._entries.get(path, _ABSENT)):
+                allowed.append(path)
+                continue
+            value = now if now is not _ABSENT else _resolve(path, objects)
+            if value is not _ABSENT and not holds_data(value):
+                allowed.append(path)
+                continue
+            refused.append(_label(path))
+        return list(dict.fromkeys(refused))
+
+    def _cache_growth(self, now: dict, token: Any, before_token: Any) -> bool:
+        """Whether ``now`` is an index-keyed cache that only gained entries keyed by valid indices."""
+        if isinstance(before_token, tuple) and before_token[:2] == ("dict", id(now)):
+            old = before_token[2]
+        elif before_token is _ABSENT or before_token is None or (
+                isinstance(before_token, tuple) and before_token[0] == "dict" and before_token[2] == 0):
+            old = 0
+        else:
+            return False
+        grown = len(now) - old
+        try:
+            n = len(self.dataset)
+        except TypeError:
+            return False
+        if grown < 0:
+            return False
+        keys = list(reversed(now))[:grown] if grown else []
+        if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < n for k in keys):
+            return False
+        self._unverified.extend((now, k) for k in keys)
+        return True
+
+    def _verify_caches(self) -> list[str]:
+        """Each cache entry added since the last verification read again: it must come back the same."""
+        pending, self._unverified = self._unverified[:VERIFIED], self._unverified[VERIFIED:]
+        kept_items = {id(c): (c, list(c.items())) for c, _ in pending}  # each cache put back as it was, in order
+        try:
+            return self._reread(pending)
+        finally:
+            for cache, items in kept_items.values():
+                cache.clear()
+                cache.update(items)
+            if pending:
+                self._entries, self._objects = self._take()
+
+    def _reread(self, pending: list[tuple[dict, Any]]) -> list[str]:
+        for cache, key in pending:
+            if key not in cache:
+                continue
+            kept = cache.pop(key)
+            try:
+                with seeded(int(key)):
+                    self.dataset[int(key)]
+                fresh = cache.get(key, _ABSENT)
+            finally:
+                cache[key] = kept
+            if fresh is not _ABSENT and not _same(fresh, kept):
+                return [f"a cache keyed by index (entry {key!r} is not that record's own value read again)"]
+        return []
+
+
+_ABSENT = object()
+
+
+def _ancestors(path: str) -> list[str]:
+    return [path[:i] for i, c in enumerate(path) if c in ".["]
+
+
+def _label(path: str) -> str:
+    return path.split("[", 1)[0] if "[" in path else path
+
+
+def _resolve(path: str, objects: dict[str, Any]) -> Any:
+    """The value at ``path`` (an attribute of an object whose path is known), or absent."""
+    if "." not in path:
+        return _ABSENT
+    parent, name = path.rsplit(".", 1)
+    owner = objects.get(parent, _ABSENT)
+    if owner is _ABSENT or "[" in name:
+        return _ABSENT
+    try:
+        return vars(owner).get(name, _ABSENT)
+    except TypeError:
+        return _ABSENT
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 — an object without a usable equality: not judged
+        return True
+
+
+def _stateful(collate_fn: Any) -> bool:
+    """Whether ``collate_fn`` is an object that can keep state (not a plain function or a library's)."""
+    return collate_fn is not None and not isinstance(collate_fn, _OPAQUE) and hasattr(collate_fn, "__dict__")
+
+
+class WatchedCollate:
+    """The training loader's collate (``inner``), each batch followed by :meth:`FetchState.check` of the process
+    that fetched it. Picklable, for DataLoader workers."""
+
+    def __init__(self, inner: Callable[[Any], Any], state: FetchState) -> None:
+        self.inner = inner
+        self.state = state
+
+    def __call__(self, examples: Any) -> Any:
+        batch = self.inner(examples)
+        self.state.check()
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "state") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class NotingWorkerInit:
+    """A ``worker_init_fn``: the user's (if any), then the worker's baseline noted (before its first fetch)."""
+
+    def __init__(self, user: Optional[Callable[[int], Any]], state: FetchState) -> None:
+        self.user = user
+        self.state = state
+
+    def __call__(self, worker_id: int) -> None:
+        if self.user is not None:
+            self.user(worker_id)
+        self.state.note()
