@@ -329,7 +329,8 @@ class PrivateTraining:
 
         self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
                                                  self._logged_reads.moved, lambda: self._batch_end_writes,
-                                                 self._judged_this_step, self._before_end_hooks)
+                                                 self._judged_this_step, self._before_end_hooks,
+                                                 self.private_step.any_rank)
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
 
     def _judged_this_step(self) -> bool:
@@ -951,7 +952,8 @@ class PrivateTraining:
         # before it is attached (a warm start's optimizer.step() moves the weights, as in the real setup)
         with self._watches_paused(), self.private_step.engine_aside():
             _, seen = replay_records(optimizer, [replay(False), replay(True)], loop=trainer)
-            if len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1]):
+            differ = len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1])
+            if self.private_step.any_rank(differ):  # alike on every rank: the hooks' collectives stay paired
                 seen += replay_records(optimizer, [replay(False)], loop=trainer)[1]
         if len(kept) != 3:
             return
