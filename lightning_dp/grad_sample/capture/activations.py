@@ -413,6 +413,7 @@ class ActivationCapture:
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
         self._nodes: set = set()  # the gradient nodes of the parameters of this step's recorded calls
         self._feeding: dict[int, bool] = {}  # graph task id → whether it computes any of their gradients
+        self._root_params: list[Tensor] = []  # the model's trainable parameters (read directly by its modules too)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -432,6 +433,7 @@ class ActivationCapture:
         With ``root``, ``[1, …]`` parameters read directly in its non-leaf modules are captured too
         (:mod:`.root_parameters`)."""
         self.detach()
+        self._root_params = [] if root is None else [p for p in root.parameters() if p.requires_grad]
         if root is not None:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
             hooked = {id(layer) for _, layer in layers}
@@ -676,7 +678,7 @@ class ActivationCapture:
         graph; another layer's, or the same layer's in another call, are in it)."""
         task = torch._C._current_graph_task_id()
         if task not in self._feeding:
-            self._feeding[task] = feeds_parameters(tuple(self._nodes))
+            self._feeding[task] = feeds_parameters((*self._nodes, *gradient_nodes(self._root_params)))
         return not self._feeding[task]
 
     def _mapping(self) -> bool:
