@@ -100,14 +100,19 @@ class DecisionWindows(pl.Callback):
         any_rank: whether a flag holds on any rank (one all-reduce when distributed): whether a window is judged and
             whether its hooks run again are decided alike on every rank (a rank-0-only time stamp at batch end written
             beside a broadcast: the other rank runs the hooks again too, so their collectives stay paired).
+        on_every_rank: ``on_every_rank(check, what)`` runs ``check`` and raises on every rank when any rank's raised
+            (one all-reduce when distributed): a window refused on one rank is refused on all, none left waiting in a
+            collective of the user's hooks.
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
                  settings: Callable[[], AbstractContextManager], boundary: Any,
                  logs_moved: Callable[[], AbstractContextManager] = nullcontext,
                  batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False,
-                 on_end: Callable[[], None] = lambda: None, any_rank: Optional[Callable[..., Any]] = None) -> None:
+                 on_end: Callable[[], None] = lambda: None, any_rank: Optional[Callable[..., Any]] = None,
+                 on_every_rank: Optional[Callable[[Callable[[], None], str], None]] = None) -> None:
         self._exchanged = exchanged
+        self._on_every_rank = on_every_rank or (lambda check, what: check())
         self._any_rank = any_rank or (lambda *flags: flags[0] if len(flags) == 1 else flags)
         self._on_end = on_end
         self._logs_moved = logs_moved
@@ -212,11 +217,14 @@ class DecisionWindows(pl.Callback):
         where = _WHERE[window.kind].format(step=window.step)
         decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
                          key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
-        if decided:
-            raise hyperparameters_error(decided, where)
-        if steered:
-            raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for later "
-                                                        "steps")
+
+        def refuse() -> None:
+            if decided:
+                raise hyperparameters_error(decided, where)
+            if steered:
+                raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for "
+                                                            "later steps")
+        self._on_every_rank(refuse, f"found decisions or state set from the data {where}")
         if written:  # what the hooks kept without the data: the next release compares with it
             self._boundary.accept(written)
 
