@@ -330,7 +330,8 @@ class PrivateTraining:
 
         self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
                                                  self._logged_reads.moved, lambda: self._batch_end_writes,
-                                                 self._judged_this_step, self._before_end_hooks)
+                                                 self._judged_this_step, self._before_end_hooks,
+                                                 self.private_step.any_rank, self.private_step.on_every_rank)
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
 
     def _judged_this_step(self) -> bool:
@@ -455,14 +456,15 @@ class PrivateTraining:
         snapshot, fingerprint, before, users = self._end_snapshot
         module = self.lightning_module  # type: ignore[attr-defined]
         written = StateFingerprint.changed(before, fingerprint.take(users, full=True, every_callback=True))
-        if not written:
+        if not self.private_step.any_rank(bool(written)):  # alike on every rank: the hooks run again on each
             return
         after = StateSnapshot(module, users, self.private_step.boundary.engine_keys)
         runs: list[Any] = []
         exchanged = self.private_step.exchanged_training_data() if self.private_step._source is not None else None
         try:
             for exchange in (False, True, False):
-                if exchange and exchanged is None or len(runs) == 2 and runs[0] == runs[1]:
+                if exchange and exchanged is None or len(runs) == 2 and not self.private_step.any_rank(
+                        runs[0] != runs[1]):  # the third run: on every rank when any rank's two runs differ
                     break
                 snapshot.restore()
                 try:
@@ -474,17 +476,17 @@ class PrivateTraining:
                     runs.append(None)
         finally:
             after.restore()
-        if len(runs) < 2 or None in runs:
-            return
-        moved = moved_by_data(runs[0], runs[-1], runs[1]) if len(runs) == 3 else []
+        judged = len(runs) >= 2 and None not in runs
+        moved = moved_by_data(runs[0], runs[-1], runs[1]) if judged and len(runs) == 3 else []
         if moved:
             snapshot.restore()
             self._end_snapshot = None
-            raise self.private_step.boundary.written_error(
-                moved, f"{where}: computed from the training data (run again on its exchanged copy, the hooks set it "
-                "apart). What was written was put back: the module, its callbacks and the datamodule hold the "
-                "state verified at the last update")
-        self.private_step.boundary.accept(written)
+        self._refuse_on_every_rank(self.private_step.boundary.written_error(
+            moved, f"{where}: computed from the training data (run again on its exchanged copy, the hooks set it "
+            "apart). What was written was put back: the module, its callbacks and the datamodule hold the "
+            "state verified at the last update") if moved else None, f"found state written {where} from the data")
+        if judged and written:
+            self.private_step.boundary.accept(written)
 
     def _averaged(self) -> tuple[str, ...]:
         """What the end of a fit does not compare: the parameters, when weight averaging swapped its average in (a
@@ -799,8 +801,10 @@ class PrivateTraining:
         decisions: list[list[Any]] = []
         boundary = self.private_step.boundary
         users = [cb for cb in _observers(trainer) if not library_callback(cb)]
-        writes = BatchEndWrites(boundary, module, users) \
-            if judge_writes or self._users_code_runs(BATCH_HOOKS) or self.private_step.probe_writes else None
+        # alike on every rank (one all-reduce): judging the writes replays the hooks another number of times
+        judged = self.private_step.any_rank(
+            bool(judge_writes or self._users_code_runs(BATCH_HOOKS) or self.private_step.probe_writes))
+        writes = BatchEndWrites(boundary, module, users) if judged else None
         unjudged = None if writes is not None else \
             (boundary.fingerprint(module), StateSnapshot(module, users, boundary.engine_keys))
         start = None if unjudged is None else unjudged[0].take(users)
@@ -840,20 +844,26 @@ class PrivateTraining:
                 with self._watches_paused():  # the first two alike: what differs between them is not the data's
                     before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
                                                               replay(second, progress, moved, failed)], loop=trainer)
-                if unjudged is not None and StateFingerprint.changed(start, unjudged[0].take(users)):
-                    unjudged[1].restore()  # training_step wrote what the probe's passes left alike (global_step)
+                # the replays start again judging the writes on every rank when any rank's wrote (one all-reduce)
+                again = unjudged is not None and bool(StateFingerprint.changed(start, unjudged[0].take(users)))
+                if self.private_step.any_rank(again):
+                    if unjudged is not None:
+                        unjudged[1].restore()  # training_step wrote what the probe's passes left alike (global_step)
                     return self._replay_now_and_later(batch, other, judge_writes=True)
-                if failed:
-                    continue
-                if writes is not None:
-                    self._batch_end_writes |= writes.judged()
-                    self._before_release_writes |= writes.before_release
-                steered = state_written(before, seen) + moved_by_data(*seen)
-                if steered:
-                    raise hyperparameters_error(steered, where)
-                if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
-                    raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
-                                                  "(training_step, on_train_batch_start/end, on_before_backward)")
+
+                def judge() -> None:  # refused on every rank alike: no rank goes on to replay hooks its peer left
+                    if failed:
+                        return
+                    if writes is not None:
+                        self._batch_end_writes |= writes.judged()
+                        self._before_release_writes |= writes.before_release
+                    steered = state_written(before, seen) + moved_by_data(*seen)
+                    if steered:
+                        raise hyperparameters_error(steered, where)
+                    if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
+                        raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
+                                                      "(training_step, on_train_batch_start/end, on_before_backward)")
+                self.private_step.on_every_rank(judge, "found the batch hooks' replays steered by the data")
             self._replay_epoch_hooks(progress)
         if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
             boundary.accept([f"parameter {name}" for name in writes.rewritten])
@@ -865,8 +875,12 @@ class PrivateTraining:
         step's examples twice, on them exchanged and on half of them with the loss moved far
         (:func:`~.validators.hook_replays.replay_batch_hooks`, without the batch-end hooks); state the other data set
         apart, and the second plain run does not, turned to the data: refused before this step's release."""
-        if not self._before_release_writes or not indices:
+        # alike on every rank (one all-reduce): a rank with no examples this step replays the hooks on a stand-in (the
+        # first record), judging nothing, so that the collectives in its hooks meet its peers'
+        if not self.private_step.any_rank(bool(self._before_release_writes and indices)):
             return
+        judged = bool(self._before_release_writes and indices)
+        indices = indices or [0]
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer, boundary = module.trainer, self.private_step.boundary
         users = [cb for cb in _observers(trainer) if not library_callback(cb)]
@@ -893,14 +907,13 @@ class PrivateTraining:
             replay_records(self.optimizers[0], [replay(batch), replay(batch), replay(half, True),  # type: ignore
                                                 replay(exchanged_copy(batch))], loop=trainer)
         plain, again, *others = runs
-        if plain is None or again is None:
-            return
-        moved = sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
-        if moved:
-            raise boundary.written_error(moved, (
-                f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
-                "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
-                "again on this step's, on them exchanged and with the loss moved far, the hooks set it apart"))
+        moved = [] if not judged or plain is None or again is None else \
+            sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+        self._refuse_on_every_rank(boundary.written_error(moved, (
+            f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
+            "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
+            "again on this step's, on them exchanged and with the loss moved far, the hooks set it apart"))
+            if moved else None, "found state the hooks before the release set from the batch")
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
@@ -952,9 +965,11 @@ class PrivateTraining:
         # before it is attached (a warm start's optimizer.step() moves the weights, as in the real setup)
         with self._watches_paused(), self.private_step.engine_aside():
             _, seen = replay_records(optimizer, [replay(False), replay(True)], loop=trainer)
-            if len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1]):
+            differ = len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1])
+            if self.private_step.any_rank(differ):  # alike on every rank: the hooks' collectives stay paired
                 seen += replay_records(optimizer, [replay(False)], loop=trainer)[1]
-        if len(kept) != 3:
+        if len(kept) != 3 or not differ:  # a second plain run this rank's replays did not need: nothing to judge
+            self._refuse_on_every_rank(None, "found the epoch hooks' replays steered by the data")
             return
         plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
         moved = [name for name in moved_by_data(plain, again, other) if not name.startswith("parameter ")] \
@@ -962,13 +977,24 @@ class PrivateTraining:
         where = ("by the hooks that see no batch (setup, on_fit_start, on_train_start, on_train_epoch_start/end), "
                  "replayed on the training data and on it exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
+        refusal: Optional[PrivacyConfigurationError] = None
         if decided:
-            raise hyperparameters_error(decided, f"from the training data {where}")
-        if len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
-            raise decided_from_data_error([seeds[0], seeds[1]], where)
-        if moved:
-            raise boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps"
-                                         + _weights_fitted(moved, writers))
+            refusal = hyperparameters_error(decided, f"from the training data {where}")
+        elif len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
+            refusal = decided_from_data_error([seeds[0], seeds[1]], where)
+        elif moved:
+            refusal = boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps"
+                                             + _weights_fitted(moved, writers))
+        self._refuse_on_every_rank(refusal, "found the epoch hooks' replays steered by the data")
+
+    def _refuse_on_every_rank(self, refusal: Optional[Exception], what: str) -> None:
+        """Raise ``refusal`` (``None``: this rank's check passed) on every rank alike (one all-reduce when distributed,
+        :meth:`~.validators.step_checks.StepChecks.on_every_rank`): a rank that refuses while its peer goes on to run
+        the user's hooks again would leave that peer waiting in their collectives (a broadcast at batch end)."""
+        def check() -> None:
+            if refusal is not None:
+                raise refusal
+        self.private_step.on_every_rank(check, what)
 
     @contextmanager
     def _privacy_settings_kept(self) -> Iterator[None]:
@@ -1190,6 +1216,16 @@ class PrivateTraining:
             windows.before_checkpoint(trainer, self.lightning_module)  # type: ignore[attr-defined]
         self._judge_end("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
                         "a hook that ends the fit)", skip=tuple(self._batch_end_writes))  # an EMA written before
+        self.private_step.on_every_rank(lambda: self._check_checkpoint_records(checkpoint),
+                                        "found training records in the checkpoint")  # every rank refuses alike
+        self.private_step.on_every_rank(lambda: self._check_checkpoint_hooks(checkpoint),
+                                        "found a checkpoint entry computed from the training data")
+        checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
+        module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def _check_checkpoint_records(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint holding training records or a vocabulary read from them."""
         held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
         if held:
             raise records_in_checkpoint_error(held)
@@ -1197,11 +1233,6 @@ class PrivateTraining:
         kept = [f for d in self.private_step.boundary.datasets() for f in vocabulary_in(checkpoint, d, public)]
         if kept:
             raise vocabulary_error(kept, "in the checkpoint about to be written; nothing was written")
-        self.private_step.on_every_rank(lambda: self._check_checkpoint_hooks(checkpoint),
-                                        "found a checkpoint entry computed from the training data")
-        checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
-        module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
     def _check_checkpoint_hooks(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint entry the user's checkpoint hooks computed from the training data: they run again on
@@ -1216,7 +1247,7 @@ class PrivateTraining:
         public = step.boundary.public_state
         moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
                                   self._replay_settings, step.boundary.engine_keys,
-                                  lambda path: is_public(path, public))
+                                  lambda path: is_public(path, public), any_rank=step.any_rank)
         if moved:
             raise checkpoint_from_data_error(moved)
 

@@ -150,3 +150,59 @@ class ZeroGradSignModule(ZeroGradModule):
         from lightning_dp.optim import DPSignSGD
 
         return DPSignSGD(self.parameters(), lr=0.5)
+
+
+class Rank0StampBroadcast(Callback):
+    """Rank-0-only wall-clock bookkeeping beside a broadcast of a public step count at batch end (legitimate: the
+    first step's replays run the hooks as many times on every rank, so the broadcasts stay paired)."""
+
+    def __init__(self) -> None:
+        self.stamp = 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        import time
+
+        if trainer.is_global_zero:
+            self.stamp = time.time()
+        trainer.strategy.broadcast(trainer.global_step, src=0)
+
+
+class Rank0LossEmaBroadcast(Callback):
+    """An EMA of the batch's loss kept on rank 0 only, beside a broadcast at batch end: a write from the batch on one
+    rank, refused there; every rank must raise, none left waiting in the broadcast."""
+
+    def __init__(self) -> None:
+        self.ema: float | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = float(outputs["loss"])
+        if trainer.is_global_zero:
+            self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
+        trainer.strategy.broadcast(trainer.global_step, src=0)
+
+
+def errors_recorded(strategy_cls: type, out_dir: str | os.PathLike, wait_s: float = 15.0) -> type:
+    """A subclass of ``strategy_cls`` whose ``training_step`` writes the name of the error it raises to
+    ``<out_dir>/rank<r>.err``; rank 0 waits (up to ``wait_s``) for the other ranks' files before raising, so the
+    launcher does not end a rank that is about to raise too (a rank stuck in a collective never writes one)."""
+    import time
+
+    class Recorded(strategy_cls):  # type: ignore[misc, valid-type]
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().training_step(*args, **kwargs)
+            except Exception as err:
+                rank = self.global_rank
+                from lightning_dp.errors import PrivacyConfigurationError
+
+                kind = "PrivacyConfigurationError" if isinstance(err, PrivacyConfigurationError) else type(err).__name__
+                Path(out_dir, f"rank{rank}.err").write_text(f"{kind}\n{str(err)[:300]}")
+                if rank == 0:
+                    deadline = time.monotonic() + wait_s
+                    while time.monotonic() < deadline and len(list(Path(out_dir).glob("rank*.err"))) < self.world_size:
+                        time.sleep(0.1)
+                raise
+
+    return Recorded

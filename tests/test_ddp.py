@@ -356,3 +356,40 @@ def test_training_datasets_that_differ_between_ranks_are_refused(subsample):
     model = SeededClassifier()
     with pytest.raises(Exception, match="differ between the ranks"):
         trainer.fit(model, datamodule=PerRankSplit(subsample))
+
+
+SHORT_TIMEOUT = timedelta(seconds=10)  # a rank left waiting in a collective fails the test fast instead of hanging
+
+
+def test_rank_zero_only_stamp_beside_a_broadcast_trains(tmp_path):
+    """FP-D4: a wall-clock stamp kept on rank 0 only beside a broadcast at batch end. The first step's replays and
+    the decision windows decide alike on every rank how many times the hooks run again: the broadcasts stay paired,
+    the fit trains (no gloo timeout)."""
+    from ddp_helpers import Rank0StampBroadcast
+
+    start = time.monotonic()
+    strategy = DPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, noise_multiplier=1.0, max_grad_norm=1.0,
+                          sampler_seed=0)
+    trainer = _trainer(strategy, WORLD, max_steps=3, callbacks=[Rank0StampBroadcast()])
+    trainer.fit(SeededClassifier(), loader(classification_data(64), 16))
+    assert strategy.ledger.steps == 3
+    assert time.monotonic() - start < 40
+
+
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """A batch-end write from the batch on rank 0 only (an EMA of the loss), beside a broadcast: rank 0's replays
+    refuse it, and rank 1, whose own replays saw nothing, raises too (on_every_rank) rather than going on to replay
+    the hooks and wait in their broadcast."""
+    from ddp_helpers import Rank0LossEmaBroadcast, errors_recorded
+
+    start = time.monotonic()
+    strategy = errors_recorded(DPStrategy, tmp_path)(start_method="fork", timeout=SHORT_TIMEOUT, noise_multiplier=1.0,
+                                                     max_grad_norm=1.0, sampler_seed=0)
+    trainer = _trainer(strategy, WORLD, max_steps=3, callbacks=[Rank0LossEmaBroadcast()])
+    with pytest.raises(Exception):
+        trainer.fit(SeededClassifier(), loader(classification_data(64), 16))
+    errors = {r: (tmp_path / f"rank{r}.err").read_text() if (tmp_path / f"rank{r}.err").exists() else None
+              for r in range(WORLD)}
+    assert all(e is not None and e.startswith("PrivacyConfigurationError") for e in errors.values()), errors
+    assert "Rank0LossEmaBroadcast.ema" in errors[0]
+    assert time.monotonic() - start < 40

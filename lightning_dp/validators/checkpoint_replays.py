@@ -148,12 +148,15 @@ def _known(value: Any, into: set[int], depth: int = 0) -> set[int]:
 
 def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any],
                       exchanged: Callable[[], AbstractContextManager], settings: Callable[[], AbstractContextManager],
-                      skip_keys: frozenset[str], public: Callable[[str], bool]) -> list[str]:
+                      skip_keys: frozenset[str], public: Callable[[str], bool],
+                      any_rank: Callable[[bool], bool] = bool) -> list[str]:
     """The keys of ``checkpoint`` (paths) the user's checkpoint hooks computed from the training data: run again
     from the same state (put back after each run) in ``settings()`` (the same seeds, the watches paused), on the
     training data and inside ``exchanged()`` (its copies in memory holding other values), and on the training data
     again when those two differ; what the exchanged run set apart and the second plain one did not. A run that
-    fails (a hook that needs more of the loop) compares nothing. Paths ``public`` accepts are not returned."""
+    fails (a hook that needs more of the loop) compares nothing. Paths ``public`` accepts are not returned.
+    ``any_rank`` (one all-reduce when distributed) makes whether the hooks run again a decision every rank takes
+    alike, so that a collective in them (a broadcast in ``on_save_checkpoint``) meets its peers'."""
     snapshot = StateSnapshot(module, _owners(trainer), skip_keys)
     known = _known(checkpoint, set())
 
@@ -167,11 +170,12 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
             snapshot.restore()
 
     plain = run(False)
-    other = run(True) if plain is not None else None
-    if plain is None or other is None or plain == other:
+    other = run(True) if any_rank(plain is not None) else None
+    differ = plain is not None and other is not None and plain != other
+    if not any_rank(differ):  # alike on every rank: each runs the hooks again, or none does
         return []
     again = run(False)
-    if again is None:
+    if not differ or again is None:
         return []
     return [path for path in moved_by_data(plain, again, other) if not public(path)]
 

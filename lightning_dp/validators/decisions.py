@@ -97,14 +97,23 @@ class DecisionWindows(pl.Callback):
             again when ``judge_now()`` says (the steps the batch check samples).
         on_end: called when training ends, after the last window closed and before the user's ``on_train_end``
             hooks (the glue takes the state that ends the fit is judged against).
+        any_rank: whether a flag holds on any rank (one all-reduce when distributed): whether a window is judged and
+            whether its hooks run again are decided alike on every rank (a rank-0-only time stamp at batch end written
+            beside a broadcast: the other rank runs the hooks again too, so their collectives stay paired).
+        on_every_rank: ``on_every_rank(check, what)`` runs ``check`` and raises on every rank when any rank's raised
+            (one all-reduce when distributed): a window refused on one rank is refused on all, none left waiting in a
+            collective of the user's hooks.
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
                  settings: Callable[[], AbstractContextManager], boundary: Any,
                  logs_moved: Callable[[], AbstractContextManager] = nullcontext,
                  batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False,
-                 on_end: Callable[[], None] = lambda: None) -> None:
+                 on_end: Callable[[], None] = lambda: None, any_rank: Optional[Callable[..., Any]] = None,
+                 on_every_rank: Optional[Callable[[Callable[[], None], str], None]] = None) -> None:
         self._exchanged = exchanged
+        self._on_every_rank = on_every_rank or (lambda check, what: check())
+        self._any_rank = any_rank or (lambda *flags: flags[0] if len(flags) == 1 else flags)
         self._on_end = on_end
         self._logs_moved = logs_moved
         self._batch_writes = batch_writes
@@ -186,7 +195,8 @@ class DecisionWindows(pl.Callback):
             self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items() if runs_users_code(module, hooks))
         if kind not in self._kinds:
             return
-        writes = kind == "batch" and bool(self._batch_writes())  # what the batch-end hooks may write (an EMA)
+        # what the batch-end hooks may write (an EMA), on any rank: the hooks run again alike on every rank
+        writes = kind == "batch" and self._any_rank(bool(self._batch_writes()))
         if judge is None:
             judge = kind.startswith("epoch") or (writes and self._judge_now())
         watched = judge or writes
@@ -210,7 +220,9 @@ class DecisionWindows(pl.Callback):
         judged, decided_now = window.before is not None, decisions(trainer) != window.decisions
         written = [] if window.state is None else \
             StateFingerprint.changed(window.state, self._state(trainer, module, full=judged))
-        if not written and not decided_now:
+        # alike on every rank (one all-reduce): whether anything is judged, and whether the hooks run again
+        anything, decided_now = self._any_rank(bool(written) or decided_now, decided_now)
+        if not anything:
             return
         if window.kind == "batch" and not judged:  # what the batch-end hooks may write: accepted (judged elsewhere)
             allowed = self._batch_writes()
@@ -219,11 +231,14 @@ class DecisionWindows(pl.Callback):
         where = _WHERE[window.kind].format(step=window.step)
         decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
                          key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
-        if decided:
-            raise hyperparameters_error(decided, where)
-        if steered:
-            raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for later "
-                                                        "steps")
+
+        def refuse() -> None:
+            if decided:
+                raise hyperparameters_error(decided, where)
+            if steered:
+                raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for "
+                                                            "later steps")
+        self._on_every_rank(refuse, f"found decisions or state set from the data {where}")
         if written:  # what the hooks kept without the data: the next release compares with it
             self._boundary.accept(written)
 

@@ -318,6 +318,14 @@ class StepChecks:
         if error is not None:
             raise error
 
+    def any_rank(self, flag: bool, other: Optional[bool] = None) -> Any:
+        """Whether ``flag`` holds on this rank or any other (one all-reduce, when distributed; with ``other``, the
+        pair for both flags): every decision that changes how many times the user's hooks run again (a replay's second
+        plain run, a window judged) is taken alike on every rank, so that the collectives in those hooks (a broadcast
+        at batch end) stay paired."""
+        both = self._refused_anywhere(bool(flag), bool(other))
+        return both[0] if other is None else both
+
     def _refused_anywhere(self, refused: bool, final: bool) -> tuple[bool, bool]:
         """Whether the probe refused on this rank or any other, and whether any refusal was final (one all-reduce
         of the two counts, when distributed)."""

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 from lightning_dp.grad_sample.capture.attention_nodes import projection_candidate, record_projections
 from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites, adds_up
-from lightning_dp.grad_sample.capture.engine_hooks import EngineHook
+from lightning_dp.grad_sample.capture.engine_hooks import EngineHook, feeds_parameters, gradient_nodes
 from lightning_dp.grad_sample.capture.example_dims import (
     BATCH_FIRST,
     UNITS,
@@ -411,6 +411,9 @@ class ActivationCapture:
         self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
+        self._nodes: set = set()  # the gradient nodes of the parameters of this step's recorded calls
+        self._feeding: dict[int, bool] = {}  # graph task id → whether it computes any of their gradients
+        self._root_params: list[Tensor] = []  # the model's trainable parameters (read directly by its modules too)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -430,6 +433,7 @@ class ActivationCapture:
         With ``root``, ``[1, …]`` parameters read directly in its non-leaf modules are captured too
         (:mod:`.root_parameters`)."""
         self.detach()
+        self._root_params = [] if root is None else [p for p in root.parameters() if p.requires_grad]
         if root is not None:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
             hooked = {id(layer) for _, layer in layers}
@@ -546,6 +550,7 @@ class ActivationCapture:
             if n is not None and rows is None:  # outputs with the examples in another dimension (example_layout.py)
                 self._layouts.update((leaves[k].grad_fn, cdims.output(k)) for k in live
                                      if cdims.output(k) != 0 and leaves[k].grad_fn is not None)
+            self._nodes.update(gradient_nodes(module.parameters(recurse=is_unit(module))))
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          _rnn_output(module, leaves[0], tape), rows is not None, scaled,
@@ -554,10 +559,12 @@ class ActivationCapture:
             front = ((lambda g: g.movedim(1, 0)) if tm else (lambda g: g) if rows is None or flat_rnn
                      else (lambda g: grouped(g, rows, n, minor)))
             if reducer is not None and len(leaves) == 1:
-                out.register_hook(lambda g: None if self._mapping() else calls.reduce(rec, front(g), reducer))
+                out.register_hook(lambda g: None if self._mapping() or self._aside()
+                                  else calls.reduce(rec, front(g), reducer))
             else:
                 for k in live:
-                    leaves[k].register_hook(lambda g, k=k: None if self._mapping() else rec.set_grad(front(g), k))
+                    leaves[k].register_hook(lambda g, k=k: None if self._mapping() or self._aside()
+                                            else rec.set_grad(front(g), k))
             return out
 
         return hook
@@ -580,9 +587,10 @@ class ActivationCapture:
         rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(outputs),
                      None, calls.generation, _rnn_output(module, outputs[0], tape), tape=tape)
         calls.records.append(rec)
+        self._nodes.update(gradient_nodes(module.parameters()))
         for k, t in enumerate(outputs):
             if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(lambda g, k=k: rec.set_grad(g, k))
+                t.register_hook(lambda g, k=k: None if self._aside() else rec.set_grad(g, k))
 
     def _is_lookup(self, module: nn.Module, inputs: list[Tensor], out: Any, n: int, dims: ExampleDims) -> bool:
         """A call with no example dimension at all (:func:`~.validators.example_dim.unbatched_call`); a call of
@@ -661,6 +669,17 @@ class ActivationCapture:
         aliases are made while the sites' mode is aside)."""
         if self._sites is not None:
             self._sites.carry(before, after)
+
+    def _aside(self) -> bool:
+        """Whether the backward now running computes no gradient of the parameters of this step's recorded calls: a
+        ``torch.autograd.grad`` with respect to the input (FGSM's ∂L/∂x), whose output gradients are no part of the
+        gradients the release clips; the hooks ignore it (:func:`~.engine_hooks.feeds_parameters`). Decided once per
+        backward, over every recorded call's parameters (the ghost engine's patched layers keep theirs out of the
+        graph; another layer's, or the same layer's in another call, are in it)."""
+        task = torch._C._current_graph_task_id()
+        if task not in self._feeding:
+            self._feeding[task] = feeds_parameters((*self._nodes, *gradient_nodes(self._root_params)))
+        return not self._feeding[task]
 
     def _mapping(self) -> bool:
         """Whether the backward now running is a broadcast site's nested one (:mod:`.broadcast_sites`), which a
@@ -772,6 +791,8 @@ class ActivationCapture:
         """Drop every captured tensor and end the step (called after each step): a forward after it is
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
+        self._nodes.clear()
+        self._feeding.clear()
         self._flattened.clear()
         self._anchors.clear()
         self._layouts.clear()

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
@@ -153,3 +154,25 @@ def is_own_forward(module: nn.Module) -> bool:
     if attr is None:
         return True
     return isinstance(attr, types.MethodType) and attr.__self__ is module and attr.__func__ is type(module).forward
+
+
+def gradient_nodes(params: Iterable[torch.Tensor]) -> tuple:
+    """The autograd nodes that receive ``params``' gradients (their ``AccumulateGrad``), taken when a layer is called:
+    the tensors the forward uses then (FSDP2's unsharded copies of its shards)."""
+    return tuple(get_gradient_edge(p).node for p in params if p.requires_grad)
+
+
+def feeds_parameters(nodes: tuple) -> bool:
+    """Whether the backward now running computes gradients of the parameters whose ``nodes`` these are: ``False``
+    only inside a ``torch.autograd.grad`` (or ``backward(inputs=…)``) with respect to other tensors — FGSM's gradient of
+    the loss with respect to the input, ``torch.autograd.grad(loss, x)`` — whose output gradients are no part of the
+    parameters' gradients the release clips: the capture's output-gradient hooks ignore that backward (the input
+    gradient it returns is a transformation of the batch, which the first step's probe compares in a batch and alone).
+    ``torch.autograd.grad`` with respect to the parameters themselves (torch refuses to say for a captured leaf) counts
+    as feeding them."""
+    if not nodes:
+        return True
+    try:
+        return any(torch._C._will_engine_execute_node(node) for node in nodes)
+    except RuntimeError:
+        return True
