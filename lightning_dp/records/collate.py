@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.records.fetch import fetch
-from lightning_dp.records.stateless import FetchState, NotingWorkerInit, WatchedCollate
+from lightning_dp.records.stateless import FetchState, NotedBatches, NotingWorkerInit, WatchedCollate
 
 
 def _empty_like(batch: Any) -> Any:
@@ -61,9 +61,10 @@ def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]
                 state: FetchState | None = None) -> DataLoader:
     """A loader over ``dl``'s dataset drawing ``batch_sampler``'s batches, collated by ``collate``, with ``dl``'s
     workers, pinning, timeout, worker init, multiprocessing context and persistence. Its fetches are stateless: each
-    process's dataset and collate object are compared after every batch with the state noted before its first fetch
-    (:mod:`~lightning_dp.records.stateless`; ``state``: noted for the main process before the checks' first read — here
-    when not given —, after ``dl``'s ``worker_init_fn`` in a worker)."""
+    process's dataset and collate object are compared after every batch with the state noted before that fetch (in
+    a worker: after ``dl``'s ``worker_init_fn``, then after each batch), and around the library's reads of the dataset
+    (:mod:`~lightning_dp.records.stateless`; ``state``: created before the checks' first read — here when not
+    given)."""
     state = state or FetchState(dl.dataset, dl.collate_fn).noted()
     init = NotingWorkerInit(dl.worker_init_fn, state) if dl.num_workers > 0 else dl.worker_init_fn
     kwargs: dict[str, Any] = dict(
@@ -81,15 +82,23 @@ def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]
 class DeliveringLoader(DataLoader):
     """A DataLoader that tells its batch sampler (a :class:`~lightning_dp.records.recorded_batches.RecordedBatches`)
     each batch it hands the loop, in order: a plain loop's step may take only a batch it was handed, once
-    (:mod:`~lightning_dp.validators.plain_loop`), never one the workers only prefetched. With workers, the main
-    process's dataset is compared before each pass (workers started now inherit it: the checks' reads must not have
-    set a statistic there, :mod:`~lightning_dp.records.stateless`)."""
+    (:mod:`~lightning_dp.validators.plain_loop`), never one the workers only prefetched. Its fetch state
+    (:mod:`~lightning_dp.records.stateless`) is noted right before each fetch without workers (:class:`NotedBatches`),
+    and before each pass with them: what the user's hooks write between batches or passes (``set_epoch``) is not a
+    fetch's (the library's reads are compared around themselves, :class:`~lightning_dp.records.fetch.watched`)."""
 
     fetch_state: Any = None
 
+    @property
+    def _index_sampler(self) -> Any:  # what torch's iterators draw the batches of indices from
+        batches = super()._index_sampler
+        if self.num_workers == 0 and self.fetch_state is not None:
+            return NotedBatches(batches, self.fetch_state)
+        return batches
+
     def __iter__(self) -> Any:
         if self.num_workers > 0 and self.fetch_state is not None:
-            self.fetch_state.check()
+            self.fetch_state.note()
         sampler = self.batch_sampler
         if hasattr(sampler, "restart"):
             sampler.restart()

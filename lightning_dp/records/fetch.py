@@ -14,11 +14,17 @@ checks) reads through :func:`fetch`: it sees exactly the records the loader trai
 Seeded reads (:func:`seeded`) seed torch's CPU generator, NumPy's global generator and Python's
 ``random`` alike, and restore all three after: a dataset that augments from any of them gives the same
 record for the same index and seed.
+
+Every read here of a training loader's dataset is watched (:data:`WATCHED`, :mod:`~lightning_dp.records.stateless`):
+the dataset's and collate object's state is noted before it and compared after, so a statistic the library's own
+reads would set (a warm-up the checks' reads complete) is refused as the loader's fetches are.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,13 +36,45 @@ _FORWARDING = (Subset.__getitems__, StackDataset.__getitems__)
 """torch's own ``__getitems__``: each reads index by index from the dataset(s) it wraps (or their ``__getitems__``)."""
 
 
+WATCHED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+"""``id(dataset)`` → the :class:`~lightning_dp.records.stateless.FetchState` of the training loader built over it
+(registered in the process that built it, while the state lives): the library's reads of that dataset are compared."""
+
+
+class watched:
+    """Around a library read of ``dataset`` (:func:`fetch`, :func:`read_examples`): its fetch state noted before and
+    compared after (the read's own writes judged, not those of the code between reads). Not nested, only in the
+    process that built the loader, and not inside the loader's own fetch (a collate reading its empty batch's
+    template)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, dataset: Any) -> None:
+        state = WATCHED.get(id(dataset)) if WATCHED else None
+        ok = state is not None and state.dataset is dataset and state.home == os.getpid() and not state.depth
+        self.state = state if ok else None
+
+    def __enter__(self) -> None:
+        if self.state is not None:
+            self.state.depth += 1
+            self.state.note()
+
+    def __exit__(self, kind: Any, *_: Any) -> bool:
+        if self.state is not None:
+            self.state.depth -= 1
+            if kind is None:
+                self.state.check()
+        return False
+
+
 def fetch(dataset: Any, indices: Sequence[int]) -> Any:
     """The fetcher's ``items`` for ``indices`` (before the collate): ``dataset.__getitems__(indices)`` when
-    defined, else ``[dataset[i] for i in indices]``."""
-    many = getattr(dataset, "__getitems__", None)
-    if many:
-        return many(list(indices))
-    return [dataset[i] for i in indices]
+    defined, else ``[dataset[i] for i in indices]``. Watched (:class:`watched`)."""
+    with watched(dataset):
+        many = getattr(dataset, "__getitems__", None)
+        if many:
+            return many(list(indices))
+        return [dataset[i] for i in indices]
 
 
 def reads_per_index(dataset: Any) -> bool:
@@ -76,12 +114,14 @@ def reseed(seed: int) -> None:
 def read_examples(dataset: Any, collate: Callable[[Any], Any], indices: Sequence[int], fixed: bool = False) -> Any:
     """The examples ``indices`` read as the loader's fetcher reads them (:func:`fetch`) and collated; ``fixed``:
     example i read with the generators seeded by i (states restored after), unless the dataset reads a batch in one
-    call (:func:`reads_per_index`). See :meth:`~lightning_dp.privacy.private_step.PrivateStep.examples`."""
-    if not (fixed and reads_per_index(dataset)):
-        return collate(fetch(dataset, indices))
-    items = []
-    with seeded(0):  # the generators' states saved once, restored after the last example
-        for i in indices:
-            reseed(int(i))
-            items.append(dataset[i])
-    return collate(items)
+    call (:func:`reads_per_index`). See :meth:`~lightning_dp.privacy.private_step.PrivateStep.examples`. Watched
+    with the collate (:class:`watched`)."""
+    with watched(dataset):
+        if not (fixed and reads_per_index(dataset)):
+            return collate(fetch(dataset, indices))
+        items = []
+        with seeded(0):  # the generators' states saved once, restored after the last example
+            for i in indices:
+                reseed(int(i))
+                items.append(dataset[i])
+        return collate(items)

@@ -8,11 +8,17 @@ every later release depends on the Poisson-drawn records that set the statistic,
 is not bounded by the clipping norm.
 
 The strategy owns the rebuilt training loader's fetch path in every process (:class:`WatchedCollate`, installed as
-its collate, and its ``worker_init_fn``): before a process's first fetch it notes a shallow digest (:func:`digest`)
-of the Python state of the dataset (its attributes, those of the objects it holds, to :data:`MAX_DEPTH` levels), of
-the user's collate object, and in a worker of the module-level globals of their classes' modules; after each batch
-is collated it compares. Tensors are compared by identity and shape (in a worker also by version counter: an
-in-place update there is invisible to the main process), NumPy arrays by identity, shape and a few elements,
+its collate, :class:`NotedBatches` and its ``worker_init_fn``): it notes a shallow digest (:func:`digest`) of the
+Python state of the dataset (its attributes, those of the objects it holds, to :data:`MAX_DEPTH` levels), of the
+user's collate object, and in a worker of the module-level globals of their classes' modules, and compares it after
+the fetch. Only fetches are judged, not the user's code between them (a callback's ``set_epoch``, an augmentation
+strength set from the epoch number: public values, which other checks judge): in the main process without workers
+the digest is noted right before each batch is fetched (:class:`NotedBatches`, as the loader draws its indices) and
+compared after its collate; the library's own reads in the main process (the checks before training, the probe,
+physical batches: :class:`~lightning_dp.records.fetch.watched`) are compared around themselves — a warm-up they
+complete is refused; a worker notes after the user's ``worker_init_fn`` and compares after each of its batches.
+Tensors are compared by identity and shape (in a worker also by version counter: an in-place update there is
+invisible to the main process), NumPy arrays by identity, shape and a few elements,
 containers by identity, length and their first and last :data:`SAMPLED` items, numbers and strings by value. Random
 number generators (``random.Random``, NumPy's and torch's generators) are not walked: their state is not the
 dataset's. A change is refused (``PrivacyConfigurationError``) before the batch is handed to the loop; in a worker
@@ -50,7 +56,7 @@ from torch import Tensor
 from torch.utils.data import get_worker_info
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.records.fetch import seeded
+from lightning_dp.records.fetch import WATCHED, seeded
 
 MAX_DEPTH = 4
 """Attribute or item levels walked below the dataset and the collate object."""
@@ -202,6 +208,9 @@ class FetchState:
         self._objects: dict[str, Any] = {}
         self._compared = 0
         self._unverified: list[tuple[dict, Any]] = []
+        self.home = os.getpid()  # the process that built the loader: its library reads are watched (fetch.watched)
+        self.depth = 0  # inside a watched read or the loader's collate: nested reads are part of it
+        WATCHED[id(dataset)] = self
 
     def _take(self) -> tuple[Digest, dict[str, Any]]:
         roots = {"dataset": self.dataset}
@@ -235,15 +244,16 @@ class FetchState:
             refused = self._verify_caches()
         if refused:
             raise PrivacyConfigurationError(
-                f"Reading records writes state that shapes later records: {', '.join(refused[:6])} changed while the "
-                "training loader fetched and collated a batch. A fetch must be stateless: a normaliser or statistic "
-                "collected from the records read so far (a running mean, a mean and deviation estimated on the first "
-                "records or batches, per worker or not) makes every later record depend on the Poisson-drawn records "
-                "that set it, un-noised — one record's influence is no longer bounded by max_grad_norm. Nothing was "
-                "released with this batch. Fix: compute normalisers from public data or constants before training "
-                "(or in a worker_init_fn from public data), and keep __getitem__ and the collate_fn per-record "
-                "transforms. Allowed: a cache keyed by the record's index holding that record's own value, and a "
-                "handle opened on first use (a file, an LMDB or HDF5 handle) that holds no data.")
+                f"Reading records writes state that shapes later records: {', '.join(refused[:6])} changed while "
+                "the training loader fetched and collated a batch (or the library read records). A fetch must be "
+                "stateless: a normaliser or statistic collected from the records read so far (a running mean, a "
+                "mean and deviation estimated on the first records or batches, per worker or not) makes every "
+                "later record depend on the Poisson-drawn records that set it, un-noised — one record's influence "
+                "is no longer bounded by max_grad_norm. Nothing was released with this batch. Fix: compute "
+                "normalisers from public data or constants before training (or in a worker_init_fn from public "
+                "data), and keep __getitem__ and the collate_fn per-record transforms. Allowed: a cache keyed by "
+                "the record's index holding that record's own value, and a handle opened on first use (a file, an "
+                "LMDB or HDF5 handle) that holds no data.")
 
     def _refused(self, changed: list[str], entries: Digest, objects: dict[str, Any]) -> list[str]:
         allowed: list[str] = []  # paths below which every change is allowed
@@ -369,14 +379,38 @@ class WatchedCollate:
         self.state = state
 
     def __call__(self, examples: Any) -> Any:
-        batch = self.inner(examples)
-        self.state.check()
+        state = self.state
+        state.depth += 1  # a read inside the collate (an empty batch's template) is part of this fetch
+        try:
+            batch = self.inner(examples)
+        finally:
+            state.depth -= 1
+        state.check()
         return batch
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "state") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class NotedBatches:
+    """The batches of indices a single-process loader fetches (``batches``), the fetch state noted as each is handed
+    out: in the main process that is right before the batch is fetched, so :meth:`FetchState.check` after its collate
+    judges that fetch's own writes only (not those of the user's hooks between batches: ``set_epoch``)."""
+
+    def __init__(self, batches: Any, state: FetchState) -> None:
+        self.batches = batches
+        self.state = state
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        note = self.state.note
+        for indices in self.batches:
+            note()
+            yield indices
 
 
 class NotingWorkerInit:

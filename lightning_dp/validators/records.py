@@ -37,7 +37,7 @@ from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.distinct_records import DistinctRecords
-from lightning_dp.records.fetch import fetch, seeded
+from lightning_dp.records.fetch import fetch, seeded, watched
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.validators.record_sources import check_sources
 from lightning_dp.validators.repeated_records import READ_SEED, check_repeated_records
@@ -61,7 +61,15 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
 
     Raises:
         PrivacyConfigurationError: naming what is wrong and the fix.
+
+    The checks' reads are watched as one (:class:`~lightning_dp.records.fetch.watched`): a statistic they leave on
+    the dataset (a warm-up they complete) is refused after them, once these checks have named what they find.
     """
+    with watched(dataset):
+        _check_records(dataset, indices, num_samples, per_user)
+
+
+def _check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int, per_user: bool) -> None:
     writes = None if per_user else ReadWrites(dataset)  # before any read: what reads write besides the records
     check_same_on_every_rank(dataset)  # first read: a collective, which every rank must reach
     check_sources(dataset, indices)

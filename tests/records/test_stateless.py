@@ -10,24 +10,29 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.collate import EmptySafeCollate, loader_like
+from lightning_dp.records.fetch import fetch, read_examples
 
 X = torch.randn(64, 4) * 3 + 1
 Y = (X[:, 0] > 1).long()
 BATCHES = [list(range(i, i + 8)) for i in range(0, 64, 8)] * 2
 
 
-def drain(dataset, collate_fn=None, workers=0, reads=()):
-    """Build the strategy's loader as private_step does and run every batch (``reads``: indices read before)."""
+def drain(dataset, collate_fn=None, workers=0, reads=(), hook=None, persistent=None):
+    """Build the strategy's loader as private_step does and run every batch (``reads``: indices read before, as the
+    checks read them; ``hook(epoch, batch)``: the user's code between passes (batch -1) and batches)."""
     dl = DataLoader(dataset, batch_size=8, collate_fn=collate_fn, num_workers=workers,
-                    persistent_workers=workers > 0)
+                    persistent_workers=workers > 0 if persistent is None else persistent)
     from lightning_dp.records.stateless import FetchState
     state = FetchState(dataset, collate_fn).noted()
-    for i in reads:  # the checks before training read records too
-        dataset[i]
+    for i in reads:  # the checks before training read records too, through the library's read path
+        fetch(dataset, [i])
     loader = loader_like(dl, BATCHES, EmptySafeCollate(dataset, collate_fn), state)
-    for _ in range(2):  # two passes (persistent workers)
-        for _ in loader:
-            pass
+    for epoch in range(2):  # two passes (persistent workers)
+        if hook is not None:
+            hook(epoch, -1)
+        for b, _ in enumerate(loader):
+            if hook is not None:
+                hook(epoch, b)
 
 
 class WarmupDS(Dataset):  # stats from the first 16 records read, then frozen
@@ -194,3 +199,83 @@ def test_digits_dataset_trains():
                          EmptySafeCollate(ds, dl.collate_fn))
     for _ in loader:
         pass
+
+
+# ------------------------------------------------- the user's own writes between fetches are not the fetches'
+class EpochDS(Dataset):  # set_epoch from a callback (public: the epoch number), an augmentation strength from it
+    def __init__(self):
+        self.epoch, self.strength = 0, 0.0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i + 1000 * self.epoch)
+        return X[i] + self.strength * torch.randn(4, generator=g), Y[i]
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, True), (2, False)])
+def test_set_epoch_between_passes_and_batches_trains(workers, persistent):
+    ds = EpochDS()
+
+    def hook(epoch, batch):
+        ds.set_epoch(epoch + 1 if batch < 0 else epoch * 100 + batch)
+        ds.strength = 0.1 * (epoch + 1)
+    drain(ds, workers=workers, reads=range(0, 64, 5), hook=hook, persistent=persistent)
+
+
+class SetEpoch(__import__("pytorch_lightning").Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        ds = trainer.train_dataloader.dataset
+        ds.set_epoch(trainer.current_epoch)
+        ds.strength = 0.05 * (1 + trainer.current_epoch)  # an augmentation strength from the epoch number
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, True), (2, False)])
+def test_a_callback_calling_set_epoch_at_epoch_start_trains(workers, persistent):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "privacy" / "boundary"))
+    from cases import Classifier, strategy
+    from conftest import quiet_trainer
+    ds = EpochDS()
+    dl = DataLoader(ds, batch_size=16, num_workers=workers, persistent_workers=persistent)
+    quiet_trainer(strategy=strategy(), max_epochs=3, callbacks=[SetEpoch()]).fit(Classifier(), dl)
+    assert ds.epoch == 2 and ds.strength == pytest.approx(0.15)
+
+
+def test_a_warmup_completed_by_the_library_reads_after_a_hook_write_is_refused():
+    ds = WarmupDS()
+    with pytest.raises(PrivacyConfigurationError, match="dataset.stats|dataset.seen"):
+        drain(ds, reads=range(16), hook=lambda e, b: setattr(ds, "epoch", e))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_warmup_completed_by_the_probes_reads_during_training_is_refused(workers):
+    """A library read during training (the probe's examples, read_examples) is compared around itself."""
+    ds = WarmupDS()
+    dl = DataLoader(ds, batch_size=8, num_workers=workers, persistent_workers=workers > 0)
+    from lightning_dp.records.stateless import FetchState
+    loader = loader_like(dl, BATCHES[:1], EmptySafeCollate(ds), FetchState(ds, None).noted())
+    with pytest.raises(PrivacyConfigurationError, match="dataset.stats|dataset.seen"):
+        for _ in range(3):
+            for _ in loader:
+                read_examples(ds, EmptySafeCollate(ds), list(range(8)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_warmup_attacks_with_a_hook_writing_between_batches_are_refused(workers):
+    def make_hook(ds):
+        return lambda e, b: setattr(ds, "epoch", e * 100 + b)
+    for make, collate in [(WarmupDS, None), (lambda: TensorDataset(X, Y), WarmupCollate())]:
+        ds = make()
+        hook = make_hook(ds) if isinstance(ds, WarmupDS) else None
+        with pytest.raises(PrivacyConfigurationError, match="stateless|seen|stats|buf"):
+            drain(ds, collate_fn=collate, workers=workers, hook=hook)
+    if workers:
+        ds = PerWorkerDS()
+        with pytest.raises(PrivacyConfigurationError, match="stateless|seen|stats"):
+            drain(ds, workers=workers, hook=make_hook(ds))
