@@ -348,7 +348,7 @@ class StateFingerprint:
             for kind in _HOOK_DICTS:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
                     path = f"{prefix}{kind}[{handle}]"
-                    if not _library_callable(fn) and not self._is_public(path):
+                    if (not _library_callable(fn) or _binds(fn)) and not self._is_public(path):
                         entries[f"hook {path}"] = tuple(walker.token(v) for v in callable_state(fn))
         for cb in callbacks:
             every = every_callback or self.every_callback
@@ -698,7 +698,7 @@ class _Walker:
             # nobody else's to fingerprint
             tensors = [*value.parameters(), *value.buffers()]
             return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
-        if isinstance(value, _FUNCTIONS) and not _library_callable(value) and depth < MAX_DEPTH:
+        if isinstance(value, _FUNCTIONS) and (not _library_callable(value) or _binds(value)) and depth < MAX_DEPTH:
             if id(value) in self._objects:
                 return ("seen", id(value))
             self._objects.add(id(value))  # what a closure, a default argument or a bound object keeps
@@ -1065,8 +1065,14 @@ def _library_callable(fn: Any) -> bool:
 
 
 def _library_function(value: Any) -> bool:
-    """A function, method or partial defined by a library: nothing of the user's is kept in it."""
-    return isinstance(value, _FUNCTIONS) and _library_callable(value)
+    """A function, method or partial defined by a library: nothing of the user's is kept in it (a partial binding
+    arguments keeps them: ``partial(F.cross_entropy, weight=w)`` holds the user's ``w``)."""
+    return isinstance(value, _FUNCTIONS) and _library_callable(value) and not _binds(value)
+
+
+def _binds(value: Any) -> bool:
+    """A ``functools.partial`` with bound arguments: what they hold is its maker's, whatever function it wraps."""
+    return isinstance(value, functools.partial) and bool(value.args or value.keywords)
 
 
 def callable_state(fn: Any) -> list[Any]:
