@@ -271,8 +271,48 @@ class FetchState:
             if value is not _ABSENT and not holds_data(value):
                 allowed.append(path)
                 continue
+            if value is not _ABSENT and self._loaded_on_first_use(path, value, objects):
+                allowed.append(path)
+                continue
             refused.append(_label(path))
         return list(dict.fromkeys(refused))
+
+    def _loaded_on_first_use(self, path: str, value: Any, objects: dict[str, Any]) -> bool:
+        """An attribute that was ``None`` (or absent) and now holds an array or tensor (``self._x = np.load(path,
+        mmap_mode="r")`` on the first ``__getitem__``): allowed when it is the same whichever record triggered it —
+        put back to ``None`` with its owner's other attributes loaded at the same read (``self._y``) and loaded again
+        by a read of another record (generators seeded), each must come back equal; a statistic of the records read
+        so far does not. The owner's attributes are put back afterwards."""
+        if not self._was_none(path) or not isinstance(value, (np.ndarray, Tensor)) or "." not in path \
+                or "[" in path.rsplit(".", 1)[1]:
+            return False
+        parent, name = path.rsplit(".", 1)
+        fields = getattr(objects.get(parent, _ABSENT), "__dict__", None)
+        try:
+            n = len(self.dataset)
+        except TypeError:
+            return False
+        if not isinstance(fields, dict) or fields.get(name) is not value or n < 1:
+            return False
+        loaded = {k: v for k, v in fields.items()
+                  if isinstance(v, (np.ndarray, Tensor)) and self._was_none(f"{parent}.{k}")}
+        saved = dict(fields)
+        j = (self._compared * 7919 + 1) % n
+        try:
+            fields.update(dict.fromkeys(loaded))
+            with seeded(j):
+                self.dataset[j]
+            fresh = {k: fields.get(k) for k in loaded}
+        except Exception:  # noqa: BLE001 — a read that fails this way is not allowed on trust
+            return False
+        finally:
+            fields.clear()
+            fields.update(saved)
+        return all(fresh[k] is not None and _same(fresh[k], v) for k, v in loaded.items())
+
+    def _was_none(self, path: str) -> bool:
+        before = self._entries.get(path, _ABSENT)
+        return before is _ABSENT or before is None
 
     def _cache_growth(self, now: dict, token: Any, before_token: Any) -> bool:
         """Whether ``now`` is an index-keyed cache that only gained entries keyed by valid indices."""

@@ -46,6 +46,7 @@ parameters and floating buffers are compared every time). Entries matching a dec
 from __future__ import annotations
 
 import array
+import dataclasses
 import fnmatch
 import functools
 import hashlib
@@ -720,6 +721,10 @@ class _Walker:
             return raw
         if isinstance(value, Dataset):
             return dataset_token(value)  # the data, not state: its tensors by version, so an in-place write shows
+        if _is_library(value) and _configuration_object(value) and id(value) not in self._objects:
+            self._objects.add(id(value))  # a library's configuration (Hugging Face's model.config): a namespace
+            return ("configuration", type(value).__name__,
+                    tuple((k, self.token(v, depth + 1)) for k, v in vars(value).items() if not k.startswith("_")))
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
             return ("object", type(value).__name__, id(value))
         if id(value) in self._objects:
@@ -730,6 +735,15 @@ class _Walker:
         return ("object", type(value).__name__,
                 tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
                       if not _library_function(v)))
+
+
+def _configuration_object(value: Any) -> bool:
+    """A library's configuration object: a dataclass or an object that writes itself out as a dict (Hugging Face's
+    ``PretrainedConfig`` and ``GenerationConfig``, peft's configs). Code uses one as a namespace
+    (``model.config.temperature = …``), and it is saved with the model (``config.json``): its public fields are read
+    as state; its ``_``-prefixed ones are the library's own."""
+    return hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, Tensor)) \
+        and (dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)))
 
 
 def holds_gradient(t: Tensor) -> bool:

@@ -4,6 +4,7 @@ import os
 import random
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
@@ -279,3 +280,52 @@ def test_warmup_attacks_with_a_hook_writing_between_batches_are_refused(workers)
         ds = PerWorkerDS()
         with pytest.raises(PrivacyConfigurationError, match="stateless|seen|stats"):
             drain(ds, workers=workers, hook=make_hook(ds))
+
+
+class LazyArraysDS(Dataset):
+    """Arrays opened on the first read (``np.load(path, mmap_mode="r")``, or loaded whole): the files' contents, the
+    same whichever record triggered the load."""
+
+    def __init__(self, directory, mmap_mode):
+        self.directory, self.mmap_mode, self._x, self._y = directory, mmap_mode, None, None
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if self._x is None:
+            self._x = np.load(f"{self.directory}/x.npy", mmap_mode=self.mmap_mode)
+            self._y = np.load(f"{self.directory}/y.npy", mmap_mode=self.mmap_mode)
+        return torch.from_numpy(np.array(self._x[i])), int(self._y[i])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mmap_mode", ["r", None])
+def test_arrays_loaded_on_the_first_read_train(tmp_path, workers, mmap_mode):
+    np.save(tmp_path / "x.npy", X.numpy())
+    np.save(tmp_path / "y.npy", Y.numpy())
+    drain(LazyArraysDS(tmp_path, mmap_mode), workers=workers, reads=range(0, 64, 5))
+
+
+class WarmupMeanDS(Dataset):
+    """A mean of the first 16 records read, kept as one tensor set from None: not the same whichever record."""
+
+    def __init__(self):
+        self.seen, self.mean = [], None
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if self.mean is None:
+            self.seen.append(X[i])
+            if len(self.seen) >= 16:
+                self.mean = torch.stack(self.seen).mean(0)
+            return X[i], Y[i]
+        return X[i] - self.mean, Y[i]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_statistic_set_from_none_is_not_taken_for_a_load(workers):
+    with pytest.raises(Exception, match="Reading records writes state"):
+        drain(WarmupMeanDS(), workers=workers)
