@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators import metric_values
 from lightning_dp.validators.hook_replays import moved_far
 from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, decisions,
                                                 hyperparameters, hyperparameters_error)
@@ -75,7 +76,6 @@ class LoggedReads:
         self.active = False
         self._names: set[str] = set()  # every name logged by a training hook this fit (the results reset each epoch)
         self._read: Optional[tuple[list[str], Fingerprint, list[Any]]] = None  # names, hyper-parameters, schedulers
-        self._metrics: dict[nn.Module, Any] = {}  # torchmetrics metrics watched → their own compute
 
     def install(self) -> None:
         """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
@@ -86,6 +86,7 @@ class LoggedReads:
             current = getattr(connector, attribute, None)
             if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
                 setattr(connector, attribute, LoggedMetrics(current, self))
+        _watch_results(self)
         self.active = True
 
     @contextmanager
@@ -108,29 +109,23 @@ class LoggedReads:
                 dict.__setitem__(metrics, key, value)
 
     def watch_metrics(self, module: nn.Module) -> None:
-        """Watch the ``compute()`` of every torchmetrics ``Metric`` in ``module``: its states accumulate the training
-        batches (updated in ``training_step`` or a batch hook; they are not fingerprinted: they feed ``self.log``), so
-        computing it inside a step reads back a statistic of the data as a logged value would (refused)."""
-        for name, metric in module.named_modules():
-            compute = vars(metric).get("compute")
-            if not hasattr(metric, "_update_count") or not callable(compute) or metric in self._metrics:
-                continue
+        """Watch every torchmetrics ``Metric`` (at the class level: wherever it lives, the module, a dict, a callback,
+        a global): its states accumulate the training batches (they are not fingerprinted: they feed ``self.log``),
+        so its value read back inside a step — ``compute()`` or its states by the user's code, or what ``forward``
+        returns carried into the loss — is refused as a logged value would be (:mod:`.metric_values`)."""
+        def inside() -> Optional[str]:
+            hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
+            return hook if self.active and hook in STEP_HOOKS else None
 
-            def guarded(*args: Any, _compute: Any = compute, _name: str = name, **kwargs: Any) -> Any:
-                if self.active and _users_frame() is not None:
-                    hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
-                    if hook in STEP_HOOKS:
-                        raise logged_read_error([f"{_name}.compute()"], f"in {hook}")
-                return _compute(*args, **kwargs)
+        def name(metric: Any) -> str:
+            found = next((n for n, m in module.named_modules() if m is metric and n), None)
+            return found or type(metric).__name__
 
-            self._metrics[metric] = compute
-            metric.compute = guarded
+        metric_values.watch(inside, lambda read, hook: logged_read_error([read], f"in {hook}"), name)
 
     def unwatch_metrics(self) -> None:
-        """Give the metrics their own ``compute`` back."""
-        for metric, compute in self._metrics.items():
-            metric.compute = compute
-        self._metrics.clear()
+        """The metrics compute as they did."""
+        metric_values.unwatch()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -148,6 +143,7 @@ class LoggedReads:
         metrics compute as they did."""
         self.active = False
         self.unwatch_metrics()
+        _watch_results(None)
         connector = getattr(self.trainer, "_logger_connector", None)
         for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
             current = getattr(connector, attribute, None)
@@ -158,20 +154,34 @@ class LoggedReads:
         """Called by :class:`LoggedMetrics` before ``keys`` are read: refuse or report a read by the user's code."""
         if not self.active:
             return
+        hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
         reader = _users_frame()
-        if reader is None:
+        if reader is None and (hook not in STEP_HOOKS or _logging()):
             return
         self._names |= set(self.private())
         names = sorted(str(k) for k in keys if k in self._names)
         if not names:
             return
-        module = getattr(self.trainer, "lightning_module", None)
-        hook = getattr(module, "_current_fx_name", None)
-        if hook in STEP_HOOKS:
+        if hook in STEP_HOOKS:  # whoever reads (a progress bar's get_metrics, the connector's metrics), for the step
             raise logged_read_error(names, f"in {hook}")
         if self._read is None:
             self._read = (names, self._hyperparameters(), self._scheduler_steps())
         self.on_read(reader.f_locals.get("self"), names)
+
+    def check_results(self, metrics: Any) -> None:
+        """Called when Lightning's results are turned into the metric dicts (``_logger_connector.metrics``):
+        inside a step hook, unless for ``self.log``, the library's own code or the trainer's dict properties (whose
+        dicts are watched key by key), a dict holding training-logged values is read for the step: refused."""
+        if not self.active or not isinstance(metrics, dict):
+            return
+        hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
+        if hook not in STEP_HOOKS or _logging():
+            return
+        self._names |= set(self.private())
+        names = sorted({str(k) for part in metrics.values() if isinstance(part, dict) for k in dict.keys(part)
+                        if k in self._names})
+        if names:
+            raise logged_read_error(names, f"in {hook} (trainer._logger_connector.metrics)")
 
     def check_release(self) -> None:
         """Before a release: refuse if the optimizers' hyper-parameters changed since the user's code read a
@@ -262,6 +272,60 @@ class LoggedMetrics(dict):
 
     def __reduce__(self) -> Any:  # pickled (a checkpoint, a spawned process) as the plain dict it stands for
         return (dict, (dict(super().items()),))
+
+
+_RESULTS: list[Any] = []  # (the results class, its own ``metrics``) while a fit is watched
+_WATCHING: list[Optional[LoggedReads]] = [None]
+
+
+def _watch_results(reads: Optional[LoggedReads]) -> None:
+    """Watch Lightning's ``_ResultCollection.metrics`` (at the class level) for ``reads``; ``None``: restore it."""
+    _WATCHING[0] = reads
+    if reads is None:
+        while _RESULTS:
+            cls, own = _RESULTS.pop()
+            cls.metrics = own
+        return
+    if _RESULTS:
+        return
+    for prefix in ("pytorch_lightning", "lightning.pytorch"):
+        module = sys.modules.get(f"{prefix}.trainer.connectors.logger_connector.result")
+        cls = getattr(module, "_ResultCollection", None)
+        own = vars(cls).get("metrics") if cls is not None else None
+        if own is None:
+            continue
+
+        def metrics(results: Any, *args: Any, _own: Any = own, **kwargs: Any) -> Any:
+            out = _own(results, *args, **kwargs)
+            watching = _WATCHING[0]
+            if watching is not None:
+                watching.check_results(out)
+            return out
+
+        _RESULTS.append((cls, own))
+        cls.metrics = metrics
+
+
+_LOGGING = frozenset({"callback_metrics", "logged_metrics", "progress_bar_metrics", "log", "log_dict",
+                      "__to_tensor", "_LightningModule__to_tensor", "__check_not_nested", "__check_allowed"})
+
+
+def _logging() -> bool:
+    """Whether the read is on the path of Lightning's ``self.log``, of the trainer's dict properties (their dicts are
+    watched key by key) or lightning_dp's own code, reached
+    before any of the user's code: the only reads of the metric dicts allowed while a step hook runs; anything else
+    (a library's accessor the step called) reads them for the step."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        top = name.split(".")[0]
+        if (top == "lightning_dp" and name != _THIS) or (frame.f_code.co_name in _LOGGING and (
+                name.endswith("core.module") or name.endswith("logger_connector.logger_connector"))):
+            return True
+        if top not in _LIBRARIES and (top not in _STANDARD or top == "__main__"):
+            return False  # the user's code, before any logging: a progress bar's get_metrics called by the step
+        frame = frame.f_back
+    return False
 
 
 def _users_frame() -> Optional[Any]:

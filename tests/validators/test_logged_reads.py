@@ -324,3 +324,148 @@ def test_held_out_validation_values_may_steer_the_rate():
 
     dp = _validating_fit(RateFromValidationLoss(), DataLoader(data(32, seed=5), batch_size=16))
     assert dp.ledger.steps == 12
+
+
+class _AccuracyAtBatchEnd(pl.Callback):
+    """A callback holding a torchmetrics metric, updated with the training batch at batch end."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=2)
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            self.accuracy.update(module(batch[0]).argmax(1), batch[1])
+
+
+class WeightsByACallbacksMetric(Classifier):
+    """Reads a callback's metric (computed in training_step) into its loss weight."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        held = next(c for c in self.trainer.callbacks if isinstance(c, _AccuracyAtBatchEnd)).accuracy
+        weight = 2.0 - float(held.compute()) if held.update_count else 1.0
+        return super().training_step(batch, batch_idx) * weight
+
+
+class WeightsByADictsMetric(Classifier):
+    """Keeps its metric in a plain dict (not a submodule), updated at batch end, computed into the next loss."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.metrics = {"train_acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        held = self.metrics["train_acc"]
+        weight = 2.0 - float(held.compute()) if held.update_count else 1.0
+        return super().training_step(batch, batch_idx) * weight
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            self.metrics["train_acc"].update(self(batch[0]).argmax(1), batch[1])
+
+
+class WeightsByTheBatchAccuracy(LogsItsAccuracy):
+    """Uses what the metric's forward returns (the batch's accuracy) in its loss, from the second step (the first
+    step's probe would see the examples interact)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[0])
+        accuracy = self.accuracy(logits.argmax(1), batch[1])
+        loss = torch.nn.functional.cross_entropy(logits, batch[1])
+        return loss * (2.0 - accuracy) if batch_idx else loss
+
+
+class ScalesByAMetricsForward(Classifier):
+    """Uses what a metric's forward returns in its loss (a running mean of a constant: the seal, not the probe)."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.steps = torchmetrics.SumMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) / self.steps(torch.ones(()))
+
+
+class LogsTheBatchAccuracy(LogsItsAccuracy):
+    """Logs what the metric's forward returns, and a dict-held metric, each in the standard way (reports)."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.metrics = {"train_f1": torchmetrics.F1Score(task="multiclass", num_classes=2)}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[0])
+        self.log("train_acc", self.accuracy(logits.argmax(1), batch[1]), prog_bar=True)
+        self.metrics["train_f1"].update(logits.argmax(1), batch[1])
+        return torch.nn.functional.cross_entropy(logits, batch[1])
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train_f1", self.metrics["train_f1"].compute())
+
+
+def test_a_metric_is_watched_wherever_it_lives_and_its_value_only_reported():
+    for model, callbacks in ((WeightsByACallbacksMetric(), [_AccuracyAtBatchEnd()]), (WeightsByADictsMetric(), []),
+                             (WeightsByTheBatchAccuracy(), []), (ScalesByAMetricsForward(), [])):
+        with pytest.raises(PrivacyConfigurationError, match=r"(?s)were read back in training_step|Examples interact"):
+            fit(model, steps=4, callbacks=callbacks)
+        assert model.trainer.strategy.ledger.steps <= 1, type(model).__name__
+    import torchmetrics
+
+    assert "__getattribute__" not in vars(torchmetrics.Metric), "the metrics are as they were once the fit ends"
+    logged = LogsTheBatchAccuracy()
+    assert fit(logged, steps=8, callbacks=[_AccuracyAtBatchEnd()]).ledger.steps == 8
+    assert 0 <= float(logged.trainer.callback_metrics["train_acc"]) <= 1
+    assert 0 <= float(logged.trainer.callback_metrics["train_f1"]) <= 1
+
+
+class LogsToTheBar(Classifier):
+    """Logs its training loss to the progress bar."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+
+class ReadsTheProgressBar(LogsToTheBar):
+    """Reads its logged loss back through the progress bar's public get_metrics (Lightning's code reads)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        last = self.trainer.progress_bar_callback.get_metrics(self.trainer, self).get("train_loss_step")
+        loss = super().training_step(batch, batch_idx)
+        return loss if last is None else loss / (0.5 + float(last))
+
+
+class ReadsTheConnector(Logs):
+    """Reads its logged loss back through the logger connector's metrics."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        last = self.trainer._logger_connector.metrics["callback"].get("train_loss_step")
+        loss = super().training_step(batch, batch_idx)
+        return loss if last is None else loss / (0.5 + float(last))
+
+
+class _PrintsTheBar(pl.Callback):
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        print("bar", trainer.progress_bar_callback.get_metrics(trainer, module).get("train_loss_step"))
+
+
+def test_a_logged_value_read_through_a_librarys_accessor_inside_the_step_is_refused(capsys):
+    for model in (ReadsTheProgressBar(), ReadsTheConnector()):
+        with pytest.raises(PrivacyConfigurationError, match=r"(?s)'train_loss_step' were read back in training_step"):
+            quiet_trainer(strategy=strategy(), max_steps=4, enable_progress_bar=True).fit(model, loader())
+        assert model.trainer.strategy.ledger.steps == 1, type(model).__name__
+    capsys.readouterr()
+    model = LogsToTheBar()
+    quiet_trainer(strategy=strategy(), max_steps=4, enable_progress_bar=True, callbacks=[_PrintsTheBar()]).fit(
+        model, loader())
+    assert model.trainer.strategy.ledger.steps == 4
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bar ")]
+    assert len(shown) >= 4, shown  # the bar's own reads, outside the step (and their replays): a report

@@ -1,0 +1,134 @@
+"""A torchmetrics ``Metric``'s value inside a step is a report: ``self.log`` may take it, the step may not use it.
+
+A metric's states accumulate the training batches (``update`` in ``training_step`` or at batch end), without noise,
+and they are not fingerprinted (they feed ``self.log``). Its value read back by a step — ``compute()``, or what its
+``forward`` returns (the batch's accuracy), carried into the loss, a learning rate or a branch — steers the release by
+the private data, outside the guarantee; and it does so wherever the metric lives: a submodule of the module, a plain
+dict (``self.mets = {"train_acc": ...}``), a callback, the datamodule, a global. So, while a private fit trains, at
+the class level (every ``Metric``, made before or during the fit), and restored when it ends:
+
+* ``compute()`` called by the user's code (not a library's: torchmetrics, Lightning, lightning_dp) inside a step hook
+  (:data:`~lightning_dp.validators.logged_reads.STEP_HOOKS`) is refused at once;
+* what ``compute()`` returns inside a step hook to a library (``forward``'s batch value, a ``MetricCollection``, a
+  wrapper) is a :class:`SealedMetric`: a tensor whose value the user's code may not read (``float()``, ``.item()``,
+  arithmetic, a comparison) while a step hook runs. Lightning's ``self.log`` takes it (its operations are
+  Lightning's, and give plain tensors), so ``acc = self.train_acc(preds, y); self.log("train_acc", acc)`` and
+  ``self.log("train_acc", self.train_acc)`` train as before; ``loss * (2 - acc)`` is refused. Outside a step (the
+  batch end, validation, after the fit) it is an ordinary tensor (what batch-end hooks decide from it is
+  :mod:`.decisions`' to judge);
+* a metric's states (``tp``, ``mean_value``, …, its cached ``_computed`` and ``_forward_cache``) read by the user's
+  code inside a step hook are refused as ``compute()`` is.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["SealedMetric", "unwatch", "watch"]
+
+_INSIDE: Callable[[], Optional[str]] = lambda: None  # noqa: E731  (the current step hook, or None; set by :func:`watch`)
+_REFUSE: Callable[[str, str], Exception] = lambda read, hook: RuntimeError(read)  # noqa: E731
+_NAME: Callable[[Any], str] = lambda metric: type(metric).__name__  # noqa: E731  (a metric's name in the errors)
+_LIBRARIES = frozenset({"torch", "torchmetrics", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp",
+                        "lightning_utilities"})
+_CACHES = frozenset({"_computed", "_forward_cache"})
+_PASSED_ON = frozenset({"detach", "clone", "size", "dim", "numel", "is_floating_point", "__get__", "requires_grad_",
+                        "to", "cpu", "cuda", "__hash__"})
+_THIS = __name__
+_saved: Optional[tuple[Any, Any]] = None  # (Metric, its own __getattribute__ if it had one)
+
+
+def _users_caller(depth: int) -> bool:
+    """Whether the first caller (``depth`` frames up) outside torch and the standard library is the user's code."""
+    frame: Any = sys._getframe(depth)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        top = name.split(".")[0]
+        if name != _THIS and top != "torch" and (top not in sys.stdlib_module_names or top == "__main__"):
+            return top not in _LIBRARIES
+        frame = frame.f_back
+    return False
+
+
+class SealedMetric(Tensor):
+    """A metric's value computed inside a step: unreadable by the user's code while a step hook runs."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        hook = _INSIDE()
+        if hook is None or not _users_caller(2):
+            with torch._C.DisableTorchFunctionSubclass():  # a library's operation (self.log): a plain tensor
+                return func(*args, **(kwargs or {}))
+        if name not in _PASSED_ON:
+            raise _REFUSE(f"a torchmetrics metric's value ({name})", hook)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _sealed(value: Any) -> Any:
+    if isinstance(value, Tensor) and not isinstance(value, SealedMetric):
+        with torch._C.DisableTorchFunctionSubclass():
+            return value.as_subclass(SealedMetric)
+    if isinstance(value, dict):
+        return {k: _sealed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_sealed(v) for v in value) if type(value) in (list, tuple) else value
+    return value
+
+
+def watch(inside: Callable[[], Optional[str]], refuse: Callable[[str, str], Exception],
+          name: Callable[[Any], str] = lambda metric: type(metric).__name__) -> None:
+    """From now on every torchmetrics ``Metric`` is watched (module docstring). ``inside``: the current step hook
+    (``None`` outside one); ``refuse(read, hook)``: the error for a read by the user's code; ``name``: a metric's
+    name in it."""
+    global _INSIDE, _REFUSE, _NAME, _saved
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # no torchmetrics, no metrics
+        return
+    _INSIDE, _REFUSE, _NAME = inside, refuse, name
+    if _saved is not None:
+        return
+    own = vars(Metric).get("__getattribute__")
+    base = own if own is not None else object.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+        value = base(self, name)
+        if name == "compute":
+            hook = _INSIDE()
+            if hook is not None:
+                return _guarded(self, value, hook)
+        elif (name in _CACHES or name in base(self, "__dict__").get("_defaults", ())) and _INSIDE() is not None \
+                and _users_caller(2):
+            raise _REFUSE(f"{_NAME(self)}.{name}", str(_INSIDE()))
+        return value
+
+    _saved = (Metric, own)
+    Metric.__getattribute__ = __getattribute__  # type: ignore[method-assign]
+
+
+def _guarded(metric: Any, compute: Any, hook: str) -> Any:
+    def compute_watched(*args: Any, **kwargs: Any) -> Any:
+        if _users_caller(2):
+            raise _REFUSE(f"{_NAME(metric)}.compute()", hook)
+        return _sealed(compute(*args, **kwargs))
+    compute_watched.__wrapped__ = compute  # type: ignore[attr-defined]
+    return compute_watched
+
+
+def unwatch() -> None:
+    """The metrics are as they were (the fit is over)."""
+    global _INSIDE, _saved
+    _INSIDE = lambda: None  # noqa: E731
+    if _saved is None:
+        return
+    metric, own = _saved
+    if own is None:
+        del metric.__getattribute__
+    else:
+        metric.__getattribute__ = own
+    _saved = None
