@@ -52,6 +52,7 @@ from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, h
                                                 state_written, trusted_callback, user_modules)
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
@@ -1165,7 +1166,9 @@ class PrivateTraining:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         self._check_mechanism_kept(module.trainer)
         if self._before_release_writes:  # written alike on all data (a counter): what this release compares with
-            self.private_step.boundary.accept(sorted(self._before_release_writes))
+            frozen = frozen_parameters(module)  # a momentum copy unfrozen since (trainable now) is not accepted
+            self.private_step.boundary.accept(sorted(n for n in self._before_release_writes
+                                                     if not parameter_entry(n, frozen)))
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
         self._log_clip_norm(module.trainer)

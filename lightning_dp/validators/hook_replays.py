@@ -23,7 +23,7 @@ import torch
 
 from lightning_dp.validators.kept_state import (StateFingerprint, library_callback, moved_by_data, settings,
                                                 trusted_callback)
-from lightning_dp.validators.probe import parameter_entry
+from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.snapshot import StateSnapshot
 
 if TYPE_CHECKING:
@@ -376,6 +376,10 @@ class BatchEndWrites:
         self.rewritten: set[str] = set()  # parameters a run wrote and put_back() put back (their versions moved)
         self.early: list[Any] = []  # each run's state before the batch-end hooks, when the first wrote before them
         self.before_release: set[str] = set()  # what the hooks before the release write alike on every data
+        self.frozen = frozen_parameters(module)  # no gradient (a momentum copy): judged as a buffer
+        self.module = module
+        self.versions = _parameter_versions(module)  # a frozen copy written to the values it had (the first step's
+        # EMA of weights it equals) moves its version counter only, which the release compares
 
     def before_end(self) -> None:
         if self.runs:  # a later run of the group: its state before the batch-end hooks, when the first's wrote
@@ -383,8 +387,10 @@ class BatchEndWrites:
                 self.early.append(self.fingerprint.take(self.users, full=True))
             return
         contents = self.fingerprint.take(self.users, full=True)
-        self.marks = {"contents": contents, "writes": self.fingerprint.take(self.users)}
-        self.early = [contents] if StateFingerprint.changed(self.base, contents) else []
+        frozen = [f"parameter {name}" for name, v in _parameter_versions(self.module).items()
+                  if name in self.frozen and self.versions.get(name) != v]
+        self.marks = {"contents": contents, "writes": self.fingerprint.take(self.users), "frozen": frozen}
+        self.early = [contents] if StateFingerprint.changed(self.base, contents) or frozen else []
 
     def ran(self, first: bool) -> None:
         if first:
@@ -399,21 +405,26 @@ class BatchEndWrites:
         """What the batch-end hooks may keep writing. What the hooks before them write (``on_train_batch_start``,
         ``training_step``, ``on_before_backward``: before the release) is refused when the other data set it apart
         (a running mean of the batch, a count of its positives) or when it is a parameter; what every run writes alike
-        (a counter) or what the two runs on the batch already set apart (a time stamp) is added to
+        (a counter, a frozen momentum copy updated from the weights: :func:`~.probe.frozen_parameters`) or what the
+        two runs on the batch already set apart (a time stamp) is added to
         :attr:`before_release` (accepted at every release, judged again at the batch check's steps). What the
         batch-end hooks write (after the release, in the loop) is refused when the other data set it apart, and
         otherwise — an EMA of the weights, a counter — is returned (accepted when a batch's window closes, judged
         again at the sampled checks' steps: :mod:`~lightning_dp.validators.decisions`)."""
         if len(self.runs) != 3 or "writes after" not in self.marks:
             return set()
-        early = StateFingerprint.changed(self.base, self.marks["contents"])
-        refused = [name for name in early if parameter_entry(name)] + \
+        early = list(dict.fromkeys([*StateFingerprint.changed(self.base, self.marks["contents"]),
+                                    *self.marks.get("frozen", ())]))
+        refused = [name for name in early if parameter_entry(name, self.frozen)] + \
             (moved_by_data(*self.early) if len(self.early) == 3 else early)
         if refused:
             raise self.boundary.written_error(list(dict.fromkeys(refused)), (
                 "in the hooks the loop runs around a step before its release (on_train_batch_start, training_step, "
                 "on_before_backward), from the batch or its loss: replayed on the first step's examples, moved far "
-                "and exchanged, before any release, the hooks set it apart or wrote a parameter outside the gradient"))
+                "and exchanged, before any release, the hooks set it apart or wrote a trainable parameter outside "
+                "the gradient. A parameter written there (a momentum copy of the weights) is accepted when it is "
+                "frozen (requires_grad=False) and set from the parameters only; else update it at "
+                "the batch's end (on_train_batch_end) from the parameters only, or declare it public"))
         self.before_release.update(early)
         moved = moved_by_data(*self.runs)
         if moved:

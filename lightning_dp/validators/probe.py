@@ -44,7 +44,7 @@ import os
 import re
 import traceback
 import warnings
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +90,10 @@ class ExampleIndependenceProbe:
             attributes; :class:`~lightning_dp.validators.kept_state.StateFingerprint`).
         deferred: the caller replays the loop's batch hooks after the probe and judges what they keep there
             (:class:`~lightning_dp.validators.hook_replays.BatchEndWrites`): a write to kept state other than a
-            parameter (a step counter) is left to that judgement, in :attr:`written`, not refused here.
+            trainable parameter (a step counter; a frozen momentum copy named in ``frozen``) is left to that
+            judgement, in :attr:`written`, not refused here.
+        frozen: the names of the parameters that neither require grad nor hold a gradient
+            (:func:`frozen_parameters`): with ``deferred``, their writes are judged by the replays as a buffer's.
         isolated: training puts every example alone in its forward and backward (physical batches of one): examples
             cannot interact there, so batch and alone are not compared; the norm rule, the clipping and every use of
             every parameter still are.
@@ -104,8 +107,10 @@ class ExampleIndependenceProbe:
                  names: Sequence[str], loss_of: LossOf, rtol: float,
                  autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
                  state: Optional[StateFingerprint] = None, isolated: bool = False,
-                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False, deferred: bool = False) -> None:
+                 clipping: Optional[ClippingPolicy] = None, grouped: bool = False, deferred: bool = False,
+                 frozen: Collection[str] = ()) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.frozen = frozenset(frozen)
         self.deferred, self.written = deferred, []  # type: tuple[bool, list[str]]
         self.clipping = clipping if clipping is not None else FlatClipping()
         self.grouped = grouped and not isolated
@@ -127,12 +132,24 @@ class ExampleIndependenceProbe:
         replays (``deferred``) that the passes then disagree over (the state fed the next pass's loss) is what is
         refused, as without them: the likely cause."""
         self.written = []
+        # a frozen copy the step writes (a momentum target) put back before each pass and after them: every pass
+        # sees it as the step would, and the replays judge its write from the state as it was
+        self._frozen_kept = [(p, p.detach().clone()) for name, p in self.module.named_parameters()
+                             if name in self.frozen] if self.deferred else []
         try:
             self._run(indices)
         except PrivacyConfigurationError as err:
             if self.written and not isinstance(err, StateWriteError):
                 raise state_mutation_error(self.written) from err
             raise
+        finally:
+            self._put_frozen_back()
+
+    def _put_frozen_back(self) -> None:
+        with torch.no_grad():
+            for p, value in getattr(self, "_frozen_kept", ()):
+                if not torch.equal(p, value):
+                    p.copy_(value)
 
     def _run(self, indices: Sequence[int]) -> None:
         if len(indices) < 2:
@@ -188,16 +205,18 @@ class ExampleIndependenceProbe:
                 raise
 
     def _refused(self, changed: list[str]) -> list[str]:
-        """The writes the probe refuses: all of them, or (``deferred``) those to parameters, the rest kept in
-        :attr:`written` for the replays to judge (a counter every data writes alike; a running mean they set apart)."""
+        """The writes the probe refuses: all of them, or (``deferred``) those to trainable parameters, the rest kept
+        in :attr:`written` for the replays to judge (a counter every data writes alike; a running mean they set apart;
+        a frozen momentum copy of the weights, :attr:`frozen`)."""
         if not self.deferred:
             return changed
-        self.written = [c for c in changed if not parameter_entry(c)]
+        self.written = [c for c in changed if not parameter_entry(c, self.frozen)]
         return [c for c in changed if c not in self.written]
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
         seed_all(seed)
+        self._put_frozen_back()
         try:
             with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
                 # (gradients with create_graph=True, which is no double backward of the step)
@@ -328,9 +347,27 @@ class ExampleIndependenceProbe:
         return permuted
 
 
-def parameter_entry(name: str) -> bool:
-    """Whether a fingerprint's entry is (or takes in) a parameter: written outside the gradient, never accepted."""
-    return name.startswith(("parameter ", "contents of parameter ")) or " parameters and buffers on " in name
+def parameter_entry(name: str, frozen: Collection[str] = ()) -> bool:
+    """Whether a fingerprint's entry is (or takes in) a trainable parameter: written outside the gradient, never
+    accepted. A parameter named in ``frozen`` (:func:`frozen_parameters`: it does not require grad — a momentum
+    copy of the online network) is not: its write is judged like a buffer's, by the replays."""
+    if " parameters and buffers on " in name:
+        return True
+    for prefix in ("parameter ", "contents of parameter "):
+        if name.startswith(prefix):
+            return name[len(prefix):] not in frozen
+    return False
+
+
+def frozen_parameters(module: nn.Module) -> frozenset[str]:
+    """The names of ``module``'s parameters that do not require grad and hold no gradient: a frozen copy (BYOL's,
+    MoCo's or DINO's momentum target, a ``copy.deepcopy`` of the online network), not a trainable parameter the
+    release must cover (rule 1 covers the parameters that require grad). No backward gives it a gradient, so no
+    optimizer steps it, whether one holds it (an optimizer built on ``self.parameters()``) or not. Its writes
+    before the release are kept state like a buffer's: accepted when every replay writes them alike (from the
+    released weights only), refused when other data sets them apart."""
+    return frozenset(name for name, p in module.named_parameters(remove_duplicate=False)
+                     if not p.requires_grad and p.grad is None)
 
 
 def same_norms(a: Tensor, b: Tensor, tolerance: float) -> bool:
@@ -419,6 +456,13 @@ def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
     public = (f" If it is not derived from the training data (a step counter), or you accept that it leaves "
               f"unprotected like a logged metric (a list of losses kept for an epoch-end log), declare it public: "
               f"DPStrategy(public_state={declarable!r}).") if declarable else ""
+    written = [entry.partition(" ")[2] for entry in changed if entry.startswith("parameter ")][:3]
+    if written:
+        public += (" A parameter written outside the gradient (a momentum or EMA copy of the weights updated in "
+                   "training_step) has two ways out: update it at the batch's end (on_train_batch_end, after the "
+                   "release) from the parameters only, or, if it is not derived from the training data, declare "
+                   f"it public: DPStrategy(public_state={written!r}). A frozen copy (requires_grad=False, in no "
+                   "optimizer) updated from the weights alone is also accepted before the release.")
     return StateWriteError(
         "training_step (its forward or loss) changed the model's own state, outside the gradient: "
         + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". What a step writes from the data "

@@ -29,7 +29,8 @@ from lightning_dp.validators.outside_records import ExchangedRecords, training_c
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.validators.kept_state import is_datamodule
-from lightning_dp.validators.probe import PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, probe_tolerance
+from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
+                                           frozen_parameters, probe_tolerance)
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -114,13 +115,16 @@ class StepChecks:
         leaves = None if layout is None else partial(layout.autograd_params, params)
         snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
 
+        frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
+
         def probe() -> None:
             assert self._module is not None and self._engine is not None
             state = self.boundary.fingerprint(self._module)
             checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
                                                autograd_params=leaves, state=state, isolated=self.examples_alone,
                                                clipping=self.clipping, grouped=self.users is not None,
-                                               deferred=replay_hooks is not None)
+                                               deferred=replay_hooks is not None,
+                                               frozen=frozen)
             checked.run(list(indices))
             self.probe_writes = checked.written  # judged by the replays (refused at the release if not accepted)
             self._random_step, self._tolerance_low = checked.random, low_precision
