@@ -46,7 +46,7 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.validators.outside_records import ExchangedRecords, outside_records_error
-from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes
+from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes, frozen_parameters
 from lightning_dp.validators.tolerance import batch_tolerance
 
 __all__ = ["BatchInteractionCheck", "batch_interaction_error", "batch_tolerance"]
@@ -81,11 +81,18 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
             chosen = self.rng.sample(chosen, self.max_examples)
         if len(chosen) < 2:
             return  # one example cannot interact with another
-        with check_passes(self.module, self.params, self.engine):
-            if random_step:
-                self._replacement(chosen, step)
-            else:
-                self._halves(chosen, step)
+        # a frozen copy the step writes (a momentum target from the weights) put back before each pass and after them
+        self._frozen_kept = [(p, p.detach().clone()) for name, p in self.module.named_parameters()
+                             if name in frozen_parameters(self.module)]
+        try:
+            with check_passes(self.module, self.params, self.engine):
+                if random_step:
+                    self._replacement(chosen, step)
+                else:
+                    self._halves(chosen, step)
+        finally:
+            self._put_frozen_back()
+            self._frozen_kept = []
 
     def _halves(self, chosen: list[int], step: int) -> None:
         """The comparison of the module docstring: the batch, its two halves, two examples alone."""

@@ -83,11 +83,12 @@ class TrainableWritten(Classifier):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.parametrize("verify", ["sampled", "every_step"])
 @pytest.mark.parametrize("factory", [Momentum, OnlineOnly])
-def test_a_frozen_momentum_target_updated_in_training_step_from_the_weights_trains(factory):
+def test_a_frozen_momentum_target_updated_in_training_step_from_the_weights_trains(factory, verify):
     model = factory()
     start = parameters(model.target)
-    dp = fit(model, steps=6)
+    dp = fit(model, steps=6, verify=verify)
     assert dp.ledger.steps == 6
     assert not unchanged(start, model.target), "the target followed the released weights"
 
