@@ -443,8 +443,8 @@ class PrivateTraining:
             users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
             boundary = self.private_step.boundary
             fingerprint = boundary.fingerprint(module)
-            self._end_snapshot = (StateSnapshot(module, users, boundary.engine_keys), fingerprint,
-                                  fingerprint.take(users, full=True, every_callback=True), users)
+            snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
+            self._end_snapshot = (snapshot, fingerprint, fingerprint.take(users, full=True, every_callback=True), users)
 
     def _judge_end_writes(self, hooks: tuple[str, ...], where: str) -> None:
         """What the hooks that end the fit (``hooks``, run since :meth:`_before_end_hooks`) wrote, judged as the epoch
@@ -459,7 +459,8 @@ class PrivateTraining:
         written = StateFingerprint.changed(before, fingerprint.take(users, full=True, every_callback=True))
         if not self.private_step.any_rank(bool(written)):  # alike on every rank: the hooks run again on each
             return
-        after = StateSnapshot(module, users, self.private_step.boundary.engine_keys)
+        after = StateSnapshot(module, users, self.private_step.boundary.engine_keys,
+                              self.private_step.boundary.global_modules())
         runs: list[Any] = []
         exchanged = self.private_step.exchanged_training_data() if self.private_step._source is not None else None
         try:
@@ -497,7 +498,7 @@ class PrivateTraining:
     def _judge_end(self, where: str, skip: tuple[str, ...] = ()) -> None:
         """Refuse state changed since the last update (:meth:`PrivateStep.check_kept`); what the hooks that end the
         fit wrote is put back first (from the state :meth:`_before_end_hooks` took), so the module returned does not
-        hold the refused statistic; the error says what could not be put back (parameters, globals)."""
+        hold the refused statistic; the error says what could not be put back (parameters)."""
         try:
             self.private_step.check_kept(where, skip=skip)
         except PrivacyConfigurationError as err:
@@ -512,7 +513,8 @@ class PrivateTraining:
                     note = (" What was written was put back: the module, its callbacks and the datamodule hold the "
                             "state verified at the last update.")
                 except PrivacyConfigurationError as left:
-                    note = (" What the module's buffers and attributes and the callbacks' state held was put back; "
+                    note = (" What the module's buffers and attributes, the callbacks' state and the globals of your "
+                            "code held was put back; "
                             f"not all of it ({str(left).partition(': ')[2].partition('. ')[0]}): do not save or "
                             "use the module as it is.")
             err.args = (f"{err.args[0] if err.args else ''}{note}", *err.args[1:])
@@ -807,7 +809,8 @@ class PrivateTraining:
             bool(judge_writes or self._users_code_runs(BATCH_HOOKS) or self.private_step.probe_writes))
         writes = BatchEndWrites(boundary, module, users) if judged else None
         unjudged = None if writes is not None else \
-            (boundary.fingerprint(module), StateSnapshot(module, users, boundary.engine_keys))
+            (boundary.fingerprint(module),
+             StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
         start = None if unjudged is None else unjudged[0].take(users)
 
         def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
@@ -885,7 +888,8 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer, boundary = module.trainer, self.private_step.boundary
         users = [cb for cb in _observers(trainer) if not library_callback(cb)]
-        fingerprint, snapshot = boundary.fingerprint(module), StateSnapshot(module, users, boundary.engine_keys)
+        fingerprint = boundary.fingerprint(module)
+        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
         model_back, batch = model_kept(module, weights=True), self._collated(indices)
         runs: list[Optional[dict[str, Any]]] = []
 
@@ -935,7 +939,7 @@ class PrivateTraining:
         exchanged = self.private_step.exchanged_training_data()
         users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
         fingerprint = boundary.fingerprint(module)
-        snapshot = StateSnapshot(module, users, boundary.engine_keys)
+        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
         optimizer = self.optimizers[0]  # type: ignore[attr-defined]
         seeds: list[list[Any]] = []
         kept: list[dict[str, Any]] = []
@@ -1057,7 +1061,7 @@ class PrivateTraining:
         per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
         batch = self._as_loop_batch(self._collated(indices))
         snapshot = StateSnapshot(module, [cb for cb in _observers(trainer) if not library_callback(cb)],
-                                 boundary.engine_keys)
+                                 boundary.engine_keys, boundary.global_modules())
 
         def loss_at(step: int) -> Optional[torch.Tensor]:
             try:
@@ -1250,7 +1254,8 @@ class PrivateTraining:
         public = step.boundary.public_state
         moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
                                   self._replay_settings, step.boundary.engine_keys,
-                                  lambda path: is_public(path, public), any_rank=step.any_rank)
+                                  lambda path: is_public(path, public), any_rank=step.any_rank,
+                                  modules=step.boundary.global_modules())
         if moved:
             raise checkpoint_from_data_error(moved)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -149,15 +149,16 @@ def _known(value: Any, into: set[int], depth: int = 0) -> set[int]:
 def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any],
                       exchanged: Callable[[], AbstractContextManager], settings: Callable[[], AbstractContextManager],
                       skip_keys: frozenset[str], public: Callable[[str], bool],
-                      any_rank: Callable[[bool], bool] = bool) -> list[str]:
+                      any_rank: Callable[[bool], bool] = bool, modules: Sequence[Any] = ()) -> list[str]:
     """The keys of ``checkpoint`` (paths) the user's checkpoint hooks computed from the training data: run again
     from the same state (put back after each run) in ``settings()`` (the same seeds, the watches paused), on the
     training data and inside ``exchanged()`` (its copies in memory holding other values), and on the training data
     again when those two differ; what the exchanged run set apart and the second plain one did not. A run that
     fails (a hook that needs more of the loop) compares nothing. Paths ``public`` accepts are not returned.
     ``any_rank`` (one all-reduce when distributed) makes whether the hooks run again a decision every rank takes
-    alike, so that a collective in them (a broadcast in ``on_save_checkpoint``) meets its peers'."""
-    snapshot = StateSnapshot(module, _owners(trainer), skip_keys)
+    alike, so that a collective in them (a broadcast in ``on_save_checkpoint``) meets its peers'. ``modules``: the
+    user's Python modules whose globals are put back after each run too (the boundary's ``global_modules()``)."""
+    snapshot = StateSnapshot(module, _owners(trainer), skip_keys, modules)
     known = _known(checkpoint, set())
 
     def run(exchange: bool) -> Optional[dict[str, Hashable]]:

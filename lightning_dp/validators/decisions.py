@@ -175,7 +175,7 @@ class DecisionWindows(pl.Callback):
     def _snapshot(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> StateSnapshot:
         """The user's state as it is now, to run a window's hooks again from (an epoch's: once an epoch)."""
         return StateSnapshot(module, [o for o in self._users(trainer, module) if o is not module],
-                             self._boundary.engine_keys)
+                             self._boundary.engine_keys, self._boundary.global_modules())
 
     def before_checkpoint(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """A checkpoint is about to be written while a window is open (``ModelCheckpoint`` saves in its own
@@ -248,7 +248,7 @@ class DecisionWindows(pl.Callback):
         decisions (and, an epoch's, the kept state) the other data set apart. The run's state is put back as it is
         now afterwards."""
         users = [o for o, _ in window.attributes if o is not module]
-        after = StateSnapshot(module, users, self._boundary.engine_keys)
+        after = StateSnapshot(module, users, self._boundary.engine_keys, self._boundary.global_modules())
         now = _settings_of(trainer), loop_controls(trainer), mechanism_settings(trainer)
         kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
                 [(p, p.requires_grad) for p in module.parameters()])

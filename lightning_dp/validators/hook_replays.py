@@ -368,7 +368,7 @@ class BatchEndWrites:
         self.boundary = boundary
         self.users = users
         self.fingerprint = boundary.fingerprint(module)
-        self.snapshot = StateSnapshot(module, self.users, boundary.engine_keys)
+        self.snapshot = StateSnapshot(module, self.users, boundary.engine_keys, boundary.global_modules())
         self.model_back = model_kept(module, weights=True)
         self.base = self.fingerprint.take(self.users, full=True)
         self.runs: list[dict[str, Any]] = []  # each run's state after its hooks (contents)

@@ -364,7 +364,7 @@ def check_bound_loss(step: Any, norms: Tensor) -> None:
     params = step.params()
     grads = [p.grad for p in params]
     rows = len(loop.indices or ()) + loop.padding
-    snapshot = StateSnapshot(module, [], step.boundary.engine_keys)
+    snapshot = StateSnapshot(module, [], step.boundary.engine_keys, step.boundary.global_modules())
     try:
         with forked_rngs():
             if loop._rngs is not None:

@@ -5,7 +5,9 @@ times. Whatever those passes write — a torchmetrics ``MeanMetric``'s running s
 list, a counter declared public, a callback's history — must be exactly as if they never ran: the training
 that follows (and its logged epoch means) sees only the real steps. :class:`StateSnapshot` records the objects
 held by the module's attributes, its buffers, every torchmetrics state, and the attributes of the given
-callbacks, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
+callbacks, the module-level globals of the user's code (the modules the fingerprint reads:
+:attr:`~lightning_dp.privacy.boundary.ReleaseBoundary.global_modules`) and the data in those modules' classes'
+bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
 gets its old values), to :data:`~lightning_dp.validators.kept_state.MAX_DEPTH` levels.
 """
@@ -13,13 +15,14 @@ gets its old values), to :data:`~lightning_dp.validators.kept_state.MAX_DEPTH` l
 from __future__ import annotations
 
 from collections import deque
+import types
 from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.validators.kept_state import MAX_DEPTH, class_attributes, framework_keys
+from lightning_dp.validators.kept_state import MAX_DEPTH, callable_state, class_attributes, framework_keys
 
 Restore = Callable[[], None]
 
@@ -104,6 +107,43 @@ def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
     return put
 
 
+def _globals(mod: types.ModuleType) -> Restore:
+    """Restore a module's globals as the fingerprint reads them (:meth:`~lightning_dp.validators.kept_state.
+    StateFingerprint.take`): every name bound to its object again, with its contents (a list appended to is cut
+    back, a counter rebound gets its old value); a function's kept state (a default argument, a closure's list) its
+    contents (functions themselves are not rebound). Modules and classes are left (a class's body:
+    :func:`~lightning_dp.validators.kept_state.class_attributes`); a public name (no leading underscore) the passes
+    added is removed."""
+    fields = vars(mod)
+    held: dict[str, Any] = {}
+    inner: list[Restore] = []
+    for key, value in list(fields.items()):
+        if key.startswith("__") or isinstance(value, (types.ModuleType, type)):
+            continue
+        if isinstance(value, _CALLABLES):  # `def f(x, _seen=[])` at module level: what it keeps, in place
+            if isinstance(value, (types.FunctionType, partial)):
+                inner.extend(_contents(v, 0) for v in callable_state(value) if isinstance(v, _KEPT))
+            continue
+        held[key] = value
+        inner.append(_contents(value, 0))
+    before = set(fields)
+
+    def put() -> None:
+        for key in [k for k, v in list(fields.items()) if k not in before and not k.startswith("_")
+                    and not isinstance(v, (types.ModuleType, type, *_CALLABLES))]:
+            del fields[key]
+        for key, value in held.items():
+            if fields.get(key, _ABSENT) is not value:
+                fields[key] = value
+        for restore in inner:
+            restore()
+    return put
+
+
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, partial)
+_KEPT = (list, dict, set, deque, Tensor)
+
+
 def _rebind_class_attribute(cls: type, key: str, value: Any) -> None:
     if vars(cls).get(key, _ABSENT) is not value:
         setattr(cls, key, value)
@@ -137,9 +177,13 @@ class StateSnapshot:
         module: the model (its buffers, its modules' own attributes, torchmetrics states).
         callbacks: objects whose attributes are restored too (the untrusted callbacks).
         skip_keys: attribute names never touched (the engine's own).
+        modules: the Python modules of the user's code whose globals the fingerprint reads (the boundary's
+            ``global_modules()``): their globals and the data in their classes' bodies are restored too — an epoch
+            counter (``global EPOCHS; EPOCHS += 1``) a replay of the epoch hooks moved is moved back.
     """
 
-    def __init__(self, module: nn.Module, callbacks: Sequence[Any] = (), skip_keys: Iterable[str] = ()) -> None:
+    def __init__(self, module: nn.Module, callbacks: Sequence[Any] = (), skip_keys: Iterable[str] = (),
+                 modules: Iterable[types.ModuleType] = ()) -> None:
         skip = framework_keys() | frozenset(skip_keys)
         restores: list[Restore] = []
         for m in module.modules():
@@ -159,7 +203,12 @@ class StateSnapshot:
             restores.extend(_module_tensors(value) for value in list(vars(cb).values())
                             if isinstance(value, nn.Module) and id(value) not in registered)
         users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
-        for cls, key, value in class_attributes(type(obj) for obj in users):  # `history = []` in a class body
+        classes = [type(obj) for obj in users]
+        for mod in modules:
+            restores.append(_globals(mod))
+            classes.extend(v for k, v in list(vars(mod).items())  # `class HP: temperature = 1.0` of the user's code
+                           if isinstance(v, type) and v.__module__ == mod.__name__ and not k.startswith("__"))
+        for cls, key, value in class_attributes(classes):  # `history = []` in a class body
             if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
                 restores.extend(_contents(v, 0) for v in value)
                 continue

@@ -113,7 +113,8 @@ class StepChecks:
         params = [p for _, p in named]
         layout = self.distribution.layout
         leaves = None if layout is None else partial(layout.autograd_params, params)
-        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys,
+                                 self.boundary.global_modules())
 
         frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
 
@@ -192,7 +193,8 @@ class StepChecks:
                 copies[0], batch = False, self.examples(idx, fixed=True)
             return loss_tensor(loss_of_batch(batch), len(idx), "training_step")
 
-        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys)
+        snapshot = StateSnapshot(self._module, self.boundary.untrusted_callbacks(), self.boundary.engine_keys,
+                                 self.boundary.global_modules())
         try:
             with forked_rngs():
                 BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,

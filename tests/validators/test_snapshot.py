@@ -34,3 +34,36 @@ def test_numpy_state_is_restored_and_immutable_numpy_values_do_not_break_the_res
     assert holder.running is running and np.array_equal(holder.running, np.zeros(3))
     assert holder.best == np.float64(0.5) and holder.count == 0
     assert holder.frozen is frozen and np.array_equal(frozen, np.arange(3.0))
+
+
+COUNT = 0
+ITEMS: list[int] = [1, 2]
+TABLE: dict[str, int] = {"a": 1}
+
+
+class Namespace:
+    """Data in a class body of the user's module (a mutable configuration)."""
+
+    temperature = 1.0
+    history: list[float] = []
+
+
+def test_the_user_modules_globals_and_class_bodies_are_restored():
+    import sys
+
+    global COUNT, TABLE
+    items, table, history = ITEMS, TABLE, Namespace.history
+    snapshot = StateSnapshot(nn.Linear(2, 2), modules=[sys.modules[__name__]])
+    COUNT += 3  # rebound
+    ITEMS.append(3)  # appended in place
+    TABLE["b"] = 2
+    TABLE = {"c": 3}  # rebound to a new dict
+    Namespace.temperature = 2.5
+    Namespace.history.append(0.1)
+    globals()["ADDED_BY_A_PASS"] = 1
+    snapshot.restore()
+    assert COUNT == 0
+    assert ITEMS is items and ITEMS == [1, 2]
+    assert TABLE is table and TABLE == {"a": 1}
+    assert Namespace.temperature == 1.0 and Namespace.history is history and history == []
+    assert "ADDED_BY_A_PASS" not in globals()

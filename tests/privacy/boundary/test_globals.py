@@ -223,3 +223,57 @@ def test_a_namespace_class_set_from_the_loss_is_refused_and_a_read_only_one_trai
         fit(ReadsTheConfig(), steps=6, callbacks=[TemperatureFromLoss()])
     HP.temperature = 1.0
     assert fit(ReadsTheConfig(), steps=4).ledger.steps == 4  # read only: trains
+
+
+EPOCHS_DONE = 0
+EPOCH_LOG: list[int] = []
+FEATURE_MEAN: list[float] = []
+
+
+class CountsEpochsInGlobal(Classifier):
+    def on_train_epoch_end(self) -> None:
+        global EPOCHS_DONE
+        EPOCHS_DONE += 1
+
+
+class LogsEpochsInGlobal(Classifier):
+    def on_train_epoch_end(self) -> None:
+        EPOCH_LOG.append(self.current_epoch)
+
+
+class KeepsTrainingMeanInGlobal(Classifier):
+    def on_train_epoch_end(self) -> None:
+        xs, _ = self.trainer.train_dataloader.dataset.tensors
+        FEATURE_MEAN.append(float(xs.mean()))  # a statistic of the training set
+
+
+@pytest.mark.parametrize("public", [False, True])
+@pytest.mark.parametrize("model", [CountsEpochsInGlobal, LogsEpochsInGlobal])
+def test_an_epoch_counter_in_a_global_trains_and_holds_exactly_the_real_epochs(model, public):
+    """The library's replays of the epoch hooks (first step, decision windows, end of fit) put the user's globals
+    back: an epoch count is alike on every replay (accepted, as the same counter held as an attribute is), and after
+    the fit the globals hold the real epochs only — no replay's residue."""
+    global EPOCHS_DONE
+    EPOCHS_DONE = 0
+    EPOCH_LOG.clear()
+    public_state = ["EPOCHS_DONE", "EPOCH_LOG"] if public else []
+    trainer = quiet_trainer(strategy=strategy(public_state=public_state), max_epochs=2)
+    trainer.fit(model(), loader(64))
+    assert trainer.global_step > 0
+    if model is CountsEpochsInGlobal:
+        assert EPOCHS_DONE == 2 and EPOCH_LOG == []
+    else:
+        assert EPOCH_LOG == [0, 1] and EPOCHS_DONE == 0
+
+
+def test_a_training_set_statistic_kept_in_a_global_at_epoch_end_is_refused():
+    """Refused as the epoch hooks' write (the exchanged replay sets it apart), not as the batch hooks'; the replays'
+    appends are put back."""
+    FEATURE_MEAN.clear()
+    model = KeepsTrainingMeanInGlobal()
+    before = parameters(model)
+    refused = rf"hooks that see no batch .*computed from the training data.*global {__name__}\.FEATURE_MEAN"
+    with pytest.raises(PrivacyConfigurationError, match=refused):
+        quiet_trainer(strategy=strategy(), max_epochs=2).fit(model, loader(64))
+    assert unchanged(before, model)
+    assert FEATURE_MEAN == []
