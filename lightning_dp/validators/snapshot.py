@@ -125,7 +125,8 @@ def _globals(mod: types.ModuleType) -> Restore:
                 inner.extend(_contents(v, 0) for v in callable_state(value) if isinstance(v, _KEPT))
             continue
         held[key] = value
-        inner.append(_contents(value, 0))
+        if not _large(value):  # the training data kept in a script's global: rebound only (a write in place is the
+            inner.append(_contents(value, 0))  # fingerprint's to refuse), never copied at every snapshot
     before = set(fields)
 
     def put() -> None:
@@ -139,6 +140,16 @@ def _globals(mod: types.ModuleType) -> Restore:
             restore()
     return put
 
+
+def _large(value: Any) -> bool:
+    """A tensor or NumPy array of more than :data:`LARGE` elements."""
+    size = value.numel() if isinstance(value, Tensor) else getattr(value, "size", 0) \
+        if type(value).__module__ == "numpy" else 0
+    return isinstance(size, int) and size > LARGE
+
+
+LARGE = 1 << 22
+"""Globals above this many elements (16 MiB of float32) are not copied by a snapshot."""
 
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, partial)
 _KEPT = (list, dict, set, deque, Tensor)
