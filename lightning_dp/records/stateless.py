@@ -278,12 +278,13 @@ class FetchState:
         return list(dict.fromkeys(refused))
 
     def _loaded_on_first_use(self, path: str, value: Any, objects: dict[str, Any]) -> bool:
-        """An attribute that was ``None`` (or absent) and now holds an array or tensor (``self._x = np.load(path,
-        mmap_mode="r")`` on the first ``__getitem__``): allowed when it is the same whichever record triggered it —
-        put back to ``None`` with its owner's other attributes loaded at the same read (``self._y``) and loaded again
+        """An attribute that was ``None`` (or absent) and now holds an array, a tensor or a plain value (``self._x =
+        np.load(path, mmap_mode="r")``, ``self.worker = get_worker_info().id`` on the first ``__getitem__``): allowed
+        when it is the same whichever record triggered it — put back to ``None`` with its owner's other attributes
+        loaded at the same read (``self._y``) and loaded again
         by a read of another record (generators seeded), each must come back equal; a statistic of the records read
         so far does not. The owner's attributes are put back afterwards."""
-        if not self._was_none(path) or not isinstance(value, (np.ndarray, Tensor)) or "." not in path \
+        if not self._was_none(path) or not isinstance(value, _LOADED) or "." not in path \
                 or "[" in path.rsplit(".", 1)[1]:
             return False
         parent, name = path.rsplit(".", 1)
@@ -294,8 +295,7 @@ class FetchState:
             return False
         if not isinstance(fields, dict) or fields.get(name) is not value or n < 1:
             return False
-        loaded = {k: v for k, v in fields.items()
-                  if isinstance(v, (np.ndarray, Tensor)) and self._was_none(f"{parent}.{k}")}
+        loaded = {k: v for k, v in fields.items() if isinstance(v, _LOADED) and self._was_none(f"{parent}.{k}")}
         saved = dict(fields)
         j = (self._compared * 7919 + 1) % n
         try:
@@ -311,6 +311,7 @@ class FetchState:
         return all(fresh[k] is not None and _same(fresh[k], v) for k, v in loaded.items())
 
     def _was_none(self, path: str) -> bool:
+        """Whether ``path`` held ``None`` (or nothing) when the state was last noted."""
         before = self._entries.get(path, _ABSENT)
         return before is _ABSENT or before is None
 
@@ -366,6 +367,9 @@ class FetchState:
 
 
 _ABSENT = object()
+
+_LOADED = (np.ndarray, Tensor, bool, int, float, str)
+"""What an attribute set on the first read may hold and be verified as loaded (an array, a worker's id, a path)."""
 
 
 def _ancestors(path: str) -> list[str]:

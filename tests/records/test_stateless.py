@@ -329,3 +329,35 @@ class WarmupMeanDS(Dataset):
 def test_a_statistic_set_from_none_is_not_taken_for_a_load(workers):
     with pytest.raises(Exception, match="Reading records writes state"):
         drain(WarmupMeanDS(), workers=workers)
+
+
+class WorkerIdDS(Dataset):
+    """The worker's id kept on the first read (to shard a stream by worker): the same whichever record."""
+
+    def __init__(self):
+        self.worker = None
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if self.worker is None:
+            info = get_worker_info()
+            self.worker = -1 if info is None else info.id
+        return X[i], Y[i]
+
+
+class FirstLabelDS(WorkerIdDS):
+    """The first record's label kept as an int set from None: not the same whichever record."""
+
+    def __getitem__(self, i):
+        if self.worker is None:
+            self.worker = int(Y[i]) * 1000 + int(i)
+        return X[i], Y[i]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_value_set_on_the_first_read_trains_when_every_record_sets_it_alike(workers):
+    drain(WorkerIdDS(), workers=workers)
+    with pytest.raises(Exception, match="Reading records writes state"):
+        drain(FirstLabelDS(), workers=workers)
