@@ -17,6 +17,7 @@ imported on first use, so the core imports no engine machinery (docs/architectur
 from __future__ import annotations
 
 import importlib
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Mapping, Optional, Sequence, TypeVar, Union
@@ -156,17 +157,19 @@ def make_engine(name: str) -> GradSampleEngine:
         raise ValueError(f"Unknown per-sample engine {name!r}; available: {available_engines()}") from None
 
 
-_RELEASED = "_lightning_dp_released"
-"""The attribute :func:`mark_released` sets on a ``p.grad`` the release wrote: its version then."""
+_RELEASED: dict[int, tuple["weakref.ref[Tensor]", int]] = {}
+"""The ``p.grad`` tensors releases wrote, by identity: (a weak reference, the tensor's version then). Kept here, not
+on the tensors (no state hidden on a tensor's attributes); an entry goes with its tensor."""
 
 
 def mark_released(grad: Optional[Tensor]) -> int:
-    """Tag ``grad``, a ``p.grad`` the release just wrote (ĝ_t), with its version, and return that version (-1: no
+    """Record ``grad``, a ``p.grad`` the release just wrote (ĝ_t), with its version, and return that version (-1: no
     tensor). Until the tensor is changed or replaced it is that release, not a gradient of a later backward
     (:func:`is_release`)."""
     if grad is None:
         return -1
-    setattr(grad, _RELEASED, grad._version)
+    key = id(grad)
+    _RELEASED[key] = (weakref.ref(grad, lambda _, key=key: _RELEASED.pop(key, None)), grad._version)
     return grad._version
 
 
@@ -174,7 +177,8 @@ def is_release(grad: Optional[Tensor]) -> bool:
     """Whether ``grad`` is a release's ĝ as it was written (:func:`mark_released`): no backward accumulated into it
     since (autograd adds in place, a new version, or replaces the tensor) and nothing zeroed it. The ``.grad`` of a
     parameter in no optimizer group keeps the last release into the next step: no ``zero_grad`` reaches it."""
-    return grad is not None and getattr(grad, _RELEASED, None) == grad._version
+    entry = None if grad is None else _RELEASED.get(id(grad))
+    return entry is not None and entry[0]() is grad and entry[1] == grad._version
 
 
 def merge_clipped(first: ClippedBatch, second: ClippedBatch) -> ClippedBatch:
