@@ -273,6 +273,22 @@ def test_fgsm_input_gradients_are_served(engine):
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_an_input_made_to_require_grad_is_still_the_steps_own_backward(engine):
+    """A step whose input requires grad (a saliency map kept for later): under ghost no parameter is in the graph, and
+    its backward() is told from an input gradient by the input leaf it accumulates into (feeds_parameters' inputs)."""
+    torch.manual_seed(0)
+    model = Net("ok").double()
+    engine_ = make_engine(engine)
+    engine_.attach(model)
+
+    def loss_of(idx):
+        return F.cross_entropy(model(X[idx].clone().requires_grad_(True)), Y[idx])
+
+    ExampleIndependenceProbe(model, engine_, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                             loss_of, probe_tolerance(torch.float64, False)).run(list(range(6)))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_fgsm_with_interacting_examples_is_still_refused(engine):
     with pytest.raises(PrivacyConfigurationError, match="Examples interact"):
         _probe_fgsm(engine, "centre")

@@ -344,6 +344,13 @@ def norm_stats(out: Any) -> Optional[tuple[Tensor, Tensor]]:
         return None
 
 
+def _leaf_inputs(args: Any, kwargs: Any) -> list[Tensor]:
+    """The tensors a call takes that are leaves requiring grad (an input made to require grad: a saliency map, FGSM's
+    x0)."""
+    leaves, _ = tree_flatten((args, kwargs))
+    return [t for t in leaves if isinstance(t, Tensor) and t.is_leaf and t.requires_grad]
+
+
 def _rnn_output(module: nn.Module, out: Any, tape: Optional[RecurrentTape]) -> Optional[Tensor]:
     """What a record keeps of an RNN call's output sequence (its last layer's values, which the unrolled rule need not
     recompute): a copy, since the model may change the output in place (``out.mul_(mask)``: torch's own backward
@@ -414,6 +421,7 @@ class ActivationCapture:
         self._nodes: set = set()  # the gradient nodes of the parameters of this step's recorded calls
         self._feeding: dict[int, bool] = {}  # graph task id → whether it computes any of their gradients
         self._root_params: list[Tensor] = []  # the model's trainable parameters (read directly by its modules too)
+        self._inputs: set = set()  # the gradient nodes of the leaves the recorded calls take as inputs
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -551,6 +559,7 @@ class ActivationCapture:
                 self._layouts.update((leaves[k].grad_fn, cdims.output(k)) for k in live
                                      if cdims.output(k) != 0 and leaves[k].grad_fn is not None)
             self._nodes.update(gradient_nodes(module.parameters(recurse=is_unit(module))))
+            self._inputs.update(gradient_nodes(_leaf_inputs(args, kwargs)))
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
                          _rnn_output(module, leaves[0], tape), rows is not None, scaled,
@@ -678,7 +687,8 @@ class ActivationCapture:
         graph; another layer's, or the same layer's in another call, are in it)."""
         task = torch._C._current_graph_task_id()
         if task not in self._feeding:
-            self._feeding[task] = feeds_parameters((*self._nodes, *gradient_nodes(self._root_params)))
+            self._feeding[task] = feeds_parameters((*self._nodes, *gradient_nodes(self._root_params)),
+                                                   tuple(self._inputs))
         return not self._feeding[task]
 
     def _mapping(self) -> bool:
@@ -792,6 +802,7 @@ class ActivationCapture:
         not checked against, or broadcast to, the finished step's batch size."""
         self.expected = None
         self._nodes.clear()
+        self._inputs.clear()
         self._feeding.clear()
         self._flattened.clear()
         self._anchors.clear()

@@ -162,17 +162,28 @@ def gradient_nodes(params: Iterable[torch.Tensor]) -> tuple:
     return tuple(get_gradient_edge(p).node for p in params if p.requires_grad)
 
 
-def feeds_parameters(nodes: tuple) -> bool:
+def feeds_parameters(nodes: tuple, inputs: tuple = ()) -> bool:
     """Whether the backward now running computes gradients of the parameters whose ``nodes`` these are: ``False``
     only inside a ``torch.autograd.grad`` (or ``backward(inputs=…)``) with respect to other tensors — FGSM's gradient of
     the loss with respect to the input, ``torch.autograd.grad(loss, x)`` — whose output gradients are no part of the
     parameters' gradients the release clips: the capture's output-gradient hooks ignore that backward (the input
     gradient it returns is a transformation of the batch, which the first step's probe compares in a batch and alone).
     ``torch.autograd.grad`` with respect to the parameters themselves (torch refuses to say for a captured leaf) counts
-    as feeding them."""
-    if not nodes:
+    as feeding them. ``inputs``: the nodes of leaves the recorded calls took (an input made to require grad): a
+    ``backward()`` accumulates into them, so one that runs them is the step's own even when no parameter is in the
+    graph (the ghost engine keeps its patched layers' parameters out of it); inside ``torch.autograd.grad`` with
+    respect to such a leaf torch refuses to say — that backward is an input gradient's."""
+    if not nodes and not inputs:
         return True
     try:
-        return any(torch._C._will_engine_execute_node(node) for node in nodes)
+        if any(torch._C._will_engine_execute_node(node) for node in nodes):
+            return True
     except RuntimeError:
         return True
+    for node in inputs:
+        try:
+            if torch._C._will_engine_execute_node(node):
+                return True
+        except RuntimeError:  # the leaf autograd.grad is taken with respect to
+            continue
+    return not nodes and not inputs
