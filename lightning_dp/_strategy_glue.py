@@ -24,8 +24,7 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
-import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
@@ -47,26 +46,17 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
+from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
+from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
+from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
 from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
-                                                library_callback, mechanism_decisions, moved_by_data, replay_records,
-                                                state_written, trusted_callback, user_modules)
-from lightning_dp.records.fetch import seeded
-from lightning_dp.validators.snapshot import StateSnapshot
+                                                mechanism_decisions, trusted_callback, user_modules)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
-                                                  overrides_epoch_hooks, progress_as, replay_batch_hooks,
-                                                  replay_end_hooks, replay_epoch_hooks, replaying, runs_users_code,
-                                                  users_hook, weights_moved_by_data, weights_sketch)
-from lightning_dp.validators.checkpoint_replays import (checkpoint_from_data_error, checkpoint_hooks_of_users,
-                                                        written_from_data)
-from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_in
-from lightning_dp.validators.outside_records import exchanged_copy, records_in, records_in_checkpoint_error
-from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -138,12 +128,10 @@ class PrivateTraining:
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
-        self._hooks_of_users: dict[tuple[str, ...], tuple[Any, bool]] = {}  # which hooks the user's code has
-        self._batch_end_writes: set[str] = set()  # kept state the batch-end hooks write without the data (an EMA)
-        self._before_release_writes: set[str] = set()  # what the step's hooks write alike on all data (a counter)
-        self._batch_checked = False  # the batch check ran on this step (its batch-end window is judged)
+        self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
+        """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
+        self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
-        self._end_snapshot: Optional[tuple[StateSnapshot, Any, Any, list[Any]]] = None  # before the end's hooks
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -279,7 +267,7 @@ class PrivateTraining:
         module = self.lightning_module  # type: ignore[attr-defined]
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
         boundary = self.private_step.boundary
-        boundary.callbacks = lambda: _observers(module.trainer)
+        boundary.callbacks = lambda: observers(module.trainer)
         boundary.library_objects = lambda: _loop_objects(module.trainer)
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
@@ -329,31 +317,12 @@ class PrivateTraining:
         watch_loss(module)
         from lightning_dp.validators.decisions import DecisionWindows  # a Callback: imports Lightning, which imports us
 
-        self._decision_windows = DecisionWindows(self._other_data, self._replay_settings, self.private_step.boundary,
-                                                 self._logged_reads.moved, lambda: self._batch_end_writes,
-                                                 self._judged_this_step, self._before_end_hooks,
-                                                 self.private_step.any_rank, self.private_step.on_every_rank)
+        replays, step = self._replays, self.private_step
+        self._decision_windows = DecisionWindows(replays.other_data, replays.replay_settings, step.boundary,
+                                                 self._logged_reads.moved, lambda: replays.batch_end_writes,
+                                                 replays.judged_this_step, self._end.before_end_hooks,
+                                                 step.any_rank, step.on_every_rank)
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
-
-    def _judged_this_step(self) -> bool:
-        """Whether the batch check ran on this step (then its batch-end window judges what the hooks write)."""
-        judged, self._batch_checked = self._batch_checked, False
-        return judged
-
-    @contextmanager
-    def _other_data(self, floating_only: bool) -> Iterator[None]:
-        """The training data's copies in memory exchanged (given ``True``: its floating-point arrays only), and the
-        values logged from it moved: what the hooks that read no batch see of other data."""
-        moved = self._logged_reads.moved() if self._logged_reads is not None else nullcontext()
-        with self.private_step.exchanged_training_data().exchanged(floating_only), moved:
-            yield
-
-    @contextmanager
-    def _replay_settings(self) -> Iterator[None]:
-        """What every replay of the user's hooks runs in: the same random seeds, the boundary's watches paused, σ and C
-        kept."""
-        with seeded(0), self._watches_paused(), self._privacy_settings_kept():
-            yield
 
     def _exempt(self, name: str) -> bool:
         """A logged name whose value is not the training data's: ε, or declared public."""
@@ -392,7 +361,7 @@ class PrivateTraining:
         if taken is None:
             return
         fingerprint, before = taken
-        skip = ("contents of ", "parameter ") if _averaging(trainer) else ("contents of ",)  # EMA swaps its weights
+        skip = ("contents of ", "parameter ") if averaging(trainer) else ("contents of ",)  # EMA swaps its weights
         changed = [c for c in StateFingerprint.changed(before, fingerprint.take(self.private_step.boundary.callbacks()))
                    if not c.startswith(skip)]
         if changed:
@@ -420,7 +389,7 @@ class PrivateTraining:
                 self._record_watch.elsewhere = None
             self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
-            if self._users_code_runs(VALIDATION_HOOKS):
+            if self._replays.users_code_runs(VALIDATION_HOOKS):
                 self.private_step.schedule.force()  # what validation switched on is checked at the next step
 
     def on_train_end(self) -> None:
@@ -428,123 +397,8 @@ class PrivateTraining:
         from the training data by the ``on_train_end`` hooks."""
         super().on_train_end()  # type: ignore[misc]
         self._stop_watching()
-        self._judge_end("after the last update (in a batch-end or epoch-end hook, or on_train_end)", self._averaged())
-
-    def _before_end_hooks(self) -> None:
-        """Training ends (called first of the ``on_train_end`` hooks, by the decision windows; again after the
-        strategy's teardown, before ``on_fit_end``): when the user's code
-        has a hook that ends a fit (:data:`END_HOOKS`), the user's state as it is now, to put back what such a hook
-        computes from the training data and the boundary refuses (:meth:`_judge_end`)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = module.trainer
-        datamodule = getattr(trainer, "datamodule", None)
-        if self._users_code_runs(END_HOOKS) or (datamodule is not None and users_hook(
-                getattr(type(datamodule), "teardown", None))):
-            users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
-            boundary = self.private_step.boundary
-            fingerprint = boundary.fingerprint(module)
-            snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
-            self._end_snapshot = (snapshot, fingerprint, fingerprint.take(users, full=True, every_callback=True), users)
-
-    def _judge_end_writes(self, hooks: tuple[str, ...], where: str) -> None:
-        """What the hooks that end the fit (``hooks``, run since :meth:`_before_end_hooks`) wrote, judged as the epoch
-        hooks' are: run again from the state before them, on the training data, on its exchanged copy and on it
-        again. What the exchanged run sets apart (class means of the training features) is put back and refused;
-        what all runs write alike (a counter, a flag, a report of the weights) is accepted. A run that fails accepts
-        nothing (the boundary then refuses every write)."""
-        if self._end_snapshot is None:
-            return
-        snapshot, fingerprint, before, users = self._end_snapshot
-        module = self.lightning_module  # type: ignore[attr-defined]
-        written = StateFingerprint.changed(before, fingerprint.take(users, full=True, every_callback=True))
-        if not self.private_step.any_rank(bool(written)):  # alike on every rank: the hooks run again on each
-            return
-        after = StateSnapshot(module, users, self.private_step.boundary.engine_keys,
-                              self.private_step.boundary.global_modules())
-        runs: list[Any] = []
-        exchanged = self.private_step.exchanged_training_data() if self.private_step._source is not None else None
-        try:
-            for exchange in (False, True, False):
-                if exchange and exchanged is None or len(runs) == 2 and not self.private_step.any_rank(
-                        runs[0] != runs[1]):  # the third run: on every rank when any rank's two runs differ
-                    break
-                snapshot.restore()
-                try:
-                    with exchanged.exchanged() if exchange and exchanged is not None else nullcontext(), \
-                            self._replay_settings(), replaying(module):
-                        replay_end_hooks(module, hooks)
-                    runs.append(fingerprint.take(users, full=True, every_callback=True))
-                except Exception:  # noqa: BLE001  (not compared: every write stays refused)
-                    runs.append(None)
-        finally:
-            after.restore()
-        judged = len(runs) >= 2 and None not in runs
-        moved = moved_by_data(runs[0], runs[-1], runs[1]) if judged and len(runs) == 3 else []
-        if moved:
-            snapshot.restore()
-            self._end_snapshot = None
-        self._refuse_on_every_rank(self.private_step.boundary.written_error(
-            moved, f"{where}: computed from the training data (run again on its exchanged copy, the hooks set it "
-            "apart). What was written was put back: the module, its callbacks and the datamodule hold the "
-            "state verified at the last update") if moved else None, f"found state written {where} from the data")
-        if judged and written:
-            self.private_step.boundary.accept(written)
-
-    def _averaged(self) -> tuple[str, ...]:
-        """What the end of a fit does not compare: the parameters, when weight averaging swapped its average in (a
-        function of the releases)."""
-        return ("parameter ",) if _averaging(self.lightning_module.trainer) else ()  # type: ignore[attr-defined]
-
-    def _judge_end(self, where: str, skip: tuple[str, ...] = ()) -> None:
-        """Refuse state changed since the last update (:meth:`PrivateStep.check_kept`); what the hooks that end the
-        fit wrote is put back first (from the state :meth:`_before_end_hooks` took), so the module returned does not
-        hold the refused statistic; the error says what could not be put back (parameters)."""
-        try:
-            self.private_step.check_kept(where, skip=skip)
-        except PrivacyConfigurationError as err:
-            taken, self._end_snapshot = self._end_snapshot, None
-            snapshot = taken[0] if taken is not None else None
-            note = (" The module, its callbacks or the datamodule still hold what was written: do not save or use "
-                    "them as they are.")
-            if snapshot is not None:
-                snapshot.restore()
-                try:
-                    self.private_step.boundary.check_kept(where, skip=skip)
-                    note = (" What was written was put back: the module, its callbacks and the datamodule hold the "
-                            "state verified at the last update.")
-                except PrivacyConfigurationError as left:
-                    note = (" What the module's buffers and attributes, the callbacks' state and the globals of your "
-                            "code held was put back; "
-                            f"not all of it ({str(left).partition(': ')[2].partition('. ')[0]}): do not save or "
-                            "use the module as it is.")
-            err.args = (f"{err.args[0] if err.args else ''}{note}", *err.args[1:])
-            raise
-
-    def _judge_after_users_teardown(self) -> None:
-        """The fit ends without error (Lightning's teardown of the strategy runs before the user's ``on_fit_end`` and
-        ``teardown`` hooks, the module's ``teardown`` last of all): the module's ``teardown`` is wrapped, once, so
-        that what those hooks write after the last update is judged when they have run (:meth:`_judge_end`)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        hook = module.teardown
-
-        def teardown(*args: Any, **kwargs: Any) -> None:
-            _unwrap_teardown(module)
-            hook(*args, **kwargs)
-            where = "after training ended (in on_fit_end or teardown: of the module, a callback or the datamodule)"
-            self._judge_end_writes(END_HOOKS[1:], where)  # on_train_end's: refused outright, as a batch's end
-            self._judge_end(where, self._averaged())
-            self._end_snapshot = None
-        teardown._ldp_end = True  # type: ignore[attr-defined]
-        module.__dict__["teardown"] = teardown  # an instance's attribute: Lightning calls getattr(module, "teardown")
-
-    def _users_code_runs(self, hooks: tuple[str, ...]) -> bool:
-        """Whether the module or a callback that is not Lightning's or lightning_dp's has one of ``hooks`` of its own
-        (answered once per fit and set of hooks)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        known = self._hooks_of_users.get(hooks)
-        if known is None or known[0] is not module:
-            known = self._hooks_of_users[hooks] = (module, runs_users_code(module, hooks))
-        return known[1]
+        self._end.judge("after the last update (in a batch-end or epoch-end hook, or on_train_end)",
+                        self._end.averaged())
 
     def _stop_watching(self) -> None:
         """Training is over (or failed): the logged metrics and the records are no longer watched."""
@@ -564,23 +418,24 @@ class PrivateTraining:
 
     def teardown(self) -> None:
         """Detach the engine's hooks, then Lightning's teardown; a fit that ends without error has its end judged
-        after the user's ``on_fit_end`` and ``teardown`` (:meth:`_judge_after_users_teardown`)."""
+        after the user's ``on_fit_end`` and ``teardown``
+        (:meth:`~.validators.end_of_fit.EndOfFit.judge_after_users_teardown`)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         ended = module is not None and self._fitting() and module.trainer.state.status == TrainerStatus.RUNNING
         if module is not None:
-            _unwrap_teardown(module)  # a fit that failed in on_fit_end: its module's teardown never ran
-        self._end_snapshot = None
+            unwrap_teardown(module)  # a fit that failed in on_fit_end: its module's teardown never ran
+        self._end.forget()
         self.private_step.detach()
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
-        self._batch_end_writes, self._before_release_writes = set(), set()
+        self._replays.reset()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
         if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
             self.private_step.boundary.baseline()
-            self._before_end_hooks()
-            self._judge_after_users_teardown()
+            self._end.before_end_hooks()
+            self._end.judge_after_users_teardown()
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -619,10 +474,14 @@ class PrivateTraining:
         if step.target_epsilon is None:
             step.calibrate(0)  # σ given: only the δ ≥ 1/N warning
             return
-        planned = planned_steps(trainer, self.steps_per_epoch or 1)
+        planned = self._planned_steps()
         message = step.fit_target(trainer.global_step, planned)
         if message:
             rank_zero_info(f"{self.label}: {message}")
+
+    def _planned_steps(self) -> int:
+        """Optimizer steps this fit will take (:func:`planned_steps`)."""
+        return planned_steps(self.lightning_module.trainer, self.steps_per_epoch or 1)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the private step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -654,17 +513,17 @@ class PrivateTraining:
             rank_zero_info(f"{self.label}: the trainable parameters changed; the engine was re-attached and the "
                            "probe runs again before the next release")
         if not step.verified:
-            self._verify()
-        if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._users_code_runs(EPOCH_BOUNDARY_HOOKS):
+            self._replays.verify()
+        if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._replays.users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():
-            self._batch_checked = True
+            self._replays.batch_checked = True
             first = step.schedule.checks == 0
-            self._check_batch(indices, _batch_idx(args, kwargs))
+            self._replays.check_batch(indices, _batch_idx(args, kwargs))
             if first:
-                self._check_later_in_the_plan(indices)
+                self._replays.check_later_in_the_plan(indices)
             else:
-                self._judge_before_release(indices, _batch_idx(args, kwargs))
+                self._replays.judge_before_release(indices, _batch_idx(args, kwargs))
         self._mechanism_at_step = mechanism_decisions(trainer)  # the user's code may not set σ or C from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
@@ -767,341 +626,6 @@ class PrivateTraining:
             self.lightning_module.backward(loss)  # type: ignore[attr-defined]
         step.discard()
 
-    def _verify(self) -> None:
-        """The first step's probe (:mod:`~lightning_dp.validators.probe`) on the user's ``training_step``."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-
-        def loss_of(batch: Any) -> Any:
-            with self.precision_plugin.train_step_context(), replaying(module):  # type: ignore[attr-defined]
-                batch_start(module, batch, 0)
-                return module.training_step(batch, 0)
-
-        low = "16" in str(module.trainer.precision)
-        try:
-            self.private_step.verify(loss_of, low_precision=low, to_device=self._as_loop_batch, what="training_step",
-                                     replay_hooks=self._replay_now_and_later)
-        except PrivacyConfigurationError as err:
-            if "DTensor" not in str(err):
-                raise
-            raise PrivacyConfigurationError(
-                f"{err}\nUnder {self.label} FSDP2 gathers a sharded module's parameters only when that module's "
-                "forward runs: call the sharded module (self(...)) from training_step, not a submodule or a method "
-                "that skips its forward.") from err
-
-    def _replay_now_and_later(self, batch: Any, other: Any, judge_writes: bool = False) -> None:
-        """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
-        (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
-        refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
-        wall clock — is not judged) and once on ``other`` examples, their loss moved far, then likewise on the batch
-        with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged values
-        make fail is left out), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
-        ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
-        returning -1 that the other replay sets apart is set from the data
-        (:func:`~.validators.kept_state.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
-        module, precision = self.lightning_module, self.precision_plugin  # type: ignore[attr-defined]
-        per_epoch = max(1, self.steps_per_epoch or 1)
-        trainer, optimizer = module.trainer, self.optimizers[0]  # type: ignore[attr-defined]
-        decisions: list[list[Any]] = []
-        boundary = self.private_step.boundary
-        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
-        # alike on every rank (one all-reduce): judging the writes replays the hooks another number of times
-        judged = self.private_step.any_rank(
-            bool(judge_writes or self._users_code_runs(BATCH_HOOKS) or self.private_step.probe_writes))
-        writes = BatchEndWrites(boundary, module, users) if judged else None
-        unjudged = None if writes is not None else \
-            (boundary.fingerprint(module),
-             StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
-        start = None if unjudged is None else unjudged[0].take(users)
-
-        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
-                   failed: Optional[list[bool]] = None) -> Callable[[], None]:
-            def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
-                first = writes is not None and not writes.runs
-                try:
-                    with seeded(0), seeds_recorded() as calls, \
-                            progress_as(trainer, *progress) if progress is not None else nullcontext():
-                        decisions.append(calls)  # σ and C: put back by replay_records, which compares them
-                        batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
-                        try:
-                            ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                       before_end=writes.before_end if writes else lambda: None)
-                        except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
-                            if failed is None:
-                                raise
-                            failed.append(True)
-                            return
-                        calls.append(("on_train_batch_start returned -1", ended))
-                        if writes is not None:
-                            writes.ran(first)
-                finally:
-                    if writes is not None:
-                        writes.put_back()
-            return run
-
-        where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
-                 "training_step), replayed on the probe's examples, on half of them and on them exchanged")
-        for progress in (None, *self._later_in_the_plan()):
-            for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
-                decisions.clear()
-                if writes is not None:
-                    writes.runs.clear()
-                with self._watches_paused():  # the first two alike: what differs between them is not the data's
-                    before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
-                                                              replay(second, progress, moved, failed)], loop=trainer)
-                # the replays start again judging the writes on every rank when any rank's wrote (one all-reduce)
-                again = unjudged is not None and bool(StateFingerprint.changed(start, unjudged[0].take(users)))
-                if self.private_step.any_rank(again):
-                    if unjudged is not None:
-                        unjudged[1].restore()  # training_step wrote what the probe's passes left alike (global_step)
-                    return self._replay_now_and_later(batch, other, judge_writes=True)
-
-                def judge() -> None:  # refused on every rank alike: no rank goes on to replay hooks its peer left
-                    if failed:
-                        return
-                    if writes is not None:
-                        self._batch_end_writes |= writes.judged()
-                        self._before_release_writes |= writes.before_release
-                    steered = state_written(before, seen) + moved_by_data(*seen)
-                    if steered:
-                        raise hyperparameters_error(steered, where)
-                    if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
-                        raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
-                                                      "(training_step, on_train_batch_start/end, on_before_backward)")
-                self.private_step.on_every_rank(judge, "found the batch hooks' replays steered by the data")
-            self._replay_epoch_hooks(progress)
-        if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
-            boundary.accept([f"parameter {name}" for name in writes.rewritten])
-
-    def _judge_before_release(self, indices: list[int], batch_idx: int) -> None:
-        """At a step the batch check runs after the first: what the hooks before the release were found to write
-        alike on every data (a counter, a time stamp: accepted at every release) is judged again. The batch-start
-        hooks, ``training_step`` and ``on_before_backward`` run from the state as it is now and the same seeds on this
-        step's examples twice, on them exchanged and on half of them with the loss moved far
-        (:func:`~.validators.hook_replays.replay_batch_hooks`, without the batch-end hooks); state the other data set
-        apart, and the second plain run does not, turned to the data: refused before this step's release."""
-        # alike on every rank (one all-reduce): a rank with no examples this step replays the hooks on a stand-in (the
-        # first record), judging nothing, so that the collectives in its hooks meet its peers'
-        if not self.private_step.any_rank(bool(self._before_release_writes and indices)):
-            return
-        judged = bool(self._before_release_writes and indices)
-        indices = indices or [0]
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer, boundary = module.trainer, self.private_step.boundary
-        users = [cb for cb in _observers(trainer) if not library_callback(cb)]
-        fingerprint = boundary.fingerprint(module)
-        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
-        model_back, batch = model_kept(module, weights=True), self._collated(indices)
-        runs: list[Optional[dict[str, Any]]] = []
-
-        def replay(examples: Any, moved: bool = False) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    with seeded(0), self._privacy_settings_kept():
-                        replay_batch_hooks(module, self.precision_plugin, examples,  # type: ignore[attr-defined]
-                                           batch_idx, moved, end=False)
-                    runs.append(fingerprint.take(users, full=True, every_callback=True))
-                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
-                    runs.append(None)
-                finally:
-                    snapshot.restore()
-                    model_back()
-            return run
-
-        half = self._collated(indices[: max(1, len(indices) // 2)])
-        with self._watches_paused():
-            replay_records(self.optimizers[0], [replay(batch), replay(batch), replay(half, True),  # type: ignore
-                                                replay(exchanged_copy(batch))], loop=trainer)
-        plain, again, *others = runs
-        moved = [] if not judged or plain is None or again is None else \
-            sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
-        self._refuse_on_every_rank(boundary.written_error(moved, (
-            f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
-            "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
-            "again on this step's, on them exchanged and with the loss moved far, the hooks set it apart"))
-            if moved else None, "found state the hooks before the release set from the batch")
-
-    def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
-        """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
-        (``on_train_start``, ``on_train_epoch_start``/``end``), replayed as the module runs at ``progress`` (``None``:
-        now), each from the same state and the same random seeds: on the training data, with its copies in memory
-        exchanged for other values (:mod:`~lightning_dp.validators.outside_records`), and — only when those two
-        differ — on the training data again. What the exchanged replay leaves apart from the first, and the second
-        plain replay does not (a time stamp, a wall-clock duration), comes from the training data, no noise covers
-        it, and later steps can read it: a learning rate or a stop (a rate from the training set's accuracy), a
-        seed, the state of the module, of any user callback
-        (one that never sees the batch may still read the dataset: a teacher trained on it at epoch end for the step
-        to distil from) and of the datamodule. Refused before any release (a report may be declared public)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = module.trainer
-        if not overrides_epoch_hooks(module) and not users_hook(getattr(type(module), "configure_optimizers", None)):
-            return
-        boundary = self.private_step.boundary
-        exchanged = self.private_step.exchanged_training_data()
-        users = [cb for cb in _observers(trainer) if not library_callback(cb)]  # the datamodule too
-        fingerprint = boundary.fingerprint(module)
-        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
-        optimizer = self.optimizers[0]  # type: ignore[attr-defined]
-        seeds: list[list[Any]] = []
-        kept: list[dict[str, Any]] = []
-        sketches: list[dict[str, torch.Tensor]] = []
-        writers: dict[str, set[str]] = {}  # the hooks that wrote the weights in a replay (named in the refusal)
-
-        def replay(exchange: bool) -> Callable[[], None]:
-            def run() -> None:
-                model_back = model_kept(module, weights=True)  # a warm start (any of these hooks): compared, put back
-                rates: dict[str, Any] = {}
-                try:
-                    with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
-                            seeds_recorded() as calls, \
-                            progress_as(trainer, *progress) if progress is not None else nullcontext():
-                        seeds.append(calls)
-                        replay_epoch_hooks(module, writers)
-                        rates = configured_settings(module)  # a rate configure_optimizers takes from the data
-                finally:
-                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates})
-                    sketches.append(weights_sketch(module))  # how far apart, for weights the plain replays round apart
-                    snapshot.restore()
-                    written = model_back()
-                    if written:  # put back as they were: the next release compares with them as they are
-                        boundary.accept([f"parameter {name}" for name in written])
-            return run
-
-        # the plain and the exchanged replay, a second plain one only if they differ; the engine put aside, as
-        # before it is attached (a warm start's optimizer.step() moves the weights, as in the real setup)
-        with self._watches_paused(), self.private_step.engine_aside():
-            _, seen = replay_records(optimizer, [replay(False), replay(True)], loop=trainer)
-            differ = len(kept) == 2 and (kept[0] != kept[1] or seen[0] != seen[1] or seeds[0] != seeds[1])
-            if self.private_step.any_rank(differ):  # alike on every rank: the hooks' collectives stay paired
-                seen += replay_records(optimizer, [replay(False)], loop=trainer)[1]
-        if len(kept) != 3 or not differ:  # a second plain run this rank's replays did not need: nothing to judge
-            self._refuse_on_every_rank(None, "found the epoch hooks' replays steered by the data")
-            return
-        plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
-        moved = [name for name in moved_by_data(plain, again, other) if not name.startswith("parameter ")] \
-            + weights_moved_by_data(plain, again, other, sketches)  # the weights: rounding apart from the data
-        where = ("by the hooks that see no batch (setup, on_fit_start, on_train_start, on_train_epoch_start/end), "
-                 "replayed on the training data and on it exchanged")
-        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
-        refusal: Optional[PrivacyConfigurationError] = None
-        if decided:
-            refusal = hyperparameters_error(decided, f"from the training data {where}")
-        elif len(seeds) == 3 and seeds[0] == seeds[2] and seeds[0] != seeds[1]:
-            refusal = decided_from_data_error([seeds[0], seeds[1]], where)
-        elif moved:
-            refusal = boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps"
-                                             + _weights_fitted(moved, writers))
-        self._refuse_on_every_rank(refusal, "found the epoch hooks' replays steered by the data")
-
-    def _refuse_on_every_rank(self, refusal: Optional[Exception], what: str) -> None:
-        """Raise ``refusal`` (``None``: this rank's check passed) on every rank alike (one all-reduce when distributed,
-        :meth:`~.validators.step_checks.StepChecks.on_every_rank`): a rank that refuses while its peer goes on to run
-        the user's hooks again would leave that peer waiting in their collectives (a broadcast at batch end)."""
-        def check() -> None:
-            if refusal is not None:
-                raise refusal
-        self.private_step.on_every_rank(check, what)
-
-    @contextmanager
-    def _privacy_settings_kept(self) -> Iterator[None]:
-        """σ and C as they were after each replay: a user's hook that changes them (a noise schedule of its own, in
-        ``on_train_start``) runs once per real call, not once per replay as well."""
-        private = self.private_step
-        saved = private.noise_multiplier, private.max_grad_norm
-        try:
-            yield
-        finally:
-            if (private.noise_multiplier, private.max_grad_norm) != saved:
-                private.noise_multiplier, private.max_grad_norm = saved
-
-    @contextmanager
-    def _watches_paused(self) -> Iterator[None]:
-        """The logged-metric and record watches do not count the replays' reads (the real hooks' reads are counted
-        when they run, in the hook they run in; what a replayed hook keeps or sets is the replays' to judge); and the
-        replays write, link or remove no checkpoint file (:func:`_checkpoint_files_kept`)."""
-        with self._logged_reads.paused() if self._logged_reads is not None else nullcontext(), \
-                self._record_watch.paused() if self._record_watch is not None else nullcontext(), \
-                _checkpoint_files_kept():
-            yield
-
-    def _later_in_the_plan(self) -> list[tuple[int, int]]:
-        """(step, epoch) of the plan's last step: the first step's checks also run with the module made to believe it
-        is there (:func:`progress_as`), so behaviour keyed on ``global_step`` or ``current_epoch`` crossing a
-        threshold (in-batch negatives after a warm-up, a memory bank from epoch 2) shows before any release.
-        Behaviour that comes and goes (every k-th step) is the later random checks' to meet."""
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        per_epoch = max(1, self.steps_per_epoch or 1)
-        try:
-            last = planned_steps(trainer, per_epoch) - 1
-        except PrivacyConfigurationError:
-            last = 100 * per_epoch  # no planned length (a budget stops the run): look well ahead
-        if last <= trainer.global_step:
-            return []
-        return [(last, last // per_epoch)]  # one on every rank: each check ends with one all-reduce
-
-    def _check_later_in_the_plan(self, indices: list[int]) -> None:
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
-        points = [(step, epoch, min(per_epoch - 1, step)) for step, epoch in self._later_in_the_plan()]
-        for step, epoch, batch_idx in points + self._steps_that_differ(indices):
-            with progress_as(trainer, step, epoch):
-                self._check_batch(indices, batch_idx,  # an epoch's last batch_idx: `if batch_idx >= k`
-                                  as_of=f"as the model runs at step {step}, epoch {epoch}, batch_idx {batch_idx}",
-                                  charge=False, step=now)
-
-    def _steps_that_differ(self, indices: list[int]) -> list[tuple[int, int, int]]:
-        """(step, epoch, batch_idx) of the next :data:`NEXT_STEPS` steps at which ``training_step`` (with the
-        batch-start hooks) computes another loss on this step's examples than now, from the same seeds and state:
-        behaviour that comes and goes (``if batch_idx % 5 == 2``, every k-th step for k up to 8) is checked as it
-        will run there, on the first step. One forward each; the batch check runs only where the loss differs. Not
-        with several processes (each rank would decide alone: the checks end with collectives)."""
-        if self._distributed or not indices:
-            return []
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer, boundary = module.trainer, self.private_step.boundary
-        per_epoch, now = max(1, self.steps_per_epoch or 1), trainer.global_step
-        batch = self._as_loop_batch(self._collated(indices))
-        snapshot = StateSnapshot(module, [cb for cb in _observers(trainer) if not library_callback(cb)],
-                                 boundary.engine_keys, boundary.global_modules())
-
-        def loss_at(step: int) -> Optional[torch.Tensor]:
-            try:
-                with seeded(0), progress_as(trainer, step, step // per_epoch), self._watches_paused(), \
-                        self._privacy_settings_kept(), self.precision_plugin.train_step_context(), \
-                        replaying(module):  # type: ignore[attr-defined]
-                    batch_start(module, batch, step % per_epoch)
-                    out = module.training_step(batch, step % per_epoch)
-                out = out.get("loss") if isinstance(out, dict) else out
-                return out.detach().to(torch.float64) if isinstance(out, torch.Tensor) else None
-            except Exception:  # noqa: BLE001  (a step that cannot run there is the later checks' to meet)
-                return None
-            finally:
-                snapshot.restore()
-
-        here = loss_at(now)
-        if here is None:
-            return []
-        later = [(step, loss_at(step)) for step in range(now + 1, now + 1 + NEXT_STEPS)]
-        return [(step, step // per_epoch, step % per_epoch) for step, loss in later
-                if loss is not None and (loss.shape != here.shape or not torch.equal(loss, here))]
-
-    def _check_batch(self, indices: list[int], batch_idx: int, as_of: str = "", charge: bool = True,
-                     step: Optional[int] = None) -> None:
-        """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's examples, read again
-        through the user's dataset and collate (torch seeded per example, as the probe) and the loop's conversions,
-        passed to ``training_step`` with the step's own ``batch_idx`` (a step that mixes examples on some batch
-        indices only is checked as it runs)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        private = self.private_step
-
-        def loss_of(examples: Any) -> Any:
-            batch = self._as_loop_batch(examples)
-            with self.precision_plugin.train_step_context(), replaying(module):  # type: ignore[attr-defined]
-                batch_start(module, batch, batch_idx)
-                return module.training_step(batch, batch_idx)
-
-        private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
-                            max_examples=min(128, self.max_physical_batch_size or 128), as_of=as_of, charge=charge)
-
     def _collated(self, indices: list[int]) -> Any:
         """The examples ``indices`` collated by the user's ``collate_fn`` and moved to the device."""
         return self._as_loop_batch(self.private_step.examples(indices))
@@ -1169,9 +693,9 @@ class PrivateTraining:
         with output_hook_notice_quieted(self.private_step.engine_name):
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)  # type: ignore[attr-defined]
         self._check_mechanism_kept(module.trainer)
-        if self._before_release_writes:  # written alike on all data (a counter): what this release compares with
+        if self._replays.before_release_writes:  # written alike on all data (a counter): what this release compares
             frozen = frozen_parameters(module)  # a momentum copy unfrozen since (trainable now) is not accepted
-            self.private_step.boundary.accept(sorted(n for n in self._before_release_writes
+            self.private_step.boundary.accept(sorted(n for n in self._replays.before_release_writes
                                                      if not parameter_entry(n, frozen)))
         self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
@@ -1221,43 +745,17 @@ class PrivateTraining:
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if windows is not None and trainer is not None:
             windows.before_checkpoint(trainer, self.lightning_module)  # type: ignore[attr-defined]
-        self._judge_end("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
-                        "a hook that ends the fit)", skip=tuple(self._batch_end_writes))  # an EMA written before
-        self.private_step.on_every_rank(lambda: self._check_checkpoint_records(checkpoint),
+        self._end.judge("after the last update, before a checkpoint was written (in a batch-end or epoch hook, or "
+                        "a hook that ends the fit)", skip=tuple(self._replays.batch_end_writes))  # an EMA written
+        self.private_step.on_every_rank(lambda: check_checkpoint_records(self.private_step, checkpoint),
                                         "found training records in the checkpoint")  # every rank refuses alike
-        self.private_step.on_every_rank(lambda: self._check_checkpoint_hooks(checkpoint),
-                                        "found a checkpoint entry computed from the training data")
+        self.private_step.on_every_rank(
+            lambda: check_checkpoint_hooks(self.private_step, self.lightning_module, checkpoint,  # type: ignore
+                                           self._replays.replay_settings),
+            "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-
-    def _check_checkpoint_records(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint holding training records or a vocabulary read from them."""
-        held = [p for d in self.private_step.boundary.datasets() for p in records_in(checkpoint, d, "checkpoint")]
-        if held:
-            raise records_in_checkpoint_error(held)
-        public = self.private_step.boundary.public_state
-        kept = [f for d in self.private_step.boundary.datasets() for f in vocabulary_in(checkpoint, d, public)]
-        if kept:
-            raise vocabulary_error(kept, "in the checkpoint about to be written; nothing was written")
-
-    def _check_checkpoint_hooks(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint entry the user's checkpoint hooks computed from the training data: they run again on
-        its exchanged copy (:func:`~lightning_dp.validators.checkpoint_replays.written_from_data`); only while the
-        training data is there to exchange and a hook of the user's runs."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = getattr(module, "_trainer", None)
-        step = self.private_step
-        if trainer is None or step._source is None or not step.boundary.datasets() \
-                or not checkpoint_hooks_of_users(trainer, module):
-            return
-        public = step.boundary.public_state
-        moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
-                                  self._replay_settings, step.boundary.engine_keys,
-                                  lambda path: is_public(path, public), any_rank=step.any_rank,
-                                  modules=step.boundary.global_modules())
-        if moved:
-            raise checkpoint_from_data_error(moved)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""
@@ -1295,31 +793,6 @@ class PrivateTraining:
         rank_zero_warn(f"{self.label}: resumed with resume_privacy='new'; from this step on: " + "; ".join(changes)
                        + ". The ledger records each step's σ, so ε counts both parts exactly." + target)
         return True
-
-
-@contextmanager
-def _checkpoint_files_kept() -> Iterator[None]:
-    """``ModelCheckpoint``'s file operations do nothing: a replayed hook of a user's subclass of it (its
-    ``on_train_epoch_end``, run again from the state before) would save, link (``save_last="link"``: a ``last-v1``)
-    or remove files the real run decides on. Patched on the class, not the instance, so that no snapshot of the
-    callback's attributes taken meanwhile carries the patch out."""
-    classes = [cls for name in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
-               for cls in [getattr(sys.modules.get(name), "ModelCheckpoint", None)] if isinstance(cls, type)]
-    saved = [(cls, key, vars(cls)[key]) for cls in classes for key in _CHECKPOINT_FILE_OPERATIONS if key in vars(cls)]
-    for cls, key, _ in saved:
-        setattr(cls, key, staticmethod(_no_file_operation))
-    try:
-        yield
-    finally:
-        for cls, key, value in saved:
-            setattr(cls, key, value)
-
-
-_CHECKPOINT_FILE_OPERATIONS = ("_save_checkpoint", "_link_checkpoint", "_remove_checkpoint")
-
-
-def _no_file_operation(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 class PrivacyStateLauncher(_MultiProcessingLauncher):
@@ -1360,56 +833,6 @@ class PrivacyStateLauncher(_MultiProcessingLauncher):
             self._strategy.private_step.load_state_dict(state)
 
 
-_WEIGHT_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging", "EMAWeightAveraging")
-"""Lightning's callbacks that copy an average of the released weights into the model when training ends."""
-
-
-def _weights_fitted(moved: list[str], writers: dict[str, set[str]]) -> str:
-    """What the refusal of the hooks that see no batch adds when they moved the model's weights: the hooks that wrote
-    them, and the fix (a non-private warm start, a linear probe or a closed-form head fitted to the training data)."""
-    weights = {name.removeprefix("parameter ") for name in moved if name.startswith("parameter ")}
-    if not weights:
-        return ""
-    hooks = sorted(hook for hook, wrote in writers.items() if wrote & weights)
-    by = f" by {', '.join(hooks)}" if hooks else ""
-    return (f" (the model's weights, fitted to the training data{by} without noise or accounting: a non-private "
-            "warm start, a linear probe or a closed-form head; fit them on public data — "
-            "lightning_dp.callbacks.PublicPretraining — or let the private fit train them)")
-
-
-def _averaging(trainer: "pl.Trainer") -> bool:
-    """Whether one of Lightning's weight-averaging callbacks (or a subclass) swaps weights into the model."""
-    return any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
-               for cb in trainer.callbacks for b in type(cb).__mro__)
-
-
-EPOCH_BOUNDARY_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
-END_HOOKS = ("on_train_end", "on_fit_end", "teardown")
-"""The user's hooks that run after the last update while the training data is still reachable: what
-``on_train_end`` keeps is refused (as a batch-end hook's), what ``on_fit_end`` and ``teardown`` keep is judged by
-running them again on the exchanged data when the last of them has run; what is refused is put back
-(``PrivateTraining._judge_end``)."""
-
-
-def _unwrap_teardown(module: nn.Module) -> None:
-    """Remove the wrapper ``PrivateTraining._judge_after_users_teardown`` put on the module (none: nothing)."""
-    if getattr(module.__dict__.get("teardown"), "_ldp_end", False):
-        del module.__dict__["teardown"]
-
-
-VALIDATION_HOOKS = ("validation_step", "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
-                    "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end")
-"""The hooks after which user code may have switched the step's behaviour on: an epoch's first step and the step after
-a validation are then always checked (``verify="sampled"``)."""
-
-NEXT_STEPS = 8
-"""How many steps after the first :meth:`PrivateTraining._steps_that_differ` looks at."""
-
-
-BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_train_batch_end")
-"""The hooks around a step that are handed the batch, its loss or its outputs."""
-
-
 def _compiled(model: nn.Module) -> bool:
     """Whether ``model`` (``torch.compile(module)``, which Lightning unwraps) or a part of it (``torch.compile(net)``,
     ``net.compile()``) runs compiled: its backward graphs then must not donate their buffers (torch's default), which
@@ -1418,12 +841,6 @@ def _compiled(model: nn.Module) -> bool:
         return True
     return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
                or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
-def _observers(trainer: "pl.Trainer") -> list[Any]:
-    """The callbacks and the LightningDataModule: what, besides the module, may keep state from the batch."""
-    datamodule = getattr(trainer, "datamodule", None)
-    return [*trainer.callbacks, *([datamodule] if datamodule is not None else [])]
 
 
 def _loop_objects(trainer: "pl.Trainer") -> list[tuple[str, Any]]:

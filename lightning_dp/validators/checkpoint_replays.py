@@ -27,15 +27,18 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_in
 from lightning_dp.validators.hook_replays import replaying, users_hook
-from lightning_dp.validators.kept_state import (_numpy_token, content_sums, is_datamodule, library_callback,
+from lightning_dp.validators.kept_state import (_numpy_token, content_sums, is_datamodule, is_public, library_callback,
                                                 moved_by_data)
+from lightning_dp.validators.outside_records import records_in, records_in_checkpoint_error
 from lightning_dp.validators.snapshot import StateSnapshot
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["checkpoint_hooks_of_users", "checkpoint_from_data_error", "written_from_data"]
+__all__ = ["check_checkpoint_hooks", "check_checkpoint_records", "checkpoint_hooks_of_users",
+           "checkpoint_from_data_error", "written_from_data"]
 
 MAX_DEPTH = 8
 """How deep the checkpoint's dicts, lists and tuples are walked (deeper values are compared as one object)."""
@@ -196,3 +199,34 @@ def checkpoint_from_data_error(paths: list[str]) -> Exception:
         "released model alone (its parameters), or estimate it with a DP mechanism of your own and account for its "
         "ε; if it is not derived from the training data, or you accept that it leaves unprotected like a logged "
         f"metric, declare it public: DPStrategy(public_state={paths[:3]!r}).")
+
+
+def check_checkpoint_records(step: Any, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint holding training records (:func:`~.outside_records.records_in`: an ``on_save_checkpoint``
+    adding examples, data passed to ``save_hyperparameters``) or a vocabulary read from them
+    (:mod:`.held_vocabulary`)."""
+    datasets = step.boundary.datasets()
+    held = [p for d in datasets for p in records_in(checkpoint, d, "checkpoint")]
+    if held:
+        raise records_in_checkpoint_error(held)
+    public = step.boundary.public_state
+    kept = [f for d in datasets for f in vocabulary_in(checkpoint, d, public)]
+    if kept:
+        raise vocabulary_error(kept, "in the checkpoint about to be written; nothing was written")
+
+
+def check_checkpoint_hooks(step: Any, module: Any, checkpoint: dict[str, Any],
+                           replay_settings: Callable[[], AbstractContextManager[None]]) -> None:
+    """Refuse a checkpoint entry the user's checkpoint hooks computed from the training data: they run again on
+    its exchanged copy (:func:`written_from_data`, each run inside ``replay_settings``); only while the training data
+    is there to exchange and a hook of the user's runs."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or step._source is None or not step.boundary.datasets() \
+            or not checkpoint_hooks_of_users(trainer, module):
+        return
+    public = step.boundary.public_state
+    moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
+                              replay_settings, step.boundary.engine_keys, lambda path: is_public(path, public),
+                              any_rank=step.any_rank, modules=step.boundary.global_modules())
+    if moved:
+        raise checkpoint_from_data_error(moved)

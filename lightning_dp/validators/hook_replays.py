@@ -357,8 +357,8 @@ def silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
 
 
 class BatchEndWrites:
-    """What the first step's replays of the batch hooks write (the Lightning glue's ``_replay_now_and_later``), when
-    the module or a callback of the user's has such hooks, or the probe found ``training_step`` writing (``users``:
+    """What the first step's replays of the batch hooks write (``step_replays.StepReplays._replay_now_and_later``),
+    when the module or a callback of the user's has such hooks, or the probe found ``training_step`` writing (``users``:
     those callbacks and the datamodule). Every run starts from the state as it was (the snapshot, the weights put
     back); of each group of three (the batch twice, then other data) the first is watched before and after the
     batch-end hooks, every run's state after them is compared, and — when the first wrote before them — every run's

@@ -219,7 +219,7 @@ class StepChecks:
         (its hooks removed, the layers' own forwards back: ghost's book-keeping forward leaves the weights'
         gradients to the release, so an ``optimizer.step()`` after a backward through it moves nothing), then
         attached again; the parameters' ``.grad`` put back as they were. For the replays of the hooks that see no
-        batch (the Lightning glue's ``_replay_epoch_hooks``): a non-private warm start there (plain SGD on the
+        batch (``step_replays.StepReplays._replay_epoch_hooks``): a non-private warm start there (plain SGD on the
         training set) moves the weights in its replays as in the real ``setup``, and its replay on the exchanged
         data sets them apart (docs/release_boundary.md, rule 3). Nothing captured then belongs to a step."""
         engine, module = self._engine, self._module

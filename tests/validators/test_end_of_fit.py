@@ -1,5 +1,5 @@
 """The end of a private fit is judged after the user's ``on_fit_end`` and ``teardown`` have run
-(``_strategy_glue.PrivateTraining._judge_end``, rule 3 of docs/release_boundary.md): a statistic of the training set
+(``validators/end_of_fit.EndOfFit.judge``, rule 3 of docs/release_boundary.md): a statistic of the training set
 written then (class means for Mahalanobis OOD scoring, a nearest-class-mean head) is refused, and what was written is
 put back, so the module returned does not hold it."""
 

@@ -1,6 +1,6 @@
-"""Warm starts before training (validators/hook_replays.py, the Lightning glue's ``_replay_epoch_hooks``, rule 3 of
-docs/release_boundary.md): a non-private fit of the weights on the training set in a hook that sees no batch — plain
-SGD in ``setup``, the run's own optimizer in ``on_fit_start``, a callback's ``on_train_start``, a head refreshed at an
+"""Warm starts before training (validators/hook_replays.py, ``StepReplays._replay_epoch_hooks`` in
+validators/step_replays.py, rule 3 of docs/release_boundary.md): a non-private fit of the weights on the training set
+in a hook that sees no batch — plain SGD in ``setup``, the run's own optimizer in ``on_fit_start``, a callback's ``on_train_start``, a head refreshed at an
 epoch's start, a least-squares head whose solve is not bit for bit repeatable — is refused before any release,
 naming the hook; the same warm starts on public data train."""
 
