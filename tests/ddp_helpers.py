@@ -206,3 +206,31 @@ def errors_recorded(strategy_cls: type, out_dir: str | os.PathLike, wait_s: floa
                 raise
 
     return Recorded
+
+
+def _training_features(trainer: pl.Trainer) -> Tensor:
+    """The training set's features as the user's code reaches them (the loader's dataset)."""
+    return trainer.train_dataloader.dataset.tensors[0]
+
+
+class Rank0MeansAtFitEnd(Callback):
+    """Class-free feature means of the training set kept in ``on_fit_end`` on rank 0 only, beside a broadcast (an OOD
+    score's statistics): written after the last update from the data, refused on every rank, none left waiting."""
+
+    def __init__(self) -> None:
+        self.means: Tensor | None = None
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.means = _training_features(trainer).mean(0).clone()
+        trainer.strategy.broadcast(trainer.global_step, src=0)
+
+
+class Rank0MeansInCheckpoint(Callback):
+    """The training set's feature means put into every checkpoint on rank 0 only, beside a broadcast: a checkpoint
+    entry computed from the data (read back by ``on_load_checkpoint`` on a resume), refused on every rank."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.is_global_zero:
+            checkpoint["feature_means"] = _training_features(trainer).mean(0).clone()
+        trainer.strategy.broadcast(trainer.global_step, src=0)

@@ -393,3 +393,39 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert all(e is not None and e.startswith("PrivacyConfigurationError") for e in errors.values()), errors
     assert "Rank0LossEmaBroadcast.ema" in errors[0]
     assert time.monotonic() - start < 40
+
+
+def test_an_end_of_fit_write_on_one_rank_is_refused_without_a_hang(tmp_path):
+    """The end of the fit under DDP (validators/end_of_fit.py): training-set means kept in ``on_fit_end`` on rank 0
+    only, beside a broadcast. Every rank runs the hooks again as often (the replays' broadcasts stay paired) and the
+    write is refused; the fit does not wait out the collective timeout."""
+    from ddp_helpers import Rank0MeansAtFitEnd
+
+    start = time.monotonic()
+    strategy = DPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, noise_multiplier=1.0, max_grad_norm=1.0,
+                          sampler_seed=0)
+    trainer = _trainer(strategy, WORLD, max_steps=2, callbacks=[Rank0MeansAtFitEnd()])
+    # the launcher reports one rank's error: rank 0's names the write, rank 1's says another rank's check found it
+    with pytest.raises(Exception, match=r"(?s)PrivacyConfigurationError: .*(Rank0MeansAtFitEnd\.means|another rank's "
+                                        r"examples found state written after training ended)"):
+        trainer.fit(SeededClassifier(), loader(classification_data(64), 16))
+    assert time.monotonic() - start < 40
+
+
+def test_a_checkpoint_entry_from_the_data_on_one_rank_is_refused_without_a_hang(tmp_path):
+    """A checkpoint under DDP (validators/checkpoint_replays.py): the training set's means put into the checkpoint on
+    rank 0 only, beside a broadcast. The user's checkpoint hooks run again on every rank alike and the entry is
+    refused before anything is written."""
+    from ddp_helpers import Rank0MeansInCheckpoint
+
+    start = time.monotonic()
+    strategy = DPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, noise_multiplier=1.0, max_grad_norm=1.0,
+                          sampler_seed=0)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)
+    trainer = _trainer(strategy, WORLD, max_steps=2, callbacks=[Rank0MeansInCheckpoint(), saver],
+                       enable_checkpointing=True)
+    with pytest.raises(Exception, match=r"(?s)PrivacyConfigurationError: .*(feature_means|another rank's examples found "
+                                        r"a checkpoint entry computed from the training data)"):
+        trainer.fit(SeededClassifier(), loader(classification_data(64), 16))
+    assert not list((tmp_path / "ckpt").glob("*.ckpt"))  # nothing written
+    assert time.monotonic() - start < 40
