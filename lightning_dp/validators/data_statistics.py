@@ -211,13 +211,30 @@ def _scaled_by_itself(t: Tensor) -> str:
     """How ``t``'s features were scaled by their own statistics, or "": every column with mean 0 and standard
     deviation 1 (``StandardScaler``), with median 0 and interquartile range 1 (``RobustScaler``), or reaching both 0
     (or -1) and 1 exactly with more than two values in most columns (``MinMaxScaler``, or quantile clip-scaling; a
-    known range divided out rarely has every column at both ends, and one-hot columns have two values)."""
+    known range divided out rarely has every column at both ends, and one-hot columns have two values). A column
+    constant in the data is left at the scaler's bottom (0: scikit-learn scales a zero range by 1) and judged by that
+    alone: digits' blank border pixels do not hide the scaling of the others; at least two columns must vary."""
     if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 20 or t.numel() > MAX_ELEMENTS:
         return ""
     flat = t.detach().to(torch.float64).reshape(t.shape[0], -1)
-    if flat.shape[1] < 2:
-        return ""
     tol = 1e-5 if t.dtype == torch.float64 else 1e-4
+    low, high = flat.min(0).values, flat.max(0).values
+    varying = high - low > tol
+    if int(varying.sum()) < 2:
+        return ""
+    constant = flat[0, ~varying]
+    if bool((constant.abs() <= tol).all()):
+        found = _scaled_columns(flat[:, varying], tol)
+        if found:
+            return found
+    for bottom in (0.0, -1.0):  # MinMaxScaler's default range, and feature_range=(-1, 1)
+        if bool(((constant - bottom).abs() <= tol).all()) and _spans(flat[:, varying], bottom, tol):
+            return f"scaled to [{bottom:g}, 1] by its own minimum and maximum (or quantiles)"
+    return ""
+
+
+def _scaled_columns(flat: Tensor, tol: float) -> str:
+    """Whether the varying columns ``flat`` were standardised or robust-scaled by their own statistics."""
     if bool((flat.mean(0).abs() <= tol).all()) and \
             any(bool(((flat.std(0, correction=c) - 1).abs() <= tol).all()) for c in (0, 1)):
         return "standardised with its own mean and standard deviation"
@@ -225,12 +242,14 @@ def _scaled_by_itself(t: Tensor) -> str:
         q25, q50, q75 = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=0)
         if bool((q50.abs() <= tol).all()) and bool(((q75 - q25 - 1).abs() <= tol).all()):
             return "scaled by its own median and interquartile range"
-    low, high = flat.min(0).values, flat.max(0).values
-    for bottom in (0.0, -1.0):  # MinMaxScaler's default range, and feature_range=(-1, 1)
-        ends = bool(((low - bottom).abs() <= tol).all()) and bool(((high - 1).abs() <= tol).all())
-        if ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1]):
-            return f"scaled to [{bottom:g}, 1] by its own minimum and maximum (or quantiles)"
     return ""
+
+
+def _spans(flat: Tensor, bottom: float, tol: float) -> bool:
+    """Whether every varying column of ``flat`` reaches exactly ``bottom`` and 1, most with more than two values."""
+    low, high = flat.min(0).values, flat.max(0).values
+    ends = bool(((low - bottom).abs() <= tol).all()) and bool(((high - 1).abs() <= tol).all())
+    return ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1])
 
 
 def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

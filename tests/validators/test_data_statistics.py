@@ -136,12 +136,30 @@ def test_features_scaled_by_their_own_order_statistics_are_refused(scale, what):
             Classifier(), DataLoader(TensorDataset(scale(X), Y), batch_size=16))
 
 
+def _with_blank_columns(scale: Any) -> torch.Tensor:
+    """Two of the four features scaled by ``scale`` as scikit-learn's scalers leave them, beside two columns constant
+    in the data (digits' blank border pixels), which the scalers leave at 0."""
+    return torch.cat([scale(X[:, :2]), torch.zeros(len(X), 2)], 1)
+
+
+@pytest.mark.parametrize("scale,what", [
+    (lambda x: (x - x.mean(0)) / x.std(0, correction=0), "standardised with its own mean"),
+    (_robust, "median and interquartile range"),
+    (lambda x: (x - x.min(0).values) / (x.max(0).values - x.min(0).values), r"\[0, 1\] by its own minimum"),
+])
+def test_scaled_features_beside_constant_columns_are_refused(scale, what):
+    with pytest.raises(PrivacyConfigurationError, match=what):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(
+            Classifier(), DataLoader(TensorDataset(_with_blank_columns(scale), Y), batch_size=16))
+
+
 def test_binary_features_and_a_known_range_divided_out_train():
     one_hot = (torch.rand(len(X), 16, generator=torch.Generator().manual_seed(1)) > 0.5).float()  # 0/1: two values
     known = (X.clamp(-3, 3) + 3) / 6  # a public range: not every column reaches both ends
     from lightning_dp.data import DistinctRecords
 
-    for features in (one_hot[:, :4], known):  # the classifier reads 4 features (4 binary ones repeat: declared)
+    blank = torch.cat([known[:, :2], torch.zeros(len(X), 2)], 1)  # a public range beside constant columns
+    for features in (one_hot[:, :4], known, blank):  # the classifier reads 4 features (4 binary ones repeat: declared)
         dp = strategy()
         records = DistinctRecords(TensorDataset(features, Y))
         quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(records, batch_size=16))
