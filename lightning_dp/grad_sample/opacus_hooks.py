@@ -216,6 +216,9 @@ def _rule_wrong(module: nn.Module) -> Optional[str]:
             return "Embedding with padding_idx: Opacus' rule gives the padding row a gradient"
         if module.scale_grad_by_freq:
             return "Embedding with scale_grad_by_freq: Opacus' rule ignores the frequency scaling"
+    if isinstance(module, nn.EmbeddingBag):
+        return ("Opacus' EmbeddingBag rule counts a token repeated within a bag once, and ignores padding_idx, "
+                "per_sample_weights, include_last_offset and 2-D inputs; served by 'vmap' and 'ghost'")
     if isinstance(module, nn.LayerNorm) and module.elementwise_affine and module.bias is None:
         return "LayerNorm(bias=False): Opacus' rule reads the missing bias"
     return None

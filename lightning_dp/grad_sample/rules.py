@@ -32,15 +32,17 @@ test's or a user's, comes after the listed ones, in the order registered):
 2. ``prelu_rule``: ``nn.PReLU`` (reduced during backward);
 3. ``linear_rule``: ``nn.Linear`` (the class itself) and Hugging Face's ``Conv1D``;
 4. ``embedding_rule``: ``nn.Embedding`` (the class itself, without ``scale_grad_by_freq``);
-5. ``norm_rule``: ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` with torch's forward (reduced during backward);
-6. ``recurrent_rule``: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` whose calls the unrolled rule covers;
-7. ``attention_projections``: ``nn.MultiheadAttention`` calls whose two projections were read from autograd's record;
-8. ``elementwise_scale``: any layer whose every call was verified as w ⊙ y + b.
+5. ``embedding_bag_rule``: ``nn.EmbeddingBag`` (the class itself) in mode sum or mean, on 2-D inputs or 1-D inputs
+   with offsets;
+6. ``norm_rule``: ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` with torch's forward (reduced during backward);
+7. ``recurrent_rule``: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` whose calls the unrolled rule covers;
+8. ``attention_projections``: ``nn.MultiheadAttention`` calls whose two projections were read from autograd's record;
+9. ``elementwise_scale``: any layer whose every call was verified as w ⊙ y + b.
 
 That is the order in which the ghost engine tried them before the registry (the registered convolutions and PReLU
-first, then its own if-chain). The families are disjoint in practice (a layer of 1–7 is never verified as w ⊙ y + b,
+first, then its own if-chain). The families are disjoint in practice (a layer of 1–8 is never verified as w ⊙ y + b,
 except ``nn.RMSNorm``, whose torch forward is one multiplication by its weight: the norm rule serves it on ``ghost``).
-The vmap engine consults only the rules with :attr:`~LayerRule.for_vmap`, in the same order (1, 2, 6, 7, 8:
+The vmap engine consults only the rules with :attr:`~LayerRule.for_vmap`, in the same order (1, 2, 5, 7, 8, 9:
 ``nn.RMSNorm`` there takes the elementwise-scale rule, as before the registry; Linear, Embedding and the plain norm
 layers are replayed). The rule modules register on first use (:func:`registered_rules`).
 """
@@ -63,6 +65,7 @@ RULE_MODULES: tuple[str, ...] = (
     "lightning_dp.grad_sample.prelu_rule",
     "lightning_dp.grad_sample.linear_rule",
     "lightning_dp.grad_sample.embedding_rule",
+    "lightning_dp.grad_sample.embedding_bag_rule",
     "lightning_dp.grad_sample.norm_rule",
     "lightning_dp.grad_sample.recurrent_rule",
     "lightning_dp.grad_sample.attention_projections",

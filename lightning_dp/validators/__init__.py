@@ -6,8 +6,8 @@ would otherwise corrupt, and refused with an error that names the fix:
 
 - :mod:`.layers`: layers that mix examples (BatchNorm without running statistics,
   ``scale_grad_by_freq``) or have no per-example rule (static, before training); a BatchNorm
-  forward in training mode and an ``nn.EmbeddingBag`` call on a flat input with offsets (a
-  forward pre-hook, every call).
+  forward in training mode and an ``nn.EmbeddingBag(mode="max")`` call on a flat input with offsets
+  (a forward pre-hook, every call; modes sum and mean are served there).
 - :mod:`.example_dim`: every captured call holds one row per sampled example (every step); rows of
   flattened examples only where the flattening is a verified view (``flattened_rows``); calls with no
   example dimension at all (``unbatched_call``) only where the model broadcasts them over the examples

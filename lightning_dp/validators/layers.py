@@ -14,7 +14,8 @@ the model is attached to a private step, that refuses the call before it runs:
 
 - a BatchNorm running in training mode (any ``model.train()`` call, by the user's code or by Lightning before 2.2
   at the start of fit, switches a frozen BatchNorm back to batch statistics): :func:`batchnorm_training_error`;
-- an ``nn.EmbeddingBag`` called on a flat 1-D input with ``offsets``: :func:`embedding_bag_offsets_error`;
+- an ``nn.EmbeddingBag(mode="max")`` called on a flat 1-D input with ``offsets``: :func:`embedding_bag_offsets_error`
+  (modes sum and mean are served there);
 - Opacus' ``DPLSTM``/``DPGRU``/``DPRNN`` called on a ``PackedSequence``: :func:`opacus_packed_error` (torch's own RNN,
   which is served there, is named).
 """
@@ -170,13 +171,16 @@ def batchnorm_training_error(name: str, module: nn.Module) -> PrivacyConfigurati
 
 
 def embedding_bag_offsets_error(name: str, module: nn.Module) -> PrivacyConfigurationError:
-    """An ``nn.EmbeddingBag`` called on a flat 1-D input (bags packed end to end, ``offsets``)."""
+    """An ``nn.EmbeddingBag(mode="max")`` called on a flat 1-D input (bags packed end to end, ``offsets``): its
+    gradient goes to each dimension's arg-max row, which no rule computes from the call (modes sum and mean are
+    served on the packed input: :mod:`~lightning_dp.grad_sample.embedding_bag_rule`)."""
     return PrivacyConfigurationError(
-        f"layer '{name}' ({type(module).__name__}) was called on a 1-D input with offsets (the bags of all "
-        "examples packed end to end in one tensor), which the per-example engines cannot split by example. The "
-        "step was stopped before its release. Call it on a 2-D [B, L] input, one bag per row, padding the shorter "
-        f"bags with padding_idx ({type(module).__name__}(..., padding_idx=p): padded entries are left out of the "
-        "sum/mean/max), and pass per_sample_weights as [B, L] too (mode='sum').")
+        f"layer '{name}' ({type(module).__name__}(mode='max')) was called on a 1-D input with offsets (the bags of "
+        "all examples packed end to end in one tensor): its gradient goes to each dimension's arg-max row, which the "
+        "per-example engines cannot split by example from a packed call. The step was stopped before its release. "
+        "Use mode='sum' or mode='mean' (served on the packed input with offsets, per_sample_weights too), or call "
+        "it on a 2-D [B, L] input, one bag per row, padding the shorter bags with padding_idx "
+        f"({type(module).__name__}(..., mode='max', padding_idx=p): padded entries are left out of the max).")
 
 
 def opacus_recurrent(module: nn.Module) -> Optional[str]:
@@ -256,13 +260,14 @@ class _BatchNormMode(_CallCheck):
 
 
 class _EmbeddingBagInput(_CallCheck):
-    """Refuses a differentiated ``nn.EmbeddingBag`` call on a 1-D input with ``offsets`` (the engines re-run a
-    layer per example on ``[1, …]`` slices, without offsets)."""
+    """Refuses a differentiated ``nn.EmbeddingBag(mode="max")`` call on a 1-D input with ``offsets`` (the engines
+    re-run such a layer per example on ``[1, …]`` slices, without offsets; modes sum and mean have a rule)."""
 
     def check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
         offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
-        if (isinstance(x, torch.Tensor) and x.dim() == 1 and offsets is not None and torch.is_grad_enabled()
+        if (module.mode == "max" and isinstance(x, torch.Tensor) and x.dim() == 1 and offsets is not None
+                and torch.is_grad_enabled()
                 and any(p.requires_grad for p in module.parameters())):
             raise embedding_bag_offsets_error(self.name, module)
 

@@ -130,11 +130,62 @@ class BagWeighted(BagOffsets):
         return F.cross_entropy(self.head(torch.tanh(self.bag(x, per_sample_weights=weights))), y[:, 0] % 3)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_embedding_bag_on_a_flat_input_with_offsets_is_refused_at_the_call(engine):
-    zoo.assert_refused(BagOffsets, zoo.token_data(),
-                       r"layer 'bag' \(EmbeddingBag\) was called on a 1-D input with offsets.*2-D \[B, L\].*"
-                       r"padding_idx.*per_sample_weights", per_sample=engine)
+class BagOffsetsWeighted(BagOffsets):
+    """mode='sum' on the packed input, per_sample_weights packed the same way (flat, one per token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, D, mode="sum", padding_idx=0)
+
+    def loss(self, batch):
+        x, y = batch
+        lens = self.lengths(x)
+        flat = torch.cat([x[i, :lens[i]] for i in range(x.shape[0])])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # include_last_offset=False: B of
+        weights = (flat % 3 + 1).to(self.head.weight.dtype) / T
+        out = self.bag(flat, offsets[:-1], per_sample_weights=weights)
+        return F.cross_entropy(self.head(torch.tanh(out)), y[:, 0] % 3)
+
+
+class BagOffsetsMax(BagOffsets):
+    """mode='max' on the packed input: not served."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, D, mode="max")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+@pytest.mark.parametrize("factory", [BagOffsets, BagOffsetsWeighted])
+def test_embedding_bag_on_a_flat_input_with_offsets_is_exact(factory, engine):
+    """The bags are the examples (the offsets' dimension, not the input's): one step, the probe included, equals the
+    per-example loop."""
+    zoo.assert_exact(factory, zoo.token_data(), per_sample=engine)
+
+
+class BagMisaligned(BagOffsets):
+    """Offsets that do not follow the examples (every bag 3 tokens of the packed input, the last one the rest): bag b
+    holds other examples' tokens, so output row b is not example b's alone."""
+
+    def loss(self, batch):
+        x, y = batch
+        lens = self.lengths(x)
+        flat = torch.cat([x[i, :lens[i]] for i in range(x.shape[0])])
+        offsets = (torch.arange(x.shape[0]) * 3).clamp(max=flat.shape[0])
+        return F.cross_entropy(self.head(torch.tanh(self.bag(flat, offsets))), y[:, 0] % 3)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_embedding_bag_offsets_that_mix_examples_are_refused_by_the_probe(engine):
+    """The probe compares each example alone with the batch: bags that are not the examples show."""
+    zoo.assert_refused(BagMisaligned, zoo.token_data(), r"Examples interact", per_sample=engine)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_embedding_bag_max_on_a_flat_input_with_offsets_is_refused_at_the_call(engine):
+    zoo.assert_refused(BagOffsetsMax, zoo.token_data(),
+                       r"layer 'bag' \(EmbeddingBag\(mode='max'\)\) was called on a 1-D input with offsets.*"
+                       r"mode='sum' or mode='mean'.*2-D \[B, L\].*padding_idx", per_sample=engine)
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
