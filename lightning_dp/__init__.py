@@ -5,6 +5,7 @@ Add :class:`DPStrategy` to your Trainer; add callbacks for accounting
 See the README for a quickstart.
 """
 
+import sys
 from typing import TYPE_CHECKING
 
 from lightning_dp._lazy import after_import, lazy_exports
@@ -41,6 +42,11 @@ def _filter_upstream_noise() -> None:
 
 def _register_strategy() -> None:
     _filter_upstream_noise()
+    glue = sys.modules.get("lightning_dp._strategy_glue")
+    if getattr(getattr(glue, "__spec__", None), "_initializing", False):
+        # Lightning imported first by the strategies' own glue, itself imported first (a process started by "spawn"
+        # unpickling the launcher): the strategies need the whole glue, and register when they are imported.
+        return
     import lightning_dp.strategy  # noqa: F401  (registers ``strategy="dp"`` in Lightning's registry)
     import lightning_dp.sharded_strategy  # noqa: F401  (and ``strategy="dp_sharded"``)
 

@@ -8,6 +8,7 @@ launcher; each rank writes what it saw with :class:`ddp_helpers.RankRecorder`.
 
 from __future__ import annotations
 
+import pickle
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from scipy import stats
 from torch.utils.data import TensorDataset
 
-from lightning_dp import DPStrategy
+from lightning_dp import AdaptiveClipping, AutomaticClipping, DPStrategy, Users
 from lightning_dp.privacy.noise import GaussianNoise
 
 WORLD = 2
@@ -429,3 +430,44 @@ def test_a_checkpoint_entry_from_the_data_on_one_rank_is_refused_without_a_hang(
         trainer.fit(SeededClassifier(), loader(classification_data(64), 16))
     assert not list((tmp_path / "ckpt").glob("*.ckpt"))  # nothing written
     assert time.monotonic() - start < 40
+
+
+SPAWNABLE = {
+    "default": dict(noise_multiplier=1.0, max_grad_norm=1.0),
+    "target epsilon, banded": dict(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, noise="banded", bands=2,
+                                   on_budget_short="recalibrate"),
+    "adaptive clipping, users": dict(noise_multiplier=1.0, clipping=AdaptiveClipping(1.0),
+                                     privacy_unit=Users(list(range(12)), users_per_batch=4)),
+    "automatic clipping, fixed batch": dict(noise_multiplier=1.0, clipping=AutomaticClipping(), fixed_batch_size=8,
+                                            per_sample="vmap", verify="every_step", secure_mode=True),
+    "views, physical batches": dict(noise_multiplier=1.0, max_grad_norm=1.0, augmentation_multiplicity=2,
+                                    max_physical_batch_size=4, per_sample="ghost", public_state=OBSERVER),
+}
+
+
+@pytest.mark.parametrize("kwargs", SPAWNABLE.values(), ids=SPAWNABLE.keys())
+def test_the_strategy_pickles_for_spawn(kwargs):
+    """spawn and forkserver pickle the strategy into every worker: nothing it holds before a fit (a lambda, a closure)
+    may refuse, neither fresh nor once a Trainer has connected it."""
+    strategy = DPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    pickle.loads(pickle.dumps(strategy))
+    _trainer(strategy, WORLD)
+    copy = pickle.loads(pickle.dumps(strategy))
+    assert copy.private_step.boundary.callbacks() == ()  # the glue sets what it fingerprints when the fit attaches
+    assert copy.private_step.loop.public() == tuple(kwargs.get("public_state", ()))
+    assert copy.private_step.loop.mechanism().keys() == strategy.private_step.loop.mechanism().keys()
+
+
+def test_a_spawned_fit_trains_and_returns_the_ledger(tmp_path):
+    """start_method="spawn" (docs/distributed.md): the workers train, and rank 0's ledger and weights come back to
+    the caller as with fork."""
+    model = SeededClassifier()
+    start = flat_params(model)
+    strategy = DPStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT, public_state=OBSERVER,
+                          noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0)
+    _trainer(strategy, WORLD, tmp_path, max_steps=2).fit(model, loader(classification_data(64), 8))
+    records = load_records(tmp_path, WORLD)
+    _assert_ranks_agree(records)
+    assert records[0]["ledger_steps"] == strategy.ledger.steps == 2
+    assert not torch.equal(records[0]["end"], start)
+    torch.testing.assert_close(flat_params(model), records[0]["end"])  # the trained weights, in the caller

@@ -58,3 +58,12 @@ def test_dp_sharded_is_registered_for_the_unified_package():
                          capture_output=True, text=True, check=True)
     module, name, _, _ = out.stdout.strip().splitlines()[-1].split()
     assert module.startswith("lightning_dp._unified") and name == "DPShardedStrategy"
+
+
+def test_the_strategies_glue_imported_first_registers_dp_with_the_strategy():
+    """A process started by "spawn" unpickles the launcher first: its module, the strategies' glue, imports Lightning
+    before the strategies that need the whole glue exist; the strategy registers when the pickle's DPStrategy loads."""
+    imports = ("import lightning_dp._strategy_glue\nfrom lightning_dp.strategy import DPStrategy\n"
+               "import pytorch_lightning as pl")
+    module, name, _, _ = _strategy_built(imports, "pl.Trainer")
+    assert (module, name) == ("lightning_dp.strategy", "DPStrategy")

@@ -260,7 +260,7 @@ class PrivateStep(StepChecks):
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
         self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
-        self.loop = PlainLoop(lambda: step_mechanism(self), lambda: self.boundary.public_state)
+        self.loop = PlainLoop(partial(step_mechanism, self), partial(getattr, self.boundary, "public_state"))
         """The step's drawn batch and what the loop does with it (:mod:`~lightning_dp.validators.plain_loop`)."""
         self.examples_alone = False
         """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):

@@ -15,7 +15,13 @@ live on the user's modules, so everything that handles the module while the engi
   its layers keep their own forward);
 - **tracing** (``TensorBoardLogger(log_graph=True)`` traces the model with ``torch.jit.trace``, twice, and compares
   the graphs): an engine hook does nothing while ``torch.jit`` traces, and a replaced forward runs the layer's own, so
-  the traced graph is the model's and the same at every invocation. No private step runs under a trace.
+  the traced graph is the model's and the same at every invocation. No private step runs under a trace;
+- **evaluation** (a validation loop inside the fit, ``model.eval()`` under ``torch.no_grad``/``inference_mode``): a
+  replaced forward runs the layer's own while grad mode is off. Nothing then records a gradient through the call (its
+  output has no history, and the capture's hooks record nothing either), so no per-example capture is skipped; and
+  torch's own fast paths keep working (``nn.TransformerEncoder`` with a padding mask turns its input into a nested
+  tensor in eval mode under no_grad, which the book-keeping forwards cannot take). A nested input while gradients
+  are recorded, to a layer with trainable parameters, is refused by name: its per-example gradients have no rule.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+
+from lightning_dp.errors import PrivacyConfigurationError
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
@@ -124,8 +132,15 @@ class ReplacedForward:
         self.fn, self.module = fn, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if tracing():
+        if tracing() or not torch.is_grad_enabled():  # no gradient through this call: the layer's own (module doc)
             return type(self.module).forward(self.module, *args, **kwargs)
+        if _nested(args, kwargs):
+            if any(p.requires_grad for p in self.module.parameters()):
+                raise PrivacyConfigurationError(
+                    f"a nested tensor reached {type(self.module).__name__} while gradients are recorded: its "
+                    "per-example gradients have no rule for a nested input (pad the batch, or call the model under "
+                    "torch.no_grad() where no gradient is wanted)")
+            return type(self.module).forward(self.module, *args, **kwargs)  # frozen: no parameter gradient to keep
         return self.fn(self.module, *args, **kwargs)
 
     @property
@@ -145,6 +160,11 @@ class ReplacedForward:
         from copy import deepcopy
 
         return _layer_forward(deepcopy(self.module, memo))
+
+
+def _nested(args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument of the call (positional or keyword, not inside a container) is a nested tensor."""
+    return any(isinstance(a, torch.Tensor) and a.is_nested for a in (*args, *kwargs.values()))
 
 
 def is_own_forward(module: nn.Module) -> bool:

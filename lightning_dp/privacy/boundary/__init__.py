@@ -96,15 +96,15 @@ class ReleaseBoundary:
         if isinstance(public_state, str) or not all(isinstance(n, str) and n for n in public_state):
             raise ValueError(f"public_state must be a list of non-empty names, got {public_state!r}")
         self.public_state = tuple(public_state)
-        self.callbacks: Callable[[], Sequence[Any]] = lambda: ()
+        self.callbacks: Callable[[], Sequence[Any]] = tuple
         """The callbacks whose state is fingerprinted too (set by the Lightning glue: ``trainer.callbacks``)."""
-        self.datasets: Callable[[], Sequence[Any]] = lambda: ()
+        self.datasets: Callable[[], Sequence[Any]] = tuple
         """The training data whose records must stay as they are (set by the private step's loader)."""
-        self.library_objects: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()
+        self.library_objects: Callable[[], Sequence[tuple[str, Any]]] = tuple
         """The loop's own objects whose added attributes are kept state (set by the Lightning glue)."""
-        self.global_modules: Callable[[], Sequence[Any]] = lambda: ()
+        self.global_modules: Callable[[], Sequence[Any]] = tuple
         """The Python modules whose globals are kept state too (set by the Lightning glue: the user's code)."""
-        self.fed_back: Callable[[], Sequence[Finding]] = lambda: ()
+        self.fed_back: Callable[[], Sequence[Finding]] = tuple
         """Schedulers and callbacks monitoring a value logged from the training data (rule 6; set by the glue)."""
         self._module: Optional[nn.Module] = None
         self._hyper: Optional[tuple[int, Fingerprint]] = None  # (optimizer id, its hyper-parameters) at step begin

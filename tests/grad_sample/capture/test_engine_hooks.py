@@ -1,5 +1,6 @@
 """grad_sample/capture/engine_hooks.py: nothing an engine attaches makes the module unpicklable, travels with a copy or shows in a
-trace (issue 37: ModelCheckpoint pickling a network kept in hparams, TensorBoard's log_graph)."""
+trace (issue 37: ModelCheckpoint pickling a network kept in hparams, TensorBoard's log_graph), or changes a forward
+that records no gradient (a validation loop inside the fit: torch's nested-tensor fast path of a TransformerEncoder)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import io
 import pickle
 
 import pytest
+import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp import DPStrategy
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.noise import GaussianNoise
 from lightning_dp.grad_sample.capture.engine_hooks import DroppedHook, EngineHook, ReplacedForward
 from lightning_dp.privacy.private_step import PrivateStep
@@ -115,3 +121,112 @@ def test_a_trace_of_an_attached_module_is_the_modules_own(engine):
     with torch.no_grad():
         torch.testing.assert_close(traced(x), model(x))
     step.detach()
+
+
+class EveryReplaced(nn.Module):
+    """One layer of every kind whose forward the ghost engine replaces: Linear, convolutions, PReLU, an RNN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.up = nn.Conv1d(4, 4, 3, padding=1), nn.ConvTranspose1d(4, 4, 3, padding=1)
+        self.act, self.rnn, self.head = nn.PReLU(), nn.GRU(4, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):  # [B, T, 4]
+        h = self.act(self.up(self.conv(x.transpose(1, 2)))).transpose(1, 2)
+        return self.head(self.rnn(h)[0]).mean(1)
+
+
+def test_a_replaced_forward_is_the_layers_own_where_no_gradient_is_recorded():
+    """Under no_grad or inference_mode (validation inside the fit) every replaced forward runs the layer's own;
+    with gradients recorded the book-keeping forward runs, and the step's capture records every layer."""
+    torch.manual_seed(0)
+    model = EveryReplaced()
+    x = torch.randn(3, 5, 4)
+    expected = model(x).detach()
+    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost")
+    step.attach(model)
+    replaced = {name: m.__dict__["forward"] for name, m in model.named_children()}
+    assert all(isinstance(f, ReplacedForward) for f in replaced.values()), replaced
+    called: list[str] = []
+    for name, forward in replaced.items():
+        forward.fn = (lambda fn, name: lambda *a, **k: called.append(name) or fn(*a, **k))(forward.fn, name)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            torch.testing.assert_close(model(x), expected)
+    assert called == []
+    step._engine.begin_step(3)
+    model(x).sum().backward()
+    assert sorted(set(called)) == sorted(replaced)  # a training forward takes the book-keeping forward: never skipped
+    assert all(p.grad is None for p in model.parameters())  # … whose backward leaves p.grad to the clipping
+    assert len(step._engine._capture.completed()) == len(replaced)
+    step.detach()
+
+
+def test_a_nested_input_runs_the_layers_own_forward_or_is_refused():
+    """A nested tensor (torch's TransformerEncoder fast path) takes the layer's own forward where no parameter
+    gradient is recorded; with gradients recorded for the layer's parameters it is refused, never trained around."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    step = PrivateStep(1.0, 1.0, GaussianNoise(), engine="ghost")
+    step.attach(nn.Sequential(layer))
+    nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(5, 4)])
+    with torch.no_grad():
+        out = layer(nested)
+    for got, part in zip(out.unbind(), nested.unbind()):
+        torch.testing.assert_close(got, F.linear(part, layer.weight, layer.bias))
+    with pytest.raises(PrivacyConfigurationError, match="nested tensor reached Linear"):
+        layer(nested)
+    layer.requires_grad_(False)
+    assert layer(nested).is_nested
+    step.detach()
+
+
+class PaddedEncoder(pl.LightningModule):
+    """A TransformerEncoder classifier on padded token sequences with ``src_key_padding_mask``: in eval mode under
+    no_grad torch's fast path turns the encoder's input into a nested tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 8, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.cls = nn.Linear(8, 2)
+        self.validated = 0
+
+    def forward(self, x):
+        pad = x == 0
+        h = self.encoder(self.emb(x), src_key_padding_mask=pad)
+        return self.cls(h.masked_fill(pad.unsqueeze(-1), 0).sum(1) / (~pad).sum(1, keepdim=True))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.validated += 1
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _padded_tokens(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, 12, (n, 9), generator=g)
+    for i in range(n):
+        x[i, 4 + i % 5:] = 0  # lengths 4..8: every batch padded
+    return TensorDataset(x, torch.randint(0, 2, (n,), generator=g))
+
+
+def test_a_transformer_encoder_with_a_padding_mask_validates_inside_a_private_fit():
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, strategy=strategy,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, DataLoader(_padded_tokens(24, 0), batch_size=8, shuffle=True),
+                DataLoader(_padded_tokens(16, 1), batch_size=8))
+    assert trainer.global_step == 3 and strategy.ledger.steps == 3
+    assert model.validated == 2 and torch.isfinite(trainer.callback_metrics["val_loss"])
