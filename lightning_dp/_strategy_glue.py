@@ -223,10 +223,8 @@ class PrivateTraining:
         """Sampled-Gaussian rounds the next optimizer step adds to the ledger: 1 with independent
         noise; with banded noise 1 on the first step of each cycle of b steps and 0 on the others
         (Choquette-Choo et al. 2023, Thm. 5). :class:`~lightning_dp.callbacks.PrivacyBudget` uses it
-        to stop exactly at the budget."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        trainer = module.trainer if module is not None else None
-        return self.private_step.rounds_at(trainer.global_step if trainer is not None else 0)
+        to stop exactly at the budget. At the release's own index (the count of releases), not ``global_step``."""
+        return self.private_step.rounds_at(self.private_step.steps_taken)
 
     @property
     def last_release(self) -> Optional[Release]:
@@ -461,7 +459,7 @@ class PrivateTraining:
         if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
             raise population_changed_error(len(self._records[1]), len(records[1]))
         self._records = records
-        loader = self.private_step.poisson_loader(dataloader, start_step=trainer.global_step)
+        loader = self.private_step.poisson_loader(dataloader)  # its group cycle starts at the ledger's count
         if self.private_step.users is not None:
             rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "
                            f"{self.private_step.users.users_per_batch} expected per step (q = {self.sample_rate:.4g}); "
@@ -475,7 +473,8 @@ class PrivateTraining:
             step.calibrate(0)  # σ given: only the δ ≥ 1/N warning
             return
         planned = self._planned_steps()
-        message = step.fit_target(trainer.global_step, planned)
+        first = step.steps_taken  # the releases' own indices (a step refused by a ceiling counted in global_step only)
+        message = step.fit_target(first, planned - trainer.global_step + first)
         if message:
             rank_zero_info(f"{self.label}: {message}")
 
@@ -654,7 +653,7 @@ class PrivateTraining:
         still runs (Lightning's loop and the sampler's queue advance; ``training_step`` returns nothing),
         the optimizer does not step, and training stops with a warning. Every rank decides alike."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        refused = self.private_step.refusal(trainer.global_step)  # with this step's own σ and q
+        refused = self.private_step.refusal()  # with this step's own σ and q, at its own index (not global_step)
         self._over_budget = refused is not None
         if refused is not None:
             closure()
@@ -697,7 +696,7 @@ class PrivateTraining:
             frozen = frozen_parameters(module)  # a momentum copy unfrozen since (trainable now) is not accepted
             self.private_step.boundary.accept(sorted(n for n in self._replays.before_release_writes
                                                      if not parameter_entry(n, frozen)))
-        self.private_step.release(module.trainer.global_step, getattr(optimizer, "_optimizer", optimizer),
+        self.private_step.release(optimizer=getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
         self._log_clip_norm(module.trainer)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]

@@ -76,6 +76,7 @@ from lightning_dp.validators.kept_state import step_mechanism
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
+from lightning_dp.validators.step_index import check_start_step, own_index, plan_to_keep
 
 if TYPE_CHECKING:
     from lightning_dp.accounting.ceiling import EpsilonCeiling
@@ -428,14 +429,14 @@ class PrivateStep(StepChecks):
         return [p for p in self._module.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ data
-    def poisson_loader(self, dataloader: DataLoader, start_step: int = 0) -> DataLoader:
-        """``dataloader`` rebuilt around Poisson sampling of its population (one shard per rank).
-
-        The loader's sampler defines the population (:func:`training_population` refuses the ones
-        Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process.
-        ``start_step`` continues a banded group cycle on resume. The records it draws are checked first
+    def poisson_loader(self, dataloader: DataLoader, start_step: Optional[int] = None) -> DataLoader:
+        """``dataloader`` rebuilt around Poisson sampling of its population (one shard per rank); the plan (q, N, B) is
+        its, whatever state was or is restored. Its sampler defines the population (:func:`training_population` refuses
+        the ones Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process. Each pass
+        starts a banded group cycle at the ledger's count (``start_step``, if given, must be it:
+        :mod:`~lightning_dp.validators.step_index`). The records it draws are checked first
         (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
-        where = self.distribution
+        where, first = self.distribution, check_start_step(self, start_step)
         population = training_population(dataloader, where.rank, where.world_size)
         fetches = FetchState(dataloader.dataset, dataloader.collate_fn).noted()  # before any read: a fetch is stateless
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
@@ -449,8 +450,8 @@ class PrivateStep(StepChecks):
             sampler = MinSepPoissonBatchSampler(population.num_samples, self.plan.sample_rate,
                                                 self.plan.steps_per_epoch, self.bands, where.rank, where.world_size,
                                                 seed, self.secure_sampling)
-        sampler.step = start_step
-        self._batches = RecordedBatches(sampler, population.indices)
+        sampler.step = first
+        self._batches = RecordedBatches(sampler, population.indices, lambda: self.steps_taken)
         dl = dataloader
         collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)
         if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
@@ -650,7 +651,7 @@ class PrivateStep(StepChecks):
         release, with a warning, and has no guarantee to protect)."""
         if self.target_epsilon is None or self.noise_multiplier is None or self.plan is None:
             return True
-        index = self.steps_taken if step is None else step
+        index = own_index(self, step, "affordable")
         return not self.ledger.is_private or self._target().allows(self.noise_multiplier, self.plan.sample_rate,
                                                                    self.rounds_at(index))
 
@@ -658,7 +659,7 @@ class PrivateStep(StepChecks):
         """Why step ``step`` must not be released now (``None``: it may): the reason of the first ceiling that
         refuses it, ``target_epsilon``'s (:meth:`affordable`) then every one in :attr:`ceilings`, each asked with
         the (σ, q) in force now, those of the release itself, and the rounds it charges (docs/accounting.md)."""
-        rounds = self.rounds_at(self.steps_taken if step is None else step)
+        rounds = self.rounds_at(own_index(self, step, "refusal"))
         if self.noise_multiplier is None or self.plan is None or not rounds:  # no round: nothing spent
             return None
         sigma, q = self.noise_multiplier, self.plan.sample_rate
@@ -796,7 +797,7 @@ class PrivateStep(StepChecks):
         """Privatise the clipped sums of this logical step into ``p.grad`` and charge the ledger.
 
         Args:
-            step: 0-based index of the step (default: steps released so far in this process).
+            step: the release's index, if given: it must be :attr:`steps_taken` (:mod:`~.validators.step_index`).
             optimizer: receives the release when it is a
                 :class:`~lightning_dp.privacy.release.PrivateOptimizer`.
             empty: this rank's batch was empty and a stand-in example was differentiated so that it
@@ -809,7 +810,7 @@ class PrivateStep(StepChecks):
                                "assumptions the guarantee rests on")
         if self.noise_multiplier is None:
             raise RuntimeError("σ is not known: give noise_multiplier or call calibrate() first")
-        index = self.steps_taken if step is None else step
+        index = own_index(self, step, drawn=True)
         refused = self.refusal(index)
         if refused:
             self._pending = None
@@ -894,11 +895,10 @@ class PrivateStep(StepChecks):
         }
 
     def load_state_dict(self, state: Mapping[str, Any], keep_noise_multiplier: bool = False) -> Optional[str]:
-        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`).
-
-        The ledger never goes backwards: the restored ledger is combined with the one held
-        (:func:`~lightning_dp.accounting.module_ledgers.combine`): a restored prefix of it keeps the longer
-        record (restoring weights does not take back releases), a different history is counted with it.
+        """Restore :meth:`state_dict` (``keep_noise_multiplier``: this run's σ stays, see :meth:`changes_from`). The
+        ledger never goes backwards: combined with the one held (``module_ledgers.combine``), a restored prefix
+        keeps the longer record, a different history is counted with it. The release count continues (the loader's
+        next pass starts there); a built loader's plan (q, N, B) stays (:mod:`~lightning_dp.validators.step_index`).
         Returns a log line when the restored ledger did not simply extend the one held (``None``: it did)."""
         restored = PrivacyLedger()
         restored.load_state_dict(state["ledger"])
@@ -917,7 +917,7 @@ class PrivateStep(StepChecks):
             self.clipping.load_state_dict(state["clipping"])
         self.discard_noise()  # never a draw made before the restore
         self.steps_taken = int(state.get("steps_taken", self.steps_taken))
-        if state.get("sample_rate") is not None:
+        if plan_to_keep(self, state):  # the loader's plan stays once it is built (what it draws is what is charged)
             self.plan = SamplingPlan(int(state["num_samples"]), float(state["expected_batch_size"]),
                                      float(state["sample_rate"]), int(state["steps_per_epoch"]))
         return note

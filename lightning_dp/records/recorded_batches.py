@@ -8,12 +8,19 @@ indices, in order, until the training step takes them. Batch samplers run in the
 even with loader workers, and batches arrive in the order their indices were drawn, so a queue
 matches prefetched batches to steps; a new epoch (a new iterator) discards what an interrupted
 epoch left (``limit_train_batches``).
+
+A sampler that counts its steps (``inner.step``: the banded group cycle of
+:class:`~lightning_dp.privacy.min_sep_sampling.MinSepPoissonBatchSampler`) starts each pass at ``next_index()``, the
+index the mechanism gives its next release, so draws dropped unreleased (prefetched by an interrupted epoch) or a
+state restored since the loader was built (``PrivateStep.load_state_dict``) never shift the cycle; each batch keeps
+the index it was drawn at (:attr:`RecordedBatches.index`, checked at the release:
+:mod:`~lightning_dp.validators.step_index`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
@@ -27,12 +34,18 @@ class RecordedBatches(Sampler[list[int]]):
         inner: the batch sampler (e.g. Poisson) over positions in the population.
         population: dataset index of each position (``None``: position = dataset index), e.g.
             the indices of the user's ``SubsetRandomSampler``.
+        next_index: the index of the next release, where a sampler counting its steps starts each pass.
     """
 
-    def __init__(self, inner: Sampler[list[int]], population: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, inner: Sampler[list[int]], population: Optional[Sequence[int]] = None,
+                 next_index: Optional[Callable[[], int]] = None) -> None:
         self.inner = inner
         self.population = None if population is None else list(population)
+        self.next_index = next_index
         self._queue: deque[list[int]] = deque()
+        self._drawn_at: deque[Optional[int]] = deque()  # the sampler's step index of each queued batch
+        self.index: Optional[int] = None
+        """The sampler's step index of the batch taken last (``None``: a sampler without a step count)."""
         self._delivered: deque[Any] = deque()  # batches the loader handed the loop, not yet taken (DeliveringLoader)
         self.batch: Any = None
         """The batch the loader handed the loop for the indices taken last (``None``: not known)."""
@@ -42,9 +55,14 @@ class RecordedBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self._queue.clear()
+        self._drawn_at.clear()
+        counts = hasattr(self.inner, "step")
+        if counts and self.next_index is not None:
+            self.inner.step = self.next_index()  # type: ignore[attr-defined]
         for batch in self.inner:
             indices = batch if self.population is None else [self.population[i] for i in batch]
             self._queue.append(indices)
+            self._drawn_at.append(self.inner.step - 1 if counts else None)  # type: ignore[attr-defined]
             yield indices
 
     def restart(self) -> None:
@@ -73,6 +91,7 @@ class RecordedBatches(Sampler[list[int]]):
                 "sampled once: the accounting would not hold. Nothing more was released. Run the closure once per "
                 "step (optimizer.step(closure=optimizer_closure)).")
         self.batch = self._delivered.popleft() if self._delivered else None
+        self.index = self._drawn_at.popleft() if self._drawn_at else None
         return self._queue.popleft()
 
     def first_indices(self, k: int, num_samples: int, rank: int = 0, world_size: int = 1) -> list[int]:
