@@ -61,6 +61,8 @@ class AdaptiveClipping(ClippingPolicy):
     The ledger records z; the gradient's noise multiplier is raised to (z⁻² − (2σ_b)⁻²)^(−½) (module docstring).
     """
 
+    moved_by_releases = ("last_fraction", "updates")
+
     def __init__(self, initial_norm: float, target_quantile: float = 0.5, learning_rate: float = 0.2,
                  count_noise_multiplier: Optional[float] = None) -> None:
         self.initial_norm = positive(initial_norm, "initial_norm (C_0)")

@@ -36,6 +36,17 @@ class ClippingPolicy(ABC):
     _bound: float
     """C now; each subclass sets it in ``__init__`` (the adaptive policy moves it after every release)."""
 
+    moved_by_releases: ClassVar[tuple[str, ...]] = ()
+    """The public attributes the policy itself moves after each release (the adaptive policy's count of updates):
+    every other public setting is its configuration, which no hook may set from the data (:meth:`settings`)."""
+
+    def settings(self) -> tuple[tuple[str, Any], ...]:
+        """The policy's configuration: its public scalar attributes but :attr:`moved_by_releases` (a target quantile,
+        a learning rate, γ). The release boundary compares them between releases as it compares C
+        (docs/release_boundary.md, rule 3: σ and C are decisions)."""
+        return tuple(sorted((k, v) for k, v in vars(self).items() if not k.startswith("_")
+                            and k not in self.moved_by_releases and isinstance(v, (int, float, str, bool, type(None)))))
+
     @property
     def max_grad_norm(self) -> float:
         """C now: the L2 sensitivity of the clipped sum (the noise is σC); what ``strategy.max_grad_norm`` reads."""

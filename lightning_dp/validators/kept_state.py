@@ -955,13 +955,15 @@ def mechanism_settings(loop: Any) -> dict[str, Any]:
 
 def step_mechanism(step: Any) -> dict[str, Any]:
     """A private step's σ (``noise_multiplier``) and clipping policy (``clipping``: flat clipping by its C; a policy
-    that moves its own bound, by the policy object, whose moves are its own releases'). Set from the data between two
+    that moves its own bound, by the policy object, whose moves are its own releases', and its configuration — an
+    adaptive policy's target quantile and learning rate: ``ClippingPolicy.settings``). Set from the data between two
     releases — a C from the batch's losses, a σ lowered once the loss crosses a threshold — they steer the next release
     by un-noised data, and C is released with every step (the noise's scale, ``privacy/clip_norm``)."""
     if step is None or not hasattr(step, "clipping"):
         return {}
     clipping = step.clipping
-    bound = ("C", clipping.max_grad_norm) if isinstance(clipping, FlatClipping) else (type(clipping), id(clipping))
+    bound = ("C", clipping.max_grad_norm) if isinstance(clipping, FlatClipping) else \
+        (type(clipping), id(clipping), clipping.settings())
     return {"noise_multiplier": step.noise_multiplier, "clipping": bound, "policy": clipping}
 
 

@@ -134,3 +134,38 @@ def test_adaptive_clipping_moves_c_privately_beside_a_batch_end_hook() -> None:
                    clipping=AdaptiveClipping(initial_norm=1.0))
     assert trainer.strategy.private_step.ledger.steps == 12  # nothing was refused
     assert trainer.strategy.private_step.max_grad_norm != 1.0  # C moved with the releases
+
+
+class QuantileFromTheLoss(pl.Callback):
+    """'Clip harder while the loss is high': the adaptive policy's target quantile set from the batch's loss."""
+
+    def __init__(self, policy: AdaptiveClipping, setting: str, high: float, low: float) -> None:
+        self.policy, self.setting, self.high, self.low = policy, setting, high, low
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        setattr(self.policy, self.setting, self.high if float(outputs["loss"]) > 0.7 else self.low)
+
+
+@pytest.mark.parametrize("setting, high, low", [("target_quantile", 0.9, 0.5), ("learning_rate", 1.0, 0.05)])
+def test_an_adaptive_policys_setting_from_the_batch_loss_is_refused(setting: str, high: float, low: float) -> None:
+    """The policy is judged by its configuration too (``ClippingPolicy.settings``): its own moves of C are its
+    releases', a target quantile or a learning rate set from the loss are the data's."""
+    policy = AdaptiveClipping(initial_norm=1.0)
+    with pytest.raises(PrivacyConfigurationError, match=r"privacy clipping"):
+        _fit(Classifier(), [QuantileFromTheLoss(policy, setting, high, low)], steps=12, max_grad_norm=None,
+             clipping=policy)
+
+
+class QuantileOnce(pl.Callback):
+    def __init__(self, policy: AdaptiveClipping) -> None:
+        self.policy = policy
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.policy.target_quantile = 0.7
+
+
+def test_an_adaptive_policys_setting_from_a_constant_trains() -> None:
+    policy = AdaptiveClipping(initial_norm=1.0)
+    trainer = _fit(Classifier(), [QuantileOnce(policy)], steps=6, max_grad_norm=None, clipping=policy)
+    assert trainer.strategy.private_step.ledger.steps == 6 and policy.target_quantile == 0.7
