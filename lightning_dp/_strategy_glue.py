@@ -50,7 +50,7 @@ from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, c
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
 from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
-                                                mechanism_decisions, trusted_callback, user_modules)
+                                                mechanism_state, trusted_callback, user_modules)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
@@ -111,10 +111,8 @@ class PrivateTraining:
         self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
         self.private_step = PrivateStep.from_config(privacy, execution)
-        self.private_step.loop.plain = False  # training_step is the verified loss; the loop draws and seals itself
+        self.private_step.loop.driven_by_strategy()  # training_step is the verified loss; the loop draws and seals
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
-        self.private_step.examples_alone = (execution.max_physical_batch_size == 1
-                                            and privacy.privacy_unit is None)  # users: kept whole
         self._requested_sigma = self.private_step.noise_multiplier
         self.resume_privacy = resume_privacy
         self.secure_mode = bool(privacy.secure_mode)
@@ -523,7 +521,7 @@ class PrivateTraining:
                 self._replays.check_later_in_the_plan(indices)
             else:
                 self._replays.judge_before_release(indices, _batch_idx(args, kwargs))
-        self._mechanism_at_step = mechanism_decisions(trainer)  # the user's code may not set σ or C from the batch
+        self._mechanism_at_step = mechanism_state(step)  # the user's code may not set σ or C from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
         if n == 0:
@@ -709,7 +707,7 @@ class PrivateTraining:
         taken, self._mechanism_at_step = self._mechanism_at_step, None
         if taken is None:
             return
-        changed = StateFingerprint.changed(taken, mechanism_decisions(trainer))
+        changed = StateFingerprint.changed(taken, mechanism_state(self.private_step))
         if changed:
             raise hyperparameters_error(changed, "within the step (in training_step, the forward or the backward)")
 

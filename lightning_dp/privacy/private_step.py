@@ -72,7 +72,7 @@ from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
-from lightning_dp.validators.kept_state import step_mechanism
+from lightning_dp.validators.kept_state import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
@@ -261,11 +261,9 @@ class PrivateStep(StepChecks):
         self._optimizer: Optional[Optimizer] = None
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
         self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
-        self.loop = PlainLoop(partial(step_mechanism, self), partial(getattr, self.boundary, "public_state"))
+        self.loop = PlainLoop(partial(mechanism_state, self), partial(getattr, self.boundary, "public_state"),
+                              partial(getattr, self, "examples_alone"), self.params)
         """The step's drawn batch and what the loop does with it (:mod:`~lightning_dp.validators.plain_loop`)."""
-        self.examples_alone = False
-        """Every example is differentiated alone (physical batches of one: ``DPStrategy(max_physical_batch_size=1)``):
-        examples cannot interact, so the probe does not compare batch with alone and no batch check runs."""
 
     @property
     def max_grad_norm(self) -> float:
@@ -727,7 +725,8 @@ class PrivateStep(StepChecks):
             indices = taken if num_examples is None else indices
         n = len(indices) if num_examples is None and indices is not None else num_examples
         assert n is not None
-        self.loop.physical(n, indices, stand_in, padding)  # an unused part of the drawn batch
+        units = None if self.users is None or indices is None else self.users.units_of(indices)
+        self.loop.physical(n, indices, stand_in, padding, units)  # an unused part of the drawn batch, users whole
         self._groups = None if indices is None or n == 0 else self.groups_of(indices)
         self._engine.begin_step(n + padding)
         self._examples, self._padding = n, padding
@@ -752,6 +751,7 @@ class PrivateStep(StepChecks):
 
     def bank(self) -> None:
         """Clip and sum the physical batch just differentiated; held until :meth:`release` (no noise yet)."""
+        self.loop.check_bank()  # never a stand-in's
         part = self._clipped()
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
         self._open_batch = False

@@ -90,6 +90,12 @@ class Users:
         self._unit_of = unit_of
         return [torch.tensor(v, dtype=torch.long) for v in members]
 
+    def units_of(self, indices: Sequence[int]) -> list[Any]:
+        """The user of each of ``indices``' records (the same user, the same value, across batches)."""
+        if self._unit_of is None:
+            raise RuntimeError("Users.partition() first (the private step does, when the loader is built)")
+        return [self._unit_of[int(i)] for i in indices]
+
     def groups_of(self, indices: Sequence[int]) -> Tensor:
         """The unit of each of a batch's records ``[n]``, numbered 0… in order of first appearance."""
         if self._unit_of is None:

@@ -977,6 +977,38 @@ def mechanism_entries(settings: dict[str, Any]) -> Fingerprint:
     return {f"privacy {k}": v for k, v in settings.items() if k != "policy"}
 
 
+def mechanism_state(step: Any) -> Fingerprint:
+    """:func:`step_mechanism`'s entries with what else decides the next release's noise and clipping: the clipping
+    policy's own settings and state (its bound, quantile, rates, budgets: a policy's attribute set by hand), the noise
+    mechanisms in use (which objects, their public settings) and the sampling plan the ledger charges (q, B). What a
+    step may not change between its ``begin`` and its release (nor a plain loop between releases, unless declared)."""
+    out = mechanism_entries(step_mechanism(step))
+    if not out:
+        return out
+    out["privacy clipping state"] = _scalar_settings(step.clipping, private=True)
+    for name, noise in (("noise", getattr(step, "noise", None)),
+                        ("release noise", getattr(getattr(step, "_privatizer", None), "noise", None))):
+        if noise is not None:
+            out[f"privacy {name}"] = (id(noise), _scalar_settings(noise, private=False))
+    plan = getattr(step, "plan", None)
+    out["privacy sampling"] = None if plan is None else repr(plan)
+    return out
+
+
+def _scalar_settings(obj: Any, private: bool) -> tuple[tuple[str, str], ...]:
+    """``obj``'s attributes that are numbers, strings, flags or dicts of them, as text (``private``: the underscored
+    ones too: a policy's bound is ``_bound``)."""
+    items = []
+    for name, value in sorted(getattr(obj, "__dict__", {}).items()):
+        if name.startswith("_") and not private:
+            continue
+        if isinstance(value, dict) and all(isinstance(v, (bool, int, float, str)) for v in value.values()):
+            items.append((name, repr(sorted((str(k), v) for k, v in value.items()))))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            items.append((name, repr(value)))
+    return tuple(items)
+
+
 def put_mechanism_settings(loop: Any, settings: dict[str, Any]) -> None:
     """σ and the clipping policy of ``loop``'s private step set back to ``settings`` (:func:`mechanism_settings`)."""
     step = getattr(getattr(loop, "strategy", None), "private_step", None)

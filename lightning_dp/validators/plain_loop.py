@@ -45,7 +45,7 @@ from torch import Tensor
 from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
-from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, mechanism_entries, settings
+from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.tolerance import batch_tolerance
@@ -96,6 +96,9 @@ def _watched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
     """``torch.autograd.backward`` (``loss.backward()`` calls it) while a plain loop's step is open: the losses
     back-propagated become :class:`WatchedLoss`."""
     assert _BACKWARD is not None
+    loop = _WATCHING()
+    if loop is not None:
+        loop.note_leaves((tensors,) if isinstance(tensors, Tensor) else tuple(tensors))
     out = _BACKWARD(tensors, *args, **kwargs)
     for t in (tensors,) if isinstance(tensors, Tensor) else tuple(tensors):
         if type(t) is Tensor and t.dim() == 0:
@@ -143,30 +146,69 @@ class PlainLoop:
         loss_of: the loss ``verify`` probed, on a batch as the loader yields it.
     """
 
-    def __init__(self, mechanism: Callable[[], dict[str, Any]] = dict,
-                 public: Callable[[], Sequence[str]] = tuple) -> None:
+    def __init__(self, mechanism: Callable[[], Fingerprint] = dict,
+                 public: Callable[[], Sequence[str]] = tuple, alone: Callable[[], bool] = bool,
+                 params: Callable[[], Sequence[Tensor]] = tuple) -> None:
         self.mechanism = mechanism
-        """The step's σ and clipping policy now (:func:`~.kept_state.step_mechanism`)."""
+        """The step's σ, clipping policy, noise and sampling now (:func:`~.kept_state.mechanism_state`)."""
         self.public = public
         """The names declared public (``"noise_multiplier"``, ``"max_grad_norm"``: a schedule of one's own)."""
-        self.plain = True
+        self.alone = alone
+        """Whether the step was configured for examples alone (``max_physical_batch_size=1``, no privacy unit): the
+        probe then skips the batch-with-alone comparison and no batch check runs, so every physical batch must hold
+        one example (:meth:`physical` refuses more)."""
+        self.params = params
+        """The parameters the step releases (every other leaf a plain loop's backward reaches: :meth:`note_leaves`)."""
+        self._plain = True
+        self._leaves: dict[int, weakref.ref] = {}  # leaves requiring grad this step's backward reached
+        self._trained: dict[int, weakref.ref] = {}  # leaves outside the model an earlier step's backward reached
         self.indices: Optional[list[int]] = None
         self.batch: Any = None
         self.begun: set[int] = set()
+        self.units: set[Any] = set()
+        """The users of the physical batches begun for this step (user-level DP): each in one physical batch only."""
         self.released = True
         self.stand_in = False
         self.padding = 0
-        self.loss_of: Optional[Callable[[Any], Any]] = None
+        self._loss_of: Optional[Callable[[Any], Any]] = None
         self.what = "the loss function"
-        self.due = False
+        self._due = False
         self._rngs: Optional[tuple[Any, ...]] = None
         self.read: Optional[str] = None
         """How the loss's value was read since the step began (``None``: not read)."""
         self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
         self._mechanism: Optional[Fingerprint] = None  # σ and C as released
+        self._at_begin: Optional[Fingerprint] = None  # σ, C, noise and sampling as this step began
         self._optimizer: Any = None
         self._hook: Any = None
         self._schedulers: list[weakref.ref] = []
+
+    @property
+    def plain(self) -> bool:
+        """The loop is the user's own (``False`` under the Lightning strategies, which verify ``training_step`` as the
+        loss and draw the batches themselves: :meth:`driven_by_strategy`). Read-only: a plain loop cannot switch its
+        own checks off."""
+        return self._plain
+
+    def driven_by_strategy(self) -> None:
+        """The Lightning strategies' glue drives this step: ``training_step`` is the verified loss, the strategy draws,
+        collates and seals it, so only the draw rules apply (not for a loop of one's own: its loss would go
+        unchecked)."""
+        self._plain = False
+
+    @property
+    def loss_of(self) -> Optional[Callable[[Any], Any]]:
+        """The loss ``verify`` probed, on a batch as the loader yields it (set by ``verify``: :meth:`bind_loss`)."""
+        return self._loss_of
+
+    @property
+    def due(self) -> bool:
+        """Whether this step's loss is run again against the verified one (the verification schedule's choice)."""
+        return self._due
+
+    def bind_loss(self, loss_of: Callable[[Any], Any], what: str) -> None:
+        """``verify`` probed ``loss_of``: the loss a plain loop's releases are bound to (:func:`check_bound_loss`)."""
+        self._loss_of, self.what = loss_of, what
 
     # ------------------------------------------------------------------ the draw
     def drawn(self, indices: list[int], batch: Any, banked: bool) -> None:
@@ -177,6 +219,7 @@ class PlainLoop:
                 "a release mixing two draws holds records of both (each drawn at rate q), so one record could count "
                 "twice. Release each drawn batch (step.release()) before beginning the next.")
         self.indices, self.batch, self.begun, self.released, self.stand_in = list(indices), batch, set(), False, False
+        self.units = set()
 
     def takes(self, n: int, indices: Optional[Sequence[int]], stand_in: bool) -> bool:
         """Whether ``begin(n, indices)`` starts a new logical step: a count without records when no drawn batch is
@@ -189,13 +232,22 @@ class PlainLoop:
         if self.begun:
             self.released, self.batch = True, None
 
-    def physical(self, n: int, indices: Optional[Sequence[int]], stand_in: bool, padding: int) -> None:
-        """A physical batch of ``n`` examples (records ``indices``; ``None``: the whole drawn batch) begins: it must be
-        an unused part of the drawn batch."""
+    def physical(self, n: int, indices: Optional[Sequence[int]], stand_in: bool, padding: int,
+                 units: Optional[Sequence[Any]] = None) -> None:
+        """A physical batch of ``n`` examples (records ``indices``; ``None``: the whole drawn batch; ``units``: their
+        users, under user-level DP) begins: it must be an unused part of the drawn batch, holding users no other
+        physical batch of the step holds, and one example when the step was configured for examples alone."""
         self.padding = padding
         self.stand_in = stand_in  # the last physical batch's: a stand-in before it was discarded (DDP lockstep)
         if stand_in:
             return
+        if n > 1 and self.alone():
+            raise PrivacyConfigurationError(
+                f"begin({n}): this step was configured for examples alone (max_physical_batch_size=1), so neither the "
+                "probe nor the batch check compares a batch with its examples alone; a physical batch of several "
+                "examples could mix them (a loss centred on the batch) unchecked. Begin one example at a time, or "
+                "configure the step without max_physical_batch_size=1. Nothing was released.")
+        self._check_units(units)
         if self.indices is None:
             return  # no Poisson loader (a caller that clips and charges itself: VirtualWorkersSignSGD)
         if self.released:
@@ -228,6 +280,30 @@ class PlainLoop:
                     "the drawn batch (step.take()) into disjoint parts. Nothing was released.")
         self.begun.update(part)
 
+    def _check_units(self, units: Optional[Sequence[Any]]) -> None:
+        """User-level DP: a user's records are clipped together, so they must all be in one physical batch; a user in
+        two banked parts is clipped twice (up to 2C for one user). The users are known from the records named."""
+        if units is None:
+            return
+        split = self.units.intersection(units)
+        if split:
+            raise PrivacyConfigurationError(
+                f"{len(split)} user(s) of this physical batch have records in another physical batch of the same step: "
+                "a user's records are clipped together (user-level DP), so a user split over two banked parts is "
+                "clipped twice and moves the release by up to 2C. Cut the drawn batch between users "
+                "(lightning_dp.units.physical.user_chunks(indices, step.groups_of(indices), limit)). Nothing was "
+                "released.")
+        self.units.update(units)
+
+    def check_bank(self) -> None:
+        """Before a physical batch is banked: a stand-in's gradient (``begin(..., stand_in=True)``: an example run only
+        to join a collective) never enters a release."""
+        if self.stand_in:
+            raise PrivacyConfigurationError(
+                "a stand-in batch (begin(..., stand_in=True)) was banked: its gradient would enter the release beside "
+                "the drawn batch's (records counted twice, or records not drawn). A stand-in is only run to join a "
+                "collective and is dropped: step.discard(). Nothing was released.")
+
     def check_release(self, empty: bool) -> None:
         """Before a release: a drawn batch is open, not released, a stand-in is released empty, and (plain loops) its
         physical batches covered it."""
@@ -238,6 +314,9 @@ class PlainLoop:
         if self.stand_in and not empty:
             raise PrivacyConfigurationError("a stand-in batch (begin(..., stand_in=True)) was released with its "
                                             "gradient: release(empty=True) discards it. Nothing was released.")
+        self.check_mechanism_kept()
+        if self.plain and not empty:
+            self._check_outside_leaves()
         if self.plain and not empty and len(self.begun) != len(self.indices):
             raise PrivacyConfigurationError(
                 f"the physical batches begun hold {len(self.begun)} of the {len(self.indices)} records drawn for this "
@@ -249,7 +328,7 @@ class PlainLoop:
         what the next step compares (plain loops)."""
         self.released, self.stand_in, self.batch = True, False, None
         if self.plain:
-            self._mechanism = mechanism_entries(self.mechanism())
+            self._mechanism = self.mechanism()
         if not self.plain or optimizer is None:
             return
         if optimizer is not self._optimizer:
@@ -267,11 +346,13 @@ class PlainLoop:
         self.check_decisions("between the last release and this step's begin()")
         self.check_mechanism("between the last release and this step's begin()")
         self._hyper, self.read, self._mechanism = None, None, None
+        self._at_begin = self.mechanism()
+        self._leaves = {}
         ref = weakref.ref(self)
         _WATCHING = ref  # type: ignore[assignment]
         _watch_backward(True)
-        self.due = self.loss_of is not None and schedule_due()
-        self._rngs = _rng_states() if self.due else None
+        self._due = self._loss_of is not None and schedule_due()
+        self._rngs = _rng_states() if self._due else None
 
     def _before_update(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self.check_decisions("between the release and optimizer.step()")
@@ -282,8 +363,9 @@ class PlainLoop:
         before the first release, an adaptive policy) and names declared public change them."""
         if self._mechanism is None:
             return
-        declared = {"privacy noise_multiplier": "noise_multiplier", "privacy clipping": "max_grad_norm"}
-        changed = [name for name in StateFingerprint.changed(self._mechanism, mechanism_entries(self.mechanism()))
+        declared = {"privacy noise_multiplier": "noise_multiplier", "privacy clipping": "max_grad_norm",
+                    "privacy clipping state": "max_grad_norm"}
+        changed = [name for name in StateFingerprint.changed(self._mechanism, self.mechanism())
                    if declared.get(name) not in self.public()]
         if changed:
             raise PrivacyConfigurationError(
@@ -293,6 +375,57 @@ class PlainLoop:
                 ", rule 3). Nothing more was released. Give σ and C before training (or a target ε, which calibrates "
                 "σ; AdaptiveClipping moves C privately); a schedule of one's own from the step count only may be "
                 "declared: PrivateStep(..., public_state=['noise_multiplier']) or ['max_grad_norm'].")
+
+    def check_mechanism_kept(self) -> None:
+        """Before a plain loop's release: σ, C (the clipping policy's state), the noise and the sampling as the step
+        began. Set after the backward they would clip and noise this very release by its own un-noised batch (a C from
+        the batch's median loss): refused whatever is declared, before anything is released. A schedule of one's own
+        sets them between a release and the next ``begin``."""
+        taken = self._at_begin
+        if not self.plain or taken is None:
+            return
+        changed = StateFingerprint.changed(taken, self.mechanism())
+        if changed:
+            raise PrivacyConfigurationError(
+                f"The mechanism's σ or C changed within the step, between begin() and release() "
+                f"({', '.join(changed)}): set after the backward they would clip and noise this release by a value "
+                "read off its own un-noised batch (a C from the batch's median loss, a σ lowered once its loss is low) "
+                "(docs/release_boundary.md, rule 3). Nothing was released. Give σ and C before training; a schedule "
+                "declared public (public_state=['noise_multiplier']) sets them between a release and the next begin().")
+
+    def note_leaves(self, roots: Sequence[Any]) -> None:
+        """The leaf tensors requiring grad whose ``.grad`` a backward from ``roots`` (the plain loop's, its step
+        open) will write: the graph's ``AccumulateGrad`` nodes."""
+        stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            leaf = getattr(node, "variable", None)
+            if isinstance(leaf, Tensor):
+                self._leaves[id(leaf)] = weakref.ref(leaf)
+            stack.extend(child for child, _ in node.next_functions)
+
+    def _check_outside_leaves(self) -> None:
+        """A tensor outside the released parameters that this step's backward and an earlier step's both wrote
+        ``.grad`` of is kept state trained on the raw, un-clipped batch gradient (a temperature, loss weights of the
+        loop's own with their own optimizer): refused before the release. An input made to require grad (FGSM,
+        saliency) is a new tensor each step and trains."""
+        model = {id(p) for p in self.params()}
+        outside = {k: r for k, r in self._leaves.items() if k not in model and r() is not None}
+        kept = [r() for k, r in outside.items() if k in self._trained and self._trained[k]() is r()]
+        self._trained = {k: r for k, r in {**self._trained, **outside}.items() if r() is not None}
+        if kept:
+            shapes = ", ".join(str(tuple(t.shape)) for t in kept[:3] if t is not None)
+            raise PrivacyConfigurationError(
+                f"{len(kept)} tensor(s) outside the model's released parameters (shape {shapes}) received a gradient "
+                "from the loop's backward at this step and at an earlier one: their .grad is the raw batch gradient, "
+                "neither clipped nor noised, and state kept across steps trained on it releases the batch without "
+                "noise (docs/release_boundary.md, rule 2). Nothing was released. Make such a tensor a parameter of the "
+                "attached model (it is then clipped and noised with the rest), detach it, or declare it frozen "
+                "(requires_grad=False).")
 
     def check_decisions(self, where: str) -> None:
         """Refuse hyper-parameters changed since the release when the loss's value was read (module docstring)."""

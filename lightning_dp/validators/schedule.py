@@ -41,7 +41,7 @@ class VerificationSchedule:
     def __init__(self, mode: str = "sampled", budget: float = 0.02, rng: Optional[random.Random] = None,
                  clock=time.perf_counter) -> None:
         check_verify(mode, budget)
-        self.mode, self.budget = mode, float(budget)
+        self._mode, self._budget = mode, float(budget)
         self.rng = rng or random.Random()
         self.clock = clock
         self.checks = 0
@@ -53,6 +53,21 @@ class VerificationSchedule:
         self._step_seconds: Optional[float] = None  # a running mean of a step's duration (checks excluded)
         self._check_seconds: Optional[float] = None  # a running mean of a later check's duration
         self._forced = False
+
+    @property
+    def mode(self) -> str:
+        """``"first_step"``, ``"sampled"`` or ``"every_step"`` (read-only: a run's checks are not switched off)."""
+        return self._mode
+
+    @property
+    def budget(self) -> float:
+        """The share of training time the later checks may take (read-only)."""
+        return self._budget
+
+    def at_least(self, mode: str, budget: float) -> bool:
+        """Whether this schedule checks at least as often as ``mode`` with ``budget`` would (the same mode, no smaller
+        budget; ``"every_step"`` checks every step whatever the other's)."""
+        return self._mode == "every_step" or (self._mode == mode and self._budget >= budget)
 
     def due(self) -> bool:
         """Whether the step starting now is checked (call once per step, before the check)."""

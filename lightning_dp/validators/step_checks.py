@@ -32,6 +32,7 @@ from lightning_dp.validators.kept_state import is_datamodule
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
                                            frozen_parameters, probe_tolerance)
 from lightning_dp.validators.rng import forked_rngs
+from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.snapshot import StateSnapshot
 
 
@@ -42,6 +43,32 @@ class StepChecks:
     probe_writes: Sequence[str] = ()
     """What the first step's probe found ``training_step`` writing to kept state other than parameters (a step
     counter), left to the replays of the batch hooks to judge (:meth:`verify_on`'s ``replay_hooks``)."""
+
+    @property
+    def examples_alone(self) -> bool:
+        """Every example is differentiated alone (physical batches of one: ``max_physical_batch_size=1`` in the frozen
+        execution configuration, and the example is the privacy unit): examples cannot interact, so the probe does not
+        compare batch with alone and no batch check runs. Derived, read-only, and verified: a physical batch of more
+        than one example is refused (:meth:`~lightning_dp.validators.plain_loop.PlainLoop.physical`)."""
+        execution = getattr(self, "execution", None)
+        return getattr(execution, "max_physical_batch_size", None) == 1 and getattr(self, "users", None) is None
+
+    @property
+    def schedule(self) -> VerificationSchedule:
+        """When the batch check runs (:mod:`~lightning_dp.validators.schedule`), from the execution configuration's
+        ``verify`` and ``verify_budget``."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, schedule: VerificationSchedule) -> None:
+        """Replace the schedule (a test's own clock): never by one that checks less than the configuration asks."""
+        execution = getattr(self, "execution", None)
+        if execution is not None and not schedule.at_least(execution.verify, execution.verify_budget):
+            raise PrivacyConfigurationError(
+                f"a verification schedule ({schedule.mode!r}, budget {schedule.budget}) that checks less than the "
+                f"step's configuration (verify={execution.verify!r}, verify_budget={execution.verify_budget}): give "
+                "verify/verify_budget to the step instead.")
+        self._schedule = schedule
 
     # ------------------------------------------------------------------ the first step's probe
     def verify(self, loss_of_batch: Callable[[Any], Any], low_precision: bool = False,
@@ -73,7 +100,7 @@ class StepChecks:
                                      to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
                        low_precision, what, replay)
-        self.loop.loss_of, self.loop.what = (lambda batch: loss_of_batch(to_device(batch))), what  # plain_loop.py
+        self.loop.bind_loss(lambda batch: loss_of_batch(to_device(batch)), what)  # plain_loop.py
 
     def _refuse_data_statistics(self) -> None:
         """Rule 11 of the release boundary: neither the model nor a LightningDataModule keeps a statistic of the

@@ -78,6 +78,24 @@ def test_a_clipping_bound_set_in_training_step_is_refused_before_that_step_relea
     assert module.trainer.strategy.private_step.ledger.steps == 20  # step 20 released nothing
 
 
+class MoveThePolicyInTheStep(Classifier):
+    """Moves the adaptive policy's own bound from the batch's losses inside training_step (not by its private rule)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if self.global_step == 20:
+            self.trainer.strategy.private_step.clipping._bound = float(losses.detach().median().clamp(0.1, 10))
+        return losses.mean()
+
+
+def test_an_adaptive_policy_moved_in_training_step_is_refused_before_that_step_releases() -> None:
+    module = MoveThePolicyInTheStep()
+    with pytest.raises(PrivacyConfigurationError, match=r"within the step.*privacy clipping state"):
+        _fit(module, [], steps=24, max_grad_norm=None, clipping=AdaptiveClipping(initial_norm=1.0))
+    assert module.trainer.strategy.private_step.ledger.steps == 20  # step 20 released nothing
+
+
 class LoggedLoss(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
