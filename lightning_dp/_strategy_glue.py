@@ -43,6 +43,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batches_per_step, physical_batch_size,
+                                        restore_accumulation)
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.privacy.boundary import is_public
@@ -110,6 +112,7 @@ class PrivateTraining:
         # else C may come from Trainer(gradient_clip_val); a clipping policy gives its own bound
         self._max_grad_norm_given = privacy.max_grad_norm is not None or privacy.clipping is not None
         self._clip_restore: Optional[tuple[Any, Any]] = None  # the Trainer's gradient_clip_val while a fit runs
+        self._accumulation: Optional[Accumulation] = None  # the Trainer's accumulate_grad_batches while a fit runs
         self.private_step = PrivateStep.from_config(privacy, execution)
         self.private_step.loop.driven_by_strategy()  # training_step is the verified loss; the loop draws and seals
         """The Lightning-free mechanism (:class:`~lightning_dp.privacy.private_step.PrivateStep`) these hooks drive."""
@@ -427,6 +430,7 @@ class PrivateTraining:
         self._records = None
         self._replays.reset()
         restore_gradient_clip(self)
+        restore_accumulation(self)
         super().teardown()  # type: ignore[misc]
         if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
             self.private_step.boundary.baseline()
@@ -457,7 +461,9 @@ class PrivateTraining:
         if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
             raise population_changed_error(len(self._records[1]), len(records[1]))
         self._records = records
-        loader = self.private_step.poisson_loader(dataloader)  # its group cycle starts at the ledger's count
+        physical_batch_size(self, dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", 1))
+        loader = self.private_step.poisson_loader(dataloader,  # its group cycle starts at the ledger's count
+                                                  batches_per_step=batches_per_step(self))
         if self.private_step.users is not None:
             rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "
                            f"{self.private_step.users.users_per_batch} expected per step (q = {self.sample_rate:.4g}); "
@@ -942,8 +948,10 @@ def check_noise_arguments(noise_multiplier: Optional[float], target_epsilon: Opt
     check_target(target_epsilon, target_delta)
 
 
-def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
-    """Refuse Trainer settings that would break the guarantee, naming the fix (``label``: the strategy)."""
+def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy", setup: bool = True) -> None:
+    """Refuse Trainer settings that would break the guarantee, naming the fix (``label``: the strategy). At the fit's
+    ``setup``, ``accumulate_grad_batches`` is taken into the private step (:mod:`lightning_dp._accumulation`); later it
+    may not change."""
     module = trainer.lightning_module
     if not module.automatic_optimization:
         raise PrivacyConfigurationError(
@@ -951,11 +959,15 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
             "(the strategy must own backward, clipping and noise)."
         )
     adopt_gradient_clip(trainer, trainer.strategy, label)  # taken as C, or refused (lightning_dp/_gradient_clip.py)
+    if setup:
+        adopt_accumulation(trainer, trainer.strategy, label)  # k loader batches per private step (_accumulation.py)
     if trainer.accumulate_grad_batches != 1:
         raise PrivacyConfigurationError(
-            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) would add noise to each micro-batch "
-            "and rescale per-example gradients before clipping: remove it and raise the DataLoader's batch_size "
-            f"(the expected Poisson batch) instead; {label}(max_physical_batch_size=...) bounds the memory."
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} was set during the fit (a "
+            "GradientAccumulationScheduler): the Poisson rate q was planned for the loader's batches at the fit's "
+            "start, and Lightning would add noise to each micro-batch and rescale per-example gradients before "
+            "clipping. Set Trainer(accumulate_grad_batches=k) once (the private step then draws k × batch_size per "
+            f"step), or raise the DataLoader's batch_size; {label}(max_physical_batch_size=...) bounds the memory."
         )
     precision = str(trainer.precision)
     if precision not in SUPPORTED_PRECISION:
@@ -970,7 +982,7 @@ def check_loop(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
     """The loop settings the mechanism rests on, every step: a callback can change them mid-run
     (``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at an epoch's start)."""
     if trainer.accumulate_grad_batches != 1 or trainer.gradient_clip_val:
-        check_trainer(trainer, label)
+        check_trainer(trainer, label, setup=False)
 
 
 def check_no_tuner(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:

@@ -161,7 +161,6 @@ class TwoOptimizers(TinyClassifier):
         (BatchNormModule, {}, r"net\.1.*BatchNorm1d.*GroupNorm"),
         (TinyClassifier, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
          "gradient_clip_algorithm='value'.*max_grad_norm"),
-        (TinyClassifier, {"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
         (TinyClassifier, {"precision": "bf16-true"}, "precision"),
         (ManualModule, {}, "automatic optimization"),
         (TwoOptimizers, {}, "several optimizers"),

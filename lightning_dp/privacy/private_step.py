@@ -427,15 +427,17 @@ class PrivateStep(StepChecks):
         return [p for p in self._module.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ data
-    def poisson_loader(self, dataloader: DataLoader, start_step: Optional[int] = None) -> DataLoader:
+    def poisson_loader(self, dataloader: DataLoader, start_step: Optional[int] = None,
+                       batches_per_step: int = 1) -> DataLoader:
         """``dataloader`` rebuilt around Poisson sampling of its population (one shard per rank); the plan (q, N, B) is
         its, whatever state was or is restored. Its sampler defines the population (:func:`training_population` refuses
-        the ones Poisson sampling cannot stand in for); its ``batch_size`` is the expected batch per process. Each pass
-        starts a banded group cycle at the ledger's count (``start_step``, if given, must be it:
-        :mod:`~lightning_dp.validators.step_index`). The records it draws are checked first
+        the ones Poisson sampling cannot stand in for); ``batches_per_step`` × its ``batch_size`` (gradient
+        accumulation) is the expected batch per process. Each pass starts a banded group cycle at the ledger's count
+        (``start_step``, if given, must be it: :mod:`~lightning_dp.validators.step_index`). The records it draws are
+        checked first
         (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
         where, first = self.distribution, check_start_step(self, start_step)
-        population = training_population(dataloader, where.rank, where.world_size)
+        population = training_population(dataloader, where.rank, where.world_size, batches_per_step)
         fetches = FetchState(dataloader.dataset, dataloader.collate_fn).noted()  # before any read: a fetch is stateless
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
         self._check_ledger_unit()

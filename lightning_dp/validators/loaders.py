@@ -122,9 +122,11 @@ def _check_shard(sampler: DistributedSampler, dataset_size: int, rank: int, worl
             "DistributedSampler (DPStrategy samples each process's shard itself), or pass a Subset without them.")
 
 
-def training_population(dl: DataLoader, rank: int = 0, world_size: int = 1) -> TrainingPopulation:
+def training_population(dl: DataLoader, rank: int = 0, world_size: int = 1,
+                        batches_per_step: int = 1) -> TrainingPopulation:
     """Check the user's training loader and return what Poisson sampling replaces it with (``rank`` of
-    ``world_size`` processes: the shard a ``DistributedSampler`` must be).
+    ``world_size`` processes: the shard a ``DistributedSampler`` must be; the expected batch ``batches_per_step``
+    of its batches: gradient accumulation, :mod:`lightning_dp._accumulation`).
 
     Raises:
         PrivacyConfigurationError: an iterable dataset, an unknown sampler or batch sampler, a sampler over
@@ -153,7 +155,7 @@ def training_population(dl: DataLoader, rank: int = 0, world_size: int = 1) -> T
     n = size if indices is None else len(indices)
     if n == 0:
         raise PrivacyConfigurationError("The training set is empty.")
-    return TrainingPopulation(indices, n, int(batch_size))
+    return TrainingPopulation(indices, n, int(batch_size) * int(batches_per_step))
 
 
 def record_set(dataset: Any) -> tuple[int, frozenset[int]]:

@@ -1,0 +1,84 @@
+"""``Trainer(accumulate_grad_batches=k)`` under the private strategy (lightning_dp/_accumulation.py): one private step
+draws k × the loader's batch_size, differentiates it in physical batches of the loader's batch_size, clips every
+example once and adds the noise once; Lightning's own accumulation is off for the fit and given back after it."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import DPStrategy, PrivacyConfigurationError
+
+N, B, K = 256, 8, 4
+
+
+class Sizes(pl.LightningModule):
+    """A linear classifier noting the size of every batch its training_step sees and the optimizer steps taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append(len(x))
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=B, shuffle=True)
+
+
+def _fit(strategy: DPStrategy, **trainer_kwargs) -> tuple[pl.Trainer, Sizes]:
+    model = Sizes()
+    trainer = quiet_trainer(strategy=strategy, **trainer_kwargs)
+    trainer.fit(model, _loader())
+    return trainer, model
+
+
+def test_accumulation_is_one_private_step_over_k_loader_batches(caplog):
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, sampler_seed=0, public_state=["seen"])
+    with caplog.at_level("INFO"):
+        trainer, model = _fit(strategy, max_epochs=1, accumulate_grad_batches=K)
+    assert strategy.expected_batch_size == K * B and strategy.sample_rate == pytest.approx(K * B / N)
+    assert strategy.steps_per_epoch == N // (K * B)
+    assert strategy.ledger.steps == trainer.global_step == N // (K * B)  # one release per optimizer step
+    assert strategy.last_release.noise_std == pytest.approx(2.0 * 1.0 / (K * B))  # σC once, over the logical batch
+    assert model.seen and max(model.seen) <= B  # physical batches of the loader's batch_size
+    assert sum(model.seen) > 2 * B * strategy.ledger.steps  # more than the loader's batch per step: k of them
+    assert trainer.accumulate_grad_batches == K and strategy.max_physical_batch_size is None  # given back
+    assert any("accumulate_grad_batches=4" in r.getMessage() for r in caplog.records)
+
+
+def test_a_given_physical_batch_size_is_kept():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, max_physical_batch_size=3,
+                          public_state=["seen"])
+    _, model = _fit(strategy, max_steps=2, accumulate_grad_batches=K)
+    assert max(model.seen) <= 3 and strategy.max_physical_batch_size == 3
+
+
+def test_a_second_fit_adopts_it_again():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, public_state=["seen"])
+    model, trainer = Sizes(), quiet_trainer(strategy=strategy, max_steps=2, accumulate_grad_batches=K)
+    trainer.fit(model, _loader())
+    trainer.fit_loop.epoch_loop.max_steps = 4  # the same Trainer fits on: 2 more releases
+    trainer.fit(model, _loader())
+    assert strategy.ledger.steps == 4 and strategy.expected_batch_size == K * B
+    assert trainer.accumulate_grad_batches == K and max(model.seen) <= B
+
+
+def test_fixed_shape_batches_with_accumulation_are_refused():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, fixed_batch_size=16)
+    with pytest.raises(PrivacyConfigurationError, match=r"accumulate_grad_batches=4.*fixed_batch_size"):
+        _fit(strategy, max_steps=1, accumulate_grad_batches=K)
