@@ -59,6 +59,7 @@ from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.record_reads import RecordWatch
+from lightning_dp.validators import diagnostic_reads
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -241,7 +242,9 @@ class PrivateTraining:
         """Compute :class:`~lightning_dp.diagnostics.StepDiagnostics` every step.
 
         They are read from un-noised per-example data: anything logged from them is not
-        covered by the DP guarantee (the model still is). Warns once.
+        covered by the DP guarantee (the model still is, since nothing may feed them back: a read
+        inside a step, or a decision, kept state or checkpoint entry set from them elsewhere, is
+        refused, :mod:`~lightning_dp.validators.diagnostic_reads`). Warns once.
         """
         if not self.private_step.diagnostics_enabled:
             rank_zero_warn(
@@ -308,6 +311,7 @@ class PrivateTraining:
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
         self._logged_reads.watch_metrics(module)
+        diagnostic_reads.watch(lambda: module._current_fx_name if module._current_fx_name in STEP_HOOKS else None)
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
         self._record_watch = RecordWatch(datasets[0] if datasets else None,
                                          lambda: module._current_fx_name in STEP_HOOKS,
@@ -317,10 +321,18 @@ class PrivateTraining:
         from lightning_dp.validators.decisions import DecisionWindows  # a Callback: imports Lightning, which imports us
 
         replays, step = self._replays, self.private_step
+        logs_moved = self._logged_reads.moved
+
+        @contextmanager
+        def reads_moved() -> Iterator[None]:  # a batch's loss moved far: the logged values and the diagnostics too
+            with logs_moved(), diagnostic_reads.moved(step, up=True):
+                yield
+
         self._decision_windows = DecisionWindows(replays.other_data, replays.replay_settings, step.boundary,
-                                                 self._logged_reads.moved, lambda: replays.batch_end_writes,
+                                                 reads_moved, lambda: replays.batch_end_writes,
                                                  replays.judged_this_step, self._end.before_end_hooks,
-                                                 step.any_rank, step.on_every_rank)
+                                                 step.any_rank, step.on_every_rank,
+                                                 lambda: diagnostic_reads.moved(step, up=False))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
 
     def _exempt(self, name: str) -> bool:
@@ -335,6 +347,7 @@ class PrivateTraining:
             self._logged_reads.check_release()
         if self._record_watch is not None:
             self._record_watch.check()
+        diagnostic_reads.check()
         return fed_back(trainer, self._exempt)
 
     def _read_logged(self, trainer: "pl.Trainer", reader: Any) -> None:
@@ -405,6 +418,7 @@ class PrivateTraining:
             self._logged_reads.stop()
         if self._record_watch is not None:
             self._record_watch.stop()
+        diagnostic_reads.unwatch()
         watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]

@@ -103,6 +103,9 @@ class DecisionWindows(pl.Callback):
         on_every_rank: ``on_every_rank(check, what)`` runs ``check`` and raises on every rank when any rank's raised
             (one all-reduce when distributed): a window refused on one rank is refused on all, none left waiting in a
             collective of the user's hooks.
+        diagnostics_moved: a context in which the non-private diagnostics read other values, the other way from
+            ``logs_moved`` (a batch's runs on its exchanged values; ``exchanged`` moves them both ways:
+            :mod:`.diagnostic_reads`).
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
@@ -110,7 +113,9 @@ class DecisionWindows(pl.Callback):
                  logs_moved: Callable[[], AbstractContextManager] = nullcontext,
                  batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False,
                  on_end: Callable[[], None] = lambda: None, any_rank: Optional[Callable[..., Any]] = None,
-                 on_every_rank: Optional[Callable[[Callable[[], None], str], None]] = None) -> None:
+                 on_every_rank: Optional[Callable[[Callable[[], None], str], None]] = None,
+                 diagnostics_moved: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self._diagnostics_moved = diagnostics_moved
         self._exchanged = exchanged
         self._on_every_rank = on_every_rank or (lambda check, what: check())
         self._any_rank = any_rank or (lambda *flags: flags[0] if len(flags) == 1 else flags)
@@ -254,7 +259,7 @@ class DecisionWindows(pl.Callback):
                 [(p, p.requires_grad) for p in module.parameters()])
         runs: list[Optional[Fingerprint]] = []
         try:
-            for variant in _variants(window, self._exchanged, self._logs_moved):
+            for variant in _variants(window, self._exchanged, self._logs_moved, self._diagnostics_moved):
                 after.restore()
                 if window.before is not None:  # an epoch's: everything as the window opened (a layer's dropout rate)
                     window.before.restore()
@@ -354,15 +359,18 @@ _ABSENT = object()
 
 
 def _variants(window: _Window, exchanged: Callable[[bool], AbstractContextManager],
-              logs_moved: Callable[[], AbstractContextManager]) -> list[tuple[AbstractContextManager, tuple[Any, ...]]]:
-    """(context, hook arguments) of each run: the window's own twice, then the other data."""
+              logs_moved: Callable[[], AbstractContextManager],
+              diagnostics_moved: Callable[[], AbstractContextManager] = nullcontext,
+              ) -> list[tuple[AbstractContextManager, tuple[Any, ...]]]:
+    """(context, hook arguments) of each run: the window's own twice, then the other data (a batch's exchanged
+    values with the non-private diagnostics moved too: ``logs_moved`` moves them the other way)."""
     if window.kind != "batch":
         return [(nullcontext(), ()), (nullcontext(), ()), (exchanged(False), ()), (exchanged(True), ())]
     outputs, batch, batch_idx = window.args
     return [(nullcontext(), window.args), (nullcontext(), window.args),
             (logs_moved(), (moved_far(outputs), batch, batch_idx)),
-            (nullcontext(), (outputs, exchanged_copy(batch), batch_idx)),
-            (nullcontext(), (outputs, exchanged_copy(batch, floating_only=True), batch_idx))]
+            (diagnostics_moved(), (outputs, exchanged_copy(batch), batch_idx)),
+            (diagnostics_moved(), (outputs, exchanged_copy(batch, floating_only=True), batch_idx))]
 
 
 def _run_hooks(window: _Window, trainer: "pl.Trainer", module: "pl.LightningModule",

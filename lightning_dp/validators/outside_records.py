@@ -41,7 +41,7 @@ from its file again.
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -70,11 +70,15 @@ class ExchangedRecords:
     Args:
         arrays: (name, tensor or NumPy array or list) to exchange; a name says where it is held (never its data).
         ready: whether the pass may run now (the caller's condition: its batch was read before the exchange).
+        also: ``also(floating_only)``, a context entered with the exchange: what else reads of the training data
+            reads other values inside (the non-private diagnostics, :func:`.diagnostic_reads.moved`).
     """
 
-    def __init__(self, arrays: Sequence[tuple[str, Any]], ready: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, arrays: Sequence[tuple[str, Any]], ready: Callable[[], bool] = lambda: True,
+                 also: Optional[Callable[[bool], AbstractContextManager]] = None) -> None:
         self._arrays = [(name, value) for name, value in arrays if exchangeable(value)]
         self._ready = ready
+        self._also = also
 
     @property
     def arrays(self) -> list[tuple[str, Any]]:
@@ -96,7 +100,8 @@ class ExchangedRecords:
             for _, value in self._arrays:
                 if not floating_only or _floating(value):
                     undo.append(exchange(value))
-            yield
+            with self._also(floating_only) if self._also is not None else nullcontext():
+                yield
         finally:
             for restore in reversed(undo):
                 restore()

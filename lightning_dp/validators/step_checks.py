@@ -26,6 +26,7 @@ from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.outside_records import ExchangedRecords, training_copies
+from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.validators.kept_state import is_datamodule
@@ -266,17 +267,20 @@ class StepChecks:
             engine.attach(module)
 
     def exchanged_training_data(self) -> ExchangedRecords:
-        """The training data's copies in memory (:meth:`_training_copies`), for a caller's own replays."""
-        return self._training_copies(lambda: True)
+        """The training data's copies in memory (:meth:`_training_copies`), for a caller's own replays; the
+        non-private diagnostics move with them (:func:`~.diagnostic_reads.moved`: up, or down with the
+        floating-point arrays only, so that the two exchanged runs of a window put them on both sides of any
+        threshold)."""
+        return self._training_copies(lambda: True, lambda floating_only: diagnostics_moved(self, up=not floating_only))
 
-    def _training_copies(self, copyable: Callable[[], bool]) -> ExchangedRecords:
+    def _training_copies(self, copyable: Callable[[], bool], also: Any = None) -> ExchangedRecords:
         """The training data's copies in memory the batch check exchanges (:func:`training_copies`: the training
         dataset's, and those the model, the datamodule, the callbacks and the user's globals keep); none when a
         batch cannot be copied (``copyable()`` false by then: its records would be read from the exchanged data)."""
         assert self._source is not None and self._module is not None
         holders = [("model", self._module), *((type(cb).__name__, cb) for cb in self.boundary.callbacks()),
                    *((m.__name__, m) for m in self.boundary.global_modules())]
-        return ExchangedRecords(training_copies(self._source[0], holders), copyable)
+        return ExchangedRecords(training_copies(self._source[0], holders), copyable, also)
 
     def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
         """Run the loop's batch hooks on the probe's examples; refuse what they keep (the release boundary, rule 3)."""

@@ -32,6 +32,8 @@ import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import seeded
+from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
+from lightning_dp.validators.diagnostic_reads import paused as diagnostics_paused
 from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
                                                   overrides_epoch_hooks, progress_as, replay_batch_hooks,
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
@@ -130,7 +132,8 @@ class StepReplays:
     @contextmanager
     def other_data(self, floating_only: bool) -> Iterator[None]:
         """The training data's copies in memory exchanged (given ``True``: its floating-point arrays only), and the
-        values logged from it moved: what the hooks that read no batch see of other data."""
+        values logged from it moved, as are the non-private diagnostics (with the exchange): what the hooks that read
+        no batch see of other data."""
         moved = self.strategy._logged_reads.moved() if self.strategy._logged_reads is not None else nullcontext()
         with self.step.exchanged_training_data().exchanged(floating_only), moved:
             yield
@@ -178,7 +181,8 @@ class StepReplays:
         refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
         wall clock — is not judged) and once on ``other`` examples, their loss moved far, then likewise on the batch
         with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged values
-        make fail is left out), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
+        make fail is left out; the non-private diagnostics moved far up with the loss, down with the exchanged values:
+        :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
         (:func:`~.validators.kept_state.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
@@ -203,7 +207,8 @@ class StepReplays:
                 first = writes is not None and not writes.runs
                 try:
                     with seeded(0), seeds_recorded() as calls, \
-                            progress_as(trainer, *progress) if progress is not None else nullcontext():
+                            progress_as(trainer, *progress) if progress is not None else nullcontext(), \
+                            diagnostics_moved(self.step, up=moved) if examples is not batch else nullcontext():
                         decisions.append(calls)  # σ and C: put back by replay_records, which compares them
                         batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                         try:
@@ -404,7 +409,7 @@ class StepReplays:
         replays write, link or remove no checkpoint file (:func:`checkpoint_files_kept`)."""
         with self.strategy._logged_reads.paused() if self.strategy._logged_reads is not None else nullcontext(), \
                 self.strategy._record_watch.paused() if self.strategy._record_watch is not None else nullcontext(), \
-                checkpoint_files_kept():
+                diagnostics_paused(), checkpoint_files_kept():
             yield
 
     def _later_in_the_plan(self) -> list[tuple[int, int]]:
