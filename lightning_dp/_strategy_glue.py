@@ -56,6 +56,7 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
+from lightning_dp.validators.stored_records import StoredRecords, changed_records, changed_records_error, stored_records
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
@@ -124,6 +125,7 @@ class PrivateTraining:
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._records: Optional[tuple[int, frozenset[int]]] = None  # the records its loader trains on (loaders.py)
+        self._stored: Optional[StoredRecords] = None  # what the fit's first loader stores (stored_records.py)
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
@@ -427,6 +429,7 @@ class PrivateTraining:
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
+        self._stored = None
         self._replays.reset()
         restore_gradient_clip(self)
         super().teardown()  # type: ignore[misc]
@@ -459,6 +462,12 @@ class PrivateTraining:
         if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
             raise population_changed_error(len(self._records[1]), len(records[1]))
         self._records = records
+        if trainer.reload_dataloaders_every_n_epochs:  # the stored records are the first loader's (stored_records.py)
+            stored = stored_records(dataloader.dataset, records[1])
+            changed = [] if self._stored is None else changed_records(self._stored, stored)
+            if changed:
+                raise changed_records_error(changed)
+            self._stored = self._stored or stored
         loader = self.private_step.poisson_loader(dataloader)  # its group cycle starts at the ledger's count
         if self.private_step.users is not None:
             rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "
