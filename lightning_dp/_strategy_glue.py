@@ -58,6 +58,7 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
+from lightning_dp.validators.stored_records import StoredRecords, changed_records, changed_records_error, stored_records
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators import diagnostic_reads
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
@@ -126,6 +127,7 @@ class PrivateTraining:
         self._over_budget = False
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._records: Optional[tuple[int, frozenset[int]]] = None  # the records its loader trains on (loaders.py)
+        self._stored: Optional[StoredRecords] = None  # what the fit's first loader stores (stored_records.py)
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
@@ -442,6 +444,7 @@ class PrivateTraining:
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
+        self._stored = None
         self._replays.reset()
         restore_gradient_clip(self)
         restore_accumulation(self)
@@ -475,6 +478,12 @@ class PrivateTraining:
         if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
             raise population_changed_error(len(self._records[1]), len(records[1]))
         self._records = records
+        if trainer.reload_dataloaders_every_n_epochs:  # the stored records are the first loader's (stored_records.py)
+            stored = stored_records(dataloader.dataset, records[1])
+            changed = [] if self._stored is None else changed_records(self._stored, stored)
+            if changed:
+                raise changed_records_error(changed)
+            self._stored = self._stored or stored
         physical_batch_size(self, dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", 1))
         loader = self.private_step.poisson_loader(dataloader,  # its group cycle starts at the ledger's count
                                                   batches_per_step=batches_per_step(self))

@@ -17,6 +17,9 @@ ledger counts, the trained model is then not differentially private.
 * rows of a parameter, buffer or attribute along a principal direction of the training features (a first layer
   initialised by PCA: an SVD of the training set, scikit-learn's ``PCA``; a randomised approximation,
   ``torch.pca_lowrank`` with fewer components than features, is not exact and not seen);
+* per-record columns of the training tensors and the datasets' NumPy arrays derived from the labels' statistics: a
+  sample-weight column equal to a class-weight formula at each record's label, a target-encoded feature
+  (:mod:`.derived_columns`);
 * feature tensors every column of which has mean 0 and standard deviation 1 (either convention), median 0 and
   interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
   scaled by their own statistics.
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.derived_columns import derived_columns, derived_columns_fix
 from lightning_dp.validators.kept_state import dataset_parts, framework_keys, is_public
 from lightning_dp.validators.outside_records import holds_records, row_digests
 
@@ -43,6 +47,7 @@ MAX_ELEMENTS = 1 << 27
 """Training tensors with more elements are not summarised (the check runs once, in the main process)."""
 
 _RTOL, _ATOL = 1e-4, 1e-6
+_DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
 
 
 def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = ()) -> list[str]:
@@ -52,7 +57,8 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
     holders = list(holders)
     datasets, tensors = dataset_parts(dataset)
     in_weights = records_in_weights([m for _, m in holders if isinstance(m, nn.Module)], tensors, public)
-    return in_weights + _statistics_held(holders, datasets, tensors, public)
+    derived = derived_columns(datasets, tensors, public)  # per-record weights and target encodings
+    return in_weights + _statistics_held(holders, datasets, tensors, public) + derived
 
 
 def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str, Tensor]],
@@ -160,9 +166,10 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
     records = ("Training records kept in the model's weights or buffers are released with it as they are (initialise "
                "prototypes, centres or memories from public data or at random). ") \
         if any(" holds records " in f for f in found) else ""
+    derived = derived_columns_fix() + " " if any(f.endswith(_DERIVED) for f in found) else ""
     return PrivacyConfigurationError(
         "Statistics of the training data were computed without noise before training:\n" + lines + "\n" + records
-        + "They depend on "
+        + derived + "They depend on "
         "every training record and no noise covers them: a buffer is released with the model and its checkpoints, "
         "and data scaled by its own statistics makes each example's gradient depend on all the others, so the model "
         "would not be differentially private whatever σ the ledger counts. Nothing was released. Normalise with "
