@@ -17,6 +17,10 @@ and requires, with τ = :func:`batch_tolerance` (from the compute dtype) and s =
     | ‖g_i^all‖ − ‖g_i^part‖ | ≤ τ · s                 for every example i of every part (H, R, alone)
     ‖S_H + S_R − S_all‖_p     ≤ τ · Σ_i ‖g_i^all‖       for every parameter p (S: the unclipped sums)
 
+When ``training_step`` sees more examples at once than the m compared (a batch of 300, physical batches of
+``max_physical_batch_size`` or the whole batch), the m examples pass once more among others of the batch, as many as
+the step sees: each must keep its norm (code that standardises or mixes its batch only above a size runs there).
+
 Halving the batch changes, for every example, which others share its batch: an example's gradient that depends on
 the others moves for some example (top-k: the halves keep other examples; a batch statistic: both halves differ from
 the whole; in-batch negatives: each example loses half its negatives), while rounding moves it by a few ulps. It
@@ -70,15 +74,20 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         self.max_examples = max_examples
         self.outside = outside
 
-    def check(self, indices: Sequence[int], step: int, random_step: bool = False, as_of: str = "") -> None:
+    def check(self, indices: Sequence[int], step: int, random_step: bool = False, as_of: str = "",
+              real_size: int = 0) -> None:
         """Check the batch ``indices`` of step ``step``; raises :class:`PrivacyConfigurationError` (nothing changes).
         ``random_step``: the step draws random numbers of its own (augmentation in ``training_step``, MixUp): the
-        replacement test runs instead (:meth:`_replacement`). ``as_of``: when the model was made to believe it runs
-        (the first step checks the plan's later steps too), for the refusal's message."""
+        replacement test runs instead (:meth:`_replacement`), at the batch's ``real_size``. ``as_of``: when the model
+        was made to believe it runs (the first step checks the plan's later steps too), for the refusal's message.
+        ``real_size``: how many examples the step's ``training_step`` really sees at once (the batch, or its physical
+        batches): above ``max_examples``, the compared examples are also passed in a batch of that size
+        (:meth:`_at_real_size`: code that changes what it does above a batch size shows there)."""
         self._as_of = as_of
         chosen = list(indices)
-        if len(chosen) > self.max_examples:
-            chosen = self.rng.sample(chosen, self.max_examples)
+        limit = max(self.max_examples, real_size) if random_step else self.max_examples
+        if len(chosen) > limit:
+            chosen = self.rng.sample(chosen, limit)
         if len(chosen) < 2:
             return  # one example cannot interact with another
         # a frozen copy the step writes (a momentum target from the weights) put back before each pass and after them
@@ -89,13 +98,16 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
                 if random_step:
                     self._replacement(chosen, step)
                 else:
-                    self._halves(chosen, step)
+                    whole = self._halves(chosen, step)
+                    if min(real_size, len(indices)) > len(chosen):
+                        self._at_real_size(list(indices), chosen, whole, min(real_size, len(indices)), step)
         finally:
             self._put_frozen_back()
             self._frozen_kept = []
 
-    def _halves(self, chosen: list[int], step: int) -> None:
-        """The comparison of the module docstring: the batch, its two halves, two examples alone."""
+    def _halves(self, chosen: list[int], step: int) -> ClippedBatch:
+        """The comparison of the module docstring: the batch, its two halves, two examples alone (returns the batch's
+        pass)."""
         order = list(range(len(chosen)))
         self.rng.shuffle(order)
         half, rest = sorted(order[: len(order) // 2]), sorted(order[len(order) // 2:])
@@ -105,6 +117,21 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         alone = [self._engine_pass([chosen[i]]) for i in lone]
         self._verdict(whole, [(half, parts[0]), (rest, parts[1]), *(([i], a) for i, a in zip(lone, alone))], step)
         self._exchanged(chosen, whole, step)
+        return whole
+
+    def _at_real_size(self, indices: list[int], chosen: list[int], whole: ClippedBatch, size: int, step: int) -> None:
+        """The compared examples once more among others of the batch, ``size`` in all (the size the step's
+        ``training_step`` sees): each must keep the gradient norm it had in the compared batch. Code that standardises
+        or mixes its batch only above a size (``if len(x) > 128``) never runs in the compared batch; here it does."""
+        taken = set(chosen)
+        others = self.rng.sample([i for i in indices if i not in taken], size - len(chosen))
+        full = self._engine_pass([*chosen, *others])
+        norms = whole.norms.double()
+        if not bool(torch.isfinite(norms).all()):
+            return
+        differing = self._norms_apart(norms, full.norms.double()[: len(chosen)], norms)
+        if differing:
+            raise batch_interaction_error(step, size, differing, [], self.engine.name, self._as_of)
 
     def _replacement(self, chosen: list[int], step: int) -> None:
         """For a step that draws random numbers: the batch twice with one seed, a random half R of its examples

@@ -187,7 +187,8 @@ class StepChecks:
         return bool(flag.item() > 0)
 
     def check_batch(self, loss_of_batch: Callable[[Any], Any], indices: Sequence[int], step: int,
-                    max_examples: int = 128, as_of: str = "", charge: bool = True) -> None:
+                    max_examples: int = 128, as_of: str = "", charge: bool = True,
+                    physical: Optional[int] = None) -> None:
         """The batch check (:mod:`~lightning_dp.validators.batch_check`) on this step's sampled examples,
         before its release: ``loss_of_batch(batch)`` is the user's loss of a batch of examples read by
         :meth:`examples` (``fixed``; each set of examples is read once, and every pass gets its own copy, so the last
@@ -196,7 +197,9 @@ class StepChecks:
         Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
         whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
         ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
-        counts against the schedule's budget (not for the first step's checks)."""
+        counts against the schedule's budget (not for the first step's checks); ``physical``: the most examples
+        ``training_step`` sees at once (``max_physical_batch_size``; ``None``: the whole batch), the size the check
+        also passes the compared examples at."""
         assert self._module is not None and self._engine is not None
         start = time.perf_counter()
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
@@ -228,7 +231,7 @@ class StepChecks:
                 BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
                                       rng=self.schedule.rng, max_examples=max_examples,
                                       outside=self._training_copies(lambda: copies[0])).check(
-                    indices, step, self._random_step, as_of)
+                    indices, step, self._random_step, as_of, real_size=min(len(indices), physical or len(indices)))
         except PrivacyConfigurationError as err:
             error = err
         finally:

@@ -492,7 +492,7 @@ class StepReplays:
 
         private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
                             max_examples=min(128, self.strategy.max_physical_batch_size or 128), as_of=as_of,
-                            charge=charge)
+                            charge=charge, physical=self.strategy.max_physical_batch_size)
 
 
 def weights_fitted(moved: list[str], writers: dict[str, set[str]]) -> str:

@@ -341,3 +341,29 @@ def test_examples_alone_are_structurally_interaction_free():
     assert strategy.private_step.schedule.checks == 0
     with pytest.raises(PrivacyConfigurationError, match="Examples interact"):
         zoo.private_step(copy.deepcopy(Mining()).double(), zoo._as_double(zoo.vector_data()))
+
+
+class StandardisedAboveASize(Classifier):
+    """Features standardised with the batch's own statistics only when the batch holds more than 128 examples (the
+    compared examples are at most 128): the check also passes them among others at the step's own size."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if len(x) > 128:
+            x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+        return F.cross_entropy(self(x), y)
+
+
+@pytest.mark.parametrize("physical", [None, 200])
+def test_an_interaction_above_the_compared_size_is_refused_before_any_release(physical):
+    model = StandardisedAboveASize()
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 0"):
+        run(model, classes(600), batch_size=300, max_physical_batch_size=physical)
+    assert unchanged(before, model), "a release happened"
+
+
+def test_physical_batches_below_the_gated_size_train():
+    """Physical batches of 100 never reach the gate: the step the model runs is independent, and trains."""
+    strategy = run(StandardisedAboveASize(), classes(600), batch_size=300, max_physical_batch_size=100)
+    assert strategy.ledger.steps == 2
