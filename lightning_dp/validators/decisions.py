@@ -11,13 +11,15 @@ every later update (or the number of releases) by un-noised training data.
 windows in which the user's hooks run outside a step: a batch's end (``on_train_batch_end``), an epoch's end
 (``on_train_epoch_end``) and the end of a validation run during training (``on_validation_epoch_end``,
 ``on_validation_end``). It notes the decisions as a window opens — every optimizer's hyper-parameters and defaults,
-``trainer.should_stop``, ``max_epochs``, ``max_steps``, the mechanism's σ and C — and compares them when it closes (at
-the next hook of the loop). Only when they changed are the window's hooks of the module and of the callbacks that are
-not Lightning's or lightning_dp's run again, from the decisions (and the user objects' attributes) as they were when it
-opened: twice as they ran, then on other data — at a batch's end its loss (every float tensor of its outputs) moved far,
-and, separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all of them or its
-floating-point ones only (a loss is the same on both exchanged for a model odd in its input); at an epoch's or a
-validation's end with the training data's copies in memory exchanged (:mod:`.outside_records`), all or the
+``trainer.should_stop``, ``max_epochs``, ``max_steps``, the library callbacks' and the trainer's settings
+(:func:`~.kept_state.library_settings`: an ``EarlyStopping.patience``, a ``Timer`` duration, a checkpoint or validation
+schedule), the mechanism's σ and C — and compares them when it closes (at the next hook of the loop). Only when they
+changed are the window's hooks of the module and of the callbacks that are not Lightning's or lightning_dp's run again,
+from the decisions (and the user objects' attributes) as they were when it opened: twice as they ran, then on other data
+— at a batch's end its loss (every float tensor of its outputs) moved far, then near zero (a decision taken once it is
+above a threshold), and, separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all
+of them or its floating-point ones only (a loss is the same on both exchanged for a model odd in its input); at an
+epoch's or a validation's end with the training data's copies in memory exchanged (:mod:`.outside_records`), all or the
 floating-point ones only — each from the same random seeds. A decision the other data sets apart, and the second plain
 run does not (a time, a random draw), came from the training data: refused before the next release. Decisions the
 window's hooks do not make again (a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are
@@ -40,7 +42,7 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 
-from lightning_dp.validators.hook_replays import moved_far, replaying, runs_users_code
+from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying, runs_users_code
 from lightning_dp.validators.kept_state import (
     Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls,
     mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
@@ -288,7 +290,7 @@ _DECISIONS = ("trainer ", "privacy ", "model trainable", "scheduler ", "optimize
 
 _WHERE = {
     "batch": "at the end of step {step} (on_train_batch_end), from the batch or its loss: run again when it was made, "
-             "on the batch with its values exchanged or its loss moved far, the hooks set it apart",
+             "on the batch with its values exchanged or its loss moved far or near zero, the hooks set it apart",
     "epoch start": "at the start of an epoch (on_train_epoch_start, after step {step}), from the training data: run "
                    "again when it was made, with the training data's values exchanged, the hooks set it apart",
     "epoch": "at the end of an epoch (on_train_epoch_end, after step {step}), from the training data: run again when "
@@ -369,6 +371,7 @@ def _variants(window: _Window, exchanged: Callable[[bool], AbstractContextManage
     outputs, batch, batch_idx = window.args
     return [(nullcontext(), window.args), (nullcontext(), window.args),
             (logs_moved(), (moved_far(outputs), batch, batch_idx)),
+            (diagnostics_moved(), (moved_near(outputs), batch, batch_idx)),
             (diagnostics_moved(), (outputs, exchanged_copy(batch), batch_idx)),
             (diagnostics_moved(), (outputs, exchanged_copy(batch, floating_only=True), batch_idx))]
 

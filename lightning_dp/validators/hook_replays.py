@@ -39,9 +39,9 @@ EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
 
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
-           "moved_far", "overrides_epoch_hooks", "overrides_fit_start", "progress_as", "replay_batch_hooks",
-           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook",
-           "weights_moved_by_data", "weights_sketch"]
+           "moved_far", "moved_near", "overrides_epoch_hooks", "overrides_fit_start", "progress_as",
+           "replay_batch_hooks", "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code",
+           "silenced_logging", "users_hook", "weights_moved_by_data", "weights_sketch"]
 
 
 @contextmanager
@@ -88,6 +88,21 @@ def moved_far(value: Any) -> Any:
         return {k: moved_far(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(moved_far(v) for v in value)
+    return value
+
+
+def moved_near(value: Any) -> Any:
+    """``value`` with every floating-point tensor and number in it moved near zero (a thousandth of it; dicts, lists
+    and tuples walked): a decision taken once the loss is *above* a threshold (``if loss > 0.7: stop``) differs from
+    one taken on the value itself, as :func:`moved_far` tells one taken below it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() * 1e-3 if value.is_floating_point() else value
+    if isinstance(value, float):
+        return value * 1e-3
+    if isinstance(value, dict):
+        return {k: moved_near(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(moved_near(v) for v in value)
     return value
 
 
@@ -368,7 +383,8 @@ class BatchEndWrites:
         self.boundary = boundary
         self.users = users
         self.fingerprint = boundary.fingerprint(module)
-        self.snapshot = StateSnapshot(module, self.users, boundary.engine_keys, boundary.global_modules())
+        self.snapshot = StateSnapshot(module, self.users, boundary.engine_keys, boundary.global_modules(),
+                                      settings=False)  # the library settings: compared and put back by replay_records
         self.model_back = model_kept(module, weights=True)
         self.base = self.fingerprint.take(self.users, full=True)
         self.runs: list[dict[str, Any]] = []  # each run's state after its hooks (contents)

@@ -11,6 +11,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   contents);
 * every buffer, of every dtype (integer and bool counters included): a content checksum, recomputed only
   when the tensor's storage or version counter moved (a full pass recomputes all);
+* every submodule's mode (``training``) as the next training step will run it (:func:`training_modes`: the modes
+  Lightning captured while its evaluation loop runs), an entry ``"mode net.2"`` for each module in eval mode;
 * the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
   as module attributes are (the engine's own, such as Opacus' ``grad_sample``, skipped);
 * the attributes of every module whose class is not torch's own — tensors, NumPy arrays, numbers,
@@ -47,6 +49,8 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import datetime
+import enum
 import fnmatch
 import functools
 import hashlib
@@ -345,6 +349,11 @@ class StateFingerprint:
                 for key, value in _configuration(m):
                     if not self._is_public(prefix + key):
                         entries[f"configuration {prefix}{key}"] = value
+        modes = training_modes(self.module, layout)  # a dropout switched off from the loss steers later steps
+        for name, training in modes.items():
+            entry = f"mode {name or '(model)'}"  # declared public by its name or by the entry's (as refusals say)
+            if not training and not self._is_public(name) and not self._is_public(entry):
+                entries[entry] = "eval"
         for prefix, m, _ in layout:
             for kind in _HOOK_DICTS:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
@@ -495,12 +504,43 @@ def _rnn_listing(m: nn.Module, fields: list[tuple[str, Any]]) -> list[tuple[str,
 def _configuration(m: nn.Module) -> list[tuple[str, Any]]:
     """A torch layer's numbers and flags that set what its forward computes (``Dropout.p``, ``eps``, a loss's
     ``label_smoothing`` or ``reduction``): set from the data between two releases they steer the next step by it.
-    Its mode (``training``) is the loop's, checked apart (:mod:`.layers`)."""
+    Its mode (``training``) is read apart, as the next training step will run it (:func:`training_modes`)."""
     return [(k, v) for k, v in vars(m).items()
             if type(v) in _NUMBERS and k != "training" and not k.startswith("_")]
 
 
 _NUMBERS = (bool, int, float, str)
+
+
+_EVALUATING = ("validating", "sanity_checking", "testing", "predicting")
+
+
+def training_modes(module: nn.Module, layout: Optional[Sequence[tuple[str, nn.Module, Any]]] = None) -> dict[str, bool]:
+    """Every submodule's mode (``training``; name → flag, the model's own under ``""``) as the next training step will
+    run it: a dropout put in eval mode once the batch loss is low (``self.net[2].eval()``) is a decision taken from the
+    data, kept for every later step. While Lightning's evaluation loop runs (the sanity check, a validation inside the
+    fit, ``trainer.validate``/``test``/``predict``) the modes are those it captured before putting the model in eval
+    mode and puts back after (``_ModuleMode``): its own toggling is not the user's decision."""
+    pairs = [(prefix[:-1] if prefix else "", m) for prefix, m, _ in layout] if layout is not None \
+        else list(module.named_modules())
+    modes = {name: m.training for name, m in pairs}
+    captured = _captured_modes(module) if not module.training else None
+    if captured:
+        modes.update({name: captured[name] for name in modes if name in captured})
+    return modes
+
+
+def _captured_modes(module: nn.Module) -> Optional[dict[str, bool]]:
+    """The modes Lightning's running evaluation loop captured (and will put back), or ``None`` outside one."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not any(getattr(trainer, flag, False) for flag in _EVALUATING):
+        return None
+    try:
+        loop = trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
+    except Exception:  # noqa: BLE001  (no evaluation loop in scope)
+        return None
+    mode = getattr(getattr(loop, "_module_mode", None), "mode", None)
+    return mode if isinstance(mode, dict) else None
 
 
 def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
@@ -939,12 +979,73 @@ def moved_by_data(plain: Fingerprint, again: Fingerprint, other: Fingerprint) ->
 
 
 def loop_controls(loop: Any) -> dict[str, Any]:
-    """The trainer's decisions on how long training runs (none without a trainer)."""
+    """The trainer's decisions on how long training runs, and the library objects' settings that decide when it
+    validates, checkpoints or stops (:func:`library_settings`; none without a trainer)."""
     if loop is None:
         return {}
     fit = getattr(loop, "fit_loop", None)
     return {"should_stop": bool(getattr(loop, "should_stop", False)), "max_epochs": getattr(fit, "max_epochs", None),
-            "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None)}
+            "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None),
+            **{name: value for name, (_, _, value) in library_settings(loop).items()}}
+
+
+TRAINER_SETTINGS = ("val_check_batch", "val_check_interval", "check_val_every_n_epoch", "limit_train_batches",
+                    "limit_val_batches", "num_training_batches", "num_sanity_val_steps", "log_every_n_steps",
+                    "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+                    "reload_dataloaders_every_n_epochs", "fit_loop.min_epochs", "fit_loop.epoch_loop.min_steps")
+"""The trainer's (and its loops') scheduling settings a user's hook may write: when it validates, how many batches an
+epoch or a validation has, how often it logs, how long it must run at least."""
+
+_SETTING_TYPES = (bool, int, float, str, type(None), datetime.timedelta, enum.Enum)
+
+_SET_UP = ("__init__", "setup", "load_state_dict", "on_load_checkpoint", "on_fit_start", "on_train_start")
+"""The methods of a library callback that set its configuration, before training starts (``ModelCheckpoint``'s
+``__init_triggers`` too: a name holding ``__init``)."""
+
+
+def library_settings(trainer: Any) -> dict[str, tuple[Any, str, Any]]:
+    """The settings of the library objects that steer the fit — ``"EarlyStopping.patience"``,
+    ``"Timer._duration"``, ``"ModelCheckpoint._every_n_train_steps"``, ``"val_check_batch"`` (:data:`TRAINER_SETTINGS`)
+    — as name → (object, attribute, value). A library callback's (Lightning's, lightning_dp's) are its attributes
+    holding a number, a string, a flag, ``None``, a duration or an enum that its own code writes only as it is set up
+    (:data:`_SET_UP`); what it writes as it runs (``EarlyStopping.wait_count``, ``best_score``, ``ModelCheckpoint``'s
+    best paths, ``Timer``'s start times) is its state, from held-out metrics and the clock, not a setting. Written by
+    the user's code from the training data (a patience, a threshold, a duration, a checkpoint or validation schedule
+    set from the batch loss), they decide later stops, releases and validations: judged as the optimizer's
+    hyper-parameters are (:func:`replay_records`, :mod:`.decisions`)."""
+    out: dict[str, tuple[Any, str, Any]] = {}
+    for path in TRAINER_SETTINGS:
+        *parents, key = path.split(".")
+        obj = trainer
+        for parent in parents:
+            obj = getattr(obj, parent, None)
+        value = vars(obj).get(key, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        if isinstance(value, _SETTING_TYPES):
+            out[path] = (obj, key, value)
+    callbacks = [cb for cb in getattr(trainer, "callbacks", None) or () if library_callback(cb)]
+    labels = [type(cb).__name__ for cb in callbacks]
+    for i, (cb, label) in enumerate(zip(callbacks, labels)):
+        if labels.count(label) > 1:
+            label = f"{label}[{labels[:i].count(label)}]"
+        running = _running_state(type(cb))
+        for key, value in vars(cb).items():
+            if key not in running and isinstance(value, _SETTING_TYPES):
+                out[f"{label}.{key}"] = (cb, key, value)
+    return out
+
+
+_RUNNING: "weakref.WeakKeyDictionary[type, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _running_state(cls: type) -> frozenset[str]:
+    """The attributes a library callback's own methods write after it is set up (:data:`_SET_UP`): its state."""
+    known = _RUNNING.get(cls)
+    if known is None:
+        known = _RUNNING[cls] = frozenset(
+            name for b in cls.__mro__ if (b.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+            for key, value in vars(b).items() if key not in _SET_UP and "__init" not in key
+            for code in _codes(value) for name in _stored(code))
+    return known
 
 
 def mechanism_settings(loop: Any) -> dict[str, Any]:
@@ -1056,6 +1157,9 @@ def put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
     epoch_loop = getattr(fit, "epoch_loop", None)
     if epoch_loop is not None and getattr(epoch_loop, "max_steps", None) != controls["max_steps"]:
         epoch_loop.max_steps = controls["max_steps"]
+    for name, (obj, key, value) in library_settings(loop).items():  # as the replayed hooks found them
+        if name in controls and (type(value) is not type(controls[name]) or value != controls[name]):
+            setattr(obj, key, controls[name])
 
 
 def accepted(baseline: Fingerprint, now: Fingerprint, names: Sequence[str]) -> Fingerprint:
@@ -1081,10 +1185,12 @@ def raw_gradient_error(names: Sequence[str]) -> PrivacyConfigurationError:
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
     """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
     return PrivacyConfigurationError(
-        f"The optimizer's hyper-parameters or state, the mechanism's σ or C, or how long the trainer runs, changed "
-        f"{where}: {', '.join(changed[:6])}. A learning rate, momentum or weight decay set from the batch or its loss, "
-        "a moment written from it, a noise multiplier σ or clipping bound C set from it, or a stop (should_stop, "
-        "max_epochs, max_steps) decided from it steers every later update by un-noised training data, outside the "
+        f"The optimizer's hyper-parameters or state, the mechanism's σ or C, how long the trainer runs or a library "
+        f"callback's or the trainer's setting changed {where}: {', '.join(changed[:6])}. A learning rate, momentum or "
+        "weight decay set from the batch or its loss, a moment written from it, a noise multiplier σ or clipping "
+        "bound C set from it, a stop (should_stop, max_epochs, max_steps; an EarlyStopping patience or threshold, a "
+        "Timer duration) or a validation or checkpoint schedule decided from it steers every later update (or how "
+        "many are released) by un-noised training data, outside the "
         "guarantee. Nothing more was released. Set hyper-parameters from the step count (a learning-rate scheduler, "
         "which Lightning steps after the update) or from held-out data at validation; leave σ and C to the strategy "
         "(a target ε calibrates σ; AdaptiveClipping moves C privately), and the optimizer's state to its step.")

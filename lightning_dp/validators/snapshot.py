@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.validators.kept_state import MAX_DEPTH, callable_state, class_attributes, framework_keys
+from lightning_dp.validators.kept_state import (MAX_DEPTH, callable_state, class_attributes, framework_keys,
+                                               library_settings)
 
 Restore = Callable[[], None]
 
@@ -191,10 +192,13 @@ class StateSnapshot:
         modules: the Python modules of the user's code whose globals the fingerprint reads (the boundary's
             ``global_modules()``): their globals and the data in their classes' bodies are restored too — an epoch
             counter (``global EPOCHS; EPOCHS += 1``) a replay of the epoch hooks moved is moved back.
+        settings: the library callbacks' and the trainer's settings (:func:`~.kept_state.library_settings`) are
+            restored too (not where :func:`~.kept_state.replay_records` compares, then puts them back, after the
+            restore).
     """
 
     def __init__(self, module: nn.Module, callbacks: Sequence[Any] = (), skip_keys: Iterable[str] = (),
-                 modules: Iterable[types.ModuleType] = ()) -> None:
+                 modules: Iterable[types.ModuleType] = (), settings: bool = True) -> None:
         skip = framework_keys() | frozenset(skip_keys)
         restores: list[Restore] = []
         for m in module.modules():
@@ -227,12 +231,24 @@ class StateSnapshot:
             restores.append(partial(_rebind_class_attribute, cls, key, value))
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
+        trainer = getattr(module, "_trainer", None)  # the library callbacks' and the trainer's settings, as found
+        if trainer is not None and settings:
+            restores.append(partial(_put_settings, library_settings(trainer)))
         self._restores = restores
 
     def restore(self) -> None:
         """Put every recorded reference and content back."""
         for restore in self._restores:
             restore()
+
+
+def _put_settings(settings: dict[str, tuple[Any, str, Any]]) -> None:
+    """:func:`~lightning_dp.validators.kept_state.library_settings` as recorded (an ``EarlyStopping.patience`` a
+    pass of the user's ``training_step`` set)."""
+    for obj, key, value in settings.values():
+        now = vars(obj).get(key, _ABSENT)
+        if now is not value and (type(now) is not type(value) or now != value):
+            setattr(obj, key, value)
 
 
 def _module_tensors(m: nn.Module) -> Restore:

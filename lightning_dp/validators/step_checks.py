@@ -145,6 +145,7 @@ class StepChecks:
                                  self.boundary.global_modules())
 
         frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
+        modes = [(m, m.training) for m in self._module.modules()]
 
         def probe() -> None:
             assert self._module is not None and self._engine is not None
@@ -163,6 +164,8 @@ class StepChecks:
             with forked_rngs():
                 self._probe_engines(probe)
                 if replay_hooks is not None:
+                    for m, mode in modes:  # the replays start from the modes the step finds: a dropout the probe's
+                        m.training = mode  # passes put in eval mode is put there again by every replay, found alike
                     self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
                                        "found state kept by the batch hooks (the release boundary)")
         finally:

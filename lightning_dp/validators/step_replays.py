@@ -328,7 +328,8 @@ class StepReplays:
         exchanged = self.step.exchanged_training_data()
         users = users_objects(trainer)  # the datamodule too
         fingerprint = boundary.fingerprint(module)
-        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
+        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules(),
+                                 settings=False)  # the library settings: compared and put back by replay_records
         optimizer = self.strategy.optimizers[0]
         seeds: list[list[Any]] = []
         kept: list[dict[str, Any]] = []
