@@ -17,7 +17,7 @@ progress bars, checkpoints).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -276,14 +276,16 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> Non
 
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
-                        moved: bool = False, before_end: Callable[[], None] = lambda: None, end: bool = True) -> bool:
+                        moved: Union[bool, Callable[[Any], Any]] = False, before_end: Callable[[], None] = lambda: None,
+                        end: bool = True) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
     logging silenced. The release boundary compares the state before and after (:meth:`PrivateStep.verify_on`);
     ``before_end`` is called just before the batch-end hooks.
     ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
-    (``if loss < 100: lr *= 0.5``) differs from the replay that was not. ``end=False``: the hooks before the release
+    (``if loss < 100: lr *= 0.5``) differs from the replay that was not; or moved by ``moved`` itself
+    (:func:`moved_near`: a value set once the loss is above a threshold). ``end=False``: the hooks before the release
     only (the batch-end hooks not run)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
@@ -295,7 +297,7 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
             outputs = module.training_step(batch, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if moved and isinstance(loss, torch.Tensor):
-            loss = moved_far(loss)
+            loss = moved(loss) if callable(moved) else moved_far(loss)
             outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
         if isinstance(loss, torch.Tensor):
             for cb in callbacks:

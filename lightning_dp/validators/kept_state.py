@@ -951,8 +951,7 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
         try:
             replay()
         finally:
-            seen.append({**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()},
-                         **mechanism_decisions(loop)})
+            seen.append(replay_decisions(optimizer, loop))
             put_loop_controls(loop, controls)
             put_mechanism_settings(loop, mechanism)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
@@ -963,6 +962,13 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
                 optimizer.defaults.clear()
                 optimizer.defaults.update(saved[1])
     return before, seen
+
+
+def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:
+    """What :func:`replay_records` compares after each replay: the optimizer's :func:`hyperparameters`, the trainer's
+    :func:`loop_controls` (``"trainer should_stop"``) and the mechanism's σ and C (:func:`mechanism_decisions`)."""
+    return {**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()},
+            **mechanism_decisions(loop)}
 
 
 def state_written(before: Fingerprint, seen: Sequence[Fingerprint]) -> list[str]:

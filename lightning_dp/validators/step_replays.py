@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
 
@@ -35,11 +35,12 @@ from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.diagnostic_reads import paused as diagnostics_paused
 from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
-                                                  overrides_epoch_hooks, progress_as, replay_batch_hooks,
+                                                  moved_near, overrides_epoch_hooks, progress_as, replay_batch_hooks,
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
                                                   weights_moved_by_data, weights_sketch)
-from lightning_dp.validators.kept_state import (StateFingerprint, hyperparameters_error, library_callback,
-                                                moved_by_data, replay_records, state_written)
+from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
+                                                library_callback, moved_by_data, replay_decisions, replay_records,
+                                                state_written)
 from lightning_dp.validators.outside_records import exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -180,6 +181,7 @@ class StepReplays:
         (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
         refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
         wall clock — is not judged) and once on ``other`` examples, their loss moved far, then likewise on the batch
+        with its loss moved near zero (a decision taken once the loss is above a threshold) and on the batch
         with its values exchanged (:func:`~.validators.outside_records.exchanged_copy`; a replay the exchanged values
         make fail is left out; the non-private diagnostics moved far up with the loss, down with the exchanged values:
         :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
@@ -201,7 +203,7 @@ class StepReplays:
              StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
         start = None if unjudged is None else unjudged[0].take(users)
 
-        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: bool = False,
+        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: Union[bool, Callable[[Any], Any]] = False,
                    failed: Optional[list[bool]] = None) -> Callable[[], None]:
             def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
                 first = writes is not None and not writes.runs
@@ -220,7 +222,8 @@ class StepReplays:
                             failed.append(True)
                             return
                         calls.append(("on_train_batch_start returned -1", ended))
-                        if writes is not None:
+                        taken.append(replay_decisions(optimizer, trainer))  # before the user's state is put back:
+                        if writes is not None:                              # a policy their callback holds and set
                             writes.ran(first)
                 finally:
                     if writes is not None:
@@ -230,8 +233,10 @@ class StepReplays:
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
                  "training_step), replayed on the probe's examples, on half of them and on them exchanged")
         for progress in (None, *self._later_in_the_plan()):
-            for second, moved, failed in ((other, True, None), (exchanged_copy(batch), False, [])):
+            variants = ((other, True, None), (batch, moved_near, []), (exchanged_copy(batch), False, []))
+            for second, moved, failed in variants:
                 decisions.clear()
+                taken: list[Fingerprint] = []  # the decisions as each replay left them (replay_decisions)
                 if writes is not None:
                     writes.runs.clear()
                 with self.watches_paused():  # the first two alike: what differs between them is not the data's
@@ -251,6 +256,8 @@ class StepReplays:
                         self.batch_end_writes |= writes.judged()
                         self.before_release_writes |= writes.before_release
                     steered = state_written(before, seen) + moved_by_data(*seen)
+                    if len(taken) == 3:  # what a replay decided through an object the user's state holds
+                        steered += [n for n in moved_by_data(*taken) if n not in steered]
                     if steered:
                         raise hyperparameters_error(steered, where)
                     if len(decisions) == 3 and decisions[0] == decisions[1] != decisions[2]:
