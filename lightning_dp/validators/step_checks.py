@@ -146,6 +146,7 @@ class StepChecks:
 
         frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
         modes = [(m, m.training) for m in self._module.modules()]
+        unset = [(m, k) for m in self._module.modules() for k, v in vars(m).items() if v is None]  # lazy caches
 
         def probe() -> None:
             assert self._module is not None and self._engine is not None
@@ -166,6 +167,9 @@ class StepChecks:
                 if replay_hooks is not None:
                     for m, mode in modes:  # the replays start from the modes the step finds: a dropout the probe's
                         m.training = mode  # passes put in eval mode is put there again by every replay, found alike
+                    for m, k in unset:  # a cache the first forward fills (a causal mask, a positional table) is
+                        if vars(m).get(k) is not None:  # filled again by every replay and judged there (alike)
+                            setattr(m, k, None)
                     self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
                                        "found state kept by the batch hooks (the release boundary)")
         finally:
