@@ -17,7 +17,8 @@ look for **containers built from the training records that hold an item found in
   bounded walk of the model's submodules' attributes, the ``hparams`` of the model and the datamodule, the
   datamodule's attributes, the helper objects they hold (fitted encoders), and the checkpoint's entries;
 * items of the records: each training record's strings (a record that is a string, a tuple, list or dict holding
-  strings), whole and split at whitespace (raw and lower-cased with the punctuation around them stripped), counted
+  strings), whole, split at whitespace (raw and lower-cased with the punctuation around them stripped) and split as a
+  basic tokenizer splits lower-cased text (words and single punctuation marks), counted
   once per record they occur in — one pass over ``dataset[i]``, only when some container was found, the first record
   holds a string and the dataset has at most :data:`MAX_RECORDS` records (read within :data:`MAX_SECONDS`; otherwise
   skipped with a warning); and, for a container that maps items to ids (a dict's int values, a list's positions), the
@@ -253,6 +254,11 @@ def _number(v: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- the records' items
+_WORD_TOKENS = re.compile(r"\w+|[^\w\s]")
+"""Words and single punctuation marks, as a basic tokenizer splits lower-cased text (torchtext's ``basic_english``:
+``print(x)`` → ``print``, ``(``, ``x``, ``)``)."""
+
+
 def _normal(s: str) -> str:
     return s.strip(_PUNCTUATION).lower()
 
@@ -316,6 +322,7 @@ def _read_all(dataset: Any, n: int) -> tuple[Counter, set[str], str]:
             for t in s.split():
                 tokens.add(t)
                 tokens.add(_normal(t))
+            tokens.update(_WORD_TOKENS.findall(s.lower()))  # a tokenizer's split: words and each punctuation mark
         counts.update(tokens)
         if time.monotonic() - start > MAX_SECONDS:
             return Counter(), set(), f"reading its records took over {MAX_SECONDS:g} s"

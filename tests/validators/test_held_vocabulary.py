@@ -91,6 +91,20 @@ def test_a_vocabulary_built_from_the_training_texts_kept_by_save_hyperparameters
     assert unchanged(before, model)
 
 
+def test_a_vocabulary_of_a_basic_tokenizer_over_code_like_lines_is_refused():
+    """torchtext's ``basic_english`` splits punctuation off (``call(x)`` → ``call``, ``(``, ``x``, ``)``): its
+    vocabulary is found in the records split the same way, not only at whitespace."""
+    import re
+
+    texts = [f"{a}({b}) = {c}." for a, b, c in zip(_rng.choice(COMMON, 64), _rng.choice(COMMON, 64),
+                                                   _rng.choice(COMMON, 64))]
+    texts[9] = f"call({RARE})."
+    tokens = Counter(w for t in texts for w in set(re.findall(r"\w+|[^\w\s]", t.lower())))
+    model = BagOfWords(["<unk>", *sorted(tokens)])
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)hparams\['vocab'\].*{RARE}"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(model, text_loader(texts))
+
+
 class Zips(Dataset):
     """A tabular dataset whose category column holds indices into a zip-code table (the strings are not in the
     records: only their ids)."""
