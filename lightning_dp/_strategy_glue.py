@@ -989,7 +989,9 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy", setup: bool 
     if not module.automatic_optimization:
         raise PrivacyConfigurationError(
             f"{label} supports automatic optimization only: remove `self.automatic_optimization = False` "
-            "(the strategy must own backward, clipping and noise)."
+            "(the strategy must own backward, clipping and noise). Models that need several optimizers stepped by "
+            "hand (a GAN's generator and discriminator) are not supported: train one optimizer over the parameters "
+            "the private data trains."
         )
     adopt_gradient_clip(trainer, trainer.strategy, label)  # taken as C, or refused (lightning_dp/_gradient_clip.py)
     if setup:

@@ -1,5 +1,5 @@
 """The paste-able examples of the new public names in docs/ run as written (the frozen configuration, the ε
-ceiling, the performance options)."""
+ceiling, the performance options, the README's plain loop)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [("docs/accounting.md", "EpsilonCeiling"), ("docs/architecture.md", "PrivateStep.from_config"),
-            ("docs/performance.md", "fixed_batch_size=")]
+            ("docs/performance.md", "fixed_batch_size="), ("README.md", "step.calibrate(")]
 
 
 @pytest.mark.parametrize("page, name", EXAMPLES)

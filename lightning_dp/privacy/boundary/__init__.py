@@ -273,11 +273,12 @@ class ReleaseBoundary:
             raise PrivacyConfigurationError(
                 f"The released gradient ĝ_t was changed before the optimizer stepped with it: .grad of "
                 f"{', '.join(changed[:6])}{' and more' if len(changed) > 6 else ''} (in on_after_backward, "
-                "on_before_optimizer_step, configure_gradient_clipping or a callback's). A gradient from data the "
+                "on_before_optimizer_step, configure_gradient_clipping or a callback's; in a loop of your own, "
+                "between step.release() and optimizer.step()). A gradient from data the "
                 "hook read itself (a batch fetched from the dataset, a backward of its own) is not noised, so the "
                 "update would leave the guarantee; the update was not made. Post-process ĝ_t inside the optimizer, "
                 "or, if the change is a function of ĝ_t and public values only (clipping ĝ_t to a constant norm), "
-                "declare it: DPStrategy(public_state=['p.grad']).")
+                "declare it: DPStrategy(public_state=['p.grad']), or PrivateStep(..., public_state=['p.grad']).")
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         """The step pre-hook: :meth:`check_gradients` just before the update (after the closure, if given one)."""
