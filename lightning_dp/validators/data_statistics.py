@@ -125,13 +125,17 @@ def _principal_directions(t: Tensor, k: int = 8) -> Any:
     if not t.dtype.is_floating_point or t.dim() < 2 or t.shape[0] < 2:
         return None
     x = t.detach().reshape(t.shape[0], -1).to(torch.float64)
+    x = x[torch.isfinite(x).all(1)]  # rows with a missing value (NaN, ±inf): a PCA is fitted on the others
     d = x.shape[1]
-    if not 3 <= d <= 1024 or x.shape[0] * d * d > 4e9:
+    if x.shape[0] < 2 or not 3 <= d <= 1024 or x.shape[0] * d * d > 4e9:
         return None
     with torch.no_grad():
         out = []
         for rows in (x - x.mean(0), x):
-            values, vectors = torch.linalg.eigh(rows.T @ rows)
+            try:
+                values, vectors = torch.linalg.eigh(rows.T @ rows)
+            except RuntimeError:  # torch.linalg.LinAlgError: no directions to compare
+                return None
             out.append(vectors[:, values.argsort(descending=True)[:k]])
         return torch.cat(out, 1)
 

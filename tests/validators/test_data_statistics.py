@@ -223,3 +223,18 @@ def test_a_plain_loop_is_checked_when_it_verifies():
     model = nn.Sequential(Centre(x.mean(0)), nn.Linear(4, 2))
     with pytest.raises(PrivacyConfigurationError, match=r"buffer 0\.mean equals the per-feature mean"):
         plain_step(model)
+
+
+def test_missing_values_in_the_features_do_not_stop_the_checks():
+    """NaN and ±inf entries (missing values imputed in the forward) leave the statistics checks standing: rows with one
+    are left out of the principal directions (torch.linalg.eigh failed to converge on them)."""
+
+    class Imputing(Classifier):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+
+    features = X.clone()
+    features[3, 1], features[7, 2] = float("nan"), float("inf")
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2).fit(Imputing(), DataLoader(TensorDataset(features, Y), batch_size=16))
+    assert dp.ledger.steps == 2
