@@ -15,7 +15,8 @@ training datasets hold) for
   weights) evaluated at that record's label, as is, or normalised to sum 1 or to average 1 over the records;
 * a floating-point column with between 2 and N/4 distinct values, not all integers, whose every value ``v`` is the
   mean label of the records holding ``v`` (an exact target encoding: the category is then the column itself, stored
-  or not), or that mean smoothed toward the global mean — ``(n·mean + m·global) / (n + m)`` for m in
+  or not; at least two of its values over records of mixed labels, so a lone vote fraction of 0.5 over tied records
+  is not taken for one), or that mean smoothed toward the global mean — ``(n·mean + m·global) / (n + m)`` for m in
   :data:`SMOOTHING`, and ``category_encoders``' sigmoid blend with its defaults — with n the number of such records;
   for labels of more than two classes, the same per class (the frequency of class k among them).
 
@@ -219,6 +220,9 @@ def _encoded_columns(label_path: str, y: Tensor, columns: Sequence[tuple[str, An
             means = sums / sizes
             if _close(means[inverse], target):
                 continue  # each value's records share one label: the column tells the label, no statistic
+            mixed = (means > float(target.min()) + 1e-12) & (means < float(target.max()) - 1e-12)
+            if int(mixed.sum()) < 2:
+                continue  # one mixed level (a vote fraction of 0.5 over tied records) can match its mean by chance
             how = _smoothing(groups, means, sizes, float(target.mean()))
             if how is not None:
                 found.append(f"{name} is the mean label{what} ({_name(label_path, None)}) of the training records "

@@ -109,6 +109,9 @@ def test_public_weights_category_ids_and_rounded_features_train():
     rounded = torch.cat([x[:, :3], (x[:, :1] * 4).round() / 8, cat[:, None].float()], 1)  # few values, no encoding
     shares = (cat.float() + 1) / 8  # a public value per category, in [0, 1]
     assert data_statistics_held([], TensorDataset(rounded, cat, y, public, random, shares)) == []
+    votes = torch.cat([torch.zeros(24), torch.ones(24), torch.full((16,), 0.5)])  # two annotators' vote fraction
+    majority = torch.cat([torch.zeros(24), torch.ones(24), torch.arange(16) % 2]).long()  # ties split evenly
+    assert data_statistics_held([], TensorDataset(torch.cat([X[:, :3], votes[:, None]], 1), majority)) == []
     assert _fit(Weighted(), TensorDataset(X, Y, torch.ones(64))).ledger.steps == 2  # equal weights
     assert _fit(Weighted(), TensorDataset(X, Y, public)).ledger.steps == 2
     balanced = torch.cat([torch.zeros(32), torch.ones(32)]).long()  # equally frequent classes: weights are all 1
