@@ -30,11 +30,13 @@ from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.validators.kept_state import is_datamodule
+from lightning_dp.validators.lazy_caches import empty_slots
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
                                            frozen_parameters, probe_tolerance)
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.snapshot import StateSnapshot
+
 
 
 class StepChecks:
@@ -146,7 +148,7 @@ class StepChecks:
 
         frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
         modes = [(m, m.training) for m in self._module.modules()]
-        unset = [(m, k) for m in self._module.modules() for k, v in vars(m).items() if v is None]  # lazy caches
+        unset = empty_slots(self._module)  # lazy caches the first forward fills
 
         def probe() -> None:
             assert self._module is not None and self._engine is not None
@@ -167,9 +169,8 @@ class StepChecks:
                 if replay_hooks is not None:
                     for m, mode in modes:  # the replays start from the modes the step finds: a dropout the probe's
                         m.training = mode  # passes put in eval mode is put there again by every replay, found alike
-                    for m, k in unset:  # a cache the first forward fills (a causal mask, a positional table) is
-                        if vars(m).get(k) is not None:  # filled again by every replay and judged there (alike)
-                            setattr(m, k, None)
+                    for put_back in unset:  # a cache the first forward fills (a causal mask, a positional
+                        put_back()           # table, a rotary cache) is filled again by every replay, judged alike
                     self.on_every_rank(lambda: self._replay(replay_hooks, list(indices)),
                                        "found state kept by the batch hooks (the release boundary)")
         finally:

@@ -5,6 +5,7 @@ replay on other data and refused before any release."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -60,10 +61,46 @@ class FrozenOnFirstUse(Classifier):
         return F.cross_entropy(self(x - self.centre), y)
 
 
-def test_a_cache_filled_from_shapes_on_the_first_forward_trains():
-    model = WithTable()
+class Rotary(nn.Module):
+    """GPT-NeoX-style rotary tables with the cached length starting at 0, a mask buffer registered as None, masks by
+    length in a dict and a scale as a cached_property: all filled on first use, from shapes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq_len_cached = 0
+        self.cos_cached: torch.Tensor | None = None
+        self.masks: dict[int, torch.Tensor] = {}
+        self.register_buffer("mask", None, persistent=False)
+
+    @functools.cached_property
+    def scale(self) -> float:
+        return 1 / math.sqrt(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[1]
+        if width > self.seq_len_cached:
+            self.seq_len_cached = width
+            self.cos_cached = torch.cos(torch.arange(width, dtype=x.dtype))
+        if width not in self.masks:
+            self.masks[width] = torch.ones(width)
+        if self.mask is None:
+            self.mask = torch.ones(width)
+        return x * self.cos_cached[:width] * self.masks[width] * self.mask * self.scale
+
+
+class WithRotary(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope = Rotary()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.rope(x))
+
+
+@pytest.mark.parametrize("factory", [WithTable, WithRotary], ids=["None attributes", "0, {}, a None buffer, cached"])
+def test_a_cache_filled_from_shapes_on_the_first_forward_trains(factory):
+    model = factory()
     assert fit(model, steps=3).ledger.steps == 3
-    assert model.encode.table is not None and model.mask is not None
 
 
 def test_a_statistic_kept_on_first_use_is_refused_before_any_release():
