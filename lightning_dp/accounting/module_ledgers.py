@@ -26,18 +26,13 @@ so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a che
 "the best one", reloaded into a fresh module). Weights *near* trained ones — scaled by 1.0001, noise added — are
 found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
 :func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record.
-Weights *transformed* after training — scaled (0.9·w), shrunk and perturbed (0.5·w + noise), moved back toward their
-start, averaged with another run from the same start — carry a share of the trained movement: fitted at the same
-positions as c·w_0 + a·(w_T − w_0) with a clearly nonzero a (:func:`carried`), they continue the record too.
 
 A module that holds a privately trained one outside its registry — a teacher in a list, in a function's closure or
 default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
 (:func:`held_modules`).
 
-What it cannot see: a model fitted afresh on what the private one outputs (its labels, its logits: distillation
-from a model the student does not hold, :func:`held_modules`), an average of several private runs (a soup: each run's
-share is small beside the others'), another process (a module's history there is the checkpoint's ``lightning_dp``
-entry, continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
+What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
+continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
 that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
@@ -129,7 +124,6 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
         if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
             found += [_BY_CONTENT.get(digest(p)) for p in _trainable(owner)]
             found += [ledger for p in _trainable(owner) for ledger in near(p)]
-            found += carried(_trainable(owner))
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -259,61 +253,6 @@ def near(p: Tensor) -> list[PrivacyLedger]:
     here = sample(p)
     return [ledger for start, end, ledger in kept
             if here.shape == end.shape and float((here - end).norm()) < _NEAR * float((end - start).norm())]
-
-
-def carried(params: list[Tensor]) -> list[PrivacyLedger]:
-    """The records whose releases ``params`` carry as a transform of the trained weights: at the sketch's positions,
-    a parameter's values w fitted by least squares as w ≈ c·w_0 + a·(w_T − w_0) (w_0 where the releases began, w_T where
-    they ended) with a clearly nonzero share a of the trained movement (|a| ≥ 0.05) that explains nearly all of it
-    (what is left ≤ a quarter of a·‖w_T − w_0‖): weights scaled after training (0.9·w_T), shrunk and perturbed
-    (0.5·w_T + small noise), moved back toward w_0, negated. A record is carried when at least half of the parameters
-    compared with its sketches fit so. A fresh module of the same shapes fits none (its own initial values are w_0,
-    with a = 0, or are independent of w_T − w_0), nor does one trained elsewhere from the same start (its movement
-    correlates with the record's but is mostly its own); an average of two private runs (a soup) is mostly neither's
-    and is not found either."""
-    votes: dict[int, list[int]] = {}  # id(record) → [parameters compared, parameters that carry it]
-    records: dict[int, PrivacyLedger] = {}
-    for p in params:
-        kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED and not _sharded(p) else None
-        if not kept or not p.dtype.is_floating_point:
-            continue
-        here = sample(p)
-        outcome: dict[int, bool] = {}
-        for start, end, ledger in kept:
-            if here.shape == end.shape:
-                outcome[id(ledger)] = outcome.get(id(ledger), False) or _fits_movement(here, start, end)
-                records[id(ledger)] = ledger
-        for key, fits in outcome.items():
-            tally = votes.setdefault(key, [0, 0])
-            tally[0] += 1
-            tally[1] += int(fits)
-    return [records[key] for key, (compared, fit) in votes.items() if fit and 2 * fit >= compared]
-
-
-_SHARE = 0.05
-_UNEXPLAINED = 0.25
-
-
-def _fits_movement(here: Tensor, start: Tensor, end: Tensor) -> bool:
-    """Whether ``here`` ≈ c·start + a·(end − start) with |a| ≥ :data:`_SHARE` and what the fit leaves unexplained at
-    most :data:`_UNEXPLAINED` of the share of the movement it explains (:func:`carried`): an independent training
-    from the same start moves in a correlated direction too, but most of its movement is its own."""
-    moved = end - start
-    if float(moved.norm()) <= 1e-12 * max(1.0, float(start.norm())):
-        return False  # the releases did not move these positions: nothing to carry
-    columns = [moved]
-    if float(start.norm()) > 0:  # zero-initialised weights: w_0 explains nothing
-        columns.insert(0, start)
-    design = torch.stack(columns, 1)
-    gram = design.T @ design
-    if float(torch.linalg.det(gram)) <= 1e-12 * float(gram.diagonal().prod()):
-        return False  # w_T − w_0 along w_0 (a rescaled start): the share of the movement is not separable
-    solution = torch.linalg.solve(gram, design.T @ here)
-    share = float(solution[-1])
-    if abs(share) < _SHARE or here.numel() <= 2 * len(columns):
-        return False
-    residual = float((here - design @ solution).norm())
-    return residual <= _UNEXPLAINED * abs(share) * float(moved.norm())
 
 
 def _sharded(p: Tensor) -> bool:
