@@ -1125,6 +1125,11 @@ def put_mechanism_settings(loop: Any, settings: dict[str, Any]) -> None:
         step.noise_multiplier = settings["noise_multiplier"]
     if step.clipping is not settings["policy"]:
         step.clipping = settings["policy"]
+    bound = settings.get("clipping")
+    if isinstance(bound, tuple) and len(bound) == 3:  # a policy's configuration (ClippingPolicy.settings) as noted
+        for key, value in bound[2]:
+            if getattr(step.clipping, key, value) != value:
+                setattr(step.clipping, key, value)
 
 
 def decisions(trainer: Any) -> Fingerprint:

@@ -187,3 +187,22 @@ def test_an_adaptive_policys_setting_from_a_constant_trains() -> None:
     policy = AdaptiveClipping(initial_norm=1.0)
     trainer = _fit(Classifier(), [QuantileOnce(policy)], steps=6, max_grad_norm=None, clipping=policy)
     assert trainer.strategy.private_step.ledger.steps == 6 and policy.target_quantile == 0.7
+
+
+class QuantileAtTheSecondBatch(pl.Callback):
+    """The quantile set from the loss at batch_idx 1 only (the first step's replays run batch_idx 0 and the epoch's
+    last): the batch-end window judges it, each run from the policy as the window opened."""
+
+    def __init__(self, policy: AdaptiveClipping) -> None:
+        self.policy = policy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == 1 and float(outputs["loss"]) > 0.01:
+            self.policy.target_quantile = 0.9
+
+
+def test_an_adaptive_policys_setting_made_in_a_later_window_is_refused_when_made() -> None:
+    policy = AdaptiveClipping(initial_norm=1.0)
+    with pytest.raises(PrivacyConfigurationError, match=r"at the end of step 2 .*privacy clipping"):
+        _fit(Classifier(), [QuantileAtTheSecondBatch(policy)], steps=6, max_grad_norm=None, clipping=policy)
