@@ -51,8 +51,8 @@ from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
-from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error, loop_controls,
-                                                mechanism_state, trusted_callback, user_modules)
+from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
+                                                step_decisions, trusted_callback, user_modules)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
@@ -550,7 +550,7 @@ class PrivateTraining:
                 self._replays.check_later_in_the_plan(indices)
             else:
                 self._replays.judge_before_release(indices, _batch_idx(args, kwargs))
-        self._mechanism_at_step = _step_decisions(trainer)  # the user's code may not set σ, C or a stop from the batch
+        self._mechanism_at_step = step_decisions(trainer)  # the user's code may not set σ, C or a stop from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
         if n == 0:
@@ -738,7 +738,7 @@ class PrivateTraining:
         taken, self._mechanism_at_step = self._mechanism_at_step, None
         if taken is None:
             return
-        changed = StateFingerprint.changed(taken, _step_decisions(trainer))
+        changed = StateFingerprint.changed(taken, step_decisions(trainer))
         if changed:
             raise hyperparameters_error(changed, "within the step (in training_step, the forward or the backward)")
 
@@ -883,14 +883,6 @@ def _loop_objects(trainer: "pl.Trainer") -> list[tuple[str, Any]]:
             *[(f"self.optimizers()[{i}]", opt)  # the LightningOptimizer wrappers training_step is handed
               for i, opt in enumerate(getattr(trainer.strategy, "_lightning_optimizers", None) or [])],
             *([("trainer.train_dataloader", trainer.train_dataloader)] if loader is not None else [])]
-
-
-def _step_decisions(trainer: "pl.Trainer") -> Fingerprint:
-    """σ, C and what else decides the next release (:func:`~.validators.kept_state.mechanism_state`: the clipping
-    policy's settings and state, the noise, the plan), and the trainer's decisions and library settings, as
-    fingerprint entries."""
-    step = getattr(trainer.strategy, "private_step", None)
-    return {**mechanism_state(step), **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}}
 
 
 def _batch_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -971,6 +971,14 @@ def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:
             **mechanism_decisions(loop)}
 
 
+def step_decisions(trainer: Any) -> Fingerprint:
+    """What a step may not change between its ``training_step`` and its release: σ, C and what else decides the
+    release (:func:`mechanism_state`: the clipping policy's settings and state, the noise, the plan) and the trainer's
+    decisions and library settings (:func:`loop_controls`), as fingerprint entries."""
+    step = getattr(getattr(trainer, "strategy", None), "private_step", None)
+    return {**mechanism_state(step), **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}}
+
+
 def state_written(before: Fingerprint, seen: Sequence[Fingerprint]) -> list[str]:
     """The optimizer state entries (moments) any replay wrote: a replay of the hooks may not touch them at all."""
     return sorted({n for h in seen for n in StateFingerprint.changed(before, h) if n.startswith("optimizer state")})
