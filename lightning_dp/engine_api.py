@@ -124,6 +124,16 @@ class GradSampleEngine(ABC):
         return []
 
 
+def sums_finite(batch: ClippedBatch, params: Sequence[nn.Parameter]) -> bool:
+    """Whether every clipped sum is finite: the n norms first (every example's finite: so are the sums), the sums
+    only when one is not (its factor is 0, but a contraction may still have met 0·inf)."""
+    if bool(torch.isfinite(batch.norms).all()):
+        return True
+    sums = [batch.sums[p] for p in params]
+    squares = [batch.square_sums[p] for p in params] if batch.square_sums is not None else []
+    return all(bool(torch.isfinite(t).all()) for t in sums + squares)
+
+
 E = TypeVar("E", bound=type[GradSampleEngine])
 _ENGINES: dict[str, type[GradSampleEngine]] = {}
 

@@ -73,10 +73,22 @@ class ClipRule:
         if self.groups is not None:
             counts = self.counts(norms).clamp_min(1)
             norms = norms / counts
-        factors = self.policy.parameter_factors(norms) if self.per_parameter else self.policy.factors(norms)
+        factors = finite_only(
+            self.policy.parameter_factors(norms) if self.per_parameter else self.policy.factors(norms), norms)
         if self.groups is None:
             return factors
         return (factors / counts)[..., self.groups.to(factors.device)]
+
+
+def finite_only(factors: Tensor, norms: Tensor) -> Tensor:
+    """``factors`` with 0 wherever the unit's norm is not finite (docs/algorithms.md, "Non-finite gradients").
+
+    A record whose gradient holds an inf or a NaN (an inf feature, an overflow in the forward) has a norm of inf or
+    NaN; min(1, C/NaN) is NaN and would make the whole release NaN exactly when that record is sampled, which shows
+    it was. Its factor is 0 instead: the map g_u ↦ 0 is a per-unit function bounded by C like clipping, so the
+    sensitivity and the accounting are unchanged. The engines also keep 0·inf out of their sums
+    (:func:`~lightning_dp.grad_sample.base.clip_and_sum_materialised`, the ghost engine's capture)."""
+    return torch.where(torch.isfinite(norms), factors, torch.zeros((), dtype=factors.dtype, device=factors.device))
 
 
 def as_rule(bound: Union[float, ClipRule]) -> ClipRule:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import flat_factors
-from lightning_dp.clipping.rule import ClipRule, as_rule
+from lightning_dp.clipping.rule import ClipRule, as_rule, finite_only
 from lightning_dp.engine_api import (  # noqa: F401  (the interface, re-exported for the engines)
     ClippedBatch,
     GradSampleEngine,
@@ -29,6 +29,7 @@ from lightning_dp.engine_api import (  # noqa: F401  (the interface, re-exported
     make_engine,
     merge_clipped,
     register_engine,
+    sums_finite,
 )
 
 
@@ -77,10 +78,21 @@ def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: Union[float, Clip
     dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
     sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
     norms = sq.sqrt()
-    factors = rule.policy.factors(norms).to(dtype)  # rule.example_factors(sq) of single examples, norms taken once
+    factors = finite_only(rule.policy.factors(norms), norms).to(dtype)  # rule.example_factors(sq), norms taken once
     if padding:
         factors[n - padding:] = 0.0
     return norms.to(dtype), factors
+
+
+def finite_rows(grad_samples: Sequence[Tensor], norms: Tensor) -> list[Tensor]:
+    """The per-example gradients with the rows of examples whose norm is not finite set to 0 (their factor is 0,
+    :func:`~lightning_dp.clipping.rule.finite_only`, but 0·inf is NaN in the sum): such an example adds exactly
+    nothing. One check of the n norms when every one is finite."""
+    bad = ~torch.isfinite(norms)
+    if not bool(bad.any()):
+        return list(grad_samples)
+    return [torch.where(bad.view(-1, *[1] * (gs.dim() - 1)), torch.zeros((), dtype=gs.dtype, device=gs.device), gs)
+            for gs in grad_samples]
 
 
 def clip_and_sum_materialised(
@@ -112,6 +124,7 @@ def clip_and_sum_materialised(
         return clip_and_sum_by_rule(params, grad_samples, rule, with_squares, padding)
     norms, factors = clip_from_parts([torch.linalg.vector_norm(gs.reshape(b, -1), dim=1).square()
                                       for gs in grad_samples], rule, padding)  # no g² temporary
+    grad_samples = finite_rows(grad_samples, norms)
     sums = {p: torch.einsum("b,b...->...", factors, gs) for p, gs in zip(params, grad_samples)}
     squares = None
     if with_squares:
@@ -142,6 +155,8 @@ def clip_and_sum_by_rule(params: Sequence[nn.Parameter], grad_samples: Sequence[
     per_param = torch.stack([u.reshape(u.shape[0], -1).pow(2).sum(1) for u in units], dim=0)  # [P, u]
     sq = per_param if rule.per_parameter else per_param.sum(0)
     factors = rule.example_factors(sq)
+    unit_sq = sq if rule.groups is None else sq[..., rule.groups.to(sq.device)]  # each row's unit's
+    grad_samples = finite_rows(grad_samples, unit_sq if unit_sq.dim() == 1 else unit_sq.sum(0))
     if padding:
         factors = factors.clone()
         factors[..., b - padding:] = 0.0

@@ -47,6 +47,7 @@ from lightning_dp.grad_sample.base import (
     GradSampleEngine,
     ParamMap,
     clip_from_parts,
+    sums_finite,
     register_engine,
 )
 from lightning_dp.grad_sample.ghost_units import unit_sq_norms
@@ -70,6 +71,7 @@ from lightning_dp.grad_sample.functorch_vmap import (
 )
 from lightning_dp.grad_sample.rules import rule_for, rule_for_calls
 from lightning_dp.grad_sample.streamed_sums import StreamedSums
+from lightning_dp.validators.example_dim import hidden_use_error
 from lightning_dp.validators.layers import parametrized
 
 
@@ -145,6 +147,7 @@ class GhostEngine(GradSampleEngine):
         self._capture = ActivationCapture()
         self._owners: dict[Tensor, list] = {}
         self._patched: list[nn.Module] = []
+        self._left_out: Optional[Tensor] = None  # clip_and_sum's second pass: examples whose gradient was not finite
 
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module that owns parameters (and patch Linear/convolution forwards, see class doc)."""
@@ -186,9 +189,27 @@ class GhostEngine(GradSampleEngine):
         self._capture.end_backward()
         try:
             with self._capture.suspended():
-                return self._clip_and_sum(params, max_grad_norm, scale, with_squares)
+                batch = self._clip_and_sum(params, max_grad_norm, scale, with_squares)
+                if sums_finite(batch, params):
+                    return batch
+                # an example's inf/NaN reached the contractions (0·inf): again on finite captures, without it
+                self._capture.make_finite()
+                self._left_out = ~torch.isfinite(batch.norms)
+                again = self._clip_and_sum(params, max_grad_norm, scale, with_squares)
+                return ClippedBatch(again.sums, again.square_sums,
+                                    torch.where(self._left_out, batch.norms, again.norms), again.batch_size)
         finally:
+            self._left_out = None
             self._capture.clear()
+
+    def _without_left_out(self, factors: Tensor, rule: ClipRule, n: int) -> Tensor:
+        """``factors`` ``[n]`` (``[P, n]``) with 0 for the examples (units) :meth:`clip_and_sum` leaves out: those
+        whose gradient was not finite before the captures were made finite (they add nothing, as on every engine)."""
+        if self._left_out is None:
+            return factors
+        rows = self._left_out if rule.groups is None else self._left_out[rule.groups.to(factors.device)]
+        rows = torch.cat([rows, rows.new_zeros(n - rows.shape[0])])  # padding rows: 0 already
+        return torch.where(rows, torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
 
     def _clip_and_sum(self, params, max_grad_norm, scale, with_squares) -> ClippedBatch:
         rule = as_rule(max_grad_norm)
@@ -199,6 +220,7 @@ class GhostEngine(GradSampleEngine):
             sq = {p: torch.zeros_like(p) for p in params} if with_squares else None
             return ClippedBatch(zeros, sq, torch.zeros(0, device=params[0].device if params else None), 0)
         ran = {p: self._owners_that_ran(p, layers) for p in params}
+        self._check_hidden_uses(layers)
         shared = [p for p in params if len(ran[p]) > 1 and not self._capture.roots.owns(p)]
         whole = not (rule.per_parameter or rule.grouped)  # one factor per example from its whole norm
         stackable = whole and scale is None and not with_squares and not self.stream_sums and not shared
@@ -212,6 +234,7 @@ class GhostEngine(GradSampleEngine):
             parts += [2 * cross_term(a, b, p.shape[0]) for j, a in enumerate(rs) for b in rs[j + 1:]]
         pad = self.padding_rows
         norms, c = clip_from_parts(parts, rule, pad)  # summed over layers in float64; the policy's factors; padding: 0
+        c = self._without_left_out(c, rule, n)
         if self.stream_sums and not with_squares:
             keys = {p: [id(p)] if id(p) in stats else list(dict.fromkeys(id(mod) for mod, _, _ in ran[p]))
                     for p in params}  # stats by parameter: root-owned and unused ones
@@ -257,6 +280,7 @@ class GhostEngine(GradSampleEngine):
             f = f.clone()
             f[..., n - pad:] = 0.0
             used = used[..., :n - pad]
+        f = self._without_left_out(f, rule, n)
         row = {p: k for k, p in enumerate(params)}  # by identity (a tensor's == is elementwise)
         sums: dict[Tensor, Tensor] = {}
         for key, st in stats.items():
@@ -333,6 +357,18 @@ class GhostEngine(GradSampleEngine):
         for key in modules:
             stats[key] = stats_for(layers[key], wanted[key], n, scale, with_squares)
         return stats, groups
+
+    def _check_hidden_uses(self, layers: dict[int, LayerCalls]) -> None:
+        """A layer whose forward was replaced (it fills no ``p.grad``) ran this step, yet autograd gave its parameter
+        a gradient: a use no hook saw (an L2 penalty over ``module.parameters()``), which the per-example gradients
+        would leave out. Exact, whatever the penalty's size (the probe's comparison misses a small one)."""
+        for m in self._patched:
+            if id(m) not in layers:
+                continue
+            for name, p in m.named_parameters(recurse=False):
+                if p.requires_grad and not unused_in_step(p):
+                    owners = self._owners.get(p, [])
+                    raise hidden_use_error(", ".join(f"{o or '<root>'}.{a}" for _, o, a in owners) or name)
 
     def _owners_that_ran(self, p: Tensor, layers: dict[int, LayerCalls]) -> list[tuple[nn.Module, str, str]]:
         """The owners of ``p`` whose calls were captured this step. An owner that did not run adds nothing

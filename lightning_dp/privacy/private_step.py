@@ -76,6 +76,7 @@ from lightning_dp.validators.kept_state import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
+from lightning_dp.validators.finite_release import check_finite_release
 from lightning_dp.validators.step_index import check_start_step, own_index, plan_to_keep
 
 if TYPE_CHECKING:
@@ -832,10 +833,10 @@ class PrivateStep(StepChecks):
         assert self._module is not None and self._privatizer is not None and self.plan is not None
         assert self.noise_multiplier is not None
         target = optimizer if optimizer is not None else self._optimizer
-        self.on_every_rank(lambda: self.boundary.check_release(target, self.boundary.trainable()),
-                           "refused its release (the release boundary)")
         params = self.params()
         batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
+        self.on_every_rank(lambda: (self.boundary.check_release(target, self.boundary.trainable()),
+                                    check_finite_release(batch, params, self.engine_name)), "refused its release")
         if empty:
             batch = _zero_clipped_batch(batch)
         elif self.loop.plain:

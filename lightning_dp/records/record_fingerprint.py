@@ -179,9 +179,12 @@ def _feed_array(a: np.ndarray, h: "_Counted", places: list, owners: list, depth:
 
 def _on_grid(values: np.ndarray, offset: float) -> bytes:
     """``values`` as steps of the grid :func:`near_digest` describes (int64 bytes)."""
-    rms = float(np.sqrt(np.mean(np.square(values)))) if values.size else 0.0
+    finite = values[np.isfinite(values)]  # the scale of the record's finite values (a missing value, an inf: apart)
+    rms = float(np.sqrt(np.mean(np.square(finite.astype(np.float64))))) if finite.size else 0.0
     step = 2.0 ** np.floor(np.log2(NEAR_SCALE * rms)) if rms > 0 and np.isfinite(rms) else 1.0
-    return np.floor(values.reshape(-1) / step + offset).astype(np.int64).tobytes() + repr(step).encode()
+    grid = np.floor(values.reshape(-1) / step + offset)
+    grid = np.nan_to_num(grid, nan=-(2.0 ** 62), posinf=2.0 ** 62, neginf=-(2.0 ** 62) + 1024)  # inf, NaN: apart
+    return np.clip(grid, -(2.0 ** 62), 2.0 ** 62).astype(np.int64).tobytes() + repr(step).encode()
 
 
 def _feed_unordered(items: list, tag: bytes, h: "_Counted", places: list, owners: list, depth: int) -> None:

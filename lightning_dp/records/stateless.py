@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import get_worker_info
 
+from lightning_dp.records.values import same_array_values, same_tensor_values
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import WATCHED, seeded
 
@@ -396,9 +397,9 @@ def _resolve(path: str, objects: dict[str, Any]) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        return a.shape == b.shape and a.dtype == b.dtype and same_tensor_values(a, b)
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return a.shape == b.shape and bool(np.array_equal(a, b))
+        return a.shape == b.shape and same_array_values(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):

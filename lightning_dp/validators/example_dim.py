@@ -315,6 +315,21 @@ def mixed_use_error(where: str) -> PrivacyConfigurationError:
     )
 
 
+def hidden_use_error(where: str) -> PrivacyConfigurationError:
+    """A layer's parameter that its forward used (the ghost engine's replaced forward, which leaves ``p.grad``
+    alone) and that autograd still gave a gradient: another use in the step that no hook sees."""
+    return PrivacyConfigurationError(
+        f"The trainable parameter {where} is used by its layer's forward and also, in the same step, somewhere the "
+        "per-example engine does not see: a read through module.parameters() or module._parameters (an L2 or L1 "
+        "penalty in the loss, a norm constraint, a functional call such as F.linear(x, next(m.parameters()))). "
+        "That use's gradient would be missing from every example's gradient (a penalty would silently do "
+        "nothing). Nothing was released. For an L2 penalty "
+        "give the optimizer weight_decay (it acts on the released gradient: post-processing); apply an L1 or other "
+        "penalty to the weights after the optimizer's step (on_train_batch_end), or read the parameter through "
+        "its module's attribute (module.weight) so that the use is captured."
+    )
+
+
 def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigurationError:
     """A trainable parameter that autograd gave a gradient although no hooked use of it ran (an unused
     parameter, whose per-example gradients are exactly zero, is not refused: ``unused_in_step``)."""

@@ -161,17 +161,19 @@ class ExampleIndependenceProbe:
                 # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
                 # with other leading dimensions and never sliced per example afterwards (capture.py)
                 alone = [self._engine_pass([i]) for i in indices]
-                with LowestFloat() as watch:
-                    together = self._engine_pass(list(indices))
-                self.compute_dtype = watch.lowest
-                reseeded = self._engine_pass(list(indices), seed=1)
-                # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
-                bound = float(torch.cat([a.norms.double() for a in alone]).median())
-                # isolated: training clips examples alone, so the factors are checked on examples alone
-                clipped = (None if bound <= 0 else
-                           [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
-                           else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
-                reference = self._autograd_pass(list(indices))
+                finite = [i for i, a in zip(indices, alone) if bool(torch.isfinite(a.norms).all())]
+                if not finite or len(finite) == len(indices):
+                    with LowestFloat() as watch:
+                        together = self._engine_pass(list(indices))
+                    self.compute_dtype = watch.lowest
+                    reseeded = self._engine_pass(list(indices), seed=1)
+                    # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
+                    bound = float(torch.cat([a.norms.double() for a in alone]).median())
+                    # isolated: training clips examples alone, so the factors are checked on examples alone
+                    clipped = (None if bound <= 0 else
+                               [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
+                               else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
+                    reference = self._autograd_pass(list(indices))
         except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
             changed = self.state.changed(before, self.state.take(full=True))  # (no replay judges it: all of it)
             if changed:
@@ -184,6 +186,13 @@ class ExampleIndependenceProbe:
             raise state_mutation_error(changed)
         if calls.double_backward:
             raise double_backward_error(self.engine.name)
+        if finite and len(finite) < len(indices):  # records whose gradient is not finite add 0 to a release
+            warnings.warn(f"DPStrategy: {len(indices) - len(finite)} of the first step's {len(indices)} probed "
+                          "examples have a gradient that is not finite (an inf or NaN feature, an overflow); such "
+                          "examples add nothing to a release (docs/algorithms.md, 'Non-finite gradients'); probed "
+                          "without them.",
+                          stacklevel=2)
+            return self._run(finite)
         self._sorted = calls.sorted
         random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
                                                float(together.norms.double().max()) * len(indices) ** 0.5)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.records.values import same_tensor_values
 from lightning_dp.validators.kept_state import (MAX_DEPTH, callable_state, class_attributes, framework_keys,
                                                library_settings)
 
@@ -166,7 +167,7 @@ def _copy_tensor(target: Tensor, saved: Tensor, version: int) -> None:
     are equal: a write through ``.data`` moves no counter): a tensor the model merely refers to (the training tensor,
     kept for a report) is not written, so its version — which the release boundary compares — stays."""
     if target._version == version and target.shape == saved.shape and target.layout == torch.strided \
-            and torch.equal(target, saved):
+            and same_tensor_values(target, saved):
         return
     with torch.no_grad():
         if target.shape == saved.shape:

@@ -70,7 +70,9 @@ def test_mixing_across_the_batch_is_an_interaction(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_use_outside_the_owning_module_is_named(engine):
-    with pytest.raises(PrivacyConfigurationError, match="Parameter a.weight receives gradient"):
+    # the ghost engine sees it exactly (its replaced forward leaves p.grad alone: tests/grad_sample/test_hidden_uses.py)
+    with pytest.raises(PrivacyConfigurationError, match="Parameter a.weight receives gradient|parameter a.weight is "
+                                                        "used by its layer's forward and also"):
         _probe("outside", engine)
 
 

@@ -37,6 +37,7 @@ from lightning_dp.grad_sample.capture.example_dims import (
     example_dims,
     position_wise,
 )
+from lightning_dp.grad_sample.capture.finite import finite_copy, finite_fields
 from lightning_dp.grad_sample.capture.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.grad_sample.capture.root_parameters import RootParameters
 from lightning_dp.validators.elementwise_scale import ScaledOperand, scale_candidate, scaled_operand
@@ -773,6 +774,16 @@ class ActivationCapture:
             d = dims.argument(key)
             if d is not None and any(t.dim() <= d or t.shape[d] != n for t in tensors):
                 calls.unbatched.add(key)
+
+    def make_finite(self) -> None:
+        """Every captured tensor holding an inf or a NaN replaced by a copy with those entries 0 (:mod:`.finite`):
+        the ghost engine's second pass over a step where an example's gradient was not finite."""
+        memo: dict[int, Any] = {}
+        for calls in self._calls.values():
+            for rec in calls.records:
+                finite_fields(rec, memo)
+            calls.reduced = finite_copy(calls.reduced, memo)
+        self.roots.grads = finite_copy(self.roots.grads, memo)
 
     def completed(self) -> dict[int, LayerCalls]:
         """Layers with at least one call that received an output gradient (id(module) → calls)."""
