@@ -55,7 +55,8 @@ def train(epochs: int = 15, batch_size: int = 64, target_epsilon: float = 3.0, m
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
-    step = PrivateStep(None, max_grad_norm, GaussianNoise(), target_epsilon=target_epsilon, target_delta=delta)
+    step = PrivateStep(noise_multiplier=None, max_grad_norm=max_grad_norm, noise=GaussianNoise(),  # σ from target ε
+                       target_epsilon=target_epsilon, target_delta=delta)
     step.attach(model, optimizer)
     loader = step.poisson_loader(DataLoader(train_set, batch_size=batch_size))
     assert step.plan is not None

@@ -54,6 +54,7 @@ from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATIO
 from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
                                                 step_decisions, trusted_callback, user_modules)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
+from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
@@ -1033,20 +1034,27 @@ def check_no_tuner(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
             "spend privacy that no accountant here counts (README: Privacy caveats).")
 
 
-def check_optimizers(optimizers: list[Optimizer], label: str = "DPStrategy") -> None:
-    """Exactly one optimizer, and not one that re-evaluates the closure."""
+def check_optimizers(optimizers: list[Optimizer], label: str = "DPStrategy",
+                     module: Optional[nn.Module] = None) -> None:
+    """Exactly one optimizer, not one that re-evaluates the closure, and not one that takes sparse gradients only
+    (``module``: the model, whose sparse layers that refusal names)."""
     if len(optimizers) != 1:
         raise PrivacyConfigurationError(f"configure_optimizers returned {len(optimizers)} optimizers. "
                                         f"{_one_optimizer(label)}")
     if isinstance(optimizers[0], torch.optim.LBFGS):
-        raise PrivacyConfigurationError("LBFGS re-evaluates the closure: each evaluation would be a new release.")
+        raise PrivacyConfigurationError(
+            "LBFGS re-evaluates the closure: each evaluation would be a new release. Use an optimizer that takes one "
+            "gradient per step, e.g. torch.optim.SGD or torch.optim.Adam.")
+    sparse = sparse_optimizer_error(optimizers[0], module)
+    if sparse is not None:
+        raise sparse
 
 
 def setup_optimizers(strategy: Any, trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
     """``strategy.setup_optimizers(trainer)``, then :func:`check_optimizers`."""
     with one_optimizer_expected(label):
         strategy.setup_optimizers(trainer)
-    check_optimizers(strategy.optimizers, label)
+    check_optimizers(strategy.optimizers, label, strategy.lightning_module)
 
 
 @contextmanager

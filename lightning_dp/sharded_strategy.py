@@ -205,7 +205,7 @@ class DPShardedStrategy(PrivateTraining, ModelParallelStrategy):
             super().setup(trainer)
         if not fitting:
             return
-        check_optimizers(self.optimizers, self.label)
+        check_optimizers(self.optimizers, self.label, self.lightning_module)
         self.layout = FSDPLayout(self.lightning_module, engine_problems)
         self.layout.seal()  # before any forward: FSDP2 never reduce-scatters an autograd gradient
         all_reduce = dist.all_reduce if self._distributed else None

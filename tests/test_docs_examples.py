@@ -22,3 +22,13 @@ def test_the_example_runs(page, name, capsys):
     if name == "EpsilonCeiling":  # the last release allowed, then the reason the next one is refused
         steps, reason = capsys.readouterr().out.split(" ", 1)
         assert int(steps) > 0 and "would spend more than target_epsilon = 1.0" in reason
+
+
+def test_examples_name_the_noise_multiplier_they_leave_to_calibration():
+    """PrivateStep's first positional argument is σ: a bare ``PrivateStep(None, ...)`` reads as if None were something
+    else (and invites ``PrivateStep(None, ..., noise_multiplier=1.0)``, a TypeError). The examples say
+    ``noise_multiplier=None``."""
+    pages = [ROOT / "README.md", ROOT / "examples" / "plain_pytorch.py", *sorted((ROOT / "docs").rglob("*.md"))]
+    bare = [str(page.relative_to(ROOT)) for page in pages if re.search(r"PrivateStep\(\s*None\b", page.read_text())]
+    assert not bare, f"PrivateStep(None, ...) in {bare}: write PrivateStep(noise_multiplier=None, ...)"
+    assert "PrivateStep(noise_multiplier=None," in (ROOT / "README.md").read_text()

@@ -155,6 +155,11 @@ class TwoOptimizers(TinyClassifier):
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
 
 
+class LBFGSModule(TinyClassifier):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
 @pytest.mark.parametrize(
     "module,trainer_kwargs,match",
     [
@@ -164,6 +169,7 @@ class TwoOptimizers(TinyClassifier):
         (TinyClassifier, {"precision": "bf16-true"}, "precision"),
         (ManualModule, {}, "automatic optimization"),
         (TwoOptimizers, {}, "several optimizers"),
+        (LBFGSModule, {}, r"LBFGS re-evaluates the closure.*torch\.optim\.SGD or torch\.optim\.Adam"),
     ],
 )
 def test_unsupported_configurations_fail_before_training(module, trainer_kwargs, match):

@@ -71,6 +71,7 @@ from lightning_dp.units import Users
 from lightning_dp.validators import validate_module
 from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
+from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
 from lightning_dp.validators.kept_state import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
@@ -300,6 +301,9 @@ class PrivateStep(StepChecks):
         problems = validate_module(module)
         if problems:
             raise PrivacyConfigurationError("The model cannot be trained privately:\n- " + "\n- ".join(problems))
+        sparse = sparse_optimizer_error(optimizer, module)
+        if sparse is not None:
+            raise sparse
         if self.engine_name == "auto":
             try:
                 self.engine_name = select_engine(module, self.views_per_example)

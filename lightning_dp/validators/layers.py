@@ -59,6 +59,40 @@ def batch_mixing_layers(module: nn.Module) -> list[str]:
     return errors
 
 
+def sparse_gradient_layers(module: nn.Module) -> list[str]:
+    """Error messages for layers that produce sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): the private step clips dense per-example gradients and releases a dense sum,
+    noise on every coordinate of every row (a row no example looked up gets noise too, or the release would show
+    which rows were sampled), so a sparse gradient has nothing to gain and the checks that compare gradients cannot
+    read one."""
+    errors = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            errors.append(
+                f"layer '{name}' ({type(sub).__name__}(sparse=True)) produces sparse gradients, which the private "
+                "step does not support: the released gradient is dense anyway (noise is added to every coordinate "
+                "of every row, looked up or not, or the release would show which rows the batch used). Use "
+                f"{type(sub).__name__}(..., sparse=False) and a dense optimizer (torch.optim.Adam or SGD instead of "
+                "torch.optim.SparseAdam).")
+    return errors
+
+
+def sparse_optimizer_error(optimizer: Any, module: Optional[nn.Module] = None) -> Optional[PrivacyConfigurationError]:
+    """The refusal of ``torch.optim.SparseAdam`` (None for any other optimizer): it takes sparse gradients only, and
+    the private step releases dense ones (:func:`sparse_gradient_layers`), naming ``module``'s sparse layers."""
+    if not isinstance(optimizer, torch.optim.SparseAdam):
+        return None
+    layers = [f"'{name}' ({type(sub).__name__}(sparse=True))" for name, sub in
+              (module.named_modules() if module is not None else ())
+              if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse]
+    named = f" (layer {', '.join(layers)})" if layers else ""
+    return PrivacyConfigurationError(
+        f"torch.optim.SparseAdam takes sparse gradients only{named}, and the private step does not support sparse "
+        "gradients: the gradient it releases is dense (noise is added to every coordinate of every row, looked up or "
+        "not, or the release would show which rows the batch used). Use a dense optimizer such as torch.optim.Adam, "
+        "with nn.Embedding(..., sparse=False). Nothing was released.")
+
+
 def unnoised_state_layers(module: nn.Module) -> list[str]:
     """Error messages for layers whose forward writes data-dependent state that the noise never covers
     (the released weights or buffers would reveal the batch). The first step's probe also catches any
@@ -151,8 +185,8 @@ def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none). Also installs the
     call-time checks of :func:`install_call_checks`, active while ``module`` is attached to a private step."""
     install_call_checks(module)
-    return (batch_mixing_layers(module) + unnoised_state_layers(module) + parametrized_layers(module)
-            + pruned_layers(module))
+    return (batch_mixing_layers(module) + unnoised_state_layers(module) + sparse_gradient_layers(module)
+            + parametrized_layers(module) + pruned_layers(module))
 
 
 # ---------------------------------------------------------------------- call-time checks

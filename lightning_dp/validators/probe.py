@@ -57,7 +57,7 @@ from lightning_dp.clipping.reference import pseudo_units, reference_sums
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
 from lightning_dp.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp._warnings import output_hook_notice_quieted
-from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint
+from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint, weighted_mean_hint
 
 LossOf = Callable[[Sequence[int]], Tensor]
 """Runs the user's forward and loss on the examples with these dataset indices; returns the loss."""
@@ -125,6 +125,7 @@ class ExampleIndependenceProbe:
         self.compute_dtype: Optional[torch.dtype] = None
         """Set by :meth:`run`: the lowest-precision floating dtype the forward computed in (:class:`LowestFloat`)."""
         self._sorted = False  # the step sorted a tensor (validators/step_calls.py): named if examples interact
+        self._weighted = False  # the step took a class-weighted mean loss (step_calls.py): named likewise
         self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
 
     def run(self, indices: Sequence[int]) -> None:
@@ -193,7 +194,7 @@ class ExampleIndependenceProbe:
                           "without them.",
                           stacklevel=2)
             return self._run(finite)
-        self._sorted = calls.sorted
+        self._sorted, self._weighted = calls.sorted, calls.weighted_mean
         random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
                                                float(together.norms.double().max()) * len(indices) ** 0.5)
         self.interaction_rtol = self._interaction_tolerance()
@@ -278,7 +279,7 @@ class ExampleIndependenceProbe:
             actual = torch.sqrt(sum(batch.sums[p].double().pow(2).sum() for p in self.params))
             claimed = batch.norms.double().reshape(-1)[0]
             if not self._close(claimed, actual, scale):
-                raise norm_mismatch_error(self.engine.name)
+                raise norm_mismatch_error(self.engine.name, self.precision_hint())
 
     def _check_clipping(self, clipped: ClippedBatch, alone: list[ClippedBatch], bound: float) -> None:
         """The engine's clipped sum at a bound C that clips some of the examples must be the policy's Σ_u c_u g_u of
@@ -291,7 +292,7 @@ class ExampleIndependenceProbe:
         for p, name, want in zip(self.params, self.names, wanted):
             got = clipped.sums[p].double()
             if not self._close(got, want, max(float(want.norm()), float(got.norm()), bound * 1e-3)):
-                raise clipping_error(self.engine.name, name)
+                raise clipping_error(self.engine.name, name, self.precision_hint())
 
     def _close(self, a: Tensor, b: Tensor, scale: float, rtol: Optional[float] = None) -> bool:
         return float((a.double() - b.double()).norm()) <= (self.rtol if rtol is None else rtol) * scale + 1e-12
@@ -311,7 +312,23 @@ class ExampleIndependenceProbe:
     def _interaction(self, together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
                      summed: bool = False) -> PrivacyConfigurationError:
         return interaction_error(together, alone, k, name, summed=summed, engine=self.engine.name,
-                                 sorted_batch=self._sorted)
+                                 sorted_batch=self._sorted, weighted_mean=self._weighted,
+                                 precision=self.precision_hint())
+
+    def precision_hint(self) -> str:
+        """A sentence for a refusal when the forward computed in a half-precision dtype (autocast, a bf16 model;
+        :attr:`compute_dtype`) while the tolerance is float32's: rounding alone may be what differed, and
+        ``low_precision=True`` is the fix. Empty otherwise (or when the tolerance is already the low-precision one:
+        DPStrategy under precision='bf16-mixed'/'16-mixed')."""
+        dtype = self.compute_dtype
+        if (dtype is None or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps
+                or self.rtol >= LOW_PRECISION_TOLERANCE):
+            return ""
+        return (f"The forward computed in {dtype} (torch.autocast, or a half-precision model), whose rounding alone "
+                f"can exceed the probe's tolerance ({self.rtol:g}): in a plain PrivateStep loop pass "
+                "step.verify(loss_fn, low_precision=True) (the probe's tolerance for bf16/fp16); under DPStrategy set "
+                "Trainer(precision='bf16-mixed') (or '16-mixed'), which does the same, instead of calling "
+                "torch.autocast in training_step. ")
 
     def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int,
                  random: bool) -> bool:
@@ -352,7 +369,7 @@ class ExampleIndependenceProbe:
                 raise self._interaction(together_norms, alone_norms, k, name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
-                raise uncaptured_use_error(name)
+                raise uncaptured_use_error(name, self.precision_hint())
         return permuted
 
 
@@ -420,12 +437,13 @@ def gradients_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Optional[Tensor
             p.grad = g
 
 
-def clipping_error(engine: str, name: str) -> PrivacyConfigurationError:
-    """The probe's error when an engine's clipped sum is not the clip factors applied to its per-example gradients."""
+def clipping_error(engine: str, name: str, precision: str = "") -> PrivacyConfigurationError:
+    """The probe's error when an engine's clipped sum is not the clip factors applied to its per-example gradients
+    (``precision``: :meth:`ExampleIndependenceProbe.precision_hint`, the likelier cause when given)."""
     return PrivacyConfigurationError(
         f"Engine '{engine}' clipped the first step's examples wrongly (parameter {name}): its clipped sum is not "
         "the clipping policy's Σ_u c_u g_u (flat: Σ_i min(1, C/‖g_i‖) g_i) of the per-example gradients it computed, "
-        "so one unit's influence would not be bounded by C. Nothing was released. Try another engine "
+        f"so one unit's influence would not be bounded by C. Nothing was released. {precision}Try another engine "
         "(per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' "
         "tries each engine that serves the model) and please report the model to lightning_dp.")
 
@@ -435,15 +453,16 @@ def _differing(together: Tensor, alone: Tensor) -> int:
     return int(((together.double() - alone.double()).abs() > 1e-6 * alone.double().abs().clamp_min(1e-30)).sum())
 
 
-def norm_mismatch_error(engine: str) -> PrivacyConfigurationError:
+def norm_mismatch_error(engine: str, precision: str = "") -> PrivacyConfigurationError:
     """The probe's error when an engine's per-example norm is not the norm of that example's gradient (no values:
-    they are the training data's)."""
+    they are the training data's; ``precision``: :meth:`ExampleIndependenceProbe.precision_hint`, the likelier
+    cause when given)."""
     return PrivacyConfigurationError(
         f"Engine '{engine}' computed a per-example gradient norm that is not the norm of the gradient it computed for "
         "that example alone: clipping by that norm would not bound the example's influence by C. Nothing was "
-        "released. This is the engine's error on one of the model's layers: try another engine "
-        "(per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please "
-        "report the model to lightning_dp.")
+        f"released. {precision}{'Otherwise this' if precision else 'This'} is the engine's error on one of the "
+        "model's layers: try another engine (per_sample='ghost', 'vmap' or 'opacus_hooks'; 'auto' tries each engine "
+        "that serves the model) and please report the model to lightning_dp.")
 
 
 def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
@@ -576,31 +595,38 @@ def _drops_paths(m: nn.Module) -> bool:
 
 def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[str] = None,
                       summed: bool = False, engine: Optional[str] = None,
-                      sorted_batch: bool = False) -> PrivacyConfigurationError:
+                      sorted_batch: bool = False, weighted_mean: bool = False,
+                      precision: str = "") -> PrivacyConfigurationError:
     """The probe's error when example i's gradient depends on the other examples of the batch (``engine``: the
     engine that computed them, named as the other possible cause; ``sorted_batch``: the step sorted a tensor, the
-    likeliest cause then, :func:`~.step_calls.sorted_batch_hint`). The cause and its fix come first: a summed loss
-    (every gradient k× its gradient alone) is named as such, with nothing else."""
+    likeliest cause then, :func:`~.step_calls.sorted_batch_hint`; ``weighted_mean``: the step took a class-weighted
+    mean loss, :func:`~.step_calls.weighted_mean_hint`; ``precision``: the forward computed in half precision under
+    float32's tolerance, :meth:`ExampleIndependenceProbe.precision_hint`). The cause and its fix come first: a summed
+    loss (every gradient k× its gradient alone) is named as such, with nothing else."""
     if summed or _scaled_by_batch(together, alone, k):
         return PrivacyConfigurationError(
             "The loss is a SUM over the batch (e.g. reduction='sum'): return the MEAN over examples "
             "(reduction='mean'), or the vector of per-example losses from training_step (DPStrategy takes its mean). "
             f"The first step's probe found each example's gradient in a batch of {k} to be {k}× its gradient alone, "
             "so per-example clipping would not bound one example's influence by C. Nothing was released.")
-    cause = ("Likely causes: a loss normalised by a batch-wide count (a token mean over all non-pad tokens of "
-             "the batch, e.g. cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM "
-             "loss): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages "
-             "each example's own tokens, or return per-example losses from training_step; an operation across "
-             "the batch (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on "
-             "flattened rows that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] "
-             "tensor itself, so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the "
-             "forward.")
+    hinted = sorted_batch or weighted_mean or bool(precision)
+    cause = (f"{'Other possible' if hinted else 'Likely'} causes: "
+             "a loss normalised by a batch-wide count (a token mean over all non-pad tokens of the batch, e.g. "
+             "cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM loss): use "
+             "lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages each "
+             "example's own tokens, or return per-example losses from training_step; an operation across the batch"
+             " (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on flattened rows"
+             " that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] tensor itself, "
+             "so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the forward.")
     if engine is not None:
         cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
                   "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
                   "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
     if sorted_batch:
         cause = sorted_batch_hint() + cause
+    if weighted_mean:
+        cause = weighted_mean_hint() + cause
+    cause = precision + cause
     where = f" (parameter {name})" if name else ""
     return PrivacyConfigurationError(
         f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
@@ -685,13 +711,14 @@ def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
         "lightning_dp.")
 
 
-def uncaptured_use_error(name: str) -> PrivacyConfigurationError:
-    """The probe's error when autograd's gradient of a parameter differs from the engine's sum."""
+def uncaptured_use_error(name: str, precision: str = "") -> PrivacyConfigurationError:
+    """The probe's error when autograd's gradient of a parameter differs from the engine's sum (``precision``:
+    :meth:`ExampleIndependenceProbe.precision_hint`, added when given)."""
     return PrivacyConfigurationError(
         f"Parameter {name} receives gradient through a use the per-example engine does not capture: its "
         "per-example gradients do not add up to autograd's gradient. Typical causes: the parameter is also used "
         "outside the forward of the module that owns it (a functional call such as F.linear(h, self.emb.weight) "
         "for weight tying: make the output layer an nn.Linear whose .weight is the embedding's Parameter), a "
         "parameter read directly in a parent module's forward, or a torch.compile'd graph that bypasses the "
-        "engine's hooks. Nothing was released."
+        f"engine's hooks. Nothing was released.{' ' + precision.rstrip() if precision else ''}"
     )

@@ -14,6 +14,9 @@ those comparisons fail for a reason "examples interact" would misname:
   ``pack_padded_sequence(..., enforce_sorted=True)``): each row is still one example, in another order. The probe
   accepts a permutation (:func:`~.probe.same_norms`); when the examples do interact after a sort (outputs in sorted
   order paired with targets in the batch's order), the error says so (:func:`sorted_batch_hint`).
+- **a class-weighted mean loss** (``nn.CrossEntropyLoss(weight=w)``, ``F.nll_loss(..., weight=w)`` with class
+  indices and the default ``reduction='mean'``): torch divides by Σ w[y_j] over the batch's labels, not by B, so
+  example i's gradient depends on the other examples' labels; the error names it (:func:`weighted_mean_hint`).
 
 :class:`StepWatch` records both while the probe's passes run (once per fit: its cost is a Python call per torch call
 of those passes).
@@ -31,15 +34,21 @@ from lightning_dp.errors import PrivacyConfigurationError
 SORTS = frozenset({"sort", "argsort", "msort"})
 """torch functions (and Tensor methods) that order a tensor: a batch sorted by length before packing."""
 
+WEIGHTED_LOSSES = {"cross_entropy": 6, "nll_loss": 6}
+"""Class-weighted losses whose ``reduction='mean'`` divides by the sum of the batch's label weights (with class-index
+targets): the function's name and the position of its ``reduction`` argument."""
+
 
 class StepWatch(TorchFunctionMode):
     """Records, over the torch calls it sees, whether a gradient was taken with ``create_graph=True``
-    (:attr:`double_backward`) and whether anything was sorted (:attr:`sorted`)."""
+    (:attr:`double_backward`), whether anything was sorted (:attr:`sorted`) and whether a class-weighted loss was
+    averaged by its weights (:attr:`weighted_mean`, :func:`weighted_mean`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.double_backward = False
         self.sorted = False
+        self.weighted_mean = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -49,7 +58,23 @@ class StepWatch(TorchFunctionMode):
             self.double_backward |= bool(kwargs.get("create_graph", args[3] if len(args) > 3 else False))
         elif getattr(func, "__name__", "") in SORTS:
             self.sorted = True
+        elif getattr(func, "__name__", "") in WEIGHTED_LOSSES:
+            self.weighted_mean |= weighted_mean(func.__name__, args, kwargs)
         return func(*args, **kwargs)
+
+
+def weighted_mean(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``name`` (:data:`WEIGHTED_LOSSES`) averages by the batch's label weights: a ``weight``, class
+    index targets (class probabilities are averaged over the batch size) and reduction 'mean' (the legacy
+    ``size_average``/``reduce`` flags left at their defaults)."""
+    def argument(key: str, position: int) -> Any:
+        return kwargs[key] if key in kwargs else args[position] if len(args) > position else None
+
+    weight, target = argument("weight", 2), argument("target", 1)
+    reduction = argument("reduction", WEIGHTED_LOSSES[name]) or "mean"
+    legacy = argument("size_average", 3) is False or argument("reduce", 5) is False
+    return (isinstance(weight, torch.Tensor) and isinstance(target, torch.Tensor) and not target.is_floating_point()
+            and reduction == "mean" and not legacy)
 
 
 def double_backward_error(engine: str) -> PrivacyConfigurationError:
@@ -65,6 +90,16 @@ def double_backward_error(engine: str) -> PrivacyConfigurationError:
         "difference of the model's own outputs, e.g. (u(x + h) - u(x - h)) / (2h) (first order in the parameters: "
         "served exactly by every engine); or drop create_graph where the derivative need not be trained through "
         "(torch.autograd.grad(..., create_graph=False) makes it a constant).")
+
+
+def weighted_mean_hint() -> str:
+    """What an interaction after a class-weighted mean loss usually is (added to the probe's interaction error)."""
+    return ("The step calls a class-weighted loss with reduction='mean' (nn.CrossEntropyLoss(weight=...) or "
+            "F.cross_entropy/nll_loss(..., weight=...)): torch divides it by the sum of the weights of the batch's "
+            "labels, not by the number of examples, so each example's gradient depends on the other examples' "
+            "labels. Use reduction='none' and take the plain mean of the per-example losses, e.g. "
+            "F.cross_entropy(logits, y, weight=w, reduction='none').mean() (or return that [B] vector from "
+            "training_step). ")
 
 
 def sorted_batch_hint() -> str:

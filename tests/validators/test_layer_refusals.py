@@ -89,6 +89,75 @@ def test_scale_grad_by_freq_is_refused_by_name(factory, kind):
                        rf"layer 'emb' \({kind}\(scale_grad_by_freq=True\)\).*Use scale_grad_by_freq=False")
 
 
+# ---------------------------------------------------------------- sparse gradients
+class SparseEmbedding(zoo.Base):
+    """nn.Embedding(sparse=True) trained by torch.optim.SparseAdam, the pairing torch documents for it."""
+
+    sparse, optimizer = True, "sparse_adam"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D, sparse=self.sparse), nn.Linear(D, 3)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(torch.tanh(self.emb(x).mean(1))), y[:, 0] % 3)
+
+    def configure_optimizers(self):
+        if self.optimizer == "sparse_adam":
+            return torch.optim.SparseAdam(list(self.parameters()), lr=1e-2)
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class SparseEmbeddingAdam(SparseEmbedding):
+    """sparse=True with a dense optimizer."""
+
+    optimizer = "adam"
+
+
+class DenseEmbeddingSparseAdam(SparseEmbedding):
+    """SparseAdam on dense layers: it would refuse the released (dense) gradient at optimizer.step()."""
+
+    sparse = False
+
+
+def test_sparse_embedding_with_sparse_adam_is_refused_by_name():
+    """The safezoo6 crash (a NotImplementedError inside the probe's comparison of a sparse gradient): refused before
+    any release, naming the layer and the fix."""
+    zoo.assert_refused(SparseEmbedding, zoo.token_data(),
+                       r"SparseAdam takes sparse gradients only \(layer 'emb' \(Embedding\(sparse=True\)\)\).*does "
+                       r"not support sparse gradients.*dense.*noise.*every coordinate.*torch\.optim\.Adam.*"
+                       r"sparse=False")
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_sparse_embedding_is_refused_before_training(kind):
+    """sparse=True with a dense optimizer: refused by the model's validation, by name, before the first forward."""
+    layer = nn.Embedding(V, D, sparse=True) if kind == "Embedding" else nn.EmbeddingBag(V, D, sparse=True)
+    [problem] = validate_module(nn.Sequential(layer, nn.Linear(D, 3)))
+    assert f"layer '0' ({kind}(sparse=True)) produces sparse gradients" in problem
+    assert "not support" in problem and "every coordinate" in problem
+    assert f"{kind}(..., sparse=False)" in problem and "torch.optim.Adam" in problem
+    zoo.assert_refused(SparseEmbeddingAdam, zoo.token_data(),
+                       r"layer 'emb' \(Embedding\(sparse=True\)\) produces sparse gradients.*sparse=False")
+
+
+def test_sparse_adam_on_dense_layers_is_refused_before_training():
+    """SparseAdam refuses dense gradients at its step, which would come after the first release: refused first."""
+    zoo.assert_refused(DenseEmbeddingSparseAdam, zoo.token_data(),
+                       r"SparseAdam takes sparse gradients only, and the private step.*torch\.optim\.Adam")
+
+
+def test_sparse_adam_is_refused_in_a_plain_loop():
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
+
+    model = nn.Sequential(nn.Embedding(V, D), nn.Flatten(), nn.Linear(D * T, 3))
+    step = PrivateStep(noise_multiplier=1.0, max_grad_norm=1.0, noise=GaussianNoise())
+    with pytest.raises(PrivacyConfigurationError, match=r"SparseAdam takes sparse gradients only.*torch\.optim\.Adam"):
+        step.attach(model, torch.optim.SparseAdam(list(model.parameters()), lr=1e-2))
+
+
 # ---------------------------------------------------------------- EmbeddingBag: 1-D input with offsets
 class BagOffsets(zoo.Base):
     """The documented variable-length call: every example's bag packed into one flat tensor, with offsets."""

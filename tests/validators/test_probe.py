@@ -300,3 +300,111 @@ def test_fgsm_with_interacting_examples_is_still_refused(engine):
 def test_fgsm_trained_through_the_input_gradient_is_still_refused(engine):
     with pytest.raises(PrivacyConfigurationError, match="create_graph=True"):
         _probe_fgsm(engine, "create_graph")
+
+
+# ---------------------------------------------------------------- class-weighted mean losses (safezoo6 #9)
+CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def _weighted_loss(kind: str):
+    """The loss of ``kind`` on the model's logits: the class-weighted mean torch divides by Σ w[y_j] of the batch, and
+    the fix (per-example losses, their plain mean)."""
+    criterion = nn.CrossEntropyLoss(weight=CLASS_WEIGHTS)
+    return {
+        "module": lambda logits, y: criterion(logits, y),
+        "functional": lambda logits, y: F.cross_entropy(logits, y, weight=CLASS_WEIGHTS),
+        "nll": lambda logits, y: F.nll_loss(F.log_softmax(logits, -1), y, CLASS_WEIGHTS),
+        "fixed": lambda logits, y: F.cross_entropy(logits, y, weight=CLASS_WEIGHTS, reduction="none").mean(),
+    }[kind]
+
+
+def _probe_weighted(kind: str, engine_name: str) -> None:
+    torch.manual_seed(0)
+    model = Net().double()
+    engine = make_engine(engine_name)
+    engine.attach(model)
+    loss = _weighted_loss(kind)
+    ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                             lambda idx: loss(model(X[idx]), Y[idx]), probe_tolerance(torch.float64, False)).run(
+        list(range(6)))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", ["module", "functional", "nll"])
+def test_a_class_weighted_mean_loss_is_refused_and_named(kind, engine):
+    """nn.CrossEntropyLoss(weight=w) with reduction='mean' couples the examples through Σ w[y_j]: still refused, and
+    the error names that cause and the fix first."""
+    assert len(set(Y[:6].tolist())) > 1  # the probe's examples carry labels of different weights
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact.*Nothing was released\. The step calls a "
+                       r"class-weighted loss with reduction='mean'.*sum of the weights of the batch's labels.*"
+                       r"reduction='none'.*\.mean\(\)"):
+        _probe_weighted(kind, engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_class_weighted_loss_averaged_per_example_passes(engine):
+    _probe_weighted("fixed", engine)
+
+
+@pytest.mark.parametrize("call,weighted", [
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), y, weight=w), True),
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), y, w), True),
+    (lambda w, y: nn.NLLLoss(weight=w)(torch.randn(4, 3), y), True),
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), y), False),                          # no weight
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), y, weight=w, reduction="none"), False),
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), y, weight=w, reduction="sum"), False),
+    (lambda w, y: F.nll_loss(torch.randn(4, 3), y, w, None, -100, None, "none"), False),  # reduction positional
+    (lambda w, y: F.cross_entropy(torch.randn(4, 3), torch.rand(4, 3).softmax(-1), weight=w), False),  # soft labels
+])
+def test_the_step_watch_sees_class_weighted_means_only(call, weighted):
+    from lightning_dp.validators.step_calls import StepWatch
+
+    with StepWatch() as watch:
+        call(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 2, 1]))
+    assert watch.weighted_mean is weighted
+
+
+# ---------------------------------------------------------------- autocast in a plain loop (safezoo6 #8)
+def _plain_bf16_step(low_precision: bool) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.rand(64, 64), torch.randint(0, 10, (64,)))
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(model(batch[0]), batch[1])
+
+    step = PrivateStep(noise_multiplier=1.0, max_grad_norm=1.0, noise=GaussianNoise())
+    step.attach(model, optimizer)
+    step.poisson_loader(DataLoader(data, batch_size=16))
+    try:
+        step.verify(loss_fn, low_precision=low_precision)
+    finally:
+        step.detach()
+
+
+def test_a_plain_loop_under_autocast_is_told_of_low_precision():
+    """A float32 model whose loss runs under torch.autocast(bfloat16), verified at float32's tolerance: bf16 rounding
+    differs batch against alone, and the refusal names the fix, verify(..., low_precision=True)."""
+    with pytest.raises(PrivacyConfigurationError, match=r"The forward computed in torch\.bfloat16 \(torch\.autocast.*"
+                       r"step\.verify\(loss_fn, low_precision=True\).*precision='bf16-mixed'"):
+        _plain_bf16_step(low_precision=False)
+    _plain_bf16_step(low_precision=True)  # the fix the message names
+
+
+def test_the_low_precision_hint_is_left_out_where_it_cannot_help():
+    """float32 compute (a float64 model's float32 rotary part is not half precision) or a tolerance already loose."""
+    model = Net().double()
+    engine = make_engine("ghost")
+    probe = ExampleIndependenceProbe(model, engine, list(model.parameters()), ["p"] * 4, lambda idx: None, 1e-3)
+    for dtype, rtol, hinted in [(None, 1e-3, False), (torch.float32, 1e-3, False), (torch.float64, 1e-6, False),
+                                (torch.bfloat16, 1e-3, True), (torch.float16, 1e-3, True),
+                                (torch.bfloat16, probe_tolerance(torch.float32, True), False)]:
+        probe.compute_dtype, probe.rtol = dtype, rtol
+        assert ("low_precision=True" in probe.precision_hint()) is hinted, (dtype, rtol)
