@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
-from lightning_dp.validators.kept_state import (MAX_DEPTH, callable_state, class_attributes, framework_keys,
-                                               library_settings)
+from lightning_dp.validators.kept_state import (MAX_DEPTH, _configuration_object, callable_state, class_attributes,
+                                               framework_keys, library_settings)
 
 Restore = Callable[[], None]
 
@@ -86,9 +86,12 @@ def _contents(value: Any, depth: int) -> Restore:
 
 
 def _plain(value: Any) -> bool:
+    """Whether ``value``'s attributes are restored: a plain object of the user's, or a library's configuration object
+    (Hugging Face's ``model.config``: :func:`~.kept_state._configuration_object`), whose public fields the fingerprint
+    reads as state — a ``config.problem_type`` a pass set on its first forward is ``None`` again after it."""
     root = (type(value).__module__ or "").split(".")[0]
     return root not in ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins", "logging",
-                        "threading", "transformers", "torchmetrics")
+                        "threading", "transformers", "torchmetrics") or _configuration_object(value)
 
 
 def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
