@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+
 
 import pytest
 import pytorch_lightning as pl
@@ -65,7 +65,7 @@ def test_max_steps_and_a_measuring_timer_train() -> None:
     assert timer.time_elapsed("train") > 0
 
 
-def test_max_epochs_trains(tmp_path: Any) -> None:
+def test_max_epochs_trains() -> None:
     dp = strategy()
     quiet_trainer(strategy=dp, max_epochs=1).fit(Classifier(), loader(64))
     assert dp.private_step.ledger.steps > 0
