@@ -32,7 +32,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder
+from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder, Timer
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -337,6 +337,24 @@ class PrivateTraining:
                                                  step.any_rank, step.on_every_rank,
                                                  lambda: diagnostic_reads.moved(step, up=False))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
+        on other data, it was decided from the data (a stop once the training loss is low, caught by the user's
+        script): refused in its place (:meth:`~lightning_dp.validators.decisions.DecisionWindows.on_exception`), after
+        Lightning's teardown (this raise ends Lightning's handling of the exception)."""
+        super().on_exception(exception)  # type: ignore[misc]
+        windows = self._decision_windows
+        refusal = None if windows is None else windows.refusal
+        if refusal is None:
+            return
+        windows.refusal = None
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        for logger in trainer.loggers:
+            logger.finalize("failed")
+        trainer._teardown()
+        trainer.state.stage = None
+        raise refusal from exception
 
     def _exempt(self, name: str) -> bool:
         """A logged name whose value is not the training data's: ε, or declared public."""
@@ -987,6 +1005,7 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy", setup: bool 
             "the private data trains."
         )
     adopt_gradient_clip(trainer, trainer.strategy, label)  # taken as C, or refused (lightning_dp/_gradient_clip.py)
+    check_no_wall_clock_budget(trainer, label)
     if setup:
         adopt_accumulation(trainer, trainer.strategy, label)  # k loader batches per private step (_accumulation.py)
     if trainer.accumulate_grad_batches != 1:
@@ -1011,6 +1030,22 @@ def check_loop(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
     (``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at an epoch's start)."""
     if trainer.accumulate_grad_batches != 1 or trainer.gradient_clip_val:
         check_trainer(trainer, label, setup=False)
+    check_no_wall_clock_budget(trainer, label)  # a duration a hook gave a Timer after setup
+
+
+def check_no_wall_clock_budget(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:
+    """Refuse a wall-clock budget: ``Trainer(max_time=...)`` or a ``Timer`` callback with a duration (a ``Timer``
+    without one only measures). How many steps fit in a budget depends on how long each step takes, and that on the
+    data (a record slow to load or to process slows every step that samples it and every check that reads it): the
+    number of releases would be an un-noised output of the private data (docs/release_boundary.md)."""
+    timed = [cb for cb in trainer.callbacks if isinstance(cb, Timer) and getattr(cb, "_duration", None) is not None]
+    if timed:
+        raise PrivacyConfigurationError(
+            f"{label} cannot train under a wall-clock budget (Trainer(max_time=...) or a Timer callback with "
+            f"duration={timed[0]._duration}s): how many steps fit in it depends on how long each step takes, which "
+            "depends on the private data (a record slow to load or to process slows every step that samples it), so "
+            "the number of releases would be an un-noised output of the data. Fix the length before the fit: "
+            "Trainer(max_steps=...) or max_epochs=... (a Timer without a duration, Timer(), only measures time).")
 
 
 def check_no_tuner(trainer: "pl.Trainer", label: str = "DPStrategy") -> None:

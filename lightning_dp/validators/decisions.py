@@ -42,7 +42,9 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 
-from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying, runs_users_code
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.hook_replays import (moved_far, moved_near, raised_apart, raised_error, replaying,
+                                                  runs_users_code)
 from lightning_dp.validators.kept_state import (
     Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls,
     mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
@@ -54,6 +56,7 @@ __all__ = ["DecisionWindows", "WINDOW_HOOKS"]
 
 WINDOW_HOOKS = {
     "batch": ("on_train_batch_end",),
+    "batch start": ("on_train_batch_start",),  # judged only when the step ends in an exception (on_exception)
     "epoch": ("on_train_epoch_end", "on_train_epoch_start"),
     "epoch start": ("on_train_epoch_start",),
     "validation": ("on_validation_epoch_end", "on_validation_end"),
@@ -129,6 +132,8 @@ class DecisionWindows(pl.Callback):
         self._settings = settings
         self._boundary = boundary
         self._window: Optional[_Window] = None
+        self.raised: Optional[tuple[BaseException, bool]] = None  # what the last runs again raised apart
+        self.refusal: Optional[Exception] = None  # an exception the fit ended with, found decided from the data
         self._kinds: Optional[frozenset[str]] = None
 
     # ------------------------------------------------------------------ the loop's hooks
@@ -138,6 +143,7 @@ class DecisionWindows(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.close(trainer, pl_module)
+        self._open("batch start", trainer, pl_module, (batch, batch_idx))
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -222,7 +228,7 @@ class DecisionWindows(pl.Callback):
         """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
         :class:`~lightning_dp.errors.PrivacyConfigurationError` when the training data set it."""
         window, self._window = self._window, None
-        if window is None:
+        if window is None or window.kind == "batch start":  # the step judges what they decide (its release's checks)
             return
         judged, decided_now = window.before is not None, decisions(trainer) != window.decisions
         written = [] if window.state is None else \
@@ -234,12 +240,16 @@ class DecisionWindows(pl.Callback):
         if window.kind == "batch" and not judged:  # what the batch-end hooks may write: accepted (judged elsewhere)
             allowed = self._batch_writes()
             written = [name for name in written if name in allowed]
+        self.raised = None
         steered = self._steered(window, trainer, module) if judged or decided_now else []
         where = _WHERE[window.kind].format(step=window.step)
+        raised = self.raised
         decided = sorted((n for n in steered if n.startswith(_DECISIONS)),
                          key=lambda n: [n.startswith(p) for p in _DECISIONS].index(True))  # the stop, then the rest
 
         def refuse() -> None:
+            if raised is not None:  # the runs on other data raised where the run on the data did not
+                raise raised_error(*raised, where.replace("the hooks set it apart", "the hooks ran apart"))
             if decided:
                 raise hyperparameters_error(decided, where)
             if steered:
@@ -260,6 +270,7 @@ class DecisionWindows(pl.Callback):
         kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
                 [(p, p.requires_grad) for p in module.parameters()])
         runs: list[Optional[Fingerprint]] = []
+        errors: list[Optional[Exception]] = []  # what each run raised (None: it finished)
         try:
             for variant in _variants(window, self._exchanged, self._logs_moved, self._diagnostics_moved):
                 after.restore()
@@ -271,18 +282,45 @@ class DecisionWindows(pl.Callback):
                         _run_hooks(window, trainer, module, variant)
                         state = self._state(trainer, module) if window.before is not None else {}
                         runs.append({**state, **decisions(trainer)})  # inside: leaving a replay puts schedulers back
-                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
+                    errors.append(None)
+                except PrivacyConfigurationError:
+                    raise
+                except Exception as err:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
                     runs.append(None)
+                    errors.append(err)
         finally:
             after.restore()
             _put_decisions(trainer, *kept)
             _put_settings(trainer, *now[0])
             put_loop_controls(trainer, now[1])
             put_mechanism_settings(trainer, now[2])
+        # a stop by raising: the loss moved (a batch's runs 3 and 4) is judged both ways, exchanged values only when
+        # the runs on the data raised (a hook may rightly reject values the exchange made)
+        judged = [window.kind == "batch" and i < 2 for i in range(len(errors) - 2)]
+        self.raised = raised_apart(errors[0], errors[1], list(zip(errors[2:], judged)))
         plain, again, *others = runs
         if plain is None or again is None:
             return []
         return sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """An exception left the fit while a window was open (a user's hook raised it at a batch's, an epoch's or a
+        validation's end): the window's hooks run again as its close would run them; raised on the data and not on
+        other data (the loss moved far or near zero, the training data exchanged), it is a decision made from the
+        data — a stop the user's script catches (zoo13 exc1) — and :attr:`refusal` holds its refusal, which the
+        strategy raises in place of the exception (:meth:`~lightning_dp._strategy_glue.PrivateTraining.on_exception`).
+        """
+        window, self._window, self.refusal = self._window, None, None
+        if window is None or not isinstance(exception, Exception) or isinstance(exception, PrivacyConfigurationError):
+            return
+        self.raised = None
+        try:
+            self._steered(window, trainer, pl_module)
+        except Exception:  # noqa: BLE001  (the checks failed on a fit already failing: the user's exception stands)
+            return
+        if self.raised is not None and self.raised[1]:
+            self.refusal = raised_error(self.raised[0], True, _WHERE[window.kind].format(step=window.step).replace(
+                "the hooks set it apart", "the hooks ran apart"))
 
 
 _DECISIONS = ("trainer ", "privacy ", "model trainable", "scheduler ", "optimizer ")
@@ -291,6 +329,8 @@ _DECISIONS = ("trainer ", "privacy ", "model trainable", "scheduler ", "optimize
 _WHERE = {
     "batch": "at the end of step {step} (on_train_batch_end), from the batch or its loss: run again when it was made, "
              "on the batch with its values exchanged or its loss moved far or near zero, the hooks set it apart",
+    "batch start": "at the start of step {step} (on_train_batch_start), from the batch: run again on the batch with "
+                   "its values exchanged, the hooks set it apart",
     "epoch start": "at the start of an epoch (on_train_epoch_start, after step {step}), from the training data: run "
                    "again when it was made, with the training data's values exchanged, the hooks set it apart",
     "epoch": "at the end of an epoch (on_train_epoch_end, after step {step}), from the training data: run again when "
@@ -366,6 +406,11 @@ def _variants(window: _Window, exchanged: Callable[[bool], AbstractContextManage
               ) -> list[tuple[AbstractContextManager, tuple[Any, ...]]]:
     """(context, hook arguments) of each run: the window's own twice, then the other data (a batch's exchanged
     values with the non-private diagnostics moved too: ``logs_moved`` moves them the other way)."""
+    if window.kind == "batch start":
+        batch, batch_idx = window.args
+        return [(nullcontext(), window.args), (nullcontext(), window.args),
+                (diagnostics_moved(), (exchanged_copy(batch), batch_idx)),
+                (diagnostics_moved(), (exchanged_copy(batch, floating_only=True), batch_idx))]
     if window.kind != "batch":
         return [(nullcontext(), ()), (nullcontext(), ()), (exchanged(False), ()), (exchanged(True), ())]
     outputs, batch, batch_idx = window.args

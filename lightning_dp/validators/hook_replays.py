@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import torch
 
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import (StateFingerprint, library_callback, moved_by_data, settings,
                                                 trusted_callback)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
@@ -40,8 +41,53 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
            "moved_far", "moved_near", "overrides_epoch_hooks", "overrides_fit_start", "progress_as",
-           "replay_batch_hooks", "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code",
-           "silenced_logging", "users_hook", "weights_moved_by_data", "weights_sketch"]
+           "raised_apart", "raised_error", "replay_batch_hooks", "replay_end_hooks", "replay_epoch_hooks", "replaying",
+           "runs_users_code", "silenced_logging", "users_hook", "weights_moved_by_data", "weights_sketch"]
+
+
+_RAISING_HOOKS = ("on_train_batch_start", "training_step", "on_before_backward", "on_train_batch_end",
+                  "on_train_epoch_start", "on_train_epoch_end", "on_validation_epoch_end", "on_validation_end",
+                  "on_train_start")
+
+
+def raised_apart(plain: Optional[BaseException], again: Optional[BaseException],
+                 others: Sequence[tuple[Optional[BaseException], bool]]) -> Optional[tuple[BaseException, bool]]:
+    """An exception a hook raised on the data and not on other data, or the other way round: a decision made by
+    raising (a stop once the training loss is low enough, caught by the user's script: zoo13 exc1). ``plain`` and
+    ``again``: what the two runs on the data raised (``None``: they finished); ``others``: each run on other data's,
+    with whether one it alone raised is judged (the loss moved far or near zero: values the step can take; not the
+    batch's values exchanged, which a hook may rightly reject). Returns (the exception, whether the runs on the data
+    raised it), or ``None`` when every run ended alike (a hook that raises on every run keeps raising)."""
+    if plain is not None and again is not None:
+        return (plain, True) if any(other is None for other, _ in others) else None
+    if plain is None and again is None:
+        alone = [other for other, judged in others if other is not None and judged]
+        return (alone[0], False) if alone else None
+    return None  # the two runs on the data already end apart (a clock): not the data's
+
+
+def _raising_hook(err: BaseException) -> str:
+    """``Class.hook`` of the deepest frame of a Lightning hook the exception came through ("a hook" when none)."""
+    found, tb = "a hook", err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in _RAISING_HOOKS and "self" in tb.tb_frame.f_locals:
+            found = f"{type(tb.tb_frame.f_locals['self']).__name__}.{code.co_name}"
+        tb = tb.tb_next
+    return found
+
+
+def raised_error(err: BaseException, on_data: bool, where: str) -> PrivacyConfigurationError:
+    """The refusal of a decision made by raising (:func:`raised_apart`), naming the hook and the exception."""
+    said = f" ({str(err)[:120]})" if str(err) else ""
+    how = ("raised it on the data, and not when run again on other data" if on_data else
+           "did not raise it on the data, and raised it when run again on other data")
+    return PrivacyConfigurationError(
+        f"{_raising_hook(err)} raised {type(err).__name__}{said} {where}: the hooks {how}. An exception is a "
+        "decision: a stop (or any exception your script catches) decided from the training loss or the training "
+        "batch is a release no noise covers — the number of releases, and the model kept, then depend on one "
+        "record. Stop from a held-out value (EarlyStopping on a validation metric), or decide from the released "
+        "model (evaluated on public data after the fit), not from the training loss.")
 
 
 @contextmanager

@@ -35,7 +35,8 @@ from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.diagnostic_reads import paused as diagnostics_paused
 from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, configured_settings, model_kept,
-                                                  moved_near, overrides_epoch_hooks, progress_as, replay_batch_hooks,
+                                                  moved_near, overrides_epoch_hooks, progress_as, raised_apart,
+                                                  raised_error, replay_batch_hooks,
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
                                                   weights_moved_by_data, weights_sketch)
 from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
@@ -203,8 +204,8 @@ class StepReplays:
              StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
         start = None if unjudged is None else unjudged[0].take(users)
 
-        def replay(examples: Any, progress: Optional[tuple[int, int]], moved: Union[bool, Callable[[Any], Any]] = False,
-                   failed: Optional[list[bool]] = None) -> Callable[[], None]:
+        def replay(examples: Any, progress: Optional[tuple[int, int]],
+                   moved: Union[bool, Callable[[Any], Any]] = False) -> Callable[[], None]:
             def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
                 first = writes is not None and not writes.runs
                 try:
@@ -216,11 +217,12 @@ class StepReplays:
                         try:
                             ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
                                                        before_end=writes.before_end if writes else lambda: None)
-                        except Exception:  # noqa: BLE001  (exchanged values a step cannot take: not compared)
-                            if failed is None:
-                                raise
-                            failed.append(True)
+                        except PrivacyConfigurationError:
+                            raise
+                        except Exception as err:  # noqa: BLE001  (judged by raised_apart: a stop by raising)
+                            raised.append(err)
                             return
+                        raised.append(None)
                         calls.append(("on_train_batch_start returned -1", ended))
                         taken.append(replay_decisions(optimizer, trainer))  # before the user's state is put back:
                         if writes is not None:                              # a policy their callback holds and set
@@ -233,15 +235,17 @@ class StepReplays:
         where = ("from the batch by the hooks around a step (on_train_batch_start/end, on_before_backward, "
                  "training_step), replayed on the probe's examples, on half of them and on them exchanged")
         for progress in (None, *self._later_in_the_plan()):
-            variants = ((other, True, None), (batch, moved_near, []), (exchanged_copy(batch), False, []))
-            for second, moved, failed in variants:
+            # (examples, loss moved, whether a raise on them alone is judged: the loss moved, not values exchanged)
+            variants = ((other, True, True), (batch, moved_near, True), (exchanged_copy(batch), False, False))
+            for second, moved, judge_raise in variants:
                 decisions.clear()
+                raised: list[Optional[Exception]] = []  # what each replay raised (None: it finished)
                 taken: list[Fingerprint] = []  # the decisions as each replay left them (replay_decisions)
                 if writes is not None:
                     writes.runs.clear()
                 with self.watches_paused():  # the first two alike: what differs between them is not the data's
                     before, seen = replay_records(optimizer, [replay(batch, progress), replay(batch, progress),
-                                                              replay(second, progress, moved, failed)], loop=trainer)
+                                                              replay(second, progress, moved)], loop=trainer)
                 # the replays start again judging the writes on every rank when any rank's wrote (one all-reduce)
                 again = unjudged is not None and bool(StateFingerprint.changed(start, unjudged[0].take(users)))
                 if self.step.any_rank(again):
@@ -250,7 +254,14 @@ class StepReplays:
                     return self._replay_now_and_later(batch, other, judge_writes=True)
 
                 def judge() -> None:  # refused on every rank alike: no rank goes on to replay hooks its peer left
-                    if failed:
+                    apart = raised_apart(raised[0], raised[1], [(raised[2], judge_raise)]) if len(raised) == 3 \
+                        else None
+                    if apart is not None:  # a stop by raising, decided from the loss or the batch
+                        raise raised_error(*apart, "in the hooks around a step (on_train_batch_start/end, "
+                                           "on_before_backward, training_step), replayed on the probe's examples, "
+                                           + ("on half of them with the loss moved far" if second is other else
+                                              "with the loss moved near zero" if moved else "on them exchanged"))
+                    if any(err is not None for err in raised):  # exchanged values a step cannot take: not compared
                         return
                     if writes is not None:
                         self.batch_end_writes |= writes.judged()
@@ -264,6 +275,8 @@ class StepReplays:
                         raise decided_from_data_error([decisions[0], decisions[2]], "by the hooks around a step "
                                                       "(training_step, on_train_batch_start/end, on_before_backward)")
                 self.step.on_every_rank(judge, "found the batch hooks' replays steered by the data")
+                if raised and raised[0] is not None:  # raised on the data, alike on other data: as the loop would
+                    raise raised[0]
             self._replay_epoch_hooks(progress)
         if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
             boundary.accept([f"parameter {name}" for name in writes.rewritten])

@@ -90,11 +90,11 @@ class NoMoreTime(pl.Callback):
 
 
 def test_a_timer_duration_set_from_the_batch_loss_is_refused_and_put_back() -> None:
-    timer = Timer(duration=dict(hours=1), interval="step")
+    timer = Timer(interval="step")  # measures only (a duration is a wall-clock budget: refused at setup)
     with pytest.raises(PrivacyConfigurationError, match=r"Timer\._duration"):
         quiet_trainer(strategy=strategy(), max_steps=12, callbacks=[timer, NoMoreTime(timer)]).fit(
             Classifier(), loader(64))
-    assert timer._duration == 3600.0
+    assert timer._duration is None
 
 
 class CheckpointWhenClose(pl.Callback):
@@ -157,7 +157,7 @@ class Logged(Validated):
 def test_lightnings_callbacks_used_as_lightning_runs_them_train(tmp_path: Path) -> None:
     stopper = EarlyStopping("val_loss", patience=1, min_delta=0.0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, every_n_train_steps=2)
-    timer = Timer(duration=dict(hours=1), interval="step")
+    timer = Timer(interval="step")  # measures only (a duration is a wall-clock budget: refused at setup)
     trainer = quiet_trainer(strategy=strategy(), max_epochs=3, val_check_interval=0.5, enable_checkpointing=True,
                             logger=CSVLogger(tmp_path), log_every_n_steps=1,
                             callbacks=[stopper, checkpoint, timer, LearningRateMonitor()])
