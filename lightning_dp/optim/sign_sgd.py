@@ -26,8 +26,11 @@ from typing import Callable, ClassVar, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.engine_api import mark_released
+from lightning_dp.validators.records import check_records
 from lightning_dp.grad_sample.base import ClippedBatch
 from lightning_dp.privacy.noise import GaussianNoise
 from lightning_dp.privacy.private_step import PrivateStep
@@ -137,6 +140,9 @@ class VirtualWorkersSignSGD:
         per_sample: str = "auto",
     ) -> None:
         _validate(worker_data, sample_rate, noise_multiplier, max_grad_norm)
+        if noise_multiplier > 0:  # each record once, in one worker: a copy would be sampled (and counted) twice
+            pooled = TensorDataset(torch.cat([x for x, _ in worker_data]), torch.cat([y for _, y in worker_data]))
+            check_records(pooled, None, len(pooled))
         self.model = model
         self.loss_fn = loss_fn
         self.worker_data = list(worker_data)
@@ -250,6 +256,7 @@ class VirtualWorkersSignSGD:
         for p in self.params.values():
             n = p.numel()
             p.grad = vote[offset : offset + n].view_as(p).to(p.dtype)
+            mark_released(p.grad)  # the library's own output: the next round's engine does not take it for a gradient
             offset += n
 
 

@@ -164,3 +164,29 @@ def test_private_training_learns_a_separable_problem() -> None:
     x = torch.cat([d[0] for d in data])
     y = torch.cat([d[1] for d in data])
     assert ((model(x) > 0).float() == y).float().mean() > 0.9
+
+
+def test_the_vote_left_in_p_grad_is_not_a_gradient_of_the_next_round() -> None:
+    """The vote the optimizer stepped with stays in ``p.grad`` (no zero_grad between rounds); it is the library's own
+    output (marked as released), so the ghost engine does not take it for a use of the weights its hooks missed."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    runner = VirtualWorkersSignSGD(model, F.binary_cross_entropy_with_logits, _workers(), 0.5, 0.05, 1.0, 1.0,
+                                   generator=torch.Generator().manual_seed(2), per_sample="ghost")
+    for _ in range(3):
+        runner.step()
+    assert runner.ledger.steps == 3
+    runner.detach()
+
+
+@pytest.mark.parametrize("layout", ["within", "across"])
+def test_a_record_held_twice_by_the_workers_is_refused(layout) -> None:
+    """Each record lives once, in one worker: a copy (twice in one worker's data, or in two workers') would be
+    sampled twice per round while the ledger charges q once."""
+    data = _workers()
+    x, y = data[0]
+    if layout == "within":
+        data[0] = (torch.cat([x, x]), torch.cat([y, y]))
+    else:
+        data[1] = (x.clone(), y.clone())
+    with pytest.raises(PrivacyConfigurationError, match="repeat"):
+        VirtualWorkersSignSGD(nn.Linear(3, 1), F.binary_cross_entropy_with_logits, data, 0.25, 0.1, 1.0, 1.0)
