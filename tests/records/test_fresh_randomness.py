@@ -11,6 +11,7 @@ import pickle
 import random
 
 import numpy as np
+import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,7 @@ def test_a_data_dependent_numpy_draw_count_does_not_reach_the_next_step():
 def test_a_fetch_that_draws_as_often_as_its_record_needs_does_not_shift_other_records_or_steps():
     x, y = _data()
     x2 = x.clone()
-    x2[12, 3] = 3.0  # its "aspect": the crop is retried more often
+    x2[12, 3] = 100.0  # its "aspect": the crop is retried 10 times (once in D)
     w, rows = _fit(_Dropout3(), _RetriedCrop(x, y))
     w2, _ = _fit(_Dropout3(), _RetriedCrop(x2, y))
     assert len(rows.batches) == 2
@@ -170,7 +171,9 @@ def test_runs_seeded_alike_are_reproducible_and_the_seed_still_matters():
 
 
 # ------------------------------------------------------------------ a plain loop: PrivateStep.begin()
-def _plain(labels: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _plain(labels: torch.Tensor, x: torch.Tensor, workers: int = 0, late: bool = False):
+    """Two steps of a plain loop; after each, a few errors are picked to show (``late``: as the next batch arrives,
+    after its fetch and before ``begin()``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 2))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -178,13 +181,15 @@ def _plain(labels: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list[to
     try:
         step.attach(model, opt)
         torch.manual_seed(123)
-        loader = step.poisson_loader(DataLoader(TensorDataset(x, labels), batch_size=B))
+        loader = step.poisson_loader(DataLoader(TensorDataset(x, labels), batch_size=B, num_workers=workers))
         step.verify(lambda b: F.cross_entropy(model(b[0]), b[1]))
-        seen = []
+        seen, n_wrong = [], 0
         for k, (xb, yb) in enumerate(loader):
             if k >= 2:
                 break
             seen.append(xb)
+            if late:
+                torch.randperm(n_wrong)
             step.begin()
             logits = model(xb)
             F.cross_entropy(logits, yb).backward()
@@ -192,20 +197,23 @@ def _plain(labels: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list[to
             if k > 0:  # lr 0 at step 0
                 opt.step()
             opt.zero_grad()
-            torch.randperm(int((logits.argmax(1) != yb).sum()))  # a few errors to show: a data-dependent count
+            n_wrong = int((logits.argmax(1) != yb).sum())
+            if not late:
+                torch.randperm(n_wrong)  # a few errors to show: a data-dependent count of draws
         return torch.cat([p.detach().flatten() for p in model.parameters()]), seen
     finally:
         step.detach()
 
 
-def test_a_plain_loops_data_dependent_draw_count_does_not_reach_the_next_step():
+@pytest.mark.parametrize("workers, late", [(0, False), (1, False), (0, True)])
+def test_a_plain_loops_data_dependent_draw_count_does_not_reach_the_next_step(workers, late):
     x, y = _data()
     _, seen = _plain(y, x)
     record = next(i for i in range(N) if _in(seen[0], x[i]) and not _in(seen[1], x[i]))
     y2 = y.clone()
     y2[record] = 1 - y[record]
-    w, _ = _plain(y, x)
-    w2, _ = _plain(y2, x)
+    w, _ = _plain(y, x, workers, late)
+    w2, _ = _plain(y2, x, workers, late)
     assert (w - w2).norm() < 1e-4
 
 
@@ -246,3 +254,34 @@ def test_a_step_reseeds_once_per_index():
     fresh._last_step = None
     fresh.step(4)
     assert torch.equal(torch.rand(2), fourth)
+
+
+class _IndexedCrop(_RetriedCrop):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, y, i
+
+
+def _fetched(x: torch.Tensor, y: torch.Tensor, batches: int = 3) -> dict[int, torch.Tensor]:
+    """Each record's augmented row, as the private loader fetched it in its first ``batches`` batches."""
+    step = PrivateStep(SIGMA, 1.0, GaussianNoise(seed=0), sampler_seed=0)
+    try:
+        step.attach(nn.Linear(3, 2), None)
+        torch.manual_seed(123)
+        rows: dict[int, torch.Tensor] = {}
+        for k, (xb, _, ib) in enumerate(step.poisson_loader(DataLoader(_IndexedCrop(x, y), batch_size=B))):
+            if k >= batches:
+                break
+            rows.update({int(i): row for i, row in zip(ib, xb)})
+        return rows
+    finally:
+        step.detach()
+
+
+def test_a_records_draw_count_does_not_shift_the_augmentation_of_the_records_fetched_after_it():
+    x, y = _data()
+    x2 = x.clone()
+    x2[12, 3] = 100.0  # its crop is retried 10 times (once in D)
+    rows, rows2 = _fetched(x, y), _fetched(x2, y)
+    assert 12 in rows and rows.keys() == rows2.keys() and len(rows) > 20
+    assert all(torch.equal(rows[i], rows2[i]) for i in rows if i != 12)
