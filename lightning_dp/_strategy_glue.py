@@ -339,8 +339,8 @@ class PrivateTraining:
                                                  step.any_rank, step.on_every_rank,
                                                  lambda: diagnostic_reads.moved(step, up=False))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
-        self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # before it: each step's randomness
-        trainer.callbacks.insert(0, self._fresh_step)  # starts afresh (records/fresh_randomness.py)
+        self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
+        trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
 
     def on_exception(self, exception: BaseException) -> None:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not

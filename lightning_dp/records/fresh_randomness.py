@@ -11,8 +11,9 @@ beyond the noise, and a seed the user set (``pl.seed_everything(42)``) makes the
 :class:`FreshRandomness` cuts the stream at points that do not depend on the data:
 
 * **every private step** starts from generators seeded with a function of (the run's base seed, the step's index):
-  :meth:`FreshRandomness.step`, at the step's start (Lightning: :func:`step_callback`, the first callback of
-  ``on_train_batch_start``, before the first-step checks and their replays, which fork the generators and so start
+  :meth:`FreshRandomness.step`, at the step's start (Lightning: :func:`step_callback`, in ``on_train_batch_start``
+  right after the decision windows' callback closed the last step's window and before every other callback, the
+  module's hook and the first-step checks and their replays, which fork the generators and so start
   from the same state as the step's real run; a plain loop: ``PrivateStep.begin()``, once per step index);
 * **every record the Poisson loader fetches** is read with the generators seeded with a function of (the base seed,
   the fetch's ordinal, the record's position in the batch), and the generators are seeded afresh once the batch's
@@ -104,8 +105,9 @@ class FreshIndices(list):
 
 def step_callback(fresh: FreshRandomness, index: Callable[[], int]) -> Any:
     """Lightning: a callback for which each step's randomness starts afresh (:meth:`FreshRandomness.step` with
-    ``index()``, the step's release index), first thing in ``on_train_batch_start``: put first in the trainer's
-    callbacks, it runs before any other callback, the module's hook and the step's checks."""
+    ``index()``, the step's release index), in ``on_train_batch_start``: put second in the trainer's callbacks (after
+    the decision windows', which closes the last step's window), it runs before the user's callbacks, the module's
+    hook and the step's checks."""
     import pytorch_lightning as pl  # here: the plain loop does not import Lightning
 
     class FreshStep(pl.Callback):
