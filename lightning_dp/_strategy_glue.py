@@ -72,6 +72,7 @@ from lightning_dp.losses import loss_tensor, mean_loss
 from lightning_dp.performance.fixed_batch import chunks as padded_chunks
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig, check_target
 from lightning_dp.privacy.private_step import Distribution, PrivateStep
+from lightning_dp.records.fresh_randomness import step_callback
 from lightning_dp.units.physical import user_chunks
 
 CHECKPOINT_KEY = "lightning_dp"
@@ -133,6 +134,7 @@ class PrivateTraining:
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
+        self._fresh_step: Optional[pl.Callback] = None  # reseeds the global generators as each step starts
         self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
         self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
@@ -337,6 +339,8 @@ class PrivateTraining:
                                                  step.any_rank, step.on_every_rank,
                                                  lambda: diagnostic_reads.moved(step, up=False))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
+        self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
+        trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
 
     def on_exception(self, exception: BaseException) -> None:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
@@ -445,6 +449,9 @@ class PrivateTraining:
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if windows is not None and trainer is not None and windows in trainer.callbacks:
             trainer.callbacks.remove(windows)
+        fresh, self._fresh_step = self._fresh_step, None
+        if fresh is not None and trainer is not None and fresh in trainer.callbacks:
+            trainer.callbacks.remove(fresh)
 
     def _fitting(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]

@@ -54,6 +54,7 @@ from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping, as_rul
 from lightning_dp.clipping.resolve import resolve_clipping, unit_refusal
 from lightning_dp.accounting.budget_shortfall import SIGMA_RATIO_LIMIT, Shortfall, check_on_budget_short, too_noisy
 from lightning_dp.records.collate import EmptySafeCollate, loader_like
+from lightning_dp.records.fresh_randomness import FreshRandomness
 from lightning_dp.records.stateless import FetchState
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
@@ -253,6 +254,7 @@ class PrivateStep(StepChecks):
         :class:`~lightning_dp.accounting.ceiling.EpsilonCeiling`, asked before every release (:meth:`refusal`)."""
         self.adopted: Optional[str] = None
         """What the last :meth:`attach` adopted of the module's record, as a log line (``None``: nothing)."""
+        self.fresh = FreshRandomness()  # randomness starts afresh each step, each record (records/fresh_randomness.py)
         self.boundary = ReleaseBoundary(privacy.public_state)
         """The release boundary (:mod:`~lightning_dp.privacy.boundary`): checked before every release."""
         self.schedule = VerificationSchedule(execution.verify, execution.verify_budget)
@@ -442,6 +444,7 @@ class PrivateStep(StepChecks):
         checked first
         (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
         where, first = self.distribution, check_start_step(self, start_step)
+        self.fresh.start()  # the base seed, before any record is read
         population = training_population(dataloader, where.rank, where.world_size, batches_per_step)
         fetches = FetchState(dataloader.dataset, dataloader.collate_fn).noted()  # before any read: a fetch is stateless
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
@@ -464,7 +467,7 @@ class PrivateStep(StepChecks):
         self._source = (dl.dataset, dl.collate_fn or EmptySafeCollate(dl.dataset).collate_fn)
         self.boundary.datasets = lambda: [dl.dataset]  # a record written in place is refused (kept_state.py)
         self.boundary.new_datasets()
-        return loader_like(dl, self._batches, collate, fetches)
+        return loader_like(dl, self._batches, collate, fetches, self.fresh)
 
     def _user_sampler(self, dataset: Any, population: TrainingPopulation,
                       seed: Optional[int]) -> UserPoissonBatchSampler:
@@ -716,6 +719,7 @@ class PrivateStep(StepChecks):
         if self._open_batch:  # the last physical batch was neither banked nor released: its step raised
             self.discard_noise()
             self.loop.abandon()
+        self.fresh.step(self.steps_taken)  # once per step index: its randomness independent of earlier data
         self.boundary.step_begins()
         if not self._parameters_checked and self.refresh_parameters():
             raise PrivacyConfigurationError(

@@ -58,13 +58,14 @@ def batch_size_of(batch: Any) -> int:
 
 
 def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]], Any],
-                state: FetchState | None = None) -> DataLoader:
+                state: FetchState | None = None, fresh: Any = None) -> DataLoader:
     """A loader over ``dl``'s dataset drawing ``batch_sampler``'s batches, collated by ``collate``, with ``dl``'s
     workers, pinning, timeout, worker init, multiprocessing context and persistence. Its fetches are stateless: each
     process's dataset and collate object are compared after every batch with the state noted before that fetch (in
     a worker: after ``dl``'s ``worker_init_fn``, then after each batch), and around the library's reads of the dataset
     (:mod:`~lightning_dp.records.stateless`; ``state``: created before the checks' first read — here when not
-    given)."""
+    given). ``fresh``: a :class:`~lightning_dp.records.fresh_randomness.FreshRandomness` that seeds the global
+    generators afresh around each record's read."""
     state = state or FetchState(dl.dataset, dl.collate_fn).noted()
     init = NotingWorkerInit(dl.worker_init_fn, state) if dl.num_workers > 0 else dl.worker_init_fn
     kwargs: dict[str, Any] = dict(
@@ -75,7 +76,7 @@ def loader_like(dl: DataLoader, batch_sampler: Any, collate: Callable[[list[Any]
     if dl.num_workers > 0:
         kwargs["prefetch_factor"] = dl.prefetch_factor
     loader = DeliveringLoader(dl.dataset, batch_sampler=batch_sampler, **kwargs)
-    loader.fetch_state = state
+    loader.fetch_state, loader.fresh = state, fresh
     return loader
 
 
@@ -88,13 +89,14 @@ class DeliveringLoader(DataLoader):
     fetch's (the library's reads are compared around themselves, :class:`~lightning_dp.records.fetch.watched`)."""
 
     fetch_state: Any = None
+    fresh: Any = None
 
     @property
     def _index_sampler(self) -> Any:  # what torch's iterators draw the batches of indices from
         batches = super()._index_sampler
         if self.num_workers == 0 and self.fetch_state is not None:
-            return NotedBatches(batches, self.fetch_state)
-        return batches
+            batches = NotedBatches(batches, self.fetch_state)
+        return batches if self.fresh is None else FreshBatches(batches, self.fresh)
 
     def __iter__(self) -> Any:
         if self.num_workers > 0 and self.fetch_state is not None:
@@ -106,3 +108,19 @@ class DeliveringLoader(DataLoader):
             if hasattr(sampler, "delivered"):
                 sampler.delivered(batch)
             yield batch
+
+
+class FreshBatches:
+    """The batches of indices handed to the fetcher (in the main process or sent to a worker), each wrapped to seed
+    the global generators afresh around each record's read (:mod:`~lightning_dp.records.fresh_randomness`)."""
+
+    def __init__(self, batches: Any, fresh: Any) -> None:
+        self.batches = batches
+        self.fresh = fresh
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for indices in self.batches:
+            yield self.fresh.batch(indices)
