@@ -18,6 +18,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from lightning_dp._warnings import OUTPUT_HOOK_NOTICE, output_hook_notice_quieted  # noqa: F401  (re-exported)
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.grad_sample.capture.activations import HOLDERS
 from lightning_dp.grad_sample.capture.engine_hooks import EngineCallable, EngineHook
 
 from lightning_dp.grad_sample.base import (
@@ -192,6 +193,10 @@ def _opacus_wrong(module: nn.Module) -> Optional[str]:
     """Why Opacus' per-example gradients for a module it hooks would be wrong (or crash), else None."""
     if any(isinstance(m, _BatchNorm) for m in module.modules()):
         return "normalises with batch statistics: mixes examples"
+    if isinstance(module, HOLDERS):
+        return (f"an nn.{type(module).__name__} has no forward: Opacus' hooks never see its parameters' use by the "
+                "module that reads them (x @ self.ws[i], F.linear(x, self.ws[i])); served by 'ghost' and 'vmap' "
+                "(per_sample='ghost'), or keep the weight in a layer (nn.Linear)")
     if parametrized(module) or isinstance(module, ParametrizationList):
         return ("computes its weight from a parametrization (weight_norm, orthogonal, ...): Opacus' rules would give "
                 "the computed weight a gradient, not its originals; served by 'vmap' and 'ghost'")

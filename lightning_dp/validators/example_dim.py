@@ -336,8 +336,9 @@ def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigu
     return PrivacyConfigurationError(
         f"The trainable parameter {where} (shape {shape}) received a gradient, but from no use that the "
         "per-example engine captures: it is read outside its module's forward and used otherwise than broadcast "
-        "over the examples or as F.linear's weight or bias on them (h @ self.weight.t(), torch.einsum, a "
-        "convolution), or through a read the library does not see (module.parameters(), module._parameters). "
+        "over the examples or as the weight of a product with them (x @ w, F.linear(x, w), an einsum led by the "
+        "examples' index) or F.linear's bias (self.weight @ h.t(), a convolution), or through a read the library "
+        "does not see (module.parameters(), module._parameters). "
         "Nothing was released. Use it through a leaf module (nn.Linear; for weight tying: an nn.Linear whose "
         ".weight is the embedding's Parameter), pass it to F.linear, or freeze it (requires_grad=False)."
     )

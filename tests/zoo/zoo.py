@@ -1421,7 +1421,8 @@ def image_data(seed: int = 0) -> TensorDataset:
 
 class ContainerWeight(Base):
     """A weight owned by a block with children used as the weight of ``F.linear`` (a functional linear layer: exact),
-    or, with ``matmul``, multiplied with the batch by ``h @ w.t()`` (no rule for it: refused)."""
+    or, with ``matmul``, multiplied with the batch from the left, ``(w @ h.t()).t()`` (no rule for it: refused;
+    ``h @ w.t()`` is served like ``F.linear``: tests/grad_sample/test_parameter_containers.py)."""
 
     def __init__(self, matmul: bool = False) -> None:
         super().__init__()
@@ -1432,7 +1433,7 @@ class ContainerWeight(Base):
     def loss(self, batch):
         x, y = batch
         h = torch.tanh(self.a(x))
-        return F.cross_entropy(h @ self.weight.t() if self.matmul else F.linear(h, self.weight), y)
+        return F.cross_entropy((self.weight @ h.t()).t() if self.matmul else F.linear(h, self.weight), y)
 
 
 class FunctionalQKV(Base):
@@ -1670,7 +1671,7 @@ class UnusedParameters(Base):
 
 class FunctionalUseOfAnIdleLayer(UnusedParameters):
     """The spare head's weight read outside while its module never runs: by ``F.linear`` (a functional linear layer,
-    served) or, with ``matmul``, by ``h @ w.t()`` (a real gradient no rule serves)."""
+    served) or, with ``matmul``, by ``(w @ h.t()).t()`` (a real gradient no rule serves)."""
 
     def __init__(self, matmul: bool = False) -> None:
         super().__init__()
@@ -1679,7 +1680,7 @@ class FunctionalUseOfAnIdleLayer(UnusedParameters):
     def loss(self, batch):
         x, y = batch
         h = torch.tanh(self.a(x))
-        extra = h @ self.pooler.weight.t() if self.matmul else F.linear(h, self.pooler.weight)
+        extra = (self.pooler.weight @ h.t()).t() if self.matmul else F.linear(h, self.pooler.weight)
         return F.cross_entropy(self.b(h), y) + 0.1 * extra.pow(2).mean()
 
 

@@ -308,13 +308,16 @@ class BroadcastSites(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
         computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
+        product = _product_arguments(name, args, kwargs) if name in PRODUCTS else None
         # a costly call is first run on shapes alone (meta tensors): at a site it runs once, on the expansion
-        shaped = _shape_only(name, args, kwargs) if computed and name in SHAPED_FIRST else None
+        shaped = _shape_only(name, args, kwargs) if computed and name in SHAPED_FIRST and product is None else None
         result = shaped if shaped is not None else func(*args, **kwargs) if computed else flat[0]
         rows = {self.n} | self._flattened()
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
         if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
+            return result
+        if product is not None and self._einsum(product, result, rows):
             return result
         if func is F.embedding and self._functional_embedding(_embedding_arguments(args, kwargs), result, rows):
             return result
@@ -656,6 +659,28 @@ def _embedding_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, 
     if named.get("max_norm") is not None or named.get("scale_grad_by_freq") or named.get("sparse"):
         return None
     return named.get("input"), named.get("weight"), named.get("padding_idx")
+
+
+PRODUCTS: frozenset[str] = frozenset({"matmul", "__matmul__", "__rmatmul__", "mm", "mv"})
+"""Products served as the two-operand einsum they are when one operand holds the examples in its rows and the
+followed one is 1- or 2-D (:func:`_product_arguments`): ``x @ W`` (``[n, in] @ [in, out]``, ``x @ self.ws[i].t()``, a
+parameter of an ``nn.ParameterList`` used as a weight) is ``einsum("ab,bc->ac", x, W)``, and example i's gradient of W
+is its own row's outer product (:meth:`BroadcastSites._einsum`). A product whose followed operand has fewer
+dimensions than the examples' (``[B, T, in] @ [in, out]``) is a broadcast site instead (``BROADCASTING``)."""
+
+
+def _product_arguments(name: str, args: tuple, kwargs: dict) -> Optional[tuple[list[str], str, list[Tensor]]]:
+    """``([left, right], out, [a, b])`` of ``a @ b`` with a 2-D ``a`` and a 1- or 2-D ``b`` (``__rmatmul__(b, a)`` is
+    ``a @ b``), in the form of :func:`_einsum_arguments`; None for any other call (batched operands: a broadcast, or
+    an ``out=``)."""
+    if kwargs or len(args) != 2:
+        return None
+    a, b = (args[1], args[0]) if name == "__rmatmul__" else args
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.dim() != 2 or b.dim() not in (1, 2):
+        return None
+    if (name == "mm" and b.dim() != 2) or (name == "mv" and b.dim() != 1):
+        return None
+    return ["ab", "bc" if b.dim() == 2 else "b"], "ac" if b.dim() == 2 else "a", [a, b]
 
 
 def _einsum_arguments(args: tuple, kwargs: dict) -> Optional[tuple[list[str], str, list[Tensor]]]:

@@ -28,7 +28,12 @@ trainable parameters are watched (:class:`_Running`: a forward pre-hook and a fo
 forward runs (its own code, or any helper it calls) is untouched, so the layer's rule serves its calls; any other read
 by the model is followed like a root parameter's. A step in which one parameter has both kinds of use is refused
 (:func:`~lightning_dp.validators.example_dim.mixed_use_error`). Any outside read that is not a broadcast over
-the examples (``h @ self.weight.t()``) leaves the parameter without per-example gradient: refused.
+the examples or a product's weight on them (``x @ w``, ``F.linear``, an einsum led by the examples) leaves the
+parameter without per-example gradient (``self.weight @ h.t()``): refused.
+
+The parameters of an ``nn.ParameterList`` or ``nn.ParameterDict`` (modules without a forward, never hooked:
+:data:`~.activations.HOLDERS`) are root parameters of the container: its indexing, iteration, ``values()`` and
+``get`` read them through ``getattr``, which the container's intercepting class sees like any attribute read.
 """
 
 from __future__ import annotations

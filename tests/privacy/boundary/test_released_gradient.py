@@ -71,7 +71,7 @@ def test_a_plain_loop_is_checked_at_the_optimizer_step():
 class SpareHeadOutsideTheOptimizer(Classifier):
     """A trainable head for prediction only: no training step uses it and no optimizer group holds it, so no
     ``zero_grad`` clears the ĝ the release writes into its ``.grad``. From ``read_from`` on, a step also reads it in a
-    way the engine does not capture (a matmul with the batch)."""
+    way the engine does not capture (a matmul with the batch on the right)."""
 
     def __init__(self, read_from: int = -1) -> None:
         super().__init__()
@@ -81,7 +81,7 @@ class SpareHeadOutsideTheOptimizer(Classifier):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         if 0 <= self.read_from <= self.global_step:
-            loss = loss + 0.01 * (x @ self.aux.weight.t()).square().mean()
+            loss = loss + 0.01 * (self.aux.weight @ x.t()).square().mean()
         return loss
 
     def configure_optimizers(self):
