@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.records.fresh_randomness import reads_draw
 from lightning_dp.records.fetch import fetch
 from lightning_dp.records.stateless import FetchState, NotedBatches, NotingWorkerInit, WatchedCollate
 
@@ -96,7 +97,7 @@ class DeliveringLoader(DataLoader):
         batches = super()._index_sampler
         if self.num_workers == 0 and self.fetch_state is not None:
             batches = NotedBatches(batches, self.fetch_state)
-        return batches if self.fresh is None else FreshBatches(batches, self.fresh)
+        return batches if self.fresh is None else FreshBatches(batches, self.fresh, reads_draw(self.dataset))
 
     def __iter__(self) -> Any:
         if self.num_workers > 0 and self.fetch_state is not None:
@@ -114,13 +115,14 @@ class FreshBatches:
     """The batches of indices handed to the fetcher (in the main process or sent to a worker), each wrapped to seed
     the global generators afresh around each record's read (:mod:`~lightning_dp.records.fresh_randomness`)."""
 
-    def __init__(self, batches: Any, fresh: Any) -> None:
+    def __init__(self, batches: Any, fresh: Any, per_record: bool = True) -> None:
         self.batches = batches
         self.fresh = fresh
+        self.per_record = per_record  # False: the dataset's reads draw nothing (a TensorDataset): once per batch
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Any:
         for indices in self.batches:
-            yield self.fresh.batch(indices)
+            yield self.fresh.batch(indices, self.per_record)

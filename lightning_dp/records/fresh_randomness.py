@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import Subset, TensorDataset
 
 
 def derived_seed(*key: Any) -> int:
@@ -72,15 +73,24 @@ class FreshRandomness:
         self._last_step = index
         reseed_globals(derived_seed(self.base, "step", index))
 
-    def batch(self, indices: Any) -> Any:
+    def batch(self, indices: Any, per_record: bool = True) -> Any:
         """The batch of indices a fetcher is handed, wrapped to reseed around each record's read
-        (:class:`FreshIndices`); the generators are seeded once for the batch right away."""
+        (:class:`FreshIndices`); the generators are seeded once for the batch right away. ``per_record=False``: the
+        dataset's reads draw nothing (:func:`reads_draw`), the batch's one seeding is enough."""
         if self.base is None or not isinstance(indices, list):
             return indices
         seed = derived_seed(self.base, "fetch", self.fetches)
         self.fetches += 1
         reseed_globals(seed)
-        return FreshIndices(indices, seed)
+        return FreshIndices(indices, seed) if per_record else indices
+
+
+def reads_draw(dataset: Any) -> bool:
+    """Whether reading ``dataset``'s records may draw random numbers: all but a ``TensorDataset`` (exactly that class:
+    pure indexing) and a ``Subset`` of one."""
+    while type(dataset) is Subset:
+        dataset = dataset.dataset
+    return type(dataset) is not TensorDataset
 
 
 class FreshIndices(list):

@@ -285,3 +285,23 @@ def test_a_records_draw_count_does_not_shift_the_augmentation_of_the_records_fet
     rows, rows2 = _fetched(x, y), _fetched(x2, y)
     assert 12 in rows and rows.keys() == rows2.keys() and len(rows) > 20
     assert all(torch.equal(rows[i], rows2[i]) for i in rows if i != 12)
+
+
+def test_only_a_plain_tensor_dataset_is_read_without_a_seeding_per_record():
+    """A TensorDataset (or a Subset of one) is pure indexing: seeded once per batch. Any other dataset, a subclass of
+    TensorDataset included (its __getitem__ may draw), is seeded before each record."""
+    from torch.utils.data import Subset
+
+    from lightning_dp.records.fresh_randomness import FreshIndices, FreshRandomness, reads_draw
+
+    plain = TensorDataset(torch.zeros(4, 2))
+
+    class Augmented(TensorDataset):
+        def __getitem__(self, i):
+            return (super().__getitem__(i)[0] + torch.randn(2),)
+
+    assert not reads_draw(plain) and not reads_draw(Subset(Subset(plain, [0, 1]), [0]))
+    assert reads_draw(Augmented(torch.zeros(4, 2))) and reads_draw(_RetriedCrop(torch.zeros(4, 4), torch.zeros(4)))
+    fresh = FreshRandomness()
+    fresh.start()
+    assert type(fresh.batch([0, 1], per_record=False)) is list and isinstance(fresh.batch([0, 1]), FreshIndices)
