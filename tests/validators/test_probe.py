@@ -161,6 +161,7 @@ def test_a_summed_loss_is_still_caught_under_augmentation():
     (AssertionError("If you want to train `ReformerModel`, make sure to use `model.train()`"), "eval mode"),
     (RuntimeError("shape constraint violated: expected [4, 3]"), "batches of any size"),  # 'constraint' is no 'train'
     (IndexError("index 0 is out of bounds for dimension 0 with size 0"), "batches of any size"),
+    (torch.utils.checkpoint.CheckpointError("Recomputed values ... have different metadata"), "without gradient check"),
 ])
 def test_a_failing_step_is_explained_by_its_likely_cause(error, cause):
     message = str(probe_failure_error(error, 2))
