@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.overrides import TorchFunctionMode
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -155,6 +156,22 @@ def recomputable(module: nn.Module) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+class _TransformedRequiresGrad(TorchFunctionMode):
+    """Entered inside the per-example replay (:func:`_layer_grads`' ``inner``): a forward hook that marks the layer's
+    output as requiring grad (Hugging Face's ``gradient_checkpointing_enable()`` puts one on the input embeddings, so
+    that a reentrant checkpoint has an input that requires grad) runs in the replay too, where torch.func refuses
+    ``requires_grad_`` on the tensors it transforms (it differentiates them already). There ``t.requires_grad_(True)``
+    returns ``t`` unchanged where ``t`` is a tensor torch.func transforms; every other call runs as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is Tensor.requires_grad_ and args and isinstance(args[0], Tensor)
+                and bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+                and torch._C._functorch.is_functorch_wrapped_tensor(args[0])):
+            return args[0]
+        return func(*args, **kwargs)
 
 
 def _sliced(value: Any, dims: Any, i: int, keep: bool = True) -> Any:
@@ -389,7 +406,8 @@ def _layer_grads(
 
         def inner(p: dict[str, Tensor], deltas: tuple[Tensor, ...], i: Tensor, *vals: Any) -> Tensor:
             vals1 = list(vals) if flat else [_unsqueezed(v, d) for v, d in zip(vals, slot_dims)]
-            out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
+            with _TransformedRequiresGrad():
+                out = functional_call(module, p, tuple(vals1[:n_args]), dict(zip(keys, vals1[n_args:])))
             leaves = tree_flatten(out)[0]
             # all n rows, unless the output is already the example's gradient's shape (a call without arguments
             # returning a table whose first dimension happens to be n: the whole table is example i's)

@@ -175,10 +175,11 @@ class ExampleIndependenceProbe:
                                [self._engine_pass([i], rule=self._rule(bound, 1)) for i in indices] if self.isolated
                                else self._engine_pass(list(indices), rule=self._rule(bound, len(indices))))
                     reference = self._autograd_pass(list(indices))
-        except Exception as err:  # a write made before the failure is the first thing to report: no engine lifts it
+        except Exception as err:  # a write made before the failure is refused too (no engine lifts it), the failure
+            # named first: the write may be unrelated to it (a field set lazily on a first call) or left by it halfway
             changed = self.state.changed(before, self.state.take(full=True))  # (no replay judges it: all of it)
             if changed:
-                raise state_mutation_error(changed) from err
+                raise state_mutation_error(changed, failure=err) from err
             if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
                 raise double_backward_error(self.engine.name) from err
             raise
@@ -476,10 +477,12 @@ class StateWriteError(PrivacyConfigurationError):
     probe would see the state already written and nothing change)."""
 
 
-def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
+def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException] = None) -> StateWriteError:
     """The user's step changed the model's own state outside the gradient (its parameters, buffers or attributes):
     data-dependent state that the noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch
-    looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it."""
+    looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it. ``failure``:
+    a probe pass failed after the write (:meth:`ExampleIndependenceProbe._run`); its error leads the message, the
+    likelier thing to fix (a write it interrupted, or one unrelated to it, is named after it)."""
     declarable = [entry.partition(" ")[2] for entry in changed if not entry.startswith("parameter ")][:3]
     public = (f" If it is not derived from the training data (a step counter), or you accept that it leaves "
               f"unprotected like a logged metric (a list of losses kept for an epoch-end log), declare it public: "
@@ -491,8 +494,15 @@ def state_mutation_error(changed: Sequence[str]) -> StateWriteError:
                    "release) from the parameters only, or, if it is not derived from the training data, declare "
                    f"it public: DPStrategy(public_state={written!r}). A frozen copy (requires_grad=False, in no "
                    "optimizer) updated from the weights alone is also accepted before the release.")
+    lead = ""
+    if failure is not None:
+        text = (str(failure) if isinstance(failure, PrivacyConfigurationError)
+                else f"{type(failure).__name__}: {failure}").rstrip()
+        stop = "" if text.endswith(".") else "."
+        lead = f"The first step's probe failed: {text}{stop} Fix that first. Before it failed, "
     return StateWriteError(
-        "training_step (its forward or loss) changed the model's own state, outside the gradient: "
+        lead + ("t" if lead else "T") + "raining_step (its forward or loss) changed the model's own state, outside the "
+        "gradient: "
         + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". What a step writes from the data "
         "(nn.Embedding(max_norm=...) renormalising the rows the batch looked up, running statistics, an EMA of "
         "activations, a counter or a memory bank kept as an attribute) is released with the model or kept in its "
@@ -525,16 +535,38 @@ class NoDropout(TorchFunctionMode):
     ``multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``: the mode is not
     active inside a function it handles, so the dropout it calls itself would not be seen) and the recurrent layers'
     kernels (``nn.LSTM``/``GRU``/``RNN``'s dropout between layers); the engines' replays inside the probe see the
-    same."""
+    same. The mode stays on during a backward (``loss.backward()``, ``torch.autograd.grad``) called under it: torch
+    pops a mode while it handles a call, so without :func:`_keeping` the backward ran with dropout on, and a
+    ``torch.utils.checkpoint`` block (Hugging Face's ``gradient_checkpointing_enable()``) recomputed its forward there
+    with other operations than it ran (a dropout mask saved, another attention kernel): torch refused the backward
+    (``CheckpointError``: recomputed values ... have different metadata)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            return _keeping(self, func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         if name in DROPOUT_FUNCTIONS:
             return args[0] if args else kwargs["input"]
         if name in _DROPOUT_ARGUMENT:
             args, kwargs = _no_dropout_argument(name, tuple(args), kwargs)
         return func(*args, **kwargs)
+
+
+_BACKWARDS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+"""The calls that run a backward, where a checkpointed forward is recomputed (:class:`NoDropout`)."""
+
+
+def _keeping(mode: TorchFunctionMode, func, types, args: tuple, kwargs: dict):
+    """``func`` (one of :data:`_BACKWARDS`) called with ``mode`` pushed back on torch's mode stack for its duration,
+    its own dispatch to ``mode`` skipped (``torch.overrides.redispatch_function``, torch ≥ 2.13; older torch: the
+    private ``torch._C._skip_one_hop_torch_function`` where it exists, else the mode stays off as before)."""
+    redispatch = getattr(torch.overrides, "redispatch_function", None) or getattr(
+        torch._C, "_skip_one_hop_torch_function", None)
+    if redispatch is None:
+        return func(*args, **kwargs)
+    with mode:
+        return redispatch(func, types, args, kwargs)
 
 
 _DROPOUT_ARGUMENT: dict[str, tuple[Optional[int], str]] = {
@@ -661,6 +693,12 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
         cause = (f"The failure is inside the per-example engine ({_engine_frame(err)}), not in your training_step: "
                  "the engine cannot serve this model as it is. Try another engine (per_sample='ghost', 'vmap' or "
                  "'opacus_hooks'), and please report the model to lightning_dp.")
+    elif type(err).__name__ == "CheckpointError":
+        cause = ("A torch.utils.checkpoint block (Hugging Face's gradient_checkpointing_enable()) recomputed its "
+                 "forward in the backward with other operations than it ran: the probe runs the step with dropout off "
+                 "and keeps it off inside the backward only where torch has torch.overrides.redispatch_function "
+                 "(2.13). Upgrade torch, or set the model's dropout probabilities to 0, or train without gradient "
+                 "checkpointing.")
     elif re.search(r"\btrain(ing)?\b|\.train\(\)", str(err), re.IGNORECASE):
         cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
                  "eval mode (layers with parameters stay in training mode). A forward that requires training mode "

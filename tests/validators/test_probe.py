@@ -82,17 +82,28 @@ def test_gradients_that_are_not_finite_are_named_as_such(engine):
         _probe("nan", engine)
 
 
-def test_a_failure_inside_the_engine_is_named_as_the_engines():
-    """A forward hook calling requires_grad_ (Hugging Face's gradient checkpointing on the input embeddings) cannot
-    run inside vmap's replay of the layer: the engine's failure, not the user's step (engine named, fix named)."""
+def _vmap_probe_with_hook(hook) -> ExampleIndependenceProbe:
     torch.manual_seed(0)
     model = Net().double()
-    model.a.register_forward_hook(lambda m, args, out: out.requires_grad_(True))
+    model.a.register_forward_hook(hook)
     engine = make_engine("vmap")
     engine.attach(model)
-    probe = ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
-                                     lambda idx: F.cross_entropy(model(X[idx]), Y[idx]),
-                                     probe_tolerance(torch.float64, False))
+    return ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                                    lambda idx: F.cross_entropy(model(X[idx]), Y[idx]),
+                                    probe_tolerance(torch.float64, False))
+
+
+def test_a_forward_hook_marking_the_output_as_requiring_grad_is_served_by_vmap():
+    """Hugging Face's gradient checkpointing puts ``out.requires_grad_(True)`` on the input embeddings; vmap's replay
+    of the layer runs the hook too, where torch.func refused it (grad_sample/functorch_vmap.py,
+    ``_TransformedRequiresGrad``): now a no-op there, and the probe's checks pass."""
+    _vmap_probe_with_hook(lambda m, args, out: out.requires_grad_(True)).run(list(range(6)))
+
+
+def test_a_failure_inside_the_engine_is_named_as_the_engines():
+    """A forward hook reading its output's storage (``data_ptr``) cannot run inside vmap's replay of the layer: the
+    engine's failure, not the user's step (engine named, fix named)."""
+    probe = _vmap_probe_with_hook(lambda m, args, out: out.data_ptr() and None)
     with pytest.raises(PrivacyConfigurationError, match=r"engine failed .*functorch_vmap\.py:\d+.*per_sample='ghost'"):
         probe.run(list(range(6)))
 
@@ -150,6 +161,7 @@ def test_a_summed_loss_is_still_caught_under_augmentation():
     (AssertionError("If you want to train `ReformerModel`, make sure to use `model.train()`"), "eval mode"),
     (RuntimeError("shape constraint violated: expected [4, 3]"), "batches of any size"),  # 'constraint' is no 'train'
     (IndexError("index 0 is out of bounds for dimension 0 with size 0"), "batches of any size"),
+    (torch.utils.checkpoint.CheckpointError("Recomputed values ... have different metadata"), "without gradient check"),
 ])
 def test_a_failing_step_is_explained_by_its_likely_cause(error, cause):
     message = str(probe_failure_error(error, 2))
