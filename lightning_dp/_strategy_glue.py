@@ -52,7 +52,7 @@ from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, c
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
 from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
-                                                step_decisions, trusted_callback, user_modules)
+                                                mechanism_decisions, step_decisions, trusted_callback, user_modules)
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
@@ -339,6 +339,7 @@ class PrivateTraining:
                                                  step.any_rank, step.on_every_rank,
                                                  lambda: diagnostic_reads.moved(step, up=False))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
+        self._decision_windows.notes.watch_scheduler_step(module)  # σ or C set in the scheduler's step: refused
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
 
@@ -447,6 +448,8 @@ class PrivateTraining:
         watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if windows is not None:
+            windows.notes.unwatch()  # type: ignore[attr-defined]
         if windows is not None and trainer is not None and windows in trainer.callbacks:
             trainer.callbacks.remove(windows)
         fresh, self._fresh_step = self._fresh_step, None
@@ -517,7 +520,10 @@ class PrivateTraining:
             rank_zero_info(f"{self.label}: user-level DP: ε per user; {self.num_samples} users, "
                            f"{self.private_step.users.users_per_batch} expected per step (q = {self.sample_rate:.4g}); "
                            "the DataLoader's batch_size is not used")
+        before, windows = mechanism_decisions(trainer), self._decision_windows
         self._calibrate(trainer)
+        if windows is not None:  # σ refit for the plan (a loader rebuilt at an epoch): the library's own move
+            windows.notes.library_moved(before, trainer)  # type: ignore[attr-defined]
         return loader
 
     def _calibrate(self, trainer: "pl.Trainer") -> None:
@@ -553,6 +559,8 @@ class PrivateTraining:
         batches on every rank (:meth:`_physical_batches_in_lockstep`), the extra ones on a stand-in.
         """
         step = self.private_step
+        if self._decision_windows is not None:  # what on_train_batch_start set is this step's (judged with it)
+            self._decision_windows.notes.note(self.lightning_module.trainer)  # type: ignore[attr-defined]
         indices = step.take()
         n = self._examples_this_step = len(indices)
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
@@ -751,6 +759,8 @@ class PrivateTraining:
                                                      if not parameter_entry(n, frozen)))
         self.private_step.release(optimizer=getattr(optimizer, "_optimizer", optimizer),
                                   empty=self._examples_this_step == 0)
+        if self._decision_windows is not None:  # σ and C as released: what the next release is compared with
+            self._decision_windows.notes.note(module.trainer)  # type: ignore[attr-defined]
         self._log_clip_norm(module.trainer)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
         self.post_backward(closure_loss)  # type: ignore[attr-defined]

@@ -49,6 +49,7 @@ from lightning_dp.validators.kept_state import (
     Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls,
     mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
 )
+from lightning_dp.validators.mechanism_notes import MechanismNotes
 from lightning_dp.validators.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -135,6 +136,8 @@ class DecisionWindows(pl.Callback):
         self.raised: Optional[tuple[BaseException, bool]] = None  # what the last runs again raised apart
         self.refusal: Optional[Exception] = None  # an exception the fit ended with, found decided from the data
         self._kinds: Optional[frozenset[str]] = None
+        self.notes = MechanismNotes()  # σ and C as the last release, a judged window or the library left them
+        self._replayed: Optional[Fingerprint] = None  # the decisions the last runs again (on the data) left
 
     # ------------------------------------------------------------------ the loop's hooks
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -143,6 +146,7 @@ class DecisionWindows(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self.close(trainer, pl_module)
+        self._check_mechanism(trainer, "before step {step}")
         self._open("batch start", trainer, pl_module, (batch, batch_idx))
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
@@ -168,6 +172,8 @@ class DecisionWindows(pl.Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.close(trainer, pl_module)
+        self.notes.unwatch()
+        self._check_mechanism(trainer, "at the end of training, after step {step}")
         self._on_end()  # first of the on_train_end hooks: the state before the user's (to put back if refused)
 
     # ------------------------------------------------------------------ windows
@@ -200,6 +206,7 @@ class DecisionWindows(pl.Callback):
         if window is None:
             return
         self.close(trainer, module)
+        self._check_mechanism(trainer, "before a checkpoint after step {step}")
         self._open(window.kind, trainer, module, window.args, judge=window.before is not None)
 
     def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = (),
@@ -240,7 +247,7 @@ class DecisionWindows(pl.Callback):
         if window.kind == "batch" and not judged:  # what the batch-end hooks may write: accepted (judged elsewhere)
             allowed = self._batch_writes()
             written = [name for name in written if name in allowed]
-        self.raised = None
+        self.raised, self._replayed = None, None
         steered = self._steered(window, trainer, module) if judged or decided_now else []
         where = _WHERE[window.kind].format(step=window.step)
         raised = self.raised
@@ -256,6 +263,7 @@ class DecisionWindows(pl.Callback):
                 raise self._boundary.written_error(steered, f"{where}: computed from the training data, kept for "
                                                             "later steps")
         self._on_every_rank(refuse, f"found decisions or state set from the data {where}")
+        self.notes.accounted(window.mechanism, self._replayed, trainer)  # what its hooks set again alike: judged
         if written:  # what the hooks kept without the data: the next release compares with it
             self._boundary.accept(written)
 
@@ -299,9 +307,16 @@ class DecisionWindows(pl.Callback):
         judged = [window.kind == "batch" and i < 2 for i in range(len(errors) - 2)]
         self.raised = raised_apart(errors[0], errors[1], list(zip(errors[2:], judged)))
         plain, again, *others = runs
+        self._replayed = plain
         if plain is None or again is None:
             return []
         return sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+
+    def _check_mechanism(self, trainer: "pl.Trainer", where: str) -> None:
+        """σ, C and the clipping policy's settings as noted (:mod:`.mechanism_notes`): a change since the last release
+        that no window judged (a scheduler's lambda) is refused, on every rank, before the next release."""
+        where = where.format(step=trainer.global_step)
+        self._on_every_rank(lambda: self.notes.check(trainer, where), f"found σ or C changed unjudged {where}")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """An exception left the fit while a window was open (a user's hook raised it at a batch's, an epoch's or a
@@ -311,6 +326,7 @@ class DecisionWindows(pl.Callback):
         strategy raises in place of the exception (:meth:`~lightning_dp._strategy_glue.PrivateTraining.on_exception`).
         """
         window, self._window, self.refusal = self._window, None, None
+        self.notes.unwatch()
         if window is None or not isinstance(exception, Exception) or isinstance(exception, PrivacyConfigurationError):
             return
         self.raised = None
