@@ -14,7 +14,8 @@ state it can see and refuses a change that the optimizer's step on the released 
 * every submodule's mode (``training``) as the next training step will run it (:func:`training_modes`: the modes
   Lightning captured while its evaluation loop runs), an entry ``"mode net.2"`` for each module in eval mode;
 * the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
-  as module attributes are (the engine's own, such as Opacus' ``grad_sample``, skipped);
+  as module attributes are (the engine's own, such as Opacus' ``grad_sample``, skipped), and those of every other
+  tensor reached as state (a plain tensor attribute, a tensor in a container: :func:`kept_attributes`);
 * the attributes of every module whose class is not torch's own — tensors, NumPy arrays, numbers,
   strings, containers of them, and plain Python objects (a ``RunningMeanStd`` helper) to a bounded depth;
   a torchmetrics ``Metric`` contributes only its persistent states (non-persistent ones feed ``self.log``,
@@ -29,7 +30,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   loops, accelerator, precision plugin, profiler and loggers) after the first fingerprint: ``trainer.memory = batch``,
   and private names holding a tensor or an array (``library_objects``; set by the Lightning glue);
 * what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
-  a partial's arguments, a bound method's object), hooks defined by libraries (the engine's) left out;
+  a partial's arguments, a bound method's object, the function's own attributes: ``hook.stats = x``), hooks
+  defined by libraries (the engine's) left out; the same for the user's functions reached as state;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
   version counter, so a record written in place shows), and its records kept as NumPy arrays or lists;
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
@@ -334,7 +336,7 @@ class StateFingerprint:
                          and b.layout == torch.strided and b.numel())
             entries.update(_norm_tokens(plain))
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
-        walker = _Walker(seen, self._registered, self._sums, full)
+        walker = _Walker(seen, self._registered, self._sums, full, self.skip_keys)
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
@@ -359,7 +361,8 @@ class StateFingerprint:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
                     path = f"{prefix}{kind}[{handle}]"
                     if (not _library_callable(fn) or _binds(fn)) and not self._is_public(path):
-                        entries[f"hook {path}"] = tuple(walker.token(v) for v in callable_state(fn))
+                        entries[f"hook {path}"] = (*(walker.token(v) for v in callable_state(fn)),
+                                                   *walker.attributes(fn))
         for cb in callbacks:
             every = every_callback or self.every_callback
             if (library_callback(cb) if every else trusted_callback(cb)) and id(cb) not in self._readers:
@@ -698,8 +701,10 @@ def _returns_value(code: types.CodeType) -> bool:
 class _Walker:
     """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
 
-    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool) -> None:
+    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool,
+                 skip_keys: frozenset[str] = frozenset()) -> None:
         self._known = params_and_buffers
+        self._skip_keys = skip_keys
         self._registered = registered
         self._sums = sums
         self._full = full
@@ -724,7 +729,10 @@ class _Walker:
                 return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
             if holds_gradient(value):
                 self.graded[self._name] = (id(value.grad), value.grad._version)
-            return ("tensor", self._sums.tokens([value], self._full)[0])
+            token = ("tensor", self._sums.tokens([value], self._full)[0])
+            if value.__dict__ and depth < MAX_DEPTH:  # Python attributes set on the tensor (`self.temp.stats = x`)
+                return (*token, *self.attributes(value, depth))
+            return token
         if callable(getattr(value, "cache_info", None)) and callable(getattr(value, "cache_clear", None)):
             return ("cached function", getattr(value, "__qualname__", ""), value.cache_info().currsize)  # lru_cache
         if isinstance(value, types.GeneratorType) and depth < MAX_DEPTH:  # a running average kept in its frame
@@ -742,9 +750,9 @@ class _Walker:
         if isinstance(value, _FUNCTIONS) and (not _library_callable(value) or _binds(value)) and depth < MAX_DEPTH:
             if id(value) in self._objects:
                 return ("seen", id(value))
-            self._objects.add(id(value))  # what a closure, a default argument or a bound object keeps
+            self._objects.add(id(value))  # what a closure, a default argument, a bound object or its attributes keep
             return ("callable", getattr(value, "__qualname__", type(value).__name__),
-                    tuple(self.token(v, depth + 1) for v in callable_state(value)))
+                    tuple(self.token(v, depth + 1) for v in callable_state(value)), *self.attributes(value, depth))
         if isinstance(value, (nn.Module, _FUNCTIONS)):
             return (type(value).__name__, id(value))
         if depth >= MAX_DEPTH:
@@ -777,6 +785,39 @@ class _Walker:
                       if not _library_function(v)))
 
 
+    def attributes(self, value: Any, depth: int = 0) -> tuple[Hashable, ...]:
+        """Tokens of the Python attributes a tensor or a user's function holds in its ``__dict__`` (``hook.stats = x``,
+        ``self.temp.stats = x`` on a plain tensor attribute), torch's, Python's and the mechanism's own skipped
+        (:func:`kept_attributes`); empty when there are none."""
+        fields = kept_attributes(value, self._skip_keys)
+        if not fields:
+            return ()
+        return (("attributes", len(fields),
+                 tuple((k, self.token(v, depth + 1)) for k, v in _sample(fields))),)
+
+
+def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+    """(name, value) of the Python attributes set on a tensor or a function of the user's (its ``__dict__``): the
+    mechanism's engine's (``skip_keys``, ``_dp_``), torch's (``_dynamo_``, ``_torchdynamo_``), dunder names
+    (``__wrapped__``: what a wrapper calls is in its closure too) and libraries' functions left out. A tensor
+    subclass of a library's (DTensor's ``_local_tensor``, ``_spec``) keeps its own."""
+    if isinstance(value, functools.partial):  # a partial's own attributes, and its function's
+        own = kept_attributes(types.SimpleNamespace(**vars(value)), skip_keys)
+        return [*own, *kept_attributes(value.func, skip_keys)]
+    if isinstance(value, types.MethodType):
+        return kept_attributes(value.__func__, skip_keys)
+    if isinstance(value, Tensor):
+        if type(value) not in (Tensor, nn.Parameter) and _is_library(value):
+            return []
+    elif not isinstance(value, (types.FunctionType, types.SimpleNamespace)) or _library_callable(value):
+        return []
+    fields = getattr(value, "__dict__", None)
+    if not fields:
+        return []
+    return [(k, v) for k, v in list(fields.items()) if isinstance(k, str) and k not in skip_keys
+            and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not _library_function(v)]
+
+
 def _configuration_object(value: Any) -> bool:
     """A library's configuration object: a dataclass or an object that writes itself out as a dict (Hugging Face's
     ``PretrainedConfig`` and ``GenerationConfig``, peft's configs). Code uses one as a namespace
@@ -799,7 +840,8 @@ def holds_gradient(t: Tensor) -> bool:
 def _mutable_state(fn: Any) -> bool:
     """Whether a function keeps something it can write between calls (a list, dict, set or tensor as a default
     argument or in a closure)."""
-    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
+    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn)) \
+        or bool(kept_attributes(fn))  # `fn.stats = x`: whatever the attribute holds
 
 
 def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
@@ -814,7 +856,11 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
             seen.add(base)
             for key, value in list(vars(base).items()):
                 if isinstance(value, types.FunctionType) and not key.startswith("__") and _mutable_state(value):
-                    yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
+                    if any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(value)):
+                        yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
+                    fields = kept_attributes(value)
+                    if fields:  # `MyModel.forward.stats = x`
+                        yield base, f"{key}.__dict__", dict(fields)
                     continue
                 if key.startswith("__") or hasattr(type(value), "__get__") \
                         or isinstance(value, (type, types.ModuleType)):

@@ -231,6 +231,9 @@ class StateSnapshot:
             if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
                 restores.extend(_contents(v, 0) for v in value)
                 continue
+            if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): their contents
+                restores.extend(_contents(v, 0) for v in value.values())
+                continue
             restores.append(_contents(value, 0))
             restores.append(partial(_rebind_class_attribute, cls, key, value))
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
