@@ -459,6 +459,7 @@ class PrivateStep(StepChecks):
                                                 self.plan.steps_per_epoch, self.bands, where.rank, where.world_size,
                                                 seed, self.secure_sampling)
         sampler.step = first
+        self.check_ranks_agree(population, sampler)  # one mechanism on every rank (validators/rank_agreement.py)
         self._batches = RecordedBatches(sampler, population.indices, lambda: self.steps_taken)
         dl = dataloader
         collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)

@@ -33,6 +33,8 @@ from lightning_dp.validators.kept_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
                                            frozen_parameters, probe_tolerance)
+from lightning_dp.validators.rank_agreement import (check_ranks_agree, differing_release_values, disagreement_error,
+                                                    release_agreement, release_values)
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -360,11 +362,30 @@ class StepChecks:
         except PrivacyConfigurationError as err:
             error = err
         if self.distribution.all_reduce is not None:
-            refused, _ = self._refused_anywhere(error is not None, False)
+            refused, differing = self._refused_or_disagreeing(error is not None)
+            if differing:  # every rank sums the same terms: each raises this (validators/rank_agreement.py)
+                raise disagreement_error(differing, where="σ and C are compared at every release") from error
             if refused and error is None:
                 raise _another_rank_error(what)
         if error is not None:
             raise error
+
+    def _refused_or_disagreeing(self, refused: bool) -> tuple[bool, list[str]]:
+        """Whether a check refused on any rank, and which of σ, C and the clipping policy's settings differ between
+        the ranks (one SUM all-reduce of int64 terms: :func:`~.rank_agreement.release_agreement`)."""
+        assert self._module is not None and self.distribution.all_reduce is not None
+        device = next((p.device for p in self._module.parameters()), torch.device("cpu"))
+        terms = torch.tensor([int(refused)] + release_agreement(release_values(self)), dtype=torch.int64,
+                             device=device)
+        self.distribution.all_reduce(terms)
+        summed = terms.tolist()
+        return summed[0] > 0, differing_release_values(summed[1:], self.distribution.world_size)
+
+    def check_ranks_agree(self, population: Any, sampler: Any) -> None:
+        """Once per training loader: every rank runs the same mechanism (σ, C, the clipping policy, q, B, N, steps per
+        epoch, the noise's bands, the population before sharding, the partition into users); refused on every rank
+        alike when not (:func:`~lightning_dp.validators.rank_agreement.check_ranks_agree`)."""
+        check_ranks_agree(self, population, sampler)
 
     def any_rank(self, flag: bool, other: Optional[bool] = None) -> Any:
         """Whether ``flag`` holds on this rank or any other (one all-reduce, when distributed; with ``other``, the
