@@ -329,6 +329,8 @@ class PrivateStep(StepChecks):
         ATTACHED.add(module)
         self._engine, self._module, self._optimizer = engine, module, optimizer
         self.boundary.attach(module, optimizer, hooks, keys, engine.owned_attributes)
+        # the generators the model and the callbacks hold: forked by the checks, reseeded each step as the global ones
+        self.fresh.watch(lambda: [m for m in (self._module,) if m is not None] + list(self.boundary.callbacks()))
         self.adopted = self.adopt(module)
         return engine.name
 

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import StackDataset, Subset
 
+from lightning_dp.records import user_generators
+
 _FORWARDING = (Subset.__getitems__, StackDataset.__getitems__)
 """torch's own ``__getitems__``: each reads index by index from the dataset(s) it wraps (or their ``__getitems__``)."""
 
@@ -92,12 +94,14 @@ def reads_per_index(dataset: Any) -> bool:
 
 @contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Inside: torch's CPU generator, NumPy's global generator and Python's ``random`` seeded with ``seed``.
-    Their states are restored on exit."""
+    """Inside: torch's CPU generator, NumPy's global generator, Python's ``random`` and the generators the model and
+    the callbacks hold (:mod:`~lightning_dp.records.user_generators`) seeded with ``seed``. Their states are restored
+    on exit."""
     numpy_state, python_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), user_generators.forked():
         try:
             reseed(seed)
+            user_generators.reseed(seed)  # the model's and callbacks' own generators too
             yield
         finally:
             np.random.set_state(numpy_state)

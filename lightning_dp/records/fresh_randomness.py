@@ -24,6 +24,11 @@ The base seed is taken once, when the private loader is built (before any record
 global generator (a digest of it: nothing is drawn), so ``pl.seed_everything(s)`` keeps runs reproducible and an
 unseeded run still varies with torch's state. What is drawn *within* a step (or within one record's read) may still
 depend on that step's batch (or that record); it cannot reach another step or another record.
+
+The ``torch.Generator`` objects the model and the user's callbacks hold (``self.gen = torch.Generator()``) are
+reseeded at every step's start too, each from (the step's seed, its attribute path), and the checks fork them as they
+fork the global ones (:mod:`~lightning_dp.records.user_generators`): a data-dependent number of draws from the
+module's own generator reaches no other step either. A record's fetch reseeds only the global generators.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 from torch.utils.data import Subset, TensorDataset
+
+from lightning_dp.records import user_generators
 
 
 def derived_seed(*key: Any) -> int:
@@ -65,13 +72,21 @@ class FreshRandomness:
         if self.base is None:
             self.base = derived_seed("base", hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
 
+    def watch(self, roots: Callable[[], Any]) -> None:
+        """The generators held under ``roots()`` (the model, the callbacks) are the user's: the checks fork them and
+        every step reseeds them with the global ones (:mod:`~lightning_dp.records.user_generators`)."""
+        user_generators.watch(self, roots)
+
     def step(self, index: int) -> None:
         """Step ``index`` begins: seed the generators from (base, index), once per index (physical batches of one
-        step, and the Lightning callback followed by ``begin()``, reseed once)."""
+        step, and the Lightning callback followed by ``begin()``, reseed once); the generators the model and the
+        callbacks hold too, each from (base, index, its attribute path)."""
         if self.base is None or index == self._last_step:
             return
         self._last_step = index
-        reseed_globals(derived_seed(self.base, "step", index))
+        seed = derived_seed(self.base, "step", index)
+        reseed_globals(seed)
+        user_generators.reseed(seed)
 
     def batch(self, indices: Any, per_record: bool = True) -> Any:
         """The batch of indices a fetcher is handed, wrapped to reseed around each record's read

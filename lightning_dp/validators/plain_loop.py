@@ -46,6 +46,7 @@ from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
+from lightning_dp.records import user_generators
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.tolerance import batch_tolerance
@@ -118,13 +119,14 @@ def _rng_states() -> tuple[Any, ...]:
     import numpy as np
 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate(), user_generators.states()
 
 
 def _set_rng_states(states: tuple[Any, ...]) -> None:
     import numpy as np
 
-    cpu, cuda, numpy_state, python = states
+    cpu, cuda, numpy_state, python, users = states
+    user_generators.restore(users)  # the model's own generators (records/user_generators.py)
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)

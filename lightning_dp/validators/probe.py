@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records import user_generators
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
@@ -196,9 +197,13 @@ class ExampleIndependenceProbe:
                           stacklevel=2)
             return self._run(finite)
         self._sorted, self._weighted = calls.sorted, calls.weighted_mean
-        random = self.random = not self._close(together.norms.double(), reseeded.norms.double(),
-                                               float(together.norms.double().max()) * len(indices) ** 0.5)
         self.interaction_rtol = self._interaction_tolerance()
+        # the same examples, batch shape and code under another seed: any difference beyond rounding is randomness of
+        # the step's own, judged at the tolerance batch and alone are then compared at (a draw that moves the
+        # gradients by less than rtol, noise of two views in a consistency loss, would otherwise read as interaction)
+        drawn = (together.norms.double() - reseeded.norms.double()).abs()  # per example, as the batch check compares
+        limit = self.interaction_rtol * float(together.norms.double().max()) + 1e-12
+        random = self.random = bool((drawn > limit).any())
         permuted = self._compare(together, alone, reference, len(indices), random)
         if permuted and (clipped is None or random):
             raise self._interaction(together.norms.double(), torch.cat([a.norms.double() for a in alone]),
@@ -407,8 +412,9 @@ def same_norms(a: Tensor, b: Tensor, tolerance: float) -> bool:
 
 
 def seed_all(seed: int) -> None:
-    """One seed for torch's, NumPy's and Python's generators: two passes seeded alike draw alike (the callers fork
-    the generators, :func:`~lightning_dp.validators.rng.forked_rngs`)."""
+    """One seed for torch's, NumPy's and Python's generators and the ``torch.Generator`` objects the model and the
+    callbacks hold (:mod:`~lightning_dp.records.user_generators`): two passes seeded alike draw alike (the callers
+    fork the generators, :func:`check_passes`, :func:`~lightning_dp.validators.rng.forked_rngs`)."""
     import random
 
     import numpy as np
@@ -416,6 +422,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
+    user_generators.reseed(seed)
 
 
 def gradients_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Optional[Tensor]]:
@@ -608,7 +615,7 @@ def check_passes(module: nn.Module, params: Sequence[Tensor], engine: GradSample
     for m, _ in modes:
         m.training = False
     try:
-        with torch.random.fork_rng(devices=[]), NoDropout():
+        with torch.random.fork_rng(devices=[]), user_generators.forked(), NoDropout():
             yield
     finally:
         engine.begin_step(None)

@@ -4,7 +4,8 @@ The probe and the batch check run the user's ``training_step`` several times on 
 numbers (dropout masks, augmentation, a NumPy or ``random`` call in the user's code) would otherwise advance the
 generators, and the real step after the check would draw other numbers than a run without the check: a check that
 changes training is a check nobody can turn on. :func:`forked_rngs` saves torch's CPU and accelerator generators,
-NumPy's global generator and Python's ``random``, and restores them all.
+NumPy's global generator and Python's ``random``, and the generators the model and the user's callbacks hold
+(:mod:`~lightning_dp.records.user_generators`: a module's ``self.gen = torch.Generator()``), and restores them all.
 
 :func:`seeds_recorded` watches the other direction: the user's code seeding those generators from the data (rule 3
 of docs/release_boundary.md), compared across the first step's replays of the loop's hooks.
@@ -20,13 +21,16 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
 import torch
 
+from lightning_dp.records import user_generators
+
 if TYPE_CHECKING:
     from lightning_dp.errors import PrivacyConfigurationError
 
 
 @contextmanager
 def forked_rngs() -> Iterator[None]:
-    """Run the block, then put torch's (CPU and every CUDA device), NumPy's and Python's generators back."""
+    """Run the block, then put torch's (CPU and every CUDA device), NumPy's and Python's generators back, and the
+    ``torch.Generator`` objects the model and the callbacks hold (:mod:`~lightning_dp.records.user_generators`)."""
     state = random.getstate()
     try:
         import numpy as np
@@ -36,7 +40,7 @@ def forked_rngs() -> Iterator[None]:
         np, np_state = None, None
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), user_generators.forked():
             yield
     finally:
         random.setstate(state)
