@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import pytorch_lightning as pl
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from lightning_dp import DPShardedStrategy, DPStrategy, Users
 from lightning_dp.validators import rank_agreement
+from lightning_dp.validators.step_checks import StepChecks
 
 WORLD = 2
 TIMEOUT = timedelta(seconds=15)  # a rank left waiting in a collective fails the test fast instead of hanging
@@ -108,9 +110,29 @@ def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[Any] = (), s
     return strategy
 
 
+def _recording_agreement(out_dir: Path, wait_s: float = 20.0) -> Any:
+    """``StepChecks.on_every_rank`` writing the refusal it raises to ``<out_dir>/rank<r>.err`` (as :func:`_recorded`):
+    the σ/C terms ride on every one of its all-reduces, so a disagreement may surface in a callback's check (the
+    decision windows' at a step's start) rather than in the strategy's own methods. Patched before the fork."""
+    original = StepChecks.on_every_rank
+
+    def on_every_rank(self: Any, check: Any, what: str) -> None:
+        try:
+            original(self, check, what)
+        except Exception as err:
+            rank = self.distribution.rank
+            Path(out_dir, f"rank{rank}.err").write_text(f"{type(err).__name__}\n{err}")
+            deadline = time.monotonic() + wait_s
+            while rank == 0 and time.monotonic() < deadline and len(list(Path(out_dir).glob("rank*.err"))) < WORLD:
+                time.sleep(0.1)
+            raise
+
+    return mock.patch.object(StepChecks, "on_every_rank", on_every_rank)
+
+
 def _refused_on_every_rank(tmp_path: Path, model: pl.LightningModule, *names: str, **kwargs) -> dict[int, str]:
     start = time.monotonic()
-    with pytest.raises(Exception, match=REFUSED):
+    with pytest.raises(Exception, match=REFUSED), _recording_agreement(tmp_path):
         _fit(tmp_path, model, **kwargs)
     errors = {r: (tmp_path / f"rank{r}.err").read_text() if (tmp_path / f"rank{r}.err").exists() else None
               for r in range(WORLD)}
