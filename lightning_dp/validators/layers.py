@@ -132,10 +132,10 @@ def parametrized(module: nn.Module) -> bool:
 
 def parametrized_layers(module: nn.Module) -> list[str]:
     """Error messages for reparametrizations no engine serves: a spectral norm (``torch.nn.utils.parametrizations.
-    spectral_norm``: its power iteration writes the ``u``/``v`` buffers in every training forward, state the model
-    releases without noise), and the legacy ``torch.nn.utils.weight_norm``/``spectral_norm`` forward pre-hooks
-    (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on every call, and a module torch cannot
-    deep-copy). Other parametrizations are served (:func:`parametrized`)."""
+    spectral_norm``: its power iteration writes the ``u``/``v`` buffers in every training forward, from the weights
+    but at every one of the checks' passes), and the legacy ``torch.nn.utils.weight_norm``/``spectral_norm`` forward
+    pre-hooks (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on every call, and a module
+    torch cannot deep-copy). Other parametrizations are served (:func:`parametrized`)."""
     errors = []
     for name, sub in module.named_modules():
         if parametrize.is_parametrized(sub):
@@ -145,10 +145,11 @@ def parametrized_layers(module: nn.Module) -> list[str]:
                 errors.append(
                     f"layer '{name}' ({type(sub).__name__}) has a spectral norm on {spectral} "
                     "(torch.nn.utils.parametrizations.spectral_norm): its power iteration writes the parametrization's "
-                    "u and v buffers in every training forward, which the model would release without noise. Remove it "
+                    "u and v buffers in every training forward. They follow the weights, not the data, but the step's "
+                    "checks (each example alone, the batch, replays) would each move them, and a buffer a step writes "
+                    "is refused as state kept from the batch: not served (an engine limit, not a leak). Remove it "
                     "(torch.nn.utils.parametrize.remove_parametrizations(layer, name)), or normalise by a norm "
-                    "computed "
-                    "in the forward instead; weight_norm and orthogonal parametrizations are served.")
+                    "computed in the forward instead; weight_norm and orthogonal parametrizations are served.")
         for hook in sub._forward_pre_hooks.values():
             for kind, api, remove in _LEGACY_REPARAMETRIZATIONS:
                 if isinstance(hook, kind):
