@@ -72,7 +72,7 @@ def held() -> list[tuple[str, torch.Generator]]:
 
 def find(roots: Sequence[Any]) -> list[tuple[str, torch.Generator]]:
     """The walk of :func:`held` from ``roots`` (modules and callbacks)."""
-    from lightning_dp.validators.kept_state import _is_library, framework_keys, library_callback
+    from lightning_dp.records.library_objects import framework_keys, is_library as _is_library, library_callback
 
     skip = framework_keys() | {"_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"}
     found: dict[int, tuple[str, torch.Generator]] = {}

@@ -69,6 +69,9 @@ from torch.utils.data import Dataset
 
 from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.library_objects import (  # noqa: F401  (re-exported: the validators import them here)
+    LIBRARY_PREFIXES, TRUSTED_CALLBACK_PREFIXES, framework_keys, library_callback)
+from lightning_dp.records.library_objects import is_library as _is_library
 
 Fingerprint = dict[str, Hashable]
 """Entry name (``"buffer stats.count"``, ``"attribute queue"``, ``"callback Memory.bank"``) → token."""
@@ -79,38 +82,11 @@ MAX_ITEMS = 16384
 MAX_DEPTH = 4
 """Nesting depth followed into containers and plain objects."""
 
-LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
-                     "transformers", "peft", "timm", "numpy", "tensorboard", "logging", "threading", "builtins",
-                     "opacus", "jsonargparse", "omegaconf", "hydra", "typing", "collections", "functools")
-"""Classes from these packages are library objects: compared by identity, never walked into."""
-
-_TRUSTED_CALLBACK_PREFIXES = ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks", "lightning_dp.")
-"""Callbacks defined here keep no state computed from the training batch (ModelCheckpoint, EMA, progress bars,
-lightning_dp's own)."""
-
 DATA_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward")
 """The callback hooks that are handed the private batch, its outputs or its loss. The others see only what is public
 or guarded: ``on_after_backward`` and ``on_before_optimizer_step`` run after the release (``p.grad`` = ĝ_t), epoch
 hooks see the module (whose state is fingerprinted) and the logged metrics (reported, not released: README caveats),
 validation hooks see held-out data."""
-
-
-def _module_keys() -> frozenset[str]:
-    import pytorch_lightning as pl
-
-    keys = set(vars(nn.Module())) | set(vars(pl.LightningModule()))
-    return frozenset(keys)
-
-
-_FRAMEWORK_KEYS: Optional[frozenset[str]] = None
-
-
-def framework_keys() -> frozenset[str]:
-    """Attribute names that torch's ``nn.Module`` and Lightning's ``LightningModule`` keep themselves."""
-    global _FRAMEWORK_KEYS
-    if _FRAMEWORK_KEYS is None:
-        _FRAMEWORK_KEYS = _module_keys() | {"_hparams_name", "_log_hyperparams", "_ldp_probe"}
-    return _FRAMEWORK_KEYS
 
 
 def attribute_keys(module: nn.Module) -> set[str]:
@@ -130,19 +106,9 @@ def is_public(path: str, patterns: Sequence[str]) -> bool:
     return False
 
 
-def _is_library(obj: Any) -> bool:
-    module = type(obj).__module__ or ""
-    return module.split(".")[0] in LIBRARY_PREFIXES
-
-
 def is_datamodule(obj: Any) -> bool:
     """Whether ``obj`` is a LightningDataModule (of either Lightning package)."""
     return any(b.__name__ == "LightningDataModule" for b in type(obj).__mro__)
-
-
-def library_callback(callback: Any) -> bool:
-    """One of Lightning's or lightning_dp's own callbacks (their hooks are not the user's code)."""
-    return type(callback).__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)
 
 
 def trusted_callback(callback: Any) -> bool:
@@ -150,11 +116,11 @@ def trusted_callback(callback: Any) -> bool:
     overrides none of the hooks handed the batch (:data:`DATA_HOOKS`). The trainer's LightningDataModule is never
     trusted unless a library defines it: the step reaches it (``self.trainer.datamodule.memory.append(x)``)."""
     cls = type(callback)
-    if cls.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
+    if cls.__module__.startswith(TRUSTED_CALLBACK_PREFIXES):
         return True
     if is_datamodule(callback):
         return cls.__module__.split(".")[0] in LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
-    bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(_TRUSTED_CALLBACK_PREFIXES)]
+    bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
 
@@ -431,7 +397,7 @@ class StateFingerprint:
         """``callback`` read a value logged from the training data (:mod:`~lightning_dp.validators.logged_reads`):
         from now on its state is kept state, whatever hooks it overrides; returns ``baseline`` with its state now."""
         if id(callback) in self._readers or not trusted_callback(callback) \
-                or type(callback).__module__.startswith(_TRUSTED_CALLBACK_PREFIXES):
+                or type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES):
             return baseline
         self._readers.add(id(callback))
         now = self.take(callbacks)
@@ -631,7 +597,7 @@ def lightning_owned(cls: type) -> frozenset[str]:
 
 
 def _lightning_owned(cls: type) -> frozenset[str]:
-    library = [b for b in cls.__mro__ if (b.__module__ or "").startswith(_TRUSTED_CALLBACK_PREFIXES)]
+    library = [b for b in cls.__mro__ if (b.__module__ or "").startswith(TRUSTED_CALLBACK_PREFIXES)]
     users = [b for b in cls.__mro__ if (b.__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
              and b.__module__ not in ("abc", "builtins")]
     if not library or not users or cls in library:

@@ -1,0 +1,51 @@
+"""What is library code, as every walk of the user's state needs to know it: objects of these packages are compared
+by identity and never walked into, callbacks of Lightning and lightning_dp keep no state from the batch, and the
+attribute names torch's ``nn.Module`` and Lightning's ``LightningModule`` keep themselves are not the user's.
+
+Kept below the validators (the kept-state fingerprint, :mod:`lightning_dp.validators.kept_state`, re-exports these
+names) so that the records' own walks (:mod:`~lightning_dp.records.user_generators`) read the same rules."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
+                    "transformers", "peft", "timm", "numpy", "tensorboard", "logging", "threading", "builtins",
+                    "opacus", "jsonargparse", "omegaconf", "hydra", "typing", "collections", "functools")
+"""Classes from these packages are library objects: compared by identity, never walked into."""
+
+TRUSTED_CALLBACK_PREFIXES = ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks", "lightning_dp.")
+"""Callbacks defined here keep no state computed from the training batch (ModelCheckpoint, EMA, progress bars,
+lightning_dp's own)."""
+
+
+def module_keys() -> frozenset[str]:
+    """The attribute names a fresh ``nn.Module`` and a fresh ``LightningModule`` hold."""
+    import pytorch_lightning as pl
+
+    keys = set(vars(nn.Module())) | set(vars(pl.LightningModule()))
+    return frozenset(keys)
+
+
+_FRAMEWORK_KEYS: Optional[frozenset[str]] = None
+
+
+def framework_keys() -> frozenset[str]:
+    """Attribute names that torch's ``nn.Module`` and Lightning's ``LightningModule`` keep themselves."""
+    global _FRAMEWORK_KEYS
+    if _FRAMEWORK_KEYS is None:
+        _FRAMEWORK_KEYS = module_keys() | {"_hparams_name", "_log_hyperparams", "_ldp_probe"}
+    return _FRAMEWORK_KEYS
+
+
+def is_library(obj: Any) -> bool:
+    """Whether ``obj``'s class comes from one of :data:`LIBRARY_PREFIXES`."""
+    module = type(obj).__module__ or ""
+    return module.split(".")[0] in LIBRARY_PREFIXES
+
+
+def library_callback(callback: Any) -> bool:
+    """One of Lightning's or lightning_dp's own callbacks (their hooks are not the user's code)."""
+    return type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES)
