@@ -340,5 +340,8 @@ def missing_gradient_error(where: str, shape: tuple[int, ...]) -> PrivacyConfigu
         "examples' index) or F.linear's bias (self.weight @ h.t(), a convolution), or through a read the library "
         "does not see (module.parameters(), module._parameters). "
         "Nothing was released. Use it through a leaf module (nn.Linear; for weight tying: an nn.Linear whose "
-        ".weight is the embedding's Parameter), pass it to F.linear, or freeze it (requires_grad=False)."
+        ".weight is the embedding's Parameter), pass it to F.linear, or freeze it (requires_grad=False). A weight "
+        "applied to a loss already averaged over the batch (uncertainty weighting: torch.exp(-s) * "
+        "F.cross_entropy(logits, y) + s) is such a use: apply it to each example's loss instead, "
+        "(torch.exp(-s) * F.cross_entropy(logits, y, reduction='none') + s).mean()."
     )
