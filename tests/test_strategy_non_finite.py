@@ -1,9 +1,12 @@
 """A training record with an inf or NaN feature, under DPStrategy and a plain PrivateStep loop (docs/algorithms.md,
 "Non-finite gradients"): it adds nothing to a release, so the weights stay finite whether or not it is sampled
-(a NaN release would show the step that sampled it); the first step's probe leaves it out with a warning; a dataset
-holding a NaN is not taken for one written by the step (a NaN is equal to itself where state is put back)."""
+(a NaN release would show the step that sampled it); the first step's probe leaves it out and says nothing (how many
+records are not finite is the data's); a dataset holding a NaN is not taken for one written by the step (a NaN is
+equal to itself where state is put back)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -54,18 +57,16 @@ def test_a_non_finite_record_trains_and_leaves_the_weights_finite(engine, value)
     model = Classifier()
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, per_sample=engine)
     trainer = quiet_trainer(strategy=strategy, max_steps=4)
-    with pytest.warns(UserWarning, match="not finite") if value != 3e38 or engine == "ghost" else _nothing():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(model, DataLoader(_data(value), batch_size=16))
+    assert not _reported(caught)  # how many records are not finite is the data's: not reported
     assert trainer.global_step == 4 and strategy.ledger.steps == 4
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _reported(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "not finite" in str(w.message)]
 
 
 def test_a_plain_loop_over_non_finite_records_stays_finite():
@@ -75,7 +76,8 @@ def test_a_plain_loop_over_non_finite_records_stays_finite():
     step = PrivateStep(1.0, max_grad_norm=1.0, noise=GaussianNoise(), engine="ghost")
     step.attach(model, optimizer)
     loader = step.poisson_loader(DataLoader(data, batch_size=16))
-    with pytest.warns(UserWarning, match="not finite"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         step.verify(lambda batch: F.cross_entropy(model(batch[0]), batch[1]))
         for x, y in loader:
             if step.begin():
@@ -83,6 +85,7 @@ def test_a_plain_loop_over_non_finite_records_stays_finite():
             step.release(optimizer=optimizer)
             optimizer.step()
             optimizer.zero_grad()
+    assert not _reported(caught)
     assert step.steps_taken == len(loader) > 0
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 

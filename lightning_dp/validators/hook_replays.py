@@ -79,11 +79,11 @@ def _raising_hook(err: BaseException) -> str:
 
 def raised_error(err: BaseException, on_data: bool, where: str) -> PrivacyConfigurationError:
     """The refusal of a decision made by raising (:func:`raised_apart`), naming the hook and the exception."""
-    said = f" ({str(err)[:120]})" if str(err) else ""
     how = ("raised it on the data, and not when run again on other data" if on_data else
            "did not raise it on the data, and raised it when run again on other data")
     return PrivacyConfigurationError(
-        f"{_raising_hook(err)} raised {type(err).__name__}{said} {where}: the hooks {how}. An exception is a "
+        f"{_raising_hook(err)} raised {type(err).__name__} {where} (its message is not quoted: it may hold the "
+        f"data's values): the hooks {how}. An exception is a "
         "decision: a stop (or any exception your script catches) decided from the training loss or the training "
         "batch is a release no noise covers — the number of releases, and the model kept, then depend on one "
         "record. Stop from a held-out value (EarlyStopping on a validation metric), or decide from the released "

@@ -750,7 +750,6 @@ class _Walker:
                 tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
                       if not _library_function(v)))
 
-
     def attributes(self, value: Any, depth: int = 0) -> tuple[Hashable, ...]:
         """Tokens of the Python attributes a tensor or a user's function holds in its ``__dict__`` (``hook.stats = x``,
         ``self.temp.stats = x`` on a plain tensor attribute), torch's, Python's and the mechanism's own skipped
@@ -803,11 +802,15 @@ def holds_gradient(t: Tensor) -> bool:
     return t.retains_grad and t.grad is not None
 
 
+def _mutable_defaults(fn: Any) -> bool:
+    """Whether a function keeps a list, dict, set or tensor as a default argument or in a closure."""
+    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
+
+
 def _mutable_state(fn: Any) -> bool:
-    """Whether a function keeps something it can write between calls (a list, dict, set or tensor as a default
-    argument or in a closure)."""
-    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn)) \
-        or bool(kept_attributes(fn))  # `fn.stats = x`: whatever the attribute holds
+    """Whether a function keeps something it can write between calls (:func:`_mutable_defaults`, or its own
+    attributes: ``fn.stats = x``, whatever they hold)."""
+    return _mutable_defaults(fn) or bool(kept_attributes(fn))
 
 
 def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
@@ -821,8 +824,8 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
                 continue
             seen.add(base)
             for key, value in list(vars(base).items()):
-                if isinstance(value, types.FunctionType) and not key.startswith("__") and _mutable_state(value):
-                    if any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(value)):
+                if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
+                    if _mutable_defaults(value):
                         yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
                     fields = kept_attributes(value)
                     if fields:  # `MyModel.forward.stats = x`

@@ -113,11 +113,10 @@ class MechanismNotes:
         if self._scheduled:  # set in lr_scheduler_step (even when set back since, or accounted for otherwise)
             names = list(self._scheduled)
             raise unaccounted_error(names, {n: b for n, (b, _) in self._scheduled.items()},
-                                    {n: a for n, (_, a) in self._scheduled.items()},
                                     f"{where}; set in lr_scheduler_step, a learning-rate scheduler's step")
         changed = StateFingerprint.changed(self._noted, now)
         if changed:
-            raise unaccounted_error(changed, self._noted, now, where)
+            raise unaccounted_error(changed, self._noted, where)
 
 
 _MISSING = object()
@@ -135,12 +134,11 @@ def _value(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else repr(value)
 
 
-def unaccounted_error(changed: list[str], noted: Fingerprint, now: Fingerprint,
-                      where: str) -> PrivacyConfigurationError:
+def unaccounted_error(changed: list[str], noted: Fingerprint, where: str) -> PrivacyConfigurationError:
     """The refusal of a σ, C or clipping policy setting changed between two releases where no decision window judged
     it."""
-    what = "; ".join(f"{_NAMES.get(n, n)}: {_value(noted.get(n))} at the last release, {_value(now.get(n))} now"
-                     for n in changed)
+    what = "; ".join(f"{_NAMES.get(n, n)}: {_value(noted.get(n))} at the last release, another value now (not "
+                     "quoted: it may be the data's)" for n in changed)
     return PrivacyConfigurationError(
         f"The mechanism's settings changed between two releases where nothing judged the change ({where}): {what}. "
         "σ and C are decisions: set from the training data they steer the next release by un-noised data, and C is "

@@ -190,12 +190,7 @@ class ExampleIndependenceProbe:
         if calls.double_backward:
             raise double_backward_error(self.engine.name)
         if finite and len(finite) < len(indices):  # records whose gradient is not finite add 0 to a release
-            warnings.warn(f"DPStrategy: {len(indices) - len(finite)} of the first step's {len(indices)} probed "
-                          "examples have a gradient that is not finite (an inf or NaN feature, an overflow); such "
-                          "examples add nothing to a release (docs/algorithms.md, 'Non-finite gradients'); probed "
-                          "without them.",
-                          stacklevel=2)
-            return self._run(finite)
+            return self._run(finite)  # (no warning: how many of the batch's records are not finite is its data's)
         self._sorted, self._weighted = calls.sorted, calls.weighted_mean
         self.interaction_rtol = self._interaction_tolerance()
         # the same examples, batch shape and code under another seed: any difference beyond rounding is randomness of
