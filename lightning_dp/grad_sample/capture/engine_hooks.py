@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -176,34 +176,39 @@ def is_own_forward(module: nn.Module) -> bool:
     return isinstance(attr, types.MethodType) and attr.__self__ is module and attr.__func__ is type(module).forward
 
 
-def gradient_nodes(params: Iterable[torch.Tensor]) -> tuple:
-    """The autograd nodes that receive ``params``' gradients (their ``AccumulateGrad``), taken when a layer is called:
-    the tensors the forward uses then (FSDP2's unsharded copies of its shards)."""
-    return tuple(get_gradient_edge(p).node for p in params if p.requires_grad)
+def gradient_nodes(params: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """The autograd nodes that receive ``params``' gradients (their ``AccumulateGrad``), one at a time: taken during the
+    backward for the tensors a layer's call used (FSDP2's unsharded copies of its shards), whose graph holds them, so
+    they are the nodes that call's graph feeds; ``params`` that do not require grad are passed over."""
+    return (get_gradient_edge(p).node for p in params if p.requires_grad)
 
 
-def feeds_parameters(nodes: tuple, inputs: tuple = ()) -> bool:
-    """Whether the backward now running computes gradients of the parameters whose ``nodes`` these are: ``False``
+def feeds_parameters(params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether the backward now running computes gradients of ``params`` (the tensors the recorded calls used as their
+    parameters): ``False``
     only inside a ``torch.autograd.grad`` (or ``backward(inputs=…)``) with respect to other tensors — FGSM's gradient of
     the loss with respect to the input, ``torch.autograd.grad(loss, x)`` — whose output gradients are no part of the
     parameters' gradients the release clips: the capture's output-gradient hooks ignore that backward (the input
     gradient it returns is a transformation of the batch, which the first step's probe compares in a batch and alone).
     ``torch.autograd.grad`` with respect to the parameters themselves (torch refuses to say for a captured leaf) counts
-    as feeding them. ``inputs``: the nodes of leaves the recorded calls took (an input made to require grad): a
+    as feeding them. ``inputs``: the leaves the recorded calls took (an input made to require grad): a
     ``backward()`` accumulates into them, so one that runs them is the step's own even when no parameter is in the
     graph (the ghost engine keeps its patched layers' parameters out of it); inside ``torch.autograd.grad`` with
-    respect to such a leaf torch refuses to say — that backward is an input gradient's."""
-    if not nodes and not inputs:
-        return True
+    respect to such a leaf torch refuses to say — that backward is an input gradient's. The nodes are looked up one
+    at a time and the answer taken at the first that runs (an ordinary backward: one lookup)."""
+    any_node = False
     try:
-        if any(torch._C._will_engine_execute_node(node) for node in nodes):
-            return True
+        for node in gradient_nodes(params):
+            any_node = True
+            if torch._C._will_engine_execute_node(node):
+                return True
     except RuntimeError:
         return True
-    for node in inputs:
+    for node in gradient_nodes(inputs):
+        any_node = True
         try:
             if torch._C._will_engine_execute_node(node):
                 return True
         except RuntimeError:  # the leaf autograd.grad is taken with respect to
             continue
-    return not nodes and not inputs
+    return not any_node
