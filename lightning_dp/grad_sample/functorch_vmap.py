@@ -77,7 +77,8 @@ def structural_problems(module: nn.Module) -> list[str]:
     """Layers no per-layer engine can handle: a trainable BatchNorm in training mode (it mixes the examples). In
     eval mode its affine weights are served, and a later switch to training mode is refused when it runs
     (:mod:`~lightning_dp.validators.layers`). (Parameters owned by a module that also has children are
-    served where the module broadcasts them over the examples: :mod:`~..root_parameters`.)"""
+    served where the module broadcasts them over the examples:
+    :mod:`~lightning_dp.grad_sample.capture.root_parameters`.)"""
     problems = []
     units: list[str] = []
     for name, sub in module.named_modules():

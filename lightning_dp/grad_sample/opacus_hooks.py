@@ -243,11 +243,11 @@ def _takes_more_than_one_argument(module: nn.Module) -> bool:
 
 
 def _detachable(module: nn.Module, hooks: "GradSampleHooks") -> None:
-    """What Opacus leaves on the model, made to pickle and copy as the user's module (:mod:`~..engine_hooks`): its
-    hooks as :class:`EngineHook`, the per-example function its torch.func fallback keeps on a layer
-    (``ft_compute_sample_grad``, a closure) as an :class:`EngineCallable`, and its list of hook handles on the root
-    taken off the model (Opacus keeps its own reference and removes the hooks from it; a module pickled with the list
-    would refuse Opacus' hooks later: "Trying to add hooks twice")."""
+    """What Opacus leaves on the model, made to pickle and copy as the user's module
+    (:mod:`~lightning_dp.grad_sample.capture.engine_hooks`): its hooks as :class:`EngineHook`, the per-example function
+    its torch.func fallback keeps on a layer (``ft_compute_sample_grad``, a closure) as an :class:`EngineCallable`, and
+    its list of hook handles on the root taken off the model (Opacus keeps its own reference and removes the hooks from
+    it; a module pickled with the list would refuse Opacus' hooks later: "Trying to add hooks twice")."""
     for handle in getattr(hooks, "autograd_grad_sample_hooks", ()):
         registered = handle.hooks_dict_ref()
         if registered is not None and handle.id in registered:

@@ -1,7 +1,7 @@
 """User-level differential privacy (issue #39): the privacy unit is a user and all of its records.
 
 ``DPStrategy(privacy_unit=Users(user_ids, users_per_batch=k))``. Each step Poisson-samples *users* with
-q = k / n_users (:mod:`.user_sampler`); a sampled user contributes its records (at most
+q = k / n_users (:mod:`~lightning_dp.privacy.user_sampling`); a sampled user contributes its records (at most
 ``max_examples_per_user``, drawn afresh each step). The user's gradient is the MEAN of its records'
 per-example gradients,
 

@@ -11,13 +11,14 @@ release it would corrupt, naming the fix:
    Lightning's backward, before ``on_after_backward``, so every hook and logger reading ``p.grad`` reads ĝ_t; the
    optimizer steps with ĝ_t as released (:meth:`ReleaseBoundary.check_gradients`); no tensor outside the parameters
    holds a gradient at the release (a temperature with requires_grad, an activation's ``retain_grad()``).
-3. **Kept state** (:mod:`.state`): the module's parameters, buffers and attributes (torch layers' configuration
-   too), and the state of every callback not Lightning's or lightning_dp's, are fingerprinted after each update
-   (the optimizer applying ĝ_t) and compared before the next release: a change in between — in ``training_step``,
-   a batch hook, an epoch hook — is a write from the batch the noise does not cover; an epoch's hooks' change that
-   their runs on exchanged training data leave alike is not the data's (:mod:`lightning_dp.validators.decisions`).
-   Validation is outside (held-out data): checked at its start, baselined at its end. A checkpoint is checked
-   before it is written. ``public_state`` is skipped: the user says it is not derived from the training data.
+3. **Kept state** (:mod:`~lightning_dp.validators.kept_state`): the module's parameters, buffers and attributes (torch
+   layers' configuration too), and the state of every callback not Lightning's or lightning_dp's, are fingerprinted
+   after each update (the optimizer applying ĝ_t) and compared before the next release: a change in between — in
+   ``training_step``, a batch hook, an epoch hook — is a write from the batch the noise does not cover; an epoch's
+   hooks' change that their runs on exchanged training data leave alike is not the data's
+   (:mod:`lightning_dp.validators.decisions`). Validation is outside (held-out data): checked at its start, baselined at
+   its end. A checkpoint is checked before it is written. ``public_state`` is skipped: the user says it is not derived
+   from the training data.
 4. **The parameter set** (:func:`parameter_signature`): the trainable parameters and their names are those the
    engine was attached to and the probe verified; a change re-attaches and re-verifies, or is refused.
 5. (Examples do not interact: :mod:`lightning_dp.validators`, the probe and the batch check.)
