@@ -768,9 +768,9 @@ class PrivateTraining:
 
     def _check_mechanism_kept(self, trainer: "pl.Trainer") -> None:
         """Rule 3 for the mechanism and the loop: σ, C, the trainer's stop and length and the library objects'
-        settings (:func:`~.validators.kept_state.loop_controls`) as the step began (a C set from the batch's losses in
-        ``training_step`` would clip, noise and be released by this very step; an ``EarlyStopping.patience`` set from
-        its loss would decide later releases). Refused before the release."""
+        settings (:func:`~.validators.steered_settings.loop_controls`) as the step began (a C set from the batch's
+        losses in ``training_step`` would clip, noise and be released by this very step; an ``EarlyStopping.patience``
+        set from its loss would decide later releases). Refused before the release."""
         taken, self._mechanism_at_step = self._mechanism_at_step, None
         if taken is None:
             return

@@ -64,7 +64,7 @@ _AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, Tensor]]]
 
 def digest(t: Tensor) -> bytes:
     """A digest of ``t``'s contents: its shape, dtype and the kept-state checksums of its values
-    (:func:`~lightning_dp.validators.kept_state.content_sums`: float64 Σx, Σx², Σ (1 + j mod 251)·x_j)."""
+    (:func:`~lightning_dp.validators.checksums.content_sums`: float64 Σx, Σx², Σ (1 + j mod 251)·x_j)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     head = repr((tuple(local.shape), str(local.dtype))).encode()
     return hashlib.blake2b(head + content_sums([t])[0], digest_size=16).digest()

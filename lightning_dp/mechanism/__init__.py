@@ -39,6 +39,7 @@ MOVED = {
     "fixed_batch": "lightning_dp.performance.fixed_batch",
     "boundary.state": "lightning_dp.validators.kept_state",
     "boundary.snapshot": "lightning_dp.validators.snapshot",
+    "boundary.coverage": "lightning_dp.validators.optimizer_coverage",
     "boundary": "lightning_dp.privacy.boundary",
     "banded_coefficients": "lightning_dp.accounting.banded_coefficients",
     "grad_sample.ghost_recurrent": "lightning_dp.grad_sample.recurrent_rule",

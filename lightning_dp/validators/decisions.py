@@ -12,18 +12,18 @@ windows in which the user's hooks run outside a step: a batch's end (``on_train_
 (``on_train_epoch_end``) and the end of a validation run during training (``on_validation_epoch_end``,
 ``on_validation_end``). It notes the decisions as a window opens — every optimizer's hyper-parameters and defaults,
 ``trainer.should_stop``, ``max_epochs``, ``max_steps``, the library callbacks' and the trainer's settings
-(:func:`~.kept_state.library_settings`: an ``EarlyStopping.patience``, a ``Timer`` duration, a checkpoint or validation
-schedule), the mechanism's σ and C — and compares them when it closes (at the next hook of the loop). Only when they
-changed are the window's hooks of the module and of the callbacks that are not Lightning's or lightning_dp's run again,
-from the decisions (and the user objects' attributes) as they were when it opened: twice as they ran, then on other data
-— at a batch's end its loss (every float tensor of its outputs) moved far, then near zero (a decision taken once it is
-above a threshold), and, separately, the batch with its values exchanged (:func:`.outside_records.exchanged_copy`), all
-of them or its floating-point ones only (a loss is the same on both exchanged for a model odd in its input); at an
-epoch's or a validation's end with the training data's copies in memory exchanged (:mod:`.outside_records`), all or the
-floating-point ones only — each from the same random seeds. A decision the other data sets apart, and the second plain
-run does not (a time, a random draw), came from the training data: refused before the next release. Decisions the
-window's hooks do not make again (a scheduler's step, ``EarlyStopping`` on a held-out value, ``ReduceLROnPlateau``) are
-not theirs to judge: the replays leave them as they were.
+(:func:`~.steered_settings.library_settings`: an ``EarlyStopping.patience``, a ``Timer`` duration, a checkpoint or
+validation schedule), the mechanism's σ and C — and compares them when it closes (at the next hook of the loop). Only
+when they changed are the window's hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
+run again, from the decisions (and the user objects' attributes) as they were when it opened: twice as they ran, then on
+other data — at a batch's end its loss (every float tensor of its outputs) moved far, then near zero (a decision taken
+once it is above a threshold), and, separately, the batch with its values exchanged
+(:func:`.outside_records.exchanged_copy`), all of them or its floating-point ones only (a loss is the same on both
+exchanged for a model odd in its input); at an epoch's or a validation's end with the training data's copies in memory
+exchanged (:mod:`.outside_records`), all or the floating-point ones only — each from the same random seeds. A decision
+the other data sets apart, and the second plain run does not (a time, a random draw), came from the training data:
+refused before the next release. Decisions the window's hooks do not make again (a scheduler's step, ``EarlyStopping``
+on a held-out value, ``ReduceLROnPlateau``) are not theirs to judge: the replays leave them as they were.
 
 What a window cannot see: at a batch's end, a decision whose hook keeps a flag it sets in place (a list, a tensor)
 rather than an attribute it binds (its runs again start from the state as it is after it, with only the attributes

@@ -6,7 +6,7 @@ does; the first step replays the hooks around a step (:func:`replay_batch_hooks`
 (:func:`replay_epoch_hooks`) on different data, as the module runs now and as it would run at the plan's last step
 (:func:`progress_as`), and compares what they keep and decide (docs/release_boundary.md, rule 3). A replay must leave
 the run as it found it (:func:`replaying`): nothing logged, no checkpoint written, the schedulers' states put back;
-the snapshot (:mod:`.snapshot`) puts the user's state back, :func:`~.kept_state.replay_records` the
+the snapshot (:mod:`.snapshot`) puts the user's state back, :func:`~.steered_settings.replay_records` the
 optimizer's and the trainer's decisions.
 
 Only the hooks of the module and of callbacks that are not Lightning's or lightning_dp's are run: the libraries'
@@ -190,10 +190,11 @@ def _parameter_versions(module: "pl.LightningModule") -> dict[str, tuple[int, in
 
 
 def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
-    """The hyper-parameters (:func:`~.kept_state.settings`) of the optimizers the module's ``configure_optimizers``
-    builds now, and its schedulers' states (``"configured optimizer 0 param_groups[0].lr"``): run in the replays of
-    the hooks that see no batch, a learning rate from the training data (``1 / L`` from its spectral norm) differs on
-    its exchanged copy. The optimizers built are dropped; a module without one, or one that fails, gives nothing."""
+    """The hyper-parameters (:func:`~.steered_settings.settings`) of the optimizers the module's
+    ``configure_optimizers`` builds now, and its schedulers' states (``"configured optimizer 0 param_groups[0].lr"``):
+    run in the replays of the hooks that see no batch, a learning rate from the training data (``1 / L`` from its
+    spectral norm) differs on its exchanged copy. The optimizers built are dropped; a module without one, or one that
+    fails, gives nothing."""
     from pytorch_lightning.core.optimizer import _configure_optimizers
 
     try:
@@ -261,8 +262,8 @@ def weights_moved_by_data(plain: dict[str, Any], again: dict[str, Any], other: d
                           sketches: Sequence[dict[str, torch.Tensor]], ratio: float = 1000.0) -> list[str]:
     """Of the model's parameters (``"parameter head.weight"``), those the replay on other data moved from the first
     replay on the data; ``plain``, ``other`` and ``again`` are the replays' fingerprints, in that order, and
-    ``sketches`` their :func:`weights_sketch`. Exactly as :func:`~.kept_state.moved_by_data` (which takes an entry
-    the two replays on the same data set apart for a time stamp), except where the arithmetic of a fit is not bit
+    ``sketches`` their :func:`weights_sketch`. Exactly as :func:`~.fingerprint_entries.moved_by_data` (which takes an
+    entry the two replays on the same data set apart for a time stamp), except where the arithmetic of a fit is not bit
     for bit repeatable (a least-squares solve on several threads, a GPU's atomic sums): weights the plain replays
     leave apart are the data's when the other data moved them more than ``ratio`` times as far; and a move the
     sketches see and find within :data:`ROUNDING_ULPS` of the values' scale is rounding (the two plain replays
@@ -366,7 +367,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None
     hook registered (``on_train_start`` registering a forward hook: the replays' go again), or advance a
     learning-rate scheduler stepped by hand (its state and the optimizers' hyper-parameters are put back: a schedule
     from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
-    them (the replays compare them, then put them back: :func:`~.kept_state.replay_records`)."""
+    them (the replays compare them, then put them back: :func:`~.steered_settings.replay_records`)."""
     trainer = module.trainer
     schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
     states = [scheduler.state_dict() for scheduler in schedulers]

@@ -66,11 +66,12 @@ def empty_slots(module: nn.Module) -> list[Callable[[], None]]:
 
 
 def held_objects(module: nn.Module) -> list[Any]:
-    """The objects whose public fields the fingerprint reads (:class:`~.kept_state._Walker`) held by a public attribute
-    of ``module`` or a submodule, each once: a library's configuration object (Hugging Face's ``model.config``, a
-    dataclass: :func:`~.kept_state._configuration_object`) or a plain object of the user's (not a module, tensor,
-    dataset, class or function), and those held by their fields in turn (to :data:`OBJECT_DEPTH`). A library's other
-    objects are compared by identity only: a field set on them is not seen, and needs no putting back."""
+    """The objects whose public fields the fingerprint reads (:class:`~.state_walker._Walker`) held by a public
+    attribute of ``module`` or a submodule, each once: a library's configuration object (Hugging Face's
+    ``model.config``, a dataclass: :func:`~.state_walker._configuration_object`) or a plain object of the user's (not a
+    module, tensor, dataset, class or function), and those held by their fields in turn (to :data:`OBJECT_DEPTH`). A
+    library's other objects are compared by identity only: a field set on them is not seen, and needs no putting
+    back."""
     seen: set[int] = set()
     found: list[Any] = []
 

@@ -201,7 +201,7 @@ class LoggedReads:
                 f"the name public: DPStrategy(public_state={names!r}).")
 
     def _hyperparameters(self) -> Fingerprint:
-        """The optimizers' hyper-parameters and state, and the other decisions (:func:`~.kept_state.decisions`:
+        """The optimizers' hyper-parameters and state, and the other decisions (:func:`~.steered_settings.decisions`:
         which optimizers step and which parameters train, the schedulers, the trainer's stop)."""
         return {**{f"[{i}] {k}": v for i, opt in enumerate(getattr(self.trainer, "optimizers", ()) or ())
                    for k, v in hyperparameters(opt).items()}, **decisions(self.trainer)}

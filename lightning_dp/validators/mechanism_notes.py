@@ -10,9 +10,9 @@ hook no window runs again. A σ or C set there is judged by nobody: a lambda tha
 from a logger's copy of ``SecondMomentMonitor``'s non-private diagnostics and sets C to it (zoo15 sm1-C) makes the
 next release's C — released with every step as ``privacy/clip_norm`` — an exact, un-noised function of a record.
 
-:class:`MechanismNotes` notes the settings (:func:`~.kept_state.mechanism_decisions`: σ, C, the clipping policy and
-its configuration, ``ClippingPolicy.settings``; an adaptive policy's own moves are its releases', not settings) right
-after each release (and as each step begins: what the ``on_train_batch_start`` hooks set is the step's, judged
+:class:`MechanismNotes` notes the settings (:func:`~.mechanism_settings.mechanism_decisions`: σ, C, the clipping policy
+and its configuration, ``ClippingPolicy.settings``; an adaptive policy's own moves are its releases', not settings)
+right after each release (and as each step begins: what the ``on_train_batch_start`` hooks set is the step's, judged
 with it), and again where a change is accounted for:
 
 - a decision window whose hooks, run again from the settings as it opened, set the settings as they are now (a C from
@@ -82,7 +82,7 @@ class MechanismNotes:
 
     def accounted(self, opened: dict[str, Any], replayed: Optional[Fingerprint], trainer: Any) -> None:
         """A decision window closed without a refusal: it opened with the settings ``opened``
-        (:func:`~.kept_state.mechanism_settings`) and its hooks, run again from them, left ``replayed`` (their
+        (:func:`~.mechanism_settings.mechanism_settings`) and its hooks, run again from them, left ``replayed`` (their
         decisions; ``None``: not run again). A setting that differs from the noted one is accounted for when the
         window opened from the noted value and its hooks were run again and judged: a change made before the window
         opened, or by the scheduler's step in its interval (:meth:`watch_scheduler_step`), is not. (Its hooks run
@@ -96,8 +96,8 @@ class MechanismNotes:
                 self._noted[name] = now[name]
 
     def library_moved(self, before: Fingerprint, trainer: Any) -> None:
-        """The library changed the settings from ``before`` (:func:`~.kept_state.mechanism_decisions`) to what they are
-        now (σ calibrated or refit for the plan): what it moved, from the noted value, is noted."""
+        """The library changed the settings from ``before`` (:func:`~.mechanism_settings.mechanism_decisions`) to what
+        they are now (σ calibrated or refit for the plan): what it moved, from the noted value, is noted."""
         if self._noted is None:
             return
         now = mechanism_decisions(trainer)

@@ -86,7 +86,7 @@ def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Finding]:
 
 
 def _memory(dataset: Any) -> list[tuple[int, int]]:
-    """The memory intervals [start, end) of the tensors a dataset holds (:func:`~.kept_state.dataset_parts`)."""
+    """The memory intervals [start, end) of the tensors a dataset holds (:func:`~.dataset_tokens.dataset_parts`)."""
     found = []
     for _, t in dataset_parts(dataset)[1]:
         if t.numel():

@@ -152,7 +152,7 @@ class PlainLoop:
                  public: Callable[[], Sequence[str]] = tuple, alone: Callable[[], bool] = bool,
                  params: Callable[[], Sequence[Tensor]] = tuple) -> None:
         self.mechanism = mechanism
-        """The step's σ, clipping policy, noise and sampling now (:func:`~.kept_state.mechanism_state`)."""
+        """The step's σ, clipping policy, noise and sampling now (:func:`~.mechanism_settings.mechanism_state`)."""
         self.public = public
         """The names declared public (``"noise_multiplier"``, ``"max_grad_norm"``: a schedule of one's own)."""
         self.alone = alone

@@ -36,7 +36,7 @@ _METHODS = ("__getitem__", "__getitems__")
 
 class RecordWatch:
     """Counts reads of the training records (``dataset`` and the datasets it is made of:
-    :func:`~.kept_state.dataset_parts`) through their classes' item access while :meth:`start`-ed and ``counting()``
+    :func:`~.dataset_tokens.dataset_parts`) through their classes' item access while :meth:`start`-ed and ``counting()``
     says so; lightning_dp's own reads (:mod:`lightning_dp.records.fetch`: the probe's, the checks') are not counted.
 
     Args:
@@ -143,7 +143,7 @@ def _ours() -> bool:
 @contextmanager
 def refuse_record_reads(dataset: Any) -> Iterator[None]:
     """Run the user's step; refuse, when it returns, if it read records of ``dataset`` or of the datasets it is made
-    of (:func:`~.kept_state.dataset_parts`) itself. ``None``: nothing is watched."""
+    of (:func:`~.dataset_tokens.dataset_parts`) itself. ``None``: nothing is watched."""
     watch = RecordWatch(dataset)
     watch.start()
     try:

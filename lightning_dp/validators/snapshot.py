@@ -9,7 +9,7 @@ callbacks, the module-level globals of the user's code (the modules the fingerpr
 :attr:`~lightning_dp.privacy.boundary.ReleaseBoundary.global_modules`) and the data in those modules' classes'
 bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
-gets its old values), to :data:`~lightning_dp.validators.kept_state.MAX_DEPTH` levels.
+gets its old values), to :data:`~lightning_dp.validators.state_walker.MAX_DEPTH` levels.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _contents(value: Any, depth: int) -> Restore:
 
 def _plain(value: Any) -> bool:
     """Whether ``value``'s attributes are restored: a plain object of the user's, or a library's configuration object
-    (Hugging Face's ``model.config``: :func:`~.kept_state._configuration_object`), whose public fields the fingerprint
+    (Hugging Face's ``model.config``: :func:`~.state_walker._configuration_object`), whose public fields the fingerprint
     reads as state — a ``config.problem_type`` a pass set on its first forward is ``None`` again after it."""
     root = (type(value).__module__ or "").split(".")[0]
     return root not in ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins", "logging",
@@ -117,7 +117,7 @@ def _globals(mod: types.ModuleType) -> Restore:
     StateFingerprint.take`): every name bound to its object again, with its contents (a list appended to is cut
     back, a counter rebound gets its old value); a function's kept state (a default argument, a closure's list) its
     contents (functions themselves are not rebound). Modules and classes are left (a class's body:
-    :func:`~lightning_dp.validators.kept_state.class_attributes`); a public name (no leading underscore) the passes
+    :func:`~lightning_dp.validators.state_walker.class_attributes`); a public name (no leading underscore) the passes
     added is removed."""
     fields = vars(mod)
     held: dict[str, Any] = {}
@@ -196,8 +196,8 @@ class StateSnapshot:
         modules: the Python modules of the user's code whose globals the fingerprint reads (the boundary's
             ``global_modules()``): their globals and the data in their classes' bodies are restored too — an epoch
             counter (``global EPOCHS; EPOCHS += 1``) a replay of the epoch hooks moved is moved back.
-        settings: the library callbacks' and the trainer's settings (:func:`~.kept_state.library_settings`) are
-            restored too (not where :func:`~.kept_state.replay_records` compares, then puts them back, after the
+        settings: the library callbacks' and the trainer's settings (:func:`~.steered_settings.library_settings`) are
+            restored too (not where :func:`~.steered_settings.replay_records` compares, then puts them back, after the
             restore).
     """
 
@@ -250,7 +250,7 @@ class StateSnapshot:
 
 
 def _put_settings(settings: dict[str, tuple[Any, str, Any]]) -> None:
-    """:func:`~lightning_dp.validators.kept_state.library_settings` as recorded (an ``EarlyStopping.patience`` a
+    """:func:`~lightning_dp.validators.steered_settings.library_settings` as recorded (an ``EarlyStopping.patience`` a
     pass of the user's ``training_step`` set)."""
     for obj, key, value in settings.values():
         now = vars(obj).get(key, _ABSENT)

@@ -5,7 +5,7 @@ module holds what a fingerprint alone cannot tell — whether a write, a hyper-p
 from the data* — and tells it the one way that works on code nobody here wrote: the user's hooks run again from the
 same state and the same random seeds, on the training data, on it again, and on other data (the batch exchanged,
 its loss moved far, the training set's copies in memory exchanged; :mod:`.outside_records`). What the other data
-sets apart and the second plain run does not is the data's (:func:`.kept_state.moved_by_data`); it is refused
+sets apart and the second plain run does not is the data's (:func:`.fingerprint_entries.moved_by_data`); it is refused
 before any release, on every rank alike. The checks, in the order a fit meets them:
 
 - :meth:`StepReplays.verify` — the first step: the probe (:mod:`.probe`) on ``training_step``, and the batch hooks
@@ -188,7 +188,7 @@ class StepReplays:
         :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
-        (:func:`~.validators.kept_state.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
+        (:func:`~.validators.fingerprint_entries.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
         module, precision = self.strategy.lightning_module, self.strategy.precision_plugin
         per_epoch = max(1, self.strategy.steps_per_epoch or 1)
         trainer, optimizer = module.trainer, self.strategy.optimizers[0]

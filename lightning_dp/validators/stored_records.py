@@ -9,7 +9,7 @@ record, un-noised. Augmentation belongs to the fetch (``__getitem__`` or the col
 epoch number), not to the stored tensors.
 
 :func:`stored_records` notes, at the fit's first training loader, a digest of every row (along dimension 0) of what
-its datasets store: the tensors they hold (:func:`~lightning_dp.validators.kept_state.dataset_parts`), the in-memory
+its datasets store: the tensors they hold (:func:`~lightning_dp.validators.dataset_tokens.dataset_parts`), the in-memory
 NumPy arrays and the lists of numbers, strings (file paths), tensors or arrays they hold as attributes — one pass over
 their bytes, on the tensors' own device. At a reload on the same indices, :func:`changed_records` compares the
 rebuilt loader's (the same dataset or a new one built alike): a stored item at the same place, of the same shape and

@@ -1,5 +1,5 @@
 """The settings of Lightning's callbacks and the trainer's validation and checkpoint schedule are decisions (rule 3 of
-docs/release_boundary.md; validators/kept_state.library_settings): an EarlyStopping patience or stopping threshold, a
+docs/release_boundary.md; validators/steered_settings.library_settings): an EarlyStopping patience or stopping threshold, a
 Timer duration, a ModelCheckpoint or validation schedule set by the user's hooks from the training batch loss decide
 how many releases (or validations, or checkpoints) there are, and are refused; the callbacks used as Lightning runs
 them (EarlyStopping on a held-out value, ModelCheckpoint, Timer, LearningRateMonitor, val_check_interval), and a

@@ -1,4 +1,4 @@
-"""σ and C are decisions (rule 3 of docs/release_boundary.md; validators/kept_state.mechanism_settings): a clipping
+"""σ and C are decisions (rule 3 of docs/release_boundary.md; validators/mechanism_settings.mechanism_settings): a clipping
 bound set from the batch's losses, a noise multiplier lowered once the training loss crosses a threshold — in the
 step, at a batch's end, at an epoch's end — steer the next release by un-noised data and are refused when made; σ or C
 set from the step count or the epoch number, and a policy that moves C privately (AdaptiveClipping), train."""

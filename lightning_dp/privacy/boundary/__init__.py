@@ -5,8 +5,8 @@ ledger that counts those releases. Everything else a step computes from the batc
 rules, each enforced here (:class:`ReleaseBoundary`) and nowhere else; a violation is refused before the
 release it would corrupt, naming the fix:
 
-1. **Optimizer ⊆ mechanism** (:mod:`.coverage`): every tensor of every parameter group that requires grad
-   is one the release writes, at every release.
+1. **Optimizer ⊆ mechanism** (:mod:`~lightning_dp.validators.optimizer_coverage`): every tensor of every parameter
+   group that requires grad is one the release writes, at every release.
 2. **No raw gradient observable** (:mod:`.hooks`): no gradient hook on a parameter; the strategies release *inside*
    Lightning's backward, before ``on_after_backward``, so every hook and logger reading ``p.grad`` reads ĝ_t; the
    optimizer steps with ĝ_t as released (:meth:`ReleaseBoundary.check_gradients`); no tensor outside the parameters
@@ -36,9 +36,9 @@ from torch.optim import Optimizer
 
 from lightning_dp.engine_api import mark_released
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.boundary.coverage import uncovered_error, uncovered_tensors
 from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
+from lightning_dp.validators.optimizer_coverage import uncovered_error, uncovered_tensors
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.kept_state import (
     Fingerprint, StateFingerprint, accepted, attribute_keys, hyperparameters, hyperparameters_error, is_public,

@@ -1,4 +1,4 @@
-"""Optimizer ⊆ mechanism (privacy/boundary/coverage.py): a tensor the optimizer updates but the release does not
+"""Optimizer ⊆ mechanism (validators/optimizer_coverage.py): a tensor the optimizer updates but the release does not
 write would be stepped with its raw batch gradient. Each case is refused before any release, naming the tensor."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.privacy.boundary.coverage import uncovered_tensors, where_held
+from lightning_dp.validators.optimizer_coverage import uncovered_tensors, where_held
 
 
 class LearnableTemperature(Classifier):

@@ -5,7 +5,8 @@ clips. A tensor the optimizer holds that is not one of them — a plain ``torch.
 temperature, the parameters of modules kept in a Python list or dict (never registered, so never
 hooked), a parameter group added to the optimizer later — keeps its raw batch gradient from autograd
 and would be stepped with it: no clipping, no noise. Checked before every release (the param groups
-can grow at any time), in O(number of tensors).
+can grow at any time), in O(number of tensors), by the release boundary (rule 1 of
+:mod:`lightning_dp.privacy.boundary`), which refuses with :func:`uncovered_error`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""Tokens of contents: what the kept-state fingerprint compares of a tensor, an array or a byte container.
+
+Tensors' content checksums (float64 Σx, Σx², Σ (1 + j mod 251)·x_j; :func:`content_sums`), cached by identity,
+storage and version counter (:class:`_Checksums`); the L2 norms of parameters and floating buffers by one fused
+reduction (:func:`_norm_tokens`, kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays
+(:func:`_numpy_token`, :func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import io
+import weakref
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dp.validators.fingerprint_entries import Fingerprint
+
+class _Checksums:
+    """Content checksums of tensors, cached by (identity, storage, version counter): unchanged tensors cost a
+    dictionary lookup; changed ones one float64 reduction each, gathered with one host copy per device."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
+
+    @staticmethod
+    def key(t: Tensor) -> tuple[Any, ...]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.layout != torch.strided:  # sparse: no storage of its own to key on, so never taken as unchanged
+            return (id(t), object(), t._version, tuple(t.shape), t.dtype)
+        return (id(t), local.data_ptr() if local.numel() else 0, t._version, tuple(t.shape), t.dtype)
+
+    def tokens(self, tensors: Sequence[Tensor], full: bool) -> list[Hashable]:
+        keys = [self.key(t) for t in tensors]
+        todo = [i for i, (t, k) in enumerate(zip(tensors, keys)) if full or not self._fresh(t, k)]
+        for i, value in zip(todo, content_sums([tensors[i] for i in todo])):
+            self._cache[id(tensors[i])] = (weakref.ref(tensors[i]), keys[i], value)
+        return [(k[3], str(k[4]), self._cache[id(t)][2]) for t, k in zip(tensors, keys)]
+
+    def _fresh(self, t: Tensor, key: tuple[Any, ...]) -> bool:
+        """A cached checksum of this very tensor (not a new one at a reused address) at this version."""
+        cached = self._cache.get(id(t))
+        return cached is not None and cached[0]() is t and cached[1] == key
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+
+def content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
+    """(Σx, Σx², Σ w_j x_j) in float64 per tensor, w_j = 1 + (j mod 251): a write of any value shows, and a
+    permutation of values mostly does too."""
+    out: list[Optional[bytes]] = [None] * len(tensors)
+    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            x = _flat_contents(local.detach())
+            if x.numel() == 0:
+                stats = torch.zeros(3, dtype=torch.float64, device=x.device)
+            else:
+                weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(251).add_(1)
+                stats = torch.stack([x.sum(), x.square().sum(), (x * weights).sum()])
+            by_device.setdefault(stats.device, []).append((i, stats))
+        for items in by_device.values():
+            host = torch.stack([s for _, s in items]).cpu().numpy()
+            for (i, _), row in zip(items, host):
+                out[i] = row.tobytes()
+    return [b for b in out if b is not None]
+
+
+def _flat_contents(x: Tensor) -> Tensor:
+    """``x``'s numbers as one float64 vector: a strided tensor's elements (complex as pairs), a sparse tensor's indices
+    then values (a sparse adjacency kept by a graph model: no dense copy)."""
+    if x.layout != torch.strided:
+        coo = x if x.layout == torch.sparse_coo else x.to_sparse_coo()
+        return torch.cat([coo._indices().reshape(-1).to(torch.float64), _flat_contents(coo._values())])
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    return x.reshape(-1).to(torch.float64)
+
+
+def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
+    """Each tensor's L2 norm, by one fused reduction: a write through ``p.data`` (which moves neither the storage nor
+    the version counter) changes it. On the CPU one entry per tensor (``"contents of parameter NAME"``); on an
+    accelerator one entry per device holding the norms there (:class:`_DeviceNorms`: no host copy until compared,
+    so taking the baseline after the update does not wait for the device)."""
+    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    for name, t in named:
+        by_device.setdefault(t.device, []).append((name, t))
+    out: Fingerprint = {}
+    with torch.no_grad():
+        for device, group in by_device.items():
+            norms = torch.stack(torch._foreach_norm([t.detach() for _, t in group])).to(torch.float64)
+            if device.type == "cpu":
+                out.update({f"contents of {name}": value for (name, _), value in zip(group, norms.tolist())})
+            else:
+                out[f"contents of {len(group)} parameters and buffers on {device}"] = _DeviceNorms(norms)
+    return out
+
+
+class _DeviceNorms:
+    """Norms kept on their device; equal when every norm is (one comparison, one wait for the device)."""
+
+    def __init__(self, norms: Tensor) -> None:
+        self.norms = norms
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _DeviceNorms) and self.norms.shape == other.norms.shape and bool(
+            torch.equal(self.norms, other.norms))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.norms.shape))
+
+
+def _digest(data: Any) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _raw_token(value: Any) -> Optional[Hashable]:
+    """Mutable byte containers and streams, which hold data without a ``__dict__``: their contents (``bytearray``,
+    ``array.array``, ``memoryview``, ``io.BytesIO``, ``io.StringIO``) or, for another stream (a file written by the
+    step), its position: a write moves it."""
+    if isinstance(value, (bytearray, memoryview)):
+        return (type(value).__name__, _digest(value))
+    if isinstance(value, array.array):
+        return ("array", value.typecode, _digest(value.tobytes()))
+    if isinstance(value, io.BytesIO):
+        return ("BytesIO", _digest(value.getbuffer()), value.tell())
+    if isinstance(value, io.StringIO):
+        return ("StringIO", _digest(value.getvalue().encode("utf-8", "surrogatepass")), value.tell())
+    if isinstance(value, io.IOBase):
+        try:
+            position = None if value.closed else value.tell()
+        except (OSError, ValueError):  # a pipe or socket: not seekable
+            position = None
+        return ("stream", type(value).__name__, id(value), value.closed, position)
+    return None
+
+
+def _numpy_token(value: Any) -> Optional[Hashable]:
+    module = type(value).__module__
+    if module != "numpy":
+        return None
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return ("numpy scalar", repr(value.item()))
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return ("ndarray", value.shape, "object", id(value))
+        return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
+    return None
+
+
+ARRAY_BYTES = 1 << 20
+"""NumPy arrays up to this size are compared by a digest of all their bytes; larger ones (a datamodule's raw data)
+by their identity, memory address and a digest of :data:`ARRAY_BYTES` bytes in strided rows, every step."""
+
+
+def _array_digest(value: Any) -> bytes:
+    if value.nbytes <= ARRAY_BYTES:
+        return _digest(value.tobytes())
+    flat = value.reshape(-1) if value.flags.c_contiguous else value.ravel()
+    stride = max(1, flat.size // (ARRAY_BYTES // max(1, value.itemsize)))
+    return _digest(flat[::stride].tobytes()) + id(value).to_bytes(8, "little") + \
+        value.__array_interface__["data"][0].to_bytes(8, "little")

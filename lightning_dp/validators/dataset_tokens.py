@@ -1,0 +1,67 @@
+"""The training data as the kept-state fingerprint reads it: the datasets a dataset is made of, the tensors they
+hold (:func:`dataset_parts`), and a token of them (:func:`dataset_token`: identity and version counter of each tensor,
+and the records kept as NumPy arrays or lists of numbers or strings), so a record written in place shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lightning_dp.validators.checksums import _array_digest
+
+def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
+    """The datasets ``dataset`` is made of (itself and those it wraps: ``Subset.dataset``, ``ConcatDataset.datasets``,
+    any dataset held as an attribute) and the tensors they hold (in their attributes and in those attributes'
+    lists, tuples and dicts of at most 64 items), each once, six attribute or item levels deep; tensors named by
+    their path."""
+    datasets: list[Any] = []
+    tensors: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, path: str, depth: int) -> None:
+        if id(value) in seen or depth > 6:
+            return
+        seen.add(id(value))
+        if isinstance(value, Tensor):
+            tensors.append((path, value))
+        elif isinstance(value, (list, tuple)) and len(value) <= 64:
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, dict) and len(value) <= 64:
+            for key, item in value.items():
+                visit(item, f"{path}[{key!r}]", depth + 1)
+        elif isinstance(value, Dataset):
+            datasets.append(value)
+            for key, item in (vars(value).items() if hasattr(value, "__dict__") else ()):
+                visit(item, f"{path}.{key}", depth + 1)
+
+    visit(dataset, "", 0)
+    return datasets, tensors
+
+
+def dataset_token(dataset: Any) -> Hashable:
+    """A dataset's identity and its tensors (:func:`dataset_parts`) by identity, shape and version counter, and the
+    records its datasets hold as NumPy arrays or Python lists of numbers or strings (:func:`_records_token`): a
+    record written in place (a label relabelled from the batch) shows. Tensors' contents are not read (a dataset's
+    size is unbounded), nor are caches of other types (a dict a lazy ``__getitem__`` fills)."""
+    datasets, tensors = dataset_parts(dataset)
+    return ("dataset", type(dataset).__name__, id(dataset),
+            tuple((path, (id(t), t._version, tuple(t.shape))) for path, t in tensors),
+            tuple((key, token) for d in datasets for key, value in (vars(d).items() if hasattr(d, "__dict__") else ())
+                  for token in [_records_token(value)] if token is not None))
+
+
+def _records_token(value: Any) -> Optional[Hashable]:
+    """A NumPy array of records (:func:`_array_digest`) or a list of plain numbers or strings (labels kept as a
+    list: its length and hash), else ``None``."""
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+        return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
+    if isinstance(value, list) and value and isinstance(value[0], (int, float, str, bool)):
+        try:
+            return ("list", len(value), hash(tuple(value)))
+        except TypeError:  # an unhashable item further on
+            return ("list", len(value), id(value))
+    return None

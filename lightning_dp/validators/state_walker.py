@@ -1,0 +1,298 @@
+"""The walk of the user's Python state: values turned into hashable tokens (:class:`_Walker`), to a bounded depth
+(:data:`MAX_DEPTH`) and sample (:data:`MAX_ITEMS`), and where that state lives besides a module's attributes — what a
+callable keeps (:func:`callable_state`: closure cells, default arguments, a partial's arguments, a bound object),
+the Python attributes of a tensor or a function (:func:`kept_attributes`), class bodies (:func:`class_attributes`),
+the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`_configuration_object`) —
+and what is a library's (:func:`_library_callable`, :func:`_library_function`) or Lightning's
+(:func:`lightning_fields`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+from collections import deque
+from typing import Any, Hashable, Iterable, Iterator, Sequence
+
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES
+from lightning_dp.records.library_objects import is_library as _is_library
+from lightning_dp.validators.checksums import _Checksums, _numpy_token, _raw_token
+from lightning_dp.validators.dataset_tokens import dataset_token
+
+MAX_ITEMS = 16384
+"""Container items tokenised one by one; a longer container is compared by its length and a strided sample."""
+
+
+MAX_DEPTH = 4
+"""Nesting depth followed into containers and plain objects."""
+
+
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+_LIGHTNING_KEYS = frozenset({"_hparams_name", "_log_hyperparams", "trainer", "prepare_data_per_node",
+                              "allow_zero_length_dataloader_with_multiple_devices"})
+"""What Lightning keeps on a LightningDataModule (or another object with its ``HyperparametersMixin``) itself."""
+
+
+_LAZY_KEYS = frozenset({"_hparams", "_hparams_initial"})
+"""Made empty by Lightning on first reading ``self.hparams`` (a checkpoint reads the datamodule's): empty, they are
+the same as absent; with contents (``save_hyperparameters``, ``self.hparams.x = ...``) they are state, saved in
+every checkpoint."""
+
+
+def _hparams_mixin(obj: Any) -> bool:
+    return any(b.__name__ == "HyperparametersMixin" for b in type(obj).__mro__)
+
+
+def lightning_fields(obj: Any) -> dict[str, Any]:
+    """``vars(obj)``, less what Lightning keeps or lazily makes on a LightningDataModule or another
+    ``HyperparametersMixin`` itself (:data:`_LIGHTNING_KEYS`, an empty ``_hparams``): the datamodule held as a global
+    of the script is fingerprinted as the trainer's is."""
+    fields = vars(obj)
+    if not _hparams_mixin(obj):
+        return fields
+    return {k: v for k, v in fields.items()
+            if k not in _LIGHTNING_KEYS and not (k in _LAZY_KEYS and isinstance(v, dict) and not v)}
+
+
+class _Walker:
+    """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
+
+    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool,
+                 skip_keys: frozenset[str] = frozenset()) -> None:
+        self._known = params_and_buffers
+        self._skip_keys = skip_keys
+        self._registered = registered
+        self._sums = sums
+        self._full = full
+        self._objects: set[int] = set()
+        self._name = ""
+        self.graded: dict[str, tuple[int, int]] = {}
+        """Where tensors outside the parameters hold a gradient (:func:`holds_gradient`): entry name → the gradient's
+        identity and version counter."""
+
+    def named(self, name: str, value: Any) -> Hashable:
+        """:meth:`token` of the value held at entry ``name`` (what :attr:`graded` names)."""
+        self._name = name
+        return self.token(value)
+
+    def token(self, value: Any, depth: int = 0) -> Hashable:
+        if value is None or isinstance(value, (bool, int, str, bytes)):
+            return (type(value).__name__, value)
+        if isinstance(value, float):
+            return ("float", repr(value))
+        if isinstance(value, Tensor):
+            if id(value) in self._known:
+                return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
+            if holds_gradient(value):
+                self.graded[self._name] = (id(value.grad), value.grad._version)
+            token = ("tensor", self._sums.tokens([value], self._full)[0])
+            if value.__dict__ and depth < MAX_DEPTH:  # Python attributes set on the tensor (`self.temp.stats = x`)
+                return (*token, *self.attributes(value, depth))
+            return token
+        if callable(getattr(value, "cache_info", None)) and callable(getattr(value, "cache_clear", None)):
+            return ("cached function", getattr(value, "__qualname__", ""), value.cache_info().currsize)  # lru_cache
+        if isinstance(value, types.GeneratorType) and depth < MAX_DEPTH:  # a running average kept in its frame
+            frame = value.gi_frame
+            return ("generator", getattr(value, "__qualname__", ""),
+                    tuple((k, self.token(v, depth + 1)) for k, v in (frame.f_locals if frame else {}).items()))
+        np_token = _numpy_token(value)
+        if np_token is not None:
+            return np_token
+        if isinstance(value, nn.Module) and id(value) not in self._registered and depth < MAX_DEPTH:
+            # a module held outside the model's registry (in a Python list, a dict, a helper object): its tensors are
+            # nobody else's to fingerprint
+            tensors = [*value.parameters(), *value.buffers()]
+            return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
+        if isinstance(value, _FUNCTIONS) and (not _library_callable(value) or _binds(value)) and depth < MAX_DEPTH:
+            if id(value) in self._objects:
+                return ("seen", id(value))
+            self._objects.add(id(value))  # what a closure, a default argument, a bound object or its attributes keep
+            return ("callable", getattr(value, "__qualname__", type(value).__name__),
+                    tuple(self.token(v, depth + 1) for v in callable_state(value)), *self.attributes(value, depth))
+        if isinstance(value, (nn.Module, _FUNCTIONS)):
+            return (type(value).__name__, id(value))
+        if depth >= MAX_DEPTH:
+            return ("deep", type(value).__name__, id(value))
+        if isinstance(value, (list, tuple, deque)):
+            return (type(value).__name__, len(value), tuple(self.token(v, depth + 1) for v in _sample(value)))
+        if isinstance(value, dict):
+            return (type(value).__name__, len(value),
+                    tuple((repr(k), self.token(v, depth + 1)) for k, v in _sample(list(value.items()))))
+        if isinstance(value, (set, frozenset)):
+            return (type(value).__name__, len(value), frozenset(self.token(v, depth + 1) for v in value))
+        raw = _raw_token(value)
+        if raw is not None:
+            return raw
+        if isinstance(value, Dataset):
+            return dataset_token(value)  # the data, not state: its tensors by version, so an in-place write shows
+        if _is_library(value) and _configuration_object(value) and id(value) not in self._objects:
+            self._objects.add(id(value))  # a library's configuration (Hugging Face's model.config): a namespace
+            return ("configuration", type(value).__name__,
+                    tuple((k, self.token(v, depth + 1)) for k, v in vars(value).items() if not k.startswith("_")))
+        if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
+            return ("object", type(value).__name__, id(value))
+        if id(value) in self._objects:
+            return ("seen", id(value))
+        self._objects.add(id(value))
+        fields = lightning_fields(value)  # a LightningDataModule held as a global: its lazily made `_hparams` skipped
+        shared = [(f"{c.__qualname__}.{k}", v) for c, k, v in class_attributes([type(value)])]  # `history = []`
+        return ("object", type(value).__name__,
+                tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
+                      if not _library_function(v)))
+
+    def attributes(self, value: Any, depth: int = 0) -> tuple[Hashable, ...]:
+        """Tokens of the Python attributes a tensor or a user's function holds in its ``__dict__`` (``hook.stats = x``,
+        ``self.temp.stats = x`` on a plain tensor attribute), torch's, Python's and the mechanism's own skipped
+        (:func:`kept_attributes`); empty when there are none."""
+        fields = kept_attributes(value, self._skip_keys)
+        if not fields:
+            return ()
+        return (("attributes", len(fields),
+                 tuple((k, self.token(v, depth + 1)) for k, v in _sample(fields))),)
+
+
+def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+    """(name, value) of the Python attributes set on a tensor or a function of the user's (its ``__dict__``): the
+    mechanism's engine's (``skip_keys``, ``_dp_``), torch's (``_dynamo_``, ``_torchdynamo_``), dunder names
+    (``__wrapped__``: what a wrapper calls is in its closure too) and libraries' functions left out. A tensor
+    subclass of a library's (DTensor's ``_local_tensor``, ``_spec``) keeps its own."""
+    if isinstance(value, functools.partial):  # a partial's own attributes, and its function's
+        own = kept_attributes(types.SimpleNamespace(**vars(value)), skip_keys)
+        return [*own, *kept_attributes(value.func, skip_keys)]
+    if isinstance(value, types.MethodType):
+        return kept_attributes(value.__func__, skip_keys)
+    if isinstance(value, Tensor):
+        if type(value) not in (Tensor, nn.Parameter) and _is_library(value):
+            return []
+    elif not isinstance(value, (types.FunctionType, types.SimpleNamespace)) or _library_callable(value):
+        return []
+    fields = getattr(value, "__dict__", None)
+    if not fields:
+        return []
+    return [(k, v) for k, v in list(fields.items()) if isinstance(k, str) and k not in skip_keys
+            and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not _library_function(v)]
+
+
+def _configuration_object(value: Any) -> bool:
+    """A library's configuration object: a dataclass or an object that writes itself out as a dict (Hugging Face's
+    ``PretrainedConfig`` and ``GenerationConfig``, peft's configs). Code uses one as a namespace
+    (``model.config.temperature = …``), and it is saved with the model (``config.json``): its public fields are read
+    as state; its ``_``-prefixed ones are the library's own."""
+    return hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, Tensor)) \
+        and (dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)))
+
+
+def holds_gradient(t: Tensor) -> bool:
+    """Whether ``t`` holds a gradient a backward left in it: a leaf that requires grad (a temperature, loss weights
+    kept outside the parameters) or a tensor that retains its gradient (``h.retain_grad()``). Nothing noised it."""
+    if not t.requires_grad:
+        return False
+    if t.is_leaf:
+        return t.grad is not None
+    return t.retains_grad and t.grad is not None
+
+
+def _mutable_defaults(fn: Any) -> bool:
+    """Whether a function keeps a list, dict, set or tensor as a default argument or in a closure."""
+    return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
+
+
+def _mutable_state(fn: Any) -> bool:
+    """Whether a function keeps something it can write between calls (:func:`_mutable_defaults`, or its own
+    attributes: ``fn.stats = x``, whatever they hold)."""
+    return _mutable_defaults(fn) or bool(kept_attributes(fn))
+
+
+def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
+    """(class, name, value) of the data held by the user's classes themselves — ``history = []`` in a class body,
+    shared by every instance, appended through ``self.history`` — for ``classes`` and their bases, libraries'
+    left out; methods, properties and other descriptors, nested classes and dunder names skipped."""
+    seen: set[type] = set()
+    for cls in classes:
+        for base in cls.__mro__:
+            if base in seen or (base.__module__ or "").split(".")[0] in LIBRARY_PREFIXES:
+                continue
+            seen.add(base)
+            for key, value in list(vars(base).items()):
+                if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
+                    if _mutable_defaults(value):
+                        yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
+                    fields = kept_attributes(value)
+                    if fields:  # `MyModel.forward.stats = x`
+                        yield base, f"{key}.__dict__", dict(fields)
+                    continue
+                if key.startswith("__") or hasattr(type(value), "__get__") \
+                        or isinstance(value, (type, types.ModuleType)):
+                    continue
+                yield base, key, value
+
+
+def _holds_tensors(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is or holds (in a list, tuple, deque or dict, two levels deep) a tensor or a NumPy array."""
+    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
+        return True
+    if depth < 2 and isinstance(value, (list, tuple, deque)):
+        return any(_holds_tensors(v, depth + 1) for v in _sample(value))
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_tensors(v, depth + 1) for v in _sample(list(value.values())))
+    return False
+
+
+def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
+    """The Python modules that define ``classes`` and their bases, libraries' left out (the user's own code: a
+    training script's ``__main__``, the module of a LightningModule or of a callback handed the batch), whose
+    module-level globals a step could write (``global MEMORY; MEMORY.append(x)``)."""
+    names = {base.__module__ for cls in classes for base in cls.__mro__}
+    found = [sys.modules.get(name) for name in sorted(names)
+             if name and name.split(".")[0] not in LIBRARY_PREFIXES]
+    return [m for m in found if m is not None]
+
+
+def _library_callable(fn: Any) -> bool:
+    """A hook defined by a library (an engine's capture, Opacus', torch's own): its state is its owner's."""
+    target = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__func__", fn)
+    module = getattr(target, "__module__", None) if isinstance(target, types.FunctionType) else type(target).__module__
+    return (module or "").split(".")[0] in LIBRARY_PREFIXES
+
+
+def _library_function(value: Any) -> bool:
+    """A function, method or partial defined by a library: nothing of the user's is kept in it (a partial binding
+    arguments keeps them: ``partial(F.cross_entropy, weight=w)`` holds the user's ``w``)."""
+    return isinstance(value, _FUNCTIONS) and _library_callable(value) and not _binds(value)
+
+
+def _binds(value: Any) -> bool:
+    """A ``functools.partial`` with bound arguments: what they hold is its maker's, whatever function it wraps."""
+    return isinstance(value, functools.partial) and bool(value.args or value.keywords)
+
+
+def callable_state(fn: Any) -> list[Any]:
+    """What a callable keeps between calls: a partial's arguments, a bound method's object, a function's closure
+    cells and default arguments (``def hook(m, i, o, store=[])``), a callable object itself."""
+    if isinstance(fn, functools.partial):
+        return [*fn.args, *fn.keywords.values(), *callable_state(fn.func)]
+    if isinstance(fn, types.MethodType):
+        return [fn.__self__, *callable_state(fn.__func__)]
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    return [fn]
+
+
+def _sample(items: Sequence[Any]) -> Sequence[Any]:
+    if len(items) <= MAX_ITEMS:
+        return items
+    stride = len(items) // MAX_ITEMS + 1
+    return [*items[:64], *items[64:-64:stride], *items[-64:]]

@@ -1,0 +1,249 @@
+"""What steers later steps besides the released gradient, and the replays that judge it: the optimizers'
+hyper-parameters, defaults and state (:func:`hyperparameters`, :func:`settings`), the trainer's length decisions and the
+library objects' settings (:func:`loop_controls`, :func:`library_settings`), the learning-rate schedulers and which
+parameters train (:func:`decisions`); :func:`replay_records` runs the hooks again and puts them back, and
+:func:`hyperparameters_error` refuses a change from the data (rule 3 of docs/release_boundary.md). σ and C:
+:mod:`.mechanism_settings`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import weakref
+from typing import Any, Callable, Hashable, Sequence
+
+from torch import Tensor
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
+from lightning_dp.validators.callback_state import _codes, _stored
+from lightning_dp.validators.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
+                                                        put_mechanism_settings)
+
+_MISSING = object()
+
+
+def hyperparameters(optimizer: Any) -> Fingerprint:
+    """What sets the next update besides the released gradient, as fingerprint entries: each parameter group's
+    hyper-parameters (every key but ``params``: learning rate, momentum, betas, weight decay, …;
+    ``"optimizer param_groups[0].lr"``), its ``defaults`` (``"optimizer defaults.lr"``) and its state
+    (``"optimizer state[0][1].exp_avg"``: group, parameter, key; a tensor by identity, shape and version counter, so an
+    in-place write shows)."""
+    out = settings(optimizer)
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
+                         else _hyper_token(value))
+                out[f"optimizer state[{i}][{j}].{key}"] = token
+    return out
+
+
+def settings(optimizer: Any) -> Fingerprint:
+    """Each parameter group's hyper-parameters and the optimizer's ``defaults`` (:func:`hyperparameters` without the
+    state: cheap enough to note at every batch's end)."""
+    out: Fingerprint = {f"optimizer defaults.{key}": _hyper_token(value)
+                        for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
+    for i, group in enumerate(optimizer.param_groups):
+        out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
+                    for key, value in group.items() if key != "params"})
+    return out
+
+
+def steered_hyperparameters(optimizer: Any, replays: Sequence[Callable[[], None]], loop: Any = None) -> list[str]:
+    """Run each of ``replays`` (the loop's batch hooks on different examples) from the optimizer as it is now
+    (:func:`replay_records`) and name what the data steers: a hyper-parameter or default the replays set to different
+    values (a learning rate from the loss; a warm-up from the step count sets the same value whatever the batch, and
+    is allowed), or a state entry any replay wrote (a moment written from the batch)."""
+    before, seen = replay_records(optimizer, replays, loop)
+    apart = {n for h in seen[1:] for n in changed_entries(seen[0], h)}
+    return sorted(set(state_written(before, seen)) | apart)
+
+
+def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
+                   loop: Any = None) -> tuple[Fingerprint, list[Fingerprint]]:
+    """Run each of ``replays``, putting the optimizer's hyper-parameters and defaults back after each; returns the
+    :func:`hyperparameters` before and after each replay. ``loop`` (the trainer): its ``should_stop``,
+    ``max_epochs`` and ``max_steps`` are recorded (``"trainer should_stop"``) and put back the same way (training
+    stopped, or lengthened, when the loss or a training accuracy crosses a threshold), and so are the mechanism's σ and
+    C (:func:`mechanism_settings`)."""
+    before = hyperparameters(optimizer)
+    saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+             dict(getattr(optimizer, "defaults", None) or {}))
+    controls, mechanism = loop_controls(loop), mechanism_settings(loop)
+    seen: list[Fingerprint] = []
+    for replay in replays:
+        try:
+            replay()
+        finally:
+            seen.append(replay_decisions(optimizer, loop))
+            put_loop_controls(loop, controls)
+            put_mechanism_settings(loop, mechanism)
+            for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
+                params = group["params"]
+                group.clear()
+                group.update(values, params=params)
+            if isinstance(getattr(optimizer, "defaults", None), dict):
+                optimizer.defaults.clear()
+                optimizer.defaults.update(saved[1])
+    return before, seen
+
+
+def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:
+    """What :func:`replay_records` compares after each replay: the optimizer's :func:`hyperparameters`, the trainer's
+    :func:`loop_controls` (``"trainer should_stop"``) and the mechanism's σ and C (:func:`mechanism_decisions`)."""
+    return {**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()},
+            **mechanism_decisions(loop)}
+
+
+def step_decisions(trainer: Any) -> Fingerprint:
+    """What a step may not change between its ``training_step`` and its release: σ, C and what else decides the
+    release (:func:`mechanism_state`: the clipping policy's settings and state, the noise, the plan) and the trainer's
+    decisions and library settings (:func:`loop_controls`), as fingerprint entries."""
+    step = getattr(getattr(trainer, "strategy", None), "private_step", None)
+    return {**mechanism_state(step), **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}}
+
+
+def state_written(before: Fingerprint, seen: Sequence[Fingerprint]) -> list[str]:
+    """The optimizer state entries (moments) any replay wrote: a replay of the hooks may not touch them at all."""
+    return sorted({n for h in seen for n in changed_entries(before, h) if n.startswith("optimizer state")})
+
+
+def loop_controls(loop: Any) -> dict[str, Any]:
+    """The trainer's decisions on how long training runs, and the library objects' settings that decide when it
+    validates, checkpoints or stops (:func:`library_settings`; none without a trainer)."""
+    if loop is None:
+        return {}
+    fit = getattr(loop, "fit_loop", None)
+    return {"should_stop": bool(getattr(loop, "should_stop", False)), "max_epochs": getattr(fit, "max_epochs", None),
+            "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None),
+            **{name: value for name, (_, _, value) in library_settings(loop).items()}}
+
+
+TRAINER_SETTINGS = ("val_check_batch", "val_check_interval", "check_val_every_n_epoch", "limit_train_batches",
+                    "limit_val_batches", "num_training_batches", "num_sanity_val_steps", "log_every_n_steps",
+                    "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+                    "reload_dataloaders_every_n_epochs", "fit_loop.min_epochs", "fit_loop.epoch_loop.min_steps")
+"""The trainer's (and its loops') scheduling settings a user's hook may write: when it validates, how many batches an
+epoch or a validation has, how often it logs, how long it must run at least."""
+
+
+_SETTING_TYPES = (bool, int, float, str, type(None), datetime.timedelta, enum.Enum)
+
+
+_SET_UP = ("__init__", "setup", "load_state_dict", "on_load_checkpoint", "on_fit_start", "on_train_start")
+"""The methods of a library callback that set its configuration, before training starts (``ModelCheckpoint``'s
+``__init_triggers`` too: a name holding ``__init``)."""
+
+
+def library_settings(trainer: Any) -> dict[str, tuple[Any, str, Any]]:
+    """The settings of the library objects that steer the fit — ``"EarlyStopping.patience"``,
+    ``"Timer._duration"``, ``"ModelCheckpoint._every_n_train_steps"``, ``"val_check_batch"`` (:data:`TRAINER_SETTINGS`)
+    — as name → (object, attribute, value). A library callback's (Lightning's, lightning_dp's) are its attributes
+    holding a number, a string, a flag, ``None``, a duration or an enum that its own code writes only as it is set up
+    (:data:`_SET_UP`); what it writes as it runs (``EarlyStopping.wait_count``, ``best_score``, ``ModelCheckpoint``'s
+    best paths, ``Timer``'s start times) is its state, from held-out metrics and the clock, not a setting. Written by
+    the user's code from the training data (a patience, a threshold, a duration, a checkpoint or validation schedule
+    set from the batch loss), they decide later stops, releases and validations: judged as the optimizer's
+    hyper-parameters are (:func:`replay_records`, :mod:`.decisions`)."""
+    out: dict[str, tuple[Any, str, Any]] = {}
+    for path in TRAINER_SETTINGS:
+        *parents, key = path.split(".")
+        obj = trainer
+        for parent in parents:
+            obj = getattr(obj, parent, None)
+        value = vars(obj).get(key, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        if isinstance(value, _SETTING_TYPES):
+            out[path] = (obj, key, value)
+    callbacks = [cb for cb in getattr(trainer, "callbacks", None) or () if library_callback(cb)]
+    labels = [type(cb).__name__ for cb in callbacks]
+    for i, (cb, label) in enumerate(zip(callbacks, labels)):
+        if labels.count(label) > 1:
+            label = f"{label}[{labels[:i].count(label)}]"
+        running = _running_state(type(cb))
+        for key, value in vars(cb).items():
+            if key not in running and isinstance(value, _SETTING_TYPES):
+                out[f"{label}.{key}"] = (cb, key, value)
+    return out
+
+
+_RUNNING: "weakref.WeakKeyDictionary[type, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _running_state(cls: type) -> frozenset[str]:
+    """The attributes a library callback's own methods write after it is set up (:data:`_SET_UP`): its state."""
+    known = _RUNNING.get(cls)
+    if known is None:
+        known = _RUNNING[cls] = frozenset(
+            name for b in cls.__mro__ if (b.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+            for key, value in vars(b).items() if key not in _SET_UP and "__init" not in key
+            for code in _codes(value) for name in _stored(code))
+    return known
+
+
+def decisions(trainer: Any) -> Fingerprint:
+    """What a hook outside the step may decide for later steps: each optimizer's hyper-parameters and defaults
+    (:func:`~.kept_state.settings`, ``"optimizer 0 param_groups[0].lr"``), which optimizers step (one swapped for
+    another), the learning-rate schedulers' states (a scheduler told the loss, applying it at its next step), which
+    of the model's parameters train (a backbone unfrozen), the trainer's length decisions (``"trainer should_stop"``)
+    and the mechanism's σ and C (:func:`mechanism_decisions`)."""
+    out: Fingerprint = {f"trainer {k}": v for k, v in loop_controls(trainer).items()}
+    out.update(mechanism_decisions(trainer))
+    optimizers = list(getattr(trainer, "optimizers", None) or ())
+    out["trainer optimizers"] = tuple(type(o).__qualname__ for o in optimizers)
+    for i, optimizer in enumerate(optimizers):
+        out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in settings(optimizer).items()})
+    for i, scheduler in enumerate(schedulers(trainer)):
+        out.update({f"scheduler {i} {key}": _hyper_token(value) for key, value in scheduler.state_dict().items()})
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None:
+        out["model trainable"] = tuple(name for name, p in module.named_parameters() if p.requires_grad)
+    return out
+
+
+def schedulers(trainer: Any) -> list[Any]:
+    """The learning-rate schedulers Lightning steps for ``trainer``."""
+    return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
+
+
+def put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
+    """The trainer's decisions of :func:`loop_controls` set back to ``controls``."""
+    if loop is None:
+        return
+    loop.should_stop = controls["should_stop"]
+    fit = getattr(loop, "fit_loop", None)
+    if fit is not None and getattr(fit, "max_epochs", None) != controls["max_epochs"]:
+        fit.max_epochs = controls["max_epochs"]
+    epoch_loop = getattr(fit, "epoch_loop", None)
+    if epoch_loop is not None and getattr(epoch_loop, "max_steps", None) != controls["max_steps"]:
+        epoch_loop.max_steps = controls["max_steps"]
+    for name, (obj, key, value) in library_settings(loop).items():  # as the replayed hooks found them
+        if name in controls and (type(value) is not type(controls[name]) or value != controls[name]):
+            setattr(obj, key, controls[name])
+
+
+def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:
+    """The refusal of an optimizer hyper-parameter or state entry changed within a step (rule 3)."""
+    return PrivacyConfigurationError(
+        f"The optimizer's hyper-parameters or state, the mechanism's σ or C, how long the trainer runs or a library "
+        f"callback's or the trainer's setting changed {where}: {', '.join(changed[:6])}. A learning rate, momentum or "
+        "weight decay set from the batch or its loss, a moment written from it, a noise multiplier σ or clipping "
+        "bound C set from it, a stop (should_stop, max_epochs, max_steps; an EarlyStopping patience or threshold, a "
+        "Timer duration) or a validation or checkpoint schedule decided from it steers every later update (or how "
+        "many are released) by un-noised training data, outside the "
+        "guarantee. Nothing more was released. Set hyper-parameters from the step count (a learning-rate scheduler, "
+        "which Lightning steps after the update) or from held-out data at validation; leave σ and C to the strategy "
+        "(a target ε calibrates σ; AdaptiveClipping moves C privately), and the optimizer's state to its step.")
+
+
+def _hyper_token(value: Any) -> Hashable:
+    if isinstance(value, Tensor):  # a tensor learning rate (capturable or fused optimizers)
+        return ("tensor", tuple(value.shape), tuple(value.detach().reshape(-1).tolist()) if value.numel() <= 16
+                else (id(value), value._version))
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
