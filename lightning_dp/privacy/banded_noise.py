@@ -112,6 +112,11 @@ class BandedToeplitzNoise(NoiseMechanism):
         self._phi_cumsum = np.zeros(0)
 
     @property
+    def seeded(self) -> bool:
+        """The fresh draws' source follows a given seed or generator."""
+        return self._source.seeded
+
+    @property
     def steps(self) -> int:
         """Number of rows streamed so far (calls to :meth:`sample`)."""
         return self._steps

@@ -10,9 +10,11 @@ the target before the first step (:meth:`~lightning_dp.privacy.private_step.Priv
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from lightning_dp.errors import KnownSeedWarning
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 
 NOISES = ("gaussian", "banded")
@@ -26,6 +28,25 @@ def check_target(target_epsilon: Optional[float], target_delta: Optional[float])
             raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
         if target_delta is None or not 0 < target_delta < 1:
             raise ValueError(f"target_epsilon needs target_delta in (0, 1), got {target_delta!r}")
+
+
+def warn_known_seeds(sampler_seed: Optional[int], noise: Any) -> None:
+    """Warn (:class:`~lightning_dp.errors.KnownSeedWarning`) when the Poisson sampling or the noise follows a seed
+    the caller chose: a known noise seed lets anyone re-draw z_t and subtract it (no privacy at all); a known sampler
+    seed tells which steps sampled a record, so the amplification by sampling the ε counts on does not hold."""
+    risks = []
+    if getattr(noise, "seeded", False):
+        risks.append("the noise follows a seed or generator you gave: whoever knows it can re-draw z_t and subtract "
+                     "it, leaving the clipped sum itself (no ε holds)")
+    if sampler_seed is not None:
+        risks.append("the Poisson sampling follows sampler_seed: whoever knows it knows which steps sampled each "
+                     "record, and the amplification by sampling the reported ε counts on does not hold")
+    if risks:
+        said = "; ".join(risks)
+        warnings.warn(
+            said[0].upper() + said[1:] + ". The guarantee holds only while the seed stays secret: seeds are for "
+            "tests and reproducible research; give none in production (OS-seeded generators).",
+            KnownSeedWarning, stacklevel=5)
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,7 @@ class PrivacyConfig:
             raise ValueError(f"bands={self.bands} needs noise='banded' (independent Gaussian noise has one band)")
         if isinstance(self.noise, NoiseMechanism) and self.bands not in (1, getattr(self.noise, "bands", 1)):
             raise ValueError(f"bands={self.bands} conflicts with the given noise mechanism ({self.noise!r})")
+        warn_known_seeds(self.sampler_seed, self.noise)
 
     def noise_mechanism(self) -> NoiseMechanism:
         """The noise mechanism z_t these settings name (a given mechanism is used as it is)."""

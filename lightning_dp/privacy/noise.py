@@ -43,6 +43,12 @@ class NoiseMechanism(ABC):
     def advance(self) -> None:
         """Count a step on a rank that does not add noise (keeps step-dependent state in sync)."""
 
+    @property
+    def seeded(self) -> bool:
+        """Whether the draws follow a seed or a generator the caller gave (reproducible by whoever knows it: the
+        guarantee then holds only while it stays secret, :class:`~lightning_dp.errors.KnownSeedWarning`)."""
+        return False
+
     def rounds_at(self, step: int) -> int:
         """Sampled-Gaussian rounds the ledger is charged for 0-based ``step`` (1: independent noise)."""
         return 1
@@ -169,6 +175,11 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         if generator is not None:
             self._generators[torch.device(generator.device)] = generator
         self._init_ahead(prefetch if generator is None else False)
+
+    @property
+    def seeded(self) -> bool:
+        """A ``seed`` or a ``generator`` was given."""
+        return self._seed is not None or self._shared_generator
 
     def for_rank(self, rank: int) -> "GaussianNoise":
         """A stream independent of every other rank's, for process ``rank`` of a sharded release (each rank

@@ -4,11 +4,14 @@ arguments, handed to the private step unchanged, never written."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
+import torch
 
 from lightning_dp import DPStrategy
 from lightning_dp.clipping import AutomaticClipping
+from lightning_dp.errors import KnownSeedWarning
 from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.csprng import SecureGaussianNoise
@@ -83,3 +86,32 @@ def test_the_strategy_still_asks_for_exactly_one_of_sigma_and_a_target():
         DPStrategy(noise_multiplier=1.0, target_epsilon=3.0, target_delta=1e-5)
     with pytest.raises(ValueError, match="exactly one"):
         DPStrategy(noise_multiplier=None, max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("build, said", [
+    (lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0), ["sampler_seed"]),
+    (lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, noise=GaussianNoise(seed=1)), ["re-draw z_t"]),
+    (lambda: PrivateStep(1.0, 1.0, GaussianNoise(generator=torch.Generator().manual_seed(3))), ["re-draw z_t"]),
+    (lambda: PrivateStep(1.0, 1.0, BandedToeplitzNoise(bands=2, seed=4), sampler_seed=5),
+     ["re-draw z_t", "sampler_seed"]),
+])
+def test_a_seed_the_caller_chose_is_warned_as_known_to_whoever_knows_it(build, said):
+    """zoo14 t7: a public noise seed (or generator) lets anyone subtract the noise, a public sampler seed removes
+    the amplification by sampling: the reported ε holds only while the seed is secret, which the run says."""
+    with pytest.warns(KnownSeedWarning) as caught:
+        build()
+    messages = [str(w.message) for w in caught if issubclass(w.category, KnownSeedWarning)]
+    assert len(messages) == 1 and all(part in messages[0] for part in said)
+    assert caught[0].filename == __file__  # points at the caller's line, not the library's
+
+
+@pytest.mark.parametrize("build", [
+    lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0),
+    lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, noise="banded", bands=2),
+    lambda: PrivateStep(1.0, 1.0, GaussianNoise()),
+    lambda: PrivateStep(1.0, 1.0, SecureGaussianNoise()),
+])
+def test_os_seeded_sampling_and_noise_warn_nothing(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KnownSeedWarning)
+        build()
