@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
@@ -50,6 +50,7 @@ from lightning_dp.validators.kept_state import (
     mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
 )
 from lightning_dp.validators.mechanism_notes import MechanismNotes
+from lightning_dp.validators.optimizer_extra_state import put_state, saved_state
 from lightning_dp.validators.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -84,6 +85,7 @@ class _Window:
     step: int = 0
     state: Optional[Fingerprint] = None
     before: Optional[StateSnapshot] = None
+    optimizer_states: list[dict[Any, Any]] = field(default_factory=list)  # :func:`~.optimizer_extra_state.saved_state`
 
 
 class DecisionWindows(pl.Callback):
@@ -229,7 +231,7 @@ class DecisionWindows(pl.Callback):
             [(o, _public_attributes(o)) for o in self._users(trainer, module)], mechanism_settings(trainer), args,
             trainer.global_step,
             self._state(trainer, module, full=judge) if watched else None,
-            self._snapshot(trainer, module) if judge else None)
+            self._snapshot(trainer, module) if judge else None, [saved_state(o) for o in optimizers])
 
     def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
@@ -276,7 +278,8 @@ class DecisionWindows(pl.Callback):
         after = StateSnapshot(module, users, self._boundary.engine_keys, self._boundary.global_modules())
         now = _settings_of(trainer), loop_controls(trainer), mechanism_settings(trainer)
         kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
-                [(p, p.requires_grad) for p in module.parameters()])
+                [(p, p.requires_grad) for p in module.parameters()],
+                [saved_state(o) for o in trainer.strategy.optimizers])
         runs: list[Optional[Fingerprint]] = []
         errors: list[Optional[Exception]] = []  # what each run raised (None: it finished)
         try:
@@ -388,10 +391,13 @@ def _put_settings(trainer: "pl.Trainer", groups: _Groups, defaults: list[dict[st
 
 
 def _put_decisions(trainer: "pl.Trainer", optimizers: list[Any], states: list[dict[str, Any]],
-                   trainable: list[tuple[Any, bool]]) -> None:
-    """Which optimizers step, the schedulers' states and which parameters train, as given."""
+                   trainable: list[tuple[Any, bool]], optimizer_states: list[dict[Any, Any]]) -> None:
+    """Which optimizers step, the schedulers' states, which parameters train and the optimizers' rebound state
+    entries (a loss kept for a loss-aware step size), as given."""
     if list(trainer.strategy.optimizers) != optimizers:
         trainer.strategy.optimizers = optimizers
+    for optimizer, saved in zip(optimizers, optimizer_states):
+        put_state(optimizer, saved)
     for scheduler, state in zip(schedulers(trainer), states):
         scheduler.load_state_dict(copy.deepcopy(state))
     for p, flag in trainable:
@@ -401,7 +407,7 @@ def _put_decisions(trainer: "pl.Trainer", optimizers: list[Any], states: list[di
 
 def _put_back(window: _Window, trainer: "pl.Trainer") -> None:
     """The decisions and the user objects' attributes as the window opened."""
-    _put_decisions(trainer, window.optimizers, window.scheduler_states, window.trainable)
+    _put_decisions(trainer, window.optimizers, window.scheduler_states, window.trainable, window.optimizer_states)
     _put_settings(trainer, window.groups, window.defaults)
     put_loop_controls(trainer, window.controls)
     put_mechanism_settings(trainer, window.mechanism)

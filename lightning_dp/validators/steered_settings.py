@@ -21,6 +21,7 @@ from lightning_dp.validators.callback_state import _codes, _stored
 from lightning_dp.validators.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
+from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
 
 _MISSING = object()
 
@@ -38,6 +39,7 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
                 token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
                          else _hyper_token(value))
                 out[f"optimizer state[{i}][{j}].{key}"] = token
+    out.update(extra_state(optimizer))  # keys that are not its parameters: a loss kept for a loss-aware step size
     return out
 
 
@@ -72,13 +74,14 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
     before = hyperparameters(optimizer)
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
-    controls, mechanism = loop_controls(loop), mechanism_settings(loop)
+    controls, mechanism, state = loop_controls(loop), mechanism_settings(loop), saved_state(optimizer)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
             seen.append(replay_decisions(optimizer, loop))
+            put_state(optimizer, state)
             put_loop_controls(loop, controls)
             put_mechanism_settings(loop, mechanism)
             for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
@@ -194,7 +197,8 @@ def decisions(trainer: Any) -> Fingerprint:
     optimizers = list(getattr(trainer, "optimizers", None) or ())
     out["trainer optimizers"] = tuple(type(o).__qualname__ for o in optimizers)
     for i, optimizer in enumerate(optimizers):
-        out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in settings(optimizer).items()})
+        noted = {**settings(optimizer), **rebound_state(optimizer)}  # a loss kept for the next step size too
+        out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in noted.items()})
     for i, scheduler in enumerate(schedulers(trainer)):
         out.update({f"scheduler {i} {key}": _hyper_token(value) for key, value in scheduler.state_dict().items()})
     module = getattr(trainer, "lightning_module", None)
