@@ -336,7 +336,7 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
     only (the batch-end hooks not run)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
-    with replaying(module, rates=False):
+    with replaying(module, rates=False, schedules=False):
         for cb in callbacks:
             cb.on_train_batch_start(trainer, module, batch, batch_idx)
         ended = module.on_train_batch_start(batch, batch_idx) == -1
@@ -361,15 +361,18 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
 
 
 @contextmanager
-def replaying(module: "pl.LightningModule", rates: bool = True) -> Iterator[None]:
+def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool = True) -> Iterator[None]:
     """What a replay of the user's hooks, or a check's pass through them, must not do to the run: log (``self.log``,
     a logger's ``log_metrics``), write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), leave a module
     hook registered (``on_train_start`` registering a forward hook: the replays' go again), or advance a
     learning-rate scheduler stepped by hand (its state and the optimizers' hyper-parameters are put back: a schedule
     from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
-    them (the replays compare them, then put them back: :func:`~.steered_settings.replay_records`)."""
+    them (the replays compare them, then put them back: :func:`~.steered_settings.replay_records`); ``schedules=False``:
+    so are the schedulers' states (a scheduler told the batch's loss by ``on_train_batch_start``: compared among the
+    loop's controls, :mod:`.schedule_state`)."""
     trainer = module.trainer
-    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()]
+    schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()] \
+        if schedules else []
     states = [scheduler.state_dict() for scheduler in schedulers]
     groups = [(group, {k: v for k, v in group.items() if k != "params"})
               for optimizer in getattr(trainer, "optimizers", None) or () for group in optimizer.param_groups] \

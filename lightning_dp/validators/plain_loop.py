@@ -46,6 +46,8 @@ from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
+from lightning_dp.validators.optimizer_extra_state import rebound_state
+from lightning_dp.validators.schedule_state import told_states
 from lightning_dp.records import user_generators
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -338,7 +340,7 @@ class PlainLoop:
                 self._hook.remove()
             self._optimizer, self._schedulers = optimizer, []
             self._hook = optimizer.register_step_pre_hook(self._before_update)
-        self._hyper = settings(optimizer)
+        self._hyper = self._decided(optimizer)
 
     # ------------------------------------------------------------------ decisions from the loss
     def step_begins(self, schedule_due: Callable[[], bool]) -> None:
@@ -433,15 +435,22 @@ class PlainLoop:
         """Refuse hyper-parameters changed since the release when the loss's value was read (module docstring)."""
         if self._hyper is None or self._optimizer is None or self.read is None:
             return
-        changed = StateFingerprint.changed(self._hyper, settings(self._optimizer))
+        changed = StateFingerprint.changed(self._hyper, self._decided(self._optimizer))
         if not changed or self._scheduled(changed):
             return
         raise PrivacyConfigurationError(
-            f"The optimizer's hyper-parameters changed {where} ({', '.join(changed[:4])}) after the loop read the "
+            f"The optimizer's hyper-parameters or state, or what a learning-rate scheduler was told, changed {where} "
+            f"({', '.join(changed[:4])}) after the loop read the "
             f"value of the loss it back-propagated ({self.read}): the un-noised loss of the private batch steering "
             "later updates is a release without noise (docs/release_boundary.md, rule 3). Nothing more was released. "
             "Set rates from the step count (a torch.optim.lr_scheduler scheduler, or by hand without reading the "
             "loss) or from held-out data; a loss printed for a report is allowed when no rate is set by hand.")
+
+    def _decided(self, optimizer: Any) -> Fingerprint:
+        """What sets the next updates besides the release: the optimizer's hyper-parameters, the entries of its state
+        a loop's code rebinds (:func:`~.optimizer_extra_state.rebound_state`: a loss kept for a step size) and what its
+        schedulers were told (:func:`~.schedule_state.told_states`: ``scheduler.observe(loss.item())``)."""
+        return {**settings(optimizer), **rebound_state(optimizer), **told_states(self._scheduler_objects(optimizer))}
 
     def _scheduled(self, changed: Sequence[str]) -> bool:
         """Whether every change is a ``torch.optim.lr_scheduler`` scheduler's (not ``ReduceLROnPlateau``, which is

@@ -22,6 +22,7 @@ from lightning_dp.validators.fingerprint_entries import Fingerprint, changed_ent
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
 from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
+from lightning_dp.validators.schedule_state import put_schedules, schedule_controls
 
 _MISSING = object()
 
@@ -122,7 +123,7 @@ def loop_controls(loop: Any) -> dict[str, Any]:
     fit = getattr(loop, "fit_loop", None)
     return {"should_stop": bool(getattr(loop, "should_stop", False)), "max_epochs": getattr(fit, "max_epochs", None),
             "max_steps": getattr(getattr(fit, "epoch_loop", None), "max_steps", None),
-            **{name: value for name, (_, _, value) in library_settings(loop).items()}}
+            **{name: value for name, (_, _, value) in library_settings(loop).items()}, **schedule_controls(loop)}
 
 
 TRAINER_SETTINGS = ("val_check_batch", "val_check_interval", "check_val_every_n_epoch", "limit_train_batches",
@@ -226,6 +227,7 @@ def put_loop_controls(loop: Any, controls: dict[str, Any]) -> None:
     for name, (obj, key, value) in library_settings(loop).items():  # as the replayed hooks found them
         if name in controls and (type(value) is not type(controls[name]) or value != controls[name]):
             setattr(obj, key, controls[name])
+    put_schedules(loop, controls)
 
 
 def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigurationError:

@@ -112,7 +112,8 @@ class Observed(Classifier):
 
 
 def test_a_scheduler_told_the_batch_loss_is_refused() -> None:
-    with pytest.raises(PrivacyConfigurationError, match="scheduler 0 scale"):
+    # the first step's replays (the loss moved near zero) meet the threshold: refused before any release
+    with pytest.raises(PrivacyConfigurationError, match="scheduler 0 (scale|ObservingScheduler)"):
         _fit(Observed(), [], steps=30, public_state=["scheduler"])
 
 

@@ -110,3 +110,32 @@ def test_extra_and_rebound_entries_are_named_and_put_back() -> None:
     assert "added" not in opt.state and opt.state[layer.weight]["scale"] == 0.5
     assert rebound_state(opt) == {"optimizer kept['loss']": rebound_state(opt)["optimizer kept['loss']"],
                                   "optimizer state[0][0].scale": rebound_state(opt)["optimizer state[0][0].scale"]}
+
+
+def test_a_plain_loop_keeping_its_loss_in_the_optimizers_state_is_refused() -> None:
+    """A loop of one's own that read its loss and keeps it for a loss-aware step size (validators/plain_loop.py)."""
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = LossAwareSGD(model.parameters())
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    step = PrivateStep(1.0, 1.0, GaussianNoise(seed=0), sampler_seed=0)
+    step.attach(model, opt)
+    try:
+        loader = step.poisson_loader(torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16))
+        step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+        with pytest.raises(PrivacyConfigurationError, match=r"optimizer kept\['scale'\].*after the loop read"):
+            for _, (xb, yb) in zip(range(4), loader):
+                loss = None
+                if step.begin():
+                    loss = nn.functional.cross_entropy(model(xb), yb)
+                    loss.backward()
+                step.release(optimizer=opt)
+                opt.step()
+                opt.zero_grad()
+                opt.state["scale"] = 10 * loss.item() if loss is not None else 1.0
+    finally:
+        step.detach()
