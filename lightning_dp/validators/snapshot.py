@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
+from lightning_dp.validators.context_values import is_context_variable
+from lightning_dp.validators.context_values import restore as context_restore
 from lightning_dp.validators.kept_state import (MAX_DEPTH, _configuration_object, callable_state, class_attributes,
                                                framework_keys, library_settings)
 
@@ -36,6 +38,8 @@ def _contents(value: Any, depth: int) -> Restore:
     by the fingerprint instead."""
     if isinstance(value, nn.Parameter):
         return _nothing
+    if is_context_variable(value):  # a global ContextVar: its value, set again
+        return context_restore(value)
     if isinstance(value, Tensor):
         saved, version = value.detach().clone(), value._version
         return lambda: _copy_tensor(value, saved, version)

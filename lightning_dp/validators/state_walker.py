@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
 from lightning_dp.validators.checksums import _Checksums, _numpy_token, _raw_token
+from lightning_dp.validators.context_values import is_context_variable, value_of
 from lightning_dp.validators.dataset_tokens import dataset_token
 
 MAX_ITEMS = 16384
@@ -127,6 +128,8 @@ class _Walker:
                     tuple((repr(k), self.token(v, depth + 1)) for k, v in _sample(list(value.items()))))
         if isinstance(value, (set, frozenset)):
             return (type(value).__name__, len(value), frozenset(self.token(v, depth + 1) for v in value))
+        if is_context_variable(value):  # its value lives in the running context, not in the object
+            return ("context variable", value.name, self.token(value_of(value), depth + 1))
         raw = _raw_token(value)
         if raw is not None:
             return raw
