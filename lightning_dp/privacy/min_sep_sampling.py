@@ -25,10 +25,27 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_dp.accounting.banded_coefficients import check_bands
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.secure_random import secure_seed, secure_uniform
 
 
-class MinSepPoissonBatchSampler(Sampler[list[int]]):
+class FrozenSampler(Sampler[list[int]]):
+    """A sampler whose settings are the mechanism's: once built, only its step counter may be set. The ledger charges
+    the plan's q; a rate, population or group set on the sampler afterwards (from the loss, at a batch's end) would
+    draw at another q than the one charged (zoo16 smp1)."""
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "step" and getattr(self, "_frozen", False):
+            raise PrivacyConfigurationError(
+                f"The Poisson sampler's {name!r} is the mechanism's: the ledger charges the rate it was built with, "
+                "so it is not set during a fit. Choose the batch size (hence q) before fit(), or declare another run.")
+        object.__setattr__(self, name, value)
+
+
+class MinSepPoissonBatchSampler(FrozenSampler):
     """Yields ``steps_per_epoch`` batches; batch t holds each member of group t mod b with probability q_g.
 
     Args:
@@ -80,10 +97,11 @@ class MinSepPoissonBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         shard = torch.arange(rank, num_samples, world_size)
-        self.groups: list[torch.Tensor] = [shard[g :: self.bands] for g in range(self.bands)]
+        self.groups: tuple[torch.Tensor, ...] = tuple(shard[g :: self.bands] for g in range(self.bands))
         self.step = 0
         self.secure = secure
         self._generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed)
+        self._freeze()
 
     def group_of(self, index: int) -> int:
         """The group of dataset index ``index`` (must belong to this rank's shard)."""

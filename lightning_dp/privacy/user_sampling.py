@@ -13,13 +13,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
 
-from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler
+from lightning_dp.privacy.min_sep_sampling import FrozenSampler, MinSepPoissonBatchSampler
 from lightning_dp.secure_random import secure_seed, secure_uniform
 
 
-class UserPoissonBatchSampler(Sampler[list[int]]):
+class UserPoissonBatchSampler(FrozenSampler):
     """Yields ``steps_per_epoch`` batches of record positions: the records of the users sampled that step.
 
     Args:
@@ -40,6 +39,7 @@ class UserPoissonBatchSampler(Sampler[list[int]]):
                                                secure)
         self.secure, self.limit = secure, max_examples_per_user
         self._generator = torch.Generator().manual_seed(secure_seed() if seed is None else seed + 7919)
+        self._freeze()
 
     @property
     def step(self) -> int:
