@@ -35,6 +35,9 @@ from torch import nn
 MAX_DEPTH = 4
 """Nesting depth followed below an attribute (containers, plain objects)."""
 
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes, torch.Tensor, nn.Parameter})
+"""Exact types that hold no generator (checked first: most attributes are one of them)."""
+
 Roots = Callable[[], Sequence[Any]]
 """The objects the generators are looked for under: the model and the callbacks (asked each time: both may change)."""
 
@@ -84,17 +87,20 @@ def find(roots: Sequence[Any]) -> list[tuple[str, torch.Generator]]:
             if id(sub) in seen:
                 continue
             seen.add(id(sub))
-            where = ".".join(p for p in (path, name) if p)
-            for k, v in list(vars(sub).items()):
-                if k not in skip:
+            items = [(k, v) for k, v in vars(sub).items() if type(v) not in _ATOMS and k not in skip]
+            if items:  # a layer of torch's holds numbers and tuples of them only: no path built for it
+                where = ".".join(p for p in (path, name) if p)
+                for k, v in items:
                     visit(v, f"{where}.{k}" if where else k, depth)
 
     def visit(value: Any, path: str, depth: int) -> None:
+        if type(value) in _ATOMS:  # the commonest values first: never a generator
+            return
         if isinstance(value, torch.Generator):
             if id(value) not in globals_:
                 found.setdefault(id(value), (path, value))
             return
-        if depth > MAX_DEPTH or value is None or isinstance(value, (str, bytes, int, float, bool, torch.Tensor)):
+        if depth > MAX_DEPTH or isinstance(value, (str, bytes, int, float, bool, torch.Tensor)):
             return
         if isinstance(value, nn.Module):
             module(value, path, depth + 1)  # a module outside the registry (in a list, on a helper object)
@@ -104,13 +110,16 @@ def find(roots: Sequence[Any]) -> list[tuple[str, torch.Generator]]:
         seen.add(id(value))
         if isinstance(value, dict):
             for k, v in list(value.items()):
-                visit(v, f"{path}[{k!r}]", depth + 1)
+                if type(v) not in _ATOMS:
+                    visit(v, f"{path}[{k!r}]", depth + 1)
         elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
             for i, v in enumerate(list(value)):
-                visit(v, f"{path}[{i}]", depth + 1)
+                if type(v) not in _ATOMS:
+                    visit(v, f"{path}[{i}]", depth + 1)
         elif not _is_library(value) and hasattr(value, "__dict__") and not isinstance(value, type):
             for k, v in list(vars(value).items()):
-                visit(v, f"{path}.{k}", depth + 1)
+                if type(v) not in _ATOMS:
+                    visit(v, f"{path}.{k}", depth + 1)
 
     for root in roots:
         if isinstance(root, nn.Module):
