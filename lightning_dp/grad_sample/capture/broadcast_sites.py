@@ -321,6 +321,8 @@ class BroadcastSites(TorchFunctionMode):
             return result
         if func is F.embedding and self._functional_embedding(_embedding_arguments(args, kwargs), result, rows):
             return result
+        if name in LOOKUPS and self._functional_embedding(_lookup_arguments(name, args, kwargs), result, rows):
+            return result
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
         if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
             repeated = self._repeated(flat[0], followed[0][1], args[1:], result, rows)
@@ -401,15 +403,19 @@ class BroadcastSites(TorchFunctionMode):
         gradient of W is its output gradient's rows added at its own ids, ∇W_i[v] = Σ_{t: ids_i,t = v} δ_i,t, zero at
         ``padding_idx`` (as the lookup's own backward); mapped back to W's sources a few examples at a time (each row
         is table-sized, ≤ ``_SLICED_ELEMENTS`` elements per batch of rows). ``call``: (ids, W, padding_idx), None for a
-        call that is not a site (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+        call that is not a site (``max_norm``, ``scale_grad_by_freq``, ``sparse``). The same lookup written as indexing,
+        ``W[ids]`` or ``W.index_select(0, ids)`` (center loss: ``self.centers[y]``), is served alike, for a table of
+        any number of dimensions (:func:`_lookup_arguments`)."""
         if call is None or not isinstance(result, Tensor) or not result.requires_grad:
             return False
         ids, table, padding_idx = call
-        if (not isinstance(ids, Tensor) or not isinstance(table, Tensor) or self._sources(ids) or table.dim() != 2
-                or ids.dim() < 1 or ids.is_floating_point() or not self._holds_examples(ids, rows)):
+        if (not isinstance(ids, Tensor) or not isinstance(table, Tensor) or self._sources(ids) or table.dim() < 1
+                or not self._sources(table) or ids.dim() < 1 or ids.is_floating_point() or ids.dtype == torch.bool
+                or not self._holds_examples(ids, rows)):
             return False
-        n, (V, r) = self.n, table.shape
-        idx = ids.detach().reshape(n, -1)
+        n, V, shape = self.n, table.shape[0], table.shape
+        r = max(shape[1:].numel(), 1)
+        idx = ids.detach().reshape(n, -1) % max(V, 1)  # an index may count from the end (W[-1])
         sources, edge = self._sources(table), get_gradient_edge(table)
         pad = None if padding_idx is None else padding_idx % V
         chunk = max(1, _SLICED_ELEMENTS // max(V * r, 1))
@@ -424,6 +430,7 @@ class BroadcastSites(TorchFunctionMode):
                 per_example = delta.new_zeros(stop - start, V, r).scatter_add_(1, at, delta[start:stop])
                 if pad is not None:
                     per_example[:, pad] = 0
+                per_example = per_example.reshape(stop - start, *shape)
                 for source in sources:
                     source.arrive_rows(None if table is source.out() else edge, per_example, start)
 
@@ -659,6 +666,33 @@ def _embedding_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, 
     if named.get("max_norm") is not None or named.get("scale_grad_by_freq") or named.get("sparse"):
         return None
     return named.get("input"), named.get("weight"), named.get("padding_idx")
+
+
+LOOKUPS: frozenset[str] = frozenset({"__getitem__", "index_select"})
+"""Indexing that is ``F.embedding`` written otherwise (:func:`_lookup_arguments`)."""
+
+
+def _lookup_arguments(name: str, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any]]:
+    """``(ids, table, None)`` of a row lookup written as indexing: ``W[ids]``, ``W[ids, :]``, ``W[ids, ...]``, or
+    ``W.index_select(0, ids)``, with an integer (not boolean) index tensor; None for any other indexing (a slice, a
+    mask, an index in another dimension: not a site)."""
+    if name == "__getitem__" and len(args) == 2 and not kwargs:
+        table, index = args
+        whole = [k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in index[1:]] \
+            if isinstance(index, tuple) else []
+        if isinstance(index, tuple) and index and all(whole):
+            index = index[0]
+    elif name == "index_select":
+        named = dict(zip(("input", "dim", "index"), args))
+        named.update(kwargs)
+        table, index, dim = named.get("input"), named.get("index"), named.get("dim")
+        if not isinstance(table, Tensor) or not isinstance(dim, int) or dim % max(table.dim(), 1) != 0:
+            return None
+    else:
+        return None
+    if not isinstance(index, Tensor) or index.is_floating_point() or index.dtype == torch.bool:
+        return None
+    return index, table, None
 
 
 PRODUCTS: frozenset[str] = frozenset({"matmul", "__matmul__", "__rmatmul__", "mm", "mv"})
