@@ -306,6 +306,9 @@ class BroadcastSites(TorchFunctionMode):
         if not followed:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name == "__setitem__" and len(args) == 3 and not kwargs and isinstance(flat[0], Tensor) \
+                and not self._sources(flat[0]):
+            return self._assigned(func, args)
         in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
         computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
         product = _product_arguments(name, args, kwargs) if name in PRODUCTS else None
@@ -340,6 +343,32 @@ class BroadcastSites(TorchFunctionMode):
             if isinstance(t, Tensor) and t.requires_grad:  # no gradient reaches a source through the others
                 self._remember(t, sources)
         return result
+
+    def _assigned(self, func: Any, args: tuple) -> None:
+        """``target[index] = value`` of a followed value into a tensor that is not followed. Into the examples' rows
+        (wav2vec2's SpecAugment, ``hidden[mask_time_indices] = self.masked_spec_embed``: a value without the examples,
+        at positions the index picks in the leading dimensions only) it is a broadcast site: the value is assigned
+        as its expansion to the target's rows, the same values, whose gradient reaches it per example. Into anything
+        else (peft FourierFT writes its spectrum into a zero matrix, ``dense[rows, cols] = spectrum``, then uses the
+        matrix as a weight) the target is followed from then on, as an in-place operation's."""
+        target, index, value = args
+        sources = self._sources(value)
+        if not sources:
+            return func(*args)
+        lead = _indexed_dims(index)
+        if (isinstance(value, Tensor) and value.requires_grad and target.dim() >= 1
+                and target.shape[0] in ({self.n} | self._flattened()) and lead is not None
+                and lead <= target.dim() - value.dim() and (value.dim() < target.dim() or value.shape[0] == 1)):
+            try:
+                torch.broadcast_shapes(value.shape, target.shape)
+            except RuntimeError:
+                return func(*args)  # torch's own error, if any, from the user's call as written
+            e = self._expanded(value, sources, target.dim(), target.shape[0])
+            return func(target, index, e.expand(target.shape)[index])
+        func(*args)
+        if target.requires_grad:
+            self._remember(target, sources)
+        return None
 
     def _repeated(self, t: Tensor, sources: tuple[_Source, ...], reps: tuple, result: Any,
                   rows: set[int]) -> Optional[Tensor]:
@@ -670,6 +699,20 @@ def _embedding_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, 
 
 LOOKUPS: frozenset[str] = frozenset({"__getitem__", "index_select"})
 """Indexing that is ``F.embedding`` written otherwise (:func:`_lookup_arguments`)."""
+
+
+def _indexed_dims(index: Any) -> Optional[int]:
+    """How many leading dimensions ``index`` picks from (a boolean mask: its own number; an integer, a slice or an
+    integer tensor: one; ``None``: none), or None where it is not a plain leading index (an ellipsis)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    count = 0
+    for k in parts:
+        if k is Ellipsis:
+            return None
+        if k is None:
+            continue
+        count += k.dim() if isinstance(k, Tensor) and k.dtype == torch.bool else 1
+    return count
 
 
 def _lookup_arguments(name: str, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any]]:
