@@ -491,12 +491,18 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
               f"DPStrategy(public_state={declarable!r}).") if declarable else ""
     written = [entry.partition(" ")[2] for entry in changed if entry.startswith("parameter ")][:3]
     if written:
+        public += (" A parameter masked or constrained in place in the forward (PixelCNN's masked convolution, "
+                   "self.weight.data *= self.mask; a max-norm renorm of .data) trains when the forward uses the "
+                   "constrained weight instead of writing it: F.conv2d(x, self.weight * self.mask, self.bias, "
+                   "self.stride, self.padding) (F.linear alike).")
         public += (" A parameter written outside the gradient (a momentum or EMA copy of the weights updated in "
                    "training_step) has two ways out: update it at the batch's end (on_train_batch_end, after the "
                    "release) from the parameters only, or, if it is not derived from the training data, declare "
                    f"it public: DPStrategy(public_state={written!r}). A frozen copy (requires_grad=False, in no "
                    "optimizer) updated from the weights alone is also accepted before the release.")
     lead = ""
+    if failure is not None and written and "mutating directly with `.data`" in str(failure):
+        failure = None  # functorch refusing the write itself: the write is the thing to fix, not the engine
     if failure is not None:
         text = (str(failure) if isinstance(failure, PrivacyConfigurationError)
                 else f"{type(failure).__name__}: {failure}").rstrip()
