@@ -339,8 +339,13 @@ class BroadcastSites(TorchFunctionMode):
         if not computed or shaped is not None:
             result = func(*args, **kwargs)
         sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
+        # Inside a custom autograd.Function's forward (peft LoHa's HadaWeight: ((w1a @ w1b) * (w2a @ w2b)) * scale)
+        # gradients are off, so the result does not require grad yet; the Function makes that very tensor its output,
+        # with its own backward. Followed too: a result of followed tensors computed without grad (elsewhere, under
+        # torch.no_grad(), such a tensor never carries a gradient: it is followed for nothing, and meets no site).
+        unrecorded = not torch.is_grad_enabled()
         for t in tree_flatten(result)[0]:
-            if isinstance(t, Tensor) and t.requires_grad:  # no gradient reaches a source through the others
+            if isinstance(t, Tensor) and (t.requires_grad or unrecorded):  # no gradient reaches a source otherwise
                 self._remember(t, sources)
         return result
 
