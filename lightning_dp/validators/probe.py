@@ -652,9 +652,11 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
     hinted = sorted_batch or weighted_mean or bool(precision)
     cause = (f"{'Other possible' if hinted else 'Likely'} causes: "
              "a loss normalised by a batch-wide count (a token mean over all non-pad tokens of the batch, e.g. "
-             "cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM loss): use "
-             "lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages each "
-             "example's own tokens, or return per-example losses from training_step; an operation across the batch"
+             "cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM loss; a segmentation "
+             "loss's mean over the batch's non-void pixels, cross_entropy(out, mask, ignore_index=255) on [B, C, H, W]"
+             "): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=...) ([B, T, V] or "
+             "[B, C, H, W] logits), which averages each example's own tokens or pixels, or return per-example "
+             "losses from training_step; an operation across the batch"
              " (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on flattened rows"
              " that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] tensor itself, "
              "so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the forward.")
