@@ -52,6 +52,10 @@ class Assigns(nn.Module):
             h = h + F.linear(h, dense)
         elif self.mode == "features":  # along the value's own dimension: no rule serves it
             h[..., :2] = self.mask_emb[:2]
+        elif self.mode == "template":  # a zero template [T, D] (T = the step's n here) then added to every example
+            template = torch.zeros(T, D, dtype=h.dtype)
+            template[torch.tensor([True, False, True, False, True])] = self.mask_emb
+            h = h + template
         elif self.mode == "neighbour":  # each example masked where the next one is: examples interact
             h[mask.roll(1, 0)] = self.mask_emb
         return self.head(torch.tanh(h).mean(1))
@@ -61,25 +65,25 @@ def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(model(x), y)
 
 
-def _batch() -> tuple[Tensor, Tensor]:
+def _batch(n: int = N) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(N, T, D, generator=g, dtype=DT), torch.randint(0, 3, (N,), generator=g)
+    return torch.randn(n, T, D, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
 
 
-def _engine_result(engine: str, model: nn.Module, C: float):
-    x, y = _batch()
+def _engine_result(engine: str, model: nn.Module, C: float, n: int = N):
+    x, y = _batch(n)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = per_example_grads(model, _loss, x, y, params)
     e = make_engine(engine)
     e.attach(model)
     try:
-        e.begin_step(N)
+        e.begin_step(n)
         return run_engine(e, model, _loss, x, y, params, C), grads, params
     finally:
         e.detach()
 
 
-@pytest.mark.parametrize("mode", ["mask", "rows", "weight"])
+@pytest.mark.parametrize("mode", ["mask", "rows", "weight", "template"])
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_parameter_written_by_index_assignment_is_exact(engine, mode):
     torch.manual_seed(0)
@@ -87,6 +91,13 @@ def test_a_parameter_written_by_index_assignment_is_exact(engine, mode):
     C = float(reference(grads, params, float("inf")).norms.median())  # about half of the examples clipped
     got, grads, params = _engine_result(engine, Assigns(mode), C)
     assert_close_batch(got, reference(grads, params, C), params, rtol=1e-8)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_template_whose_rows_happen_to_number_the_examples_is_not_taken_for_them(engine):
+    """A zero [T, D] template written then added to every example: a broadcast, also at a step of n = T examples."""
+    got, grads, params = _engine_result(engine, Assigns("template"), 1e6, n=T)
+    assert_close_batch(got, reference(grads, params, 1e6), params, rtol=1e-8)
 
 
 def test_an_assignment_along_the_values_own_dimension_is_still_refused():

@@ -89,6 +89,28 @@ def test_a_table_indexed_by_the_examples_labels_is_exact(engine, mode):
     assert_close_batch(got, reference(grads, params, C), params, rtol=1e-8)
 
 
+class Positions(nn.Module):
+    """A learned position table indexed with positions 0 … T−1 and added to every example's tokens: a broadcast,
+    not a lookup by the examples, also at a step whose number of examples happens to be T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.pos = nn.Parameter(torch.randn(N, D, generator=g, dtype=DT))
+        self.proj = nn.Linear(D, D, dtype=DT)
+        self.head = nn.Linear(D, K, dtype=DT)
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        h = self.proj(x.unsqueeze(1).expand(-1, N, -1)) + self.pos[torch.arange(N)]  # [n, T = N, D]
+        return F.cross_entropy(self.head(torch.tanh(h).mean(1)), y)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_positions_that_happen_to_number_the_examples_are_not_taken_for_their_ids(engine):
+    got, grads, params = _engine_result(engine, Positions(), 1e6)  # T = N: the step's n
+    assert_close_batch(got, reference(grads, params, 1e6), params, rtol=1e-8)
+
+
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])
 def test_a_table_also_used_otherwise_is_still_refused(engine):
     with pytest.raises(PrivacyConfigurationError, match=r"parameter <root>\.centers .*received a gradient, but from no"):

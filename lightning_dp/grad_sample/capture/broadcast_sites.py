@@ -361,7 +361,9 @@ class BroadcastSites(TorchFunctionMode):
         if not sources:
             return func(*args)
         lead = _indexed_dims(index)
-        if (isinstance(value, Tensor) and value.requires_grad and target.dim() >= 1
+        # the target holds the examples' rows: an activation (it carries a gradient: a zero template [T, d] whose T
+        # happens to be the step's n does not) with n rows
+        if (isinstance(value, Tensor) and value.requires_grad and target.dim() >= 1 and target.requires_grad
                 and target.shape[0] in ({self.n} | self._flattened()) and lead is not None
                 and lead <= target.dim() - value.dim() and (value.dim() < target.dim() or value.shape[0] == 1)):
             try:
@@ -739,6 +741,10 @@ def _lookup_arguments(name: str, args: tuple, kwargs: dict) -> Optional[tuple[An
     else:
         return None
     if not isinstance(index, Tensor) or index.is_floating_point() or index.dtype == torch.bool:
+        return None
+    if index.dim() == 1 and torch.equal(index, torch.arange(index.shape[0], device=index.device)):
+        # positions 0 … T−1 (self.pos[torch.arange(T)]): one sequence's rows, whatever T is, never the examples' own
+        # ids, though T may equal the step's n: followed on to where they meet the examples (a broadcast site)
         return None
     return index, table, None
 
