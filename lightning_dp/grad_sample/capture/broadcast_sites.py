@@ -199,9 +199,13 @@ class _Block:
 class BroadcastSites(TorchFunctionMode):
     """The mode of the module docstring for one step of n examples (entered at the first lookup)."""
 
-    def __init__(self, n: int, flattened: Callable[[], set[int]] = set, anchors: Callable[[], Any] = dict) -> None:
+    def __init__(self, n: int, flattened: Callable[[], set[int]] = set, anchors: Callable[[], Any] = dict,
+                 rowless: Optional[set[tuple]] = None) -> None:
         super().__init__()
         self.n, self._flattened = n, flattened  # the capture's verified row counts n·m of this step (shared)
+        # calls (name and shapes) once seen with a result whose dimension 0 was not the step's examples: for the run
+        # (the capture's set), so a later step whose n happens to equal that dimension does not take it for them
+        self._rowless: set[tuple] = set() if rowless is None else rowless
         self._anchors = anchors  # autograd nodes of this step's layer outputs on the examples (example_dim.py)
         self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
         self._mapping = [0]
@@ -316,6 +320,10 @@ class BroadcastSites(TorchFunctionMode):
         shaped = _shape_only(name, args, kwargs) if computed and name in SHAPED_FIRST and product is None else None
         result = shaped if shaped is not None else func(*args, **kwargs) if computed else flat[0]
         rows = {self.n} | self._flattened()
+        call = (name, tuple(tuple(v.shape) if isinstance(v, Tensor) else None for v in flat),
+                tuple(result.shape) if isinstance(result, Tensor) else None)
+        if call in self._rowless:  # seen without the examples at another step: not a site, whatever n is now
+            return self._followed_on(func, args, kwargs, flat, followed, result, computed, shaped, call, rows)
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
         if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
@@ -336,8 +344,17 @@ class BroadcastSites(TorchFunctionMode):
                 flat[i] = self._expanded(flat[i], sources, result.dim(), result.shape[0])
             args, kwargs = tree_unflatten(flat, spec)
             return func(*args, **kwargs)
+        return self._followed_on(func, args, kwargs, flat, followed, result, computed, shaped, call, rows)
+
+    def _followed_on(self, func: Any, args: tuple, kwargs: dict, flat: list, followed: list, result: Any,
+                     computed: bool, shaped: Any, call: tuple, rows: set[int]) -> Any:
+        """A call that is no site: its result is followed. A result whose dimension 0 is not the step's examples
+        makes the call's shapes :attr:`_rowless` for the run (sites always meet the examples in dimension 0, whose
+        size is each step's n: a call of the same shapes at another n holds none)."""
         if not computed or shaped is not None:
             result = func(*args, **kwargs)
+        if isinstance(result, Tensor) and result.dim() > 0 and result.shape[0] not in rows:
+            self._rowless.add(call)
         sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
         # Inside a custom autograd.Function's forward (peft LoHa's HadaWeight: ((w1a @ w1b) * (w2a @ w2b)) * scale)
         # gradients are off, so the result does not require grad yet; the Function makes that very tensor its output,
