@@ -56,6 +56,13 @@ leads the result and is not the followed operand's (timm MViTv2's decomposed rel
 ``einsum("byhwc,hkc->byhwk", q, Rh)``), is a site too: example i's gradient is the same contraction over its rows
 alone (:meth:`BroadcastSites._einsum`).
 
+Which tensors hold the examples is read from shapes (n, or the n·m flattened rows, in dimension 0), and a step's
+Poisson batch may hold exactly as many examples as a dimension the model computes without them (T positions, a
+``[T, d]`` table times a learned scalar). A call on a followed tensor once seen with a result whose dimension 0 is not
+the step's examples is therefore never a site for the run (``_rowless``, the capture's, keyed by the call's name and
+shapes: a site meets the examples, whose number is each step's n); positions ``torch.arange(T)`` are never looked up as
+the examples' ids; an assignment is a site only into an activation.
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
