@@ -132,3 +132,23 @@ def test_peft_loha_trains():
     torch.manual_seed(0)
     net = peft.get_peft_model(Net(), peft.LoHaConfig(r=2, alpha=4, target_modules=["q"], modules_to_save=["head"]))
     assert _fit(net).ledger.steps == 3
+
+
+class EmaWritten(Adapted):
+    """Also keeps, under torch.no_grad(), a copy of the adapter's weight and uses it with grad on (a frozen teacher
+    branch): the copy never carries a gradient, is no use of the parameters, and changes nothing."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w1a, w1b = self.w1a, self.w1b  # read with grad on (followed), then used under no_grad too
+        delta = Hadamard.apply(w1a, w1b, self.w2a, self.w2b)
+        with torch.no_grad():
+            frozen = w1a @ w1b  # followed without grad: a copy that never gets one
+        h = torch.tanh(self.base(x) + F.linear(x, delta))
+        h = h + 0.1 * F.linear(h, frozen)  # h carries a gradient, the frozen copy none
+        return self.head(h)
+
+
+def test_a_copy_made_without_grad_is_no_use_of_the_parameters():
+    torch.manual_seed(0)
+    got, grads, params = _engine_result(EmaWritten(), 1e6)
+    assert_close_batch(got, reference(grads, params, 1e6), params, rtol=1e-8)

@@ -283,11 +283,16 @@ class BroadcastSites(TorchFunctionMode):
         _keep_weakly(self._followed, t, sources)
 
     def _sources(self, t: Any) -> tuple[_Source, ...]:
-        """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""
+        """The lookups whose outputs a followed ``t`` was computed from (empty: not followed). A tensor followed from a
+        computation without grad (:meth:`_followed_on`) counts only while grad is off (the rest of that computation)
+        or once it carries a gradient (a custom Function's output): with grad on, one that never will (an EMA buffer
+        written under ``torch.no_grad()``) is no source of anything."""
         if not isinstance(t, Tensor):
             return ()
         entry = self._followed.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else ()
+        if entry is None or entry[0]() is not t or not (t.requires_grad or not torch.is_grad_enabled()):
+            return ()
+        return entry[1]
 
     def _mentions_followed(self, args: tuple, kwargs: dict) -> bool:
         """Cheap pre-check (every torch call of the forward comes here): a followed tensor among the arguments,
