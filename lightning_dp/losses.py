@@ -23,8 +23,9 @@ def per_example_token_mean(logits: Tensor, targets: Tensor, ignore_index: int = 
     """Each example's mean token cross-entropy over its own non-ignored tokens, shape ``[B]``.
 
     Args:
-        logits: ``[B, T, V]`` (batch first).
-        targets: ``[B, T]`` class indices; ``ignore_index`` marks padding.
+        logits: ``[B, T, V]`` (batch first, a language model's), or ``[B, C, d1, …, dk]`` with k ≥ 2 (the classes in
+            dimension 1, as ``F.cross_entropy`` takes them: a segmentation model's ``[B, C, H, W]``).
+        targets: ``[B, T]``, or ``[B, d1, …, dk]``: class indices; ``ignore_index`` marks padding (void pixels).
         ignore_index: target value that contributes nothing.
 
     Returns:
@@ -35,10 +36,16 @@ def per_example_token_mean(logits: Tensor, targets: Tensor, ignore_index: int = 
         >>> logits, y = torch.randn(2, 3, 5), torch.tensor([[1, 2, -100], [0, -100, -100]])
         >>> per_example_token_mean(logits, y).shape
         torch.Size([2])
+        >>> per_example_token_mean(torch.randn(2, 4, 8, 8), torch.randint(0, 4, (2, 8, 8)), ignore_index=250).shape
+        torch.Size([2])
     """
+    if logits.dim() >= 4 and targets.shape == (logits.shape[0], *logits.shape[2:]):
+        tokens = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none").flatten(1)
+        counts = (targets != ignore_index).flatten(1).sum(1).clamp_min(1).to(tokens.dtype)
+        return tokens.sum(1) / counts
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be [B, T, V] and targets [B, T]; got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(f"logits must be [B, T, V] with targets [B, T], or [B, C, H, W, …] with targets [B, H, W, …]; "
+                         f"got {tuple(logits.shape)} and {tuple(targets.shape)}")
     tokens = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=ignore_index, reduction="none")
     counts = (targets != ignore_index).sum(1).clamp_min(1).to(tokens.dtype)
     return tokens.sum(1) / counts

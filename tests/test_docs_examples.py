@@ -19,6 +19,9 @@ def test_the_example_runs(page, name, capsys):
     blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S) if name in b]
     assert blocks, f"{page} has no example using {name}"
     exec(compile(textwrap.dedent(blocks[0]), page, "exec"), {})
+    if name == "step.calibrate(":  # the loop prints the ε it spent (a ledger's repr alone holds no ε: no δ)
+        spent = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))
+        assert 0 < spent <= 3.0 + 1e-6
     if name == "EpsilonCeiling":  # the last release allowed, then the reason the next one is refused
         steps, reason = capsys.readouterr().out.split(" ", 1)
         assert int(steps) > 0 and "would spend more than target_epsilon = 1.0" in reason

@@ -25,7 +25,8 @@ ledger counts, the trained model is then not differentially private.
   scaled by their own statistics.
 
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
-0 or 1. Names declared
+within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
+data normalised per record). Names declared
 public are skipped (:func:`~lightning_dp.validators.kept_state.is_public`). What it cannot see: a statistic
 transformed after it was computed (rounded, scaled, combined with public constants), statistics of a subset of the
 data, and data scaled by its own statistics in another way (to another range, by a rank transform).
@@ -312,15 +313,25 @@ def _as_tensor(value: Any) -> Any:
     return None
 
 
+def _near_trivial(value: float) -> bool:
+    """Within the matching tolerance of 0 or 1 (:func:`_equal`)."""
+    return abs(value) <= _ATOL or abs(value - 1.0) <= _RTOL + _ATOL
+
+
 def _constant(t: Tensor) -> bool:
     flat = t.reshape(-1)
     return bool((flat == flat[0]).all())
 
 
 def _equal(candidate: Tensor, stat: Tensor) -> bool:
-    """Equal to float precision; a constant statistic (all zero, all one) never matches: it says nothing of the data."""
+    """Equal to float precision; a constant statistic (all zero, all one) never matches: it says nothing of the data.
+    Nor does a scalar statistic or candidate within the tolerance of 0 or 1: what matches it is within twice the
+    tolerance of that constant, which a layer's configuration holds whatever the data (a convolution's ``padding``
+    ``(0,)`` or ``dilation`` ``(1,)``, an ``eps`` of 1e-6), and data normalised per record (each utterance or image to
+    mean 0 and variance 1, as Hugging Face's Wav2Vec2FeatureExtractor does) has a global mean within it of 0 and a
+    standard deviation within it of 1."""
     if candidate.numel() != stat.numel() or (stat.numel() > 1 and _constant(stat)) \
-            or (stat.numel() == 1 and float(stat) in (0.0, 1.0)):
+            or (stat.numel() == 1 and (_near_trivial(float(stat)) or _near_trivial(float(candidate)))):
         return False
     c = candidate.detach().to("cpu", torch.float64).reshape(-1)
     return bool(torch.allclose(c, stat.reshape(-1).cpu(), rtol=_RTOL, atol=_ATOL))

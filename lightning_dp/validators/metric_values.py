@@ -7,17 +7,18 @@ the private data, outside the guarantee; and it does so wherever the metric live
 dict (``self.mets = {"train_acc": ...}``), a callback, the datamodule, a global. So, while a private fit trains, at
 the class level (every ``Metric``, made before or during the fit), and restored when it ends:
 
-* ``compute()`` called by the user's code (not a library's: torchmetrics, Lightning, lightning_dp) inside a step hook
-  (:data:`~lightning_dp.validators.logged_reads.STEP_HOOKS`) is refused at once;
-* what ``compute()`` returns inside a step hook to a library (``forward``'s batch value, a ``MetricCollection``, a
-  wrapper) is a :class:`SealedMetric`: a tensor whose value the user's code may not read (``float()``, ``.item()``,
-  arithmetic, a comparison) while a step hook runs. Lightning's ``self.log`` takes it (its operations are
-  Lightning's, and give plain tensors), so ``acc = self.train_acc(preds, y); self.log("train_acc", acc)`` and
-  ``self.log("train_acc", self.train_acc)`` train as before; ``loss * (2 - acc)`` is refused. Outside a step (the
+* what ``compute()`` returns inside a step hook (:data:`~lightning_dp.validators.logged_reads.STEP_HOOKS`), to the
+  user's code or to a library (``forward``'s batch value, a ``MetricCollection``, a wrapper), is a
+  :class:`SealedMetric`: a tensor whose value the user's code may not read (``float()``, ``.item()``, arithmetic, a
+  comparison) while a step hook runs. Lightning's ``self.log`` takes it (its operations are Lightning's, and give
+  plain tensors), so ``acc = self.train_acc(preds, y); self.log("train_acc", acc)``,
+  ``self.log("train_acc", self.train_acc)`` and ``self.log("running_loss", self.running_loss.compute())`` (torchmetrics'
+  ``RunningMean``) train as before; ``loss * (2 - acc)`` and ``float(self.running_loss.compute())`` are refused
+  (an earlier rule refused the user's ``compute()`` itself, though ``self.log`` was all it fed). Outside a step (the
   batch end, validation, after the fit) it is an ordinary tensor (what batch-end hooks decide from it is
   :mod:`.decisions`' to judge);
 * a metric's states (``tp``, ``mean_value``, …, its cached ``_computed`` and ``_forward_cache``) read by the user's
-  code inside a step hook are refused as ``compute()`` is.
+  code inside a step hook are refused, as a read of its value is.
 """
 
 from __future__ import annotations
@@ -65,18 +66,32 @@ class SealedMetric(Tensor):
             with torch._C.DisableTorchFunctionSubclass():  # a library's operation (self.log): a plain tensor
                 return func(*args, **(kwargs or {}))
         if name not in _PASSED_ON:
-            raise _REFUSE(f"a torchmetrics metric's value ({name})", hook)
+            named = [a._dp_read for a in _flat(args, kwargs) if isinstance(a, SealedMetric) and "_dp_read" in vars(a)]
+            raise _REFUSE(named[0] if named else f"a torchmetrics metric's value ({name})", hook)
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def _sealed(value: Any) -> Any:
+def _flat(args: tuple, kwargs: Optional[dict]) -> list:
+    """The arguments of a torch call, one level of lists and tuples opened (``torch.stack([a, b])``)."""
+    out: list = []
+    for a in (*args, *(kwargs or {}).values()):
+        out.extend(a if type(a) in (list, tuple) else (a,))
+    return out
+
+
+def _sealed(value: Any, read: Optional[str] = None) -> Any:
+    """``value`` (a tensor, or a dict/list/tuple of them) sealed; ``read``: how the user's code obtained it
+    (``running.compute()``), named when it is read."""
     if isinstance(value, Tensor) and not isinstance(value, SealedMetric):
         with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(SealedMetric)
+            sealed = value.as_subclass(SealedMetric)
+        if read is not None:
+            sealed._dp_read = read
+        return sealed
     if isinstance(value, dict):
-        return {k: _sealed(v) for k, v in value.items()}
+        return {k: _sealed(v, read) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_sealed(v) for v in value) if type(value) in (list, tuple) else value
+        return type(value)(_sealed(v, read) for v in value) if type(value) in (list, tuple) else value
     return value
 
 
@@ -112,10 +127,8 @@ def watch(inside: Callable[[], Optional[str]], refuse: Callable[[str, str], Exce
 
 
 def _guarded(metric: Any, compute: Any, hook: str) -> Any:
-    def compute_watched(*args: Any, **kwargs: Any) -> Any:
-        if _users_caller(2):
-            raise _REFUSE(f"{_NAME(metric)}.compute()", hook)
-        return _sealed(compute(*args, **kwargs))
+    def compute_watched(*args: Any, **kwargs: Any) -> Any:  # whoever calls it: its value unreadable, self.log takes it
+        return _sealed(compute(*args, **kwargs), f"{_NAME(metric)}.compute()" if _users_caller(2) else None)
     compute_watched.__wrapped__ = compute  # type: ignore[attr-defined]
     return compute_watched
 

@@ -486,14 +486,35 @@ class PlainLoop:
             _watch_backward(False)
 
 
-def bound_loss_error(worst: float, tol: float, what: str) -> PrivacyConfigurationError:
-    """The refusal of a loop whose back-propagated loss is not the one ``verify`` checked."""
+def bound_loss_error(what: str, scaled: bool = False) -> PrivacyConfigurationError:
+    """The refusal of a loop whose back-propagated loss is not the one ``verify`` checked (no norm or difference is
+    quoted: they are the private batch's). ``scaled``: every example's gradient norm is the same multiple of the
+    verified loss's, which is what a loss scaled before its backward (``torch.amp.GradScaler``) gives."""
+    if scaled:
+        return PrivacyConfigurationError(
+            f"The loss the loop back-propagated is {what} given to verify() multiplied by a constant: run again on the "
+            "batch the loader handed the loop, every example's gradient norm is the same multiple of the verified one. "
+            "A loss scaled before its backward (torch.amp.GradScaler's scaler.scale(loss).backward(), or loss * k) "
+            "is clipped at C after the scaling, which is not the contract verify() checked. Nothing was released. "
+            "Back-propagate the loss itself (loss.backward(), then step.release() and optimizer.step(), without a "
+            "GradScaler): for mixed precision, autocast to bfloat16, which needs no scaler, and verify with "
+            "step.verify(loss_fn, low_precision=True); to weight the loss by a constant, give verify() the same "
+            "weighted loss. (DPStrategy handles Lightning's precision='16-mixed' scaler itself.)")
     return PrivacyConfigurationError(
         f"The loss the loop back-propagated is not {what} given to verify(): run again on the batch the loader handed "
-        f"the loop, from the same random state, its per-example gradient norms differ by {worst:.3g} (tolerance "
-        f"{tol:.3g}). The probe verified a loss that is not the one released (a batch centred on its own mean, an "
+        "the loop, from the same random state, its per-example gradient norms differ beyond the tolerance of the "
+        "precision. The probe verified a loss that is not the one released (a batch centred on its own mean, an "
         "in-batch term, another transform of the batch). Nothing was released. Give verify() exactly the loss the loop "
         "computes from the loader's batch, with its random draws after step.begin().")
+
+
+def _scaled_copy(real: Tensor, again: Tensor, rtol: float) -> bool:
+    """Whether the released pass's sorted per-example norms ``real`` are one constant k ≠ 1 times the verified
+    loss's ``again`` (within the relative tolerance ``rtol``): a loss scaled before its backward."""
+    if real.shape != again.shape or not real.numel() or float(again.sum()) <= 0:
+        return False
+    k = float(real.sum() / again.sum())
+    return abs(k - 1) > 10 * rtol and float((real - k * again).abs().max()) <= rtol * float(real.abs().max())
 
 
 def check_bound_loss(step: Any, norms: Tensor) -> None:
@@ -534,4 +555,4 @@ def check_bound_loss(step: Any, norms: Tensor) -> None:
     tol = batch_tolerance(dtype, params[0].device if params else torch.device("cpu"), step._tolerance_low) * scale
     worst = math.inf if real.shape != again.shape else float((real - again).abs().max()) if real.numel() else 0.0
     if worst > tol:
-        raise bound_loss_error(worst, tol, loop.what)
+        raise bound_loss_error(loop.what, _scaled_copy(real, again, tol / scale if scale else 0.0))

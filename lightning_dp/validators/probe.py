@@ -491,12 +491,18 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
               f"DPStrategy(public_state={declarable!r}).") if declarable else ""
     written = [entry.partition(" ")[2] for entry in changed if entry.startswith("parameter ")][:3]
     if written:
+        public += (" A parameter masked or constrained in place in the forward (PixelCNN's masked convolution, "
+                   "self.weight.data *= self.mask; a max-norm renorm of .data) trains when the forward uses the "
+                   "constrained weight instead of writing it: F.conv2d(x, self.weight * self.mask, self.bias, "
+                   "self.stride, self.padding) (F.linear alike).")
         public += (" A parameter written outside the gradient (a momentum or EMA copy of the weights updated in "
                    "training_step) has two ways out: update it at the batch's end (on_train_batch_end, after the "
                    "release) from the parameters only, or, if it is not derived from the training data, declare "
                    f"it public: DPStrategy(public_state={written!r}). A frozen copy (requires_grad=False, in no "
                    "optimizer) updated from the weights alone is also accepted before the release.")
     lead = ""
+    if failure is not None and written and "mutating directly with `.data`" in str(failure):
+        failure = None  # functorch refusing the write itself: the write is the thing to fix, not the engine
     if failure is not None:
         text = (str(failure) if isinstance(failure, PrivacyConfigurationError)
                 else f"{type(failure).__name__}: {failure}").rstrip()
@@ -646,9 +652,11 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
     hinted = sorted_batch or weighted_mean or bool(precision)
     cause = (f"{'Other possible' if hinted else 'Likely'} causes: "
              "a loss normalised by a batch-wide count (a token mean over all non-pad tokens of the batch, e.g. "
-             "cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM loss): use "
-             "lightning_dp.per_example_token_mean(logits, targets, ignore_index=-100), which averages each "
-             "example's own tokens, or return per-example losses from training_step; an operation across the batch"
+             "cross_entropy(..., ignore_index=-100) on [B·T] logits, Hugging Face's default LM loss; a segmentation "
+             "loss's mean over the batch's non-void pixels, cross_entropy(out, mask, ignore_index=255) on [B, C, H, W]"
+             "): use lightning_dp.per_example_token_mean(logits, targets, ignore_index=...) ([B, T, V] or "
+             "[B, C, H, W] logits), which averages each example's own tokens or pixels, or return per-example "
+             "losses from training_step; an operation across the batch"
              " (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on flattened rows"
              " that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] tensor itself, "
              "so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the forward.")

@@ -238,3 +238,44 @@ def test_missing_values_in_the_features_do_not_stop_the_checks():
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=2).fit(Imputing(), DataLoader(TensorDataset(features, Y), batch_size=16))
     assert dp.ledger.steps == 2
+
+
+class Waveform(pl.LightningModule):
+    """A one-channel Conv1d classifier (padding (0,), dilation (1,)), on waveforms normalised per utterance as Hugging
+    Face's Wav2Vec2FeatureExtractor does (each to mean 0 and variance 1: the data's global mean is then 0 and its
+    standard deviation 1, to within the matching tolerance); ``held``: buffers of the data's global mean and standard
+    deviation as well."""
+
+    def __init__(self, held: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(1, 4, 9, stride=4), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool1d(1),
+                                 nn.Flatten(), nn.Linear(4, 2))
+        if held is not None:
+            self.register_buffer("mean", held[0])
+            self.register_buffer("std", held[1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if not hasattr(self, "mean") else (batch[0] - self.mean) / self.std
+        return nn.functional.cross_entropy(self.net(x), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _waveforms(per_utterance: bool) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    wav = torch.randn(64, 1, 200, generator=g) * (1 + 3 * torch.rand(64, 1, 1, generator=g))
+    wav = wav + torch.rand(64, 1, 1, generator=g)
+    if per_utterance:
+        wav = (wav - wav.mean(-1, keepdim=True)) / torch.sqrt(wav.var(-1, keepdim=True) + 1e-7)
+    return TensorDataset(wav, torch.randint(0, 2, (64,), generator=g))
+
+
+def test_data_normalised_per_record_is_not_taken_for_a_layers_zeros_and_ones():
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2).fit(Waveform(), DataLoader(_waveforms(per_utterance=True), batch_size=16))
+    assert dp.ledger.steps == 2
+    data = _waveforms(per_utterance=False)
+    held = (data.tensors[0].mean(), data.tensors[0].std())  # the training data's global mean and deviation: kept
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)buffer mean equals the .*mean.*buffer std equals the .*standard deviation"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(Waveform(held), DataLoader(data, batch_size=16))

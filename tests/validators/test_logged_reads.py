@@ -291,6 +291,42 @@ def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
     assert 0 <= float(logged.accuracy.compute()) <= 1
 
 
+class LogsItsRunningLoss(Classifier):
+    """A running mean of the earlier steps' losses (MeanMetric), its compute() logged from training_step (a report: only
+    self.log reads it), and an accuracy updated then computed and logged the same way."""
+
+    def __init__(self, scale: bool = False) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.scale = scale
+        self.running = torchmetrics.MeanMetric()
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[0])
+        loss = torch.nn.functional.cross_entropy(logits, batch[1])
+        self.accuracy.update(logits.argmax(1), batch[1])
+        self.log("train_acc", self.accuracy.compute())
+        if not self.running.update_count:
+            return loss
+        self.log("running_loss", self.running.compute(), prog_bar=True)
+        return loss * self.running.compute() if self.scale else loss  # scaled by the earlier steps' losses
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.running.update(outputs["loss"])
+
+
+def test_a_metric_computed_by_the_user_in_the_step_may_be_logged_not_used():
+    logged = LogsItsRunningLoss()
+    assert fit(logged, steps=6).ledger.steps == 6
+    assert float(logged.trainer.callback_metrics["running_loss"]) > 0
+    model = LogsItsRunningLoss(scale=True)
+    with pytest.raises(PrivacyConfigurationError, match=r"'running\.compute\(\)' were read back in training_step"):
+        fit(model, steps=4)
+    assert model.trainer.strategy.ledger.steps == 1
+
+
 class RateFromValidationLoss(Classifier):
     """Sets the learning rate by hand from the validation loss at validation end (a plateau rule of its own)."""
 

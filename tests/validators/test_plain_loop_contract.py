@@ -164,6 +164,28 @@ def test_a_loop_loss_other_than_the_verified_one_is_refused(plain, loss_name):
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+def test_a_loss_scaled_before_its_backward_is_refused_naming_the_scaler(plain):
+    """torch.amp.GradScaler's habit, scaler.scale(loss).backward(): the refusal says what the scaling does to the
+    clipping and what to write instead, and quotes no norm (the batch's); another loss is refused without that
+    advice."""
+    step, model, opt, loader, _ = plain(verify="every_step")
+    x, y = _nonempty(loader)
+    step.begin()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)multiplied by a constant.*GradScaler.*bfloat16") as e:
+        step.release(optimizer=opt)
+    assert not any(ch.isdigit() for ch in str(e.value).replace("16-mixed", "").replace("bfloat16", "")), str(e.value)
+    assert step.ledger.steps == 0
+    step, model, opt, loader, _ = plain(verify="every_step")
+    x, y = _nonempty(loader)
+    step.begin()
+    F.cross_entropy(model(x - x.mean(0, keepdim=True)), y).backward()
+    with pytest.raises(PrivacyConfigurationError, match="not the loss function given to verify") as e:
+        step.release(optimizer=opt)
+    assert "GradScaler" not in str(e.value) and not any(ch.isdigit() for ch in str(e.value)), str(e.value)
+
+
 class _Dropped(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -420,3 +420,55 @@ def test_the_low_precision_hint_is_left_out_where_it_cannot_help():
                                 (torch.bfloat16, probe_tolerance(torch.float32, True), False)]:
         probe.compute_dtype, probe.rtol = dtype, rtol
         assert ("low_precision=True" in probe.precision_hint()) is hinted, (dtype, rtol)
+
+
+class _MaskedConv(nn.Conv2d):
+    """PixelCNN's masked convolution as commonly written: the mask applied to the weight's .data in the forward, or
+    (``functional``) applied to the weight the convolution uses."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__(1, 4, 3, padding=1)
+        self.functional = functional
+        self.register_buffer("mask", torch.ones_like(self.weight))
+        self.mask[:, :, 1, 1:] = 0
+        self.mask[:, :, 2:] = 0
+
+    def forward(self, x):
+        if self.functional:
+            return F.conv2d(x, self.weight * self.mask, self.bias, self.stride, self.padding)
+        self.weight.data *= self.mask
+        return super().forward(x)
+
+
+def _pixelcnn_fit(functional: bool):
+    import pytorch_lightning as pl
+    from conftest import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp import DPStrategy
+
+    class PixelCNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(_MaskedConv(functional), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), (batch[0][:, 0] > 0).long())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 1, 4, 4, generator=g))
+    dp = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    quiet_trainer(strategy=dp, max_steps=2).fit(PixelCNN(), DataLoader(data, batch_size=8))
+    return dp
+
+
+def test_a_weight_masked_in_place_in_the_forward_is_refused_naming_the_functional_form():
+    """The write is refused (it is the model's state written outside the gradient), named as what to fix with the
+    form that trains, not as an engine's failure to report."""
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)net\.0\.weight.*self\.weight \* self\.mask") as info:
+        _pixelcnn_fit(functional=False)
+    assert "please report" not in str(info.value) and "functorch" not in str(info.value), str(info.value)
+    assert _pixelcnn_fit(functional=True).ledger.steps == 2

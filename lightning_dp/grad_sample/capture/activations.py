@@ -420,6 +420,7 @@ class ActivationCapture:
         self._lookups: dict[int, set[tuple[int, ...]]] = {}
         self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
+        self._rowless: set[tuple] = set()  # calls on followed tensors once seen without the examples (for the run)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
         self._params: dict[int, Tensor] = {}  # the parameters this step's recorded calls used (FSDP2: unsharded)
         self._feeding: dict[int, bool] = {}  # graph task id → whether it computes any of their gradients
@@ -669,7 +670,7 @@ class ActivationCapture:
         step's n examples (:mod:`.broadcast_sites`); ``deliver(rows or None, total)`` after backward."""
         if self._sites is None or self._sites.n != n:
             self._close_sites()
-            self._sites = BroadcastSites(n, lambda: self._flattened, lambda: self._anchors)
+            self._sites = BroadcastSites(n, lambda: self._flattened, lambda: self._anchors, self._rowless)
         self._sites.follow(t, deliver, inputs)
 
     def _sites_aside(self) -> ContextManager[None]:

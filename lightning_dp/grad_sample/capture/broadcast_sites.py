@@ -56,6 +56,13 @@ leads the result and is not the followed operand's (timm MViTv2's decomposed rel
 ``einsum("byhwc,hkc->byhwk", q, Rh)``), is a site too: example i's gradient is the same contraction over its rows
 alone (:meth:`BroadcastSites._einsum`).
 
+Which tensors hold the examples is read from shapes (n, or the n·m flattened rows, in dimension 0), and a step's
+Poisson batch may hold exactly as many examples as a dimension the model computes without them (T positions, a
+``[T, d]`` table times a learned scalar). A call on a followed tensor once seen with a result whose dimension 0 is not
+the step's examples is therefore never a site for the run (``_rowless``, the capture's, keyed by the call's name and
+shapes: a site meets the examples, whose number is each step's n); positions ``torch.arange(T)`` are never looked up as
+the examples' ids; an assignment is a site only into an activation.
+
 Verified every step: Σ_i δ_i equals the gradient autograd delivers to the output (a use that is
 not a broadcast over the examples, e.g. ``loss + bias.sum()``, breaks it and the step is refused,
 naming the layer); the first step's probe compares the result with each example run alone.
@@ -199,9 +206,13 @@ class _Block:
 class BroadcastSites(TorchFunctionMode):
     """The mode of the module docstring for one step of n examples (entered at the first lookup)."""
 
-    def __init__(self, n: int, flattened: Callable[[], set[int]] = set, anchors: Callable[[], Any] = dict) -> None:
+    def __init__(self, n: int, flattened: Callable[[], set[int]] = set, anchors: Callable[[], Any] = dict,
+                 rowless: Optional[set[tuple]] = None) -> None:
         super().__init__()
         self.n, self._flattened = n, flattened  # the capture's verified row counts n·m of this step (shared)
+        # calls (name and shapes) once seen with a result whose dimension 0 was not the step's examples: for the run
+        # (the capture's set), so a later step whose n happens to equal that dimension does not take it for them
+        self._rowless: set[tuple] = set() if rowless is None else rowless
         self._anchors = anchors  # autograd nodes of this step's layer outputs on the examples (example_dim.py)
         self._followed: dict[int, tuple[weakref.ref, tuple[_Source, ...]]] = {}
         self._mapping = [0]
@@ -272,11 +283,16 @@ class BroadcastSites(TorchFunctionMode):
         _keep_weakly(self._followed, t, sources)
 
     def _sources(self, t: Any) -> tuple[_Source, ...]:
-        """The lookups whose outputs a followed ``t`` was computed from (empty: not followed)."""
+        """The lookups whose outputs a followed ``t`` was computed from (empty: not followed). A tensor followed from a
+        computation without grad (:meth:`_followed_on`) counts only while grad is off (the rest of that computation)
+        or once it carries a gradient (a custom Function's output): with grad on, one that never will (an EMA buffer
+        written under ``torch.no_grad()``) is no source of anything."""
         if not isinstance(t, Tensor):
             return ()
         entry = self._followed.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else ()
+        if entry is None or entry[0]() is not t or not (t.requires_grad or not torch.is_grad_enabled()):
+            return ()
+        return entry[1]
 
     def _mentions_followed(self, args: tuple, kwargs: dict) -> bool:
         """Cheap pre-check (every torch call of the forward comes here): a followed tensor among the arguments,
@@ -306,6 +322,9 @@ class BroadcastSites(TorchFunctionMode):
         if not followed:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name == "__setitem__" and len(args) == 3 and not kwargs and isinstance(flat[0], Tensor) \
+                and not self._sources(flat[0]):
+            return self._assigned(func, args)
         in_place = name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
         computed = not (in_place and isinstance(flat[0], Tensor) and not self._sources(flat[0]))
         product = _product_arguments(name, args, kwargs) if name in PRODUCTS else None
@@ -313,6 +332,10 @@ class BroadcastSites(TorchFunctionMode):
         shaped = _shape_only(name, args, kwargs) if computed and name in SHAPED_FIRST and product is None else None
         result = shaped if shaped is not None else func(*args, **kwargs) if computed else flat[0]
         rows = {self.n} | self._flattened()
+        call = (name, tuple(tuple(v.shape) if isinstance(v, Tensor) else None for v in flat),
+                tuple(result.shape) if isinstance(result, Tensor) else None)
+        if call in self._rowless:  # seen without the examples at another step: not a site, whatever n is now
+            return self._followed_on(func, args, kwargs, flat, followed, result, computed, shaped, call, rows)
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
         if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
@@ -320,6 +343,8 @@ class BroadcastSites(TorchFunctionMode):
         if product is not None and self._einsum(product, result, rows):
             return result
         if func is F.embedding and self._functional_embedding(_embedding_arguments(args, kwargs), result, rows):
+            return result
+        if name in LOOKUPS and self._functional_embedding(_lookup_arguments(name, args, kwargs), result, rows):
             return result
         sites = [(i, s) for i, s in followed if name in BROADCASTING and _grows_examples(flat[i], result, rows)]
         if not sites and name in REPEATING and followed[0][0] == 0 and not kwargs:
@@ -331,13 +356,55 @@ class BroadcastSites(TorchFunctionMode):
                 flat[i] = self._expanded(flat[i], sources, result.dim(), result.shape[0])
             args, kwargs = tree_unflatten(flat, spec)
             return func(*args, **kwargs)
+        return self._followed_on(func, args, kwargs, flat, followed, result, computed, shaped, call, rows)
+
+    def _followed_on(self, func: Any, args: tuple, kwargs: dict, flat: list, followed: list, result: Any,
+                     computed: bool, shaped: Any, call: tuple, rows: set[int]) -> Any:
+        """A call that is no site: its result is followed. A result whose dimension 0 is not the step's examples
+        makes the call's shapes :attr:`_rowless` for the run (sites always meet the examples in dimension 0, whose
+        size is each step's n: a call of the same shapes at another n holds none)."""
         if not computed or shaped is not None:
             result = func(*args, **kwargs)
+        if isinstance(result, Tensor) and result.dim() > 0 and result.shape[0] not in rows:
+            self._rowless.add(call)
         sources = tuple(dict.fromkeys(s for _, group in followed for s in group))  # every source, once, in order
+        # Inside a custom autograd.Function's forward (peft LoHa's HadaWeight: ((w1a @ w1b) * (w2a @ w2b)) * scale)
+        # gradients are off, so the result does not require grad yet; the Function makes that very tensor its output,
+        # with its own backward. Followed too: a result of followed tensors computed without grad (elsewhere, under
+        # torch.no_grad(), such a tensor never carries a gradient: it is followed for nothing, and meets no site).
+        unrecorded = not torch.is_grad_enabled()
         for t in tree_flatten(result)[0]:
-            if isinstance(t, Tensor) and t.requires_grad:  # no gradient reaches a source through the others
+            if isinstance(t, Tensor) and (t.requires_grad or unrecorded):  # no gradient reaches a source otherwise
                 self._remember(t, sources)
         return result
+
+    def _assigned(self, func: Any, args: tuple) -> None:
+        """``target[index] = value`` of a followed value into a tensor that is not followed. Into the examples' rows
+        (wav2vec2's SpecAugment, ``hidden[mask_time_indices] = self.masked_spec_embed``: a value without the examples,
+        at positions the index picks in the leading dimensions only) it is a broadcast site: the value is assigned
+        as its expansion to the target's rows, the same values, whose gradient reaches it per example. Into anything
+        else (peft FourierFT writes its spectrum into a zero matrix, ``dense[rows, cols] = spectrum``, then uses the
+        matrix as a weight) the target is followed from then on, as an in-place operation's."""
+        target, index, value = args
+        sources = self._sources(value)
+        if not sources:
+            return func(*args)
+        lead = _indexed_dims(index)
+        # the target holds the examples' rows: an activation (it carries a gradient: a zero template [T, d] whose T
+        # happens to be the step's n does not) with n rows
+        if (isinstance(value, Tensor) and value.requires_grad and target.dim() >= 1 and target.requires_grad
+                and target.shape[0] in ({self.n} | self._flattened()) and lead is not None
+                and lead <= target.dim() - value.dim() and (value.dim() < target.dim() or value.shape[0] == 1)):
+            try:
+                torch.broadcast_shapes(value.shape, target.shape)
+            except RuntimeError:
+                return func(*args)  # torch's own error, if any, from the user's call as written
+            e = self._expanded(value, sources, target.dim(), target.shape[0])
+            return func(target, index, e.expand(target.shape)[index])
+        func(*args)
+        if target.requires_grad:
+            self._remember(target, sources)
+        return None
 
     def _repeated(self, t: Tensor, sources: tuple[_Source, ...], reps: tuple, result: Any,
                   rows: set[int]) -> Optional[Tensor]:
@@ -401,15 +468,19 @@ class BroadcastSites(TorchFunctionMode):
         gradient of W is its output gradient's rows added at its own ids, ∇W_i[v] = Σ_{t: ids_i,t = v} δ_i,t, zero at
         ``padding_idx`` (as the lookup's own backward); mapped back to W's sources a few examples at a time (each row
         is table-sized, ≤ ``_SLICED_ELEMENTS`` elements per batch of rows). ``call``: (ids, W, padding_idx), None for a
-        call that is not a site (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+        call that is not a site (``max_norm``, ``scale_grad_by_freq``, ``sparse``). The same lookup written as indexing,
+        ``W[ids]`` or ``W.index_select(0, ids)`` (center loss: ``self.centers[y]``), is served alike, for a table of
+        any number of dimensions (:func:`_lookup_arguments`)."""
         if call is None or not isinstance(result, Tensor) or not result.requires_grad:
             return False
         ids, table, padding_idx = call
-        if (not isinstance(ids, Tensor) or not isinstance(table, Tensor) or self._sources(ids) or table.dim() != 2
-                or ids.dim() < 1 or ids.is_floating_point() or not self._holds_examples(ids, rows)):
+        if (not isinstance(ids, Tensor) or not isinstance(table, Tensor) or self._sources(ids) or table.dim() < 1
+                or not self._sources(table) or ids.dim() < 1 or ids.is_floating_point() or ids.dtype == torch.bool
+                or not self._holds_examples(ids, rows)):
             return False
-        n, (V, r) = self.n, table.shape
-        idx = ids.detach().reshape(n, -1)
+        n, V, shape = self.n, table.shape[0], table.shape
+        r = max(shape[1:].numel(), 1)
+        idx = ids.detach().reshape(n, -1) % max(V, 1)  # an index may count from the end (W[-1])
         sources, edge = self._sources(table), get_gradient_edge(table)
         pad = None if padding_idx is None else padding_idx % V
         chunk = max(1, _SLICED_ELEMENTS // max(V * r, 1))
@@ -424,6 +495,7 @@ class BroadcastSites(TorchFunctionMode):
                 per_example = delta.new_zeros(stop - start, V, r).scatter_add_(1, at, delta[start:stop])
                 if pad is not None:
                     per_example[:, pad] = 0
+                per_example = per_example.reshape(stop - start, *shape)
                 for source in sources:
                     source.arrive_rows(None if table is source.out() else edge, per_example, start)
 
@@ -659,6 +731,51 @@ def _embedding_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, 
     if named.get("max_norm") is not None or named.get("scale_grad_by_freq") or named.get("sparse"):
         return None
     return named.get("input"), named.get("weight"), named.get("padding_idx")
+
+
+LOOKUPS: frozenset[str] = frozenset({"__getitem__", "index_select"})
+"""Indexing that is ``F.embedding`` written otherwise (:func:`_lookup_arguments`)."""
+
+
+def _indexed_dims(index: Any) -> Optional[int]:
+    """How many leading dimensions ``index`` picks from (a boolean mask: its own number; an integer, a slice or an
+    integer tensor: one; ``None``: none), or None where it is not a plain leading index (an ellipsis)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    count = 0
+    for k in parts:
+        if k is Ellipsis:
+            return None
+        if k is None:
+            continue
+        count += k.dim() if isinstance(k, Tensor) and k.dtype == torch.bool else 1
+    return count
+
+
+def _lookup_arguments(name: str, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any]]:
+    """``(ids, table, None)`` of a row lookup written as indexing: ``W[ids]``, ``W[ids, :]``, ``W[ids, ...]``, or
+    ``W.index_select(0, ids)``, with an integer (not boolean) index tensor; None for any other indexing (a slice, a
+    mask, an index in another dimension: not a site)."""
+    if name == "__getitem__" and len(args) == 2 and not kwargs:
+        table, index = args
+        whole = [k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in index[1:]] \
+            if isinstance(index, tuple) else []
+        if isinstance(index, tuple) and index and all(whole):
+            index = index[0]
+    elif name == "index_select":
+        named = dict(zip(("input", "dim", "index"), args))
+        named.update(kwargs)
+        table, index, dim = named.get("input"), named.get("index"), named.get("dim")
+        if not isinstance(table, Tensor) or not isinstance(dim, int) or dim % max(table.dim(), 1) != 0:
+            return None
+    else:
+        return None
+    if not isinstance(index, Tensor) or index.is_floating_point() or index.dtype == torch.bool:
+        return None
+    if index.dim() == 1 and torch.equal(index, torch.arange(index.shape[0], device=index.device)):
+        # positions 0 … T−1 (self.pos[torch.arange(T)]): one sequence's rows, whatever T is, never the examples' own
+        # ids, though T may equal the step's n: followed on to where they meet the examples (a broadcast site)
+        return None
+    return index, table, None
 
 
 PRODUCTS: frozenset[str] = frozenset({"matmul", "__matmul__", "__rmatmul__", "mm", "mv"})
