@@ -254,7 +254,7 @@ class StateFingerprint:
             for key, value in _callback_state(cb):
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
-                    entries[f"{kind} {path}"] = walker.named(path, value)
+                    entries[f"{kind} {path}"] = walker.named(path, value, fresh=key == "state_dict()")
         users = [m for _, m, mode in layout if mode == []] + [cb for cb in callbacks if not trusted_callback(cb)]
         for cls, key, value in class_attributes(type(obj) for obj in users):
             path = f"{cls.__qualname__}.{key}"

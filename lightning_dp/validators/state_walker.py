@@ -14,7 +14,7 @@ import functools
 import sys
 import types
 from collections import deque
-from typing import Any, Hashable, Iterable, Iterator, Sequence
+from typing import Any, Hashable, Iterable, Iterator, Sequence, Sized
 
 from torch import Tensor, nn
 from torch.utils.data import Dataset
@@ -74,14 +74,21 @@ class _Walker:
         self._full = full
         self._objects: set[int] = set()
         self._name = ""
+        self._fresh = False
         self.graded: dict[str, tuple[int, int]] = {}
         """Where tensors outside the parameters hold a gradient (:func:`holds_gradient`): entry name → the gradient's
         identity and version counter."""
 
-    def named(self, name: str, value: Any) -> Hashable:
-        """:meth:`token` of the value held at entry ``name`` (what :attr:`graded` names)."""
-        self._name = name
-        return self.token(value)
+    def named(self, name: str, value: Any, fresh: bool = False) -> Hashable:
+        """:meth:`token` of the value held at entry ``name`` (what :attr:`graded` names). ``fresh``: the value was
+        built by the call that returned it (a callback's ``state_dict()``), so the identity of a container beyond
+        :data:`MAX_DEPTH` says nothing (a new list at each call, at whatever address the allocator had free: two runs
+        alike were told apart by it); its length stands in for it."""
+        self._name, self._fresh = name, fresh
+        try:
+            return self.token(value)
+        finally:
+            self._fresh = False
 
     def token(self, value: Any, depth: int = 0) -> Hashable:
         if value is None or isinstance(value, (bool, int, str, bytes)):
@@ -120,6 +127,8 @@ class _Walker:
         if isinstance(value, (nn.Module, _FUNCTIONS)):
             return (type(value).__name__, id(value))
         if depth >= MAX_DEPTH:
+            if self._fresh:
+                return ("deep", type(value).__name__, len(value) if isinstance(value, Sized) else None)
             return ("deep", type(value).__name__, id(value))
         if isinstance(value, (list, tuple, deque)):
             return (type(value).__name__, len(value), tuple(self.token(v, depth + 1) for v in _sample(value)))
