@@ -11,7 +11,9 @@ own chance per step, so that record's privacy loss would add up over its copies:
 :class:`~lightning_dp.data.DistinctRecords` is looked through, and so is a dataset of the user's that is a view
 of one other dataset of its length (:func:`view_of`: an augmented copy, so ``ConcatDataset([base, Flipped(base)])``
 reads every record twice); any other dataset is a base, whatever its ``__getitem__`` does (what it reads is the
-content check's to see: :mod:`.records`). Cost: a few NumPy operations per position, no data read.
+content check's to see: :mod:`.records`). Two bases that store the same records — the same tensors, arrays or lists,
+under two augmenting classes — are one base (:mod:`.stored_sources`, zoo17 r2). Cost: a few NumPy operations per
+position, no data read (and one pass over the stored bytes of each base when there are several).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.stored_sources import same_as
 
 _INDEX_BITS = 40
 """A source key is ``base number << 40 | index``: bases of up to 2⁴⁰ records."""
@@ -44,6 +47,8 @@ def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
     positions = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
     bases: dict[int, tuple[int, Any]] = {}
     keys = _sources(dataset, positions, bases)
+    if len(bases) > 1:  # bases storing the same records are one (:mod:`.stored_sources`)
+        keys = _one_base_per_records(keys, bases)
     order = np.argsort(keys, kind="stable")
     same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
     if len(same):
@@ -52,7 +57,8 @@ def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
         index = int(keys[order[same[0]]]) & ((1 << _INDEX_BITS) - 1)
         raise PrivacyConfigurationError(
             f"The training dataset reads one record more than once: positions {first} and {second} both read record "
-            f"{index} of the same {type(base).__name__} ({len(same)} repeated reading(s) in all), through a Subset "
+            f"{index} of the same {type(base).__name__} ({len(same)} repeated reading(s) in all; datasets that store "
+            "the same tensors, arrays or lists are one dataset here, whatever their classes), through a Subset "
             "index listed twice or a dataset reached twice in a ConcatDataset (or overlapping Subsets of it, or a view "
             "of it such as an augmented copy beside it). Poisson "
             "sampling gives every position its own chance per step, so that record's privacy loss would add up over "
@@ -109,6 +115,15 @@ def _concat_sources(dataset: ConcatDataset, positions: np.ndarray, bases: dict[i
         chosen = part == k
         keys[chosen] = _sources(dataset.datasets[int(k)], positions[chosen] - starts[k], bases)
     return keys
+
+
+def _one_base_per_records(keys: np.ndarray, bases: dict[int, tuple[int, Any]]) -> np.ndarray:
+    """``keys`` with each base numbered as the first base that stores the same records
+    (:func:`~lightning_dp.validators.stored_sources.same_as`)."""
+    listed = sorted(bases.values(), key=lambda entry: entry[0])
+    first = same_as([dataset for _, dataset in listed])
+    renumber = np.asarray([listed[k][0] for k in first], dtype=np.int64)
+    return (renumber[keys >> _INDEX_BITS] << _INDEX_BITS) | (keys & ((1 << _INDEX_BITS) - 1))
 
 
 def _base_named(bases: dict[int, tuple[int, Any]], number: int) -> Any:

@@ -200,3 +200,13 @@ def _records(stored: StoredRecords, paths: list[str], size: int) -> np.ndarray:
     if size == stored.length and stored.indices and stored.indices[-1] < size:
         combined = combined[np.asarray(stored.indices, dtype=np.int64)]
     return np.sort(combined)
+
+
+def stored_items(dataset: Any) -> Iterator[tuple[str, Any]]:
+    """(path, tensor / array / list) that the datasets of ``dataset`` store (module docstring)."""
+    return _stored(dataset)
+
+
+def row_digests(value: Any) -> Optional[np.ndarray]:
+    """One 64-bit digest per row of a stored item (uint64), or ``None`` where it is not digested."""
+    return _rows(value)
