@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.stored_sources import same_as
+from lightning_dp.validators.stored_sources import same_records
 
 _INDEX_BITS = 40
 """A source key is ``base number << 40 | index``: bases of up to 2⁴⁰ records."""
@@ -58,7 +58,7 @@ def check_sources(dataset: Any, indices: Optional[Sequence[int]]) -> None:
         raise PrivacyConfigurationError(
             f"The training dataset reads one record more than once: positions {first} and {second} both read record "
             f"{index} of the same {type(base).__name__} ({len(same)} repeated reading(s) in all; datasets that store "
-            "the same tensors, arrays or lists are one dataset here, whatever their classes), through a Subset "
+            "the same rows are one dataset here, whatever their classes), through a Subset "
             "index listed twice or a dataset reached twice in a ConcatDataset (or overlapping Subsets of it, or a view "
             "of it such as an augmented copy beside it). Poisson "
             "sampling gives every position its own chance per step, so that record's privacy loss would add up over "
@@ -118,12 +118,19 @@ def _concat_sources(dataset: ConcatDataset, positions: np.ndarray, bases: dict[i
 
 
 def _one_base_per_records(keys: np.ndarray, bases: dict[int, tuple[int, Any]]) -> np.ndarray:
-    """``keys`` with each base numbered as the first base that stores the same records
-    (:func:`~lightning_dp.validators.stored_sources.same_as`)."""
+    """``keys`` with each record that several bases store named as the first base's
+    (:func:`~lightning_dp.validators.stored_sources.same_records`)."""
     listed = sorted(bases.values(), key=lambda entry: entry[0])
-    first = same_as([dataset for _, dataset in listed])
-    renumber = np.asarray([listed[k][0] for k in first], dtype=np.int64)
-    return (renumber[keys >> _INDEX_BITS] << _INDEX_BITS) | (keys & ((1 << _INDEX_BITS) - 1))
+    numbers = np.asarray([number for number, _ in listed], dtype=np.int64)
+    out = keys.copy()
+    mask = (1 << _INDEX_BITS) - 1
+    for (number, _), (owner, index) in zip(listed, same_records([dataset for _, dataset in listed])):
+        mine = (keys >> _INDEX_BITS) == number
+        if not len(owner) or not mine.any():
+            continue
+        at = keys[mine] & mask
+        out[mine] = (numbers[owner[at]] << _INDEX_BITS) | index[at]
+    return out
 
 
 def _base_named(bases: dict[int, tuple[int, Any]], number: int) -> Any:

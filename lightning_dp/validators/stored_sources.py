@@ -5,68 +5,86 @@ there, and refuses two positions with one source. A base is a dataset object; bu
 records — ``ConcatDataset([Flipped(x, y), Jittered(x, y)])`` of two augmenting classes holding the same tensors, or
 two torchvision-style datasets each loading the same training files (``CIFAR10(train=True, transform=t)`` twice,
 with two transforms): every person is then two positions, drawn twice per step and clipped twice, while the ledger
-charges one chance in N for twice the people (zoo17 r2). :func:`stored_key` names a base by what it stores, so that
-such bases are one source.
+charges one chance in N for twice the people (zoo17 r2, r5). :func:`same_records` finds the records such bases
+share, so that each is one source.
 
-A base's key is a digest of its *per-record items* — the tensors, in-memory NumPy arrays and lists it stores with one
-row per record (:func:`~lightning_dp.validators.stored_records.stored_items`) — each as the sorted digests of its rows
-(:func:`~lightning_dp.validators.stored_records.row_digests`: the same records stored in another order are the same
-records). Two bases share a key when every per-record item of one equals one of the other's. A base is keyed only when
-one of its items identifies its records: at least :data:`DISTINCT` of its rows distinct and not a column of integers
-(labels, ids or indices ``0 … n − 1`` are alike in datasets of other people); a base of under :data:`MIN_RECORDS`
-records, or one whose records live in files it reads by index, keeps its identity as its name.
+Each base's records are digested as it stores them: the rows of its *identifying items* — the tensors, in-memory
+NumPy arrays and lists it stores with one row per record (:func:`~lightning_dp.validators.stored_records.stored_items`,
+:func:`~lightning_dp.validators.stored_records.row_digests`) that are not a column of integers (labels, ids and
+indices ``0 … n − 1`` are alike in datasets of other people) and whose rows are at least :data:`DISTINCT` distinct.
+A record of a later base whose row an earlier base stores (an item of the same element type and row shape) is that
+base's record, once the two share :data:`OVERLAP` of the smaller one's records or more: the whole data twice, or a
+copy of the minority class's rows concatenated to oversample it under a transform of its own. A base with no
+identifying item (records read from files by index) keeps its identity as its name.
 
 Cost: one pass over the stored bytes of each base, only when a population has two bases or more. Not seen: copies
-stored after a transform (a flipped copy of the images kept as a second array: the content checks' to see, or not,
-:mod:`.repeated_records`), and bases that store other items beside the same records (a second label column).
+stored after a transform (a flipped or float64 copy of the images kept as a second array: the content checks' to see,
+or not, :mod:`.repeated_records`), and an overlap under :data:`OVERLAP` of the smaller base.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_dp.validators.stored_records import row_digests, stored_items
 
-MIN_RECORDS = 8
-"""Bases of fewer records keep their identity as their name."""
+OVERLAP = 0.05
+"""The share of the smaller base's records another base must store too for the two to be taken for one population
+(a few equal records in two sources are natural: two people's identical short messages)."""
 
 DISTINCT = 0.9
 """The share of distinct rows of an item that identifies its records."""
 
 
-def stored_key(dataset: Any) -> Optional[bytes]:
-    """What ``dataset`` stores, as one key (module docstring); ``None`` when it stores nothing that identifies its
-    records."""
+def same_records(bases: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For each of ``bases``, per record: the position (in ``bases``) of the first base that stores it and its index
+    there — its own base and index when no earlier base stores it (module docstring)."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    earlier: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # item kind → (rows, base, index)
+    for number, base in enumerate(bases):
+        items = identifying_rows(base)
+        n = len(next(iter(items.values()))) if items else 0
+        owner, index = np.full(n, number, dtype=np.int64), np.arange(n, dtype=np.int64)
+        for kind, rows in items.items():
+            _take_stored(rows, earlier.get(kind, []), owner, index, number)
+        for kind, rows in items.items():
+            earlier.setdefault(kind, []).append((rows, owner, index))
+        out.append((owner, index))
+    return out
+
+
+def identifying_rows(dataset: Any) -> dict[tuple, np.ndarray]:
+    """Per kind of item (element type, row shape), the row digests of the items of ``dataset`` with one row per record
+    that identify its records (module docstring); empty when none does."""
     try:
         n = len(dataset)
     except TypeError:
-        return None
-    if n < MIN_RECORDS:
-        return None
-    items, identified = [], False
+        return {}
+    found: dict[tuple, np.ndarray] = {}
     for _, value in stored_items(dataset):
         rows = row_digests(value)
-        if rows is None or len(rows) != n:
-            continue  # not one row per record: a table, a setting
-        identified = identified or (len(np.unique(rows)) >= DISTINCT * n and not _integer_column(value))
-        items.append(repr((_width(value), _kind(value))).encode() + np.sort(rows).tobytes())
-    if not identified:
-        return None
-    return hashlib.blake2b(b"".join(sorted(items)), digest_size=16).digest()
+        if rows is None or len(rows) != n or not n or _integer_column(value):
+            continue  # not one row per record (a table, a setting), or labels, ids, indices
+        if len(np.unique(rows)) >= DISTINCT * n:
+            found.setdefault((_kind(value), _width(value)), rows)
+    return found
 
 
-def same_as(bases: list[Any]) -> list[int]:
-    """For each of ``bases``, the position of the first of them that stores the same records (its own if none)."""
-    first: dict[bytes, int] = {}
-    out = []
-    for position, base in enumerate(bases):
-        key = stored_key(base)
-        out.append(position if key is None else first.setdefault(key, position))
-    return out
+def _take_stored(rows: np.ndarray, before: list[tuple[np.ndarray, np.ndarray, np.ndarray]], owner: np.ndarray,
+                 index: np.ndarray, number: int) -> None:
+    """Point the records of base ``number`` (``rows``) that an earlier base stores too at that base's record, for
+    each earlier base that stores :data:`OVERLAP` of the smaller of the two or more."""
+    for stored, stored_owner, stored_index in before:
+        order = np.argsort(stored, kind="stable")
+        at = np.clip(np.searchsorted(stored[order], rows), 0, len(stored) - 1)
+        hit = (stored[order][at] == rows) & (owner == number)
+        smaller = min(len(rows), len(stored))
+        if hit.sum() and hit.sum() >= OVERLAP * smaller:
+            owner[hit] = stored_owner[order][at][hit]
+            index[hit] = stored_index[order][at][hit]
 
 
 def _integer_column(value: Any) -> bool:

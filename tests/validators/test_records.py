@@ -91,7 +91,7 @@ def _collate_lists(batch):
     (lambda d: ConcatDataset([Subset(d, range(0, 25)), Subset(d, range(20, N))]), "overlapping Subsets"),
     (lambda d: Subset(ConcatDataset([Subset(d, [0, 1, 2]), d]), list(range(3, 43)) + [0]), "record 0"),
     (lambda d: Repeating(d), "same memory"),
-    (lambda d: ConcatDataset([d, TensorDataset(*d.tensors)]), "store the same"),  # two objects, one set of tensors
+    (lambda d: ConcatDataset([d, TensorDataset(*d.tensors)]), "store the same rows"),  # two objects, one set of tensors
     (lambda d: RepeatingCopies(d, times=2), "repeat"),
 ])
 def test_the_same_record_twice_is_refused_naming_the_fix(make, match):

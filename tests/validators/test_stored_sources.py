@@ -11,7 +11,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorD
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.validators.record_sources import check_sources
-from lightning_dp.validators.stored_sources import stored_key
+from lightning_dp.validators.stored_sources import identifying_rows, same_records
 
 
 class Signed(Dataset):
@@ -68,7 +68,10 @@ X, Y = _data()
     lambda: [Signed(X.clone(), Y.clone(), 1.0), Signed(X.clone(), Y.clone(), -1.0)],
     lambda: [Images(X.numpy().copy(), Y.tolist(), False), Images(X.numpy().copy(), Y.tolist(), True)],
     lambda: [Signed(X, Y, 1.0), Signed(X[torch.randperm(64)], Y, -1.0)],
-], ids=["same tensors", "copies of them", "torchvision-style copies", "stored in another order"])
+    lambda: [Signed(X, Y, 1.0), Signed(X[Y == 1][:8], Y[Y == 1][:8], -1.0)],
+    lambda: [Signed(X[:4], Y[:4], -1.0), Signed(X, Y, 1.0)],
+], ids=["same tensors", "copies of them", "torchvision-style copies", "stored in another order",
+        "a minority's rows copied to oversample it", "the copy first"])
 def test_parts_that_store_the_same_records_are_refused(parts):
     with pytest.raises(PrivacyConfigurationError, match="more than once"):
         check_sources(ConcatDataset(parts()), None)
@@ -85,9 +88,23 @@ def test_parts_of_other_records_train(parts):
 
 
 def test_labels_and_indices_do_not_identify_records():
-    assert stored_key(Files("a", list(range(64)))) is None
-    assert stored_key(TensorDataset(torch.arange(64), Y)) is None
-    assert stored_key(TensorDataset(X, Y)) == stored_key(TensorDataset(X.clone(), Y.clone()))
+    assert identifying_rows(Files("a", list(range(64)))) == {}
+    assert identifying_rows(TensorDataset(torch.arange(64), Y)) == {}
+    assert list(identifying_rows(TensorDataset(X, Y))) == [("float32", (4,))]
+
+
+def test_a_record_stored_twice_is_named_as_the_first_base_s():
+    (owner, index), (owner2, index2) = same_records([Signed(X, Y, 1.0), Signed(X[[5, 9]].clone(), Y[[5, 9]], -1.0)])
+    assert owner.tolist() == [0] * 64 and index.tolist() == list(range(64))
+    assert owner2.tolist() == [0, 0] and index2.tolist() == [5, 9]
+
+
+def test_a_few_equal_records_in_two_sources_are_natural():
+    other = _data(200, seed=2)[0]
+    other[:3] = X[:3]  # 3 of 200: under 5 % of the smaller source... of 64: 4.7 %
+    (_, _), (owner2, _) = same_records([Signed(X, Y, 1.0), Signed(other, torch.zeros(200), 1.0)])
+    assert owner2.tolist() == [1] * 200
+    check_sources(ConcatDataset([Signed(X, Y, 1.0), Signed(other, torch.zeros(200), 1.0)]), None)
 
 
 def test_a_fit_on_two_augmented_copies_is_refused_before_any_release():
