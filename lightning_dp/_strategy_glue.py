@@ -60,6 +60,7 @@ from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.stored_records import StoredRecords, changed_records, changed_records_error, stored_records
+from lightning_dp.validators.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators import diagnostic_reads
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
@@ -130,6 +131,7 @@ class PrivateTraining:
         self._loaded_for: Optional[tuple[int, int]] = None  # (trainer, epoch) whose training loader was rebuilt
         self._records: Optional[tuple[int, frozenset[int]]] = None  # the records its loader trains on (loaders.py)
         self._stored: Optional[StoredRecords] = None  # what the fit's first loader stores (stored_records.py)
+        self._stored_dataset: Any = None  # the dataset of the loader that trains now
         self._stop_announced = False  # the budget stop is said once per fit
         self._logged_reads: Optional[LoggedReads] = None  # the trainer's logged metrics, watched while a fit trains
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
@@ -507,12 +509,12 @@ class PrivateTraining:
         if self._records is not None and self._records[0] == records[0] and self._records[1] != records[1]:
             raise population_changed_error(len(self._records[1]), len(records[1]))
         self._records = records
-        if trainer.reload_dataloaders_every_n_epochs:  # the stored records are the first loader's (stored_records.py)
-            stored = stored_records(dataloader.dataset, records[1])
-            changed = [] if self._stored is None else changed_records(self._stored, stored)
-            if changed:
-                raise changed_records_error(changed)
-            self._stored = self._stored or stored
+        stored = stored_records(dataloader.dataset, records[1])  # the first loader's, kept (stored_records.py)
+        changed = [] if self._stored is None else changed_records(self._stored, stored)
+        if changed:
+            raise changed_records_error(changed)
+        self._stored = self._stored or stored
+        self._stored_dataset = dataloader.dataset
         physical_batch_size(self, dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", 1))
         loader = self.private_step.poisson_loader(dataloader,  # its group cycle starts at the ledger's count
                                                   batches_per_step=batches_per_step(self))
@@ -574,6 +576,8 @@ class PrivateTraining:
                            "probe runs again before the next release")
         if not step.verified:
             self._replays.verify()
+        if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._stored is not None and self._records is not None:
+            check_stored_unchanged(self._stored, self._stored_dataset, self._records[1])  # written since (zoo17 c3)
         if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._replays.users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
         if step.batch_check_due():

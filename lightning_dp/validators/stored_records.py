@@ -14,9 +14,11 @@ NumPy arrays and the lists of numbers, strings (file paths), tensors or arrays t
 their bytes, on the tensors' own device. At a reload on the same indices, :func:`changed_records` compares the
 rebuilt loader's (the same dataset or a new one built alike): a stored item at the same place, of the same shape and
 type, whose rows differ is refused, unless the records as a whole (the rows of all the items of that length
-together, at the loader's indices) are the same ones in another order. Not compared: items of under two elements (a
-setting, an epoch number), memory-mapped arrays and what a dataset reads lazily from files (a fetch is stateless:
-``records/stateless.py``), items present in one loader only, and a rebuilt loader on another set of indices.
+together, at the loader's indices) are the same ones in another order. Without a reload,
+:func:`check_stored_unchanged` compares them again at every epoch's first step (records mixed in place by a callback
+after a warm-up, zoo17 c3). Not compared: items of under two elements (a setting, an epoch number), memory-mapped
+arrays and what a dataset reads lazily from files (a fetch is stateless: ``records/stateless.py``), items present in
+one loader only, and a rebuilt loader on another set of indices.
 """
 
 from __future__ import annotations
@@ -88,15 +90,38 @@ def changed_records(before: StoredRecords, now: StoredRecords) -> list[str]:
     return found
 
 
-def changed_records_error(found: list[str]) -> PrivacyConfigurationError:
-    """The refusal of :func:`changed_records`' findings."""
+def check_stored_unchanged(before: StoredRecords, dataset: Any, indices: Any) -> None:
+    """At an epoch's first step: refuse when what the training loader's datasets store changed since the fit's first
+    loader, without a reload — written in place or bound anew by your code between epochs (offline mixup or a
+    re-normalisation switched on after a warm-up: each stored record then holds others' data; zoo17 c3). Only items
+    whose rows were :data:`FILLED` distinct are compared: a decode buffer the reads fill changes as it is filled.
+
+    Raises:
+        PrivacyConfigurationError: naming the items that changed (:func:`changed_records_error`).
+    """
+    held = {path: item for path, item in before.items.items() if len(np.unique(item[2])) >= FILLED * len(item[2])}
+    changed = changed_records(StoredRecords(before.indices, before.length, held), stored_records(dataset, indices))
+    if changed:
+        raise changed_records_error(changed, rebuilt=False)
+
+
+FILLED = 0.9
+"""Items compared between epochs of one loader: those whose rows were this share distinct or more at the fit's first
+loader. A buffer the reads fill (records decoded into a preallocated tensor of zeros) is not compared."""
+
+
+def changed_records_error(found: list[str], rebuilt: bool = True) -> PrivacyConfigurationError:
+    """The refusal of :func:`changed_records`' findings (``rebuilt``: at a reload of the loader; else between epochs
+    of one loader)."""
     names = ", ".join((p.lstrip(".") or "the dataset") for p in found[:4])
+    how = "was rebuilt on the same records with" if rebuilt else "holds the same records with"
     return PrivacyConfigurationError(
-        f"The training loader was rebuilt on the same records with other stored values ({names} changed since the "
+        f"The training loader {how} other stored values ({names} changed since the "
         "fit's first training loader): the privacy unit is a record, and each record must be the same data in "
         "every epoch. Values recomputed while training (inputs scaled by the model's loss over the training set, "
         "features normalised by the current model, labels relabelled from its predictions) depend on every other "
-        "record, un-noised. Nothing more was released. Keep the stored records fixed, and compute per-epoch "
+        "record, un-noised (so do records mixed with others in place after a warm-up). Nothing more was released. Keep "
+        "the stored records fixed, and compute per-epoch "
         "transforms in __getitem__ (or the collate) from public values only (the epoch number, a seeded random "
         "augmentation).")
 
