@@ -285,8 +285,7 @@ def along(here: Tensor, start: Tensor, end: Tensor) -> bool:
     """Whether weights ``here`` hold the move a fit's releases made from its starting weights ``start`` to ``end``
     (all three sketches at the same n positions): regressed on the start and the move,
     ``here ≈ a·start + b·(end − start)``, b is positive, at most :data:`_ALONG_SCALE` and :data:`_ALONG_Z` standard
-    errors from 0 or more, with what the regression leaves no larger than the move it found across the start (a
-    negative b is the way back: the weights a fit continued from, which its start holds).
+    errors from 0 or more (a negative b is the way back: the weights a fit continued from, which its start holds).
     Weights computed from the fit's lie there however far from where it ended: an EMA or ``AveragedModel`` of them
     (an average along the way), a snapshot taken mid-fit ("the best epoch's"), a soup of fits from one start, a task
     vector added (up to twice), a shrink-and-perturb warm start (``0.5·w + noise``), the trained weights rescaled.
@@ -307,8 +306,6 @@ def along(here: Tensor, start: Tensor, end: Tensor) -> bool:
     if b * float(move.norm()) <= 1e-6 * float(here.norm()) or b > _ALONG_SCALE:
         return False  # no move in it but for rounding, or the move taken back (the start of a fit continued here)
     residual = here - design @ coef
-    if float(residual.norm()) > b * float(across.norm()):
-        return False  # the move explains less of the weights' own than what is left: a training of their own
     spread = float(residual @ residual) / (n - 2) * float(gram_inv[1, 1])
     return b * b >= _ALONG_Z ** 2 * spread
 
