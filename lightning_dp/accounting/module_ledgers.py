@@ -26,9 +26,8 @@ so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a che
 "the best one", reloaded into a fresh module). Weights *near* trained ones — scaled by 1.0001, noise added — are
 found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
 :func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record,
-and so do weights that hold the move the releases made from the fit's start (:func:`along`: an EMA or
-``AveragedModel`` of the weights along the way, a snapshot from the middle of the fit, a soup of fits from one start,
-a task vector added (up to twice), a shrink-and-perturb warm start).
+and so do weights moved from the fit's start the way the releases moved them (:func:`along`: an EMA or
+``AveragedModel`` of the weights along the way, a snapshot from the middle of the fit, a soup of fits from one start).
 
 A module that holds a privately trained one outside its registry — a teacher in a list, in a function's closure or
 default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
@@ -271,43 +270,26 @@ def moved_along(p: Tensor) -> list[PrivacyLedger]:
 
 
 _ALONG_Z = 5.0
-"""How many standard errors from 0 the fit's move must weigh in a module's weights for them to be taken for that fit's
-(:func:`along`): weights that did not come from the fit reach it by chance with probability about 10⁻⁵ over the 64
-positions of a sketch."""
-_ALONG_SCALE = 2.0
-"""The most of the fit's move weights taken for its may hold (b ≤ 2: a task vector doubled): a module that moved much
-farther the same way (trained on public data of the same task from the same initialisation) is not taken for it."""
-_ALONG_POSITIONS = 32
-"""Sketches of fewer positions are not judged by :func:`along` (too few for the regression's error)."""
+"""How many standard deviations of a chance cosine (1/√n over a sketch of n positions) the cosine between a module's
+move from the fit's starting weights and the fit's own move must reach for its weights to be taken for that fit's
+(:func:`along`): 0.625 over the 64 positions of a sketch; a sketch of under 26 positions never does."""
+_ALONG_SCALE = 1.5
 
 
 def along(here: Tensor, start: Tensor, end: Tensor) -> bool:
-    """Whether weights ``here`` hold the move a fit's releases made from its starting weights ``start`` to ``end``
-    (all three sketches at the same n positions): regressed on the start and the move,
-    ``here ≈ a·start + b·(end − start)``, b is positive, at most :data:`_ALONG_SCALE` and :data:`_ALONG_Z` standard
-    errors from 0 or more (a negative b is the way back: the weights a fit continued from, which its start holds).
-    Weights computed from the fit's lie there however far from where it ended: an EMA or ``AveragedModel`` of them
-    (an average along the way), a snapshot taken mid-fit ("the best epoch's"), a soup of fits from one start, a task
-    vector added (up to twice), a shrink-and-perturb warm start (``0.5·w + noise``), the trained weights rescaled.
-    Weights as they were at the start (a fresh module seeded alike) hold no move, and a fresh module seeded otherwise
-    holds it only by chance; a move parallel to the start (weight decay alone) cannot be told from a rescaled start:
-    not judged."""
-    n = here.numel()
-    if n < _ALONG_POSITIONS or torch.equal(here, start):
+    """Whether weights ``here`` moved from a fit's starting weights ``start`` the way its releases moved them (to
+    ``end``; all three sketches at the same n positions): a cosine of the two moves of at least :data:`_ALONG_Z`/√n
+    (a move in a direction of its own reaches it by chance with probability about 3·10⁻⁷), and a move at most
+    :data:`_ALONG_SCALE` times the fit's. An average of the fit's weights along the way (an EMA or
+    ``AveragedModel`` of them, a snapshot taken mid-fit — "the best epoch's" — an average of two such fits from one
+    start, a model soup) lies there, and carries the fit's releases however far it is from where the fit ended.
+    Weights as they were at the start (a fresh module seeded alike) have not moved, and a fresh module seeded
+    otherwise moved in a direction of its own, by the whole scale of its initialisation: neither is taken."""
+    moved, trained = here - start, end - start
+    size, scale = float(moved.norm()), float(trained.norm())
+    if size == 0.0 or scale == 0.0 or size > _ALONG_SCALE * scale:
         return False
-    move = end - start
-    across = move - (move @ start) / (start @ start) * start if float(start @ start) > 0.0 else move
-    if float(across.norm()) < 0.01 * float(move.norm()) or float(move.norm()) == 0.0:
-        return False
-    design = torch.stack([start, move], 1)
-    gram_inv = torch.linalg.pinv(design.T @ design)
-    coef = gram_inv @ (design.T @ here)
-    b = float(coef[1])
-    if b * float(move.norm()) <= 1e-6 * float(here.norm()) or b > _ALONG_SCALE:
-        return False  # no move in it but for rounding, or the move taken back (the start of a fit continued here)
-    residual = here - design @ coef
-    spread = float(residual @ residual) / (n - 2) * float(gram_inv[1, 1])
-    return b * b >= _ALONG_Z ** 2 * spread
+    return float(moved @ trained) >= _ALONG_Z / here.numel() ** 0.5 * size * scale
 
 
 def _sharded(p: Tensor) -> bool:

@@ -1,8 +1,7 @@
 """Weights moved the way a private fit moved them carry its releases (accounting/module_ledgers.along, zoo17 l1):
 an EMA or ``AveragedModel`` of the weights along the fit, a point between its start and its end, a snapshot from
 the middle of it — loaded into a fresh module and trained again on the same data, the ledger continues the fit's
-record instead of restarting at zero; so does a shrink-and-perturb warm start from the trained weights. A fresh
-module, seeded alike or otherwise, starts its own."""
+record instead of restarting at zero. A fresh module, seeded alike or otherwise, starts its own."""
 
 from __future__ import annotations
 
@@ -46,11 +45,11 @@ def _averaged(decay):
 
 
 def test_an_ema_of_the_weights_continues_the_record():
-    assert fit(_averaged(0.9), steps=2).ledger.steps >= 5  # more: along other fits of this start on these data too
+    assert fit(_averaged(0.9), steps=2).ledger.steps == 5
 
 
 def test_an_averaged_model_of_the_weights_continues_the_record():
-    assert fit(_averaged(None), steps=2).ledger.steps >= 5
+    assert fit(_averaged(None), steps=2).ledger.steps == 5
 
 
 def test_a_point_between_the_start_and_the_end_continues_the_record():
@@ -62,30 +61,17 @@ def test_a_point_between_the_start_and_the_end_continues_the_record():
     assert fit(halfway, steps=2).ledger.steps >= 5  # conservative: along other fits of this start on these data too
 
 
-def test_a_shrink_and_perturb_warm_start_continues_the_record():
-    trained = Classifier()
-    assert fit(trained, steps=3, noise_multiplier=0.01).ledger.steps == 3
-    generator = torch.Generator().manual_seed(4)
-    warm = Classifier()
-    warm.load_state_dict({k: 0.5 * v + 0.01 * torch.randn(v.shape, generator=generator)
-                          for k, v in trained.state_dict().items()})
-    assert fit(warm, steps=2).ledger.steps >= 5
-
-
 def test_a_fresh_module_seeded_alike_starts_its_own_record():
     assert fit(Classifier(), steps=3).ledger.steps == 3
     assert fit(Classifier(), steps=2).ledger.steps == 2
 
 
-def test_along_takes_weights_that_hold_the_fit_s_move_only():
+def test_along_takes_the_fit_s_direction_only():
+    start = torch.zeros(64, dtype=torch.float64)
+    end = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    assert module_ledgers.along(0.3 * end, start, end)  # an average along the way
+    assert not module_ledgers.along(start, start, end)  # not moved: a fresh module seeded alike
+    assert not module_ledgers.along(-0.3 * end, start, end)  # against the fit's move
+    assert not module_ledgers.along(3 * end, start, end)  # moved far beyond the fit
     generator = torch.Generator().manual_seed(0)
-    start = 0.5 * torch.randn(64, generator=generator, dtype=torch.float64)
-    end = start + 0.1 * torch.randn(64, generator=generator, dtype=torch.float64)
-    noise = torch.randn(64, generator=generator, dtype=torch.float64)
-    assert module_ledgers.along(start + 0.3 * (end - start), start, end)  # an average along the way
-    assert module_ledgers.along(start + 2 * (end - start), start, end)  # a task vector, doubled
-    assert not module_ledgers.along(start + 20 * (end - start) + 0.1 * noise, start, end)  # much farther: its own
-    assert module_ledgers.along(0.5 * end + 1e-3 * noise, start, end)  # shrink and perturb
-    assert not module_ledgers.along(start.clone(), start, end)  # not moved: a fresh module seeded alike
-    assert not module_ledgers.along(0.5 * noise, start, end)  # a fresh module seeded otherwise
-    assert not module_ledgers.along(start + 0.5 * noise, start, end)  # moved its own way
+    assert not module_ledgers.along(0.5 * torch.randn(64, generator=generator, dtype=torch.float64), start, end)
