@@ -25,9 +25,7 @@ each changed parameter also leaves the digests of its roundings and of its float
 so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a checkpoint from the middle of a fit,
 "the best one", reloaded into a fresh module). Weights *near* trained ones — scaled by 1.0001, noise added — are
 found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
-:func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record,
-and so do weights moved from the fit's start the way the releases moved them (:func:`along`: an EMA or
-``AveragedModel`` of the weights along the way, a snapshot from the middle of the fit, a soup of fits from one start).
+:func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record.
 
 A module that holds a privately trained one outside its registry — a teacher in a list, in a function's closure or
 default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
@@ -126,9 +124,6 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
         if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
             found += [_BY_CONTENT.get(digest(p)) for p in _trainable(owner)]
             found += [ledger for p in _trainable(owner) for ledger in near(p)]
-    if _BY_CONTENT and not any(found):  # weights of no fit's: an average along one, a snapshot taken mid-fit
-        found += [ledger for owner in (module, *held_modules(module)) for p in _trainable(owner)
-                  for ledger in moved_along(p)]
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -258,38 +253,6 @@ def near(p: Tensor) -> list[PrivacyLedger]:
     here = sample(p)
     return [ledger for start, end, ledger in kept
             if here.shape == end.shape and float((here - end).norm()) < _NEAR * float((end - start).norm())]
-
-
-def moved_along(p: Tensor) -> list[PrivacyLedger]:
-    """The records of the fits whose move ``p`` follows from their start (:func:`along`)."""
-    kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED and not _sharded(p) else None
-    if not kept or not p.dtype.is_floating_point:
-        return []
-    here = sample(p)
-    return [ledger for start, end, ledger in kept if here.shape == end.shape and along(here, start, end)]
-
-
-_ALONG_Z = 5.0
-"""How many standard deviations of a chance cosine (1/√n over a sketch of n positions) the cosine between a module's
-move from the fit's starting weights and the fit's own move must reach for its weights to be taken for that fit's
-(:func:`along`): 0.625 over the 64 positions of a sketch; a sketch of under 26 positions never does."""
-_ALONG_SCALE = 1.5
-
-
-def along(here: Tensor, start: Tensor, end: Tensor) -> bool:
-    """Whether weights ``here`` moved from a fit's starting weights ``start`` the way its releases moved them (to
-    ``end``; all three sketches at the same n positions): a cosine of the two moves of at least :data:`_ALONG_Z`/√n
-    (a move in a direction of its own reaches it by chance with probability about 3·10⁻⁷), and a move at most
-    :data:`_ALONG_SCALE` times the fit's. An average of the fit's weights along the way (an EMA or
-    ``AveragedModel`` of them, a snapshot taken mid-fit — "the best epoch's" — an average of two such fits from one
-    start, a model soup) lies there, and carries the fit's releases however far it is from where the fit ended.
-    Weights as they were at the start (a fresh module seeded alike) have not moved, and a fresh module seeded
-    otherwise moved in a direction of its own, by the whole scale of its initialisation: neither is taken."""
-    moved, trained = here - start, end - start
-    size, scale = float(moved.norm()), float(trained.norm())
-    if size == 0.0 or scale == 0.0 or size > _ALONG_SCALE * scale:
-        return False
-    return float(moved @ trained) >= _ALONG_Z / here.numel() ** 0.5 * size * scale
 
 
 def _sharded(p: Tensor) -> bool:
