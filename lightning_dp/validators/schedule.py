@@ -5,7 +5,10 @@ first release). Later, every step earns ``budget × its duration`` of credit; a 
 random threshold drawn after each check, exponential with mean the last check's duration, and costs its duration.
 On average the checks then take ``budget`` of the training time (default 2 %), at times nobody can predict (a
 behaviour that switches on at a fixed step is met at a random later step, never at a fixed period), and checks are
-denser when they are cheap relative to a step. ``"every_step"`` checks every step (a batch check costs about two
+denser when they are cheap relative to a step. Besides, one step drawn at random in each doubling window of steps
+([1, 2), [2, 4), [4, 8), …, counted from the first) is checked whatever the credit (and paid from it): a behaviour
+that switches on at step k and stays is met by step 4k at the latest even in a run too short for the budget to
+buy a check, for log₂ T checks in T steps. ``"every_step"`` checks every step (a batch check costs about two
 steps); ``"first_step"`` only the first (the behaviour before this setting existed). The times come from the OS
 clock and the choice from an OS-seeded generator: nothing here depends on the data.
 """
@@ -53,6 +56,8 @@ class VerificationSchedule:
         self._step_seconds: Optional[float] = None  # a running mean of a step's duration (checks excluded)
         self._check_seconds: Optional[float] = None  # a running mean of a later check's duration
         self._forced = False
+        self._steps = 0  # steps begun (calls of :meth:`due`)
+        self._window_pick: Optional[int] = None  # the step checked in the current doubling window
 
     @property
     def mode(self) -> str:
@@ -77,9 +82,10 @@ class VerificationSchedule:
             self._credit += self.budget * elapsed
             self._step_seconds = elapsed if self._step_seconds is None else 0.9 * self._step_seconds + 0.1 * elapsed
         self._last, self._checking = now, 0.0
+        step, self._steps = self._steps, self._steps + 1
         if self.mode == "every_step" or self.checks == 0:
             return True
-        if self._forced and self.mode == "sampled":
+        if self.mode == "sampled" and (self._forced or self._window_checks(step)):
             self._forced = False
             return True
         if self.mode == "first_step" or self._step_seconds is None:
@@ -88,6 +94,12 @@ class VerificationSchedule:
             expected = self._check_seconds if self._check_seconds is not None else 2.0 * self._step_seconds
             self._threshold = self.rng.expovariate(1.0 / max(expected, 1e-9))
         return self._credit >= self._threshold
+
+    def _window_checks(self, step: int) -> bool:
+        """Whether ``step`` is the one drawn in its doubling window [2ʲ, 2ʲ⁺¹) (drawn as the window opens)."""
+        if step >= 1 and step & (step - 1) == 0:  # a power of two: a window opens
+            self._window_pick = self.rng.randrange(step, 2 * step)
+        return step == self._window_pick
 
     def force(self) -> None:
         """The next step is checked (``"sampled"``): an epoch begins, a validation ended — where behaviour keyed on

@@ -278,6 +278,16 @@ def test_an_interaction_that_starts_after_a_warmup_is_refused_before_its_release
         assert step == 3
 
 
+def test_an_interaction_after_a_warmup_is_met_in_a_short_run_on_the_default_schedule():
+    """The default schedule (sampled, 2 % of the time, the OS clock) in a run too short for the budget to buy a
+    check: one random step of each doubling window is checked, so an interaction from step 3 on is met by step 12."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, public_state=["calls"])
+    model = NegativesAfterOwnCount()
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step (\d+)") as info:
+        quiet_trainer(strategy=strategy, max_steps=30).fit(model, DataLoader(classes(), batch_size=32))
+    assert 3 <= int(re.search(r"at step (\d+)", str(info.value)).group(1)) < 12
+
+
 @pytest.mark.parametrize("engine", ["ghost", "vmap", "opacus_hooks"])
 @pytest.mark.parametrize("factory", [Classifier, NoisyInputs])
 def test_independent_examples_pass_every_step(factory, engine):

@@ -52,3 +52,16 @@ def test_bad_settings_are_refused():
         VerificationSchedule("sometimes")
     with pytest.raises(ValueError, match="verify_budget"):
         VerificationSchedule("sampled", 0.0)
+
+
+def test_a_behaviour_switching_on_later_is_met_within_four_times_its_step_whatever_the_budget():
+    """One random step in every doubling window is checked even when the budget buys nothing (a tiny budget, a
+    short run): a behaviour that starts at step k and stays is met by step 4k, in every one of 200 seeds."""
+    for seed in range(200):
+        checked, _ = simulate("sampled", 1e-6, steps=300, seed=seed)
+        for k in (2, 5, 17, 70):
+            assert any(k <= t < 4 * k for t in checked), (seed, k, checked)
+    checked, share = simulate("sampled", 1e-6, steps=4096)
+    assert len(checked) <= 14, "log2(T) window checks, not a fixed share of the steps"
+    picks = {tuple(simulate("sampled", 1e-6, steps=64, seed=seed)[0]) for seed in range(20)}
+    assert len(picks) > 10, "the window's step is drawn at random, not fixed"
