@@ -137,9 +137,9 @@ class DPStrategy(PrivateTraining, DDPStrategy):
             refused before the next release.
         verify: when the step's own sampled examples are checked for interactions (as one batch, in two halves
             and alone, before the release): ``"sampled"`` (default: the first step — also as the module would run at
-            the plan's last step — then random later steps taking about ``verify_budget``
-            of the training time and one random step in each doubling window of steps), ``"every_step"`` (certainty at about twice the cost per step) or
-            ``"first_step"``. The first step's probe runs in every mode.
+            the plan's last step — then random later steps taking about ``verify_budget`` of the training time
+            and one random step in each doubling window of steps), ``"every_step"`` (certainty at about twice the
+            cost per step) or ``"first_step"``. The first step's probe runs in every mode.
         verify_budget: the share of training time the later checks may take under ``verify="sampled"`` (0.02).
         clipping: a clipping policy (docs/clipping.md): :class:`~lightning_dp.PerLayerClipping` (each parameter
             tensor to C_p, √(Σ C_p²) = C), :class:`~lightning_dp.AutomaticClipping` (g·C/(‖g‖ + γ), Bu et al. 2023)
