@@ -51,8 +51,12 @@ from lightning_dp.privacy.boundary import is_public
 from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
-from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
-                                                mechanism_decisions, step_decisions, trusted_callback, user_modules)
+from lightning_dp.fingerprints.callback_state import trusted_callback
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.fingerprints.state_walker import user_modules
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.mechanism_settings import mechanism_decisions
+from lightning_dp.validators.steered_settings import hyperparameters_error, step_decisions
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads

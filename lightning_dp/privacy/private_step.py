@@ -74,7 +74,7 @@ from lightning_dp.validators.step_checks import StepChecks, _another_rank_error,
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
-from lightning_dp.validators.kept_state import mechanism_state
+from lightning_dp.validators.mechanism_settings import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records

@@ -41,7 +41,9 @@ from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.derived_columns import derived_columns, derived_columns_fix
-from lightning_dp.validators.kept_state import dataset_parts, framework_keys, is_public
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+from lightning_dp.records.library_objects import framework_keys
+from lightning_dp.validators.kept_state import is_public
 from lightning_dp.validators.outside_records import holds_records, row_digests
 
 MAX_ELEMENTS = 1 << 27

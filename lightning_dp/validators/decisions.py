@@ -45,10 +45,12 @@ import torch
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import (moved_far, moved_near, raised_apart, raised_error, replaying,
                                                   runs_users_code)
-from lightning_dp.validators.kept_state import (
-    Fingerprint, StateFingerprint, decisions, hyperparameters_error, library_callback, loop_controls,
-    mechanism_settings, moved_by_data, put_loop_controls, put_mechanism_settings, schedulers,
-)
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.records.library_objects import library_callback
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
+from lightning_dp.validators.steered_settings import (decisions, hyperparameters_error, loop_controls,
+                                                      put_loop_controls, schedulers)
 from lightning_dp.validators.mechanism_notes import MechanismNotes
 from lightning_dp.validators.optimizer_extra_state import put_state, saved_state
 from lightning_dp.validators.outside_records import exchanged_copy

@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import replay_end_hooks, replaying, users_hook
-from lightning_dp.validators.kept_state import StateFingerprint, moved_by_data
+from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.step_replays import StepReplays, Strategy, users_objects
 

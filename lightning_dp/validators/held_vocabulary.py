@@ -71,7 +71,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
-from lightning_dp.validators.kept_state import dataset_parts, framework_keys, is_datamodule, is_public
+from lightning_dp.fingerprints.callback_state import is_datamodule
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+from lightning_dp.records.library_objects import framework_keys
+from lightning_dp.validators.kept_state import is_public
 
 MIN_ITEMS = 8
 """Distinct strings a container must hold to be looked at: fewer are configuration (layer or optimizer names, a few

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_dp.validators.kept_state import framework_keys
+from lightning_dp.records.library_objects import framework_keys
 
 MAX_DEPTH = 8
 """Attribute or item levels below a holder that are walked."""

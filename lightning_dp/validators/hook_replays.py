@@ -22,8 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import (StateFingerprint, library_callback, moved_by_data, settings,
-                                                trusted_callback)
+from lightning_dp.fingerprints.callback_state import trusted_callback
+from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.records.library_objects import library_callback
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.snapshot import StateSnapshot
 

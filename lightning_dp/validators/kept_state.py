@@ -47,10 +47,10 @@ parameters and floating buffers are compared every time). Entries matching a dec
 (``public_state``) are skipped.
 
 This module holds the fingerprint itself and how it reads a module (its attributes, configuration and mode). What it
-is made of lives beside it, one concept a module, and is re-exported here: the entries and their comparison
-(:mod:`.fingerprint_entries`), the tokens of contents (:mod:`.checksums`), the walk of Python values, callables and
-class bodies (:mod:`.state_walker`), callbacks (:mod:`.callback_state`), the training data (:mod:`.dataset_tokens`),
-and the decisions the replays judge: the optimizers', the trainer's and the library objects' settings
+is made of lives in :mod:`lightning_dp.fingerprints`, one concept a module: the entries and their comparison
+(``fingerprint_entries``), the tokens of contents (``checksums``), the walk of Python values, callables and class
+bodies (``state_walker``), callbacks (``callback_state``), the training data (``dataset_tokens``); the decisions the
+replays judge lie beside it: the optimizers', the trainer's and the library objects' settings
 (:mod:`.steered_settings`) and σ and C (:mod:`.mechanism_settings`).
 """
 
@@ -64,27 +64,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.records.library_objects import (  # noqa: F401  (re-exported: the validators import them here)
-    LIBRARY_PREFIXES, TRUSTED_CALLBACK_PREFIXES, framework_keys, library_callback)
-from lightning_dp.records.library_objects import is_library as _is_library  # noqa: F401  (re-exported)
-from lightning_dp.validators.callback_state import (  # noqa: F401  (re-exported)
-    DATA_HOOKS, _callback_state, is_datamodule, lightning_owned, trusted_callback)
-from lightning_dp.validators.checksums import (  # noqa: F401  (re-exported)
-    ARRAY_BYTES, _array_digest, _Checksums, _DeviceNorms, _norm_tokens, _numpy_token, content_sums)
-from lightning_dp.validators.dataset_tokens import dataset_parts, dataset_token  # noqa: F401  (re-exported)
-from lightning_dp.validators.fingerprint_entries import (  # noqa: F401  (re-exported)
-    Fingerprint, accepted, changed_entries, moved_by_data)
-from lightning_dp.validators.mechanism_settings import (  # noqa: F401  (re-exported)
-    mechanism_decisions, mechanism_entries, mechanism_settings, mechanism_state, put_mechanism_settings,
-    step_mechanism)
-from lightning_dp.validators.state_walker import (  # noqa: F401  (re-exported)
-    _FUNCTIONS, MAX_DEPTH, MAX_ITEMS, _binds, _configuration_object, _holds_tensors, _library_callable,
-    _library_function, _mutable_state, _Walker, callable_state, class_attributes, holds_gradient, kept_attributes,
-    lightning_fields, user_modules)
-from lightning_dp.validators.steered_settings import (  # noqa: F401  (re-exported)
-    TRAINER_SETTINGS, decisions, hyperparameters, hyperparameters_error, library_settings, loop_controls,
-    put_loop_controls, replay_decisions, replay_records, schedulers, settings, state_written, step_decisions,
-    steered_hyperparameters)
+from lightning_dp.fingerprints.callback_state import _callback_state, is_datamodule, trusted_callback
+from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
+from lightning_dp.fingerprints.checksums import content_sums  # noqa: F401  (re-exported: accounting/ imports it here)
+from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.fingerprints.state_walker import (_FUNCTIONS, _binds, _holds_tensors, _library_callable,
+                                                    _library_function, _mutable_state, _Walker, callable_state,
+                                                    class_attributes)
+from lightning_dp.records.library_objects import TRUSTED_CALLBACK_PREFIXES, framework_keys, library_callback
 
 
 def attribute_keys(module: nn.Module) -> set[str]:

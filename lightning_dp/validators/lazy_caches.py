@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_dp.validators.kept_state import _configuration_object, _is_library
+from lightning_dp.fingerprints.state_walker import _configuration_object
+from lightning_dp.records.library_objects import is_library as _is_library
 
 __all__ = ["empty_slots", "held_objects"]
 

@@ -35,8 +35,10 @@ from torch import nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators import metric_values
 from lightning_dp.validators.hook_replays import moved_far
-from lightning_dp.validators.kept_state import (LIBRARY_PREFIXES, Fingerprint, StateFingerprint, decisions,
-                                                hyperparameters, hyperparameters_error)
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.steered_settings import decisions, hyperparameters, hyperparameters_error
 
 STEP_HOOKS = frozenset({
     "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",

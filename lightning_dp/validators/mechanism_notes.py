@@ -30,7 +30,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, mechanism_decisions, mechanism_entries
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.mechanism_settings import mechanism_decisions, mechanism_entries
 
 __all__ = ["MechanismNotes", "unaccounted_error"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_dp.clipping.flat import FlatClipping
-from lightning_dp.validators.fingerprint_entries import Fingerprint
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 
 def mechanism_settings(loop: Any) -> dict[str, Any]:
     """The Gaussian mechanism's settings where ``loop`` (a trainer) trains with a private strategy

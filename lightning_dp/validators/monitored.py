@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from torch.utils.data import Subset, SubsetRandomSampler
 
 from lightning_dp.records.recorded_batches import RecordedBatches
-from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.validators.loaders import _unwrap
 from lightning_dp.validators.outside_records import holds_records, row_digests
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_dp.validators.value_tokens import freeze
+from lightning_dp.fingerprints.state_walker import freeze
 
 __all__ = ["extra_state", "rebound_state", "saved_state", "put_state"]
 

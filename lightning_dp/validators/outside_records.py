@@ -22,7 +22,7 @@ the exchanged memory: refused before the step's release (:func:`outside_records_
 ``tensor.data`` (no version counter moves, no autograd graph notices) and is undone in a ``finally``.
 
 What is exchanged (:func:`training_copies`): the tensors of the training dataset and of the datasets it wraps
-(:func:`~lightning_dp.validators.dataset_tokens.dataset_parts`; every view of their memory, anywhere, with them), the
+(:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`; every view of their memory, anywhere, with them), the
 NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
 NumPy array the model (buffers, attributes), the datamodule, a callback or a global of the user's code holds,
 directly or further in (:func:`~lightning_dp.validators.holders.held_arrays`: nested containers, helper objects and
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.holders import RowItems, held_arrays
-from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 
 ROWS_SAMPLED = 16
 """Rows of a candidate copy looked up in the training tensor's row digests."""

@@ -45,7 +45,9 @@ from torch import Tensor
 from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
-from lightning_dp.validators.kept_state import Fingerprint, StateFingerprint, settings
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.optimizer_extra_state import rebound_state
 from lightning_dp.validators.schedule_state import told_states
 from lightning_dp.records import user_generators

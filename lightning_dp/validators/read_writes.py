@@ -33,7 +33,9 @@ from typing import Any, Iterable, Optional
 import numpy as np
 from torch import Tensor
 
-from lightning_dp.validators.kept_state import LIBRARY_PREFIXES, dataset_parts, user_modules
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+from lightning_dp.fingerprints.state_walker import user_modules
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 
 MAX_ITEMS = 65_536
 """Containers of more items are compared by identity only (their items are not put back)."""

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 
 _METHODS = ("__getitem__", "__getitems__")
 

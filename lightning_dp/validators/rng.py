@@ -90,7 +90,7 @@ def _seeded_by_user() -> bool:
     """Whether the nearest caller outside the standard library is the user's code, or a library's seeding function
     (``seed_everything``) the user's code called. A library seeding on its own account (torch.compile saving and
     restoring the generator's state) and lightning_dp's own passes are not the user's."""
-    from lightning_dp.validators.kept_state import LIBRARY_PREFIXES
+    from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 
     frame = sys._getframe(2)
     while frame is not None:

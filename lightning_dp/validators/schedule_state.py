@@ -28,7 +28,7 @@ import types
 from collections.abc import Hashable
 from typing import Any
 
-from lightning_dp.validators.value_tokens import closure_token, freeze
+from lightning_dp.fingerprints.state_walker import closure_token, freeze
 
 __all__ = ["ScheduleNote", "schedule_controls", "put_schedules", "told_states", "told_state", "stepped_fields"]
 
@@ -38,8 +38,9 @@ CONFIG_FIELDS = ("interval", "frequency", "monitor", "strict", "reduce_on_platea
 
 class ScheduleNote:
     """One scheduler's state as noted: its configuration's fields, its ``state_dict()`` and its lambdas' closures,
-    compared by a token of them (:func:`~.value_tokens.freeze`); :meth:`put` sets the fields and the state back (a
-    closure cell cannot be put back: a lambda's closure kept alike keeps its last run's value)."""
+    compared by a token of them (:func:`~lightning_dp.fingerprints.state_walker.freeze`); :meth:`put` sets the
+    fields and the state back (a closure cell cannot be put back: a lambda's closure kept alike keeps its last run's
+    value)."""
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -10,7 +10,7 @@ ledger does not count.
 
 :func:`check_shared_records` looks, once before training, at the arrays the training dataset holds with at least as
 many rows (along dimension 0) as there are records: the tensors, NumPy arrays and lists of numbers or strings of its
-datasets (:func:`~lightning_dp.validators.dataset_tokens.dataset_parts`) and of the module-level globals of their
+datasets (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`) and of the module-level globals of their
 classes' modules (the user's code). For a few records r — spread over the population — it finds the rows R(r) of each
 array that r depends on: it exchanges ranges of rows in place, exactly reversibly
 (:func:`~lightning_dp.validators.outside_records.exchange`), reads r again (seeded as the loader's fetcher reads it)
@@ -58,7 +58,8 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.validators.copied_rows import RowCopies, copied_rows
-from lightning_dp.validators.kept_state import dataset_parts, user_modules
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.validators.outside_records import exchange, exchangeable
 from lightning_dp.validators.read_writes import ReadWrites
 

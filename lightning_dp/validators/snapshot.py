@@ -9,7 +9,7 @@ callbacks, the module-level globals of the user's code (the modules the fingerpr
 :attr:`~lightning_dp.privacy.boundary.ReleaseBoundary.global_modules`) and the data in those modules' classes'
 bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
-gets its old values), to :data:`~lightning_dp.validators.state_walker.MAX_DEPTH` levels.
+gets its old values), to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
-from lightning_dp.validators.context_values import is_context_variable
-from lightning_dp.validators.context_values import restore as context_restore
-from lightning_dp.validators.kept_state import (MAX_DEPTH, _configuration_object, callable_state, class_attributes,
-                                               framework_keys, library_settings)
+from lightning_dp.fingerprints.context_values import is_context_variable
+from lightning_dp.fingerprints.context_values import restore as context_restore
+from lightning_dp.fingerprints.state_walker import MAX_DEPTH, _configuration_object, callable_state, class_attributes
+from lightning_dp.records.library_objects import framework_keys
+from lightning_dp.validators.steered_settings import library_settings
 
 Restore = Callable[[], None]
 
@@ -121,7 +122,7 @@ def _globals(mod: types.ModuleType) -> Restore:
     StateFingerprint.take`): every name bound to its object again, with its contents (a list appended to is cut
     back, a counter rebound gets its old value); a function's kept state (a default argument, a closure's list) its
     contents (functions themselves are not rebound). Modules and classes are left (a class's body:
-    :func:`~lightning_dp.validators.state_walker.class_attributes`); a public name (no leading underscore) the passes
+    :func:`~lightning_dp.fingerprints.state_walker.class_attributes`); a public name (no leading underscore) the passes
     added is removed."""
     fields = vars(mod)
     held: dict[str, Any] = {}

@@ -11,14 +11,15 @@ from __future__ import annotations
 import datetime
 import enum
 import weakref
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
-from lightning_dp.validators.callback_state import _codes, _stored
-from lightning_dp.validators.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.fingerprints.callback_state import _codes, _stored
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.fingerprints.state_walker import freeze
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
 from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
@@ -38,7 +39,7 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
         for j, p in enumerate(group["params"]):
             for key, value in optimizer.state.get(p, {}).items():
                 token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
-                         else _hyper_token(value))
+                         else freeze(value))
                 out[f"optimizer state[{i}][{j}].{key}"] = token
     out.update(extra_state(optimizer))  # keys that are not its parameters: a loss kept for a loss-aware step size
     return out
@@ -47,10 +48,10 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
 def settings(optimizer: Any) -> Fingerprint:
     """Each parameter group's hyper-parameters and the optimizer's ``defaults`` (:func:`hyperparameters` without the
     state: cheap enough to note at every batch's end)."""
-    out: Fingerprint = {f"optimizer defaults.{key}": _hyper_token(value)
+    out: Fingerprint = {f"optimizer defaults.{key}": freeze(value)
                         for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
     for i, group in enumerate(optimizer.param_groups):
-        out.update({f"optimizer param_groups[{i}].{key}": _hyper_token(value)
+        out.update({f"optimizer param_groups[{i}].{key}": freeze(value)
                     for key, value in group.items() if key != "params"})
     return out
 
@@ -189,7 +190,7 @@ def _running_state(cls: type) -> frozenset[str]:
 
 def decisions(trainer: Any) -> Fingerprint:
     """What a hook outside the step may decide for later steps: each optimizer's hyper-parameters and defaults
-    (:func:`~.kept_state.settings`, ``"optimizer 0 param_groups[0].lr"``), which optimizers step (one swapped for
+    (:func:`settings`, ``"optimizer 0 param_groups[0].lr"``), which optimizers step (one swapped for
     another), the learning-rate schedulers' states (a scheduler told the loss, applying it at its next step), which
     of the model's parameters train (a backbone unfrozen), the trainer's length decisions (``"trainer should_stop"``)
     and the mechanism's σ and C (:func:`mechanism_decisions`)."""
@@ -201,7 +202,7 @@ def decisions(trainer: Any) -> Fingerprint:
         noted = {**settings(optimizer), **rebound_state(optimizer)}  # a loss kept for the next step size too
         out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in noted.items()})
     for i, scheduler in enumerate(schedulers(trainer)):
-        out.update({f"scheduler {i} {key}": _hyper_token(value) for key, value in scheduler.state_dict().items()})
+        out.update({f"scheduler {i} {key}": freeze(value) for key, value in scheduler.state_dict().items()})
     module = getattr(trainer, "lightning_module", None)
     if module is not None:
         out["model trainable"] = tuple(name for name, p in module.named_parameters() if p.requires_grad)
@@ -242,14 +243,3 @@ def hyperparameters_error(changed: Sequence[str], where: str) -> PrivacyConfigur
         "guarantee. Nothing more was released. Set hyper-parameters from the step count (a learning-rate scheduler, "
         "which Lightning steps after the update) or from held-out data at validation; leave σ and C to the strategy "
         "(a target ε calibrates σ; AdaptiveClipping moves C privately), and the optimizer's state to its step.")
-
-
-def _hyper_token(value: Any) -> Hashable:
-    if isinstance(value, Tensor):  # a tensor learning rate (capturable or fused optimizers)
-        return ("tensor", tuple(value.shape), tuple(value.detach().reshape(-1).tolist()) if value.numel() <= 16
-                else (id(value), value._version))
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return repr(value)

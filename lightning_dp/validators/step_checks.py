@@ -29,7 +29,7 @@ from lightning_dp.validators.outside_records import ExchangedRecords, training_c
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
-from lightning_dp.validators.kept_state import is_datamodule
+from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
                                            frozen_parameters, probe_tolerance)

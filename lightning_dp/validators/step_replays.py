@@ -39,9 +39,11 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
                                                   raised_error, replay_batch_hooks,
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
                                                   weights_moved_by_data, weights_sketch)
-from lightning_dp.validators.kept_state import (Fingerprint, StateFingerprint, hyperparameters_error,
-                                                library_callback, moved_by_data, replay_decisions, replay_records,
-                                                state_written)
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.records.library_objects import library_callback
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_decisions, replay_records,
+                                                      state_written)
 from lightning_dp.validators.outside_records import exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -188,7 +190,7 @@ class StepReplays:
         :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
-        (:func:`~.validators.fingerprint_entries.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
+        (:func:`~.fingerprints.fingerprint_entries.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
         module, precision = self.strategy.lightning_module, self.strategy.precision_plugin
         per_epoch = max(1, self.strategy.steps_per_epoch or 1)
         trainer, optimizer = module.trainer, self.strategy.optimizers[0]

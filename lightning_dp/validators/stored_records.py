@@ -9,9 +9,9 @@ record, un-noised. Augmentation belongs to the fetch (``__getitem__`` or the col
 epoch number), not to the stored tensors.
 
 :func:`stored_records` notes, at the fit's first training loader, a digest of every row (along dimension 0) of what
-its datasets store: the tensors they hold (:func:`~lightning_dp.validators.dataset_tokens.dataset_parts`), the in-memory
-NumPy arrays and the lists of numbers, strings (file paths), tensors or arrays they hold as attributes — one pass over
-their bytes, on the tensors' own device. At a reload on the same indices, :func:`changed_records` compares the
+its datasets store: the tensors they hold (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`), the
+in-memory NumPy arrays and the lists of numbers, strings (file paths), tensors or arrays they hold as attributes — one
+pass over their bytes, on the tensors' own device. At a reload on the same indices, :func:`changed_records` compares the
 rebuilt loader's (the same dataset or a new one built alike): a stored item at the same place, of the same shape and
 type, whose rows differ is refused, unless the records as a whole (the rows of all the items of that length
 together, at the loader's indices) are the same ones in another order. Without a reload,
@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import dataset_parts
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 
 MAX_ITEMS = 1 << 17
 """Items of a list of tensors or arrays beyond which it is not digested (one digest per item)."""

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, fit  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.kept_state import _configuration_object  # noqa: E402
+from lightning_dp.fingerprints.state_walker import _configuration_object  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

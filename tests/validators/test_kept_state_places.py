@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, data, fit, loader, parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.kept_state import ARRAY_BYTES, StateFingerprint, _array_digest, class_attributes  # noqa: E402
+from lightning_dp.fingerprints.checksums import ARRAY_BYTES, _array_digest  # noqa: E402
+from lightning_dp.fingerprints.state_walker import class_attributes  # noqa: E402
+from lightning_dp.validators.kept_state import StateFingerprint  # noqa: E402
 
 
 class SharedHistory(Classifier):

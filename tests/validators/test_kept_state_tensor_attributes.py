@@ -80,7 +80,7 @@ def test_a_float_buffer_written_through_data_shows_between_full_passes():
 
 
 def test_norms_kept_on_a_device_compare_by_value_when_compared():
-    from lightning_dp.validators.kept_state import _DeviceNorms
+    from lightning_dp.fingerprints.checksums import _DeviceNorms
 
     before = {"contents of 2 parameters and buffers on cuda:0": _DeviceNorms(torch.tensor([1.0, 2.0]))}
     same = {"contents of 2 parameters and buffers on cuda:0": _DeviceNorms(torch.tensor([1.0, 2.0]))}

@@ -18,7 +18,7 @@ from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E40
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.kept_state import dataset_parts  # noqa: E402
+from lightning_dp.fingerprints.dataset_tokens import dataset_parts  # noqa: E402
 from lightning_dp.validators.record_reads import refuse_record_reads  # noqa: E402
 
 

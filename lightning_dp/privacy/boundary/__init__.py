@@ -40,10 +40,10 @@ from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
 from lightning_dp.validators.optimizer_coverage import uncovered_error, uncovered_tensors
 from lightning_dp.validators.snapshot import StateSnapshot
-from lightning_dp.validators.kept_state import (
-    Fingerprint, StateFingerprint, accepted, attribute_keys, hyperparameters, hyperparameters_error, is_public,
-    raw_gradient_error, trusted_callback
-)
+from lightning_dp.fingerprints.callback_state import trusted_callback
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, accepted
+from lightning_dp.validators.kept_state import StateFingerprint, attribute_keys, is_public, raw_gradient_error
+from lightning_dp.validators.steered_settings import hyperparameters, hyperparameters_error
 
 __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
            "hyperparameters", "hyperparameters_error", "is_public", "parameter_signature", "state_written_error",

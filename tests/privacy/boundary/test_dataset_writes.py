@@ -13,7 +13,7 @@ from conftest import quiet_trainer
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import dataset_token
+from lightning_dp.fingerprints.dataset_tokens import dataset_token
 
 
 class Relabels(Classifier):

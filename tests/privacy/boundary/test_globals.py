@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import user_modules
+from lightning_dp.fingerprints.state_walker import user_modules
 
 MEMORY: list[torch.Tensor] = []
 POSITIVES = 0

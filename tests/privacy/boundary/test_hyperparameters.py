@@ -226,7 +226,7 @@ def test_data_kept_in_the_optimizers_defaults_is_refused_before_any_release():
 def test_the_replays_leave_the_optimizer_as_they_found_it():
     """A key a replayed hook adds to a parameter group, or a rate it sets, is gone after the replays; what they set
     alike is not called steered, what they set apart is."""
-    from lightning_dp.validators.kept_state import steered_hyperparameters
+    from lightning_dp.validators.steered_settings import steered_hyperparameters
 
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
     values = iter([1.0, 2.0])

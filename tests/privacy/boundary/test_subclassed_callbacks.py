@@ -17,7 +17,7 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_dp import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import lightning_owned
+from lightning_dp.fingerprints.callback_state import lightning_owned
 
 
 class Validated(Classifier):

@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Iterator
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, TRUSTED_CALLBACK_PREFIXES
-from lightning_dp.validators.state_walker import _library_function, lightning_fields
+from lightning_dp.fingerprints.state_walker import _library_function, lightning_fields
 
 _MISSING = object()
 

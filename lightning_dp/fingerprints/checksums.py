@@ -17,7 +17,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.validators.fingerprint_entries import Fingerprint
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 
 class _Checksums:
     """Content checksums of tensors, cached by (identity, storage, version counter): unchanged tensors cost a

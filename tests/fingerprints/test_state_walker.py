@@ -1,5 +1,5 @@
 """A callback's ``state_dict()`` is built afresh at every call: beyond the walk's depth its containers' identities are
-the allocator's, not state (validators/state_walker._Walker.named(fresh=True)). Lightning's BaseFinetuning keeps its
+the allocator's, not state (fingerprints/state_walker._Walker.named(fresh=True)). Lightning's BaseFinetuning keeps its
 optimizer's param groups 5 levels down; two replays alike were told apart by a new list's address in the full
 suite's order, refusing test_loop_contract's unfreezing fit."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 
-from lightning_dp.validators.checksums import _Checksums
-from lightning_dp.validators.state_walker import MAX_DEPTH, _Walker
+import torch
+
+from lightning_dp.fingerprints.checksums import _Checksums
+from lightning_dp.fingerprints.state_walker import MAX_DEPTH, _Walker, closure_token, freeze
 
 
 def _nested(depth: int, leaf: list) -> dict:
@@ -45,3 +47,38 @@ def test_a_fresh_state_still_shows_a_change_within_the_depth_and_a_length_beyond
     near = {"kept": [0.5], "other": 1}
     assert _walker().named("cb.state_dict()", near, fresh=True) != _walker().named(
         "cb.state_dict()", {"kept": [0.25], "other": 1}, fresh=True)
+
+
+def test_plain_values_are_tokened_by_the_walks_own_rules():
+    """freeze (an optimizer's extra state, a scheduler's state) reads scalars and NumPy values as the walk does."""
+    np = __import__("numpy")
+    for value in (None, True, 3, "a", b"x", 0.5, float("nan"), np.int64(7), np.zeros(3)):
+        assert freeze(value) == _walker().token(value), value
+    assert freeze(1) != freeze(True) and freeze(1) != freeze(1.0)
+
+
+def test_a_nan_hyper_parameter_equals_itself():
+    """The optimizer's settings are tokened by freeze: a NaN learning rate (a float by its repr) is not a change."""
+    from lightning_dp.fingerprints.fingerprint_entries import changed_entries
+    from lightning_dp.validators.steered_settings import settings
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = float("nan")
+    opt.param_groups[0]["lr_tensor"] = torch.tensor([float("nan"), 1.0])
+    assert changed_entries(settings(opt), settings(opt)) == []
+    before = settings(opt)
+    opt.param_groups[0]["lr_tensor"][1] = 2.0
+    assert changed_entries(before, settings(opt)) == ["optimizer param_groups[0].lr_tensor"]
+
+
+def test_a_closures_token_follows_its_cells_and_defaults():
+    def make(scale: float):
+        def fn(step: int, floor: float = 0.1) -> float:
+            return max(floor, scale * step)
+        return fn
+
+    first, again = make(0.5), make(0.5)
+    assert closure_token(first) == closure_token(again)
+    assert closure_token(first) != closure_token(make(0.25))
+    again.__defaults__ = (0.2,)
+    assert closure_token(first) != closure_token(again)

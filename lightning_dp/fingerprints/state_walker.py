@@ -5,6 +5,10 @@ the Python attributes of a tensor or a function (:func:`kept_attributes`), class
 the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`_configuration_object`) —
 and what is a library's (:func:`_library_callable`, :func:`_library_function`) or Lightning's
 (:func:`lightning_fields`).
+
+The same rules token the plain values held outside the modules — an optimizer's hyper-parameters and its state kept
+under other keys, a learning-rate scheduler's state and its lambdas' closures — without the walk's checksum cache
+(:func:`freeze`, :func:`closure_token`): one way to turn a value or a closure into a comparable token.
 """
 
 from __future__ import annotations
@@ -14,16 +18,16 @@ import functools
 import sys
 import types
 from collections import deque
-from typing import Any, Hashable, Iterable, Iterator, Sequence, Sized
+from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence, Sized
 
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
-from lightning_dp.validators.checksums import _Checksums, _numpy_token, _raw_token
-from lightning_dp.validators.context_values import is_context_variable, value_of
-from lightning_dp.validators.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.checksums import _Checksums, _numpy_token, _raw_token
+from lightning_dp.fingerprints.context_values import is_context_variable, value_of
+from lightning_dp.fingerprints.dataset_tokens import dataset_token
 
 MAX_ITEMS = 16384
 """Container items tokenised one by one; a longer container is compared by its length and a strided sample."""
@@ -91,10 +95,9 @@ class _Walker:
             self._fresh = False
 
     def token(self, value: Any, depth: int = 0) -> Hashable:
-        if value is None or isinstance(value, (bool, int, str, bytes)):
-            return (type(value).__name__, value)
-        if isinstance(value, float):
-            return ("float", repr(value))
+        scalar = _scalar_token(value)
+        if scalar is not None:
+            return scalar
         if isinstance(value, Tensor):
             if id(value) in self._known:
                 return ("state tensor", id(value))  # a parameter or buffer held again: fingerprinted by its name
@@ -293,14 +296,89 @@ def callable_state(fn: Any) -> list[Any]:
     if isinstance(fn, types.MethodType):
         return [fn.__self__, *callable_state(fn.__func__)]
     if isinstance(fn, types.FunctionType):
-        cells = []
-        for cell in fn.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        return [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        return [*_cells(fn), *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
     return [fn]
+
+
+_EMPTY = object()
+
+
+def _cells(fn: types.FunctionType, empty: Any = _EMPTY) -> list[Any]:
+    """The contents of ``fn``'s closure cells, an empty cell as ``empty`` (left out by default)."""
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            if empty is not _EMPTY:
+                out.append(empty)
+    return out
+
+
+def _scalar_token(value: Any) -> Optional[Hashable]:
+    """``None``, a flag, a number, a string or bytes by its type and value (a float by its ``repr``, so a NaN equals
+    itself); ``None`` for any other value."""
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        return (type(value).__name__, value)
+    if isinstance(value, float):
+        return ("float", repr(value))
+    return None
+
+
+PLAIN_DEPTH = 4
+"""Nesting depth :func:`freeze` follows into containers, objects and closures (deeper values by their type)."""
+
+
+PLAIN_ITEMS = 256
+"""Items of a container :func:`freeze` tokens (the first ones; lists, tuples and sets by their length too)."""
+
+
+SMALL_TENSOR = 16
+"""Tensors up to this many elements are tokened by :func:`freeze` by their values; larger ones by identity and
+version counter."""
+
+
+def freeze(value: Any, depth: int = 0) -> Hashable:
+    """A token of a plain value held outside the modules (an optimizer's hyper-parameter or extra state, a scheduler's
+    state): two tokens are equal when a write from the data could not have told the values apart. Scalars as the walk
+    reads them (:func:`_scalar_token`), and NumPy values (:func:`_numpy_token`); a tensor by its values when small
+    (:data:`SMALL_TENSOR`), else by identity, shape and version counter; containers item by item; a function by what
+    it keeps (:func:`closure_token`); a plain object by its attributes; to :data:`PLAIN_DEPTH` levels. Modules,
+    classes and objects without attributes by identity (their contents are the walk's to read, not a setting's)."""
+    scalar = _scalar_token(value)
+    if scalar is not None:
+        return scalar
+    if isinstance(value, Tensor):
+        if value.numel() <= SMALL_TENSOR and not value.is_sparse:
+            return ("tensor", tuple(value.shape), str(value.dtype),
+                    tuple(repr(v) for v in value.detach().reshape(-1).tolist()))
+        return ("tensor", tuple(value.shape), id(value), value._version)
+    np_token = _numpy_token(value)
+    if np_token is not None:
+        return np_token
+    if depth >= PLAIN_DEPTH:
+        return ("deep", type(value).__qualname__)
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), freeze(v, depth + 1)) for k, v in list(value.items())[:PLAIN_ITEMS])))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(freeze(v, depth + 1) for v in list(value)[:PLAIN_ITEMS]), len(value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(freeze(v, depth + 1)) for v in list(value)[:PLAIN_ITEMS])), len(value))
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return closure_token(value, depth + 1)
+    if isinstance(value, (type, types.ModuleType, nn.Module)) or not hasattr(value, "__dict__"):
+        return ("object", type(value).__qualname__, id(value))
+    return (type(value).__qualname__, freeze(vars(value), depth + 1))
+
+
+def closure_token(fn: Any, depth: int = 0) -> Hashable:
+    """:func:`freeze`'s token of what a function keeps between calls: its closure cells' contents (an empty cell as
+    ``None``) and its default arguments (a bound method: its function's; a callable object: its attributes)."""
+    target = getattr(fn, "__func__", fn)
+    if not isinstance(target, types.FunctionType):
+        return freeze(getattr(fn, "__dict__", None), depth)
+    return ("function", target.__qualname__, freeze(_cells(target, empty=None), depth),
+            freeze(target.__defaults__, depth), freeze(target.__kwdefaults__, depth))
 
 
 def _sample(items: Sequence[Any]) -> Sequence[Any]:

@@ -10,7 +10,7 @@ from typing import Any, Hashable, Optional
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_dp.validators.checksums import _array_digest
+from lightning_dp.fingerprints.checksums import _array_digest
 
 def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
     """The datasets ``dataset`` is made of (itself and those it wraps: ``Subset.dataset``, ``ConcatDataset.datasets``,

@@ -1,4 +1,4 @@
-"""A ``contextvars.ContextVar`` kept as a global of the user's code (validators/context_values.py, rule 3 of
+"""A ``contextvars.ContextVar`` kept as a global of the user's code (fingerprints/context_values.py, rule 3 of
 docs/release_boundary.md): its value lives in the running context, not in the object; a scale set there from the
 batch loss and read by the next forward is refused (zoo16 cv1); a count of batches kept there trains, counted once."""
 
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, fit  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.context_values import UNSET, restore, value_of  # noqa: E402
+from lightning_dp.fingerprints.context_values import UNSET, restore, value_of  # noqa: E402
 
 SCALE = contextvars.ContextVar("scale", default=1.0)
 BATCHES = contextvars.ContextVar("batches", default=0)
