@@ -32,7 +32,6 @@ them only the first two rules apply (``plain = False``).
 
 from __future__ import annotations
 
-import gc
 import math
 import random
 import time
@@ -46,6 +45,7 @@ from lightning_dp.clipping import ClipRule
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.performance.scheduler_search import schedulers_of
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.optimizer_extra_state import rebound_state
@@ -468,12 +468,9 @@ class PlainLoop:
         return False
 
     def _scheduler_objects(self, optimizer: Any) -> list[Any]:
-        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
         found = [s for s in (r() for r in self._schedulers) if s is not None]
-        if not found:  # once per optimizer (a walk of the referrers)
-            found = [s for s in gc.get_referrers(optimizer) if isinstance(s, LRScheduler)
-                     and not isinstance(s, ReduceLROnPlateau) and getattr(s, "optimizer", None) is optimizer]
+        if not found:  # until one is found (performance/scheduler_search.py: a walk only when one may hold it)
+            found = schedulers_of(optimizer)
             self._schedulers = [weakref.ref(s) for s in found]
         return found
 

@@ -177,3 +177,39 @@ def test_a_plain_loop_printing_its_loss_with_torchs_schedulers_trains(kind: str)
         opt_or_scheduler.step()
 
     assert _plain_loop(schedule).ledger.steps == 4
+
+
+def test_a_scheduler_made_after_the_first_releases_and_told_the_loss_is_refused() -> None:
+    """The schedulers are looked for until one is found: one made at the third step is seen (its mark on the
+    optimizer, ``initial_lr``, sends the loop to walk the optimizer's referrers again)."""
+    made: list[Any] = []
+
+    def late(opt: Any, loss: Any) -> Any:
+        if loss is None:
+            return opt
+        if not made and len(late.seen) == 2:
+            made.append(Told(opt))
+        late.seen.append(loss)
+        if made:
+            made[0].tell(loss)
+            made[0].step()
+        return None
+
+    late.seen = []  # type: ignore[attr-defined]
+    with pytest.raises(PrivacyConfigurationError, match=r"scheduler 0 Told told.*after the loop read"):
+        _plain_loop(late, steps=6)
+
+
+
+def test_a_plain_loop_without_a_scheduler_walks_no_referrers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No scheduler can hold an optimizer no ``LRScheduler.__init__`` marked: the referrer walk (tens of ms a step in
+    a large process, issue 38) is not repeated at every release (performance/scheduler_search.py)."""
+    import gc
+
+    from lightning_dp.performance import scheduler_search
+
+    walks: list[Any] = []
+    monkeypatch.setattr(scheduler_search, "gc", type("Gc", (), {"get_referrers": staticmethod(
+        lambda obj: walks.append(obj) or gc.get_referrers(obj))}))
+    assert _plain_loop(lambda opt, loss: None).ledger.steps == 4
+    assert walks == []
