@@ -961,7 +961,7 @@ __getattr__ = lazy_exports(__name__, {
     "SecureGaussianNoise": "lightning_dp.privacy.csprng", "SignVotePrivatizer": "lightning_dp.sign_sgd.privatizer",
     "StateSnapshot": "lightning_dp.validators.snapshot",
     "StateWriteError": "lightning_dp.validators.probe", "_first_line": "lightning_dp.validators.step_checks",
-    "_headline": "lightning_dp.validators.step_checks", "batch_tolerance": "lightning_dp.validators.tolerance",
+    "_headline": "lightning_dp.validators.step_checks", "batch_tolerance": "lightning_dp.tolerance",
     "engines_after": "lightning_dp.engine_api", "forked_rngs": "lightning_dp.validators.rng",
     "probe_tolerance": "lightning_dp.validators.probe", "reads_per_index": "lightning_dp.records.fetch",
     "reseed": "lightning_dp.records.fetch", "seeded": "lightning_dp.records.fetch",

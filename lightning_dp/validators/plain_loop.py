@@ -53,7 +53,7 @@ from lightning_dp.validators.schedule_state import told_states
 from lightning_dp.records import user_generators
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
-from lightning_dp.validators.tolerance import batch_tolerance
+from lightning_dp.tolerance import batch_tolerance
 
 __all__ = ["PlainLoop", "WatchedLoss", "check_bound_loss"]
 

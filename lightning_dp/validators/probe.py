@@ -56,7 +56,7 @@ from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
-from lightning_dp.validators.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
+from lightning_dp.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp._warnings import output_hook_notice_quieted
 from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint, weighted_mean_hint
 
@@ -300,7 +300,7 @@ class ExampleIndependenceProbe:
 
     def _interaction_tolerance(self) -> float:
         """The tolerance of the batch-against-alone comparisons: the same examples through the same code, so rounding
-        only (:func:`~lightning_dp.validators.tolerance.batch_tolerance`, 64 ulps of the precision the forward
+        only (:func:`~lightning_dp.tolerance.batch_tolerance`, 64 ulps of the precision the forward
         computed in), never looser than ``rtol`` (which also bounds the comparisons of different code paths: the
         engine's norm against its sum, its sum against autograd's)."""
         reference = self.params[0] if self.params else torch.zeros(())

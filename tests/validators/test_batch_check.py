@@ -377,3 +377,45 @@ def test_physical_batches_below_the_gated_size_train():
     """Physical batches of 100 never reach the gate: the step the model runs is independent, and trains."""
     strategy = run(StandardisedAboveASize(), classes(600), batch_size=300, max_physical_batch_size=100)
     assert strategy.ledger.steps == 2
+
+
+class RoundedBySize(Classifier):
+    """Independent examples whose float32 logits round by how many share the batch, as a kernel's blocking does:
+    (z + c) − c with c = 8·B (B > 6: past the first probe's examples) moves z by up to half an ulp of c, tens of
+    float32 ulps of the gradients' norms between the batch, its halves and one example alone; float64 rounds it 2^-29
+    as much. ``mixed``: each example's input also takes that share of its neighbour's (x_i + mixed·x_{i-1}), a true
+    interaction as small as the rounding."""
+
+    def __init__(self, mixed: float = 0.0) -> None:
+        super().__init__()
+        self.mixed = mixed
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if len(x) <= 6:
+            return F.cross_entropy(self(x), y)
+        x = x + self.mixed * x.roll(1, 0)
+        c = 8.0 * len(x)
+        return F.cross_entropy((self(x) + c) - c, y)
+
+
+def test_a_near_miss_of_float32_rounding_is_rejudged_in_float64_and_trains():
+    """The batch check's float32 comparison misses τ (64 ulps) by a little on independent examples (measured without
+    the re-judge: refused, "Examples interact at step 0"); computed again in float64 the examples do not interact."""
+    strategy = run(RoundedBySize(), classes(), steps=2, verify="every_step")
+    assert strategy.ledger.steps == 2
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_a_true_interaction_as_small_as_rounding_is_still_refused(double):
+    """1e-5 of a neighbour's input (about the size of the rounding above, tens of ulps): refused in float32, where
+    the re-judge in float64 still sees it, and in a float64 model, at float64's τ."""
+    model = RoundedBySize(mixed=1e-5)
+    data = classes()
+    if double:
+        model = model.double()
+        data = TensorDataset(data.tensors[0].double(), data.tensors[1])
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Examples interact at step 0"):
+        run(model, data, steps=2)
+    assert unchanged(before, model), "a release happened"
