@@ -381,10 +381,10 @@ def test_physical_batches_below_the_gated_size_train():
 
 class RoundedBySize(Classifier):
     """Independent examples whose float32 logits round by how many share the batch, as a kernel's blocking does:
-    (z + c) − c with c = 8·B (B > 6: past the first probe's examples) moves z by up to half an ulp of c, tens of
-    float32 ulps of the gradients' norms between the batch, its halves and one example alone; float64 rounds it 2^-29
-    as much. ``mixed``: each example's input also takes that share of its neighbour's (x_i + mixed·x_{i-1}), a true
-    interaction as small as the rounding."""
+    (z + c) − c with c = 32·B (B > 6: past the first probe's examples) moves z by up to half an ulp of c, about 240
+    float32 ulps of the largest gradient norm between the batch, its halves and one example alone (measured); float64
+    rounds it 2^-29 as much. ``mixed``: each example's input also takes that share of the batch's sum
+    (x_i + mixed·Σ_j x_j), a true interaction of the rounding's size (1e-5: about 300 ulps, measured)."""
 
     def __init__(self, mixed: float = 0.0) -> None:
         super().__init__()
@@ -394,8 +394,8 @@ class RoundedBySize(Classifier):
         x, y = batch
         if len(x) <= 6:
             return F.cross_entropy(self(x), y)
-        x = x + self.mixed * x.roll(1, 0)
-        c = 8.0 * len(x)
+        x = x + self.mixed * x.sum(0)
+        c = 32.0 * len(x)
         return F.cross_entropy((self(x) + c) - c, y)
 
 
@@ -408,7 +408,7 @@ def test_a_near_miss_of_float32_rounding_is_rejudged_in_float64_and_trains():
 
 @pytest.mark.parametrize("double", [False, True])
 def test_a_true_interaction_as_small_as_rounding_is_still_refused(double):
-    """1e-5 of a neighbour's input (about the size of the rounding above, tens of ulps): refused in float32, where
+    """1e-5 of the batch's summed input (the size of the rounding above, hundreds of ulps): refused in float32, where
     the re-judge in float64 still sees it, and in a float64 model, at float64's τ."""
     model = RoundedBySize(mixed=1e-5)
     data = classes()
