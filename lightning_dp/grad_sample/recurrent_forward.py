@@ -89,7 +89,9 @@ class _TapedRNN(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out: Optional[Tensor], d_hn: Optional[Tensor], *d_cn: Optional[Tensor]):
         module: nn.RNNBase = ctx.module
-        x, h0, c0, *flat = ctx.saved_tensors
+        # detached: the forms keep the input itself (a GRU's x_t), and a form holding the graph of the call's input
+        # would give the clipped sums and norms the clipping takes from it a graph, kept alive with its memory
+        x, h0, c0, *flat = (None if t is None else t.detach() for t in ctx.saved_tensors)
         needs = ctx.needs_input_grad
         rows = _Rows(module, ctx.packing, x)
         h0_, c0_ = _initial_state(module, x, ctx.packing, h0, c0)

@@ -495,7 +495,7 @@ class BatchEndWrites:
                 "and exchanged, before any release, the hooks set it apart or wrote a trainable parameter outside "
                 "the gradient. A parameter written there (a momentum copy of the weights) is accepted when it is "
                 "frozen (requires_grad=False) and set from the parameters only; else update it at "
-                "the batch's end (on_train_batch_end) from the parameters only, or declare it public"))
+                "the batch's end (on_train_batch_end) from the parameters only"))
         self.before_release.update(early)
         moved = moved_by_data(*self.runs)
         if moved:

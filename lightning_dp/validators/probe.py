@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records import user_generators
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.random_draws import drawing_modules, random_step_warning
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
@@ -102,6 +103,9 @@ class ExampleIndependenceProbe:
         grouped: training clips units of several examples (user-level DP): the clipped pass puts the examples in
             units of two (:func:`~lightning_dp.clipping.reference.pseudo_units`), so the engine's norms of
             sums across examples are checked too.
+        what: how refusals name ``loss_of``: ``"training_step"`` (DPStrategy), else a plain loop's loss function.
+        lazy: what puts back the slots a first forward fills (:func:`~.lazy_caches.empty_slots`): with ``deferred``, a
+            write they undo (Hugging Face's ``config.problem_type``) does not take the place of another refusal.
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
@@ -109,8 +113,10 @@ class ExampleIndependenceProbe:
                  autograd_params: Optional[Callable[[], Sequence[Tensor]]] = None,
                  state: Optional[StateFingerprint] = None, isolated: bool = False,
                  clipping: Optional[ClippingPolicy] = None, grouped: bool = False, deferred: bool = False,
-                 frozen: Collection[str] = ()) -> None:
+                 frozen: Collection[str] = (), what: str = "training_step",
+                 lazy: Sequence[Callable[[], None]] = ()) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self.what, self.lazy = what, list(lazy)
         self.frozen = frozenset(frozen)
         self.deferred, self.written = deferred, []  # type: tuple[bool, list[str]]
         self.clipping = clipping if clipping is not None else FlatClipping()
@@ -128,12 +134,14 @@ class ExampleIndependenceProbe:
         self._sorted = False  # the step sorted a tensor (validators/step_calls.py): named if examples interact
         self._weighted = False  # the step took a class-weighted mean loss (step_calls.py): named likewise
         self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
+        self._before: Optional[dict] = None  # the state before the passes (:meth:`_not_lazy`)
+        self._indices: list[int] = []  # the examples probed (:meth:`_random_warning`)
 
     def run(self, indices: Sequence[int]) -> None:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`. A write left to the
         replays (``deferred``) that the passes then disagree over (the state fed the next pass's loss) is what is
         refused, as without them: the likely cause."""
-        self.written = []
+        self.written, self._before = [], None
         # a frozen copy the step writes (a momentum target) put back before each pass and after them: every pass
         # sees it as the step would, and the replays judge its write from the state as it was
         self._frozen_kept = [(p, p.detach().clone()) for name, p in self.module.named_parameters()
@@ -141,11 +149,18 @@ class ExampleIndependenceProbe:
         try:
             self._run(indices)
         except PrivacyConfigurationError as err:
-            if self.written and not isinstance(err, StateWriteError):
-                raise state_mutation_error(self.written) from err
+            kept = self._not_lazy(self.written) if self.written and not isinstance(err, StateWriteError) else []
+            if kept:
+                raise state_mutation_error(kept, what=self.what) from err
             raise
         finally:
             self._put_frozen_back()
+
+    def _not_lazy(self, written: list[str]) -> list[str]:
+        """The entries of ``written`` that putting the :attr:`lazy` slots back does not undo."""
+        for put_back in self.lazy:
+            put_back()
+        return [name for name in self.state.changed(self._before, self.state.take(full=True)) if name in written]
 
     def _put_frozen_back(self) -> None:
         with torch.no_grad():
@@ -157,7 +172,9 @@ class ExampleIndependenceProbe:
         if len(indices) < 2:
             return  # one example cannot interact with another; nothing to compare
         before = self.state.take(full=True)
+        self._before = before if self._before is None else self._before  # (the state before any pass of this run)
         calls = self._calls = StepWatch()
+        self._indices = list(indices)
         try:
             with check_passes(self.module, self.params, self.engine):
                 # alone first: a layer argument that does not follow the batch (a [T, T] mask) is seen
@@ -180,13 +197,13 @@ class ExampleIndependenceProbe:
             # named first: the write may be unrelated to it (a field set lazily on a first call) or left by it halfway
             changed = self.state.changed(before, self.state.take(full=True))  # (no replay judges it: all of it)
             if changed:
-                raise state_mutation_error(changed, failure=err) from err
+                raise state_mutation_error(changed, failure=err, what=self.what) from err
             if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
                 raise double_backward_error(self.engine.name) from err
             raise
         changed = self._refused(self.state.changed(before, self.state.take(full=True)))
         if changed:
-            raise state_mutation_error(changed)
+            raise state_mutation_error(changed, what=self.what)
         if calls.double_backward:
             raise double_backward_error(self.engine.name)
         if finite and len(finite) < len(indices):  # records whose gradient is not finite add 0 to a release
@@ -316,6 +333,18 @@ class ExampleIndependenceProbe:
                                  sorted_batch=self._sorted, weighted_mean=self._weighted,
                                  precision=self.precision_hint())
 
+    def _random_warning(self) -> str:
+        """The warning that the step draws random numbers of its own, naming where (one more forward of two of the
+        probe's examples, dropout off as in the passes: :func:`~.random_draws.drawing_modules`)."""
+        found: tuple[list, bool] = ([], True)
+        with check_passes(self.module, self.params, self.engine):
+            seed_all(0)
+            try:
+                found = drawing_modules(self.module, lambda: self._loss(self._indices[:2]))
+            except PrivacyConfigurationError:
+                pass  # (the passes ran it before: named as augmentation, as before)
+        return random_step_warning(self.what, *found)
+
     def precision_hint(self) -> str:
         """A sentence for a refusal when the forward computed in a half-precision dtype (autocast, a bf16 model;
         :attr:`compute_dtype`) while the tolerance is float32's: rounding alone may be what differed, and
@@ -351,12 +380,7 @@ class ExampleIndependenceProbe:
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
                 raise self._interaction(together_norms, alone_norms, k, summed=True)
-            warnings.warn(
-                "DPStrategy: the training step draws random numbers outside dropout modules (e.g. augmentation), "
-                "so the first step's probe could not compare each example's gradient in a batch and alone; "
-                "only a summed loss and uncaptured parameter uses were checked. Make sure examples do not "
-                "interact through the loss or the model (see docs/verification.md).",
-                stacklevel=2)
+            warnings.warn(self._random_warning(), stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
                 raise self._interaction(together_norms, alone_norms, k)
@@ -479,27 +503,30 @@ class StateWriteError(PrivacyConfigurationError):
     probe would see the state already written and nothing change)."""
 
 
-def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException] = None) -> StateWriteError:
+def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException] = None,
+                         what: str = "training_step") -> StateWriteError:
     """The user's step changed the model's own state outside the gradient (its parameters, buffers or attributes):
     data-dependent state that the noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch
     looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it. ``failure``:
     a probe pass failed after the write (:meth:`ExampleIndependenceProbe._run`); its error leads the message, the
-    likelier thing to fix (a write it interrupted, or one unrelated to it, is named after it)."""
+    likelier thing to fix (a write it interrupted, or one unrelated to it, is named after it). ``what``:
+    ``"training_step"`` (DPStrategy), else a plain loop's loss function (``PrivateStep``'s terms). The first line
+    names what was written and the fix; the details follow."""
+    lightning = what == "training_step"
+    declare = "DPStrategy(public_state={!r})" if lightning else "PrivateStep(..., public_state={!r})"
     declarable = [entry.partition(" ")[2] for entry in changed if not entry.startswith("parameter ")][:3]
-    public = (f" If it is not derived from the training data (a step counter), or you accept that it leaves "
-              f"unprotected like a logged metric (a list of losses kept for an epoch-end log), declare it public: "
-              f"DPStrategy(public_state={declarable!r}).") if declarable else ""
     written = [entry.partition(" ")[2] for entry in changed if entry.startswith("parameter ")][:3]
+    public = ""
     if written:
         public += (" A parameter masked or constrained in place in the forward (PixelCNN's masked convolution, "
                    "self.weight.data *= self.mask; a max-norm renorm of .data) trains when the forward uses the "
                    "constrained weight instead of writing it: F.conv2d(x, self.weight * self.mask, self.bias, "
                    "self.stride, self.padding) (F.linear alike).")
         public += (" A parameter written outside the gradient (a momentum or EMA copy of the weights updated in "
-                   "training_step) has two ways out: update it at the batch's end (on_train_batch_end, after the "
-                   "release) from the parameters only, or, if it is not derived from the training data, declare "
-                   f"it public: DPStrategy(public_state={written!r}). A frozen copy (requires_grad=False, in no "
-                   "optimizer) updated from the weights alone is also accepted before the release.")
+                   f"{what}) has two ways out: update it after the release (" + ("on_train_batch_end" if lightning
+                   else "after optimizer.step()") + ") from the parameters only, or, if it is not derived from the "
+                   f"training data, declare it public: {declare.format(written)}. A frozen copy (requires_grad=False, "
+                   "in no optimizer) updated from the weights alone is also accepted before the release.")
     lead = ""
     if failure is not None and written and "mutating directly with `.data`" in str(failure):
         failure = None  # functorch refusing the write itself: the write is the thing to fix, not the engine
@@ -508,10 +535,13 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
                 else f"{type(failure).__name__}: {failure}").rstrip()
         stop = "" if text.endswith(".") else "."
         lead = f"The first step's probe failed: {text}{stop} Fix that first. Before it failed, "
+    subject = f"{what} (its forward or loss)" if lightning else f"{what} given to verify() (its forward or loss)"
     return StateWriteError(
-        lead + ("t" if lead else "T") + "raining_step (its forward or loss) changed the model's own state, outside the "
-        "gradient: "
-        + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". What a step writes from the data "
+        lead + (subject if lead else subject[0].upper() + subject[1:]) + " changed the model's own state outside "
+        "the gradient: " + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". Fix: remove the write "
+        "or make it a function of the parameters only; if it is not derived from the training data (a step counter) "
+        "or you accept that it leaves unprotected like a logged metric (a list of losses kept for an epoch-end log), "
+        f"declare it public: {declare.format(declarable or written)}.\nWhat a step writes from the data "
         "(nn.Embedding(max_norm=...) renormalising the rows the batch looked up, running statistics, an EMA of "
         "activations, a counter or a memory bank kept as an attribute) is released with the model or kept in its "
         "checkpoints without noise, so the guarantee would not hold. Nothing was released. Remove the update "

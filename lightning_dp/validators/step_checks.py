@@ -25,14 +25,14 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
-from lightning_dp.validators.outside_records import ExchangedRecords, training_copies
+from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.fingerprints.callback_state import is_datamodule
-from lightning_dp.validators.lazy_caches import empty_slots
+from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
-                                           frozen_parameters, probe_tolerance)
+                                           frozen_parameters, probe_tolerance, state_mutation_error)
 from lightning_dp.validators.rank_agreement import (check_ranks_agree, differing_release_values, disagreement_error,
                                                     release_agreement, release_values)
 from lightning_dp.validators.rng import forked_rngs
@@ -103,8 +103,10 @@ class StepChecks:
         replay = None if replay_hooks is None else (
             lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True)),  # noqa: E731
                                      to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
+        exchanged = None if replay_hooks is not None else (  # a plain loop's lazy fields judged on other values too
+            lambda idx: loss_of_batch(to_device(exchanged_copy(self.examples(idx, fixed=True)))))  # noqa: E731
         self.verify_on(lambda idx: loss_of_batch(to_device(self.examples(idx, fixed=True))), indices,
-                       low_precision, what, replay)
+                       low_precision, what, replay, exchanged)
         self.loop.bind_loss(lambda batch: loss_of_batch(to_device(batch)), what)  # plain_loop.py
 
     def _refuse_data_statistics(self) -> None:
@@ -123,7 +125,8 @@ class StepChecks:
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",
-                  replay_hooks: Optional[Callable[[list[int]], None]] = None) -> None:
+                  replay_hooks: Optional[Callable[[list[int]], None]] = None,
+                  loss_of_exchanged: Optional[Callable[[list[int]], Any]] = None) -> None:
         """:meth:`verify` on examples the caller reads itself: ``loss_of_examples(idx)`` is the loss of the
         examples ``idx`` (a list of ``indices``' entries) in one batch. For loops without :meth:`poisson_loader`
         (e.g. :class:`~lightning_dp.optim.sign_sgd.VirtualWorkersSignSGD`'s in-memory workers).
@@ -133,7 +136,13 @@ class StepChecks:
         the first release, rather than at the next release; what ``training_step`` writes to kept state other than a
         parameter is then left by the probe to the replay to judge (:attr:`probe_writes`: a counter every data writes
         alike is kept). Everything the probe and the replay wrote is restored
-        afterwards (:class:`~lightning_dp.privacy.boundary.StateSnapshot`): they leave no trace."""
+        afterwards (:class:`~lightning_dp.privacy.boundary.StateSnapshot`): they leave no trace.
+
+        Without ``replay_hooks`` (a plain loop), a slot the probe's passes filled that was empty before
+        (:func:`~.lazy_caches.empty_slots`: Hugging Face's ``config.problem_type``) is judged by running the loss again
+        on these examples, on half of them and (``loss_of_exchanged``) on them exchanged
+        (:func:`~.lazy_caches.filled_alike`): filled alike, it is filled so before the first release; set apart by
+        the data, refused."""
         assert self._engine is not None and self._module is not None, "attach() first"
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
         self.boundary.check_hooks(named)
@@ -151,16 +160,29 @@ class StepChecks:
         frozen = frozen_parameters(self._module)  # momentum copies of the weights: judged by the replays
         modes = [(m, m.training) for m in self._module.modules()]
         unset = empty_slots(self._module)  # lazy caches the first forward fills
+        plain = replay_hooks is None and bool(unset)  # no hooks to replay: the lazy slots judged here
+        fills: list[Callable[[], None]] = []
+        filled: list[str] = []  # their fingerprint's entries
+        half = list(indices)[: max(1, len(indices) // 2)]
+        runs = [partial(loss_of, list(indices)), partial(loss_of, list(indices)), partial(loss_of, half),
+                *([partial(loss_of_exchanged, list(indices))] if loss_of_exchanged is not None else [])]
 
         def probe() -> None:
             assert self._module is not None and self._engine is not None
             state = self.boundary.fingerprint(self._module)
+            before = state.take(full=True) if plain else None
             checked = ExampleIndependenceProbe(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
                                                autograd_params=leaves, state=state, isolated=self.examples_alone,
                                                clipping=self.clipping, grouped=self.users is not None,
-                                               deferred=replay_hooks is not None,
-                                               frozen=frozen)
+                                               deferred=replay_hooks is not None or plain,
+                                               frozen=frozen if replay_hooks is not None else (), what=what,
+                                               lazy=unset)
             checked.run(list(indices))
+            if plain and checked.written:
+                with torch.no_grad(), self.engine_aside():
+                    fills[:] = filled_alike(unset, state, before, checked.written, runs,
+                                            partial(state_mutation_error, what=what))
+                filled[:], checked.written = checked.written, []
             self.probe_writes = checked.written  # judged by the replays (refused at the release if not accepted)
             self._random_step, self._tolerance_low = checked.random, low_precision
             self._compute_dtype = checked.compute_dtype
@@ -177,8 +199,11 @@ class StepChecks:
                                        "found state kept by the batch hooks (the release boundary)")
         finally:
             snapshot.restore()  # the probe's passes leave no trace in the user's state (metrics, lists, counters)
+        for fill in fills:  # a plain loop's lazy slots, filled alike on all data: as the first step will fill them
+            fill()
         self._verified = True
         self.boundary.ensure_baseline()
+        self.boundary.accept(filled)  # (a baseline taken before this verify() compares them so too)
 
     # ------------------------------------------------------------------ the batch check
     def batch_check_due(self) -> bool:
@@ -422,11 +447,11 @@ def _first_line(err: BaseException) -> str:
 
 
 def _headline(err: BaseException) -> str:
-    """The refusal's first clause (up to its first ':' or '('): a warning that training goes on carries no details
-    that could quote the data."""
+    """The refusal's first clause (up to its first ': ' or ' ('; not a word's ``(s)``): a warning that training goes
+    on carries no details that could quote the data."""
     line = _first_line(err)
-    cut = min((i for i in (line.find(":"), line.find("(")) if i > 0), default=len(line))
-    return line[:cut].strip()
+    cut = min((i for i in (line.find(": "), line.find(" (")) if i > 0), default=len(line))
+    return line[:cut].strip().rstrip(".:")
 
 
 def _another_rank_error(what: str) -> PrivacyConfigurationError:

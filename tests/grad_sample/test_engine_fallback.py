@@ -268,6 +268,19 @@ def test_other_engines_reasons_are_one_line_of_headlines_only_where_they_differ(
     assert error.__cause__ is cause  # the engine's failure stays the cause; the refusal is not printed twice
 
 
+def test_a_headline_is_not_cut_inside_a_word():
+    """QA qa8 s22: a refusal whose first line says "example(s)" was cut at its '(' and read "This step sampled 6
+    example.)"; a headline ends at ': ' or ' (' only, its final ':' or '.' dropped."""
+    from lightning_dp.validators.example_dim import example_dim_error
+    from lightning_dp.validators.step_checks import _probe_refusal
+
+    first = PrivacyConfigurationError("Examples interact (parameter a.weight): the details.")
+    error = _probe_refusal([("ghost", first), ("opacus_hooks", example_dim_error({"lm_head": [(96, 100)]}, 6))],
+                           "opacus_hooks")
+    assert str(error).endswith("\n(per_sample='auto' also tried 'opacus_hooks': This step sampled 6 example(s), but "
+                               "dimension 0 of these layers' outputs is not 6.)"), str(error)
+
+
 def test_opacus_hooks_on_the_data_layer_raise_no_torch_notice_in_the_probe_or_the_step():
     """Opacus' full backward hooks fire on the first layer with output gradients only (its input is the data);
     torch says so with a warning at each backward the probe and the strategy run. Quieted around those calls only

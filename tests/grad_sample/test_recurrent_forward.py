@@ -247,3 +247,23 @@ def test_a_state_of_another_shape_or_dtype_is_left_to_the_modules_own_error():
     assert taped_forward(rnn, (x, torch.zeros(1, N, H, dtype=torch.float64)), {}) is None
     assert taped_forward(rnn, (x, torch.zeros(1, N, H)), {}) is not None
     assert recurrent_forward._state_ok(rnn, x, None, None)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_the_clipped_sums_and_norms_carry_no_graph(kind, engine):
+    """An RNN behind a layer that requires grad (an embedding): its per-example norms and clipped sums are detached
+    (a GRU's forms held its input x_t itself, with the graph of the call's input: the probe's float() of them warned,
+    and the graph was kept alive with its memory)."""
+    torch.manual_seed(0)
+    emb, rnn, out = nn.Embedding(20, D), getattr(nn, kind)(D, H, batch_first=True), nn.Linear(H, 2)
+    model = nn.ModuleDict({"emb": emb, "rnn": rnn, "out": out})
+    eng = make_engine(engine)
+    eng.attach(model)
+    params = list(model.parameters())
+    eng.begin_step(N)
+    x, y = torch.randint(0, 20, (N, T)), torch.randint(0, 2, (N,))
+    torch.nn.functional.cross_entropy(out(rnn(emb(x))[0].mean(1)), y).backward()
+    batch = eng.clip_and_sum(params, 1.0)
+    assert not batch.norms.requires_grad
+    assert not any(batch.sums[p].requires_grad for p in params)

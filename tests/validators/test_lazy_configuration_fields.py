@@ -131,3 +131,110 @@ def test_which_fields_are_put_back():
     assert module.config.problem_type is None and module.settings.mask is None
     assert module.settings.inner.problem_type is None
     assert module.settings.rate == 0.5 and module.settings._private == 1  # not None before: not a lazy field
+
+
+# ---------------------------------------------------------------------------- a plain PrivateStep loop
+def plain_fit(model: Any, loss_of: Any, steps: int = 3) -> Any:
+    """``verify(loss_of)`` then ``steps`` releases of a plain loop (the README's), the step returned."""
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = PrivateStep(1.0, 1.0, GaussianNoise(seed=0), sampler_seed=0)
+    step.attach(model, opt)
+    loader = step.poisson_loader(token_loader())
+    step.verify(loss_of)
+    for i, batch in enumerate(loader):
+        if step.begin():
+            loss_of(batch).backward()
+        step.release(optimizer=opt)
+        opt.step()
+        opt.zero_grad()
+        if i + 1 == steps:
+            break
+    return step
+
+
+def test_the_hugging_face_classifier_trains_in_a_plain_loop():
+    model = tiny_bert()
+    step = plain_fit(model, lambda b: model(b[0], attention_mask=b[1], labels=b[2]).loss)
+    assert step.steps_taken == 3
+    assert model.config.problem_type == "single_label_classification"
+
+
+def test_a_hugging_face_image_classifier_trains_in_a_plain_loop():
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=1, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, num_labels=2))
+    step = plain_fit(model, lambda b: model(pixel_values=b[0][:, :8].float().reshape(-1, 1, 2, 4).repeat(1, 1, 4, 2),
+                                            labels=b[2]).loss)
+    assert step.steps_taken == 3 and model.config.problem_type == "single_label_classification"
+
+
+def problem_type_from_label_values(model: Any) -> Any:
+    def loss_of(batch: Any) -> torch.Tensor:
+        if model.config.problem_type is None:
+            model.config.problem_type = ("multi_label_classification" if float(batch[2].float().mean()) > 0.5
+                                         else "single_label_classification")
+        return F.cross_entropy(model(batch[0], attention_mask=batch[1]).logits, batch[2])
+    return loss_of
+
+
+def scale_from_first_loss(model: Any) -> Any:
+    def loss_of(batch: Any) -> torch.Tensor:
+        loss = model(batch[0], attention_mask=batch[1], labels=batch[2]).loss
+        if model.config.loss_scale is None:
+            model.config.loss_scale = float(loss.detach())
+        return loss
+    return loss_of
+
+
+@pytest.mark.parametrize("loss", [problem_type_from_label_values, scale_from_first_loss],
+                         ids=["problem_type from the labels' values", "a float from the first loss"])
+def test_a_field_set_from_the_data_is_refused_in_a_plain_loop_in_its_terms(loss):
+    model = tiny_bert(loss_scale=None)
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"config") as refused:
+        plain_fit(model, loss(model))
+    text = str(refused.value)
+    first = text.splitlines()[0]  # what was written and the fix, first
+    assert first.startswith("The loss function given to verify()"), first
+    assert "PrivateStep(..., public_state=['config'])" in first, first
+    assert "DPStrategy" not in text and "training_step" not in text.splitlines()[0]
+    assert unchanged(before, model), "a release happened"
+
+
+def test_a_counter_in_the_loss_function_is_still_refused_in_a_plain_loop():
+    model = tiny_bert()
+    model.calls = 0
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        model.calls += 1
+        return model(batch[0], attention_mask=batch[1], labels=batch[2]).loss
+
+    with pytest.raises(PrivacyConfigurationError, match=r"attribute calls"):
+        plain_fit(model, loss_of)
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain loop", "DPStrategy"])
+def test_a_lazy_field_does_not_take_the_place_of_another_refusal(plain):
+    """A summed loss on the classifier whose first forward sets ``config.problem_type``: the refusal names the sum,
+    not the field (which every data fills alike)."""
+    model = tiny_bert()
+
+    def summed(batch: Any) -> torch.Tensor:  # labels=: the first forward sets problem_type
+        return model(batch[0], attention_mask=batch[1], labels=batch[2]).loss * len(batch[2])
+
+    class Summed(SequenceClassifier):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return summed(batch)
+
+    with pytest.raises(PrivacyConfigurationError, match="SUM over the batch") as refused:
+        if plain:
+            plain_fit(model, summed)
+        else:
+            module = Summed()
+            model = module.model
+            fit(module)
+    assert "config" not in str(refused.value)

@@ -416,7 +416,8 @@ def test_packed_inter_layer_dropout_in_training_is_refused_naming_the_fix(engine
 @pytest.mark.parametrize(("kind", "match"), [
     ("max_norm", r"max_norm=0.5\)\) renormalises"),          # named before any forward (validators/layers.py)
     ("running_stats", "tracks running statistics"),
-    ("activation_ema", r"State changed in the hooks the loop runs around a step before its release.*buffer ema"),
+    ("activation_ema", r"(?s)^Kept state written outside the release: buffer ema.*\nState changed in the hooks the "
+                       r"loop runs around a step before its release"),
     # the probe leaves a write outside the parameters to the first step's replays, which refuse it before any release
 ])
 def test_a_forward_that_writes_state_from_the_data_is_refused(kind, match, engine):

@@ -62,17 +62,17 @@ class StateWrittenError(PrivacyConfigurationError):
 
 
 def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
-    """The refusal of a write to kept state, naming what changed, where, and the two fixes."""
+    """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
     shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
     public = [_public_name(c) for c in changed[:3]]
     return StateWrittenError(
-        f"State changed {where}: {shown}. What a step computes from its batch and keeps (a buffer, a Python "
-        "attribute such as a memory bank, a queue or a NumPy running mean, a callback's state) is saved in "
-        "checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
-        "the guarantee would not cover it. Nothing more was released. Compute it from public data or from the "
-        "released model only (e.g. in on_train_epoch_end from the parameters); or, if it is not derived from the "
-        "training data (a step counter, a schedule) or you accept that it leaves unprotected like a logged metric, "
-        f"declare it public: DPStrategy(public_state={public!r}).")
+        f"Kept state written outside the release: {shown}. Fix: declare it public, DPStrategy(public_state={public!r})"
+        " (a plain loop: PrivateStep(..., public_state=...)), if it is not derived from the training data or may "
+        "leave unprotected like a logged metric (outputs kept for an epoch-end log); else compute it from public "
+        f"data or the released model only.\nState changed {where}: {shown}. What a step computes from its batch and "
+        "keeps (a buffer, an attribute such as a memory bank, a queue or a running mean, a callback's state) is saved "
+        "in checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
+        "the guarantee would not cover it. Nothing more was released.")
 
 
 def _public_name(entry: str) -> str:

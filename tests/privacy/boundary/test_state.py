@@ -156,7 +156,8 @@ def test_state_kept_in_batch_end_hooks_is_refused_before_any_release(factory, ca
     """The hooks are replayed on the first step's examples before its release (PrivateStep.verify_on)."""
     model = factory()
     before = parameters(model)
-    with pytest.raises(StateWrittenError, match=rf"(?s)replayed on the first step's examples.*{what}.*public_state"):
+    with pytest.raises(StateWrittenError, match=rf"(?s)^Kept state written outside the release: [^\n]*{what}[^\n]*"
+                                                rf"public_state[^\n]*\nState changed.*replayed on the first step's"):
         fit(model, callbacks=callbacks)
     assert unchanged(before, model), "a release happened"
 
@@ -342,3 +343,27 @@ def test_an_attribute_the_probe_adds_is_removed_again():
 
     fit(model, steps=2, callbacks=[Spy()], public_state=["net.0.last_inputs", "Spy"])
     assert seen == {0: False, 1: True}
+
+
+class OutputsList(Classifier):
+    """Lightning 2.x's migration guide: ``self.training_step_outputs.append(loss)``, averaged and cleared at epoch end
+    (QA qa8 s26)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.training_step_outputs: list = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.training_step_outputs.append(loss.detach())
+        return loss
+
+
+def test_the_refusal_of_a_kept_list_names_it_and_the_fix_on_a_short_first_line():
+    with pytest.raises(StateWrittenError) as refused:
+        fit(OutputsList())
+    first = str(refused.value).splitlines()[0]
+    assert first.startswith("Kept state written outside the release: attribute training_step_outputs. Fix:"), first
+    assert "DPStrategy(public_state=['training_step_outputs'])" in first and len(first) < 400, first
+    assert "declare it public: attribute" not in str(refused.value)  # (the old where-clause ran into the names)
+    fit(OutputsList(), public_state=["training_step_outputs"])  # the fix it names trains

@@ -135,7 +135,8 @@ class LossBeforeBackward(Classifier):
 def test_state_the_data_sets_apart_before_the_release_is_refused_before_any_release(factory, callbacks, what):
     model = factory()
     before = parameters(model)
-    with pytest.raises(StateWrittenError, match=rf"(?s)before its release.*set it apart.*{what}.*public_state"):
+    with pytest.raises(StateWrittenError, match=rf"(?s)^Kept state written outside the release: [^\n]*{what}[^\n]*"
+                                                rf"public_state[^\n]*\nState changed.*before its release.*set it apart"):
         fit(model, callbacks=callbacks)
     assert unchanged(before, model), "a release happened"
 
