@@ -719,6 +719,10 @@ def detached_loss_error(loss: Tensor) -> PrivacyConfigurationError:
         "released.")
 
 
+class StepFailedError(PrivacyConfigurationError):
+    """:func:`probe_failure_error`: the user's own step raised in a check's pass (its cause is the user's exception)."""
+
+
 def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
     """The probe's error when the user's training_step fails on a batch of ``k`` examples, with the likely
     cause: an in-place op on an output that torch's full backward hooks wrap (the opacus_hooks engine), a
@@ -746,8 +750,9 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
     else:
         cause = ("Poisson sampling makes batches of any size ≥ 0, so training_step must accept them (e.g. avoid "
                  ".squeeze() on the batch dimension).")
-    return PrivacyConfigurationError(
-        f"The first step's probe ran training_step on a batch of {k} example(s) and it failed ({text}). {cause}")
+    kind = PrivacyConfigurationError if _engine_frame(err) is not None else StepFailedError
+    return kind(f"The first step's probe ran training_step on a batch of {k} example(s) and it failed ({text}). "
+                f"{cause}")
 
 
 def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:

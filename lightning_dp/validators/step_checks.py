@@ -31,7 +31,7 @@ from lightning_dp.validators.data_statistics import data_statistics_error, data_
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
 from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
-from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError,
+from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, StepFailedError,
                                            frozen_parameters, probe_tolerance, state_mutation_error)
 from lightning_dp.validators.rank_agreement import (check_ranks_agree, differing_release_values, disagreement_error,
                                                     release_agreement, release_values)
@@ -244,7 +244,7 @@ class StepChecks:
         if self._compute_dtype is not None and torch.finfo(self._compute_dtype).eps > torch.finfo(dtype).eps:
             dtype = self._compute_dtype
         tol = batch_tolerance(dtype, reference.device, self._tolerance_low)
-        error: Optional[PrivacyConfigurationError] = None
+        error: Optional[Exception] = None
 
         read: dict[tuple[int, ...], Any] = {}
         copies = [True]
@@ -267,6 +267,10 @@ class StepChecks:
                                       rng=self.schedule.rng, max_examples=max_examples,
                                       outside=self._training_copies(lambda: copies[0])).check(
                     indices, step, self._random_step, as_of, real_size=min(len(indices), physical or len(indices)))
+        except StepFailedError as err:  # the user's step raised on some of its own examples: after the first
+            # step's checks (``charge``) that is the step's own failure (a NaN guard, a stop at a step of its
+            # choosing), raised as the step would raise it; on the first step, a step that fails on a smaller batch
+            error = err if not charge or not isinstance(err.__cause__, Exception) else err.__cause__
         except PrivacyConfigurationError as err:
             error = err
         finally:

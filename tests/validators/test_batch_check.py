@@ -288,6 +288,24 @@ def test_an_interaction_after_a_warmup_is_met_in_a_short_run_on_the_default_sche
     assert 3 <= int(re.search(r"at step (\d+)", str(info.value)).group(1)) < 12
 
 
+class RaisesAtStep(Classifier):
+    """A NaN guard of the user's own: raises in training_step at a step of its choosing."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            raise FloatingPointError("loss is NaN")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_raises_at_a_checked_later_step_raises_its_own_error():
+    """The batch check's passes run the user's step first: at a later step, its own exception is what the fit
+    raises (as the step itself would), not a refusal that blames the probe; nothing of that step is released."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, verify="every_step")
+    with pytest.raises(FloatingPointError, match="loss is NaN"):
+        quiet_trainer(strategy=strategy, max_steps=5).fit(RaisesAtStep(), DataLoader(classes(), batch_size=32))
+    assert strategy.ledger.steps == 2
+
+
 @pytest.mark.parametrize("engine", ["ghost", "vmap", "opacus_hooks"])
 @pytest.mark.parametrize("factory", [Classifier, NoisyInputs])
 def test_independent_examples_pass_every_step(factory, engine):
