@@ -1,6 +1,7 @@
 """How a step's kept state is read into comparable digests: the machinery the release boundary's and the replays'
 fingerprints share, below the checks that judge them (:mod:`lightning_dp.validators`).
 
+- :mod:`.module_tree`: the module tree's shape, and which of a module's attributes are state or configuration;
 - :mod:`.fingerprint_entries`: a fingerprint (entry name → token) and how two compare;
 - :mod:`.checksums`: tokens of contents — tensors' content sums, norms, NumPy arrays, byte containers and streams;
 - :mod:`.state_walker`: the walk of the user's Python values, callables and class bodies into tokens, and the same

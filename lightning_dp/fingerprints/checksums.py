@@ -36,7 +36,7 @@ class _Checksums:
     def tokens(self, tensors: Sequence[Tensor], full: bool) -> list[Hashable]:
         keys = [self.key(t) for t in tensors]
         todo = [i for i, (t, k) in enumerate(zip(tensors, keys)) if full or not self._fresh(t, k)]
-        for i, value in zip(todo, content_sums([tensors[i] for i in todo])):
+        for i, value in zip(todo, content_sums([tensors[i] for i in todo]) if todo else ()):
             self._cache[id(tensors[i])] = (weakref.ref(tensors[i]), keys[i], value)
         return [(k[3], str(k[4]), self._cache[id(t)][2]) for t, k in zip(tensors, keys)]
 
@@ -91,11 +91,13 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
     for name, t in named:
         by_device.setdefault(t.device, []).append((name, t))
     out: Fingerprint = {}
-    with torch.no_grad():
+    with torch.no_grad():  # (so no graph: the tensors need no detach)
         for device, group in by_device.items():
-            norms = torch.stack(torch._foreach_norm([t.detach() for _, t in group])).to(torch.float64)
+            # in their own dtype: a float32 norm read as a Python float is exact, so equal exactly when the float64
+            # conversion's was (one kernel fewer)
+            norms = torch.stack(torch._foreach_norm([t for _, t in group]))
             if device.type == "cpu":
-                out.update({f"contents of {name}": value for (name, _), value in zip(group, norms.tolist())})
+                out.update(zip(["contents of " + name for name, _ in group], norms.tolist()))
             else:
                 out[f"contents of {len(group)} parameters and buffers on {device}"] = _DeviceNorms(norms)
     return out

@@ -274,7 +274,13 @@ def _library_callable(fn: Any) -> bool:
     """A hook defined by a library (an engine's capture, Opacus', torch's own): its state is its owner's."""
     target = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__func__", fn)
     module = getattr(target, "__module__", None) if isinstance(target, types.FunctionType) else type(target).__module__
-    return (module or "").split(".")[0] in LIBRARY_PREFIXES
+    known = _LIBRARY_MODULES.get(module)  # a pure function of the name (read anew at every call): kept by name
+    if known is None:
+        known = _LIBRARY_MODULES[module] = (module or "").split(".")[0] in LIBRARY_PREFIXES
+    return known
+
+
+_LIBRARY_MODULES: dict[Any, bool] = {}
 
 
 def _library_function(value: Any) -> bool:

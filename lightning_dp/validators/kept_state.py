@@ -46,13 +46,12 @@ buffer's ``.data`` between full passes (the version counter of ``.data`` is not 
 parameters and floating buffers are compared every time). Entries matching a declared public name
 (``public_state``) are skipped.
 
-This module holds the fingerprint itself and how it reads a module (its attributes, configuration and mode). What it
-is made of lives in :mod:`lightning_dp.fingerprints`, one concept a module: the entries and their comparison
-(``fingerprint_entries``), the tokens of contents (``checksums``), the walk of Python values, callables and class
-bodies (``state_walker``), callbacks (``callback_state``), the training data (``dataset_tokens``); the decisions the
-replays judge lie beside it: the optimizers', the trainer's and the library objects' settings
-(:mod:`.steered_settings`) and σ and C (:mod:`.mechanism_settings`).
-"""
+This module holds the fingerprint itself and the modules' modes. What it is made of lives in
+:mod:`lightning_dp.fingerprints`, one concept a module: how a module tree and a module's attributes are read
+(``module_tree``), the entries and their comparison (``fingerprint_entries``), the tokens of contents (``checksums``),
+the walk of Python values, callables and class bodies (``state_walker``), callbacks (``callback_state``), the training
+data (``dataset_tokens``); the decisions the replays judge lie beside it: the optimizers', the trainer's and the library
+objects' settings (:mod:`.steered_settings`) and σ and C (:mod:`.mechanism_settings`)."""
 
 from __future__ import annotations
 
@@ -69,6 +68,7 @@ from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
 from lightning_dp.fingerprints.checksums import content_sums  # noqa: F401  (re-exported: accounting/ imports it here)
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
 from lightning_dp.fingerprints.state_walker import (_FUNCTIONS, _binds, _holds_tensors, _library_callable,
                                                     _library_function, _mutable_state, _Walker, callable_state,
                                                     class_attributes)
@@ -118,7 +118,7 @@ class StateFingerprint:
         fingerprint are kept state."""
         self._known_keys: dict[int, set[str]] = {}
         self._readers: set[int] = set()  # callbacks that read a value logged from the data (:meth:`watch`)
-        self._state_keys: dict[int, tuple[nn.Module, tuple[Any, ...], list[str]]] = {}  # :meth:`_attributes`' names
+        self._reader = ModuleAttributes(self.skip_keys, self._is_public)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = _Checksums()
@@ -127,7 +127,7 @@ class StateFingerprint:
         self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient they did not hold
         # (or not this one, or not so) at the one before: a backward's since (:class:`_Walker`)
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
-        self._counts: list[int] = []
+        self._tree: Optional[TreeShape] = None  # the module tree's shape as walked
         self._registered: set[int] = set()
         self._param_slots: list[tuple[str, dict, str]] = []
         self._all_param_slots: list[tuple[str, dict, str]] = []
@@ -140,14 +140,14 @@ class StateFingerprint:
 
     def _structure(self) -> list[tuple[str, nn.Module, Optional[list[str]]]]:
         """(name prefix, module, attribute mode) of every module, walked once (again when a module gains or loses a
-        parameter or buffer): the mode is ``None`` for torch's own layers (configuration only), the persistent state
-        names of a torchmetrics ``Metric``, else ``[]`` (all). Also the parameter and buffer slots, public ones left
-        out, as (entry name, the module's dict, key): a tensor replaced in its slot is read anew."""
-        if self._layout is not None and self._counts == [len(m._parameters) + len(m._buffers)
-                                                         for _, m, _ in self._layout]:
+        parameter, buffer or submodule, or a submodule is replaced in its container: :class:`TreeShape`): the mode
+        (:func:`attribute_mode`) is ``DATA_ONLY`` for torch's own layers, the persistent state names of a
+        torchmetrics ``Metric`` (``None``: none), else ``[]`` (all). Also the parameter and buffer slots, public ones
+        left out, as (entry name, the module's dict, key): a tensor replaced in its slot is read anew."""
+        if self._layout is not None and self._tree is not None and self._tree.same():
             return self._layout
-        self._layout = [(f"{name}." if name else "", m, _attribute_mode(m)) for name, m in self.module.named_modules()]
-        self._counts = [len(m._parameters) + len(m._buffers) for _, m, _ in self._layout]
+        self._layout = [(f"{name}." if name else "", m, attribute_mode(m)) for name, m in self.module.named_modules()]
+        self._tree = TreeShape([m for _, m, _ in self._layout])
         self._registered = {id(m) for _, m, _ in self._layout}
         self._all_param_slots = [(prefix + key, m._parameters, key) for prefix, m, _ in self._layout
                                  for key in m._parameters]
@@ -213,14 +213,10 @@ class StateFingerprint:
         for prefix, m, mode in layout:
             if mode is None:
                 continue
-            for key, value in self._attributes(m, mode):
-                path = prefix + key
-                if not self._is_public(path):
-                    entries[f"attribute {path}"] = walker.named(path, value)
-            if mode is _DATA_ONLY:  # a torch layer's configuration steers the step too (Dropout.p, label_smoothing)
-                for key, value in _configuration(m):
-                    if not self._is_public(prefix + key):
-                        entries[f"configuration {prefix}{key}"] = value
+            state, configuration = self._reader.read(m, mode, prefix)
+            for path, entry, value in state:
+                entries[entry] = walker.named(path, value)
+            entries.update(configuration)  # a torch layer's (Dropout.p, label_smoothing) steers the step too
         modes = training_modes(self.module, layout)  # a dropout switched off from the loss steers later steps
         for name, training in modes.items():
             entry = f"mode {name or '(model)'}"  # declared public by its name or by the entry's (as refusals say)
@@ -315,27 +311,6 @@ class StateFingerprint:
             if not self._is_public(f"{path}.{key}"):
                 entries[f"attribute {path}.{key}"] = walker.named(f"{path}.{key}", value)
 
-    def _attributes(self, m: nn.Module, mode: list[str]) -> list[tuple[str, Any]]:
-        """(name, value) of ``m``'s attributes that are state (see :func:`_attribute_mode`). Which names those are is
-        kept per module and reused while every attribute still holds the same object, of the same type."""
-        if mode and mode is not _DATA_ONLY:
-            return [(k, getattr(m, k)) for k in mode]
-        fields = vars(m)
-        held = (*map(id, fields.values()), *map(type, fields.values()))  # the objects, and their types (reused address)
-        cached = self._state_keys.get(id(m))
-        if cached is not None and cached[0] is m and cached[1] == held:
-            return _rnn_listing(m, [(k, fields[k]) for k in cached[2]])
-        keys = []
-        for key, value in fields.items():
-            if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
-                    or _library_function(value)):
-                continue
-            if mode is _DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
-                continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
-            keys.append(key)
-        self._state_keys[id(m)] = (m, held, keys)
-        return _rnn_listing(m, [(k, fields[k]) for k in keys])
-
     # ------------------------------------------------------------------ comparing
     @staticmethod
     def changed(before: Fingerprint, after: Fingerprint) -> list[str]:
@@ -347,41 +322,6 @@ class StateFingerprint:
         self._sums.forget()
 
 
-
-
-_CONFIGURATION = (bool, int, float, str, tuple, torch.dtype, torch.device, torch.Size)
-
-
-_DATA_ONLY = ["<data>"]
-"""The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
-
-
-def _rnn_listing(m: nn.Module, fields: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``fields`` of a torch RNN layer with its list of weights for the fused kernel (``_flat_weights``, and the weak
-    references ``_flat_weight_refs`` that tell it is stale) read as what its next forward runs on. torch keeps that
-    list itself, from the parameters: a ``functional_call`` (the per-example replay of a layer whose inter-layer
-    dropout draws, the probe's dropout-free pass) leaves its substitutes listed, and the next forward lists the
-    parameters again (``_update_flat_weights``). So the entry is, per weight, whether the next forward runs on a
-    parameter (or on the weight the module holds now: a ``functional_call``'s while it runs): always, when the listing
-    is stale; a plain tensor written into an up-to-date list is still seen."""
-    if not isinstance(m, nn.RNNBase) or not all(hasattr(m, k) for k in ("_flat_weights", "_flat_weights_names")):
-        return fields
-    stale = getattr(m, "_weights_have_changed", None)
-    relisted = bool(stale()) if callable(stale) else False
-    runs_on = tuple(relisted or isinstance(w, nn.Parameter) or w is getattr(m, name, None)
-                    for name, w in zip(m._flat_weights_names, m._flat_weights))
-    return [(k, runs_on if k == "_flat_weights" else v) for k, v in fields if k != "_flat_weight_refs"]
-
-
-def _configuration(m: nn.Module) -> list[tuple[str, Any]]:
-    """A torch layer's numbers and flags that set what its forward computes (``Dropout.p``, ``eps``, a loss's
-    ``label_smoothing`` or ``reduction``): set from the data between two releases they steer the next step by it.
-    Its mode (``training``) is read apart, as the next training step will run it (:func:`training_modes`)."""
-    return [(k, v) for k, v in vars(m).items()
-            if type(v) in _NUMBERS and k != "training" and not k.startswith("_")]
-
-
-_NUMBERS = (bool, int, float, str)
 
 
 _EVALUATING = ("validating", "sanity_checking", "testing", "predicting")
@@ -413,28 +353,6 @@ def _captured_modes(module: nn.Module) -> Optional[dict[str, bool]]:
         return None
     mode = getattr(getattr(loop, "_module_mode", None), "mode", None)
     return mode if isinstance(mode, dict) else None
-
-
-def _attribute_mode(m: nn.Module) -> Optional[list[str]]:
-    """How :class:`StateFingerprint` reads ``m``'s attributes: for torch's own layers only the values that can hold
-    data (their configuration — sizes, flags, names — is not state, but a tensor a user caches on an ``nn.Linear`` is:
-    :data:`_DATA_ONLY`), for a torchmetrics ``Metric`` the names of its persistent states (``None``: it has none),
-    else ``[]``: every attribute."""
-    if type(m).__module__.startswith("torch."):
-        return _DATA_ONLY
-    states = _metric_states(m)
-    if states is not None:
-        return states if states else None
-    return []
-
-
-def _metric_states(m: nn.Module) -> Optional[list[str]]:
-    """A torchmetrics ``Metric``'s persistent states (what its state dict keeps), or ``None`` for other modules."""
-    defaults = getattr(m, "_defaults", None)
-    persistent = getattr(m, "_persistent", None)
-    if not isinstance(defaults, dict) or not isinstance(persistent, dict) or not hasattr(m, "_update_count"):
-        return None
-    return [name for name in defaults if persistent.get(name)]
 
 
 def raw_gradient_error(names: Sequence[str]) -> PrivacyConfigurationError:

@@ -35,12 +35,16 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
     (``"optimizer state[0][1].exp_avg"``: group, parameter, key; a tensor by identity, shape and version counter, so an
     in-place write shows)."""
     out = settings(optimizer)
+    # by identity: what `state.get(p)` finds (a tensor hashes by its id), without a Python __hash__ call per parameter
+    state = {id(p): values for p, values in optimizer.state.items()}
     for i, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
-            for key, value in optimizer.state.get(p, {}).items():
-                token = ((id(value), value._version, tuple(value.shape)) if isinstance(value, Tensor)
-                         else freeze(value))
-                out[f"optimizer state[{i}][{j}].{key}"] = token
+            values = state.get(id(p))
+            if values:
+                prefix = f"optimizer state[{i}][{j}]."
+                for key, value in values.items():
+                    out[f"{prefix}{key}"] = ((id(value), value._version, tuple(value.shape))
+                                             if isinstance(value, Tensor) else freeze(value))
     out.update(extra_state(optimizer))  # keys that are not its parameters: a loss kept for a loss-aware step size
     return out
 
@@ -51,8 +55,8 @@ def settings(optimizer: Any) -> Fingerprint:
     out: Fingerprint = {f"optimizer defaults.{key}": freeze(value)
                         for key, value in (getattr(optimizer, "defaults", None) or {}).items()}
     for i, group in enumerate(optimizer.param_groups):
-        out.update({f"optimizer param_groups[{i}].{key}": freeze(value)
-                    for key, value in group.items() if key != "params"})
+        prefix = f"optimizer param_groups[{i}]."
+        out.update({f"{prefix}{key}": freeze(value) for key, value in group.items() if key != "params"})
     return out
 
 
@@ -74,6 +78,7 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
     stopped, or lengthened, when the loss or a training accuracy crosses a threshold), and so are the mechanism's σ and
     C (:func:`mechanism_settings`)."""
     before = hyperparameters(optimizer)
+    groups = [(group, group["params"], list(group["params"])) for group in optimizer.param_groups]
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
     controls, mechanism, state = loop_controls(loop), mechanism_settings(loop), saved_state(optimizer)
@@ -86,8 +91,10 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
             put_state(optimizer, state)
             put_loop_controls(loop, controls)
             put_mechanism_settings(loop, mechanism)
-            for group, values in zip(optimizer.param_groups, saved[0]):  # as they were: a key a replay added goes
-                params = group["params"]
+            optimizer.param_groups[:] = [group for group, _, _ in groups]  # as they were: a group a replay added goes,
+            for (group, params, held), values in zip(groups, saved[0]):  # and a key; the parameters each group held
+                if isinstance(params, list):
+                    params[:] = held
                 group.clear()
                 group.update(values, params=params)
             if isinstance(getattr(optimizer, "defaults", None), dict):

@@ -1,4 +1,4 @@
-"""torch's own bookkeeping of an RNN layer is not kept state (validators/kept_state.py, ``_rnn_listing``): the list of
+"""torch's own bookkeeping of an RNN layer is not kept state (fingerprints/module_tree.py, ``_rnn_listing``): the list of
 weights an ``nn.LSTM``/``nn.GRU`` keeps for its fused kernel (``_flat_weights``, weak references
 ``_flat_weight_refs``) derives from its parameters. A multi-layer RNN with inter-layer dropout is replayed per example
 by a ``functional_call``, which leaves its substitutes listed until the next forward lists the parameters again: that

@@ -1,0 +1,85 @@
+"""The module tree as the kept-state fingerprint reads it (validators/kept_state.py): a submodule replaced in its
+container (``model[2] = nn.Linear(...)``) or added is seen at the next step, as a parameter frozen or unfrozen is, so
+the engine is re-attached and the probe runs again; not left to the engine, which refused the new layer as "a module
+outside the attached one"."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier, fit, plain_step  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.kept_state import StateFingerprint  # noqa: E402
+
+
+def _ids(fingerprint: StateFingerprint) -> dict[str, int]:
+    return {name: id(p) for name, p in fingerprint.trainable()}
+
+
+def test_a_replaced_or_added_submodule_is_read_at_the_next_call():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fingerprint = StateFingerprint(model)
+    fingerprint.take()
+    model[2] = nn.Linear(8, 2)  # same names, same counts: only the identities tell
+    assert _ids(fingerprint) == {name: id(p) for name, p in model.named_parameters()}
+    assert "parameter 2.weight" in fingerprint.take()
+    model.add_module("extra", nn.Linear(2, 2))
+    assert "extra.weight" in _ids(fingerprint)
+    del model.extra
+    assert "extra.weight" not in _ids(fingerprint)
+
+
+def _one_step(step, opt, batches, model) -> None:
+    x, y = next(batches)
+    opt.zero_grad(set_to_none=True)
+    step.begin()
+    nn.functional.cross_entropy(model(x), y).backward()
+    step.release(optimizer=opt)
+    opt.step()
+
+
+def test_a_replaced_layer_in_a_plain_loop_is_refused_until_verified_and_not_stepped():
+    model = Classifier().net
+    step, opt, batches = plain_step(model)
+    try:
+        _one_step(step, opt, batches, model)
+        released = step.ledger.steps
+        model[2] = nn.Linear(8, 2)  # its parameters in the optimizer: hooked by no engine until re-attached
+        opt.param_groups[0]["params"] = list(model.parameters())
+        head = model[2].weight.detach().clone()
+        with pytest.raises(PrivacyConfigurationError, match=r"parameters changed since verify\(\)"):
+            _one_step(step, opt, batches, model)
+        assert step.ledger.steps == released
+        assert torch.equal(head, model[2].weight.detach()), "the new layer was not stepped"
+        assert not step.verified
+    finally:
+        step.detach()
+
+
+class ReplaceHead(pl.Callback):
+    """At epoch 1 the last layer is replaced by a fresh one, which the optimizer then steps (a new head)."""
+
+    head = None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1 and self.head is None:
+            pl_module.net[2] = nn.Linear(8, 2)
+            trainer.optimizers[0].param_groups[0]["params"] = list(pl_module.parameters())
+            self.head = pl_module.net[2].weight.detach().clone()
+
+
+def test_a_layer_replaced_by_a_callback_is_reattached_reverified_and_privatised():
+    model, callback = Classifier(), ReplaceHead()
+    dp = fit(model, steps=8, n=64, callbacks=[callback])
+    assert dp.ledger.steps == 8
+    assert dp.private_step.verified
+    assert not torch.equal(callback.head, model.net[2].weight.detach())
+    assert {id(p) for _, p in dp.private_step.boundary.trainable()} == {id(p) for p in model.parameters()}

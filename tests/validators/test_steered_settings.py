@@ -1,0 +1,32 @@
+"""The replays of the loop's hooks leave the optimizer as they found it (validators/steered_settings.py,
+``replay_records``): a replayed hook that rebinds a group's parameters (a new head put in the optimizer), edits the list
+in place or adds a group puts nothing there that the real run did not."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.validators.steered_settings import replay_records
+
+
+def test_a_replay_that_rebinds_edits_or_adds_parameter_groups_is_put_back():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    group, params = opt.param_groups[0], opt.param_groups[0]["params"]
+    held = list(params)
+    other = nn.Linear(2, 2)
+
+    def rebinds() -> None:
+        opt.param_groups[0]["params"] = list(other.parameters())
+
+    def edits() -> None:
+        opt.param_groups[0]["params"].append(other.weight)
+
+    def adds() -> None:
+        opt.add_param_group({"params": list(model[1].parameters()), "lr": 1.0})
+
+    replay_records(opt, [rebinds, edits, adds])
+    assert len(opt.param_groups) == 1 and opt.param_groups[0] is group
+    assert group["params"] is params and all(a is b for a, b in zip(params, held)) and len(params) == len(held)
+    assert group["lr"] == 0.1
