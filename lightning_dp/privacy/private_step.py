@@ -725,6 +725,8 @@ class PrivateStep(StepChecks):
         self.fresh.step(self.steps_taken)  # once per step index: its randomness independent of earlier data
         self.boundary.step_begins()
         if not self._parameters_checked and self.refresh_parameters():
+            if num_examples is None and self._batches is not None:
+                self.take()  # the batch handed for this step goes with it: the next begin() takes the next one
             raise PrivacyConfigurationError(
                 "The model's trainable parameters changed since verify() (their identities or names): the engine was "
                 "re-attached; call verify(...) again before the next release.")

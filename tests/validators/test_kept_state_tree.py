@@ -64,6 +64,24 @@ def test_a_replaced_layer_in_a_plain_loop_is_refused_until_verified_and_not_step
         step.detach()
 
 
+def test_a_plain_loop_refused_for_a_changed_parameter_set_goes_on_once_verified_again():
+    """A layer frozen after verify(): the step is refused; the refused step's batch goes with it: verified again, the next step takes its own batch (it took the
+    refused one's, and every later step was refused as layers called without the step's examples)."""
+    model = Classifier().net
+    step, opt, batches = plain_step(model)
+    try:
+        _one_step(step, opt, batches, model)
+        model[0].weight.requires_grad_(False)
+        with pytest.raises(PrivacyConfigurationError, match=r"parameters changed since verify\(\)"):
+            _one_step(step, opt, batches, model)
+        step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+        for _ in range(3):
+            _one_step(step, opt, batches, model)
+        assert step.ledger.steps == 4
+    finally:
+        step.detach()
+
+
 class ReplaceHead(pl.Callback):
     """At epoch 1 the last layer is replaced by a fresh one, which the optimizer then steps (a new head)."""
 
