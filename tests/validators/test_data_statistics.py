@@ -279,3 +279,70 @@ def test_data_normalised_per_record_is_not_taken_for_a_layers_zeros_and_ones():
     held = (data.tensors[0].mean(), data.tensors[0].std())  # the training data's global mean and deviation: kept
     with pytest.raises(PrivacyConfigurationError, match=r"(?s)buffer mean equals the .*mean.*buffer std equals the .*standard deviation"):
         quiet_trainer(strategy=strategy(), max_steps=2).fit(Waveform(held), DataLoader(data, batch_size=16))
+
+
+_T = X @ torch.tensor([1.0, -0.5, 0.25, 2.0]) + 3.0  # a float target (a regression's y)
+
+
+@pytest.mark.parametrize("value, what", [
+    (lambda: _T.mean(), "mean"),
+    (lambda: _T.std(), "standard deviation"),
+    (lambda: _T.median(), "median"),  # the lower median
+    (lambda: _T.quantile(0.5), "median"),
+    (lambda: _T.min(), "minimum"),
+    (lambda: _T.max(), "maximum"),
+])
+def test_a_head_bias_set_to_a_statistic_of_the_float_target_is_found(value, what):
+    head = nn.Linear(4, 1)
+    with torch.no_grad():
+        head.bias.fill_(float(value()))
+    assert data_statistics_held([("model", head)], TensorDataset(X, _T)) == [
+        f"parameter bias equals the {what} of the training tensors[1]"]
+    column = TensorDataset(X, _T[:, None])  # y as [N, 1]
+    assert data_statistics_held([("model", head)], column) == [f"parameter bias equals the {what} of the training "
+                                                               "tensors[1]".replace("the mean", "the per-feature mean")
+                                                               .replace("the standard", "the per-feature standard")]
+
+
+def test_per_output_order_statistics_of_a_multi_output_target_and_the_features_extremes_are_found():
+    targets = torch.stack([_T, -_T / 2 + 1, _T ** 2 / 10], 1)
+    head = nn.Linear(4, 3)
+    with torch.no_grad():
+        head.bias.copy_(targets.median(0).values)
+    assert data_statistics_held([("model", head)], TensorDataset(X, targets)) == [
+        "parameter bias holds the per-feature median of the training tensors[1]"]
+    holder = nn.Module()
+    holder.top = float(X.max())  # a global maximum to divide by
+    assert data_statistics_held([("model", holder)], TensorDataset(X, Y)) == [
+        "attribute top equals the maximum of the training tensors[0]"]
+
+
+class Regression(Classifier):
+    """'Initialise the output bias to the mean target' (a common recipe), in __init__."""
+
+    def __init__(self, target: torch.Tensor | None) -> None:
+        super().__init__()
+        self.net[2] = nn.Linear(8, 1)
+        if target is not None:
+            with torch.no_grad():
+                self.net[2].bias.fill_(float(target.mean()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self(batch[0]).squeeze(-1), batch[1])
+
+
+def test_a_regression_bias_set_to_the_mean_target_is_refused_and_a_public_one_trains():
+    model = Regression(_T)
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)parameter net\.2\.bias equals the mean.*public_state"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(model, DataLoader(TensorDataset(X, _T), batch_size=16))
+    assert unchanged(before, model)
+    ratings = (_T.round().clamp(1, 5))  # integer-valued float targets: a known scale's ends and middle are public
+    head = nn.Linear(4, 1)
+    for value in (5.0, 3.0, 1.0):
+        with torch.no_grad():
+            head.bias.fill_(value)
+        assert data_statistics_held([("model", head)], TensorDataset(X, ratings)) == []
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2).fit(Regression(None), DataLoader(TensorDataset(X, _T), batch_size=16))
+    assert dp.ledger.steps == 2
