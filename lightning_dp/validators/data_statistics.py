@@ -174,6 +174,10 @@ class _ByWidth:
                      [s for y in self.labels for s in class_conditional(t, y)])
                     for p, t in self.features if t[0].numel() == width]
             for path, order, moments, conditional in self.summaries[width]:
+                t = next(t for p, t in self.features if p == path)
+                if holds_records(candidate.reshape(-1, width) if candidate.numel() == width else candidate, t,
+                                 row_digests(t)):  # a copy of records (rule 9's and records_in_weights' concern)
+                    continue
                 what = order.held(candidate) or (moments.held(candidate) if moments is not None else "")
                 what = what or (f"a row of the {name}" if (name := conditional_rows(candidate, conditional)) else "")
                 if what:

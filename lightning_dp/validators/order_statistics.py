@@ -19,12 +19,13 @@ rows of a [m, D] or [D, m] matrix: one quantile level per row), three questions,
   positive, two of them in continuous columns, equal to within 8 ulps of the quantiles' magnitude to Q(1 − p) − Q(p)
   for one p of the grid k/m (m ≤ 100, p < 1/2: 1,522 levels, each under the five interpolations), computed once per
   feature tensor.
-* **exact data values**: most (more than half, and at least two) of the row's entries other than 0 and 1 equal, to
-  one float32 ulp, a value of their own column. Only continuous columns count (more than two distinct values, not
-  all integers), and only a match whose chance is below 1e-12: a column's chance q of matching a value drawn like
-  the data is estimated from its values' ulps over its range, and the matched columns' q multiply. For 100,000
-  float32 records of unit scale q is about 1e-3, so a random row must match in at least 4 columns; a column so dense
-  that q > 1e-2 (tens of millions of records) is not counted.
+* **exact data values** (in a [D] vector that is not a record, :func:`~.outside_records.holds_records`): most
+  (more than half, and at least two) of the entries other than 0 and 1 equal, to one float32 ulp, a value of their
+  own column. Only continuous columns count (more than two distinct values, not all integers), and only a match
+  whose chance is below 1e-12: a column's chance q of matching a value drawn like the data is estimated from its
+  values' ulps over its range, and the matched columns' q multiply. For 100,000 standard-normal float32 records q
+  is about 2e-3, so a random vector must match in at least 5 columns; a column so dense that q > 1e-2 (about
+  400,000 such records) is not counted.
 
 Differences are sought for at most 1,024 features.
 
@@ -93,14 +94,15 @@ class OrderStatistics:
             if not len(rows):
                 continue
             telling = ((~self.integral)[:, None] & ~trivial.T).sum(0) >= 2  # evidence from continuous columns
-            what = self._levels(rows, telling) or self._spread(rows[telling]) or self._exact(rows, trivial)
+            what = self._levels(rows, telling) or self._spread(rows[telling]) \
+                or (self._exact(rows, trivial) if c.numel() == d else "")  # a vector: a table of records is not one
             if what:
                 return what
         return ""
 
     def _ranks(self, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per entry of ``v`` ([D, r]): the interval of fractional ranks it can stand for, and whether it is a value
-        of its column (to 4 ulps)."""
+        of its column (to 1 ulp)."""
         s = self.sorted
         tol = 4 * _ULP * v.abs() + 1e-300
 
@@ -112,7 +114,7 @@ class OrderStatistics:
 
         low, high = rank(v - tol), rank(v + tol)
         inside = (v + tol >= s[:, :1].to(torch.float64)) & (v - tol <= s[:, -1:].to(torch.float64))
-        exact = inside & (high.floor() >= low.ceil())
+        exact = inside & (rank(v + _ULP * v.abs()).floor() >= rank(v - _ULP * v.abs()).ceil())
         low = torch.where(exact, low.ceil() - 1, low)  # lower / higher / nearest: a rank either side of the ties
         high = torch.where(exact, high.floor() + 1, high)
         k = low.floor().clamp(0, self.n - 2).long()
