@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,16 @@ class LedgerEntry:
         steps: how many consecutive releases used this (σ, q).
         private: ``False`` for releases that are not differentially private
             (the noiseless research baseline); any such entry makes ε infinite.
+        run: the fit that made these releases (:attr:`PrivacyLedger.run`), so that two runs with equal
+            settings are told apart when their records are combined; ``None`` when unknown (a ledger built by
+            hand, a checkpoint written before runs were recorded): then alike settings are taken for one history.
     """
 
     noise_multiplier: float
     sample_rate: float
     steps: int
     private: bool = True
+    run: Optional[str] = None
 
 
 class PrivacyLedger:
@@ -53,6 +57,24 @@ class PrivacyLedger:
         self.unit = "example"
         """What one release's ε protects: ``"example"`` (a record) or ``"user"`` (all of a user's records, with
         ``DPStrategy(privacy_unit=Users(...))``): N and q are then counted in users."""
+        self.run: Optional[str] = None
+        """The fit whose releases :meth:`record` adds (set when the ledger is bound to a module,
+        :func:`~lightning_dp.accounting.module_ledgers.bind`); each entry keeps the run that made it."""
+        self._listeners: list[Callable[[int], None]] = []
+
+    def listen(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(steps)`` after every :meth:`record` that added releases (``steps``: how many);
+        listeners are not part of the ledger's state (not copied, pickled nor saved)."""
+        self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[int], None]) -> None:
+        """Stop calling ``listener``."""
+        self._listeners = [f for f in self._listeners if f is not listener]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_listeners"] = []
+        return state
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1, private: bool = True) -> None:
         """Append ``steps`` releases with noise multiplier σ and sampling rate q."""
@@ -67,14 +89,18 @@ class PrivacyLedger:
         self._steps += int(steps)
         self._private = self._private and bool(private)
         last = self._entries[-1] if self._entries else None
-        if last is not None and (last.noise_multiplier, last.sample_rate, last.private) == (
+        if last is not None and (last.noise_multiplier, last.sample_rate, last.private, last.run) == (
             noise_multiplier,
             sample_rate,
             private,
+            self.run,
         ):
-            self._entries[-1] = LedgerEntry(noise_multiplier, sample_rate, last.steps + steps, private)
+            self._entries[-1] = LedgerEntry(noise_multiplier, sample_rate, last.steps + steps, private, self.run)
         else:
-            self._entries.append(LedgerEntry(float(noise_multiplier), float(sample_rate), int(steps), private))
+            self._entries.append(LedgerEntry(float(noise_multiplier), float(sample_rate), int(steps), private,
+                                             self.run))
+        for listener in list(getattr(self, "_listeners", ())):
+            listener(int(steps))
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
@@ -113,16 +139,54 @@ class PrivacyLedger:
         return f"PrivacyLedger(steps={self.steps}, entries={len(self._entries)}{unit})"
 
     def state_dict(self) -> dict[str, Any]:
-        """Serialisable state, for checkpoints."""
-        state: dict[str, Any] = {"entries": [[e.noise_multiplier, e.sample_rate, e.steps, e.private]
-                                             for e in self._entries]}
+        """Serialisable state, for checkpoints: the releases run-length merged by (σ, q, private) as they always
+        were, and, when any run is known, the runs that made them as ``"runs"``: [run, steps] in order."""
+        merged: list[list[Any]] = []
+        runs: list[list[Any]] = []
+        for e in self._entries:
+            if merged and merged[-1][0:2] == [e.noise_multiplier, e.sample_rate] and merged[-1][3] == e.private:
+                merged[-1][2] += e.steps
+            else:
+                merged.append([e.noise_multiplier, e.sample_rate, e.steps, e.private])
+            if runs and runs[-1][0] == e.run:
+                runs[-1][1] += e.steps
+            else:
+                runs.append([e.run, e.steps])
+        state: dict[str, Any] = {"entries": merged}
         if self.unit != "example":
             state["unit"] = self.unit
+        if any(run is not None for run, _ in runs):
+            state["runs"] = runs
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the ledger's content with a saved state."""
-        self._entries = [LedgerEntry(float(s), float(q), int(n), bool(p)) for s, q, n, p in state["entries"]]
-        self._steps = sum(e.steps for e in self._entries)
-        self._private = all(e.private for e in self._entries)
+        """Replace the ledger's content with a saved state (a state without runs, as written before runs were kept:
+        each entry's run unknown). The ledger's own :attr:`run` stays: what it records next is still this fit's."""
+        runs = [[None if r is None else str(r), int(n)] for r, n in state.get("runs") or []]
+        entries: list[LedgerEntry] = []
+        for s, q, n, p in state["entries"]:
+            n = int(n)
+            while n > 0:
+                if runs and runs[0][1] <= 0:
+                    runs.pop(0)
+                    continue
+                run, take = (runs[0][0], min(n, runs[0][1])) if runs else (None, n)
+                if runs:
+                    runs[0][1] -= take
+                entries.append(LedgerEntry(float(s), float(q), take, bool(p), run))
+                n -= take
+        self.load_entries(entries)
         self.unit = str(state.get("unit", self.unit))
+
+    def load_entries(self, entries: Iterable[LedgerEntry]) -> None:
+        """Replace the ledger's releases by ``entries`` (consecutive ones of one setting and run merged)."""
+        kept: list[LedgerEntry] = []
+        for e in entries:
+            if e.steps and kept and (kept[-1].noise_multiplier, kept[-1].sample_rate, kept[-1].private,
+                                     kept[-1].run) == (e.noise_multiplier, e.sample_rate, e.private, e.run):
+                kept[-1] = LedgerEntry(e.noise_multiplier, e.sample_rate, kept[-1].steps + e.steps, e.private, e.run)
+            elif e.steps:
+                kept.append(e)
+        self._entries = kept
+        self._steps = sum(e.steps for e in kept)
+        self._private = all(e.private for e in kept)

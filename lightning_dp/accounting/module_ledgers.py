@@ -26,6 +26,10 @@ so at the end of a fit and whenever a checkpoint is written (:func:`mark`: a che
 "the best one", reloaded into a fresh module). Weights *near* trained ones — scaled by 1.0001, noise added — are
 found by a sketch of each changed parameter (its values at 64 spread positions, before and after the releases,
 :func:`near`): nearer to the trained values than a tenth of how far the releases moved them continues their record.
+Weights *derived* from a fit — an EMA or ``AveragedModel`` kept along it, a snapshot saved mid-fit, a point between
+start and end, ``0.5·w + noise``, a task vector, a soup of two fits — are found on the cone of the fit's start and of
+sketches taken along it (:func:`derived`, accounting/lineage.py), judged on the weights as they are when a module is
+attached, when neither digest nor nearness found a record.
 
 A module that holds a privately trained one outside its registry — a teacher in a list, in a function's closure or
 default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
@@ -33,19 +37,24 @@ default arguments or named by it as a global (soft targets, stacked logits) — 
 
 What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
 continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
-that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer).
+that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer; a task vector added to weights far
+from the fit's start).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
 so a ledger never goes backwards; otherwise both histories happened, and the record is their common
-prefix followed by the rest of each (a composition: an upper bound on ε, never below either).
+prefix followed by the rest of each (a composition: an upper bound on ε, never below either). Entries name the run
+that made them (:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`, set by :func:`bind`): two runs with equal
+settings are two histories (a soup of both), an entry of unknown run (an older checkpoint) matches as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import types
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -54,12 +63,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.accounting.lineage import RESIDUAL, PathSketches, fit_path, follows
 from lightning_dp.validators.kept_state import callable_state, content_sums
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 """Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
 _AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, Tensor]]]" = weakref.WeakKeyDictionary()
+_PATHS: "weakref.WeakKeyDictionary[nn.Module, tuple[PrivacyLedger, PathSketches]]" = weakref.WeakKeyDictionary()
+"""Module → (the ledger bound to it, the sketches of its parameters along the fit: accounting/lineage.py)."""
 
 
 def digest(t: Tensor) -> bytes:
@@ -92,26 +104,28 @@ class Combined:
 def combine(first: PrivacyLedger, second: PrivacyLedger) -> Combined:
     """``first`` continued with what ``second`` holds beyond it (module docs): the longer of the two when
     one is a prefix of the other, else their common prefix, then ``first``'s rest, then ``second``'s.
-    ``first`` is always a prefix of the result (running totals read from it stay valid)."""
+    ``first`` is always a prefix of the result (running totals read from it stay valid). Entries are one history
+    only when their runs agree too (:attr:`LedgerEntry.run`: two fits with equal σ, q and steps — a soup of two
+    runs — compose); an entry whose run is unknown (a checkpoint written before runs were kept) matches any."""
     a, b = first.entries, second.entries
     i, shared = 0, 0  # whole entries in common; then releases shared in entry i
-    while i < min(len(a), len(b)) and a[i] == b[i]:
+    while i < min(len(a), len(b)) and _same_kind(a[i], b[i]) and a[i].steps == b[i].steps:
         i += 1
     if i < len(a) and i < len(b) and _same_kind(a[i], b[i]):
         shared = min(a[i].steps, b[i].steps)
     rest = list(b[i:])
     if rest and shared:
-        rest[0] = LedgerEntry(rest[0].noise_multiplier, rest[0].sample_rate, rest[0].steps - shared, rest[0].private)
+        rest[0] = dataclasses.replace(rest[0], steps=rest[0].steps - shared)
     out = PrivacyLedger()
-    for entry in (*a, *rest):
-        out.record(entry.noise_multiplier, entry.sample_rate, entry.steps, entry.private)
+    out.load_entries((*a, *rest))
     added = out.steps - first.steps
     first_rest = first.steps - sum(e.steps for e in a[:i]) - shared
     return Combined(out, added, diverged=added > 0 and first_rest > 0)
 
 
 def _same_kind(x: LedgerEntry, y: LedgerEntry) -> bool:
-    return (x.noise_multiplier, x.sample_rate, x.private) == (y.noise_multiplier, y.sample_rate, y.private)
+    return (x.noise_multiplier, x.sample_rate, x.private) == (y.noise_multiplier, y.sample_rate, y.private) and (
+        x.run is None or y.run is None or x.run == y.run)
 
 
 def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
@@ -124,6 +138,8 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
         if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
             found += [_BY_CONTENT.get(digest(p)) for p in _trainable(owner)]
             found += [ledger for p in _trainable(owner) for ledger in near(p)]
+    if _SKETCHES and not any(found):  # weights derived from a fit's: an EMA, a snapshot, 0.5·w + noise, a soup
+        found += derived([p for owner in (module, *held_modules(module)) for p in _trainable(owner)])
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -182,6 +198,18 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     for part in module.modules():
         _RECORDS[part] = ledger
     _AT_BIND[module] = {id(p): (digest(p), sample(p)) for p in _trainable(module)}
+    if ledger.run is None:  # this fit's releases, told apart from another run's with equal settings (combine)
+        ledger.run = uuid.uuid4().hex[:16]
+    _stop_path(module)
+    path = PathSketches([p for p in _trainable(module) if _sketched(p)], _samples)
+    ledger.listen(path)
+    _PATHS[module] = (ledger, path)
+
+
+def _stop_path(module: nn.Module) -> None:
+    held = _PATHS.pop(module, None)
+    if held is not None:
+        held[0].unlisten(held[1])
 
 
 def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
@@ -194,9 +222,10 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
     for key in [key for key, held in _BY_CONTENT.items() if held is ledger]:  # marked at a checkpoint: the whole fit
         _BY_CONTENT[key] = copy
     for kept in _SKETCHES.values():
-        kept[:] = [(start, end, copy if held is ledger else held) for start, end, held in kept]
+        kept[:] = [(start, end, copy if held is ledger else held, path) for start, end, held, path in kept]
     mark(module, copy)
     _AT_BIND.pop(module, None)
+    _stop_path(module)
 
 
 def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
@@ -210,6 +239,7 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
         return
     copy = ledger
     before = _AT_BIND.get(module, {})
+    path = _PATHS.get(module, (None, None))[1]
     for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
         if id(p) not in before:   # refused before its release) keeps a fresh module's weights, not the record's
             continue
@@ -218,8 +248,10 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
             continue
         for key in (now, *_rounded_digests(p)):
             _BY_CONTENT[key] = copy
-        if p.numel() >= _MIN_SKETCHED and not _sharded(p):
-            _SKETCHES.setdefault(tuple(p.shape), []).append((before[id(p)][1], sample(p), copy))
+        if _sketched(p):
+            end = sample(p)
+            along = path.of(p) if path is not None else ()
+            _SKETCHES.setdefault(tuple(p.shape), []).append((before[id(p)][1], end, copy, (*along, end)))
 
 
 def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
@@ -231,8 +263,9 @@ def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
 _SKETCH_SIZE = 64
 _MIN_SKETCHED = 16
 _NEAR = 0.1
-_SKETCHES: dict[tuple[int, ...], list[tuple[Tensor, Tensor, PrivacyLedger]]] = {}
-"""Shape → (sketch when bound, sketch after the releases, the record) of every parameter the releases changed."""
+_SKETCHES: dict[tuple[int, ...], list[tuple[Tensor, Tensor, PrivacyLedger, tuple[Tensor, ...]]]] = {}
+"""Shape → (sketch when bound, sketch after the releases, the record, sketches along the fit ending with that after
+the releases: accounting/lineage.py) of every parameter the releases changed."""
 
 
 def sample(p: Tensor) -> Tensor:
@@ -243,6 +276,57 @@ def sample(p: Tensor) -> Tensor:
     return local[::step][:_SKETCH_SIZE].to("cpu", torch.float64)
 
 
+def _sketched(p: Tensor) -> bool:
+    return p.numel() >= _MIN_SKETCHED and not _sharded(p) and p.dtype.is_floating_point
+
+
+def _samples(params: list[Tensor]) -> list[Tensor]:
+    """:func:`sample` of each of ``params``, moved to the CPU together (one transfer from an accelerator)."""
+    if not params:
+        return []
+    local = [p.detach().reshape(-1) for p in params]
+    picked = [x[::max(1, x.numel() // _SKETCH_SIZE)][:_SKETCH_SIZE] for x in local]
+    if len({(x.device, x.dtype) for x in picked}) > 1:
+        return [x.to("cpu", torch.float64) for x in picked]
+    return list(torch.cat(picked).to("cpu", torch.float64).split([x.numel() for x in picked]))
+
+
+_SOUP_CANDIDATES = 6
+"""The fits, nearest first, among which :func:`derived` looks for the two a soup averaged."""
+
+
+def derived(params: list[Tensor]) -> list[PrivacyLedger]:
+    """The records of the fits whose path the weights ``params`` lie on (accounting/lineage.py: an EMA or average of
+    the fit's weights, a snapshot from the middle of it, a shrink-and-perturb warm start, a task vector; a soup of two
+    fits from one start, on both): a fit is taken when more than half of the parameters it trained (each judged
+    by its sketch: :func:`~lightning_dp.accounting.lineage.follows`) are followed by one of ``params`` of their shape
+    — weights trained on the same task from the fit's start, publicly, may follow one of its layers by chance."""
+    heres: dict[tuple[int, ...], list[Tensor]] = {}
+    for p in params:
+        if _sketched(p) and tuple(p.shape) in _SKETCHES:
+            heres.setdefault(tuple(p.shape), []).append(sample(p))
+    parts: dict[int, tuple[PrivacyLedger, dict[int, bool]]] = {}  # record → its parameters (by start) → followed
+    for shape, kept in _SKETCHES.items():
+        alike: list[list[tuple[float, Tensor, PrivacyLedger, tuple[Tensor, ...]]]] = [[] for _ in heres.get(shape, ())]
+        for start, _, ledger, path in kept:
+            followed = parts.setdefault(id(ledger), (ledger, {}))[1]
+            for k, here in enumerate(heres.get(shape, ())):
+                fitted = fit_path(here, start, (path,))
+                if fitted is not None and fitted[0] <= RESIDUAL * fitted[1]:
+                    followed[id(start)] = True
+                elif fitted is not None:  # a clear part of this fit's move, more left: one of a soup's two fits?
+                    alike[k].append((fitted[0] / max(fitted[1], 1e-300), start, ledger, path))
+            followed.setdefault(id(start), False)
+        for here, candidates in zip(heres.get(shape, ()), alike):  # a soup of two fits from one start: both
+            candidates = sorted(candidates, key=lambda c: c[0])[:_SOUP_CANDIDATES]  # the nearest: pairs stay few
+            for k, (_, start, ledger, path) in enumerate(candidates):
+                for _, other_start, other, other_path in candidates[k + 1:]:
+                    if other is not ledger and torch.equal(start, other_start) and follows(
+                            here, start, path, other_path):
+                        parts[id(ledger)][1][id(start)] = parts[id(other)][1][id(other_start)] = True
+    return [ledger for ledger, followed in parts.values() if 2 * sum(followed.values()) > len(followed)]
+
+
 def near(p: Tensor) -> list[PrivacyLedger]:
     """The records of trained weights ``p`` lies near: nearer to them (at the sketch's positions) than a tenth of
     how far the releases moved them from where they were bound (weights scaled by 1.0001, or with noise added,
@@ -251,7 +335,7 @@ def near(p: Tensor) -> list[PrivacyLedger]:
     if not kept or not p.dtype.is_floating_point:
         return []
     here = sample(p)
-    return [ledger for start, end, ledger in kept
+    return [ledger for start, end, ledger, _ in kept
             if here.shape == end.shape and float((here - end).norm()) < _NEAR * float((end - start).norm())]
 
 

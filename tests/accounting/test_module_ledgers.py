@@ -52,3 +52,30 @@ def test_the_record_covers_submodules_and_goes_with_the_module():
     del inner, outer
     gc.collect()
     assert gone() is None  # the registry holds no module alive
+
+
+def _run(run: str, *entries: tuple[float, int]) -> PrivacyLedger:
+    ledger = PrivacyLedger()
+    ledger.run = run
+    for sigma, steps in entries:
+        ledger.record(sigma, 0.1, steps)
+    return ledger
+
+
+def test_two_runs_with_equal_settings_compose_and_one_run_seen_twice_counts_once():
+    """A soup of two fits (zoo14 t4): equal σ, q and steps, two histories; the same run twice is one."""
+    first, second = _run("a", (1.0, 3)), _run("b", (1.0, 3))
+    combined = module_ledgers.combine(first, second)
+    assert combined.ledger.steps == 6 and combined.diverged
+    assert [e.run for e in combined.ledger.entries] == ["a", "b"]
+    assert module_ledgers.combine(first, _run("a", (1.0, 5))).ledger.steps == 5  # a prefix of the same run
+    assert module_ledgers.combine(first, first).ledger.steps == 3
+
+
+def test_an_entry_of_unknown_run_is_taken_for_any_run_as_before():
+    """A checkpoint written before runs were kept: its entries match a run's alike settings (a prefix)."""
+    old = PrivacyLedger()
+    old.load_state_dict({"entries": [[1.0, 0.1, 3, True]]})
+    assert old.entries[0].run is None and "runs" not in old.state_dict()
+    assert module_ledgers.combine(old, _run("a", (1.0, 5))).ledger.steps == 5
+    assert module_ledgers.combine(_run("a", (1.0, 5)), old).ledger.steps == 5

@@ -111,13 +111,16 @@ def test_a_float64_copy_continues_the_record(trained):
     assert dp.ledger.steps == 5
 
 
-def test_weights_far_from_the_trained_ones_start_their_own_record(trained):
-    """Halfway between where training started and where it ended is not near the trained weights: a tenth of the
-    way is the bound (module_ledgers.near)."""
-    start = Classifier()
-    halfway = Classifier()
-    halfway.load_state_dict({k: (v + start.state_dict()[k]) / 2 for k, v in trained.state_dict().items()})
-    assert fit(halfway, steps=2).ledger.steps == 2
+def test_weights_moved_their_own_way_start_their_own_record(trained):
+    """Weights as far from the trained ones as the start, moved in a direction of their own, are neither near the
+    trained weights (module_ledgers.near) nor on the fit's path (accounting/lineage.py: halfway between the start and
+    the end is, and continues the record: tests/accounting/test_lineage.py)."""
+    other = Classifier()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * float(p.std()))
+    assert fit(other, steps=2).ledger.steps == 2
 
 
 def test_a_checkpoint_written_mid_fit_continues_every_release_of_that_fit(tmp_path):
