@@ -46,6 +46,8 @@ so a ledger never goes backwards; otherwise both histories happened, and the rec
 prefix followed by the rest of each (a composition: an upper bound on ε, never below either). Entries name the run
 that made them (:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`, set by :func:`bind`): two runs with equal
 settings are two histories (a soup of both), an entry of unknown run (an older checkpoint) matches as before.
+Weights exactly a fit's (or near the end that two runs both reached from one start: a rerun with the same seeds)
+are that one run's record, not a composition of runs that each alone explain them.
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     for owner in (module, *held_modules(module)):  # a teacher held in a list or a function: its releases too
         found += [_RECORDS.get(part) for part in owner.modules()]
         if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
-            found += [_BY_CONTENT.get(digest(p)) for p in _trainable(owner)]
-            found += [ledger for p in _trainable(owner) for ledger in near(p)]
+            for p in _trainable(owner):  # exactly a fit's weights: that fit's record alone (another run that
+                exact = _BY_CONTENT.get(digest(p))  # ended on the same values, a rerun with the same seeds, is
+                found += [exact] if exact is not None else near(p)  # not a second history of these weights)
     if _SKETCHES and not any(found):  # weights derived from a fit's: an EMA, a snapshot, 0.5·w + noise, a soup
         found += derived([p for owner in (module, *held_modules(module)) for p in _trainable(owner)])
     for ledger in found:
@@ -335,8 +338,12 @@ def near(p: Tensor) -> list[PrivacyLedger]:
     if not kept or not p.dtype.is_floating_point:
         return []
     here = sample(p)
-    return [ledger for start, end, ledger, _ in kept
+    hits = [(start, end, ledger) for start, end, ledger, _ in kept
             if here.shape == end.shape and float((here - end).norm()) < _NEAR * float((end - start).norm())]
+    # fits that went from one start to one end (a rerun with the same seeds) are one history of these weights: the
+    # latest marked stands for them, not a composition of runs that each alone explain the weights
+    return [ledger for k, (start, end, ledger) in enumerate(hits)
+            if not any(torch.equal(start, s) and torch.equal(end, e) for s, e, _ in hits[k + 1:])]
 
 
 def _sharded(p: Tensor) -> bool:

@@ -79,3 +79,29 @@ def test_an_entry_of_unknown_run_is_taken_for_any_run_as_before():
     assert old.entries[0].run is None and "runs" not in old.state_dict()
     assert module_ledgers.combine(old, _run("a", (1.0, 5))).ledger.steps == 5
     assert module_ledgers.combine(_run("a", (1.0, 5)), old).ledger.steps == 5
+
+
+def test_two_runs_ending_on_the_same_weights_are_one_history_of_them():
+    """A rerun with the same seeds ends on the same weights: a module holding them (a reload, a copy scaled by
+    1.0001) is explained by either run alone, and counts one run's releases, not both (test_step_index p12)."""
+    import torch
+
+    def fit(run: str) -> nn.Module:
+        torch.manual_seed(7)
+        module, ledger = nn.Linear(7, 5), _run(run)
+        module_ledgers.bind(module, ledger)
+        with torch.no_grad():
+            module.weight.add_(0.5)
+        ledger.record(1.0, 0.1, 3)
+        module_ledgers.unbind(module, ledger)
+        return module
+
+    trained = [fit("rerun-a"), fit("rerun-b")]
+    assert torch.equal(trained[0].weight, trained[1].weight)
+    reloaded = nn.Linear(7, 5)
+    reloaded.load_state_dict(trained[1].state_dict())
+    assert module_ledgers.record_of(reloaded).steps == 3
+    with torch.no_grad():
+        reloaded.weight.mul_(1.0001)
+        reloaded.bias.mul_(1.0001)
+    assert module_ledgers.record_of(reloaded).steps == 3
