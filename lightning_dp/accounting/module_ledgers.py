@@ -66,7 +66,8 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.lineage import RESIDUAL, PathSketches, fit_path, follows
-from lightning_dp.validators.kept_state import callable_state, content_sums
+from lightning_dp.fingerprints.checksums import content_sums
+from lightning_dp.fingerprints.state_walker import callable_state
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
@@ -78,7 +79,7 @@ _PATHS: "weakref.WeakKeyDictionary[nn.Module, tuple[PrivacyLedger, PathSketches]
 
 def digest(t: Tensor) -> bytes:
     """A digest of ``t``'s contents: its shape, dtype and the kept-state checksums of its values
-    (:func:`~lightning_dp.validators.checksums.content_sums`: float64 Σx, Σx², Σ (1 + j mod 251)·x_j)."""
+    (:func:`~lightning_dp.fingerprints.checksums.content_sums`: float64 Σx, Σx², Σ (1 + j mod 251)·x_j)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     head = repr((tuple(local.shape), str(local.dtype))).encode()
     return hashlib.blake2b(head + content_sums([t])[0], digest_size=16).digest()

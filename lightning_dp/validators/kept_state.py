@@ -65,7 +65,6 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.callback_state import _callback_state, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
-from lightning_dp.fingerprints.checksums import content_sums  # noqa: F401  (re-exported: accounting/ imports it here)
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
