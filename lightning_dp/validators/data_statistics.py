@@ -121,6 +121,8 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)):
             continue
         for stat_name, stat in stats:
+            if stat_name.startswith(_EXACT) and candidate.numel() == 1 and _round(float(candidate)):
+                continue  # a public range's end (-1, 0.5, 255: pixels scaled to [-1, 1]) is no record's value
             try:
                 same = _equal(candidate, stat, 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL)
             except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one (DTensor)
@@ -403,6 +405,12 @@ def _as_tensor(value: Any) -> Any:
     if isinstance(value, float):
         return torch.tensor(value, dtype=torch.float64)
     return None
+
+
+def _round(value: float) -> bool:
+    """A number a person writes (a multiple of 1/16 below 2¹⁶ in size): the end of a public range rather than a record's
+    value, for a single number matched to a record's (a continuous value is round with chance ≈ 2⁻¹⁹ per unit)."""
+    return abs(value) < 65536 and float(value * 16).is_integer()
 
 
 def _near_trivial(value: float) -> bool:

@@ -317,6 +317,19 @@ def test_per_output_order_statistics_of_a_multi_output_target_and_the_features_e
         "attribute top equals the maximum of the training tensors[0]"]
 
 
+def test_the_end_of_a_public_range_is_not_taken_for_the_datas_extreme():
+    """Features scaled publicly to [-1, 1] (digits / 8 - 1) reach -1 and 1: an augmentation's fill of -1.0 (the
+    background) equals their minimum but is the range's end, a round number, not a record's value."""
+    digits = torch.randint(1, 16, (64, 6)).double() / 8 - 1
+    digits[0, 0], digits[1, 1] = -1.0, 1.0  # the range's ends, met by one pixel each
+    holder = nn.Module()
+    holder.fill, holder.top = -1.0, 1.0
+    assert data_statistics_held([("model", holder)], TensorDataset(digits, Y[:64])) == []
+    holder.fill = float(X.min())  # a continuous record's value is still found
+    assert data_statistics_held([("model", holder)], TensorDataset(X, Y)) == [
+        "attribute fill equals the minimum of the training tensors[0]"]
+
+
 class Regression(Classifier):
     """'Initialise the output bias to the mean target' (a common recipe), in __init__."""
 
