@@ -59,6 +59,11 @@ def _register_unified_strategy() -> None:
         pass
 
 
+def _record_outside_steps() -> None:
+    import lightning_dp.records.outside_steps  # noqa: F401  (counts optimizer steps outside the mechanism)
+
+
+after_import("torch.optim", _record_outside_steps)  # a teacher fitted here without DP is refused (outside_fits)
 after_import("pytorch_lightning", _register_strategy)  # Trainer(strategy="dp"), whichever is imported first
 after_import("lightning.pytorch", _register_unified_strategy)  # L.Trainer(strategy="dp")
 

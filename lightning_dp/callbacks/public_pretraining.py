@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from lightning_dp.records.outside_steps import public_steps
+
 log = logging.getLogger(__name__)
 
 
@@ -107,7 +109,7 @@ def pretrain(
     losses: list[float] = []
     start = time.perf_counter()
     bar = tqdm(total=epochs * len(loader), desc="public pretraining", disable=not progress, leave=False)
-    with torch.enable_grad():
+    with torch.enable_grad(), public_steps():  # declared public: not a fit outside the mechanism (outside_steps.py)
         for epoch in range(epochs):
             total, count = 0.0, 0
             for x, y in loader:

@@ -29,6 +29,8 @@ from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
+from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held
+from lightning_dp.records.outside_steps import mark_private
 from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, StepFailedError,
@@ -122,6 +124,12 @@ class StepChecks:
         found = vocabulary_held(holders, self._source[0], self.boundary.public_state)
         if found:
             raise vocabulary_error(found)
+        optimizer = getattr(self, "_optimizer", None)
+        found = outside_fits_held(self._module, optimizer, [holders[0], *((type(cb).__name__, cb) for cb in
+                                  self.boundary.callbacks() if not is_datamodule(cb)), *holders[1:]],
+                                  self.boundary.public_state)
+        if found:  # models fitted in this process outside the mechanism (:mod:`.outside_fits`)
+            raise outside_fit_error(found)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",
@@ -144,6 +152,7 @@ class StepChecks:
         (:func:`~.lazy_caches.filled_alike`): filled alike, it is filled so before the first release; set apart by
         the data, refused."""
         assert self._engine is not None and self._module is not None, "attach() first"
+        mark_private(getattr(self, "_optimizer", None))  # its steps from now on are releases (records/outside_steps)
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
         self.boundary.check_hooks(named)
 
