@@ -325,6 +325,11 @@ def test_the_end_of_a_public_range_is_not_taken_for_the_datas_extreme():
     holder = nn.Module()
     holder.fill, holder.top = -1.0, 1.0
     assert data_statistics_held([("model", holder)], TensorDataset(digits, Y[:64])) == []
+    iris_like = torch.randint(1, 25, (64, 4)).double() / 10  # recorded to one decimal: a learning rate of 0.1
+    holder.lr = 0.1                                          # equals the smallest value of a column
+    iris_like[0, 3] = 0.1
+    assert data_statistics_held([("model", holder)], TensorDataset(iris_like, Y[:64])) == []
+    del holder.lr
     holder.fill = float(X.min())  # a continuous record's value is still found
     assert data_statistics_held([("model", holder)], TensorDataset(X, Y)) == [
         "attribute fill equals the minimum of the training tensors[0]"]
