@@ -463,7 +463,7 @@ class PrivateStep(StepChecks):
         sampler.step = first
         self.check_ranks_agree(population, sampler)  # one mechanism on every rank (validators/rank_agreement.py)
         self._batches = RecordedBatches(sampler, population.indices, lambda: self.steps_taken)
-        dl = dataloader
+        dl = self.training_loader = dataloader
         collate: Callable[[list[Any]], Any] = EmptySafeCollate(dl.dataset, dl.collate_fn)
         if self.fixed_batch_size is not None:  # every batch of n ≤ F examples arrives padded to F rows
             collate = self._padder = PaddedCollate(dl.dataset, self.fixed_batch_size, dl.collate_fn)

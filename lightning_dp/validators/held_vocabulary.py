@@ -15,7 +15,10 @@ look for **containers built from the training records that hold an item found in
   values (``id → word``), lists, tuples, sets and NumPy arrays of strings (an ``itos`` list, ``classes_``,
   ``categories_``), and a tokenizer's ``get_vocab()``, of at least :data:`MIN_ITEMS` distinct strings, found by a
   bounded walk of the model's submodules' attributes, the ``hparams`` of the model and the datamodule, the
-  datamodule's attributes, the helper objects they hold (fitted encoders), and the checkpoint's entries;
+  datamodule's attributes, the objects the training loader holds (:func:`loader_holders`: its ``collate_fn``,
+  ``sampler``, ``batch_sampler`` and ``worker_init_fn``: a collator holding the tokenizer it encodes with is released
+  with the model trained on its ids), the helper objects they hold (fitted encoders; a ``functools.partial``'s
+  arguments, a closure's cells, a bound method's object), and the checkpoint's entries;
 * items of the records: each training record's strings (a record that is a string, a tuple, list or dict holding
   strings), whole, split at whitespace (raw and lower-cased with the punctuation around them stripped) and split as a
   basic tokenizer splits lower-cased text (words and single punctuation marks), counted
@@ -41,8 +44,8 @@ The 95% condition keeps a public vocabulary apart from one built from the data, 
 public word list that happens to hold a word one training record has is refused only if nearly all of its other
 words occur in the training records too (a large public vocabulary mostly holds words the data does not have; a
 small one over a large corpus may not — declare it public). The datamodule holding the training texts themselves
-(most items are whole record strings) is its data, not a vocabulary, and is not refused; the model or a checkpoint
-holding them is.
+(most items are whole record strings) is its data, not a vocabulary, and is not refused, nor is the loader's collate
+function holding them; the model or a checkpoint holding them is.
 
 What it cannot see: a container of fewer than :data:`MIN_ITEMS` strings; numbers, bytes or other non-string items
 (a table keyed by integer zip codes); items transformed (stemmed, hashed, sub-word pieces of a BPE or WordPiece
@@ -50,13 +53,14 @@ vocabulary, characters of a character vocabulary); a vocabulary cut at a count t
 strings are not returned by ``dataset[i]`` and ids encoded in non-integer or wrapped tensors; an iterable dataset,
 one over :data:`MAX_RECORDS` records or slower to read than :data:`MAX_SECONDS` (skipped with a warning); holders the
 walk does not reach (a global, a callback, an object of an extension type without ``__dict__``, a Rust tokenizer
-without ``get_vocab()``).
+without ``get_vocab()``, a function's globals).
 """
 
 from __future__ import annotations
 
 import re
 import string
+import functools
 import time
 import types
 import warnings
@@ -124,9 +128,21 @@ def vocabulary_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Se
     records and hold an item found in one record only (module docstring), as readable findings."""
     containers = []
     for label, owner in holders:
-        kind = "datamodule" if is_datamodule(owner) else label
-        containers += [c for c in _containers(_roots(label, owner), kind) if not _public(c.path, public)]
+        kind = "datamodule" if is_datamodule(owner) else "loader" if label.startswith(_LOADER) else label
+        roots = [(label, owner)] if kind == "loader" else _roots(label, owner)
+        containers += [c for c in _containers(roots, kind) if not _public(c.path, public)]
     return _judge(containers, dataset)
+
+
+_LOADER = "loader."
+
+
+def loader_holders(loader: Any) -> list[tuple[str, Any]]:
+    """The objects the training ``loader`` holds besides its dataset (its ``collate_fn``, ``sampler``,
+    ``batch_sampler`` and ``worker_init_fn``), as holders for :func:`vocabulary_held`: record content kept there
+    (a tokenizer built from the records, held by a collator) is released with the model as much as the model's own."""
+    names = ("collate_fn", "sampler", "batch_sampler", "worker_init_fn")
+    return [(_LOADER + name, getattr(loader, name)) for name in names if getattr(loader, name, None) is not None]
 
 
 def _public(path: str, public: Sequence[str]) -> bool:
@@ -156,7 +172,10 @@ def vocabulary_error(found: Sequence[str], where: str = "before training") -> Pr
         "whatever σ the ledger counts. Nothing was released. Use a public vocabulary (a pretrained tokenizer, a "
         "public word list, a fixed list of categories) or one chosen with a DP mechanism (noisy counts and a "
         "threshold, its ε accounted for), and declare it: DPStrategy(public_state=[name]). Dropping rare items with "
-        "a fixed count threshold (min_freq) hides these but is not differentially private either.")
+        "a fixed count threshold (min_freq) hides these but is not differentially private either."
+        + (" A tokenizer or table held by the training loader (loader.*: its collate_fn, sampler or worker_init_fn) "
+           "counts as the model's: it is what the model's ids mean, and is published with it."
+           if any(f.startswith(_LOADER) for f in found) else ""))
 
 
 # ---------------------------------------------------------------------- the holders' containers
@@ -196,8 +215,11 @@ def _containers(roots: Sequence[tuple[str, Any]], holder: str) -> list[_Containe
 
 
 def _skipped(value: Any) -> bool:
+    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+        module = getattr(value, "__module__", None) or getattr(getattr(value, "func", None), "__module__", None)
+        return (module or "").split(".")[0] in _OPAQUE  # the user's: its closure, arguments or object are walked
     if isinstance(value, (str, bytes, int, float, complex, bool, type(None), Tensor, nn.Module, Dataset, DataLoader,
-                          type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)):
+                          type, types.BuiltinFunctionType, types.ModuleType)):
         return True  # a callable object of the user's (a tokenizer with __call__) is walked
     module = type(value).__module__ or ""
     return module.split(".")[0] in _OPAQUE and not isinstance(value, (dict, list, tuple, set, frozenset, np.ndarray))
@@ -213,11 +235,26 @@ def _inner(path: str, value: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(value, np.ndarray):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, np.ndarray)] \
             if value.dtype == object and value.ndim == 1 and value.size <= 64 else []
+    elif isinstance(value, functools.partial):
+        items = [(f"{path}.func", value.func)] + [(f"{path}.args[{i}]", v) for i, v in enumerate(value.args)] \
+            + [(f"{path}.keywords[{k!r}]", v) for k, v in value.keywords.items()]
+    elif isinstance(value, types.MethodType):
+        items = [(f"{path}.__self__", value.__self__), (path, value.__func__)]
+    elif isinstance(value, types.FunctionType):  # a closure's cells, by the names the function gives them
+        cells = zip(value.__code__.co_freevars, value.__closure__ or ())
+        items = [(f"{path}.<{name}>", _cell(cell)) for name, cell in cells]
     elif hasattr(value, "__dict__") and not isinstance(value, (set, frozenset)):
         items = [(f"{path}.{k}", v) for k, v in vars(value).items() if not k.startswith("__")]
     else:
         items = []
     yield from items[:64]
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name bound later)
+        return None
 
 
 def _container(path: str, value: Any, holder: str) -> Optional[_Container]:
@@ -368,8 +405,8 @@ def _judge(containers: list[_Container], dataset: Any) -> list[str]:
         present = [s for s, n in distinct.items() if n > 0]
         if len(present) < BUILT_SHARE * len(distinct):
             continue
-        if c.holder == "datamodule" and sum(s in records.whole for s in present) * 2 >= len(present):
-            continue  # the datamodule holding the training texts: its data
+        if c.holder in ("datamodule", "loader") and sum(s in records.whole for s in present) * 2 >= len(present):
+            continue  # the datamodule (or the loader's collate function) holding the training texts: its data
         single = sorted(s for s, n in distinct.items() if n == 1)
         if single:
             shown = ", ".join(repr(s[:60]) for s in single[:4]) + (" …" if len(single) > 4 else "")

@@ -28,7 +28,7 @@ from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tol
 from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
-from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_held
+from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
 from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held
 from lightning_dp.records.outside_steps import mark_private
 from lightning_dp.fingerprints.callback_state import is_datamodule
@@ -46,6 +46,9 @@ from lightning_dp.validators.snapshot import StateSnapshot
 class StepChecks:
     """The checks a :class:`~lightning_dp.privacy.private_step.PrivateStep` runs on the user's step before a
     release (see the module's docstring for the state it reads)."""
+
+    training_loader: Any = None
+    """The user's training loader (:meth:`poisson_loader`'s argument)."""
 
     probe_writes: Sequence[str] = ()
     """What the first step's probe found ``training_step`` writing to kept state other than parameters (a step
@@ -121,7 +124,8 @@ class StepChecks:
         found = data_statistics_held(holders, self._source[0], self.boundary.public_state)
         if found:
             raise data_statistics_error(found)
-        found = vocabulary_held(holders, self._source[0], self.boundary.public_state)
+        loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
+        found = vocabulary_held(holders + loader_holders(loader), self._source[0], self.boundary.public_state)
         if found:
             raise vocabulary_error(found)
         optimizer = getattr(self, "_optimizer", None)

@@ -6,7 +6,9 @@ not."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -272,3 +274,62 @@ def test_a_training_set_too_large_to_read_is_skipped_with_a_warning(monkeypatch)
     monkeypatch.setattr(held, "MAX_RECORDS", 10)
     with pytest.warns(UserWarning, match="not compared with the training records"):
         assert vocabulary_held([("model", BagOfWords(built_vocabulary(TEXTS)))], Texts(list(TEXTS), LABELS)) == []
+
+
+def encode(vocab: dict[str, int], batch: list[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids of each text's first 8 words in ``vocab`` (folded into the 32 embedding rows), and the labels."""
+    ids = torch.zeros(len(batch), 8, dtype=torch.long)
+    for r, (text, _) in enumerate(batch):
+        tokens = [vocab.get(w, 0) % 32 for w in text.split()][:8]
+        ids[r, : len(tokens)] = torch.tensor(tokens)
+    return ids, torch.tensor([label for _, label in batch])
+
+
+class Collator:
+    """A collator holding the word table it encodes with (Hugging Face's habit: ``DataCollator(tokenizer)``), and
+    the training texts (a lookup of its own: the data, not a vocabulary)."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab, self.texts = vocab, list(TEXTS)
+
+    def __call__(self, batch: list[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return encode(self.vocab, batch)
+
+
+def closure(vocab: dict[str, int]) -> Any:
+    def collate_words(batch: list[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return encode(vocab, batch)
+    return collate_words
+
+
+def in_worker_init(vocab: dict[str, int]) -> dict[str, Any]:
+    return {"collate_fn": collate, "worker_init_fn": functools.partial(init_worker, vocab)}
+
+
+def init_worker(vocab: dict[str, int], worker_id: int) -> None:
+    """A worker's start (never called here: no workers)."""
+
+
+@pytest.mark.parametrize("where, loader_kwargs", [
+    ("loader.collate_fn.vocab", lambda v: {"collate_fn": Collator(v)}),
+    ("loader.collate_fn.args[0]", lambda v: {"collate_fn": functools.partial(encode, v)}),
+    ("loader.collate_fn.<vocab>", lambda v: {"collate_fn": closure(v)}),
+    ("loader.collate_fn.__self__.vocab", lambda v: {"collate_fn": Collator(v).__call__}),
+    ("loader.worker_init_fn.args[0]", in_worker_init),
+])
+def test_a_vocabulary_built_from_the_records_held_by_what_the_training_loader_holds_is_refused(where, loader_kwargs):
+    model = BagOfWords(None)
+    before = parameters(model)
+    loader = DataLoader(Texts(TEXTS, LABELS), batch_size=16, **loader_kwargs(built_vocabulary(TEXTS)))
+    with pytest.raises(PrivacyConfigurationError,
+                       match=rf"(?s)non-tensor state.*{re.escape(where)} .*{RARE}.*held by the training loader"):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(model, loader)
+    assert unchanged(before, model)
+
+
+def test_a_public_vocabulary_and_the_training_texts_held_by_the_collate_function_are_not_refused():
+    public = {w: i for i, w in enumerate(PUBLIC_WORDS)}  # holds the rare word, but mostly words the data lacks
+    loader = DataLoader(Texts(TEXTS, LABELS), batch_size=16, collate_fn=Collator(public))
+    quiet_trainer(strategy=strategy(), max_steps=2).fit(BagOfWords(None), loader)
+    loader = DataLoader(Texts(TEXTS, LABELS), batch_size=16, collate_fn=Collator(built_vocabulary(TEXTS)))
+    quiet_trainer(strategy=strategy(public_state=["vocab"]), max_steps=2).fit(BagOfWords(None), loader)  # declared
