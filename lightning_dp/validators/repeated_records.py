@@ -16,6 +16,15 @@ fingerprinted (:mod:`~lightning_dp.records.record_fingerprint`):
   records among them, r̂ = P · (N − 1) / (m(m − 1)/2) estimates the mean number of *other* exact copies a
   record has (1 when the data are doubled, 2 when tripled; P(two random records are equal) · (N − 1)).
   Refused when r̂ ≥ :data:`REPEATED_COPIES` (and, for a sample, at least :data:`MIN_PAIRS` pairs seen).
+  r̂ is a mean: one record repeated five times among 500 (a hard example upweighted) has r̂ ≈ 0.04, yet that
+  person's privacy loss is five records'. So a record seen c ≥ 3 times is also refused when chance does not
+  explain it (:func:`_chance_of`): records drawn from a distribution whose collision probability p is what the
+  *other* equal pairs show, spread over 1/p equally likely values, give a value c times or more about
+  (1/p) · P(Poisson(m·p) ≥ c) times; refused when that is under :data:`CHANCE` (no other pair: any triple).
+  Natural data concentrated on one value (an empty text) is refused too: declare it.
+- **any exact copy below these rules** is warned (:class:`RepeatedRecordsWarning`): how many checked records have
+  a copy and the largest number of identical records (counts only), with the fixes; for a sample, what it cannot
+  show (a pair is in it with probability ≈ (m/N)², a record with under ≈ 3N/m copies seldom thrice).
 
 Which records: all of them when N ≤ :data:`CONTENT_CHECK_RECORDS` (exact for byte-identical copies);
 otherwise a public random sample of that many, a birthday test: data doubled give
@@ -32,13 +41,16 @@ rank reaches the same verdict. Cost: one read and one digest per checked record 
 What it cannot see: copies that differ by more than the grid (re-encoded or resized images, a copy with its own
 augmentation drawn from a generator of its own, a record that carries its position, jitter of 1e-3 of the scale or
 more), near copies of records with fewer than 4 floating-point values, repetition below
-:data:`REPEATED_COPIES` by content alone, and repetition in a large dataset too sparse for the sample;
-records without a fingerprint (opaque objects) are not checked. :class:`~lightning_dp.data.DistinctRecords`
-skips this check for data whose identical records are different people's.
+:data:`REPEATED_COPIES` by content alone that chance could explain (warned, not refused: a record twice), and
+repetition in a large dataset too sparse for the sample; records without a fingerprint (opaque objects) are not
+checked. :class:`~lightning_dp.data.DistinctRecords` skips this check (and its warning) for data whose identical
+records are different people's.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import Counter, defaultdict
 from typing import Any, Callable, Optional
 
@@ -63,6 +75,10 @@ theirs anyway; beyond this, later views are compared by content only)."""
 REPEATED_COPIES = 0.05
 """Refused when records have on average this many other exact copies or more (5 % of them with one copy each)."""
 
+CHANCE = 1e-3
+"""Refused when the expected number of values repeated as often as the most repeated record, by chance
+(:func:`_chance_of`), is under this."""
+
 MIN_PAIRS = 3
 """Equal pairs a sample must show before its estimate is trusted (one chance pair in a huge dataset is not
 repetition)."""
@@ -75,6 +91,11 @@ _SAMPLE_SEED = 0xD0C5
 
 _BATCH = 64
 """Records read per call from a dataset with a ``__getitems__`` of its own (the loader reads it in batches)."""
+
+
+class RepeatedRecordsWarning(UserWarning):
+    """Some training records have exact copies, too few to refuse: each copy is a chance more per step for one
+    person's record, unless they are different people's (:class:`~lightning_dp.data.DistinctRecords`)."""
 
 
 def check_repeated_records(dataset: Any, at: Callable[[int], int], n: int) -> None:
@@ -173,17 +194,56 @@ def _refuse_repeated_content(prints: dict[int, Fingerprint], n: int) -> None:
     pairs = sum(c * (c - 1) // 2 for c in counts.values())
     m = len(prints)
     copies = pairs * (n - 1) / (m * (m - 1) / 2)
-    if pairs == 0 or copies < REPEATED_COPIES or (m < n and pairs < MIN_PAIRS):
+    if pairs == 0:
         return
-    first, second = _an_equal_pair(prints, counts)
     checked = "all" if m == n else f"a random sample of {m}"
+    most = max(counts.values())
+    if copies < REPEATED_COPIES or (m < n and pairs < MIN_PAIRS):
+        if most < 3 or _chance_of(most, pairs - most * (most - 1) // 2, m) >= CHANCE:
+            _warn_copies(counts, m, n)
+            return
+        lead = (f"One training record occurs {most} times (in {checked} of the {n} records: more often than chance "
+                "explains, given how rarely the others repeat")
+    else:
+        lead = (f"The training records repeat: they have on average {copies:.2g} other exact copies each (estimated "
+                f"from {checked} of the {n} records")
+    first, second = _an_equal_pair(prints, counts)
     raise PrivacyConfigurationError(
-        f"The training records repeat: they have on average {copies:.2g} other exact copies each (estimated from "
-        f"{checked} of the {n} records; e.g. indices {first} and {second} hold identical records). That is what a "
+        f"{lead}; e.g. indices {first} and {second} hold identical records). That is what a "
         "__len__ that repeats the data (index % n), oversampling or a ConcatDataset of copies looks like, and a "
         "repeated record gets a chance per copy in every step: its privacy loss adds up over its copies. "
         + REPEAT_FIX + " If these are different people's records that happen to be identical, declare it: "
         "lightning_dp.data.DistinctRecords(dataset).")
+
+
+def _chance_of(c: int, other_pairs: int, m: int) -> float:
+    """How many values would occur ``c`` times or more among ``m`` records by chance: records drawn from 1/p equally
+    likely values, p the collision probability the ``other_pairs`` show (0 when there are none)."""
+    p = other_pairs / (m * (m - 1) / 2)
+    if p <= 0:
+        return 0.0
+    lam = m * p
+    if c <= lam:
+        return 1.0 / p
+    tail = sum(math.exp(-lam + k * math.log(lam) - math.lgamma(k + 1)) for k in range(c, c + 400))
+    return tail / p
+
+
+def _warn_copies(counts: Counter, m: int, n: int) -> None:
+    """Exact copies too few to refuse: warned, with counts only (never the records)."""
+    with_copies = sum(c for c in counts.values() if c > 1)
+    sample = "" if m == n else (
+        f" Only a random sample of {m} of the {n} records was checked: a pair of copies is in it with probability "
+        f"about {(m / n) ** 2:.2g}, and a record with fewer than about {math.ceil(3 * n / m)} copies seldom shows "
+        "three times, so there may be more copies than these.")
+    warnings.warn(
+        f"lightning_dp: {with_copies} of the {m} training records checked have exact copies among them (the largest "
+        f"group: {max(counts.values())} identical records).{sample} If one person's record is repeated (oversampling, "
+        "a record upweighted by copying it), each copy is one more chance per step, and that person's privacy loss "
+        "is that of as many records as copies while the ledger counts one: deduplicate the data (weight losses "
+        "instead of copying records). If these are different people's identical records, declare it: "
+        "lightning_dp.data.DistinctRecords(dataset); for several records per person, use user-level units "
+        "(DPStrategy(privacy_unit=lightning_dp.Users(user_ids, ...))).", RepeatedRecordsWarning, stacklevel=2)
 
 
 def _refuse_near_copies(near: list[dict[int, bytes]], n: int) -> None:

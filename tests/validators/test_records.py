@@ -179,7 +179,8 @@ class Fresh(Dataset):
 def test_a_few_natural_duplicates_pass_and_many_are_refused_unless_declared():
     rows = torch.randn(200, 3)
     rows[7], rows[150] = rows[3], rows[60]  # two people with identical records: 4 of 200 in a pair
-    check_records(Fresh(rows), None, 200)
+    with pytest.warns(repeated_records.RepeatedRecordsWarning, match="4 of the 200"):  # trains, warned
+        check_records(Fresh(rows), None, 200)
     check_records(_data(200), None, 200)
     rows[100:] = rows[:100]  # half the table repeated: every record has a copy
     with pytest.raises(PrivacyConfigurationError, match="other exact copies"):
@@ -216,7 +217,8 @@ def test_one_chance_pair_in_a_sample_is_not_repetition(monkeypatch):
     rows = torch.randn(3000, 3)
     order = repeated_records.checked_positions(3000)
     rows[int(order[1])] = rows[int(order[0])]  # a pair the sample sees: r̂ = 1 · 2999 / 44850 ≈ 0.07, one pair only
-    check_records(Fresh(rows), None, 3000)
+    with pytest.warns(repeated_records.RepeatedRecordsWarning):  # trains, warned
+        check_records(Fresh(rows), None, 3000)
 
 
 def test_reading_stops_at_the_byte_cap(monkeypatch):
