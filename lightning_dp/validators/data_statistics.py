@@ -13,7 +13,8 @@ ledger counts, the trained model is then not differentially private.
   LightningDataModule and the training datasets' own attributes that equal, to float precision, a statistic of the
   training tensors: per-feature and per-channel mean, standard deviation and variance, the features' global mean and
   standard deviation, the labels' class counts, frequencies, log frequencies (an output bias set to the log prior) and
-  inverse frequencies (normalised to sum 1 or to mean 1); a float target's (a regression's y) mean, standard
+  inverse frequencies (normalised to sum 1 or to mean 1), and for two classes the ratio of their counts (a
+  ``pos_weight``) and each one's fraction (a focal loss's alpha) as single numbers unless round; a float target's (a regression's y) mean, standard
   deviation, and unless its values are all integers its median, minimum and maximum (to 4 float32 ulps), and the
   continuous features' global minimum and maximum; the parameters too (initialised from the data);
 * per-feature order statistics at any level (a min-max scaler's buffers, a median and interquartile range, quantile
@@ -66,6 +67,7 @@ MAX_ELEMENTS = 1 << 27
 
 _RTOL, _ATOL = 1e-4, 1e-6
 _EXACT = ("median", "minimum", "maximum")  # values of the data: matched to 4 float32 ulps, not to a sampling error
+_ONE_NUMBER = (*_EXACT, "ratio of the class counts", "fraction of class")  # single numbers: never a round one
 _DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
 
 
@@ -121,7 +123,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)):
             continue
         for stat_name, stat in stats:
-            if stat_name.startswith(_EXACT) and candidate.numel() == 1 and _round(float(candidate)):
+            if stat_name.startswith(_ONE_NUMBER) and candidate.numel() == 1 and _round(float(candidate)):
                 continue  # a public range's end (-1, 0.5, 255: pixels scaled to [-1, 1]) is no record's value
             try:
                 same = _equal(candidate, stat, 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL)
@@ -289,8 +291,11 @@ def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:
             if len(present) == len(counts):
                 prior = (counts / counts.sum()).log()  # an output bias set to the log prior (a common initialisation)
                 yield "log class frequencies", prior
-                if len(counts) == 2:
-                    yield "log-odds of class 1", prior[1:] - prior[:1]
+                if len(counts) == 2:  # a binary task's one-number weights: BCEWithLogitsLoss(pos_weight=neg / pos),
+                    yield "log-odds of class 1", prior[1:] - prior[:1]  # a focal loss's alpha = neg / N
+                    for k in (0, 1):
+                        yield f"ratio of the class counts ({k} to {1 - k})", counts[k] / counts[1 - k]
+                        yield f"fraction of class {k}", counts[k] / counts.sum()
                 inverse = 1 / counts
                 yield "inverse class counts", inverse
                 yield "inverse class frequencies (summing to 1)", inverse / inverse.sum()

@@ -335,6 +335,24 @@ def test_the_end_of_a_public_range_is_not_taken_for_the_datas_extreme():
         "attribute fill equals the minimum of the training tensors[0]"]
 
 
+def test_a_binary_tasks_weight_from_its_label_counts_is_found_as_one_number():
+    """BCEWithLogitsLoss(pos_weight=neg / pos) keeps the ratio as a buffer; a focal loss keeps alpha = neg / N as
+    a float: both give the label counts away (zoo19 w1). A round one (0.25, 3.0) is a choice, not the data's."""
+    labels = torch.cat([torch.zeros(219), torch.ones(37)]).long()
+    features = torch.randn(256, 4, dtype=torch.float64)
+    loss = nn.BCEWithLogitsLoss(pos_weight=torch.tensor([219 / 37]))
+    holder = nn.Module()
+    holder.alpha = 219 / 256
+    found = data_statistics_held([("model", nn.ModuleDict({"loss": loss})), ("focal", holder)],
+                                 TensorDataset(features, labels))
+    assert found == ["buffer loss.pos_weight equals the ratio of the class counts (0 to 1) of the training tensors[1]",
+                     "attribute alpha equals the fraction of class 0 of the training tensors[1]"]
+    holder.alpha, chosen = 0.25, nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0]))
+    balanced = torch.cat([torch.zeros(192), torch.ones(64)]).long()  # its fraction of class 1 is 0.25, its ratio 3
+    assert data_statistics_held([("model", nn.ModuleDict({"loss": chosen})), ("focal", holder)],
+                                TensorDataset(features, balanced)) == []
+
+
 class Regression(Classifier):
     """'Initialise the output bias to the mean target' (a common recipe), in __init__."""
 
