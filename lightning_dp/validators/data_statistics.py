@@ -15,8 +15,9 @@ ledger counts, the trained model is then not differentially private.
   standard deviation, the labels' class counts, frequencies, log frequencies (an output bias set to the log prior) and
   inverse frequencies (normalised to sum 1 or to mean 1), and for two classes the ratio of their counts (a
   ``pos_weight``) and each one's fraction (a focal loss's alpha) as single numbers unless round; a float target's
-  (a regression's y) mean, standard deviation, and unless its values are all integers its median, minimum and maximum (to 4 float32 ulps), and the
-  continuous features' global minimum and maximum; the parameters too (initialised from the data);
+  (a regression's y) mean, standard deviation, and unless its values are all integers its median, minimum and
+  maximum (to 4 float32 ulps), and the continuous features' global minimum and maximum; the parameters too
+  (initialised from the data);
 * per-feature order statistics at any level (a min-max scaler's buffers, a median and interquartile range, quantile
   bin edges; a range as a difference of two), and vectors of exact per-feature training values
   (:mod:`.order_statistics`); class-conditional means, standard deviations and variances (a prototype head,
