@@ -79,3 +79,18 @@ def _no_broadcast_site_mode_left_behind():
     for mode in reversed(left):
         mode.close()
     assert not left, "a step left the broadcast-site mode active"
+
+
+@pytest.fixture(autouse=True)
+def _each_test_its_own_process_history():
+    """The module ledgers' process-wide records of trained weights (accounting/module_ledgers.py: contents, near
+    sketches, the sketches along each fit) are cleared after each test: a test stands for a process of its own, and
+    the suite's many fits of one seeded model on one task would otherwise be taken for each other's lineage
+    (weights moved from a fit's start along its move continue its record, by design)."""
+    yield
+    import sys
+
+    ledgers = sys.modules.get("lightning_dp.accounting.module_ledgers")
+    if ledgers is not None:
+        ledgers._BY_CONTENT.clear()
+        ledgers._SKETCHES.clear()

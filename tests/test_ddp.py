@@ -224,7 +224,7 @@ def test_digits_on_two_processes_matches_one_process_at_the_same_epsilon(tmp_pat
     seeds = dict(sampler_seed=0, noise=GaussianNoise(seed=0))  # reproducible; spread over seeds ≈ ±2 points
     acc2, ddp = run(WORLD, _ddp_strategy(noise_multiplier=1.0, max_grad_norm=1.0, **seeds))
     acc1, one = run(1, DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, public_state=OBSERVER, **seeds))
-    assert ddp.ledger.state_dict() == one.ledger.state_dict()
+    assert ddp.ledger.state_dict()["entries"] == one.ledger.state_dict()["entries"]  # two runs: their run ids differ
     print(f"digits test accuracy: 1 process {acc1:.3f}, 2 processes {acc2:.3f}")
     assert min(acc1, acc2) > 0.8 and abs(acc2 - acc1) < 0.06, (acc1, acc2)
 

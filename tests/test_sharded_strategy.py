@@ -111,7 +111,7 @@ def _assert_same_updates(sharded: list[dict], replicated: list[dict], frozen: li
         assert _relative_error(mine, theirs) <= 1e-6, f"step {t}"
         assert all(mine[k].abs().max() == 0 for k in frozen)
     assert moved, "the reference updates are all trivial"
-    assert sharded[0]["ledger"] == replicated[0]["ledger"]
+    assert sharded[0]["ledger"]["entries"] == replicated[0]["ledger"]["entries"]  # two runs: their run ids differ
 
 
 MODELS = {  # name: (model, settings of both strategies)
