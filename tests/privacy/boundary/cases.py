@@ -65,6 +65,19 @@ def unchanged(before: list[torch.Tensor], model: nn.Module) -> bool:
     return all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+def refused_before_any_release(model: pl.LightningModule, dataset: TensorDataset, match: str) -> None:
+    """Two private steps of ``model`` on ``dataset`` are refused with a message matching ``match`` before any
+    release: the weights are as they were."""
+    import pytest
+
+    from lightning_dp import PrivacyConfigurationError
+
+    before = parameters(model)
+    with pytest.raises(PrivacyConfigurationError, match=match):
+        quiet_trainer(strategy=strategy(), max_steps=2).fit(model, DataLoader(dataset, batch_size=16))
+    assert unchanged(before, model)
+
+
 def plain_step(model: nn.Module, **kwargs: Any) -> tuple[Any, torch.optim.Optimizer, Any]:
     """A plain PyTorch loop's private step on 32 examples of 4 features (SGD, lr 0.1), attached and verified:
     (the step, the optimizer, its Poisson loader's batches, drawn without end). Detach the step when done."""
