@@ -75,6 +75,14 @@ _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 _AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, Tensor]]]" = weakref.WeakKeyDictionary()
 _PATHS: "weakref.WeakKeyDictionary[nn.Module, tuple[PrivacyLedger, PathSketches]]" = weakref.WeakKeyDictionary()
 """Module → (the ledger bound to it, the sketches of its parameters along the fit: accounting/lineage.py)."""
+_INTERNALS = frozenset(vars(nn.Module())) | {
+    "_compiled_call_impl", "_trainer", "_fabric", "_fabric_optimizers", "_metric_attributes", "_hparams",
+    "_hparams_initial", "_hparams_name", "_log_hyperparams", "_compiler_ctx", "_device_mesh", "_device", "_dtype",
+    "_param_requires_grad_state", "_example_input_array", "_current_fx_name", "_automatic_optimization",
+    "_strict_loading", "_jit_is_scripting"}
+"""torch's own names on a module (its registries and hooks, as a bare ``nn.Module`` has them; a compiled forward)
+and Lightning's (the trainer, Fabric, hyper-parameters, the logged metrics): :func:`held_modules` does not walk them
+(the trainer holds every callback's and the datamodule's modules); any other name is walked, ``_t = [teacher]`` too."""
 
 
 def digest(t: Tensor) -> bytes:
@@ -157,14 +165,15 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
 
 def held_modules(module: nn.Module, depth: int = 3, budget: int = 2_000) -> list[nn.Module]:
     """Modules ``module`` (or a part of it) holds outside its registry — in a list, a dict, a helper object, a
-    function's closure, default arguments or the globals it names, a ``functools.partial`` — to ``depth`` levels and
-    ``budget`` objects: a
-    privately trained teacher whose outputs the module trains on (soft targets, stacked logits) carries its releases
-    into this module's (conservative: ε over-counted when the teacher's outputs are only post-processing)."""
+    function's closure, default arguments or the globals it names, a ``functools.partial``, under a public or a
+    private name (``self._t = [teacher]``; torch's and Lightning's own, :data:`_INTERNALS`, are not walked) — to
+    ``depth`` levels and ``budget`` objects: a privately trained teacher whose outputs the module trains on (soft
+    targets, stacked logits) carries its releases into this module's (conservative: ε over-counted when the
+    teacher's outputs are only post-processing)."""
     registered = {id(m) for m in module.modules()}
     found: list[nn.Module] = []
     seen: set[int] = set()
-    frontier = [v for m in module.modules() for k, v in vars(m).items() if not k.startswith("_")]
+    frontier = [v for m in module.modules() for k, v in vars(m).items() if k not in _INTERNALS and k[:2] != "__"]
     for _ in range(depth):
         following: list = []
         for value in frontier:

@@ -8,7 +8,8 @@ fingerprints share, below the checks that judge them (:mod:`lightning_dp.validat
   rules for plain values held outside the modules (:func:`~.state_walker.freeze`, :func:`~.state_walker.closure_token`);
 - :mod:`.callback_state`: which callbacks are trusted and what of a callback is state;
 - :mod:`.dataset_tokens`: the training data as the fingerprint reads it;
-- :mod:`.context_values`: the values ``contextvars.ContextVar`` globals hold.
+- :mod:`.context_values`: the values ``contextvars.ContextVar`` globals hold;
+- :mod:`.replaced_objects`: the layers and parameters a baseline held, and the entries of those put in place since.
 
 It imports nothing from the checks (:mod:`lightning_dp.validators` imports it, never the reverse); only
 :mod:`lightning_dp.records` and the standard libraries.

@@ -70,7 +70,7 @@ from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Priv
 from lightning_dp.privacy.user_sampling import UserPoissonBatchSampler
 from lightning_dp.units import Users
 from lightning_dp.validators import validate_module
-from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal  # noqa: F401
+from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal, mark_private  # noqa
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.loaders import TrainingPopulation, training_population
@@ -400,9 +400,9 @@ class PrivateStep(StepChecks):
         again first: a change no engine serves is refused here."""
         if self._module is None:
             return False
-        self._parameters_checked = True  # for this step (until its release)
         if not self.boundary.parameters_changed():
-            return False
+            self._parameters_checked = True  # for this step (until its release); a change is checked again at the
+            return False                     # next begin(), however its re-attachment ended (a refusal, a toggle back)
         problems = validate_module(self._module)
         if problems:
             raise PrivacyConfigurationError("The model's trainable parameters changed during training and it can no "
@@ -846,6 +846,7 @@ class PrivateStep(StepChecks):
         assert self._module is not None and self._privatizer is not None and self.plan is not None
         assert self.noise_multiplier is not None
         target = optimizer if optimizer is not None else self._optimizer
+        mark_private(target)  # its steps are releases (records/outside_steps.py), as attach()'s optimizer's are
         params = self.params()
         batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
         self.on_every_rank(lambda: (self.boundary.check_release(target, self.boundary.trainable()),

@@ -10,8 +10,9 @@ a weak reference and a count (the entry goes with the parameter).
 
 A step is private when its optimizer was marked so (:func:`mark_private`: the optimizer a
 :class:`~lightning_dp.privacy.private_step.PrivateStep` was attached with, marked when its first step is verified,
-before any release), when the optimizer is one of lightning_dp's own (DP-Adam and the other post-processing variants),
-or when it runs inside :func:`public_steps` (``PublicPretraining``'s loop on the public set it is given).
+before any release, or was given to its ``release(optimizer=...)``, marked at that release), when the optimizer is
+one of lightning_dp's own (DP-Adam and the other post-processing variants), or when it runs inside
+:func:`public_steps` (``PublicPretraining``'s loop on the public set it is given).
 :func:`stepped_outside` reads the count; ``validators/outside_fits.py`` judges it before the first release.
 
 What it cannot see: steps made before ``lightning_dp`` was imported, in another process (weights loaded from a file

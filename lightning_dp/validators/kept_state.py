@@ -68,6 +68,7 @@ from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
+from lightning_dp.fingerprints.replaced_objects import held_objects
 from lightning_dp.fingerprints.state_walker import (_FUNCTIONS, _binds, _holds_tensors, _library_callable,
                                                     _library_function, _mutable_state, _Walker, callable_state,
                                                     class_attributes)
@@ -184,6 +185,7 @@ class StateFingerprint:
         entries: Fingerprint = {}
         tensors: list[tuple[str, Tensor]] = []
         layout = self._structure()
+        self.held = held_objects(layout, self._all_param_slots)  # what a baseline taken now holds: replaced_objects.py
         if self.parameters is not None:
             params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
         else:
@@ -319,8 +321,6 @@ class StateFingerprint:
     def forget(self) -> None:
         """Drop cached checksums (a later fingerprint recomputes them)."""
         self._sums.forget()
-
-
 
 
 _EVALUATING = ("validating", "sanity_checking", "testing", "predicting")

@@ -42,7 +42,6 @@ from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.snapshot import StateSnapshot
 
 
-
 class StepChecks:
     """The checks a :class:`~lightning_dp.privacy.private_step.PrivateStep` runs on the user's step before a
     release (see the module's docstring for the state it reads)."""
@@ -156,6 +155,7 @@ class StepChecks:
         (:func:`~.lazy_caches.filled_alike`): filled alike, it is filled so before the first release; set apart by
         the data, refused."""
         assert self._engine is not None and self._module is not None, "attach() first"
+        self.refresh_parameters()  # type: ignore[attr-defined]  # (a layer replaced, requires_grad set back: re-attached)
         mark_private(getattr(self, "_optimizer", None))  # its steps from now on are releases (records/outside_steps)
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
         self.boundary.check_hooks(named)
@@ -215,7 +215,7 @@ class StepChecks:
         for fill in fills:  # a plain loop's lazy slots, filled alike on all data: as the first step will fill them
             fill()
         self._verified = True
-        self.boundary.ensure_baseline()
+        self.boundary.ensure_baseline(replaced=replay_hooks is None)  # a plain loop's new layers taken as they are
         self.boundary.accept(filled)  # (a baseline taken before this verify() compares them so too)
 
     # ------------------------------------------------------------------ the batch check

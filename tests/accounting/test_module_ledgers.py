@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -105,3 +106,15 @@ def test_two_runs_ending_on_the_same_weights_are_one_history_of_them():
         reloaded.weight.mul_(1.0001)
         reloaded.bias.mul_(1.0001)
     assert module_ledgers.record_of(reloaded).steps == 3
+
+
+def test_held_modules_walk_private_names_but_not_torchs_or_lightnings_own():
+    """A teacher kept as ``self._t = [teacher]`` is held; what the trainer holds (``_trainer``: every callback's and
+    the datamodule's modules) and torch's registries are not walked."""
+    teacher, elsewhere = nn.Linear(2, 2), nn.Linear(2, 2)
+    student = nn.Sequential(nn.Linear(2, 2))
+    student._t = [teacher]
+    student._trainer = types.SimpleNamespace(datamodule=elsewhere)
+    held = module_ledgers.held_modules(student)
+    assert any(m is teacher for m in held)
+    assert not any(m is elsewhere for m in held)

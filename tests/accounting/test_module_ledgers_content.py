@@ -164,6 +164,9 @@ class Distilled(Classifier):
         if how == "list":
             self.teachers = [teacher]
             self.soft = lambda x: self.teachers[0](x).softmax(-1)
+        elif how == "private list":  # under a private name, as torch and Lightning keep their own
+            self._t = [teacher]
+            self.soft = lambda x: self._t[0](x).softmax(-1)
         else:
             def soft(x, _teacher=teacher):  # held by a function's default argument
                 return _teacher(x).softmax(-1)
@@ -176,7 +179,7 @@ class Distilled(Classifier):
         return torch.nn.functional.kl_div(self(x).log_softmax(-1), target, reduction="batchmean")
 
 
-@pytest.mark.parametrize("how", ["list", "function"])
+@pytest.mark.parametrize("how", ["list", "private list", "function"])
 def test_a_student_of_a_privately_trained_teacher_continues_the_teachers_record(trained, how):
     """The teacher's releases are in the student's outputs: the student's record starts from them."""
     assert fit(Distilled(trained, how), steps=2).ledger.steps == 5

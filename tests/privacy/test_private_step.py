@@ -174,3 +174,51 @@ def test_one_model_takes_one_engine_at_a_time():
         PrivateStep(1.0, 1.0, GaussianNoise(1)).attach(model)
     first.detach()
     PrivateStep(1.0, 1.0, GaussianNoise(1)).attach(model)
+
+
+def _toggled_setup(engine: str):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 5), torch.randint(0, 3, (40,)))
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = PrivateStep(1.0, 0.3, GaussianNoise(), engine=engine, sampler_seed=0)
+    step.attach(model, optimizer)
+    batches = iter(step.poisson_loader(DataLoader(data, batch_size=8)))
+    step.verify(lambda batch: _loss(model, batch))
+
+    def one_step() -> None:
+        batch = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        if step.begin():
+            _loss(model, batch).backward()
+        step.release(optimizer=optimizer)
+        optimizer.step()
+
+    return step, model, one_step
+
+
+@pytest.mark.parametrize("engine", ["ghost", "opacus_hooks"])
+@pytest.mark.parametrize("then", ["begin", "verify"])
+def test_a_parameter_set_back_after_a_refused_begin_is_checked_again_and_trains(engine, then):
+    """requires_grad toggled off is refused at begin(); set back, the next begin() checks the set again (it was not
+    left as checked by the refused one: the engine stayed attached to the frozen set) and asks for verify() again,
+    and verify() re-attaches first: the corrected model trains, every parameter privatised."""
+    step, model, one_step = _toggled_setup(engine)
+    try:
+        one_step()
+        model[0].weight.requires_grad_(False)
+        with pytest.raises(PrivacyConfigurationError, match=r"parameters changed since verify\(\)"):
+            one_step()
+        model[0].weight.requires_grad_(True)
+        if then == "begin":
+            with pytest.raises(PrivacyConfigurationError, match=r"parameters changed since verify\(\)"):
+                one_step()
+        step.verify(lambda batch: _loss(model, batch))
+        before = model[0].weight.detach().clone()
+        for _ in range(2):
+            one_step()
+        assert step.ledger.steps == 3
+        assert not step.boundary.parameters_changed()
+        assert not torch.equal(before, model[0].weight.detach())
+    finally:
+        step.detach()

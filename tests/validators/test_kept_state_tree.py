@@ -101,3 +101,65 @@ def test_a_layer_replaced_by_a_callback_is_reattached_reverified_and_privatised(
     assert dp.private_step.verified
     assert not torch.equal(callback.head, model.net[2].weight.detach())
     assert {id(p) for _, p in dp.private_step.boundary.trainable()} == {id(p) for p in model.parameters()}
+
+
+def _verify(step, model) -> None:
+    step.verify(lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
+
+
+def test_a_replaced_layer_verified_again_trains_as_the_refusal_says():
+    """The refusal at begin() says: verify again. That verify() takes the new layer's entries as they are (a new
+    object, not a write of the step's): the next release is made, its head stepped."""
+    model = Classifier().net
+    step, opt, batches = plain_step(model)
+    try:
+        _one_step(step, opt, batches, model)
+        model[2] = nn.Linear(8, 2)
+        opt.param_groups[0]["params"] = list(model.parameters())
+        with pytest.raises(PrivacyConfigurationError, match=r"parameters changed since verify\(\)"):
+            _one_step(step, opt, batches, model)
+        _verify(step, model)
+        head = model[2].weight.detach().clone()
+        for _ in range(2):
+            _one_step(step, opt, batches, model)
+        assert step.ledger.steps == 3
+        assert not torch.equal(head, model[2].weight.detach()), "the new head is trained"
+    finally:
+        step.detach()
+
+
+class Counting(nn.Module):
+    """A layer whose forward keeps a statistic of its batch in a buffer (a running mean the noise does not cover)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(8))
+        self.write = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.write:
+            self.seen.add_(x.detach().mean(0))
+        return x
+
+
+def test_verify_takes_only_the_new_layer_not_a_buffer_the_step_wrote_from_its_batch():
+    """No general re-baseline: a buffer a step wrote from the data is refused before the release, and still refused
+    after a verify() that took a replaced layer's entries."""
+    model = nn.Sequential(nn.Linear(4, 8), Counting(), nn.Tanh(), nn.Linear(8, 2))
+    step, opt, batches = plain_step(model)
+    try:
+        _one_step(step, opt, batches, model)
+        model[1].write = True
+        with pytest.raises(PrivacyConfigurationError, match=r"buffer 1\.seen"):
+            _one_step(step, opt, batches, model)
+        model[3] = nn.Linear(8, 2)
+        opt.param_groups[0]["params"] = list(model.parameters())
+        model[1].write = False
+        _verify(step, model)
+        with pytest.raises(PrivacyConfigurationError, match=r"Kept state written") as refused:
+            _one_step(step, opt, batches, model)
+        named = str(refused.value).partition("\n")[0].partition(". Fix")[0]
+        assert "buffer 1.seen" in named and "3." not in named, named
+        assert step.ledger.steps == 1
+    finally:
+        step.detach()

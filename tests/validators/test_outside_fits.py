@@ -154,3 +154,46 @@ def test_a_callback_holding_a_fitted_estimator_or_a_stepped_module_is_found():
     assert outside_fits_held(Classifier(), None, [("MyCallback", Helper())], ["MyCallback.tree", "MyCallback.nets"]) \
         == []
     assert not fitted_estimator(StandardScaler().fit(np.ones((4, 2))))
+
+
+def _plain_loop_teacher(steps: int = 3) -> nn.Module:
+    """The teacher's architecture trained with DP in a plain loop whose optimizer is given only at ``release()``
+    (none at ``attach()``), then frozen."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp.privacy.noise import GaussianNoise
+    from lightning_dp.privacy.private_step import PrivateStep
+
+    t = teacher(steps=0).requires_grad_(True).train()
+    step = PrivateStep(1.0, 1.0, GaussianNoise(), sampler_seed=0)
+    step.attach(t)
+    batches = iter(step.poisson_loader(DataLoader(TensorDataset(X, Y), batch_size=16)))
+    step.verify(lambda batch: F.cross_entropy(t(batch[0]), batch[1]))
+    opt = torch.optim.SGD(t.parameters(), lr=0.5)
+    try:
+        for _ in range(steps):
+            x, y = next(batches)
+            opt.zero_grad()
+            if step.begin():
+                F.cross_entropy(t(x), y).backward()
+            step.release(optimizer=opt)
+            opt.step()
+    finally:
+        step.detach()
+    return t.requires_grad_(False).eval()
+
+
+def test_the_optimizer_given_at_release_is_the_private_steps_and_another_is_still_found():
+    """The optimizer a plain loop gives only at release() steps releases: its teacher is not taken for an outside fit
+    (its ledger continues into the student's); a plain optimizer's teacher held beside it still is."""
+    from lightning_dp.records.outside_steps import stepped_outside
+
+    t = _plain_loop_teacher()
+    assert not any(stepped_outside(p) for p in t.parameters())
+    student = Student(t, "submodule")
+    student._plain = [teacher()]  # fitted with plain Adam
+    assert outside_fits_held(student, None, [("model", student)]) == [
+        "the model's attribute _plain[0] (a module held outside the model's registry): 4 parameter tensor(s) stepped "
+        "by an optimizer that is not the private step's"]
+    del student._plain
+    assert fit(student, steps=2).ledger.steps == 5  # rule 9: the teacher's releases, then the student's

@@ -42,6 +42,7 @@ from lightning_dp.validators.optimizer_coverage import uncovered_error, uncovere
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, accepted
+from lightning_dp.fingerprints.replaced_objects import replaced_entries
 from lightning_dp.validators.kept_state import StateFingerprint, attribute_keys, is_public, raw_gradient_error
 from lightning_dp.validators.steered_settings import hyperparameters, hyperparameters_error
 
@@ -168,7 +169,7 @@ class ReleaseBoundary:
         """The state as it is now is the state a later release is compared with (training starts, validation
         ended, a verified re-attachment)."""
         if self._fingerprint is not None:
-            self._baseline = self._fingerprint.take(self.callbacks())
+            self._baseline, self._held = self._fingerprint.take(self.callbacks()), self._fingerprint.held
 
     def fingerprint(self, module: nn.Module) -> StateFingerprint:
         """A fingerprint of ``module``'s state as this boundary sees it (public names and the engine's attributes
@@ -195,10 +196,15 @@ class ReleaseBoundary:
         if self._fingerprint is not None and self._baseline is not None:
             self._baseline = self._fingerprint.watch(callback, self._baseline, self.callbacks())
 
-    def ensure_baseline(self) -> None:
-        """Take a baseline if none was taken (a plain loop: after its ``verify()``)."""
+    def ensure_baseline(self, replaced: bool = False) -> None:
+        """Take a baseline if none was taken (a plain loop: after its ``verify()``); ``replaced``: in one taken, the
+        entries of the layers and parameters put in place since (new objects: a layer replaced) are taken as now."""
         if self._baseline is None:
             self.baseline()
+        elif replaced and self._fingerprint is not None:
+            now = self._fingerprint.take(self.callbacks())
+            names = replaced_entries(self._held, self._fingerprint.module, [*self._baseline, *now])
+            self._baseline = accepted(self._baseline, now, names)
 
     def untrusted_callbacks(self) -> list[Any]:
         """The callbacks whose state is fingerprinted (not Lightning's or lightning_dp's own)."""
