@@ -19,6 +19,7 @@ _EXPORTS = {
     "DPShardedStrategy": "lightning_dp.sharded_strategy",
     "DPStrategy": "lightning_dp.strategy",
     "LedgerEntry": "lightning_dp.accounting.ledger",
+    "OutsideStepsWarning": "lightning_dp.errors",
     "PrivacyBudget": "lightning_dp.callbacks",
     "PerLayerClipping": "lightning_dp.clipping",
     "PrivacyConfigurationError": "lightning_dp.errors",
@@ -30,6 +31,7 @@ _EXPORTS = {
     "epsilon": "lightning_dp.accounting.epsilon",
     "ledger_epsilon": "lightning_dp.accounting.epsilon",
     "per_example_token_mean": "lightning_dp.losses",
+    "public_steps": "lightning_dp.records.outside_steps",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
@@ -70,7 +72,8 @@ after_import("lightning.pytorch", _register_unified_strategy)  # L.Trainer(strat
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from lightning_dp.accounting import LedgerEntry, PrivacyLedger, calibrate_noise, epsilon, ledger_epsilon
     from lightning_dp.callbacks import AdamVariant, PrivacyBudget, PublicPretraining, SecondMomentMonitor
-    from lightning_dp.errors import PrivacyConfigurationError
+    from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError
+    from lightning_dp.records.outside_steps import public_steps
     from lightning_dp.losses import per_example_token_mean
     from lightning_dp.clipping import AdaptiveClipping, AutomaticClipping, PerLayerClipping
     from lightning_dp.units import Users
@@ -89,6 +92,7 @@ __all__ = [
     "DPShardedStrategy",
     "DPStrategy",
     "LedgerEntry",
+    "OutsideStepsWarning",
     "PrivacyBudget",
     "PerLayerClipping",
     "PrivacyConfigurationError",
@@ -101,4 +105,5 @@ __all__ = [
     "epsilon",
     "ledger_epsilon",
     "per_example_token_mean",
+    "public_steps",
 ]

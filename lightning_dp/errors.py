@@ -12,3 +12,11 @@ class KnownSeedWarning(UserWarning):
     """A seed or generator was given for the sampling or the noise: whoever knows it can re-draw what the guarantee
     assumes secret (the noise, or which steps sampled a record), so the ε reported holds only while it stays secret.
     For tests and reproducible research; production runs give none (OS-seeded generators)."""
+
+
+class OutsideStepsWarning(UserWarning):
+    """A private fit starts from trainable weights that an optimizer outside the private step moved in this process
+    (a plain loop, a fit without ``DPStrategy``): if those steps saw the private data they are releases no ledger
+    counts. Steps on public data go inside :func:`lightning_dp.public_steps` (or ``PublicPretraining``); steps on the
+    private data must be charged (train with ``DPStrategy`` or a ``PrivateStep``). Made an error
+    (``warnings.simplefilter("error", OutsideStepsWarning)``), the fit is refused before any release instead."""

@@ -59,8 +59,10 @@ from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.conditional_statistics import class_conditional, conditional_rows
 from lightning_dp.validators.kept_state import is_public
+from lightning_dp.validators.loader_statistics import transform_holders
 from lightning_dp.validators.order_statistics import OrderStatistics
 from lightning_dp.validators.outside_records import holds_records, row_digests
+from lightning_dp.validators.record_lengths import lengths_held
 from lightning_dp.validators.second_moments import SecondMoments
 
 MAX_ELEMENTS = 1 << 27
@@ -72,15 +74,20 @@ _ONE_NUMBER = (*_EXACT, "ratio of the class counts", "fraction of class")  # sin
 _DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
 
 
-def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = ()) -> list[str]:
-    """What ``holders`` ((path, object): modules, a datamodule) keep that is a statistic of ``dataset``'s tensors,
-    which of its feature tensors are standardised with their own statistics, and which of the modules' parameters
-    and buffers hold training records (:func:`records_in_weights`), as readable findings."""
+def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = (),
+                         loader: Any = None) -> list[str]:
+    """What ``holders`` ((path, object): modules, a datamodule), the training ``loader``'s collator and the datasets'
+    transforms (:mod:`.loader_statistics`) keep that is a statistic of ``dataset``'s tensors or of its records'
+    lengths (:mod:`.record_lengths`), which of its feature tensors are standardised with their own statistics, and
+    which of the modules' parameters and buffers hold training records (:func:`records_in_weights`), as findings."""
     holders = list(holders)
     datasets, tensors = dataset_parts(dataset)
     in_weights = records_in_weights([m for _, m in holders if isinstance(m, nn.Module)], tensors, public)
     derived = derived_columns(datasets, tensors, public)  # per-record weights and target encodings
-    return in_weights + _statistics_held(holders, datasets, tensors, public) + derived
+    holders += transform_holders(loader, datasets)
+    lengths = lengths_held(_candidates([*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]),
+                           tensors, public)
+    return list(dict.fromkeys(in_weights + _statistics_held(holders, datasets, tensors, public) + derived + lengths))
 
 
 def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str, Tensor]],
@@ -242,6 +249,8 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
                "prototypes, centres or memories from public data or at random). ") \
         if any(" holds records " in f for f in found) else ""
     derived = derived_columns_fix() + " " if any(f.endswith(_DERIVED) for f in found) else ""
+    derived += "Set lengths to a public value (a round cap, the model's context size). " \
+        if any("records' length" in f or "record's length" in f for f in found) else ""
     return PrivacyConfigurationError(
         "Statistics of the training data were computed without noise before training:\n" + lines + "\n" + records
         + derived + "They depend on "
@@ -369,12 +378,13 @@ def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     submodules' attributes, another object's attributes (one level into lists, tuples and dicts of them)."""
     for label, owner in owners:
         if isinstance(owner, nn.Module):
+            at = f"{label}." if label.startswith(("loader.", "dataset ")) else ""  # a transform the loader holds
             for name, p in owner.named_parameters():  # initialised from the data: a bias set to the log prior
-                yield f"parameter {name}", p
+                yield f"parameter {at}{name}", p
             for name, b in owner.named_buffers():
-                yield f"buffer {name}", b
+                yield f"buffer {at}{name}", b
             for prefix, m in owner.named_modules():
-                yield from _attributes(f"attribute {prefix + '.' if prefix else ''}", m, framework_keys())
+                yield from _attributes(f"attribute {at}{prefix + '.' if prefix else ''}", m, framework_keys())
         else:
             yield from _attributes(f"{label}.", owner)
 

@@ -10,8 +10,11 @@ is not a private step's), and refuses them before the first release unless decla
 ``DPStrategy(public_state=[name])`` for a teacher fitted on public data only. A teacher trained with DP first
 (``DPStrategy``, a ``PrivateStep``) is not counted here: its releases continue the student's ledger (rule 9).
 
-Not refused: the model's own weights that the private optimizer trains, whatever pretrained them (public pretraining;
-``PublicPretraining``'s steps, its frozen layers included, are declared public by the callback itself); a frozen module
+The model's own weights that the private optimizer trains, stepped here by another optimizer first (pretrained in a
+plain loop on the same tensors, then given to ``trainer.fit``), are warned of once (:func:`warn_pretrained_outside`,
+:class:`~lightning_dp.errors.OutsideStepsWarning`; refused when that warning is made an error): public pretraining is
+legitimate, but it belongs in :func:`~lightning_dp.records.outside_steps.public_steps` (``PublicPretraining``'s
+steps, its frozen layers included, are declared public by the callback itself). Not refused: a frozen module
 never stepped in this process (random, or loaded from a file); the estimators whose fitted values the data-statistics
 and vocabulary checks judge precisely (:data:`JUDGED_ELSEWHERE`: a scaler holding the training mean is refused
 there, one fitted on public data is not).
@@ -19,11 +22,13 @@ there, one fitted on public data is not).
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from torch import nn
 
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError
 from lightning_dp.records.outside_steps import stepped_outside
 from lightning_dp.validators.holders import _Walk
 from lightning_dp.validators.kept_state import is_public
@@ -34,6 +39,7 @@ JUDGED_ELSEWHERE = frozenset({"StandardScaler", "RobustScaler", "MinMaxScaler", 
 """scikit-learn classes a finer check judges by their fitted values (not refused here for being fitted)."""
 
 _MODEL = "the model's attribute "
+_WARNED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # module → outside steps warned of
 
 
 def outside_fits_held(module: nn.Module, optimizer: Optional[Any], holders: Iterable[tuple[str, Any]],
@@ -122,3 +128,26 @@ def outside_fit_error(found: Sequence[str]) -> PrivacyConfigurationError:
         "differentially private whatever σ it counts. Nothing was released. Train it with DP (DPStrategy or a "
         "PrivateStep: its ledger then continues into this model's), or, if it was fitted on public data only, "
         "declare it public: DPStrategy(public_state=[<its attribute name>]).")
+
+
+def warn_pretrained_outside(module: nn.Module, optimizer: Optional[Any]) -> None:
+    """Warn once (per module and count of steps) when trainable parameters of ``module`` that the private
+    ``optimizer`` trains were stepped in this process by an optimizer outside the mechanism; a refusal when
+    :class:`~lightning_dp.errors.OutsideStepsWarning` is an error (``warnings.simplefilter("error", ...)``)."""
+    params = module.parameters() if optimizer is None else (p for g in optimizer.param_groups for p in g["params"])
+    counts = [stepped_outside(p) for p in {id(p): p for p in params if p.requires_grad}.values()]
+    stepped, steps = sum(1 for c in counts if c), max(counts, default=0)
+    if not stepped or _WARNED.get(module, 0) >= steps:
+        return
+    _WARNED[module] = steps
+    message = (f"{stepped} of the trainable parameter tensors this private fit trains were stepped up to {steps} "
+               "time(s) in this process by an optimizer outside the private step (a plain loop, a fit without "
+               "DPStrategy) before it. If those steps saw the private data, they are releases without noise that no "
+               "ledger counts, and the model is not differentially private whatever σ this fit counts. Steps on "
+               "public data go inside `with lightning_dp.public_steps():` (or the PublicPretraining callback); steps "
+               "on the private data must be charged: train them with DPStrategy or a PrivateStep (the ledger then "
+               "continues). To refuse such fits: warnings.simplefilter(\"error\", lightning_dp.OutsideStepsWarning).")
+    try:
+        warnings.warn(OutsideStepsWarning(message), stacklevel=2)
+    except OutsideStepsWarning:  # made an error: refused before any release
+        raise PrivacyConfigurationError("Refused (OutsideStepsWarning is an error here): " + message) from None

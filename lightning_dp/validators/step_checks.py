@@ -29,7 +29,7 @@ from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
-from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held
+from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held, warn_pretrained_outside
 from lightning_dp.records.outside_steps import mark_private
 from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
@@ -120,10 +120,10 @@ class StepChecks:
         assert self._source is not None and self._module is not None
         holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
                                                if is_datamodule(cb)]
-        found = data_statistics_held(holders, self._source[0], self.boundary.public_state)
+        loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
+        found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader)
         if found:
             raise data_statistics_error(found)
-        loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
         found = vocabulary_held(holders + loader_holders(loader), self._source[0], self.boundary.public_state)
         if found:
             raise vocabulary_error(found)
@@ -133,6 +133,7 @@ class StepChecks:
                                   self.boundary.public_state)
         if found:  # models fitted in this process outside the mechanism (:mod:`.outside_fits`)
             raise outside_fit_error(found)
+        warn_pretrained_outside(self._module, optimizer)  # its own weights stepped outside it first
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",

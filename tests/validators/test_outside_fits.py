@@ -1,11 +1,14 @@
 """Models fitted in this process outside the private step (validators/outside_fits.py): a teacher trained with a plain
 optimizer on the training set, frozen and held by the student (a submodule, a list), and a fitted scikit-learn
 estimator on the module are refused before any release; declared public, never stepped here, trained with DP first
-(its ledger continues) or the student's own weights pretrained are not."""
+(its ledger continues) or the student's own weights pretrained are not: those are warned of once
+(OutsideStepsWarning; refused when it is an error), unless pretrained inside public_steps()."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, data, fit, parameters, unchanged  # noqa: E402
 
+import lightning_dp  # noqa: E402
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
 from lightning_dp.validators.outside_fits import fitted_estimator, outside_fits_held  # noqa: E402
 
@@ -126,14 +130,54 @@ def test_a_teacher_trained_with_dp_first_continues_the_ledger():
     assert fit(student, steps=2).ledger.steps == 5  # rule 9: the teacher's releases, then the student's
 
 
-def test_the_students_own_weights_pretrained_here_are_not_refused():
-    m = Classifier()
+def pretrained(m: nn.Module, public: bool = False) -> nn.Module:
+    """``m`` pretrained with plain Adam on the training tensors (``public``: inside ``public_steps()``)."""
     opt = torch.optim.Adam(m.parameters(), 1e-2)
-    for _ in range(10):  # pretrained non-privately in this process (on public data, as the recipe does)
-        opt.zero_grad()
-        F.cross_entropy(m(X), Y).backward()
-        opt.step()
-    assert fit(m, steps=2).ledger.steps == 2
+    with lightning_dp.public_steps() if public else contextlib.nullcontext():
+        for _ in range(10):
+            opt.zero_grad()
+            F.cross_entropy(m(X), Y).backward()
+            opt.step()
+    return m
+
+
+def _outside_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, lightning_dp.OutsideStepsWarning)]
+
+
+def test_the_students_own_weights_pretrained_here_are_warned_of_once_and_train():
+    m = pretrained(Classifier())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fit(m, steps=2).ledger.steps == 2
+        assert fit(m, steps=2).ledger.steps == 4  # the same outside steps: not warned of again
+    found = _outside_warnings(caught)
+    assert len(found) == 1
+    assert found[0].startswith("4 of the trainable parameter tensors this private fit trains were stepped up to 10 ")
+    assert "lightning_dp.public_steps()" in found[0] and "must be charged" in found[0]
+
+
+def test_the_warning_made_an_error_refuses_before_any_release():
+    m = pretrained(Classifier())
+    before = parameters(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lightning_dp.OutsideStepsWarning)
+        with pytest.raises(PrivacyConfigurationError, match=r"(?s)Refused \(OutsideStepsWarning.*public_steps"):
+            fit(m, steps=2)
+    assert unchanged(before, m)
+
+
+@pytest.mark.parametrize("make", [lambda: pretrained(Classifier(), public=True), Classifier,
+                                  lambda: Trained()], ids=["public_steps", "fresh", "trained_with_dp_before"])
+def test_public_pretraining_a_fresh_model_and_a_second_private_fit_are_not_warned_of(make):
+    m = make()
+    if isinstance(m, Trained):
+        fit(m, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("error", lightning_dp.OutsideStepsWarning)
+        assert fit(m, steps=2).ledger.steps >= 2
+    assert _outside_warnings(caught) == []
 
 
 def test_a_callback_holding_a_fitted_estimator_or_a_stepped_module_is_found():

@@ -1,0 +1,71 @@
+"""Where the training loader and its datasets keep transforms, as holders for the statistics check (rule 11,
+:mod:`.data_statistics`): a collate object normalising each batch with the training data's mean and standard
+deviation (``Collate(mean=x.mean(0), std=x.std(0))``), a ``functools.partial(collate, mean=..., std=...)``, a
+sampler or ``worker_init_fn`` holding a statistic, and a ``Normalize``-like transform on a dataset with fitted
+statistics, also inside a ``Compose``-like list of transforms. Each such statistic is applied to every batch: it
+depends on every training record and no noise covers it.
+
+The objects are walked from the loader's ``collate_fn``, ``sampler``, ``batch_sampler`` and ``worker_init_fn`` and
+from the datasets' attributes, three levels deep into partials (their arguments and keywords), objects of the user's
+or a library's classes (modules included: a transform may be one) and lists, tuples and dicts of at most 16 of them;
+datasets, tensors and torch's own objects are not walked into (the datasets are the statistics check's own). Each
+object reached is a holder whose numbers :func:`~.data_statistics.data_statistics_held` compares, with the same
+exemptions: a public constant (ImageNet's 0.485, 0.229) is no statistic of this data, and a single round number
+(``scale = 255.0``) is never matched. Not seen: a statistic in a closure or a function's default, and a transform
+deeper than the walk.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any, Iterator, Sequence
+
+from torch import Tensor
+from torch.utils.data import Dataset
+
+_LOADER_PARTS = ("collate_fn", "sampler", "batch_sampler", "worker_init_fn")
+_MAX_OWNERS = 256
+
+
+def transform_holders(loader: Any, datasets: Sequence[Any]) -> list[tuple[str, Any]]:
+    """(label, object) for each object the ``loader``'s parts and the ``datasets``' attributes hold, walked as the
+    module docstring says."""
+    seen = {id(d) for d in datasets}
+    out: list[tuple[str, Any]] = []
+    roots = [(f"loader.{name}", getattr(loader, name, None)) for name in _LOADER_PARTS] + \
+        [(f"dataset {type(d).__name__}.{k}", v) for d in datasets for k, v in _items(d)]
+    for label, value in roots:
+        for held in _walk(label, value, 0, seen):
+            if len(out) >= _MAX_OWNERS:
+                return out
+            out.append(held)
+    return out
+
+
+def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    if value is None or depth > 3 or id(value) in seen or isinstance(value, (Tensor, Dataset, type, str, bytes)):
+        return
+    seen.add(id(value))
+    if isinstance(value, functools.partial):  # its arguments as attributes: partial(collate, mean=..., std=...)
+        arguments = {**{f"args[{i}]": a for i, a in enumerate(value.args)}, **value.keywords}
+        yield label, SimpleNamespace(**arguments)
+        yield from _walk(f"{label}.func", value.func, depth + 1, seen)
+        for key, item in arguments.items():
+            yield from _walk(f"{label}.{key}", item, depth + 1, seen)
+    elif isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        if len(value) <= 16:
+            for key, item in items:
+                yield from _walk(f"{label}[{key!r}]", item, depth + 1, seen)
+    elif hasattr(value, "__dict__") and not (type(value).__module__ or "").startswith("torch."):
+        yield label, value
+        for key, item in _items(value):
+            yield from _walk(f"{label}.{key}", item, depth + 1, seen)
+
+
+def _items(owner: Any) -> list[tuple[str, Any]]:
+    try:
+        return [(k, v) for k, v in vars(owner).items() if isinstance(k, str) and not k.startswith("__")]
+    except TypeError:
+        return []
