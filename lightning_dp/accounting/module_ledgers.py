@@ -97,6 +97,13 @@ def _trainable(module: nn.Module) -> list[Tensor]:
     return [p for p in module.parameters() if p.requires_grad and p.numel() and p.dtype.is_floating_point]
 
 
+def _weights(module: nn.Module) -> list[Tensor]:
+    """Every floating parameter, frozen ones too: a privately trained backbone reused frozen (a linear probe on a
+    copy of it) holds that fit's releases as much as a trainable copy does. Only weights some fit trained are
+    recorded (:func:`bind`'s trainable ones), so a public frozen backbone matches nothing."""
+    return [p for p in module.parameters() if p.numel() and p.dtype.is_floating_point]
+
+
 @dataclass(frozen=True)
 class Combined:
     """The record :func:`combine` made of two ledgers.
@@ -147,11 +154,11 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     for owner in (module, *held_modules(module)):  # a teacher held in a list or a function: its releases too
         found += [_RECORDS.get(part) for part in owner.modules()]
         if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
-            for p in _trainable(owner):  # exactly a fit's weights: that fit's record alone (another run that
+            for p in _weights(owner):  # exactly a fit's weights: that fit's record alone (another run that
                 exact = _BY_CONTENT.get(digest(p))  # ended on the same values, a rerun with the same seeds, is
                 found += [exact] if exact is not None else near(p)  # not a second history of these weights)
     if _SKETCHES and not any(found):  # weights derived from a fit's: an EMA, a snapshot, 0.5·w + noise, a soup
-        found += derived([p for owner in (module, *held_modules(module)) for p in _trainable(owner)])
+        found += derived([p for owner in (module, *held_modules(module)) for p in _weights(owner)])
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)

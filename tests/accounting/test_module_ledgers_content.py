@@ -72,6 +72,40 @@ def test_a_recreated_module_continues_the_record(trained, recreate):
     assert again.ledger.steps == 5
 
 
+def _frozen(recreate):
+    """A fresh module whose encoder is ``recreate``'s trained one, frozen (a linear probe on a privately trained
+    backbone)."""
+    def frozen(model: Classifier) -> Classifier:
+        probe = Classifier()  # a fresh head
+        with torch.no_grad():
+            torch.nn.init.normal_(probe.net[2].weight)
+        probe.net[0] = recreate(model).net[0].requires_grad_(False)
+        return probe
+    return frozen
+
+
+@pytest.mark.parametrize("recreate", [_frozen(lambda m: m), _frozen(copy.deepcopy), _frozen(_loaded),
+                                      _frozen(lambda m: pickle.loads(pickle.dumps(m))),
+                                      _frozen(_rounded(torch.float16))],
+                         ids=["the same module", "deepcopy", "load_state_dict", "pickle", "float16 round trip"])
+def test_a_frozen_copy_of_trained_weights_continues_the_record(trained, recreate):
+    """Frozen weights a private fit trained hold its releases as trainable ones do (zoo20 k1: a probe on a
+    deep-copied frozen backbone started a fresh record, 8 of 16 releases)."""
+    again = fit(recreate(trained), steps=2)
+    assert again.ledger.steps == 5
+
+
+def test_a_frozen_public_part_does_not_carry_a_record_it_never_trained():
+    """A part frozen in a private fit (public weights: the fresh module's) and frozen again in the next one carries
+    no record: only weights a fit trained are recorded."""
+    model = Classifier()
+    model.net[0].requires_grad_(False)
+    assert fit(model, steps=3).ledger.steps == 3
+    probe = Classifier()
+    probe.net[0].requires_grad_(False)
+    assert fit(probe, steps=2).ledger.steps == 2
+
+
 def test_a_fresh_module_starts_its_own_record(trained):
     """The same initial weights as the trained module had (Classifier seeds its initialisation): only weights the
     releases changed carry the record."""
