@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.grad_sample.capture.activations import LayerCalls
+from lightning_dp.grad_sample.capture.own_tensors import own
 from lightning_dp.grad_sample.base import ParamMap
 from lightning_dp.grad_sample.layer_stats import (
     LayerStats,
@@ -167,13 +168,13 @@ class ConvPatches:
 
     def __init__(self, m: nn.Module, records: Sequence) -> None:
         self.m, self.geom = m, geometry(m)
-        like = m.weight
+        self.weight = like = own(m, "weight")  # the engine's own read (own_tensors.py)
         self.calls = [(_as_float(r.args[0], like), _as_float(r.grad_out, like)) for r in records]
         t = self.geom.transposed
         self.pairs = [(d, x) if t else (x, d) for x, d in self.calls]  # (columns' source, rows' source)
         self.n = self.calls[0][1].shape[0]
-        self.out_g = m.weight.shape[0] // self.geom.groups  # rows per group (O/g; C_in/g when transposed)
-        self.in_g = m.weight.shape[1:].numel()  # columns per group ((C/g)·K; (C_out/g)·K when transposed)
+        self.out_g = like.shape[0] // self.geom.groups  # rows per group (O/g; C_in/g when transposed)
+        self.in_g = like.shape[1:].numel()  # columns per group ((C/g)·K; (C_out/g)·K when transposed)
         self.T = sum(positions_of(r, self.geom.dims).shape[2] for _, r in self.pairs)
 
     def chunks(self) -> list[slice]:
@@ -206,7 +207,7 @@ class ConvPatches:
         if by_patch_products(self.m):
             return self._patch_products()
         G = add_parts([self._examples_as_groups(x, d) for x, d in self.calls])
-        return G.view(self.n, *self.m.weight.shape)
+        return G.view(self.n, *self.weight.shape)
 
     def _patch_products(self) -> Tensor:
         """G_{i,γ} = δ_{i,γ} a_{i,γ}ᵀ: one batched product per chunk of examples and call (patch columns)."""
@@ -216,7 +217,7 @@ class ConvPatches:
             rows = slice(part.start * g, part.stop * g)
             for i, (a, d) in enumerate(self._grouped(part)):  # β = 0 first: G's contents ignored
                 G[rows].baddbmm_(d, a.transpose(1, 2), beta=float(i > 0))
-        return G.view(self.n, *self.m.weight.shape)
+        return G.view(self.n, *self.weight.shape)
 
     def _examples_as_groups(self, x: Tensor, d: Tensor) -> Tensor:
         """Every example's weight gradient ``[n·O, C/g, *K]`` at once: the call's n examples side by side as channels,
@@ -226,7 +227,7 @@ class ConvPatches:
         x, d = (x.transpose(0, 1), d.transpose(0, 1)) if x.dim() == geom.dims + 3 else (x[None], d[None])
         x, d = x.reshape(x.shape[0], -1, *x.shape[3:]), d.reshape(d.shape[0], -1, *d.shape[3:])
         padding, out_pad, x = self._conv_arguments(x, d)
-        w = self.m.weight
+        w = self.weight
         shape = (n * w.shape[0], *w.shape[1:])  # the weight of the n·g-group convolution: only its shape is read
         return torch.ops.aten.convolution_backward(
             d, x, x.new_zeros(shape), None, list(geom.stride), padding, list(geom.dilation), geom.transposed,
@@ -257,7 +258,7 @@ class ConvPatches:
         x, d = frames(x, geom.dims), frames(d, geom.dims)
         padding, out_pad, x = self._conv_arguments(x, d)
         return torch.ops.aten.convolution_backward(
-            d, x, x.new_zeros(self.m.weight.shape), None, list(geom.stride), padding, list(geom.dilation),
+            d, x, x.new_zeros(self.weight.shape), None, list(geom.stride), padding, list(geom.dilation),
             geom.transposed, out_pad, geom.groups, [False, True, False])[1]
 
 
@@ -274,7 +275,7 @@ def by_patch_products(m: nn.Module) -> bool:
     products over patch columns: as a convolution with the examples as groups it would have n·C groups of one
     channel, which CPU backends run group by group (2–3× slower, measured on Conv1d/Conv2d, 32 examples). Every other
     layer takes that convolution (1.4–2.5× faster than the products: no patch columns to copy)."""
-    return m.weight.shape[1] == 1 and m.groups > 1
+    return own(m, "weight").shape[1] == 1 and m.groups > 1
 
 
 def prefer_conv_ghost(T: int, d_in: int, d_out: int) -> bool:
@@ -343,7 +344,7 @@ class _ConvInputGradOnly(torch.autograd.Function):
 
 def _replayed_or_unbatched(m: nn.Module, x: Tensor) -> bool:
     """Calls that keep the module's own forward: a replay inside torch.func, an unbatched input."""
-    return torch._C._are_functorch_transforms_active() or x.dim() != m.weight.dim()
+    return torch._C._are_functorch_transforms_active() or x.dim() != own(m, "weight").dim()
 
 
 def _conv_forward(self: nn.Module, input: Tensor) -> Tensor:  # noqa: A002  (the module's own argument name)
@@ -353,11 +354,12 @@ def _conv_forward(self: nn.Module, input: Tensor) -> Tensor:  # noqa: A002  (the
     padding = geom.symmetric()
     if padding is None:  # reflect/replicate/circular, or an asymmetric 'same': padded first, as the module does
         input, padding = F.pad(input, geom.pads, mode=geom.mode), (0,) * geom.dims
+    weight, bias = own(self, "weight"), own(self, "bias")  # read as self.weight, self.bias (own_tensors.py)
     if input.requires_grad:  # torch's own convolution on the parameters detached: its backward is the input gradient
-        bias = None if self.bias is None else self.bias.detach()
-        return _CONV_FN[geom.dims](input, self.weight.detach(), bias, self.stride, padding, self.dilation, self.groups)
+        bias = None if bias is None else bias.detach()
+        return _CONV_FN[geom.dims](input, weight.detach(), bias, self.stride, padding, self.dilation, self.groups)
     conf = (self.stride, padding, self.dilation, False, (0,) * geom.dims, self.groups)
-    return _ConvInputGradOnly.apply(input, self.weight, self.bias, conf)
+    return _ConvInputGradOnly.apply(input, weight, bias, conf)
 
 
 def _conv_transpose_forward(self: nn.Module, input: Tensor,  # noqa: A002  (the module's own argument name)

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_dp._lazy import lazy_exports
 from lightning_dp.grad_sample.capture.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.grad_sample.capture.example_dims import time_major_layers
+from lightning_dp.grad_sample.capture.own_tensors import is_parametrized
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.clipping.rule import ClipRule, as_rule
 from lightning_dp.grad_sample.base import (
@@ -72,7 +73,6 @@ from lightning_dp.grad_sample.functorch_vmap import (
 from lightning_dp.grad_sample.rules import rule_for, rule_for_calls
 from lightning_dp.grad_sample.streamed_sums import StreamedSums
 from lightning_dp.validators.example_dim import hidden_use_error
-from lightning_dp.validators.layers import parametrized
 
 
 def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
@@ -96,7 +96,7 @@ def fallback_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, 
 def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
     """Dispatch one layer to the first registered rule serving its calls (:mod:`.rules`, in their precedence) or the
     vmap fallback."""
-    if parametrized(calls.module):  # weights computed from originals: the layer replayed per example on them
+    if is_parametrized(calls.module):  # weights computed from originals: the layer replayed per example on them
         return fallback_stats(calls, wanted, n, scale, with_squares)
     rule = rule_for_calls(calls)
     if rule is not None:

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.grad_sample.capture.activations import LayerCalls
+from lightning_dp.grad_sample.capture.own_tensors import is_parametrized, own
 from lightning_dp.grad_sample.layer_stats import LayerStats
-from lightning_dp.validators.layers import parametrized
 
 SMALL = 1 << 16
 """A layer is stacked when its per-step tensors (n·(in + out) numbers, or n·C per norm parameter) are at most this."""
@@ -41,7 +41,7 @@ SMALL = 1 << 16
 def linear_key(calls: LayerCalls, wanted: dict[str, Tensor], n: int) -> Optional[Hashable]:
     """The stacking key of a plain Linear layer :class:`LinearGroup` serves, else ``None``."""
     m = calls.module
-    if type(m) is not nn.Linear or parametrized(m) or len(calls.records) != 1 or calls.reduced:
+    if type(m) is not nn.Linear or is_parametrized(m) or len(calls.records) != 1 or calls.reduced:
         return None
     rec = calls.records[0]
     if rec.args is None or len(rec.args) != 1 or rec.kwargs or rec.grad_out is None or rec.flattened:
@@ -51,7 +51,8 @@ def linear_key(calls: LayerCalls, wanted: dict[str, Tensor], n: int) -> Optional
         return None  # T > 1 (tokens, positions): the general rule
     if "weight" not in wanted or n * (m.in_features + m.out_features) > SMALL:
         return None
-    return ("linear", m.in_features, m.out_features, "bias" in wanted, m.weight.dtype, m.weight.device)
+    w = own(m, "weight")
+    return ("linear", m.in_features, m.out_features, "bias" in wanted, w.dtype, w.device)
 
 
 def norm_key(calls: LayerCalls, wanted: dict[str, Tensor], n: int) -> Optional[Hashable]:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_dp.grad_sample.base import ParamMap
 from lightning_dp.grad_sample.capture.activations import LayerCalls
+from lightning_dp.grad_sample.capture.own_tensors import own
 from lightning_dp.grad_sample.ghost_tied import LowRank, Representation
 from lightning_dp.grad_sample.layer_stats import (
     LayerStats,
@@ -109,8 +110,9 @@ def _cat(parts: list[Tensor], dim: int = 1) -> Tensor:
 def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
     """nn.Linear: inputs [n, *, in] flattened to [n, T, in]; calls concatenated along T."""
     m = calls.module
-    a = _cat([_as_float(r.args[0], m.weight).reshape(n, -1, m.in_features) for r in calls.records])
-    d = _cat([_as_float(r.grad_out, m.weight).reshape(n, -1, m.out_features) for r in calls.records])
+    w = own(m, "weight")
+    a = _cat([_as_float(r.args[0], w).reshape(n, -1, m.in_features) for r in calls.records])
+    d = _cat([_as_float(r.grad_out, w).reshape(n, -1, m.out_features) for r in calls.records])
     return LinearFormStats(a, d, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
 
 
@@ -161,11 +163,12 @@ class _LinearInputGradOnly(torch.autograd.Function):
 
 
 def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:  # noqa: A002  (nn.Linear's own name: keyword calls)
+    weight, bias = own(self, "weight"), own(self, "bias")  # read as self.weight, self.bias (own_tensors.py)
     if torch._C._are_functorch_transforms_active():  # replayed inside vmap (a PEFT DoRA layer calls its base layer)
-        return F.linear(input, self.weight, self.bias)
+        return F.linear(input, weight, bias)
     if input.requires_grad:  # torch's own linear on the parameters detached: its backward is the input gradient only
-        return F.linear(input, self.weight.detach(), None if self.bias is None else self.bias.detach())
-    return _LinearInputGradOnly.apply(input, self.weight, self.bias)  # a first layer: its output must require grad
+        return F.linear(input, weight.detach(), None if bias is None else bias.detach())
+    return _LinearInputGradOnly.apply(input, weight, bias)  # a first layer: its output must require grad
 
 
 @register_rule

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.grad_sample.capture.activations import Record
+from lightning_dp.grad_sample.capture.own_tensors import own
 from lightning_dp.grad_sample.rules import LayerRule, register_rule
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -34,7 +35,7 @@ def norm_layer_record_grads(m: nn.Module, rec: Record) -> dict[str, Tensor]:
 
     The ghost engine reduces these layers during backward (:meth:`LayerCalls.reduce`): the
     grads are [n, C], far smaller than the input and output gradient they replace."""
-    weight = m.weight
+    weight = own(m, "weight")
     like = weight if weight is not None else rec.grad_out
     x, d = _as_float(rec.args[0], like), _as_float(rec.grad_out, like)
     xhat = normalised(m, x, rec)

@@ -56,9 +56,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.grad_sample.capture.activations import LayerCalls, Record
+from lightning_dp.grad_sample.capture.own_tensors import is_parametrized
 from lightning_dp.grad_sample.base import ParamMap
 from lightning_dp.grad_sample.layer_stats import LayerStats, MaterialisedStats
-from lightning_dp.validators.layers import parametrized
 
 RULE_MODULES: tuple[str, ...] = (
     "lightning_dp.grad_sample.conv_rules",
@@ -163,7 +163,7 @@ def registered_rules() -> list[LayerRule]:
 def rule_for(m: nn.Module) -> Optional[LayerRule]:
     """The first registered rule serving ``m`` (:meth:`LayerRule.serves`), or None (also for a parametrized
     module)."""
-    if parametrized(m):
+    if is_parametrized(m):
         return None
     return next((r for r in registered_rules() if r.serves(m)), None)
 
@@ -171,6 +171,6 @@ def rule_for(m: nn.Module) -> Optional[LayerRule]:
 def rule_for_calls(calls: LayerCalls, for_vmap: bool = False) -> Optional[LayerRule]:
     """The first registered rule serving the step's calls of ``calls.module`` (:meth:`LayerRule.serves_calls`),
     among those with :attr:`~LayerRule.for_vmap` when ``for_vmap``; None for a parametrized module."""
-    if parametrized(calls.module):
+    if is_parametrized(calls.module):
         return None
     return next((r for r in registered_rules() if (r.for_vmap or not for_vmap) and r.serves_calls(calls)), None)

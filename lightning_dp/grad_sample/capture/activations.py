@@ -38,6 +38,7 @@ from lightning_dp.grad_sample.capture.example_dims import (
     position_wise,
 )
 from lightning_dp.grad_sample.capture.finite import finite_copy, finite_fields
+from lightning_dp.grad_sample.capture.own_tensors import own_trainable, plain_leaf
 from lightning_dp.grad_sample.capture.recurrent_tape import RecurrentTape, tape_of
 from lightning_dp.grad_sample.capture.root_parameters import RootParameters
 from lightning_dp.validators.elementwise_scale import ScaledOperand, scale_candidate, scaled_operand
@@ -210,7 +211,11 @@ def is_unit(module: nn.Module) -> bool:
     parametrization (:func:`~.validators.layers.parametrized`: its originals live in a ``parametrizations`` child),
     and a module that owns parameters and whose children are stateless (:func:`stateless`): a mixture-of-experts
     block's ``experts``, whose stacked ``gate_up_proj``/``down_proj`` it uses itself, with an ``act_fn`` child."""
-    if isinstance(module, UNITS) or parametrized(module):
+    if isinstance(module, UNITS):
+        return True
+    if plain_leaf(module):  # no children, not parametrized (own_tensors.py): the common layer, answered at once
+        return False
+    if parametrized(module):
         return True
     children = list(module.children())
     return bool(children) and any(True for _ in module.parameters(recurse=False)) and all(map(stateless, children))
@@ -227,6 +232,8 @@ def stateless(module: nn.Module) -> bool:
 def direct_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) pairs owned directly by ``module`` that require grad (for a unit, all of
     its parameters, with dotted names)."""
+    if not isinstance(module, UNITS) and plain_leaf(module):  # not a unit: its own table (own_tensors.py)
+        return own_trainable(module)
     return [(n, p) for n, p in module.named_parameters(recurse=is_unit(module)) if p.requires_grad]
 
 
@@ -562,7 +569,7 @@ class ActivationCapture:
             if n is not None and rows is None:  # outputs with the examples in another dimension (example_layout.py)
                 self._layouts.update((leaves[k].grad_fn, cdims.output(k)) for k in live
                                      if cdims.output(k) != 0 and leaves[k].grad_fn is not None)
-            self._params.update((id(p), p) for p in module.parameters(recurse=is_unit(module)) if p.requires_grad)
+            self._params.update((id(p), p) for _, p in direct_trainable(module))
             self._inputs.update((id(t), t) for t in _leaf_inputs(args, kwargs))
             rec = Record(_detached(tuple(args)), {k: _detached(v) for k, v in kwargs.items()}, [None] * len(leaves),
                          self._rng if draws_randomness(module) else None, calls.generation,
