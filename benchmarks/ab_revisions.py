@@ -11,7 +11,8 @@ initial weights, :func:`cost_floor.build`) with its own :class:`~lightning_dp.pr
 (ghost engine, Adam, noise drawn at the release unless ``--prefetch``), and the non-private step runs beside them.
 Each round runs one step of each in a shuffled order. Printed: each tree's median ms per step and median ratio to
 the non-private step of the same round, and the median and quartiles of the per-round difference rev − working
-tree (positive: the working tree is faster).
+tree (positive: the working tree is faster). With ``--phases``, the same for each phase of the step (begin, forward and loss;
+backward; release; optimizer step): a change's own phase varies far less from round to round than the whole step.
 
 A revision against an unchanged tree (``--rev HEAD``, nothing uncommitted) measures the harness's own offset (measured
 2026-11-29: 0.01–0.04 ms on the digits CNN, 0.07 ms on the MLP); only a difference well above it is the change's.
@@ -46,6 +47,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import cost_floor as cf  # noqa: E402
 
 RENAMED = "lightning_dp_rev"
+PHASES = ("forward", "backward", "release", "optimizer")
+"""The private step's phases timed apart (``--phases``): begin + forward + loss, backward, release, optimizer step."""
 
 
 def unpack_revision(rev: str, into: Path) -> None:
@@ -73,15 +76,26 @@ def private_step(package: str, model_name: str, batch: int, prefetch: bool) -> C
     draw, drawn = cf.drawn_batches(step, x, y, batch)
     step.verify(lambda b: cf.loss_of(model(b[0]), b[1], tokens))
 
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
+
     def run() -> None:
+        t0 = time.perf_counter()
         bx, by = drawn()
         opt.zero_grad(set_to_none=True)
         step.begin()
-        cf.loss_of(model(bx), by, tokens).backward()
+        loss = cf.loss_of(model(bx), by, tokens)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         step.release(optimizer=opt)
+        t3 = time.perf_counter()
         opt.step()
+        t4 = time.perf_counter()
+        for name, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+            phases[name].append((b - a) * 1e3)
 
     run.prepare = draw  # type: ignore[attr-defined]
+    run.phases = phases  # type: ignore[attr-defined]
     return run
 
 
@@ -93,6 +107,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prefetch", action="store_true", help="noise drawn ahead (prefetch='auto') in both trees")
+    ap.add_argument("--phases", action="store_true", help="also the paired differences of each phase of the step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -125,6 +140,13 @@ def main() -> None:
     q1, _, q3 = statistics.quantiles(diff, n=4)
     print(f"non-private {statistics.median(ms['nonprivate']):.3f} ms; rev - tree: median "
           f"{statistics.median(diff):.3f} ms (quartiles {q1:.3f} .. {q3:.3f})")
+    if args.phases:  # the same rounds' phases: a change's own phase differs far less from round to round
+        for phase in PHASES:
+            a, b = steps["rev"].phases[phase][skip:], steps["tree"].phases[phase][skip:]  # type: ignore[attr-defined]
+            d = [x - y for x, y in zip(a, b)]
+            p1, _, p3 = statistics.quantiles(d, n=4)
+            print(f"  {phase:9s} rev {statistics.median(a):7.3f}  tree {statistics.median(b):7.3f} ms; rev - tree: "
+                  f"median {statistics.median(d) * 1e3:7.1f} µs (quartiles {p1 * 1e3:.1f} .. {p3 * 1e3:.1f})")
 
 
 if __name__ == "__main__":
