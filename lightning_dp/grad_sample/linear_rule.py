@@ -118,9 +118,10 @@ def linear_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, wi
 
 def is_hf_conv1d(m: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2): y = x W + b with W stored [in, out]; a Linear in all but layout."""
+    if type(m).__name__ != "Conv1D":  # the name first: the dispatch asks it of every layer, every step
+        return False
     w = getattr(m, "weight", None)
-    return (type(m).__name__ == "Conv1D" and isinstance(w, Tensor) and w.dim() == 2
-            and getattr(m, "nf", None) == w.shape[1])
+    return isinstance(w, Tensor) and w.dim() == 2 and getattr(m, "nf", None) == w.shape[1]
 
 
 def hf_conv1d_stats(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_squares) -> LayerStats:
