@@ -14,6 +14,12 @@ class KnownSeedWarning(UserWarning):
     For tests and reproducible research; production runs give none (OS-seeded generators)."""
 
 
+class PackedRecordsWarning(UserWarning):
+    """The training records look packed: token rows holding several documents or pieces of them (``group_texts``,
+    bin-packing, two texts joined), so DP per record does not bound one document's influence
+    (:mod:`lightning_dp.validators.packed_records`). Made an error, the fit is refused before any release instead."""
+
+
 class OutsideStepsWarning(UserWarning):
     """A private fit starts from trainable weights that an optimizer outside the private step moved in this process
     (a plain loop, a fit without ``DPStrategy``): if those steps saw the private data they are releases no ledger

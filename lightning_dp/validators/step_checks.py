@@ -30,6 +30,7 @@ from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
 from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held, warn_pretrained_outside
+from lightning_dp.validators.packed_records import warn_packed_records
 from lightning_dp.records.outside_steps import mark_private
 from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
@@ -134,6 +135,7 @@ class StepChecks:
         if found:  # models fitted in this process outside the mechanism (:mod:`.outside_fits`)
             raise outside_fit_error(found)
         warn_pretrained_outside(self._module, optimizer)  # its own weights stepped outside it first
+        warn_packed_records(self._module, self._source[0], loader)  # several documents per record (group_texts)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",
