@@ -321,7 +321,7 @@ class PrivateTraining:
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in private_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
-        self._logged_reads.watch_metrics(module)
+        self._logged_reads.watch_metrics(module, self._exempt)
         diagnostic_reads.watch(lambda: module._current_fx_name if module._current_fx_name in STEP_HOOKS else None)
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
         self._record_watch = RecordWatch(datasets[0] if datasets else None,

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators import metric_values
-from lightning_dp.validators.hook_replays import moved_far
+from lightning_dp.validators.hook_replays import moved_far, moved_near
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -92,9 +92,11 @@ class LoggedReads:
         self.active = True
 
     @contextmanager
-    def moved(self) -> Iterator[None]:
-        """Inside, the training-logged values in the trainer's three metric dicts are moved far (1000·(value + 1)):
-        a run of the user's hooks on other data reads other logged values too (:mod:`.decisions`)."""
+    def moved(self, up: bool = True) -> Iterator[None]:
+        """Inside, the training-logged values in the trainer's three metric dicts are moved far (1000·(value + 1)), or
+        near zero (``up`` false: a thousandth), and so are the metrics updated while the trainer trained
+        (:func:`.metric_values.moved`): a run of the user's hooks on other data reads other logged values too, on
+        either side of a threshold (:mod:`.decisions`)."""
         connector = getattr(self.trainer, "_logger_connector", None)
         names = set(self.private())
         saved: list[tuple[dict, Any, Any]] = []
@@ -103,18 +105,20 @@ class LoggedReads:
             for key in [k for k in dict.keys(metrics) if k in names] if isinstance(metrics, dict) else ():
                 value = dict.__getitem__(metrics, key)
                 saved.append((metrics, key, value))
-                dict.__setitem__(metrics, key, moved_far(value))
+                dict.__setitem__(metrics, key, moved_far(value) if up else moved_near(value))
         try:
-            yield
+            with metric_values.moved(up):
+                yield
         finally:
             for metrics, key, value in reversed(saved):
                 dict.__setitem__(metrics, key, value)
 
-    def watch_metrics(self, module: nn.Module) -> None:
+    def watch_metrics(self, module: nn.Module, public: Callable[[str], bool] = lambda name: False) -> None:
         """Watch every torchmetrics ``Metric`` (at the class level: wherever it lives, the module, a dict, a callback,
         a global): its states accumulate the training batches (they are not fingerprinted: they feed ``self.log``),
         so its value read back inside a step — ``compute()`` or its states by the user's code, or what ``forward``
-        returns carried into the loss — is refused as a logged value would be (:mod:`.metric_values`)."""
+        returns carried into the loss — is refused as a logged value would be (:mod:`.metric_values`); one updated
+        while the trainer trains (its name not ``public``) reads moved in :meth:`moved`."""
         def inside() -> Optional[str]:
             hook = getattr(getattr(self.trainer, "lightning_module", None), "_current_fx_name", None)
             return hook if self.active and hook in STEP_HOOKS else None
@@ -123,7 +127,11 @@ class LoggedReads:
             found = next((n for n, m in module.named_modules() if m is metric and n), None)
             return found or type(metric).__name__
 
-        metric_values.watch(inside, lambda read, hook: logged_read_error([read], f"in {hook}"), name)
+        def training(metric: Any) -> bool:
+            trainer = self.trainer
+            return self.active and bool(getattr(trainer, "training", False)) and not public(name(metric))
+
+        metric_values.watch(inside, lambda read, hook: logged_read_error([read], f"in {hook}"), name, training)
 
     def unwatch_metrics(self) -> None:
         """The metrics compute as they did."""

@@ -18,18 +18,26 @@ the class level (every ``Metric``, made before or during the fit), and restored 
   batch end, validation, after the fit) it is an ordinary tensor (what batch-end hooks decide from it is
   :mod:`.decisions`' to judge);
 * a metric's states (``tp``, ``mean_value``, …, its cached ``_computed`` and ``_forward_cache``) read by the user's
-  code inside a step hook are refused, as a read of its value is.
+  code inside a step hook are refused, as a read of its value is; its own ``update``, ``compute``, ``reset`` and
+  ``merge_state`` (a custom metric's ``self.correct += …``, and the methods of its own they call) are its machinery;
+* a metric updated while the trainer trains is the training data's (unless its name is declared public): in
+  :func:`moved`, the contexts in which :mod:`.decisions` runs the hooks of a window again on other data, what its
+  ``compute()`` returns to anyone, and its states read by the user's code, are moved far (``up``) or near zero
+  (integer counts too), so that a stop, a rate, a change of what trains or a buffer set from it at an epoch's end
+  is set apart and refused, as one set from a logged value is (rule 10 of docs/release_boundary.md).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["SealedMetric", "unwatch", "watch"]
+__all__ = ["SealedMetric", "moved", "unwatch", "watch"]
 
 _INSIDE: Callable[[], Optional[str]] = lambda: None  # noqa: E731  (the current step hook, or None; set by :func:`watch`)
 _REFUSE: Callable[[str, str], Exception] = lambda read, hook: RuntimeError(read)  # noqa: E731
@@ -41,18 +49,58 @@ _PASSED_ON = frozenset({"detach", "clone", "size", "dim", "numel", "is_floating_
                         "to", "cpu", "cuda", "__hash__"})
 _THIS = __name__
 _saved: Optional[tuple[Any, Any]] = None  # (Metric, its own __getattribute__ if it had one)
+_MACHINERY = frozenset({"update", "compute", "reset", "merge_state"})
+_TRAINING: Callable[[Any], bool] = lambda metric: False  # noqa: E731  (whether an update now is the training data's)
+_TRAINED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  # by id: Metric hashes its states
+_MOVE: list[Optional[bool]] = [None]  # inside :func:`moved`: up (far) or down (near zero)
 
 
-def _users_caller(depth: int) -> bool:
-    """Whether the first caller (``depth`` frames up) outside torch and the standard library is the user's code."""
+def _users_caller(depth: int, metric: Any = None) -> bool:
+    """Whether the first caller (``depth`` frames up) outside torch and the standard library is the user's code;
+    given ``metric``, not when that code is ``metric``'s own machinery (one of its methods, called by its ``update``,
+    ``compute``, ``reset`` or ``merge_state``)."""
     frame: Any = sys._getframe(depth)
     while frame is not None:
         name = frame.f_globals.get("__name__", "") or ""
         top = name.split(".")[0]
         if name != _THIS and top != "torch" and (top not in sys.stdlib_module_names or top == "__main__"):
-            return top not in _LIBRARIES
+            if top in _LIBRARIES:
+                return False
+            if metric is None or frame.f_locals.get("self") is not metric:
+                return True
+            if frame.f_code.co_name in _MACHINERY:
+                return False
         frame = frame.f_back
     return False
+
+
+def _move(value: Any, up: bool) -> Any:
+    """``value`` moved far (``up``: 1000·(v + 1)) or near zero (v / 1000; integer counts floor-divided), tensors and
+    numbers in dicts, lists and tuples."""
+    if isinstance(value, Tensor) and value.dtype != torch.bool and not value.is_complex():
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = value.detach()
+            if up:
+                return (plain + 1) * 1000
+            return plain * 1e-3 if value.is_floating_point() else torch.div(plain, 1000, rounding_mode="floor")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (value + 1) * 1000 if up else (value * 1e-3 if isinstance(value, float) else value // 1000)
+    if isinstance(value, dict):
+        return {k: _move(v, up) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_move(v, up) for v in value)
+    return value
+
+
+@contextmanager
+def moved(up: bool) -> Iterator[None]:
+    """Inside, the metrics updated while the trainer trained read moved (module docstring): what their ``compute()``
+    returns and their states read by the user's code."""
+    before, _MOVE[0] = _MOVE[0], up
+    try:
+        yield
+    finally:
+        _MOVE[0] = before
 
 
 class SealedMetric(Tensor):
@@ -96,16 +144,18 @@ def _sealed(value: Any, read: Optional[str] = None) -> Any:
 
 
 def watch(inside: Callable[[], Optional[str]], refuse: Callable[[str, str], Exception],
-          name: Callable[[Any], str] = lambda metric: type(metric).__name__) -> None:
+          name: Callable[[Any], str] = lambda metric: type(metric).__name__,
+          training: Callable[[Any], bool] = lambda metric: False) -> None:
     """From now on every torchmetrics ``Metric`` is watched (module docstring). ``inside``: the current step hook
     (``None`` outside one); ``refuse(read, hook)``: the error for a read by the user's code; ``name``: a metric's
-    name in it."""
-    global _INSIDE, _REFUSE, _NAME, _saved
+    name in it; ``training(metric)``: whether its update now is from the training data (moved in :func:`moved`)."""
+    global _INSIDE, _REFUSE, _NAME, _TRAINING, _saved
     try:
         from torchmetrics import Metric
     except ImportError:  # no torchmetrics, no metrics
         return
-    _INSIDE, _REFUSE, _NAME = inside, refuse, name
+    _INSIDE, _REFUSE, _NAME, _TRAINING = inside, refuse, name, training
+    _TRAINED.clear()
     if _saved is not None:
         return
     own = vars(Metric).get("__getattribute__")
@@ -117,9 +167,16 @@ def watch(inside: Callable[[], Optional[str]], refuse: Callable[[str, str], Exce
             hook = _INSIDE()
             if hook is not None:
                 return _guarded(self, value, hook)
-        elif (name in _CACHES or name in base(self, "__dict__").get("_defaults", ())) and _INSIDE() is not None \
-                and _users_caller(2):
-            raise _REFUSE(f"{_NAME(self)}.{name}", str(_INSIDE()))
+            if _MOVE[0] is not None and id(self) in _TRAINED:
+                return _moved_compute(value, _MOVE[0])
+        elif name == "update":
+            if id(self) not in _TRAINED and _TRAINING(self):
+                _TRAINED[id(self)] = self
+        elif name in _CACHES or name in base(self, "__dict__").get("_defaults", ()):
+            if _INSIDE() is not None and _users_caller(2, self):
+                raise _REFUSE(f"{_NAME(self)}.{name}", str(_INSIDE()))
+            if _MOVE[0] is not None and id(self) in _TRAINED and _users_caller(2, self):
+                return _move(value, _MOVE[0])
         return value
 
     _saved = (Metric, own)
@@ -133,10 +190,18 @@ def _guarded(metric: Any, compute: Any, hook: str) -> Any:
     return compute_watched
 
 
+def _moved_compute(compute: Any, up: bool) -> Any:
+    def compute_moved(*args: Any, **kwargs: Any) -> Any:
+        return _move(compute(*args, **kwargs), up)
+    compute_moved.__wrapped__ = compute  # type: ignore[attr-defined]
+    return compute_moved
+
+
 def unwatch() -> None:
     """The metrics are as they were (the fit is over)."""
-    global _INSIDE, _saved
-    _INSIDE = lambda: None  # noqa: E731
+    global _INSIDE, _TRAINING, _saved
+    _INSIDE, _TRAINING = lambda: None, lambda metric: False  # noqa: E731
+    _TRAINED.clear()
     if _saved is None:
         return
     metric, own = _saved

@@ -136,11 +136,18 @@ class StepReplays:
     @contextmanager
     def other_data(self, floating_only: bool) -> Iterator[None]:
         """The training data's copies in memory exchanged (given ``True``: its floating-point arrays only), and the
-        values logged from it moved, as are the non-private diagnostics (with the exchange): what the hooks that read
-        no batch see of other data."""
-        moved = self.strategy._logged_reads.moved() if self.strategy._logged_reads is not None else nullcontext()
-        with self.step.exchanged_training_data().exchanged(floating_only), moved:
+        values logged from it moved (far, or near zero with the floating-point arrays only: either side of a
+        threshold), as are the non-private diagnostics (with the exchange): what the hooks that read no batch see of
+        other data."""
+        reads = self.strategy._logged_reads
+        with self.step.exchanged_training_data().exchanged(floating_only), \
+                reads.moved(not floating_only) if reads is not None else nullcontext():
             yield
+
+    def _reads_moved(self) -> Any:
+        """The values logged from the training data, and its metrics (:mod:`.metric_values`), moved far."""
+        reads = self.strategy._logged_reads
+        return reads.moved() if reads is not None else nullcontext()
 
     @contextmanager
     def replay_settings(self) -> Iterator[None]:
@@ -364,6 +371,7 @@ class StepReplays:
                 rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
+                            self._reads_moved() if exchange else nullcontext(), \
                             seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)

@@ -505,3 +505,18 @@ def test_a_logged_value_read_through_a_librarys_accessor_inside_the_step_is_refu
     assert model.trainer.strategy.ledger.steps == 4
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bar ")]
     assert len(shown) >= 4, shown  # the bar's own reads, outside the step (and their replays): a report
+
+
+class StopsWhileLossIsHigh(pl.Callback):
+    """Stops at an epoch's end while the logged training loss is above a bound it is above (a decision the logged value
+    moved far leaves as it was: moved near zero, it is not taken)."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.should_stop = float(trainer.callback_metrics["train_loss_epoch"]) > 0.01
+
+
+def test_a_stop_while_a_logged_loss_is_above_a_bound_is_refused():
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"at the end of an epoch \(on_train_epoch_end.*should_stop"):
+        quiet_trainer(strategy=dp, max_steps=12, callbacks=[StopsWhileLossIsHigh()]).fit(Logs(), loader())
+    assert dp.ledger.steps == 4
