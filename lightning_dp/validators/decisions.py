@@ -35,6 +35,7 @@ made in the step itself
 from __future__ import annotations
 
 import copy
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -43,10 +44,10 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.hook_replays import (moved_far, moved_near, raised_apart, raised_error, replaying,
-                                                  runs_users_code)
+from lightning_dp.validators.hook_replays import (checkpoints_saved, moved_far, moved_near, raised_apart,
+                                                  raised_error, replaying, runs_users_code)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
-from lightning_dp.records.library_objects import library_callback
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
 from lightning_dp.validators.steered_settings import (decisions, hyperparameters_error, loop_controls,
@@ -142,6 +143,7 @@ class DecisionWindows(pl.Callback):
         self._kinds: Optional[frozenset[str]] = None
         self.notes = MechanismNotes()  # σ and C as the last release, a judged window or the library left them
         self._replayed: Optional[Fingerprint] = None  # the decisions the last runs again (on the data) left
+        self._saving = False  # a checkpoint the user's hook saves is being written (:meth:`before_checkpoint`)
 
     # ------------------------------------------------------------------ the loop's hooks
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -209,7 +211,11 @@ class DecisionWindows(pl.Callback):
         window = self._window
         if window is None:
             return
-        self.close(trainer, module)
+        self._saving = _users_save()  # the user's hook saves: whether it does is a decision its runs again judge
+        try:
+            self.close(trainer, module)
+        finally:
+            self._saving = False
         self._check_mechanism(trainer, "before a checkpoint after step {step}")
         self._open(window.kind, trainer, module, window.args, judge=window.before is not None)
 
@@ -241,7 +247,7 @@ class DecisionWindows(pl.Callback):
         window, self._window = self._window, None
         if window is None or window.kind == "batch start":  # the step judges what they decide (its release's checks)
             return
-        judged, decided_now = window.before is not None, decisions(trainer) != window.decisions
+        judged, decided_now = window.before is not None, decisions(trainer) != window.decisions or self._saving
         written = [] if window.state is None else \
             StateFingerprint.changed(window.state, self._state(trainer, module, full=judged))
         # alike on every rank (one all-reduce): whether anything is judged, and whether the hooks run again
@@ -292,9 +298,11 @@ class DecisionWindows(pl.Callback):
                 _put_back(window, trainer)
                 try:
                     with self._settings(), replaying(module, rates=False), torch.no_grad():
+                        saved = checkpoints_saved()
                         _run_hooks(window, trainer, module, variant)
                         state = self._state(trainer, module) if window.before is not None else {}
-                        runs.append({**state, **decisions(trainer)})  # inside: leaving a replay puts schedulers back
+                        runs.append({**state, **decisions(trainer),  # inside: leaving a replay puts schedulers back
+                                     "trainer checkpoints saved": checkpoints_saved() - saved})
                     errors.append(None)
                 except PrivacyConfigurationError:
                     raise
@@ -345,6 +353,17 @@ class DecisionWindows(pl.Callback):
 
 
 _DECISIONS = ("trainer ", "privacy ", "model trainable", "scheduler ", "optimizer ")
+
+
+def _users_save() -> bool:
+    """Whether the checkpoint being written was asked for by the user's code (``trainer.save_checkpoint`` in a hook
+    of the user's), not by a library's (``ModelCheckpoint``)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "save_checkpoint"
+                                     and frame.f_globals.get("__name__", "").endswith("trainer.trainer")):
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return caller is not None and not caller.f_globals.get("__name__", "").startswith(LIBRARY_PREFIXES)
 
 
 _WHERE = {

@@ -42,10 +42,11 @@ EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 """The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
 dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy at epoch end)."""
 
-__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "configured_settings", "model_kept",
-           "moved_far", "moved_near", "overrides_epoch_hooks", "overrides_fit_start", "progress_as",
-           "raised_apart", "raised_error", "replay_batch_hooks", "replay_end_hooks", "replay_epoch_hooks", "replaying",
-           "runs_users_code", "silenced_logging", "users_hook", "weights_moved_by_data", "weights_sketch"]
+__all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "checkpoints_saved",
+           "configured_settings", "model_kept", "moved_far", "moved_near", "overrides_epoch_hooks",
+           "overrides_fit_start", "progress_as", "raised_apart", "raised_error", "replay_batch_hooks",
+           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook",
+           "weights_moved_by_data", "weights_sketch"]
 
 
 _RAISING_HOOKS = ("on_train_batch_start", "training_step", "on_before_backward", "on_train_batch_end",
@@ -387,7 +388,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
     with silenced_logging(module):
         for obj, name in muted:
-            setattr(obj, name, lambda *args, **kwargs: None)
+            setattr(obj, name, _counted if name == "save_checkpoint" else lambda *args, **kwargs: None)
         try:
             yield
         finally:
@@ -409,6 +410,16 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
 
 
 _ABSENT = object()
+_SAVED = [0]  # the checkpoints the replays' hooks saved (``trainer.save_checkpoint``, muted)
+
+
+def _counted(*args: Any, **kwargs: Any) -> None:
+    _SAVED[0] += 1
+
+
+def checkpoints_saved() -> int:
+    """How many checkpoints the replays' hooks saved so far (none written): whether a run saves is a decision."""
+    return _SAVED[0]
 
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",

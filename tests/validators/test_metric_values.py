@@ -205,3 +205,27 @@ def test_a_training_metric_declared_public_may_decide():
     model = Tracks()
     dp = fit(model, steps=12, callbacks=[Decides("lr")], public_state=["running", "accuracy"])
     assert dp.ledger.steps == 12
+
+
+class SavesWhenAccurate(pl.Callback):
+    """Saves a checkpoint at an epoch's end when the training accuracy is above ``bound`` (-1: every epoch)."""
+
+    def __init__(self, path: Path, bound: float) -> None:
+        self.path, self.bound = path, bound
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc = float(pl_module.accuracy.compute())
+        pl_module.accuracy.reset()
+        pl_module.running.reset()
+        if acc > self.bound:
+            trainer.save_checkpoint(self.path / f"epoch{trainer.current_epoch}.ckpt")
+
+
+def test_a_checkpoint_saved_when_a_training_metric_passes_a_bound_is_refused_and_one_every_epoch_is_written(tmp_path):
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"at the end of an epoch.*trainer checkpoints saved"):
+        quiet_trainer(strategy=dp, max_steps=12, callbacks=[SavesWhenAccurate(tmp_path, 0.01)]).fit(Tracks(), loader())
+    assert not list(tmp_path.iterdir()), "refused before the checkpoint was written"
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=12, callbacks=[SavesWhenAccurate(tmp_path, -1.0)]).fit(Tracks(), loader())
+    assert dp.ledger.steps == 12 and len(list(tmp_path.iterdir())) == 3
