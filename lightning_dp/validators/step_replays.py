@@ -144,11 +144,6 @@ class StepReplays:
                 reads.moved(not floating_only) if reads is not None else nullcontext():
             yield
 
-    def _reads_moved(self) -> Any:
-        """The values logged from the training data, and its metrics (:mod:`.metric_values`), moved far."""
-        reads = self.strategy._logged_reads
-        return reads.moved() if reads is not None else nullcontext()
-
     @contextmanager
     def replay_settings(self) -> Iterator[None]:
         """What every replay of the user's hooks runs in: the same random seeds, the boundary's watches paused, σ and C
@@ -371,7 +366,6 @@ class StepReplays:
                 rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
-                            self._reads_moved() if exchange else nullcontext(), \
                             seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
