@@ -62,7 +62,7 @@ def dataset_token(dataset: Any) -> Hashable:
 def _records_token(value: Any) -> Optional[Hashable]:
     """A NumPy array of records (:func:`_array_digest`), a list of plain numbers or strings (labels kept as a
     list: its length and hash), another dict, list, set or deque (its identity, length and the hash of its items'
-    tokens: :func:`_item`; beyond :data:`MAX_HASHED` items, of :data:`SAMPLED` at each end), else ``None``."""
+    tokens: :func:`_item`; beyond :data:`MAX_HASHED` items, of about :data:`SAMPLED`), else ``None``."""
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
     if isinstance(value, list) and value and isinstance(value[0], (int, float, str, bool)):
@@ -74,8 +74,8 @@ def _records_token(value: Any) -> Optional[Hashable]:
         filled = fetch_filled(value) if isinstance(value, dict) else {}  # a cache's entries the fetch added
         items: Any = value.items() if isinstance(value, dict) else value
         length = len(value) - len(filled)
-        if len(value) > MAX_HASHED:  # its length and its first and last items (a set: the first only)
-            items = [*islice(items, SAMPLED), *(islice(reversed(items), SAMPLED) if not isinstance(value, set) else ())]
+        if len(value) > MAX_HASHED:  # its length and a sample of its items, evenly spaced (a fetch's entries, added
+            items = list(islice(items, 0, None, max(1, length // SAMPLED)))  # at the end, leave the spacing as it is)
         if filled:
             items = [(k, v) for k, v in items if filled.get(k) != id(v)]
             length = length if len(value) > MAX_HASHED else len(items)
@@ -83,10 +83,14 @@ def _records_token(value: Any) -> Optional[Hashable]:
     return None
 
 
-MAX_HASHED = 1 << 16
-"""Items of a container on the training dataset up to which all are hashed; beyond, :data:`SAMPLED` at each end."""
+MAX_HASHED = 4096
+"""Items of a container on the training dataset up to which all are hashed; beyond, about :data:`SAMPLED` of them,
+evenly spaced (a take costs a bounded walk: it is taken several times a step)."""
 
-SAMPLED = 64
+SAMPLED = 256
+
+NESTED = 8
+"""Items at each end of a container inside a container that its token holds (beside its length)."""
 
 
 def _item(value: Any, depth: int) -> Hashable:
@@ -99,8 +103,8 @@ def _item(value: Any, depth: int) -> Hashable:
         return ("tensor", id(value), value._version, tuple(value.shape))
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, _array_digest(value))
-    if isinstance(value, (tuple, list)) and depth < 2:
-        return tuple(_item(x, depth + 1) for x in value)
-    if isinstance(value, dict) and depth < 2:
-        return tuple(_item(x, depth + 1) for x in value.items())
+    if isinstance(value, (tuple, list, dict)) and depth < 2:
+        items = list(value.items()) if isinstance(value, dict) else value
+        ends = items if len(items) <= 2 * NESTED else [*items[:NESTED], *items[-NESTED:]]
+        return (len(items), *(_item(x, depth + 1) for x in ends))
     return type(value).__qualname__

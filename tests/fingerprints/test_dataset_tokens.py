@@ -67,26 +67,29 @@ class DecodeCache(Dataset):
         return self.cache[i], Y[i]
 
 
-def test_the_fetchs_cache_entries_do_not_change_the_token_a_hooks_do():
+@pytest.mark.parametrize("earlier", [0, 6000], ids=["hashed whole", "sampled"])
+def test_the_fetchs_cache_entries_do_not_change_the_token_a_hooks_do(earlier):
     """What the watched fetch adds to an index-keyed cache is the fetch's (judged there); an entry written outside a
-    fetch, or a fetched entry overwritten, changes the token."""
+    fetch, or a fetched entry overwritten, changes the token. ``earlier``: entries filled before the fetch was watched
+    (the checks before training read records), past the size where a sample is hashed."""
     ds = DecodeCache()
+    ds.cache.update({-1 - i: 0.0 for i in range(earlier)})
     state = FetchState(ds, None).noted()
     for i in range(70):  # (a dict of up to 64 tensors is walked as the dataset's tensors: dataset_parts)
         ds[i]
         state.check()
     before = dataset_token(ds)
-    for i in (75, 76, 77):
+    for i in range(75, 95):
         ds[i]
         state.check()
     assert dataset_token(ds) == before
     ds.epoch, ds.transforms[0] = 1, torch.nn.Identity()  # set_epoch, a transform swapped: not records
     assert dataset_token(ds) == before
-    ds.cache[76] = ds.cache[76] * 0 + 0.5  # a hook's write over a fetched entry
-    assert dataset_token(ds) != before
+    ds.cache[76] = ds.cache[76] * 0 + 0.5  # a hook's write over a fetched entry (past 4,096: if sampled)
+    assert (dataset_token(ds) != before) is (earlier == 0)
     ds.cache[76] = X[76] * 2
     again = dataset_token(ds)
-    ds.cache[90] = 0.3  # a new entry no fetch added
+    ds.cache[95] = 0.3  # a new entry no fetch added
     assert dataset_token(ds) != again
 
 
