@@ -66,6 +66,7 @@ from lightning_dp.validators.loaders import population_changed_error, record_set
 from lightning_dp.validators.stored_records import StoredRecords, changed_records, changed_records_error, stored_records
 from lightning_dp.validators.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
+from lightning_dp.validators.evaluated_records import check_evaluation, note_training
 from lightning_dp.validators import diagnostic_reads
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
@@ -493,6 +494,9 @@ class PrivateTraining:
     def process_dataloader(self, dataloader: object) -> object:
         """Rebuild the training loader around Poisson sampling (other stages untouched)."""
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.state.fn != TrainerFn.FITTING:  # the training records evaluated outside a fit: refused
+            check_evaluation(dataloader, trainer.state.fn.value, self.private_step.boundary.public_state, self.label,
+                             self, self.lightning_module)  # type: ignore[attr-defined]
         if trainer.state.fn != TrainerFn.FITTING or not _is_train_loader(trainer, dataloader):
             return dataloader
         if not isinstance(dataloader, DataLoader):
@@ -518,6 +522,7 @@ class PrivateTraining:
         if changed:
             raise changed_records_error(changed)
         self._stored = self._stored or stored
+        note_training(dataloader, self, self.lightning_module)  # type: ignore[attr-defined]
         self._stored_dataset = dataloader.dataset
         physical_batch_size(self, dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", 1))
         loader = self.private_step.poisson_loader(dataloader,  # its group cycle starts at the ledger's count

@@ -209,6 +209,8 @@ class FetchState:
         self._objects: dict[str, Any] = {}
         self._compared = 0
         self._unverified: list[tuple[dict, Any]] = []
+        self.filled: dict[int, dict[Any, int]] = {}
+        """Per index-keyed cache (by id), the entries fetches added: key → id of the value (:func:`fetch_filled`)."""
         self.home = os.getpid()  # the process that built the loader: its library reads are watched (fetch.watched)
         self.depth = 0  # inside a watched read or the loader's collate: nested reads are part of it
         WATCHED[id(dataset)] = self
@@ -336,6 +338,7 @@ class FetchState:
         if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < n for k in keys):
             return False
         self._unverified.extend((now, k) for k in keys)
+        self.filled.setdefault(id(now), {}).update((k, id(now[k])) for k in keys)
         return True
 
     def _verify_caches(self) -> list[str]:
@@ -365,6 +368,17 @@ class FetchState:
             if fresh is not _ABSENT and not _same(fresh, kept):
                 return [f"a cache keyed by index (entry {key!r} is not that record's own value read again)"]
         return []
+
+
+def fetch_filled(cache: dict) -> dict[Any, int]:
+    """The entries of ``cache`` that a watched fetch of a training loader added, as an index-keyed cache (key → id of
+    the value it stored): the fetch's, which the kept-state fingerprint leaves to this module
+    (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_token`)."""
+    for state in list(WATCHED.values()):
+        found = getattr(state, "filled", {}).get(id(cache))
+        if found:
+            return found
+    return {}
 
 
 _ABSENT = object()

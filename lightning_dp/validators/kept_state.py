@@ -33,7 +33,7 @@ state it can see and refuses a change that the optimizer's step on the released 
   a partial's arguments, a bound method's object, the function's own attributes: ``hook.stats = x``), hooks
   defined by libraries (the engine's) left out; the same for the user's functions reached as state;
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
-  version counter, so a record written in place shows), and its records kept as NumPy arrays or lists;
+  version counter, so a record written in place shows), its records kept as NumPy arrays or lists, its containers;
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
   the callbacks above), read as attributes are, under the Lightning strategies (a plain loop's own globals change
   every iteration).

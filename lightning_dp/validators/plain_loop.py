@@ -115,8 +115,38 @@ def _watch_backward(on: bool) -> None:
     global _BACKWARD
     if on and _BACKWARD is None:
         _BACKWARD, torch.autograd.backward = torch.autograd.backward, _watched_backward
+        for place, name in _CLIPS:
+            if hasattr(place, name):
+                setattr(place, name, _refused_clip(name, getattr(place, name)))
     elif not on and _BACKWARD is not None:
         torch.autograd.backward, _BACKWARD = _BACKWARD, None
+        for place, name in _CLIPS:
+            setattr(place, name, getattr(getattr(place, name, None), "original", getattr(place, name, None)))
+
+
+_CLIPS = [(place, name) for place in (torch.nn.utils, torch.nn.utils.clip_grad)
+          for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")]
+
+
+def _refused_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.nn.utils``'s gradient clipping while a plain loop's step is open: refused for the step's parameters,
+    whose ``p.grad`` is ``None`` until ``release()`` (their per-example gradients are the engine's, clipped there)."""
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = _WATCHING()
+        if loop is not None:
+            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            own = {id(p) for p in loop.params()}
+            if any(id(p) in own for p in parameters):
+                raise PrivacyConfigurationError(
+                    f"torch.nn.utils.{name} between begin() and release(): until the release the gradients are the "
+                    "mechanism's (p.grad is None: each example's gradient is clipped to max_grad_norm and the sum "
+                    "noised at release()). Clipping is the mechanism's: set max_grad_norm (or clipping=, a clipping "
+                    "policy). A clip of the noised update goes after step.release(), before optimizer.step() "
+                    "(post-processing; declare public_state=['p.grad'] if it is refused). Nothing was released.")
+        return original(parameters, *args, **kwargs)
+
+    clip.original = original  # type: ignore[attr-defined]
+    return clip
 
 
 def _rng_states() -> tuple[Any, ...]:

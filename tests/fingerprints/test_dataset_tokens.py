@@ -1,0 +1,107 @@
+"""The training dataset's token (lightning_dp/fingerprints/dataset_tokens.py): state a step's hooks keep on the
+dataset in a dict, list, set or deque (per-record losses for hard-example weights, zoo20 j1) shows and is refused as
+kept state; an index-keyed cache the watched fetch fills (records/stateless.py) and configuration do not."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyClassifier, quiet_trainer
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_dp import DPStrategy
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.records.stateless import FetchState
+
+X = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+
+
+class Indexed(TensorDataset):
+    def __init__(self, kept):
+        super().__init__(X, Y, torch.arange(len(X)))
+        self.kept = kept
+
+
+class HardExamples(TinyClassifier):
+    """Remembers each example's un-noised loss on its dataset, after the step (the zoo20 j1 pattern)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, i = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        return {"loss": losses.mean(), "idx": i, "losses": losses.detach()}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        kept = self.trainer.train_dataloader.dataset.kept
+        for k, v in zip(outputs["idx"].tolist(), outputs["losses"]):
+            if isinstance(kept, dict):
+                kept[k] = float(v)
+            elif isinstance(kept, set):
+                if v > 0.7:
+                    kept.add(k)
+            else:
+                kept.append(v)
+
+
+@pytest.mark.parametrize("kept", [dict, set, deque, list], ids=["dict", "set", "deque", "list of tensors"])
+def test_per_record_state_a_step_hook_keeps_on_the_dataset_is_refused(kept):
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=4)
+    with pytest.raises(PrivacyConfigurationError, match=r"Kept state written outside the release: dataset 0"):
+        trainer.fit(HardExamples(), DataLoader(Indexed(kept()), batch_size=16))
+
+
+class DecodeCache(Dataset):
+    def __init__(self):
+        self.cache, self.epoch, self.transforms = {}, 0, [torch.nn.Identity()]
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, i):
+        if i not in self.cache:
+            self.cache[i] = (X[i] * 2).clone()  # "decoded" once
+        return self.cache[i], Y[i]
+
+
+@pytest.mark.parametrize("earlier", [0, 6000], ids=["hashed whole", "sampled"])
+def test_the_fetchs_cache_entries_do_not_change_the_token_a_hooks_do(earlier):
+    """What the watched fetch adds to an index-keyed cache is the fetch's (judged there); an entry written outside a
+    fetch, or a fetched entry overwritten, changes the token. ``earlier``: entries filled before the fetch was watched
+    (the checks before training read records), past the size where a sample is hashed."""
+    ds = DecodeCache()
+    ds.cache.update({-1 - i: 0.0 for i in range(earlier)})
+    state = FetchState(ds, None).noted()
+    for i in range(70):  # (a dict of up to 64 tensors is walked as the dataset's tensors: dataset_parts)
+        ds[i]
+        state.check()
+    before = dataset_token(ds)
+    for i in range(75, 95):
+        ds[i]
+        state.check()
+    assert dataset_token(ds) == before
+    ds.epoch, ds.transforms[0] = 1, torch.nn.Identity()  # set_epoch, a transform swapped: not records
+    assert dataset_token(ds) == before
+    ds.cache[76] = ds.cache[76] * 0 + 0.5  # a hook's write over a fetched entry (past 4,096: if sampled)
+    assert (dataset_token(ds) != before) is (earlier == 0)
+    ds.cache[76] = X[76] * 2
+    again = dataset_token(ds)
+    ds.cache[95] = 0.3  # a new entry no fetch added
+    assert dataset_token(ds) != again
+
+
+def test_a_dataset_with_a_decode_cache_and_set_epoch_trains():
+    from pytorch_lightning.callbacks import Callback
+
+    class EpochSetter(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            trainer.train_dataloader.dataset.epoch = trainer.current_epoch
+
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2,
+                            callbacks=[EpochSetter()])
+    ds = DecodeCache()
+    trainer.fit(TinyClassifier(), DataLoader(ds, batch_size=16))
+    assert trainer.strategy.ledger.steps >= 2 and ds.epoch == 1 and ds.cache
