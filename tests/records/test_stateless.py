@@ -28,12 +28,16 @@ def drain(dataset, collate_fn=None, workers=0, reads=(), hook=None, persistent=N
     for i in reads:  # the checks before training read records too, through the library's read path
         fetch(dataset, [i])
     loader = loader_like(dl, BATCHES, EmptySafeCollate(dataset, collate_fn), state)
-    for epoch in range(2):  # two passes (persistent workers)
-        if hook is not None:
-            hook(epoch, -1)
-        for b, _ in enumerate(loader):
+    try:
+        for epoch in range(2):  # two passes (persistent workers)
             if hook is not None:
-                hook(epoch, b)
+                hook(epoch, -1)
+            for b, _ in enumerate(loader):
+                if hook is not None:
+                    hook(epoch, b)
+    finally:  # workers shut down here: left to a later collection (a refusal's traceback holds the iterator), their
+        if getattr(loader, "_iterator", None) is not None:  # pipes were closed during the next test's worker fork
+            loader._iterator._shutdown_workers()  # (flaky "OSError: Bad file descriptor" in popen_fork)
 
 
 class WarmupDS(Dataset):  # stats from the first 16 records read, then frozen
