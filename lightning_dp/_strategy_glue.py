@@ -344,7 +344,8 @@ class PrivateTraining:
                                                  reads_moved, lambda: replays.batch_end_writes,
                                                  replays.judged_this_step, self._end.before_end_hooks,
                                                  step.any_rank, step.on_every_rank,
-                                                 lambda: diagnostic_reads.moved(step, up=False))
+                                                 lambda: diagnostic_reads.moved(step, up=False),
+                                                 lambda: getattr(self._logged_reads, "count", 0))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
         self._decision_windows.notes.watch_scheduler_step(module)  # σ or C set in the scheduler's step: refused
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
@@ -376,8 +377,11 @@ class PrivateTraining:
         """What the boundary asks before every release and when validation starts: refuse a hyper-parameter set
         after a logged value was read and a training record read in the step's hooks (rules 8, 10); then rule 10's
         monitored values."""
+        windows = self._decision_windows  # the decisions its windows judged since: not from a logged value
         if self._logged_reads is not None:
-            self._logged_reads.check_release()
+            self._logged_reads.check_release(getattr(windows, "judged", None))
+        if windows is not None:
+            windows.judged = {}
         if self._record_watch is not None:
             self._record_watch.check()
         diagnostic_reads.check()

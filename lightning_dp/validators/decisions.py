@@ -117,6 +117,8 @@ class DecisionWindows(pl.Callback):
         diagnostics_moved: a context in which the non-private diagnostics read other values, the other way from
             ``logs_moved`` (a batch's runs on its exchanged values; ``exchanged`` moves them both ways:
             :mod:`.diagnostic_reads`).
+        reads: how many logged values the user's code read outside a step so far (``LoggedReads.count``): a
+            decision judged in a window whose hooks read none is not one from a value read before it (:attr:`judged`).
     """
 
     def __init__(self, exchanged: Callable[[bool], AbstractContextManager],
@@ -125,8 +127,10 @@ class DecisionWindows(pl.Callback):
                  batch_writes: Callable[[], set[str]] = set, judge_now: Callable[[], bool] = lambda: False,
                  on_end: Callable[[], None] = lambda: None, any_rank: Optional[Callable[..., Any]] = None,
                  on_every_rank: Optional[Callable[[Callable[[], None], str], None]] = None,
-                 diagnostics_moved: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 diagnostics_moved: Callable[[], AbstractContextManager] = nullcontext,
+                 reads: Callable[[], int] = lambda: 0) -> None:
         self._diagnostics_moved = diagnostics_moved
+        self._reads, self._reads_at_open = reads, 0
         self._exchanged = exchanged
         self._on_every_rank = on_every_rank or (lambda check, what: check())
         self._any_rank = any_rank or (lambda *flags: flags[0] if len(flags) == 1 else flags)
@@ -144,6 +148,8 @@ class DecisionWindows(pl.Callback):
         self.notes = MechanismNotes()  # σ and C as the last release, a judged window or the library left them
         self._replayed: Optional[Fingerprint] = None  # the decisions the last runs again (on the data) left
         self._saving = False  # a checkpoint the user's hook saves is being written (:meth:`before_checkpoint`)
+        self.judged: Fingerprint = {}  # decisions an epoch's or validation's window whose hooks read no logged value
+        # judged (its runs again moved those values both ways): not from one read before it (LoggedReads.check_release)
 
     # ------------------------------------------------------------------ the loop's hooks
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -221,6 +227,7 @@ class DecisionWindows(pl.Callback):
 
     def _open(self, kind: str, trainer: "pl.Trainer", module: "pl.LightningModule", args: tuple[Any, ...] = (),
               judge: Optional[bool] = None) -> None:
+        self._reads_at_open = self._reads()
         if self._kinds is None:  # which windows have hooks of the user's (none: nothing is noted, nothing costs)
             self._kinds = frozenset(k for k, hooks in WINDOW_HOOKS.items() if runs_users_code(module, hooks))
         if kind not in self._kinds:
@@ -274,6 +281,9 @@ class DecisionWindows(pl.Callback):
                                                             "later steps")
         self._on_every_rank(refuse, f"found decisions or state set from the data {where}")
         self.notes.accounted(window.mechanism, self._replayed, trainer)  # what its hooks set again alike: judged
+        if decided_now and self._replayed is not None and window.kind != "batch" \
+                and self._reads() == self._reads_at_open:
+            self.judged.update({k: v for k, v in decisions(trainer).items() if window.decisions.get(k, _ABSENT) != v})
         if written:  # what the hooks kept without the data: the next release compares with it
             self._boundary.accept(written)
 

@@ -26,6 +26,7 @@ user's code inside a step is refused too (:meth:`LoggedReads.watch_metrics`).
 
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -57,6 +58,7 @@ _LIBRARIES = frozenset(LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX
                                               "fsspec", "wandb", "mlflow", "neptune", "comet_ml", "_pytest", "pluggy"}
 _STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
 _THIS = __name__
+_ABSENT = object()
 
 
 class LoggedReads:
@@ -78,6 +80,7 @@ class LoggedReads:
         self.active = False
         self._names: set[str] = set()  # every name logged by a training hook this fit (the results reset each epoch)
         self._read: Optional[tuple[list[str], Fingerprint, list[Any]]] = None  # names, hyper-parameters, schedulers
+        self.count = 0  # the reads by the user's code outside a step so far (a decision window tells its own)
 
     def install(self) -> None:
         """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
@@ -174,6 +177,7 @@ class LoggedReads:
             return
         if hook in STEP_HOOKS:  # whoever reads (a progress bar's get_metrics, the connector's metrics), for the step
             raise logged_read_error(names, f"in {hook}")
+        self.count += 1
         if self._read is None:
             self._read = (names, self._hyperparameters(), self._scheduler_steps())
         self.on_read(reader.f_locals.get("self"), names)
@@ -193,16 +197,19 @@ class LoggedReads:
         if names:
             raise logged_read_error(names, f"in {hook} (trainer._logger_connector.metrics)")
 
-    def check_release(self) -> None:
+    def check_release(self, judged: Optional[Fingerprint] = None) -> None:
         """Before a release: refuse if the optimizers' hyper-parameters changed since the user's code read a
-        training-logged value (outside a step), other than by a scheduler's step (``lr``, momenta)."""
+        training-logged value (outside a step), other than by a scheduler's step (``lr``, momenta) or as ``judged``
+        (decision → value: a window's hooks run again on other data with the logged values moved, found to decide alike,
+        :attr:`~.decisions.DecisionWindows.judged` — a layer unfrozen at an epoch's start from the epoch count)."""
         taken, self._read = self._read, None
         if taken is None:
             return
         names, before, steps = taken
-        stepped = self._scheduler_steps() != steps
-        changed = [n for n in StateFingerprint.changed(before, self._hyperparameters())
-                   if not (stepped and (n.rpartition(".")[2] in SCHEDULED or n.startswith("scheduler ")))]
+        stepped, now, judged = self._scheduler_steps() != steps, self._hyperparameters(), judged or {}
+        changed = [n for n in StateFingerprint.changed(before, now)
+                   if not (stepped and (n.rpartition(".")[2] in SCHEDULED or n.startswith("scheduler ")))
+                   and judged.get(re.sub(r"^\[(\d+)\] optimizer ", r"optimizer \1 ", n), _ABSENT) != now.get(n)]
         if changed:
             error = hyperparameters_error(changed, f"after the user's code read {', '.join(repr(n) for n in names)}, "
                                           "logged from the training data (outside a step)")

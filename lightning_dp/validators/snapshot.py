@@ -9,7 +9,8 @@ callbacks, the module-level globals of the user's code (the modules the fingerpr
 :attr:`~lightning_dp.privacy.boundary.ReleaseBoundary.global_modules`) and the data in those modules' classes'
 bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
-gets its old values), to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels.
+gets its old values), to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels; and the modules' modes
+and which parameters train (a replayed epoch hook that unfreezes a layer leaves the real run's set, not its own).
 """
 
 from __future__ import annotations
@@ -241,8 +242,9 @@ class StateSnapshot:
                 continue
             restores.append(_contents(value, 0))
             restores.append(partial(_rebind_class_attribute, cls, key, value))
-        modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found
+        modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found,
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
+        restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
         trainer = getattr(module, "_trainer", None)  # the library callbacks' and the trainer's settings, as found
         if trainer is not None and settings:
             restores.append(partial(_put_settings, library_settings(trainer)))
@@ -261,6 +263,13 @@ def _put_settings(settings: dict[str, tuple[Any, str, Any]]) -> None:
         now = vars(obj).get(key, _ABSENT)
         if now is not value and (type(now) is not type(value) or now != value):
             setattr(obj, key, value)
+
+
+def _put_trainable(flags: list[tuple[nn.Parameter, bool]]) -> None:
+    """Which parameters train, as recorded: a replayed hook that unfreezes a layer leaves the real run's set."""
+    for p, flag in flags:
+        if p.requires_grad != flag:
+            p.requires_grad_(flag)
 
 
 def _module_tensors(m: nn.Module) -> Restore:

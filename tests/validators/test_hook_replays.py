@@ -208,3 +208,36 @@ def test_the_engine_put_aside_gives_ordinary_gradients_and_comes_back_as_it_was(
         assert linear.weight.grad is None, "the book-keeping forward leaves the weights' gradients to the release"
     finally:
         step.detach()
+
+
+class FrozenFirstLayer(Classifier):
+    """Its first layer's weight frozen; a callback unfreezes it from the second epoch on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+
+
+class UnfreezesFromTheSecondEpoch(pl.Callback):
+    """Sets the first layer trainable from epoch 1 on (frozen before). The first step replays this hook as the module
+    runs at the plan's last step (epoch 1), where it unfreezes the layer; the real run's epoch 0 must not train it.
+    Its batch-end hook only reads the flag (raises if the layer trains in epoch 0: nothing kept)."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.net[0].weight.requires_grad_(trainer.current_epoch >= 1)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.current_epoch == 0 and pl_module.net[0].weight.requires_grad:
+            raise AssertionError("a replay's unfreezing was left to the real run's first epoch")
+
+
+def test_the_first_steps_replays_leave_the_parameters_trainability_as_the_real_hooks_set_it():
+    model = FrozenFirstLayer()
+    frozen = model.net[0].weight.detach().clone()
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=6, callbacks=[UnfreezesFromTheSecondEpoch()]).fit(model, DataLoader(
+        data(64), batch_size=16))
+    assert dp.ledger.steps == 6
+    assert model.net[0].weight.requires_grad, "unfrozen by the real hook at epoch 1"
+    assert not torch.equal(model.net[0].weight.detach(), frozen), "trained from epoch 1 on"

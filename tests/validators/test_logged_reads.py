@@ -247,6 +247,22 @@ def test_a_report_at_batch_end_is_not_refused_when_the_checks_replay_the_hooks_l
     assert capsys.readouterr().out.count("loss") >= 7
 
 
+class UnfreezeFromTheLoss(pl.Callback):
+    """Unfreezes the first layer at an epoch's start once the logged epoch loss is positive (always, for a
+    cross-entropy): a decision from a logged value that moving the value far or near zero leaves alike."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if float(trainer.callback_metrics.get("train_loss_epoch", -1.0)) > 0.0:
+            pl_module.net[0].weight.requires_grad_(True)
+
+
+def test_a_layer_unfrozen_from_the_logged_loss_at_an_epochs_start_is_refused_before_the_next_release():
+    model = FrozenFirstLayer()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)read 'train_loss_epoch'.*model trainable"):
+        fit(model, steps=8, callbacks=[UnfreezeFromTheLoss()])
+    assert model.trainer.strategy.ledger.steps == 4
+
+
 class WeightsByItsRunningLoss(Classifier):
     """Keeps a running mean of the loss in a torchmetrics metric (updated at batch end) and scales the loss by it."""
 

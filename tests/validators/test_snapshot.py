@@ -67,3 +67,14 @@ def test_the_user_modules_globals_and_class_bodies_are_restored():
     assert TABLE is table and TABLE == {"a": 1}
     assert Namespace.temperature == 1.0 and Namespace.history is history and history == []
     assert "ADDED_BY_A_PASS" not in globals()
+
+
+def test_which_parameters_train_is_restored():
+    """A pass that unfreezes a layer (or freezes one) leaves the trainable set as it found it."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model[0].weight.requires_grad_(False)
+    snapshot = StateSnapshot(model)
+    model[0].weight.requires_grad_(True)
+    model[1].bias.requires_grad_(False)
+    snapshot.restore()
+    assert [p.requires_grad for p in model.parameters()] == [False, True, True, True]
