@@ -8,10 +8,10 @@ A record's length is its count of tokens that are not padding: the row sums of a
 mask), and for a 2-D integer tensor of ids the width less the run of padding at its right (or left) end, padding
 being the most common id in the last (first) column; the end padded is the one with the longer runs. The
 statistics are the maximum and the 0.9, 0.95, 0.98 and 0.99 quantiles (lower, higher, and the linear one floored,
-ceiled and rounded). A statistic equal to the tensor's width
-is never matched: records truncated to a public width (or padded to it) reach it whatever the data. The settings
-compared are integers held by the model's modules, their configuration objects, the datamodule, the training
-datasets and the loader's collator (:func:`~.data_statistics._candidates`), named like a length (``len``,
+ceiled and rounded). A statistic equal to the tensor's width, or to it less one or two, is never matched: records
+truncated to a public width reach it whatever the data; ``max_seq_length = 64 - 2`` leaves room for [CLS] and [SEP].
+The settings compared are integers held by the model's modules, their configuration objects, the datamodule, the
+training datasets and the loader's collator (:func:`~.data_statistics._candidates`), named like a length (``len``,
 ``position``, ``tokens``, ``n_ctx``, ``block_size``, ``context``, ``seq``), unless round (a multiple of 8 or of 10)
 or under 8: a person's setting (512, 128, 20) or too small to tell. Not seen: a length rounded up or padded by a
 margin of its own (the longest record plus two special tokens), lengths of records held as lists of ids (padded in
@@ -53,7 +53,7 @@ def record_lengths(tensors: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Ten
 
 
 def length_statistics(lengths: Tensor, width: int) -> Iterator[tuple[str, int]]:
-    """The maximum and high quantiles of ``lengths`` (module docstring), those equal to ``width`` left out."""
+    """The maximum and high quantiles of ``lengths`` (module docstring), those of ``width`` less 0, 1 or 2 left out."""
     s = lengths.sort().values.double()
     n = len(s)
     found = {int(s[-1]): "the longest training record's length"}
@@ -63,7 +63,7 @@ def length_statistics(lengths: Tensor, width: int) -> Iterator[tuple[str, int]]:
         linear = float(low + (h - int(h)) * (high - low))
         for v in (float(low), float(high), linear // 1, -(-linear // 1), round(linear)):
             found.setdefault(int(v), f"the {p:g} quantile of the training records' lengths")
-    yield from ((what, v) for v, what in found.items() if v != width)
+    yield from ((what, v) for v, what in found.items() if not 0 <= width - v <= 2)
 
 
 def lengths_held(candidates: Iterable[tuple[str, Any]], tensors: Sequence[tuple[str, Tensor]],

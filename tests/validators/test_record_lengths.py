@@ -143,3 +143,14 @@ def test_a_declared_length_and_a_length_not_named_so_are_left_alone():
     assert lengths_held([("attribute cfg.hidden_size", LONGEST)], [("mask", mask)]) == []
     assert lengths_held([("attribute cfg.max_length", LONGEST)], [("mask", mask)]) == [
         "attribute cfg.max_length equals the longest training record's length (of the training mask)"]
+
+
+def test_the_width_less_room_for_special_tokens_is_a_public_setting():
+    """``max_seq_length = 48 - 2`` (room for [CLS] and [SEP] in rows of 48) is the public width's, even where a high
+    quantile of the lengths falls on it (qa9 h1); three below the width is still judged."""
+    lengths = torch.arange(9, 49)  # the longest is the width; the 0.95 quantile 46 or 47, the 0.9 one 44 or 45
+    mask = (torch.arange(48)[None] < lengths[:, None]).long()
+    for value in (46, 47):
+        assert lengths_held([("dataset TextDS.max_seq_length", value)], [("mask", mask)]) == []
+    assert lengths_held([("dataset TextDS.max_seq_length", 45)], [("mask", mask)]) == [
+        "dataset TextDS.max_seq_length equals the 0.9 quantile of the training records' lengths (of the training mask)"]
