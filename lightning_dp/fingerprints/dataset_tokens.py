@@ -70,6 +70,8 @@ def _records_token(value: Any) -> Optional[Hashable]:
             return ("list", len(value), hash(tuple(value)))
         except TypeError:  # an unhashable item further on
             return ("list", len(value), id(value))
+    if _settings(value):  # {"epoch": 2} written by set_epoch: named plain values, as plain attributes are (qa9 e2b)
+        return None
     if isinstance(value, (dict, list, set, deque)):  # per-record state a step's hooks write (zoo20 j1)
         filled = fetch_filled(value) if isinstance(value, dict) else {}  # a cache's entries the fetch added
         items: Any = value.items() if isinstance(value, dict) else value
@@ -81,6 +83,13 @@ def _records_token(value: Any) -> Optional[Hashable]:
             length = length if len(value) > MAX_HASHED else len(items)
         return (type(value).__name__, id(value), length, hash(tuple(_item(x, 0) for x in items)))
     return None
+
+
+def _settings(value: Any) -> bool:
+    """A small dict of named plain values (``{"epoch": 2, "strength": 0.1}``): the dataset's settings, left out of
+    the token as its plain attributes are (an epoch hook writes them; per-record state is keyed by record)."""
+    return (type(value) is dict and len(value) <= 16 and all(type(k) is str for k in value)
+            and all(isinstance(v, (int, float, str, bool, type(None))) for v in value.values()))
 
 
 MAX_HASHED = 4096

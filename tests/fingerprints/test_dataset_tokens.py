@@ -105,3 +105,43 @@ def test_a_dataset_with_a_decode_cache_and_set_epoch_trains():
     ds = DecodeCache()
     trainer.fit(TinyClassifier(), DataLoader(ds, batch_size=16))
     assert trainer.strategy.ledger.steps >= 2 and ds.epoch == 1 and ds.cache
+
+
+class EpochSettings(TensorDataset):
+    """``set_epoch`` writes a dict of named settings (qa9 e2b: refused when the first step's replays ran the epoch
+    hook at another epoch and left the dict changed)."""
+
+    def __init__(self):
+        super().__init__(X, Y)
+        self.settings = {"epoch": 0, "strength": 0.0}
+
+    def set_epoch(self, epoch):
+        self.settings["epoch"], self.settings["strength"] = epoch, 0.05 * epoch
+
+
+def test_a_dataset_whose_set_epoch_writes_a_settings_dict_trains():
+    from pytorch_lightning.callbacks import Callback
+
+    class SetEpoch(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            trainer.train_dataloader.dataset.set_epoch(trainer.current_epoch)
+
+    ds = EpochSettings()
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=3,
+                            callbacks=[SetEpoch()])
+    trainer.fit(TinyClassifier(), DataLoader(ds, batch_size=16))
+    assert trainer.strategy.ledger.steps >= 3 and ds.settings["epoch"] == 2
+
+
+def test_settings_are_left_out_and_per_record_state_is_not():
+    ds = Indexed({})
+    ds.settings = {"epoch": 0}
+    before = dataset_token(ds)
+    ds.settings["epoch"] = 1
+    assert dataset_token(ds) == before
+    ds.kept[3] = 0.25  # a record's loss, keyed by the record
+    assert dataset_token(ds) != before
+    ds.settings = {3: 0.25}  # keyed by records: not settings
+    with_records = dataset_token(ds)
+    ds.settings[3] = 0.5
+    assert dataset_token(ds) != with_records
