@@ -26,3 +26,14 @@ class OutsideStepsWarning(UserWarning):
     counts. Steps on public data go inside :func:`lightning_dp.public_steps` (or ``PublicPretraining``); steps on the
     private data must be charged (train with ``DPStrategy`` or a ``PrivateStep``). Made an error
     (``warnings.simplefilter("error", OutsideStepsWarning)``), the fit is refused before any release instead."""
+
+
+def warn_or_refuse(category: type[Warning], message: str, stacklevel: int = 3) -> None:
+    """Warn ``message`` as ``category``; where the user made ``category`` an error (``warnings.simplefilter("error",
+    category)``), refuse instead with :class:`PrivacyConfigurationError` (before any release: callers check first)."""
+    import warnings
+
+    try:
+        warnings.warn(category(message), stacklevel=stacklevel)
+    except category:
+        raise PrivacyConfigurationError(f"Refused ({category.__name__} is an error here): {message}") from None

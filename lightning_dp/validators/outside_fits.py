@@ -22,13 +22,12 @@ there, one fitted on public data is not).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from torch import nn
 
-from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError
+from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError, warn_or_refuse
 from lightning_dp.records.outside_steps import stepped_outside
 from lightning_dp.validators.holders import _Walk
 from lightning_dp.validators.kept_state import is_public
@@ -147,7 +146,4 @@ def warn_pretrained_outside(module: nn.Module, optimizer: Optional[Any]) -> None
                "public data go inside `with lightning_dp.public_steps():` (or the PublicPretraining callback); steps "
                "on the private data must be charged: train them with DPStrategy or a PrivateStep (the ledger then "
                "continues). To refuse such fits: warnings.simplefilter(\"error\", lightning_dp.OutsideStepsWarning).")
-    try:
-        warnings.warn(OutsideStepsWarning(message), stacklevel=2)
-    except OutsideStepsWarning:  # made an error: refused before any release
-        raise PrivacyConfigurationError("Refused (OutsideStepsWarning is an error here): " + message) from None
+    warn_or_refuse(OutsideStepsWarning, message)

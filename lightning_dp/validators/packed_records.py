@@ -23,14 +23,13 @@ kept as two fields of a record, a record that is several documents by design (a 
 from __future__ import annotations
 
 import time
-import warnings
 from collections import Counter
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_dp.errors import PackedRecordsWarning, PrivacyConfigurationError
+from lightning_dp.errors import PackedRecordsWarning, warn_or_refuse
 from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.special_ids import declared_ids
 
@@ -52,10 +51,7 @@ def warn_packed_records(module: Any, dataset: Any, loader: Any = None) -> None:
                "each record>, users_per_batch=k)) (docs/user_level.md), or do not pack. To refuse such fits: "
                "warnings.simplefilter(\"error\", lightning_dp.errors.PackedRecordsWarning); if each record is one "
                "person's by design, filter the warning out.")
-    try:
-        warnings.warn(PackedRecordsWarning(message), stacklevel=2)
-    except PackedRecordsWarning:  # made an error: refused before any release
-        raise PrivacyConfigurationError("Refused (PackedRecordsWarning is an error here): " + message) from None
+    warn_or_refuse(PackedRecordsWarning, message)
 
 
 def packed_field(dataset: Any, ids: dict[str, set[int]]) -> Optional[str]:
