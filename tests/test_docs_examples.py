@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [("docs/accounting.md", "EpsilonCeiling"), ("docs/architecture.md", "PrivateStep.from_config"),
-            ("docs/performance.md", "fixed_batch_size="), ("README.md", "step.calibrate(")]
+            ("docs/performance.md", "fixed_batch_size="), ("README.md", "step.calibrate("),
+            ("docs/release_boundary.md", "warn_or_refuse(")]
 
 
 @pytest.mark.parametrize("page, name", EXAMPLES)
@@ -22,6 +23,8 @@ def test_the_example_runs(page, name, capsys):
     if name == "step.calibrate(":  # the loop prints the ε it spent (a ledger's repr alone holds no ε: no δ)
         spent = float(re.search(r"ε = ([0-9.]+)", capsys.readouterr().out).group(1))
         assert 0 < spent <= 3.0 + 1e-6
+    if name == "warn_or_refuse(":  # strict: the warning became a refusal naming it
+        assert capsys.readouterr().out.startswith("Refused (PackedRecordsWarning is an error here)")
     if name == "EpsilonCeiling":  # the last release allowed, then the reason the next one is refused
         steps, reason = capsys.readouterr().out.split(" ", 1)
         assert int(steps) > 0 and "would spend more than target_epsilon = 1.0" in reason
