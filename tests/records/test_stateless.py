@@ -141,6 +141,14 @@ class DecodeCacheDS(Dataset):
 PATH = os.path.join(tempfile.gettempdir(), f"lightning_dp_stateless_{os.getpid()}.bin")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _remove_the_lazy_file():
+    """LazyFileDS writes PATH; leave nothing behind in the shared temporary directory."""
+    yield
+    if os.path.exists(PATH):
+        os.remove(PATH)
+
+
 class LazyFileDS(Dataset):  # a handle opened on first fetch (per process)
     def __init__(self):
         with open(PATH, "wb") as f:
