@@ -47,7 +47,7 @@ from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batche
                                         restore_accumulation)
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy.boundary import is_public
+from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers

@@ -33,7 +33,7 @@ from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.fingerprints.checksums import _numpy_token, content_sums
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.validators.outside_records import records_in, records_in_checkpoint_error
 from lightning_dp.validators.snapshot import StateSnapshot
 

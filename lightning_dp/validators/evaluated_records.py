@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.validators.monitored import _positions, _records
 from lightning_dp.validators.stored_sources import OVERLAP, identifying_rows
 

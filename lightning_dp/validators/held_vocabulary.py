@@ -78,7 +78,7 @@ from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.library_objects import framework_keys
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 
 MIN_ITEMS = 8
 """Distinct strings a container must hold to be looked at: fewer are configuration (layer or optimizer names, a few

@@ -46,16 +46,17 @@ buffer's ``.data`` between full passes (the version counter of ``.data`` is not 
 parameters and floating buffers are compared every time). Entries matching a declared public name
 (``public_state``) are skipped.
 
-This module holds the fingerprint itself and the modules' modes. What it is made of lives in
-:mod:`lightning_dp.fingerprints`, one concept a module: how a module tree and a module's attributes are read
-(``module_tree``), the entries and their comparison (``fingerprint_entries``), the tokens of contents (``checksums``),
-the walk of Python values, callables and class bodies (``state_walker``), callbacks (``callback_state``), the training
-data (``dataset_tokens``); the decisions the replays judge lie beside it: the optimizers', the trainer's and the library
-objects' settings (:mod:`.steered_settings`) and σ and C (:mod:`.mechanism_settings`)."""
+This module holds the fingerprint itself, the modules' modes and the refusals of what it finds (a write to kept state:
+:func:`state_written_error`; a gradient held outside the parameters: :func:`raw_gradient_error`). What it is made of
+lives in :mod:`lightning_dp.fingerprints`, one concept a module: how a module tree and a module's attributes are read
+(``module_tree``), the declared public names (``public_names``), the entries and their comparison
+(``fingerprint_entries``), the tokens of contents (``checksums``), the walk of Python values, callables and class
+bodies (``state_walker``), callbacks (``callback_state``), the training data (``dataset_tokens``); the decisions the
+replays judge lie beside it: the optimizers', the trainer's and the library objects' settings
+(:mod:`.steered_settings`) and σ and C (:mod:`.mechanism_settings`)."""
 
 from __future__ import annotations
 
-import fnmatch
 import types
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -68,6 +69,7 @@ from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
+from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.fingerprints.replaced_objects import held_objects
 from lightning_dp.fingerprints.state_walker import (_FUNCTIONS, _binds, _holds_tensors, _library_callable,
                                                     _library_function, _mutable_state, _Walker, callable_state,
@@ -79,17 +81,6 @@ def attribute_keys(module: nn.Module) -> set[str]:
     """Every attribute name held by ``module`` or a submodule (before and after an engine attaches: the difference
     is the engine's own, never fingerprinted nor restored)."""
     return {key for m in module.modules() for key in vars(m)}
-
-
-def is_public(path: str, patterns: Sequence[str]) -> bool:
-    """Whether ``path`` (``queue``, ``encoder.stats.mean``, ``MyCallback.bank``) is covered by a declared public
-    name: an exact match, a prefix followed by ``.`` or ``[``, or a shell-style wildcard (``metrics.*``)."""
-    for pattern in patterns:
-        if path == pattern or path.startswith(pattern + ".") or path.startswith(pattern + "["):
-            return True
-        if any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(path, pattern):
-            return True
-    return False
 
 
 class StateFingerprint:
@@ -365,6 +356,30 @@ def raw_gradient_error(names: Sequence[str]) -> PrivacyConfigurationError:
         "an nn.Parameter of the model (it is then privatised with the others and stepped by the optimizer), or "
         "detach it (requires_grad=False) if it is not trained.")
 
+
+
+class StateWrittenError(PrivacyConfigurationError):
+    """Kept state changed where only the release may leave the step (:func:`state_written_error`)."""
+
+
+def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
+    """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
+    shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+    public = [_public_name(c) for c in changed[:3]]
+    return StateWrittenError(
+        f"Kept state written outside the release: {shown}. Fix: declare it public, DPStrategy(public_state={public!r})"
+        " (a plain loop: PrivateStep(..., public_state=...)), if it is not derived from the training data or may "
+        "leave unprotected like a logged metric (outputs kept for an epoch-end log); else compute it from public "
+        f"data or the released model only.\nState changed {where}: {shown}. What a step computes from its batch and "
+        "keeps (a buffer, an attribute such as a memory bank, a queue or a running mean, a callback's state) is saved "
+        "in checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
+        "the guarantee would not cover it. Nothing more was released.")
+
+
+def _public_name(entry: str) -> str:
+    entry = entry.removeprefix("contents of ")
+    kind, _, path = entry.partition(" ")
+    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook") else entry
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 """The hooks a module keeps: a user's hook may keep what it sees in its closure, a default argument or its object."""

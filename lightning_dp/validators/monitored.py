@@ -14,7 +14,7 @@ from torch.utils.data import Subset, SubsetRandomSampler
 from lightning_dp.records.recorded_batches import RecordedBatches
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.validators.loaders import _unwrap
-from lightning_dp.validators.outside_records import holds_records, row_digests
+from lightning_dp.records.held_records import holds_records, row_digests
 
 NOT_FROM_DATA: set[str] = set()
 """Names that lightning_dp's own callbacks log in training hooks and whose values are functions of the ledger, not of
@@ -168,7 +168,7 @@ def validates_on_training_data(trainer: Any) -> bool:
 def _copies_records(val: Any, train: Any) -> bool:
     """Whether a validation dataset in other memory holds the training records: a tensor of it whose rows are rows
     of a training tensor (a validation set built from a copy of the training data:
-    :func:`~lightning_dp.validators.outside_records.holds_records`). Asked at every release: the answer for a pair
+    :func:`~lightning_dp.records.held_records.holds_records`). Asked at every release: the answer for a pair
     of datasets is kept while both live."""
     key = (id(val), id(train))
     known = _COPIES.get(key)

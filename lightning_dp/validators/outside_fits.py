@@ -30,7 +30,7 @@ from torch import nn
 from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError, warn_or_refuse
 from lightning_dp.records.outside_steps import stepped_outside
 from lightning_dp.validators.holders import _Walk
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 
 JUDGED_ELSEWHERE = frozenset({"StandardScaler", "RobustScaler", "MinMaxScaler", "PCA",  # data_statistics.py
                               "LabelEncoder", "OneHotEncoder", "OrdinalEncoder", "LabelBinarizer",  # held_vocabulary

@@ -27,7 +27,7 @@ from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
 from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
-from lightning_dp.validators.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
 from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held, warn_pretrained_outside
 from lightning_dp.validators.packed_records import warn_packed_records

@@ -43,11 +43,12 @@ from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, accepted
 from lightning_dp.fingerprints.replaced_objects import replaced_entries
-from lightning_dp.validators.kept_state import StateFingerprint, attribute_keys, is_public, raw_gradient_error
+from lightning_dp.validators.kept_state import (StateFingerprint, StateWrittenError, attribute_keys, raw_gradient_error,
+                                                state_written_error)
 from lightning_dp.validators.steered_settings import hyperparameters, hyperparameters_error
 
 __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
-           "hyperparameters", "hyperparameters_error", "is_public", "parameter_signature", "state_written_error",
+           "hyperparameters", "hyperparameters_error", "parameter_signature", "state_written_error",
            "trusted_callback"]
 
 ParameterSignature = tuple[tuple[str, int], ...]
@@ -58,35 +59,11 @@ def parameter_signature(module: nn.Module) -> ParameterSignature:
     return tuple((name, id(p)) for name, p in module.named_parameters() if p.requires_grad)
 
 
-class StateWrittenError(PrivacyConfigurationError):
-    """Kept state changed where only the release may leave the step (:func:`state_written_error`)."""
-
-
-def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
-    """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
-    shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
-    public = [_public_name(c) for c in changed[:3]]
-    return StateWrittenError(
-        f"Kept state written outside the release: {shown}. Fix: declare it public, DPStrategy(public_state={public!r})"
-        " (a plain loop: PrivateStep(..., public_state=...)), if it is not derived from the training data or may "
-        "leave unprotected like a logged metric (outputs kept for an epoch-end log); else compute it from public "
-        f"data or the released model only.\nState changed {where}: {shown}. What a step computes from its batch and "
-        "keeps (a buffer, an attribute such as a memory bank, a queue or a running mean, a callback's state) is saved "
-        "in checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
-        "the guarantee would not cover it. Nothing more was released.")
-
-
-def _public_name(entry: str) -> str:
-    entry = entry.removeprefix("contents of ")
-    kind, _, path = entry.partition(" ")
-    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook") else entry
-
-
 class ReleaseBoundary:
     """The rules of the module docstring for one attached model and optimizer.
 
     Args:
-        public_state: names of state declared public (:func:`~lightning_dp.validators.kept_state.is_public`).
+        public_state: names of state declared public (:func:`~lightning_dp.fingerprints.public_names.is_public`).
 
     Life cycle (driven by :class:`~lightning_dp.privacy.private_step.PrivateStep` and the Lightning glue):
     :meth:`attach`, :meth:`baseline` when training starts, :meth:`check_release` before every release, the

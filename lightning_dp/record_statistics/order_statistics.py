@@ -19,9 +19,10 @@ rows of a [m, D] or [D, m] matrix: one quantile level per row), three questions,
   positive, two of them in continuous columns, equal to within 8 ulps of the quantiles' magnitude to Q(1 − p) − Q(p)
   for one p of the grid k/m (m ≤ 100, p < 1/2: 1,522 levels, each under the five interpolations), computed once per
   feature tensor.
-* **exact data values** (in a [D] vector that is not a record, :func:`~.outside_records.holds_records`): most
-  (more than half, and at least two) of the entries other than 0 and 1 equal, to one float32 ulp, a value of their
-  own column. Only continuous columns count (more than two distinct values, not all integers), and only a match
+* **exact data values** (in a [D] vector that is not a record,
+  :func:`~lightning_dp.records.held_records.holds_records`): most (more than half, and at least two) of the entries
+  other than 0 and 1 equal, to one float32 ulp, a value of their own column. Only continuous columns count (more
+  than two distinct values, not all integers), and only a match
   whose chance is below 1e-12: a column's chance q of matching a value drawn like the data is estimated from its
   values' ulps over its range, and the matched columns' q multiply. For 100,000 standard-normal float32 records q
   is about 2e-3, so a random vector must match in at least 5 columns; a column so dense that q > 1e-2 (about

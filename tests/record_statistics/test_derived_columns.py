@@ -1,4 +1,4 @@
-"""Per-record columns derived from the training labels' statistics (validators/derived_columns.py, rule 11): a
+"""Per-record columns derived from the training labels' statistics (record_statistics/derived_columns.py, rule 11): a
 "balanced" sample-weight column and a target-encoded feature are refused before any release; public weights,
 category ids and rounded features are not statistics."""
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+from lightning_dp.record_statistics.data_statistics import data_statistics_held  # noqa: E402
 
 X, Y = data(64).tensors
 COUNTS = torch.bincount(Y).float()

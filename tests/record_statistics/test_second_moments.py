@@ -1,4 +1,4 @@
-"""Second moments of the training features held by the model (validators/second_moments.py): a ZCA or Cholesky
+"""Second moments of the training features held by the model (record_statistics/second_moments.py): a ZCA or Cholesky
 whitening layer, a covariance, correlation or uncentred second moment, its inverse or Cholesky factor — refused
 before any release; an orthogonal or identity layer on data standardised publicly, and random square layers, are
 not taken for them."""
@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, refused_before_any_release  # noqa: E402
 
-from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+from lightning_dp.record_statistics.data_statistics import data_statistics_held  # noqa: E402
 
 _G = torch.Generator().manual_seed(5)
 X = torch.randn(512, 4, generator=_G) @ torch.tensor([[2.0, 0.3, 0.0, 0.1], [0.0, 1.0, 0.5, 0.0],

@@ -1,4 +1,4 @@
-"""Class-conditional statistics of the training features held by the model (validators/conditional_statistics.py):
+"""Class-conditional statistics of the training features held by the model (record_statistics/conditional_statistics.py):
 class means stacked into a prototype head, per-class standard deviations or variances, one class's mean alone —
 refused before any release; prototypes drawn at random or from other data are not."""
 
@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import refused_before_any_release  # noqa: E402
 
-from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+from lightning_dp.record_statistics.data_statistics import data_statistics_held  # noqa: E402
 
 _G = torch.Generator().manual_seed(11)
 X = torch.randn(300, 5, generator=_G)

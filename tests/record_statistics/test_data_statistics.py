@@ -1,4 +1,4 @@
-"""Statistics of the training data kept or trained on (validators/data_statistics.py): a normalisation buffer holding
+"""Statistics of the training data kept or trained on (record_statistics/data_statistics.py): a normalisation buffer holding
 the training mean, class weights from the training labels, features standardised with their own statistics, a
 transform of the datamodule holding them — refused before any release; public constants and the data's own values
 are not statistics."""
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, data, parameters, strategy, refused_before_any_release, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+from lightning_dp.record_statistics.data_statistics import data_statistics_held  # noqa: E402
 
 X, Y = data(64).tensors
 

@@ -38,7 +38,7 @@ ledger counts, the trained model is then not differentially private.
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
 within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
 data normalised per record). Names declared
-public are skipped (:func:`~lightning_dp.validators.kept_state.is_public`). What it cannot see: a statistic
+public are skipped (:func:`~lightning_dp.fingerprints.public_names.is_public`). What it cannot see: a statistic
 transformed after it was computed (rounded, scaled — a robust standard deviation IQR / 1.349 —, combined with public
 constants), statistics of a subset of the data, quantiles of integer-valued columns alone other than their extremes,
 a whitening matrix whose eps over the smallest eigenvalue exceeds its tolerance, and data scaled by its own
@@ -54,16 +54,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.derived_columns import derived_columns, derived_columns_fix
+from lightning_dp.record_statistics.derived_columns import derived_columns, derived_columns_fix
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.library_objects import framework_keys
-from lightning_dp.validators.conditional_statistics import class_conditional, conditional_rows
-from lightning_dp.validators.kept_state import is_public
-from lightning_dp.validators.loader_statistics import transform_holders
-from lightning_dp.validators.order_statistics import OrderStatistics
-from lightning_dp.validators.outside_records import holds_records, row_digests
-from lightning_dp.validators.record_lengths import lengths_held
-from lightning_dp.validators.second_moments import SecondMoments
+from lightning_dp.record_statistics.conditional_statistics import class_conditional, conditional_rows
+from lightning_dp.fingerprints.public_names import is_public
+from lightning_dp.record_statistics.loader_statistics import transform_holders
+from lightning_dp.record_statistics.order_statistics import OrderStatistics
+from lightning_dp.records.held_records import holds_records, row_digests
+from lightning_dp.record_statistics.record_lengths import lengths_held
+from lightning_dp.record_statistics.second_moments import SecondMoments
 
 MAX_ELEMENTS = 1 << 27
 """Training tensors with more elements are not summarised (the check runs once, in the main process)."""
@@ -94,7 +94,7 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
                        public: Sequence[str] = ()) -> list[str]:
     """The parameters and buffers of ``modules`` that hold training records before training: rows of a training
     tensor (prototypes, RBF centres or a memory initialised from examples; a buffer of sample inputs) or its labels
-    (:func:`~lightning_dp.validators.outside_records.holds_records`). They are released with the model as they are
+    (:func:`~lightning_dp.records.held_records.holds_records`). They are released with the model as they are
     — DP-SGD's noise covers the updates, not an initial value copied from the data."""
     digests = [(path, t, row_digests(t)) for path, t in tensors if t.numel()]
     found = []

@@ -1,4 +1,4 @@
-"""The training records' lengths kept as a setting (validators/record_lengths.py): a Hugging Face configuration's or
+"""The training records' lengths kept as a setting (record_statistics/record_lengths.py): a Hugging Face configuration's or
 generation configuration's length, a hyper-parameter or a collator's tokenizer's ``model_max_length`` set to the
 longest record's token count (or a high quantile of the counts) is refused before any release; a public width the
 records are truncated to, a round cap and an unrelated number train."""
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.record_lengths import length_statistics, lengths_held, record_lengths  # noqa: E402
+from lightning_dp.record_statistics.record_lengths import length_statistics, lengths_held, record_lengths  # noqa: E402
 
 V, W = 40, 24
 

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 
 SMOOTHING = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 """Additive smoothing strengths m of a target encoding that are compared."""
@@ -152,7 +152,7 @@ def _labels(y: Tensor) -> Optional[Tensor]:
 
 
 def _class_formulas(counts: Tensor) -> Iterator[tuple[str, Tensor]]:
-    """The class-weight formulas of :func:`~lightning_dp.validators.data_statistics._statistics`, over classes."""
+    """The class-weight formulas of :func:`~.data_statistics._statistics`, over classes."""
     present = counts > 0
     yield "class count", counts
     yield "class frequency", counts / counts.sum()

@@ -1,4 +1,4 @@
-"""Per-feature order statistics of the training features held by the model (validators/order_statistics.py): a min-max
+"""Per-feature order statistics of the training features held by the model (record_statistics/order_statistics.py): a min-max
 scaler's buffers, a median and interquartile range, quantile bin edges at any level and interpolation, a range, a
 vector of exact training values — refused before any release, in Lightning and in a plain loop; random
 initialisations, public constants and integer features' zero buffers are not taken for them."""
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, refused_before_any_release  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.data_statistics import data_statistics_held  # noqa: E402
+from lightning_dp.record_statistics.data_statistics import data_statistics_held  # noqa: E402
 
 _G = torch.Generator().manual_seed(3)
 X = torch.randn(256, 6, generator=_G) * torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0, 4.0]) + torch.arange(6.0)

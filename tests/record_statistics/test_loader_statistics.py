@@ -1,5 +1,5 @@
 """Statistics of the training data held by the training loader's collator and the datasets' transforms
-(validators/loader_statistics.py, judged by validators/data_statistics.py): a collate object or a
+(record_statistics/loader_statistics.py, judged by record_statistics/data_statistics.py): a collate object or a
 ``functools.partial`` normalising batches with the training mean and standard deviation, and a ``Normalize``-like
 transform module inside a ``Compose``-like list on the dataset, are refused before any release; public constants
 (ImageNet's) and a scale of 255 train."""
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, data, parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.loader_statistics import transform_holders  # noqa: E402
+from lightning_dp.record_statistics.loader_statistics import transform_holders  # noqa: E402
 
 X, Y = data(64).tensors
 X = X * 3 + 7

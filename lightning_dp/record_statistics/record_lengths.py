@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from torch import Tensor
 
-from lightning_dp.validators.kept_state import is_public
+from lightning_dp.fingerprints.public_names import is_public
 
 _NAME = re.compile(r"len|position|tokens|n_ctx|block_size|context|seq", re.IGNORECASE)
 _LEVELS = (0.9, 0.95, 0.98, 0.99)

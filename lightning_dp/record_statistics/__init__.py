@@ -1,0 +1,17 @@
+"""What is verified about the data: statistics of the private training records computed before training and kept
+outside a step, where no noise covers them (docs/release_boundary.md, rule 11). A normalisation buffer holding the
+features' mean, class weights from the labels' counts, quantile bin edges, a whitening matrix, a ``max_length`` set
+to the longest record: each depends on every record, and is released with the model.
+
+- :mod:`.data_statistics`: the check, once before the first release: the holders walked, the statistics compared;
+- :mod:`.order_statistics`: per-feature minima, maxima, medians and quantiles at any level, and exact data values;
+- :mod:`.second_moments`: a [D, D] whitening, covariance or correlation matrix, its inverse or Cholesky factor;
+- :mod:`.conditional_statistics`: class-conditional means, standard deviations and variances (a prototype head);
+- :mod:`.derived_columns`: per-record columns derived from the labels (balanced weights, a target encoding);
+- :mod:`.loader_statistics`: the training loader's collate function, sampler and transforms as holders;
+- :mod:`.record_lengths`: the records' lengths kept as a setting (the longest record's token count).
+
+It stands below the checks of a step (:mod:`lightning_dp.validators` imports it, never the reverse) and above
+:mod:`lightning_dp.fingerprints` and :mod:`lightning_dp.records`, whose row digests tell a copy of the records
+(:func:`~lightning_dp.records.held_records.holds_records`) from a statistic of them.
+"""
