@@ -5,19 +5,22 @@ bin-packing several short documents into one row, two texts padded and joined �
 removing one document changes many records, so DP per record does not bound one document's (one person's) influence.
 :func:`warn_packed_records` reads :data:`SAMPLED` records spread over the dataset (within :data:`MAX_SECONDS`), takes
 their 1-D integer fields of :data:`MIN_LENGTH` ids or more (``input_ids`` first; not masks, ids with -100, floats),
-strips each row's leading and trailing padding (the ``pad_token_id`` declared, else an id that starts or ends
-:data:`SHARE` of the rows as a run and is inside few of them) and counts the rows holding several documents:
+strips each row's leading and trailing padding (the ``pad_token_id`` declared, else
+:func:`~lightning_dp.records.special_ids.inferred_pad`) and counts the rows holding several documents:
 
-* a start id (``bos``/``cls_token_id``, not also an end or pad) inside the row, followed by more ids;
-* an end id (``eos``/``sep_token_id``) followed by more ids, unless 90 % of the rows start with one id (a ``[CLS]``,
-  a chat template's first token: ``[CLS] a [SEP] b [SEP]`` is one record);
+* rows split into pieces by declared ids (:func:`~lightning_dp.records.special_ids.split_points`: an end id —
+  ``eos``/``sep_token_id`` — or a start id — ``bos``/``cls_token_id`` — inside the row, followed by more ids), unless
+  the pieces are one record's parts: the rows start alike (90 %) and the pieces begin with one or two ids (a chat
+  template's ``[INST]``, a role's header: the turns of one conversation), or 90 % of the rows hold as many pieces
+  (``prompt EOS response EOS``, ``[CLS] a [SEP] b [SEP]``) and the rows start alike or are not blocks cut from a
+  stream (half of them full-length and ending in neither padding nor an end id, as ``group_texts`` leaves them);
 * padding inside the row, the content resuming at one offset in most such rows (two texts padded to fixed widths),
   in at most two runs (an image's background, a text's spaces are scattered).
 
 Ids are those the model's (or a submodule's) ``config``/``generation_config``/``tokenizer``, the dataset's or the
 collate's ``tokenizer`` declare. :data:`SHARE` of the rows or more: :class:`~lightning_dp.errors.PackedRecordsWarning`
 (a refusal when made an error). Not seen: documents joined with no id between them (or with ids not declared), pairs
-kept as two fields of a record, a record that is several documents by design (a chat with a BOS per turn: warned).
+kept as two fields of a record, conversations under one template or a fixed number of texts per row bin-packed whole.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PackedRecordsWarning, warn_or_refuse
 from lightning_dp.records.fetch import fetch, seeded
-from lightning_dp.records.special_ids import declared_ids
+from lightning_dp.records.special_ids import declared_ids, inferred_pad, split_points
 
 SAMPLED, MIN_LENGTH, SHARE, MAX_SECONDS = 256, 8, 0.05, 2.0
 """Records read (spread evenly), the fewest ids of a field looked at, the share of rows holding several documents
@@ -98,10 +101,10 @@ def _ids(value: Any) -> bool:  # a list of token ids (a Hugging Face dataset's r
 
 def _packed(rows: list[Tensor], ids: dict[str, set[int]]) -> bool:
     """Whether :data:`SHARE` of the ``rows`` hold several documents (module docstring)."""
-    pads = ids["pad"] or _inferred_pad(rows)
-    pad, start, end = (torch.tensor(sorted(ids_), dtype=torch.int64) for ids_ in (pads, ids["start"], ids["end"]))
-    firsts, resumes = Counter(), Counter()
-    starts = ends = scattered = 0
+    pad, start, end = (torch.tensor(sorted(ids_), dtype=torch.int64)
+                       for ids_ in (ids["pad"] or inferred_pad(rows, SHARE), ids["start"], ids["end"]))
+    firsts, resumes, pieces, followers = Counter(), Counter(), Counter(), Counter()
+    longest, cut, scattered = max(len(row) for row in rows), 0, 0
     for row in rows:
         gaps = torch.isin(row.long(), pad)
         where = (~gaps).nonzero().flatten()
@@ -109,8 +112,10 @@ def _packed(rows: list[Tensor], ids: dict[str, set[int]]) -> bool:
             continue
         content, gaps = row[int(where[0]): int(where[-1]) + 1].long(), gaps[int(where[0]): int(where[-1]) + 1]
         firsts[int(content[0])] += 1
-        starts += bool(torch.isin(content[1:-1], start).any())
-        ends += bool(torch.isin(content[:-1], end).any())
+        after = split_points(content, start, end)
+        pieces[len(after)] += 1
+        followers.update(content[after].tolist())
+        cut += len(row) == longest and not bool(torch.isin(row[-1:].long(), torch.cat([pad, end])).any())
         back = (gaps[:-1] & ~gaps[1:]).nonzero().flatten()  # where the content resumes after padding inside
         if 0 < len(back) <= 2:
             resumes[int(where[0] + back[0]) + 1] += 1  # two texts padded to fixed widths: at one offset
@@ -118,25 +123,13 @@ def _packed(rows: list[Tensor], ids: dict[str, set[int]]) -> bool:
     counted = sum(firsts.values())
     if not counted:
         return False
-    if firsts.most_common(1)[0][1] >= 0.9 * counted:
-        ends = 0  # every row starts alike ([CLS], a template's first token): a SEP inside is a pair's
-    padded = resumes.most_common(1)[0][1] if resumes else 0
+    alike = firsts.most_common(1)[0][1] >= 0.9 * counted  # a [CLS], a chat template's first token
+    marked = sum(n for _, n in followers.most_common(2)) >= 0.9 * sum(followers.values())  # [INST], a role's id
+    count, same = pieces.most_common(1)[0]  # prompt EOS response, [CLS] a [SEP] b [SEP]: as many pieces in all rows
+    fixed = count > 0 and same >= 0.9 * counted and (alike or 2 * cut < counted)  # not blocks cut from a stream
+    one_each = bool(followers) and ((alike and marked) or fixed)
+    split = 0 if one_each else counted - pieces[0]
+    padded = resumes.most_common(1)[0][1] if resumes and not one_each else 0  # pad = EOS: the pieces' EOS
     if scattered >= sum(resumes.values()) or 2 * padded < sum(resumes.values()):
         padded = 0  # not at one offset, or scattered through the rows: an image's background, a text's spaces
-    return max(starts, ends, padded) >= max(2, SHARE * counted)
-
-
-def _inferred_pad(rows: list[Tensor]) -> set[int]:
-    """The id that ends (or starts) :data:`SHARE` of the rows or more as a run of two or more, and is not inside
-    most of those rows besides (a text's spaces, an image's background are), if one does."""
-    runs: dict[int, list[Tensor]] = {}
-    for row in rows:
-        for a, b in {(int(row[-1]), int(row[-2])), (int(row[0]), int(row[1]))}:
-            if a == b:
-                runs.setdefault(a, []).append(row)
-    pad, held = max(runs.items(), key=lambda kv: len(kv[1]), default=(0, []))
-    if len(held) < max(3, SHARE * len(rows)):
-        return set()
-    inside = sum(bool((row[(row != pad).nonzero().min():(row != pad).nonzero().max() + 1] == pad).any())
-                 for row in held if bool((row != pad).any()))
-    return {pad} if inside < len(held) / 2 else set()
+    return max(split, padded) >= max(2, SHARE * counted)

@@ -94,8 +94,54 @@ def chats(texts: list[torch.Tensor]) -> torch.Tensor:
 def config(**ids: Any) -> dict[str, set[int]]:
     found = {"start": set(), "end": set(), "pad": set()}
     for kind, value in ids.items():
-        found[kind] = {value}
+        found[kind] = set(value) if isinstance(value, (set, list)) else {value}
     return found
+
+
+INST, EINST, HEADER, END_HEADER, EOT = 60, 61, 62, 63, 64  # chat templates' markers (ids past the texts')
+
+
+def prompt_response(texts: list[torch.Tensor], width: int = 48, trailing: bool = True) -> list[torch.Tensor]:
+    """GPT-2 instruction tuning (qa9 c7): ``prompt EOS response EOS``, one example per row (GPT-2's only special id
+    is EOS = BOS), unpadded."""
+    return [torch.cat([texts[i][:20], torch.tensor([EOS]), texts[i + 1][:20], torch.tensor([EOS] if trailing else [],
+                                                                                           dtype=torch.long)])[:width]
+            for i in range(0, len(texts) - 1, 2)]
+
+
+def llama2_chats(texts: list[torch.Tensor], turns: Any = lambda i: 2) -> list[torch.Tensor]:
+    """Llama-2 chat (qa9 c3), one conversation per row: ``<s>[INST] q [/INST] a </s><s>[INST] q2 [/INST] a2 </s>``."""
+    rows, i = [], 0
+    while i + 2 * turns(i) <= len(texts):
+        row = []
+        for q, a in zip(texts[i: i + 2 * turns(i): 2], texts[i + 1: i + 2 * turns(i): 2]):
+            row += [BOS, INST, *q[:6].tolist(), EINST, *a[:6].tolist(), EOS]
+        rows.append(torch.tensor(row))
+        i += 2 * turns(i)
+    return rows
+
+
+def llama3_chats(texts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Llama-3 chat (qa9 c2): ``<|begin_of_text|>`` then per message ``<|start_header_id|> role <|end_header_id|>
+    text <|eot_id|>``; padded with ``<|end_of_text|>`` (= EOS), both EOS and ``<|eot_id|>`` declared ends."""
+    rows = []
+    for i in range(0, len(texts) - 2, 3):
+        row = [BOS]
+        for role, t in zip((7, 8, 9), texts[i: i + 3]):
+            row += [HEADER, role, END_HEADER, *t[:6].tolist(), EOT]
+        rows.append(torch.tensor(row))
+    return rows
+
+
+def rows_of(pieces: list[torch.Tensor], pad: int = PAD, width: int = 48) -> torch.Tensor:
+    """The pieces padded right to ``width``."""
+    return torch.stack([F.pad(p[:width], (0, width - len(p[:width])), value=pad) for p in pieces])
+
+
+def stream(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces joined and cut into blocks of L (TRL's ConstantLengthDataset, group_texts over formatted records)."""
+    joined = torch.cat(pieces)
+    return joined[: len(joined) // L * L].view(-1, L)
 
 
 PACKED = {
@@ -104,6 +150,12 @@ PACKED = {
     "binpacked with EOS": (lambda: binpacked(docs(low=3, high=12)), dict(end=EOS, pad=PAD)),
     "binpacked with BOS": (lambda: binpacked(docs(low=3, high=12), bos=BOS), dict(start=BOS, end=EOS, pad=PAD)),
     "padded pairs joined": (lambda: joined_pairs(docs(low=4, high=30)), {}),
+    "group_texts, BOS and EOS per text": (lambda: grouped([torch.cat([torch.tensor([BOS]), t]) for t in docs()]),
+                                          dict(start=BOS, end=EOS)),
+    "prompt/response records cut into blocks": (lambda: stream(prompt_response(docs())), dict(end=EOS)),
+    "Llama-2 chats cut into blocks": (lambda: stream(llama2_chats(docs())), dict(start=BOS, end=EOS, pad=PAD)),
+    "binpacked, pad = eos": (lambda: binpacked(docs(low=3, high=12)).masked_fill(binpacked(docs(low=3, high=12)) == PAD,
+                                                                                  EOS), dict(end=EOS)),
 }
 
 ONE_EACH = {
@@ -116,6 +168,15 @@ ONE_EACH = {
     "BERT pairs": (lambda: bert_pairs(docs()), dict(start=CLS, end=SEP, pad=PAD)),
     "multi-turn chats": (lambda: chats(docs()), dict(end=EOS, pad=PAD)),
     "next-token windows of one text": (lambda: torch.randint(5, V, (300 * L,)).view(-1, L), {}),
+    "GPT-2 prompt EOS response EOS, pad = eos": (lambda: rows_of(prompt_response(docs()), EOS), dict(end=EOS)),
+    "the same, pad = eos declared": (lambda: rows_of(prompt_response(docs()), EOS), dict(end=EOS, pad=EOS)),
+    "the same, padded with PAD": (lambda: rows_of(prompt_response(docs())), dict(end=EOS, pad=PAD)),
+    "the same, left-padded": (lambda: rows_of([r.flip(0) for r in prompt_response(docs())], EOS).flip(1),
+                              dict(end=EOS)),
+    "Llama-2 two-turn chats": (lambda: rows_of(llama2_chats(docs())), dict(start=BOS, end=EOS, pad=PAD)),
+    "Llama-2 chats of 1 to 4 turns": (lambda: rows_of(llama2_chats(docs(), lambda i: 1 + i % 4), width=64),
+                                      dict(start=BOS, end=EOS, pad=PAD)),
+    "Llama-3 chats": (lambda: rows_of(llama3_chats(docs()), EOS, 64), dict(start=BOS, end=[EOS, EOT], pad=EOS)),
 }
 
 
@@ -166,6 +227,24 @@ def test_dict_records_and_id_lists() -> None:
 
     assert packed_field(Records(grouped(docs())), config(end=EOS)) == "token ids (input_ids)"
     assert packed_field(Records(padded(docs())), config(end=EOS, pad=PAD)) is None
+
+
+def test_unpadded_rows_of_one_record_each() -> None:
+    """Rows of their own lengths (a collate pads them): ``prompt EOS response`` without a closing EOS does not end
+    with an end id, yet rows of several lengths are not blocks cut from a stream."""
+    class Records(Dataset):
+        def __init__(self, rows: list[torch.Tensor]) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.rows[i].tolist()}
+
+    assert packed_field(Records(prompt_response(docs(), trailing=False)), config(end=EOS)) is None
+    assert packed_field(Records(llama2_chats(docs(), lambda i: 1 + i % 3)), config(start=BOS, end=EOS)) is None
+    assert packed_field(Records(list(binpacked(docs(low=3, high=12)))), config(end=EOS)) is not None
 
 
 def test_ids_are_read_from_a_submodule_config_and_a_collate_tokenizer() -> None:
