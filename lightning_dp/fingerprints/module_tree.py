@@ -44,9 +44,6 @@ class TreeShape:
         return len(children) == len(self.children) and all(map(operator.is_, children, self.children))
 
 
-_CONFIGURATION = (bool, int, float, str, tuple, torch.dtype, torch.device, torch.Size)
-
-
 DATA_ONLY = ["<data>"]
 """The attribute mode of torch's own layers: only values that can hold data (tensors, arrays, containers, objects)."""
 
@@ -92,13 +89,31 @@ class ModuleAttributes:
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
                     or _library_function(value)):
                 continue
-            if mode is DATA_ONLY and (value is None or isinstance(value, _CONFIGURATION) or callable(value)):
-                continue  # a torch layer's configuration, or a forward swapped in (torch.compile, an engine)
+            if mode is DATA_ONLY and _layer_setting(key, value):
+                continue
             if not self.public(prefix + key):
                 state.append((key, prefix + key, f"attribute {prefix}{key}"))
         configuration = [(k, f"configuration {prefix}{k}") for k, _ in _configuration(fields)
                          if not self.public(prefix + k)] if mode is DATA_ONLY else []
         return state, configuration
+
+
+_SETTINGS = (torch.dtype, torch.device)
+
+
+def _layer_setting(key: str, value: Any) -> bool:
+    """Whether a torch layer's attribute is its own setting, not state: ``None``, a dtype or device, a public number
+    or string (its configuration, compared apart by :func:`_configuration`), or its ``forward`` swapped in
+    (``torch.compile``, an engine). State, walked and compared at every release: a tuple or ``torch.Size`` (a forward
+    hook's ``setattr(m, "features_in", inputs)``, ``(h.detach(),)``, ``m.seen_shape = ids.shape``: a padded batch's
+    length is its longest record's; a tuple of ``int`` sizes costs little and never changes), a number under a
+    private name (``m._seen += len(y)``: no configuration of torch's changes in a step) and any other callable (a
+    lambda whose closure holds the batch's mean)."""
+    if value is None or isinstance(value, _SETTINGS):
+        return True
+    if type(value) in _NUMBERS:
+        return not key.startswith("_")
+    return key == "forward" and callable(value)
 
 
 def _configuration(fields: dict[str, Any]) -> list[tuple[str, Any]]:

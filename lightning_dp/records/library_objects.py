@@ -21,12 +21,18 @@ TRUSTED_CALLBACK_PREFIXES = ("pytorch_lightning.callbacks", "lightning.pytorch.c
 lightning_dp's own)."""
 
 
+USER_SET_KEYS = frozenset({"_example_input_array"})
+"""Names a fresh ``LightningModule`` holds whose values the user sets: ``self.example_input_array = x[:1]`` (for the
+model summary, ``log_graph``, ``to_onnx``) is the user's state like any attribute, a training record if taken from
+the batch or the training set."""
+
+
 def module_keys() -> frozenset[str]:
-    """The attribute names a fresh ``nn.Module`` and a fresh ``LightningModule`` hold."""
+    """The attribute names a fresh ``nn.Module`` and a fresh ``LightningModule`` hold (less :data:`USER_SET_KEYS`)."""
     import pytorch_lightning as pl
 
     keys = set(vars(nn.Module())) | set(vars(pl.LightningModule()))
-    return frozenset(keys)
+    return frozenset(keys - USER_SET_KEYS)
 
 
 _FRAMEWORK_KEYS: Optional[frozenset[str]] = None
