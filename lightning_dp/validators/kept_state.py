@@ -180,7 +180,7 @@ class StateFingerprint:
         if self.parameters is not None:
             params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
         else:
-            params = [(name, slots[key]) for name, slots, key in self._param_slots if slots.get(key) is not None]
+            params = [(name, p) for name, slots, key in self._param_slots if (p := slots.get(key)) is not None]
         plain: list[tuple[str, Tensor]] = []
         if full:
             tensors.extend(params)
@@ -191,7 +191,7 @@ class StateFingerprint:
                     entries[name] = (p.data_ptr(), p._version, p.shape)
                 else:
                     entries[name] = self._sums.key(p)[1:]
-        buffers = [(name, slots[key]) for name, slots, key in self._buffer_slots if slots.get(key) is not None]
+        buffers = [(name, b) for name, slots, key in self._buffer_slots if (b := slots.get(key)) is not None]
         tensors.extend(buffers)
         if not full:  # norms show a write through .data, which moves no version counter
             plain.extend((name, b) for name, b in buffers if type(b) is Tensor and b.dtype.is_floating_point

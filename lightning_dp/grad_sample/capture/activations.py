@@ -622,15 +622,18 @@ class ActivationCapture:
         ranks = (*(t.dim() for t in inputs), out.dim())
         if ranks in self._lookups.get(id(module), ()):
             return True
+        # the cheap test first: a call with the examples in some dimension (every batched call) is no lookup whatever
+        # the walks below say (they only ever answer False, and read nothing they change), so they run only for a
+        # call that would otherwise be taken for one
+        if not (ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n)):
+            return False
         if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n, self._anchors)
                                 or example_minor_rows(t, n, self._layout) is not None) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
-        if ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n):
-            # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
-            # unbatched there: remembered for the run only when seen with n > 1; at n = 1 until evidence of rows
-            (self._lookups if n > 1 else self._lookups_alone).setdefault(id(module), set()).add(ranks)
-            return True
-        return False
+        # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
+        # unbatched there: remembered for the run only when seen with n > 1; at n = 1 until evidence of rows
+        (self._lookups if n > 1 else self._lookups_alone).setdefault(id(module), set()).add(ranks)
+        return True
 
     def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int,
                        inputs: Sequence[Tensor] = ()) -> None:
@@ -777,8 +780,8 @@ class ActivationCapture:
 
     @staticmethod
     def _note_unbatched(calls: LayerCalls, args: tuple, kwargs: dict, n: int, dims: ExampleDims) -> None:
-        for key, a in [*((str(i), a) for i, a in enumerate(args)), *kwargs.items()]:
-            tensors = _tensors(a)
+        for key, a in (*((str(i), a) for i, a in enumerate(args)), *kwargs.items()):
+            tensors = [a] if isinstance(a, Tensor) else _tensors(a)
             if not tensors:
                 continue
             d = dims.argument(key)

@@ -139,5 +139,7 @@ def example_dims(module: nn.Module) -> ExampleDims:
 def draws_randomness(module: nn.Module) -> bool:
     """Whether a call of ``module`` itself draws random numbers (attention or inter-layer RNN
     dropout in training mode): recomputing it must replay the call's random state."""
+    if not isinstance(module, (*UNITS, nn.RNNBase)):  # before the getattr: a missing attribute raises inside it
+        return False
     p = getattr(module, "dropout", 0.0)
-    return module.training and isinstance(module, (*UNITS, nn.RNNBase)) and isinstance(p, float) and p > 0
+    return module.training and isinstance(p, float) and p > 0

@@ -144,3 +144,24 @@ def test_a_module_owning_parameters_with_stateless_children_is_one_layer():
     assert not is_unit(nn.Linear(3, 3))
     assert [name for name, _ in leaf_layers(nn.Sequential(_Owner(nn.SiLU()), nn.ParameterDict({"a": nn.Parameter(
         torch.ones(3))})))] == ["0"]  # a ParameterDict holds parameters, has no forward: never hooked
+
+
+def test_a_batched_call_is_not_walked_for_flattened_rows(monkeypatch):
+    """A call with the examples in one of its dimensions is no lookup: the autograd walks for flattened rows (which
+    only ever tell a lookup apart from rows of examples) are not run for it (issue 38: per-call Python)."""
+    import lightning_dp.grad_sample.capture.activations as activations
+
+    walked = []
+    monkeypatch.setattr(activations, "flattened_rows", lambda *a: walked.append("rows") or False)
+    monkeypatch.setattr(activations, "example_minor_rows", lambda *a: walked.append("minor"))
+    m = nn.Linear(3, 2)
+    capture = ActivationCapture()
+    capture.attach([("m", m)])
+    capture.begin_step(4)
+    m(torch.randn(4, 3)).sum().backward()
+    assert walked == [] and [r.grad_out.shape for r in capture.completed()[id(m)].records] == [(4, 2)]
+    capture.begin_step(4)
+    m(torch.randn(3)).sum().backward()  # no dimension of 4: the walks decide, as before
+    assert walked == ["rows", "minor"]
+    capture.end_backward()
+    capture.clear()

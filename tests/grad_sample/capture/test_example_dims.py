@@ -23,3 +23,23 @@ def test_an_rnn_subclass_binds_its_own_signature():
     for batch_first, seq in ((True, 0), (False, 1)):
         dims = example_dims(_Lengths(3, 4, batch_first=batch_first))
         assert [dims.argument(k) for k in ("0", "1", "lengths", "2", "hx")] == [seq, 0, 0, 1, 1]
+
+
+def test_draws_randomness_reads_no_missing_attribute():
+    """A layer that is neither attention nor an RNN draws nothing, answered without ``getattr(m, "dropout")`` (a
+    missing attribute raises and is caught inside ``nn.Module.__getattr__``: issue 38's per-call Python)."""
+    from lightning_dp.grad_sample.capture.example_dims import draws_randomness
+
+    class Counting(nn.Linear):
+        reads = 0
+
+        def __getattr__(self, name):
+            if name == "dropout":
+                type(self).reads += 1
+            return super().__getattr__(name)
+
+    m = Counting(3, 2)
+    assert not draws_randomness(m) and Counting.reads == 0
+    attention = nn.MultiheadAttention(4, 2, dropout=0.1)
+    assert draws_randomness(attention) and not draws_randomness(attention.eval())
+    assert not draws_randomness(nn.LSTM(3, 4, num_layers=2))  # dropout 0.0
