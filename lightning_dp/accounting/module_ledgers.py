@@ -93,15 +93,23 @@ def digest(t: Tensor) -> bytes:
     return hashlib.blake2b(head + content_sums([t])[0], digest_size=16).digest()
 
 
+def _materialised(module: nn.Module) -> list[Tensor]:
+    """``module``'s parameters less a lazy layer's placeholders (they hold no values; validators/layers.py refuses
+    them before a release)."""
+    from torch.nn.parameter import UninitializedParameter
+
+    return [p for p in module.parameters() if not isinstance(p, UninitializedParameter)]
+
+
 def _trainable(module: nn.Module) -> list[Tensor]:
-    return [p for p in module.parameters() if p.requires_grad and p.numel() and p.dtype.is_floating_point]
+    return [p for p in _materialised(module) if p.requires_grad and p.numel() and p.dtype.is_floating_point]
 
 
 def _weights(module: nn.Module) -> list[Tensor]:
     """Every floating parameter, frozen ones too: a privately trained backbone reused frozen (a linear probe on a
     copy of it) holds that fit's releases as much as a trainable copy does. Only weights some fit trained are
     recorded (:func:`bind`'s trainable ones), so a public frozen backbone matches nothing."""
-    return [p for p in module.parameters() if p.numel() and p.dtype.is_floating_point]
+    return [p for p in _materialised(module) if p.numel() and p.dtype.is_floating_point]
 
 
 @dataclass(frozen=True)

@@ -182,12 +182,25 @@ def pruned_layers(module: nn.Module) -> list[str]:
     return errors
 
 
+def lazy_layers(module: nn.Module) -> list[str]:
+    """Error messages for lazy layers not yet materialised (``nn.LazyLinear``, ``nn.LazyConv2d``): their parameters
+    have no shape until a first forward, which would be a private step's, so no engine can hook them, no ledger can
+    record them and the optimizer holds placeholders."""
+    from torch.nn.parameter import UninitializedParameter
+
+    return [f"layer '{name}' ({type(sub).__name__}) is lazy and not yet materialised: its parameters get their shape "
+            "at the first forward. Materialise it before fit with one forward on a public input of the right shape "
+            "(model(torch.zeros(1, *input_shape)) in __init__), or give the layer its input size (nn.Linear(d, k))."
+            for name, sub in module.named_modules()
+            if any(isinstance(p, UninitializedParameter) for p in sub.parameters(recurse=False))]
+
+
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none). Also installs the
     call-time checks of :func:`install_call_checks`, active while ``module`` is attached to a private step."""
     install_call_checks(module)
-    return (batch_mixing_layers(module) + unnoised_state_layers(module) + sparse_gradient_layers(module)
-            + parametrized_layers(module) + pruned_layers(module))
+    return (lazy_layers(module) + batch_mixing_layers(module) + unnoised_state_layers(module)
+            + sparse_gradient_layers(module) + parametrized_layers(module) + pruned_layers(module))
 
 
 # ---------------------------------------------------------------------- call-time checks

@@ -54,6 +54,36 @@ def test_legacy_weight_norm_is_refused_before_training():
                        r".*parametrizations\.weight_norm, which is served")
 
 
+class LazyHead(zoo.Base):
+    """``nn.LazyLinear``: its parameters get their shape at the first forward (zoo21 e1: a raw ValueError before)."""
+
+    def __init__(self, materialise: bool = False) -> None:
+        super().__init__()
+        self.a = nn.LazyLinear(3)
+        if materialise:
+            self.a(torch.zeros(1, D))
+
+    def loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.a(x), y)
+
+
+def test_an_unmaterialised_lazy_layer_is_refused_before_training_by_name():
+    model = LazyHead()
+    with pytest.raises(PrivacyConfigurationError, match=r"layer 'a' \(LazyLinear\) is lazy.*torch\.zeros\(1, "):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(
+            model, DataLoader(zoo.vector_data(), batch_size=2))
+    assert isinstance(model.a.weight, nn.parameter.UninitializedParameter)  # no step ran
+
+
+def test_a_lazy_layer_materialised_before_fit_trains():
+    model = LazyHead(materialise=True)
+    before = model.a.weight.detach().clone()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(
+        model, DataLoader(zoo.vector_data(), batch_size=2))
+    assert not torch.equal(before, model.a.weight)
+
+
 def test_legacy_spectral_norm_is_refused_by_name():
     model = nn.Sequential(nn.Linear(D, D), torch.nn.utils.spectral_norm(nn.Linear(D, 3)))
     [problem] = validate_module(model)
