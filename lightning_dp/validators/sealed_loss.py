@@ -59,6 +59,14 @@ class SealedLoss(Tensor):
             raise sealed_loss_error(name)
         return super().__torch_function__(func, types, args, kwargs or {})
 
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        """A copy of the same class, sealed as this one is (a clone: handing it on). ``ModelCheckpoint`` deep-copies
+        the logged metrics, ``outputs["loss"]`` logged at batch end among them; torch's own fails for a subclass."""
+        if id(self) not in memo:
+            with torch._C.DisableTorchFunctionSubclass():
+                memo[id(self)] = self.detach().clone().as_subclass(type(self))
+        return memo[id(self)]
+
 
 _MOVED = frozenset({"to", "cpu", "cuda", "__hash__"})
 """What may also be done with a :class:`HandedLoss`: move it (Lightning moves the optimizer's state to the CPU at the

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
-from cases import Classifier, fit, parameters, unchanged  # noqa: E402
+from cases import Classifier, fit, loader, parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.sealed_loss import SealedLoss, sealed, watch  # noqa: E402
+from lightning_dp.validators.sealed_loss import HandedLoss, SealedLoss, handed, sealed, watch  # noqa: E402
 
 
 class RateFromTheClosuresLoss(Classifier):
@@ -94,3 +94,27 @@ def test_a_sealed_loss_is_a_tensor_whose_value_is_free_outside_optimizer_step():
     assert sealed({"loss": loss, "n": 1})["n"] == 1
     watch(None)  # the fit is over: free again
     assert float(loss) == 6.0
+
+
+class LogsTheLossAtBatchEnd(Classifier):
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("loss_at_batch_end", outputs["loss"])  # a report, logged: ModelCheckpoint deep-copies it
+
+
+def test_the_loss_logged_at_batch_end_is_deep_copied_by_model_checkpoint(tmp_path):
+    """torch's own ``__deepcopy__`` fails for a tensor subclass: a published ``on_train_batch_end`` logging
+    ``outputs["loss"]`` crashed in ``ModelCheckpoint``'s copy of the logged metrics. The copy stays sealed."""
+    import copy
+
+    from conftest import quiet_trainer
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    model, dp = LogsTheLossAtBatchEnd(), strategy()
+    quiet_trainer(strategy=dp, max_steps=3, enable_checkpointing=True,
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1)]).fit(model, loader(64))
+    assert dp.ledger.steps == 3
+    assert float(copy.deepcopy(model.trainer.callback_metrics)["loss_at_batch_end"]) > 0
+    copied = copy.deepcopy(handed(torch.tensor(2.0)))
+    assert isinstance(copied, HandedLoss)
+    with pytest.raises(PrivacyConfigurationError):
+        float(copied)
