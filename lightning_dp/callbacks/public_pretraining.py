@@ -16,15 +16,19 @@ through the DP strategy or its ledger. On resume the pretraining runs again befo
 weights replace its result (deterministic for a given ``seed``; only time is spent), and the layers
 are frozen again. Under DDP every process pretrains the same way and rank 0's weights are broadcast.
 
-The dataset must be public: this callback cannot tell public data from private data, and a private
-set given here is trained on without any guarantee.
+The dataset must be public. A dataset that is the private training set, a subset or wrapper of it, or holds a
+clear share of its rows (a copy in a new ``TensorDataset``) is refused before it trains when the training loader is
+known at ``setup`` (given to ``fit``, or by a LightningDataModule), and otherwise when the private fit attaches, before
+its first release: the inputs the pretraining stepped on are kept, sampled, with the parameters
+(:mod:`lightning_dp.record_statistics.public_overlap`). Private records changed on the way (augmented, renormalised)
+are not recognised: this callback cannot tell public data from private data in general.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -34,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from lightning_dp.record_statistics.public_overlap import check_public_dataset
 from lightning_dp.records.outside_steps import public_steps
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,9 @@ class PublicPretraining(Callback):
         if stage != "fit":
             return
         frozen = _submodules(pl_module, self.freeze)  # bad names fail before a minute of pretraining
+        training = _training_dataset(trainer)
+        if training is not None:  # the private training set declared public: refused before it trains
+            check_public_dataset(self.dataset, training)
         self.losses = pretrain(pl_module, self.dataset, self.epochs, self.lr, self.batch_size, self.loss,
                                self.seed, trainer.strategy.root_device,
                                progress=trainer.progress_bar_callback is not None and trainer.is_global_zero)
@@ -129,6 +137,23 @@ def pretrain(
     log.info("public pretraining: %d epochs over %d examples in %.1f s", epochs, len(dataset),
              time.perf_counter() - start)
     return losses
+
+
+def _training_dataset(trainer: "pl.Trainer") -> Optional[Dataset]:
+    """The private training dataset when known at the fit's ``setup``: the loader given to ``fit``, or the
+    LightningDataModule's (set up by then). ``None`` otherwise (the module's ``train_dataloader`` may need its own
+    ``setup``, not run yet: the check at the private fit's attach covers it)."""
+    source = getattr(trainer.fit_loop, "_data_source", None)
+    instance = getattr(source, "instance", None)
+    if isinstance(instance, DataLoader):
+        return instance.dataset
+    if isinstance(instance, pl.LightningDataModule):
+        try:
+            loader = source.dataloader()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 — only this early check is skipped: the attach-time one still runs
+            return None
+        return loader.dataset if isinstance(loader, DataLoader) else None
+    return None
 
 
 def _submodules(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:

@@ -12,7 +12,8 @@ A step is private when its optimizer was marked so (:func:`mark_private`: the op
 :class:`~lightning_dp.privacy.private_step.PrivateStep` was attached with, marked when its first step is verified,
 before any release, or was given to its ``release(optimizer=...)``, marked at that release), when the optimizer is
 one of lightning_dp's own (DP-Adam and the other post-processing variants), or when it runs inside
-:func:`public_steps` (``PublicPretraining``'s loop on the public set it is given).
+:func:`public_steps` (``PublicPretraining``'s loop on the public set it is given; the inputs it saw are kept, sampled,
+with the parameters stepped: :mod:`.public_inputs`).
 :func:`stepped_outside` reads the count; ``validators/outside_fits.py`` judges it before the first release.
 
 What it cannot see: steps made before ``lightning_dp`` was imported, in another process (weights loaded from a file
@@ -27,6 +28,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+
+from lightning_dp.records.public_inputs import close_block, link_stepped, open_block
 
 _STEPPED: dict[int, tuple["weakref.ref[Any]", int]] = {}
 """``id`` of a parameter stepped outside the mechanism → (a weak reference to it, the steps counted)."""
@@ -43,12 +46,18 @@ def mark_private(optimizer: Any) -> None:
 
 @contextmanager
 def public_steps() -> Iterator[None]:
-    """Steps made inside are declared training on public data (``PublicPretraining``): not counted."""
+    """Steps made inside are declared training on public data (``PublicPretraining``): not counted. A sample of the
+    inputs the model's forward sees inside is kept with the parameters stepped (:mod:`.public_inputs`): the private fit
+    they go on to refuses them if they are its training records."""
+    if not _PUBLIC_DEPTH[0]:
+        open_block()
     _PUBLIC_DEPTH[0] += 1
     try:
         yield
     finally:
         _PUBLIC_DEPTH[0] -= 1
+        if not _PUBLIC_DEPTH[0]:
+            close_block()
 
 
 def stepped_outside(param: Any) -> int:
@@ -64,6 +73,8 @@ def _forget(key: int, ref: "weakref.ref[Any]") -> None:
 
 
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    if _PUBLIC_DEPTH[0] and optimizer not in _PRIVATE:
+        link_stepped(p for g in optimizer.param_groups for p in g["params"] if getattr(p, "grad", None) is not None)
     if _PUBLIC_DEPTH[0] or optimizer in _PRIVATE or type(optimizer).__module__.startswith("lightning_dp."):
         return
     for group in optimizer.param_groups:

@@ -28,6 +28,7 @@ from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tol
 from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.record_statistics.public_overlap import check_public_steps
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
 from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held, warn_pretrained_outside
 from lightning_dp.validators.packed_records import warn_packed_records
@@ -135,6 +136,7 @@ class StepChecks:
         if found:  # models fitted in this process outside the mechanism (:mod:`.outside_fits`)
             raise outside_fit_error(found)
         warn_pretrained_outside(self._module, optimizer)  # its own weights stepped outside it first
+        check_public_steps(self._module.parameters(), self._source[0])  # "public" steps on the training records
         warn_packed_records(self._module, self._source[0], loader)  # several documents per record (group_texts)
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],

@@ -121,3 +121,77 @@ def test_pretraining_converts_no_tensor_that_requires_grad_to_a_number():
         warnings.simplefilter("error")  # any warning of the loop fails the test
         losses = pretrain(TinyClassifier(), _public(n=40), epochs=1, lr=0.05, batch_size=20)
     assert len(losses) == 1
+
+
+def _private_and_public_views():
+    """A private training Subset of one tensor pair and the "public" sets built from it (red team i2)."""
+    from torch.utils.data import Subset, TensorDataset
+
+    full = make_loader(n=300, seed=3).dataset
+    x, y = full.tensors
+    private = Subset(full, range(100, 250))
+    return full, private, {
+        "same": private,
+        "overlapping_subset": Subset(full, range(0, 150)),
+        "copied_rows": TensorDataset(x[100:250].clone(), y[100:250].clone()),
+        "wrapper": Subset(private, range(0, 60)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["same", "overlapping_subset", "copied_rows", "wrapper"])
+def test_the_private_training_set_declared_public_is_refused_before_it_trains(kind):
+    from torch.utils.data import DataLoader
+
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    _, private, public = _private_and_public_views()
+    module = TinyClassifier()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    pre = PublicPretraining(public[kind], epochs=2, batch_size=20)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)declared public are records of the private.*"
+                                                        r"Pass public data.*train on these records privately"):
+        quiet_trainer(strategy=strategy, max_steps=3, callbacks=[pre]).fit(module, DataLoader(private, batch_size=20))
+    assert pre.losses == []  # refused before a step of pretraining
+    assert all(torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
+    assert strategy.ledger.steps == 0
+
+
+class _OwnLoader(TinyClassifier):
+    """The training loader from the module's own hook: not known at the callback's ``setup``."""
+
+    def __init__(self, dataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        return DataLoader(self.dataset, batch_size=20)
+
+
+def test_a_loader_from_the_module_is_refused_when_the_private_fit_attaches_before_any_release():
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    _, private, public = _private_and_public_views()
+    pre = PublicPretraining(public["copied_rows"], epochs=1, batch_size=20)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(PrivacyConfigurationError, match="inside lightning_dp.public_steps"):
+        quiet_trainer(strategy=strategy, max_steps=3, callbacks=[pre]).fit(_OwnLoader(private))
+    assert len(pre.losses) == 1 and strategy.ledger.steps == 0  # it trained, but nothing was released
+
+
+def test_a_held_out_part_of_the_same_tensor_and_a_set_sharing_a_few_rows_still_train():
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    full, private, _ = _private_and_public_views()
+    other = _public(n=200)
+    x, y = other.tensors
+    x[[10, 90, 170]] = full.tensors[0][[120, 180, 240]]  # 3 of 200 rows identical to training rows (1.5 %)
+    for public in (Subset(full, range(0, 100)), TensorDataset(x, y)):
+        torch.manual_seed(0)
+        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+        pre = PublicPretraining(public, epochs=1, batch_size=20)
+        quiet_trainer(strategy=strategy, max_steps=2, callbacks=[pre]).fit(TinyClassifier(),
+                                                                          DataLoader(private, batch_size=20))
+        assert len(pre.losses) == 1 and strategy.ledger.steps == 2

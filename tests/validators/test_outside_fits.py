@@ -131,12 +131,14 @@ def test_a_teacher_trained_with_dp_first_continues_the_ledger():
 
 
 def pretrained(m: nn.Module, public: bool = False) -> nn.Module:
-    """``m`` pretrained with plain Adam on the training tensors (``public``: inside ``public_steps()``)."""
+    """``m`` pretrained with plain Adam on the training tensors (``public``: on other draws, inside
+    ``public_steps()``: the training tensors there are refused, tests/records/test_public_inputs.py)."""
     opt = torch.optim.Adam(m.parameters(), 1e-2)
+    x, y = data(64, seed=11).tensors if public else (X, Y)
     with lightning_dp.public_steps() if public else contextlib.nullcontext():
         for _ in range(10):
             opt.zero_grad()
-            F.cross_entropy(m(X), Y).backward()
+            F.cross_entropy(m(x), y).backward()
             opt.step()
     return m
 
