@@ -5,8 +5,11 @@ and the records kept as NumPy arrays or lists of numbers or strings), so a recor
 
 from __future__ import annotations
 
+import types
 from collections import deque
+from functools import partial
 from itertools import islice
+from operator import is_
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -61,35 +64,51 @@ def dataset_token(dataset: Any) -> Hashable:
                   for token in [_records_token(value)] if token is not None))
 
 
-def dataset_settings(dataset: Any) -> dict[str, Hashable]:
-    """The settings the datasets ``dataset`` is made of (:func:`dataset_parts`) hold: their plain attributes (numbers,
-    strings, flags, ``None``) and small dicts of named plain values (:func:`_settings`), by value, each named
-    ``"Class.key (type)"`` — the type of the value, never the value (a refusal quotes the name). ``__getitem__`` reads
-    them at every later fetch: one a batch-end hook sets from the loss (``dataset.scale = 1 + loss``) carries the
-    batch into every later input; one set from the epoch number (``set_epoch``) is alike on any data. Which is which
-    the replays tell (the decision windows, the first step's: docs/release_boundary.md, rule 3); :func:`put_back`
-    puts them back after each."""
+def dataset_settings(dataset: Any, collate_fn: Any = None) -> dict[str, Hashable]:
+    """The settings the datasets ``dataset`` is made of (:func:`dataset_parts`) and the user's collate object hold:
+    their plain attributes (numbers, strings, flags, ``None``) and small dicts of named plain values
+    (:func:`_settings`), by value, each named ``"dataset setting Class.key (type)"`` (``"collate setting …"``) — the
+    type of the value, never the value (a refusal quotes the name). The fetch reads them for every later batch: one a
+    batch-end hook sets from the loss (``dataset.scale = 1 + loss``) carries the batch into every later input; one set
+    from the epoch number (``set_epoch``) is alike on any data. Which is which the replays tell (the decision
+    windows, the first step's: docs/release_boundary.md, rule 3); :func:`put_back` puts them back after each."""
     entries: dict[str, Hashable] = {}
-    for d in dataset_parts(dataset)[0]:
+    for kind, d in _holders(dataset, collate_fn):
         for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
             if key.startswith("__"):
                 continue
             if isinstance(value, _PLAIN):
-                entries[f"{type(d).__name__}.{key} ({type(value).__name__})"] = (type(value).__name__, value)
+                entries[f"{kind} setting {type(d).__name__}.{key} ({type(value).__name__})"] = \
+                    (type(value).__name__, value)
             elif _settings(value) and value:
-                entries[f"{type(d).__name__}.{key} (dict of settings)"] = tuple(value.items())
+                entries[f"{kind} setting {type(d).__name__}.{key} (dict of settings)"] = tuple(value.items())
     return entries
+
+
+def _holders(dataset: Any, collate_fn: Any) -> list[tuple[str, Any]]:
+    """("dataset", each dataset ``dataset`` is made of), and ("collate", ``collate_fn``) when it is an object of the
+    user's class (not a function, nor a library's)."""
+    found = [("dataset", d) for d in dataset_parts(dataset)[0]]
+    root = (type(collate_fn).__module__ or "").split(".")[0]
+    if hasattr(collate_fn, "__dict__") and not isinstance(collate_fn, _CALLABLES) and root not in _LIBRARIES:
+        found.append(("collate", collate_fn))
+    return found
+
+
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, type, partial)
+_LIBRARIES = ("torch", "lightning_dp", "pytorch_lightning", "lightning", "transformers", "builtins")
 
 
 _PLAIN = (int, float, complex, str, bool, bytes, type(None))
 
 
-def put_back(dataset: Any) -> Callable[[], None]:
-    """A function that puts the attributes of the datasets ``dataset`` is made of back as they are now: each bound to
-    its object again, and the items of their dicts, lists, sets and deques (a list an epoch hook shuffles in place,
-    ``set_epoch``'s settings dict) — by reference only: no record, tensor or array is copied (a write into one is the
-    fingerprint's to refuse). A replay of the user's hooks then leaves the training data's settings as found."""
-    held = [(d, dict(vars(d))) for d in dataset_parts(dataset)[0] if hasattr(d, "__dict__")]
+def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
+    """A function that puts the attributes of the datasets ``dataset`` is made of and of the user's collate object
+    (:func:`_holders`) back as they are now: each bound to its object again, and the items of their dicts, lists,
+    sets and deques (a list an epoch hook shuffles in place, ``set_epoch``'s settings dict) — by reference only: no
+    record, tensor or array is copied (a write into one is the fingerprint's to refuse). A replay of the user's hooks
+    then leaves the training data's settings as found."""
+    held = [(d, dict(vars(d))) for _, d in _holders(dataset, collate_fn) if hasattr(d, "__dict__")]
     items = [(v, list(v.items()) if isinstance(v, dict) else list(v)) for _, fields in held
              for v in fields.values() if isinstance(v, (dict, list, set, deque))]
 
@@ -101,16 +120,23 @@ def put_back(dataset: Any) -> Callable[[], None]:
                 if vars(d).get(key, _ABSENT) is not value:
                     vars(d)[key] = value
         for container, kept in items:
-            now = list(container.items()) if isinstance(container, dict) else list(container)
-            if len(now) != len(kept) or any(not _same(a, b, isinstance(container, dict)) for a, b in zip(now, kept)):
+            if not _same(container, kept):
                 container.clear()
-                container.update(kept) if isinstance(container, (dict, set)) else container.extend(kept)
+                if isinstance(container, (dict, set)):
+                    container.update(kept)
+                else:
+                    container.extend(kept)
     return put
 
 
-def _same(a: Any, b: Any, pair: bool) -> bool:
-    """The same item (a dict's: the same key and value), by identity."""
-    return a[0] is b[0] and a[1] is b[1] if pair else a is b
+def _same(container: Any, kept: list[Any]) -> bool:
+    """Whether ``container`` holds the items ``kept`` (a dict's: its ``(key, value)`` pairs), in order, by identity."""
+    if len(container) != len(kept):
+        return False
+    if isinstance(container, dict):
+        return all(map(is_, container, (k for k, _ in kept))) \
+            and all(map(is_, container.values(), (v for _, v in kept)))
+    return all(map(is_, container, kept))
 
 
 _ABSENT = object()

@@ -278,13 +278,13 @@ class StateFingerprint:
         setting from the epoch number from one from the batch), its settings (:func:`dataset_settings`; a plain
         loop's ``set_epoch`` between releases is not judged: docs/release_boundary.md)."""
         entries: Fingerprint = {}
-        lightning = bool(self.library_objects())  # the Lightning glue's loop objects
+        loop = dict(self.library_objects())  # the Lightning glue's loop objects (a plain loop: none)
+        loader = getattr(getattr(loop.get("trainer.strategy"), "private_step", None), "training_loader", None)
         for i, d in enumerate(self.datasets()):
             entries[f"dataset {i} ({type(d).__name__})"] = dataset_token(d)
-            for path, token in (dataset_settings(d) if lightning else {}).items():
-                entry = f"dataset setting {path}"
-                if not self._is_public(path.partition(" ")[0]) and not self._is_public(entry):
-                    entries[entry] = token
+            settings = dataset_settings(d, getattr(loader, "collate_fn", None)) if loop else {}
+            entries.update((entry, token) for entry, token in settings.items()  # declared by `Class.key` or in full
+                           if not self._is_public(entry.split(" ")[2]) and not self._is_public(entry))
         return entries
 
     def with_new_datasets(self, baseline: Fingerprint, callbacks: Sequence[Any] = ()) -> Fingerprint:

@@ -247,8 +247,8 @@ class StateSnapshot:
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
         trainer = getattr(module, "_trainer", None)  # the library callbacks' and the trainer's settings, as found
-        for dataset in _training_datasets(trainer):  # the training data's attributes (set_epoch's), rebound only
-            restores.append(put_back(dataset))
+        for dataset, collate in _training_datasets(trainer):  # the training data's (set_epoch's), rebound only
+            restores.append(put_back(dataset, collate))
         if trainer is not None and settings:
             restores.append(partial(_put_settings, library_settings(trainer)))
         self._restores = restores
@@ -268,10 +268,12 @@ def _put_settings(settings: dict[str, tuple[Any, str, Any]]) -> None:
             setattr(obj, key, value)
 
 
-def _training_datasets(trainer: Any) -> list[Any]:
-    """The training data the release boundary fingerprints (``PrivateStep.poisson_loader``'s), when a fit runs."""
-    boundary = getattr(getattr(getattr(trainer, "strategy", None), "private_step", None), "boundary", None)
-    return list(boundary.datasets()) if boundary is not None else []
+def _training_datasets(trainer: Any) -> list[tuple[Any, Any]]:
+    """(dataset, collate function) the release boundary fingerprints (``PrivateStep.poisson_loader``'s), in a fit."""
+    private = getattr(getattr(trainer, "strategy", None), "private_step", None)
+    collate = getattr(getattr(private, "training_loader", None), "collate_fn", None)
+    boundary = getattr(private, "boundary", None)
+    return [(d, collate) for d in boundary.datasets()] if boundary is not None else []
 
 
 def _put_trainable(flags: list[tuple[nn.Parameter, bool]]) -> None:

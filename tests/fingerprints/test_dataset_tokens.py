@@ -157,7 +157,8 @@ class Settings(TensorDataset):
 def test_settings_are_named_by_attribute_and_type_and_compared_by_value():
     ds = Settings()
     before = dataset_settings(Subset(ds, range(10)))  # through the datasets it wraps
-    assert set(before) == {"Settings.scale (float)", "Settings.name (str)", "Settings.settings (dict of settings)"}
+    assert set(before) == {"dataset setting Settings.scale (float)", "dataset setting Settings.name (str)",
+                           "dataset setting Settings.settings (dict of settings)"}
     ds.scale = 1.7311
     now = dataset_settings(ds)
     assert now != before and not any("1.73" in name for name in now)
@@ -190,3 +191,20 @@ def test_a_small_tensor_a_hook_keeps_is_read_by_its_values():
     assert dataset_token(ds) == before
     ds.kept[0] = torch.tensor(0.25)
     assert dataset_token(ds) != before
+
+
+def test_a_collate_object_of_the_users_has_settings_a_function_has_none():
+    class Collate:
+        def __init__(self):
+            self.scale = 1.0
+
+        def __call__(self, rows):
+            return rows
+
+    ds, collate = TensorDataset(X, Y), Collate()
+    assert dataset_settings(ds, lambda rows: rows) == dataset_settings(ds) == {}
+    assert list(dataset_settings(ds, collate)) == ["collate setting Collate.scale (float)"]
+    back = put_back(ds, collate)
+    collate.scale = 3.0
+    back()
+    assert collate.scale == 1.0

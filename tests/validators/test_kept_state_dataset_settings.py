@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from conftest import TinyClassifier, quiet_trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_dp import DPStrategy
 from lightning_dp.privacy.noise import GaussianNoise
@@ -31,13 +31,14 @@ class ScaledDS(Dataset):
     def __init__(self) -> None:
         self.scale, self.settings, self.steps = 1.0, {"scale": 1.0, "epoch": 0}, 0
         self.order, self.history, self.strength = list(range(len(X))), [], 0.0
+        self.x, self.y = X.clone(), Y.clone()
 
     def __len__(self) -> int:
         return len(X)
 
     def __getitem__(self, i: int):
         j = self.order[i]
-        return X[j] * self.scale * self.settings["scale"] + self.strength, Y[j]
+        return self.x[j] * self.scale * self.settings["scale"] + self.strength, self.y[j]
 
     def set_epoch(self, epoch: int) -> None:  # the epoch, an order shuffled by an epoch-seeded RNG, a log of epochs
         self.settings["epoch"] = epoch
@@ -99,6 +100,17 @@ def test_a_setting_declared_public_trains():
     assert trainer.strategy.ledger.steps >= 6 and ds.scale != 1.0
 
 
+class TrainingMeanShift(pl.Callback):
+    def on_train_epoch_start(self, trainer, pl_module):  # a statistic of the training set, read by every fetch
+        ds = trainer.train_dataloader.dataset
+        ds.strength = -float(ds.x[:, 0].mean())
+
+
+def test_a_setting_an_epoch_hook_computes_from_the_training_set_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match=r"dataset setting ScaledDS\.strength \(float\)"):
+        _fit(TinyClassifier(), [TrainingMeanShift()])
+
+
 class SetEpoch(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         trainer.train_dataloader.dataset.set_epoch(trainer.current_epoch)
@@ -126,6 +138,53 @@ def test_set_epoch_a_seeded_shuffle_and_a_strength_by_epoch_train():
 def test_a_batch_counter_on_the_dataset_trains():
     ds, trainer = _fit(TinyClassifier(), [CountBatches()])
     assert ds.steps == trainer.global_step >= 6
+
+
+class ScaledCollate:
+    """A collate object of the user's that scales the batch by a setting of its own."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, rows):
+        x, y = default_collate(rows)
+        return x * self.scale, y
+
+
+def _users_collate(trainer) -> ScaledCollate:
+    """The user's collate object, reached only through the loader's wrappers (no hook of the user's holds it)."""
+    found, seen = [trainer.train_dataloader], set()
+    while found:
+        obj = found.pop()
+        if isinstance(obj, ScaledCollate):
+            return obj
+        if id(obj) not in seen and hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+            seen.add(id(obj))
+            found.extend(v for v in vars(obj).values() if callable(v) or hasattr(v, "collate_fn"))
+    raise AssertionError("no collate object found")
+
+
+class CollateScale(pl.Callback):
+    def __init__(self, from_loss: bool) -> None:
+        self.from_loss = from_loss
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = 1.0 + float(outputs["loss"]) if self.from_loss else 1.0 + 0.1 * trainer.current_epoch
+        _users_collate(trainer).scale = value
+
+
+@pytest.mark.parametrize("from_loss", [True, False], ids=["from the loss", "from the epoch"])
+def test_a_setting_of_the_users_collate_object_is_judged_as_the_datasets(from_loss):
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2,
+                            callbacks=[CollateScale(from_loss)], num_sanity_val_steps=0)
+    collate = ScaledCollate()
+    fit = lambda: trainer.fit(TinyClassifier(), DataLoader(ScaledDS(), batch_size=16, collate_fn=collate))  # noqa
+    if from_loss:
+        with pytest.raises(PrivacyConfigurationError, match=r"collate setting ScaledCollate\.scale \(float\)"):
+            fit()
+    else:
+        fit()
+        assert collate.scale == pytest.approx(1.1) and trainer.strategy.ledger.steps >= 6
 
 
 def test_a_plain_loops_set_epoch_trains():
