@@ -5,10 +5,14 @@ and the records kept as NumPy arrays or lists of numbers or strings), so a recor
 
 from __future__ import annotations
 
+import types
 from collections import deque
+from functools import partial
 from itertools import islice
-from typing import Any, Hashable, Optional
+from operator import is_
+from typing import Any, Callable, Hashable, Optional
 
+import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -50,13 +54,92 @@ def dataset_token(dataset: Any) -> Hashable:
     records its datasets hold as NumPy arrays or Python lists of numbers or strings (:func:`_records_token`): a
     record written in place (a label relabelled from the batch) shows, and so does state a step's hooks keep on the
     dataset in a dict, list, set or deque (per-record losses for hard-example weights: :func:`_records_token`). Tensors'
-    contents are not read (a dataset's size is unbounded). A cache its ``__getitem__`` fills is the fetch's to judge
-    (:mod:`~lightning_dp.records.stateless`)."""
+    contents are not read (a dataset's size is unbounded), but for those of at most :data:`SMALL` elements (a loss a
+    hook keeps: each replay of the hooks makes another tensor, alike or not by its values). A cache its
+    ``__getitem__`` fills is the fetch's to judge (:mod:`~lightning_dp.records.stateless`)."""
     datasets, tensors = dataset_parts(dataset)
     return ("dataset", type(dataset).__name__, id(dataset),
-            tuple((path, (id(t), t._version, tuple(t.shape))) for path, t in tensors),
+            tuple((path, _item(t, 0)) for path, t in tensors),
             tuple((key, token) for d in datasets for key, value in (vars(d).items() if hasattr(d, "__dict__") else ())
                   for token in [_records_token(value)] if token is not None))
+
+
+def dataset_settings(dataset: Any, collate_fn: Any = None) -> dict[str, Hashable]:
+    """The settings the datasets ``dataset`` is made of (:func:`dataset_parts`) and the user's collate object hold:
+    their plain attributes (numbers, strings, flags, ``None``) and small dicts of named plain values
+    (:func:`_settings`), by value, each named ``"dataset setting Class.key (type)"`` (``"collate setting …"``) — the
+    type of the value, never the value (a refusal quotes the name). The fetch reads them for every later batch: one a
+    batch-end hook sets from the loss (``dataset.scale = 1 + loss``) carries the batch into every later input; one set
+    from the epoch number (``set_epoch``) is alike on any data. Which is which the replays tell (the decision
+    windows, the first step's: docs/release_boundary.md, rule 3); :func:`put_back` puts them back after each."""
+    entries: dict[str, Hashable] = {}
+    for kind, d in _holders(dataset, collate_fn):
+        for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
+            if key.startswith("__"):
+                continue
+            if isinstance(value, _PLAIN):
+                entries[f"{kind} setting {type(d).__name__}.{key} ({type(value).__name__})"] = \
+                    (type(value).__name__, value)
+            elif _settings(value) and value:
+                entries[f"{kind} setting {type(d).__name__}.{key} (dict of settings)"] = tuple(value.items())
+    return entries
+
+
+def _holders(dataset: Any, collate_fn: Any) -> list[tuple[str, Any]]:
+    """("dataset", each dataset ``dataset`` is made of), and ("collate", ``collate_fn``) when it is an object of the
+    user's class (not a function, nor a library's)."""
+    found = [("dataset", d) for d in dataset_parts(dataset)[0]]
+    root = (type(collate_fn).__module__ or "").split(".")[0]
+    if hasattr(collate_fn, "__dict__") and not isinstance(collate_fn, _CALLABLES) and root not in _LIBRARIES:
+        found.append(("collate", collate_fn))
+    return found
+
+
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, type, partial)
+_LIBRARIES = ("torch", "lightning_dp", "pytorch_lightning", "lightning", "transformers", "builtins")
+
+
+_PLAIN = (int, float, complex, str, bool, bytes, type(None))
+
+
+def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
+    """A function that puts the attributes of the datasets ``dataset`` is made of and of the user's collate object
+    (:func:`_holders`) back as they are now: each bound to its object again, and the items of their dicts, lists,
+    sets and deques (a list an epoch hook shuffles in place, ``set_epoch``'s settings dict) — by reference only: no
+    record, tensor or array is copied (a write into one is the fingerprint's to refuse). A replay of the user's hooks
+    then leaves the training data's settings as found."""
+    held = [(d, dict(vars(d))) for _, d in _holders(dataset, collate_fn) if hasattr(d, "__dict__")]
+    items = [(v, list(v.items()) if isinstance(v, dict) else list(v)) for _, fields in held
+             for v in fields.values() if isinstance(v, (dict, list, set, deque))]
+
+    def put() -> None:
+        for d, fields in held:
+            for key in [k for k in vars(d) if k not in fields and not k.startswith("_")]:
+                delattr(d, key)
+            for key, value in fields.items():
+                if vars(d).get(key, _ABSENT) is not value:
+                    vars(d)[key] = value
+        for container, kept in items:
+            if not _same(container, kept):
+                container.clear()
+                if isinstance(container, (dict, set)):
+                    container.update(kept)
+                else:
+                    container.extend(kept)
+    return put
+
+
+def _same(container: Any, kept: list[Any]) -> bool:
+    """Whether ``container`` holds the items ``kept`` (a dict's: its ``(key, value)`` pairs), in order, by identity."""
+    if len(container) != len(kept):
+        return False
+    if isinstance(container, dict):
+        return all(map(is_, container, (k for k, _ in kept))) \
+            and all(map(is_, container.values(), (v for _, v in kept)))
+    return all(map(is_, container, kept))
+
+
+_ABSENT = object()
 
 
 def _records_token(value: Any) -> Optional[Hashable]:
@@ -101,14 +184,20 @@ SAMPLED = 256
 NESTED = 8
 """Items at each end of a container inside a container that its token holds (beside its length)."""
 
+SMALL = 16
+"""Elements up to which a tensor in a container is read by its values (else by identity, version and shape)."""
+
 
 def _item(value: Any, depth: int) -> Hashable:
-    """A container item's token: a plain value itself, a tensor by identity, version and shape, an array by
+    """A container item's token: a plain value itself, a tensor by identity, version and shape (one of at most
+    :data:`SMALL` elements by its values), an array by
     :func:`_array_digest`, a tuple or nested container item-wise (two levels), another object by its class only (a
     list of transforms whose items a callback swaps is configuration, not records)."""
     if isinstance(value, (int, float, complex, str, bool, bytes, type(None))):
         return value
-    if isinstance(value, Tensor):
+    if isinstance(value, Tensor):  # a small one by its values: a loss kept per record is compared across the replays
+        if value.numel() <= SMALL and value.layout == torch.strided and not value.is_meta:  # (made anew by each)
+            return ("tensor", tuple(value.shape), str(value.dtype), tuple(value.detach().flatten().tolist()))
         return ("tensor", id(value), value._version, tuple(value.shape))
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, _array_digest(value))

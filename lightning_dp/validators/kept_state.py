@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.callback_state import _callback_state, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
-from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
 from lightning_dp.fingerprints.public_names import is_public
@@ -274,8 +274,18 @@ class StateFingerprint:
                 entries[f"class attribute {path}"] = walker.named(path, value)
 
     def dataset_entries(self) -> Fingerprint:
-        """The training data's entries (:func:`dataset_token`)."""
-        return {f"dataset {i} ({type(d).__name__})": dataset_token(d) for i, d in enumerate(self.datasets())}
+        """The training data's entries (:func:`dataset_token`) and, under the Lightning strategies (whose replays tell a
+        setting from the epoch number from one from the batch), its settings (:func:`dataset_settings`; a plain
+        loop's ``set_epoch`` between releases is not judged: docs/release_boundary.md)."""
+        entries: Fingerprint = {}
+        loop = dict(self.library_objects())  # the Lightning glue's loop objects (a plain loop: none)
+        loader = getattr(getattr(loop.get("trainer.strategy"), "private_step", None), "training_loader", None)
+        for i, d in enumerate(self.datasets()):
+            entries[f"dataset {i} ({type(d).__name__})"] = dataset_token(d)
+            settings = dataset_settings(d, getattr(loader, "collate_fn", None)) if loop else {}
+            entries.update((entry, token) for entry, token in settings.items()  # declared by `Class.key` or in full
+                           if not self._is_public(entry.split(" ")[2]) and not self._is_public(entry))
+        return entries
 
     def with_new_datasets(self, baseline: Fingerprint, callbacks: Sequence[Any] = ()) -> Fingerprint:
         """``baseline`` with the training data's entries, and the LightningDataModule's (which built the loader), taken

@@ -145,12 +145,39 @@ def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
         flip = _array_flip(value if rows == slice(None) else value[rows])
         flip()
         return flip
-    saved = value[rows]
-    value[rows] = [_other(v) for v in saved]
+    value[rows] = [_marked(v) for v in value[rows]]
 
-    def restore() -> None:
-        value[rows] = saved
+    def restore() -> None:  # each exchanged item back, where the hooks moved it (an order shuffled by set_epoch)
+        value[:] = [v.original if isinstance(v, _MARKED) else v for v in value]
     return restore
+
+
+class _Int(int):
+    original: Any
+
+
+class _Float(float):
+    original: Any
+
+
+class _Str(str):
+    original: Any
+
+
+_MARKED = (_Int, _Float, _Str)
+
+
+def _marked(v: Any) -> Any:
+    """:func:`_other` of a list's item, marked with the item it stands for: restored item by item, what a hook
+    did with the list meanwhile (shuffled it, appended the epoch) stays done (alike on any data), as do its values."""
+    other = _other(v)
+    kind = _Str if isinstance(other, str) else _Float if isinstance(other, float) else _Int \
+        if isinstance(other, int) else None
+    if kind is None:
+        return other
+    marked = kind(other)
+    marked.original = v
+    return marked
 
 
 def _exchange_items(rows: RowItems) -> Callable[[], None]:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
 from lightning_dp.fingerprints.context_values import is_context_variable
+from lightning_dp.fingerprints.dataset_tokens import put_back
 from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.state_walker import MAX_DEPTH, _configuration_object, callable_state, class_attributes
 from lightning_dp.records.library_objects import framework_keys
@@ -246,6 +247,8 @@ class StateSnapshot:
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
         trainer = getattr(module, "_trainer", None)  # the library callbacks' and the trainer's settings, as found
+        for dataset, collate in _training_datasets(trainer):  # the training data's (set_epoch's), rebound only
+            restores.append(put_back(dataset, collate))
         if trainer is not None and settings:
             restores.append(partial(_put_settings, library_settings(trainer)))
         self._restores = restores
@@ -263,6 +266,14 @@ def _put_settings(settings: dict[str, tuple[Any, str, Any]]) -> None:
         now = vars(obj).get(key, _ABSENT)
         if now is not value and (type(now) is not type(value) or now != value):
             setattr(obj, key, value)
+
+
+def _training_datasets(trainer: Any) -> list[tuple[Any, Any]]:
+    """(dataset, collate function) the release boundary fingerprints (``PrivateStep.poisson_loader``'s), in a fit."""
+    private = getattr(getattr(trainer, "strategy", None), "private_step", None)
+    collate = getattr(getattr(private, "training_loader", None), "collate_fn", None)
+    boundary = getattr(private, "boundary", None)
+    return [(d, collate) for d in boundary.datasets()] if boundary is not None else []
 
 
 def _put_trainable(flags: list[tuple[nn.Parameter, bool]]) -> None:

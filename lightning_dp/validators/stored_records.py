@@ -135,13 +135,19 @@ def _stored(dataset: Any) -> Iterator[tuple[str, Any]]:
             yield path or "tensor", t
     for position, d in enumerate(datasets):
         for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
-            if id(value) in positions:
+            if id(value) in positions or _order(value):
                 continue
             if isinstance(value, np.ndarray) and not isinstance(value, np.memmap) and value.dtype != object:
                 yield f"dataset {position} ({type(d).__name__}).{key}", value
             elif isinstance(value, list) and len(value) >= 2 and isinstance(value[0], (int, float, str, bytes,
                                                                                       Tensor, np.ndarray)):
                 yield f"dataset {position} ({type(d).__name__}).{key}", value
+
+
+def _order(value: Any) -> bool:
+    """A list of positions in another order (``set_epoch`` shuffles ``self.order``): which records, not records."""
+    return isinstance(value, list) and len(value) >= 2 and all(type(v) is int for v in value) \
+        and min(value) == 0 and max(value) == len(value) - 1 and len(set(value)) == len(value)
 
 
 def _shape(value: Any) -> tuple[int, ...]:

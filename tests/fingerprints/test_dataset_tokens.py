@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyClassifier, quiet_trainer
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token, put_back
 from lightning_dp.records.stateless import FetchState
 
 X = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
@@ -145,3 +145,66 @@ def test_settings_are_left_out_and_per_record_state_is_not():
     with_records = dataset_token(ds)
     ds.settings[3] = 0.5
     assert dataset_token(ds) != with_records
+
+
+class Settings(TensorDataset):
+    def __init__(self):
+        super().__init__(X, Y)
+        self.scale, self.name, self.settings = 1.0, "train", {"epoch": 0, "p": 0.5}
+        self.order, self.seen, self.kept = list(range(len(X))), {}, deque()
+
+
+def test_settings_are_named_by_attribute_and_type_and_compared_by_value():
+    ds = Settings()
+    before = dataset_settings(Subset(ds, range(10)))  # through the datasets it wraps
+    assert set(before) == {"dataset setting Settings.scale (float)", "dataset setting Settings.name (str)",
+                           "dataset setting Settings.settings (dict of settings)"}
+    ds.scale = 1.7311
+    now = dataset_settings(ds)
+    assert now != before and not any("1.73" in name for name in now)
+    ds.scale = 1.0
+    ds.settings["p"] = 0.25
+    assert dataset_settings(ds) != before
+
+
+def test_put_back_rebinds_and_restores_containers_by_reference_only():
+    ds = Settings()
+    order, x = ds.order, ds.tensors[0]
+    back = put_back(Subset(ds, range(10)))
+    ds.scale, ds.settings["epoch"], ds.extra = 2.0, 3, "added"
+    ds.order.reverse()
+    ds.seen[1] = torch.tensor(0.4)
+    ds.kept.append(0.3)
+    ds.tensors[0].mul_(1.0)  # a record written in place: the fingerprint's to refuse, never copied back
+    version = x._version
+    back()
+    assert ds.scale == 1.0 and ds.settings == {"epoch": 0, "p": 0.5} and not hasattr(ds, "extra")
+    assert ds.order is order and order == list(range(len(X))) and ds.seen == {} and not ds.kept
+    assert ds.tensors[0] is x and x._version == version
+
+
+def test_a_small_tensor_a_hook_keeps_is_read_by_its_values():
+    """Each replay of a hook makes another loss tensor: compared by value, the replays on the same batch agree."""
+    ds = Indexed([torch.tensor(0.5)])
+    before = dataset_token(ds)
+    ds.kept[0] = torch.tensor(0.5)
+    assert dataset_token(ds) == before
+    ds.kept[0] = torch.tensor(0.25)
+    assert dataset_token(ds) != before
+
+
+def test_a_collate_object_of_the_users_has_settings_a_function_has_none():
+    class Collate:
+        def __init__(self):
+            self.scale = 1.0
+
+        def __call__(self, rows):
+            return rows
+
+    ds, collate = TensorDataset(X, Y), Collate()
+    assert dataset_settings(ds, lambda rows: rows) == dataset_settings(ds) == {}
+    assert list(dataset_settings(ds, collate)) == ["collate setting Collate.scale (float)"]
+    back = put_back(ds, collate)
+    collate.scale = 3.0
+    back()
+    assert collate.scale == 1.0

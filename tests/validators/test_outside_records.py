@@ -76,6 +76,26 @@ def test_lists_of_records_are_replaced_and_restored() -> None:
         assert records == before
 
 
+def test_a_lists_restore_keeps_what_a_hook_did_with_it_meanwhile() -> None:
+    """An epoch hook run again on exchanged data shuffles a dataset's order with an epoch-seeded RNG and appends the
+    epoch to a log: the restore gives each exchanged item back where the hook moved it, and keeps the hook's own
+    values, so that run ends as the run on the data does (qa9 e2: the whole list put back undid the shuffle)."""
+    import random
+
+    for order, log in (([0, 1, 2, 3, 4, 5], [0]), (["a", "b", "c"], ["x"]), ([0.5, 1.5, 2.5], [1.0])):
+        plain_order, plain_log = list(order), list(log)
+        random.Random(3).shuffle(plain_order)
+        plain_log.append(7)
+        restores = [exchange(order), exchange(log)]
+        assert order != plain_order
+        random.Random(3).shuffle(order)
+        log.append(7)
+        for restore in reversed(restores):
+            restore()
+        assert order == plain_order and log == plain_log
+        assert all(type(v) in (int, str, float) for v in order + log)
+
+
 def test_the_exchange_is_undone_when_the_pass_fails() -> None:
     t = torch.randn(8, 2)
     before = t.clone()

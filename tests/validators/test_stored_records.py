@@ -131,6 +131,17 @@ def _stored(dataset: Any) -> Any:
     return stored_records(dataset, record_set(dataset)[1])
 
 
+def test_an_order_of_positions_shuffled_by_set_epoch_is_not_a_stored_record():
+    held = _Augmented(X.numpy().copy(), Y.tolist())
+    held.order = list(range(64))
+    before = _stored(held)
+    random_order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()
+    held.order[:] = random_order  # which record each fetch reads: public (an epoch-seeded shuffle), not records
+    assert changed_records(before, _stored(held)) == []
+    held.y[3] = 1 - held.y[3]
+    assert changed_records(before, _stored(held)) == ["dataset 0 (_Augmented).y"]
+
+
 def test_what_is_compared():
     before = _stored(TensorDataset(X, Y))
     order = torch.randperm(64, generator=torch.Generator().manual_seed(1))

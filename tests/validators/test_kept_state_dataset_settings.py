@@ -1,0 +1,209 @@
+"""The training dataset's settings as kept state (validators/kept_state.py ``dataset_entries``, fingerprints/
+dataset_tokens.py ``dataset_settings``): a plain attribute or a small dict of named settings that a hook writes between
+steps and ``__getitem__`` reads carries the batch into every later input. Written from the loss it is refused by the
+replays, naming the attribute and its type, never its value; written from the epoch number, a seeded random draw or a
+constant (``set_epoch``, an augmentation strength by epoch, a batch counter) it trains: the replays find it alike, and
+put it back after each (validators/snapshot.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from conftest import TinyClassifier, quiet_trainer
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from lightning_dp import DPStrategy
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.privacy.private_step import PrivateStep
+from lightning_dp.errors import PrivacyConfigurationError
+
+X = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+
+
+class ScaledDS(Dataset):
+    """Reads a scale from a plain attribute or from a dict of settings at every fetch."""
+
+    def __init__(self) -> None:
+        self.scale, self.settings, self.steps = 1.0, {"scale": 1.0, "epoch": 0}, 0
+        self.order, self.history, self.strength = list(range(len(X))), [], 0.0
+        self.x, self.y = X.clone(), Y.clone()
+
+    def __len__(self) -> int:
+        return len(X)
+
+    def __getitem__(self, i: int):
+        j = self.order[i]
+        return self.x[j] * self.scale * self.settings["scale"] + self.strength, self.y[j]
+
+    def set_epoch(self, epoch: int) -> None:  # the epoch, an order shuffled by an epoch-seeded RNG, a log of epochs
+        self.settings["epoch"] = epoch
+        random.Random(epoch).shuffle(self.order)
+        self.history.append(epoch)
+
+
+def _write(ds: ScaledDS, where: str, value: float) -> None:
+    if where == "attribute":
+        ds.scale = value
+    else:
+        ds.settings["scale"] = value
+
+
+class LossScale(pl.Callback):
+    def __init__(self, where: str, after: int = 0) -> None:
+        self.where, self.after = where, after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= self.after:
+            _write(trainer.train_dataloader.dataset, self.where, 1.0 + float(outputs["loss"]))
+
+
+class LossScaleModule(TinyClassifier):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        _write(self.trainer.train_dataloader.dataset, "attribute", 1.0 + float(outputs["loss"]))
+
+
+def _fit(module, callbacks=(), epochs=2, **strategy):
+    ds = ScaledDS()
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, **strategy),
+                            max_epochs=epochs, callbacks=list(callbacks), num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(ds, batch_size=16))
+    return ds, trainer
+
+
+@pytest.mark.parametrize("where,named", [("attribute", "ScaledDS.scale (float)"),
+                                         ("settings", "ScaledDS.settings (dict of settings)")])
+def test_a_setting_a_callback_writes_from_the_loss_is_refused_by_name_and_type(where, named):
+    with pytest.raises(PrivacyConfigurationError, match="the hooks set it apart") as err:
+        _fit(TinyClassifier(), [LossScale(where)])
+    first = str(err.value).splitlines()[0]
+    assert f"dataset setting {named}" in first and "public_state" in first and "public data" in first
+    assert "1." not in first.split("Fix:")[0]  # the value (1 + loss) is never quoted
+
+
+def test_a_setting_the_modules_hook_writes_from_the_loss_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match=r"dataset setting ScaledDS\.scale \(float\)"):
+        _fit(LossScaleModule())
+
+
+def test_a_setting_written_from_the_loss_after_a_warm_up_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match=r"dataset setting ScaledDS\.scale"):
+        _fit(TinyClassifier(), [LossScale("attribute", after=3)])
+
+
+def test_a_setting_declared_public_trains():
+    ds, trainer = _fit(TinyClassifier(), [LossScale("attribute")], public_state=["ScaledDS.scale"])
+    assert trainer.strategy.ledger.steps >= 6 and ds.scale != 1.0
+
+
+class TrainingMeanShift(pl.Callback):
+    def on_train_epoch_start(self, trainer, pl_module):  # a statistic of the training set, read by every fetch
+        ds = trainer.train_dataloader.dataset
+        ds.strength = -float(ds.x[:, 0].mean())
+
+
+def test_a_setting_an_epoch_hook_computes_from_the_training_set_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match=r"dataset setting ScaledDS\.strength \(float\)"):
+        _fit(TinyClassifier(), [TrainingMeanShift()])
+
+
+class SetEpoch(pl.Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.train_dataloader.dataset.set_epoch(trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer, pl_module):  # an augmentation strength by epoch
+        trainer.train_dataloader.dataset.strength = 0.1 * 0.5 ** trainer.current_epoch
+
+
+class CountBatches(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.train_dataloader.dataset.steps += 1
+
+
+def test_set_epoch_a_seeded_shuffle_and_a_strength_by_epoch_train():
+    """qa9 e2: refused before (the replays of the epoch hook shuffled the order again and appended the epoch again,
+    and the exchange of the training data's lists put the order back as it was before the hook)."""
+    ds, trainer = _fit(TinyClassifier(), [SetEpoch()], epochs=3)
+    expected = list(range(len(X)))
+    for epoch in range(3):
+        random.Random(epoch).shuffle(expected)
+    assert ds.history == [0, 1, 2] and ds.order == expected and ds.settings["epoch"] == 2
+    assert ds.strength == pytest.approx(0.1 * 0.5 ** 2) and trainer.strategy.ledger.steps >= 3
+
+
+def test_a_batch_counter_on_the_dataset_trains():
+    ds, trainer = _fit(TinyClassifier(), [CountBatches()])
+    assert ds.steps == trainer.global_step >= 6
+
+
+class ScaledCollate:
+    """A collate object of the user's that scales the batch by a setting of its own."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, rows):
+        x, y = default_collate(rows)
+        return x * self.scale, y
+
+
+def _users_collate(trainer) -> ScaledCollate:
+    """The user's collate object, reached only through the loader's wrappers (no hook of the user's holds it)."""
+    found, seen = [trainer.train_dataloader], set()
+    while found:
+        obj = found.pop()
+        if isinstance(obj, ScaledCollate):
+            return obj
+        if id(obj) not in seen and hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+            seen.add(id(obj))
+            found.extend(v for v in vars(obj).values() if callable(v) or hasattr(v, "collate_fn"))
+    raise AssertionError("no collate object found")
+
+
+class CollateScale(pl.Callback):
+    def __init__(self, from_loss: bool) -> None:
+        self.from_loss = from_loss
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = 1.0 + float(outputs["loss"]) if self.from_loss else 1.0 + 0.1 * trainer.current_epoch
+        _users_collate(trainer).scale = value
+
+
+@pytest.mark.parametrize("from_loss", [True, False], ids=["from the loss", "from the epoch"])
+def test_a_setting_of_the_users_collate_object_is_judged_as_the_datasets(from_loss):
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2,
+                            callbacks=[CollateScale(from_loss)], num_sanity_val_steps=0)
+    collate = ScaledCollate()
+    fit = lambda: trainer.fit(TinyClassifier(), DataLoader(ScaledDS(), batch_size=16, collate_fn=collate))  # noqa
+    if from_loss:
+        with pytest.raises(PrivacyConfigurationError, match=r"collate setting ScaledCollate\.scale \(float\)"):
+            fit()
+    else:
+        fit()
+        assert collate.scale == pytest.approx(1.1) and trainer.strategy.ledger.steps >= 6
+
+
+def test_a_plain_loops_set_epoch_trains():
+    """A loop of one's own: the dataset's settings are not compared (docs/release_boundary.md, not seen; its lists
+    are, so an order shuffled in place between releases is refused there as before)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = ScaledDS()
+    step = PrivateStep(1.0, 1.0, GaussianNoise(0), sampler_seed=0)
+    step.attach(model, opt)
+    loader = step.poisson_loader(DataLoader(ds, batch_size=16))
+    step.verify(lambda b: F.cross_entropy(model(b[0]), b[1]))
+    for epoch in range(2):
+        ds.settings["epoch"], ds.strength = epoch, 0.1 * epoch
+        for x, y in loader:
+            step.begin()
+            F.cross_entropy(model(x), y).backward()
+            step.release(optimizer=opt)
+            opt.step()
+            opt.zero_grad()
+    assert ds.settings["epoch"] == 1 and step.ledger.steps >= 2
