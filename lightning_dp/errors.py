@@ -28,6 +28,14 @@ class OutsideStepsWarning(UserWarning):
     (``warnings.simplefilter("error", OutsideStepsWarning)``), the fit is refused before any release instead."""
 
 
+class RandomStepWarning(UserWarning):
+    """The step draws random numbers of its own outside dropout (a VAE's reparameterisation ``torch.randn_like``,
+    augmentation in ``training_step``, Hugging Face's SpecAugment), so the first step's probe could not compare each
+    example's gradient in a batch with its gradient alone and checked less (:mod:`lightning_dp.validators.
+    random_draws`); the batch check still compares batches. Filter it where the draws are each example's own noise
+    entering only that example's loss."""
+
+
 def warn_or_refuse(category: type[Warning], message: str, stacklevel: int = 3) -> None:
     """Warn ``message`` as ``category``; where the user made ``category`` an error (``warnings.simplefilter("error",
     category)``), refuse instead with :class:`PrivacyConfigurationError` (before any release: callers check first)."""

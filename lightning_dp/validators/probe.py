@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.errors import PrivacyConfigurationError, RandomStepWarning
 from lightning_dp.records import user_generators
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.random_draws import drawing_modules, random_step_warning
@@ -380,7 +380,7 @@ class ExampleIndependenceProbe:
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
                 raise self._interaction(together_norms, alone_norms, k, summed=True)
-            warnings.warn(self._random_warning(), stacklevel=2)
+            warnings.warn(RandomStepWarning(self._random_warning()), stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
                 raise self._interaction(together_norms, alone_norms, k)

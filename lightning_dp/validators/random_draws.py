@@ -108,6 +108,10 @@ def random_step_warning(what: str, found: list[tuple[str, nn.Module]], outside: 
     if any(_layer_drop(m) for _, m in found):
         text += (" Hugging Face's LayerDrop (config.layerdrop) skips whole layers at random in training mode: set "
                  "config.layerdrop=0.0 to turn it off, or keep it and accept this warning.")
+    if found and not any(_spec_augment(m) or _layer_drop(m) for _, m in found):
+        text += (" Draws that are each example's own noise entering only its own loss (a VAE's reparameterisation, "
+                 "mu + std * torch.randn_like(std)) are served: once you know they are, silence this warning with "
+                 "warnings.filterwarnings('ignore', category=lightning_dp.errors.RandomStepWarning).")
     if outside or not found:
         text += (" Random augmentation trains without this warning in the Dataset's __getitem__ (or the collate "
                  "function): every record is read from generators seeded for it alone, so the probe compares each "

@@ -51,6 +51,21 @@ def test_the_module_whose_forward_drew_is_named():
     assert "outside any module's forward" not in text and "__getitem__" not in text
 
 
+def test_the_warning_has_its_own_category_and_says_how_to_silence_per_example_draws():
+    from lightning_dp.errors import RandomStepWarning
+
+    torch.manual_seed(0)
+    model = Net(jitter=True).double()
+    engine = make_engine("ghost")
+    engine.attach(model)
+    with pytest.warns(RandomStepWarning) as caught:
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                                 lambda idx: F.cross_entropy(model(X[idx]), Y[idx]),
+                                 probe_tolerance(torch.float64, False), what="training_step").run(list(range(6)))
+    text = next(str(w.message) for w in caught if isinstance(w.message, RandomStepWarning))
+    assert "reparameterisation" in text and "category=lightning_dp.errors.RandomStepWarning" in text
+
+
 def test_augmentation_in_a_plain_loops_loss_is_named_with_the_dataset_alternative():
     torch.manual_seed(0)
     model = Net(jitter=False).double()
