@@ -67,7 +67,7 @@ from lightning_dp.validators.stored_records import StoredRecords, changed_record
 from lightning_dp.validators.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
-from lightning_dp.validators import diagnostic_reads
+from lightning_dp.validators import diagnostic_reads, logger_outputs
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -324,6 +324,7 @@ class PrivateTraining:
         self._logged_reads.install()
         self._logged_reads.watch_metrics(module, self._exempt)
         diagnostic_reads.watch(lambda: module._current_fx_name if module._current_fx_name in STEP_HOOKS else None)
+        logger_outputs.watch_fit(trainer)  # media of the batch written to a logger by a training hook: refused
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
         self._record_watch = RecordWatch(datasets[0] if datasets else None,
                                          lambda: module._current_fx_name in STEP_HOOKS,
@@ -456,6 +457,7 @@ class PrivateTraining:
         if self._record_watch is not None:
             self._record_watch.stop()
         diagnostic_reads.unwatch()
+        logger_outputs.unwatch()
         watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]

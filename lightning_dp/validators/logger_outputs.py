@@ -1,0 +1,221 @@
+"""Media and distributions written to a logger by the training hooks are the training records: refused.
+
+``self.logger.experiment.add_images("train/batch", x)`` in ``training_step`` writes the private batch itself into
+the event file, without noise; so do a histogram of per-example losses, an embedding of the batch's features, its
+texts or audio, a figure drawn from it, a precision-recall curve of its predictions. While a private fit trains
+(installed by the strategy when training starts, removed when it ends: :func:`watch`, :func:`unwatch`), the methods
+that publish such things (:data:`MEDIA`) of every logger in ``trainer.loggers`` and of its ``experiment`` — by name,
+at the class level, so a ``SummaryWriter`` the user made is watched too, and any logger whose experiment has those
+names (wandb, MLflow, Comet: duck typing) — refuse a call made in a hook of the training loop
+(:data:`TRAINING_HOOKS`, while ``trainer.training``) with a :class:`~lightning_dp.errors.PrivacyConfigurationError`
+naming the method and the fix, before anything is written. A generic ``log(dict)`` (wandb's ``run.log``) is refused
+when a value is not a scalar (an image, a table, a histogram's tensor).
+
+Not refused:
+
+* calls outside the training hooks (``validation_step``, ``on_validation_epoch_end``, test, predict, the sanity
+  check: held-out data), and calls made by lightning_dp's own code (``SecondMomentMonitor`` writes histograms of the
+  released, noised second moment v̂, and of the opt-in non-private diagnostics: a report, rule 10);
+* a call whose array arguments are all released state, equal to a parameter of the model, its ``.grad`` (ĝ) or an
+  optimizer's state: post-processing (the weights' histogram each epoch, first-layer filters as images);
+* ``add_graph`` (the model's structure and the input's shapes, no values), ``add_hparams``, ``add_custom_scalars``;
+* scalars (``add_scalar``, ``add_scalars``, a logger's ``log_metrics`` called directly): a statistic of the batch,
+  a report as ``self.log``'s values are (rule 10 of docs/release_boundary.md: outside the guarantee, not read back).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.validators.logged_reads import STEP_HOOKS
+
+__all__ = ["MEDIA", "TRAINING_HOOKS", "unwatch", "watch", "watch_fit"]
+
+MEDIA = frozenset({
+    # TensorBoard's SummaryWriter (torch.utils.tensorboard, tensorboardX)
+    "add_image", "add_images", "add_image_with_boxes", "add_figure", "add_video", "add_audio", "add_text",
+    "add_embedding", "add_histogram", "add_histogram_raw", "add_mesh", "add_pr_curve", "add_pr_curve_raw",
+    "add_tensor",
+    # wandb's WandbLogger, MLflow's client, Comet's experiment and the like
+    "log_image", "log_images", "log_figure", "log_video", "log_audio", "log_text", "log_table", "log_histogram_3d",
+    "log_embedding", "log_curve", "log_confusion_matrix", "log_dict", "log_artifact", "log_artifacts", "log_asset"})
+"""The methods that publish media, texts or distributions (per-example values), by name."""
+
+GENERIC = "log"
+"""wandb's ``run.log({...})``: refused when a value is not a scalar."""
+
+TRAINING_HOOKS = STEP_HOOKS | {"on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_end"}
+"""The hooks of the training loop (the module's and the callbacks', as ``_current_fx_name`` names them) in which the
+methods refuse, while the trainer trains (not during validation)."""
+
+_INSIDE: list[Callable[[], Optional[str]]] = []  # the current training hook (None elsewhere), while watched
+_RELEASED: list[Callable[[], Iterable[torch.Tensor]]] = []  # the released state, while watched
+_SAVED: list[tuple[type, str, Any]] = []  # (class, name, its own attribute or _ABSENT) while watched
+_ABSENT = object()
+
+
+def watch_fit(trainer: Any) -> None:
+    """:func:`watch` the loggers of ``trainer``'s fit: refused in its training hooks while it trains, the released
+    state its module's parameters, their gradients and its optimizers' state."""
+    module = trainer.lightning_module
+    watch(trainer.loggers, lambda: module._current_fx_name if trainer.training else None,
+          lambda: released_state(module, lambda: trainer.optimizers))
+
+
+def watch(loggers: Iterable[Any], inside: Callable[[], Optional[str]],
+          released: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
+    """From now on the :data:`MEDIA` methods (and ``log``) of each logger's class and of its experiment's class refuse
+    a call by the user's code while ``inside()`` names a training hook, unless every array argument equals one of
+    ``released()`` (the model's parameters, their gradients, the optimizers' state)."""
+    unwatch()
+    _INSIDE.append(inside)
+    _RELEASED.append(released)
+    objects = []
+    for logger in loggers:
+        objects.append(logger)
+        try:
+            objects.append(logger.experiment)  # created now if not yet (Lightning's hyper-parameter log does so too)
+        except Exception:  # noqa: BLE001  (an experiment that cannot start here is watched by no one)
+            continue
+    classes = {type(obj) for obj in objects}
+    for module in ("torch.utils.tensorboard", "tensorboardX"):  # a writer the user made is the same door
+        writer = getattr(sys.modules.get(module), "SummaryWriter", None)
+        if isinstance(writer, type):
+            classes.add(writer)
+    for cls in classes:
+        for name in (*MEDIA, GENERIC):
+            _wrap(cls, name)
+
+
+def unwatch() -> None:
+    """The loggers' methods are as they were (the fit is over)."""
+    while _SAVED:
+        cls, name, own = _SAVED.pop()
+        if own is _ABSENT:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+    _INSIDE.clear()
+    _RELEASED.clear()
+
+
+def _wrap(cls: type, name: str) -> None:
+    fallback = getattr(cls, "__getattr__", None)  # Lightning's _DummyExperiment (ranks other than 0): every name
+    raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), _ABSENT)
+    if raw is _ABSENT and fallback is None or not (raw is _ABSENT or callable(raw)) or isinstance(raw, type):
+        return
+    if isinstance(raw, (staticmethod, classmethod)):
+        return
+
+    def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _check(self, name, args, kwargs)
+        if raw is _ABSENT:
+            return fallback(self, name)(*args, **kwargs)
+        return raw(self, *args, **kwargs)
+
+    watched.__wrapped__ = raw  # type: ignore[attr-defined]
+    own = vars(cls).get(name, _ABSENT)
+    try:
+        setattr(cls, name, watched)
+    except (TypeError, AttributeError):  # a class that cannot be patched (a C type): not watched
+        return
+    _SAVED.append((cls, name, own))
+
+
+def _check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
+    hook = _INSIDE[0]() if _INSIDE else None
+    if hook not in TRAINING_HOOKS or _library_call():
+        return
+    hook = _calling_hook(hook)
+    values = [*args, *kwargs.values()]
+    if name == GENERIC:
+        bad = [str(k) for v in values if isinstance(v, dict) for k, x in v.items() if not _scalar(x)]
+        if bad:
+            raise output_error(f"{type(obj).__name__}.log (the entries {', '.join(repr(b) for b in bad)})", hook)
+        return
+    arrays = [v for v in values if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy"
+              and hasattr(v, "shape")]
+    if arrays and all(_released(a) for a in arrays) and len(arrays) == sum(_is_data(v) for v in values):
+        return
+    raise output_error(f"{type(obj).__name__}.{name}", hook)
+
+
+def output_error(method: str, hook: str) -> PrivacyConfigurationError:
+    """The refusal of ``method`` called in the training hook ``hook``."""
+    return PrivacyConfigurationError(
+        f"{method} was called in {hook} while a private fit trains: what it writes to the logs (images, texts, audio, "
+        "figures, histograms or embeddings of the batch, per-example values) is the training records or statistics "
+        "of them, un-noised, outside the guarantee. Nothing was written. Log media of held-out data in "
+        "validation_step or on_validation_epoch_end; log the model's parameters as they are (released state); log a "
+        "scalar with self.log (a report), or a statistic you noised yourself, its ε accounted for.")
+
+
+def _library_call() -> bool:
+    """Whether the caller (outside this module and the standard library) is lightning_dp's own code."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "") or ""
+        top = module.split(".")[0]
+        if module != __name__ and (top not in sys.stdlib_module_names or top == "__main__"):
+            return top == "lightning_dp"
+        frame = frame.f_back
+    return False
+
+
+def _calling_hook(current: str) -> str:
+    """The training hook the call was made in: the nearest caller named as one (the library's replays call the
+    batch-end hooks inside its step), else Lightning's current hook."""
+    frame: Any = sys._getframe(3)
+    while frame is not None:
+        if frame.f_code.co_name in TRAINING_HOOKS:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return current
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        return getattr(value, "size", None) == 1 or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    if isinstance(value, dict):
+        return all(_scalar(v) for v in value.values())
+    return False
+
+
+def _is_data(value: Any) -> bool:
+    """Whether an argument carries values (not a tag, a step, a format flag)."""
+    return not isinstance(value, (str, bool, int, float, type(None)))
+
+
+def _released(array: Any) -> bool:
+    """Whether ``array`` equals a released tensor (a parameter, its gradient, an optimizer's state) as a whole."""
+    try:
+        value = torch.as_tensor(array).detach()
+    except Exception:  # noqa: BLE001  (not an array torch reads: not released state)
+        return False
+    if value.is_complex() or value.numel() == 0:
+        return False
+    flat = value.reshape(-1)
+    for tensor in _RELEASED[0]() if _RELEASED else ():
+        if tensor.numel() == flat.numel() and tensor.dtype.is_floating_point:
+            if torch.equal(tensor.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype), flat):
+                return True
+    return False
+
+
+def released_state(module: torch.nn.Module, optimizers: Callable[[], Iterable[Any]]) -> list[torch.Tensor]:
+    """The model's parameters, their gradients and the optimizers' tensor state: released (or post-processing)."""
+    out = []
+    for p in module.parameters():
+        out.append(p)
+        if p.grad is not None:
+            out.append(p.grad)
+    for optimizer in optimizers():
+        for state in getattr(optimizer, "state", {}).values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
