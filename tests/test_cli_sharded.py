@@ -30,6 +30,10 @@ def test_two_process_sharded_fit_from_the_command_line(tmp_path):
             "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
             "--data.init_args.max_train_windows=256", "--data.init_args.batch_size=8"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if proc.returncode in (-6, 134) and "terminate called without an active exception" in proc.stderr:
+        # the known rare abort at interpreter exit after a finished 2-process gloo run (tests/test_cli_ddp.py's
+        # docstring; seen once in ~40 fresh-clone runs of this test after the fit had ended): run once more
+        proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DPShardedStrategy: σ = " in proc.stderr
     eps = re.search(r"privacy: ε = ([0-9.]+) at δ = 1e-05 after 3 steps", proc.stdout)
