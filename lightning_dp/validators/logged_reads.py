@@ -50,6 +50,11 @@ STEP_HOOKS = frozenset({
 batch-transfer hooks also run for validation batches), and the schedulers' step: a training-logged value read there
 can only steer the release or the update."""
 
+CHECKPOINT_HOOKS = frozenset({"on_save_checkpoint", "state_dict"})
+"""The hooks that fill a checkpoint (the module's, a callback's, the datamodule's): a training-logged value the user's
+code reads there is written into it (``checkpoint["last_train_loss"] = trainer.callback_metrics["train_loss"]``, a
+model card's ``dict(trainer.logged_metrics)``), a released artifact, without noise."""
+
 SCHEDULED = frozenset({"lr", "initial_lr", "momentum", "betas", "max_lr", "base_lr", "max_momentum", "base_momentum"})
 """The hyper-parameters torch's schedulers set (learning rates, momenta): their change is a scheduler's when one
 stepped."""
@@ -177,6 +182,8 @@ class LoggedReads:
             return
         if hook in STEP_HOOKS:  # whoever reads (a progress bar's get_metrics, the connector's metrics), for the step
             raise logged_read_error(names, f"in {hook}")
+        if hook in CHECKPOINT_HOOKS:  # the user's code (a library's read returned above): into the checkpoint
+            raise logged_read_error(names, f"in {hook} (into the checkpoint being written)")
         self.count += 1
         if self._read is None:
             self._read = (names, self._hyperparameters(), self._scheduler_steps())
@@ -232,8 +239,9 @@ def logged_read_error(names: list[str], where: str) -> PrivacyConfigurationError
     return PrivacyConfigurationError(
         f"The logged value(s) {', '.join(repr(n) for n in names)} were read back {where}: they were logged by a "
         "training hook from the private batch, without noise, and read here they steer this step's release or update "
-        "(a loss scaled by the last loss, a learning rate set from it), outside the guarantee. Nothing more was "
-        "released. Steer training by the step count or by metrics of held-out data (logged in validation_step); or, "
+        "(a loss scaled by the last loss, a learning rate set from it) or go into a checkpoint, outside the guarantee. "
+        "Nothing more was released. Steer training (and fill checkpoints) by the step count or by metrics of held-out "
+        "data (logged in validation_step); or, "
         "if the value is computed from public data only, declare it: DPStrategy(public_state=[name]) "
         "(docs/release_boundary.md, rule 10).")
 

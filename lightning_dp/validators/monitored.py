@@ -6,6 +6,7 @@ training records."""
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any, Callable, Optional
 
@@ -38,7 +39,22 @@ def consumers(trainer: Any) -> list[Consumer]:
         monitor = getattr(callback, "monitor", None)
         if isinstance(monitor, str) and monitor:
             out.append((f"the callback {type(callback).__name__}", monitor))
+        out.extend((f"the callback {type(callback).__name__}'s filename template", name)
+                   for name in filename_names(callback))
     return out
+
+
+_TEMPLATE_NAME = re.compile(r"\{([^{}:]+)(?::[^{}]*)?\}")
+
+
+def filename_names(callback: Any) -> list[str]:
+    """The logged names a checkpoint callback writes into its files' names (``ModelCheckpoint(filename=
+    "{epoch}-{train_loss:.4f}")``: the value is in the file name and in the callback's state saved in every checkpoint,
+    ``best_model_path``), less ``epoch`` and ``step`` (counts, not data)."""
+    template = getattr(callback, "filename", None)
+    if not isinstance(template, str) or not callable(getattr(callback, "format_checkpoint_name", None)):
+        return []
+    return [n.strip() for n in _TEMPLATE_NAME.findall(template) if n.strip() not in ("epoch", "step")]
 
 
 def training_logged(trainer: Any) -> set[str]:

@@ -14,7 +14,7 @@ from conftest import quiet_trainer
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
-from cases import Classifier, fit, loader, parameters, strategy, unchanged  # noqa: E402
+from cases import Classifier, data, fit, loader, parameters, strategy, unchanged  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
 from lightning_dp.validators.logged_reads import LoggedMetrics, LoggedReads  # noqa: E402
@@ -536,3 +536,39 @@ def test_a_stop_while_a_logged_loss_is_above_a_bound_is_refused():
     with pytest.raises(PrivacyConfigurationError, match=r"at the end of an epoch \(on_train_epoch_end.*should_stop"):
         quiet_trainer(strategy=dp, max_steps=12, callbacks=[StopsWhileLossIsHigh()]).fit(Logs(), loader())
     assert dp.ledger.steps == 4
+
+
+class KeepsInCheckpoint(Logs):
+    """Copies a logged value into every checkpoint (zoo22 c1: a model card's last training loss)."""
+
+    name = "train_loss"
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["last"] = float(self.trainer.callback_metrics[self.name])
+
+
+@pytest.mark.parametrize("card", [False, True], ids=["module hook", "callback copying logged_metrics"])
+def test_a_training_logged_value_read_into_a_checkpoint_is_refused(card, tmp_path):
+    class Card(pl.Callback):
+        def on_save_checkpoint(self, trainer: pl.Trainer, module: pl.LightningModule, checkpoint: dict) -> None:
+            checkpoint["metrics"] = dict(trainer.logged_metrics)
+
+    model = Logs() if card else KeepsInCheckpoint()
+    trainer = quiet_trainer(strategy=strategy(), max_steps=3, enable_checkpointing=True, default_root_dir=tmp_path,
+                            callbacks=[Card()] if card else [])
+    with pytest.raises(PrivacyConfigurationError, match=r"'train_loss.*read back in on_save_checkpoint \(into the "):
+        trainer.fit(model, loader())
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_held_out_metric_read_into_a_checkpoint_trains(tmp_path):
+    model = KeepsInCheckpoint()
+    model.name = "val_loss"
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
+                            limit_val_batches=1, num_sanity_val_steps=0)
+    trainer.fit(model, loader(), torch.utils.data.DataLoader(data(16, seed=1), batch_size=16))  # held out
+    [path] = list(tmp_path.rglob("*.ckpt"))
+    assert "last" in torch.load(path, weights_only=False)

@@ -84,6 +84,22 @@ def test_callbacks_monitoring_the_training_loss_are_refused(make, tmp_path):
     assert type(callback).__name__ in _refused(LogsTrainLoss(), [callback])
 
 
+@pytest.mark.parametrize("template", ["{epoch}-{train_loss:.6f}", "{epoch}-{step}-{train_loss_step}"])
+def test_a_checkpoint_filename_naming_the_training_loss_is_refused(template, tmp_path):
+    """zoo22 e1: the un-noised loss would be in every checkpoint's file name and in the callback's saved paths."""
+    callback = ModelCheckpoint(dirpath=str(tmp_path), filename=template, every_n_train_steps=1, save_top_k=-1)
+    assert "ModelCheckpoint's filename template monitors 'train_loss" in _refused(LogsTrainLoss(), [callback])
+    assert not list(tmp_path.glob("*.ckpt"))
+
+
+def test_a_checkpoint_filename_of_counts_or_validation_metrics_trains(tmp_path):
+    callback = ModelCheckpoint(dirpath=str(tmp_path), filename="{epoch}-{step}-{val_loss:.3f}", every_n_epochs=1)
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=1, callbacks=[callback], limit_val_batches=1,
+                            num_sanity_val_steps=0, enable_checkpointing=True)
+    trainer.fit(LogsTrainLoss(), loader(64), DataLoader(data(16, seed=1), batch_size=16))
+    assert [p.name.startswith("epoch=0-step=") and "val_loss=" in p.name for p in tmp_path.glob("*.ckpt")] == [True]
+
+
 def test_an_epoch_end_training_statistic_is_refused_before_the_next_release():
     """Logged in on_train_epoch_end (after the epoch's releases and its validation): the epoch-interval plateau
     update reads it, and the next epoch's first release is refused: no release is made with what it steered."""
