@@ -376,11 +376,18 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
     """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
     shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
     public = [_public_name(c) for c in changed[:3]]
+    fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., public_state=...)), "
+           "if it is not derived from the training data or may leave unprotected like a logged metric (outputs kept "
+           "for an epoch-end log); else compute it from public data or the released model only")
+    if all(c.removeprefix("contents of ").startswith("parameter ") for c in changed):
+        fix = ("weights change only through the release (the optimizer's step on the noised update); a rollback or an "
+               "edit between two releases chosen from the loss is a decision from un-noised data: restore an earlier "
+               "state by resuming from its checkpoint (the model, the optimizer and the private step's or strategy's "
+               "state together). A write computed from the released weights only (an adapter merged into frozen "
+               f"weights) may be declared public: public_state={public!r}")
     return StateWrittenError(
-        f"Kept state written outside the release: {shown}. Fix: declare it public, DPStrategy(public_state={public!r})"
-        " (a plain loop: PrivateStep(..., public_state=...)), if it is not derived from the training data or may "
-        "leave unprotected like a logged metric (outputs kept for an epoch-end log); else compute it from public "
-        f"data or the released model only.\nState changed {where}: {shown}. What a step computes from its batch and "
+        f"Kept state written outside the release: {shown}. Fix: {fix}.\nState changed {where}: {shown}. What a step "
+        "computes from its batch and "
         "keeps (a buffer, an attribute such as a memory bank, a queue or a running mean, a callback's state) is saved "
         "in checkpoints and fed to later steps without noise; only the noised update may leave a private step, so "
         "the guarantee would not cover it. Nothing more was released.")

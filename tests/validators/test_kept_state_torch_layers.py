@@ -103,3 +103,14 @@ def test_a_torch_layers_settings_fixed_before_the_fit_train():
     before = parameters(model)
     fit(model, steps=3)
     assert not unchanged(before, model)
+
+
+def test_a_write_to_the_weights_names_the_release_and_resuming_not_only_public_state():
+    """zoo22 g1: a plain loop's rollback of the weights between releases was told to declare them public."""
+    from lightning_dp.validators.kept_state import state_written_error
+
+    weights = str(state_written_error(["contents of parameter 0.weight", "parameter 0.bias"], "between releases"))
+    assert "only through the release" in weights and "resuming from its checkpoint" in weights
+    assert "adapter merged into frozen weights" in weights
+    other = str(state_written_error(["attribute net.0.io", "contents of parameter 0.weight"], "in training_step"))
+    assert "Fix: declare it public" in other and "only through the release" not in other
