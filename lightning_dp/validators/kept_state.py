@@ -377,8 +377,8 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
     shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
     public = [_public_name(c) for c in changed[:3]]
     fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., "
-           "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged metric (outputs kept "
-           "for an epoch-end log); else compute it from public data or the released model only")
+           "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged "
+           "metric (outputs kept for an epoch-end log); else compute it from public data or the released model only")
     if all(c.removeprefix("contents of ").startswith("parameter ") for c in changed):
         fix = ("weights change only through the release (the optimizer's step on the noised update); a rollback or an "
                "edit between two releases chosen from the loss is a decision from un-noised data: restore an earlier "
