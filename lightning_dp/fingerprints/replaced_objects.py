@@ -27,7 +27,7 @@ def held_objects(layout: Sequence[tuple[str, nn.Module, Any]], param_slots: Iter
     """Weak references to the module at each prefix of ``layout`` (``"net.2."``) and to the parameter in each slot
     (``"net.2.weight"``): the fingerprint's walk of the tree, read again at no cost."""
     modules = {prefix: weakref.ref(m) for prefix, m, _ in layout}
-    params = {name: weakref.ref(slots[key]) for name, slots, key in param_slots if slots.get(key) is not None}
+    params = {name: weakref.ref(p) for name, slots, key in param_slots if (p := slots.get(key)) is not None}
     return modules, params
 
 
