@@ -286,6 +286,7 @@ class PrivateTraining:
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
         boundary.fed_back = lambda: self._reads_and_feedback(module.trainer)
+        logger_outputs.watch_fit(module.trainer)  # media written to a logger by a training hook (from on_train_start)
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")
@@ -324,7 +325,6 @@ class PrivateTraining:
         self._logged_reads.install()
         self._logged_reads.watch_metrics(module, self._exempt)
         diagnostic_reads.watch(lambda: module._current_fx_name if module._current_fx_name in STEP_HOOKS else None)
-        logger_outputs.watch_fit(trainer)  # media of the batch written to a logger by a training hook: refused
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
         self._record_watch = RecordWatch(datasets[0] if datasets else None,
                                          lambda: module._current_fx_name in STEP_HOOKS,

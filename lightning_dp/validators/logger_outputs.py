@@ -3,7 +3,8 @@
 ``self.logger.experiment.add_images("train/batch", x)`` in ``training_step`` writes the private batch itself into
 the event file, without noise; so do a histogram of per-example losses, an embedding of the batch's features, its
 texts or audio, a figure drawn from it, a precision-recall curve of its predictions. While a private fit trains
-(installed by the strategy when training starts, removed when it ends: :func:`watch`, :func:`unwatch`), the methods
+(installed by the strategy when it attaches the mechanism, before any ``on_train_start`` — a grid of training images
+logged at train start is refused too —, removed when the fit ends: :func:`watch`, :func:`unwatch`), the methods
 that publish such things (:data:`MEDIA`) of every logger in ``trainer.loggers`` and of its ``experiment`` — by name,
 at the class level, so a ``SummaryWriter`` the user made is watched too, and any logger whose experiment has those
 names (wandb, MLflow, Comet: duck typing) — refuse a call made in a hook of the training loop
@@ -48,7 +49,8 @@ MEDIA = frozenset({
 GENERIC = "log"
 """wandb's ``run.log({...})``: refused when a value is not a scalar."""
 
-TRAINING_HOOKS = STEP_HOOKS | {"on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_end"}
+TRAINING_HOOKS = STEP_HOOKS | {"on_train_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end",
+                               "on_train_end"}
 """The hooks of the training loop (the module's and the callbacks', as ``_current_fx_name`` names them) in which the
 methods refuse, while the trainer trains (not during validation)."""
 

@@ -79,6 +79,10 @@ class Writes(pl.Callback):
         if hook == self.hook:
             self.write(trainer.logger.experiment, pl_module, batch, outputs)
 
+    def on_train_start(self, trainer, pl_module):  # noqa: ANN001, ANN201
+        batch = next(iter(trainer.train_dataloader)) if self.hook == "on_train_start" else None
+        self._maybe("on_train_start", trainer, pl_module, batch)  # a grid of training records at train start
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001, ANN201
         self._maybe("on_train_batch_start", trainer, pl_module, batch)
 
@@ -115,6 +119,7 @@ def _activations(writer: Any, module: Any, batch: Any, outputs: Any) -> None:
 
 
 @pytest.mark.parametrize("hook, write, method", [
+    ("on_train_start", _texts, "add_text"),
     ("on_train_batch_start", _texts, "add_text"),
     ("on_train_batch_end", _losses, "add_histogram"),
     ("on_train_batch_end", _embedding, "add_embedding"),
