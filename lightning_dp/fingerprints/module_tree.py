@@ -10,7 +10,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
 from lightning_dp.fingerprints.state_walker import _library_function
@@ -98,18 +97,18 @@ class ModuleAttributes:
         return state, configuration
 
 
-_SETTINGS = (torch.dtype, torch.device)
 
 
 def _layer_setting(key: str, value: Any) -> bool:
-    """Whether a torch layer's attribute is its own setting, not state: ``None``, a dtype or device, a public number
-    or string (its configuration, compared apart by :func:`_configuration`), or its ``forward`` swapped in
-    (``torch.compile``, an engine). State, walked and compared at every release: a tuple or ``torch.Size`` (a forward
+    """Whether a torch layer's attribute is its own setting, not state: ``None``, a public number or string (its
+    configuration, compared apart by :func:`_configuration`), or its ``forward`` swapped in (``torch.compile``, an
+    engine). State, walked and compared at every release: a dtype or device (``m.compute_dtype = float64 if
+    x.abs().max() > 3 else float32`` is a bit of the batch), a tuple or ``torch.Size`` (a forward
     hook's ``setattr(m, "features_in", inputs)``, ``(h.detach(),)``, ``m.seen_shape = ids.shape``: a padded batch's
     length is its longest record's; a tuple of ``int`` sizes costs little and never changes), a number under a
     private name (``m._seen += len(y)``: no configuration of torch's changes in a step) and any other callable (a
     lambda whose closure holds the batch's mean)."""
-    if value is None or isinstance(value, _SETTINGS):
+    if value is None:
         return True
     if type(value) in _NUMBERS:
         return not key.startswith("_")

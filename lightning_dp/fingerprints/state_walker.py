@@ -66,6 +66,27 @@ def lightning_fields(obj: Any) -> dict[str, Any]:
             if k not in _LIGHTNING_KEYS and not (k in _LAZY_KEYS and isinstance(v, dict) and not v)}
 
 
+class Same:
+    """A library's object in a token, compared by identity and *held*: an attribute rebound to a new object of the
+    same type at each step (``self.prior = Categorical(probs=counts / n)``, ``m.gen = torch.Generator().manual_seed(
+    k)``, a ``torch.distributions.Normal`` of the batch's mean) is seen even when the old object is freed, since the
+    fingerprint that saw it keeps it alive until it is compared: a new object never takes its id."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"Same({type(self.obj).__name__} at {id(self.obj):#x})"
+
+
 class _Walker:
     """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
 
@@ -128,7 +149,7 @@ class _Walker:
             return ("callable", getattr(value, "__qualname__", type(value).__name__),
                     tuple(self.token(v, depth + 1) for v in callable_state(value)), *self.attributes(value, depth))
         if isinstance(value, (nn.Module, _FUNCTIONS)):
-            return (type(value).__name__, id(value))
+            return (type(value).__name__, Same(value))
         if depth >= MAX_DEPTH:
             if self._fresh:
                 return ("deep", type(value).__name__, len(value) if isinstance(value, Sized) else None)
@@ -151,8 +172,11 @@ class _Walker:
             self._objects.add(id(value))  # a library's configuration (Hugging Face's model.config): a namespace
             return ("configuration", type(value).__name__,
                     tuple((k, self.token(v, depth + 1)) for k, v in vars(value).items() if not k.startswith("_")))
+        parameters = _distribution_parameters(value)
+        if parameters is not None:
+            return ("distribution", type(value).__name__, tuple((k, self.token(v, depth + 1)) for k, v in parameters))
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
-            return ("object", type(value).__name__, id(value))
+            return ("object", type(value).__name__, Same(value))
         if id(value) in self._objects:
             return ("seen", id(value))
         self._objects.add(id(value))
@@ -171,6 +195,22 @@ class _Walker:
             return ()
         return (("attributes", len(fields),
                  tuple((k, self.token(v, depth + 1)) for k, v in _sample(fields))),)
+
+
+def _distribution_parameters(value: Any) -> Optional[list[tuple[str, Any]]]:
+    """A ``torch.distributions.Distribution``'s parameters by the names of its ``arg_constraints`` (``loc``,
+    ``scale``; ``probs`` and ``logits`` both, the lazy one computed and cached now, so that a later first read of
+    it changes nothing): a prior or an input density fitted to the batch (``Normal(x.mean(0), x.std(0))``) holds the
+    batch's statistics, compared by value as a tensor would be (a new object each step is not a new value; the
+    replays on other data set it apart). ``None`` for any other object, or one whose parameters cannot be read."""
+    distributions = sys.modules.get("torch.distributions")
+    if distributions is None or not isinstance(value, distributions.Distribution):
+        return None
+    try:
+        names = list(getattr(type(value), "arg_constraints", {}) or {})
+        return [(name, getattr(value, name)) for name in names if name in vars(value) or hasattr(type(value), name)]
+    except Exception:  # noqa: BLE001  (a parameterisation that cannot be computed: compared by identity instead)
+        return None
 
 
 def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:

@@ -308,11 +308,11 @@ class DecisionWindows(pl.Callback):
                 _put_back(window, trainer)
                 try:
                     with self._settings(), replaying(module, rates=False), torch.no_grad():
-                        saved = checkpoints_saved()
+                        saved = len(checkpoints_saved())
                         _run_hooks(window, trainer, module, variant)
                         state = self._state(trainer, module) if window.before is not None else {}
                         runs.append({**state, **decisions(trainer),  # inside: leaving a replay puts schedulers back
-                                     "trainer checkpoints saved": checkpoints_saved() - saved})
+                                     "trainer checkpoints saved": checkpoints_saved()[saved:]})
                     errors.append(None)
                 except PrivacyConfigurationError:
                     raise

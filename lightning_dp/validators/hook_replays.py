@@ -410,16 +410,17 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
 
 
 _ABSENT = object()
-_SAVED = [0]  # the checkpoints the replays' hooks saved (``trainer.save_checkpoint``, muted)
+_SAVED: list[str] = []  # the paths of the checkpoints the replays' hooks saved (``trainer.save_checkpoint``, muted)
 
 
 def _counted(*args: Any, **kwargs: Any) -> None:
-    _SAVED[0] += 1
+    _SAVED.append(str(kwargs.get("filepath", args[0] if args else "")))
 
 
-def checkpoints_saved() -> int:
-    """How many checkpoints the replays' hooks saved so far (none written): whether a run saves is a decision."""
-    return _SAVED[0]
+def checkpoints_saved() -> tuple[str, ...]:
+    """The paths of the checkpoints the replays' hooks saved so far (none written): whether a run saves, and under
+    which name (``f"loss={trainer.callback_metrics['train_loss']:.4f}.ckpt"`` carries the value), is a decision."""
+    return tuple(_SAVED)
 
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",

@@ -47,7 +47,23 @@ def _example_input(model: Classifier, batch: Any) -> None:
     model.example_input_array = batch[0][:1]
 
 
+def _density(model: Classifier, batch: Any) -> None:
+    x = batch[0].detach()
+    model.net[0].input_dist = torch.distributions.Normal(x.mean(0), x.std(0, correction=0) + 1e-6)  # an OOD density
+
+
+def _prior(model: Classifier, batch: Any) -> None:
+    model.prior = torch.distributions.Categorical(probs=torch.bincount(batch[1], minlength=2).float() + 1.0)
+
+
+def _dtype(model: Classifier, batch: Any) -> None:
+    model.net[0].compute_dtype = torch.float64 if float(batch[0].abs().max()) > 2.0 else torch.float32
+
+
 WRITES: dict[str, tuple[Callable[[Classifier, Any], None], str]] = {
+    "a Normal fitted to the batch on a layer": (_density, "net.0.input_dist"),
+    "a Categorical of the batch's labels on the module": (_prior, "prior"),
+    "a dtype chosen from the batch": (_dtype, "net.0.compute_dtype"),
     "a forward hook keeping its inputs tuple": (_hook_inputs, "net.0.features_in"),
     "a tuple of the batch's tensors": (_pair, "net.0.io"),
     "the batch's torch.Size": (_shape, "net.0.seen_shape"),
@@ -96,6 +112,26 @@ class Configured(Classifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(self.pool(x).flatten(1))
+
+
+class PublicPrior(Classifier):
+    """A prior from constants; its lazily computed logits first read inside training_step (cached then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prior = torch.distributions.Categorical(probs=torch.tensor([0.3, 0.7]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)[:, :2] + self.prior.logits  # logit adjustment by a public prior
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_a_public_distribution_read_in_the_step_trains():
+    model = PublicPrior()
+    before = parameters(model)
+    fit(model, steps=3)
+    assert not unchanged(before, model)
 
 
 def test_a_torch_layers_settings_fixed_before_the_fit_train():

@@ -224,3 +224,20 @@ def test_a_checkpoint_saved_when_a_training_metric_passes_a_bound_is_refused_and
     quiet_trainer(strategy=dp, max_steps=12, callbacks=[SavesWhenAccurate(tmp_path, -1.0)]).fit(Tracks(), loader())
     assert dp.ledger.steps == 12 and len(list(tmp_path.iterdir())) == 3
 
+
+
+class SavesNamedByAccuracy(SavesWhenAccurate):
+    """Saves every epoch under a name carrying the training accuracy (zoo23 d1: the value in the file name)."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc = float(pl_module.accuracy.compute())
+        pl_module.accuracy.reset()
+        pl_module.running.reset()
+        trainer.save_checkpoint(self.path / f"epoch{trainer.current_epoch}-acc={acc:.6f}.ckpt")
+
+
+def test_a_checkpoint_named_by_a_training_metric_is_refused_before_it_is_written(tmp_path):
+    with pytest.raises(PrivacyConfigurationError, match=r"at the end of an epoch.*trainer checkpoints saved"):
+        quiet_trainer(strategy=strategy(), max_steps=12, callbacks=[SavesNamedByAccuracy(tmp_path, -1.0)]).fit(
+            Tracks(), loader())
+    assert not list(tmp_path.iterdir())
