@@ -24,7 +24,7 @@ it in before their Lightning base; each adds its ``setup`` (how the model is pla
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Union
 
@@ -834,11 +834,18 @@ class PrivateTraining:
                                         "found training records in the checkpoint")  # every rank refuses alike
         self.private_step.on_every_rank(
             lambda: check_checkpoint_hooks(self.private_step, self.lightning_module, checkpoint,  # type: ignore
-                                           self._replays.replay_settings),
+                                           self._replays.replay_settings,
+                                           self._checkpoint_logs_moved),
             "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def _checkpoint_logs_moved(self) -> Any:
+        """The training-logged values moved far while the checkpoint hooks run on the exchanged data (the metrics'
+        own states not: a held-out metric copied into the checkpoint stays as it is)."""
+        reads = self._logged_reads
+        return reads.moved(states=False, training_only=True) if reads is not None else nullcontext()
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a checkpoint and restore the ledger, so spent budget is never forgotten."""

@@ -155,7 +155,8 @@ def _known(value: Any, into: set[int], depth: int = 0) -> set[int]:
 def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any],
                       exchanged: Callable[[], AbstractContextManager], settings: Callable[[], AbstractContextManager],
                       skip_keys: frozenset[str], public: Callable[[str], bool],
-                      any_rank: Callable[[bool], bool] = bool, modules: Sequence[Any] = ()) -> list[str]:
+                      any_rank: Callable[[bool], bool] = bool, modules: Sequence[Any] = (),
+                      logs_moved: Callable[[], AbstractContextManager] = nullcontext) -> list[str]:
     """The keys of ``checkpoint`` (paths) the user's checkpoint hooks computed from the training data: run again
     from the same state (put back after each run) in ``settings()`` (the same seeds, the watches paused), on the
     training data and inside ``exchanged()`` (its copies in memory holding other values), and on the training data
@@ -163,13 +164,17 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
     fails (a hook that needs more of the loop) compares nothing. Paths ``public`` accepts are not returned.
     ``any_rank`` (one all-reduce when distributed) makes whether the hooks run again a decision every rank takes
     alike, so that a collective in them (a broadcast in ``on_save_checkpoint``) meets its peers'. ``modules``: the
-    user's Python modules whose globals are put back after each run too (the boundary's ``global_modules()``)."""
+    user's Python modules whose globals are put back after each run too (the boundary's ``global_modules()``).
+    ``logs_moved()``: the values the training hooks logged moved far in the exchanged run too
+    (:meth:`~.logged_reads.LoggedReads.moved`: ``checkpoint["last_train_loss"] = trainer.callback_metrics[...]``, a
+    model card's ``dict(trainer.logged_metrics)`` are set apart; a held-out metric copied there is not)."""
     snapshot = StateSnapshot(module, _owners(trainer), skip_keys, modules)
     known = _known(checkpoint, set())
 
     def run(exchange: bool) -> Optional[dict[str, Hashable]]:
         try:
-            with exchanged() if exchange else nullcontext(), settings(), replaying(module), torch.no_grad():
+            with exchanged() if exchange else nullcontext(), logs_moved() if exchange else nullcontext(), settings(), \
+                    replaying(module), torch.no_grad():
                 return _entries(_rerun(trainer, module, checkpoint), known)
         except Exception:  # noqa: BLE001  (what the hook needs of the loop is not there, or other values break it)
             return None
@@ -219,7 +224,8 @@ def check_checkpoint_records(step: Any, checkpoint: dict[str, Any]) -> None:
 
 
 def check_checkpoint_hooks(step: Any, module: Any, checkpoint: dict[str, Any],
-                           replay_settings: Callable[[], AbstractContextManager[None]]) -> None:
+                           replay_settings: Callable[[], AbstractContextManager[None]],
+                           logs_moved: Callable[[], AbstractContextManager] = nullcontext) -> None:
     """Refuse a checkpoint entry the user's checkpoint hooks computed from the training data: they run again on
     its exchanged copy (:func:`written_from_data`, each run inside ``replay_settings``); only while the training data
     is there to exchange and a hook of the user's runs."""
@@ -230,6 +236,6 @@ def check_checkpoint_hooks(step: Any, module: Any, checkpoint: dict[str, Any],
     public = step.boundary.public_state
     moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
                               replay_settings, step.boundary.engine_keys, lambda path: is_public(path, public),
-                              any_rank=step.any_rank, modules=step.boundary.global_modules())
+                              any_rank=step.any_rank, modules=step.boundary.global_modules(), logs_moved=logs_moved)
     if moved:
         raise checkpoint_from_data_error(moved)

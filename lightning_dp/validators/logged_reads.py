@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from torch import nn
@@ -36,6 +36,7 @@ from torch import nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators import metric_values
 from lightning_dp.validators.hook_replays import moved_far, moved_near
+from lightning_dp.validators.monitored import training_logged
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -49,11 +50,6 @@ STEP_HOOKS = frozenset({
 """The hooks Lightning runs inside a step before its update (as ``LightningModule._current_fx_name`` names them; the
 batch-transfer hooks also run for validation batches), and the schedulers' step: a training-logged value read there
 can only steer the release or the update."""
-
-CHECKPOINT_HOOKS = frozenset({"on_save_checkpoint", "state_dict"})
-"""The hooks that fill a checkpoint (the module's, a callback's, the datamodule's): a training-logged value the user's
-code reads there is written into it (``checkpoint["last_train_loss"] = trainer.callback_metrics["train_loss"]``, a
-model card's ``dict(trainer.logged_metrics)``), a released artifact, without noise."""
 
 SCHEDULED = frozenset({"lr", "initial_lr", "momentum", "betas", "max_lr", "base_lr", "max_momentum", "base_momentum"})
 """The hyper-parameters torch's schedulers set (learning rates, momenta): their change is a scheduler's when one
@@ -100,13 +96,17 @@ class LoggedReads:
         self.active = True
 
     @contextmanager
-    def moved(self, up: bool = True) -> Iterator[None]:
+    def moved(self, up: bool = True, states: bool = True, training_only: bool = False) -> Iterator[None]:
         """Inside, the training-logged values in the trainer's three metric dicts are moved far (1000·(value + 1)), or
         near zero (``up`` false: a thousandth), and so are the metrics updated while the trainer trained
-        (:func:`.metric_values.moved`): a run of the user's hooks on other data reads other logged values too, on
-        either side of a threshold (:mod:`.decisions`)."""
+        (:func:`.metric_values.moved`; not with ``states`` false; ``training_only``: the training loop's logged
+        names only — the checkpoint hooks' runs, where a validation metric's value read back stays as it is): a run
+        of the user's hooks on other data reads other logged values too, on either side of a threshold
+        (:mod:`.decisions`)."""
         connector = getattr(self.trainer, "_logger_connector", None)
         names = set(self.private())
+        if training_only:  # the training loop's names only (not validation's, even on the training records)
+            names &= training_logged(self.trainer)
         saved: list[tuple[dict, Any, Any]] = []
         for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
             metrics = getattr(connector, attribute, None)
@@ -114,10 +114,13 @@ class LoggedReads:
                 value = dict.__getitem__(metrics, key)
                 saved.append((metrics, key, value))
                 dict.__setitem__(metrics, key, moved_far(value) if up else moved_near(value))
+        if training_only:  # what Lightning recomputes from its results inside (callback_metrics) moves too
+            _MOVING[0] = (names, up)
         try:
-            with metric_values.moved(up):
+            with metric_values.moved(up) if states else nullcontext():
                 yield
         finally:
+            _MOVING[0] = None
             for metrics, key, value in reversed(saved):
                 dict.__setitem__(metrics, key, value)
 
@@ -182,8 +185,6 @@ class LoggedReads:
             return
         if hook in STEP_HOOKS:  # whoever reads (a progress bar's get_metrics, the connector's metrics), for the step
             raise logged_read_error(names, f"in {hook}")
-        if hook in CHECKPOINT_HOOKS:  # the user's code (a library's read returned above): into the checkpoint
-            raise logged_read_error(names, f"in {hook} (into the checkpoint being written)")
         self.count += 1
         if self._read is None:
             self._read = (names, self._hyperparameters(), self._scheduler_steps())
@@ -303,6 +304,19 @@ _RESULTS: list[Any] = []  # (the results class, its own ``metrics``) while a fit
 _WATCHING: list[Optional[LoggedReads]] = [None]
 
 
+_MOVING: list[Optional[tuple[set[str], bool]]] = [None]  # (names, up) while LoggedReads.moved() runs
+
+
+def _move(out: dict, names: set[str], up: bool) -> None:
+    """Move the training-logged values in the metric dicts Lightning computes from its results (``callback_metrics``
+    is refreshed from them at every read while a loop's results exist), as :meth:`LoggedReads.moved` moved the kept
+    ones."""
+    for part in out.values():
+        if isinstance(part, dict):
+            for key in [k for k in part if k in names]:
+                part[key] = moved_far(part[key]) if up else moved_near(part[key])
+
+
 def _watch_results(reads: Optional[LoggedReads]) -> None:
     """Watch Lightning's ``_ResultCollection.metrics`` (at the class level) for ``reads``; ``None``: restore it."""
     _WATCHING[0] = reads
@@ -325,6 +339,8 @@ def _watch_results(reads: Optional[LoggedReads]) -> None:
             watching = _WATCHING[0]
             if watching is not None:
                 watching.check_results(out)
+            if _MOVING[0] is not None and isinstance(out, dict):
+                _move(out, *_MOVING[0])
             return out
 
         _RESULTS.append((cls, own))
