@@ -113,8 +113,8 @@ def random_step_warning(what: str, found: list[tuple[str, nn.Module]], outside: 
                  "mu + std * torch.randn_like(std)) are served: once you know they are, silence this warning with "
                  "warnings.filterwarnings('ignore', category=lightning_dp.errors.RandomStepWarning).")
     if outside or not found:
-        text += (" Random augmentation trains without this warning in the Dataset's __getitem__ (or the collate "
-                 "function): every record is read from generators seeded for it alone, so the probe compares each "
-                 "example exactly (a torch.Generator kept on the module does not do that: the batch and each example "
-                 "alone still draw different numbers for one example).")
+        text += (" Random augmentation trains without this warning in the Dataset's __getitem__ (not the collate "
+                 "function, run on the whole batch): each record is read from generators seeded for it alone, so the "
+                 "probe compares each example exactly (a torch.Generator kept on the module does not do that: the "
+                 "batch and each example alone still draw different numbers for one example).")
     return text

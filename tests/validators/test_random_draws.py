@@ -109,3 +109,39 @@ def test_hugging_face_spec_augment_is_named_with_how_to_turn_it_off():
     model = tiny(apply_spec_augment=False)
     with NoDropout():
         assert drawing_modules(model, lambda: model(audio)) == ([], False)
+
+
+def test_draws_in_the_collate_function_warn_and_the_advice_is_the_datasets_getitem():
+    """qa11 f3: the warning said augmentation in 'the collate function' trains without it, but only ``dataset[i]`` is
+    read from generators seeded per record; a collate draws for the whole batch, so per-item masking there warns."""
+    import warnings
+
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp import DPStrategy
+    from lightning_dp.errors import RandomStepWarning
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(5, 3)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def collate(items):
+        return torch.stack([x * (torch.rand(x.shape) > 0.2) for x, _ in items]), torch.stack([y for _, y in items])
+
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), accelerator="cpu", devices=1,
+                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model(), DataLoader(data, batch_size=16, collate_fn=collate))
+    text = next(str(w.message) for w in caught if issubclass(w.category, RandomStepWarning))
+    assert "__getitem__ (not the collate function" in text and "(or the collate" not in text
