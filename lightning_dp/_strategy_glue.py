@@ -835,15 +835,15 @@ class PrivateTraining:
         self.private_step.on_every_rank(
             lambda: check_checkpoint_hooks(self.private_step, self.lightning_module, checkpoint,  # type: ignore
                                            self._replays.replay_settings,
-                                           self._checkpoint_logs_moved),
+                                           self.moved_training_logs),
             "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
-    def _checkpoint_logs_moved(self) -> Any:
-        """The training-logged values moved far while the checkpoint hooks run on the exchanged data (the metrics'
-        own states not: a held-out metric copied into the checkpoint stays as it is)."""
+    def moved_training_logs(self) -> Any:
+        """The training loop's logged values moved far, for the runs of the checkpoint hooks and of the hooks that end
+        the fit on the exchanged data (the metrics' own states not: a held-out metric copied stays as it is)."""
         reads = self._logged_reads
         return reads.moved(states=False, training_only=True) if reads is not None else nullcontext()
 

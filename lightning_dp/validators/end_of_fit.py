@@ -95,7 +95,8 @@ class EndOfFit:
 
     def _judge_writes(self, hooks: tuple[str, ...], where: str) -> None:
         """What the hooks that end the fit (``hooks``, run since :meth:`before_end_hooks`) wrote, judged as the epoch
-        hooks' are: run again from the state before them, on the training data, on its exchanged copy and on it
+        hooks' are: run again from the state before them, on the training data, on its exchanged copy (the training
+        loop's logged values moved too: ``self.hparams["final"] = logged_metrics["train_loss"]``) and on it
         again. What the exchanged run sets apart (class means of the training features) is put back and refused;
         what all runs write alike (a counter, a flag, a report of the weights) is accepted. A run that fails accepts
         nothing (the boundary then refuses every write)."""
@@ -116,7 +117,8 @@ class EndOfFit:
                     break
                 snapshot.restore()
                 try:
-                    with exchanged.exchanged() if exchange and exchanged is not None else nullcontext(), \
+                    moved_logs = getattr(self.strategy, "moved_training_logs", nullcontext) if exchange else nullcontext
+                    with exchanged.exchanged() if exchange and exchanged is not None else nullcontext(), moved_logs(), \
                             self.replays.replay_settings(), replaying(module):
                         replay_end_hooks(module, hooks)
                     runs.append(fingerprint.take(users, full=True, every_callback=True))

@@ -133,3 +133,33 @@ def test_end_hooks_that_keep_what_is_not_the_datas_train() -> None:
     model = Tidy()
     _fit(model)
     assert model.fits == 1 and model.finished and model.outputs == []
+
+
+class KeepsFinalLoss(Classifier):
+    """Logs its training loss; when the fit ends copies the last logged value, or the epoch count, into its
+    hyper-parameters (saved under `hyper_parameters` by every later checkpoint: zoo23 d1)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_fit_end(self) -> None:
+        self.hparams["final"] = (float(self.trainer.logged_metrics["train_loss"]) if self.what == "loss"
+                                 else int(self.current_epoch))
+
+
+@pytest.mark.parametrize("what", ["loss", "epoch"])
+def test_a_logged_training_value_kept_when_the_fit_ends_is_refused_and_a_count_trains(what: str) -> None:
+    model = KeepsFinalLoss(what)
+    if what == "loss":
+        with pytest.raises(PrivacyConfigurationError, match="_hparams"):
+            _fit(model)
+        assert "final" not in model.hparams  # put back
+    else:
+        _fit(model)
+        assert model.hparams["final"] == model.current_epoch
