@@ -286,7 +286,8 @@ class PrivateTraining:
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
         boundary.fed_back = lambda: self._reads_and_feedback(module.trainer)
-        logger_outputs.watch_fit(module.trainer)  # media written to a logger by a training hook (from on_train_start)
+        logger_outputs.watch_fit(  # media written to a logger by a training hook (from on_train_start)
+            module.trainer, lambda name: is_public(name, self.private_step.boundary.public_state))
         self._stop_announced = False
         if self.private_step.adopted:
             rank_zero_info(f"{self.label}: {self.private_step.adopted}.")

@@ -56,26 +56,32 @@ methods refuse, while the trainer trains (not during validation)."""
 
 _INSIDE: list[Callable[[], Optional[str]]] = []  # the current training hook (None elsewhere), while watched
 _RELEASED: list[Callable[[], Iterable[torch.Tensor]]] = []  # the released state, while watched
+_PUBLIC: list[Callable[[str], bool]] = []  # whether the user declared "logger.<method>" public, while watched
 _SAVED: list[tuple[type, str, Any]] = []  # (class, name, its own attribute or _ABSENT) while watched
 _ABSENT = object()
 
 
-def watch_fit(trainer: Any) -> None:
+def watch_fit(trainer: Any, public: Callable[[str], bool] = lambda name: False) -> None:
     """:func:`watch` the loggers of ``trainer``'s fit: refused in its training hooks while it trains, the released
-    state its module's parameters, their gradients and its optimizers' state."""
+    state its module's parameters, their gradients and its optimizers' state; ``public("logger.<method>")`` true
+    (``DPStrategy(public_state=["logger.add_histogram"])``) lets that method write."""
     module = trainer.lightning_module
     watch(trainer.loggers, lambda: module._current_fx_name if trainer.training else None,
-          lambda: released_state(module, lambda: trainer.optimizers))
+          lambda: released_state(module, lambda: trainer.optimizers), public)
 
 
 def watch(loggers: Iterable[Any], inside: Callable[[], Optional[str]],
-          released: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
+          released: Callable[[], Iterable[torch.Tensor]] = lambda: (),
+          public: Callable[[str], bool] = lambda name: False) -> None:
     """From now on the :data:`MEDIA` methods (and ``log``) of each logger's class and of its experiment's class refuse
     a call by the user's code while ``inside()`` names a training hook, unless every array argument equals one of
-    ``released()`` (the model's parameters, their gradients, the optimizers' state)."""
+    ``released()`` (the model's parameters, their gradients, the optimizers' state) or the user declared the method
+    public (``public("logger.add_histogram")``: what it writes is computed from the released model only — the epoch's
+    weight change, samples from a generative model's prior, norms of the released update)."""
     unwatch()
     _INSIDE.append(inside)
     _RELEASED.append(released)
+    _PUBLIC.append(public)
     objects = []
     for logger in loggers:
         objects.append(logger)
@@ -103,6 +109,7 @@ def unwatch() -> None:
             setattr(cls, name, own)
     _INSIDE.clear()
     _RELEASED.clear()
+    _PUBLIC.clear()
 
 
 def _wrap(cls: type, name: str) -> None:
@@ -130,7 +137,7 @@ def _wrap(cls: type, name: str) -> None:
 
 def _check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
     hook = _INSIDE[0]() if _INSIDE else None
-    if hook not in TRAINING_HOOKS or _library_call():
+    if hook not in TRAINING_HOOKS or _library_call() or (_PUBLIC and _PUBLIC[0](f"logger.{name}")):
         return
     hook = _calling_hook(hook)
     values = [*args, *kwargs.values()]
@@ -148,12 +155,15 @@ def _check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
 
 def output_error(method: str, hook: str) -> PrivacyConfigurationError:
     """The refusal of ``method`` called in the training hook ``hook``."""
+    short = method.split(" ")[0].rpartition(".")[2]  # "SummaryWriter.add_histogram" → "add_histogram"
     return PrivacyConfigurationError(
         f"{method} was called in {hook} while a private fit trains: what it writes to the logs (images, texts, audio, "
         "figures, histograms or embeddings of the batch, per-example values) is the training records or statistics "
         "of them, un-noised, outside the guarantee. Nothing was written. Log media of held-out data in "
         "validation_step or on_validation_epoch_end; log the model's parameters as they are (released state); log a "
-        "scalar with self.log (a report), or a statistic you noised yourself, its ε accounted for.")
+        "scalar with self.log (a report), or a statistic you noised yourself, its ε accounted for. If what this call "
+        "writes is computed from the released model only (the epoch's weight change, samples from the model's "
+        f"prior), declare the method public: DPStrategy(public_state=['logger.{short}']).")
 
 
 def _library_call() -> bool:
@@ -186,6 +196,8 @@ def _scalar(value: Any) -> bool:
         return getattr(value, "size", None) == 1 or (isinstance(value, torch.Tensor) and value.numel() == 1)
     if isinstance(value, dict):
         return all(_scalar(v) for v in value.values())
+    if isinstance(value, (list, tuple)):  # numbers (each group's learning rate): scalars reported as self.log's are
+        return all(isinstance(v, (bool, int, float)) for v in value)
     return False
 
 

@@ -29,8 +29,8 @@ _OWN = {name: SummaryWriter.__dict__[name] for name in ("add_images", "add_histo
 
 
 def _fit(model: pl.LightningModule, tmp_path: Path, logger: Any = None, steps: int = 3, **kwargs: Any) -> pl.Trainer:
-    trainer = quiet_trainer(strategy=strategy(), max_steps=steps, logger=logger or TensorBoardLogger(tmp_path),
-                            **kwargs)
+    kwargs.setdefault("strategy", strategy())
+    trainer = quiet_trainer(max_steps=steps, logger=logger or TensorBoardLogger(tmp_path), **kwargs)
     trainer.fit(model, loader())
     return trainer
 
@@ -199,13 +199,15 @@ class LogsToRun(Classifier):
             run.log_image("train/batch", [batch[0][:2]])
         elif self.what == "table":
             run.log({"train/inputs": batch[0].detach(), "lr": 0.1})
+        elif self.what == "rates":  # numbers, one per parameter group (qa11 b4: refused before)
+            run.log({"train/loss": loss.detach(), "lrs": [g["lr"] for g in self.trainer.optimizers[0].param_groups]})
         else:  # a scalar of the batch: a report, as self.log's
             run.log({"train/loss": loss.detach(), "lr": 0.1})
         return loss
 
 
 @pytest.mark.parametrize("what, refused", [("image", "FakeRun.log_image"), ("table", "'train/inputs'"),
-                                            ("scalar", None)])
+                                            ("scalar", None), ("rates", None)])
 def test_a_duck_typed_loggers_media_are_refused_and_its_scalars_train(tmp_path: Path, what: str, refused: Any):
     logger = FakeLogger()
     if refused is None:
@@ -278,3 +280,20 @@ def test_outside_a_fit_the_writer_is_as_it_was(tmp_path: Path):
     writer.add_images("after/batch", torch.rand(2, 1, 2, 2), 0)  # a report after the fit: no fit watches it
     writer.close()
     assert all(SummaryWriter.__dict__[name] is own for name, own in _OWN.items())
+
+
+class LogsWeightChange(Classifier):
+    """A histogram of the epoch's weight change (released state minus released state: qa11 b7)."""
+
+    def on_train_epoch_start(self) -> None:
+        self.start = self.net[0].weight.detach().clone()
+
+    def on_train_epoch_end(self) -> None:
+        self.logger.experiment.add_histogram("delta", self.net[0].weight.detach() - self.start, self.global_step)
+
+
+def test_a_method_declared_public_writes_and_the_refusal_names_the_declaration(tmp_path: Path):
+    with pytest.raises(PrivacyConfigurationError, match=r"public_state=\['logger\.add_histogram'\]"):
+        _fit(LogsWeightChange(), tmp_path, steps=4, strategy=strategy(public_state=["start"]))
+    _fit(LogsWeightChange(), tmp_path, steps=4, strategy=strategy(public_state=["start", "logger.add_histogram"]))
+    assert "delta" in _tags(tmp_path).get("histograms", set())
