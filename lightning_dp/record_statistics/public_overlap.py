@@ -29,12 +29,12 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.held_records import DIGESTED_DTYPES, MAX_DIGESTED, _digests
 from lightning_dp.records.public_inputs import public_rows
+from lightning_dp.records.subset_chain import subset_levels
 
 SAMPLED = 256
 """Items of a declared-public dataset compared with the training rows."""
@@ -110,12 +110,8 @@ def training_rows_share(rows: Sequence[Tensor], training: Any) -> tuple[int, int
 
 def _subset_chain(dataset: Any) -> tuple[Any, Optional[np.ndarray]]:
     """The dataset under a chain of ``Subset`` s and the positions in it they select (``None``: no Subset)."""
-    positions = None
-    while isinstance(dataset, Subset):
-        indices = np.asarray(list(dataset.indices), dtype=np.int64)
-        positions = indices if positions is None else indices[positions]
-        dataset = dataset.dataset
-    return dataset, positions
+    base, positions = subset_levels(dataset)[-1]
+    return base, None if positions is None else np.asarray(positions, dtype=np.int64)
 
 
 def public_overlap_error(where: str) -> PrivacyConfigurationError:

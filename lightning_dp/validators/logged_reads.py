@@ -113,7 +113,7 @@ class LoggedReads:
             for key in [k for k in dict.keys(metrics) if k in names] if isinstance(metrics, dict) else ():
                 value = dict.__getitem__(metrics, key)
                 saved.append((metrics, key, value))
-                dict.__setitem__(metrics, key, moved_far(value) if up else moved_near(value))
+                dict.__setitem__(metrics, key, _moved(value, up))
         if training_only:  # what Lightning recomputes from its results inside (callback_metrics) moves too
             _MOVING[0] = (names, up)
         try:
@@ -314,7 +314,12 @@ def _move(out: dict, names: set[str], up: bool) -> None:
     for part in out.values():
         if isinstance(part, dict):
             for key in [k for k in part if k in names]:
-                part[key] = moved_far(part[key]) if up else moved_near(part[key])
+                part[key] = _moved(part[key], up)
+
+
+def _moved(value: Any, up: bool) -> Any:
+    """A logged value moved far (``up``) or near zero, as the runs on other data read it."""
+    return moved_far(value) if up else moved_near(value)
 
 
 def _watch_results(reads: Optional[LoggedReads]) -> None:

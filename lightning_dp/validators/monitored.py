@@ -10,9 +10,11 @@ import re
 import weakref
 from typing import Any, Callable, Optional
 
-from torch.utils.data import Subset, SubsetRandomSampler
+from torch.utils.data import SubsetRandomSampler
 
 from lightning_dp.records.recorded_batches import RecordedBatches
+from lightning_dp.records.subset_chain import selected_rows as _records
+from lightning_dp.records.subset_chain import subset_levels as _levels
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.validators.loaders import _unwrap
 from lightning_dp.records.held_records import holds_records, row_digests
@@ -121,26 +123,6 @@ def _positions(loader: Any) -> Optional[list[int]]:
         return batches.population
     sampler = _unwrap(getattr(batches, "sampler", None) or getattr(loader, "sampler", None))
     return [int(i) for i in sampler.indices] if isinstance(sampler, SubsetRandomSampler) else None
-
-
-def _levels(dataset: Any, indices: Optional[list[int]]) -> list[tuple[Any, Optional[list[int]]]]:
-    """``dataset`` and each dataset under its ``Subset`` wrappers, with the indices of it that positions ``indices``
-    of ``dataset`` read (``None``: all)."""
-    out = [(dataset, indices)]
-    while isinstance(dataset, Subset):
-        own, size = [int(i) for i in dataset.indices], len(dataset.dataset)  # type: ignore[arg-type]
-        own = [i + size if i < 0 else i for i in own]
-        indices = own if indices is None else [own[i] for i in indices]
-        dataset = dataset.dataset
-        out.append((dataset, indices))
-    return out
-
-
-def _records(dataset: Any, indices: Optional[list[int]] = None) -> tuple[Any, Optional[set[int]]]:
-    """(the dataset under any ``Subset`` wrappers, the indices of it that positions ``indices`` of ``dataset`` read;
-    ``None``: all)."""
-    base, rows = _levels(dataset, indices)[-1]
-    return base, None if rows is None else set(rows)
 
 
 def training_rows(trainer: Any) -> dict[int, set[int]]:
