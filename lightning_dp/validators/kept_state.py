@@ -58,6 +58,7 @@ replays judge lie beside it: the optimizers', the trainer's and the library obje
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -107,7 +108,7 @@ class StateFingerprint:
         """(label, object) of the loop's own objects a step could stash data on (the trainer, its strategy, the
         optimizers, the training loader; set by the Lightning glue): their public attributes added after the first
         fingerprint are kept state."""
-        self._known_keys: dict[int, set[str]] = {}
+        self._known_keys: dict[int, tuple[Callable[[], Any], set[str]]] = {}
         self._readers: set[int] = set()  # callbacks that read a value logged from the data (:meth:`watch`)
         self._reader = ModuleAttributes(self.skip_keys, self._is_public)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
@@ -238,7 +239,7 @@ class StateFingerprint:
                 entries[f"class attribute {path}"] = walker.named(path, value)
         for label, obj in self.library_objects():
             fields = getattr(obj, "__dict__", {})
-            known = self._known_keys.setdefault(id(obj), set(fields))
+            known = self._first_fields(obj, fields)
             for key, value in fields.items():
                 # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data;
                 # so is a function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR)
@@ -262,6 +263,18 @@ class StateFingerprint:
         self.graded = [name for name, key in walker.graded.items() if self._gradients.get(name) != key]
         self._gradients = walker.graded
         return entries
+
+    def _first_fields(self, obj: Any, fields: dict[str, Any]) -> set[str]:
+        """The attribute names ``obj`` (a loop object) had when first fingerprinted. Told by identity, not by ``id``
+        alone: the next fit's optimizer can take a freed one's ``id``, and its own fields are not added state."""
+        held = self._known_keys.get(id(obj))
+        if held is None or held[0]() is not obj:
+            try:
+                ref: Callable[[], Any] = weakref.ref(obj)
+            except TypeError:  # not weakly referable: held alive instead
+                ref = (lambda kept: lambda: kept)(obj)
+            held = self._known_keys[id(obj)] = (ref, set(fields))
+        return held[1]
 
     def _class_entries(self, entries: Fingerprint, cls: type, walker: "_Walker") -> None:
         """Entries for the data a class of the user's own module holds in its body (:func:`class_attributes`): an

@@ -85,3 +85,30 @@ def test_data_stashed_on_the_loop_is_refused_before_any_release(model, entry):
 
 def test_a_public_stash_is_allowed():
     fit(StashesOnOptimizer(), steps=3, public_state=["trainer.optimizers[0].seen"])
+
+
+def test_a_loop_object_taking_a_freed_ones_id_is_judged_by_its_own_fields():
+    """A second fit's optimizer can take the id of an object freed since the first (CI saw it: the new optimizer's
+    own ``param_groups`` refused as added state): the first fields are remembered per object, not per id."""
+    from lightning_dp.validators.kept_state import StateFingerprint
+
+    class LoopObject:
+        pass
+
+    first = LoopObject()
+    first.settings = 1
+    current = [first]
+    fingerprint = StateFingerprint(torch.nn.Linear(2, 2))
+    fingerprint.library_objects = lambda: [("trainer.optimizers[0]", current[0])]
+    baseline = fingerprint.take()
+    freed = id(first)
+    del first, current[0]
+    made = [LoopObject() for _ in range(1000)]  # CPython hands a freed object's memory to the next one of its size
+    second = next((obj for obj in made if id(obj) == freed), None)
+    if second is None:
+        pytest.skip("this interpreter did not reuse the freed object's id")
+    second.param_groups = [{"lr": 0.1}]  # set at construction: the object's own
+    current.append(second)
+    assert StateFingerprint.changed(baseline, fingerprint.take()) == []
+    second.memory = [1.0]  # added after its first fingerprint: kept state
+    assert StateFingerprint.changed(baseline, fingerprint.take()) == ["attribute trainer.optimizers[0].memory"]
