@@ -86,13 +86,43 @@ def dataset_settings(dataset: Any, collate_fn: Any = None) -> dict[str, Hashable
 
 
 def _holders(dataset: Any, collate_fn: Any) -> list[tuple[str, Any]]:
-    """("dataset", each dataset ``dataset`` is made of), and ("collate", ``collate_fn``) when it is an object of the
-    user's class (not a function, nor a library's)."""
+    """("dataset", each dataset ``dataset`` is made of), ("collate", ``collate_fn``) when it is an object of the
+    user's class (not a function, nor a library's), and ("transform", each object of a class not torch's nor
+    Lightning's that they hold — in an attribute, or in a list, tuple or dict of one, two levels deep: a transform
+    inside a ``Compose`` list, whose ``factor`` an epoch hook may set, zoo23 c1)."""
     found = [("dataset", d) for d in dataset_parts(dataset)[0]]
-    root = (type(collate_fn).__module__ or "").split(".")[0]
-    if hasattr(collate_fn, "__dict__") and not isinstance(collate_fn, _CALLABLES) and root not in _LIBRARIES:
+    if _settings_object(collate_fn):
         found.append(("collate", collate_fn))
+    seen = {id(obj) for _, obj in found}
+    level = [obj for _, obj in found]
+    for _ in range(2):
+        held = [v for obj in level for v in _held_objects(vars(obj).values()) if id(v) not in seen]
+        seen.update(id(v) for v in held)
+        found.extend(("transform", v) for v in held)
+        level = held
     return found
+
+
+def _held_objects(values: Any) -> list[Any]:
+    """The objects among ``values`` and in their lists, tuples and dicts (of at most 64 items) that hold settings
+    (:func:`_settings_object`)."""
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, (list, tuple)) and len(value) <= 64:
+            out.extend(v for v in value if _settings_object(v))
+        elif isinstance(value, dict) and len(value) <= 64:
+            out.extend(v for v in value.values() if _settings_object(v))
+        elif _settings_object(value):
+            out.append(value)
+    return out
+
+
+def _settings_object(value: Any) -> bool:
+    """An object with attributes, of a class not torch's nor Lightning's (nor a function, class, module or tensor): a
+    collate or transform object whose plain attributes the fetch reads."""
+    root = (type(value).__module__ or "").split(".")[0]
+    return hasattr(value, "__dict__") and not isinstance(value, (*_CALLABLES, Tensor, Dataset)) \
+        and root not in _LIBRARIES
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, type, partial)

@@ -305,7 +305,8 @@ class StateFingerprint:
         now: a loader rebuilt on other records (``reload_dataloaders_every_n_epochs``), what they are now is what
         later steps must leave as it is."""
         fresh = {k: v for k, v in self.take(callbacks).items() if k.startswith("datamodule ")}
-        kept = {k: v for k, v in baseline.items() if not k.startswith(("dataset ", "datamodule "))}
+        kept = {k: v for k, v in baseline.items()
+                if not k.startswith(("dataset ", "datamodule ", "collate ", "transform "))}
         return {**kept, **fresh, **self.dataset_entries()}
 
     def watch(self, callback: Any, baseline: Fingerprint, callbacks: Sequence[Any]) -> Fingerprint:

@@ -208,3 +208,33 @@ def test_a_collate_object_of_the_users_has_settings_a_function_has_none():
     collate.scale = 3.0
     back()
     assert collate.scale == 1.0
+
+
+def test_settings_reach_transform_objects_two_levels_down_and_put_back_restores_them():
+    class Jitter:
+        def __init__(self) -> None:
+            self.p, self.sizes = 0.5, (2, 3)
+
+    class Chain:
+        def __init__(self, steps: list) -> None:
+            self.steps = steps
+
+    class DS(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.transform = {"train": Chain([Jitter()])}
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int):
+            return torch.zeros(1)
+
+    ds = DS()
+    settings = dataset_settings(ds)
+    assert settings["transform setting Jitter.p (float)"] == ("float", 0.5)
+    assert not any("sizes" in k or "Chain" in k for k in settings)  # a tuple, a list: no plain setting
+    restore = put_back(ds)
+    jitter = ds.transform["train"].steps[0]
+    jitter.p, jitter.added = 0.9, 1
+    restore()
+    assert jitter.p == 0.5 and not hasattr(jitter, "added")

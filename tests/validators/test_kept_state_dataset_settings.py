@@ -207,3 +207,67 @@ def test_a_plain_loops_set_epoch_trains():
             opt.step()
             opt.zero_grad()
     assert ds.settings["epoch"] == 1 and step.ledger.steps >= 2
+
+
+class Scale:
+    """A transform object of the user's: multiplies by a setting of its own."""
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class Compose:
+    """A torchvision-style list of transforms."""
+
+    def __init__(self, transforms: list) -> None:
+        self.transforms = transforms
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class TransformedDS(ScaledDS):
+    def __init__(self, transform) -> None:
+        super().__init__()
+        self.transform = transform
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return self.transform(x), y
+
+
+def _scale_of(trainer) -> Scale:
+    transform = trainer.train_dataloader.dataset.transform
+    return transform.transforms[-1] if isinstance(transform, Compose) else transform
+
+
+class TransformScale(pl.Callback):
+    def __init__(self, from_loss: bool) -> None:
+        self.from_loss = from_loss
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        _scale_of(trainer).factor = 1.0 + float(outputs["loss"]) if self.from_loss \
+            else 1.0 + 0.1 * trainer.current_epoch
+
+
+@pytest.mark.parametrize("in_compose", [True, False], ids=["in a Compose list", "held directly"])
+@pytest.mark.parametrize("from_loss", [True, False], ids=["from the loss", "from the epoch"])
+def test_a_setting_of_a_transform_the_dataset_holds_is_judged_as_the_datasets(from_loss, in_compose):
+    """zoo23 c1: a "curriculum" setting the loss — ``ds.transform.transforms[0].factor = 1 + loss`` — carried the
+    batch into every later input silently (only the dataset's and the collate object's own attributes were read)."""
+    scale = Scale()
+    ds = TransformedDS(Compose([lambda x: x, scale]) if in_compose else scale)
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2,
+                            callbacks=[TransformScale(from_loss)], num_sanity_val_steps=0)
+    fit = lambda: trainer.fit(TinyClassifier(), DataLoader(ds, batch_size=16))  # noqa: E731
+    if from_loss:
+        with pytest.raises(PrivacyConfigurationError, match=r"transform setting Scale\.factor \(float\)"):
+            fit()
+    else:
+        fit()
+        assert scale.factor == pytest.approx(1.1) and trainer.strategy.ledger.steps >= 6
