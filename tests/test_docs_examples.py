@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [("docs/accounting.md", "EpsilonCeiling"), ("docs/architecture.md", "PrivateStep.from_config"),
             ("docs/performance.md", "fixed_batch_size="), ("README.md", "step.calibrate("),
-            ("docs/release_boundary.md", "warn_or_refuse(")]
+            ("docs/release_boundary.md", "warn_or_refuse("), ("docs/getting_started.md", "PrivateStandardizer(")]
 
 
 @pytest.mark.parametrize("page, name", EXAMPLES)

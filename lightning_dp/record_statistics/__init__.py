@@ -10,6 +10,8 @@ to the longest record: each depends on every record, and is released with the mo
 - :mod:`.derived_columns`: per-record columns derived from the labels (balanced weights, a target encoding);
 - :mod:`.loader_statistics`: the training loader's collate function, sampler and transforms as holders;
 - :mod:`.record_lengths`: the records' lengths kept as a setting (the longest record's token count).
+- :mod:`.released_statistics`: what a DP mechanism released and a ledger charged (a private standardiser's mean and
+  standard deviation), which the check lets through.
 
 It stands below the checks of a step (:mod:`lightning_dp.validators` imports it, never the reverse) and above
 :mod:`lightning_dp.fingerprints` and :mod:`lightning_dp.records`, whose row digests tell a copy of the records

@@ -35,6 +35,9 @@ ledger counts, the trained model is then not differentially private.
   interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
   scaled by their own statistics.
 
+Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
+standard deviation) and features scaled by them are not refused (:mod:`.released_statistics`).
+
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
 within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
 data normalised per record). Names declared
@@ -48,7 +51,7 @@ statistics in another way (to another range, by a rank transform).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +66,7 @@ from lightning_dp.record_statistics.loader_statistics import transform_holders
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.record_lengths import lengths_held
+from lightning_dp.record_statistics.released_statistics import is_released, is_released_scaling
 from lightning_dp.record_statistics.second_moments import SecondMoments
 
 MAX_ELEMENTS = 1 << 27
@@ -75,11 +79,12 @@ _DERIVED = ("a sample weight computed from the training labels' counts", "a targ
 
 
 def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = (),
-                         loader: Any = None) -> list[str]:
+                         loader: Any = None, charged: Optional[Collection[str]] = None) -> list[str]:
     """What ``holders`` ((path, object): modules, a datamodule), the training ``loader``'s collator and the datasets'
     transforms (:mod:`.loader_statistics`) keep that is a statistic of ``dataset``'s tensors or of its records'
     lengths (:mod:`.record_lengths`), which of its feature tensors are standardised with their own statistics, and
-    which of the modules' parameters and buffers hold training records (:func:`records_in_weights`), as findings."""
+    which of the modules' parameters and buffers hold training records (:func:`records_in_weights`), as findings.
+    ``charged``: the runs of the fit's ledger, whose DP releases pass (:mod:`.released_statistics`; ``None``: any)."""
     holders = list(holders)
     datasets, tensors = dataset_parts(dataset)
     in_weights = records_in_weights([m for _, m in holders if isinstance(m, nn.Module)], tensors, public)
@@ -87,7 +92,8 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
     holders += transform_holders(loader, datasets)
     lengths = lengths_held(_candidates([*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]),
                            tensors, public)
-    return list(dict.fromkeys(in_weights + _statistics_held(holders, datasets, tensors, public) + derived + lengths))
+    held = _statistics_held(holders, datasets, tensors, public, charged)
+    return list(dict.fromkeys(in_weights + held + derived + lengths))
 
 
 def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str, Tensor]],
@@ -112,12 +118,14 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
 
 
 def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any],
-                     tensors: Sequence[tuple[str, Tensor]], public: Sequence[str]) -> list[str]:
+                     tensors: Sequence[tuple[str, Tensor]], public: Sequence[str],
+                     charged: Optional[Collection[str]] = None) -> list[str]:
     stats = [(f"{name} of the training {path.lstrip('.') or 'tensor'}", value)
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     shaped = _ByWidth(tensors)
     found = [f"the training {path.lstrip('.') or 'tensor'} is {how}"
-             for path, t in tensors for how in [_scaled_by_itself(t, shaped.order)] if how]
+             for path, t in tensors for how in [_scaled_by_itself(t, shaped.order)]
+             if how and not is_released_scaling(t, charged)]  # scaled by a DP release (:mod:`.released_statistics`)
     if not stats:
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
@@ -128,7 +136,8 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         if id(value) in data_ids or is_public(name, public):
             continue
         candidate = _as_tensor(value)
-        if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)):
+        if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)) \
+                or is_released(candidate, charged):  # a DP release its ledger counts (:mod:`.released_statistics`)
             continue
         for stat_name, stat in stats:
             if stat_name.startswith(_ONE_NUMBER) and candidate.numel() == 1 and _round(float(candidate)):
@@ -257,10 +266,11 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
         "every training record and no noise covers them: a buffer is released with the model and its checkpoints, "
         "and data scaled by its own statistics makes each example's gradient depend on all the others, so the model "
         "would not be differentially private whatever σ the ledger counts. Nothing was released. Normalise with "
-        "public constants (a known range: pixels / 255, digits / 16) or statistics of public data; weight classes by "
-        "a public prior; initialise layers at random or from public data; or estimate them with a DP mechanism of "
-        "your own and account for its ε. If a value is not derived from this training data, declare it: "
-        "DPStrategy(public_state=[name]).")
+        "public constants (a known range: pixels / 255, digits / 16) or statistics of public data; standardise "
+        "features with lightning_dp.data.PrivateStandardizer (a DP mean and standard deviation, charged to this "
+        "fit's DPStrategy); weight classes by a public prior; initialise layers at random or from public data; or "
+        "estimate them with a DP mechanism of your own and account for its ε. If a value is not derived from this "
+        "training data, declare it: DPStrategy(public_state=[name]).")
 
 
 def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:

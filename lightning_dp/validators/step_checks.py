@@ -123,7 +123,8 @@ class StepChecks:
         holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
                                                if is_datamodule(cb)]
         loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
-        found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader)
+        charged = {e.run for e in self.ledger.entries if e.run}  # DP releases this fit's ledger counts pass
+        found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader, charged)
         if found:
             raise data_statistics_error(found)
         found = vocabulary_held(holders + loader_holders(loader), self._source[0], self.boundary.public_state)

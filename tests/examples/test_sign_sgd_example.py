@@ -24,6 +24,21 @@ def test_smoke_run_writes_table_and_plot(example: ModuleType, tmp_path: Path) ->
     for label in ("SGD", "SignSGD", "DP-SignSGD ε≈10", "DP-SignSGD ε≈1"):
         assert text.count(f"| {label} |") == 2  # without and with Lévy noise
     assert "σ paper grid" in text and "step 6" in text
+    assert "| ε with the standardiser (ours) |" in text  # the whole pipeline's ε, the standardiser's releases in it
+
+
+def test_features_are_standardised_privately_and_pass_rule_11(example: ModuleType) -> None:
+    from torch.utils.data import TensorDataset
+
+    from lightning_dp.data import PrivateStandardizer
+    from lightning_dp.record_statistics.data_statistics import data_statistics_held
+
+    data = example.load_data(0)
+    assert isinstance(data.scaler, PrivateStandardizer) and data.scaler.releases == 2
+    x = torch.cat([x for x, _ in data.workers])
+    y = torch.cat([y for _, y in data.workers]).squeeze(1).long()
+    assert data_statistics_held([], TensorDataset(x, y)) == []
+    assert x.mean(0).abs().max() > 1e-3  # not the exact standardisation: noise and clipping show
 
 
 @pytest.mark.parametrize("t", [0.5, 2.0, 6.0])

@@ -1,0 +1,92 @@
+"""Statistics released by a DP mechanism that charged a ledger (record_statistics/released_statistics.py): the check of
+rule 11 lets the released mean and standard deviation, and features scaled by them, through — and still refuses the
+exact statistics (a user's own mean, scikit-learn's StandardScaler) next to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TinyClassifier, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import DPStrategy, PrivacyConfigurationError
+from lightning_dp.accounting import PrivacyLedger
+from lightning_dp.data import PrivateStandardizer
+from lightning_dp.record_statistics.data_statistics import data_statistics_held
+from lightning_dp.record_statistics.released_statistics import is_released, is_released_scaling
+
+# σ so small that the released statistics are within the check's 1e-4 of the exact ones (noise on the mean
+# σ·‖h‖/n = 5e-6): without the notes, the check would take them for the exact statistics.
+N, D, SIGMA = 4000, 4, 1e-3
+
+
+@pytest.fixture(scope="module")
+def private():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, D, generator=g) * torch.tensor([1.0, 2.0, 1.5, 1.0]) + torch.tensor([1.0, -2.0, 3.0, 0.5])
+    x = x.clamp(-9.0, 9.0)  # inside the public range: the released mean is the features' own, noised
+    y = (x[:, 0] > 1).long()
+    scaler = PrivateStandardizer(-10.0, 10.0, SIGMA, generator=torch.Generator().manual_seed(4))
+    scaled = scaler.fit_transform(x, PrivacyLedger())
+    return x, y, scaler, scaled
+
+
+class Normalised(nn.Module):
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+        self.linear = nn.Linear(D, 2)
+
+
+def test_features_scaled_by_released_statistics_pass_and_standard_scaler_is_refused(private):
+    x, y, _, scaled = private
+    assert data_statistics_held([], TensorDataset(scaled, y)) == []
+    assert data_statistics_held([], TensorDataset(scaled.double(), y)) == []  # a copy in another precision
+    from sklearn.preprocessing import StandardScaler
+
+    exact = torch.tensor(StandardScaler().fit_transform(x.numpy()), dtype=torch.float32)
+    found = data_statistics_held([], TensorDataset(exact, y))
+    assert any("standardised with its own mean and standard deviation" in f for f in found)
+    own = (scaled - scaled.mean(0)) / scaled.std(0)  # the released scaling standardised again with its own
+    assert not is_released_scaling(own)
+    assert any("standardised with its own" in f for f in data_statistics_held([], TensorDataset(own, y)))
+
+
+def test_released_buffers_pass_and_a_user_computed_mean_is_refused(private):
+    x, y, scaler, _ = private
+    dataset = TensorDataset(x, y)
+    kept = Normalised(scaler.mean.float(), scaler.std.float())  # cast to float32, as a buffer would be
+    assert data_statistics_held([("model", kept)], dataset) == []
+    own = Normalised(x.mean(0), x.std(0))
+    found = data_statistics_held([("model", own)], dataset)
+    assert any("buffer mean equals the per-feature mean" in f for f in found)
+    assert any("buffer std equals the per-feature standard deviation" in f for f in found)
+    assert not is_released(x.mean(0)) and is_released(scaler.mean.float())
+
+
+def test_without_the_notes_the_same_release_would_be_refused(private, monkeypatch):
+    """The notes are what lets them through (so the tests above would fail without them)."""
+    from lightning_dp.record_statistics import released_statistics
+
+    x, y, scaler, scaled = private
+    monkeypatch.setattr(released_statistics, "_RELEASED", [])
+    monkeypatch.setattr(released_statistics, "_SCALED", [])
+    assert data_statistics_held([], TensorDataset(scaled, y))
+    assert data_statistics_held([("model", Normalised(scaler.mean.float(), scaler.std.float()))], TensorDataset(x, y))
+
+
+def test_a_fit_passes_only_the_releases_its_own_ledger_was_charged(private):
+    """A standardiser charged to a ledger thrown away leaves the fit's ε without its releases: refused; charged to the
+    fit's strategy, the same features train."""
+    _, y, scaler, scaled = private
+    loader = DataLoader(TensorDataset(scaled, y), batch_size=400)
+    uncharged = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)standardised with its own mean.*PrivateStandardizer"):
+        quiet_trainer(strategy=uncharged, max_steps=1).fit(TinyClassifier(), loader)
+    assert uncharged.ledger.steps == 0
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    scaler.charge(strategy)
+    quiet_trainer(strategy=strategy, max_steps=1).fit(TinyClassifier(), loader)
+    assert strategy.ledger.entries[0].run == scaler.run and strategy.ledger.steps == 3 + 1
