@@ -1,5 +1,5 @@
 """Callbacks as the kept-state fingerprint reads them: which are trusted (:func:`trusted_callback`: a library's, or one
-handed no batch, :data:`DATA_HOOKS`), what of a callback is state (:func:`_callback_state`: its attributes and its
+handed no batch, :data:`DATA_HOOKS`), what of a callback is state (:func:`callback_state_items`: its attributes and its
 ``state_dict()``), and which attributes of a user's subclass of a Lightning callback are Lightning's own
 (:func:`lightning_owned`, read from the classes' code: :func:`_stored`, :func:`_names`).
 """
@@ -42,7 +42,9 @@ def trusted_callback(callback: Any) -> bool:
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
 
 
-def _callback_state(cb: Any) -> Iterator[tuple[str, Any]]:
+def callback_state_items(cb: Any) -> Iterator[tuple[str, Any]]:
+    """What of callback ``cb`` is state, as (name, value) pairs: its attributes less those Lightning's own code writes
+    (:func:`lightning_owned`) and library functions, then its ``state_dict()`` (less Lightning's entries) if any."""
     owned = lightning_owned(type(cb))  # a subclass of Lightning's callback: what Lightning's own code writes is its
     fields = lightning_fields(cb)
     for key, value in fields.items():

@@ -3,7 +3,7 @@
 Tensors' content checksums (float64 Σx, Σx², Σ (1 + j mod 251)·x_j; :func:`content_sums`), cached by identity,
 storage and version counter (:class:`_Checksums`); the L2 norms of parameters and floating buffers by one fused
 reduction (:func:`_norm_tokens`, kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays
-(:func:`_numpy_token`, :func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
+(:func:`numpy_token`, :func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def _raw_token(value: Any) -> Optional[Hashable]:
     return None
 
 
-def _numpy_token(value: Any) -> Optional[Hashable]:
+def numpy_token(value: Any) -> Optional[Hashable]:
+    """A token of a NumPy value's contents: a scalar by its value, an array by its shape, dtype and digest
+    (:func:`_array_digest`; an object array by its identity); ``None`` for anything not NumPy's."""
     module = type(value).__module__
     if module != "numpy":
         return None

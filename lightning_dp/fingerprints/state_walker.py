@@ -2,7 +2,7 @@
 (:data:`MAX_DEPTH`) and sample (:data:`MAX_ITEMS`), and where that state lives besides a module's attributes — what a
 callable keeps (:func:`callable_state`: closure cells, default arguments, a partial's arguments, a bound object),
 the Python attributes of a tensor or a function (:func:`kept_attributes`), class bodies (:func:`class_attributes`),
-the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`_configuration_object`) —
+the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`) —
 and what is a library's (:func:`_library_callable`, :func:`_library_function`) or Lightning's
 (:func:`lightning_fields`).
 
@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
-from lightning_dp.fingerprints.checksums import _Checksums, _numpy_token, _raw_token
+from lightning_dp.fingerprints.checksums import _Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 
@@ -134,7 +134,7 @@ class _Walker:
             frame = value.gi_frame
             return ("generator", getattr(value, "__qualname__", ""),
                     tuple((k, self.token(v, depth + 1)) for k, v in (frame.f_locals if frame else {}).items()))
-        np_token = _numpy_token(value)
+        np_token = numpy_token(value)
         if np_token is not None:
             return np_token
         if isinstance(value, nn.Module) and id(value) not in self._registered and depth < MAX_DEPTH:
@@ -168,7 +168,7 @@ class _Walker:
             return raw
         if isinstance(value, Dataset):
             return dataset_token(value)  # the data, not state: its tensors by version, so an in-place write shows
-        if _is_library(value) and _configuration_object(value) and id(value) not in self._objects:
+        if _is_library(value) and configuration_object(value) and id(value) not in self._objects:
             self._objects.add(id(value))  # a library's configuration (Hugging Face's model.config): a namespace
             return ("configuration", type(value).__name__,
                     tuple((k, self.token(v, depth + 1)) for k, v in vars(value).items() if not k.startswith("_")))
@@ -235,7 +235,7 @@ def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list
             and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not _library_function(v)]
 
 
-def _configuration_object(value: Any) -> bool:
+def configuration_object(value: Any) -> bool:
     """A library's configuration object: a dataclass or an object that writes itself out as a dict (Hugging Face's
     ``PretrainedConfig`` and ``GenerationConfig``, peft's configs). Code uses one as a namespace
     (``model.config.temperature = …``), and it is saved with the model (``config.json``): its public fields are read
@@ -387,7 +387,7 @@ version counter."""
 def freeze(value: Any, depth: int = 0) -> Hashable:
     """A token of a plain value held outside the modules (an optimizer's hyper-parameter or extra state, a scheduler's
     state): two tokens are equal when a write from the data could not have told the values apart. Scalars as the walk
-    reads them (:func:`_scalar_token`), and NumPy values (:func:`_numpy_token`); a tensor by its values when small
+    reads them (:func:`_scalar_token`), and NumPy values (:func:`numpy_token`); a tensor by its values when small
     (:data:`SMALL_TENSOR`), else by identity, shape and version counter; containers item by item; a function by what
     it keeps (:func:`closure_token`); a plain object by its attributes; to :data:`PLAIN_DEPTH` levels. Modules,
     classes and objects without attributes by identity (their contents are the walk's to read, not a setting's)."""
@@ -399,7 +399,7 @@ def freeze(value: Any, depth: int = 0) -> Hashable:
             return ("tensor", tuple(value.shape), str(value.dtype),
                     tuple(repr(v) for v in value.detach().reshape(-1).tolist()))
         return ("tensor", tuple(value.shape), id(value), value._version)
-    np_token = _numpy_token(value)
+    np_token = numpy_token(value)
     if np_token is not None:
         return np_token
     if depth >= PLAIN_DEPTH:

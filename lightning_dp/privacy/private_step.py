@@ -70,7 +70,7 @@ from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Priv
 from lightning_dp.privacy.user_sampling import UserPoissonBatchSampler
 from lightning_dp.units import Users
 from lightning_dp.validators import validate_module
-from lightning_dp.validators.step_checks import StepChecks, _another_rank_error, _probe_refusal, mark_private  # noqa
+from lightning_dp.validators.step_checks import StepChecks, mark_private
 from lightning_dp.validators.layers import ATTACHED  # models with an engine attached (one at a time: hooks would mix)
 from lightning_dp.validators.layers import sparse_optimizer_error
 from lightning_dp.validators.loaders import TrainingPopulation, training_population

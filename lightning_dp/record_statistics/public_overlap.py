@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
-from lightning_dp.records.held_records import DIGESTED_DTYPES, MAX_DIGESTED, _digests
+from lightning_dp.records.held_records import DIGESTED_DTYPES, MAX_DIGESTED, row_digest_array
 from lightning_dp.records.public_inputs import public_rows
 from lightning_dp.records.subset_chain import subset_levels
 
@@ -100,10 +100,10 @@ def training_rows_share(rows: Sequence[Tensor], training: Any) -> tuple[int, int
                 reference, ours = reference.to(dtype), candidate  # a float16 copy of float32 rows
             else:
                 ours = candidate.to(t.dtype)
-            values, counts = np.unique(_digests(reference), return_counts=True)
+            values, counts = np.unique(row_digest_array(reference), return_counts=True)
             if (counts == 1).sum() < DISTINCT * len(reference):
                 continue  # low-entropy rows (a few categories): independent data share them by nature
-            found |= np.isin(_digests(ours), values[counts == 1])
+            found |= np.isin(row_digest_array(ours), values[counts == 1])
         hits, compared = hits + int((found & varied).sum()), compared + int(varied.sum())
     return hits, compared
 

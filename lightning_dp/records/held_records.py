@@ -38,7 +38,7 @@ def row_digests(t: Tensor, rounded: Optional[torch.dtype] = None) -> Optional[se
     cached = _DIGESTS.get((id(t), rounded))
     if cached is not None and cached[0]() is t and cached[1] == key:
         return cached[2]
-    values, counts = np.unique(_digests(t if rounded is None else t.detach().to(rounded)), return_counts=True)
+    values, counts = np.unique(row_digest_array(t if rounded is None else t.detach().to(rounded)), return_counts=True)
     unique = set(values[counts == 1].tolist())
     if len(_DIGESTS) >= 8:
         _DIGESTS.pop(next(iter(_DIGESTS)))
@@ -51,8 +51,10 @@ _DIGESTS: dict[tuple[int, Optional[torch.dtype]], tuple[Any, tuple[Any, ...], se
 validation check asks at every release."""
 
 
-def _digests(t: Tensor) -> np.ndarray:
-    """Each row's bytes as 64-bit words (zero-padded), combined with fixed odd multipliers (wrapping)."""
+def row_digest_array(t: Tensor) -> np.ndarray:
+    """A 64-bit digest of each row (along dimension 0) of ``t``, in order, repeated rows included (unlike
+    :func:`row_digests`): the row's bytes as 64-bit words (zero-padded), combined with fixed odd multipliers
+    (wrapping). Equal rows of the same dtype and width digest alike, in any tensor and any run."""
     rows = t.detach().to("cpu").contiguous().reshape(t.shape[0], -1)
     if rows.dtype == torch.bfloat16:  # no NumPy type: its bits
         rows = rows.view(torch.int16)
@@ -97,7 +99,7 @@ def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
         return False
     flat = sample.reshape(sample.shape[0], -1)
     varied = (flat != flat[:, :1]).any(1).tolist()  # a constant row (zeros: an empty queue) says nothing
-    hits = sum(v and int(d) in rows for d, v in zip(_digests(sample).tolist(), varied))
+    hits = sum(v and int(d) in rows for d, v in zip(row_digest_array(sample).tolist(), varied))
     return (hits >= 2 and 2 * hits >= sample.shape[0]) or (n == 1 and hits == 1)
 
 

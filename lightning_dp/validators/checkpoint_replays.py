@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_dp.validators.held_vocabulary import vocabulary_error, vocabulary_in
 from lightning_dp.validators.hook_replays import replaying, users_hook
 from lightning_dp.fingerprints.callback_state import is_datamodule
-from lightning_dp.fingerprints.checksums import _numpy_token, content_sums
+from lightning_dp.fingerprints.checksums import numpy_token, content_sums
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.fingerprints.public_names import is_public
@@ -124,7 +124,7 @@ def _entries(checkpoint: dict[str, Any], known: set[int]) -> dict[str, Hashable]
             for i, v in enumerate(value):
                 visit(v, f"{path}[{i}]", depth + 1)
         else:
-            token = _numpy_token(value)
+            token = numpy_token(value)
             out[path] = token if token is not None else _pickled(value)
 
     visit(checkpoint, "", 0)

@@ -23,13 +23,13 @@ training data (:mod:`.logged_reads`), while a private fit trains:
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_dp.diagnostics import StepDiagnostics
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.call_sites import first_caller, package_of
 
 __all__ = ["DATA_FIELDS", "check", "moved", "moved_diagnostics", "paused", "unwatch", "watch"]
 
@@ -84,15 +84,8 @@ def moved(holder: Any, up: bool) -> Iterator[None]:
 def _users_caller() -> bool:
     """Whether the first caller outside this module, lightning_dp.diagnostics and the standard library is the user's
     code (not a library's)."""
-    frame: Any = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        top = name.split(".")[0]
-        if name not in (_THIS, "lightning_dp.diagnostics") and (top not in sys.stdlib_module_names
-                                                                 or top == "__main__"):
-            return top not in _LIBRARIES
-        frame = frame.f_back
-    return False
+    frame = first_caller(2, modules=(_THIS, "lightning_dp.diagnostics"), standard=True)
+    return frame is not None and package_of(frame) not in _LIBRARIES
 
 
 def read_error(field: str, hook: str) -> PrivacyConfigurationError:

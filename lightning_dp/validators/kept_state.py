@@ -65,7 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.fingerprints.callback_state import _callback_state, is_datamodule, trusted_callback
+from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
@@ -228,7 +228,7 @@ class StateFingerprint:
                 continue
             label = type(cb).__name__
             kind = "datamodule" if is_datamodule(cb) else "callback"
-            for key, value in _callback_state(cb):
+            for key, value in callback_state_items(cb):
                 path = f"{label}.{key}"
                 if not self._is_public(path) and not self._is_public(label):
                     entries[f"{kind} {path}"] = walker.named(path, value, fresh=key == "state_dict()")

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
-from lightning_dp.fingerprints.state_walker import _configuration_object
+from lightning_dp.fingerprints.state_walker import configuration_object
 from lightning_dp.records.fetch import seeded
 from lightning_dp.records.library_objects import is_library as _is_library
 
@@ -147,7 +147,7 @@ def filled_alike(slots: Sequence[Slot], fingerprint: Any, before: Any, written: 
 def held_objects(module: nn.Module) -> list[Any]:
     """The objects whose public fields the fingerprint reads (:class:`~.state_walker._Walker`) held by a public
     attribute of ``module`` or a submodule, each once: a library's configuration object (Hugging Face's
-    ``model.config``, a dataclass: :func:`~.state_walker._configuration_object`) or a plain object of the user's (not a
+    ``model.config``, a dataclass: :func:`~.state_walker.configuration_object`) or a plain object of the user's (not a
     module, tensor, dataset, class or function), and those held by their fields in turn (to :data:`OBJECT_DEPTH`). A
     library's other objects are compared by identity only: a field set on them is not seen, and needs no putting
     back."""
@@ -172,7 +172,7 @@ def _fielded(value: Any) -> bool:
     """Whether the fingerprint reads ``value``'s fields: a configuration object, or a plain object of the user's."""
     if not hasattr(value, "__dict__") or isinstance(value, _NOT_PLAIN):
         return False
-    return _configuration_object(value) if _is_library(value) else True
+    return configuration_object(value) if _is_library(value) else True
 
 
 _NOT_PLAIN = (type, nn.Module, Tensor, Dataset, types.ModuleType, types.FunctionType, types.MethodType,

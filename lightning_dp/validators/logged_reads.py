@@ -38,6 +38,7 @@ from lightning_dp.validators import metric_values
 from lightning_dp.validators.hook_replays import moved_far, moved_near
 from lightning_dp.validators.monitored import training_logged
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.records.call_sites import STANDARD as _STANDARD, first_caller, package_of
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import decisions, hyperparameters, hyperparameters_error
@@ -57,7 +58,6 @@ stepped."""
 
 _LIBRARIES = frozenset(LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX", "tqdm", "rich", "pandas", "yaml",
                                               "fsspec", "wandb", "mlflow", "neptune", "comet_ml", "_pytest", "pluggy"}
-_STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
 _THIS = __name__
 _ABSENT = object()
 
@@ -377,11 +377,5 @@ def _logging() -> bool:
 def _users_frame() -> Optional[Any]:
     """The frame of the first caller that is neither this module nor the standard library, if it is the user's code
     (not a library's)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        top = name.split(".")[0]
-        if name != _THIS and top not in _STANDARD:
-            return None if top in _LIBRARIES else frame
-        frame = frame.f_back
-    return None
+    frame = first_caller(2, modules=(_THIS,), standard=True)
+    return None if frame is None or package_of(frame) in _LIBRARIES else frame

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.call_sites import first_caller, package_of
 from lightning_dp.validators.logged_reads import STEP_HOOKS
 
 __all__ = ["MEDIA", "TRAINING_HOOKS", "unwatch", "watch", "watch_fit"]
@@ -168,14 +169,8 @@ def output_error(method: str, hook: str) -> PrivacyConfigurationError:
 
 def _library_call() -> bool:
     """Whether the caller (outside this module and the standard library) is lightning_dp's own code."""
-    frame: Any = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "") or ""
-        top = module.split(".")[0]
-        if module != __name__ and (top not in sys.stdlib_module_names or top == "__main__"):
-            return top == "lightning_dp"
-        frame = frame.f_back
-    return False
+    frame = first_caller(2, modules=(__name__,), standard=True)
+    return frame is not None and package_of(frame) == "lightning_dp"
 
 
 def _calling_hook(current: str) -> str:

@@ -29,13 +29,14 @@ the class level (every ``Metric``, made before or during the fit), and restored 
 
 from __future__ import annotations
 
-import sys
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_dp.records.call_sites import first_caller, package_of
 
 __all__ = ["SealedMetric", "moved", "unwatch", "watch"]
 
@@ -59,19 +60,14 @@ def _users_caller(depth: int, metric: Any = None) -> bool:
     """Whether the first caller (``depth`` frames up) outside torch and the standard library is the user's code;
     given ``metric``, not when that code is ``metric``'s own machinery (one of its methods, called by its ``update``,
     ``compute``, ``reset`` or ``merge_state``)."""
-    frame: Any = sys._getframe(depth)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        top = name.split(".")[0]
-        if name != _THIS and top != "torch" and (top not in sys.stdlib_module_names or top == "__main__"):
-            if top in _LIBRARIES:
-                return False
-            if metric is None or frame.f_locals.get("self") is not metric:
-                return True
-            if frame.f_code.co_name in _MACHINERY:
-                return False
-        frame = frame.f_back
-    return False
+    def helper(frame: Any) -> bool:  # one of the metric's own methods called by its machinery: passed over
+        return frame.f_locals.get("self") is metric and frame.f_code.co_name not in _MACHINERY \
+            and package_of(frame) not in _LIBRARIES
+
+    frame = first_caller(depth, modules=(_THIS,), packages=("torch",), standard=True,
+                         also=None if metric is None else helper)
+    return frame is not None and package_of(frame) not in _LIBRARIES and (
+        metric is None or frame.f_locals.get("self") is not metric)
 
 
 def _move(value: Any, up: bool) -> Any:

@@ -23,13 +23,13 @@ with the state it had (the glue).
 from __future__ import annotations
 
 import operator
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+from lightning_dp.records.call_sites import first_caller
 
 _METHODS = ("__getitem__", "__getitems__")
 
@@ -132,12 +132,8 @@ class RecordWatch:
 
 def _ours() -> bool:
     """Whether lightning_dp's own reading of examples (:mod:`lightning_dp.records.fetch`) is on the stack."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "lightning_dp.records.fetch":
-            return True
-        frame = frame.f_back
-    return False
+    fetch = first_caller(2, also=lambda frame: frame.f_globals.get("__name__") != "lightning_dp.records.fetch")
+    return fetch is not None
 
 
 @contextmanager

@@ -28,7 +28,6 @@ writes it. Torch's optimizers only return the closure's loss, and train unchange
 
 from __future__ import annotations
 
-import sys
 from itertools import chain
 import weakref
 from typing import Any, Callable, Optional
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.call_sites import first_caller, package_of
 
 __all__ = ["HandedLoss", "SealedLoss", "check_kept", "handed", "sealed", "sealed_loss_error", "watch"]
 
@@ -157,10 +157,8 @@ _LIBRARIES = ("pytorch_lightning", "lightning", "lightning_dp")
 def _libraries_own() -> bool:
     """Whether the operation is Lightning's or lightning_dp's own (the first caller outside torch: Lightning divides
     the loss by the accumulation factor, 1, as it hands it on)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "torch":
-        frame = frame.f_back
-    return frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES
+    frame = first_caller(2, packages=("torch",))
+    return frame is not None and package_of(frame) in _LIBRARIES
 
 
 def watch(module: Any) -> None:

@@ -27,7 +27,7 @@ from lightning_dp.records.values import same_tensor_values
 from lightning_dp.fingerprints.context_values import is_context_variable
 from lightning_dp.fingerprints.dataset_tokens import put_back
 from lightning_dp.fingerprints.context_values import restore as context_restore
-from lightning_dp.fingerprints.state_walker import MAX_DEPTH, _configuration_object, callable_state, class_attributes
+from lightning_dp.fingerprints.state_walker import MAX_DEPTH, configuration_object, callable_state, class_attributes
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
@@ -94,11 +94,11 @@ def _contents(value: Any, depth: int) -> Restore:
 
 def _plain(value: Any) -> bool:
     """Whether ``value``'s attributes are restored: a plain object of the user's, or a library's configuration object
-    (Hugging Face's ``model.config``: :func:`~.state_walker._configuration_object`), whose public fields the fingerprint
+    (Hugging Face's ``model.config``: :func:`~.state_walker.configuration_object`), whose public fields the fingerprint
     reads as state — a ``config.problem_type`` a pass set on its first forward is ``None`` again after it."""
     root = (type(value).__module__ or "").split(".")[0]
     return root not in ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins", "logging",
-                        "threading", "transformers", "torchmetrics") or _configuration_object(value)
+                        "threading", "transformers", "torchmetrics") or configuration_object(value)
 
 
 def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightning_dp.records.held_records import DIGESTED_DTYPES, holds_records, row_digests
+from lightning_dp.records.held_records import DIGESTED_DTYPES, holds_records, row_digest_array, row_digests
 from lightning_dp.validators.outside_records import _FLOAT_MASKS, _INT_MASKS
 
 
 def test_the_digested_dtypes_are_those_the_exchange_can_flip():
     assert DIGESTED_DTYPES == set(_FLOAT_MASKS) | set(_INT_MASKS)
+
+
+def test_every_row_has_its_digest_in_order_repeats_included():
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    digests = row_digest_array(torch.cat([x, x[1:2]]))
+    assert digests.shape == (5,) and digests.dtype == np.uint64
+    assert len(set(digests[:4].tolist())) == 4 and digests[4] == digests[1]
+    assert np.array_equal(row_digest_array(x.clone()), digests[:4])
+    assert set(row_digests(x)) == set(digests[:4].tolist())
 
 
 def test_rows_a_float16_copy_and_an_affine_image_hold_the_records_and_a_statistic_does_not():

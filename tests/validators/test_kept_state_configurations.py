@@ -1,5 +1,5 @@
 """A library's configuration object used as a namespace is state (validators/kept_state.py,
-``_configuration_object``): Hugging Face's ``model.config`` given a temperature from the batch loss at batch end, or
+``configuration_object``): Hugging Face's ``model.config`` given a temperature from the batch loss at batch end, or
 ``generation_config.max_length`` from the training batches (saved by ``save_pretrained``), steers later steps or
 leaves with the model un-noised and is refused; fields set from public values train."""
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, fit  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.fingerprints.state_walker import _configuration_object  # noqa: E402
+from lightning_dp.fingerprints.state_walker import configuration_object  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,8 +68,8 @@ class _Settings:
 
 
 def test_what_counts_as_a_configuration_object():
-    assert _configuration_object(transformers.PretrainedConfig())
-    assert _configuration_object(transformers.GenerationConfig())
-    assert _configuration_object(_Settings())
-    assert not _configuration_object(nn.Linear(2, 2)) and not _configuration_object(torch.zeros(2))
-    assert not _configuration_object(object())
+    assert configuration_object(transformers.PretrainedConfig())
+    assert configuration_object(transformers.GenerationConfig())
+    assert configuration_object(_Settings())
+    assert not configuration_object(nn.Linear(2, 2)) and not configuration_object(torch.zeros(2))
+    assert not configuration_object(object())
