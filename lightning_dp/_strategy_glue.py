@@ -550,6 +550,12 @@ class PrivateTraining:
             step.calibrate(0)  # σ given: only the δ ≥ 1/N warning
             return
         planned = self._planned_steps()
+        if getattr(trainer, "fast_dev_run", False):  # qa12 b14/b15: the smoke run spent the real fit's budget
+            rank_zero_warn(f"{self.label}: fast_dev_run with target_epsilon={step.target_epsilon}: σ is calibrated "
+                           f"for this {planned}-step smoke run, which spends the whole budget, and its releases stay "
+                           "in this module's ledger (a later fit of this module or of its weights continues it and "
+                           "finds the budget spent). For a smoke test pass noise_multiplier=<σ> instead of "
+                           "target_epsilon, or smoke-test a separate instance of the model.")
         first = step.steps_taken  # the releases' own indices (a step refused by a ceiling counted in global_step only)
         message = step.fit_target(first, planned - trainer.global_step + first)
         if message:

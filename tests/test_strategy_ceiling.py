@@ -166,3 +166,22 @@ def test_the_ceilings_stop_is_said_once_with_epsilon_delta_and_the_step():
     steps = strategy.ledger.steps
     assert f"training stops at step {steps}" in said[0] and "δ = 1e-05" in said[0]
     assert f"ε = {ledger_epsilon(strategy.ledger, DELTA):.4g} spent" in said[0]
+
+
+def test_a_fast_dev_run_with_a_target_warns_that_it_spends_the_budget_and_the_next_fit_says_why():
+    """qa12 b14/b15: fast_dev_run calibrated σ for its one step and spent the whole target ε; the real fit of the same
+    module was then refused without naming the smoke run."""
+    model = TinyClassifier()
+    smoke = quiet_trainer(strategy=DPStrategy(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0), fast_dev_run=True)
+    with pytest.warns(UserWarning, match=r"fast_dev_run with target_epsilon=3\.0: σ is calibrated for this 1-step"):
+        smoke.fit(model, make_loader())
+    assert smoke.strategy.ledger.steps == 1
+    real = quiet_trainer(strategy=DPStrategy(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0), max_epochs=2)
+    with pytest.raises(PrivacyConfigurationError, match="a fast_dev_run smoke test too"):
+        real.fit(model, make_loader())
+
+
+def test_a_fit_without_fast_dev_run_does_not_warn_of_it(recwarn):
+    quiet_trainer(strategy=DPStrategy(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0), max_steps=2).fit(
+        TinyClassifier(), make_loader())
+    assert not [w for w in recwarn if "fast_dev_run" in str(w.message)]
