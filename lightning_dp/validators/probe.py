@@ -690,20 +690,16 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
              " (h - h.mean(0), batch statistics, attention or pooling over dimension 0); a layer on flattened rows"
              " that are not example-major (h.transpose(0, 1).reshape(-1, d): flatten the [B, T, d] tensor itself, "
              "so example i owns rows i*T...(i+1)*T-1); or randomness other than dropout in the forward.")
-    if engine is not None:
+    if engine is not None and not hinted:
         cause += (f" If the examples are independent (a non-private step on each alone agrees), engine '{engine}' "
                   "gets one of the layers' per-example gradients wrong: try another (per_sample='ghost', 'vmap' "
                   "or 'opacus_hooks'; 'auto' tries each engine that serves the model) and please report it.")
-    if sorted_batch:
-        cause = sorted_batch_hint() + cause
-    if weighted_mean:
-        cause = weighted_mean_hint() + cause
-    cause = precision + cause
+    found = precision + (weighted_mean_hint() if weighted_mean else "") + (sorted_batch_hint() if sorted_batch else "")
     where = f" (parameter {name})" if name else ""
-    return PrivacyConfigurationError(
-        f"Examples interact{where}: the first step's probe computed the same examples' gradients as one batch of "
-        f"{k} and one by one, and they differ (for {_differing(together, alone)} of the {k}; no gradient values are "
-        "quoted: they are the training data's). Per-example clipping then does not bound one example's "
+    return PrivacyConfigurationError(  # a recognised cause and its fix first (qa12 b06: it came after the generic text)
+        f"Examples interact{where}: {found}The first step's probe computed the same examples' gradients as one batch "
+        f"of {k} and one by one, and they differ (for {_differing(together, alone)} of the {k}; no gradient values "
+        "are quoted: they are the training data's). Per-example clipping then does not bound one example's "
         f"influence by C. Nothing was released. {cause}"
     )
 
