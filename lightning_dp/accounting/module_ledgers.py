@@ -68,11 +68,14 @@ from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.lineage import RESIDUAL, PathSketches, fit_path, follows
 from lightning_dp.fingerprints.checksums import content_sums
 from lightning_dp.fingerprints.state_walker import callable_state
+from lightning_dp.records.identity import IdentityMap
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, PrivacyLedger]" = weakref.WeakKeyDictionary()
 _BY_CONTENT: dict[bytes, PrivacyLedger] = {}
 """Digest of a trainable parameter's contents after releases changed it → the record that trained it (a copy)."""
-_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[bytes, Tensor]]]" = weakref.WeakKeyDictionary()
+_AT_BIND: "weakref.WeakKeyDictionary[nn.Module, IdentityMap[tuple[bytes, Tensor]]]" = weakref.WeakKeyDictionary()
+"""Module → its trainable parameters at :func:`bind` (by identity: one replaced since is freed, and a new one taking
+its id is not judged by its start) → (digest, sketch)."""
 _PATHS: "weakref.WeakKeyDictionary[nn.Module, tuple[PrivacyLedger, PathSketches]]" = weakref.WeakKeyDictionary()
 """Module → (the ledger bound to it, the sketches of its parameters along the fit: accounting/lineage.py)."""
 _INTERNALS = frozenset(vars(nn.Module())) | {
@@ -225,7 +228,9 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     ``module`` and its submodules."""
     for part in module.modules():
         _RECORDS[part] = ledger
-    _AT_BIND[module] = {id(p): (digest(p), sample(p)) for p in _trainable(module)}
+    _AT_BIND[module] = at_bind = IdentityMap()
+    for p in _trainable(module):
+        at_bind[p] = (digest(p), sample(p))
     if ledger.run is None:  # this fit's releases, told apart from another run's with equal settings (combine)
         ledger.run = uuid.uuid4().hex[:16]
     _stop_path(module)
@@ -266,20 +271,21 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
     if not ledger.steps:
         return
     copy = ledger
-    before = _AT_BIND.get(module, {})
+    before = _AT_BIND.get(module, IdentityMap())
     path = _PATHS.get(module, (None, None))[1]
     for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
-        if id(p) not in before:   # refused before its release) keeps a fresh module's weights, not the record's
+        held = before.get(p)  # refused before its release) keeps a fresh module's weights, not the record's; nor
+        if held is None:  # does a parameter that replaced one since (by identity, not by a freed one's id)
             continue
         now = digest(p)
-        if before[id(p)][0] == now:
+        if held[0] == now:
             continue
         for key in (now, *_rounded_digests(p)):
             _BY_CONTENT[key] = copy
         if _sketched(p):
             end = sample(p)
             along = path.of(p) if path is not None else ()
-            _SKETCHES.setdefault(tuple(p.shape), []).append((before[id(p)][1], end, copy, (*along, end)))
+            _SKETCHES.setdefault(tuple(p.shape), []).append((held[1], end, copy, (*along, end)))
 
 
 def _copy(ledger: PrivacyLedger) -> PrivacyLedger:

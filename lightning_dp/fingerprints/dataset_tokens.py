@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_dp.fingerprints.checksums import _array_digest
+from lightning_dp.records.identity import Same
 from lightning_dp.records.stateless import fetch_filled
 
 def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
@@ -58,7 +59,7 @@ def dataset_token(dataset: Any) -> Hashable:
     hook keeps: each replay of the hooks makes another tensor, alike or not by its values). A cache its
     ``__getitem__`` fills is the fetch's to judge (:mod:`~lightning_dp.records.stateless`)."""
     datasets, tensors = dataset_parts(dataset)
-    return ("dataset", type(dataset).__name__, id(dataset),
+    return ("dataset", type(dataset).__name__, Same(dataset),
             tuple((path, _item(t, 0)) for path, t in tensors),
             tuple((key, token) for d in datasets for key, value in (vars(d).items() if hasattr(d, "__dict__") else ())
                   for token in [_records_token(value)] if token is not None))
@@ -182,7 +183,7 @@ def _records_token(value: Any) -> Optional[Hashable]:
         try:
             return ("list", len(value), hash(tuple(value)))
         except TypeError:  # an unhashable item further on
-            return ("list", len(value), id(value))
+            return ("list", len(value), Same(value))
     if _settings(value):  # {"epoch": 2} written by set_epoch: named plain values, as plain attributes are (qa9 e2b)
         return None
     if isinstance(value, (dict, list, set, deque)):  # per-record state a step's hooks write (zoo20 j1)
@@ -192,9 +193,9 @@ def _records_token(value: Any) -> Optional[Hashable]:
         if len(value) > MAX_HASHED:  # its length and a sample of its items, evenly spaced (a fetch's entries, added
             items = list(islice(items, 0, None, max(1, length // SAMPLED)))  # at the end, leave the spacing as it is)
         if filled:
-            items = [(k, v) for k, v in items if filled.get(k) != id(v)]
+            items = [(k, v) for k, v in items if filled.get(k, _ABSENT) is not v]
             length = length if len(value) > MAX_HASHED else len(items)
-        return (type(value).__name__, id(value), length, hash(tuple(_item(x, 0) for x in items)))
+        return (type(value).__name__, Same(value), length, hash(tuple(_item(x, 0) for x in items)))
     return None
 
 
@@ -228,7 +229,7 @@ def _item(value: Any, depth: int) -> Hashable:
     if isinstance(value, Tensor):  # a small one by its values: a loss kept per record is compared across the replays
         if value.numel() <= SMALL and value.layout == torch.strided and not value.is_meta:  # (made anew by each)
             return ("tensor", tuple(value.shape), str(value.dtype), tuple(value.detach().flatten().tolist()))
-        return ("tensor", id(value), value._version, tuple(value.shape))
+        return ("tensor", Same(value), value._version, tuple(value.shape))
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, _array_digest(value))
     if isinstance(value, (tuple, list, dict)) and depth < 2:

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
+from lightning_dp.records.identity import Same
 from lightning_dp.fingerprints.checksums import _Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
@@ -64,27 +65,6 @@ def lightning_fields(obj: Any) -> dict[str, Any]:
         return fields
     return {k: v for k, v in fields.items()
             if k not in _LIGHTNING_KEYS and not (k in _LAZY_KEYS and isinstance(v, dict) and not v)}
-
-
-class Same:
-    """A library's object in a token, compared by identity and *held*: an attribute rebound to a new object of the
-    same type at each step (``self.prior = Categorical(probs=counts / n)``, ``m.gen = torch.Generator().manual_seed(
-    k)``, a ``torch.distributions.Normal`` of the batch's mean) is seen even when the old object is freed, since the
-    fingerprint that saw it keeps it alive until it is compared: a new object never takes its id."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __repr__(self) -> str:
-        return f"Same({type(self.obj).__name__} at {id(self.obj):#x})"
 
 
 class _Walker:
@@ -153,7 +133,7 @@ class _Walker:
         if depth >= MAX_DEPTH:
             if self._fresh:
                 return ("deep", type(value).__name__, len(value) if isinstance(value, Sized) else None)
-            return ("deep", type(value).__name__, id(value))
+            return ("deep", type(value).__name__, Same(value))
         if isinstance(value, (list, tuple, deque)):
             return (type(value).__name__, len(value), tuple(self.token(v, depth + 1) for v in _sample(value)))
         if isinstance(value, dict):
@@ -398,7 +378,7 @@ def freeze(value: Any, depth: int = 0) -> Hashable:
         if value.numel() <= SMALL_TENSOR and not value.is_sparse:
             return ("tensor", tuple(value.shape), str(value.dtype),
                     tuple(repr(v) for v in value.detach().reshape(-1).tolist()))
-        return ("tensor", tuple(value.shape), id(value), value._version)
+        return ("tensor", tuple(value.shape), Same(value), value._version)
     np_token = numpy_token(value)
     if np_token is not None:
         return np_token
@@ -413,7 +393,7 @@ def freeze(value: Any, depth: int = 0) -> Hashable:
     if isinstance(value, (types.FunctionType, types.MethodType)):
         return closure_token(value, depth + 1)
     if isinstance(value, (type, types.ModuleType, nn.Module)) or not hasattr(value, "__dict__"):
-        return ("object", type(value).__qualname__, id(value))
+        return ("object", type(value).__qualname__, Same(value))
     return (type(value).__qualname__, freeze(vars(value), depth + 1))
 
 

@@ -58,6 +58,7 @@ from torch.utils.data import get_worker_info
 from lightning_dp.records.values import same_array_values, same_tensor_values
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import WATCHED, seeded
+from lightning_dp.records.identity import Same
 
 MAX_DEPTH = 4
 """Attribute or item levels walked below the dataset and the collate object."""
@@ -104,42 +105,42 @@ class _Walk:
                 (type(value).__name__, len(value), hash(value))
             return
         if isinstance(value, Tensor):
-            entries[path] = ("tensor", id(value), tuple(value.shape), value._version if self.versions else 0)
+            entries[path] = ("tensor", Same(value), tuple(value.shape), value._version if self.versions else 0)
             return
         if isinstance(value, np.ndarray):
             flat = value.reshape(-1) if value.dtype.hasobject is False else None
             sample = () if flat is None or flat.size == 0 else (flat[:SAMPLED].tobytes(), flat[-SAMPLED:].tobytes())
-            entries[path] = ("array", id(value), value.shape, sample)
+            entries[path] = ("array", Same(value), value.shape, sample)
             return
         if isinstance(value, _RNGS):
             entries[path] = ("generator", type(value).__name__)
             return
         if isinstance(value, _OPAQUE):
-            entries[path] = ("object", id(value))
+            entries[path] = ("object", Same(value))
             return
         if id(value) in self._seen:
-            entries[path] = ("seen", id(value))
+            entries[path] = ("seen", Same(value))
             return
         self._seen.add(id(value))
         self.objects[path] = value
         if isinstance(value, (list, tuple)) or type(value).__name__ == "deque":
-            entries[path] = (type(value).__name__, id(value), len(value))
+            entries[path] = (type(value).__name__, Same(value), len(value))
             if depth < MAX_DEPTH:
                 n = len(value)
                 for i in [*range(min(n, SAMPLED)), *range(max(SAMPLED, n - SAMPLED), n)]:
                     self.visit(value[i], f"{path}[{i}]", depth + 1)
             return
         if isinstance(value, dict):
-            entries[path] = ("dict", id(value), len(value))
+            entries[path] = ("dict", Same(value), len(value))
             if depth < MAX_DEPTH and value:
                 keys = list(value) if len(value) <= 2 * SAMPLED else [*list(value)[:SAMPLED]]
                 for k in keys:
                     self.visit(value[k], f"{path}[{k!r}]", depth + 1)
             return
         if isinstance(value, (set, frozenset)):
-            entries[path] = (type(value).__name__, id(value), len(value))
+            entries[path] = (type(value).__name__, Same(value), len(value))
             return
-        entries[path] = ("object", type(value).__name__, id(value))
+        entries[path] = ("object", type(value).__name__, Same(value))
         if depth < MAX_DEPTH:
             try:
                 names = vars(value)
@@ -209,8 +210,9 @@ class FetchState:
         self._objects: dict[str, Any] = {}
         self._compared = 0
         self._unverified: list[tuple[dict, Any]] = []
-        self.filled: dict[int, dict[Any, int]] = {}
-        """Per index-keyed cache (by id), the entries fetches added: key → id of the value (:func:`fetch_filled`)."""
+        self.filled: dict[int, tuple[dict, dict[Any, Any]]] = {}
+        """Per index-keyed cache (by id, the cache held: a new dict never takes its id), the entries fetches added: key
+        → the value stored (:func:`fetch_filled`)."""
         self.home = os.getpid()  # the process that built the loader: its library reads are watched (fetch.watched)
         self.depth = 0  # inside a watched read or the loader's collate: nested reads are part of it
         WATCHED[id(dataset)] = self
@@ -320,7 +322,7 @@ class FetchState:
 
     def _cache_growth(self, now: dict, token: Any, before_token: Any) -> bool:
         """Whether ``now`` is an index-keyed cache that only gained entries keyed by valid indices."""
-        if isinstance(before_token, tuple) and before_token[:2] == ("dict", id(now)):
+        if isinstance(before_token, tuple) and before_token[:2] == ("dict", Same(now)):
             old = before_token[2]
         elif before_token is _ABSENT or before_token is None or (
                 isinstance(before_token, tuple) and before_token[0] == "dict" and before_token[2] == 0):
@@ -338,7 +340,10 @@ class FetchState:
         if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < n for k in keys):
             return False
         self._unverified.extend((now, k) for k in keys)
-        self.filled.setdefault(id(now), {}).update((k, id(now[k])) for k in keys)
+        held = self.filled.get(id(now))
+        if held is None or held[0] is not now:
+            held = self.filled[id(now)] = (now, {})
+        held[1].update((k, now[k]) for k in keys)
         return True
 
     def _verify_caches(self) -> list[str]:
@@ -370,14 +375,15 @@ class FetchState:
         return []
 
 
-def fetch_filled(cache: dict) -> dict[Any, int]:
-    """The entries of ``cache`` that a watched fetch of a training loader added, as an index-keyed cache (key → id of
-    the value it stored): the fetch's, which the kept-state fingerprint leaves to this module
+def fetch_filled(cache: dict) -> dict[Any, Any]:
+    """The entries of ``cache`` (this very dict) that a watched fetch of a training loader added, as an index-keyed
+    cache (key → the value it stored: an entry holding another object since is not the fetch's): the fetch's, which
+    the kept-state fingerprint leaves to this module
     (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_token`)."""
     for state in list(WATCHED.values()):
-        found = getattr(state, "filled", {}).get(id(cache))
-        if found:
-            return found
+        held = getattr(state, "filled", {}).get(id(cache))
+        if held is not None and held[0] is cache and held[1]:
+            return held[1]
     return {}
 
 

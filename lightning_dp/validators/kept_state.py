@@ -65,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.identity import IdentityMap
 from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
@@ -109,7 +110,7 @@ class StateFingerprint:
         optimizers, the training loader; set by the Lightning glue): their public attributes added after the first
         fingerprint are kept state."""
         self._known_keys: dict[int, tuple[Callable[[], Any], set[str]]] = {}
-        self._readers: set[int] = set()  # callbacks that read a value logged from the data (:meth:`watch`)
+        self._readers: IdentityMap[bool] = IdentityMap()  # callbacks that read a value logged from the data (watch)
         self._reader = ModuleAttributes(self.skip_keys, self._is_public)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
@@ -224,7 +225,7 @@ class StateFingerprint:
                                                    *walker.attributes(fn))
         for cb in callbacks:
             every = every_callback or self.every_callback
-            if (library_callback(cb) if every else trusted_callback(cb)) and id(cb) not in self._readers:
+            if (library_callback(cb) if every else trusted_callback(cb)) and cb not in self._readers:
                 continue
             label = type(cb).__name__
             kind = "datamodule" if is_datamodule(cb) else "callback"
@@ -312,10 +313,10 @@ class StateFingerprint:
     def watch(self, callback: Any, baseline: Fingerprint, callbacks: Sequence[Any]) -> Fingerprint:
         """``callback`` read a value logged from the training data (:mod:`~lightning_dp.validators.logged_reads`):
         from now on its state is kept state, whatever hooks it overrides; returns ``baseline`` with its state now."""
-        if id(callback) in self._readers or not trusted_callback(callback) \
+        if callback in self._readers or not trusted_callback(callback) \
                 or type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES):
             return baseline
-        self._readers.add(id(callback))
+        self._readers[callback] = True
         now = self.take(callbacks)
         return {**baseline, **{k: v for k, v in now.items() if k not in baseline}}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.records.identity import Same
 
 def mechanism_settings(loop: Any) -> dict[str, Any]:
     """The Gaussian mechanism's settings where ``loop`` (a trainer) trains with a private strategy
@@ -27,7 +28,7 @@ def step_mechanism(step: Any) -> dict[str, Any]:
         return {}
     clipping = step.clipping
     bound = ("C", clipping.max_grad_norm) if isinstance(clipping, FlatClipping) else \
-        (type(clipping), id(clipping), clipping.settings())
+        (type(clipping), Same(clipping), clipping.settings())
     return {"noise_multiplier": step.noise_multiplier, "clipping": bound, "policy": clipping}
 
 
@@ -53,7 +54,7 @@ def mechanism_state(step: Any) -> Fingerprint:
     for name, noise in (("noise", getattr(step, "noise", None)),
                         ("release noise", getattr(getattr(step, "_privatizer", None), "noise", None))):
         if noise is not None:
-            out[f"privacy {name}"] = (id(noise), _scalar_settings(noise, private=False))
+            out[f"privacy {name}"] = (Same(noise), _scalar_settings(noise, private=False))
     plan = getattr(step, "plan", None)
     out["privacy sampling"] = None if plan is None else repr(plan)
     return out

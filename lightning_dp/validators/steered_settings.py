@@ -20,6 +20,7 @@ from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callb
 from lightning_dp.fingerprints.callback_state import _codes, _stored
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.state_walker import freeze
+from lightning_dp.records.identity import Same
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
 from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
@@ -43,7 +44,7 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
             if values:
                 prefix = f"optimizer state[{i}][{j}]."
                 for key, value in values.items():
-                    out[f"{prefix}{key}"] = ((id(value), value._version, tuple(value.shape))
+                    out[f"{prefix}{key}"] = ((Same(value), value._version, tuple(value.shape))
                                              if isinstance(value, Tensor) else freeze(value))
     out.update(extra_state(optimizer))  # keys that are not its parameters: a loss kept for a loss-aware step size
     return out

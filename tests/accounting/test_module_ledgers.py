@@ -118,3 +118,24 @@ def test_held_modules_walk_private_names_but_not_torchs_or_lightnings_own():
     held = module_ledgers.held_modules(student)
     assert any(m is teacher for m in held)
     assert not any(m is elsewhere for m in held)
+
+
+def test_a_parameter_put_in_place_of_a_freed_one_is_not_judged_by_its_start():
+    """The weights as bound are remembered per parameter, not per id: a fresh parameter put in place of one freed
+    since (at its address: CPython hands freed memory to the next object of its size) holds no release, and weights
+    equal to it are not charged the fit's."""
+    import torch
+
+    torch.manual_seed(3)
+    module, ledger = nn.Linear(3, 2), _run("replaced")  # too small to be sketched: nothing else holds its weight
+    module_ledgers.bind(module, ledger)
+    freed = id(module.weight)
+    del module.weight
+    made = [nn.Linear(3, 2).weight for _ in range(200)]
+    module.weight = next((p for p in made if id(p) == freed), made[0])  # a fresh layer's weight, never trained
+    ledger.record(1.0, 0.1, 3)
+    module_ledgers.unbind(module, ledger)
+    fresh = nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        fresh.weight.copy_(module.weight)
+    assert module_ledgers.record_of(fresh) is None

@@ -238,3 +238,24 @@ def test_settings_reach_transform_objects_two_levels_down_and_put_back_restores_
     jitter.p, jitter.added = 0.9, 1
     restore()
     assert jitter.p == 0.5 and not hasattr(jitter, "added")
+
+
+def test_a_dataset_tensor_at_a_freed_ones_address_is_a_change():
+    """The dataset's token holds the tensors it compares by identity, version and shape: one rebound to a new
+    tensor of the same shape after the old one is freed (a statistic kept by the step) is not taken for it."""
+    from torch.utils.data import TensorDataset
+
+    from lightning_dp.fingerprints.dataset_tokens import dataset_token
+
+    dataset = TensorDataset(torch.zeros(8, 64))
+    for _ in range(30):  # CPython hands a freed object's memory to the next one of its size (most tries)
+        dataset.kept = torch.zeros(64)
+        before = dataset_token(dataset)
+        freed = id(dataset.kept)
+        dataset.kept = None
+        made = [torch.zeros(64) for _ in range(100)]
+        dataset.kept = next((t for t in made if id(t) == freed), None)
+        if dataset.kept is not None:
+            break
+        dataset.kept = made[0]
+    assert dataset_token(dataset) != before

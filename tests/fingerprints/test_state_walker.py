@@ -82,3 +82,20 @@ def test_a_closures_token_follows_its_cells_and_defaults():
     assert closure_token(first) != closure_token(make(0.25))
     again.__defaults__ = (0.2,)
     assert closure_token(first) != closure_token(again)
+
+
+def test_a_setting_token_holds_what_it_compares_by_identity():
+    """A large tensor in an optimizer's or scheduler's state is tokened by identity and version: the token holds it,
+    so a tensor made after it is freed (a state rebound at each step) never takes its id and passes for it."""
+
+    class Opaque:
+        __slots__ = ("value",)
+
+    for make in (lambda: torch.zeros(64), lambda: Opaque()):
+        kept = {"state": make()}
+        before = freeze(kept)
+        freed = id(kept["state"])
+        kept["state"] = None
+        made = [make() for _ in range(500)]  # CPython hands a freed object's memory to the next one of its size
+        kept["state"] = next((t for t in made if id(t) == freed), made[0])
+        assert freeze(kept) != before

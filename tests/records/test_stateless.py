@@ -373,3 +373,66 @@ def test_a_value_set_on_the_first_read_trains_when_every_record_sets_it_alike(wo
     drain(WorkerIdDS(), workers=workers)
     with pytest.raises(Exception, match="Reading records writes state"):
         drain(FirstLabelDS(), workers=workers)
+
+
+class RunningMeanDS(Dataset):
+    """A running mean of the records read, a new tensor at every read: its address alternates between two (CPython
+    hands a freed object's memory to the next of its size), so after an even number of reads the tensor is at its
+    baseline's address again, of the same shape."""
+
+    def __init__(self):
+        self.mean = torch.zeros(4)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.mean = self.mean * 0.9 + X[i] * 0.1
+        return X[i] - self.mean, Y[i]
+
+
+def test_a_running_mean_rebound_at_every_read_is_refused_whatever_its_address():
+    """The digest holds what it compares by identity: a tensor at a freed one's address is not taken for it (four
+    reads per comparison brought the mean back to its baseline's address, and every batch was let through)."""
+    from lightning_dp.records.stateless import FetchState
+
+    dataset = RunningMeanDS()
+    state = FetchState(dataset, None).noted()
+    with pytest.raises(PrivacyConfigurationError, match="dataset.mean"):
+        for batch in range(4):
+            for i in range(4 * batch, 4 * batch + 4):
+                dataset[i]
+            state.check()
+
+
+def test_a_dict_at_a_freed_caches_address_holds_none_of_its_entries():
+    """The entries a fetch added to an index-keyed cache (left out of the kept-state token) are told by the cache
+    itself, not by its id: a dict a step writes later, at the address of a cache freed since, is judged whole."""
+    from lightning_dp.records.stateless import FetchState, fetch_filled
+
+    class CacheDS(Dataset):
+        def __init__(self):
+            self.cache = {}
+
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            self.cache.setdefault(i, int(Y[i]))  # small ints: one object per value, the same in any dict
+            return X[i], Y[i]
+
+    dataset = CacheDS()
+    state = FetchState(dataset, None).noted()
+    for i in range(4):
+        dataset[i]
+    state.check()
+    filled = dict(dataset.cache)
+    assert fetch_filled(dataset.cache) == filled
+    freed = id(dataset.cache)
+    dataset.cache = None  # the dataset drops its cache
+    made = [{} for _ in range(2000)]
+    other = next((d for d in made if id(d) == freed), None)
+    if other is None:  # the digest (or the fix) holds the cache: no dict can take its address
+        other = made[0]
+    other.update(filled)  # a step's per-record state, alike by chance
+    assert fetch_filled(other) == {}

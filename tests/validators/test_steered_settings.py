@@ -30,3 +30,20 @@ def test_a_replay_that_rebinds_edits_or_adds_parameter_groups_is_put_back():
     assert len(opt.param_groups) == 1 and opt.param_groups[0] is group
     assert group["params"] is params and all(a is b for a, b in zip(params, held)) and len(params) == len(held)
     assert group["lr"] == 0.1
+
+
+def test_an_optimizer_state_tensor_at_a_freed_ones_address_is_a_change():
+    """The optimizer's state tensors are tokened by identity, shape and version, and the fingerprint holds them: a
+    state rebound to a new tensor of the same shape, after the old one is freed, is not taken for it."""
+    from lightning_dp.fingerprints.fingerprint_entries import changed_entries
+    from lightning_dp.validators.steered_settings import hyperparameters
+
+    p = nn.Parameter(torch.zeros(64))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p]["kept"] = torch.zeros(64)
+    before = hyperparameters(opt)
+    freed = id(opt.state[p]["kept"])
+    opt.state[p]["kept"] = None
+    made = [torch.zeros(64) for _ in range(500)]  # CPython hands a freed object's memory to the next one of its size
+    opt.state[p]["kept"] = next((t for t in made if id(t) == freed), made[0])
+    assert "optimizer state[0][0].kept" in changed_entries(before, hyperparameters(opt))

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
+from lightning_dp.records.identity import IdentityMap
 from lightning_dp.grad_sample.capture.attention_nodes import projection_candidate, record_projections
 from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites, adds_up
 from lightning_dp.grad_sample.capture.engine_hooks import EngineHook, feeds_parameters
@@ -417,15 +418,17 @@ class ActivationCapture:
         self._calls: dict[int, LayerCalls] = {}
         self.expected: Optional[int] = None
         self._suspended = False
-        self._unbatched: dict[int, set[str]] = {}  # per layer, kept across detach/attach (LayerCalls.unbatched)
+        # per layer, kept across detach/attach (LayerCalls.unbatched); by identity: a layer replaced since (a fine-
+        # tuning callback) is freed, and a new one taking its id is not judged by its calls (records/identity.py)
+        self._unbatched: IdentityMap[set[str]] = IdentityMap()
         self._rng: Optional[Any] = None
         self._flattened: set[int] = set()  # row counts n·m verified as flattened examples in this step
         self._anchors: dict[Any, int] = {}  # autograd node of a layer output this step → its rows (n, or n·m flattened)
         self._layouts: dict[Any, int] = {}  # autograd node of a layer output this step → its example dim (≠ 0)
-        self._time_major: set[int] = set()  # layers proven time-major in this run (_time_major_call)
+        self._time_major: IdentityMap[bool] = IdentityMap()  # layers proven time-major in this run (_time_major_call)
         # layers once called without an example dimension (kept for the run), with the ranks of those calls
-        self._lookups: dict[int, set[tuple[int, ...]]] = {}
-        self._lookups_alone: dict[int, set[tuple[int, ...]]] = {}  # seen unbatched at n = 1 only (_is_lookup)
+        self._lookups: IdentityMap[set[tuple[int, ...]]] = IdentityMap()
+        self._lookups_alone: IdentityMap[set[tuple[int, ...]]] = IdentityMap()  # seen unbatched at n = 1 only
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
         self._rowless: set[tuple] = set()  # calls on followed tensors once seen without the examples (for the run)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
@@ -460,7 +463,7 @@ class ActivationCapture:
             self._handles.extend(m.register_forward_hook(EngineHook(_contiguous_output_grad))
                                  for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
         for name, module in layers:
-            calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(id(module), set()))
+            calls = LayerCalls(name, module, unbatched=self._unbatched.setdefault(module, set()))
             self._calls[id(module)] = calls
             hook = self._hook(calls, reducer_for(module), id(module) in time_major)
             self._handles.append(module.register_forward_hook(EngineHook(hook), with_kwargs=True))
@@ -620,19 +623,19 @@ class ActivationCapture:
         if not isinstance(out, Tensor) or dims.output(0) != 0 or isinstance(module, (*UNITS, nn.RNNBase)):
             return False
         ranks = (*(t.dim() for t in inputs), out.dim())
-        if ranks in self._lookups.get(id(module), ()):
+        if ranks in self._lookups.get(module, ()):
             return True
         # the cheap test first: a call with the examples in some dimension (every batched call) is no lookup whatever
         # the walks below say (they only ever answer False, and read nothing they change), so they run only for a
         # call that would otherwise be taken for one
-        if not (ranks in self._lookups_alone.get(id(module), ()) or unbatched_call(inputs, out, n)):
+        if not (ranks in self._lookups_alone.get(module, ()) or unbatched_call(inputs, out, n)):
             return False
         if any(t.dim() > 0 and (t.shape[0] in self._flattened or flattened_rows(t, n, self._anchors)
                                 or example_minor_rows(t, n, self._layout) is not None) for t in inputs):
             return False  # flattened examples ([T] rows of one example at n = 1): _flattened_rows serves them
         # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
         # unbatched there: remembered for the run only when seen with n > 1; at n = 1 until evidence of rows
-        (self._lookups if n > 1 else self._lookups_alone).setdefault(id(module), set()).add(ranks)
+        (self._lookups if n > 1 else self._lookups_alone).setdefault(module, set()).add(ranks)
         return True
 
     def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int,
@@ -772,9 +775,9 @@ class ActivationCapture:
         ambiguous = all(t.shape[0] == n for t in outs)
         verdict = examples_in(x, 1, n, self._layout)
         if verdict:
-            self._time_major.add(id(module))
+            self._time_major[module] = True
             return True
-        if ambiguous and verdict is None and id(module) in self._time_major:
+        if ambiguous and verdict is None and module in self._time_major:
             raise ambiguous_layout_error(calls.name, tuple(outs[0].shape), n)
         return False
 

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_dp.engine_api import mark_released
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.identity import Same
 from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
 from lightning_dp.privacy.boundary.hooks import HookKeys, gradient_hooks, hooked_error, user_hooked
 from lightning_dp.validators.optimizer_coverage import uncovered_error, uncovered_tensors
@@ -51,12 +52,12 @@ __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_k
            "hyperparameters", "hyperparameters_error", "parameter_signature", "state_written_error",
            "trusted_callback"]
 
-ParameterSignature = tuple[tuple[str, int], ...]
+ParameterSignature = tuple[tuple[str, Same], ...]
 
 
 def parameter_signature(module: nn.Module) -> ParameterSignature:
-    """(name, identity) of every trainable parameter, in the module's order."""
-    return tuple((name, id(p)) for name, p in module.named_parameters() if p.requires_grad)
+    """(name, identity) of every trainable parameter, in the module's order (held: a new one never takes its id)."""
+    return tuple((name, Same(p)) for name, p in module.named_parameters() if p.requires_grad)
 
 
 class ReleaseBoundary:
@@ -86,14 +87,14 @@ class ReleaseBoundary:
         self.fed_back: Callable[[], Sequence[Finding]] = tuple
         """Schedulers and callbacks monitoring a value logged from the training data (rule 6; set by the glue)."""
         self._module: Optional[nn.Module] = None
-        self._hyper: Optional[tuple[int, Fingerprint]] = None  # (optimizer id, its hyper-parameters) at step begin
+        self._hyper: Optional[tuple[Any, Fingerprint]] = None  # (the optimizer, its hyper-parameters) at step begin
         self._fingerprint: Optional[StateFingerprint] = None
         self._baseline: Optional[Fingerprint] = None
         self._allowed: HookKeys = {}
         self._signature: ParameterSignature = ()
         self._step_hook: Any = None
         self._pre_hook: Any = None
-        self._released: Optional[list[tuple[str, Tensor, int, int]]] = None  # (name, p, id(p.grad), its version)
+        self._released: Optional[list[tuple[str, Tensor, Any, int]]] = None  # (name, p, p.grad, its version)
         self._watched: Optional[Optimizer] = None
         self.engine_keys: frozenset[str] = frozenset()
         """Attribute names the engine keeps on the model's modules (never fingerprinted nor restored)."""
@@ -203,7 +204,7 @@ class ReleaseBoundary:
         return self._module is not None and self._parameter_signature() != self._signature
 
     def _parameter_signature(self) -> ParameterSignature:
-        return tuple((name, id(p)) for name, p in self.trainable())
+        return tuple((name, Same(p)) for name, p in self.trainable())
 
     def trainable(self) -> list[tuple[str, Tensor]]:
         """(name, parameter) of the model's trainable parameters now (cheap: no walk of the module tree)."""
@@ -213,13 +214,13 @@ class ReleaseBoundary:
     def step_begins(self) -> None:
         """A step's first batch begins: what its release compares the optimizer with (:meth:`check_hyperparameters`)."""
         if self._hyper is None and self._watched is not None:
-            self._hyper = (id(self._watched), hyperparameters(self._watched))
+            self._hyper = (self._watched, hyperparameters(self._watched))
 
     def check_hyperparameters(self, optimizer: Optional[Optimizer],
                               where: str = "within the step (in training_step, the forward or the backward)") -> None:
         """Rule 3 for the optimizer: nothing changed since :meth:`step_begins` (schedulers step after the update)."""
         taken, self._hyper = self._hyper, None
-        if taken is None or optimizer is None or taken[0] != id(optimizer):
+        if taken is None or optimizer is None or taken[0] is not optimizer:
             return
         changed = StateFingerprint.changed(taken[1], hyperparameters(optimizer))
         if changed:
@@ -243,7 +244,7 @@ class ReleaseBoundary:
     def released(self, params: Sequence[Tensor]) -> None:
         """The release wrote ĝ_t into these ``.grad``: what the optimizer must step with (rule 2)."""
         names = {id(p): name for name, p in self.trainable()}
-        self._released = [(names.get(id(p), "?"), p, id(p.grad), mark_released(p.grad)) for p in params]
+        self._released = [(names.get(id(p), "?"), p, p.grad, mark_released(p.grad)) for p in params]  # ĝ held
 
     def check_gradients(self) -> None:
         """Rule 2 after the release: the optimizer steps with ĝ_t as released (a hook rewriting ``p.grad`` with data
@@ -252,7 +253,7 @@ class ReleaseBoundary:
         if taken is None or "p.grad" in self.public_state:
             return
         changed = [name for name, p, grad, version in taken
-                   if id(p.grad) != grad or (p.grad is not None and p.grad._version != version)]
+                   if p.grad is not grad or (p.grad is not None and p.grad._version != version)]
         if changed:
             raise PrivacyConfigurationError(
                 f"The released gradient ĝ_t was changed before the optimizer stepped with it: .grad of "

@@ -165,3 +165,30 @@ def test_a_batched_call_is_not_walked_for_flattened_rows(monkeypatch):
     assert walked == ["rows", "minor"]
     capture.end_backward()
     capture.clear()
+
+
+def test_a_layer_taking_a_freed_layers_id_is_judged_by_its_own_calls():
+    """What the capture keeps per layer across detach and attach (arguments seen unbatched, lookups, time-major
+    layouts) is kept per layer, not per id: a layer replaced since (a fine-tuning callback's) is freed, and the new
+    one CPython may place at its address is not taken for it (its batched ``scale`` would not be sliced)."""
+    capture = ActivationCapture()
+    for _ in range(30):  # CPython hands a freed object's memory to the next one of its size (most tries)
+        first = Scaled()
+        capture.attach([("m", first)])
+        capture.begin_step(1)
+        first(torch.randn(1, 3), scale=torch.randn(3)).sum().backward()  # scale unbatched: never sliced for it
+        capture.clear()
+        capture.detach()
+        freed = id(first)
+        del first
+        made = [Scaled() for _ in range(100)]
+        second = next((m for m in made if id(m) == freed), None)
+        if second is not None:
+            break
+    else:
+        second = made[0]
+    capture.attach([("m", second)])
+    capture.begin_step(3)
+    second(torch.randn(3, 3), scale=torch.randn(3, 3)).sum().backward()
+    calls = capture.completed()[id(second)]
+    assert calls.slot_dims(calls.records[0], 3) == ([0, 0], {})

@@ -104,3 +104,27 @@ def test_an_uncaptured_use_after_a_release_is_still_refused(engine):
     left in ``.grad``, which is then no longer the release as written."""
     with pytest.raises(PrivacyConfigurationError, match="aux.weight .*received a gradient, but from no use"):
         fit(SpareHeadOutsideTheOptimizer(read_from=1), steps=3, per_sample=engine)
+
+
+class ReplacesReleasedGradient(Classifier):
+    """Puts a gradient of its own in place of ĝ_t, a new tensor at the released one's address with its version (the
+    released tensor is freed first: CPython hands its memory to the next tensor made)."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        p = self.net[2].bias
+        version, freed = p.grad._version, id(p.grad)
+        p.grad = None
+        stat = TRAINING.tensors[0][:, :2].mean(0)
+        made = [torch.empty(2) for _ in range(200)]
+        grad = next((t for t in made if id(t) == freed), made[0])
+        with torch.no_grad():
+            grad.copy_(stat)
+            while grad._version < version:
+                grad.add_(0.0)
+        p.grad = grad
+
+
+def test_a_gradient_put_at_the_released_ones_address_is_refused():
+    """The release holds ĝ_t: a new tensor never takes its id, whatever its version."""
+    with pytest.raises(PrivacyConfigurationError, match=r"ĝ_t was changed .*\.grad of net\.2\.bias"):
+        fit(ReplacesReleasedGradient(), steps=1)

@@ -367,3 +367,20 @@ def test_the_refusal_of_a_kept_list_names_it_and_the_fix_on_a_short_first_line()
     assert "DPStrategy(public_state=['training_step_outputs'])" in first and len(first) < 400, first
     assert "declare it public: attribute" not in str(refused.value)  # (the old where-clause ran into the names)
     fit(OutputsList(), public_state=["training_step_outputs"])  # the fix it names trains
+
+
+def test_the_parameter_signature_tells_a_parameter_at_a_freed_ones_address():
+    """The trainable parameters' signature (re-attach when it changes) holds them: a parameter put in place of one
+    freed since, at its address, under its name, is a change."""
+    from torch import nn
+
+    from lightning_dp.privacy.boundary import parameter_signature
+
+    module = nn.Linear(3, 2)
+    before = parameter_signature(module)
+    freed = id(module.weight)
+    module.weight = None  # its slot kept, in its place
+    made = [nn.Linear(3, 2).weight for _ in range(200)]  # CPython hands a freed object's memory to the next one
+    module.weight = next((p for p in made if id(p) == freed), made[0])
+    assert [name for name, _ in parameter_signature(module)] == ["weight", "bias"]
+    assert parameter_signature(module) != before
