@@ -42,8 +42,15 @@ def _filter_upstream_noise() -> None:
     filter_upstream_noise()  # Lightning's own harmless deprecation noise, narrowly (see lightning_dp._warnings)
 
 
+def _continue_loaded_ledgers(namespace: str) -> None:
+    from lightning_dp.accounting.loaded_checkpoints import install
+
+    install(namespace)  # load_from_checkpoint of a private fit's checkpoint continues its ledger, in any process
+
+
 def _register_strategy() -> None:
     _filter_upstream_noise()
+    _continue_loaded_ledgers("pytorch_lightning")
     glue = sys.modules.get("lightning_dp._strategy_glue")
     if getattr(getattr(glue, "__spec__", None), "_initializing", False):
         # Lightning imported first by the strategies' own glue, itself imported first (a process started by "spawn"
@@ -55,6 +62,7 @@ def _register_strategy() -> None:
 
 def _register_unified_strategy() -> None:
     _filter_upstream_noise()
+    _continue_loaded_ledgers("lightning.pytorch")
     try:
         import lightning_dp.unified  # noqa: F401  (the same, in lightning.pytorch's registry)
     except ImportError:  # the unified build needs pytorch_lightning too; without it DPStrategy is unavailable

@@ -43,6 +43,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dp.accounting import module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.accounting.loaded_checkpoints import CHECKPOINT_KEY
 from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batches_per_step, physical_batch_size,
                                         restore_accumulation)
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
@@ -80,9 +81,6 @@ from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig, check_ta
 from lightning_dp.privacy.private_step import Distribution, PrivateStep
 from lightning_dp.records.fresh_randomness import step_callback
 from lightning_dp.units.physical import user_chunks
-
-CHECKPOINT_KEY = "lightning_dp"
-"""Where the private step's state lives in a Lightning checkpoint dict."""
 
 SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed")
 
@@ -846,6 +844,8 @@ class PrivateTraining:
             "found a checkpoint entry computed from the training data")
         checkpoint[CHECKPOINT_KEY] = self.private_step.state_dict()
         module_ledgers.mark(self.lightning_module, self.private_step.ledger)  # reloaded, they continue its ledger
+        trained = module_ledgers.trained_names(self.lightning_module)  # type: ignore[arg-type]
+        checkpoint[CHECKPOINT_KEY]["trained_weights"] = trained  # the weights that carry it (loaded_checkpoints.py)
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
     def moved_training_logs(self) -> Any:

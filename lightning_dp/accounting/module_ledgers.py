@@ -11,7 +11,7 @@ goes when the module does). :class:`~lightning_dp.privacy.private_step.PrivateSt
 ledger to the module and to every submodule at ``attach`` (a model later trained as a part of
 another, or a part trained alone, finds the record), and leaves a copy at ``detach`` (a step reused
 elsewhere does not grow this module's record). Nothing is stored on the module or its tensors, and
-checkpoints hold what they always held (the strategy's ``lightning_dp`` key).
+checkpoints hold the strategy's ``lightning_dp`` key (with the names of the weights it trained: :func:`trained_names`).
 
 A module re-created in this process as another object (``copy.deepcopy``, unpickling, ``load_state_dict`` of
 a trained module's weights into a fresh one, ``load_from_checkpoint`` of a checkpoint written at the end of a fit)
@@ -35,10 +35,11 @@ A module that holds a privately trained one outside its registry — a teacher i
 default arguments or named by it as a global (soft targets, stacked logits) — continues its record too
 (:func:`held_modules`).
 
-What it cannot see: another process (a module's history there is the checkpoint's ``lightning_dp`` entry,
-continued by ``trainer.fit(..., ckpt_path=...)``), and weights changed after the fit that trained them beyond
-that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer; a task vector added to weights far
-from the fit's start).
+In another process a module's history is the checkpoint's ``lightning_dp`` entry, continued by ``trainer.fit(...,
+ckpt_path=...)`` and by ``load_from_checkpoint`` (:func:`carry`, accounting/loaded_checkpoints.py). What it cannot see:
+weights loaded there by other means (``torch.load`` then ``load_state_dict``), and weights changed after the fit that
+trained them beyond that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer; a task vector
+added to weights far from the fit's start).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
@@ -286,6 +287,39 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
             end = sample(p)
             along = path.of(p) if path is not None else ()
             _SKETCHES.setdefault(tuple(p.shape), []).append((held[1], end, copy, (*along, end)))
+
+
+def carry(module: nn.Module, ledger: PrivacyLedger, trained: Optional[list[str]] = None) -> None:
+    """``module``, loaded from a checkpoint that holds ``ledger`` (accounting/loaded_checkpoints.py, another process's
+    fit), carries its releases as a module this process trained would: the record of it and of each submodule, and
+    the digests of the weights named in ``trained`` (:func:`trained_names`, written with the ledger), or, for a
+    checkpoint without the names, of each trainable weight that is not constant; a digest already recorded here keeps
+    its record (this process' own fit)."""
+    for part in module.modules():
+        held = _RECORDS.get(part)
+        _RECORDS[part] = ledger if held is None else combine(held, ledger).ledger
+    if trained is not None:
+        named = dict(module.named_parameters())
+        weights = [named[n] for n in trained if n in named and named[n].dtype.is_floating_point]
+    else:
+        weights = [p for p in _trainable(module) if not _constant(p)]
+    for p in weights:
+        for key in (digest(p), *_rounded_digests(p)):
+            _BY_CONTENT.setdefault(key, ledger)
+
+
+def trained_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s weights some fit's releases made what they are (their digests recorded: this fit's
+    and earlier ones', after :func:`mark`), written into a checkpoint beside its ledger for :func:`carry`."""
+    if not _BY_CONTENT:
+        return []
+    return [n for n, p in module.named_parameters() if p.numel() and p.dtype.is_floating_point
+            and digest(p) in _BY_CONTENT]
+
+
+def _constant(p: Tensor) -> bool:
+    local = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+    return not local.numel() or bool((local == local[0]).all())
 
 
 def _copy(ledger: PrivacyLedger) -> PrivacyLedger:

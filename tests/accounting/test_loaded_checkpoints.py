@@ -1,0 +1,181 @@
+"""A module built by ``load_from_checkpoint`` continues its checkpoint's ledger in another process
+(accounting/loaded_checkpoints.py; zoo24 f2: a new process's fit after ``load_from_checkpoint`` counted 8 of 16
+releases). The second fit runs in a subprocess, a new Python process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+import lightning_dp
+from lightning_dp.accounting import ledger_epsilon, module_ledgers
+from lightning_dp.accounting.epsilon import epsilon
+from lightning_dp.accounting.loaded_checkpoints import CHECKPOINT_KEY, continue_ledger
+
+ROOT = Path(__file__).resolve().parents[2]
+SIGMA, Q, DELTA = 1.0, 32 / 256, 1e-5
+
+MODEL = '''
+import torch
+import pytorch_lightning as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_dp import DPStrategy
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+
+
+def trainer(**kw):
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), accelerator="cpu", devices=1,
+                      max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+'''
+
+CHILD = '''
+import json, sys
+from tiny import Tiny, loader, trainer
+from lightning_dp.accounting import module_ledgers
+
+out = {}
+for name in sys.argv[1:]:
+    model = Tiny.load_from_checkpoint(name)
+    t = trainer()
+    t.fit(model, loader())
+    out[name] = t.strategy.ledger.state_dict()
+    module_ledgers._BY_CONTENT.clear(); module_ledgers._SKETCHES.clear()  # each checkpoint as if in its own process
+print("LEDGERS " + json.dumps(out))
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    (tmp_path / "tiny.py").write_text(MODEL)
+    (tmp_path / "child.py").write_text(CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tiny", None)
+    import tiny
+    yield tiny
+    sys.modules.pop("tiny", None)
+
+
+def _first_fit(tiny, tmp_path: Path) -> Path:
+    """Fit 1 (8 releases): a full checkpoint, a weights-only one, and the full one without the entry."""
+    t = tiny.trainer(enable_checkpointing=True, callbacks=[
+        ModelCheckpoint(dirpath=tmp_path / "saved", filename="weights", save_weights_only=True)])
+    t.fit(tiny.Tiny(), tiny.loader())
+    assert t.strategy.ledger.steps == 8
+    t.save_checkpoint(tmp_path / "full.ckpt")
+    stripped = torch.load(tmp_path / "full.ckpt", weights_only=False)
+    weights_only = torch.load(tmp_path / "saved" / "weights.ckpt", weights_only=False)
+    assert CHECKPOINT_KEY in stripped and CHECKPOINT_KEY in weights_only
+    del stripped[CHECKPOINT_KEY]
+    torch.save(stripped, tmp_path / "none.ckpt")
+    (tmp_path / "saved" / "weights.ckpt").rename(tmp_path / "weights.ckpt")
+    return tmp_path
+
+
+def _in_a_new_process(folder: Path, *names: str) -> dict[str, lightning_dp.PrivacyLedger]:
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(folder / "child.py"), *names], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=120)
+    line = [x for x in done.stdout.splitlines() if x.startswith("LEDGERS ")]
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    out = {}
+    for name, state in json.loads(line[0][len("LEDGERS "):]).items():
+        out[name] = lightning_dp.PrivacyLedger()
+        out[name].load_state_dict(state)
+    return out
+
+
+def test_load_from_checkpoint_in_a_new_process_continues_the_ledger(tiny, tmp_path):
+    """Full and weights-only checkpoints: the new process's fit counts 16 releases, ε composed over both fits; a
+    checkpoint without the entry (not a private fit's) starts fresh."""
+    folder = _first_fit(tiny, tmp_path)
+    ledgers = _in_a_new_process(folder, "full.ckpt", "weights.ckpt", "none.ckpt")
+    for name in ("full.ckpt", "weights.ckpt"):
+        ledger = ledgers[name]
+        assert ledger.steps == 16, name
+        assert len({e.run for e in ledger.entries}) == 2  # the first fit's run, then the new one
+        assert ledger_epsilon(ledger, DELTA) == pytest.approx(epsilon(SIGMA, Q, 16, DELTA), rel=1e-9)
+    assert ledgers["none.ckpt"].steps == 8
+
+
+def test_load_from_checkpoint_in_the_same_process_counts_each_release_once(tiny, tmp_path):
+    """In the process that trained the weights the record is found twice (the weights' digests, the checkpoint's
+    entry): one history, 16 releases, not 24."""
+    folder = _first_fit(tiny, tmp_path)
+    for name in ("full.ckpt", "weights.ckpt"):
+        t = tiny.trainer()
+        t.fit(tiny.Tiny.load_from_checkpoint(folder / name), tiny.loader())
+        assert t.strategy.ledger.steps == 16, name
+
+
+def test_only_the_weights_a_fit_trained_carry_the_loaded_record():
+    """The checkpoint names the weights the releases changed: a fresh module holding an untrained layer's values
+    (the same seed) carries no record; one holding a trained layer's does. Without the entry nothing changes."""
+    ledger = lightning_dp.PrivacyLedger()
+    ledger.record(SIGMA, Q, 8)
+    torch.manual_seed(0)
+    loaded = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert not continue_ledger(loaded, {"state_dict": {}})
+    assert module_ledgers.record_of(loaded) is None
+    assert continue_ledger(loaded, {CHECKPOINT_KEY: {"ledger": ledger.state_dict(), "trained_weights": ["1.weight"]}})
+    assert module_ledgers.record_of(loaded).steps == 8  # the module object itself
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fresh[1].weight.data.normal_()
+    assert module_ledgers.record_of(fresh) is None  # layer 0 as the seed built it: not trained
+    fresh[1].load_state_dict(loaded[1].state_dict())
+    assert module_ledgers.record_of(fresh).steps == 8
+
+
+def test_lightnings_loader_is_wrapped_once():
+    from pytorch_lightning.core import saving
+
+    from lightning_dp.accounting.loaded_checkpoints import install
+
+    assert install("pytorch_lightning") and install("pytorch_lightning")
+    assert getattr(saving._load_state, "__lightning_dp_continues_ledger__", False)
+    assert not getattr(saving._load_state.__wrapped__, "__lightning_dp_continues_ledger__", False)
+    assert pl.LightningModule.load_from_checkpoint  # the public entry point is Lightning's own, untouched
+
+
+def test_a_checkpoint_without_the_names_takes_each_varying_trainable_weight_for_trained():
+    """An older checkpoint (no ``trained_weights``): a copy of any of its weights that are not constant continues
+    the record; a constant one (a zero bias, a norm's ones) does not hand it to a fresh module."""
+    ledger = lightning_dp.PrivacyLedger()
+    ledger.record(SIGMA, Q, 8)
+    loaded = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert continue_ledger(loaded, {CHECKPOINT_KEY: {"ledger": ledger.state_dict()}})
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert module_ledgers.record_of(fresh) is None  # its LayerNorm holds the loaded one's ones and zeros
+    fresh[0].load_state_dict(loaded[0].state_dict())
+    assert module_ledgers.record_of(fresh).steps == 8
