@@ -68,7 +68,7 @@ from lightning_dp.validators.stored_records import StoredRecords, changed_record
 from lightning_dp.validators.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
-from lightning_dp.validators import diagnostic_reads, logger_outputs
+from lightning_dp.validators import diagnostic_reads, logger_judge
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -284,7 +284,7 @@ class PrivateTraining:
         boundary.global_modules = lambda: user_modules([type(module)] + [type(cb) for cb in boundary.callbacks()
                                                                           if not trusted_callback(cb)])
         boundary.fed_back = lambda: self._reads_and_feedback(module.trainer)
-        logger_outputs.watch_fit(  # media written to a logger by a training hook (from on_train_start)
+        logger_judge.watch_fit(  # media written to a logger by a training hook (from on_train_start), judged
             module.trainer, lambda name: is_public(name, self.private_step.boundary.public_state))
         self._stop_announced = False
         if self.private_step.adopted:
@@ -456,7 +456,7 @@ class PrivateTraining:
         if self._record_watch is not None:
             self._record_watch.stop()
         diagnostic_reads.unwatch()
-        logger_outputs.unwatch()
+        logger_judge.unwatch()
         watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]

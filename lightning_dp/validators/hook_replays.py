@@ -45,8 +45,8 @@ dataset (a teacher fitted to it in ``on_train_start``, a training-set accuracy a
 __all__ = ["EPOCH_HOOKS", "FIT_START_HOOKS", "BatchEndWrites", "batch_start", "checkpoints_saved",
            "configured_settings", "model_kept", "moved_far", "moved_near", "overrides_epoch_hooks",
            "overrides_fit_start", "progress_as", "raised_apart", "raised_error", "replay_batch_hooks",
-           "replay_end_hooks", "replay_epoch_hooks", "replaying", "runs_users_code", "silenced_logging", "users_hook",
-           "weights_moved_by_data", "weights_sketch"]
+           "replay_end_hooks", "replay_epoch_hooks", "replaying", "replaying_now", "runs_users_code",
+           "silenced_logging", "users_hook", "weights_moved_by_data", "weights_sketch"]
 
 
 _RAISING_HOOKS = ("on_train_batch_start", "training_step", "on_before_backward", "on_train_batch_end",
@@ -386,12 +386,14 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     hooks = [(table, dict(table)) for m in module.modules() for kind in _HOOK_TABLES
              for table in [getattr(m, kind, None)] if isinstance(table, dict)]
     saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
+    _REPLAYS.append(module)
     with silenced_logging(module):
         for obj, name in muted:
             setattr(obj, name, _counted if name == "save_checkpoint" else lambda *args, **kwargs: None)
         try:
             yield
         finally:
+            _REPLAYS.remove(module)
             for (obj, name), value in zip(muted, saved):
                 if value is _ABSENT:
                     delattr(obj, name)
@@ -410,6 +412,14 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
 
 
 _ABSENT = object()
+_REPLAYS: list[Any] = []  # the modules whose hooks a replay runs now
+
+
+def replaying_now() -> bool:
+    """Whether a replay (:func:`replaying`) runs the user's hooks now: a logger's media calls write nothing."""
+    return bool(_REPLAYS)
+
+
 _SAVED: list[str] = []  # the paths of the checkpoints the replays' hooks saved (``trainer.save_checkpoint``, muted)
 
 

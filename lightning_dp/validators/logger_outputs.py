@@ -19,6 +19,8 @@ Not refused:
   released, noised second moment v̂, and of the opt-in non-private diagnostics: a report, rule 10);
 * a call whose array arguments are all released state, equal to a parameter of the model, its ``.grad`` (ĝ) or an
   optimizer's state: post-processing (the weights' histogram each epoch, first-layer filters as images);
+* in the hooks handed no batch (:data:`~.logger_judge.JUDGED`), a call the hook run again on the exchanged data
+  reproduces: held back (:class:`Calls`) until :mod:`.logger_judge` judges it;
 * ``add_graph`` (the model's structure and the input's shapes, no values), ``add_hparams``, ``add_custom_scalars``;
 * scalars (``add_scalar``, ``add_scalars``, a logger's ``log_metrics`` called directly): a statistic of the batch,
   a report as ``self.log``'s values are (rule 10 of docs/release_boundary.md: outside the guarantee, not read back).
@@ -26,16 +28,21 @@ Not refused:
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import sys
-from typing import Any, Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.call_sites import first_caller, package_of
+from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators.logged_reads import STEP_HOOKS
 
-__all__ = ["MEDIA", "TRAINING_HOOKS", "unwatch", "watch", "watch_fit"]
+__all__ = ["MEDIA", "TRAINING_HOOKS", "Calls", "digest", "recorded", "recording", "unwatch", "watch", "watch_fit",
+           "watching"]
 
 MEDIA = frozenset({
     # TensorBoard's SummaryWriter (torch.utils.tensorboard, tensorboardX)
@@ -100,6 +107,11 @@ def watch(loggers: Iterable[Any], inside: Callable[[], Optional[str]],
             _wrap(cls, name)
 
 
+def watching() -> bool:
+    """Whether some logger's methods are watched now."""
+    return bool(_SAVED)
+
+
 def unwatch() -> None:
     """The loggers' methods are as they were (the fit is over)."""
     while _SAVED:
@@ -122,10 +134,9 @@ def _wrap(cls: type, name: str) -> None:
         return
 
     def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _check(self, name, args, kwargs)
-        if raw is _ABSENT:
-            return fallback(self, name)(*args, **kwargs)
-        return raw(self, *args, **kwargs)
+        def write(*args: Any, **kwargs: Any) -> Any:
+            return fallback(self, name)(*args, **kwargs) if raw is _ABSENT else raw(self, *args, **kwargs)
+        return _writing(write, *args, **kwargs) if _check(self, name, args, kwargs, write) else None
 
     watched.__wrapped__ = raw  # type: ignore[attr-defined]
     own = vars(cls).get(name, _ABSENT)
@@ -136,22 +147,137 @@ def _wrap(cls: type, name: str) -> None:
     _SAVED.append((cls, name, own))
 
 
-def _check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
+def _check(obj: Any, name: str, args: tuple, kwargs: dict, write: Callable[..., Any]) -> bool:
+    """Whether the call writes now; ``False``: held back by the judge of the hook (:mod:`.logger_judge`), recorded by
+    its run again, or made by a replay of the checks (written by none); refused: raises."""
+    if _WRITING:  # a call made by a writing one (add_figure's add_image): judged with it
+        return True
+    calls = _CALLS[-1] if _CALLS else None
+    if calls is not None and calls.again:  # the judge's run again: every call recorded, none written
+        calls.add(name, "", digest([*args, *kwargs.values()]))
+        return False
+    if replaying_now():  # the checks' replays of the user's hooks leave no trace in the logs
+        return False
     hook = _INSIDE[0]() if _INSIDE else None
     if hook not in TRAINING_HOOKS or _library_call() or (_PUBLIC and _PUBLIC[0](f"logger.{name}")):
-        return
+        return _allowed(calls, name)
     hook = _calling_hook(hook)
     values = [*args, *kwargs.values()]
+    method = f"{type(obj).__name__}.{name}"
     if name == GENERIC:
         bad = [str(k) for v in values if isinstance(v, dict) for k, x in v.items() if not _scalar(x)]
-        if bad:
-            raise output_error(f"{type(obj).__name__}.log (the entries {', '.join(repr(b) for b in bad)})", hook)
-        return
-    arrays = [v for v in values if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy"
-              and hasattr(v, "shape")]
-    if arrays and all(_released(a) for a in arrays) and len(arrays) == sum(_is_data(v) for v in values):
-        return
-    raise output_error(f"{type(obj).__name__}.{name}", hook)
+        if not bad:
+            return _allowed(calls, name)
+        method = f"{type(obj).__name__}.log (the entries {', '.join(repr(b) for b in bad)})"
+    else:
+        arrays = [v for v in values if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy"
+                  and hasattr(v, "shape")]
+        if arrays and all(_released(a) for a in arrays) and len(arrays) == sum(_is_data(v) for v in values):
+            return _allowed(calls, name)
+    if calls is None or hook not in calls.judged:
+        raise output_error(method, hook)
+    held = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]  # as they are now
+    kept = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    calls.add(name, method, digest(values), lambda: _writing(write, *held, **kept), hook)
+    return False
+
+
+_WRITING: list[bool] = []  # a watched call writes now
+
+
+def _writing(write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _WRITING.append(True)
+    try:
+        return write(*args, **kwargs)
+    finally:
+        _WRITING.pop()
+
+
+def _drawn(figure: Any) -> Any:
+    """A matplotlib figure's pixels, drawn as a writer draws it (None when it cannot be drawn)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        return torch.as_tensor(bytearray(canvas.buffer_rgba()), dtype=torch.uint8)
+    except Exception:  # noqa: BLE001  (not drawn: judged as changed)
+        return object()
+
+
+def _allowed(calls: Optional["Calls"], name: str) -> bool:
+    if calls is not None:  # its place among the hook's calls (the run again records it too)
+        calls.add(name, "", None)
+    return True
+
+
+class Calls:
+    """The logger calls of one run of a training hook, in order, while :mod:`.logger_judge` judges it: ``again``
+    false, those refused by the rule above are held back (not written) when made in one of ``judged``, the others
+    written and counted; ``again`` true (the hook run again on exchanged data), every call is recorded, none
+    written."""
+
+    def __init__(self, again: bool = False, judged: Iterable[str] = ()) -> None:
+        self.again = again
+        self.judged = frozenset(judged)
+        self.entries: list[tuple[str, str, Any, Optional[Callable[[], Any]], str]] = []
+
+    def add(self, name: str, method: str, value: Any, write: Optional[Callable[[], Any]] = None,
+            hook: str = "") -> None:
+        self.entries.append((name, method, value, write, hook))
+
+    def held(self) -> list[tuple[int, str, Any, Callable[[], Any], str]]:
+        """(position, method, digest, write, hook) of each call held back."""
+        return [(i, method, value, write, hook) for i, (_, method, value, write, hook) in enumerate(self.entries)
+                if write is not None]
+
+
+_CALLS: list[Calls] = []  # the calls of the hook being judged, or of its run again (innermost last)
+
+
+@contextmanager
+def recorded(calls: Calls) -> Iterator[None]:
+    """Inside, the watched methods' calls go to ``calls`` (held back, or recorded: :class:`Calls`)."""
+    _CALLS.append(calls)
+    try:
+        yield
+    finally:
+        _CALLS.remove(calls)
+
+
+def recording() -> bool:
+    """Whether a hook's calls are being recorded now (a hook run inside a judged one: the outer judges)."""
+    return bool(_CALLS)
+
+
+def digest(values: Iterable[Any]) -> Any:
+    """A comparable stand-in for the values a call writes: arrays by dtype, shape and bytes; numbers and strings as
+    they are; dicts, lists and tuples walked; other objects (a figure, a wandb.Histogram) by their pickled bytes
+    (one that does not pickle: a token equal to nothing)."""
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "shape"):
+            try:
+                array = torch.as_tensor(value).detach().cpu()
+                array = array.double() if array.is_floating_point() else array
+                out.append(("array", str(value.dtype), tuple(array.shape),
+                            hashlib.sha256(array.numpy().tobytes()).hexdigest()))
+            except Exception:  # noqa: BLE001  (sparse, complex, objects: judged as changed)
+                out.append(object())
+        elif isinstance(value, (str, bool, int, float, type(None))):
+            out.append(value)
+        elif isinstance(value, dict):
+            out.append(("dict", tuple((str(k), digest([v])) for k, v in value.items())))
+        elif isinstance(value, (list, tuple)):
+            out.append(("list", digest(value)))
+        elif callable(getattr(value, "savefig", None)):  # a matplotlib figure: as drawn (its number aside)
+            out.append(("figure", digest([_drawn(value)])))
+        else:
+            try:
+                out.append(("object", hashlib.sha256(pickle.dumps(value)).hexdigest()))
+            except Exception:  # noqa: BLE001  (not comparable: judged as changed)
+                out.append(object())
+    return tuple(out)
 
 
 def output_error(method: str, hook: str) -> PrivacyConfigurationError:
