@@ -600,6 +600,9 @@ class PrivateTraining:
             check_stored_unchanged(self._stored, self._stored_dataset, self._records[1])  # written since (zoo17 c3)
         if trainer.fit_loop.epoch_loop.batch_idx == 0 and self._replays.users_code_runs(EPOCH_BOUNDARY_HOOKS):
             step.schedule.force()  # an epoch begins: what switches on there (a counter of the user's) is checked
+        # the user's code may not set σ, C or a stop from the batch: taken before the batch check, whose runs of
+        # training_step on this batch would otherwise leave such a write in what the real run is compared with
+        self._mechanism_at_step = step_decisions(trainer)
         if step.batch_check_due():
             self._replays.batch_checked = True
             first = step.schedule.checks == 0
@@ -608,7 +611,6 @@ class PrivateTraining:
                 self._replays.check_later_in_the_plan(indices)
             else:
                 self._replays.judge_before_release(indices, _batch_idx(args, kwargs))
-        self._mechanism_at_step = step_decisions(trainer)  # the user's code may not set σ, C or a stop from the batch
         if step.fixed_batch_size is not None:  # fixed shapes: the loader's batch is padded already (fixed_batch.py)
             return self._fixed_shape_step(indices, args, kwargs)
         if n == 0:
