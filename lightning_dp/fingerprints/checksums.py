@@ -1,9 +1,10 @@
 """Tokens of contents: what the kept-state fingerprint compares of a tensor, an array or a byte container.
 
 Tensors' content checksums (float64 Σx, Σx², Σ (1 + j mod 251)·x_j; :func:`content_sums`), cached by identity,
-storage and version counter (:class:`_Checksums`); the L2 norms of parameters and floating buffers by one fused
-reduction (:func:`_norm_tokens`, kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays
-(:func:`numpy_token`, :func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
+storage and version counter (:class:`_Checksums`); the contents of parameters and floating buffers compared every step
+(:func:`_norm_tokens`): on the CPU bit for bit against a copy (:class:`_Contents`), on an accelerator by their L2 norms
+by one fused reduction (kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays (:func:`numpy_token`,
+:func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import array
 import hashlib
 import io
+import itertools
 import weakref
 from typing import Any, Hashable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -82,17 +85,36 @@ def _flat_contents(x: Tensor) -> Tensor:
     return x.reshape(-1).to(torch.float64)
 
 
+SNAPSHOT_BYTES = 1 << 28
+"""Parameters and floating buffers of one dtype on the CPU up to this many bytes in all are compared bit for bit
+against a copy taken at each fingerprint (:class:`_Contents`: two copies a step and one comparison, each a pass over
+the memory, as the two norms were); more (a model too large to copy every step) by their L2 norms, as on an
+accelerator."""
+
+
 def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
-    """Each tensor's L2 norm, by one fused reduction: a write through ``p.data`` (which moves neither the storage nor
-    the version counter) changes it. On the CPU one entry per tensor (``"contents of parameter NAME"``); on an
-    accelerator one entry per device holding the norms there (:class:`_DeviceNorms`: no host copy until compared,
-    so taking the baseline after the update does not wait for the device)."""
-    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    """The contents of parameters and floating buffers, as a write through ``p.data`` or a NumPy view (which moves
+    neither the storage nor the version counter) shows. On the CPU one entry per tensor (``"contents of parameter
+    NAME"``) holding its bytes in a copy of all the tensors of its dtype made by one concatenation (:class:`_Contents`:
+    any change of any bit shows: a sign flip, two elements swapped, the lowest bit of a mantissa, a NaN's payload,
+    ``-0.0`` for ``0.0``). On an accelerator (or past :data:`SNAPSHOT_BYTES` on the CPU: no copy of the model every
+    step) each tensor's L2 norm by one fused reduction, one entry per device (:class:`_DeviceNorms`: no host copy until
+    compared, so taking the baseline after the update does not wait for the device); a norm does not show a sign flip,
+    a permutation or a change below its rounding (docs/performance.md)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
     for name, t in named:
-        by_device.setdefault(t.device, []).append((name, t))
+        groups.setdefault((t.device, t.dtype), []).append((name, t))
     out: Fingerprint = {}
+    normed: dict[torch.device, list[tuple[str, Tensor]]] = {}
     with torch.no_grad():  # (so no graph: the tensors need no detach)
-        for device, group in by_device.items():
+        for (device, dtype), group in groups.items():
+            if device.type == "cpu" and dtype.itemsize in _BITS and not any(hasattr(t, "to_local") for _, t in group) \
+                    and sum(t.numel() for _, t in group) * dtype.itemsize <= SNAPSHOT_BYTES:
+                snapshot = _Snapshot([t for _, t in group])
+                out.update(("contents of " + name, _Contents(snapshot, k)) for k, (name, _) in enumerate(group))
+            else:
+                normed.setdefault(device, []).extend(group)
+        for device, group in normed.items():
             # in their own dtype: a float32 norm read as a Python float is exact, so equal exactly when the float64
             # conversion's was (one kernel fewer)
             norms = torch.stack(torch._foreach_norm([t for _, t in group]))
@@ -101,6 +123,63 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
             else:
                 out[f"contents of {len(group)} parameters and buffers on {device}"] = _DeviceNorms(norms)
     return out
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype a tensor's bits are compared as, by item size (a float compared as a float would take a NaN for
+changed and ``-0.0`` for ``0.0``)."""
+
+
+class _Snapshot:
+    """A copy of the bits of some CPU tensors of one dtype, flat (one concatenation), with each one's span. Two
+    snapshots of the same layout are compared whole once (the answer kept: both are copies, never written), so that
+    comparing a fingerprint's entries costs one comparison of the memory, not one per tensor."""
+
+    __slots__ = ("layout", "spans", "bits", "_compared", "__weakref__")
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.layout = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        ends = list(itertools.accumulate(t.numel() for t in tensors))
+        self.spans = list(zip([0, *ends[:-1]], ends))
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        self.bits = flat.view(_BITS[flat.dtype.itemsize]).numpy()
+        self._compared: Optional[tuple[weakref.ReferenceType, bool]] = None
+
+    def same_as(self, other: "_Snapshot") -> bool:
+        """Every bit alike (same layout, same bits); the last answer kept."""
+        if self._compared is not None and self._compared[0]() is other:
+            return self._compared[1]
+        same = self.layout == other.layout and bool(np.array_equal(self.bits, other.bits))
+        self._compared = (weakref.ref(other), same)
+        return same
+
+
+class _Contents:
+    """The token of one tensor's contents: its span in a :class:`_Snapshot`. Equal to another when the bits are: the
+    two snapshots alike whole, else this span's bits alike (the refusal names only the tensors that changed)."""
+
+    __slots__ = ("snapshot", "index")
+
+    def __init__(self, snapshot: _Snapshot, index: int) -> None:
+        self.snapshot, self.index = snapshot, index
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Contents):
+            return False
+        mine, theirs = self.snapshot, other.snapshot
+        if mine.layout[self.index] != theirs.layout[other.index]:
+            return False
+        if self.index == other.index and mine.same_as(theirs):
+            return True
+        (a, b), (c, d) = mine.spans[self.index], theirs.spans[other.index]
+        return bool(np.array_equal(mine.bits[a:b], theirs.bits[c:d]))
+
+    def __hash__(self) -> int:
+        return hash(self.snapshot.layout[self.index])
+
+    def __repr__(self) -> str:
+        shape, dtype = self.snapshot.layout[self.index]
+        return f"Contents({tuple(shape)}, {dtype})"
 
 
 class _DeviceNorms:
