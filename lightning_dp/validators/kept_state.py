@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -126,6 +126,7 @@ class StateFingerprint:
         self._all_param_slots: list[tuple[str, dict, str]] = []
         self._buffer_slots: list[tuple[str, dict, str]] = []
         self._public_memo: dict[str, bool] = {}
+        self._tuples: dict[str, tuple[tuple, Hashable]] = {}  # entry → (tuple of scalars, its token): _tuple_token
 
     def refresh(self) -> None:
         """Walk the module tree again at the next fingerprint (a re-attached engine, a changed parameter set)."""
@@ -209,7 +210,8 @@ class StateFingerprint:
                 continue
             state, configuration = self._reader.read(m, mode, prefix)
             for path, entry, value in state:
-                entries[entry] = walker.named(path, value)
+                entries[entry] = self._tuple_token(walker, path, entry, value) if type(value) is tuple \
+                    else walker.named(path, value)
             entries.update(configuration)  # a torch layer's (Dropout.p, label_smoothing) steers the step too
         modes = training_modes(self.module, layout)  # a dropout switched off from the loss steers later steps
         for name, training in modes.items():
@@ -264,6 +266,18 @@ class StateFingerprint:
         self.graded = [name for name, key in walker.graded.items() if self._gradients.get(name) != key]
         self._gradients = walker.graded
         return entries
+
+    def _tuple_token(self, walker: "_Walker", path: str, entry: str, value: tuple) -> Hashable:
+        """The token of a tuple held at ``entry`` (a convolution's ``kernel_size``, ``padding``…): kept while the entry
+        holds that very tuple and its items are numbers, strings, flags or ``None`` (then nothing in it can change;
+        the tuple is held, so its ``id`` is not reused), else walked anew (:meth:`_Walker.named`)."""
+        held = self._tuples.get(entry)
+        if held is not None and held[0] is value:
+            return held[1]
+        token = walker.named(path, value)
+        if all(type(v) in _IMMUTABLE_ITEMS for v in value):
+            self._tuples[entry] = (value, token)
+        return token
 
     def _first_fields(self, obj: Any, fields: dict[str, Any]) -> set[str]:
         """The attribute names ``obj`` (a loop object) had when first fingerprinted. Told by identity, not by ``id``
@@ -337,6 +351,11 @@ class StateFingerprint:
     def forget(self) -> None:
         """Drop cached checksums (a later fingerprint recomputes them)."""
         self._sums.forget()
+
+
+_IMMUTABLE_ITEMS = frozenset({int, float, bool, str, bytes, type(None)})
+"""Types of the items of a tuple whose token is kept (:meth:`StateFingerprint._tuple_token`): exactly these, not a
+subclass (which may carry attributes)."""
 
 
 _EVALUATING = ("validating", "sanity_checking", "testing", "predicting")
