@@ -11,8 +11,10 @@ initial weights, :func:`cost_floor.build`) with its own :class:`~lightning_dp.pr
 (ghost engine, Adam, noise drawn at the release unless ``--prefetch``), and the non-private step runs beside them.
 Each round runs one step of each in a shuffled order. Printed: each tree's median ms per step and median ratio to
 the non-private step of the same round, and the median and quartiles of the per-round difference rev − working
-tree (positive: the working tree is faster). With ``--phases``, the same for each phase of the step (begin, forward and loss;
-backward; release; optimizer step): a change's own phase varies far less from round to round than the whole step.
+tree (positive: the working tree is faster); with ``--fingerprint``, the boundary's two kept-state fingerprints and
+their comparison alone instead of the step (the non-private step still beside them). With ``--phases``, the same
+for each phase of the step (begin, forward and loss; backward; release; optimizer step): a change's own phase varies
+far less from round to round than the whole step.
 
 A revision against an unchanged tree (``--rev HEAD``, nothing uncommitted) measures the harness's own offset (measured
 2026-11-29: 0.01–0.04 ms on the digits CNN, 0.07 ms on the MLP); only a difference well above it is the change's.
@@ -96,7 +98,21 @@ def private_step(package: str, model_name: str, batch: int, prefetch: bool) -> C
 
     run.prepare = draw  # type: ignore[attr-defined]
     run.phases = phases  # type: ignore[attr-defined]
+    run.boundary = step.boundary  # type: ignore[attr-defined]
     return run
+
+
+def fingerprint_pair(run: Callable[[], None]) -> Callable[[], None]:
+    """``--fingerprint``: what a step's boundary does with its kept-state fingerprint, alone: one ``take()`` (the
+    baseline after the update) and one ``take()`` compared with it (the check before the release)."""
+    boundary = run.boundary  # type: ignore[attr-defined]
+    fingerprint, callbacks = boundary._fingerprint, boundary.callbacks
+
+    def pair() -> None:
+        before = fingerprint.take(callbacks())
+        fingerprint.changed(before, fingerprint.take(callbacks()))
+
+    return pair
 
 
 def main() -> None:
@@ -108,6 +124,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prefetch", action="store_true", help="noise drawn ahead (prefetch='auto') in both trees")
     ap.add_argument("--phases", action="store_true", help="also the paired differences of each phase of the step")
+    ap.add_argument("--fingerprint", action="store_true", help="time the boundary's two fingerprints and their "
+                    "comparison alone (after a few steps of each tree), not the step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -118,6 +136,13 @@ def main() -> None:
         steps = {"nonprivate": cf.nonprivate(model, tokens, data, args.batch),
                  "rev": private_step(RENAMED, args.model, args.batch, args.prefetch),
                  "tree": private_step("lightning_dp", args.model, args.batch, args.prefetch)}
+        if args.fingerprint:
+            for _ in range(5):
+                for name in ("rev", "tree"):
+                    steps[name].prepare()  # type: ignore[attr-defined]
+                    steps[name]()
+            steps = {"nonprivate": steps["nonprivate"], "rev": fingerprint_pair(steps["rev"]),
+                     "tree": fingerprint_pair(steps["tree"])}
         ms: dict[str, list[float]] = {k: [] for k in steps}
         faults: dict[str, list[int]] = {k: [] for k in steps}
         order = random.Random(0)
@@ -140,7 +165,7 @@ def main() -> None:
     q1, _, q3 = statistics.quantiles(diff, n=4)
     print(f"non-private {statistics.median(ms['nonprivate']):.3f} ms; rev - tree: median "
           f"{statistics.median(diff):.3f} ms (quartiles {q1:.3f} .. {q3:.3f})")
-    if args.phases:  # the same rounds' phases: a change's own phase differs far less from round to round
+    if args.phases and not args.fingerprint:  # the same rounds' phases: a change's own phase varies far less
         for phase in PHASES:
             a, b = steps["rev"].phases[phase][skip:], steps["tree"].phases[phase][skip:]  # type: ignore[attr-defined]
             d = [x - y for x, y in zip(a, b)]
