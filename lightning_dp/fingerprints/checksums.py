@@ -10,11 +10,14 @@ by one fused reduction (kept on their device: :class:`_DeviceNorms`); digests of
 from __future__ import annotations
 
 import array
+import ctypes
+import ctypes.util
 import hashlib
 import io
 import itertools
+import os
 import weakref
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +31,9 @@ class _Checksums:
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
+        self.snapshots: dict[tuple[Any, ...], _Snapshot] = {}
+        """The last copy of the contents of each group of tensors (:func:`_norm_tokens`), by the group's layout: a
+        fingerprint finding the tensors' bits still those of the copy holds the copy again instead of a new one."""
 
     @staticmethod
     def key(t: Tensor) -> tuple[Any, ...]:
@@ -50,6 +56,7 @@ class _Checksums:
 
     def forget(self) -> None:
         self._cache.clear()
+        self.snapshots.clear()
 
 
 def content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
@@ -92,7 +99,7 @@ the memory, as the two norms were); more (a model too large to copy every step) 
 accelerator."""
 
 
-def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
+def _norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[_Checksums] = None) -> Fingerprint:
     """The contents of parameters and floating buffers, as a write through ``p.data`` or a NumPy view (which moves
     neither the storage nor the version counter) shows. On the CPU one entry per tensor (``"contents of parameter
     NAME"``) holding its bytes in a copy of all the tensors of its dtype made by one concatenation (:class:`_Contents`:
@@ -100,7 +107,10 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
     ``-0.0`` for ``0.0``). On an accelerator (or past :data:`SNAPSHOT_BYTES` on the CPU: no copy of the model every
     step) each tensor's L2 norm by one fused reduction, one entry per device (:class:`_DeviceNorms`: no host copy until
     compared, so taking the baseline after the update does not wait for the device); a norm does not show a sign flip,
-    a permutation or a change below its rounding (docs/performance.md)."""
+    a permutation or a change below its rounding (docs/performance.md). ``sums``: where the last copy of each group is
+    kept (:attr:`_Checksums.snapshots`): contents found bit for bit as copied last time (the check before the release,
+    with nothing written since the update) are held by that copy again, so a step copies the weights once (after the
+    update) and compares them once, as many passes over the memory as the two norms took."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
     for name, t in named:
         groups.setdefault((t.device, t.dtype), []).append((name, t))
@@ -110,7 +120,12 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]]) -> Fingerprint:
         for (device, dtype), group in groups.items():
             if device.type == "cpu" and dtype.itemsize in _BITS and not any(hasattr(t, "to_local") for _, t in group) \
                     and sum(t.numel() for _, t in group) * dtype.itemsize <= SNAPSHOT_BYTES:
-                snapshot = _Snapshot([t for _, t in group])
+                tensors = [t for _, t in group]
+                key = (device, dtype, *((id(t), tuple(t.shape)) for t in tensors))
+                last = sums.snapshots.get(key) if sums is not None else None
+                snapshot = last if last is not None and last.holds(tensors) else _Snapshot(tensors)
+                if sums is not None:
+                    sums.snapshots[key] = snapshot
                 out.update(("contents of " + name, _Contents(snapshot, k)) for k, (name, _) in enumerate(group))
             else:
                 normed.setdefault(device, []).extend(group)
@@ -130,6 +145,20 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 changed and ``-0.0`` for ``0.0``)."""
 
 
+def _memcmp() -> Optional[Callable[[int, int, int], int]]:
+    """The C library's ``memcmp`` (through ``ctypes``), or ``None`` where it cannot be found (then NumPy compares)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None) if os.name != "nt" else ctypes.cdll.msvcrt
+        fn = libc.memcmp
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_MEMCMP = _memcmp()
+
+
 class _Snapshot:
     """A copy of the bits of some CPU tensors of one dtype, flat (one concatenation), with each one's span. Two
     snapshots of the same layout are compared whole once (the answer kept: both are copies, never written), so that
@@ -145,8 +174,27 @@ class _Snapshot:
         self.bits = flat.view(_BITS[flat.dtype.itemsize]).numpy()
         self._compared: Optional[tuple[weakref.ReferenceType, bool]] = None
 
+    def holds(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether ``tensors`` (of this layout) hold, bit for bit, what this copy holds (``memcmp``: it stops at the
+        first difference, so tensors the optimizer just updated cost next to nothing)."""
+        if tuple((tuple(t.shape), t.dtype) for t in tensors) != self.layout:
+            return False
+        size = self.bits.itemsize
+        base = self.bits.ctypes.data
+        for t, (start, stop) in zip(tensors, self.spans):
+            if stop == start:
+                continue
+            if _MEMCMP is not None and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                if _MEMCMP(t.data_ptr(), base + start * size, (stop - start) * size) != 0:
+                    return False
+            elif not np.array_equal(t.detach().reshape(-1).view(_BITS[size]).numpy(), self.bits[start:stop]):
+                return False
+        return True
+
     def same_as(self, other: "_Snapshot") -> bool:
         """Every bit alike (same layout, same bits); the last answer kept."""
+        if other is self:
+            return True
         if self._compared is not None and self._compared[0]() is other:
             return self._compared[1]
         same = self.layout == other.layout and bool(np.array_equal(self.bits, other.bits))

@@ -199,7 +199,7 @@ class StateFingerprint:
         if not full:  # norms show a write through .data, which moves no version counter
             plain.extend((name, b) for name, b in buffers if type(b) is Tensor and b.dtype.is_floating_point
                          and b.layout == torch.strided and b.numel())
-            entries.update(_norm_tokens(plain))
+            entries.update(_norm_tokens(plain, self._sums))
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
         walker = _Walker(seen, self._registered, self._sums, full, self.skip_keys)
         for name, t in (*params, *buffers):

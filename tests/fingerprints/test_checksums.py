@@ -140,3 +140,30 @@ def test_past_the_snapshot_size_the_norms_are_compared(monkeypatch: pytest.Monke
     assert isinstance(before["contents of parameter 0.weight"], float)
     model[0].weight.data.mul_(2.0)
     assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of parameter 0.weight"]
+
+
+def test_contents_as_copied_last_are_held_by_that_copy_and_a_later_write_still_shows() -> None:
+    model = _model()
+    fingerprint = StateFingerprint(model)
+    before = fingerprint.take()
+    again = fingerprint.take()  # nothing written: the copy of the first is held again, none made
+    assert again["contents of parameter 0.weight"].snapshot is before["contents of parameter 0.weight"].snapshot
+    _sign_flip(model)
+    assert StateFingerprint.changed(again, fingerprint.take()) == ["contents of parameter 0.weight"]
+    assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of parameter 0.weight"]
+
+
+@pytest.mark.parametrize("memcmp", [True, False], ids=["memcmp", "numpy"])
+def test_a_write_shows_to_either_comparison_and_on_a_strided_parameter(memcmp: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if not memcmp:
+        monkeypatch.setattr(checksums, "_MEMCMP", None)
+    model = _model()
+    model[1].weight = nn.Parameter(torch.randn(8, 3).t())  # not contiguous: compared through a copy
+    fingerprint = StateFingerprint(model)
+    before = fingerprint.take()
+    assert StateFingerprint.changed(before, fingerprint.take()) == []
+    model[1].weight.data[2, 5] = -model[1].weight.data[2, 5]
+    _low_bit(model)
+    assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of parameter 0.weight",
+                                                                    "contents of parameter 1.weight"]
