@@ -123,7 +123,8 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[_Checksums]
                 tensors = [t for _, t in group]
                 key = (device, dtype, *((id(t), tuple(t.shape)) for t in tensors))
                 last = sums.snapshots.get(key) if sums is not None else None
-                snapshot = last if last is not None and last.holds(tensors) else _Snapshot(tensors)
+                # (the key fixes the layout: the shapes, one dtype)
+                snapshot = last if last is not None and last.holds(tensors, True) else _Snapshot(tensors, last)
                 if sums is not None:
                     sums.snapshots[key] = snapshot
                 out.update(("contents of " + name, _Contents(snapshot, k)) for k, (name, _) in enumerate(group))
@@ -166,18 +167,23 @@ class _Snapshot:
 
     __slots__ = ("layout", "spans", "bits", "_compared", "__weakref__")
 
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
-        self.layout = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        ends = list(itertools.accumulate(t.numel() for t in tensors))
-        self.spans = list(zip([0, *ends[:-1]], ends))
+    def __init__(self, tensors: Sequence[Tensor], like: Optional["_Snapshot"] = None) -> None:
+        """A copy of ``tensors``; ``like``: an earlier snapshot of the same layout (its layout and spans reused)."""
+        if like is not None:
+            self.layout, self.spans = like.layout, like.spans
+        else:
+            self.layout = tuple((tuple(t.shape), t.dtype) for t in tensors)
+            ends = list(itertools.accumulate(t.numel() for t in tensors))
+            self.spans = list(zip([0, *ends[:-1]], ends))
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
         self.bits = flat.view(_BITS[flat.dtype.itemsize]).numpy()
         self._compared: Optional[tuple[weakref.ReferenceType, bool]] = None
 
-    def holds(self, tensors: Sequence[Tensor]) -> bool:
-        """Whether ``tensors`` (of this layout) hold, bit for bit, what this copy holds (``memcmp``: it stops at the
-        first difference, so tensors the optimizer just updated cost next to nothing)."""
-        if tuple((tuple(t.shape), t.dtype) for t in tensors) != self.layout:
+    def holds(self, tensors: Sequence[Tensor], same_layout: bool = False) -> bool:
+        """Whether ``tensors`` hold, bit for bit, what this copy holds (``memcmp``: it stops at the first difference,
+        so tensors the optimizer just updated cost next to nothing); ``same_layout``: their shapes and dtype are known
+        to be this copy's."""
+        if not same_layout and tuple((tuple(t.shape), t.dtype) for t in tensors) != self.layout:
             return False
         size = self.bits.itemsize
         base = self.bits.ctypes.data
