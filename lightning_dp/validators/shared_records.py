@@ -26,6 +26,15 @@ and halves each range that changed it. Then it requires
   elements (plus one per record for records of :data:`LONG_RECORD` elements or more), else records must share data
   (pigeonhole: a record mixed with a random partner).
 
+Arrays with fewer rows m than records n are checked too when few records read each row (n times the rows a record
+reads is at most :data:`MAX_COPIES` · m): offline augmentation that doubles the data, ``__len__`` 2N and index i a
+view of row ``i % N`` (flipped, cropped, noised), reads one person's row through two indices, each sampled with its
+own chance. A probed record that reads rows of such an array must share none with its neighbours (``i // k``), the
+records at the positions of its rows, at its position ± m and ± 2m (``i % m``), or the random others. A table is no
+one's and is passed: one the probed record reads through its own rows of an array of the population's size (labels
+into class prototypes, token ids into an embedding matrix), rows every probed record reads (a padding row), and
+arrays with more readers per row (a class table, a vocabulary).
+
 The exchange is faithful to what a record reads:
 
 * copies of an array's rows that the dataset holds elsewhere — a shuffled clone for "offline mixup", a float64 or
@@ -39,11 +48,12 @@ The exchange is faithful to what a record reads:
 
 Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
 whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
-files, in tables smaller than the population (a shared lookup table is no person's; a copy of training rows is not a
-table: it moves with them), or in containers other than those above; rows shared with a record neither at a
-neighbouring position, nor at the row's own position, nor among the sampled ones, when the pigeonhole count does not
-show it; copies transformed after they were taken (:mod:`.copied_rows`); and a statistic cached before the dataset
-reached the strategy (your code read a record before ``fit``).
+files, in tables smaller than the population beyond the above (a shared lookup table is no person's; a copy of
+training rows is not a table: it moves with them; a row read by two records through an index array of the
+population's size, ``x[self.idx[i]]``, is taken for a lookup), or in containers other than those above; rows shared
+with a record neither at a neighbouring position, nor at the row's own position, nor among the sampled ones, when
+the pigeonhole count does not show it; copies transformed after they were taken (:mod:`.copied_rows`); and a
+statistic cached before the dataset reached the strategy (your code read a record before ``fit``).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from torch import Tensor
+from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
@@ -78,6 +89,11 @@ MAX_READS = 4096
 MAX_ELEMENTS = 8192
 """The most elements of one row a probed record may read and still have them counted one by one."""
 
+MAX_COPIES = 8
+"""An array with fewer rows than records is checked when its rows are read by at most this many records each on
+average (n · rows a record reads / its rows): a record's own data read through several indices (a __len__ of 2N
+over N rows); rows read by more (a padding row, a class prototype, a lookup table) are a table, no one's."""
+
 LONG_RECORD = 8
 """A record reading this many elements of an array or more may share one of them (module docstring)."""
 
@@ -95,7 +111,7 @@ def check_shared_records(dataset: Any, at: Callable[[int], int], n: int, writes:
     if n < 2:
         return
     held = dataset_arrays(dataset)
-    arrays = [(name, a) for name, a in held if len(a) >= n]
+    arrays = [(name, a) for name, a in held if len(a) >= n or n <= len(a) * MAX_COPIES]
     if not arrays:
         return
     steps = max(1, PROBED_RECORDS - 1)
@@ -111,10 +127,16 @@ def check_shared_records(dataset: Any, at: Callable[[int], int], n: int, writes:
         _digest(dataset, at(position))
     arrays = [(name, a) for (name, a), v in zip(arrays, versions) if v is None or a._version == v]  # written by reads
     writes.settle([a for _, a in held if isinstance(a, list)])  # a statistic cached on first use: reset before each
+    positions = {id(d.indices) for d in dataset_parts(dataset)[0] if isinstance(d, Subset)}  # not a record's data
+    own = [a for _, a in arrays if len(a) >= n and id(a) not in positions]
     try:
         for name, array in arrays:
             copies = copied_rows(array, [(k, a) for k, a in held if isinstance(a, (Tensor, np.ndarray))], name)
-            _check_array(_Reader(dataset, writes, copies), at, n, probes, others, name, array)
+            reader = _Reader(dataset, writes, copies)
+            if len(array) >= n:
+                _check_array(reader, at, n, probes, others, name, array)
+            else:
+                _check_table(reader, at, n, probes, others, name, array, own)
     finally:
         writes.restore()
 
@@ -143,6 +165,51 @@ def _check_array(reader: "_Reader", at: Callable[[int], int], n: int, probes: li
             f"the records read {mean:g} elements of {name} each on average (records at positions {probes}), and "
             f"{n} records of that many are more than its {held} elements: records must share them"
             + reader.note())
+
+
+def _check_table(reader: "_Reader", at: Callable[[int], int], n: int, probes: list[int],
+                 others: dict[int, list[int]], name: str, array: Any, own: list[Any]) -> None:
+    """An array of m < n rows (module docstring): a probed record that reads no row of the arrays of the
+    population's size (``own``) reading rows of it that few records read (n times its rows is at most
+    :data:`MAX_COPIES` · m) must share none with the records at its index ± 1 (index // k), ± m, ± 2m (index % m),
+    at its rows' indices, its neighbours and the random others; rows that every probed record reads (a
+    padding row, a constant) are no one's."""
+    m = len(array)
+    try:
+        found = {p: _rows_of(reader, at(p), array) for p in probes if not _reads_any(reader, at(p), own)}
+        if len(found) > 1 and len({tuple(rows or ()) for rows in found.values()}) == 1:
+            return  # the same rows in every record: a constant
+        where: dict[int, int] = {}  # index of the dataset under the Subsets (random_split) -> position
+        for position, rows in found.items():
+            if not rows or n * len(rows) > MAX_COPIES * m:
+                continue
+            where = where or {_base_index(reader.dataset, at(p)): p for p in range(n)}
+            index = _base_index(reader.dataset, at(position))
+            near = [index + d for d in (-2 * m, -m, -1, 1, m, 2 * m)] + list(rows[:OTHER_RECORDS])
+            candidates = sorted({*others[position], *(where[i] for i in near if i in where)} - {position})
+            _refuse_shared(reader, at, position, candidates, rows, array, name,
+                           f" — {n} records read its {m} rows: a __len__ larger than the data, each index a view of "
+                           "a stored row (index % n, index // k; flipped, cropped, noised or normalised), makes one "
+                           "row several records. Augment on the fly inside __getitem__, one index per record "
+                           "(DPStrategy(augmentation_multiplicity=K) or lightning_dp.data.AugmentedViews for several "
+                           "views)")
+    except _WrittenWhileExchanged:
+        return
+
+
+def _base_index(dataset: Any, index: int) -> int:
+    """``dataset[index]``'s index in the dataset under its Subsets (where index arithmetic is done)."""
+    while isinstance(dataset, Subset):
+        dataset, index = dataset.dataset, int(dataset.indices[index])
+    return index
+
+
+def _reads_any(reader: "_Reader", index: int, arrays: list[Any]) -> bool:
+    """Whether record ``index`` reads any row of ``arrays`` (its own rows of an array of the population's size: a
+    smaller one it reads is a table looked up by them: labels into class prototypes, token ids into embeddings)."""
+    plain = _Reader(reader.dataset, reader.writes, [])  # the copies found are the table's
+    before = plain.digest(index)
+    return any(_changes(plain, index, before, a, range(len(a))) for a in arrays)
 
 
 def _with_row_owners(others: list[int], rows: Sequence[int], position: int, at: Callable[[int], int],
@@ -376,7 +443,7 @@ def _others(position: int, n: int, rng: random.Random) -> list[int]:
 
 
 def _refuse_shared(reader: _Reader, at: Callable[[int], int], position: int, others: list[int], rows: list[int],
-                   array: Any, name: str) -> None:
+                   array: Any, name: str, why: str = "") -> None:
     """Refuse when a record at one of the ``others`` positions reads data of ``rows`` that record ``position``
     reads too (beyond the one element a long record may share)."""
     index = at(position)
@@ -395,7 +462,7 @@ def _refuse_shared(reader: _Reader, at: Callable[[int], int], position: int, oth
         count = "data" if shared_rows is None else f"{len(shared_rows)} of the same rows"
         raise shared_records_error(
             f"the records at positions {position} and {other} both read {count} of {name} (record {position} reads "
-            f"{len(rows)} of its rows){reader.note()}")
+            f"{len(rows)} of its rows){why}{reader.note()}")
 
 
 def _width(array: Any) -> int:

@@ -1,7 +1,9 @@
 """Records that share data (validators/shared_records.py): overlapping windows, records mixed with a neighbour or a
 random partner, and records normalised by the whole tensor are refused before training; records that are their own
 rows — a TensorDataset, a Subset or random_split of one, several rows of one's own, a shared class table, next-token
-chunks whose last target is the next chunk's first input — are not; the data is left exactly as it was."""
+chunks whose last target is the next chunk's first input, a padding row, a lookup table read through the record's own
+ids — are not; two indices reading one stored row (a __len__ of 2N over N rows, the second N augmented views) are
+refused; the data is left exactly as it was."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ TOKENS = torch.randint(0, 50, (64 * 8 + 1,), generator=G)
 PARTNER = torch.randperm(64, generator=G)
 TABLE = torch.randn(2, 4, generator=G)  # one row per class: no person's
 WIDE = torch.randn(64, 64, generator=G)
+PAD = torch.zeros(1, 4)  # a constant row every record reads
+EMB = torch.randn(32, 4, generator=G)  # a lookup table, read through each record's own token ids
+TOKEN_IDS = torch.randint(0, 32, (64, 3), generator=G)
 
 
 class Records(Dataset):
@@ -72,6 +77,14 @@ SHARING = {
     "next-token windows at half stride": Records(lambda i: TOKENS[i * 4:i * 4 + 9].float()),
 }
 
+# offline augmentation doubling the data: index i >= 64 is a view of stored row i % 64 (zoo24 e2_dup_aug_x2)
+AUGMENTED_TWICE = {
+    "flipped": Records(lambda i: X[i % 64] if i < 64 else torch.flip(X[i % 64], [0]) * 1.0, 128),
+    "cropped": Records(lambda i: X[i % 64] if i < 64 else X[i % 64][1:], 128),
+    "noised": Records(lambda i: X[i % 64] if i < 64 else X[i % 64] + 0.1 * torch.randn(4), 128),
+    "interleaved (index // 2)": Records(lambda i: X[i // 2] if i % 2 == 0 else torch.flip(X[i // 2], [0]), 128),
+}
+
 OWN = {
     "a TensorDataset": TensorDataset(X, Y),
     "windows at their own stride (views)": Flat(stride=4),
@@ -80,6 +93,8 @@ OWN = {
     "next-token chunks sharing their edge token": Records(lambda i: TOKENS[i * 8:i * 8 + 9].float()),
     "next-token windows as [windows, T] views of one text": windows(TOKENS, 8),
     "a Subset of a TensorDataset": Subset(TensorDataset(X, Y), list(range(0, 64, 2))),
+    "a shared padding row": Records(lambda i: torch.cat([X[i, :2], PAD[0, :2]])),
+    "a lookup table read through its own ids": Records(lambda i: X[i] + EMB[TOKEN_IDS[i]].mean(0)),
 }
 
 
@@ -97,6 +112,46 @@ def test_records_made_of_their_own_rows_pass_and_the_data_is_untouched(name: str
     check(OWN[name])
     assert torch.equal(X, before[0]) and torch.equal(TOKENS, before[1])
     assert [X._version, TOKENS._version] == versions
+
+
+@pytest.mark.parametrize("name", sorted(AUGMENTED_TWICE))
+def test_indices_reading_one_stored_row_are_refused_whatever_the_fetch_does(name: str) -> None:
+    """Two indices of one dataset reading the same row (a __len__ of 2N, the second N a flipped, cropped or noised
+    view): one person's row is two records, each sampled with its own chance: refused, naming the fix."""
+    with pytest.raises(PrivacyConfigurationError, match="Augment on the fly inside __getitem__, one index per record"):
+        check(AUGMENTED_TWICE[name])
+
+
+class Padded(Dataset):
+    """Records held in a dict (no array the checks see), each read with the one padding row of a tiny table."""
+
+    def __init__(self) -> None:
+        self.records = {i: X[i].clone() for i in range(8)}
+        self.pad = torch.zeros(1, 4)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.cat([self.records[i], self.pad[0]]), i % 2
+
+
+def test_a_padding_row_every_record_reads_trains() -> None:
+    """A constant row that every record reads is no one's: not refused, also when the table is the only array the
+    dataset holds and has 1 row for 8 records; the fit trains."""
+    check(Padded())
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(OWN["a shared padding row"], batch_size=16))
+    assert dp.ledger.steps == 2
+
+
+def test_augmented_twice_behind_random_split_is_refused_in_a_fit() -> None:
+    """The twin index i + N is at some other position of the split: found through the split's indices."""
+    train, _ = random_split(AUGMENTED_TWICE["flipped"], [112, 16], generator=torch.Generator().manual_seed(0))
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match="one row several records"):
+        quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(train, batch_size=16))
+    assert dp.ledger.steps == 0
 
 
 def test_the_sources_are_the_datasets_arrays_and_their_modules_globals() -> None:
