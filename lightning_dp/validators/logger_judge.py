@@ -20,6 +20,8 @@ samples from its prior, a configuration string — and are judged instead, by wh
 4. each held call whose place, method and digest the run again reproduces is written (a function of what the
    exchange leaves alone: the released weights and ĝ, the optimizer's state, the step, the seeds); any other is
    refused, nothing of it written; so is every held call when the run again fails, or when no exchanged copy exists.
+   Under DDP every rank runs the hook again when any rank held a call (a rank-0-only ``add_histogram``), and a
+   refusal on one rank is raised on every rank (``StepChecks.on_every_rank``): none waits in a collective.
 
 Why this is sound: a hook handed no batch that runs after the release can read the private data only (a) from the
 training data in memory, which the run again exchanges, (b) from the logged values and training metrics, which it
@@ -114,16 +116,22 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
         with logger_outputs.recorded(calls):
             result = hook(self, *args, **kwargs)
         held = calls.held()
-        if held:
+        step = trainer.strategy.private_step
+        if step.any_rank(bool(held)):  # alike on every rank (a rank-0-only call): the hook's collectives stay paired
             again = start.run_again(lambda: hook(self, *args, **kwargs))
-            for position, method, value, _, where in held:
-                other = again.entries[position] if again is not None and position < len(again.entries) else None
-                if other is None or other[0] != calls.entries[position][0] or other[2] != value:
-                    raise logger_outputs.output_error(method, where)
+            step.on_every_rank(lambda: _judge(calls, held, again), f"refused a logger call in {name}")
             for _, _, _, write, _ in held:
                 write()
         return result
     return judged
+
+
+def _judge(calls: "logger_outputs.Calls", held: list[Any], again: "logger_outputs.Calls | None") -> None:
+    """Refuse the first held call the run again did not reproduce (raised on every rank alike by the caller)."""
+    for position, method, value, _, where in held:
+        other = again.entries[position] if again is not None and position < len(again.entries) else None
+        if other is None or other[0] != calls.entries[position][0] or other[2] != value:
+            raise logger_outputs.output_error(method, where)
 
 
 def _generators() -> tuple[Any, ...]:

@@ -41,8 +41,8 @@ from lightning_dp.records.call_sites import first_caller, package_of
 from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators.logged_reads import STEP_HOOKS
 
-__all__ = ["MEDIA", "TRAINING_HOOKS", "Calls", "digest", "recorded", "recording", "unwatch", "watch", "watch_fit",
-           "watching"]
+__all__ = ["MEDIA", "TRAINING_HOOKS", "Calls", "digest", "recorded", "recording", "refused_now", "unwatch", "watch",
+           "watch_fit", "watching"]
 
 MEDIA = frozenset({
     # TensorBoard's SummaryWriter (torch.utils.tensorboard, tensorboardX)
@@ -66,6 +66,8 @@ _INSIDE: list[Callable[[], Optional[str]]] = []  # the current training hook (No
 _RELEASED: list[Callable[[], Iterable[torch.Tensor]]] = []  # the released state, while watched
 _PUBLIC: list[Callable[[str], bool]] = []  # whether the user declared "logger.<method>" public, while watched
 _SAVED: list[tuple[type, str, Any]] = []  # (class, name, its own attribute or _ABSENT) while watched
+_SHARED: list[Callable[[], bool]] = []  # whether the fit runs on several processes, while watched
+_PENDING: list[PrivacyConfigurationError] = []  # this rank's refusal, kept until every rank raises it
 _ABSENT = object()
 
 
@@ -75,21 +77,28 @@ def watch_fit(trainer: Any, public: Callable[[str], bool] = lambda name: False) 
     (``DPStrategy(public_state=["logger.add_histogram"])``) lets that method write."""
     module = trainer.lightning_module
     watch(trainer.loggers, lambda: module._current_fx_name if trainer.training else None,
-          lambda: released_state(module, lambda: trainer.optimizers), public)
+          lambda: released_state(module, lambda: trainer.optimizers), public,
+          lambda: getattr(getattr(trainer.strategy, "private_step", None), "distribution", None) is not None
+          and trainer.strategy.private_step.distribution.all_reduce is not None)
 
 
 def watch(loggers: Iterable[Any], inside: Callable[[], Optional[str]],
           released: Callable[[], Iterable[torch.Tensor]] = lambda: (),
-          public: Callable[[str], bool] = lambda name: False) -> None:
+          public: Callable[[str], bool] = lambda name: False, shared: Callable[[], bool] = lambda: False) -> None:
     """From now on the :data:`MEDIA` methods (and ``log``) of each logger's class and of its experiment's class refuse
     a call by the user's code while ``inside()`` names a training hook, unless every array argument equals one of
     ``released()`` (the model's parameters, their gradients, the optimizers' state) or the user declared the method
     public (``public("logger.add_histogram")``: what it writes is computed from the released model only — the epoch's
-    weight change, samples from a generative model's prior, norms of the released update)."""
+    weight change, samples from a generative model's prior, norms of the released update). When ``shared()`` (several
+    processes), a refusal is not raised where it is made — a rank-0-only call would stop rank 0 alone and leave the
+    other ranks waiting in the next collective — but kept (:func:`refused_now`): nothing of it, nor of any later call,
+    is written, and every rank raises at the next check they share (``StepChecks.on_every_rank``)."""
     unwatch()
+    _PENDING.clear()
     _INSIDE.append(inside)
     _RELEASED.append(released)
     _PUBLIC.append(public)
+    _SHARED.append(shared)
     objects = []
     for logger in loggers:
         objects.append(logger)
@@ -123,6 +132,16 @@ def unwatch() -> None:
     _INSIDE.clear()
     _RELEASED.clear()
     _PUBLIC.clear()
+    _SHARED.clear()  # a refusal kept (_PENDING) is raised by the end of the fit's shared check
+
+
+def refused_now() -> None:
+    """Raise the refusal this rank kept (:func:`watch`'s ``shared``), once: called by the checks every rank runs
+    together (``StepChecks.on_every_rank``), so that the other ranks raise with it."""
+    if _PENDING:
+        error = _PENDING.pop()
+        _PENDING.clear()
+        raise error
 
 
 def _wrap(cls: type, name: str) -> None:
@@ -152,6 +171,8 @@ def _check(obj: Any, name: str, args: tuple, kwargs: dict, write: Callable[..., 
     its run again, or made by a replay of the checks (written by none); refused: raises."""
     if _WRITING:  # a call made by a writing one (add_figure's add_image): judged with it
         return True
+    if _PENDING:  # a refusal kept on this rank until every rank raises it: nothing more is written
+        return False
     calls = _CALLS[-1] if _CALLS else None
     if calls is not None and calls.again:  # the judge's run again: every call recorded, none written
         calls.add(name, "", digest([*args, *kwargs.values()]))
@@ -175,7 +196,10 @@ def _check(obj: Any, name: str, args: tuple, kwargs: dict, write: Callable[..., 
         if arrays and all(_released(a) for a in arrays) and len(arrays) == sum(_is_data(v) for v in values):
             return _allowed(calls, name)
     if calls is None or hook not in calls.judged:
-        raise output_error(method, hook)
+        if not (_SHARED and _SHARED[0]()):
+            raise output_error(method, hook)
+        _PENDING.append(output_error(method, hook))  # raised on every rank together (watch)
+        return False
     held = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]  # as they are now
     kept = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     calls.add(name, method, digest(values), lambda: _writing(write, *held, **kept), hook)

@@ -34,6 +34,7 @@ from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits
 from lightning_dp.validators.packed_records import warn_packed_records
 from lightning_dp.records.outside_steps import mark_private
 from lightning_dp.fingerprints.callback_state import is_datamodule
+from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.lazy_caches import empty_slots, filled_alike
 from lightning_dp.validators.probe import (PROBE_EXAMPLES, ExampleIndependenceProbe, StateWriteError, StepFailedError,
                                            frozen_parameters, probe_tolerance, state_mutation_error)
@@ -403,10 +404,12 @@ class StepChecks:
     # ------------------------------------------------------------------ refusals every rank shares
     def on_every_rank(self, check: Callable[[], None], what: str) -> None:
         """Run ``check``; when distributed, every rank learns whether any rank's raised (one all-reduce) and raises too,
-        so that no rank waits in a collective its refusing peer never joins."""
+        so that no rank waits in a collective its refusing peer never joins. A logger call a training hook made
+        refused on this rank alone (kept: :func:`~.logger_outputs.refused_now`) is raised here too."""
         error: Optional[PrivacyConfigurationError] = None
         try:
             check()
+            logger_outputs.refused_now()
         except PrivacyConfigurationError as err:
             error = err
         if self.distribution.all_reduce is not None:
