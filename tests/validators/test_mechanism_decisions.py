@@ -101,6 +101,40 @@ def test_an_adaptive_policy_moved_in_training_step_is_refused_before_that_step_r
     assert module.trainer.strategy.private_step.ledger.steps == 20  # step 20 released nothing
 
 
+class DecideInTheStep(Classifier):
+    """Sets σ, or stops training, from the batch's own losses inside training_step at step 20 (no first-step replay
+    reaches it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if self.global_step == 20:
+            median = float(losses.detach().median())
+            if self.what == "noise_multiplier":
+                self.trainer.strategy.private_step.noise_multiplier = 1.0 + median
+            else:
+                self.trainer.should_stop = median < 100.0
+        return losses.mean()
+
+
+@pytest.mark.parametrize("verify", ["sampled", "every_step"])
+@pytest.mark.parametrize("what, named", [("noise_multiplier", "privacy noise_multiplier"),
+                                         ("should_stop", "trainer should_stop")])
+def test_a_sigma_or_a_stop_set_in_training_step_is_refused_before_that_step_releases(verify: str, what: str,
+                                                                                    named: str) -> None:
+    """The siblings of C above: under ``every_step`` the batch check at step 20 runs training_step on the batch
+    first and does not put σ or ``trainer.should_stop`` back; taken after it, the step's starting state would hold
+    the write and the release go through."""
+    module = DecideInTheStep(what)
+    with pytest.raises(PrivacyConfigurationError, match=r"within the step.*" + named):
+        _fit(module, [], steps=24, verify=verify)
+    assert module.trainer.strategy.private_step.ledger.steps == 20  # step 20 released nothing
+
+
 class LoggedLoss(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
