@@ -22,9 +22,10 @@ each feature's noise in proportion to its own range (σ√D·h_j on its sum) ins
 post-processed: ñ at least 1, the mean kept in [lo, hi], the variance in [(min_std·(hi − lo))², h²] (the largest
 variance a value in [lo, hi] can have).
 
-The released mean, standard deviation and variance, and features :meth:`~PrivateStandardizer.transform` scales with
-them, are noted as released (:mod:`lightning_dp.record_statistics.released_statistics`): a fit that keeps or trains
-on them is not refused, its ledger counts their ε with the training's, and checkpoints carry the ledger.
+The released mean, standard deviation and variance are noted as released
+(:mod:`lightning_dp.record_statistics.released_statistics`): a fit that keeps them is not refused, its ledger counts
+their ε with the training's, and checkpoints carry the ledger. Features :meth:`~PrivateStandardizer.transform` scales
+with them pass rule 11 by their noise (their columns are not exactly standardised), not by a note.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.record_statistics.released_statistics import note_released, note_scaled
+from lightning_dp.record_statistics.released_statistics import note_released
 from lightning_dp.secure_random import secure_gaussian
 
 Bound = Union[float, Tensor, Any]
@@ -177,10 +178,7 @@ class PrivateStandardizer:
                              f"{tuple(self.mean.shape)}")
         out = (torch.minimum(torch.maximum(x.to(torch.float64), lower), upper) - self.mean) / self.std
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
-        out = out.to(dtype)
-        if out.shape[0] > 1:
-            note_scaled(self.run, out)
-        return out
+        return out.to(dtype)
 
     def fit_transform(self, features: Any, charge: Any) -> Tensor:
         """:meth:`fit` then :meth:`transform` of the same features."""

@@ -36,7 +36,7 @@ ledger counts, the trained model is then not differentially private.
   scaled by their own statistics.
 
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
-standard deviation) and features scaled by them are not refused (:mod:`.released_statistics`).
+standard deviation) are not refused (:mod:`.released_statistics`); features scaled by them pass by their noise.
 
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
 within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
@@ -66,7 +66,7 @@ from lightning_dp.record_statistics.loader_statistics import transform_holders
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.record_lengths import lengths_held
-from lightning_dp.record_statistics.released_statistics import is_released, is_released_scaling
+from lightning_dp.record_statistics.released_statistics import is_released
 from lightning_dp.record_statistics.second_moments import SecondMoments
 
 MAX_ELEMENTS = 1 << 27
@@ -125,7 +125,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
     shaped = _ByWidth(tensors)
     found = [f"the training {path.lstrip('.') or 'tensor'} is {how}"
              for path, t in tensors for how in [_scaled_by_itself(t, shaped.order)]
-             if how and not is_released_scaling(t, charged)]  # scaled by a DP release (:mod:`.released_statistics`)
+             if how]
     if not stats:
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]

@@ -1,6 +1,7 @@
 """Statistics released by a DP mechanism that charged a ledger (record_statistics/released_statistics.py): the check of
-rule 11 lets the released mean and standard deviation, and features scaled by them, through — and still refuses the
-exact statistics (a user's own mean, scikit-learn's StandardScaler) next to them."""
+rule 11 lets the released mean and standard deviation through, features scaled by them pass by their noise, and the
+exact statistics (a user's own mean, scikit-learn's StandardScaler) stay refused next to them — also when laundered
+through the standardiser's transform (zoo25 s1)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.data import PrivateStandardizer
 from lightning_dp.record_statistics.data_statistics import data_statistics_held
-from lightning_dp.record_statistics.released_statistics import is_released, is_released_scaling
+from lightning_dp.record_statistics.released_statistics import is_released
 
 # σ so small that the released statistics are within the check's 1e-4 of the exact ones (noise on the mean
 # σ·‖h‖/n = 5e-6): without the notes, the check would take them for the exact statistics.
@@ -40,18 +41,35 @@ class Normalised(nn.Module):
         self.linear = nn.Linear(D, 2)
 
 
-def test_features_scaled_by_released_statistics_pass_and_standard_scaler_is_refused(private):
-    x, y, _, scaled = private
-    assert data_statistics_held([], TensorDataset(scaled, y)) == []
-    assert data_statistics_held([], TensorDataset(scaled.double(), y)) == []  # a copy in another precision
+def _standardised(x: torch.Tensor) -> torch.Tensor:
     from sklearn.preprocessing import StandardScaler
 
-    exact = torch.tensor(StandardScaler().fit_transform(x.numpy()), dtype=torch.float32)
-    found = data_statistics_held([], TensorDataset(exact, y))
+    return torch.tensor(StandardScaler().fit_transform(x.numpy()), dtype=torch.float32)
+
+
+def test_features_scaled_by_a_release_worth_its_epsilon_pass_and_standard_scaler_is_refused(private):
+    x, y, _, _ = private
+    scaler = PrivateStandardizer(-10.0, 10.0, 1.0, generator=torch.Generator().manual_seed(5))
+    scaled = scaler.fit_transform(x, PrivacyLedger())
+    assert data_statistics_held([], TensorDataset(scaled, y)) == []  # off mean 0 / deviation 1 by the noise
+    assert data_statistics_held([], TensorDataset(scaled.double(), y)) == []
+    found = data_statistics_held([], TensorDataset(_standardised(x), y))
     assert any("standardised with its own mean and standard deviation" in f for f in found)
     own = (scaled - scaled.mean(0)) / scaled.std(0)  # the released scaling standardised again with its own
-    assert not is_released_scaling(own)
     assert any("standardised with its own" in f for f in data_statistics_held([], TensorDataset(own, y)))
+
+
+def test_exact_standardisation_laundered_through_transform_is_refused(private):
+    """zoo25 s1: ``transform(x_std · std + mean)`` returns the exactly standardised ``x_std``; the outputs of
+    ``transform`` were noted as released and passed."""
+    x, y, _, _ = private
+    scaler = PrivateStandardizer(-1000.0, 1000.0, 10.0, generator=torch.Generator().manual_seed(6))
+    scaler.fit(x, PrivacyLedger())
+    exact = _standardised(x).double()
+    laundered = scaler.transform(exact * scaler.std + scaler.mean).float()
+    assert torch.allclose(laundered, exact.float(), atol=1e-5)
+    found = data_statistics_held([], TensorDataset(laundered, y))
+    assert any("standardised with its own mean and standard deviation" in f for f in found)
 
 
 def test_released_buffers_pass_and_a_user_computed_mean_is_refused(private):
@@ -72,21 +90,33 @@ def test_without_the_notes_the_same_release_would_be_refused(private, monkeypatc
 
     x, y, scaler, scaled = private
     monkeypatch.setattr(released_statistics, "_RELEASED", [])
-    monkeypatch.setattr(released_statistics, "_SCALED", [])
-    assert data_statistics_held([], TensorDataset(scaled, y))
     assert data_statistics_held([("model", Normalised(scaler.mean.float(), scaler.std.float()))], TensorDataset(x, y))
+
+
+class NormalisingClassifier(TinyClassifier):
+    """Standardises its inputs with buffers it holds (the released statistics, here)."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__(d_in=D)
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward((x - self.mean) / self.std)
 
 
 def test_a_fit_passes_only_the_releases_its_own_ledger_was_charged(private):
     """A standardiser charged to a ledger thrown away leaves the fit's ε without its releases: refused; charged to the
-    fit's strategy, the same features train."""
-    _, y, scaler, scaled = private
-    loader = DataLoader(TensorDataset(scaled, y), batch_size=400)
+    fit's strategy, the same buffers train."""
+    x, y, scaler, _ = private
+    loader = DataLoader(TensorDataset(x, y), batch_size=400)
+    model = lambda: NormalisingClassifier(scaler.mean.float(), scaler.std.float())  # noqa: E731
     uncharged = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
-    with pytest.raises(PrivacyConfigurationError, match=r"(?s)standardised with its own mean.*PrivateStandardizer"):
-        quiet_trainer(strategy=uncharged, max_steps=1).fit(TinyClassifier(), loader)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)buffer mean equals the per-feature mean.*"
+                       r"PrivateStandardizer"):
+        quiet_trainer(strategy=uncharged, max_steps=1).fit(model(), loader)
     assert uncharged.ledger.steps == 0
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
     scaler.charge(strategy)
-    quiet_trainer(strategy=strategy, max_steps=1).fit(TinyClassifier(), loader)
+    quiet_trainer(strategy=strategy, max_steps=1).fit(model(), loader)
     assert strategy.ledger.entries[0].run == scaler.run and strategy.ledger.steps == 3 + 1
