@@ -29,6 +29,7 @@ Not refused:
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 import sys
 from contextlib import contextmanager
@@ -298,10 +299,26 @@ def digest(values: Iterable[Any]) -> Any:
             out.append(("figure", digest([_drawn(value)])))
         else:
             try:
-                out.append(("object", hashlib.sha256(pickle.dumps(value)).hexdigest()))
+                buffer = io.BytesIO()
+                _TensorsByContents(buffer).dump(value)
+                out.append(("object", hashlib.sha256(buffer.getvalue()).hexdigest()))
             except Exception:  # noqa: BLE001  (not comparable: judged as changed)
                 out.append(object())
     return tuple(out)
+
+
+class _TensorsByContents(pickle.Pickler):
+    """Pickles an object's tensors as their digests: a tensor's own pickle names its storage by its memory address,
+    so a logger object holding a fresh tensor (a wandb-like Histogram or Image of the weights) would differ in each
+    run of the same hook."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            token = digest([obj])[0]
+            if not isinstance(token, tuple):
+                raise pickle.PicklingError("a tensor without comparable contents")
+            return token
+        return None
 
 
 def output_error(method: str, hook: str) -> PrivacyConfigurationError:

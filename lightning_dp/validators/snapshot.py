@@ -43,6 +43,8 @@ def _contents(value: Any, depth: int) -> Restore:
         return _nothing
     if is_context_variable(value):  # a global ContextVar: its value, set again
         return context_restore(value)
+    if isinstance(value, Tensor) and value.is_inference():
+        return _nothing  # a metric's state left by trainer.test(): no version counter, and no write outside inference
     if isinstance(value, Tensor):
         saved, version = value.detach().clone(), value._version
         return lambda: _copy_tensor(value, saved, version)

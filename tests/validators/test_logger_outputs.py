@@ -294,3 +294,20 @@ def test_a_method_declared_public_writes_and_the_refusal_names_the_declaration(t
         _fit(LogsRecords(), tmp_path, steps=4)
     _fit(LogsRecords(), tmp_path, steps=4, strategy=strategy(public_state=["logger.add_histogram"]))
     assert "train/records" in _tags(tmp_path).get("histograms", set())  # the user's declaration: written
+
+
+class _Histogram:
+    """A wandb-like media object holding a tensor of its own (a copy of the weights)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values.detach().clone()
+
+
+def test_digest_of_an_object_holding_a_tensor_is_its_contents_not_its_address():
+    from lightning_dp.validators.logger_outputs import digest
+
+    weights = torch.randn(64, 64)
+    kept = [_Histogram(weights) for _ in range(4)]  # alive together: their storages have four addresses
+    assert len({digest([h]) for h in kept}) == 1
+    assert digest([_Histogram(weights)]) != digest([_Histogram(-weights)])
+    assert digest([_Histogram(weights[:1])]) != digest([_Histogram(weights[:1].double())])

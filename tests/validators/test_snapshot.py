@@ -78,3 +78,16 @@ def test_which_parameters_train_is_restored():
     model[1].bias.requires_grad_(False)
     snapshot.restore()
     assert [p.requires_grad for p in model.parameters()] == [False, True, True, True]
+
+
+def test_inference_tensors_a_metric_kept_from_trainer_test_do_not_break_the_snapshot():
+    """trainer.test() before a private fit leaves torchmetrics' states as inference tensors (qa13 d3): no version
+    counter to read, and nothing outside inference mode can write them in place; rebinding is still put back."""
+    model = nn.Linear(2, 2)
+    with torch.inference_mode():
+        model.tp = torch.zeros(3)
+    kept = model.tp
+    snapshot = StateSnapshot(model)
+    model.tp = torch.ones(3)  # rebound by a pass
+    snapshot.restore()
+    assert model.tp is kept and not model.tp.any()
