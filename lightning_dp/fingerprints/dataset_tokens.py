@@ -12,6 +12,7 @@ from itertools import islice
 from operator import is_
 from typing import Any, Callable, Hashable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -66,90 +67,216 @@ def dataset_token(dataset: Any) -> Hashable:
 
 
 def dataset_settings(dataset: Any, collate_fn: Any = None) -> dict[str, Hashable]:
-    """The settings the datasets ``dataset`` is made of (:func:`dataset_parts`) and the user's collate object hold:
-    their plain attributes (numbers, strings, flags, ``None``) and small dicts of named plain values
-    (:func:`_settings`), by value, each named ``"dataset setting Class.key (type)"`` (``"collate setting …"``) — the
-    type of the value, never the value (a refusal quotes the name). The fetch reads them for every later batch: one a
-    batch-end hook sets from the loss (``dataset.scale = 1 + loss``) carries the batch into every later input; one set
-    from the epoch number (``set_epoch``) is alike on any data. Which is which the replays tell (the decision
-    windows, the first step's: docs/release_boundary.md, rule 3); :func:`put_back` puts them back after each."""
+    """The settings the datasets ``dataset`` is made of (:func:`dataset_parts`), the user's collate object and the
+    transforms they hold (:func:`_holders`) keep: their plain attributes (numbers, strings, flags, ``None``) and small
+    dicts of named plain values (:func:`_settings`), by value; the collate's and the transforms' (not the datasets':
+    their tensors are records, :func:`dataset_token`) small lists of plain values, tensors and NumPy arrays too, and an
+    ``nn.Module`` transform's buffers and parameters (:func:`_setting_token`) — each named
+    ``"dataset setting Class.key (type)"`` (``"collate setting …"``, ``"transform setting …"``): the type of the
+    value, never the value (a refusal quotes the name). The fetch reads them for every later batch: one a batch-end
+    hook sets from the loss (``dataset.scale = 1 + loss``, ``tf.factor.fill_(1 + loss)``) carries the batch into every
+    later input; one set from the epoch number (``set_epoch``) is alike on any data. Which is which the replays tell
+    (the decision windows, the first step's: docs/release_boundary.md, rule 3); :func:`put_back` puts them back."""
     entries: dict[str, Hashable] = {}
+
+    def add(entry: str, token: Hashable) -> None:  # a second holder of one class (two Scales in a Compose): `#2`
+        n = 1
+        while (named := entry if n == 1 else f"{entry} #{n}") in entries:
+            n += 1
+        entries[named] = token
+
     for kind, d in _holders(dataset, collate_fn):
-        for key, value in (vars(d).items() if hasattr(d, "__dict__") else ()):
+        name = _holder_name(d)
+        for key, value in _fields(d).items():
             if key.startswith("__"):
                 continue
             if isinstance(value, _PLAIN):
-                entries[f"{kind} setting {type(d).__name__}.{key} ({type(value).__name__})"] = \
-                    (type(value).__name__, value)
+                add(f"{kind} setting {name}.{key} ({type(value).__name__})", (type(value).__name__, value))
             elif _settings(value) and value:
-                entries[f"{kind} setting {type(d).__name__}.{key} (dict of settings)"] = tuple(value.items())
+                add(f"{kind} setting {name}.{key} (dict of settings)", tuple(value.items()))
+            elif kind != "dataset" and (token := _setting_token(value)) is not None:
+                add(f"{kind} setting {name}.{key} ({token[0]})", token)
+        if kind != "dataset" and isinstance(d, torch.nn.Module):  # its buffers and parameters (a factor buffer)
+            for key, t in islice((*d.named_buffers(), *d.named_parameters()), 64):
+                add(f"{kind} setting {name}.{key} (Tensor)", _setting_token(t))
     return entries
+
+
+def _setting_token(value: Any) -> Optional[tuple[Any, ...]]:
+    """A transform's or collate object's setting that is not a plain value, by its kind first: a list of at most
+    :data:`SMALL` plain values, a tensor or a NumPy array of at most :data:`SMALL` elements by its values, a larger
+    one by identity, version (a tensor) and :func:`_array_digest` (bounded: it is taken several times a step); else
+    ``None``."""
+    if type(value) is list and len(value) <= SMALL and all(isinstance(v, _PLAIN) for v in value):
+        return ("list of settings", tuple((type(v).__name__, v) for v in value))
+    if isinstance(value, Tensor) and value.layout == torch.strided and not value.is_meta:
+        if value.numel() <= SMALL:
+            return ("Tensor", tuple(value.shape), str(value.dtype), tuple(value.detach().flatten().tolist()))
+        return ("Tensor", Same(value), value._version, tuple(value.shape), _tensor_digest(value))
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object \
+            and getattr(value, "shape", None) is not None:
+        if value.size <= SMALL:
+            return ("ndarray", value.shape, str(value.dtype), tuple(value.ravel().tolist()))
+        return ("ndarray", Same(value), value.shape, str(value.dtype), _array_digest(value))
+    return None
+
+
+def _tensor_digest(value: Tensor) -> Optional[bytes]:
+    """A CPU tensor's contents by :func:`_array_digest` (a write through a NumPy view moves no version); ``None`` for
+    one NumPy cannot view (another device's: its writes are torch's, counted by the version)."""
+    try:
+        return _array_digest(value.detach().numpy()) if value.device.type == "cpu" else None
+    except (TypeError, RuntimeError):  # bfloat16, a conjugate or negative view
+        return None
 
 
 def _holders(dataset: Any, collate_fn: Any) -> list[tuple[str, Any]]:
     """("dataset", each dataset ``dataset`` is made of), ("collate", ``collate_fn``) when it is an object of the
-    user's class (not a function, nor a library's), and ("transform", each object of a class not torch's nor
-    Lightning's that they hold — in an attribute, or in a list, tuple or dict of one, two levels deep: a transform
-    inside a ``Compose`` list, whose ``factor`` an epoch hook may set, zoo23 c1)."""
+    user's class (not a library's), and ("transform", each object of a class not a library's, and each function or
+    ``partial`` of the user's, that they hold — in an attribute, in a list, tuple or dict of one, or through a
+    callable: a partial's arguments, a bound method's object, a function's closure cells and defaults
+    (:func:`_held_objects`) — :data:`HOLDER_DEPTH` levels deep: a transform inside a ``Compose`` list, whose
+    ``factor`` an epoch hook may set, zoo23 c1; ``partial(fn, st=obj)``, ``Wrap(Wrap(obj))``, zoo25 t1)."""
     found = [("dataset", d) for d in dataset_parts(dataset)[0]]
-    if _settings_object(collate_fn):
+    if _settings_object(collate_fn) or _users_callable(collate_fn):
         found.append(("collate", collate_fn))
     seen = {id(obj) for _, obj in found}
     level = [obj for _, obj in found]
-    for _ in range(2):
-        held = [v for obj in level for v in _held_objects(vars(obj).values()) if id(v) not in seen]
-        seen.update(id(v) for v in held)
+    for _ in range(HOLDER_DEPTH):
+        held = [v for obj in level for v in _held_objects(_fields(obj).values(), seen)]
         found.extend(("transform", v) for v in held)
         level = held
     return found
 
 
-def _held_objects(values: Any) -> list[Any]:
+HOLDER_DEPTH = 4
+"""Levels of held objects :func:`_holders` follows below the datasets and the collate object (each level bounded:
+:func:`_held_objects`)."""
+
+
+def _held_objects(values: Any, seen: set[int]) -> list[Any]:
     """The objects among ``values`` and in their lists, tuples and dicts (of at most 64 items) that hold settings
-    (:func:`_settings_object`)."""
+    (:func:`_settings_object`), and the user's callables (:func:`_users_callable`), each with the objects its state
+    holds (a bound method: its object), each once (``seen``)."""
     out: list[Any] = []
-    for value in values:
+
+    def add(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 2:
+            return
         if isinstance(value, (list, tuple)) and len(value) <= 64:
-            out.extend(v for v in value if _settings_object(v))
+            for v in value:
+                add(v, depth + 1)
         elif isinstance(value, dict) and len(value) <= 64:
-            out.extend(v for v in value.values() if _settings_object(v))
+            for v in value.values():
+                add(v, depth + 1)
         elif _settings_object(value):
+            seen.add(id(value))
             out.append(value)
+        elif _users_callable(value):
+            seen.add(id(value))
+            out.append(value)
+            if isinstance(value, types.MethodType):
+                add(value.__self__, depth)
+
+    for value in values:
+        add(value, 0)
     return out
 
 
+def _users_callable(value: Any) -> bool:
+    """A function, bound method or ``partial`` of the user's (not a library's): a transform whose partial arguments,
+    closure cells, defaults or object hold settings."""
+    if isinstance(value, partial):
+        return True
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARIES
+    return False
+
+
+def _fields(holder: Any) -> dict[str, Any]:
+    """What a holder keeps by name: an object's attributes; a partial's arguments (``args[i]``, its keywords) and its
+    function's; a function's closure cells (by their variable names) and default arguments; a bound method's object
+    (``__self__``, followed, never a setting)."""
+    if isinstance(holder, partial):
+        return {**{f"args[{i}]": a for i, a in enumerate(holder.args[:64])},
+                **dict(islice(holder.keywords.items(), 64)), "__func__": holder.func}
+    if isinstance(holder, types.MethodType):
+        return {"__self__": holder.__self__, "__func__": holder.__func__}
+    if isinstance(holder, types.FunctionType):
+        out: dict[str, Any] = {}
+        for key, cell in zip(holder.__code__.co_freevars, holder.__closure__ or ()):
+            try:
+                out[key] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+        names = holder.__code__.co_varnames[:holder.__code__.co_argcount]
+        out.update(zip(names[len(names) - len(holder.__defaults__ or ()):], holder.__defaults__ or ()))
+        out.update(holder.__kwdefaults__ or {})
+        return out
+    return vars(holder) if hasattr(holder, "__dict__") else {}
+
+
+def _holder_name(holder: Any) -> str:
+    """A holder's name in a setting's entry: its class's; a function's own (``partial(fn)``, ``fn``)."""
+    if isinstance(holder, partial):
+        return f"partial({getattr(holder.func, '__name__', type(holder.func).__name__)})"
+    if isinstance(holder, (types.FunctionType, types.MethodType)):
+        return holder.__name__
+    return type(holder).__name__
+
+
 def _settings_object(value: Any) -> bool:
-    """An object with attributes, of a class not torch's nor Lightning's (nor a function, class, module or tensor): a
-    collate or transform object whose plain attributes the fetch reads."""
+    """An object with attributes, of a class not a library's (nor a function, class, module or tensor, nor a
+    Lightning subclass: the module being trained): a collate or transform object whose settings the fetch reads."""
     root = (type(value).__module__ or "").split(".")[0]
     return hasattr(value, "__dict__") and not isinstance(value, (*_CALLABLES, Tensor, Dataset)) \
-        and root not in _LIBRARIES
+        and root not in _LIBRARIES \
+        and not any((c.__module__ or "").split(".")[0] in _LIGHTNING for c in type(value).__mro__)
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, type, partial)
-_LIBRARIES = ("torch", "lightning_dp", "pytorch_lightning", "lightning", "transformers", "builtins")
+_LIBRARIES = ("torch", "lightning_dp", "pytorch_lightning", "lightning", "transformers", "tokenizers", "builtins",
+              "numpy", "functools")
 
+
+_LIGHTNING = ("pytorch_lightning", "lightning")
 
 _PLAIN = (int, float, complex, str, bool, bytes, type(None))
 
 
 def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
-    """A function that puts the attributes of the datasets ``dataset`` is made of and of the user's collate object
-    (:func:`_holders`) back as they are now: each bound to its object again, and the items of their dicts, lists,
-    sets and deques (a list an epoch hook shuffles in place, ``set_epoch``'s settings dict) — by reference only: no
-    record, tensor or array is copied (a write into one is the fingerprint's to refuse). A replay of the user's hooks
-    then leaves the training data's settings as found."""
-    held = [(d, dict(vars(d))) for _, d in _holders(dataset, collate_fn) if hasattr(d, "__dict__")]
-    items = [(v, list(v.items()) if isinstance(v, dict) else list(v)) for _, fields in held
-             for v in fields.values() if isinstance(v, (dict, list, set, deque))]
+    """A function that puts the settings of the datasets ``dataset`` is made of, of the user's collate object and of
+    the transforms they hold (:func:`_holders`) back as they are now: each attribute bound to its object again (a
+    tensor rebound: the old one), a function's closure cells too, and the items of their dicts, lists, sets and
+    deques (a list an epoch hook shuffles in place, ``set_epoch``'s settings dict, an ``nn.Module``'s buffers) — by
+    reference only: no record, tensor or array is copied (a write into one is the fingerprint's to refuse). A replay
+    of the user's hooks then leaves the training data's settings as found."""
+    found = _holders(dataset, collate_fn)
+    holders = [d for _, d in found]
+    small = [(v, v.detach().clone() if isinstance(v, Tensor) else v.copy())
+             for v in _small_arrays([d for kind, d in found if kind != "dataset"])]
+    held = [(d, dict(vars(d))) for d in holders if hasattr(d, "__dict__") and not isinstance(d, _CALLABLES)]
+    cells = [(cell, cell.cell_contents) for d in holders if isinstance(d, types.FunctionType)
+             for cell in d.__closure__ or () if _filled(cell)]
+    fields = [f for d in holders for f in (_fields(d).values() if isinstance(d, _CALLABLES) else ())]
+    items = [(v, list(v.items()) if isinstance(v, dict) else list(v))
+             for v in [*(v for _, kept in held for v in kept.values()), *fields]
+             if isinstance(v, (dict, list, set, deque))]
 
     def put() -> None:
-        for d, fields in held:
-            for key in [k for k in vars(d) if k not in fields and not k.startswith("_")]:
+        for d, kept in held:
+            for key in [k for k in vars(d) if k not in kept and not k.startswith("_")]:
                 delattr(d, key)
-            for key, value in fields.items():
+            for key, value in kept.items():
                 if vars(d).get(key, _ABSENT) is not value:
                     vars(d)[key] = value
+        for cell, value in cells:
+            if not _filled(cell) or cell.cell_contents is not value:
+                cell.cell_contents = value
+        for array, values in small:  # a setting written in place (``tf.factor.fill_(v)``): its values as found
+            if not (torch.equal(array, values) if isinstance(array, Tensor) else (array == values).all()):
+                with torch.no_grad():
+                    array[...] = values
         for container, kept in items:
             if not _same(container, kept):
                 container.clear()
@@ -158,6 +285,30 @@ def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
                 else:
                     container.extend(kept)
     return put
+
+
+def _small_arrays(holders: list[Any]) -> list[Any]:
+    """The tensors and NumPy arrays of at most :data:`SMALL` elements the ``holders`` keep as settings (an attribute,
+    a closure cell, an ``nn.Module``'s buffer or parameter): :func:`put_back` puts their values back (a copy of a
+    few numbers), as it rebinds a plain setting."""
+    out: dict[int, Any] = {}
+    for d in holders:
+        values = [*_fields(d).values(), *(islice((t for _, t in (*d.named_buffers(), *d.named_parameters())), 64)
+                                          if isinstance(d, torch.nn.Module) else ())]
+        for v in values:
+            if isinstance(v, Tensor) and v.layout == torch.strided and not v.is_meta and v.numel() <= SMALL \
+                    or isinstance(v, np.ndarray) and v.dtype != object and v.size <= SMALL:
+                out.setdefault(id(v), v)
+    return list(out.values())
+
+
+def _filled(cell: Any) -> bool:
+    """Whether a closure cell holds a value."""
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _same(container: Any, kept: list[Any]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from lightning_dp import DPStrategy
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token, put_back
+from lightning_dp.records.identity import Same
 from lightning_dp.records.stateless import FetchState
 
 X = torch.randn(96, 4, generator=torch.Generator().manual_seed(0))
@@ -259,3 +261,118 @@ def test_a_dataset_tensor_at_a_freed_ones_address_is_a_change():
             break
         dataset.kept = made[0]
     assert dataset_token(dataset) != before
+
+
+class _Factor:
+    def __init__(self, factor) -> None:
+        self.factor = factor
+
+
+class _Wrap:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+class _Holding(torch.utils.data.Dataset):
+    def __init__(self, transform) -> None:
+        self.transform, self.x = transform, torch.zeros(4, 2)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return self.x[i]
+
+
+def _scaled(x, st):
+    return x * st.factor
+
+
+def _closure(cell: list, offset: float):
+    def shifted(x):
+        return x * cell[0] + offset
+    return shifted
+
+
+@pytest.mark.parametrize("how", ["partial", "bound method", "three wrappers", "four wrappers"])
+def test_settings_reach_a_transform_through_callables_and_wrappers(how):
+    """zoo25 t1: a partial's arguments, a bound method's object, ``Wrap(Wrap(obj))`` (and one more level)."""
+    import functools
+
+    st = _Factor(1.0)
+    transform = {"partial": functools.partial(_scaled, st=st), "bound method": st.__init__,
+                 "three wrappers": _Wrap(_Wrap(st)), "four wrappers": _Wrap(_Wrap(_Wrap(st)))}[how]
+    ds = _Holding(transform)
+    assert dataset_settings(ds)["transform setting _Factor.factor (float)"] == ("float", 1.0)
+    restore = put_back(ds)
+    st.factor = 2.0
+    restore()
+    assert st.factor == 1.0
+
+
+def test_a_closures_cells_are_settings_and_put_back_restores_them():
+    cell = [1.0]
+    ds = _Holding(_closure(cell, 0.5))
+    settings = dataset_settings(ds)
+    assert settings["transform setting shifted.cell (list of settings)"] == ("list of settings", (("float", 1.0),))
+    assert settings["transform setting shifted.offset (float)"] == ("float", 0.5)
+    restore = put_back(ds)
+    cell[0] = 3.0
+    ds.transform.__closure__[1].cell_contents = 9.0  # a `nonlocal offset` rebound
+    assert dataset_settings(ds) != settings
+    restore()
+    assert cell == [1.0] and dataset_settings(ds) == settings
+
+
+def test_a_transforms_tensors_and_arrays_are_settings_by_value_or_identity_and_digest_the_datasets_are_not():
+    """zoo25 t2: small ones by value (one rebound to equal values is alike; an in-place write shows), larger ones by
+    identity, version and digest; the dataset's own tensor ``x`` is a record (:func:`dataset_token`)."""
+    small, big, arr = _Factor(torch.ones(())), _Factor(torch.ones(64)), _Factor(np.ones(2))
+    ds = _Holding([small, big, arr])
+    settings = dataset_settings(ds)
+    assert not any(".x " in k for k in settings)
+    assert settings["transform setting _Factor.factor (Tensor)"] == ("Tensor", (), "torch.float32", (1.0,))
+    assert settings["transform setting _Factor.factor (Tensor) #2"][1] == Same(big.factor)  # one entry each
+    small.factor = torch.ones(())
+    assert dataset_settings(ds) == settings  # rebound to equal values
+    small.factor.fill_(2.0)
+    assert dataset_settings(ds) != settings
+    small.factor.fill_(1.0)
+    big.factor.numpy()[3] = 5.0  # a write through a NumPy view moves no version: the digest shows it
+    assert dataset_settings(ds) != settings
+    big.factor.numpy()[3] = 1.0
+    arr.factor[1] = 7.0
+    assert dataset_settings(ds) != settings
+
+
+def test_an_nn_module_transforms_buffers_are_settings_and_put_back_restores_small_ones_in_place():
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("factor", torch.ones(()))
+
+    tf, arr = Scale(), _Factor(np.ones(2))
+    ds = _Holding([tf, arr])
+    settings = dataset_settings(ds)
+    assert settings["transform setting Scale.factor (Tensor)"] == ("Tensor", (), "torch.float32", (1.0,))
+    restore = put_back(ds)
+    old = tf.factor
+    tf.factor.fill_(3.0)
+    arr.factor[0] = 4.0
+    restore()
+    assert tf.factor is old and float(old) == 1.0 and arr.factor.tolist() == [1.0, 1.0]
+    tf.factor = torch.tensor(5.0)  # rebound: the old buffer is put back
+    restore()
+    assert tf.factor is old and dataset_settings(ds) == settings
+
+
+def test_library_objects_and_the_lightning_module_are_no_transforms():
+    import pytorch_lightning as pl
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = 1.0
+
+    ds = _Holding([torch.nn.Linear(2, 2), Model(), torch.nn.functional.relu])
+    assert dataset_settings(ds) == {}

@@ -7,8 +7,10 @@ put it back after each (validators/snapshot.py)."""
 
 from __future__ import annotations
 
+import functools
 import random
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -271,3 +273,113 @@ def test_a_setting_of_a_transform_the_dataset_holds_is_judged_as_the_datasets(fr
     else:
         fit()
         assert scale.factor == pytest.approx(1.1) and trainer.strategy.ledger.steps >= 6
+
+
+class TensorScale:
+    """A transform whose factor is a tensor or a NumPy array (zoo25 t2)."""
+
+    def __init__(self, kind: str) -> None:
+        self.factor = np.ones(1) if kind == "ndarray" else torch.ones(())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(self.factor.reshape(-1)[0])
+
+
+class ModuleScale(torch.nn.Module):
+    """An ``nn.Module`` transform whose factor is a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("factor", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _set_tensor(transform, how: str, value: float) -> None:
+    if how == "rebind":
+        transform.factor = torch.tensor(value)
+    elif how == "ndarray":
+        transform.factor[0] = value
+    else:  # "fill_" on a plain transform's tensor or on a module's buffer
+        transform.factor.fill_(value)
+
+
+class SetFrom(pl.Callback):
+    """Sets a transform's setting (``setter(value)``) at batch end, from the loss or from the epoch."""
+
+    def __init__(self, setter, from_loss: bool) -> None:
+        self.setter, self.from_loss = setter, from_loss
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.setter(1.0 + float(outputs["loss"]) if self.from_loss else 1.0 + 0.1 * trainer.current_epoch)
+
+
+def _fit_transform(transform, setter, from_loss: bool, named: str) -> pl.Trainer:
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2,
+                            callbacks=[SetFrom(setter, from_loss)], num_sanity_val_steps=0)
+    fit = lambda: trainer.fit(TinyClassifier(), DataLoader(TransformedDS(transform), batch_size=16))  # noqa: E731
+    if from_loss:
+        with pytest.raises(PrivacyConfigurationError, match=named) as err:
+            fit()
+        assert "1." not in str(err.value).splitlines()[0].split("Fix:")[0]  # the value is never quoted
+    else:
+        fit()
+        assert trainer.strategy.ledger.steps >= 6
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["fill_", "rebind", "ndarray", "module buffer"])
+@pytest.mark.parametrize("from_loss", [True, False], ids=["from the loss", "from the epoch"])
+def test_a_tensor_or_array_setting_of_a_transform_is_judged_as_a_plain_one(from_loss, how):
+    """zoo25 t2: a transform's factor kept as a tensor (rebound or filled in place), a NumPy array written in place,
+    an ``nn.Module`` transform's buffer — set from the loss, each carried the batch into every later input silently
+    (only plain attributes were read)."""
+    transform = ModuleScale() if how == "module buffer" else TensorScale(how)
+    kind = "ndarray" if how == "ndarray" else "Tensor"
+    _fit_transform(transform, lambda v: _set_tensor(transform, how, v), from_loss,
+                   rf"transform setting {type(transform).__name__}\.factor \({kind}\)")
+    if not from_loss:
+        assert float(transform.factor.reshape(-1)[0]) == pytest.approx(1.1)
+
+
+class Wrap:
+    """A wrapper transform (three of them: ``Wrap(Wrap(scale))``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _scale_by(x: torch.Tensor, st: Scale) -> torch.Tensor:
+    return x * st.factor
+
+
+def _closure_over(cell: list):
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * cell[0]
+    return scaled
+
+
+@pytest.mark.parametrize("how", ["partial", "closure", "bound method", "three wrappers"])
+@pytest.mark.parametrize("from_loss", [True, False], ids=["from the loss", "from the epoch"])
+def test_a_transform_reached_through_a_callable_or_three_wrappers_is_judged(from_loss, how):
+    """zoo25 t1: the transform reached through ``functools.partial(fn, st=obj)``, a closure over a list, a bound
+    method ``obj.__call__`` or ``Wrap(Wrap(obj))``: its setting set from the loss trained silently."""
+    scale, cell = Scale(), [1.0]
+    transform = {"partial": functools.partial(_scale_by, st=scale), "closure": _closure_over(cell),
+                 "bound method": scale.__call__, "three wrappers": Wrap(Wrap(scale))}[how]
+
+    def setter(value: float) -> None:
+        if how == "closure":
+            cell[0] = value
+        else:
+            scale.factor = value
+
+    named = r"transform setting scaled\.cell \(list of settings\)" if how == "closure" \
+        else r"transform setting Scale\.factor \(float\)"
+    _fit_transform(transform, setter, from_loss, named)
+    if not from_loss:
+        assert (cell[0] if how == "closure" else scale.factor) == pytest.approx(1.1)
