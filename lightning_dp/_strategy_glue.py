@@ -49,6 +49,7 @@ from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batche
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.public_names import is_public
+from lightning_dp.validators.batch_start_settings import BatchStartSettings
 from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
 from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
@@ -141,6 +142,7 @@ class PrivateTraining:
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._fresh_step: Optional[pl.Callback] = None  # reseeds the global generators as each step starts
         self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
+        self._batch_start = BatchStartSettings(self._replays)  # what on_train_batch_start sets from the batch
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
         self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
@@ -584,6 +586,7 @@ class PrivateTraining:
         if self._decision_windows is not None:  # what on_train_batch_start set is this step's (judged with it)
             self._decision_windows.notes.note(self.lightning_module.trainer)  # type: ignore[attr-defined]
         indices = step.take()
+        self._batch_start.judge(indices, _batch_idx(args, kwargs))  # σ, C, an lr set there from the batch
         n = self._examples_this_step = len(indices)
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)
             return None
@@ -644,6 +647,16 @@ class PrivateTraining:
         if getattr(trainer, "_detect_anomaly", False):  # Lightning's finiteness check reads it in optimizer_step
             return mean_loss(out, n)
         return sealed(mean_loss(out, n))  # its value not readable in optimizer_step (validators/sealed_loss.py)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's, noting the settings as a training batch arrives from the loop, before the batch-start hooks
+        (:mod:`~lightning_dp.validators.batch_start_settings`; not the step's own collations, made after them)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+        if trainer is not None and trainer.training and progress is not None \
+                and progress.current.ready == progress.current.completed:
+            self._batch_start.arrived(trainer)
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     def _users_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The user's ``training_step``, refused when it (or a hook before it) read training records itself

@@ -78,30 +78,40 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
     ``max_epochs`` and ``max_steps`` are recorded (``"trainer should_stop"``) and put back the same way (training
     stopped, or lengthened, when the loss or a training accuracy crosses a threshold), and so are the mechanism's σ and
     C (:func:`mechanism_settings`)."""
-    before = hyperparameters(optimizer)
-    groups = [(group, group["params"], list(group["params"])) for group in optimizer.param_groups]
-    saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
-             dict(getattr(optimizer, "defaults", None) or {}))
-    controls, mechanism, state = loop_controls(loop), mechanism_settings(loop), saved_state(optimizer)
+    before, put_back = hyperparameters(optimizer), settings_kept(optimizer, loop)
     seen: list[Fingerprint] = []
     for replay in replays:
         try:
             replay()
         finally:
             seen.append(replay_decisions(optimizer, loop))
-            put_state(optimizer, state)
-            put_loop_controls(loop, controls)
-            put_mechanism_settings(loop, mechanism)
-            optimizer.param_groups[:] = [group for group, _, _ in groups]  # as they were: a group a replay added goes,
-            for (group, params, held), values in zip(groups, saved[0]):  # and a key; the parameters each group held
-                if isinstance(params, list):
-                    params[:] = held
-                group.clear()
-                group.update(values, params=params)
-            if isinstance(getattr(optimizer, "defaults", None), dict):
-                optimizer.defaults.clear()
-                optimizer.defaults.update(saved[1])
+            put_back()
     return before, seen
+
+
+def settings_kept(optimizer: Any, loop: Any) -> Callable[[], None]:
+    """What :func:`replay_records` puts back, recorded now: the optimizer's hyper-parameters, defaults and state, the
+    trainer's :func:`loop_controls` and the mechanism's σ and C; the function returned sets them back as they are
+    now."""
+    groups = [(group, group["params"], list(group["params"])) for group in optimizer.param_groups]
+    saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+             dict(getattr(optimizer, "defaults", None) or {}))
+    controls, mechanism, state = loop_controls(loop), mechanism_settings(loop), saved_state(optimizer)
+
+    def put_back() -> None:
+        put_state(optimizer, state)
+        put_loop_controls(loop, controls)
+        put_mechanism_settings(loop, mechanism)
+        optimizer.param_groups[:] = [group for group, _, _ in groups]  # as they were: a group a replay added goes,
+        for (group, params, held), values in zip(groups, saved[0]):  # and a key; the parameters each group held
+            if isinstance(params, list):
+                params[:] = held
+            group.clear()
+            group.update(values, params=params)
+        if isinstance(getattr(optimizer, "defaults", None), dict):
+            optimizer.defaults.clear()
+            optimizer.defaults.update(saved[1])
+    return put_back
 
 
 def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:

@@ -42,6 +42,7 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
 from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_decisions, replay_records,
                                                       state_written)
 from lightning_dp.validators.outside_records import exchanged_copy
@@ -418,14 +419,15 @@ class StepReplays:
     @contextmanager
     def privacy_settings_kept(self) -> Iterator[None]:
         """σ and C as they were after each replay: a user's hook that changes them (a noise schedule of its own, in
-        ``on_train_start``) runs once per real call, not once per replay as well."""
-        private = self.step
-        saved = private.noise_multiplier, private.max_grad_norm
+        ``on_train_start``) runs once per real call, not once per replay as well. The clipping policy object and its
+        configuration are put back (:func:`~.mechanism_settings.put_mechanism_settings`), not an adaptive policy's own
+        bound (C cannot be set under a policy; a bound moved by hand is the step's to refuse)."""
+        trainer = self.strategy.lightning_module.trainer
+        saved = mechanism_settings(trainer)
         try:
             yield
         finally:
-            if (private.noise_multiplier, private.max_grad_norm) != saved:
-                private.noise_multiplier, private.max_grad_norm = saved
+            put_mechanism_settings(trainer, saved)
 
     @contextmanager
     def watches_paused(self) -> Iterator[None]:
@@ -511,7 +513,8 @@ class StepReplays:
 
         def loss_of(examples: Any) -> Any:
             batch = self.strategy._as_loop_batch(examples)
-            with self.strategy.precision_plugin.train_step_context(), replaying(module):
+            # σ and C put back after each pass: a schedule by step in on_train_batch_start, run as of a later step
+            with self.strategy.precision_plugin.train_step_context(), replaying(module), self.privacy_settings_kept():
                 batch_start(module, batch, batch_idx)
                 return module.training_step(batch, batch_idx)
 
