@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
+from lightning_dp.records.library_objects import unwrapped
 from lightning_dp.records.identity import Same
 from lightning_dp.fingerprints.checksums import _Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
@@ -257,6 +258,7 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
             seen.add(base)
             for key, value in list(vars(base).items()):
                 if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
+                    value = unwrapped(value)  # as the user wrote it, whether the logger judge wraps it now or not
                     if _mutable_defaults(value):
                         yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
                     fields = kept_attributes(value)
@@ -322,6 +324,7 @@ def callable_state(fn: Any) -> list[Any]:
     if isinstance(fn, types.MethodType):
         return [fn.__self__, *callable_state(fn.__func__)]
     if isinstance(fn, types.FunctionType):
+        fn = unwrapped(fn)  # lightning_dp's wrapper of a user's hook for the fit: the hook's own state
         return [*_cells(fn), *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
     return [fn]
 

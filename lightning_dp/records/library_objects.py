@@ -7,6 +7,9 @@ names) so that the records' own walks (:mod:`~lightning_dp.records.user_generato
 
 from __future__ import annotations
 
+import types
+import weakref
+
 from typing import Any, Optional
 
 from torch import nn
@@ -55,3 +58,21 @@ def is_library(obj: Any) -> bool:
 def library_callback(callback: Any) -> bool:
     """One of Lightning's or lightning_dp's own callbacks (their hooks are not the user's code)."""
     return type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES)
+
+
+_WRAPPERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def mark_wrapper(wrapper: Any) -> Any:
+    """Note ``wrapper`` (a function lightning_dp puts in place of a user's hook for a fit, ``functools.wraps``-ed:
+    the logger judge's) as the library's: what it keeps is its own, and walks of the user's state read the hook it
+    wraps (:func:`unwrapped`) — else the class's data would change as the wrapper comes and goes. Returns it."""
+    _WRAPPERS.add(wrapper)
+    return wrapper
+
+
+def unwrapped(fn: Any) -> Any:
+    """The user's function behind lightning_dp's wrappers (:func:`mark_wrapper`); ``fn`` itself otherwise."""
+    while isinstance(fn, types.FunctionType) and fn in _WRAPPERS:
+        fn = fn.__wrapped__
+    return fn

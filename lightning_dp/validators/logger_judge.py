@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from lightning_dp.records.library_objects import library_callback
+from lightning_dp.records.library_objects import library_callback, mark_wrapper
 from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now, users_hook
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -85,7 +85,7 @@ def watch_fit(trainer: "pl.Trainer", public: Callable[[str], bool] = lambda name
             if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
                                                                          for c, n, _ in _WRAPPED):
                 _WRAPPED.append((cls, name, vars(cls).get(name, _ABSENT)))
-                setattr(cls, name, _judged(hook, name, trainer))
+                setattr(cls, name, mark_wrapper(_judged(hook, name, trainer)))
 
 
 def unwatch() -> None:

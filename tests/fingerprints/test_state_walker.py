@@ -99,3 +99,30 @@ def test_a_setting_token_holds_what_it_compares_by_identity():
         made = [make() for _ in range(500)]  # CPython hands a freed object's memory to the next one of its size
         kept["state"] = next((t for t in made if id(t) == freed), made[0])
         assert freeze(kept) != before
+
+
+def test_a_hook_lightning_dp_wraps_for_a_fit_is_read_as_the_user_wrote_it():
+    """CI: the logger judge wraps a user's epoch hook at the class level for the fit (functools.wraps); the wrapper's
+    closure holds no list, so the class's entry for the hook's closure state came and went with it and a fit was
+    refused for state "written" by the library's own wrapping."""
+    import functools
+
+    from lightning_dp.fingerprints.state_walker import callable_state, class_attributes
+    from lightning_dp.records.library_objects import mark_wrapper
+
+    calls: list = []
+
+    class Hooked:
+        def on_train_start(self) -> None:
+            calls.append(1)
+
+    before = [(k, v) for _, k, v in class_attributes([Hooked])]
+    original = Hooked.__dict__["on_train_start"]
+
+    @functools.wraps(original)
+    def judged(self):
+        return original(self)
+
+    Hooked.on_train_start = mark_wrapper(judged)
+    assert [(k, v) for _, k, v in class_attributes([Hooked])] == before != []
+    assert callable_state(Hooked.on_train_start) == callable_state(original) == [calls]
