@@ -12,21 +12,30 @@ samples from its prior, a configuration string — and are judged instead, by wh
    user's state (:class:`~.snapshot.StateSnapshot`), the weights and the random generators' states are taken;
 2. while it runs, a call the rule would refuse is **held back**: nothing is written; its arguments are copied and a
    digest of them taken (:func:`~.logger_outputs.digest`: arrays by their bytes, a figure by its pixels);
-3. when it returns with calls held, the hook runs again from the state and generators as it started, on the
-   training data's exchanged copy (:meth:`~.step_checks.exchanged_training_data`: the dataset's and every copy in
-   memory the batch check exchanges) with the training loop's logged values and training metrics' states moved far
-   (:meth:`~.logged_reads.LoggedReads.moved`), logging silenced (:func:`~.hook_replays.replaying`), its logger
-   calls recorded and not written; then the state as the first run left it is put back;
+3. when it returns with calls held (or with tensors of the user's state written), the hook runs again from the
+   state and generators as it started (the global ones and those the user holds:
+   :func:`~.held_values.user_generators`), on the training data's exchanged copy
+   (:meth:`~.step_checks.exchanged_training_data`: the dataset's and every copy in memory the batch check
+   exchanges), with every other tensor and NumPy array the user's state holds given other values
+   (:func:`~.held_values.other_values`: the model's buffers and attributes, the datamodule's, the callbacks', the
+   trainer's and strategy's own attributes, the validation and test sets, the training dataset's caches, the
+   globals of the user's modules; not the released state) and the training loop's logged values and training
+   metrics' states moved far (:meth:`~.logged_reads.LoggedReads.moved`), logging silenced
+   (:func:`~.hook_replays.replaying`), its logger calls recorded and not written; then the state as the first run
+   left it is put back. A tensor the first run wrote that the run again writes alike is a function of the released
+   state: later runs again leave it (:func:`~.held_values.derived_from_released`: the weights kept at epoch start);
 4. each held call whose place, method and digest the run again reproduces is written (a function of what the
-   exchange leaves alone: the released weights and ĝ, the optimizer's state, the step, the seeds); any other is
+   run again leaves alone: the released weights and ĝ, the optimizer's state, the step, the seeds); any other is
    refused, nothing of it written; so is every held call when the run again fails, or when no exchanged copy exists.
    Under DDP every rank runs the hook again when any rank held a call (a rank-0-only ``add_histogram``), and a
    refusal on one rank is raised on every rank (``StepChecks.on_every_rank``): none waits in a collective.
 
-Why this is sound: a hook handed no batch that runs after the release can read the private data only (a) from the
-training data in memory, which the run again exchanges, (b) from the logged values and training metrics, which it
-moves, or (c) from state kept from a step — refused at that step's release by the kept-state checks (rule 3), before
-these hooks run (an outputs list filled by ``training_step`` is refused at the first release). Randomness is replayed
+Why this is sound: a hook handed no batch that runs after the release reads the private data through arrays held in
+memory — the training data (exchanged), anything derived from it and held anywhere in the user's state, computed
+before the fit or by another hook (given other values unless a run again showed it a function of the released state:
+zoo25 found a datamodule's standardised copy, the records' norms, a float64 validation copy, a fetch cache and a copy
+on the trainer written when only the copies of the records were exchanged) — or through the logged values and
+training metrics (moved); state kept from a step is refused at that step's release (rule 3). Randomness is replayed
 as it was, so prior samples compare equal while a value of the data does not. Nothing held reaches the logs before it
 is judged. A taint approach (arguments sharing no storage or autograd history with the batch) was rejected: a value
 computed under ``no_grad``, through ``.item()``, numpy or Python numbers, or copied from the dataset by index carries
@@ -35,8 +44,10 @@ no history, so absence of history proves nothing.
 Not judged: ``training_step`` and the hooks handed the batch, its loss or outputs (``on_train_batch_start``,
 ``on_before_backward``, ``on_train_batch_end``): their media stay refused unless released state or declared public
 (a run again could not exchange the batch already computed from). Not seen: data read from disk inside the hook,
-or from the loop's internals (a prefetched batch in Lightning's data fetcher). A hook whose calls differ from run to
-run for other reasons (a time stamp in a text) is refused.
+from the loop's internals (a prefetched batch in Lightning's data fetcher), or held where the walk of
+:mod:`.held_values` does not reach (a closure of a class defined in a function, a library object's attributes).
+A hook whose calls differ from run to run for other reasons (a time stamp in a text) is refused; so is one that
+logs a value of public data the user's state holds (given other values too): declare the method public.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import torch
 
 from lightning_dp.records.library_objects import library_callback, mark_wrapper
 from lightning_dp.validators import logger_outputs
+from lightning_dp.validators.held_values import derived_from_released, other_values, tensors_held, user_generators
 from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now, users_hook
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.step_replays import users_objects
@@ -116,10 +128,11 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
         with logger_outputs.recorded(calls):
             result = hook(self, *args, **kwargs)
         held = calls.held()
+        written = start.written()
         step = trainer.strategy.private_step
-        if step.any_rank(bool(held)):  # alike on every rank (a rank-0-only call): the hook's collectives stay paired
-            again = start.run_again(lambda: hook(self, *args, **kwargs))
-            step.on_every_rank(lambda: _judge(calls, held, again), f"refused a logger call in {name}")
+        if step.any_rank(bool(held) or bool(written)):  # alike on every rank: the hook's collectives stay paired
+            again = start.run_again(lambda: hook(self, *args, **kwargs), written)
+            step.on_every_rank(lambda: _judge(calls, held, again), f"refused a logger call in {name}")  # a collective
             for _, _, _, write, _ in held:
                 write()
         return result
@@ -158,32 +171,66 @@ class _State:
         self.snapshot = self._snapshot()
         self.weights = model_kept(self.module, weights=True)
         self.generators = _generators()
+        self.users_generators = user_generators(self._roots())
+        self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return tensors_held(self.trainer, self.step._source[0] if self.step._source is not None else None,
+                            self.step.boundary.global_modules())
+
+    def written(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, a copy of its values) of the user's state (:func:`~.held_values.tensors_held`) the hook made
+        or wrote in place."""
+        return {path: (t, t.detach().clone()) for path, t in self._tensors().items()
+                if path not in self.tensors or self.tensors[path][0] is not t or self.tensors[path][1] != t._version}
+
+    def _roots(self) -> list[Any]:
+        return [self.module, *users_objects(self.trainer)]
 
     def _snapshot(self) -> StateSnapshot:
         boundary = self.step.boundary
         return StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
                              boundary.global_modules())
 
-    def run_again(self, run: Callable[[], Any]) -> "logger_outputs.Calls | None":
+    def run_again(self, run: Callable[[], Any],
+                  written: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> "logger_outputs.Calls | None":
         """The calls of ``run`` (the hook) run again from this state on the exchanged data, recorded; ``None`` when
-        it fails or no exchanged copy of the training data exists. The state as it is now is put back after."""
+        it fails or no exchanged copy of the training data exists. The state as it is now is put back after. Of the
+        tensors the first run ``written``, those the run again makes alike are functions of the released state
+        (:func:`~.held_values.derived_from_released`)."""
         if self.step._source is None:
             return None
         after, weights, generators = self._snapshot(), model_kept(self.module, weights=True), _generators()
+        users_generators = user_generators(self._roots())
         calls = logger_outputs.Calls(again=True)
         reads = getattr(self.trainer.strategy, "_logged_reads", None)
+        moved = reads.moved(training_only=True) if reads is not None else nullcontext()
+        alike: list[torch.Tensor] = []
         try:
             self.snapshot.restore()
             self.weights()
             _set_generators(self.generators)
+            self.users_generators()
             exchanged = self.step.exchanged_training_data()
-            with exchanged.exchanged(), reads.moved(training_only=True) if reads is not None else nullcontext(), \
-                    replaying(self.module), logger_outputs.recorded(calls):
+            others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
+                                  [value for _, value in exchanged.arrays],
+                                  logger_outputs.released_state(self.module, lambda: self.trainer.optimizers))
+            with exchanged.exchanged(), others.exchanged(), moved, replaying(self.module), \
+                    logger_outputs.recorded(calls):
                 run()
+                now = self._tensors() if written else {}
+                alike = [t for path, (t, first) in written.items() if path in now and _alike(now[path], first)]
         except Exception:  # noqa: BLE001  (not judged: every held call is refused)
             return None
         finally:
             after.restore()
             weights()
             _set_generators(generators)
+            users_generators()
+        derived_from_released(alike)
         return calls
+
+
+def _alike(again: torch.Tensor, first: torch.Tensor) -> bool:
+    return again.shape == first.shape and again.dtype == first.dtype and \
+        bool(torch.equal(again.detach(), first.detach()))

@@ -8,15 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import quiet_trainer
 from pytorch_lightning.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import Classifier, loader, strategy  # noqa: E402
+from cases import Classifier, data, loader, strategy  # noqa: E402
 from test_logger_outputs import _tags  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
@@ -167,3 +169,134 @@ def test_a_figure_of_the_weights_is_written_and_one_of_the_training_set_refused(
     with pytest.raises(PrivacyConfigurationError, match=r"add_figure was called in on_train_epoch_end"):
         _fit(model, tmp_path / "records")
     assert not _tags(tmp_path / "records").get("images")  # nothing of the hook's calls written
+
+
+# ---------------------------------------------------------------------------- copies derived from the data (zoo25)
+class LogsAHeldValue(Classifier):
+    """A histogram at epoch end of a value the hook reads from the user's state (``held``), not of the batch."""
+
+    def held(self) -> Any:
+        raise NotImplementedError
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_train_epoch_end(self) -> None:
+        values = torch.as_tensor(self.held()).float().flatten()
+        self.logger.experiment.add_histogram("derived", values, self.current_epoch)
+
+
+class RecordNorms(LogsAHeldValue):
+    """l1: the model keeps the records' norms, computed before the fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = data().tensors[0].norm(dim=1)
+
+    def held(self) -> Any:
+        return self.norms
+
+
+class Standardised(pl.LightningDataModule):
+    """l1: the datamodule keeps its own standardised copy of the features besides the training data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = data().tensors
+        self.x_std = (self.x - self.x.mean(0)) / self.x.std(0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16)
+
+
+class FromTheDatamodule(LogsAHeldValue):
+    def held(self) -> Any:
+        return self.trainer.datamodule.x_std[:, 0]
+
+
+class Cached(torch.utils.data.Dataset):
+    """l2: a dataset filling a cache of a derived value as records are fetched."""
+
+    def __init__(self) -> None:
+        self.x, self.y = data(1024).tensors  # more records than a walk of the training data's containers reads
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        self.cache.setdefault(int(i), (self.x[i] ** 2).sum())
+        return self.x[i], self.y[i]
+
+
+class FromTheCache(LogsAHeldValue):
+    """The cache read through the dataset the model holds (as zoo25 l2 did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dataset = Cached()
+
+    def held(self) -> Any:
+        return torch.stack(list(self.dataset.cache.values()))
+
+
+class FromTheTrainer(LogsAHeldValue):
+    """l3: a copy of the features put on the trainer before the fit."""
+
+    def held(self) -> Any:
+        return self.trainer.stash
+
+
+class FromTheValidationSet(LogsAHeldValue):
+    """l5: the validation set is the training set in float64."""
+
+    def held(self) -> Any:
+        return self.trainer.val_dataloaders.dataset.tensors[0][:, 0]
+
+
+def _derived_fit(case: str, tmp_path: Path) -> None:
+    x, y = data().tensors
+    trainer = quiet_trainer(max_steps=4, logger=TensorBoardLogger(tmp_path), strategy=strategy(),
+                            limit_val_batches=0 if case != "validation set" else 1.0)
+    if case == "model":
+        trainer.fit(RecordNorms(), loader())
+    elif case == "datamodule":
+        trainer.fit(FromTheDatamodule(), datamodule=Standardised())
+    elif case == "cache":
+        model = FromTheCache()
+        trainer.fit(model, DataLoader(model.dataset, batch_size=16))
+    elif case == "trainer":
+        trainer.stash = x.clone()
+        trainer.fit(FromTheTrainer(), loader())
+    else:
+        trainer.fit(FromTheValidationSet(), loader(), DataLoader(TensorDataset(x.double(), y), batch_size=64))
+
+
+@pytest.mark.parametrize("case", ["model", "datamodule", "cache", "trainer", "validation set"])
+def test_a_value_derived_from_the_data_held_anywhere_is_refused_and_not_written(tmp_path: Path, case: str):
+    """zoo25 l1, l2, l3, l5: a copy derived from the training data (not a copy of its records) held by the model, the
+    datamodule, a dataset's cache, the trainer or the validation loader is given other values in the run again."""
+    with pytest.raises(PrivacyConfigurationError, match=r"add_histogram was called in on_train_epoch_end"):
+        _derived_fit(case, tmp_path)
+    assert "derived" not in _tags(tmp_path).get("histograms", set())
+
+
+class HeldGenerators(Classifier):
+    """zoo25 l3 FALSEREF: samples of the model on prior inputs drawn from generators the module holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(1)
+        self.rng = np.random.default_rng(0)
+
+    def on_train_epoch_end(self) -> None:
+        z = torch.cat([torch.randn(8, 4, generator=self.gen),
+                       torch.as_tensor(self.rng.standard_normal((8, 4)), dtype=torch.float32)])
+        with torch.no_grad():
+            samples = self(z)
+        self.logger.experiment.add_histogram("prior", samples, self.current_epoch)
+
+
+def test_prior_samples_from_a_generator_the_module_holds_are_written(tmp_path: Path):
+    _fit(HeldGenerators(), tmp_path)
+    assert "prior" in _tags(tmp_path).get("histograms", set())
