@@ -8,10 +8,13 @@ the records only, not what was derived from them, so the run again exchanges :fu
 and NumPy array (:func:`~.holders.held_arrays`) held by the model (its buffers and its modules' attributes, never
 its parameters), the datamodule, the user's callbacks, the trainer's and the strategy's public attributes that are
 not Lightning's or lightning_dp's objects, the validation and test loaders' datasets, the training dataset (its
-caches) and the globals of the user's modules — in place, restored after (:func:`~.outside_records.exchange`: the
-tensors' version counters stay). The released state (parameters, their ``.grad``, the optimizers' state) and what
-the exchange of the training data covers already (a view of it is not flipped twice) are left. A call the run again
-reproduces is then a function of the released state, the step, the seeds and constants only.
+caches) and the globals of the user's modules, and the lists of floats their attributes hold (one level down) — in
+place, restored after (:func:`~.outside_records.exchange`: the tensors' version counters stay). Not given other
+values: Python numbers and strings (an attribute ``self.mean = float(x.mean())``: rule 11 refuses the exact
+statistics it knows), lists of ints or strings. The released state (parameters, their ``.grad``, the optimizers'
+state) and what the exchange of the training data covers already (a view of it is not flipped twice) are left. A
+call the run again reproduces is then a function of the released state, the step, the seeds, constants and the
+Python numbers and strings the user's state holds.
 
 :func:`user_generators` gives the states of the generators the user holds (``torch.Generator`` as
 :func:`lightning_dp.records.user_generators.held` finds them, and torch's, NumPy's and Python's generators held by
@@ -28,13 +31,13 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_dp.records import user_generators as torch_generators
 from lightning_dp.records.library_objects import is_library, library_callback
 from lightning_dp.validators.holders import RowItems, held_arrays
-from lightning_dp.validators.outside_records import ExchangedRecords, _Memory
+from lightning_dp.validators.outside_records import ExchangedRecords, _Memory, exchangeable
 
 __all__ = ["derived_from_released", "other_values", "tensors_held", "user_generators"]
 
@@ -64,7 +67,29 @@ def other_values(trainer: Any, dataset: Any, modules: Iterable[types.ModuleType]
             continue
         memory.add(value)
         found.append((path, value))
-    return ExchangedRecords(found)
+    return ExchangedRecords(found + _float_lists(_holders(trainer, dataset, modules), skip, memory))
+
+
+def _float_lists(holders: list[tuple[str, Any]], skip: set[int], memory: _Memory) -> list[tuple[str, Any]]:
+    """Lists of floats (``x.norm(dim=1).tolist()``) the holders' attributes, their modules' and their dicts' values
+    hold, one level down; not the training data's own (exchanged already)."""
+    owners: list[Any] = []
+    for _, holder in holders:
+        owners.extend(holder.modules() if isinstance(holder, nn.Module) else [holder])
+    found: list[tuple[str, Any]] = []
+    seen = set(skip)
+    for owner in owners:
+        try:
+            values = list(vars(owner).values())
+        except TypeError:
+            continue
+        values += [v for d in values if isinstance(d, dict) for v in list(d.values())]
+        for value in values:
+            if type(value) is list and value and isinstance(value[0], float) and id(value) not in seen \
+                    and id(value) not in memory._items and exchangeable(value):
+                seen.add(id(value))
+                found.append((f"a list of {type(owner).__name__}", value))
+    return found
 
 
 def tensors_held(trainer: Any, dataset: Any, modules: Iterable[types.ModuleType]) -> dict[str, Tensor]:

@@ -197,6 +197,14 @@ class RecordNorms(LogsAHeldValue):
         return self.norms
 
 
+class NormsAsFloats(RecordNorms):
+    """The records' norms as a list of Python floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = self.norms.tolist()
+
+
 class Standardised(pl.LightningDataModule):
     """l1: the datamodule keeps its own standardised copy of the features besides the training data."""
 
@@ -260,6 +268,8 @@ def _derived_fit(case: str, tmp_path: Path) -> None:
                             limit_val_batches=0 if case != "validation set" else 1.0)
     if case == "model":
         trainer.fit(RecordNorms(), loader())
+    elif case == "list of floats":
+        trainer.fit(NormsAsFloats(), loader())
     elif case == "datamodule":
         trainer.fit(FromTheDatamodule(), datamodule=Standardised())
     elif case == "cache":
@@ -272,7 +282,7 @@ def _derived_fit(case: str, tmp_path: Path) -> None:
         trainer.fit(FromTheValidationSet(), loader(), DataLoader(TensorDataset(x.double(), y), batch_size=64))
 
 
-@pytest.mark.parametrize("case", ["model", "datamodule", "cache", "trainer", "validation set"])
+@pytest.mark.parametrize("case", ["model", "list of floats", "datamodule", "cache", "trainer", "validation set"])
 def test_a_value_derived_from_the_data_held_anywhere_is_refused_and_not_written(tmp_path: Path, case: str):
     """zoo25 l1, l2, l3, l5: a copy derived from the training data (not a copy of its records) held by the model, the
     datamodule, a dataset's cache, the trainer or the validation loader is given other values in the run again."""
