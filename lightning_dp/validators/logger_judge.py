@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from lightning_dp.records.library_objects import library_callback, mark_wrapper
+from lightning_dp.records.library_objects import is_library, library_callback, mark_wrapper
 from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.held_values import derived_from_released, other_values, tensors_held, user_generators
 from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now, users_hook
@@ -180,9 +180,12 @@ class _State:
 
     def written(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(tensor, a copy of its values) of the user's state (:func:`~.held_values.tensors_held`) the hook made
-        or wrote in place."""
-        return {path: (t, t.detach().clone()) for path, t in self._tensors().items()
-                if path not in self.tensors or self.tensors[path][0] is not t or self.tensors[path][1] != t._version}
+        or wrote in place; not a library module's (a torchmetrics state an epoch-end hook resets: running the hook
+        again for it would run a decision taken beside it again, outside the decision checks' windows)."""
+        library = {id(v) for m in self.module.modules() if is_library(m)
+                   for v in (*vars(m).values(), *m._buffers.values()) if isinstance(v, torch.Tensor)}
+        return {path: (t, t.detach().clone()) for path, t in self._tensors().items() if id(t) not in library and (
+                path not in self.tensors or self.tensors[path][0] is not t or self.tensors[path][1] != t._version)}
 
     def _roots(self) -> list[Any]:
         return [self.module, *users_objects(self.trainer)]

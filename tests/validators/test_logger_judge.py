@@ -310,3 +310,16 @@ class HeldGenerators(Classifier):
 def test_prior_samples_from_a_generator_the_module_holds_are_written(tmp_path: Path):
     _fit(HeldGenerators(), tmp_path)
     assert "prior" in _tags(tmp_path).get("histograms", set())
+
+
+def test_a_decision_beside_a_metric_reset_in_a_judged_hook_is_still_refused_with_a_logger(tmp_path: Path):
+    """A callback stops from the module's training metrics at epoch end and resets them: the reset (a library
+    module's tensors written) does not make the judge run the hook again, which would take the decision outside the
+    decision checks' window; the stop is refused as without a logger."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_metric_values import Decides, Tracks
+
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"changed at the end of an epoch \(on_train_epoch_end"):
+        quiet_trainer(strategy=dp, max_steps=12, callbacks=[Decides("stop below")],
+                      logger=TensorBoardLogger(tmp_path)).fit(Tracks(), loader())
