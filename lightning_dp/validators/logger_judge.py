@@ -77,8 +77,7 @@ JUDGED = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_tr
           "on_before_optimizer_step", "on_before_zero_grad")
 """The training hooks handed no batch, run after the release (or before any step), whose media calls are judged."""
 
-_WRAPPED: list[tuple[type, str, Any]] = []  # (class, hook, its own attribute or _ABSENT) while watched
-_ABSENT = object()
+_WRAPPED: list[tuple[type, str, Any]] = []  # (class, hook, logger_outputs.own_attribute) while watched
 
 
 def watch_fit(trainer: "pl.Trainer", public: Callable[[str], bool] = lambda name: False) -> None:
@@ -96,7 +95,7 @@ def watch_fit(trainer: "pl.Trainer", public: Callable[[str], bool] = lambda name
             raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
             if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
                                                                          for c, n, _ in _WRAPPED):
-                _WRAPPED.append((cls, name, vars(cls).get(name, _ABSENT)))
+                _WRAPPED.append((cls, name, logger_outputs.own_attribute(cls, name)))
                 setattr(cls, name, mark_wrapper(_judged(hook, name, trainer)))
 
 
@@ -108,12 +107,7 @@ def unwatch() -> None:
 
 def unwatch_hooks() -> None:
     """The user's hooks as they were."""
-    while _WRAPPED:
-        cls, name, own = _WRAPPED.pop()
-        if own is _ABSENT:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, own)
+    logger_outputs.put_back(_WRAPPED)
 
 
 def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Callable[..., Any]:

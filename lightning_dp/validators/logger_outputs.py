@@ -122,14 +122,25 @@ def watching() -> bool:
     return bool(_SAVED)
 
 
-def unwatch() -> None:
-    """The loggers' methods are as they were (the fit is over)."""
-    while _SAVED:
-        cls, name, own = _SAVED.pop()
+def put_back(saved: list[tuple[type, str, Any]]) -> None:
+    """Empty ``saved`` ((class, name, its own attribute or :func:`own_attribute`'s absent mark), as noted before a
+    wrapper replaced it), putting each class attribute back as it was, last first."""
+    while saved:
+        cls, name, own = saved.pop()
         if own is _ABSENT:
             delattr(cls, name)
         else:
             setattr(cls, name, own)
+
+
+def own_attribute(cls: type, name: str) -> Any:
+    """``cls``'s own attribute ``name`` (not an inherited one), or a mark that it has none, for :func:`put_back`."""
+    return vars(cls).get(name, _ABSENT)
+
+
+def unwatch() -> None:
+    """The loggers' methods are as they were (the fit is over)."""
+    put_back(_SAVED)
     _INSIDE.clear()
     _RELEASED.clear()
     _PUBLIC.clear()
@@ -159,7 +170,7 @@ def _wrap(cls: type, name: str) -> None:
         return _writing(write, *args, **kwargs) if _check(self, name, args, kwargs, write) else None
 
     watched.__wrapped__ = raw  # type: ignore[attr-defined]
-    own = vars(cls).get(name, _ABSENT)
+    own = own_attribute(cls, name)
     try:
         setattr(cls, name, watched)
     except (TypeError, AttributeError):  # a class that cannot be patched (a C type): not watched
