@@ -16,7 +16,26 @@ warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
 torch.set_num_threads(1)
 
 
+def _shuffle(items: list, seed: str) -> None:
+    """Run the suite in a random order (``LIGHTNING_DP_SHUFFLE=<seed>``): the files shuffled, then the tests inside
+    each file, so state one test leaves behind for another (a registry, a patched class, a global) shows."""
+    import random
+
+    rng = random.Random(seed)
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(files)
+    rng.shuffle(order)
+    items[:] = []
+    for name in order:
+        rng.shuffle(files[name])
+        items.extend(files[name])
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LIGHTNING_DP_SHUFFLE"):
+        _shuffle(items, os.environ["LIGHTNING_DP_SHUFFLE"])
     if os.environ.get("LIGHTNING_DP_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set LIGHTNING_DP_SLOW=1")
