@@ -30,6 +30,7 @@ from lightning_dp.records.identity import Same
 from lightning_dp.fingerprints.checksums import _Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.helper_modules import helper_modules
 
 MAX_ITEMS = 16384
 """Container items tokenised one by one; a longer container is compared by its length and a strided sample."""
@@ -284,12 +285,21 @@ def _holds_tensors(value: Any, depth: int = 0) -> bool:
 
 def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
     """The Python modules that define ``classes`` and their bases, libraries' left out (the user's own code: a
-    training script's ``__main__``, the module of a LightningModule or of a callback handed the batch), whose
-    module-level globals a step could write (``global MEMORY; MEMORY.append(x)``)."""
+    training script's ``__main__``, the module of a LightningModule or of a callback handed the batch), and the
+    user's helper modules they import (:func:`~lightning_dp.fingerprints.helper_modules.helper_modules`), whose
+    module-level globals a step could write (``global MEMORY; MEMORY.append(x)``, ``utils.MEMORY.append(x)``)."""
     names = {base.__module__ for cls in classes for base in cls.__mro__}
     found = [sys.modules.get(name) for name in sorted(names)
              if name and name.split(".")[0] not in LIBRARY_PREFIXES]
-    return [m for m in found if m is not None]
+    found = [m for m in found if m is not None]
+    key = tuple((m.__name__, len(vars(m))) for m in found)  # the helpers change when a user module's globals do
+    helpers = _HELPERS.get(key)
+    if helpers is None:
+        helpers = _HELPERS[key] = helper_modules(found)
+    return found + helpers
+
+
+_HELPERS: dict[tuple, list[types.ModuleType]] = {}  # the user modules (and their globals' count) → their helpers
 
 
 def _library_callable(fn: Any) -> bool:

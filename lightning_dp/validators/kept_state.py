@@ -35,10 +35,10 @@ state it can see and refuses a change that the optimizer's step on the released 
 * the training dataset's tensors and those of every dataset reached above (:func:`dataset_token`: identity and
   version counter, so a record written in place shows), its records kept as NumPy arrays or lists, its containers;
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
-  the callbacks above), read as attributes are, under the Lightning strategies (a plain loop's own globals change
-  every iteration).
+  the callbacks above, and the user's helper modules they import), read as attributes are, under the Lightning
+  strategies (a plain loop's own globals change every iteration).
 
-What it cannot see: globals of other modules and of plain loops, what a file on disk holds (a stream kept on the
+What it cannot see: globals of libraries' modules and of plain loops, what a file on disk holds (a stream kept on the
 module is compared by its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
 closures, objects of library classes mutated in place (their identity is compared, not their contents),
 containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through an integer
