@@ -22,10 +22,12 @@ each feature's noise in proportion to its own range (σ√D·h_j on its sum) ins
 post-processed: ñ at least 1, the mean kept in [lo, hi], the variance in [(min_std·(hi − lo))², h²] (the largest
 variance a value in [lo, hi] can have).
 
-The released mean, standard deviation and variance are noted as released
-(:mod:`lightning_dp.record_statistics.released_statistics`): a fit that keeps them is not refused, its ledger counts
-their ε with the training's, and checkpoints carry the ledger. Features :meth:`~PrivateStandardizer.transform` scales
-with them pass rule 11 by their noise (their columns are not exactly standardised), not by a note.
+The released mean, standard deviation and variance are noted as released by :meth:`~PrivateStandardizer.fit` itself
+(:mod:`lightning_dp.record_statistics.released_statistics`; only that method of this class notes, after the noise and
+the charge: a user's direct call is refused, a subclass's releases are not noted): a fit that keeps them is not
+refused, its ledger counts their ε with the training's, and checkpoints carry the ledger. Features
+:meth:`~PrivateStandardizer.transform` scales with them pass rule 11 by their noise (their columns are not exactly
+standardised), not by a note.
 """
 
 from __future__ import annotations
@@ -78,11 +80,7 @@ class PrivateStandardizer:
 
     def __init__(self, lower: Bound, upper: Bound, noise_multiplier: float, count: Optional[int] = None,
                  min_std: float = 0.01, generator: Optional[torch.Generator] = None) -> None:
-        sigma = float(noise_multiplier)
-        if not sigma > 0 or math.isinf(sigma):
-            raise PrivacyConfigurationError(
-                "PrivateStandardizer: noise_multiplier must be a finite number > 0 (σ = 0 releases the exact mean and "
-                "standard deviation); calibrate it for the ε you can spend on the statistics.")
+        sigma = _sigma(noise_multiplier)
         if count is not None and (isinstance(count, bool) or int(count) != count or int(count) < 1):
             raise PrivacyConfigurationError("PrivateStandardizer: count must be a public number of records ≥ 1, or "
                                             "None to release a noised count.")
@@ -133,7 +131,7 @@ class PrivateStandardizer:
         lower, upper = _pair(self.lower, self.upper, tuple(x.shape[1:]))
         d_s, d_q, d_n = self.sensitivities(tuple(x.shape[1:]))
         s, q = centred_sums(x, lower, upper)
-        sigma = self.noise_multiplier
+        sigma = self.noise_multiplier = _sigma(self.noise_multiplier)  # set to 0 after __init__: refused too
         self.noisy_sum = s + sigma * d_s * self._noise(s.numel()).view_as(s)
         self.noisy_squares = q + sigma * d_q * self._noise(q.numel()).view_as(q)
         self.noisy_count = float(self.count) if self.count is not None else \
@@ -147,7 +145,7 @@ class PrivateStandardizer:
         floor = (self.min_std * (upper - lower)).square()
         self.mean = torch.minimum(torch.maximum(c + h * shift, lower), upper)
         self.std = torch.minimum(torch.maximum(var, floor), h.square()).sqrt()
-        note_released(self.run, self.mean, self.std, self.std.square())
+        note_released(self)  # this object's releases, noised and charged: rule 11 lets them pass
         return self
 
     def charge(self, other: Any) -> None:
@@ -188,6 +186,15 @@ class PrivateStandardizer:
         if self.generator is not None:
             return torch.randn(count, generator=self.generator, dtype=torch.float64)
         return secure_gaussian(count)
+
+
+def _sigma(value: Any) -> float:
+    sigma = float(value)
+    if not sigma > 0 or math.isinf(sigma):
+        raise PrivacyConfigurationError(
+            "PrivateStandardizer: noise_multiplier must be a finite number > 0 (σ = 0 releases the exact mean and "
+            "standard deviation); calibrate it for the ε you can spend on the statistics.")
+    return sigma
 
 
 def _bound(value: Bound, name: str) -> Tensor:

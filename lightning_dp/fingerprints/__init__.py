@@ -9,7 +9,9 @@ fingerprints share, below the checks that judge them (:mod:`lightning_dp.validat
 - :mod:`.callback_state`: which callbacks are trusted and what of a callback is state;
 - :mod:`.dataset_tokens`: the training data as the fingerprint reads it;
 - :mod:`.context_values`: the values ``contextvars.ContextVar`` globals hold;
-- :mod:`.replaced_objects`: the layers and parameters a baseline held, and the entries of those put in place since.
+- :mod:`.replaced_objects`: the layers and parameters a baseline held, and the entries of those put in place since;
+- :mod:`.held_numbers`: the Python numbers and strings the user's state holds, given other values for the logger
+  judge's run again (:mod:`lightning_dp.validators.logger_judge`).
 
 It imports nothing from the checks (:mod:`lightning_dp.validators` imports it, never the reverse); only
 :mod:`lightning_dp.records` and the standard libraries.

@@ -9,12 +9,15 @@ and NumPy array (:func:`~.holders.held_arrays`) held by the model (its buffers a
 its parameters), the datamodule, the user's callbacks, the trainer's and the strategy's public attributes that are
 not Lightning's or lightning_dp's objects, the validation and test loaders' datasets, the training dataset (its
 caches) and the globals of the user's modules, and the lists of floats their attributes hold (one level down) — in
-place, restored after (:func:`~.outside_records.exchange`: the tensors' version counters stay). Not given other
-values: Python numbers and strings (an attribute ``self.mean = float(x.mean())``: rule 11 refuses the exact
-statistics it knows), lists of ints or strings. The released state (parameters, their ``.grad``, the optimizers'
-state) and what the exchange of the training data covers already (a view of it is not flipped twice) are left. A
-call the run again reproduces is then a function of the released state, the step, the seeds, constants and the
-Python numbers and strings the user's state holds.
+place, restored after (:func:`~.outside_records.exchange`: the tensors' version counters stay). The Python numbers
+and strings (and lists, tuples, dicts of them) of the model, the datamodule, the user's callbacks and the datasets
+are given other values too (:func:`numbers_held`, :mod:`lightning_dp.fingerprints.held_numbers`: ``self.stat =
+float(x.norm())``, class counts as a list of ints, a string of records), except what is public by its name: the
+saved hyper-parameters, the optimizers' parameter-group settings, an int in step with the trainer's counters, the
+names declared public; the trainer's and the strategy's own values are not walked for them. The released state
+(parameters, their ``.grad``, the optimizers' state) and what the exchange of the training data covers already (a
+view of it is not flipped twice) are left. A call the run again reproduces is then a function of the released
+state, the step, the seeds, constants and the public settings.
 
 :func:`user_generators` gives the states of the generators the user holds (``torch.Generator`` as
 :func:`lightning_dp.records.user_generators.held` finds them, and torch's, NumPy's and Python's generators held by
@@ -34,12 +37,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from lightning_dp.fingerprints.held_numbers import HeldNumbers, held_numbers
 from lightning_dp.records import user_generators as torch_generators
 from lightning_dp.records.library_objects import is_library, library_callback
 from lightning_dp.validators.holders import RowItems, held_arrays
 from lightning_dp.validators.outside_records import ExchangedRecords, _Memory, exchangeable
 
-__all__ = ["derived_from_released", "other_values", "tensors_held", "user_generators"]
+__all__ = ["derived_from_released", "numbers_held", "other_values", "tensors_held", "user_generators"]
 
 _DERIVED: dict[int, tuple["weakref.ref[Tensor]", int]] = {}
 """Tensors a judged hook wrote whose values its run again reproduced (:func:`derived_from_released`), by identity,
@@ -90,6 +94,22 @@ def _float_lists(holders: list[tuple[str, Any]], skip: set[int], memory: _Memory
                 seen.add(id(value))
                 found.append((f"a list of {type(owner).__name__}", value))
     return found
+
+
+def numbers_held(trainer: Any, dataset: Any, public: Iterable[str], skip: Iterable[Any] = ()) -> HeldNumbers:
+    """The Python numbers and strings of the model, the datamodule, the user's callbacks and the datasets
+    (:func:`~lightning_dp.fingerprints.held_numbers.held_numbers`) that are not public: the names declared
+    (``public``), the saved hyper-parameters, the optimizers' parameter-group settings, the trainer's counters;
+    ``skip``: what the exchange of the training data and :func:`other_values` cover already."""
+    holders = [h for h in _holders(trainer, dataset, ()) if h[0] not in ("trainer", "strategy")]
+    settings = [vars(h).get("_hparams") if hasattr(h, "__dict__") else None for _, h in holders]  # saved ones
+    settings += [g for o in getattr(trainer, "optimizers", None) or () for g in getattr(o, "param_groups", ())]
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    done = getattr(getattr(getattr(loop, "batch_progress", None), "total", None), "completed", None)
+    counters = [c for c in (getattr(trainer, "global_step", None), getattr(trainer, "current_epoch", None), done)
+                if type(c) is int]
+    return held_numbers(holders, tuple(public), [m for m in settings if isinstance(m, dict)], counters,
+                        {id(v) for v in skip})
 
 
 def tensors_held(trainer: Any, dataset: Any, modules: Iterable[types.ModuleType]) -> dict[str, Tensor]:

@@ -19,7 +19,9 @@ samples from its prior, a configuration string — and are judged instead, by wh
    exchanges), with every other tensor and NumPy array the user's state holds given other values
    (:func:`~.held_values.other_values`: the model's buffers and attributes, the datamodule's, the callbacks', the
    trainer's and strategy's own attributes, the validation and test sets, the training dataset's caches, the
-   globals of the user's modules; not the released state) and the training loop's logged values and training
+   globals of the user's modules; not the released state), every Python number and string they hold that is not
+   a public setting (:func:`~.held_values.numbers_held`: not a saved hyper-parameter, a parameter-group setting, a
+   counter in step with the trainer's, a name declared public) and the training loop's logged values and training
    metrics' states moved far (:meth:`~.logged_reads.LoggedReads.moved`), logging silenced
    (:func:`~.hook_replays.replaying`), its logger calls recorded and not written; then the state as the first run
    left it is put back. A tensor the first run wrote that the run again writes alike is a function of the released
@@ -27,6 +29,9 @@ samples from its prior, a configuration string — and are judged instead, by wh
 4. each held call whose place, method and digest the run again reproduces is written (a function of what the
    run again leaves alone: the released weights and ĝ, the optimizer's state, the step, the seeds); any other is
    refused, nothing of it written; so is every held call when the run again fails, or when no exchanged copy exists.
+   A refusal is told apart once more (every rank alike): when the hook run again with the Python values left
+   reproduces the calls, those values alone moved them, and the refusal names them and the fix
+   (``save_hyperparameters()`` or ``public_state``): a configuration text of a setting not saved.
    Under DDP every rank runs the hook again when any rank held a call (a rank-0-only ``add_histogram``), and a
    refusal on one rank is raised on every rank (``StepChecks.on_every_rank``): none waits in a collective.
 
@@ -45,7 +50,9 @@ Not judged: ``training_step`` and the hooks handed the batch, its loss or output
 ``on_before_backward``, ``on_train_batch_end``): their media stay refused unless released state or declared public
 (a run again could not exchange the batch already computed from). Not seen: data read from disk inside the hook,
 from the loop's internals (a prefetched batch in Lightning's data fetcher), or held where the walk of
-:mod:`.held_values` does not reach (a closure of a class defined in a function, a library object's attributes).
+:mod:`.held_values` does not reach (a closure of a class defined in a function, a library object's attributes; a
+Python number in a helper object, a global of the user's modules, on the trainer, or under a public setting's name
+with its value: :mod:`lightning_dp.fingerprints.held_numbers`).
 A hook whose calls differ from run to run for other reasons (a time stamp in a text) is refused; so is one that
 logs a value of public data the user's state holds (given other values too): declare the method public.
 """
@@ -61,9 +68,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import is_library, library_callback, mark_wrapper
 from lightning_dp.validators import logger_outputs
-from lightning_dp.validators.held_values import derived_from_released, other_values, tensors_held, user_generators
+from lightning_dp.validators.held_values import (derived_from_released, numbers_held, other_values, tensors_held,
+                                                 user_generators)
 from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now, users_hook
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.step_replays import users_objects
@@ -126,19 +135,39 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
         step = trainer.strategy.private_step
         if step.any_rank(bool(held) or bool(written)):  # alike on every rank: the hook's collectives stay paired
             again = start.run_again(lambda: hook(self, *args, **kwargs), written)
-            step.on_every_rank(lambda: _judge(calls, held, again), f"refused a logger call in {name}")  # a collective
+            numbers: list[str] = []
+            if step.any_rank(bool(start.numbers) and not _reproduced(calls, held, again)):  # which values moved it
+                plain = start.run_again(lambda: hook(self, *args, **kwargs), {}, numbers=False)
+                numbers = start.numbers if _reproduced(calls, held, plain) else []
+            step.on_every_rank(lambda: _judge(calls, held, again, numbers), f"refused a logger call in {name}")
             for _, _, _, write, _ in held:
                 write()
         return result
     return judged
 
 
-def _judge(calls: "logger_outputs.Calls", held: list[Any], again: "logger_outputs.Calls | None") -> None:
-    """Refuse the first held call the run again did not reproduce (raised on every rank alike by the caller)."""
+def _reproduced(calls: "logger_outputs.Calls", held: list[Any], again: "logger_outputs.Calls | None") -> bool:
+    """Whether the run again made each held call at its place with the same digest."""
+    return all(again is not None and position < len(again.entries) and again.entries[position][0] ==
+               calls.entries[position][0] and again.entries[position][2] == value for position, _, value, _, _ in held)
+
+
+def _judge(calls: "logger_outputs.Calls", held: list[Any], again: "logger_outputs.Calls | None",
+           numbers: list[str]) -> None:
+    """Refuse the first held call the run again did not reproduce (raised on every rank alike by the caller);
+    ``numbers``: the Python values whose other values alone moved it, named with the fix."""
     for position, method, value, _, where in held:
-        other = again.entries[position] if again is not None and position < len(again.entries) else None
-        if other is None or other[0] != calls.entries[position][0] or other[2] != value:
-            raise logger_outputs.output_error(method, where)
+        if not _reproduced(calls, [(position, method, value, None, where)], again):
+            error = logger_outputs.output_error(method, where)
+            if numbers:
+                shown = ", ".join(numbers[:6]) + (" …" if len(numbers) > 6 else "")
+                error = PrivacyConfigurationError(
+                    f"{error} What it writes changed when the Python values (numbers, strings) the user's state holds "
+                    f"were given other values ({shown}): a number or string computed from the training data (a norm, "
+                    "a count, class counts, a string of records) is as private as the data. If the value it writes "
+                    "is a public setting, save it as a hyper-parameter (self.save_hyperparameters()) or declare its "
+                    f"name public: DPStrategy(public_state={numbers[:2]!r}).")
+            raise error
 
 
 def _generators() -> tuple[Any, ...]:
@@ -167,6 +196,7 @@ class _State:
         self.generators = _generators()
         self.users_generators = user_generators(self._roots())
         self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
+        self.numbers: list[str] = []  # the Python values the last run again gave other values (their names)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return tensors_held(self.trainer, self.step._source[0] if self.step._source is not None else None,
@@ -189,12 +219,13 @@ class _State:
         return StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
                              boundary.global_modules())
 
-    def run_again(self, run: Callable[[], Any],
-                  written: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> "logger_outputs.Calls | None":
+    def run_again(self, run: Callable[[], Any], written: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  numbers: bool = True) -> "logger_outputs.Calls | None":
         """The calls of ``run`` (the hook) run again from this state on the exchanged data, recorded; ``None`` when
         it fails or no exchanged copy of the training data exists. The state as it is now is put back after. Of the
         tensors the first run ``written``, those the run again makes alike are functions of the released state
-        (:func:`~.held_values.derived_from_released`)."""
+        (:func:`~.held_values.derived_from_released`). ``numbers``: the Python values given other values too
+        (:func:`~.held_values.numbers_held`; their names kept in :attr:`numbers`)."""
         if self.step._source is None:
             return None
         after, weights, generators = self._snapshot(), model_kept(self.module, weights=True), _generators()
@@ -212,8 +243,11 @@ class _State:
             others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
                                   [value for _, value in exchanged.arrays],
                                   logger_outputs.released_state(self.module, lambda: self.trainer.optimizers))
-            with exchanged.exchanged(), others.exchanged(), moved, replaying(self.module), \
-                    logger_outputs.recorded(calls):
+            held = numbers_held(self.trainer, self.step._source[0], self.step.boundary.public_state,
+                                [v for _, v in exchanged.arrays + others.arrays]) if numbers else None
+            self.numbers = held.names if held is not None else self.numbers
+            with exchanged.exchanged(), others.exchanged(), held.exchanged() if held is not None else nullcontext(), \
+                    moved, replaying(self.module), logger_outputs.recorded(calls):
                 run()
                 now = self._tensors() if written else {}
                 alike = [t for path, (t, first) in written.items() if path in now and _alike(now[path], first)]

@@ -145,3 +145,10 @@ def test_the_charge_must_be_a_ledger_per_example():
     per_user.unit = "user"
     with pytest.raises(PrivacyConfigurationError, match="per user"):
         PrivateStandardizer(0.0, 1.0, 1.0).fit(torch.zeros(4, 2), per_user)
+
+
+def test_a_noise_multiplier_set_to_zero_after_init_is_refused_at_fit():
+    scaler = PrivateStandardizer(0.0, 1.0, noise_multiplier=1.0)
+    scaler.noise_multiplier = 0.0
+    with pytest.raises(PrivacyConfigurationError, match="noise_multiplier must be a finite number > 0"):
+        scaler.fit(torch.rand(10, 2), PrivacyLedger())

@@ -120,3 +120,37 @@ def test_a_fit_passes_only_the_releases_its_own_ledger_was_charged(private):
     scaler.charge(strategy)
     quiet_trainer(strategy=strategy, max_steps=1).fit(model(), loader)
     assert strategy.ledger.entries[0].run == scaler.run and strategy.ledger.steps == 3 + 1
+
+
+def test_a_direct_call_of_note_released_is_refused_and_launders_nothing(private):
+    """note_released is bound to the standardiser's own fit: the user's code noting the exact mean (as it once could,
+    ``note_released(run, x.mean(0))`` under a run its ledger charged) is refused, notes nothing, and the exact
+    statistics stay refused by rule 11."""
+    from lightning_dp.record_statistics.released_statistics import note_released
+
+    x, y, scaler, _ = private
+    exact_mean, exact_std = x.mean(0).double(), x.std(0).double()
+    with pytest.raises(PrivacyConfigurationError, match=r"note_released is PrivateStandardizer.fit's own"):
+        note_released(scaler.run, exact_mean, exact_std)  # the old signature: (run, *values)
+    forged = PrivateStandardizer(-10.0, 10.0, SIGMA)
+    forged.mean, forged.std, forged.run = exact_mean, exact_std, scaler.run
+    with pytest.raises(PrivacyConfigurationError, match=r"note_released is PrivateStandardizer.fit's own"):
+        note_released(forged)  # a standardiser object the user filled with the exact statistics
+    assert not is_released(exact_mean) and not is_released(exact_std)
+    found = data_statistics_held([("model", Normalised(x.mean(0), x.std(0)))], TensorDataset(x, y))
+    assert any("buffer mean equals the per-feature mean" in f for f in found)
+
+
+class Quiet(PrivateStandardizer):
+    """A subclass that draws no noise: its fit runs, its releases are not noted."""
+
+    def _noise(self, count: int) -> torch.Tensor:
+        return torch.zeros(count, dtype=torch.float64)
+
+
+def test_a_subclass_fits_but_its_releases_are_not_noted(private):
+    x, y, _, _ = private
+    quiet = Quiet(-10.0, 10.0, SIGMA).fit(x, PrivacyLedger())
+    assert torch.allclose(quiet.mean, x.double().mean(0))  # the exact mean: no noise
+    assert not is_released(quiet.mean)
+    assert data_statistics_held([("model", Normalised(quiet.mean.float(), quiet.std.float()))], TensorDataset(x, y))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.validators.held_values import derived_from_released, other_values, user_generators
+from lightning_dp.validators.held_values import derived_from_released, numbers_held, other_values, user_generators
 
 
 class Model(nn.Module):
@@ -60,3 +60,15 @@ def test_the_generators_the_module_holds_are_set_back():
     put_back()
     assert torch.equal(torch.randn(3, generator=model.gen), first[0])
     assert np.array_equal(model.rngs[0].standard_normal(3), first[1])
+
+
+def test_the_python_values_of_the_model_datamodule_and_datasets_not_of_the_trainer_or_the_optimizer():
+    x = torch.randn(32, 4)
+    trainer = _trainer(x)
+    trainer.lightning_module.stat, trainer.lightning_module.lr, trainer.lightning_module.steps = float(x.norm()), 0.1, 3
+    trainer.datamodule.n_positive = int((x[:, 0] > 0).sum())
+    trainer.noted = 2.5  # on the trainer: Lightning's settings, not walked
+    trainer.optimizers = [torch.optim.SGD(trainer.lightning_module.parameters(), lr=0.1)]
+    trainer.global_step = 3
+    found = numbers_held(trainer, None, public=["declared"])
+    assert sorted(found.names) == ["datamodule.n_positive", "stat"]  # lr: the group's; steps: the trainer's step
