@@ -1,7 +1,7 @@
 """Callbacks as the kept-state fingerprint reads them: which are trusted (:func:`trusted_callback`: a library's, or one
 handed no batch, :data:`DATA_HOOKS`), what of a callback is state (:func:`callback_state_items`: its attributes and its
 ``state_dict()``), and which attributes of a user's subclass of a Lightning callback are Lightning's own
-(:func:`lightning_owned`, read from the classes' code: :func:`_stored`, :func:`_names`).
+(:func:`lightning_owned`, read from the classes' code: :func:`stored_attributes`, :func:`_names`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Iterator
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, TRUSTED_CALLBACK_PREFIXES
-from lightning_dp.fingerprints.state_walker import _library_function, lightning_fields
+from lightning_dp.fingerprints.state_walker import library_function, lightning_fields
 
 _MISSING = object()
 
@@ -48,7 +48,7 @@ def callback_state_items(cb: Any) -> Iterator[tuple[str, Any]]:
     owned = lightning_owned(type(cb))  # a subclass of Lightning's callback: what Lightning's own code writes is its
     fields = lightning_fields(cb)
     for key, value in fields.items():
-        if key not in owned and not _library_function(value):
+        if key not in owned and not library_function(value):
             yield key, value
     try:
         state = cb.state_dict()
@@ -88,12 +88,12 @@ def _lightning_owned(cls: type) -> frozenset[str]:
     if not library or not users or cls in library:
         return frozenset()
     hooks = {k for b in library if b.__name__ == "Callback" for k in vars(b)}
-    helpers = {k for b in library for k, v in vars(b).items() if _codes(v) and k not in hooks
+    helpers = {k for b in library for k, v in vars(b).items() if code_objects(v) and k not in hooks
                and not (k.startswith("__") and k.endswith("__"))}
     named: set[str] = set()
     for b in users:
         for key, value in vars(b).items():
-            codes = _codes(value)
+            codes = code_objects(value)
             for code in codes:
                 names = _names(code)
                 if (names - {key}) & helpers:  # a helper of Lightning's called (its own, through super(): Lightning's)
@@ -101,16 +101,17 @@ def _lightning_owned(cls: type) -> frozenset[str]:
                 named |= names
             if key in helpers and any(_returns_value(code) for code in codes):
                 return frozenset()
-    stored = {name for b in library for v in vars(b).values() for code in _codes(v) for name in _stored(code)}
+    stored = {name for b in library for v in vars(b).values() for code in code_objects(v)
+              for name in stored_attributes(code)}
     return frozenset(stored - named)
 
 
-def _codes(value: Any) -> list[types.CodeType]:
+def code_objects(value: Any) -> list[types.CodeType]:
     """The code objects of a class's member: a function's, a static or class method's, a property's accessors."""
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     if isinstance(value, property):
-        return [c for f in (value.fget, value.fset, value.fdel) for c in _codes(f)]
+        return [c for f in (value.fget, value.fset, value.fdel) for c in code_objects(f)]
     code = getattr(value, "__code__", None)
     return [code] if isinstance(code, types.CodeType) else []
 
@@ -127,7 +128,7 @@ def _names(code: types.CodeType) -> set[str]:
     return {name for c in _nested(code) for name in c.co_names}
 
 
-def _stored(code: types.CodeType) -> set[str]:
+def stored_attributes(code: types.CodeType) -> set[str]:
     """The attribute names ``code`` (and the functions it defines) assigns (``self.best_model_path = ...``)."""
     import dis
 

@@ -1,8 +1,8 @@
 """Tokens of contents: what the kept-state fingerprint compares of a tensor, an array or a byte container.
 
 Tensors' content checksums (float64 Σx, Σx², Σ (1 + j mod 251)·x_j; :func:`content_sums`), cached by identity,
-storage and version counter (:class:`_Checksums`); the contents of parameters and floating buffers compared every step
-(:func:`_norm_tokens`): on the CPU bit for bit against a copy (:class:`_Contents`), on an accelerator by their L2 norms
+storage and version counter (:class:`Checksums`); the contents of parameters and floating buffers compared every step
+(:func:`norm_tokens`): on the CPU bit for bit against a copy (:class:`_Contents`), on an accelerator by their L2 norms
 by one fused reduction (kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays (:func:`numpy_token`,
 :func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
 """
@@ -25,14 +25,14 @@ from torch import Tensor
 
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 
-class _Checksums:
+class Checksums:
     """Content checksums of tensors, cached by (identity, storage, version counter): unchanged tensors cost a
     dictionary lookup; changed ones one float64 reduction each, gathered with one host copy per device."""
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
         self.snapshots: dict[tuple[Any, ...], _Snapshot] = {}
-        """The last copy of the contents of each group of tensors (:func:`_norm_tokens`), by the group's layout: a
+        """The last copy of the contents of each group of tensors (:func:`norm_tokens`), by the group's layout: a
         fingerprint finding the tensors' bits still those of the copy holds the copy again instead of a new one."""
 
     @staticmethod
@@ -99,7 +99,7 @@ the memory, as the two norms were); more (a model too large to copy every step) 
 accelerator."""
 
 
-def _norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[_Checksums] = None) -> Fingerprint:
+def norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] = None) -> Fingerprint:
     """The contents of parameters and floating buffers, as a write through ``p.data`` or a NumPy view (which moves
     neither the storage nor the version counter) shows. On the CPU one entry per tensor (``"contents of parameter
     NAME"``) holding its bytes in a copy of all the tensors of its dtype made by one concatenation (:class:`_Contents`:
@@ -108,7 +108,7 @@ def _norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[_Checksums]
     step) each tensor's L2 norm by one fused reduction, one entry per device (:class:`_DeviceNorms`: no host copy until
     compared, so taking the baseline after the update does not wait for the device); a norm does not show a sign flip,
     a permutation or a change below its rounding (docs/performance.md). ``sums``: where the last copy of each group is
-    kept (:attr:`_Checksums.snapshots`): contents found bit for bit as copied last time (the check before the release,
+    kept (:attr:`Checksums.snapshots`): contents found bit for bit as copied last time (the check before the release,
     with nothing written since the update) are held by that copy again, so a step copies the weights once (after the
     update) and compares them once, as many passes over the memory as the two norms took."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from lightning_dp.fingerprints.state_walker import _library_function
+from lightning_dp.fingerprints.state_walker import library_function
 
 
 class TreeShape:
@@ -86,7 +86,7 @@ class ModuleAttributes:
         state = []
         for key, value in fields.items():
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
-                    or _library_function(value)):
+                    or library_function(value)):
                 continue
             if mode is DATA_ONLY and _layer_setting(key, value):
                 continue

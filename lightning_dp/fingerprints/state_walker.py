@@ -1,9 +1,9 @@
-"""The walk of the user's Python state: values turned into hashable tokens (:class:`_Walker`), to a bounded depth
+"""The walk of the user's Python state: values turned into hashable tokens (:class:`Walker`), to a bounded depth
 (:data:`MAX_DEPTH`) and sample (:data:`MAX_ITEMS`), and where that state lives besides a module's attributes — what a
 callable keeps (:func:`callable_state`: closure cells, default arguments, a partial's arguments, a bound object),
 the Python attributes of a tensor or a function (:func:`kept_attributes`), class bodies (:func:`class_attributes`),
 the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`) —
-and what is a library's (:func:`_library_callable`, :func:`_library_function`) or Lightning's
+and what is a library's (:func:`library_callable`, :func:`library_function`) or Lightning's
 (:func:`lightning_fields`).
 
 The same rules token the plain values held outside the modules — an optimizer's hyper-parameters and its state kept
@@ -27,7 +27,7 @@ from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
 from lightning_dp.records.library_objects import unwrapped
 from lightning_dp.records.identity import Same
-from lightning_dp.fingerprints.checksums import _Checksums, numpy_token, _raw_token
+from lightning_dp.fingerprints.checksums import Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
 from lightning_dp.fingerprints.helper_modules import helper_modules
@@ -40,7 +40,8 @@ MAX_DEPTH = 4
 """Nesting depth followed into containers and plain objects."""
 
 
-_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+"""The callables the walk reads as functions (what they keep: :func:`callable_state`), not as plain objects."""
 
 
 _LIGHTNING_KEYS = frozenset({"_hparams_name", "_log_hyperparams", "trainer", "prepare_data_per_node",
@@ -69,10 +70,10 @@ def lightning_fields(obj: Any) -> dict[str, Any]:
             if k not in _LIGHTNING_KEYS and not (k in _LAZY_KEYS and isinstance(v, dict) and not v)}
 
 
-class _Walker:
+class Walker:
     """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
 
-    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: _Checksums, full: bool,
+    def __init__(self, params_and_buffers: set[int], registered: set[int], sums: Checksums, full: bool,
                  skip_keys: frozenset[str] = frozenset()) -> None:
         self._known = params_and_buffers
         self._skip_keys = skip_keys
@@ -124,13 +125,13 @@ class _Walker:
             # nobody else's to fingerprint
             tensors = [*value.parameters(), *value.buffers()]
             return ("unregistered module", type(value).__name__, tuple(self.token(t, depth + 1) for t in tensors))
-        if isinstance(value, _FUNCTIONS) and (not _library_callable(value) or _binds(value)) and depth < MAX_DEPTH:
+        if isinstance(value, FUNCTION_TYPES) and (not library_callable(value) or binds(value)) and depth < MAX_DEPTH:
             if id(value) in self._objects:
                 return ("seen", id(value))
             self._objects.add(id(value))  # what a closure, a default argument, a bound object or its attributes keep
             return ("callable", getattr(value, "__qualname__", type(value).__name__),
                     tuple(self.token(v, depth + 1) for v in callable_state(value)), *self.attributes(value, depth))
-        if isinstance(value, (nn.Module, _FUNCTIONS)):
+        if isinstance(value, (nn.Module, FUNCTION_TYPES)):
             return (type(value).__name__, Same(value))
         if depth >= MAX_DEPTH:
             if self._fresh:
@@ -166,7 +167,7 @@ class _Walker:
         shared = [(f"{c.__qualname__}.{k}", v) for c, k, v in class_attributes([type(value)])]  # `history = []`
         return ("object", type(value).__name__,
                 tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
-                      if not _library_function(v)))
+                      if not library_function(v)))
 
     def attributes(self, value: Any, depth: int = 0) -> tuple[Hashable, ...]:
         """Tokens of the Python attributes a tensor or a user's function holds in its ``__dict__`` (``hook.stats = x``,
@@ -208,13 +209,13 @@ def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list
     if isinstance(value, Tensor):
         if type(value) not in (Tensor, nn.Parameter) and _is_library(value):
             return []
-    elif not isinstance(value, (types.FunctionType, types.SimpleNamespace)) or _library_callable(value):
+    elif not isinstance(value, (types.FunctionType, types.SimpleNamespace)) or library_callable(value):
         return []
     fields = getattr(value, "__dict__", None)
     if not fields:
         return []
     return [(k, v) for k, v in list(fields.items()) if isinstance(k, str) and k not in skip_keys
-            and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not _library_function(v)]
+            and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not library_function(v)]
 
 
 def configuration_object(value: Any) -> bool:
@@ -241,7 +242,7 @@ def _mutable_defaults(fn: Any) -> bool:
     return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
 
 
-def _mutable_state(fn: Any) -> bool:
+def mutable_state(fn: Any) -> bool:
     """Whether a function keeps something it can write between calls (:func:`_mutable_defaults`, or its own
     attributes: ``fn.stats = x``, whatever they hold)."""
     return _mutable_defaults(fn) or bool(kept_attributes(fn))
@@ -272,14 +273,14 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
                 yield base, key, value
 
 
-def _holds_tensors(value: Any, depth: int = 0) -> bool:
+def holds_tensors(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` is or holds (in a list, tuple, deque or dict, two levels deep) a tensor or a NumPy array."""
     if isinstance(value, Tensor) or type(value).__module__ == "numpy":
         return True
     if depth < 2 and isinstance(value, (list, tuple, deque)):
-        return any(_holds_tensors(v, depth + 1) for v in _sample(value))
+        return any(holds_tensors(v, depth + 1) for v in _sample(value))
     if depth < 2 and isinstance(value, dict):
-        return any(_holds_tensors(v, depth + 1) for v in _sample(list(value.values())))
+        return any(holds_tensors(v, depth + 1) for v in _sample(list(value.values())))
     return False
 
 
@@ -302,7 +303,7 @@ def user_modules(classes: Iterable[type]) -> list[types.ModuleType]:
 _HELPERS: dict[tuple, list[types.ModuleType]] = {}  # the user modules (and their globals' count) → their helpers
 
 
-def _library_callable(fn: Any) -> bool:
+def library_callable(fn: Any) -> bool:
     """A hook defined by a library (an engine's capture, Opacus', torch's own): its state is its owner's."""
     target = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__func__", fn)
     module = getattr(target, "__module__", None) if isinstance(target, types.FunctionType) else type(target).__module__
@@ -315,13 +316,13 @@ def _library_callable(fn: Any) -> bool:
 _LIBRARY_MODULES: dict[Any, bool] = {}
 
 
-def _library_function(value: Any) -> bool:
+def library_function(value: Any) -> bool:
     """A function, method or partial defined by a library: nothing of the user's is kept in it (a partial binding
     arguments keeps them: ``partial(F.cross_entropy, weight=w)`` holds the user's ``w``)."""
-    return isinstance(value, _FUNCTIONS) and _library_callable(value) and not _binds(value)
+    return isinstance(value, FUNCTION_TYPES) and library_callable(value) and not binds(value)
 
 
-def _binds(value: Any) -> bool:
+def binds(value: Any) -> bool:
     """A ``functools.partial`` with bound arguments: what they hold is its maker's, whatever function it wraps."""
     return isinstance(value, functools.partial) and bool(value.args or value.keywords)
 

@@ -67,14 +67,14 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.identity import IdentityMap
 from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
-from lightning_dp.fingerprints.checksums import _Checksums, _norm_tokens
+from lightning_dp.fingerprints.checksums import Checksums, norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.fingerprints.replaced_objects import held_objects
-from lightning_dp.fingerprints.state_walker import (_FUNCTIONS, _binds, _holds_tensors, _library_callable,
-                                                    _library_function, _mutable_state, _Walker, callable_state,
+from lightning_dp.fingerprints.state_walker import (FUNCTION_TYPES, binds, holds_tensors, library_callable,
+                                                    library_function, mutable_state, Walker, callable_state,
                                                     class_attributes)
 from lightning_dp.records.library_objects import TRUSTED_CALLBACK_PREFIXES, framework_keys, library_callback
 
@@ -114,11 +114,11 @@ class StateFingerprint:
         self._reader = ModuleAttributes(self.skip_keys, self._is_public)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
-        self._sums = _Checksums()
+        self._sums = Checksums()
         self.every_callback = False  # take()'s default: every callback's state, not only the batch-handed ones'
         self._gradients: dict[str, tuple[int, int]] = {}
         self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient they did not hold
-        # (or not this one, or not so) at the one before: a backward's since (:class:`_Walker`)
+        # (or not this one, or not so) at the one before: a backward's since (:class:`Walker`)
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
         self._tree: Optional[TreeShape] = None  # the module tree's shape as walked
         self._registered: set[int] = set()
@@ -199,9 +199,9 @@ class StateFingerprint:
         if not full:  # norms show a write through .data, which moves no version counter
             plain.extend((name, b) for name, b in buffers if type(b) is Tensor and b.dtype.is_floating_point
                          and b.layout == torch.strided and b.numel())
-            entries.update(_norm_tokens(plain, self._sums))
+            entries.update(norm_tokens(plain, self._sums))
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
-        walker = _Walker(seen, self._registered, self._sums, full, self.skip_keys)
+        walker = Walker(seen, self._registered, self._sums, full, self.skip_keys)
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
@@ -222,7 +222,7 @@ class StateFingerprint:
             for kind in _HOOK_DICTS:
                 for handle, fn in (getattr(m, kind, None) or {}).items():
                     path = f"{prefix}{kind}[{handle}]"
-                    if (not _library_callable(fn) or _binds(fn)) and not self._is_public(path):
+                    if (not library_callable(fn) or binds(fn)) and not self._is_public(path):
                         entries[f"hook {path}"] = (*(walker.token(v) for v in callable_state(fn)),
                                                    *walker.attributes(fn))
         for cb in callbacks:
@@ -246,8 +246,8 @@ class StateFingerprint:
             for key, value in fields.items():
                 # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data;
                 # so is a function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR)
-                if key not in known and (not key.startswith("_") or _holds_tensors(value)) \
-                        and not _library_function(value) and not self._is_public(f"{label}.{key}"):
+                if key not in known and (not key.startswith("_") or holds_tensors(value)) \
+                        and not library_function(value) and not self._is_public(f"{label}.{key}"):
                     entries[f"attribute {label}.{key}"] = walker.named(f"{label}.{key}", value)
         entries.update(self.dataset_entries())
         for mod in self.modules():
@@ -256,7 +256,7 @@ class StateFingerprint:
                     self._class_entries(entries, value, walker)  # a class of the user's own module: its data
                     continue
                 if key.startswith("__") or isinstance(value, (types.ModuleType, type)) \
-                        or (isinstance(value, _FUNCTIONS) and not _mutable_state(value)):
+                        or (isinstance(value, FUNCTION_TYPES) and not mutable_state(value)):
                     continue  # a function that keeps a list, dict or tensor (a default argument, a closure) is state
                 path = f"{mod.__name__}.{key}"
                 if not self._is_public(key) and not self._is_public(path):
@@ -267,10 +267,10 @@ class StateFingerprint:
         self._gradients = walker.graded
         return entries
 
-    def _tuple_token(self, walker: "_Walker", path: str, entry: str, value: tuple) -> Hashable:
+    def _tuple_token(self, walker: "Walker", path: str, entry: str, value: tuple) -> Hashable:
         """The token of a tuple held at ``entry`` (a convolution's ``kernel_size``, ``padding``…): kept while the entry
         holds that very tuple and its items are numbers, strings, flags or ``None`` (then nothing in it can change;
-        the tuple is held, so its ``id`` is not reused), else walked anew (:meth:`_Walker.named`)."""
+        the tuple is held, so its ``id`` is not reused), else walked anew (:meth:`Walker.named`)."""
         held = self._tuples.get(entry)
         if held is not None and held[0] is value:
             return held[1]
@@ -291,7 +291,7 @@ class StateFingerprint:
             held = self._known_keys[id(obj)] = (ref, set(fields))
         return held[1]
 
-    def _class_entries(self, entries: Fingerprint, cls: type, walker: "_Walker") -> None:
+    def _class_entries(self, entries: Fingerprint, cls: type, walker: "Walker") -> None:
         """Entries for the data a class of the user's own module holds in its body (:func:`class_attributes`): an
         ``autograd.Function`` subclass keeping the last step's raw gradient scale, a namespace class used as a mutable
         config (``HP.temperature`` set from the loss) — read by every later step, as a module's global is."""
@@ -334,10 +334,10 @@ class StateFingerprint:
         now = self.take(callbacks)
         return {**baseline, **{k: v for k, v in now.items() if k not in baseline}}
 
-    def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "_Walker") -> None:
+    def _tensor_attributes(self, entries: Fingerprint, path: str, t: Tensor, walker: "Walker") -> None:
         """Entries for the Python attributes of a parameter or buffer (the engine's own and torch's skipped)."""
         for key, value in vars(t).items():
-            if key in self.skip_keys or key.startswith(("_dp_", "_dynamo_")) or _library_function(value):
+            if key in self.skip_keys or key.startswith(("_dp_", "_dynamo_")) or library_function(value):
                 continue  # torch.compile marks the parameters it saw (`_dynamo_static_input_type`): torch's own
             if not self._is_public(f"{path}.{key}"):
                 entries[f"attribute {path}.{key}"] = walker.named(f"{path}.{key}", value)

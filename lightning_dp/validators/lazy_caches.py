@@ -145,7 +145,7 @@ def filled_alike(slots: Sequence[Slot], fingerprint: Any, before: Any, written: 
 
 
 def held_objects(module: nn.Module) -> list[Any]:
-    """The objects whose public fields the fingerprint reads (:class:`~.state_walker._Walker`) held by a public
+    """The objects whose public fields the fingerprint reads (:class:`~.state_walker.Walker`) held by a public
     attribute of ``module`` or a submodule, each once: a library's configuration object (Hugging Face's
     ``model.config``, a dataclass: :func:`~.state_walker.configuration_object`) or a plain object of the user's (not a
     module, tensor, dataset, class or function), and those held by their fields in turn (to :data:`OBJECT_DEPTH`). A

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
-from lightning_dp.fingerprints.callback_state import _codes, _stored
+from lightning_dp.fingerprints.callback_state import code_objects, stored_attributes
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.state_walker import freeze
 from lightning_dp.records.identity import Same
@@ -202,7 +202,7 @@ def _running_state(cls: type) -> frozenset[str]:
         known = _RUNNING[cls] = frozenset(
             name for b in cls.__mro__ if (b.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
             for key, value in vars(b).items() if key not in _SET_UP and "__init" not in key
-            for code in _codes(value) for name in _stored(code))
+            for code in code_objects(value) for name in stored_attributes(code))
     return known
 
 

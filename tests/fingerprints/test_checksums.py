@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_dp.fingerprints import checksums
-from lightning_dp.fingerprints.checksums import _Contents, _norm_tokens
+from lightning_dp.fingerprints.checksums import _Contents, norm_tokens
 from lightning_dp.validators.kept_state import StateFingerprint
 
 
@@ -116,18 +116,18 @@ def test_the_optimizer_step_shows_and_its_result_is_the_next_baseline() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_other_dtypes_compare_by_their_bits(dtype: torch.dtype) -> None:
     weight = torch.randn(4, 4).to(dtype)
-    before = _norm_tokens([("parameter w", weight)])
+    before = norm_tokens([("parameter w", weight)])
     weight.view({2: torch.int16, 8: torch.int64}[weight.element_size()])[1, 2] ^= 1
-    after = _norm_tokens([("parameter w", weight)])
+    after = norm_tokens([("parameter w", weight)])
     assert isinstance(after["contents of parameter w"], _Contents)
     assert before != after
-    assert after == _norm_tokens([("parameter w", weight)])
+    assert after == norm_tokens([("parameter w", weight)])
 
 
 def test_a_token_compares_with_another_layout_by_its_own_bits() -> None:
     a, b = torch.randn(3), torch.randn(4)
-    one = _norm_tokens([("parameter a", a), ("parameter b", b)])
-    alone = _norm_tokens([("parameter b", b)])  # b's span is elsewhere in a snapshot of another layout
+    one = norm_tokens([("parameter a", a), ("parameter b", b)])
+    alone = norm_tokens([("parameter b", b)])  # b's span is elsewhere in a snapshot of another layout
     assert one["contents of parameter b"] == alone["contents of parameter b"]
     assert one["contents of parameter a"] != alone["contents of parameter b"]
 

@@ -1,5 +1,5 @@
 """A callback's ``state_dict()`` is built afresh at every call: beyond the walk's depth its containers' identities are
-the allocator's, not state (fingerprints/state_walker._Walker.named(fresh=True)). Lightning's BaseFinetuning keeps its
+the allocator's, not state (fingerprints/state_walker.Walker.named(fresh=True)). Lightning's BaseFinetuning keeps its
 optimizer's param groups 5 levels down; two replays alike were told apart by a new list's address in the full
 suite's order, refusing test_loop_contract's unfreezing fit."""
 
@@ -9,8 +9,8 @@ import copy
 
 import torch
 
-from lightning_dp.fingerprints.checksums import _Checksums
-from lightning_dp.fingerprints.state_walker import MAX_DEPTH, _Walker, closure_token, freeze
+from lightning_dp.fingerprints.checksums import Checksums
+from lightning_dp.fingerprints.state_walker import MAX_DEPTH, Walker, closure_token, freeze
 
 
 def _nested(depth: int, leaf: list) -> dict:
@@ -20,8 +20,8 @@ def _nested(depth: int, leaf: list) -> dict:
     return value  # type: ignore[return-value]
 
 
-def _walker() -> _Walker:
-    return _Walker(set(), set(), _Checksums(), full=False)
+def _walker() -> Walker:
+    return Walker(set(), set(), Checksums(), full=False)
 
 
 def test_two_equal_fresh_states_beyond_the_depth_give_one_token():

@@ -1,5 +1,5 @@
 """A ``functools.partial`` the user keeps is the user's state, whatever function it wraps (validators/kept_state.py,
-``_binds``): a class-weighted or label-smoothed cross-entropy written as ``partial(F.cross_entropy, weight=w)``, its
+``binds``): a class-weighted or label-smoothed cross-entropy written as ``partial(F.cross_entropy, weight=w)``, its
 weights adapted from the batch's label counts at batch end (in place or rebound), steers later releases by un-noised
 data and is refused; a partial of public values, or rebound from the step count, trains."""
 
