@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import sys
 from contextlib import contextmanager, nullcontext
+from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from torch import nn
@@ -361,17 +362,19 @@ def _logging() -> bool:
     watched key by key) or lightning_dp's own code, reached
     before any of the user's code: the only reads of the metric dicts allowed while a step hook runs; anything else
     (a library's accessor the step called) reads them for the step."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        top = name.split(".")[0]
-        if (top == "lightning_dp" and name != _THIS) or (frame.f_code.co_name in _LOGGING and (
-                name.endswith("core.module") or name.endswith("logger_connector.logger_connector"))):
-            return True
-        if top not in _LIBRARIES and (top not in _STANDARD or top == "__main__"):
-            return False  # the user's code, before any logging: a progress bar's get_metrics called by the step
-        frame = frame.f_back
-    return False
+    frame = first_caller(2, also=lambda f: package_of(f) in _PASSED and not _logging_frame(f))
+    return frame is not None and _logging_frame(frame)  # not: the user's code (a progress bar's get_metrics it calls)
+
+
+_PASSED = _LIBRARIES | _STANDARD
+"""The libraries' and the standard library's frames, passed over on the way to the user's code or to logging."""
+
+
+def _logging_frame(frame: FrameType) -> bool:
+    """A frame of lightning_dp's own code (not this module), or of Lightning's ``self.log`` or metric dicts."""
+    name = frame.f_globals.get("__name__", "") or ""
+    return (name.split(".")[0] == "lightning_dp" and name != _THIS) or (frame.f_code.co_name in _LOGGING and (
+        name.endswith("core.module") or name.endswith("logger_connector.logger_connector")))
 
 
 def _users_frame() -> Optional[Any]:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-import sys
 from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
 import torch
 
 from lightning_dp.records import user_generators
+from lightning_dp.records.call_sites import STANDARD, first_caller, package_of
 
 if TYPE_CHECKING:
     from lightning_dp.errors import PrivacyConfigurationError
@@ -92,17 +93,12 @@ def _seeded_by_user() -> bool:
     restoring the generator's state) and lightning_dp's own passes are not the user's."""
     from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 
-    frame = sys._getframe(2)
-    while frame is not None:
-        top = (frame.f_globals.get("__name__", "") or "").split(".")[0]
-        if top == "lightning_dp":
-            return False
-        if top in LIBRARY_PREFIXES and frame.f_code.co_name not in _SEEDING_FUNCTIONS:
-            return False
-        if top not in _STANDARD and top not in LIBRARY_PREFIXES:
-            return True
-        frame = frame.f_back
-    return False
+    def seeding_helper(frame: FrameType) -> bool:  # a library's seeding function: its caller's seeding
+        top = package_of(frame)
+        return top in LIBRARY_PREFIXES and top != "lightning_dp" and frame.f_code.co_name in _SEEDING_FUNCTIONS
+
+    frame = first_caller(2, packages=STANDARD - frozenset(LIBRARY_PREFIXES), also=seeding_helper)
+    return frame is not None and package_of(frame) not in LIBRARY_PREFIXES
 
 
 _SEEDING_FUNCTIONS = frozenset({"seed_everything", "_collect_rng_states", "_set_rng_states", "reset_seed"})
@@ -124,9 +120,6 @@ def _token(value: Any) -> Hashable:
         return value
     except TypeError:
         return repr(value)
-
-
-_STANDARD = frozenset(sys.stdlib_module_names) - {"__main__"}
 
 
 def decided_from_data_error(decisions: list[list[tuple[str, Hashable]]], where: str) -> "PrivacyConfigurationError":
