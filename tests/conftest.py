@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
+from typing import Callable, TypeVar, Union
 
 import pytest
 import pytorch_lightning as pl
@@ -83,6 +85,28 @@ def quiet_trainer(**kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+T = TypeVar("T")
+
+
+def at_freed_address(freed: Union[int, Callable[[], int]], make: Callable[[], T], *, tries: int = 1,
+                     count: int = 1000) -> tuple[T, bool]:
+    """A new object of ``make`` at a freed object's address, for the tests of what is told apart by identity, not by
+    ``id`` alone: CPython hands a freed object's memory to the next one of its size, so ``count`` objects are made
+    (all held while looking) until one has the freed id. ``freed``: that id (its object dropped already), or a
+    function that makes, uses and drops the object and returns its id, called again for each of ``tries`` tries.
+
+    Returns the object at the freed address and True; else (the address never came back: the code under test holds
+    the freed object, or the allocator placed it elsewhere) the first object made in the last try, and False."""
+    for _ in range(tries):
+        address = freed if isinstance(freed, int) else freed()
+        gc.collect(1)  # one held only by a young reference cycle (a recursive closure's locals) is freed now
+        made = [make() for _ in range(count)]
+        again = next((obj for obj in made if id(obj) == address), None)
+        if again is not None:
+            return again, True
+    return made[0], False
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyClassifier, quiet_trainer
+from conftest import TinyClassifier, at_freed_address, quiet_trainer
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp import DPStrategy
@@ -250,17 +250,17 @@ def test_a_dataset_tensor_at_a_freed_ones_address_is_a_change():
     from lightning_dp.fingerprints.dataset_tokens import dataset_token
 
     dataset = TensorDataset(torch.zeros(8, 64))
-    for _ in range(30):  # CPython hands a freed object's memory to the next one of its size (most tries)
+    before = []
+
+    def tokened_and_freed() -> int:
         dataset.kept = torch.zeros(64)
-        before = dataset_token(dataset)
+        before[:] = [dataset_token(dataset)]
         freed = id(dataset.kept)
         dataset.kept = None
-        made = [torch.zeros(64) for _ in range(100)]
-        dataset.kept = next((t for t in made if id(t) == freed), None)
-        if dataset.kept is not None:
-            break
-        dataset.kept = made[0]
-    assert dataset_token(dataset) != before
+        return freed
+
+    dataset.kept, _ = at_freed_address(tokened_and_freed, lambda: torch.zeros(64), tries=30, count=100)
+    assert dataset_token(dataset) != before[0]
 
 
 class _Factor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from conftest import at_freed_address
 
 from lightning_dp.fingerprints.checksums import Checksums
 from lightning_dp.fingerprints.state_walker import MAX_DEPTH, Walker, closure_token, freeze
@@ -96,8 +97,7 @@ def test_a_setting_token_holds_what_it_compares_by_identity():
         before = freeze(kept)
         freed = id(kept["state"])
         kept["state"] = None
-        made = [make() for _ in range(500)]  # CPython hands a freed object's memory to the next one of its size
-        kept["state"] = next((t for t in made if id(t) == freed), made[0])
+        kept["state"], _ = at_freed_address(freed, make, count=500)
         assert freeze(kept) != before
 
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+from conftest import at_freed_address
+
 from lightning_dp.records.identity import IdentityMap, Same
 
 
 class Thing:
     pass
-
-
-def _reused(freed: int) -> tuple[object, list]:
-    """A new Thing at the address ``freed`` when CPython hands it out again (else the first made), and all made."""
-    made = [Thing() for _ in range(1000)]
-    return next((t for t in made if id(t) == freed), made[0]), made
 
 
 def test_a_freed_objects_entry_is_not_found_for_a_new_one_at_its_address():
@@ -22,7 +18,7 @@ def test_a_freed_objects_entry_is_not_found_for_a_new_one_at_its_address():
     assert first in seen and seen.get(first) == "first"
     freed = id(first)
     del first
-    second, _ = _reused(freed)
+    second, _ = at_freed_address(freed, Thing)
     assert second not in seen
     assert seen.get(second, "none") == "none"
     assert seen.setdefault(second, "second") == "second" and seen.get(second) == "second"
@@ -42,6 +38,6 @@ def test_an_object_without_weak_references_is_held():
 def test_same_holds_its_object_and_compares_by_identity():
     token = Same(Thing())
     freed = id(token.obj)
-    second, _ = _reused(freed)
+    second, _ = at_freed_address(freed, Thing)
     assert second is not token.obj and Same(second) != token
     assert Same(token.obj) == token and hash(Same(token.obj)) == hash(token)

@@ -7,6 +7,7 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+from conftest import at_freed_address
 from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 
 from lightning_dp.errors import PrivacyConfigurationError
@@ -430,9 +431,6 @@ def test_a_dict_at_a_freed_caches_address_holds_none_of_its_entries():
     assert fetch_filled(dataset.cache) == filled
     freed = id(dataset.cache)
     dataset.cache = None  # the dataset drops its cache
-    made = [{} for _ in range(2000)]
-    other = next((d for d in made if id(d) == freed), None)
-    if other is None:  # the digest (or the fix) holds the cache: no dict can take its address
-        other = made[0]
+    other, _ = at_freed_address(freed, dict, count=2000)  # else the digest (or the fix) holds the cache
     other.update(filled)  # a step's per-record state, alike by chance
     assert fetch_filled(other) == {}

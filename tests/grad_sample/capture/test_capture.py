@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import at_freed_address
 from torch import nn
 
 from lightning_dp.grad_sample.capture.activations import ActivationCapture, bind_call
@@ -172,21 +173,17 @@ def test_a_layer_taking_a_freed_layers_id_is_judged_by_its_own_calls():
     layouts) is kept per layer, not per id: a layer replaced since (a fine-tuning callback's) is freed, and the new
     one CPython may place at its address is not taken for it (its batched ``scale`` would not be sliced)."""
     capture = ActivationCapture()
-    for _ in range(30):  # CPython hands a freed object's memory to the next one of its size (most tries)
+
+    def used_and_freed() -> int:
         first = Scaled()
         capture.attach([("m", first)])
         capture.begin_step(1)
         first(torch.randn(1, 3), scale=torch.randn(3)).sum().backward()  # scale unbatched: never sliced for it
         capture.clear()
         capture.detach()
-        freed = id(first)
-        del first
-        made = [Scaled() for _ in range(100)]
-        second = next((m for m in made if id(m) == freed), None)
-        if second is not None:
-            break
-    else:
-        second = made[0]
+        return id(first)  # freed on return
+
+    second, _ = at_freed_address(used_and_freed, Scaled, tries=30, count=100)
     capture.attach([("m", second)])
     capture.begin_step(3)
     second(torch.randn(3, 3), scale=torch.randn(3, 3)).sum().backward()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from cases import Classifier, fit, parameters, unchanged
+from conftest import at_freed_address
 
 from lightning_dp import PrivacyConfigurationError
 
@@ -103,9 +104,8 @@ def test_a_loop_object_taking_a_freed_ones_id_is_judged_by_its_own_fields():
     baseline = fingerprint.take()
     freed = id(first)
     del first, current[0]
-    made = [LoopObject() for _ in range(1000)]  # CPython hands a freed object's memory to the next one of its size
-    second = next((obj for obj in made if id(obj) == freed), None)
-    if second is None:
+    second, reused = at_freed_address(freed, LoopObject)
+    if not reused:
         pytest.skip("this interpreter did not reuse the freed object's id")
     second.param_groups = [{"lr": 0.1}]  # set at construction: the object's own
     current.append(second)
@@ -126,16 +126,12 @@ def test_a_callback_taking_a_freed_readers_id_is_not_taken_for_a_reader():
             self.best = 0.5
 
     fingerprint = StateFingerprint(torch.nn.Linear(2, 2))
-    for _ in range(30):  # CPython hands a freed object's memory to the next one of its size (most tries)
+
+    def watched_and_freed() -> int:
         first = Reader()
         fingerprint.watch(first, fingerprint.take([first]), [first])
         assert any("Reader" in key for key in fingerprint.take([first]))
-        freed = id(first)
-        del first
-        made = [Reader() for _ in range(100)]
-        second = next((cb for cb in made if id(cb) == freed), None)
-        if second is not None:
-            break
-    else:
-        second = made[0]
+        return id(first)  # freed on return
+
+    second, _ = at_freed_address(watched_and_freed, Reader, tries=30, count=100)
     assert not any("Reader" in key for key in fingerprint.take([second]))
