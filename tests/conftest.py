@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
+import tempfile
 import warnings
 from typing import Callable, TypeVar, Union
 
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
 torch.set_num_threads(1)
+os.environ["LIGHTNING_DP_LEDGER_STORE"] = os.path.join(tempfile.gettempdir(), f"lightning_dp_ledgers_{os.getpid()}")
 
 
 def _shuffle(items: list, seed: str) -> None:
@@ -137,3 +140,15 @@ def _each_test_its_own_process_history():
     if ledgers is not None:
         ledgers._BY_CONTENT.clear()
         ledgers._SKETCHES.clear()
+
+
+_STORES = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _each_test_its_own_ledger_store(tmp_path_factory, monkeypatch):
+    """The ledger store (accounting/ledger_store.py, on disk) is a directory of each test's own (made when a fit
+    writes to it; the processes a test starts inherit it): never the real home's, and never an earlier test's, whose
+    fits of the same seeded models would otherwise continue into this test's ledgers."""
+    store = tmp_path_factory.getbasetemp() / "ledgers" / str(next(_STORES))
+    monkeypatch.setenv("LIGHTNING_DP_LEDGER_STORE", str(store))

@@ -20,12 +20,14 @@ it left as the seed built it, carries no record. A checkpoint written before the
 floating weight that is not constant (a fresh norm's ones, a zero bias are not) is taken as trained (conservative:
 another module holding exactly the same values of a weight the fit left unchanged then continues the record too).
 
-Not seen: weights loaded without Lightning's loader (``torch.load(path)`` then ``model.load_state_dict(ckpt[
-"state_dict"])`` in a new process: no file is known to the library, and the weights are not this process' fit's),
-and a module loaded before ``lightning_dp`` was first imported. There ``trainer.fit(model, ckpt_path=path)`` restores
-the ledger, or load with ``Model.load_from_checkpoint(path)`` after ``import lightning_dp``. Lightning versions whose
+Not seen here: weights loaded without Lightning's loader (``torch.load(path)`` then ``model.load_state_dict(ckpt[
+"state_dict"])`` in a new process: no file is known to the library), and a module loaded before ``lightning_dp`` was
+first imported. On the machine that trained them the ledger store finds those weights when a private fit attaches
+them (accounting/ledger_store.py: it holds every fit's lookup material, and this loader writes the checkpoint's
+record there too); elsewhere, or with the store off, ``trainer.fit(model, ckpt_path=path)`` restores the ledger, or
+load with ``Model.load_from_checkpoint(path)`` after ``import lightning_dp``. Lightning versions whose
 ``_load_state`` is missing or takes other arguments are left as they are (the loaded module starts a fresh record,
-as before).
+as before, but for the store).
 """
 
 from __future__ import annotations

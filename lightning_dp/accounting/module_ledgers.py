@@ -36,10 +36,13 @@ default arguments or named by it as a global (soft targets, stacked logits) — 
 (:func:`held_modules`).
 
 In another process a module's history is the checkpoint's ``lightning_dp`` entry, continued by ``trainer.fit(...,
-ckpt_path=...)`` and by ``load_from_checkpoint`` (:func:`carry`, accounting/loaded_checkpoints.py). What it cannot see:
-weights loaded there by other means (``torch.load`` then ``load_state_dict``), and weights changed after the fit that
-trained them beyond that (quantised to integers, pruned, a layer reinitialised alone is a fresh layer; a task vector
-added to weights far from the fit's start).
+ckpt_path=...)`` and by ``load_from_checkpoint`` (:func:`carry`, accounting/loaded_checkpoints.py), and the ledger
+store: every :func:`mark` and :func:`carry` writes the record's digests, sketches and path sketches to disk, and
+:func:`record_of` matches a module no record of this process matches against them by the same tests
+(accounting/ledger_store.py: weights loaded by ``torch.load`` then ``load_state_dict``, a soup of loaded ones, on the
+machine that trained them). What it cannot see: weights moved to another machine without the checkpoint's entry,
+and weights changed after the fit that trained them beyond that (quantised to integers, pruned, a layer
+reinitialised alone is a fresh layer; a task vector added to weights far from the fit's start).
 
 Two records of one module are combined by :func:`combine`: when one is a prefix of the other
 (a checkpoint restored from earlier in this process, the same run seen twice) the longer is kept,
@@ -65,6 +68,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.accounting import ledger_store
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.lineage import RESIDUAL, PathSketches, fit_path, follows
 from lightning_dp.fingerprints.checksums import content_sums
@@ -79,6 +83,8 @@ _AT_BIND: "weakref.WeakKeyDictionary[nn.Module, IdentityMap[tuple[bytes, Tensor]
 its id is not judged by its start) → (digest, sketch)."""
 _PATHS: "weakref.WeakKeyDictionary[nn.Module, tuple[PrivacyLedger, PathSketches]]" = weakref.WeakKeyDictionary()
 """Module → (the ledger bound to it, the sketches of its parameters along the fit: accounting/lineage.py)."""
+_STORED: "weakref.WeakKeyDictionary[nn.Module, ledger_store.Entry]" = weakref.WeakKeyDictionary()
+"""Module → the ledger store's entry of the fit bound to it (what its marks found so far, written at each)."""
 _INTERNALS = frozenset(vars(nn.Module())) | {
     "_compiled_call_impl", "_trainer", "_fabric", "_fabric_optimizers", "_metric_attributes", "_hparams",
     "_hparams_initial", "_hparams_name", "_log_hyperparams", "_compiler_ctx", "_device_mesh", "_device", "_dtype",
@@ -159,18 +165,16 @@ def _same_kind(x: LedgerEntry, y: LedgerEntry) -> bool:
 
 
 def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
-    """Every release this process made on ``module`` or any of its submodules (one record, combined);
-    ``None`` when there was none."""
+    """Every release this process made on ``module`` or any of its submodules (one record, combined), or, when
+    none of this process matches, the record of a fit another process wrote to the ledger store that its weights
+    match (accounting/ledger_store.py, by the same tests); ``None`` when there was none."""
+    owners = (module, *held_modules(module))  # a teacher held in a list or a function: its releases too
+    found = [_RECORDS.get(part) for owner in owners for part in owner.modules()]
+    found += _by_weights(owners, _BY_CONTENT, _SKETCHES, any(found))
+    if not any(found):  # weights another process trained (torch.save, then load_state_dict here)
+        stored = ledger_store.read()
+        found += _by_weights(owners, stored.by_content, stored.sketches, False)
     seen: list[PrivacyLedger] = []
-    found = []
-    for owner in (module, *held_modules(module)):  # a teacher held in a list or a function: its releases too
-        found += [_RECORDS.get(part) for part in owner.modules()]
-        if _BY_CONTENT:  # the same weights as another object (a copy, a reload: module docstring), or near them
-            for p in _weights(owner):  # exactly a fit's weights: that fit's record alone (another run that
-                exact = _BY_CONTENT.get(digest(p))  # ended on the same values, a rerun with the same seeds, is
-                found += [exact] if exact is not None else near(p)  # not a second history of these weights)
-    if _SKETCHES and not any(found):  # weights derived from a fit's: an EMA, a snapshot, 0.5·w + noise, a soup
-        found += derived([p for owner in (module, *held_modules(module)) for p in _weights(owner)])
     for ledger in found:
         if ledger is not None and all(ledger is not other for other in seen):
             seen.append(ledger)
@@ -180,6 +184,21 @@ def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     for other in seen[1:]:
         record = combine(record, other).ledger
     return record
+
+
+def _by_weights(owners: tuple[nn.Module, ...], by_content: dict[bytes, PrivacyLedger], sketches: "Sketches",
+                found: bool) -> list[PrivacyLedger]:
+    """The records ``owners``' weights carry by the lookups ``by_content`` and ``sketches`` (this process' own, or
+    the store's): the same weights as another object (a copy, a reload: module docstring), or near them, else (when
+    nothing was ``found`` so far) weights derived from a fit's: an EMA, a snapshot, 0.5·w + noise, a soup."""
+    out: list[PrivacyLedger] = []
+    if by_content:
+        for p in (p for owner in owners for p in _weights(owner)):  # exactly a fit's weights: that fit's record
+            exact = by_content.get(digest(p))  # alone (another run that ended on the same values, a rerun with the
+            out += [exact] if exact is not None else near(p, sketches)  # same seeds, is not a second history)
+    if sketches and not found and not out:
+        out += derived([p for owner in owners for p in _weights(owner)], sketches)
+    return out
 
 
 def held_modules(module: nn.Module, depth: int = 3, budget: int = 2_000) -> list[nn.Module]:
@@ -235,6 +254,7 @@ def bind(module: nn.Module, ledger: PrivacyLedger) -> None:
     if ledger.run is None:  # this fit's releases, told apart from another run's with equal settings (combine)
         ledger.run = uuid.uuid4().hex[:16]
     _stop_path(module)
+    _STORED[module] = ledger_store.Entry()  # this fit's entry of the ledger store, written at each mark
     path = PathSketches([p for p in _trainable(module) if _sketched(p)], _samples)
     ledger.listen(path)
     _PATHS[module] = (ledger, path)
@@ -259,6 +279,7 @@ def unbind(module: nn.Module, ledger: PrivacyLedger) -> None:
         kept[:] = [(start, end, copy if held is ledger else held, path) for start, end, held, path in kept]
     mark(module, copy)
     _AT_BIND.pop(module, None)
+    _STORED.pop(module, None)
     _stop_path(module)
 
 
@@ -274,6 +295,8 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
     copy = ledger
     before = _AT_BIND.get(module, IdentityMap())
     path = _PATHS.get(module, (None, None))[1]
+    stored = _STORED.get(module)
+    names = {id(p): n for n, p in module.named_parameters()}
     for p in _trainable(module):  # those trainable when bound: a layer unfrozen since and not yet trained (a fit
         held = before.get(p)  # refused before its release) keeps a fresh module's weights, not the record's; nor
         if held is None:  # does a parameter that replaced one since (by identity, not by a freed one's id)
@@ -281,12 +304,20 @@ def mark(module: nn.Module, ledger: PrivacyLedger) -> None:
         now = digest(p)
         if held[0] == now:
             continue
-        for key in (now, *_rounded_digests(p)):
+        keys = (now, *_rounded_digests(p))
+        for key in keys:
             _BY_CONTENT[key] = copy
+        if stored is not None:  # the same material for a new process (accounting/ledger_store.py)
+            stored.digests.update(keys)
+            stored.trained += [names[id(p)]] if id(p) in names and names[id(p)] not in stored.trained else []
         if _sketched(p):
             end = sample(p)
             along = path.of(p) if path is not None else ()
             _SKETCHES.setdefault(tuple(p.shape), []).append((held[1], end, copy, (*along, end)))
+            if stored is not None:
+                stored.sketches.setdefault(tuple(p.shape), []).append((held[1], end, (*along, end)))
+    if stored is not None:
+        ledger_store.write(stored, copy)
 
 
 def carry(module: nn.Module, ledger: PrivacyLedger, trained: Optional[list[str]] = None) -> None:
@@ -303,9 +334,12 @@ def carry(module: nn.Module, ledger: PrivacyLedger, trained: Optional[list[str]]
         weights = [named[n] for n in trained if n in named and named[n].dtype.is_floating_point]
     else:
         weights = [p for p in _trainable(module) if not _constant(p)]
-    for p in weights:
-        for key in (digest(p), *_rounded_digests(p)):
-            _BY_CONTENT.setdefault(key, ledger)
+    keys = {key for p in weights for key in (digest(p), *_rounded_digests(p))}
+    for key in keys:
+        _BY_CONTENT.setdefault(key, ledger)
+    names = {id(p): n for n, p in module.named_parameters()}  # for a new process too (accounting/ledger_store.py)
+    ledger_store.write(ledger_store.Entry(ledger_store.content_key(ledger, keys), keys, {},
+                                          [names[id(p)] for p in weights if id(p) in names]), ledger)
 
 
 def trained_names(module: nn.Module) -> list[str]:
@@ -331,17 +365,19 @@ def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
 _SKETCH_SIZE = 64
 _MIN_SKETCHED = 16
 _NEAR = 0.1
-_SKETCHES: dict[tuple[int, ...], list[tuple[Tensor, Tensor, PrivacyLedger, tuple[Tensor, ...]]]] = {}
+Sketches = dict[tuple[int, ...], list[tuple[Tensor, Tensor, PrivacyLedger, tuple[Tensor, ...]]]]
+_SKETCHES: Sketches = {}
 """Shape → (sketch when bound, sketch after the releases, the record, sketches along the fit ending with that after
 the releases: accounting/lineage.py) of every parameter the releases changed."""
 
 
 def sample(p: Tensor) -> Tensor:
     """``p``'s values at :data:`_SKETCH_SIZE` positions spread evenly over it (all of them when fewer), in float64
-    on the CPU: its sketch, in any dtype the weights are held in."""
+    on the CPU (a copy, also of weights held so: a view would follow them): its sketch, in any dtype the weights are
+    held in."""
     local = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
     step = max(1, local.numel() // _SKETCH_SIZE)
-    return local[::step][:_SKETCH_SIZE].to("cpu", torch.float64)
+    return local[::step][:_SKETCH_SIZE].to("cpu", torch.float64, copy=True)
 
 
 def _sketched(p: Tensor) -> bool:
@@ -355,7 +391,7 @@ def _samples(params: list[Tensor]) -> list[Tensor]:
     local = [p.detach().reshape(-1) for p in params]
     picked = [x[::max(1, x.numel() // _SKETCH_SIZE)][:_SKETCH_SIZE] for x in local]
     if len({(x.device, x.dtype) for x in picked}) > 1:
-        return [x.to("cpu", torch.float64) for x in picked]
+        return [x.to("cpu", torch.float64, copy=True) for x in picked]
     return list(torch.cat(picked).to("cpu", torch.float64).split([x.numel() for x in picked]))
 
 
@@ -363,18 +399,20 @@ _SOUP_CANDIDATES = 6
 """The fits, nearest first, among which :func:`derived` looks for the two a soup averaged."""
 
 
-def derived(params: list[Tensor]) -> list[PrivacyLedger]:
+def derived(params: list[Tensor], sketches: Optional[Sketches] = None) -> list[PrivacyLedger]:
     """The records of the fits whose path the weights ``params`` lie on (accounting/lineage.py: an EMA or average of
     the fit's weights, a snapshot from the middle of it, a shrink-and-perturb warm start, a task vector; a soup of two
     fits from one start, on both): a fit is taken when more than half of the parameters it trained (each judged
     by its sketch: :func:`~lightning_dp.accounting.lineage.follows`) are followed by one of ``params`` of their shape
-    — weights trained on the same task from the fit's start, publicly, may follow one of its layers by chance."""
+    — weights trained on the same task from the fit's start, publicly, may follow one of its layers by chance.
+    ``sketches``: the lookups to match (the ledger store's), this process' own when ``None``."""
+    sketches = _SKETCHES if sketches is None else sketches
     heres: dict[tuple[int, ...], list[Tensor]] = {}
     for p in params:
-        if _sketched(p) and tuple(p.shape) in _SKETCHES:
+        if _sketched(p) and tuple(p.shape) in sketches:
             heres.setdefault(tuple(p.shape), []).append(sample(p))
     parts: dict[int, tuple[PrivacyLedger, dict[int, bool]]] = {}  # record → its parameters (by start) → followed
-    for shape, kept in _SKETCHES.items():
+    for shape, kept in sketches.items():
         alike: list[list[tuple[float, Tensor, PrivacyLedger, tuple[Tensor, ...]]]] = [[] for _ in heres.get(shape, ())]
         for start, _, ledger, path in kept:
             followed = parts.setdefault(id(ledger), (ledger, {}))[1]
@@ -395,11 +433,13 @@ def derived(params: list[Tensor]) -> list[PrivacyLedger]:
     return [ledger for ledger, followed in parts.values() if 2 * sum(followed.values()) > len(followed)]
 
 
-def near(p: Tensor) -> list[PrivacyLedger]:
+def near(p: Tensor, sketches: Optional[Sketches] = None) -> list[PrivacyLedger]:
     """The records of trained weights ``p`` lies near: nearer to them (at the sketch's positions) than a tenth of
     how far the releases moved them from where they were bound (weights scaled by 1.0001, or with noise added,
-    after training; a fresh module initialised as the trained one was is as far from it as training moved it)."""
-    kept = _SKETCHES.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED and not _sharded(p) else None
+    after training; a fresh module initialised as the trained one was is as far from it as training moved it).
+    ``sketches``: the lookups to match (the ledger store's), this process' own when ``None``."""
+    sketches = _SKETCHES if sketches is None else sketches
+    kept = sketches.get(tuple(p.shape)) if p.numel() >= _MIN_SKETCHED and not _sharded(p) else None
     if not kept or not p.dtype.is_floating_point:
         return []
     here = sample(p)

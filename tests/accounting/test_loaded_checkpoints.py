@@ -100,10 +100,11 @@ def _first_fit(tiny, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _in_a_new_process(folder: Path, *names: str) -> dict[str, lightning_dp.PrivacyLedger]:
+def _in_a_new_process(folder: Path, *names: str, **environ: str) -> dict[str, lightning_dp.PrivacyLedger]:
     import os
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **environ}
     done = subprocess.run([sys.executable, str(folder / "child.py"), *names], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=120)
     line = [x for x in done.stdout.splitlines() if x.startswith("LEDGERS ")]
@@ -117,9 +118,10 @@ def _in_a_new_process(folder: Path, *names: str) -> dict[str, lightning_dp.Priva
 
 def test_load_from_checkpoint_in_a_new_process_continues_the_ledger(tiny, tmp_path):
     """Full and weights-only checkpoints: the new process's fit counts 16 releases, ε composed over both fits; a
-    checkpoint without the entry (not a private fit's) starts fresh."""
+    checkpoint without the entry (not a private fit's) starts fresh. The checkpoint alone: the ledger store off (it
+    would find the stripped checkpoint's weights too: tests/accounting/test_ledger_store.py)."""
     folder = _first_fit(tiny, tmp_path)
-    ledgers = _in_a_new_process(folder, "full.ckpt", "weights.ckpt", "none.ckpt")
+    ledgers = _in_a_new_process(folder, "full.ckpt", "weights.ckpt", "none.ckpt", LIGHTNING_DP_LEDGER_STORE="off")
     for name in ("full.ckpt", "weights.ckpt"):
         ledger = ledgers[name]
         assert ledger.steps == 16, name

@@ -1,0 +1,274 @@
+"""The ledger store (accounting/ledger_store.py): a fit's record of trained weights on disk, so that a new process
+that loads the weights by other means than Lightning's loader (``torch.load`` then ``load_state_dict``), or derives
+weights from a loaded checkpoint's (shrink and perturb), continues the fit's ledger. A fresh module does not; ``off``
+turns it off; a damaged file is skipped with a warning; the store keeps the newest entries; rank 0 alone writes.
+The multi-process test runs its second process as a subprocess; the others stand for a new process by clearing
+this process' records (the store holds the same material)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+
+from cases import Classifier, fit  # noqa: E402
+
+from lightning_dp.accounting import ledger_epsilon, ledger_store, module_ledgers  # noqa: E402
+from lightning_dp.accounting.epsilon import epsilon  # noqa: E402
+from lightning_dp.accounting.ledger import PrivacyLedger  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SIGMA, Q, DELTA = 1.0, 32 / 256, 1e-5
+
+MODEL = '''
+import torch
+import pytorch_lightning as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_dp import DPStrategy
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
+
+
+def fit(model, **kw):
+    kw.setdefault("enable_checkpointing", False)
+    t = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), accelerator="cpu", devices=1,
+                   max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    t.fit(model, loader())
+    return t.strategy.ledger
+'''
+
+CHILD = '''
+import json, os, torch
+from tiny import Tiny, fit
+from lightning_dp.accounting import module_ledgers
+
+
+def state_dict(store):
+    os.environ["LIGHTNING_DP_LEDGER_STORE"] = store
+    model = Tiny(seed=1)
+    model.load_state_dict(torch.load("m.pt"))
+    return model
+
+
+def shrink_perturb(store):
+    loaded = Tiny.load_from_checkpoint("full.ckpt")  # the checkpoint's record: digests only, no path sketches
+    g = torch.Generator().manual_seed(4)
+    model = Tiny(seed=2)
+    model.load_state_dict({k: 0.5 * v + 1e-3 * torch.randn(v.shape, generator=g)
+                           for k, v in loaded.state_dict().items()})
+    return model
+
+
+store = os.environ["LIGHTNING_DP_LEDGER_STORE"]
+out = {}
+for name, build in [("fresh", lambda: Tiny()), ("state_dict", lambda: state_dict(store)),
+                    ("shrink_perturb", lambda: shrink_perturb(store)), ("off", lambda: state_dict("off"))]:
+    out[name] = fit(build()).state_dict()
+    module_ledgers._BY_CONTENT.clear(); module_ledgers._SKETCHES.clear()  # each scenario as if in its own process
+print("LEDGERS " + json.dumps(out))
+'''
+
+
+def _new_process() -> None:
+    """Forget this process' records of trained weights, as a new process would (the store keeps them)."""
+    module_ledgers._BY_CONTENT.clear()
+    module_ledgers._SKETCHES.clear()
+
+
+def test_weights_loaded_in_a_new_process_continue_the_ledger_through_the_store(tmp_path, monkeypatch):
+    """Process 1 (this one) fits 8 releases and saves ``model.state_dict()`` and a checkpoint. Process 2: the
+    state dict loaded into a module seeded otherwise continues the ledger (16 releases, two runs, ε over both); a
+    shrink-and-perturb copy of the checkpoint's weights continues it too (the fit's path sketches are in the store,
+    not in the checkpoint); a fresh module seeded as the fit was starts afresh; with the store ``off``, 8."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    (tmp_path / "tiny.py").write_text(MODEL)
+    (tmp_path / "child.py").write_text(CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tiny", None)
+    import tiny
+
+    model = tiny.Tiny()
+    saving = ModelCheckpoint(dirpath=tmp_path / "saved", filename="full")
+    assert tiny.fit(model, enable_checkpointing=True, callbacks=[saving]).steps == 8
+    sys.modules.pop("tiny", None)
+    (tmp_path / "saved" / "full.ckpt").rename(tmp_path / "full.ckpt")
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    assert list(Path(os.environ[ledger_store.ENV]).glob("*" + ledger_store.SUFFIX))  # the fit's entry
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(tmp_path / "child.py")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    line = [x for x in done.stdout.splitlines() if x.startswith("LEDGERS ")]
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    ledgers = {}
+    for name, state in json.loads(line[0][len("LEDGERS "):]).items():
+        ledgers[name] = PrivacyLedger()
+        ledgers[name].load_state_dict(state)
+    assert ledgers["fresh"].steps == 8
+    assert ledgers["off"].steps == 8
+    for name in ("state_dict", "shrink_perturb"):
+        assert ledgers[name].steps == 16, name
+        assert len({e.run for e in ledgers[name].entries}) == 2, name  # the first fit's run, then the new one
+        assert ledger_epsilon(ledgers[name], DELTA) == pytest.approx(epsilon(SIGMA, Q, 16, DELTA), rel=1e-9)
+        assert ledger_epsilon(ledgers[name], DELTA) > ledger_epsilon(ledgers["fresh"], DELTA)
+
+
+def _trained(steps: int = 3) -> tuple[dict, Classifier]:
+    model = Classifier()
+    start = copy.deepcopy(model.state_dict())
+    assert fit(model, steps=steps).ledger.steps == steps
+    return start, model
+
+
+def _loaded(state: dict) -> Classifier:
+    module = Classifier()
+    module.load_state_dict(state)
+    return module
+
+
+@pytest.mark.parametrize("derive", [
+    lambda start, end, g: end,
+    lambda start, end, g: {k: v.to(torch.bfloat16).float() for k, v in end.items()},
+    lambda start, end, g: {k: v * 1.0001 for k, v in end.items()},
+    lambda start, end, g: {k: (start[k] + v) / 2 for k, v in end.items()},
+    lambda start, end, g: {k: 0.5 * v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in end.items()},
+], ids=["the same", "bfloat16", "near", "halfway", "shrink and perturb"])
+def test_the_store_matches_as_this_process_does(derive):
+    """The store's material matched by module_ledgers' own tests (digests, near sketches, path sketches), found
+    only when this process' records say nothing; a fresh module seeded as the fit was is its start: not taken."""
+    start, model = _trained()
+    derived = derive(start, model.state_dict(), torch.Generator().manual_seed(4))
+    _new_process()
+    assert module_ledgers.record_of(Classifier()) is None
+    assert module_ledgers.record_of(_loaded(derived)).steps == 3
+    assert fit(_loaded(derived), steps=2).ledger.steps == 5
+
+
+def test_off_turns_the_store_off(monkeypatch):
+    monkeypatch.setenv(ledger_store.ENV, "off")
+    assert ledger_store.directory() is None
+    _, model = _trained()
+    _new_process()
+    assert module_ledgers.record_of(_loaded(model.state_dict())) is None
+
+
+def test_the_default_directory_is_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv(ledger_store.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ledger_store.directory() == tmp_path / "lightning_dp" / "ledgers"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ledger_store.directory() == tmp_path / ".cache" / "lightning_dp" / "ledgers"
+
+
+def _bound_and_trained(ledger_steps: int = 4, seed: int = 0, width: int = 8, dtype=torch.float32) -> nn.Module:
+    """A module bound to a ledger, moved by its releases, then released (module_ledgers' own calls, no Trainer)."""
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(8, width), nn.Linear(width, 2)).to(dtype)
+    ledger = PrivacyLedger()
+    module_ledgers.bind(module, ledger)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    ledger.record(SIGMA, Q, ledger_steps)
+    module_ledgers.unbind(module, ledger)
+    return module
+
+
+def test_a_damaged_file_is_skipped_with_a_warning():
+    module = _bound_and_trained()
+    where = ledger_store.directory()
+    (good,) = where.glob("*" + ledger_store.SUFFIX)
+    (where / ("truncated" + ledger_store.SUFFIX)).write_bytes(good.read_bytes()[:100])
+    (where / ("garbage" + ledger_store.SUFFIX)).write_bytes(b"not a ledger")
+    torch.save({"version": 1, "ledger": {"entries": []}}, where / ("partial" + ledger_store.SUFFIX))
+    _new_process()
+    copy_ = copy.deepcopy(module)
+    with pytest.warns(RuntimeWarning, match="Skipped the ledger store's file") as caught:
+        assert module_ledgers.record_of(copy_).steps == 4  # the good entry still found
+    assert len([w for w in caught if "Skipped" in str(w.message)]) == 3
+
+
+def test_an_unwritable_store_warns_and_the_fit_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(ledger_store.ENV, str(tmp_path / "a_file" / "store"))
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        _bound_and_trained()
+
+
+def test_the_store_keeps_the_newest_entries_and_no_partial_files(monkeypatch):
+    monkeypatch.setattr(ledger_store, "KEPT", 3)
+    modules = [_bound_and_trained(seed=seed) for seed in range(5)]
+    where = ledger_store.directory()
+    assert len(list(where.glob("*" + ledger_store.SUFFIX))) == 3
+    assert not [p for p in where.iterdir() if not p.name.endswith(ledger_store.SUFFIX)]  # written by a rename
+    _new_process()
+    assert module_ledgers.record_of(copy.deepcopy(modules[0])) is None  # the oldest went
+    assert module_ledgers.record_of(copy.deepcopy(modules[4])).steps == 4
+
+
+@pytest.mark.parametrize("known_by", ["process group", "RANK"])
+def test_only_rank_zero_writes_and_every_rank_reads(monkeypatch, known_by):
+    module = _bound_and_trained()
+    with monkeypatch.context() as patched:
+        if known_by == "RANK":
+            patched.setenv("RANK", "1")
+        else:
+            patched.setattr(torch.distributed, "is_initialized", lambda: True)
+            patched.setattr(torch.distributed, "get_rank", lambda *args: 1)
+        other = _bound_and_trained(seed=1)
+        assert len(list(ledger_store.directory().glob("*" + ledger_store.SUFFIX))) == 1
+        _new_process()
+        assert module_ledgers.record_of(copy.deepcopy(module)).steps == 4  # rank 1 reads rank 0's entry
+        assert module_ledgers.record_of(copy.deepcopy(other)) is None
+
+
+def test_the_store_holds_digests_sketches_and_the_ledger_only():
+    """No training data: digests, 64 sampled weight values per sketch (released state), the ledger, the names."""
+    _bound_and_trained()
+    (entry,) = ledger_store.directory().glob("*" + ledger_store.SUFFIX)
+    state = torch.load(entry, weights_only=True)
+    assert set(state) == {"version", "created", "ledger", "trained", "digests", "sketches"}
+    assert state["trained"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert all(start.numel() <= 64 and path.shape[1] <= 64 for _, start, _, path in state["sketches"])
+
+
+def test_sketches_are_copies_of_64_values_also_of_float64_weights():
+    """A sketch of weights held in float64 on the CPU is a copy (it was a view: the start's sketch followed the
+    weights as they trained, and the file would have held the whole parameter)."""
+    _bound_and_trained(width=64, dtype=torch.float64)
+    (entry,) = ledger_store.directory().glob("*" + ledger_store.SUFFIX)
+    sketches = torch.load(entry, weights_only=True)["sketches"]
+    assert sketches
+    for _, start, end, path in sketches:
+        assert start.untyped_storage().nbytes() == end.untyped_storage().nbytes() == 64 * 8
+        assert not torch.equal(start, end)  # where the fit started, not where it ended
