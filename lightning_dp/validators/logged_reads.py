@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators import metric_values
+from lightning_dp.validators import logger_copies, metric_values
 from lightning_dp.validators.hook_replays import moved_far, moved_near
 from lightning_dp.validators.monitored import training_logged
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
@@ -101,7 +101,8 @@ class LoggedReads:
         """Inside, the training-logged values in the trainer's three metric dicts are moved far (1000·(value + 1)), or
         near zero (``up`` false: a thousandth), and so are the metrics updated while the trainer trained
         (:func:`.metric_values.moved`; not with ``states`` false; ``training_only``: the training loop's logged
-        names only — the checkpoint hooks' runs, where a validation metric's value read back stays as it is): a run
+        names only — the checkpoint hooks' runs, where a validation metric's value read back stays as it is), and so
+        are the loggers' own copies of those values (:mod:`.logger_copies`: a logger's history, metrics.csv): a run
         of the user's hooks on other data reads other logged values too, on either side of a threshold
         (:mod:`.decisions`)."""
         connector = getattr(self.trainer, "_logger_connector", None)
@@ -118,7 +119,9 @@ class LoggedReads:
         if training_only:  # what Lightning recomputes from its results inside (callback_metrics) moves too
             _MOVING[0] = (names, up)
         try:
-            with metric_values.moved(up) if states else nullcontext():
+            with metric_values.moved(up) if states else nullcontext(), \
+                    logger_copies.moved(getattr(self.trainer, "loggers", None) or (), names, lambda v: _moved(v, up),
+                                        files=bool(getattr(self.trainer, "is_global_zero", True))):
                 yield
         finally:
             _MOVING[0] = None

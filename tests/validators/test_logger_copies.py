@@ -1,0 +1,209 @@
+"""Logged values read back through the logger object (validators/logger_copies.py, rule 6 of
+docs/release_boundary.md): the replays that move the logged values move the loggers' own copies too, in memory and in
+the CSVLogger's metrics.csv, and put them back after."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.logger import Logger
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier, data, loader, strategy  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators import logger_copies  # noqa: E402
+from lightning_dp.validators.hook_replays import moved_far  # noqa: E402
+
+
+class History(Logger):
+    """The in-memory logger of Lightning's tests and tutorials: every ``log_metrics`` call kept in ``history``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def name(self) -> str:
+        return "history"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.history.append(dict(metrics))
+
+
+class LogsEpochLoss(Classifier):
+    """Logs its training loss once an epoch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def halve_on_plateau(self, losses: list[float], drop: float = 0.3) -> None:
+        """A plateau rule by hand: the rate halved unless the loss fell by ``drop`` since the last epoch (here at the
+        second epoch's end: 0.64 to 0.41)."""
+        if len(losses) >= 2 and losses[-1] > losses[-2] - drop:
+            for group in self.optimizers().param_groups:
+                group["lr"] *= 0.5
+
+
+class PlateauFromHistory(LogsEpochLoss):
+    """zoo26 b02: the rule reads the in-memory logger's history."""
+
+    def on_train_epoch_start(self) -> None:
+        self.halve_on_plateau([float(m["train_loss"]) for m in self.logger.history if "train_loss" in m])
+
+
+class PlateauFromCsv(LogsEpochLoss):
+    """zoo26 e01: the rule reads the CSVLogger's metrics.csv."""
+
+    def on_train_epoch_start(self) -> None:
+        path = Path(self.logger.experiment.metrics_file_path)
+        if path.exists():
+            with path.open() as file:
+                self.halve_on_plateau([float(r["train_loss"]) for r in csv.DictReader(file) if r.get("train_loss")])
+
+
+class TaskWeightsFromHistory(Classifier):
+    """zoo26 b01: Dynamic Weight Average, the second task's weight from the last two epochs' losses in the history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = 1.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        l1, l2 = torch.nn.functional.cross_entropy(out, y), (out ** 2).mean()
+        self.log("l1", l1, on_step=False, on_epoch=True)
+        self.log("l2", l2, on_step=False, on_epoch=True)
+        return l1 + self.w * l2
+
+    def on_train_epoch_start(self) -> None:
+        h = [m for m in self.logger.history if "l1" in m]
+        if len(h) >= 2:
+            r1, r2 = h[-1]["l1"] / h[-2]["l1"], h[-1]["l2"] / h[-2]["l2"]
+            self.w = 2 * math.exp(r2 / 2) / (math.exp(r1 / 2) + math.exp(r2 / 2))
+
+
+def _fit(model: pl.LightningModule, logger: Logger, epochs: int = 4, val: bool = False, **kwargs: Any) -> Any:
+    dp = strategy(noise_multiplier=0.1)
+    trainer = quiet_trainer(strategy=dp, max_epochs=epochs, logger=logger, num_sanity_val_steps=0, **kwargs)
+    held_out = DataLoader(data(32, seed=7), batch_size=16) if val else None
+    trainer.fit(model, loader(), held_out)
+    return dp
+
+
+@pytest.mark.parametrize("model", [PlateauFromHistory, TaskWeightsFromHistory], ids=["b02-plateau", "b01-dwa"])
+def test_a_decision_from_the_in_memory_logger_history_is_refused(model):
+    logger = History()
+    with pytest.raises(PrivacyConfigurationError, match="from the training data"):
+        _fit(model(), logger)
+    assert all(v < 100 for m in logger.history for k, v in m.items() if k != "epoch"), "the history is put back"
+
+
+def test_a_decision_from_the_csv_loggers_metrics_file_is_refused(tmp_path):
+    logger = CSVLogger(tmp_path, name="run", flush_logs_every_n_steps=1)
+    with pytest.raises(PrivacyConfigurationError, match="from the training data"):
+        _fit(PlateauFromCsv(), logger)
+    logger.save()
+    with open(logger.experiment.metrics_file_path) as file:
+        losses = [float(r["train_loss"]) for r in csv.DictReader(file) if r.get("train_loss")]
+    assert losses and all(v < 100 for v in losses), "metrics.csv is put back"
+
+
+class Validates(LogsEpochLoss):
+    """Logs a held-out loss too."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+
+class PlateauFromValidation(Validates):
+    """The plateau rule by hand on the held-out loss the logger holds."""
+
+    def on_train_epoch_start(self) -> None:
+        self.halve_on_plateau([float(m["val_loss"]) for m in self.logger.history if "val_loss" in m], drop=1.0)
+
+
+class ReducesOnPlateau(Validates):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+class PrintsHistory(pl.Callback):
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        print("training losses:", [float(m["train_loss"]) for m in trainer.logger.history if "train_loss" in m])
+
+
+def test_a_plateau_rule_on_the_held_out_loss_from_the_logger_trains():
+    model, logger = PlateauFromValidation(), History()
+    dp = _fit(model, logger, val=True)
+    assert dp.ledger.steps == 16
+    assert model.optimizers().param_groups[0]["lr"] < 1.0, "the rule halved the rate at least once"
+
+
+def test_reduce_lr_on_plateau_on_the_held_out_loss_trains_with_a_csv_logger(tmp_path):
+    dp = _fit(ReducesOnPlateau(), CSVLogger(tmp_path, name="run"), val=True)
+    assert dp.ledger.steps == 16
+
+
+def test_a_callback_printing_the_logger_history_at_train_end_trains(capsys):
+    dp = _fit(LogsEpochLoss(), History(), callbacks=[PrintsHistory()])
+    assert dp.ledger.steps == 16
+    printed = capsys.readouterr().out.split("training losses: [")[1].split("]")[0].split(", ")
+    assert len(printed) == 4 and all(float(v) < 100 for v in printed)
+
+
+# ---------------------------------------------------------------- the copies moved and put back
+
+
+class Holder:
+    def __init__(self, path: str) -> None:
+        self.history = [{"train_loss": 0.5, "epoch": 0},
+                        {"fit-train_loss": torch.tensor(0.25), "val_loss": 0.7, "val-train_loss": 0.5}]
+        self.series = {"train_loss": [0.5, 0.4], "other": (1.0,)}
+        self.metrics_file_path = path
+        self._prefix = "fit"
+
+
+def test_the_copies_in_memory_and_in_a_csv_file_move_and_are_put_back(tmp_path):
+    path = tmp_path / "metrics.csv"
+    original = b"epoch,train_loss,val_loss\n0,0.5,0.7\n1,,0.6\n"
+    path.write_bytes(original)
+    holder = Holder(str(path))
+    history, first, series = holder.history, holder.history[0], holder.series
+    with logger_copies.moved([holder], {"train_loss"}, moved_far):
+        assert holder.history is history, "the top list is moved in place (an alias reads the moved values)"
+        assert history[0] == {"train_loss": 1500.0, "epoch": 0} and first["train_loss"] == 0.5
+        assert float(history[1]["fit-train_loss"]) == 1250.0 and history[1]["val_loss"] == 0.7
+        assert history[1]["val-train_loss"] == 0.5, "another prefix than the logger's: another value"
+        assert series["train_loss"] == [1500.0, 1400.0] and series["other"] == (1.0,)
+        with open(path) as file:
+            rows = list(csv.DictReader(file))
+        assert [r["train_loss"] for r in rows] == ["1500.0", ""] and [r["val_loss"] for r in rows] == ["0.7", "0.6"]
+        holder.history.append({"train_loss": 9.0})  # a hook run again logs: dropped after
+        holder.series = {}
+    assert holder.history is history and history[0] is first and len(history) == 2
+    assert holder.series is series and series["train_loss"] == [0.5, 0.4]
+    assert path.read_bytes() == original
