@@ -485,8 +485,9 @@ def adoption_note(held: int, record: int, total: int, diverged: bool) -> str:
         return (f"the ledger ({held} releases, e.g. a restored checkpoint) is a prefix of this module's record in "
                 f"this process: the longer record is kept ({total} releases; restoring weights does not take back "
                 "releases already made)")
-    return (f"this module already made {record} private release(s) in this process (an earlier fit or private "
-            "step): the ledger continues from them, so ε, target_epsilon and PrivacyBudget count them too")
+    return (f"this module already made {record} private release(s) (an earlier fit or private step, in this process "
+            "or in one the ledger store recorded): the ledger continues from them, so ε, target_epsilon and "
+            "PrivacyBudget count them too")
 
 
 def restore_note(restored: int, total: int, diverged: bool) -> str:
