@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from lightning_dp.fingerprints.checksums import _array_digest
 from lightning_dp.records.identity import Same
+from lightning_dp.records.fetch_reruns import fetch_written
 from lightning_dp.records.stateless import fetch_filled
 
 def dataset_parts(dataset: Any) -> tuple[list[Any], list[tuple[str, Tensor]]]:
@@ -88,7 +89,7 @@ def dataset_settings(dataset: Any, collate_fn: Any = None) -> dict[str, Hashable
     for kind, d in _holders(dataset, collate_fn):
         name = _holder_name(d)
         for key, value in _fields(d).items():
-            if key.startswith("__"):
+            if key.startswith("__") or fetch_written(d, key, value):  # a fetch's write, judged alike on any records
                 continue
             if isinstance(value, _PLAIN):
                 add(f"{kind} setting {name}.{key} ({type(value).__name__})", (type(value).__name__, value))

@@ -78,6 +78,7 @@ from lightning_dp.validators.mechanism_settings import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.records import check_records
+from lightning_dp.validators.outside_records import records_exchanged
 from lightning_dp.validators.finite_release import check_finite_release
 from lightning_dp.validators.step_index import check_start_step, own_index, plan_to_keep
 
@@ -448,7 +449,7 @@ class PrivateStep(StepChecks):
         where, first = self.distribution, check_start_step(self, start_step)
         self.fresh.start()  # the base seed, before any record is read
         population = training_population(dataloader, where.rank, where.world_size, batches_per_step)
-        fetches = FetchState(dataloader.dataset, dataloader.collate_fn).noted()  # before any read: a fetch is stateless
+        fetches = FetchState(dataloader.dataset, dataloader.collate_fn, records_exchanged).noted()  # before any read
         check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
         self._check_ledger_unit()
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank

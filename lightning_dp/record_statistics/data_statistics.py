@@ -112,7 +112,7 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
                 continue
             for path, t, rows in digests:
                 if holds_records(value.detach(), t, rows):
-                    found.append(f"{kind} {name} holds records of the training {path.lstrip('.') or 'tensor'}")
+                    found.append(f"{kind} {name} holds records of the training {training_name(path, t)}")
                     break
     return found
 
@@ -120,10 +120,11 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
 def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any],
                      tensors: Sequence[tuple[str, Tensor]], public: Sequence[str],
                      charged: Optional[Collection[str]] = None) -> list[str]:
-    stats = [(f"{name} of the training {path.lstrip('.') or 'tensor'}", value)
+    names = {path: training_name(path, t) for path, t in tensors}
+    stats = [(f"{name} of the training {names[path]}", value)
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     shaped = _ByWidth(tensors)
-    found = [f"the training {path.lstrip('.') or 'tensor'} is {how}"
+    found = [f"the training {names[path]} is {how}"
              for path, t in tensors for how in [_scaled_by_itself(t, shaped.order)]
              if how]
     if not stats:
@@ -151,13 +152,13 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
                 break
         else:
             try:
-                found.extend(f"{path} holds {what} of the training {p.lstrip('.') or 'tensor'}"
+                found.extend(f"{path} holds {what} of the training {names.get(p, p.lstrip('.') or 'tensor')}"
                              for p, what in shaped.held(candidate))
             except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one
                 continue
             for width in {*candidate.shape[-2:]} if candidate.dim() == 2 else ():
                 if width not in directions:
-                    directions[width] = [(f"principal directions of the training {p.lstrip('.') or 'tensor'}", d)
+                    directions[width] = [(f"principal directions of the training {names[p]}", d)
                                          for p, t in tensors if t.dim() >= 2 and t[0].numel() == width
                                          for d in [_principal_directions(t)] if d is not None]
                 found.extend(f"rows of {path} are the {name}" for name, d in directions[width]
@@ -251,6 +252,15 @@ def _rows_along(candidate: Tensor, directions: Tensor) -> bool:
     return False
 
 
+def training_name(path: str, t: Tensor) -> str:
+    """How a finding names a training tensor: ``labels (tensors[1])`` for class labels (integers, one a record, not
+    the first of the dataset's tensors), else its path in the dataset (``tensors[0]``)."""
+    where = path.lstrip(".") or "tensor"
+    labels = not (t.is_floating_point() or t.is_complex()) and t.dim() >= 1 and t[0].numel() == 1 \
+        and not where.endswith("tensors[0]")
+    return f"labels ({where})" if labels else where
+
+
 def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
     """The refusal of :func:`data_statistics_held`'s findings."""
     lines = "\n".join(f"- {f}" for f in found[:6])
@@ -265,12 +275,12 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
         + derived + "They depend on "
         "every training record and no noise covers them: a buffer is released with the model and its checkpoints, "
         "and data scaled by its own statistics makes each example's gradient depend on all the others, so the model "
-        "would not be differentially private whatever σ the ledger counts. Nothing was released. Normalise with "
-        "public constants (a known range: pixels / 255, digits / 16) or statistics of public data; standardise "
+        "would not be differentially private whatever σ the ledger counts. Nothing was released. Fix: normalise "
+        "with public constants (a known range: pixels / 255, digits / 16) or statistics of public data, standardise "
         "features with lightning_dp.data.PrivateStandardizer (a DP mean and standard deviation, charged to this "
-        "fit's DPStrategy); weight classes by a public prior; initialise layers at random or from public data; or "
-        "estimate them with a DP mechanism of your own and account for its ε. If a value is not derived from this "
-        "training data, declare it: DPStrategy(public_state=[name]).")
+        "fit's DPStrategy), weight classes by a public prior, initialise layers at random or from public data, or "
+        "estimate them with a DP mechanism of your own and account for its ε (a value not derived from this "
+        "training data: declare it, DPStrategy(public_state=[name])).")
 
 
 def _statistics(t: Tensor) -> Iterator[tuple[str, Tensor]]:

@@ -95,9 +95,11 @@ class DeliveringLoader(DataLoader):
     @property
     def _index_sampler(self) -> Any:  # what torch's iterators draw the batches of indices from
         batches = super()._index_sampler
-        if self.num_workers == 0 and self.fetch_state is not None:
+        if self.fresh is not None:
+            batches = FreshBatches(batches, self.fresh, reads_draw(self.dataset))
+        if self.num_workers == 0 and self.fetch_state is not None:  # noted once the generators are seeded for it
             batches = NotedBatches(batches, self.fetch_state)
-        return batches if self.fresh is None else FreshBatches(batches, self.fresh, reads_draw(self.dataset))
+        return batches
 
     def __iter__(self) -> Any:
         if self.num_workers > 0 and self.fetch_state is not None:

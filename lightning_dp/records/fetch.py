@@ -26,7 +26,7 @@ import os
 import random
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,17 +49,19 @@ class watched:
     process that built the loader, and not inside the loader's own fetch (a collate reading its empty batch's
     template)."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state", "indices", "read")  # read(indices, seeds): the read again, seeded as for ``seeds``
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, indices: Optional[Sequence[int]] = None,
+                 read: Optional[Callable[[Any], Any]] = None) -> None:
         state = WATCHED.get(id(dataset)) if WATCHED else None
         ok = state is not None and state.dataset is dataset and state.home == os.getpid() and not state.depth
         self.state = state if ok else None
+        self.indices, self.read = indices, read  # a write is judged by reading them again (records/fetch_reruns.py)
 
     def __enter__(self) -> None:
         if self.state is not None:
             self.state.depth += 1
-            self.state.note()
+            self.state.note(None if self.indices is None else list(self.indices), self.read)
 
     def __exit__(self, kind: Any, *_: Any) -> bool:
         if self.state is not None:
@@ -72,11 +74,14 @@ class watched:
 def fetch(dataset: Any, indices: Sequence[int]) -> Any:
     """The fetcher's ``items`` for ``indices`` (before the collate): ``dataset.__getitems__(indices)`` when
     defined, else ``[dataset[i] for i in indices]``. Watched (:class:`watched`)."""
-    with watched(dataset):
+    def read(indices: Sequence[int], seeds: Any = None) -> Any:  # the generators are the caller's: seeds unused
         many = getattr(dataset, "__getitems__", None)
         if many:
             return many(list(indices))
         return [dataset[i] for i in indices]
+
+    with watched(dataset, indices, read):
+        return read(indices)
 
 
 def reads_per_index(dataset: Any) -> bool:
@@ -120,12 +125,15 @@ def read_examples(dataset: Any, collate: Callable[[Any], Any], indices: Sequence
     example i read with the generators seeded by i (states restored after), unless the dataset reads a batch in one
     call (:func:`reads_per_index`). See :meth:`~lightning_dp.privacy.private_step.PrivateStep.examples`. Watched
     with the collate (:class:`watched`)."""
-    with watched(dataset):
+    def read(indices: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Any:  # seeds: each read's, if not i
         if not (fixed and reads_per_index(dataset)):
             return collate(fetch(dataset, indices))
         items = []
         with seeded(0):  # the generators' states saved once, restored after the last example
-            for i in indices:
-                reseed(int(i))
+            for i, seed in zip(indices, indices if seeds is None else seeds):
+                reseed(int(seed))
                 items.append(dataset[i])
         return collate(items)
+
+    with watched(dataset, indices, read):
+        return read(indices)

@@ -118,6 +118,7 @@ class FreshIndices(list):
         self.seed = seed
 
     def __iter__(self) -> Iterator[Any]:
+        LATEST[0] = self
         seed = self.seed
         for position, index in enumerate(list.__iter__(self)):
             reseed_globals(derived_seed(seed, position))
@@ -126,6 +127,11 @@ class FreshIndices(list):
 
     def __reduce__(self) -> Any:
         return (FreshIndices, (list(list.__iter__(self)), self.seed))
+
+
+LATEST: list[Optional[FreshIndices]] = [None]
+"""The batch of indices this process's fetcher iterated last (a fetch's write is judged by reading them again with
+the same seeds: :mod:`~lightning_dp.records.fetch_reruns`; cleared when a fetch state is noted)."""
 
 
 def step_callback(fresh: FreshRandomness, index: Callable[[], int]) -> Any:

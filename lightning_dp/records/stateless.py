@@ -35,9 +35,17 @@ Allowed writes (module docstring of the rule in docs/release_boundary.md, rule 8
   file, an LMDB environment, a ``zipfile.ZipFile``, a database connection) whose own attributes, walked three levels,
   hold no tensor, array, float, complex number, bytes or object of the user's classes (integers and strings — offsets,
   names, modes — are allowed inside it, not at the top: an attribute set to a number is refused);
-* what the user's ``worker_init_fn`` writes (the worker's digest is noted after it runs).
+* what the user's ``worker_init_fn`` writes (the worker's digest is noted after it runs);
+* **state every fetch writes alike whatever the records** (a count of calls, a cache keyed by a size all records
+  share, the parameters of the last random draw): any other write is judged by fetching again from the state as it
+  was before the fetch (:class:`~lightning_dp.records.fetch_reruns.Kept`, noted with the digest), on the same
+  records, on them exchanged in memory (``exchange``, handed in by the strategy) and on other records, the values
+  written compared (:mod:`~lightning_dp.records.fetch_reruns`); a write the three make alike is allowed, and the
+  kept-state fingerprint leaves the values it wrote to this module
+  (:func:`~lightning_dp.records.fetch_reruns.fetch_written`).
 
-Cost: one walk of the digest per batch (a few dozen entries for an ordinary dataset); no tensor is hashed.
+Cost: one walk of the digest per batch (a few dozen entries for an ordinary dataset) and a shallow copy of the
+objects it reaches; no tensor is hashed; three more fetches of a batch whose fetch wrote state.
 """
 
 from __future__ import annotations
@@ -57,7 +65,11 @@ from torch.utils.data import get_worker_info
 
 from lightning_dp.records.values import same_array_values, same_tensor_values
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records import fresh_randomness
 from lightning_dp.records.fetch import WATCHED, seeded
+from lightning_dp.records.fetch_reruns import (Exchange, Kept, Unjudged, frozen, generator_states, judge,
+                                               note_written, other_indices, reached, restore_generators)
+from lightning_dp.records.fresh_randomness import FreshIndices
 from lightning_dp.records.identity import Same
 
 MAX_DEPTH = 4
@@ -202,9 +214,16 @@ def _handle(value: Any) -> bool:
 class FetchState:
     """The digest of one process's fetch path (module docstring), noted, then compared after each batch."""
 
-    def __init__(self, dataset: Any, collate_fn: Any) -> None:
+    def __init__(self, dataset: Any, collate_fn: Any, exchange: Optional[Exchange] = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn if _stateful(collate_fn) else None
+        library = (getattr(collate_fn, "__module__", None) or "").startswith("torch.")  # default_collate: stateless
+        self.reads_collate = None if library else collate_fn  # the user's collate, run by the reruns judging a write
+        self.exchange = exchange  # the dataset's records exchanged in memory (fetch_reruns), when the strategy has it
+        self._kept: Optional[Kept] = None  # the state before this fetch, to run it again from (fetch_reruns)
+        self._generators: Any = None  # the global generators' states before it
+        self._indices: Optional[list] = None  # the records it reads, when known
+        self._read: Optional[Callable[..., Any]] = None  # a library read's read(indices, seeds) (None: the fetcher)
         self._pid: Optional[int] = None
         self._entries: Digest = {}
         self._objects: dict[str, Any] = {}
@@ -224,41 +243,107 @@ class FetchState:
         worker = get_worker_info() is not None
         return digest(roots, versions=worker, globals_of=tuple(roots.values()) if worker else ())
 
-    def note(self) -> None:
-        """The state now is this process's baseline."""
+    def note(self, indices: Optional[list] = None, read: Optional[Callable[..., Any]] = None) -> None:
+        """The state now is this process's baseline, before a fetch of ``indices`` (when known) by ``read`` (a
+        library read, ``read(indices, seeds)``: ``indices`` read with the generators seeded as for ``seeds``; else
+        the loader's fetcher)."""
         self._pid = os.getpid()
         self._entries, self._objects = self._take()
+        self._kept = Kept(self._objects)
+        self._generators = generator_states()
+        self._indices, self._read = indices, read
+        fresh_randomness.LATEST[0] = None  # the loader's next batch of indices, once iterated
 
     def noted(self) -> "FetchState":
         """:meth:`note`, returning ``self``."""
         self.note()
         return self
 
-    def check(self) -> None:
-        """After a batch: refuse a write to the fetch path's state other than those allowed; note the state now."""
+    def check(self, count: Optional[int] = None) -> None:
+        """After a batch (of ``count`` records, when known): refuse a write to the fetch path's state other than those
+        allowed; note the state now."""
         if self._pid != os.getpid():  # a process whose baseline was not noted (a worker started without our init)
             self.note()
             return
         entries, objects = self._take()
         changed = sorted({k for k in entries.keys() | self._entries.keys()
                           if entries.get(k, _ABSENT) != self._entries.get(k, _ABSENT)})
-        refused = self._refused(changed, entries, objects)
-        self._entries, self._objects = entries, objects
+        written = self._refused(changed, entries, objects)
+        if written:
+            differ = self._judged(written, entries, objects, count)
+            for path in set(written) - set(differ):
+                _note_written(path, objects, batch=self._read is None)
+            written = differ
+        refused = list(dict.fromkeys(_label(p) for p in written))
+        self._entries, self._objects, self._kept = entries, objects, None  # the reruns put back what they changed
+        if get_worker_info() is not None:  # a worker's next fetch starts from here
+            self._kept, self._generators, self._indices, self._read = Kept(objects), generator_states(), None, None
+        fresh_randomness.LATEST[0] = None
         self._compared += 1
         if not refused and self._compared & (self._compared - 1) == 0:
             refused = self._verify_caches()
         if refused:
             raise PrivacyConfigurationError(
                 f"Reading records writes state that shapes later records: {', '.join(refused[:6])} changed while "
-                "the training loader fetched and collated a batch (or the library read records). A fetch must be "
-                "stateless: a normaliser or statistic collected from the records read so far (a running mean, a "
-                "mean and deviation estimated on the first records or batches, per worker or not) makes every "
-                "later record depend on the Poisson-drawn records that set it, un-noised — one record's influence "
-                "is no longer bounded by max_grad_norm. Nothing was released with this batch. Fix: compute "
-                "normalisers from public data or constants before training (or in a worker_init_fn from public "
-                "data), and keep __getitem__ and the collate_fn per-record transforms. Allowed: a cache keyed by "
-                "the record's index holding that record's own value, and a handle opened on first use (a file, an "
-                "LMDB or HDF5 handle) that holds no data.")
+                "the training loader fetched and collated a batch (or the library read records), and fetching the "
+                "same records again from the state as it was, them exchanged for other values, or other records did "
+                "not write it alike (or could not be run again). A fetch must be stateless: state that is a function "
+                "of the records read (a running mean, a statistic of the first records or batches, per worker or "
+                "not, a copy of the last record, a count of the records of a label) makes every later record depend "
+                "on the Poisson-drawn records that set it, un-noised — one record's influence is no longer bounded "
+                "by max_grad_norm. Nothing was released with this batch. Fix: compute such state from public data "
+                "or constants before training (or in a worker_init_fn) and keep __getitem__ and the collate_fn "
+                "per-record transforms. Allowed: state every fetch writes alike whatever the records (a count of "
+                "calls, a cache keyed by a size all records share, the parameters of the last random draw), a cache "
+                "keyed by the record's index holding that record's own value, and a handle opened on first use (a "
+                "file, an LMDB or HDF5 handle) that holds no data.")
+
+    def _judged(self, paths: list[str], entries: Digest, objects: dict[str, Any], count: Optional[int]) -> list[str]:
+        """The ``paths`` the fetch wrote that fetching again from the state before it, on the same records, on them
+        exchanged and on other records, writes otherwise (:mod:`~lightning_dp.records.fetch_reruns`); all of them when
+        that cannot be judged. The fetch's records known, the plain rerun must write what the fetch wrote. The state
+        the fetch left and the generators are put back."""
+        pre, self._kept = self._kept, None
+        try:
+            n = len(self.dataset)
+            real: Optional[list[Any]] = [frozen(_at(p, entries, objects)) for p in paths]
+        except (TypeError, Unjudged):
+            return paths
+        post = reached([self.dataset, self.collate_fn])
+        if pre is None or post is None or n < 1:
+            return paths
+        same = self._indices if self._indices is not None else fresh_randomness.LATEST[0]
+        if same is None:  # the batch's indices unknown (a worker's, without per-record seeds): as many others
+            same, real = [(self._compared * 7919 + k * 104729) % n for k in range(count or 2 * SAMPLED)], None
+        listed = list(list.__iter__(same)) if isinstance(same, FreshIndices) else [int(i) for i in same]
+        other = other_indices(listed, n)
+        if self._read is not None:  # a library read: the other records read with the same records' seeds
+            read, again = self._read, self._read
+            plain, elsewhere = (lambda: read(listed)), (lambda: again(other, listed))
+        else:  # the loader's fetch: per-record seeds by position (FreshIndices), alike for other records
+            others = FreshIndices(other, same.seed) if isinstance(same, FreshIndices) else other
+            plain, elsewhere = (lambda: self._fetch_again(same)), (lambda: self._fetch_again(others))
+        generators = self._generators
+        self.depth += 1
+        try:
+            with seeded(0):  # the generators put back after
+                return judge(paths, pre, plain, elsewhere, self._values, self.exchange, self.dataset,
+                             lambda: restore_generators(generators), real)
+        finally:
+            post.restore()
+            self.depth -= 1
+
+    def _fetch_again(self, indices: Any) -> None:
+        """Read ``indices`` as the loader's fetcher does and collate them with the user's collate function."""
+        many = getattr(self.dataset, "__getitems__", None)
+        items = many(indices) if many else [self.dataset[i] for i in indices]
+        if self.reads_collate is not None:
+            self.reads_collate(items)
+
+    def _values(self, paths: list[str]) -> list[Any]:
+        """The values at ``paths`` now, frozen (:func:`~lightning_dp.records.fetch_reruns.frozen`)."""
+        entries, objects = self._take()
+        return [frozen(_at(p, entries, objects)) for p in paths]
 
     def _refused(self, changed: list[str], entries: Digest, objects: dict[str, Any]) -> list[str]:
         allowed: list[str] = []  # paths below which every change is allowed
@@ -279,8 +364,8 @@ class FetchState:
             if value is not _ABSENT and self._loaded_on_first_use(path, value, objects):
                 allowed.append(path)
                 continue
-            refused.append(_label(path))
-        return list(dict.fromkeys(refused))
+            refused.append(path)
+        return refused
 
     def _loaded_on_first_use(self, path: str, value: Any, objects: dict[str, Any]) -> bool:
         """An attribute that was ``None`` (or absent) and now holds an array, a tensor or a plain value (``self._x =
@@ -393,6 +478,29 @@ _LOADED = (np.ndarray, Tensor, bool, int, float, str)
 """What an attribute set on the first read may hold and be verified as loaded (an array, a worker's id, a path)."""
 
 
+def _at(path: str, entries: Digest, objects: dict[str, Any]) -> Any:
+    """The value at ``path`` in a digest: the container or object there, the tensor or array a token holds, a plain
+    value, or the absent mark."""
+    if path in objects:
+        return objects[path]
+    token = entries.get(path, _ABSENT)
+    if isinstance(token, tuple) and len(token) > 1 and isinstance(token[1], Same):
+        return token[1].obj
+    return token
+
+
+def _note_written(path: str, objects: dict[str, Any], batch: bool) -> None:
+    """The attribute ``path`` is in (``owner.name``, ``owner.name[key]``…) noted as written by the fetch alike on any
+    records (:func:`~lightning_dp.records.fetch_reruns.note_written`)."""
+    for owner in reversed(_ancestors(path)):
+        if path[len(owner):len(owner) + 1] == "." and owner in objects:
+            name = path[len(owner) + 1:].split("[", 1)[0].split(".", 1)[0]
+            fields = getattr(objects[owner], "__dict__", None)
+            if isinstance(fields, dict) and name in fields:
+                note_written(objects[owner], name, fields[name], batch)
+            return
+
+
 def _ancestors(path: str) -> list[str]:
     return [path[:i] for i, c in enumerate(path) if c in ".["]
 
@@ -450,7 +558,7 @@ class WatchedCollate:
             batch = self.inner(examples)
         finally:
             state.depth -= 1
-        state.check()
+        state.check(len(examples) if isinstance(examples, (list, tuple)) else None)
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -474,7 +582,7 @@ class NotedBatches:
     def __iter__(self) -> Any:
         note = self.state.note
         for indices in self.batches:
-            note()
+            note(indices if isinstance(indices, list) else None)
             yield indices
 
 

@@ -265,6 +265,23 @@ def exchanged_copy(batch: Any, floating_only: bool = False) -> Any:
     return batch
 
 
+MAX_REREAD_EXCHANGE = 64 << 20
+"""Bytes of records :func:`records_exchanged` flips at most (twice per judged fetch)."""
+
+
+def records_exchanged(dataset: Any) -> Optional[AbstractContextManager]:
+    """``dataset``'s records in memory (:func:`training_copies`, without holders) exchanged for the length of a
+    ``with``: a fetch that wrote state is read again on them (:mod:`~lightning_dp.records.fetch_reruns`). ``None``
+    (no exchanged rerun) in a DataLoader worker (its pages are the parent's until written: flipping them would copy
+    the dataset into every worker) or beyond :data:`MAX_REREAD_EXCHANGE` bytes."""
+    if torch.utils.data.get_worker_info() is not None:
+        return None
+    copies = training_copies(dataset, ())
+    size = sum(v.numel() * v.element_size() if isinstance(v, Tensor) else v.nbytes if isinstance(v, np.ndarray)
+               else 8 * len(v) if isinstance(v, list) else 0 for _, v in copies)
+    return ExchangedRecords(copies).exchanged() if size <= MAX_REREAD_EXCHANGE else None
+
+
 def _floating(value: Any) -> bool:
     """A tensor or NumPy array of floating-point numbers, a list starting with floats, or rows of them."""
     if isinstance(value, RowItems):

@@ -99,7 +99,7 @@ def test_the_log_odds_and_weights_from_public_values_are_told_apart():
     dataset = TensorDataset(X, Y)
     binary = PriorBias(Y, odds=True)
     assert data_statistics_held([("model", binary)], dataset) == [
-        "parameter net.2.bias equals the log-odds of class 1 of the training tensors[1]"]
+        "parameter net.2.bias equals the log-odds of class 1 of the training labels (tensors[1])"]
     uniform = PriorBias(torch.tensor([0, 1]))  # a public prior: log(1/2) for both classes
     assert data_statistics_held([("model", uniform)], dataset) == []
     other = PcaInit(torch.randn(64, 4, generator=torch.Generator().manual_seed(7)))  # PCA of other (public) data
@@ -197,7 +197,7 @@ def test_public_constants_a_declared_name_and_numpy_statistics_are_told_apart():
     holder = nn.Module()
     holder.counts = np.bincount(Y.numpy())  # an attribute, as NumPy
     assert data_statistics_held([("model", holder)], dataset) == ["attribute counts equals the class counts of the "
-                                                                   "training tensors[1]"]
+                                                                   "training labels (tensors[1])"]
 
 
 def test_ordinary_fits_pass():
@@ -345,8 +345,9 @@ def test_a_binary_tasks_weight_from_its_label_counts_is_found_as_one_number():
     holder.alpha = 219 / 256
     found = data_statistics_held([("model", nn.ModuleDict({"loss": loss})), ("focal", holder)],
                                  TensorDataset(features, labels))
-    assert found == ["buffer loss.pos_weight equals the ratio of the class counts (0 to 1) of the training tensors[1]",
-                     "attribute alpha equals the fraction of class 0 of the training tensors[1]"]
+    assert found == ["buffer loss.pos_weight equals the ratio of the class counts (0 to 1) of the training labels "
+                     "(tensors[1])",
+                     "attribute alpha equals the fraction of class 0 of the training labels (tensors[1])"]
     holder.alpha, chosen = 0.25, nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0]))
     balanced = torch.cat([torch.zeros(192), torch.ones(64)]).long()  # its fraction of class 1 is 0.25, its ratio 3
     assert data_statistics_held([("model", nn.ModuleDict({"loss": chosen})), ("focal", holder)],

@@ -526,3 +526,16 @@ def test_holding_deeper_copies_without_reading_them_trains() -> None:
     quiet_trainer(strategy=dp, max_steps=4, callbacks=[TableBank()]).fit(HoldsCopiesReadsBatch(),
                                                                           DataLoader(DATASET, batch_size=16))
     assert dp.ledger.steps == 4
+
+
+def test_the_records_a_fetch_is_read_again_on_are_exchanged_and_put_back(monkeypatch) -> None:
+    """records_exchanged: the dataset's tensors flipped inside, restored after; none beyond the size bound."""
+    from lightning_dp.validators import outside_records
+
+    ds = data(16)
+    x, y = (t.clone() for t in ds.tensors)
+    with outside_records.records_exchanged(ds):
+        assert not torch.equal(ds.tensors[0], x) and not torch.equal(ds.tensors[1], y)
+    assert torch.equal(ds.tensors[0], x) and torch.equal(ds.tensors[1], y)
+    monkeypatch.setattr(outside_records, "MAX_REREAD_EXCHANGE", 8)
+    assert outside_records.records_exchanged(ds) is None
