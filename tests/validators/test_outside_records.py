@@ -130,7 +130,8 @@ def test_copies_are_found_where_users_keep_them_and_nothing_else() -> None:
     model = nn.Linear(4, 2)
     model.register_buffer("anchors", x[:16].clone())  # rows of the data, released with the model
     model.register_buffer("queue", torch.zeros(16, 4))  # an empty queue: constant rows say nothing
-    model.unrelated = torch.randn(32, 4)  # same row shape, other values
+    # same row shape, other values (a generator of its own: the global one may be seeded as data() seeds its rows)
+    model.unrelated = torch.randn(32, 4, generator=torch.Generator().manual_seed(1234))
     model.alias = x  # the dataset's own memory: exchanged with it, not listed twice
     dm = Holder()
     dm.x_train = x.double().numpy().copy()  # a float64 NumPy original of the float32 tensor
