@@ -55,6 +55,16 @@ def centred_sums(features: Tensor, lower: Tensor, upper: Tensor) -> tuple[Tensor
     return u.sum(0), (u.square() - 0.5).sum(0)
 
 
+def charge_releases(ledger: PrivacyLedger, run: Optional[str], sigma: float, releases: int) -> None:
+    """Charge ``releases`` Gaussian mechanisms of multiplier σ to ``ledger``: RDP α/(2σ²) each, full-batch entries
+    (q = 1) named by ``run`` (the same releases charged to two ledgers are one history when combined)."""
+    kept, ledger.run = ledger.run, run
+    try:
+        ledger.record(sigma, 1.0, steps=releases)
+    finally:
+        ledger.run = kept
+
+
 class PrivateStandardizer:
     """Per-feature mean and standard deviation of private features by the Gaussian mechanism (module docstring).
 
@@ -156,13 +166,7 @@ class PrivateStandardizer:
         self._record(_ledger_of(other))
 
     def _record(self, ledger: PrivacyLedger) -> None:
-        """Each release a Gaussian mechanism of multiplier σ: RDP α/(2σ²), one full-batch entry (q = 1) of the ledger,
-        named by this fit's :attr:`run` (the same releases charged to two ledgers are one history when combined)."""
-        kept, ledger.run = ledger.run, self.run
-        try:
-            ledger.record(self.noise_multiplier, 1.0, steps=self.releases)
-        finally:
-            ledger.run = kept
+        charge_releases(ledger, self.run, self.noise_multiplier, self.releases)
 
     def transform(self, features: Any) -> Tensor:
         """``(clip(x, lo, hi) − mean) / std`` per feature (a float tensor; float32 unless ``features`` are a float
@@ -183,9 +187,15 @@ class PrivateStandardizer:
         return self.fit(features, charge).transform(features)
 
     def _noise(self, count: int) -> Tensor:
-        if self.generator is not None:
-            return torch.randn(count, generator=self.generator, dtype=torch.float64)
-        return secure_gaussian(count)
+        return gaussian_noise(count, self.generator)
+
+
+def gaussian_noise(count: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """``count`` standard normal draws (float64): from ``generator`` (reproducible tests), else the OS's CSPRNG
+    (:func:`~lightning_dp.secure_random.secure_gaussian`)."""
+    if generator is not None:
+        return torch.randn(count, generator=generator, dtype=torch.float64)
+    return secure_gaussian(count)
 
 
 def _sigma(value: Any) -> float:

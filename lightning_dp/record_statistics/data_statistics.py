@@ -33,7 +33,9 @@ ledger counts, the trained model is then not differentially private.
   (:mod:`.derived_columns`);
 * feature tensors every column of which has mean 0 and standard deviation 1 (either convention), median 0 and
   interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
-  scaled by their own statistics.
+  scaled by their own statistics; or holding statistics written into the records: missing cells filled with their
+  column's mean or median (:mod:`.imputed_cells`), a projection on the training set's principal directions
+  (:mod:`.decorrelated_columns`), values replaced by a function of their ranks (:mod:`.rank_columns`).
 
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
 standard deviation) are not refused (:mod:`.released_statistics`); features scaled by them pass by their noise.
@@ -45,7 +47,7 @@ public are skipped (:func:`~lightning_dp.fingerprints.public_names.is_public`). 
 transformed after it was computed (rounded, scaled — a robust standard deviation IQR / 1.349 —, combined with public
 constants), statistics of a subset of the data, quantiles of integer-valued columns alone other than their extremes,
 a whitening matrix whose eps over the smallest eigenvalue exceeds its tolerance, and data scaled by its own
-statistics in another way (to another range, by a rank transform).
+statistics in another way (to another range; a rank transform :mod:`.rank_columns` does not see).
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_statistics.decorrelated_columns import decorrelated, decorrelated_fix
 from lightning_dp.record_statistics.derived_columns import derived_columns, derived_columns_fix
+from lightning_dp.record_statistics.imputed_cells import MAX_CELLS as FITTED_CELLS, MAX_COLUMNS as IMPUTED_COLUMNS, \
+    imputation_fix, imputed_columns
+from lightning_dp.record_statistics.rank_columns import MAX_COLUMNS as RANK_COLUMNS, rank_fix, rank_transformed
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.record_statistics.conditional_statistics import class_conditional, conditional_rows
@@ -75,6 +81,9 @@ MAX_ELEMENTS = 1 << 27
 _RTOL, _ATOL = 1e-4, 1e-6
 _EXACT = ("median", "minimum", "maximum")  # values of the data: matched to 4 float32 ulps, not to a sampling error
 _ONE_NUMBER = (*_EXACT, "ratio of the class counts", "fraction of class")  # single numbers: never a round one
+_IMPUTED = "filled where values were missing with a statistic of its own column's other values"
+_PROJECTED = "projected on its own principal directions (columns centred and uncorrelated: PCA or whitening)"
+_RANKED = "transformed by the ranks of its values among the training records"
 _DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
 
 
@@ -125,7 +134,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     shaped = _ByWidth(tensors)
     found = [f"the training {names[path]} is {how}"
-             for path, t in tensors for how in [_scaled_by_itself(t, shaped.order)]
+             for path, t in tensors for how in [_scaled_by_itself(t, shaped.order) or _fitted(t, shaped.order)]
              if how]
     if not stats:
         return found
@@ -268,6 +277,8 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
                "prototypes, centres or memories from public data or at random). ") \
         if any(" holds records " in f for f in found) else ""
     derived = derived_columns_fix() + " " if any(f.endswith(_DERIVED) for f in found) else ""
+    derived += "".join(fix() + " " for kind, fix in ((_IMPUTED, imputation_fix), (_PROJECTED, decorrelated_fix),
+                                                     (_RANKED, rank_fix)) if any(kind in f for f in found))
     derived += "Set lengths to a public value (a round cap, the model's context size). " \
         if any("records' length" in f or "record's length" in f for f in found) else ""
     return PrivacyConfigurationError(
@@ -371,6 +382,21 @@ def _scaled_by_itself(t: Tensor, order: Any = OrderStatistics) -> str:
         if bool(((constant - bottom).abs() <= tol).all()) and _spans(flat[:, varying], bottom, tol):
             return f"scaled to [{bottom:g}, 1] by its own minimum and maximum (or quantiles)"
     return ""
+
+
+def _fitted(t: Tensor, order: Any) -> str:
+    """How ``t``'s columns hold a statistic of the training set written into the records (an imputed mean or median:
+    :mod:`.imputed_cells`; a PCA projection: :mod:`.decorrelated_columns`; ranks: :mod:`.rank_columns`), or ""."""
+    if not t.dtype.is_floating_point or t.dim() != 2 or t.shape[0] < 20 or not bool(torch.isfinite(t).all()):
+        return ""
+    sort = (lambda: order(t).sorted) if t.numel() <= FITTED_CELLS else (lambda: None)  # one sort, shared
+    imputed = imputed_columns(t, sort()) if t.shape[1] <= IMPUTED_COLUMNS and t.numel() <= FITTED_CELLS else []
+    if imputed:
+        return f"{_IMPUTED} (the {' or '.join(sorted({how for _, how in imputed}))})"
+    if decorrelated(t):
+        return _PROJECTED
+    ranked = rank_transformed(t, sort()) if t.shape[1] <= RANK_COLUMNS and t.numel() <= FITTED_CELLS else ""
+    return f"{_RANKED}: {ranked}" if ranked else ""
 
 
 def _scaled_columns(flat: Tensor, tol: float, quartiles: Any) -> str:
