@@ -88,6 +88,19 @@ class FreshRandomness:
         reseed_globals(seed)
         user_generators.reseed(seed)
 
+    def started(self, index: int) -> Optional[Callable[[], None]]:
+        """What puts the generators back as step ``index`` began (the checks' passes start from it and replay the
+        batch-start hooks: they draw what the step draws); ``None`` unless ``index`` is the step begun last."""
+        if self.base is None or index != self._last_step:
+            return None
+        seed = derived_seed(self.base, "step", index)
+
+        def restart() -> None:
+            reseed_globals(seed)
+            user_generators.reseed(seed)
+
+        return restart
+
     def batch(self, indices: Any, per_record: bool = True) -> Any:
         """The batch of indices a fetcher is handed, wrapped to reseed around each record's read
         (:class:`FreshIndices`); the generators are seeded once for the batch right away. ``per_record=False``: the

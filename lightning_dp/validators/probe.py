@@ -243,7 +243,7 @@ class ExampleIndependenceProbe:
 
     # ------------------------------------------------------------------ passes
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
-        seed_all(seed)
+        self._seed(seed)
         self._put_frozen_back()
         try:
             with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
@@ -259,6 +259,10 @@ class ExampleIndependenceProbe:
             raise
         except Exception as err:  # noqa: BLE001  (any failure of the user's step on a small batch)
             raise probe_failure_error(err, len(indices)) from err
+
+    def _seed(self, seed: int) -> None:
+        """Start a pass's draws (:func:`seed_all`; the batch check starts some from the real step's own states)."""
+        seed_all(seed)
 
     def _rule(self, bound: float, count: int) -> ClipRule:
         """The run's policy at ``bound``, on ``count`` examples (in units of two when training groups them)."""

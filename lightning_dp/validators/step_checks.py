@@ -24,7 +24,8 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
-from lightning_dp.validators.batch_check import BatchInteractionCheck, batch_tolerance
+from lightning_dp.validators.batch_check import FIRST_DRAWS, LATER_DRAWS, BatchInteractionCheck, batch_tolerance
+from lightning_dp.records.constructed_batches import label_batch, largest_batch
 from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
@@ -254,9 +255,13 @@ class StepChecks:
         ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time
         counts against the schedule's budget (not for the first step's checks); ``physical``: the most examples
         ``training_step`` sees at once (``max_physical_batch_size``; ``None``: the whole batch), the size the check
-        also passes the compared examples at."""
+        also passes the compared examples at. A step that draws random numbers is compared from the real step's
+        generators and from :data:`~.batch_check.FIRST_DRAWS` other seeds at the first step's checks (the first call
+        and those not charged), :data:`~.batch_check.LATER_DRAWS` later; the first call also checks the batches
+        :meth:`_constructed` builds (every label, the largest plausible batch, two records)."""
         assert self._module is not None and self._engine is not None
         start = time.perf_counter()
+        first = charge and self.schedule.checks == 0
         named = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         reference = params[0] if params else torch.zeros(())
@@ -268,9 +273,10 @@ class StepChecks:
 
         read: dict[tuple[int, ...], Any] = {}
         copies = [True]
+        current: list[BatchInteractionCheck] = []  # the check running: its round keys the reads (a collate's coin)
 
         def loss_of(idx: list[int]) -> Tensor:
-            key = tuple(idx)
+            key = (current[0].round if current else 0, *idx)
             if key not in read:
                 read[key] = self.examples(idx, fixed=True)
             try:
@@ -283,10 +289,17 @@ class StepChecks:
                                  self.boundary.global_modules())
         try:
             with forked_rngs():
-                BatchInteractionCheck(self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                                      rng=self.schedule.rng, max_examples=max_examples,
-                                      outside=self._training_copies(lambda: copies[0])).check(
-                    indices, step, self._random_step, as_of, real_size=min(len(indices), physical or len(indices)))
+                outside = self._training_copies(lambda: copies[0])
+                fresh = getattr(self, "fresh", None)  # the generators as the step began (records/fresh_randomness)
+                started = None if fresh is None else fresh.started(getattr(self, "steps_taken", -1))
+                batches = [(list(indices), False, as_of, FIRST_DRAWS if first or not charge else LATER_DRAWS),
+                           *((*built, 0) for built in (self._constructed(max_examples) if first else ()))]
+                for built, ordered, said, draws in batches:
+                    current[:] = [BatchInteractionCheck(
+                        self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
+                        rng=self.schedule.rng, max_examples=max_examples, outside=outside, draws=draws)]
+                    current[0].check(built, step, self._random_step, said, min(len(built), physical or len(built)),
+                                     ordered, built=said is not as_of, start=started)
         except StepFailedError as err:  # the user's step raised on some of its own examples: after the first
             # step's checks (``charge``) that is the step's own failure (a NaN guard, a stop at a step of its
             # choosing), raised as the step would raise it; on the first step, a step that fails on a smaller batch
@@ -302,6 +315,29 @@ class StepChecks:
             raise error
         if refused:
             raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
+
+    def _constructed(self, max_examples: int) -> list[tuple[list[int], bool, str]]:
+        """The first check's batches built from the population (:mod:`~lightning_dp.records.constructed_batches`):
+        (dataset indices, halves as ordered, what the refusal says); none under user-level sampling (a unit is
+        several records) or before :meth:`poisson_loader`."""
+        if self.users is not None or self.plan is None or self._batches is None or self._source is None:
+            return []
+        where = self.distribution
+        shard = range(where.rank, self.plan.num_samples, where.world_size)  # this process's population positions
+        if len(shard) < 2:
+            return []
+        population = shard if self._batches.population is None else self._batches.positions(shard)
+        rng = self.schedule.rng
+        built = "not the sampled batch: a batch built from the training records (never released) "
+        large = largest_batch(self.plan.expected_batch_size / where.world_size, len(shard))
+        try:
+            labels = label_batch(self._source[0], population, max_examples, rng)
+        except Exception:  # noqa: BLE001  (labels in a form not foreseen: the other batches are still built)
+            labels = None
+        return [*([(labels, True, built + "holding every label value, two of each")] if labels else []),
+                (list(rng.sample(population, large)), False, built + f"of {large} records, the largest batch the "
+                 "sampler plausibly draws"),
+                (list(rng.sample(population, 2)), False, built + "of 2 records")]
 
     @contextmanager
     def engine_aside(self) -> Iterator[None]:
