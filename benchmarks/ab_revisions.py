@@ -12,9 +12,12 @@ initial weights, :func:`cost_floor.build`) with its own :class:`~lightning_dp.pr
 Each round runs one step of each in a shuffled order. Printed: each tree's median ms per step and median ratio to
 the non-private step of the same round, and the median and quartiles of the per-round difference rev − working
 tree (positive: the working tree is faster); with ``--fingerprint``, the boundary's two kept-state fingerprints and
-their comparison alone instead of the step (the non-private step still beside them). With ``--phases``, the same
-for each phase of the step (begin, forward and loss; backward; release; optimizer step): a change's own phase varies
-far less from round to round than the whole step.
+their comparison alone instead of the step (the non-private step still beside them); with ``--clipping``, the ghost
+engine's clipping alone (norms, factors and clipped sums of one captured step, again each round). With ``--phases``,
+the same for each phase of the step (begin, forward and loss; backward; release; optimizer step): a change's own phase
+varies far less from round to round than the whole step. With ``--cpu``, every time is this thread's CPU time instead
+of the wall clock: on a machine other processes keep busy, the scheduler's pauses (milliseconds, at random) are left
+out of the paired differences.
 
 A revision against an unchanged tree (``--rev HEAD``, nothing uncommitted) measures the harness's own offset (measured
 2026-11-29: 0.01–0.04 ms on the digits CNN, 0.07 ms on the MLP); only a difference well above it is the change's.
@@ -49,6 +52,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import cost_floor as cf  # noqa: E402
 
 RENAMED = "lightning_dp_rev"
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
+"""The clock every time is read from: wall time, or with ``--cpu`` this thread's CPU time (``time.thread_time``), which
+leaves out the time the scheduler gives other processes on a shared machine (with 1 thread and the noise drawn at the
+release, the whole step runs on this thread; a noise drawn ahead, ``--prefetch``, would not be counted)."""
 PHASES = ("forward", "backward", "release", "optimizer")
 """The private step's phases timed apart (``--phases``): begin + forward + loss, backward, release, optimizer step."""
 
@@ -81,22 +88,30 @@ def private_step(package: str, model_name: str, batch: int, prefetch: bool) -> C
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
 
     def run() -> None:
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         bx, by = drawn()
         opt.zero_grad(set_to_none=True)
         step.begin()
         loss = cf.loss_of(model(bx), by, tokens)
-        t1 = time.perf_counter()
+        t1 = CLOCK[0]()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = CLOCK[0]()
         step.release(optimizer=opt)
-        t3 = time.perf_counter()
+        t3 = CLOCK[0]()
         opt.step()
-        t4 = time.perf_counter()
+        t4 = CLOCK[0]()
         for name, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
             phases[name].append((b - a) * 1e3)
 
+    def before_release() -> None:  # a step up to its release (the captures made, not yet clipped): --clipping
+        bx, by = drawn()
+        opt.zero_grad(set_to_none=True)
+        step.begin()
+        cf.loss_of(model(bx), by, tokens).backward()
+
     run.prepare = draw  # type: ignore[attr-defined]
+    run.before_release = before_release  # type: ignore[attr-defined]
+    run.step = step  # type: ignore[attr-defined]
     run.phases = phases  # type: ignore[attr-defined]
     run.boundary = step.boundary  # type: ignore[attr-defined]
     return run
@@ -115,6 +130,22 @@ def fingerprint_pair(run: Callable[[], None]) -> Callable[[], None]:
     return pair
 
 
+def clipping_alone(run: Callable[[], None]) -> Callable[[], None]:
+    """``--clipping``: the engine's clipping alone (``GhostEngine._clip_and_sum``: norms, factors, clipped sums), on
+    the captures of one step of ``run`` kept and clipped again each time (the clipping reads them, changes nothing)."""
+    step = run.step  # type: ignore[attr-defined]
+    run.prepare()  # type: ignore[attr-defined]
+    run.before_release()  # type: ignore[attr-defined]
+    engine, params = step._engine, step.params()
+    engine._capture.end_backward()
+
+    def clip() -> None:
+        with engine._capture.suspended():
+            engine._clip_and_sum(params, cf.CLIP, None, False)
+
+    return clip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD", help="the git revision compared with the working tree")
@@ -126,7 +157,13 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="also the paired differences of each phase of the step")
     ap.add_argument("--fingerprint", action="store_true", help="time the boundary's two fingerprints and their "
                     "comparison alone (after a few steps of each tree), not the step")
+    ap.add_argument("--clipping", action="store_true", help="time the engine's clipping alone (norms, factors, "
+                    "clipped sums) on one captured step of each tree, again each round, not the step")
+    ap.add_argument("--cpu", action="store_true", help="time this thread's CPU time, not the wall clock (a shared "
+                    "machine's other processes left out)")
     args = ap.parse_args()
+    if args.cpu:
+        CLOCK[0] = time.thread_time
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,6 +180,13 @@ def main() -> None:
                     steps[name]()
             steps = {"nonprivate": steps["nonprivate"], "rev": fingerprint_pair(steps["rev"]),
                      "tree": fingerprint_pair(steps["tree"])}
+        if args.clipping:
+            for _ in range(5):
+                for name in ("rev", "tree"):
+                    steps[name].prepare()  # type: ignore[attr-defined]
+                    steps[name]()
+            steps = {"nonprivate": steps["nonprivate"], "rev": clipping_alone(steps["rev"]),
+                     "tree": clipping_alone(steps["tree"])}
         ms: dict[str, list[float]] = {k: [] for k in steps}
         faults: dict[str, list[int]] = {k: [] for k in steps}
         order = random.Random(0)
@@ -151,9 +195,9 @@ def main() -> None:
             order.shuffle(names)
             for name in names:
                 getattr(steps[name], "prepare", lambda: None)()  # the next Poisson batch drawn, not timed
-                before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+                before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, CLOCK[0]()
                 steps[name]()
-                ms[name].append((time.perf_counter() - start) * 1e3)
+                ms[name].append((CLOCK[0]() - start) * 1e3)
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     skip = max(3, args.rounds // 20)  # warm-up
     ms = {k: v[skip:] for k, v in ms.items()}
@@ -165,7 +209,7 @@ def main() -> None:
     q1, _, q3 = statistics.quantiles(diff, n=4)
     print(f"non-private {statistics.median(ms['nonprivate']):.3f} ms; rev - tree: median "
           f"{statistics.median(diff):.3f} ms (quartiles {q1:.3f} .. {q3:.3f})")
-    if args.phases and not args.fingerprint:  # the same rounds' phases: a change's own phase varies far less
+    if args.phases and not (args.fingerprint or args.clipping):  # the same rounds' phases: a change's own varies less
         for phase in PHASES:
             a, b = steps["rev"].phases[phase][skip:], steps["tree"].phases[phase][skip:]  # type: ignore[attr-defined]
             d = [x - y for x, y in zip(a, b)]

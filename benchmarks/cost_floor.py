@@ -23,7 +23,9 @@ Models: ``digits`` (lightning_dp.models.DigitsCNN: 2 conv + GroupNorm, 8×8), ``
 (causal transformer, 2 layers, d = 128, T = 64, vocab 256; position ids made contiguous: Opacus' embedding norm
 needs it), ``gpt2`` (Hugging Face GPT-2, tiny config in-process: 2 layers, d = 128, T = 64, vocab 256, untied
 head: Opacus' ghost clipping refuses tied weights; explicit per-example position ids for the same reason).
-A mode that fails prints its error instead of a time.
+A mode that fails prints its error instead of a time. ``--cpu`` times the main thread's CPU time instead of the wall
+clock (on a machine other processes keep busy, the scheduler's pauses are left out; with 1 thread every mode but
+``ldp``, whose noise is drawn ahead on another thread, runs wholly on the main thread: read ``ldp_sync`` then).
 """
 
 from __future__ import annotations
@@ -205,8 +207,10 @@ BUILDERS: dict[str, Callable[..., Callable[[], None]]] = {
 }
 
 
-def measure(name: str, B: int, modes: list[str], rounds: int, warmup: int) -> dict[str, Any]:
-    """Interleaved rounds of every mode (this process); medians and paired ratios to ``nonprivate``."""
+def measure(name: str, B: int, modes: list[str], rounds: int, warmup: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Interleaved rounds of every mode (this process); medians and paired ratios to ``nonprivate``. ``clock``: wall
+    time, or this thread's CPU time (``--cpu``)."""
     steps: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
     for mode in modes:
@@ -226,10 +230,10 @@ def measure(name: str, B: int, modes: list[str], rounds: int, warmup: int) -> di
             prepare = getattr(steps[mode], "prepare", None)
             if prepare is not None:
                 prepare()
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[mode]()
             if i >= warmup:
-                times[mode].append((time.perf_counter() - t0) * 1e3)
+                times[mode].append((clock() - t0) * 1e3)
     base = times.get("nonprivate")
     out: dict[str, Any] = {"errors": errors, "ms": {m: statistics.median(v) for m, v in times.items()}}
     if base:
@@ -249,7 +253,8 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     name, B = args.child.split(":")
-    print(json.dumps(measure(name, int(B), args.modes.split(","), args.rounds, args.warmup)))
+    print(json.dumps(measure(name, int(B), args.modes.split(","), args.rounds, args.warmup,
+                             time.thread_time if args.cpu else time.perf_counter)))
 
 
 def main() -> None:
@@ -260,6 +265,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="time the main thread's CPU time, not the wall clock (1 thread; "
+                    "the ldp mode's noise drawn ahead on another thread is then not counted: read ldp_sync)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -274,7 +281,7 @@ def main() -> None:
         for B in args.batches.split(","):
             for name in args.models.split(","):
                 cmd = [sys.executable, __file__, "--child", f"{name}:{B}", "--threads", threads, "--modes", args.modes,
-                       "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+                       "--rounds", str(args.rounds), "--warmup", str(args.warmup), *(["--cpu"] if args.cpu else [])]
                 env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONWARNINGS": "ignore"}
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if res.returncode != 0:

@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.clipping.flat import flat_factors
-from lightning_dp.clipping.rule import ClipRule, as_rule, finite_only
+from lightning_dp.clipping.flat import EPSILON, FlatClipping, flat_factors
+from lightning_dp.clipping.rule import ClipRule, _Unbounded, as_rule, finite_only
 from lightning_dp.engine_api import (  # noqa: F401  (the interface, re-exported for the engines)
     ClippedBatch,
     GradSampleEngine,
@@ -46,6 +46,10 @@ def mean_over_views(grad_samples: Sequence[Tensor], views: int) -> list[Tensor]:
             raise ValueError(f"{gs.shape[0]} rows are not a multiple of {views} views per example")
         out.append(gs.view(gs.shape[0] // views, views, *gs.shape[1:]).mean(1))
     return out
+
+
+_FLAT = (FlatClipping, _Unbounded)
+"""The flat policies (min(1, C/‖g‖), C = ∞ included) whose factors :func:`clip_from_parts` takes in place."""
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
@@ -76,9 +80,19 @@ def clip_from_parts(sq_parts: Sequence[Tensor], max_grad_norm: Union[float, Clip
                          f"{'units of several examples' if rule.grouped else 'norms per parameter'} is "
                          "clip_and_sum_by_rule's")
     dtype, n = sq_parts[0].dtype, sq_parts[0].shape[-1]
-    sq = torch.cat([s.reshape(-1, n) for s in sq_parts]).sum(0, dtype=torch.float64).clamp_min(0)
-    norms = sq.sqrt()
-    factors = finite_only(rule.policy.factors(norms), norms).to(dtype)  # rule.example_factors(sq), norms taken once
+    if all(s.dim() == 1 for s in sq_parts):  # one [L, n] stack (no view of each part)
+        parts = torch.stack(list(sq_parts))
+    else:
+        parts = torch.cat([s if s.dim() == 2 else s[None] for s in sq_parts])
+    norms = parts.sum(0, dtype=torch.float64).clamp_min_(0).sqrt_()
+    if type(rule.policy) in _FLAT:
+        # flat_factors then finite_only, in float64, in place: (C / (‖g‖ + ε)).clamp(max=1) is reciprocal then · C in
+        # torch (Tensor.__rtruediv__), the same values; a norm of inf gets C · 0 = 0 (C = ∞: NaN), of NaN NaN: the
+        # NaNs then 0, as finite_only makes them (no factor is ±inf after the clamp)
+        factors = norms.add(EPSILON).reciprocal_().mul_(rule.policy.max_grad_norm).clamp_(max=1.0).nan_to_num_(0.0)
+    else:
+        factors = finite_only(rule.policy.factors(norms), norms)  # rule.example_factors(sq), norms taken once
+    factors = factors.to(dtype)
     if padding:
         factors[n - padding:] = 0.0
     return norms.to(dtype), factors

@@ -33,6 +33,7 @@ has example i's k frames as its positions side by side. Patch columns are unfold
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -89,17 +90,24 @@ class ConvGeometry:
 
 
 def geometry(m: nn.Module) -> ConvGeometry:
-    """The :class:`ConvGeometry` of a served convolution or transposed convolution ``m``."""
-    d = len(m.kernel_size)
-    if isinstance(m.padding, str):
-        totals = [dl * (k - 1) for k, dl in zip(m.kernel_size, m.dilation)] if m.padding == "same" else [0] * d
+    """The :class:`ConvGeometry` of a served convolution or transposed convolution ``m`` (one per distinct
+    configuration, :func:`_geometry_of`: read every step, built once)."""
+    return _geometry_of(tuple(m.kernel_size), tuple(m.stride), m.padding if isinstance(m.padding, str)
+                        else tuple(m.padding), tuple(m.dilation), m.groups, m.padding_mode, isinstance(m, TRANSPOSED))
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry_of(kernel: tuple[int, ...], stride: tuple[int, ...], padding, dilation: tuple[int, ...], groups: int,
+                 padding_mode: str, transposed: bool) -> ConvGeometry:
+    d = len(kernel)
+    if isinstance(padding, str):
+        totals = [dl * (k - 1) for k, dl in zip(kernel, dilation)] if padding == "same" else [0] * d
         sides = [(t // 2, t - t // 2) for t in totals]  # torch's split of 'same' (the larger half after)
     else:
-        sides = [(p, p) for p in m.padding]
+        sides = [(p, p) for p in padding]
     pads = tuple(v for left, right in reversed(sides) for v in (left, right))
-    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-    return ConvGeometry(tuple(m.kernel_size), tuple(m.stride), tuple(m.dilation), m.groups,
-                        isinstance(m, TRANSPOSED), pads, mode)
+    mode = "constant" if padding_mode == "zeros" else padding_mode
+    return ConvGeometry(kernel, stride, dilation, groups, transposed, pads, mode)
 
 
 def frames(t: Tensor, dims: int) -> Tensor:
@@ -175,7 +183,9 @@ class ConvPatches:
         self.n = self.calls[0][1].shape[0]
         self.out_g = like.shape[0] // self.geom.groups  # rows per group (O/g; C_in/g when transposed)
         self.in_g = like.shape[1:].numel()  # columns per group ((C/g)·K; (C_out/g)·K when transposed)
-        self.T = sum(positions_of(r, self.geom.dims).shape[2] for _, r in self.pairs)
+        dims = self.geom.dims  # positions per call (as positions_of lays them out), from the shapes alone
+        self.T = sum(math.prod(r.shape[2:]) if r.dim() == dims + 2 else r.shape[1] * math.prod(r.shape[3:])
+                     for _, r in self.pairs)
 
     def chunks(self) -> list[slice]:
         """Example chunks whose patch columns stay within the size of the columns' sources (:func:`example_chunks`)."""
@@ -204,7 +214,7 @@ class ConvPatches:
         """G_i = Σ_calls Σ_t δ_{i,t} a_{i,t}ᵀ, laid out as the weight: ``[n, *weight.shape]``; by one convolution
         backward per call with the examples as groups (:meth:`_examples_as_groups`: no patch columns), or for a
         depthwise layer by products over patch columns (:func:`by_patch_products`)."""
-        if by_patch_products(self.m):
+        if self.weight.shape[1] == 1 and self.geom.groups > 1:  # by_patch_products(self.m), its weight read once
             return self._patch_products()
         G = add_parts([self._examples_as_groups(x, d) for x, d in self.calls])
         return G.view(self.n, *self.weight.shape)
@@ -229,8 +239,8 @@ class ConvPatches:
         padding, out_pad, x = self._conv_arguments(x, d)
         w = self.weight
         shape = (n * w.shape[0], *w.shape[1:])  # the weight of the n·g-group convolution: only its shape is read
-        return torch.ops.aten.convolution_backward(
-            d, x, x.new_zeros(shape), None, list(geom.stride), padding, list(geom.dilation), geom.transposed,
+        return torch.ops.aten.convolution_backward(  # zeros without writing them: one 0 expanded to the shape
+            d, x, x.new_zeros(()).expand(shape), None, list(geom.stride), padding, list(geom.dilation), geom.transposed,
             out_pad, n * geom.groups, [False, True, False])[1]
 
     def _conv_arguments(self, x: Tensor, d: Tensor) -> tuple[list[int], list[int], Tensor]:
@@ -246,7 +256,9 @@ class ConvPatches:
 
     def bias_grads(self) -> Tensor:
         """Σ_t δ_{i,t} per example, ``[n, O]``."""
-        return add_parts([positions_of(d, self.geom.dims).sum(2) for _, d in self.calls])
+        dims = self.geom.dims  # positions_of(d, dims).sum(2), without its view: every dimension after the channels'
+        return add_parts([d.sum(tuple(range(2, d.dim())) if d.dim() == dims + 2 else (1, *range(3, d.dim())))
+                          for _, d in self.calls])
 
     def weight_sum(self, c: Tensor) -> Tensor:
         """Σ_i c_i G_i: the batch's weight gradient for output gradient c ⊙ δ, one (transposed) convolution backward
@@ -258,7 +270,7 @@ class ConvPatches:
         x, d = frames(x, geom.dims), frames(d, geom.dims)
         padding, out_pad, x = self._conv_arguments(x, d)
         return torch.ops.aten.convolution_backward(
-            d, x, x.new_zeros(self.weight.shape), None, list(geom.stride), padding, list(geom.dilation),
+            d, x, x.new_zeros(()).expand(self.weight.shape), None, list(geom.stride), padding, list(geom.dilation),
             geom.transposed, out_pad, geom.groups, [False, True, False])[1]
 
 
@@ -378,7 +390,13 @@ def _conv_transpose_forward(self: nn.Module, input: Tensor,  # noqa: A002  (the 
 
 
 def _base_class(m: nn.Module) -> Optional[type[nn.Module]]:
-    return next((c for c in CONVOLUTIONS + TRANSPOSED if isinstance(m, c)), None)
+    return _base_of(type(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _base_of(kind: type) -> Optional[type[nn.Module]]:
+    """The torch convolution class ``kind`` is or derives from (by class: asked of every layer, every step)."""
+    return next((c for c in CONVOLUTIONS + TRANSPOSED if issubclass(kind, c)), None)
 
 
 @register_rule
@@ -404,6 +422,17 @@ class ConvRule(LayerRule):
         """Ghost norm or materialised G, whichever is cheaper; book-keeping sums (:class:`ConvStats`)."""
         patches = ConvPatches(calls.module, calls.records)
         return ConvStats(patches, n, wanted.get("weight"), wanted.get("bias"), scale, with_squares)
+
+    def dense(self, calls: LayerCalls, wanted: dict[str, Tensor],
+              n: int) -> Optional[list[tuple[Tensor, Tensor, float]]]:
+        """G_i and the bias's Σ_t δ_{i,t} (× n) where :class:`ConvStats` would materialise G (the ghost norm not
+        cheaper), else None."""
+        patches = ConvPatches(calls.module, calls.records)
+        weight, bias = wanted.get("weight"), wanted.get("bias")
+        if weight is not None and prefer_conv_ghost(patches.T, patches.in_g, patches.out_g):
+            return None
+        out = [] if weight is None else [(weight, patches.materialise(), float(n))]
+        return out if bias is None else [*out, (bias, patches.bias_grads(), float(n))]
 
     def grads(self, calls: LayerCalls, wanted: Sequence[tuple[str, nn.Parameter]], n: int) -> dict[str, Tensor]:
         """Materialised: G_i by one batched product over patches, the bias's Σ_t δ_{i,t} (both × n)."""

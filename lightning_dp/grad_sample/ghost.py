@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lightning_dp._lazy import lazy_exports
 from lightning_dp.grad_sample.capture.engine_hooks import ReplacedForward, is_own_forward
 from lightning_dp.grad_sample.capture.example_dims import time_major_layers
-from lightning_dp.grad_sample.capture.own_tensors import is_parametrized
+from lightning_dp.grad_sample.capture.own_tensors import is_parametrized, own_trainable
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.clipping.rule import ClipRule, as_rule
 from lightning_dp.grad_sample.base import (
@@ -60,6 +60,7 @@ from lightning_dp.grad_sample.capture.activations import (
     leaf_layers,
     owners_of,
 )
+from lightning_dp.grad_sample.dense_pool import DenseGrads, DenseMember
 from lightning_dp.grad_sample.layer_groups import stack_small_layers
 from lightning_dp.grad_sample.layer_stats import LayerStats, MaterialisedStats, UnusedStats
 from lightning_dp.grad_sample.ghost_tied import cross_term, dense
@@ -70,13 +71,14 @@ from lightning_dp.grad_sample.functorch_vmap import (
     unused_in_step,
     vmap_layer_grads,
 )
-from lightning_dp.grad_sample.rules import rule_for, rule_for_calls
+from lightning_dp.grad_sample.rules import LayerRule, rule_for, rule_for_calls
 from lightning_dp.grad_sample.streamed_sums import StreamedSums
 from lightning_dp.validators.example_dim import hidden_use_error
 
 
-def _wanted(module: nn.Module, params: set) -> dict[str, Tensor]:
-    return {n: p for n, p in direct_trainable(module) if p in params}
+def _wanted(module: nn.Module, params: set[int]) -> dict[str, Tensor]:
+    """``module``'s trainable parameters among ``params`` (their ``id``s: a tensor's hash is a Python call)."""
+    return {n: p for n, p in direct_trainable(module) if id(p) in params}
 
 
 def reducer_for(m: nn.Module) -> Optional[RecordReducer]:
@@ -102,6 +104,16 @@ def stats_for(calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale, with_
     if rule is not None:
         return rule.stats(calls, wanted, n, scale, with_squares)
     return fallback_stats(calls, wanted, n, scale, with_squares)
+
+
+def served_by_class(m: nn.Module) -> bool:
+    """Whether the rule :func:`stats_for` takes for ``m`` is decided by the layer alone, whatever its calls: the first
+    registered rule serving it (:func:`~.rules.rule_for`) does not read the calls (its
+    :meth:`~.rules.LayerRule.serves_calls` is the default). The capture then skips verifying its calls as w ⊙ y + b,
+    which only the elementwise-scale rule, last in the precedence, would read (were it skipped for a layer that rule
+    would have served, the layer would be replayed per example: the same gradients, slower)."""
+    rule = rule_for(m)  # None for a parametrized module
+    return rule is not None and type(rule).serves_calls is LayerRule.serves_calls
 
 
 def has_closed_form(m: nn.Module) -> bool:
@@ -146,6 +158,7 @@ class GhostEngine(GradSampleEngine):
         self.skip_param_grads = skip_param_grads
         self._capture = ActivationCapture()
         self._owners: dict[Tensor, list] = {}
+        self._owners_by_id: dict[int, list] = {}  # the same by id(p), read every step (a tensor's hash is Python)
         self._patched: list[nn.Module] = []
         self._left_out: Optional[Tensor] = None  # clip_and_sum's second pass: examples whose gradient was not finite
 
@@ -153,8 +166,10 @@ class GhostEngine(GradSampleEngine):
         """Hook every leaf module that owns parameters (and patch Linear/convolution forwards, see class doc)."""
         self.detach()
         self._owners = owners_of(module)
+        self._owners_by_id = {id(p): owners for p, owners in self._owners.items()}
         leaves = leaf_layers(module)
-        self._capture.attach(leaves, reducer_for, frozenset(time_major_layers(module)), root=module)
+        self._capture.attach(leaves, reducer_for, frozenset(time_major_layers(module)), root=module,
+                             scale_checked=lambda m: not served_by_class(m))
         if self.skip_param_grads:
             for _, m in leaves:
                 fwd = input_grad_only_forward(m)
@@ -177,6 +192,7 @@ class GhostEngine(GradSampleEngine):
                 del m.forward
         self._patched = []
         self._owners = {}
+        self._owners_by_id = {}
 
     def clip_and_sum(
         self,
@@ -227,7 +243,7 @@ class GhostEngine(GradSampleEngine):
         stats, groups = self._layer_stats(params, layers, n, scale, with_squares, ran, stackable)
         if not whole:  # per-parameter norms or units' norms: every layer's own stats (never stacked)
             return self._clip_by_rule(params, rule, stats, ran, shared, layers, n, scale, with_squares)
-        reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, set(params))
+        reps = {p: self._representations(p, ran[p], stats, layers, n, scale, with_squares, {id(q) for q in params})
                 for p in shared}
         parts = [st.sq_norms for st in [*stats.values(), *groups]]
         for p, rs in reps.items():  # tied weights: ‖Σ_A G^A‖² = Σ_A ‖G^A‖² + 2 Σ_{A<B} ⟨G^A, G^B⟩ (ghost_tied.py)
@@ -240,18 +256,19 @@ class GhostEngine(GradSampleEngine):
                     for p in params}  # stats by parameter: root-owned and unused ones
             return ClippedBatch(StreamedSums(params, stats, keys, c), None,  # type: ignore[arg-type]
                                 norms[:n - pad].detach(), n - pad)
-        sums: dict[Tensor, Tensor] = {}
+        sums: dict[int, Tensor] = {}  # by id(p): a tensor's hash is a Python call
         squares: Optional[dict[Tensor, Tensor]] = {} if with_squares else None
         for st in [*stats.values(), *groups]:
             for p, v in st.sums(c).items():  # a tied weight gets every owner's contraction
-                sums[p] = sums[p] + v if p in sums else v
+                key = id(p)
+                sums[key] = sums[key] + v if key in sums else v
             if squares is not None:
                 squares.update(st.squares(c * c))
         if squares is not None:  # squares do not add over owners: (Σ_A G^A)² from the materialised total
             for p, rs in reps.items():
                 total = sum(dense(r, p.shape[0]) for r in rs)
                 squares[p] = torch.tensordot(c * c, total * total, dims=1).reshape(p.shape)
-        return ClippedBatch({p: sums[p] for p in params},
+        return ClippedBatch({p: sums[id(p)] for p in params},
                             None if squares is None else {p: squares[p] for p in params}, norms[:n - pad].detach(),
                             n - pad)
 
@@ -296,7 +313,7 @@ class GhostEngine(GradSampleEngine):
                         shared: list, layers: dict[int, LayerCalls], n: int, scale) -> Tensor:
         """Each example's squared norm per parameter ``[P, n]``: the layers' parts, a layer holding only their
         total materialised, tied parameters' cross terms added."""
-        wanted = set(params)
+        wanted = {id(q) for q in params}
         reps = {p: self._representations(p, ran[p], stats, layers, n, scale, False, wanted) for p in shared}
         total = {p: params[0].new_zeros(n, dtype=torch.float32) for p in params}
         for key, ps in members.items():
@@ -315,7 +332,7 @@ class GhostEngine(GradSampleEngine):
                        layers: dict[int, LayerCalls], n: int, scale) -> Tensor:
         """Each unit's squared norm of its summed gradient per parameter ``[P, u]`` (:mod:`.ghost_units`)."""
         assert rule.groups is not None
-        units, wanted = rule.num_units(), set(params)
+        units, wanted = rule.num_units(), {id(q) for q in params}
         out = []
         for p in params:
             if id(p) in stats:
@@ -332,7 +349,7 @@ class GhostEngine(GradSampleEngine):
         """One :class:`LayerStats` per module owning a wanted parameter (a tied weight: each owner), and, when
         ``stackable`` (no scale, no squares, no streaming, no tied weight), the groups of small layers of one shape
         that are clipped together instead (:mod:`.layer_groups`)."""
-        wanted_set = set(params)
+        wanted_set = {id(q) for q in params}
         stats: dict[int, LayerStats] = {}
         modules: dict[int, nn.Module] = {}
         roots = self._capture.roots
@@ -351,11 +368,26 @@ class GhostEngine(GradSampleEngine):
                 modules.setdefault(id(mod), mod)
         wanted = {key: _wanted(mod, wanted_set) for key, mod in modules.items()}
         groups: list[LayerStats] = []
-        if stackable:
-            groups, served = stack_small_layers({key: (layers[key], wanted[key]) for key in modules}, n)
-            modules = {key: mod for key, mod in modules.items() if key not in served}
+        if not stackable:
+            for key in modules:
+                stats[key] = stats_for(layers[key], wanted[key], n, scale, with_squares)
+            return stats, groups
+        groups, served = stack_small_layers({key: (layers[key], wanted[key]) for key in modules}, n)
+        pooled: list[DenseMember] = []  # the others' per-example gradients held whole: one pass for all (dense_pool)
         for key in modules:
-            stats[key] = stats_for(layers[key], wanted[key], n, scale, with_squares)
+            if key in served:
+                continue
+            calls = layers[key]
+            rule = None if is_parametrized(calls.module) else rule_for_calls(calls)  # stats_for's dispatch
+            whole = None if rule is None else rule.dense(calls, wanted[key], n)
+            if whole is not None:
+                pooled.extend(whole)
+            elif rule is not None:
+                stats[key] = rule.stats(calls, wanted[key], n, scale, with_squares)
+            else:
+                stats[key] = fallback_stats(calls, wanted[key], n, scale, with_squares)
+        if pooled:
+            groups = [*groups, DenseGrads(pooled, n)]  # a new list (stack_small_layers keeps its own)
         return stats, groups
 
     def _check_hidden_uses(self, layers: dict[int, LayerCalls]) -> None:
@@ -365,8 +397,8 @@ class GhostEngine(GradSampleEngine):
         for m in self._patched:
             if id(m) not in layers:
                 continue
-            for name, p in m.named_parameters(recurse=False):
-                if p.requires_grad and not unused_in_step(p):
+            for name, p in own_trainable(m):  # named_parameters(recurse=False) of a patched (plain) layer
+                if not unused_in_step(p):
                     owners = self._owners.get(p, [])
                     raise hidden_use_error(", ".join(f"{o or '<root>'}.{a}" for _, o, a in owners) or name)
 
@@ -374,10 +406,10 @@ class GhostEngine(GradSampleEngine):
         """The owners of ``p`` whose calls were captured this step. An owner that did not run adds nothing
         (BART's ``shared`` embedding, tied to both stacks' ``embed_tokens``, is never called); a use the hooks
         missed is the first step's probe's to catch (Σ_i g_i against autograd's gradient)."""
-        return [o for o in self._owners.get(p, []) if id(o[0]) in layers]
+        return [o for o in self._owners_by_id.get(id(p), ()) if id(o[0]) in layers]
 
     def _representations(self, p: Tensor, owners: list[tuple[nn.Module, str, str]], stats: dict[int, LayerStats],
-                         layers: dict[int, LayerCalls], n: int, scale, with_squares, wanted_set: set) -> list:
+                         layers: dict[int, LayerCalls], n: int, scale, with_squares, wanted_set: set[int]) -> list:
         """Each owner's per-example gradient of tied ``p`` in a form :func:`cross_term` reads; an owner
         whose rule has none (conv ghost norms, scaled layers) is materialised (its stats replaced)."""
         out = []

@@ -15,12 +15,14 @@ from lightning_dp.grad_sample.ghost_tied import Dense, Representation
 
 def sq_norms(g: Tensor) -> Tensor:
     """Squared L2 norm of each example's slice g[i], as one fused reduction (no g² temporary)."""
-    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+    return torch.linalg.vector_norm(g if g.dim() == 2 else g.reshape(g.shape[0], -1), dim=1).square_()
 
 
 def weighted_sum(c: Tensor, g: Tensor) -> Tensor:
     """Σ_i c_i g[i] ``g.shape[1:]``: ``torch.tensordot(c, g, dims=1)``'s one product (the same values) without its
-    Python argument handling."""
+    Python argument handling (nor, for a ``[n, d]`` g, a view before and after it)."""
+    if g.dim() == 2:
+        return c @ g
     return (c @ g.reshape(g.shape[0], -1)).reshape(g.shape[1:])
 
 

@@ -58,6 +58,14 @@ class LinearFormStats(WeightBiasStats):
         self.sb = None if scale is None or bias is None else scale[bias]
         self.G: Optional[Tensor] = None
         n, T = a.shape[0], a.shape[1]
+        self.single = T == 1 and self.sw is None  # one position, unscaled weight: the vectors a_i, δ_i themselves
+        if self.single and weight is not None and bias is not None and self.sb is None:
+            # ‖G_i‖² + ‖db_i‖² = ‖δ_i‖² (‖a_i‖² + 1) (Li et al., T = 1): both norms once; the bias's gradient: δ_i
+            d1 = self.db = d[:, 0]
+            d2 = torch.linalg.vector_norm(d1, dim=1).square_()
+            self.weight_sq = d2 * torch.linalg.vector_norm(a[:, 0], dim=1).square_()
+            self.sq_norms = (self.weight_sq + d2).mul_(k * k)
+            return
         sq: Optional[Tensor] = None  # 0 + x is x: the first part is taken as it is
         if weight is not None:
             self.weight_sq = sq = self._weight_sq_norms(T, with_squares)
@@ -88,7 +96,11 @@ class LinearFormStats(WeightBiasStats):
         return LowRank(self.a, self.d, self.k) if self.transposed else LowRank(self.d, self.a, self.k)
 
     def _bookkept_weight_sum(self, c: Tensor) -> Tensor:
-        """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens."""
+        """Σ_i c_i G_i without G: one book-keeping contraction (c ⊙ δ)ᵀa over all n·T tokens (T = 1: on the vectors
+        δ_i, a_i themselves, without the views of the general product)."""
+        if self.single:
+            a, d = self.a[:, 0], self.d[:, 0]
+            return (d * c[:, None]).t() @ a if d.shape[1] <= a.shape[1] else d.t() @ (a * c[:, None])
         w = bookkept_product(self.a, self.d, c)
         return w if self.sw is None else w * self.sw
 

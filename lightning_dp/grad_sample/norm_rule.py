@@ -14,12 +14,16 @@ elementwise-scale rule there, :mod:`.elementwise_scale`).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.grad_sample.capture.activations import Record
+from lightning_dp.grad_sample.base import ParamMap
+from lightning_dp.grad_sample.capture.activations import LayerCalls, Record
 from lightning_dp.grad_sample.capture.own_tensors import own
+from lightning_dp.grad_sample.layer_stats import LayerStats, MaterialisedStats
 from lightning_dp.grad_sample.rules import LayerRule, register_rule
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -107,3 +111,21 @@ class NormRule(LayerRule):
     def record_grads(self, m: nn.Module, rec: Record) -> dict[str, Tensor]:
         """:func:`norm_layer_record_grads`."""
         return norm_layer_record_grads(m, rec)
+
+    def stats(self, calls: LayerCalls, wanted: dict[str, Tensor], n: int, scale: Optional[ParamMap],
+              with_squares: bool) -> LayerStats:
+        """The grads reduced during backward, as they are, when every call was reduced and each wanted parameter
+        has them (the common case: no copy of the reductions, no gradient mode switched); else the general
+        :meth:`~.rules.LayerRule.stats`."""
+        reduced = calls.reduced
+        if calls.records or any(key not in reduced for key in wanted):
+            return super().stats(calls, wanted, n, scale, with_squares)
+        return MaterialisedStats({p: reduced[key] for key, p in wanted.items()}, scale)
+
+    def dense(self, calls: LayerCalls, wanted: dict[str, Tensor],
+              n: int) -> Optional[list[tuple[Tensor, Tensor, float]]]:
+        """The grads reduced during backward (n already in them), when every call was reduced."""
+        reduced = calls.reduced
+        if calls.records or any(key not in reduced for key in wanted):
+            return None
+        return [(p, reduced[key], 1.0) for key, p in wanted.items()]

@@ -11,6 +11,8 @@ capture keeps of each call (its input and the mean loss's output gradient δ):
 - :meth:`~LayerRule.record_grads`: one call's per-example gradients, for a rule whose layers the ghost engine reduces
   during backward (:attr:`~LayerRule.reduces`: its inputs and output gradient released as soon as it arrives);
 - :meth:`~LayerRule.input_grad_only_forward`: a forward whose backward skips the weight gradients the rule supplies;
+- :meth:`~LayerRule.dense`: the per-example gradients held whole where the rule forms them so anyway (the ghost
+  engine clips several such layers in one pass, :mod:`.dense_pool`);
 - :meth:`~LayerRule.serves_calls`: whether the rule serves the step's calls of a layer (by default: whether it serves
   the layer), for a family recognised also from how each call ran (an RNN's calls the unrolled rule covers,
   attention's projections found in autograd's record, an output verified as w ⊙ y + b);
@@ -131,6 +133,13 @@ class LayerRule:
 
     def input_grad_only_forward(self, m: nn.Module) -> Optional[Callable]:
         """A forward for ``m`` whose backward computes only the input gradient (None: keep the module's own)."""
+        return None
+
+    def dense(self, calls: LayerCalls, wanted: dict[str, Tensor],
+              n: int) -> Optional[list[tuple[Tensor, Tensor, float]]]:
+        """The layer's per-example gradients held whole, when the rule has them so for every wanted parameter (the
+        ghost engine pools them, :mod:`.dense_pool`): ``(p, g [n, *p.shape], k)`` with example i's gradient k·g[i];
+        None (the default) where its :meth:`stats` are another form (ghost norms, book-keeping)."""
         return None
 
 

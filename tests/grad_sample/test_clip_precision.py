@@ -33,3 +33,22 @@ def test_a_deep_model_is_clipped_to_c():
         norm = torch.sqrt(sum(s.double().pow(2).sum() for s in out.sums.values()))
         assert out.norms[0] > 10 * C and norm <= C * (1 + 1e-6)
     engine.detach()
+
+
+def test_flat_factors_in_place_are_the_policys():
+    """clip_from_parts takes flat clipping's factors in place (issue 38): the very values of the policy's
+    min(1, C/(‖g‖ + ε)) with finite_only, non-finite norms (0) and C = ∞ (1, or 0 for a non-finite norm) included."""
+    from lightning_dp.clipping.rule import as_rule, finite_only
+
+    torch.manual_seed(0)
+    for C in (1.0, 0.37, 3e-4, float("inf")):
+        for trial in range(50):
+            parts = [torch.rand(9) * 10 ** float(torch.randint(-6, 6, ())) for _ in range(3)] + [torch.rand(2, 9)]
+            if trial % 2:
+                parts[0][1], parts[1][2], parts[2][3] = float("inf"), float("nan"), float("-inf")
+            norms, factors = clip_from_parts(parts, C)
+            sq = torch.cat([p.reshape(-1, 9) for p in parts]).sum(0, dtype=torch.float64).clamp_min(0).sqrt()
+            policy = as_rule(C).policy
+            assert torch.equal(factors, finite_only(policy.factors(sq), sq).float())
+            kept = ~sq.isnan()
+            assert torch.equal(norms.isnan(), ~kept) and torch.equal(norms[kept], sq[kept].float())

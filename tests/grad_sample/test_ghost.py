@@ -355,3 +355,42 @@ def test_the_previous_release_left_in_an_unused_parameters_grad_is_no_gradient_o
         step(lambda m, x, y: loss(m, x, y) + 0.1 * m.extra.weight.sum())
     with pytest.raises(ValueError, match="received a gradient, but from no use"):
         step(loss, released=False)
+
+
+def test_only_layers_no_rule_serves_by_class_have_their_calls_verified_as_a_scale(monkeypatch):
+    """The ghost engine's capture verifies a call as w ⊙ y + b (a walk of its autograd nodes, read by the
+    elementwise-scale rule only) for a layer no rule serves by its class alone (issue 38): not for Linear or LayerNorm,
+    still for a custom scale layer, which the elementwise-scale rule then serves (its exact per-example gradients)."""
+    import torch.nn.functional as F
+
+    import lightning_dp.grad_sample.capture.activations as activations
+    import lightning_dp.grad_sample.elementwise_scale as elementwise_scale
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return x * self.weight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), Scale(), nn.Linear(4, 2))
+    checked, served = [], []
+    real_check, real_grads = activations.scaled_operand, elementwise_scale.scale_layer_grads
+    monkeypatch.setattr(activations, "scaled_operand", lambda c, out, inputs: checked.append(c) or real_check(
+        c, out, inputs))
+    monkeypatch.setattr(elementwise_scale, "scale_layer_grads", lambda calls, *a: served.append(calls.module) or
+                        real_grads(calls, *a))
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    engine = make_engine("ghost")
+    engine.attach(model)
+    engine.begin_step(5)
+    F.cross_entropy(model(x), y).backward()
+    params = list(model.parameters())
+    out = engine.clip_and_sum(params, 0.1)
+    engine.detach()
+    assert [tuple(c) for c in checked] == [(model[2].weight,)] and served == [model[2]]
+    for i in range(5):  # the per-example norms are the exact ones
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+        torch.testing.assert_close(out.norms[i], torch.sqrt(sum(g.pow(2).sum() for g in grads)), rtol=1e-5, atol=1e-7)

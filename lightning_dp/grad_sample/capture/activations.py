@@ -436,6 +436,7 @@ class ActivationCapture:
         self._feeding: dict[int, bool] = {}  # graph task id → whether it computes any of their gradients
         self._root_params: list[Tensor] = []  # the model's trainable parameters (read directly by its modules too)
         self._inputs: dict[int, Tensor] = {}  # the leaves requiring grad the recorded calls take as inputs
+        self._scale_checked: Callable[[nn.Module], bool] = lambda m: True  # attach's
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -448,13 +449,17 @@ class ActivationCapture:
 
     def attach(self, layers: Sequence[tuple[str, nn.Module]],
                reducer_for: Callable[[nn.Module], Optional[RecordReducer]] = lambda m: None,
-               time_major: frozenset[int] = frozenset(), root: Optional[nn.Module] = None) -> None:
+               time_major: frozenset[int] = frozenset(), root: Optional[nn.Module] = None,
+               scale_checked: Callable[[nn.Module], bool] = lambda m: True) -> None:
         """Register a forward hook on every ``(name, module)``; ``reducer_for(module)`` picks
         the layers reduced during backward (default: none); layers whose ``id`` is in ``time_major``
         are position-wise layers called on ``[T, B, …]`` (:func:`~.example_dims.time_major_layers`).
         With ``root``, ``[1, …]`` parameters read directly in its non-leaf modules are captured too
-        (:mod:`.root_parameters`)."""
+        (:mod:`.root_parameters`). ``scale_checked(module)``: whether its calls are verified as w ⊙ y + b
+        (:attr:`Record.scaled`, read by the elementwise-scale rule only; default: every layer's), a walk of the
+        call's autograd nodes that an engine whose own rule serves the layer whatever its calls skips."""
         self.detach()
+        self._scale_checked = scale_checked
         self._root_params = [] if root is None else [p for p in root.parameters() if p.requires_grad]
         if root is not None:
             covered = {id(m) for _, layer in layers for m in layer.modules()}
@@ -504,7 +509,7 @@ class ActivationCapture:
     def _hook(self, calls: LayerCalls, reducer: Optional[RecordReducer], time_major: bool = False):
         dims = TIME_MAJOR if time_major else example_dims(calls.module)
         params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
-        scale_weight = scale_candidate(calls.module)
+        scale_weight = scale_candidate(calls.module) if self._scale_checked(calls.module) else None
         position = position_wise(calls.module)  # may be served time-major where proven (_time_major_call)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
