@@ -26,6 +26,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lightning_dp.accounting import forget_data_releases
 from lightning_dp import AdamVariant, DPStrategy
 from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data import DigitsDataModule
@@ -85,6 +86,7 @@ def train_once(model_name: str, variant: str, hparams: dict[str, Any], lr: float
         max_epochs=epochs, max_steps=max_steps, callbacks=[AdamVariant(variant, **hparams)], logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0)
+    forget_data_releases()  # runs compared on the same records: each its own ε (docs/accounting.md, 'The data carry')
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the explosive floors' own warning is the point of two rows
         trainer.fit(model, datamodule=data)

@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 import torch
 import yaml
 
+from lightning_dp.accounting import forget_data_releases
 from lightning_dp import AdamVariant, DPStrategy, ledger_epsilon
 from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data import DigitsDataModule
@@ -164,6 +165,7 @@ def train_once(sweep: Sweep, method: Method, point: dict[str, Any], epsilon: flo
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
+    forget_data_releases()  # runs compared on the same records: each its own ε (docs/accounting.md, 'The data carry')
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # per-run noise (the noiseless warning is stated in the table)
         trainer.fit(model, datamodule=data)

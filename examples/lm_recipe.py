@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import EMAWeightAveraging
 
+from lightning_dp.accounting import forget_data_releases
 from lightning_dp import DPStrategy
 from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data import PydocTextDataModule
@@ -69,6 +70,7 @@ def run(setting: Setting, epsilon: float, seed: int, max_train_windows: Optional
                          limit_val_batches=0)  # one validation, after fit (with the EMA weights, if any)
     model = TinyTransformerLM(d_model=64, n_layers=2, n_heads=4, lr=setting.lr)
     start = time.perf_counter()
+    forget_data_releases()  # runs compared on the same records: each its own ε (docs/accounting.md, 'The data carry')
     with quiet_lightning(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, data)

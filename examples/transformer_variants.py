@@ -40,6 +40,7 @@ import yaml
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import TensorDataset
 
+from lightning_dp.accounting import forget_data_releases
 from lightning_dp import AdamVariant, DPStrategy, ledger_epsilon
 from lightning_dp._warnings import quiet_lightning
 from lightning_dp.data.pydoc_text import PydocTextDataModule
@@ -329,6 +330,7 @@ def train_once(setup: Setup, method: Method, seed: int, data: PydocTextDataModul
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
+    forget_data_releases()  # runs compared on the same records: each its own ε (docs/accounting.md, 'The data carry')
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the noiseless warning is stated in the table
         trainer.fit(model, datamodule=data)

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting import data_ledgers, module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.accounting.loaded_checkpoints import CHECKPOINT_KEY
 from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batches_per_step, physical_batch_size,
@@ -529,7 +529,11 @@ class PrivateTraining:
         if changed:
             raise changed_records_error(changed)
         self._stored = self._stored or stored
-        note_training(dataloader, self, self.lightning_module)  # type: ignore[attr-defined]
+        population = note_training(dataloader, self, self.lightning_module)  # type: ignore[attr-defined]
+        use = data_ledgers.data_use(*population) if population else data_ledgers.data_use(dataloader.dataset)
+        note = data_ledgers.continue_on_data(self.private_step.ledger, use)  # earlier fits on these records
+        if note:
+            rank_zero_info(f"{self.label}: {note}.")
         self._stored_dataset = dataloader.dataset
         physical_batch_size(self, dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", 1))
         loader = self.private_step.poisson_loader(dataloader,  # its group cycle starts at the ledger's count

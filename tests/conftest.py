@@ -127,6 +127,27 @@ def _no_broadcast_site_mode_left_behind():
     assert not left, "a step left the broadcast-site mode active"
 
 
+@pytest.fixture
+def data_record():
+    """Opt in: the test's fits keep the record the data carry (accounting/data_ledgers.py): a fit on records an
+    earlier fit of the test trained on continues its releases (tests/test_strategy_data_ledger.py)."""
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _data_record_per_test(request, monkeypatch):
+    """The record of the releases made on each dataset (accounting/data_ledgers.py) is off unless a test asks for it
+    (the ``data_record`` fixture), and cleared after each test: a test stands for a process of its own, and the
+    suite's many tests fit fresh modules several times on one dataset (the same seeded data) and count each fit's
+    own releases (``ledger.steps == 2``), which the data's record would compose."""
+    from lightning_dp.accounting import data_ledgers
+
+    if "data_record" not in request.fixturenames:
+        monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use: None)
+    yield
+    data_ledgers._clear()
+
+
 @pytest.fixture(autouse=True)
 def _each_test_its_own_process_history():
     """The module ledgers' process-wide records of trained weights (accounting/module_ledgers.py: contents, near

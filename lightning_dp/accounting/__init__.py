@@ -19,6 +19,7 @@ _EXPORTS = {
     "available_accountants": "lightning_dp.accounting.accountants",
     "calibrate_noise": "lightning_dp.accounting.calibration",
     "epsilon": "lightning_dp.accounting.epsilon",
+    "forget_data_releases": "lightning_dp.accounting.data_ledgers",
     "get_accountant": "lightning_dp.accounting.accountants",
     "ledger_epsilon": "lightning_dp.accounting.epsilon",
     "rdp_to_epsilon": "lightning_dp.accounting.rdp",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # names load on first use (numpy/scipy/Opacus only when accou
     from lightning_dp.accounting.accountants import available_accountants, get_accountant, register_accountant
     from lightning_dp.accounting.calibration import calibrate_noise
     from lightning_dp.accounting.ceiling import EpsilonCeiling
+    from lightning_dp.accounting.data_ledgers import forget_data_releases
     from lightning_dp.accounting.epsilon import epsilon, ledger_epsilon
     from lightning_dp.accounting.horizon import steps_within_budget
     from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
@@ -62,6 +64,7 @@ __all__ = [
     "available_accountants",
     "calibrate_noise",
     "epsilon",
+    "forget_data_releases",
     "get_accountant",
     "ledger_epsilon",
     "rdp_to_epsilon",

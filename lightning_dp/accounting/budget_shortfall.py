@@ -80,7 +80,8 @@ class Shortfall:
         """The refusal, naming what is left and the three ways on."""
         head = (f"target_epsilon = {self.target} is a ceiling on the whole ledger, and {self.releases} release(s) "
                 f"already spent ε = {self.spent:.4g} of it at δ = {self.delta:g} ({self.accountant} accountant; "
-                "this module's earlier fits and checkpoints count, a fast_dev_run smoke test too): "
+                "this module's earlier fits and checkpoints count, a fast_dev_run smoke test too, and other models' "
+                "fits on the same records in this process: accounting/data_ledgers.py): "
                 f"ε ≈ {max(self.target - self.spent, 0.0):.3g} is left, {self.affordable} more step(s) at the run's "
                 f"σ = {self.run_sigma:.4g}. ")
         if self.needed_sigma is None:

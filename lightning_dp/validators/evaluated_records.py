@@ -45,16 +45,19 @@ def _rows(loader: Any) -> tuple[Any, Optional[set[int]], dict[tuple, np.ndarray]
     return base, rows, digests
 
 
-def note_training(loader: Any, *owners: Any) -> None:
-    """A fit's training ``loader`` (the user's, before Poisson sampling): its population, kept for ``owners``."""
+def note_training(loader: Any, *owners: Any) -> Optional[tuple[Any, Optional[set[int]], dict[tuple, np.ndarray]]]:
+    """A fit's training ``loader`` (the user's, before Poisson sampling): its population, kept for ``owners``.
+    Returns (its dataset under the ``Subset`` wrappers, the indices of it read — ``None``: all —, their digests);
+    ``None`` when not kept."""
     try:
         base, rows, digests = _rows(loader)
         population = (weakref.ref(base), rows, digests)
     except TypeError:  # a dataset without len() or weak references: not kept
-        return
+        return None
     for owner in owners:
         if owner is not None:
             _TRAINED[owner] = population
+    return base, rows, digests
 
 
 def check_evaluation(loader: Any, stage: str, public: tuple[str, ...], label: str, *owners: Any) -> None:

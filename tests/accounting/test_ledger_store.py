@@ -68,7 +68,7 @@ def fit(model, **kw):
 CHILD = '''
 import json, os, torch
 from tiny import Tiny, fit
-from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting import data_ledgers, module_ledgers
 
 
 def state_dict(store):
@@ -93,6 +93,7 @@ for name, build in [("fresh", lambda: Tiny()), ("state_dict", lambda: state_dict
                     ("shrink_perturb", lambda: shrink_perturb(store)), ("off", lambda: state_dict("off"))]:
     out[name] = fit(build()).state_dict()
     module_ledgers._BY_CONTENT.clear(); module_ledgers._SKETCHES.clear()  # each scenario as if in its own process
+    data_ledgers._clear()  # (the data's record too: every scenario trains on the same records)
 print("LEDGERS " + json.dumps(out))
 '''
 

@@ -60,7 +60,7 @@ def trainer(**kw):
 CHILD = '''
 import json, sys
 from tiny import Tiny, loader, trainer
-from lightning_dp.accounting import module_ledgers
+from lightning_dp.accounting import data_ledgers, module_ledgers
 
 out = {}
 for name in sys.argv[1:]:
@@ -69,6 +69,7 @@ for name in sys.argv[1:]:
     t.fit(model, loader())
     out[name] = t.strategy.ledger.state_dict()
     module_ledgers._BY_CONTENT.clear(); module_ledgers._SKETCHES.clear()  # each checkpoint as if in its own process
+    data_ledgers._clear()  # (the data's record too: both fits train on the same records)
 print("LEDGERS " + json.dumps(out))
 '''
 

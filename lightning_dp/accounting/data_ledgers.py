@@ -1,0 +1,288 @@
+"""The releases made on each training dataset in this process: the record of the data, beside the module's.
+
+The privacy unit is the record. A module's ledger (:mod:`~lightning_dp.accounting.module_ledgers`) follows the
+weights: a second fit of the same module, a copy of its weights, an EMA of them continue it. A *fresh* model trained
+on the same records does not descend from those weights, yet each record it reads has already been released by the
+earlier fits. k-fold cross-validation is the common case: per fold a fresh model and a fresh ``DPStrategy`` on 4/5 of
+the rows, the k models ensembled; every record is in k − 1 released models, so its privacy loss is the composition of
+those fits (Dwork & Roth 2014, Thm. 3.16), not one fit's ε.
+
+This module keeps, process-wide, each private fit's ledger against the data it reads (:func:`register`, at the fit's
+training loader), and a later fit whose data share a record with earlier fits continues their releases
+(:func:`continue_on_data`): its ε, ``target_epsilon``'s calibration and ``PrivacyBudget`` count them.
+
+The same data (:class:`DataUse`, compared by :func:`shares_records`):
+
+* the same dataset object under ``Subset``/``ConcatDataset`` wrappers (``random_split`` folds, ``Subset(ds,
+  train_idx)``), at index sets that overlap. Index sets of one dataset that are disjoint (a dataset split in parts,
+  one model per part) are parallel composition: each fit's ledger stands alone;
+* otherwise rows of the same content (``TensorDataset(X[idx], y[idx])``: copies in new memory): the row digests of
+  the items that identify the records (:func:`~lightning_dp.validators.stored_sources.identifying_rows`, handed in by
+  the strategy), one fit's records holding at least :data:`OVERLAP` of the smaller population's;
+* otherwise tensors or NumPy arrays in overlapping memory (views of one buffer, ``torch.from_numpy``): conservative,
+  as if every record of both were shared.
+
+Datasets, tensors and arrays are held weakly: a record whose data were all freed (and held no digests) is dropped.
+
+Releases are counted once (a union, not a sum): each ledger entry names the fit that made it
+(:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`); a fit's entries already in the ledger (a second fit of the
+same module, which continues its own record, on the same data) are not added again (:func:`union`).
+
+:func:`forget_data_releases` clears the record (a notebook that starts over on other data): clearing it while the
+same records are trained on again understates their privacy loss, so it warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+from torch import Tensor
+from torch.utils.data import ConcatDataset, Subset
+
+from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
+from lightning_dp.accounting.module_ledgers import Combined, combine
+
+OVERLAP = 0.05
+"""The share of the smaller population's records another fit's rows must hold (by content) for the two to share
+records (a few equal rows in two sources are natural: two people's identical short messages). The same as
+:data:`~lightning_dp.validators.stored_sources.OVERLAP`."""
+
+Digests = dict[tuple, np.ndarray]
+"""Per kind of identifying item, the sorted row digests of the records a fit reads."""
+
+
+@dataclass
+class DataUse:
+    """The data one fit's training loader reads.
+
+    Attributes:
+        bases: (a weak reference to a dataset under its ``Subset``/``ConcatDataset`` wrappers, the indices of it read;
+            ``None``: all).
+        digests: the row digests of the records read (:data:`Digests`; empty when none identifies them).
+        memory: (a weak reference to the tensor or array that owns the memory, device, first byte, end byte) of each
+            tensor and in-memory NumPy array the datasets hold.
+    """
+
+    bases: list[tuple[weakref.ref, Optional[frozenset[int]]]] = field(default_factory=list)
+    digests: Digests = field(default_factory=dict)
+    memory: list[tuple[weakref.ref, str, int, int]] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        """Whether it can still be matched: digests, or a dataset or buffer not freed."""
+        return bool(self.digests) or any(ref() is not None for ref, _ in self.bases) or any(
+            ref() is not None for ref, *_ in self.memory)
+
+
+_RELEASES: list[tuple[DataUse, PrivacyLedger]] = []
+"""Every private fit's data and its ledger (the strategy's own: it grows as the fit releases), oldest first."""
+
+
+def data_use(dataset: Any, indices: Optional[set[int]] = None, digests: Optional[Digests] = None) -> DataUse:
+    """The :class:`DataUse` of a loader over ``dataset`` reading positions ``indices`` of it (``None``: all), whose
+    records' row digests are ``digests``."""
+    use = DataUse(digests=dict(digests or {}))
+    for base, rows in _bases(dataset, None if indices is None else sorted(indices)):
+        try:
+            use.bases.append((weakref.ref(base), None if rows is None else frozenset(rows)))
+        except TypeError:  # an object without weak references: found by content and memory only
+            pass
+    use.memory = _memory(dataset)
+    return use
+
+
+def _bases(dataset: Any, rows: Optional[list[int]], depth: int = 0) -> list[tuple[Any, Optional[list[int]]]]:
+    """The datasets under ``dataset``'s ``Subset``, ``ConcatDataset`` and record-declaring wrappers, with the indices
+    of each that positions ``rows`` of ``dataset`` read."""
+    if depth > 16:
+        return [(dataset, rows)]
+    if isinstance(dataset, Subset):
+        own = [int(i) for i in dataset.indices]
+        size = len(dataset.dataset)  # type: ignore[arg-type]
+        own = [i + size if i < 0 else i for i in own]
+        return _bases(dataset.dataset, own if rows is None else [own[i] for i in rows], depth + 1)
+    if isinstance(dataset, ConcatDataset):
+        out, start = [], 0
+        for part, end in zip(dataset.datasets, dataset.cumulative_sizes):
+            picked = list(range(end - start)) if rows is None else [i - start for i in rows if start <= i < end]
+            if picked:
+                out += _bases(part, None if rows is None else picked, depth + 1)
+            start = end
+        return out
+    inner = vars(dataset).get("dataset") if type(dataset).__name__ == "DistinctRecords" else None
+    if inner is not None:
+        return _bases(inner, rows, depth + 1)
+    return [(dataset, rows)]
+
+
+def _memory(dataset: Any) -> list[tuple[weakref.ref, str, int, int]]:
+    """Where the tensors and in-memory NumPy arrays ``dataset``'s datasets hold live (:attr:`DataUse.memory`)."""
+    from lightning_dp.fingerprints.dataset_tokens import dataset_parts
+
+    datasets, tensors = dataset_parts(dataset)
+    held: list[Any] = [t for _, t in tensors]
+    for part in datasets:
+        for value in (vars(part).values() if hasattr(part, "__dict__") else ()):
+            items = value if isinstance(value, (list, tuple)) and len(value) <= 64 else [value]
+            held += [a for a in items if isinstance(a, np.ndarray) and not isinstance(a, np.memmap)]
+    out = []
+    for value in held:
+        span = _span(value)
+        if span is not None:
+            try:
+                out.append((weakref.ref(span[0]), *span[1:]))
+            except TypeError:
+                pass
+    return out
+
+
+def _span(value: Any) -> Optional[tuple[Any, str, int, int]]:
+    """(the object owning ``value``'s memory, its device, first byte, end byte), ``None`` for an empty one."""
+    if isinstance(value, Tensor):
+        if not value.numel() or value.is_sparse or hasattr(value, "to_local"):
+            return None
+        size = value.element_size()
+        low = value.data_ptr() + size * sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if s < 0)
+        high = value.data_ptr() + size * (1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if s > 0))
+        owner = value._base if value._base is not None else value
+        return owner, str(value.device), low, high
+    if not value.size:
+        return None
+    try:
+        from numpy.lib.array_utils import byte_bounds
+    except ImportError:  # NumPy < 2
+        byte_bounds = np.byte_bounds
+    low, high = byte_bounds(value)
+    owner = value
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return owner, "cpu", int(low), int(high)
+
+
+def shares_records(a: DataUse, b: DataUse) -> bool:
+    """Whether two fits' data hold a record in common (module docstring: the same dataset at overlapping indices;
+    else by content; else by memory)."""
+    compared = False
+    for ref_a, rows_a in a.bases:
+        for ref_b, rows_b in b.bases:
+            base = ref_a()
+            if base is not None and base is ref_b():
+                if rows_a is None or rows_b is None or not rows_a.isdisjoint(rows_b):
+                    return True
+                compared = True  # disjoint indices of one dataset: parallel composition
+    common = [kind for kind in a.digests if kind in b.digests]
+    if common:
+        n = min(max(len(d) for d in a.digests.values()), max(len(d) for d in b.digests.values()))
+        hits = max(int(np.isin(a.digests[k], b.digests[k]).sum()) for k in common)
+        return bool(hits) and hits >= OVERLAP * n
+    if compared:
+        return False
+    for ref_a, device_a, low_a, high_a in a.memory:
+        for ref_b, device_b, low_b, high_b in b.memory:
+            if device_a == device_b and low_a < high_b and low_b < high_a and ref_a() is not None \
+                    and ref_b() is not None:
+                return True
+    return False
+
+
+def releases_on(use: DataUse) -> list[PrivacyLedger]:
+    """The ledgers of the earlier fits whose data share a record with ``use`` (each once, oldest first)."""
+    found: list[PrivacyLedger] = []
+    for held, ledger in _RELEASES:
+        if shares_records(held, use) and all(ledger is not other for other in found):
+            found.append(ledger)
+    return found
+
+
+def register(use: DataUse, ledger: PrivacyLedger) -> None:
+    """From now on ``ledger``'s releases (as it grows) are releases on the records of ``use``."""
+    _RELEASES[:] = [(held, kept) for held, kept in _RELEASES if held.alive()]
+    if not any(kept is ledger and shares_records(held, use) for held, kept in _RELEASES):
+        _RELEASES.append((use, ledger))
+
+
+def union(first: PrivacyLedger, second: PrivacyLedger) -> Combined:
+    """``first`` followed by the releases of ``second`` it does not hold: per fit (:attr:`LedgerEntry.run`), the
+    entries of that fit ``second`` holds beyond ``first``'s (one fit's entries in two ledgers are a prefix of one
+    another: :func:`~lightning_dp.accounting.module_ledgers.combine`; entries of unknown run are taken as one
+    history). ``first`` is a prefix of the result."""
+    runs: list[Optional[str]] = []
+    for e in second.entries:
+        if e.run not in runs:
+            runs.append(e.run)
+    rest: list[LedgerEntry] = []
+    for run in runs:
+        mine, theirs = _of_run(first, run), _of_run(second, run)
+        rest += _after(combine(mine, theirs).ledger.entries, mine.steps)
+    out = PrivacyLedger()
+    out.load_entries((*first.entries, *rest))
+    out.unit = first.unit if first.unit == second.unit or not rest else "example"
+    added = out.steps - first.steps
+    return Combined(out, added, diverged=added > 0 and first.steps > 0)
+
+
+def _of_run(ledger: PrivacyLedger, run: Optional[str]) -> PrivacyLedger:
+    out = PrivacyLedger()
+    out.load_entries(e for e in ledger.entries if e.run == run)
+    return out
+
+
+def _after(entries: tuple[LedgerEntry, ...], steps: int) -> list[LedgerEntry]:
+    """``entries`` less their first ``steps`` releases."""
+    out = []
+    for e in entries:
+        if steps >= e.steps:
+            steps -= e.steps
+            continue
+        out.append(LedgerEntry(e.noise_multiplier, e.sample_rate, e.steps - steps, e.private, e.run))
+        steps = 0
+    return out
+
+
+def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
+    """Continue, in ``ledger`` (a fit's, before its first release), every release earlier fits in this process made on
+    records ``use`` reads, and register ``ledger`` against them. Returns a log line when it grew (``None``: it
+    already held them all, or there were none)."""
+    earlier = [other for other in releases_on(use) if other is not ledger]
+    before, fits = ledger.steps, 0
+    for other in earlier:
+        combined = union(ledger, other)
+        if combined.added:
+            fits += 1
+            ledger.load_entries(combined.ledger.entries)  # appended: running totals read from it stay valid
+            ledger.unit = combined.ledger.unit
+    register(use, ledger)
+    if not fits:
+        return None
+    return (f"{fits} earlier private fit(s) in this process trained on records this fit reads (k-fold "
+            f"cross-validation, a fresh model on the same rows): the ledger continues the releases already made on "
+            f"this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon and PrivacyBudget "
+            "count them too")
+
+
+def forget_data_releases(dataset: Any = None) -> int:
+    """Forget the releases this process made on ``dataset``'s records (``None``: on every dataset), e.g. in a notebook
+    that starts over. A fit on those records afterwards reports ε without them: **understated** if the released
+    models (or anything computed from them) are kept, so a warning says so. Returns how many fits' records were
+    dropped. (A module's own record, :mod:`~lightning_dp.accounting.module_ledgers`, stays.)"""
+    before = len(_RELEASES)
+    if dataset is None:
+        _RELEASES.clear()
+    else:
+        use = data_use(dataset)
+        _RELEASES[:] = [(held, ledger) for held, ledger in _RELEASES if not shares_records(held, use)]
+    dropped = before - len(_RELEASES)
+    if dropped:
+        warnings.warn(f"forget_data_releases: the releases of {dropped} private fit(s) on these records are "
+                      "forgotten; a later fit on the same records reports ε without them, which understates their "
+                      "privacy loss while the models already released (or anything computed from them) are kept.",
+                      UserWarning, stacklevel=2)
+    return dropped
+
+
+def _clear() -> None:
+    """Forget every record without a warning: for the test suite (each test stands for a process of its own)."""
+    _RELEASES.clear()
