@@ -69,7 +69,7 @@ from lightning_dp.validators.stored_records import StoredRecords, changed_record
 from lightning_dp.validators.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
-from lightning_dp.validators import diagnostic_reads, logger_judge
+from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -343,7 +343,7 @@ class PrivateTraining:
                 yield
 
         self._decision_windows = DecisionWindows(replays.other_data, replays.replay_settings, step.boundary,
-                                                 reads_moved, lambda: replays.batch_end_writes,
+                                                 reads_moved, set,  # batch-end writes: judged_writes judges them
                                                  replays.judged_this_step, self._end.before_end_hooks,
                                                  step.any_rank, step.on_every_rank,
                                                  lambda: diagnostic_reads.moved(step, up=False),
@@ -352,6 +352,7 @@ class PrivateTraining:
         self._decision_windows.notes.watch_scheduler_step(module)  # σ or C set in the scheduler's step: refused
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
+        judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes))  # post-processing writes, judged
 
     def on_exception(self, exception: BaseException) -> None:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
@@ -458,6 +459,7 @@ class PrivateTraining:
         if self._record_watch is not None:
             self._record_watch.stop()
         diagnostic_reads.unwatch()
+        judged_writes.unwatch()
         logger_judge.unwatch()
         watch_loss(None)
         windows, self._decision_windows = self._decision_windows, None

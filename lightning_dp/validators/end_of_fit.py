@@ -7,8 +7,8 @@ Lightning runs, after it: the ``on_train_end`` hooks, the strategy's teardown, t
 
 - takes the user's state as training ends (:meth:`EndOfFit.before_end_hooks`: the decision windows call it first of
   the ``on_train_end`` hooks; again after the strategy's teardown), so that what a refused hook wrote can be put back;
-- refuses what ``on_train_end`` keeps outright, as a batch end's (:meth:`EndOfFit.judge`, from the glue's
-  ``on_train_end`` and before every checkpoint);
+- refuses what ``on_train_end`` keeps, as a batch end's (:meth:`EndOfFit.judge`, from the glue's ``on_train_end``
+  and before every checkpoint), unless :mod:`.judged_writes` judged it a function of the released state;
 - wraps the module's ``teardown`` once (:meth:`EndOfFit.judge_after_users_teardown`) so that what ``on_fit_end`` and
   ``teardown`` wrote is judged when they have run: run again from the state before them on the training data, on
   its exchanged copy and on it again (:meth:`EndOfFit._judge_writes`): what the exchanged run sets apart — class means

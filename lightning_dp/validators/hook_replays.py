@@ -219,10 +219,11 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
     they are now: a
     ``setup`` that builds layers or warms the weights up runs again in a replay without changing the model trained
     (the replays compare the weights before this puts them back: a warm start on the training data differs on its
-    exchanged copy). Values go back through ``.data``, only where changed; the function returns the names of the
-    parameters a replay wrote in place (their version counters moved: the release boundary takes them as they are)."""
+    exchanged copy). Values go back through ``.data`` (into the storage it had: a replay's ``p.data = renorm(p.data)``
+    rebinds it), only where changed; the function returns the names of the parameters a replay wrote in place (their
+    version counters moved: the release boundary takes them as they are)."""
     slots = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-    values = [(name, p, p.detach().clone(), p._version) for name, p in module.named_parameters()] \
+    values = [(name, p, p.detach().clone(), p._version, p.data) for name, p in module.named_parameters()] \
         if weights or overrides_fit_start(module) else []
 
     def restore() -> list[str]:
@@ -231,10 +232,12 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
                 if table != kept:
                     table.clear()
                     table.update(kept)
-        for _, p, value, _ in values:
+        for _, p, value, _, data in values:
+            if p.data_ptr() != data.data_ptr() or p.shape != data.shape:  # rebound (``p.data = renorm(p.data)``)
+                p.data = data  # its own storage back (the version counter stays)
             if not torch.equal(p.data, value):
                 p.data.copy_(value)
-        return [name for name, p, _, version in values if p._version != version]
+        return [name for name, p, _, version, _ in values if p._version != version]
     return restore
 
 

@@ -80,7 +80,7 @@ from lightning_dp.validators.step_replays import users_objects
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["JUDGED", "unwatch", "watch_fit"]
+__all__ = ["JUDGED", "StartingState", "unwatch", "watch_fit"]
 
 JUDGED = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_train_end", "on_after_backward",
           "on_before_optimizer_step", "on_before_zero_grad")
@@ -126,7 +126,7 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
         if replaying_now() or logger_outputs.recording() or not trainer.training or \
                 getattr(module, "_current_fx_name", None) != name:  # called by the user's code (in a step): refused
             return hook(self, *args, **kwargs)
-        start = _State(trainer)
+        start = StartingState(trainer)
         calls = logger_outputs.Calls(judged=JUDGED)
         with logger_outputs.recorded(calls):
             result = hook(self, *args, **kwargs)
@@ -183,9 +183,9 @@ def _set_generators(state: tuple[Any, ...]) -> None:
     random.setstate(state[3])
 
 
-class _State:
-    """The user's state, the weights and the generators as a judged hook starts; :meth:`run_again` runs it from
-    there on the exchanged data."""
+class StartingState:
+    """The user's state, the weights, ĝ and the generators as a judged hook starts (its media calls here, its writes
+    in :mod:`.judged_writes`); :meth:`run_again` runs it from there on the exchanged data."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
@@ -197,6 +197,8 @@ class _State:
         self.users_generators = user_generators(self._roots())
         self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
         self.numbers: list[str] = []  # the Python values the last run again gave other values (their names)
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.module.parameters()]
+        self.restored: Callable[[], None] = lambda: None  # called as a run again starts from this state
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return tensors_held(self.trainer, self.step._source[0] if self.step._source is not None else None,
@@ -229,6 +231,7 @@ class _State:
         if self.step._source is None:
             return None
         after, weights, generators = self._snapshot(), model_kept(self.module, weights=True), _generators()
+        grads = [(p, p.grad) for p, _ in self.grads]  # ĝ as it is now: a run again writes copies of it
         users_generators = user_generators(self._roots())
         calls = logger_outputs.Calls(again=True)
         reads = getattr(self.trainer.strategy, "_logged_reads", None)
@@ -237,8 +240,11 @@ class _State:
         try:
             self.snapshot.restore()
             self.weights()
+            for p, value in self.grads:  # ĝ as the hook was handed it (clip_grad_norm_ writes it in place)
+                p.grad = None if value is None else value.clone()
             _set_generators(self.generators)
             self.users_generators()
+            self.restored()
             exchanged = self.step.exchanged_training_data()
             others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
                                   [value for _, value in exchanged.arrays],
@@ -256,6 +262,8 @@ class _State:
         finally:
             after.restore()
             weights()
+            for p, grad in grads:
+                p.grad = grad
             _set_generators(generators)
             users_generators()
         derived_from_released(alike)

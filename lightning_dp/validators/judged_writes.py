@@ -1,0 +1,260 @@
+"""Writes to kept state by the training hooks that run outside the step computation, judged (rule 3 of
+docs/release_boundary.md) instead of refused outright.
+
+A hook that runs after the release, or that is handed no batch — :data:`HOOKS`: a batch's end, ``on_before_zero_grad``,
+``on_before_optimizer_step``, ``configure_gradient_clipping``, a validation's start during a fit, ``on_train_end`` (an
+adapter merged into the weights: qa13 c7) — may write the
+parameters, buffers, the model's or a callback's attributes, or the released ĝ, as a function of released state only:
+post-processing, which DP allows (a Keras-style max-norm projection of the weights, a clamp, ``clip_grad_norm_`` of
+ĝ, an EMA of the weights kept at a batch's end and swapped in for validation, weight decay by hand). Such a write is
+judged where it is made:
+
+1. the user's hook (of the module, or of a callback that is not Lightning's or lightning_dp's) is wrapped for the fit
+   (:func:`watch_fit`); as Lightning calls it, the user's state, the weights, ĝ and the generators are taken
+   (:class:`~.logger_judge.StartingState`) with the kept state's fingerprint (as the release boundary reads it, and
+   in full);
+2. when the hook wrote kept state or ĝ, it runs again from that starting state: on the training data's exchanged
+   copy, every other tensor and NumPy array of the user's state given other values
+   (:func:`~.held_values.other_values`), the logged values moved, the user's generators replayed — and, at a batch's
+   end, on the batch exchanged with its outputs moved far, then on its floating-point values exchanged with its
+   outputs moved near zero (:func:`~.outside_records.exchanged_copy`, :func:`~.hook_replays.moved_far`);
+3. the write is accepted — it becomes what the next release compares with (``ReleaseBoundary.accept``; a ĝ
+   post-processed is what the optimizer steps with, ``ReleaseBoundary.released``) and its tensors are functions of
+   the released state (:func:`~.held_values.derived_from_released`: a later judge leaves their values) — only when
+   every run again reproduces it bit-exactly: the same entries of the kept state's full fingerprint, the same
+   parameters, ĝ and written tensors of the user's state, nothing else written. Otherwise a write to kept state is
+   refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the
+   check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it
+   back), which refuse them as before.
+
+Cost: a hook that wrote nothing at its first call is not watched again (a later write is refused by the release
+boundary as before: not judged); a batch's end stays watched while the first step's replays found its hooks writing
+(``expected``). A hook that writes pays its runs again at every call.
+
+What starts as released: at the start of training, a tensor of the user's state equal to a parameter (an EMA's copy of
+the weights) or all zeros (a counter) is a function of the released state. Not judged: ``on_validation_end`` (its
+writes are the baseline of the next release, as the rest of validation's), the hooks inside the step
+(``training_step``, ``on_train_batch_start``, ``on_before_backward``: the replays of :mod:`.step_replays` judge them),
+a hook called by the user's own code. Python numbers and strings of the user's state keep their values in a run again
+(:mod:`.held_values`): a write computed from one held as a float is not seen as the data's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.records.library_objects import library_callback, mark_wrapper
+from lightning_dp.validators.held_values import derived_from_released, tensors_held
+from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now, users_hook
+from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.logger_judge import StartingState
+from lightning_dp.validators.logger_outputs import own_attribute, put_back
+from lightning_dp.validators.outside_records import exchanged_copy
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["HOOKS", "unwatch", "watch_fit"]
+
+HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_before_optimizer_step", "configure_gradient_clipping",
+         "on_validation_start", "on_train_end")
+"""The hooks whose writes are judged (module docstring)."""
+
+_BEFORE_UPDATE = ("on_before_optimizer_step", "configure_gradient_clipping")
+"""The hooks that run between the release and the update: a ĝ they post-process is what the optimizer steps with."""
+
+_WRAPPED: list[tuple[type, str, Any, Any]] = []  # (class, hook, its own attribute, the wrapper) while watched
+_ABSENT = object()
+
+
+def watch_fit(trainer: "pl.Trainer", expected: Callable[[], bool] = lambda: False) -> None:
+    """Wrap the user's :data:`HOOKS` (at the class level, once per class) for the fit; ``expected()``: whether the
+    first step's replays found the batch-end hooks writing (they stay watched). Called as training starts: the
+    tensors of the user's state that start as released are noted (module docstring)."""
+    unwatch()
+    judge = _Judge(trainer, expected)
+    module = trainer.lightning_module
+    for owner in (module, *(cb for cb in trainer.callbacks if not library_callback(cb))):
+        cls = type(owner)
+        for name in HOOKS:
+            hook = getattr(cls, name, None)
+            raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
+            if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
+                                                                         for c, n, _, _ in _WRAPPED):
+                wrapper = _wrapped(hook, name, judge)
+                _WRAPPED.append((cls, name, own_attribute(cls, name), wrapper))
+                setattr(cls, name, wrapper)
+    if _WRAPPED:
+        judge.note_released()
+
+
+def unwatch() -> None:
+    """The user's hooks as they were (a class attribute replaced since by another is left)."""
+    kept = [(cls, name, own) for cls, name, own, wrapper in _WRAPPED if vars(cls).get(name) is wrapper]
+    _WRAPPED.clear()
+    put_back(kept)
+
+
+def _wrapped(hook: Callable[..., Any], name: str, judge: "_Judge") -> Callable[..., Any]:
+    @functools.wraps(hook)  # the user's name and module: the replays still see the user's hook
+    def judged(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if replaying_now() or not judge.live(name):
+            return hook(self, *args, **kwargs)
+        return judge.call(hook, self, name, args, kwargs)
+    return mark_wrapper(judged)
+
+
+class _Judge:
+    """What the wrappers of one fit share: the trainer, the hooks found writing nothing, the fingerprint."""
+
+    def __init__(self, trainer: "pl.Trainer", expected: Callable[[], bool]) -> None:
+        self.trainer = trainer
+        self.expected = expected
+        self.quiet: set[tuple[type, str]] = set()  # (class, hook) whose first call wrote nothing: not watched
+        self._fingerprint: Optional[tuple[Any, StateFingerprint]] = None
+        self.released: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tensors with the values released with
+
+    @property
+    def step(self) -> Any:
+        return self.trainer.strategy.private_step  # type: ignore[attr-defined]
+
+    def live(self, name: str) -> bool:
+        """Whether Lightning calls the hook ``name`` now, in a private fit (not the user's code calling it)."""
+        trainer, module = self.trainer, self.trainer.lightning_module
+        if getattr(module, "_current_fx_name", None) != name or getattr(trainer.strategy, "private_step", None) is None:
+            return False
+        if name == "on_validation_start":
+            return trainer.state.fn == "fit" and trainer.validating and not trainer.sanity_checking
+        return bool(trainer.training)
+
+    def fingerprint(self) -> StateFingerprint:
+        module = self.trainer.lightning_module
+        if self._fingerprint is None or self._fingerprint[0] is not module:
+            self._fingerprint = (module, self.step.boundary.fingerprint(module))
+        return self._fingerprint[1]
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        boundary = self.step.boundary
+        datasets = boundary.datasets()
+        return tensors_held(self.trainer, datasets[0] if datasets else None, boundary.global_modules())
+
+    def note_released(self) -> None:
+        """The tensors of the user's state that start as released: equal to a parameter, or all zeros."""
+        params = [p.detach() for p in self.trainer.lightning_module.parameters()]
+        for t in self._held().values():
+            if t.numel() and t.layout == torch.strided and (not t.detach().any() or any(
+                    p.shape == t.shape and p.dtype == t.dtype and p.device == t.device and torch.equal(p, t.detach())
+                    for p in params)):
+                self.released[id(t)] = (t, t.detach().clone())
+
+    def mark_released(self) -> None:
+        """Those of :attr:`released` that hold the values they were released with are functions of the released state
+        (:func:`~.held_values.derived_from_released`, by version counter: noted again whenever a run again starts,
+        since putting a starting state back moves the counters)."""
+        derived_from_released([t for t, value in self.released.values() if _equal(t, value)])
+
+    def call(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run the hook; judge what it wrote (module docstring)."""
+        key = (type(owner), name)
+        if key in self.quiet and not (name == "on_train_batch_end" and self.expected()):
+            return hook(owner, *args, **kwargs)
+        boundary, fingerprint = self.step.boundary, self.fingerprint()
+        callbacks = boundary.callbacks()
+        self.mark_released()
+        start = StartingState(self.trainer)
+        start.restored = self.mark_released
+        full = fingerprint.take(callbacks, full=True)
+        params = list(self.trainer.lightning_module.named_parameters())
+        places = [(p.data_ptr(), p._version) for _, p in params]  # a rebinding through .data keeping the values
+        grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] \
+            if name in _BEFORE_UPDATE else []  # (StartingState keeps ĝ's values, for the runs again)
+        result = hook(owner, *args, **kwargs)
+        first = fingerprint.take(callbacks, full=True)
+        names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
+            f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
+        moved = [p for p, g, version in grads if p.grad is not g or (g is not None and g._version != version)]
+        if not self.step.any_rank(bool(names or moved)):  # alike on every rank: the hook's collectives stay paired
+            self.quiet.add(key)
+            return result
+        self.quiet.discard(key)
+        written = {path: (t, t.detach().clone()) for path, t in start._tensors().items()  # a library module's too
+                   if path not in start.tensors or start.tensors[path][0] is not t
+                   or start.tensors[path][1] != t._version}  # (an AveragedModel's count)
+        again = _RunAgain(self, start, first, names, grads, written)
+        reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
+                                                                                             self.trainer))
+
+        def judge() -> None:  # at the fit's end, what is refused is put back first (EndOfFit.judge): left to it
+            if names and not reproduced and name != "on_train_end":
+                at = "at the end of step" if name == "on_train_batch_end" else "at step"
+                raise boundary.written_error(names, _WHERE.format(
+                    hook=f"{type(owner).__name__}.{name} {at} {self.trainer.global_step}"))
+        self.step.on_every_rank(judge, f"refused a write in {name}")
+        if reproduced:
+            boundary.accept(names)
+            self.released.update((id(t), (t, t.detach().clone())) for t, _ in written.values())
+            self.mark_released()
+            if moved:  # ĝ post-processed as a function of itself: what the optimizer steps with
+                boundary.released([p for _, p in params if p.grad is not None and p.requires_grad])
+        return result
+
+
+class _RunAgain:
+    """The runs again of one judged call, each from its starting state, compared with the first (module docstring)."""
+
+    def __init__(self, judge: _Judge, start: StartingState, first: Fingerprint, names: list[str],
+                 grads: list[tuple[Any, Any, int]], written: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.judge, self.start, self.first, self.names, self.written = judge, start, first, names, written
+        module = judge.trainer.lightning_module
+        self.params = [(p, p.detach().clone()) for p in module.parameters()]
+        self.first_grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p, *_ in grads]
+
+    def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
+        """Whether the hook, run on each variant of its arguments, reproduces the first run's write."""
+        return all(self._once(hook, variant) for variant in variants)
+
+    def _once(self, hook: Callable[[tuple], Any], variant: tuple) -> bool:
+        """One run again (Python numbers keep their values: a counter the hook keeps would move with them)."""
+        fingerprint, callbacks = self.judge.fingerprint(), self.judge.step.boundary.callbacks()
+        same: list[bool] = []
+
+        def run() -> None:
+            before = fingerprint.take(callbacks, full=True)
+            hook(variant)
+            after = fingerprint.take(callbacks, full=True)
+            names = {*self.names, *StateFingerprint.changed(before, after)}
+            held = self.start._tensors() if self.written else {}
+            same.append(all(after.get(n, _ABSENT) == self.first.get(n, _ABSENT) for n in names)
+                        and all(_equal(p, value) for p, value in self.params)
+                        and all(_equal(p.grad, value) for p, value in self.first_grads)
+                        and all(path in held and _equal(held[path], value)
+                                for path, (_, value) in self.written.items()))
+        return self.start.run_again(run, {}, numbers=False) is not None and same == [True]
+
+
+def _equal(now: Optional[torch.Tensor], first: Optional[torch.Tensor]) -> bool:
+    if now is None or first is None:
+        return now is None and first is None
+    return now.shape == first.shape and now.dtype == first.dtype and bool(torch.equal(now.detach(), first))
+
+
+def _variants(owner: Any, name: str, args: tuple, trainer: "pl.Trainer") -> list[tuple]:
+    """The hook's arguments in each run again: at a batch's end, the batch exchanged with its outputs moved far, then
+    its floating-point values exchanged with its outputs moved near zero; elsewhere as handed."""
+    if name != "on_train_batch_end":
+        return [args]
+    at = 0 if owner is trainer.lightning_module else 2  # a callback's: (trainer, module, outputs, batch, batch_idx)
+    outputs, batch = args[at], args[at + 1]
+    return [(*args[:at], moved_far(outputs), exchanged_copy(batch), *args[at + 2:]),
+            (*args[:at], moved_near(outputs), exchanged_copy(batch, floating_only=True), *args[at + 2:])]
+
+
+_WHERE = ("in {hook}, outside the step: run again from the state it started from on other data (the training data "
+          "exchanged, a batch's values exchanged and its loss moved, the other arrays of your state given other "
+          "values, the logged values moved), it did not write the same, so the write depends on the training data "
+          "(a write computed from the released weights and ĝ alone is reproduced and accepted)")
