@@ -22,7 +22,10 @@ judged where it is made:
    post-processed is what the optimizer steps with, ``ReleaseBoundary.released``) and its tensors are functions of
    the released state (:func:`~.held_values.derived_from_released`: a later judge leaves their values) — only when
    every run again reproduces it bit-exactly: the same entries of the kept state's full fingerprint, the same
-   parameters, ĝ and written tensors of the user's state, nothing else written. Otherwise a write to kept state is
+   parameters, ĝ and written tensors of the user's state, nothing else written — or differs where a run again on the
+   same data differs too (a time stamp, as the replays take it; never the weights nor ĝ). Between the release and the
+   update (``on_before_optimizer_step``, ``configure_gradient_clipping``) the parameters and ĝ are judged, the rest
+   they keep is post-processing the update's baseline takes, as before. Otherwise a write to kept state is
    refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the
    check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it
    back), which refuse them as before.
@@ -64,6 +67,9 @@ __all__ = ["HOOKS", "unwatch", "watch_fit"]
 HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_before_optimizer_step", "configure_gradient_clipping",
          "on_validation_start", "on_train_end")
 """The hooks whose writes are judged (module docstring)."""
+
+_RELEASED = ("parameter", "contents of parameter", "gradient")
+"""Entries of the weights and ĝ (:meth:`_RunAgain._once`'s names): never taken for a time stamp."""
 
 _BEFORE_UPDATE = ("on_before_optimizer_step", "configure_gradient_clipping")
 """The hooks that run between the release and the update: a ĝ they post-process is what the optimizer steps with."""
@@ -177,6 +183,8 @@ class _Judge:
         first = fingerprint.take(callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
+        if name in _BEFORE_UPDATE:  # the rest of what they keep is post-processing the update's baseline takes
+            names = [n for n in names if n.startswith("parameter ")]
         moved = [p for p, g, version in grads if p.grad is not g or (g is not None and g._version != version)]
         if not self.step.any_rank(bool(names or moved)):  # alike on every rank: the hook's collectives stay paired
             self.quiet.add(key)
@@ -184,8 +192,10 @@ class _Judge:
         self.quiet.discard(key)
         written = {path: (t, t.detach().clone()) for path, t in start._tensors().items()  # a library module's too
                    if path not in start.tensors or start.tensors[path][0] is not t
-                   or start.tensors[path][1] != t._version}  # (an AveragedModel's count)
+                   or start.tensors[path][1] != t._version} \
+            if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
+        again.handed = args
         reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
                                                                                              self.trainer))
 
@@ -213,15 +223,30 @@ class _RunAgain:
         module = judge.trainer.lightning_module
         self.params = [(p, p.detach().clone()) for p in module.parameters()]
         self.first_grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p, *_ in grads]
+        self.handed: tuple = ()  # the hook's arguments as Lightning handed them
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
-        """Whether the hook, run on each variant of its arguments, reproduces the first run's write."""
-        return all(self._once(hook, variant) for variant in variants)
+        """Whether the hook, run on each variant of its arguments, reproduces the first run's write; what differs also
+        when it runs again on the same data (a time stamp: :func:`~.fingerprint_entries.moved_by_data`'s rule) is not
+        the data's."""
+        apart: set[str] = set()
+        for variant in variants:
+            found = self._once(hook, variant)
+            if found is None:
+                return False
+            apart |= found
+        if not apart:
+            return True
+        if any(n.startswith(_RELEASED) for n in apart):  # the weights and ĝ: reproduced exactly, whatever the clock
+            return False
+        plain = self._once(hook, self.handed, other_data=False)
+        return plain is not None and apart <= plain
 
-    def _once(self, hook: Callable[[tuple], Any], variant: tuple) -> bool:
-        """One run again (Python numbers keep their values: a counter the hook keeps would move with them)."""
+    def _once(self, hook: Callable[[tuple], Any], variant: tuple, other_data: bool = True) -> Optional[set[str]]:
+        """What one run again wrote otherwise than the first (``None``: it failed). Python numbers keep their values
+        (a counter the hook keeps would move with them)."""
         fingerprint, callbacks = self.judge.fingerprint(), self.judge.step.boundary.callbacks()
-        same: list[bool] = []
+        apart: list[set[str]] = []
 
         def run() -> None:
             before = fingerprint.take(callbacks, full=True)
@@ -229,12 +254,14 @@ class _RunAgain:
             after = fingerprint.take(callbacks, full=True)
             names = {*self.names, *StateFingerprint.changed(before, after)}
             held = self.start._tensors() if self.written else {}
-            same.append(all(after.get(n, _ABSENT) == self.first.get(n, _ABSENT) for n in names)
-                        and all(_equal(p, value) for p, value in self.params)
-                        and all(_equal(p.grad, value) for p, value in self.first_grads)
-                        and all(path in held and _equal(held[path], value)
-                                for path, (_, value) in self.written.items()))
-        return self.start.run_again(run, {}, numbers=False) is not None and same == [True]
+            apart.append({n for n in names if after.get(n, _ABSENT) != self.first.get(n, _ABSENT)}
+                         | {f"parameter #{i}" for i, (p, value) in enumerate(self.params) if not _equal(p, value)}
+                         | {f"gradient #{i}" for i, (p, value) in enumerate(self.first_grads)
+                            if not _equal(p.grad, value)}
+                         | {path for path, (_, value) in self.written.items()
+                            if path not in held or not _equal(held[path], value)})
+        ran = self.start.run_again(run, {}, numbers=False, other_data=other_data) is not None and len(apart) == 1
+        return apart[0] if ran else None
 
 
 def _equal(now: Optional[torch.Tensor], first: Optional[torch.Tensor]) -> bool:

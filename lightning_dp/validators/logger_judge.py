@@ -222,12 +222,13 @@ class StartingState:
                              boundary.global_modules())
 
     def run_again(self, run: Callable[[], Any], written: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  numbers: bool = True) -> "logger_outputs.Calls | None":
+                  numbers: bool = True, other_data: bool = True) -> "logger_outputs.Calls | None":
         """The calls of ``run`` (the hook) run again from this state on the exchanged data, recorded; ``None`` when
         it fails or no exchanged copy of the training data exists. The state as it is now is put back after. Of the
         tensors the first run ``written``, those the run again makes alike are functions of the released state
         (:func:`~.held_values.derived_from_released`). ``numbers``: the Python values given other values too
-        (:func:`~.held_values.numbers_held`; their names kept in :attr:`numbers`)."""
+        (:func:`~.held_values.numbers_held`; their names kept in :attr:`numbers`). ``other_data=False``: on the
+        same data (a control: what differs there too is not the data's, a time stamp)."""
         if self.step._source is None:
             return None
         after, weights, generators = self._snapshot(), model_kept(self.module, weights=True), _generators()
@@ -235,7 +236,7 @@ class StartingState:
         users_generators = user_generators(self._roots())
         calls = logger_outputs.Calls(again=True)
         reads = getattr(self.trainer.strategy, "_logged_reads", None)
-        moved = reads.moved(training_only=True) if reads is not None else nullcontext()
+        moved = reads.moved(training_only=True) if reads is not None and other_data else nullcontext()
         alike: list[torch.Tensor] = []
         try:
             self.snapshot.restore()
@@ -252,7 +253,10 @@ class StartingState:
             held = numbers_held(self.trainer, self.step._source[0], self.step.boundary.public_state,
                                 [v for _, v in exchanged.arrays + others.arrays]) if numbers else None
             self.numbers = held.names if held is not None else self.numbers
-            with exchanged.exchanged(), others.exchanged(), held.exchanged() if held is not None else nullcontext(), \
+            held = held if other_data else None
+            with exchanged.exchanged() if other_data else nullcontext(), \
+                    others.exchanged() if other_data else nullcontext(), \
+                    held.exchanged() if held is not None else nullcontext(), \
                     moved, replaying(self.module), logger_outputs.recorded(calls):
                 run()
                 now = self._tensors() if written else {}

@@ -5,6 +5,7 @@ for validation, weight decay by hand (qa13 c1, c2, c5) — trains; the same hook
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +225,15 @@ class DM(pl.LightningDataModule):
         return DataLoader(data(64), batch_size=16)
 
 
+class ClockedNudge(Classifier):
+    """The weights nudged by the batch's mean with a clock reading mixed in (a run again on the same data differs
+    too: a time stamp is not judged, the weights are)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            self.net[0].bias.add_(1e-6 * (time.perf_counter() % 1.0) + 0.01 * batch[0][:, 0].mean())
+
+
 class AtStepSeven(Classifier):
     """A write made only at step 7, from the batch."""
 
@@ -257,7 +267,7 @@ class StatisticScaled(Classifier):
             p.grad.mul_(self.scale)
 
 
-@pytest.mark.parametrize("model", [ExtraStep, LossScaled, Nudged, FetchedGradient, StatisticScaled])
+@pytest.mark.parametrize("model", [ExtraStep, LossScaled, Nudged, ClockedNudge, FetchedGradient, StatisticScaled])
 def test_writes_from_the_data_are_refused(model: type) -> None:
     m = model()
     _refused(m)

@@ -38,11 +38,12 @@ def test_a_gradient_rewritten_after_the_release_is_refused_before_the_update():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())), "the update was not made"
 
 
-def test_post_processing_declared_public_trains():
+def test_post_processing_declared_public_or_judged_trains():
+    """Declared public, or undeclared: run again from ĝ_t on other data (validators/judged_writes.py), the
+    centralised gradient is the same, a function of ĝ_t alone."""
     dp = fit(CentresReleasedGradient(), steps=3, public_state=["p.grad"])
     assert dp.ledger.steps == 3
-    with pytest.raises(PrivacyConfigurationError, match=r"\.grad of net\.0\.weight"):
-        fit(CentresReleasedGradient(), steps=3)
+    assert fit(CentresReleasedGradient(), steps=3).ledger.steps == 3
 
 
 def test_a_plain_loop_is_checked_at_the_optimizer_step():
