@@ -121,7 +121,8 @@ class LoggedReads:
         try:
             with metric_values.moved(up) if states else nullcontext(), \
                     logger_copies.moved(getattr(self.trainer, "loggers", None) or (), names, lambda v: _moved(v, up),
-                                        files=bool(getattr(self.trainer, "is_global_zero", True))):
+                                        files=bool(getattr(self.trainer, "is_global_zero", True)),
+                                        other=lambda v: _moved(v, not up)):
                 yield
         finally:
             _MOVING[0] = None

@@ -18,6 +18,12 @@ from there (a plateau rule by hand from ``self.logger.history`` or from ``metric
   logged name: rewritten with the moved values for the replay and its bytes put back after, each time by an atomic
   replace. Rows still in memory are moved there, not flushed: the file and the memory read alike in every run.
 
+A history holds several values of one name (one per epoch or step), and moving them all alike keeps their order: a rule
+comparing the last two (``h[-1] > h[-2] - 0.05``: a plateau) would decide alike on every run. So the values of a name
+along a history (a list's items, a file's rows) are moved alternately: the ``move`` given at even positions, ``other``
+at odd ones (the replays pass far and near zero, then near and far: :meth:`~.logged_reads.LoggedReads.moved`) — two
+neighbours swap their order in one of the two runs, and every value moves both ways.
+
 Not moved: TensorBoard's event files (and any other binary or remote store: wandb, MLflow); reading them back from a
 hook is not seen. A logger's copy reached otherwise than through its attributes (a global list it appends to) is not
 found either.
@@ -35,7 +41,7 @@ import io
 import os
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -55,18 +61,23 @@ def _logged(key: Any, names: set[str]) -> bool:
     return isinstance(key, str) and key in names
 
 
-def _copy(value: Any, names: set[str], move: Callable[[Any], Any], depth: int) -> Any:
-    """A copy of the container ``value`` with the logged values in it moved; :data:`_SAME` when it holds none."""
+Moves = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+"""How a logged value moves at an even position of a history, and at an odd one (module docstring)."""
+
+
+def _copy(value: Any, names: set[str], moves: Moves, depth: int) -> Any:
+    """A copy of the container ``value`` with the logged values in it moved (``moves`` alternating along a list);
+    :data:`_SAME` when it holds none."""
     if depth <= 0:
         return _SAME
     if isinstance(value, dict):
         changed: dict[Any, Any] = {}
         for key, item in list(value.items()):
             if _logged(key, names) and _number(item):
-                changed[key] = move(item)
+                changed[key] = moves[0](item)
             elif _logged(key, names) and isinstance(item, (list, tuple)) and item and all(map(_number, item)):
-                changed[key] = _rebuilt(item, [move(v) for v in item])
-            elif isinstance(item, (dict, list, tuple)) and (moved := _copy(item, names, move, depth - 1)) is not _SAME:
+                changed[key] = _rebuilt(item, [moves[i % 2](v) for i, v in enumerate(item)])
+            elif isinstance(item, (dict, list, tuple)) and (moved := _copy(item, names, moves, depth - 1)) is not _SAME:
                 changed[key] = moved
         if not changed:
             return _SAME
@@ -74,8 +85,11 @@ def _copy(value: Any, names: set[str], move: Callable[[Any], Any], depth: int) -
         out.update(changed)
         return out
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        items = [_copy(item, names, move, depth - 1) if isinstance(item, (dict, list, tuple)) else _SAME
-                 for item in value]
+        items, held = [], 0  # held: the rows so far holding a logged value (a history's position; other rows skipped)
+        for item in value:
+            items.append(_copy(item, names, moves[held % 2:] + moves[:held % 2], depth - 1)
+                         if isinstance(item, (dict, list, tuple)) else _SAME)
+            held += isinstance(item, dict) and any(_logged(k, names) and _number(v) for k, v in item.items())
         if all(item is _SAME for item in items):
             return _SAME
         return _rebuilt(value, [old if new is _SAME else new for old, new in zip(value, items)])
@@ -117,10 +131,12 @@ def _holders(loggers: Iterable[Any]) -> list[Any]:
 
 @contextmanager
 def moved(loggers: Iterable[Any], names: Iterable[str], move: Callable[[Any], Any],
-          files: bool = True) -> Iterator[None]:
+          files: bool = True, other: Optional[Callable[[Any], Any]] = None) -> Iterator[None]:
     """Inside, the values logged under ``names`` in the loggers' own copies (in memory and, given ``files``, in CSV
     files: on the global rank zero only, which Lightning's loggers write from; two ranks rewriting one file could
-    leave it moved) read ``move(value)``; as they were after (module docstring)."""
+    leave it moved) read ``move(value)`` — ``other(value)`` at the odd positions of a history (default: ``move``);
+    as they were after (module docstring)."""
+    moves: Moves = (move, other or move)
     logged = set(names)
     objects = _holders(loggers) if logged else []
     prefixes = {p for p in (getattr(o, "_prefix", None) for o in objects) if isinstance(p, str) and p}
@@ -134,10 +150,10 @@ def moved(loggers: Iterable[Any], names: Iterable[str], move: Callable[[Any], An
             for value in list(vars(obj).values()):
                 if isinstance(value, (dict, list)) and id(value) not in done:
                     done.add(id(value))
-                    _move_in_place(value, keys, move)
+                    _move_in_place(value, keys, moves)
                 elif files and isinstance(path := os.fspath(value) if isinstance(value, os.PathLike) else value, str) \
                         and path.endswith(".csv"):
-                    _move_file(path, keys, move, written)
+                    _move_file(path, keys, moves, written)
         yield
     finally:
         for path, original in reversed(written):
@@ -163,9 +179,9 @@ def _alike(container: Any, saved: Any) -> bool:
     return dict.keys(container) == saved.keys() and all(dict.__getitem__(container, k) is v for k, v in saved.items())
 
 
-def _move_in_place(container: Any, names: set[str], move: Callable[[Any], Any]) -> None:
+def _move_in_place(container: Any, names: set[str], moves: Moves) -> None:
     """The logged values in the top ``container`` (a dict or a list bound to an attribute) moved, in place."""
-    copied = _copy(container, names, move, _DEPTH)
+    copied = _copy(container, names, moves, _DEPTH)
     if copied is _SAME:
         return
     if isinstance(container, list):
@@ -174,8 +190,9 @@ def _move_in_place(container: Any, names: set[str], move: Callable[[Any], Any]) 
         container.update(copied)
 
 
-def _move_file(path: str, names: set[str], move: Callable[[Any], Any], files: list) -> None:
-    """The CSV file at ``path`` rewritten with the logged columns' numbers moved (its bytes kept in ``files``)."""
+def _move_file(path: str, names: set[str], moves: Moves, files: list) -> None:
+    """The CSV file at ``path`` rewritten with the logged columns' numbers moved, alternately down each column (its
+    bytes kept in ``files``)."""
     if any(path == p for p, _ in files) or not os.path.isfile(path):
         return
     try:
@@ -187,11 +204,13 @@ def _move_file(path: str, names: set[str], move: Callable[[Any], Any], files: li
     columns = [i for i, key in enumerate(rows[0] if rows else ()) if _logged(key, names)]
     if not columns:
         return
+    seen = dict.fromkeys(columns, 0)  # the values of each column so far (their position along its history)
     for row in rows[1:]:
         for i in columns:
             if i < len(row) and row[i].strip():
                 try:
-                    row[i] = repr(float(move(float(row[i]))))
+                    row[i] = repr(float(moves[seen[i] % 2](float(row[i]))))
+                    seen[i] += 1
                 except ValueError:
                     pass
     out = io.StringIO(newline="")

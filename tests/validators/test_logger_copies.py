@@ -103,6 +103,39 @@ class TaskWeightsFromHistory(Classifier):
             self.w = 2 * math.exp(r2 / 2) / (math.exp(r1 / 2) + math.exp(r2 / 2))
 
 
+class HalvesWhenLossRoseInHistory(Classifier):
+    """A rule that compares the last two values only (the loss rose): moving every value of the history alike keeps
+    their order, so only the alternate moves along the history set it apart. The logged value grows with the epoch, so
+    the real run decides at its second epoch's start."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_stat", batch[0].abs().mean() * (self.current_epoch + 1), on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        h = [float(m["train_stat"]) for m in self.logger.history if "train_stat" in m]
+        if len(h) >= 2 and h[-1] > h[-2]:
+            for group in self.optimizers().param_groups:
+                group["lr"] *= 0.5
+
+
+def test_a_decision_from_the_order_of_the_history_is_refused():
+    logger = History()
+    with pytest.raises(PrivacyConfigurationError, match="from the training data"):
+        _fit(HalvesWhenLossRoseInHistory(), logger, epochs=3)
+
+
+def test_a_history_moves_alternately_along_its_values():
+    holder = History()
+    holder.history = [{"train_loss": 1.0}, {"val_loss": 5.0}, {"train_loss": 2.0}, {"train_loss": 3.0}]
+    far, near = (lambda v: v + 100), (lambda v: v - 100)
+    with logger_copies.moved([holder], {"train_loss"}, far, other=near):
+        inside = [m.get("train_loss") for m in holder.history]
+    assert inside == [101.0, None, -98.0, 103.0]
+    assert [m.get("train_loss") for m in holder.history] == [1.0, None, 2.0, 3.0]
+
+
 def _fit(model: pl.LightningModule, logger: Logger, epochs: int = 4, val: bool = False, **kwargs: Any) -> Any:
     dp = strategy(noise_multiplier=0.1)
     trainer = quiet_trainer(strategy=dp, max_epochs=epochs, logger=logger, num_sanity_val_steps=0, **kwargs)
