@@ -22,8 +22,10 @@ judged where it is made:
    post-processed is what the optimizer steps with, ``ReleaseBoundary.released``) and its tensors are functions of
    the released state (:func:`~.held_values.derived_from_released`: a later judge leaves their values) — only when
    every run again reproduces it bit-exactly: the same entries of the kept state's full fingerprint, the same
-   parameters, ĝ and written tensors of the user's state, nothing else written — or differs where a run again on the
-   same data differs too (a time stamp, as the replays take it; never the weights nor ĝ). Between the release and the
+   parameters, ĝ and written tensors of the user's state, nothing else written (a difference that a run again on the
+   same data shows too — a clock — is excused only for a Python number, a batch timer's duration: never for a tensor,
+   an array, a container, the weights or ĝ, where an unseeded generator or the loader's own sampler would hide the
+   data behind it). Between the release and the
    update (``on_before_optimizer_step``, ``configure_gradient_clipping``) the parameters and ĝ are judged, the rest
    they keep is post-processing the update's baseline takes, as before. Otherwise a write to kept state is
    refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the
@@ -67,9 +69,6 @@ __all__ = ["HOOKS", "unwatch", "watch_fit"]
 HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_before_optimizer_step", "configure_gradient_clipping",
          "on_validation_start", "on_train_end")
 """The hooks whose writes are judged (module docstring)."""
-
-_RELEASED = ("parameter", "contents of parameter", "gradient")
-"""Entries of the weights and ĝ (:meth:`_RunAgain._once`'s names): never taken for a time stamp."""
 
 _BEFORE_UPDATE = ("on_before_optimizer_step", "configure_gradient_clipping")
 """The hooks that run between the release and the update: a ĝ they post-process is what the optimizer steps with."""
@@ -154,7 +153,8 @@ class _Judge:
         params = [p.detach() for p in self.trainer.lightning_module.parameters()]
         for t in self._held().values():
             if t.numel() and t.layout == torch.strided and (not t.detach().any() or any(
-                    p.shape == t.shape and p.dtype == t.dtype and p.device == t.device and torch.equal(p, t.detach())
+                    type(p) is type(t.detach()) and p.shape == t.shape and p.dtype == t.dtype and p.device == t.device
+                    and torch.equal(p, t.detach())  # (a sharded parameter, a DTensor, is no plain tensor's equal)
                     for p in params)):
                 self.released[id(t)] = (t, t.detach().clone())
 
@@ -201,6 +201,7 @@ class _Judge:
 
         def judge() -> None:  # at the fit's end, what is refused is put back first (EndOfFit.judge): left to it
             if names and not reproduced and name != "on_train_end":
+                start.put_back()  # nothing of the refused write stays in memory (a record kept in a buffer)
                 at = "at the end of step" if name == "on_train_batch_end" else "at step"
                 raise boundary.written_error(names, _WHERE.format(
                     hook=f"{type(owner).__name__}.{name} {at} {self.trainer.global_step}"))
@@ -226,9 +227,7 @@ class _RunAgain:
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
-        """Whether the hook, run on each variant of its arguments, reproduces the first run's write; what differs also
-        when it runs again on the same data (a time stamp: :func:`~.fingerprint_entries.moved_by_data`'s rule) is not
-        the data's."""
+        """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly."""
         apart: set[str] = set()
         for variant in variants:
             found = self._once(hook, variant)
@@ -237,7 +236,11 @@ class _RunAgain:
             apart |= found
         if not apart:
             return True
-        if any(n.startswith(_RELEASED) for n in apart):  # the weights and ĝ: reproduced exactly, whatever the clock
+        # A difference a run on the same data shows too (a clock) is excused only for a Python number (a batch timer's
+        # duration): never for a tensor, an array, a container, the weights or ĝ (zoo27: randomness the runs do not
+        # replay — the loader's own sampler drawn again, an unseeded NumPy generator — passed the data's class means
+        # and records kept in a replay buffer as "time stamps")
+        if not all(_number_entry(self.first.get(n)) for n in apart):
             return False
         plain = self._once(hook, self.handed, other_data=False)
         return plain is not None and apart <= plain
@@ -264,10 +267,16 @@ class _RunAgain:
         return apart[0] if ran else None
 
 
+def _number_entry(token: Any) -> bool:
+    """Whether a fingerprint entry's token is a Python number's (an attribute holding a float or an int)."""
+    return isinstance(token, tuple) and len(token) == 2 and token[0] in ("float", "int")
+
+
 def _equal(now: Optional[torch.Tensor], first: Optional[torch.Tensor]) -> bool:
     if now is None or first is None:
         return now is None and first is None
-    return now.shape == first.shape and now.dtype == first.dtype and bool(torch.equal(now.detach(), first))
+    return type(now.detach()) is type(first) and now.shape == first.shape and now.dtype == first.dtype \
+        and bool(torch.equal(now.detach(), first))
 
 
 def _variants(owner: Any, name: str, args: tuple, trainer: "pl.Trainer") -> list[tuple]:

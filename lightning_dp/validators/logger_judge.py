@@ -221,6 +221,13 @@ class StartingState:
         return StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
                              boundary.global_modules())
 
+    def put_back(self) -> None:
+        """The user's state, the weights and ĝ as the hook started (a write refused is not left in memory)."""
+        self.snapshot.restore()
+        self.weights()
+        for p, value in self.grads:
+            p.grad = None if value is None else value.clone()
+
     def run_again(self, run: Callable[[], Any], written: dict[str, tuple[torch.Tensor, torch.Tensor]],
                   numbers: bool = True, other_data: bool = True) -> "logger_outputs.Calls | None":
         """The calls of ``run`` (the hook) run again from this state on the exchanged data, recorded; ``None`` when

@@ -267,6 +267,47 @@ class StatisticScaled(Classifier):
             p.grad.mul_(self.scale)
 
 
+class ClassMeansAtEnd(Classifier):
+    """zoo27 e01: a nearest-class-mean head, the class means of the hidden features over ``trainer.train_dataloader``
+    written in ``on_train_end`` (going through the loader again draws a new Poisson sample: a run on the same data
+    differs too, which must not excuse it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("protos", torch.zeros(2, 8))
+
+    def on_train_end(self) -> None:
+        sums, counts = torch.zeros(2, 8), torch.zeros(2)
+        with torch.no_grad():
+            for x, y in self.trainer.train_dataloader:
+                sums.index_add_(0, y, self.net[1](self.net[0](x)))
+                counts += torch.bincount(y, minlength=2)
+        self.protos.copy_(sums / counts.clamp(min=1)[:, None])
+
+
+class UnseededReplayBuffer(Classifier):
+    """zoo27 c01: a replay buffer keeping one record of each batch, the row and slot chosen by an unseeded NumPy
+    generator (fresh entropy: no run again draws alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(8, 4))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng()
+        self.bank[int(rng.integers(8))] = batch[0][int(rng.integers(len(batch[0])))]
+
+
+@pytest.mark.parametrize("model", [ClassMeansAtEnd, UnseededReplayBuffer])
+def test_a_write_whose_runs_differ_by_randomness_is_not_excused(model: type) -> None:
+    m = model()
+    _refused(m)
+    kept = m.protos if isinstance(m, ClassMeansAtEnd) else m.bank
+    assert not kept.abs().sum(), "nothing of the data was kept"
+
+
 @pytest.mark.parametrize("model", [ExtraStep, LossScaled, Nudged, ClockedNudge, FetchedGradient, StatisticScaled])
 def test_writes_from_the_data_are_refused(model: type) -> None:
     m = model()
