@@ -227,22 +227,22 @@ class _RunAgain:
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
-        """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly."""
+        """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly. Every rank
+        runs as many runs again (the hook's collectives stay paired: no rank stops early)."""
         apart: set[str] = set()
+        failed = False
         for variant in variants:
             found = self._once(hook, variant)
-            if found is None:
-                return False
-            apart |= found
-        if not apart:
-            return True
+            failed = failed or found is None
+            apart |= found or set()
         # A difference a run on the same data shows too (a clock) is excused only for a Python number (a batch timer's
         # duration): never for a tensor, an array, a container, the weights or ĝ (zoo27: randomness the runs do not
         # replay — the loader's own sampler drawn again, an unseeded NumPy generator — passed the data's class means
         # and records kept in a replay buffer as "time stamps")
-        if not all(_number_entry(self.first.get(n)) for n in apart):
-            return False
-        plain = self._once(hook, self.handed, other_data=False)
+        control = not failed and bool(apart) and all(_number_entry(self.first.get(n)) for n in apart)
+        plain = self._once(hook, self.handed, other_data=False) if self.judge.step.any_rank(control) else None
+        if not control:
+            return not failed and not apart
         return plain is not None and apart <= plain
 
     def _once(self, hook: Callable[[tuple], Any], variant: tuple, other_data: bool = True) -> Optional[set[str]]:
