@@ -15,7 +15,9 @@ the records the loader draws from (read and compared like the sampled one, never
 * **the largest batch** the Poisson sampler plausibly draws: ⌈B + 4√B⌉ records at random (B the expected batch of
   this process; a Poisson batch exceeds it with probability about 3·10⁻⁵), at most the population; the check compares
   ``max_examples`` of them and passes them at the size the step sees (``max_physical_batch_size`` caps it);
-* **the smallest**: 2 records at random.
+* not the smallest (2 records): at 2 or 3 examples some models' layers cannot tell their examples from their own
+  dimensions (the zoo's stacked speakers), a false refusal; behaviour switched on by a tiny batch is left to the
+  sampled checks.
 
 The choice of records is public (an OS-seeded generator, the labels' values never leave: only which rows are
 compared); the cost is at most three more batch checks on at most ``max_examples`` examples each, once per fit.

@@ -336,8 +336,8 @@ class StepChecks:
             labels = None
         return [*([(labels, True, built + "holding every label value, two of each")] if labels else []),
                 (list(rng.sample(population, large)), False, built + f"of {large} records, the largest batch the "
-                 "sampler plausibly draws"),
-                (list(rng.sample(population, 2)), False, built + "of 2 records")]
+                 "sampler plausibly draws")]  # no tiny batch: at 2 or 3 examples some models' layers cannot tell
+        # their examples from their own dimensions (zoo: stacked speakers) — a false refusal, not a finding
 
     @contextmanager
     def engine_aside(self) -> Iterator[None]:

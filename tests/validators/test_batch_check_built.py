@@ -73,16 +73,6 @@ class LargeBatchStatistics(Classifier):
         return F.cross_entropy(self(x), y)
 
 
-class PairsApart(ThreeClasses):
-    """A batch of two records is treated apart: its rows mixed."""
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        if len(x) == 2:
-            x = 0.7 * x + 0.3 * x.flip(0)
-        return F.cross_entropy(self(x), y)
-
-
 def two_classes(n=256):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 4, generator=g)
@@ -93,7 +83,6 @@ def two_classes(n=256):
     (RareShare, rare_data, "holding every label value"),
     (RareShare, lambda: Subset(rare_data(300), list(range(280))), "holding every label value"),
     (LargeBatchStatistics, two_classes, r"of 55 records, the largest batch"),
-    (PairsApart, rare_data, "of 2 records"),
 ])
 def test_behaviour_the_data_switch_on_is_refused_at_the_first_step(factory, dataset, match):
     model = factory()
