@@ -65,8 +65,9 @@ from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
 from lightning_dp.validators.loaders import population_changed_error, record_set
-from lightning_dp.validators.stored_records import StoredRecords, changed_records, changed_records_error, stored_records
-from lightning_dp.validators.stored_records import check_stored_unchanged
+from lightning_dp.record_checks.stored_records import (StoredRecords, changed_records, changed_records_error,
+                                                       stored_records)
+from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
 from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge
@@ -845,7 +846,7 @@ class PrivateTraining:
                         storage_options: Optional[Any] = None) -> None:
         """Add the private step's state (ledger, σ, C, target, noise state) to the checkpoint, then write it; refused
         when the state it holds changed since the last update (the release boundary), or when it holds training
-        records (:func:`~lightning_dp.validators.outside_records.records_in`: an ``on_save_checkpoint`` adding
+        records (:func:`~lightning_dp.record_checks.outside_records.records_in`: an ``on_save_checkpoint`` adding
         examples, data passed to ``save_hyperparameters``). Written while a decision window is open (an epoch's end:
         ``ModelCheckpoint`` saves in its own ``on_train_epoch_end``), what the window's hooks wrote so far is judged
         first, as the window judges it (:meth:`~lightning_dp.validators.decisions.DecisionWindows.before_checkpoint`):

@@ -352,7 +352,7 @@ class PerRankSplit(pl.LightningDataModule):
 @pytest.mark.parametrize("subsample", [False, True], ids=["shuffled per rank", "subsampled per rank"])
 def test_training_datasets_that_differ_between_ranks_are_refused(subsample):
     """One population for every rank, or the draw puts one record at two ranks' different indices and N, q
-    disagree: refused on every rank (validators/records.check_same_on_every_rank) before any release."""
+    disagree: refused on every rank (record_checks/records.check_same_on_every_rank) before any release."""
     trainer = _trainer(_ddp_strategy(noise_multiplier=1.0, sampler_seed=0), WORLD, max_steps=2)
     model = SeededClassifier()
     with pytest.raises(Exception, match="differ between the ranks"):

@@ -17,7 +17,7 @@ The same data (:class:`DataUse`, compared by :func:`shares_records`):
   train_idx)``), at index sets that overlap. Index sets of one dataset that are disjoint (a dataset split in parts,
   one model per part) are parallel composition: each fit's ledger stands alone;
 * otherwise rows of the same content (``TensorDataset(X[idx], y[idx])``: copies in new memory): the row digests of
-  the items that identify the records (:func:`~lightning_dp.validators.stored_sources.identifying_rows`, handed in by
+  the items that identify the records (:func:`~lightning_dp.record_checks.stored_sources.identifying_rows`, handed in by
   the strategy), one fit's records holding at least :data:`OVERLAP` of the smaller population's;
 * otherwise tensors or NumPy arrays in overlapping memory (views of one buffer, ``torch.from_numpy``): conservative,
   as if every record of both were shared.
@@ -49,7 +49,7 @@ from lightning_dp.accounting.module_ledgers import Combined, combine
 OVERLAP = 0.05
 """The share of the smaller population's records another fit's rows must hold (by content) for the two to share
 records (a few equal rows in two sources are natural: two people's identical short messages). The same as
-:data:`~lightning_dp.validators.stored_sources.OVERLAP`."""
+:data:`~lightning_dp.record_checks.stored_sources.OVERLAP`."""
 
 Digests = dict[tuple, np.ndarray]
 """Per kind of identifying item, the sorted row digests of the records a fit reads."""

@@ -30,7 +30,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.engine_api import mark_released
-from lightning_dp.validators.records import check_records
+from lightning_dp.record_checks.records import check_records
 from lightning_dp.grad_sample.base import ClippedBatch
 from lightning_dp.privacy.noise import GaussianNoise
 from lightning_dp.privacy.private_step import PrivateStep

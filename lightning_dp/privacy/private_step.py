@@ -77,8 +77,8 @@ from lightning_dp.validators.loaders import TrainingPopulation, training_populat
 from lightning_dp.validators.mechanism_settings import mechanism_state
 from lightning_dp.validators.plain_loop import PlainLoop, check_bound_loss
 from lightning_dp.validators.schedule import VerificationSchedule
-from lightning_dp.validators.records import check_records
-from lightning_dp.validators.outside_records import records_exchanged
+from lightning_dp.record_checks.records import check_records
+from lightning_dp.record_checks.outside_records import records_exchanged
 from lightning_dp.validators.finite_release import check_finite_release
 from lightning_dp.validators.step_index import check_start_step, own_index, plan_to_keep
 
@@ -445,7 +445,7 @@ class PrivateStep(StepChecks):
         accumulation) is the expected batch per process. Each pass starts a banded group cycle at the ledger's count
         (``start_step``, if given, must be it: :mod:`~lightning_dp.validators.step_index`). The records it draws are
         checked first
-        (:func:`~lightning_dp.validators.records.check_records`: a fixed record per index, each once)."""
+        (:func:`~lightning_dp.record_checks.records.check_records`: a fixed record per index, each once)."""
         where, first = self.distribution, check_start_step(self, start_step)
         self.fresh.start()  # the base seed, before any record is read
         population = training_population(dataloader, where.rank, where.world_size, batches_per_step)

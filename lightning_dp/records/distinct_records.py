@@ -1,12 +1,12 @@
 """A declaration that records with identical contents are nevertheless different records.
 
-The content check (:mod:`lightning_dp.validators.records`) refuses a training set in which
+The content check (:mod:`lightning_dp.record_checks.records`) refuses a training set in which
 many records are exact copies of another: that is what oversampling and a ``__len__`` that repeats the
 data look like, and a repeated record's privacy loss adds up over its copies. Some data repeat by
 nature: two people with the same short message, the same answers to a categorical survey. Wrapping the
 dataset in :class:`DistinctRecords` states that each position is its own person's record, whatever it
 contains: the content check is skipped (what can be seen without reading the data still is: a Subset
-index listed twice, a dataset concatenated with itself; :mod:`~lightning_dp.validators.record_sources`).
+index listed twice, a dataset concatenated with itself; :mod:`~lightning_dp.record_checks.record_sources`).
 The claim is yours: the accounting is for one record per position.
 """
 

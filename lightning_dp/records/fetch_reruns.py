@@ -11,7 +11,7 @@ the same records' seeds):
 
 * on the same records (the *plain* rerun);
 * on the same records **exchanged** in memory (the training data's tensors, arrays and lists flipped in place,
-  :func:`~lightning_dp.validators.outside_records.exchange`, handed in by the strategy; not in a DataLoader worker,
+  :func:`~lightning_dp.record_checks.outside_records.exchange`, handed in by the strategy; not in a DataLoader worker,
   whose pages the flip would copy, nor over 64 MiB of records): a statistic of the values, a count of the records
   whose label is 1, a copy of the last record's values come out otherwise;
 * on **other records**, as many (each index moved by half the dataset's length): what only a record's shape or

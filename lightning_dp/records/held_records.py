@@ -2,7 +2,7 @@
 candidate's rows (or of its image under one affine map) against them.
 
 The checks that look for copies of the training data outside a step ask it: the copies exchanged around a step
-(:mod:`lightning_dp.validators.outside_records`), the validation data that are training records
+(:mod:`lightning_dp.record_checks.outside_records`), the validation data that are training records
 (:mod:`lightning_dp.validators.monitored`), the records a checkpoint or the model's state keeps
 (:mod:`lightning_dp.record_statistics.data_statistics`)."""
 
@@ -24,7 +24,7 @@ MAX_DIGESTED = 1 << 28
 DIGESTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
                              torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """The dtypes whose rows are digested: those whose copies can be exchanged in place
-(:mod:`lightning_dp.validators.outside_records`)."""
+(:mod:`lightning_dp.record_checks.outside_records`)."""
 
 
 def row_digests(t: Tensor, rounded: Optional[torch.dtype] = None) -> Optional[set[int]]:

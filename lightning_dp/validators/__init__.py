@@ -18,7 +18,7 @@ would otherwise corrupt, and refused with an error that names the fix:
 - :mod:`.batch_check` (when: :mod:`.schedule`): the same on a step's own sampled batch — as one
   batch, as two halves and two examples alone — on the first step and at random later steps
   (or every step); the checks' passes leave the generators as they were (:mod:`.rng`).
-- :mod:`.records`: each index reads one fixed record, each record is in the data once.
+- :mod:`lightning_dp.record_checks.records`: each index reads one fixed record, each record is in the data once.
 
 What leaves a step besides the noised update (kept state, raw gradients, uncovered optimizer
 tensors) is the release boundary's to refuse: :mod:`lightning_dp.privacy.boundary`.

@@ -55,7 +55,8 @@ mask). Cost, measured (784-256-10 MLP, batch 64, one CPU thread): a step that dr
 instead of 0.17 s, the first step's 0.94 s instead of 0.60 s; a step that draws nothing pays nothing more.
 
 Last, the whole batch passes once more with the training data's other copies in memory exchanged for other values
-(:mod:`.outside_records`): a step that reads only its batch gives bit for bit the same gradients; one that reads other
+(:mod:`lightning_dp.record_checks.outside_records`): a step that reads only its batch gives bit for bit the same
+gradients; one that reads other
 records (neighbours, negatives, soft targets from the training tensors or a copy of them) does not.
 
 A float32 refusal within :data:`~lightning_dp.tolerance.NEAR_MISS` τ is judged again in float64, where round-off
@@ -73,7 +74,7 @@ from torch import Tensor
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.records.generator_states import GeneratorStates, taken
-from lightning_dp.validators.outside_records import ExchangedRecords, outside_records_error
+from lightning_dp.record_checks.outside_records import ExchangedRecords, outside_records_error
 from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes, frozen_parameters, seed_all
 from lightning_dp.tolerance import NEAR_MISS, REJUDGED_ULPS, batch_tolerance
 from lightning_dp.wide_replay import in_float64
@@ -275,7 +276,8 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         self._exchanged(base_indices, base, step)
 
     def _exchanged(self, chosen: list[int], whole: ClippedBatch, step: int) -> None:
-        """The batch once more with the training data's other copies exchanged (:mod:`.outside_records`): every
+        """The batch once more with the training data's other copies exchanged
+        (:mod:`lightning_dp.record_checks.outside_records`): every
         per-example norm and every parameter's sum must be the first pass's; a failure only this pass meets is the
         step reading the exchanged data too (round 0 only)."""
         if self.outside is None or not self.outside.arrays or self.round:

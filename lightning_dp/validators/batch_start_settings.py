@@ -8,7 +8,8 @@ there from ``batch[0].abs().mean()`` would clip, noise and be released by that v
 notes the settings (:func:`~.steered_settings.step_decisions`, the optimizer's hyper-parameters) and the user's state
 as each training batch arrives (the strategy's ``batch_to_device``); at the top of ``training_step``, when the settings
 moved since, the batch-start hooks run again from that state and those settings, from the same seeds, on the step's
-examples twice, on half of them and on them exchanged (:func:`~.outside_records.exchanged_copy`). What the other data
+examples twice, on half of them and on them exchanged
+(:func:`~lightning_dp.record_checks.outside_records.exchanged_copy`). What the other data
 set apart, and the second plain run does not, was set from the batch: refused before the release, on every rank. A
 warm-up or a C schedule by ``global_step`` sets the same values on any data and trains. The state and settings the
 real hooks left are put back after judging.
@@ -22,7 +23,7 @@ from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries, moved_by_data
 from lightning_dp.records.fetch import seeded
 from lightning_dp.validators.hook_replays import replaying
-from lightning_dp.validators.outside_records import exchanged_copy
+from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_records, settings,
                                                       settings_kept, step_decisions)

@@ -7,7 +7,8 @@ written and may put anything into it without keeping it on themselves: class mea
 features for an OOD detector, read back by ``on_load_checkpoint`` on a resume. :func:`written_from_data` runs those
 hooks of the user's again on a structural copy of the checkpoint being written (its dicts and lists copied, what
 they hold shared), from the same state and seeds: on the training data, with the training data's copies in memory
-exchanged for other values (:mod:`.outside_records`), and — when those two differ — on the training data again. A
+exchanged for other values (:mod:`lightning_dp.record_checks.outside_records`), and — when those two differ — on the
+training data again. A
 key the exchanged run sets apart from the first, and the second plain run does not (a time stamp is not the data's),
 was computed from the training data and is refused. What the hooks store alike — an epoch counter, a configuration
 string, a public list of class names, ``ModelCheckpoint``'s and the library's own keys (their hooks are not run
@@ -34,7 +35,7 @@ from lightning_dp.fingerprints.checksums import numpy_token, content_sums
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.fingerprints.public_names import is_public
-from lightning_dp.validators.outside_records import records_in, records_in_checkpoint_error
+from lightning_dp.record_checks.outside_records import records_in, records_in_checkpoint_error
 from lightning_dp.validators.snapshot import StateSnapshot
 
 if TYPE_CHECKING:
@@ -210,7 +211,8 @@ def checkpoint_from_data_error(paths: list[str]) -> Exception:
 
 
 def check_checkpoint_records(step: Any, checkpoint: dict[str, Any]) -> None:
-    """Refuse a checkpoint holding training records (:func:`~.outside_records.records_in`: an ``on_save_checkpoint``
+    """Refuse a checkpoint holding training records (:func:`~lightning_dp.record_checks.outside_records.records_in`: an
+    ``on_save_checkpoint``
     adding examples, data passed to ``save_hyperparameters``) or a vocabulary read from them
     (:mod:`.held_vocabulary`)."""
     datasets = step.boundary.datasets()

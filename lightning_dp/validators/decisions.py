@@ -18,9 +18,11 @@ when they changed are the window's hooks of the module and of the callbacks that
 run again, from the decisions (and the user objects' attributes) as they were when it opened: twice as they ran, then on
 other data — at a batch's end its loss (every float tensor of its outputs) moved far, then near zero (a decision taken
 once it is above a threshold), and, separately, the batch with its values exchanged
-(:func:`.outside_records.exchanged_copy`), all of them or its floating-point ones only (a loss is the same on both
+(:func:`lightning_dp.record_checks.outside_records.exchanged_copy`), all of them or its floating-point ones only (a
+loss is the same on both
 exchanged for a model odd in its input); at an epoch's or a validation's end with the training data's copies in memory
-exchanged (:mod:`.outside_records`), all or the floating-point ones only — each from the same random seeds. A decision
+exchanged (:mod:`lightning_dp.record_checks.outside_records`), all or the floating-point ones only — each from the same
+random seeds. A decision
 the other data sets apart, and the second plain run does not (a time, a random draw), came from the training data:
 refused before the next release. Decisions the window's hooks do not make again (a scheduler's step, ``EarlyStopping``
 on a held-out value, ``ReduceLROnPlateau``) are not theirs to judge: the replays leave them as they were.
@@ -54,7 +56,7 @@ from lightning_dp.validators.steered_settings import (decisions, hyperparameters
                                                       put_loop_controls, schedulers)
 from lightning_dp.validators.mechanism_notes import MechanismNotes
 from lightning_dp.validators.optimizer_extra_state import put_state, saved_state
-from lightning_dp.validators.outside_records import exchanged_copy
+from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
 
 __all__ = ["DecisionWindows", "WINDOW_HOOKS"]
@@ -96,7 +98,7 @@ class DecisionWindows(pl.Callback):
 
     Args:
         exchanged: a context in which the training data's copies in memory hold other values (given ``True``: only
-            its floating-point arrays, :meth:`~.outside_records.ExchangedRecords.exchanged`).
+            its floating-point arrays, :meth:`~lightning_dp.record_checks.outside_records.ExchangedRecords.exchanged`).
         settings: a context every run of the hooks is made in (the same random seeds, the boundary's watches paused,
             σ and C kept).
         boundary: the release boundary whose kept state an epoch's hooks may change (what they keep without the data

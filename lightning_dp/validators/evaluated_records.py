@@ -9,10 +9,12 @@ over the training population of a fit that strategy or that module made is refus
 logged metric).
 
 Which records: :func:`note_training` keeps, at each fit's training loader, the digests of the rows of its identifying
-items (:func:`~.stored_sources.identifying_rows`: one row per record, not a label column) at the population's
+items (:func:`~lightning_dp.record_checks.stored_sources.identifying_rows`: one row per record, not a label column) at
+the population's
 indices; :func:`check_evaluation` finds an evaluation loader's records among them (a copy of the tensors in other
 memory, another dataset object over them), or its dataset is the training dataset itself, on indices in common. A
-share under :data:`~.stored_sources.OVERLAP` of the evaluated records is natural (equal records in two sources). A
+share under :data:`~lightning_dp.record_checks.stored_sources.OVERLAP` of the evaluated records is natural (equal
+records in two sources). A
 plain ``pl.Trainer`` without a private strategy is outside the library's reach (docs/release_boundary.md).
 """
 
@@ -26,7 +28,7 @@ import numpy as np
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.validators.monitored import _positions, _records
-from lightning_dp.validators.stored_sources import OVERLAP, identifying_rows
+from lightning_dp.record_checks.stored_sources import OVERLAP, identifying_rows
 
 Population = tuple[Any, Optional[set[int]], dict[tuple, np.ndarray]]
 """(a weak reference to the training dataset under its ``Subset`` wrappers, its indices trained on — ``None``: all —,

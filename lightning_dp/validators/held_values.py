@@ -5,11 +5,13 @@ held anywhere: the datamodule's standardised copy, the norms of the records on t
 the training set in float64, a dataset's cache filled as records are fetched, a copy kept on the trainer. The
 exchange of the training data's copies (:meth:`~.step_checks.StepChecks.exchanged_training_data`) finds copies of
 the records only, not what was derived from them, so the run again exchanges :func:`other_values` too: every tensor
-and NumPy array (:func:`~.holders.held_arrays`) held by the model (its buffers and its modules' attributes, never
+and NumPy array (:func:`~lightning_dp.record_checks.holders.held_arrays`) held by the model (its buffers and its
+modules' attributes, never
 its parameters), the datamodule, the user's callbacks, the trainer's and the strategy's public attributes that are
 not Lightning's or lightning_dp's objects, the validation and test loaders' datasets, the training dataset (its
 caches) and the globals of the user's modules, and the lists of floats their attributes hold (one level down) — in
-place, restored after (:func:`~.outside_records.exchange`: the tensors' version counters stay). The Python numbers
+place, restored after (:func:`~lightning_dp.record_checks.outside_records.exchange`: the tensors' version counters
+stay). The Python numbers
 and strings (and lists, tuples, dicts of them) of the model, the datamodule, the user's callbacks and the datasets
 are given other values too (:func:`numbers_held`, :mod:`lightning_dp.fingerprints.held_numbers`: ``self.stat =
 float(x.norm())``, class counts as a list of ints, a string of records), except what is public by its name: the
@@ -40,8 +42,8 @@ from torch.utils.data import DataLoader
 from lightning_dp.fingerprints.held_numbers import HeldNumbers, held_numbers
 from lightning_dp.records import user_generators as torch_generators
 from lightning_dp.records.library_objects import is_library, library_callback
-from lightning_dp.validators.holders import RowItems, held_arrays
-from lightning_dp.validators.outside_records import ExchangedRecords, _Memory, exchangeable
+from lightning_dp.record_checks.holders import RowItems, held_arrays
+from lightning_dp.record_checks.outside_records import ExchangedRecords, _Memory, exchangeable
 
 __all__ = ["derived_from_released", "numbers_held", "other_values", "tensors_held", "user_generators"]
 
@@ -55,7 +57,8 @@ _NOT_USERS = frozenset({"callbacks", "datamodule", "lr_scheduler_configs"})
 
 def other_values(trainer: Any, dataset: Any, modules: Iterable[types.ModuleType], exchanged: Iterable[Any],
                  released: Iterable[Tensor]) -> ExchangedRecords:
-    """The arrays the user's state holds (module docstring), for :meth:`~.outside_records.ExchangedRecords.exchanged`;
+    """The arrays the user's state holds (module docstring), for
+    :meth:`~lightning_dp.record_checks.outside_records.ExchangedRecords.exchanged`;
     ``exchanged``: the training data's copies exchanged already; ``released``: the released tensors, left."""
     memory = _Memory()
     for value in exchanged:

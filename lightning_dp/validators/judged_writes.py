@@ -17,7 +17,8 @@ judged where it is made:
    copy, every other tensor and NumPy array of the user's state given other values
    (:func:`~.held_values.other_values`), the logged values moved, the user's generators replayed — and, at a batch's
    end, on the batch exchanged with its outputs moved far, then on its floating-point values exchanged with its
-   outputs moved near zero (:func:`~.outside_records.exchanged_copy`, :func:`~.hook_replays.moved_far`);
+   outputs moved near zero (:func:`~lightning_dp.record_checks.outside_records.exchanged_copy`,
+   :func:`~.hook_replays.moved_far`);
 3. the write is accepted — it becomes what the next release compares with (``ReleaseBoundary.accept``; a ĝ
    post-processed is what the optimizer steps with, ``ReleaseBoundary.released``) and its tensors are functions of
    the released state (:func:`~.held_values.derived_from_released`: a later judge leaves their values) — only when
@@ -59,7 +60,7 @@ from lightning_dp.validators.hook_replays import moved_far, moved_near, replayin
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.logger_judge import StartingState
 from lightning_dp.validators.logger_outputs import own_attribute, put_back
-from lightning_dp.validators.outside_records import exchanged_copy
+from lightning_dp.record_checks.outside_records import exchanged_copy
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_dp.errors import OutsideStepsWarning, PrivacyConfigurationError, warn_or_refuse
 from lightning_dp.records.outside_steps import stepped_outside
-from lightning_dp.validators.holders import _Walk
+from lightning_dp.record_checks.holders import _Walk
 from lightning_dp.fingerprints.public_names import is_public
 
 JUDGED_ELSEWHERE = frozenset({"StandardScaler", "RobustScaler", "MinMaxScaler", "PCA",  # data_statistics.py
@@ -98,7 +98,8 @@ def fitted_estimator(value: Any) -> bool:
 
 
 class _FitsWalk(_Walk):
-    """The holders' walk (:mod:`.holders`), keeping the modules held outside the model and the fitted estimators."""
+    """The holders' walk (:mod:`lightning_dp.record_checks.holders`), keeping the modules held outside the model and
+    the fitted estimators."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -26,7 +26,7 @@ from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import FIRST_DRAWS, LATER_DRAWS, BatchInteractionCheck, batch_tolerance
 from lightning_dp.records.constructed_batches import label_batch, largest_batch
-from lightning_dp.validators.outside_records import ExchangedRecords, exchanged_copy, training_copies
+from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.record_statistics.public_overlap import check_public_steps
@@ -249,7 +249,7 @@ class StepChecks:
         before its release: ``loss_of_batch(batch)`` is the user's loss of a batch of examples read by
         :meth:`examples` (``fixed``; each set of examples is read once, and every pass gets its own copy, so the last
         pass runs on the records read before the training data's other copies were exchanged:
-        :mod:`~lightning_dp.validators.outside_records`).
+        :mod:`~lightning_dp.record_checks.outside_records`).
         Everything the passes write is restored and the RNGs continue as if they had not run; every rank learns
         whether any refused (one all-reduce). ``max_examples``: the most examples passed as one batch (memory);
         ``as_of``: when the model was made to believe it runs (said in the refusal); ``charge``: the check's time

@@ -4,7 +4,8 @@ Rule 3 of docs/release_boundary.md (kept state) is checked by comparing fingerpr
 module holds what a fingerprint alone cannot tell — whether a write, a hyper-parameter or a decision was *computed
 from the data* — and tells it the one way that works on code nobody here wrote: the user's hooks run again from the
 same state and the same random seeds, on the training data, on it again, and on other data (the batch exchanged,
-its loss moved far, the training set's copies in memory exchanged; :mod:`.outside_records`). What the other data
+its loss moved far, the training set's copies in memory exchanged; :mod:`lightning_dp.record_checks.outside_records`).
+What the other data
 sets apart and the second plain run does not is the data's (:func:`.fingerprint_entries.moved_by_data`); it is refused
 before any release, on every rank alike. The checks, in the order a fit meets them:
 
@@ -45,7 +46,7 @@ from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
 from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_decisions, replay_records,
                                                       state_written)
-from lightning_dp.validators.outside_records import exchanged_copy
+from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -338,7 +339,7 @@ class StepReplays:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
         (``on_train_start``, ``on_train_epoch_start``/``end``), replayed as the module runs at ``progress`` (``None``:
         now), each from the same state and the same random seeds: on the training data, with its copies in memory
-        exchanged for other values (:mod:`~lightning_dp.validators.outside_records`), and — only when those two
+        exchanged for other values (:mod:`~lightning_dp.record_checks.outside_records`), and — only when those two
         differ — on the training data again. What the exchanged replay leaves apart from the first, and the second
         plain replay does not (a time stamp, a wall-clock duration), comes from the training data, no noise covers
         it, and later steps can read it: a learning rate or a stop (a rate from the training set's accuracy), a

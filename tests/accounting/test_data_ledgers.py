@@ -11,7 +11,7 @@ from torch.utils.data import ConcatDataset, Subset, TensorDataset
 from lightning_dp.accounting import forget_data_releases
 from lightning_dp.accounting.data_ledgers import continue_on_data, data_use, releases_on, shares_records, union
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.validators.stored_sources import identifying_rows
+from lightning_dp.record_checks.stored_sources import identifying_rows
 
 
 pytestmark = pytest.mark.usefixtures("data_record")

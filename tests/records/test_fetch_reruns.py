@@ -17,7 +17,7 @@ from lightning_dp.records.collate import EmptySafeCollate, loader_like
 from lightning_dp.records.fetch import fetch
 from lightning_dp.records.fetch_reruns import Kept, alike, fetch_written, frozen, other_indices, reached
 from lightning_dp.records.stateless import FetchState
-from lightning_dp.validators.outside_records import records_exchanged
+from lightning_dp.record_checks.outside_records import records_exchanged
 
 G = torch.Generator().manual_seed(0)
 X = torch.rand(64, 1, 4, 4, generator=G)

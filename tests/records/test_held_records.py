@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from lightning_dp.records.held_records import DIGESTED_DTYPES, holds_records, row_digest_array, row_digests
-from lightning_dp.validators.outside_records import _FLOAT_MASKS, _INT_MASKS
+from lightning_dp.record_checks.outside_records import _FLOAT_MASKS, _INT_MASKS
 
 
 def test_the_digested_dtypes_are_those_the_exchange_can_flip():

@@ -1,5 +1,5 @@
 """What the training loader's datasets store stays fixed between epochs without a reload too (zoo17 c3,
-validators/stored_records.check_stored_unchanged): records mixed with their neighbours in place, or bound anew, by a
+record_checks/stored_records.check_stored_unchanged): records mixed with their neighbours in place, or bound anew, by a
 callback at an epoch's start after a warm-up are refused before that epoch's first release; augmentation at each
 fetch, and a decode buffer the reads fill, train."""
 

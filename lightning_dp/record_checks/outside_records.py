@@ -7,7 +7,8 @@ dataset.tensors[0])``), negatives or a memory bank that *is* the training tensor
 the LightningDataModule or a global (``self.trainer.datamodule.x_train``) — makes every example's gradient depend on
 records the step did not sample: no clipping bounds their influence and no q is their rate.
 
-:class:`ExchangedRecords` is the batch check's last pass (:mod:`.batch_check`): the checked batch, read as usual,
+:class:`ExchangedRecords` is the batch check's last pass (:mod:`lightning_dp.validators.batch_check`): the checked
+batch, read as usual,
 passes through the step again while every other copy of the training data in memory is *exchanged* in place, exactly
 reversibly, for other values (:func:`exchange`):
 
@@ -25,7 +26,7 @@ What is exchanged (:func:`training_copies`): the tensors of the training dataset
 (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`; every view of their memory, anywhere, with them), the
 NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
 NumPy array the model (buffers, attributes), the datamodule, a callback or a global of the user's code holds,
-directly or further in (:func:`~lightning_dp.validators.holders.held_arrays`: nested containers, helper objects and
+directly or further in (:func:`~lightning_dp.record_checks.holders.held_arrays`: nested containers, helper objects and
 fitted estimators, a ``functools.partial``'s arguments, a function's defaults and closure, the weights of a module
 held outside the model; a bounded walk), whose rows are rows of a training tensor (its sampled rows found in the
 tensor's row digests, :func:`~lightning_dp.records.held_records.row_digests`; a float16 or bfloat16 copy in the
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.holders import RowItems, held_arrays
+from lightning_dp.record_checks.holders import RowItems, held_arrays
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.held_records import ROWS_SAMPLED, holds_records, row_digests
 
@@ -66,7 +67,8 @@ class ExchangedRecords:
         arrays: (name, tensor or NumPy array or list) to exchange; a name says where it is held (never its data).
         ready: whether the pass may run now (the caller's condition: its batch was read before the exchange).
         also: ``also(floating_only)``, a context entered with the exchange: what else reads of the training data
-            reads other values inside (the non-private diagnostics, :func:`.diagnostic_reads.moved`).
+            reads other values inside (the non-private diagnostics,
+            :func:`lightning_dp.validators.diagnostic_reads.moved`).
     """
 
     def __init__(self, arrays: Sequence[tuple[str, Any]], ready: Callable[[], bool] = lambda: True,
@@ -105,7 +107,7 @@ class ExchangedRecords:
 def exchangeable(value: Any) -> bool:
     """Whether :func:`exchange` may write ``value`` in place: a dense tensor of a masked dtype outside shared memory
     and files, a writeable in-memory NumPy array of numbers, a non-empty list of numbers or strings, or records held
-    one per item of a container (:class:`~lightning_dp.validators.holders.RowItems`) of which one is exchangeable."""
+    one per item of a container (:class:`~lightning_dp.record_checks.holders.RowItems`) of which one is exchangeable."""
     if isinstance(value, RowItems):
         return any(exchangeable(a) for a in value.arrays)
     if isinstance(value, Tensor):
@@ -132,7 +134,7 @@ def _file_backed(array: np.ndarray) -> bool:
 
 def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
     """Exchange ``value``'s contents in place (module docstring), or only its ``rows`` (along dimension 0); returns
-    the function that restores them exactly. A :class:`~lightning_dp.validators.holders.RowItems`: each of its
+    the function that restores them exactly. A :class:`~lightning_dp.record_checks.holders.RowItems`: each of its
     exchangeable arrays, whole."""
     if isinstance(value, RowItems):
         return _exchange_items(value)
@@ -297,7 +299,7 @@ def _floating(value: Any) -> bool:
 def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """(name, array) of the training data in memory: ``dataset``'s tensors and its datasets' arrays and lists of
     records, and the copies of its tensors ``holders`` ((label, object): the model, the datamodule, callbacks, a
-    module of globals) keep (:func:`~lightning_dp.validators.holders.held_arrays`; module docstring). A copy whose
+    module of globals) keep (:func:`~lightning_dp.record_checks.holders.held_arrays`; module docstring). A copy whose
     memory is the training data's or an earlier copy's (a view) is exchanged with it, not listed again."""
     datasets, tensors = dataset_parts(dataset)
     found: list[tuple[str, Any]] = [(f"the training data{path}", t) for path, t in tensors]

@@ -1,4 +1,4 @@
-"""Records outside the step's batch (validators/outside_records.py): the exchange is exact and leaves no version
+"""Records outside the step's batch (record_checks/outside_records.py): the exchange is exact and leaves no version
 mark; the training data's copies are found where users keep them (and nothing else is taken for one); a step whose
 gradients read other training records — from the dataset's tensors, a copy on the model, the datamodule or a global,
 behind a warm-up — is refused before any release, and ordinary steps that merely hold the data are not."""
@@ -26,7 +26,7 @@ from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
 from lightning_dp.data import DistinctRecords  # noqa: E402
-from lightning_dp.validators.outside_records import (  # noqa: E402
+from lightning_dp.record_checks.outside_records import (  # noqa: E402
     ExchangedRecords,
     exchange,
     exchangeable,
@@ -531,7 +531,7 @@ def test_holding_deeper_copies_without_reading_them_trains() -> None:
 
 def test_the_records_a_fetch_is_read_again_on_are_exchanged_and_put_back(monkeypatch) -> None:
     """records_exchanged: the dataset's tensors flipped inside, restored after; none beyond the size bound."""
-    from lightning_dp.validators import outside_records
+    from lightning_dp.record_checks import outside_records
 
     ds = data(16)
     x, y = (t.clone() for t in ds.tensors)

@@ -9,8 +9,9 @@ charges one chance in N for twice the people (zoo17 r2, r5). :func:`same_records
 share, so that each is one source.
 
 Each base's records are digested as it stores them: the rows of its *identifying items* — the tensors, in-memory
-NumPy arrays and lists it stores with one row per record (:func:`~lightning_dp.validators.stored_records.stored_items`,
-:func:`~lightning_dp.validators.stored_records.row_digests`) that are not a column of integers (labels, ids and
+NumPy arrays and lists it stores with one row per record
+(:func:`~lightning_dp.record_checks.stored_records.stored_items`,
+:func:`~lightning_dp.record_checks.stored_records.row_digests`) that are not a column of integers (labels, ids and
 indices ``0 … n − 1`` are alike in datasets of other people) and whose rows are at least :data:`DISTINCT` distinct.
 A record of a later base whose row an earlier base stores (an item of the same element type and row shape) is that
 base's record, once the two share :data:`OVERLAP` of the smaller one's records or more: the whole data twice, or a
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dp.validators.stored_records import row_digests, stored_items
+from lightning_dp.record_checks.stored_records import row_digests, stored_items
 
 OVERLAP = 0.05
 """The share of the smaller base's records another base must store too for the two to be taken for one population

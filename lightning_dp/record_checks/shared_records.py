@@ -13,7 +13,7 @@ many rows (along dimension 0) as there are records: the tensors, NumPy arrays an
 datasets (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`) and of the module-level globals of their
 classes' modules (the user's code). For a few records r — spread over the population — it finds the rows R(r) of each
 array that r depends on: it exchanges ranges of rows in place, exactly reversibly
-(:func:`~lightning_dp.validators.outside_records.exchange`), reads r again (seeded as the loader's fetcher reads it)
+(:func:`~lightning_dp.record_checks.outside_records.exchange`), reads r again (seeded as the loader's fetcher reads it)
 and halves each range that changed it. Then it requires
 
 * that the records at the neighbouring positions and a few others at random do not change when R(r) is exchanged
@@ -44,7 +44,7 @@ The exchange is faithful to what a record reads:
 * what the reads write besides the records — a statistic of the whole tensor computed on the first read and cached
   on the dataset, a ``cached_property``, an ``lru_cache``, a global, a transform fitted on first use — is put back
   before every exchanged read (:mod:`.read_writes`; noted before the dataset's first read, in
-  :func:`~lightning_dp.validators.records.check_records`), so each read computes it from the data as exchanged.
+  :func:`~lightning_dp.record_checks.records.check_records`), so each read computes it from the data as exchanged.
 
 Errors name positions and arrays, never data. A record reading more than :data:`MAX_ROWS` rows of an array, or one
 whose search takes more than :data:`MAX_READS` reads, is not checked against that array. Not seen: data kept in
@@ -68,11 +68,11 @@ from torch.utils.data import Subset
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.records.record_fingerprint import fingerprint
-from lightning_dp.validators.copied_rows import RowCopies, copied_rows
+from lightning_dp.record_checks.copied_rows import RowCopies, copied_rows
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.fingerprints.state_walker import user_modules
-from lightning_dp.validators.outside_records import exchange, exchangeable
-from lightning_dp.validators.read_writes import ReadWrites
+from lightning_dp.record_checks.outside_records import exchange, exchangeable
+from lightning_dp.record_checks.read_writes import ReadWrites
 
 PROBED_RECORDS = 3
 """Records whose rows are searched, spread over the population (first, middle, last)."""
@@ -103,7 +103,7 @@ _SEED = 20260613
 def check_shared_records(dataset: Any, at: Callable[[int], int], n: int, writes: Optional[ReadWrites] = None) -> None:
     """Refuse records sharing rows of the arrays ``dataset`` holds (module docstring): the population is the ``n``
     records ``dataset[at(p)]``, positions p in ``range(n)``. ``writes``: the dataset's state noted before its first
-    read (:class:`~lightning_dp.validators.read_writes.ReadWrites`; noted here when not given).
+    read (:class:`~lightning_dp.record_checks.read_writes.ReadWrites`; noted here when not given).
 
     Raises:
         PrivacyConfigurationError: naming the records, the array and the fix.
@@ -223,8 +223,8 @@ def _with_row_owners(others: list[int], rows: Sequence[int], position: int, at: 
 
 class _Reader:
     """The dataset read as the loader reads it, each read finding the state earlier reads wrote as before them
-    (:class:`~lightning_dp.validators.read_writes.ReadWrites`), and the copies of an array's rows held elsewhere
-    (:class:`~lightning_dp.validators.copied_rows.RowCopies`) exchanged with them."""
+    (:class:`~lightning_dp.record_checks.read_writes.ReadWrites`), and the copies of an array's rows held elsewhere
+    (:class:`~lightning_dp.record_checks.copied_rows.RowCopies`) exchanged with them."""
 
     def __init__(self, dataset: Any, writes: ReadWrites, copies: list[RowCopies]) -> None:
         self.dataset, self.writes, self.copies = dataset, writes, copies

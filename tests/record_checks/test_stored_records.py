@@ -1,4 +1,4 @@
-"""A training loader rebuilt each epoch stores the same records as the fit's first (validators/stored_records.py):
+"""A training loader rebuilt each epoch stores the same records as the fit's first (record_checks/stored_records.py):
 records recomputed from the training set at a reload are refused before the next release; the same data rebuilt,
 reordered, re-read from files or augmented at each fetch trains."""
 
@@ -20,7 +20,7 @@ from cases import Classifier, data, strategy  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
 from lightning_dp.validators.loaders import record_set  # noqa: E402
-from lightning_dp.validators.stored_records import changed_records, stored_records  # noqa: E402
+from lightning_dp.record_checks.stored_records import changed_records, stored_records  # noqa: E402
 
 X, Y = data(64).tensors
 

@@ -60,7 +60,7 @@ import torch
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
 from lightning_dp.records.record_fingerprint import NEAR_SCALE, Fingerprint, fingerprint, near_digest
-from lightning_dp.validators.record_sources import REPEAT_FIX
+from lightning_dp.record_checks.record_sources import REPEAT_FIX
 
 CONTENT_CHECK_RECORDS = 10_000
 """Records read and digested: all of them up to this many, a random sample of this many beyond."""

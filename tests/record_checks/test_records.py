@@ -1,4 +1,4 @@
-"""The records the loader really draws (validators/records.py, record_sources.py, repeated_records.py): one fixed
+"""The records the loader really draws (record_checks/records.py, record_sources.py, repeated_records.py): one fixed
 record per index, each record once; end to end through the Trainer, and the content check's limits."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, SubsetR
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.data import DistinctRecords
-from lightning_dp.validators import repeated_records
-from lightning_dp.validators.records import check_records
+from lightning_dp.record_checks import repeated_records
+from lightning_dp.record_checks.records import check_records
 
 N = 40
 

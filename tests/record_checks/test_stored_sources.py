@@ -1,4 +1,4 @@
-"""Bases that store the same records are one base (validators/stored_sources.py, zoo17 r2): two augmenting classes
+"""Bases that store the same records are one base (record_checks/stored_sources.py, zoo17 r2): two augmenting classes
 over the same tensors, or two datasets each holding a copy of the same training data, concatenated, read every
 person twice; disjoint parts, parts sharing only their labels and records read from files keep their names."""
 
@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
-from lightning_dp.validators.record_sources import check_sources
-from lightning_dp.validators.stored_sources import identifying_rows, same_records
+from lightning_dp.record_checks.record_sources import check_sources
+from lightning_dp.record_checks.stored_sources import identifying_rows, same_records
 
 
 class Signed(Dataset):

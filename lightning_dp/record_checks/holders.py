@@ -1,5 +1,5 @@
 """Where copies of the training data may be kept: a bounded walk of what the model, the datamodule, the callbacks and
-the user's globals hold (:func:`held_arrays`), for :func:`~lightning_dp.validators.outside_records.training_copies`.
+the user's globals hold (:func:`held_arrays`), for :func:`~lightning_dp.record_checks.outside_records.training_copies`.
 
 The walk goes breadth first (the shallowest holdings first) through attributes of plain objects (a helper class, a
 third-party estimator such as scikit-learn's), dicts, lists, tuples and deques of any nesting up to :data:`MAX_DEPTH`,

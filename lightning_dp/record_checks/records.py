@@ -39,10 +39,10 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.records.fetch import fetch, seeded, watched
 from lightning_dp.records.record_fingerprint import fingerprint
-from lightning_dp.validators.record_sources import check_sources
-from lightning_dp.validators.repeated_records import READ_SEED, check_repeated_records
-from lightning_dp.validators.read_writes import ReadWrites
-from lightning_dp.validators.shared_records import check_shared_records
+from lightning_dp.record_checks.record_sources import check_sources
+from lightning_dp.record_checks.repeated_records import READ_SEED, check_repeated_records
+from lightning_dp.record_checks.read_writes import ReadWrites
+from lightning_dp.record_checks.shared_records import check_shared_records
 
 FIXED_RECORD_PROBES = 4
 """Positions read, as one batch, three times (spread evenly over the population: first, last and between)."""

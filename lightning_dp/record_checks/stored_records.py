@@ -1,4 +1,5 @@
-"""A rebuilt training loader stores the same records as the fit's first (rule 8, beside :func:`.loaders.record_set`).
+"""A rebuilt training loader stores the same records as the fit's first (rule 8, beside
+:func:`lightning_dp.validators.loaders.record_set`).
 
 The privacy unit is a record, and the accounting is for one population whose records are fixed: Poisson sampling
 draws each record at rate q in every step. A ``train_dataloader`` rebuilt every epoch

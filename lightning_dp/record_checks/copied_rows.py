@@ -72,10 +72,11 @@ class RowCopies:
     within: bool = False
 
     def exchange(self, runs: Sequence[slice], elements: Optional[Sequence[slice]] = None) -> Callable[[], None]:
-        """Exchange (:func:`~lightning_dp.validators.outside_records.exchange`) the blocks copied from the source rows
+        """Exchange (:func:`~lightning_dp.record_checks.outside_records.exchange`) the blocks copied from the source
+        rows
         in ``runs`` (only their ``elements``, runs of positions in the flat row, when given); returns the function that
         restores them exactly."""
-        from lightning_dp.validators.outside_records import exchange
+        from lightning_dp.record_checks.outside_records import exchange
 
         picked = [np.arange(*np.searchsorted(self.source_rows, [r.start, r.stop])) for r in runs]
         which = np.concatenate(picked) if picked else np.zeros(0, np.int64)

@@ -1,4 +1,4 @@
-"""Copies of a dataset's rows in its other arrays (validators/copied_rows.py, through validators/shared_records.py):
+"""Copies of a dataset's rows in its other arrays (record_checks/copied_rows.py, through record_checks/shared_records.py):
 a record mixed with a partner from a shuffled copy of the data ("offline mixup": a tensor, a float64 or float16 copy),
 a bank of negatives copied from the training set, partners drawn with replacement, pairs and triplets stacked from
 the training rows are refused before training — one person's row is then in two records; ordinary datasets (labels
@@ -22,8 +22,8 @@ from cases import Classifier, strategy  # noqa: E402
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError, Users  # noqa: E402
-from lightning_dp.validators.copied_rows import copied_rows  # noqa: E402
-from lightning_dp.validators.shared_records import check_shared_records  # noqa: E402
+from lightning_dp.record_checks.copied_rows import copied_rows  # noqa: E402
+from lightning_dp.record_checks.shared_records import check_shared_records  # noqa: E402
 
 G = torch.Generator().manual_seed(5)
 X = torch.randn(64, 4, generator=G)

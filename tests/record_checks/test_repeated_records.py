@@ -1,4 +1,4 @@
-"""Exact copies below the mean-copies rule (validators/repeated_records.py): one record repeated many times is
+"""Exact copies below the mean-copies rule (record_checks/repeated_records.py): one record repeated many times is
 refused when chance does not explain it (r̂, a mean, hides one person ×5 among 500); any other exact copy is warned,
 with counts only; lightning_dp.data.DistinctRecords silences both; natural data with a pair (iris) trains."""
 
@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.data import DistinctRecords
-from lightning_dp.validators import repeated_records
-from lightning_dp.validators.records import check_records
-from lightning_dp.validators.repeated_records import RepeatedRecordsWarning
+from lightning_dp.record_checks import repeated_records
+from lightning_dp.record_checks.records import check_records
+from lightning_dp.record_checks.repeated_records import RepeatedRecordsWarning
 
 
 def _rows(n: int = 500, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

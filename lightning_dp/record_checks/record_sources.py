@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.validators.stored_sources import same_records
+from lightning_dp.record_checks.stored_sources import same_records
 
 _INDEX_BITS = 40
 """A source key is ``base number << 40 | index``: bases of up to 2⁴⁰ records."""
@@ -119,7 +119,7 @@ def _concat_sources(dataset: ConcatDataset, positions: np.ndarray, bases: dict[i
 
 def _one_base_per_records(keys: np.ndarray, bases: dict[int, tuple[int, Any]]) -> np.ndarray:
     """``keys`` with each record that several bases store named as the first base's
-    (:func:`~lightning_dp.validators.stored_sources.same_records`)."""
+    (:func:`~lightning_dp.record_checks.stored_sources.same_records`)."""
     listed = sorted(bases.values(), key=lambda entry: entry[0])
     numbers = np.asarray([number for number, _ in listed], dtype=np.int64)
     out = keys.copy()

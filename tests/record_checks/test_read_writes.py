@@ -1,5 +1,5 @@
-"""State a dataset's reads write besides its records (validators/read_writes.py, through validators/records.py and
-validators/shared_records.py): statistics of the whole tensor computed on the first read and cached — an attribute,
+"""State a dataset's reads write besides its records (record_checks/read_writes.py, through record_checks/records.py and
+record_checks/shared_records.py): statistics of the whole tensor computed on the first read and cached — an attribute,
 a ``cached_property``, an ``lru_cache`` method, a module global, a transform fitted on first use — are computed again
 for every exchanged read, so the records' dependence on every row shows and is refused, like the same statistics
 computed on every read; a per-record cache, a read counter and a decode cache written in place pass; the dataset is
@@ -22,8 +22,8 @@ from cases import Classifier, strategy  # noqa: E402
 from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.read_writes import ReadWrites  # noqa: E402
-from lightning_dp.validators.records import check_records  # noqa: E402
+from lightning_dp.record_checks.read_writes import ReadWrites  # noqa: E402
+from lightning_dp.record_checks.records import check_records  # noqa: E402
 
 G = torch.Generator().manual_seed(7)
 X = torch.randn(64, 4, generator=G) * 3 + 1

@@ -1,4 +1,4 @@
-"""The base record each training position reads, from torch's wrappers alone (validators/record_sources.py)."""
+"""The base record each training position reads, from torch's wrappers alone (record_checks/record_sources.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_dp import PrivacyConfigurationError
 from lightning_dp.data import DistinctRecords
-from lightning_dp.validators.record_sources import check_sources
+from lightning_dp.record_checks.record_sources import check_sources
 
 
 def _data(n: int = 10) -> TensorDataset:

@@ -1,4 +1,4 @@
-"""Records that share data (validators/shared_records.py): overlapping windows, records mixed with a neighbour or a
+"""Records that share data (record_checks/shared_records.py): overlapping windows, records mixed with a neighbour or a
 random partner, and records normalised by the whole tensor are refused before training; records that are their own
 rows — a TensorDataset, a Subset or random_split of one, several rows of one's own, a shared class table, next-token
 chunks whose last target is the next chunk's first input, a padding row, a lookup table read through the record's own
@@ -22,7 +22,7 @@ from conftest import quiet_trainer  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError, Users  # noqa: E402
 from lightning_dp.data.pydoc_text import windows  # noqa: E402
-from lightning_dp.validators.shared_records import check_shared_records, row_sources  # noqa: E402
+from lightning_dp.record_checks.shared_records import check_shared_records, row_sources  # noqa: E402
 
 G = torch.Generator().manual_seed(3)
 X = torch.randn(64, 4, generator=G)
