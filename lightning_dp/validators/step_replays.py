@@ -191,7 +191,8 @@ class StepReplays:
         with its loss moved near zero (a decision taken once the loss is above a threshold) and on the batch
         with its values exchanged (:func:`~lightning_dp.record_checks.outside_records.exchanged_copy`; a replay the
         exchanged values make fail is left out; the non-private diagnostics moved far up with the loss, down with the
-        exchanged values: :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
+        exchanged values: :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter,
+        ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
         (:func:`~.fingerprints.fingerprint_entries.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
