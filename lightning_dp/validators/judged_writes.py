@@ -48,18 +48,17 @@ a hook called by the user's own code. Python numbers and strings of the user's s
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
-from lightning_dp.records.library_objects import library_callback, mark_wrapper
+from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.validators.held_values import derived_from_released, tensors_held
-from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now, users_hook
+from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.logger_judge import StartingState
-from lightning_dp.validators.logger_outputs import own_attribute, put_back
+from lightning_dp.validators.logger_outputs import put_back, wrap_users_hooks
 from lightning_dp.record_checks.outside_records import exchanged_copy
 
 if TYPE_CHECKING:
@@ -84,17 +83,7 @@ def watch_fit(trainer: "pl.Trainer", expected: Callable[[], bool] = lambda: Fals
     tensors of the user's state that start as released are noted (module docstring)."""
     unwatch()
     judge = _Judge(trainer, expected)
-    module = trainer.lightning_module
-    for owner in (module, *(cb for cb in trainer.callbacks if not library_callback(cb))):
-        cls = type(owner)
-        for name in HOOKS:
-            hook = getattr(cls, name, None)
-            raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
-            if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
-                                                                         for c, n, _, _ in _WRAPPED):
-                wrapper = _wrapped(hook, name, judge)
-                _WRAPPED.append((cls, name, own_attribute(cls, name), wrapper))
-                setattr(cls, name, wrapper)
+    _WRAPPED.extend(wrap_users_hooks(trainer, HOOKS, lambda hook, name: _wrapped(hook, name, judge)))
     if _WRAPPED:
         judge.note_released()
 

@@ -60,7 +60,6 @@ logs a value of public data the user's state holds (given other values too): dec
 from __future__ import annotations
 
 import functools
-import inspect
 import random
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable
@@ -69,11 +68,11 @@ import numpy as np
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.records.library_objects import is_library, library_callback, mark_wrapper
+from lightning_dp.records.library_objects import is_library, mark_wrapper
 from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.held_values import (derived_from_released, numbers_held, other_values, tensors_held,
                                                  user_generators)
-from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now, users_hook
+from lightning_dp.validators.hook_replays import model_kept, replaying, replaying_now
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.step_replays import users_objects
 
@@ -86,7 +85,7 @@ JUDGED = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_tr
           "on_before_optimizer_step", "on_before_zero_grad")
 """The training hooks handed no batch, run after the release (or before any step), whose media calls are judged."""
 
-_WRAPPED: list[tuple[type, str, Any]] = []  # (class, hook, logger_outputs.own_attribute) while watched
+_WRAPPED: list[tuple[type, str, Any, Any]] = []  # (class, hook, its own attribute, wrapper) while watched
 
 
 def watch_fit(trainer: "pl.Trainer", public: Callable[[str], bool] = lambda name: False) -> None:
@@ -96,16 +95,8 @@ def watch_fit(trainer: "pl.Trainer", public: Callable[[str], bool] = lambda name
     unwatch_hooks()
     if not logger_outputs.watching():  # no logger, no writer: nothing to hold back
         return
-    module = trainer.lightning_module
-    for owner in (module, *(cb for cb in trainer.callbacks if not library_callback(cb))):
-        cls = type(owner)
-        for name in JUDGED:
-            hook = getattr(cls, name, None)
-            raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
-            if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
-                                                                         for c, n, _ in _WRAPPED):
-                _WRAPPED.append((cls, name, logger_outputs.own_attribute(cls, name)))
-                setattr(cls, name, mark_wrapper(_judged(hook, name, trainer)))
+    _WRAPPED.extend(logger_outputs.wrap_users_hooks(
+        trainer, JUDGED, lambda hook, name: mark_wrapper(_judged(hook, name, trainer))))
 
 
 def unwatch() -> None:
@@ -116,7 +107,8 @@ def unwatch() -> None:
 
 def unwatch_hooks() -> None:
     """The user's hooks as they were."""
-    logger_outputs.put_back(_WRAPPED)
+    logger_outputs.put_back([(cls, name, own) for cls, name, own, _ in _WRAPPED])
+    _WRAPPED.clear()
 
 
 def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Callable[..., Any]:

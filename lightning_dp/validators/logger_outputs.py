@@ -29,6 +29,7 @@ Not refused:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import pickle
 import sys
@@ -39,7 +40,8 @@ import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.call_sites import first_caller, package_of
-from lightning_dp.validators.hook_replays import replaying_now
+from lightning_dp.records.library_objects import library_callback
+from lightning_dp.validators.hook_replays import replaying_now, users_hook
 from lightning_dp.validators.logged_reads import STEP_HOOKS
 
 __all__ = ["MEDIA", "TRAINING_HOOKS", "Calls", "digest", "recorded", "recording", "refused_now", "unwatch", "watch",
@@ -131,6 +133,27 @@ def put_back(saved: list[tuple[type, str, Any]]) -> None:
             delattr(cls, name)
         else:
             setattr(cls, name, own)
+
+
+def wrap_users_hooks(trainer: Any, names: Iterable[str],
+                     make: Callable[[Callable[..., Any], str], Callable[..., Any]]) -> list[tuple[type, str, Any, Any]]:
+    """Replace, for a fit, each of the user's hooks ``names`` of the module and of the callbacks that are not
+    Lightning's or lightning_dp's by ``make(hook, name)`` — at the class level, once per class (a class's own
+    function, not an inherited library one). Returns ``(class, name, own attribute, wrapper)`` for each, for
+    :func:`put_back` (the logger judge's and the judged writes' watches)."""
+    wrapped: list[tuple[type, str, Any, Any]] = []
+    module = trainer.lightning_module
+    for owner in (module, *(cb for cb in trainer.callbacks if not library_callback(cb))):
+        cls = type(owner)
+        for name in names:
+            hook = getattr(cls, name, None)
+            raw = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
+            if users_hook(hook) and inspect.isfunction(raw) and not any(c is cls and n == name
+                                                                         for c, n, _, _ in wrapped):
+                wrapper = make(hook, name)
+                wrapped.append((cls, name, own_attribute(cls, name), wrapper))
+                setattr(cls, name, wrapper)
+    return wrapped
 
 
 def own_attribute(cls: type, name: str) -> Any:
