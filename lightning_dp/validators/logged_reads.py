@@ -26,12 +26,15 @@ user's code inside a step is refused too (:meth:`LoggedReads.watch_metrics`).
 
 from __future__ import annotations
 
+import collections
 import re
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import torch
 from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
@@ -60,6 +63,7 @@ stepped."""
 _LIBRARIES = frozenset(LIBRARY_PREFIXES) | {"lightning_utilities", "tensorboardX", "tqdm", "rich", "pandas", "yaml",
                                               "fsspec", "wandb", "mlflow", "neptune", "comet_ml", "_pytest", "pluggy"}
 _THIS = __name__
+_KEPT = 4096  # the values of one name sent to the loggers kept, the latest (their copies are found by value)
 _ABSENT = object()
 
 
@@ -83,6 +87,9 @@ class LoggedReads:
         self._names: set[str] = set()  # every name logged by a training hook this fit (the results reset each epoch)
         self._read: Optional[tuple[list[str], Fingerprint, list[Any]]] = None  # names, hyper-parameters, schedulers
         self.count = 0  # the reads by the user's code outside a step so far (a decision window tells its own)
+        self.started = time.time()  # files the loggers changed since are theirs (logger_copies)
+        self._values: dict[str, collections.deque] = {}  # name -> the values sent to the loggers (the latest _KEPT)
+        self._moving = 0
 
     def install(self) -> None:
         """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
@@ -118,16 +125,45 @@ class LoggedReads:
                 dict.__setitem__(metrics, key, _moved(value, up))
         if training_only:  # what Lightning recomputes from its results inside (callback_metrics) moves too
             _MOVING[0] = (names, up)
+        self._moving += 1
         try:
             with metric_values.moved(up) if states else nullcontext(), \
                     logger_copies.moved(getattr(self.trainer, "loggers", None) or (), names, lambda v: _moved(v, up),
                                         files=bool(getattr(self.trainer, "is_global_zero", True)),
-                                        other=lambda v: _moved(v, not up)):
+                                        other=lambda v: _moved(v, not up), values=self.logged_values(names),
+                                        since=self.started - 1):
                 yield
         finally:
+            self._moving -= 1
             _MOVING[0] = None
             for metrics, key, value in reversed(saved):
                 dict.__setitem__(metrics, key, value)
+
+    def note(self, metrics: dict) -> None:
+        """Keep the values Lightning sends the loggers (``metrics["log"]``, as :func:`_watch_results` sees them
+        computed; not while :meth:`moved`), the last :data:`_KEPT` of each name: their copies are found by value."""
+        if self._moving or not isinstance(logged := metrics.get("log"), dict):
+            return
+        for name, value in logged.items():
+            kept = self._values.setdefault(name, collections.deque(maxlen=_KEPT))
+            if not kept or kept[-1] is not value:
+                kept.append(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def logged_values(self, names: Iterable[str]) -> dict[str, list[float]]:
+        """The values of ``names`` sent to the loggers so far (:meth:`note`), as floats (converted once)."""
+        out: dict[str, list[float]] = {}
+        for name in names:
+            kept = list(self._values.get(name) or ())
+            tensors = [v.float().reshape(()) for v in kept if isinstance(v, torch.Tensor) and v.numel() == 1]
+            if tensors:
+                try:  # one copy to the host for them all
+                    floats = torch.stack(tensors).tolist()
+                except RuntimeError:  # on several devices
+                    floats = [float(t) for t in tensors]
+                kept = [v for v in kept if not isinstance(v, torch.Tensor)] + floats
+                self._values[name] = collections.deque(kept, maxlen=_KEPT)
+            out[name] = [float(v) for v in kept if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return out
 
     def watch_metrics(self, module: nn.Module, public: Callable[[str], bool] = lambda name: False) -> None:
         """Watch every torchmetrics ``Metric`` (at the class level: wherever it lives, the module, a dict, a callback,
@@ -349,6 +385,8 @@ def _watch_results(reads: Optional[LoggedReads]) -> None:
             watching = _WATCHING[0]
             if watching is not None:
                 watching.check_results(out)
+                if isinstance(out, dict):
+                    watching.note(out)
             if _MOVING[0] is not None and isinstance(out, dict):
                 _move(out, *_MOVING[0])
             return out

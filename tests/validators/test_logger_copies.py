@@ -4,9 +4,12 @@ the CSVLogger's metrics.csv, and put them back after."""
 
 from __future__ import annotations
 
+import collections
 import csv
+import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -240,3 +243,153 @@ def test_the_copies_in_memory_and_in_a_csv_file_move_and_are_put_back(tmp_path):
     assert holder.history is history and history[0] is first and len(history) == 2
     assert holder.series is series and series["train_loss"] == [0.5, 0.4]
     assert path.read_bytes() == original
+
+
+# ---------------------------------------------------------------- red team logcopies28: the copies found by value
+
+
+class DequeLogger(History):
+    """k01: the rows kept in a bounded ``collections.deque`` of dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history = collections.deque(maxlen=50)  # type: ignore[assignment]
+
+
+class RowsLogger(History):
+    """k02: a list of ``(step, name, value)`` rows: the logged name is a value beside the number, not a key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, str, float]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.rows.extend((step or 0, name, value) for name, value in metrics.items())
+
+    def losses(self, name: str) -> list[float]:
+        return [float(v) for _, n, v in self.rows if n == name]
+
+
+class JsonLinesLogger(History):
+    """k03: one JSON line per ``log_metrics`` call in ``metrics.jsonl`` under its directory."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        with open(self.directory / "metrics.jsonl", "a") as file:
+            file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def losses(self, name: str) -> list[float]:
+        path = self.directory / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [float(r[name]) for r in rows if name in r]
+
+
+class BareListsLogger(History):
+    """k04: the values kept in plain lists of floats, no name beside them (found by value only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mine: list[float] = []
+        self.held_out: list[float] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        for name, kept in (("train_loss", self.mine), ("val_loss", self.held_out)):
+            if name in metrics:
+                kept.append(metrics[name])
+
+    def losses(self, name: str) -> list[float]:
+        return list(self.mine if name == "train_loss" else self.held_out)
+
+
+def _read(logger: Logger, name: str) -> list[float]:
+    if isinstance(logger, (RowsLogger, JsonLinesLogger, BareListsLogger)):
+        return logger.losses(name)
+    return [float(m[name]) for m in logger.history if name in m]
+
+
+class PlateauFromAnyCopy(Validates):
+    """The plateau rule by hand in ``on_train_epoch_start`` on the un-noised epoch losses the logger holds."""
+
+    def on_train_epoch_start(self) -> None:
+        self.halve_on_plateau(_read(self.logger, "train_loss"))
+
+
+class PlateauFromAnyCopyOnHeldOut(Validates):
+    """Its safe twin: the same rule on the held-out loss the same logger holds."""
+
+    def on_train_epoch_start(self) -> None:
+        self.halve_on_plateau(_read(self.logger, "val_loss"), drop=1.0)
+
+
+_CHANNELS = {"k01-deque": lambda tmp: DequeLogger(), "k02-rows": lambda tmp: RowsLogger(),
+             "k03-jsonl": lambda tmp: JsonLinesLogger(tmp / "run"), "k04-bare-lists": lambda tmp: BareListsLogger()}
+
+
+@pytest.mark.parametrize("channel", list(_CHANNELS))
+def test_a_plateau_rule_on_a_copy_found_by_value_is_refused(channel, tmp_path):
+    logger = _CHANNELS[channel](tmp_path)
+    with pytest.raises(PrivacyConfigurationError, match="from the training data"):
+        _fit(PlateauFromAnyCopy(), logger, val=True)
+    assert _read(logger, "train_loss") and all(v < 100 for v in _read(logger, "train_loss")), "the copies put back"
+
+
+@pytest.mark.parametrize("channel", list(_CHANNELS))
+@pytest.mark.parametrize("model", [PlateauFromAnyCopyOnHeldOut, Validates], ids=["held-out-rule", "no-rule"])
+def test_the_same_loggers_with_a_rule_on_held_out_data_or_none_train(channel, model, tmp_path):
+    logger = _CHANNELS[channel](tmp_path)
+    trained = model()
+    dp = _fit(trained, logger, val=True)
+    assert dp.ledger.steps == 16
+    if model is PlateauFromAnyCopyOnHeldOut:
+        assert trained.optimizers().param_groups[0]["lr"] < 1.0, "the rule halved the rate at least once"
+    assert len(_read(logger, "train_loss")) == 4 and all(v < 100 for v in _read(logger, "train_loss"))
+
+
+class BookkeepingLogger(DequeLogger):
+    """Keeps the hyper-parameters, the steps and the times it was called at besides the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hparams: dict[str, Any] = {}
+        self.steps: list[int] = []
+        self.times: list[float] = []
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.hparams.update(dict(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        super().log_metrics(metrics, step)
+        self.steps.append(step or 0)
+        self.times.append(time.time())
+
+
+class HalvesByTheLoggersBookkeeping(Validates):
+    """A schedule from what the logger kept besides the values: the steps, the times, a hyper-parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters({"decay": 0.5123})
+
+    def on_train_epoch_start(self) -> None:
+        logger = self.logger
+        if logger.steps and logger.steps[-1] >= 4 and logger.times[-1] >= logger.times[0]:
+            for group in self.optimizers().param_groups:
+                group["lr"] = logger.hparams.get("decay", 1.0) / (1 + self.current_epoch)
+
+
+def test_a_schedule_from_the_loggers_steps_times_and_hyperparameters_trains():
+    model = HalvesByTheLoggersBookkeeping()
+    dp = _fit(model, BookkeepingLogger(), val=True)
+    assert dp.ledger.steps == 16 and model.optimizers().param_groups[0]["lr"] == pytest.approx(0.5123 / 4)
+
+
+def test_the_folders_looked_at_are_the_loggers_own_not_those_above_their_log_dir(tmp_path):
+    logger = CSVLogger(tmp_path, name="run")
+    logger.log_metrics({"train_loss": 0.6412345})
+    logger.save()
+    places = logger_copies._places(logger_copies._holders([logger]))
+    assert logger.log_dir in places and str(tmp_path) not in places and logger.root_dir not in places

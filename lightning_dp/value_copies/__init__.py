@@ -1,0 +1,3 @@
+"""Copies of given values kept elsewhere, found by name and by value, moved and put back: the loggers' own copies of
+the logged values (:mod:`lightning_dp.validators.logger_copies`) — in memory (:mod:`.in_memory`) and in the text
+files they write (:mod:`.text_files`), matched as :class:`.logged_values.LoggedValues` says."""
