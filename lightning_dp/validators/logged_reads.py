@@ -109,9 +109,9 @@ class LoggedReads:
         near zero (``up`` false: a thousandth), and so are the metrics updated while the trainer trained
         (:func:`.metric_values.moved`; not with ``states`` false; ``training_only``: the training loop's logged
         names only — the checkpoint hooks' runs, where a validation metric's value read back stays as it is), and so
-        are the loggers' own copies of those values (:mod:`.logger_copies`: a logger's history, metrics.csv): a run
-        of the user's hooks on other data reads other logged values too, on either side of a threshold
-        (:mod:`.decisions`)."""
+        are the loggers' own copies of those values (:mod:`.logger_copies`, by name and by value: a logger's history,
+        its files): a run of the user's hooks on other data reads other logged values too, on either side of a
+        threshold (:mod:`.decisions`)."""
         connector = getattr(self.trainer, "_logger_connector", None)
         names = set(self.private())
         if training_only:  # the training loop's names only (not validation's, even on the training records)
