@@ -65,6 +65,16 @@ class SeededClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class SpectralClassifier(SeededClassifier):
+    """:class:`SeededClassifier` with a spectral norm on its hidden layer (u, v advanced by the library once per
+    update, on every rank alike: power_iteration.py)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        torch.manual_seed(seed + 100)
+        self.net[0] = nn.utils.parametrizations.spectral_norm(self.net[0])
+
+
 def classification_data(n: int, d_in: int = 6, n_classes: int = 3, seed: int = 0) -> TensorDataset:
     """A fixed random classification set (features N(0, 1), labels from a random linear map)."""
     g = torch.Generator().manual_seed(seed)

@@ -20,6 +20,7 @@ from ddp_helpers import (
     DesyncNonZeroRanks,
     RankRecorder,
     SeededClassifier,
+    SpectralClassifier,
     ZeroGradModule,
     ZeroNoise,
     classification_data,
@@ -128,6 +129,21 @@ def test_noiseless_update_equals_the_single_process_update(tmp_path):
     assert max(_example_grad_norms(single, data)) > C, "clipping should be active"
     reference = DPStrategy(noise_multiplier=1.0, max_grad_norm=C, noise=ZeroNoise(), public_state=OBSERVER)
     _trainer(reference, 1, max_steps=steps).fit(single, loader(data, WORLD * per_rank_batch))
+    assert not torch.equal(flat_params(single), records[0]["start"]), "the update must not be trivial"
+    torch.testing.assert_close(records[0]["end"], flat_params(single), rtol=0, atol=1e-6)
+
+
+def test_a_spectral_norm_under_ddp_equals_the_single_process_run(tmp_path):
+    """Zero noise, q = 1: a spectral-normalised classifier's 2-process run equals the 1-process run, every rank
+    dividing by the same σ(W) (u, v advanced once per update from the same released weights on every rank)."""
+    data = classification_data(24)
+    strategy = _ddp_strategy(noise_multiplier=1.0, max_grad_norm=0.5, noise=ZeroNoise())
+    _trainer(strategy, WORLD, tmp_path, max_steps=3).fit(SpectralClassifier(seed=1), loader(data, 12))
+    records = load_records(tmp_path, WORLD)
+    _assert_ranks_agree(records)
+    single = SpectralClassifier(seed=1)
+    reference = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, noise=ZeroNoise(), public_state=OBSERVER)
+    _trainer(reference, 1, max_steps=3).fit(single, loader(data, 24))
     assert not torch.equal(flat_params(single), records[0]["start"]), "the update must not be trivial"
     torch.testing.assert_close(records[0]["end"], flat_params(single), rtol=0, atol=1e-6)
 

@@ -168,6 +168,8 @@ class OpacusHooksEngine(GradSampleEngine):
         problems = []
         for name, sub in _opacus_hooked(module):
             why = _opacus_wrong(sub)
+            if why is not None and not name and not any(isinstance(m, _BatchNorm) for m in sub.modules()):
+                why = _own_parameters_read_outside(sub) or why  # the root refused: the likelier reason, if it holds any
             if why is not None:
                 problems.append(f"{name or '<root>'} ({type(sub).__name__}): {why}")
         return problems
@@ -184,6 +186,19 @@ def _opacus_hooked(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
         yield from _opacus_hooked(child, f"{prefix}.{name}" if prefix else name)
 
 
+def _own_parameters_read_outside(root: nn.Module) -> Optional[str]:
+    """Why the model's own parameters (on the root, beside its layers) are not Opacus': no layer's forward reads them
+    (a loss weight, a temperature used in ``training_step``), and Opacus sees a parameter only through a layer's
+    call (its fallback would replay the whole root's forward); None for a root without layers or with a rule."""
+    if _rule_of(root) is not None or next(root.children(), None) is None:
+        return None
+    names = [name for name, p in root.named_parameters(recurse=False) if p.requires_grad]
+    return (f"holds parameters of its own ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) beside its "
+            "layers, read outside any layer's forward (a loss weight such as uncertainty weighting's log-variances "
+            "applied to each example's loss, a temperature, a learned token): Opacus sees a parameter only through a "
+            "layer's call; served by 'ghost' and 'vmap' (per_sample='ghost'), or move them into a leaf module")
+
+
 def _rule_of(module: nn.Module) -> Optional[object]:
     """Opacus' own per-example rule for this exact type (subclasses go to torch.func), or None."""
     return _grad_sample_hooks().GRAD_SAMPLERS.get(type(module))
@@ -198,8 +213,8 @@ def _opacus_wrong(module: nn.Module) -> Optional[str]:
                 "module that reads them (x @ self.ws[i], F.linear(x, self.ws[i])); served by 'ghost' and 'vmap' "
                 "(per_sample='ghost'), or keep the weight in a layer (nn.Linear)")
     if parametrized(module) or isinstance(module, ParametrizationList):
-        return ("computes its weight from a parametrization (weight_norm, orthogonal, ...): Opacus' rules would give "
-                "the computed weight a gradient, not its originals; served by 'vmap' and 'ghost'")
+        return ("computes its weight from a parametrization (weight_norm, spectral_norm, orthogonal): Opacus' rules "
+                "would give the computed weight a gradient, not its originals; served by 'vmap' and 'ghost'")
     if _rule_of(module) is not None:
         return _rule_wrong(module)
     if isinstance(module, nn.RNNBase):

@@ -113,8 +113,9 @@ def unnoised_state_layers(module: nn.Module) -> list[str]:
 
 
 _LEGACY_REPARAMETRIZATIONS = (
-    (WeightNorm, "torch.nn.utils.weight_norm", "torch.nn.utils.remove_weight_norm(layer, {name!r})"),
-    (SpectralNorm, "torch.nn.utils.spectral_norm", "torch.nn.utils.remove_spectral_norm(layer, {name!r})"),
+    (WeightNorm, "torch.nn.utils.weight_norm", "torch.nn.utils.remove_weight_norm(layer, {name!r})", "weight_norm"),
+    (SpectralNorm, "torch.nn.utils.spectral_norm", "torch.nn.utils.remove_spectral_norm(layer, {name!r})",
+     "spectral_norm"),
 )
 
 
@@ -131,34 +132,22 @@ def parametrized(module: nn.Module) -> bool:
 
 
 def parametrized_layers(module: nn.Module) -> list[str]:
-    """Error messages for reparametrizations no engine serves: a spectral norm (``torch.nn.utils.parametrizations.
-    spectral_norm``: its power iteration writes the ``u``/``v`` buffers in every training forward, from the weights
-    but at every one of the checks' passes), and the legacy ``torch.nn.utils.weight_norm``/``spectral_norm`` forward
-    pre-hooks (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on every call, and a module
-    torch cannot deep-copy). Other parametrizations are served (:func:`parametrized`)."""
+    """Error messages for reparametrizations no engine serves: the legacy ``torch.nn.utils.weight_norm``/
+    ``spectral_norm`` forward pre-hooks (``weight`` recomputed from ``weight_g``/``weight_v`` or ``weight_orig`` on
+    every call, and a module torch cannot deep-copy). The ``torch.nn.utils.parametrizations`` ones are served
+    (:func:`parametrized`), the spectral norm too: its power iteration is held while the model is attached and run
+    once per update, on the released weights (:mod:`~lightning_dp.power_iteration`)."""
     errors = []
     for name, sub in module.named_modules():
-        if parametrize.is_parametrized(sub):
-            spectral = [key for key, chain in sub.parametrizations.items()
-                        if any(type(p).__name__ == "_SpectralNorm" for p in chain)]
-            if spectral:
-                errors.append(
-                    f"layer '{name}' ({type(sub).__name__}) has a spectral norm on {spectral} "
-                    "(torch.nn.utils.parametrizations.spectral_norm): its power iteration writes the parametrization's "
-                    "u and v buffers in every training forward. They follow the weights, not the data, but the step's "
-                    "checks (each example alone, the batch, replays) would each move them, and a buffer a step writes "
-                    "is refused as state kept from the batch: not served (an engine limit, not a leak). Remove it "
-                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, name)), or normalise by a norm "
-                    "computed in the forward instead; weight_norm and orthogonal parametrizations are served.")
         for hook in sub._forward_pre_hooks.values():
-            for kind, api, remove in _LEGACY_REPARAMETRIZATIONS:
+            for kind, api, remove, served in _LEGACY_REPARAMETRIZATIONS:
                 if isinstance(hook, kind):
                     errors.append(
                         f"layer '{name}' ({type(sub).__name__}) recomputes its '{hook.name}' in a forward pre-hook "
                         f"from other parameters ({api}, the legacy API before torch.nn.utils.parametrizations): no "
                         f"per-example engine differentiates through it. Remove it before training "
                         f"({remove.format(name=hook.name)}) and train the plain '{hook.name}', or use "
-                        "torch.nn.utils.parametrizations.weight_norm, which is served.")
+                        f"torch.nn.utils.parametrizations.{served}, which is served.")
     return errors
 
 

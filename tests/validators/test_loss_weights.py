@@ -58,3 +58,45 @@ def test_weights_on_the_batch_mean_are_refused_naming_the_per_example_form():
     with pytest.raises(PrivacyConfigurationError, match=r"log_vars.*reduction='none'"):
         quiet_trainer(strategy=strategy, max_steps=3).fit(UncertaintyWeighted(per_example=False), _loader())
     assert strategy.ledger.steps == 0
+
+
+class _ZooWeighted(UncertaintyWeighted):
+    """The per-example form as the zoo harness trains it (SGD, lr = 1)."""
+
+    def __init__(self) -> None:
+        super().__init__(per_example=True)
+
+    def loss(self, batch):
+        return self.training_step(batch, 0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def _zoo():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "zoo"))
+    import zoo
+
+    return zoo
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_weights_on_each_examples_loss_are_exact(engine):
+    """Each example's gradient of exp(-s)·L_i + s, the log-variances' included (d/ds_k = 1 − exp(-s_k)·L_ik),
+    equals a per-example loop of torch autograd."""
+    zoo = _zoo()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g)
+    zoo.assert_exact(_ZooWeighted, TensorDataset(x, (x[:, 0] > 0).long()), per_sample=engine)
+
+
+def test_opacus_hooks_refuse_the_weights_naming_the_engines_that_serve_them():
+    """Opacus sees a parameter only through a layer's call: the refusal names log_vars and ghost/vmap (it named the
+    torch.func fallback's argument rule before)."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0, per_sample="opacus_hooks")
+    with pytest.raises(PrivacyConfigurationError, match=r"<root> \(UncertaintyWeighted\): holds parameters of its "
+                       r"own \(log_vars\).*served by 'ghost' and 'vmap'"):
+        quiet_trainer(strategy=strategy, max_steps=1).fit(UncertaintyWeighted(per_example=True), _loader())

@@ -455,19 +455,21 @@ def test_parametrized_weights_are_refused_by_opacus_hooks_and_auto_passes_it_by(
     assert select_engine(zoo.Parametrized("conv")) == "ghost"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_spectral_norm_is_refused_by_name(engine):
-    """Its power iteration writes the parametrization's u, v buffers in every training forward: refused before
-    training with the fix."""
+def test_a_spectral_norm_is_served_by_auto():
+    """Once refused (its power iteration wrote u, v in every pass); now held while attached and run once per update
+    (power_iteration.py; exactness and the iteration count: tests/test_power_iteration.py)."""
     from torch.nn.utils import parametrizations
+
+    from lightning_dp.grad_sample import select_engine
 
     class SpectralNormed(zoo.Plain):
         def __init__(self) -> None:
             super().__init__()
             self.a = parametrizations.spectral_norm(self.a)
 
-    zoo.assert_refused(SpectralNormed, zoo.vector_data(), "spectral norm.*u and v buffers.*remove_parametrizations",
-                       per_sample=engine)
+    assert select_engine(SpectralNormed()) == "ghost"
+    _, update = zoo.private_step(SpectralNormed().double(), zoo._as_double(zoo.vector_data()))
+    assert all(u.abs().sum() > 0 for u in update)
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vmap"])

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dp.engine_api import mark_released
+from lightning_dp.power_iteration import PowerIterations
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.identity import Same
 from lightning_dp.privacy.boundary.feedback import Finding, feedback_error
@@ -96,6 +97,7 @@ class ReleaseBoundary:
         self._pre_hook: Any = None
         self._released: Optional[list[tuple[str, Tensor, Any, int]]] = None  # (name, p, p.grad, its version)
         self._watched: Optional[Optimizer] = None
+        self._iterations: Optional[PowerIterations] = None  # spectral norms: advanced after each update only
         self.engine_keys: frozenset[str] = frozenset()
         """Attribute names the engine keeps on the model's modules (never fingerprinted nor restored)."""
         self.parameters: Optional[Callable[[], Any]] = None
@@ -119,7 +121,7 @@ class ReleaseBoundary:
                 or not self.engine_keys <= self._fingerprint.skip_keys:
             self._fingerprint = self.fingerprint(module)
         self._fingerprint.refresh()
-        self._module = module
+        self._module, self._iterations = module, PowerIterations(module)
         self._signature = self._parameter_signature()
         self._watch(optimizer)
 
@@ -142,6 +144,8 @@ class ReleaseBoundary:
             self._pre_hook.remove()
             self._step_hook = self._pre_hook = None
         self._watched = None
+        if self._iterations is not None:
+            self._iterations.release()  # (then empty: advance() does nothing)
 
     def baseline(self) -> None:
         """The state as it is now is the state a later release is compared with (training starts, validation
@@ -189,7 +193,10 @@ class ReleaseBoundary:
         return [cb for cb in self.callbacks() if not trusted_callback(cb)]
 
     def updated(self) -> None:
-        """The optimizer applied the release: the state after it is the new baseline."""
+        """The optimizer applied the release: the spectral norms' power iteration runs on the updated weights
+        (:mod:`~lightning_dp.power_iteration`), and the state after it is the new baseline."""
+        if self._iterations is not None:
+            self._iterations.advance()
         self.baseline()
 
     def pause(self, where: str) -> None:
