@@ -487,6 +487,7 @@ class PrivateTraining:
             unwrap_teardown(module)  # a fit that failed in on_fit_end: its module's teardown never ran
         self._end.forget()
         self.private_step.detach()
+        data_ledgers.persist(self.private_step.ledger)  # the data's record on disk: a fit in a new process finds it
         self._stop_watching()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None

@@ -18,11 +18,20 @@ The same data (:class:`DataUse`, compared by :func:`shares_records`):
   one model per part) are parallel composition: each fit's ledger stands alone;
 * otherwise rows of the same content (``TensorDataset(X[idx], y[idx])``: copies in new memory): the row digests of
   the items that identify the records (:func:`~lightning_dp.record_checks.stored_sources.identifying_rows`, handed in by
-  the strategy), one fit's records holding at least :data:`OVERLAP` of the smaller population's;
+  the strategy), one fit's records holding at least :data:`OVERLAP` of the smaller population's. Beside the bytes,
+  each row's values (:mod:`~lightning_dp.record_checks.row_lineage`): as float32 (a cast is the same records), sorted
+  (a column order is; only for items whose rows are 99 % distinct by their sorted values: rows of few distinct
+  values, binary or small integers, share them), and read through the library's own transforms
+  (``PrivateStandardizer``, ``PrivateImputer``: their output rows are the records of their input rows, so
+  ``fit_transform(X[idx])`` per fold composes);
 * otherwise tensors or NumPy arrays in overlapping memory (views of one buffer, ``torch.from_numpy``): conservative,
   as if every record of both were shared.
 
 Datasets, tensors and arrays are held weakly: a record whose data were all freed (and held no digests) is dropped.
+
+Across processes: at the end of each fit its digests and ledger are written to the ledger store
+(:func:`persist`, :mod:`~lightning_dp.accounting.data_store`: bounded, ``LIGHTNING_DP_LEDGER_STORE=off`` turns it
+off), and a fit in a later process continues the stored records its records share, as it would in one process.
 
 Releases are counted once (a union, not a sum): each ledger entry names the fit that made it
 (:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`); a fit's entries already in the ledger (a second fit of the
@@ -34,6 +43,7 @@ same records are trained on again understates their privacy loss, so it warns.
 
 from __future__ import annotations
 
+import uuid
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -43,8 +53,10 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import ConcatDataset, Subset
 
+import lightning_dp.accounting.data_store as data_store
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.module_ledgers import Combined, combine
+from lightning_dp.record_checks.row_lineage import dataset_rows, forget_notes
 
 OVERLAP = 0.05
 """The share of the smaller population's records another fit's rows must hold (by content) for the two to share
@@ -65,11 +77,15 @@ class DataUse:
         digests: the row digests of the records read (:data:`Digests`; empty when none identifies them).
         memory: (a weak reference to the tensor or array that owns the memory, device, first byte, end byte) of each
             tensor and in-memory NumPy array the datasets hold.
+        key: the name of its data record in the ledger store (:mod:`~lightning_dp.accounting.data_store`).
+        sample: the threshold of the sample of records its digests keep (``None``: all; a stored record's).
     """
 
     bases: list[tuple[weakref.ref, Optional[frozenset[int]]]] = field(default_factory=list)
     digests: Digests = field(default_factory=dict)
     memory: list[tuple[weakref.ref, str, int, int]] = field(default_factory=list)
+    key: str = field(default_factory=lambda: f"data-{uuid.uuid4().hex}")
+    sample: Optional[int] = None
 
     def alive(self) -> bool:
         """Whether it can still be matched: digests, or a dataset or buffer not freed."""
@@ -90,6 +106,11 @@ def data_use(dataset: Any, indices: Optional[set[int]] = None, digests: Optional
             use.bases.append((weakref.ref(base), None if rows is None else frozenset(rows)))
         except TypeError:  # an object without weak references: found by content and memory only
             pass
+        for kind, per_row in dataset_rows(base).items():  # values through casts, column orders, the transforms
+            picked = per_row if rows is None else per_row[np.asarray([i for i in rows if i < len(per_row)], dtype=int)]
+            picked = picked[picked != 0]
+            if len(picked):
+                use.digests[kind] = np.union1d(use.digests.get(kind, picked[:0]), picked)
     use.memory = _memory(dataset)
     return use
 
@@ -174,9 +195,12 @@ def shares_records(a: DataUse, b: DataUse) -> bool:
                     return True
                 compared = True  # disjoint indices of one dataset: parallel composition
     common = [kind for kind in a.digests if kind in b.digests]
-    if common:
-        n = min(max(len(d) for d in a.digests.values()), max(len(d) for d in b.digests.values()))
-        hits = max(int(np.isin(a.digests[k], b.digests[k]).sum()) for k in common)
+    if common:  # a stored record keeps a sample of its records' digests: both compared on that sample
+        limit = min((s for s in (a.sample, b.sample) if s is not None), default=None)
+        mine = {k: data_store.sampled(d, limit) for k, d in a.digests.items()}
+        theirs = {k: data_store.sampled(d, limit) for k, d in b.digests.items()}
+        n = min(max(len(d) for d in mine.values()), max(len(d) for d in theirs.values()))
+        hits = max(int(np.isin(mine[k], theirs[k]).sum()) for k in common)
         return bool(hits) and hits >= OVERLAP * n
     if compared:
         return False
@@ -189,12 +213,29 @@ def shares_records(a: DataUse, b: DataUse) -> bool:
 
 
 def releases_on(use: DataUse) -> list[PrivacyLedger]:
-    """The ledgers of the earlier fits whose data share a record with ``use`` (each once, oldest first)."""
+    """The ledgers of the earlier fits whose data share a record with ``use`` (each once, oldest first): this
+    process's, then the ledger store's data records of fits not in this process (:func:`stored_uses`)."""
     found: list[PrivacyLedger] = []
-    for held, ledger in _RELEASES:
+    for held, ledger in _RELEASES + stored_uses():
         if shares_records(held, use) and all(ledger is not other for other in found):
             found.append(ledger)
     return found
+
+
+def stored_uses() -> list[tuple[DataUse, PrivacyLedger]]:
+    """The ledger store's data records (:mod:`~lightning_dp.accounting.data_store`) other than this process's own
+    fits' (whose ledgers here are as new or newer), as :class:`DataUse` of digests alone."""
+    own = {held.key for held, _ in _RELEASES}
+    return [(DataUse(digests=digests, key=key, sample=limit), ledger)
+            for key, digests, limit, ledger in data_store.read() if key not in own]
+
+
+def persist(ledger: PrivacyLedger) -> None:
+    """Write the data record of each registration of ``ledger`` (a fit's, at its end) to the ledger store, so that a
+    fit in a new process on the same records continues its releases (:mod:`~lightning_dp.accounting.data_store`)."""
+    for held, kept in _RELEASES:
+        if kept is ledger and held.digests:
+            data_store.write(held.key, held.digests, ledger)
 
 
 def register(use: DataUse, ledger: PrivacyLedger) -> None:
@@ -257,24 +298,28 @@ def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
     register(use, ledger)
     if not fits:
         return None
-    return (f"{fits} earlier private fit(s) in this process trained on records this fit reads (k-fold "
-            f"cross-validation, a fresh model on the same rows): the ledger continues the releases already made on "
-            f"this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon and PrivacyBudget "
-            "count them too")
+    return (f"{fits} earlier private fit(s) (in this process, or in the ledger store) trained on records this fit "
+            f"reads (k-fold cross-validation, a fresh model on the same rows): the ledger continues the releases "
+            f"already made on this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon "
+            "and PrivacyBudget count them too")
 
 
 def forget_data_releases(dataset: Any = None) -> int:
-    """Forget the releases this process made on ``dataset``'s records (``None``: on every dataset), e.g. in a notebook
-    that starts over. A fit on those records afterwards reports ε without them: **understated** if the released
-    models (or anything computed from them) are kept, so a warning says so. Returns how many fits' records were
-    dropped. (A module's own record, :mod:`~lightning_dp.accounting.module_ledgers`, stays.)"""
-    before = len(_RELEASES)
+    """Forget the releases made on ``dataset``'s records (``None``: on every dataset) in this process and in the ledger
+    store's data records (:mod:`~lightning_dp.accounting.data_store`), e.g. in a notebook that starts over. A fit on
+    those records afterwards reports ε without them: **understated** if the released models (or anything computed
+    from them) are kept, so a warning says so. Returns how many fits' records were dropped. (A module's own record,
+    :mod:`~lightning_dp.accounting.module_ledgers`, stays.)"""
     if dataset is None:
+        keys = {held.key for held, _ in _RELEASES} | {key for key, *_ in data_store.read()}
         _RELEASES.clear()
+        data_store.remove(None)
     else:
         use = data_use(dataset)
-        _RELEASES[:] = [(held, ledger) for held, ledger in _RELEASES if not shares_records(held, use)]
-    dropped = before - len(_RELEASES)
+        keys = {held.key for held, _ in _RELEASES + stored_uses() if shares_records(held, use)}
+        _RELEASES[:] = [(held, ledger) for held, ledger in _RELEASES if held.key not in keys]
+        data_store.remove(keys)
+    dropped = len(keys)
     if dropped:
         warnings.warn(f"forget_data_releases: the releases of {dropped} private fit(s) on these records are "
                       "forgotten; a later fit on the same records reports ε without them, which understates their "
@@ -284,5 +329,9 @@ def forget_data_releases(dataset: Any = None) -> int:
 
 
 def _clear() -> None:
-    """Forget every record without a warning: for the test suite (each test stands for a process of its own)."""
+    """Forget every record without a warning, the ledger store's data records and the transforms' notes
+    (:mod:`~lightning_dp.record_checks.row_lineage`) too: for the test suite (each test stands for a process of its
+    own, on a store of its own)."""
     _RELEASES.clear()
+    forget_notes()
+    data_store.remove(None)

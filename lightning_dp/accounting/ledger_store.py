@@ -25,6 +25,10 @@ each), older ones removed. An unreadable or malformed file is skipped with a war
 written is warned about once: the store never stops a fit. Under DDP rank 0 writes (the ranks hold the same
 weights) and every rank reads.
 
+The same directory holds the data's records (accounting/data_store.py, files ``*.records``, kept apart: their own
+bound): the releases made on each training dataset, so that a fresh model on the same records in a new process
+continues them.
+
 What it cannot see: another machine's (or another user's) store, a store that was turned off, cleared or pruned
 past :data:`KEPT` fits when the weights were trained or are loaded, and what module_ledgers cannot see in one process.
 """
@@ -151,22 +155,23 @@ def write(entry: Entry, ledger: PrivacyLedger) -> None:
                    "directory (or to 'off').")
 
 
-def _prune(where: Path) -> None:
-    files = sorted(_listing(where).items(), key=lambda item: item[1], reverse=True)
-    for name, _ in files[KEPT:]:
+def _prune(where: Path, suffix: str = SUFFIX, kept: Optional[int] = None) -> None:
+    """Remove all but the newest ``kept`` (:data:`KEPT`) files of ``suffix``."""
+    files = sorted(_listing(where, suffix).items(), key=lambda item: item[1], reverse=True)
+    for name, _ in files[KEPT if kept is None else kept:]:
         try:
             (where / name).unlink()
         except OSError:
             pass
 
 
-def _listing(where: Path) -> dict[str, tuple[int, int]]:
-    """The store's files → (modification time in ns, size)."""
+def _listing(where: Path, suffix: str = SUFFIX) -> dict[str, tuple[int, int]]:
+    """The store's files (of ``suffix``) → (modification time in ns, size)."""
     out: dict[str, tuple[int, int]] = {}
     try:
         with os.scandir(where) as found:
             for item in found:
-                if item.name.endswith(SUFFIX) and item.is_file():
+                if item.name.endswith(suffix) and item.is_file():
                     stat = item.stat()
                     out[item.name] = (stat.st_mtime_ns, stat.st_size)
     except OSError:

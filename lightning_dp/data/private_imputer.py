@@ -28,6 +28,7 @@ from torch import Tensor
 from lightning_dp.data.private_standardizer import Bound, _bound, _ledger_of, _pair, _sigma, centred_sums, \
     charge_releases, gaussian_noise
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_checks.row_lineage import note_derived
 
 
 class PrivateImputer:
@@ -95,7 +96,9 @@ class PrivateImputer:
                              f"{tuple(self.fill.shape)}")
         out = torch.where(torch.isnan(x), self.fill.expand_as(x), x)
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
-        return out.to(dtype)
+        out = out.to(dtype)
+        note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
+        return out
 
     def fit_transform(self, features: Any, charge: Any) -> Tensor:
         """:meth:`fit` then :meth:`transform` of the same features."""

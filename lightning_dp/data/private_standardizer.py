@@ -41,6 +41,7 @@ from torch import Tensor
 
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_checks.row_lineage import note_derived
 from lightning_dp.record_statistics.released_statistics import note_released
 from lightning_dp.secure_random import secure_gaussian
 
@@ -180,7 +181,9 @@ class PrivateStandardizer:
                              f"{tuple(self.mean.shape)}")
         out = (torch.minimum(torch.maximum(x.to(torch.float64), lower), upper) - self.mean) / self.std
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
-        return out.to(dtype)
+        out = out.to(dtype)
+        note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
+        return out
 
     def fit_transform(self, features: Any, charge: Any) -> Tensor:
         """:meth:`fit` then :meth:`transform` of the same features."""

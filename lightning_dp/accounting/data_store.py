@@ -1,0 +1,148 @@
+"""The data's record in the ledger store: the releases made on each training dataset, so a new process finds them.
+
+:mod:`~lightning_dp.accounting.data_ledgers` keeps, in one process, each private fit's ledger against the records it
+read. k-fold cross-validation run one fold per process (a job per fold, a notebook restarted between folds) would
+start each fold with none of the others' releases. So at the end of each fit (the strategy's teardown, a failed fit's
+too: its releases were made) the fit's *data record* is written beside the module records of
+:mod:`~lightning_dp.accounting.ledger_store`, in the same directory (``LIGHTNING_DP_LEDGER_STORE``; ``off``: none is
+written or read): one file per fit (:data:`SUFFIX`), holding the row digests that identify its records (8 bytes per
+record and kind of digest: never a value of the data) and the ledger's ``state_dict`` (σ, q, steps and runs of its
+releases). A later fit in any process on this machine whose records share :data:`~.data_ledgers.OVERLAP` with a
+stored record's continues its ledger, each fit's releases once (by run, as in one process).
+
+Bounded: at most :data:`MAX_DIGESTS` digests per file (2 MiB): a larger population keeps the digests of a fixed
+pseudo-random sample of its records (the digests under a threshold after mixing, stored with the file), and a later
+fit is compared on the same sample of its own; the newest :data:`KEPT` files are kept (64 MiB at most), older ones
+removed. Written by rank 0 alone; an unreadable file is skipped with a warning.
+
+Not seen: a fit whose process was killed before its teardown, a store turned off, cleared (``forget_data_releases``)
+or pruned past :data:`KEPT` fits, another machine's store.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+import lightning_dp.accounting.ledger_store as ledger_store
+from lightning_dp.accounting.ledger import PrivacyLedger
+
+SUFFIX = ".records"
+"""The data records' files (the module records' are ``.ledger``)."""
+KEPT = 32
+"""The most data records the store keeps: the newest fits'."""
+MAX_DIGESTS = 1 << 18
+"""The most row digests one data record holds (all its kinds together)."""
+_VERSION = 1
+
+Record = tuple[str, dict[tuple, np.ndarray], Optional[int], PrivacyLedger]
+"""(key, digests per kind, the sample's threshold — ``None``: every record —, the ledger)."""
+
+
+def sampled(digests: np.ndarray, limit: Optional[int]) -> np.ndarray:
+    """The ``digests`` in the sample of threshold ``limit`` (``None``: all): those whose mixed high 32 bits are under
+    it (splitmix64's finaliser: a fixed pseudo-random choice of records, the same in every process)."""
+    if limit is None:
+        return digests
+    with np.errstate(over="ignore"):
+        z = digests.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return digests[(z >> np.uint64(32)) < np.uint64(limit)]
+
+
+def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger) -> None:
+    """Write the data record ``key`` (its fit's row digests and ledger), atomically, then keep the newest
+    :data:`KEPT`; nothing when the store is off, on a rank other than 0, or when there is nothing to find."""
+    where = ledger_store.directory()
+    total = sum(len(d) for d in digests.values())
+    if where is None or not ledger.steps or not total or not ledger_store._writes():
+        return
+    limit = None if total <= MAX_DIGESTS else int((1 << 32) * MAX_DIGESTS / total)
+    state = {"version": _VERSION, "created": time.time(), "ledger": ledger.state_dict(),
+             "limit": -1 if limit is None else limit,
+             "digests": [[repr(kind), torch.from_numpy(np.ascontiguousarray(sampled(d, limit)).view(np.int64))]
+                         for kind, d in digests.items()]}
+    tmp = where / f".tmp-{uuid.uuid4().hex}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        with open(tmp, "wb") as out:
+            out.write(buffer.getvalue())
+        os.replace(tmp, where / f"{key}{SUFFIX}")
+        ledger_store._prune(where, SUFFIX, KEPT)
+    except (OSError, RuntimeError) as error:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        ledger_store._warn_once(("write", str(where)), f"The ledger store {where} cannot be written "
+                                f"({type(error).__name__}): the releases made on this fit's records are not found by "
+                                f"a fit in a new process. Set {ledger_store.ENV} to a writable directory (or 'off').")
+
+
+_CACHE: dict[str, Any] = {"where": None, "loaded": {}}
+
+
+def read() -> list[Record]:
+    """The store's data records (:data:`Record`), oldest first; loaded once per process and again for the files that
+    changed."""
+    where = ledger_store.directory()
+    if where is None:
+        return []
+    stamps = ledger_store._listing(where, SUFFIX)
+    loaded = _CACHE["loaded"] if _CACHE["where"] == where else {}
+    loaded = {name: loaded[name] for name in stamps if name in loaded and loaded[name][0] == stamps[name]}
+    for name, stamp in stamps.items():
+        if name not in loaded:
+            loaded[name] = (stamp, _load(where, name))
+    _CACHE.update(where=where, loaded=loaded)
+    found = [parsed for _, parsed in loaded.values() if parsed is not None]
+    return [record for _, record in sorted(found, key=lambda item: item[0])]
+
+
+def _load(where: Any, name: str) -> Optional[tuple[float, Record]]:
+    path = where / name
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("version") != _VERSION:
+            raise ValueError("not a data record of this version")
+        ledger = PrivacyLedger()
+        ledger.load_state_dict(state["ledger"])
+        digests = {}
+        for kind, values in state["digests"]:
+            if not isinstance(values, torch.Tensor) or values.dtype != torch.int64 or values.ndim != 1:
+                raise ValueError("malformed digests")
+            digests[ast.literal_eval(kind)] = np.unique(values.numpy().view(np.uint64))
+        limit = int(state["limit"])
+        return float(state["created"]), (name[:-len(SUFFIX)], digests, None if limit < 0 else limit, ledger)
+    except Exception as error:  # noqa: BLE001 - a damaged file is skipped, never a crash
+        ledger_store._warn_once(("read", str(path)), f"Skipped the ledger store's file {path} "
+                                f"({type(error).__name__}): it cannot be read as a data record. Delete it, or ignore "
+                                "this if its fits' records are not trained on again.")
+        return None
+
+
+def remove(keys: Optional[set[str]] = None) -> int:
+    """Delete the data records ``keys`` (``None``: every one); returns how many were deleted."""
+    where = ledger_store.directory()
+    if where is None:
+        return 0
+    removed = 0
+    for name in ledger_store._listing(where, SUFFIX):
+        if keys is None or name[:-len(SUFFIX)] in keys:
+            try:
+                (where / name).unlink()
+                removed += 1
+            except OSError:
+                pass
+    return removed

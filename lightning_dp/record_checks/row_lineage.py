@@ -1,0 +1,167 @@
+"""Which records a row of numbers is: its content under casts and column orders, and the rows it was computed from.
+
+The record of the releases made on each dataset (:mod:`lightning_dp.accounting.data_ledgers`) finds a fit's records
+among earlier fits' by the digests of their rows. Three ways the same records arrive as other bytes:
+
+* a cast: ``X.float()`` of the float64 rows an earlier fold read. :func:`value_rows` digests each row's values as
+  float32 (−0 as 0), so float32 and float64 copies of one row have one digest;
+* a column order: ``X[idx][:, perm]``. :func:`value_rows` also digests each row's values *sorted*, a digest that no
+  column order changes. Rows of few distinct values share it (binary or small-integer rows: their sorted rows are
+  mostly alike), and one shared by unrelated records would compose fits on them (ε overstated: safe, but a false
+  charge), so an item keeps it only when its rows' sorted digests are at least :data:`SORTED_DISTINCT` distinct
+  (within the item: then two halves of it share few sorted digests, under the data ledger's overlap of 5 %);
+* the library's own preprocessing: :class:`~lightning_dp.data.PrivateStandardizer` and
+  :class:`~lightning_dp.data.PrivateImputer` compute new rows (noisy mean and scale, filled cells) from each input
+  row. Their ``transform`` calls :func:`note_derived`: each output row's value digest is noted as descending from the
+  input row's *root* (the input's own digests, or its root when the input itself descends from another transform's
+  input). :func:`value_rows` reads a row through these notes, so the rows of ``fit_transform(X[idx])`` per fold are the
+  rows of ``X`` they came from, wrapped later in a ``TensorDataset``, a ``Subset`` or a concatenation, cast or not.
+
+The notes are process-wide, :data:`MAX_NOTED` output rows at most (24 bytes each; the oldest transforms' notes are
+dropped first). A transform the user writes (``(X - m) / s`` by hand) is not seen: its rows are new records to this
+module, as they are bytes the record has never held.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_dp.record_checks.stored_records import row_digests, stored_items
+from lightning_dp.record_checks.stored_sources import DISTINCT, _integer_column
+
+SORTED_DISTINCT = 0.99
+"""The share of distinct sorted-row digests an item's rows must reach for its column-order-free digest to be used."""
+
+MAX_NOTED = 1 << 22
+"""The most output rows :func:`note_derived` keeps notes for (process-wide): about 100 MB at most."""
+
+_CHUNK = 1 << 22
+
+_NOTED: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+"""Per transform call, oldest first: (output rows' value digests, their roots' value digests, their roots' sorted
+digests, 0 where the root's item had none)."""
+_MERGED: dict[str, Any] = {"for": None}
+
+
+def _float_rows(value: Any) -> Optional[Tensor]:
+    """``value``'s rows (dimension 0) as float32 [N, D] (−0 as 0, one NaN), ``None`` when not numbers."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf" or isinstance(value, np.memmap) or value.ndim == 0:
+            return None
+        t = torch.from_numpy(np.ascontiguousarray(value.reshape(len(value), -1), dtype=np.float32))
+    elif isinstance(value, Tensor):
+        if value.layout != torch.strided or value.is_quantized or value.is_complex() or value.dim() == 0 \
+                or hasattr(value, "to_local"):
+            return None
+        t = value.detach().reshape(len(value), -1).to(torch.float32)
+    else:
+        return None
+    if t.shape[0] == 0:
+        return None
+    t = t + 0.0  # −0.0 + 0.0 is 0.0
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+
+
+def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(each row's value digest, its sorted digest — zeros when the item's rows are under :data:`SORTED_DISTINCT`
+    distinct by it) of ``value`` itself, not read through the notes; ``None`` when not numbers."""
+    if not isinstance(value, (Tensor, np.ndarray)) or not value.ndim or _float_rows(value[:1]) is None:
+        return None
+    width = max(1, int(np.prod(value.shape[1:])))
+    step = max(2, _CHUNK // width)  # a float32 copy of at most _CHUNK values at a time
+    step += len(value) % step == 1  # never a last chunk of one row (a single number is not digested)
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    for start in range(0, len(value), step):
+        t = _float_rows(value[start:start + step])
+        found = None if t is None else (row_digests(t), row_digests(t.sort(dim=1).values))
+        if found is None or found[0] is None or found[1] is None:
+            return None
+        parts.append(found)  # type: ignore[arg-type]
+    if not parts:
+        return None
+    values, ordered = np.concatenate([v for v, _ in parts]), np.concatenate([o for _, o in parts])
+    if len(np.unique(ordered)) < SORTED_DISTINCT * len(ordered):
+        ordered = np.zeros_like(ordered)
+    return values, ordered
+
+
+def value_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(each row's root value digest, its root sorted digest, 0 where none) of ``value``: its own
+    (:func:`own_rows`), or, for a row a noted transform computed, those of the row it came from; ``None`` when
+    ``value`` is not numbers."""
+    own = own_rows(value)
+    if own is None:
+        return None
+    values, ordered = own
+    merged = _merged()
+    if merged is None:
+        return values, ordered
+    keys, roots, root_ordered = merged
+    at = np.clip(np.searchsorted(keys, values), 0, len(keys) - 1)
+    hit = keys[at] == values
+    return np.where(hit, roots[at], values), np.where(hit, root_ordered[at], ordered)
+
+
+def note_derived(inputs: Any, outputs: Any) -> None:
+    """Note that row i of ``outputs`` was computed from row i of ``inputs`` (a row-to-row transform of the library's:
+    module docstring); nothing when they are not numbers of as many rows."""
+    found, made = value_rows(inputs), own_rows(outputs)
+    if found is None or made is None or len(found[0]) != len(made[0]):
+        return
+    roots, ordered = found
+    new = made[0] != roots  # a row the transform left as it was is its own root already
+    if not new.any():
+        return
+    _NOTED.append((made[0][new], roots[new], ordered[new]))
+    total = sum(len(k) for k, _, _ in _NOTED)
+    while len(_NOTED) > 1 and total > MAX_NOTED:
+        total -= len(_NOTED.pop(0)[0])
+    _MERGED["for"] = None
+
+
+def _merged() -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The notes as one lookup sorted by output digest (the newest note of a digest wins), ``None`` when empty."""
+    if not _NOTED:
+        return None
+    if _MERGED["for"] is None:
+        keys = np.concatenate([k for k, _, _ in reversed(_NOTED)])
+        roots = np.concatenate([r for _, r, _ in reversed(_NOTED)])
+        ordered = np.concatenate([o for _, _, o in reversed(_NOTED)])
+        keys, first = np.unique(keys, return_index=True)
+        _MERGED.update({"for": True, "lookup": (keys, roots[first], ordered[first])})
+    return _MERGED["lookup"]
+
+
+def forget_notes() -> None:
+    """Drop every note (for the test suite: each test stands for a process of its own)."""
+    _NOTED.clear()
+    _MERGED["for"] = None
+
+
+def dataset_rows(dataset: Any) -> dict[tuple, np.ndarray]:
+    """Per item of ``dataset`` with one row per record that identifies them (numbers, not a column of integers, at
+    least :data:`~lightning_dp.record_checks.stored_sources.DISTINCT` distinct rows): ``("values", row shape)`` →
+    each row's root value digest and ``("sorted", row shape)`` → its root sorted digest (0: none), by
+    :func:`value_rows`; empty when no item identifies the records."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        return {}
+    out: dict[tuple, np.ndarray] = {}
+    for _, value in stored_items(dataset):
+        if not isinstance(value, (Tensor, np.ndarray)) or not n or len(value) != n or _integer_column(value):
+            continue
+        try:
+            found = value_rows(value)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a tensor without data (meta), ...
+            continue
+        if found is None or len(np.unique(found[0])) < DISTINCT * n:
+            continue
+        width = tuple(value.shape[1:])
+        out.setdefault(("values", width), found[0])
+        out.setdefault(("sorted", width), found[1])
+    return out

@@ -1,0 +1,123 @@
+"""The data's record in the ledger store (accounting/data_store.py): the releases made on each training dataset,
+written at the end of each fit, so that a fold fitted in a new process continues the earlier folds' (l04: one
+process per fold stood alone); bounded; ``off`` turns it off; ``forget_data_releases`` clears it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from lightning_dp.accounting import data_ledgers, data_store, forget_data_releases, ledger_store
+from lightning_dp.accounting.ledger import PrivacyLedger
+
+pytestmark = pytest.mark.usefixtures("data_record")
+ROOT = Path(__file__).resolve().parents[2]
+
+FOLD = '''
+import json, sys
+import torch
+import pytorch_lightning as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_dp import DPStrategy
+from lightning_dp.data import PrivateStandardizer
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+fold, seed, standardise = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "yes"
+x = torch.randn(250, 4, generator=torch.Generator().manual_seed(seed))
+idx = (torch.arange(250) % 5 != fold).nonzero().squeeze(1)
+strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x[idx], strategy) if standardise else x[idx]
+trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Tiny(), DataLoader(TensorDataset(features, (x[idx, 0] > 0).long()), batch_size=20))
+print("STEPS " + json.dumps(strategy.ledger.steps))
+'''
+
+
+def _fold_in_a_new_process(tmp_path: Path, fold: int, seed: int = 0, standardise: bool = False) -> int:
+    script = tmp_path / "fold.py"
+    script.write_text(FOLD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(fold), str(seed), "yes" if standardise else "no"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("STEPS "))[6:])
+
+
+def test_a_fold_in_a_new_process_continues_the_earlier_folds_releases(tmp_path):
+    """Fold 0 in one process (10 releases), fold 1 in another on the private standardiser's output of its rows
+    (3 + 10 of its own): 23, not 13. Forgetting other data's releases drops nothing; these records', both files."""
+    assert _fold_in_a_new_process(tmp_path, 0) == 10
+    assert _fold_in_a_new_process(tmp_path, 1, standardise=True) == 23
+    store = Path(os.environ[ledger_store.ENV])
+    assert len(list(store.glob("*" + data_store.SUFFIX))) == 2
+    assert forget_data_releases(TensorDataset(torch.randn(100, 4))) == 0
+    x = torch.randn(250, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="understates"):
+        assert forget_data_releases(TensorDataset(x[:100])) == 2  # the two folds on these records, on disk too
+    assert not list(store.glob("*" + data_store.SUFFIX))
+
+
+def _registered(rows: torch.Tensor, steps: int) -> PrivacyLedger:
+    ledger = PrivacyLedger()
+    ledger.run = f"run-{steps}-{len(rows)}"
+    ledger.record(1.0, 0.1, steps)
+    data_ledgers.register(data_ledgers.data_use(TensorDataset(rows)), ledger)
+    data_ledgers.persist(ledger)
+    return ledger
+
+
+def test_the_stored_record_is_bounded_and_compared_on_its_sample(monkeypatch):
+    monkeypatch.setattr(data_store, "MAX_DIGESTS", 300)
+    x = torch.randn(4000, 6, generator=torch.Generator().manual_seed(0))
+    _registered(x[:2000], 7)
+    data_ledgers._RELEASES.clear()  # a new process: the store alone holds the fit
+    [(use, ledger)] = data_ledgers.stored_uses()
+    assert use.sample is not None and 0 < sum(len(d) for d in use.digests.values()) <= 600
+    assert ledger.steps == 7
+    assert data_ledgers.releases_on(data_ledgers.data_use(TensorDataset(x[1500:3500]))) == [ledger]
+    assert data_ledgers.releases_on(data_ledgers.data_use(TensorDataset(x[2000:]))) == []  # disjoint: parallel
+    assert data_ledgers.releases_on(data_ledgers.data_use(TensorDataset(torch.randn(2000, 6)))) == []  # other data
+    with pytest.warns(UserWarning, match="understates"):
+        assert forget_data_releases() == 1
+    assert data_ledgers.stored_uses() == []
+
+
+def test_the_store_keeps_the_newest_records_and_off_turns_it_off(monkeypatch, tmp_path):
+    monkeypatch.setattr(data_store, "KEPT", 2)
+    for k in range(3):
+        _registered(torch.randn(50, 3), k + 1)
+    store = Path(os.environ[ledger_store.ENV])
+    assert len(list(store.glob("*" + data_store.SUFFIX))) == 2
+    monkeypatch.setenv(ledger_store.ENV, "off")
+    data_ledgers._RELEASES.clear()
+    assert data_ledgers.stored_uses() == []
+    _registered(torch.randn(50, 3), 4)
+    monkeypatch.setenv(ledger_store.ENV, str(store))
+    assert len(list(store.glob("*" + data_store.SUFFIX))) == 2  # nothing written while off
+    (store / ("broken" + data_store.SUFFIX)).write_bytes(b"not a record")
+    with pytest.warns(RuntimeWarning, match="cannot be read as a data record"):
+        assert len(data_ledgers.stored_uses()) == 2
+    assert np.all([isinstance(ledger, PrivacyLedger) for _, ledger in data_ledgers.stored_uses()])

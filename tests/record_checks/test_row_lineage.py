@@ -1,0 +1,50 @@
+"""Which records a row of numbers is (record_checks/row_lineage.py): its values under casts and column orders, and
+the rows the library's transforms computed it from."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lightning_dp.record_checks import row_lineage
+from lightning_dp.record_checks.row_lineage import note_derived, own_rows, value_rows
+
+
+def test_a_cast_keeps_the_value_digest_and_a_column_order_the_sorted_one():
+    x = torch.randn(50, 5, dtype=torch.float64)
+    values, ordered = own_rows(x)
+    assert np.array_equal(own_rows(x.float())[0], values) and np.array_equal(own_rows(x.numpy())[0], values)
+    assert np.array_equal(own_rows(x[:, [4, 2, 0, 1, 3]])[1], ordered)
+    assert not np.isin(own_rows(x[:, [4, 2, 0, 1, 3]])[0], values).any()
+    assert own_rows(np.array(["a", "b"])) is None
+    assert not own_rows(torch.randint(0, 2, (50, 5)).float())[1].any()  # binary rows: no sorted digest
+
+
+def test_a_noted_transform_reads_back_to_its_input_rows_through_chains(monkeypatch):
+    monkeypatch.setattr(row_lineage, "_NOTED", [])
+    monkeypatch.setattr(row_lineage, "_MERGED", {"for": None})
+    x = torch.randn(40, 3)
+    first, second = x * 2 + 1, (x * 2 + 1).tanh()
+    note_derived(x, first)
+    note_derived(first, second)  # a chain: the second's rows read back to x's
+    roots, ordered = value_rows(second.double())
+    assert np.array_equal(roots, own_rows(x)[0]) and np.array_equal(ordered, own_rows(x)[1])
+    assert not np.isin(value_rows(torch.randn(40, 3))[0], own_rows(x)[0]).any()
+
+
+def test_the_notes_are_bounded_oldest_dropped(monkeypatch):
+    monkeypatch.setattr(row_lineage, "_NOTED", [])
+    monkeypatch.setattr(row_lineage, "_MERGED", {"for": None})
+    monkeypatch.setattr(row_lineage, "MAX_NOTED", 60)
+    old, new = torch.randn(40, 3), torch.randn(40, 3)
+    note_derived(old, old + 1)
+    note_derived(new, new + 1)
+    assert np.array_equal(value_rows(new + 1)[0], own_rows(new)[0])
+    assert np.array_equal(value_rows(old + 1)[0], own_rows(old + 1)[0])  # forgotten: its own rows again
+
+
+def test_rows_are_digested_in_chunks_alike(monkeypatch):
+    x = torch.randn(101, 5)
+    whole = own_rows(x)
+    monkeypatch.setattr(row_lineage, "_CHUNK", 16)  # 3 rows a chunk
+    assert all(np.array_equal(a, b) for a, b in zip(own_rows(x), whole))
