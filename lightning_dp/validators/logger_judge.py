@@ -60,15 +60,15 @@ logs a value of public data the user's state holds (given other values too): dec
 from __future__ import annotations
 
 import functools
-import random
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import is_library, mark_wrapper
+from lightning_dp.replays.runs_again import bit_exact
+from lightning_dp.replays.starting_state import Piece, StartingState as Saved, generators, gradients, put_back_after
 from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.held_values import (derived_from_released, numbers_held, other_values, tensors_held,
                                                  user_generators)
@@ -162,63 +162,47 @@ def _judge(calls: "logger_outputs.Calls", held: list[Any], again: "logger_output
             raise error
 
 
-def _generators() -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
-
-
-def _set_generators(state: tuple[Any, ...]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-    np.random.set_state(state[2])
-    random.setstate(state[3])
-
-
 class StartingState:
     """The user's state, the weights, ĝ and the generators as a judged hook starts (its media calls here, its writes
-    in :mod:`.judged_writes`); :meth:`run_again` runs it from there on the exchanged data."""
+    in :mod:`.judged_writes`), saved and put back by :mod:`lightning_dp.replays`; :meth:`run_again` runs it from
+    there on the exchanged data."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
         self.module = trainer.lightning_module
         self.step = trainer.strategy.private_step  # type: ignore[attr-defined]
-        self.snapshot = self._snapshot()
-        self.weights = model_kept(self.module, weights=True)
-        self.generators = _generators()
-        self.users_generators = user_generators(self._roots())
         self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
         self.numbers: list[str] = []  # the Python values the last run again gave other values (their names)
-        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.module.parameters()]
+        self.saved = Saved(*self._pieces(copied=True))
         self.restored: Callable[[], None] = lambda: None  # called as a run again starts from this state
+
+    def _pieces(self, copied: bool) -> list[Piece]:
+        """The user's state, the weights, ĝ (``copied``: its values), the global generators and the user's."""
+        boundary = self.step.boundary
+        return [lambda: StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
+                                      boundary.global_modules()).restore,
+                lambda: model_kept(self.module, weights=True), generators,
+                lambda: gradients(list(self.module.parameters()), copied),
+                lambda: user_generators([self.module, *users_objects(self.trainer)])]
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return tensors_held(self.trainer, self.step._source[0] if self.step._source is not None else None,
                             self.step.boundary.global_modules())
 
-    def written(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def written(self, library: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(tensor, a copy of its values) of the user's state (:func:`~.held_values.tensors_held`) the hook made
-        or wrote in place; not a library module's (a torchmetrics state an epoch-end hook resets: running the hook
-        again for it would run a decision taken beside it again, outside the decision checks' windows)."""
-        library = {id(v) for m in self.module.modules() if is_library(m)
-                   for v in (*vars(m).values(), *m._buffers.values()) if isinstance(v, torch.Tensor)}
-        return {path: (t, t.detach().clone()) for path, t in self._tensors().items() if id(t) not in library and (
+        or wrote in place; not a library module's unless ``library`` (a torchmetrics state an epoch-end hook resets:
+        running the hook again for it would run a decision taken beside it again, outside the decision checks'
+        windows)."""
+        skipped = set() if library else {
+            id(v) for m in self.module.modules() if is_library(m)
+            for v in (*vars(m).values(), *m._buffers.values()) if isinstance(v, torch.Tensor)}
+        return {path: (t, t.detach().clone()) for path, t in self._tensors().items() if id(t) not in skipped and (
                 path not in self.tensors or self.tensors[path][0] is not t or self.tensors[path][1] != t._version)}
-
-    def _roots(self) -> list[Any]:
-        return [self.module, *users_objects(self.trainer)]
-
-    def _snapshot(self) -> StateSnapshot:
-        boundary = self.step.boundary
-        return StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
-                             boundary.global_modules())
 
     def put_back(self) -> None:
         """The user's state, the weights and ĝ as the hook started (a write refused is not left in memory)."""
-        self.snapshot.restore()
-        self.weights()
-        for p, value in self.grads:
-            p.grad = None if value is None else value.clone()
+        self.saved.put_back()
 
     def run_again(self, run: Callable[[], Any], written: dict[str, tuple[torch.Tensor, torch.Tensor]],
                   numbers: bool = True, other_data: bool = True) -> "logger_outputs.Calls | None":
@@ -230,49 +214,30 @@ class StartingState:
         same data (a control: what differs there too is not the data's, a time stamp)."""
         if self.step._source is None:
             return None
-        after, weights, generators = self._snapshot(), model_kept(self.module, weights=True), _generators()
-        grads = [(p, p.grad) for p, _ in self.grads]  # ĝ as it is now: a run again writes copies of it
-        users_generators = user_generators(self._roots())
         calls = logger_outputs.Calls(again=True)
-        reads = getattr(self.trainer.strategy, "_logged_reads", None)
-        moved = reads.moved(training_only=True) if reads is not None and other_data else nullcontext()
         alike: list[torch.Tensor] = []
         try:
-            self.snapshot.restore()
-            self.weights()
-            for p, value in self.grads:  # ĝ as the hook was handed it (clip_grad_norm_ writes it in place)
-                p.grad = None if value is None else value.clone()
-            _set_generators(self.generators)
-            self.users_generators()
-            self.restored()
-            exchanged = self.step.exchanged_training_data()
-            others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
-                                  [value for _, value in exchanged.arrays],
-                                  logger_outputs.released_state(self.module, lambda: self.trainer.optimizers))
-            held = numbers_held(self.trainer, self.step._source[0], self.step.boundary.public_state,
-                                [v for _, v in exchanged.arrays + others.arrays]) if numbers else None
-            self.numbers = held.names if held is not None else self.numbers
-            held = held if other_data else None
-            with exchanged.exchanged() if other_data else nullcontext(), \
-                    others.exchanged() if other_data else nullcontext(), \
-                    held.exchanged() if held is not None else nullcontext(), \
-                    moved, replaying(self.module), logger_outputs.recorded(calls):
-                run()
-                now = self._tensors() if written else {}
-                alike = [t for path, (t, first) in written.items() if path in now and _alike(now[path], first)]
+            with put_back_after(*self._pieces(copied=False)):  # ĝ as it is now: a run again writes copies
+                reads = getattr(self.trainer.strategy, "_logged_reads", None)
+                moved = reads.moved(training_only=True) if reads is not None and other_data else nullcontext()
+                self.saved.put_back()  # ĝ as the hook was handed it (clip_grad_norm_ writes it in place)
+                self.restored()
+                exchanged = self.step.exchanged_training_data()
+                others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
+                                      [value for _, value in exchanged.arrays],
+                                      logger_outputs.released_state(self.module, lambda: self.trainer.optimizers))
+                held = numbers_held(self.trainer, self.step._source[0], self.step.boundary.public_state,
+                                    [v for _, v in exchanged.arrays + others.arrays]) if numbers else None
+                self.numbers = held.names if held is not None else self.numbers
+                held = held if other_data else None
+                with exchanged.exchanged() if other_data else nullcontext(), \
+                        others.exchanged() if other_data else nullcontext(), \
+                        held.exchanged() if held is not None else nullcontext(), \
+                        moved, replaying(self.module), logger_outputs.recorded(calls):
+                    run()
+                    now = self._tensors() if written else {}
+                    alike = [t for path, (t, first) in written.items() if path in now and bit_exact(now[path], first)]
         except Exception:  # noqa: BLE001  (not judged: every held call is refused)
             return None
-        finally:
-            after.restore()
-            weights()
-            for p, grad in grads:
-                p.grad = grad
-            _set_generators(generators)
-            users_generators()
         derived_from_released(alike)
         return calls
-
-
-def _alike(again: torch.Tensor, first: torch.Tensor) -> bool:
-    return again.shape == first.shape and again.dtype == first.dtype and \
-        bool(torch.equal(again.detach(), first.detach()))

@@ -1,0 +1,64 @@
+"""Runs again and their comparison (replays/runs_again.py): a failed run judges nothing, the third run only when the
+first two differ, what the exchanged run sets apart, a tensor compared bit for bit."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.replays.runs_again import bit_exact, plain_exchanged_again, run_once, set_apart
+from lightning_dp.replays.starting_state import StartingState
+
+
+def test_run_once_starts_from_the_state_and_puts_back_after_a_failure():
+    box = {"value": 1, "entered": 0}
+
+    def piece():
+        value = box["value"]
+        return lambda: box.update(value=value)
+
+    @contextmanager
+    def variant():
+        box["entered"] += 1
+        yield
+
+    start = StartingState(piece)
+    box["value"] = 5
+    assert run_once(lambda: box["value"], variant(), start=start) == 1
+    then = StartingState(piece)
+
+    def fails():
+        box["value"] = 9
+        raise RuntimeError("needs more of the loop")
+    assert run_once(fails, variant(), then=then) is None
+    assert box == {"value": 1, "entered": 2}
+
+
+def test_the_third_run_only_when_the_first_two_differ():
+    seen: list[bool] = []
+
+    def run(exchange):
+        seen.append(exchange)
+        return {"mean": "other" if exchange else "plain"}
+    runs = plain_exchanged_again(run, lambda plain: True)
+    assert seen == [False, True, False] and set_apart(runs, moved_by_data) == ["mean"]
+    seen.clear()
+    runs = plain_exchanged_again(lambda exchange: seen.append(exchange) or {"count": 1}, lambda plain: True)
+    assert seen == [False, True] and set_apart(runs, moved_by_data) == []
+    assert plain_exchanged_again(lambda exchange: {}, lambda plain: False) == [{}]
+
+
+def test_a_clock_is_not_set_apart_and_a_failed_run_sets_nothing_apart():
+    ticks = iter(range(10))
+    runs = plain_exchanged_again(lambda exchange: {"time": next(ticks)}, lambda plain: True)
+    assert len(runs) == 3 and set_apart(runs, moved_by_data) == []
+    assert set_apart([{"a": 1}, None, {"a": 1}], moved_by_data) == []
+
+
+def test_bit_exact():
+    t = torch.tensor([1.0, float("nan")])
+    assert bit_exact(torch.ones(2), torch.ones(2)) and bit_exact(None, None)
+    assert not bit_exact(torch.ones(2), None) and not bit_exact(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert not bit_exact(torch.ones(2), torch.ones(2).add(1e-7)) and not bit_exact(t, t.clone())
