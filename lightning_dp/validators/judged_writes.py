@@ -54,6 +54,7 @@ import torch
 
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import mark_wrapper
+from lightning_dp.replays.runs_again import bit_exact
 from lightning_dp.validators.held_values import derived_from_released, tensors_held
 from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -152,7 +153,7 @@ class _Judge:
         """Those of :attr:`released` that hold the values they were released with are functions of the released state
         (:func:`~.held_values.derived_from_released`, by version counter: noted again whenever a run again starts,
         since putting a starting state back moves the counters)."""
-        derived_from_released([t for t, value in self.released.values() if _equal(t, value)])
+        derived_from_released([t for t, value in self.released.values() if bit_exact(t, value)])
 
     def call(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict) -> Any:
         """Run the hook; judge what it wrote (module docstring)."""
@@ -180,10 +181,7 @@ class _Judge:
             self.quiet.add(key)
             return result
         self.quiet.discard(key)
-        written = {path: (t, t.detach().clone()) for path, t in start._tensors().items()  # a library module's too
-                   if path not in start.tensors or start.tensors[path][0] is not t
-                   or start.tensors[path][1] != t._version} \
-            if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
+        written = start.written(library=True) if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
         again.handed = args
         reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
@@ -248,11 +246,11 @@ class _RunAgain:
             names = {*self.names, *StateFingerprint.changed(before, after)}
             held = self.start._tensors() if self.written else {}
             apart.append({n for n in names if after.get(n, _ABSENT) != self.first.get(n, _ABSENT)}
-                         | {f"parameter #{i}" for i, (p, value) in enumerate(self.params) if not _equal(p, value)}
+                         | {f"parameter #{i}" for i, (p, value) in enumerate(self.params) if not bit_exact(p, value)}
                          | {f"gradient #{i}" for i, (p, value) in enumerate(self.first_grads)
-                            if not _equal(p.grad, value)}
+                            if not bit_exact(p.grad, value)}
                          | {path for path, (_, value) in self.written.items()
-                            if path not in held or not _equal(held[path], value)})
+                            if path not in held or not bit_exact(held[path], value)})
         ran = self.start.run_again(run, {}, numbers=False, other_data=other_data) is not None and len(apart) == 1
         return apart[0] if ran else None
 
@@ -260,13 +258,6 @@ class _RunAgain:
 def _number_entry(token: Any) -> bool:
     """Whether a fingerprint entry's token is a Python number's (an attribute holding a float or an int)."""
     return isinstance(token, tuple) and len(token) == 2 and token[0] in ("float", "int")
-
-
-def _equal(now: Optional[torch.Tensor], first: Optional[torch.Tensor]) -> bool:
-    if now is None or first is None:
-        return now is None and first is None
-    return type(now.detach()) is type(first) and now.shape == first.shape and now.dtype == first.dtype \
-        and bool(torch.equal(now.detach(), first))
 
 
 def _variants(owner: Any, name: str, args: tuple, trainer: "pl.Trainer") -> list[tuple]:
