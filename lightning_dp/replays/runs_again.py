@@ -16,29 +16,30 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from lightning_dp.replays.starting_state import StartingState
-
 __all__ = ["bit_exact", "plain_exchanged_again", "run_once", "set_apart"]
 
 T = TypeVar("T")
 
 
-def run_once(run: Callable[[], T], *contexts: AbstractContextManager, start: Optional[StartingState] = None,
-             then: Optional[StartingState] = None) -> Optional[T]:
-    """``run()`` inside ``contexts`` (entered in order), from ``start`` (put back first) — its result, or ``None`` when
-    it raised (rule 3: a run again that fails accepts nothing); ``then`` put back after, however it ended."""
+def run_once(run: Callable[[], Any], *contexts: AbstractContextManager, start: Optional[Callable[[], Any]] = None,
+             then: Optional[Callable[[], Any]] = None, read: Optional[Callable[[], Any]] = None) -> Any:
+    """``run()`` inside ``contexts`` (made lazily, ``@contextmanager``: entered in order once ``start()`` put the
+    starting state back: ``StartingState.put_back``, ``StateSnapshot.restore``) — its result, or ``read()``'s once the
+    contexts closed (what it wrote, with the data back in place); ``None`` when either raised (rule 3: a run again
+    that fails accepts nothing). ``then()`` puts a state back after, however it ended."""
     if start is not None:
-        start.put_back()
+        start()
     try:
         with ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
-            return run()
+            result = run()
+        return result if read is None else read()
     except Exception:  # noqa: BLE001  (the caller refuses what a failed run cannot judge)
         return None
     finally:
         if then is not None:
-            then.put_back()
+            then()
 
 
 def plain_exchanged_again(run: Callable[[bool], Optional[T]], exchange: Callable[[Optional[T]], bool],

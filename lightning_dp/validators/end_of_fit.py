@@ -27,7 +27,9 @@ from torch import nn
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import replay_end_hooks, replaying, users_hook
-from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.replays.runs_again import plain_exchanged_again, run_once, set_apart
+from lightning_dp.replays.starting_state import put_back_after
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.step_replays import StepReplays, Strategy, users_objects
@@ -107,27 +109,20 @@ class EndOfFit:
         written = StateFingerprint.changed(before, fingerprint.take(users, full=True, every_callback=True))
         if not self.step.any_rank(bool(written)):  # alike on every rank: the hooks run again on each
             return
-        after = StateSnapshot(module, users, self.step.boundary.engine_keys, self.step.boundary.global_modules())
-        runs: list[Any] = []
-        exchanged = self.step.exchanged_training_data() if self.step._source is not None else None
-        try:
-            for exchange in (False, True, False):
-                if exchange and exchanged is None or len(runs) == 2 and not self.step.any_rank(
-                        runs[0] != runs[1]):  # the third run: on every rank when any rank's two runs differ
-                    break
-                snapshot.restore()
-                try:
-                    moved_logs = getattr(self.strategy, "moved_training_logs", nullcontext) if exchange else nullcontext
-                    with exchanged.exchanged() if exchange and exchanged is not None else nullcontext(), moved_logs(), \
-                            self.replays.replay_settings(), replaying(module):
-                        replay_end_hooks(module, hooks)
-                    runs.append(fingerprint.take(users, full=True, every_callback=True))
-                except Exception:  # noqa: BLE001  (not compared: every write stays refused)
-                    runs.append(None)
-        finally:
-            after.restore()
+        boundary = self.step.boundary
+
+        def run(exchange: bool) -> Optional[Fingerprint]:
+            moved_logs = getattr(self.strategy, "moved_training_logs", nullcontext) if exchange else nullcontext
+            return run_once(lambda: replay_end_hooks(module, hooks),
+                            exchanged.exchanged() if exchange else nullcontext(), moved_logs(),
+                            self.replays.replay_settings(), replaying(module), start=snapshot.restore,
+                            read=lambda: fingerprint.take(users, full=True, every_callback=True))
+        with put_back_after(lambda: StateSnapshot(module, users, boundary.engine_keys,
+                                                  boundary.global_modules()).restore):
+            exchanged = self.step.exchanged_training_data() if self.step._source is not None else None
+            runs = plain_exchanged_again(run, lambda plain: exchanged is not None, self.step.any_rank)
         judged = len(runs) >= 2 and None not in runs
-        moved = moved_by_data(runs[0], runs[-1], runs[1]) if judged and len(runs) == 3 else []
+        moved = set_apart(runs, moved_by_data)
         if moved:
             snapshot.restore()
             self.forget()

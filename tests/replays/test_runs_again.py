@@ -26,13 +26,13 @@ def test_run_once_starts_from_the_state_and_puts_back_after_a_failure():
 
     start = StartingState(piece)
     box["value"] = 5
-    assert run_once(lambda: box["value"], variant(), start=start) == 1
+    assert run_once(lambda: box["value"], variant(), start=start.put_back) == 1
     then = StartingState(piece)
 
     def fails():
         box["value"] = 9
         raise RuntimeError("needs more of the loop")
-    assert run_once(fails, variant(), then=then) is None
+    assert run_once(fails, variant(), then=then.put_back) is None
     assert box == {"value": 1, "entered": 2}
 
 
@@ -62,3 +62,15 @@ def test_bit_exact():
     assert bit_exact(torch.ones(2), torch.ones(2)) and bit_exact(None, None)
     assert not bit_exact(torch.ones(2), None) and not bit_exact(torch.ones(2), torch.ones(2, dtype=torch.float64))
     assert not bit_exact(torch.ones(2), torch.ones(2).add(1e-7)) and not bit_exact(t, t.clone())
+
+
+def test_what_a_run_wrote_is_read_once_its_contexts_closed():
+    box = {"value": 1}
+
+    @contextmanager
+    def exchanged():
+        box["value"] = -1
+        yield
+        box["value"] = 1
+    assert run_once(lambda: box["value"], exchanged()) == -1
+    assert run_once(lambda: None, exchanged(), read=lambda: box["value"]) == 1
