@@ -34,6 +34,7 @@ from lightning_dp.fingerprints.callback_state import is_datamodule
 from lightning_dp.fingerprints.checksums import numpy_token, content_sums
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
+from lightning_dp.replays.runs_again import plain_exchanged_again, run_once, set_apart
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.record_checks.outside_records import records_in, records_in_checkpoint_error
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -172,25 +173,14 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
     snapshot = StateSnapshot(module, _owners(trainer), skip_keys, modules)
     known = _known(checkpoint, set())
 
-    def run(exchange: bool) -> Optional[dict[str, Hashable]]:
-        try:
-            with exchanged() if exchange else nullcontext(), logs_moved() if exchange else nullcontext(), settings(), \
-                    replaying(module), torch.no_grad():
-                return _entries(_rerun(trainer, module, checkpoint), known)
-        except Exception:  # noqa: BLE001  (what the hook needs of the loop is not there, or other values break it)
-            return None
-        finally:
-            snapshot.restore()
+    def run(exchange: bool) -> Optional[dict[str, Hashable]]:  # (what the hook needs of the loop may be missing)
+        return run_once(lambda: _entries(_rerun(trainer, module, checkpoint), known),
+                        exchanged() if exchange else nullcontext(), logs_moved() if exchange else nullcontext(),
+                        settings(), replaying(module), torch.no_grad(), then=snapshot.restore)
 
-    plain = run(False)
-    other = run(True) if any_rank(plain is not None) else None
-    differ = plain is not None and other is not None and plain != other
-    if not any_rank(differ):  # alike on every rank: each runs the hooks again, or none does
-        return []
-    again = run(False)
-    if not differ or again is None:
-        return []
-    return [path for path in moved_by_data(plain, again, other) if not public(path)]
+    runs = plain_exchanged_again(run, lambda plain: any_rank(plain is not None), any_rank,  # alike on every rank
+                                 differ=lambda plain, other: plain is not None and other is not None and plain != other)
+    return [path for path in set_apart(runs, moved_by_data) if not public(path)]
 
 
 def checkpoint_from_data_error(paths: list[str]) -> Exception:
