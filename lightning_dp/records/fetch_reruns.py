@@ -5,9 +5,9 @@ or keeps the parameters of its last random draw (an albumentations-like ``self.p
 running mean of the records does. What tells them apart is what the written state is a function of. When a fetch
 wrote state that no other rule allows (:class:`~lightning_dp.records.stateless.FetchState`), the fetch is run three
 more times, each from the state as it was before it (:class:`Kept`, noted before every fetch) and each with the
-global generators as the fetch had them (:func:`generator_states`, noted with it; the loader's per-record seeds,
-:class:`~.fresh_randomness.FreshIndices`, by position; a library read seeded by index reads the other records with
-the same records' seeds):
+global generators as the fetch had them (:func:`~lightning_dp.replays.starting_state.generators`, noted with it;
+the loader's per-record seeds, :class:`~.fresh_randomness.FreshIndices`, by position; a library read seeded by index
+reads the other records with the same records' seeds):
 
 * on the same records (the *plain* rerun);
 * on the same records **exchanged** in memory (the training data's tensors, arrays and lists flipped in place,
@@ -45,13 +45,11 @@ wrote state.
 from __future__ import annotations
 
 import functools
-import random
 import types
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lightning_dp.records.identity import IdentityMap, Same
@@ -238,19 +236,6 @@ def judge(paths: list[str], pre: Kept, plain: Callable[[], Any], other: Callable
         return paths  # the plain rerun did not write what the fetch wrote (a draw the reruns did not repeat)
     first = runs[0]
     return [p for k, p in enumerate(paths) if not all(alike(first[k], run[k]) for run in runs[1:])]
-
-
-def generator_states() -> tuple[Any, Any, Any]:
-    """The states of torch's CPU generator, NumPy's global generator and Python's ``random``."""
-    return torch.get_rng_state(), np.random.get_state(), random.getstate()
-
-
-def restore_generators(states: Optional[tuple[Any, Any, Any]]) -> None:
-    """Put back :func:`generator_states` (nothing when ``None``)."""
-    if states is not None:
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
 
 
 MAX_REACHED = 100_000

@@ -67,10 +67,11 @@ from lightning_dp.records.values import same_array_values, same_tensor_values
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records import fresh_randomness
 from lightning_dp.records.fetch import WATCHED, seeded
-from lightning_dp.records.fetch_reruns import (Exchange, Kept, Unjudged, frozen, generator_states, judge,
-                                               note_written, other_indices, reached, restore_generators)
+from lightning_dp.records.fetch_reruns import (Exchange, Kept, Unjudged, frozen, judge, note_written, other_indices,
+                                               reached)
 from lightning_dp.records.fresh_randomness import FreshIndices
 from lightning_dp.records.identity import Same
+from lightning_dp.replays.starting_state import generators
 
 MAX_DEPTH = 4
 """Attribute or item levels walked below the dataset and the collate object."""
@@ -221,7 +222,7 @@ class FetchState:
         self.reads_collate = None if library else collate_fn  # the user's collate, run by the reruns judging a write
         self.exchange = exchange  # the dataset's records exchanged in memory (fetch_reruns), when the strategy has it
         self._kept: Optional[Kept] = None  # the state before this fetch, to run it again from (fetch_reruns)
-        self._generators: Any = None  # the global generators' states before it
+        self._generators: Optional[Callable[[], None]] = None  # what puts the global generators back as before it
         self._indices: Optional[list] = None  # the records it reads, when known
         self._read: Optional[Callable[..., Any]] = None  # a library read's read(indices, seeds) (None: the fetcher)
         self._pid: Optional[int] = None
@@ -250,7 +251,7 @@ class FetchState:
         self._pid = os.getpid()
         self._entries, self._objects = self._take()
         self._kept = Kept(self._objects)
-        self._generators = generator_states()
+        self._generators = generators(cuda=False)
         self._indices, self._read = indices, read
         fresh_randomness.LATEST[0] = None  # the loader's next batch of indices, once iterated
 
@@ -277,7 +278,7 @@ class FetchState:
         refused = list(dict.fromkeys(_label(p) for p in written))
         self._entries, self._objects, self._kept = entries, objects, None  # the reruns put back what they changed
         if get_worker_info() is not None:  # a worker's next fetch starts from here
-            self._kept, self._generators, self._indices, self._read = Kept(objects), generator_states(), None, None
+            self._kept, self._generators, self._indices, self._read = Kept(objects), generators(cuda=False), None, None
         fresh_randomness.LATEST[0] = None
         self._compared += 1
         if not refused and self._compared & (self._compared - 1) == 0:
@@ -323,12 +324,12 @@ class FetchState:
         else:  # the loader's fetch: per-record seeds by position (FreshIndices), alike for other records
             others = FreshIndices(other, same.seed) if isinstance(same, FreshIndices) else other
             plain, elsewhere = (lambda: self._fetch_again(same)), (lambda: self._fetch_again(others))
-        generators = self._generators
+        put_back = self._generators or (lambda: None)  # (noted with pre)
         self.depth += 1
         try:
             with seeded(0):  # the generators put back after
                 return judge(paths, pre, plain, elsewhere, self._values, self.exchange, self.dataset,
-                             lambda: restore_generators(generators), real)
+                             put_back, real)
         finally:
             post.restore()
             self.depth -= 1
