@@ -1,12 +1,9 @@
 """A starting state: what a run again starts from, saved piece by piece, put back however the run ends.
 
-Rule 3 of docs/release_boundary.md ("Your hooks run more than once"): a hook run again to judge what it kept starts
-where the real run started and leaves nothing of itself behind; rule 8: a fetch run again starts from the dataset's
-state and the generators as the fetch had them. What is saved is a parameter: each *piece* notes one part of the
-state when called and returns what puts it back (:data:`Piece`): the user's state
-(``StateSnapshot(...).restore``), the weights (``hook_replays.model_kept``), ĝ (:func:`gradients`), the global
-generators (:func:`generators`), the generators the user holds (``held_values.user_generators``), a fetch's objects
-(``fetch_reruns.Kept``).
+docs/release_boundary.md, rule 3 ("Your hooks run more than once"): a hook run again starts where the real run
+started and leaves nothing of itself behind; rule 8: a fetch run again starts from the generators the fetch had.
+What is saved is a parameter: each :data:`Piece` (the user's state: ``StateSnapshot(...).restore``; the weights:
+``hook_replays.model_kept``; :func:`gradients`; :func:`generators`; ``held_values.user_generators``).
 """
 
 from __future__ import annotations
@@ -25,18 +22,18 @@ Piece = Callable[[], Callable[[], Any]]
 
 
 class StartingState:
-    """The state as the pieces found it when made (docs/release_boundary.md, rule 3: what a run again starts from)."""
+    """The state as the pieces found it (rule 3: what a run again starts from, what it leaves)."""
 
     def __init__(self, *pieces: Piece) -> None:
         self._put_backs = [take() for take in pieces]
 
     def put_back(self) -> None:
-        """Every piece put back, in order; one that fails does not stop the others (the first error is raised)."""
+        """Every piece put back, in order; one that fails does not stop the rest (its error raised after)."""
         failed: list[BaseException] = []
         for put_back in self._put_backs:
             try:
                 put_back()
-            except BaseException as err:  # noqa: BLE001  (raised below, once the rest is back)
+            except BaseException as err:  # noqa: BLE001  (raised once the rest is back)
                 failed.append(err)
         if failed:
             raise failed[0]
@@ -44,8 +41,7 @@ class StartingState:
 
 @contextmanager
 def put_back_after(*pieces: Piece) -> Iterator[StartingState]:
-    """The state as it is now (``pieces``) put back when the block ends, however it ends (rule 3: a run again leaves
-    the state as the real run left it)."""
+    """The state as it is now (``pieces``) put back when the block ends, however it ends (rule 3)."""
     now = StartingState(*pieces)
     try:
         yield now
@@ -54,13 +50,11 @@ def put_back_after(*pieces: Piece) -> Iterator[StartingState]:
 
 
 def generators(cuda: bool = True) -> Callable[[], None]:
-    """A :data:`Piece`: the global generators' states now (torch's CPU generator, NumPy's, Python's ``random`` and,
-    when ``cuda``, every CUDA device's once CUDA is initialised); a run again draws what the real run drew
-    (docs/release_boundary.md, "Randomness starts each step afresh")."""
-    cpu = torch.get_rng_state()
+    """A :data:`Piece`: torch's CPU generator, NumPy's, Python's ``random`` and (``cuda``) every CUDA device's once
+    CUDA is initialised; a run again draws what the real run drew ("Randomness starts each step afresh")."""
+    cpu, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
     devices = torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() and torch.cuda.is_initialized() \
         else None
-    numpy_state, python_state = np.random.get_state(), random.getstate()
 
     def put_back() -> None:
         torch.set_rng_state(cpu)
@@ -72,8 +66,8 @@ def generators(cuda: bool = True) -> Callable[[], None]:
 
 
 def gradients(parameters: Sequence[torch.Tensor], copied: bool = True) -> Callable[[], None]:
-    """A :data:`Piece`: the gradients (ĝ) of ``parameters`` now. ``copied``: their values, a fresh copy put back each
-    time (a run again may write ĝ in place: ``clip_grad_norm_``); else the same tensors put back (the real run's)."""
+    """A :data:`Piece`: ĝ of ``parameters``. ``copied``: its values, a fresh copy at each put back (a run again may
+    write ĝ in place: ``clip_grad_norm_``); else the same tensors put back (the real run's, rule 3)."""
     held = [(p, g.detach().clone() if copied and g is not None else g) for p in parameters for g in (p.grad,)]
 
     def put_back() -> None:

@@ -180,7 +180,8 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
 
     runs = plain_exchanged_again(run, lambda plain: any_rank(plain is not None), any_rank,  # alike on every rank
                                  differ=lambda plain, other: plain is not None and other is not None and plain != other)
-    return [path for path in set_apart(runs, moved_by_data) if not public(path)]
+    moved = set_apart(runs[0], runs[2], runs[1:2], moved_by_data) if len(runs) == 3 else []
+    return [path for path in moved if not public(path)]
 
 
 def checkpoint_from_data_error(paths: list[str]) -> Exception:

@@ -122,7 +122,7 @@ class EndOfFit:
             exchanged = self.step.exchanged_training_data() if self.step._source is not None else None
             runs = plain_exchanged_again(run, lambda plain: exchanged is not None, self.step.any_rank)
         judged = len(runs) >= 2 and None not in runs
-        moved = set_apart(runs, moved_by_data)
+        moved = set_apart(runs[0], runs[2], runs[1:2], moved_by_data) if len(runs) == 3 else []
         if moved:
             snapshot.restore()
             self.forget()

@@ -12,6 +12,10 @@ from lightning_dp.replays.runs_again import bit_exact, plain_exchanged_again, ru
 from lightning_dp.replays.starting_state import StartingState
 
 
+def apart(runs):
+    return set_apart(runs[0], runs[2], runs[1:2], moved_by_data) if len(runs) == 3 else []
+
+
 def test_run_once_starts_from_the_state_and_puts_back_after_a_failure():
     box = {"value": 1, "entered": 0}
 
@@ -43,18 +47,24 @@ def test_the_third_run_only_when_the_first_two_differ():
         seen.append(exchange)
         return {"mean": "other" if exchange else "plain"}
     runs = plain_exchanged_again(run, lambda plain: True)
-    assert seen == [False, True, False] and set_apart(runs, moved_by_data) == ["mean"]
+    assert seen == [False, True, False] and apart(runs) == ["mean"]
     seen.clear()
     runs = plain_exchanged_again(lambda exchange: seen.append(exchange) or {"count": 1}, lambda plain: True)
-    assert seen == [False, True] and set_apart(runs, moved_by_data) == []
+    assert seen == [False, True] and apart(runs) == []
     assert plain_exchanged_again(lambda exchange: {}, lambda plain: False) == [{}]
 
 
 def test_a_clock_is_not_set_apart_and_a_failed_run_sets_nothing_apart():
     ticks = iter(range(10))
     runs = plain_exchanged_again(lambda exchange: {"time": next(ticks)}, lambda plain: True)
-    assert len(runs) == 3 and set_apart(runs, moved_by_data) == []
-    assert set_apart([{"a": 1}, None, {"a": 1}], moved_by_data) == []
+    assert len(runs) == 3 and apart(runs) == []
+    assert set_apart({"a": 1}, None, [{"a": 2}], moved_by_data) == []
+
+
+def test_what_any_other_run_set_apart_each_name_once():
+    plain, again = {"a": 1, "b": 1, "t": 0}, {"a": 1, "b": 1, "t": 1}
+    others = [{"a": 2, "b": 1, "t": 2}, None, {"a": 3, "b": 2, "t": 3}]
+    assert set_apart(plain, again, others, moved_by_data) == ["a", "b"]
 
 
 def test_bit_exact():
