@@ -41,6 +41,8 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
                                                   weights_moved_by_data, weights_sketch)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.replays.runs_again import run_once, set_apart
+from lightning_dp.replays.starting_state import StartingState
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
@@ -305,31 +307,22 @@ class StepReplays:
         trainer, boundary = module.trainer, self.step.boundary
         users = users_objects(trainer)
         fingerprint = boundary.fingerprint(module)
-        snapshot = StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
-        model_back, batch = model_kept(module, weights=True), self.strategy._collated(indices)
+        back = StartingState(lambda: StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
+                             .restore, lambda: model_kept(module, weights=True))
+        batch = self.strategy._collated(indices)
         runs: list[Optional[dict[str, Any]]] = []
 
-        def replay(examples: Any, moved: bool = False) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    with seeded(0), self.privacy_settings_kept():
-                        replay_batch_hooks(module, self.strategy.precision_plugin, examples,
-                                           batch_idx, moved, end=False)
-                    runs.append(fingerprint.take(users, full=True, every_callback=True))
-                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
-                    runs.append(None)
-                finally:
-                    snapshot.restore()
-                    model_back()
-            return run
+        def replay(examples: Any, moved: bool = False) -> Callable[[], None]:  # a run that fails is not compared
+            return lambda: runs.append(run_once(
+                lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
+                                           end=False), seeded(0), self.privacy_settings_kept(),
+                read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
 
         half = self.strategy._collated(indices[: max(1, len(indices) // 2)])
         with self.watches_paused():
             replay_records(self.strategy.optimizers[0], [replay(batch), replay(batch), replay(half, True),
                                                          replay(exchanged_copy(batch))], loop=trainer)
-        plain, again, *others = runs
-        moved = [] if not judged or plain is None or again is None else \
-            sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+        moved = sorted(set_apart(runs[0], runs[1], runs[2:], moved_by_data)) if judged else []
         self.refuse_on_every_rank(boundary.written_error(moved, (
             f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
             "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
