@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries, moved_by_data
 from lightning_dp.records.fetch import seeded
+from lightning_dp.replays.runs_again import run_once, set_apart
+from lightning_dp.replays.starting_state import put_back_after
 from lightning_dp.validators.hook_replays import replaying
 from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -70,38 +72,32 @@ class BatchStartSettings:
         module, optimizer = strategy.lightning_module, strategy.optimizers[0]
         users = users_objects(trainer)
         boundary = replays.step.boundary
-        left = (settings_kept(optimizer, trainer),
-                StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
         _, put_arrived, as_arrived = arrived
         runs: list[bool] = []
 
-        def replay(examples: Any) -> Callable[[], None]:
-            def run() -> None:  # from the user's state as the batch arrived (replay_records: the settings)
-                as_arrived.restore()
-                try:
-                    with seeded(0), replaying(module, rates=False, schedules=False):
-                        for cb in trainer.callbacks:
-                            if not trusted_callback(cb):
-                                cb.on_train_batch_start(trainer, module, examples, batch_idx)
-                        module.on_train_batch_start(examples, batch_idx)
-                    runs.append(True)
-                except Exception:  # noqa: BLE001  (other values a hook cannot take: that run is not compared)
-                    runs.append(False)
-            return run
+        def hooks(examples: Any) -> bool:
+            for cb in trainer.callbacks:
+                if not trusted_callback(cb):
+                    cb.on_train_batch_start(trainer, module, examples, batch_idx)
+            module.on_train_batch_start(examples, batch_idx)
+            return True
 
-        batch = strategy._collated(indices)
-        half = strategy._collated(indices[: max(1, len(indices) // 2)])
-        try:
+        def replay(examples: Any) -> Callable[[], None]:  # from the user's state as the batch arrived (replay_records:
+            return lambda: runs.append(bool(run_once(  # the settings); a run that fails is not compared
+                lambda: hooks(examples), seeded(0), replaying(module, rates=False, schedules=False),
+                start=as_arrived.restore)))
+
+        with put_back_after(lambda: StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
+                            .restore, lambda: settings_kept(optimizer, trainer)):  # as the real hooks left them
+            batch = strategy._collated(indices)
+            half = strategy._collated(indices[: max(1, len(indices) // 2)])
             put_arrived()  # replay_records starts each run from, and puts back, the settings as the batch arrived
             with replays.watches_paused():
                 _, seen = replay_records(optimizer, [replay(batch), replay(batch), replay(half),
                                                      replay(exchanged_copy(batch))], loop=trainer)
-        finally:
-            left[1].restore()  # the state and the settings as the real hooks left them
-            left[0]()
         apart: list[str] = []
         if judged and len(runs) == 4 and runs[0] and runs[1]:
-            apart = sorted({n for other, ok in zip(seen[2:], runs[2:]) if ok for n in moved_by_data(*seen[:2], other)})
+            apart = sorted(set_apart(*seen[:2], [other for other, ok in zip(seen[2:], runs[2:]) if ok], moved_by_data))
         replays.refuse_on_every_rank(hyperparameters_error(apart, "in on_train_batch_start, from the batch")
                                      if apart else None, "found the batch-start hooks' settings steered by the data")
 
