@@ -49,12 +49,13 @@ def put_back_after(*pieces: Piece) -> Iterator[StartingState]:
         now.put_back()
 
 
-def generators(cuda: bool = True) -> Callable[[], None]:
-    """A :data:`Piece`: torch's CPU generator, NumPy's, Python's ``random`` and (``cuda``) every CUDA device's once
-    CUDA is initialised; a run again draws what the real run drew ("Randomness starts each step afresh")."""
+def generators(cuda: str = "initialised") -> Callable[[], None]:
+    """A :data:`Piece`: torch's CPU generator, NumPy's, Python's ``random`` and every CUDA device's (``cuda``: once
+    CUDA is ``"initialised"``, whenever ``"available"``, or ``"none"``); a run again draws what the real run drew
+    (docs/release_boundary.md, "Randomness starts each step afresh")."""
     cpu, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    devices = torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() and torch.cuda.is_initialized() \
-        else None
+    devices = torch.cuda.get_rng_state_all() if cuda != "none" and torch.cuda.is_available() and (
+        cuda == "available" or torch.cuda.is_initialized()) else None
 
     def put_back() -> None:
         torch.set_rng_state(cpu)

@@ -32,8 +32,8 @@ them only the first two rules apply (``plain = False``).
 
 from __future__ import annotations
 
+import functools
 import math
-import random
 import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -51,6 +51,7 @@ from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.optimizer_extra_state import rebound_state
 from lightning_dp.validators.schedule_state import told_states
 from lightning_dp.records import user_generators
+from lightning_dp.replays.starting_state import StartingState, generators
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.tolerance import batch_tolerance
@@ -149,23 +150,10 @@ def _refused_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]
     return clip
 
 
-def _rng_states() -> tuple[Any, ...]:
-    import numpy as np
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate(), user_generators.states()
-
-
-def _set_rng_states(states: tuple[Any, ...]) -> None:
-    import numpy as np
-
-    cpu, cuda, numpy_state, python, users = states
-    user_generators.restore(users)  # the model's own generators (records/user_generators.py)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    np.random.set_state(numpy_state)
-    random.setstate(python)
+def _rng_states() -> StartingState:
+    """The model's own generators (records/user_generators.py), then torch's, NumPy's and Python's."""
+    return StartingState(lambda: functools.partial(user_generators.restore, user_generators.states()),
+                         lambda: generators(cuda="available"))
 
 
 _SCHEDULED = frozenset({"lr", "momentum", "betas"})
@@ -209,7 +197,7 @@ class PlainLoop:
         self._loss_of: Optional[Callable[[Any], Any]] = None
         self.what = "the loss function"
         self._due = False
-        self._rngs: Optional[tuple[Any, ...]] = None
+        self._rngs: Optional[StartingState] = None
         self.read: Optional[str] = None
         """How the loss's value was read since the step began (``None``: not read)."""
         self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
@@ -562,7 +550,7 @@ def check_bound_loss(step: Any, norms: Tensor) -> None:
     try:
         with forked_rngs():
             if loop._rngs is not None:
-                _set_rng_states(loop._rngs)
+                loop._rngs.put_back()
             engine.begin_step(rows)
             loss_tensor(loop.loss_of(loop.batch), rows, loop.what).backward()
             engine.padding_rows = loop.padding
