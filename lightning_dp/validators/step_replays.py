@@ -476,19 +476,15 @@ class StepReplays:
         batch = self.strategy._as_loop_batch(self.strategy._collated(indices))
         snapshot = StateSnapshot(module, users_objects(trainer), boundary.engine_keys, boundary.global_modules())
 
-        def loss_at(step: int) -> Optional[torch.Tensor]:
-            try:
-                with seeded(0), progress_as(trainer, step, step // per_epoch), self.watches_paused(), \
-                        self.privacy_settings_kept(), self.strategy.precision_plugin.train_step_context(), \
-                        replaying(module):
-                    batch_start(module, batch, step % per_epoch)
-                    out = module.training_step(batch, step % per_epoch)
+        def loss_at(step: int) -> Optional[torch.Tensor]:  # (a step that cannot run there is the later checks' to meet)
+            def run() -> Optional[torch.Tensor]:
+                batch_start(module, batch, step % per_epoch)
+                out = module.training_step(batch, step % per_epoch)
                 out = out.get("loss") if isinstance(out, dict) else out
                 return out.detach().to(torch.float64) if isinstance(out, torch.Tensor) else None
-            except Exception:  # noqa: BLE001  (a step that cannot run there is the later checks' to meet)
-                return None
-            finally:
-                snapshot.restore()
+            return run_once(run, seeded(0), progress_as(trainer, step, step // per_epoch), self.watches_paused(),
+                            self.privacy_settings_kept(), self.strategy.precision_plugin.train_step_context(),
+                            replaying(module), then=snapshot.restore)
 
         here = loss_at(now)
         if here is None:
