@@ -49,6 +49,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import (checkpoints_saved, moved_far, moved_near, raised_apart,
                                                   raised_error, replaying, runs_users_code)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.replays.runs_again import set_apart
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
@@ -331,11 +332,8 @@ class DecisionWindows(pl.Callback):
         # the runs on the data raised (a hook may rightly reject values the exchange made)
         judged = [window.kind == "batch" and i < 2 for i in range(len(errors) - 2)]
         self.raised = raised_apart(errors[0], errors[1], list(zip(errors[2:], judged)))
-        plain, again, *others = runs
-        self._replayed = plain
-        if plain is None or again is None:
-            return []
-        return sorted({name for other in others if other is not None for name in moved_by_data(plain, again, other)})
+        self._replayed = runs[0]
+        return sorted(set_apart(runs[0], runs[1], runs[2:], moved_by_data))
 
     def _check_mechanism(self, trainer: "pl.Trainer", where: str) -> None:
         """σ, C and the clipping policy's settings as noted (:mod:`.mechanism_notes`): a change since the last release
