@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries, moved_by_data
 from lightning_dp.records.fetch import seeded
 from lightning_dp.replays.runs_again import run_once, set_apart
 from lightning_dp.replays.starting_state import put_back_after
-from lightning_dp.validators.hook_replays import replaying
+from lightning_dp.validators.hook_replays import batch_start, replaying
 from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_records, settings,
@@ -75,17 +74,10 @@ class BatchStartSettings:
         _, put_arrived, as_arrived = arrived
         runs: list[bool] = []
 
-        def hooks(examples: Any) -> bool:
-            for cb in trainer.callbacks:
-                if not trusted_callback(cb):
-                    cb.on_train_batch_start(trainer, module, examples, batch_idx)
-            module.on_train_batch_start(examples, batch_idx)
-            return True
-
         def replay(examples: Any) -> Callable[[], None]:  # from the user's state as the batch arrived (replay_records:
             return lambda: runs.append(bool(run_once(  # the settings); a run that fails is not compared
-                lambda: hooks(examples), seeded(0), replaying(module, rates=False, schedules=False),
-                start=as_arrived.restore)))
+                lambda: batch_start(module, examples, batch_idx, raising=True), seeded(0),
+                replaying(module, rates=False, schedules=False), start=as_arrived.restore, read=lambda: True)))
 
         with put_back_after(lambda: StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
                             .restore, lambda: settings_kept(optimizer, trainer)):  # as the real hooks left them

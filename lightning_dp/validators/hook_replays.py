@@ -314,11 +314,11 @@ def overrides_fit_start(module: "pl.LightningModule") -> bool:
     return any(users_hook(getattr(type(owner), name, None)) for owner in owners for name in FIT_START_HOOKS)
 
 
-def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int, raising: bool = False) -> None:
     """``on_train_batch_start`` of every callback that is not Lightning's or lightning_dp's, then of the module, on
     ``batch`` as the loop runs them before ``training_step``: the checks' passes see what they do to the batch (centre
     it on the data's mean, relabel it from neighbours). A hook that needs more of the loop than a check gives (it
-    raises) is left out of that pass."""
+    raises) is left out of that pass (``raising``: its exception raised, for a run again that fails)."""
     trainer = module.trainer
     try:
         for cb in trainer.callbacks:
@@ -326,7 +326,8 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int) -> Non
                 cb.on_train_batch_start(trainer, module, batch, batch_idx)
         module.on_train_batch_start(batch, batch_idx)
     except Exception:  # noqa: BLE001  (checked as it runs: the release boundary compares what it keeps)
-        pass
+        if raising:
+            raise
 
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
