@@ -14,7 +14,6 @@ of docs/release_boundary.md), compared across the first step's replays of the lo
 from __future__ import annotations
 
 import hashlib
-import random
 from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
@@ -23,6 +22,7 @@ import torch
 
 from lightning_dp.records import user_generators
 from lightning_dp.records.call_sites import STANDARD, first_caller, package_of
+from lightning_dp.replays.starting_state import generators, put_back_after
 
 if TYPE_CHECKING:
     from lightning_dp.errors import PrivacyConfigurationError
@@ -30,23 +30,11 @@ if TYPE_CHECKING:
 
 @contextmanager
 def forked_rngs() -> Iterator[None]:
-    """Run the block, then put torch's (CPU and every CUDA device), NumPy's and Python's generators back, and the
-    ``torch.Generator`` objects the model and the callbacks hold (:mod:`~lightning_dp.records.user_generators`)."""
-    state = random.getstate()
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np, np_state = None, None
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices), user_generators.forked():
-            yield
-    finally:
-        random.setstate(state)
-        if np is not None:
-            np.random.set_state(np_state)
+    """Run the block, then put torch's (CPU and every CUDA device), NumPy's and Python's generators back
+    (:func:`~lightning_dp.replays.starting_state.generators`), and the ``torch.Generator`` objects the model and the
+    callbacks hold (:mod:`~lightning_dp.records.user_generators`)."""
+    with put_back_after(lambda: generators(cuda="available")), user_generators.forked():
+        yield
 
 
 _SEEDERS = (("torch", "manual_seed"), ("torch.random", "manual_seed"), ("torch", "set_rng_state"),
