@@ -174,16 +174,16 @@ class StartingState:
         self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
         self.numbers: list[str] = []  # the Python values the last run again gave other values (their names)
         self.saved = Saved(*self._pieces(copied=True))
+        self.generators = Saved(generators, lambda: user_generators([self.module, *users_objects(self.trainer)]))
         self.restored: Callable[[], None] = lambda: None  # called as a run again starts from this state
 
     def _pieces(self, copied: bool) -> list[Piece]:
-        """The user's state, the weights, ĝ (``copied``: its values), the global generators and the user's."""
+        """The user's state, the weights and ĝ (``copied``: its values)."""
         boundary = self.step.boundary
         return [lambda: StateSnapshot(self.module, users_objects(self.trainer), boundary.engine_keys,
                                       boundary.global_modules()).restore,
-                lambda: model_kept(self.module, weights=True), generators,
-                lambda: gradients(list(self.module.parameters()), copied),
-                lambda: user_generators([self.module, *users_objects(self.trainer)])]
+                lambda: model_kept(self.module, weights=True),
+                lambda: gradients(list(self.module.parameters()), copied)]
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return tensors_held(self.trainer, self.step._source[0] if self.step._source is not None else None,
@@ -217,10 +217,12 @@ class StartingState:
         calls = logger_outputs.Calls(again=True)
         alike: list[torch.Tensor] = []
         try:
-            with put_back_after(*self._pieces(copied=False)):  # ĝ as it is now: a run again writes copies
+            with put_back_after(*self._pieces(copied=False), generators,  # ĝ as it is now: a run again writes copies
+                                lambda: user_generators([self.module, *users_objects(self.trainer)])):
                 reads = getattr(self.trainer.strategy, "_logged_reads", None)
                 moved = reads.moved(training_only=True) if reads is not None and other_data else nullcontext()
                 self.saved.put_back()  # ĝ as the hook was handed it (clip_grad_norm_ writes it in place)
+                self.generators.put_back()
                 self.restored()
                 exchanged = self.step.exchanged_training_data()
                 others = other_values(self.trainer, self.step._source[0], self.step.boundary.global_modules(),
