@@ -9,7 +9,7 @@ What is saved is a parameter: each :data:`Piece` (the user's state: ``StateSnaps
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -29,14 +29,9 @@ class StartingState:
 
     def put_back(self) -> None:
         """Every piece put back, in order; one that fails does not stop the rest (its error raised after)."""
-        failed: list[BaseException] = []
-        for put_back in self._put_backs:
-            try:
-                put_back()
-            except BaseException as err:  # noqa: BLE001  (raised once the rest is back)
-                failed.append(err)
-        if failed:
-            raise failed[0]
+        with ExitStack() as stack:
+            for put_back in reversed(self._put_backs):  # (an ExitStack calls them last first, each whatever raised)
+                stack.callback(put_back)
 
 
 @contextmanager
