@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import StackDataset, Subset
 
 from lightning_dp.records import user_generators
-from lightning_dp.replays.starting_state import generators, put_back_after
+from lightning_dp.replays.starting_state import Generators, put_back_after
 
 _FORWARDING = (Subset.__getitems__, StackDataset.__getitems__)
 """torch's own ``__getitems__``: each reads index by index from the dataset(s) it wraps (or their ``__getitems__``)."""
@@ -103,7 +103,7 @@ def seeded(seed: int) -> Iterator[None]:
     """Inside: torch's CPU generator, NumPy's global generator, Python's ``random`` and the generators the model and
     the callbacks hold (:mod:`~lightning_dp.records.user_generators`) seeded with ``seed``. Their states are restored
     on exit."""
-    with put_back_after(lambda: generators(cuda="none")), user_generators.forked():
+    with put_back_after(lambda: Generators(cuda="none")), user_generators.forked():
         reseed(seed)
         user_generators.reseed(seed)  # the model's and callbacks' own generators too
         yield

@@ -5,7 +5,7 @@ or keeps the parameters of its last random draw (an albumentations-like ``self.p
 running mean of the records does. What tells them apart is what the written state is a function of. When a fetch
 wrote state that no other rule allows (:class:`~lightning_dp.records.stateless.FetchState`), the fetch is run three
 more times, each from the state as it was before it (:class:`Kept`, noted before every fetch) and each with the
-global generators as the fetch had them (:func:`~lightning_dp.replays.starting_state.generators`, noted with it;
+global generators as the fetch had them (:class:`~lightning_dp.replays.starting_state.Generators`, noted with it;
 the loader's per-record seeds, :class:`~.fresh_randomness.FreshIndices`, by position; a library read seeded by index
 reads the other records with the same records' seeds):
 

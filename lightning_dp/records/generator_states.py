@@ -14,33 +14,24 @@ Python's ``random`` and the ``torch.Generator`` objects the model and the user's
 
 from __future__ import annotations
 
-import random
-from typing import Any
-
 import numpy as np
 import torch
 
 from lightning_dp.records import user_generators
+from lightning_dp.replays.starting_state import Generators
 
 
-class GeneratorStates:
-    """The states of the module docstring's generators when it was made."""
+class GeneratorStates(Generators):
+    """The states of the module docstring's generators when it was made (the global ones:
+    :class:`~lightning_dp.replays.starting_state.Generators`, once CUDA is initialised)."""
 
     def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (torch.cuda.get_rng_state_all()
-                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-        self.numpy: Any = np.random.get_state()
-        self.python = random.getstate()
+        super().__init__()
         self.users = user_generators.states()
 
     def restore(self) -> None:
         """Put every generator back in the state noted (the caller forks them: the check's passes leave no trace)."""
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
+        self()
         user_generators.restore(self.users)
 
     def moved(self) -> bool:

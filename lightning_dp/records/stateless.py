@@ -71,7 +71,7 @@ from lightning_dp.records.fetch_reruns import (Exchange, Kept, Unjudged, frozen,
                                                reached)
 from lightning_dp.records.fresh_randomness import FreshIndices
 from lightning_dp.records.identity import Same
-from lightning_dp.replays.starting_state import generators
+from lightning_dp.replays.starting_state import Generators
 
 MAX_DEPTH = 4
 """Attribute or item levels walked below the dataset and the collate object."""
@@ -251,7 +251,7 @@ class FetchState:
         self._pid = os.getpid()
         self._entries, self._objects = self._take()
         self._kept = Kept(self._objects)
-        self._generators = generators(cuda="none")
+        self._generators = Generators(cuda="none")
         self._indices, self._read = indices, read
         fresh_randomness.LATEST[0] = None  # the loader's next batch of indices, once iterated
 
@@ -278,7 +278,7 @@ class FetchState:
         refused = list(dict.fromkeys(_label(p) for p in written))
         self._entries, self._objects, self._kept = entries, objects, None  # the reruns put back what they changed
         if get_worker_info() is not None:  # a worker's next fetch starts from here
-            self._kept, self._generators, self._indices, self._read = Kept(objects), generators(cuda="none"), None, None
+            self._kept, self._generators, self._indices, self._read = Kept(objects), Generators(cuda="none"), None, None
         fresh_randomness.LATEST[0] = None
         self._compared += 1
         if not refused and self._compared & (self._compared - 1) == 0:

@@ -3,7 +3,7 @@
 docs/release_boundary.md, rule 3 ("Your hooks run more than once"): a hook run again starts where the real run
 started and leaves nothing of itself behind; rule 8: a fetch run again starts from the generators the fetch had.
 What is saved is a parameter: each :data:`Piece` (the user's state: ``StateSnapshot(...).restore``; the weights:
-``hook_replays.model_kept``; :func:`gradients`; :func:`generators`; ``held_values.user_generators``).
+``hook_replays.model_kept``; :func:`gradients`; :class:`Generators`; ``held_values.user_generators``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Piece", "StartingState", "generators", "gradients", "put_back_after"]
+__all__ = ["Generators", "Piece", "StartingState", "gradients", "put_back_after"]
 
 Piece = Callable[[], Callable[[], Any]]
 """Notes one part of the state now; returns the function that puts it back."""
@@ -44,21 +44,22 @@ def put_back_after(*pieces: Piece) -> Iterator[StartingState]:
         now.put_back()
 
 
-def generators(cuda: str = "initialised") -> Callable[[], None]:
-    """A :data:`Piece`: torch's CPU generator, NumPy's, Python's ``random`` and every CUDA device's (``cuda``: once
-    CUDA is ``"initialised"``, whenever ``"available"``, or ``"none"``); a run again draws what the real run drew
-    (docs/release_boundary.md, "Randomness starts each step afresh")."""
-    cpu, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    devices = torch.cuda.get_rng_state_all() if cuda != "none" and torch.cuda.is_available() and (
-        cuda == "available" or torch.cuda.is_initialized()) else None
+class Generators:
+    """A :data:`Piece`: the states now of torch's CPU generator, NumPy's, Python's ``random`` and every CUDA device's
+    (``cuda``: once CUDA is ``"initialised"``, whenever ``"available"``, or ``"none"``); calling it puts them back: a
+    run again draws what the real run drew (docs/release_boundary.md, "Randomness starts each step afresh")."""
 
-    def put_back() -> None:
-        torch.set_rng_state(cpu)
-        if devices is not None:
-            torch.cuda.set_rng_state_all(devices)
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
-    return put_back
+    def __init__(self, cuda: str = "initialised") -> None:
+        self.cpu, self.numpy, self.python = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        self.cuda = torch.cuda.get_rng_state_all() if cuda != "none" and torch.cuda.is_available() and (
+            cuda == "available" or torch.cuda.is_initialized()) else None
+
+    def __call__(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
 
 
 def gradients(parameters: Sequence[torch.Tensor], copied: bool = True) -> Callable[[], None]:

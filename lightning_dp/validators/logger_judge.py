@@ -68,7 +68,7 @@ import torch
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import is_library, mark_wrapper
 from lightning_dp.replays.runs_again import bit_exact
-from lightning_dp.replays.starting_state import Piece, StartingState as Saved, generators, gradients, put_back_after
+from lightning_dp.replays.starting_state import Generators, Piece, StartingState as Saved, gradients, put_back_after
 from lightning_dp.validators import logger_outputs
 from lightning_dp.validators.held_values import (derived_from_released, numbers_held, other_values, tensors_held,
                                                  user_generators)
@@ -174,7 +174,7 @@ class StartingState:
         self.tensors = {path: (t, t._version) for path, t in self._tensors().items()}
         self.numbers: list[str] = []  # the Python values the last run again gave other values (their names)
         self.saved = Saved(*self._pieces(copied=True))
-        self.generators = Saved(generators, lambda: user_generators([self.module, *users_objects(self.trainer)]))
+        self.generators = Saved(Generators, lambda: user_generators([self.module, *users_objects(self.trainer)]))
         self.restored: Callable[[], None] = lambda: None  # called as a run again starts from this state
 
     def _pieces(self, copied: bool) -> list[Piece]:
@@ -217,7 +217,7 @@ class StartingState:
         calls = logger_outputs.Calls(again=True)
         alike: list[torch.Tensor] = []
         try:
-            with put_back_after(*self._pieces(copied=False), generators,  # ĝ as it is now: a run again writes copies
+            with put_back_after(*self._pieces(copied=False), Generators,  # ĝ as it is now: a run again writes copies
                                 lambda: user_generators([self.module, *users_objects(self.trainer)])):
                 reads = getattr(self.trainer.strategy, "_logged_reads", None)
                 moved = reads.moved(training_only=True) if reads is not None and other_data else nullcontext()

@@ -51,7 +51,7 @@ from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.optimizer_extra_state import rebound_state
 from lightning_dp.validators.schedule_state import told_states
 from lightning_dp.records import user_generators
-from lightning_dp.replays.starting_state import StartingState, generators
+from lightning_dp.replays.starting_state import Generators, StartingState
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.tolerance import batch_tolerance
@@ -153,7 +153,7 @@ def _refused_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 def _rng_states() -> StartingState:
     """The model's own generators (records/user_generators.py), then torch's, NumPy's and Python's."""
     return StartingState(lambda: functools.partial(user_generators.restore, user_generators.states()),
-                         lambda: generators(cuda="available"))
+                         lambda: Generators(cuda="available"))
 
 
 _SCHEDULED = frozenset({"lr", "momentum", "betas"})

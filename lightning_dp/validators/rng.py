@@ -22,7 +22,7 @@ import torch
 
 from lightning_dp.records import user_generators
 from lightning_dp.records.call_sites import STANDARD, first_caller, package_of
-from lightning_dp.replays.starting_state import generators, put_back_after
+from lightning_dp.replays.starting_state import Generators, put_back_after
 
 if TYPE_CHECKING:
     from lightning_dp.errors import PrivacyConfigurationError
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 @contextmanager
 def forked_rngs() -> Iterator[None]:
     """Run the block, then put torch's (CPU and every CUDA device), NumPy's and Python's generators back
-    (:func:`~lightning_dp.replays.starting_state.generators`), and the ``torch.Generator`` objects the model and the
+    (:class:`~lightning_dp.replays.starting_state.Generators`), and the ``torch.Generator`` objects the model and the
     callbacks hold (:mod:`~lightning_dp.records.user_generators`)."""
-    with put_back_after(lambda: generators(cuda="available")), user_generators.forked():
+    with put_back_after(lambda: Generators(cuda="available")), user_generators.forked():
         yield
 
 

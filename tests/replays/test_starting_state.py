@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dp.replays.starting_state import StartingState, generators, gradients, put_back_after
+from lightning_dp.replays.starting_state import Generators, StartingState, gradients, put_back_after
 
 
 def draws() -> tuple[float, float, float]:
@@ -18,7 +18,7 @@ def draws() -> tuple[float, float, float]:
 
 def test_generators_put_back_draw_again_what_was_drawn():
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    start = StartingState(generators)
+    start = StartingState(Generators)
     first = draws()
     assert draws() != first
     start.put_back()
