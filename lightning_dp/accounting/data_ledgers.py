@@ -260,7 +260,8 @@ def union(first: PrivacyLedger, second: PrivacyLedger) -> Combined:
         rest += _after(combine(mine, theirs).ledger.entries, mine.steps)
     out = PrivacyLedger()
     out.load_entries((*first.entries, *rest))
-    out.unit = first.unit if first.unit == second.unit or not rest else "example"
+    # an empty ``first`` (a fresh module's ledger, before its unit is set) takes the unit of the releases it continues
+    out.unit = second.unit if not first.steps else first.unit if first.unit == second.unit or not rest else "example"
     added = out.steps - first.steps
     return Combined(out, added, diverged=added > 0 and first.steps > 0)
 

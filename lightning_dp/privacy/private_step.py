@@ -450,7 +450,7 @@ class PrivateStep(StepChecks):
         self.fresh.start()  # the base seed, before any record is read
         population = training_population(dataloader, where.rank, where.world_size, batches_per_step)
         fetches = FetchState(dataloader.dataset, dataloader.collate_fn, records_exchanged).noted()  # before any read
-        check_records(dataloader.dataset, population.indices, population.num_samples, per_user=self.users is not None)
+        check_records(dataloader.dataset, population.indices, population.num_samples, users=self.users)
         self._check_ledger_unit()
         seed = None if self.sampler_seed is None else self.sampler_seed + where.rank
         sampler: Any

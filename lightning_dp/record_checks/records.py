@@ -14,7 +14,9 @@ record's privacy loss only if
 2. **a record has one index.** Repetition that torch's wrappers show (a Subset index listed twice, a
    dataset concatenated with itself) is refused before anything is read (:mod:`.record_sources`);
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
-   (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`).
+   (:mod:`.repeated_records`, skipped for :class:`~lightning_dp.data.DistinctRecords`); under user-level DP, where a
+   user's own records may repeat, copies held by *different* users (one person counted as two users:
+   :mod:`.user_copies`).
 3. **a record is its own data**: no two records read the same rows of the arrays the dataset holds (overlapping
    windows, records mixed with their neighbours or with a partner from a shuffled copy of the data, statistics of
    the whole tensor cached on the first read: :mod:`.shared_records`; not for user-level DP). What the reads write
@@ -43,6 +45,7 @@ from lightning_dp.record_checks.record_sources import check_sources
 from lightning_dp.record_checks.repeated_records import READ_SEED, check_repeated_records
 from lightning_dp.record_checks.read_writes import ReadWrites
 from lightning_dp.record_checks.shared_records import check_shared_records
+from lightning_dp.record_checks.user_copies import check_copies_across_users
 
 FIXED_RECORD_PROBES = 4
 """Positions read, as one batch, three times (spread evenly over the population: first, last and between)."""
@@ -53,11 +56,11 @@ _FIXED_FIX = ("DP's privacy unit is a fixed record per index: make __getitem__(i
               "lightning_dp.data.AugmentedViews.")
 
 
-def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int,
-                  per_user: bool = False) -> None:
+def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int, users: Any = None) -> None:
     """Check the population (``indices`` of ``dataset``; ``None``: all ``num_samples`` of them) as the module
-    docstring says. ``per_user``: the privacy unit is a user (user-level DP), sampled once per step however many
-    records it holds: records repeated in the data (a user's identical messages) are not looked for.
+    docstring says. ``users``: the privacy unit's :class:`~lightning_dp.units.Users` (user-level DP; ``None``: the
+    example). A user is sampled once per step however many records it holds: records repeated within a user (its
+    identical messages) are allowed, copies held by different users are not (:mod:`.user_copies`).
 
     Raises:
         PrivacyConfigurationError: naming what is wrong and the fix.
@@ -66,10 +69,11 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     the dataset (a warm-up they complete) is refused after them, once these checks have named what they find.
     """
     with watched(dataset):
-        _check_records(dataset, indices, num_samples, per_user)
+        _check_records(dataset, indices, num_samples, users)
 
 
-def _check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int, per_user: bool) -> None:
+def _check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: int, users: Any) -> None:
+    per_user = users is not None
     writes = None if per_user else ReadWrites(dataset)  # before any read: what reads write besides the records
     check_same_on_every_rank(dataset)  # first read: a collective, which every rank must reach
     check_sources(dataset, indices)
@@ -79,8 +83,11 @@ def _check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: 
         return position if indices is None else int(indices[position])
 
     _check_fixed_records(dataset, at, num_samples)
-    if not per_user and not _declared_distinct(dataset):
-        check_repeated_records(dataset, at, num_samples)
+    if not _declared_distinct(dataset):
+        if per_user:
+            check_copies_across_users(dataset, at, num_samples, users.user_of(dataset))
+        else:
+            check_repeated_records(dataset, at, num_samples)
     if not per_user:
         check_shared_records(dataset, at, num_samples, writes)
 

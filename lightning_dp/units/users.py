@@ -17,7 +17,8 @@ more records. Engines compute ‖Σ_{i∈u} g_i‖ (:mod:`~lightning_dp.clipping
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -69,6 +70,11 @@ class Users:
                 "attribute holding them.")
         return ids
 
+    def user_of(self, dataset: Any) -> Callable[[int], Hashable]:
+        """The user of dataset record ``i`` (its id, as :meth:`partition` counts it); ``IndexError`` past the ids."""
+        ids = self.ids_for(dataset)
+        return lambda index: _hashable(ids[int(index)])
+
     def partition(self, dataset: Any, population: Sequence[int]) -> list[Tensor]:
         """The positions ``0…N−1`` of the population (dataset index ``population[j]``) grouped by user: one tensor of
         positions per user, users in order of their first record (public: a function of the ids only)."""
@@ -88,6 +94,7 @@ class Users:
             members[unit].append(position)
             unit_of[int(index)] = unit
         self._unit_of = unit_of
+        _warn_spellings(number)
         return [torch.tensor(v, dtype=torch.long) for v in members]
 
     def units_of(self, indices: Sequence[int]) -> list[Any]:
@@ -102,6 +109,22 @@ class Users:
             raise RuntimeError("Users.partition() first (the private step does, when the loader is built)")
         seen: dict[int, int] = {}
         return torch.tensor([seen.setdefault(self._unit_of[int(i)], len(seen)) for i in indices], dtype=torch.long)
+
+
+def _warn_spellings(ids: dict[Hashable, int]) -> None:
+    """Warn when distinct ids differ only in letter case or surrounding whitespace (``"Ann@x.org"``, ``"ann@x.org "``):
+    most likely one person under two spellings, so two users (counts only: ids are data)."""
+    spellings: dict[str, int] = {}
+    for key in ids:
+        text = str(key).strip().lower()
+        spellings[text] = spellings.get(text, 0) + 1
+    merged = sum(c for c in spellings.values() if c > 1)
+    if merged:
+        warnings.warn(
+            f"Users: {merged} of the {len(ids)} user ids differ from another only in letter case or surrounding "
+            "whitespace (or are a number and its text). If they are one person's, that person is several users, each "
+            "sampled with its own chance per step, and ε per user understates their privacy loss: normalise the ids "
+            "before Users(...) (e.g. str(id).strip().lower()).", UserWarning, stacklevel=3)
 
 
 def _hashable(value: Any) -> Hashable:

@@ -499,7 +499,8 @@ class StepChecks:
         held = getattr(self.ledger, "unit", "example")
         if self.ledger.steps and held != self.unit:
             raise PrivacyConfigurationError(
-                f"this module's ledger holds releases accounted per {held}; a run per {self.unit} cannot continue it "
+                f"this module's ledger (or the releases earlier fits in this process made on the same records) holds "
+                f"releases accounted per {held}; a run per {self.unit} cannot continue it "
                 f"(its ε would mix the two units). Train a fresh copy of the module, or keep privacy_unit as it was.")
         self.ledger.unit = self.unit
 
