@@ -10,9 +10,10 @@ to the longest record: each depends on every record, and is released with the mo
 - :mod:`.derived_columns`: per-record columns derived from the labels (balanced weights, a target encoding);
 - :mod:`.loader_statistics`: the training loader's collate function, sampler and transforms as holders;
 - :mod:`.record_lengths`: the records' lengths kept as a setting (the longest record's token count);
-- :mod:`.imputed_cells`, :mod:`.decorrelated_columns`, :mod:`.rank_columns`: statistics written into the features
-  themselves (missing cells filled with the column's mean or median, a PCA projection, rank transforms and quantile
-  bins).
+- :mod:`.imputed_cells`, :mod:`.grouped_fills`, :mod:`.neighbour_copies`, :mod:`.decorrelated_columns`,
+  :mod:`.rank_columns`: statistics written into the features themselves (missing cells filled with the column's
+  mean or median, or its class's or group's, or copied or interpolated from the neighbouring records; a PCA
+  projection, rank transforms and quantile bins).
 - :mod:`.released_statistics`: what a DP mechanism released and a ledger charged (a private standardiser's mean and
   standard deviation), which the check lets through.
 

@@ -34,7 +34,9 @@ ledger counts, the trained model is then not differentially private.
 * feature tensors every column of which has mean 0 and standard deviation 1 (either convention), median 0 and
   interquartile range 1, or minimum 0 and maximum 1 with more than two values (most columns), to float precision:
   scaled by their own statistics; or holding statistics written into the records: missing cells filled with their
-  column's mean or median (:mod:`.imputed_cells`), a projection on the training set's principal directions
+  column's mean or median (:mod:`.imputed_cells`), their class's or group's (:mod:`.grouped_fills`: the dataset's
+  other tensors, the labels, are the groupings with the low-cardinality columns), or from the neighbouring records
+  (:mod:`.neighbour_copies`: a forward fill, an interpolation), a projection on the training set's principal directions
   (:mod:`.decorrelated_columns`), values replaced by a function of their ranks (:mod:`.rank_columns`).
 
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
@@ -61,6 +63,7 @@ from torch import Tensor, nn
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_statistics.decorrelated_columns import decorrelated, decorrelated_fix
 from lightning_dp.record_statistics.derived_columns import derived_columns, derived_columns_fix
+from lightning_dp.record_statistics.grouped_fills import grouped_imputed_columns
 from lightning_dp.record_statistics.imputed_cells import MAX_CELLS as FITTED_CELLS, MAX_COLUMNS as IMPUTED_COLUMNS, \
     imputation_fix, imputed_columns
 from lightning_dp.record_statistics.rank_columns import MAX_COLUMNS as RANK_COLUMNS, rank_fix, rank_transformed
@@ -69,6 +72,7 @@ from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.record_statistics.conditional_statistics import class_conditional, conditional_rows
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.record_statistics.loader_statistics import transform_holders
+from lightning_dp.record_statistics.neighbour_copies import neighbour_copies, neighbour_fix
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.record_lengths import lengths_held
@@ -82,6 +86,7 @@ _RTOL, _ATOL = 1e-4, 1e-6
 _EXACT = ("median", "minimum", "maximum")  # values of the data: matched to 4 float32 ulps, not to a sampling error
 _ONE_NUMBER = (*_EXACT, "ratio of the class counts", "fraction of class")  # single numbers: never a round one
 _IMPUTED = "filled where values were missing with a statistic of its own column's other values"
+_COPIED = "filled where values were missing from the neighbouring records' cells"
 _PROJECTED = "projected on its own principal directions (columns centred and uncorrelated: PCA or whitening)"
 _RANKED = "transformed by the ranks of its values among the training records"
 _DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
@@ -134,7 +139,9 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
              for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     shaped = _ByWidth(tensors)
     found = [f"the training {names[path]} is {how}"
-             for path, t in tensors for how in [_scaled_by_itself(t, shaped.order) or _fitted(t, shaped.order)]
+             for path, t in tensors
+             for how in [_scaled_by_itself(t, shaped.order)
+                         or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])]
              if how]
     if not stats:
         return found
@@ -277,8 +284,9 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
                "prototypes, centres or memories from public data or at random). ") \
         if any(" holds records " in f for f in found) else ""
     derived = derived_columns_fix() + " " if any(f.endswith(_DERIVED) for f in found) else ""
-    derived += "".join(fix() + " " for kind, fix in ((_IMPUTED, imputation_fix), (_PROJECTED, decorrelated_fix),
-                                                     (_RANKED, rank_fix)) if any(kind in f for f in found))
+    derived += "".join(fix() + " " for kind, fix in ((_IMPUTED, imputation_fix), (_COPIED, neighbour_fix),
+                                                     (_PROJECTED, decorrelated_fix), (_RANKED, rank_fix))
+                       if any(kind in f for f in found))
     derived += "Set lengths to a public value (a round cap, the model's context size). " \
         if any("records' length" in f or "record's length" in f for f in found) else ""
     return PrivacyConfigurationError(
@@ -384,15 +392,28 @@ def _scaled_by_itself(t: Tensor, order: Any = OrderStatistics) -> str:
     return ""
 
 
-def _fitted(t: Tensor, order: Any) -> str:
+def _fitted(t: Tensor, order: Any, others: Sequence[tuple[str, Tensor]] = ()) -> str:
     """How ``t``'s columns hold a statistic of the training set written into the records (an imputed mean or median:
-    :mod:`.imputed_cells`; a PCA projection: :mod:`.decorrelated_columns`; ranks: :mod:`.rank_columns`), or ""."""
+    :mod:`.imputed_cells`, or one per group of ``others`` — the labels — or of a column: :mod:`.grouped_fills`;
+    cells copied or interpolated from the neighbouring records: :mod:`.neighbour_copies`; a PCA projection:
+    :mod:`.decorrelated_columns`; ranks: :mod:`.rank_columns`), or ""."""
     if not t.dtype.is_floating_point or t.dim() != 2 or t.shape[0] < 20 or not bool(torch.isfinite(t).all()):
         return ""
     sort = (lambda: order(t).sorted) if t.numel() <= FITTED_CELLS else (lambda: None)  # one sort, shared
     imputed = imputed_columns(t, sort()) if t.shape[1] <= IMPUTED_COLUMNS and t.numel() <= FITTED_CELLS else []
     if imputed:
         return f"{_IMPUTED} (the {' or '.join(sorted({how for _, how in imputed}))})"
+    grouped = grouped_imputed_columns(t, others, sort()) if t.shape[1] <= IMPUTED_COLUMNS \
+        and t.numel() <= FITTED_CELLS else []
+    if grouped:
+        return f"{_IMPUTED} within groups of records (the " + "; the ".join(
+            f"{how} per group of {by} in column {j}" for j, how, by in grouped[:3]) + ")"
+    copied = neighbour_copies(t, sort()) if t.shape[1] <= IMPUTED_COLUMNS and t.numel() <= FITTED_CELLS else []
+    if copied:
+        return f"{_COPIED} (" + "; ".join(
+            ("copies of the previous or next record's cell" if how == "copy" else
+             "linear interpolations between the records around them") + f" in column {j}"
+            for j, how in copied[:3]) + ")"
     if decorrelated(t):
         return _PROJECTED
     ranked = rank_transformed(t, sort()) if t.shape[1] <= RANK_COLUMNS and t.numel() <= FITTED_CELLS else ""

@@ -95,3 +95,46 @@ def test_features_it_fills_train_where_the_exact_mean_fill_is_refused():
     with pytest.raises(PrivacyConfigurationError, match="PrivateImputer"):
         quiet_trainer(strategy=strategy(), max_steps=2).fit(Classifier(), DataLoader(TensorDataset(exact, y),
                                                                                    batch_size=16))
+
+
+def test_a_mean_per_group_is_each_groups_observed_mean_up_to_the_noise_at_the_same_cost():
+    x = _features(30_000)
+    group = torch.arange(len(x)) % 3
+    x[group == 1, 0] = (x[group == 1, 0] + 1).clamp(max=1.0)  # a column whose mean differs by group
+    ledger = PrivacyLedger()
+    imputer = PrivateImputer(LOWER, UPPER, noise_multiplier=1.0, groups=3, generator=torch.Generator().manual_seed(0))
+    out = imputer.fit_transform(x, ledger, group)
+    assert imputer.fill.shape == (3, 4) and ledger.steps == PrivateImputer.releases == 2
+    for k in range(3):
+        rows = x[group == k]
+        exact = torch.nansum(rows, 0) / (~torch.isnan(rows)).sum(0)
+        assert torch.allclose(imputer.fill[k], exact, atol=0.02 * float((UPPER - LOWER).max()))
+        gaps = torch.isnan(rows)
+        assert torch.equal(out[group == k][gaps], imputer.fill[k].expand_as(rows)[gaps])
+    assert not torch.allclose(imputer.fill[0, 0], imputer.fill[1, 0], atol=0.2)
+
+
+def test_one_record_moves_one_groups_sums_and_counts_by_at_most_the_square_root_of_d():
+    """A record is in one group: the sums and counts [G, D] move in its row only (parallel composition)."""
+    x, group = _features(50), torch.arange(50) % 2
+    c = (LOWER + UPPER) / 2
+
+    def sums(features, groups):
+        u = torch.stack([centred_sums(torch.where(torch.isnan(features[groups == k]), c, features[groups == k]),
+                                      LOWER, UPPER)[0] for k in range(2)])
+        return u, torch.stack([(~torch.isnan(features[groups == k])).sum(0) for k in range(2)]).double()
+
+    s, n = sums(x, group)
+    for record in (UPPER + 100, LOWER - 100, torch.tensor([math.nan, 1.0, math.nan, -50.0], dtype=torch.float64)):
+        for k in (0, 1):
+            s2, n2 = sums(torch.cat([x, record[None]]), torch.cat([group, torch.tensor([k])]))
+            assert float((s2 - s).norm()) <= 2.0 + 1e-9 and float((n2 - n).norm()) <= 2.0 + 1e-9
+            assert torch.equal(s2[1 - k], s[1 - k])
+
+
+@pytest.mark.parametrize("groups, group", [(0, None), (2.0, None), (True, None), (2, None), (2, torch.tensor([0, 2])),
+                                           (2, torch.tensor([0.0, 1.0])), (None, torch.tensor([0, 1]))])
+def test_bad_groups_are_refused(groups, group):
+    x = torch.tensor([[1.0, math.nan], [math.nan, 0.5]], dtype=torch.float64)
+    with pytest.raises((PrivacyConfigurationError, ValueError)):
+        PrivateImputer(0.0, 1.0, 1.0, groups=groups).fit(x, PrivacyLedger(), group)

@@ -117,3 +117,18 @@ def test_a_half_between_balanced_zeros_and_ones_is_not_an_imputed_mean():
     votes = np.r_[np.zeros(24), np.ones(24), np.full(16, 0.5)]
     for column in (votes, np.r_[np.zeros(30), np.ones(10), np.full(8, 0.25)]):
         assert imputed_columns(_t(np.c_[RNG.normal(size=(len(column), 3)), column])) == []
+
+
+def test_a_mean_rounded_far_below_its_standard_error_is_found_and_a_hand_written_value_near_the_mean_is_not():
+    """round(mean, 5) is the mean to a step 1/100 of its standard error or less; 0.49, 3.1 or 5001 near the mean
+    have fewer digits and lie within half a step of it by chance only."""
+    x = _with_gaps(RNG.normal(size=(2000, 4)) * [1, 10, 0.1, 1000] + [0.5, 3, 0.2, 5000])
+    mean = np.nanmean(x, 0)
+    for dtype in (torch.float32, torch.float64):
+        found = imputed_columns(torch.tensor(np.where(np.isnan(x), np.round(mean, 5), x), dtype=dtype))
+        assert [j for j, _ in found] == [0, 1, 2, 3] and ("rounded mean" in dict(found).values())
+        if dtype == torch.float64:  # in float32, 16 ulps of the largest magnitude cover the rounding: "mean"
+            assert {how for _, how in found} == {"rounded mean"}
+        coarse = [round(float(mean[0]), 1), round(float(mean[1]), 1), round(float(mean[2]), 2), round(float(mean[3]))]
+        for public in ([0.49, 3.1, 0.21, 5010.0], [0.5, 3.0, 0.2, 5000.0], coarse):  # steps above error / 100
+            assert imputed_columns(torch.tensor(np.where(np.isnan(x), public, x), dtype=dtype)) == []
