@@ -398,6 +398,10 @@ def grouped(a: Any, rows: int, n: int, minor: bool = False) -> Any:
     return a
 
 
+GENERAL = object()
+"""What the capture's fast path for a common call returns for any other call: the general path records it."""
+
+
 class ActivationCapture:
     """Forward hooks that keep each hooked layer's inputs and output gradients.
 
@@ -429,6 +433,8 @@ class ActivationCapture:
         # layers once called without an example dimension (kept for the run), with the ranks of those calls
         self._lookups: IdentityMap[set[tuple[int, ...]]] = IdentityMap()
         self._lookups_alone: IdentityMap[set[tuple[int, ...]]] = IdentityMap()  # seen unbatched at n = 1 only
+        self._lookup_ids: set[int] = set()  # id of every layer in _lookups or _lookups_alone (plain_call's test)
+        self.plain_calls = True  # the common call's fast path (_hook's plain_call; False: every call the general way)
         self._sites: Optional[BroadcastSites] = None  # this step's broadcast sites (broadcast_sites.py)
         self._rowless: set[tuple] = set()  # calls on followed tensors once seen without the examples (for the run)
         self.roots = RootParameters(lambda: None if self._suspended else self.expected, self.follow)
@@ -511,14 +517,57 @@ class ActivationCapture:
         params = [p for _, p in calls.module.named_parameters(recurse=is_unit(calls.module))]
         scale_weight = scale_candidate(calls.module) if self._scale_checked(calls.module) else None
         position = position_wise(calls.module)  # may be served time-major where proven (_time_major_call)
+        # a batch-first layer that is not a unit or an RNN: its common call can take plain_call (decided per call)
+        batch_first = dims is BATCH_FIRST and not isinstance(calls.module, (*UNITS, nn.RNNBase))
+        normalisation = isinstance(calls.module, NORMALISATIONS)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             if self._sites is not None:
                 self._sites.pause_if_idle()
             if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
                 return None
+            if batch_first and self.plain_calls and self._sites is None:
+                done = plain_call(module, args, kwargs, out)
+                if done is not GENERAL:
+                    return done
             with self._sites_aside():  # the checks below are the capture's own torch calls: not the model's
                 return record(module, args, kwargs, out)
+
+        def plain_call(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            """What :func:`record` does with the common call, without its general tests, or :data:`GENERAL` for any
+            other call. The common call: positional tensor arguments only, one output tensor requiring grad with
+            the step's n ≥ 2 examples in dimension 0 (not also in dimension 1 of a position-wise layer's ≥ 3-D
+            output), of a layer never seen called as a lookup, while no broadcast site is followed. For it every
+            test of :func:`record` is decided by those facts alone, with the outcome written out below: not packed,
+            not time-major (:meth:`_time_major_call` returns at its shape test), not one row and not a lookup
+            (:func:`~.validators.example_dim.unbatched_call` is False with n in the output's dimension 0, and the
+            layer has no remembered lookup ranks), not flattened rows (the rows are n), no mismatch; the arguments
+            are noted unbatched by the same test as :meth:`_note_unbatched`'s, the scaled operand, the norm
+            statistics, the alias, the anchor, the parameters, the leaf inputs and the record are the same, and the
+            output's gradient reaches the same hook (``test_activations.py`` compares both paths' captures)."""
+            n = self.expected
+            if (kwargs or n is None or n < 2 or not isinstance(out, Tensor) or not out.requires_grad
+                    or out.dim() == 0 or out.shape[0] != n or (position and out.dim() >= 3 and out.shape[1] == n)
+                    or id(module) in self._lookup_ids or not all(isinstance(a, Tensor) for a in args)):
+                return GENERAL
+            for i, a in enumerate(args):
+                if a.dim() == 0 or a.shape[0] != n:
+                    calls.unbatched.add(str(i))
+            scaled = None if scale_weight is None else scaled_operand(scale_weight, out, list(args))
+            stats = norm_stats(out) if normalisation else None
+            out, _ = _aliased(out, [out], [0])
+            if out.grad_fn is not None:
+                self._anchors[out.grad_fn] = n
+            self._params.update((id(p), p) for _, p in direct_trainable(module))
+            self._inputs.update((id(t), t) for t in args if t.is_leaf and t.requires_grad)
+            rec = Record(tuple(a.detach() for a in args), {}, [None], None, calls.generation, None, False, scaled,
+                         None, None, norm_stats=stats)
+            calls.records.append(rec)
+            if reducer is not None:
+                out.register_hook(lambda g: None if self._mapping() or self._aside() else calls.reduce(rec, g, reducer))
+            else:
+                out.register_hook(lambda g: None if self._mapping() or self._aside() else rec.set_grad(g))
+            return out
 
         def record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
@@ -641,6 +690,7 @@ class ActivationCapture:
         # at n = 1 every row is the one example's, so a call on rows merged by a copy (SwinV2's heads) looks
         # unbatched there: remembered for the run only when seen with n > 1; at n = 1 until evidence of rows
         (self._lookups if n > 1 else self._lookups_alone).setdefault(module, set()).add(ranks)
+        self._lookup_ids.add(id(module))  # never plain_call's again (a freed layer's id reused: the general path)
         return True
 
     def _record_lookup(self, calls: LayerCalls, args: tuple, kwargs: dict, out: Tensor, n: int,

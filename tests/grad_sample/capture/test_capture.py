@@ -189,3 +189,83 @@ def test_a_layer_taking_a_freed_layers_id_is_judged_by_its_own_calls():
     second(torch.randn(3, 3), scale=torch.randn(3, 3)).sum().backward()
     calls = capture.completed()[id(second)]
     assert calls.slot_dims(calls.records[0], 3) == ([0, 0], {})
+
+
+class _Gated(nn.Module):
+    """An elementwise layer (verified as w ⊙ y + b) taking a second positional tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, gate):
+        return x * self.w * gate
+
+
+def _plain_call_cases() -> list[tuple[nn.Module, tuple, bool]]:
+    """(layer, positional arguments, whether the call is a common one) at n = 4."""
+    torch.manual_seed(0)
+    leaf = torch.randn(4, 3, requires_grad=True)
+    return [
+        (nn.Linear(3, 2), (torch.randn(4, 3),), True),
+        (nn.Linear(3, 2), (leaf,), True),  # a leaf input requiring grad (FGSM's x0)
+        (nn.Linear(3, 2), (torch.randn(4, 5, 3),), True),
+        (nn.Linear(3, 2), (torch.randn(4, 4, 3),), False),  # n in dimension 1 of a position-wise layer: walked
+        (nn.Conv2d(2, 3, 3), (torch.randn(4, 2, 6, 6),), True),
+        (nn.LayerNorm(3), (torch.randn(4, 5, 3),), True),
+        (nn.GroupNorm(2, 4), (torch.randn(4, 4, 5),), True),
+        (_Gated(), (torch.randn(4, 3), torch.randn(3)), True),  # the gate seen without the examples: unbatched
+        (_Gated(), (torch.randn(4, 3), torch.randn(4, 3)), True),
+    ]
+
+
+def _capture_of(m: nn.Module, args: tuple, plain: bool, reduced: bool) -> tuple[ActivationCapture, list]:
+    capture = ActivationCapture()
+    capture.plain_calls = plain
+    capture.attach([("m", m)], (lambda layer: lambda rec: {"g": rec.grad_out * 2}) if reduced else lambda layer: None)
+    capture.begin_step(4)
+    out = m(*args)
+    anchors = sorted(capture._anchors.values())
+    (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+    return capture, anchors
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_common_calls_take_the_fast_path_and_capture_what_the_general_path_does(monkeypatch):
+    """A common call (positional tensors, one output with the step's n examples in dimension 0, no lookup, no
+    broadcast site) skips the general tests (issue 38: per-call Python); what it captures is what the general path
+    captures: records (arguments, output gradients, the scaled operand, norm statistics), arguments seen unbatched,
+    anchors, parameters, leaf inputs, reduced gradients. Any other call still takes the general path."""
+    general = []
+    original = ActivationCapture._flattened_rows
+    monkeypatch.setattr(ActivationCapture, "_flattened_rows", lambda self, *a: general.append(1) or original(self, *a))
+    for m, args, common in _plain_call_cases():
+        for reduced in (False, True):
+            general.clear()
+            fast, fast_anchors = _capture_of(m, args, True, reduced)
+            assert len(general) == (0 if common else 1), (m, [a.shape for a in args])
+            for handle in fast._handles:  # the hooks off, what it captured kept
+                handle.remove()
+            slow, slow_anchors = _capture_of(m, args, False, reduced)
+            assert general, "the general path was taken"
+            a, b = fast._calls[id(m)], slow._calls[id(m)]
+            assert len(a.records) == len(b.records) == (0 if reduced else 1)
+            for x, y in zip(a.records, b.records):
+                for field in ("args", "kwargs", "grad_outs", "rng", "generation", "output", "flattened", "projections",
+                              "tape", "autocast", "norm_stats"):
+                    assert _same(getattr(x, field), getattr(y, field)), field
+                assert (x.scaled is None) == (y.scaled is None)
+                assert x.scaled is None or _same(vars(x.scaled), vars(y.scaled))
+            assert _same(a.reduced, b.reduced) and a.unbatched == b.unbatched and a.mismatches == b.mismatches
+            assert fast_anchors == slow_anchors and fast._params.keys() == slow._params.keys()
+            assert fast._inputs.keys() == slow._inputs.keys()
+            slow.detach()
