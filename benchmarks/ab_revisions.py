@@ -149,7 +149,7 @@ def clipping_alone(run: Callable[[], None]) -> Callable[[], None]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD", help="the git revision compared with the working tree")
-    ap.add_argument("--model", default="digits", choices=cf.MODELS)
+    ap.add_argument("--model", default="digits", choices=(*cf.MODELS, *cf.EXTRA_MODELS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--threads", type=int, default=1)

@@ -52,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed  # noqa: E402
 
 MODELS = ("digits", "mlp", "lm", "gpt2")
+EXTRA_MODELS = ("deep",)
+"""Models :func:`build` makes that the tables leave out: ``deep`` is deep_overhead.py's 48 × [Linear(64, 64), LayerNorm,
+GELU] (per-layer Python; ab_revisions.py, function_times.py)."""
 MODES = ("nonprivate", "ldp", "ldp_sync", "opacus_ghost", "opacus_hooks")
 SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 
@@ -91,6 +94,10 @@ def build(name: str, n: int) -> tuple[nn.Module, bool, tuple[Tensor, Tensor]]:
         return ContiguousLM(), True, (torch.randint(0, 256, (n, 64), generator=g), torch.randint(0, 256, (n, 64), generator=g))
     if name == "gpt2":
         return TinyGPT2(), True, (torch.randint(0, 256, (n, 64), generator=g), torch.randint(0, 256, (n, 64), generator=g))
+    if name == "deep":
+        import deep_overhead  # (it imports this module)
+
+        return deep_overhead.stack(48), False, (torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
     model, _, data = speed.build(name, n, torch.device("cpu"))
     return model, False, data
 

@@ -30,7 +30,7 @@ import cost_floor as cf  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="digits", choices=cf.MODELS)
+    ap.add_argument("--model", default="digits", choices=(*cf.MODELS, *cf.EXTRA_MODELS))
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)

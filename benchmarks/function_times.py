@@ -63,7 +63,7 @@ def wrap(spec: str, spent: dict[str, list[int]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("functions", nargs="+", help="module:function or module:Class.method")
-    ap.add_argument("--model", default="digits", choices=cf.MODELS)
+    ap.add_argument("--model", default="digits", choices=(*cf.MODELS, *cf.EXTRA_MODELS))
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--threads", type=int, default=1)
