@@ -526,7 +526,8 @@ class ActivationCapture:
                 self._sites.pause_if_idle()
             if self._suspended or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
                 return None
-            if batch_first and self.plain_calls and self._sites is None:
+            sites = self._sites  # none, or idle: nothing followed, the mode left (aside and carry do nothing)
+            if batch_first and self.plain_calls and (sites is None or not (sites.active or sites.following)):
                 done = plain_call(module, args, kwargs, out)
                 if done is not GENERAL:
                     return done
@@ -537,7 +538,7 @@ class ActivationCapture:
             """What :func:`record` does with the common call, without its general tests, or :data:`GENERAL` for any
             other call. The common call: positional tensor arguments only, one output tensor requiring grad with
             the step's n ≥ 2 examples in dimension 0 (not also in dimension 1 of a position-wise layer's ≥ 3-D
-            output), of a layer never seen called as a lookup, while no broadcast site is followed. For it every
+            output), of a layer never seen called as a lookup, while no tensor is followed to its broadcast sites. For it every
             test of :func:`record` is decided by those facts alone, with the outcome written out below: not packed,
             not time-major (:meth:`_time_major_call` returns at its shape test), not one row and not a lookup
             (:func:`~.validators.example_dim.unbatched_call` is False with n in the output's dimension 0, and the

@@ -269,3 +269,53 @@ def test_common_calls_take_the_fast_path_and_capture_what_the_general_path_does(
             assert fast_anchors == slow_anchors and fast._params.keys() == slow._params.keys()
             assert fast._inputs.keys() == slow._inputs.keys()
             slow.detach()
+
+
+class _Positions(nn.Module):
+    """A position table read without the examples (followed to where it meets them), then a layer on the batch."""
+
+    def __init__(self, keep: bool = False) -> None:
+        super().__init__()
+        self.pos, self.lin, self.keep = nn.Embedding(5, 3), nn.Linear(3, 2), keep
+
+    def forward(self, x):
+        if self.keep:  # the rows alive (followed) while lin runs
+            rows = self.pos(torch.arange(5))
+            return self.lin(x + rows) + 0 * rows.sum()
+        h = x + self.pos(torch.arange(5))  # the table's rows are no longer alive when lin runs: nothing followed
+        return self.lin(h)
+
+
+def test_a_common_call_after_a_followed_lookup_takes_the_fast_path_once_nothing_is_followed(monkeypatch):
+    """With the broadcast sites idle (no followed tensor alive, their mode left), a common call takes the fast path and
+    captures what the general path captures; the lookup itself is still delivered per example. While a followed tensor
+    is alive the general path records every call."""
+    general = []
+    original = ActivationCapture._flattened_rows
+    monkeypatch.setattr(ActivationCapture, "_flattened_rows", lambda self, *a: general.append(1) or original(self, *a))
+    torch.manual_seed(0)
+    m, x = _Positions(keep=True), torch.randn(4, 5, 3)
+    capture = ActivationCapture()
+    capture.attach([("pos", m.pos), ("lin", m.lin)], root=m)
+    capture.begin_step(4)
+    m(x).sum().backward()
+    capture.end_backward()
+    assert len(general) == 1  # lin's call: the general path
+    capture.detach()
+    m.keep = False
+    captured = {}
+    for plain in (True, False):
+        general.clear()
+        capture = ActivationCapture()
+        capture.plain_calls = plain
+        capture.attach([("pos", m.pos), ("lin", m.lin)], root=m)
+        capture.begin_step(4)
+        out = m(x)
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        capture.end_backward()
+        assert len(general) == (0 if plain else 1)
+        done = capture.completed()
+        captured[plain] = ([(r.args, r.grad_outs) for r in done[id(m.lin)].records],
+                           [(r.args, r.grad_outs) for r in done[id(m.pos)].records])
+        capture.detach()
+    assert _same(captured[True], captured[False]) and len(captured[True][1]) == 1
