@@ -97,7 +97,8 @@ def build(name: str, n: int) -> tuple[nn.Module, bool, tuple[Tensor, Tensor]]:
     if name == "deep":
         import deep_overhead  # (it imports this module)
 
-        return deep_overhead.stack(48), False, (torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+        x, y = torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+        return deep_overhead.stack(48), False, (x, y)
     model, _, data = speed.build(name, n, torch.device("cpu"))
     return model, False, data
 

@@ -538,14 +538,14 @@ class ActivationCapture:
             """What :func:`record` does with the common call, without its general tests, or :data:`GENERAL` for any
             other call. The common call: positional tensor arguments only, one output tensor requiring grad with
             the step's n ≥ 2 examples in dimension 0 (not also in dimension 1 of a position-wise layer's ≥ 3-D
-            output), of a layer never seen called as a lookup, while no tensor is followed to its broadcast sites. For it every
-            test of :func:`record` is decided by those facts alone, with the outcome written out below: not packed,
-            not time-major (:meth:`_time_major_call` returns at its shape test), not one row and not a lookup
-            (:func:`~.validators.example_dim.unbatched_call` is False with n in the output's dimension 0, and the
-            layer has no remembered lookup ranks), not flattened rows (the rows are n), no mismatch; the arguments
-            are noted unbatched by the same test as :meth:`_note_unbatched`'s, the scaled operand, the norm
-            statistics, the alias, the anchor, the parameters, the leaf inputs and the record are the same, and the
-            output's gradient reaches the same hook (``test_activations.py`` compares both paths' captures)."""
+            output), of a layer never seen called as a lookup, while no tensor is followed to its broadcast sites.
+            For it every test of :func:`record` is decided by those facts alone, with the outcome written out below:
+            not packed, not time-major (:meth:`_time_major_call` returns at its shape test), not one row and not a
+            lookup (:func:`~.validators.example_dim.unbatched_call` is False with n in the output's dimension 0, and
+            the layer has no remembered lookup ranks), not flattened rows (the rows are n), no mismatch; the
+            arguments are noted unbatched by :meth:`_note_unbatched`'s test, and the scaled operand, the norm
+            statistics, the alias, the anchor, the parameters, the leaf inputs, the record and the output's hook are
+            the same (``tests/grad_sample/capture/test_capture.py`` compares both paths' captures)."""
             n = self.expected
             if (kwargs or n is None or n < 2 or not isinstance(out, Tensor) or not out.requires_grad
                     or out.dim() == 0 or out.shape[0] != n or (position and out.dim() >= 3 and out.shape[1] == n)
