@@ -100,6 +100,9 @@ class Shortfall:
         if self.affordable:
             options.append(f"take only the {self.affordable} step(s) the budget buys at the run's σ: "
                            f"Trainer(max_steps={self.first_step + self.affordable})")
+        options.append("if the releases are other models' fits on these records and those models were thrown away "
+                       "(a notebook cell run again): lightning_dp.accounting.forget_data_releases() before the fit "
+                       "(ε then understates the records' privacy loss if those models are kept)")
         listed = "\n".join(f"({i}) {text}" for i, text in enumerate(options, 1))
         return PrivacyConfigurationError(f"Nothing trained: the budget left is short of the plan. {head}{why}\n"
                                          f"Options:\n{listed}")

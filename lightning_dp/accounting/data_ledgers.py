@@ -286,9 +286,15 @@ def _after(entries: tuple[LedgerEntry, ...], steps: int) -> list[LedgerEntry]:
 
 def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
     """Continue, in ``ledger`` (a fit's, before its first release), every release earlier fits in this process made on
-    records ``use`` reads, and register ``ledger`` against them. Returns a log line when it grew (``None``: it
-    already held them all, or there were none)."""
+    records ``use`` reads, and register ``ledger`` against them. Earlier processes' fits (the ledger store's data
+    records) are continued too when :func:`~lightning_dp.accounting.data_store.composes`, else named in a warning.
+    Returns a log line when it grew (``None``: it already held them all, or there were none)."""
     earlier = [other for other in releases_on(use) if other is not ledger]
+    if not data_store.composes():
+        process = [kept for _, kept in _RELEASES]
+        stored = [other for other in earlier if all(other is not kept for kept in process)]
+        earlier = [other for other in earlier if any(other is kept for kept in process)]
+        _warn_stored(stored)
     before, fits = ledger.steps, 0
     for other in earlier:
         combined = union(ledger, other)
@@ -303,6 +309,19 @@ def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
             f"reads (k-fold cross-validation, a fresh model on the same rows): the ledger continues the releases "
             f"already made on this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon "
             "and PrivacyBudget count them too")
+
+
+def _warn_stored(stored: list[PrivacyLedger]) -> None:
+    """Name earlier processes' fits on this fit's records, left out of its ledger (``LIGHTNING_DP_DATA_RECORDS``)."""
+    if not stored:
+        return
+    steps = sum(other.steps for other in stored)
+    warnings.warn(f"{len(stored)} private fit(s) in earlier processes on this machine trained on records this fit "
+                  f"reads ({steps} release(s) in all; the ledger store's data records). They are NOT counted in this "
+                  "fit's ε: right when their models were thrown away (a run done again), an understatement when they "
+                  f"are kept (k-fold folds run one per process, an ensemble). Set {data_store.ENV}=compose to count "
+                  "them; lightning_dp.accounting.forget_data_releases() clears the record.", UserWarning,
+                  stacklevel=3)
 
 
 def forget_data_releases(dataset: Any = None) -> int:

@@ -15,6 +15,12 @@ pseudo-random sample of its records (the digests under a threshold after mixing,
 fit is compared on the same sample of its own; the newest :data:`KEPT` files are kept (64 MiB at most), older ones
 removed. Written by rank 0 alone; an unreadable file is skipped with a warning.
 
+What a later process does with them is :data:`ENV` (``LIGHTNING_DP_DATA_RECORDS``): ``warn`` (the default) names
+the earlier processes' fits on these records in a warning and leaves them out of the fit's ledger — a run done again
+after a fix, whose first model was thrown away, is the common case, and the library cannot tell it from a kept one;
+``compose`` continues their releases as in one process (one fold per process composes; ε, ``target_epsilon`` and
+``PrivacyBudget`` count them).
+
 Not seen: a fit whose process was killed before its teardown, a store turned off, cleared (``forget_data_releases``)
 or pruned past :data:`KEPT` fits, another machine's store.
 """
@@ -33,6 +39,7 @@ import torch
 
 import lightning_dp.accounting.ledger_store as ledger_store
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
 
 SUFFIX = ".records"
 """The data records' files (the module records' are ``.ledger``)."""
@@ -41,6 +48,19 @@ KEPT = 32
 MAX_DIGESTS = 1 << 18
 """The most row digests one data record holds (all its kinds together)."""
 _VERSION = 1
+ENV = "LIGHTNING_DP_DATA_RECORDS"
+"""What a fit does with earlier processes' data records on its records: ``warn`` (default) or ``compose``."""
+
+
+def composes() -> bool:
+    """Whether earlier processes' fits on the same records are continued in a fit's ledger (:data:`ENV` is
+    ``compose``) rather than named in a warning (``warn``, the default). Any other value is refused."""
+    mode = os.environ.get(ENV, "warn").strip().lower() or "warn"
+    if mode not in ("warn", "compose"):
+        raise PrivacyConfigurationError(f"{ENV}={mode!r}: expected 'warn' (the default: earlier processes' fits on "
+                                        "the same records are named in a warning) or 'compose' (their releases "
+                                        "are continued in the fit's ledger).")
+    return mode == "compose"
 
 Record = tuple[str, dict[tuple, np.ndarray], Optional[int], PrivacyLedger]
 """(key, digests per kind, the sample's threshold — ``None``: every record —, the ledger)."""

@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting import data_ledgers, data_store, forget_data_releases, ledger_store
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
 
 pytestmark = pytest.mark.usefixtures("data_record")
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,19 +57,43 @@ print("STEPS " + json.dumps(strategy.ledger.steps))
 '''
 
 
-def _fold_in_a_new_process(tmp_path: Path, fold: int, seed: int = 0, standardise: bool = False) -> int:
+def _fold_in_a_new_process(tmp_path: Path, fold: int, seed: int = 0, standardise: bool = False,
+                           warned: list | None = None) -> int:
     script = tmp_path / "fold.py"
     script.write_text(FOLD)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script), str(fold), str(seed), "yes" if standardise else "no"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    if warned is not None:
+        warned.append(done.stderr)
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("STEPS "))[6:])
 
 
-def test_a_fold_in_a_new_process_continues_the_earlier_folds_releases(tmp_path):
-    """Fold 0 in one process (10 releases), fold 1 in another on the private standardiser's output of its rows
-    (3 + 10 of its own): 23, not 13. Forgetting other data's releases drops nothing; these records', both files."""
+def test_by_default_a_fold_in_a_new_process_is_warned_of_the_earlier_folds_releases(tmp_path, monkeypatch):
+    """LIGHTNING_DP_DATA_RECORDS unset ('warn'): fold 1 in a new process reports its own 3 + 10 releases and a
+    warning names the earlier process's fit (a run done again must not fail for a model thrown away: ``make demo``
+    twice); fold 0's on other data (seed 1) is not named."""
+    monkeypatch.delenv(data_store.ENV, raising=False)
+    assert _fold_in_a_new_process(tmp_path, 0, seed=1) == 10
+    assert _fold_in_a_new_process(tmp_path, 0) == 10
+    warned: list = []
+    assert _fold_in_a_new_process(tmp_path, 1, standardise=True, warned=warned) == 13
+    assert "1 private fit(s) in earlier processes" in warned[0] and "10 release(s)" in warned[0]
+    assert "LIGHTNING_DP_DATA_RECORDS=compose" in warned[0]
+
+
+def test_an_unknown_data_records_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(data_store.ENV, "always")
+    with pytest.raises(PrivacyConfigurationError, match="expected 'warn'"):
+        data_store.composes()
+
+
+def test_a_fold_in_a_new_process_continues_the_earlier_folds_releases(tmp_path, monkeypatch):
+    """LIGHTNING_DP_DATA_RECORDS=compose: fold 0 in one process (10 releases), fold 1 in another on the private
+    standardiser's output of its rows (3 + 10 of its own): 23, not 13. Forgetting other data's releases drops
+    nothing; these records', both files."""
+    monkeypatch.setenv(data_store.ENV, "compose")
     assert _fold_in_a_new_process(tmp_path, 0) == 10
     assert _fold_in_a_new_process(tmp_path, 1, standardise=True) == 23
     store = Path(os.environ[ledger_store.ENV])
