@@ -146,6 +146,9 @@ def _data_record_per_test(request, monkeypatch):
         monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use: None)
     yield
     data_ledgers._clear()
+    from lightning_dp.record_checks.released_transforms import forget_transforms
+
+    forget_transforms()  # the DP preprocessors' transforms noted (record_checks/released_transforms.py)
 
 
 @pytest.fixture(autouse=True)

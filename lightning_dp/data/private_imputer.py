@@ -31,8 +31,10 @@ import torch
 from torch import Tensor
 
 from lightning_dp.data.private_standardizer import Bound, _bound, _ledger_of, _pair, _sigma, centred_sums, \
-    charge_releases, gaussian_noise
+    charge_releases, check_seeded, gaussian_noise
+from lightning_dp.data.public_bounds import check_public_bounds
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_checks.released_transforms import note_transformed
 from lightning_dp.record_checks.row_lineage import note_derived
 
 
@@ -50,11 +52,16 @@ class PrivateImputer:
 
     Args:
         lower, upper: the public range of each feature (a number, or one per feature); observed values outside are
-            clipped to it for the mean (not in :meth:`transform`). Never computed from the private data.
+            clipped to it for the mean (not in :meth:`transform`). Never computed from the private data (refused
+            at :meth:`fit` when equal to the columns' extremes or tail percentiles: :mod:`.public_bounds`).
         noise_multiplier: σ, the noise standard deviation of each release over its sensitivity.
-        generator: a ``torch.Generator`` for the noise (reproducible tests); ``None``: the OS's CSPRNG.
+        generator: a ``torch.Generator`` for the noise (reproducible tests: a KnownSeedWarning, refused under
+            ``secure_mode``); ``None``: the OS's CSPRNG.
         groups: a public number of groups G: :meth:`fit` and :meth:`transform` then take each record's group
             (``group``: integers in [0, G), the labels) and fill its cells with its group's DP mean.
+
+    A fit that trains on the filled features must be charged this release (:meth:`fit` with the Trainer's strategy,
+    or :meth:`charge`), else it is refused (:mod:`~lightning_dp.record_checks.released_transforms`).
     """
 
     releases = 2
@@ -84,6 +91,8 @@ class PrivateImputer:
         if x.shape[0] == 0:
             raise PrivacyConfigurationError("PrivateImputer: no records to fit on (empty features).")
         lower, upper = _pair(self.lower, self.upper, tuple(x.shape[1:]))
+        check_public_bounds(x, lower, upper, (self.lower, self.upper), type(self).__name__)
+        check_seeded(self.generator, charge, type(self).__name__)
         c, h = (lower + upper) / 2, (upper - lower) / 2
         missing = torch.isnan(x)
         one_hot = self._one_hot(group, x.shape[0])  # [N, G]: each record in its one group (all in one without)
@@ -100,6 +109,13 @@ class PrivateImputer:
         self.fill = fill if self.groups is not None else fill[0]
         return self
 
+    def charge(self, other: Any) -> None:
+        """Charge this fit's releases to another ledger too (``other``: a ledger or what holds one as ``.ledger``):
+        the fit that trains on the filled features spends them."""
+        if self.fill is None:
+            raise RuntimeError("PrivateImputer: fit() first.")
+        charge_releases(_ledger_of(other), self.run, self.noise_multiplier, self.releases)
+
     def transform(self, features: Any, group: Any = None) -> Tensor:
         """``features`` with each NaN replaced by its column's released fill (its group's, with ``groups``); other
         values unchanged (a float tensor; float32 unless ``features`` are a float tensor)."""
@@ -114,6 +130,7 @@ class PrivateImputer:
         out = torch.where(torch.isnan(x), fill.expand_as(x), x)
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
         out = out.to(dtype)
+        note_transformed(self, features, out)  # a fit training on it must be charged this release
         note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
         return out
 

@@ -40,7 +40,9 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.data.public_bounds import check_public_bounds
+from lightning_dp.errors import KnownSeedWarning, PrivacyConfigurationError, warn_or_refuse
+from lightning_dp.record_checks.released_transforms import note_transformed
 from lightning_dp.record_checks.row_lineage import note_derived
 from lightning_dp.record_statistics.released_statistics import note_released
 from lightning_dp.secure_random import secure_gaussian
@@ -80,13 +82,19 @@ class PrivateStandardizer:
     Args:
         lower, upper: the public range of each feature (a number, or one per feature: [D] or the features' shape
             after the first dimension); values outside are clipped to it. Never computed from the private data: a
-            domain's known limits, or a generous round range (a wider one costs accuracy, not privacy).
+            domain's known limits, or a generous round range (a wider one costs accuracy, not privacy). Bounds equal
+            to the columns' extremes or tail percentiles are refused at :meth:`fit` (:mod:`.public_bounds`).
         noise_multiplier: σ, the noise standard deviation of each release over its sensitivity.
         count: the number of training records if it is public (then it is not released: two releases instead of
             three); ``None`` (the default): released with noise.
         min_std: the standard deviation's floor, as a fraction of hi − lo (a noisy variance can be ≤ 0).
-        generator: a ``torch.Generator`` for the noise (reproducible tests); ``None``: the OS's CSPRNG
-            (:func:`~lightning_dp.secure_random.secure_gaussian`).
+        generator: a ``torch.Generator`` for the noise (reproducible tests: a
+            :class:`~lightning_dp.errors.KnownSeedWarning`, refused under ``secure_mode``); ``None``: the OS's
+            CSPRNG (:func:`~lightning_dp.secure_random.secure_gaussian`).
+
+    A fit that trains on features :meth:`transform` computed must be charged this release: pass the Trainer's
+    strategy to :meth:`fit`, or :meth:`charge` it; otherwise that fit is refused
+    (:mod:`~lightning_dp.record_checks.released_transforms`).
     """
 
     def __init__(self, lower: Bound, upper: Bound, noise_multiplier: float, count: Optional[int] = None,
@@ -140,6 +148,8 @@ class PrivateStandardizer:
                 "PrivateStandardizer: the public count differs from the number of rows given; pass the training "
                 "records only, or count=None to release a noised count.")
         lower, upper = _pair(self.lower, self.upper, tuple(x.shape[1:]))
+        check_public_bounds(x, lower, upper, (self.lower, self.upper), type(self).__name__)
+        check_seeded(self.generator, charge, type(self).__name__)
         d_s, d_q, d_n = self.sensitivities(tuple(x.shape[1:]))
         s, q = centred_sums(x, lower, upper)
         sigma = self.noise_multiplier = _sigma(self.noise_multiplier)  # set to 0 after __init__: refused too
@@ -182,6 +192,7 @@ class PrivateStandardizer:
         out = (torch.minimum(torch.maximum(x.to(torch.float64), lower), upper) - self.mean) / self.std
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
         out = out.to(dtype)
+        note_transformed(self, features, out)  # a fit training on it must be charged this release
         note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
         return out
 
@@ -199,6 +210,20 @@ def gaussian_noise(count: int, generator: Optional[torch.Generator] = None) -> T
     if generator is not None:
         return torch.randn(count, generator=generator, dtype=torch.float64)
     return secure_gaussian(count)
+
+
+def check_seeded(generator: Optional[torch.Generator], charge: Any, name: str) -> None:
+    """A ``generator`` given for the noise: refused when ``charge`` is a strategy in ``secure_mode``, else
+    :class:`~lightning_dp.errors.KnownSeedWarning` (an error where the user made it one), as for DPStrategy's noise."""
+    if generator is None:
+        return
+    if getattr(charge, "secure_mode", False):
+        raise PrivacyConfigurationError(f"{name}: secure_mode draws the noise from the OS's CSPRNG: remove the "
+                                        "generator (its seed would let anyone re-draw the noise).")
+    warn_or_refuse(KnownSeedWarning, f"{name}: the noise follows the generator you gave: whoever knows its seed can "
+                   "re-draw the noise and subtract it from the released statistics, leaving the exact ones (no ε "
+                   "holds). Generators are for tests; give none in production (the OS's CSPRNG), as "
+                   "DPStrategy(secure_mode=True) requires.", stacklevel=4)
 
 
 def _sigma(value: Any) -> float:

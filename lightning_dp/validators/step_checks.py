@@ -27,6 +27,7 @@ from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import FIRST_DRAWS, LATER_DRAWS, BatchInteractionCheck, batch_tolerance
 from lightning_dp.records.constructed_batches import label_batch, largest_batch
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
+from lightning_dp.record_checks.released_transforms import uncharged_transforms, uncharged_transforms_error
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
 from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
 from lightning_dp.record_statistics.public_overlap import check_public_steps
@@ -129,6 +130,9 @@ class StepChecks:
         found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader, charged)
         if found:
             raise data_statistics_error(found)
+        found = uncharged_transforms(self._source[0], charged, getattr(self, "secure_sampling", False))
+        if found:  # features a DP preprocessor computed, its release charged elsewhere (:mod:`.released_transforms`)
+            raise uncharged_transforms_error(found)
         found = vocabulary_held(holders + loader_holders(loader), self._source[0], self.boundary.public_state)
         if found:
             raise vocabulary_error(found)

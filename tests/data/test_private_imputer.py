@@ -138,3 +138,16 @@ def test_bad_groups_are_refused(groups, group):
     x = torch.tensor([[1.0, math.nan], [math.nan, 0.5]], dtype=torch.float64)
     with pytest.raises((PrivacyConfigurationError, ValueError)):
         PrivateImputer(0.0, 1.0, 1.0, groups=groups).fit(x, PrivacyLedger(), group)
+
+
+def test_a_seeded_generator_warns_known_seed_and_the_release_can_be_charged_to_another_ledger():
+    from lightning_dp.errors import KnownSeedWarning
+
+    x = _features(200)
+    ledger, other = PrivacyLedger(), PrivacyLedger()
+    with pytest.warns(KnownSeedWarning, match="secure_mode"):
+        imputer = PrivateImputer(LOWER, UPPER, 5.0, generator=torch.Generator().manual_seed(0)).fit(x, ledger)
+    imputer.charge(other)
+    assert other.steps == ledger.steps == 2 and {e.run for e in other.entries} == {imputer.run}
+    with pytest.raises(RuntimeError, match="fit"):
+        PrivateImputer(LOWER, UPPER, 5.0).charge(other)

@@ -5,6 +5,7 @@ training's, kept by a resume), and clear errors on bad input."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -152,3 +153,18 @@ def test_a_noise_multiplier_set_to_zero_after_init_is_refused_at_fit():
     scaler.noise_multiplier = 0.0
     with pytest.raises(PrivacyConfigurationError, match="noise_multiplier must be a finite number > 0"):
         scaler.fit(torch.rand(10, 2), PrivacyLedger())
+
+
+def test_a_seeded_generator_warns_known_seed_and_is_refused_where_that_is_an_error():
+    """zoo28 p07: noise from ``manual_seed(0)`` is re-drawn by whoever knows the seed (the exact mean and deviation
+    follow), as DPStrategy's seeded noise: KnownSeedWarning naming secure mode; an error where the user made it one."""
+    from lightning_dp.errors import KnownSeedWarning
+
+    x = _features(100)
+    with pytest.warns(KnownSeedWarning, match="secure_mode"):
+        PrivateStandardizer(LOWER, UPPER, 1.0, generator=torch.Generator().manual_seed(0)).fit(x, PrivacyLedger())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KnownSeedWarning)
+        with pytest.raises(PrivacyConfigurationError, match="KnownSeedWarning is an error"):
+            PrivateStandardizer(LOWER, UPPER, 1.0, generator=torch.Generator().manual_seed(0)).fit(x, PrivacyLedger())
+        PrivateStandardizer(LOWER, UPPER, 1.0).fit(x, PrivacyLedger())  # the OS's CSPRNG: nothing to say
