@@ -95,6 +95,7 @@ class OpacusHooksEngine(GradSampleEngine):
         self._mismatched.clear()
         if self._module is None:
             return
+        _prepared_again(self._module)
         for sub in self._module.modules():
             if hasattr(sub, "activations"):
                 sub.activations = []
@@ -272,6 +273,32 @@ def _detachable(module: nn.Module, hooks: "GradSampleHooks") -> None:
         if prepared is not None and not isinstance(prepared, EngineCallable):
             sub.__dict__["ft_compute_sample_grad"] = EngineCallable(prepared)
     module.__dict__.pop("autograd_grad_sample_hooks", None)
+
+
+def _prepared_again(module: nn.Module) -> None:
+    """Opacus prepares its torch.func fallback of a layer without a rule (``ft_compute_sample_grad``: a deep copy of
+    the layer, a learnable-prototype model's root with its ``torch.cdist``) when it attaches, before it hooks the layer.
+    A restore of the user's state by the first step's checks drops it when they took their snapshot while another
+    engine was attached (``per_sample='auto'`` tries 'ghost' first): Opacus would prepare it again in the backward,
+    copying the layer with its hooks, and torch's backward-hook Function fails under ``vmap`` ("must override the
+    setup_context staticmethod"). Prepared again here, every hook of the layer's subtree set aside meanwhile."""
+    from lightning_dp._opacus import import_opacus
+
+    for _, sub in _opacus_hooked(module):
+        if _rule_of(sub) is not None or "ft_compute_sample_grad" in sub.__dict__:
+            continue
+        tables = [(m, name, m.__dict__[name]) for m in sub.modules() for name in _HOOK_DICTS]
+        for m, name, table in tables:
+            m.__dict__[name] = type(table)()
+        try:
+            import_opacus("opacus.grad_sample.functorch").prepare_layer(sub, batch_first=True)
+        finally:
+            for m, name, table in tables:
+                m.__dict__[name] = table
+        sub.__dict__["ft_compute_sample_grad"] = EngineCallable(sub.__dict__["ft_compute_sample_grad"])
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _grad_sample_hooks() -> Any:

@@ -85,6 +85,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_dp.grad_sample.capture.distance_sites import cdist_site
 from lightning_dp.validators.example_dim import flattened_rows
 
 
@@ -339,6 +340,8 @@ class BroadcastSites(TorchFunctionMode):
         if name == "linear" and self._functional_linear(_linear_arguments(args, kwargs), result, rows):
             return result
         if name == "einsum" and self._einsum(_einsum_arguments(args, kwargs), result, rows):
+            return result
+        if name == "cdist" and cdist_site(self, args, kwargs, result, rows):  # learnable prototypes: distance_sites
             return result
         if product is not None and self._einsum(product, result, rows):
             return result
