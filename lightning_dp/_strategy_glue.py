@@ -61,6 +61,7 @@ from lightning_dp.validators.mechanism_settings import mechanism_decisions
 from lightning_dp.validators.steered_settings import hyperparameters_error, step_decisions
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.layers import sparse_optimizer_error
+from lightning_dp.validators.model_pruning import PruningWatch
 from lightning_dp.validators.logged_reads import STEP_HOOKS, LoggedReads
 from lightning_dp.validators.monitored import (NOT_FROM_DATA, fed_back, private_logged, training_rows,
                                                validates_on_training_data)
@@ -142,6 +143,7 @@ class PrivateTraining:
         self._record_watch: Optional[RecordWatch] = None  # the training records, watched in the step's hooks
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._fresh_step: Optional[pl.Callback] = None  # reseeds the global generators as each step starts
+        self._pruning: Optional[PruningWatch] = None  # ModelPruning's writes accepted as made (model_pruning.py)
         self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
         self._batch_start = BatchStartSettings(self._replays)  # what on_train_batch_start sets from the batch
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
@@ -354,6 +356,7 @@ class PrivateTraining:
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
         judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes))  # post-processing writes, judged
+        self._pruning = PruningWatch(module, step.boundary, trainer.callbacks)  # ModelPruning: post-processing
 
     def on_exception(self, exception: BaseException) -> None:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
@@ -469,6 +472,9 @@ class PrivateTraining:
             windows.notes.unwatch()  # type: ignore[attr-defined]
         if windows is not None and trainer is not None and windows in trainer.callbacks:
             trainer.callbacks.remove(windows)
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            pruning.stop()
         fresh, self._fresh_step = self._fresh_step, None
         if fresh is not None and trainer is not None and fresh in trainer.callbacks:
             trainer.callbacks.remove(fresh)
@@ -602,6 +608,8 @@ class PrivateTraining:
         check_loop(trainer, self.label)
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
+        if self._pruning is not None:
+            self._pruning.check()  # a layer pruned during the fit by other code than ModelPruning: refused by name
         if step.refresh_parameters():
             rank_zero_info(f"{self.label}: the trainable parameters changed; the engine was re-attached and the "
                            "probe runs again before the next release")

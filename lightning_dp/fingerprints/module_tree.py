@@ -84,9 +84,10 @@ class ModuleAttributes:
     def _names(self, fields: dict[str, Any], mode: list[str],
                prefix: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
         state = []
+        recomputed = _pruned_tensors(fields)
         for key, value in fields.items():
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
-                    or library_function(value)):
+                    or library_function(value) or key in recomputed):
                 continue
             if mode is DATA_ONLY and _layer_setting(key, value):
                 continue
@@ -97,6 +98,18 @@ class ModuleAttributes:
         return state, configuration
 
 
+
+
+def _pruned_tensors(fields: dict[str, Any]) -> frozenset[str]:
+    """The attributes ``torch.nn.utils.prune`` sets before every call of a pruned layer (``weight = weight_orig *
+    weight_mask``, by its forward pre-hook): a copy of the product of a parameter and a buffer, both fingerprinted,
+    made anew at each call (not state: compared, it would differ at every step by identity)."""
+    hooks = fields.get("_forward_pre_hooks")
+    if not hooks:
+        return frozenset()
+    from torch.nn.utils.prune import BasePruningMethod
+
+    return frozenset(h._tensor_name for h in hooks.values() if isinstance(h, BasePruningMethod))
 
 
 def _layer_setting(key: str, value: Any) -> bool:

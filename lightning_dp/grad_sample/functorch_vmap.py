@@ -68,7 +68,7 @@ from lightning_dp.validators.example_dim import (
     random_replay_error,
     replay_shape_error,
 )
-from lightning_dp.validators.layers import parametrized
+from lightning_dp.validators.layers import parametrized, pruned
 
 _BATCH_MIXING = (_BatchNorm,)
 
@@ -144,7 +144,8 @@ def recomputable(module: nn.Module) -> Iterator[None]:
     """The layer as torch.func can re-run it per example, same values and gradients: an Embedding's
     ``max_norm`` renormalised the rows in the forward already (in place) and ``sparse`` changes only the
     gradient's format; an InstanceNorm in training uses the instance's statistics, and its running
-    buffers (updated in place) are left out of the re-run."""
+    buffers (updated in place) are left out of the re-run. A pruned layer's weight (``weight_orig ⊙ weight_mask``,
+    set as an attribute by its forward pre-hook, which the re-run calls on the replayed originals) is put back."""
     saved: dict[str, Any] = {}
     if isinstance(module, nn.Embedding):
         saved = {"max_norm": module.max_norm, "sparse": module.sparse}
@@ -152,6 +153,9 @@ def recomputable(module: nn.Module) -> Iterator[None]:
     elif isinstance(module, _InstanceNorm) and module.training and module.track_running_stats:
         saved = {"running_mean": module.running_mean, "running_var": module.running_var}
         module.running_mean = module.running_var = None
+    if pruned(module):
+        saved.update({h._tensor_name: module.__dict__.get(h._tensor_name) for h in module._forward_pre_hooks.values()
+                      if isinstance(getattr(h, "_tensor_name", None), str)})
     try:
         yield
     finally:

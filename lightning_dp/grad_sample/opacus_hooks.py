@@ -214,8 +214,9 @@ def _opacus_wrong(module: nn.Module) -> Optional[str]:
                 "module that reads them (x @ self.ws[i], F.linear(x, self.ws[i])); served by 'ghost' and 'vmap' "
                 "(per_sample='ghost'), or keep the weight in a layer (nn.Linear)")
     if parametrized(module) or isinstance(module, ParametrizationList):
-        return ("computes its weight from a parametrization (weight_norm, spectral_norm, orthogonal): Opacus' rules "
-                "would give the computed weight a gradient, not its originals; served by 'vmap' and 'ghost'")
+        return ("computes its weight from a parametrization (weight_norm, spectral_norm, orthogonal) or a pruning mask "
+                "(torch.nn.utils.prune, ModelPruning): Opacus' rules would give the computed weight a gradient, not "
+                "its originals; served by 'vmap' and 'ghost'")
     if _rule_of(module) is not None:
         return _rule_wrong(module)
     if isinstance(module, nn.RNNBase):

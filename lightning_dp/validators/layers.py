@@ -121,14 +121,25 @@ _LEGACY_REPARAMETRIZATIONS = (
 
 def parametrized(module: nn.Module) -> bool:
     """Whether ``module`` computes some of its tensors from others by ``torch.nn.utils.parametrize`` (weight_norm,
-    orthogonal, a user's parametrization): the trainable tensors are the originals
-    (``parametrizations.weight.original0``, …), which no closed-form rule knows. Such a module is hooked as one unit
-    (:func:`~lightning_dp.grad_sample.capture.activations.is_unit`) and its per-example gradients come from replaying it
-    per example
-    on its originals (the per-layer vmap, or one backward per example for an RNN), the parametrization recomputed
-    inside; the closed-form rules, the ghost engine's input-gradient-only forwards and the normalisation reducers all
-    pass it by."""
-    return parametrize.is_parametrized(module)
+    orthogonal, a user's parametrization) or ``torch.nn.utils.prune`` (:func:`pruned`): the trainable tensors are the
+    originals (``parametrizations.weight.original0``, …; ``weight_orig``), which no closed-form rule knows. Such a
+    module is hooked as one unit (:func:`~lightning_dp.grad_sample.capture.activations.is_unit`) and its per-example
+    gradients come from replaying it per example on its originals (the per-layer vmap, or one backward per example for
+    an RNN), the parametrization (or the pruning mask) recomputed inside; the closed-form rules, the ghost engine's
+    input-gradient-only forwards and the normalisation reducers all pass it by."""
+    return parametrize.is_parametrized(module) or pruned(module)
+
+
+def pruned(module: nn.Module) -> bool:
+    """Whether ``module`` is pruned by ``torch.nn.utils.prune`` (Lightning's ``ModelPruning``): its ``weight`` is
+    ``weight_orig ⊙ weight_mask``, recomputed by a forward pre-hook, and the trainable tensor is ``weight_orig`` (the
+    same Parameter object ``weight`` was: an optimizer holding it trains on). Replayed per example like a
+    parametrization (the hook recomputes the weight from the replayed original), example i's gradient of
+    ``weight_orig`` is its gradient of ``weight`` times the mask; the mask, taken from the released weights'
+    magnitudes, is post-processing. A pruned layer without buffers is not possible: the mask is one."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    return bool(module._buffers) and any(isinstance(h, BasePruningMethod) for h in module._forward_pre_hooks.values())
 
 
 def parametrized_layers(module: nn.Module) -> list[str]:
@@ -151,26 +162,6 @@ def parametrized_layers(module: nn.Module) -> list[str]:
     return errors
 
 
-def pruned_layers(module: nn.Module) -> list[str]:
-    """Error messages for layers pruned by ``torch.nn.utils.prune`` (Lightning's ``ModelPruning`` callback applies it
-    at an epoch's end): the layer's ``weight`` becomes ``weight_orig ⊙ weight_mask``, recomputed by a forward pre-hook,
-    and the trainable tensor is ``weight_orig``, read outside the layer's own rule."""
-    from torch.nn.utils.prune import BasePruningMethod
-
-    errors = []
-    for name, sub in module.named_modules():
-        pruned = sorted({hook._tensor_name for hook in sub._forward_pre_hooks.values()
-                         if isinstance(hook, BasePruningMethod)})
-        if pruned:
-            errors.append(
-                f"layer '{name}' ({type(sub).__name__}) is pruned (torch.nn.utils.prune on {pruned}, e.g. by "
-                "Lightning's ModelPruning callback): its weight is recomputed from weight_orig and a mask in a forward "
-                "pre-hook, which no per-example engine differentiates through. Prune outside the private fit: train "
-                "privately, then prune the released weights (and fine-tune privately again after "
-                "torch.nn.utils.prune.remove(layer, 'weight') makes the pruned weight a plain parameter).")
-    return errors
-
-
 def lazy_layers(module: nn.Module) -> list[str]:
     """Error messages for lazy layers not yet materialised (``nn.LazyLinear``, ``nn.LazyConv2d``): their parameters
     have no shape until a first forward, which would be a private step's, so no engine can hook them, no ledger can
@@ -189,7 +180,7 @@ def validate_module(module: nn.Module) -> list[str]:
     call-time checks of :func:`install_call_checks`, active while ``module`` is attached to a private step."""
     install_call_checks(module)
     return (lazy_layers(module) + batch_mixing_layers(module) + unnoised_state_layers(module)
-            + sparse_gradient_layers(module) + parametrized_layers(module) + pruned_layers(module))
+            + sparse_gradient_layers(module) + parametrized_layers(module))
 
 
 # ---------------------------------------------------------------------- call-time checks

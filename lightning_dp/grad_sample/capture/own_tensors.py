@@ -16,14 +16,15 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dp.validators.layers import parametrized
+from lightning_dp.validators.layers import parametrized, pruned
 
 
 def plain_leaf(m: nn.Module) -> bool:
     """``m`` has no submodules and nowhere a ``parametrizations`` attribute could come from (its ``__dict__``, its
     class): then torch's ``is_parametrized(m)`` is False (a parametrization is a ``ModuleDict`` child; ``_parameters``
-    and ``_buffers`` hold tensors) and ``m`` has no children."""
-    return not m._modules and "parametrizations" not in m.__dict__ and not hasattr(type(m), "parametrizations")
+    and ``_buffers`` hold tensors) and ``m`` has no children; nor is it pruned (a layer with buffers is asked)."""
+    return (not m._modules and "parametrizations" not in m.__dict__ and not hasattr(type(m), "parametrizations")
+            and not (m._buffers and pruned(m)))
 
 
 def is_parametrized(m: nn.Module) -> bool:
