@@ -11,6 +11,7 @@ import operator
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
 from lightning_dp.fingerprints.state_walker import library_function
 
@@ -107,8 +108,6 @@ def _pruned_tensors(fields: dict[str, Any]) -> frozenset[str]:
     hooks = fields.get("_forward_pre_hooks")
     if not hooks:
         return frozenset()
-    from torch.nn.utils.prune import BasePruningMethod
-
     return frozenset(h._tensor_name for h in hooks.values() if isinstance(h, BasePruningMethod))
 
 

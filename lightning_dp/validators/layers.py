@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.utils import parametrize
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -137,8 +138,6 @@ def pruned(module: nn.Module) -> bool:
     parametrization (the hook recomputes the weight from the replayed original), example i's gradient of
     ``weight_orig`` is its gradient of ``weight`` times the mask; the mask, taken from the released weights'
     magnitudes, is post-processing. A pruned layer without buffers is not possible: the mask is one."""
-    from torch.nn.utils.prune import BasePruningMethod
-
     return bool(module._buffers) and any(isinstance(h, BasePruningMethod) for h in module._forward_pre_hooks.values())
 
 

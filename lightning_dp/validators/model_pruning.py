@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -104,8 +105,6 @@ class PruningWatch:
 
 
 def _is_pruning(hook: Any) -> bool:
-    from torch.nn.utils.prune import BasePruningMethod
-
     return isinstance(hook, BasePruningMethod)
 
 
