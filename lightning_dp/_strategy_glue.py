@@ -608,7 +608,7 @@ class PrivateTraining:
         check_loop(trainer, self.label)
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
-        if self._pruning is not None:
+        if self._pruning is not None and step.boundary.parameters_changed():
             self._pruning.check()  # a layer pruned during the fit by other code than ModelPruning: refused by name
         if step.refresh_parameters():
             rank_zero_info(f"{self.label}: the trainable parameters changed; the engine was re-attached and the "
