@@ -12,7 +12,10 @@ None of it reads the training data: every value written is a function of the rel
 of a random draw and of the epoch number (``amount``, ``apply_pruning`` and ``use_lottery_ticket_hypothesis`` are
 given the epoch only). The release boundary (rule 3) would still refuse the writes, as state written outside the
 release: :class:`PruningWatch` takes the model's fingerprint around each pruning call of Lightning's own
-``ModelPruning`` (not of a subclass: code of the user's may read the data) and accepts exactly what the call changed.
+``ModelPruning`` with one of torch's pruning methods (not of a subclass, nor with a ``BasePruningMethod`` of the
+user's: code of the user's may read the data) and accepts exactly what the call changed. ``amount`` given as a
+callable is the user's function of the epoch: it is not run again on other data (a closure reading the training loss
+would choose the pruned share from it — a documented limit).
 The engine follows the renamed parameters at the next step (``PrivateStep.refresh_parameters`` re-attaches it; the
 probe runs again before the next release), where example i's gradient of ``name_orig`` is its gradient of ``name``
 times the mask (:func:`~lightning_dp.validators.layers.pruned`). Pruning written any other way during the fit (the
@@ -40,9 +43,14 @@ fit end's ``prune.remove``."""
 
 
 def lightning_model_pruning(callback: Any) -> bool:
-    """Whether ``callback`` is Lightning's ``ModelPruning`` itself (a subclass may override what it computes)."""
+    """Whether ``callback`` is Lightning's ``ModelPruning`` itself (a subclass may override what it computes) with one
+    of torch's own pruning methods (``pruning_fn`` a name, or a class of ``torch.nn.utils.prune``: a
+    ``BasePruningMethod`` of the user's may compute its mask from anything, the training data included)."""
     cls = type(callback)
-    return cls.__name__ == "ModelPruning" and cls.__module__.startswith(("pytorch_lightning.", "lightning."))
+    method = getattr(callback, "pruning_fn", None)
+    method = getattr(method, "func", method)  # functools.partial of a torch function (pruning_fn given by name)
+    return cls.__name__ == "ModelPruning" and cls.__module__.startswith(("pytorch_lightning.", "lightning.")) \
+        and getattr(method, "__module__", "") == "torch.nn.utils.prune"
 
 
 class PruningWatch:
@@ -93,7 +101,8 @@ class PruningWatch:
                 "the fit (torch.nn.utils.prune) by other code than Lightning's ModelPruning callback, and the mask is "
                 "kept state the release boundary cannot judge (it may come from the training data). Nothing more was "
                 "released. Prune before the fit (the masks fixed: served), prune the released weights after it, or "
-                "use pytorch_lightning.callbacks.ModelPruning itself (not a subclass), whose pruning of the released "
+                "use pytorch_lightning.callbacks.ModelPruning itself (not a subclass) with one of torch's pruning methods (not a "
+                "BasePruningMethod of your own), whose pruning of the released "
                 "weights at an epoch's end is served.")
 
     def stop(self) -> None:

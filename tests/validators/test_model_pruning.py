@@ -109,3 +109,25 @@ def test_pruning_during_the_fit_by_other_code_is_refused_by_name():
     with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruned during the fit.*ModelPruning.*Prune before"):
         _fit(model, max_epochs=2)
     assert model.trainer.strategy.ledger.steps <= 4  # epoch 0's releases only: nothing after the pruning
+
+
+class DataScores(prune.BasePruningMethod):
+    """A pruning method of the user's: its mask from the training features' magnitudes (SNIP-like, un-noised)."""
+
+    PRUNING_TYPE = "unstructured"
+    features: Tensor = torch.zeros(0)
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        scores = DataScores.features.abs().mean(0)
+        keep = (scores >= scores.median()).float()
+        return default_mask * (keep.expand_as(t) if keep.numel() == t.shape[-1] else torch.ones_like(t))
+
+
+def test_model_pruning_with_a_pruning_method_of_the_users_is_refused():
+    """ModelPruning(pruning_fn=<a BasePruningMethod class of the user's>): its mask may come from anything (here the
+    training features): not accepted as post-processing — refused by name; the built-in L1Unstructured class trains."""
+    DataScores.features = _loader().dataset.tensors[0]
+    model = Net()
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruned during the fit.*not a subclass"):
+        _fit(model, max_epochs=2, callbacks=[ModelPruning(DataScores, amount=0.5, verbose=0)])
+    _fit(Net(), max_epochs=2, callbacks=[ModelPruning(prune.L1Unstructured, amount=0.5, verbose=0)])
