@@ -101,9 +101,9 @@ class PruningWatch:
                 "the fit (torch.nn.utils.prune) by other code than Lightning's ModelPruning callback, and the mask is "
                 "kept state the release boundary cannot judge (it may come from the training data). Nothing more was "
                 "released. Prune before the fit (the masks fixed: served), prune the released weights after it, or "
-                "use pytorch_lightning.callbacks.ModelPruning itself (not a subclass) with one of torch's pruning methods (not a "
-                "BasePruningMethod of your own), whose pruning of the released "
-                "weights at an epoch's end is served.")
+                "use pytorch_lightning.callbacks.ModelPruning itself (not a subclass) with one of torch's pruning "
+                "methods (not a BasePruningMethod of your own), whose pruning of the released weights at an epoch's "
+                "end is served.")
 
     def stop(self) -> None:
         """The callbacks' own methods back."""
