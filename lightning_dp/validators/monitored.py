@@ -10,6 +10,7 @@ import re
 import weakref
 from typing import Any, Callable, Optional
 
+import torch
 from torch.utils.data import SubsetRandomSampler
 
 from lightning_dp.records.recorded_batches import RecordedBatches
@@ -89,18 +90,58 @@ def _logged(loop: Any) -> set[str]:
 
 def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Finding]:
     """The consumers of ``trainer`` that monitor a value computed from the training data (not ``exempt``): one the
-    training loop logged, or any value at all when the validation loaders read the training records (validating on
-    the training set makes every validation metric a statistic of the private data)."""
+    training loop logged (unless its value is a counter of the loop: :func:`counter_valued`), or any value at all
+    when the validation loaders read the training records (validating on the training set makes every validation
+    metric a statistic of the private data)."""
     logged, on_training_data = training_logged(trainer), validates_on_training_data(trainer)
     found = []
     for who, name in consumers(trainer):
         if exempt(name):
             continue
-        if name in logged:
+        if name in logged and not counter_valued(trainer, name):
             found.append((who, name, "logged by a training hook"))
         elif on_training_data:
             found.append((who, name, "computed by validation on the training records"))
     return found
+
+
+def _counters(trainer: Any) -> set[float]:
+    """The loop's public counters now: the optimizer step, the epoch and the batch's index in it."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    found = {getattr(trainer, "global_step", None), getattr(trainer, "current_epoch", None),
+             getattr(loop, "batch_idx", None)}
+    return {float(c) for c in found if isinstance(c, int)}
+
+
+_VERIFIED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+"""A training-logged metric -> the value (tensor) it held when :func:`counter_valued` found it equal to a counter."""
+
+
+def counter_valued(trainer: Any, name: str) -> bool:
+    """Whether every value the training loop holds under ``name`` is a public counter, not a statistic of the batch:
+    logged by ``training_step`` on the step only (``self.log("global_step", self.global_step)``, the Lightning docs'
+    "keep the latest k checkpoints"), and equal to the optimizer step, the epoch or the batch index now, or the very
+    value found equal to one at an earlier check (the check when validation starts, after the step counted on).
+    Checked before every release, after that step's ``training_step`` logged and before any callback reads it: a
+    value that is not a counter there (``global_step + (loss > 1)``) is private. A value reduced over the epoch or
+    logged by another hook is private whatever it holds."""
+    results = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_results", None)
+    held = [m for m in (results.values() if results is not None else ())
+            if getattr(getattr(m, "meta", None), "name", None) == name]
+    if not held:
+        return False
+    counters = _counters(trainer)
+    for metric in held:
+        meta, value = metric.meta, getattr(metric, "_forward_cache", None)
+        if (getattr(meta, "fx", None) != "training_step" or not getattr(meta, "on_step", False)
+                or getattr(meta, "on_epoch", True) or not isinstance(value, torch.Tensor) or value.numel() != 1):
+            return False
+        if _VERIFIED.get(metric) is value:
+            continue
+        if float(value) not in counters:
+            return False
+        _VERIFIED[metric] = value
+    return True
 
 
 def _memory(dataset: Any) -> list[tuple[int, int]]:

@@ -218,3 +218,58 @@ def test_monitoring_held_out_validation_is_allowed(kind):
     quiet_trainer(strategy=dp, max_steps=3, num_sanity_val_steps=0, val_check_interval=2,
                   callbacks=[EarlyStopping(monitor="val_loss")]).fit(LogsTrainLoss(), train, val)
     assert dp.ledger.steps == 3
+
+
+class LogsCounter(Classifier):
+    """Logs a counter of the loop from ``training_step`` (the Lightning docs' "keep the latest k checkpoints":
+    ``self.log("global_step", self.global_step)``, ``ModelCheckpoint(monitor="global_step", mode="max")``), or a
+    twin that only looks like one."""
+
+    def __init__(self, how: str = "global_step") -> None:
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.how == "global_step":
+            self.log("global_step", float(self.global_step))
+        elif self.how == "epoch":
+            self.log("global_step", float(self.current_epoch))
+        elif self.how == "step plus a bit of the loss":  # a counter at most steps, the batch's at some
+            self.log("global_step", float(self.global_step) + float(batch_idx == 1 and bool(loss > 0)))
+        elif self.how == "reduced over the epoch":
+            self.log("global_step", float(self.global_step), on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+
+@pytest.mark.parametrize("how", ["global_step", "epoch"])
+def test_monitoring_a_logged_counter_of_the_loop_trains(how, tmp_path):
+    """zoo28 l13: the logged value equals the optimizer step (or the epoch) at every release and when validation
+    starts after the step it counted: the checkpoints it keeps are chosen by a public count."""
+    callback = ModelCheckpoint(dirpath=str(tmp_path), monitor="global_step", mode="max", save_top_k=2,
+                               every_n_train_steps=2)
+    dp = strategy()
+    quiet_trainer(strategy=dp, max_epochs=2, callbacks=[callback], enable_checkpointing=True, limit_val_batches=1,
+                  num_sanity_val_steps=0).fit(LogsCounter(how), loader(64), DataLoader(data(16, seed=1), batch_size=16))
+    assert dp.ledger.steps == 8 and len(list(tmp_path.glob("*.ckpt"))) == 2
+
+
+@pytest.mark.parametrize("how", ["step plus a bit of the loss", "reduced over the epoch"])
+def test_a_value_that_is_not_a_counter_at_every_release_is_refused(how, tmp_path):
+    """The unsafe twins: a value that differs from every counter at one release (before the callback reads it), or
+    one Lightning reduces over the epoch, is the training data's."""
+    callback = ModelCheckpoint(dirpath=str(tmp_path), monitor="global_step", mode="max", save_top_k=2,
+                               every_n_train_steps=1)
+    model = LogsCounter(how)
+    before = parameters(model)
+    dp = strategy()
+    trainer = quiet_trainer(strategy=dp, max_epochs=2, callbacks=[callback], enable_checkpointing=True)
+    with pytest.raises(PrivacyConfigurationError, match="ModelCheckpoint monitors 'global_step', logged by a training"):
+        trainer.fit(model, loader(64))
+    if how == "step plus a bit of the loss":  # refused at the second step, before its release and its checkpoint
+        assert dp.ledger.steps == 1 and len(list(tmp_path.glob("*.ckpt"))) == 1
+    else:  # the name is the training data's from the first release on
+        assert dp.ledger.steps == 0 and unchanged(before, model)
