@@ -44,8 +44,9 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dp.accounting import data_ledgers, module_ledgers
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.accounting.loaded_checkpoints import CHECKPOINT_KEY
-from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batches_per_step, physical_batch_size,
-                                        restore_accumulation)
+from lightning_dp._accumulation import (Accumulation, adopt_accumulation, batches_per_step, keep_planned,
+                                        physical_batch_size, restore_accumulation)
+from lightning_dp._accumulation import changed_error as accumulation_changed
 from lightning_dp._gradient_clip import DEFAULT_MAX_GRAD_NORM, adopt_gradient_clip, restore_gradient_clip
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.public_names import is_public
@@ -314,6 +315,12 @@ class PrivateTraining:
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_no_tuner(trainer, self.label)
             adopt_gradient_clip(trainer, self, self.label)  # before a resumed checkpoint's C is compared
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any) -> None:
+        """Before Lightning's loop decides whether the batch accumulates: a constant ``GradientAccumulationScheduler``
+        set the planned value again at the epoch's start; the private step accumulates it (:mod:`._accumulation`)."""
+        keep_planned(self.lightning_module.trainer, self)  # type: ignore[attr-defined]
+        super().on_train_batch_start(batch, batch_idx, *args)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the release boundary's baselines
     def on_train_start(self) -> None:
@@ -1089,14 +1096,10 @@ def check_trainer(trainer: "pl.Trainer", label: str = "DPStrategy", setup: bool 
     check_no_wall_clock_budget(trainer, label)
     if setup:
         adopt_accumulation(trainer, trainer.strategy, label)  # k loader batches per private step (_accumulation.py)
+    else:
+        keep_planned(trainer, trainer.strategy)  # a constant scheduler's value, set again at an epoch's start
     if trainer.accumulate_grad_batches != 1:
-        raise PrivacyConfigurationError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} was set during the fit (a "
-            "GradientAccumulationScheduler): the Poisson rate q was planned for the loader's batches at the fit's "
-            "start, and Lightning would add noise to each micro-batch and rescale per-example gradients before "
-            "clipping. Set Trainer(accumulate_grad_batches=k) once (the private step then draws k × batch_size per "
-            f"step), or raise the DataLoader's batch_size; {label}(max_physical_batch_size=...) bounds the memory."
-        )
+        raise accumulation_changed(trainer, label)
     precision = str(trainer.precision)
     if precision not in SUPPORTED_PRECISION:
         raise PrivacyConfigurationError(

@@ -82,3 +82,60 @@ def test_fixed_shape_batches_with_accumulation_are_refused():
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, fixed_batch_size=16)
     with pytest.raises(PrivacyConfigurationError, match=r"accumulate_grad_batches=4.*fixed_batch_size"):
         _fit(strategy, max_steps=1, accumulate_grad_batches=K)
+
+
+def _scheduled(scheduling: dict[int, int], **trainer_kwargs) -> tuple[pl.Trainer, DPStrategy, Sizes]:
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, sampler_seed=0, public_state=["seen"])
+    trainer, model = _fit(strategy, callbacks=[GradientAccumulationScheduler(scheduling)], **trainer_kwargs)
+    return trainer, strategy, model
+
+
+def test_a_constant_accumulation_scheduler_is_planned_like_the_trainer_setting():
+    """zoo28 l03: GradientAccumulationScheduler({0: K}) is Trainer(accumulate_grad_batches=K): planned at the setup
+    (q = KB/N, one release per K loader batches), and Lightning's own accumulation stays off in every epoch although
+    the scheduler sets K again at each epoch's start."""
+    trainer, strategy, model = _scheduled({0: K, 1: K}, max_epochs=2)
+    assert strategy.expected_batch_size == K * B and strategy.sample_rate == pytest.approx(K * B / N)
+    assert strategy.ledger.steps == trainer.global_step == 2 * (N // (K * B))
+    assert strategy.last_release.noise_std == pytest.approx(2.0 * 1.0 / (K * B))
+    assert max(model.seen) <= B and trainer.accumulate_grad_batches == 1  # the Trainer's own, given back
+
+
+@pytest.mark.parametrize("scheduling", [{0: 2, 1: K}, {0: 1, 1: 2}])
+def test_a_scheduler_that_changes_the_value_is_refused_before_it_steers_a_release(scheduling):
+    """Not planned from: refused before the first release it would steer (that of the first epoch it sets k > 1)."""
+    model = Sizes()
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, sampler_seed=0, public_state=["seen"])
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    trainer = quiet_trainer(strategy=strategy, max_epochs=2, callbacks=[GradientAccumulationScheduler(scheduling)])
+    with pytest.raises(PrivacyConfigurationError, match=r"was set during the fit \(a GradientAccumulationScheduler "
+                                                        r"that changes it\)"):
+        trainer.fit(model, _loader())
+    assert strategy.ledger.steps == (0 if scheduling[0] > 1 else N // B)
+
+
+def test_weight_averagings_batchnorm_pass_is_refused_by_its_name():
+    """zoo28 b06: StochasticWeightAveraging over a model with a (frozen) BatchNorm runs an extra epoch that only
+    recomputes the running statistics on the training batches (accumulate_grad_batches = the epoch's length): refused,
+    and the refusal says so rather than naming a scheduler."""
+    from pytorch_lightning.callbacks import StochasticWeightAveraging
+
+    class FrozenNorm(Sizes):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(4).eval()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(self.norm(x)), y)
+
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, sampler_seed=0)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=2,
+                            callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)StochasticWeightAveraging's BatchNorm pass cannot run "
+                                                        r"privately.*nn.GroupNorm.*update_bn on a public loader"):
+        trainer.fit(FrozenNorm(), _loader())
+    assert strategy.ledger.steps == 2 * (N // B)
