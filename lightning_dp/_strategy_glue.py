@@ -83,6 +83,7 @@ from lightning_dp.losses import loss_tensor, mean_loss
 from lightning_dp.performance.fixed_batch import chunks as padded_chunks
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig, check_target
 from lightning_dp.privacy.private_step import Distribution, PrivateStep
+from lightning_dp.records.collate import rows_held
 from lightning_dp.records.fresh_randomness import step_callback
 from lightning_dp.units.physical import user_chunks
 
@@ -607,6 +608,9 @@ class PrivateTraining:
         if self._decision_windows is not None:  # what on_train_batch_start set is this step's (judged with it)
             self._decision_windows.notes.note(self.lightning_module.trainer)  # type: ignore[attr-defined]
         indices = step.take()
+        source = getattr(step, "_source", None)  # the loader's dataset and collate (poisson_loader)
+        if indices and source is not None:  # records the collate dropped (None: unreadable files) are no rows
+            indices = rows_held(source[0], indices, args[0] if args else kwargs.get("batch"))
         self._batch_start.judge(indices, _batch_idx(args, kwargs))  # σ, C, an lr set there from the batch
         n = self._examples_this_step = len(indices)
         if self._over_budget:  # decided in optimizer_step: this step is not taken (nothing is computed)

@@ -10,7 +10,8 @@ record's privacy loss only if
    does not: then which data a step uses is not who was sampled). And the batch read in another order (rotated
    by one) with that seed must not give the same records in the same order (it does when the record is drawn
    from the seeded generator whatever the index). A few public positions (:data:`FIXED_RECORD_PROBES`), three
-   reads.
+   reads (positions holding an empty record, ``None`` for an unreadable file, are passed over:
+   :mod:`~lightning_dp.records.empty_records`).
 2. **a record has one index.** Repetition that torch's wrappers show (a Subset index listed twice, a
    dataset concatenated with itself) is refused before anything is read (:mod:`.record_sources`);
    repetition inside a dataset's own ``__getitem__`` is looked for in the records
@@ -39,6 +40,7 @@ from torch.utils.data import Subset
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.distinct_records import DistinctRecords
+from lightning_dp.records.empty_records import is_empty
 from lightning_dp.records.fetch import fetch, seeded, watched
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.record_checks.record_sources import check_sources
@@ -156,8 +158,7 @@ def _check_fixed_records(dataset: Any, at: Callable[[int], int], n: int) -> None
     batch must give the same records, and the rotated batch must not give the records in the same order (it does
     when each record is drawn whatever its index, or when all of them are equal). Batches, as the loader reads
     them: a ``__getitems__`` that works on its batch as a whole is read as it is meant to be."""
-    steps = max(1, FIXED_RECORD_PROBES - 1)
-    chosen = sorted({at(round(j * (n - 1) / steps)) for j in range(FIXED_RECORD_PROBES)})
+    chosen = _probed(dataset, at, n)
     first, again, rotated = (_read(dataset, order) for order in (chosen, chosen, chosen[1:] + chosen[:1]))
     if first is None or again is None or rotated is None:
         return  # no fingerprint: not checked
@@ -174,6 +175,30 @@ def _check_fixed_records(dataset: Any, at: Callable[[int], int], n: int) -> None
             "the same records in the same order (a record drawn at random in __getitem__ whatever the index, e.g. a "
             "random text chunk). Poisson sampling draws indices, so a step would use data other than the records "
             "it sampled. " + _FIXED_FIX)
+
+
+def _probed(dataset: Any, at: Callable[[int], int], n: int) -> list[int]:
+    """The indices :func:`_check_fixed_records` reads: :data:`FIXED_RECORD_PROBES` positions spread evenly over the
+    population; when some of them read an empty record (``None`` for an unreadable file, which the collate drops:
+    :mod:`~lightning_dp.records.empty_records`; all empty ones are alike whatever the index), the first positions
+    holding data among up to 16 times as many spread alike, each read alone with the seed (zoo28 d02b)."""
+    def spread(k: int) -> list[int]:
+        return sorted({at(round(j * (n - 1) / max(1, k - 1))) for j in range(k)})
+
+    chosen = spread(FIXED_RECORD_PROBES)
+    if not any(is_empty(_read_one(dataset, i)) for i in chosen):
+        return chosen
+    holding = [i for i in spread(min(n, 16 * FIXED_RECORD_PROBES)) if not is_empty(_read_one(dataset, i))]
+    if len(holding) <= FIXED_RECORD_PROBES:
+        return holding or chosen
+    return [holding[round(j * (len(holding) - 1) / (FIXED_RECORD_PROBES - 1))] for j in range(FIXED_RECORD_PROBES)]
+
+
+def _read_one(dataset: Any, index: int) -> Any:
+    """The record at ``index`` as the loader reads it alone, the generators seeded."""
+    with seeded(READ_SEED):
+        items = fetch(dataset, [index])
+    return items[0] if isinstance(items, (list, tuple)) and len(items) == 1 else items
 
 
 def _read(dataset: Any, indices: list[int]) -> Optional[bytes]:

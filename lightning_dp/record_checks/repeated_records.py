@@ -43,8 +43,10 @@ augmentation drawn from a generator of its own, a record that carries its positi
 more), near copies of records with fewer than 4 floating-point values, repetition below
 :data:`REPEATED_COPIES` by content alone that chance could explain (warned, not refused: a record twice), and
 repetition in a large dataset too sparse for the sample; records without a fingerprint (opaque objects) are not
-checked. :class:`~lightning_dp.data.DistinctRecords` skips this check (and its warning) for data whose identical
-records are different people's.
+checked. Empty records (``None`` for an unreadable file, dropped by the collate:
+:mod:`~lightning_dp.records.empty_records`) are not counted: N and the records checked are those that hold data.
+:class:`~lightning_dp.data.DistinctRecords` skips this check (and its warning) for data whose identical records are
+different people's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import numpy as np
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.records.empty_records import is_empty
 from lightning_dp.records.fetch import fetch, reads_per_index, reseed, seeded
 from lightning_dp.records.record_fingerprint import NEAR_SCALE, Fingerprint, fingerprint, near_digest
 from lightning_dp.record_checks.record_sources import REPEAT_FIX
@@ -108,7 +111,8 @@ def check_repeated_records(dataset: Any, at: Callable[[int], int], n: int) -> No
     found = _fingerprints(dataset, at, n)
     if found is None or len(found[0]) < 2:
         return
-    prints, near = found
+    prints, near, read = found
+    n = round(n * len(prints) / read)  # the records that hold data (empty ones, None, are not copies: zoo28 d02)
     _refuse_same_memory(prints)
     _refuse_repeated_content(prints, n)
     _refuse_near_copies(near, n)
@@ -121,20 +125,25 @@ def checked_positions(n: int) -> np.ndarray:
 
 
 def _fingerprints(dataset: Any, at: Callable[[int], int], n: int
-                  ) -> Optional[tuple[dict[int, Fingerprint], list[dict[int, bytes]]]]:
-    """Fingerprints of the checked records by dataset index, and their digests on the two grids of
-    :func:`~lightning_dp.records.record_fingerprint.near_digest` (``None``: some record has none)."""
+                  ) -> Optional[tuple[dict[int, Fingerprint], list[dict[int, bytes]], int]]:
+    """Fingerprints of the checked records that hold data by dataset index, their digests on the two grids of
+    :func:`~lightning_dp.records.record_fingerprint.near_digest`, and how many records were read (``None``: some
+    record has no fingerprint). Empty records (:func:`~lightning_dp.records.empty_records.is_empty`: ``None`` for an
+    unreadable file, which the collate drops) hold no data: all alike, they are no one's copies."""
     order = [at(int(p)) for p in checked_positions(n)]
     step = 1 if reads_per_index(dataset) else _BATCH
     prints: dict[int, Fingerprint] = {}
     near: list[dict[int, bytes]] = [{}, {}]
-    digested = held = 0
+    digested = held = read = 0
     buffers: set[int] = set()
     with seeded(READ_SEED):
         for start in range(0, len(order), step):
             indices = order[start:start + step]
             reseed(READ_SEED)
             for index, record in zip(indices, _records(dataset, indices)):
+                read += 1
+                if is_empty(record):
+                    continue
                 found = fingerprint(record)
                 if found is None:
                     return None
@@ -150,7 +159,7 @@ def _fingerprints(dataset: Any, at: Callable[[int], int], n: int
                 digested += found.nbytes
             if digested >= CONTENT_CHECK_BYTES:
                 break
-    return prints, near
+    return prints, near, max(read, 1)
 
 
 def _records(dataset: Any, indices: list[int]) -> list[Any]:

@@ -48,7 +48,8 @@ def check_copies_across_users(dataset: Any, at: Callable[[int], int], n: int,
     found = _fingerprints(dataset, at, n)
     if found is None or len(found[0]) < 2:
         return
-    prints, near = found
+    prints, near, read = found
+    n = round(n * len(prints) / read)  # the records that hold data (empty ones, None, are no one's copies)
     try:
         users = {index: user_of(index) for index in prints}
     except (IndexError, KeyError):  # a record without a user id: refused by name where the users are counted

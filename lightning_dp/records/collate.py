@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.records.empty_records import is_empty
 from lightning_dp.records.fresh_randomness import reads_draw
 from lightning_dp.records.fetch import fetch
 from lightning_dp.records.stateless import FetchState, NotedBatches, NotingWorkerInit, WatchedCollate
@@ -39,9 +41,55 @@ class EmptySafeCollate:
         self.collate_fn = collate_fn or default_collate
 
     def __call__(self, examples: Sequence[Any]) -> Any:
-        if hasattr(examples, "__len__") and len(examples) == 0:
-            return _empty_like(self.collate_fn(fetch(self.dataset, [0])))
+        if hasattr(examples, "__len__") and all(is_empty(e) for e in examples):  # none, or only unreadable records
+            if len(examples):
+                try:
+                    return self.collate_fn(examples)
+                except Exception:  # noqa: BLE001  (the Kaggle collate that drops None fails on what is left: [])
+                    pass
+            return _empty_like(self.collate_fn(fetch(self.dataset, [self._template()])))
         return self.collate_fn(examples)
+
+    def _template(self) -> int:
+        """The first index whose record holds data (:mod:`~lightning_dp.records.empty_records`; 0 when none of the
+        first 64 does): its batch, sliced to length 0, is the empty batch's template."""
+        found = getattr(self, "_found", None)
+        if found is None:
+            found = next((i for i in range(min(len(self.dataset), 64))  # type: ignore[arg-type]
+                          if not is_empty(fetch(self.dataset, [i])[0])), 0)
+            self._found = found
+        return found
+
+
+_EMPTY: "weakref.WeakKeyDictionary[Any, dict[int, bool]]" = weakref.WeakKeyDictionary()
+"""A training dataset -> whether each index read so far by :func:`rows_held` is an empty record."""
+
+
+def rows_held(dataset: Any, indices: list[int], batch: Any) -> list[int]:
+    """The indices of the step whose records are rows of its collated ``batch``: all of them, unless the batch has
+    fewer rows than indices and exactly that many of them read an empty record (``None`` for an unreadable file, which
+    the collate dropped: :mod:`~lightning_dp.records.empty_records`); then those that hold data, in order. Each index
+    is read once (its emptiness kept for the dataset's life), and only on such steps."""
+    rows = batch_size_of(batch)
+    if rows < 0 or rows >= len(indices):
+        return indices
+    holding = held_records(dataset, indices)
+    return holding if len(holding) == rows else indices
+
+
+def held_records(dataset: Any, indices: Sequence[int]) -> list[int]:
+    """The ``indices`` whose records hold data (not :func:`~lightning_dp.records.empty_records.is_empty`), in order:
+    each index read alone once for the dataset's life (the batches the first batch check builds from the population,
+    :mod:`~lightning_dp.records.constructed_batches`, and the steps of :func:`rows_held`)."""
+    try:
+        known = _EMPTY.setdefault(dataset, {})
+    except TypeError:  # a dataset without weak references: not kept
+        known = {}
+    for i in indices:
+        if i not in known:
+            records = fetch(dataset, [i])
+            known[i] = isinstance(records, (list, tuple)) and len(records) == 1 and is_empty(records[0])
+    return [i for i in indices if not known[i]]
 
 
 def batch_size_of(batch: Any) -> int:

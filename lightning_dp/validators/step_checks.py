@@ -26,6 +26,8 @@ from lightning_dp.losses import loss_tensor
 from lightning_dp.engine_api import engines_after
 from lightning_dp.validators.batch_check import FIRST_DRAWS, LATER_DRAWS, BatchInteractionCheck, batch_tolerance
 from lightning_dp.records.constructed_batches import label_batch, largest_batch
+from lightning_dp.records.collate import held_records
+from lightning_dp.records.empty_records import holding_data
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.record_checks.released_transforms import uncharged_transforms, uncharged_transforms_error
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
@@ -107,8 +109,9 @@ class StepChecks:
         where = self.distribution
         if hasattr(self._batches.inner, "first_positions"):  # users (user_sampling.py): two records of the first users
             indices = self._batches.positions(self._batches.inner.first_positions(PROBE_EXAMPLES))
-        else:
-            indices = self._batches.first_indices(PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size)
+        else:  # the first that hold data: an unreadable record the collate drops (None) is no example (zoo28 d02)
+            indices = holding_data(self._source[0], self._batches.first_indices(
+                4 * PROBE_EXAMPLES, self.plan.num_samples, where.rank, where.world_size), PROBE_EXAMPLES)
         replay = None if replay_hooks is None else (
             lambda idx: replay_hooks(to_device(self.examples(idx, fixed=True)),  # noqa: E731
                                      to_device(self.examples(idx[: max(1, len(idx) // 2)], fixed=True))))
@@ -338,10 +341,12 @@ class StepChecks:
             labels = label_batch(self._source[0], population, max_examples, rng)
         except Exception:  # noqa: BLE001  (labels in a form not foreseen: the other batches are still built)
             labels = None
-        return [*([(labels, True, built + "holding every label value, two of each")] if labels else []),
-                (list(rng.sample(population, large)), False, built + f"of {large} records, the largest batch the "
-                 "sampler plausibly draws")]  # no tiny batch: at 2 or 3 examples some models' layers cannot tell
-        # their examples from their own dimensions (zoo: stacked speakers) — a false refusal, not a finding
+        dataset = self._source[0]  # records the collate drops (None: unreadable) are no examples (zoo28 d02)
+        return [*([(held_records(dataset, labels), True, built + "holding every label value, two of each")]
+                  if labels else []),
+                (held_records(dataset, rng.sample(population, large)), False, built + f"of {large} records, the "
+                 "largest batch the sampler plausibly draws")]  # no tiny batch: at 2 or 3 examples some models'
+        # layers cannot tell their examples from their own dimensions (zoo: stacked speakers) — a false refusal
 
     @contextmanager
     def engine_aside(self) -> Iterator[None]:

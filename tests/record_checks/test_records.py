@@ -275,3 +275,43 @@ def test_near_digests_follow_the_values_not_their_bytes():
     assert any(same == jittered for same, jittered, _ in grids)
     assert all(same != moved for same, _, moved in grids)
     assert near_digest((x, 1), 0) != near_digest((x, 0), 0)  # the label is compared exactly
+
+
+# ---------------------------------------------------------------- unreadable records: None, dropped by the collate
+class WithUnreadable(Dataset):
+    """The Kaggle recipe for corrupt files (zoo28 d02): ``None`` for every ``every``-th record (those probed, 0 and
+    the last, among them), which :func:`_drop_none` filters out of the batch; ``base`` wraps another dataset."""
+
+    def __init__(self, base: Dataset, every: int = 13) -> None:
+        self.base, self.every = base, every
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return None if i % self.every == 0 else self.base[i]
+
+
+def _drop_none(batch):
+    return torch.utils.data.default_collate([b for b in batch if b is not None])
+
+
+@pytest.mark.parametrize("n,every", [(N, 13), (256, 17), (256, 5)])
+def test_unreadable_records_dropped_by_the_collate_are_neither_copies_nor_an_ignored_index(n, every):
+    """None records are all alike: not copies of one another (d02), and a probe of fixed records that read only them
+    (0, 85, 170, 255 at every 17th of 256: d02b) looks past them. The fit trains, one release per step."""
+    strategy = _fit(WithUnreadable(_data(n), every), collate_fn=_drop_none)
+    assert strategy.ledger.steps == 2
+
+
+class RandomWithUnreadable(RandomChunks):
+    """The unsafe twin: a random chunk whatever the index (Python's generator), None at every 5th index."""
+
+    def __getitem__(self, i):
+        return None if i % 5 == 0 else super().__getitem__(i)
+
+
+def test_repetition_and_an_ignored_index_are_still_refused_among_unreadable_records():
+    _refused(WithUnreadable(RepeatingCopies(_data(), times=2), every=7), "records repeat", collate_fn=_drop_none)
+    message = _refused(RandomWithUnreadable("python"), "ignores its index", collate_fn=_drop_none)
+    assert "indices [0," not in message  # the records probed are those that hold data

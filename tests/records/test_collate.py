@@ -53,3 +53,43 @@ def test_the_empty_batch_of_a_dataset_read_in_batches_is_read_as_the_loader_read
     batches = list(loader)
     assert [batch_size_of(b) for b in batches] == [0, 2, 0]
     assert batches[0]["x"].shape == (0, 3) and batches[0]["i"].shape == (0,)
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    """Records 0, 3, 6, … unreadable: ``None``, which the Kaggle collate drops (zoo28 d02)."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(9, 2)
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, i):
+        return None if i % 3 == 0 else (self.x[i], i)
+
+
+def _drop_none(items):
+    return torch.utils.data.default_collate([b for b in items if b is not None])
+
+
+def test_a_batch_of_only_unreadable_records_is_an_empty_batch_shaped_by_one_that_holds_data():
+    """The user's collate fails on what is left ([]), and record 0 (the usual template) is None too."""
+    ds = _Unreadable()
+    collate = EmptySafeCollate(ds, _drop_none)
+    for items in ([], [None], [None, None]):
+        x, i = collate(items)
+        assert x.shape == (0, 2) and i.shape == (0,)
+    x, i = collate([ds[1], None, ds[2]])
+    assert i.tolist() == [1, 2]
+
+
+def test_rows_held_names_the_records_the_collate_kept():
+    from lightning_dp.records.collate import held_records, rows_held
+
+    ds = _Unreadable()
+    indices = [0, 1, 2, 3, 4]
+    batch = _drop_none([ds[i] for i in indices])
+    assert rows_held(ds, indices, batch) == [1, 2, 4] == held_records(ds, indices)
+    full = TensorDataset(torch.randn(5, 2))
+    assert rows_held(full, [0, 1, 2], full[0:3]) == [0, 1, 2]  # as many rows as indices: nothing read
+    assert rows_held(ds, [0, 1, 2], torch.zeros(1, 2)) == [0, 1, 2]  # one row for two records holding data: as was
