@@ -38,6 +38,8 @@ forward/backward passes on ≤ k examples, once.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 
 import os
@@ -383,7 +385,7 @@ class ExampleIndependenceProbe:
         elif random:  # the step draws random numbers of its own: batch and alone are not comparable exactly
             ratios = together_norms / alone_norms.clamp_min(1e-30)
             if float(ratios.clamp_min(1e-30).log().mean().exp()) > k ** 0.5:  # ≈ k for a summed loss, ≈ 1 for a mean
-                raise self._interaction(together_norms, alone_norms, k, summed=True)
+                raise self._interaction(together_norms, alone_norms, k, summed=_about_k(ratios, alone_norms, k))
             warnings.warn(RandomStepWarning(self._random_warning()), stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
@@ -499,6 +501,19 @@ def norm_mismatch_error(engine: str, precision: str = "") -> PrivacyConfiguratio
 def _scaled_by_batch(together: Tensor, alone: Tensor, k: int) -> bool:
     """Every example's gradient k× its gradient alone (within 2 %): a summed loss."""
     return bool((((together / alone.clamp_min(1e-30)) - k).abs() <= 0.02 * k).all())
+
+
+def _about_k(ratios: Tensor, alone: Tensor, k: int) -> bool:
+    """Under the step's own randomness, a summed loss: every example's gradient alone is not nothing and its batch
+    gradient within a factor of 2 of k× it (an in-batch contrastive loss has no gradient alone: zoo28 c01)."""
+    return not bool(_vanished(alone, ratios * alone).any()) and bool(((ratios / k).log().abs() <= math.log(2)).all())
+
+
+def _vanished(alone: Tensor, together: Tensor) -> Tensor:
+    """The examples whose gradient alone vanishes (under 1e-6 of the largest in the batch) while the batch gives
+    them one: a loss an example gets only from the others (in-batch negatives)."""
+    top = float(together.max()) if together.numel() else 0.0
+    return (alone <= 1e-6 * top) & (together > 1e-6 * top)
 
 
 class StateWriteError(PrivacyConfigurationError):
@@ -676,13 +691,26 @@ def interaction_error(together: Tensor, alone: Tensor, k: int, name: Optional[st
     likeliest cause then, :func:`~.step_calls.sorted_batch_hint`; ``weighted_mean``: the step took a class-weighted
     mean loss, :func:`~.step_calls.weighted_mean_hint`; ``precision``: the forward computed in half precision under
     float32's tolerance, :meth:`ExampleIndependenceProbe.precision_hint`). The cause and its fix come first: a summed
-    loss (every gradient k× its gradient alone) is named as such, with nothing else."""
+    loss (every gradient k× its gradient alone) is named as such, with nothing else; so is a loss an example gets only
+    from the others (its gradient alone vanishes: in-batch negatives, :func:`_vanished`)."""
     if summed or _scaled_by_batch(together, alone, k):
         return PrivacyConfigurationError(
             "The loss is a SUM over the batch (e.g. reduction='sum'): return the MEAN over examples "
             "(reduction='mean'), or the vector of per-example losses from training_step (DPStrategy takes its mean). "
             f"The first step's probe found each example's gradient in a batch of {k} to be {k}× its gradient alone, "
             "so per-example clipping would not bound one example's influence by C. Nothing was released.")
+    vanished = int(_vanished(alone, together).sum())
+    if vanished:  # the cause is the loss itself: name it, and the fixes, first (zoo28 c01-c07)
+        return PrivacyConfigurationError(
+            f"Each example's loss depends on the other examples of the batch (in-batch negatives): the first step's "
+            f"probe found the gradient of {vanished} of {k} examples to vanish when computed alone and not in the "
+            "batch, as in a contrastive loss over the batch (SimCLR's NT-Xent, InfoNCE and CLIP, SupCon, MoCo with "
+            "in-batch keys, batch-hard triplet mining, prototypes from the batch) or a loss centred on a batch "
+            "statistic (h - h.mean(0)). Returning its mean or a vector of "
+            "per-example losses does not change that, and per-example clipping cannot bound one example's influence "
+            "on the others' terms by C. Nothing was released. Make each example's loss its own: negatives from a "
+            "public negative bank (a fixed buffer of embeddings of public data or of random directions, never "
+            "written from the batch), or a per-example objective (docs/models.md, \"Contrastive losses\").")
     hinted = sorted_batch or weighted_mean or bool(precision)
     cause = (f"{'Other possible' if hinted else 'Likely'} causes: "
              "a loss normalised by a batch-wide count (a token mean over all non-pad tokens of the batch, e.g. "

@@ -156,6 +156,38 @@ def test_a_summed_loss_is_still_caught_under_augmentation():
         _probe_model(Augmented().double(), reduction="sum")
 
 
+def _nt_xent(model: nn.Module, x: torch.Tensor, augment: bool) -> torch.Tensor:
+    """SimCLR's NT-Xent over two views of the batch (zoo28 c01/c02): per example, [B]; each row's negatives are the
+    other examples' views."""
+    views = [x + 0.3 * torch.randn_like(x) if augment else x * s for s in (1.0, -1.0)]
+    z = F.normalize(torch.cat([model(v) for v in views]), dim=1)
+    b = len(x)
+    sim = (z @ z.T / 0.5).masked_fill(torch.eye(2 * b, dtype=torch.bool), -1e9)
+    per_view = F.cross_entropy(sim, torch.cat([torch.arange(b, 2 * b), torch.arange(b)]), reduction="none")
+    return (per_view[:b] + per_view[b:]) / 2
+
+
+@pytest.mark.parametrize("augment", [True, False], ids=["augmented views", "fixed views"])
+def test_in_batch_negatives_are_named_as_such_not_as_a_sum(augment):
+    """An in-batch contrastive loss returning its mean (DPStrategy takes a per-example vector's mean: the same)
+    couples the examples: refused, and the refusal names the cause (alone, an example has no negatives and no
+    gradient) and the fixes, not a SUM (which the augmented views' randomness made it look like)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    engine = make_engine("ghost")
+    engine.attach(model)
+
+    def loss_of(idx):
+        return _nt_xent(model, X[idx], augment).mean()
+
+    with pytest.raises(PrivacyConfigurationError) as refused:
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                                 loss_of, probe_tolerance(torch.float64, False)).run(list(range(6)))
+    message = str(refused.value)
+    assert message.startswith("Each example's loss depends on the other examples of the batch (in-batch negatives)")
+    assert "public negative bank" in message and "per-example objective" in message and "SUM" not in message
+
+
 @pytest.mark.parametrize("error,cause", [
     (RuntimeError("Output 0 of BackwardHookFunction is a view and is being modified inplace. ..."), "modified in place"),
     (AssertionError("If you want to train `ReformerModel`, make sure to use `model.train()`"), "eval mode"),
