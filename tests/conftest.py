@@ -128,23 +128,24 @@ def _no_broadcast_site_mode_left_behind():
 
 
 @pytest.fixture
-def data_record():
-    """Opt in: the test's fits keep the record the data carry (accounting/data_ledgers.py): a fit on records an
-    earlier fit of the test trained on continues its releases (tests/test_strategy_data_ledger.py)."""
+def without_data_ledger(monkeypatch):
+    """Opt out of the record the data carry (accounting/data_ledgers.py), which every other test keeps, as users get
+    it: a fit on records an earlier fit of the test trained on starts its ledger without their releases. Only for a
+    test that must see a fit's own releases alone and cannot give its fits disjoint data (say why at its use)."""
+    from lightning_dp.accounting import data_ledgers
+
+    monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use: None)
     yield
 
 
 @pytest.fixture(autouse=True)
-def _data_record_per_test(request, monkeypatch):
-    """The record of the releases made on each dataset (accounting/data_ledgers.py) is off unless a test asks for it
-    (the ``data_record`` fixture), and cleared after each test: a test stands for a process of its own, and the
-    suite's many tests fit fresh modules several times on one dataset (the same seeded data) and count each fit's
-    own releases (``ledger.steps == 2``), which the data's record would compose."""
+def _data_record_per_test():
+    """The record of the releases made on each dataset (accounting/data_ledgers.py) is on in every test, as for users
+    (``without_data_ledger`` opts out), and cleared after each test: a test stands for a process of its own, and the
+    suite's tests fit the same seeded data, which the data's record would compose across tests."""
+    yield
     from lightning_dp.accounting import data_ledgers
 
-    if "data_record" not in request.fixturenames:
-        monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use: None)
-    yield
     data_ledgers._clear()
     from lightning_dp.record_checks.released_transforms import forget_transforms
 

@@ -22,6 +22,7 @@ from lightning_dp import (
     PrivacyConfigurationError,
     ledger_epsilon,
 )
+from lightning_dp.accounting import forget_data_releases
 from lightning_dp.privacy.noise import GaussianNoise
 
 
@@ -97,6 +98,8 @@ def test_adaptive_clipping_finds_the_median_from_ten_times_it_and_costs_at_least
         logged = [float(r["privacy/clip_norm"]) for r in csv.DictReader(f) if r.get("privacy/clip_norm")]
     assert len(logged) >= 10 and logged[0] > 5 * median and q25 <= logged[-1] <= q75
     assert float(model.trainer.callback_metrics["privacy/clip_norm"]) == strategy.max_grad_norm
+    with pytest.warns(UserWarning, match="forgotten"):  # the two runs' costs compared, each alone: not composed
+        forget_data_releases()
     flat = DPStrategy(noise_multiplier=1.0, max_grad_norm=median, sampler_seed=0)
     quiet_trainer(strategy=flat, max_steps=150).fit(TinyClassifier(lr=0.0), make_loader(n=400, batch_size=32))
     adaptive_eps = ledger_epsilon(strategy.ledger, 1e-5, "rdp")

@@ -13,7 +13,6 @@ import lightning_dp._strategy_glue as strategy_module
 from lightning_dp import DPStrategy, PrivacyBudget
 from lightning_dp.accounting import epsilon, ledger_epsilon
 
-pytestmark = pytest.mark.usefixtures("data_record")  # the record kept (tests/conftest.py leaves it out elsewhere)
 
 DELTA = 1e-5
 N, K, BATCH = 250, 5, 20  # folds of 200 records: q = 0.1, 10 steps per epoch
@@ -99,3 +98,42 @@ def test_a_target_counts_what_earlier_fits_on_the_records_spent():
     _fit(TinyClassifier(), DataLoader(Subset(ds, range(50, 250)), batch_size=BATCH), strategy)
     assert strategy.ledger.steps == 20
     assert 0.99 * 3.0 < ledger_epsilon(strategy.ledger, DELTA) <= 3.0  # σ fit for 10 new steps after 10 spent
+
+
+
+@pytest.mark.parametrize("module_record", [True, False], ids=["module-record", "data-record-alone"])
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_resuming_an_earlier_checkpoint_counts_the_releases_made_after_it(tmp_path, module_record, epochs):
+    """zoo28 l09: a fit of 5 steps checkpoints at step 3; a fit of a fresh module resumed from that checkpoint in the
+    same process continues the first fit's 5 releases, not the checkpoint's 3: steps 4-5 were released (their
+    weights, outputs, the module itself may be kept; nothing proves them discarded). Each ledger entry names its fit,
+    so the data's record (a union by run) extends the checkpoint's 3 to the first fit's 5, as the module's record
+    does. 8 steps an epoch: with max_epochs=1 (the red team's trainer) the resumed fit stops at step 8, 5 releases of
+    its own (10 in all, which is right); with room for max_steps=10, 7 (12 in all)."""
+    import os
+    from pathlib import Path
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_dp.accounting import module_ledgers
+
+    data, batch = _data(), 32  # 250 records: 8 batches an epoch
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    first = _fit(TinyClassifier(), DataLoader(data, batch_size=batch), max_steps=5, enable_checkpointing=True,
+                 callbacks=[checkpoints])
+    assert first.strategy.ledger.steps == 5
+    run = first.strategy.ledger.entries[0].run
+    if not module_record:  # the weights' record not found (as in a new process without the store's .ledger files)
+        module_ledgers._BY_CONTENT.clear()
+        module_ledgers._SKETCHES.clear()
+        for stored in Path(os.environ["LIGHTNING_DP_LEDGER_STORE"]).glob("*.ledger"):
+            stored.unlink()
+    copy = TensorDataset(*(t.clone() for t in data.tensors))  # the same records in new memory
+    resumed = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=10,
+                            max_epochs=epochs)
+    resumed.fit(TinyClassifier(), DataLoader(copy, batch_size=batch), ckpt_path=str(tmp_path / "step=3.ckpt"))
+    own = 5 if epochs == 1 else 7
+    assert resumed.global_step == 3 + own
+    ledger = resumed.strategy.ledger
+    assert ledger.steps == 5 + own  # every release made on the records: the first fit's 5, then this fit's own
+    assert sum(e.steps for e in ledger.entries if e.run == run) == 5

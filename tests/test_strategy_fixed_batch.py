@@ -45,7 +45,9 @@ def test_fixed_shapes_give_the_poisson_updates(fixed):
     poisson, reference, shaped = _train(None)
     padded, strategy, model = _train(fixed)
     torch.testing.assert_close(padded, poisson, rtol=1e-5, atol=1e-6)
-    assert strategy.ledger.steps == reference.ledger.steps == 6
+    # 6 steps each: the padded fit continues the Poisson fit's 6 on the same records (the data's record composes
+    # them, accounting/data_ledgers.py), then its own 6, accounted as the Poisson ones
+    assert reference.ledger.steps == 6 and strategy.ledger.steps == 12
     assert strategy.sample_rate == reference.sample_rate  # the same Poisson sampling is accounted
     assert set(model.rows) == {fixed}  # every physical batch had exactly F rows (the checks' passes leave no trace)
     assert len(set(shaped.rows)) > 1  # (the Poisson batches themselves vary)

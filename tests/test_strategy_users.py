@@ -162,12 +162,26 @@ def test_a_modules_ledger_is_not_continued_in_another_unit():
     users = DPStrategy(noise_multiplier=1.0, privacy_unit=Users(ids, users_per_batch=2))
     with pytest.raises(PrivacyConfigurationError, match="accounted per example; a run per user cannot continue it"):
         quiet_trainer(strategy=users, max_steps=1).fit(model, DataLoader(dataset, batch_size=4))
-    other = TinyClassifier()
+    other, (dataset, ids) = TinyClassifier(), _data(seed=1)  # other records: the module's ledger alone, not the data's
     quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, privacy_unit=Users(ids, users_per_batch=2)),
                   max_steps=1).fit(other, DataLoader(dataset, batch_size=4))
     with pytest.raises(PrivacyConfigurationError, match="accounted per user; a run per example cannot continue it"):
         quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(other,
                                                                                  DataLoader(dataset, batch_size=4))
+
+
+def test_the_datas_record_is_continued_in_its_own_unit_only():
+    """A fresh module on records earlier fits trained on continues their releases (accounting/data_ledgers.py): per
+    user after per user (the fresh ledger takes the unit it continues), refused per user after per example."""
+    dataset, ids = _data()
+    _, _, first = _step(dataset, ids)
+    _, _, second = _step(dataset, ids, seed=1)
+    assert second.ledger.unit == "user" and second.ledger.steps == first.ledger.steps + 1 == 2
+    dataset, ids = _data(seed=2)
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(TinyClassifier(),
+                                                                             DataLoader(dataset, batch_size=4))
+    with pytest.raises(PrivacyConfigurationError, match="earlier fits in this process made on the same records"):
+        _step(dataset, ids)
 
 
 def test_a_plain_pytorch_loop_trains_per_user():

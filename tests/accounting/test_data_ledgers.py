@@ -14,7 +14,6 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.record_checks.stored_sources import identifying_rows
 
 
-pytestmark = pytest.mark.usefixtures("data_record")
 
 
 def _ledger(run: str, steps: int, sigma: float = 1.0, q: float = 0.1) -> PrivacyLedger:

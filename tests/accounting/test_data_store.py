@@ -19,7 +19,6 @@ from lightning_dp.accounting import data_ledgers, data_store, forget_data_releas
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 
-pytestmark = pytest.mark.usefixtures("data_record")
 ROOT = Path(__file__).resolve().parents[2]
 
 FOLD = '''

@@ -87,6 +87,7 @@ def test_weights_derived_from_the_trained_ones_continue_the_record(derive):
     assert fit(_fresh(derived), steps=2).ledger.steps == 6
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_soup_of_two_private_fits_composes_both_records():
     """Two fits with equal σ, q and steps: two runs, both counted (equal entries are not one history)."""
     from lightning_dp.privacy.noise import GaussianNoise
@@ -122,12 +123,14 @@ def _public(rule: int = 0, maximize: bool = False) -> Classifier:
 
 @pytest.mark.parametrize("fresh", [Classifier, _other_seed, lambda: _public(maximize=True), lambda: _public(rule=2)],
                          ids=["seeded alike", "seeded otherwise", "public, the other way", "public, another task"])
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_fresh_or_unrelated_module_starts_its_own_record(fresh):
     keeper = Averaging(0.9)
     assert fit(Classifier(), steps=6, callbacks=[keeper]).ledger.steps == 6
     assert fit(fresh(), steps=2).ledger.steps == 2
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_unrelated_fits_in_one_process_each_start_afresh():
     for build in (Classifier, _other_seed, Classifier, _other_seed):
         assert fit(build(), steps=3).ledger.steps == 3

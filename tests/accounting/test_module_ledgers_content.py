@@ -95,6 +95,7 @@ def test_a_frozen_copy_of_trained_weights_continues_the_record(trained, recreate
     assert again.ledger.steps == 5
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_frozen_public_part_does_not_carry_a_record_it_never_trained():
     """A part frozen in a private fit (public weights: the fresh module's) and frozen again in the next one carries
     no record: only weights a fit trained are recorded."""
@@ -106,6 +107,7 @@ def test_a_frozen_public_part_does_not_carry_a_record_it_never_trained():
     assert fit(probe, steps=2).ledger.steps == 2
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_fresh_module_starts_its_own_record(trained):
     """The same initial weights as the trained module had (Classifier seeds its initialisation): only weights the
     releases changed carry the record."""
@@ -131,6 +133,7 @@ class Normed(Classifier):
         return torch.optim.SGD(self.parameters(), lr=1e-6)
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_fresh_module_is_not_taken_for_a_rounding_of_barely_trained_weights():
     """The norm's weight moved by ~1e-6 is still all ones in bfloat16: that rounding is a fresh module's too."""
     assert fit(Normed(), steps=3).ledger.steps == 3
@@ -145,6 +148,7 @@ def test_a_float64_copy_continues_the_record(trained):
     assert dp.ledger.steps == 5
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_weights_moved_their_own_way_start_their_own_record(trained):
     """Weights as far from the trained ones as the start, moved in a direction of their own, are neither near the
     trained weights (module_ledgers.near) nor on the fit's path (accounting/lineage.py: halfway between the start and
@@ -173,6 +177,7 @@ def test_a_checkpoint_written_mid_fit_continues_every_release_of_that_fit(tmp_pa
     assert fit(fresh, steps=4).ledger.steps == 12
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # the weights' record alone: every fit reads the same 64 records
 def test_a_layer_unfrozen_and_never_trained_leaves_no_record():
     """A fit stopped right after unfreezing a layer (before its first release) leaves that layer's weights — a fresh
     module's — without the record (it would hand every later fresh module the fit's releases)."""
