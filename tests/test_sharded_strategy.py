@@ -123,6 +123,7 @@ MODELS = {  # name: (model, settings of both strategies)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.usefixtures("without_data_ledger")  # each run alone: the two runs read the same records
 def test_zero_noise_sharded_step_equals_the_replicated_step(tmp_path, name, monkeypatch):
     """Float64, zero noise, the same Poisson batches (same sampler seed per rank, q < 1, clipping active):
     every step's update of every parameter equals DPStrategy's (rel. error ≤ 1e-6), the gradients the
@@ -142,6 +143,7 @@ def test_zero_noise_sharded_step_equals_the_replicated_step(tmp_path, name, monk
     assert all(r["leaf_grads"] == [[]] * steps for r in sharded), "an unsharded leaf kept an autograd gradient"
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # each run alone: the two runs read the same records
 def test_empty_local_batches_match_the_replicated_run(tmp_path):
     """One expected example per rank: a rank's Poisson batch is often empty while its peer's is not (it runs a
     stand-in example whose gradient is discarded, so FSDP2's collectives line up), sometimes both are; the
@@ -153,6 +155,7 @@ def test_empty_local_batches_match_the_replicated_run(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["independent_moments", "scale_then_privatize"])
+@pytest.mark.usefixtures("without_data_ledger")  # each run alone: the two runs read the same records
 def test_adam_variants_and_the_monitor_see_the_replicated_run(tmp_path, variant):
     """DP-Adam variants that ask the mechanism for more (a second noised statistic; a per-coordinate scale
     gathered to full size before clipping) update the sharded state exactly as under DPStrategy, and
@@ -249,6 +252,7 @@ def test_checkpoint_resume_continues_the_ledger(tmp_path):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from lightning_dp import ledger_epsilon
+    from lightning_dp.accounting import forget_data_releases
 
     data = token_data(60, 17, 5)
     ckpt_dir = tmp_path / "ckpt"
@@ -262,6 +266,8 @@ def test_checkpoint_resume_continues_the_ledger(tmp_path):
     records = load_records(tmp_path / "second", WORLD)
     assert records[0]["ledger_steps"] == 5 and records[0]["global_step"] == 5
     assert resumed.ledger.steps == 5  # back in the main process
+    with pytest.warns(UserWarning, match="forgotten"):  # the straight run's ε alone, not composed with the two above
+        forget_data_releases()
     straight = _sharded(noise_multiplier=1.1, max_grad_norm=1.0)
     _fit(straight, ShardedTransformer(), data, None, 6, max_steps=5)
     assert ledger_epsilon(resumed.ledger, 1e-5) == ledger_epsilon(straight.ledger, 1e-5)
