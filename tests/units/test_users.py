@@ -41,7 +41,7 @@ def test_distinct_ids_are_not_warned():
     assert not [w for w in seen if "letter case" in str(w.message)]
 
 
-def test_a_sweep_of_user_level_fits_of_fresh_modules_composes_per_user(data_record):
+def test_a_sweep_of_user_level_fits_of_fresh_modules_composes_per_user():
     dataset, ids = _data()
     first = _strategy(ids)
     quiet_trainer(strategy=first, max_steps=3).fit(TinyClassifier(), DataLoader(dataset, batch_size=8))
@@ -51,7 +51,7 @@ def test_a_sweep_of_user_level_fits_of_fresh_modules_composes_per_user(data_reco
     assert ledger_epsilon(second.ledger, 1e-5) > ledger_epsilon(first.ledger, 1e-5)
 
 
-def test_an_example_level_fit_on_records_released_per_user_is_refused(data_record):
+def test_an_example_level_fit_on_records_released_per_user_is_refused():
     dataset, ids = _data()
     quiet_trainer(strategy=_strategy(ids), max_steps=2).fit(TinyClassifier(), DataLoader(dataset, batch_size=8))
     with pytest.raises(PrivacyConfigurationError, match="accounted per user; a run per example cannot continue it"):
