@@ -28,10 +28,8 @@ or pruned past :data:`KEPT` fits, another machine's store.
 from __future__ import annotations
 
 import ast
-import io
 import os
 import time
-import uuid
 from typing import Any, Optional
 
 import numpy as np
@@ -91,23 +89,8 @@ def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger) -> 
              "limit": -1 if limit is None else limit,
              "digests": [[repr(kind), torch.from_numpy(np.ascontiguousarray(sampled(d, limit)).view(np.int64))]
                          for kind, d in digests.items()]}
-    tmp = where / f".tmp-{uuid.uuid4().hex}"
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        with open(tmp, "wb") as out:
-            out.write(buffer.getvalue())
-        os.replace(tmp, where / f"{key}{SUFFIX}")
-        ledger_store._prune(where, SUFFIX, KEPT)
-    except (OSError, RuntimeError) as error:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        ledger_store._warn_once(("write", str(where)), f"The ledger store {where} cannot be written "
-                                f"({type(error).__name__}): the releases made on this fit's records are not found by "
-                                f"a fit in a new process. Set {ledger_store.ENV} to a writable directory (or 'off').")
+    ledger_store.save_file(where, f"{key}{SUFFIX}", state, SUFFIX, KEPT,
+                           "the releases made on this fit's records are not found by a fit in a new process")
 
 
 _CACHE: dict[str, Any] = {"where": None, "loaded": {}}

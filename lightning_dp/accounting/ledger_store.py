@@ -136,6 +136,13 @@ def write(entry: Entry, ledger: PrivacyLedger) -> None:
         "sketches": [[list(shape), start, end, torch.stack(path)] for shape, kept in entry.sketches.items()
                      for start, end, path in kept],
     }
+    save_file(where, f"{entry.key}{SUFFIX}", state, SUFFIX, None,
+              "weights trained here are not found by their record in a new process")
+
+
+def save_file(where: Path, name: str, state: dict, suffix: str, kept: Optional[int], lost: str) -> None:
+    """Write ``state`` as the store's file ``name``, atomically (a temporary file, then ``os.replace``), then keep the
+    newest ``kept`` files of ``suffix`` (:func:`_prune`). A failed write warns once, saying what is ``lost``."""
     tmp = where / f".tmp-{uuid.uuid4().hex}"
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -143,16 +150,15 @@ def write(entry: Entry, ledger: PrivacyLedger) -> None:
         torch.save(state, buffer)
         with open(tmp, "wb") as out:
             out.write(buffer.getvalue())
-        os.replace(tmp, where / f"{entry.key}{SUFFIX}")
-        _prune(where)
+        os.replace(tmp, where / name)
+        _prune(where, suffix, kept)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
         _warn_once(("write", str(where)), f"The ledger store {where} cannot be written ({type(error).__name__}): "
-                   f"weights trained here are not found by their record in a new process. Set {ENV} to a writable "
-                   "directory (or to 'off').")
+                   f"{lost}. Set {ENV} to a writable directory (or to 'off').")
 
 
 def _prune(where: Path, suffix: str = SUFFIX, kept: Optional[int] = None) -> None:
