@@ -35,19 +35,49 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
     ``"optimizer param_groups[0].lr"``), its ``defaults`` (``"optimizer defaults.lr"``) and its state
     (``"optimizer state[0][1].exp_avg"``: group, parameter, key; a tensor by identity, shape and version counter, so an
     in-place write shows)."""
-    out = settings(optimizer)
-    # by identity: what `state.get(p)` finds (a tensor hashes by its id), without a Python __hash__ call per parameter
-    state = {id(p): values for p, values in optimizer.state.items()}
-    for i, group in enumerate(optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            values = state.get(id(p))
-            if values:
-                prefix = f"optimizer state[{i}][{j}]."
-                for key, value in values.items():
-                    out[f"{prefix}{key}"] = ((Same(value), value._version, tuple(value.shape))
-                                             if isinstance(value, Tensor) else freeze(value))
-    out.update(extra_state(optimizer))  # keys that are not its parameters: a loss kept for a loss-aware step size
-    return out
+    return OptimizerState(optimizer).entries()
+
+
+class OptimizerState:
+    """:func:`hyperparameters` as taken now, its state entries held as rows (group, parameter, key, then the tensor's
+    id, version and shape, or the value's token) that compare as a whole without naming them: a release's check
+    (:meth:`changed`) names its entries only when the rows differ. The rows hold their tensors, so no id is reused."""
+
+    __slots__ = ("settings", "rows", "tensors", "extra")
+
+    def __init__(self, optimizer: Any) -> None:
+        self.settings, self.extra = settings(optimizer), extra_state(optimizer)
+        # by identity: what `state.get(p)` finds (a tensor hashes by its id), without a Python __hash__ call a parameter
+        state = {id(p): values for p, values in optimizer.state.items()}
+        self.rows: list[tuple] = []
+        self.tensors: list[Tensor] = []
+        for i, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                values = state.get(id(p))
+                if values:
+                    for key, value in values.items():
+                        if isinstance(value, Tensor):
+                            self.tensors.append(value)
+                            self.rows.append((i, j, key, id(value), value._version, value.shape))
+                        else:
+                            self.rows.append((i, j, key, None, freeze(value), None))
+
+    def entries(self) -> Fingerprint:
+        """The fingerprint entries (:func:`hyperparameters`)."""
+        out = dict(self.settings)
+        tensors = iter(self.tensors)
+        for i, j, key, tensor_id, token, shape in self.rows:  # a tensor's token: its version
+            out[f"optimizer state[{i}][{j}].{key}"] = (token if tensor_id is None
+                                                       else (Same(next(tensors)), token, tuple(shape)))
+        out.update(self.extra)  # keys that are not its parameters: a loss kept for a loss-aware step size
+        return out
+
+    def changed(self, after: "OptimizerState") -> list[str]:
+        """The entries that differ from ``after``'s (:func:`changed_entries` of their :meth:`entries`)."""
+        if self.rows == after.rows and not changed_entries(self.settings, after.settings) \
+                and not changed_entries(self.extra, after.extra):
+            return []
+        return changed_entries(self.entries(), after.entries())
 
 
 def settings(optimizer: Any) -> Fingerprint:

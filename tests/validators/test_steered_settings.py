@@ -47,3 +47,40 @@ def test_an_optimizer_state_tensor_at_a_freed_ones_address_is_a_change():
     made = [torch.zeros(64) for _ in range(500)]  # CPython hands a freed object's memory to the next one of its size
     opt.state[p]["kept"] = next((t for t in made if id(t) == freed), made[0])
     assert "optimizer state[0][0].kept" in changed_entries(before, hyperparameters(opt))
+
+
+def test_the_optimizer_state_compared_as_rows_names_what_the_entries_name():
+    """A release compares the optimizer as :class:`OptimizerState` rows, naming entries only when the rows differ: it
+    finds what :func:`hyperparameters` compared entry by entry finds (an in-place write to a moment, a moment rebound
+    at a freed one's address, a new state key, a non-tensor state value, a learning rate, a group added, a parameter
+    left out), and nothing when nothing changed."""
+    from lightning_dp.fingerprints.fingerprint_entries import changed_entries
+    from lightning_dp.validators.steered_settings import OptimizerState, hyperparameters
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model[:2].parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    w = model[0].weight
+
+    def rebind() -> None:
+        freed = id(opt.state[w]["exp_avg"])
+        opt.state[w]["exp_avg"] = None
+        made = [torch.zeros(8, 4) for _ in range(500)]
+        opt.state[w]["exp_avg"] = next((t for t in made if id(t) == freed), made[0])
+
+    def add_group() -> None:
+        opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})
+
+    writes = {"none": lambda: None, "in place": lambda: opt.state[w]["exp_avg"].add_(1.0), "rebound": rebind,
+              "new key": lambda: opt.state[w].__setitem__("kept", torch.ones(2)),
+              "value": lambda: opt.state[w].__setitem__("scale", 2.0), "lr": lambda: opt.param_groups[0].update(lr=1),
+              "group": add_group, "left out": lambda: opt.param_groups[0]["params"].pop(1)}
+    for name, write in writes.items():
+        opt.state[w]["scale"] = 1.0
+        before, rows = hyperparameters(opt), OptimizerState(opt)
+        write()
+        expected = changed_entries(before, hyperparameters(opt))
+        assert rows.changed(OptimizerState(opt)) == expected, name
+        assert bool(expected) == (name != "none"), name
+        assert rows.entries() == before, name

@@ -47,7 +47,7 @@ from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, accepted
 from lightning_dp.fingerprints.replaced_objects import replaced_entries
 from lightning_dp.validators.kept_state import (StateFingerprint, StateWrittenError, attribute_keys, raw_gradient_error,
                                                 state_written_error)
-from lightning_dp.validators.steered_settings import hyperparameters, hyperparameters_error
+from lightning_dp.validators.steered_settings import OptimizerState, hyperparameters, hyperparameters_error
 
 __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
            "hyperparameters", "hyperparameters_error", "parameter_signature", "state_written_error",
@@ -88,7 +88,7 @@ class ReleaseBoundary:
         self.fed_back: Callable[[], Sequence[Finding]] = tuple
         """Schedulers and callbacks monitoring a value logged from the training data (rule 6; set by the glue)."""
         self._module: Optional[nn.Module] = None
-        self._hyper: Optional[tuple[Any, Fingerprint]] = None  # (the optimizer, its hyper-parameters) at step begin
+        self._hyper: Optional[tuple[Any, OptimizerState]] = None  # (the optimizer, its hyper-parameters) at step begin
         self._fingerprint: Optional[StateFingerprint] = None
         self._baseline: Optional[Fingerprint] = None
         self._allowed: HookKeys = {}
@@ -221,7 +221,7 @@ class ReleaseBoundary:
     def step_begins(self) -> None:
         """A step's first batch begins: what its release compares the optimizer with (:meth:`check_hyperparameters`)."""
         if self._hyper is None and self._watched is not None:
-            self._hyper = (self._watched, hyperparameters(self._watched))
+            self._hyper = (self._watched, OptimizerState(self._watched))
 
     def check_hyperparameters(self, optimizer: Optional[Optimizer],
                               where: str = "within the step (in training_step, the forward or the backward)") -> None:
@@ -229,7 +229,7 @@ class ReleaseBoundary:
         taken, self._hyper = self._hyper, None
         if taken is None or optimizer is None or taken[0] is not optimizer:
             return
-        changed = StateFingerprint.changed(taken[1], hyperparameters(optimizer))
+        changed = taken[1].changed(OptimizerState(optimizer))
         if changed:
             raise hyperparameters_error(changed, where)
 
