@@ -833,29 +833,29 @@ class PrivateStep(StepChecks):
             self._pending = None
             raise PrivacyConfigurationError(
                 f"step {index}: {refused}: not released. Stop when refusal() gives a reason (DPStrategy does).")
-        self.loop.check_release(empty)  # a batch the loader drew, released once
+        self.loop.check_release(empty, params := self.params())  # a batch the loader drew, released once
         self._open_batch = False
         try:
-            return self._release(index, optimizer, empty)
+            return self._release(index, optimizer, empty, params)
         except BaseException:
             self.discard_noise()  # a release that raised leaves no draw for the next one
             raise
 
-    def _release(self, index: int, optimizer: Optional[Optimizer], empty: bool) -> Release:
+    def _release(self, index: int, optimizer: Optional[Optimizer], empty: bool, params: list[nn.Parameter]) -> Release:
         """:meth:`release` once it may release step ``index``: the boundary's checks, the clipped sums, the noise,
         the ledger."""
         assert self._module is not None and self._privatizer is not None and self.plan is not None
         assert self.noise_multiplier is not None
         target = optimizer if optimizer is not None else self._optimizer
         mark_private(target)  # its steps are releases (records/outside_steps.py), as attach()'s optimizer's are
-        params = self.params()
+        named = self.boundary.trainable()  # listed once a release, as the parameters (release())
         batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
-        self.on_every_rank(lambda: (self.boundary.check_release(target, self.boundary.trainable()),
+        self.on_every_rank(lambda: (self.boundary.check_release(target, named),
                                     check_finite_release(batch, params, self.engine_name)), "refused its release")
         if empty:
             batch = _zero_clipped_batch(batch)
         elif self.loop.plain:
-            check_bound_loss(self, batch.norms)  # the loop's loss is the one verified
+            check_bound_loss(self, batch.norms, params)  # the loop's loss is the one verified
         request, expected = self._request, self.plan.expected_batch_size
         if request.second_moment and self.bands > 1:
             raise PrivacyConfigurationError("independent_moments draws noise twice per step; banded noise streams one "
@@ -864,7 +864,7 @@ class PrivateStep(StepChecks):
             self.diagnostics = self._diagnose(batch, params)
         sigma = self.clipping.gradient_noise_multiplier(self.noise_multiplier, expected)
         release = self._privatizer.privatize(batch, params, request, sigma, self.max_grad_norm, expected)
-        self.boundary.released(params)  # the optimizer must step with exactly this (boundary rule 2)
+        self.boundary.released(params, named)  # the optimizer must step with exactly this (boundary rule 2)
         where = self.distribution
         self.clipping.after_release(batch.norms, expected, self.noise_multiplier, where.all_reduce, where.rank,
                                     where.world_size)

@@ -328,9 +328,9 @@ class PlainLoop:
                 "the drawn batch's (records counted twice, or records not drawn). A stand-in is only run to join a "
                 "collective and is dropped: step.discard(). Nothing was released.")
 
-    def check_release(self, empty: bool) -> None:
+    def check_release(self, empty: bool, params: Optional[Sequence[Tensor]] = None) -> None:
         """Before a release: a drawn batch is open, not released, a stand-in is released empty, and (plain loops) its
-        physical batches covered it."""
+        physical batches covered it. ``params``: the step's trainable parameters, if listed already."""
         _watch_backward(False)
         if self.indices is None or self.released:
             raise not_drawn_error("release() without a Poisson batch drawn for it (no step.begin(), or a second "
@@ -340,7 +340,7 @@ class PlainLoop:
                                             "gradient: release(empty=True) discards it. Nothing was released.")
         self.check_mechanism_kept()
         if self.plain and not empty:
-            self._check_outside_leaves()
+            self._check_outside_leaves(params)
         if self.plain and not empty and len(self.begun) != len(self.indices):
             raise PrivacyConfigurationError(
                 f"the physical batches begun hold {len(self.begun)} of the {len(self.indices)} records drawn for this "
@@ -432,12 +432,12 @@ class PlainLoop:
                 self._leaves[id(leaf)] = weakref.ref(leaf)
             stack.extend(child for child, _ in node.next_functions)
 
-    def _check_outside_leaves(self) -> None:
+    def _check_outside_leaves(self, params: Optional[Sequence[Tensor]] = None) -> None:
         """A tensor outside the released parameters that this step's backward and an earlier step's both wrote
         ``.grad`` of is kept state trained on the raw, un-clipped batch gradient (a temperature, loss weights of the
         loop's own with their own optimizer): refused before the release. An input made to require grad (FGSM,
         saliency) is a new tensor each step and trains."""
-        model = {id(p) for p in self.params()}
+        model = {id(p) for p in (self.params() if params is None else params)}
         outside = {k: r for k, r in self._leaves.items() if k not in model and r() is not None}
         kept = [r() for k, r in outside.items() if k in self._trained and self._trained[k]() is r()]
         self._trained = {k: r for k, r in {**self._trained, **outside}.items() if r() is not None}
@@ -534,16 +534,16 @@ def _scaled_copy(real: Tensor, again: Tensor, rtol: float) -> bool:
     return abs(k - 1) > 10 * rtol and float((real - k * again).abs().max()) <= rtol * float(real.abs().max())
 
 
-def check_bound_loss(step: Any, norms: Tensor) -> None:
+def check_bound_loss(step: Any, norms: Tensor, params: Optional[Sequence[Tensor]] = None) -> None:
     """The verified loss of ``step`` (a :class:`~lightning_dp.privacy.private_step.PrivateStep`) on the loop's own
     batch must give the released pass's per-example norms (module docstring). Everything the pass writes is restored;
-    the generators continue as if it had not run."""
+    the generators continue as if it had not run. ``params``: the step's trainable parameters, if listed already."""
     loop = step.loop
     engine, module = step._engine, step._module
     if not loop.due or loop.loss_of is None or loop.batch is None or engine is None or module is None:
         return
     start = time.perf_counter()
-    params = step.params()
+    params = step.params() if params is None else params
     grads = [p.grad for p in params]
     rows = len(loop.indices or ()) + loop.padding
     snapshot = StateSnapshot(module, [], step.boundary.engine_keys, step.boundary.global_modules())

@@ -248,9 +248,9 @@ class ReleaseBoundary:
                         "forward or backward, or "
                         "a hook or callback around them: on_train_batch_start/end, epoch hooks)")
 
-    def released(self, params: Sequence[Tensor]) -> None:
-        """The release wrote ĝ_t into these ``.grad``: what the optimizer must step with (rule 2)."""
-        names = {id(p): name for name, p in self.trainable()}
+    def released(self, params: Sequence[Tensor], named: Optional[Sequence[tuple[str, Tensor]]] = None) -> None:
+        """The release wrote ĝ_t into these ``.grad``: what the optimizer steps with (rule 2; ``named``: trainable)."""
+        names = {id(p): name for name, p in (self.trainable() if named is None else named)}
         self._released = [(names.get(id(p), "?"), p, p.grad, mark_released(p.grad)) for p in params]  # ĝ held
 
     def check_gradients(self) -> None:
