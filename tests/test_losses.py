@@ -64,6 +64,7 @@ def _segmentation_data() -> DataLoader:
     return DataLoader(TensorDataset(image, mask), batch_size=16)
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # a trained and a refused twin on the same records: the refused one's own ledger (none)
 def test_a_segmentation_model_trains_on_per_image_means_and_the_batch_mean_is_refused_naming_them():
     dp = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
     quiet_trainer(strategy=dp, max_steps=3).fit(Segmenter(per_image=True), _segmentation_data())

@@ -153,7 +153,8 @@ def dataset_rows(dataset: Any) -> dict[tuple, np.ndarray]:
         return {}
     out: dict[tuple, np.ndarray] = {}
     for _, value in stored_items(dataset):
-        if not isinstance(value, (Tensor, np.ndarray)) or not n or len(value) != n or _integer_column(value):
+        if not isinstance(value, (Tensor, np.ndarray)) or not n or value.ndim == 0 or len(value) != n \
+                or _integer_column(value):
             continue
         try:
             found = value_rows(value)

@@ -153,6 +153,7 @@ def test_scaled_features_beside_constant_columns_are_refused(scale, what):
             Classifier(), DataLoader(TensorDataset(_with_blank_columns(scale), Y), batch_size=16))
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # safe twins fitted one after another on the same records
 def test_binary_features_and_a_known_range_divided_out_train():
     one_hot = (torch.rand(len(X), 16, generator=torch.Generator().manual_seed(1)) > 0.5).float()  # 0/1: two values
     known = (X.clamp(-3, 3) + 3) / 6  # a public range: not every column reaches both ends

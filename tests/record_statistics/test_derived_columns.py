@@ -101,6 +101,7 @@ def test_columns_of_a_datasets_numpy_arrays_are_read():
     assert any(f.startswith("dataset _Table.w is the balanced class weight") for f in found), found
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # safe twins fitted one after another on the same records
 def test_public_weights_category_ids_and_rounded_features_train():
     g = torch.Generator().manual_seed(1)
     x, y, cat = _target_encoded()

@@ -230,6 +230,7 @@ class CentresAfterValidation(Classifier):
         return torch.nn.functional.cross_entropy(self(x), y)
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins on the same records: each fit's own releases counted
 def test_an_interaction_switched_on_at_an_epoch_or_after_a_validation_is_refused_at_the_first_step_it_runs():
     """An epoch's first step and the first step after a validation are always checked (``"sampled"``), with a budget
     too small for a random check to land there."""

@@ -208,6 +208,7 @@ class CompiledNet(Classifier):
         self.net = torch.compile(self.net, backend="eager")
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_compiled_models_train():
     """torch.compile marks the parameters it saw (``_dynamo_static_input_type``): torch's own, not kept state; a
     compiled LightningModule (as Lightning's docs show) runs its backward graph again in the checks, which buffer

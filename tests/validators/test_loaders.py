@@ -209,6 +209,7 @@ class _Curriculum(pl.LightningDataModule):
         return DataLoader(Subset(self.train_set, order[: int(self.keep * len(order))]), batch_size=16)
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_population_chosen_again_each_epoch_is_refused_and_a_new_order_of_it_trains():
     trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, sampler_seed=0), max_steps=12,
                             reload_dataloaders_every_n_epochs=1)

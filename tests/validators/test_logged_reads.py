@@ -211,6 +211,7 @@ def test_state_kept_during_validation_after_reading_a_training_value_is_refused(
     assert model.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_held_out_results_kept_after_reading_a_training_value_are_refused_unless_declared_public():
     model = ReportsAtValidation()
     with pytest.raises(PrivacyConfigurationError, match="attribute held_out"):
@@ -296,6 +297,7 @@ class LogsItsAccuracy(Classifier):
         return torch.nn.functional.cross_entropy(logits, batch[1])
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
     model = WeightsByItsRunningLoss()
     with pytest.raises(PrivacyConfigurationError, match=r"'running\.compute\(\)' were read back in training_step"):
@@ -333,6 +335,7 @@ class LogsItsRunningLoss(Classifier):
         self.running.update(outputs["loss"])
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_metric_computed_by_the_user_in_the_step_may_be_logged_not_used():
     logged = LogsItsRunningLoss()
     assert fit(logged, steps=6).ledger.steps == 6
@@ -509,6 +512,7 @@ class _PrintsTheBar(pl.Callback):
         print("bar", trainer.progress_bar_callback.get_metrics(trainer, module).get("train_loss_step"))
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_logged_value_read_through_a_librarys_accessor_inside_the_step_is_refused(capsys):
     for model in (ReadsTheProgressBar(), ReadsTheConnector()):
         with pytest.raises(PrivacyConfigurationError, match=r"(?s)'train_loss_step' were read back in training_step"):

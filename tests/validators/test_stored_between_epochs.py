@@ -95,6 +95,7 @@ def test_records_mixed_after_a_warm_up_are_refused_before_the_epoch_s_release(re
     assert dp.ledger.steps == 4  # the first epoch's releases; none with the mixed records
 
 
+@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_augmentation_at_each_fetch_and_a_decode_buffer_train():
     assert _fit(Jittered(*_data()), []).ledger.steps == 10
     assert _fit(Decoded(), []).ledger.steps == 10
