@@ -116,11 +116,7 @@ def read() -> list[Record]:
 def _load(where: Any, name: str) -> Optional[tuple[float, Record]]:
     path = where / name
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("version") != _VERSION:
-            raise ValueError("not a data record of this version")
-        ledger = PrivacyLedger()
-        ledger.load_state_dict(state["ledger"])
+        state, ledger = ledger_store.load_versioned(path, _VERSION, "a data record")
         digests = {}
         for kind, values in state["digests"]:
             if not isinstance(values, torch.Tensor) or values.dtype != torch.int64 or values.ndim != 1:

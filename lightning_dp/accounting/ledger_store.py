@@ -213,14 +213,21 @@ def read() -> Stored:
     return stored
 
 
+def load_versioned(path: Path, version: int, what: str) -> tuple[dict, PrivacyLedger]:
+    """The store's file ``path`` loaded (tensors only) with its ledger; raises ``ValueError`` unless it is ``what``
+    (a dict) of ``version``. The one reading of this module's entries and of accounting/data_store.py's records."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("version") != version:
+        raise ValueError(f"not {what} of this version")
+    ledger = PrivacyLedger()
+    ledger.load_state_dict(state["ledger"])
+    return state, ledger
+
+
 def _load(path: Path) -> Optional[tuple[float, PrivacyLedger, list[bytes], list[tuple[Any, ...]]]]:
     """One file of the store parsed, ``None`` (with a warning) when it cannot be read or is not an entry."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("version") != _VERSION:
-            raise ValueError("not a ledger store entry of this version")
-        ledger = PrivacyLedger()
-        ledger.load_state_dict(state["ledger"])
+        state, ledger = load_versioned(path, _VERSION, "a ledger store entry")
         digests = [bytes.fromhex(d) for d in state["digests"]]
         sketches = []
         for shape, start, end, path_states in state["sketches"]:
