@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dp.record_checks.stored_records import row_digests, stored_items
-from lightning_dp.record_checks.stored_sources import DISTINCT, _integer_column
+from lightning_dp.record_checks.stored_records import row_digests
+from lightning_dp.record_checks.stored_sources import identifying_items
 
 SORTED_DISTINCT = 0.99
 """The share of distinct sorted-row digests an item's rows must reach for its column-order-free digest to be used."""
@@ -147,22 +147,19 @@ def dataset_rows(dataset: Any) -> dict[tuple, np.ndarray]:
     least :data:`~lightning_dp.record_checks.stored_sources.DISTINCT` distinct rows): ``("values", row shape)`` →
     each row's root value digest and ``("sorted", row shape)`` → its root sorted digest (0: none), by
     :func:`value_rows`; empty when no item identifies the records."""
-    try:
-        n = len(dataset)
-    except TypeError:
-        return {}
     out: dict[tuple, np.ndarray] = {}
-    for _, value in stored_items(dataset):
-        if not isinstance(value, (Tensor, np.ndarray)) or not n or value.ndim == 0 or len(value) != n \
-                or _integer_column(value):
-            continue
-        try:
-            found = value_rows(value)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a tensor without data (meta), ...
-            continue
-        if found is None or len(np.unique(found[0])) < DISTINCT * n:
-            continue
+    for value, (values, ordered) in identifying_items(dataset, _lineage_rows):
         width = tuple(value.shape[1:])
-        out.setdefault(("values", width), found[0])
-        out.setdefault(("sorted", width), found[1])
+        out.setdefault(("values", width), values)
+        out.setdefault(("sorted", width), ordered)
     return out
+
+
+def _lineage_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """:func:`value_rows` of a stored item, ``None`` where it is not numbers or cannot be read."""
+    if not isinstance(value, (Tensor, np.ndarray)):
+        return None
+    try:
+        return value_rows(value)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a tensor without data (meta), ...
+        return None

@@ -25,7 +25,7 @@ or not, :mod:`.repeated_records`), and an overlap under :data:`OVERLAP` of the s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -60,18 +60,37 @@ def same_records(bases: list[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
 def identifying_rows(dataset: Any) -> dict[tuple, np.ndarray]:
     """Per kind of item (element type, row shape), the row digests of the items of ``dataset`` with one row per record
     that identify its records (module docstring); empty when none does."""
+    found: dict[tuple, np.ndarray] = {}
+    for value, rows in identifying_items(dataset, row_digests):
+        found.setdefault((_kind(value), _width(value)), rows)
+    return found
+
+
+def identifying_items(dataset: Any, digest: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
+    """(item, ``digest(item)``) for each item ``dataset`` stores (:func:`stored_items`) with one row per record that
+    is not a column of integers, whose row digests — ``digest``'s array, or the first of its tuple; ``None``: not
+    digested — are one per record and at least :data:`DISTINCT` distinct. Nothing for a dataset without a length or
+    records; an item of no rows (a 0-d tensor or array: a setting) is passed over undigested."""
     try:
         n = len(dataset)
     except TypeError:
-        return {}
-    found: dict[tuple, np.ndarray] = {}
+        return
+    if not n:
+        return
     for _, value in stored_items(dataset):
-        rows = row_digests(value)
-        if rows is None or len(rows) != n or not n or _integer_column(value):
+        if _row_count(value) != n or _integer_column(value):
             continue  # not one row per record (a table, a setting), or labels, ids, indices
-        if len(np.unique(rows)) >= DISTINCT * n:
-            found.setdefault((_kind(value), _width(value)), rows)
-    return found
+        found = digest(value)
+        rows = found[0] if isinstance(found, tuple) else found
+        if rows is not None and len(rows) == n and len(np.unique(rows)) >= DISTINCT * n:
+            yield value, found
+
+
+def _row_count(value: Any) -> Optional[int]:
+    """How many rows (dimension 0) a stored item has; ``None`` for a 0-d tensor or array."""
+    if isinstance(value, list):
+        return len(value)
+    return int(value.shape[0]) if getattr(value, "ndim", 0) else None
 
 
 def _take_stored(rows: np.ndarray, before: list[tuple[np.ndarray, np.ndarray, np.ndarray]], owner: np.ndarray,

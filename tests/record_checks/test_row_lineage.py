@@ -48,3 +48,27 @@ def test_rows_are_digested_in_chunks_alike(monkeypatch):
     whole = own_rows(x)
     monkeypatch.setattr(row_lineage, "_CHUNK", 16)  # 3 rows a chunk
     assert all(np.array_equal(a, b) for a, b in zip(own_rows(x), whole))
+
+
+class _Settings(torch.utils.data.Dataset):
+    """Rows stored beside 0-d settings (a scale tensor, a NumPy scalar array) and a label column."""
+
+    def __init__(self, x):
+        self.x, self.scale, self.offset, self.y = x, torch.tensor(2.0), np.array(0.5), torch.arange(len(x))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] * self.scale + self.offset, self.y[i]
+
+
+def test_only_the_rows_identify_the_records_a_0_d_item_is_passed_over():
+    from lightning_dp.record_checks.stored_sources import identifying_rows
+
+    x = torch.randn(30, 4)
+    found = row_lineage.dataset_rows(_Settings(x))
+    assert sorted(found) == [("sorted", (4,)), ("values", (4,))]
+    assert np.array_equal(found[("values", (4,))], own_rows(x)[0])
+    assert list(identifying_rows(_Settings(x))) == [("float32", (4,))]
+    assert row_lineage.dataset_rows(_Settings(torch.randn(0, 4))) == {}
