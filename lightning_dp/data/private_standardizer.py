@@ -43,7 +43,6 @@ from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.data.public_bounds import check_public_bounds
 from lightning_dp.errors import KnownSeedWarning, PrivacyConfigurationError, warn_or_refuse
 from lightning_dp.record_checks.released_transforms import note_transformed
-from lightning_dp.record_checks.row_lineage import note_derived
 from lightning_dp.record_statistics.released_statistics import note_released
 from lightning_dp.secure_random import secure_gaussian
 
@@ -192,8 +191,8 @@ class PrivateStandardizer:
         out = (torch.minimum(torch.maximum(x.to(torch.float64), lower), upper) - self.mean) / self.std
         dtype = features.dtype if isinstance(features, Tensor) and features.dtype.is_floating_point else torch.float32
         out = out.to(dtype)
-        note_transformed(self, features, out)  # a fit training on it must be charged this release
-        note_derived(features, out)  # its rows are the records of the input's rows (record_checks/row_lineage.py)
+        note_transformed(self, features, out)  # a fit training on it is charged this release; its rows are the
+        # input rows' records (record_checks/row_lineage.py)
         return out
 
     def fit_transform(self, features: Any, charge: Any) -> Tensor:

@@ -9,7 +9,8 @@ cell) leaves the fit's reported ε short of what the trained model spent.
 
 Their ``transform`` calls :func:`note_transformed`: each output row the transform changed is noted, by a digest of its
 values as float32 (so a cast, ``.numpy()`` or ``.double()``, keeps it), with the digest of the row it came from, the
-releaser's run and whether its noise followed a generator the caller gave. :func:`uncharged_transforms` reads, before
+releaser's run and whether its noise followed a generator the caller gave; the same digests note the rows' lineage
+for :mod:`.row_lineage` (one pass over the rows for both). :func:`uncharged_transforms` reads, before
 a fit's first release, the float items its training datasets store (:func:`~.stored_records.stored_items`): a row
 found among the notes is traced back through chained transforms (an imputer's output standardised), and every release
 on its way whose run the fit's ledger lacks is a finding. Under ``secure_mode`` a release drawn from a seeded
@@ -28,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_checks.row_lineage import float32_rows, note_derived, own_rows
 from lightning_dp.record_checks.stored_records import row_digests, stored_items
 
 MAX_NOTED = 1 << 22
@@ -55,25 +56,25 @@ _LOOKUP: dict[str, Any] = {"built": None}
 
 
 def float_rows(value: Any) -> Optional[np.ndarray]:
-    """A digest per row (dimension 0) of a float tensor or array's values as float32 (−0 as 0), ``None`` for other
-    values and for a single number."""
-    if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not isinstance(value, np.memmap) and value.ndim:
-        t = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
-    elif isinstance(value, Tensor) and value.dim() and value.dtype.is_floating_point \
-            and value.layout == torch.strided and not hasattr(value, "to_local"):
-        t = value.detach().to("cpu", torch.float32)
-    else:
-        return None
-    if not len(t) or t.numel() < 2:
-        return None
-    t = t.reshape(len(t), -1) + 0.0
-    return row_digests(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t))
+    """A digest per row (dimension 0) of a float tensor or array's values as float32 (−0 as 0): :mod:`.row_lineage`'s
+    value digest; ``None`` for other values and for a single number."""
+    t = float32_rows(value) if _floats(value) else None
+    return None if t is None else row_digests(t)
+
+
+def _floats(value: Any) -> bool:
+    return (isinstance(value, np.ndarray) and value.dtype.kind == "f") \
+        or (isinstance(value, Tensor) and value.dtype.is_floating_point)
 
 
 def note_transformed(releaser: Any, inputs: Any, outputs: Any) -> None:
     """Note that each changed row of ``outputs`` was computed by ``releaser`` (a fitted DP preprocessor with a
-    ``run`` and a ``generator``) from the same row of ``inputs`` (module docstring)."""
-    made, came = float_rows(outputs), float_rows(inputs)
+    ``run`` and a ``generator``) from the same row of ``inputs`` (module docstring), and, for the data ledgers, that
+    its records are the input row's (:func:`~.row_lineage.note_derived`): one digest pass of each feeds both notes."""
+    came_own, made_own = own_rows(inputs), own_rows(outputs)
+    note_derived(inputs, outputs, (came_own, made_own))
+    made = made_own[0] if made_own is not None and _floats(outputs) else None
+    came = came_own[0] if came_own is not None and _floats(inputs) else None
     if made is None or getattr(releaser, "run", None) is None:
         return
     if came is None or len(came) != len(made):

@@ -12,9 +12,10 @@ among earlier fits' by the digests of their rows. Three ways the same records ar
   (within the item: then two halves of it share few sorted digests, under the data ledger's overlap of 5 %);
 * the library's own preprocessing: :class:`~lightning_dp.data.PrivateStandardizer` and
   :class:`~lightning_dp.data.PrivateImputer` compute new rows (noisy mean and scale, filled cells) from each input
-  row. Their ``transform`` calls :func:`note_derived`: each output row's value digest is noted as descending from the
-  input row's *root* (the input's own digests, or its root when the input itself descends from another transform's
-  input). :func:`value_rows` reads a row through these notes, so the rows of ``fit_transform(X[idx])`` per fold are the
+  row. Their ``transform`` calls :func:`note_derived` (through :func:`~.released_transforms.note_transformed`, which
+  hands it the digests it took): each output row's value digest is noted as descending from the input row's *root*
+  (the input's own digests, or its root when the input itself descends from another transform's input).
+  :func:`value_rows` reads a row through these notes, so the rows of ``fit_transform(X[idx])`` per fold are the
   rows of ``X`` they came from, wrapped later in a ``TensorDataset``, a ``Subset`` or a concatenation, cast or not.
 
 The notes are process-wide, :data:`MAX_NOTED` output rows at most (24 bytes each; the oldest transforms' notes are
@@ -47,8 +48,9 @@ digests, 0 where the root's item had none)."""
 _MERGED: dict[str, Any] = {"for": None}
 
 
-def _float_rows(value: Any) -> Optional[Tensor]:
-    """``value``'s rows (dimension 0) as float32 [N, D] (−0 as 0, one NaN), ``None`` when not numbers."""
+def float32_rows(value: Any) -> Optional[Tensor]:
+    """``value``'s rows (dimension 0) as float32 [N, D] (−0 as 0, one NaN), ``None`` when not numbers: the values
+    every digest of this module and of :mod:`.released_transforms` is taken of."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biuf" or isinstance(value, np.memmap) or value.ndim == 0:
             return None
@@ -69,14 +71,14 @@ def _float_rows(value: Any) -> Optional[Tensor]:
 def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(each row's value digest, its sorted digest — zeros when the item's rows are under :data:`SORTED_DISTINCT`
     distinct by it) of ``value`` itself, not read through the notes; ``None`` when not numbers."""
-    if not isinstance(value, (Tensor, np.ndarray)) or not value.ndim or _float_rows(value[:1]) is None:
+    if not isinstance(value, (Tensor, np.ndarray)) or not value.ndim or float32_rows(value[:1]) is None:
         return None
     width = max(1, int(np.prod(value.shape[1:])))
     step = max(2, _CHUNK // width)  # a float32 copy of at most _CHUNK values at a time
     step += len(value) % step == 1  # never a last chunk of one row (a single number is not digested)
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     for start in range(0, len(value), step):
-        t = _float_rows(value[start:start + step])
+        t = float32_rows(value[start:start + step])
         found = None if t is None else (row_digests(t), row_digests(t.sort(dim=1).values))
         if found is None or found[0] is None or found[1] is None:
             return None
@@ -94,9 +96,11 @@ def value_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     (:func:`own_rows`), or, for a row a noted transform computed, those of the row it came from; ``None`` when
     ``value`` is not numbers."""
     own = own_rows(value)
-    if own is None:
-        return None
-    values, ordered = own
+    return None if own is None else _rooted(*own)
+
+
+def _rooted(values: np.ndarray, ordered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Own digests (:func:`own_rows`) read through the notes: a noted output row's are its root's."""
     merged = _merged()
     if merged is None:
         return values, ordered
@@ -106,10 +110,12 @@ def value_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     return np.where(hit, roots[at], values), np.where(hit, root_ordered[at], ordered)
 
 
-def note_derived(inputs: Any, outputs: Any) -> None:
+def note_derived(inputs: Any, outputs: Any, digested: Optional[tuple[Any, Any]] = None) -> None:
     """Note that row i of ``outputs`` was computed from row i of ``inputs`` (a row-to-row transform of the library's:
-    module docstring); nothing when they are not numbers of as many rows."""
-    found, made = value_rows(inputs), own_rows(outputs)
+    module docstring); nothing when they are not numbers of as many rows. ``digested``: their :func:`own_rows`,
+    where the caller took them already (:func:`~.released_transforms.note_transformed`: one pass for both notes)."""
+    came, made = digested if digested is not None else (own_rows(inputs), own_rows(outputs))
+    found = None if came is None else _rooted(*came)
     if found is None or made is None or len(found[0]) != len(made[0]):
         return
     roots, ordered = found

@@ -94,3 +94,17 @@ def test_rows_are_found_through_casts_and_the_notes_are_bounded(monkeypatch):
     other = PrivateStandardizer(0.0, 20.0, 2.0).fit(X, PrivacyLedger())
     assert [t.run for t in transforms_of(other.transform(X))] == [other.run]
     assert transforms_of(z) == []  # the oldest call dropped
+
+
+def test_one_digest_pass_of_a_transform_notes_its_release_and_its_rows_lineage(monkeypatch):
+    from lightning_dp.record_checks import row_lineage
+
+    scaler = PrivateStandardizer(0.0, 20.0, 2.0).fit(X, PrivacyLedger())
+    digested = []
+    for module in (released_transforms, row_lineage):
+        real = module.row_digests
+        monkeypatch.setattr(module, "row_digests", lambda t, real=real: digested.append(len(t)) or real(t))
+    z = scaler.transform(X)
+    assert sum(digested) == 4 * len(X)  # the inputs' and the outputs' value and sorted digests, each once
+    assert [t.run for t in transforms_of(z)] == [scaler.run]
+    assert (row_lineage.value_rows(z.double())[0] == row_lineage.own_rows(X)[0]).all()
