@@ -16,6 +16,19 @@ from lightning_dp.record_checks.stored_sources import identifying_rows
 
 
 
+class _Array(torch.utils.data.Dataset):
+    """A dataset of an array's rows (its memory, not a tensor)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
 def _ledger(run: str, steps: int, sigma: float = 1.0, q: float = 0.1) -> PrivacyLedger:
     ledger = PrivacyLedger()
     ledger.run = run
@@ -61,21 +74,10 @@ def test_copies_of_the_rows_in_new_memory_share_records_by_content():
 
 def test_views_of_one_buffer_share_records_by_memory():
     x = np.random.default_rng(0).integers(0, 3, size=(100, 2)).astype(np.float32)  # rows repeat: no digests
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self, data):
-            self.data = data
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            return self.data[i]
-
-    assert shares_records(data_use(Rows(x)), data_use(Rows(x[10:20])))
-    assert shares_records(data_use(Rows(x)), data_use(TensorDataset(torch.from_numpy(x[:5]))))
-    assert not shares_records(data_use(Rows(x[:50])), data_use(Rows(x[50:])))
-    assert not shares_records(data_use(Rows(x)), data_use(Rows(x.copy())))
+    assert shares_records(data_use(_Array(x)), data_use(_Array(x[10:20])))
+    assert shares_records(data_use(_Array(x)), data_use(TensorDataset(torch.from_numpy(x[:5]))))
+    assert not shares_records(data_use(_Array(x[:50])), data_use(_Array(x[50:])))
+    assert not shares_records(data_use(_Array(x)), data_use(_Array(x.copy())))
 
 
 def test_a_fit_continues_the_releases_on_its_records_once_and_forgetting_warns():
@@ -114,6 +116,20 @@ def _fit_fold(features, labels, strategy=None):
     return trainer.strategy.ledger
 
 
+def _cross_validated(x, features) -> list[int]:
+    """The releases of each fold's fit on ``features(fold, x[idx], strategy)`` (labels: the sign of column 0), each
+    a fresh model seeded by its fold under a strategy of its own."""
+    from lightning_dp import DPStrategy
+
+    y = (x[:, 0] > 0).long()
+    steps = []
+    for f, idx in enumerate(_folds()):
+        torch.manual_seed(f)
+        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+        steps.append(_fit_fold(features(f, x[idx], strategy), y[idx], strategy).steps)
+    return steps
+
+
 def test_cross_validation_on_the_private_standardizers_output_composes():
     """l01: per fold ``PrivateStandardizer(...).fit_transform(X[idx], strategy)`` and a fresh model: every output row
     is new bytes (the fold's noisy mean and scale), yet the record of the input row it came from."""
@@ -121,13 +137,8 @@ def test_cross_validation_on_the_private_standardizers_output_composes():
     from lightning_dp.data import PrivateStandardizer
 
     x = torch.randn(N, 4, generator=torch.Generator().manual_seed(0)) * 2
-    y = (x[:, 0] > 0).long()
-    steps = []
-    for f, idx in enumerate(_folds()):
-        torch.manual_seed(f)
-        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
-        features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x[idx], strategy)  # 3 releases charged
-        steps.append(_fit_fold(features, y[idx], strategy).steps)
+    steps = _cross_validated(x, lambda f, rows, strategy: PrivateStandardizer(-5, 5, 5.0).fit_transform(
+        rows, strategy))  # 3 releases charged
     assert steps == [13, 26, 39, 52, 65]  # was [13] * 5: each fold's ledger stood alone
     other = torch.randn(200, 4, generator=torch.Generator().manual_seed(1)) * 2  # other records: its own alone
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
@@ -138,24 +149,9 @@ def test_cross_validation_on_the_private_standardizers_output_composes():
 def test_cross_validation_on_reordered_columns_composes():
     """l05: each fold's copy of the rows with its columns in another order."""
     x = torch.randn(N, 4, generator=torch.Generator().manual_seed(0))
-    y = (x[:, 0] > 0).long()
-    steps = []
-    for f, idx in enumerate(_folds()):
-        torch.manual_seed(f)
-        perm = torch.randperm(4, generator=torch.Generator().manual_seed(f + 1))
-        steps.append(_fit_fold(x[idx][:, perm].contiguous(), y[idx]).steps)
+    steps = _cross_validated(x, lambda f, rows, strategy: rows[:, torch.randperm(
+        4, generator=torch.Generator().manual_seed(f + 1))].contiguous())
     assert steps == [10, 20, 30, 40, 50]
-
-
-class _Array(torch.utils.data.Dataset):
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i]
 
 
 def _standardised(x, rows):

@@ -6,78 +6,57 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from child_fits import printed, run_child, write_model
 from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting import data_ledgers, data_store, forget_data_releases, ledger_store
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 
-ROOT = Path(__file__).resolve().parents[2]
-
-FOLD = '''
+FOLDS = '''
 import json, sys
 import torch
-import pytorch_lightning as pl
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_dp import DPStrategy
 from lightning_dp.data import PrivateStandardizer
+from tiny import Tiny, trainer
 
-
-class Tiny(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-fold, seed, standardise = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "yes"
-x = torch.randn(250, 4, generator=torch.Generator().manual_seed(seed))
-idx = (torch.arange(250) % 5 != fold).nonzero().squeeze(1)
-strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
-features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x[idx], strategy) if standardise else x[idx]
-trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(Tiny(), DataLoader(TensorDataset(features, (x[idx, 0] > 0).long()), batch_size=20))
-print("STEPS " + json.dumps(strategy.ledger.steps))
+steps = []
+for fold, seed, standardise in json.loads(sys.argv[1]):
+    x = torch.randn(250, 4, generator=torch.Generator().manual_seed(seed))
+    idx = (torch.arange(250) % 5 != fold).nonzero().squeeze(1)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x[idx], strategy) if standardise else x[idx]
+    loader = DataLoader(TensorDataset(features, (x[idx, 0] > 0).long()), batch_size=20)
+    trainer(strategy).fit(Tiny(seed=None, features=4), loader)
+    steps.append(strategy.ledger.steps)
+print("STEPS " + json.dumps(steps))
 '''
 
 
-def _fold_in_a_new_process(tmp_path: Path, fold: int, seed: int = 0, standardise: bool = False,
-                           warned: list | None = None) -> int:
-    script = tmp_path / "fold.py"
-    script.write_text(FOLD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script), str(fold), str(seed), "yes" if standardise else "no"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _folds_in_a_new_process(tmp_path: Path, *folds: tuple[int, int, bool], warned: list | None = None) -> list[int]:
+    """The releases of each fit of ``folds`` (fold, seed, standardised), run one after the other in one new
+    process."""
+    write_model(tmp_path)
+    done = run_child(tmp_path, FOLDS, json.dumps(folds))
     if warned is not None:
         warned.append(done.stderr)
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("STEPS "))[6:])
+    return printed(done, "STEPS")
 
 
 def test_by_default_a_fold_in_a_new_process_is_warned_of_the_earlier_folds_releases(tmp_path, monkeypatch):
     """LIGHTNING_DP_DATA_RECORDS unset ('warn'): fold 1 in a new process reports its own 3 + 10 releases and a
-    warning names the earlier process's fit (a run done again must not fail for a model thrown away: ``make demo``
-    twice); fold 0's on other data (seed 1) is not named."""
+    warning names the earlier process's fit on its records (a run done again must not fail for a model thrown away:
+    ``make demo`` twice); that process's fold 0 on other data (seed 1) is not named."""
     monkeypatch.delenv(data_store.ENV, raising=False)
-    assert _fold_in_a_new_process(tmp_path, 0, seed=1) == 10
-    assert _fold_in_a_new_process(tmp_path, 0) == 10
+    assert _folds_in_a_new_process(tmp_path, (0, 1, False), (0, 0, False)) == [10, 10]
     warned: list = []
-    assert _fold_in_a_new_process(tmp_path, 1, standardise=True, warned=warned) == 13
+    assert _folds_in_a_new_process(tmp_path, (1, 0, True), warned=warned) == [13]
     assert "1 private fit(s) in earlier processes" in warned[0] and "10 release(s)" in warned[0]
     assert "LIGHTNING_DP_DATA_RECORDS=compose" in warned[0]
 
@@ -93,8 +72,8 @@ def test_a_fold_in_a_new_process_continues_the_earlier_folds_releases(tmp_path, 
     standardiser's output of its rows (3 + 10 of its own): 23, not 13. Forgetting other data's releases drops
     nothing; these records', both files."""
     monkeypatch.setenv(data_store.ENV, "compose")
-    assert _fold_in_a_new_process(tmp_path, 0) == 10
-    assert _fold_in_a_new_process(tmp_path, 1, standardise=True) == 23
+    assert _folds_in_a_new_process(tmp_path, (0, 0, False)) == [10]
+    assert _folds_in_a_new_process(tmp_path, (1, 0, True)) == [23]
     store = Path(os.environ[ledger_store.ENV])
     assert len(list(store.glob("*" + data_store.SUFFIX))) == 2
     assert forget_data_releases(TensorDataset(torch.randn(100, 4))) == 0

@@ -8,9 +8,7 @@ this process' records (the store holds the same material)."""
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,49 +19,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 
 from cases import Classifier, fit  # noqa: E402
+from child_fits import ledgers as child_ledgers  # noqa: E402
+from child_fits import run_child, write_model  # noqa: E402
 
 from lightning_dp.accounting import data_store, ledger_epsilon, ledger_store, module_ledgers  # noqa: E402
 from lightning_dp.accounting.epsilon import epsilon  # noqa: E402
 from lightning_dp.accounting.ledger import PrivacyLedger  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 SIGMA, Q, DELTA = 1.0, 32 / 256, 1e-5
-
-MODEL = '''
-import torch
-import pytorch_lightning as pl
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_dp import DPStrategy
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def loader():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
-
-
-def fit(model, **kw):
-    kw.setdefault("enable_checkpointing", False)
-    t = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), accelerator="cpu", devices=1,
-                   max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
-    t.fit(model, loader())
-    return t.strategy.ledger
-'''
 
 CHILD = '''
 import json, os, torch
@@ -111,8 +74,7 @@ def test_weights_loaded_in_a_new_process_continue_the_ledger_through_the_store(t
     not in the checkpoint); a fresh module seeded as the fit was starts afresh; with the store ``off``, 8."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    (tmp_path / "tiny.py").write_text(MODEL)
-    (tmp_path / "child.py").write_text(CHILD)
+    write_model(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("tiny", None)
     import tiny
@@ -126,15 +88,7 @@ def test_weights_loaded_in_a_new_process_continue_the_ledger_through_the_store(t
     assert list(Path(os.environ[ledger_store.ENV]).glob("*" + ledger_store.SUFFIX))  # the fit's entry
     data_store.remove(None)  # the weights' record alone: the child's fits read the same records (test_data_store.py)
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(tmp_path / "child.py")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    line = [x for x in done.stdout.splitlines() if x.startswith("LEDGERS ")]
-    assert line, done.stdout[-2000:] + done.stderr[-3000:]
-    ledgers = {}
-    for name, state in json.loads(line[0][len("LEDGERS "):]).items():
-        ledgers[name] = PrivacyLedger()
-        ledgers[name].load_state_dict(state)
+    ledgers = child_ledgers(run_child(tmp_path, CHILD))
     assert ledgers["fresh"].steps == 8
     assert ledgers["off"].steps == 8
     for name in ("state_dict", "shrink_perturb"):

@@ -4,14 +4,13 @@ releases). The second fit runs in a subprocess, a new Python process."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
+from child_fits import ledgers, run_child, write_model
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -20,42 +19,7 @@ from lightning_dp.accounting import ledger_epsilon, module_ledgers
 from lightning_dp.accounting.epsilon import epsilon
 from lightning_dp.accounting.loaded_checkpoints import CHECKPOINT_KEY, continue_ledger
 
-ROOT = Path(__file__).resolve().parents[2]
 SIGMA, Q, DELTA = 1.0, 32 / 256, 1e-5
-
-MODEL = '''
-import torch
-import pytorch_lightning as pl
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_dp import DPStrategy
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def loader():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=32)
-
-
-def trainer(**kw):
-    kw.setdefault("enable_checkpointing", False)
-    return pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), accelerator="cpu", devices=1,
-                      max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
-'''
 
 CHILD = '''
 import json, sys
@@ -76,8 +40,7 @@ print("LEDGERS " + json.dumps(out))
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
-    (tmp_path / "tiny.py").write_text(MODEL)
-    (tmp_path / "child.py").write_text(CHILD)
+    write_model(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("tiny", None)
     import tiny
@@ -102,19 +65,7 @@ def _first_fit(tiny, tmp_path: Path) -> Path:
 
 
 def _in_a_new_process(folder: Path, *names: str, **environ: str) -> dict[str, lightning_dp.PrivacyLedger]:
-    import os
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           **environ}
-    done = subprocess.run([sys.executable, str(folder / "child.py"), *names], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=120)
-    line = [x for x in done.stdout.splitlines() if x.startswith("LEDGERS ")]
-    assert line, done.stdout[-2000:] + done.stderr[-3000:]
-    out = {}
-    for name, state in json.loads(line[0][len("LEDGERS "):]).items():
-        out[name] = lightning_dp.PrivacyLedger()
-        out[name].load_state_dict(state)
-    return out
+    return ledgers(run_child(folder, CHILD, *names, timeout=120, **environ))
 
 
 def test_load_from_checkpoint_in_a_new_process_continues_the_ledger(tiny, tmp_path):

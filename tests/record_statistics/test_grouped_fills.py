@@ -16,18 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, refused_before_any_release, strategy  # noqa: E402
 from conftest import quiet_trainer  # noqa: E402
+from gapped import with_gaps  # noqa: E402
 
 from lightning_dp.data import PrivateImputer  # noqa: E402
 from lightning_dp.record_statistics.grouped_fills import grouped_imputed_columns  # noqa: E402
 from lightning_dp.record_statistics.imputed_cells import imputed_columns  # noqa: E402
 
 RNG = np.random.default_rng(0)
-
-
-def _with_gaps(x: np.ndarray, share: float = 0.15, seed: int = 1) -> np.ndarray:
-    x = x.astype(np.float64).copy()
-    x[np.random.default_rng(seed).random(x.shape) < share] = np.nan
-    return x
 
 
 def _by_group(x: np.ndarray, g: np.ndarray, statistic=np.nanmean) -> np.ndarray:
@@ -48,19 +43,19 @@ def _labelled(n: int = 400, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_class_conditional_mean_fill_is_found_where_no_global_fill_is(dtype):
     x, y = _labelled()
-    filled = torch.tensor(_by_group(_with_gaps(x), y), dtype=dtype)
+    filled = torch.tensor(_by_group(with_gaps(x, 0.15), y), dtype=dtype)
     assert imputed_columns(filled) == []  # one fill per class: none is the column's mean
     found = grouped_imputed_columns(filled, [("labels", torch.tensor(y))])
     assert [(j, how) for j, how, _ in found] == [(j, "mean") for j in range(4)] and found[0][2] == "labels"
     float_target = [("y", torch.tensor(y == 1, dtype=torch.float32)[:, None])]  # a BCE target [N, 1]: two groups
-    x2 = _by_group(_with_gaps(x), (y == 1).astype(int))
+    x2 = _by_group(with_gaps(x, 0.15), (y == 1).astype(int))
     assert len(grouped_imputed_columns(torch.tensor(x2, dtype=dtype), float_target)) == 4
 
 
 def test_a_mean_or_median_per_level_of_a_feature_column_is_found():
     x, _ = _labelled(600)
     level = RNG.integers(1, 4, 600).astype(float)  # a passenger class: 1, 2, 3
-    table = np.c_[level, _with_gaps(x)]
+    table = np.c_[level, with_gaps(x, 0.15)]
     mean = grouped_imputed_columns(torch.tensor(_by_group(table, level), dtype=torch.float32))
     assert mean == [(j, "mean", "column 0") for j in (1, 2, 3, 4)]
     median = grouped_imputed_columns(torch.tensor(_by_group(table, level, np.nanmedian), dtype=torch.float32))
@@ -86,7 +81,7 @@ def test_real_tables_and_synthetic_columns_hold_no_grouped_fill():
 
 def test_a_constant_per_class_and_a_dp_mean_per_class_are_not_grouped_fills():
     x, y = _labelled()
-    gaps = _with_gaps(x)
+    gaps = with_gaps(x, 0.15)
     labels = [("labels", torch.tensor(y))]
     constant = np.where(np.isnan(gaps), y[:, None] * 2.5 - 1.0, gaps)  # a public value per class
     assert grouped_imputed_columns(torch.tensor(constant, dtype=torch.float32), labels) == []
@@ -99,7 +94,7 @@ def test_a_constant_per_class_and_a_dp_mean_per_class_are_not_grouped_fills():
 def test_class_conditional_fills_are_refused_before_any_release_and_a_private_one_trains():
     x, y = _labelled(64, seed=3)
     y2 = (y > 0).astype(int)
-    gaps = _with_gaps(x, 0.2)
+    gaps = with_gaps(x, 0.2)
     refused_before_any_release(
         Classifier(), TensorDataset(torch.tensor(_by_group(gaps, y2), dtype=torch.float32), torch.tensor(y2)),
         r"(?s)tensors\[0\] is filled where values were missing with a statistic of its own column.*within groups "

@@ -15,17 +15,12 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, refused_before_any_release, strategy  # noqa: E402
 from conftest import quiet_trainer  # noqa: E402
+from gapped import with_gaps  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dp.record_statistics.imputed_cells import imputed_columns  # noqa: E402
 
 RNG = np.random.default_rng(0)
-
-
-def _with_gaps(x: np.ndarray, share: float = 0.1, seed: int = 1) -> np.ndarray:
-    x = x.astype(np.float64).copy()
-    x[np.random.default_rng(seed).random(x.shape) < share] = np.nan
-    return x
 
 
 def _t(x: np.ndarray) -> torch.Tensor:
@@ -38,7 +33,7 @@ def _table(n: int = 256, d: int = 4) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [256, 257])
 def test_mean_and_median_imputation_are_found(n):
-    x = _with_gaps(_table(n))
+    x = with_gaps(_table(n))
     mean = np.where(np.isnan(x), np.nanmean(x, 0), x)
     median = np.where(np.isnan(x), np.nanmedian(x, 0), x)
     assert imputed_columns(_t(mean)) == [(j, "mean") for j in range(4)]
@@ -48,7 +43,7 @@ def test_mean_and_median_imputation_are_found(n):
 
 def test_a_fill_in_the_middle_of_the_column_is_not_a_median_unless_halfway_between_its_neighbours():
     """A constant (or a DP mean) near the middle of the data has as many values below as above by chance."""
-    x = _with_gaps(RNG.normal(size=(64, 40)))
+    x = with_gaps(RNG.normal(size=(64, 40)))
     middle = np.where(np.isnan(x), np.nanmedian(x, 0) + 1e-3, x)  # within the middle gap of most columns
     assert imputed_columns(_t(middle)) == []
     lower = torch.tensor(x)  # torch's lower median: an observed value, in the middle
@@ -56,15 +51,15 @@ def test_a_fill_in_the_middle_of_the_column_is_not_a_median_unless_halfway_betwe
 
 
 def test_a_mean_off_the_grid_of_an_integer_or_decimal_column_is_found():
-    counts = _with_gaps(RNG.integers(0, 20, (300, 3)).astype(float))
-    tenths = _with_gaps(np.round(RNG.normal(5, 1, (300, 3)), 1))
+    counts = with_gaps(RNG.integers(0, 20, (300, 3)).astype(float))
+    tenths = with_gaps(np.round(RNG.normal(5, 1, (300, 3)), 1))
     for x in (counts, tenths):
         assert len(imputed_columns(_t(np.where(np.isnan(x), np.nanmean(x, 0), x)))) == 3
 
 
 @pytest.mark.parametrize("fill", [0.0, -1.0, 3.7, -999.0])
 def test_a_constant_or_public_fill_is_not_an_imputed_statistic(fill):
-    for x in (_with_gaps(_table()), _with_gaps(RNG.integers(0, 20, (300, 3)).astype(float))):
+    for x in (with_gaps(_table()), with_gaps(RNG.integers(0, 20, (300, 3)).astype(float))):
         assert imputed_columns(_t(np.where(np.isnan(x), fill, x))) == []
 
 
@@ -72,7 +67,7 @@ def test_the_median_of_a_binary_or_three_level_column_is_not_taken_for_imputatio
     """The mode of a 0/1 column is its median: a median fill lands on the column's own values and says nothing."""
     binary = RNG.integers(0, 2, (400, 3)).astype(float)
     levels = np.repeat(np.array([[0.0], [1.0], [2.0]]), 100, 0) * np.ones((1, 3))  # a three-level column, 1 in middle
-    for x in (binary, levels, _with_gaps(binary), _with_gaps(levels)):
+    for x in (binary, levels, with_gaps(binary), with_gaps(levels)):
         filled = np.where(np.isnan(x), np.nanmedian(x, 0), x)
         assert imputed_columns(_t(filled)) == []
 
@@ -95,7 +90,7 @@ def test_raw_real_and_random_data_hold_no_imputed_statistic():
 
 
 def test_mean_imputed_training_features_are_refused_before_any_release_and_a_constant_fill_trains():
-    x = _with_gaps(np.c_[RNG.normal(size=(64, 1)), _table(64, 3)])
+    x = with_gaps(np.c_[RNG.normal(size=(64, 1)), _table(64, 3)])
     y = torch.tensor(np.nan_to_num(x[:, 0]) > 0).long()
     refused_before_any_release(
         Classifier(), TensorDataset(_t(np.where(np.isnan(x), np.nanmean(x, 0), x)), y),
@@ -108,7 +103,7 @@ def test_mean_imputed_training_features_are_refused_before_any_release_and_a_con
 
 
 def test_a_mean_fill_in_a_column_with_many_exact_zeros_is_found():
-    x = _with_gaps(np.where(RNG.random((400, 3)) < 0.2, 0.0, RNG.normal(2, 1, (400, 3))))
+    x = with_gaps(np.where(RNG.random((400, 3)) < 0.2, 0.0, RNG.normal(2, 1, (400, 3))))
     assert len(imputed_columns(_t(np.where(np.isnan(x), np.nanmean(x, 0), x)))) == 3
 
 
@@ -122,7 +117,7 @@ def test_a_half_between_balanced_zeros_and_ones_is_not_an_imputed_mean():
 def test_a_mean_rounded_far_below_its_standard_error_is_found_and_a_hand_written_value_near_the_mean_is_not():
     """round(mean, 5) is the mean to a step 1/100 of its standard error or less; 0.49, 3.1 or 5001 near the mean
     have fewer digits and lie within half a step of it by chance only."""
-    x = _with_gaps(RNG.normal(size=(2000, 4)) * [1, 10, 0.1, 1000] + [0.5, 3, 0.2, 5000])
+    x = with_gaps(RNG.normal(size=(2000, 4)) * [1, 10, 0.1, 1000] + [0.5, 3, 0.2, 5000])
     mean = np.nanmean(x, 0)
     for dtype in (torch.float32, torch.float64):
         found = imputed_columns(torch.tensor(np.where(np.isnan(x), np.round(mean, 5), x), dtype=dtype))

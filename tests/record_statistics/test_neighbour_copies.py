@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, refused_before_any_release  # noqa: E402
+from gapped import with_gaps  # noqa: E402
 
 from lightning_dp.record_statistics.neighbour_copies import neighbour_copies  # noqa: E402
 
@@ -21,8 +22,7 @@ RNG = np.random.default_rng(0)
 
 
 def _with_gaps(x: np.ndarray, share: float = 0.1, seed: int = 1) -> np.ndarray:
-    x = x.astype(np.float64).copy()
-    x[np.random.default_rng(seed).random(x.shape) < share] = np.nan
+    x = with_gaps(x, share, seed)
     x[0] = np.where(np.isnan(x[0]), 1.0, x[0])  # no record before the first: a public value
     x[-1] = np.where(np.isnan(x[-1]), 1.0, x[-1])
     return x

@@ -31,14 +31,21 @@ def test_works_in_a_dataloader_with_empty_index_lists():
     assert [batch_size_of(b) for b in loader] == [0, 2, 0]
 
 
-class _BatchesOnly(torch.utils.data.Dataset):
+class _Rows(torch.utils.data.Dataset):
+    """``n`` random records of ``width`` features (``x``); how they are read is each subclass's."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.x = torch.randn(n, width)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class _BatchesOnly(_Rows):
     """Reads through ``__getitems__`` only, in another layout than ``__getitem__`` would (a dict per record)."""
 
     def __init__(self) -> None:
-        self.x = torch.randn(4, 3)
-
-    def __len__(self) -> int:
-        return 4
+        super().__init__(4, 3)
 
     def __getitem__(self, i):
         raise RuntimeError("read through __getitems__")
@@ -55,14 +62,11 @@ def test_the_empty_batch_of_a_dataset_read_in_batches_is_read_as_the_loader_read
     assert batches[0]["x"].shape == (0, 3) and batches[0]["i"].shape == (0,)
 
 
-class _Unreadable(torch.utils.data.Dataset):
+class _Unreadable(_Rows):
     """Records 0, 3, 6, … unreadable: ``None``, which the Kaggle collate drops (zoo28 d02)."""
 
     def __init__(self) -> None:
-        self.x = torch.randn(9, 2)
-
-    def __len__(self) -> int:
-        return 9
+        super().__init__(9, 2)
 
     def __getitem__(self, i):
         return None if i % 3 == 0 else (self.x[i], i)
