@@ -549,7 +549,9 @@ class PrivateTraining:
         self._stored = self._stored or stored
         population = note_training(dataloader, self, self.lightning_module)  # type: ignore[attr-defined]
         use = data_ledgers.data_use(*population) if population else data_ledgers.data_use(dataloader.dataset)
-        note = data_ledgers.continue_on_data(self.private_step.ledger, use)  # earlier fits on these records
+        users = self.private_step.users  # earlier fits on these records (per example: charged per user by group size)
+        group = None if users is None else lambda: data_ledgers.largest_group(users, dataloader.dataset)
+        note = data_ledgers.continue_on_data(self.private_step.ledger, use, self.private_step.unit, group)
         if note:
             rank_zero_info(f"{self.label}: {note}.")
         self._stored_dataset = dataloader.dataset

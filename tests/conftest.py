@@ -134,7 +134,7 @@ def without_data_ledger(monkeypatch):
     test that must see a fit's own releases alone and cannot give its fits disjoint data (say why at its use)."""
     from lightning_dp.accounting import data_ledgers
 
-    monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use: None)
+    monkeypatch.setattr(data_ledgers, "continue_on_data", lambda ledger, use, *_: None)
     yield
 
 

@@ -170,18 +170,69 @@ def test_a_modules_ledger_is_not_continued_in_another_unit():
                                                                                  DataLoader(dataset, batch_size=4))
 
 
-def test_the_datas_record_is_continued_in_its_own_unit_only():
+def test_the_datas_record_is_continued_per_user_after_per_user():
     """A fresh module on records earlier fits trained on continues their releases (accounting/data_ledgers.py): per
-    user after per user (the fresh ledger takes the unit it continues), refused per user after per example."""
+    user after per user (the fresh ledger takes the unit it continues)."""
     dataset, ids = _data()
     _, _, first = _step(dataset, ids)
     _, _, second = _step(dataset, ids, seed=1)
     assert second.ledger.unit == "user" and second.ledger.steps == first.ledger.steps + 1 == 2
-    dataset, ids = _data(seed=2)
-    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(TinyClassifier(),
-                                                                             DataLoader(dataset, batch_size=4))
-    with pytest.raises(PrivacyConfigurationError, match="earlier fits in this process made on the same records"):
-        _step(dataset, ids)
+
+
+def _epsilon(entries):
+    from lightning_dp.accounting import ledger_epsilon
+    from lightning_dp.accounting.ledger import PrivacyLedger
+
+    ledger = PrivacyLedger()
+    for sigma, q in entries:
+        ledger.record(sigma, q)
+    return ledger_epsilon(ledger, 1e-5)
+
+
+@pytest.mark.parametrize("one_record_each", [False, True])
+def test_a_fit_per_user_after_fits_per_example_on_its_records_charges_them_with_the_group_size(one_record_each):
+    """Examples, then users: the per-example releases count per user as a group of the most records one user holds
+    (σ / m at the chance 1 − (1 − q)^m that the user takes part): ε per user is not the plain sum unless each user
+    has one record. Was refused."""
+    dataset, ids = _data()  # users with 1 to 4 records: m = 4
+    if one_record_each:
+        ids = list(range(len(ids)))
+    n, m = len(ids), 1 if one_record_each else 4
+    example = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0)
+    quiet_trainer(strategy=example, max_steps=1).fit(TinyClassifier(), DataLoader(dataset, batch_size=4))
+    assert example.ledger.unit == "example" and example.sample_rate == pytest.approx(4 / n)
+    _, _, users = _step(dataset, ids, C=1.0)  # q = 1, σ = 1
+    q = 1 - (1 - 4 / n) ** m
+    assert users.ledger.unit == "user" and users.ledger.steps == 2
+    assert [(e.noise_multiplier, e.sample_rate) for e in users.ledger.entries] == [
+        (pytest.approx(2.0 / m), pytest.approx(q)), (1.0, 1.0)]
+    from lightning_dp.accounting import ledger_epsilon
+
+    charged, plain = ledger_epsilon(users.ledger, 1e-5), _epsilon([(2.0, 4 / n), (1.0, 1.0)])
+    assert charged == pytest.approx(_epsilon([(2.0 / m, q), (1.0, 1.0)]))
+    assert charged == pytest.approx(plain) if one_record_each else charged > 1.2 * plain
+
+
+def test_a_fit_per_example_after_fits_per_user_on_its_records_is_refused():
+    """Users, then examples: refused with the fixes named, for a fresh module and for one whose own ledger already
+    holds releases per example (whose ledger was marked "example" holding the per-user releases, silently)."""
+    dataset, ids = _data()
+    _step(dataset, ids)
+    with pytest.raises(PrivacyConfigurationError, match=r"trained per user .* Train this fit per user as well"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(TinyClassifier(),
+                                                                                 DataLoader(dataset, batch_size=4))
+    model, (other, _) = TinyClassifier(), _data(seed=3)
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(model, DataLoader(other, batch_size=4))
+    assert model_ledger_unit(model) == "example"
+    with pytest.raises(PrivacyConfigurationError, match="forget_data_releases"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0), max_steps=1).fit(model,
+                                                                                 DataLoader(dataset, batch_size=4))
+
+
+def model_ledger_unit(model):
+    from lightning_dp.accounting import module_ledgers
+
+    return module_ledgers.record_of(model).unit
 
 
 def test_a_plain_pytorch_loop_trains_per_user():

@@ -46,8 +46,9 @@ from __future__ import annotations
 import uuid
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 from torch import Tensor
@@ -56,6 +57,7 @@ from torch.utils.data import ConcatDataset, Subset
 import lightning_dp.accounting.data_store as data_store
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.module_ledgers import Combined, combine
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.row_lineage import dataset_rows, forget_notes
 
 OVERLAP = 0.05
@@ -95,6 +97,22 @@ class DataUse:
 
 _RELEASES: list[tuple[DataUse, PrivacyLedger]] = []
 """Every private fit's data and its ledger (the strategy's own: it grows as the fit releases), oldest first."""
+_APART = [0]
+"""How many :func:`apart` scopes are open: fits inside neither continue nor join the data's record."""
+
+
+@contextmanager
+def apart() -> Iterator[None]:
+    """Fits made inside stand apart from the data's record: none continues the releases earlier fits made on its
+    records, and none is registered (nor written to the ledger store) for later fits to continue. For the privacy
+    auditor (:mod:`~lightning_dp.audit.runner`), whose trials are runs of the mechanism each audited alone (its claim
+    is one trial's ε); their releases on the data are then not counted by later fits on it (audit on data whose
+    privacy is not at stake, or count them yourself). A module's own record (a trained model's ledger) is kept."""
+    _APART[0] += 1
+    try:
+        yield
+    finally:
+        _APART[0] -= 1
 
 
 def data_use(dataset: Any, indices: Optional[set[int]] = None, digests: Optional[Digests] = None) -> DataUse:
@@ -258,10 +276,12 @@ def union(first: PrivacyLedger, second: PrivacyLedger) -> Combined:
     for run in runs:
         mine, theirs = _of_run(first, run), _of_run(second, run)
         rest += _after(combine(mine, theirs).ledger.entries, mine.steps)
+    if rest and first.steps and first.unit != second.unit:  # one ledger counts one unit (:func:`per_user`)
+        raise ValueError(f"union: a ledger per {first.unit} cannot hold releases accounted per {second.unit}")
     out = PrivacyLedger()
     out.load_entries((*first.entries, *rest))
     # an empty ``first`` (a fresh module's ledger, before its unit is set) takes the unit of the releases it continues
-    out.unit = second.unit if not first.steps else first.unit if first.unit == second.unit or not rest else "example"
+    out.unit = first.unit if first.steps else second.unit
     added = out.steps - first.steps
     return Combined(out, added, diverged=added > 0 and first.steps > 0)
 
@@ -284,19 +304,69 @@ def _after(entries: tuple[LedgerEntry, ...], steps: int) -> list[LedgerEntry]:
     return out
 
 
-def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
+def per_user(ledger: PrivacyLedger, group: int) -> PrivacyLedger:
+    """``ledger``'s releases per example charged per user, for users holding at most ``group`` records each.
+
+    A user's records are a group: one release of the sampled Gaussian mechanism per example (σ, q) moves by at most
+    ``group`` clipped terms when all of a user's records go, and takes part (any of them sampled) with probability
+    1 − (1 − q)^group. So each entry becomes (σ / group, 1 − (1 − q)^group): the group-privacy bound of the sampled
+    Gaussian (its sensitivity ``group`` C, sampled at the chance that the user takes part), never below the entry
+    itself, and the entry unchanged when every user has one record. Runs are kept: the same fit's releases charged
+    twice alike are one history (:func:`union`)."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    out = PrivacyLedger()
+    out.load_entries(e if group == 1 else LedgerEntry(e.noise_multiplier / group, 1.0 - (1.0 - e.sample_rate) ** group,
+                                                      e.steps, e.private, e.run) for e in ledger.entries)
+    out.unit = "user"
+    return out
+
+
+def largest_group(users: Any, dataset: Any) -> int:
+    """The most records one user holds in ``dataset`` (``users``: the fit's
+    :class:`~lightning_dp.units.Users`): the group size a release per example on these records is charged with
+    (:func:`per_user`)."""
+    ids = users.ids_for(dataset)
+    user = users.user_of(dataset)
+    counts: dict[Any, int] = {}
+    for i in range(len(ids)):
+        key = user(i)
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=1)
+
+
+def continue_on_data(ledger: PrivacyLedger, use: DataUse, unit: str = "example",
+                     group: Optional[Callable[[], int]] = None) -> Optional[str]:
     """Continue, in ``ledger`` (a fit's, before its first release), every release earlier fits in this process made on
     records ``use`` reads, and register ``ledger`` against them. Earlier processes' fits (the ledger store's data
     records) are continued too when :func:`~lightning_dp.accounting.data_store.composes`, else named in a warning.
-    Returns a log line when it grew (``None``: it already held them all, or there were none)."""
+    Returns a log line when it grew (``None``: it already held them all, or there were none).
+
+    ``unit`` is the fit's privacy unit (``"example"`` or ``"user"``). A fit per user continues earlier fits per example
+    charged with the group size (:func:`per_user`; ``group()``: the most records one of its users holds), so its ε
+    per user counts them conservatively; a fit per example after fits per user on its records is refused (a per-user
+    ledger never takes releases per example as they are, nor an example ledger releases per user). A ledger that
+    already holds releases in another unit (a module's own record) is left to the private step's unit check."""
+    if _APART[0]:
+        return None
     earlier = [other for other in releases_on(use) if other is not ledger]
     if not data_store.composes():
         process = [kept for _, kept in _RELEASES]
         stored = [other for other in earlier if all(other is not kept for kept in process)]
         earlier = [other for other in earlier if any(other is kept for kept in process)]
         _warn_stored(stored)
+    if ledger.steps and getattr(ledger, "unit", "example") != unit:
+        return None  # refused before any release (StepChecks._check_ledger_unit): the module's own record
+    if unit == "example" and any(other.unit != "example" for other in earlier):
+        raise _per_user_refusal(sum(other.unit != "example" for other in earlier))
+    size: Optional[int] = None
     before, fits = ledger.steps, 0
     for other in earlier:
+        if other.unit != unit:  # releases per example, in a fit per user: charged with the group size
+            if group is None:
+                raise ValueError("continue_on_data: a fit per user continuing releases per example needs group=")
+            size = group() if size is None else size
+            other = per_user(other, size)
         combined = union(ledger, other)
         if combined.added:
             fits += 1
@@ -309,6 +379,16 @@ def continue_on_data(ledger: PrivacyLedger, use: DataUse) -> Optional[str]:
             f"reads (k-fold cross-validation, a fresh model on the same rows): the ledger continues the releases "
             f"already made on this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon "
             "and PrivacyBudget count them too")
+
+
+def _per_user_refusal(fits: int) -> PrivacyConfigurationError:
+    return PrivacyConfigurationError(
+        f"this fit is per example, but {fits} earlier private fit(s) (in this process, or in the ledger store) trained "
+        "per user (privacy_unit=Users(...)) on records it reads: their releases are accounted per user, and one ε "
+        "per example cannot count them. Train this fit per user as well (DPStrategy(privacy_unit=Users(<the users of "
+        "these records>, ...))): its ε per user then counts both; or train it on records those fits did not read; or, "
+        "if their models (and anything computed from them) were thrown away, call "
+        "lightning_dp.accounting.forget_data_releases(dataset) first.")
 
 
 def _warn_stored(stored: list[PrivacyLedger]) -> None:

@@ -5,6 +5,11 @@ train once, score every canary, turn the correct guesses into an ε lower bound 
 stated confidence (:mod:`lightning_dp.audit.bound`), and compare it with the ε the
 accountant claims for the same run (``ledger_epsilon`` of the strategy's ledger, same δ).
 A lower bound above the claim means the code does not do what the accountant assumes.
+
+Each call is one trial, audited alone: its fit stands apart from the data's record
+(:func:`~lightning_dp.accounting.data_ledgers.apart`), so trials on one dataset neither compose
+in the claim nor spend each other's ``target_epsilon``, and the claim is the ε of this fit's own
+releases (a model fitted before keeps its ledger; only this run's entries are claimed).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_dp.accounting import ledger_epsilon
+from lightning_dp.accounting import data_ledgers, ledger_epsilon
+from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.audit.bound import BoundResult, audit_from_scores
 from lightning_dp.audit.canaries import CanaryDataModule, canary_losses, draw_coins, loss_scores, make_input_canaries
 from lightning_dp.audit.gradient_canaries import GradientCanaryDataModule, GradientCanaryModule
@@ -177,13 +183,13 @@ def _fit(model: nn.Module, datamodule: pl.LightningDataModule, strategy: DPStrat
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), data_ledgers.apart():  # a trial alone: not the trials composed on the data
         warnings.filterwarnings("ignore", message=".*(does not have many workers|Full backward hook|GPU available).*")
         trainer.fit(model, datamodule=datamodule)
 
 
 def _result(bound: BoundResult, strategy: DPStrategy, kind: str, included: int, seed: int) -> AuditResult:
-    ledger = strategy.ledger
+    ledger = _trial(strategy.ledger)  # this trial's releases alone (a model fitted before continues its own ledger)
     claimed = ledger_epsilon(ledger, bound.delta) if ledger.steps else 0.0
     return AuditResult(
         epsilon_lower_bound=bound.epsilon, claimed_epsilon=claimed, delta=bound.delta, confidence=bound.confidence,
@@ -191,6 +197,16 @@ def _result(bound: BoundResult, strategy: DPStrategy, kind: str, included: int, 
         steps=ledger.steps, noise_multiplier=strategy.noise_multiplier, max_grad_norm=strategy.max_grad_norm,
         sample_rate=float(strategy.sample_rate or math.nan), seed=seed,
     )
+
+
+def _trial(ledger: PrivacyLedger) -> PrivacyLedger:
+    """The releases of ``ledger``'s own fit (:attr:`PrivacyLedger.run`): the one trial audited."""
+    if ledger.run is None:
+        return ledger
+    own = PrivacyLedger()
+    own.load_entries(e for e in ledger.entries if e.run == ledger.run)
+    own.unit = ledger.unit
+    return own
 
 
 def _hparam(model: pl.LightningModule, name: str) -> Any:

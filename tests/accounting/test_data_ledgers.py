@@ -9,8 +9,10 @@ import torch
 from torch.utils.data import ConcatDataset, Subset, TensorDataset
 
 from lightning_dp.accounting import forget_data_releases
-from lightning_dp.accounting.data_ledgers import continue_on_data, data_use, releases_on, shares_records, union
+from lightning_dp.accounting.data_ledgers import (continue_on_data, data_use, per_user, register, releases_on,
+                                                  shares_records, union)
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.stored_sources import identifying_rows
 
 
@@ -92,6 +94,30 @@ def test_a_fit_continues_the_releases_on_its_records_once_and_forgetting_warns()
     with pytest.warns(UserWarning, match="understates"):
         assert forget_data_releases(ds) == 2
     assert releases_on(data_use(ds)) == []
+
+
+def test_releases_per_example_are_charged_per_user_as_groups_and_never_mixed_silently():
+    examples, users = _ledger("e", 5, sigma=2.0, q=0.1), _ledger("u", 3)
+    users.unit = "user"
+    charged = per_user(examples, 3)
+    assert charged.unit == "user" and charged.steps == 5
+    assert (charged[0].noise_multiplier, charged[0].sample_rate, charged[0].run) == (
+        pytest.approx(2.0 / 3), pytest.approx(1 - 0.9 ** 3), "e")
+    assert per_user(examples, 1).entries == examples.entries  # one record per user: the plain sum
+    with pytest.raises(ValueError, match="cannot hold releases accounted per example"):
+        union(users, examples)
+    assert union(users, charged).ledger.unit == "user" and union(users, charged).added == 5
+    ds = TensorDataset(torch.randn(50, 4))
+    continue_on_data(users, data_use(ds), "user")
+    fresh = _ledger("f", 0)
+    with pytest.raises(PrivacyConfigurationError, match="trained per user"):
+        continue_on_data(fresh, data_use(ds))  # per example, after a fit per user on the same records
+    groups = _ledger("g", 0)
+    assert continue_on_data(groups, data_use(ds), "user", lambda: 3) and groups.steps == 3
+    register(data_use(Subset(ds, range(10))), examples)  # an earlier fit per example on some of the records
+    assert continue_on_data(groups, data_use(Subset(ds, range(5))), "user", lambda: 3)
+    assert groups.unit == "user" and [e.run for e in groups.entries] == ["u", "e"]
+    assert groups[-1].noise_multiplier == pytest.approx(2.0 / 3)
 
 
 # ---- the same records as other bytes: the library's transforms, casts, column orders (record_checks/row_lineage.py)

@@ -124,3 +124,27 @@ def test_bad_configs_are_refused(bad):
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="kind"):
         run_audit(model=Linear(), datamodule=Blobs(), strategy_kwargs={"noise_multiplier": 1.0}, kind="magic")
+
+
+def test_each_trial_claims_its_own_epsilon_however_many_trials_ran_on_the_data():
+    """Trials on one dataset are runs of the mechanism audited one at a time: the claimed ε is one trial's accountant
+    ε (and its σ calibrated for one trial), not the data's record composed over the trials
+    (accounting/data_ledgers.py), which would raise the claim with every trial and hide a broken mechanism."""
+    from lightning_dp.accounting import epsilon
+
+    class SetUpOnce(Blobs):  # the dataset built once and kept (the trials read the same tensors)
+        def setup(self, stage=None):
+            if not hasattr(self, "ds"):
+                super().setup(stage)
+
+    data = SetUpOnce(n=100, d=64, batch_size=100)
+    budgets = [("gradient", dict(target_epsilon=2.0, target_delta=1e-5)), ("input", dict(noise_multiplier=3.0))]
+    for kind, kwargs in budgets:
+        results = [run_audit(model=Linear(d=64), datamodule=data, canaries=20, kind=kind, max_epochs=5, seed=trial,
+                             noise=ZeroNoise(), delta=1e-5, num_classes=4,
+                             strategy_kwargs=dict(kwargs, max_grad_norm=1.0, sampler_seed=0)) for trial in range(3)]
+        assert [r.steps for r in results] == [5, 5, 5]  # the second trial was refused (its budget spent by the first)
+        for r in results:
+            one = epsilon(r.noise_multiplier, r.sample_rate, 5, 1e-5)
+            assert r.claimed_epsilon == pytest.approx(one)  # was the trials' composition: 3.05, 4.4, 5.5
+            assert one <= 2.0 if kind == "gradient" else r.noise_multiplier == 3.0
