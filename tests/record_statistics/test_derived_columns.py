@@ -101,7 +101,6 @@ def test_columns_of_a_datasets_numpy_arrays_are_read():
     assert any(f.startswith("dataset _Table.w is the balanced class weight") for f in found), found
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # safe twins fitted one after another on the same records
 def test_public_weights_category_ids_and_rounded_features_train():
     g = torch.Generator().manual_seed(1)
     x, y, cat = _target_encoded()
@@ -114,7 +113,8 @@ def test_public_weights_category_ids_and_rounded_features_train():
     majority = torch.cat([torch.zeros(24), torch.ones(24), torch.arange(16) % 2]).long()  # ties split evenly
     assert data_statistics_held([], TensorDataset(torch.cat([X[:, :3], votes[:, None]], 1), majority)) == []
     assert _fit(Weighted(), TensorDataset(X, Y, torch.ones(64))).ledger.steps == 2  # equal weights
-    assert _fit(Weighted(), TensorDataset(X, Y, public)).ledger.steps == 2
+    other, labels = data(64, seed=1).tensors  # other records: its own ledger
+    assert _fit(Weighted(), TensorDataset(other, labels, public)).ledger.steps == 2
     balanced = torch.cat([torch.zeros(32), torch.ones(32)]).long()  # equally frequent classes: weights are all 1
     assert data_statistics_held([], TensorDataset(X, balanced, len(balanced) / (2 * torch.bincount(balanced)[balanced]
                                                                                  .float()))) == []

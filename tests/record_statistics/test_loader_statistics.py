@@ -110,11 +110,11 @@ def test_a_statistic_held_by_the_collator_or_a_datasets_transform_is_refused_bef
     assert unchanged(before, model)
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # safe twins fitted one after another on the same records
 def test_public_constants_and_a_scale_of_255_train():
     imagenet = Compose([Normalize([0.485, 0.456, 0.406, 0.5], [0.229, 0.224, 0.225, 0.25])])
     assert _fit(Transformed(X, Y, imagenet), Standardise(0.0, 255.0)).ledger.steps == 2
-    assert _fit(TensorDataset(X, Y), functools.partial(standardise, mean=7.0, std=3.0)).ledger.steps == 2
+    other, labels = data(64, seed=1).tensors  # other records (mean 7, scale 3 as X): its own ledger
+    assert _fit(TensorDataset(other * 3 + 7, labels), functools.partial(standardise, mean=7.0, std=3.0)).ledger.steps == 2
 
 
 def test_the_walk_stops_at_datasets_tensors_and_torchs_own_objects():

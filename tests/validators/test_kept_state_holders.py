@@ -208,7 +208,6 @@ class CompiledNet(Classifier):
         self.net = torch.compile(self.net, backend="eager")
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_compiled_models_train():
     """torch.compile marks the parameters it saw (``_dynamo_static_input_type``): torch's own, not kept state; a
     compiled LightningModule (as Lightning's docs show) runs its backward graph again in the checks, which buffer
@@ -216,4 +215,4 @@ def test_compiled_models_train():
     torch._dynamo.reset()
     assert fit(CompiledNet(), steps=2).ledger.steps == 2
     torch._dynamo.reset()
-    assert fit(torch.compile(Classifier(), backend="aot_eager"), steps=2).ledger.steps == 2
+    assert fit(torch.compile(Classifier(), backend="aot_eager"), steps=2, seed=1).ledger.steps == 2  # other records

@@ -197,10 +197,10 @@ class ReportsAtValidation(KeepsTrainingLossAtValidation):
         self.held_out = getattr(self, "held_out", []) + [float(self.trainer.callback_metrics["val_loss"])]
 
 
-def _validated_fit(model: Logs, **kwargs: Any) -> Any:
+def _validated_fit(model: Logs, seed: int = 0, **kwargs: Any) -> Any:
     dp = strategy(**kwargs)
     quiet_trainer(strategy=dp, max_steps=8, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0).fit(
-        model, loader(), loader(32))
+        model, loader(seed=seed), loader(32, seed=seed))
     return dp
 
 
@@ -211,12 +211,11 @@ def test_state_kept_during_validation_after_reading_a_training_value_is_refused(
     assert model.trainer.strategy.ledger.steps == 2, "refused at the first validation's end"
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_held_out_results_kept_after_reading_a_training_value_are_refused_unless_declared_public():
     model = ReportsAtValidation()
     with pytest.raises(PrivacyConfigurationError, match="attribute held_out"):
         _validated_fit(model)  # held-out results kept after the read: not told apart from a kept training value
-    dp = _validated_fit(ReportsAtValidation(), public_state=["held_out"])
+    dp = _validated_fit(ReportsAtValidation(), seed=1, public_state=["held_out"])  # other records: its own ledger
     assert dp.ledger.steps == 8
 
 
@@ -297,7 +296,6 @@ class LogsItsAccuracy(Classifier):
         return torch.nn.functional.cross_entropy(logits, batch[1])
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
     model = WeightsByItsRunningLoss()
     with pytest.raises(PrivacyConfigurationError, match=r"'running\.compute\(\)' were read back in training_step"):
@@ -305,7 +303,7 @@ def test_a_metric_computed_inside_the_step_is_refused_and_a_logged_one_trains():
     assert model.trainer.strategy.ledger.steps == 1
     assert model.running.compute.__name__ != "guarded", "the metric computes as before once training ends"
     logged = LogsItsAccuracy()
-    assert fit(logged, steps=8).ledger.steps == 8
+    assert fit(logged, steps=8, seed=1).ledger.steps == 8  # other records: its own ledger
     assert 0 <= float(logged.accuracy.compute()) <= 1
 
 
@@ -335,14 +333,13 @@ class LogsItsRunningLoss(Classifier):
         self.running.update(outputs["loss"])
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_metric_computed_by_the_user_in_the_step_may_be_logged_not_used():
     logged = LogsItsRunningLoss()
     assert fit(logged, steps=6).ledger.steps == 6
     assert float(logged.trainer.callback_metrics["running_loss"]) > 0
     model = LogsItsRunningLoss(scale=True)
     with pytest.raises(PrivacyConfigurationError, match=r"'running\.compute\(\)' were read back in training_step"):
-        fit(model, steps=4)
+        fit(model, steps=4, seed=1)  # other records: its own ledger
     assert model.trainer.strategy.ledger.steps == 1
 
 
@@ -512,16 +509,15 @@ class _PrintsTheBar(pl.Callback):
         print("bar", trainer.progress_bar_callback.get_metrics(trainer, module).get("train_loss_step"))
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_a_logged_value_read_through_a_librarys_accessor_inside_the_step_is_refused(capsys):
-    for model in (ReadsTheProgressBar(), ReadsTheConnector()):
+    for seed, model in enumerate((ReadsTheProgressBar(), ReadsTheConnector())):  # each on records of its own
         with pytest.raises(PrivacyConfigurationError, match=r"(?s)'train_loss_step' were read back in training_step"):
-            quiet_trainer(strategy=strategy(), max_steps=4, enable_progress_bar=True).fit(model, loader())
+            quiet_trainer(strategy=strategy(), max_steps=4, enable_progress_bar=True).fit(model, loader(seed=seed))
         assert model.trainer.strategy.ledger.steps == 1, type(model).__name__
     capsys.readouterr()
     model = LogsToTheBar()
     quiet_trainer(strategy=strategy(), max_steps=4, enable_progress_bar=True, callbacks=[_PrintsTheBar()]).fit(
-        model, loader())
+        model, loader(seed=2))
     assert model.trainer.strategy.ledger.steps == 4
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bar ")]
     assert len(shown) >= 4, shown  # the bar's own reads, outside the step (and their replays): a report

@@ -106,14 +106,13 @@ def test_the_same_teacher_declared_public_trains(make, name):
     assert not unchanged(before, m)
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 @pytest.mark.parametrize("held", ["submodule", "list"])
 def test_a_frozen_teacher_never_stepped_here_trains(held):
     stepped = teacher()
     loaded = teacher(steps=0)
     loaded.load_state_dict(stepped.state_dict())  # weights loaded into fresh tensors: their fit is not seen here
     assert fit(Student(teacher(steps=0), held), steps=2).ledger.steps == 2  # random initialisation
-    assert fit(Student(loaded, held), steps=2).ledger.steps == 2
+    assert fit(Student(loaded, held), steps=2, seed=1).ledger.steps == 2  # other records: its own ledger
 
 
 class Trained(Classifier):

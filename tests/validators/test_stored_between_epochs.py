@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lightning_dp import DPStrategy, PrivacyConfigurationError
 
 
-def _data(n: int = 64):
-    g = torch.Generator().manual_seed(0)
+def _data(n: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)
     return x, (x[:, 0] > 0).long()
 
@@ -54,8 +54,8 @@ class MixFromEpochOne(pl.Callback):
 class Decoded(Dataset):
     """Records decoded into a preallocated buffer of zeros as they are first read."""
 
-    def __init__(self) -> None:
-        self.x, self.y = _data()
+    def __init__(self, seed: int = 0) -> None:
+        self.x, self.y = _data(seed=seed)
         self.decoded = torch.zeros(64, 4)
         self.done: dict = {}
 
@@ -95,7 +95,6 @@ def test_records_mixed_after_a_warm_up_are_refused_before_the_epoch_s_release(re
     assert dp.ledger.steps == 4  # the first epoch's releases; none with the mixed records
 
 
-@pytest.mark.usefixtures("without_data_ledger")  # twins fitted one after another on the same records: each fit's own releases counted
 def test_augmentation_at_each_fetch_and_a_decode_buffer_train():
     assert _fit(Jittered(*_data()), []).ledger.steps == 10
-    assert _fit(Decoded(), []).ledger.steps == 10
+    assert _fit(Decoded(seed=1), []).ledger.steps == 10  # other records: its own ledger

@@ -19,8 +19,8 @@ def data(n: int = 64, d: int = 4, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def loader(n: int = 64, batch_size: int = 16) -> DataLoader:
-    return DataLoader(data(n), batch_size=batch_size)
+def loader(n: int = 64, batch_size: int = 16, seed: int = 0) -> DataLoader:
+    return DataLoader(data(n, seed=seed), batch_size=batch_size)
 
 
 class Classifier(pl.LightningModule):
@@ -49,11 +49,12 @@ def strategy(**kwargs: Any) -> DPStrategy:
     return DPStrategy(**kwargs)
 
 
-def fit(model: pl.LightningModule, steps: int = 3, callbacks: Optional[list] = None, n: int = 64,
+def fit(model: pl.LightningModule, steps: int = 3, callbacks: Optional[list] = None, n: int = 64, seed: int = 0,
         **strategy_kwargs: Any) -> DPStrategy:
-    """``steps`` private steps of ``model``; returns the strategy."""
+    """``steps`` private steps of ``model`` on ``data(n, seed=seed)`` (another seed: other records, so that a test's
+    fits one after another do not continue each other's releases on the data); returns the strategy."""
     dp = strategy(**strategy_kwargs)
-    quiet_trainer(strategy=dp, max_steps=steps, callbacks=callbacks or []).fit(model, loader(n))
+    quiet_trainer(strategy=dp, max_steps=steps, callbacks=callbacks or []).fit(model, loader(n, seed=seed))
     return dp
 
 
