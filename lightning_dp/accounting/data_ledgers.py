@@ -37,6 +37,11 @@ Releases are counted once (a union, not a sum): each ledger entry names the fit 
 (:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`); a fit's entries already in the ledger (a second fit of the
 same module, which continues its own record, on the same data) are not added again (:func:`union`).
 
+One ledger counts one unit. A fit per user continues earlier fits per example on its records charged with the group
+size (:func:`per_user`: a user's m records are a group, each release (σ, q) counts as (σ/m, 1 − (1 − q)^m)); a fit per
+example after fits per user on its records is refused (:func:`continue_on_data`). Fits inside :func:`apart` (the
+privacy auditor's trials) neither continue nor join the record.
+
 :func:`forget_data_releases` clears the record (a notebook that starts over on other data): clearing it while the
 same records are trained on again understates their privacy loss, so it warns.
 """
