@@ -98,3 +98,72 @@ def test_a_lightning_module_with_learnable_prototypes_trains(engine):
     quiet_trainer(strategy=dp, max_steps=3).fit(model, DataLoader(data, batch_size=16))
     assert dp.ledger.steps == 3
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class CosinePrototypes(nn.Module):
+    """zoo29 c07: a cosine classifier, ``F.cosine_similarity(z[:, None, :], protos[None], dim=-1)`` (``pairwise``:
+    ``-F.pairwise_distance`` of the same broadcast instead)."""
+
+    def __init__(self, pairwise: bool = False) -> None:
+        super().__init__()
+        self.pairwise = pairwise
+        self.enc = nn.Sequential(nn.Linear(D, 4, dtype=DT), nn.Tanh())
+        self.protos = nn.Parameter(torch.randn(K, 4, dtype=DT, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.enc(x)
+        if self.pairwise:
+            return -F.pairwise_distance(z[:, None, :], self.protos[None])
+        return 10 * F.cosine_similarity(z[:, None, :], self.protos[None], dim=-1)
+
+
+@pytest.mark.parametrize("pairwise", [False, True])
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_cosine_and_pairwise_prototypes_get_exact_per_example_gradients(engine, pairwise):
+    torch.manual_seed(0)
+    model = CosinePrototypes(pairwise)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, D, generator=g, dtype=DT), torch.randint(0, K, (N,), generator=g)
+    params = list(model.parameters())
+    grads = per_example_grads(model, _loss, x, y, params)
+    C = float(reference(grads, params, float("inf")).norms.median())
+    assert_close_batch(_engine_result(engine, model, x, y, C), reference(grads, params, C), params, rtol=1e-8)
+
+
+class CosineHead(LearnProto):
+    def forward(self, x: Tensor) -> Tensor:
+        return 10 * F.cosine_similarity(self.enc(x)[:, None, :], self.protos[None], dim=-1)
+
+
+class BatchCosine(LearnProto):
+    """The similarity reduced over the examples' dimension: row i depends on every example (not a site)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.enc(x)
+        return F.cosine_similarity(h, self.protos[:1].expand_as(h), dim=0)[:2].expand(x.shape[0], 2)
+
+
+def _fit(model: pl.LightningModule, engine: str = "ghost") -> DPStrategy:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    dp = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, per_sample=engine)
+    quiet_trainer(strategy=dp, max_steps=3).fit(model, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()),
+                                                                  batch_size=16))
+    return dp
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vmap"])
+def test_a_cosine_classifier_trains(engine):
+    torch.manual_seed(0)
+    model = CosineHead()
+    before = model.protos.detach().clone()
+    assert _fit(model, engine).ledger.steps == 3
+    assert not torch.equal(before, model.protos)
+
+
+def test_a_similarity_reduced_over_the_examples_is_refused():
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    torch.manual_seed(0)
+    with pytest.raises(PrivacyConfigurationError):
+        _fit(BatchCosine())

@@ -85,7 +85,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_dp.grad_sample.capture.distance_sites import cdist_site
+from lightning_dp.grad_sample.capture.distance_sites import REDUCED_BROADCASTS, cdist_site, reduced_broadcast_site
 from lightning_dp.validators.example_dim import flattened_rows
 
 
@@ -343,6 +343,10 @@ class BroadcastSites(TorchFunctionMode):
             return result
         if name == "cdist" and cdist_site(self, args, kwargs, result, rows):  # learnable prototypes: distance_sites
             return result
+        if name in REDUCED_BROADCASTS:  # cosine classifiers' prototypes: distance_sites
+            served = reduced_broadcast_site(self, name, args, kwargs, result, rows)
+            if served is not None:
+                return func(*served[0], **served[1])
         if product is not None and self._einsum(product, result, rows):
             return result
         if func is F.embedding and self._functional_embedding(_embedding_arguments(args, kwargs), result, rows):

@@ -1,4 +1,4 @@
-"""``torch.cdist`` of the examples with a followed tensor: a broadcast site (:mod:`.broadcast_sites`).
+"""Distances of the examples to a followed tensor: broadcast sites (:mod:`.broadcast_sites`).
 
 Learnable prototypes (prototypical heads, center-based classifiers, RBF layers) keep a ``[k, d]`` parameter on the
 LightningModule and score each example by its distance to them, ``logits = -torch.cdist(features, self.prototypes)``.
@@ -10,6 +10,13 @@ product of ``cdist(x_i, t)`` with the output gradient's row i, taken for all row
 (the same call, the same ``p`` and ``compute_mode``), and mapped back to t's sources. Rows of verified flattened
 examples (n·m rows) are summed per example. Not a site (the step is refused as before) when t holds the examples'
 rows itself, when x is followed too, or when the result's dimension 0 is not x's.
+
+``F.cosine_similarity(z[:, None, :], self.prototypes[None], dim=-1)`` (cosine classifiers, few-shot heads) and
+``F.pairwise_distance`` broadcast their two inputs and reduce one dimension of the broadcast shape: row i of the result
+depends on the examples' row i and on the followed tensor t alone when the reduced dimension is not the broadcast's
+dimension 0 and t has none there (size 1, or fewer dimensions). Then t is replaced by its explicit expansion to the n
+rows, as at any broadcast site (the same values), and the expansion's row i receives example i's gradient
+(:func:`reduced_broadcast_site`). Not a site when the reduced dimension is dimension 0 or both inputs are followed.
 """
 
 from __future__ import annotations
@@ -53,6 +60,38 @@ def cdist_site(sites: "BroadcastSites", args: tuple, kwargs: dict, result: Any, 
 
     result.register_hook(hook)
     return True
+
+
+REDUCED_BROADCASTS: dict[str, tuple[str, ...]] = {
+    "cosine_similarity": ("x1", "x2", "dim", "eps"),
+    "pairwise_distance": ("x1", "x2", "p", "eps", "keepdim"),
+}
+"""Two-input operations that broadcast their inputs and reduce one dimension (``dim``; the last for
+``pairwise_distance``): the arguments' names in order."""
+
+
+def reduced_broadcast_site(sites: "BroadcastSites", name: str, args: tuple, kwargs: dict, result: Any,
+                           rows: set[int]) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` of a :data:`REDUCED_BROADCASTS` call with its one followed input replaced by the expansion
+    to the result's n rows (module docstring: the caller runs the call on them), or None: not a site."""
+    names = REDUCED_BROADCASTS[name]
+    if len(args) > len(names) or any(k not in names for k in kwargs) or not isinstance(result, Tensor):
+        return None
+    bound = {**dict(zip(names, args)), **kwargs}
+    x1, x2 = bound.get("x1"), bound.get("x2")
+    if not isinstance(x1, Tensor) or not isinstance(x2, Tensor):
+        return None
+    followed = [k for k, v in (("x1", x1), ("x2", x2)) if sites._sources(v)]
+    if len(followed) != 1:
+        return None
+    t = bound[followed[0]]
+    rank = max(x1.dim(), x2.dim())
+    reduced = bound.get("dim", 1) if name == "cosine_similarity" else -1
+    if rank < 2 or not isinstance(reduced, int) or reduced % rank == 0 or not result.dim() \
+            or result.shape[0] not in rows or not (t.dim() < rank or t.shape[0] == 1):
+        return None
+    bound[followed[0]] = sites._expanded(t, sites._sources(t), rank, result.shape[0])
+    return (), bound
 
 
 def _cdist_arguments(args: tuple, kwargs: dict) -> Optional[tuple[Tensor, Tensor, dict]]:
