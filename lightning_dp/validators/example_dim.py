@@ -244,17 +244,30 @@ def check_lookups_served(unserved: Mapping[str, Sequence[tuple[int, ...]]], n: O
     """Raise :func:`lookup_use_error` if a layer called without the examples had its output used otherwise than
     broadcast over them."""
     if unserved and n is not None:
-        raise lookup_use_error(unserved)
+        raise lookup_use_error(unserved, n)
 
 
-def lookup_use_error(unserved: Mapping[str, Sequence[tuple[int, ...]]]) -> PrivacyConfigurationError:
+def lookup_use_error(unserved: Mapping[str, Sequence[tuple[int, ...]]], n: Optional[int] = None
+                     ) -> PrivacyConfigurationError:
     """A layer called without the examples (a position table, a relative-position projection), whose output the
-    model combined with the batch otherwise than by broadcasting it: its examples' gradients cannot be told apart."""
+    model combined with the batch otherwise than by broadcasting it: its examples' gradients cannot be told apart.
+    When every such call had fewer rows than the step's ``n`` sampled examples, the message leads with the likely
+    cause: records dropped between the sampler and the model."""
     lines = [f"layer '{name or '<root>'}' (output {', '.join(str(s) for s in shapes[:2])})"
              for name, shapes in unserved.items()]
+    shapes = [s for found in unserved.values() for s in found]
+    fewer = bool(n) and bool(shapes) and all(len(s) and 0 < s[0] < n for s in shapes)
+    dropped = (f"The step sampled {n} examples, but the model was called on fewer rows: a collate_fn, a transform or "
+               "training_step dropped sampled records (keeping rows by the batch's own values — its median, its "
+               "majority label — makes who is kept depend on the other records, and the batch size the sampler's "
+               "accounting assumes is no longer the one trained on). Keep every sampled record (a record the "
+               "dataset cannot read may be returned as None and dropped by the collate; records/empty_records.py), "
+               "or weight the rows (a per-example mask in the loss) instead of filtering them. "
+               "Details: " if fewer else "")
     return PrivacyConfigurationError(
-        "These layers were called without the step's examples in dimension 0, and their output did not reach the "
-        "loss by being broadcast over the examples (added to, multiplied with, expanded or repeated to the batch):"
+        dropped + "These layers were called without the step's examples in dimension 0, and their output did not "
+        "reach the loss by being broadcast over the examples (added to, multiplied with, expanded or repeated to the "
+        "batch):"
         "\n- " + "\n- ".join(lines) + "\nEither the layer sees the batch in another layout (flattened by a copy, "
         "x[:, 1:].reshape(-1, d), or time-major), or it is a table shared by all examples used otherwise than "
         "broadcast (summed into the loss; used as a weight; repeated over the batch, repeat(B, …), and then not "
