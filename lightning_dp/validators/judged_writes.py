@@ -2,8 +2,8 @@
 docs/release_boundary.md) instead of refused outright.
 
 A hook that runs after the release, or that is handed no batch — :data:`HOOKS`: a batch's end, ``on_before_zero_grad``,
-``on_before_optimizer_step``, ``configure_gradient_clipping``, a validation's start during a fit, ``on_train_end`` (an
-adapter merged into the weights: qa13 c7) — may write the
+``on_before_optimizer_step``, ``configure_gradient_clipping``, a validation's start and end during a fit,
+``on_train_end`` (an adapter merged into the weights: qa13 c7) — may write the
 parameters, buffers, the model's or a callback's attributes, or the released ĝ, as a function of released state only:
 post-processing, which DP allows (a Keras-style max-norm projection of the weights, a clamp, ``clip_grad_norm_`` of
 ĝ, an EMA of the weights kept at a batch's end and swapped in for validation, weight decay by hand). Such a write is
@@ -33,16 +33,27 @@ judged where it is made:
    check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it
    back), which refuse them as before.
 
-Cost: a hook that wrote nothing at its first call is not watched again (a later write is refused by the release
-boundary as before: not judged); a batch's end stays watched while the first step's replays found its hooks writing
-(``expected``). A hook that writes pays its runs again at every call.
+Cost: a hook that wrote nothing at its first call is not run again at its later calls: each is watched by the release
+boundary's fingerprint (version counters and norms, no full checksums, no starting state) and a write it starts
+making later — at step 5, on the second epoch, once the loss is low — is refused there (:meth:`_Judge.watched`:
+it cannot be run again from where it started), even under a name the boundary accepts for other reasons (a counter
+``training_step`` keeps, overwritten from the data: judged29); a hook that writes from its first call on is judged
+at each. A batch's end stays fully watched while the first step's replays found its hooks writing (``expected``). A
+hook that writes pays its runs again at every call.
 
 What starts as released: at the start of training, a tensor of the user's state equal to a parameter (an EMA's copy of
-the weights) or all zeros (a counter) is a function of the released state. Not judged: ``on_validation_end`` (its
-writes are the baseline of the next release, as the rest of validation's), the hooks inside the step
-(``training_step``, ``on_train_batch_start``, ``on_before_backward``: the replays of :mod:`.step_replays` judge them),
-a hook called by the user's own code. Python numbers and strings of the user's state keep their values in a run again
-(:mod:`.held_values`): a write computed from one held as a float is not seen as the data's.
+the weights) or all zeros (a counter) is a function of the released state. At ``on_validation_end`` the other tensors
+of the user's state keep their values in the runs again (they hold what validation computed on held-out data: the
+best held-out loss kept from its outputs trains); the training data is exchanged and its logged values moved, so a
+statistic of the training set read there (``trainer.train_dataloader.dataset.tensors``, which no record read shows)
+is refused; a copy of the training data the user's state held before the fit, read there, is not seen. Not judged:
+``on_validation_epoch_end`` and ``validation_step`` (held-out data: what they keep after validation reads a training
+record is refused by the comparison at validation's end), the hooks inside the step (``training_step``,
+``on_train_batch_start``, ``on_before_backward``: the replays of :mod:`.step_replays` judge them), a hook called by
+the user's own code. Python numbers and strings of the user's state keep their values in a run again
+(:mod:`.held_values`): a write computed from one held as a float is not seen as the data's (a float of the training
+set taken before the fit scaling the weights passes, as a C or σ chosen on it would; giving them other values would
+refuse an EMA's decay and a max-norm bound held as floats on a callback, which cannot save hyper-parameters: judged29).
 """
 
 from __future__ import annotations
@@ -68,7 +79,7 @@ if TYPE_CHECKING:
 __all__ = ["HOOKS", "unwatch", "watch_fit"]
 
 HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_before_optimizer_step", "configure_gradient_clipping",
-         "on_validation_start", "on_train_end")
+         "on_validation_start", "on_validation_end", "on_train_end")
 """The hooks whose writes are judged (module docstring)."""
 
 _BEFORE_UPDATE = ("on_before_optimizer_step", "configure_gradient_clipping")
@@ -124,7 +135,7 @@ class _Judge:
         trainer, module = self.trainer, self.trainer.lightning_module
         if getattr(module, "_current_fx_name", None) != name or getattr(trainer.strategy, "private_step", None) is None:
             return False
-        if name == "on_validation_start":
+        if name in ("on_validation_start", "on_validation_end"):
             return trainer.state.fn == "fit" and trainer.validating and not trainer.sanity_checking
         return bool(trainer.training)
 
@@ -159,7 +170,7 @@ class _Judge:
         """Run the hook; judge what it wrote (module docstring)."""
         key = (type(owner), name)
         if key in self.quiet and not (name == "on_train_batch_end" and self.expected()):
-            return hook(owner, *args, **kwargs)
+            return self.watched(hook, owner, name, args, kwargs)
         boundary, fingerprint = self.step.boundary, self.fingerprint()
         callbacks = boundary.callbacks()
         self.mark_released()
@@ -184,6 +195,7 @@ class _Judge:
         written = start.written(library=True) if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
         again.handed = args
+        again.arrays = name != "on_validation_end"  # what validation computed and keeps: held-out data's
         reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
                                                                                              self.trainer))
 
@@ -202,6 +214,29 @@ class _Judge:
                 boundary.released([p for _, p in params if p.grad is not None and p.requires_grad])
         return result
 
+    def watched(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run a hook that wrote nothing at its first call (no starting state taken, no full checksums) and refuse
+        what it writes now: kept state, as the release boundary's fingerprint shows it, or a parameter (module
+        docstring: a write that starts later — at step 5, on the second epoch, once the loss is low — cannot be run
+        again from where it started; the boundary alone would let one through under a name it accepts for other
+        reasons, a counter ``training_step`` keeps)."""
+        fingerprint, callbacks = self.fingerprint(), self.step.boundary.callbacks()
+        params = list(self.trainer.lightning_module.named_parameters())
+        places = [(p.data_ptr(), p._version) for _, p in params]
+        before = fingerprint.take(callbacks)
+        result = hook(owner, *args, **kwargs)
+        names = list(dict.fromkeys([*StateFingerprint.changed(before, fingerprint.take(callbacks)), *(
+            f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
+        if name in _BEFORE_UPDATE:  # (ĝ changed: the check before the update refuses it, as at a judged call)
+            names = [n for n in names if n.startswith("parameter ")]
+
+        def judge() -> None:
+            if names:
+                raise self.step.boundary.written_error(names, _LATE.format(
+                    hook=f"{type(owner).__name__}.{name} at step {self.trainer.global_step}"))
+        self.step.on_every_rank(judge, f"refused a late write in {name}")
+        return result
+
 
 class _RunAgain:
     """The runs again of one judged call, each from its starting state, compared with the first (module docstring)."""
@@ -213,6 +248,7 @@ class _RunAgain:
         self.params = [(p, p.detach().clone()) for p in module.parameters()]
         self.first_grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p, *_ in grads]
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
+        self.arrays = True  # the other arrays of the user's state given other values (not at validation's end)
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
         """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly. Every rank
@@ -235,7 +271,8 @@ class _RunAgain:
 
     def _once(self, hook: Callable[[tuple], Any], variant: tuple, other_data: bool = True) -> Optional[set[str]]:
         """What one run again wrote otherwise than the first (``None``: it failed). Python numbers keep their values
-        (a counter the hook keeps would move with them)."""
+        (a counter the hook keeps would move with them; so would an EMA's decay or a max-norm bound held as a float:
+        judged29)."""
         fingerprint, callbacks = self.judge.fingerprint(), self.judge.step.boundary.callbacks()
         apart: list[set[str]] = []
 
@@ -251,7 +288,8 @@ class _RunAgain:
                             if not bit_exact(p.grad, value)}
                          | {path for path, (_, value) in self.written.items()
                             if path not in held or not bit_exact(held[path], value)})
-        ran = self.start.run_again(run, {}, numbers=False, other_data=other_data) is not None and len(apart) == 1
+        ran = self.start.run_again(run, {}, numbers=False, other_data=other_data, arrays=self.arrays) is not None \
+            and len(apart) == 1
         return apart[0] if ran else None
 
 
@@ -275,3 +313,9 @@ _WHERE = ("in {hook}, outside the step: run again from the state it started from
           "exchanged, a batch's values exchanged and its loss moved, the other arrays of your state given other "
           "values, the logged values moved), it did not write the same, so the write depends on the training data "
           "(a write computed from the released weights and ĝ alone is reproduced and accepted)")
+
+_LATE = ("in {hook}, outside the step: this hook wrote nothing at its first call, so its calls are not run again "
+         "from where they start, and a write it starts making later cannot be judged (a value set from the data at "
+         "step 5, on the second epoch or once the loss is low). Make the hook write from its first call on (an EMA "
+         "updated from step 0), so that each of its calls is run again on other data and judged")
+

@@ -205,13 +205,16 @@ class StartingState:
         self.saved.put_back()
 
     def run_again(self, run: Callable[[], Any], written: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  numbers: bool = True, other_data: bool = True) -> "logger_outputs.Calls | None":
+                  numbers: bool = True, other_data: bool = True,
+                  arrays: bool = True) -> "logger_outputs.Calls | None":
         """The calls of ``run`` (the hook) run again from this state on the exchanged data, recorded; ``None`` when
         it fails or no exchanged copy of the training data exists. The state as it is now is put back after. Of the
         tensors the first run ``written``, those the run again makes alike are functions of the released state
         (:func:`~.held_values.derived_from_released`). ``numbers``: the Python values given other values too
         (:func:`~.held_values.numbers_held`; their names kept in :attr:`numbers`). ``other_data=False``: on the
-        same data (a control: what differs there too is not the data's, a time stamp)."""
+        same data (a control: what differs there too is not the data's, a time stamp). ``arrays=False``: the other
+        tensors and arrays of the user's state keep their values (validation's end: they hold the held-out
+        validation's outputs)."""
         if self.step._source is None:
             return None
         calls = logger_outputs.Calls(again=True)
@@ -233,7 +236,7 @@ class StartingState:
                 self.numbers = held.names if held is not None else self.numbers
                 held = held if other_data else None
                 with exchanged.exchanged() if other_data else nullcontext(), \
-                        others.exchanged() if other_data else nullcontext(), \
+                        others.exchanged() if other_data and arrays else nullcontext(), \
                         held.exchanged() if held is not None else nullcontext(), \
                         moved, replaying(self.module), logger_outputs.recorded(calls):
                     run()
