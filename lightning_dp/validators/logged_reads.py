@@ -90,6 +90,7 @@ class LoggedReads:
         self.started = time.time()  # files the loggers changed since are theirs (logger_copies)
         self._values: dict[str, collections.deque] = {}  # name -> the values sent to the loggers (the latest _KEPT)
         self._moving = 0
+        self.rebuilt = logger_copies.refeeds(trainer, self.started - 1)  # the user's loggers: rebuilt, not searched
 
     def install(self) -> None:
         """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
@@ -131,7 +132,7 @@ class LoggedReads:
                     logger_copies.moved(getattr(self.trainer, "loggers", None) or (), names, lambda v: _moved(v, up),
                                         files=bool(getattr(self.trainer, "is_global_zero", True)),
                                         other=lambda v: _moved(v, not up), values=self.logged_values(names),
-                                        since=self.started - 1):
+                                        since=self.started - 1, rebuilt=self.rebuilt):
                 yield
         finally:
             self._moving -= 1
@@ -205,6 +206,7 @@ class LoggedReads:
         metrics compute as they did."""
         self.active = False
         self.unwatch_metrics()
+        self.rebuilt.stop()
         _watch_results(None)
         connector = getattr(self.trainer, "_logger_connector", None)
         for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):

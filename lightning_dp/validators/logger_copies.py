@@ -23,6 +23,14 @@ significant digits and is not whole; under a logged name, beside it in a row or 
   rewritten with the moved values for the replay and their bytes put back after, each time by an atomic replace.
   Rows still in memory are moved there, not flushed: the file and the memory read alike in every run.
 
+A logger of the user's own (its class not under ``lightning`` or ``pytorch_lightning``) may keep the values in any
+one-to-one re-encoding (``round(v, 2)``, ``int(v * 1000)``, ``f"L{v:.6f}"``, pickled bytes, a ``.npy`` file), which no
+search finds: it is not searched but rebuilt (:mod:`lightning_dp.value_copies.refed_loggers`, made at the fit's start
+by :func:`refeeds`): for each run, its attributes as they were at the fit's start, its files written since set apart
+(any file), fed again the ``log_metrics`` and ``save`` calls it received with the moved values; put back after. One
+whose attributes do not copy (a lock, an open file), past the calls recorded, or raising when fed again is named in a
+warning and searched as below.
+
 A history holds several values of one name (one per epoch or step), and moving them all alike keeps their order: a rule
 comparing the last two (``h[-1] > h[-2] - 0.05``: a plateau) would decide alike on every run. So the values of a name
 along a history (a container's items, a file's rows or lines) are moved alternately: the ``move`` given at even
@@ -30,9 +38,10 @@ positions, ``other`` at odd ones (the replays pass far and near zero, then near 
 :meth:`~.logged_reads.LoggedReads.moved`) — two neighbours swap their order in one of the two runs, and every value
 moves both ways.
 
-Not moved: binary files (TensorBoard's event files) and remote stores (wandb, MLflow); a copy a logger keeps outside
-its own and its experiment's attributes (a global list), past the walk's bounds, or as a whole number or a short one
-(0.5) found by its value only; a file written outside the loggers' folders. Reading them back from a hook is not seen.
+Not moved (in Lightning's loggers and the user's searched ones): binary files (TensorBoard's event files) and remote
+stores (wandb, MLflow); a copy a logger keeps outside its own and its experiment's attributes (a global list), past the
+walk's bounds, or as a whole number or a short one (0.5) found by its value only; a file written outside the loggers'
+folders. Reading them back from a hook is not seen.
 
 Reading the copies is not refused by itself: a callback printing the history, a rule on the held-out loss the same
 rows hold, are sound; a read cannot be told from its use, and a copy is reachable by any attribute, file or library
@@ -43,14 +52,15 @@ dicts: by the windows' runs with the copies moved.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from lightning_dp.value_copies.in_memory import Walk
 from lightning_dp.value_copies.logged_values import LoggedValues
+from lightning_dp.value_copies.refed_loggers import Refeeds
 from lightning_dp.value_copies.text_files import replace, rewrite_file, written
 
-__all__ = ["moved"]
+__all__ = ["moved", "refeeds"]
 
 _PLACES = ("log_dir", "save_dir", "root_dir")  # the folders a logger names (properties: read, never set)
 
@@ -94,16 +104,37 @@ def _property(holder: Any, name: str) -> Any:
         return None
 
 
+def refeeds(trainer: Any, since: float) -> Refeeds:
+    """The trainer's loggers of the user's own, rebuilt in each run rather than searched
+    (:mod:`lightning_dp.value_copies.refed_loggers`), as they are at the fit's start (``since``: its time)."""
+    shared = [trainer, getattr(trainer, "lightning_module", None), getattr(trainer, "strategy", None),
+              getattr(trainer, "datamodule", None), *(getattr(trainer, "callbacks", None) or ()),
+              *(getattr(trainer, "loggers", None) or ()), *(getattr(trainer, "optimizers", None) or ())]
+    return Refeeds(getattr(trainer, "loggers", None) or (), lambda logger: _places(_holders([logger])), since,
+                   [o for o in shared if o is not None])
+
+
 @contextmanager
 def moved(loggers: Iterable[Any], names: Iterable[str], move: Callable[[Any], Any], files: bool = True,
           other: Optional[Callable[[Any], Any]] = None, values: Optional[Mapping[str, Iterable[Any]]] = None,
-          since: Optional[float] = None) -> Iterator[None]:
+          since: Optional[float] = None, rebuilt: Optional[Refeeds] = None) -> Iterator[None]:
     """Inside, the copies the loggers hold of the values logged under ``names`` (``values``: those logged this fit,
     by name, to find their copies by value) in memory and, given ``files``, in the text files changed since ``since``
     (on the global rank zero only, which Lightning's loggers write from; two ranks rewriting one file could leave it
     moved) read ``move(value)`` — ``other(value)`` at the odd positions of a history (default: ``move``); as they
-    were after (module docstring)."""
+    were after (module docstring). The user's own loggers ``rebuilt`` holds are rebuilt instead
+    (:meth:`~lightning_dp.value_copies.refed_loggers.Refeeds.moved`), the others searched."""
     logged = set(names)
+    with rebuilt.moved(logged, (move, other or move), files) if rebuilt is not None else nullcontext(set()) as done:
+        with _searched([lg for lg in loggers if id(lg) not in done], logged, move, files, other, values, since):
+            yield
+
+
+@contextmanager
+def _searched(loggers: Iterable[Any], logged: set[str], move: Callable[[Any], Any], files: bool,
+              other: Optional[Callable[[Any], Any]], values: Optional[Mapping[str, Iterable[Any]]],
+              since: Optional[float]) -> Iterator[None]:
+    """:func:`moved` for the loggers searched (by name and by value)."""
     objects = _holders(loggers) if logged else []
     prefixes = {p for p in (getattr(o, "_prefix", None) for o in objects) if isinstance(p, str) and p}
     keys = {f"{prefix}-{name}" for prefix in prefixes for name in logged}  # as a prefixed logger keys them

@@ -8,7 +8,8 @@ order they are written (a history, :mod:`lightning_dp.validators.logger_copies`)
 The files looked at (:func:`written`): the files and folders the loggers name (their ``log_dir``, ``save_dir``,
 ``root_dir``, any path an attribute holds), the text files in them (:data:`SUFFIXES`) changed since the fit began,
 :data:`LEVELS` folders deep (hidden ones and environments skipped), at most :data:`FILES` files of
-:data:`FILE_BYTES` each, :data:`BYTES` in all. Binary files (TensorBoard's event files) are not read.
+:data:`FILE_BYTES` each, :data:`BYTES` in all. Binary files (TensorBoard's event files) are not read (those a user's
+logger wrote are set apart whatever their kind: :mod:`.logger_files`).
 """
 
 from __future__ import annotations
@@ -97,17 +98,18 @@ def rewrite_file(path: str, logged: LoggedValues) -> Optional[tuple[bytes, bytes
     return (original, new.encode("utf-8")) if new != text else None
 
 
-def written(places: Iterable[Any], since: Optional[float] = None) -> list[str]:
-    """The text files at or under ``places`` (paths: files or folders) changed since ``since`` (any time: ``None``),
-    within the bounds of the module docstring."""
+def written(places: Iterable[Any], since: Optional[float] = None,
+            suffixes: Optional[tuple[str, ...]] = SUFFIXES) -> list[str]:
+    """The text files (``suffixes``; any file: ``None``, :mod:`.logger_files`) at or under ``places`` (paths: files
+    or folders) changed since ``since`` (any time: ``None``), within the bounds of the module docstring."""
     found: list[str] = []
     folders: list[tuple[str, int]] = []
     total = 0
 
     def take(path: str, size: int, mtime: float) -> None:
         nonlocal total
-        if (path.endswith(SUFFIXES) and size <= FILE_BYTES and total + size <= BYTES and len(found) < FILES
-                and (since is None or mtime >= since) and path not in found):
+        if ((suffixes is None or path.endswith(suffixes)) and size <= FILE_BYTES and total + size <= BYTES
+                and len(found) < FILES and (since is None or mtime >= since) and path not in found):
             found.append(path)
             total += size
 

@@ -1,0 +1,299 @@
+"""A user's own logger rebuilt for each run of the user's hooks with the logged values moved: its state at the fit's
+start, fed again the calls it received since, with those values moved.
+
+Searching a logger's memory and files for copies of the logged values (:mod:`.in_memory`, :mod:`.text_files`) finds
+what it keeps as Lightning handed it, by name or by value; a logger of the user's own may keep any one-to-one
+re-encoding of them instead (``round(v, 2)``, ``int(v * 1000)``, ``f"L{v:.6f}"``, ``pickle.dumps(v)``, a ``.npy``
+file, ``(0.37 * v, 0.63 * v)``), which no search finds. So a logger whose class is not Lightning's own
+(:func:`users`: its module not under ``lightning`` or ``pytorch_lightning``) is not searched but rebuilt
+(:class:`Refeeds`):
+
+* at the fit's start, its attributes are copied (``copy.deepcopy`` of its ``__dict__``, its created experiment with
+  them; the trainer, the module, the strategy, the callbacks, the loggers and the optimizers it may hold are shared,
+  not copied), the files at or under its paths kept (:class:`.logger_files.LoggerFiles`), and every call of its
+  ``log_metrics`` and ``save`` (the two Lightning makes each time it logs) recorded from then on, in order — at most
+  :data:`CALLS` of them (past that the logger is searched again, as below);
+* for each run (:meth:`Refeeds.moved`), it is given a fresh copy of its attributes at the fit's start, its files
+  written since are set apart (any file, binary too), and its own ``log_metrics`` and ``save`` are called again with
+  the recorded calls in order, the values of the moved names in them moved (alternately along each name's history,
+  as the searched copies move: ``move`` at even positions, ``other`` at odd ones), the others (held-out values, the
+  epoch) as they were. Whatever it keeps, and however, is then what the moved values make it. The attributes' top
+  containers (a list, dict, deque or set) and its experiment's attributes are moved into the objects it held (an
+  alias a callback keeps reads them too). After the run its attributes, their contents and its files are as they
+  were; what the run logged to it is dropped.
+
+Where its attributes cannot be copied at the fit's start (a lock, an open file), where it received more than
+:data:`CALLS` calls, or where fed again it raises, a warning names it once and it is searched
+(:mod:`lightning_dp.validators.logger_copies`) from then on. On ranks other than the global zero its files are not set
+apart (two ranks would race over one folder): one that wrote files since the fit's start is searched there. What its
+other methods did since the fit's start (``log_hyperparams``, ``after_save_checkpoint``, the user's own calls) is not
+done again. The cost: one copy of its attributes at the fit's start and one per run, and the recorded calls fed
+again per run — the runs are made only when a decision window judges (docs/release_boundary.md, rule 6).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import inspect
+import os
+import warnings
+from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr, redirect_stdout
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.value_copies.logger_files import LoggerFiles
+
+__all__ = ["CALLS", "LIGHTNING", "RECORDED", "RefedLogger", "Refeeds", "users"]
+
+LIGHTNING = ("lightning", "pytorch_lightning")
+"""The packages whose loggers are searched, not rebuilt (what they keep is known: :mod:`.in_memory`)."""
+CALLS = 10_000
+"""The calls recorded of one logger at most (Lightning's default: one ``log_metrics`` and one ``save`` every 50
+steps and at each epoch's end)."""
+RECORDED = ("log_metrics", "save")
+"""The methods whose calls are recorded and made again."""
+
+Moves = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+Call = tuple[str, tuple, dict]
+_MUTABLE = (list, dict, collections.deque, set)
+
+
+def users(logger: Any) -> bool:
+    """Whether ``logger``'s class is the user's (or another library's): not under :data:`LIGHTNING`."""
+    return (type(logger).__module__ or "").split(".")[0] not in LIGHTNING
+
+
+class RefedLogger:
+    """One user's logger: its attributes at the fit's start, its files, and the calls it received since.
+
+    Raises whatever ``copy.deepcopy`` raises where its attributes do not copy.
+    """
+
+    def __init__(self, logger: Any, shared: Iterable[Any], files: LoggerFiles) -> None:
+        self.logger = logger
+        self.shared = [logger, *shared]
+        self.snapshot = self._copy(dict(vars(logger)))
+        self.files = files
+        self.calls: list[Call] = []
+        self.failed = False
+        self._inside = 0  # a recorded method calling another (``save`` from ``log_metrics``), a run: not recorded
+        self.functions = {name: _own(type(logger), name) for name in RECORDED}
+        if any(not inspect.isfunction(f) for f in self.functions.values()) or any(n in vars(logger) for n in RECORDED):
+            raise TypeError("its log_metrics or save is not a plain method")
+        _record(self)
+
+    def _copy(self, value: Any) -> Any:
+        return copy.deepcopy(value, {id(o): o for o in self.shared})
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """The logger's own ``name`` method called, the call recorded (not one made inside another, nor in a run)."""
+        if not self._inside:
+            self._note(name, args, kwargs)
+        self._inside += 1
+        try:
+            return self.functions[name](self.logger, *args, **kwargs)
+        finally:
+            self._inside -= 1
+
+    def _note(self, name: str, args: tuple, kwargs: dict) -> None:
+        if self.failed:
+            return
+        if len(self.calls) >= CALLS:
+            self.fail(f"received more than {CALLS:,} calls of log_metrics and save during the fit")
+            return
+        if name == "log_metrics":  # Lightning passes one dict to every logger: kept as it was now
+            if isinstance(kwargs.get("metrics"), Mapping):
+                kwargs = {**kwargs, "metrics": dict(kwargs["metrics"])}
+            elif args and isinstance(args[0], Mapping):
+                args = (dict(args[0]), *args[1:])
+        self.calls.append((name, args, dict(kwargs)))
+
+    def fail(self, why: str) -> None:
+        """From now on the logger is searched, not rebuilt: said once."""
+        if not self.failed:
+            self.failed, self.calls = True, []
+            warnings.warn(f"lightning_dp: the logger {type(self.logger).__name__} {why}: from now on its copies of the "
+                          "values logged from the training data are searched by name and by value only, and what it "
+                          "keeps of them re-encoded (rounded, scaled, as text, pickled, in a binary file) does not "
+                          "move in the runs that judge decisions from them (docs/release_boundary.md, rule 6).",
+                          stacklevel=3)
+
+    @contextmanager
+    def rebuilt(self, names: set[str], moves: Moves, files: bool) -> Iterator[None]:
+        """Inside, the logger holds what its state at the fit's start makes of the recorded calls, the values of
+        ``names`` moved (and, given ``files``, its files are set apart); after, it is as it was."""
+        holder = vars(self.logger)
+        real = dict(holder)
+        filled: list[tuple[Any, Any]] = []
+        self._inside += 1
+        with self.files.set_apart() if files else nullcontext():
+            try:
+                state = self._copy(self.snapshot)
+                holder.clear()
+                holder.update(state)
+                counts: dict[str, int] = {}
+                with open(os.devnull, "w") as silent, redirect_stdout(silent), redirect_stderr(silent):
+                    for name, args, kwargs in self.calls:
+                        if name == "log_metrics":
+                            args, kwargs = _moved_call(args, kwargs, names, moves, counts)
+                        self.functions[name](self.logger, *args, **kwargs)
+                _into_held(holder, real, filled)
+                yield
+            finally:
+                for container, items in reversed(filled):
+                    _fill(container, items)
+                holder.clear()
+                holder.update(real)
+                self._inside -= 1
+
+    def stop(self) -> None:
+        """No more calls are recorded: the logger's class has its own methods again (once no fit records it)."""
+        _unrecord(self)
+
+
+class Refeeds:
+    """The user's loggers of one fit, rebuilt in each run (module docstring); ``places(logger)``: the paths it names,
+    ``since``: the fit's start (a time), ``shared``: the objects not copied."""
+
+    def __init__(self, loggers: Iterable[Any], places: Callable[[Any], list[str]], since: float,
+                 shared: Iterable[Any] = ()) -> None:
+        self.refed: list[RefedLogger] = []
+        shared = list(shared)
+        for logger in loggers:
+            if not users(logger) or not hasattr(logger, "__dict__"):
+                continue
+            try:
+                files = LoggerFiles(functools.partial(places, logger), since)
+                self.refed.append(RefedLogger(logger, shared, files))
+            except Exception as error:  # noqa: BLE001  (a lock, an open file: searched instead)
+                warnings.warn(f"lightning_dp: the logger {type(logger).__name__} could not be copied at the fit's "
+                              f"start ({type(error).__name__}: it holds a lock, an open file, ...): its copies of the "
+                              "values logged from the training data are searched by name and by value only, and what "
+                              "it keeps of them re-encoded (rounded, scaled, as text, pickled, in a binary file) does "
+                              "not move in the runs that judge decisions from them; keep its state copyable (open its "
+                              "files when it writes) to have it rebuilt (docs/release_boundary.md, rule 6).",
+                              stacklevel=2)
+
+    @contextmanager
+    def moved(self, names: Iterable[str], moves: Moves, files: bool = True) -> Iterator[set[int]]:
+        """Inside, each logger rebuilt with the values of ``names`` moved; yields the ids of those rebuilt (the others
+        are searched). ``files``: on the global rank zero (else a logger that wrote files is not rebuilt)."""
+        names = set(names)
+        rebuilt: set[int] = set()
+        with ExitStack() as stack:
+            for refed in self.refed if names else ():
+                if refed.failed or (not files and refed.files.changed()):
+                    continue
+                try:
+                    stack.enter_context(refed.rebuilt(names, moves, files))
+                except PrivacyConfigurationError:
+                    raise
+                except Exception as error:  # noqa: BLE001  (the user's code fed again: searched instead)
+                    refed.fail(f"raised {type(error).__name__} when fed its calls again with the values moved")
+                    continue
+                rebuilt.add(id(refed.logger))
+            yield rebuilt
+
+    def stop(self) -> None:
+        """The fit is over: the loggers' methods are their own again (their states and calls are kept: a run after
+        the last update is rebuilt too)."""
+        for refed in self.refed:
+            refed.stop()
+
+
+def _moved_call(args: tuple, kwargs: dict, names: set[str], moves: Moves, counts: dict[str, int]) -> tuple[tuple, dict]:
+    """A ``log_metrics`` call with the values of ``names`` moved, the ``n``-th of a name by ``moves[n % 2]``."""
+    def moved(metrics: Any) -> Any:
+        if not isinstance(metrics, Mapping):
+            return metrics
+        out = dict(metrics)
+        for key in [k for k in out if k in names]:
+            position = counts.get(key, 0)
+            out[key] = moves[position % 2](out[key])
+            counts[key] = position + 1
+        return out
+
+    if "metrics" in kwargs:
+        return args, {**kwargs, "metrics": moved(kwargs["metrics"])}
+    return ((moved(args[0]), *args[1:]) if args else args), kwargs
+
+
+def _into_held(holder: dict, real: dict, filled: list[tuple[Any, Any]]) -> None:
+    """The rebuilt attributes' top containers, and its experiment's attributes, moved into the objects the logger
+    held (aliases read them); what those held noted in ``filled``."""
+    for key, value in list(holder.items()):
+        old = real.get(key)
+        if old is None or old is value or type(old) is not type(value):
+            continue
+        if isinstance(old, _MUTABLE):
+            filled.append((old, dict(old) if isinstance(old, dict) else list(old)))
+            _fill(old, value)
+            holder[key] = old
+        elif key in ("_experiment", "experiment") and hasattr(old, "__dict__"):
+            filled.append((vars(old), dict(vars(old))))
+            _fill(vars(old), vars(value))
+            holder[key] = old
+
+
+def _fill(container: Any, items: Any) -> None:
+    """``container`` (a list, deque, set or dict) holds ``items`` in place."""
+    if isinstance(container, dict):
+        new = dict(items)
+        dict.clear(container)
+        dict.update(container, new)
+    elif isinstance(container, list):
+        container[:] = list(items)
+    else:
+        new = list(items)
+        container.clear()
+        container.extend(new) if isinstance(container, collections.deque) else container.update(new)
+
+
+_RECORDING: dict[int, RefedLogger] = {}  # id(logger) -> its recording, while a fit records it
+_PATCHED: dict[type, dict[str, Any]] = {}  # a logger class -> its own methods of the names patched (None: inherited)
+
+
+def _own(cls: type, name: str) -> Any:
+    """``cls``'s method ``name`` as the user wrote it (not as :func:`_record` patched it)."""
+    function = inspect.getattr_static(cls, name, None)
+    while hasattr(function, "__lightning_dp_own__"):
+        function = function.__lightning_dp_own__
+    return function
+
+
+def _record(refed: RefedLogger) -> None:
+    """The calls of ``refed.logger``'s methods recorded: its class's methods (once per class) call through
+    :meth:`RefedLogger.call` for a logger recorded, as they were for any other (the logger's own attributes are left
+    alone: they are its kept state)."""
+    _RECORDING[id(refed.logger)] = refed
+    cls = type(refed.logger)
+    if cls in _PATCHED:
+        return
+    _PATCHED[cls] = {name: vars(cls).get(name) for name in RECORDED}
+    for name in RECORDED:
+        function = _own(cls, name)
+
+        @functools.wraps(function)
+        def method(logger: Any, *args: Any, _name: str = name, _function: Any = function, **kwargs: Any) -> Any:
+            refed = _RECORDING.get(id(logger))
+            if refed is None or refed.logger is not logger:
+                return _function(logger, *args, **kwargs)
+            return refed.call(_name, args, kwargs)
+
+        method.__lightning_dp_own__ = function  # type: ignore[attr-defined]
+        setattr(cls, name, method)
+
+
+def _unrecord(refed: RefedLogger) -> None:
+    """``refed.logger`` no longer recorded; its class's methods its own again once none of its loggers is."""
+    if _RECORDING.get(id(refed.logger)) is refed:
+        del _RECORDING[id(refed.logger)]
+    cls = type(refed.logger)
+    if cls in _PATCHED and not any(type(r.logger) is cls for r in _RECORDING.values()):
+        for name, own in _PATCHED.pop(cls).items():
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
