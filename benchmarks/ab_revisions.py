@@ -12,7 +12,9 @@ initial weights, :func:`cost_floor.build`) with its own :class:`~lightning_dp.pr
 Each round runs one step of each in a shuffled order. Printed: each tree's median ms per step and median ratio to
 the non-private step of the same round, and the median and quartiles of the per-round difference rev − working
 tree (positive: the working tree is faster); with ``--fingerprint``, the boundary's two kept-state fingerprints and
-their comparison alone instead of the step (the non-private step still beside them); with ``--clipping``, the ghost
+their comparison alone instead of the step (the non-private step still beside them); with ``--boundary``, the
+boundary's per-step reads alone (:func:`boundary_alone`: the parameter set, the optimizer's state, the fingerprints);
+with ``--clipping``, the ghost
 engine's clipping alone (norms, factors and clipped sums of one captured step, again each round). With ``--phases``,
 the same for each phase of the step (begin, forward and loss; backward; release; optimizer step): a change's own phase
 varies far less from round to round than the whole step. With ``--cpu``, every time is this thread's CPU time instead
@@ -114,6 +116,7 @@ def private_step(package: str, model_name: str, batch: int, prefetch: bool) -> C
     run.step = step  # type: ignore[attr-defined]
     run.phases = phases  # type: ignore[attr-defined]
     run.boundary = step.boundary  # type: ignore[attr-defined]
+    run.optimizer = opt  # type: ignore[attr-defined]
     return run
 
 
@@ -128,6 +131,24 @@ def fingerprint_pair(run: Callable[[], None]) -> Callable[[], None]:
         fingerprint.changed(before, fingerprint.take(callbacks()))
 
     return pair
+
+
+def boundary_alone(run: Callable[[], None]) -> Callable[[], None]:
+    """``--boundary``: the release boundary's per-step reads alone, as a step makes them (``PrivateStep.begin``'s
+    parameter-set check and optimizer read, the release's parameter list, optimizer check and kept-state check, the
+    baseline after the update), on the model and optimizer as a few steps left them."""
+    boundary, opt = run.boundary, run.optimizer  # type: ignore[attr-defined]
+    fingerprint, callbacks = boundary._fingerprint, boundary.callbacks
+
+    def reads() -> None:
+        boundary.parameters_changed()
+        boundary.step_begins()
+        boundary.trainable()
+        boundary.check_hyperparameters(opt)
+        before = fingerprint.take(callbacks())
+        fingerprint.changed(before, fingerprint.take(callbacks()))
+
+    return reads
 
 
 def clipping_alone(run: Callable[[], None]) -> Callable[[], None]:
@@ -157,6 +178,8 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="also the paired differences of each phase of the step")
     ap.add_argument("--fingerprint", action="store_true", help="time the boundary's two fingerprints and their "
                     "comparison alone (after a few steps of each tree), not the step")
+    ap.add_argument("--boundary", action="store_true", help="time the release boundary's per-step reads alone (the "
+                    "parameter set, the optimizer's state twice, the two fingerprints) after a few steps, not the step")
     ap.add_argument("--clipping", action="store_true", help="time the engine's clipping alone (norms, factors, "
                     "clipped sums) on one captured step of each tree, again each round, not the step")
     ap.add_argument("--cpu", action="store_true", help="time this thread's CPU time, not the wall clock (a shared "
@@ -180,6 +203,13 @@ def main() -> None:
                     steps[name]()
             steps = {"nonprivate": steps["nonprivate"], "rev": fingerprint_pair(steps["rev"]),
                      "tree": fingerprint_pair(steps["tree"])}
+        if args.boundary:
+            for _ in range(5):
+                for name in ("rev", "tree"):
+                    steps[name].prepare()  # type: ignore[attr-defined]
+                    steps[name]()
+            steps = {"nonprivate": steps["nonprivate"], "rev": boundary_alone(steps["rev"]),
+                     "tree": boundary_alone(steps["tree"])}
         if args.clipping:
             for _ in range(5):
                 for name in ("rev", "tree"):
@@ -209,7 +239,8 @@ def main() -> None:
     q1, _, q3 = statistics.quantiles(diff, n=4)
     print(f"non-private {statistics.median(ms['nonprivate']):.3f} ms; rev - tree: median "
           f"{statistics.median(diff):.3f} ms (quartiles {q1:.3f} .. {q3:.3f})")
-    if args.phases and not (args.fingerprint or args.clipping):  # the same rounds' phases: a change's own varies less
+    if args.phases and not (args.fingerprint or args.clipping or args.boundary):  # the same rounds' phases: a
+        # change's own varies less
         for phase in PHASES:
             a, b = steps["rev"].phases[phase][skip:], steps["tree"].phases[phase][skip:]  # type: ignore[attr-defined]
             d = [x - y for x, y in zip(a, b)]

@@ -15,8 +15,10 @@ import ctypes.util
 import hashlib
 import io
 import itertools
+import operator
 import os
 import weakref
+from itertools import repeat
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
@@ -32,6 +34,7 @@ class Checksums:
     def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
         self.snapshots: dict[tuple[Any, ...], _Snapshot] = {}
+        self.layouts: dict[tuple[torch.device, torch.dtype], _GroupLayout] = {}  # norm_tokens' groups, as last seen
         """The last copy of the contents of each group of tensors (:func:`norm_tokens`), by the group's layout: a
         fingerprint finding the tensors' bits still those of the copy holds the copy again instead of a new one."""
 
@@ -57,6 +60,7 @@ class Checksums:
     def forget(self) -> None:
         self._cache.clear()
         self.snapshots.clear()
+        self.layouts.clear()
 
 
 def content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
@@ -118,16 +122,16 @@ def norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] =
     normed: dict[torch.device, list[tuple[str, Tensor]]] = {}
     with torch.no_grad():  # (so no graph: the tensors need no detach)
         for (device, dtype), group in groups.items():
-            if device.type == "cpu" and dtype.itemsize in _BITS and not any(hasattr(t, "to_local") for _, t in group) \
-                    and sum(t.numel() for _, t in group) * dtype.itemsize <= SNAPSHOT_BYTES:
-                tensors = [t for _, t in group]
-                key = (device, dtype, *((id(t), tuple(t.shape)) for t in tensors))
-                last = sums.snapshots.get(key) if sums is not None else None
+            tensors = [t for _, t in group]
+            layout = _GroupLayout.of(sums, device, dtype, group, tensors)
+            if device.type == "cpu" and dtype.itemsize in _BITS and not any(map(hasattr, tensors, repeat("to_local"))) \
+                    and layout.numel * dtype.itemsize <= SNAPSHOT_BYTES:
+                last = sums.snapshots.get(layout.key) if sums is not None else None
                 # (the key fixes the layout: the shapes, one dtype)
                 snapshot = last if last is not None and last.holds(tensors, True) else _Snapshot(tensors, last)
                 if sums is not None:
-                    sums.snapshots[key] = snapshot
-                out.update(("contents of " + name, _Contents(snapshot, k)) for k, (name, _) in enumerate(group))
+                    sums.snapshots[layout.key] = snapshot
+                out.update(zip(layout.names, layout.contents(snapshot)))
             else:
                 normed.setdefault(device, []).extend(group)
         for device, group in normed.items():
@@ -139,6 +143,48 @@ def norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] =
             else:
                 out[f"contents of {len(group)} parameters and buffers on {device}"] = _DeviceNorms(norms)
     return out
+
+
+class _GroupLayout:
+    """What :func:`norm_tokens` derives from a group's tensors (one device and dtype) and their names alone: the
+    snapshot key (ids and shapes), the total size, the entry names and, per snapshot, its tokens (:class:`_Contents`).
+    Kept in :class:`Checksums` (``layouts``) and used again while the group holds the same tensors (by identity: held
+    here, so no id is reused) under the same names with the same shapes (a ``.data`` swap or ``set_`` to another size
+    shows there), each compared in a C loop; else made anew."""
+
+    __slots__ = ("tensors", "named", "names", "shapes", "key", "numel", "_tokens")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, group: Sequence[tuple[str, Tensor]],
+                 tensors: list[Tensor], shapes: list[torch.Size]) -> None:
+        self.tensors, self.shapes = tensors, shapes
+        self.named = list(map(_NAME, group))
+        self.names = ["contents of " + name for name in self.named]
+        self.key = (device, dtype, *zip(map(id, tensors), map(tuple, shapes)))
+        self.numel = sum(t.numel() for t in tensors)
+        self._tokens: Optional[tuple[_Snapshot, list[_Contents]]] = None
+
+    @classmethod
+    def of(cls, sums: Optional["Checksums"], device: torch.device, dtype: torch.dtype,
+           group: Sequence[tuple[str, Tensor]], tensors: list[Tensor]) -> "_GroupLayout":
+        """The layout of ``group`` (``tensors``: its tensors), kept in ``sums`` if it is the one kept there."""
+        shapes = list(map(_SHAPE, tensors))
+        kept = sums.layouts.get((device, dtype)) if sums is not None else None
+        if kept is not None and len(kept.tensors) == len(tensors) and all(map(operator.is_, tensors, kept.tensors)) \
+                and kept.shapes == shapes and kept.named == list(map(_NAME, group)):
+            return kept
+        layout = cls(device, dtype, group, tensors, shapes)
+        if sums is not None:
+            sums.layouts[(device, dtype)] = layout
+        return layout
+
+    def contents(self, snapshot: "_Snapshot") -> list["_Contents"]:
+        """The tokens of the group's tensors in ``snapshot`` (the same objects again for the same snapshot)."""
+        if self._tokens is None or self._tokens[0] is not snapshot:
+            self._tokens = (snapshot, [_Contents(snapshot, k) for k in range(len(self.tensors))])
+        return self._tokens[1]
+
+
+_SHAPE, _NAME = operator.attrgetter("shape"), operator.itemgetter(0)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -57,8 +57,10 @@ replays judge lie beside it: the optimizers', the trainer's and the library obje
 
 from __future__ import annotations
 
+import operator
 import types
 import weakref
+from itertools import repeat
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
@@ -83,6 +85,17 @@ def attribute_keys(module: nn.Module) -> set[str]:
     """Every attribute name held by ``module`` or a submodule (before and after an engine attaches: the difference
     is the engine's own, never fingerprinted nor restored)."""
     return {key for m in module.modules() for key in vars(m)}
+
+
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+
+
+def same_parameters(a: Sequence[tuple[str, Tensor]], b: Sequence[tuple[str, Tensor]]) -> bool:
+    """Whether two (name, parameter) lists (:meth:`StateFingerprint.trainable`) hold the same parameters, by identity,
+    under the same names in the same order (compared in C loops; a list holds its parameters, so an id is not reused
+    while it is kept)."""
+    return len(a) == len(b) and all(map(operator.is_, map(_SECOND, a), map(_SECOND, b))) \
+        and list(map(_FIRST, a)) == list(map(_FIRST, b))
 
 
 class StateFingerprint:
@@ -127,6 +140,8 @@ class StateFingerprint:
         self._buffer_slots: list[tuple[str, dict, str]] = []
         self._public_memo: dict[str, bool] = {}
         self._tuples: dict[str, tuple[tuple, Hashable]] = {}  # entry → (tuple of scalars, its token): _tuple_token
+        self._trainable: Optional[tuple[list, list, list[bool], list[tuple[str, Tensor]]]] = None  # trainable()
+        self._held: Optional[tuple[list, list, Any]] = None  # _held_objects()
 
     def refresh(self) -> None:
         """Walk the module tree again at the next fingerprint (a re-attached engine, a changed parameter set)."""
@@ -157,13 +172,31 @@ class StateFingerprint:
         if self.parameters is not None:
             return [(name, p) for name, p in self.parameters() if p.requires_grad]
         self._structure()
+        slots = self._all_param_slots
+        # what each slot holds and whether it trains, read in C loops: the same objects (held by the cache, so none
+        # is at a freed one's address) with the same flags in the same slots give the same list
+        held = list(map(dict.get, map(_SECOND, slots), map(_THIRD, slots)))
+        flags = list(map(getattr, held, repeat("requires_grad"), repeat(False)))
+        cached = self._trainable
+        if cached is not None and cached[0] is slots and cached[2] == flags and all(map(operator.is_, held, cached[1])):
+            return list(cached[3])
         out, seen = [], set()
-        for name, slots, key in self._all_param_slots:
-            p = slots.get(key)
-            if p is not None and p.requires_grad and id(p) not in seen:
+        for (name, _, _), p, training in zip(slots, held, flags):
+            if training and id(p) not in seen:
                 seen.add(id(p))
                 out.append((name, p))
-        return out
+        self._trainable = (slots, held, flags, out)
+        return list(out)
+
+    def _held_objects(self, layout: list[tuple[str, nn.Module, Optional[list[str]]]]) -> Any:
+        """:func:`held_objects` of the tree walked and the parameters in its slots: the last one again while the
+        walk is the same (:meth:`_structure`) and every slot holds the same object (read in C loops; held here)."""
+        slots = self._all_param_slots
+        in_slots = list(map(dict.get, map(_SECOND, slots), map(_THIRD, slots)))
+        kept = self._held
+        if kept is None or kept[0] is not slots or not all(map(operator.is_, in_slots, kept[1])):
+            kept = self._held = (slots, in_slots, held_objects(layout, slots))
+        return kept[2]
 
     def _is_public(self, path: str) -> bool:
         known = self._public_memo.get(path)
@@ -179,7 +212,7 @@ class StateFingerprint:
         entries: Fingerprint = {}
         tensors: list[tuple[str, Tensor]] = []
         layout = self._structure()
-        self.held = held_objects(layout, self._all_param_slots)  # what a baseline taken now holds: replaced_objects.py
+        self.held = self._held_objects(layout)  # what a baseline taken now holds: replaced_objects.py
         if self.parameters is not None:
             params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
         else:

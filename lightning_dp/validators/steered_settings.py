@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+import operator
 import weakref
-from typing import Any, Callable, Sequence
+from collections import defaultdict
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter
+from typing import Any, Callable, Optional, Sequence
 
 from torch import Tensor
 
@@ -39,34 +43,49 @@ def hyperparameters(optimizer: Any) -> Fingerprint:
 
 
 class OptimizerState:
-    """:func:`hyperparameters` as taken now, its state entries held as rows (group, parameter, key, then the tensor's
-    id, version and shape, or the value's token) that compare as a whole without naming them: a release's check
-    (:meth:`changed`) names its entries only when the rows differ. The rows hold their tensors, so no id is reused."""
+    """:func:`hyperparameters` as taken now, its state entries held as rows that compare as a whole without naming
+    them: ``rows`` is (labels: (group, parameter, key) of each entry; ids: a tensor's id, else ``None``; tokens: a
+    tensor's version, else the value's token; shapes: a tensor's shape, else ``None``), equal exactly when the entries
+    are. A release's check (:meth:`changed`) names its entries only when the rows differ. The rows hold their tensors,
+    so no id is reused. An optimizer read again with the same layout (:class:`_StateLayout`) reuses its labels and ids
+    and reads only the versions and shapes anew."""
 
     __slots__ = ("settings", "rows", "tensors", "extra")
 
     def __init__(self, optimizer: Any) -> None:
-        self.settings, self.extra = settings(optimizer), extra_state(optimizer)
+        self.settings = settings(optimizer)
+        layout = _StateLayout.read(optimizer)
+        if layout is not None:  # the same tensors under the same keys, and no other key: their versions and shapes
+            self.extra, self.tensors = {}, layout.values
+            self.rows = (layout.labels, layout.ids, [*map(_VERSION, layout.values)], [*map(_SHAPE, layout.values)])
+            return
+        self.extra = extra_state(optimizer)
+        labels: list[tuple[int, int, Any]] = []
+        ids: list[Any] = []
+        tokens: list[Any] = []
+        shapes: list[Any] = []
+        self.tensors = []
         # by identity: what `state.get(p)` finds (a tensor hashes by its id), without a Python __hash__ call a parameter
-        state = {id(p): values for p, values in optimizer.state.items()}
-        self.rows: list[tuple] = []
-        self.tensors: list[Tensor] = []
+        state = dict(zip(map(id, optimizer.state), optimizer.state.values()))
         for i, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 values = state.get(id(p))
                 if values:
                     for key, value in values.items():
+                        labels.append((i, j, key))
                         if isinstance(value, Tensor):
                             self.tensors.append(value)
-                            self.rows.append((i, j, key, id(value), value._version, value.shape))
+                            ids.append(id(value)), tokens.append(value._version), shapes.append(value.shape)
                         else:
-                            self.rows.append((i, j, key, None, freeze(value), None))
+                            ids.append(None), tokens.append(freeze(value)), shapes.append(None)
+        self.rows = (labels, ids, tokens, shapes)
+        _StateLayout.keep(optimizer, state, self)
 
     def entries(self) -> Fingerprint:
         """The fingerprint entries (:func:`hyperparameters`)."""
         out = dict(self.settings)
         tensors = iter(self.tensors)
-        for i, j, key, tensor_id, token, shape in self.rows:  # a tensor's token: its version
+        for (i, j, key), tensor_id, token, shape in zip(*self.rows):  # a tensor's token: its version
             out[f"optimizer state[{i}][{j}].{key}"] = (token if tensor_id is None
                                                        else (Same(next(tensors)), token, tuple(shape)))
         out.update(self.extra)  # keys that are not its parameters: a loss kept for a loss-aware step size
@@ -78,6 +97,72 @@ class OptimizerState:
                 and not changed_entries(self.extra, after.extra):
             return []
         return changed_entries(self.entries(), after.entries())
+
+
+_VERSION, _SHAPE, _PARAMS = attrgetter("_version"), attrgetter("shape"), itemgetter("params")
+
+
+class _StateLayout:
+    """Where an optimizer's state entries were when last read in full (:class:`OptimizerState`), kept when every value
+    was a tensor and every key of the state a parameter of the groups (:func:`extra_state` empty): the groups'
+    parameters (held, in order, with each group's length), the state dict each one found (held; ``_MISSING``: none),
+    the state's keys and values in that order (values held), and the rows' labels and ids. A later read in which all
+    of these are the same objects (C loops: ``operator.is_``), with the same keys and the state as long, finds the same
+    labels and ids and no other key, so only the versions and shapes are read again (:meth:`read`); anything else is
+    read in full. (No other key: each parameter finds what it found, a key or not, and the state is as long.)"""
+
+    __slots__ = ("lengths", "params", "dicts", "holders", "keys", "values", "labels", "ids", "state_length")
+    _kept: "weakref.WeakKeyDictionary[Any, _StateLayout]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def keep(cls, optimizer: Any, state: dict[int, Any], read: OptimizerState) -> None:
+        """Keep the layout of ``read`` (just read in full; ``state``: the state by parameter id) for ``optimizer``; one
+        that cannot be kept drops the one kept before (its tensors no longer held)."""
+        try:
+            cls._kept.pop(optimizer, None)
+        except TypeError:  # not weakly referable or not hashable: read in full every time
+            return
+        layout = cls()
+        groups = [_PARAMS(group) for group in optimizer.param_groups]
+        layout.lengths = list(map(len, groups))
+        layout.params = list(chain.from_iterable(groups))
+        layout.dicts = list(map(state.get, map(id, layout.params), repeat(_MISSING)))
+        layout.holders = [d for d in layout.dicts if d is not _MISSING and d is not None]
+        if not all(type(d) is dict for d in layout.holders):
+            return
+        layout.keys = list(chain.from_iterable(layout.holders))
+        layout.values = list(chain.from_iterable(map(dict.values, layout.holders)))
+        layout.labels, layout.ids = read.rows[0], read.rows[1]
+        layout.state_length = len(state)
+        if None in layout.ids or read.extra or len({id(p) for p in layout.params if id(p) in state}) != len(state):
+            return  # a value not a tensor, or a key not a parameter: read in full every time
+        try:
+            cls._kept[optimizer] = layout
+        except TypeError:  # not hashable: read in full every time
+            pass
+
+    @classmethod
+    def read(cls, optimizer: Any) -> Optional["_StateLayout"]:
+        """The layout kept for ``optimizer`` if its state is still laid out so (see the class), else ``None``."""
+        try:
+            layout = cls._kept.get(optimizer)
+        except TypeError:
+            return None
+        state = getattr(optimizer, "state", None)
+        if layout is None or type(state) not in (dict, defaultdict) or len(state) != layout.state_length:
+            return None
+        groups = list(map(_PARAMS, optimizer.param_groups))
+        params = list(chain.from_iterable(groups))
+        if list(map(len, groups)) != layout.lengths or not all(map(operator.is_, params, layout.params)):
+            return None
+        dicts = list(map(dict(zip(map(id, state), state.values())).get, map(id, params), repeat(_MISSING)))
+        if not all(map(operator.is_, dicts, layout.dicts)):
+            return None
+        values = list(chain.from_iterable(map(dict.values, layout.holders)))  # (the same dicts: just checked)
+        if len(values) != len(layout.values) or not all(map(operator.is_, values, layout.values)) \
+                or list(chain.from_iterable(layout.holders)) != layout.keys:
+            return None
+        return layout
 
 
 def settings(optimizer: Any) -> Fingerprint:

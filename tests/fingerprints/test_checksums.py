@@ -167,3 +167,32 @@ def test_a_write_shows_to_either_comparison_and_on_a_strided_parameter(memcmp: b
     _low_bit(model)
     assert StateFingerprint.changed(before, fingerprint.take()) == ["contents of parameter 0.weight",
                                                                     "contents of parameter 1.weight"]
+
+
+@pytest.mark.parametrize("change", ["data of another shape", "data of the same shape", "set_ to another size",
+                                    "parameter replaced"])
+def test_a_group_layout_kept_between_fingerprints_still_sees_a_swap_or_a_new_parameter(change: str) -> None:
+    """:func:`norm_tokens` keeps each group's names, snapshot key and tokens (``Checksums.layouts``) while it holds
+    the same tensors with the same shapes: a ``.data`` swap (same identity and version counter; another shape with
+    the same bytes, or other bytes), a ``set_`` to another size and a parameter replaced in its slot are each seen."""
+    model = _model()
+    fingerprint = StateFingerprint(model)
+    fingerprint.take()
+    before = fingerprint.take()  # from the kept layout
+    kept = dict(fingerprint._sums.layouts)
+    weight = model[0].weight
+    with torch.no_grad():
+        if change == "data of another shape":
+            weight.data = weight.data.clone().reshape(4, 16)  # the same bits, laid out otherwise
+        elif change == "data of the same shape":
+            weight.data = weight.data.clone().neg()
+        elif change == "set_ to another size":
+            weight.set_(torch.zeros(3, 3))
+        else:
+            model[0].weight = nn.Parameter(weight.detach().clone())  # the same bits in a new parameter
+    changed = StateFingerprint.changed(before, fingerprint.take())
+    contents = change != "parameter replaced"  # a new parameter with the same bits: only its identity differs
+    assert "parameter 0.weight" in changed and ("contents of parameter 0.weight" in changed) == contents, changed
+    assert not [c for c in changed if "0.weight" not in c], changed
+    # made anew where the tensors or shapes differ; kept for other bytes in the same shape (the copy tells those)
+    assert (fingerprint._sums.layouts == kept) == (change == "data of the same shape")

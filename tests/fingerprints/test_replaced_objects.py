@@ -31,3 +31,17 @@ def test_nothing_is_new_in_an_unchanged_model():
     with torch.no_grad():
         model[2].weight.mul_(2.0)
     assert replaced_entries(fingerprint.held, model, names) == []
+
+
+def test_the_held_objects_kept_between_fingerprints_follow_a_rebound_parameter():
+    """A fingerprint's ``held`` (the tree and the parameters in their slots) is the last one again while every slot
+    holds the same object: a parameter rebound since is held as the new one by the next fingerprint."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fingerprint = StateFingerprint(model)
+    fingerprint.take()
+    names = list(fingerprint.take())  # its held objects kept from the first
+    held = fingerprint.held
+    model[2].bias = nn.Parameter(torch.zeros(2))
+    assert replaced_entries(held, model, names) == ["parameter 2.bias", "contents of parameter 2.bias"]
+    names = list(fingerprint.take())
+    assert replaced_entries(fingerprint.held, model, names) == []

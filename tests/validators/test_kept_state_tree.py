@@ -163,3 +163,38 @@ def test_verify_takes_only_the_new_layer_not_a_buffer_the_step_wrote_from_its_ba
         assert step.ledger.steps == 1
     finally:
         step.detach()
+
+
+def test_the_trainable_list_kept_between_calls_still_sees_every_change():
+    """``trainable()`` gives its last list again when every parameter slot holds the same object with the same
+    ``requires_grad`` (read in C loops): a parameter replaced in its slot, one at a freed one's address, one frozen or
+    unfrozen, one set to ``None`` and a tied one are each listed as ``named_parameters`` lists them, and
+    ``ReleaseBoundary.parameters_changed`` (which compares by identity and name) sees each."""
+    from lightning_dp.privacy.boundary import ReleaseBoundary
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    fingerprint = StateFingerprint(model)
+    boundary = ReleaseBoundary()
+    boundary.attach(model, None, {}, set())
+
+    def rebind_freed() -> None:
+        freed = id(model[0].weight)
+        model[0].weight = None
+        made = [nn.Parameter(torch.zeros(4, 4)) for _ in range(200)]  # CPython hands a freed object's memory on
+        model[0].weight = next((p for p in made if id(p) == freed), made[0])
+
+    def expected() -> list[tuple[str, int]]:
+        return [(name, id(p)) for name, p in model.named_parameters() if p.requires_grad]
+
+    changes = {"replaced": lambda: setattr(model[2], "bias", nn.Parameter(torch.zeros(4))),
+               "freed": rebind_freed, "frozen": lambda: model[0].bias.requires_grad_(False),
+               "unfrozen": lambda: model[0].bias.requires_grad_(True),
+               "none": lambda: setattr(model[2], "bias", None),
+               "tied": lambda: setattr(model[2], "weight", model[0].weight)}
+    for name, change in changes.items():
+        fingerprint.trainable(), fingerprint.trainable()  # the second from the kept list
+        boundary.attach(model, None, {}, set())
+        assert not boundary.parameters_changed(), name
+        change()
+        assert [(n, id(p)) for n, p in fingerprint.trainable()] == expected(), name
+        assert boundary.parameters_changed(), name

@@ -84,3 +84,67 @@ def test_the_optimizer_state_compared_as_rows_names_what_the_entries_name():
         assert rows.changed(OptimizerState(opt)) == expected, name
         assert bool(expected) == (name != "none"), name
         assert rows.entries() == before, name
+
+
+def test_an_optimizer_read_again_in_the_same_layout_still_finds_every_write():
+    """:class:`OptimizerState` reads an optimizer whose state is laid out as at its last full read (the same parameters,
+    state dicts, keys and tensors, every value a tensor, no key but a parameter) by the tensors' versions and shapes
+    only (``_StateLayout``): each write below is found there as a full read finds it (an in-place write, ``set_`` to
+    another size, a moment rebound at a freed one's address, a new key, a non-tensor value, a key that is no
+    parameter, a parameter's state dropped while another key comes in, the state dict replaced, a key renamed, a
+    learning rate, a group added, a parameter left out, two parameters' states swapped), and nothing
+    when nothing changed."""
+    from lightning_dp.validators.steered_settings import OptimizerState, _StateLayout
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model[:2].parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    w, b = model[0].weight, model[0].bias
+
+    def rebind() -> None:
+        freed = id(opt.state[w]["exp_avg"])
+        opt.state[w]["exp_avg"] = None
+        made = [torch.zeros(8, 4) for _ in range(500)]
+        opt.state[w]["exp_avg"] = next((t for t in made if id(t) == freed), made[0])
+
+    def swap_in() -> None:
+        del opt.state[b]
+        opt.state["loss_scale"] = torch.ones(())
+
+    def rename() -> None:  # the same tensors in the same order, one under another key
+        held = opt.state[w]
+        items = [("exp_avg_2" if k == "exp_avg" else k, v) for k, v in held.items()]
+        held.clear()
+        held.update(items)
+
+    def move() -> None:  # the same dicts, each under the other parameter
+        opt.state[w], opt.state[b] = opt.state[b], opt.state[w]
+
+    writes = {"none": lambda: None, "in place": lambda: opt.state[w]["exp_avg"].add_(1.0),
+              "set_": lambda: opt.state[w]["exp_avg"].set_(torch.zeros(3)), "rebound": rebind,
+              "new key": lambda: opt.state[w].__setitem__("kept", torch.ones(2)),
+              "value": lambda: opt.state[w].__setitem__("scale", 2.0),
+              "not a parameter": lambda: opt.state.__setitem__("loss_scale", 1.0), "swapped in": swap_in,
+              "dict replaced": lambda: opt.state.__setitem__(w, dict(opt.state[w])), "renamed": rename,
+              "lr": lambda: opt.param_groups[0].update(lr=1), "moved": move,
+              "group": lambda: opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5}),
+              "left out": lambda: opt.param_groups[0]["params"].pop(1)}
+    for name, write in writes.items():
+        state = {p: dict(s) for p, s in opt.state.items()}
+        groups = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+        OptimizerState(opt)  # a full read: its layout kept
+        rows = OptimizerState(opt)
+        assert _StateLayout.read(opt) is not None, name  # read by versions and shapes
+        _StateLayout._kept.clear()
+        full = OptimizerState(opt)  # read in full
+        assert rows.rows == full.rows and rows.entries() == full.entries(), name
+        write()
+        again = OptimizerState(opt)
+        _StateLayout._kept.clear()
+        expected = full.changed(OptimizerState(opt))
+        assert rows.changed(again) == expected, name
+        assert bool(expected) == (name not in ("none", "dict replaced")), name
+        opt.state.clear()
+        opt.state.update(state)
+        opt.param_groups[:] = groups

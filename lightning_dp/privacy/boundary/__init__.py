@@ -46,7 +46,7 @@ from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, accepted
 from lightning_dp.fingerprints.replaced_objects import replaced_entries
 from lightning_dp.validators.kept_state import (StateFingerprint, StateWrittenError, attribute_keys, raw_gradient_error,
-                                                state_written_error)
+                                                same_parameters, state_written_error)
 from lightning_dp.validators.steered_settings import OptimizerState, hyperparameters, hyperparameters_error
 
 __all__ = ["ReleaseBoundary", "StateSnapshot", "StateWrittenError", "attribute_keys", "gradient_hooks",
@@ -92,7 +92,7 @@ class ReleaseBoundary:
         self._fingerprint: Optional[StateFingerprint] = None
         self._baseline: Optional[Fingerprint] = None
         self._allowed: HookKeys = {}
-        self._signature: ParameterSignature = ()
+        self._signature: list[tuple[str, Tensor]] = []  # trainable() as attached: the parameters held
         self._step_hook: Any = None
         self._pre_hook: Any = None
         self._released: Optional[list[tuple[str, Tensor, Any, int]]] = None  # (name, p, p.grad, its version)
@@ -122,7 +122,7 @@ class ReleaseBoundary:
             self._fingerprint = self.fingerprint(module)
         self._fingerprint.refresh()
         self._module, self._iterations = module, PowerIterations(module)
-        self._signature = self._parameter_signature()
+        self._signature = self.trainable()
         self._watch(optimizer)
 
     def _watch(self, optimizer: Optional[Optimizer]) -> None:
@@ -208,10 +208,7 @@ class ReleaseBoundary:
     # ------------------------------------------------------------------ checks
     def parameters_changed(self) -> bool:
         """Whether the trainable parameters (identities or names) differ from those attached."""
-        return self._module is not None and self._parameter_signature() != self._signature
-
-    def _parameter_signature(self) -> ParameterSignature:
-        return tuple((name, Same(p)) for name, p in self.trainable())
+        return self._module is not None and not same_parameters(self.trainable(), self._signature)
 
     def trainable(self) -> list[tuple[str, Tensor]]:
         """(name, parameter) of the model's trainable parameters now (cheap: no walk of the module tree)."""
