@@ -72,7 +72,7 @@ from lightning_dp.record_checks.stored_records import (StoredRecords, changed_re
 from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
-from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge
+from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -335,6 +335,7 @@ class PrivateTraining:
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in private_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
+        metric_writes.install(self._logged_reads)  # and their entries must be Lightning's (self.log), not written
         self._logged_reads.watch_metrics(module, self._exempt)
         diagnostic_reads.watch(lambda: module._current_fx_name if module._current_fx_name in STEP_HOOKS else None)
         datasets = self.private_step.boundary.datasets()  # the training loader's (PrivateStep.poisson_loader)
@@ -621,6 +622,7 @@ class PrivateTraining:
         check_loop(trainer, self.label)
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
+            metric_writes.install(self._logged_reads)
         if self._pruning is not None and step.boundary.parameters_changed():
             self._pruning.check()  # a layer pruned during the fit by other code than ModelPruning: refused by name
         if step.refresh_parameters():

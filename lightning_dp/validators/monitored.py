@@ -105,16 +105,20 @@ def fed_back(trainer: Any, exempt: Callable[[str], bool]) -> list[Finding]:
     return found
 
 
-def _counters(trainer: Any) -> set[float]:
-    """The loop's public counters now: the optimizer step, the epoch and the batch's index in it."""
+def _counters(trainer: Any) -> dict[str, float]:
+    """The loop's public counters now, by name: the optimizer step, the epoch and the batch's index in it."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    found = {getattr(trainer, "global_step", None), getattr(trainer, "current_epoch", None),
-             getattr(loop, "batch_idx", None)}
-    return {float(c) for c in found if isinstance(c, int)}
+    found = {"global_step": getattr(trainer, "global_step", None), "epoch": getattr(trainer, "current_epoch", None),
+             "batch_idx": getattr(loop, "batch_idx", None)}
+    return {name: float(c) for name, c in found.items() if isinstance(c, int)}
 
 
 _VERIFIED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 """A training-logged metric -> the value (tensor) it held when :func:`counter_valued` found it equal to a counter."""
+
+_SAME: "weakref.WeakKeyDictionary[Any, dict[str, set[str]]]" = weakref.WeakKeyDictionary()
+"""A trainer -> logged name -> the counters its value equalled at every check so far (one of them at each check is not
+enough: ``global_step if loss < t else batch_idx`` chooses among public values by the data)."""
 
 
 def counter_valued(trainer: Any, name: str) -> bool:
@@ -123,8 +127,10 @@ def counter_valued(trainer: Any, name: str) -> bool:
     "keep the latest k checkpoints"), and equal to the optimizer step, the epoch or the batch index now, or the very
     value found equal to one at an earlier check (the check when validation starts, after the step counted on).
     Checked before every release, after that step's ``training_step`` logged and before any callback reads it: a
-    value that is not a counter there (``global_step + (loss > 1)``) is private. A value reduced over the epoch or
-    logged by another hook is private whatever it holds."""
+    value that is not a counter there (``global_step + (loss > 1)``) is private, and so is one equal to a counter at
+    every check but not to the same one at all of them (``global_step if loss < t else batch_idx``: the counters it
+    equalled are intersected over the fit, :data:`_SAME`). A value reduced over the epoch or logged by another hook
+    is private whatever it holds."""
     results = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_results", None)
     held = [m for m in (results.values() if results is not None else ())
             if getattr(getattr(m, "meta", None), "name", None) == name]
@@ -138,7 +144,13 @@ def counter_valued(trainer: Any, name: str) -> bool:
             return False
         if _VERIFIED.get(metric) is value:
             continue
-        if float(value) not in counters:
+        equal = {c for c, v in counters.items() if float(value) == v}
+        try:
+            same = _SAME.setdefault(trainer, {})
+        except TypeError:  # a trainer without weak references: one check at a time
+            same = {}
+        equal = same[name] = equal if name not in same else same[name] & equal
+        if not equal:
             return False
         _VERIFIED[metric] = value
     return True
