@@ -19,7 +19,9 @@ fit's own directions, within :data:`RESIDUAL` of them) are taken for the fit's (
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -71,6 +73,33 @@ def follows(here: Tensor, start: Tensor, *paths: tuple[Tensor, ...]) -> bool:
     seeded alike) holds no move; weights of their own leave most of themselves outside the cone."""
     fitted = fit_path(here, start, paths)
     return fitted is not None and fitted[0] <= RESIDUAL * fitted[1]
+
+
+_THREADS = threading.Lock()
+_HELD = {"entered": 0, "threads": 1}
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one while inside (restored when the last caller leaves): for matching a module
+    against many fits (module_ledgers.derived). Each :func:`fit_path` inverts a design of a few columns and at most 64
+    rows, which one thread does in a tenth of a millisecond, while several threads on a loaded machine wait for each
+    other at every parallel region of the SVD: tens of milliseconds per pseudo-inverse, and 18 s for a fit's start
+    matched against a store of 256 fits (benchmarks/store_lookup.py, docs/performance.md). What is found is the same
+    (the values may differ in their last bits, as they do between machines of other thread counts)."""
+    with _THREADS:
+        if not _HELD["entered"]:
+            _HELD["threads"] = torch.get_num_threads()
+            if _HELD["threads"] > 1:
+                torch.set_num_threads(1)
+        _HELD["entered"] += 1
+    try:
+        yield
+    finally:
+        with _THREADS:
+            _HELD["entered"] -= 1
+            if not _HELD["entered"] and _HELD["threads"] > 1:
+                torch.set_num_threads(_HELD["threads"])
 
 
 def fit_path(here: Tensor, start: Tensor, paths: tuple[tuple[Tensor, ...], ...]) -> Optional[tuple[float, float]]:

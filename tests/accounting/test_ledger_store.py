@@ -228,3 +228,82 @@ def test_sketches_are_copies_of_64_values_also_of_float64_weights():
     for _, start, end, path in sketches:
         assert start.untyped_storage().nbytes() == end.untyped_storage().nbytes() == 64 * 8
         assert not torch.equal(start, end)  # where the fit started, not where it ended
+
+
+def _short_fit(seed: int, width: int) -> tuple[dict, nn.Module]:
+    """A short fit through module_ledgers' own calls (no Trainer): 12 releases one at a time, the weights moved
+    between them (so the store's entry holds its path sketches); its start's weights and the trained module."""
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(8, width), nn.Linear(width, 2))
+    start = copy.deepcopy(module.state_dict())
+    ledger = PrivacyLedger()
+    module_ledgers.bind(module, ledger)
+    with torch.no_grad():
+        for _ in range(12):
+            for p in module.parameters():
+                p.add_(0.05 * torch.randn(p.shape))
+            ledger.record(SIGMA, Q, 1)
+    module_ledgers.unbind(module, ledger)
+    _new_process()
+    return start, module
+
+
+def _probes(start: dict, end: dict) -> dict[str, nn.Module]:
+    """Modules of the related fit's shapes: its weights, weights derived from them, fresh ones."""
+    g = torch.Generator().manual_seed(4)
+    states = {"the same": end, "halfway": {k: (start[k] + v) / 2 for k, v in end.items()},
+              "shrink and perturb": {k: 0.5 * v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in end.items()},
+              "seeded alike": start, "seeded otherwise": None}
+    out = {}
+    for name, state in states.items():
+        torch.manual_seed(99)
+        out[name] = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
+        if state is not None:
+            out[name].load_state_dict(state)
+    return out
+
+
+def _lineages(probes: dict[str, nn.Module]) -> dict[str, object]:
+    _new_process()
+    found = {name: module_ledgers.record_of(module) for name, module in probes.items()}
+    return {name: None if record is None else record.state_dict() for name, record in found.items()}
+
+
+def test_a_store_of_many_unrelated_fits_finds_what_a_store_of_the_related_one_finds(monkeypatch, tmp_path):
+    """200 unrelated fits (of the probes' shapes and of others) around the related one: each probe's lineage is the
+    one it has in a store holding the related fit alone (the related fit still found: its weights, halfway, shrink
+    and perturb; fresh modules take nothing); the lookup's pseudo-inverses run in one thread (lineage.one_thread:
+    several threads on a loaded machine made a fit's start against a full store take seconds)."""
+    full = ledger_store.directory()
+    for seed in range(100):
+        _short_fit(1000 + seed, (16, 4, 32)[seed % 3])
+    before = set(full.glob("*" + ledger_store.SUFFIX))
+    start, related = _short_fit(0, 16)
+    (entry,) = set(full.glob("*" + ledger_store.SUFFIX)) - before
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / entry.name).write_bytes(entry.read_bytes())
+    for seed in range(100, 200):
+        _short_fit(1000 + seed, (16, 4, 32)[seed % 3])
+    assert len(list(full.glob("*" + ledger_store.SUFFIX))) == 201
+    probes = _probes(start, related.state_dict())
+
+    monkeypatch.setenv(ledger_store.ENV, str(alone))
+    expected = _lineages(probes)
+    assert {name for name, found in expected.items() if found is not None} == {
+        "the same", "halfway", "shrink and perturb"}
+    assert all(found is None or sum(e[2] for e in found["entries"]) == 12 for found in expected.values())
+
+    monkeypatch.setenv(ledger_store.ENV, str(full))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    calls = []
+    pinv = torch.linalg.pinv
+    monkeypatch.setattr(torch.linalg, "pinv", lambda a, *args, **kw: calls.append(torch.get_num_threads()) or pinv(
+        a, *args, **kw))
+    try:
+        assert _lineages(probes) == expected
+        assert len(calls) > 100 and set(calls) == {1}  # a least-squares fit per stored parameter, in one thread
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(threads)

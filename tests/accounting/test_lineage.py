@@ -165,3 +165,17 @@ def test_path_sketches_keep_a_few_states_spread_over_the_fit():
         path(1)
     kept = [int(s[0]) for s in path.of(p)]
     assert len(kept) <= lineage.KEPT_STATES and kept == sorted(kept) and kept[0] < 30 and kept[-1] > 60
+
+
+def test_one_thread_sets_torch_to_one_thread_and_restores_it():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with lineage.one_thread():
+            assert torch.get_num_threads() == 1
+            with lineage.one_thread():  # nested: the outer restores
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
