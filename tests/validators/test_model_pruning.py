@@ -131,3 +131,130 @@ def test_model_pruning_with_a_pruning_method_of_the_users_is_refused():
     with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruned during the fit.*not a subclass"):
         _fit(model, max_epochs=2, callbacks=[ModelPruning(DataScores, amount=0.5, verbose=0)])
     _fit(Net(), max_epochs=2, callbacks=[ModelPruning(prune.L1Unstructured, amount=0.5, verbose=0)])
+
+
+# ModelPruning's callables (amount, apply_pruning, use_lottery_ticket_hypothesis) are the user's code: what they write
+# is not pruning (zoo29 p01, p02, p05); only what torch's pruning writes is accepted, the epoch schedules train on.
+
+def _rows() -> tuple[Tensor, Tensor]:
+    return _loader().dataset.tensors
+
+
+def _gd_step(model: pl.LightningModule) -> None:
+    """An un-noised full-batch gradient step on the training rows (zoo29 p01)."""
+    x, y = _rows()
+    with torch.enable_grad():
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()), allow_unused=True)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            if g is not None:
+                p.sub_(5.0 * g)
+
+
+def test_an_amount_callable_training_on_the_rows_is_refused():
+    model = Net()
+
+    def amount(epoch: int) -> float:
+        _gd_step(model)
+        return 0.1
+
+    callback = ModelPruning("l1_unstructured", amount=amount, use_lottery_ticket_hypothesis=False,
+                            make_pruning_permanent=False, verbose=0)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)amount callable.*wrote.*parameter net\.0\.w"):
+        _fit(model, max_epochs=2, callbacks=[callback])
+
+
+class Prototypes(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("protos", torch.zeros(2, 8))
+
+
+def test_an_amount_callable_writing_class_means_into_a_buffer_is_refused():
+    model = Prototypes()
+
+    def amount(epoch: int) -> float:
+        x, y = _rows()
+        for c in (0, 1):
+            model.protos[c].copy_(x[y == c].mean(0))
+        return 0.2
+
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)ModelPruning's amount callable.*wrote.*buffer protos"):
+        _fit(model, max_epochs=1, callbacks=[ModelPruning("l1_unstructured", amount=amount, verbose=0)])
+
+
+def test_a_lottery_ticket_callable_writing_label_frequencies_into_an_orig_is_refused():
+    model = Net()
+
+    def lottery(epoch: int) -> bool:
+        _, y = _rows()
+        with torch.no_grad():
+            bias = getattr(model.net[2], "bias_orig", model.net[2].bias)
+            bias.copy_(torch.stack([(y == 0).float().mean(), (y == 1).float().mean()]))
+        return False
+
+    callback = ModelPruning("l1_unstructured", amount=0.2, use_lottery_ticket_hypothesis=lottery, verbose=0)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)lottery_ticket_hypothesis callable.*wrote.*net\.2\.bias"):
+        _fit(model, max_epochs=1, callbacks=[callback])
+
+
+def test_an_apply_pruning_callable_zeroing_mask_entries_by_the_data_is_refused():
+    """The mask buffer written before torch's pruning multiplies its new mask in: zeros chosen from the data."""
+    model = Net()
+
+    def apply(epoch: int) -> bool:
+        if epoch == 1:
+            x, _ = _rows()
+            model.net[0].weight_mask[:, x.mean(0) > 0] = 0
+        return True
+
+    callback = ModelPruning("l1_unstructured", amount=0.1, apply_pruning=apply, verbose=0)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)apply_pruning callable.*wrote.*net\.0\.weight_mask"):
+        _fit(model, max_epochs=2, callbacks=[callback])
+
+
+def test_epoch_schedules_as_callables_train_on():
+    """The safe twins: the share, the decision and the lottery-ticket reset as functions of the epoch only."""
+    model = Net()
+    callback = ModelPruning("l1_unstructured", amount=lambda e: 0.1 * (e + 1), apply_pruning=lambda e: e != 1,
+                            use_lottery_ticket_hypothesis=lambda e: e == 0, verbose=0)
+    dp = _fit(model, max_epochs=3, callbacks=[callback])
+    assert dp.ledger.steps >= 12
+    assert float((model.net[0].weight == 0).float().mean()) > 0.3  # pruned at the ends of epochs 0 and 2
+
+
+def test_model_pruning_with_a_global_random_draw_and_no_permanence_trains_on():
+    model = Net()
+    dp = _fit(model, max_epochs=2, callbacks=[ModelPruning("random_unstructured", amount=0.3, verbose=0,
+                                                           make_pruning_permanent=False)])
+    assert dp.ledger.steps >= 8
+    assert hasattr(model.net[0], "weight_mask")
+
+
+class RowMeanInit(nn.Linear):
+    """A layer of the user's whose ``reset_parameters`` sets its bias from the training rows once they are known."""
+
+    rows: Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if RowMeanInit.rows is not None:
+            with torch.no_grad():
+                self.bias.copy_(RowMeanInit.rows.mean(0)[: self.out_features])
+
+
+def test_a_lottery_ticket_resample_by_a_layer_of_the_users_is_refused():
+    """Inside the pruning call (no callable of the user's): the resampled original comes from the layer's own
+    ``reset_parameters``, the user's code: what it wrote is not torch's pruning. A torch layer's fresh draw trains."""
+    model = Net()
+    model.net[2] = RowMeanInit(16, 2)
+    RowMeanInit.rows = _rows()[0]
+    callback = ModelPruning("l1_unstructured", amount=0.2, resample_parameters=True, verbose=0)
+    try:
+        with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruning call changed state.*net\.2\.bias_orig"):
+            _fit(model, max_epochs=2, callbacks=[callback])
+    finally:
+        RowMeanInit.rows = None
+    dp = _fit(Net(), max_epochs=2, callbacks=[ModelPruning("l1_unstructured", amount=0.2, resample_parameters=True,
+                                                           verbose=0)])
+    assert dp.ledger.steps >= 8
