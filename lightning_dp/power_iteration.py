@@ -21,18 +21,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 
 def spectral_norms(module: nn.Module) -> list[tuple[nn.Module, int, nn.Module]]:
     """(parametrization list, index in it, the spectral norm) for every matrix spectral norm in ``module`` (a
-    vector's is F.normalize, with no iteration)."""
+    vector's is F.normalize, with no iteration). Torch's own class only, by identity: a class of the user's (named so,
+    or a subclass) may compute anything in its ``_power_method``, which the library would run after each update."""
     found = []
     for sub in module.modules():
         if not parametrize.is_parametrized(sub):
             continue
         for chain in sub.parametrizations.values():
             found.extend((chain, i, p) for i, p in enumerate(chain)
-                         if type(p).__name__ == "_SpectralNorm" and hasattr(p, "n_power_iterations"))
+                         if type(p) is _SpectralNorm and hasattr(p, "n_power_iterations"))
     return found
 
 

@@ -180,3 +180,36 @@ def test_the_legacy_spectral_norm_is_refused_naming_the_served_one():
 
     zoo.assert_refused(Legacy, vectors(), r"layer 'a' \(Linear\).*torch\.nn\.utils\.spectral_norm.*"
                        r"parametrizations\.spectral_norm, which is served")
+
+
+def test_a_class_of_the_users_named_like_the_spectral_norm_is_not_iterated():
+    """zoo29 s07: the iteration is torch's own ``_SpectralNorm`` (recognised by identity, not by name): a user's
+    parametrization named so, whose ``_power_method`` reads the training rows, is never called by the library."""
+    rows = vectors().tensors[0]
+
+    class _SpectralNorm(nn.Module):  # noqa: N801 (named like torch's on purpose)
+        def __init__(self) -> None:
+            super().__init__()
+            self.n_power_iterations = 1
+            self.register_buffer("u", torch.zeros(D))
+
+        def _reshape_weight_to_matrix(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight
+
+        def _power_method(self, weight: torch.Tensor, n: int) -> None:
+            self.u.copy_(rows.mean(0))
+
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight
+
+    class Named(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(D, D)
+            torch.nn.utils.parametrize.register_parametrization(self.a, "weight", _SpectralNorm())
+
+    model = Named()
+    assert spectral_norms(model) == []
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(
+        model, DataLoader(vectors(), batch_size=4))
+    assert torch.equal(model.a.parametrizations.weight[0].u, torch.zeros(D))
