@@ -16,8 +16,9 @@ accumulated sum would bound no example. The decision, for both private strategie
 
 A ``GradientAccumulationScheduler`` whose value is the same from epoch 0 on (``scheduling={0: 2}``, zoo28 l03) is
 ``Trainer(accumulate_grad_batches=2)`` said another way: it is planned from at the setup, and the value it sets at
-each epoch's start is put back to 1 before Lightning's loop reads it (:func:`keep_planned`). A value that changes
-during the fit (a scheduler that changes it, ``{0: 1, 2: 4}``) would change q without a new plan: refused
+each epoch's start is put back to 1 before Lightning's loop reads it (:func:`keep_planned`; a change at an epoch the
+fit never reaches, ``{0: 2, 5: 4}`` with ``max_epochs=3``, is no change). A value that changes during the fit (a
+scheduler that changes it, ``{0: 1, 2: 4}``) would change q without a new plan: refused
 (:func:`~lightning_dp._strategy_glue.check_loop`, :func:`changed_error`), and so is ``StochasticWeightAveraging``'s
 BatchNorm pass, which sets it to the epoch's length. Fixed-shape batches (``fixed_batch_size``) size their own
 physical batches: with them, accumulation is refused.
@@ -72,12 +73,15 @@ class Accumulation:
 
 def scheduled(trainer: "pl.Trainer") -> Optional[int]:
     """The value of a ``GradientAccumulationScheduler`` among ``trainer``'s callbacks when it is the same for every
-    epoch from 0 on (the callback puts ``{0: 1}`` in a schedule that starts later); ``None``: none, or one that
-    changes the value."""
+    epoch the fit runs from 0 on (the callback puts ``{0: 1}`` in a schedule that starts later; an epoch at or past
+    ``max_epochs`` is never reached, zoo29 a06; with ``max_epochs`` ``None`` or -1 any may be); ``None``: none, or
+    one that changes the value."""
     from pytorch_lightning.callbacks import GradientAccumulationScheduler
 
+    last = getattr(trainer, "max_epochs", None)
+    reached = (lambda epoch: True) if last is None or last < 0 else (lambda epoch: epoch < last)
     values = {v for cb in getattr(trainer, "callbacks", None) or () if isinstance(cb, GradientAccumulationScheduler)
-              for v in cb.scheduling.values()}
+              for epoch, v in cb.scheduling.items() if reached(epoch)}
     return values.pop() if len(values) == 1 else None
 
 

@@ -117,6 +117,16 @@ def test_a_scheduler_that_changes_the_value_is_refused_before_it_steers_a_releas
     assert strategy.ledger.steps == (0 if scheduling[0] > 1 else N // B)
 
 
+def test_a_change_the_fit_never_reaches_is_planned_like_a_constant():
+    """zoo29 a06: {0: K, 5: 2} with max_epochs=2 sets K in every epoch the fit runs (the change at epoch 5 is never
+    reached): planned from like {0: K}; unbounded epochs (max_epochs=-1, max_steps) would reach it: refused."""
+    trainer, strategy, model = _scheduled({0: K, 5: 2}, max_epochs=2)
+    assert strategy.expected_batch_size == K * B
+    assert strategy.ledger.steps == trainer.global_step == 2 * (N // (K * B))
+    with pytest.raises(PrivacyConfigurationError, match=r"GradientAccumulationScheduler that changes it"):
+        _scheduled({0: K, 1: 2}, max_epochs=-1, max_steps=3 * (N // (K * B)))
+
+
 def test_weight_averagings_batchnorm_pass_is_refused_by_its_name():
     """zoo28 b06: StochasticWeightAveraging over a model with a (frozen) BatchNorm runs an extra epoch that only
     recomputes the running statistics on the training batches (accumulate_grad_batches = the epoch's length): refused,
