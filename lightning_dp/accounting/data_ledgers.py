@@ -21,7 +21,9 @@ The same data (:class:`DataUse`, compared by :func:`shares_records`):
   the strategy), one fit's records holding at least :data:`OVERLAP` of the smaller population's. Beside the bytes,
   each row's values (:mod:`~lightning_dp.record_checks.row_lineage`): as float32 (a cast is the same records), sorted
   (a column order is; only for items whose rows are 99 % distinct by their sorted values: rows of few distinct
-  values, binary or small integers, share them), and read through the library's own transforms
+  values, binary or small integers, share them), on a grid per column (near-copies: ``X.half().float()``,
+  ``X.round(3)``; two kinds, two grids; only for items whose rows are distinct by them), and read through the
+  library's own transforms
   (``PrivateStandardizer``, ``PrivateImputer``: their output rows are the records of their input rows, so
   ``fit_transform(X[idx])`` per fold composes);
 * otherwise tensors or NumPy arrays in overlapping memory (views of one buffer, ``torch.from_numpy``): conservative,

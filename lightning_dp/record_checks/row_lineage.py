@@ -18,6 +18,19 @@ among earlier fits' by the digests of their rows. Three ways the same records ar
   :func:`value_rows` reads a row through these notes, so the rows of ``fit_transform(X[idx])`` per fold are the
   rows of ``X`` they came from, wrapped later in a ``TensorDataset``, a ``Subset`` or a concatenation, cast or not.
 
+A near-copy: ``X + 1e-7·noise``, ``X.half().float()``, ``X.round(decimals=3)`` of rows an earlier fit read hold the
+same records in other values. :func:`coarse_rows` digests each row's values quantised on a grid per column (cells
+of 2^−k times a power of two of the column's mean |x|, the mean over the item's rows; :data:`COARSE_LEVELS`): a
+change far under the cell moves a row's cells only where a value lies near a cell's edge, so each row is digested on
+two grids, the second offset by a third of a cell (two kinds of digest: a row matches on either). A third, not a
+half: no integer or other value of a coarser power-of-two step (a float16) lies on an edge of the offset grid, so
+rows of integers, which lie on the first grid's edges, keep all their cells on it. The column's cell width, a power
+of two, moves only when its mean crosses one. An item keeps them only when its rows are
+:data:`COARSE_DISTINCT` distinct by them, else those of a finer level: rows of few distinct values (binary, small
+integers, two or three columns) share cells, and unrelated records sharing cells would compose fits on them.
+Measured in docs/accounting.md ("Near-copies"): near-copies match by 45–100 % of their rows, unrelated data by
+none. Not seen: a rescale (×1.01: every value moves by 1 %), a rotation, added or dropped columns.
+
 The notes are process-wide, :data:`MAX_NOTED` output rows at most (24 bytes each; the oldest transforms' notes are
 dropped first). A transform the user writes (``(X - m) / s`` by hand) is not seen: its rows are new records to this
 module, as they are bytes the record has never held.
@@ -36,6 +49,30 @@ from lightning_dp.record_checks.stored_sources import identifying_items
 
 SORTED_DISTINCT = 0.99
 """The share of distinct sorted-row digests an item's rows must reach for its column-order-free digest to be used."""
+
+COARSE_LEVELS = (2, 5)
+"""The cells of :func:`coarse_rows`, finest last: 2^−k times a power of two of each column's mean |x|, for k in it;
+the first level whose rows are :data:`COARSE_DISTINCT` distinct is used."""
+
+COARSE_DISTINCT = 0.998
+"""The share of distinct rows an item's coarse digests must reach to be used. Unrelated rows of one distribution
+share a cell about 2–3 times as often as the item's own rows do (measured: 99 % distinct matched 2.7 % of an
+independent draw); 99.8 % keeps that under 1 % (measured, with :data:`COARSE_ROWS`: at most 1 % over normal,
+uniform, exponential, log-normal and small-integer draws of 1–20 columns and 20–5,000 rows), far under the data
+ledger's overlap of 5 %."""
+
+COARSE_ROWS = 500
+"""Under this many rows, an item's distinct share bounds little (no two of 50 rows in one cell is likely even where
+unrelated rows share cells 1 time in 20): its rows must also be :data:`COARSE_DISTINCT` distinct on cells 16 times as
+wide for the coarse digests to be used."""
+
+COARSE_COLUMNS = 64
+"""The most columns of a row :func:`coarse_rows` digests (evenly spaced): an image's 3,072 values are not needed to
+tell its records apart, and each column digested is one more value that may lie near a cell's edge."""
+
+_SCALE_FLOOR = 2.0 ** -16
+"""A column's scale is at least this share of the item's largest column's: a column of zeros (a border pixel) under
+``+ 1e-7·noise`` keeps a cell of the item's scale, not one of the noise's."""
 
 MAX_NOTED = 1 << 22
 """The most output rows :func:`note_derived` keeps notes for (process-wide): about 100 MB at most."""
@@ -89,6 +126,51 @@ def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     if len(np.unique(ordered)) < SORTED_DISTINCT * len(ordered):
         ordered = np.zeros_like(ordered)
     return values, ordered
+
+
+def coarse_rows(value: Any) -> Optional[tuple[int, np.ndarray, np.ndarray]]:
+    """(level k, each row's digest on the grid of cells 2^−k × its column's scale, on that grid offset by a third
+    of a cell) of ``value`` (module docstring) at the first of :data:`COARSE_LEVELS` whose rows are
+    :data:`COARSE_DISTINCT` distinct; ``None`` when none is, or ``value`` is not numbers. NaN stays NaN. Of a row
+    wider than :data:`COARSE_COLUMNS`, that many columns evenly spaced are digested."""
+    if not isinstance(value, (Tensor, np.ndarray)) or isinstance(value, np.memmap) or value.ndim == 0 \
+            or len(value) < 2 or float32_rows(value[:1]) is None:
+        return None
+    flat = value.reshape(len(value), -1)
+    width = flat.shape[1]
+    picked = np.unique(np.linspace(0, width - 1, min(width, COARSE_COLUMNS)).round().astype(np.int64))
+    step = max(2, _CHUNK // len(picked))
+    step += len(value) % step == 1  # never a last chunk of one row (a single number is not digested)
+    parts = [float32_rows(flat[start:start + step][:, picked]) for start in range(0, len(value), step)]
+    if any(t is None for t in parts):
+        return None
+    total = sum(t.abs().nan_to_num(0.0).to(torch.float64).sum(0) for t in parts)  # type: ignore[union-attr]
+    count = sum((~torch.isnan(t)).sum(0) for t in parts)  # type: ignore[arg-type]
+    scale = total / count.clamp(min=1)  # type: ignore[union-attr]
+    largest = float(scale.max())
+    scale = scale.clamp(min=_SCALE_FLOOR * largest) if largest > 0 else torch.ones_like(scale)
+    power = torch.floor(torch.log2(torch.where(scale > 0, scale, torch.ones_like(scale))))
+    for level in COARSE_LEVELS:
+        on, off = (_cells(parts, power - level, shift) for shift in (0.0, 1 / 3))
+        if on is None or off is None or not _distinct(on) or not _distinct(off):
+            continue
+        if len(on) < COARSE_ROWS:  # few rows: distinct on cells 16 times as wide too
+            wide = _cells(parts, power - level + 4, 0.0)
+            if wide is None or not _distinct(wide):
+                continue
+        return level, on, off
+    return None
+
+
+def _cells(parts: list[Tensor], power: Tensor, shift: float) -> Optional[np.ndarray]:
+    """Each row's digest of its cells of width 2^``power`` (per column; a power of two: x / cell is exact), their
+    edges ``shift`` of a cell below the multiples of the width."""
+    found = [row_digests(torch.floor(t.to(torch.float64) / torch.pow(2.0, power) + shift)) for t in parts]
+    return None if any(d is None for d in found) else np.concatenate(found)  # type: ignore[arg-type]
+
+
+def _distinct(digests: np.ndarray) -> bool:
+    return len(np.unique(digests)) >= COARSE_DISTINCT * len(digests)
 
 
 def value_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -151,13 +233,22 @@ def forget_notes() -> None:
 def dataset_rows(dataset: Any) -> dict[tuple, np.ndarray]:
     """Per item of ``dataset`` with one row per record that identifies them (numbers, not a column of integers, at
     least :data:`~lightning_dp.record_checks.stored_sources.DISTINCT` distinct rows): ``("values", row shape)`` →
-    each row's root value digest and ``("sorted", row shape)`` → its root sorted digest (0: none), by
-    :func:`value_rows`; empty when no item identifies the records."""
+    each row's root value digest, ``("sorted", row shape)`` → its root sorted digest (0: none), by
+    :func:`value_rows`, and ``("coarse", row shape, level, 0 | 1)`` → its digest on either grid of :func:`coarse_rows`
+    (none where the item's rows are not distinct by them); empty when no item identifies the records."""
     out: dict[tuple, np.ndarray] = {}
     for value, (values, ordered) in identifying_items(dataset, _lineage_rows):
         width = tuple(value.shape[1:])
-        out.setdefault(("values", width), values)
-        out.setdefault(("sorted", width), ordered)
+        if ("values", width) in out:
+            continue
+        out[("values", width)], out[("sorted", width)] = values, ordered
+        try:
+            coarse = coarse_rows(value)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a tensor without data (meta), ...
+            coarse = None
+        if coarse is not None:
+            level, on, off = coarse
+            out[("coarse", width, level, 0)], out[("coarse", width, level, 1)] = on, off
     return out
 
 

@@ -68,7 +68,55 @@ def test_only_the_rows_identify_the_records_a_0_d_item_is_passed_over():
 
     x = torch.randn(30, 4)
     found = row_lineage.dataset_rows(_Settings(x))
-    assert sorted(found) == [("sorted", (4,)), ("values", (4,))]
+    assert sorted(k for k in found if k[0] != "coarse") == [("sorted", (4,)), ("values", (4,))]
     assert np.array_equal(found[("values", (4,))], own_rows(x)[0])
     assert list(identifying_rows(_Settings(x))) == [("float32", (4,))]
     assert row_lineage.dataset_rows(_Settings(torch.randn(0, 4))) == {}
+
+
+# ---- near-copies: the coarse digests
+
+
+def test_a_near_copy_keeps_its_coarse_digests_on_one_grid_or_the_other():
+    from lightning_dp.record_checks.row_lineage import coarse_rows
+
+    x = torch.randn(1000, 20, generator=torch.Generator().manual_seed(0))
+    level, on, off = coarse_rows(x)
+    for copy in (x + 1e-7 * torch.randn(x.shape), x.half().float(), x.round(decimals=3), x.double()):
+        found = coarse_rows(copy)
+        assert found[0] == level
+        either = np.isin(found[1], on) | np.isin(found[2], off)
+        assert either.mean() > 0.95 and max(np.isin(found[1], on).mean(), np.isin(found[2], off).mean()) > 0.5
+    assert not np.isin(coarse_rows(torch.randn(1000, 20))[1], on).any()  # another draw: no cell shared
+
+
+def test_integer_rows_keep_their_cells_on_the_offset_grid_and_nan_is_kept():
+    """Integers lie on the first grid's edges (a jitter moves them across); the offset grid's edges are a third of a
+    cell off, so every row keeps its digest there. A column of zeros keeps the item's scale (no cell of 1e-7)."""
+    from lightning_dp.record_checks.row_lineage import coarse_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 17, (600, 64), generator=g).float()
+    x[:, 0] = 0.0
+    x[::7, 3] = float("nan")
+    _, on, off = coarse_rows(x)
+    jittered = coarse_rows(x + 1e-7 * torch.randn(x.shape, generator=g))
+    assert np.isin(jittered[2], off).all() and not np.isin(jittered[1], on).all()
+
+
+def test_rows_of_few_distinct_cells_keep_no_coarse_digest_and_chunks_digest_alike(monkeypatch):
+    from lightning_dp.record_checks.row_lineage import coarse_rows
+
+    g = torch.Generator().manual_seed(0)
+    assert coarse_rows(torch.randn(1000, 2, generator=g)) is None  # 2 columns: rows share cells
+    few = torch.randn(50, 2, generator=g)  # distinct by their cells, but 50 rows bound little: wider cells are shared
+    assert coarse_rows(few) is None
+    monkeypatch.setattr(row_lineage, "COARSE_ROWS", 0)
+    assert coarse_rows(few) is not None
+    monkeypatch.setattr(row_lineage, "COARSE_ROWS", 500)
+    assert coarse_rows(torch.randint(0, 3, (1000, 4), generator=g).float()) is None
+    assert coarse_rows(np.array(["a", "b"])) is None
+    x = torch.randn(101, 300, generator=g)  # wider than COARSE_COLUMNS: evenly spaced columns
+    whole = coarse_rows(x)
+    monkeypatch.setattr(row_lineage, "_CHUNK", 200)  # 3 rows a chunk
+    assert all(np.array_equal(a, b) for a, b in zip(coarse_rows(x)[1:], whole[1:]))
