@@ -116,7 +116,7 @@ def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     for start in range(0, len(value), step):
         t = float32_rows(value[start:start + step])
-        found = None if t is None else (row_digests(t), row_digests(t.sort(dim=1).values))
+        found = None if t is None else (row_digests(t), row_digests(_sorted(t)))
         if found is None or found[0] is None or found[1] is None:
             return None
         parts.append(found)  # type: ignore[arg-type]
@@ -171,6 +171,12 @@ def _cells(parts: list[Tensor], power: Tensor, shift: float) -> Optional[np.ndar
 
 def _distinct(digests: np.ndarray) -> bool:
     return len(np.unique(digests)) >= COARSE_DISTINCT * len(digests)
+
+
+def _sorted(t: Tensor) -> np.ndarray:
+    """Each row of ``t`` (float32 [N, D] on the CPU, −0 as 0, one NaN) sorted, NaN last: ``np.sort``, bit for bit
+    ``torch.sort``'s values here (so stored sorted digests stay valid) and 4–5× faster on image rows (ledger29)."""
+    return np.sort(t.detach().cpu().numpy(), axis=1)
 
 
 def value_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
