@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
 from typing import Callable, TypeVar, Union
@@ -177,3 +179,52 @@ def _each_test_its_own_ledger_store(tmp_path_factory, monkeypatch):
     fits of the same seeded models would otherwise continue into this test's ledgers."""
     store = tmp_path_factory.getbasetemp() / "ledgers" / str(next(_STORES))
     monkeypatch.setenv("LIGHTNING_DP_LEDGER_STORE", str(store))
+
+
+# One child process per import order, shared by the tests of that order (tests/test_registry.py and
+# tests/examples/test_main_job.py): each case prints one line, "<case> <result...>", and each test asserts its own.
+STRATEGY_CHILD = """
+{imports}
+for _name, _devices in {cases!r}:
+    try:
+        _s = {trainer}(strategy=_name, accelerator="cpu", devices=_devices, logger=False,
+                       enable_progress_bar=False).strategy
+        print(_name, type(_s).__module__, type(_s).__name__, _s.noise_multiplier, _s.max_grad_norm)
+    except Exception as _err:  # the case's own line says what broke; the others still run
+        print(_name, "ERROR", repr(_err).replace(chr(10), " "))
+{after}
+"""
+
+
+def strategies_built_in_a_fresh_process(imports: str, trainer: str, cases: tuple[tuple[str, int], ...],
+                                        after: str = "") -> tuple[dict[str, list[str]], subprocess.CompletedProcess]:
+    """``trainer(strategy=name, devices=devices)`` for each case, in one fresh interpreter that ran ``imports``
+    first, then ``after``: {name: [strategy module, class, σ, C]} (or [\"ERROR\", ...]) and the finished process.
+    One process per distinct call in the session (import orders need a fresh interpreter; their cases share it)."""
+    key = (imports, trainer, cases, after)
+    if key not in _STRATEGY_CHILDREN:
+        code = STRATEGY_CHILD.format(imports=imports, trainer=trainer, cases=cases, after=after)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        names = {name for name, _ in cases}
+        lines = [line.split() for line in proc.stdout.splitlines()]
+        _STRATEGY_CHILDREN[key] = ({words[0]: words[1:] for words in lines if words and words[0] in names}, proc)
+    return _STRATEGY_CHILDREN[key]
+
+
+_STRATEGY_CHILDREN: dict = {}
+
+
+@pytest.fixture(scope="session")
+def pytorch_lightning_imported_first():
+    """``import pytorch_lightning`` then ``import lightning_dp`` in a fresh process (a user's script): the "dp"
+    strategy built, then Lightning's LeafSpec deprecation provoked and a warning of our own issued."""
+    return strategies_built_in_a_fresh_process(
+        "import warnings\nimport pytorch_lightning as pl\nimport lightning_dp", "pl.Trainer", (("dp", 1),),
+        after="from pytorch_lightning.utilities._pytree import _tree_flatten\n_tree_flatten([1, 2])\n"
+              "warnings.warn('a warning of our own', UserWarning)")
+
+
+@pytest.fixture(scope="session")
+def strategies_built():
+    """:func:`strategies_built_in_a_fresh_process`, for the tests of import orders."""
+    return strategies_built_in_a_fresh_process

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import logging
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -166,13 +165,10 @@ def test_only_lightnings_leafspec_deprecation_is_filtered():
     assert [(w.filename, str(w.message)[:5]) for w in caught] == [("trees.py", message[:5]), ("_pytree.py", "other")]
 
 
-def test_importing_lightning_dp_silences_lightnings_leafspec_warning():
-    """In a fresh process (as `lightning-dp fit` or a user's script): the filter set at registration."""
-    code = ("import warnings, pytorch_lightning, lightning_dp\n"
-            "from pytorch_lightning.utilities._pytree import _tree_flatten\n"
-            "_tree_flatten([1, 2])\n"
-            "warnings.warn('a warning of our own', UserWarning)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def test_importing_lightning_dp_silences_lightnings_leafspec_warning(pytorch_lightning_imported_first):
+    """In a fresh process (as `lightning-dp fit` or a user's script): the filter set at registration. The process,
+    `import pytorch_lightning` then `import lightning_dp`, is tests/test_registry.py's of that order (conftest)."""
+    _, result = pytorch_lightning_imported_first
     assert result.returncode == 0, result.stderr
     assert "LeafSpec" not in result.stderr and "a warning of our own" in result.stderr
 
