@@ -23,6 +23,7 @@ def test_the_sharded_config_targets_what_its_budget_callback_reports():
     assert budget["init_args"]["target_epsilon"] == strategy["init_args"]["target_epsilon"]
 
 
+@pytest.mark.slow  # ≈ 20 s of two processes (make test-all); FSDP2: test_sharded_strategy, the CLI: test_cli_ddp
 @pytest.mark.ddp
 def test_two_process_sharded_fit_from_the_command_line(tmp_path):
     args = [sys.executable, "-m", "lightning_dp.cli", "fit", "--config", str(CONFIG), "--trainer.max_steps=3",

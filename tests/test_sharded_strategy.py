@@ -154,7 +154,8 @@ def test_empty_local_batches_match_the_replicated_run(tmp_path):
     assert (empty == 1).any() and (empty == WORLD).any(), "the seed should give both kinds of step"
 
 
-@pytest.mark.parametrize("variant", ["independent_moments", "scale_then_privatize"])
+@pytest.mark.parametrize("variant", ["independent_moments",
+                                     pytest.param("scale_then_privatize", marks=pytest.mark.slow)])  # (make test-all)
 @pytest.mark.usefixtures("without_data_ledger")  # each run alone: the two runs read the same records
 def test_adam_variants_and_the_monitor_see_the_replicated_run(tmp_path, variant):
     """DP-Adam variants that ask the mechanism for more (a second noised statistic; a per-coordinate scale

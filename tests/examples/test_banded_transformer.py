@@ -28,6 +28,7 @@ def _rows(text: str, labels: list[str]) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow  # ≈ 11 s: the 2 × 2 runs (make test-all); its config and row checks stay in the suite
 def test_smoke_run_calibrates_each_noise_to_the_same_epsilon(example: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "bt.md"
     (tmp_path / "bt.md").write_text(f"old page\n{example.READING_MARKER}\nmy reading\n")

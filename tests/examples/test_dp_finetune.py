@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
+@pytest.mark.slow  # ≈ 23 s: eight fits of a Hugging Face model (make test-all); the suite keeps under 15 min
 def test_smoke_run_writes_every_row(tmp_path: Path) -> None:
     example = load_example("dp_finetune.py", "dp_finetune")
     out = tmp_path / "ft.md"

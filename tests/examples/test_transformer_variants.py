@@ -20,6 +20,7 @@ def example() -> ModuleType:
     return load_example("transformer_variants.py", "transformer_variants")
 
 
+@pytest.mark.slow  # ≈ 9 s (make test-all); the variants themselves: tests/callbacks, its config checks stay
 def test_smoke_run_writes_table_and_plot(example: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "tv.md"
     assert example.main(["--smoke", "--out", str(out)]) == out
