@@ -89,7 +89,10 @@ def double_backward_error(engine: str) -> PrivacyConfigurationError:
         "the example's true gradient. Nothing was released. Fixes: replace the autograd derivative by a finite "
         "difference of the model's own outputs, e.g. (u(x + h) - u(x - h)) / (2h) (first order in the parameters: "
         "served exactly by every engine); or drop create_graph where the derivative need not be trained through "
-        "(torch.autograd.grad(..., create_graph=False) makes it a constant).")
+        "(torch.autograd.grad(..., create_graph=False) makes it a constant). torch.func's transforms (grad, "
+        "vmap(grad), jacrev, hessian) called in the step take their gradients with create_graph=True too: per-example "
+        "gradients or norms the step computes itself (to weight the loss by them, zoo29 n14) are DPStrategy's work — "
+        "return the plain loss; a weighting normalised over the batch would make the examples interact anyway.")
 
 
 def weighted_mean_hint() -> str:
