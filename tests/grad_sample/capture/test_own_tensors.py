@@ -81,6 +81,8 @@ def test_own_reads_what_getattr_reads(k):
 
 def test_a_class_attribute_shadowing_a_parameter_is_read_as_getattr_reads_it():
     m = _Shadowed(2, 2)
+    with torch.no_grad():  # reset_parameters initialised the property's copy: the parameter holds torch.empty's bytes
+        m._parameters["weight"].copy_(torch.arange(4.0).reshape(2, 2))
     assert own(m, "weight") is not m._parameters["weight"]
     assert torch.equal(own(m, "weight"), m._parameters["weight"])
 
