@@ -20,6 +20,7 @@ from conftest import quiet_trainer
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.logger import Logger
 from torch.utils.data import DataLoader
+from user_loggers import UserLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, data, loader, strategy  # noqa: E402
@@ -29,23 +30,15 @@ from lightning_dp.validators import logger_copies  # noqa: E402
 from lightning_dp.validators.hook_replays import moved_far  # noqa: E402
 
 
-class History(Logger):
+class History(UserLogger):
     """The in-memory logger of Lightning's tests and tutorials: every ``log_metrics`` call kept in ``history``."""
+
+    NAME = "history"
 
     def __init__(self) -> None:
         super().__init__()
         self.history: list[dict[str, Any]] = []
 
-    @property
-    def name(self) -> str:
-        return "history"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         self.history.append(dict(metrics))

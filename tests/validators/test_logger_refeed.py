@@ -18,6 +18,7 @@ import torch
 from conftest import quiet_trainer
 from pytorch_lightning.loggers.logger import Logger
 from torch.utils.data import DataLoader
+from user_loggers import UserLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, data, loader, strategy  # noqa: E402
@@ -51,8 +52,10 @@ ENCODINGS: dict[str, tuple[Encode, Decode]] = {
 }
 
 
-class Encoded(Logger):
+class Encoded(UserLogger):
     """zoo29 v01-v07: keeps the values logged under ``name`` re-encoded (``encode``), read back by ``decode``."""
+
+    NAME = "encoded"
 
     def __init__(self, folder: Path, encode: Encode, decode: Decode, name: str = "train_loss") -> None:
         super().__init__()
@@ -60,19 +63,8 @@ class Encoded(Logger):
         folder.mkdir(parents=True, exist_ok=True)
 
     @property
-    def name(self) -> str:
-        return "encoded"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @property
     def log_dir(self) -> str:
         return self.folder
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         if self.key in metrics:
@@ -140,19 +132,10 @@ def test_a_plateau_rule_on_the_held_out_loss_the_users_logger_keeps_rounded_trai
     assert len(logger.hist) == 4 and all(0 < v < 10 for v in logger.hist)
 
 
-class Prints(Logger):
+class Prints(UserLogger):
     """A logger that only prints what it is given."""
 
-    @property
-    def name(self) -> str:
-        return "prints"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
+    NAME = "prints"
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         print("metrics:", {k: round(float(v), 4) for k, v in metrics.items()})

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 from pytorch_lightning.loggers import CSVLogger
-from pytorch_lightning.loggers.logger import Logger
+from user_loggers import UserLogger
 
 from lightning_dp.value_copies import refed_loggers
 from lightning_dp.value_copies.refed_loggers import Refeeds, users
 
 
-class Kept(Logger):
+class Kept(UserLogger):
     """Keeps ``train_loss`` as ``int(v * 1000)`` in a list, the held-out loss in a deque."""
+
+    NAME = "kept"
 
     def __init__(self) -> None:
         super().__init__()
@@ -24,16 +26,6 @@ class Kept(Logger):
         self.held_out: collections.deque = collections.deque(maxlen=10)
         self.saves = 0
 
-    @property
-    def name(self) -> str:
-        return "kept"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         if "train_loss" in metrics:
