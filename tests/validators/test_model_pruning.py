@@ -220,7 +220,8 @@ def test_epoch_schedules_as_callables_train_on():
                             use_lottery_ticket_hypothesis=lambda e: e == 0, verbose=0)
     dp = _fit(model, max_epochs=3, callbacks=[callback])
     assert dp.ledger.steps >= 12
-    assert float((model.net[0].weight == 0).float().mean()) > 0.3  # pruned at the ends of epochs 0 and 2
+    # Epoch 2's share (0.3 of the 128 weights, torch rounds to 38) was pruned: epoch 0's alone is 13, with epoch 1's 26.
+    assert int((model.net[0].weight == 0).sum()) >= round(0.3 * 128)
 
 
 def test_model_pruning_with_a_global_random_draw_and_no_permanence_trains_on():
