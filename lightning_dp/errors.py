@@ -1,4 +1,8 @@
-"""Errors raised before training when a configuration would break the guarantee."""
+"""Errors raised before training when a configuration would break the guarantee, and what their messages share."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
 
 
 class PrivacyConfigurationError(ValueError):
@@ -45,3 +49,9 @@ def warn_or_refuse(category: type[Warning], message: str, stacklevel: int = 3) -
         warnings.warn(category(message), stacklevel=stacklevel)
     except category:
         raise PrivacyConfigurationError(f"Refused ({category.__name__} is an error here): {message}") from None
+
+
+def listed(items: Sequence[Any], describe: Callable[[Any], str] = str, sep: str = ", ") -> str:
+    """The first six of ``items`` described, joined by ``sep``, then " and N more" for the rest (a refusal's list)."""
+    more = f" and {len(items) - 6} more" if len(items) > 6 else ""
+    return sep.join(describe(item) for item in items[:6]) + more

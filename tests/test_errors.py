@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from lightning_dp.errors import OutsideStepsWarning, PackedRecordsWarning, PrivacyConfigurationError, warn_or_refuse
+from lightning_dp.errors import (OutsideStepsWarning, PackedRecordsWarning, PrivacyConfigurationError, listed,
+                                 warn_or_refuse)
 
 
 @pytest.mark.parametrize("category", [OutsideStepsWarning, PackedRecordsWarning])
@@ -28,3 +29,10 @@ def test_another_warning_made_an_error_does_not_refuse():
         warnings.simplefilter("error", OutsideStepsWarning)
         with pytest.warns(PackedRecordsWarning):
             warn_or_refuse(PackedRecordsWarning, "x")
+
+
+def test_a_refusals_list_names_six_then_counts_the_rest():
+    assert listed(["a", "b"]) == "a, b"
+    assert listed([str(i) for i in range(6)]) == "0, 1, 2, 3, 4, 5"
+    assert listed([str(i) for i in range(9)]) == "0, 1, 2, 3, 4, 5 and 3 more"
+    assert listed(list(range(8)), lambda i: f"<{i}>", "; ") == "<0>; <1>; <2>; <3>; <4>; <5> and 2 more"

@@ -186,9 +186,9 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
 
 def checkpoint_from_data_error(paths: list[str]) -> Exception:
     """The refusal of a checkpoint whose keys the user's hooks computed from the training data."""
-    from lightning_dp.errors import PrivacyConfigurationError
+    from lightning_dp.errors import PrivacyConfigurationError, listed
 
-    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    shown = listed(paths)
     return PrivacyConfigurationError(
         f"A checkpoint hook computed checkpoint entries from the training data: {shown}. The user's "
         "on_save_checkpoint (of the module or a callback), a callback's or the datamodule's state_dict, run again "

@@ -66,7 +66,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.errors import PrivacyConfigurationError, listed
 from lightning_dp.records.identity import IdentityMap
 from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import Checksums, norm_tokens
@@ -441,7 +441,7 @@ class StateWrittenError(PrivacyConfigurationError):
 
 def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
     """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
-    shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+    shown = listed(changed)
     public = [_public_name(c) for c in changed[:3]]
     fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., "
            "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged "

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.prune import BasePruningMethod
 
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.errors import PrivacyConfigurationError, listed
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import OptimizerState
@@ -274,7 +274,7 @@ def _unexplained(module: nn.Module, written: Sequence[str], pairs: Sequence[tupl
 
 def _written_error(what: str, written: Sequence[str]) -> PrivacyConfigurationError:
     """The refusal of a write inside ``ModelPruning``'s pruning that is not torch's pruning: ``what`` wrote it."""
-    shown = ", ".join(written[:6]) + (f" and {len(written) - 6} more" if len(written) > 6 else "")
+    shown = listed(written)
     return PrivacyConfigurationError(
         f"ModelPruning's {what}: {shown}. ModelPruning's "
         "pruning of the released weights is served (torch's masks, the lottery-ticket reset to the initial values); "

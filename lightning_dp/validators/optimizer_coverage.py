@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.errors import PrivacyConfigurationError, listed
 
 
 def uncovered_tensors(optimizer: Optimizer, covered: Sequence[Tensor]) -> list[tuple[int, Tensor]]:
@@ -54,14 +54,14 @@ def _find(value: Any, tensor: Tensor, path: str) -> Optional[str]:
 
 def uncovered_error(module: nn.Module, missing: Sequence[tuple[int, Tensor]]) -> PrivacyConfigurationError:
     """The refusal naming each uncovered tensor and the fix."""
-    described = []
-    for group, t in missing[:6]:
+    def described(entry: tuple[int, Tensor]) -> str:
+        group, t = entry
         name = where_held(module, t)
         what = f"'{name}'" if name else "a tensor the model does not hold as an attribute"
-        described.append(f"{what} (param group {group}, shape {list(t.shape)})")
-    more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        return f"{what} (param group {group}, shape {list(t.shape)})"
+
     return PrivacyConfigurationError(
-        "The optimizer updates tensors the private mechanism does not cover: " + "; ".join(described) + more
+        "The optimizer updates tensors the private mechanism does not cover: " + listed(missing, described, "; ")
         + ". They would be stepped with their raw batch gradient, without clipping or noise. Nothing was released. "
         "Make each one a registered parameter of the model (self.temperature = nn.Parameter(torch.ones(1)); "
         "nn.ModuleList / nn.ModuleDict for modules kept in a list or dict), or leave it out of the optimizer "

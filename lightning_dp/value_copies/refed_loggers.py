@@ -11,8 +11,10 @@ file, ``(0.37 * v, 0.63 * v)``), which no search finds. So a logger whose class 
 * at the fit's start, its attributes are copied (``copy.deepcopy`` of its ``__dict__``, its created experiment with
   them; the trainer, the module, the strategy, the callbacks, the loggers and the optimizers it may hold are shared,
   not copied), the files at or under its paths kept (:class:`.logger_files.LoggerFiles`), and every call of its
-  ``log_metrics`` and ``save`` (the two Lightning makes each time it logs) recorded from then on, in order — at most
-  :data:`CALLS` of them (past that the logger is searched again, as below);
+  ``log_metrics`` and ``save`` (the two Lightning makes each time it logs) recorded from then on, in order, by a
+  callable of the library's set on that logger alone (an attribute of the instance shadowing its class's method,
+  removed at the fit's end; the class and its other instances are never changed) — at most :data:`CALLS` of them
+  (past that the logger is searched again, as below);
 * for each run (:meth:`Refeeds.moved`), it is given a fresh copy of its attributes at the fit's start, its files
   written since are set apart (any file, binary too), and its own ``log_metrics`` and ``save`` are called again with
   the recorded calls in order, the values of the moved names in them moved (alternately along each name's history,
@@ -40,7 +42,7 @@ import inspect
 import os
 import warnings
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr, redirect_stdout
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.value_copies.logger_files import LoggerFiles
@@ -79,10 +81,11 @@ class RefedLogger:
         self.calls: list[Call] = []
         self.failed = False
         self._inside = 0  # a recorded method calling another (``save`` from ``log_metrics``), a run: not recorded
-        self.functions = {name: _own(type(logger), name) for name in RECORDED}
+        self.functions = {name: inspect.getattr_static(type(logger), name, None) for name in RECORDED}
         if any(not inspect.isfunction(f) for f in self.functions.values()) or any(n in vars(logger) for n in RECORDED):
             raise TypeError("its log_metrics or save is not a plain method")
-        _record(self)
+        self.recorders = {name: _Recorder(logger, name, self).record for name in RECORDED}
+        vars(logger).update(self.recorders)  # on this logger only: its class, and its other instances, are left alone
 
     def _copy(self, value: Any) -> Any:
         return copy.deepcopy(value, {id(o): o for o in self.shared})
@@ -149,8 +152,11 @@ class RefedLogger:
                 self._inside -= 1
 
     def stop(self) -> None:
-        """No more calls are recorded: the logger's class has its own methods again (once no fit records it)."""
-        _unrecord(self)
+        """No more calls are recorded: the logger's methods are its class's again."""
+        holder = vars(self.logger)
+        for name, recorder in self.recorders.items():
+            if holder.get(name) is recorder:
+                del holder[name]
 
 
 class Refeeds:
@@ -251,49 +257,25 @@ def _fill(container: Any, items: Any) -> None:
         container.extend(new) if isinstance(container, collections.deque) else container.update(new)
 
 
-_RECORDING: dict[int, RefedLogger] = {}  # id(logger) -> its recording, while a fit records it
-_PATCHED: dict[type, dict[str, Any]] = {}  # a logger class -> its own methods of the names patched (None: inherited)
+class _Recorder:
+    """The logger's method ``name`` while a fit records it: :meth:`record`, bound, is held in the logger's own
+    attributes (an instance attribute shadows its class's method) and calls through :meth:`RefedLogger.call` — a
+    method of the library's, on a slotted object of the library's, so the walks over the user's state pass it by. A
+    copy of the logger (``copy.deepcopy``, pickling) holds one that calls its class's method, unrecorded."""
 
+    __slots__ = ("logger", "name", "refed")
 
-def _own(cls: type, name: str) -> Any:
-    """``cls``'s method ``name`` as the user wrote it (not as :func:`_record` patched it)."""
-    function = inspect.getattr_static(cls, name, None)
-    while hasattr(function, "__lightning_dp_own__"):
-        function = function.__lightning_dp_own__
-    return function
+    def __init__(self, logger: Any, name: str, refed: Optional[RefedLogger] = None) -> None:
+        self.logger, self.name, self.refed = logger, name, refed
 
+    def record(self, *args: Any, **kwargs: Any) -> Any:
+        """The call made, recorded (by a copy of the logger: made only)."""
+        if self.refed is None:
+            return inspect.getattr_static(type(self.logger), self.name)(self.logger, *args, **kwargs)
+        return self.refed.call(self.name, args, kwargs)
 
-def _record(refed: RefedLogger) -> None:
-    """The calls of ``refed.logger``'s methods recorded: its class's methods (once per class) call through
-    :meth:`RefedLogger.call` for a logger recorded, as they were for any other (the logger's own attributes are left
-    alone: they are its kept state)."""
-    _RECORDING[id(refed.logger)] = refed
-    cls = type(refed.logger)
-    if cls in _PATCHED:
-        return
-    _PATCHED[cls] = {name: vars(cls).get(name) for name in RECORDED}
-    for name in RECORDED:
-        function = _own(cls, name)
+    def __deepcopy__(self, memo: dict) -> _Recorder:
+        return _Recorder(copy.deepcopy(self.logger, memo), self.name)
 
-        @functools.wraps(function)
-        def method(logger: Any, *args: Any, _name: str = name, _function: Any = function, **kwargs: Any) -> Any:
-            refed = _RECORDING.get(id(logger))
-            if refed is None or refed.logger is not logger:
-                return _function(logger, *args, **kwargs)
-            return refed.call(_name, args, kwargs)
-
-        method.__lightning_dp_own__ = function  # type: ignore[attr-defined]
-        setattr(cls, name, method)
-
-
-def _unrecord(refed: RefedLogger) -> None:
-    """``refed.logger`` no longer recorded; its class's methods its own again once none of its loggers is."""
-    if _RECORDING.get(id(refed.logger)) is refed:
-        del _RECORDING[id(refed.logger)]
-    cls = type(refed.logger)
-    if cls in _PATCHED and not any(type(r.logger) is cls for r in _RECORDING.values()):
-        for name, own in _PATCHED.pop(cls).items():
-            if own is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, own)
+    def __reduce__(self) -> tuple[type, tuple[Any, str]]:
+        return _Recorder, (self.logger, self.name)

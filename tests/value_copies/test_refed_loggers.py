@@ -4,15 +4,26 @@
 from __future__ import annotations
 
 import collections
+import copy
+import pickle
+import sys
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import quiet_trainer
 from pytorch_lightning.loggers import CSVLogger
 from user_loggers import UserLogger
 
-from lightning_dp.value_copies import refed_loggers
-from lightning_dp.value_copies.refed_loggers import Refeeds, users
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+from cases import Classifier, loader, strategy  # noqa: E402
+
+from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp.value_copies import refed_loggers  # noqa: E402
+from lightning_dp.value_copies.refed_loggers import Refeeds, users  # noqa: E402
 
 
 class Kept(UserLogger):
@@ -81,3 +92,64 @@ def test_past_the_recorded_calls_or_raising_when_re_fed_the_logger_is_named_and_
             assert rebuilt == set() and logger.hist == [500, 250, 125]
     assert logger.hist == [500, 250, 125] and logger.saves == 3
     refeeds.stop()
+
+
+def _methods(cls: type) -> dict[str, object]:
+    """The class's own attributes (not ``__slotnames__``: pickling's cache)."""
+    return {k: v for k, v in vars(cls).items() if k != "__slotnames__"}
+
+
+def test_only_the_recorded_instances_are_changed_each_recorded_and_put_back():
+    before = _methods(Kept)
+    first, second, other = Kept(), Kept(), Kept()
+    refeeds = Refeeds([first, second], lambda lg: [], time.time())
+    assert _methods(Kept) == before, "the class is never changed"
+    assert "log_metrics" not in vars(other) and "save" not in vars(other)
+    _fed(first)
+    second.log_metrics({"train_loss": 0.5})
+    other.log_metrics({"train_loss": 0.5})
+    assert [len(r.calls) for r in refeeds.refed] == [6, 1], "each instance recorded, the other not"
+    with refeeds.moved({"train_loss"}, MOVES) as rebuilt:
+        assert rebuilt == {id(first), id(second)} and first.hist == [100500, -99750, 100125]
+        assert second.hist == [100500] and other.hist == [500] and _methods(Kept) == before
+    assert first.hist == [500, 250, 125] and second.hist == [500]
+    copied = copy.deepcopy(first)
+    unpickled = pickle.loads(pickle.dumps(second))
+    copied.log_metrics({"train_loss": 1.0})
+    unpickled.log_metrics({"train_loss": 1.0})
+    assert copied.hist[-1] == unpickled.hist[-1] == 1000 and [len(r.calls) for r in refeeds.refed] == [6, 1], \
+        "a copy calls its class's method, not recorded"
+    refeeds.stop()
+    assert _methods(Kept) == before and all("log_metrics" not in vars(lg) for lg in (first, second))
+
+
+class LogsLoss(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+class RateFromOne(pl.Callback):
+    """Sets the rate from what the ``index``-th logger keeps (``int(v * 1000)``); notes the class as the fit sees it."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.seen = index, []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen.append((_methods(Kept), isinstance(trainer.logger, Kept)))
+        hist = trainer.loggers[self.index].hist
+        if hist:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = 0.1 * hist[-1] / 1000
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_in_a_fit_two_loggers_of_one_class_are_each_rebuilt_and_the_class_never_changes(index):
+    before, loggers, callback = _methods(Kept), [Kept(), Kept()], RateFromOne(index)
+    trainer = quiet_trainer(strategy=strategy(noise_multiplier=0.1), max_epochs=3, logger=loggers, callbacks=[callback])
+    with pytest.raises(PrivacyConfigurationError, match=r"from the training data.*param_groups\[0\]\.lr"):
+        trainer.fit(LogsLoss(), loader())  # kept as int(v * 1000): no search finds it, each logger rebuilt does
+    assert callback.seen and all(seen == (before, True) for seen in callback.seen), "the class as it was, during"
+    assert _methods(Kept) == before and all("log_metrics" not in vars(lg) and "save" not in vars(lg) for lg in loggers)
+    assert all(lg.hist and all(0 < v < 10_000 for v in lg.hist) for lg in loggers), "each put back after the runs"
