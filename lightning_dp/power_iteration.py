@@ -14,9 +14,18 @@ the release boundary's optimizer step post-hook, before its new baseline): a fun
 Non-private training runs it at the start of every training forward, on the same weights: each step's σ is the same
 as there, the first step's excepted (it uses u, v as the fit finds them). A parametrization in eval mode is not
 advanced, as in torch. Detaching restores ``n_power_iterations``.
+
+A parametrization of the user's own that advances a buffer in its forward (``u.copy_(...)`` under ``no_grad``) is
+not run so: its code may read anything (the data), and calling it after each update would run the user's code
+outside every check. The per-example engines cannot run through its in-place write either; the probe's refusal says
+whether the examples set the buffer apart (:func:`buffers_set_apart`: a statistic of the batch kept) or not (a power
+iteration from the weights: use torch's ``spectral_norm``, or advance the buffer after the release, in
+``on_train_batch_end``, where the write is judged and accepted when the weights alone make it).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -70,3 +79,38 @@ class PowerIterations:
         for _, _, p, n in self._held:
             p.n_power_iterations = n
         self._held = []
+
+
+def buffers_set_apart(module: nn.Module, names: Sequence[str], run: Callable[[int], Any],
+                      examples: Sequence[int]) -> Optional[dict[str, bool]]:
+    """Whether each buffer ``names`` of ``module`` (as ``named_buffers`` names it) that a training forward writes in
+    place is written from the examples: ``run(i)`` (a forward and backward on example ``i`` alone, without the
+    per-example engine) is run from the same buffers on the first example twice and on the second, and a buffer the
+    second sets apart from the first, where the first's two runs agree, is the batch's (a scale set from ``|x|`` in a
+    forward pre-hook); one written alike is the weights' (a power iteration of the user's own parametrization
+    advancing ``u`` from ``W``). For the refusal's text only (the write is refused either way: the engine cannot run
+    through it); ``None`` when a run fails, the runs on the same example disagree, or fewer than two examples. The
+    buffers are left as they were."""
+    buffers = dict(module.named_buffers())
+    held = {name: buffers[name] for name in names if name in buffers}
+    if not held or len(examples) < 2:
+        return None
+    kept = {name: b.detach().clone() for name, b in held.items()}
+
+    def once(i: int) -> dict[str, Tensor]:
+        with torch.no_grad():
+            for name, b in held.items():
+                b.copy_(kept[name])
+        run(i)
+        return {name: b.detach().clone() for name, b in held.items()}
+    try:
+        first, again, other = once(examples[0]), once(examples[0]), once(examples[1])
+    except Exception:  # noqa: BLE001  (a diagnosis only: the refusal stands without it)
+        return None
+    finally:
+        with torch.no_grad():
+            for name, b in held.items():
+                b.copy_(kept[name])
+    if any(not torch.equal(first[name], again[name]) for name in held):
+        return None
+    return {name: not torch.equal(first[name], other[name]) for name in held}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "zoo"))
 import zoo  # noqa: E402
 
 from lightning_dp import DPStrategy  # noqa: E402
-from lightning_dp.power_iteration import PowerIterations, spectral_norms  # noqa: E402
+from lightning_dp.power_iteration import PowerIterations, buffers_set_apart, spectral_norms  # noqa: E402
 
 N, D = 8, 6
 
@@ -213,3 +213,99 @@ def test_a_class_of_the_users_named_like_the_spectral_norm_is_not_iterated():
     quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(
         model, DataLoader(vectors(), batch_size=4))
     assert torch.equal(model.a.parametrizations.weight[0].u, torch.zeros(D))
+
+
+class OwnPowerIteration(nn.Module):
+    """zoo29 s05: a spectral norm of the user's own, its ``u`` advanced from ``W`` in the forward (``copy_`` under
+    ``no_grad``, like torch's), from the weights only; ``advanced=False``: the forward only reads it."""
+
+    def __init__(self, rows: int, advanced: bool = True) -> None:
+        super().__init__()
+        self.advanced = advanced
+        self.register_buffer("u", F.normalize(torch.ones(rows), dim=0))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.training and self.advanced:
+            with torch.no_grad():
+                self.u.copy_(F.normalize(weight @ F.normalize(weight.t() @ self.u, dim=0), dim=0))
+        v = F.normalize(weight.t() @ self.u, dim=0)
+        return weight / (self.u @ weight @ v)
+
+
+class BatchScaled(nn.Module):
+    """zoo29 s06: a scale buffer set from the batch's ``|x|`` by a forward pre-hook of the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.ones(()))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.s
+
+
+class OwnParametrized(Classifier):
+    def __init__(self, kind: str = "weights") -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        param = OwnPowerIteration(D, advanced=kind != "after") if kind != "batch" else BatchScaled()
+        torch.nn.utils.parametrize.register_parametrization(self.a, "weight", param)
+        if kind == "batch":
+            self.a.register_forward_pre_hook(self._scale)
+        self.kind = kind
+
+    def _scale(self, layer: nn.Module, args: tuple) -> None:
+        if layer.training:
+            with torch.no_grad():
+                layer.parametrizations.weight[0].s.copy_(1.0 / (1e-3 + args[0].abs().mean()))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.kind == "after":  # the iteration advanced after the release, from the weights only
+            u, weight = self.a.parametrizations.weight[0].u, self.a.parametrizations.weight.original
+            with torch.no_grad():
+                u.copy_(F.normalize(weight @ F.normalize(weight.t() @ u, dim=0), dim=0))
+
+
+def test_a_power_iteration_of_the_users_own_in_the_forward_is_refused_naming_the_fixes():
+    """zoo29 s05: refused (the engine cannot run through the in-place write, and a class of the user's own is not
+    iterated by the library), by its cause — a buffer written from the weights, not the batch — with the fixes, not
+    as an engine failure to report."""
+    zoo.assert_refused(OwnParametrized, vectors(), r"^training_step .* writes the buffer a\.parametrizations\.weight"
+                       r"\.0\.u in place in the forward, alike on every example: from the weights, not the batch.*"
+                       r"parametrizations\.spectral_norm.*on_train_batch_end.*public_state")
+
+
+def test_a_buffer_set_from_the_batch_in_the_forward_is_refused_by_its_cause():
+    """zoo29 s06: refused as a statistic of the batch kept in a buffer, not as the engine's failure."""
+    zoo.assert_refused(lambda: OwnParametrized("batch"), vectors(),
+                       r"^training_step .* writes the buffer a\.parametrizations\.weight\.0\.s in place from the batch")
+
+
+def test_a_power_iteration_of_the_users_own_advanced_after_the_release_trains():
+    """The first refusal's fix: the forward only reads ``u``, advanced at the batch's end from the weights (declared
+    public: its first value is a random draw the checks cannot tell from the data's)."""
+    model = OwnParametrized("after")
+    u = model.a.parametrizations.weight[0].u.clone()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0,
+                                      public_state=["a.parametrizations.weight.0.u"]), max_steps=3).fit(
+        model, DataLoader(vectors(), batch_size=4))
+    assert not torch.equal(u, model.a.parametrizations.weight[0].u)
+
+
+def test_buffers_set_apart_tells_the_weights_from_the_batch():
+    for kind, apart in (("weights", False), ("batch", True)):
+        model = OwnParametrized(kind).double()
+        x = vectors().tensors[0].double()
+        name = "a.parametrizations.weight.0." + ("u" if kind == "weights" else "s")
+        kept = dict(model.named_buffers())[name].clone()
+        assert buffers_set_apart(model, [name], lambda i: model.b(model.a(x[i:i + 1])).sum().backward(),
+                                 [0, 1]) == {name: apart}
+        assert torch.equal(dict(model.named_buffers())[name], kept)  # left as it was
+    assert buffers_set_apart(model, [name], lambda i: model.b(model.a(x[i:i + 1])).sum().backward(), [0]) is None
+
+
+def test_the_in_place_write_declared_public_is_refused_as_torch_funcs_refusal_with_the_fix():
+    """The buffer declared public: no longer state the step writes, but torch.func still refuses the write — named
+    so, with the fixes, not as an engine to report."""
+    zoo.assert_refused(OwnParametrized, vectors(), r"torch\.func refused an in-place write in the forward.*buffer "
+                       r"updated in place.*on_train_batch_end.*parametrizations\.spectral_norm",
+                       public_state=["a.parametrizations.weight.0.u"])

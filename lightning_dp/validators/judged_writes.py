@@ -23,12 +23,15 @@ judged where it is made:
    post-processed is what the optimizer steps with, ``ReleaseBoundary.released``) and its tensors are functions of
    the released state (:func:`~.held_values.derived_from_released`: a later judge leaves their values) — only when
    every run again reproduces it bit-exactly: the same entries of the kept state's full fingerprint, the same
-   parameters, ĝ and written tensors of the user's state, nothing else written (a difference that a run again on the
-   same data shows too — a clock — is excused only for a Python number, a batch timer's duration: never for a tensor,
-   an array, a container, the weights or ĝ, where an unseeded generator or the loader's own sampler would hide the
-   data behind it). Between the release and the
-   update (``on_before_optimizer_step``, ``configure_gradient_clipping``) the parameters and ĝ are judged, the rest
-   they keep is post-processing the update's baseline takes, as before. Otherwise a write to kept state is
+   parameters, ĝ and written tensors of the user's state, nothing else written. The clocks the hook reads are
+   replayed (:class:`~lightning_dp.replays.clock.ClockReads`: each run again reads the values the real run read), so
+   time stamps kept in a list are written alike; a list of numbers the run again gave other values is compared with
+   its items' own values back, the items the hook wrote as written. (A difference that a run again on the same data
+   shows too — a clock read elsewhere — is excused only for a Python number, a batch timer's duration: never for a
+   tensor, an array, a container, the weights or ĝ, where an unseeded generator or the loader's own sampler would
+   hide the data behind it). Between the release and the update (``on_before_optimizer_step``,
+   ``configure_gradient_clipping``) the parameters and ĝ are judged, the rest they keep is post-processing the
+   update's baseline takes, as before. Otherwise a write to kept state is
    refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the
    check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it
    back), which refuse them as before.
@@ -59,12 +62,14 @@ refuse an EMA's decay and a max-norm bound held as floats on a callback, which c
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import mark_wrapper
+from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.runs_again import bit_exact
 from lightning_dp.validators.held_values import derived_from_released, tensors_held
 from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now
@@ -181,7 +186,9 @@ class _Judge:
         places = [(p.data_ptr(), p._version) for _, p in params]  # a rebinding through .data keeping the values
         grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] \
             if name in _BEFORE_UPDATE else []  # (StartingState keeps ĝ's values, for the runs again)
-        result = hook(owner, *args, **kwargs)
+        clock = ClockReads(hook, owner)  # the clocks it reads, replayed in the runs again (time stamps in a list)
+        with clock.recording():
+            result = hook(owner, *args, **kwargs)
         first = fingerprint.take(callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
@@ -194,7 +201,7 @@ class _Judge:
         self.quiet.discard(key)
         written = start.written(library=True) if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
-        again.handed = args
+        again.handed, again.clock = args, clock
         again.arrays = name != "on_validation_end"  # what validation computed and keeps: held-out data's
         reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
                                                                                              self.trainer))
@@ -248,6 +255,7 @@ class _RunAgain:
         self.params = [(p, p.detach().clone()) for p in module.parameters()]
         self.first_grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p, *_ in grads]
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
+        self.clock = ClockReads()  # the clock values the first run read: each run again reads them again
         self.arrays = True  # the other arrays of the user's state given other values (not at validation's end)
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
@@ -277,9 +285,12 @@ class _RunAgain:
         apart: list[set[str]] = []
 
         def run() -> None:
-            before = fingerprint.take(callbacks, full=True)
-            hook(variant)
-            after = fingerprint.take(callbacks, full=True)
+            with _originals(self.start.moved_lists):
+                before = fingerprint.take(callbacks, full=True)
+            with self.clock.replayed():
+                hook(variant)
+            with _originals(self.start.moved_lists):  # (what the hook appended to a list of time stamps: compared)
+                after = fingerprint.take(callbacks, full=True)
             names = {*self.names, *StateFingerprint.changed(before, after)}
             held = self.start._tensors() if self.written else {}
             apart.append({n for n in names if after.get(n, _ABSENT) != self.first.get(n, _ABSENT)}
@@ -291,6 +302,21 @@ class _RunAgain:
         ran = self.start.run_again(run, {}, numbers=False, other_data=other_data, arrays=self.arrays) is not None \
             and len(apart) == 1
         return apart[0] if ran else None
+
+
+@contextmanager
+def _originals(lists: list[list]) -> Iterator[None]:
+    """Inside, the items of ``lists`` the run again gave other values (:func:`~.held_values.other_values`: each
+    marked with its ``original``) read their own values again, the items the hook wrote as it wrote them: what the
+    hook did with the list is compared with the first run's, not the other values it was given."""
+    saved = [(items, list(items)) for items in lists]
+    try:
+        for items, now in saved:
+            items[:] = [getattr(v, "original", v) for v in now]
+        yield
+    finally:
+        for items, now in saved:
+            items[:] = now
 
 
 def _number_entry(token: Any) -> bool:

@@ -176,6 +176,7 @@ class StartingState:
         self.saved = Saved(*self._pieces(copied=True))
         self.generators = Saved(Generators, lambda: user_generators([self.module, *users_objects(self.trainer)]))
         self.restored: Callable[[], None] = lambda: None  # called as a run again starts from this state
+        self.moved_lists: list[list] = []  # in a run again, the user's lists of numbers given other values
 
     def _pieces(self, copied: bool) -> list[Piece]:
         """The user's state, the weights and ĝ (``copied``: its values)."""
@@ -235,6 +236,7 @@ class StartingState:
                                     [v for _, v in exchanged.arrays + others.arrays]) if numbers else None
                 self.numbers = held.names if held is not None else self.numbers
                 held = held if other_data else None
+                self.moved_lists = [v for _, v in others.arrays if type(v) is list] if other_data and arrays else []
                 with exchanged.exchanged() if other_data else nullcontext(), \
                         others.exchanged() if other_data and arrays else nullcontext(), \
                         held.exchanged() if held is not None else nullcontext(), \

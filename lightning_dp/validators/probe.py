@@ -59,6 +59,7 @@ from lightning_dp.validators.random_draws import drawing_modules, random_step_wa
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
+from lightning_dp.power_iteration import buffers_set_apart
 from lightning_dp.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
 from lightning_dp._warnings import output_hook_notice_quieted
 from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint, weighted_mean_hint
@@ -199,7 +200,8 @@ class ExampleIndependenceProbe:
             # named first: the write may be unrelated to it (a field set lazily on a first call) or left by it halfway
             changed = self.state.changed(before, self.state.take(full=True))  # (no replay judges it: all of it)
             if changed:
-                raise state_mutation_error(changed, failure=err, what=self.what) from err
+                raise state_mutation_error(changed, failure=err, what=self.what,
+                                           set_apart=self._buffers_set_apart(changed, indices)) from err
             if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
                 raise double_backward_error(self.engine.name) from err
             raise
@@ -281,6 +283,15 @@ class ExampleIndependenceProbe:
             raise
         except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
             raise engine_failure_error(err) from err
+
+    def _buffers_set_apart(self, changed: Sequence[str], indices: Sequence[int]) -> Optional[dict[str, bool]]:
+        """For the refusal's text: whether the examples set apart each buffer of ``changed`` the forward wrote
+        (:func:`~lightning_dp.power_iteration.buffers_set_apart`), the forward run as the probe's passes run it."""
+        buffers = [name.partition(" ")[2] for name in changed if name.startswith("buffer ")]
+        if not buffers:
+            return None
+        with check_passes(self.module, self.params, self.engine):
+            return buffers_set_apart(self.module, buffers, lambda i: self._autograd_pass([i]), indices)
 
     def _autograd_pass(self, indices: list[int]) -> list[Tensor]:
         self.engine.detach()
@@ -523,7 +534,7 @@ class StateWriteError(PrivacyConfigurationError):
 
 
 def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException] = None,
-                         what: str = "training_step") -> StateWriteError:
+                         what: str = "training_step", set_apart: Optional[dict[str, bool]] = None) -> StateWriteError:
     """The user's step changed the model's own state outside the gradient (its parameters, buffers or attributes):
     data-dependent state that the noise never covers (nn.Embedding(max_norm=...) renormalising the rows a batch
     looked up, running statistics, a memory bank); the released model or its checkpoint would reveal it. ``failure``:
@@ -549,12 +560,17 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
     lead = ""
     if failure is not None and written and "mutating directly with `.data`" in str(failure):
         failure = None  # functorch refusing the write itself: the write is the thing to fix, not the engine
+    subject = f"{what} (its forward or loss)" if lightning else f"{what} given to verify() (its forward or loss)"
+    if set_apart and failure is not None and any(text in str(failure) for text in ("in-place operation", _IN_PLACE)):
+        failure = None  # (functorch refusing a buffer's in-place write: the write is the thing to fix)
+        lead = _buffer_write_lead(subject, set_apart)
+        if not any(set_apart.values()):
+            return StateWriteError(lead)
     if failure is not None:
         text = (str(failure) if isinstance(failure, PrivacyConfigurationError)
                 else f"{type(failure).__name__}: {failure}").rstrip()
         stop = "" if text.endswith(".") else "."
         lead = f"The first step's probe failed: {text}{stop} Fix that first. Before it failed, "
-    subject = f"{what} (its forward or loss)" if lightning else f"{what} given to verify() (its forward or loss)"
     return StateWriteError(
         lead + (subject if lead else subject[0].upper() + subject[1:]) + " changed the model's own state outside "
         "the gradient: " + ", ".join(changed[:6]) + (" …" if len(changed) > 6 else "") + ". Fix: remove the write "
@@ -566,6 +582,29 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
         "checkpoints without noise, so the guarantee would not hold. Nothing was released. Remove the update "
         "(max_norm=None and normalise functionally, e.g. F.normalize; track_running_stats=False), or make the "
         "state a function of the parameters only." + public)
+
+
+def _buffer_write_lead(subject: str, set_apart: dict[str, bool]) -> str:
+    """The first sentences of a refusal of buffers written in place in the forward, by cause
+    (:func:`~lightning_dp.power_iteration.buffers_set_apart`): from the batch, or from the weights alone."""
+    batch = [name for name, apart in set_apart.items() if apart]
+    if batch:
+        return (f"{subject} writes the buffer {', '.join(batch[:3])} in place from the batch: run on one example and "
+                "on another, the forward set it apart — a statistic of the batch kept in a buffer (a scale set from a "
+                "layer's input in a forward pre-hook), released with the model without noise. Compute it inside the "
+                "forward without keeping it. Also, ")
+    names = list(set_apart)[:3]
+    declare = f"DPStrategy(public_state={names!r})" if subject.startswith("training_step") else \
+        f"PrivateStep(..., public_state={names!r})"
+    return (f"{subject} writes the buffer {', '.join(names)} in place in the forward, alike on every example: from "
+            "the weights, not the batch (a power iteration of a parametrization of your own, as in a spectral "
+            "norm). The per-example engine cannot run through an in-place write in the forward, and every pass of a "
+            "step would advance it. Fix: use torch.nn.utils.parametrizations.spectral_norm (the library holds its "
+            "iteration during the step and advances it once per update, from the released weights; a class of your "
+            "own is not run so: its code could read anything), or advance the buffer after the release, in "
+            "on_train_batch_end under torch.no_grad() from the weights only, the forward only reading it, and "
+            f"declare it public, {declare} (it starts from a random draw, which the checks cannot tell from a "
+            "value of the data). Nothing was released.")
 
 
 class LowestFloat(TorchFunctionMode):
@@ -812,9 +851,20 @@ def _engine_frame(err: BaseException) -> Optional[str]:
     return found
 
 
+_IN_PLACE = "torch.func refused an in-place write"
+
+
 def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
     """The probe's error when the engine itself fails computing the first examples' per-example gradients."""
     where = _engine_frame(err) or "the engine"
+    if "in-place operation" in str(err) and "captured Tensor" in str(err):  # torch.func's refusal of a write
+        return PrivacyConfigurationError(
+            f"The per-example engine failed on this model in the first step's probe ({type(err).__name__}: {_IN_PLACE} "
+            f"in the forward; at {where}): the forward writes a tensor it does not take "
+            "as input — a buffer updated in place (copy_, add_, under torch.no_grad(): a power iteration of a "
+            "parametrization of your own, a running statistic), declared public or not. No engine runs through it. "
+            "Nothing was released. Move the write out of the forward (after the release, in on_train_batch_end, "
+            "from the weights only), or use torch.nn.utils.parametrizations.spectral_norm for a spectral norm.")
     return PrivacyConfigurationError(
         f"The per-example engine failed on this model in the first step's probe ({type(err).__name__}: {err}; at "
         f"{where}): it cannot serve the model as it is. Nothing was released. Try another engine (per_sample='ghost', "
