@@ -23,11 +23,17 @@ file, ``(0.37 * v, 0.63 * v)``), which no search finds. So a logger whose class 
   containers (a list, dict, deque or set) and its experiment's attributes are moved into the objects it held (an
   alias a callback keeps reads them too). After the run its attributes, their contents and its files are as they
   were; what the run logged to it is dropped.
+* what its recorded calls wrote anywhere else (a sqlite database or a text file outside its folders, in a hidden
+  folder, four folders deep) is seen as they run and set apart for each run as it was before their first write, its
+  real contents put back after (:mod:`.logger_effects`); one whose calls did what cannot be set apart (a socket, a
+  process) is not fed again: a decision a run would judge is refused, naming it and what it did
+  (:meth:`RefedLogger.refusal`) — fed again, it would send the moved values.
 
 Where its attributes cannot be copied at the fit's start (a lock, an open file), where it received more than
 :data:`CALLS` calls, or where fed again it raises, a warning names it once and it is searched
 (:mod:`lightning_dp.validators.logger_copies`) from then on. On ranks other than the global zero its files are not set
-apart (two ranks would race over one folder): one that wrote files since the fit's start is searched there. What its
+apart (two ranks would race over one folder): one that wrote files since the fit's start (or whose calls wrote any
+path) is searched there. What its
 other methods did since the fit's start (``log_hyperparams``, ``after_save_checkpoint``, the user's own calls) is not
 done again. The cost: one copy of its attributes at the fit's start and one per run, and the recorded calls fed
 again per run — the runs are made only when a decision window judges (docs/release_boundary.md, rule 6).
@@ -45,6 +51,7 @@ from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr, 
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.value_copies.logger_effects import Effects
 from lightning_dp.value_copies.logger_files import LoggerFiles
 
 __all__ = ["CALLS", "LIGHTNING", "RECORDED", "RefedLogger", "Refeeds", "users"]
@@ -78,9 +85,11 @@ class RefedLogger:
         self.shared = [logger, *shared]
         self.snapshot = self._copy(dict(vars(logger)))
         self.files = files
+        self.effects = Effects()  # the paths its calls write outside its copied state, what cannot be set apart
         self.calls: list[Call] = []
         self.failed = False
         self._inside = 0  # a recorded method calling another (``save`` from ``log_metrics``), a run: not recorded
+        self._running = False  # the run's hooks run (the logger rebuilt)
         self.functions = {name: inspect.getattr_static(type(logger), name, None) for name in RECORDED}
         if any(not inspect.isfunction(f) for f in self.functions.values()) or any(n in vars(logger) for n in RECORDED):
             raise TypeError("its log_metrics or save is not a plain method")
@@ -92,11 +101,17 @@ class RefedLogger:
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         """The logger's own ``name`` method called, the call recorded (not one made inside another, nor in a run)."""
-        if not self._inside:
+        outer = not self._inside
+        if outer:
             self._note(name, args, kwargs)
         self._inside += 1
         try:
-            return self.functions[name](self.logger, *args, **kwargs)
+            if self._running:  # a call the run's hooks make: what it writes elsewhere is put back after the run
+                watch: Any = self.effects.replaying(name, block=False)
+            else:
+                watch = self.effects.recording(name) if outer and not self.failed else nullcontext()
+            with watch:
+                return self.functions[name](self.logger, *args, **kwargs)
         finally:
             self._inside -= 1
 
@@ -131,25 +146,47 @@ class RefedLogger:
         real = dict(holder)
         filled: list[tuple[Any, Any]] = []
         self._inside += 1
-        with self.files.set_apart() if files else nullcontext():
-            try:
-                state = self._copy(self.snapshot)
-                holder.clear()
-                holder.update(state)
-                counts: dict[str, int] = {}
-                with open(os.devnull, "w") as silent, redirect_stdout(silent), redirect_stderr(silent):
-                    for name, args, kwargs in self.calls:
-                        if name == "log_metrics":
-                            args, kwargs = _moved_call(args, kwargs, names, moves, counts)
-                        self.functions[name](self.logger, *args, **kwargs)
-                _into_held(holder, real, filled)
-                yield
-            finally:
-                for container, items in reversed(filled):
-                    _fill(container, items)
-                holder.clear()
-                holder.update(real)
-                self._inside -= 1
+        try:
+            with self.files.set_apart() if files else nullcontext(), self.effects.set_apart(files):
+                try:
+                    state = self._copy(self.snapshot)
+                    holder.clear()
+                    holder.update(state)
+                    holder.update({n: r for n, r in self.recorders.items() if real.get(n) is r})  # hooks' calls
+                    counts: dict[str, int] = {}
+                    with open(os.devnull, "w") as silent, redirect_stdout(silent), redirect_stderr(silent):
+                        for name, args, kwargs in self.calls:
+                            if name == "log_metrics":
+                                args, kwargs = _moved_call(args, kwargs, names, moves, counts)
+                            with self.effects.replaying(name):
+                                self.functions[name](self.logger, *args, **kwargs)
+                    if self.effects.undoable is not None:
+                        raise PermissionError(self.effects.undoable)  # done, blocked and caught by its own code
+                    _into_held(holder, real, filled)
+                    self._running = True
+                    yield
+                finally:
+                    self._running = False
+                    for container, items in reversed(filled):
+                        _fill(container, items)
+                    holder.clear()
+                    holder.update(real)
+        except PermissionError:
+            if self.effects.undoable is not None:
+                raise self.refusal() from None
+            raise
+        finally:
+            self._inside -= 1
+
+    def refusal(self) -> PrivacyConfigurationError:
+        """The refusal of a decision judged from the logged values while this logger did what cannot be set apart."""
+        return PrivacyConfigurationError(
+            f"The logger {type(self.logger).__name__} {self.effects.undoable} during the fit: the runs that judge a "
+            "decision made after values logged from the training data were read feed the logger its calls again with "
+            "those values moved, and what it did cannot be set apart and undone there (it would be done again with "
+            "the moved values), so the decision cannot be judged. Fix: keep what log_metrics and save send in the "
+            "logger's attributes or files and send it from its finalize() (run once, after the fit), or decide from "
+            "values not logged from the training data (docs/release_boundary.md, rule 6).")
 
     def stop(self) -> None:
         """No more calls are recorded: the logger's methods are its class's again."""
@@ -190,8 +227,10 @@ class Refeeds:
         rebuilt: set[int] = set()
         with ExitStack() as stack:
             for refed in self.refed if names else ():
-                if refed.failed or (not files and refed.files.changed()):
+                if refed.failed or (not files and (refed.files.changed() or refed.effects.wrote())):
                     continue
+                if refed.effects.undoable is not None:
+                    raise refed.refusal()
                 try:
                     stack.enter_context(refed.rebuilt(names, moves, files))
                 except PrivacyConfigurationError:
