@@ -62,11 +62,14 @@ refuse an EMA's decay and a max-norm bound held as floats on a callback, which c
 from __future__ import annotations
 
 import functools
+import operator
+import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from lightning_dp.fingerprints.adjacent_hooks import only_the_loop_between
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
@@ -116,8 +119,9 @@ def _wrapped(hook: Callable[..., Any], name: str, judge: "_Judge") -> Callable[.
     @functools.wraps(hook)  # the user's name and module: the replays still see the user's hook
     def judged(self: Any, *args: Any, **kwargs: Any) -> Any:
         if replaying_now() or not judge.live(name):
+            judge.last = None  # (a chain of watched calls: only the next watched call continues it)
             return hook(self, *args, **kwargs)
-        return judge.call(hook, self, name, args, kwargs)
+        return judge.call(hook, self, name, args, kwargs, sys._getframe(1))
     return mark_wrapper(judged)
 
 
@@ -130,6 +134,8 @@ class _Judge:
         self.quiet: set[tuple[type, str]] = set()  # (class, hook) whose first call wrote nothing: not watched
         self._fingerprint: Optional[tuple[Any, StateFingerprint]] = None
         self.released: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tensors with the values released with
+        self.last: Optional[tuple[Any, ...]] = None  # the last watched call: (caller frame, owner, hook, fingerprint,
+        # callbacks, the fingerprint after it), while it found nothing written and no other hook of ours ran since
 
     @property
     def step(self) -> Any:
@@ -171,11 +177,13 @@ class _Judge:
         since putting a starting state back moves the counters)."""
         derived_from_released([t for t, value in self.released.values() if bit_exact(t, value)])
 
-    def call(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict) -> Any:
-        """Run the hook; judge what it wrote (module docstring)."""
+    def call(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict,
+             caller: Any = None) -> Any:
+        """Run the hook; judge what it wrote (module docstring). ``caller``: the frame that called it."""
         key = (type(owner), name)
         if key in self.quiet and not (name == "on_train_batch_end" and self.expected()):
-            return self.watched(hook, owner, name, args, kwargs)
+            return self.watched(hook, owner, name, args, kwargs, caller)
+        self.last = None
         boundary, fingerprint = self.step.boundary, self.fingerprint()
         callbacks = boundary.callbacks()
         self.mark_released()
@@ -221,21 +229,31 @@ class _Judge:
                 boundary.released([p for _, p in params if p.grad is not None and p.requires_grad])
         return result
 
-    def watched(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    def watched(self, hook: Callable[..., Any], owner: Any, name: str, args: tuple, kwargs: dict,
+                caller: Any = None) -> Any:
         """Run a hook that wrote nothing at its first call (no starting state taken, no full checksums) and refuse
         what it writes now: kept state, as the release boundary's fingerprint shows it, or a parameter (module
         docstring: a write that starts later — at step 5, on the second epoch, once the loss is low — cannot be run
         again from where it started; the boundary alone would let one through under a name it accepts for other
-        reasons, a counter ``training_step`` keeps)."""
+        reasons, a counter ``training_step`` keeps). The fingerprint before is the one after the last watched call
+        when only Lightning's callback loop ran since (:func:`~.adjacent_hooks.only_the_loop_between`: the same
+        state), else taken now."""
         fingerprint, callbacks = self.fingerprint(), self.step.boundary.callbacks()
         params = list(self.trainer.lightning_module.named_parameters())
         places = [(p.data_ptr(), p._version) for _, p in params]
-        before = fingerprint.take(callbacks)
+        last, self.last = self.last, None
+        before = last[5] if last is not None and caller is last[0] and name == last[2] and fingerprint is last[3] \
+            and len(callbacks) == len(last[4]) and all(map(operator.is_, callbacks, last[4])) \
+            and only_the_loop_between(caller, last[1], owner, name, self.trainer) else fingerprint.take(callbacks)
+        del last
         result = hook(owner, *args, **kwargs)
-        names = list(dict.fromkeys([*StateFingerprint.changed(before, fingerprint.take(callbacks)), *(
+        after = fingerprint.take(callbacks)
+        names = list(dict.fromkeys([*StateFingerprint.changed(before, after), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
         if name in _BEFORE_UPDATE:  # (ĝ changed: the check before the update refuses it, as at a judged call)
             names = [n for n in names if n.startswith("parameter ")]
+        if not names and caller is not None:
+            self.last = (caller, owner, name, fingerprint, callbacks, after)
 
         def judge() -> None:
             if names:

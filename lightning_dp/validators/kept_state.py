@@ -141,7 +141,6 @@ class StateFingerprint:
         self._public_memo: dict[str, bool] = {}
         self._tuples: dict[str, tuple[tuple, Hashable]] = {}  # entry → (tuple of scalars, its token): _tuple_token
         self._trainable: Optional[tuple[list, list, list[bool], list[tuple[str, Tensor]]]] = None  # trainable()
-        self._held: Optional[tuple[list, list, Any]] = None  # _held_objects()
 
     def refresh(self) -> None:
         """Walk the module tree again at the next fingerprint (a re-attached engine, a changed parameter set)."""
@@ -188,16 +187,6 @@ class StateFingerprint:
         self._trainable = (slots, held, flags, out)
         return list(out)
 
-    def _held_objects(self, layout: list[tuple[str, nn.Module, Optional[list[str]]]]) -> Any:
-        """:func:`held_objects` of the tree walked and the parameters in its slots: the last one again while the
-        walk is the same (:meth:`_structure`) and every slot holds the same object (read in C loops; held here)."""
-        slots = self._all_param_slots
-        in_slots = list(map(dict.get, map(_SECOND, slots), map(_THIRD, slots)))
-        kept = self._held
-        if kept is None or kept[0] is not slots or not all(map(operator.is_, in_slots, kept[1])):
-            kept = self._held = (slots, in_slots, held_objects(layout, slots))
-        return kept[2]
-
     def _is_public(self, path: str) -> bool:
         known = self._public_memo.get(path)
         if known is None:
@@ -212,7 +201,7 @@ class StateFingerprint:
         entries: Fingerprint = {}
         tensors: list[tuple[str, Tensor]] = []
         layout = self._structure()
-        self.held = self._held_objects(layout)  # what a baseline taken now holds: replaced_objects.py
+        self.held = held_objects(layout, self._all_param_slots)  # what a baseline taken now holds: replaced_objects.py
         if self.parameters is not None:
             params = [(f"parameter {name}", p) for name, p in self.parameters() if not self._is_public(name)]
         else:
