@@ -137,6 +137,7 @@ class ExampleIndependenceProbe:
         self._sorted = False  # the step sorted a tensor (validators/step_calls.py): named if examples interact
         self._weighted = False  # the step took a class-weighted mean loss (step_calls.py): named likewise
         self._calls = StepWatch()  # what the user's step calls during the passes (not the engine's own work)
+        self._dtypes = LowestFloat()  # the floating dtypes of the last pass (:meth:`_watched`)
         self._before: Optional[dict] = None  # the state before the passes (:meth:`_not_lazy`)
         self._indices: list[int] = []  # the examples probed (:meth:`_random_warning`)
 
@@ -185,9 +186,8 @@ class ExampleIndependenceProbe:
                 alone = [self._engine_pass([i]) for i in indices]
                 finite = [i for i, a in zip(indices, alone) if bool(torch.isfinite(a.norms).all())]
                 if not finite or len(finite) == len(indices):
-                    with LowestFloat() as watch:
-                        together = self._engine_pass(list(indices))
-                    self.compute_dtype = watch.lowest
+                    together = self._engine_pass(list(indices))
+                    self.compute_dtype = self._dtypes.lowest  # (the dtypes of that pass alone)
                     reseeded = self._engine_pass(list(indices), seed=1)
                     # a bound that clips about half of them: the weighted sum Σ c_i g_i with c_i < 1 is checked too
                     bound = float(torch.cat([a.norms.double() for a in alone]).median())
@@ -272,17 +272,28 @@ class ExampleIndependenceProbe:
         """The run's policy at ``bound``, on ``count`` examples (in units of two when training groups them)."""
         return ClipRule(self.clipping.at_bound(bound), pseudo_units(count) if self.grouped else None)
 
+    @contextmanager
+    def _watched(self) -> Iterator[None]:
+        """A pass under a fresh :class:`LowestFloat` (:attr:`_dtypes`). Every pass runs the user's step under the same
+        modes (:class:`NoDropout`, :class:`LowestFloat`, :class:`~.step_calls.StepWatch`): Dynamo guards a
+        ``torch.compile``'d model's frames on the types of the mode stack, so a watch entered for one pass only made
+        it compile them again for that pass and again for the next (each frame up to 8 times, then left uncompiled)."""
+        self._dtypes = LowestFloat()
+        with self._dtypes:
+            yield
+
     def _engine_pass(self, indices: list[int], seed: int = 0, rule: Optional[ClipRule] = None) -> ClippedBatch:
-        for p in self.params:
-            p.grad = None
-        self.engine.begin_step(len(indices))
-        self._loss(indices, backward=True, seed=seed)
-        try:
-            return self.engine.clip_and_sum(self.params, float("inf") if rule is None else rule)
-        except PrivacyConfigurationError:
-            raise
-        except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
-            raise engine_failure_error(err) from err
+        with self._watched():
+            for p in self.params:
+                p.grad = None
+            self.engine.begin_step(len(indices))
+            self._loss(indices, backward=True, seed=seed)
+            try:
+                return self.engine.clip_and_sum(self.params, float("inf") if rule is None else rule)
+            except PrivacyConfigurationError:
+                raise
+            except Exception as err:  # noqa: BLE001  (the engine's own failure on this model)
+                raise engine_failure_error(err) from err
 
     def _buffers_set_apart(self, changed: Sequence[str], indices: Sequence[int]) -> Optional[dict[str, bool]]:
         """For the refusal's text: whether the examples set apart each buffer of ``changed`` the forward wrote
@@ -296,7 +307,8 @@ class ExampleIndependenceProbe:
     def _autograd_pass(self, indices: list[int]) -> list[Tensor]:
         self.engine.detach()
         try:
-            loss = self._loss(indices)
+            with self._watched():
+                loss = self._loss(indices)
             leaves = list(self.params if self.autograd_params is None else self.autograd_params())
             grads = gradients_of(loss, leaves)
         finally:
@@ -357,7 +369,8 @@ class ExampleIndependenceProbe:
         with check_passes(self.module, self.params, self.engine):
             seed_all(0)
             try:
-                found = drawing_modules(self.module, lambda: self._loss(self._indices[:2]))
+                with self._watched():
+                    found = drawing_modules(self.module, lambda: self._loss(self._indices[:2]))
             except PrivacyConfigurationError:
                 pass  # (the passes ran it before: named as augmentation, as before)
         return random_step_warning(self.what, *found)

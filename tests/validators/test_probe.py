@@ -150,6 +150,27 @@ def test_augmentation_randomness_is_detected_and_warned_not_refused():
         _probe_model(Augmented().double())
 
 
+def test_every_pass_runs_the_step_under_the_same_modes():
+    """Dynamo guards a torch.compile'd model's frames on the types of the torch-function mode stack: the dtype watch
+    entered for the batch's pass only compiled them once more for it and once more for the passes after it (each
+    frame up to 8 times, then left uncompiled). Alone, together, reseeded, clipped, autograd and the random-draw
+    warning's pass: one stack."""
+    torch.manual_seed(0)
+    model, stacks = Augmented().double(), []
+    engine = make_engine("ghost")
+    engine.attach(model)
+
+    def loss_of(idx):
+        stacks.append(tuple(type(m) for m in torch.overrides._get_current_function_mode_stack()))
+        return F.cross_entropy(model(X[idx]), Y[idx])
+
+    with pytest.warns(UserWarning, match="draws random numbers"):  # (the warning's own pass runs too)
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), [n for n, _ in model.named_parameters()],
+                                 loss_of, probe_tolerance(torch.float64, False)).run(list(range(6)))
+    assert len(stacks) >= 6 + 5  # alone ×6, together, reseeded, clipped, autograd, the warning's
+    assert len(set(stacks)) == 1, set(stacks)
+
+
 def test_a_summed_loss_is_still_caught_under_augmentation():
     torch.manual_seed(0)
     with pytest.raises(PrivacyConfigurationError, match="SUM over the batch"):
