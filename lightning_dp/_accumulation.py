@@ -26,16 +26,15 @@ physical batches: with them, accumulation is refused.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_dp._warnings import said
 from lightning_dp.errors import PrivacyConfigurationError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-log = logging.getLogger("lightning_dp.strategy")
 
 
 def adopt_accumulation(trainer: "pl.Trainer", strategy: Any, label: str) -> None:
@@ -55,9 +54,9 @@ def adopt_accumulation(trainer: "pl.Trainer", strategy: Any, label: str) -> None
             "Poisson batch) instead.")
     strategy._accumulation = Accumulation(weakref.ref(trainer), k, strategy.max_physical_batch_size, given)
     trainer.accumulate_grad_batches = 1  # the private step accumulates: one clipping, one noise per logical batch
-    log.info("%s: Trainer(accumulate_grad_batches=%d): one private step draws the expected batch of %d × the "
-             "loader's batch_size and differentiates it in physical batches; Lightning's own accumulation is off for "
-             "this fit", label, k, k)
+    said(f"{label}: Trainer(accumulate_grad_batches={k}): one private step draws the expected batch of {k} × the "
+         "loader's batch_size and differentiates it in physical batches; Lightning's own accumulation is off for this "
+         "fit")
 
 
 class Accumulation:

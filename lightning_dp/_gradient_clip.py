@@ -21,16 +21,15 @@ the next step: equal to C it is switched off again, otherwise refused.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_dp._warnings import said
 from lightning_dp.errors import PrivacyConfigurationError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-log = logging.getLogger("lightning_dp.strategy")
 
 DEFAULT_MAX_GRAD_NORM = 1.0
 """C when neither ``max_grad_norm`` nor ``Trainer(gradient_clip_val=...)`` gives one."""
@@ -53,8 +52,8 @@ def adopt_gradient_clip(trainer: "pl.Trainer", strategy: Any, label: str) -> Non
     if not strategy._max_grad_norm_given:
         step.max_grad_norm = float(value)
         strategy._max_grad_norm_given = True
-        log.info("%s: per-example clipping bound C = %s, from Trainer(gradient_clip_val=%s); Lightning's own clipping "
-                 "of the batch gradient is off for this fit", label, float(value), value)
+        said(f"{label}: per-example clipping bound C = {float(value)}, from Trainer(gradient_clip_val={value}); "
+             "Lightning's own clipping of the batch gradient is off for this fit")
     elif float(value) != step.max_grad_norm:
         raise PrivacyConfigurationError(
             f"Trainer(gradient_clip_val={value}) and {label}(max_grad_norm={step.max_grad_norm}) give two different "

@@ -57,6 +57,14 @@ def quiet_lightning_adverts() -> None:
             logger.addFilter(_LightningAdverts())
 
 
+def said(message: str) -> None:
+    """``message`` as one INFO line on Lightning's rank-zero console, where the strategy's other lines go (a logger of
+    lightning_dp's own has no handler: its INFO lines were never shown — newcomer30)."""
+    from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(message)
+
+
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
     """Lightning's, Fabric's and lightning_dp's info logging at ERROR for the duration (sweeps that

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -127,6 +128,18 @@ def _no_broadcast_site_mode_left_behind():
     for mode in reversed(left):
         mode.close()
     assert not left, "a step left the broadcast-site mode active"
+
+
+@pytest.fixture
+def console_lines(caplog):
+    """caplog holding the INFO lines of Lightning's rank-zero console (its logger does not propagate to the root)."""
+    console = logging.getLogger("pytorch_lightning")
+    console.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO"):
+            yield caplog
+    finally:
+        console.removeHandler(caplog.handler)
 
 
 @pytest.fixture

@@ -47,10 +47,9 @@ def _fit(strategy: DPStrategy, **trainer_kwargs) -> tuple[pl.Trainer, Sizes]:
     return trainer, model
 
 
-def test_accumulation_is_one_private_step_over_k_loader_batches(caplog):
+def test_accumulation_is_one_private_step_over_k_loader_batches(console_lines):
     strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, sampler_seed=0, public_state=["seen"])
-    with caplog.at_level("INFO"):
-        trainer, model = _fit(strategy, max_epochs=1, accumulate_grad_batches=K)
+    trainer, model = _fit(strategy, max_epochs=1, accumulate_grad_batches=K)
     assert strategy.expected_batch_size == K * B and strategy.sample_rate == pytest.approx(K * B / N)
     assert strategy.steps_per_epoch == N // (K * B)
     assert strategy.ledger.steps == trainer.global_step == N // (K * B)  # one release per optimizer step
@@ -58,7 +57,7 @@ def test_accumulation_is_one_private_step_over_k_loader_batches(caplog):
     assert model.seen and max(model.seen) <= B  # physical batches of the loader's batch_size
     assert sum(model.seen) > 2 * B * strategy.ledger.steps  # more than the loader's batch per step: k of them
     assert trainer.accumulate_grad_batches == K and strategy.max_physical_batch_size is None  # given back
-    assert any("accumulate_grad_batches=4" in r.getMessage() for r in caplog.records)
+    assert any("accumulate_grad_batches=4" in r.getMessage() for r in console_lines.records)
 
 
 def test_a_given_physical_batch_size_is_kept():

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 from torch import Tensor
 
+from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
@@ -195,11 +196,7 @@ def _put_back(owner: Any, key: str, before: Optional[tuple[Any, Any]]) -> None:
         return
     value, items = before
     if items is not None and not _same_items(value, items):
-        value.clear()
-        if isinstance(value, list):
-            value.extend(items)
-        else:
-            value.update(items)
+        put_back(value, held_items(items))  # (the copy's items: a dict's pairs)
     if _value(owner, key) is not value:
         if isinstance(owner, (type, types.ModuleType)):
             setattr(owner, key, value)

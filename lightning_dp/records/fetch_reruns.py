@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from torch import Tensor
 
+from lightning_dp.containers import held_items, put_back
 from lightning_dp.records.identity import IdentityMap, Same
 from lightning_dp.records.values import same_array_values, same_tensor_values
 
@@ -102,17 +103,8 @@ def _keep(obj: Any) -> Optional[tuple[Any, Any]]:
 def _put_back(obj: Any, saved: Any) -> None:
     if saved is None:
         return
-    if isinstance(obj, dict):
-        obj.clear()
-        obj.update(saved)
-    elif isinstance(obj, list):
-        obj[:] = saved
-    elif isinstance(obj, set):
-        obj.clear()
-        obj.update(saved)
-    elif type(obj).__name__ == "deque":
-        obj.clear()
-        obj.extend(saved)
+    if isinstance(obj, (list, dict, set)) or type(obj).__name__ == "deque":
+        put_back(obj, saved)
     else:
         fields = vars(obj)
         fields.clear()
@@ -291,6 +283,6 @@ def _filled(cell: Any) -> bool:
 
 def _state(obj: Any) -> Any:
     if isinstance(obj, (list, dict, set)) or type(obj).__name__ == "deque":
-        return list(obj.items()) if isinstance(obj, dict) else list(obj)
+        return held_items(obj)
     fields = getattr(obj, "__dict__", None)
     return dict(fields) if isinstance(fields, dict) else None

@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import get_worker_info
 
+from lightning_dp.containers import held_items, put_back
 from lightning_dp.records.values import same_array_values, same_tensor_values
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records import fresh_randomness
@@ -435,13 +436,12 @@ class FetchState:
     def _verify_caches(self) -> list[str]:
         """Each cache entry added since the last verification read again: it must come back the same."""
         pending, self._unverified = self._unverified[:VERIFIED], self._unverified[VERIFIED:]
-        kept_items = {id(c): (c, list(c.items())) for c, _ in pending}  # each cache put back as it was, in order
+        kept_items = {id(c): (c, held_items(c)) for c, _ in pending}  # each cache put back as it was, in order
         try:
             return self._reread(pending)
         finally:
             for cache, items in kept_items.values():
-                cache.clear()
-                cache.update(items)
+                put_back(cache, items)
             if pending:
                 self._entries, self._objects = self._take()
 

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
 from lightning_dp.fingerprints.context_values import is_context_variable
-from lightning_dp.fingerprints.dataset_tokens import put_back
+from lightning_dp.containers import held_items, put_back
+from lightning_dp.fingerprints.dataset_tokens import put_back as put_datasets_back
 from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.state_walker import MAX_DEPTH, configuration_object, callable_state, class_attributes
 from lightning_dp.records.library_objects import framework_keys
@@ -59,33 +60,16 @@ def _contents(value: Any, depth: int) -> Restore:
         return put_array
     if depth >= MAX_DEPTH or isinstance(value, nn.Module):
         return _nothing
-    if isinstance(value, (list, deque)):
-        items = list(value)
-        inner = [_contents(v, depth + 1) for v in items]
+    if isinstance(value, (list, deque, dict, set)):
+        items = held_items(value)
+        values = [v for _, v in items] if isinstance(value, dict) else [] if isinstance(value, set) else items
+        inner = [_contents(v, depth + 1) for v in values]
 
-        def put_sequence() -> None:
-            value.clear()
-            value.extend(items)
+        def put_items() -> None:
+            put_back(value, items)
             for restore in inner:
                 restore()
-        return put_sequence
-    if isinstance(value, dict):
-        pairs = list(value.items())
-        inner = [_contents(v, depth + 1) for _, v in pairs]
-
-        def put_dict() -> None:
-            value.clear()
-            value.update(pairs)
-            for restore in inner:
-                restore()
-        return put_dict
-    if isinstance(value, set):
-        members = set(value)
-
-        def put_set() -> None:
-            value.clear()
-            value.update(members)
-        return put_set
+        return put_items
     if isinstance(value, tuple):
         inner = [_contents(v, depth + 1) for v in value]
         return lambda: [restore() for restore in inner] and None
@@ -250,7 +234,7 @@ class StateSnapshot:
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
         trainer = getattr(module, "_trainer", None)  # the library callbacks' and the trainer's settings, as found
         for dataset, collate in _training_datasets(trainer):  # the training data's (set_epoch's), rebound only
-            restores.append(put_back(dataset, collate))
+            restores.append(put_datasets_back(dataset, collate))
         if trainer is not None and settings:
             restores.append(partial(_put_settings, library_settings(trainer)))
         self._restores = restores

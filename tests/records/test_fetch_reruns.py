@@ -3,6 +3,8 @@ whatever the records (a count of calls, a cache keyed by a shape all records sha
 parameters) trains; state that is a function of the records (a count of the records of a label, a running mean, a
 copy of the last record, a size cache over records of different sizes) is refused as before."""
 
+import collections
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -252,6 +254,18 @@ def test_kept_state_is_put_back_in_place():
     holder.method(torch.zeros(1))
     deep.restore()
     assert items == [1, 2] and seen == [] and holder.method.__self__.calls == 0
+
+
+def test_a_counter_and_an_ordered_dict_are_put_back_as_they_were():
+    """newcomer30: a vocabulary Counter was put back as counts of its (word, count) pairs, so an untouched global
+    read as written (and held other values after the fit)."""
+    counts, ordered = collections.Counter(alpha=5, beta=2), collections.OrderedDict(b=1, a=2)
+    kept = Kept({"counts": counts, "ordered": ordered})
+    counts["gamma"] += 1
+    ordered.move_to_end("b")
+    kept.restore()
+    assert counts == collections.Counter(alpha=5, beta=2) and list(counts.items()) == [("alpha", 5), ("beta", 2)]
+    assert list(ordered.items()) == [("b", 1), ("a", 2)]
 
 
 def test_frozen_values_compare_by_value_and_copy_tensors():

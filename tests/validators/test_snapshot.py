@@ -3,6 +3,8 @@ whatever the user's objects hold (NumPy arrays written in place, NumPy scalars, 
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 from torch import nn
@@ -67,6 +69,23 @@ def test_the_user_modules_globals_and_class_bodies_are_restored():
     assert TABLE is table and TABLE == {"a": 1}
     assert Namespace.temperature == 1.0 and Namespace.history is history and history == []
     assert "ADDED_BY_A_PASS" not in globals()
+
+
+VOCABULARY = collections.Counter(alpha=5, beta=2)
+ORDER = collections.OrderedDict(b=1, a=2)
+
+
+def test_a_counter_and_an_ordered_dict_come_back_as_they_were():
+    """newcomer30: a module's vocabulary Counter that no hook touched came back as counts of its (word, count) pairs
+    (``Counter.update`` counts), read as written: refused, and the user's data changed."""
+    import sys
+
+    snapshot = StateSnapshot(nn.Linear(2, 2), modules=[sys.modules[__name__]])
+    VOCABULARY["gamma"] += 1
+    ORDER.move_to_end("b")
+    snapshot.restore()
+    assert list(VOCABULARY.items()) == [("alpha", 5), ("beta", 2)]
+    assert list(ORDER.items()) == [("b", 1), ("a", 2)]
 
 
 def test_which_parameters_train_is_restored():
