@@ -517,8 +517,9 @@ class BatchEndWrites:
         if refused:
             raise self.boundary.written_error(list(dict.fromkeys(refused)), (
                 "in the hooks the loop runs around a step before its release (on_train_batch_start, training_step, "
-                "on_before_backward), from the batch or its loss: replayed on the first step's examples, moved far "
-                "and exchanged, before any release, the hooks set it apart or wrote a trainable parameter outside "
+                "on_before_backward), from the batch, its loss or the training set: replayed on the first step's "
+                "examples, moved far and exchanged (the training set's copies with them), before any release, the "
+                "hooks set it apart or wrote a trainable parameter outside "
                 "the gradient. A parameter written there (a momentum copy of the weights) is accepted when it is "
                 "frozen (requires_grad=False) and set from the parameters only; else update it at "
                 "the batch's end (on_train_batch_end) from the parameters only"))

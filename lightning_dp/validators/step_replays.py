@@ -26,7 +26,7 @@ kept, no checkpoint file written. :class:`StepReplays` reads the strategy throug
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
@@ -48,7 +48,7 @@ from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
 from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_decisions, replay_records,
                                                       state_written)
-from lightning_dp.record_checks.outside_records import exchanged_copy
+from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from lightning_dp.validators.record_reads import RecordWatch
 
 __all__ = ["BATCH_HOOKS", "EPOCH_BOUNDARY_HOOKS", "NEXT_STEPS", "VALIDATION_HOOKS", "StepReplays", "Strategy",
-           "checkpoint_files_kept", "observers", "users_objects", "weights_fitted"]
+           "checkpoint_files_kept", "exchanged_around", "observers", "users_objects", "weights_fitted"]
 
 BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_train_batch_end")
 """The hooks around a step that are handed the batch, its loss or its outputs."""
@@ -212,6 +212,7 @@ class StepReplays:
             (boundary.fingerprint(module),
              StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules()))
         start = None if unjudged is None else unjudged[0].take(users)
+        outside = self.training_copies()  # exchanged with the batch: a statistic of the training set is the data's
 
         def replay(examples: Any, progress: Optional[tuple[int, int]],
                    moved: Union[bool, Callable[[Any], Any]] = False) -> Callable[[], None]:
@@ -224,8 +225,10 @@ class StepReplays:
                         decisions.append(calls)  # σ and C: put back by replay_records, which compares them
                         batch_idx = 0 if progress is None else min(per_epoch - 1, progress[0])  # `if batch_idx >= k`
                         try:
-                            ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                       before_end=writes.before_end if writes else lambda: None)
+                            with exchanged_around(outside if moved is False and examples is not batch else None,
+                                                  writes.before_end if writes else lambda: None) as before_end:
+                                ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
+                                                           before_end=before_end)
                         except PrivacyConfigurationError:
                             raise
                         except Exception as err:  # noqa: BLE001  (judged by raised_apart: a stop by raising)
@@ -312,21 +315,25 @@ class StepReplays:
         batch = self.strategy._collated(indices)
         runs: list[Optional[dict[str, Any]]] = []
 
-        def replay(examples: Any, moved: bool = False) -> Callable[[], None]:  # a run that fails is not compared
+        def replay(examples: Any, moved: bool = False, outside: Optional[ExchangedRecords] = None
+                   ) -> Callable[[], None]:  # a run that fails is not compared; read with the data back in place
             return lambda: runs.append(run_once(
                 lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
                                            end=False), seeded(0), self.privacy_settings_kept(),
+                outside.exchanged() if outside is not None else nullcontext(),
                 read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
 
         half = self.strategy._collated(indices[: max(1, len(indices) // 2)])
+        outside = self.training_copies()
         with self.watches_paused():
             replay_records(self.strategy.optimizers[0], [replay(batch), replay(batch), replay(half, True),
-                                                         replay(exchanged_copy(batch))], loop=trainer)
+                                                         replay(exchanged_copy(batch), outside=outside)], loop=trainer)
         moved = sorted(set_apart(runs[0], runs[1], runs[2:], moved_by_data)) if judged else []
         self.refuse_on_every_rank(boundary.written_error(moved, (
             f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
-            "on_before_backward), from the batch or its loss: written alike on the first step's examples, run "
-            "again on this step's, on them exchanged and with the loss moved far, the hooks set it apart"))
+            "on_before_backward), from the batch, its loss or the training set: written alike on the first step's "
+            "examples, run again on this step's, on them exchanged (the training set's copies with them) and with "
+            "the loss moved far, the hooks set it apart"))
             if moved else None, "found state the hooks before the release set from the batch")
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
@@ -401,6 +408,14 @@ class StepReplays:
             refusal = boundary.written_error(moved, f"{where}: computed from the training data, kept for later steps"
                                              + weights_fitted(moved, writers))
         self.refuse_on_every_rank(refusal, "found the epoch hooks' replays steered by the data")
+
+    def training_copies(self) -> Optional[ExchangedRecords]:
+        """The training data's copies in memory (the dataset's, and those the model, the callbacks and the user's
+        globals hold), for the replays on the batch exchanged: a hook before the release reads the training set
+        itself (``trainer.train_dataloader.dataset``), not only its batch (``None``: no loader yet)."""
+        if self.step._source is None:
+            return None
+        return ExchangedRecords(self.step.exchanged_training_data().arrays)
 
     def refuse_on_every_rank(self, refusal: Optional[Exception], what: str) -> None:
         """Raise ``refusal`` (``None``: this rank's check passed) on every rank alike (one all-reduce when distributed,
@@ -512,6 +527,26 @@ class StepReplays:
         private.check_batch(loss_of, indices, module.trainer.global_step if step is None else step,
                             max_examples=min(128, self.strategy.max_physical_batch_size or 128), as_of=as_of,
                             charge=charge, physical=self.strategy.max_physical_batch_size)
+
+
+@contextmanager
+def exchanged_around(outside: Optional[ExchangedRecords],
+                     before_end: Callable[[], None]) -> Iterator[Callable[[], None]]:
+    """The training data's copies exchanged (``outside``; ``None``: nothing) while a replay's hooks run, and put back in
+    place while ``before_end`` (the ``before_end`` handed to :func:`~.hook_replays.replay_batch_hooks`, yielded
+    wrapped) reads the state between the hooks before the release and the batch-end hooks: a record read by its
+    contents is the data's, not a write."""
+    if outside is None:
+        yield before_end
+        return
+    with ExitStack() as stack:
+        stack.enter_context(outside.exchanged())
+
+        def between() -> None:
+            stack.close()
+            before_end()
+            stack.enter_context(outside.exchanged())
+        yield between
 
 
 def weights_fitted(moved: list[str], writers: dict[str, set[str]]) -> str:
