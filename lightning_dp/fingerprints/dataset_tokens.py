@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_dp import containers
+from lightning_dp.containers import held_items, put_back as put_items_back
 from lightning_dp.fingerprints.checksums import _array_digest
 from lightning_dp.records.identity import Same
 from lightning_dp.records.fetch_reruns import fetch_written
@@ -261,7 +261,7 @@ def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
     cells = [(cell, cell.cell_contents) for d in holders if isinstance(d, types.FunctionType)
              for cell in d.__closure__ or () if _filled(cell)]
     fields = [f for d in holders for f in (_fields(d).values() if isinstance(d, _CALLABLES) else ())]
-    items = [(v, containers.held_items(v))
+    items = [(v, held_items(v))
              for v in [*(v for _, kept in held for v in kept.values()), *fields]
              if isinstance(v, (dict, list, set, deque))]
 
@@ -281,7 +281,7 @@ def put_back(dataset: Any, collate_fn: Any = None) -> Callable[[], None]:
                     array[...] = values
         for container, kept in items:
             if not _same(container, kept):
-                containers.put_back(container, kept)
+                put_items_back(container, kept)
     return put
 
 
