@@ -29,6 +29,7 @@ from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.value_copies import logged_names
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -332,7 +333,7 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int, raisin
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
                         moved: Union[bool, Callable[[Any], Any]] = False, before_end: Callable[[], None] = lambda: None,
-                        end: bool = True) -> bool:
+                        end: bool = True, names: Optional[list[frozenset]] = None) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
@@ -341,29 +342,51 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
     ``moved``: the hooks are handed the loss moved far (1000·(loss + 1)), so a value set from it past a threshold
     (``if loss < 100: lr *= 0.5``) differs from the replay that was not; or moved by ``moved`` itself
     (:func:`moved_near`: a value set once the loss is above a threshold). ``end=False``: the hooks before the release
-    only (the batch-end hooks not run)."""
+    only (the batch-end hooks not run). ``names``: given the (hook, name) pairs the hooks logged
+    (:mod:`~lightning_dp.value_copies.logged_names`; also when a hook raised)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
-    with replaying(module, rates=False, schedules=False):
-        for cb in callbacks:
+    with replaying(module, rates=False, schedules=False), logged_names.recording() as logged:
+        try:
+            return _batch_hooks(module, callbacks, precision, batch, batch_idx, moved, before_end, end)
+        finally:
+            if names is not None:
+                names.append(frozenset(logged))
+
+
+def _batch_hooks(module: "pl.LightningModule", callbacks: list[Any], precision: Any, batch: Any, batch_idx: int,
+                 moved: Union[bool, Callable[[Any], Any]], before_end: Callable[[], None], end: bool) -> bool:
+    """The body of :func:`replay_batch_hooks` (inside its :func:`replaying`), each hook's logging told apart."""
+    trainer = module.trainer
+
+    def by(owner: Any, name: str) -> Any:
+        return logged_names.hook(name if owner is module else f"{type(owner).__name__}.{name}")
+
+    for cb in callbacks:
+        with by(cb, "on_train_batch_start"):
             cb.on_train_batch_start(trainer, module, batch, batch_idx)
+    with by(module, "on_train_batch_start"):
         ended = module.on_train_batch_start(batch, batch_idx) == -1
-        with precision.train_step_context():
-            outputs = module.training_step(batch, batch_idx)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if moved and isinstance(loss, torch.Tensor):
-            loss = moved(loss) if callable(moved) else moved_far(loss)
-            outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
-        if isinstance(loss, torch.Tensor):
-            for cb in callbacks:
+    with precision.train_step_context(), by(module, "training_step"):
+        outputs = module.training_step(batch, batch_idx)
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if moved and isinstance(loss, torch.Tensor):
+        loss = moved(loss) if callable(moved) else moved_far(loss)
+        outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
+    if isinstance(loss, torch.Tensor):
+        for cb in callbacks:
+            with by(cb, "on_before_backward"):
                 cb.on_before_backward(trainer, module, loss)
+        with by(module, "on_before_backward"):
             module.on_before_backward(loss)
-        if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
-            outputs = {"loss": loss.detach()}
-        before_end()  # what the batch-end hooks alone write (after the release, in the loop) is told apart
-        for cb in callbacks if end else ():
+    if isinstance(loss, torch.Tensor) and not isinstance(outputs, dict):
+        outputs = {"loss": loss.detach()}
+    before_end()  # what the batch-end hooks alone write (after the release, in the loop) is told apart
+    for cb in callbacks if end else ():
+        with by(cb, "on_train_batch_end"):
             cb.on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-        if end:
+    if end:
+        with by(module, "on_train_batch_end"):
             module.on_train_batch_end(outputs, batch, batch_idx)
     return ended
 
@@ -385,7 +408,10 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     groups = [(group, {k: v for k, v in group.items() if k != "params"})
               for optimizer in getattr(trainer, "optimizers", None) or () for group in optimizer.param_groups] \
         if rates else []
-    muted = [(trainer, "save_checkpoint"), *((logger, name) for logger in trainer.loggers
+    loggers = getattr(trainer, "_loggers", None)
+    listed = list(loggers) if isinstance(loggers, list) else None
+    unique = list({id(logger): logger for logger in trainer.loggers}.values())  # a logger listed twice: muted once
+    muted = [(trainer, "save_checkpoint"), *((logger, name) for logger in unique
                                               for name in ("log_metrics", "log_hyperparams"))]
     hooks = [(table, dict(table)) for m in module.modules() for kind in _HOOK_TABLES
              for table in [getattr(m, kind, None)] if isinstance(table, dict)]
@@ -398,6 +424,9 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
             yield
         finally:
             _REPLAYS.remove(module)
+            if listed is not None:  # a replayed on_train_start adding a logger (``trainer.loggers += [lg]``) adds none
+                loggers[:] = listed
+                trainer._loggers = loggers
             for (obj, name), value in zip(muted, saved):
                 if value is _ABSENT:
                     delattr(obj, name)
@@ -444,8 +473,10 @@ _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_bac
 
 @contextmanager
 def silenced_logging(module: "pl.LightningModule") -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's)."""
-    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    """``self.log``/``self.log_dict`` do nothing while the probe runs the user's step (its values are not a step's);
+    the names they are given are noted (:func:`~lightning_dp.value_copies.logged_names.recording`)."""
+    module.log = lambda *a, **k: logged_names.logged(a, k)  # type: ignore[method-assign]
+    module.log_dict = lambda *a, **k: logged_names.logged(a, k, many=True)  # type: ignore[method-assign]
     try:
         yield
     finally:

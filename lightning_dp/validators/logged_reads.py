@@ -46,6 +46,7 @@ from lightning_dp.records.call_sites import STANDARD as _STANDARD, first_caller,
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import decisions, hyperparameters, hyperparameters_error
+from lightning_dp.value_copies.logged_names import StepNames, due as names_due
 
 STEP_HOOKS = frozenset({
     "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
@@ -91,12 +92,19 @@ class LoggedReads:
         self._values: dict[str, collections.deque] = {}  # name -> the values sent to the loggers (the latest _KEPT)
         self._moving = 0
         self.rebuilt = logger_copies.refeeds(trainer, self.started - 1)  # the user's loggers: rebuilt, not searched
+        self.step_names = StepNames()  # the names the batch hooks log, batch by batch (logged_names)
 
     def install(self) -> None:
-        """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics)."""
+        """Watch the trainer's three metric dicts (again: Lightning replaces them when it resets its metrics); called
+        as each batch's step begins: a set of names the batch hooks logged not seen before (:mod:`.logged_names`)
+        makes this batch checked, its replays judging the names."""
         connector = getattr(self.trainer, "_logger_connector", None)
         if connector is None:
             return
+        self.step_names.close(_batches(self.trainer))
+        schedule = getattr(getattr(getattr(self.trainer, "strategy", None), "private_step", None), "schedule", None)
+        if names_due() and schedule is not None:
+            schedule.force()
         for attribute in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
             current = getattr(connector, attribute, None)
             if isinstance(current, dict) and not (isinstance(current, LoggedMetrics) and current.reads is self):
@@ -343,7 +351,7 @@ class LoggedMetrics(dict):
         return (dict, (dict(super().items()),))
 
 
-_RESULTS: list[Any] = []  # (the results class, its own ``metrics``) while a fit is watched
+_RESULTS: list[Any] = []  # (the results class, its own ``metrics`` and ``log``) while a fit is watched
 _WATCHING: list[Optional[LoggedReads]] = [None]
 
 
@@ -360,6 +368,12 @@ def _move(out: dict, names: set[str], up: bool) -> None:
                 part[key] = _moved(part[key], up)
 
 
+def _batches(trainer: Any) -> int:
+    """The loop's count of the batches made ready this fit (0 before the first)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(getattr(getattr(loop, "batch_progress", None), "total", None), "ready", 0) or 0)
+
+
 def _moved(value: Any, up: bool) -> Any:
     """A logged value moved far (``up``) or near zero, as the runs on other data read it."""
     return moved_far(value) if up else moved_near(value)
@@ -370,8 +384,8 @@ def _watch_results(reads: Optional[LoggedReads]) -> None:
     _WATCHING[0] = reads
     if reads is None:
         while _RESULTS:
-            cls, own = _RESULTS.pop()
-            cls.metrics = own
+            cls, own, log = _RESULTS.pop()
+            cls.metrics, cls.log = own, log
         return
     if _RESULTS:
         return
@@ -379,7 +393,8 @@ def _watch_results(reads: Optional[LoggedReads]) -> None:
         module = sys.modules.get(f"{prefix}.trainer.connectors.logger_connector.result")
         cls = getattr(module, "_ResultCollection", None)
         own = vars(cls).get("metrics") if cls is not None else None
-        if own is None:
+        log = vars(cls).get("log") if cls is not None else None
+        if own is None or log is None:
             continue
 
         def metrics(results: Any, *args: Any, _own: Any = own, **kwargs: Any) -> Any:
@@ -393,8 +408,14 @@ def _watch_results(reads: Optional[LoggedReads]) -> None:
                 _move(out, *_MOVING[0])
             return out
 
-        _RESULTS.append((cls, own))
-        cls.metrics = metrics
+        def logging(results: Any, fx: str, name: str, *args: Any, _log: Any = log, **kwargs: Any) -> Any:
+            watching = _WATCHING[0]  # the names the batch hooks log, batch by batch (a name is a channel too)
+            if watching is not None and watching.active and getattr(watching.trainer, "training", False):
+                watching.step_names.note(fx, name, _batches(watching.trainer))
+            return _log(results, fx, name, *args, **kwargs)
+
+        _RESULTS.append((cls, own, log))
+        cls.metrics, cls.log = metrics, logging
 
 
 _LOGGING = frozenset({"callback_metrics", "logged_metrics", "progress_bar_metrics", "log", "log_dict",

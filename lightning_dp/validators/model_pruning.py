@@ -78,6 +78,8 @@ class PruningWatch:
         self._module, self._boundary = module, boundary
         self._wrapped: list[tuple[Any, str]] = []
         self._known = _pruning_hooks(module)  # pruned before the fit (masks fixed), then each accepted call's
+        self._declined = [_declined(callback) for callback in callbacks if _model_pruning(callback)
+                          and not lightning_model_pruning(callback)]  # a ModelPruning whose masks are the user's
         for callback in callbacks:
             if not lightning_model_pruning(callback):
                 continue
@@ -154,6 +156,17 @@ class PruningWatch:
         :class:`~lightning_dp.errors.PrivacyConfigurationError` naming the layers and what is served."""
         unknown = sorted({name for name, m in self._module.named_modules()
                           for h in m._forward_pre_hooks.values() if _is_pruning(h) and id(h) not in self._known})
+        if unknown and self._declined:
+            raise PrivacyConfigurationError(
+                f"The model's trainable parameters changed during training: layer(s) {unknown[:6]} were pruned during "
+                f"the fit by {'; '.join(self._declined)}: code of yours computes the masks (its compute_mask may read "
+                "the training data), and a mask is kept state the release boundary cannot judge. Nothing more was "
+                "released. Accepted: pytorch_lightning.callbacks.ModelPruning itself with one of torch's pruning "
+                "methods, by name or class (\"l1_unstructured\", \"random_unstructured\", \"ln_structured\", "
+                "\"random_structured\", torch.nn.utils.prune.L1Unstructured, ...), whose masks are functions of the "
+                "released weights or a random draw. Fix: give ModelPruning one of those (a random mask: "
+                "pruning_fn=\"random_unstructured\" or \"random_structured\"), or prune with your method before the "
+                "fit (the masks fixed) or after it.")
         if unknown:
             raise PrivacyConfigurationError(
                 f"The model's trainable parameters changed during training: layer(s) {unknown[:6]} were pruned during "
@@ -170,6 +183,24 @@ class PruningWatch:
             if getattr(callback.__dict__.get(name), "_ldp_pruning", False):
                 del callback.__dict__[name]
         self._wrapped = []
+
+
+def _model_pruning(callback: Any) -> bool:
+    """Whether ``callback`` is Lightning's ``ModelPruning`` or a subclass of it."""
+    return any(c.__name__ == "ModelPruning" and c.__module__.startswith(("pytorch_lightning.", "lightning."))
+               for c in type(callback).__mro__)
+
+
+def _declined(callback: Any) -> str:
+    """Why a ``ModelPruning`` (:func:`_model_pruning`) is not :func:`lightning_model_pruning`, in words: a subclass
+    of it, or a pruning method of the user's (its class named), which is not one of torch's."""
+    cls = type(callback)
+    if cls.__name__ != "ModelPruning" or not cls.__module__.startswith(("pytorch_lightning.", "lightning.")):
+        return f"{cls.__name__}, a subclass of ModelPruning (its code may compute the masks otherwise)"
+    method = getattr(callback, "pruning_fn", None)
+    method = getattr(method, "func", method)
+    name = getattr(method, "__name__", None) or type(method).__name__
+    return f"ModelPruning with pruning_fn={name}, a pruning method of yours (not one of torch.nn.utils.prune's)"
 
 
 def _is_pruning(hook: Any) -> bool:

@@ -51,6 +51,7 @@ from lightning_dp.validators.steered_settings import (hyperparameters_error, rep
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.value_copies import logged_names
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -228,7 +229,7 @@ class StepReplays:
                             with exchanged_around(outside if moved is False and examples is not batch else None,
                                                   writes.before_end if writes else lambda: None) as before_end:
                                 ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                           before_end=before_end)
+                                                           before_end=before_end, names=names)
                         except PrivacyConfigurationError:
                             raise
                         except Exception as err:  # noqa: BLE001  (judged by raised_apart: a stop by raising)
@@ -252,6 +253,7 @@ class StepReplays:
             for second, moved, judge_raise in variants:
                 decisions.clear()
                 raised: list[Optional[Exception]] = []  # what each replay raised (None: it finished)
+                names: list[frozenset] = []  # the (hook, name) pairs each replay logged (logged_names)
                 taken: list[Fingerprint] = []  # the decisions as each replay left them (replay_decisions)
                 if writes is not None:
                     writes.runs.clear()
@@ -275,6 +277,10 @@ class StepReplays:
                                               "with the loss moved near zero" if moved else "on them exchanged"))
                     if any(err is not None for err in raised):  # exchanged values a step cannot take: not compared
                         return
+                    if hooks := logged_names.names_apart(names):
+                        raise logged_names.names_error(hooks, "replayed on the probe's examples " + (
+                            "and on half of them with the loss moved far" if second is other else
+                            "with the loss moved near zero" if moved else "and on them exchanged"))
                     if writes is not None:
                         self.batch_end_writes |= writes.judged()
                         self.before_release_writes |= writes.before_release
@@ -302,7 +308,8 @@ class StepReplays:
         apart, and the second plain run does not, turned to the data: refused before this step's release."""
         # alike on every rank (one all-reduce): a rank with no examples this step replays the hooks on a stand-in (the
         # first record), judging nothing, so that the collectives in its hooks meet its peers'
-        if not self.step.any_rank(bool(self.before_release_writes and indices)):
+        names_due = logged_names.take_due()  # a set of logged names not seen before (LoggedReads.install)
+        if not self.step.any_rank(bool((self.before_release_writes or names_due) and indices)):
             return
         judged = bool(self.before_release_writes and indices)
         indices = indices or [0]
@@ -314,12 +321,13 @@ class StepReplays:
                              .restore, lambda: model_kept(module, weights=True))
         batch = self.strategy._collated(indices)
         runs: list[Optional[dict[str, Any]]] = []
+        names: list[frozenset] = []  # the (hook, name) pairs each run logged (logged_names)
 
         def replay(examples: Any, moved: bool = False, outside: Optional[ExchangedRecords] = None
                    ) -> Callable[[], None]:  # a run that fails is not compared; read with the data back in place
             return lambda: runs.append(run_once(
                 lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
-                                           end=False), seeded(0), self.privacy_settings_kept(),
+                                           end=False, names=names), seeded(0), self.privacy_settings_kept(),
                 outside.exchanged() if outside is not None else nullcontext(),
                 read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
 
@@ -329,12 +337,16 @@ class StepReplays:
             replay_records(self.strategy.optimizers[0], [replay(batch), replay(batch), replay(half, True),
                                                          replay(exchanged_copy(batch), outside=outside)], loop=trainer)
         moved = sorted(set_apart(runs[0], runs[1], runs[2:], moved_by_data)) if judged else []
-        self.refuse_on_every_rank(boundary.written_error(moved, (
-            f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
-            "on_before_backward), from the batch, its loss or the training set: written alike on the first step's "
-            "examples, run again on this step's, on them exchanged (the training set's copies with them) and with "
-            "the loss moved far, the hooks set it apart"))
-            if moved else None, "found state the hooks before the release set from the batch")
+        named = logged_names.names_apart([n for n, run in zip(names, runs) if run is not None]) \
+            if len(names) == len(runs) and runs[0] is not None and runs[1] is not None and indices else []
+        self.refuse_on_every_rank(logged_names.names_error(named, (
+            f"before the release of step {trainer.global_step}, replayed on this step's examples, on them exchanged "
+            "and on half of them with the loss moved far")) if named else boundary.written_error(moved, (
+                f"before the release of step {trainer.global_step} (on_train_batch_start, training_step, "
+                "on_before_backward), from the batch, its loss or the training set: written alike on the first step's "
+                "examples, run again on this step's, on them exchanged (the training set's copies with them) and with "
+                "the loss moved far, the hooks set it apart"))
+            if moved else None, "found state or names the hooks before the release set from the batch")
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's

@@ -241,3 +241,79 @@ def test_the_first_steps_replays_leave_the_parameters_trainability_as_the_real_h
     assert dp.ledger.steps == 6
     assert model.net[0].weight.requires_grad, "unfrozen by the real hook at epoch 1"
     assert not torch.equal(model.net[0].weight.detach(), frozen), "trained from epoch 1 on"
+
+
+# A logger of the user's added to trainer.loggers in on_train_start (zoo30 l11): the epoch hooks' replays run that
+# on_train_start again; the replays put the loggers' list back (one logger added, as by the real hook), and the logger
+# is judged as one present from the fit's start is (it crashed: the replays muted a logger listed twice).
+
+class Recording(pl.Callback):
+    """A logger of the user's (made by ``make``; the callback keeps no reference to it: a callback's attributes are
+    its state), appended to ``trainer.loggers`` as training starts."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.loggers = [*trainer.loggers, self.make()]
+
+
+class RateFromTheLatestLogger(pl.Callback):
+    """At each epoch's start from the second, the learning rate from what the last logger listed keeps."""
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = self.rule(trainer.loggers[-1].kept)
+
+
+class LogsTheLoss(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def _late_logger(encode: Any) -> Any:
+    from user_loggers import UserLogger
+
+    class Keeps(UserLogger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: list[float] = []
+
+        def log_metrics(self, metrics: dict, step: Any = None) -> None:
+            if "train_loss" in metrics:
+                self.kept.append(encode(float(metrics["train_loss"]), step))
+    return Keeps()
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_a_logger_added_at_train_start_keeping_the_loss_is_refused_as_one_there_from_the_start(late, tmp_path):
+    def keeps() -> Any:
+        return _late_logger(lambda v, step: int(v * 1000))
+
+    callbacks = [RateFromTheLatestLogger(lambda kept: 0.1 * kept[-1] / 1000 if kept else 0.05)]
+    dp = strategy()
+    trainer = quiet_trainer(strategy=dp, max_epochs=3, log_every_n_steps=1, callbacks=callbacks + (
+        [Recording(keeps)] if late else []), logger=[_late_logger(lambda v, step: step)] + ([] if late else [keeps()]),
+        default_root_dir=tmp_path)
+    with pytest.raises(PrivacyConfigurationError, match=r"optimizer's hyper-parameters.*end of an epoch"):
+        trainer.fit(LogsTheLoss(), DataLoader(data(64), batch_size=16))
+    assert dp.ledger.steps == 4, "the first epoch's releases only"
+
+
+def test_a_logger_added_at_train_start_keeping_the_steps_trains_and_is_added_once(tmp_path):
+    dp = strategy()
+    trainer = quiet_trainer(strategy=dp, max_epochs=3, log_every_n_steps=1, logger=[_late_logger(lambda v, s: s)],
+                            callbacks=[Recording(lambda: _late_logger(lambda v, step: step)),
+                                       RateFromTheLatestLogger(lambda kept: 0.5 if len(kept) > 3 else 1.0)],
+                            default_root_dir=tmp_path)
+    trainer.fit(LogsTheLoss(), DataLoader(data(64), batch_size=16))
+    assert dp.ledger.steps == 12
+    assert len(trainer.loggers) == 2, "the replays' on_train_start added no logger"
+    assert trainer.loggers[1].kept == list(range(12)), "the real calls only"
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5

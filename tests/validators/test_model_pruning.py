@@ -128,9 +128,42 @@ def test_model_pruning_with_a_pruning_method_of_the_users_is_refused():
     training features): not accepted as post-processing — refused by name; the built-in L1Unstructured class trains."""
     DataScores.features = _loader().dataset.tensors[0]
     model = Net()
-    with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruned during the fit.*not a subclass"):
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)pruned during the fit by ModelPruning with "
+                       r"pruning_fn=DataScores, a pruning method of yours.*Accepted:.*random_unstructured") as caught:
         _fit(model, max_epochs=2, callbacks=[ModelPruning(DataScores, amount=0.5, verbose=0)])
+    assert "other code than" not in str(caught.value), "it was ModelPruning that pruned (zoo30 p04)"
     _fit(Net(), max_epochs=2, callbacks=[ModelPruning(prune.L1Unstructured, amount=0.5, verbose=0)])
+
+
+class RandomColumns(prune.BasePruningMethod):
+    """A pruning method of the user's drawing a random mask (two input columns of the first layer)."""
+
+    PRUNING_TYPE = "unstructured"
+
+    def compute_mask(self, t: Tensor, default_mask: Tensor) -> Tensor:
+        mask = default_mask.clone()
+        if t.dim() == 2 and t.shape[1] == 8:
+            mask[:, torch.randperm(8)[:2]] = 0
+        return mask
+
+
+class SubclassedPruning(ModelPruning):
+    """A subclass of Lightning's ModelPruning (its code may compute the masks otherwise)."""
+
+
+@pytest.mark.parametrize("callback, named", [
+    (lambda m: ModelPruning(RandomColumns, amount=0.1, parameters_to_prune=[(m.net[0], "weight")], verbose=0,
+                            use_lottery_ticket_hypothesis=False), "ModelPruning with pruning_fn=RandomColumns"),
+    (lambda m: SubclassedPruning("l1_unstructured", amount=0.5, verbose=0), "SubclassedPruning, a subclass"),
+])
+def test_the_refusal_of_a_model_pruning_it_does_not_accept_names_the_callback_and_the_fix(callback, named):
+    """zoo30 p04: a random mask of the user's method is refused (its code is not judged), by a message that says it was
+    ModelPruning, with what, and what is accepted — not "other code than Lightning's ModelPruning"."""
+    model = Net()
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)pruned during the fit by {named}.*"
+                       r"Fix: give ModelPruning one of those") as caught:
+        _fit(model, max_epochs=2, callbacks=[callback(model)])
+    assert "other code than" not in str(caught.value)
 
 
 # ModelPruning's callables (amount, apply_pruning, use_lottery_ticket_hypothesis) are the user's code: what they write
