@@ -551,7 +551,7 @@ class PrivateTraining:
         population = note_training(dataloader, self, self.lightning_module)  # type: ignore[attr-defined]
         use = data_ledgers.data_use(*population) if population else data_ledgers.data_use(dataloader.dataset)
         users = self.private_step.users  # earlier fits on these records (per example: charged per user by group size)
-        group = None if users is None else lambda: data_ledgers.largest_group(users, dataloader.dataset)
+        group = None if users is None else data_ledgers.UserGroups(users, dataloader.dataset)  # m, partition
         note = data_ledgers.continue_on_data(self.private_step.ledger, use, self.private_step.unit, group)
         if note:
             rank_zero_info(f"{self.label}: {note}.")

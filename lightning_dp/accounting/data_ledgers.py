@@ -39,10 +39,14 @@ Releases are counted once (a union, not a sum): each ledger entry names the fit 
 (:attr:`~lightning_dp.accounting.ledger.LedgerEntry.run`); a fit's entries already in the ledger (a second fit of the
 same module, which continues its own record, on the same data) are not added again (:func:`union`).
 
-One ledger counts one unit. A fit per user continues earlier fits per example on its records charged with the group
-size (:func:`per_user`: a user's m records are a group, each release (σ, q) counts as (σ/m, 1 − (1 − q)^m)); a fit per
-example after fits per user on its records is refused (:func:`continue_on_data`). Fits inside :func:`apart` (the
-privacy auditor's trials) neither continue nor join the record.
+One ledger counts one unit. A fit per user continues earlier fits on its records charged by group privacy over the
+earlier units one of its users covers (:func:`per_user`: each release (σ, q) counts as (σ/k, 1 − (1 − q)^k); k = m,
+the most records one user holds, after fits per example; after fits per user, k from the partitions of the records
+into users, kept with the data's record, an earlier user held in part counted twice:
+:mod:`~lightning_dp.accounting.unit_partitions`); a fit per example after
+fits per user on its records is refused (:func:`continue_on_data`). Fits inside :func:`apart` (the privacy
+auditor's trials) neither continue nor join the record; a later fit on their records while a model trained inside
+is alive warns.
 
 :func:`forget_data_releases` clears the record (a notebook that starts over on other data): clearing it while the
 same records are trained on again understates their privacy loss, so it warns.
@@ -50,6 +54,7 @@ same records are trained on again understates their privacy loss, so it warns.
 
 from __future__ import annotations
 
+import gc
 import uuid
 import warnings
 import weakref
@@ -59,11 +64,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 from torch import Tensor
-from torch.utils.data import ConcatDataset, Subset
 
 import lightning_dp.accounting.data_store as data_store
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
-from lightning_dp.accounting.module_ledgers import Combined, combine
+from lightning_dp.accounting.module_ledgers import Combined, combine, held_runs
+from lightning_dp.accounting.unit_partitions import Partition, UserGroups, bases_of, covering, same_units
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.row_lineage import dataset_rows, forget_notes
 
@@ -88,6 +93,8 @@ class DataUse:
             tensor and in-memory NumPy array the datasets hold.
         key: the name of its data record in the ledger store (:mod:`~lightning_dp.accounting.data_store`).
         sample: the threshold of the sample of records its digests keep (``None``: all; a stored record's).
+        partition: how a fit per user's records fall into its users (:mod:`~.unit_partitions`; ``None``: a fit per
+            example's records are its units; for a fit per user, unknown: a later fit is charged the worst case).
     """
 
     bases: list[tuple[weakref.ref, Optional[frozenset[int]]]] = field(default_factory=list)
@@ -95,6 +102,7 @@ class DataUse:
     memory: list[tuple[weakref.ref, str, int, int]] = field(default_factory=list)
     key: str = field(default_factory=lambda: f"data-{uuid.uuid4().hex}")
     sample: Optional[int] = None
+    partition: Optional[Partition] = None
 
     def alive(self) -> bool:
         """Whether it can still be matched: digests, or a dataset or buffer not freed."""
@@ -106,6 +114,10 @@ _RELEASES: list[tuple[DataUse, PrivacyLedger]] = []
 """Every private fit's data and its ledger (the strategy's own: it grows as the fit releases), oldest first."""
 _APART = [0]
 """How many :func:`apart` scopes are open: fits inside neither continue nor join the data's record."""
+_APART_FITS: list[tuple[DataUse, PrivacyLedger]] = []
+"""The latest fits made inside :func:`apart` (at most :data:`_APART_KEPT`): a later fit on their records whose model
+is still alive is warned (:func:`_warn_apart`)."""
+_APART_KEPT = 16
 
 
 @contextmanager
@@ -114,7 +126,9 @@ def apart() -> Iterator[None]:
     records, and none is registered (nor written to the ledger store) for later fits to continue. For the privacy
     auditor (:mod:`~lightning_dp.audit.runner`), whose trials are runs of the mechanism each audited alone (its claim
     is one trial's ε); their releases on the data are then not counted by later fits on it (audit on data whose
-    privacy is not at stake, or count them yourself). A module's own record (a trained model's ledger) is kept."""
+    privacy is not at stake, or count them yourself). A module's own record (a trained model's ledger) is kept, and a
+    later fit outside on the same records, while a model trained inside is still alive in this process (kept, so
+    perhaps released), warns that its ε leaves those releases out."""
     _APART[0] += 1
     try:
         yield
@@ -126,7 +140,7 @@ def data_use(dataset: Any, indices: Optional[set[int]] = None, digests: Optional
     """The :class:`DataUse` of a loader over ``dataset`` reading positions ``indices`` of it (``None``: all), whose
     records' row digests are ``digests``."""
     use = DataUse(digests=dict(digests or {}))
-    for base, rows in _bases(dataset, None if indices is None else sorted(indices)):
+    for base, rows in bases_of(dataset, None if indices is None else sorted(indices)):
         try:
             use.bases.append((weakref.ref(base), None if rows is None else frozenset(rows)))
         except TypeError:  # an object without weak references: found by content and memory only
@@ -138,30 +152,6 @@ def data_use(dataset: Any, indices: Optional[set[int]] = None, digests: Optional
                 use.digests[kind] = np.union1d(use.digests.get(kind, picked[:0]), picked)
     use.memory = _memory(dataset)
     return use
-
-
-def _bases(dataset: Any, rows: Optional[list[int]], depth: int = 0) -> list[tuple[Any, Optional[list[int]]]]:
-    """The datasets under ``dataset``'s ``Subset``, ``ConcatDataset`` and record-declaring wrappers, with the indices
-    of each that positions ``rows`` of ``dataset`` read."""
-    if depth > 16:
-        return [(dataset, rows)]
-    if isinstance(dataset, Subset):
-        own = [int(i) for i in dataset.indices]
-        size = len(dataset.dataset)  # type: ignore[arg-type]
-        own = [i + size if i < 0 else i for i in own]
-        return _bases(dataset.dataset, own if rows is None else [own[i] for i in rows], depth + 1)
-    if isinstance(dataset, ConcatDataset):
-        out, start = [], 0
-        for part, end in zip(dataset.datasets, dataset.cumulative_sizes):
-            picked = list(range(end - start)) if rows is None else [i - start for i in rows if start <= i < end]
-            if picked:
-                out += _bases(part, None if rows is None else picked, depth + 1)
-            start = end
-        return out
-    inner = vars(dataset).get("dataset") if type(dataset).__name__ == "DistinctRecords" else None
-    if inner is not None:
-        return _bases(inner, rows, depth + 1)
-    return [(dataset, rows)]
 
 
 def _memory(dataset: Any) -> list[tuple[weakref.ref, str, int, int]]:
@@ -240,10 +230,20 @@ def shares_records(a: DataUse, b: DataUse) -> bool:
 def releases_on(use: DataUse) -> list[PrivacyLedger]:
     """The ledgers of the earlier fits whose data share a record with ``use`` (each once, oldest first): this
     process's, then the ledger store's data records of fits not in this process (:func:`stored_uses`)."""
-    found: list[PrivacyLedger] = []
+    return [ledger for ledger, _ in _held_on(use)]
+
+
+def _held_on(use: DataUse) -> list[tuple[PrivacyLedger, list[DataUse]]]:
+    """:func:`releases_on`, each ledger with its registrations that share a record with ``use``."""
+    found: list[tuple[PrivacyLedger, list[DataUse]]] = []
     for held, ledger in _RELEASES + stored_uses():
-        if shares_records(held, use) and all(ledger is not other for other in found):
-            found.append(ledger)
+        if shares_records(held, use):
+            for other, uses in found:
+                if other is ledger:
+                    uses.append(held)
+                    break
+            else:
+                found.append((ledger, [held]))
     return found
 
 
@@ -251,8 +251,8 @@ def stored_uses() -> list[tuple[DataUse, PrivacyLedger]]:
     """The ledger store's data records (:mod:`~lightning_dp.accounting.data_store`) other than this process's own
     fits' (whose ledgers here are as new or newer), as :class:`DataUse` of digests alone."""
     own = {held.key for held, _ in _RELEASES}
-    return [(DataUse(digests=digests, key=key, sample=limit), ledger)
-            for key, digests, limit, ledger in data_store.read() if key not in own]
+    return [(DataUse(digests=digests, key=key, sample=limit, partition=partition), ledger)
+            for key, digests, limit, ledger, partition in data_store.read() if key not in own]
 
 
 def persist(ledger: PrivacyLedger) -> None:
@@ -260,13 +260,15 @@ def persist(ledger: PrivacyLedger) -> None:
     fit in a new process on the same records continues its releases (:mod:`~lightning_dp.accounting.data_store`)."""
     for held, kept in _RELEASES:
         if kept is ledger and held.digests:
-            data_store.write(held.key, held.digests, ledger)
+            data_store.write(held.key, held.digests, ledger, held.partition)
 
 
 def register(use: DataUse, ledger: PrivacyLedger) -> None:
-    """From now on ``ledger``'s releases (as it grows) are releases on the records of ``use``."""
+    """From now on ``ledger``'s releases (as it grows) are releases on the records of ``use`` (a second registration
+    on the same records when their units differ: a later fit is charged by both partitions)."""
     _RELEASES[:] = [(held, kept) for held, kept in _RELEASES if held.alive()]
-    if not any(kept is ledger and shares_records(held, use) for held, kept in _RELEASES):
+    if not any(kept is ledger and shares_records(held, use) and same_units(held.partition, use.partition)
+               for held, kept in _RELEASES):
         _RELEASES.append((use, ledger))
 
 
@@ -333,13 +335,7 @@ def largest_group(users: Any, dataset: Any) -> int:
     """The most records one user holds in ``dataset`` (``users``: the fit's
     :class:`~lightning_dp.units.Users`): the group size a release per example on these records is charged with
     (:func:`per_user`)."""
-    ids = users.ids_for(dataset)
-    user = users.user_of(dataset)
-    counts: dict[Any, int] = {}
-    for i in range(len(ids)):
-        key = user(i)
-        counts[key] = counts.get(key, 0) + 1
-    return max(counts.values(), default=1)
+    return UserGroups(users, dataset)()
 
 
 def continue_on_data(ledger: PrivacyLedger, use: DataUse, unit: str = "example",
@@ -349,43 +345,68 @@ def continue_on_data(ledger: PrivacyLedger, use: DataUse, unit: str = "example",
     records) are continued too when :func:`~lightning_dp.accounting.data_store.composes`, else named in a warning.
     Returns a log line when it grew (``None``: it already held them all, or there were none).
 
-    ``unit`` is the fit's privacy unit (``"example"`` or ``"user"``). A fit per user continues earlier fits per example
-    charged with the group size (:func:`per_user`; ``group()``: the most records one of its users holds), so its ε
-    per user counts them conservatively; a fit per example after fits per user on its records is refused (a per-user
-    ledger never takes releases per example as they are, nor an example ledger releases per user). A ledger that
-    already holds releases in another unit (a module's own record) is left to the private step's unit check."""
+    ``unit`` is the fit's privacy unit (``"example"`` or ``"user"``). A fit per user continues an earlier fit's
+    releases charged by group privacy over the earlier units one of its users covers (:func:`per_user`): k = m, the
+    most records one of its users holds (``group()``), after a fit per example; after a fit per user, k from that
+    fit's users one of its users' records meet, one met in part counted twice (:func:`~.unit_partitions.covering`,
+    by ``group.partition()``, a :class:`~.unit_partitions.UserGroups`: 1 for the same partition), 2m where that is
+    not known (with a warning). A fit per example after fits per user on its records is refused (a per-user ledger
+    never takes releases per example as they are, nor an example ledger releases per user). A ledger that already
+    holds releases in another unit (a module's own record) is left to the private step's unit check."""
     if _APART[0]:
+        _APART_FITS.append((use, ledger))
+        del _APART_FITS[:-_APART_KEPT]
         return None
-    earlier = [other for other in releases_on(use) if other is not ledger]
+    found = [(other, held) for other, held in _held_on(use) if other is not ledger]
     if not data_store.composes():
         process = [kept for _, kept in _RELEASES]
-        stored = [other for other in earlier if all(other is not kept for kept in process)]
-        earlier = [other for other in earlier if any(other is kept for kept in process)]
+        stored = [other for other, _ in found if all(other is not kept for kept in process)]
+        found = [(other, held) for other, held in found if any(other is kept for kept in process)]
         _warn_stored(stored)
+    _warn_apart(ledger, use)
     if ledger.steps and getattr(ledger, "unit", "example") != unit:
         return None  # refused before any release (StepChecks._check_ledger_unit): the module's own record
-    if unit == "example" and any(other.unit != "example" for other in earlier):
-        raise _per_user_refusal(sum(other.unit != "example" for other in earlier))
-    size: Optional[int] = None
-    before, fits = ledger.steps, 0
-    for other in earlier:
-        if other.unit != unit:  # releases per example, in a fit per user: charged with the group size
+    if unit == "example" and any(other.unit != "example" for other, _ in found):
+        raise _per_user_refusal(sum(other.unit != "example" for other, _ in found))
+    if unit == "user" and hasattr(group, "partition"):
+        use.partition = group.partition()  # type: ignore[union-attr]
+    before, fits, unknown = ledger.steps, 0, 0
+    for other, held in found:
+        if unit == "user":  # charged by group privacy over the earlier units one user covers
             if group is None:
-                raise ValueError("continue_on_data: a fit per user continuing releases per example needs group=")
-            size = group() if size is None else size
-            other = per_user(other, size)
+                raise ValueError("continue_on_data: a fit per user continuing earlier fits needs group=")
+            size = _covered(other, held, use.partition, group)
+            unknown += size is None
+            other = per_user(other, 2 * group() if size is None else size)  # unknown: every record a unit in part
         combined = union(ledger, other)
         if combined.added:
             fits += 1
             ledger.load_entries(combined.ledger.entries)  # appended: running totals read from it stay valid
             ledger.unit = combined.ledger.unit
     register(use, ledger)
+    if unknown:
+        _warn_unknown_units(unknown)
     if not fits:
         return None
     return (f"{fits} earlier private fit(s) (in this process, or in the ledger store) trained on records this fit "
             f"reads (k-fold cross-validation, a fresh model on the same rows): the ledger continues the releases "
             f"already made on this data ({ledger.steps - before} more, {ledger.steps} in all), so ε, target_epsilon "
             "and PrivacyBudget count them too")
+
+
+def _covered(other: PrivacyLedger, held: list[DataUse], partition: Optional[Partition],
+             group: Callable[[], int]) -> Optional[int]:
+    """k for ``other``'s releases in a fit per user of ``partition`` (:func:`continue_on_data`): m after a fit per
+    example; after a fit per user :func:`~.unit_partitions.covering` (at most 2m); ``None``: not known."""
+    if other.unit == "example":
+        return group()
+    if partition is None:
+        return None
+    sizes = [covering(use.partition, partition) for use in held]
+    if any(size is None for size in sizes):
+        return None
+    k = max(sizes, default=1)  # type: ignore[type-var]
+    return 1 if k <= 1 else min(k, 2 * group())
 
 
 def _per_user_refusal(fits: int) -> PrivacyConfigurationError:
@@ -409,6 +430,35 @@ def _warn_stored(stored: list[PrivacyLedger]) -> None:
                   f"are kept (k-fold folds run one per process, an ensemble). Set {data_store.ENV}=compose to count "
                   "them; lightning_dp.accounting.forget_data_releases() clears the record.", UserWarning,
                   stacklevel=3)
+
+
+def _warn_unknown_units(fits: int) -> None:
+    """Name earlier fits per user whose users this fit cannot relate to its own (charged the worst case)."""
+    warnings.warn(f"{fits} earlier private fit(s) per user on records this fit reads left no record of how their "
+                  "records fall into their users (a ledger store record written by an earlier version of "
+                  "lightning_dp, a population too large to keep, rows that identify no record), so whether this fit's "
+                  "users are theirs cannot be told: their releases are charged as if each record of this fit's users "
+                  "were part of another of their users (group privacy over 2m, m the most records one user holds; "
+                  "docs/user_level.md). ε per user is then conservative, never understated. Fitting the earlier "
+                  "fits again with this version keeps the partition.",
+                  UserWarning, stacklevel=3)
+
+
+def _warn_apart(ledger: PrivacyLedger, use: DataUse) -> None:
+    """Warn when a fit made inside :func:`apart` on records ``use`` reads left a model still alive in this process
+    (its releases are not in ``ledger``, which counts only the data's record)."""
+    runs = {kept.run for held, kept in _APART_FITS if kept.run is not None and shares_records(held, use)}
+    runs -= {e.run for e in ledger.entries}  # the model trained inside, trained again: its own record continued
+    if not runs:
+        return
+    gc.collect()  # a finished trainer and its module hold one another: only a model kept is alive after a collection
+    alive = runs & held_runs()
+    if alive:
+        warnings.warn(f"{len(alive)} model(s) trained inside lightning_dp.accounting.data_ledgers.apart() (the privacy "
+                      "auditor's trials) on records this fit reads are still alive in this process: their releases "
+                      "stand apart from the data's record and are NOT counted in this fit's ε. If such a model (or "
+                      "anything computed from it) is kept or released, ε understates the records' privacy loss: "
+                      "train it outside apart(), or delete it before this fit.", UserWarning, stacklevel=3)
 
 
 def forget_data_releases(dataset: Any = None) -> int:
@@ -440,5 +490,6 @@ def _clear() -> None:
     (:mod:`~lightning_dp.record_checks.row_lineage`) too: for the test suite (each test stands for a process of its
     own, on a store of its own)."""
     _RELEASES.clear()
+    _APART_FITS.clear()
     forget_notes()
     data_store.remove(None)

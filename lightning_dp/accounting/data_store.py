@@ -12,8 +12,10 @@ stored record's continues its ledger, each fit's releases once (by run, as in on
 
 Bounded: at most :data:`MAX_DIGESTS` digests per file (2 MiB): a larger population keeps the digests of a fixed
 pseudo-random sample of its records (the digests under a threshold after mixing, stored with the file), and a later
-fit is compared on the same sample of its own; the newest :data:`KEPT` files are kept (64 MiB at most), older ones
-removed. Written by rank 0 alone; an unreadable file is skipped with a warning.
+fit is compared on the same sample of its own; the newest :data:`KEPT` files are kept (64 MiB at most; a fit per user
+adds its partition into users, :mod:`~.unit_partitions`, up to 3 MiB more, and none when its digests are sampled:
+a later fit per user is then charged the worst case), older ones removed. Written by rank 0 alone; an unreadable
+file is skipped with a warning.
 
 What a later process does with them is :data:`ENV` (``LIGHTNING_DP_DATA_RECORDS``): ``warn`` (the default) names
 the earlier processes' fits on these records in a warning and leaves them out of the fit's ledger — a run done again
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 import lightning_dp.accounting.ledger_store as ledger_store
+import lightning_dp.accounting.unit_partitions as unit_partitions
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
 
@@ -45,7 +48,9 @@ KEPT = 32
 """The most data records the store keeps: the newest fits'."""
 MAX_DIGESTS = 1 << 18
 """The most row digests one data record holds (all its kinds together)."""
-_VERSION = 1
+_VERSION = 2
+"""2: with the partition of a fit per user's records into users (:mod:`~.unit_partitions`); 1 (without) is read
+as a partition not known."""
 ENV = "LIGHTNING_DP_DATA_RECORDS"
 """What a fit does with earlier processes' data records on its records: ``warn`` (default) or ``compose``."""
 
@@ -60,8 +65,9 @@ def composes() -> bool:
                                         "are continued in the fit's ledger).")
     return mode == "compose"
 
-Record = tuple[str, dict[tuple, np.ndarray], Optional[int], PrivacyLedger]
-"""(key, digests per kind, the sample's threshold — ``None``: every record —, the ledger)."""
+Record = tuple[str, dict[tuple, np.ndarray], Optional[int], PrivacyLedger, Optional[unit_partitions.Partition]]
+"""(key, digests per kind, the sample's threshold — ``None``: every record —, the ledger, the partition of its
+records into users — ``None``: a fit per example's, or not known)."""
 
 
 def sampled(digests: np.ndarray, limit: Optional[int]) -> np.ndarray:
@@ -77,9 +83,12 @@ def sampled(digests: np.ndarray, limit: Optional[int]) -> np.ndarray:
     return digests[(z >> np.uint64(32)) < np.uint64(limit)]
 
 
-def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger) -> None:
-    """Write the data record ``key`` (its fit's row digests and ledger), atomically, then keep the newest
-    :data:`KEPT`; nothing when the store is off, on a rank other than 0, or when there is nothing to find."""
+def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger,
+          partition: Optional[unit_partitions.Partition] = None) -> None:
+    """Write the data record ``key`` (its fit's row digests, ledger and, for a fit per user, the partition of its
+    records into users: kept only when every digest is, else a later fit per user is charged the worst case),
+    atomically, then keep the newest :data:`KEPT`; nothing when the store is off, on a rank other than 0, or when
+    there is nothing to find."""
     where = ledger_store.directory()
     total = sum(len(d) for d in digests.values())
     if where is None or not ledger.steps or not total or not ledger_store._writes():
@@ -87,6 +96,8 @@ def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger) -> 
     limit = None if total <= MAX_DIGESTS else int((1 << 32) * MAX_DIGESTS / total)
     state = {"version": _VERSION, "created": time.time(), "ledger": ledger.state_dict(),
              "limit": -1 if limit is None else limit,
+             "partition": unit_partitions.to_state(partition if limit is None and partition is not None
+                                                   and partition.size() <= MAX_DIGESTS else None),
              "digests": [[repr(kind), torch.from_numpy(np.ascontiguousarray(sampled(d, limit)).view(np.int64))]
                          for kind, d in digests.items()]}
     ledger_store.save_file(where, f"{key}{SUFFIX}", state, SUFFIX, KEPT,
@@ -116,14 +127,15 @@ def read() -> list[Record]:
 def _load(where: Any, name: str) -> Optional[tuple[float, Record]]:
     path = where / name
     try:
-        state, ledger = ledger_store.load_versioned(path, _VERSION, "a data record")
+        state, ledger = ledger_store.load_versioned(path, (1, _VERSION), "a data record")
         digests = {}
         for kind, values in state["digests"]:
             if not isinstance(values, torch.Tensor) or values.dtype != torch.int64 or values.ndim != 1:
                 raise ValueError("malformed digests")
             digests[ast.literal_eval(kind)] = np.unique(values.numpy().view(np.uint64))
         limit = int(state["limit"])
-        return float(state["created"]), (name[:-len(SUFFIX)], digests, None if limit < 0 else limit, ledger)
+        partition = unit_partitions.from_state(state.get("partition"))  # version 1: none kept
+        return float(state["created"]), (name[:-len(SUFFIX)], digests, None if limit < 0 else limit, ledger, partition)
     except Exception as error:  # noqa: BLE001 - a damaged file is skipped, never a crash
         ledger_store._warn_once(("read", str(path)), f"Skipped the ledger store's file {path} "
                                 f"({type(error).__name__}): it cannot be read as a data record. Delete it, or ignore "

@@ -43,7 +43,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -213,11 +213,13 @@ def read() -> Stored:
     return stored
 
 
-def load_versioned(path: Path, version: int, what: str) -> tuple[dict, PrivacyLedger]:
+def load_versioned(path: Path, version: Union[int, tuple[int, ...]], what: str) -> tuple[dict, PrivacyLedger]:
     """The store's file ``path`` loaded (tensors only) with its ledger; raises ``ValueError`` unless it is ``what``
-    (a dict) of ``version``. The one reading of this module's entries and of accounting/data_store.py's records."""
+    (a dict) of ``version`` (or one of them: older versions still read). The one reading of this module's entries and
+    of accounting/data_store.py's records."""
+    versions = version if isinstance(version, tuple) else (version,)
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("version") != version:
+    if not isinstance(state, dict) or state.get("version") not in versions:
         raise ValueError(f"not {what} of this version")
     ledger = PrivacyLedger()
     ledger.load_state_dict(state["ledger"])

@@ -164,6 +164,11 @@ def _same_kind(x: LedgerEntry, y: LedgerEntry) -> bool:
         x.run is None or y.run is None or x.run == y.run)
 
 
+def held_runs() -> set[str]:
+    """The runs (:attr:`LedgerEntry.run`) whose releases the record of a module alive in this process holds."""
+    return {e.run for ledger in list(_RECORDS.values()) for e in ledger.entries if e.run is not None}
+
+
 def record_of(module: nn.Module) -> Optional[PrivacyLedger]:
     """Every release this process made on ``module`` or any of its submodules (one record, combined), or, when
     none of this process matches, the record of a fit another process wrote to the ledger store that its weights
