@@ -28,8 +28,8 @@ one-to-one re-encoding (``round(v, 2)``, ``int(v * 1000)``, ``f"L{v:.6f}"``, pic
 search finds: it is not searched but rebuilt (:mod:`lightning_dp.value_copies.refed_loggers`, made at the fit's start
 by :func:`refeeds`): for each run, its attributes as they were at the fit's start, its files written since set apart
 (any file), fed again the ``log_metrics`` and ``save`` calls it received with the moved values; put back after. One
-whose attributes do not copy (a lock, an open file), past the calls recorded, or raising when fed again is named in a
-warning and searched as below.
+whose attributes do not copy (a lock, an open file) or past the calls recorded is named in a warning, and a decision
+judged is refused; one raising when fed again is named in a warning and searched as below.
 
 A history holds several values of one name (one per epoch or step), and moving them all alike keeps their order: a rule
 comparing the last two (``h[-1] > h[-2] - 0.05``: a plateau) would decide alike on every run. So the values of a name

@@ -9,12 +9,12 @@ file, ``(0.37 * v, 0.63 * v)``), which no search finds. So a logger whose class 
 (:class:`Refeeds`):
 
 * at the fit's start, its attributes are copied (``copy.deepcopy`` of its ``__dict__``, its created experiment with
-  them; the trainer, the module, the strategy, the callbacks, the loggers and the optimizers it may hold are shared,
-  not copied), the files at or under its paths kept (:class:`.logger_files.LoggerFiles`), and every call of its
-  ``log_metrics`` and ``save`` (the two Lightning makes each time it logs) recorded from then on, in order, by a
-  callable of the library's set on that logger alone (an attribute of the instance shadowing its class's method,
-  removed at the fit's end; the class and its other instances are never changed) — at most :data:`CALLS` of them
-  (past that the logger is searched again, as below);
+  them, or of the logger itself where its class defines ``__deepcopy__``; the trainer, the module, the strategy, the
+  callbacks, the loggers and the optimizers it may hold are shared, not copied), the files at or under its paths
+  kept (:class:`.logger_files.LoggerFiles`), and every call of its ``log_metrics`` and ``save`` (the two Lightning
+  makes each time it logs) recorded from then on, in order, by a callable of the library's set on that logger alone
+  (an attribute of the instance shadowing its class's method, removed at the fit's end; the class and its other
+  instances are never changed) — at most :data:`CALLS` of them (past that it cannot be rebuilt, as below);
 * for each run (:meth:`Refeeds.moved`), it is given a fresh copy of its attributes at the fit's start, its files
   written since are set apart (any file, binary too), and its own ``log_metrics`` and ``save`` are called again with
   the recorded calls in order, the values of the moved names in them moved (alternately along each name's history,
@@ -29,8 +29,12 @@ file, ``(0.37 * v, 0.63 * v)``), which no search finds. So a logger whose class 
   process) is not fed again: a decision a run would judge is refused, naming it and what it did
   (:meth:`RefedLogger.refusal`) — fed again, it would send the moved values.
 
-Where its attributes cannot be copied at the fit's start (a lock, an open file), where it received more than
-:data:`CALLS` calls, or where fed again it raises, a warning names it once and it is searched
+Where its attributes cannot be copied at the fit's start (a lock, an open file, a sqlite connection: what it keeps
+in a store it holds open is written by C code, unseen, and searching finds nothing re-encoded; zoo30 l06, x01, x02) or
+where it received more than :data:`CALLS` calls, it cannot be rebuilt: a warning names it once, it trains, and a
+decision a run would judge (any window whose hooks decided or kept something after values were logged) is refused
+(:func:`unrebuilt`, naming it, what ``copy.deepcopy`` said or the calls' count, and the fixes) — fail closed, as for
+a socket. Where fed again it raises, a warning names it once and it is searched
 (:mod:`lightning_dp.validators.logger_copies`) from then on. On ranks other than the global zero its files are not set
 apart (two ranks would race over one folder): one that wrote files since the fit's start (or whose calls wrote any
 path) is searched there. What its
@@ -54,13 +58,15 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.value_copies.logger_effects import Effects
 from lightning_dp.value_copies.logger_files import LoggerFiles
 
-__all__ = ["CALLS", "LIGHTNING", "RECORDED", "RefedLogger", "Refeeds", "users"]
+__all__ = ["CALLS", "LIGHTNING", "RECORDED", "RefedLogger", "Refeeds", "Unrebuilt", "unrebuilt", "users"]
 
 LIGHTNING = ("lightning", "pytorch_lightning")
 """The packages whose loggers are searched, not rebuilt (what they keep is known: :mod:`.in_memory`)."""
-CALLS = 10_000
+CALLS = 100_000
 """The calls recorded of one logger at most (Lightning's default: one ``log_metrics`` and one ``save`` every 50
-steps and at each epoch's end)."""
+steps and at each epoch's end: 2.5 million steps; logging every step, 50,000). Measured: about 360 bytes a call
+recorded (a dict of three floats), and a run fed again 50,000 calls in 0.45 s (a logger keeping ``int(v * 1000)``):
+36 MB and about 1 s a run at the cap. Past it a decision judged is refused (:meth:`Refeeds.moved`)."""
 RECORDED = ("log_metrics", "save")
 """The methods whose calls are recorded and made again."""
 
@@ -74,30 +80,63 @@ def users(logger: Any) -> bool:
     return (type(logger).__module__ or "").split(".")[0] not in LIGHTNING
 
 
+class Unrebuilt(Exception):
+    """A user's logger that cannot be rebuilt: why (no data in it)."""
+
+
+def unrebuilt(name: str, why: str, fixes: str = "") -> PrivacyConfigurationError:
+    """The refusal of a decision judged while the user's logger ``name`` cannot be rebuilt (``why``; ``fixes``: the
+    fixes of that cause, else those of a state that does not copy)."""
+    fixes = fixes or ("open the file or connection it holds open inside each log_metrics call instead (then what it "
+                      "writes there is set apart for each run), or give the logger a __deepcopy__ whose copy holds a "
+                      "new one of what does not copy (a lock, a client), or use one of Lightning's loggers "
+                      "(CSVLogger, TensorBoardLogger)")
+    return PrivacyConfigurationError(
+        f"The logger {name} cannot be rebuilt for the runs that judge a decision ({why}): those runs feed a user's "
+        "logger its calls again with the values logged from the training data moved, and what this one keeps of them "
+        "(in its attributes, or in a file or database it holds open) would still be the real values there, so no "
+        "decision made after them (a learning rate, a stop, a checkpoint choice) can be judged: it may be made from "
+        f"them. Fix: {fixes} (docs/release_boundary.md, rule 6).")
+
+
 class RefedLogger:
     """One user's logger: its attributes at the fit's start, its files, and the calls it received since.
 
-    Raises whatever ``copy.deepcopy`` raises where its attributes do not copy.
+    Its attributes are copied by ``copy.deepcopy``, or, where its class defines ``__deepcopy__`` (one giving its copy
+    a new lock or client), the logger is (its copy's attributes then). Raises :class:`Unrebuilt` where they do not copy.
     """
 
     def __init__(self, logger: Any, shared: Iterable[Any], files: LoggerFiles) -> None:
         self.logger = logger
         self.shared = [logger, *shared]
-        self.snapshot = self._copy(dict(vars(logger)))
+        self.own_copy = callable(getattr(type(logger), "__deepcopy__", None))
+        try:
+            self.snapshot = self._copy(logger if self.own_copy else dict(vars(logger)))
+        except Exception as error:  # noqa: BLE001  (a lock, an open file, a connection: what deepcopy said is named)
+            said = " ".join(str(error).split())[:200]
+            raise Unrebuilt(f"copy.deepcopy of {'the logger' if self.own_copy else 'its attributes'} raised "
+                            f"{type(error).__name__}{': ' + said if said else ''}") from error
         self.files = files
         self.effects = Effects()  # the paths its calls write outside its copied state, what cannot be set apart
         self.calls: list[Call] = []
         self.failed = False
+        self.unrebuilt: Optional[str] = None  # past the calls recorded: why it cannot be rebuilt (refused when judged)
         self._inside = 0  # a recorded method calling another (``save`` from ``log_metrics``), a run: not recorded
         self._running = False  # the run's hooks run (the logger rebuilt)
         self.functions = {name: inspect.getattr_static(type(logger), name, None) for name in RECORDED}
         if any(not inspect.isfunction(f) for f in self.functions.values()) or any(n in vars(logger) for n in RECORDED):
-            raise TypeError("its log_metrics or save is not a plain method")
+            raise Unrebuilt("its log_metrics or save is not a plain method, so its calls cannot be recorded")
         self.recorders = {name: _Recorder(logger, name, self).record for name in RECORDED}
         vars(logger).update(self.recorders)  # on this logger only: its class, and its other instances, are left alone
 
     def _copy(self, value: Any) -> Any:
-        return copy.deepcopy(value, {id(o): o for o in self.shared})
+        """``value`` deep-copied, the shared objects not (nor the logger, unless ``value`` is it or its copy)."""
+        memo = {id(o): o for o in self.shared if o is not value}
+        return copy.deepcopy(value, memo)
+
+    def _state(self) -> dict:
+        """A fresh copy of its attributes at the fit's start."""
+        return dict(vars(self._copy(self.snapshot))) if self.own_copy else self._copy(self.snapshot)
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         """The logger's own ``name`` method called, the call recorded (not one made inside another, nor in a run)."""
@@ -118,8 +157,12 @@ class RefedLogger:
     def _note(self, name: str, args: tuple, kwargs: dict) -> None:
         if self.failed:
             return
-        if len(self.calls) >= CALLS:
-            self.fail(f"received more than {CALLS:,} calls of log_metrics and save during the fit")
+        if len(self.calls) >= CALLS:  # its state cannot be rebuilt: a decision judged is refused (Refeeds.moved)
+            self.failed, self.calls = True, []
+            self.unrebuilt = f"received more than {CALLS:,} calls of log_metrics and save, the most recorded"
+            warnings.warn(f"lightning_dp: the logger {type(self.logger).__name__} {self.unrebuilt}: a decision the fit "
+                          "judges after values logged from the training data is refused from now on "
+                          "(docs/release_boundary.md, rule 6).", stacklevel=4)
             return
         if name == "log_metrics":  # Lightning passes one dict to every logger: kept as it was now
             if isinstance(kwargs.get("metrics"), Mapping):
@@ -149,7 +192,7 @@ class RefedLogger:
         try:
             with self.files.set_apart() if files else nullcontext(), self.effects.set_apart(files):
                 try:
-                    state = self._copy(self.snapshot)
+                    state = self._state()
                     holder.clear()
                     holder.update(state)
                     holder.update({n: r for n, r in self.recorders.items() if real.get(n) is r})  # hooks' calls
@@ -203,6 +246,7 @@ class Refeeds:
     def __init__(self, loggers: Iterable[Any], places: Callable[[Any], list[str]], since: float,
                  shared: Iterable[Any] = ()) -> None:
         self.refed: list[RefedLogger] = []
+        self.unrebuilt: list[tuple[str, str]] = []  # (the logger's class name, why): a decision judged is refused
         shared = list(shared)
         for logger in loggers:
             if not users(logger) or not hasattr(logger, "__dict__"):
@@ -210,13 +254,13 @@ class Refeeds:
             try:
                 files = LoggerFiles(functools.partial(places, logger), since)
                 self.refed.append(RefedLogger(logger, shared, files))
-            except Exception as error:  # noqa: BLE001  (a lock, an open file: searched instead)
-                warnings.warn(f"lightning_dp: the logger {type(logger).__name__} could not be copied at the fit's "
-                              f"start ({type(error).__name__}: it holds a lock, an open file, ...): its copies of the "
-                              "values logged from the training data are searched by name and by value only, and what "
-                              "it keeps of them re-encoded (rounded, scaled, as text, pickled, in a binary file) does "
-                              "not move in the runs that judge decisions from them; keep its state copyable (open its "
-                              "files when it writes) to have it rebuilt (docs/release_boundary.md, rule 6).",
+            except Exception as error:  # noqa: BLE001  (a lock, an open file: it trains; a decision judged is refused)
+                why = str(error) if isinstance(error, Unrebuilt) else f"its set-up raised {type(error).__name__}"
+                self.unrebuilt.append((type(logger).__name__, why))
+                warnings.warn(f"lightning_dp: the logger {type(logger).__name__} cannot be rebuilt ({why}): it "
+                              "trains, but a decision the fit judges after values logged from the training data (a "
+                              "learning rate, a stop, a checkpoint choice) will be refused (open its files when it "
+                              "writes, or give it a __deepcopy__; docs/release_boundary.md, rule 6).",
                               stacklevel=2)
 
     @contextmanager
@@ -225,6 +269,14 @@ class Refeeds:
         are searched). ``files``: on the global rank zero (else a logger that wrote files is not rebuilt)."""
         names = set(names)
         rebuilt: set[int] = set()
+        if names and self.unrebuilt:  # fail closed: searched, what it keeps re-encoded or in a store held open escapes
+            raise unrebuilt(*self.unrebuilt[0])
+        for refed in self.refed if names else ():
+            if refed.unrebuilt is not None:
+                raise unrebuilt(type(refed.logger).__name__, refed.unrebuilt,
+                                "log fewer calls (Trainer(log_every_n_steps=...)), or use one of Lightning's loggers "
+                                "(CSVLogger, TensorBoardLogger), or make the decision from values not logged from "
+                                "the training data")
         with ExitStack() as stack:
             for refed in self.refed if names else ():
                 if refed.failed or (not files and (refed.files.changed() or refed.effects.wrote())):

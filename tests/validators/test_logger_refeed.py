@@ -164,7 +164,8 @@ class Locked(Encoded):
         self.lock = threading.Lock()
 
 
-def test_a_logger_that_does_not_copy_is_named_in_a_warning_and_searched(tmp_path):
-    with pytest.warns(UserWarning, match="the logger Locked could not be copied"), \
-            pytest.raises(PrivacyConfigurationError, match="from the training data"):
-        _fit(Locked(tmp_path / "run"), RateFromLogger())  # its plain floats: found by value
+def test_a_decision_judged_with_a_logger_that_does_not_copy_is_refused(tmp_path):
+    with pytest.warns(UserWarning, match="the logger Locked cannot be rebuilt"), \
+            pytest.raises(PrivacyConfigurationError, match="The logger Locked cannot be rebuilt .*cannot pickle "
+                          "'_thread.lock' object.*__deepcopy__"):
+        _fit(Locked(tmp_path / "run"), RateFromLogger())  # fail closed (zoo30 l06, x01, x02)

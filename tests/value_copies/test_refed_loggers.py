@@ -74,14 +74,19 @@ def test_the_users_logger_is_rebuilt_from_the_moved_calls_and_put_back():
     assert "save" in vars(Kept) and len(refeeds.refed[0].calls) == 6, "the run's call was not recorded"
 
 
-def test_past_the_recorded_calls_or_raising_when_re_fed_the_logger_is_named_and_searched(monkeypatch):
+def test_past_the_recorded_calls_a_decision_judged_is_refused_and_raising_when_re_fed_it_is_searched(monkeypatch):
     monkeypatch.setattr(refed_loggers, "CALLS", 4)
     logger = Kept()
     refeeds = Refeeds([logger], lambda lg: [], time.time())
     with pytest.warns(UserWarning, match="the logger Kept received more than 4 calls"):
         _fed(logger)
-    with refeeds.moved({"train_loss"}, MOVES) as rebuilt:
-        assert rebuilt == set() and logger.hist == [500, 250, 125]
+    with refeeds.moved(set(), MOVES) as rebuilt:  # nothing logged moved: nothing judged
+        assert rebuilt == set()
+    with pytest.raises(PrivacyConfigurationError, match=r"The logger Kept cannot be rebuilt .*received more than 4 "
+                       r"calls.*Fix: log fewer calls \(Trainer\(log_every_n_steps"):
+        with refeeds.moved({"train_loss"}, MOVES):
+            pass
+    assert logger.hist == [500, 250, 125] and refeeds.refed[0].calls == [], "the calls recorded dropped"
     refeeds.stop()
     monkeypatch.setattr(refed_loggers, "CALLS", 100)
     logger = Kept()
