@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.losses import loss_tensor
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
@@ -370,6 +371,8 @@ def _batch_hooks(module: "pl.LightningModule", callbacks: list[Any], precision: 
     with precision.train_step_context(), by(module, "training_step"):
         outputs = module.training_step(batch, batch_idx)
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None:  # a sampled batch skipped: refused by its cause, as the loop would (before the names it logs)
+        loss_tensor(outputs, 1)
     if moved and isinstance(loss, torch.Tensor):
         loss = moved(loss) if callable(moved) else moved_far(loss)
         outputs = {**outputs, "loss": loss} if isinstance(outputs, dict) else loss
