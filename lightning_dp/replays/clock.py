@@ -2,34 +2,45 @@
 
 docs/release_boundary.md, rule 3 ("Your hooks run more than once"): a write is accepted when the runs again on other
 data reproduce it. A time stamp is no function of the data, but a run again reads the clock later: a throughput
-callback appending ``time.perf_counter()`` to a list at a batch's end would write otherwise in every run, and a
-difference the run on the same data shows too is excused only for a Python number (a container may hide randomness
-the runs do not replay behind it: zoo27). :class:`ClockReads` records the values the clocks gave the real run
-(:meth:`~ClockReads.recording`) and hands each run again the same values in the same order
-(:meth:`~ClockReads.replayed`), so a write of the clock alone is written alike and accepted, and one mixing the data
-into it (``time.perf_counter() + x.mean()``) still differs on other data and is refused.
+callback appending ``time.perf_counter()`` to a list at a batch's end would write otherwise in every run, and excusing
+what a run on the same data sets apart too lets the data through beside the clock (``self.t = time.time() +
+x.mean() * 1e-3``: zoo30 k03). :class:`ClockReads` records the values the clocks gave the real run
+(:meth:`~ClockReads.recording`; or the first of the runs again, :meth:`~ClockReads.next_run`) and hands each run again
+the same values in the same order (:meth:`~ClockReads.replayed`), so a write of the clock alone is written alike and
+accepted, and one mixing the data into it still differs on other data and is refused. Used by every family of runs
+again with a run on the same data beside them: the judged writes, the logger calls, the first step's batch and epoch
+hooks, the hooks before a later release, the decision windows, the batch-start settings, the checkpoint hooks, the
+end of a fit, a plain loop's lazy caches (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`).
 
-Replayed: the clocks of :mod:`time` (:data:`CLOCKS`, looked up on the module as they are called, or bound in the
-hook's own module by ``from time import perf_counter``) and ``datetime.now()``, ``utcnow()``, ``today()`` where the
-hook's module holds :mod:`datetime` or its ``datetime`` class; a clock function an
-attribute of the hook's owner holds (``self.clock = time.perf_counter``) is replayed too. Only the thread that runs the
-hook is served recorded values: another (a progress bar's monitor, a loader's workers) reads the real clock, and every
-reader reads it outside the block (Lightning's ``Timer`` keeps counting). Past the recorded values a run again reads
-the real clock, which then writes otherwise (refused, as before): a clock read in a helper of another module by a
-name bound there, or a clock read a number of times that depends on the data. Not seen: a duration the data steers (a
-sleep by a value of the batch) is recorded as the real run read it, as a float time stamp was excused before.
+Replayed: the clocks of :mod:`time` (:data:`CLOCKS`, looked up on the module as they are called, or bound by name
+— ``from time import perf_counter`` — in the hook's own module or in any other module of the user's:
+:func:`clock_bindings`, an index of the module dicts holding one, built once and brought up to date when
+:data:`sys.modules` grows) and ``datetime.now()``, ``utcnow()``, ``today()`` where such a module (not an installed
+library's) holds :mod:`datetime` or its ``datetime`` class; a clock function an attribute of the hook's owner (or of
+``owners``: the module, the callbacks a replay runs) holds (``self.clock = time.perf_counter``) is replayed too.
+Only reads of the thread that runs the hook, and only from code that is neither the standard library's nor
+lightning_dp's (:func:`replayed_caller`: a queue's or a lock's deadline, the library's own timers read the real clock)
+are served recorded values: another thread (a progress bar's monitor, a loader's workers) reads the real clock, and
+every reader reads it outside the block (Lightning's ``Timer`` keeps counting). Past the recorded values a run again
+reads the real clock, which then writes otherwise (refused): a clock read a number of times that depends on the data.
+Not seen: a duration the data steers (a sleep by a value of the batch) is recorded as the real run read it; a clock
+read inside the standard library for the user (``email.utils.formatdate()``) or by C code other than these functions
+(``os.times()``) is not replayed (written otherwise in every run: refused).
 """
 
 from __future__ import annotations
 
 import datetime as _datetime
+import os
+import sys
+import sysconfig
 import threading
 import time
 import types
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["CLOCKS", "ClockReads"]
+__all__ = ["CLOCKS", "ClockReads", "clock_bindings", "replayed_caller"]
 
 CLOCKS = tuple(name for name in ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
                                  "process_time", "process_time_ns", "thread_time", "thread_time_ns")
@@ -38,7 +49,10 @@ CLOCKS = tuple(name for name in ("time", "time_ns", "perf_counter", "perf_counte
 
 _REAL_DATETIME = _datetime.datetime
 _DATETIME = ("now", "utcnow", "today")  # datetime.datetime's clocks (its C code reads the system clock itself)
-_ACTIVE = threading.local()  # whether a block of this module is open on this thread (a nested one changes nothing)
+_ACTIVE = threading.local()  # .stack: the clocks of the blocks open on this thread, innermost last
+_LOCK = threading.Lock()
+_OPEN = [0]  # how many blocks are open, on every thread (the first installs the replacements, the last removes them)
+_OPEN_REAL: dict[str, Callable[..., Any]] = {}  # the clocks as the first block found them
 
 
 def _clocks() -> dict[str, Callable[..., Any]]:
@@ -48,23 +62,98 @@ def _clocks() -> dict[str, Callable[..., Any]]:
 
 
 _REAL = _clocks()
+_REAL_VALUES = frozenset(_REAL.values())  # (a bound classmethod is a new object at each access: compared by ==)
+
+_SITE = tuple(os.path.join(path, "") for path in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+_STDLIB = tuple(os.path.join(path, "") for path in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+_OURS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # lightning_dp/
+_KINDS: dict[str, str] = {}  # file name → "site", "std", "ours" or "user"
+
+
+def _kind(filename: str) -> str:
+    """Whose code a file holds: an installed library's (``"site"``), the standard library's, lightning_dp's, or the
+    user's."""
+    kind = _KINDS.get(filename)
+    if kind is None:
+        path = os.path.abspath(filename) if filename and not filename.startswith("<") else filename
+        kind = _KINDS[filename] = (
+            "site" if path.startswith(_SITE) or "site-packages" in path or "dist-packages" in path else
+            "std" if path.startswith(_STDLIB) or path.startswith("<frozen") else
+            "ours" if path.startswith(_OURS) else "user")
+    return kind
+
+
+def replayed_caller(code: types.CodeType) -> bool:
+    """Whether a clock read from ``code`` is served recorded values: not from the standard library's code (a queue's,
+    a lock's or a thread's deadline) nor from lightning_dp's (its own timers)."""
+    return _kind(code.co_filename) not in ("std", "ours")
+
+
+_INDEX: dict[str, tuple[dict[str, Any], bool]] = {}  # module name → (its dict, whether datetime is swapped there)
+_SCANNED: dict[str, int] = {}  # module name → id() of the module object scanned
+_SIZE = [-1]  # len(sys.modules) at the last scan
+
+
+def _binds(names: dict[str, Any], datetime: bool) -> bool:
+    """Whether a namespace holds a clock function (or, given ``datetime``, :mod:`datetime` or its class)."""
+    for value in list(names.values()):
+        if type(value) is types.BuiltinFunctionType and value in _REAL_VALUES:
+            return True
+        if datetime and (value is _datetime or value is _REAL_DATETIME):
+            return True
+    return False
+
+
+def clock_bindings() -> list[tuple[dict[str, Any], bool]]:
+    """The dicts of the modules (not the standard library's, not lightning_dp's) that bind a clock by name (``from
+    time import perf_counter`` in a user's utils module), each with whether its ``datetime`` names are swapped too
+    (not in an installed library: a ``datetime`` of the replayed class would not pickle). Scanned once per module:
+    the index is brought up to date only when :data:`sys.modules` changed size (a few milliseconds for a thousand new
+    modules; nothing otherwise)."""
+    if len(sys.modules) != _SIZE[0]:
+        for name, module in list(sys.modules.items()):
+            if _SCANNED.get(name) == id(module):
+                continue
+            _SCANNED[name] = id(module)
+            _INDEX.pop(name, None)
+            names = getattr(module, "__dict__", None)
+            filename = getattr(module, "__file__", None) or ("<main>" if name == "__main__" else "")
+            kind = _kind(filename) if isinstance(filename, str) and filename else "std"  # a built-in module
+            if isinstance(names, dict) and kind in ("site", "user") and name != __name__ and \
+                    _binds(names, kind == "user"):
+                _INDEX[name] = (names, kind == "user")
+        _SIZE[0] = len(sys.modules)
+    return list(_INDEX.values())
 
 
 class ClockReads:
     """The clock values one real run of ``hook`` read, per clock, in order, with their arguments (module
-    docstring)."""
+    docstring). ``owner`` and ``owners``: the objects whose attributes may hold a clock function."""
 
-    def __init__(self, hook: Optional[Callable[..., Any]] = None, owner: Any = None) -> None:
+    def __init__(self, hook: Optional[Callable[..., Any]] = None, owner: Any = None,
+                 owners: Sequence[Any] = ()) -> None:
         self.values: dict[str, list[tuple[tuple[tuple, dict], Any]]] = {}  # name → ((args, kwargs), value)
         self._names = [getattr(hook, "__globals__", None) or {}]  # where a clock is bound by name: the hook's module,
-        try:  # and its owner's attributes (a callback built with clock=time.perf_counter)
-            self._names.append(vars(owner) if owner is not None else {})
-        except TypeError:
-            pass
+        for held in (owner, *owners):  # and its owners' attributes (a callback built with clock=time.perf_counter)
+            try:
+                self._names.append(vars(held) if held is not None else {})
+            except TypeError:
+                pass
+        self.recorded = False  # whether a run was recorded (next_run: the first records, the others replay)
+
+    def next_run(self) -> AbstractContextManager[None]:
+        """The block of the next run: the first run records (:meth:`recording`), every later one replays
+        (:meth:`replayed`) — for runs again where the first is itself a run again (rule 3's plain run)."""
+        if self.recorded:
+            return self.replayed()
+        self.recorded = True
+        return self.recording()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Inside, the hook's thread reads the real clocks, and the values are kept."""
+        self.recorded = True
+
         def clock(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
             def read(*args: Any, **kwargs: Any) -> Any:
                 value = real(*args, **kwargs)
@@ -91,42 +180,66 @@ class ClockReads:
 
     @contextmanager
     def _patched(self, clock: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-        """The clocks replaced by ``clock(name, real)`` for this thread, put back however the block ends."""
-        if getattr(_ACTIVE, "open", False):
-            yield
-            return
-        thread, now = threading.get_ident(), _clocks()
-
-        def for_thread(name: str) -> Callable[..., Any]:
-            real, ours = now[name], clock(name, now[name])
-            return lambda *args, **kwargs: (ours if threading.get_ident() == thread else real)(*args, **kwargs)
-        patched = {name: for_thread(name) for name in now}
-        datetime_class = _datetime_class(patched)
-        datetime_module = types.ModuleType("datetime")
-        datetime_module.__dict__.update(vars(_datetime), datetime=datetime_class)
+        """The clocks replaced by ``clock(name, real)`` for this thread's reads from the user's code, put back however
+        the block ends. A block inside another (a decision window's runs again inside a judged hook's first run)
+        serves its own values until it ends, then the outer block's again. The replacements are the same objects in
+        every block (a fingerprint of a module's globals taken in two runs finds them alike)."""
+        with _LOCK:
+            if not _OPEN[0]:
+                _OPEN_REAL.update(_clocks())  # (one mocked by a test is kept as the real one)
+                for name in CLOCKS:
+                    setattr(time, name, _PATCHED[name])
+            _OPEN[0] += 1
+        stack = _ACTIVE.__dict__.setdefault("stack", [])
+        stack.append({name: clock(name, _OPEN_REAL[name]) for name in _PATCHED})
         swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, its value, the replayed one)
-        for names in self._names:
-            for key, value in list(names.items()):
-                bound = [n for n in now if type(value) is types.BuiltinFunctionType and (
-                    value is _REAL[n] or value is now[n] or value == _REAL[n])]  # (a bound classmethod: ==)
-                ours = patched[bound[0]] if bound else datetime_class if value is _REAL_DATETIME else \
-                    datetime_module if value is _datetime else None
-                if ours is not None:
-                    swapped.append((names, key, value, ours))
-        _ACTIVE.open = True
         try:
-            for name in CLOCKS:
-                setattr(time, name, patched[name])
-            for names, key, _, ours in swapped:
-                names[key] = ours
+            seen: set[int] = set()
+            for names, datetime in [*((names, True) for names in self._names), *clock_bindings()]:
+                if id(names) in seen:
+                    continue
+                seen.add(id(names))
+                for key, value in list(names.items()):
+                    ours = _replacing(value, datetime)
+                    if ours is not None:
+                        swapped.append((names, key, value, ours))
+                        names[key] = ours
             yield
         finally:
-            for name in CLOCKS:
-                setattr(time, name, now[name])
             for names, key, value, ours in swapped:
                 if names.get(key) is ours:
                     names[key] = value
-            _ACTIVE.open = False
+            stack.pop()
+            with _LOCK:
+                _OPEN[0] -= 1
+                if not _OPEN[0]:
+                    for name in CLOCKS:
+                        setattr(time, name, _OPEN_REAL[name])
+
+
+def _dispatch(name: str) -> Callable[..., Any]:
+    """The replacement of clock ``name``: on a thread with a block open, from the user's code, the innermost block's
+    ``clock``; elsewhere the real clock."""
+    def read(*args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_ACTIVE, "stack", None)
+        if stack and replayed_caller(sys._getframe(1).f_code):
+            return stack[-1][name](*args, **kwargs)
+        return _OPEN_REAL.get(name, _REAL[name])(*args, **kwargs)
+    read.__name__ = read.__qualname__ = name.rpartition(".")[2]
+    return read
+
+
+def _replacing(value: Any, datetime: bool) -> Any:
+    """What replaces ``value`` in a namespace (``None``: it is no clock); ``datetime``: :mod:`datetime` and its class
+    too."""
+    if type(value) is types.BuiltinFunctionType:
+        for name, real in _REAL.items():
+            if value is real or value is _OPEN_REAL.get(name) or value == real:  # (a bound classmethod: ==)
+                return _PATCHED[name]
+        return None
+    if not datetime:
+        return None
+    return _DATETIME_CLASS if value is _REAL_DATETIME else _DATETIME_MODULE if value is _datetime else None
 
 
 class _AnyDatetime(type):
@@ -145,3 +258,9 @@ def _datetime_class(clocks: dict[str, Callable[..., Any]]) -> type:
     ``datetime`` objects."""
     return _AnyDatetime("datetime", (_REAL_DATETIME,), {
         name: staticmethod(clocks[f"datetime.{name}"]) for name in _DATETIME})
+
+
+_PATCHED = {name: _dispatch(name) for name in _REAL}
+_DATETIME_CLASS = _datetime_class(_PATCHED)
+_DATETIME_MODULE = types.ModuleType("datetime")
+_DATETIME_MODULE.__dict__.update(vars(_datetime), datetime=_DATETIME_CLASS)

@@ -41,6 +41,7 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
                                                   replay_epoch_hooks, replaying, runs_users_code, users_hook,
                                                   weights_moved_by_data, weights_sketch)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.runs_again import run_once, set_apart
 from lightning_dp.replays.starting_state import StartingState
 from lightning_dp.records.library_objects import library_callback
@@ -189,13 +190,13 @@ class StepReplays:
     def _replay_now_and_later(self, batch: Any, other: Any, judge_writes: bool = False) -> None:
         """The batch hooks replayed on the probe's batch as the module runs now and as it would run later in the plan
         (:meth:`_later_in_the_plan`, at an epoch's last ``batch_idx``): a memory bank filled from a later epoch on is
-        refused before any release. Each is replayed twice on the batch (what those two set apart — a rate from the
-        wall clock — is not judged) and once on ``other`` examples, their loss moved far, then likewise on the batch
-        with its loss moved near zero (a decision taken once the loss is above a threshold) and on the batch
-        with its values exchanged (:func:`~lightning_dp.record_checks.outside_records.exchanged_copy`; a replay the
-        exchanged values make fail is left out; the non-private diagnostics moved far up with the loss, down with the
-        exchanged values: :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter,
-        ``trainer.should_stop``,
+        refused before any release. Each is replayed twice on the batch (each replay reads the first one's clock
+        values, :mod:`~lightning_dp.replays.clock`: what those two still set apart, not a number, is not judged) and
+        once on ``other`` examples, their loss moved far, then likewise on the batch with its loss moved near zero (a
+        decision taken once the loss is above a threshold) and on the batch with its values exchanged
+        (:func:`~lightning_dp.record_checks.outside_records.exchanged_copy`; a replay the exchanged values make fail is
+        left out; the non-private diagnostics moved far up with the loss, down with the exchanged values:
+        :mod:`.diagnostic_reads`), every replay from the same seeds: a hyper-parameter, ``trainer.should_stop``,
         ``max_epochs``/``max_steps``, a seed of a global generator or an epoch ended by ``on_train_batch_start``
         returning -1 that the other replay sets apart is set from the data
         (:func:`~.fingerprints.fingerprint_entries.moved_by_data`, :func:`~.validators.rng.seeds_recorded`)."""
@@ -217,10 +218,10 @@ class StepReplays:
 
         def replay(examples: Any, progress: Optional[tuple[int, int]],
                    moved: Union[bool, Callable[[Any], Any]] = False) -> Callable[[], None]:
-            def run() -> None:  # each replay from the same seeds (and state): a random draw is not the data's
-                first = writes is not None and not writes.runs
+            def run() -> None:  # each replay from the same seeds (and state) and clock values: a random draw, a time
+                first = writes is not None and not writes.runs  # stamp is not the data's
                 try:
-                    with seeded(0), seeds_recorded() as calls, \
+                    with seeded(0), clock.next_run(), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext(), \
                             diagnostics_moved(self.step, up=moved) if examples is not batch else nullcontext():
                         decisions.append(calls)  # σ and C: put back by replay_records, which compares them
@@ -252,6 +253,7 @@ class StepReplays:
             variants = ((other, True, True), (batch, moved_near, True), (exchanged_copy(batch), False, False))
             for second, moved, judge_raise in variants:
                 decisions.clear()
+                clock = ClockReads(owners=[module, *users])  # the first replay's clock values, read by the others
                 raised: list[Optional[Exception]] = []  # what each replay raised (None: it finished)
                 names: list[frozenset] = []  # the (hook, name) pairs each replay logged (logged_names)
                 taken: list[Fingerprint] = []  # the decisions as each replay left them (replay_decisions)
@@ -322,12 +324,14 @@ class StepReplays:
         batch = self.strategy._collated(indices)
         runs: list[Optional[dict[str, Any]]] = []
         names: list[frozenset] = []  # the (hook, name) pairs each run logged (logged_names)
+        clock = ClockReads(owners=[module, *users])  # the first run's clock values, read by the others
 
         def replay(examples: Any, moved: bool = False, outside: Optional[ExchangedRecords] = None
                    ) -> Callable[[], None]:  # a run that fails is not compared; read with the data back in place
             return lambda: runs.append(run_once(
                 lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
-                                           end=False, names=names), seeded(0), self.privacy_settings_kept(),
+                                           end=False, names=names), seeded(0), clock.next_run(),
+                self.privacy_settings_kept(),
                 outside.exchanged() if outside is not None else nullcontext(),
                 read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
 
@@ -354,9 +358,9 @@ class StepReplays:
         now), each from the same state and the same random seeds: on the training data, with its copies in memory
         exchanged for other values (:mod:`~lightning_dp.record_checks.outside_records`), and — only when those two
         differ — on the training data again. What the exchanged replay leaves apart from the first, and the second
-        plain replay does not (a time stamp, a wall-clock duration), comes from the training data, no noise covers
-        it, and later steps can read it: a learning rate or a stop (a rate from the training set's accuracy), a
-        seed, the state of the module, of any user callback
+        plain replay does not (each reads the first one's clock values: a time stamp is alike), is the data's, no
+        noise covers it, and later steps can read it: a learning rate or a stop (a rate from the training set's
+        accuracy), a seed, the state of the module, of any user callback
         (one that never sees the batch may still read the dataset: a teacher trained on it at epoch end for the step
         to distil from) and of the datamodule. Refused before any release (a report may be declared public)."""
         module = self.strategy.lightning_module
@@ -374,13 +378,14 @@ class StepReplays:
         kept: list[dict[str, Any]] = []
         sketches: list[dict[str, torch.Tensor]] = []
         writers: dict[str, set[str]] = {}  # the hooks that wrote the weights in a replay (named in the refusal)
+        clock = ClockReads(owners=[module, *users])  # the first replay's clock values, read by the others
 
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
                 model_back = model_kept(module, weights=True)  # a warm start (any of these hooks): compared, put back
                 rates: dict[str, Any] = {}
                 try:
-                    with exchanged.exchanged() if exchange else nullcontext(), seeded(0), \
+                    with exchanged.exchanged() if exchange else nullcontext(), seeded(0), clock.next_run(), \
                             seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
@@ -502,6 +507,7 @@ class StepReplays:
         per_epoch, now = max(1, self.strategy.steps_per_epoch or 1), trainer.global_step
         batch = self.strategy._as_loop_batch(self.strategy._collated(indices))
         snapshot = StateSnapshot(module, users_objects(trainer), boundary.engine_keys, boundary.global_modules())
+        clock = ClockReads(owners=[module, *users_objects(trainer)])  # a loss with a time term: alike at every step
 
         def loss_at(step: int) -> Optional[torch.Tensor]:  # (a step that cannot run there is the later checks' to meet)
             def run() -> Optional[torch.Tensor]:
@@ -509,9 +515,10 @@ class StepReplays:
                 out = module.training_step(batch, step % per_epoch)
                 out = out.get("loss") if isinstance(out, dict) else out
                 return out.detach().to(torch.float64) if isinstance(out, torch.Tensor) else None
-            return run_once(run, seeded(0), progress_as(trainer, step, step // per_epoch), self.watches_paused(),
-                            self.privacy_settings_kept(), self.strategy.precision_plugin.train_step_context(),
-                            replaying(module), then=snapshot.restore)
+            return run_once(run, seeded(0), clock.next_run(), progress_as(trainer, step, step // per_epoch),
+                            self.watches_paused(), self.privacy_settings_kept(),
+                            self.strategy.precision_plugin.train_step_context(), replaying(module),
+                            then=snapshot.restore)
 
         here = loss_at(now)
         if here is None:

@@ -96,12 +96,56 @@ def test_another_thread_reads_the_real_clock() -> None:
     assert reads.values["perf_counter"] == [(((), {}), first)]  # the other thread's read not recorded
 
 
-def test_a_block_inside_another_changes_nothing() -> None:
+def test_a_block_inside_another_serves_its_own_values_then_the_outer_ones() -> None:
+    """A decision window's runs again inside a judged hook's first run: each block records and replays its own."""
     outer, inner = ClockReads(_stamps), ClockReads(_stamps)
     with outer.recording():
+        first = time.perf_counter()
         with inner.recording():
-            first = time.perf_counter()
+            nested = time.perf_counter()
+        with inner.replayed():
+            assert time.perf_counter() == nested  # the inner block's value, not the outer's
         assert time.perf_counter is not REAL["perf_counter"]  # the outer block still open
-    assert not inner.values and len(outer.values["perf_counter"]) == 1
-    assert _replayed(outer, lambda: time.perf_counter()) == first
+        last = time.perf_counter()
+    assert [v for _, v in inner.values["perf_counter"]] == [nested]
+    assert [v for _, v in outer.values["perf_counter"]] == [first, last]
+    assert _replayed(outer, lambda: (time.perf_counter(), time.perf_counter())) == (first, last)
     assert time.perf_counter is REAL["perf_counter"]
+
+
+def test_the_modules_of_the_user_binding_a_clock_are_indexed_and_replayed() -> None:
+    """``from time import perf_counter`` in another module of the user's (not the hook's): replayed, put back; the
+    index is brought up to date when a module is added."""
+    import types
+
+    from lightning_dp.replays.clock import clock_bindings
+
+    utils = types.ModuleType("clock_test_utils")
+    exec("from time import perf_counter\ndef stamp():\n    return perf_counter()\n", utils.__dict__)
+    utils.__file__ = __file__  # a file of the user's
+    sys.modules[utils.__name__] = utils
+    try:
+        assert any(names is utils.__dict__ for names, _ in clock_bindings())
+        reads = ClockReads()  # no hook, no owner: found through the index
+        with reads.recording():
+            first = utils.stamp()
+        time.sleep(0.01)
+        assert _replayed(reads, utils.stamp) == first
+        assert utils.perf_counter is REAL["perf_counter"]
+    finally:
+        del sys.modules[utils.__name__]
+
+
+def test_the_standard_librarys_reads_are_not_replayed() -> None:
+    """A read by the standard library's code in the hook's thread (a log record's time, a queue's deadline): the
+    real clock, and the user's recorded values are left for the user's reads."""
+    import logging
+
+    reads = ClockReads()
+    with reads.recording():
+        first = time.time()
+    time.sleep(0.01)
+    with reads.replayed():
+        created = logging.LogRecord("n", logging.INFO, "p", 1, "m", None, None).created  # time.time() in logging
+        assert created > first + 0.005
+        assert time.time() == first  # the user's first read: still the recorded value
