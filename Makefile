@@ -13,6 +13,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
+# pytest-xdist workers for `make test` (2: the CI machine's cores; TEST_WORKERS=0 runs in one process)
+TEST_WORKERS ?= 2
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: install install-test demo test test-all docs bench clean
@@ -41,10 +43,10 @@ demo: $(DEMO_STAMP)
 	$(BIN)/lightning-dp fit --config configs/digits.yaml
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 test-all: $(TEST_STAMP)
-	LIGHTNING_DP_SLOW=1 $(BIN)/python -m pytest
+	LIGHTNING_DP_SLOW=1 $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 docs: $(DOCS_STAMP)
 	$(BIN)/python -m mkdocs build --strict -d site

@@ -49,7 +49,7 @@ def test_make_test_adds_the_test_and_hf_extras_after_demo_or_alone(tmp_path):
     (venv / ".installed-demo").touch()  # `make demo` ran: `make test` installs only what it adds
     after = _dry_run("test", venv)
     assert {"dev", "hf"} <= _extras(after) and not any("torch==" in line or "-m venv" in line for line in after)
-    assert after[-1].endswith("-m pytest")
+    assert after[-1].endswith("-m pytest -n 2")  # two workers (TEST_WORKERS): the CI machine's two cores
 
 
 def test_make_test_tries_the_docs_extra_without_failing_and_make_docs_builds_strictly(tmp_path):
