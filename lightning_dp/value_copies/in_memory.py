@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from lightning_dp.containers import held_items, put_back
 from lightning_dp.records.library_objects import is_library
 from lightning_dp.value_copies.logged_values import LoggedValues, as_float
 from lightning_dp.value_copies.text_files import rewrite_text
@@ -259,14 +260,7 @@ def _rebuilt(value: Any, items: list[Any]) -> Any:
 
 def _fill(container: Any, items: Any) -> None:
     """``container`` (a list, deque, set or dict) holds ``items`` (a list of them, or a dict) in place."""
-    if isinstance(container, dict):
-        dict.clear(container)
-        dict.update(container, items)
-    elif isinstance(container, list):
-        container[:] = items
-    else:
-        container.clear()
-        container.extend(items) if isinstance(container, collections.deque) else container.update(items)
+    put_back(container, held_items(items))
 
 
 def _alike(container: Any, saved: Any) -> bool:

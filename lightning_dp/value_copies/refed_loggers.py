@@ -54,6 +54,7 @@ import warnings
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+from lightning_dp.containers import held_items, put_back
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.value_copies.logger_effects import Effects
 from lightning_dp.value_copies.logger_files import LoggerFiles
@@ -335,17 +336,8 @@ def _into_held(holder: dict, real: dict, filled: list[tuple[Any, Any]]) -> None:
 
 
 def _fill(container: Any, items: Any) -> None:
-    """``container`` (a list, deque, set or dict) holds ``items`` in place."""
-    if isinstance(container, dict):
-        new = dict(items)
-        dict.clear(container)
-        dict.update(container, new)
-    elif isinstance(container, list):
-        container[:] = list(items)
-    else:
-        new = list(items)
-        container.clear()
-        container.extend(new) if isinstance(container, collections.deque) else container.update(new)
+    """``container`` (a list, deque, set or dict) holds ``items`` (a container of the same kind) in place."""
+    put_back(container, held_items(items))
 
 
 class _Recorder:
