@@ -10,7 +10,7 @@ import yaml
 
 from lightning_dp.audit import run_audit
 from lightning_dp.commands import audit as audit_command
-from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 
 
 class ZeroNoise(NoiseMechanism):
@@ -44,7 +44,10 @@ def _epsilons(out: str) -> tuple[float, float]:
     return claimed, lower
 
 
-def test_real_mechanism_passes_and_prints_both_numbers(config, capsys):
+def test_real_mechanism_passes_and_prints_both_numbers(config, capsys, monkeypatch):
+    # The honest Gaussian mechanism, seeded: unseeded, a 95 % bound exceeds the claim in up to 5 % of runs by design
+    # (CI saw one), and a test must not fail by chance.
+    monkeypatch.setattr(audit_command, "run_audit", functools.partial(run_audit, noise=GaussianNoise(seed=0)))
     code = audit_command.main(["--config", config, "--canaries", "100", "--kind", "gradient", "--seed", "0"])
     claimed, lower = _epsilons(capsys.readouterr().out)
     assert code == 0
