@@ -7,6 +7,8 @@ anew by each run), and a baseline with some entries accepted as they are now.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Hashable, Sequence
 
 Fingerprint = dict[str, Hashable]
@@ -39,12 +41,51 @@ def moved_by_data(plain: Fingerprint, again: Fingerprint, other: Fingerprint) ->
     replay still sets apart has another cause, excused only where it is no value of the data's: an object the
     fingerprint compares by identity made anew by each run (a closure, a ``functools.partial``, a hook's handle
     number), a generator nobody seeds (``np.random.default_rng()`` made in the hook) drawn into a tensor or a
-    container, a clock the standard library reads for the user. A scalar (``self.t = time.time() + x.mean()``, zoo30
+    container — unless the other data moved the entry's numbers far beyond the draw (:func:`_far_beyond_noise`) —,
+    a clock the standard library reads for the user. A scalar (``self.t = time.time() + x.mean()``, zoo30
     k03; ``time.time() * 1e-12 + mean``) is compared by value: set apart by the other data, it is the data's, even
     when the runs on the data already differ (an unreplayed draw beside the data would hide it)."""
     noisy = {name for name in changed_entries(plain, again)
-             if not _scalar(plain.get(name)) and not _scalar(again.get(name))}
+             if not _scalar(plain.get(name)) and not _scalar(again.get(name))
+             and not _far_beyond_noise(plain.get(name), again.get(name), other.get(name))}
     return [name for name in changed_entries(plain, other) if name not in noisy]
+
+
+NOISE_RATIO = 100.0
+"""How much farther than the second run on the data the other data must move an entry's numbers to be the data's."""
+
+
+def _far_beyond_noise(plain: Hashable, again: Hashable, other: Hashable) -> bool:
+    """Whether the other data moved the numbers a token holds (a small tensor's values, a tensor's content sums) more
+    than :data:`NOISE_RATIO` times as far as the second run on the data did: an unseeded draw of 1e-9 beside a
+    training-set mean (the lead's e01/e04: ``hint = x.mean(0) + 1e-9 · randn`` from an OS-seeded generator in an epoch
+    hook) leaves the runs on the data apart by the draw and the other data's run apart by the mean. Tokens without
+    numbers, or whose numbers do not line up (another shape, a list grown apart), stay excused."""
+    a, b, c = _numbers(plain), _numbers(again), _numbers(other)
+    if not a or len(a) != len(b) or len(a) != len(c):
+        return False
+    noise = max(abs(x - y) for x, y in zip(a, b))
+    moved = max(abs(x - z) for x, z in zip(a, c))
+    return moved > NOISE_RATIO * noise
+
+
+def _numbers(token: Hashable) -> list[float]:
+    """The numbers in a token, in order: numbers, strings that spell one (a small tensor's values by ``repr``), and
+    the float64 sums of :func:`~.checksums.content_sums` (24 bytes); a NaN or infinity is left out (no distance)."""
+    out: list[float] = []
+    if isinstance(token, tuple):
+        for item in token:
+            out += _numbers(item)
+    elif isinstance(token, (int, float)) and not isinstance(token, bool):
+        out.append(float(token))
+    elif isinstance(token, str):
+        try:
+            out.append(float(token))
+        except ValueError:
+            pass
+    elif isinstance(token, bytes) and len(token) == 24:
+        out += [float(v) for v in struct.unpack("=3d", token)]
+    return [v for v in out if math.isfinite(v)]
 
 
 def accepted(baseline: Fingerprint, now: Fingerprint, names: Sequence[str]) -> Fingerprint:
