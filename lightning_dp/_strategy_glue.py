@@ -361,7 +361,7 @@ class PrivateTraining:
                                                  lambda: diagnostic_reads.moved(step, up=False),
                                                  lambda: getattr(self._logged_reads, "count", 0))
         trainer.callbacks.insert(0, self._decision_windows)  # first: it notes the decisions before the user's hooks
-        self._decision_windows.notes.watch_scheduler_step(module)  # σ or C set in the scheduler's step: refused
+        self._decision_windows.notes.watch_scheduler_step(trainer)  # σ or C set in the scheduler's step: refused
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
         judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes))  # post-processing writes, judged

@@ -45,42 +45,46 @@ class MechanismNotes:
     def __init__(self) -> None:
         self._noted: Optional[Fingerprint] = None
         self._scheduled: dict[str, tuple[Any, Any]] = {}  # set in lr_scheduler_step: (before, after) of each
-        self._watched: Optional[tuple[Any, Any]] = None  # (module, its own lr_scheduler_step attribute or _MISSING)
+        self._watched: Optional[tuple[Any, Any]] = None  # (the loop, its own update_lr_schedulers or _MISSING)
 
     def note(self, trainer: Any) -> None:
         """The settings as a step begins (what ``on_train_batch_start`` set is the step's: its checks judge it with
         its release, a budget refuses it) and right after its release: what the next step is compared with."""
         self._noted, self._scheduled = mechanism_decisions(trainer), {}
 
-    def watch_scheduler_step(self, module: Any) -> None:
-        """Wrap ``module.lr_scheduler_step`` (Lightning's scheduler update, a ``LambdaLR``'s lambda in it) for the
-        fit: a setting it changes is noted as made there, never accounted for by the window it runs in (a batch's or an
-        epoch's end: the window's hooks are judged, the scheduler's step after them is not)."""
+    def watch_scheduler_step(self, trainer: Any) -> None:
+        """Wrap the training loop's scheduler update (``trainer.fit_loop.epoch_loop.update_lr_schedulers``: each
+        scheduler's step through the module's ``lr_scheduler_step``, a ``LambdaLR``'s lambda in it) for the fit: a
+        setting it changes is noted as made there, never accounted for by the window it runs in (a batch's or an
+        epoch's end: the window's hooks are judged, the scheduler's step after them is not). Lightning's loop is
+        wrapped, not the user's module: a module with a function of the library's among its attributes could not be
+        pickled (zoo31 s12: ``torch.save(model)`` in a callback)."""
         self.unwatch()
-        own = vars(module).get("lr_scheduler_step", _MISSING)
-        original = module.lr_scheduler_step
+        loop = trainer.fit_loop.epoch_loop
+        own = vars(loop).get("update_lr_schedulers", _MISSING)
+        original = loop.update_lr_schedulers
 
-        def lr_scheduler_step(*args: Any, **kwargs: Any) -> Any:
-            before = mechanism_decisions(getattr(module, "_trainer", None))
+        def update_lr_schedulers(*args: Any, **kwargs: Any) -> Any:
+            before = mechanism_decisions(trainer)
             out = original(*args, **kwargs)
-            after = mechanism_decisions(getattr(module, "_trainer", None))
+            after = mechanism_decisions(trainer)
             for name in StateFingerprint.changed(before, after):
                 self._scheduled.setdefault(name, (before.get(name), after.get(name)))
             return out
 
-        object.__setattr__(module, "lr_scheduler_step", lr_scheduler_step)
-        self._watched = (module, own)
+        loop.update_lr_schedulers = update_lr_schedulers
+        self._watched = (loop, own)
 
     def unwatch(self) -> None:
-        """``lr_scheduler_step`` as it was before :meth:`watch_scheduler_step`."""
+        """The scheduler update as it was before :meth:`watch_scheduler_step`."""
         watched, self._watched = self._watched, None
         if watched is None:
             return
-        module, own = watched
+        loop, own = watched
         if own is _MISSING:
-            vars(module).pop("lr_scheduler_step", None)
+            vars(loop).pop("update_lr_schedulers", None)
         else:
-            object.__setattr__(module, "lr_scheduler_step", own)
+            loop.update_lr_schedulers = own
 
     def accounted(self, opened: dict[str, Any], replayed: Optional[Fingerprint], trainer: Any) -> None:
         """A decision window closed without a refusal: it opened with the settings ``opened``

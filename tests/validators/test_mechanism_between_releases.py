@@ -232,3 +232,29 @@ def test_a_clipping_bound_set_in_a_lambda_inside_a_judged_window_is_refused() ->
     with pytest.raises(PrivacyConfigurationError, match=r"set in lr_scheduler_step"):
         trainer.fit(SetInTheLambdaBesideABatchEndHook(MEDIAN, _set_c), loader(64))
     assert SET_AT and dp.private_step.ledger.steps == SET_AT[0]
+
+
+class _WithAStepScheduler(Classifier):
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}
+
+
+class _SaveTheWholeModule(pl.Callback):
+    """``torch.save(model)`` at each epoch's end (a whole-module pickle, as MLflow's ``log_model`` does; zoo31 s12)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(pl_module, self.path / f"epoch{trainer.current_epoch}.pt")
+
+
+def test_the_module_pickles_during_the_fit_and_keeps_no_function_of_the_librarys(tmp_path: Path) -> None:
+    """The scheduler's update is watched on Lightning's loop, not by a function put on the user's module (which made
+    ``torch.save(model)`` fail mid-fit: "Can't pickle local object")."""
+    model = _WithAStepScheduler()
+    quiet_trainer(strategy=strategy(), max_epochs=2, callbacks=[_SaveTheWholeModule(tmp_path)]).fit(model, loader(64))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch0.pt", "epoch1.pt"]
+    loaded = torch.load(tmp_path / "epoch1.pt", weights_only=False)
+    assert "lr_scheduler_step" not in vars(loaded) and "lr_scheduler_step" not in vars(model)
