@@ -9,7 +9,8 @@ among earlier fits' by the digests of their rows. Three ways the same records ar
   column order changes. Rows of few distinct values share it (binary or small-integer rows: their sorted rows are
   mostly alike), and one shared by unrelated records would compose fits on them (ε overstated: safe, but a false
   charge), so an item keeps it only when its rows' sorted digests are at least :data:`SORTED_DISTINCT` distinct
-  (within the item: then two halves of it share few sorted digests, under the data ledger's overlap of 5 %);
+  (within the item: then two halves of it share few sorted digests, under the data ledger's overlap of 5 %),
+  judged over its distinct rows (:func:`_first_copies`);
 * the library's own preprocessing: :class:`~lightning_dp.data.PrivateStandardizer` and
   :class:`~lightning_dp.data.PrivateImputer` compute new rows (noisy mean and scale, filled cells) from each input
   row. Their ``transform`` calls :func:`note_derived` (through :func:`~.released_transforms.note_transformed`, which
@@ -28,6 +29,15 @@ rows of integers, which lie on the first grid's edges, keep all their cells on i
 of two, moves only when its mean crosses one. An item keeps them only when its rows are
 :data:`COARSE_DISTINCT` distinct by them, else those of a finer level: rows of few distinct values (binary, small
 integers, two or three columns) share cells, and unrelated records sharing cells would compose fits on them.
+Distinct *records* are counted (:func:`_first_copies`): exact copies of a row within the item (a record
+oversampled, a constant padding row) are one row there, and so are rows in one cell of *both* grids of the finest
+level where every column is digested (a record and its copy under a small jitter). They are not evidence that the
+cells join unrelated records — a copy's cells are its row's by construction, exact copies are matched by the value
+digests already (an item with :data:`~lightning_dp.record_checks.stored_sources.DISTINCT` distinct rows, which
+:func:`coarse_rows` requires too: rows of few values repeat by chance), and two unrelated rows share a cell of both
+grids far less often than one of either — and counting them made a handful of duplicates (5 of 1,000 rows) drop
+every coarse digest, so a near-copy of the data was not composed with it (zoo30 r05). Measured over the draws of
+docs/accounting.md: unrelated rows' coarse matches beyond their exact ones at most 0.8 % (1.2 % before).
 Measured in docs/accounting.md ("Near-copies"): near-copies match by 45–100 % of their rows, unrelated data by
 none. Not seen: a rescale (×1.01: every value moves by 1 %), a rotation, added or dropped columns.
 
@@ -45,7 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.record_checks.stored_records import row_digests
-from lightning_dp.record_checks.stored_sources import identifying_items
+from lightning_dp.record_checks.stored_sources import DISTINCT, identifying_items
 
 SORTED_DISTINCT = 0.99
 """The share of distinct sorted-row digests an item's rows must reach for its column-order-free digest to be used."""
@@ -106,8 +116,9 @@ def float32_rows(value: Any) -> Optional[Tensor]:
 
 
 def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """(each row's value digest, its sorted digest — zeros when the item's rows are under :data:`SORTED_DISTINCT`
-    distinct by it) of ``value`` itself, not read through the notes; ``None`` when not numbers."""
+    """(each row's value digest, its sorted digest — zeros when the item's distinct rows are under
+    :data:`SORTED_DISTINCT` distinct by it) of ``value`` itself, not read through the notes; ``None`` when not
+    numbers."""
     if not isinstance(value, (Tensor, np.ndarray)) or not value.ndim or float32_rows(value[:1]) is None:
         return None
     width = max(1, int(np.prod(value.shape[1:])))
@@ -123,18 +134,30 @@ def own_rows(value: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     if not parts:
         return None
     values, ordered = np.concatenate([v for v, _ in parts]), np.concatenate([o for _, o in parts])
-    if len(np.unique(ordered)) < SORTED_DISTINCT * len(ordered):
+    first = _first_copies(values)
+    if len(np.unique(ordered[first])) < SORTED_DISTINCT * len(first):
         ordered = np.zeros_like(ordered)
     return values, ordered
 
 
-def coarse_rows(value: Any) -> Optional[tuple[int, np.ndarray, np.ndarray]]:
+def coarse_rows(value: Any, records: Optional[np.ndarray] = None) -> Optional[tuple[int, np.ndarray, np.ndarray]]:
     """(level k, each row's digest on the grid of cells 2^−k × its column's scale, on that grid offset by a third
-    of a cell) of ``value`` (module docstring) at the first of :data:`COARSE_LEVELS` whose rows are
-    :data:`COARSE_DISTINCT` distinct; ``None`` when none is, or ``value`` is not numbers. NaN stays NaN. Of a row
-    wider than :data:`COARSE_COLUMNS`, that many columns evenly spaced are digested."""
+    of a cell) of ``value`` (module docstring) at the first of :data:`COARSE_LEVELS` whose distinct rows are
+    :data:`COARSE_DISTINCT` distinct; ``None`` when none is, when under
+    :data:`~lightning_dp.record_checks.stored_sources.DISTINCT` of its rows are distinct, or ``value`` is not
+    numbers. NaN stays NaN. Of a row wider than :data:`COARSE_COLUMNS`, that many columns evenly spaced are digested.
+    ``records``: each row's value digest over all its columns (equal for exact copies), where the caller has them;
+    else taken here."""
     if not isinstance(value, (Tensor, np.ndarray)) or isinstance(value, np.memmap) or value.ndim == 0 \
             or len(value) < 2 or float32_rows(value[:1]) is None:
+        return None
+    if records is None or len(records) != len(value):
+        own = own_rows(value)
+        if own is None:
+            return None
+        records = own[0]
+    first = _first_copies(records)
+    if len(first) < DISTINCT * len(value):  # rows of few values: exact copies by chance (the value digests' rule)
         return None
     flat = value.reshape(len(value), -1)
     width = flat.shape[1]
@@ -150,13 +173,18 @@ def coarse_rows(value: Any) -> Optional[tuple[int, np.ndarray, np.ndarray]]:
     largest = float(scale.max())
     scale = scale.clamp(min=_SCALE_FLOOR * largest) if largest > 0 else torch.ones_like(scale)
     power = torch.floor(torch.log2(torch.where(scale > 0, scale, torch.ones_like(scale))))
+    if len(picked) == width:  # every column digested: rows in one cell of both finest grids are one record
+        finest = [_cells(parts, power - COARSE_LEVELS[-1], shift) for shift in (0.0, 1 / 3)]
+        if finest[0] is None or finest[1] is None:
+            return None
+        first = first[np.sort(np.unique(np.stack(finest, 1)[first], axis=0, return_index=True)[1])]  # type: ignore
     for level in COARSE_LEVELS:
         on, off = (_cells(parts, power - level, shift) for shift in (0.0, 1 / 3))
-        if on is None or off is None or not _distinct(on) or not _distinct(off):
+        if on is None or off is None or not _distinct(on[first]) or not _distinct(off[first]):
             continue
-        if len(on) < COARSE_ROWS:  # few rows: distinct on cells 16 times as wide too
+        if len(first) < COARSE_ROWS:  # few rows: distinct on cells 16 times as wide too
             wide = _cells(parts, power - level + 4, 0.0)
-            if wide is None or not _distinct(wide):
+            if wide is None or not _distinct(wide[first]):
                 continue
         return level, on, off
     return None
@@ -171,6 +199,12 @@ def _cells(parts: list[Tensor], power: Tensor, shift: float) -> Optional[np.ndar
 
 def _distinct(digests: np.ndarray) -> bool:
     return len(np.unique(digests)) >= COARSE_DISTINCT * len(digests)
+
+
+def _first_copies(records: np.ndarray) -> np.ndarray:
+    """The positions of the first row of each distinct value digest in ``records``: the item's distinct rows, over
+    which the distinct shares of its sorted and coarse digests are judged (module docstring)."""
+    return np.sort(np.unique(records, return_index=True)[1])
 
 
 def _sorted(t: Tensor) -> np.ndarray:
@@ -249,7 +283,7 @@ def dataset_rows(dataset: Any) -> dict[tuple, np.ndarray]:
             continue
         out[("values", width)], out[("sorted", width)] = values, ordered
         try:
-            coarse = coarse_rows(value)
+            coarse = coarse_rows(value, values)  # root digests: rows of one root are one record
         except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a tensor without data (meta), ...
             coarse = None
         if coarse is not None:

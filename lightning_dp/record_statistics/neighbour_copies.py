@@ -28,7 +28,9 @@ fill); and a column is not judged for copies where another column repeats the re
 of those where either does: an entity's fixed features — a patient's height — repeated over its records in long format;
 columns filled column by column repeat on different records); an interpolation only where the cell's value occurs once
 in the column (a new value, not one of a grid or a scale's that recurs: scikit-learn's diabetes ratios lie on a few such
-steps).
+steps) and the records around it differ by more than the window ``W`` (a line has a direction there: a cell within
+tolerance of a line whose ends are themselves within tolerance is a flat run — a constant, or a constant under a
+jitter far under the tolerance, ``digits + 1e-7·noise`` — not a point interpolated between two different readings).
 
 What it cannot see: fills after the records were shuffled (the signature is in the order only), a fill of a column
 on a coarse grid or one that changes by a step or two between records (the quantised sensor above: an ``ffill``
@@ -88,7 +90,7 @@ def neighbour_copies(t: Tensor, sorted_columns: Optional[Tensor] = None) -> list
                 and _copies(x[:, j], d[:, j], repeated, w) >= least and not _aligned(same, j):
             found.append((j, "copy"))
         elif float(bent[j]) >= 4 * w and on_line[j] >= least \
-                and _interpolations(x[:, j], d2[:, j], repeated, e, w) >= least:
+                and _interpolations(x[:, j], d2[:, j], repeated, e, w, (x[2:, j] - x[:-2, j]).abs()) >= least:
             found.append((j, "interpolation"))
     return found
 
@@ -118,12 +120,13 @@ def _aligned(same: Tensor, j: int) -> bool:
     return bool(aligned.any())
 
 
-def _interpolations(c: Tensor, d2: Tensor, repeated: Tensor, tol: float, window: float) -> float:
-    """The cells of column ``c`` on the line between their two neighbours (``d2``: the absolute second differences),
-    or 0 where they are not out of place."""
+def _interpolations(c: Tensor, d2: Tensor, repeated: Tensor, tol: float, window: float, span: Tensor) -> float:
+    """The cells of column ``c`` on the line between their two neighbours (``d2``: the absolute second differences;
+    ``span``: the neighbours' absolute difference, more than ``window`` for a line with a direction), or 0 where
+    they are not out of place."""
     _, inverse, counts = torch.unique(c, return_inverse=True, return_counts=True)
     once = (counts[inverse] == 1)[1:-1]  # an interpolated value is new; a value of a grid or a scale recurs
-    on_line = (d2 <= tol) & once & ~repeated[1:-1] & ~repeated[2:]
+    on_line = (d2 <= tol) & (span > window) & once & ~repeated[1:-1] & ~repeated[2:]
     zeros = int(on_line.sum())
     near = int(((d2 > tol) & (d2 <= window) & once).sum())
     return float(zeros) if 2 * zeros >= near else 0.0

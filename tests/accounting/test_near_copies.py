@@ -70,3 +70,41 @@ def test_a_fresh_model_on_a_near_copy_continues_the_releases(what):
         trainer.fit(TinyClassifier(d_in=8), DataLoader(TensorDataset(features, y), batch_size=20))
         steps.append(trainer.strategy.ledger.steps)
     assert steps == [10, 20]
+
+
+@pytest.mark.parametrize("what", ["5 rows twice", "2 % of rows twice", "a zero row 10 times", "5 rows twice, jittered",
+                                  "none"])
+def test_a_near_copy_with_a_few_rows_twice_shares_the_records(what):
+    """zoo30 r05: ``X + 1e-4·noise`` with 5 of its 1,000 rows twice was not found (the copies made its rows look
+    indistinct, every coarse digest dropped); an independent draw with copies shares none."""
+    def with_copies(x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(4)
+        near = x + 1e-4 * torch.randn(x.shape, generator=g)
+        return {"5 rows twice": torch.cat([near, near[:5]]), "2 % of rows twice": torch.cat([near, near[:20]]),
+                "a zero row 10 times": torch.cat([near, torch.zeros(10, x.shape[1])]),
+                "5 rows twice, jittered": torch.cat([near, near[:5] + 1e-6 * torch.randn(5, 20, generator=g)]),
+                "none": near}[what]
+
+    x = torch.randn(1000, 20, generator=torch.Generator().manual_seed(0))
+    assert shares_records(data_use(TensorDataset(x)), data_use(TensorDataset(with_copies(x))))
+    other = torch.randn(1000, 20, generator=torch.Generator().manual_seed(1))
+    assert not shares_records(data_use(TensorDataset(x)), data_use(TensorDataset(with_copies(other))))
+
+
+def test_a_fresh_model_on_a_near_copy_with_five_rows_twice_continues_the_releases():
+    """zoo30 r05 as a fit: fit A on X, a fresh model B on ``X + 1e-4·noise`` with 5 rows twice: B's ledger holds
+    A's releases and its own."""
+    from conftest import TinyClassifier, quiet_trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_dp import DPStrategy
+
+    x = torch.randn(1000, 20, generator=torch.Generator().manual_seed(0))
+    near = x + 1e-4 * torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    steps = []
+    for features in (x, torch.cat([near, near[:5]])):
+        y = (features[:, 0] > 0).long()
+        trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=4)
+        trainer.fit(TinyClassifier(d_in=20), DataLoader(TensorDataset(features, y), batch_size=100))
+        steps.append(trainer.strategy.ledger.steps)
+    assert steps == [4, 8]

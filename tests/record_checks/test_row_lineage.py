@@ -122,6 +122,32 @@ def test_rows_of_few_distinct_cells_keep_no_coarse_digest_and_chunks_digest_alik
     assert all(np.array_equal(a, b) for a, b in zip(coarse_rows(x)[1:], whole[1:]))
 
 
+def _with_copies(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """zoo30 r05's class: a near-copy of ``x`` with a few of its rows in twice (exactly, or under a jitter of
+    their own), or a constant row added ten times."""
+    g = torch.Generator().manual_seed(4)
+    near = x + 1e-4 * torch.randn(x.shape, generator=g)
+    return {"5 rows twice": torch.cat([near, near[:5]]), "2 % of rows twice": torch.cat([near, near[:20]]),
+            "a zero row 10 times": torch.cat([near, torch.zeros(10, x.shape[1])]),
+            "5 rows twice, jittered": torch.cat([near, near[:5] + 1e-6 * torch.randn(5, x.shape[1], generator=g)]),
+            "none": near}
+
+
+def test_a_few_copies_within_the_rows_keep_the_coarse_and_sorted_digests():
+    """Copies of rows within an item are one record each: they do not make its rows look indistinct, so the coarse
+    digests (and the sorted ones) stay, at the level of the data without them, and match the data's."""
+    from lightning_dp.record_checks.row_lineage import coarse_rows
+
+    x = torch.randn(1000, 20, generator=torch.Generator().manual_seed(0))
+    level, on, off = coarse_rows(x)
+    for what, copy in _with_copies(x).items():
+        found = coarse_rows(copy)
+        assert found is not None and found[0] == level, what
+        assert (np.isin(found[1], on) | np.isin(found[2], off))[:1000].mean() > 0.95, what
+        assert own_rows(copy[:, torch.randperm(20)])[1].any(), what  # sorted digests kept too
+    assert coarse_rows(torch.randint(0, 3, (1000, 4)).float()) is None  # copies by chance: under 90 % distinct
+
+
 def test_sorted_rows_are_torch_sorts_bit_for_bit():
     """The sorted digest (np.sort) equals torch.sort's, NaN last and repeated values included: data records stored
     with either read alike."""

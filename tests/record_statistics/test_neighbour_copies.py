@@ -107,3 +107,33 @@ def test_a_forward_fill_or_an_interpolation_is_refused_before_any_release(fill, 
         Classifier(), TensorDataset(torch.tensor(x, dtype=torch.float32), y),
         r"(?s)tensors\[0\] is filled where values were missing from the neighbouring records' cells \(" + what
         + r" in column 0.*not a forward/backward fill or an interpolation")
+
+
+def test_integer_data_under_a_jitter_far_under_the_tolerance_is_no_interpolation():
+    """zoo30 r09: digits (integers 0–16) + 1e-7·noise. Runs of zeros became new values each, within tolerance of the
+    flat line between their neighbours: not an interpolation (the neighbours differ by less than the window). An
+    interpolation is still found where the records around the cell differ (the tests above)."""
+    import sklearn.datasets
+
+    digits = torch.tensor(sklearn.datasets.load_digits().data, dtype=torch.float32)
+    for seed in (6, 7):
+        noise = torch.randn(digits.shape, generator=torch.Generator().manual_seed(seed))
+        assert neighbour_copies(digits + 1e-7 * noise) == []
+    jittered = torch.tensor(_with_gaps(_table(2000), 0.1)) + 1e-9 * torch.randn(2000, 4, dtype=torch.float64)
+    assert neighbour_copies(torch.tensor(_interpolate(jittered.numpy()))) == [(j, "interpolation") for j in range(4)]
+
+
+def test_digits_with_a_tiny_jitter_train():
+    """The r09 fit: a DP fit on digits + 1e-7·noise is not refused."""
+    import sklearn.datasets
+    from conftest import TinyClassifier, quiet_trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_dp import DPStrategy
+
+    data = sklearn.datasets.load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x = x + 1e-7 * torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    trainer = quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2)
+    trainer.fit(TinyClassifier(d_in=64), DataLoader(TensorDataset(x, torch.tensor(data.target) % 2), batch_size=64))
+    assert trainer.strategy.ledger.steps == 2
