@@ -430,8 +430,10 @@ class StateWrittenError(PrivacyConfigurationError):
 
 def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError:
     """The refusal of a write to kept state: a short first line naming what changed and the fix; where, why after."""
-    shown = listed(changed)
-    public = [_public_name(c) for c in changed[:3]]
+    names = [c for c in dict.fromkeys(changed)  # a tensor named beside its contents: once
+             if not (c.startswith("contents of ") and c.removeprefix("contents of ") in changed)]
+    shown = listed(names)
+    public = list(dict.fromkeys(_public_name(c) for c in names))[:3]
     fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., "
            "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged "
            "metric (outputs kept for an epoch-end log); else compute it from public data or the released model only")

@@ -150,3 +150,13 @@ def test_a_write_to_the_weights_names_the_release_and_resuming_not_only_public_s
     assert "adapter merged into frozen weights" in weights
     other = str(state_written_error(["attribute net.0.io", "contents of parameter 0.weight"], "in training_step"))
     assert "Fix: declare it public" in other and "only through the release" not in other
+
+
+def test_a_tensor_and_its_contents_are_named_once():
+    """zoo31 a02: "contents of buffer gout, buffer gout … public_state=['gout', 'gout']"."""
+    from lightning_dp.validators.kept_state import state_written_error
+
+    text = str(state_written_error(["contents of buffer gout", "buffer gout", "attribute t"], "in training_step"))
+    first = text.splitlines()[0]
+    assert first.startswith("Kept state written outside the release: buffer gout, attribute t. ")
+    assert "public_state=['gout', 't']" in first
