@@ -72,6 +72,8 @@ from lightning_dp.record_checks.stored_records import (StoredRecords, changed_re
 from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training
+from lightning_dp.validators.hook_replays import replaying_now
+from lightning_dp.validators.validation_reads import EvaluationReads, forget, validation_read_error
 from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
@@ -151,6 +153,7 @@ class PrivateTraining:
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
         self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
+        self._evaluation_reads: Optional[EvaluationReads] = None  # validation's hooks reading the training data
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -332,6 +335,7 @@ class PrivateTraining:
         self.private_step.boundary.baseline()
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
+        forget(trainer)  # an earlier fit's validation reads
         self._logged_reads = LoggedReads(trainer, lambda: [n for n in private_logged(trainer) if not self._exempt(n)],
                                          lambda reader, names: self._read_logged(trainer, reader))
         self._logged_reads.install()
@@ -444,7 +448,24 @@ class PrivateTraining:
                 self._record_watch.rows = training_rows(trainer)  # reads of held-out rows of them are not told
             if validates_on_training_data(trainer):  # its loader may prefetch a batch before this hook
                 self._validation_read_training_data(trainer, now=True)
+            self._watch_evaluation_reads(trainer)
             self.private_step.pause_boundary("between the last update and validation (in a batch-end or epoch hook)")
+
+    def _watch_evaluation_reads(self, trainer: "pl.Trainer") -> None:
+        """Watch validation's hooks for reads of the training data's copies in memory
+        (:mod:`~lightning_dp.validators.validation_reads`), unless ``trainer.validate`` is declared public."""
+        copies = self._replays.training_copies()  # None before training (the sanity check)
+        if copies is not None and not is_public("trainer.validate", self.private_step.boundary.public_state):
+            self._evaluation_reads = EvaluationReads(
+                trainer, copies.arrays, lambda hook: self._evaluation_read(trainer, hook), replaying_now).open()
+
+    def _evaluation_read(self, trainer: "pl.Trainer", hook: str) -> None:
+        """Validation's ``hook`` read the training records: what validation keeps from now on is refused, and so is
+        any value monitored (every value validation logs is the training data's from now on)."""
+        self._validation_read_training_data(trainer)
+        found = [(who, name) for who, name, _ in fed_back(trainer, self._exempt)]
+        if found:
+            raise validation_read_error(hook, found)
 
     def on_validation_end(self) -> None:
         """Validation is over: the state now is the baseline of the next release."""
@@ -452,6 +473,9 @@ class PrivateTraining:
         if self._fitting():
             if self._record_watch is not None:
                 self._record_watch.elsewhere = None
+            reads, self._evaluation_reads = self._evaluation_reads, None
+            if reads is not None:
+                reads.close()  # raises again a refusal a handler in the hook swallowed
             self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
             self.private_step.boundary.baseline()
             if self._replays.users_code_runs(VALIDATION_HOOKS):
@@ -471,6 +495,10 @@ class PrivateTraining:
             self._logged_reads.stop()
         if self._record_watch is not None:
             self._record_watch.stop()
+        reads, self._evaluation_reads = self._evaluation_reads, None
+        if reads is not None:
+            reads.error = None
+            reads.close()
         diagnostic_reads.unwatch()
         judged_writes.unwatch()
         logger_judge.unwatch()

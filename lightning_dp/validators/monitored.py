@@ -19,6 +19,7 @@ from lightning_dp.records.subset_chain import subset_levels as _levels
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.validators.loaders import _unwrap
 from lightning_dp.records.held_records import holds_records, row_digests
+from lightning_dp.validators.validation_reads import read_in_evaluation
 
 NOT_FROM_DATA: set[str] = set()
 """Names that lightning_dp's own callbacks log in training hooks and whose values are functions of the ledger, not of
@@ -195,7 +196,10 @@ def validates_on_training_data(trainer: Any) -> bool:
     wrappers, indices in common: the training population's and those a validation ``SubsetRandomSampler`` reads
     count, so disjoint ``SubsetRandomSampler`` splits of one dataset are held out), tensors in the same memory (a second
     dataset over the same tensors; disjoint slices of one tensor, a ``random_split`` into disjoint subsets, are held
-    out), or a copy of them (rows of the training tensors in a validation tensor of other memory)."""
+    out), or a copy of them (rows of the training tensors in a validation tensor of other memory); or a hook of
+    validation read them during this fit (:func:`~.validation_reads.read_in_evaluation`)."""
+    if read_in_evaluation(trainer) is not None:
+        return True
     train_loader = getattr(trainer, "train_dataloader", None)
     train = getattr(train_loader, "dataset", None)
     loaders = getattr(trainer, "val_dataloaders", None)

@@ -1,0 +1,223 @@
+"""Validation hooks reading the training records by another path than their loader (validators/validation_reads.py;
+zoo30 m06): the training rows reached through the trainer, the datamodule, a copy the module keeps or a global make
+every value validation logs the training data's — monitored, refused, naming the hook; held-out validation, the
+training set's length, and a declared ``trainer.validate`` train."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import EarlyStopping
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
+
+from cases import Classifier, data, strategy  # noqa: E402
+from conftest import quiet_trainer  # noqa: E402
+
+from lightning_dp import DPStrategy, PrivacyConfigurationError  # noqa: E402
+from lightning_dp.validators.monitored import private_logged  # noqa: E402
+from lightning_dp.validators.validation_reads import read_in_evaluation  # noqa: E402
+
+TRAIN = data(64)
+HELD_OUT = data(32, seed=1)
+X_TRAIN = TRAIN.tensors[0].clone()  # a global copy of the training features (another memory)
+Y_TRAIN = TRAIN.tensors[1].clone()
+
+
+class HeldOut(Classifier):
+    """Validates on the batch its (held-out) loader hands it."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+class ThroughTheTrainer(Classifier):
+    """zoo30 m06: the loss of the training rows reached through the trainer, logged as ``val_loss``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self.trainer.train_dataloader.dataset.tensors
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+class ByItem(Classifier):
+    """The training records read one by one through the trainer's dataset."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        dataset = self.trainer.train_dataloader.dataset
+        x, y = zip(*(dataset[i] for i in range(16)))
+        self.log("val_loss", F.cross_entropy(self(torch.stack(x)), torch.stack(y)))
+
+
+class ThroughTheDatamodule(Classifier):
+    """The training set the datamodule holds (``self.trainer.datamodule.train_set``)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self.trainer.datamodule.train_set.tensors
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+class KeepsACopy(Classifier):
+    """Copies the training tensors onto itself in ``setup`` (other memory), validates on the copy (the copy declared
+    public: kept state otherwise, refused before the first release)."""
+
+    def setup(self, stage: str) -> None:
+        self.train_x, self.train_y = (t.clone() for t in TRAIN.tensors)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(self.train_x), self.train_y))
+
+
+class AtEpochEnd(HeldOut):
+    """Validates on held-out data, then logs the training set's loss (a global copy) at validation's epoch end."""
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("train_set_loss", F.cross_entropy(self(X_TRAIN), Y_TRAIN))
+
+
+class Arrays(Dataset):
+    """The training records held as NumPy arrays."""
+
+    def __init__(self) -> None:
+        self.x, self.y = (t.numpy().copy() for t in TRAIN.tensors)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple:
+        return torch.from_numpy(self.x[i]), int(self.y[i])
+
+
+class FromNumpy(Classifier):
+    """Wraps the training dataset's NumPy arrays (``torch.from_numpy``: no torch call is handed the array)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        dataset = self.trainer.train_dataloader.dataset
+        self.log("val_loss", F.cross_entropy(self(torch.from_numpy(dataset.x)), torch.from_numpy(dataset.y)))
+
+
+class SwallowsTheRefusal(ThroughTheTrainer):
+    """Catches the refusal raised at the read: raised again when validation ends, before the stop."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        try:
+            super().validation_step(batch, batch_idx)
+        except PrivacyConfigurationError:
+            self.log("val_loss", 0.0)
+
+
+class ReadsTheLength(HeldOut):
+    """Reads only public metadata of the training set: its length and its features' shape."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        dataset = self.trainer.train_dataloader.dataset
+        self.log("n_train", float(len(dataset) * dataset.tensors[0].shape[1]))
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_set, self.val_set = TRAIN, HELD_OUT
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=16)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=32)
+
+
+def _fit(model: Classifier, monitor: Optional[str] = "val_loss", dp: Optional[DPStrategy] = None) -> DPStrategy:
+    dp = dp or strategy(public_state=["train_x", "train_y"] if isinstance(model, KeepsACopy) else [])
+    callbacks = [EarlyStopping(monitor=monitor, patience=0, mode="min")] if monitor else []
+    trainer = quiet_trainer(strategy=dp, max_epochs=3, callbacks=callbacks, num_sanity_val_steps=0)
+    if isinstance(model, ThroughTheDatamodule):
+        trainer.fit(model, datamodule=Data())
+    elif isinstance(model, FromNumpy):
+        trainer.fit(model, DataLoader(Arrays(), batch_size=16), DataLoader(HELD_OUT, batch_size=32))
+    else:
+        trainer.fit(model, DataLoader(TRAIN, batch_size=16), DataLoader(HELD_OUT, batch_size=32))
+    return dp
+
+
+def _no_mode_left() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return not _get_current_function_mode_stack()
+
+
+@pytest.mark.parametrize("model, hook, monitor", [
+    (ThroughTheTrainer, "validation_step", "val_loss"),
+    (ByItem, "validation_step", "val_loss"),
+    (ThroughTheDatamodule, "validation_step", "val_loss"),
+    (KeepsACopy, "validation_step", "val_loss"),
+    (AtEpochEnd, "on_validation_epoch_end", "val_loss"),  # the monitored value itself is held out's
+    (FromNumpy, "validation_step", "val_loss"),
+    (SwallowsTheRefusal, "validation_step", "val_loss"),
+])
+def test_validation_reading_the_training_records_while_a_value_is_monitored_is_refused(model, hook, monitor):
+    m = model()
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)^{hook} read the training records during validation"
+                                                        rf".*EarlyStopping monitors '{monitor}'.*public_state="
+                                                        r"\['trainer.validate'\]"):
+        _fit(m)
+    assert m.trainer.strategy.ledger.steps == 4, "refused in the first validation, after the first epoch"
+    assert _no_mode_left()
+
+
+def test_held_out_validation_and_the_training_sets_length_train_with_early_stopping():
+    for model in (HeldOut(), ReadsTheLength()):
+        dp = _fit(model)
+        assert dp.ledger.steps >= 4 and read_in_evaluation(model.trainer) is None
+        assert _no_mode_left()
+
+
+def test_a_read_without_a_monitor_trains_and_makes_validations_values_private():
+    """Nothing decides from it: a report; from the read on, what validation logs is the training data's (read back
+    by the user's code, it is judged as a training-logged value)."""
+    m = ThroughTheTrainer()
+    dp = _fit(m, monitor=None)
+    assert dp.ledger.steps == 12 and read_in_evaluation(m.trainer) == "validation_step"
+    assert "val_loss" in private_logged(m.trainer)
+
+
+def test_declared_public_validation_may_read_the_training_records():
+    dp = _fit(ThroughTheTrainer(), dp=strategy(public_state=["trainer.validate"]))
+    assert dp.ledger.steps >= 4
+    assert _no_mode_left()
+
+
+class KeepsTheTrainingLoss(HeldOut):
+    """Keeps the training set's loss, read in validation, for training to read (no value logged from it)."""
+
+    def on_validation_epoch_end(self) -> None:
+        x, y = self.trainer.train_dataloader.dataset.tensors
+        self.scale = float(F.cross_entropy(self(x), y))
+
+
+def test_state_validation_keeps_after_reading_the_training_tensors_is_refused():
+    """Read past the item access (``.tensors``), the state kept from then on is refused as a record read's."""
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)during validation after it read training data.*scale"):
+        _fit(KeepsTheTrainingLoss(), monitor=None)
+    assert _no_mode_left()
+
+
+class HoldsACopy(KeepsACopy):
+    """Holds a (public) copy of the training tensors but validates on its held-out batch: the library's own reads of
+    the state (fingerprints in its callbacks' evaluation hooks) are not the user's."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        HeldOut.validation_step(self, batch, batch_idx)
+
+
+def test_a_module_holding_a_copy_but_validating_held_out_trains():
+    m = HoldsACopy()
+    dp = _fit(m)
+    assert dp.ledger.steps >= 4 and read_in_evaluation(m.trainer) is None
