@@ -13,7 +13,11 @@ callbacks'; the loader's own fetches run outside them). A call handed one of the
 — what the batch check exchanges (:func:`~lightning_dp.record_checks.outside_records.training_copies`: the training
 dataset's tensors, NumPy arrays and lists, and the copies the model, the datamodule, the callbacks and the user's
 globals keep), or a view of their memory — reads the training records, unless it only asks for their metadata
-(:data:`METADATA`: ``len``, ``shape``, ``size()``, ``dtype``, ``device``). From that read on, every value validation
+(:data:`METADATA`: ``len``, ``shape``, ``size()``, ``dtype``, ``device``), or the call is lightning_dp's own (its
+callbacks' fingerprints of the state, its replays: past torch's frames and the relays on the user's path — the
+engines' layer hooks, its models' forwards —, :func:`_ours`). A call is checked only when the tensors handed to it lie
+on the storage of a copy (a set lookup; then their byte ranges): about 5 µs a torch call of the hooks.
+From that read on, every value validation
 logs in this fit is the training data's (:func:`read_in_evaluation`, asked by
 :func:`~.monitored.validates_on_training_data`): a scheduler or callback monitoring any value is refused at once,
 naming the hook (:func:`validation_read_error`), a read back of a validation-logged value is judged as one of a
@@ -182,10 +186,17 @@ class EvaluationReads(TorchFunctionMode):
         return (at >= 0 and ends[at] > span[1]) or (at + 1 < len(starts) and starts[at + 1] < span[2])
 
 
+_RELAYS = ("lightning_dp.models", "lightning_dp.losses", "lightning_dp.data", "lightning_dp.grad_sample",
+           "lightning_dp.validators.record_reads")
+"""lightning_dp's code on the user's own path, passed over: the models and losses it offers (a ``DigitsCNN``'s
+forward), the engines' hooks around the layers' forwards, the watch wrapping the training dataset's item access."""
+
+
 def _ours() -> bool:
     """Whether the call comes from lightning_dp's own code (a fingerprint of the state in a callback of its own), past
-    torch's and the standard library's frames."""
-    caller = first_caller(0, modules=(__name__,), packages=("torch",), standard=True)
+    torch's and the standard library's frames and lightning_dp's relays (:data:`_RELAYS`)."""
+    caller = first_caller(0, modules=(__name__,), packages=("torch",), standard=True,
+                          also=lambda frame: (frame.f_globals.get("__name__") or "").startswith(_RELAYS))
     return caller is not None and package_of(caller) == "lightning_dp"
 
 

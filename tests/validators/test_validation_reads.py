@@ -48,12 +48,11 @@ class ThroughTheTrainer(Classifier):
 
 
 class ByItem(Classifier):
-    """The training records read one by one through the trainer's dataset."""
+    """A training record read through the trainer's dataset, its features handed to the model as they are."""
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        dataset = self.trainer.train_dataloader.dataset
-        x, y = zip(*(dataset[i] for i in range(16)))
-        self.log("val_loss", F.cross_entropy(self(torch.stack(x)), torch.stack(y)))
+        x, _ = self.trainer.train_dataloader.dataset[0]
+        self.log("val_loss", self(x).logsumexp(0))
 
 
 class ThroughTheDatamodule(Classifier):
@@ -221,3 +220,23 @@ def test_a_module_holding_a_copy_but_validating_held_out_trains():
     m = HoldsACopy()
     dp = _fit(m)
     assert dp.ledger.steps >= 4 and read_in_evaluation(m.trainer) is None
+
+
+def test_a_read_through_lightning_dps_own_model_is_the_users():
+    """``self(x)`` of lightning_dp's DigitsCNN on the training tensors: its forward is the user's call, not the
+    library's own read."""
+    from lightning_dp.models import DigitsCNN
+
+    class Digits(DigitsCNN):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, _ = self.trainer.train_dataloader.dataset.tensors  # the features only: handed to the forward
+            self.log("val_loss", self(x).logsumexp(1).mean())
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.utils.data.TensorDataset(torch.rand(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,),
+                                                                                                generator=g))
+              for n in (64, 32)]
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=3, num_sanity_val_steps=0,
+                            callbacks=[EarlyStopping(monitor="val_loss", patience=0)])
+    with pytest.raises(PrivacyConfigurationError, match="^validation_step read the training records"):
+        trainer.fit(Digits(channels=4), DataLoader(images[0], batch_size=16), DataLoader(images[1], batch_size=32))
