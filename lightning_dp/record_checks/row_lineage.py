@@ -39,7 +39,8 @@ grids far less often than one of either — and counting them made a handful of 
 every coarse digest, so a near-copy of the data was not composed with it (zoo30 r05). Measured over the draws of
 docs/accounting.md: unrelated rows' coarse matches beyond their exact ones at most 0.8 % (1.2 % before).
 Measured in docs/accounting.md ("Near-copies"): near-copies match by 45–100 % of their rows, unrelated data by
-none. Not seen: a rescale (×1.01: every value moves by 1 %), a rotation, added or dropped columns.
+none. Not seen: a rescale (×1.01: every value moves by 1 %), a rotation, columns permuted and jittered together,
+added or dropped columns.
 
 The notes are process-wide, :data:`MAX_NOTED` output rows at most (24 bytes each; the oldest transforms' notes are
 dropped first). A transform the user writes (``(X - m) / s`` by hand) is not seen: its rows are new records to this
