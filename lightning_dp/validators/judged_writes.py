@@ -2,12 +2,12 @@
 docs/release_boundary.md) instead of refused outright.
 
 A hook that runs after the release, or that is handed no batch — :data:`HOOKS`: a batch's end, ``on_before_zero_grad``,
-``on_before_optimizer_step``, ``configure_gradient_clipping``, a validation's start and end during a fit,
-``on_train_end`` (an adapter merged into the weights: qa13 c7) — may write the
-parameters, buffers, the model's or a callback's attributes, or the released ĝ, as a function of released state only:
-post-processing, which DP allows (a Keras-style max-norm projection of the weights, a clamp, ``clip_grad_norm_`` of
-ĝ, an EMA of the weights kept at a batch's end and swapped in for validation, weight decay by hand). Such a write is
-judged where it is made:
+``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``, a validation's start and end
+during a fit, ``on_train_end`` (an adapter merged into the weights: qa13 c7) — may write the parameters, buffers,
+the model's or a callback's attributes, or the released ĝ, as a function of released state only: post-processing,
+which DP allows (a Keras-style max-norm projection of the weights, a clamp, ``clip_grad_norm_`` of ĝ, an EMA of the
+weights kept at a batch's end and swapped in for validation, weight decay by hand). Such a write is judged where it
+is made:
 
 1. the user's hook (of the module, or of a callback that is not Lightning's or lightning_dp's) is wrapped for the fit
    (:func:`watch_fit`); as Lightning calls it, the user's state, the weights, ĝ and the generators are taken
@@ -29,19 +29,25 @@ judged where it is made:
    its items' own values back, the items the hook wrote as written. (A difference that a run again on the same data
    shows too — a clock read elsewhere — is excused only for a Python number, a batch timer's duration: never for a
    tensor, an array, a container, the weights or ĝ, where an unseeded generator or the loader's own sampler would
-   hide the data behind it). Between the release and the update (``on_before_optimizer_step``,
-   ``configure_gradient_clipping``) the parameters and ĝ are judged, the rest they keep is post-processing the
-   update's baseline takes, as before. Otherwise a write to kept state is
-   refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the
-   check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it
-   back), which refuse them as before.
+   hide the data behind it). Between the release and the update (:data:`_BEFORE_UPDATE`: ``on_after_backward``,
+   ``on_before_optimizer_step``, ``configure_gradient_clipping``) ĝ is held as released in the runs again, so a write
+   that depends on the private data beyond ĝ moves with the exchanged copy — a statistic of the training set
+   (``trainer.train_dataloader.dataset.tensors[0].mean(0)``, the datamodule's tensor) kept in a buffer: lw31 —
+   while the norm of ĝ, a step counter or an EMA of the weights kept there is reproduced. Otherwise a write to kept
+   state is refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is
+   left to the check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`,
+   which puts it back), which refuse them as before.
 
 Cost: a hook that wrote nothing at its first call is not run again at its later calls: each is watched by the release
 boundary's fingerprint (version counters and norms, no full checksums, no starting state) and a write it starts
 making later — at step 5, on the second epoch, once the loss is low — is refused there (:meth:`_Judge.watched`:
 it cannot be run again from where it started), even under a name the boundary accepts for other reasons (a counter
 ``training_step`` keeps, overwritten from the data: judged29); a hook that writes from its first call on is judged
-at each. A batch's end stays fully watched while the first step's replays found its hooks writing (``expected``). A
+at each. Between the release and the update a quiet hook's call also takes the user's state and generators as it
+starts (:class:`_UsersState`: no weights, no ĝ — the call must leave them, else it is refused as late —, at about
+the fingerprint's cost), so that a late write to the rest is run again from there and judged
+(:meth:`_Judge.late_judged`: the norm of ĝ kept every 5th step trains, a statistic of the training set kept there is
+refused). A batch's end stays fully watched while the first step's replays found its hooks writing (``expected``). A
 hook that writes pays its runs again at every call.
 
 What starts as released: at the start of training, a tensor of the user's state equal to a parameter (an EMA's copy of
@@ -74,6 +80,7 @@ from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.runs_again import bit_exact
+from lightning_dp.replays.starting_state import StartingState as Saved
 from lightning_dp.validators.held_values import derived_from_released, tensors_held
 from lightning_dp.validators.hook_replays import moved_far, moved_near, replaying_now
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -86,11 +93,11 @@ if TYPE_CHECKING:
 
 __all__ = ["HOOKS", "unwatch", "watch_fit"]
 
-HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_before_optimizer_step", "configure_gradient_clipping",
-         "on_validation_start", "on_validation_end", "on_train_end")
+HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_after_backward", "on_before_optimizer_step",
+         "configure_gradient_clipping", "on_validation_start", "on_validation_end", "on_train_end")
 """The hooks whose writes are judged (module docstring)."""
 
-_BEFORE_UPDATE = ("on_before_optimizer_step", "configure_gradient_clipping")
+_BEFORE_UPDATE = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
 """The hooks that run between the release and the update: a ĝ they post-process is what the optimizer steps with."""
 
 _WRAPPED: list[tuple[type, str, Any, Any]] = []  # (class, hook, its own attribute, the wrapper) while watched
@@ -200,14 +207,12 @@ class _Judge:
         first = fingerprint.take(callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
-        if name in _BEFORE_UPDATE:  # the rest of what they keep is post-processing the update's baseline takes
-            names = [n for n in names if n.startswith("parameter ")]
         moved = [p for p, g, version in grads if p.grad is not g or (g is not None and g._version != version)]
         if not self.step.any_rank(bool(names or moved)):  # alike on every rank: the hook's collectives stay paired
             self.quiet.add(key)
             return result
         self.quiet.discard(key)
-        written = start.written(library=True) if name not in _BEFORE_UPDATE else {}  # (an AveragedModel's count)
+        written = start.written(library=True)  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
         again.handed, again.clock = args, clock
         again.arrays = name != "on_validation_end"  # what validation computed and keeps: held-out data's
@@ -246,21 +251,72 @@ class _Judge:
             and len(callbacks) == len(last[4]) and all(map(operator.is_, callbacks, last[4])) \
             and only_the_loop_between(caller, last[1], owner, name, self.trainer) else fingerprint.take(callbacks)
         del last
+        start = _UsersState(self.trainer) if name in _BEFORE_UPDATE else None  # (cheap: no weights, no ĝ copied)
+        grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] if start else []
         result = hook(owner, *args, **kwargs)
         after = fingerprint.take(callbacks)
         names = list(dict.fromkeys([*StateFingerprint.changed(before, after), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
-        if name in _BEFORE_UPDATE:  # (ĝ changed: the check before the update refuses it, as at a judged call)
-            names = [n for n in names if n.startswith("parameter ")]
+        late, refused = (_LATE, names) if start is None else \
+            self.late_judged(hook, owner, args, kwargs, start, names, grads)
         if not names and caller is not None:
             self.last = (caller, owner, name, fingerprint, callbacks, after)
 
         def judge() -> None:
-            if names:
-                raise self.step.boundary.written_error(names, _LATE.format(
+            if refused:
+                if start is not None:
+                    start.put_back()  # (the user's state: nothing of the refused write stays in memory)
+                raise self.step.boundary.written_error(refused, late.format(
                     hook=f"{type(owner).__name__}.{name} at step {self.trainer.global_step}"))
         self.step.on_every_rank(judge, f"refused a late write in {name}")
         return result
+
+    def late_judged(self, hook: Callable[..., Any], owner: Any, args: tuple, kwargs: dict, start: "_UsersState",
+                    names: list[str], grads: list[tuple[Any, Any, int]]) -> tuple[str, list[str]]:
+        """A late write (``names``) of a hook between the release and the update (:data:`_BEFORE_UPDATE`): its
+        writes to kept state other than the weights are judged as at a judged call — run again from ``start`` (the
+        user's state as the call started) on the training data's exchanged copies with ĝ held fixed, accepted when
+        reproduced (the norm of ĝ kept every 5th step), refused when they move with the exchanged data (a statistic
+        of the training set kept in a buffer). A parameter written, or ĝ changed, beside them: all refused as a late
+        write (the weights and ĝ as the call started were not kept: no run again); ĝ changed alone is left to the
+        check before the update. Returns the refusal's message and the names refused (none: accepted)."""
+        kept = [n for n in names if not n.startswith("parameter ")]
+        moved = any(p.grad is not g or (g is not None and g._version != version) for p, g, version in grads)
+        if not self.step.any_rank(bool(kept)):  # (alike on every rank: the hook's collectives stay paired)
+            return _LATE, names
+        if self.step.any_rank(moved or len(kept) < len(names)):
+            return _LATE, names
+        start.complete()
+        start.restored = self.mark_released
+        written = start.written(library=True)
+        again = _RunAgain(self, start, self.fingerprint().take(self.step.boundary.callbacks(), full=True), kept,
+                          grads, written)
+        again.handed = args
+        if again.every_run(lambda variant: hook(owner, *variant, **kwargs), [args]):
+            self.step.boundary.accept(kept)
+            self.released.update((id(t), (t, t.detach().clone())) for t, _ in written.values())
+            self.mark_released()
+            return _WHERE, []
+        return _WHERE, kept
+
+
+class _UsersState(StartingState):
+    """The starting state of a call of a quiet hook between the release and the update: the user's state and the
+    generators alone, taken at every call (a late write there is run again from it: :meth:`_Judge.late_judged`); the
+    weights and ĝ, which such a call must leave as they were, are taken when it is run again (:meth:`complete`)."""
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        self._whole = False
+        super().__init__(trainer)
+
+    def _pieces(self, copied: bool) -> list[Any]:
+        pieces = super()._pieces(copied)
+        return pieces if self._whole or not copied else pieces[:1]  # (the first: the user's state)
+
+    def complete(self) -> None:
+        """The weights and ĝ as now (as the call started: it left them) added to the starting state."""
+        users, self._whole = self.saved, True
+        self.saved = Saved(lambda: users.put_back, *self._pieces(copied=True)[1:])
 
 
 class _RunAgain:
