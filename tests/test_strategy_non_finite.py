@@ -99,3 +99,19 @@ def test_a_sum_left_non_finite_is_refused_before_the_noise():
     poisoned = ClippedBatch({p: torch.tensor([1.0, float("nan"), 0.0])}, None, torch.tensor([1.0, float("inf")]), 2)
     with pytest.raises(PrivacyConfigurationError, match="not finite"):
         check_finite_release(poisoned, [p], "ghost")
+
+
+def _standardised_batch(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate_fn standardising each batch by its own mean and (unbiased) std: NaN on a batch of one."""
+    x = torch.stack([a for a, _ in items])
+    return (x - x.mean(0)) / (x.std(0) + 1e-6), torch.stack([b for _, b in items])
+
+
+def test_a_batch_standardised_in_the_collate_is_refused_naming_the_batch_statistic():
+    """zoo31 c02: refused as "not finite" on the probe's first example, the text named only the model's forward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16, collate_fn=_standardised_batch)
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)not finite.*statistic over the batch's examples"):
+        quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0),
+                      max_steps=2).fit(Classifier(), loader)

@@ -841,7 +841,10 @@ def non_finite_error(names: Sequence[str]) -> PrivacyConfigurationError:
     return PrivacyConfigurationError(
         f"The first step's probe found gradients that are not finite (NaN or inf){where} on the first examples of "
         "the batch: the model's forward or loss produces them, privately or not (e.g. a softmax over a fully "
-        "masked row, log of zero, a sequence shorter than a layer's window or stride). Clipping a NaN gives NaN, so "
+        "masked row, log of zero, a sequence shorter than a layer's window or stride), or a statistic over the "
+        "batch's examples (a batch standardised by its own mean and std in a collate_fn or the forward: the std of "
+        "one example is NaN — and such examples interact, which a private step refuses too). Clipping a NaN gives "
+        "NaN, so "
         "nothing was released. Fix the model or the data (check a non-private step on the same batch).")
 
 
