@@ -19,7 +19,11 @@ _MISSING = object()
 
 
 def changed_entries(before: Fingerprint, after: Fingerprint) -> list[str]:
-    """Entries that differ, appeared or disappeared, in a stable order."""
+    """Entries that differ, appeared or disappeared, in a stable order. Two equal dicts (the same names, each token
+    equal, compared in C as Python's containers compare: an entry holding the very same token in both is equal) have
+    none; any other pair is compared entry by entry."""
+    if before == after:
+        return []
     names = list(after) + [n for n in before if n not in after]
     return [n for n in names if before.get(n, _MISSING) != after.get(n, _MISSING)]
 

@@ -196,3 +196,22 @@ def test_a_group_layout_kept_between_fingerprints_still_sees_a_swap_or_a_new_par
     assert not [c for c in changed if "0.weight" not in c], changed
     # made anew where the tensors or shapes differ; kept for other bytes in the same shape (the copy tells those)
     assert (fingerprint._sums.layouts == kept) == (change == "data of the same shape")
+
+
+@pytest.mark.parametrize("where", [0, 17, 39, "empty"])
+def test_the_copy_compared_in_c_loops_still_sees_a_write_to_any_tensor(where: object) -> None:
+    """perf31: a copy of many contiguous tensors is compared with them in C loops (``memcmp`` per tensor, no Python
+    per tensor); the lowest bit of any one of them written through ``.data`` (no version counter moves) shows, and with
+    an empty tensor among them the comparison tensor by tensor runs instead, seeing the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(40)))
+    if where == "empty":
+        model.append(nn.Linear(0, 4, bias=False))
+    fingerprint = StateFingerprint(model)
+    before = fingerprint.take()
+    snapshot = before["contents of parameter 0.weight"].snapshot
+    assert fingerprint.take()["contents of parameter 0.weight"].snapshot is snapshot  # held: every tensor compared
+    assert snapshot._places is not None and all(snapshot._places[1]) == (where != "empty")  # which comparison ran
+    index = 20 if where == "empty" else int(where)  # type: ignore[call-overload]
+    model[index].weight.data.view(torch.int32)[3, 1] ^= 1
+    assert StateFingerprint.changed(before, fingerprint.take()) == [f"contents of parameter {index}.weight"]

@@ -10,17 +10,20 @@ from __future__ import annotations
 import struct
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch import nn
 from conftest import quiet_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, loader, strategy  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.fingerprints.fingerprint_entries import moved_by_data  # noqa: E402
+from lightning_dp.fingerprints.fingerprint_entries import changed_entries, moved_by_data  # noqa: E402
+from lightning_dp.validators.kept_state import StateFingerprint  # noqa: E402
 
 
 def test_a_number_the_runs_on_the_data_set_apart_is_still_judged() -> None:
@@ -104,3 +107,67 @@ def test_an_unseeded_draw_kept_at_the_epochs_end_trains() -> None:
     model = _TrainMeanPlusDraw(scale=1.0, data_term=False)
     _two_epochs(model)
     assert float(model.hint.abs().sum()) > 0
+
+
+def test_equal_fingerprints_are_compared_whole_first() -> None:
+    """perf31: two equal dicts (compared in C, an entry holding the very same token in both equal, as Python's
+    containers compare) have no changed entry; one entry per name was compared with ``!=`` before, which charged a
+    token that is not equal to itself (a NaN a layer holds as its configuration, the same object both times) as a
+    write."""
+    nan = float("nan")
+    assert changed_entries({"configuration 0.p": nan, "parameter w": (1, 2)},
+                           {"configuration 0.p": nan, "parameter w": (1, 2)}) == []
+    assert changed_entries({"a": 1, "b": 2}, {"b": 2, "a": 1}) == []  # the order of the entries is no change
+    assert changed_entries({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 0}) == ["b", "c"]
+    assert changed_entries({"a": 1, "b": 2}, {"a": 1}) == ["b"]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.seen = 0
+
+
+def _data_write(m: _Net) -> None:
+    m.fc.weight.data[0, 0] += 1.0  # no version counter moves
+
+
+def _attribute(m: _Net) -> None:
+    m.seen = 1
+
+
+def _buffer(m: _Net) -> None:
+    m.norm.running_mean.add_(1.0)
+
+
+def _mode(m: _Net) -> None:
+    m.fc.eval()
+
+
+def _hook(m: _Net) -> None:
+    kept: list = []
+    m.fc.register_forward_hook(lambda *args: kept.append(args))
+
+
+def _layer_setting(m: _Net) -> None:
+    m.norm.momentum = 0.5
+
+
+MODEL_WRITES: dict[str, Callable[[_Net], None]] = {
+    "through .data": _data_write, "an attribute": _attribute, "a buffer in place": _buffer, "a mode": _mode,
+    "a hook": _hook, "a layer's setting": _layer_setting}
+
+
+@pytest.mark.parametrize("write", list(MODEL_WRITES), ids=list(MODEL_WRITES))
+def test_a_write_into_the_model_between_two_fingerprints_is_still_named(write: str) -> None:
+    """What the whole-dict comparison must still let through to the entry-by-entry one (the late-write watch compares
+    the fingerprints before and after a silent callback's call this way: a write it makes into the model's state)."""
+    model = _Net()
+    fingerprint = StateFingerprint(model)
+    before = fingerprint.take()
+    assert StateFingerprint.changed(before, fingerprint.take()) == []
+    with torch.no_grad():
+        MODEL_WRITES[write](model)
+    assert StateFingerprint.changed(before, fingerprint.take())

@@ -230,3 +230,27 @@ def test_a_transformer_encoder_with_a_padding_mask_validates_inside_a_private_fi
                 DataLoader(_padded_tokens(16, 1), batch_size=8))
     assert trainer.global_step == 3 and strategy.ledger.steps == 3
     assert model.validated == 2 and torch.isfinite(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_eager_private_step_runs_nothing_through_dynamo(engine):
+    """perf31 (issue 38): no hook an engine attaches, and nothing of the step around them, hands a frame to dynamo in an
+    eager run on the CPU (no compile, no recompile, no graph break: the engine's hooks need no
+    ``torch.compiler.disable``)."""
+    from torch._dynamo.utils import counters
+
+    model, step = _attached(engine)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    loader = step.poisson_loader(DataLoader(TensorDataset(torch.randn(8, 3, 4, generator=g),
+                                                          torch.randint(0, 2, (8,), generator=g)), batch_size=8))
+    step.verify(lambda batch: F.cross_entropy(model(batch[0]), batch[1]))
+    counters.clear()
+    for _ in range(3):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            step.begin()
+            F.cross_entropy(model(x), y).backward()
+            step.release(optimizer=opt)
+            opt.step()
+    assert not any(counters.values()), {k: dict(v) for k, v in counters.items() if v}
