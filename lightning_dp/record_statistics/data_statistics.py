@@ -37,7 +37,9 @@ ledger counts, the trained model is then not differentially private.
   column's mean or median (:mod:`.imputed_cells`), their class's or group's (:mod:`.grouped_fills`: the dataset's
   other tensors, the labels, are the groupings with the low-cardinality columns), or from the neighbouring records
   (:mod:`.neighbour_copies`: a forward fill, an interpolation), a projection on the training set's principal directions
-  (:mod:`.decorrelated_columns`), values replaced by a function of their ranks (:mod:`.rank_columns`).
+  (:mod:`.decorrelated_columns`), values replaced by a function of their ranks (:mod:`.rank_columns`), columns
+  clipped at their own percentiles (:mod:`.clipped_columns`); a regression target standardised, centred or min-max
+  scaled by its own statistics (:mod:`.scaled_targets`).
 
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
 standard deviation) are not refused (:mod:`.released_statistics`); features scaled by them pass by their noise.
@@ -61,6 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_statistics.clipped_columns import CLIPPED, clip_fix, clipped
 from lightning_dp.record_statistics.decorrelated_columns import decorrelated, decorrelated_fix
 from lightning_dp.record_statistics.derived_columns import derived_columns, derived_columns_fix
 from lightning_dp.record_statistics.grouped_fills import grouped_imputed_columns
@@ -77,6 +80,7 @@ from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.record_lengths import lengths_held
 from lightning_dp.record_statistics.released_statistics import is_released
+from lightning_dp.record_statistics.scaled_targets import scaled_target
 from lightning_dp.record_statistics.second_moments import SecondMoments
 
 MAX_ELEMENTS = 1 << 27
@@ -140,8 +144,9 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
     shaped = _ByWidth(tensors)
     found = [f"the training {names[path]} is {how}"
              for path, t in tensors
-             for how in [_scaled_by_itself(t, shaped.order)
-                         or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])]
+             for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
+                         or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])
+                         or clipped(t, lambda: shaped.order(t).sorted)]
              if how]
     if not stats:
         return found
@@ -285,7 +290,8 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
         if any(" holds records " in f for f in found) else ""
     derived = derived_columns_fix() + " " if any(f.endswith(_DERIVED) for f in found) else ""
     derived += "".join(fix() + " " for kind, fix in ((_IMPUTED, imputation_fix), (_COPIED, neighbour_fix),
-                                                     (_PROJECTED, decorrelated_fix), (_RANKED, rank_fix))
+                                                     (_PROJECTED, decorrelated_fix), (_RANKED, rank_fix),
+                                                     (CLIPPED, clip_fix))
                        if any(kind in f for f in found))
     derived += "Set lengths to a public value (a round cap, the model's context size). " \
         if any("records' length" in f or "record's length" in f for f in found) else ""
