@@ -82,3 +82,12 @@ def test_a_target_in_its_units_or_privately_standardised_trains():
     ys = scaler.fit_transform(Y.unsqueeze(1), dp).float()
     assert scaled_target(ys) == ""  # off by the noise
     quiet_trainer(strategy=dp, max_steps=2).fit(Regressor(), DataLoader(TensorDataset(X, ys), batch_size=16))
+
+
+def test_a_probability_like_target_near_but_not_at_its_ends_is_not_taken_for_min_max_scaled() -> None:
+    """Scores from a sigmoid come within 1e-5 of 0 and 1 without reaching them: no min-max scaling made them."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.sigmoid(torch.randn(500, generator=g) * 4)
+    y[0], y[1] = 3e-6, 1 - 3e-6
+    assert scaled_target(y) == ""
+    assert scaled_target((y - y.min()) / (y.max() - y.min())) != ""
