@@ -14,7 +14,8 @@ that is not integer-valued and has at least 10 distinct values, whose finite val
 * minimum exactly 0 or -1 and maximum exactly 1 (bit for bit: ``(y - min) / (max - min)`` gives both exactly; a
   probability-like target coming within 1e-5 of its ends is not taken), each held by at most 1 % of the records
   (at least one): min-max scaled. A target clipped to [0, 1], a public range, has a mass of records at its ends
-  and passes; a natural proportion that reaches both 0 and 1 exactly in a record or two each looks the same and is refused.
+  and passes; a natural proportion that reaches both 0 and 1 exactly in a record or two each looks the same and is
+  refused.
 
 Measured on unscaled targets: none of 600 float32 standard normal targets (true mean 0) of N = 100, 1,000 and 10,000
 was found, nor the targets of scikit-learn's shipped digits, breast cancer, diabetes, iris and wine datasets.
