@@ -10,8 +10,11 @@ ledger counts, the trained model is then not differentially private.
 :func:`data_statistics_held` looks, once before the first release, for
 
 * tensors (and NumPy arrays, lists and tuples of numbers) held by the model's modules (buffers and attributes), the
-  LightningDataModule and the training datasets' own attributes that equal, to float precision, a statistic of the
-  training tensors: per-feature and per-channel mean, standard deviation and variance, the features' global mean and
+  LightningDataModule and the training datasets' own attributes — the tensors beside the records too, those whose
+  first dimension is no dataset's length (``self.mean = x.mean(0)`` applied in ``__getitem__``), compared with the
+  statistics of the others, and what :mod:`.loader_statistics` walks to: a helper, a closure, the class — that
+  equal, to float precision, a statistic of the training tensors (and of the datasets' NumPy record arrays):
+  per-feature and per-channel mean, standard deviation and variance, the features' global mean and
   standard deviation, the labels' class counts, frequencies, log frequencies (an output bias set to the log prior) and
   inverse frequencies (normalised to sum 1 or to mean 1), and for two classes the ratio of their counts (a
   ``pos_weight``) and each one's fraction (a focal loss's alpha) as single numbers unless round; a float target's
@@ -57,6 +60,8 @@ statistics in another way (to another range; a rank transform :mod:`.rank_column
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from typing import Any, Collection, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -138,10 +143,12 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
 def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any],
                      tensors: Sequence[tuple[str, Tensor]], public: Sequence[str],
                      charged: Optional[Collection[str]] = None) -> list[str]:
-    names = {path: training_name(path, t) for path, t in tensors}
-    stats = [(f"{name} of the training {names[path]}", value)
-             for path, t in tensors if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
-    shaped = _ByWidth(tensors)
+    records, arrays = _records(datasets, tensors)
+    records |= {id(t) for _, t in arrays}
+    names = {path: training_name(path, t) for path, t in [*tensors, *arrays]}
+    stats = [(f"{name} of the training {names[path]}", value, id(t))
+             for path, t in [*tensors, *arrays] if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
+    shaped = _ByWidth([*tensors, *arrays])
     found = [f"the training {names[path]} is {how}"
              for path, t in tensors
              for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
@@ -151,7 +158,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
     if not stats:
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
-    data_ids = {id(t) for _, t in tensors}
+    data_ids = records  # a held value beside the records (``self.mean = x.mean(0)``) is a candidate
     directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, computed when a candidate has that width
     for path, value in _candidates(owners):
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
@@ -161,7 +168,10 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)) \
                 or is_released(candidate, charged):  # a DP release its ledger counts (:mod:`.released_statistics`)
             continue
-        for stat_name, stat in stats:
+        beside = name.startswith(("dataset ", "loader."))  # held for the items: against the records' statistics
+        for stat_name, stat, source in stats:
+            if source == id(value) or (beside and source not in records):
+                continue
             if stat_name.startswith(_ONE_NUMBER) and candidate.numel() == 1 and _round(float(candidate)):
                 continue  # a public range's end (-1, 0.5, 255: pixels scaled to [-1, 1]) is no record's value
             try:
@@ -185,6 +195,37 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
                 found.extend(f"rows of {path} are the {name}" for name, d in directions[width]
                              if _rows_along(candidate, d))
     return found
+
+
+def _records(datasets: Sequence[Any], tensors: Sequence[tuple[str, Tensor]]) -> tuple[set[int], list[tuple[str, Any]]]:
+    """The ids of the datasets' tensors that hold records — one row each: their first dimension is a dataset's length
+    (or, where none is, the longest) — and of their NumPy record arrays, and those arrays as tensors.
+    The others (a tensor, a NumPy array or a number kept beside the records: ``self.mean = x.mean(0)``) are held
+    values, candidates like a module's buffers; a statistic is not compared with the tensor it is of."""
+    arrays = [(path, t, a) for d in datasets for path, t, a in _arrays(d)]
+    lengths = set()
+    for d in datasets:
+        try:
+            lengths.add(len(d))
+        except Exception:  # noqa: BLE001 — an iterable or a dataset whose length is unknown
+            continue
+    leading = [t.shape[0] for _, t in tensors if t.dim() >= 1] + [t.shape[0] for _, t, _ in arrays]
+    if leading and not lengths & set(leading):
+        lengths = {max(leading)}
+    held = [(path, t, array) for path, t, array in arrays if t.shape[0] in lengths]
+    return {*(id(t) for _, t in tensors if t.dim() >= 1 and t.shape[0] in lengths), *(id(a) for _, _, a in held)}, \
+        [(path, t) for path, t, _ in held]
+
+
+def _arrays(dataset: Any) -> Iterator[tuple[str, Tensor, Any]]:
+    """The numeric in-memory NumPy arrays (one or two dimensions) ``dataset`` holds as attributes, as tensors."""
+    numpy = sys.modules.get("numpy")
+    for key, value in (vars(dataset).items() if numpy is not None and hasattr(dataset, "__dict__") else ()):
+        if isinstance(value, numpy.ndarray) and not isinstance(value, numpy.memmap) and value.dtype.kind in "fiu" \
+                and value.ndim in (1, 2) and 0 < value.size <= MAX_ELEMENTS:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only array
+                yield f".{key}", torch.as_tensor(value), value
 
 
 class _ByWidth:

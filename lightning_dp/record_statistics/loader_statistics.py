@@ -6,25 +6,28 @@ statistics, also inside a ``Compose``-like list of transforms. Each such statist
 depends on every training record and no noise covers it.
 
 The objects are walked from the loader's ``collate_fn``, ``sampler``, ``batch_sampler`` and ``worker_init_fn`` and
-from the datasets' attributes, three levels deep into partials (their arguments and keywords), objects of the user's
-or a library's classes (modules included: a transform may be one) and lists, tuples and dicts of at most 16 of them;
-datasets, tensors and torch's own objects are not walked into (the datasets are the statistics check's own). Each
-object reached is a holder whose numbers :func:`~.data_statistics.data_statistics_held` compares, with the same
-exemptions: a public constant (ImageNet's 0.485, 0.229) is no statistic of this data, and a single round number
-(``scale = 255.0``) is never matched. Not seen: a statistic in a closure or a function's default, and a transform
+from the datasets' attributes and their classes' (``class DS(Dataset): mean = x.mean(0)``), three levels deep into
+partials (their arguments and keywords), functions (the variables their closures hold, their defaults: a collate or
+a transform made by ``make(mean, std)``), bound methods (their object), objects of the user's or a library's classes
+(modules included: a transform may be one; with their classes' attributes) and lists, tuples and dicts of at most
+16 of them; datasets, tensors and torch's own objects are not walked into (the datasets are the statistics check's
+own). Each object reached is a holder whose numbers :func:`~.data_statistics.data_statistics_held` compares, with
+the same exemptions: a public constant (ImageNet's 0.485, 0.229) is no statistic of this data, and a single round
+number (``scale = 255.0``) is never matched. Not seen: a module-level global ``__getitem__`` reads, and a statistic
 deeper than the walk.
 """
 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
+from types import FunctionType, MethodType, SimpleNamespace
 from typing import Any, Iterator, Sequence
 
 from torch import Tensor
 from torch.utils.data import Dataset
 
 _LOADER_PARTS = ("collate_fn", "sampler", "batch_sampler", "worker_init_fn")
+_LIBRARIES = ("torch", "pytorch_lightning", "lightning", "builtins", "typing", "abc", "functools")
 _MAX_OWNERS = 256
 
 
@@ -34,7 +37,8 @@ def transform_holders(loader: Any, datasets: Sequence[Any]) -> list[tuple[str, A
     seen = {id(d) for d in datasets}
     out: list[tuple[str, Any]] = []
     roots = [(f"loader.{name}", getattr(loader, name, None)) for name in _LOADER_PARTS] + \
-        [(f"dataset {type(d).__name__}.{k}", v) for d in datasets for k, v in _items(d)]
+        [(f"dataset {type(d).__name__}.{k}", v) for d in datasets for k, v in _items(d)] + \
+        [(f"dataset {type(d).__name__}", _class_values(d)) for d in datasets]
     for label, value in roots:
         for held in _walk(label, value, 0, seen):
             if len(out) >= _MAX_OWNERS:
@@ -44,7 +48,8 @@ def transform_holders(loader: Any, datasets: Sequence[Any]) -> list[tuple[str, A
 
 
 def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    if value is None or depth > 3 or id(value) in seen or isinstance(value, (Tensor, Dataset, type, str, bytes)):
+    if value is None or depth > 3 or id(value) in seen or isinstance(value, (Tensor, Dataset, type, str, bytes)) \
+            or (isinstance(value, SimpleNamespace) and not vars(value)):
         return
     seen.add(id(value))
     if isinstance(value, functools.partial):  # its arguments as attributes: partial(collate, mean=..., std=...)
@@ -53,15 +58,60 @@ def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[
         yield from _walk(f"{label}.func", value.func, depth + 1, seen)
         for key, item in arguments.items():
             yield from _walk(f"{label}.{key}", item, depth + 1, seen)
+    elif isinstance(value, FunctionType):  # a closure's variables and the defaults: make_collate(mean, std)
+        if _library(value.__module__):
+            return
+        cells = zip(value.__code__.co_freevars, value.__closure__ or ())
+        held = {**{name: _contents(cell) for name, cell in cells},
+                **{f"defaults[{i}]": d for i, d in enumerate(value.__defaults__ or ())}, **(value.__kwdefaults__ or {})}
+        yield label, SimpleNamespace(**held)
+        for key, item in held.items():
+            yield from _walk(f"{label}.{key}", item, depth + 1, seen)
+    elif isinstance(value, MethodType):  # a bound method: its object (collate_fn=stats.apply)
+        yield from _walk(label, value.__self__, depth, seen)
     elif isinstance(value, (list, tuple, dict)):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         if len(value) <= 16:
             for key, item in items:
                 yield from _walk(f"{label}[{key!r}]", item, depth + 1, seen)
-    elif hasattr(value, "__dict__") and not (type(value).__module__ or "").startswith("torch."):
+    elif hasattr(value, "__dict__") and not _library(type(value).__module__):
         yield label, value
         for key, item in _items(value):
             yield from _walk(f"{label}.{key}", item, depth + 1, seen)
+        if not isinstance(value, SimpleNamespace):
+            yield from _walk(label, _class_values(value), depth + 1, seen)
+
+
+def _library(module: object) -> bool:
+    return str(module or "").split(".")[0] in _LIBRARIES
+
+
+def _class_values(owner: Any) -> SimpleNamespace:
+    """The attributes ``owner``'s own classes (not torch's, nor the standard library's) define: values, and the
+    functions (their closures and defaults may hold one: a class made inside ``make(x)``), special methods included
+    (``__getitem__``, as ``getitem()``) where they have a closure or defaults."""
+    values: dict[str, Any] = {}
+    for cls in reversed(type(owner).__mro__):
+        if _library(cls.__module__):
+            continue
+        for key, value in vars(cls).items():
+            value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if isinstance(value, (property, type)):
+                continue
+            if key.startswith("__"):
+                if isinstance(value, FunctionType) and \
+                        (value.__closure__ or value.__defaults__ or value.__kwdefaults__):
+                    values[f"{key.strip('_')}()"] = value
+            else:
+                values[key] = value
+    return SimpleNamespace(**values)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _items(owner: Any) -> list[tuple[str, Any]]:
