@@ -7,19 +7,21 @@ depends on every training record and no noise covers it.
 
 The objects are walked from the loader's ``collate_fn``, ``sampler``, ``batch_sampler`` and ``worker_init_fn`` and
 from the datasets' attributes and their classes' (``class DS(Dataset): mean = x.mean(0)``), three levels deep into
-partials (their arguments and keywords), functions (the variables their closures hold, their defaults: a collate or
-a transform made by ``make(mean, std)``), bound methods (their object), objects of the user's or a library's classes
-(modules included: a transform may be one; with their classes' attributes) and lists, tuples and dicts of at most
-16 of them; datasets, tensors and torch's own objects are not walked into (the datasets are the statistics check's
-own). Each object reached is a holder whose numbers :func:`~.data_statistics.data_statistics_held` compares, with
-the same exemptions: a public constant (ImageNet's 0.485, 0.229) is no statistic of this data, and a single round
-number (``scale = 255.0``) is never matched. Not seen: a module-level global ``__getitem__`` reads, and a statistic
-deeper than the walk.
+partials (their arguments and keywords), the user's functions (the variables their closures hold, their defaults: a
+collate or a transform made by ``make(mean, std)``), bound methods (their object), objects of the user's or a
+library's classes (modules included: a transform may be one; with the attributes of the user's classes) and lists,
+tuples and dicts of at most 16 of them; datasets, tensors and torch's own objects are not walked into (the datasets
+are the statistics check's own). Each object reached is a holder whose numbers
+:func:`~.data_statistics.data_statistics_held` compares, with the same exemptions: a public constant (ImageNet's
+0.485, 0.229) is no statistic of this data, and a single round number (``scale = 255.0``) is never matched. Not seen:
+a module-level global ``__getitem__`` reads, and a statistic deeper than the walk.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import sysconfig
 from types import FunctionType, MethodType, SimpleNamespace
 from typing import Any, Iterator, Sequence
 
@@ -29,6 +31,8 @@ from torch.utils.data import Dataset
 _LOADER_PARTS = ("collate_fn", "sampler", "batch_sampler", "worker_init_fn")
 _LIBRARIES = ("torch", "pytorch_lightning", "lightning", "builtins", "typing", "abc", "functools")
 _MAX_OWNERS = 256
+_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} |
+                   {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))})
 
 
 def transform_holders(loader: Any, datasets: Sequence[Any]) -> list[tuple[str, Any]]:
@@ -59,7 +63,7 @@ def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[
         for key, item in arguments.items():
             yield from _walk(f"{label}.{key}", item, depth + 1, seen)
     elif isinstance(value, FunctionType):  # a closure's variables and the defaults: make_collate(mean, std)
-        if _library(value.__module__):
+        if not _users(value.__module__):
             return
         cells = zip(value.__code__.co_freevars, value.__closure__ or ())
         held = {**{name: _contents(cell) for name, cell in cells},
@@ -86,13 +90,20 @@ def _library(module: object) -> bool:
     return str(module or "").split(".")[0] in _LIBRARIES
 
 
+def _users(module: object) -> bool:
+    """Whether ``module`` is the user's code, not the standard library's or an installed package's (whose defaults
+    are their own constants)."""
+    where = str(getattr(sys.modules.get(str(module)), "__file__", None) or "")
+    return not _library(module) and not (where and where.startswith(_INSTALLED))
+
+
 def _class_values(owner: Any) -> SimpleNamespace:
-    """The attributes ``owner``'s own classes (not torch's, nor the standard library's) define: values, and the
+    """The attributes ``owner``'s own classes (the user's code: not an installed package's) define: values, and the
     functions (their closures and defaults may hold one: a class made inside ``make(x)``), special methods included
     (``__getitem__``, as ``getitem()``) where they have a closure or defaults."""
     values: dict[str, Any] = {}
     for cls in reversed(type(owner).__mro__):
-        if _library(cls.__module__):
+        if not _users(cls.__module__):
             continue
         for key, value in vars(cls).items():
             value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value

@@ -126,6 +126,18 @@ def test_the_walk_stops_at_datasets_tensors_and_torchs_own_objects():
     assert not any(label.endswith((".x", ".y")) for label in labels)
 
 
+def test_the_walk_reaches_the_users_closures_and_classes_not_the_standard_librarys_or_a_packages_defaults():
+    import random
+
+    import numpy as np
+
+    dataset = made_in_a_function(X, Y)
+    dataset.rng, dataset.np_rng, dataset.norm = random.Random(0), np.random.RandomState(0), standardiser(0.0, 1.0)
+    labels = [label for label, _ in transform_holders(DataLoader(dataset, collate_fn=collate_by(0.0, 1.0)), [dataset])]
+    assert {"dataset Local.getitem()", "dataset Local.norm", "loader.collate_fn"} <= set(labels)
+    assert not any(label.startswith(("dataset Local.rng.", "dataset Local.np_rng.")) for label in labels)
+
+
 class Held(Dataset):
     """The most ordinary spelling of standardisation: statistics of ``x`` kept on the dataset, applied per item
     (zoo31 c11*); ``held(x, y)`` returns what it keeps as attributes, ``scale`` applies them."""
