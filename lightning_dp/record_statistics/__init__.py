@@ -9,6 +9,7 @@ to the longest record: each depends on every record, and is released with the mo
 - :mod:`.conditional_statistics`: class-conditional means, standard deviations and variances (a prototype head);
 - :mod:`.derived_columns`: per-record columns derived from the labels (balanced weights, a target encoding);
 - :mod:`.loader_statistics`: the training loader's collate function, sampler and transforms as holders;
+- :mod:`.read_records`: the records the items read from outside the dataset (a global ``X[i]``) as record sources;
 - :mod:`.record_lengths`: the records' lengths kept as a setting (the longest record's token count);
 - :mod:`.imputed_cells`, :mod:`.grouped_fills`, :mod:`.neighbour_copies`, :mod:`.decorrelated_columns`,
   :mod:`.rank_columns`: statistics written into the features themselves (missing cells filled with the column's

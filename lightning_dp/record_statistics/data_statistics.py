@@ -13,7 +13,8 @@ ledger counts, the trained model is then not differentially private.
   LightningDataModule and the training datasets' own attributes — the tensors beside the records too, those whose
   first dimension is no dataset's length (``self.mean = x.mean(0)`` applied in ``__getitem__``), compared with the
   statistics of the others, and what :mod:`.loader_statistics` walks to: a helper, a closure, the class — that
-  equal, to float precision, a statistic of the training tensors (and of the datasets' NumPy record arrays):
+  equal, to float precision, a statistic of the training tensors (and of the datasets' NumPy record arrays, and of
+  the arrays outside the dataset its items read, :mod:`.read_records`: a global ``X[i]``):
   per-feature and per-channel mean, standard deviation and variance, the features' global mean and
   standard deviation, the labels' class counts, frequencies, log frequencies (an output bias set to the log prior) and
   inverse frequencies (normalised to sum 1 or to mean 1), and for two classes the ratio of their counts (a
@@ -83,6 +84,7 @@ from lightning_dp.record_statistics.loader_statistics import transform_holders
 from lightning_dp.record_statistics.neighbour_copies import neighbour_copies, neighbour_fix
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
+from lightning_dp.record_statistics.read_records import records_read
 from lightning_dp.record_statistics.record_lengths import lengths_held
 from lightning_dp.record_statistics.released_statistics import is_released
 from lightning_dp.record_statistics.scaled_targets import scaled_target
@@ -115,7 +117,7 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
     holders += transform_holders(loader, datasets)
     lengths = lengths_held(_candidates([*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]),
                            tensors, public)
-    held = _statistics_held(holders, datasets, tensors, public, charged)
+    held = _statistics_held(holders, datasets, [*tensors, *records_read(dataset, tensors)], public, charged)
     return list(dict.fromkeys(in_weights + held + derived + lengths))
 
 

@@ -13,8 +13,9 @@ library's classes (modules included: a transform may be one; with the attributes
 tuples and dicts of at most 16 of them; datasets, tensors and torch's own objects are not walked into (the datasets
 are the statistics check's own). Each object reached is a holder whose numbers
 :func:`~.data_statistics.data_statistics_held` compares, with the same exemptions: a public constant (ImageNet's
-0.485, 0.229) is no statistic of this data, and a single round number (``scale = 255.0``) is never matched. Not seen:
-a module-level global ``__getitem__`` reads, and a statistic deeper than the walk.
+0.485, 0.229) is no statistic of this data, and a single round number (``scale = 255.0``) is never matched (the records
+a global holds are compared when the items read them: :mod:`.read_records`). Not seen: a statistic deeper than the
+walk.
 """
 
 from __future__ import annotations
