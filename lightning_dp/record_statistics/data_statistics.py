@@ -117,7 +117,8 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
     holders += transform_holders(loader, datasets)
     lengths = lengths_held(_candidates([*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]),
                            tensors, public)
-    held = _statistics_held(holders, datasets, [*tensors, *records_read(dataset, tensors)], public, charged)
+    read = records_read(dataset, tensors, MAX_ELEMENTS)  # records the items read from outside it (a global X[i])
+    held = _statistics_held(holders, datasets, [*tensors, *read], public, charged)
     return list(dict.fromkeys(in_weights + held + derived + lengths))
 
 

@@ -38,9 +38,11 @@ MAX_CANDIDATES = 16
 _SEED = 20261130
 
 
-def records_read(dataset: Any, tensors: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+def records_read(dataset: Any, tensors: Sequence[tuple[str, Tensor]],
+                 max_elements: int = 1 << 27) -> list[tuple[str, Tensor]]:
     """(path, tensor) of the arrays outside ``tensors`` (the datasets' own) whose rows ``dataset``'s items read
-    (module docstring); NumPy arrays as tensors over their memory."""
+    (module docstring); NumPy arrays as tensors over their memory. Arrays of more than ``max_elements`` (whose
+    statistics the check does not compute) are not tried."""
     datasets, _ = dataset_parts(dataset)
     lengths = {n for d in datasets for n in [_length(d)] if n and n > 1}
     try:
@@ -54,7 +56,9 @@ def records_read(dataset: Any, tensors: Sequence[tuple[str, Tensor]]) -> list[tu
                *((f"dataset {type(d).__name__}", d) for d in datasets)]
     candidates = [(path[4:] if path.startswith("the ") else path, value) for path, value in held_arrays(holders)
                   if id(value) not in own and (isinstance(value, Tensor) or type(value).__module__ == "numpy")
-                  and getattr(value, "ndim", 0) >= 1 and value.shape[0] in lengths and exchangeable(value)]
+                  and getattr(value, "ndim", 0) >= 1 and value.shape[0] in lengths
+                  and (value.numel() if isinstance(value, Tensor) else value.size) <= max_elements
+                  and exchangeable(value)]
     candidates = list({id(v): (p, v) for p, v in candidates}.values())[:MAX_CANDIDATES]
     if not candidates:
         return []
