@@ -484,10 +484,22 @@ def _scaled_columns(flat: Tensor, tol: float, quartiles: Any) -> str:
 
 
 def _spans(flat: Tensor, bottom: float, tol: float) -> bool:
-    """Whether every varying column of ``flat`` reaches exactly ``bottom`` and 1, most with more than two values."""
+    """Whether every varying column of ``flat`` reaches exactly ``bottom`` and 1, most with more than two values,
+    as a scaler by the column's own statistics leaves it: a record or two at each end (its minimum and maximum), or
+    the same number in every column (clipped at one quantile level of each: within :data:`SAME_COUNT`). A clip at
+    public bounds (``(0.3 * x + 0.5).clamp(0, 1)``) leaves as many records at the ends as each column's tails hold:
+    counts that differ between columns (zoo32 t08)."""
     low, high = flat.min(0).values, flat.max(0).values
     ends = bool(((low - bottom).abs() <= tol).all()) and bool(((high - 1).abs() <= tol).all())
-    return ends and sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 > min(64, flat.shape[1])
+    if not ends or sum(len(torch.unique(c)) > 2 for c in flat[:, :64].T) * 2 <= min(64, flat.shape[1]):
+        return False
+    counts = [((flat - end).abs() <= tol).sum(0) for end in (bottom, 1.0)]
+    return all(int(c.max()) <= 2 or int(c.max() - c.min()) <= SAME_COUNT for c in counts)
+
+
+SAME_COUNT = 2
+"""The most by which the records at a scaled column's end may differ in count between columns clipped at one quantile
+level (an interpolated quantile and ties in the data move it by a record or two)."""
 
 
 def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -171,3 +171,10 @@ def test_a_write_into_the_model_between_two_fingerprints_is_still_named(write: s
     with torch.no_grad():
         MODEL_WRITES[write](model)
     assert StateFingerprint.changed(before, fingerprint.take())
+
+
+def test_one_number_needs_the_squared_ratio() -> None:
+    """Three draws of one number set apart 100-fold by chance in about 0.5 % of runs: one number needs 10,000-fold."""
+    plain, again = {"attribute x": ("tensor", ("0.5",))}, {"attribute x": ("tensor", ("0.501",))}
+    assert moved_by_data(plain, again, {"attribute x": ("tensor", ("0.7",))}) == []  # 200-fold: excused
+    assert moved_by_data(plain, again, {"attribute x": ("tensor", ("20.5",))}) == ["attribute x"]  # 20,000-fold

@@ -380,3 +380,15 @@ def test_a_regression_bias_set_to_the_mean_target_is_refused_and_a_public_one_tr
     dp = strategy()
     quiet_trainer(strategy=dp, max_steps=2).fit(Regression(None), DataLoader(TensorDataset(X, _T), batch_size=16))
     assert dp.ledger.steps == 2
+
+
+def test_features_clipped_at_public_bounds_are_not_taken_for_min_max_scaled():
+    """zoo32 t08: ``(0.3 x + 0.5).clamp(0, 1)`` reaches 0 and 1 in every column like a MinMaxScaler, but with as many
+    records at each end as that column's tails hold (counts differing between columns); a scaler by the columns' own
+    statistics leaves one or two records there, or the same number in every column (one quantile level)."""
+    draw = torch.randn(256, 8, generator=torch.Generator().manual_seed(2))
+    labels = (draw[:, 0] > 0).long()
+    assert data_statistics_held([], TensorDataset((0.3 * draw + 0.5).clamp(0, 1), labels)) == []
+    low, high = torch.quantile(draw, 0.05, dim=0), torch.quantile(draw, 0.95, dim=0)
+    assert data_statistics_held([], TensorDataset(((draw - low) / (high - low)).clamp(0, 1), labels)) == [
+        "the training tensors[0] is scaled to [0, 1] by its own minimum and maximum (or quantiles)"]
