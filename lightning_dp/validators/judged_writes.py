@@ -33,10 +33,13 @@ is made:
    ``on_before_optimizer_step``, ``configure_gradient_clipping``) ĝ is held as released in the runs again, so a write
    that depends on the private data beyond ĝ moves with the exchanged copy — a statistic of the training set
    (``trainer.train_dataloader.dataset.tensors[0].mean(0)``, the datamodule's tensor) kept in a buffer: lw31 —
-   while the norm of ĝ, a step counter or an EMA of the weights kept there is reproduced. Otherwise a write to kept
-   state is refused there (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is
-   left to the check before the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`,
-   which puts it back), which refuse them as before.
+   while the norm of ĝ, a step counter or an EMA of the weights kept there is reproduced; the optimizers' and
+   schedulers' state is compared there too (:class:`_Settings`: a statistic kept in ``optimizer.state[p]``, a
+   parameter group's key or on a scheduler, zoo32 j04, j05, j11, is refused; a warm-up of the learning rate from the
+   step count trains). Otherwise a write to kept state is refused there
+   (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.written_error`); a ĝ changed is left to the check before
+   the update, and ``on_train_end``'s write to the end of the fit's (:mod:`.end_of_fit`, which puts it back), which
+   refuse them as before.
 
 Cost: a hook that wrote nothing at its first call is not run again at its later calls: each is watched by the release
 boundary's fingerprint (version counters and norms, no full checksums, no starting state) and a write it starts
@@ -75,8 +78,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.adjacent_hooks import only_the_loop_between
-from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
+from lightning_dp.fingerprints.checksums import content_sums
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
+from lightning_dp.fingerprints.state_walker import freeze
+from lightning_dp.records.identity import Same
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.runs_again import bit_exact
@@ -86,6 +93,7 @@ from lightning_dp.validators.hook_replays import moved_far, moved_near, replayin
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.logger_judge import StartingState
 from lightning_dp.validators.logger_outputs import put_back, wrap_users_hooks
+from lightning_dp.validators.steered_settings import decisions, schedulers, settings_kept
 from lightning_dp.record_checks.outside_records import exchanged_copy
 
 if TYPE_CHECKING:
@@ -202,13 +210,16 @@ class _Judge:
         grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] \
             if name in _BEFORE_UPDATE else []  # (StartingState keeps ĝ's values, for the runs again)
         clock = ClockReads(hook, owner)  # the clocks it reads, replayed in the runs again (time stamps in a list)
+        settings = _Settings(self.trainer) if name in _BEFORE_UPDATE else None  # the optimizers', the schedulers'
+        before = settings.entries(full=True) if settings else {}
         with clock.recording():
             result = hook(owner, *args, **kwargs)
         first = fingerprint.take(callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
         moved = [p for p, g, version in grads if p.grad is not g or (g is not None and g._version != version)]
-        if not self.step.any_rank(bool(names or moved)):  # alike on every rank: the hook's collectives stay paired
+        settled = changed_entries(before, after := settings.entries(full=True)) if settings else []
+        if not self.step.any_rank(bool(names or moved or settled)):  # alike on every rank: collectives stay paired
             self.quiet.add(key)
             return result
         self.quiet.discard(key)
@@ -216,14 +227,22 @@ class _Judge:
         again = _RunAgain(self, start, first, names, grads, written)
         again.handed, again.clock = args, clock
         again.arrays = name != "on_validation_end"  # what validation computed and keeps: held-out data's
+        if settings:
+            again.settings, again.settled, again.first_settings = settings, settled, after
+            start.restored = _chained(settings.put_back, self.mark_released)
+            as_written = _Settings(self.trainer)
         reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), _variants(owner, name, args,
                                                                                              self.trainer))
+        if settings:
+            as_written.put_back()  # (the last run again's, from other data: not kept)
 
         def judge() -> None:  # at the fit's end, what is refused is put back first (EndOfFit.judge): left to it
-            if names and not reproduced and name != "on_train_end":
+            if (names or settled) and not reproduced and name != "on_train_end":
                 start.put_back()  # nothing of the refused write stays in memory (a record kept in a buffer)
+                if settings:
+                    settings.put_back()
                 at = "at the end of step" if name == "on_train_batch_end" else "at step"
-                raise boundary.written_error(names, _WHERE.format(
+                raise _refusal(boundary, names, settled, _WHERE.format(
                     hook=f"{type(owner).__name__}.{name} {at} {self.trainer.global_step}"))
         self.step.on_every_rank(judge, f"refused a write in {name}")
         if reproduced:
@@ -253,51 +272,63 @@ class _Judge:
         del last
         start = _UsersState(self.trainer) if name in _BEFORE_UPDATE else None  # (cheap: no weights, no ĝ copied)
         grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] if start else []
+        start_settings = (settings := _Settings(self.trainer)).entries(full=False) if start else {}
         result = hook(owner, *args, **kwargs)
         after = fingerprint.take(callbacks)
         names = list(dict.fromkeys([*StateFingerprint.changed(before, after), *(
             f"parameter {n}" for (n, p), place in zip(params, places) if (p.data_ptr(), p._version) != place)]))
+        settled = changed_entries(start_settings, settings.entries(full=False)) if start else []
         late, refused = (_LATE, names) if start is None else \
-            self.late_judged(hook, owner, args, kwargs, start, names, grads)
-        if not names and caller is not None:
+            self.late_judged(hook, owner, args, kwargs, start, names, grads, (settings, settled))
+        if not names and not settled and caller is not None:
             self.last = (caller, owner, name, fingerprint, callbacks, after)
 
         def judge() -> None:
             if refused:
                 if start is not None:
                     start.put_back()  # (the user's state: nothing of the refused write stays in memory)
-                raise self.step.boundary.written_error(refused, late.format(
-                    hook=f"{type(owner).__name__}.{name} at step {self.trainer.global_step}"))
+                    settings.put_back()
+                raise _refusal(self.step.boundary, [n for n in refused if n not in settled],
+                               [n for n in refused if n in settled], late.format(
+                                   hook=f"{type(owner).__name__}.{name} at step {self.trainer.global_step}"))
         self.step.on_every_rank(judge, f"refused a late write in {name}")
         return result
 
     def late_judged(self, hook: Callable[..., Any], owner: Any, args: tuple, kwargs: dict, start: "_UsersState",
-                    names: list[str], grads: list[tuple[Any, Any, int]]) -> tuple[str, list[str]]:
+                    names: list[str], grads: list[tuple[Any, Any, int]],
+                    settings: tuple["_Settings", list[str]]) -> tuple[str, list[str]]:
         """A late write (``names``) of a hook between the release and the update (:data:`_BEFORE_UPDATE`): its
         writes to kept state other than the weights are judged as at a judged call — run again from ``start`` (the
         user's state as the call started) on the training data's exchanged copies with ĝ held fixed, accepted when
         reproduced (the norm of ĝ kept every 5th step), refused when they move with the exchanged data (a statistic
         of the training set kept in a buffer). A parameter written, or ĝ changed, beside them: all refused as a late
         write (the weights and ĝ as the call started were not kept: no run again); ĝ changed alone is left to the
-        check before the update. Returns the refusal's message and the names refused (none: accepted)."""
+        check before the update. ``settings``: the optimizers' and schedulers' state as the call started
+        (:class:`_Settings`) and the entries of it the call changed, judged alike. Returns the refusal's message and
+        the names refused (none: accepted)."""
         kept = [n for n in names if not n.startswith("parameter ")]
         moved = any(p.grad is not g or (g is not None and g._version != version) for p, g, version in grads)
-        if not self.step.any_rank(bool(kept)):  # (alike on every rank: the hook's collectives stay paired)
+        state, settled = settings
+        if not self.step.any_rank(bool(kept or settled)):  # (alike on every rank: the hook's collectives stay paired)
             return _LATE, names
         if self.step.any_rank(moved or len(kept) < len(names)):
-            return _LATE, names
+            return _LATE, [*names, *settled]
         start.complete()
-        start.restored = self.mark_released
+        start.restored = _chained(state.put_back, self.mark_released)
         written = start.written(library=True)
         again = _RunAgain(self, start, self.fingerprint().take(self.step.boundary.callbacks(), full=True), kept,
                           grads, written)
         again.handed = args
-        if again.every_run(lambda variant: hook(owner, *variant, **kwargs), [args]):
+        again.settings, again.settled, again.first_settings = state, settled, state.entries(full=True)
+        as_written = _Settings(self.trainer)
+        reproduced = again.every_run(lambda variant: hook(owner, *variant, **kwargs), [args])
+        as_written.put_back()
+        if reproduced:
             self.step.boundary.accept(kept)
             self.released.update((id(t), (t, t.detach().clone())) for t, _ in written.values())
             self.mark_released()
             return _WHERE, []
-        return _WHERE, kept
+        return _WHERE, [*kept, *settled]
 
 
 class _UsersState(StartingState):
@@ -331,6 +362,9 @@ class _RunAgain:
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
         self.clock = ClockReads()  # the clock values the first run read: each run again reads them again
         self.arrays = True  # the other arrays of the user's state given other values (not at validation's end)
+        self.settings: Optional[_Settings] = None  # between the release and the update: the optimizers' state, …
+        self.settled: list[str] = []  # … the entries of it the first run changed, and what it left there
+        self.first_settings: Fingerprint = {}
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
         """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly. Every rank
@@ -367,7 +401,8 @@ class _RunAgain:
                 after = fingerprint.take(callbacks, full=True)
             names = {*self.names, *StateFingerprint.changed(before, after)}
             held = self.start._tensors() if self.written else {}
-            apart.append({n for n in names if after.get(n, _ABSENT) != self.first.get(n, _ABSENT)}
+            settled = changed_entries(self.first_settings, self.settings.entries(full=True)) if self.settings else []
+            apart.append({n for n in names if after.get(n, _ABSENT) != self.first.get(n, _ABSENT)} | set(settled)
                          | {f"parameter #{i}" for i, (p, value) in enumerate(self.params) if not bit_exact(p, value)}
                          | {f"gradient #{i}" for i, (p, value) in enumerate(self.first_grads)
                             if not bit_exact(p.grad, value)}
@@ -376,6 +411,72 @@ class _RunAgain:
         ran = self.start.run_again(run, {}, numbers=False, other_data=other_data, arrays=self.arrays) is not None \
             and len(apart) == 1
         return apart[0] if ran else None
+
+
+class _Settings:
+    """What a hook between the release and the update may write in the optimizers and their schedulers (zoo32 j04,
+    j05, j11: the training set's mean kept in ``optimizer.state[p]``, in a parameter group or on a scheduler, saved
+    in the checkpoint and read by later updates): :func:`~.steered_settings.decisions` — each optimizer's
+    hyper-parameters and defaults, every key of its groups, what it keeps under keys that are not parameters, the
+    schedulers' states, σ and C, the trainer's length decisions — and each parameter's state entries (``"optimizer 0
+    state[0][1].exp_avg"``), a tensor by identity and version counter or, ``full``, by its values: the update has not
+    run yet inside the hook, so whatever changed there is the hook's. Taken as a hook starts: :meth:`put_back` sets it
+    back (as each run again starts, and when the write is refused)."""
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        self.trainer = trainer
+        self._kept = [settings_kept(o, trainer) for o in getattr(trainer, "optimizers", None) or ()]
+        self._attributes = [(s, set(vars(s))) for s in schedulers(trainer)]
+
+    def put_back(self) -> None:
+        """The optimizers' groups, defaults and state, the schedulers' states and attributes as taken."""
+        for put in self._kept:
+            put()
+        for scheduler, attributes in self._attributes:
+            for key in [k for k in vars(scheduler) if k not in attributes]:  # (set on it: not in the noted state)
+                delattr(scheduler, key)
+
+    def entries(self, full: bool) -> Fingerprint:
+        """The fingerprint entries as they are now (class docstring)."""
+        out = decisions(self.trainer)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for i, optimizer in enumerate(getattr(self.trainer, "optimizers", None) or ()):
+            state = dict(zip(map(id, optimizer.state), optimizer.state.values()))
+            for g, group in enumerate(optimizer.param_groups):
+                for j, p in enumerate(group["params"]):
+                    for key, value in (state.get(id(p)) or {}).items():
+                        name = f"optimizer {i} state[{g}][{j}].{key}"
+                        if not isinstance(value, torch.Tensor):
+                            out[name] = freeze(value)
+                        elif full:
+                            tensors.append((name, value))
+                        else:
+                            out[name] = ("tensor", Same(value), value._version, tuple(value.shape))
+        sums = content_sums([t for _, t in tensors]) if tensors else []
+        out.update((name, ("tensor", tuple(t.shape), str(t.dtype), total)) for (name, t), total in zip(tensors, sums))
+        return out
+
+
+def _chained(*calls: Callable[[], None]) -> Callable[[], None]:
+    """One call making ``calls`` in turn (as a run again starts: the optimizers' state put back, then the rest)."""
+    def run() -> None:
+        for call in calls:
+            call()
+    return run
+
+
+def _refusal(boundary: Any, names: list[str], settled: list[str], where: str) -> PrivacyConfigurationError:
+    """The refusal of a write between the release and the update: to kept state (``names``: the boundary's), or to
+    the optimizers' and schedulers' state (``settled``: :class:`_Settings`)."""
+    if not settled:
+        return boundary.written_error(names, where)
+    shown = ", ".join(repr(n) for n in [*settled, *names][:6])
+    return PrivacyConfigurationError(
+        f"Optimizer or scheduler state written outside the release: {shown}. Fix: set the optimizer's parameter "
+        "groups, state and schedulers from the step count, the released weights and ĝ only (a warm-up of the "
+        "learning rate from the step count, a clip of ĝ); keep a statistic of the training data nowhere, or compute "
+        f"it from public data.\nState changed {where}: {shown}. The optimizer's and the schedulers' state is saved in "
+        "checkpoints and read by later updates without noise; only the noised update may leave a private step.")
 
 
 @contextmanager

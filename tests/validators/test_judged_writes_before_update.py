@@ -159,3 +159,85 @@ def test_an_ema_of_the_weights_kept_before_the_update_trains() -> None:
     start = model.ema.clone()
     assert _fit(model).global_step == 10
     assert not torch.equal(model.ema, start)
+
+
+class Scheduled(Classifier):
+    """SGD with momentum and a StepLR scheduler; ``write(self, optimizer)`` runs in ``on_before_optimizer_step`` when
+    ``when(global_step)`` (the optimizer's and the scheduler's state, saved in the checkpoint: zoo32 j04, j05, j11)."""
+
+    def __init__(self, when: Rule = EVERY, write: Callable[[Any, Any], None] = lambda m, o: None) -> None:
+        super().__init__()
+        self.when, self.write = when, write
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 100)
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.when(self.global_step):
+            with torch.no_grad():
+                self.write(self, optimizer)
+
+
+def _first(module: Any) -> torch.Tensor:
+    return next(module.parameters())
+
+
+@pytest.mark.parametrize("when", [EVERY, FIFTH], ids=["every", "5th"])
+@pytest.mark.parametrize("write, named", [
+    (lambda m, o: o.state[_first(m)].__setitem__("feat_mean", _statistic(m.trainer).clone()), "feat_mean"),
+    (lambda m, o: o.param_groups[0].__setitem__("x_mean", _statistic(m.trainer).tolist()), "x_mean"),
+    (lambda m, o: setattr(m.scheduler, "feature_mean", _statistic(m.trainer).clone()), "feature_mean")],
+    ids=["optimizer-state", "param-group", "scheduler"])
+def test_a_statistic_of_the_training_set_kept_in_the_optimizer_or_its_scheduler_is_refused(
+        write: Callable[[Any, Any], None], named: str, when: Rule) -> None:
+    model = Scheduled(when, write)
+    with pytest.raises(PrivacyConfigurationError, match="Optimizer or scheduler state") as refusal:
+        _fit(model)
+    message = str(refusal.value)
+    assert named in message and "on_before_optimizer_step" in message and "step count" in message
+    assert model.trainer.global_step == (0 if when is EVERY else 3)
+    optimizer = model.trainer.optimizers[0]  # nothing of the refused write stays in memory
+    assert "feat_mean" not in optimizer.state.get(_first(model), {}) and "x_mean" not in optimizer.param_groups[0]
+    assert not hasattr(model.scheduler, "feature_mean")
+
+
+def _warm_up(module: Any, optimizer: Any) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5 * min(1.0, (module.global_step + 1) / 10)
+
+
+def _steps_kept(module: Any, optimizer: Any) -> None:  # a count in the optimizer's state, a group's, a scheduler's
+    optimizer.state[_first(module)]["hook_steps"] = torch.tensor(float(module.global_step))
+    optimizer.param_groups[0]["hook_steps"] = module.global_step
+    module.scheduler.hook_steps = module.global_step
+
+
+def _clip_and_decay(module: Any, optimizer: Any) -> None:
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+    for p in module.parameters():
+        p.grad.add_(p, alpha=1e-3)
+    module.log_dict(pl.utilities.grad_norm(module, norm_type=2))
+
+
+@pytest.mark.parametrize("when, write", [(EVERY, _warm_up), (FIFTH, _warm_up), (EVERY, _steps_kept),
+                                         (FIFTH, _steps_kept), (EVERY, _clip_and_decay)],
+                         ids=["warm-up", "warm-up-5th", "counts", "counts-5th", "clip-decay-grad-norm"])
+def test_settings_from_the_step_count_and_the_released_gradient_train(when: Rule,
+                                                                       write: Callable[[Any, Any], None]) -> None:
+    model = Scheduled(when, write)
+    assert _fit(model).global_step == 10
+    optimizer = model.trainer.optimizers[0]
+    if write is _warm_up:
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 if when is EVERY else 0.5 * 9 / 10)
+    if write is _steps_kept:
+        assert optimizer.param_groups[0]["hook_steps"] == model.scheduler.hook_steps == (9 if when is EVERY else 8)
+        assert float(optimizer.state[_first(model)]["hook_steps"]) == model.scheduler.hook_steps
+
+
+def test_an_ema_callback_trains_beside_a_warm_up() -> None:
+    from pytorch_lightning.callbacks import WeightAveraging
+
+    model = Scheduled(EVERY, _warm_up)
+    assert _fit(model, (WeightAveraging(),)).global_step == 10
