@@ -71,9 +71,10 @@ from lightning_dp.record_checks.stored_records import (StoredRecords, changed_re
                                                        stored_records)
 from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
-from lightning_dp.validators.evaluated_records import check_evaluation, note_training
+from lightning_dp.validators.evaluated_records import check_evaluation, note_training, trained_dataset
 from lightning_dp.validators.hook_replays import replaying_now
-from lightning_dp.validators.validation_reads import EvaluationReads, forget, validation_read_error
+from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
+                                                      validation_read_error)
 from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
@@ -450,6 +451,8 @@ class PrivateTraining:
                 self._validation_read_training_data(trainer, now=True)
             self._watch_evaluation_reads(trainer)
             self.private_step.pause_boundary("between the last update and validation (in a batch-end or epoch hook)")
+        else:
+            self._watch_after_fit()
 
     def _watch_evaluation_reads(self, trainer: "pl.Trainer") -> None:
         """Watch validation's hooks for reads of the training data's copies in memory
@@ -458,6 +461,46 @@ class PrivateTraining:
         if copies is not None and not is_public("trainer.validate", self.private_step.boundary.public_state):
             self._evaluation_reads = EvaluationReads(
                 trainer, copies.arrays, lambda hook: self._evaluation_read(trainer, hook), replaying_now).open()
+
+    def _watch_after_fit(self) -> None:
+        """Outside a fit (``trainer.validate``/``test``/``predict``): the evaluation hooks reading the training data of
+        this strategy's or this module's last private fit refuse the evaluation, unless declared public."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        stage, module = trainer.state.fn.value, trainer.lightning_module
+        dataset = trained_dataset(self, module)
+        if dataset is None or is_public(f"trainer.{stage}", self.private_step.boundary.public_state):
+            return
+
+        def refuse(hook: str) -> None:
+            raise evaluation_read_error(hook, stage, self.label)
+        self._evaluation_reads = EvaluationReads(trainer, copies_after_fit(dataset, module, observers(trainer)),
+                                                 refuse).open()
+
+    def on_test_start(self) -> None:
+        """The test loop's hooks watched as validation's outside a fit (:meth:`_watch_after_fit`)."""
+        super().on_test_start()  # type: ignore[misc]
+        self._watch_after_fit()
+
+    def on_predict_start(self) -> None:
+        """The predict loop's hooks watched as validation's outside a fit (:meth:`_watch_after_fit`)."""
+        super().on_predict_start()  # type: ignore[misc]
+        self._watch_after_fit()
+
+    def on_test_end(self) -> None:
+        """Stop watching the test loop's hooks."""
+        super().on_test_end()  # type: ignore[misc]
+        self._close_evaluation_reads()
+
+    def on_predict_end(self) -> None:
+        """Stop watching the predict loop's hooks."""
+        super().on_predict_end()  # type: ignore[misc]
+        self._close_evaluation_reads()
+
+    def _close_evaluation_reads(self) -> None:
+        """Stop watching the evaluation hooks; raise again a refusal a handler in a hook swallowed."""
+        reads, self._evaluation_reads = self._evaluation_reads, None
+        if reads is not None:
+            reads.close()
 
     def _evaluation_read(self, trainer: "pl.Trainer", hook: str) -> None:
         """Validation's ``hook`` read the training records: what validation keeps from now on is refused, and so is
@@ -470,16 +513,16 @@ class PrivateTraining:
     def on_validation_end(self) -> None:
         """Validation is over: the state now is the baseline of the next release."""
         super().on_validation_end()  # type: ignore[misc]
-        if self._fitting():
-            if self._record_watch is not None:
-                self._record_watch.elsewhere = None
-            reads, self._evaluation_reads = self._evaluation_reads, None
-            if reads is not None:
-                reads.close()  # raises again a refusal a handler in the hook swallowed
-            self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
-            self.private_step.boundary.baseline()
-            if self._replays.users_code_runs(VALIDATION_HOOKS):
-                self.private_step.schedule.force()  # what validation switched on is checked at the next step
+        if not self._fitting():
+            self._close_evaluation_reads()  # trainer.validate (:meth:`_watch_after_fit`)
+            return
+        if self._record_watch is not None:
+            self._record_watch.elsewhere = None
+        self._close_evaluation_reads()  # raises again a refusal a handler in the hook swallowed
+        self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        self.private_step.boundary.baseline()
+        if self._replays.users_code_runs(VALIDATION_HOOKS):
+            self.private_step.schedule.force()  # what validation switched on is checked at the next step
 
     def on_train_end(self) -> None:
         """After the last update: nothing may have been kept from the last batch (batch-end and epoch-end hooks) or

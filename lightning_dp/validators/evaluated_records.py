@@ -62,6 +62,15 @@ def note_training(loader: Any, *owners: Any) -> Optional[tuple[Any, Optional[set
     return base, rows, digests
 
 
+def trained_dataset(*owners: Any) -> Optional[Any]:
+    """The training dataset (under its ``Subset`` wrappers) of the last fit one of ``owners`` made, while it lives."""
+    for owner in owners:
+        dataset = _TRAINED[owner][0]() if owner is not None and owner in _TRAINED else None
+        if dataset is not None:
+            return dataset
+    return None
+
+
 def check_evaluation(loader: Any, stage: str, public: tuple[str, ...], label: str, *owners: Any) -> None:
     """Refuse the evaluation ``stage`` (``validate``, ``test``, ``predict``) of ``loader`` when it reads the training
     records of a fit one of ``owners`` (the strategy, the module) made, unless ``trainer.<stage>`` is declared

@@ -1,4 +1,5 @@
-"""Evaluation hooks that read the training records by another path than their loader (valtrain31; zoo30 m06).
+"""Evaluation hooks that read the training records by another path than their loader (valtrain31; zoo30 m06;
+after the fit: validate31, zoo32 v10).
 
 A validation loader may hold out its records while ``validation_step`` computes its metric on the training rows
 reached another way — ``self.trainer.train_dataloader.dataset.tensors``, ``self.trainer.datamodule.train_set``, a
@@ -25,11 +26,20 @@ training-logged value (:mod:`.logged_reads`), and the state validation keeps aft
 ``public_state=["trainer.validate"]`` declares such evaluation a report, as outside a fit
 (:mod:`.evaluated_records`).
 
-Not seen: a read in ``on_validation_start`` (it runs before the strategy's; what it keeps is judged as kept state when
-validation starts), during the sanity check (before training: no training loader yet), of a copy the walk does not
-find (transformed, in a file, beyond its bounds), through a NumPy or Python operation alone (a statistic computed by
-NumPy on the training arrays and never handed to torch), and held-out rows of a tensor that also holds training rows
-(a ``random_split``'s base tensor) read by a hook: taken for a training read.
+After the fit (zoo32 v10: ``trainer.validate(model, held_out_loader)`` whose ``validation_step`` computes the loss of
+a global copy of the training rows returned it un-noised), the glue opens the same watch for ``trainer.validate``,
+``test`` and ``predict`` under a private strategy, over the copies of the training dataset of that strategy's or that
+module's last private fit (:func:`~.evaluated_records.trained_dataset`; :func:`copies_after_fit`): outside a fit the
+strategy cannot see where the result goes, so a read refuses the evaluation at once
+(:func:`evaluation_read_error`), unless ``trainer.<stage>`` is declared public; the strategy's ``on_*_end`` closes the
+watch (and raises again a refusal a handler swallowed), its teardown when the evaluation failed.
+
+Not seen: a read in ``on_validation_start`` (``on_test_start``, ``on_predict_start``: they run before the strategy's;
+inside a fit, what it keeps is judged as kept state when validation starts), during the sanity check (before
+training: no training loader yet), of a copy the walk does not find (transformed, in a file, beyond its bounds),
+through a NumPy or Python operation alone (a statistic computed by NumPy on the training arrays and never handed to
+torch), and held-out rows of a tensor that also holds training rows (a ``random_split``'s base tensor) read by a
+hook: taken for a training read.
 """
 
 from __future__ import annotations
@@ -43,8 +53,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.fingerprints.callback_state import trusted_callback
+from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.record_checks.holders import RowItems
-from lightning_dp.record_checks.outside_records import _span
+from lightning_dp.record_checks.outside_records import _span, training_copies
 from lightning_dp.records.call_sites import first_caller, package_of
 
 EVALUATION_HOOKS = frozenset({
@@ -231,3 +243,24 @@ def validation_read_error(hook: str, monitors: Sequence[tuple[str, str]]) -> Pri
         "Evaluate on held-out data (the batch validation_step is handed, from records the fit does not train on), or, "
         "if you accept that validation's results leave unprotected like a logged metric, declare it: "
         "DPStrategy(public_state=['trainer.validate']) (docs/release_boundary.md, rule 10).")
+
+
+def copies_after_fit(dataset: Any, module: Any, callbacks: Sequence[Any]) -> list[tuple[str, Any]]:
+    """The copies in memory of a finished fit's training ``dataset`` an evaluation outside the fit may read (those the
+    batch check exchanges: the dataset's, and those ``module``, the ``callbacks`` — the datamodule among them — and the
+    user's globals keep)."""
+    modules = user_modules([type(module)] + [type(cb) for cb in callbacks if not trusted_callback(cb)])
+    holders = [("model", module), *((type(cb).__name__, cb) for cb in callbacks), *((m.__name__, m) for m in modules)]
+    return training_copies(dataset, holders)
+
+
+def evaluation_read_error(hook: str, stage: str, label: str) -> PrivacyConfigurationError:
+    """The refusal of ``trainer.<stage>`` outside a fit whose ``hook`` read the training records of a private fit."""
+    return PrivacyConfigurationError(
+        f"trainer.{stage}(...) under {label}: {hook} read the training records of a private fit of this model (the "
+        "training dataset reached through the trainer, the datamodule, or a copy of it held by the model, a callback "
+        "or a global), so its losses, metrics and predictions are computed from the private data without noise, and "
+        "whatever they decide next (a learning rate, example weights, the next fit) leaves the guarantee. Evaluate on "
+        "held-out data (the batch the hook is handed, from records the fit did not train on), or, if you accept that "
+        f"the result leaves unprotected like a logged metric, declare it: {label}(public_state=['trainer.{stage}']) "
+        "(docs/release_boundary.md, rule 10).")

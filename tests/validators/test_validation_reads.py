@@ -132,6 +132,9 @@ class Data(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=32)
 
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=32)
+
 
 def _fit(model: Classifier, monitor: Optional[str] = "val_loss", dp: Optional[DPStrategy] = None) -> DPStrategy:
     dp = dp or strategy(public_state=["train_x", "train_y"] if isinstance(model, KeepsACopy) else [])
@@ -240,3 +243,86 @@ def test_a_read_through_lightning_dps_own_model_is_the_users():
                             callbacks=[EarlyStopping(monitor="val_loss", patience=0)])
     with pytest.raises(PrivacyConfigurationError, match="^validation_step read the training records"):
         trainer.fit(Digits(channels=4), DataLoader(images[0], batch_size=16), DataLoader(images[1], batch_size=32))
+
+
+# ---------------------------------------------------------------- after the fit: trainer.validate / test / predict
+class AlsoOnTheTrainingSet(HeldOut):
+    """zoo32 v10: after the fit, ``trainer.validate`` on held-out data whose ``validation_step`` also logs the loss of
+    the training rows (a global copy), ``test_step`` the datamodule's training set's, ``predict_step`` the training
+    rows' outputs."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.log("train_loss", F.cross_entropy(self(X_TRAIN), Y_TRAIN))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self.trainer.datamodule.train_set.tensors
+        self.log("train_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(X_TRAIN)
+
+
+class OnItsBatch(HeldOut):
+    """Evaluates the batch its (held-out) loader hands it, in every stage."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        HeldOut.validation_step(self, batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch[0])
+
+
+def _fitted(model: Classifier, dp: Optional[DPStrategy] = None) -> pl.Trainer:
+    trainer = quiet_trainer(strategy=dp or strategy(), max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=Data())
+    return trainer
+
+
+def _evaluate(trainer: pl.Trainer, model: Classifier, stage: str) -> Any:
+    if stage == "test":
+        return trainer.test(model, datamodule=Data(), verbose=False)
+    held_out = DataLoader(HELD_OUT, batch_size=32)
+    return trainer.validate(model, held_out, verbose=False) if stage == "validate" else trainer.predict(model, held_out)
+
+
+@pytest.mark.parametrize("stage, hook", [("validate", "validation_step"), ("test", "test_step"),
+                                         ("predict", "predict_step")])
+def test_evaluation_after_the_fit_reading_the_training_records_is_refused(stage, hook):
+    """zoo32 v10: outside a fit the strategy cannot see where the result goes; refused before it returns."""
+    m = AlsoOnTheTrainingSet()
+    trainer = _fitted(m)
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)^trainer.{stage}\(\.\.\.\) under DPStrategy: {hook} "
+                                                        rf"read the training records.*public_state=\['trainer.{stage}'"
+                                                        r"\]"):
+        _evaluate(trainer, m, stage)
+    assert _no_mode_left()
+
+
+def test_evaluation_under_a_new_strategy_of_a_privately_fitted_module_is_refused():
+    """The module's last private fit: its training records, evaluated through another trainer's DPStrategy."""
+    m = AlsoOnTheTrainingSet()
+    _fitted(m)
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=1)
+    with pytest.raises(PrivacyConfigurationError, match=r"^trainer.validate\(\.\.\.\) under DPStrategy: "
+                                                        r"validation_step read the training records"):
+        trainer.validate(m, DataLoader(HELD_OUT, batch_size=32), verbose=False)
+    assert _no_mode_left()
+
+
+def test_held_out_evaluation_after_the_fit_returns():
+    m = OnItsBatch()
+    trainer = _fitted(m)
+    assert "val_loss" in _evaluate(trainer, m, "validate")[0]
+    assert "val_loss" in _evaluate(trainer, m, "test")[0]
+    assert len(_evaluate(trainer, m, "predict")) == 1
+    assert _no_mode_left()
+
+
+def test_declared_public_evaluation_after_the_fit_returns():
+    m = AlsoOnTheTrainingSet()
+    trainer = _fitted(m, strategy(public_state=["trainer.validate"]))
+    assert "train_loss" in _evaluate(trainer, m, "validate")[0]
+    with pytest.raises(PrivacyConfigurationError, match=r"trainer.predict"):  # declared for validate only
+        _evaluate(trainer, m, "predict")
+    assert _no_mode_left()
