@@ -24,8 +24,11 @@ clipped and then rescaled by its own extremes (a min-max scaler's 0 and 1 are ro
 (:func:`~lightning_dp.record_checks.released_transforms.transforms_of`) are not judged: ``PrivateStandardizer``
 clips to its public bounds and then scales by released (noised, so not round) statistics, ``PrivateImputer`` fills
 with a released mean that may lie beyond a column's values; data clipped at its own percentiles before such a
-mechanism is therefore not seen. Refused though public: a clip at round bounds then scaled by constants that are not
-round (``(x.clamp(0, 1) - 0.485) / 0.229`` on tabular features): clip after scaling, or at the scaled round bounds.
+mechanism is therefore not seen, and no column is judged in a fit charged for a ``PrivateStandardizer`` release
+(:func:`~.released_statistics.released_in`: its output with columns reordered or selected is no longer its rows,
+yet its ties lie at its public bounds scaled by the noised statistics). Refused though public: a clip at round
+bounds then scaled by constants that are not round (``(x.clamp(0, 1) - 0.485) / 0.229`` on tabular features): clip
+after scaling, or at the scaled round bounds.
 """
 
 from __future__ import annotations

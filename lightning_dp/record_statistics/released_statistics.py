@@ -68,3 +68,11 @@ def is_released(candidate: Any, charged: Optional[Collection[str]] = None) -> bo
     return any(r.numel() == c.numel() and (charged is None or run in charged)
                and bool(torch.allclose(c, r, rtol=_RTOL, atol=_ATOL)) for run, r in _RELEASED)
 
+
+def released_in(charged: Optional[Collection[str]] = None) -> bool:
+    """Whether a noted release was charged to one of the runs ``charged`` (the fit's ledger's; ``None``: any noted
+    release): the fit's data may hold a :class:`~lightning_dp.data.PrivateStandardizer`'s output, clipped to its
+    public bounds and scaled by the released statistics — ties at bounds that are no round number, and no copy
+    of its output rows once their columns are reordered or selected (:mod:`.clipped_columns` skips such fits)."""
+    return any(charged is None or run in charged for run, _ in _RELEASED)
+

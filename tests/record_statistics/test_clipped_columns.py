@@ -85,3 +85,20 @@ def test_features_privately_standardised_within_public_bounds_train():
     x = scaler.fit_transform(X, dp).float()
     assert clipped_columns(x) == [0, 1, 2, 3] and clipped(x) == ""
     quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(TensorDataset(x, LABELS), batch_size=16))
+
+
+def test_a_private_standardizers_output_with_its_columns_reordered_trains():
+    """CI (2026-11-30): ``PrivateStandardizer(-5, 5).fit_transform(x)[:, perm]`` — clipped to its public bounds and
+    scaled by the noised statistics, so tied at bounds that are no round number, and no longer its output rows once
+    the columns are reordered — was refused as clipped at its own percentiles whenever three records fell beyond ±5."""
+    from lightning_dp import DPStrategy
+    from lightning_dp.data import PrivateStandardizer
+
+    x = torch.randn(200, 4, generator=torch.Generator().manual_seed(1)) * 2
+    x = x.clamp(-4.5, 4.5)
+    for c in range(4):  # four records beyond the public upper bound in each column (others in each): four ties there
+        x[4 * c:4 * c + 4, c] = 9.0
+    dp = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0)
+    features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x, dp)[:, torch.tensor([3, 1, 0, 2])]
+    quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(TensorDataset(features, (x[:, 0] > 0).long()),
+                                                                         batch_size=16))
