@@ -346,12 +346,12 @@ class _Memory:
         if isinstance(value, RowItems):
             self._items.update(id(a) for a in value.arrays)
             return
-        span = _span(value, whole_storage)
+        span = memory_span(value, whole_storage)
         if span is not None:
             self._spans.append(span)
 
     def overlaps(self, value: Any) -> bool:
-        span = _span(value)
+        span = memory_span(value)
         return id(value) in self._items or span is not None \
             and any(d == span[0] and lo < span[2] and span[1] < hi for d, lo, hi in self._spans)
 
@@ -370,7 +370,7 @@ class _Memory:
 _byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or getattr(np, "byte_bounds")
 
 
-def _span(value: Any, whole_storage: bool = False) -> Optional[tuple[str, int, int]]:
+def memory_span(value: Any, whole_storage: bool = False) -> Optional[tuple[str, int, int]]:
     """(device, first byte, end) of a tensor's elements (or of its whole storage) or a NumPy array's."""
     try:
         if isinstance(value, Tensor):

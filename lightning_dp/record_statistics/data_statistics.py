@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from typing import Any, Collection, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -84,7 +83,7 @@ from lightning_dp.record_statistics.loader_statistics import transform_holders
 from lightning_dp.record_statistics.neighbour_copies import neighbour_copies, neighbour_fix
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
-from lightning_dp.record_statistics.read_records import records_read
+from lightning_dp.record_statistics.read_records import as_tensor, dataset_length, records_read
 from lightning_dp.record_statistics.record_lengths import lengths_held
 from lightning_dp.record_statistics.released_statistics import is_released, released_in
 from lightning_dp.record_statistics.scaled_targets import scaled_target
@@ -206,12 +205,7 @@ def _records(datasets: Sequence[Any], tensors: Sequence[tuple[str, Tensor]]) -> 
     The others (a tensor, a NumPy array or a number kept beside the records: ``self.mean = x.mean(0)``) are held
     values, candidates like a module's buffers; a statistic is not compared with the tensor it is of."""
     arrays = [(path, t, a) for d in datasets for path, t, a in _arrays(d)]
-    lengths = set()
-    for d in datasets:
-        try:
-            lengths.add(len(d))
-        except Exception:  # noqa: BLE001 — an iterable or a dataset whose length is unknown
-            continue
+    lengths = {n for d in datasets if (n := dataset_length(d))}
     leading = [t.shape[0] for _, t in tensors if t.dim() >= 1] + [t.shape[0] for _, t, _ in arrays]
     if leading and not lengths & set(leading):
         lengths = {max(leading)}
@@ -226,9 +220,7 @@ def _arrays(dataset: Any) -> Iterator[tuple[str, Tensor, Any]]:
     for key, value in (vars(dataset).items() if numpy is not None and hasattr(dataset, "__dict__") else ()):
         if isinstance(value, numpy.ndarray) and not isinstance(value, numpy.memmap) and value.dtype.kind in "fiu" \
                 and value.ndim in (1, 2) and 0 < value.size <= MAX_ELEMENTS:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a read-only array
-                yield f".{key}", torch.as_tensor(value), value
+            yield f".{key}", as_tensor(value), value
 
 
 class _ByWidth:

@@ -44,7 +44,7 @@ def records_read(dataset: Any, tensors: Sequence[tuple[str, Tensor]],
     (module docstring); NumPy arrays as tensors over their memory. Arrays of more than ``max_elements`` (whose
     statistics the check does not compute) are not tried."""
     datasets, _ = dataset_parts(dataset)
-    lengths = {n for d in datasets for n in [_length(d)] if n and n > 1}
+    lengths = {n for d in datasets for n in [dataset_length(d)] if n > 1}
     try:
         size = len(dataset)
     except Exception:  # noqa: BLE001 — an iterable dataset: its items are not read by index
@@ -74,11 +74,12 @@ def records_read(dataset: Any, tensors: Sequence[tuple[str, Tensor]],
         finally:
             restore()
         if changed:
-            found.append((path, _tensor(value)))
+            found.append((path, as_tensor(value)))
     return found
 
 
-def _length(d: Any) -> int:
+def dataset_length(d: Any) -> int:
+    """``len(d)``; 0 for a dataset whose length is unknown (an iterable)."""
     try:
         return len(d)
     except Exception:  # noqa: BLE001 — a dataset whose length is unknown
@@ -95,7 +96,8 @@ def _digest(dataset: Any, index: int) -> Any:
     return None if found is None else found.digest
 
 
-def _tensor(value: Any) -> Tensor:
+def as_tensor(value: Any) -> Tensor:
+    """A tensor, detached, or a NumPy array as a tensor over its memory (a read-only array's warning silenced)."""
     if isinstance(value, Tensor):
         return value.detach()
     with warnings.catch_warnings():

@@ -56,7 +56,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.record_checks.holders import RowItems
-from lightning_dp.record_checks.outside_records import _span, training_copies
+from lightning_dp.record_checks.outside_records import memory_span, training_copies
 from lightning_dp.records.call_sites import first_caller, package_of
 
 EVALUATION_HOOKS = frozenset({
@@ -117,7 +117,7 @@ class EvaluationReads(TorchFunctionMode):
         spans: dict[str, list[tuple[int, int]]] = {}
         for _, value in copies:
             for array in value.arrays if isinstance(value, RowItems) else [value]:
-                span = _span(array) if isinstance(array, (Tensor, np.ndarray)) else None
+                span = memory_span(array) if isinstance(array, (Tensor, np.ndarray)) else None
                 if span is not None:
                     spans.setdefault(span[0], []).append(span[1:])
                 if isinstance(array, Tensor) and span is not None:
@@ -190,7 +190,7 @@ class EvaluationReads(TorchFunctionMode):
                 return False
         elif not isinstance(value, np.ndarray):
             return False
-        span = _span(value)
+        span = memory_span(value)
         if span is None or span[0] not in self._spans:
             return False
         starts, ends = self._spans[span[0]]
