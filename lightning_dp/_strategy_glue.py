@@ -74,6 +74,7 @@ from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training, trained_dataset
 from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
+                                                      watch_from_run_start,
                                                       validation_read_error)
 from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
@@ -155,6 +156,7 @@ class PrivateTraining:
         self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
         self._evaluation_reads: Optional[EvaluationReads] = None  # validation's hooks reading the training data
+        self._unwrap_run_start: Optional[Callable[[], None]] = None  # the evaluation loops' start as it was
 
     # ------------------------------------------------------------------ public state (the private step's)
     @property
@@ -317,6 +319,9 @@ class PrivateTraining:
         if model._current_fx_name in STEP_HOOKS:  # left by a hook that raised (Lightning restores it on return only):
             model._current_fx_name = None         # a module whose fit crashed (or its copy) is not inside a step
         trainer = model._trainer
+        if trainer is not None:  # the evaluation hooks watched from the loop's start, before the user's first
+            self._restore_run_start()
+            self._unwrap_run_start = watch_from_run_start(trainer, self._open_evaluation_watch)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_no_tuner(trainer, self.label)
             adopt_gradient_clip(trainer, self, self.label)  # before a resumed checkpoint's C is compared
@@ -454,9 +459,26 @@ class PrivateTraining:
         else:
             self._watch_after_fit()
 
+    def _open_evaluation_watch(self) -> None:
+        """An evaluation loop starts (before its first hook: ``on_validation_model_eval``, the user's
+        ``on_validation_start``): watch its hooks' reads of the training data, in a fit and after it."""
+        if self._evaluation_reads is not None:
+            return
+        if self._fitting():
+            self._watch_evaluation_reads(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        else:
+            self._watch_after_fit()
+
+    def _restore_run_start(self) -> None:
+        undo, self._unwrap_run_start = self._unwrap_run_start, None
+        if undo is not None:
+            undo()
+
     def _watch_evaluation_reads(self, trainer: "pl.Trainer") -> None:
         """Watch validation's hooks for reads of the training data's copies in memory
         (:mod:`~lightning_dp.validators.validation_reads`), unless ``trainer.validate`` is declared public."""
+        if self._evaluation_reads is not None:  # opened as the loop started
+            return
         copies = self._replays.training_copies()  # None before training (the sanity check)
         if copies is not None and not is_public("trainer.validate", self.private_step.boundary.public_state):
             self._evaluation_reads = EvaluationReads(
@@ -465,6 +487,8 @@ class PrivateTraining:
     def _watch_after_fit(self) -> None:
         """Outside a fit (``trainer.validate``/``test``/``predict``): the evaluation hooks reading the training data of
         this strategy's or this module's last private fit refuse the evaluation, unless declared public."""
+        if self._evaluation_reads is not None:  # opened as the loop started
+            return
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         stage, module = trainer.state.fn.value, trainer.lightning_module
         dataset = trained_dataset(self, module)
@@ -575,6 +599,7 @@ class PrivateTraining:
         self.private_step.detach()
         data_ledgers.persist(self.private_step.ledger)  # the data's record on disk: a fit in a new process finds it
         self._stop_watching()
+        self._restore_run_start()
         self._loaded_for = None  # a later fit rebuilds its loader afresh
         self._records = None
         self._stored = None

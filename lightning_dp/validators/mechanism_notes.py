@@ -27,11 +27,12 @@ with its release), at a checkpoint and at the end of training, a setting that di
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.loop_wraps import wrap_method
 from lightning_dp.validators.mechanism_settings import mechanism_decisions, mechanism_entries
 
 __all__ = ["MechanismNotes", "unaccounted_error"]
@@ -45,7 +46,7 @@ class MechanismNotes:
     def __init__(self) -> None:
         self._noted: Optional[Fingerprint] = None
         self._scheduled: dict[str, tuple[Any, Any]] = {}  # set in lr_scheduler_step: (before, after) of each
-        self._watched: Optional[tuple[Any, Any]] = None  # (the loop, its own update_lr_schedulers or _MISSING)
+        self._unwatch: Optional[Callable[[], None]] = None  # restores the loop's scheduler update
 
     def note(self, trainer: Any) -> None:
         """The settings as a step begins (what ``on_train_batch_start`` set is the step's: its checks judge it with
@@ -60,31 +61,24 @@ class MechanismNotes:
         wrapped, not the user's module: a module with a function of the library's among its attributes could not be
         pickled (zoo31 s12: ``torch.save(model)`` in a callback)."""
         self.unwatch()
-        loop = trainer.fit_loop.epoch_loop
-        own = vars(loop).get("update_lr_schedulers", _MISSING)
-        original = loop.update_lr_schedulers
 
-        def update_lr_schedulers(*args: Any, **kwargs: Any) -> Any:
-            before = mechanism_decisions(trainer)
-            out = original(*args, **kwargs)
-            after = mechanism_decisions(trainer)
-            for name in StateFingerprint.changed(before, after):
-                self._scheduled.setdefault(name, (before.get(name), after.get(name)))
-            return out
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def update_lr_schedulers(*args: Any, **kwargs: Any) -> Any:
+                before = mechanism_decisions(trainer)
+                out = original(*args, **kwargs)
+                after = mechanism_decisions(trainer)
+                for name in StateFingerprint.changed(before, after):
+                    self._scheduled.setdefault(name, (before.get(name), after.get(name)))
+                return out
+            return update_lr_schedulers
 
-        loop.update_lr_schedulers = update_lr_schedulers
-        self._watched = (loop, own)
+        self._unwatch = wrap_method(trainer.fit_loop.epoch_loop, "update_lr_schedulers", make)
 
     def unwatch(self) -> None:
         """The scheduler update as it was before :meth:`watch_scheduler_step`."""
-        watched, self._watched = self._watched, None
-        if watched is None:
-            return
-        loop, own = watched
-        if own is _MISSING:
-            vars(loop).pop("update_lr_schedulers", None)
-        else:
-            loop.update_lr_schedulers = own
+        undo, self._unwatch = self._unwatch, None
+        if undo is not None:
+            undo()
 
     def accounted(self, opened: dict[str, Any], replayed: Optional[Fingerprint], trainer: Any) -> None:
         """A decision window closed without a refusal: it opened with the settings ``opened``
@@ -124,8 +118,6 @@ class MechanismNotes:
         if changed:
             raise unaccounted_error(changed, self._noted, where)
 
-
-_MISSING = object()
 
 _NAMES = {"privacy noise_multiplier": "the noise multiplier σ (private_step.noise_multiplier)",
           "privacy clipping": "the clipping bound C or the clipping policy's settings (private_step.max_grad_norm, "

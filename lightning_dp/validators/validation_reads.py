@@ -34,12 +34,15 @@ strategy cannot see where the result goes, so a read refuses the evaluation at o
 (:func:`evaluation_read_error`), unless ``trainer.<stage>`` is declared public; the strategy's ``on_*_end`` closes the
 watch (and raises again a refusal a handler swallowed), its teardown when the evaluation failed.
 
-Not seen: a read in ``on_validation_start`` (``on_test_start``, ``on_predict_start``: they run before the strategy's;
-inside a fit, what it keeps is judged as kept state when validation starts), during the sanity check (before
-training: no training loader yet), of a copy the walk does not find (transformed, in a file, beyond its bounds),
-through a NumPy or Python operation alone (a statistic computed by NumPy on the training arrays and never handed to
-torch), and held-out rows of a tensor that also holds training rows (a ``random_split``'s base tensor) read by a
-hook: taken for a training read.
+The watch opens as the evaluation loop starts (:func:`watch_from_run_start`: Lightning's ``on_run_start`` of the
+fit's validation loop and of ``validate``'s, ``test``'s and ``predict``'s, wrapped on the loop for the run), before
+the first hook of the user's — ``on_validation_model_eval``, the callbacks' and the module's ``on_validation_start``
+(``on_test_start``, ``on_predict_start``), which Lightning calls before the strategy's (zoo32 residue).
+
+Not seen: a read during the sanity check (before training: no training loader yet), of a copy the walk does not
+find (transformed, in a file, beyond its bounds), through a NumPy or Python operation alone (a statistic computed by
+NumPy on the training arrays and never handed to torch), and held-out rows of a tensor that also holds training
+rows (a ``random_split``'s base tensor) read by a hook: taken for a training read.
 """
 
 from __future__ import annotations
@@ -58,11 +61,14 @@ from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.record_checks.holders import RowItems
 from lightning_dp.record_checks.outside_records import memory_span, training_copies
 from lightning_dp.records.call_sites import first_caller, package_of
+from lightning_dp.validators.loop_wraps import wrap_method
 
 EVALUATION_HOOKS = frozenset({
     "validation_step", "test_step", "predict_step",
+    "on_validation_start", "on_test_start", "on_predict_start",
     "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end", "on_validation_epoch_end",
-    "on_validation_end", "on_validation_model_eval", "on_validation_model_train",
+    "on_validation_end", "on_validation_model_eval", "on_validation_model_train", "on_test_model_eval",
+    "on_test_model_train",
     "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end", "on_test_epoch_end", "on_test_end",
     "on_predict_epoch_start", "on_predict_batch_start", "on_predict_batch_end", "on_predict_epoch_end",
     "on_predict_end", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"})
@@ -76,6 +82,27 @@ METADATA = frozenset({
 
 _READ: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 """A trainer -> the first evaluation hook that read the training records during its current fit."""
+
+
+def watch_from_run_start(trainer: Any, open_watch: Callable[[], None]) -> Callable[[], None]:
+    """Wrap the evaluation loops' ``on_run_start`` (the fit's validation loop, ``trainer.validate_loop``,
+    ``test_loop`` and ``predict_loop``) so that ``open_watch`` runs before their first hook; return the function that
+    restores them (module docstring)."""
+    loops = {id(loop): loop for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop,
+                                         trainer.test_loop, trainer.predict_loop)}
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def on_run_start(*args: Any, **kwargs: Any) -> Any:
+            open_watch()
+            return original(*args, **kwargs)
+        return on_run_start
+
+    undos = [wrap_method(loop, "on_run_start", make) for loop in loops.values()]
+
+    def undo() -> None:
+        for restore in undos:
+            restore()
+    return undo
 
 
 def read_in_evaluation(trainer: Any) -> Optional[str]:

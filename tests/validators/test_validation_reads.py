@@ -81,6 +81,31 @@ class AtEpochEnd(HeldOut):
         self.log("train_set_loss", F.cross_entropy(self(X_TRAIN), Y_TRAIN))
 
 
+class AtStart(HeldOut):
+    """Logs the training set's loss (a global copy) from ``on_validation_start``, a hook Lightning calls before the
+    strategy's (watched from the loop's start)."""
+
+    def on_validation_start(self) -> None:
+        self.log("train_set_loss", F.cross_entropy(self(X_TRAIN), Y_TRAIN))
+
+
+class AtModelEval(HeldOut):
+    """Reads the training rows in ``on_validation_model_eval`` (the loop's first hook) and logs their loss from a
+    value the hook computed (kept for the batch: the read comes first, so the kept value is refused with it)."""
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        self.log_later = F.cross_entropy(self(X_TRAIN), Y_TRAIN).detach()
+
+
+class TrainingLossAtValidationStart(pl.Callback):
+    """A callback logging the training set's loss through the trainer when validation starts."""
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        x, y = trainer.train_dataloader.dataset.tensors
+        pl_module.log("train_set_loss", F.cross_entropy(pl_module(x), y))
+
+
 class Arrays(Dataset):
     """The training records held as NumPy arrays."""
 
@@ -172,6 +197,35 @@ def test_validation_reading_the_training_records_while_a_value_is_monitored_is_r
         _fit(m)
     assert m.trainer.strategy.ledger.steps == 4, "refused in the first validation, after the first epoch"
     assert _no_mode_left()
+
+
+@pytest.mark.parametrize("model, hook", [(AtStart, "on_validation_start"),
+                                         (AtModelEval, "on_validation_model_eval")])
+def test_a_read_in_validations_first_hooks_is_seen(model, hook):
+    """The hooks Lightning calls before the strategy's ``on_validation_start`` are watched too."""
+    m = model()
+    with pytest.raises(PrivacyConfigurationError, match=rf"(?s)^{hook} read the training records during validation"
+                                                        r".*EarlyStopping monitors 'val_loss'"):
+        _fit(m)
+    assert m.trainer.strategy.ledger.steps == 4
+    assert _no_mode_left()
+
+
+def test_a_callbacks_read_when_validation_starts_is_seen():
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=3, num_sanity_val_steps=0,
+                            callbacks=[TrainingLossAtValidationStart(), EarlyStopping(monitor="val_loss", patience=0)])
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)^on_validation_start read the training records"):
+        trainer.fit(HeldOut(), DataLoader(TRAIN, batch_size=16), DataLoader(HELD_OUT, batch_size=32))
+    assert _no_mode_left()
+
+
+def test_the_evaluation_loops_are_restored_after_the_fit():
+    m = HeldOut()
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(m, DataLoader(TRAIN, batch_size=16), DataLoader(HELD_OUT, batch_size=32))
+    loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    assert all("on_run_start" not in vars(loop) for loop in loops)
+    assert all("update_lr_schedulers" not in vars(loop) for loop in (trainer.fit_loop.epoch_loop,))
 
 
 def test_held_out_validation_and_the_training_sets_length_train_with_early_stopping():
@@ -296,6 +350,22 @@ def test_evaluation_after_the_fit_reading_the_training_records_is_refused(stage,
                                                         rf"read the training records.*public_state=\['trainer.{stage}'"
                                                         r"\]"):
         _evaluate(trainer, m, stage)
+    assert _no_mode_left()
+
+
+class TestsAtStart(OnItsBatch):
+    """After the fit, ``on_test_start`` logs the training rows' loss (a global copy) beside a held-out test."""
+
+    def on_test_start(self) -> None:
+        self.log("train_loss", F.cross_entropy(self(X_TRAIN), Y_TRAIN))
+
+
+def test_a_read_in_on_test_start_after_the_fit_is_refused():
+    m = TestsAtStart()
+    trainer = _fitted(m)
+    with pytest.raises(PrivacyConfigurationError, match=r"^trainer.test\(\.\.\.\) under DPStrategy: on_test_start "
+                                                        r"read the training records"):
+        _evaluate(trainer, m, "test")
     assert _no_mode_left()
 
 
