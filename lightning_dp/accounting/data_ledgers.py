@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
-from torch import Tensor
 
 import lightning_dp.accounting.data_store as data_store
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
@@ -71,6 +70,7 @@ from lightning_dp.accounting.module_ledgers import Combined, combine, held_runs
 from lightning_dp.accounting.unit_partitions import Partition, UserGroups, bases_of, covering, same_units
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.row_lineage import dataset_rows, forget_notes
+from lightning_dp.records.memory_spans import memory_owner, memory_span
 
 OVERLAP = 0.05
 """The share of the smaller population's records another fit's rows must hold (by content) for the two to share
@@ -177,25 +177,14 @@ def _memory(dataset: Any) -> list[tuple[weakref.ref, str, int, int]]:
 
 def _span(value: Any) -> Optional[tuple[Any, str, int, int]]:
     """(the object owning ``value``'s memory, its device, first byte, end byte), ``None`` for an empty one."""
-    if isinstance(value, Tensor):
-        if not value.numel() or value.is_sparse or hasattr(value, "to_local"):
-            return None
-        size = value.element_size()
-        low = value.data_ptr() + size * sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if s < 0)
-        high = value.data_ptr() + size * (1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if s > 0))
-        owner = value._base if value._base is not None else value
-        return owner, str(value.device), low, high
-    if not value.size:
+    if isinstance(value, np.ndarray):
+        empty = not value.size
+    else:
+        empty = not value.numel() or value.is_sparse or hasattr(value, "to_local")
+    if empty:
         return None
-    try:
-        from numpy.lib.array_utils import byte_bounds
-    except ImportError:  # NumPy < 2
-        byte_bounds = np.byte_bounds
-    low, high = byte_bounds(value)
-    owner = value
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
-    return owner, "cpu", int(low), int(high)
+    span = memory_span(value)
+    return None if span is None else (memory_owner(value), *span)
 
 
 def shares_records(a: DataUse, b: DataUse) -> bool:

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dp.records.memory_spans import memory_span
+
 KEY_ELEMENTS = 64
 """Elements of a row (spread over it) its key digests; matches are then compared in full."""
 
@@ -163,25 +165,11 @@ def _blocks_view(array: Any, width: int) -> Any:
 
 def _same_memory(a: Any, b: Any) -> bool:
     """Whether two tensors or arrays share memory (a view of one is exchanged with it)."""
-    spans = [_span(a), _span(b)]
+    spans = [memory_span(a, whole_storage=True), memory_span(b, whole_storage=True)]
     if None in spans:
         return True  # not known: not matched
     (da, la, ha), (db, lb, hb) = spans
     return da == db and la < hb and lb < ha
-
-
-def _span(value: Any) -> Optional[tuple[str, int, int]]:
-    if isinstance(value, Tensor):
-        try:
-            storage = value.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return None
-        return str(value.device), storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1)
-    root = value
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    low = root.__array_interface__["data"][0]
-    return "cpu", low, low + max(root.nbytes, 1)
 
 
 def _narrower(copy: Any, source: Any) -> Optional[torch.dtype]:

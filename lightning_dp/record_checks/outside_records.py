@@ -53,6 +53,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.holders import RowItems, held_arrays
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.held_records import ROWS_SAMPLED, holds_records, row_digests
+from lightning_dp.records.memory_spans import memory_span
 
 _FLOAT_MASKS = {torch.float16: (torch.int16, -0x8000 | 0x0200), torch.bfloat16: (torch.int16, -0x8000 | 0x0040),
                 torch.float32: (torch.int32, -0x80000000 | 0x00400000),
@@ -365,28 +366,6 @@ class _Memory:
             if d == device:
                 keep &= (starts < np.uint64(lo)) | (starts >= np.uint64(hi))
         return RowItems([a for a, k in zip(rows.arrays, keep.tolist()) if k])
-
-
-_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or getattr(np, "byte_bounds")
-
-
-def memory_span(value: Any, whole_storage: bool = False) -> Optional[tuple[str, int, int]]:
-    """(device, first byte, end) of a tensor's elements (or of its whole storage) or a NumPy array's."""
-    try:
-        if isinstance(value, Tensor):
-            if whole_storage:
-                storage = value.untyped_storage()
-                return (str(value.device), storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1))
-            offsets = [(n - 1) * st for n, st in zip(value.shape, value.stride()) if n]
-            low, high = sum(o for o in offsets if o < 0), sum(o for o in offsets if o > 0) + 1
-            size = value.element_size()
-            return (str(value.device), value.data_ptr() + low * size, value.data_ptr() + high * size)
-        if isinstance(value, np.ndarray):
-            low, high = _byte_bounds(value)
-            return ("cpu", low, max(high, low + 1))
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return None
-    return None
 
 
 def records_in(value: Any, dataset: Any, path: str = "", depth: int = 0) -> list[str]:

@@ -59,8 +59,9 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.state_walker import user_modules
 from lightning_dp.record_checks.holders import RowItems
-from lightning_dp.record_checks.outside_records import memory_span, training_copies
+from lightning_dp.record_checks.outside_records import training_copies
 from lightning_dp.records.call_sites import first_caller, package_of
+from lightning_dp.records.memory_spans import memory_span
 from lightning_dp.validators.loop_wraps import wrap_method
 
 EVALUATION_HOOKS = frozenset({
