@@ -91,3 +91,34 @@ def test_a_probability_like_target_near_but_not_at_its_ends_is_not_taken_for_min
     y[0], y[1] = 3e-6, 1 - 3e-6
     assert scaled_target(y) == ""
     assert scaled_target((y - y.min()) / (y.max() - y.min())) != ""
+
+
+def _votes(n: int = 400, seed: int = 4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Votes won of votes cast per record (5 to 100 cast), one record with none won and one with all won."""
+    g = torch.Generator().manual_seed(seed)
+    cast = torch.randint(5, 101, (n,), generator=g)
+    won = (torch.rand(n, generator=g) * (cast - 1)).floor() + 1  # 1 .. cast - 1
+    won[0], won[1] = 0, cast[1]
+    return won.to(dtype) / cast.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_natural_proportion_reaching_both_ends_is_not_taken_for_min_max_scaled(dtype) -> None:
+    """k / n with a count n of each record's own: fractions of many denominators, no common one."""
+    y = _votes(dtype=dtype)
+    assert scaled_target(y) == ""
+    quiet_trainer(strategy=strategy(), max_steps=2).fit(
+        Regressor(), DataLoader(TensorDataset(X.repeat(2, 1)[:400], y.float()), batch_size=16))
+
+
+def test_a_continuous_or_integer_target_min_max_scaled_is_still_found() -> None:
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(3, 48, (400,), generator=g).float()
+    counts[0], counts[1] = 3.0, 47.0
+    counts[2:][counts[2:] == 3.0] = 4.0
+    counts[2:][counts[2:] == 47.0] = 46.0
+    on_one_grid = (counts - counts.min()) / (counts.max() - counts.min())  # k / 44 for every record
+    assert "scaled to [0, 1]" in scaled_target(on_one_grid)
+    for dtype in (torch.float32, torch.float64):
+        y = Y.to(dtype)
+        assert "scaled to [0, 1]" in scaled_target((y - y.min()) / (y.max() - y.min()))
