@@ -24,10 +24,12 @@ clipped and then rescaled by its own extremes (a min-max scaler's 0 and 1 are ro
 (:func:`~lightning_dp.record_checks.released_transforms.transforms_of`) are not judged: ``PrivateStandardizer``
 clips to its public bounds and then scales by released (noised, so not round) statistics, ``PrivateImputer`` fills
 with a released mean that may lie beyond a column's values; data clipped at its own percentiles before such a
-mechanism is therefore not seen, and no column is judged in a fit charged for a ``PrivateStandardizer`` release
-(:func:`~.released_statistics.released_in`: its output with columns reordered or selected is no longer its rows,
-yet its ties lie at its public bounds scaled by the noised statistics). Refused though public: a clip at round
-bounds then scaled by constants that are not round (``(x.clamp(0, 1) - 0.485) / 0.229`` on tabular features): clip
+mechanism is therefore not seen. Its output with columns reordered or selected is no longer its rows, yet ties at
+its public bounds (or at a round clip made before it) scaled by the released statistics: in a fit charged for a
+``PrivateStandardizer`` release, a tie at a value that release's scaling maps back to such a bound (``explained``:
+:func:`~.released_statistics.released_end`) is no clip of the data's own, and the fit's other columns are judged
+(the last note: every column of such a fit was skipped). Refused though public: a clip at round bounds then scaled
+by constants that are not round (``(x.clamp(0, 1) - 0.485) / 0.229`` on tabular features): clip
 after scaling, or at the scaled round bounds.
 """
 
@@ -51,19 +53,22 @@ column; the column's other values are at least 95 % distinct."""
 CLIPPED = "clipped at its own percentiles or extremes"
 
 
-def clipped(t: Tensor, sort: Optional[Callable[[], Tensor]] = None) -> str:
+def clipped(t: Tensor, sort: Optional[Callable[[], Tensor]] = None,
+            explained: Callable[[float], bool] = lambda end: False) -> str:
     """How ``t`` was clipped at bounds of its own (:func:`clipped_columns`), or ""."""
-    found = clipped_columns(t, sort)
+    found = clipped_columns(t, sort, explained)
     if found and transforms_of(t):  # rows a DP preprocessor computed: clipped to its public bounds, or DP fills
         return ""
     return f"{CLIPPED} (records tied at a bound that is no round number in column{'s' * (len(found) > 1)} " \
         + ", ".join(map(str, found[:5])) + (" …" if len(found) > 5 else "") + ")" if found else ""
 
 
-def clipped_columns(t: Tensor, sort: Optional[Callable[[], Tensor]] = None) -> list[int]:
+def clipped_columns(t: Tensor, sort: Optional[Callable[[], Tensor]] = None,
+                    explained: Callable[[float], bool] = lambda end: False) -> list[int]:
     """The columns of ``t`` clipped at a bound of their own (module docstring). ``sort``: returns ``t``'s columns
     each sorted, [D, n], rows with a missing value left out (:class:`~.order_statistics.OrderStatistics`'s
-    ``sorted``), called only for a tensor judged; ``None``: sorted here."""
+    ``sorted``), called only for a tensor judged; ``None``: sorted here. ``explained``: whether a tie's value is a
+    public bound a released transform put there (not counted)."""
     if not t.dtype.is_floating_point or t.dim() not in (1, 2) or t.shape[0] < MIN_RECORDS \
             or t.numel() > MAX_CELLS or (t.dim() == 2 and t.shape[1] > MAX_COLUMNS):
         return []
@@ -75,7 +80,7 @@ def clipped_columns(t: Tensor, sort: Optional[Callable[[], Tensor]] = None) -> l
         sorted_columns = sort()
     found = []
     for j, column in enumerate(sorted_columns):
-        if len(column) >= MIN_RECORDS and _clipped(column, t.dtype):
+        if len(column) >= MIN_RECORDS and _clipped(column, t.dtype, explained):
             found.append(j)
     return found
 
@@ -87,7 +92,7 @@ def clip_fix() -> str:
             "upper), never at the data's own percentiles or mean ± k standard deviations.")
 
 
-def _clipped(s: Tensor, dtype: torch.dtype) -> bool:
+def _clipped(s: Tensor, dtype: torch.dtype, explained: Callable[[float], bool]) -> bool:
     """Whether the sorted column ``s`` has a tie mass at an end that is not round, the rest almost all distinct."""
     n = len(s)
     low = int((s == s[0]).sum())
@@ -101,7 +106,8 @@ def _clipped(s: Tensor, dtype: torch.dtype) -> bool:
     if distinct < MIN_DISTINCT_SHARE * len(inner):
         return False
     most = MAX_TIE_SHARE * n
-    return any(MIN_TIES <= ties <= most and not _round(float(end), dtype) for ties, end in ((low, s[0]), (high, s[-1])))
+    return any(MIN_TIES <= ties <= most and not _round(float(end), dtype) and not explained(float(end))
+               for ties, end in ((low, s[0]), (high, s[-1])))
 
 
 def _round(value: float, dtype: torch.dtype) -> bool:

@@ -85,7 +85,7 @@ from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.read_records import as_tensor, dataset_length, records_read
 from lightning_dp.record_statistics.record_lengths import lengths_held
-from lightning_dp.record_statistics.released_statistics import is_released, released_in
+from lightning_dp.record_statistics.released_statistics import is_released, released_end
 from lightning_dp.record_statistics.scaled_targets import scaled_target
 from lightning_dp.record_statistics.second_moments import SecondMoments
 
@@ -155,7 +155,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
              for path, t in tensors
              for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
                          or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])
-                         or ("" if released_in(charged) else clipped(t, lambda: shaped.order(t).sorted))]
+                         or clipped(t, lambda: shaped.order(t).sorted, lambda end: released_end(end, charged))]
              if how]
     if not stats:
         return found

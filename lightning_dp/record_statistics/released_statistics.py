@@ -33,6 +33,7 @@ KEPT = 64
 
 _RTOL, _ATOL = 1e-6, 1e-9
 _RELEASED: list[tuple[str, Tensor]] = []  # (the release's run, the vector)
+_SCALES: list[tuple[str, Tensor]] = []  # (the release's run, [4, D]: its mean, std, public lower and upper bounds)
 _RELEASER = ("lightning_dp.data.private_standardizer", "PrivateStandardizer")  # whose fit notes (data: a room above)
 
 
@@ -56,6 +57,11 @@ def note_released(releaser: Any, *values: Any) -> None:
     for value in (releaser.mean, std, std.square()):
         _RELEASED.append((releaser.run, value.detach().to("cpu", torch.float64).reshape(-1).clone()))
     del _RELEASED[:-KEPT]
+    mean, std = releaser.mean.detach().to("cpu", torch.float64), std.detach().to("cpu", torch.float64)
+    lower, upper = (b.detach().to("cpu", torch.float64).expand_as(mean) for b in (releaser.lower, releaser.upper))
+    _SCALES.append((releaser.run, torch.stack([mean.reshape(-1), std.reshape(-1), lower.reshape(-1),
+                                               upper.reshape(-1)]).clone()))
+    del _SCALES[:-KEPT]
 
 
 def is_released(candidate: Any, charged: Optional[Collection[str]] = None) -> bool:
@@ -69,10 +75,24 @@ def is_released(candidate: Any, charged: Optional[Collection[str]] = None) -> bo
                and bool(torch.allclose(c, r, rtol=_RTOL, atol=_ATOL)) for run, r in _RELEASED)
 
 
-def released_in(charged: Optional[Collection[str]] = None) -> bool:
-    """Whether a noted release was charged to one of the runs ``charged`` (the fit's ledger's; ``None``: any noted
-    release): the fit's data may hold a :class:`~lightning_dp.data.PrivateStandardizer`'s output, clipped to its
-    public bounds and scaled by the released statistics — ties at bounds that are no round number, and no copy
-    of its output rows once their columns are reordered or selected (:mod:`.clipped_columns` skips such fits)."""
-    return any(charged is None or run in charged for run, _ in _RELEASED)
+def released_end(value: float, charged: Optional[Collection[str]] = None) -> bool:
+    """Whether a column's tie at ``value`` is one a :class:`~lightning_dp.data.PrivateStandardizer` release in
+    ``charged`` (``None``: any) explains: for one of its features, ``value · std + mean`` (undoing its transform by the
+    released, noised statistics) is its public lower or upper bound, or a number of at most two significant digits
+    (a public clip before it: ``x.clamp(-4.5, 4.5)``), to a relative 1e-6. Its output ties there, and stays so with
+    its columns reordered or selected (:mod:`.clipped_columns`). A clip at the data's own percentiles lands there by
+    chance with probability about 1e-4 per released feature and end."""
+    for run, scales in _SCALES:
+        if charged is not None and run not in charged:
+            continue
+        mean, std, lower, upper = scales
+        pre = float(value) * std + mean
+        tol = _TIE_RTOL * pre.abs().clamp(min=1.0)
+        if bool(((pre - lower).abs() <= tol).any()) or bool(((pre - upper).abs() <= tol).any()):
+            return True
+        if any(abs(p - float(f"{p:.2g}")) <= t for p, t in zip(pre.tolist(), tol.tolist())):
+            return True
+    return False
 
+
+_TIE_RTOL = 1e-6

@@ -102,3 +102,21 @@ def test_a_private_standardizers_output_with_its_columns_reordered_trains():
     features = PrivateStandardizer(-5, 5, 5.0).fit_transform(x, dp)[:, torch.tensor([3, 1, 0, 2])]
     quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(TensorDataset(features, (x[:, 0] > 0).long()),
                                                                          batch_size=16))
+
+
+def test_columns_winsorised_beside_a_private_standardizers_output_are_refused():
+    """A fit charged for a PrivateStandardizer release: its columns (ties at its public bounds scaled by the released
+    statistics) pass, a column winsorised at its own percentiles beside them is still refused (the last note: every
+    column of such a fit was skipped)."""
+    dp = strategy()
+    scaler = PrivateStandardizer(-1.5, 1.5, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+    released = scaler.fit_transform(X[:, :2], dp).float()
+    features = torch.cat([released[:, [1, 0]], _winsorised(X[:, 2:], 0.05)], 1)  # reordered: not its rows
+    assert clipped_columns(features) == [0, 1, 2, 3]
+    from lightning_dp import PrivacyConfigurationError
+
+    charged = dp.ledger.steps  # the standardiser's releases
+    with pytest.raises(PrivacyConfigurationError, match=r"(?s)clipped at its own percentiles.*columns 2, 3\)"):
+        quiet_trainer(strategy=dp, max_steps=2).fit(Classifier(), DataLoader(TensorDataset(features, LABELS),
+                                                                             batch_size=16))
+    assert dp.ledger.steps == charged  # refused before any step's release
