@@ -61,6 +61,7 @@ statistics in another way (to another range; a rank transform :mod:`.rank_column
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any, Collection, Iterable, Iterator, Optional, Sequence
 
@@ -80,12 +81,14 @@ from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.record_statistics.conditional_statistics import class_conditional, conditional_rows
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.record_statistics.loader_statistics import transform_holders
+from lightning_dp.record_statistics.near_statistics import NearStatistics
 from lightning_dp.record_statistics.neighbour_copies import neighbour_copies, neighbour_fix
+from lightning_dp.record_statistics.number_tables import number_columns
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
 from lightning_dp.records.held_records import holds_records, row_digests
 from lightning_dp.record_statistics.read_records import as_tensor, dataset_length, records_read
 from lightning_dp.record_statistics.record_lengths import lengths_held
-from lightning_dp.record_statistics.released_statistics import is_released, released_end
+from lightning_dp.record_statistics.released_statistics import is_released, released_end, released_vectors
 from lightning_dp.record_statistics.scaled_targets import scaled_target
 from lightning_dp.record_statistics.second_moments import SecondMoments
 
@@ -99,6 +102,7 @@ _IMPUTED = "filled where values were missing with a statistic of its own column'
 _COPIED = "filled where values were missing from the neighbouring records' cells"
 _PROJECTED = "projected on its own principal directions (columns centred and uncorrelated: PCA or whitening)"
 _RANKED = "transformed by the ranks of its values among the training records"
+_NEAR = "approximately the"
 _DERIVED = ("a sample weight computed from the training labels' counts", "a target encoding of a category")
 
 
@@ -151,6 +155,8 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
     stats = [(f"{name} of the training {names[path]}", value, id(t))
              for path, t in [*tensors, *arrays] if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
     shaped = _ByWidth([*tensors, *arrays])
+    near = NearStatistics([*tensors, *arrays], shaped.order)  # rounded, subsampled: within their error
+    record_paths = {p for p, t in [*tensors, *arrays] if id(t) in records}
     found = [f"the training {names[path]} is {how}"
              for path, t in tensors
              for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
@@ -185,8 +191,14 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
                 break
         else:
             try:
+                held = shaped.held(candidate)
                 found.extend(f"{path} holds {what} of the training {names.get(p, p.lstrip('.') or 'tensor')}"
-                             for p, what in shaped.held(candidate))
+                             for p, what in held)
+                found.extend(f"{path} is {_NEAR} {stat} of the training {names.get(p, p)}, within a rounding or "
+                             f"subsample error (a vector not computed from it comes as close with chance {chance:.0e})"
+                             for p, stat, chance in ([] if held else
+                                                     near.held(candidate, record_paths if beside else None,
+                                                               released_vectors(charged))))
             except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one
                 continue
             for width in {*candidate.shape[-2:]} if candidate.dim() == 2 else ():
@@ -515,12 +527,15 @@ def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> 
         if isinstance(value, (nn.Module, nn.Parameter)) or key.startswith("__") or key in skip:
             continue
         yield f"{prefix}{key}", value
+        yield from ((f"{prefix}{key}{suffix}", column) for suffix, column in number_columns(value))
         if isinstance(value, (list, tuple)) and 0 < len(value) <= 16 and not _numbers(value):
             for i, item in enumerate(value):
                 yield f"{prefix}{key}[{i}]", item
+                yield from ((f"{prefix}{key}[{i}]{suffix}", column) for suffix, column in number_columns(item))
         elif isinstance(value, dict) and len(value) <= 64:
             for k, item in value.items():
                 yield f"{prefix}{key}[{k!r}]", item
+                yield from ((f"{prefix}{key}[{k!r}]{suffix}", column) for suffix, column in number_columns(item))
         elif hasattr(value, "__dict__") and not isinstance(value, (Tensor, type)) \
                 and type(value).__module__.split(".")[0] not in ("torch", "pytorch_lightning", "lightning"):
             for k, item in vars(value).items():  # a transform object: Normalize(mean, std)
@@ -529,7 +544,8 @@ def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> 
 
 
 def _numbers(value: Any) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    """Whether every item of ``value`` is a real number: Python's or NumPy's (``tuple(array)``), not a boolean."""
+    return all(isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_" for v in value)
 
 
 def _as_tensor(value: Any) -> Any:
@@ -538,7 +554,7 @@ def _as_tensor(value: Any) -> Any:
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype.kind in "fiu":
         return torch.as_tensor(value)
     if isinstance(value, (list, tuple)) and value and _numbers(value):
-        return torch.tensor(value, dtype=torch.float64)
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
     if isinstance(value, float):
         return torch.tensor(value, dtype=torch.float64)
     return None

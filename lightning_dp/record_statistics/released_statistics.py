@@ -95,4 +95,10 @@ def released_end(value: float, charged: Optional[Collection[str]] = None) -> boo
     return False
 
 
+def released_vectors(charged: Optional[Collection[str]] = None) -> list[Tensor]:
+    """The noted released vectors (float64) of the runs ``charged`` (``None``: any): a held vector that is one of
+    them rounded is not taken for a statistic near the exact one (:mod:`.near_statistics`)."""
+    return [r for run, r in _RELEASED if charged is None or run in charged]
+
+
 _TIE_RTOL = 1e-6

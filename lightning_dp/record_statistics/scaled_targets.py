@@ -41,12 +41,25 @@ from torch import Tensor
 MIN_RECORDS, MIN_DISTINCT = 20, 10
 """A target with fewer records or distinct values is not judged."""
 
+ROUNDED_Z = 5.0
+"""How many of its standard errors (step / √(12 N)) a rounded standardised target's mean and deviation may be off."""
+
 EDGE_SHARE = 0.01
 """The largest share of the records at a min-max-scaled target's 0 (or -1) and at its 1."""
 
 DENOMINATOR, FRACTION_SHARE, FRACTIONS_READ = 100, 0.95, 2000
 """Natural proportions: the largest count ``n`` of a fraction ``k / n``, the share of the values that must be such
 fractions, and how many values are read (spread over the target)."""
+
+
+def _decimal_step(y: Tensor, precision: float) -> float:
+    """The coarsest decimal step from 0.01 down to 1e-6 that every value of ``y`` (float64, not all integers) is a
+    multiple of to its float ``precision``, or 0.0 (not rounded to one; 0.1 and coarser are not judged)."""
+    for e in range(2, 7):
+        m = y * 10 ** e
+        if bool(((m - m.round()).abs() <= m.abs() * precision * 4 + 1e-9).all()):
+            return 10.0 ** -e
+    return 0.0
 
 
 def scaled_target(t: Tensor) -> str:
@@ -63,6 +76,12 @@ def scaled_target(t: Tensor) -> str:
     mean, std = float(y.mean()), float(y.std())
     if abs(mean) <= tol and any(abs(float(y.std(correction=c)) - 1) <= tol for c in (0, 1)):
         return "standardised with its own mean and standard deviation"
+    step = _decimal_step(y, 2.0 ** -24 if single else 2.0 ** -52)
+    if step:  # rounded after it was standardised: within the rounding's own error of mean 0 and deviation 1
+        error = ROUNDED_Z * step / math.sqrt(12 * len(y))
+        if abs(mean) <= tol + error and any(abs(float(y.std(correction=c)) - math.sqrt(1 + step ** 2 / 12))
+                                            <= tol + error for c in (0, 1)):
+            return f"standardised with its own mean and standard deviation, then rounded to a step of {step:g}"
     if std > 0 and abs(mean) <= centred * std:
         return "centred on its own mean"
     low, high = float(y.min()), float(y.max())
