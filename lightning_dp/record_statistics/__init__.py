@@ -6,6 +6,9 @@ to the longest record: each depends on every record, and is released with the mo
 - :mod:`.data_statistics`: the check, once before the first release: the holders walked, the statistics compared;
 - :mod:`.order_statistics`: per-feature minima, maxima, medians and quantiles at any level, and exact data values;
 - :mod:`.second_moments`: a [D, D] whitening, covariance or correlation matrix, its inverse or Cholesky factor;
+- :mod:`.near_statistics`: vectors within a rounding or subsample error of a statistic, beyond chance (rounded,
+  of a random part of the rows, of the rows with others); :mod:`.number_tables`: dicts and lists of per-column
+  numbers read as vectors;
 - :mod:`.conditional_statistics`: class-conditional means, standard deviations and variances (a prototype head);
 - :mod:`.derived_columns`: per-record columns derived from the labels (balanced weights, a target encoding);
 - :mod:`.loader_statistics`: the training loader's collate function, sampler and transforms as holders;

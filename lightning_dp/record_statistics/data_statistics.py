@@ -45,6 +45,11 @@ ledger counts, the trained model is then not differentially private.
   clipped at their own percentiles (:mod:`.clipped_columns`); a regression target standardised, centred or min-max
   scaled by its own statistics (:mod:`.scaled_targets`).
 
+* vectors held beside the records, in the model or the loader, that are *close* to a per-feature (or per-channel)
+  statistic far beyond chance: rounded (``x.mean(0).round(decimals=3)``), of a random part of the training rows, or
+  of them with others (:mod:`.near_statistics`); tables of numbers — dicts keyed by column or name, lists of
+  per-column tuples or dicts — are read as the vectors they hold (:mod:`.number_tables`).
+
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
 standard deviation) are not refused (:mod:`.released_statistics`); features scaled by them pass by their noise.
 
@@ -52,8 +57,9 @@ Constant tensors are never taken for a statistic (a zero bias is not the mean of
 within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
 data normalised per record). Names declared
 public are skipped (:func:`~lightning_dp.fingerprints.public_names.is_public`). What it cannot see: a statistic
-transformed after it was computed (rounded, scaled — a robust standard deviation IQR / 1.349 —, combined with public
-constants), statistics of a subset of the data, quantiles of integer-valued columns alone other than their extremes,
+transformed after it was computed other than by rounding (scaled — a robust standard deviation IQR / 1.349 —,
+combined with public constants), a single number rounded or of a subset, vectors of a subset too few in columns or
+records for :mod:`.near_statistics`' chance bound, quantiles of integer-valued columns alone other than their extremes,
 a whitening matrix whose eps over the smallest eigenvalue exceeds its tolerance, and data scaled by its own
 statistics in another way (to another range; a rank transform :mod:`.rank_columns` does not see).
 """

@@ -7,6 +7,12 @@ record ([N] or [N, 1], N ≥ 20; feature tensors of two columns or more are :fun
 that is not integer-valued and has at least 10 distinct values, whose finite values have
 
 * mean 0 and standard deviation 1 (either convention) to 1e-4 (float32; 1e-6 in float64): standardised;
+* standardised and then rounded to a decimal step h of 0.01 or finer (every value a multiple of h:
+  ``((y - y.mean()) / y.std()).round(decimals=2)``): mean 0 and standard deviation √(1 + h²/12) (the rounding's own
+  variance added) each within 5 standard errors of the rounding, 5·h/√(12 N), of them. A target in its own units
+  whose population is itself standard (mean 0 and deviation 1: synthetic) and is rounded to 0.01 comes that close by
+  chance in about 1 sample in 700 (measured: 7 of 6,000 at N = 100, 1,000 and 10,000; 1 of 6,000 at 0.001); coarser
+  steps (0.1) are not judged;
 * mean 0 to 1e-5 of its standard deviation (float32; 1e-9 in float64), the float rounding of ``y - y.mean()`` for a
   target whose mean was within about 200 standard deviations of 0 (a farther one loses too many digits in float32
   and is not seen): centred. A target whose true mean is exactly 0 (synthetic ``X @ w`` on centred features) comes
