@@ -16,7 +16,8 @@ indices ``0 … n − 1`` are alike in datasets of other people) and whose rows 
 A record of a later base whose row an earlier base stores (an item of the same element type and row shape) is that
 base's record, once the two share :data:`OVERLAP` of the smaller one's records or more: the whole data twice, or a
 copy of the minority class's rows concatenated to oversample it under a transform of its own. A base with no
-identifying item (records read from files by index) keeps its identity as its name.
+identifying stored item (a list of dicts, records read from files by index) is identified by its items as read
+(:mod:`.read_items`, up to its limit of records); beyond it, it keeps its identity as its name.
 
 Cost: one pass over the stored bytes of each base, only when a population has two bases or more. Not seen: copies
 stored after a transform (a flipped or float64 copy of the images kept as a second array: the content checks' to see,
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from lightning_dp.record_checks.read_items import read_items
 from lightning_dp.record_checks.stored_records import row_digests, stored_items
 
 OVERLAP = 0.05
@@ -69,15 +71,25 @@ def identifying_rows(dataset: Any) -> dict[tuple, np.ndarray]:
 def identifying_items(dataset: Any, digest: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
     """(item, ``digest(item)``) for each item ``dataset`` stores (:func:`stored_items`) with one row per record that
     is not a column of integers, whose row digests — ``digest``'s array, or the first of its tuple; ``None``: not
-    digested — are one per record and at least :data:`DISTINCT` distinct. Nothing for a dataset without a length or
-    records; an item of no rows (a 0-d tensor or array: a setting) is passed over undigested."""
+    digested — are one per record and at least :data:`DISTINCT` distinct; when none is, the same of the items as
+    read (:func:`~.read_items.read_items`: a list of dicts). Nothing for a dataset without a length or records; an
+    item of no rows (a 0-d tensor or array: a setting) is passed over undigested."""
     try:
         n = len(dataset)
     except TypeError:
         return
     if not n:
         return
-    for _, value in stored_items(dataset):
+    identified = False
+    for value, found in _identifying((value for _, value in stored_items(dataset)), n, digest):
+        identified = True
+        yield value, found
+    if not identified:  # nothing stored identifies them: the items as read (a list of dicts, :mod:`.read_items`)
+        yield from _identifying((value for _, value in read_items(dataset)), n, digest)
+
+
+def _identifying(values: Iterator[Any], n: int, digest: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
+    for value in values:
         if _row_count(value) != n or _integer_column(value):
             continue  # not one row per record (a table, a setting), or labels, ids, indices
         found = digest(value)
