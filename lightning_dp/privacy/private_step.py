@@ -701,8 +701,10 @@ class PrivateStep(StepChecks):
         self.on_every_rank(lambda: self.boundary.check_kept(where, skip=skip), f"found state changed {where}")
 
     def pause_boundary(self, where: str) -> None:
-        """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike."""
+        """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike (and the state written since the
+        last release compared with the training data's statistics: validation's logged values are released)."""
         self.on_every_rank(lambda: self.boundary.pause(where), f"found state changed {where}")
+        self.check_written_statistics(f"as validation starts, {where}")
 
     @property
     def verified(self) -> bool:
@@ -852,6 +854,7 @@ class PrivateStep(StepChecks):
         batch = self.clipped_sums(params=params)  # this physical batch merged with the step's earlier ones
         self.on_every_rank(lambda: (self.boundary.check_release(target, named),
                                     check_finite_release(batch, params, self.engine_name)), "refused its release")
+        self.check_written_statistics(f"before the release of step {index}")  # written since the last one
         if empty:
             batch = _zero_clipped_batch(batch)
         elif self.loop.plain:

@@ -113,12 +113,14 @@ _DERIVED = ("a sample weight computed from the training labels' counts", "a targ
 
 
 def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, public: Sequence[str] = (),
-                         loader: Any = None, charged: Optional[Collection[str]] = None) -> list[str]:
+                         loader: Any = None, charged: Optional[Collection[str]] = None,
+                         kept: Optional[list["TrainingStatistics"]] = None) -> list[str]:
     """What ``holders`` ((path, object): modules, a datamodule), the training ``loader``'s collator and the datasets'
     transforms (:mod:`.loader_statistics`) keep that is a statistic of ``dataset``'s tensors or of its records'
     lengths (:mod:`.record_lengths`), which of its feature tensors are standardised with their own statistics, and
     which of the modules' parameters and buffers hold training records (:func:`records_in_weights`), as findings.
-    ``charged``: the runs of the fit's ledger, whose DP releases pass (:mod:`.released_statistics`; ``None``: any)."""
+    ``charged``: the runs of the fit's ledger, whose DP releases pass (:mod:`.released_statistics`; ``None``: any).
+    ``kept``: receives the :class:`TrainingStatistics` compared with, for the fit (:mod:`.written_statistics`)."""
     holders = list(holders)
     datasets, tensors = dataset_parts(dataset)
     in_weights = records_in_weights([m for _, m in holders if isinstance(m, nn.Module)], tensors, public)
@@ -127,7 +129,7 @@ def data_statistics_held(holders: Iterable[tuple[str, Any]], dataset: Any, publi
     lengths = lengths_held(_candidates([*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]),
                            tensors, public)
     read = records_read(dataset, tensors, MAX_ELEMENTS)  # records the items read from outside it (a global X[i])
-    held = _statistics_held(holders, datasets, [*tensors, *read], public, charged)
+    held = _statistics_held(holders, datasets, [*tensors, *read], public, charged, kept)
     return list(dict.fromkeys(in_weights + held + derived + lengths))
 
 
@@ -154,67 +156,96 @@ def records_in_weights(modules: Sequence[nn.Module], tensors: Sequence[tuple[str
 
 def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any],
                      tensors: Sequence[tuple[str, Tensor]], public: Sequence[str],
-                     charged: Optional[Collection[str]] = None) -> list[str]:
-    records, arrays = _records(datasets, tensors)
-    records |= {id(t) for _, t in arrays}
-    names = {path: training_name(path, t) for path, t in [*tensors, *arrays]}
-    stats = [(f"{name} of the training {names[path]}", value, id(t))
-             for path, t in [*tensors, *arrays] if 0 < t.numel() <= MAX_ELEMENTS for name, value in _statistics(t)]
-    shaped = _ByWidth([*tensors, *arrays])
-    near = NearStatistics([*tensors, *arrays], shaped.order)  # rounded, subsampled: within their error
-    record_paths = {p for p, t in [*tensors, *arrays] if id(t) in records}
-    found = [f"the training {names[path]} is {how}"
-             for path, t in tensors
-             for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
-                         or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])
-                         or clipped(t, lambda: shaped.order(t).sorted, lambda end: released_end(end, charged))]
-             if how]
-    if not stats:
+                     charged: Optional[Collection[str]] = None,
+                     kept: Optional[list["TrainingStatistics"]] = None) -> list[str]:
+    statistics = TrainingStatistics(datasets, tensors, public, charged)
+    if kept is not None:
+        kept.append(statistics)
+    found = statistics.scaled()
+    if not statistics.stats:
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
-    data_ids = records  # a held value beside the records (``self.mean = x.mean(0)``) is a candidate
-    directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, computed when a candidate has that width
     for path, value in _candidates(owners):
+        found.extend(statistics.held_by(path, value))
+    return found
+
+
+class TrainingStatistics:
+    """The statistics of the training tensors a held value is compared with (module docstring), computed once: the
+    summaries of each tensor as it is built, the order statistics, second moments, class-conditional statistics
+    (:class:`_ByWidth`) and principal directions per feature width when a candidate of that width is first compared;
+    kept for the fit, :mod:`.written_statistics` compares with them what the user's hooks write during it."""
+
+    def __init__(self, datasets: Sequence[Any], tensors: Sequence[tuple[str, Tensor]], public: Sequence[str] = (),
+                 charged: Optional[Collection[str]] = None) -> None:
+        self.tensors, self.public, self.charged = list(tensors), tuple(public), charged
+        records, arrays = _records(datasets, tensors)
+        self.records = records | {id(t) for _, t in arrays}
+        """The ids of the tensors and arrays that hold records (never a candidate; a value beside them is one)."""
+        self.names = {path: training_name(path, t) for path, t in [*tensors, *arrays]}
+        self.stats = [(f"{name} of the training {self.names[path]}", value, id(t))
+                      for path, t in [*tensors, *arrays] if 0 < t.numel() <= MAX_ELEMENTS
+                      for name, value in _statistics(t)]
+        self.shaped = _ByWidth([*tensors, *arrays])
+        self.near = NearStatistics([*tensors, *arrays], self.shaped.order)  # rounded, subsampled: within their error
+        self.record_paths = {p for p, t in [*tensors, *arrays] if id(t) in self.records}
+        self.directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, when a candidate has that width
+
+    def scaled(self) -> list[str]:
+        """The training feature tensors scaled by their own statistics or holding statistics written into them."""
+        tensors, shaped, names = self.tensors, self.shaped, self.names
+        return [f"the training {names[path]} is {how}"
+                for path, t in tensors
+                for how in [_scaled_by_itself(t, shaped.order) or scaled_target(t)
+                            or _fitted(t, shaped.order, [(names[p], u) for p, u in tensors if u is not t])
+                            or clipped(t, lambda: shaped.order(t).sorted,
+                                       lambda end: released_end(end, self.charged))]
+                if how]
+
+    def held_by(self, path: str, value: Any) -> list[str]:
+        """What the held ``value`` (named ``path``: ``buffer mean``, ``attribute stats``, ``datamodule.mean``) is of
+        the training tensors' statistics, as findings (none: nothing). Public names, the records themselves, constant
+        tensors and DP releases a charged ledger counts are never one."""
+        if not self.stats:
+            return []
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
-        if id(value) in data_ids or is_public(name, public):
-            continue
+        if id(value) in self.records or is_public(name, self.public):
+            return []
         candidate = _as_tensor(value)
         if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)) \
-                or is_released(candidate, charged):  # a DP release its ledger counts (:mod:`.released_statistics`)
-            continue
+                or is_released(candidate, self.charged):  # a DP release its ledger counts (:mod:`.released_statistics`)
+            return []
         beside = name.startswith(("dataset ", "loader."))  # held for the items: against the records' statistics
-        for stat_name, stat, source in stats:
-            if source == id(value) or (beside and source not in records):
+        for stat_name, stat, source in self.stats:
+            if source == id(value) or (beside and source not in self.records):
                 continue
             if stat_name.startswith(_ONE_NUMBER) and candidate.numel() == 1 and _round(float(candidate)):
                 continue  # a public range's end (-1, 0.5, 255: pixels scaled to [-1, 1]) is no record's value
             try:
                 same = _equal(candidate, stat, 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL)
             except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one (DTensor)
-                break
+                return []
             if same:
-                found.append(f"{path} equals the {stat_name}")
-                break
-        else:
-            try:
-                held = shaped.held(candidate)
-                found.extend(f"{path} holds {what} of the training {names.get(p, p.lstrip('.') or 'tensor')}"
-                             for p, what in held)
-                found.extend(f"{path} is {_NEAR} {stat} of the training {names.get(p, p)}, within a rounding or "
-                             f"subsample error (a vector not computed from it comes as close with chance {chance:.0e})"
-                             for p, stat, chance in ([] if held else
-                                                     near.held(candidate, record_paths if beside else None,
-                                                               released_vectors(charged))))
-            except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one
-                continue
-            for width in {*candidate.shape[-2:]} if candidate.dim() == 2 else ():
-                if width not in directions:
-                    directions[width] = [(f"principal directions of the training {names[p]}", d)
-                                         for p, t in tensors if t.dim() >= 2 and t[0].numel() == width
-                                         for d in [_principal_directions(t)] if d is not None]
-                found.extend(f"rows of {path} are the {name}" for name, d in directions[width]
-                             if _rows_along(candidate, d))
-    return found
+                return [f"{path} equals the {stat_name}"]
+        try:
+            held = self.shaped.held(candidate)
+            found = [f"{path} holds {what} of the training {self.names.get(p, p.lstrip('.') or 'tensor')}"
+                     for p, what in held]
+            found += [f"{path} is {_NEAR} {stat} of the training {self.names.get(p, p)}, within a rounding or "
+                      f"subsample error (a vector not computed from it comes as close with chance {chance:.0e})"
+                      for p, stat, chance in ([] if held else
+                                              self.near.held(candidate, self.record_paths if beside else None,
+                                                             released_vectors(self.charged)))]
+        except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one
+            return []
+        for width in {*candidate.shape[-2:]} if candidate.dim() == 2 else ():
+            if width not in self.directions:
+                self.directions[width] = [(f"principal directions of the training {self.names[p]}", d)
+                                          for p, t in self.tensors if t.dim() >= 2 and t[0].numel() == width
+                                          for d in [_principal_directions(t)] if d is not None]
+            found.extend(f"rows of {path} are the {name}" for name, d in self.directions[width]
+                         if _rows_along(candidate, d))
+        return found
 
 
 def _records(datasets: Sequence[Any], tensors: Sequence[tuple[str, Tensor]]) -> tuple[set[int], list[tuple[str, Any]]]:
@@ -512,13 +543,14 @@ SAME_COUNT = 2
 level (an interpolated quantile and ties in the data move it by a record or two)."""
 
 
-def _candidates(owners: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(path, value) of the tensors, arrays and number sequences the owners hold: a module's buffers and its
-    submodules' attributes, another object's attributes (one level into lists, tuples and dicts of them)."""
+def _candidates(owners: Iterable[tuple[str, Any]], parameters: bool = True) -> Iterator[tuple[str, Any]]:
+    """(path, value) of the tensors, arrays and number sequences the owners hold: a module's parameters (unless not
+    ``parameters``), buffers and its submodules' attributes, another object's attributes (one level into lists,
+    tuples and dicts of them)."""
     for label, owner in owners:
         if isinstance(owner, nn.Module):
             at = f"{label}." if label.startswith(("loader.", "dataset ")) else ""  # a transform the loader holds
-            for name, p in owner.named_parameters():  # initialised from the data: a bias set to the log prior
+            for name, p in owner.named_parameters() if parameters else ():  # initialised from the data: a log prior
                 yield f"parameter {at}{name}", p
             for name, b in owner.named_buffers():
                 yield f"buffer {at}{name}", b
@@ -597,3 +629,7 @@ def _equal(candidate: Tensor, stat: Tensor, rtol: float = _RTOL) -> bool:
         return False
     c = candidate.detach().to("cpu", torch.float64).reshape(-1)
     return bool(torch.allclose(c, stat.reshape(-1).cpu(), rtol=rtol, atol=_ATOL))
+
+
+held_candidates = _candidates
+"""What the owners hold that is compared with the statistics (public: :mod:`.written_statistics` walks it too)."""

@@ -31,7 +31,9 @@ from lightning_dp.records.empty_records import holding_data
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.record_checks.released_transforms import uncharged_transforms, uncharged_transforms_error
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
-from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.record_statistics.data_statistics import TrainingStatistics, data_statistics_error, \
+    data_statistics_held
+from lightning_dp.record_statistics.written_statistics import WrittenStatistics
 from lightning_dp.record_statistics.public_overlap import check_public_steps
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
 from lightning_dp.validators.outside_fits import outside_fit_error, outside_fits_held, warn_pretrained_outside
@@ -130,9 +132,11 @@ class StepChecks:
                                                if is_datamodule(cb)]
         loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
         charged = {e.run for e in self.ledger.entries if e.run}  # DP releases this fit's ledger counts pass
-        found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader, charged)
+        kept: list[TrainingStatistics] = []
+        found = data_statistics_held(holders, self._source[0], self.boundary.public_state, loader, charged, kept)
         if found:
             raise data_statistics_error(found)
+        self._watch_written_statistics(kept[0] if kept else None, holders)
         found = uncharged_transforms(self._source[0], charged, getattr(self, "secure_sampling", False))
         if found:  # features a DP preprocessor computed, its release charged elsewhere (:mod:`.released_transforms`)
             raise uncharged_transforms_error(found)
@@ -148,6 +152,40 @@ class StepChecks:
         warn_pretrained_outside(self._module, optimizer)  # its own weights stepped outside it first
         check_public_steps(self._module.parameters(), self._source[0])  # "public" steps on the training records
         warn_packed_records(self._module, self._source[0], loader)  # several documents per record (group_texts)
+
+    written_statistics: Optional[WrittenStatistics] = None
+    """What the user's state holds that equals a statistic of the training data, compared where it changes during the
+    fit (:mod:`~lightning_dp.record_statistics.written_statistics`: before each release, as validation starts,
+    before a checkpoint and at the fit's end)."""
+
+    def _watch_written_statistics(self, statistics: Optional[TrainingStatistics],
+                                  holders: Sequence[tuple[str, Any]]) -> None:
+        """Keep rule 11's statistics for the fit: the state the hooks write later is compared with them."""
+        self.written_statistics = self.boundary.on_update = None
+        if statistics is None or self._module is None:
+            return
+        boundary, module = self.boundary, self._module
+
+        def owners() -> list[tuple[str, Any]]:
+            callbacks = boundary.untrusted_callbacks()
+            labels = [type(cb).__name__ for cb in callbacks]
+            return [*holders, *((label if labels.count(label) == 1 else f"{label}[{i}]", cb)
+                                for i, (label, cb) in enumerate(zip(labels, callbacks)) if not is_datamodule(cb))]
+
+        attached = getattr(self, "_optimizer", None)
+
+        def optimizers() -> list[Any]:  # the released one and the attached one (each once: a wrapper unwrapped)
+            found = [getattr(o, "_optimizer", o) for o in (boundary.watched, attached) if o is not None]
+            return list({id(o): o for o in found}.values())
+
+        watch = WrittenStatistics(statistics, owners, module, optimizers, clean=holders)
+        self.written_statistics, boundary.on_update = watch, watch.note_update
+
+    def check_written_statistics(self, where: str, optimizers: bool = False) -> None:
+        """:meth:`WrittenStatistics.check` (none kept: nothing), on every rank alike."""
+        watch = self.written_statistics
+        if watch is not None:
+            self.on_every_rank(lambda: watch.check(where, optimizers), f"found a statistic of the data {where}")
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",

@@ -102,6 +102,8 @@ class ReleaseBoundary:
         """Attribute names the engine keeps on the model's modules (never fingerprinted nor restored)."""
         self.parameters: Optional[Callable[[], Any]] = None
         """Where the kept parameters are read (``None``: the module's; FSDP2: the sharded parameters)."""
+        self.on_update: Optional[Callable[[], None]] = None
+        """Called after each update (:meth:`updated`: the written statistics' watch notes the parameters)."""
 
     # ------------------------------------------------------------------ life cycle
     def attach(self, module: nn.Module, optimizer: Optional[Optimizer], hooks_before: HookKeys,
@@ -198,6 +200,13 @@ class ReleaseBoundary:
         if self._iterations is not None:
             self._iterations.advance()
         self.baseline()
+        if self.on_update is not None:
+            self.on_update()
+
+    @property
+    def watched(self) -> Optional[Optimizer]:
+        """The optimizer whose steps re-baseline the state (the last release's)."""
+        return self._watched
 
     def pause(self, where: str) -> None:
         """Validation starts: check what changed since the update, then stop comparing until :meth:`baseline`."""

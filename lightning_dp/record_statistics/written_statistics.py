@@ -1,0 +1,220 @@
+"""Statistics of the training data written into the user's state during a private fit, whatever path they came by.
+
+Rule 11 of docs/release_boundary.md compares, once before the first release, what the model and the datamodule hold
+with the statistics of the training data (:func:`~.data_statistics.data_statistics_held`). The replays judge what the
+hooks write later (:mod:`~lightning_dp.validators.judged_writes`, the decision windows, :mod:`~.end_of_fit`) by
+running them again on the training data's copies exchanged: a value that reaches the hook by a path no exchange moves
+— a file the script saved before the fit (``torch.save(x_train.mean(0), path)``, ``np.save``, ``json.dump``, a
+pickle) read back in ``on_after_backward``, a global computed before the fit, a ``functools.lru_cache``'d function of
+the data, an environment variable, another object the walks miss — is written alike in every run again and is taken
+for a function of the released state (zoo32 j01).
+
+:class:`WrittenStatistics` closes that class by looking at the value, not the path: the statistics rule 11 computed
+(:class:`~.data_statistics.TrainingStatistics`: per feature width, once, kept for the fit) are compared with every
+value of the user's state that changed since it was last compared, at the points before which such state is
+released or steers a release:
+
+* **before every release** (:meth:`~lightning_dp.privacy.private_step.PrivateStep.release`): the module's buffers
+  and attributes, the datamodule's and the callbacks' (not Lightning's or lightning_dp's) attributes — a buffer the
+  forward reads steers the next step's release, and each later one —, and the parameters a hook wrote since the last
+  update (their version counters moved after the optimizer's step: a write at a batch's end, in an epoch hook);
+* **as validation starts** (its logged values are released);
+* **before every checkpoint and at the fit's end** (``on_train_end``, and after ``on_fit_end``/``teardown``:
+  :meth:`~lightning_dp.validators.end_of_fit.EndOfFit.judge`): the same, and the optimizers' state (their
+  per-parameter state and the parameter groups' values), saved in the checkpoint;
+
+so a write at step 5 only, in ``on_train_epoch_end`` or in a callback's hook, is refused before anything holding it
+leaves: the refusal names the holder and the statistic, and a tensor written in place is put back to the value last
+compared (the module handed back holds no statistic).
+
+Cost: a value is compared only when it changed since it was last compared: a tensor by identity, version counter and
+storage (no read of its values), a NumPy array of up to :data:`COPIED` elements and a list of numbers by their values
+(larger arrays by identity and storage only), a float by its value. A tensor whose version moved with its values
+unchanged (a state put back after a replay) is compared with its last copy only. With nothing written, a check is a
+walk of the state (the attributes the boundary's fingerprint walks too): about 0.1 ms a step on a model of a few
+modules. A value that changes at every step (an EMA of the weights, a counter) is compared at every release.
+
+What it does not see: a statistic transformed (rounded, scaled, mixed with public constants: as rule 11), a value
+written and overwritten between two checks (it never reaches a release), the optimizers' state between two
+checkpoints (read by the update: a statistic written there moves the weights only mixed with ĝ; the replays of
+:mod:`~lightning_dp.validators.judged_writes` judge its writes), the in-place write into a NumPy array of more than
+:data:`COPIED` elements, state held elsewhere than the module, the datamodule and the callbacks (a global of your
+code, a logger), and a callback's own state written before the first release (``on_train_start``; the module's is
+compared by rule 11's check there). Names declared public (``public_state``) are skipped, as DP releases a charged
+ledger counts are (:mod:`.released_statistics`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.record_statistics.data_statistics import TrainingStatistics, held_candidates
+
+__all__ = ["COPIED", "WrittenStatistics", "written_statistics_error"]
+
+COPIED = 1 << 20
+"""Values up to this many elements are copied when compared (put back when a later write is refused; a NumPy array's
+in-place write found by its values); larger ones are compared by identity and version (tensors) or storage."""
+
+Owners = Callable[[], Sequence[tuple[str, Any]]]
+
+
+class WrittenStatistics:
+    """What the user's state holds that equals a statistic of the training data, checked where it changes
+    (module docstring).
+
+    Args:
+        statistics: rule 11's statistics of the training data (kept from its check).
+        owners: (label, object) of the state to watch: the module (label ``"model"``), the datamodule, the callbacks
+            (labelled by their class's name, as ``public_state`` names them).
+        module: the module whose parameters are watched after each update.
+        optimizers: the optimizers whose state is compared before a checkpoint and at the fit's end.
+        clean: (label, object) of owners rule 11 compared just now: their values are taken as compared.
+    """
+
+    def __init__(self, statistics: TrainingStatistics, owners: Owners, module: nn.Module,
+                 optimizers: Callable[[], Sequence[Any]] = tuple, clean: Sequence[tuple[str, Any]] = ()) -> None:
+        self.statistics, self.owners, self.module, self.optimizers = statistics, owners, module, optimizers
+        self._seen: dict[str, tuple[Any, Any]] = {}  # path → (token, copy) as last compared
+        self._updated: Optional[dict[str, tuple[Tensor, int]]] = None  # parameter name → (p, version) after update
+        self.compared = 0  # values compared with the statistics (a test's and a benchmark's count)
+        for path, value in held_candidates(clean, parameters=False):
+            token = _token(value)
+            if token is not None:
+                self._seen[path] = (token, _copy(value))
+
+    def note_update(self) -> None:
+        """The optimizer applied a release: the parameters' version counters now (a later move is a hook's write)."""
+        self._updated = {name: (p, p._version) for name, p in self.module.named_parameters()}
+
+    def check(self, where: str, optimizers: bool = False) -> None:
+        """Refuse a value changed since it was last compared that equals a statistic of the training data, putting
+        back the tensors written in place; ``where``: the point (``"before the release of step 3"``); ``optimizers``:
+        the optimizers' state too (before a checkpoint, at the fit's end)."""
+        found: list[str] = []
+        written: list[tuple[Any, Any]] = []
+        for path, value in self._changed(optimizers):
+            token, copy = _token(value), None
+            if token is None:
+                continue
+            last = self._seen.get(path)
+            if last is not None and isinstance(value, Tensor) and last[1] is not None and _same(value, last[1]):
+                self._seen[path] = (token, last[1])  # version moved, values as compared (a state put back)
+                continue
+            self.compared += 1
+            held = self.statistics.held_by(path, value)
+            if held:
+                found.extend(held)
+                if last is not None and last[1] is not None:
+                    written.append((value, last[1]))
+                continue
+            copy = _copy(value)
+            self._seen[path] = (token, copy)
+        if found:
+            put = _put_back(written)
+            raise written_statistics_error(found, where, put)
+        if self._updated is not None:
+            self._updated = {name: (p, p._version) for name, (p, _) in self._updated.items()}
+
+    def _changed(self, optimizers: bool) -> Iterator[tuple[str, Any]]:
+        """(path, value) of the values whose token differs from the last compared one."""
+        for path, value in held_candidates(self.owners(), parameters=False):
+            if self._moved(path, value):
+                yield path, value
+        for name, (p, version) in (self._updated or {}).items():
+            if p._version != version:
+                yield f"parameter {name}", p
+        for i, optimizer in enumerate(self.optimizers() if optimizers else ()):
+            for path, value in _optimizer_values(i, optimizer):
+                if self._moved(path, value):
+                    yield path, value
+
+    def _moved(self, path: str, value: Any) -> bool:
+        last = self._seen.get(path)
+        if last is None:
+            return True
+        token = _token(value)
+        return token is not None and token != last[0]
+
+
+def _token(value: Any) -> Any:
+    """What tells a held value changed (module docstring's cost), or ``None``: not a value compared."""
+    if isinstance(value, Tensor):
+        if value.layout != torch.strided or value.is_complex():
+            return None
+        try:
+            place = value.data_ptr()
+        except RuntimeError:  # a tensor without storage (a DTensor, a meta tensor)
+            place = None
+        return ("tensor", id(value), value._version, place, tuple(value.shape), value.dtype)
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None:
+        if value.dtype.kind not in "fiu" or not hasattr(value, "tobytes"):
+            return None
+        size = getattr(value, "size", 1)
+        if size <= COPIED:
+            return ("array", id(value), value.shape, value.tobytes())
+        return ("array", id(value), value.shape, value.__array_interface__["data"][0])
+    if isinstance(value, float):
+        return ("float", value)
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return ("numbers", type(value), tuple(value))
+    return None
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a tensor of up to :data:`COPIED` elements (put back when a later write is refused), else ``None``."""
+    if isinstance(value, Tensor) and value.numel() <= COPIED:
+        return value.detach().clone()
+    return None
+
+
+def _same(value: Tensor, copy: Tensor) -> bool:
+    try:
+        return value.shape == copy.shape and value.dtype == copy.dtype and bool(torch.equal(value.detach(), copy))
+    except RuntimeError:
+        return False
+
+
+def _put_back(written: list[tuple[Any, Any]]) -> bool:
+    """Put the tensors written in place back to their last compared values; whether every one was."""
+    done = True
+    with torch.no_grad():
+        for value, copy in written:
+            if value.shape == copy.shape and value.dtype == copy.dtype and value.device == copy.device:
+                value.copy_(copy)
+            else:
+                done = False
+    return done and bool(written)
+
+
+def _optimizer_values(i: int, optimizer: Any) -> Iterator[tuple[str, Any]]:
+    """(path, value) of an optimizer's per-parameter state and its parameter groups' values."""
+    state = getattr(optimizer, "state", None) or {}
+    for g, group in enumerate(getattr(optimizer, "param_groups", None) or ()):
+        for key, value in group.items():
+            if key != "params":
+                yield f"optimizer {i} param_groups[{g}][{key!r}]", value
+        for j, p in enumerate(group.get("params", ())):
+            for key, value in (state.get(p) or {}).items() if isinstance(state.get(p), dict) else ():
+                yield f"optimizer {i} state[{g}][{j}][{key!r}]", value
+
+
+def written_statistics_error(found: Sequence[str], where: str, put_back: bool = False) -> PrivacyConfigurationError:
+    """The refusal of :meth:`WrittenStatistics.check`'s findings."""
+    lines = "\n".join(f"- {f}" for f in found[:6])
+    note = ("The tensors written were put back to the values last compared." if put_back else
+            "The module, its callbacks or the datamodule still hold what was written: do not save or use them as they "
+            "are.")
+    return PrivacyConfigurationError(
+        f"State written during the private fit equals a statistic of the training data ({where}):\n{lines}\n"
+        "It depends on every training record and no noise covers it, whatever path it came by (a file saved before "
+        "the fit and read back in a hook, a global, a cached function of the data, an environment variable): the "
+        "state is released with the model and its checkpoints, and a buffer the forward reads steers every later "
+        f"release. Nothing holding it was released. {note} Fix: compute such values from public data or with a DP "
+        "mechanism charged to this fit (lightning_dp.data.PrivateStandardizer), or, for a value not derived from "
+        "this training data, declare it: DPStrategy(public_state=[name]).")
