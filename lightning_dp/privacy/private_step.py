@@ -704,7 +704,7 @@ class PrivateStep(StepChecks):
         """Validation starts: :meth:`ReleaseBoundary.pause`, on every rank alike (and the state written since the
         last release compared with the training data's statistics: validation's logged values are released)."""
         self.on_every_rank(lambda: self.boundary.pause(where), f"found state changed {where}")
-        self.check_written_statistics(f"as validation starts, {where}")
+        self.check_written_statistics(f"as validation starts, {where}", full=True)
 
     @property
     def verified(self) -> bool:

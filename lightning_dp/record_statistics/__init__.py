@@ -4,6 +4,8 @@ features' mean, class weights from the labels' counts, quantile bin edges, a whi
 to the longest record: each depends on every record, and is released with the model.
 
 - :mod:`.data_statistics`: the check, once before the first release: the holders walked, the statistics compared;
+- :mod:`.written_statistics`: the same statistics compared, during the fit, with the state the hooks wrote since it
+  was last compared (before each release, checkpoint and the fit's end: a statistic read back from a file);
 - :mod:`.order_statistics`: per-feature minima, maxima, medians and quantiles at any level, and exact data values;
 - :mod:`.second_moments`: a [D, D] whitening, covariance or correlation matrix, its inverse or Cholesky factor;
 - :mod:`.near_statistics`: vectors within a rounding or subsample error of a statistic, beyond chance (rounded,

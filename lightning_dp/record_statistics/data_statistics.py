@@ -53,6 +53,9 @@ ledger counts, the trained model is then not differentially private.
 Values released by a DP mechanism that charged a ledger (:class:`~lightning_dp.data.PrivateStandardizer`'s mean and
 standard deviation) are not refused (:mod:`.released_statistics`); features scaled by them pass by their noise.
 
+The statistics are kept for the fit (:class:`TrainingStatistics`): :mod:`.written_statistics` compares with them
+what the hooks write during it, where the replays cannot see a path (a file saved before the fit read back).
+
 Constant tensors are never taken for a statistic (a zero bias is not the mean of standardised data), nor is a scalar
 within the tolerance of 0 or 1, statistic or candidate (a convolution's ``padding`` ``(0,)`` against the mean of
 data normalised per record). Names declared
@@ -202,10 +205,13 @@ class TrainingStatistics:
                                        lambda end: released_end(end, self.charged))]
                 if how]
 
-    def held_by(self, path: str, value: Any) -> list[str]:
+    def held_by(self, path: str, value: Any, full: bool = True) -> list[str]:
         """What the held ``value`` (named ``path``: ``buffer mean``, ``attribute stats``, ``datamodule.mean``) is of
         the training tensors' statistics, as findings (none: nothing). Public names, the records themselves, constant
-        tensors and DP releases a charged ledger counts are never one."""
+        tensors and DP releases a charged ledger counts are never one. Not ``full``: only the statistics of each
+        tensor computed with it (means, deviations, variances, class frequencies, a target's order statistics: one
+        comparison each, microseconds), not the per-width ones (order statistics, second moments, class-conditional
+        statistics, principal directions: up to seconds for a [1000, 1000] candidate)."""
         if not self.stats:
             return []
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
@@ -227,6 +233,8 @@ class TrainingStatistics:
                 return []
             if same:
                 return [f"{path} equals the {stat_name}"]
+        if not full:
+            return []
         try:
             held = self.shaped.held(candidate)
             found = [f"{path} holds {what} of the training {self.names.get(p, p.lstrip('.') or 'tensor')}"

@@ -164,7 +164,7 @@ class EndOfFit:
                             "use the module as it is.")
             err.args = (f"{err.args[0] if err.args else ''}{note}", *err.args[1:])
             raise
-        self.step.check_written_statistics(where, optimizers=True)  # (:mod:`~.written_statistics`)
+        self.step.check_written_statistics(where, full=True)  # (:mod:`~.written_statistics`)
 
     def judge_after_users_teardown(self) -> None:
         """The fit ends without error (Lightning's teardown of the strategy runs before the user's ``on_fit_end`` and

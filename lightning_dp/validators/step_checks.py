@@ -181,11 +181,13 @@ class StepChecks:
         watch = WrittenStatistics(statistics, owners, module, optimizers, clean=holders)
         self.written_statistics, boundary.on_update = watch, watch.note_update
 
-    def check_written_statistics(self, where: str, optimizers: bool = False) -> None:
-        """:meth:`WrittenStatistics.check` (none kept: nothing), on every rank alike."""
+    def check_written_statistics(self, where: str, full: bool = False) -> None:
+        """:meth:`WrittenStatistics.check` (none kept: nothing), on every rank alike; ``full``: every statistic and
+        the optimizers' state too (validation's start, a checkpoint, the fit's end)."""
         watch = self.written_statistics
         if watch is not None:
-            self.on_every_rank(lambda: watch.check(where, optimizers), f"found a statistic of the data {where}")
+            self.on_every_rank(lambda: watch.check(where, optimizers=full, full=full),
+                               f"found a statistic of the data {where}")
 
     def verify_on(self, loss_of_examples: Callable[[list[int]], Any], indices: Sequence[int],
                   low_precision: bool = False, what: str = "the loss function",

@@ -101,9 +101,10 @@ class Writes(pl.Callback):
         self._maybe("on_train_epoch_end", trainer, pl_module)
 
 
-def _fit(model: pl.LightningModule, callbacks: tuple = (), steps: int = 10) -> pl.Trainer:
+def _fit(model: pl.LightningModule, callbacks: tuple = (), steps: int = 6) -> pl.Trainer:
+    """``steps`` private steps, four an epoch."""
     trainer = quiet_trainer(strategy=strategy(), max_steps=steps, callbacks=list(callbacks), num_sanity_val_steps=0)
-    trainer.fit(model, DataLoader(data(64), batch_size=8))
+    trainer.fit(model, DataLoader(data(64), batch_size=16))
     return trainer
 
 
@@ -167,7 +168,7 @@ def test_a_statistic_kept_in_the_optimizers_state_is_refused_at_the_fits_end(tmp
             optimizer.state[self.net[0].bias]["feature_mean"] = read()
 
     with pytest.raises(PrivacyConfigurationError, match=r"optimizer 0 state\[0\]\[1\]\['feature_mean'\] equals"):
-        _fit(Kept(), steps=8)
+        _fit(Kept())
 
 
 @pytest.mark.parametrize("hook", ["setup", "on_train_start", "configure_model"])
@@ -208,7 +209,7 @@ def test_pretrained_weights_loaded_from_a_file_train(tmp_path: Path, hook: str) 
     torch.manual_seed(1)
     path = tmp_path / "pretrained.pt"
     torch.save(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).state_dict(), path)
-    assert _fit(Pretrained(path, hook)).global_step == 10
+    assert _fit(Pretrained(path, hook)).global_step == 6
 
 
 class Averaged(Classifier):
@@ -234,15 +235,15 @@ class Averaged(Classifier):
 
 def test_an_ema_of_the_weights_counters_and_public_constants_from_a_file_train(tmp_path: Path) -> None:
     model = Averaged(_saved(tmp_path, "json", torch.tensor([0.5, 0.25, 2.0, 1.5])))
-    assert _fit(model).global_step == 10
-    assert float(model.count) == 10 and float(model.scale[0]) == 0.5
+    assert _fit(model).global_step == 6
+    assert float(model.count) == 6 and float(model.scale[0]) == 0.5
     assert model.trainer.strategy.private_step.written_statistics.compared > 0  # the changed buffers were compared
 
 
 def test_a_statistic_of_public_data_read_from_a_file_trains(tmp_path: Path) -> None:
     public = data(64, seed=7).tensors[0].mean(0)  # other records: no statistic of the training set
     model = Hinted(_saved(tmp_path, "torch", public), "on_after_backward")
-    assert _fit(model).global_step == 10
+    assert _fit(model).global_step == 6
     assert torch.equal(model.hint, public)
 
 
@@ -262,4 +263,4 @@ def test_nothing_is_compared_during_the_fit_when_nothing_changed() -> None:
     model.register_buffer("fixed", torch.arange(4.0))
     COUNTS.clear()
     _fit(model, (Compared(),))
-    assert COUNTS == [0] * 10
+    assert COUNTS == [0] * 6
