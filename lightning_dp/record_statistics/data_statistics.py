@@ -189,6 +189,7 @@ class TrainingStatistics:
         self.stats = [(f"{name} of the training {self.names[path]}", value, id(t))
                       for path, t in [*tensors, *arrays] if 0 < t.numel() <= MAX_ELEMENTS
                       for name, value in _statistics(t)]
+        self.sizes = {stat.numel() for _, stat, _ in self.stats}
         self.shaped = _ByWidth([*tensors, *arrays])
         self.near = NearStatistics([*tensors, *arrays], self.shaped.order)  # rounded, subsampled: within their error
         self.record_paths = {p for p, t in [*tensors, *arrays] if id(t) in self.records}
@@ -218,7 +219,9 @@ class TrainingStatistics:
         if id(value) in self.records or is_public(name, self.public):
             return []
         candidate = _as_tensor(value)
-        if candidate is None or candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)) \
+        if candidate is None or (not full and candidate.numel() not in self.sizes):
+            return []  # (no statistic of its size: nothing else to compare in part)
+        if candidate.numel() == 0 or (candidate.numel() > 1 and _constant(candidate)) \
                 or is_released(candidate, self.charged):  # a DP release its ledger counts (:mod:`.released_statistics`)
             return []
         beside = name.startswith(("dataset ", "loader."))  # held for the items: against the records' statistics
