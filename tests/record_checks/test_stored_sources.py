@@ -51,7 +51,7 @@ class Files(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i):
-        return torch.full((4,), float(i)), self.labels[i]
+        return torch.full((4,), float(i) + 1000.0 * ord(self.root[0])), self.labels[i]  # each root's own files
 
 
 def _data(n: int = 64, seed: int = 0):
@@ -88,8 +88,18 @@ def test_parts_of_other_records_train(parts):
 
 
 def test_labels_and_indices_do_not_identify_records():
-    assert identifying_rows(Files("a", list(range(64)))) == {}
     assert identifying_rows(TensorDataset(torch.arange(64), Y)) == {}
+    files = Files("a", [0, 1] * 32)  # stores its labels only: identified by its items as read
+    read, stored = identifying_rows(files), identifying_rows(TensorDataset(torch.stack([files[i][0] for i in
+                                                                                       range(64)]), Y))
+    assert list(read) == list(stored) == [("float32", (4,))]
+    assert np.array_equal(read[("float32", (4,))], stored[("float32", (4,))])
+
+
+def test_two_file_datasets_reading_the_same_records_are_one_source():
+    """Nothing stored identifies their records: the items as read do (record_checks/read_items.py)."""
+    with pytest.raises(PrivacyConfigurationError, match="reads one record more than once"):
+        check_sources(ConcatDataset([Files("a", [0, 1] * 16), Files("a", [1, 0] * 16)]), None)
     assert list(identifying_rows(TensorDataset(X, Y))) == [("float32", (4,))]
 
 
