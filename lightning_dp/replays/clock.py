@@ -40,7 +40,7 @@ import types
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["CLOCKS", "ClockReads", "clock_bindings", "replayed_caller"]
+__all__ = ["CLOCKS", "ClockReads", "clock_bindings", "file_kind", "replayed_caller"]
 
 CLOCKS = tuple(name for name in ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
                                  "process_time", "process_time_ns", "thread_time", "thread_time_ns")
@@ -70,7 +70,7 @@ _OURS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _KINDS: dict[str, str] = {}  # file name → "site", "std", "ours" or "user"
 
 
-def _kind(filename: str) -> str:
+def file_kind(filename: str) -> str:
     """Whose code a file holds: an installed library's (``"site"``), the standard library's, lightning_dp's, or the
     user's."""
     kind = _KINDS.get(filename)
@@ -86,7 +86,7 @@ def _kind(filename: str) -> str:
 def replayed_caller(code: types.CodeType) -> bool:
     """Whether a clock read from ``code`` is served recorded values: not from the standard library's code (a queue's,
     a lock's or a thread's deadline) nor from lightning_dp's (its own timers)."""
-    return _kind(code.co_filename) not in ("std", "ours")
+    return file_kind(code.co_filename) not in ("std", "ours")
 
 
 _INDEX: dict[str, tuple[dict[str, Any], bool]] = {}  # module name → (its dict, whether datetime is swapped there)
@@ -118,7 +118,7 @@ def clock_bindings() -> list[tuple[dict[str, Any], bool]]:
             _INDEX.pop(name, None)
             names = getattr(module, "__dict__", None)
             filename = getattr(module, "__file__", None) or ("<main>" if name == "__main__" else "")
-            kind = _kind(filename) if isinstance(filename, str) and filename else "std"  # a built-in module
+            kind = file_kind(filename) if isinstance(filename, str) and filename else "std"  # a built-in module
             if isinstance(names, dict) and kind in ("site", "user") and name != __name__ and \
                     _binds(names, kind == "user"):
                 _INDEX[name] = (names, kind == "user")

@@ -22,6 +22,7 @@ import torch
 
 from lightning_dp.records import user_generators
 from lightning_dp.records.call_sites import STANDARD, first_caller, package_of
+from lightning_dp.replays.draws import pass_through
 from lightning_dp.replays.starting_state import Generators, put_back_after
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ def _recording(label: str, original: Callable[..., Any], calls: list[tuple[str, 
         if _seeded_by_user():
             calls.append((label.rpartition(".")[2], _token((args, kwargs))))
         return original(*args, **kwargs)
+    pass_through(seeding)  # (np.random.seed() read under it is the user's draw: replays/draws.py)
     return seeding
 
 
