@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries, moved_by_data
 from lightning_dp.records.fetch import seeded
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import run_once, set_apart
 from lightning_dp.replays.starting_state import put_back_after
 from lightning_dp.validators.hook_replays import batch_start, replaying
@@ -75,11 +76,13 @@ class BatchStartSettings:
         _, put_arrived, as_arrived = arrived
         runs: list[bool] = []
         clock = ClockReads(owners=[module, *users])  # the first run's clock values, read by the others
+        draws = DrawReads(owners=[module, *users])  # and its unseeded draws
 
         def replay(examples: Any) -> Callable[[], None]:  # from the user's state as the batch arrived (replay_records:
             return lambda: runs.append(bool(run_once(  # the settings); a run that fails is not compared
                 lambda: batch_start(module, examples, batch_idx, raising=True), seeded(0), clock.next_run(),
-                replaying(module, rates=False, schedules=False), start=as_arrived.restore, read=lambda: True)))
+                draws.next_run(), replaying(module, rates=False, schedules=False), start=as_arrived.restore,
+                read=lambda: True)))
 
         with put_back_after(lambda: StateSnapshot(module, users, boundary.engine_keys, boundary.global_modules())
                             .restore, lambda: settings_kept(optimizer, trainer)):  # as the real hooks left them

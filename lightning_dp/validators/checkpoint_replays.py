@@ -35,6 +35,7 @@ from lightning_dp.fingerprints.checksums import numpy_token, content_sums
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import plain_exchanged_again, run_once, set_apart
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.record_checks.outside_records import records_in, records_in_checkpoint_error
@@ -174,11 +175,13 @@ def written_from_data(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, 
     snapshot = StateSnapshot(module, _owners(trainer), skip_keys, modules)
     known = _known(checkpoint, set())
     clock = ClockReads(owners=[module, *_owners(trainer)])  # the first run's clock values, read by the others
+    draws = DrawReads(owners=[module, *_owners(trainer)])  # and its unseeded draws
 
     def run(exchange: bool) -> Optional[dict[str, Hashable]]:  # (what the hook needs of the loop may be missing)
         return run_once(lambda: _entries(_rerun(trainer, module, checkpoint), known),
                         exchanged() if exchange else nullcontext(), logs_moved() if exchange else nullcontext(),
-                        settings(), clock.next_run(), replaying(module), torch.no_grad(), then=snapshot.restore)
+                        settings(), clock.next_run(), draws.next_run(), replaying(module), torch.no_grad(),
+                        then=snapshot.restore)
 
     runs = plain_exchanged_again(run, lambda plain: any_rank(plain is not None), any_rank,  # alike on every rank
                                  differ=lambda plain, other: plain is not None and other is not None and plain != other)

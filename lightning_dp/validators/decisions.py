@@ -50,6 +50,7 @@ from lightning_dp.validators.hook_replays import (checkpoints_saved, moved_far, 
                                                   raised_error, replaying, runs_users_code)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import set_apart
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -305,6 +306,7 @@ class DecisionWindows(pl.Callback):
         runs: list[Optional[Fingerprint]] = []
         errors: list[Optional[Exception]] = []  # what each run raised (None: it finished)
         clock = ClockReads(owners=[module, *users])  # the first run's clock values, read by the others
+        draws = DrawReads(owners=[module, *users])  # and its unseeded draws
         try:
             for variant in _variants(window, self._exchanged, self._logs_moved, self._diagnostics_moved):
                 after.restore()
@@ -312,7 +314,8 @@ class DecisionWindows(pl.Callback):
                     window.before.restore()
                 _put_back(window, trainer)
                 try:
-                    with self._settings(), clock.next_run(), replaying(module, rates=False), torch.no_grad():
+                    with self._settings(), clock.next_run(), draws.next_run(), replaying(module, rates=False), \
+                            torch.no_grad():
                         saved = len(checkpoints_saved())
                         _run_hooks(window, trainer, module, variant)
                         state = self._state(trainer, module) if window.before is not None else {}

@@ -29,6 +29,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import replay_end_hooks, replaying, users_hook
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import plain_exchanged_again, run_once, set_apart
 from lightning_dp.replays.starting_state import put_back_after
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -112,12 +113,14 @@ class EndOfFit:
             return
         boundary = self.step.boundary
         clock = ClockReads(owners=[module, *users])  # the first run's clock values, read by the others
+        draws = DrawReads(owners=[module, *users])  # and its unseeded draws
 
         def run(exchange: bool) -> Optional[Fingerprint]:
             moved_logs = getattr(self.strategy, "moved_training_logs", nullcontext) if exchange else nullcontext
             return run_once(lambda: replay_end_hooks(module, hooks),
                             exchanged.exchanged() if exchange else nullcontext(), moved_logs(),
-                            self.replays.replay_settings(), clock.next_run(), replaying(module), start=snapshot.restore,
+                            self.replays.replay_settings(), clock.next_run(), draws.next_run(), replaying(module),
+                            start=snapshot.restore,
                             read=lambda: fingerprint.take(users, full=True, every_callback=True))
         with put_back_after(lambda: StateSnapshot(module, users, boundary.engine_keys,
                                                   boundary.global_modules()).restore):

@@ -86,6 +86,7 @@ from lightning_dp.fingerprints.state_walker import freeze
 from lightning_dp.records.identity import Same
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import bit_exact
 from lightning_dp.replays.starting_state import StartingState as Saved
 from lightning_dp.validators.held_values import derived_from_released, tensors_held
@@ -210,9 +211,10 @@ class _Judge:
         grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in params] \
             if name in _BEFORE_UPDATE else []  # (StartingState keeps ĝ's values, for the runs again)
         clock = ClockReads(hook, owner)  # the clocks it reads, replayed in the runs again (time stamps in a list)
+        draws = DrawReads(hook, owner)  # and its unseeded draws (jitter kept in state)
         settings = _Settings(self.trainer) if name in _BEFORE_UPDATE else None  # the optimizers', the schedulers'
         before = settings.entries(full=True) if settings else {}
-        with clock.recording():
+        with clock.recording(), draws.recording():
             result = hook(owner, *args, **kwargs)
         first = fingerprint.take(callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(full, first), *(
@@ -225,7 +227,7 @@ class _Judge:
         self.quiet.discard(key)
         written = start.written(library=True)  # (an AveragedModel's count)
         again = _RunAgain(self, start, first, names, grads, written)
-        again.handed, again.clock = args, clock
+        again.handed, again.clock, again.draws = args, clock, draws
         again.arrays = name != "on_validation_end"  # what validation computed and keeps: held-out data's
         if settings:
             again.settings, again.settled, again.first_settings = settings, settled, after
@@ -361,6 +363,7 @@ class _RunAgain:
         self.first_grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p, *_ in grads]
         self.handed: tuple = ()  # the hook's arguments as Lightning handed them
         self.clock = ClockReads()  # the clock values the first run read: each run again reads them again
+        self.draws = DrawReads()  # and its unseeded draws
         self.arrays = True  # the other arrays of the user's state given other values (not at validation's end)
         self.settings: Optional[_Settings] = None  # between the release and the update: the optimizers' state, …
         self.settled: list[str] = []  # … the entries of it the first run changed, and what it left there
@@ -395,7 +398,7 @@ class _RunAgain:
         def run() -> None:
             with _originals(self.start.moved_lists):
                 before = fingerprint.take(callbacks, full=True)
-            with self.clock.replayed():
+            with self.clock.replayed(), self.draws.replayed():
                 hook(variant)
             with _originals(self.start.moved_lists):  # (what the hook appended to a list of time stamps: compared)
                 after = fingerprint.take(callbacks, full=True)

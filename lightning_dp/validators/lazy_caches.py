@@ -39,6 +39,7 @@ from lightning_dp.fingerprints.state_walker import configuration_object
 from lightning_dp.records.fetch import seeded
 from lightning_dp.records.library_objects import is_library as _is_library
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 
 __all__ = ["Slot", "empty_slots", "filled_alike", "held_objects"]
 
@@ -125,12 +126,12 @@ def filled_alike(slots: Sequence[Slot], fingerprint: Any, before: Any, written: 
         raise refuse(kept)
     taken: list[Any] = []
     fills: list[Callable[[], None]] = []
-    clock = ClockReads()  # the first run's clock values, read by the others
+    clock, draws = ClockReads(), DrawReads()  # the first run's clock values and draws, read by the others
     for i, run in enumerate(runs):
         for slot in slots:
             slot()
         try:
-            with seeded(0), clock.next_run():
+            with seeded(0), clock.next_run(), draws.next_run():
                 run()
         except Exception as err:  # noqa: BLE001  (other values the step cannot take: that run is not compared)
             if i < 2:  # the examples the probe ran on: not judged, refused as written

@@ -68,6 +68,7 @@ import torch
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.library_objects import is_library, mark_wrapper
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import bit_exact
 from lightning_dp.replays.starting_state import Generators, Piece, StartingState as Saved, gradients, put_back_after
 from lightning_dp.validators import logger_outputs
@@ -122,16 +123,18 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
         start = StartingState(trainer)
         calls = logger_outputs.Calls(judged=JUDGED)
         clock = ClockReads(hook, self)  # the clocks it reads, replayed in the runs again (a time stamp logged)
-        with logger_outputs.recorded(calls), clock.recording():
+        draws = DrawReads(hook, self)  # and its unseeded draws
+        with logger_outputs.recorded(calls), clock.recording(), draws.recording():
             result = hook(self, *args, **kwargs)
         held = calls.held()
         written = start.written()
         step = trainer.strategy.private_step
         if step.any_rank(bool(held) or bool(written)):  # alike on every rank: the hook's collectives stay paired
-            again = start.run_again(lambda: _replayed(clock, hook, self, args, kwargs), written)
+            again = start.run_again(lambda: _replayed((clock, draws), hook, self, args, kwargs), written)
             numbers: list[str] = []
             if step.any_rank(bool(start.numbers) and not _reproduced(calls, held, again)):  # which values moved it
-                plain = start.run_again(lambda: _replayed(clock, hook, self, args, kwargs), {}, numbers=False)
+                plain = start.run_again(lambda: _replayed((clock, draws), hook, self, args, kwargs), {},
+                                        numbers=False)
                 numbers = start.numbers if _reproduced(calls, held, plain) else []
             step.on_every_rank(lambda: _judge(calls, held, again, numbers), f"refused a logger call in {name}")
             for _, _, _, write, _ in held:
@@ -140,9 +143,10 @@ def _judged(hook: Callable[..., Any], name: str, trainer: "pl.Trainer") -> Calla
     return judged
 
 
-def _replayed(clock: ClockReads, hook: Callable[..., Any], owner: Any, args: tuple, kwargs: dict) -> Any:
-    """The hook run again reading the clock values its first run read."""
-    with clock.replayed():
+def _replayed(read: tuple[ClockReads, DrawReads], hook: Callable[..., Any], owner: Any, args: tuple,
+              kwargs: dict) -> Any:
+    """The hook run again reading the clock values and the unseeded draws its first run read."""
+    with read[0].replayed(), read[1].replayed():
         return hook(owner, *args, **kwargs)
 
 

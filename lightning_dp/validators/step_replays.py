@@ -42,6 +42,7 @@ from lightning_dp.validators.hook_replays import (BatchEndWrites, batch_start, c
                                                   weights_moved_by_data, weights_sketch)
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import run_once, set_apart
 from lightning_dp.replays.starting_state import StartingState
 from lightning_dp.records.library_objects import library_callback
@@ -221,7 +222,7 @@ class StepReplays:
             def run() -> None:  # each replay from the same seeds (and state) and clock values: a random draw, a time
                 first = writes is not None and not writes.runs  # stamp is not the data's
                 try:
-                    with seeded(0), clock.next_run(), seeds_recorded() as calls, \
+                    with seeded(0), clock.next_run(), draws.next_run(), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext(), \
                             diagnostics_moved(self.step, up=moved) if examples is not batch else nullcontext():
                         decisions.append(calls)  # σ and C: put back by replay_records, which compares them
@@ -254,6 +255,7 @@ class StepReplays:
             for second, moved, judge_raise in variants:
                 decisions.clear()
                 clock = ClockReads(owners=[module, *users])  # the first replay's clock values, read by the others
+                draws = DrawReads(owners=[module, *users])  # and its unseeded draws
                 raised: list[Optional[Exception]] = []  # what each replay raised (None: it finished)
                 names: list[frozenset] = []  # the (hook, name) pairs each replay logged (logged_names)
                 taken: list[Fingerprint] = []  # the decisions as each replay left them (replay_decisions)
@@ -325,12 +327,13 @@ class StepReplays:
         runs: list[Optional[dict[str, Any]]] = []
         names: list[frozenset] = []  # the (hook, name) pairs each run logged (logged_names)
         clock = ClockReads(owners=[module, *users])  # the first run's clock values, read by the others
+        draws = DrawReads(owners=[module, *users])  # and its unseeded draws
 
         def replay(examples: Any, moved: bool = False, outside: Optional[ExchangedRecords] = None
                    ) -> Callable[[], None]:  # a run that fails is not compared; read with the data back in place
             return lambda: runs.append(run_once(
                 lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
-                                           end=False, names=names), seeded(0), clock.next_run(),
+                                           end=False, names=names), seeded(0), clock.next_run(), draws.next_run(),
                 self.privacy_settings_kept(),
                 outside.exchanged() if outside is not None else nullcontext(),
                 read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
@@ -379,6 +382,7 @@ class StepReplays:
         sketches: list[dict[str, torch.Tensor]] = []
         writers: dict[str, set[str]] = {}  # the hooks that wrote the weights in a replay (named in the refusal)
         clock = ClockReads(owners=[module, *users])  # the first replay's clock values, read by the others
+        draws = DrawReads(owners=[module, *users])  # and its unseeded draws
 
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
@@ -386,7 +390,7 @@ class StepReplays:
                 rates: dict[str, Any] = {}
                 try:
                     with exchanged.exchanged() if exchange else nullcontext(), seeded(0), clock.next_run(), \
-                            seeds_recorded() as calls, \
+                            draws.next_run(), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
                         replay_epoch_hooks(module, writers)
@@ -508,6 +512,7 @@ class StepReplays:
         batch = self.strategy._as_loop_batch(self.strategy._collated(indices))
         snapshot = StateSnapshot(module, users_objects(trainer), boundary.engine_keys, boundary.global_modules())
         clock = ClockReads(owners=[module, *users_objects(trainer)])  # a loss with a time term: alike at every step
+        draws = DrawReads(owners=[module, *users_objects(trainer)])  # or with an unseeded draw
 
         def loss_at(step: int) -> Optional[torch.Tensor]:  # (a step that cannot run there is the later checks' to meet)
             def run() -> Optional[torch.Tensor]:
@@ -515,9 +520,10 @@ class StepReplays:
                 out = module.training_step(batch, step % per_epoch)
                 out = out.get("loss") if isinstance(out, dict) else out
                 return out.detach().to(torch.float64) if isinstance(out, torch.Tensor) else None
-            return run_once(run, seeded(0), clock.next_run(), progress_as(trainer, step, step // per_epoch),
-                            self.watches_paused(), self.privacy_settings_kept(),
-                            self.strategy.precision_plugin.train_step_context(), replaying(module),
+            return run_once(run, seeded(0), clock.next_run(), draws.next_run(),
+                            progress_as(trainer, step, step // per_epoch), self.watches_paused(),
+                            self.privacy_settings_kept(), self.strategy.precision_plugin.train_step_context(),
+                            replaying(module),
                             then=snapshot.restore)
 
         here = loss_at(now)
