@@ -35,12 +35,13 @@ does every read on another thread (a noise prefetcher, a loader's workers) and e
 recorded values, or asked with other arguments (another byte count), a run again reads the real source: a number of
 draws that depends on the data writes otherwise (refused).
 
-Not seen: entropy read by C code other than these functions (a C extension's own ``/dev/urandom``, the ``_random``
-module's fallback, ``torch.Generator(device="cuda").seed()`` made by another library for the user's code is the
-user's and replayed, but CUDA's nondeterministic kernels, atomics summed in another order, are not draws), a file read
-of ``/dev/urandom``, or a subclass of ``random.Random`` overriding ``seed``: those runs again still differ, and what
-they write is judged as any write the runs on the data set apart (:func:`~lightning_dp.fingerprints.
-fingerprint_entries.moved_by_data`: excused unless the other data moved it far beyond the draw).
+Not seen: entropy read by C code other than through these functions (a C extension's own ``/dev/urandom`` or
+``getrandom`` call), ``open("/dev/urandom").read()``, a subclass of ``random.Random`` overriding ``seed``, a
+``torch.Generator`` made outside the block (in ``__init__``) and seeded from entropy inside it (``self.gen.seed()``:
+the method of a plain generator is C code); CUDA kernels whose sums are not deterministic are no draws. What these write the runs on the data still set
+apart, and it is judged as any such write (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`:
+excused unless the other data moved it far beyond the difference). Inside a block ``torch.Generator`` is the subclass:
+``type(g) is torch.Generator`` for a plain generator made before answers no there.
 """
 
 from __future__ import annotations
