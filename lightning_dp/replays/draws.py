@@ -38,10 +38,11 @@ draws that depends on the data writes otherwise (refused).
 Not seen: entropy read by C code other than through these functions (a C extension's own ``/dev/urandom`` or
 ``getrandom`` call), ``open("/dev/urandom").read()``, a subclass of ``random.Random`` overriding ``seed``, a
 ``torch.Generator`` made outside the block (in ``__init__``) and seeded from entropy inside it (``self.gen.seed()``:
-the method of a plain generator is C code); CUDA kernels whose sums are not deterministic are no draws. What these write the runs on the data still set
-apart, and it is judged as any such write (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`:
-excused unless the other data moved it far beyond the difference). Inside a block ``torch.Generator`` is the subclass:
-``type(g) is torch.Generator`` for a plain generator made before answers no there.
+the method of a plain generator is C code); CUDA kernels whose sums are not deterministic are no draws. What these
+write the runs on the data still set apart, and it is judged as any such write
+(:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`: excused unless the other data moved it far
+beyond the difference). Inside a block ``torch.Generator`` is the subclass: ``type(g) is torch.Generator`` for a plain
+generator made before answers no there.
 """
 
 from __future__ import annotations

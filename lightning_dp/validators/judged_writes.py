@@ -25,7 +25,9 @@ is made:
    every run again reproduces it bit-exactly: the same entries of the kept state's full fingerprint, the same
    parameters, ĝ and written tensors of the user's state, nothing else written. The clocks the hook reads are
    replayed (:class:`~lightning_dp.replays.clock.ClockReads`: each run again reads the values the real run read), so
-   time stamps kept in a list are written alike; a list of numbers the run again gave other values is compared with
+   time stamps kept in a list are written alike, and so are its unseeded draws
+   (:class:`~lightning_dp.replays.draws.DrawReads`: jitter from ``np.random.default_rng()`` kept alone is accepted,
+   the batch's mean with it added refused); a list of numbers the run again gave other values is compared with
    its items' own values back, the items the hook wrote as written. (A difference that a run again on the same data
    shows too — a clock read elsewhere — is excused only for a Python number, a batch timer's duration: never for a
    tensor, an array, a container, the weights or ĝ, where an unseeded generator or the loader's own sampler would
