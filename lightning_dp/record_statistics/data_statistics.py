@@ -206,13 +206,15 @@ class TrainingStatistics:
                                        lambda end: released_end(end, self.charged))]
                 if how]
 
-    def held_by(self, path: str, value: Any, full: bool = True) -> list[str]:
+    def held_by(self, path: str, value: Any, full: bool = True, approximate: bool = True) -> list[str]:
         """What the held ``value`` (named ``path``: ``buffer mean``, ``attribute stats``, ``datamodule.mean``) is of
         the training tensors' statistics, as findings (none: nothing). Public names, the records themselves, constant
         tensors and DP releases a charged ledger counts are never one. Not ``full``: only the statistics of each
         tensor computed with it (means, deviations, variances, class frequencies, a target's order statistics: one
         comparison each, microseconds), not the per-width ones (order statistics, second moments, class-conditional
-        statistics, principal directions: up to seconds for a [1000, 1000] candidate)."""
+        statistics, principal directions: up to seconds for a [1000, 1000] candidate). Not ``approximate``: no
+        closeness within a rounding or subsample error (:mod:`.near_statistics`) — a value written during the fit may
+        come that close by training (a decoder's output bias learns the features' mean privately), never equal."""
         if not self.stats:
             return []
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
@@ -244,7 +246,7 @@ class TrainingStatistics:
                      for p, what in held]
             found += [f"{path} is {_NEAR} {stat} of the training {self.names.get(p, p)}, within a rounding or "
                       f"subsample error (a vector not computed from it comes as close with chance {chance:.0e})"
-                      for p, stat, chance in ([] if held else
+                      for p, stat, chance in ([] if held or not approximate else
                                               self.near.held(candidate, self.record_paths if beside else None,
                                                              released_vectors(self.charged)))]
         except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one

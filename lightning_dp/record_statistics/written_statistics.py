@@ -124,7 +124,7 @@ class WrittenStatistics:
             self.compared += 1
             whole = full or path not in self._once  # (a value's first change in the fit: compared in full)
             self._once.add(path)
-            held = self.statistics.held_by(path, value, whole)
+            held = self.statistics.held_by(path, value, whole, approximate=False)  # trained values come near
             if held:
                 found.extend(held)
                 if last is not None and last[1] is not None:

@@ -264,3 +264,19 @@ def test_nothing_is_compared_during_the_fit_when_nothing_changed() -> None:
     COUNTS.clear()
     _fit(model, (Compared(),))
     assert COUNTS == [0] * 6
+
+
+def test_a_value_written_near_a_statistic_is_not_taken_for_it():
+    """A value trained privately may come within a subsample error of a statistic (a decoder's output bias learns the
+    features' mean), never equal to it: written values are compared with the exact statistics only; held before the
+    fit, the same vector is refused as approximately the mean (record_statistics/near_statistics.py)."""
+    from lightning_dp.record_statistics.data_statistics import TrainingStatistics
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=g) * 2 + 3
+    near = x.mean(0) + 0.3 * x.std(0) / 2048 ** 0.5 * torch.randn(32, generator=g)
+    statistics = TrainingStatistics([], [("[0]", x)])
+    assert any("approximately the" in f for f in statistics.held_by("buffer ema_bias", near))
+    assert statistics.held_by("buffer ema_bias", near, approximate=False) == []
+    assert statistics.held_by("buffer ema_bias", x.mean(0), approximate=False) == [
+        "buffer ema_bias equals the per-feature mean of the training [0]"]
