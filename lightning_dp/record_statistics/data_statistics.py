@@ -214,7 +214,8 @@ class TrainingStatistics:
         comparison each, microseconds), not the per-width ones (order statistics, second moments, class-conditional
         statistics, principal directions: up to seconds for a [1000, 1000] candidate). Not ``approximate``: no
         closeness within a rounding or subsample error (:mod:`.near_statistics`) — a value written during the fit may
-        come that close by training (a decoder's output bias learns the features' mean privately), never equal."""
+        come that close by training (a decoder's output bias learns the features' mean privately), never equal; nor
+        is a parameter (a second fit of a privately trained model holds such a bias)."""
         if not self.stats:
             return []
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
@@ -246,7 +247,7 @@ class TrainingStatistics:
                      for p, what in held]
             found += [f"{path} is {_NEAR} {stat} of the training {self.names.get(p, p)}, within a rounding or "
                       f"subsample error (a vector not computed from it comes as close with chance {chance:.0e})"
-                      for p, stat, chance in ([] if held or not approximate else
+                      for p, stat, chance in ([] if held or not approximate or path.startswith("parameter ") else
                                               self.near.held(candidate, self.record_paths if beside else None,
                                                              released_vectors(self.charged)))]
         except (RuntimeError, TypeError):  # a tensor subclass that does not compare with a plain one

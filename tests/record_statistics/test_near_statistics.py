@@ -187,3 +187,17 @@ def test_the_chance_is_that_of_the_columns_closeness():
     assert closeness_chance(torch.full((8,), 3.0), s, w) == 1.0
     small = torch.randn(8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e-4
     assert closeness_chance(small, small * 1e-3, w) == 1.0  # an initialisation near a centred column's mean
+
+
+def test_a_trained_parameter_near_the_mean_is_not_taken_for_it():
+    """A second fit of a privately trained autoencoder: its output bias came near the features' mean by training;
+    parameters are compared with the exact statistics only (a buffer holding the same vector is refused)."""
+    from lightning_dp.record_statistics.data_statistics import TrainingStatistics
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 32, generator=g) * 2 + 3
+    near = x.mean(0) + 0.3 * x.std(0) / 2048 ** 0.5 * torch.randn(32, generator=g)
+    statistics = TrainingStatistics([], [("[0]", x)])
+    assert statistics.held_by("parameter decoder.bias", near) == []
+    assert statistics.held_by("buffer decoder_mean", near) != []
+    assert statistics.held_by("parameter decoder.bias", x.mean(0)) != []
