@@ -29,6 +29,7 @@ class TreeShape:
         self.containers = [m for m in self.modules if m._modules]
         self.counts = self._counts()
         self.children = self._children()
+        self.classes = list(map(type, self.modules))
 
     def _counts(self) -> list[int]:
         return [len(m._parameters) + len(m._buffers) + (len(m._modules) << 32) for m in self.modules]
@@ -41,7 +42,8 @@ class TreeShape:
         if self._counts() != self.counts:  # a module that had no submodule and gained one shows here
             return False
         children = self._children()
-        return len(children) == len(self.children) and all(map(operator.is_, children, self.children))
+        return len(children) == len(self.children) and all(map(operator.is_, children, self.children)) \
+            and all(map(operator.is_, map(type, self.modules), self.classes))  # (``layer.__class__ = nn.Sigmoid``)
 
 
 DATA_ONLY = ["<data>"]

@@ -18,7 +18,7 @@ from torch import nn
 Held = tuple[dict[str, "weakref.ref[Any]"], dict[str, "weakref.ref[Any]"]]
 """(module prefix → the module, parameter name → the parameter) as a baseline found them."""
 
-_KINDS = ("parameter", "buffer", "attribute", "configuration", "hook", "mode")
+_KINDS = ("parameter", "buffer", "attribute", "configuration", "hook", "mode", "structure")
 """The kinds of entry that belong to one layer or parameter (``class attribute``, ``global``, ``callback``,
 ``datamodule`` and ``dataset`` entries belong to none)."""
 
@@ -43,7 +43,7 @@ def replaced_entries(held: Held, module: nn.Module, entries: Iterable[str]) -> l
     found = []
     for entry in dict.fromkeys(entries):
         kind, _, path = entry.removeprefix("contents of ").partition(" ")
-        path = f"{path}." if kind == "mode" else path
+        path = f"{path}." if kind in ("mode", "structure") else path
         if kind in _KINDS and (path.startswith(new) or path in rebound or path.rpartition(".")[0] in rebound):
             found.append(entry)
     return found

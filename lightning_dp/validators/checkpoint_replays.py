@@ -38,6 +38,7 @@ from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import plain_exchanged_again, run_once, set_apart
 from lightning_dp.fingerprints.public_names import is_public
+from lightning_dp.fingerprints.state_walker import binds, library_callable
 from lightning_dp.record_checks.outside_records import records_in, records_in_checkpoint_error
 from lightning_dp.validators.snapshot import StateSnapshot
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 __all__ = ["check_checkpoint_hooks", "check_checkpoint_records", "checkpoint_hooks_of_users",
-           "checkpoint_from_data_error", "written_from_data"]
+           "checkpoint_from_data_error", "state_dict_code_of_users", "written_from_data"]
 
 MAX_DEPTH = 8
 """How deep the checkpoint's dicts, lists and tuples are walked (deeper values are compared as one object)."""
@@ -59,11 +60,35 @@ def _owners(trainer: "pl.Trainer") -> list[Any]:
 
 
 def checkpoint_hooks_of_users(trainer: "pl.Trainer", module: Any) -> bool:
-    """Whether the module's ``on_save_checkpoint``, a user callback's ``on_save_checkpoint`` or ``state_dict``, or the
-    datamodule's ``state_dict`` is the user's code."""
+    """Whether the module's ``on_save_checkpoint``, a user callback's ``on_save_checkpoint`` or ``state_dict``, the
+    datamodule's ``state_dict``, or code run by the model's ``state_dict()`` (:func:`state_dict_code_of_users`) is the
+    user's code."""
     return users_hook(getattr(type(module), "on_save_checkpoint", None)) or any(
         users_hook(getattr(type(owner), name, None)) for owner in _owners(trainer)
-        for name in ("on_save_checkpoint", "state_dict"))
+        for name in ("on_save_checkpoint", "state_dict")) or state_dict_code_of_users(module)
+
+
+_STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+"""The methods of a module that build its part of ``state_dict()`` (a class of the user's may override them)."""
+
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks")
+"""Where a module keeps the hooks ``state_dict()`` calls (``_register_state_dict_hook``,
+``register_state_dict_post_hook``, ``register_state_dict_pre_hook``)."""
+
+
+def state_dict_code_of_users(module: Any) -> bool:
+    """Whether the model's ``state_dict()`` — the checkpoint's ``"state_dict"`` — runs code of the user's: a state dict
+    hook of a module of the tree that is no library's (its pre- and post-hooks), or a class of the user's overriding
+    ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` (a library's, torchmetrics' or peft's, is not)."""
+    for m in module.modules():
+        cls = type(m)
+        if any(fn is not None and not library_callable(fn)
+               for fn in (getattr(cls, name, None) for name in _STATE_DICT_METHODS)):
+            return True
+        if any(not library_callable(hook) or binds(hook)
+               for kind in _STATE_DICT_HOOKS for hook in (getattr(m, kind, None) or {}).values()):
+            return True
+    return False
 
 
 def _structure(value: Any, depth: int = 0) -> Any:
@@ -83,6 +108,8 @@ def _rerun(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any]) -> di
     callbacks' and the module's ``on_save_checkpoint``); returns the copy."""
     copy = _structure(checkpoint)
     owners = _owners(trainer)
+    if "state_dict" in checkpoint and state_dict_code_of_users(module):  # built first, as dump_checkpoint builds it
+        copy["state_dict"] = trainer.strategy.lightning_module_state_dict()
     full = "callbacks" in checkpoint  # weights_only checkpoints run neither callbacks' state nor their hook
     for owner in owners:
         if not users_hook(getattr(type(owner), "state_dict", None)):
@@ -196,7 +223,9 @@ def checkpoint_from_data_error(paths: list[str]) -> Exception:
     shown = listed(paths)
     return PrivacyConfigurationError(
         f"A checkpoint hook computed checkpoint entries from the training data: {shown}. The user's "
-        "on_save_checkpoint (of the module or a callback), a callback's or the datamodule's state_dict, run again "
+        "on_save_checkpoint (of the module or a callback), a callback's or the datamodule's state_dict, or the code "
+        "the model's state_dict() runs (a state dict hook of a module, a state_dict, _save_to_state_dict or "
+        "get_extra_state of the user's class), run again "
         "while the checkpoint was written with the training data's values exchanged, put other values there: a "
         "statistic of the training set (class means or a covariance of its features for OOD scoring, a "
         "normalisation, a threshold) that no noise covers, saved with the model and read back on a resume "

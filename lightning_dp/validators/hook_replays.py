@@ -224,14 +224,16 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
     exchanged copy). Values go back through ``.data`` (into the storage it had: a replay's ``p.data = renorm(p.data)``
     rebinds it), only where changed; the function returns the names of the parameters a replay wrote in place (their
     version counters moved: the release boundary takes them as they are)."""
-    slots = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    slots = [(m, type(m), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(name, p, p.detach().clone(), p._version, p.data) for name, p in module.named_parameters()] \
         if weights or overrides_fit_start(module) else []
 
     def restore() -> list[str]:
-        for m, modules, params, buffers in slots:
+        for m, cls, modules, params, buffers in slots:
+            if type(m) is not cls:  # (``layer.__class__ = nn.Sigmoid``)
+                m.__class__ = cls
             for table, kept in ((m._modules, modules), (m._parameters, params), (m._buffers, buffers)):
-                if table != kept:
+                if table != kept or list(table) != list(kept):  # (the same items in another order: a forward's)
                     table.clear()
                     table.update(kept)
         for _, p, value, _, data in values:

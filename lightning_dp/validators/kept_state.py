@@ -138,6 +138,7 @@ class StateFingerprint:
         self._param_slots: list[tuple[str, dict, str]] = []
         self._all_param_slots: list[tuple[str, dict, str]] = []
         self._buffer_slots: list[tuple[str, dict, str]] = []
+        self._shapes: list[tuple[str, nn.Module]] = []  # (entry, module): its class and its submodules' order
         self._public_memo: dict[str, bool] = {}
         self._tuples: dict[str, tuple[tuple, Hashable]] = {}  # entry → (tuple of scalars, its token): _tuple_token
         self._trainable: Optional[tuple[list, list, list[bool], list[tuple[str, Tensor]]]] = None  # trainable()
@@ -163,6 +164,8 @@ class StateFingerprint:
                              if not self._is_public(name)]
         self._buffer_slots = [(f"buffer {prefix}{key}", m._buffers, key) for prefix, m, _ in self._layout
                               for key in m._buffers if not self._is_public(prefix + key)]
+        self._shapes = [(entry, m) for prefix, m, _ in self._layout
+                        if not self._is_public(name := prefix[:-1]) and not self._is_public(entry := f"structure {name or '(model)'}")]
         return self._layout
 
     def trainable(self) -> list[tuple[str, Tensor]]:
@@ -227,6 +230,8 @@ class StateFingerprint:
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
+        for entry, m in self._shapes:  # what the forward composes: each module's class, its submodules' order
+            entries[entry] = (type(m), *m._modules) if m._modules else type(m)
         for prefix, m, mode in layout:
             if mode is None:
                 continue
@@ -454,7 +459,8 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
 def _public_name(entry: str) -> str:
     entry = entry.removeprefix("contents of ")
     kind, _, path = entry.partition(" ")
-    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook") else entry
+    return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook",
+                            "configuration") else entry
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 """The hooks a module keeps: a user's hook may keep what it sees in its closure, a default argument or its object."""
