@@ -164,8 +164,9 @@ class StateFingerprint:
                              if not self._is_public(name)]
         self._buffer_slots = [(f"buffer {prefix}{key}", m._buffers, key) for prefix, m, _ in self._layout
                               for key in m._buffers if not self._is_public(prefix + key)]
-        self._shapes = [(entry, m) for prefix, m, _ in self._layout
-                        if not self._is_public(name := prefix[:-1]) and not self._is_public(entry := f"structure {name or '(model)'}")]
+        named = [(prefix[:-1], m) for prefix, m, _ in self._layout]
+        self._shapes = [(f"structure {name or '(model)'}", m) for name, m in named  # declared by name or entry
+                        if not self._is_public(name) and not self._is_public(f"structure {name or '(model)'}")]
         return self._layout
 
     def trainable(self) -> list[tuple[str, Tensor]]:
