@@ -20,9 +20,9 @@ class TreeShape:
     """The shape of a module tree as it was walked, to tell cheaply whether it is still that tree (:meth:`same`): per
     module its count of parameters and buffers and of submodules, and the submodules of each module that had any,
     by identity. A parameter, buffer or submodule added or removed, or a submodule replaced in its container
-    (``model[2] = nn.Linear(...)``, ``model.head = ...``), changes it (this holds the modules it walked, so a new
-    one is never at an address of theirs); a parameter or buffer replaced in its slot does not (the fingerprint
-    reads the slots anew)."""
+    (``model[2] = nn.Linear(...)``, ``model.head = ...``), or a module's class reassigned (``m.__class__ = ...``:
+    its attribute mode may differ) changes it (this holds the modules it walked, so a new one is never at an address
+    of theirs); a parameter or buffer replaced in its slot does not (the fingerprint reads the slots anew)."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)

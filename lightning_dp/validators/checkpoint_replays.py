@@ -1,19 +1,20 @@
 """What the user's checkpoint hooks put into a checkpoint, judged by running them again on other data.
 
 A checkpoint may carry only what the release boundary verified (docs/release_boundary.md, rule 3). The weights, the
-optimizer's and the loop's state are checked where they are kept; but a module's ``on_save_checkpoint``, a
-callback's ``on_save_checkpoint`` or ``state_dict`` and a datamodule's ``state_dict`` run while the checkpoint is
-written and may put anything into it without keeping it on themselves: class means and a covariance of the training
-features for an OOD detector, read back by ``on_load_checkpoint`` on a resume. :func:`written_from_data` runs those
-hooks of the user's again on a structural copy of the checkpoint being written (its dicts and lists copied, what
-they hold shared), from the same state and seeds: on the training data, with the training data's copies in memory
-exchanged for other values (:mod:`lightning_dp.record_checks.outside_records`), and — when those two differ — on the
-training data again. A
-key the exchanged run sets apart from the first, and the second plain run does not (a time stamp is not the data's),
-was computed from the training data and is refused. What the hooks store alike — an epoch counter, a configuration
-string, a public list of class names, ``ModelCheckpoint``'s and the library's own keys (their hooks are not run
-again) — is written. Cost: nothing unless a hook of the user's is there, then two or three runs of those hooks per
-checkpoint.
+optimizer's and the loop's state are checked where they are kept; but a module's ``on_save_checkpoint``, a callback's
+``on_save_checkpoint`` or ``state_dict`` and a datamodule's ``state_dict`` run while the checkpoint is written and may
+put anything into it without keeping it on themselves: class means and a covariance of the training features for an OOD
+detector, read back by ``on_load_checkpoint`` on a resume. So does the code the model's own ``state_dict()`` runs
+(:func:`state_dict_code_of_users`: a state dict hook of a module, a ``state_dict``, ``_save_to_state_dict`` or
+``get_extra_state`` of the user's class — the training set's mean added to every state dict, zoo33 L46): then the
+checkpoint's ``"state_dict"`` is built again in each run too. :func:`written_from_data` runs those hooks of the user's
+again on a structural copy of the checkpoint being written (its dicts and lists copied, what they hold shared), from the
+same state and seeds: on the training data, with the training data's copies in memory exchanged for other values
+(:mod:`lightning_dp.record_checks.outside_records`), and — when those two differ — on the training data again. A key the
+exchanged run sets apart from the first, and the second plain run does not (a time stamp is not the data's), was
+computed from the training data and is refused. What the hooks store alike — an epoch counter, a configuration string, a
+public list of class names, ``ModelCheckpoint``'s and the library's own keys (their hooks are not run again) — is
+written. Cost: nothing unless a hook of the user's is there, then two or three runs of those hooks per checkpoint.
 
 This module imports no Lightning at import time (the glue imports it; Lightning imports the glue).
 """

@@ -216,7 +216,8 @@ def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
 
 
 def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[[], list[str]]:
-    """A function that puts the model's structure (its modules, parameters and buffers, slot by slot) and, when a
+    """A function that puts the model's structure (each module's class, its modules in their order, parameters and
+    buffers, slot by slot) and, when a
     ``setup`` or ``on_fit_start`` of the user's may change them (or ``weights``), its parameters' values back as
     they are now: a
     ``setup`` that builds layers or warms the weights up runs again in a replay without changing the model trained

@@ -11,6 +11,9 @@ state it can see and refuses a change that the optimizer's step on the released 
   contents);
 * every buffer, of every dtype (integer and bool counters included): a content checksum, recomputed only
   when the tensor's storage or version counter moved (a full pass recomputes all);
+* the module tree's structure: each module's class and each container's submodule names in order
+  (:meth:`StateFingerprint._structure_entries`, ``"structure net.1"``: a parameter-free layer replaced, its
+  ``__class__`` reassigned or a ``Sequential`` reordered from the batch shows nowhere else);
 * every submodule's mode (``training``) as the next training step will run it (:func:`training_modes`: the modes
   Lightning captured while its evaluation loop runs), an entry ``"mode net.2"`` for each module in eval mode;
 * the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
@@ -88,6 +91,7 @@ def attribute_keys(module: nn.Module) -> set[str]:
 
 
 _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_MODULES = operator.attrgetter("_modules")
 
 
 def same_parameters(a: Sequence[tuple[str, Tensor]], b: Sequence[tuple[str, Tensor]]) -> bool:
@@ -139,6 +143,9 @@ class StateFingerprint:
         self._all_param_slots: list[tuple[str, dict, str]] = []
         self._buffer_slots: list[tuple[str, dict, str]] = []
         self._shapes: list[tuple[str, nn.Module]] = []  # (entry, module): its class and its submodules' order
+        self._shape_modules: list[nn.Module] = []
+        self._containers: list[nn.Module] = []
+        self._shaped: Optional[tuple[list, list, list[tuple], Fingerprint]] = None  # _structure_entries' last
         self._public_memo: dict[str, bool] = {}
         self._tuples: dict[str, tuple[tuple, Hashable]] = {}  # entry → (tuple of scalars, its token): _tuple_token
         self._trainable: Optional[tuple[list, list, list[bool], list[tuple[str, Tensor]]]] = None  # trainable()
@@ -167,7 +174,25 @@ class StateFingerprint:
         named = [(prefix[:-1], m) for prefix, m, _ in self._layout]
         self._shapes = [(f"structure {name or '(model)'}", m) for name, m in named  # declared by name or entry
                         if not self._is_public(name) and not self._is_public(f"structure {name or '(model)'}")]
+        self._shape_modules = list(map(_SECOND, self._shapes))
+        self._containers = [m for m in self._shape_modules if m._modules]  # (one gaining a first child: walked again)
         return self._layout
+
+    def _structure_entries(self) -> Fingerprint:
+        """The ``structure`` entries: per module (public ones left out) its class and, for a container, the names of
+        its submodules in order — what the forward composes, which no parameter shows for a parameter-free layer
+        (``self.net[1] = nn.Sigmoid()``, ``layer.__class__ = ...``, ``_modules`` reordered). Kept while the same
+        modules have the same classes and their containers the same names in the same order (read in C loops)."""
+        shapes, modules, containers = self._shapes, self._shape_modules, self._containers
+        classes = list(map(type, modules))
+        names = list(map(tuple, map(dict.keys, map(_MODULES, containers))))
+        held = self._shaped
+        if held is not None and held[0] is shapes and held[1] == classes and held[2] == names:
+            return held[3]
+        entries = {entry: (cls, *m._modules) if m._modules else cls
+                   for (entry, m), cls in zip(shapes, classes)}
+        self._shaped = (shapes, classes, names, entries)
+        return entries
 
     def trainable(self) -> list[tuple[str, Tensor]]:
         """(name, parameter) of every trainable parameter, each once (as ``named_parameters``, without walking the
@@ -231,8 +256,7 @@ class StateFingerprint:
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
-        for entry, m in self._shapes:  # what the forward composes: each module's class, its submodules' order
-            entries[entry] = (type(m), *m._modules) if m._modules else type(m)
+        entries.update(self._structure_entries())
         for prefix, m, mode in layout:
             if mode is None:
                 continue
