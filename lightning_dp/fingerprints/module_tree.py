@@ -89,6 +89,10 @@ class ModuleAttributes:
         state = []
         recomputed = _pruned_tensors(fields)
         for key, value in fields.items():
+            if key == "forward" and not _engine_forward(value):  # (an engine's name too: the others are state)
+                if not self.public(prefix + key):
+                    state.append((key, prefix + key, f"attribute {prefix}{key}"))
+                continue
             if (key in self.skip_keys or key.startswith("_dp_") or isinstance(value, nn.Module)
                     or library_function(value) or key in recomputed):
                 continue
@@ -115,8 +119,10 @@ def _pruned_tensors(fields: dict[str, Any]) -> frozenset[str]:
 
 def _layer_setting(key: str, value: Any) -> bool:
     """Whether a torch layer's attribute is its own setting, not state: ``None``, a public number or string (its
-    configuration, compared apart by :func:`_configuration`), or its ``forward`` swapped in (``torch.compile``, an
-    engine). State, walked and compared at every release: a dtype or device (``m.compute_dtype = float64 if
+    configuration, compared apart by :func:`_configuration`), or its ``forward`` swapped in by an engine for the fit
+    (lightning_dp's ``ReplacedForward``). State, walked and compared at every release: any other ``forward`` set on
+    the layer (``layer.forward = torch.sigmoid if y.mean() > 0.5 else torch.tanh``: what the layer computes, chosen
+    by the data, as a class swapped would be), a dtype or device (``m.compute_dtype = float64 if
     x.abs().max() > 3 else float32`` is a bit of the batch), a tuple or ``torch.Size`` (a forward
     hook's ``setattr(m, "features_in", inputs)``, ``(h.detach(),)``, ``m.seen_shape = ids.shape``: a padded batch's
     length is its longest record's; a tuple of ``int`` sizes costs little and never changes), a number under a
@@ -126,7 +132,12 @@ def _layer_setting(key: str, value: Any) -> bool:
         return True
     if type(value) in _NUMBERS:
         return not key.startswith("_")
-    return key == "forward" and callable(value)
+    return key == "forward" and _engine_forward(value)
+
+
+def _engine_forward(value: Any) -> bool:
+    """Whether a ``forward`` set on a module is an engine's for the fit (lightning_dp's ``ReplacedForward``)."""
+    return type(value).__module__.startswith("lightning_dp.")
 
 
 def _configuration(fields: dict[str, Any]) -> list[tuple[str, Any]]:

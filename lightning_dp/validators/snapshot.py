@@ -202,7 +202,8 @@ class StateSnapshot:
             buffers = [(name, b) for name, b in m._buffers.items() if b is not None]
             restores.extend(_contents(b, 0) for _, b in buffers)
             restores.append(_rebind_buffers(m, buffers))
-            keys = [k for k in vars(m) if k not in skip and not k.startswith("_dp_")]
+            keys = [k for k in vars(m) if (k not in skip or k == "forward") and not k.startswith("_dp_")]  # (a
+            # forward set on the layer is put back too, an engine's included: the same object)
             if type(m).__module__.startswith("torch."):
                 # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
                 # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
@@ -69,9 +70,18 @@ class ChosenFromTrainingSet(Classifier):
         self.net[1] = nn.Sigmoid() if y.float().mean() > 0.5 else nn.Tanh()
 
 
+class ForwardChosen(Classifier):
+    """The layer's ``forward`` replaced on the instance, chosen from the labels (torch's functions: a library's, and
+    ``forward`` is an engine's name too — the ghost engine's own forwards are not state, this one is)."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.net[1].forward = torch.sigmoid if batch[1].float().mean() > 0.5 else torch.tanh
+
+
 @pytest.mark.parametrize("model, entry", [(ReplacedLate, "structure net.1"), (ClassSwapped, "structure net.1"),
                                           (Reordered, "structure net"), (ChosenEachStep, "structure net.1"),
-                                          (ChosenFromTrainingSet, "structure net.1")])
+                                          (ChosenFromTrainingSet, "structure net.1"),
+                                          (ForwardChosen, "attribute net.1.forward")])
 def test_a_structure_chosen_from_the_data_is_refused(model, entry) -> None:
     with pytest.raises(StateWrittenError, match=entry):
         fit(model(), steps=8)
@@ -118,6 +128,14 @@ def test_the_entries_read_each_class_and_order_and_nothing_else_moves_them() -> 
     model._modules.update([items[0], items[2], items[1], items[3]])
     assert fingerprint.changed(before, fingerprint.take()) == ["structure (model)"]
     assert after["structure (model)"] == before["structure (model)"]
+
+
+def test_a_forward_set_on_a_layer_is_read_under_the_engines_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    fingerprint = StateFingerprint(model, skip_keys=["forward"])  # (the ghost engine's attribute name)
+    before = fingerprint.take()
+    model[1].forward = torch.sigmoid
+    assert fingerprint.changed(before, fingerprint.take()) == ["attribute 1.forward"]
 
 
 def test_a_replay_puts_the_class_and_the_order_back() -> None:
