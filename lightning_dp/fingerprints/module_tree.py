@@ -89,7 +89,7 @@ class ModuleAttributes:
         state = []
         recomputed = _pruned_tensors(fields)
         for key, value in fields.items():
-            if key == "forward" and not _engine_forward(value):  # (an engine's name too: the others are state)
+            if key == "forward" and not engine_forward(value):  # (an engine's name too: the others are state)
                 if not self.public(prefix + key):
                     state.append((key, prefix + key, f"attribute {prefix}{key}"))
                 continue
@@ -132,10 +132,10 @@ def _layer_setting(key: str, value: Any) -> bool:
         return True
     if type(value) in _NUMBERS:
         return not key.startswith("_")
-    return key == "forward" and _engine_forward(value)
+    return key == "forward" and engine_forward(value)
 
 
-def _engine_forward(value: Any) -> bool:
+def engine_forward(value: Any) -> bool:
     """Whether a ``forward`` set on a module is an engine's for the fit (lightning_dp's ``ReplacedForward``)."""
     return type(value).__module__.startswith("lightning_dp.")
 

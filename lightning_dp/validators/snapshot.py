@@ -28,6 +28,7 @@ from lightning_dp.fingerprints.context_values import is_context_variable
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import put_back as put_datasets_back
 from lightning_dp.fingerprints.context_values import restore as context_restore
+from lightning_dp.fingerprints.module_tree import engine_forward
 from lightning_dp.fingerprints.state_walker import MAX_DEPTH, configuration_object, callable_state, class_attributes
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.steered_settings import library_settings
@@ -202,8 +203,9 @@ class StateSnapshot:
             buffers = [(name, b) for name, b in m._buffers.items() if b is not None]
             restores.extend(_contents(b, 0) for _, b in buffers)
             restores.append(_rebind_buffers(m, buffers))
-            keys = [k for k in vars(m) if (k not in skip or k == "forward") and not k.startswith("_dp_")]  # (a
-            # forward set on the layer is put back too, an engine's included: the same object)
+            keys = [k for k, v in vars(m).items() if (k not in skip or k == "forward" and not engine_forward(v))
+                    and not k.startswith("_dp_")]  # (a forward the user set on the layer is put back too; an
+            # engine's is the engine's: put back after the engine detached, a later fit would run it)
             if type(m).__module__.startswith("torch."):
                 # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
                 # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
