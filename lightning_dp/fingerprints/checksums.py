@@ -4,7 +4,8 @@ Tensors' content checksums (float64 Σx, Σx², Σ (1 + j mod 251)·x_j; :func:`
 storage and version counter (:class:`Checksums`); the contents of parameters and floating buffers compared every step
 (:func:`norm_tokens`): on the CPU bit for bit against a copy (:class:`_Contents`), on an accelerator by their L2 norms
 by one fused reduction (kept on their device: :class:`_DeviceNorms`); digests of NumPy arrays (:func:`numpy_token`,
-:func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`).
+:func:`_array_digest`) and of mutable byte containers and streams (:func:`_raw_token`); the bytes of a storage
+that the state's tensors reach beyond their views (:func:`beyond_views`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Checksums:
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}  # id → (weak reference, key, checksum)
+        self.masks: dict[tuple[Any, ...], Optional[Tensor]] = {}  # beyond_views': a storage's bytes no view covers
+        self.covering: Optional[tuple[list[Tensor], tuple[list[int], list[Any]]]] = None  # beyond_views': tensors
+        # last found each covering its whole storage, with their addresses and shapes then
         self.snapshots: dict[tuple[Any, ...], _Snapshot] = {}
         self.layouts: dict[tuple[torch.device, torch.dtype], _GroupLayout] = {}  # norm_tokens' groups, as last seen
         """The last copy of the contents of each group of tensors (:func:`norm_tokens`), by the group's layout: a
@@ -61,6 +65,8 @@ class Checksums:
         self._cache.clear()
         self.snapshots.clear()
         self.layouts.clear()
+        self.masks.clear()
+        self.covering = None
 
 
 def content_sums(tensors: Sequence[Tensor]) -> list[bytes]:
@@ -94,6 +100,78 @@ def _flat_contents(x: Tensor) -> Tensor:
     if x.is_complex():
         x = torch.view_as_real(x)
     return x.reshape(-1).to(torch.float64)
+
+
+def beyond_views(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] = None) -> Fingerprint:
+    """The memory the state's tensors reach beyond their views: a buffer or parameter that is a view of a larger
+    storage (``register_buffer("scale", torch.zeros(16)[:4])``, ``nn.Parameter(big[:4])``, a tensor ``set_`` onto a
+    larger storage) holds bytes no element of it covers, which ``as_strided(..., offset)`` or ``untyped_storage()``
+    read and write; the contents of the tensors are compared elsewhere, not these bytes. One entry per such storage
+    (``"storage of buffer scale beyond its view"``, named by its first tensor) holding a digest of the bytes that no
+    tensor of ``named`` covers (a storage shared by several of them, as a flattened RNN's weights: only what none of
+    them covers). A tensor that covers its whole storage costs a size comparison (the usual case: no entry);
+    a sparse, distributed or meta tensor is not read. ``sums``: where the masks of covered bytes are kept
+    (:attr:`Checksums.masks`), reused while the storage holds the same views, and the tensors last found each
+    covering its whole storage: the same tensors again at the same addresses with the same shapes cost two C loops
+    (a storage grown or a tensor ``set_`` onto another moves its address or its shape)."""
+    tensors = list(map(_TENSOR, named))
+    places = (list(map(Tensor.data_ptr, tensors)), list(map(_SHAPE, tensors)))
+    kept = sums.covering if sums is not None else None
+    if kept is not None and kept[1] == places and len(kept[0]) == len(tensors) \
+            and all(map(operator.is_, tensors, kept[0])):
+        return {}  # the same tensors at the same places with the same shapes, each its whole storage as last time
+    partial: dict[int, list[tuple[str, Tensor]]] = {}
+    whole: list[tuple[str, Tensor]] = []
+    for name, t in named:
+        if t.layout != torch.strided or hasattr(t, "to_local") or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        size = storage.nbytes()
+        if t.storage_offset() == 0 and size == t.numel() * t.element_size() and t.is_contiguous():
+            whole.append((name, t))  # its view is its storage (a view sharing it with a partial one: seen below)
+            continue
+        partial.setdefault(storage.data_ptr(), []).append((name, t))
+    if not partial:
+        if sums is not None:
+            sums.covering = (tensors, places)  # (held: no id of theirs is reused while kept)
+        return {}
+    for name, t in whole:  # a tensor covering a storage another one only partly covers
+        held = partial.get(t.untyped_storage().data_ptr())
+        if held is not None:
+            held.append((name, t))
+    out: Fingerprint = {}
+    with torch.no_grad():
+        for views in partial.values():
+            storage = views[0][1].untyped_storage()
+            outside = _outside(views, storage.nbytes(), sums)
+            if outside is None:
+                continue  # the views together cover it all (a transposed weight, a flattened RNN's weights)
+            raw = torch.empty(0, dtype=torch.uint8, device=outside.device).set_(storage)
+            out[f"storage of {views[0][0]} beyond its view"] = (storage.nbytes(), _digest(raw[outside].cpu().numpy()))
+    return out
+
+
+def _outside(views: Sequence[tuple[str, Tensor]], nbytes: int, sums: Optional[Checksums]) -> Optional[Tensor]:
+    """A bool mask, on the views' device, of the bytes of a storage of ``nbytes`` bytes that none of ``views``
+    covers (every byte when a view's elements do not line up with the storage's bytes), ``None`` when they cover
+    every byte; kept in ``sums`` by the views' layouts."""
+    device = views[0][1].device
+    key = (device, nbytes, *((t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for _, t in views))
+    if sums is not None and key in sums.masks:
+        return sums.masks[key]
+    covered = torch.zeros(nbytes, dtype=torch.bool)
+    for _, t in views:
+        size = t.element_size()
+        if nbytes % size:
+            covered.zero_()
+            break
+        elements = torch.zeros(nbytes // size, dtype=torch.bool)
+        elements.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(True)
+        covered |= elements.repeat_interleave(size)
+    outside = None if bool(covered.all()) else (~covered).to(device)
+    if sums is not None:
+        sums.masks[key] = outside
+    return outside
 
 
 SNAPSHOT_BYTES = 1 << 28
@@ -184,7 +262,7 @@ class _GroupLayout:
         return self._tokens[1]
 
 
-_SHAPE, _NAME = operator.attrgetter("shape"), operator.itemgetter(0)
+_SHAPE, _NAME, _TENSOR = operator.attrgetter("shape"), operator.itemgetter(0), operator.itemgetter(1)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

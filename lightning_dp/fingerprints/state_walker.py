@@ -1,7 +1,9 @@
 """The walk of the user's Python state: values turned into hashable tokens (:class:`Walker`), to a bounded depth
 (:data:`MAX_DEPTH`) and sample (:data:`MAX_ITEMS`), and where that state lives besides a module's attributes — what a
 callable keeps (:func:`callable_state`: closure cells, default arguments, a partial's arguments, a bound object),
-the Python attributes of a tensor or a function (:func:`kept_attributes`), class bodies (:func:`class_attributes`),
+the Python attributes of a tensor or a function (:func:`kept_attributes`), a function's default arguments
+(:func:`function_defaults`), the tensor hung in the ``.grad`` of one that trains nothing (:func:`hung_gradient`),
+class bodies (:func:`class_attributes`) and the data library classes hold (:func:`library_class_attributes`),
 the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`) —
 and what is a library's (:func:`library_callable`, :func:`library_function`) or Lightning's
 (:func:`lightning_fields`).
@@ -108,6 +110,9 @@ class Walker:
             if holds_gradient(value):
                 self.graded[self._name] = (id(value.grad), value.grad._version)
             token = ("tensor", self._sums.tokens([value], self._full)[0])
+            hung = hung_gradient(value)
+            if hung is not None:  # a tensor hung in the `.grad` slot of one that trains nothing: `t.grad = x.mean(0)`
+                token = (*token, ("grad", self._sums.tokens([hung], self._full)[0]))
             if value.__dict__ and depth < MAX_DEPTH:  # Python attributes set on the tensor (`self.temp.stats = x`)
                 return (*token, *self.attributes(value, depth))
             return token
@@ -237,6 +242,26 @@ def holds_gradient(t: Tensor) -> bool:
     return t.retains_grad and t.grad is not None
 
 
+def hung_gradient(t: Tensor) -> Optional[Tensor]:
+    """The tensor held in the ``.grad`` slot of a tensor that does not require grad (a buffer, a frozen parameter, a
+    plain tensor attribute): no backward writes it, so whatever is there a hook put there (``self.center.grad =
+    batch[0].mean(0)``, read back by the next forward); ``None`` when the slot is empty. (A tensor that does not
+    require grad is a leaf: reading its ``.grad`` warns of nothing.)"""
+    return None if t.requires_grad else t.grad
+
+
+def function_defaults(fn: Any) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """A user's function's default arguments, positional and keyword-only (``__defaults__``, ``__kwdefaults__``),
+    ``None`` when it has none or is a library's: a number a hook writes there (``shift.__kwdefaults__["by"] =
+    float(mean)``, ``f.__defaults__ = (mean,)``) is read by every later call that omits the argument."""
+    if not isinstance(fn, types.FunctionType) or library_callable(fn):
+        return None
+    fn = unwrapped(fn)
+    if not fn.__defaults__ and not fn.__kwdefaults__:
+        return None
+    return tuple(fn.__defaults__ or ()), dict(fn.__kwdefaults__ or {})
+
+
 def _mutable_defaults(fn: Any) -> bool:
     """Whether a function keeps a list, dict, set or tensor as a default argument or in a closure."""
     return any(isinstance(v, (list, dict, set, deque, Tensor)) for v in callable_state(fn))
@@ -261,8 +286,9 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
             for key, value in list(vars(base).items()):
                 if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
                     value = unwrapped(value)  # as the user wrote it, whether the logger judge wraps it now or not
-                    if _mutable_defaults(value):
-                        yield base, f"{key}.__defaults__", value.__defaults__ or ()  # `def f(self, v, _acc={})`
+                    defaults = function_defaults(value)
+                    if defaults is not None or _mutable_defaults(value):  # `def f(self, v, _acc={})`;
+                        yield base, f"{key}.__defaults__", defaults or ((), {})  # `M.f.__kwdefaults__["by"] = x`
                     fields = kept_attributes(value)
                     if fields:  # `MyModel.forward.stats = x`
                         yield base, f"{key}.__dict__", dict(fields)
@@ -271,6 +297,51 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
                         or isinstance(value, (type, types.ModuleType)):
                     continue
                 yield base, key, value
+
+
+def library_class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
+    """(class, name, value) of the data held by the library classes among ``classes``' bases, and by ``nn.Module``
+    itself: ``pl.LightningModule.offset = float(x.mean())`` at a batch's end, read by the next forward as
+    ``self.offset``, is one value every module of that class shares. Public names holding anything but a function,
+    a descriptor (a property, a method), a class or a Python module; private names (the libraries' own, set as they
+    run: ``LightningModule._jit_is_scripting``) only when they hold a tensor or an array. Which names those are is kept
+    per class (:data:`_LIBRARY_NAMES`) while its ``__dict__`` holds the same values (a new name, a name bound to
+    another kind of value, shows; the values themselves are read anew at every call), so an unchanged class costs
+    one comparison of its values in C."""
+    classes = frozenset(classes)
+    bases = _LIBRARY_BASES.get(classes)
+    if bases is None:
+        found = dict.fromkeys(b for c in (*sorted(classes, key=_qualified), nn.Module) for b in c.__mro__
+                              if b is not object and (b.__module__ or "").split(".")[0] in LIBRARY_PREFIXES)
+        bases = _LIBRARY_BASES[classes] = list(found)
+    for base in bases:
+        fields = vars(base)
+        values = list(fields.values())
+        kept = _LIBRARY_NAMES.get(base)
+        try:
+            same = kept is not None and kept[0] == values  # (identical items compare equal without __eq__)
+        except Exception:  # noqa: BLE001  (a value rebound to a tensor or an array: no truth value)
+            same = False
+        if not same:
+            names = [k for k, v in fields.items() if isinstance(k, str) and not k.startswith("__")
+                     and not callable(v) and not hasattr(type(v), "__get__")
+                     and not isinstance(v, (type, types.ModuleType)) and (not k.startswith("_") or holds_tensors(v))]
+            kept = _LIBRARY_NAMES[base] = (values, names)
+        for key in kept[1]:
+            yield base, key, fields[key]
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_LIBRARY_BASES: dict[frozenset, list[type]] = {}
+"""The library classes :func:`library_class_attributes` reads for a set of classes, ``nn.Module`` last."""
+
+
+_LIBRARY_NAMES: dict[type, tuple[list[Any], list[str]]] = {}
+"""Per library class, its ``__dict__``'s values and the names :func:`library_class_attributes` reads there (which
+names depends only on what kind of value each holds)."""
 
 
 def holds_tensors(value: Any, depth: int = 0) -> bool:

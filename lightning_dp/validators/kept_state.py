@@ -14,6 +14,10 @@ state it can see and refuses a change that the optimizer's step on the released 
 * the module tree's structure: each module's class and each container's submodule names in order
   (:meth:`StateFingerprint._structure_entries`, ``"structure net.1"``: a parameter-free layer replaced, its
   ``__class__`` reassigned or a ``Sequential`` reordered from the batch shows nowhere else);
+* the bytes of a parameter's or buffer's storage that none of the state's tensors covers (a buffer registered as a
+  view of a larger tensor, written past its view by ``as_strided(..., offset)`` or ``untyped_storage()``:
+  :func:`beyond_views`), and the tensor held in the ``.grad`` slot of a buffer or a frozen parameter (none, zeros, or
+  the gradient of a parameter's last update left by a freeze are no data: :meth:`StateFingerprint._left_by_training`);
 * every submodule's mode (``training``) as the next training step will run it (:func:`training_modes`: the modes
   Lightning captured while its evaluation loop runs), an entry ``"mode net.2"`` for each module in eval mode;
 * the Python attributes set on a parameter or buffer tensor itself (``self.fc.weight.cache = x.detach()``), read
@@ -28,7 +32,9 @@ state it can see and refuses a change that the optimizer's step on the released 
   is not one of Lightning's or lightning_dp's own, and what its ``state_dict()`` returns (what a checkpoint keeps of
   it); and of the user's LightningDataModule (the first step's epoch-hook replays take every user callback's:
   ``take(every_callback=True)``);
-* the data held by the user's classes themselves (:func:`class_attributes`: ``history = []`` in a class body);
+* the data held by the user's classes themselves (:func:`class_attributes`: ``history = []`` in a class body, the
+  default arguments of their methods), and by the library classes among their bases and the torch layers' classes,
+  ``nn.Module`` included (:func:`library_class_attributes`: ``pl.LightningModule.offset = x.mean()``);
 * attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader, its
   loops, accelerator, precision plugin, profiler and loggers) after the first fingerprint: ``trainer.memory = batch``,
   and private names holding a tensor or an array (``library_objects``; set by the Lightning glue);
@@ -39,10 +45,13 @@ state it can see and refuses a change that the optimizer's step on the released 
   version counter, so a record written in place shows), its records kept as NumPy arrays or lists, its containers;
 * the module-level globals of the user's code (:func:`user_modules`: the modules defining the LightningModule and
   the callbacks above, and the user's helper modules they import), read as attributes are, under the Lightning
-  strategies (a plain loop's own globals change every iteration).
+  strategies (a plain loop's own globals change every iteration); of their functions, the default arguments
+  (:func:`function_defaults`: ``shift.__kwdefaults__["by"] = float(mean)``) and a partial's bound arguments.
 
-What it cannot see: globals of libraries' modules and of plain loops, what a file on disk holds (a stream kept on the
-module is compared by its position, an in-memory ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
+What it cannot see: globals of libraries' modules and of plain loops, the bytes beyond the view of a tensor that
+is no parameter or buffer, the ``.grad`` of a trainable parameter rewritten between the update and ``zero_grad``,
+what a file on disk holds (a stream kept on the module is compared by its position, an in-memory
+``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
 closures, objects of library classes mutated in place (their identity is compared, not their contents),
 containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through an integer
 buffer's ``.data`` between full passes (the version counter of ``.data`` is not the tensor's; the norms of
@@ -63,6 +72,7 @@ from __future__ import annotations
 import operator
 import types
 import weakref
+from collections import deque
 from itertools import repeat
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
@@ -70,15 +80,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError, listed
-from lightning_dp.records.identity import IdentityMap
+from lightning_dp.records.identity import IdentityMap, Same
 from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
-from lightning_dp.fingerprints.checksums import Checksums, norm_tokens
+from lightning_dp.fingerprints.checksums import Checksums, beyond_views, norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.fingerprints.replaced_objects import held_objects
-from lightning_dp.fingerprints.state_walker import (FUNCTION_TYPES, binds, holds_tensors, library_callable,
+from lightning_dp.fingerprints.state_walker import (FUNCTION_TYPES, binds, function_defaults, holds_tensors,
+                                                    _scalar_token, library_callable, library_class_attributes,
                                                     library_function, mutable_state, Walker, callable_state,
                                                     class_attributes)
 from lightning_dp.records.library_objects import TRUSTED_CALLBACK_PREFIXES, framework_keys, library_callback
@@ -133,6 +144,8 @@ class StateFingerprint:
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = Checksums()
         self.every_callback = False  # take()'s default: every callback's state, not only the batch-handed ones'
+        self._trained_gradients: dict[int, tuple[Any, Any, int]] = {}  # id(parameter) → weak references to it and
+        # to its gradient, and that gradient's version counter, as last seen while it trained (_left_by_training)
         self._gradients: dict[str, tuple[int, int]] = {}
         self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient they did not hold
         # (or not this one, or not so) at the one before: a backward's since (:class:`Walker`)
@@ -251,11 +264,20 @@ class StateFingerprint:
             plain.extend((name, b) for name, b in buffers if type(b) is Tensor and b.dtype.is_floating_point
                          and b.layout == torch.strided and b.numel())
             entries.update(norm_tokens(plain, self._sums))
+        entries.update(beyond_views([*params, *buffers], self._sums))  # `as_strided(..., offset)` past a view
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
         walker = Walker(seen, self._registered, self._sums, full, self.skip_keys)
+        trained = self._trained_gradients
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
+            if t.requires_grad:  # what a parameter frozen later (a finetuning callback) may still hold: its release
+                if (g := t.grad) is not None:
+                    trained[id(t)] = (weakref.ref(t), weakref.ref(g), g._version)
+            elif t.grad is not None and not self._left_by_training(t):  # hung_gradient: `self.center.grad = x`
+                token = self._sums.tokens([t.grad], full)[0]
+                if any(token[2][8:16]):  # (Σx² of the content sums: zeros, as `zero_grad` leaves them, are no data)
+                    entries[f"the .grad of {name}"] = token
         entries.update(self._structure_entries())
         for prefix, m, mode in layout:
             if mode is None:
@@ -292,6 +314,13 @@ class StateFingerprint:
             path = f"{cls.__qualname__}.{key}"
             if not self._is_public(path) and not self._is_public(key):
                 entries[f"class attribute {path}"] = walker.named(path, value)
+        classes = {*map(type, users), *(type(m) for _, m, _ in layout)}
+        for cls, key, value in library_class_attributes(classes):  # `pl.LightningModule.offset = x.mean()`
+            path = f"{cls.__qualname__}.{key}"
+            if not self._is_public(path) and not self._is_public(key):
+                entries[f"attribute {key} of library class {cls.__qualname__}"] = _scalar_token(value) or (
+                    walker.named(path, value) if isinstance(value, _WALKED) or type(value).__module__ == "numpy"
+                    else ("object", type(value).__name__, Same(value)))  # (a TypeVar: by identity, cheaply)
         for label, obj in self.library_objects():
             fields = getattr(obj, "__dict__", {})
             known = self._first_fields(obj, fields)
@@ -307,10 +336,16 @@ class StateFingerprint:
                 if isinstance(value, type) and value.__module__ == mod.__name__ and not key.startswith("__"):
                     self._class_entries(entries, value, walker)  # a class of the user's own module: its data
                     continue
-                if key.startswith("__") or isinstance(value, (types.ModuleType, type)) \
-                        or (isinstance(value, FUNCTION_TYPES) and not mutable_state(value)):
-                    continue  # a function that keeps a list, dict or tensor (a default argument, a closure) is state
+                if key.startswith("__") or isinstance(value, (types.ModuleType, type)):
+                    continue
                 path = f"{mod.__name__}.{key}"
+                if isinstance(value, FUNCTION_TYPES) and not mutable_state(value) and not binds(value):
+                    # a function that keeps a list, dict or tensor (a default argument, a closure) is state below; one
+                    # whose defaults are numbers or strings by those (`shift.__kwdefaults__["by"] = float(mean)`)
+                    defaults = function_defaults(value)
+                    if defaults is not None and not self._is_public(key) and not self._is_public(path):
+                        entries[f"the defaults of function {path}"] = walker.named(path, defaults)
+                    continue
                 if not self._is_public(key) and not self._is_public(path):
                     entries[f"global {path}"] = walker.named(path, value)
         names = [n for n, _ in tensors]
@@ -318,6 +353,13 @@ class StateFingerprint:
         self.graded = [name for name, key in walker.graded.items() if self._gradients.get(name) != key]
         self._gradients = walker.graded
         return entries
+
+    def _left_by_training(self, p: Tensor) -> bool:
+        """Whether a parameter that does not require grad holds in ``.grad`` what it held when a fingerprint last
+        found it training — the same tensor, unwritten since (its version counter): the gradient of its last update
+        (noised, released), left there by a freeze between the update and ``zero_grad``."""
+        held = self._trained_gradients.get(id(p))
+        return held is not None and held[0]() is p and held[1]() is p.grad and p.grad._version == held[2]
 
     def _tuple_token(self, walker: "Walker", path: str, entry: str, value: tuple) -> Hashable:
         """The token of a tuple held at ``entry`` (a convolution's ``kernel_size``, ``padding``…): kept while the entry
@@ -405,6 +447,10 @@ class StateFingerprint:
         self._sums.forget()
 
 
+_WALKED = (Tensor, list, tuple, dict, set, frozenset, deque, bytearray)
+"""The values of a library class's attributes read by content (:meth:`Walker.named`); another object by identity."""
+
+
 _IMMUTABLE_ITEMS = frozenset({int, float, bool, str, bytes, type(None)})
 """Types of the items of a tuple whose token is kept (:meth:`StateFingerprint._tuple_token`): exactly these, not a
 subclass (which may carry attributes)."""
@@ -467,6 +513,10 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
     fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., "
            "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged "
            "metric (outputs kept for an epoch-end log); else compute it from public data or the released model only")
+    if any(c.startswith(tuple(p for p, _ in _HIDDEN_PLACES)) or " of library class " in c for c in names):
+        fix += ("; a value kept beside the state — in a storage's bytes beyond a tensor's view, in the .grad of a "
+                "tensor that trains nothing, in a function's default arguments, on a library's class — belongs in a "
+                "registered buffer of its own (register_buffer), written from public values only")
     if all(c.removeprefix("contents of ").startswith("parameter ") for c in changed):
         fix = ("weights change only through the release (the optimizer's step on the noised update); a rollback or an "
                "edit between two releases chosen from the loss is a decision from un-noised data: restore an earlier "
@@ -481,8 +531,19 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
         "the guarantee would not cover it. Nothing more was released.")
 
 
+_HIDDEN_PLACES = (("storage of ", " beyond its view"), ("the .grad of ", ""), ("the defaults of function ", ""))
+"""The entries of places a value hides beside the state (prefix, suffix): the rest names the tensor or function."""
+
+
 def _public_name(entry: str) -> str:
     entry = entry.removeprefix("contents of ")
+    for prefix, suffix in _HIDDEN_PLACES:
+        if entry.startswith(prefix) and entry.endswith(suffix):
+            entry = entry[len(prefix):len(entry) - len(suffix)]
+            return entry.partition(" ")[2] if entry.startswith(("buffer ", "parameter ")) else entry
+    if entry.startswith("attribute ") and " of library class " in entry:
+        key, _, owner = entry.removeprefix("attribute ").partition(" of library class ")
+        return f"{owner}.{key}"
     kind, _, path = entry.partition(" ")
     return path if kind in ("buffer", "attribute", "callback", "datamodule", "parameter", "global", "hook",
                             "configuration") else entry
