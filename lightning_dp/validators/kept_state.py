@@ -144,14 +144,16 @@ class StateFingerprint:
         """The Python modules whose globals are fingerprinted too (:func:`user_modules`; set by the Lightning glue)."""
         self._sums = Checksums()
         self.every_callback = False  # take()'s default: every callback's state, not only the batch-handed ones'
-        self._trained_gradients: dict[int, tuple[Any, Any, int]] = {}  # id(parameter) → weak references to it and
-        # to its gradient, and that gradient's version counter, as last seen while it trained (_left_by_training)
+        self._trained_gradients: dict[int, tuple[Any, int]] = {}  # id(parameter) → a weak reference to its gradient
+        # and that gradient's version counter, as last seen while it trained (_left_by_training)
         self._gradients: dict[str, tuple[int, int]] = {}
         self.graded: list[str] = []  # where the last fingerprint found tensors holding a gradient they did not hold
         # (or not this one, or not so) at the one before: a backward's since (:class:`Walker`)
         self._layout: Optional[list[tuple[str, nn.Module, Optional[list[str]]]]] = None
         self._tree: Optional[TreeShape] = None  # the module tree's shape as walked
         self._registered: set[int] = set()
+        self._layer_classes: set[type] = set()  # the classes of the modules of the tree (library_class_attributes)
+        self._library_entries: dict[tuple[type, str], Optional[str]] = {}  # (class, name) → entry (None: public)
         self._param_slots: list[tuple[str, dict, str]] = []
         self._all_param_slots: list[tuple[str, dict, str]] = []
         self._buffer_slots: list[tuple[str, dict, str]] = []
@@ -178,6 +180,7 @@ class StateFingerprint:
         self._layout = [(f"{name}." if name else "", m, attribute_mode(m)) for name, m in self.module.named_modules()]
         self._tree = TreeShape([m for _, m, _ in self._layout])
         self._registered = {id(m) for _, m, _ in self._layout}
+        self._layer_classes = {type(m) for _, m, _ in self._layout}
         self._all_param_slots = [(prefix + key, m._parameters, key) for prefix, m, _ in self._layout
                                  for key in m._parameters]
         self._param_slots = [(f"parameter {name}", slots, key) for name, slots, key in self._all_param_slots
@@ -273,7 +276,7 @@ class StateFingerprint:
                 self._tensor_attributes(entries, name.partition(" ")[2], t, walker)
             if t.requires_grad:  # what a parameter frozen later (a finetuning callback) may still hold: its release
                 if (g := t.grad) is not None:
-                    trained[id(t)] = (weakref.ref(t), weakref.ref(g), g._version)
+                    trained[id(t)] = (weakref.ref(g), g._version)
             elif t.grad is not None and not self._left_by_training(t):  # hung_gradient: `self.center.grad = x`
                 token = self._sums.tokens([t.grad], full)[0]
                 if any(token[2][8:16]):  # (Σx² of the content sums: zeros, as `zero_grad` leaves them, are no data)
@@ -314,12 +317,16 @@ class StateFingerprint:
             path = f"{cls.__qualname__}.{key}"
             if not self._is_public(path) and not self._is_public(key):
                 entries[f"class attribute {path}"] = walker.named(path, value)
-        classes = {*map(type, users), *(type(m) for _, m, _ in layout)}
-        for cls, key, value in library_class_attributes(classes):  # `pl.LightningModule.offset = x.mean()`
-            path = f"{cls.__qualname__}.{key}"
-            if not self._is_public(path) and not self._is_public(key):
-                entries[f"attribute {key} of library class {cls.__qualname__}"] = _scalar_token(value) or (
-                    walker.named(path, value) if isinstance(value, _WALKED) or type(value).__module__ == "numpy"
+        names = self._library_entries
+        for cls, key, value in library_class_attributes({*map(type, users), *self._layer_classes}):
+            entry = names.get((cls, key), _MISSING)  # `pl.LightningModule.offset = x.mean()` at a batch's end
+            if entry is _MISSING:
+                path = f"{cls.__qualname__}.{key}"
+                entry = names[(cls, key)] = None if self._is_public(path) or self._is_public(key) \
+                    else f"attribute {key} of library class {cls.__qualname__}"
+            if entry is not None:
+                entries[entry] = _scalar_token(value) or (
+                    walker.named(entry, value) if isinstance(value, _WALKED) or type(value).__module__ == "numpy"
                     else ("object", type(value).__name__, Same(value)))  # (a TypeVar: by identity, cheaply)
         for label, obj in self.library_objects():
             fields = getattr(obj, "__dict__", {})
@@ -358,8 +365,9 @@ class StateFingerprint:
         """Whether a parameter that does not require grad holds in ``.grad`` what it held when a fingerprint last
         found it training — the same tensor, unwritten since (its version counter): the gradient of its last update
         (noised, released), left there by a freeze between the update and ``zero_grad``."""
-        held = self._trained_gradients.get(id(p))
-        return held is not None and held[0]() is p and held[1]() is p.grad and p.grad._version == held[2]
+        held = self._trained_gradients.get(id(p))  # (by the parameter's id: another one at a freed one's address
+        # would have to hold that very gradient, alive, to be taken for it)
+        return held is not None and held[0]() is p.grad and p.grad._version == held[1]
 
     def _tuple_token(self, walker: "Walker", path: str, entry: str, value: tuple) -> Hashable:
         """The token of a tuple held at ``entry`` (a convolution's ``kernel_size``, ``padding``…): kept while the entry
@@ -445,6 +453,9 @@ class StateFingerprint:
     def forget(self) -> None:
         """Drop cached checksums (a later fingerprint recomputes them)."""
         self._sums.forget()
+
+
+_MISSING = object()
 
 
 _WALKED = (Tensor, list, tuple, dict, set, frozenset, deque, bytearray)
