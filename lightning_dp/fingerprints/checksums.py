@@ -115,8 +115,11 @@ def beyond_views(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] 
     covering its whole storage: the same tensors again at the same addresses with the same shapes cost two C loops
     (a storage grown or a tensor ``set_`` onto another moves its address or its shape)."""
     tensors = list(map(_TENSOR, named))
-    places = (list(map(Tensor.data_ptr, tensors)), list(map(_SHAPE, tensors)))
-    kept = sums.covering if sums is not None else None
+    try:
+        places = (list(map(Tensor.data_ptr, tensors)), list(map(_SHAPE, tensors)))
+    except RuntimeError:  # a sparse tensor (no storage of its own): each one read below
+        places = None
+    kept = sums.covering if sums is not None and places is not None else None
     if kept is not None and kept[1] == places and len(kept[0]) == len(tensors) \
             and all(map(operator.is_, tensors, kept[0])):
         return {}  # the same tensors at the same places with the same shapes, each its whole storage as last time
@@ -132,7 +135,7 @@ def beyond_views(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] 
             continue
         partial.setdefault(storage.data_ptr(), []).append((name, t))
     if not partial:
-        if sums is not None:
+        if sums is not None and places is not None:
             sums.covering = (tensors, places)  # (held: no id of theirs is reused while kept)
         return {}
     for name, t in whole:  # a tensor covering a storage another one only partly covers

@@ -286,6 +286,9 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
             for key, value in list(vars(base).items()):
                 if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
                     value = unwrapped(value)  # as the user wrote it, whether the logger judge wraps it now or not
+                    while library_callable(value) and isinstance(getattr(value, "__wrapped__", None),
+                                                                 types.FunctionType):
+                        value = value.__wrapped__  # a library's wrapper set for the fit (a logger's watched `log`)
                     defaults = function_defaults(value)
                     if defaults is not None or _mutable_defaults(value):  # `def f(self, v, _acc={})`;
                         yield base, f"{key}.__defaults__", defaults or ((), {})  # `M.f.__kwdefaults__["by"] = x`
