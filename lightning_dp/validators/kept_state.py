@@ -198,9 +198,11 @@ class StateFingerprint:
         """The ``structure`` entries: per module (public ones left out) its class and, for a container, the names of
         its submodules in order — what the forward composes, which no parameter shows for a parameter-free layer
         (``self.net[1] = nn.Sigmoid()``, ``layer.__class__ = ...``, ``_modules`` reordered). Kept while the same
-        modules have the same classes and their containers the same names in the same order (read in C loops)."""
+        modules have the same classes and their containers the same names in the same order (read in C loops). A
+        class the engine put on a module for the step (``root_parameters``' interceptor, while a parameter of the
+        module's own trains) is read as the user's class it stands for: freezing that parameter gives it back."""
         shapes, modules, containers = self._shapes, self._shape_modules, self._containers
-        classes = list(map(type, modules))
+        classes = [cls.__dict__.get("_dp_user_class", cls) for cls in map(type, modules)]  # an engine's interceptor
         names = list(map(tuple, map(dict.keys, map(_MODULES, containers))))
         held = self._shaped
         if held is not None and held[0] is shapes and held[1] == classes and held[2] == names:

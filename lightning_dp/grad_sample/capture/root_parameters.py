@@ -65,7 +65,7 @@ def _intercepting(cls: type) -> type:
             return _as_base(cls.__reduce_ex__(self, protocol), type(self), cls)
 
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
-                                                       "__module__": cls.__module__})
+                                                       "__module__": cls.__module__, "_dp_user_class": cls})
     return _SUBCLASSES[cls]
 
 
