@@ -40,6 +40,8 @@ import types
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from lightning_dp.replays.bindings import rebound
+
 __all__ = ["CLOCKS", "ClockReads", "clock_bindings", "file_kind", "replayed_caller"]
 
 CLOCKS = tuple(name for name in ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -192,23 +194,10 @@ class ClockReads:
             _OPEN[0] += 1
         stack = _ACTIVE.__dict__.setdefault("stack", [])
         stack.append({name: clock(name, _OPEN_REAL[name]) for name in _PATCHED})
-        swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, its value, the replayed one)
         try:
-            seen: set[int] = set()
-            for names, datetime in [*((names, True) for names in self._names), *clock_bindings()]:
-                if id(names) in seen:
-                    continue
-                seen.add(id(names))
-                for key, value in list(names.items()):
-                    ours = _replacing(value, datetime)
-                    if ours is not None:
-                        swapped.append((names, key, value, ours))
-                        names[key] = ours
-            yield
+            with rebound([*((names, True) for names in self._names), *clock_bindings()], _replacing):
+                yield
         finally:
-            for names, key, value, ours in swapped:
-                if names.get(key) is ours:
-                    names[key] = value
             stack.pop()
             with _LOCK:
                 _OPEN[0] -= 1

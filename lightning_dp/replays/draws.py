@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from lightning_dp.replays.bindings import rebound
 from lightning_dp.replays.clock import file_kind
 
 __all__ = ["DrawReads", "pass_through", "users_read"]
@@ -322,23 +323,10 @@ class DrawReads:
             _OPEN[0] += 1
         stack = _ACTIVE.__dict__.setdefault("stack", [])
         stack.append(read)
-        swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, its value, the replacement)
         try:
-            seen: set[int] = set()
-            for names in [*self._names, *_bindings()]:
-                if id(names) in seen:
-                    continue
-                seen.add(id(names))
-                for key, value in list(names.items()):
-                    ours = _replacing(value)
-                    if ours is not None:
-                        swapped.append((names, key, value, ours))
-                        names[key] = ours
-            yield
+            with rebound(((names, None) for names in [*self._names, *_bindings()]), lambda value, _: _replacing(value)):
+                yield
         finally:
-            for names, key, value, ours in swapped:
-                if names.get(key) is ours:
-                    names[key] = value
             stack.pop()
             with _LOCK:
                 _OPEN[0] -= 1
