@@ -40,7 +40,7 @@ import types
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from lightning_dp.replays.bindings import rebound
+from lightning_dp.replays.bindings import ModuleIndex, rebound
 
 __all__ = ["CLOCKS", "ClockReads", "clock_bindings", "file_kind", "replayed_caller"]
 
@@ -91,9 +91,6 @@ def replayed_caller(code: types.CodeType) -> bool:
     return file_kind(code.co_filename) not in ("std", "ours")
 
 
-_INDEX: dict[str, tuple[dict[str, Any], bool]] = {}  # module name → (its dict, whether datetime is swapped there)
-_SCANNED: dict[str, int] = {}  # module name → id() of the module object scanned
-_SIZE = [-1]  # len(sys.modules) at the last scan
 
 
 def _binds(names: dict[str, Any], datetime: bool) -> bool:
@@ -112,20 +109,19 @@ def clock_bindings() -> list[tuple[dict[str, Any], bool]]:
     (not in an installed library: a ``datetime`` of the replayed class would not pickle). Scanned once per module:
     the index is brought up to date only when :data:`sys.modules` changed size (a few milliseconds for a thousand new
     modules; nothing otherwise)."""
-    if len(sys.modules) != _SIZE[0]:
-        for name, module in list(sys.modules.items()):
-            if _SCANNED.get(name) == id(module):
-                continue
-            _SCANNED[name] = id(module)
-            _INDEX.pop(name, None)
-            names = getattr(module, "__dict__", None)
-            filename = getattr(module, "__file__", None) or ("<main>" if name == "__main__" else "")
-            kind = file_kind(filename) if isinstance(filename, str) and filename else "std"  # a built-in module
-            if isinstance(names, dict) and kind in ("site", "user") and name != __name__ and \
-                    _binds(names, kind == "user"):
-                _INDEX[name] = (names, kind == "user")
-        _SIZE[0] = len(sys.modules)
-    return list(_INDEX.values())
+    return _CLOCK_MODULES.entries()
+
+
+def _clock_module(name: str, names: dict[str, Any], filename: str) -> Optional[tuple[dict[str, Any], bool]]:
+    """(the dict, whether its ``datetime`` names are swapped) of a module of the user's or an installed library's
+    binding a clock by name; ``None`` for any other."""
+    kind = file_kind(filename) if filename else "std"  # a built-in module
+    if kind in ("site", "user") and name != __name__ and _binds(names, kind == "user"):
+        return names, kind == "user"
+    return None
+
+
+_CLOCK_MODULES = ModuleIndex(_clock_module)
 
 
 class ClockReads:

@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from lightning_dp.replays.bindings import rebound
+from lightning_dp.replays.bindings import ModuleIndex, rebound
 from lightning_dp.replays.clock import file_kind
 
 __all__ = ["DrawReads", "pass_through", "users_read"]
@@ -222,27 +222,19 @@ def _replacing(value: Any) -> Any:
     return None
 
 
-_INDEX: dict[str, dict[str, Any]] = {}  # module name → its dict, for the user's modules binding a source by name
-_SCANNED: dict[str, int] = {}  # module name → id() of the module object scanned
-_SIZE = [-1]  # len(sys.modules) at the last scan
-
-
 def _bindings() -> list[dict[str, Any]]:
-    """The dicts of the user's modules binding a source by name (``from os import urandom``), scanned once per module
-    (brought up to date when :data:`sys.modules` changed size)."""
-    if len(sys.modules) != _SIZE[0]:
-        for name, module in list(sys.modules.items()):
-            if _SCANNED.get(name) == id(module):
-                continue
-            _SCANNED[name] = id(module)
-            _INDEX.pop(name, None)
-            names = getattr(module, "__dict__", None)
-            filename = getattr(module, "__file__", None) or ("<main>" if name == "__main__" else "")
-            if isinstance(names, dict) and isinstance(filename, str) and filename and file_kind(filename) == "user" \
-                    and name not in _MODULES and any(_replacing(v) is not None for v in list(names.values())):
-                _INDEX[name] = names
-        _SIZE[0] = len(sys.modules)
-    return list(_INDEX.values())
+    """The dicts of the user's modules binding a source by name (``from os import urandom``): :class:`ModuleIndex`."""
+    return _SOURCE_MODULES.entries()
+
+
+def _source_module(name: str, names: dict[str, Any], filename: str) -> Optional[dict[str, Any]]:
+    if filename and file_kind(filename) == "user" and name not in _MODULES \
+            and any(_replacing(v) is not None for v in list(names.values())):
+        return names
+    return None
+
+
+_SOURCE_MODULES = ModuleIndex(_source_module)
 
 
 def _cuda_generators() -> list[torch.Generator]:

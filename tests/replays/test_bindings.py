@@ -30,3 +30,25 @@ def test_a_name_bound_again_inside_the_block_is_kept():
     with rebound([(names, None)], lambda v, _: (lambda: 0) if v is real else None):
         names["clock"] = print
     assert names["clock"] is print
+
+
+def test_the_module_index_scans_each_module_once_and_follows_new_ones(monkeypatch):
+    import sys
+    import types
+
+    from lightning_dp.replays.bindings import ModuleIndex
+
+    calls = []
+
+    def select(name, names, filename):
+        calls.append(name)
+        return names if names.get("marker") is real else None
+
+    index = ModuleIndex(select)
+    assert all(e.get("marker") is not real for e in index.entries())
+    scanned = len(calls)
+    assert index.entries() == index.entries() and len(calls) == scanned  # nothing new: no scan
+    module = types.ModuleType("lightning_dp_test_bound")
+    module.marker = real
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert vars(module) in index.entries() and calls[scanned:] == [module.__name__]
