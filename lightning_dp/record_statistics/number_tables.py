@@ -58,14 +58,11 @@ def number_columns(value: Any) -> list[tuple[str, Tensor]]:
 
 def _fields(entry: Any) -> Optional[dict[Any, float]]:
     """An entry's numbers by position (a tuple, a list, a 1-D array or tensor) or key (a dict), or ``None``."""
-    if isinstance(entry, dict):
-        items = list(entry.items())
-    elif isinstance(entry, (list, tuple)) or (hasattr(entry, "ndim") and getattr(entry, "ndim", 0) == 1):
-        items = list(enumerate(entry))
-    else:
+    if not (isinstance(entry, (dict, list, tuple)) or getattr(entry, "ndim", 0) == 1):
         return None
-    if not 1 <= len(items) <= MAX_FIELDS:
+    if not 1 <= len(entry) <= MAX_FIELDS:  # before reading it: a long tensor is never unbound
         return None
+    items = list(entry.items()) if isinstance(entry, dict) else list(enumerate(entry))
     out = {key: _number(v) for key, v in items}
     return out if all(v is not None for v in out.values()) else None  # type: ignore[return-value]
 

@@ -177,6 +177,25 @@ def test_tables_of_numbers_are_read_as_their_columns():
     assert number_columns([{"m": 1.0}, {"s": 2.0}]) == []  # entries of different fields: no table
 
 
+class _LongRecord:
+    """A 1-D entry far longer than a column's tuple (a recorded update of a whole layer): never iterated."""
+    ndim = 1
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __iter__(self):
+        raise AssertionError("a long entry was unbound to read its fields")
+
+
+def test_a_list_of_long_vectors_is_not_read_as_a_table():
+    """A callback's list of per-step update vectors (each [d] with d > MAX_FIELDS) is no table of columns: its
+    entries are never iterated (unbinding each at every check cost ≈ 60 ms a step on a 100-step fit)."""
+    assert number_columns([_LongRecord(), _LongRecord()]) == []
+    assert number_columns([torch.zeros(9), torch.zeros(9)]) == []
+    assert [s for s, _ in number_columns([torch.zeros(2), torch.ones(2)])] == ["[*][0]", "[*][1]"]
+
+
 def test_the_chance_is_that_of_the_columns_closeness():
     """A column's closeness is its error (or the candidate's decimal step) over its spread; constants, values near a
     trivial statistic and coarse numbers carry no evidence."""
