@@ -24,6 +24,7 @@ from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence, Sized
 
 from torch import Tensor, nn
 from torch.utils.data import Dataset
+from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.records.library_objects import is_library as _is_library
@@ -163,6 +164,8 @@ class Walker:
         parameters = _distribution_parameters(value)
         if parameters is not None:
             return ("distribution", type(value).__name__, tuple((k, self.token(v, depth + 1)) for k, v in parameters))
+        if isinstance(value, RemovableHandle):
+            return handle_token(value)
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
             return ("object", type(value).__name__, Same(value))
         if id(value) in self._objects:
@@ -183,6 +186,18 @@ class Walker:
             return ()
         return (("attributes", len(fields),
                  tuple((k, self.token(v, depth + 1)) for k, v in _sample(fields))),)
+
+
+def handle_token(handle: RemovableHandle) -> Hashable:
+    """A module hook's handle kept by the user (``self.h = layer.register_forward_hook(fn)``) as what it removes: the
+    table it points into and the hook's place among the user's hooks there (``kept_state`` names them so), ``None``
+    once removed. Its number comes from a global counter, so a run again registering the same hook holds another
+    handle: by identity, every such run would differ."""
+    table = handle.hooks_dict_ref()
+    if table is None or handle.id not in table:
+        return ("hook handle", None)
+    users = [k for k, fn in table.items() if not library_callable(fn) or binds(fn)]
+    return ("hook handle", id(table), users.index(handle.id) if handle.id in users else -1)
 
 
 def _distribution_parameters(value: Any) -> Optional[list[tuple[str, Any]]]:

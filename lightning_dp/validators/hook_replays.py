@@ -25,6 +25,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.fingerprints.state_walker import binds, library_callable
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.steered_settings import settings
@@ -217,7 +218,7 @@ def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
 
 def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[[], list[str]]:
     """A function that puts the model's structure (each module's class, its modules in their order, parameters and
-    buffers, slot by slot) and, when a
+    buffers, slot by slot; the user's module hooks: :func:`users_hooks_kept`) and, when a
     ``setup`` or ``on_fit_start`` of the user's may change them (or ``weights``), its parameters' values back as
     they are now: a
     ``setup`` that builds layers or warms the weights up runs again in a replay without changing the model trained
@@ -228,8 +229,10 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
     slots = [(m, type(m), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(name, p, p.detach().clone(), p._version, p.data) for name, p in module.named_parameters()] \
         if weights or overrides_fit_start(module) else []
+    hooks = users_hooks_kept(module)
 
     def restore() -> list[str]:
+        hooks()
         for m, cls, modules, params, buffers in slots:
             if type(m) is not cls:  # (``layer.__class__ = nn.Sigmoid``)
                 m.__class__ = cls
@@ -244,6 +247,51 @@ def model_kept(module: "pl.LightningModule", weights: bool = False) -> Callable[
                 p.data.copy_(value)
         return [name for name, p, _, version, _ in values if p._version != version]
     return restore
+
+
+def users_hooks_kept(module: "pl.LightningModule") -> Callable[[], None]:
+    """A function that puts the user's module hooks (forward, forward-pre and backward hooks of every submodule, and
+    torch's flags beside them) back as they are now: a hook registered or removed by a run again of a hook
+    (``register_forward_pre_hook`` at a batch's end, chosen by the batch's labels) goes, so that every run starts from
+    the same hooks and is compared by what it registers (``kept_state``: by place and code, not the handle's
+    number). An engine's or another library's hooks (:func:`~.state_walker.library_callable`) are left as they are
+    now: an engine attached again in between keeps its own."""
+    tables = [(table, dict(table)) for m in module.modules() for kind in _HOOK_DICTS
+              for table in [m.__dict__.get(kind)] if isinstance(table, dict)]
+    flags = [(table, dict(table)) for m in module.modules() for kind in _HOOK_FLAGS
+             for table in [m.__dict__.get(kind)] if isinstance(table, dict)]
+
+    def users(table: dict) -> list[tuple[Any, Any]]:
+        return [(k, fn) for k, fn in table.items() if _users_hook(fn)]
+
+    def restore() -> None:
+        changed: set[Any] = set()
+        for table, kept in tables:
+            now, before = users(table), users(kept)
+            if len(now) == len(before) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(now, before)):
+                continue
+            changed.update(k for k, _ in now)
+            changed.update(k for k, _ in before)
+            mine = dict(before)
+            theirs = {k: fn for k, fn in table.items() if not _users_hook(fn)}
+            order = [k for k in kept if k in mine or k in theirs] + [k for k in theirs if k not in kept]
+            table.clear()
+            table.update((k, mine[k] if k in mine else theirs[k]) for k in order)
+        for table, kept in flags if changed else ():
+            for k in changed:
+                if k in kept:
+                    table[k] = kept[k]
+                else:
+                    table.pop(k, None)
+    return restore
+
+
+def _users_hook(fn: Any) -> bool:
+    return not library_callable(fn) or binds(fn)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 SKETCH_POSITIONS = 4096
@@ -337,7 +385,7 @@ def batch_start(module: "pl.LightningModule", batch: Any, batch_idx: int, raisin
 
 def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any, batch_idx: int,
                         moved: Union[bool, Callable[[Any], Any]] = False, before_end: Callable[[], None] = lambda: None,
-                        end: bool = True, names: Optional[list[frozenset]] = None) -> bool:
+                        end: bool = True, names: Optional[list[frozenset]] = None, hooks: bool = True) -> bool:
     """The hooks Lightning's loop runs around a training step that are handed the batch, its loss or its outputs
     (``on_train_batch_start``, ``on_before_backward``, ``on_train_batch_end``), of the module and of every callback
     that overrides one, run on ``batch`` with the outputs of the module's ``training_step`` (not differentiated);
@@ -347,10 +395,11 @@ def replay_batch_hooks(module: "pl.LightningModule", precision: Any, batch: Any,
     (``if loss < 100: lr *= 0.5``) differs from the replay that was not; or moved by ``moved`` itself
     (:func:`moved_near`: a value set once the loss is above a threshold). ``end=False``: the hooks before the release
     only (the batch-end hooks not run). ``names``: given the (hook, name) pairs the hooks logged
-    (:mod:`~lightning_dp.value_copies.logged_names`; also when a hook raised)."""
+    (:mod:`~lightning_dp.value_copies.logged_names`; also when a hook raised). ``hooks=False``: the module hooks the
+    hooks register are left for the caller to compare and put back (:func:`users_hooks_kept`)."""
     trainer = module.trainer
     callbacks = [cb for cb in trainer.callbacks if not trusted_callback(cb)]
-    with replaying(module, rates=False, schedules=False), logged_names.recording() as logged:
+    with replaying(module, rates=False, schedules=False, hooks=hooks), logged_names.recording() as logged:
         try:
             return _batch_hooks(module, callbacks, precision, batch, batch_idx, moved, before_end, end)
         finally:
@@ -398,7 +447,8 @@ def _batch_hooks(module: "pl.LightningModule", callbacks: list[Any], precision: 
 
 
 @contextmanager
-def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool = True) -> Iterator[None]:
+def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool = True,
+              hooks: bool = True) -> Iterator[None]:
     """What a replay of the user's hooks, or a check's pass through them, must not do to the run: log (``self.log``,
     a logger's ``log_metrics``), write a checkpoint (``trainer.save_checkpoint`` in an epoch hook), leave a module
     hook registered (``on_train_start`` registering a forward hook: the replays' go again), or advance a
@@ -406,7 +456,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     from ``last_epoch`` would otherwise run ahead). ``rates=False``: the hyper-parameters are left as the hooks set
     them (the replays compare them, then put them back: :func:`~.steered_settings.replay_records`); ``schedules=False``:
     so are the schedulers' states (a scheduler told the batch's loss by ``on_train_batch_start``: compared among the
-    loop's controls, :mod:`.schedule_state`)."""
+    loop's controls, :mod:`.schedule_state`); ``hooks=False``: so are the module hooks (the caller compares them)."""
     trainer = module.trainer
     schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()] \
         if schedules else []
@@ -419,8 +469,8 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     unique = list({id(logger): logger for logger in trainer.loggers}.values())  # a logger listed twice: muted once
     muted = [(trainer, "save_checkpoint"), *((logger, name) for logger in unique
                                               for name in ("log_metrics", "log_hyperparams"))]
-    hooks = [(table, dict(table)) for m in module.modules() for kind in _HOOK_TABLES
-             for table in [getattr(m, kind, None)] if isinstance(table, dict)]
+    tables = [(table, dict(table)) for m in module.modules() for kind in _HOOK_TABLES
+              for table in [getattr(m, kind, None)] if isinstance(table, dict)] if hooks else []
     saved = [vars(obj).get(name, _ABSENT) for obj, name in muted]
     _REPLAYS.append(module)
     with silenced_logging(module):
@@ -438,7 +488,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
                     delattr(obj, name)
                 else:
                     setattr(obj, name, value)
-            for table, entries in hooks:  # a hook registered by a replayed on_train_start goes again
+            for table, entries in tables:  # a hook registered by a replayed on_train_start goes again
                 if len(table) != len(entries) or any(k not in entries for k in table):
                     table.clear()
                     table.update(entries)
@@ -472,8 +522,7 @@ def checkpoints_saved() -> tuple[str, ...]:
     return tuple(_SAVED)
 
 
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+_HOOK_TABLES = (*_HOOK_DICTS, *_HOOK_FLAGS)
 """The dicts in which a module keeps its hooks (and their flags)."""
 
 

@@ -69,6 +69,7 @@ replays judge lie beside it: the optimizers', the trainer's and the library obje
 
 from __future__ import annotations
 
+import functools
 import operator
 import types
 import weakref
@@ -299,10 +300,11 @@ class StateFingerprint:
                 entries[entry] = "eval"
         for prefix, m, _ in layout:
             for kind in _HOOK_DICTS:
-                for handle, fn in (getattr(m, kind, None) or {}).items():
-                    path = f"{prefix}{kind}[{handle}]"
-                    if (not library_callable(fn) or binds(fn)) and not self._is_public(path):
-                        entries[f"hook {path}"] = (*(walker.token(v) for v in callable_state(fn)),
+                users = [fn for fn in (getattr(m, kind, None) or {}).values() if not library_callable(fn) or binds(fn)]
+                for place, fn in enumerate(users):  # by its place among the user's hooks, not its handle's number
+                    path = f"{prefix}{kind}[{place}]"  # (a global counter: each run again registering gets another)
+                    if not self._is_public(path):
+                        entries[f"hook {path}"] = (hook_identity(fn), *(walker.token(v) for v in callable_state(fn)),
                                                    *walker.attributes(fn))
         for cb in callbacks:
             every = every_callback or self.every_callback
@@ -562,4 +564,19 @@ def _public_name(entry: str) -> str:
                             "configuration") else entry
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hook_identity(fn: Any) -> Hashable:
+    """What a module hook runs, alike for the same code however often it is registered: a function's (or a bound
+    method's, a partial's) code object, named, else a callable object's class (its state: :func:`callable_state`). A
+    hook registered by each run again of a hook is the same entry when it runs the same code; another function set in
+    its place (``double`` for ``halve``, chosen by the batch's labels) is another."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return ("code", getattr(fn, "__module__", None), code.co_qualname if hasattr(code, "co_qualname")
+                else getattr(fn, "__qualname__", ""), code.co_firstlineno, id(code))
+    return ("callable", type(fn).__module__, type(fn).__qualname__)
 """The hooks a module keeps: a user's hook may keep what it sees in its closure, a default argument or its object."""

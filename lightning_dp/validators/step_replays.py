@@ -231,7 +231,8 @@ class StepReplays:
                             with exchanged_around(outside if moved is False and examples is not batch else None,
                                                   writes.before_end if writes else lambda: None) as before_end:
                                 ended = replay_batch_hooks(module, precision, examples, batch_idx, moved,
-                                                           before_end=before_end, names=names)
+                                                           before_end=before_end, names=names,
+                                                           hooks=writes is None)  # (put back with the rest)
                         except PrivacyConfigurationError:
                             raise
                         except Exception as err:  # noqa: BLE001  (judged by raised_apart: a stop by raising)
