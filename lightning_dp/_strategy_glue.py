@@ -71,6 +71,7 @@ from lightning_dp.record_checks.stored_records import (StoredRecords, changed_re
                                                        stored_records)
 from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
+from lightning_dp.validators.released_gradients import ReleasedGradients
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training, trained_dataset
 from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
@@ -150,6 +151,7 @@ class PrivateTraining:
         self._decision_windows: Optional[pl.Callback] = None  # decisions outside a step, verified when made
         self._fresh_step: Optional[pl.Callback] = None  # reseeds the global generators as each step starts
         self._pruning: Optional[PruningWatch] = None  # ModelPruning's writes accepted as made (model_pruning.py)
+        self._released_grads = ReleasedGradients()  # .grad as a step starts: the release, zeros or None
         self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
         self._batch_start = BatchStartSettings(self._replays)  # what on_train_batch_start sets from the batch
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
@@ -376,6 +378,7 @@ class PrivateTraining:
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
         judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes))  # post-processing writes, judged
         self._pruning = PruningWatch(module, step.boundary, trainer.callbacks)  # ModelPruning: post-processing
+        self._released_grads.watch(trainer.optimizers)  # what an optimizer's own step leaves in .grad is released
 
     def on_exception(self, exception: BaseException) -> None:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
@@ -579,6 +582,7 @@ class PrivateTraining:
         pruning, self._pruning = self._pruning, None
         if pruning is not None:
             pruning.stop()
+        self._released_grads.close()
         fresh, self._fresh_step = self._fresh_step, None
         if fresh is not None and trainer is not None and fresh in trainer.callbacks:
             trainer.callbacks.remove(fresh)
@@ -716,6 +720,7 @@ class PrivateTraining:
             return None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         check_loop(trainer, self.label)
+        self._released_grads.check(step.boundary.trainable(), step.boundary.public_state)  # rewritten since the update
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
             metric_writes.install(self._logged_reads)
