@@ -169,7 +169,7 @@ def _statistics_held(holders: Sequence[tuple[str, Any]], datasets: Sequence[Any]
         return found
     owners = [*holders, *((f"dataset {type(d).__name__}", d) for d in datasets)]
     for path, value in _candidates(owners):
-        found.extend(statistics.held_by(path, value))
+        found.extend(statistics.held_by(path, value) or statistics.slices_held(path, value))
     return found
 
 
@@ -194,6 +194,41 @@ class TrainingStatistics:
         self.near = NearStatistics([*tensors, *arrays], self.shaped.order)  # rounded, subsampled: within their error
         self.record_paths = {p for p, t in [*tensors, *arrays] if id(t) in self.records}
         self.directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, when a candidate has that width
+
+    def slices_held(self, path: str, value: Any, rows: Optional[Tensor] = None,
+                    columns: Optional[Tensor] = None) -> list[str]:
+        """Rows and columns of a 2-D held ``value`` (``path``) equal to an exact statistic of a training tensor of
+        their length (a mean, a deviation, a class's frequencies: :meth:`held_by`'s first comparisons, row by row):
+        a statistic written into one row of an embedding or a memory bank (``self.emb.weight.data[0] = mean``) or one
+        column of a buffer hides in a tensor of another size. ``rows``/``columns``: the indices compared (those
+        written since the last check), every one when ``None``; all of them in one vectorised comparison per
+        statistic of their length. Public names, the records themselves and DP releases a charged ledger counts are
+        never one; a slice of under two numbers, or a constant one, is not compared (a single number matches too
+        easily; zeros match the mean of centred data)."""
+        name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
+        if not self.stats or id(value) in self.records or is_public(name, self.public):
+            return []
+        t = _as_tensor(value)
+        if t is None or t.dim() != 2 or t.numel() == 0 or is_released(t, self.charged):
+            return []
+        found: list[str] = []
+        for what, matrix, index in (("row", t, rows), ("column", t.t(), columns)):
+            width = matrix.shape[1]
+            if width < 2 or width not in self.sizes or (index is not None and not len(index)):
+                continue
+            picked = (matrix if index is None else matrix[index.to(matrix.device)]).to("cpu", torch.float64)
+            varied = picked.amax(1) != picked.amin(1)  # a constant row (zeros: a slot reset) says nothing of the data
+            for stat_name, stat, source in self.stats:
+                if stat.numel() != width or source == id(value) or _constant(stat):
+                    continue
+                flat = stat.reshape(-1).to("cpu", torch.float64)
+                rtol = 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL
+                hits = (((picked - flat).abs() <= _ATOL + rtol * flat.abs()).all(1) & varied).nonzero().reshape(-1)
+                if len(hits):
+                    at = int(hits[0]) if index is None else int(index[int(hits[0])])
+                    found.append(f"{what} {at} of {path} equals the {stat_name}")
+                    break
+        return found
 
     def scaled(self) -> list[str]:
         """The training feature tensors scaled by their own statistics or holding statistics written into them."""

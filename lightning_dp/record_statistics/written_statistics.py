@@ -39,7 +39,15 @@ of the state, 0.08 ms a step; an EMA of its [1000, 1000] weight changing at ever
 EMA's own update included), and its full comparisons about 8 s at its first change and at the fit's end, what rule
 11's check pays for that weight before the first release.
 
-What it does not see: a statistic transformed (rounded, scaled, mixed with public constants: as rule 11), a value
+A 2-D value is also compared row by row and column by column
+(:meth:`~.data_statistics.TrainingStatistics.slices_held`): a training mean written into one row of a memory bank or
+an embedding's weight, or one column of a buffer; only the rows and columns written since its last compared copy (all,
+vectorised, without one). A parameter written through ``.data`` moves no version counter: those a judged hook's
+accepted write names are compared at the next check (:meth:`WrittenStatistics.note_written`).
+
+What it does not see: a slice of a tensor of three or more dimensions, or part of a row; a parameter written through
+``.data`` by a hook that is not judged by :mod:`~lightning_dp.validators.judged_writes` (an epoch's end); a statistic
+transformed (rounded, scaled, mixed with public constants: as rule 11), a value
 written and overwritten between two checks (it never reaches a release), a statistic other than an exact one (a
 quantile, a whitening matrix) written into a value after its first change (found at the next full check, after the
 releases it steered), the optimizers' state between two
@@ -90,12 +98,20 @@ class WrittenStatistics:
         self._full: dict[str, Any] = {}  # path → token as last compared with every statistic
         self._once: set[str] = set()  # paths compared since the fit started (later changes: the exact statistics)
         self._updated: Optional[dict[str, tuple[Tensor, int]]] = None  # parameter name → (p, version) after update
+        self._written: set[str] = set()  # parameters a judged hook wrote (note_written): compared at the next check
         self.compared = 0  # values compared with the statistics (a test's and a benchmark's count)
         for path, value in held_candidates(clean, parameters=False):
             token = _token(value)
             if token is not None:
                 self._seen[path] = (token, _copy(value))
                 self._full[path] = token
+
+    def note_written(self, names: Sequence[str]) -> None:
+        """A judged hook's write was accepted (``names``: the kept state's entries, ``parameter emb.weight``): the
+        parameters among them are compared at the next check, whatever their version counters say (a write through
+        ``.data`` moves none)."""
+        self._written.update(n.removeprefix("contents of ").removeprefix("parameter ") for n in names
+                             if n.removeprefix("contents of ").startswith("parameter "))
 
     def note_update(self) -> None:
         """The optimizer applied a release: the parameters' version counters now (a later move is a hook's write)."""
@@ -124,7 +140,8 @@ class WrittenStatistics:
             self.compared += 1
             whole = full or path not in self._once  # (a value's first change in the fit: compared in full)
             self._once.add(path)
-            held = self.statistics.held_by(path, value, whole, approximate=False)  # trained values come near
+            held = self.statistics.held_by(path, value, whole, approximate=False) or \
+                self.statistics.slices_held(path, value, *_written_slices(value, last))  # one row of a larger one
             if held:
                 found.extend(held)
                 if last is not None and last[1] is not None:
@@ -143,8 +160,9 @@ class WrittenStatistics:
         for path, value in held_candidates(self.owners(), parameters=False):
             if self._moved(path, value, full):
                 yield path, value
+        written, self._written = self._written, set()
         for name, (p, version) in (self._updated or {}).items():
-            if p._version != version:
+            if p._version != version or name in written:
                 yield f"parameter {name}", p
         for i, optimizer in enumerate(self.optimizers() if optimizers else ()):
             for path, value in _optimizer_values(i, optimizer):
@@ -182,6 +200,17 @@ def _token(value: Any) -> Any:
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         return ("numbers", type(value), tuple(value))
     return None
+
+
+def _written_slices(value: Any, last: Optional[tuple[Any, Any]]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The rows and columns of a 2-D tensor written since its last compared copy (every one without a copy of its
+    shape: ``(None, None)``): what :meth:`~.data_statistics.TrainingStatistics.slices_held` compares."""
+    copy = last[1] if last is not None else None
+    if not isinstance(value, Tensor) or value.dim() != 2 or copy is None or copy.shape != value.shape \
+            or copy.dtype != value.dtype or copy.device != value.device:
+        return None, None
+    moved = value.detach() != copy
+    return moved.any(1).nonzero().reshape(-1), moved.any(0).nonzero().reshape(-1)
 
 
 def _copy(value: Any) -> Any:

@@ -251,6 +251,8 @@ class _Judge:
         self.step.on_every_rank(judge, f"refused a write in {name}")
         if reproduced:
             boundary.accept(names)
+            if (statistics := getattr(self.step, "written_statistics", None)) is not None:
+                statistics.note_written(names)  # (a parameter written through .data: no version moved)
             self.released.update((id(t), (t, t.detach().clone())) for t, _ in written.values())
             self.mark_released()
             if moved:  # ĝ post-processed as a function of itself: what the optimizer steps with
