@@ -24,7 +24,11 @@ entropy of ``random.Random.seed(None)`` (a fresh ``random.Random()``) and of ``r
 subclass whose ``seed()`` is replayed: an object it makes for the user's code pickles and copies as a plain
 ``torch.Generator``; for any other caller it makes a plain one). Names bound elsewhere — ``from os import urandom``,
 ``from torch import Generator`` in the user's modules, a source held as an attribute of the hook's owner or of
-``owners`` — are swapped for the block too. The CUDA devices' default generators start each run again from the state
+``owners`` — are swapped for the block too. So are the generators those objects (and a module's submodules) hold,
+made before the block, whose reseeding from entropy is C code (``self.gen.seed()`` of a plain ``torch.Generator``
+made in ``__init__``, ``self.rs.seed()`` of a NumPy ``RandomState``): for the block a stand-in in the same state whose
+``seed()`` is replayed takes the attribute's place, and after it the generator goes back there with the state the
+stand-in reached (:func:`_held_generators`; ``random.Random``'s ``seed`` is replaced on the class already). The CUDA devices' default generators start each run again from the state
 the first run started from (``seeded`` leaves them), and are put back after it.
 
 Scope, as the clocks': only reads on the thread that runs the hook, and only reads the user's code asked for — the
@@ -37,8 +41,9 @@ draws that depends on the data writes otherwise (refused).
 
 Not seen: entropy read by C code other than through these functions (a C extension's own ``/dev/urandom`` or
 ``getrandom`` call), ``open("/dev/urandom").read()``, a subclass of ``random.Random`` overriding ``seed``, a
-``torch.Generator`` made outside the block (in ``__init__``) and seeded from entropy inside it (``self.gen.seed()``:
-the method of a plain generator is C code); CUDA kernels whose sums are not deterministic are no draws. What these
+generator made before the block and reseeded from entropy inside it where the block does not look for it (held
+deeper than an attribute of the hook's owner, the model's modules or the callbacks: in a list, a helper object, a
+global; a NumPy ``Generator``'s bit generator replaced by the hook's own reads of entropy in C); CUDA kernels whose sums are not deterministic are no draws. What these
 write the runs on the data still set apart, and it is judged as any such write
 (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`: excused unless the other data moved it far
 beyond the difference). Inside a block ``torch.Generator`` is the subclass: ``type(g) is torch.Generator`` for a plain
@@ -55,6 +60,7 @@ import types
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 from lightning_dp.replays.bindings import ModuleIndex, rebound
@@ -200,6 +206,61 @@ class _Generator(torch._C.Generator, metaclass=_AnyGenerator):  # type: ignore[m
 
 _Generator.__name__ = _Generator.__qualname__ = "Generator"
 
+
+class _RandomState(np.random.RandomState):
+    """What stands in, inside a block, for a NumPy ``RandomState`` the user's objects hold (made before the hook): its
+    ``seed()`` without a seed — read from entropy by NumPy's C code — is replayed."""
+
+    def seed(self, seed: Any = None) -> None:
+        if seed is None:
+            drawn = _seed("numpy.random.RandomState.seed")
+            if drawn is not None:
+                return super().seed(drawn % 2 ** 32)
+        return super().seed(seed)
+
+
+def _stand_in(value: Any) -> Any:
+    """A generator the user's objects hold whose reseeding from entropy is C code (a plain ``torch.Generator``'s
+    ``seed()``, a ``RandomState``'s ``seed()``), as one whose reseeding is replayed, in the same state; else
+    ``None``."""
+    if type(value) is _REAL["torch.Generator"]:
+        stand = _REAL["torch.Generator"].__new__(_Generator, value.device)
+        stand.set_state(value.get_state())
+        return stand
+    if type(value) is np.random.RandomState and type(getattr(value, "_bit_generator", None)) is np.random.MT19937:
+        stand = _RandomState(0)
+        stand.set_state(value.get_state())
+        return stand
+    return None
+
+
+@contextmanager
+def _held_generators(holders: Sequence[Any]) -> Iterator[None]:
+    """Inside: the generators the ``holders`` (the hook's owner, the model's modules, the callbacks: their attributes)
+    hold, made before the block, replaced by :func:`_stand_in`s; after it, each generator back in its place with the
+    state its stand-in reached (unless the name was bound to something else meanwhile)."""
+    swapped: list[tuple[dict[str, Any], str, Any, Any]] = []
+    try:
+        seen: set[int] = set()
+        for holder in holders:
+            modules = holder.modules() if isinstance(holder, torch.nn.Module) else [holder]
+            for owner in modules:
+                names = getattr(owner, "__dict__", None)
+                if not isinstance(names, dict) or id(names) in seen:
+                    continue
+                seen.add(id(names))
+                for key, value in list(names.items()):
+                    stand = _stand_in(value)
+                    if stand is not None:
+                        swapped.append((names, key, value, stand))
+                        names[key] = stand
+        yield
+    finally:
+        for names, key, value, stand in swapped:
+            if names.get(key) is stand:
+                value.set_state(stand.get_state())  # (the state the stand-in reached)
+                names[key] = value
+
 _REPLACING: dict[str, Any] = {
     "os.urandom": _urandom, "os.getrandom": _getrandom, "random.seed": _global_seed, "torch.seed": _torch_seed,
     "torch.cuda.seed": _cuda_seed, "torch.cuda.seed_all": _cuda_seed_all, "torch.Generator": _Generator}
@@ -253,6 +314,7 @@ class DrawReads:
                  owners: Sequence[Any] = ()) -> None:
         self.values: dict[str, list[tuple[tuple, Any]]] = {}  # source → (args, value)
         self._names = [getattr(hook, "__globals__", None) or {}]
+        self._holders = [held for held in (owner, *owners) if held is not None]  # their generators: _held_generators
         for held in (owner, *owners):
             try:
                 self._names.append(vars(held) if held is not None else {})
@@ -316,7 +378,8 @@ class DrawReads:
         stack = _ACTIVE.__dict__.setdefault("stack", [])
         stack.append(read)
         try:
-            with rebound(((names, None) for names in [*self._names, *_bindings()]), lambda value, _: _replacing(value)):
+            with rebound(((names, None) for names in [*self._names, *_bindings()]),
+                         lambda value, _: _replacing(value)), _held_generators(self._holders):
                 yield
         finally:
             stack.pop()
