@@ -28,8 +28,9 @@ subclass whose ``seed()`` is replayed: an object it makes for the user's code pi
 made before the block, whose reseeding from entropy is C code (``self.gen.seed()`` of a plain ``torch.Generator``
 made in ``__init__``, ``self.rs.seed()`` of a NumPy ``RandomState``): for the block a stand-in in the same state whose
 ``seed()`` is replayed takes the attribute's place, and after it the generator goes back there with the state the
-stand-in reached (:func:`_held_generators`; ``random.Random``'s ``seed`` is replaced on the class already). The CUDA devices' default generators start each run again from the state
-the first run started from (``seeded`` leaves them), and are put back after it.
+stand-in reached (:func:`_held_generators`; ``random.Random``'s ``seed`` is replaced on the class already). The CUDA
+devices' default generators start each run again from the state the first run started from (``seeded`` leaves them),
+and are put back after it.
 
 Scope, as the clocks': only reads on the thread that runs the hook, and only reads the user's code asked for — the
 nearest caller outside the standard library and installed libraries is the user's (:func:`users_read`). The library's
@@ -40,11 +41,11 @@ recorded values, or asked with other arguments (another byte count), a run again
 draws that depends on the data writes otherwise (refused).
 
 Not seen: entropy read by C code other than through these functions (a C extension's own ``/dev/urandom`` or
-``getrandom`` call), ``open("/dev/urandom").read()``, a subclass of ``random.Random`` overriding ``seed``, a
-generator made before the block and reseeded from entropy inside it where the block does not look for it (held
-deeper than an attribute of the hook's owner, the model's modules or the callbacks: in a list, a helper object, a
-global; a NumPy ``Generator``'s bit generator replaced by the hook's own reads of entropy in C); CUDA kernels whose sums are not deterministic are no draws. What these
-write the runs on the data still set apart, and it is judged as any such write
+``getrandom`` call), ``open("/dev/urandom").read()``, a subclass of ``random.Random`` overriding ``seed``, a generator
+made before the block and reseeded from entropy inside it where the block does not look for it (held deeper than an
+attribute of the hook's owner, the model's modules or the callbacks: in a list, a helper object, a global; a NumPy
+``Generator``'s bit generator replaced by the hook's own reads of entropy in C); CUDA kernels whose sums are not
+deterministic are no draws. What these write the runs on the data still set apart, and it is judged as any such write
 (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`: excused unless the other data moved it far
 beyond the difference). Inside a block ``torch.Generator`` is the subclass: ``type(g) is torch.Generator`` for a plain
 generator made before answers no there.
