@@ -194,6 +194,9 @@ class TrainingStatistics:
         self.near = NearStatistics([*tensors, *arrays], self.shaped.order)  # rounded, subsampled: within their error
         self.record_paths = {p for p, t in [*tensors, *arrays] if id(t) in self.records}
         self.directions: dict[int, list[tuple[str, Tensor]]] = {}  # by feature count, when a candidate has that width
+        self._slices: dict[int, list[tuple[str, Tensor, int, Tensor, Tensor]]] = {}  # by width (slices_held)
+        self._slice_sums: dict[int, Tensor] = {}
+        self._slice_reach: dict[int, Tensor] = {}
 
     def slices_held(self, path: str, value: Any, rows: Optional[Tensor] = None,
                     columns: Optional[Tensor] = None) -> list[str]:
@@ -201,10 +204,10 @@ class TrainingStatistics:
         their length (a mean, a deviation, a class's frequencies: :meth:`held_by`'s first comparisons, row by row):
         a statistic written into one row of an embedding or a memory bank (``self.emb.weight.data[0] = mean``) or one
         column of a buffer hides in a tensor of another size. ``rows``/``columns``: the indices compared (those
-        written since the last check), every one when ``None``; all of them in one vectorised comparison per
-        statistic of their length. Public names, the records themselves and DP releases a charged ledger counts are
-        never one; a slice of under two numbers, or a constant one, is not compared (a single number matches too
-        easily; zeros match the mean of centred data)."""
+        written since the last check), every one when ``None``. One pass over them: only a row whose sum is within
+        the tolerance's reach of a statistic's sum is compared in full. Public names, the records themselves and DP
+        releases a charged ledger counts are never one; a slice of under two numbers, or a constant one, is not
+        compared (a single number matches too easily; zeros match the mean of centred data)."""
         name = path.partition(" ")[2] if path.startswith(("buffer ", "attribute ", "parameter ")) else path
         if not self.stats or id(value) in self.records or is_public(name, self.public):
             return []
@@ -216,19 +219,39 @@ class TrainingStatistics:
             width = matrix.shape[1]
             if width < 2 or width not in self.sizes or (index is not None and not len(index)):
                 continue
-            picked = (matrix if index is None else matrix[index.to(matrix.device)]).to("cpu", torch.float64)
-            varied = picked.amax(1) != picked.amin(1)  # a constant row (zeros: a slot reset) says nothing of the data
-            for stat_name, stat, source in self.stats:
-                if stat.numel() != width or source == id(value) or _constant(stat):
-                    continue
-                flat = stat.reshape(-1).to("cpu", torch.float64)
-                rtol = 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL
-                hits = (((picked - flat).abs() <= _ATOL + rtol * flat.abs()).all(1) & varied).nonzero().reshape(-1)
-                if len(hits):
-                    at = int(hits[0]) if index is None else int(index[int(hits[0])])
-                    found.append(f"{what} {at} of {path} equals the {stat_name}")
+            table = self._slice_table(width)
+            kept = [(row, flat, tol) for row, (stat_name, stat, source, flat, tol) in enumerate(table)
+                    if source != id(value)]
+            if not kept:
+                continue
+            picked = matrix if index is None else matrix[index.to(matrix.device)]
+            sums = picked.sum(1, dtype=torch.float64).cpu()
+            near = ((sums[:, None] - self._slice_sums[width][None, [row for row, _, _ in kept]]).abs()
+                    <= self._slice_reach[width][None, [row for row, _, _ in kept]])
+            for at, j in near.nonzero().tolist():
+                row, flat, tol = kept[j]
+                candidate = picked[at].to("cpu", torch.float64)
+                if bool(candidate.amax() != candidate.amin()) and bool(((candidate - flat).abs() <= tol).all()):
+                    where = at if index is None else int(index[at])
+                    found.append(f"{what} {where} of {path} equals the {table[row][0]}")
                     break
         return found
+
+    def _slice_table(self, width: int) -> list[tuple[str, Tensor, int, Tensor, Tensor]]:
+        """The exact statistics of ``width`` numbers that are not constant, each with its values in float64 and the
+        elementwise tolerance; their sums and how far a slice's sum may be from them (:meth:`slices_held`), once."""
+        if width not in self._slices:
+            table = []
+            for stat_name, stat, source in self.stats:
+                if stat.numel() == width and not _constant(stat):
+                    flat = stat.reshape(-1).to("cpu", torch.float64)
+                    rtol = 4 * 2.0 ** -23 if stat_name.startswith(_EXACT) else _RTOL
+                    table.append((stat_name, stat, source, flat, _ATOL + rtol * flat.abs()))
+            self._slices[width] = table
+            self._slice_sums[width] = torch.tensor([float(f.sum()) for *_, f, _ in table], dtype=torch.float64)
+            self._slice_reach[width] = torch.tensor([1.01 * float(tol.sum()) + 1e-9 * float(f.abs().sum())
+                                                     for *_, f, tol in table], dtype=torch.float64)
+        return self._slices[width]
 
     def scaled(self) -> list[str]:
         """The training feature tensors scaled by their own statistics or holding statistics written into them."""

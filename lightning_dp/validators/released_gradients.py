@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.engine_api import is_release, mark_released
+from lightning_dp.engine_api import _RELEASED, is_release, mark_released
 from lightning_dp.errors import PrivacyConfigurationError
 
 __all__ = ["ReleasedGradients", "rewritten_gradients"]
@@ -40,11 +40,20 @@ __all__ = ["ReleasedGradients", "rewritten_gradients"]
 def rewritten_gradients(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """The names of the parameters in ``named`` whose ``.grad`` is neither ``None``, the release as written, nor all
     zeros."""
-    left = [(name, g) for name, p in named if (g := p.grad) is not None and not is_release(g)]
+    released = _RELEASED
+    left = []
+    for name, p in named:
+        g = p.grad
+        if g is None:
+            continue
+        entry = released.get(id(g))  # (is_release, inline: one look-up per parameter and step)
+        if entry is None or entry[1] != g._version or entry[0]() is not g:
+            left.append((name, g))
     if not left:
         return []
     with torch.no_grad():
-        sums = [(g.detach().coalesce().values() if g.is_sparse else g.detach()).abs().sum().float() for _, g in left]
+        sums = [g.detach().coalesce().values().abs().sum().float() if g.is_sparse else
+                g.detach().abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for _, g in left]
         nonzero = torch.stack([s.to(sums[0].device) for s in sums]).ne(0).tolist()  # one synchronisation
     return [name for (name, _), flag in zip(left, nonzero) if flag]
 
@@ -89,5 +98,5 @@ class ReleasedGradients:
 def _mark_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None:
-                mark_released(p.grad)
+            if (g := p.grad) is not None and not is_release(g):  # (changed by the step itself: its own processing)
+                mark_released(g)
