@@ -43,8 +43,9 @@ A 2-D value is also compared row by row and column by column
 (:meth:`~.data_statistics.TrainingStatistics.slices_held`): a training mean written into one row of a memory bank or
 an embedding's weight, or one column of a buffer; only the rows and columns written since its last compared copy, and
 a value without one (over :data:`COPIED` elements) in all its rows and columns at the full checks only (its first
-change, validation's start, a checkpoint, the fit's end: about 5 ms for a [1000, 1000] one). A parameter written through ``.data`` moves no version counter: those a judged hook's
-accepted write names are compared at the next check (:meth:`WrittenStatistics.note_written`).
+change, validation's start, a checkpoint, the fit's end: about 5 ms for a [1000, 1000] one). A parameter written
+through ``.data`` moves no version counter: those a judged hook's accepted write names are compared at the next check
+(:meth:`WrittenStatistics.note_written`).
 
 What it does not see: a slice of a tensor of three or more dimensions, or part of a row; a parameter written through
 ``.data`` by a hook that is not judged by :mod:`~lightning_dp.validators.judged_writes` (an epoch's end); a statistic
