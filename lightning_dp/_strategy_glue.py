@@ -720,7 +720,11 @@ class PrivateTraining:
             return None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         check_loop(trainer, self.label)
-        self._released_grads.check(step.boundary.trainable(), step.boundary.public_state)  # rewritten since the update
+        released = lambda: self._released_grads.check(step.boundary.trainable(), step.boundary.public_state)  # noqa: E731
+        if self._distributed:  # a .grad rewritten on one rank's data: every rank raises (none waits in a collective)
+            step.on_every_rank(released, "found a .grad rewritten since the last update")
+        else:
+            released()  # rewritten since the update (validators/released_gradients.py)
         if self._logged_reads is not None:
             self._logged_reads.install()  # Lightning replaces the dicts when it resets its metrics
             metric_writes.install(self._logged_reads)
