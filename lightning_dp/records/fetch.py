@@ -103,9 +103,9 @@ def seeded(seed: int) -> Iterator[None]:
     """Inside: torch's CPU generator, NumPy's global generator, Python's ``random`` and the generators the model and
     the callbacks hold (:mod:`~lightning_dp.records.user_generators`) seeded with ``seed``. Their states are restored
     on exit."""
-    with put_back_after(lambda: Generators(cuda="none")), user_generators.forked():
+    with put_back_after(lambda: Generators(cuda="none")), user_generators.forked() as found:
         reseed(seed)
-        user_generators.reseed(seed)  # the model's and callbacks' own generators too
+        user_generators.reseed(seed, found)  # the model's and callbacks' own generators too (one walk for both)
         yield
 
 

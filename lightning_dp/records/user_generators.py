@@ -139,9 +139,10 @@ def _global_generators() -> set[int]:
     return ids
 
 
-def states() -> list[tuple[torch.Generator, torch.Tensor]]:
-    """Every user-held generator with its state now (:func:`restore` puts them back)."""
-    return [(g, g.get_state()) for _, g in held()]
+def states(found: Optional[list[tuple[str, torch.Generator]]] = None) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Every user-held generator (``found``: :func:`held`'s answer already taken) with its state now
+    (:func:`restore` puts them back)."""
+    return [(g, g.get_state()) for _, g in (held() if found is None else found)]
 
 
 def restore(saved: list[tuple[torch.Generator, torch.Tensor]]) -> None:
@@ -151,20 +152,22 @@ def restore(saved: list[tuple[torch.Generator, torch.Tensor]]) -> None:
 
 
 @contextmanager
-def forked() -> Iterator[None]:
+def forked() -> Iterator[list[tuple[str, torch.Generator]]]:
     """Run the block, then put every user-held generator back in the state it had (as ``torch.random.fork_rng``
-    does for torch's global ones)."""
-    saved = states()
+    does for torch's global ones). Yields :func:`held`'s answer as the block starts (for :func:`reseed`: one walk)."""
+    found = held()
+    saved = states(found)
     try:
-        yield
+        yield found
     finally:
         restore(saved)
 
 
-def reseed(seed: int) -> None:
-    """Seed every user-held generator with a function of (``seed``, its attribute path): two passes seeded alike draw
-    alike; two generators of one module draw differently."""
+def reseed(seed: int, found: Optional[list[tuple[str, torch.Generator]]] = None) -> None:
+    """Seed every user-held generator (``found``: :func:`held`'s answer already taken, else looked for now) with a
+    function of (``seed``, its attribute path): two passes seeded alike draw alike; two generators of one module draw
+    differently."""
     from lightning_dp.records.fresh_randomness import derived_seed
 
-    for path, g in held():
+    for path, g in (held() if found is None else found):
         g.manual_seed(derived_seed(seed, "user generator", path))
