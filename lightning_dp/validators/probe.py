@@ -31,9 +31,13 @@ it), with dropout switched off (:class:`NoDropout`: torch's dropout functions ar
 the passes are comparable. A step that still draws random numbers of its own (augmentation in ``training_step``) is
 detected by one more batch pass with another seed; then only the coarse checks run (a summed loss: the ratios'
 geometric mean > √k; uncaptured uses: same seed as autograd's pass), with a warning; the user's gradients, RNG state
-and drop-path modes are restored. What it cannot see: code paths the first k examples do not take, and interactions
-that vanish for these k examples (e.g. a token-mean loss over examples of equal length). It costs k + 3
-forward/backward passes on ≤ k examples, once.
+and drop-path modes are restored. A float32 refusal of batch against alone within :data:`~lightning_dp.tolerance.NEAR_MISS` times its tolerance is
+judged again with the same passes in float64 (:meth:`ExampleIndependenceProbe._judged`): round-off is relative to the
+terms a product sums, so features in the thousands through a layer whose output then saturates move an independent
+example's gradient by several tolerances; in float64 that vanishes and an interaction stays. What it cannot see: code
+paths the first k examples do not take, interactions that vanish for these k examples (e.g. a token-mean loss over
+examples of equal length), and code that interacts only when it computes in float32, by at most the window. It costs
+k + 3 forward/backward passes on ≤ k examples, once (k + 2 more in float64 after a near miss only).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine
 from lightning_dp.power_iteration import buffers_set_apart
-from lightning_dp.tolerance import LOW_PRECISION_TOLERANCE, batch_tolerance
+from lightning_dp.tolerance import LOW_PRECISION_TOLERANCE, NEAR_MISS, REJUDGED_ULPS, batch_tolerance
+from lightning_dp.wide_replay import in_float64
 from lightning_dp._warnings import output_hook_notice_quieted
 from lightning_dp.validators.step_calls import StepWatch, double_backward_error, sorted_batch_hint, weighted_mean_hint
 
@@ -140,6 +145,7 @@ class ExampleIndependenceProbe:
         self._dtypes = LowestFloat()  # the floating dtypes of the last pass (:meth:`_watched`)
         self._before: Optional[dict] = None  # the state before the passes (:meth:`_not_lazy`)
         self._indices: list[int] = []  # the examples probed (:meth:`_random_warning`)
+        self._distance: Optional[float] = None  # how far, in its tolerance, :meth:`_compare`'s refusal was
 
     def run(self, indices: Sequence[int]) -> None:
         """Probe on the examples ``indices`` (≥ 2); raises :class:`PrivacyConfigurationError`. A write left to the
@@ -220,7 +226,7 @@ class ExampleIndependenceProbe:
         drawn = (together.norms.double() - reseeded.norms.double()).abs()  # per example, as the batch check compares
         limit = self.interaction_rtol * float(together.norms.double().max()) + 1e-12
         random = self.random = bool((drawn > limit).any())
-        permuted = self._compare(together, alone, reference, len(indices), random)
+        permuted = self._judged(together, alone, reference, list(indices), random)
         if permuted and (clipped is None or random):
             raise self._interaction(together.norms.double(), torch.cat([a.norms.double() for a in alone]),
                                     len(indices))
@@ -390,6 +396,50 @@ class ExampleIndependenceProbe:
                 "Trainer(precision='bf16-mixed') (or '16-mixed'), which does the same, instead of calling "
                 "torch.autocast in training_step. ")
 
+    def _judged(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor],
+                indices: list[int], random: bool) -> bool:
+        """:meth:`_compare`; an interaction it refuses in float32 by at most :data:`~lightning_dp.tolerance.NEAR_MISS`
+        times the tolerance (batch against alone) is compared once more on the same examples with every pass in
+        float64 (:func:`~lightning_dp.wide_replay.in_float64`), batch against alone at
+        :data:`~lightning_dp.tolerance.REJUDGED_ULPS` float32 ulps of the largest norm and the sums at float64's
+        :func:`probe_tolerance`. Float32 round-off is relative to the terms a product sums, not to its result: a
+        feature in the thousands through a first layer whose output tanh then saturates (a product of large terms
+        that cancel) moves an example's gradient between a batch of 6 and a batch of one by several times the
+        tolerance, with independent examples; in float64 that round-off is 2^-29 of it, while an interaction float32
+        saw (over 64 ulps) stays. The refusal stands unless that replay computed in float64 throughout and found
+        nothing; farther than the window (or a random step, or a model not in float32) it stands as it is: code
+        that interacts only when it computes in float32 is refused beyond the window."""
+        self._distance = None
+        try:
+            return self._compare(together, alone, reference, len(indices), random)
+        except PrivacyConfigurationError as err:
+            distance, self._distance = self._distance, None
+            if distance is None or distance > NEAR_MISS or random or self.isolated or not self._in_float32():
+                raise
+            rtol, interaction_rtol = self.rtol, self.interaction_rtol
+            self.rtol = probe_tolerance(torch.float64, False)
+            self.interaction_rtol = REJUDGED_ULPS * torch.finfo(torch.float32).eps
+            try:
+                with check_passes(self.module, self.params, self.engine), in_float64(self.module) as wide:
+                    alone = [self._engine_pass([i]) for i in indices]
+                    together = self._engine_pass(list(indices))
+                    reference = self._autograd_pass(list(indices))
+                    permuted = self._compare(together, alone, reference, len(indices), random)
+            except Exception:  # noqa: BLE001  (refused again, or the model cannot run in float64: the verdict stands)
+                raise err from None
+            finally:
+                self.rtol, self.interaction_rtol, self._distance = rtol, interaction_rtol, None
+            if not wide.complete or permuted:
+                raise err from None
+            return False
+
+    def _in_float32(self) -> bool:
+        """The model's trainable parameters and its forward compute in float32, at float32's own tolerances (not
+        half precision, not TF32): where :meth:`_judged` applies."""
+        return (all(p.dtype == torch.float32 for p in self.params) and self.compute_dtype in (None, torch.float32)
+                and self.interaction_rtol == batch_tolerance(torch.float32, torch.device("cpu"))
+                and self.autograd_params is None)
+
     def _compare(self, together: ClippedBatch, alone: list[ClippedBatch], reference: list[Tensor], k: int,
                  random: bool) -> bool:
         """The comparisons of the module docstring; returns whether the batch's rows are the examples in another
@@ -413,6 +463,8 @@ class ExampleIndependenceProbe:
             warnings.warn(RandomStepWarning(self._random_warning()), stacklevel=2)
         elif not self._close(together_norms, alone_norms, scale * k ** 0.5, self.interaction_rtol):
             if not same_norms(together_norms, alone_norms, self.interaction_rtol * scale * k ** 0.5):
+                self._distance = float((together_norms - alone_norms).norm()) / (
+                    self.interaction_rtol * scale * k ** 0.5 + 1e-12)
                 raise self._interaction(together_norms, alone_norms, k)
             permuted = True
         for p, name, ref in zip(self.params, self.names, reference):
@@ -421,6 +473,7 @@ class ExampleIndependenceProbe:
             # per parameter the fixed rtol: a parameter whose gradient cancels analytically (a bias before a
             # normalisation) keeps rounding of its intermediate terms, whose size is not known here
             if not random and not self.isolated and not self._close(together.sums[p], summed, size):
+                self._distance = float((together.sums[p].double() - summed).norm()) / (self.rtol * size + 1e-12)
                 raise self._interaction(together_norms, alone_norms, k, name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
