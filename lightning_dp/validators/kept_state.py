@@ -524,7 +524,7 @@ def state_written_error(changed: Sequence[str], where: str) -> StateWrittenError
     names = [c for c in dict.fromkeys(changed)  # a tensor named beside its contents: once
              if not (c.startswith("contents of ") and c.removeprefix("contents of ") in changed)]
     shown = listed(names)
-    public = list(dict.fromkeys(_public_name(c) for c in names))[:3]
+    public = list(dict.fromkeys(public_name(c) for c in names))[:3]
     fix = (f"declare it public, DPStrategy(public_state={public!r}) (a plain loop: PrivateStep(..., "
            "public_state=...)), if it is not derived from the training data or may leave unprotected like a logged "
            "metric (outputs kept for an epoch-end log); else compute it from public data or the released model only")
@@ -550,8 +550,13 @@ _HIDDEN_PLACES = (("storage of ", " beyond its view"), ("the .grad of ", ""), ("
 """The entries of places a value hides beside the state (prefix, suffix): the rest names the tensor or function."""
 
 
-def _public_name(entry: str) -> str:
+def public_name(entry: str) -> str:
+    """The name ``public_state`` accepts for a fingerprint entry (what :meth:`StateFingerprint._is_public` is asked
+    for that entry): ``buffer stats.mean`` → ``stats.mean``, ``class attribute M.history`` → ``M.history``, ``attribute
+    offset of library class LightningModule`` → ``LightningModule.offset``; an entry of another kind as it is."""
     entry = entry.removeprefix("contents of ")
+    if entry.startswith("class attribute "):  # `M.history`, or `pkg.mod.M.history` (both accepted: is_public)
+        return entry.removeprefix("class attribute ")
     for prefix, suffix in _HIDDEN_PLACES:
         if entry.startswith(prefix) and entry.endswith(suffix):
             entry = entry[len(prefix):len(entry) - len(suffix)]

@@ -31,7 +31,9 @@ it), with dropout switched off (:class:`NoDropout`: torch's dropout functions ar
 the passes are comparable. A step that still draws random numbers of its own (augmentation in ``training_step``) is
 detected by one more batch pass with another seed; then only the coarse checks run (a summed loss: the ratios'
 geometric mean > √k; uncaptured uses: same seed as autograd's pass), with a warning; the user's gradients, RNG state
-and drop-path modes are restored. A float32 refusal of batch against alone within :data:`~lightning_dp.tolerance.NEAR_MISS` times its tolerance is
+and drop-path modes are restored.
+
+A float32 refusal of batch against alone within :data:`~lightning_dp.tolerance.NEAR_MISS` times its tolerance is
 judged again with the same passes in float64 (:meth:`ExampleIndependenceProbe._judged`): round-off is relative to the
 terms a product sums, so features in the thousands through a layer whose output then saturates move an independent
 example's gradient by several tolerances; in float64 that vanishes and an interaction stays. What it cannot see: code
@@ -58,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError, RandomStepWarning
 from lightning_dp.records import user_generators
-from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.kept_state import StateFingerprint, public_name
 from lightning_dp.validators.random_draws import drawing_modules, random_step_warning
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
 from lightning_dp.clipping.reference import pseudo_units, reference_sums
@@ -610,7 +612,7 @@ def state_mutation_error(changed: Sequence[str], failure: Optional[BaseException
     names what was written and the fix; the details follow."""
     lightning = what == "training_step"
     declare = "DPStrategy(public_state={!r})" if lightning else "PrivateStep(..., public_state={!r})"
-    declarable = [entry.partition(" ")[2] for entry in changed if not entry.startswith("parameter ")][:3]
+    declarable = list(dict.fromkeys(public_name(e) for e in changed if not e.startswith("parameter ")))[:3]
     written = [entry.partition(" ")[2] for entry in changed if entry.startswith("parameter ")][:3]
     public = ""
     if written:
