@@ -288,10 +288,37 @@ def mutable_state(fn: Any) -> bool:
     return _mutable_defaults(fn) or bool(kept_attributes(fn))
 
 
+def users_method(value: types.FunctionType) -> types.FunctionType:
+    """A method of a class body as the user wrote it, whether the logger judge wraps it now or not, a library's wrapper
+    set for the fit (a logger's watched ``log``) taken off."""
+    value = unwrapped(value)
+    while library_callable(value) and isinstance(getattr(value, "__wrapped__", None), types.FunctionType):
+        value = value.__wrapped__
+    return value
+
+
+def method_cells(fn: types.FunctionType) -> list[types.CellType]:
+    """The closure cells of a user's method that hold a value (``kept = {}`` of the function that made the method, a
+    counter it rebinds with ``nonlocal``); the ``__class__`` cell ``super()`` uses is the class itself, not data."""
+    names = fn.__code__.co_freevars
+    cells = []
+    for name, cell in zip(names, fn.__closure__ or ()):
+        try:
+            cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if name != "__class__":
+            cells.append(cell)
+    return cells
+
+
 def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]:
     """(class, name, value) of the data held by the user's classes themselves — ``history = []`` in a class body,
     shared by every instance, appended through ``self.history`` — for ``classes`` and their bases, libraries'
-    left out; methods, properties and other descriptors, nested classes and dunder names skipped."""
+    left out; methods, properties and other descriptors, nested classes and dunder names skipped. A method's own
+    state is data too: its default arguments (``f.__defaults__``: positional and keyword-only), what its closure
+    holds (``f.__closure__``: the contents of every cell but ``__class__``, compared whatever their type) and its
+    attributes (``f.__dict__``)."""
     seen: set[type] = set()
     for cls in classes:
         for base in cls.__mro__:
@@ -300,13 +327,13 @@ def class_attributes(classes: Iterable[type]) -> Iterator[tuple[type, str, Any]]
             seen.add(base)
             for key, value in list(vars(base).items()):
                 if isinstance(value, types.FunctionType) and not key.startswith("__"):  # a method: what it keeps
-                    value = unwrapped(value)  # as the user wrote it, whether the logger judge wraps it now or not
-                    while library_callable(value) and isinstance(getattr(value, "__wrapped__", None),
-                                                                 types.FunctionType):
-                        value = value.__wrapped__  # a library's wrapper set for the fit (a logger's watched `log`)
+                    value = users_method(value)
                     defaults = function_defaults(value)
-                    if defaults is not None or _mutable_defaults(value):  # `def f(self, v, _acc={})`;
-                        yield base, f"{key}.__defaults__", defaults or ((), {})  # `M.f.__kwdefaults__["by"] = x`
+                    if defaults is not None:  # `def f(self, v, _acc={})`; `M.f.__kwdefaults__["by"] = x`
+                        yield base, f"{key}.__defaults__", defaults
+                    cells = method_cells(value)
+                    if cells:  # a method made in a closure: `kept = {}` of its maker, written through the closure
+                        yield base, f"{key}.__closure__", tuple(cell.cell_contents for cell in cells)
                     fields = kept_attributes(value)
                     if fields:  # `MyModel.forward.stats = x`
                         yield base, f"{key}.__dict__", dict(fields)

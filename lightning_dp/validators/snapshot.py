@@ -29,7 +29,8 @@ from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import put_back as put_datasets_back
 from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.module_tree import engine_forward
-from lightning_dp.fingerprints.state_walker import MAX_DEPTH, configuration_object, callable_state, class_attributes
+from lightning_dp.fingerprints.state_walker import (MAX_DEPTH, callable_state, class_attributes, configuration_object,
+                                                   method_cells, users_method)
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
@@ -154,6 +155,17 @@ _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, p
 _KEPT = (list, dict, set, deque, Tensor)
 
 
+def _cell_restore(cell: types.CellType) -> Restore:
+    """A closure cell bound again to what it holds now (a ``nonlocal`` rebinding undone), with its contents."""
+    value, inner = cell.cell_contents, _contents(cell.cell_contents, 0)
+
+    def put() -> None:
+        if cell.cell_contents is not value:
+            cell.cell_contents = value
+        inner()
+    return put
+
+
 def _rebind_class_attribute(cls: type, key: str, value: Any) -> None:
     if vars(cls).get(key, _ABSENT) is not value:
         setattr(cls, key, value)
@@ -226,6 +238,10 @@ class StateSnapshot:
         for cls, key, value in class_attributes(classes):  # `history = []` in a class body
             if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
                 restores.extend(_contents(v, 0) for v in value)
+                continue
+            if key.endswith(".__closure__"):  # what a method's closure holds: rebound and its contents
+                method = users_method(vars(cls)[key.removesuffix(".__closure__")])
+                restores.extend(_cell_restore(cell) for cell in method_cells(method))
                 continue
             if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): their contents
                 restores.extend(_contents(v, 0) for v in value.values())
