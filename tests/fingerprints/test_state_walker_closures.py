@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 
