@@ -614,7 +614,9 @@ class PrivateTraining:
         if ended:  # verified at on_train_end; Lightning's teardown moved the model (an RNN's weight references anew)
             self.private_step.boundary.baseline()
             self._end.before_end_hooks()
-            self._end.judge_after_users_teardown()
+            self._end.judge_after_users_teardown()  # (which then lets the training statistics go)
+        else:  # a failed fit, or not a fit: nothing more is judged against the training data's statistics
+            self.private_step.forget_written_statistics()
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:

@@ -25,7 +25,10 @@ released or steers a release:
 
 so a write at step 5 only, in ``on_train_epoch_end`` or in a callback's hook, is refused before anything holding it
 leaves: the refusal names the holder and the statistic, and a tensor written in place is put back to the value last
-compared (the module handed back holds no statistic).
+compared (the module handed back holds no statistic). After the fit's last check (after the user's ``teardown``), or
+when the fit fails, the watch and its statistics — which hold the training tensors and copies of them (sorted, their
+principal directions) — are let go (:meth:`~lightning_dp.validators.step_checks.StepChecks.forget_written_statistics`):
+a strategy kept after ``fit`` does not keep them alive until its next fit.
 
 Cost: a value is compared only when it changed since it was last compared: a tensor by identity, version counter and
 storage (no read of its values), a NumPy array of up to :data:`COPIED` elements and a list of numbers by their values

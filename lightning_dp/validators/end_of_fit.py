@@ -180,8 +180,11 @@ class EndOfFit:
             unwrap_teardown(module)
             hook(*args, **kwargs)
             where = "after training ended (in on_fit_end or teardown: of the module, a callback or the datamodule)"
-            self._judge_writes(END_HOOKS[1:], where)  # on_train_end's: refused outright, as a batch's end
-            self.judge(where, self.averaged())
-            self.forget()
+            try:
+                self._judge_writes(END_HOOKS[1:], where)  # on_train_end's: refused outright, as a batch's end
+                self.judge(where, self.averaged())
+            finally:
+                self.forget()
+                self.step.forget_written_statistics()  # the fit's last check: the training tensors let go
         teardown._ldp_end = True  # type: ignore[attr-defined]
         module.__dict__["teardown"] = teardown  # an instance's attribute: Lightning calls getattr(module, "teardown")

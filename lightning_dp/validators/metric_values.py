@@ -194,9 +194,11 @@ def _moved_compute(compute: Any, up: bool) -> Any:
 
 
 def unwatch() -> None:
-    """The metrics are as they were (the fit is over)."""
-    global _INSIDE, _TRAINING, _saved
+    """The metrics are as they were (the fit is over); the fit's callbacks let go (they hold its module, and through
+    its trainer the training data: kept by this module's globals, the data outlived the fit)."""
+    global _INSIDE, _TRAINING, _REFUSE, _NAME, _saved
     _INSIDE, _TRAINING = lambda: None, lambda metric: False  # noqa: E731
+    _REFUSE, _NAME = (lambda read, hook: RuntimeError(read)), (lambda metric: type(metric).__name__)  # noqa: E731
     _TRAINED.clear()
     if _saved is None:
         return

@@ -181,6 +181,14 @@ class StepChecks:
         watch = WrittenStatistics(statistics, owners, module, optimizers, clean=holders)
         self.written_statistics, boundary.on_update = watch, watch.note_update
 
+    def forget_written_statistics(self) -> None:
+        """The fit is over (its end judged, or it failed): the statistics of the training data and the training tensors
+        they hold (:class:`~lightning_dp.record_statistics.data_statistics.TrainingStatistics`: the tensors, their
+        sorted copies, principal directions) are released now, not kept until the next fit's first probe."""
+        watch, self.written_statistics = self.written_statistics, None
+        if watch is not None and self.boundary.on_update == watch.note_update:
+            self.boundary.on_update = None
+
     def check_written_statistics(self, where: str, full: bool = False) -> None:
         """:meth:`WrittenStatistics.check` (none kept: nothing), on every rank alike; ``full``: every statistic and
         the optimizers' state too (validation's start, a checkpoint, the fit's end)."""

@@ -242,3 +242,24 @@ def test_a_checkpoint_named_by_a_training_metric_is_refused_before_it_is_written
         quiet_trainer(strategy=strategy(), max_steps=12, callbacks=[SavesNamedByAccuracy(tmp_path, -1.0)]).fit(
             Tracks(), loader())
     assert not list(tmp_path.iterdir())
+
+
+def test_the_metric_watch_lets_the_fits_callbacks_go_when_it_ends():
+    """validators/metric_values.unwatch: the callbacks ``watch`` was handed (closures over the fit's module, which
+    holds its trainer and through it the training data) are not kept by that module's globals after the fit."""
+    import gc
+    import weakref
+
+    from lightning_dp.validators import metric_values
+
+    class Held:
+        pass
+
+    held = Held()
+    ref = weakref.ref(held)
+    metric_values.watch(lambda: None, lambda read, hook, kept=held: RuntimeError(f"{kept} {read}"),
+                        lambda metric, kept=held: f"{kept}", lambda metric: False)
+    metric_values.unwatch()
+    del held
+    gc.collect()
+    assert ref() is None
