@@ -299,7 +299,9 @@ def users_method(value: types.FunctionType) -> types.FunctionType:
 
 def method_cells(fn: types.FunctionType) -> list[types.CellType]:
     """The closure cells of a user's method that hold a value (``kept = {}`` of the function that made the method, a
-    counter it rebinds with ``nonlocal``); the ``__class__`` cell ``super()`` uses is the class itself, not data."""
+    counter it rebinds with ``nonlocal``); the ``__class__`` cell ``super()`` uses is the class itself, not data, and
+    a cell holding a function, a class or a module is code the method calls (a reader ``read = lambda:
+    torch.load(path)``), not followed."""
     names = fn.__code__.co_freevars
     cells = []
     for name, cell in zip(names, fn.__closure__ or ()):
@@ -307,7 +309,7 @@ def method_cells(fn: types.FunctionType) -> list[types.CellType]:
             cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if name != "__class__":
+        if name != "__class__" and not isinstance(cell.cell_contents, (*FUNCTION_TYPES, type, types.ModuleType)):
             cells.append(cell)
     return cells
 

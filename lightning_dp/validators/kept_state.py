@@ -318,8 +318,8 @@ class StateFingerprint:
                     entries[f"{kind} {path}"] = walker.named(path, value, fresh=key == "state_dict()")
         users = [m for _, m, mode in layout if mode == []] + [cb for cb in callbacks if not trusted_callback(cb)]
         for cls, key, value in class_attributes(type(obj) for obj in users):
-            path = f"{cls.__qualname__}.{key}"
-            if not self._is_public(path) and not self._is_public(key):
+            path = f"{cls.__qualname__}.{key}"  # (a callback declared by its class's name: its class's data too)
+            if not self._is_public(path) and not self._is_public(key) and not self._is_public(f"{cls.__name__}.{key}"):
                 entries[f"class attribute {path}"] = walker.named(path, value)
         names = self._library_entries
         for cls, key, value in library_class_attributes({*map(type, users), *self._layer_classes}):
