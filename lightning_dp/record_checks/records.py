@@ -41,6 +41,7 @@ from torch.utils.data import Subset
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.records.empty_records import is_empty
+from lightning_dp.records import user_generators
 from lightning_dp.records.fetch import fetch, seeded, watched
 from lightning_dp.records.record_fingerprint import fingerprint
 from lightning_dp.record_checks.record_sources import check_sources
@@ -70,7 +71,7 @@ def check_records(dataset: Any, indices: Optional[Sequence[int]], num_samples: i
     The checks' reads are watched as one (:class:`~lightning_dp.records.fetch.watched`): a statistic they leave on
     the dataset (a warm-up they complete) is refused after them, once these checks have named what they find.
     """
-    with watched(dataset):
+    with watched(dataset), user_generators.looked_for_once():  # only the dataset's code runs between the reads
         _check_records(dataset, indices, num_samples, users)
 
 

@@ -61,7 +61,33 @@ def stop() -> None:
 
 def held() -> list[tuple[str, torch.Generator]]:
     """(attribute path, generator) of every user-held ``torch.Generator`` (module docstring), each once (its first
-    path), in a fixed order: the model's submodules, then the callbacks, each in attribute order."""
+    path), in a fixed order: the model's submodules, then the callbacks, each in attribute order (inside
+    :func:`looked_for_once`: the answer its block began with)."""
+    if _once is not None:
+        if _once[0] is None:
+            _once[0] = _held()
+        return _once[0]
+    return _held()
+
+
+_once: Optional[list[Any]] = None  # [held()'s answer or None] while a looked_for_once block runs
+
+
+@contextmanager
+def looked_for_once() -> Iterator[None]:
+    """Inside, :func:`held` walks the model and the callbacks once and answers the same list after. For the record
+    checks' loops of reads before the fit (``record_checks/``: hundreds of records read one by one, each in
+    ``fetch.seeded``, with only the dataset's own code running between them): a generator a dataset's read attaches
+    to the model meanwhile is not forked nor reseeded by the block's later reads (it is by the steps')."""
+    global _once
+    outer, _once = _once, _once if _once is not None else [None]
+    try:
+        yield
+    finally:
+        _once = outer
+
+
+def _held() -> list[tuple[str, torch.Generator]]:
     owner = _active() if _active is not None else None
     roots = getattr(owner, "generator_roots", None)
     if roots is None:

@@ -45,3 +45,19 @@ def test_restored_states_draw_alike_and_any_draw_moves_them(holder, which):
     states.restore()
     [lambda: torch.rand(()), np.random.rand, random.random, lambda: torch.rand((), generator=holder.gen)][which]()
     assert states.moved()
+
+
+def test_inside_a_looked_for_once_block_the_generators_are_walked_once(holder, monkeypatch):
+    """The record checks' loops of reads walk the model once (records/user_generators.looked_for_once): the same
+    answer inside the block, a generator attached meanwhile seen only after it; nested blocks share the outer's."""
+    walks = []
+    find = user_generators.find
+    monkeypatch.setattr(user_generators, "find", lambda roots: walks.append(1) or find(roots))
+    with user_generators.looked_for_once():
+        first = user_generators.held()
+        holder.other = torch.Generator()
+        with user_generators.looked_for_once():
+            assert user_generators.held() is first
+        assert [path for path, _ in user_generators.held()] == ["gen"]
+    assert len(walks) == 1
+    assert [path for path, _ in user_generators.held()] == ["gen", "other"] and len(walks) == 2
