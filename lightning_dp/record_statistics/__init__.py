@@ -4,6 +4,9 @@ features' mean, class weights from the labels' counts, quantile bin edges, a whi
 to the longest record: each depends on every record, and is released with the model.
 
 - :mod:`.data_statistics`: the check, once before the first release: the holders walked, the statistics compared;
+- :mod:`.training_statistics`: the training tensors' statistics (computed once, kept for the fit) and the comparison of
+  a held value with them; :mod:`.scaled_records`: feature tensors scaled by their own statistics or holding
+  statistics written into their cells;
 - :mod:`.written_statistics`: the same statistics compared, during the fit, with the state the hooks wrote since it
   was last compared (before each release, checkpoint and the fit's end: a statistic read back from a file);
 - :mod:`.order_statistics`: per-feature minima, maxima, medians and quantiles at any level, and exact data values;

@@ -20,7 +20,7 @@ cancer, diabetes, iris, wine and linnerud datasets (features and targets, float3
 columns with many ties (data recorded to one or two decimals, N large: fewer than 95 % distinct values are not
 judged), a clip at bounds round at four significant digits, a clip reaching fewer than three records, and data
 clipped and then rescaled by its own extremes (a min-max scaler's 0 and 1 are round:
-:func:`.data_statistics._scaled_by_itself` sees those instead). Rows that a ``lightning_dp.data`` mechanism computed
+:func:`.scaled_records.scaled_by_itself` sees those instead). Rows that a ``lightning_dp.data`` mechanism computed
 (:func:`~lightning_dp.record_checks.released_transforms.transforms_of`) are not judged: ``PrivateStandardizer``
 clips to its public bounds and then scales by released (noised, so not round) statistics, ``PrivateImputer`` fills
 with a released mean that may lie beyond a column's values; data clipped at its own percentiles before such a

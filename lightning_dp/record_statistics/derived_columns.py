@@ -152,7 +152,7 @@ def _labels(y: Tensor) -> Optional[Tensor]:
 
 
 def _class_formulas(counts: Tensor) -> Iterator[tuple[str, Tensor]]:
-    """The class-weight formulas of :func:`~.data_statistics._statistics`, over classes."""
+    """The class-weight formulas of :func:`~.training_statistics.statistics_of`, over classes."""
     present = counts > 0
     yield "class count", counts
     yield "class frequency", counts / counts.sum()

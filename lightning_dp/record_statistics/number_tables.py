@@ -11,7 +11,7 @@ entries — for the check to compare like any held vector (:mod:`.near_statistic
 Numbers are Python and NumPy reals (not booleans) and zero-dimensional tensors; a container of more than
 :data:`MAX_ENTRIES` entries, or entries of more than :data:`MAX_FIELDS` numbers, is not read. Not seen: tables
 nested deeper than one level of entries (a dict of dicts of tuples is read through its inner dicts only where the
-walk reaches them as values, :func:`~.data_statistics._candidates`).
+walk reaches them as values, :func:`~.data_statistics.held_candidates`).
 """
 
 from __future__ import annotations

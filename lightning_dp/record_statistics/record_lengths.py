@@ -11,7 +11,7 @@ statistics are the maximum and the 0.9, 0.95, 0.98 and 0.99 quantiles (lower, hi
 ceiled and rounded). A statistic equal to the tensor's width, or to it less one or two, is never matched: records
 truncated to a public width reach it whatever the data; ``max_seq_length = 64 - 2`` leaves room for [CLS] and [SEP].
 The settings compared are integers held by the model's modules, their configuration objects, the datamodule, the
-training datasets and the loader's collator (:func:`~.data_statistics._candidates`), named like a length (``len``,
+training datasets and the loader's collator (:func:`~.data_statistics.held_candidates`), named like a length (``len``,
 ``position``, ``tokens``, ``n_ctx``, ``block_size``, ``context``, ``seq``), unless round (a multiple of 8 or of 10)
 or under 8: a person's setting (512, 128, 20) or too small to tell. Not seen: a length rounded up or padded by a
 margin of its own (the longest record plus two special tokens), lengths of records held as lists of ids (padded in

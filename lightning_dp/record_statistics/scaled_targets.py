@@ -3,7 +3,7 @@
 ``ys = (y - y.mean()) / y.std()`` (also of ``y.log()``), ``y - y.mean()`` and ``(y - y.min()) / (y.max() - y.min())``
 make every record's target, so its gradient, a function of all the training targets, and no noise covers the mean,
 the standard deviation or the extremes. :func:`scaled_target` finds such a target: a float tensor of one value a
-record ([N] or [N, 1], N ≥ 20; feature tensors of two columns or more are :func:`.data_statistics._scaled_by_itself`'s)
+record ([N] or [N, 1], N ≥ 20; feature tensors of two columns or more are :func:`.scaled_records.scaled_by_itself`'s)
 that is not integer-valued and has at least 10 distinct values, whose finite values have
 
 * mean 0 and standard deviation 1 (either convention) to 1e-4 (float32; 1e-6 in float64): standardised;

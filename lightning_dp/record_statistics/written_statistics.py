@@ -10,7 +10,7 @@ the data, an environment variable, another object the walks miss — is written 
 for a function of the released state (zoo32 j01).
 
 :class:`WrittenStatistics` closes that class by looking at the value, not the path: the statistics rule 11 computed
-(:class:`~.data_statistics.TrainingStatistics`: per feature width, once, kept for the fit) are compared with every
+(:class:`~.training_statistics.TrainingStatistics`: per feature width, once, kept for the fit) are compared with every
 value of the user's state that changed since it was last compared, at the points before which such state is
 released or steers a release:
 
@@ -43,7 +43,7 @@ EMA's own update included), and its full comparisons about 8 s at its first chan
 11's check pays for that weight before the first release.
 
 A 2-D value is also compared row by row and column by column
-(:meth:`~.data_statistics.TrainingStatistics.slices_held`): a training mean written into one row of a memory bank or
+(:meth:`~.training_statistics.TrainingStatistics.slices_held`): a training mean written into one row of a memory bank or
 an embedding's weight, or one column of a buffer; only the rows and columns written since its last compared copy, and
 a value without one (over :data:`COPIED` elements) in all its rows and columns at the full checks only (its first
 change, validation's start, a checkpoint, the fit's end: about 5 ms for a [1000, 1000] one). A parameter written
@@ -72,7 +72,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.record_statistics.data_statistics import TrainingStatistics, held_candidates
+from lightning_dp.record_statistics.data_statistics import held_candidates
+from lightning_dp.record_statistics.training_statistics import TrainingStatistics
 
 __all__ = ["COPIED", "WrittenStatistics", "written_statistics_error"]
 
@@ -127,8 +128,8 @@ class WrittenStatistics:
         back the tensors written in place; ``where``: the point (``"before the release of step 3"``); ``optimizers``:
         the optimizers' state too (before a checkpoint, at the fit's end); ``full``: every statistic (validation's
         start, a checkpoint, the fit's end), else the exact ones of each tensor, all of them only for a value's first
-        change (:meth:`~.data_statistics.TrainingStatistics.held_by`: a [1000, 1000] EMA of the weights costs seconds
-        in full, microseconds otherwise)."""
+        change (:meth:`~.training_statistics.TrainingStatistics.held_by`: a [1000, 1000] EMA of the weights costs
+        seconds in full, microseconds otherwise)."""
         found: list[str] = []
         written: list[tuple[Any, Any]] = []
         for path, value in self._changed(optimizers, full):
@@ -211,7 +212,7 @@ def _token(value: Any) -> Any:
 
 def _written_slices(value: Any, last: Optional[tuple[Any, Any]]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """The rows and columns of a 2-D tensor written since its last compared copy (every one without a copy of its
-    shape: ``(None, None)``): what :meth:`~.data_statistics.TrainingStatistics.slices_held` compares."""
+    shape: ``(None, None)``): what :meth:`~.training_statistics.TrainingStatistics.slices_held` compares."""
     copy = last[1] if last is not None else None
     if not isinstance(value, Tensor) or value.dim() != 2 or copy is None or copy.shape != value.shape \
             or copy.dtype != value.dtype or copy.device != value.device:

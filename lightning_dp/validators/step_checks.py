@@ -31,8 +31,8 @@ from lightning_dp.records.empty_records import holding_data
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.record_checks.released_transforms import uncharged_transforms, uncharged_transforms_error
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
-from lightning_dp.record_statistics.data_statistics import TrainingStatistics, data_statistics_error, \
-    data_statistics_held
+from lightning_dp.record_statistics.data_statistics import data_statistics_error, data_statistics_held
+from lightning_dp.record_statistics.training_statistics import TrainingStatistics
 from lightning_dp.record_statistics.written_statistics import WrittenStatistics
 from lightning_dp.record_statistics.public_overlap import check_public_steps
 from lightning_dp.validators.held_vocabulary import loader_holders, vocabulary_error, vocabulary_held
@@ -183,7 +183,7 @@ class StepChecks:
 
     def forget_written_statistics(self) -> None:
         """The fit is over (its end judged, or it failed): the statistics of the training data and the training tensors
-        they hold (:class:`~lightning_dp.record_statistics.data_statistics.TrainingStatistics`: the tensors, their
+        they hold (:class:`~lightning_dp.record_statistics.training_statistics.TrainingStatistics`: the tensors, their
         sorted copies, principal directions) are released now, not kept until the next fit's first probe."""
         watch, self.written_statistics = self.written_statistics, None
         if watch is not None and self.boundary.on_update == watch.note_update:

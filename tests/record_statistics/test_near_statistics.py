@@ -211,7 +211,7 @@ def test_the_chance_is_that_of_the_columns_closeness():
 def test_a_trained_parameter_near_the_mean_is_not_taken_for_it():
     """A second fit of a privately trained autoencoder: its output bias came near the features' mean by training;
     parameters are compared with the exact statistics only (a buffer holding the same vector is refused)."""
-    from lightning_dp.record_statistics.data_statistics import TrainingStatistics
+    from lightning_dp.record_statistics.training_statistics import TrainingStatistics
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 32, generator=g) * 2 + 3

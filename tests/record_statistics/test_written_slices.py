@@ -1,5 +1,5 @@
 """A statistic of the training data written into one row or column of a larger tensor
-(record_statistics/data_statistics.TrainingStatistics.slices_held, written_statistics.py): a per-feature mean the
+(record_statistics/training_statistics.TrainingStatistics.slices_held, written_statistics.py): a per-feature mean the
 script saved before the fit, read back at a batch's end into the first row of a memory bank, the first column of a
 buffer or one row of an embedding's weight (through ``.data``, which moves no version counter), is refused before the
 next release, as in a buffer of its own size; an EMA of a weight matrix, a bank of public constants and a row reset
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, data, strategy  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.record_statistics.data_statistics import TrainingStatistics  # noqa: E402
+from lightning_dp.record_statistics.training_statistics import TrainingStatistics  # noqa: E402
 
 torch.set_num_threads(1)
 

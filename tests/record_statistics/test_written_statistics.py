@@ -280,7 +280,7 @@ def test_a_value_written_near_a_statistic_is_not_taken_for_it():
     """A value trained privately may come within a subsample error of a statistic (a decoder's output bias learns the
     features' mean), never equal to it: written values are compared with the exact statistics only; held before the
     fit, the same vector is refused as approximately the mean (record_statistics/near_statistics.py)."""
-    from lightning_dp.record_statistics.data_statistics import TrainingStatistics
+    from lightning_dp.record_statistics.training_statistics import TrainingStatistics
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 32, generator=g) * 2 + 3
