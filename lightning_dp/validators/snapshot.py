@@ -31,7 +31,7 @@ from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.module_tree import engine_forward
 from lightning_dp.fingerprints.state_walker import (MAX_DEPTH, callable_state, class_attributes, configuration_object,
                                                    method_cells, users_method)
-from lightning_dp.records.library_objects import framework_keys
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES, framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
 Restore = Callable[[], None]
@@ -89,15 +89,26 @@ def _plain(value: Any) -> bool:
                         "threading", "transformers", "torchmetrics") or configuration_object(value)
 
 
-def _attributes(owner: Any, keys: Sequence[str], depth: int) -> Restore:
-    """Restore ``owner.key`` for every key: the same object, with its contents; a public attribute (no leading
-    underscore: not a framework's lazily made one) that the passes added is removed."""
+def _attributes(owner: Any, keys: Sequence[str], depth: int, keep: frozenset[str] = frozenset()) -> Restore:
+    """Restore ``owner.key`` for every key: the same object, with its contents; an attribute the passes added is
+    removed: a public one (no leading underscore) on any object; on an object of the user's class (not a library's)
+    an underscored one too (``self._handle = layer.register_forward_hook(...)`` made lazily at a hook's first call:
+    left in place, the runs again would find it made and do nothing, and the real run's write would look like one
+    the data decided), unless torch, Lightning or the engine keep it (``keep``; ``_dp_``, dunder names)."""
     held = {k: owner.__dict__[k] for k in keys if k in owner.__dict__}
     inner = [_contents(v, depth) for v in held.values()]
     before = set(owner.__dict__)
+    users = (type(owner).__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
+
+    def added(key: str) -> bool:
+        if key in before:
+            return False
+        if not key.startswith("_"):
+            return True
+        return users and key not in keep and not key.startswith(("__", "_dp_"))
 
     def put() -> None:
-        for key in [k for k in owner.__dict__ if k not in before and not k.startswith("_")]:
+        for key in [k for k in owner.__dict__ if added(k)]:
             del owner.__dict__[key]
         for key, value in held.items():
             if owner.__dict__.get(key, _ABSENT) is not value:
@@ -223,10 +234,10 @@ class StateSnapshot:
                 # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
                 restores.append(_attributes(m, keys, MAX_DEPTH))
                 continue
-            restores.append(_attributes(m, keys, 0))
+            restores.append(_attributes(m, keys, 0, skip))
         registered = {id(m) for m in module.modules()}
         for cb in callbacks:
-            restores.append(_attributes(cb, list(vars(cb)), 0))
+            restores.append(_attributes(cb, list(vars(cb)), 0, skip))
             restores.extend(_module_tensors(value) for value in list(vars(cb).values())
                             if isinstance(value, nn.Module) and id(value) not in registered)
         users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)

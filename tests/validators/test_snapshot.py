@@ -6,9 +6,14 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import quiet_trainer
+from lightning_dp import DPStrategy, PrivacyConfigurationError
 from lightning_dp.validators.snapshot import StateSnapshot
 
 
@@ -110,3 +115,62 @@ def test_inference_tensors_a_metric_kept_from_trainer_test_do_not_break_the_snap
     model.tp = torch.ones(3)  # rebound by a pass
     snapshot.restore()
     assert model.tp is kept and not model.tp.any()
+
+
+def test_an_underscored_attribute_a_pass_added_on_a_users_object_is_removed_a_libraries_is_kept():
+    """A private attribute made lazily by the user's code (``self._n = 0`` at a hook's first call) goes away with
+    the pass that made it, as a public one does; one torch's own layer or the engine (``_dp_``) makes is left."""
+
+    class Users(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    model, holder = Users(), Holder()
+    snapshot = StateSnapshot(model, callbacks=[holder])
+    model._n, holder._seen, model.count_ = 1, True, 3
+    model._dp_engine_note, model.layer._lazily_cached = "engine", "torch's"
+    snapshot.restore()
+    assert not hasattr(model, "_n") and not hasattr(holder, "_seen") and not hasattr(model, "count_")
+    assert model._dp_engine_note == "engine" and model.layer._lazily_cached == "torch's"
+
+
+def _lazy_fit(kind: str) -> pl.LightningModule:
+    class Lazy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.net(x)
+            return out * 2 if getattr(self, "_positive", False) else out
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self(x), y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            if kind == "counter":  # lazily made private state, alike on any data
+                if not hasattr(self, "_steps"):
+                    self._steps = 0
+                    self._handle = self.net[0].register_forward_hook(lambda m, i, o: None)  # a logging hook
+                self._steps += 1
+            elif not hasattr(self, "_positive"):  # made lazily too, but chosen by the batch's labels
+                self._positive = bool(batch[1].float().mean() > 0.5)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 4, generator=g)
+    model = Lazy()
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0), max_steps=6).fit(
+        model, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=40))
+    return model
+
+
+def test_private_state_made_lazily_at_a_hooks_first_call_trains_and_one_the_labels_choose_is_refused():
+    assert _lazy_fit("counter")._steps == 6  # (refused on main before: 'attribute _steps')
+    with pytest.raises(PrivacyConfigurationError, match="attribute _positive"):
+        _lazy_fit("chosen")
