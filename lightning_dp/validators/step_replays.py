@@ -48,8 +48,8 @@ from lightning_dp.replays.starting_state import StartingState
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
-from lightning_dp.validators.steered_settings import (hyperparameters_error, replay_decisions, replay_records,
-                                                      state_written)
+from lightning_dp.validators.steered_settings import (hyperparameters_error, library_settings, replay_decisions,
+                                                      replay_records, state_written)
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -178,8 +178,9 @@ class StepReplays:
 
         low = "16" in str(module.trainer.precision)
         try:
-            self.step.verify(loss_of, low_precision=low, to_device=self.strategy._as_loop_batch, what="training_step",
-                             replay_hooks=self._replay_now_and_later)
+            with stop_decisions_kept(module.trainer):  # the probe's passes: no trace (the real step's are judged)
+                self.step.verify(loss_of, low_precision=low, to_device=self.strategy._as_loop_batch,
+                                 what="training_step", replay_hooks=self._replay_now_and_later)
         except PrivacyConfigurationError as err:
             if "DTensor" not in str(err):
                 raise
@@ -457,7 +458,8 @@ class StepReplays:
         trainer = self.strategy.lightning_module.trainer
         saved = mechanism_settings(trainer)
         try:
-            yield
+            with stop_decisions_kept(trainer):
+                yield
         finally:
             put_mechanism_settings(trainer, saved)
 
@@ -611,3 +613,35 @@ _CHECKPOINT_FILE_OPERATIONS = ("_save_checkpoint", "_link_checkpoint", "_remove_
 
 def _no_file_operation(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+_STOPS = (("", "should_stop"), ("fit_loop", "max_epochs"), ("fit_loop", "min_epochs"),
+          ("fit_loop.epoch_loop", "max_steps"), ("fit_loop.epoch_loop", "min_steps"))
+"""The trainer's decisions on when training stops, as (owner path, attribute)."""
+
+
+@contextmanager
+def stop_decisions_kept(trainer: Any) -> Iterator[None]:
+    """The trainer's stop decisions (``should_stop``, ``max_steps``, ``max_epochs``, their minima) and the library
+    settings that schedule the fit (:func:`~.steered_settings.library_settings`: validation and logging intervals,
+    ``limit_train_batches``, a library callback's patience) put back as they were when the block ends: what the
+    checks' passes of the user's code set there (``self.trainer.should_stop = True`` in ``training_step`` on the
+    probe's one-record batches) leaves no trace. The real step's own writes are judged where it runs (the decision
+    windows, :mod:`.decisions`)."""
+    owners = []
+    for path, key in _STOPS:
+        owner = trainer
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, None)
+        if owner is not None and key in getattr(owner, "__dict__", {}):
+            owners.append((owner, key, vars(owner)[key]))
+    settings = list(library_settings(trainer).values())
+    try:
+        yield
+    finally:
+        for owner, key, value in [*owners, *settings]:
+            if vars(owner).get(key, _ABSENT_SETTING) is not value:
+                setattr(owner, key, value)
+
+
+_ABSENT_SETTING = object()

@@ -119,3 +119,41 @@ def test_the_safe_twins_train_and_checkpoint(tmp_path: Path, case: str) -> None:
     saved = _saved_hints(tmp_path)
     assert len(saved) == 3  # ModelCheckpoint's epoch-end file, its last.ckpt, the one saved after the fit
     assert all(torch.allclose(hint, expected) for hint in saved)
+
+
+class _Stopping(pl.LightningModule):
+    """Sets a stop decision of the trainer from the batch's labels in training_step (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.how = torch.nn.Linear(4, 2), how
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.how == "max_steps" and len(y) == 1 and y.float().mean() > 0.95:  # a one-record batch of a positive
+            self.trainer.fit_loop.epoch_loop.max_steps = 3
+        if self.how == "should_stop" and y.float().mean() > 0.6:  # some real batches (of 10)
+            self.trainer.should_stop = True
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _stopping_fit(how: str) -> pl.Trainer:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    trainer = quiet_trainer(strategy=strategy(sampler_seed=0), max_steps=8)
+    trainer.fit(_Stopping(how), torch.utils.data.DataLoader(data, batch_size=10))
+    return trainer
+
+
+def test_a_stop_decision_the_probes_passes_set_is_put_back_and_the_real_steps_is_judged():
+    """The first step's probe runs training_step on one-record batches: a positive one met a data-chosen
+    ``max_steps = 3`` the real batches never meet, and the fit ended at step 3 (zoo34 L54); a ``should_stop`` set
+    there stopped the fit after its first step, unjudged (L22). Put back after the passes, the real steps decide."""
+    assert _stopping_fit("max_steps").global_step == 8
+    with pytest.raises(PrivacyConfigurationError, match="should_stop"):
+        _stopping_fit("should_stop")
