@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 __all__ = ["ModuleIndex", "rebound"]
 
 
 @contextmanager
 def rebound(namespaces: Iterable[tuple[dict[str, Any], Any]],
-            replacing: Callable[[Any, Any], Any]) -> Iterator[None]:
+            replacing: Callable[[Any, Any], Any],
+            on_put_back: Optional[Callable[[Any, Any], None]] = None) -> Iterator[None]:
     """Inside: in each namespace (a module's dict, taken once by identity, with a tag handed to ``replacing``), every
     value for which ``replacing(value, tag)`` returns a replacement is bound to that replacement; each is put back
-    however the block ends, unless the name was bound to something else meanwhile."""
+    however the block ends, unless the name was bound to something else meanwhile (``on_put_back(value,
+    replacement)`` called first: a stand-in's state handed to the original)."""
     swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, its value, the replacement)
     try:
         seen: set[int] = set()
@@ -36,6 +38,8 @@ def rebound(namespaces: Iterable[tuple[dict[str, Any], Any]],
     finally:
         for names, key, value, ours in swapped:
             if names.get(key) is ours:
+                if on_put_back is not None:
+                    on_put_back(value, ours)
                 names[key] = value
 
 

@@ -240,27 +240,13 @@ def _held_generators(holders: Sequence[Any]) -> Iterator[None]:
     """Inside: the generators the ``holders`` (the hook's owner, the model's modules, the callbacks: their attributes)
     hold, made before the block, replaced by :func:`_stand_in`s; after it, each generator back in its place with the
     state its stand-in reached (unless the name was bound to something else meanwhile)."""
-    swapped: list[tuple[dict[str, Any], str, Any, Any]] = []
-    try:
-        seen: set[int] = set()
-        for holder in holders:
-            modules = holder.modules() if isinstance(holder, torch.nn.Module) else [holder]
-            for owner in modules:
-                names = getattr(owner, "__dict__", None)
-                if not isinstance(names, dict) or id(names) in seen:
-                    continue
-                seen.add(id(names))
-                for key, value in list(names.items()):
-                    stand = _stand_in(value)
-                    if stand is not None:
-                        swapped.append((names, key, value, stand))
-                        names[key] = stand
+    owners = (owner for holder in holders
+              for owner in (holder.modules() if isinstance(holder, torch.nn.Module) else [holder]))
+    namespaces = ((names, None) for owner in owners if isinstance(names := getattr(owner, "__dict__", None), dict))
+    with rebound(namespaces, lambda value, _: _stand_in(value),
+                 on_put_back=lambda value, stand: value.set_state(stand.get_state())):  # (the state it reached)
         yield
-    finally:
-        for names, key, value, stand in swapped:
-            if names.get(key) is stand:
-                value.set_state(stand.get_state())  # (the state the stand-in reached)
-                names[key] = value
+
 
 _REPLACING: dict[str, Any] = {
     "os.urandom": _urandom, "os.getrandom": _getrandom, "random.seed": _global_seed, "torch.seed": _torch_seed,
