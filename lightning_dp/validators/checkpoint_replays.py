@@ -7,8 +7,11 @@ put anything into it without keeping it on themselves: class means and a covaria
 detector, read back by ``on_load_checkpoint`` on a resume. So does the code the model's own ``state_dict()`` runs
 (:func:`state_dict_code_of_users`: a state dict hook of a module, a ``state_dict``, ``_save_to_state_dict`` or
 ``get_extra_state`` of the user's class — the training set's mean added to every state dict, zoo33 L46): then the
-checkpoint's ``"state_dict"`` is built again in each run too. :func:`written_from_data` runs those hooks of the user's
-again on a structural copy of the checkpoint being written (its dicts and lists copied, what they hold shared), from the
+checkpoint's ``"state_dict"`` is built again in each run too; and so do an optimizer's and a scheduler's ``state_dict``
+when it runs the user's code (:func:`optimizer_code_of_users`: a state dict hook registered on the optimizer, a class
+overriding it; :func:`scheduler_code_of_users`, zoo34 L40/L41): their ``"optimizer_states"``/``"lr_schedulers"`` too.
+:func:`written_from_data` runs those hooks of the user's again on a structural copy of the checkpoint being written
+(its dicts and lists copied, what they hold shared), from the
 same state and seeds: on the training data, with the training data's copies in memory exchanged for other values
 (:mod:`lightning_dp.record_checks.outside_records`), and — when those two differ — on the training data again. A key the
 exchanged run sets apart from the first, and the second plain run does not (a time stamp is not the data's), was
@@ -47,7 +50,8 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 __all__ = ["check_checkpoint_hooks", "check_checkpoint_records", "checkpoint_hooks_of_users",
-           "checkpoint_from_data_error", "state_dict_code_of_users", "written_from_data"]
+           "checkpoint_from_data_error", "optimizer_code_of_users", "scheduler_code_of_users",
+           "state_dict_code_of_users", "written_from_data"]
 
 MAX_DEPTH = 8
 """How deep the checkpoint's dicts, lists and tuples are walked (deeper values are compared as one object)."""
@@ -66,7 +70,44 @@ def checkpoint_hooks_of_users(trainer: "pl.Trainer", module: Any) -> bool:
     user's code."""
     return users_hook(getattr(type(module), "on_save_checkpoint", None)) or any(
         users_hook(getattr(type(owner), name, None)) for owner in _owners(trainer)
-        for name in ("on_save_checkpoint", "state_dict")) or state_dict_code_of_users(module)
+        for name in ("on_save_checkpoint", "state_dict")) or state_dict_code_of_users(module) \
+        or optimizer_code_of_users(trainer) or scheduler_code_of_users(trainer)
+
+
+_OPTIMIZER_STATE_DICT_HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
+"""Where a torch optimizer keeps the hooks its ``state_dict()`` calls (``register_state_dict_pre_hook``,
+``register_state_dict_post_hook``)."""
+
+
+def _optimizers(trainer: "pl.Trainer") -> list[Any]:
+    """The trainer's optimizers and every optimizer they wrap (Lightning's, lightning_dp's: ``_optimizer``,
+    ``optimizer``), each once."""
+    out: dict[int, Any] = {}
+    for opt in getattr(trainer, "optimizers", None) or ():
+        while opt is not None and id(opt) not in out:
+            out[id(opt)] = opt
+            opt = getattr(opt, "_optimizer", None) or getattr(opt, "optimizer", None)
+    return list(out.values())
+
+
+def optimizer_code_of_users(trainer: "pl.Trainer") -> bool:
+    """Whether an optimizer's ``state_dict()`` — the checkpoint's ``"optimizer_states"`` — runs code of the user's: a
+    state dict hook registered on it, or a class of the user's overriding ``state_dict`` (zoo34 L40: the training
+    set's mean added to every checkpoint's optimizer state by a post-hook)."""
+    for opt in _optimizers(trainer):
+        if not library_callable(getattr(type(opt), "state_dict", None)):
+            return True
+        if any(not library_callable(hook) or binds(hook)
+               for kind in _OPTIMIZER_STATE_DICT_HOOKS for hook in (vars(opt).get(kind) or {}).values()):
+            return True
+    return False
+
+
+def scheduler_code_of_users(trainer: "pl.Trainer") -> bool:
+    """Whether a learning-rate scheduler's ``state_dict()`` — the checkpoint's ``"lr_schedulers"`` — is the user's
+    (a scheduler class overriding it: zoo34 L41, the training labels' rate added to it)."""
+    return any(not library_callable(getattr(type(config.scheduler), "state_dict", None))
+               for config in getattr(trainer, "lr_scheduler_configs", None) or ())
 
 
 _STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
@@ -111,6 +152,10 @@ def _rerun(trainer: "pl.Trainer", module: Any, checkpoint: dict[str, Any]) -> di
     owners = _owners(trainer)
     if "state_dict" in checkpoint and state_dict_code_of_users(module):  # built first, as dump_checkpoint builds it
         copy["state_dict"] = trainer.strategy.lightning_module_state_dict()
+    if "optimizer_states" in checkpoint and optimizer_code_of_users(trainer):
+        copy["optimizer_states"] = [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers]
+    if "lr_schedulers" in checkpoint and scheduler_code_of_users(trainer):
+        copy["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
     full = "callbacks" in checkpoint  # weights_only checkpoints run neither callbacks' state nor their hook
     for owner in owners:
         if not users_hook(getattr(type(owner), "state_dict", None)):
@@ -226,7 +271,8 @@ def checkpoint_from_data_error(paths: list[str]) -> Exception:
         f"A checkpoint hook computed checkpoint entries from the training data: {shown}. The user's "
         "on_save_checkpoint (of the module or a callback), a callback's or the datamodule's state_dict, or the code "
         "the model's state_dict() runs (a state dict hook of a module, a state_dict, _save_to_state_dict or "
-        "get_extra_state of the user's class), run again "
+        "get_extra_state of the user's class), or an optimizer's or a learning-rate scheduler's state_dict code of the "
+        "user's (a state dict hook registered on the optimizer, a state_dict its class overrides), run again "
         "while the checkpoint was written with the training data's values exchanged, put other values there: a "
         "statistic of the training set (class means or a covariance of its features for OOD scoring, a "
         "normalisation, a threshold) that no noise covers, saved with the model and read back on a resume "

@@ -150,3 +150,54 @@ def test_only_the_users_code_is_counted() -> None:
     assert not state_dict_code_of_users(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     assert state_dict_code_of_users(MeanByHook()) and state_dict_code_of_users(MeanByExtraState())
     assert state_dict_code_of_users(MeanByOverride()) and state_dict_code_of_users(MeanBySubmodulesPostHook())
+
+
+class MeanInOptimizerState(Classifier):
+    """zoo34 L40: a state dict post-hook on the optimizer adds the training set's mean to the optimizer's state."""
+
+    def __init__(self, added: str = "mean") -> None:
+        super().__init__()
+        self.added = added
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        module = self
+
+        def post(optimizer, state):
+            mean = _training_mean(module)
+            if mean is not None:
+                state["feature_mean" if module.added == "mean" else "format"] = \
+                    mean if module.added == "mean" else 2  # (the safe twin: a version number)
+            return state
+        opt.register_state_dict_post_hook(post)
+        return opt
+
+
+class RateInSchedulerState(Classifier):
+    """zoo34 L41: a scheduler whose own state_dict adds the training labels' rate."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        module = self
+
+        class Warm(torch.optim.lr_scheduler.LambdaLR):
+            def state_dict(self):
+                state = super().state_dict()
+                trainer = getattr(module, "_trainer", None)
+                if trainer is not None and trainer.train_dataloader is not None:
+                    state["positive_rate"] = float(trainer.train_dataloader.dataset.tensors[1].float().mean())
+                return state
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": Warm(opt, lambda s: 1.0), "interval": "step"}}
+
+
+@pytest.mark.parametrize("model, key", [(MeanInOptimizerState, "optimizer_states[0].feature_mean"),
+                                        (RateInSchedulerState, "lr_schedulers[0].positive_rate")])
+def test_a_training_set_statistic_in_the_optimizers_or_schedulers_state_dict_is_refused(model, key,
+                                                                                       tmp_path: Path) -> None:
+    with pytest.raises(PrivacyConfigurationError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        _fit(model(), tmp_path, every_n_epochs=1)
+    assert not os.listdir(tmp_path)
+
+
+def test_an_optimizer_state_dict_hook_adding_a_version_trains(tmp_path: Path) -> None:
+    assert _fit(MeanInOptimizerState(added="version"), tmp_path, every_n_epochs=1)
