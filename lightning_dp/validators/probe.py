@@ -212,6 +212,9 @@ class ExampleIndependenceProbe:
                                            set_apart=self._buffers_set_apart(changed, indices)) from err
             if calls.double_backward:  # what made the engine fail, or its passes disagree: named, not guessed
                 raise double_backward_error(self.engine.name) from err
+            differentiated = self._differentiated()
+            if differentiated:  # the step's own torch.autograd.grad of the parameters (an engine's hooks break on it)
+                raise parameters_differentiated_error(differentiated) from err
             raise
         changed = self._refused(self.state.changed(before, self.state.take(full=True)))
         if changed:
@@ -243,6 +246,12 @@ class ExampleIndependenceProbe:
                     raise self._interaction(together.norms.double(),
                                             torch.cat([a.norms.double() for a in alone]), len(indices)) from None
                 raise
+
+    def _differentiated(self) -> str:
+        """The name of the first parameter the user's step took ``torch.autograd.grad`` with respect to ("": none;
+        an input's gradient, an adversarial example or a gradient penalty on the inputs, is not one)."""
+        taken = self._calls.differentiated
+        return next((name for p, name in zip(self.params, self.names) if id(p) in taken), "")
 
     def _refused(self, changed: list[str]) -> list[str]:
         """The writes the probe refuses: all of them, or (``deferred``) those to trainable parameters, the rest kept
@@ -479,6 +488,8 @@ class ExampleIndependenceProbe:
                 raise self._interaction(together_norms, alone_norms, k, name)
             autograd_sum = ref.double() * k
             if not self._close(together.sums[p], autograd_sum, max(size, float(autograd_sum.norm()))):
+                if self._differentiated():  # the step's own autograd.grad of the parameters (not an input's)
+                    raise parameters_differentiated_error(self._differentiated())
                 raise uncaptured_use_error(name, self.precision_hint())
         return permuted
 
@@ -941,6 +952,18 @@ def engine_failure_error(err: Exception) -> PrivacyConfigurationError:
         f"{where}): it cannot serve the model as it is. Nothing was released. Try another engine (per_sample='ghost', "
         "'vmap' or 'opacus_hooks'; 'auto' tries each engine that serves the model), and please report the model to "
         "lightning_dp.")
+
+
+def parameters_differentiated_error(name: str) -> PrivacyConfigurationError:
+    """The probe's error when the user's step takes the gradient of its loss with respect to the parameters itself
+    (``torch.autograd.grad(loss, self.parameters())``) and the engine's sums then disagree with autograd's."""
+    return PrivacyConfigurationError(
+        f"training_step takes a gradient with respect to the model's parameters itself (torch.autograd.grad with "
+        f"parameters such as {name} among its inputs): that is the batch's raw gradient, which no noise covers — "
+        "logged, kept or used in the loss (a gradient norm, a sharpness penalty) it releases the training data "
+        "unprotected — and its backward runs through the per-example engine's capture a second time, so the "
+        "per-example gradients no longer add up to autograd's. Nothing was released. Read gradients after the "
+        "release (on_before_optimizer_step sees the noised ĝ), or compute a penalty from public data.")
 
 
 def uncaptured_use_error(name: str, precision: str = "") -> PrivacyConfigurationError:

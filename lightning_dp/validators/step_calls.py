@@ -49,11 +49,18 @@ class StepWatch(TorchFunctionMode):
         self.double_backward = False
         self.sorted = False
         self.weighted_mean = False
+        self.differentiated: set[int] = set()
+        """The ids of the leaves that require grad (parameters, an input made to require grad) the step took
+        ``torch.autograd.grad`` with respect to: for a parameter, the batch's own, un-noised gradient of it."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.autograd.grad:
             self.double_backward |= bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
+            inputs = kwargs.get("inputs", args[1] if len(args) > 1 else ())
+            inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or ())
+            self.differentiated.update(id(t) for t in inputs
+                                       if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)
         elif getattr(func, "__name__", "") == "backward":  # Tensor.backward(gradient, retain_graph, create_graph)
             self.double_backward |= bool(kwargs.get("create_graph", args[3] if len(args) > 3 else False))
         elif getattr(func, "__name__", "") in SORTS:

@@ -526,3 +526,24 @@ def test_a_weight_masked_in_place_in_the_forward_is_refused_naming_the_functiona
         _pixelcnn_fit(functional=False)
     assert "please report" not in str(info.value) and "functorch" not in str(info.value), str(info.value)
     assert _pixelcnn_fit(functional=True).ledger.steps == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_gradient_of_the_parameters_taken_in_the_step_is_named(engine):
+    """zoo34 L38: ``torch.autograd.grad(loss, params)`` in the step (its norm logged) is the batch's raw gradient; the
+    refusal names it, not a weight-tying use (an input's gradient, an adversarial example, is served: above)."""
+    torch.manual_seed(0)
+    model = Net("ok").double()
+    eng = make_engine(engine)
+    eng.attach(model)
+    params, names, logged = list(model.parameters()), [n for n, _ in model.named_parameters()], []
+
+    def loss_of(idx):
+        loss = F.cross_entropy(model(X[idx]), Y[idx])
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        logged.append(float(sum(g.pow(2).sum() for g in grads)))
+        return loss
+
+    with pytest.raises(PrivacyConfigurationError, match="takes a gradient with respect to the model's parameters"):
+        ExampleIndependenceProbe(model, eng, params, names, loss_of, probe_tolerance(torch.float64, False)).run(
+            list(range(6)))
