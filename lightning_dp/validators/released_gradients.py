@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.engine_api import _RELEASED, is_release, mark_released
+from lightning_dp.engine_api import is_release, mark_released
 from lightning_dp.errors import PrivacyConfigurationError
 
 __all__ = ["ReleasedGradients", "rewritten_gradients"]
@@ -40,15 +40,7 @@ __all__ = ["ReleasedGradients", "rewritten_gradients"]
 def rewritten_gradients(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """The names of the parameters in ``named`` whose ``.grad`` is neither ``None``, the release as written, nor all
     zeros."""
-    released = _RELEASED
-    left = []
-    for name, p in named:
-        g = p.grad
-        if g is None:
-            continue
-        entry = released.get(id(g))  # (is_release, inline: one look-up per parameter and step)
-        if entry is None or entry[1] != g._version or entry[0]() is not g:
-            left.append((name, g))
+    left = [(name, g) for name, p in named if (g := p.grad) is not None and not is_release(g)]
     if not left:
         return []
     with torch.no_grad():
