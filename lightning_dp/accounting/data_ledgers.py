@@ -65,6 +65,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 import lightning_dp.accounting.data_store as data_store
+import lightning_dp.accounting.store_key as store_key
 from lightning_dp.accounting.ledger import LedgerEntry, PrivacyLedger
 from lightning_dp.accounting.module_ledgers import Combined, combine, held_runs
 from lightning_dp.accounting.unit_partitions import Partition, UserGroups, bases_of, covering, same_units
@@ -95,6 +96,8 @@ class DataUse:
         sample: the threshold of the sample of records its digests keep (``None``: all; a stored record's).
         partition: how a fit per user's records fall into its users (:mod:`~.unit_partitions`; ``None``: a fit per
             example's records are its units; for a fit per user, unknown: a later fit is charged the worst case).
+        keyed: whether ``digests`` are the ledger store's keyed ones (a stored record's, :mod:`~.store_key`): the
+            other side of a comparison is keyed alike (:func:`shares_records`).
     """
 
     bases: list[tuple[weakref.ref, Optional[frozenset[int]]]] = field(default_factory=list)
@@ -103,6 +106,8 @@ class DataUse:
     key: str = field(default_factory=lambda: f"data-{uuid.uuid4().hex}")
     sample: Optional[int] = None
     partition: Optional[Partition] = None
+    keyed: bool = False
+    _stored: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def alive(self) -> bool:
         """Whether it can still be matched: digests, or a dataset or buffer not freed."""
@@ -201,9 +206,14 @@ def shares_records(a: DataUse, b: DataUse) -> bool:
     common = [kind for kind in a.digests if kind in b.digests]
     if common:  # a stored record keeps a sample of its records' digests: both compared on that sample
         limit = min((s for s in (a.sample, b.sample) if s is not None), default=None)
-        mine = {k: data_store.sampled(d, limit) for k, d in a.digests.items()}
-        theirs = {k: data_store.sampled(d, limit) for k, d in b.digests.items()}
+        mine, theirs = _sample(a, limit), _sample(b, limit)
         n = min(max(len(d) for d in mine.values()), max(len(d) for d in theirs.values()))
+        if a.keyed != b.keyed:  # a stored record's keyed digests: the other's keyed alike
+            secret = store_key.secret()
+            if secret is None:
+                return False
+            mine = {k: _keyed(a, k, limit, mine[k], secret) for k in common}
+            theirs = {k: _keyed(b, k, limit, theirs[k], secret) for k in common}
         hits = max(int(np.isin(mine[k], theirs[k]).sum()) for k in common)
         return bool(hits) and hits >= OVERLAP * n
     if compared:
@@ -214,6 +224,27 @@ def shares_records(a: DataUse, b: DataUse) -> bool:
                     and ref_b() is not None:
                 return True
     return False
+
+
+def _sample(use: DataUse, limit: Optional[int]) -> Digests:
+    """``use``'s digests on the sample of threshold ``limit`` (:func:`~.data_store.sampled`); a stored record's
+    (keyed) are its own sample already."""
+    if use.keyed:
+        return use.digests
+    return {k: data_store.sampled(d, limit) for k, d in use.digests.items()}
+
+
+def _keyed(use: DataUse, kind: tuple, limit: Optional[int], digests: np.ndarray, secret: bytes) -> np.ndarray:
+    """``digests`` (``use``'s of ``kind`` on the sample ``limit``) as the ledger store holds them
+    (:func:`~.store_key.keyed`; cached on ``use``: one fit is compared with every stored record)."""
+    if use.keyed:
+        return digests
+    found = use._stored.get((kind, limit, secret))
+    if found is None:
+        if len(use._stored) > 64:
+            use._stored.clear()
+        found = use._stored[(kind, limit, secret)] = store_key.keyed(digests, secret)
+    return found
 
 
 def releases_on(use: DataUse) -> list[PrivacyLedger]:
@@ -240,7 +271,7 @@ def stored_uses() -> list[tuple[DataUse, PrivacyLedger]]:
     """The ledger store's data records (:mod:`~lightning_dp.accounting.data_store`) other than this process's own
     fits' (whose ledgers here are as new or newer), as :class:`DataUse` of digests alone."""
     own = {held.key for held, _ in _RELEASES}
-    return [(DataUse(digests=digests, key=key, sample=limit, partition=partition), ledger)
+    return [(DataUse(digests=digests, key=key, sample=limit, partition=partition, keyed=True), ledger)
             for key, digests, limit, ledger, partition in data_store.read() if key not in own]
 
 

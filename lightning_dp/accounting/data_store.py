@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import lightning_dp.accounting.ledger_store as ledger_store
+import lightning_dp.accounting.store_key as store_key
 import lightning_dp.accounting.unit_partitions as unit_partitions
 from lightning_dp.accounting.ledger import PrivacyLedger
 from lightning_dp.errors import PrivacyConfigurationError
@@ -48,9 +49,10 @@ KEPT = 32
 """The most data records the store keeps: the newest fits'."""
 MAX_DIGESTS = 1 << 18
 """The most row digests one data record holds (all its kinds together)."""
-_VERSION = 2
-"""2: with the partition of a fit per user's records into users (:mod:`~.unit_partitions`); 1 (without) is read
-as a partition not known."""
+_VERSION = 3
+"""3: the digests keyed (:mod:`~.store_key`), with the key's name; 2: with the partition of a fit per user's records
+into users (:mod:`~.unit_partitions`), digests as they are; 1 (without) is read as a partition not known. A record of
+1 or 2 is read, keyed, and written again as 3 (:func:`_migrated`)."""
 ENV = "LIGHTNING_DP_DATA_RECORDS"
 """What a fit does with earlier processes' data records on its records: ``warn`` (default) or ``compose``."""
 
@@ -66,13 +68,14 @@ def composes() -> bool:
     return mode == "compose"
 
 Record = tuple[str, dict[tuple, np.ndarray], Optional[int], PrivacyLedger, Optional[unit_partitions.Partition]]
-"""(key, digests per kind, the sample's threshold — ``None``: every record —, the ledger, the partition of its
-records into users — ``None``: a fit per example's, or not known)."""
+"""(key, digests per kind — keyed, :func:`~.store_key.keyed` —, the sample's threshold — ``None``: every record —,
+the ledger, the partition of its records into users — ``None``: a fit per example's, or not known)."""
 
 
 def sampled(digests: np.ndarray, limit: Optional[int]) -> np.ndarray:
     """The ``digests`` in the sample of threshold ``limit`` (``None``: all): those whose mixed high 32 bits are under
-    it (splitmix64's finaliser: a fixed pseudo-random choice of records, the same in every process)."""
+    it (splitmix64's finaliser: a fixed pseudo-random choice of records, the same in every process). Taken of the
+    digests as computed, before they are keyed: a stored record keeps the keyed digests of its sample."""
     if limit is None:
         return digests
     with np.errstate(over="ignore"):
@@ -93,15 +96,22 @@ def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger,
     total = sum(len(d) for d in digests.values())
     if where is None or not ledger.steps or not total or not ledger_store._writes():
         return
+    secret = store_key.secret()
+    if secret is None:
+        return
     limit = None if total <= MAX_DIGESTS else int((1 << 32) * MAX_DIGESTS / total)
-    state = {"version": _VERSION, "created": time.time(), "ledger": ledger.state_dict(),
-             "limit": -1 if limit is None else limit,
-             "partition": unit_partitions.to_state(partition if limit is None and partition is not None
-                                                   and partition.size() <= MAX_DIGESTS else None),
-             "digests": [[repr(kind), torch.from_numpy(np.ascontiguousarray(sampled(d, limit)).view(np.int64))]
+    keep = partition if limit is None and partition is not None and partition.size() <= MAX_DIGESTS else None
+    state = {"version": _VERSION, "key": store_key.key_id(secret), "created": time.time(),
+             "ledger": ledger.state_dict(), "limit": -1 if limit is None else limit,
+             "partition": unit_partitions.to_state(keep, secret),
+             "digests": [[repr(kind), _tensor(store_key.keyed(sampled(d, limit), secret))]
                          for kind, d in digests.items()]}
     ledger_store.save_file(where, f"{key}{SUFFIX}", state, SUFFIX, KEPT,
                            "the releases made on this fit's records are not found by a fit in a new process")
+
+
+def _tensor(digests: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(digests, dtype=np.uint64).view(np.int64))
 
 
 _CACHE: dict[str, Any] = {"where": None, "loaded": {}}
@@ -114,33 +124,81 @@ def read() -> list[Record]:
     if where is None:
         return []
     stamps = ledger_store._listing(where, SUFFIX)
-    loaded = _CACHE["loaded"] if _CACHE["where"] == where else {}
+    if not stamps:
+        return []
+    secret = store_key.secret()
+    if secret is None:
+        return []
+    loaded = _CACHE["loaded"] if _CACHE["where"] == (where, secret) else {}
     loaded = {name: loaded[name] for name in stamps if name in loaded and loaded[name][0] == stamps[name]}
     for name, stamp in stamps.items():
         if name not in loaded:
-            loaded[name] = (stamp, _load(where, name))
-    _CACHE.update(where=where, loaded=loaded)
-    found = [parsed for _, parsed in loaded.values() if parsed is not None]
+            parsed = _load(where, name, secret)
+            if parsed is not None and parsed[2]:  # an earlier version's, its digests unkeyed: written again, keyed
+                stamp = _migrated(where, name, parsed, secret, stamp)
+            loaded[name] = (stamp, parsed)
+    _CACHE.update(where=(where, secret), loaded=loaded)
+    found = [parsed[:2] for _, parsed in loaded.values() if parsed is not None]
     return [record for _, record in sorted(found, key=lambda item: item[0])]
 
 
-def _load(where: Any, name: str) -> Optional[tuple[float, Record]]:
+class _OtherKey(ValueError):
+    """A record written under another key than this store's (:mod:`~.store_key`)."""
+
+
+def _load(where: Any, name: str, secret: bytes) -> Optional[tuple[float, Record, bool]]:
+    """The data record ``name`` (its creation time, :data:`Record`, and whether it is of an earlier version, its
+    digests written unkeyed: keyed here); ``None`` with a warning when it cannot be read."""
     path = where / name
     try:
-        state, ledger = ledger_store.load_versioned(path, (1, _VERSION), "a data record")
+        state, ledger = ledger_store.load_versioned(path, (1, 2, _VERSION), "a data record")
+        old = state["version"] < 3
+        if not old and state.get("key") != store_key.key_id(secret):
+            raise _OtherKey()
         digests = {}
         for kind, values in state["digests"]:
             if not isinstance(values, torch.Tensor) or values.dtype != torch.int64 or values.ndim != 1:
                 raise ValueError("malformed digests")
-            digests[ast.literal_eval(kind)] = np.unique(values.numpy().view(np.uint64))
+            found = values.numpy().view(np.uint64)
+            digests[ast.literal_eval(kind)] = np.unique(store_key.keyed(found, secret) if old else found)
         limit = int(state["limit"])
-        partition = unit_partitions.from_state(state.get("partition"))  # version 1: none kept
-        return float(state["created"]), (name[:-len(SUFFIX)], digests, None if limit < 0 else limit, ledger, partition)
+        partition = unit_partitions.from_state(state.get("partition"), keyed=not old)  # version 1: none kept
+        if old and partition is not None:
+            partition = unit_partitions.stored_form(partition, secret)
+        record = (name[:-len(SUFFIX)], digests, None if limit < 0 else limit, ledger, partition)
+        return float(state["created"]), record, old
+    except _OtherKey:
+        ledger_store._warn_once(("key", str(path)), f"Skipped the ledger store's file {path}: its digests are keyed "
+                                f"with another key than {store_key.path()} (the key file was replaced or removed, or "
+                                f"{store_key.ENV} names another). Its fit's records are not found: point "
+                                f"{store_key.ENV} at the key it was written with, or delete the file.")
+        return None
     except Exception as error:  # noqa: BLE001 - a damaged file is skipped, never a crash
         ledger_store._warn_once(("read", str(path)), f"Skipped the ledger store's file {path} "
                                 f"({type(error).__name__}): it cannot be read as a data record. Delete it, or ignore "
                                 "this if its fits' records are not trained on again.")
         return None
+
+
+def _migrated(where: Any, name: str, parsed: tuple[float, Record, bool], secret: bytes,
+              stamp: tuple[int, int]) -> tuple[int, int]:
+    """Write the data record ``name`` of an earlier version (its digests unkeyed), read as ``parsed`` (keyed by
+    :func:`_load`), again as :data:`_VERSION` in its place (rank 0; its modification time kept: the newest
+    :data:`KEPT` stay the same); returns the file's stamp now (``stamp`` when it was not written)."""
+    created, (_, digests, limit, ledger, partition), _ = parsed
+    path = where / name
+    if not ledger_store._writes():
+        return stamp
+    state = {"version": _VERSION, "key": store_key.key_id(secret), "created": created,
+             "ledger": ledger.state_dict(), "limit": -1 if limit is None else limit,
+             "partition": unit_partitions.to_state(partition, secret),
+             "digests": [[repr(kind), _tensor(d)] for kind, d in digests.items()]}
+    ledger_store.save_file(where, name, state, SUFFIX, None, "an earlier version's data record stays unkeyed")
+    try:
+        os.utime(path, ns=(time.time_ns(), stamp[0]))
+        return ledger_store._listing(where, SUFFIX).get(name, stamp)
+    except OSError:
+        return stamp
 
 
 def remove(keys: Optional[set[str]] = None) -> int:

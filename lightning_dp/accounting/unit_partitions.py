@@ -30,6 +30,7 @@ import numpy as np
 
 from torch.utils.data import ConcatDataset, Subset
 
+import lightning_dp.accounting.store_key as store_key
 from lightning_dp.record_checks.row_lineage import dataset_rows
 from lightning_dp.record_checks.stored_sources import identifying_rows
 
@@ -48,10 +49,13 @@ class Partition:
     Attributes:
         digests: per kind of row digest, :data:`Pairs` (a record's digest beside its unit's number).
         bases: (a weak reference to a dataset under its wrappers, indices of it, sorted; the unit of each).
+        keyed: whether ``digests`` are the ledger store's keyed ones (:mod:`~.store_key`: a stored partition's).
     """
 
     digests: dict[tuple, Pairs] = field(default_factory=dict)
     bases: list[tuple[weakref.ref, np.ndarray, np.ndarray]] = field(default_factory=list)
+    keyed: bool = False
+    _stored: dict[bytes, "Partition"] = field(default_factory=dict, repr=False, compare=False)
 
     def size(self) -> int:
         """How many (digest, unit) pairs it holds."""
@@ -151,6 +155,11 @@ def covering(earlier: Optional[Partition], later: Partition) -> Optional[int]:
     unknown, nothing in common, a record matching too many earlier ones)."""
     if earlier is None:
         return None
+    if earlier.keyed and not later.keyed:  # a stored partition's keys: this one's compared under the same key
+        secret = store_key.secret()
+        if secret is None:
+            return None
+        later = stored_form(later, secret)
     found: list[int] = []
     for kind, (theirs, their_units) in earlier.digests.items():
         if kind in later.digests:
@@ -182,6 +191,23 @@ def _most(theirs: np.ndarray, their_units: np.ndarray, mine: np.ndarray, my_unit
     return int(np.bincount(pairs[:, 0], weights=np.where(whole, 1, 2)).max())
 
 
+def stored_form(partition: Partition, secret: bytes) -> Partition:
+    """``partition`` as the ledger store holds it: its digests :func:`~.store_key.keyed` under ``secret`` (sorted
+    again), no dataset indices (cached)."""
+    if partition.keyed:
+        return partition
+    out = partition._stored.get(secret)
+    if out is None:
+        out = Partition(keyed=True)
+        for kind, (digests, units) in partition.digests.items():
+            keys = store_key.keyed(digests, secret)
+            order = np.lexsort((units, keys))
+            out.digests[kind] = (keys[order], units[order])
+        partition._stored.clear()
+        partition._stored[secret] = out
+    return out
+
+
 def same_units(a: Optional[Partition], b: Optional[Partition]) -> bool:
     """Whether two partitions group the records alike (both ``None``, or equal digests and units)."""
     if a is None or b is None or a is b:
@@ -193,26 +219,29 @@ def same_units(a: Optional[Partition], b: Optional[Partition]) -> bool:
                              for x, y in zip(a.bases, b.bases))
 
 
-def to_state(partition: Optional[Partition]) -> Optional[list[list[Any]]]:
-    """``partition``'s digests for the ledger store (``None``: none or unknown): per kind [repr(kind), digests,
-    units] as int64 and int32 tensors (12 bytes a record and kind; dataset indices are of this process only)."""
+def to_state(partition: Optional[Partition], secret: bytes) -> Optional[list[list[Any]]]:
+    """``partition``'s digests for the ledger store (``None``: none or unknown), keyed under ``secret``
+    (:func:`stored_form`): per kind [repr(kind), digests, units] as int64 and int32 tensors (12 bytes a record and
+    kind; dataset indices are of this process only)."""
     import torch
 
     if partition is None or not partition.digests:
         return None
+    partition = stored_form(partition, secret)
     return [[repr(kind), torch.from_numpy(np.ascontiguousarray(d).view(np.int64)), torch.from_numpy(u.astype(np.int32))]
             for kind, (d, u) in partition.digests.items()]
 
 
-def from_state(state: Optional[list[list[Any]]]) -> Optional[Partition]:
-    """The :class:`Partition` :func:`to_state` wrote (``None`` stays ``None``); ``ValueError`` when malformed."""
+def from_state(state: Optional[list[list[Any]]], keyed: bool = True) -> Optional[Partition]:
+    """The :class:`Partition` :func:`to_state` wrote (``None`` stays ``None``; ``keyed=False``: a record of an earlier
+    version, whose digests were written as they are); ``ValueError`` when malformed."""
     import ast
 
     import torch
 
     if state is None:
         return None
-    out = Partition()
+    out = Partition(keyed=keyed)
     for kind, digests, units in state:
         tensors = all(isinstance(t, torch.Tensor) and t.ndim == 1 for t in (digests, units))
         if not tensors or digests.dtype != torch.int64 or units.dtype != torch.int32 or digests.shape != units.shape:
