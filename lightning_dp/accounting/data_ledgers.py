@@ -236,15 +236,16 @@ def _sample(use: DataUse, limit: Optional[int]) -> Digests:
 
 def _keyed(use: DataUse, kind: tuple, limit: Optional[int], digests: np.ndarray, secret: bytes) -> np.ndarray:
     """``digests`` (``use``'s of ``kind`` on the sample ``limit``) as the ledger store holds them
-    (:func:`~.store_key.keyed`; cached on ``use``: one fit is compared with every stored record)."""
+    (:func:`~.store_key.keyed`). Every digest of ``kind`` is keyed once and cached on ``use`` (one fit is compared with
+    every stored record, each on its own sample: the sample is chosen on the digests as computed)."""
     if use.keyed:
         return digests
-    found = use._stored.get((kind, limit, secret))
-    if found is None:
+    every = use._stored.get((kind, secret))
+    if every is None:
         if len(use._stored) > 64:
             use._stored.clear()
-        found = use._stored[(kind, limit, secret)] = store_key.keyed(digests, secret)
-    return found
+        every = use._stored[(kind, secret)] = store_key.keyed(use.digests[kind], secret)
+    return every if limit is None else every[data_store.in_sample(use.digests[kind], limit)]
 
 
 def releases_on(use: DataUse) -> list[PrivacyLedger]:

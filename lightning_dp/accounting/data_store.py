@@ -6,9 +6,11 @@ start each fold with none of the others' releases. So at the end of each fit (th
 too: its releases were made) the fit's *data record* is written beside the module records of
 :mod:`~lightning_dp.accounting.ledger_store`, in the same directory (``LIGHTNING_DP_LEDGER_STORE``; ``off``: none is
 written or read): one file per fit (:data:`SUFFIX`), holding the row digests that identify its records (8 bytes per
-record and kind of digest: never a value of the data) and the ledger's ``state_dict`` (σ, q, steps and runs of its
-releases). A later fit in any process on this machine whose records share :data:`~.data_ledgers.OVERLAP` with a
-stored record's continues its ledger, each fit's releases once (by run, as in one process).
+record and kind of digest: never a value of the data), each keyed under the store's secret key
+(:mod:`~lightning_dp.accounting.store_key`: without the key the file is no membership test of a candidate row), the
+key's name, and the ledger's ``state_dict`` (σ, q, steps and runs of its releases). A later fit in any process on
+this machine whose records share :data:`~.data_ledgers.OVERLAP` with a stored record's continues its ledger, each
+fit's releases once (by run, as in one process).
 
 Bounded: at most :data:`MAX_DIGESTS` digests per file (2 MiB): a larger population keeps the digests of a fixed
 pseudo-random sample of its records (the digests under a threshold after mixing, stored with the file), and a later
@@ -22,6 +24,10 @@ the earlier processes' fits on these records in a warning and leaves them out of
 after a fix, whose first model was thrown away, is the common case, and the library cannot tell it from a kept one;
 ``compose`` continues their releases as in one process (one fold per process composes; ε, ``target_epsilon`` and
 ``PrivacyBudget`` count them).
+
+Earlier versions' records (1 and 2, :data:`_VERSION`: digests as computed, unkeyed) are read as before — keyed when
+read, so they match as they did — and written again in their place keyed. A record of another key is skipped with a
+warning. Still shown by the files: how many records each fit read, how many fits, their ledgers.
 
 Not seen: a fit whose process was killed before its teardown, a store turned off, cleared (``forget_data_releases``)
 or pruned past :data:`KEPT` fits, another machine's store.
@@ -76,14 +82,17 @@ def sampled(digests: np.ndarray, limit: Optional[int]) -> np.ndarray:
     """The ``digests`` in the sample of threshold ``limit`` (``None``: all): those whose mixed high 32 bits are under
     it (splitmix64's finaliser: a fixed pseudo-random choice of records, the same in every process). Taken of the
     digests as computed, before they are keyed: a stored record keeps the keyed digests of its sample."""
-    if limit is None:
-        return digests
+    return digests if limit is None else digests[in_sample(digests, limit)]
+
+
+def in_sample(digests: np.ndarray, limit: int) -> np.ndarray:
+    """Which of ``digests`` are in the sample of threshold ``limit`` (:func:`sampled`), as a boolean mask."""
     with np.errstate(over="ignore"):
         z = digests.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return digests[(z >> np.uint64(32)) < np.uint64(limit)]
+    return (z >> np.uint64(32)) < np.uint64(limit)
 
 
 def write(key: str, digests: dict[tuple, np.ndarray], ledger: PrivacyLedger,

@@ -27,7 +27,8 @@ weights) and every rank reads.
 
 The same directory holds the data's records (accounting/data_store.py, files ``*.records``, kept apart: their own
 bound): the releases made on each training dataset, so that a fresh model on the same records in a new process
-continues them.
+continues them; their row digests are keyed under the store's secret key, the file ``records.key`` beside them
+(accounting/store_key.py; ``LIGHTNING_DP_LEDGER_KEY`` names another).
 
 What it cannot see: another machine's (or another user's) store, a store that was turned off, cleared or pruned
 past :data:`KEPT` fits when the weights were trained or are loaded, and what module_ledgers cannot see in one process.

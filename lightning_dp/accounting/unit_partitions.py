@@ -17,7 +17,9 @@ ids, never an id) beside the record's row digests (:func:`~lightning_dp.record_c
 and :func:`~lightning_dp.record_checks.row_lineage.dataset_rows`, the kinds the data's record is matched by) and,
 within a process, its index in the dataset under the ``Subset``/``ConcatDataset`` wrappers (held weakly). It is kept
 with the data's record (:mod:`~lightning_dp.accounting.data_ledgers`) and written to the ledger store with it
-(:mod:`~lightning_dp.accounting.data_store`). Equal rows of two earlier units are counted as both (conservative).
+(:mod:`~lightning_dp.accounting.data_store`), its digests keyed (:func:`stored_form`,
+:mod:`~lightning_dp.accounting.store_key`); a later partition is compared with a stored one keyed alike. Equal rows
+of two earlier units are counted as both (conservative).
 """
 
 from __future__ import annotations
