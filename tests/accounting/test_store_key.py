@@ -201,3 +201,32 @@ def test_a_record_of_an_earlier_version_is_matched_and_written_again_keyed(monke
     again = PrivacyLedger()
     data_ledgers.continue_on_data(again, data_ledgers.data_use(TensorDataset(x.clone())))
     assert again.steps == 9
+
+
+def test_an_earlier_versions_partition_into_users_is_keyed_when_read_and_still_covers_the_same_users(monkeypatch):
+    """A version 2 record of a fit per user holds its partition's digests unkeyed: read, they are keyed, and the same
+    users in a new fit are still one earlier user each (k = 1)."""
+    from lightning_dp.accounting.unit_partitions import UserGroups, covering
+    from lightning_dp.units import Users
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(3))
+    groups = UserGroups(Users([r // 4 for r in range(64)], users_per_batch=1), TensorDataset(x))
+    partition = groups.partition()
+    where = ledger_store.directory()
+    where.mkdir(parents=True, exist_ok=True)
+    old = PrivacyLedger()
+    old.run, old.unit = "old", "user"
+    old.record(1.0, 0.05, 8)
+    digests = data_ledgers.data_use(TensorDataset(x)).digests
+    torch.save({"version": 2, "created": time.time(), "ledger": old.state_dict(), "limit": -1,
+                "partition": [[repr(kind), torch.from_numpy(d.view(np.int64)), torch.from_numpy(u.astype(np.int32))]
+                              for kind, (d, u) in partition.digests.items()],
+                "digests": [[repr(kind), torch.from_numpy(d.view(np.int64))] for kind, d in digests.items()]},
+               where / f"data-old{data_store.SUFFIX}")
+    [(_, _, _, _, stored)] = data_store.read()
+    assert stored.keyed and stored.digests.keys() == partition.digests.keys()
+    assert not any(np.isin(stored.digests[k][0], partition.digests[k][0]).any() for k in partition.digests)
+    again = UserGroups(Users([r // 4 for r in range(64)], users_per_batch=1), TensorDataset(x.clone()))
+    assert covering(stored, again.partition()) == 1
+    regrouped = UserGroups(Users([(r + 2) // 4 for r in range(64)], users_per_batch=1), TensorDataset(x.clone()))
+    assert covering(stored, regrouped.partition()) == 4
