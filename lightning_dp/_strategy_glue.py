@@ -78,6 +78,8 @@ from lightning_dp.validators.validation_reads import (EvaluationReads, copies_af
                                                       watch_from_run_start,
                                                       validation_read_error)
 from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
+from lightning_dp.validators.judged_schedules import ScheduleJudge
+from lightning_dp.validators.judged_updates import UpdateJudge, users_update_code
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
 from lightning_dp.privacy.release import Release
@@ -152,6 +154,8 @@ class PrivateTraining:
         self._fresh_step: Optional[pl.Callback] = None  # reseeds the global generators as each step starts
         self._pruning: Optional[PruningWatch] = None  # ModelPruning's writes accepted as made (model_pruning.py)
         self._released_grads = ReleasedGradients()  # .grad as a step starts: the release, zeros or None
+        self._updates: Optional[UpdateJudge] = None  # the optimizer's update, judged when it runs the user's code
+        self._schedules: Optional[ScheduleJudge] = None  # the schedulers' updates, alike
         self._replays = StepReplays(self)  # the user's hooks run again around the step (validators/step_replays.py)
         self._batch_start = BatchStartSettings(self._replays)  # what on_train_batch_start sets from the batch
         """The run-time checks that replay the user's hooks: the first step's, the batch checks, before a release."""
@@ -376,7 +380,11 @@ class PrivateTraining:
         self._decision_windows.notes.watch_scheduler_step(trainer)  # σ or C set in the scheduler's step: refused
         self._fresh_step = step_callback(step.fresh, lambda: step.steps_taken)  # next (once it closed the last
         trainer.callbacks.insert(1, self._fresh_step)  # window): each step's randomness starts afresh
-        judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes))  # post-processing writes, judged
+        self._updates = UpdateJudge(trainer)  # an optimizer step running the user's code: judged at every step
+        self._schedules = ScheduleJudge(trainer, step)  # so is a scheduler update running the user's code
+        self._schedules.watch()
+        judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes),  # post-processing writes, judged
+                                updates=any(users_update_code(o) for o in trainer.optimizers))
         self._pruning = PruningWatch(module, step.boundary, trainer.callbacks)  # ModelPruning: post-processing
         self._released_grads.watch(trainer.optimizers)  # what an optimizer's own step leaves in .grad is released
 
@@ -583,6 +591,10 @@ class PrivateTraining:
         if pruning is not None:
             pruning.stop()
         self._released_grads.close()
+        self._updates = None
+        schedules, self._schedules = self._schedules, None
+        if schedules is not None:
+            schedules.unwatch()
         fresh, self._fresh_step = self._fresh_step, None
         if fresh is not None and trainer is not None and fresh in trainer.callbacks:
             trainer.callbacks.remove(fresh)
@@ -900,8 +912,13 @@ class PrivateTraining:
                                       "Nothing was released for it.")
             return None
         private_closure = partial(self._private_closure, optimizer, closure)
+        updates = self._updates
+        if updates is not None:  # the user's code inside the step: judged after it (validators/judged_updates.py)
+            private_closure = updates.closure(optimizer, private_closure)
         result = super().optimizer_step(optimizer, private_closure, model, **kwargs)  # type: ignore[misc]
         check_kept(optimizer, [config.scheduler for config in trainer.lr_scheduler_configs])  # nothing kept of the loss
+        if updates is not None:  # (after: the judge's fingerprints would read a loss the optimizer kept)
+            updates.judge()
         return result
 
     def announce_budget_stop(self, message: str) -> None:

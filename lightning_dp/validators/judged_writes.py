@@ -102,7 +102,7 @@ from lightning_dp.record_checks.outside_records import exchanged_copy
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["HOOKS", "unwatch", "watch_fit"]
+__all__ = ["HOOKS", "current", "unwatch", "watch_fit"]
 
 HOOKS = ("on_train_batch_end", "on_before_zero_grad", "on_after_backward", "on_before_optimizer_step",
          "configure_gradient_clipping", "on_validation_start", "on_validation_end", "on_train_end")
@@ -112,17 +112,19 @@ _BEFORE_UPDATE = ("on_after_backward", "on_before_optimizer_step", "configure_gr
 """The hooks that run between the release and the update: a ĝ they post-process is what the optimizer steps with."""
 
 _WRAPPED: list[tuple[type, str, Any, Any]] = []  # (class, hook, its own attribute, the wrapper) while watched
+_CURRENT: list["_Judge"] = []  # the fit's judge while watched (shared with :mod:`.judged_updates`)
 _ABSENT = object()
 
 
-def watch_fit(trainer: "pl.Trainer", expected: Callable[[], bool] = lambda: False) -> None:
+def watch_fit(trainer: "pl.Trainer", expected: Callable[[], bool] = lambda: False, updates: bool = False) -> None:
     """Wrap the user's :data:`HOOKS` (at the class level, once per class) for the fit; ``expected()``: whether the
     first step's replays found the batch-end hooks writing (they stay watched). Called as training starts: the
     tensors of the user's state that start as released are noted (module docstring)."""
     unwatch()
     judge = _Judge(trainer, expected)
+    _CURRENT.append(judge)
     _WRAPPED.extend(wrap_users_hooks(trainer, HOOKS, lambda hook, name: _wrapped(hook, name, judge)))
-    if _WRAPPED:
+    if _WRAPPED or updates:  # (``updates``: the optimizer's update runs the user's code, judged by .judged_updates)
         judge.note_released()
 
 
@@ -130,7 +132,14 @@ def unwatch() -> None:
     """The user's hooks as they were (a class attribute replaced since by another is left)."""
     kept = [(cls, name, own) for cls, name, own, wrapper in _WRAPPED if vars(cls).get(name) is wrapper]
     _WRAPPED.clear()
+    _CURRENT.clear()
     put_back(kept)
+
+
+def current() -> Optional["_Judge"]:
+    """The judge of the fit being watched (:func:`watch_fit`), if any: its starting states, fingerprint and released
+    tensors are what :mod:`.judged_updates` judges the optimizer's update with."""
+    return _CURRENT[-1] if _CURRENT else None
 
 
 def _wrapped(hook: Callable[..., Any], name: str, judge: "_Judge") -> Callable[..., Any]:

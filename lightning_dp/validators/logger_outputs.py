@@ -426,6 +426,7 @@ def released_state(module: torch.nn.Module, optimizers: Callable[[], Iterable[An
         if p.grad is not None:
             out.append(p.grad)
     for optimizer in optimizers():
-        for state in getattr(optimizer, "state", {}).values():
-            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        for state in getattr(optimizer, "state", {}).values():  # (under a key that is no parameter: any value)
+            values = state.values() if isinstance(state, dict) else [state]
+            out.extend(v for v in values if isinstance(v, torch.Tensor))
     return out

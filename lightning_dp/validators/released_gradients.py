@@ -11,7 +11,8 @@ starts (``_strategy_glue.PrivateTraining.training_step``, before the user's ``tr
 it): every trainable parameter's ``.grad`` must be ``None``, the release as it was written
 (:func:`~lightning_dp.engine_api.is_release`: neither replaced nor written in place since), or all zeros (as
 ``zero_grad(set_to_none=False)`` leaves it). The optimizer's own step may change ĝ in place (post-processing inside
-the optimizer is allowed, rule 2): what it leaves is marked as released again (a step post-hook). A parameter frozen
+the optimizer is allowed, rule 2; when the step runs the user's code, :mod:`.judged_updates` judges it): what it
+leaves is marked as released again (a step post-hook). A parameter frozen
 and written so is the hung gradient's case (``fingerprints/state_walker.hung_gradient``); ``public_state=["p.grad"]``
 declares ``.grad`` writes public and turns this check off.
 

@@ -80,6 +80,13 @@ def _contents(value: Any, depth: int) -> Restore:
     return _nothing
 
 
+def object_state(owner: Any) -> Restore:
+    """A function that puts ``owner``'s attributes back as they are now, with their contents (a tensor written in
+    place gets its values back, a dict or list its items; an attribute added since goes): an optimizer's state and
+    its own attributes around the runs again of its update (:mod:`.judged_updates`)."""
+    return _attributes(owner, list(vars(owner)), 0)
+
+
 def _plain(value: Any) -> bool:
     """Whether ``value``'s attributes are restored: a plain object of the user's, or a library's configuration object
     (Hugging Face's ``model.config``: :func:`~.state_walker.configuration_object`), whose public fields the fingerprint

@@ -1,0 +1,163 @@
+"""The learning-rate schedulers' steps, judged when they run code of the user's (docs/release_boundary.md, rule 3).
+
+A scheduler sets the next updates' hyper-parameters after the release; a schedule is a function of the step count
+and public constants, and the release boundary takes the rates it sets as they come. Code of the user's there — a
+``LambdaLR`` or ``MultiplicativeLR`` whose function is the user's, a scheduler class of the user's (its ``step``,
+``get_lr``), the module's ``lr_scheduler_step`` — could read the training data instead (zoo34 L46: the rate set to
+0.2 + the label rate of ten training records chosen by the step: every later update scaled by un-noised labels).
+When :func:`users_schedule_code` finds such code, each call of the loop's scheduler update
+(``trainer.fit_loop.epoch_loop.update_lr_schedulers``, at a step's or an epoch's end) is judged:
+
+1. the optimizers' groups, defaults and state and every scheduler's attributes are taken as the update starts;
+2. after it, the update runs again from there on the training data's exchanged copies (the loggers muted, nothing
+   logged), and, when that sets the decisions of :func:`~.steered_settings.decisions` (each optimizer's
+   hyper-parameters, the schedulers' states, σ, C, the trainer's length) apart from the real update's, on the same
+   data again (a difference it shows too is not the data's, unless :func:`~lightning_dp.fingerprints.
+   fingerprint_entries.moved_by_data` says it is);
+3. what the exchanged data set apart is refused, and the rates are put back as they were before the update; else
+   the real update's state is put back as it left it. A run again that fails on the exchanged data is refused too.
+
+Cost: nothing for torch's schedulers with torch's functions; else, at every scheduler update, one or two more runs of
+it and the training data's copies exchanged. Not seen: a function the user's scheduler was built with that reads
+the data only as it is built (before the fit; the data statistics' check judges what the fit's start holds), and a
+clock read by the schedule (a rate from the wall clock is refused, not replayed).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.fingerprints.state_walker import binds, library_callable
+from lightning_dp.replays.runs_again import run_once
+from lightning_dp.validators.hook_replays import replaying, replaying_now
+from lightning_dp.validators.loop_wraps import wrap_method
+from lightning_dp.validators.snapshot import object_state
+from lightning_dp.validators.steered_settings import decisions, schedulers, settings_kept
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["ScheduleJudge", "users_schedule_code"]
+
+_SCHEDULE_METHODS = ("step", "get_lr", "_get_closed_form_lr")
+"""The methods of a scheduler class that compute its rates (a class of the user's may override them)."""
+
+
+def _nested(scheduler: Any) -> list[Any]:
+    """``scheduler`` and those it steps (``SequentialLR``, ``ChainedScheduler``: ``_schedulers``), each once."""
+    out, todo = {}, [scheduler]
+    while todo:
+        s = todo.pop()
+        if id(s) not in out:
+            out[id(s)] = s
+            todo.extend(getattr(s, "_schedulers", None) or ())
+    return list(out.values())
+
+
+_ATOMS = (bool, int, float, str, type(None))
+
+
+def _users_function(fn: Any) -> bool:
+    """Whether a scheduler's rate function is the user's code: defined outside the libraries, or a library's function
+    bound to arguments that are not plain numbers or strings (Hugging Face's warm-up schedules are a partial of theirs
+    bound to step counts: not the user's)."""
+    if isinstance(fn, functools.partial) and library_callable(fn.func):
+        return not all(isinstance(v, _ATOMS) for v in (*fn.args, *fn.keywords.values()))
+    return not library_callable(fn) or binds(fn)
+
+
+def users_schedule_code(trainer: "pl.Trainer") -> list[str]:
+    """Where code of the user's runs when the loop steps the schedulers (module docstring); none: ``[]``."""
+    found = []
+    step = getattr(type(trainer.lightning_module), "lr_scheduler_step", None)
+    if step is not None and not library_callable(step):
+        found.append(f"{type(trainer.lightning_module).__qualname__}.lr_scheduler_step")
+    for scheduler in (s for top in schedulers(trainer) for s in _nested(top)):
+        cls = type(scheduler)
+        found += [f"{cls.__qualname__}.{name}" for name in _SCHEDULE_METHODS
+                  if (fn := getattr(cls, name, None)) is not None and not library_callable(fn)]
+        found += [f"{cls.__qualname__}'s function {getattr(fn, '__qualname__', type(fn).__qualname__)}"
+                  for fn in getattr(scheduler, "lr_lambdas", None) or () if _users_function(fn)]
+    return found
+
+
+def _kept(trainer: "pl.Trainer") -> Callable[[], None]:
+    """A function that puts the optimizers' settings and state and the schedulers' attributes back as they are now."""
+    puts = [settings_kept(o, trainer) for o in getattr(trainer, "optimizers", None) or ()]
+    puts += [object_state(s) for top in schedulers(trainer) for s in _nested(top)]
+
+    def put_back() -> None:
+        for put in puts:
+            put()
+    return put_back
+
+
+class ScheduleJudge:
+    """The judge of one fit's scheduler updates (module docstring). ``step``: the strategy's private step (its
+    exchanged training data, its collectives)."""
+
+    def __init__(self, trainer: "pl.Trainer", step: Any) -> None:
+        self.trainer, self.step = trainer, step
+        self._undo: Optional[Callable[[], None]] = None
+
+    def watch(self) -> None:
+        """Wrap the loop's scheduler update for the fit."""
+        self.unwatch()
+        self._undo = wrap_method(self.trainer.fit_loop.epoch_loop, "update_lr_schedulers", self._judged)
+
+    def unwatch(self) -> None:
+        """The scheduler update as it was."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    def _judged(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update_lr_schedulers(*args: Any, **kwargs: Any) -> Any:
+            where = users_schedule_code(self.trainer) if not replaying_now() else []
+            if not where or self.step._source is None or not self.step.boundary.datasets():
+                return original(*args, **kwargs)
+            before = _kept(self.trainer)
+            out = original(*args, **kwargs)
+            self.judge(lambda: original(*args, **kwargs), before, where)
+            return out
+        return update_lr_schedulers
+
+    def judge(self, update: Callable[[], Any], before: Callable[[], None], where: list[str]) -> None:
+        """Run ``update`` again from ``before`` on the exchanged data (and on the data when they differ); refuse what
+        the data set apart (module docstring)."""
+        trainer, step = self.trainer, self.step
+        first, after = decisions(trainer), _kept(trainer)
+
+        def run(exchange: bool) -> Optional[Fingerprint]:
+            copies = step.exchanged_training_data() if exchange else None
+            return run_once(lambda: (update(), decisions(trainer))[1],
+                            replaying(trainer.lightning_module), copies.exchanged() if copies else nullcontext(),
+                            start=before)
+
+        other = run(True)
+        again = run(False) if step.any_rank(other is None or other != first) else first
+        after()
+        moved = ["(the update failed on other data)"] if other is None else \
+            [] if again is None else moved_by_data(first, again, other)
+
+        def refuse() -> None:
+            if moved:
+                before()  # the rates as they were before the update
+                raise schedule_error(moved, ", ".join(where[:3]), trainer.global_step)
+        step.on_every_rank(refuse, "refused a scheduler update")
+
+
+def schedule_error(moved: list[str], where: str, step: int) -> PrivacyConfigurationError:
+    """The refusal of a scheduler update that code of the user's computed from the training data."""
+    shown = ", ".join(moved[:6])
+    return PrivacyConfigurationError(
+        f"The learning-rate schedule read the training data at step {step}: the user's code in the schedulers' update "
+        f"({where}), run again from the state it started from with the training data's values exchanged for others, "
+        f"set other values: {shown}. A rate set from training records steers every later update by un-noised data, "
+        "outside the guarantee; the rates were put back as they were before the update. Make the schedule a function "
+        "of the step or epoch count and public constants (LambdaLR(lambda step: 0.95 ** step)), or of held-out data "
+        "at validation.")
