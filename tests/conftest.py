@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,7 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
 torch.set_num_threads(1)
 os.environ["LIGHTNING_DP_LEDGER_STORE"] = os.path.join(tempfile.gettempdir(), f"lightning_dp_ledgers_{os.getpid()}")
+atexit.register(shutil.rmtree, os.environ["LIGHTNING_DP_LEDGER_STORE"], True)  # this process's store goes with it
 
 
 def _shuffle(items: list, seed: str) -> None:

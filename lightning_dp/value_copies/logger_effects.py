@@ -29,6 +29,7 @@ starts writing after the call returned), and what its other methods (``log_hyper
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -173,6 +174,7 @@ class Effects:
         if self._folder is None:
             if not _ROOT:
                 _ROOT.append(tempfile.mkdtemp(prefix="lightning_dp-logger-effects-"))
+                atexit.register(shutil.rmtree, _ROOT[0], True)  # (the process's copies go with it)
             self._folder = tempfile.mkdtemp(dir=_ROOT[0])
             weakref.finalize(self, _quietly, shutil.rmtree, self._folder, True)
         self._count += 1
