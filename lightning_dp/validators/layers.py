@@ -174,12 +174,24 @@ def lazy_layers(module: nn.Module) -> list[str]:
             if any(isinstance(p, UninitializedParameter) for p in sub.parameters(recurse=False))]
 
 
+def complex_parameters(module: nn.Module) -> list[str]:
+    """Error messages for trainable complex-valued parameters (``nn.Parameter(torch.randn(4, 2, dtype=torch.cfloat))``
+    of a spectral layer): the engines compute real per-example gradients and norms, and the Gaussian noise is drawn
+    per real coordinate; a complex parameter would be clipped by a norm that is not its own."""
+    return [f"parameter '{name}' is complex ({p.dtype}): the per-example gradients, their norms and the noise are "
+            "defined here for real parameters. Hold it as a real parameter with a last dimension of 2 and view it "
+            "as complex in the forward (self.w = nn.Parameter(torch.view_as_real(w0)); torch.view_as_complex(self.w)"
+            " inside an nn.Module's forward): its real and imaginary parts are then clipped and noised as two "
+            "coordinates each."
+            for name, p in module.named_parameters() if p.requires_grad and p.is_complex()]
+
+
 def validate_module(module: nn.Module) -> list[str]:
     """All problems that prevent private training of ``module`` (empty list if none). Also installs the
     call-time checks of :func:`install_call_checks`, active while ``module`` is attached to a private step."""
     install_call_checks(module)
     return (lazy_layers(module) + batch_mixing_layers(module) + unnoised_state_layers(module)
-            + sparse_gradient_layers(module) + parametrized_layers(module))
+            + sparse_gradient_layers(module) + parametrized_layers(module) + complex_parameters(module))
 
 
 # ---------------------------------------------------------------------- call-time checks

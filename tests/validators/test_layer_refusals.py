@@ -449,3 +449,49 @@ def test_auto_names_eval_mode_as_the_fix_for_a_trainable_batchnorm_in_training_m
     nested = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     with pytest.raises(ValueError, match=r"self\.get_submodule\('1'\)\.eval\(\)"):
         select_engine(nested)
+
+
+class _ComplexSpectral(nn.Module):
+    """A spectral layer with a complex weight, held complex (``real=False``) or as its real view (``real=True``)."""
+
+    def __init__(self, real: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w = torch.randn(4, 3, dtype=torch.complex64) * 0.3
+        self.real = real
+        self.w = nn.Parameter(torch.view_as_real(w).clone() if real else w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.view_as_complex(self.w) if self.real else self.w
+        return (x.to(torch.complex64) @ w).abs()
+
+
+def test_a_complex_parameter_is_refused_by_name_and_its_real_view_trains():
+    """zoo34 S22: a complex weight failed inside the engine ("please report"); it is refused before training, naming
+    the parameter and the real view that trains."""
+    [problem] = validate_module(nn.Sequential(_ComplexSpectral(real=False)))
+    assert "parameter '0.w' is complex (torch.complex64)" in problem and "torch.view_as_real" in problem
+    assert validate_module(nn.Sequential(_ComplexSpectral(real=True))) == []
+
+    import pytorch_lightning as pl
+
+    class Spectral(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = _ComplexSpectral(real=True)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    model = Spectral()
+    before = model.layer.w.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    quiet_trainer(strategy=DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sampler_seed=0),
+                  max_steps=3).fit(model, DataLoader(data, batch_size=16))
+    assert not torch.equal(before, model.layer.w.detach())
