@@ -581,6 +581,9 @@ class PrivateTraining:
         judged_writes.unwatch()
         logger_judge.unwatch()
         watch_loss(None)
+        schedules, self._schedules = self._schedules, None
+        if schedules is not None:  # (first: its wrap of the scheduler update is over the decision windows')
+            schedules.unwatch()
         windows, self._decision_windows = self._decision_windows, None
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if windows is not None:
@@ -592,9 +595,6 @@ class PrivateTraining:
             pruning.stop()
         self._released_grads.close()
         self._updates = None
-        schedules, self._schedules = self._schedules, None
-        if schedules is not None:
-            schedules.unwatch()
         fresh, self._fresh_step = self._fresh_step, None
         if fresh is not None and trainer is not None and fresh in trainer.callbacks:
             trainer.callbacks.remove(fresh)

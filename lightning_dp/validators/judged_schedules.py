@@ -103,16 +103,20 @@ class ScheduleJudge:
     def __init__(self, trainer: "pl.Trainer", step: Any) -> None:
         self.trainer, self.step = trainer, step
         self._undo: Optional[Callable[[], None]] = None
+        self._wrapper: Any = None
 
     def watch(self) -> None:
         """Wrap the loop's scheduler update for the fit."""
         self.unwatch()
-        self._undo = wrap_method(self.trainer.fit_loop.epoch_loop, "update_lr_schedulers", self._judged)
+        loop = self.trainer.fit_loop.epoch_loop
+        self._undo = wrap_method(loop, "update_lr_schedulers", self._judged)
+        self._wrapper = vars(loop)["update_lr_schedulers"]
 
     def unwatch(self) -> None:
-        """The scheduler update as it was."""
+        """The scheduler update as it was, unless another wrap taken before this one was undone since (it took this
+        one's away with it)."""
         undo, self._undo = self._undo, None
-        if undo is not None:
+        if undo is not None and vars(self.trainer.fit_loop.epoch_loop).get("update_lr_schedulers") is self._wrapper:
             undo()
 
     def _judged(self, original: Callable[..., Any]) -> Callable[..., Any]:
