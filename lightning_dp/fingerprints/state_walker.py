@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 import types
 from collections import deque
@@ -292,9 +293,19 @@ def users_method(value: types.FunctionType) -> types.FunctionType:
     """A method of a class body as the user wrote it, whether the logger judge wraps it now or not, a library's wrapper
     set for the fit (a logger's watched ``log``) taken off."""
     value = unwrapped(value)
-    while library_callable(value) and isinstance(getattr(value, "__wrapped__", None), types.FunctionType):
-        value = value.__wrapped__
+    while (library_callable(value) or _torch_code(value)) \
+            and isinstance(getattr(value, "__wrapped__", None), types.FunctionType):
+        value = value.__wrapped__  # (torch's step wrapper, `profile_hook_step`, carries the user's step's name)
     return value
+
+
+def _torch_code(fn: Any) -> bool:
+    """Whether ``fn``'s own code lies in torch (a wrapper ``functools.wraps`` gave the wrapped function's module)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(nn.__file__)) + os.sep
 
 
 def method_cells(fn: types.FunctionType) -> list[types.CellType]:

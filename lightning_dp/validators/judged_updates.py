@@ -10,27 +10,37 @@ globally (``torch.optim.optimizer.register_optimizer_step_post_hook``) — and w
 optimizer's state or any kept state. When :func:`users_update_code` finds such code, the update is judged at every
 step as the hooks between the release and the update are (:mod:`.judged_writes`, whose judge it shares):
 
-1. as the closure returns (``training_step``, the backward, the release, ``on_before_optimizer_step`` and the
-   gradient clipping ran), the user's state, the weights, ĝ_t, the generators, the optimizers' and schedulers' state
-   and the kept state's full fingerprint are taken (:meth:`UpdateJudge.closure`);
-2. after the step, it runs again from there (:meth:`UpdateJudge.judge`): on the training data's exchanged copies
-   with the other tensors of the user's state given other values, ĝ_t as released, the closure standing in with the
-   loss it returned, the library's step hooks left out and the user's run; the clocks and unseeded draws the real
-   step read are served again;
+1. as the step starts, the user's state, the weights, ``.grad``, the generators, the optimizers' and schedulers'
+   state, the optimizer's own attributes and what the methods of its class of the user's keep (a cache in a closure
+   cell) are taken (:meth:`UpdateJudge.closure`); as the closure returns (``training_step``, the backward, the
+   release, ``on_before_optimizer_step`` and the gradient clipping ran), ĝ_t, the loss, the generators and the kept
+   state the closure itself wrote (judged where it is written, not here) are noted — what the step's code wrote
+   before calling its closure (a counter) is accepted for the release, to be judged here;
+2. after the step, it runs again from its start (:meth:`UpdateJudge.judge`): on the training data's exchanged copies
+   with the other tensors of the user's state given other values, handed the same closure wrapper, which now only
+   puts ĝ_t and the generators as the real closure left them and returns its loss (a step cannot tell the two
+   apart, zoo35 R02), the library's step post-hooks left out, the user's and the pre-hooks run; the clocks and
+   unseeded draws the step's own code read are served again;
 3. the update is accepted only when the run again leaves the weights, ĝ, the optimizers' and schedulers' state and
    the kept state bit for bit as the real step left them (a Lion or a sign-SGD of the user's, weight decay by hand, a
-   Lookahead's slow weights, a step counter kept on the optimizer train); otherwise everything is put back as the
-   closure left it and the update is refused, before any later release.
+   Lookahead's slow weights, counters kept on the optimizer train); otherwise everything is put back as the step
+   found it — ĝ_t as released — and the update is refused, before any later release.
+
+Code of the user's is found by :func:`users_update_code`: a ``step`` of the user's, a class of the user's among the
+optimizer's bases (an overridden ``_init_group`` torch's step calls: zoo35 R04), step hooks, and objects of the
+user's torch's own step calls into — parameter groups or a ``state`` that are no plain dicts, a learning rate of a
+float subclass, a parameter class with its own ``__torch_function__`` (zoo35 R05, R06, R29, R30).
 
 A step whose class and hooks are torch's or another library's is not run again: its code is trusted as the
 post-processing of ĝ_t (docs/release_boundary.md, "What the boundary cannot see"). Cost: nothing for those; else, at
-every step, a copy of the weights and ĝ, two full fingerprints of the kept state and one or two more optimizer steps.
-Not seen: the user's code run before the closure inside the step that leaves the state as it found it (it runs again
-too, but from the closure's end).
+every step, a copy of the weights and ĝ, four full fingerprints of the kept state and one or two more optimizer steps.
+Not seen: state the step keeps where neither the snapshot nor the fingerprint reaches (a module of another library,
+a file), read back on its run again to reproduce the real write.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -40,17 +50,21 @@ from torch.optim import optimizer as torch_optimizer
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.fingerprint_entries import changed_entries
 from lightning_dp.fingerprints.state_walker import binds, library_callable
+from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.draws import DrawReads
 from lightning_dp.validators import judged_writes
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.replays.starting_state import Generators, StartingState as Saved
+from lightning_dp.validators.held_values import user_generators
 from lightning_dp.validators.logger_judge import StartingState
-from lightning_dp.validators.snapshot import object_state
+from lightning_dp.validators.snapshot import class_state, object_state
+from lightning_dp.validators.step_replays import users_objects
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["UpdateJudge", "users_update_code"]
+__all__ = ["UpdateJudge", "library_post_hooks_off", "users_update_code"]
 
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 """Where a torch optimizer keeps the hooks its ``step`` calls (``register_step_pre_hook``,
@@ -76,14 +90,64 @@ def _global_hooks() -> list[dict]:
     return [torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks]
 
 
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _library_class(cls: type) -> bool:
+    return (cls.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+
+
+def _plain_value(value: Any, depth: int = 0) -> bool:
+    """Whether a parameter group's value is a builtin number, string or tensor of torch's (or a tuple or list of
+    them): no object of the user's whose methods torch's step would call (zoo35 R06: a float subclass reading the
+    labels in ``__neg__``)."""
+    if type(value) in _PLAIN:
+        return True
+    if isinstance(value, torch.Tensor):
+        return _library_class(type(value)) and not _overrides_torch_function(type(value))
+    return type(value) in (tuple, list) and depth < 2 and all(_plain_value(v, depth + 1) for v in value)
+
+
+def _overrides_torch_function(cls: type) -> bool:
+    """Whether a tensor class runs a ``__torch_function__`` of the user's (zoo35 R30: a parameter of such a class
+    acting on torch's own ``add_``)."""
+    return any(not _library_class(c) and "__torch_function__" in vars(c) for c in cls.__mro__)
+
+
+def _users_objects_in(opt: Any) -> list[str]:
+    """What of the user's torch's own step would call into: a class of the user's among the optimizer's bases (an
+    overridden ``_init_group``: zoo35 R04), parameter groups that are no plain dicts (R05), a value in them that is
+    no builtin (R06), a ``state`` that is no plain dict (R29), a parameter whose class is the user's (R30)."""
+    found = [f"{c.__qualname__} (a base class of yours)" for c in type(opt).__mro__[1:] if not _library_class(c)][:1]
+    if not isinstance(opt, torch.optim.Optimizer):
+        return found
+    if type(opt.state) not in (dict, defaultdict):
+        found.append(f"{type(opt).__qualname__}.state of class {type(opt.state).__qualname__}")
+    for i, group in enumerate(opt.param_groups):
+        if type(group) is not dict:
+            found.append(f"param_groups[{i}] of class {type(group).__qualname__}")
+            continue
+        for key, value in group.items():
+            if key == "params":
+                found += [f"param_groups[{i}] holds a parameter of class {type(p).__qualname__}" for p in value
+                          if not _library_class(type(p)) or _overrides_torch_function(type(p))][:1]
+            elif not _plain_value(value):
+                found.append(f"param_groups[{i}][{key!r}] of class {type(value).__qualname__}")
+    return found
+
+
 def users_update_code(optimizer: Any) -> list[str]:
     """Where code of the user's runs inside ``optimizer.step`` (module docstring): its class's ``step`` or that of an
-    optimizer it wraps, a step hook registered on one of them or globally; none: ``[]``."""
+    optimizer it wraps, a class of the user's among their bases, a step hook registered on one of them or globally,
+    an object of the user's that torch's step calls into (:func:`_users_objects_in`); none: ``[]``."""
     found = []
     for opt in _chain(optimizer):
         step = getattr(type(opt), "step", None)
         if step is not None and not library_callable(step):
             found.append(f"{type(opt).__qualname__}.step")
+        elif not _library_class(type(opt)):
+            found.append(f"{type(opt).__qualname__} (a class of yours)")
+        found += _users_objects_in(opt)
         for kind in _STEP_HOOKS:
             found += [f"a step {kind.split('_')[3]}-hook of {type(opt).__qualname__} "
                       f"({getattr(hook, '__qualname__', type(hook).__qualname__)})"
@@ -95,12 +159,13 @@ def users_update_code(optimizer: Any) -> list[str]:
 
 
 @contextmanager
-def users_hooks_only(optimizer: Any) -> Iterator[None]:
-    """Inside, the step hooks of ``optimizer`` (and of those it wraps) and the global ones are the user's alone: the
-    library's (the release boundary's re-baseline, the released-gradient marks, the steps counted outside a fit) do
-    not run for a run again of the step; all put back as they were, in order."""
-    tables = [t for opt in _chain(optimizer) for kind in _STEP_HOOKS
-              if isinstance(t := vars(opt).get(kind), dict)] + _global_hooks()
+def library_post_hooks_off(optimizer: Any) -> Iterator[None]:
+    """Inside, the library's step post-hooks on ``optimizer`` (and on those it wraps) and the global ones do not run
+    for a run again of the step (the release boundary's re-baseline, the released-gradient marks, the steps counted
+    outside a fit); the user's do, and so do the pre-hooks (the boundary's wraps the closure as in the real step: the
+    step is handed the same kind of closure). All put back as they were, in order."""
+    tables = [t for opt in _chain(optimizer) if isinstance(t := vars(opt).get(_STEP_HOOKS[1]), dict)] \
+        + [torch_optimizer._global_optimizer_post_hooks]
     saved = [(table, dict(table)) for table in tables]
     try:
         for table, items in saved:
@@ -121,84 +186,143 @@ def _own_reads() -> Any:
 
 
 class _Start:
-    """What the judge takes as the closure returns (module docstring, 1.)."""
+    """What the judge takes as the step starts and as its closure returns (module docstring, 1.)."""
 
-    def __init__(self, judge: Any, optimizer: Any, loss: Any) -> None:
+    def __init__(self, judge: Any, optimizer: Any) -> None:
         trainer = judge.trainer
-        self.optimizer, self.loss = optimizer, loss
-        self.judge = judge
+        self.optimizer, self.judge = optimizer, judge
         judge.mark_released()
-        self.state = StartingState(trainer)
+        self.state = StartingState(trainer)  # the user's state, the weights, .grad and the generators as it starts
         self.fingerprint = judge.fingerprint()
         self.callbacks = judge.step.boundary.callbacks()
         self.full = self.fingerprint.take(self.callbacks, full=True)
         self.params = list(trainer.lightning_module.named_parameters())
-        self.grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in self.params]
         self.settings = judged_writes._Settings(trainer)
         self.before = self.settings.entries(full=True)
-        objects = [object_state(opt) for opt in _chain(optimizer)]  # its state's tensors' values, its attributes
+        chain = _chain(optimizer)
+        objects = [object_state(opt) for opt in chain]  # its state's tensors' values, its attributes, and what
+        objects += class_state([type(opt) for opt in chain])  # the methods of a class of the user's keep
         self.state.restored = judged_writes._chained(self.settings.put_back, *objects, judge.mark_released)
         step = type(optimizer).step
-        self.clock = ClockReads(step, optimizer)  # the clocks and unseeded draws the real step reads: served again
-        self.draws = DrawReads(step, optimizer)
-        self.recording = ExitStack()
-        self.recording.enter_context(self.clock.recording())
-        self.recording.enter_context(self.draws.recording())
+        self.clock = ClockReads(step, optimizer)  # the clocks and unseeded draws the step's own code reads (not
+        self.draws = DrawReads(step, optimizer)  # its closure's): served again in the runs again
+        self.recording = self._record()
+        self.closed = False  # the closure returned: what follows is filled
+        self.loss: Any = None
+        self.released: list[tuple[Any, Optional[torch.Tensor]]] = []  # (p, ĝ as the closure left it)
+        self.generators: Any = None  # the generators as the closure left them
+        self.closure_names: set[str] = set()  # the kept state the closure itself wrote (training_step's: judged
+        # there, not here)
+
+    def _record(self) -> ExitStack:
+        stack = ExitStack()
+        stack.enter_context(self.clock.recording())
+        stack.enter_context(self.draws.recording())
+        return stack
+
+    def opening(self) -> None:
+        """The real closure starts: what the step's code wrote before it is accepted for the release (the runs again
+        from the step's start judge it), the closure's own reads of clocks and entropy are not recorded."""
+        self.recording.close()
+        self.at_call = self.fingerprint.take(self.callbacks, full=True)
+        written = StateFingerprint.changed(self.full, self.at_call)
+        if written:  # (a step counter kept on the optimizer, `self.n += 1` before the closure)
+            self.judge.step.boundary.accept(written)
+
+    def closing(self, loss: Any) -> None:
+        """The real closure returned ``loss``: ĝ, the generators and what the closure wrote are noted."""
+        after = self.fingerprint.take(self.callbacks, full=True)
+        self.closure_names = set(StateFingerprint.changed(self.at_call, after))
+        self.released = [(p, None if p.grad is None else p.grad.detach().clone()) for _, p in self.params]
+        self.generators = Saved(Generators, lambda: user_generators([self.state.module,
+                                                                    *users_objects(self.judge.trainer)]))
+        self.loss, self.closed = loss, True
+        self.recording = self._record()
+
+    def replayed(self) -> Any:
+        """The closure in a run again: ĝ and the generators as the real closure left them, its loss."""
+        for p, grad in self.released:
+            p.grad = None if grad is None else grad.clone()
+        self.generators.put_back()
+        return self.loss
 
 
 class UpdateJudge:
-    """The judge of one fit's updates (module docstring): :meth:`closure` wraps the step's closure when the user's code
-    runs in the step, :meth:`judge` runs after the step."""
+    """The judge of one fit's updates (module docstring): :meth:`closure` takes the step's start and wraps its closure
+    when the user's code runs in the step, :meth:`judge` runs after the step."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
         self._start: Optional[_Start] = None
         self._where: list[str] = []
+        self._replaying = False
+        self._closure: Optional[Callable[[], Any]] = None
 
     def closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure``, wrapped to take the starting state as it returns when ``optimizer``'s step runs the user's
-        code and the fit's hooks are judged (:func:`~.judged_writes.watch_fit`); else ``closure`` itself."""
+        """``closure``, wrapped, with the step's starting state taken now, when ``optimizer``'s step runs the user's
+        code and the fit's hooks are judged (:func:`~.judged_writes.watch_fit`); else ``closure`` itself. In a run
+        again the same wrapper stands in for the closure (:meth:`_Start.replayed`): the step cannot tell the two."""
         self._start = None
         judge = judged_writes.current()
         self._where = users_update_code(optimizer) if judge is not None else []
         if not self._where:
             return closure
+        with _own_reads():
+            self._start = _Start(judge, optimizer)
 
         def taken() -> Any:
+            start = self._start
+            if start is not None and self._replaying:
+                return start.replayed()
+            if start is None or start.closed:  # (a step calling its closure again is refused elsewhere)
+                return closure()
+            with _own_reads():
+                start.opening()
             loss = closure()
-            if self._start is None:  # (the first return: a step calling its closure again is refused elsewhere)
-                with _own_reads():
-                    self._start = _Start(judge, optimizer, loss)
+            with _own_reads():
+                start.closing(loss)
             return loss
+        self._closure = taken
         return taken
 
     def judge(self) -> None:
-        """After the step: run it again from the closure's end on other data, refuse what it does not reproduce
-        (module docstring, 2. and 3.)."""
+        """After the step: run it again from its start on other data, refuse what it does not reproduce (module
+        docstring, 2. and 3.)."""
         start, self._start = self._start, None
         if start is not None:
-            with _own_reads():
-                self._judge(start)
+            start.recording.close()
+            if start.closed:
+                with _own_reads():
+                    self._judge(start)
 
     def _judge(self, start: _Start) -> None:
-        start.recording.close()
         judge, boundary = start.judge, start.judge.step.boundary
         first = start.fingerprint.take(start.callbacks, full=True)
         names = list(dict.fromkeys([*StateFingerprint.changed(start.full, first), *(
             f"parameter {n}" for n, p in start.params if p.requires_grad or not p.is_leaf)]))
         settled = changed_entries(start.before, after := start.settings.entries(full=True))
-        again = judged_writes._RunAgain(judge, start.state, first, names, start.grads,
-                                        start.state.written(library=True))
-        again.clock, again.draws = start.clock, start.draws
+        grads = [(p, p.grad, -1 if p.grad is None else p.grad._version) for _, p in start.params]
+        again = judged_writes._RunAgain(judge, start.state, first, names, grads, start.state.written(library=True))
+        again.clock, again.draws, again.excused = start.clock, start.draws, start.closure_names
         again.settings, again.settled, again.first_settings = start.settings, settled, after
+        chain = _chain(start.optimizer)
         as_written = judged_writes._chained(judged_writes._Settings(self.trainer).put_back,
-                                            *(object_state(opt) for opt in _chain(start.optimizer)))
-        optimizer, loss = start.optimizer, start.loss
+                                            *(object_state(opt) for opt in chain),
+                                            *class_state([type(opt) for opt in chain]))
+        optimizer, closure = start.optimizer, self._closure
 
         def step_again(_: tuple) -> None:
-            with users_hooks_only(optimizer):
-                optimizer.step(closure=lambda: loss)
-        reproduced = again.every_run(step_again, [()])
+            self._replaying = True
+            try:
+                with library_post_hooks_off(optimizer):
+                    optimizer.step(closure=closure)
+            finally:
+                self._replaying = False
+        self._start = start  # (the stand-in closure reads it)
+        try:
+            reproduced = again.every_run(step_again, [()])
+        finally:
+            self._start = None
         as_written()  # (the last run again's: not kept)
         where = ", ".join(self._where[:3])
 

@@ -381,6 +381,7 @@ class _RunAgain:
         self.settings: Optional[_Settings] = None  # between the release and the update: the optimizers' state, …
         self.settled: list[str] = []  # … the entries of it the first run changed, and what it left there
         self.first_settings: Fingerprint = {}
+        self.excused: set[str] = set()  # entries another judge runs again (an update's closure: training_step's)
 
     def every_run(self, hook: Callable[[tuple], Any], variants: list[tuple]) -> bool:
         """Whether the hook, run on each variant of its arguments, reproduces the first run's write exactly. Every rank
@@ -390,7 +391,7 @@ class _RunAgain:
         for variant in variants:
             found = self._once(hook, variant)
             failed = failed or found is None
-            apart |= found or set()
+            apart |= (found or set()) - self.excused
         # A difference a run on the same data shows too (a clock) is excused only for a Python number (a batch timer's
         # duration): never for a tensor, an array, a container, the weights or ĝ (zoo27: randomness the runs do not
         # replay — the loader's own sampler drawn again, an unseeded NumPy generator — passed the data's class means

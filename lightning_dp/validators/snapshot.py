@@ -80,6 +80,26 @@ def _contents(value: Any, depth: int) -> Restore:
     return _nothing
 
 
+def class_state(classes: Iterable[type]) -> list[Restore]:
+    """Functions that put back the data the user's ``classes`` keep (:func:`~.state_walker.class_attributes`: a
+    class body's ``history = []``, a method's mutable defaults, closure cells and attributes) as they are now."""
+    restores: list[Restore] = []
+    for cls, key, value in class_attributes(classes):  # `history = []` in a class body
+        if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
+            restores.extend(_contents(v, 0) for v in value)
+            continue
+        if key.endswith(".__closure__"):  # what a method's closure holds: rebound and its contents
+            method = users_method(vars(cls)[key.removesuffix(".__closure__")])
+            restores.extend(_cell_restore(cell) for cell in method_cells(method))
+            continue
+        if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): their contents
+            restores.extend(_contents(v, 0) for v in value.values())
+            continue
+        restores.append(_contents(value, 0))
+        restores.append(partial(_rebind_class_attribute, cls, key, value))
+    return restores
+
+
 def object_state(owner: Any) -> Restore:
     """A function that puts ``owner``'s attributes back as they are now, with their contents (a tensor written in
     place gets its values back, a dict or list its items; an attribute added since goes): an optimizer's state and
@@ -253,19 +273,7 @@ class StateSnapshot:
             restores.append(_globals(mod))
             classes.extend(v for k, v in list(vars(mod).items())  # `class HP: temperature = 1.0` of the user's code
                            if isinstance(v, type) and v.__module__ == mod.__name__ and not k.startswith("__"))
-        for cls, key, value in class_attributes(classes):  # `history = []` in a class body
-            if key.endswith(".__defaults__"):  # a method's mutable default arguments: their contents
-                restores.extend(_contents(v, 0) for v in value)
-                continue
-            if key.endswith(".__closure__"):  # what a method's closure holds: rebound and its contents
-                method = users_method(vars(cls)[key.removesuffix(".__closure__")])
-                restores.extend(_cell_restore(cell) for cell in method_cells(method))
-                continue
-            if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): their contents
-                restores.extend(_contents(v, 0) for v in value.values())
-                continue
-            restores.append(_contents(value, 0))
-            restores.append(partial(_rebind_class_attribute, cls, key, value))
+        restores.extend(class_state(classes))
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found,
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags

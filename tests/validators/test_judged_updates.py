@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "bounda
 from cases import Classifier, fit  # noqa: E402
 
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
-from lightning_dp.validators.judged_updates import users_hooks_only, users_update_code  # noqa: E402
+from lightning_dp.validators.judged_updates import library_post_hooks_off, users_update_code  # noqa: E402
 
 READ = "The optimizer's update read the training data"
 
@@ -205,6 +205,93 @@ def test_the_users_step_code_is_found_and_the_librarys_hooks_are_left_out_of_a_r
     users = plain.register_step_post_hook(lambda *_: calls.append("user"))
     assert [w.split(" (")[0] for w in users_update_code(plain)] == ["a step post-hook of SGD"]
     assert users_update_code(Lion(layer.parameters())) == ["Lion.step"]
-    with users_hooks_only(plain):
+    with library_post_hooks_off(plain):
         assert list(plain._optimizer_step_post_hooks) == [users.id]
     assert list(plain._optimizer_step_post_hooks) == [library_hook.id, users.id]  # put back, in order
+
+
+def _cached_before_closure(m: Any) -> torch.optim.Optimizer:
+    """zoo35 R01: the training mean computed once, before the closure, into a cell of the step's maker."""
+    cache: list[torch.Tensor] = []
+
+    class CachedCenter(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+            if not cache:
+                cache.append(training_mean(m)[:2].clone())
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            super().step()
+            m.net[2].bias.copy_(cache[0])
+            return loss
+    return CachedCenter(m.parameters(), lr=0.1)
+
+
+def _tells_the_run_again(m: Any) -> torch.optim.Optimizer:
+    """zoo35 R02/X02b: reads the data only when its closure changed .grad (the real step), else writes what it kept."""
+    kept: list[Optional[torch.Tensor]] = [None]
+
+    class Sneaky(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+            before = m.net[2].bias.grad
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            if m.net[2].bias.grad is not before or kept[0] is None:
+                kept[0] = training_mean(m)[:2].clone()
+            super().step()
+            m.net[2].bias.copy_(kept[0])
+            return loss
+    return Sneaky(m.parameters(), lr=0.1)
+
+
+class InitGroup(torch.optim.SGD):
+    """zoo35 R04: torch's own step, a helper of it overridden to read the data."""
+
+    def __init__(self, m: Any) -> None:
+        super().__init__(m.parameters(), lr=0.1)
+        self.m = [m]
+
+    def _init_group(self, *args: Any) -> Any:
+        out = super()._init_group(*args)
+        with torch.no_grad():
+            self.m[0].net[2].bias.copy_(training_mean(self.m[0])[:2])
+        return out
+
+
+class Rate(float):
+    """zoo35 R06: a learning rate whose negation (torch's step computes -lr) reads the labels."""
+
+    module: Any = None
+
+    def __neg__(self) -> float:
+        labels = self.module.trainer.train_dataloader.dataset.tensors[1].float()
+        return -float(self) * (0.5 + float(labels.mean()))
+
+
+def _rate_reads_labels(m: Any) -> torch.optim.Optimizer:
+    rate = Rate(0.1)
+    rate.module = m
+    return torch.optim.SGD(m.parameters(), lr=rate)
+
+
+@pytest.mark.parametrize("make", [_cached_before_closure, _tells_the_run_again, InitGroup, _rate_reads_labels],
+                         ids=["cache-before-closure", "tells-the-run-again", "init-group", "rate-object"])
+def test_a_read_hidden_from_the_run_again_or_inside_torchs_step_is_refused(make: Callable[[Any], Any]) -> None:
+    with pytest.raises(PrivacyConfigurationError, match=READ):
+        fit(WithStepCode(make), steps=3)
+
+
+class CountsAtTheTop(torch.optim.SGD):
+    """zoo35 R36: a counter kept on the optimizer, written before the closure."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        self.n = getattr(self, "n", 0) + 1
+        return super().step(closure)
+
+
+def test_a_counter_written_at_the_top_of_the_step_trains() -> None:
+    model = WithStepCode(lambda m: CountsAtTheTop(m.parameters(), lr=0.1))
+    fit(model, steps=3)
+    assert model.trainer.optimizers[0].n == 3  # each real step counted once
