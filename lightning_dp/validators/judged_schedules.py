@@ -8,7 +8,9 @@ and public constants, and the release boundary takes the rates it sets as they c
 When :func:`users_schedule_code` finds such code, each call of the loop's scheduler update
 (``trainer.fit_loop.epoch_loop.update_lr_schedulers``, at a step's or an epoch's end) is judged:
 
-1. the optimizers' groups, defaults and state and every scheduler's attributes are taken as the update starts;
+1. the optimizers' groups, defaults and state, every scheduler's attributes, what its rate functions and its class
+   of the user's keep (closure cells, default arguments: a memo of each step's rate) and the user's state (the
+   module, callbacks, the user's modules' globals) are taken as the update starts;
 2. after it, the update runs again from there on the training data's exchanged copies (the loggers muted, nothing
    logged), and, when that sets the decisions of :func:`~.steered_settings.decisions` (each optimizer's
    hyper-parameters, the schedulers' states, σ, C, the trainer's length) apart from the real update's, on the same
@@ -35,7 +37,8 @@ from lightning_dp.fingerprints.state_walker import binds, library_callable
 from lightning_dp.replays.runs_again import run_once
 from lightning_dp.validators.hook_replays import replaying, replaying_now
 from lightning_dp.validators.loop_wraps import wrap_method
-from lightning_dp.validators.snapshot import object_state
+from lightning_dp.validators.snapshot import StateSnapshot, class_state, function_state, object_state
+from lightning_dp.validators.step_replays import users_objects
 from lightning_dp.validators.steered_settings import decisions, schedulers, settings_kept
 
 if TYPE_CHECKING:
@@ -85,10 +88,16 @@ def users_schedule_code(trainer: "pl.Trainer") -> list[str]:
     return found
 
 
-def _kept(trainer: "pl.Trainer") -> Callable[[], None]:
-    """A function that puts the optimizers' settings and state and the schedulers' attributes back as they are now."""
+def _kept(trainer: "pl.Trainer", step: Any) -> Callable[[], None]:
+    """A function that puts back, as they are now, the optimizers' settings and state, the schedulers' attributes,
+    what their rate functions and classes of the user's keep (a memo of each step's rate in a closure: zoo35 R10) and
+    the user's state (a memo in a global of the user's module)."""
     puts = [settings_kept(o, trainer) for o in getattr(trainer, "optimizers", None) or ()]
-    puts += [object_state(s) for top in schedulers(trainer) for s in _nested(top)]
+    nested = [s for top in schedulers(trainer) for s in _nested(top)]
+    puts += [object_state(s) for s in nested] + class_state([type(s) for s in nested])
+    puts += [put for s in nested for fn in getattr(s, "lr_lambdas", None) or () for put in function_state(fn)]
+    puts.append(StateSnapshot(trainer.lightning_module, users_objects(trainer), step.boundary.engine_keys,
+                              step.boundary.global_modules()).restore)
 
     def put_back() -> None:
         for put in puts:
@@ -124,7 +133,7 @@ class ScheduleJudge:
             where = users_schedule_code(self.trainer) if not replaying_now() else []
             if not where or self.step._source is None or not self.step.boundary.datasets():
                 return original(*args, **kwargs)
-            before = _kept(self.trainer)
+            before = _kept(self.trainer, self.step)
             out = original(*args, **kwargs)
             self.judge(lambda: original(*args, **kwargs), before, where)
             return out
@@ -134,7 +143,7 @@ class ScheduleJudge:
         """Run ``update`` again from ``before`` on the exchanged data (and on the data when they differ); refuse what
         the data set apart (module docstring)."""
         trainer, step = self.trainer, self.step
-        first, after = decisions(trainer), _kept(trainer)
+        first, after = decisions(trainer), _kept(trainer, step)
 
         def run(exchange: bool) -> Optional[Fingerprint]:
             copies = step.exchanged_training_data() if exchange else None

@@ -100,6 +100,22 @@ def class_state(classes: Iterable[type]) -> list[Restore]:
     return restores
 
 
+def function_state(fn: Any) -> list[Restore]:
+    """Functions that put back what a callable keeps between calls (:func:`~.state_walker.callable_state`: a
+    closure's cells, rebound and with their contents — ``cache = {}`` of the function that made a ``LambdaLR``'s
+    rate —, its default arguments' contents, a bound method's object's attributes) as they are now."""
+    if isinstance(fn, partial):
+        return [_contents(v, 0) for v in (*fn.args, *fn.keywords.values())] + function_state(fn.func)
+    if isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        return ([_attributes(owner, list(vars(owner)), 0)] if hasattr(owner, "__dict__") else []) \
+            + function_state(fn.__func__)
+    if isinstance(fn, types.FunctionType):
+        return [_cell_restore(cell) for cell in method_cells(fn)] \
+            + [_contents(v, 0) for v in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())]
+    return [_attributes(fn, list(vars(fn)), 0)] if hasattr(fn, "__dict__") and not isinstance(fn, type) else []
+
+
 def object_state(owner: Any) -> Restore:
     """A function that puts ``owner``'s attributes back as they are now, with their contents (a tensor written in
     place gets its values back, a dict or list its items; an attribute added since goes): an optimizer's state and

@@ -116,3 +116,19 @@ def test_the_users_schedule_code_is_found() -> None:
     assert users_schedule_code(Trainer(LambdaLR(optimizer, lambda k: warm(k)))) != []
     assert users_schedule_code(Trainer(LambdaLR(optimizer, functools.partial(pow, 0.5)))) == []
     assert users_schedule_code(Trainer(LambdaLR(optimizer, functools.partial(pow, torch.ones(1))))) != []
+
+
+def _memoised(optimizer: Any, module: Any) -> LambdaLR:
+    """zoo35 R10: each step's rate computed once from ten training labels and kept in the maker's dict."""
+    memo: dict[int, float] = {}
+
+    def rate(step: int) -> float:
+        if step not in memo:
+            memo[step] = 0.2 + float(labels(module)[step * 10:step * 10 + 10].mean())
+        return memo[step]
+    return LambdaLR(optimizer, rate)
+
+
+def test_a_schedule_memoising_what_it_read_is_refused() -> None:
+    with pytest.raises(PrivacyConfigurationError, match=READ):
+        fit(Scheduled(_memoised), steps=4)
