@@ -77,7 +77,7 @@ from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
                                                       watch_from_run_start,
                                                       validation_read_error)
-from lightning_dp.validators import diagnostic_reads, judged_writes, logger_judge, metric_writes
+from lightning_dp.validators import diagnostic_reads, epoch_ends, judged_writes, logger_judge, metric_writes
 from lightning_dp.validators.judged_schedules import ScheduleJudge
 from lightning_dp.validators.judged_updates import UpdateJudge, users_update_code
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
@@ -383,6 +383,7 @@ class PrivateTraining:
         self._updates = UpdateJudge(trainer)  # an optimizer step running the user's code: judged at every step
         self._schedules = ScheduleJudge(trainer, step)  # so is a scheduler update running the user's code
         self._schedules.watch()
+        epoch_ends.watch_fit(trainer)  # an epoch ended by on_train_batch_start's -1: judged as it is returned
         judged_writes.watch_fit(trainer, lambda: bool(replays.batch_end_writes),  # post-processing writes, judged
                                 updates=any(users_update_code(o) for o in trainer.optimizers))
         self._pruning = PruningWatch(module, step.boundary, trainer.callbacks)  # ModelPruning: post-processing
@@ -579,6 +580,7 @@ class PrivateTraining:
             reads.close()
         diagnostic_reads.unwatch()
         judged_writes.unwatch()
+        epoch_ends.unwatch()
         logger_judge.unwatch()
         watch_loss(None)
         schedules, self._schedules = self._schedules, None
