@@ -4,7 +4,8 @@ callable keeps (:func:`callable_state`: closure cells, default arguments, a part
 the Python attributes of a tensor or a function (:func:`kept_attributes`), a function's default arguments
 (:func:`function_defaults`), the tensor hung in the ``.grad`` of one that trains nothing (:func:`hung_gradient`),
 class bodies (:func:`class_attributes`) and the data library classes hold (:func:`library_class_attributes`),
-the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`) —
+the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`),
+what was added to a library's object since first seen (:func:`added_attributes`, :meth:`Walker._added`) —
 and what is a library's (:func:`library_callable`, :func:`library_function`) or Lightning's
 (:func:`lightning_fields`).
 
@@ -34,6 +35,7 @@ from lightning_dp.records.identity import Same
 from lightning_dp.fingerprints.checksums import Checksums, numpy_token, _raw_token
 from lightning_dp.fingerprints.context_values import is_context_variable, value_of
 from lightning_dp.fingerprints.dataset_tokens import dataset_token
+from lightning_dp.fingerprints.first_fields import FirstFields
 from lightning_dp.fingerprints.helper_modules import helper_modules
 
 MAX_ITEMS = 16384
@@ -78,8 +80,11 @@ class Walker:
     """Turns Python values into hashable tokens; tensors go through the shared checksum cache."""
 
     def __init__(self, params_and_buffers: set[int], registered: set[int], sums: Checksums, full: bool,
-                 skip_keys: frozenset[str] = frozenset()) -> None:
+                 skip_keys: frozenset[str] = frozenset(), first: Optional[FirstFields] = None) -> None:
         self._known = params_and_buffers
+        self._first = first
+        """The names each library object held when first seen (:func:`added_attributes`); ``None``: library objects by
+        identity only."""
         self._skip_keys = skip_keys
         self._registered = registered
         self._sums = sums
@@ -168,7 +173,12 @@ class Walker:
         if isinstance(value, RemovableHandle):
             return handle_token(value)
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
-            return ("object", type(value).__name__, Same(value))
+            token = ("object", type(value).__name__, Same(value))
+            if self._first is None or not library_object(value) or id(value) in self._objects:
+                return token
+            self._objects.add(id(value))
+            added = self._added(value, depth)  # `loader.center = x.mean(0)` on a DataLoader held as state
+            return (*token, ("added", added)) if added else token
         if id(value) in self._objects:
             return ("seen", id(value))
         self._objects.add(id(value))
@@ -177,6 +187,23 @@ class Walker:
         return ("object", type(value).__name__,
                 tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
                       if not library_function(v)))
+
+    def _added(self, value: Any, depth: int) -> tuple[Hashable, ...]:
+        """Tokens of the attributes added to a library's object since first seen (:func:`added_attributes`) and, to
+        :data:`MAX_DEPTH` levels, to the library objects its own attributes hold (``loader.sampler.center = x``),
+        whose own attributes are not read (they are the library's: a loader's iterator changes every epoch)."""
+        added = added_attributes(value, self._first)  # type: ignore[arg-type]
+        out = [(k, self.token(v, depth + 1)) for k, v in added]
+        if depth + 1 < MAX_DEPTH:
+            names = {k for k, _ in added}
+            for k, v in list(vars(value).items()):
+                if not library_object(v) or k in names or id(v) in self._objects:
+                    continue
+                self._objects.add(id(v))
+                inner = self._added(v, depth + 1)
+                if inner:
+                    out.append((k, ("added", inner)))
+        return tuple(out)
 
     def attributes(self, value: Any, depth: int = 0) -> tuple[Hashable, ...]:
         """Tokens of the Python attributes a tensor or a user's function holds in its ``__dict__`` (``hook.stats = x``,
@@ -187,6 +214,42 @@ class Walker:
             return ()
         return (("attributes", len(fields),
                  tuple((k, self.token(v, depth + 1)) for k, v in _sample(fields))),)
+
+
+def library_object(value: Any) -> bool:
+    """Whether ``value`` is a library's object read for what was added to it (:meth:`Walker._added`): of a class of
+    :data:`LIBRARY_PREFIXES` whose objects have a ``__dict__``, not a class, a module (the model's are fingerprinted as
+    such; another's tensors by the walk), a tensor, a function, or lightning_dp's own (the mechanism's book-keeping,
+    set as it runs: the strategy, among the loop's objects, is read as one of them). Answered per class."""
+    cls = type(value)
+    read = _READ.get(cls)
+    if read is None:
+        module = cls.__module__ or ""
+        read = _READ[cls] = module.split(".")[0] in LIBRARY_PREFIXES and not module.startswith("lightning_dp.") \
+            and cls.__dictoffset__ != 0 and not issubclass(cls, (type, nn.Module, Tensor, *FUNCTION_TYPES,
+                                                                  types.ModuleType))
+    return read
+
+
+_READ: dict[type, bool] = {}
+"""Per class, :func:`library_object`'s answer."""
+
+
+def added_attributes(obj: Any, first: FirstFields) -> list[tuple[str, Any]]:
+    """(name, value) of the attributes set on a library's object (its ``__dict__``) since :class:`FirstFields` first
+    saw it: public names, and private ones holding a tensor or an array — the libraries' own lazily set names
+    (``_last_val_time``, ``_opt_called``) hold numbers and flags that change as they run — less a library's function
+    (a scheduler made mid-fit wraps ``optimizer.step``). The first call for an object records its names and returns
+    nothing."""
+    try:
+        fields = vars(obj)
+    except TypeError:  # no __dict__
+        return []
+    known = first.known(obj, fields)
+    if len(fields) == len(known) and known.issuperset(fields):
+        return []
+    return [(k, v) for k, v in list(fields.items()) if k not in known and isinstance(k, str)
+            and (not k.startswith("_") or holds_tensors(v)) and not library_function(v)]
 
 
 def handle_token(handle: RemovableHandle) -> Hashable:

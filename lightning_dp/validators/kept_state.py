@@ -37,7 +37,10 @@ state it can see and refuses a change that the optimizer's step on the released 
   ``nn.Module`` included (:func:`library_class_attributes`: ``pl.LightningModule.offset = x.mean()``);
 * attributes added to the loop's own objects (the trainer, its strategy, the optimizers, the training loader, its
   loops, accelerator, precision plugin, profiler and loggers) after the first fingerprint: ``trainer.memory = batch``,
-  and private names holding a tensor or an array (``library_objects``; set by the Lightning glue);
+  and private names holding a tensor or an array (``library_objects``; set by the Lightning glue); by the same rule,
+  to any other library's object the walk reaches and to the library objects its attributes hold
+  (:func:`added_attributes`, :data:`~lightning_dp.fingerprints.first_fields.FIRST_SEEN`: the training
+  ``DataLoader`` kept as a global of the script, ``DL.center = x.mean(0)``), lightning_dp's own left out;
 * what the user's hooks on the model's modules keep (forward and backward hooks: closure cells, default arguments,
   a partial's arguments, a bound method's object, the function's own attributes: ``hook.stats = x``), hooks
   defined by libraries (the engine's) left out; the same for the user's functions reached as state;
@@ -52,7 +55,9 @@ What it cannot see: globals of libraries' modules and of plain loops, the bytes 
 is no parameter or buffer, the ``.grad`` of a trainable parameter rewritten between the update and ``zero_grad``,
 what a file on disk holds (a stream kept on the module is compared by its position, an in-memory
 ``BytesIO``/``StringIO`` or ``bytearray`` by its contents),
-closures, objects of library classes mutated in place (their identity is compared, not their contents),
+closures, objects of library classes mutated in place in the attributes they had when first seen (their identity is
+compared, not their contents; attributes added since are compared), private names holding no tensor or array added to
+them, attributes added to lightning_dp's own objects,
 containers beyond :data:`MAX_ITEMS` items (their length and a sample are compared), and writes through an integer
 buffer's ``.data`` between full passes (the version counter of ``.data`` is not the tensor's; the norms of
 parameters and floating buffers are compared every time). Entries matching a declared public name
@@ -89,7 +94,8 @@ from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_e
 from lightning_dp.fingerprints.module_tree import ModuleAttributes, TreeShape, attribute_mode
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.fingerprints.replaced_objects import held_objects
-from lightning_dp.fingerprints.state_walker import (FUNCTION_TYPES, binds, function_defaults, holds_tensors,
+from lightning_dp.fingerprints.first_fields import FIRST_SEEN
+from lightning_dp.fingerprints.state_walker import (FUNCTION_TYPES, added_attributes, binds, function_defaults,
                                                     _scalar_token, library_callable, library_class_attributes,
                                                     library_function, mutable_state, Walker, callable_state,
                                                     class_attributes)
@@ -138,7 +144,7 @@ class StateFingerprint:
         """(label, object) of the loop's own objects a step could stash data on (the trainer, its strategy, the
         optimizers, the training loader; set by the Lightning glue): their public attributes added after the first
         fingerprint are kept state."""
-        self._known_keys: dict[int, tuple[Callable[[], Any], set[str]]] = {}
+        self._first = FIRST_SEEN  # the names each library object held when first seen (added_attributes)
         self._readers: IdentityMap[bool] = IdentityMap()  # callbacks that read a value logged from the data (watch)
         self._reader = ModuleAttributes(self.skip_keys, self._is_public)
         self.modules: Callable[[], Iterable[types.ModuleType]] = lambda: ()
@@ -272,7 +278,7 @@ class StateFingerprint:
             entries.update(norm_tokens(plain, self._sums))
         entries.update(beyond_views([*params, *buffers], self._sums))  # `as_strided(..., offset)` past a view
         seen = {id(p) for _, p in params} | {id(b) for _, b in buffers}
-        walker = Walker(seen, self._registered, self._sums, full, self.skip_keys)
+        walker = Walker(seen, self._registered, self._sums, full, self.skip_keys, self._first)
         trained = self._trained_gradients
         for name, t in (*params, *buffers):
             if t.__dict__:  # Python attributes set on the tensor itself (`self.fc.weight.cache = x`)
@@ -333,13 +339,10 @@ class StateFingerprint:
                     walker.named(entry, value) if isinstance(value, _WALKED) or type(value).__module__ == "numpy"
                     else ("object", type(value).__name__, Same(value)))  # (a TypeVar: by identity, cheaply)
         for label, obj in self.library_objects():
-            fields = getattr(obj, "__dict__", {})
-            known = self._first_fields(obj, fields)
-            for key, value in fields.items():
-                # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data;
-                # so is a function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR)
-                if key not in known and (not key.startswith("_") or holds_tensors(value)) \
-                        and not library_function(value) and not self._is_public(f"{label}.{key}"):
+            # a name the libraries set later (`_opt_called`, `_last_val_time`) is theirs unless it holds data; so is a
+            # function of theirs (a scheduler made mid-fit wraps `optimizer.step`: SWA's SWALR): added_attributes
+            for key, value in added_attributes(obj, self._first):
+                if not self._is_public(f"{label}.{key}"):
                     entries[f"attribute {label}.{key}"] = walker.named(f"{label}.{key}", value)
         entries.update(self.dataset_entries())
         for mod in self.modules():
@@ -384,18 +387,6 @@ class StateFingerprint:
         if all(type(v) in _IMMUTABLE_ITEMS for v in value):
             self._tuples[entry] = (value, token)
         return token
-
-    def _first_fields(self, obj: Any, fields: dict[str, Any]) -> set[str]:
-        """The attribute names ``obj`` (a loop object) had when first fingerprinted. Told by identity, not by ``id``
-        alone: the next fit's optimizer can take a freed one's ``id``, and its own fields are not added state."""
-        held = self._known_keys.get(id(obj))
-        if held is None or held[0]() is not obj:
-            try:
-                ref: Callable[[], Any] = weakref.ref(obj)
-            except TypeError:  # not weakly referable: held alive instead
-                ref = (lambda kept: lambda: kept)(obj)
-            held = self._known_keys[id(obj)] = (ref, set(fields))
-        return held[1]
 
     def _class_entries(self, entries: Fingerprint, cls: type, walker: "Walker") -> None:
         """Entries for the data a class of the user's own module holds in its body (:func:`class_attributes`): an

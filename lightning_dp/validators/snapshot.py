@@ -11,11 +11,17 @@ bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attr
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
 gets its old values), to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels; and the modules' modes
 and which parameters train (a replayed epoch hook that unfreezes a layer leaves the real run's set, not its own).
+A module reached through the user's state outside the model's registry (a teacher ``copy.deepcopy``-ed into a list)
+has its tensors' contents put back; a library's object (a ``DataLoader`` held as a global) what was added to it since
+the fingerprint first saw it (:data:`~lightning_dp.fingerprints.first_fields.FIRST_SEEN`), never the library's own
+attributes. :meth:`StateSnapshot.restore_users` puts back the user's state alone (each pass of the probe and of the
+batch check starts from it: a counter the loss reads is read alike by every pass).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from contextvars import ContextVar
 import types
 from functools import partial
 from typing import Any, Callable, Iterable, Sequence
@@ -27,10 +33,11 @@ from lightning_dp.records.values import same_tensor_values
 from lightning_dp.fingerprints.context_values import is_context_variable
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import put_back as put_datasets_back
+from lightning_dp.fingerprints.first_fields import FIRST_SEEN
 from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.module_tree import engine_forward
 from lightning_dp.fingerprints.state_walker import (MAX_DEPTH, callable_state, class_attributes, configuration_object,
-                                                   method_cells, users_method)
+                                                   library_object as _library_object, method_cells, users_method)
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
@@ -60,7 +67,9 @@ def _contents(value: Any, depth: int) -> Restore:
             if value.shape == saved_array.shape:
                 value[...] = saved_array
         return put_array
-    if depth >= MAX_DEPTH or isinstance(value, nn.Module):
+    if isinstance(value, nn.Module):  # one held outside the model's registry (a teacher in a list): its tensors
+        return _module_tensors(value) if depth < MAX_DEPTH and id(value) not in _REGISTERED.get() else _nothing
+    if depth >= MAX_DEPTH:
         return _nothing
     if isinstance(value, (list, deque, dict, set)):
         items = held_items(value)
@@ -77,6 +86,8 @@ def _contents(value: Any, depth: int) -> Restore:
         return lambda: [restore() for restore in inner] and None
     if hasattr(value, "__dict__") and not isinstance(value, type) and _plain(value):
         return _attributes(value, list(vars(value)), depth + 1)
+    if _library_object(value):  # a library's object: what was added to it only (`loader.seen += 1` put back)
+        return _added(value, depth, set())
     return _nothing
 
 
@@ -121,6 +132,24 @@ def object_state(owner: Any) -> Restore:
     place gets its values back, a dict or list its items; an attribute added since goes): an optimizer's state and
     its own attributes around the runs again of its update (:mod:`.judged_updates`)."""
     return _attributes(owner, list(vars(owner)), 0)
+
+
+def _added(value: Any, depth: int, seen: set[int]) -> Restore:
+    """Restore what was added to a library's object since the fingerprint first saw it
+    (:data:`~lightning_dp.fingerprints.first_fields.FIRST_SEEN`; an object it has not seen: nothing), and to the
+    library objects its own attributes hold, to :data:`MAX_DEPTH` levels; the library's own attributes are left alone
+    (as the fingerprint reads them: :func:`~lightning_dp.fingerprints.state_walker.added_attributes`)."""
+    known = FIRST_SEEN.seen(value)
+    if known is None or id(value) in seen:
+        return _nothing
+    seen.add(id(value))
+    fields = list(vars(value).items())
+    restores = [_attributes(value, [k for k, _ in fields if k not in known], depth + 1)]
+    if depth + 1 < MAX_DEPTH:
+        restores.extend(_added(v, depth + 1, seen) for k, v in fields
+                        if k in known and _library_object(v))
+    restores = [r for r in restores if r is not _nothing]
+    return (lambda: [r() for r in restores] and None) if restores else _nothing
 
 
 def _plain(value: Any) -> bool:
@@ -246,6 +275,12 @@ def _nothing() -> None:
 _ABSENT = object()
 
 
+_REGISTERED: ContextVar[frozenset[int]] = ContextVar("_REGISTERED", default=frozenset())
+"""While a :class:`StateSnapshot` records: the ids of the model's modules (put back as the model's, by their slots);
+another module reached through the user's state (a teacher ``copy.deepcopy``-ed into a list) has its tensors'
+contents put back (:func:`_module_tensors`)."""
+
+
 class StateSnapshot:
     """What the user's passes may write, recorded now; :meth:`restore` puts it back.
 
@@ -263,6 +298,15 @@ class StateSnapshot:
 
     def __init__(self, module: nn.Module, callbacks: Sequence[Any] = (), skip_keys: Iterable[str] = (),
                  modules: Iterable[types.ModuleType] = (), settings: bool = True) -> None:
+        token = _REGISTERED.set(frozenset(map(id, module.modules())))
+        try:
+            self._users, self._loop = self._recorded(module, callbacks, skip_keys, modules, settings)
+        finally:
+            _REGISTERED.reset(token)
+
+    @staticmethod
+    def _recorded(module: nn.Module, callbacks: Sequence[Any], skip_keys: Iterable[str],
+                  modules: Iterable[types.ModuleType], settings: bool) -> tuple[list[Restore], list[Restore]]:
         skip = framework_keys() | frozenset(skip_keys)
         restores: list[Restore] = []
         for m in module.modules():
@@ -278,11 +322,8 @@ class StateSnapshot:
                 restores.append(_attributes(m, keys, MAX_DEPTH))
                 continue
             restores.append(_attributes(m, keys, 0, skip))
-        registered = {id(m) for m in module.modules()}
-        for cb in callbacks:
+        for cb in callbacks:  # (a module it holds outside the model, a teacher it trains: its tensors, _contents)
             restores.append(_attributes(cb, list(vars(cb)), 0, skip))
-            restores.extend(_module_tensors(value) for value in list(vars(cb).values())
-                            if isinstance(value, nn.Module) and id(value) not in registered)
         users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
         classes = [type(obj) for obj in users]
         for mod in modules:
@@ -290,6 +331,7 @@ class StateSnapshot:
             classes.extend(v for k, v in list(vars(mod).items())  # `class HP: temperature = 1.0` of the user's code
                            if isinstance(v, type) and v.__module__ == mod.__name__ and not k.startswith("__"))
         restores.extend(class_state(classes))
+        users_state, restores = restores, []  # (restore_users: up to here)
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found,
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
@@ -298,11 +340,20 @@ class StateSnapshot:
             restores.append(put_datasets_back(dataset, collate))
         if trainer is not None and settings:
             restores.append(partial(_put_settings, library_settings(trainer)))
-        self._restores = restores
+        return users_state, restores
 
     def restore(self) -> None:
         """Put every recorded reference and content back."""
-        for restore in self._restores:
+        self.restore_users()
+        for restore in self._loop:
+            restore()
+
+    def restore_users(self) -> None:
+        """Put back the user's state only — buffers, attributes, callbacks, globals, class bodies — not the loop's part
+        (the modules' modes, which parameters train, the training data's and the library settings): what every pass
+        of the probe and the batch check starts from (:class:`~.probe.ExampleIndependenceProbe`'s ``start``), whose
+        passes set the modes themselves."""
+        for restore in self._users:
             restore()
 
 
