@@ -116,6 +116,12 @@ class ExampleIndependenceProbe:
         what: how refusals name ``loss_of``: ``"training_step"`` (DPStrategy), else a plain loop's loss function.
         lazy: what puts back the slots a first forward fills (:func:`~.lazy_caches.empty_slots`): with ``deferred``, a
             write they undo (Hugging Face's ``config.problem_type``) does not take the place of another refusal.
+        start_state: what puts the user's state back as the step found it, before every pass
+            (:meth:`~.snapshot.StateSnapshot.restore_users`): a counter the step increments and reads (a
+            warm-up factor from ``self.n_steps += 1``) is read alike by every pass — as by the step, which runs once —
+            instead of one more at each pass, which the comparisons took for examples interacting. The last pass's
+            write stays: it is refused, or (``deferred``) left in :attr:`written` for the replays to judge on other
+            data.
     """
 
     def __init__(self, module: nn.Module, engine: GradSampleEngine, params: Sequence[Tensor],
@@ -124,8 +130,9 @@ class ExampleIndependenceProbe:
                  state: Optional[StateFingerprint] = None, isolated: bool = False,
                  clipping: Optional[ClippingPolicy] = None, grouped: bool = False, deferred: bool = False,
                  frozen: Collection[str] = (), what: str = "training_step",
-                 lazy: Sequence[Callable[[], None]] = ()) -> None:
+                 lazy: Sequence[Callable[[], None]] = (), start_state: Optional[Callable[[], None]] = None) -> None:
         self.module, self.engine, self.params, self.names = module, engine, list(params), list(names)
+        self._start_state = start_state
         self.what, self.lazy = what, list(lazy)
         self.frozen = frozenset(frozen)
         self.deferred, self.written = deferred, []  # type: tuple[bool, list[str]]
@@ -266,6 +273,8 @@ class ExampleIndependenceProbe:
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
         self._seed(seed)
         self._put_frozen_back()
+        if self._start_state is not None:  # every pass from the user's state as the step found it
+            self._start_state()
         try:
             with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
                 # (gradients with create_graph=True, which is no double backward of the step)

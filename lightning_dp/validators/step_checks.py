@@ -252,7 +252,7 @@ class StepChecks:
                                                clipping=self.clipping, grouped=self.users is not None,
                                                deferred=replay_hooks is not None or plain,
                                                frozen=frozen if replay_hooks is not None else (), what=what,
-                                               lazy=unset)
+                                               lazy=unset, start_state=snapshot.restore_users)
             checked.run(list(indices))
             if plain and checked.written:
                 with torch.no_grad(), self.engine_aside():
@@ -352,7 +352,8 @@ class StepChecks:
                 for built, ordered, said, draws in batches:
                     current[:] = [BatchInteractionCheck(
                         self._module, self._engine, params, [n for n, _ in named], loss_of, tol,
-                        rng=self.schedule.rng, max_examples=max_examples, outside=outside, draws=draws)]
+                        rng=self.schedule.rng, max_examples=max_examples, outside=outside, draws=draws,
+                        start_state=snapshot.restore_users)]
                     current[0].check(built, step, self._random_step, said, min(len(built), physical or len(built)),
                                      ordered, built=said is not as_of, start=started)
         except StepFailedError as err:  # the user's step raised on some of its own examples: after the first
