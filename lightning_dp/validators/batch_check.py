@@ -282,11 +282,17 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         step reading the exchanged data too (round 0 only)."""
         if self.outside is None or not self.outside.arrays or self.round:
             return
-        with self.outside.exchanged():
-            try:
-                other = self._engine_pass(chosen)
-            except Exception as err:  # noqa: BLE001  (the same batch ran before: only the exchange can make it fail)
-                raise outside_records_error(step, 0, [], self.outside.names, err, self._as_of) from err
+        start, self._start_state = self._start_state, None  # the user's state put back before the exchange, not in
+        if start is not None:                                # it (the exchanged copies are the user's tensors too)
+            start()
+        try:
+            with self.outside.exchanged():
+                try:
+                    other = self._engine_pass(chosen)
+                except Exception as err:  # noqa: BLE001  (the same batch ran before: only the exchange can fail it)
+                    raise outside_records_error(step, 0, [], self.outside.names, err, self._as_of) from err
+        finally:
+            self._start_state = start
         norms, moved = whole.norms.double(), other.norms.double()
         if not bool(torch.isfinite(norms).all()):
             return

@@ -181,6 +181,30 @@ class ExampleIndependenceProbe:
             put_back()
         return [name for name in self.state.changed(self._before, self.state.take(full=True)) if name in written]
 
+    def _start_with_filled_slots(self) -> None:
+        """:attr:`_start_state`, then the :attr:`lazy` slots (but a number from 0) as the passes so far filled them: a
+        cache filled from shapes is not made again by every pass (a lazy field filled alike does not take the place of
+        another refusal), and a statistic kept on first use is read by the later passes as the step's later steps
+        would read it — the replays judge that write, and refuse it by name."""
+        assert self._start_state is not None
+        filled = []
+        for slot in self.lazy:
+            holder, key = getattr(slot, "holder", None), getattr(slot, "key", None)
+            if type(getattr(slot, "empty", None)) is int:  # a count from 0 (`self.n_steps = 0`): a counter, put back
+                continue                                     # (a length cached from shapes is filled alike again)
+            if isinstance(holder, dict) and key in holder:
+                value = holder[key]
+                filled.append((holder, key, value, list(value.items()) if type(value) is dict
+                               else list(value) if type(value) is list else None))
+        self._start_state()
+        for holder, key, value, items in filled:
+            holder[key] = value
+            if type(value) is dict and items is not None:
+                value.clear()
+                value.update(items)
+            elif type(value) is list and items is not None:
+                value[:] = items
+
     def _put_frozen_back(self) -> None:
         with torch.no_grad():
             for p, value in getattr(self, "_frozen_kept", ()):
@@ -273,8 +297,8 @@ class ExampleIndependenceProbe:
     def _loss(self, indices: list[int], backward: bool = False, seed: int = 0) -> Tensor:
         self._seed(seed)
         self._put_frozen_back()
-        if self._start_state is not None:  # every pass from the user's state as the step found it
-            self._start_state()
+        if self._start_state is not None:  # every pass from the user's state as the step found it, but the slots a
+            self._start_with_filled_slots()  # first forward fills, as the first pass filled them (as before)
         try:
             with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
                 # (gradients with create_graph=True, which is no double backward of the step)

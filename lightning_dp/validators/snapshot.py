@@ -309,6 +309,7 @@ class StateSnapshot:
                   modules: Iterable[types.ModuleType], settings: bool) -> tuple[list[Restore], list[Restore]]:
         skip = framework_keys() | frozenset(skip_keys)
         restores: list[Restore] = []
+        layers: list[Restore] = []  # torch's layers' references: restore() only (the engine sets its own there)
         for m in module.modules():
             buffers = [(name, b) for name, b in m._buffers.items() if b is not None]
             restores.extend(_contents(b, 0) for _, b in buffers)
@@ -319,7 +320,7 @@ class StateSnapshot:
             if type(m).__module__.startswith("torch."):
                 # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
                 # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
-                restores.append(_attributes(m, keys, MAX_DEPTH))
+                layers.append(_attributes(m, keys, MAX_DEPTH))
                 continue
             restores.append(_attributes(m, keys, 0, skip))
         for cb in callbacks:  # (a module it holds outside the model, a teacher it trains: its tensors, _contents)
@@ -331,7 +332,7 @@ class StateSnapshot:
             classes.extend(v for k, v in list(vars(mod).items())  # `class HP: temperature = 1.0` of the user's code
                            if isinstance(v, type) and v.__module__ == mod.__name__ and not k.startswith("__"))
         restores.extend(class_state(classes))
-        users_state, restores = restores, []  # (restore_users: up to here)
+        users_state, restores = restores, layers  # (restore_users: up to here)
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found,
         restores.append(lambda: [setattr(m, "training", mode) for m, mode in modes] and None)
         restores.append(partial(_put_trainable, [(p, p.requires_grad) for p in module.parameters()]))  # and the flags
@@ -349,10 +350,11 @@ class StateSnapshot:
             restore()
 
     def restore_users(self) -> None:
-        """Put back the user's state only — buffers, attributes, callbacks, globals, class bodies — not the loop's part
-        (the modules' modes, which parameters train, the training data's and the library settings): what every pass
-        of the probe and the batch check starts from (:class:`~.probe.ExampleIndependenceProbe`'s ``start``), whose
-        passes set the modes themselves."""
+        """Put back the user's state only — buffers, the attributes of the user's modules and callbacks, globals,
+        class bodies — not the loop's part (the modules' modes, which parameters train, the references torch's own
+        layers hold, which the engine re-attached between passes sets, the training data's and the library
+        settings): what every pass of the probe and the batch check starts from
+        (:class:`~.probe.ExampleIndependenceProbe`'s ``start_state``), whose passes set the modes themselves."""
         for restore in self._users:
             restore()
 
