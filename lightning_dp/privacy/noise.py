@@ -17,6 +17,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.mode_free import mode_free_methods
 from lightning_dp.secure_random import secure_seed
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
@@ -26,6 +27,7 @@ _MIN_CHUNK = 1 << 16  # smallest scratch chunk of GaussianNoise.add_noise_ (256 
 
 class NoiseMechanism(ABC):
     """Source of the unit noise z_t added once per step."""
+    __init_subclass__ = mode_free_methods("sample", "add_noise_", "_draw_key")  # not a user's torch mode's to answer
 
     @abstractmethod
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:

@@ -59,6 +59,7 @@ from lightning_dp.records.stateless import FetchState
 from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.diagnostics import StepDiagnostics, diagnose, gathered
 from lightning_dp.records.fetch import fetch, read_examples
+from lightning_dp.mode_free import mode_free
 from lightning_dp.performance.cpu_memory import retain_freed_memory
 from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batch_size
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
@@ -775,6 +776,7 @@ class PrivateStep(StepChecks):
         self._pending = part if self._pending is None else merge_clipped(self._pending, part)
         self._open_batch = False
 
+    @mode_free  # clipping, noise and division are torch's, whatever modes the user entered (mode_free.py)
     def _clipped(self, max_grad_norm: Optional[float] = None,
                  params: Optional[list[nn.Parameter]] = None) -> ClippedBatch:
         assert self._engine is not None
@@ -811,6 +813,7 @@ class PrivateStep(StepChecks):
             batch, self._pending = merge_clipped(self._pending, batch), None
         return batch
 
+    @mode_free
     def release(self, step: Optional[int] = None, optimizer: Optional[Optimizer] = None,
                 empty: bool = False) -> Release:
         """Privatise the clipped sums of this logical step into ``p.grad`` and charge the ledger.

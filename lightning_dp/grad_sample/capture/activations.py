@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
+from lightning_dp.mode_free import mode_free
 from lightning_dp.records.identity import IdentityMap
 from lightning_dp.grad_sample.capture.attention_nodes import projection_candidate, record_projections
 from lightning_dp.grad_sample.capture.broadcast_sites import BroadcastSites, adds_up
@@ -141,6 +142,7 @@ class LayerCalls:
     generation: int = 0
     unserved: list[tuple[int, ...]] = field(default_factory=list)
 
+    @mode_free  # the norms' statistics are the engine's own arithmetic: not a user's torch mode's to answer
     def reduce(self, rec: Record, grad_out: Tensor, reducer: RecordReducer) -> None:
         """Fold call ``rec``, whose output gradient has arrived, into :attr:`reduced`; drop its tensors."""
         if rec.generation != self.generation:

@@ -1,0 +1,91 @@
+"""The mechanism's own tensor operations run outside the user's torch modes.
+
+A ``TorchDispatchMode`` or ``TorchFunctionMode`` entered around ``trainer.fit`` (an op counter, a tracer, a FLOP
+counter) is handed every torch call made while it is on the stack, the library's included, and may answer any of them
+as it likes: a mode returning zeros for ``aten.normal_`` removes the Gaussian noise from the release while the ledger
+charges for it; one answering ``div``, ``mul`` or ``linalg_vector_norm`` changes the division by the expected batch B,
+the clipping's scale factors or the per-example norms they come from. :func:`without_user_modes` takes every such mode
+off the stack for the span of one of the mechanism's computations and puts them back, in their order, afterwards, so
+that the release is computed by torch itself whatever modes are entered: the noise draw and the noised mean
+(:mod:`~lightning_dp.privacy.noise` and the other mechanisms, through
+:class:`~lightning_dp.privacy.noise.NoiseMechanism`), the clipping and the release of
+:class:`~lightning_dp.privacy.private_step.PrivateStep`, and the norms the capture engine folds during the backward
+(:mod:`~lightning_dp.grad_sample.capture.activations`).
+
+What a mode still sees and may change: the model's own forward and backward (its loss, its outputs, the gradients
+autograd computes for it, hence the per-example gradients the engine clips): that is the user's function, whose
+every value is clipped to C like any other gradient. A pass-through mode (a counter, a profiler's FLOP count) keeps
+working there and simply does not see the mechanism's operations. What is not done: while torch.compile's tracing
+modes (fake tensors, proxy, functionalisation) are on the stack the stack is left as it is (popping them would mix real
+and traced tensors); the mechanism does not run inside a traced region in this library.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+from torch.utils import _python_dispatch as dispatch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _tracing() -> bool:
+    """Whether torch.compile's (or export's) tracing modes are on the dispatch stack, or Dynamo is tracing."""
+    if torch.compiler.is_compiling():
+        return True
+    names = {"FakeTensorMode", "ProxyTorchDispatchMode", "FunctionalTensorMode", "PreDispatchTorchFunctionMode"}
+    stack = [*dispatch._get_current_dispatch_mode_stack(), *torch.overrides._get_current_function_mode_stack()]
+    return any(type(m).__name__ in names for m in stack)
+
+
+def user_modes() -> list[Any]:
+    """The torch function and dispatch modes on this thread's stacks (outermost first, function modes first)."""
+    return [*torch.overrides._get_current_function_mode_stack(), *dispatch._get_current_dispatch_mode_stack()]
+
+
+@contextmanager
+def _function_modes_off() -> Iterator[None]:
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@contextmanager
+def without_user_modes() -> Iterator[None]:
+    """No torch function mode and no dispatch mode is active inside (restored on exit, also on an exception); a no-op
+    when none is on the stack or while a compile-time tracer is (see the module's docstring)."""
+    if not (torch._C._len_torch_function_stack() or dispatch._len_torch_dispatch_stack()) or _tracing():
+        yield
+        return
+    with ExitStack() as stack:
+        stack.enter_context(_function_modes_off())
+        stack.enter_context(dispatch._disable_current_modes())
+        yield
+
+
+def mode_free(fn: F) -> F:
+    """``fn`` run inside :func:`without_user_modes` (a decorator for the mechanism's methods)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with without_user_modes():
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
+def mode_free_methods(*names: str) -> Any:
+    """An ``__init_subclass__`` making the methods ``names`` of every subclass :func:`mode_free`, its own and those it
+    inherits (:class:`~lightning_dp.privacy.noise.NoiseMechanism`: a user's mechanism draws outside the modes too)."""
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        for name in names:
+            fn = getattr(cls, name, None)
+            if callable(fn) and not getattr(fn, "__mode_free__", False):
+                wrapped = mode_free(fn)
+                wrapped.__mode_free__ = True  # type: ignore[attr-defined]
+                setattr(cls, name, wrapped)
+    return classmethod(init_subclass)
