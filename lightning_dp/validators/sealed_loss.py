@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from itertools import chain
 import weakref
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.call_sites import first_caller, package_of
@@ -55,7 +57,7 @@ class SealedLoss(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = getattr(func, "__name__", str(func))
-        if name not in _PASSED_ON and _INSIDE() and not _libraries_own():
+        if name not in _PASSED_ON and _INSIDE() and not _libraries_own(func):
             raise sealed_loss_error(name)
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -154,11 +156,25 @@ def check_kept(optimizer: Any, schedulers: Any = ()) -> None:
 _LIBRARIES = ("pytorch_lightning", "lightning", "lightning_dp")
 
 
-def _libraries_own() -> bool:
-    """Whether the operation is Lightning's or lightning_dp's own (the first caller outside torch: Lightning divides
-    the loss by the accumulation factor, 1, as it hands it on)."""
-    frame = first_caller(2, packages=("torch",))
+def _libraries_own(func: Any) -> bool:
+    """Whether the operation ``func`` is Lightning's or lightning_dp's own (the first caller outside torch: Lightning
+    divides the loss by the accumulation factor, 1, as it hands it on). A user's ``TorchFunctionMode`` entered around
+    the fit (an op tracer, a counter) is handed the operation first: its ``__torch_function__`` frame is looked past
+    when it passes that very ``func`` on (:func:`_passes_on`), so the caller is the code that asked for the operation;
+    a mode reading the loss itself (``float``, ``.item()`` inside its handler) calls another operation and is the
+    caller then, refused like any other read."""
+    frame = first_caller(2, packages=("torch",), also=lambda f: _passes_on(f, func))
     return frame is not None and package_of(frame) in _LIBRARIES
+
+
+def _passes_on(frame: FrameType, func: Any) -> bool:
+    """Whether ``frame`` runs a torch function mode's ``__torch_function__`` that was handed ``func`` (its second
+    argument, whatever the mode names it) and is calling it on: torch relaying an operation through the mode."""
+    code = frame.f_code
+    if code.co_name != "__torch_function__" or code.co_argcount < 2:
+        return False
+    local = frame.f_locals
+    return isinstance(local.get(code.co_varnames[0]), TorchFunctionMode) and local.get(code.co_varnames[1]) is func
 
 
 def watch(module: Any) -> None:
