@@ -60,6 +60,7 @@ from lightning_dp.validators.steered_settings import (decisions, hyperparameters
 from lightning_dp.validators.mechanism_notes import MechanismNotes
 from lightning_dp.validators.optimizer_extra_state import put_state, saved_state
 from lightning_dp.record_checks.outside_records import exchanged_copy
+from lightning_dp.validators.schedule_state import scheduler_state
 from lightning_dp.validators.snapshot import StateSnapshot
 
 __all__ = ["DecisionWindows", "WINDOW_HOOKS"]
@@ -246,7 +247,7 @@ class DecisionWindows(pl.Callback):
         self._window = _Window(
             kind, decisions(trainer),
             *_settings_of(trainer), loop_controls(trainer), optimizers,
-            [copy.deepcopy(scheduler.state_dict()) for scheduler in schedulers(trainer)],
+            [copy.deepcopy(scheduler_state(scheduler)) for scheduler in schedulers(trainer)],
             [(p, p.requires_grad) for p in module.parameters()],
             [(o, _public_attributes(o)) for o in self._users(trainer, module)], mechanism_settings(trainer), args,
             trainer.global_step,

@@ -28,6 +28,7 @@ from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
 from lightning_dp.fingerprints.state_walker import binds, library_callable
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.schedule_state import scheduler_state
 from lightning_dp.validators.steered_settings import settings
 from lightning_dp.validators.probe import frozen_parameters, parameter_entry
 from lightning_dp.validators.snapshot import StateSnapshot
@@ -212,7 +213,7 @@ def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
     for i, optimizer in enumerate(optimizers):
         out.update({f"configured optimizer {i} {k.partition(' ')[2]}": v for k, v in settings(optimizer).items()})
     for i, config in enumerate(schedulers):
-        out.update({f"configured scheduler {i} {k}": repr(v) for k, v in config.scheduler.state_dict().items()})
+        out.update({f"configured scheduler {i} {k}": repr(v) for k, v in scheduler_state(config.scheduler).items()})
     return out
 
 
@@ -460,7 +461,7 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
     trainer = module.trainer
     schedulers = [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", None) or ()] \
         if schedules else []
-    states = [scheduler.state_dict() for scheduler in schedulers]
+    states = [scheduler_state(scheduler) for scheduler in schedulers]
     groups = [(group, {k: v for k, v in group.items() if k != "params"})
               for optimizer in getattr(trainer, "optimizers", None) or () for group in optimizer.param_groups] \
         if rates else []

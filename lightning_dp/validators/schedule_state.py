@@ -30,10 +30,26 @@ from typing import Any
 
 from lightning_dp.fingerprints.state_walker import closure_token, freeze
 
-__all__ = ["ScheduleNote", "schedule_controls", "put_schedules", "told_states", "told_state", "stepped_fields"]
+__all__ = ["scheduler_state", "ScheduleNote", "schedule_controls",
+           "put_schedules", "told_states", "told_state", "stepped_fields"]
 
 CONFIG_FIELDS = ("interval", "frequency", "monitor", "strict", "reduce_on_plateau", "name")
 """Lightning's ``LRSchedulerConfig`` fields that decide when the scheduler steps and on what."""
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """``scheduler.state_dict()``, or, where it raises, what torch's would hold, which its ``load_state_dict`` puts
+    back: the attributes but the optimizer, and a lambda's ``__dict__`` (``None`` for one without). Torch's
+    ``LambdaLR.state_dict()`` raises for a callable object without ``__dict__`` (``LambdaLR(opt, RATES.__getitem__)``:
+    a public table of rates, zoo35 R45); the checks that note a schedule and put it back must not fail on it."""
+    try:
+        return scheduler.state_dict()
+    except (AttributeError, TypeError):
+        state = {k: v for k, v in vars(scheduler).items() if k not in ("optimizer", "lr_lambdas")}
+        if isinstance(getattr(scheduler, "lr_lambdas", None), list):
+            state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) or not hasattr(fn, "__dict__")
+                                   else dict(fn.__dict__) for fn in scheduler.lr_lambdas]
+        return state
 
 
 class ScheduleNote:
@@ -47,7 +63,7 @@ class ScheduleNote:
         scheduler = config.scheduler
         self.fields = {key: getattr(config, key) for key in CONFIG_FIELDS if hasattr(config, key)}
         try:
-            self.state = _copied(scheduler.state_dict())
+            self.state = _copied(scheduler_state(scheduler))
         except Exception:  # noqa: BLE001  (a scheduler without a state_dict: its attributes are its state)
             self.state = None
         lambdas = [fn for fn in getattr(scheduler, "lr_lambdas", None) or () if isinstance(fn, types.FunctionType)]

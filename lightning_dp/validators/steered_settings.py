@@ -28,7 +28,7 @@ from lightning_dp.records.identity import Same
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
 from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
-from lightning_dp.validators.schedule_state import put_schedules, schedule_controls
+from lightning_dp.validators.schedule_state import put_schedules, schedule_controls, scheduler_state
 
 _MISSING = object()
 
@@ -335,7 +335,7 @@ def decisions(trainer: Any) -> Fingerprint:
         noted = {**settings(optimizer), **rebound_state(optimizer)}  # a loss kept for the next step size too
         out.update({f"optimizer {i} {key.partition(' ')[2]}": v for key, v in noted.items()})
     for i, scheduler in enumerate(schedulers(trainer)):
-        out.update({f"scheduler {i} {key}": freeze(value) for key, value in scheduler.state_dict().items()})
+        out.update({f"scheduler {i} {key}": freeze(value) for key, value in scheduler_state(scheduler).items()})
     module = getattr(trainer, "lightning_module", None)
     if module is not None:
         out["model trainable"] = tuple(name for name, p in module.named_parameters() if p.requires_grad)
