@@ -132,3 +132,37 @@ def _memoised(optimizer: Any, module: Any) -> LambdaLR:
 def test_a_schedule_memoising_what_it_read_is_refused() -> None:
     with pytest.raises(PrivacyConfigurationError, match=READ):
         fit(Scheduled(_memoised), steps=4)
+
+
+RATES = [0.2, 0.4, 0.6, 0.8] + [1.0] * 20
+"""A public table of rates per step (a piecewise schedule)."""
+
+
+class LabelTable(dict):
+    """A dict subclass whose ``__missing__`` reads ten training records per step: torch's ``dict.__getitem__`` runs it."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self.module = [module]
+
+    def __missing__(self, step: int) -> float:
+        return 0.2 + float(labels(self.module[0])[step * 10:step * 10 + 10].mean())
+
+
+def test_a_lambda_of_a_public_tables_getitem_trains_and_follows_the_table() -> None:
+    """``LambdaLR(opt, RATES.__getitem__)``: torch's ``state_dict()`` raises for a callable without ``__dict__``; the
+    checks that note and put back the schedule must not fail on it (it was refused as a training_step failure on
+    Poisson batch sizes, zoo35 R45)."""
+    model = Scheduled(lambda o, m: LambdaLR(o, RATES.__getitem__))
+    fit(model, steps=4)
+    scheduler = model.trainer.lr_scheduler_configs[0].scheduler
+    assert model.trainer.global_step == 4 and scheduler.last_epoch == 4
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * RATES[4])
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, functools.partial], ids=["bound-method", "partial"])
+def test_a_builtin_method_of_the_users_dict_subclass_reading_records_is_refused(wrap: Callable[[Any], Any]) -> None:
+    """``Table().__getitem__`` is ``builtins``' method, yet it runs the user's ``__missing__`` (zoo35 R11)."""
+    model = Scheduled(lambda o, m: LambdaLR(o, wrap(LabelTable(m).__getitem__)))
+    with pytest.raises(PrivacyConfigurationError, match=READ):
+        fit(model, steps=12, n=32)
