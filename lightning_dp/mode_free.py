@@ -5,9 +5,9 @@ counter) is handed every torch call made while it is on the stack, the library's
 as it likes: a mode returning zeros for ``aten.normal_`` removes the Gaussian noise from the release while the ledger
 charges for it; one answering ``div``, ``mul`` or ``linalg_vector_norm`` changes the division by the expected batch B,
 the clipping's scale factors or the per-example norms they come from. :func:`without_user_modes` takes every such mode
-off the stack for the span of one of the mechanism's computations and puts them back, in their order, afterwards, so
-that the release is computed by torch itself whatever modes are entered: the noise draw and the noised mean
-(:mod:`~lightning_dp.privacy.noise` and the other mechanisms, through
+off the stack (the library's own modes stay) for the span of one of the mechanism's computations and puts them back,
+in their order, afterwards, so that the release is computed by torch itself whatever modes are entered: the noise
+draw and the noised mean (:mod:`~lightning_dp.privacy.noise` and the other mechanisms, through
 :class:`~lightning_dp.privacy.noise.NoiseMechanism`), the clipping and the release of
 :class:`~lightning_dp.privacy.private_step.PrivateStep`, and the norms the capture engine folds during the backward
 (:mod:`~lightning_dp.grad_sample.capture.activations`).
@@ -43,30 +43,46 @@ def _tracing() -> bool:
 
 
 def user_modes() -> list[Any]:
-    """The torch function and dispatch modes on this thread's stacks (outermost first, function modes first)."""
-    return [*torch.overrides._get_current_function_mode_stack(), *dispatch._get_current_dispatch_mode_stack()]
+    """The torch function and dispatch modes on this thread's stacks but the library's own (outermost first, function
+    modes first)."""
+    stacks = [*torch.overrides._get_current_function_mode_stack(), *dispatch._get_current_dispatch_mode_stack()]
+    return [m for m in stacks if not _library_mode(m)]
+
+
+def _library_mode(mode: Any) -> bool:
+    """One of this library's own modes (the capture's broadcast sites, the probe's, the wide replay's float64): left
+    in place, as the library enters and leaves it (it pops itself when it closes)."""
+    return (type(mode).__module__ or "").split(".")[0] == "lightning_dp"
 
 
 @contextmanager
-def _function_modes_off() -> Iterator[None]:
-    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+def _modes_off(length: Callable[[], int], pop: Callable[[], Any], push: Callable[[Any], None]) -> Iterator[None]:
+    """One stack's modes but the library's own taken off, and put back under whatever is on the stack at the end (a
+    library mode closed inside is not put back; one entered inside stays innermost)."""
+    held = [pop() for _ in range(length())][::-1]  # outermost first
+    users = [m for m in held if not _library_mode(m)]
+    for mode in held:
+        if _library_mode(mode):
+            push(mode)
     try:
         yield
     finally:
-        for mode in reversed(popped):
-            torch._C._push_on_torch_function_stack(mode)
+        now = [pop() for _ in range(length())][::-1]
+        for mode in (*users, *now):
+            push(mode)
 
 
 @contextmanager
 def without_user_modes() -> Iterator[None]:
-    """No torch function mode and no dispatch mode is active inside (restored on exit, also on an exception); a no-op
-    when none is on the stack or while a compile-time tracer is (see the module's docstring)."""
-    if not (_function_stack() or _dispatch_stack()) or _tracing():
+    """No torch function mode and no dispatch mode of the user's is active inside (restored on exit, also on an
+    exception); a no-op when none is on the stack or while a compile-time tracer is (see the module's docstring)."""
+    if not (_function_stack() or _dispatch_stack()) or _tracing() or not user_modes():
         yield
         return
     with ExitStack() as stack:
-        stack.enter_context(_function_modes_off())
-        stack.enter_context(dispatch._disable_current_modes())
+        stack.enter_context(_modes_off(_function_stack, torch._C._pop_torch_function_stack,
+                                       torch._C._push_on_torch_function_stack))
+        stack.enter_context(_modes_off(_dispatch_stack, dispatch._pop_mode, dispatch._push_mode))
         yield
 
 
