@@ -18,9 +18,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
 from lightning_dp.errors import PrivacyConfigurationError
+from lightning_dp.performance.fixed_batch import zeroed
 from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
@@ -78,7 +77,7 @@ def _judge(trainer: "pl.Trainer", hook: Callable[..., Any], module: Any, args: t
     other = {k: v for k, v in kwargs.items() if k != "batch"}
 
     ran = True
-    for variant in (exchanged_copy(batch), _zeroed(batch)):  # (a label swap alone keeps a rate above 0.3 there)
+    for variant in (exchanged_copy(batch), zeroed(batch)):  # (a label swap alone keeps a rate above 0.3 there)
         def run(variant: Any = variant) -> None:
             with clock.replayed():
                 again.append(hook(module, variant, *rest, **other))
@@ -89,19 +88,6 @@ def _judge(trainer: "pl.Trainer", hook: Callable[..., Any], module: Any, args: t
         if not ended:
             raise epoch_end_error(trainer.global_step, ran)
     step.on_every_rank(refuse, "refused an epoch end")
-
-
-def _zeroed(batch: Any) -> Any:
-    """``batch`` with every tensor in it zeros (lists, tuples and plain dicts walked; anything else kept)."""
-    if isinstance(batch, torch.Tensor):
-        return torch.zeros_like(batch)
-    if type(batch) is dict:
-        return {k: _zeroed(v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_zeroed(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_zeroed(v) for v in batch)
-    return batch
 
 
 def epoch_end_error(step: int, ran: bool) -> PrivacyConfigurationError:
