@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
-from lightning_dp.fingerprints.state_walker import binds, library_callable
+from lightning_dp.fingerprints.state_walker import binds, library_callable, written_name
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.replays.runs_again import run_once
 from lightning_dp.validators.hook_replays import replaying, replaying_now
@@ -96,7 +96,7 @@ def users_schedule_code(trainer: "pl.Trainer") -> list[str]:
         cls = type(scheduler)
         found += [f"{cls.__qualname__}.{name}" for name in _SCHEDULE_METHODS
                   if (fn := getattr(cls, name, None)) is not None and not library_callable(fn)]
-        found += [f"{cls.__qualname__}'s function {getattr(fn, '__qualname__', type(fn).__qualname__)}"
+        found += [f"{cls.__qualname__}'s function {written_name(fn)}"
                   for fn in getattr(scheduler, "lr_lambdas", None) or () if _users_function(fn)]
     return found
 

@@ -49,8 +49,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.fingerprint_entries import changed_entries
-from lightning_dp.fingerprints.state_walker import binds, library_callable
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES
+from lightning_dp.fingerprints.state_walker import binds, library_callable, library_class, written_name
 from lightning_dp.replays.clock import ClockReads
 from lightning_dp.replays.draws import DrawReads
 from lightning_dp.validators import judged_writes
@@ -94,7 +93,9 @@ _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
 def _library_class(cls: type) -> bool:
-    return (cls.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+    """A class of a library's: by its module's name and where its methods' code lies (a class body claiming
+    ``__module__ = "torch.optim"`` is the user's: :func:`~lightning_dp.fingerprints.state_walker.library_class`)."""
+    return library_class(cls)
 
 
 def _plain_value(value: Any, depth: int = 0) -> bool:
@@ -150,10 +151,10 @@ def users_update_code(optimizer: Any) -> list[str]:
         found += _users_objects_in(opt)
         for kind in _STEP_HOOKS:
             found += [f"a step {kind.split('_')[3]}-hook of {type(opt).__qualname__} "
-                      f"({getattr(hook, '__qualname__', type(hook).__qualname__)})"
+                      f"({written_name(hook)})"
                       for hook in (vars(opt).get(kind) or {}).values() if _users(hook)]
     for table in _global_hooks():
-        found += [f"a global optimizer step hook ({getattr(hook, '__qualname__', type(hook).__qualname__)})"
+        found += [f"a global optimizer step hook ({written_name(hook)})"
                   for hook in table.values() if _users(hook)]
     return found
 
