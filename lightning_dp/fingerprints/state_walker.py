@@ -223,12 +223,14 @@ def library_object(value: Any) -> bool:
     """Whether ``value`` is a library's object read for what was added to it (:meth:`Walker._added`): of a class of
     :data:`LIBRARY_PREFIXES` whose objects have a ``__dict__``, not a class, a module (the model's are fingerprinted as
     such; another's tensors by the walk), a tensor, a function, or lightning_dp's own (the mechanism's book-keeping,
-    set as it runs: the strategy, among the loop's objects, is read as one of them). Answered per class."""
+    set as it runs: the strategy, among the loop's objects, is read as one of them), nor torch.distributed's (FSDP2's
+    state objects, process groups: set lazily as they run). Answered per class."""
     cls = type(value)
     read = _READ.get(cls)
     if read is None:
         module = cls.__module__ or ""
         read = _READ[cls] = module.split(".")[0] in LIBRARY_PREFIXES and not module.startswith("lightning_dp.") \
+            and not module.startswith("torch.distributed.") \
             and cls.__dictoffset__ != 0 and not issubclass(cls, (type, nn.Module, Tensor, *FUNCTION_TYPES,
                                                                   types.ModuleType))
     return read

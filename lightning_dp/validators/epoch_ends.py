@@ -23,6 +23,7 @@ from lightning_dp.performance.fixed_batch import zeroed
 from lightning_dp.record_checks.outside_records import exchanged_copy
 from lightning_dp.records.library_objects import mark_wrapper
 from lightning_dp.replays.clock import ClockReads
+from lightning_dp.replays.draws import DrawReads
 from lightning_dp.validators.hook_replays import replaying_now
 from lightning_dp.validators import judged_writes
 from lightning_dp.validators.logger_judge import StartingState
@@ -58,17 +59,17 @@ def _judged(hook: Callable[..., Any], trainer: "pl.Trainer") -> Callable[..., An
         if not live:
             return hook(self, *args, **kwargs)
         start = judged_writes._UsersState(trainer)  # (the user's state and generators: the fingerprint's cost)
-        clock = ClockReads(hook, self)
-        with clock.recording():
+        clock, draws = ClockReads(hook, self), DrawReads(hook, self)  # (served again to the runs again)
+        with clock.recording(), draws.recording():
             result = hook(self, *args, **kwargs)
         if isinstance(result, int) and result == -1:
-            _judge(trainer, hook, self, args, kwargs, start, clock)
+            _judge(trainer, hook, self, args, kwargs, start, (clock, draws))
         return result
     return mark_wrapper(on_train_batch_start)
 
 
 def _judge(trainer: "pl.Trainer", hook: Callable[..., Any], module: Any, args: tuple, kwargs: dict,
-           start: StartingState, clock: ClockReads) -> None:
+           start: StartingState, reads: tuple[ClockReads, DrawReads]) -> None:
     """Run the hook again from ``start`` on the exchanged batch and data; refuse the -1 unless it returns -1 again."""
     step = trainer.strategy.private_step  # type: ignore[attr-defined]
     again: list[Any] = []
@@ -79,7 +80,7 @@ def _judge(trainer: "pl.Trainer", hook: Callable[..., Any], module: Any, args: t
     ran = True
     for variant in (exchanged_copy(batch), zeroed(batch)):  # (a label swap alone keeps a rate above 0.3 there)
         def run(variant: Any = variant) -> None:
-            with clock.replayed():
+            with reads[0].replayed(), reads[1].replayed():
                 again.append(hook(module, variant, *rest, **other))
         ran = ran and start.run_again(run, {}, numbers=False) is not None
     ended = ran and len(again) == 2 and all(isinstance(r, int) and r == -1 for r in again)
