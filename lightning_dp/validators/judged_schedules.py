@@ -28,14 +28,12 @@ clock read by the schedule (a rate from the wall clock is refused, not replayed)
 from __future__ import annotations
 
 import functools
-import types
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
 from lightning_dp.fingerprints.state_walker import binds, library_callable, written_name
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 from lightning_dp.replays.runs_again import run_once
 from lightning_dp.validators.hook_replays import replaying, replaying_now
 from lightning_dp.validators.loop_wraps import wrap_method
@@ -70,20 +68,10 @@ def _users_function(fn: Any) -> bool:
     """Whether a scheduler's rate function is the user's code: defined outside the libraries, or a library's function
     bound to arguments that are not plain numbers or strings (Hugging Face's warm-up schedules are a partial of theirs
     bound to step counts: not the user's)."""
-    if isinstance(fn, functools.partial) and library_callable(fn.func):
-        atoms = all(isinstance(v, _ATOMS) for v in (*fn.args, *fn.keywords.values()))
-        return _users_object_method(fn.func) or not atoms
-    return not library_callable(fn) or binds(fn) or _users_object_method(fn)
-
-
-def _users_object_method(fn: Any) -> bool:
-    """A builtin method bound to an object of a class of the user's: ``Table().__getitem__`` of a ``dict`` subclass
-    runs the user's ``__missing__`` (zoo35 R11), though the method itself is ``builtins``'. One bound to a plain
-    list, dict or tuple (``RATES.__getitem__``, a public table of rates) is not the user's code."""
-    owner = getattr(fn, "__self__", None)
-    if not isinstance(fn, types.BuiltinMethodType) or owner is None or isinstance(owner, types.ModuleType):
-        return False
-    return (type(owner).__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
+    if isinstance(fn, functools.partial) and library_callable(fn.func):  # (a builtin method of an object of the
+        # user's class, `Table().__getitem__`, is the user's: library_callable decides it by its object's class)
+        return not all(isinstance(v, _ATOMS) for v in (*fn.args, *fn.keywords.values()))
+    return not library_callable(fn) or binds(fn)
 
 
 def users_schedule_code(trainer: "pl.Trainer") -> list[str]:

@@ -92,12 +92,6 @@ def _global_hooks() -> list[dict]:
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-def _library_class(cls: type) -> bool:
-    """A class of a library's: by its module's name and where its methods' code lies (a class body claiming
-    ``__module__ = "torch.optim"`` is the user's: :func:`~lightning_dp.fingerprints.state_walker.library_class`)."""
-    return library_class(cls)
-
-
 def _plain_value(value: Any, depth: int = 0) -> bool:
     """Whether a parameter group's value is a builtin number, string or tensor of torch's (or a tuple or list of
     them): no object of the user's whose methods torch's step would call (zoo35 R06: a float subclass reading the
@@ -105,21 +99,21 @@ def _plain_value(value: Any, depth: int = 0) -> bool:
     if type(value) in _PLAIN:
         return True
     if isinstance(value, torch.Tensor):
-        return _library_class(type(value)) and not _overrides_torch_function(type(value))
+        return library_class(type(value)) and not _overrides_torch_function(type(value))
     return type(value) in (tuple, list) and depth < 2 and all(_plain_value(v, depth + 1) for v in value)
 
 
 def _overrides_torch_function(cls: type) -> bool:
     """Whether a tensor class runs a ``__torch_function__`` of the user's (zoo35 R30: a parameter of such a class
     acting on torch's own ``add_``)."""
-    return any(not _library_class(c) and "__torch_function__" in vars(c) for c in cls.__mro__)
+    return any(not library_class(c) and "__torch_function__" in vars(c) for c in cls.__mro__)
 
 
 def _users_objects_in(opt: Any) -> list[str]:
     """What of the user's torch's own step would call into: a class of the user's among the optimizer's bases (an
     overridden ``_init_group``: zoo35 R04), parameter groups that are no plain dicts (R05), a value in them that is
     no builtin (R06), a ``state`` that is no plain dict (R29), a parameter whose class is the user's (R30)."""
-    found = [f"{c.__qualname__} (a base class of yours)" for c in type(opt).__mro__[1:] if not _library_class(c)][:1]
+    found = [f"{c.__qualname__} (a base class of yours)" for c in type(opt).__mro__[1:] if not library_class(c)][:1]
     if not isinstance(opt, torch.optim.Optimizer):
         return found
     if type(opt.state) not in (dict, defaultdict):
@@ -131,7 +125,7 @@ def _users_objects_in(opt: Any) -> list[str]:
         for key, value in group.items():
             if key == "params":
                 found += [f"param_groups[{i}] holds a parameter of class {type(p).__qualname__}" for p in value
-                          if not _library_class(type(p)) or _overrides_torch_function(type(p))][:1]
+                          if not library_class(type(p)) or _overrides_torch_function(type(p))][:1]
             elif not _plain_value(value):
                 found.append(f"param_groups[{i}][{key!r}] of class {type(value).__qualname__}")
     return found
@@ -146,7 +140,7 @@ def users_update_code(optimizer: Any) -> list[str]:
         step = getattr(type(opt), "step", None)
         if step is not None and not library_callable(step):
             found.append(f"{type(opt).__qualname__}.step")
-        elif not _library_class(type(opt)):
+        elif not library_class(type(opt)):
             found.append(f"{type(opt).__qualname__} (a class of yours)")
         found += _users_objects_in(opt)
         for kind in _STEP_HOOKS:
