@@ -70,7 +70,7 @@ statistics in another way (to another range; a rank transform :mod:`.rank_column
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -182,10 +182,12 @@ def data_statistics_error(found: Sequence[str]) -> PrivacyConfigurationError:
         "training data: declare it, DPStrategy(public_state=[name])).")
 
 
-def _candidates(owners: Iterable[tuple[str, Any]], parameters: bool = True) -> Iterator[tuple[str, Any]]:
+def _candidates(owners: Iterable[tuple[str, Any]], parameters: bool = True,
+                settled: Optional[Callable[[nn.Module], bool]] = None) -> Iterator[tuple[str, Any]]:
     """(path, value) of the tensors, arrays and number sequences the owners hold: a module's parameters (unless not
     ``parameters``), buffers and its submodules' attributes, another object's attributes (one level into lists,
-    tuples and dicts of them)."""
+    tuples and dicts of them). ``settled(m)``: a submodule whose attributes the caller knows unchanged since it last
+    compared them (:class:`~.written_statistics.WrittenStatistics`' walk at each release): they are not yielded."""
     for label, owner in owners:
         if isinstance(owner, nn.Module):
             at = f"{label}." if label.startswith(("loader.", "dataset ")) else ""  # a transform the loader holds
@@ -194,6 +196,8 @@ def _candidates(owners: Iterable[tuple[str, Any]], parameters: bool = True) -> I
             for name, b in owner.named_buffers():
                 yield f"buffer {at}{name}", b
             for prefix, m in owner.named_modules():
+                if settled is not None and settled(m):
+                    continue
                 yield from _attributes(f"attribute {at}{prefix + '.' if prefix else ''}", m, framework_keys())
         else:
             yield from _attributes(f"{label}.", owner)
