@@ -18,9 +18,13 @@ When :func:`users_schedule_code` finds such code, each call of the loop's schedu
    fingerprint_entries.moved_by_data` says it is);
 3. what the exchanged data set apart is refused, and the rates are put back as they were before the update; else
    the real update's state is put back as it left it. A run again that fails on the exchanged data is refused too.
+   The kept state each run wrote (the release boundary's fingerprint before and after it) is compared with the
+   decisions: a statistic stashed in a global beside a public rate is refused; else what the real update wrote (a
+   rate function's ``functools.lru_cache``, zoo35 R44) is what the next release compares with
+   (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.accept`).
 
 Cost: nothing for torch's schedulers with torch's functions; else, at every scheduler update, one or two more runs of
-it and the training data's copies exchanged. Not seen: a function the user's scheduler was built with that reads
+it, the training data's copies exchanged, and a fingerprint of the kept state after each run and before the update. Not seen: a function the user's scheduler was built with that reads
 the data only as it is built (before the fit; the data statistics' check judges what the fit's start holds), and a
 clock read by the schedule (a rate from the wall clock is refused, not replayed).
 """
@@ -32,10 +36,11 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
+from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries, moved_by_data
 from lightning_dp.fingerprints.state_walker import binds, library_callable, written_name
 from lightning_dp.replays.runs_again import run_once
 from lightning_dp.validators.hook_replays import replaying, replaying_now
+from lightning_dp.validators.kept_state import StateFingerprint
 from lightning_dp.validators.loop_wraps import wrap_method
 from lightning_dp.validators.snapshot import StateSnapshot, class_state, function_state, object_state
 from lightning_dp.validators.step_replays import users_objects
@@ -114,6 +119,7 @@ class ScheduleJudge:
         self.trainer, self.step = trainer, step
         self._undo: Optional[Callable[[], None]] = None
         self._wrapper: Any = None
+        self._fingerprint: Optional[tuple[Any, StateFingerprint]] = None  # (module, its fingerprint): _taken
 
     def watch(self) -> None:
         """Wrap the loop's scheduler update for the fit."""
@@ -134,21 +140,38 @@ class ScheduleJudge:
             where = users_schedule_code(self.trainer) if not replaying_now() else []
             if not where or self.step._source is None or not self.step.boundary.datasets():
                 return original(*args, **kwargs)
+            start = self._taken()
             before = _kept(self.trainer, self.step)
             out = original(*args, **kwargs)
-            self.judge(lambda: original(*args, **kwargs), before, where)
+            self.judge(lambda: original(*args, **kwargs), before, where, start)
             return out
         return update_lr_schedulers
 
-    def judge(self, update: Callable[[], Any], before: Callable[[], None], where: list[str]) -> None:
+    def _taken(self) -> Fingerprint:
+        """The kept state's fingerprint now (the release boundary's view: the module, the callbacks, the user's
+        modules' globals)."""
+        module = self.trainer.lightning_module
+        if self._fingerprint is None or self._fingerprint[0] is not module:
+            self._fingerprint = (module, self.step.boundary.fingerprint(module))
+        return self._fingerprint[1].take(self.step.boundary.callbacks(), full=True)
+
+    def _outcome(self, start: Fingerprint) -> Fingerprint:
+        """What an update decided: :func:`decisions`, and the kept state's entries it wrote since ``start`` (a
+        rate function's ``functools.lru_cache`` in a global, a memo of the user's)."""
+        now = self._taken()
+        return {**decisions(self.trainer), **{f"kept {name}": now.get(name) for name in changed_entries(start, now)}}
+
+    def judge(self, update: Callable[[], Any], before: Callable[[], None], where: list[str],
+              start: Fingerprint) -> None:
         """Run ``update`` again from ``before`` on the exchanged data (and on the data when they differ); refuse what
-        the data set apart (module docstring)."""
+        the data set apart (module docstring); else the kept state it wrote (``start``: as the update started) is
+        what the next release compares with."""
         trainer, step = self.trainer, self.step
-        first, after = decisions(trainer), _kept(trainer, step)
+        first, after = self._outcome(start), _kept(trainer, step)
 
         def run(exchange: bool) -> Optional[Fingerprint]:
             copies = step.exchanged_training_data() if exchange else None
-            return run_once(lambda: (update(), decisions(trainer))[1],
+            return run_once(lambda: (update(), self._outcome(start))[1],
                             replaying(trainer.lightning_module), copies.exchanged() if copies else nullcontext(),
                             start=before)
 
@@ -163,6 +186,9 @@ class ScheduleJudge:
                 before()  # the rates as they were before the update
                 raise schedule_error(moved, ", ".join(where[:3]), trainer.global_step)
         step.on_every_rank(refuse, "refused a scheduler update")
+        written = [name.removeprefix("kept ") for name in first if name.startswith("kept ")]
+        if written:  # judged not the data's: the next release compares with it as it is (zoo35 R44)
+            step.boundary.accept(written)
 
 
 def schedule_error(moved: list[str], where: str, step: int) -> PrivacyConfigurationError:

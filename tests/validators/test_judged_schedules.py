@@ -166,3 +166,38 @@ def test_a_builtin_method_of_the_users_dict_subclass_reading_records_is_refused(
     model = Scheduled(lambda o, m: LambdaLR(o, wrap(LabelTable(m).__getitem__)))
     with pytest.raises(PrivacyConfigurationError, match=READ):
         fit(model, steps=12, n=32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_rate(step: int) -> float:
+    """A warm-up then cosine rate of the step count, memoised (zoo35 R44: its cache is a global the update writes)."""
+    return (step + 1) / 3 if step < 3 else 0.5 * (1 + math.cos(math.pi * (step - 3) / 10))
+
+
+STASH: list[float] = []
+"""A global of this module a schedule function writes into."""
+
+
+def _stashing(optimizer: Any, module: Any) -> LambdaLR:
+    def rate(step: int) -> float:  # a public rate; the labels' rate kept in a global on the side
+        STASH.append(float(labels(module)[step * 10:step * 10 + 10].mean()))
+        return 0.9 ** step
+    return LambdaLR(optimizer, rate)
+
+
+def test_a_memoised_schedule_of_the_step_count_trains() -> None:
+    """The cache the update writes is accepted once the update is judged not the data's (it was refused as a written
+    global at the next release)."""
+    _cached_rate.cache_clear()
+    model = Scheduled(lambda o, m: LambdaLR(o, _cached_rate))
+    fit(model, steps=6)
+    assert model.trainer.global_step == 6
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * _cached_rate(6))
+
+
+def test_a_schedule_keeping_what_it_read_beside_a_public_rate_is_refused() -> None:
+    """The rates alike on any data, the state the update wrote is judged too before it is accepted: a statistic of
+    the labels kept in a global is set apart by the exchanged data."""
+    STASH.clear()
+    with pytest.raises(PrivacyConfigurationError, match=READ):
+        fit(Scheduled(_stashing), steps=4)
