@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting.ledger import PrivacyLedger
+from lightning_dp.mode_free import mode_free
 from lightning_dp.engine_api import mark_released
 from lightning_dp.record_checks.records import check_records
 from lightning_dp.grad_sample.base import ClippedBatch
@@ -211,13 +212,12 @@ class VirtualWorkersSignSGD:
 
     def worker_sums(self, x: Tensor, y: Tensor, owners: Tensor) -> Tensor:
         """S_m for every worker, flat over parameters: ``[M, D]``; clipped per example iff C is set."""
+        return self._stacked([self._clipped_sum(x[owners == m], y[owners == m]) for m in range(self.num_workers)])
+
+    @mode_free  # the clipped sums as the engine made them, whatever modes the user entered (mode_free.py)
+    def _stacked(self, batches: list[ClippedBatch]) -> Tensor:
         params = list(self.params.values())
-        rows = []
-        for m in range(self.num_workers):
-            mine = owners == m
-            batch = self._clipped_sum(x[mine], y[mine])
-            rows.append(torch.cat([batch.sums[p].detach().reshape(-1) for p in params]))
-        return torch.stack(rows)
+        return torch.stack([torch.cat([b.sums[p].detach().reshape(-1) for p in params]) for b in batches])
 
     def _divisors(self, sizes: list[int]) -> Tensor:
         if self.is_private:
@@ -237,9 +237,14 @@ class VirtualWorkersSignSGD:
         return torch.stack(signs)
 
     def step(self) -> VoteStep:
-        """One round: sample, clip, per-worker noise and sign, vote, θ -= η·vote, ledger += 1."""
+        """One round: sample, clip, per-worker noise and sign, vote, θ -= η·vote, ledger += 1. Past the model's
+        backward (the clipped sums, the noise, the signs, the vote and its write into ``p.grad``) the round runs
+        outside the user's torch modes (:mod:`~lightning_dp.mode_free`)."""
         x, y, owners, sizes = self._sample()
-        sums = self.worker_sums(x, y, owners)
+        return self._vote(self.worker_sums(x, y, owners), sizes)
+
+    @mode_free
+    def _vote(self, sums: Tensor, sizes: list[int]) -> VoteStep:
         if self.gradient_noise is not None:
             xi = self.gradient_noise(tuple(sums.shape), self.generator).to(sums.dtype)
             sums = sums + self._divisors(sizes).unsqueeze(1).to(sums.dtype) * xi
