@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.utils import _python_dispatch as dispatch
 
+from lightning_dp.records.library_code import library_named
+
 F = TypeVar("F", bound=Callable[..., Any])
 _function_stack, _dispatch_stack = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
 
@@ -51,8 +53,10 @@ def user_modes() -> list[Any]:
 
 def _library_mode(mode: Any) -> bool:
     """One of this library's own modes (the capture's broadcast sites, the probe's, the wide replay's float64): left
-    in place, as the library enters and leaves it (it pops itself when it closes)."""
-    return (type(mode).__module__ or "").split(".")[0] == "lightning_dp"
+    in place, as the library enters and leaves it (it pops itself when it closes). Decided by where the class was
+    written and the code it runs (:func:`~lightning_dp.records.library_code.library_named`), not by its
+    ``__module__``: a user's mode claiming ``__module__ = "lightning_dp.x"`` is taken off like any other."""
+    return library_named(type(mode), "lightning_dp.")
 
 
 @contextmanager

@@ -10,8 +10,8 @@ import types
 import weakref
 from typing import Any, Iterator
 
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES, TRUSTED_CALLBACK_PREFIXES
-from lightning_dp.fingerprints.state_walker import library_function, lightning_fields
+from lightning_dp.records.library_objects import TRUSTED_CALLBACK_PREFIXES
+from lightning_dp.fingerprints.state_walker import library_function, library_named, library_type, lightning_fields
 
 _MISSING = object()
 
@@ -31,13 +31,15 @@ def is_datamodule(obj: Any) -> bool:
 def trusted_callback(callback: Any) -> bool:
     """A callback whose state cannot hold private data: one of Lightning's or lightning_dp's own, or one that
     overrides none of the hooks handed the batch (:data:`DATA_HOOKS`). The trainer's LightningDataModule is never
-    trusted unless a library defines it: the step reaches it (``self.trainer.datamodule.memory.append(x)``)."""
+    trusted unless a library defines it: the step reaches it (``self.trainer.datamodule.memory.append(x)``). Which
+    classes are Lightning's or lightning_dp's is decided by where they were written and the code they run
+    (:func:`~lightning_dp.records.library_code.library_named`), not by their ``__module__``."""
     cls = type(callback)
-    if cls.__module__.startswith(TRUSTED_CALLBACK_PREFIXES):
+    if library_named(cls, TRUSTED_CALLBACK_PREFIXES):
         return True
     if is_datamodule(callback):
-        return cls.__module__.split(".")[0] in LIBRARY_PREFIXES  # the step reaches it: self.trainer.datamodule
-    bases = [b for b in cls.__mro__[1:] if b.__module__.startswith(TRUSTED_CALLBACK_PREFIXES)]
+        return library_type(cls)  # the step reaches it: self.trainer.datamodule
+    bases = [b for b in cls.__mro__[1:] if library_named(b, TRUSTED_CALLBACK_PREFIXES)]
     base = bases[0] if bases else object
     return all(getattr(cls, hook, None) is getattr(base, hook, None) for hook in DATA_HOOKS)
 
@@ -82,9 +84,8 @@ def lightning_owned(cls: type) -> frozenset[str]:
 
 
 def _lightning_owned(cls: type) -> frozenset[str]:
-    library = [b for b in cls.__mro__ if (b.__module__ or "").startswith(TRUSTED_CALLBACK_PREFIXES)]
-    users = [b for b in cls.__mro__ if (b.__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
-             and b.__module__ not in ("abc", "builtins")]
+    library = [b for b in cls.__mro__ if library_named(b, TRUSTED_CALLBACK_PREFIXES)]
+    users = [b for b in cls.__mro__ if not library_type(b) and b.__module__ not in ("abc", "builtins")]
     if not library or not users or cls in library:
         return frozenset()
     hooks = {k for b in library if b.__name__ == "Callback" for k in vars(b)}

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from lightning_dp.containers import held_items, put_back as put_items_back
 from lightning_dp.fingerprints.checksums import _array_digest
 from lightning_dp.records.identity import Same
+from lightning_dp.records.library_code import library_rooted, users_code
 from lightning_dp.records.fetch_reruns import fetch_written
 from lightning_dp.records.stateless import fetch_filled
 
@@ -191,7 +192,7 @@ def _users_callable(value: Any) -> bool:
     if isinstance(value, partial):
         return True
     if isinstance(value, (types.FunctionType, types.MethodType)):
-        return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARIES
+        return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARIES or users_code(value)
     return False
 
 
@@ -230,10 +231,9 @@ def _holder_name(holder: Any) -> str:
 def _settings_object(value: Any) -> bool:
     """An object with attributes, of a class not a library's (nor a function, class, module or tensor, nor a
     Lightning subclass: the module being trained): a collate or transform object whose settings the fetch reads."""
-    root = (type(value).__module__ or "").split(".")[0]
     return hasattr(value, "__dict__") and not isinstance(value, (*_CALLABLES, Tensor, Dataset)) \
-        and root not in _LIBRARIES \
-        and not any((c.__module__ or "").split(".")[0] in _LIGHTNING for c in type(value).__mro__)
+        and not library_rooted(type(value), _LIBRARIES) \
+        and not any(library_rooted(c, _LIGHTNING) for c in type(value).__mro__)
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, type, partial)

@@ -43,7 +43,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from torch import nn
 
 from lightning_dp.fingerprints.public_names import is_public
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES, framework_keys, is_library
+from lightning_dp.records.library_objects import framework_keys, is_library
+from lightning_dp.records.library_code import library_type
 
 __all__ = ["DEPTH", "MAX_ITEMS", "HeldNumbers", "held_numbers", "other"]
 
@@ -138,8 +139,9 @@ def _library_subclass(holder: Any) -> bool:
 
 
 def is_library_class(cls: type) -> bool:
-    """Whether ``cls`` is defined by a library (:data:`~lightning_dp.records.library_objects.LIBRARY_PREFIXES`)."""
-    return (cls.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+    """Whether ``cls`` is defined by a library (:func:`~lightning_dp.records.library_code.library_type`: named in one
+    of its packages and written there, not a user's class claiming its ``__module__``)."""
+    return library_type(cls)
 
 
 def _own_keys(owner: Any) -> frozenset[str]:

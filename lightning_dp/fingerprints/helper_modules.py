@@ -20,6 +20,7 @@ import sysconfig
 import types
 from typing import Iterable, Optional
 
+from lightning_dp.records.library_code import defining_modules
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES
 
 MAX_HOPS = 3
@@ -67,9 +68,10 @@ def _reached(module: types.ModuleType) -> Iterable[types.ModuleType]:
         if isinstance(value, types.ModuleType):
             yield value
         elif isinstance(value, (types.FunctionType, type)):
-            owner = sys.modules.get(getattr(value, "__module__", None) or "")
-            if owner is not None:
-                yield owner
+            for name in defining_modules(value):  # where its code lies, not only the `__module__` it claims
+                owner = sys.modules.get(name)
+                if owner is not None:
+                    yield owner
 
 
 def helper_modules(modules: Iterable[types.ModuleType]) -> list[types.ModuleType]:

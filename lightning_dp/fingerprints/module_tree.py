@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.utils.prune import BasePruningMethod
 
 from lightning_dp.fingerprints.state_walker import library_function
+from lightning_dp.records.library_code import library_named
 
 
 class TreeShape:
@@ -137,7 +138,7 @@ def _layer_setting(key: str, value: Any) -> bool:
 
 def engine_forward(value: Any) -> bool:
     """Whether a ``forward`` set on a module is an engine's for the fit (lightning_dp's ``ReplacedForward``)."""
-    return type(value).__module__.startswith("lightning_dp.")
+    return library_named(type(value), "lightning_dp.")
 
 
 def _configuration(fields: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -153,7 +154,7 @@ def attribute_mode(m: nn.Module) -> Optional[list[str]]:
     layers only the values that can hold data (their configuration — sizes, flags, names — is not state, but a tensor a
     user caches on an ``nn.Linear`` is: :data:`DATA_ONLY`), for a torchmetrics ``Metric`` the names of its persistent
     states (``None``: it has none), else ``[]``: every attribute."""
-    if type(m).__module__.startswith("torch."):
+    if library_named(type(m), "torch."):  # (written there: not a user's class claiming torch's module)
         return DATA_ONLY
     states = _metric_states(m)
     if states is not None:

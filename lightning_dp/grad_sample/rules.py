@@ -61,6 +61,7 @@ from lightning_dp.grad_sample.capture.activations import LayerCalls, Record
 from lightning_dp.grad_sample.capture.own_tensors import is_parametrized
 from lightning_dp.grad_sample.base import ParamMap
 from lightning_dp.grad_sample.layer_stats import LayerStats, MaterialisedStats
+from lightning_dp.records.library_code import library_type
 
 RULE_MODULES: tuple[str, ...] = (
     "lightning_dp.grad_sample.conv_rules",
@@ -145,7 +146,7 @@ class LayerRule:
 
 def _rank(rule: LayerRule) -> int:
     """A rule's place in the precedence: its module's in :data:`RULE_MODULES`, after all of them if not listed."""
-    module = type(rule).__module__
+    module = type(rule).__module__ if library_type(type(rule)) else None  # a user's rule claiming a place: last
     return RULE_MODULES.index(module) if module in RULE_MODULES else len(RULE_MODULES)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from lightning_dp.records.library_code import library_named
+
 __all__ = ["may_be_scheduled", "schedulers_of"]
 
 
@@ -32,7 +34,7 @@ def may_be_scheduled(optimizer: Any) -> bool:
     while classes:
         cls = classes.pop()
         init = vars(cls).get("__init__")
-        if init is not None and not cls.__module__.startswith("torch.") and "__init__" not in getattr(
+        if init is not None and not library_named(cls, "torch.") and "__init__" not in getattr(
                 getattr(init, "__code__", None), "co_names", ()):
             return True
         classes.extend(cls.__subclasses__())

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_dp.records.library_objects import framework_keys
+from lightning_dp.records.library_code import library_rooted
 
 MAX_DEPTH = 8
 """Attribute or item levels below a holder that are walked."""
@@ -220,8 +221,7 @@ def _buffer_array(item: Any) -> Optional[np.ndarray]:
 def _opaque(value: Any) -> bool:
     """The framework's own objects (not walked): their type's top package is torch, Lightning, lightning_dp,
     NumPy or the standard library's machinery; a dataset is walked whatever its package."""
-    package = (getattr(type(value), "__module__", None) or "builtins").split(".")[0]
-    return package in _OPAQUE and not isinstance(value, Dataset)
+    return library_rooted(type(value), _OPAQUE) and not isinstance(value, Dataset)
 
 
 def _key(key: Any) -> str:

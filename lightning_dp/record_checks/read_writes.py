@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.fingerprints.state_walker import user_modules
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES
+from lightning_dp.records.library_code import library_type
 
 MAX_ITEMS = 65_536
 """Containers of more items are compared by identity only (their items are not put back)."""
@@ -126,7 +126,7 @@ def _owners(datasets: list[Any]) -> list[Any]:
 
 
 def _users(cls: type) -> bool:
-    return cls.__module__.split(".")[0] not in LIBRARY_PREFIXES
+    return not library_type(cls)
 
 
 def _user_object(value: Any) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
+from lightning_dp.records.library_code import library_rooted
 from lightning_dp.records.distinct_records import DistinctRecords
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.stored_sources import same_records
@@ -85,7 +86,7 @@ def view_of(dataset: Any) -> Optional[Any]:
     attributes hold exactly one other dataset, of the same length (``Flipped(base)`` returning ``base[i]`` flipped).
     Position i is taken to read that dataset's record i: whatever its order, a view reads each of the other's
     records once, so beside it in a ConcatDataset (the data "doubled by augmentation") every record is read twice."""
-    if (type(dataset).__module__ or "").split(".")[0] == "torch" or not hasattr(dataset, "__dict__"):
+    if library_rooted(type(dataset), ("torch",)) or not hasattr(dataset, "__dict__"):
         return None
     held = [v for v in vars(dataset).values() if isinstance(v, Dataset) and v is not dataset]
     if len(held) != 1:

@@ -74,6 +74,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequ
 
 from torch import Tensor, nn
 
+from lightning_dp.records.library_code import library_rooted
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.fingerprints.public_names import is_public
@@ -218,7 +219,7 @@ def _attributes(prefix: str, owner: Any, skip: frozenset[str] = frozenset()) -> 
                 yield f"{prefix}{key}[{k!r}]", item
                 yield from ((f"{prefix}{key}[{k!r}]{suffix}", column) for suffix, column in number_columns(item))
         elif hasattr(value, "__dict__") and not isinstance(value, (Tensor, type)) \
-                and type(value).__module__.split(".")[0] not in ("torch", "pytorch_lightning", "lightning"):
+                and not library_rooted(type(value), ("torch", "pytorch_lightning", "lightning")):
             for k, item in vars(value).items():  # a transform object: Normalize(mean, std)
                 if not k.startswith("__"):
                     yield f"{prefix}{key}.{k}", item

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Sequence
 
 from torch import Tensor
 from torch.utils.data import Dataset
+from lightning_dp.records.library_code import installed_class, library_rooted, users_code
+
 
 _LOADER_PARTS = ("collate_fn", "sampler", "batch_sampler", "worker_init_fn")
 _LIBRARIES = ("torch", "pytorch_lightning", "lightning", "builtins", "typing", "abc", "functools")
@@ -64,7 +66,7 @@ def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[
         for key, item in arguments.items():
             yield from _walk(f"{label}.{key}", item, depth + 1, seen)
     elif isinstance(value, FunctionType):  # a closure's variables and the defaults: make_collate(mean, std)
-        if not _users(value.__module__):
+        if not _users(value.__module__) and not users_code(value):
             return
         cells = zip(value.__code__.co_freevars, value.__closure__ or ())
         held = {**{name: _contents(cell) for name, cell in cells},
@@ -79,7 +81,7 @@ def _walk(label: str, value: Any, depth: int, seen: set[int]) -> Iterator[tuple[
         if len(value) <= 16:
             for key, item in items:
                 yield from _walk(f"{label}[{key!r}]", item, depth + 1, seen)
-    elif hasattr(value, "__dict__") and not _library(type(value).__module__):
+    elif hasattr(value, "__dict__") and not library_rooted(type(value), _LIBRARIES):
         yield label, value
         for key, item in _items(value):
             yield from _walk(f"{label}.{key}", item, depth + 1, seen)
@@ -104,7 +106,7 @@ def _class_values(owner: Any) -> SimpleNamespace:
     (``__getitem__``, as ``getitem()``) where they have a closure or defaults."""
     values: dict[str, Any] = {}
     for cls in reversed(type(owner).__mro__):
-        if not _users(cls.__module__):
+        if not _users(cls.__module__) and installed_class(cls):
             continue
         for key, value in vars(cls).items():
             value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value

@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from torch import Tensor
 
+from lightning_dp.records.library_code import library_named
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.records.identity import IdentityMap, Same
 from lightning_dp.records.values import same_array_values, same_tensor_values
@@ -255,7 +256,7 @@ def reached(roots: list[Any]) -> Optional[Kept]:
             continue
         if isinstance(value, functools.partial):
             stack.extend((value.func, *value.args, *value.keywords.values()))
-        if key in found or isinstance(value, _LEAVES) or type(value).__module__.startswith(("random", "numpy.random")):
+        if key in found or isinstance(value, _LEAVES) or library_named(type(value), ("random", "numpy.random")):
             continue
         found[key] = value
         if len(found) > MAX_REACHED:

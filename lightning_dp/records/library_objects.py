@@ -14,10 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-LIBRARY_PREFIXES = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "lightning_dp", "torchmetrics",
-                    "transformers", "peft", "timm", "numpy", "tensorboard", "logging", "threading", "builtins",
-                    "opacus", "jsonargparse", "omegaconf", "hydra", "typing", "collections", "functools")
-"""Classes from these packages are library objects: compared by identity, never walked into."""
+from lightning_dp.records.library_code import LIBRARY_PREFIXES, library_named, library_type  # noqa: F401
 
 TRUSTED_CALLBACK_PREFIXES = ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks", "lightning_dp.")
 """Callbacks defined here keep no state computed from the training batch (ModelCheckpoint, EMA, progress bars,
@@ -50,14 +47,14 @@ def framework_keys() -> frozenset[str]:
 
 
 def is_library(obj: Any) -> bool:
-    """Whether ``obj``'s class comes from one of :data:`LIBRARY_PREFIXES`."""
-    module = type(obj).__module__ or ""
-    return module.split(".")[0] in LIBRARY_PREFIXES
+    """Whether ``obj``'s class is a library's (:func:`~lightning_dp.records.library_code.library_type`: named in one of
+    :data:`LIBRARY_PREFIXES` and written there; a user's class claiming ``__module__ = "torch.nn"`` is walked)."""
+    return library_type(type(obj))
 
 
 def library_callback(callback: Any) -> bool:
     """One of Lightning's or lightning_dp's own callbacks (their hooks are not the user's code)."""
-    return type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES)
+    return library_named(type(callback), TRUSTED_CALLBACK_PREFIXES)
 
 
 _WRAPPERS: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from lightning_dp.records.public_inputs import close_block, link_stepped, open_block
+from lightning_dp.records.library_code import library_named
 
 _STEPPED: dict[int, tuple["weakref.ref[Any]", int]] = {}
 """``id`` of a parameter stepped outside the mechanism → (a weak reference to it, the steps counted)."""
@@ -75,7 +76,7 @@ def _forget(key: int, ref: "weakref.ref[Any]") -> None:
 def _after_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     if _PUBLIC_DEPTH[0] and optimizer not in _PRIVATE:
         link_stepped(p for g in optimizer.param_groups for p in g["params"] if getattr(p, "grad", None) is not None)
-    if _PUBLIC_DEPTH[0] or optimizer in _PRIVATE or type(optimizer).__module__.startswith("lightning_dp."):
+    if _PUBLIC_DEPTH[0] or optimizer in _PRIVATE or library_named(type(optimizer), "lightning_dp."):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:

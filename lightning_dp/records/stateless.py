@@ -72,6 +72,7 @@ from lightning_dp.records.fetch_reruns import (Exchange, Kept, Unjudged, frozen,
                                                reached)
 from lightning_dp.records.fresh_randomness import FreshIndices
 from lightning_dp.records.identity import Same
+from lightning_dp.records.library_code import defining_modules, installed_class, library_callable
 from lightning_dp.replays.starting_state import Generators
 
 MAX_DEPTH = 4
@@ -94,8 +95,14 @@ Digest = dict[str, Any]
 
 
 def _users(cls: type) -> bool:
-    """Whether ``cls`` is the user's: not the standard library's, nor an installed package's (``site-packages``)."""
-    name = cls.__module__ or ""
+    """Whether ``cls`` is the user's: not the standard library's, nor an installed package's (``site-packages``) —
+    by its name, and by where it was written (:func:`~lightning_dp.records.library_code.installed_class`: a user's
+    class claiming ``__module__ = "lightning_dp.x"`` is the user's)."""
+    return _users_module(cls.__module__) or not installed_class(cls)
+
+
+def _users_module(name: Optional[str]) -> bool:
+    name = name or ""
     top = name.split(".")[0]
     if top == "lightning_dp" or top in sys.stdlib_module_names or top.startswith("_"):
         return False
@@ -178,7 +185,8 @@ def digest(roots: dict[str, Any], versions: bool, globals_of: tuple[Any, ...] = 
 
 
 def _modules(objects: tuple[Any, ...]) -> list[types.ModuleType]:
-    names = {base.__module__ for o in objects for base in type(o).__mro__ if _users(base)}
+    names = {name for o in objects for base in type(o).__mro__ if _users(base)
+             for name in defining_modules(base) if _users_module(name)}
     return [m for m in (sys.modules.get(n) for n in sorted(names)) if m is not None]
 
 
@@ -219,7 +227,8 @@ class FetchState:
     def __init__(self, dataset: Any, collate_fn: Any, exchange: Optional[Exchange] = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn if _stateful(collate_fn) else None
-        library = (getattr(collate_fn, "__module__", None) or "").startswith("torch.")  # default_collate: stateless
+        library = (getattr(collate_fn, "__module__", None) or "").startswith("torch.") \
+            and library_callable(collate_fn)  # default_collate: stateless (a user's claiming its module: judged)
         self.reads_collate = None if library else collate_fn  # the user's collate, run by the reruns judging a write
         self.exchange = exchange  # the dataset's records exchanged in memory (fetch_reruns), when the strategy has it
         self._kept: Optional[Kept] = None  # the state before this fetch, to run it again from (fetch_reruns)

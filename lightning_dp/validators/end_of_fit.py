@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
+from lightning_dp.records.library_code import library_named
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.validators.hook_replays import replay_end_hooks, replaying, users_hook
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, moved_by_data
@@ -53,7 +54,7 @@ _WEIGHT_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging", "EMAWeightA
 
 def averaging(trainer: "pl.Trainer") -> bool:
     """Whether one of Lightning's weight-averaging callbacks (or a subclass) swaps weights into the model."""
-    return any(b.__name__ in _WEIGHT_AVERAGING and b.__module__.startswith(("pytorch_lightning", "lightning."))
+    return any(b.__name__ in _WEIGHT_AVERAGING and library_named(b, ("pytorch_lightning", "lightning."))
                for cb in trainer.callbacks for b in type(cb).__mro__)
 
 

@@ -73,6 +73,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_dp.records.library_code import library_rooted, users_code
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.records.fetch import fetch, seeded
 from lightning_dp.fingerprints.callback_state import is_datamodule
@@ -217,12 +218,13 @@ def _containers(roots: Sequence[tuple[str, Any]], holder: str) -> list[_Containe
 def _skipped(value: Any) -> bool:
     if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
         module = getattr(value, "__module__", None) or getattr(getattr(value, "func", None), "__module__", None)
-        return (module or "").split(".")[0] in _OPAQUE  # the user's: its closure, arguments or object are walked
+        return (module or "").split(".")[0] in _OPAQUE \
+            and not users_code(getattr(value, "func", value))  # the user's: its closure, arguments or object are walked
     if isinstance(value, (str, bytes, int, float, complex, bool, type(None), Tensor, nn.Module, Dataset, DataLoader,
                           type, types.BuiltinFunctionType, types.ModuleType)):
         return True  # a callable object of the user's (a tokenizer with __call__) is walked
-    module = type(value).__module__ or ""
-    return module.split(".")[0] in _OPAQUE and not isinstance(value, (dict, list, tuple, set, frozenset, np.ndarray))
+    return library_rooted(type(value), _OPAQUE) \
+        and not isinstance(value, (dict, list, tuple, set, frozenset, np.ndarray))
 
 
 def _inner(path: str, value: Any) -> Iterator[tuple[str, Any]]:

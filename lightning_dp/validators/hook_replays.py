@@ -163,7 +163,8 @@ def moved_near(value: Any) -> Any:
 def users_hook(hook: Any) -> bool:
     """Whether ``hook`` (a class's function) is the user's: defined outside Lightning and lightning_dp."""
     module = getattr(hook, "__module__", None) or ""
-    return bool(hook) and not module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
+    return bool(hook) and not (module.startswith(("pytorch_lightning.", "lightning.", "lightning_dp."))
+                               and library_callable(hook))  # (a user's hook claiming Lightning's module: the user's)
 
 
 def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str, set[str]]] = None) -> None:

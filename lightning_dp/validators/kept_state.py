@@ -87,6 +87,7 @@ from torch import Tensor, nn
 
 from lightning_dp.errors import PrivacyConfigurationError, listed
 from lightning_dp.records.identity import IdentityMap, Same
+from lightning_dp.records.library_code import forged_or_own, library_named
 from lightning_dp.fingerprints.callback_state import callback_state_items, is_datamodule, trusted_callback
 from lightning_dp.fingerprints.checksums import Checksums, beyond_views, norm_tokens
 from lightning_dp.fingerprints.dataset_tokens import dataset_settings, dataset_token
@@ -347,7 +348,7 @@ class StateFingerprint:
         entries.update(self.dataset_entries())
         for mod in self.modules():
             for key, value in list(vars(mod).items()):
-                if isinstance(value, type) and value.__module__ == mod.__name__ and not key.startswith("__"):
+                if isinstance(value, type) and not key.startswith("__") and forged_or_own(value, mod):
                     self._class_entries(entries, value, walker)  # a class of the user's own module: its data
                     continue
                 if key.startswith("__") or isinstance(value, (types.ModuleType, type)):
@@ -425,7 +426,7 @@ class StateFingerprint:
         """``callback`` read a value logged from the training data (:mod:`~lightning_dp.validators.logged_reads`):
         from now on its state is kept state, whatever hooks it overrides; returns ``baseline`` with its state now."""
         if callback in self._readers or not trusted_callback(callback) \
-                or type(callback).__module__.startswith(TRUSTED_CALLBACK_PREFIXES):
+                or library_named(type(callback), TRUSTED_CALLBACK_PREFIXES):
             return baseline
         self._readers[callback] = True
         now = self.take(callbacks)

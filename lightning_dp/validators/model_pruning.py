@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.prune import BasePruningMethod
 
+from lightning_dp.records.library_code import library_callable, library_named
 from lightning_dp.errors import PrivacyConfigurationError, listed
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -60,8 +61,8 @@ def lightning_model_pruning(callback: Any) -> bool:
     cls = type(callback)
     method = getattr(callback, "pruning_fn", None)
     method = getattr(method, "func", method)  # functools.partial of a torch function (pruning_fn given by name)
-    return cls.__name__ == "ModelPruning" and cls.__module__.startswith(("pytorch_lightning.", "lightning.")) \
-        and getattr(method, "__module__", "") == "torch.nn.utils.prune"
+    return cls.__name__ == "ModelPruning" and library_named(cls, ("pytorch_lightning.", "lightning.")) \
+        and getattr(method, "__module__", "") == "torch.nn.utils.prune" and library_callable(method)
 
 
 class PruningWatch:
@@ -188,14 +189,14 @@ class PruningWatch:
 def _model_pruning(callback: Any) -> bool:
     """Whether ``callback`` is Lightning's ``ModelPruning`` or a subclass of it."""
     return any(c.__name__ == "ModelPruning" and c.__module__.startswith(("pytorch_lightning.", "lightning."))
-               for c in type(callback).__mro__)
+               for c in type(callback).__mro__)  # (by name: a class claiming it is declined, :func:`_declined`)
 
 
 def _declined(callback: Any) -> str:
     """Why a ``ModelPruning`` (:func:`_model_pruning`) is not :func:`lightning_model_pruning`, in words: a subclass
     of it, or a pruning method of the user's (its class named), which is not one of torch's."""
     cls = type(callback)
-    if cls.__name__ != "ModelPruning" or not cls.__module__.startswith(("pytorch_lightning.", "lightning.")):
+    if cls.__name__ != "ModelPruning" or not library_named(cls, ("pytorch_lightning.", "lightning.")):
         return f"{cls.__name__}, a subclass of ModelPruning (its code may compute the masks otherwise)"
     method = getattr(callback, "pruning_fn", None)
     method = getattr(method, "func", method)
@@ -270,7 +271,8 @@ def _pruned_as_torch(layer: nn.Module, name: str, before: tuple[Optional[Tensor]
         return False
     kept = torch.equal(orig.detach(), old) or reset and (
         initial is not None and torch.equal(orig.detach(), initial)
-        or resample and type(layer).reset_parameters.__module__.startswith("torch."))
+        or resample and type(layer).reset_parameters.__module__.startswith("torch.")
+        and library_callable(type(layer).reset_parameters))
     zeros_kept = old_mask is None or bool((mask <= old_mask).all())
     served = getattr(layer, name).detach()  # the product as pruned (before the reset; the hook recomputes it)
     return kept and zeros_kept and bool(((mask == 0) | (mask == 1)).all()) \

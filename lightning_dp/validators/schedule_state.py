@@ -28,6 +28,7 @@ import types
 from collections.abc import Hashable
 from typing import Any
 
+from lightning_dp.records.library_code import library_named
 from lightning_dp.fingerprints.state_walker import closure_token, freeze
 
 __all__ = ["scheduler_state", "ScheduleNote", "schedule_controls",
@@ -149,7 +150,7 @@ def stepped_fields(cls: type) -> frozenset[str]:
     known = _STEPPED.get(cls)
     if known is None:
         known = _STEPPED[cls] = frozenset(
-            name for base in cls.__mro__ if (base.__module__ or "").startswith("torch.")
+            name for base in cls.__mro__ if library_named(base, "torch.")
             for key, value in vars(base).items() if key != "__init__" for name in _assigned(value))
     return known
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.records.values import same_tensor_values
+from lightning_dp.records.library_code import forged_or_own, library_named, library_rooted, library_type
 from lightning_dp.fingerprints.context_values import is_context_variable
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.fingerprints.dataset_tokens import put_back as put_datasets_back
@@ -38,7 +39,7 @@ from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.module_tree import engine_forward
 from lightning_dp.fingerprints.state_walker import (MAX_DEPTH, callable_state, class_attributes, configuration_object,
                                                    library_object as _library_object, method_cells, users_method)
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES, framework_keys
+from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
 Restore = Callable[[], None]
@@ -156,9 +157,9 @@ def _plain(value: Any) -> bool:
     """Whether ``value``'s attributes are restored: a plain object of the user's, or a library's configuration object
     (Hugging Face's ``model.config``: :func:`~.state_walker.configuration_object`), whose public fields the fingerprint
     reads as state — a ``config.problem_type`` a pass set on its first forward is ``None`` again after it."""
-    root = (type(value).__module__ or "").split(".")[0]
-    return root not in ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins", "logging",
-                        "threading", "transformers", "torchmetrics") or configuration_object(value)
+    return not library_rooted(type(value), ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "builtins",
+                                            "logging", "threading", "transformers", "torchmetrics")) \
+        or configuration_object(value)
 
 
 def _attributes(owner: Any, keys: Sequence[str], depth: int, keep: frozenset[str] = frozenset()) -> Restore:
@@ -170,7 +171,7 @@ def _attributes(owner: Any, keys: Sequence[str], depth: int, keep: frozenset[str
     held = {k: owner.__dict__[k] for k in keys if k in owner.__dict__}
     inner = [_contents(v, depth) for v in held.values()]
     before = set(owner.__dict__)
-    users = (type(owner).__module__ or "").split(".")[0] not in LIBRARY_PREFIXES
+    users = not library_type(type(owner))
 
     def added(key: str) -> bool:
         if key in before:
@@ -317,7 +318,7 @@ class StateSnapshot:
             keys = [k for k, v in vars(m).items() if (k not in skip or k == "forward" and not engine_forward(v))
                     and not k.startswith("_dp_")]  # (a forward the user set on the layer is put back too; an
             # engine's is the engine's: put back after the engine detached, a later fit would run it)
-            if type(m).__module__.startswith("torch."):
+            if library_named(type(m), "torch."):
                 # torch's own layers: their references only (an attribute cached on an nn.Linear goes away again);
                 # their contents are configuration, or Parameters held in lists (an RNN's _flat_weights)
                 layers.append(_attributes(m, keys, MAX_DEPTH))
@@ -325,12 +326,12 @@ class StateSnapshot:
             restores.append(_attributes(m, keys, 0, skip))
         for cb in callbacks:  # (a module it holds outside the model, a teacher it trains: its tensors, _contents)
             restores.append(_attributes(cb, list(vars(cb)), 0, skip))
-        users = [m for m in module.modules() if not type(m).__module__.startswith("torch.")] + list(callbacks)
+        users = [m for m in module.modules() if not library_named(type(m), "torch.")] + list(callbacks)
         classes = [type(obj) for obj in users]
         for mod in modules:
             restores.append(_globals(mod))
             classes.extend(v for k, v in list(vars(mod).items())  # `class HP: temperature = 1.0` of the user's code
-                           if isinstance(v, type) and v.__module__ == mod.__name__ and not k.startswith("__"))
+                           if isinstance(v, type) and not k.startswith("__") and forged_or_own(v, mod))
         restores.extend(class_state(classes))
         users_state, restores = restores, layers  # (restore_users: up to here)
         modes = [(m, m.training) for m in module.modules()]  # a pass that calls .train() leaves the modes as found,

@@ -19,8 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import Tensor
 
+from lightning_dp.records.library_code import library_type
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
+from lightning_dp.records.library_objects import library_callback
 from lightning_dp.fingerprints.callback_state import code_objects, stored_attributes
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.state_walker import freeze
@@ -315,7 +316,7 @@ def _running_state(cls: type) -> frozenset[str]:
     known = _RUNNING.get(cls)
     if known is None:
         known = _RUNNING[cls] = frozenset(
-            name for b in cls.__mro__ if (b.__module__ or "").split(".")[0] in LIBRARY_PREFIXES
+            name for b in cls.__mro__ if library_type(b)
             for key, value in vars(b).items() if key not in _SET_UP and "__init" not in key
             for code in code_objects(value) for name in stored_attributes(code))
     return known

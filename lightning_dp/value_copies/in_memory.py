@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.records.library_objects import is_library
+from lightning_dp.records.library_code import library_named
 from lightning_dp.value_copies.logged_values import LoggedValues, as_float
 from lightning_dp.value_copies.text_files import rewrite_text
 
@@ -170,7 +171,7 @@ class Walk:
         if isinstance(value, (list, tuple, collections.deque, set, frozenset)):
             return self._sequence(value, depth, offset, context)
         if hasattr(value, "__dict__") and not isinstance(value, _NOT_WALKED) and not is_library(value) \
-                and not type(value).__module__.startswith(_SERVICES) and len(vars(value)) <= ITEMS:
+                and not library_named(type(value), _SERVICES) and len(vars(value)) <= ITEMS:
             self._bindings.append((value, dict(vars(value))))
             return self._mapping(value, list(vars(value).items()), depth, offset, _clone)
         return SAME, set()

@@ -54,6 +54,7 @@ import warnings
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+from lightning_dp.records.library_code import library_rooted
 from lightning_dp.containers import held_items, put_back
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.value_copies.logger_effects import Effects
@@ -78,7 +79,7 @@ _MUTABLE = (list, dict, collections.deque, set)
 
 def users(logger: Any) -> bool:
     """Whether ``logger``'s class is the user's (or another library's): not under :data:`LIGHTNING`."""
-    return (type(logger).__module__ or "").split(".")[0] not in LIGHTNING
+    return not library_rooted(type(logger), LIGHTNING)
 
 
 class Unrebuilt(Exception):
