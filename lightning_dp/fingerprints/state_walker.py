@@ -6,9 +6,10 @@ the Python attributes of a tensor or a function (:func:`kept_attributes`), a fun
 class bodies (:func:`class_attributes`) and the data library classes hold (:func:`library_class_attributes`),
 the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`),
 what was added to a library's object since first seen (:func:`added_attributes`, :meth:`Walker._added`) —
-and what is a library's (:func:`library_callable`, :func:`library_function`, :func:`library_class`: decided by where
-the code that runs lies, :func:`library_code`, not by the module name ``functools.wraps`` copies) or Lightning's
-(:func:`lightning_fields`).
+and what is a library's (:func:`library_function`; :func:`library_callable`, :func:`library_class`,
+:func:`library_type`: re-exported from :mod:`lightning_dp.records.library_code`, the one rule every trust decision
+reads: decided by where the code that runs lies and where a class was written, not by ``__module__``) or
+Lightning's (:func:`lightning_fields`).
 
 The same rules token the plain values held outside the modules — an optimizer's hyper-parameters and its state kept
 under other keys, a learning-rate scheduler's state and its lambdas' closures — without the walk's checksum cache

@@ -272,8 +272,15 @@ def library_type(cls: type) -> bool:
     """Whether ``cls`` is a library's class for trusting its objects: named in one of :data:`LIBRARY_PREFIXES`'
     packages and written outside the user's code (:func:`installed_class`). A user's class claiming a library's
     ``__module__`` — holding only data, defining its own methods, or subclassing a library's class without a method of
-    its own — is the user's. Decided once per class."""
-    return library_module(cls.__module__) and installed_class(cls)
+    its own — is the user's. Decided once per class (read per object by the walks: one dictionary look-up)."""
+    known = _LIBRARY_TYPES.get(cls)
+    if known is None:
+        known = _LIBRARY_TYPES[cls] = library_module(cls.__module__) and installed_class(cls)
+    return known
+
+
+_LIBRARY_TYPES: dict[type, bool] = {}
+"""Per class, :func:`library_type`'s answer (classes are kept, as the walks' other per-class answers are)."""
 
 
 def library_named(cls: type, prefixes: Any) -> bool:
