@@ -165,6 +165,27 @@ def test_class_body_data_of_a_class_claiming_torchs_module_is_read_and_refused()
         fit(ScaledByClassData(), steps=3)
 
 
+MEMORY: list = [0.0]
+
+
+class GlobalModel(Classifier):
+    """A model claiming torch's module: its file's globals were not read as the user's module."""
+
+    __module__ = "torch.nn.modules.module"
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * (1.0 + MEMORY[-1])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        MEMORY.append(float(batch[0].mean()))
+
+
+def test_a_global_of_a_model_claiming_torchs_module_is_read() -> None:
+    MEMORY[:] = [0.0]
+    with pytest.raises(PrivacyConfigurationError, match="MEMORY"):
+        fit(GlobalModel(), steps=3)
+
+
 class UsersLinear(nn.Linear):
     """An ordinary user subclass of a torch layer, keeping a public constant."""
 
