@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dp.records.library_code import installed_class
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 
 class Checksums:
@@ -414,7 +415,7 @@ def numpy_token(value: Any) -> Optional[Hashable]:
     """A token of a NumPy value's contents: a scalar by its value, an array by its shape, dtype and digest
     (:func:`_array_digest`; an object array by its identity); ``None`` for anything not NumPy's."""
     module = type(value).__module__
-    if module != "numpy":
+    if module != "numpy" or not installed_class(type(value)):  # (a class of the user's claiming NumPy's: walked)
         return None
     import numpy as np
 

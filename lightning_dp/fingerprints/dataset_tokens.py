@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from lightning_dp.containers import held_items, put_back as put_items_back
 from lightning_dp.fingerprints.checksums import _array_digest
 from lightning_dp.records.identity import Same
-from lightning_dp.records.library_code import library_rooted, users_code
+from lightning_dp.records.library_code import installed_class, library_rooted, users_code
 from lightning_dp.records.fetch_reruns import fetch_written
 from lightning_dp.records.stateless import fetch_filled
 
@@ -116,7 +116,7 @@ def _setting_token(value: Any) -> Optional[tuple[Any, ...]]:
         if value.numel() <= SMALL:
             return ("Tensor", tuple(value.shape), str(value.dtype), tuple(value.detach().flatten().tolist()))
         return ("Tensor", Same(value), value._version, tuple(value.shape), _tensor_digest(value))
-    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object \
+    if _numpy(value) and getattr(value, "dtype", None) is not None and value.dtype != object \
             and getattr(value, "shape", None) is not None:
         if value.size <= SMALL:
             return ("ndarray", value.shape, str(value.dtype), tuple(value.ravel().tolist()))
@@ -184,6 +184,11 @@ def _held_objects(values: Any, seen: set[int]) -> list[Any]:
     for value in values:
         add(value, 0)
     return out
+
+
+def _numpy(value: Any) -> bool:
+    """A NumPy value (its class NumPy's, written there: not a user's class claiming ``__module__ = "numpy"``)."""
+    return type(value).__module__ == "numpy" and installed_class(type(value))
 
 
 def _users_callable(value: Any) -> bool:
@@ -326,7 +331,7 @@ def _records_token(value: Any) -> Optional[Hashable]:
     """A NumPy array of records (:func:`_array_digest`), a list of plain numbers or strings (labels kept as a
     list: its length and hash), another dict, list, set or deque (its identity, length and the hash of its items'
     tokens: :func:`_item`; beyond :data:`MAX_HASHED` items, of about :data:`SAMPLED`), else ``None``."""
-    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+    if _numpy(value) and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, str(value.dtype), _array_digest(value))
     if isinstance(value, list) and value and isinstance(value[0], (int, float, str, bool)):
         try:
@@ -379,7 +384,7 @@ def _item(value: Any, depth: int) -> Hashable:
         if value.numel() <= SMALL and value.layout == torch.strided and not value.is_meta:  # (made anew by each)
             return ("tensor", tuple(value.shape), str(value.dtype), tuple(value.detach().flatten().tolist()))
         return ("tensor", Same(value), value._version, tuple(value.shape))
-    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None and value.dtype != object:
+    if _numpy(value) and getattr(value, "dtype", None) is not None and value.dtype != object:
         return ("ndarray", value.shape, _array_digest(value))
     if isinstance(value, (tuple, list, dict)) and depth < 2:
         items = list(value.items()) if isinstance(value, dict) else value
