@@ -35,8 +35,8 @@ storage (no read of its values), a NumPy array of up to :data:`COPIED` elements 
 (larger arrays by identity and storage only), a float by its value; a layer whose attributes are all the very
 immutable objects they were when last compared (numbers, strings, tuples of them: a torch layer's configuration) is
 not walked again until one is replaced (identity, not equality) or a full check (:meth:`WrittenStatistics._is_settled`:
-the walk at a release of a 48-layer model went from 2.4 to 0.7 ms, of the digits CNN from 0.33 to 0.11 ms). A tensor whose version moved with its values
-unchanged (a state put back after a replay) is compared with its last copy only. At a release a changed value is
+the walk at a release of a 48-layer model went from 2.4 to 0.7 ms, of the digits CNN from 0.33 to 0.11 ms). A tensor
+whose version moved with its values unchanged (a state put back after a replay) is compared with its last copy only. At a release a changed value is
 compared with the exact statistics of each training tensor (means, deviations, variances, class frequencies: those of
 its size only), and with every statistic (order statistics, second moments, class-conditional ones, principal
 directions: seconds for a [1000, 1000] tensor) on its first change in the fit and at validation's start, a checkpoint
