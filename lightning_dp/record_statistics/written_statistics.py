@@ -36,14 +36,14 @@ storage (no read of its values), a NumPy array of up to :data:`COPIED` elements 
 immutable objects they were when last compared (numbers, strings, tuples of them: a torch layer's configuration) is
 not walked again until one is replaced (identity, not equality) or a full check (:meth:`WrittenStatistics._is_settled`:
 the walk at a release of a 48-layer model went from 2.4 to 0.7 ms, of the digits CNN from 0.33 to 0.11 ms). A tensor
-whose version moved with its values unchanged (a state put back after a replay) is compared with its last copy only. At a release a changed value is
-compared with the exact statistics of each training tensor (means, deviations, variances, class frequencies: those of
-its size only), and with every statistic (order statistics, second moments, class-conditional ones, principal
-directions: seconds for a [1000, 1000] tensor) on its first change in the fit and at validation's start, a checkpoint
-and the fit's end. Measured on a 1M-parameter MLP (1000 features, one CPU core): with nothing written a check is a walk
-of the state, 0.08 ms a step; an EMA of its [1000, 1000] weight changing at every step adds under 3 ms a step (the
-EMA's own update included), and its full comparisons about 8 s at its first change and at the fit's end, what rule
-11's check pays for that weight before the first release.
+whose version moved with its values unchanged (a state put back after a replay) is compared with its last copy only. At
+a release a changed value is compared with the exact statistics of each training tensor (means, deviations, variances,
+class frequencies: those of its size only), and with every statistic (order statistics, second moments,
+class-conditional ones, principal directions: seconds for a [1000, 1000] tensor) on its first change in the fit and at
+validation's start, a checkpoint and the fit's end. Measured on a 1M-parameter MLP (1000 features, one CPU core): with
+nothing written a check is a walk of the state, 0.08 ms a step; an EMA of its [1000, 1000] weight changing at every step
+adds under 3 ms a step (the EMA's own update included), and its full comparisons about 8 s at its first change and at
+the fit's end, what rule 11's check pays for that weight before the first release.
 
 A 2-D value is also compared row by row and column by column
 (:meth:`~.training_statistics.TrainingStatistics.slices_held`): a training mean written into one row of a memory bank or

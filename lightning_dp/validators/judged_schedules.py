@@ -25,8 +25,9 @@ When :func:`users_schedule_code` finds such code, each call of the loop's schedu
 
 Cost: nothing for torch's schedulers with torch's functions; else, at every scheduler update, one or two more runs of
 it, the training data's copies exchanged, and a fingerprint of the kept state after each run and before the update.
-Not seen: a function the user's scheduler was built with that reads the data only as it is built (before the fit; the data statistics' check judges what the fit's start holds), and a
-clock read by the schedule (a rate from the wall clock is refused, not replayed).
+Not seen: a function the user's scheduler was built with that reads the data only as it is built (before the fit; the
+data statistics' check judges what the fit's start holds), and a clock read by the schedule (a rate from the wall clock
+is refused, not replayed).
 """
 
 from __future__ import annotations
