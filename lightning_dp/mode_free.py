@@ -99,16 +99,3 @@ def mode_free(fn: F) -> F:
         with without_user_modes():
             return fn(*args, **kwargs)
     return run  # type: ignore[return-value]
-
-
-def mode_free_methods(*names: str) -> Any:
-    """An ``__init_subclass__`` making the methods ``names`` of every subclass :func:`mode_free`, its own and those it
-    inherits (:class:`~lightning_dp.privacy.noise.NoiseMechanism`: a user's mechanism draws outside the modes too)."""
-    def init_subclass(cls: type, **kwargs: Any) -> None:
-        for name in names:
-            fn = getattr(cls, name, None)
-            if callable(fn) and not getattr(fn, "__mode_free__", False):
-                wrapped = mode_free(fn)
-                wrapped.__mode_free__ = True  # type: ignore[attr-defined]
-                setattr(cls, name, wrapped)
-    return classmethod(init_subclass)

@@ -17,7 +17,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.mode_free import mode_free_methods
+from lightning_dp.validators.noise_added import checked_noise_methods
 from lightning_dp.secure_random import secure_seed
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
@@ -27,7 +27,8 @@ _MIN_CHUNK = 1 << 16  # smallest scratch chunk of GaussianNoise.add_noise_ (256 
 
 class NoiseMechanism(ABC):
     """Source of the unit noise z_t added once per step."""
-    __init_subclass__ = mode_free_methods("sample", "add_noise_", "_draw_key")  # not a user's torch mode's to answer
+    __init_subclass__ = checked_noise_methods("sample", "add_noise_", "_draw_key")  # add_noise_ checked; not a user's
+    # torch mode's to answer (validators/noise_added.py, mode_free.py)
 
     @abstractmethod
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:

@@ -18,8 +18,9 @@ step as the hooks between the release and the update are (:mod:`.judged_writes`,
    before calling its closure (a counter) is accepted for the release, to be judged here;
 2. after the step, it runs again from its start (:meth:`UpdateJudge.judge`): on the training data's exchanged copies
    with the other tensors of the user's state given other values, handed the same closure wrapper, which now only
-   puts ĝ_t and the generators as the real closure left them and returns its loss (a step cannot tell the two
-   apart, zoo35 R02), the library's step post-hooks left out, the user's and the pre-hooks run; the clocks and
+   puts ĝ_t and the generators as the real closure left them and returns its loss (the closure it is handed does
+   not tell the two apart, zoo35 R02; code that inspects the call stack or its frames can, zoo36 T52–T54: not
+   seen), the library's step post-hooks left out, the user's and the pre-hooks run; the clocks and
    unseeded draws the step's own code read are served again;
 3. the update is accepted only when the run again leaves the weights, ĝ, the optimizers' and schedulers' state and
    the kept state bit for bit as the real step left them (a Lion or a sign-SGD of the user's, weight decay by hand, a
@@ -256,7 +257,8 @@ class UpdateJudge:
     def closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure``, wrapped, with the step's starting state taken now, when ``optimizer``'s step runs the user's
         code and the fit's hooks are judged (:func:`~.judged_writes.watch_fit`); else ``closure`` itself. In a run
-        again the same wrapper stands in for the closure (:meth:`_Start.replayed`): the step cannot tell the two."""
+        again the same wrapper stands in for the closure (:meth:`_Start.replayed`): the closure does not tell the two
+        apart (the call stack does: module docstring)."""
         self._start = None
         judge = judged_writes.current()
         self._where = users_update_code(optimizer) if judge is not None else []
