@@ -172,6 +172,10 @@ class Walker:
             return ("distribution", type(value).__name__, tuple((k, self.token(v, depth + 1)) for k, v in parameters))
         if isinstance(value, RemovableHandle):
             return handle_token(value)
+        slots = slot_fields(value) if not isinstance(value, type) else []
+        if slots and not hasattr(value, "__dict__") and id(value) not in self._objects:  # a memo in a __slots__ object
+            self._objects.add(id(value))
+            return ("object", type(value).__name__, tuple((k, self.token(v, depth + 1)) for k, v in slots))
         if _is_library(value) or not hasattr(value, "__dict__") or isinstance(value, type):
             token = ("object", type(value).__name__, Same(value))
             if self._first is None or not library_object(value) or id(value) in self._objects:
@@ -185,7 +189,7 @@ class Walker:
         fields = lightning_fields(value)  # a LightningDataModule held as a global: its lazily made `_hparams` skipped
         shared = [(f"{c.__qualname__}.{k}", v) for c, k, v in class_attributes([type(value)])]  # `history = []`
         return ("object", type(value).__name__,
-                tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *shared]
+                tuple((k, self.token(v, depth + 1)) for k, v in [*fields.items(), *slots, *shared]
                       if not library_function(v)))
 
     def _added(self, value: Any, depth: int) -> tuple[Hashable, ...]:
@@ -302,6 +306,47 @@ def kept_attributes(value: Any, skip_keys: frozenset[str] = frozenset()) -> list
         return []
     return [(k, v) for k, v in list(fields.items()) if isinstance(k, str) and k not in skip_keys
             and not k.startswith(("_dp_", "_dynamo_", "_torchdynamo_", "__")) and not library_function(v)]
+
+
+def slot_fields(value: Any) -> list[tuple[str, Any]]:
+    """(name, value) of the ``__slots__`` fields set on an object of the user's class (a memo kept in a
+    ``__slots__`` object has no ``__dict__``): the slots the user's classes of its MRO declare, read through their
+    descriptors (no code of the user's runs); an unset slot left out. A library's object: none (its slots are its
+    own book-keeping). The slots are found once per class."""
+    cls = type(value)
+    out = []
+    for name, descriptor in slot_descriptors(cls):
+        try:
+            out.append((name, descriptor.__get__(value, cls)))
+        except AttributeError:  # an unset slot
+            continue
+    return out
+
+
+def slot_descriptors(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, member descriptor) of the slots the user's classes of ``cls``'s MRO declare (:func:`slot_fields`);
+    found once per class."""
+    names = _SLOTS.get(cls)
+    if names is None:
+        found: dict[str, Any] = {}
+        for base in cls.__mro__ if not library_type(cls) else ():
+            declared = base.__dict__.get("__slots__") or ()
+            for name in (declared,) if isinstance(declared, str) else declared:
+                stored = _mangled(base, name)
+                descriptor = vars(base).get(stored)
+                if not library_type(base) and isinstance(descriptor, types.MemberDescriptorType):
+                    found.setdefault(stored, descriptor)
+        names = _SLOTS[cls] = tuple(found.items())
+    return names
+
+
+def _mangled(cls: type, name: str) -> str:
+    """A slot's attribute name as Python stores it (``__x`` of class ``C`` is ``_C__x``)."""
+    return f"_{cls.__name__.lstrip('_')}{name}" if name.startswith("__") and not name.endswith("__") else name
+
+
+_SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+"""Per class, the slots :func:`slot_fields` reads: (name, member descriptor)."""
 
 
 def configuration_object(value: Any) -> bool:
@@ -604,9 +649,10 @@ def freeze(value: Any, depth: int = 0) -> Hashable:
         return ("set", tuple(sorted(repr(freeze(v, depth + 1)) for v in list(value)[:PLAIN_ITEMS])), len(value))
     if isinstance(value, (types.FunctionType, types.MethodType)):
         return closure_token(value, depth + 1)
-    if isinstance(value, (type, types.ModuleType, nn.Module)) or not hasattr(value, "__dict__"):
+    slots = slot_fields(value) if not isinstance(value, (type, types.ModuleType, nn.Module)) else []
+    if isinstance(value, (type, types.ModuleType, nn.Module)) or not hasattr(value, "__dict__") and not slots:
         return ("object", type(value).__qualname__, Same(value))
-    return (type(value).__qualname__, freeze(vars(value), depth + 1))
+    return (type(value).__qualname__, freeze(getattr(value, "__dict__", {}), depth + 1), freeze(dict(slots), depth + 1))
 
 
 def closure_token(fn: Any, depth: int = 0) -> Hashable:
@@ -616,7 +662,8 @@ def closure_token(fn: Any, depth: int = 0) -> Hashable:
     if not isinstance(target, types.FunctionType):
         return freeze(getattr(fn, "__dict__", None), depth)
     return ("function", target.__qualname__, freeze(_cells(target, empty=None), depth),
-            freeze(target.__defaults__, depth), freeze(target.__kwdefaults__, depth))
+            freeze(target.__defaults__, depth), freeze(target.__kwdefaults__, depth),
+            freeze(dict(kept_attributes(target)), depth))  # (its own attributes: `rate.memo = {}`)
 
 
 def _sample(items: Sequence[Any]) -> Sequence[Any]:

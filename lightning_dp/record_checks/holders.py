@@ -23,10 +23,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp.records.library_objects import framework_keys
-from lightning_dp.records.library_code import library_rooted
+from lightning_dp.records.library_code import library_rooted, library_type
 
 MAX_DEPTH = 8
 """Attribute or item levels below a holder that are walked."""
@@ -73,11 +73,13 @@ def _plain(value: Any) -> Optional[Tensor]:
     return None
 
 
-def held_arrays(holders: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+def held_arrays(holders: Iterable[tuple[str, Any]], loaders: bool = False) -> Iterator[tuple[str, Any]]:
     """(path, tensor or NumPy array or :class:`RowItems`) the holders keep (module docstring). A module holder's
     buffers and its modules' own attributes (not its parameters: weights, not records); a Python module's globals;
-    another holder's attributes."""
-    walk = _Walk()
+    another holder's attributes. ``loaders``: the dataset of a ``DataLoader`` reached is walked too (a second loader
+    over a cloned training set kept as a global: for the exchange of the training data's copies, which takes only
+    arrays holding training records — a held-out loader's data is not given other values)."""
+    walk = _Walk(loaders)
     for label, owner in holders:
         if isinstance(owner, nn.Module):
             yield from walk.model(owner)
@@ -93,10 +95,11 @@ def held_arrays(holders: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]
 class _Walk:
     """One breadth-first walk: a queue of (path, object, depth), the objects seen and the budget left."""
 
-    def __init__(self) -> None:
+    def __init__(self, loaders: bool = False) -> None:
         self.queue: collections.deque[tuple[str, Any, int]] = collections.deque()
         self.seen: set[int] = set()
         self.budget = MAX_VISITED
+        self.loaders = loaders
 
     def model(self, owner: nn.Module) -> Iterator[tuple[str, Any]]:
         """The model's buffers now, its modules' attributes queued; its modules and parameters never walked again."""
@@ -141,6 +144,8 @@ class _Walk:
             yield from self.container(path, value, depth)
         elif isinstance(value, nn.Module):
             yield from self.module(path, value, depth)
+        elif self.loaders and isinstance(value, DataLoader):
+            self.queue.append((f"{path}.dataset", value.dataset, depth + 1))
         else:
             yield from self.callable_or_object(path, value, depth)
 
@@ -178,8 +183,9 @@ class _Walk:
             yield from self.extension_buffers(path, value, depth)
 
     def function(self, path: str, value: types.FunctionType, depth: int) -> None:
-        """A function's default arguments and closure cells (not its globals: those of the user's modules are
-        holders of their own)."""
+        """A function's default arguments, closure cells and own attributes (``fn.ref = x``; not its globals: those
+        of the user's modules are holders of their own)."""
+        self.attributes(f"{path}.", value, depth + 1)
         for i, default in enumerate(value.__defaults__ or ()):
             self.queue.append((f"{path}.__defaults__[{i}]", default, depth + 1))
         for key, default in (value.__kwdefaults__ or {}).items():
@@ -272,3 +278,36 @@ def _array(value: Any) -> Optional[tuple[Any, ...]]:
     if isinstance(value, np.ndarray) and value.ndim >= 1 and value.dtype.kind in "fiub":
         return ("array", value.shape, value.dtype)
     return None
+
+
+def code_holders(optimizers: Iterable[Any], schedulers: Iterable[Any]) -> list[tuple[str, Any]]:
+    """Holders for what the code judged after the release reaches (:mod:`lightning_dp.validators.judged_updates`,
+    :mod:`~lightning_dp.validators.judged_schedules`): each optimizer and those it wraps (``_optimizer``,
+    ``optimizer``), each scheduler and those it steps (``_schedulers``) — their own attributes, so a rate function in
+    ``lr_lambdas`` with its closure cells and defaults —, and the bodies of their classes of the user's (methods with
+    their closure cells, defaults and attributes; data in the class body). Torch's own classes are not read (their
+    bodies are code); the objects' attributes are, as the walk reads any holder's. A few objects per fit: the walk
+    is bounded as for any holder (:data:`MAX_VISITED`)."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    todo = [(f"optimizer {i}", o) for i, o in enumerate(optimizers)]
+    todo += [(f"scheduler {i}", s) for i, s in enumerate(schedulers)]
+    while todo:
+        label, obj = todo.pop(0)
+        if obj is None or id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        out.append((label, obj))
+        fields = vars(obj) if hasattr(obj, "__dict__") else {}
+        todo += [(f"{label}.{key}", fields.get(key)) for key in ("_optimizer", "optimizer")
+                 if isinstance(fields.get(key), torch.optim.Optimizer)]
+        todo += [(f"{label}._schedulers[{j}]", s) for j, s in enumerate(fields.get("_schedulers") or ())]
+        for cls in type(obj).__mro__:
+            if id(cls) in seen or library_type(cls):
+                continue
+            seen.add(id(cls))
+            body = {k: v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget
+                    if isinstance(v, property) else v
+                    for k, v in vars(cls).items() if not (k.startswith("__") and k.endswith("__"))}
+            out.append((f"class {cls.__qualname__}", types.SimpleNamespace(**body)))
+    return out

@@ -313,7 +313,7 @@ def training_copies(dataset: Any, holders: Iterable[tuple[str, Any]]) -> list[tu
                 found.append((f"the training data's {type(d).__name__}.{key}", value))
                 memory.add(value)
     digests = [(t, row_digests(t)) for _, t in tensors]
-    for path, value in held_arrays(holders):
+    for path, value in held_arrays(holders, loaders=True):
         copy = _held_copy(value, digests, memory)
         if copy is not None:
             found.append((path, copy))

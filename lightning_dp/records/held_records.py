@@ -69,7 +69,8 @@ def row_digest_array(t: Tensor) -> np.ndarray:
 
 
 def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
-    """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor), rows of it (half of the sampled
+    """Whether ``value`` holds ``data``'s contents: equal to it (a label tensor; in value, when one holds integers and
+    the other floats: labels kept as ``float64``), rows of it (half of the sampled
     rows, at least two, found among ``data``'s row digests — or among those of its rows rounded to the value's
     narrower floating-point type: a float16 copy of float32 data), or — of its shape — its image under one affine
     map a·x + b (:func:`_affine_image`: the raw pixels of data scaled by 1/255, features standardised by constants).
@@ -84,8 +85,9 @@ def holds_records(value: Any, data: Tensor, rows: Optional[set[int]]) -> bool:
         return False
     if candidate.shape == data.shape and data.dim() >= 2 and _affine_image(candidate, data):
         return True
-    if candidate.dtype.is_floating_point != data.dtype.is_floating_point:
-        return False
+    if candidate.dtype.is_floating_point != data.dtype.is_floating_point:  # labels kept as floats (or the reverse):
+        return data.dim() == 1 and candidate.numel() >= 8 and candidate.shape == data.shape \
+            and bool(torch.equal(candidate.cpu().double(), data.detach().cpu().double()))  # equal in value
     if rows is not None and candidate.dtype.is_floating_point and candidate.element_size() < data.element_size():
         rows = row_digests(data, candidate.dtype)
     else:

@@ -38,7 +38,8 @@ from lightning_dp.fingerprints.first_fields import FIRST_SEEN
 from lightning_dp.fingerprints.context_values import restore as context_restore
 from lightning_dp.fingerprints.module_tree import engine_forward
 from lightning_dp.fingerprints.state_walker import (MAX_DEPTH, callable_state, class_attributes, configuration_object,
-                                                   library_object as _library_object, method_cells, users_method)
+                                                   library_callable, library_object as _library_object, method_cells,
+                                                   slot_descriptors, slot_fields, users_method)
 from lightning_dp.records.library_objects import framework_keys
 from lightning_dp.validators.steered_settings import library_settings
 
@@ -85,6 +86,13 @@ def _contents(value: Any, depth: int) -> Restore:
     if isinstance(value, tuple):
         inner = [_contents(v, depth + 1) for v in value]
         return lambda: [restore() for restore in inner] and None
+    slots = slot_fields(value) if not isinstance(value, type) else []
+    if slots:  # a user's object with __slots__ (a memo with no __dict__): its slots, and its attributes if any
+        inner_slots = _slots(value, slots, depth + 1)
+        if not hasattr(value, "__dict__"):
+            return inner_slots
+        inner_dict = _attributes(value, list(vars(value)), depth + 1)
+        return lambda: (inner_dict(), inner_slots()) and None
     if hasattr(value, "__dict__") and not isinstance(value, type) and _plain(value):
         return _attributes(value, list(vars(value)), depth + 1)
     if _library_object(value):  # a library's object: what was added to it only (`loader.seen += 1` put back)
@@ -104,11 +112,17 @@ def class_state(classes: Iterable[type]) -> list[Restore]:
             method = users_method(vars(cls)[key.removesuffix(".__closure__")])
             restores.extend(_cell_restore(cell) for cell in method_cells(method))
             continue
-        if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): their contents
-            restores.extend(_contents(v, 0) for v in value.values())
+        if key.endswith(".__dict__"):  # a method's attributes (`forward.stats`): below, with those added later
             continue
         restores.append(_contents(value, 0))
         restores.append(partial(_rebind_class_attribute, cls, key, value))
+    seen: set[type] = set()
+    for cls in classes:  # every method's own attributes (`forward.stats`): their contents, those added since removed
+        for base in cls.__mro__:
+            if base not in seen and not library_type(base):
+                seen.add(base)
+                restores.extend(function_attributes(users_method(v)) for k, v in list(vars(base).items())
+                                if isinstance(v, types.FunctionType) and not k.startswith("__"))
     return restores
 
 
@@ -124,8 +138,17 @@ def function_state(fn: Any) -> list[Restore]:
             + function_state(fn.__func__)
     if isinstance(fn, types.FunctionType):
         return [_cell_restore(cell) for cell in method_cells(fn)] \
-            + [_contents(v, 0) for v in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())]
+            + [_contents(v, 0) for v in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())] \
+            + [function_attributes(fn)]
     return [_attributes(fn, list(vars(fn)), 0)] if hasattr(fn, "__dict__") and not isinstance(fn, type) else []
+
+
+def function_attributes(fn: types.FunctionType) -> Restore:
+    """A function that puts a user's function's own attributes back as they are now (``stat.v = x`` a memo set at
+    its first call: removed again; ``rate.memo`` a dict filled: cut back); a library's function: nothing."""
+    if library_callable(fn):
+        return _nothing
+    return _attributes(fn, list(vars(fn)), 0)
 
 
 def object_state(owner: Any) -> Restore:
@@ -191,6 +214,29 @@ def _attributes(owner: Any, keys: Sequence[str], depth: int, keep: frozenset[str
     return put
 
 
+def _slots(owner: Any, fields: list[tuple[str, Any]], depth: int) -> Restore:
+    """Restore the ``__slots__`` of a user's object (:func:`~.state_walker.slot_fields`): each set slot bound to its
+    object again, with its contents; a slot set since (unset now) emptied again."""
+    held = dict(fields)
+    inner = [_contents(v, depth) for v in held.values()]
+    descriptors = dict(slot_descriptors(type(owner)))
+
+    def put() -> None:
+        for key, descriptor in descriptors.items():
+            try:
+                now = descriptor.__get__(owner, type(owner))
+            except AttributeError:
+                now = _ABSENT
+            if key not in held:
+                if now is not _ABSENT:
+                    descriptor.__delete__(owner)
+            elif now is not held[key]:
+                descriptor.__set__(owner, held[key])
+        for restore in inner:
+            restore()
+    return put
+
+
 def _globals(mod: types.ModuleType) -> Restore:
     """Restore a module's globals as the fingerprint reads them (:meth:`~lightning_dp.validators.kept_state.
     StateFingerprint.take`): every name bound to its object again, with its contents (a list appended to is cut
@@ -207,6 +253,8 @@ def _globals(mod: types.ModuleType) -> Restore:
         if isinstance(value, _CALLABLES):  # `def f(x, _seen=[])` at module level: what it keeps, in place
             if isinstance(value, (types.FunctionType, partial)):
                 inner.extend(_contents(v, 0) for v in callable_state(value) if isinstance(v, _KEPT))
+            if isinstance(value, types.FunctionType):  # `stat.v = x`, a memo in its own attributes
+                inner.append(function_attributes(value))
             continue
         held[key] = value
         if not _large(value):  # the training data kept in a script's global: rebound only (a write in place is the

@@ -28,6 +28,7 @@ from lightning_dp.validators.batch_check import FIRST_DRAWS, LATER_DRAWS, BatchI
 from lightning_dp.records.constructed_batches import label_batch, largest_batch
 from lightning_dp.records.collate import held_records
 from lightning_dp.records.empty_records import holding_data
+from lightning_dp.record_checks.holders import code_holders
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy, training_copies
 from lightning_dp.record_checks.released_transforms import uncharged_transforms, uncharged_transforms_error
 from lightning_dp.validators.diagnostic_reads import moved as diagnostics_moved
@@ -49,6 +50,7 @@ from lightning_dp.validators.rank_agreement import (check_ranks_agree, differing
 from lightning_dp.validators.rng import forked_rngs
 from lightning_dp.validators.schedule import VerificationSchedule
 from lightning_dp.validators.snapshot import StateSnapshot
+from lightning_dp.validators.steered_settings import schedulers
 
 
 class StepChecks:
@@ -434,8 +436,10 @@ class StepChecks:
         dataset's, and those the model, the datamodule, the callbacks and the user's globals keep); none when a
         batch cannot be copied (``copyable()`` false by then: its records would be read from the exchanged data)."""
         assert self._source is not None and self._module is not None
+        trainer = getattr(self._module, "_trainer", None)
         holders = [("model", self._module), *((type(cb).__name__, cb) for cb in self.boundary.callbacks()),
-                   *((m.__name__, m) for m in self.boundary.global_modules())]
+                   *((m.__name__, m) for m in self.boundary.global_modules()),
+                   *code_holders(getattr(trainer, "optimizers", None) or (), schedulers(trainer))]
         return ExchangedRecords(training_copies(self._source[0], holders), copyable, also)
 
     def _replay(self, replay_hooks: Callable[[list[int]], None], indices: list[int]) -> None:
