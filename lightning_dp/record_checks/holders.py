@@ -231,6 +231,8 @@ def _opaque(value: Any) -> bool:
 
 
 def _key(key: Any) -> str:
+    if isinstance(key, Tensor):  # (a parameter keying an optimizer's state: its repr prints its values)
+        return f"<{type(key).__name__} {tuple(key.shape)}>"
     text = repr(key)
     return text if len(text) <= 40 else text[:37] + "…"
 
@@ -297,8 +299,8 @@ def code_holders(optimizers: Iterable[Any], schedulers: Iterable[Any]) -> list[t
         if obj is None or id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
             continue
         seen.add(id(obj))
-        out.append((label, obj))
         fields = vars(obj) if hasattr(obj, "__dict__") else {}
+        out.append((label, _released_left(obj, fields) if isinstance(obj, torch.optim.Optimizer) else obj))
         todo += [(f"{label}.{key}", fields.get(key)) for key in ("_optimizer", "optimizer")
                  if isinstance(fields.get(key), torch.optim.Optimizer)]
         todo += [(f"{label}._schedulers[{j}]", s) for j, s in enumerate(fields.get("_schedulers") or ())]
@@ -311,3 +313,17 @@ def code_holders(optimizers: Iterable[Any], schedulers: Iterable[Any]) -> list[t
                     for k, v in vars(cls).items() if not (k.startswith("__") and k.endswith("__"))}
             out.append((f"class {cls.__qualname__}", types.SimpleNamespace(**body)))
     return out
+
+
+def _released_left(optimizer: Any, fields: dict[str, Any]) -> types.SimpleNamespace:
+    """An optimizer's attributes as a holder, less the released state: its per-parameter ``state`` (moments of ĝ)
+    and its groups' ``params`` (the weights) are left out; what it keeps under other keys is walked."""
+    state = fields.get("state")
+    groups = fields.get("param_groups")
+    view = dict(fields)
+    if isinstance(state, dict):
+        view["state"] = {k: v for k, v in state.items() if not isinstance(k, Tensor)}
+    if isinstance(groups, list):
+        view["param_groups"] = [{k: v for k, v in g.items() if k != "params"} if isinstance(g, dict) else g
+                                for g in groups]
+    return types.SimpleNamespace(**{k: v for k, v in view.items() if isinstance(k, str)})
