@@ -1,7 +1,8 @@
 """The walk of the user's Python state: values turned into hashable tokens (:class:`Walker`), to a bounded depth
 (:data:`MAX_DEPTH`) and sample (:data:`MAX_ITEMS`), and where that state lives besides a module's attributes — what a
 callable keeps (:func:`callable_state`: closure cells, default arguments, a partial's arguments, a bound object),
-the Python attributes of a tensor or a function (:func:`kept_attributes`), a function's default arguments
+the Python attributes of a tensor or a function (:func:`kept_attributes`), the slots of a ``__slots__`` object of
+the user's class (:func:`slot_fields`), a function's default arguments
 (:func:`function_defaults`), the tensor hung in the ``.grad`` of one that trains nothing (:func:`hung_gradient`),
 class bodies (:func:`class_attributes`) and the data library classes hold (:func:`library_class_attributes`),
 the user's Python modules (:func:`user_modules`), a library's configuration object (:func:`configuration_object`),

@@ -5,9 +5,12 @@ The walk goes breadth first (the shallowest holdings first) through attributes o
 third-party estimator such as scikit-learn's), dicts, lists, tuples and deques of any nesting up to :data:`MAX_DEPTH`,
 the state of callables (a ``functools.partial``'s arguments, a function's defaults and closure cells, a bound
 method's object), the parameters and buffers of modules held outside the model (a callback's ``nn.Embedding``) and
-the buffers that compiled extension types expose (a scikit-learn tree's data). It stops after :data:`MAX_VISITED`
-objects, and does not enter classes, imported modules, nor the framework's own objects (torch, Lightning,
-lightning_dp, NumPy internals: the trainer, the strategy, optimizers), whose copies of a batch are not the user's.
+the buffers that compiled extension types expose (a scikit-learn tree's data), the slots of a ``__slots__`` object, a
+function's own attributes. It stops after :data:`MAX_VISITED` objects, and does not enter classes, imported modules,
+nor the framework's own objects (torch, Lightning, lightning_dp, NumPy internals: the trainer, the strategy, a
+sampler), whose copies of a batch are not the user's — except, for the exchange of the training data's copies, a
+``DataLoader``'s dataset (``loaders``) and the optimizers and schedulers the judged code runs in, given as holders
+(:func:`code_holders`: their attributes, rate functions and classes of the user's; not the released state).
 A container whose items are records one each — ``{i: (x_i, y_i)}``, ``[(x_i, y_i), ...]`` — gives
 :class:`RowItems`, one per component of its items, exchanged item by item.
 """

@@ -25,7 +25,8 @@ the exchanged memory: refused before the step's release (:func:`outside_records_
 What is exchanged (:func:`training_copies`): the tensors of the training dataset and of the datasets it wraps
 (:func:`~lightning_dp.fingerprints.dataset_tokens.dataset_parts`; every view of their memory, anywhere, with them), the
 NumPy arrays and lists of records those datasets keep, and *copies* of the training tensors elsewhere — a tensor or
-NumPy array the model (buffers, attributes), the datamodule, a callback or a global of the user's code holds,
+NumPy array the model (buffers, attributes), the datamodule, a callback, a global of the user's code, an optimizer or
+a scheduler (their attributes, rate functions, classes of the user's) or a ``DataLoader``'s dataset holds,
 directly or further in (:func:`~lightning_dp.record_checks.holders.held_arrays`: nested containers, helper objects and
 fitted estimators, a ``functools.partial``'s arguments, a function's defaults and closure, the weights of a module
 held outside the model; a bounded walk), whose rows are rows of a training tensor (its sampled rows found in the

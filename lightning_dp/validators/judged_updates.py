@@ -35,8 +35,12 @@ float subclass, a parameter class with its own ``__torch_function__`` (zoo35 R05
 A step whose class and hooks are torch's or another library's is not run again: its code is trusted as the
 post-processing of ĝ_t (docs/release_boundary.md, "What the boundary cannot see"). Cost: nothing for those; else, at
 every step, a copy of the weights and ĝ, four full fingerprints of the kept state and one or two more optimizer steps.
-Not seen: state the step keeps where neither the snapshot nor the fingerprint reaches (a module of another library,
-a file), read back on its run again to reproduce the real write.
+The exchanged copies include those the optimizers, the schedulers, their rate functions and their classes of the
+user's hold and the dataset behind a ``DataLoader`` the walk meets
+(:func:`~lightning_dp.record_checks.holders.code_holders`); a memo in a ``__slots__`` object or in a function's own
+attributes is put back (:mod:`.snapshot`). Not seen: state the step keeps where neither the snapshot nor the
+fingerprint reaches (a module of another library, a ctypes buffer, a file), read back on its run again to reproduce
+the real write; a statistic (not a copy) of the training data computed before the fit and held by the optimizer.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ state it can see and refuses a change that the optimizer's step on the released 
   as module attributes are (the engine's own, such as Opacus' ``grad_sample``, skipped), and those of every other
   tensor reached as state (a plain tensor attribute, a tensor in a container: :func:`kept_attributes`);
 * the attributes of every module whose class is not torch's own — tensors, NumPy arrays, numbers,
-  strings, containers of them, and plain Python objects (a ``RunningMeanStd`` helper) to a bounded depth;
+  strings, containers of them, and plain Python objects (a ``RunningMeanStd`` helper; a ``__slots__`` object of the
+  user's class by its slots: :func:`~lightning_dp.fingerprints.state_walker.slot_fields`) to a bounded depth;
   a torchmetrics ``Metric`` contributes only its persistent states (non-persistent ones feed ``self.log``,
   whose values are reported, not released: see the README's caveats);
 * the same attributes of every callback that is handed the batch (it overrides ``on_train_batch_start``,

@@ -9,7 +9,8 @@ callbacks, the module-level globals of the user's code (the modules the fingerpr
 :attr:`~lightning_dp.privacy.boundary.ReleaseBoundary.global_modules`) and the data in those modules' classes'
 bodies, and :meth:`StateSnapshot.restore` puts back both the references (an attribute rebound to a new
 object gets its old object back) and their contents (a list appended to is cut back, a tensor written in place
-gets its old values), to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels; and the modules' modes
+gets its old values; a ``__slots__`` object's slots and a user's function's own attributes, ``stat.v = x``, too),
+to :data:`~lightning_dp.fingerprints.state_walker.MAX_DEPTH` levels; and the modules' modes
 and which parameters train (a replayed epoch hook that unfreezes a layer leaves the real run's set, not its own).
 A module reached through the user's state outside the model's registry (a teacher ``copy.deepcopy``-ed into a list)
 has its tensors' contents put back; a library's object (a ``DataLoader`` held as a global) what was added to it since

@@ -433,7 +433,8 @@ class StepChecks:
 
     def _training_copies(self, copyable: Callable[[], bool], also: Any = None) -> ExchangedRecords:
         """The training data's copies in memory the batch check exchanges (:func:`training_copies`: the training
-        dataset's, and those the model, the datamodule, the callbacks and the user's globals keep); none when a
+        dataset's, and those the model, the datamodule, the callbacks, the user's globals, the optimizers and the
+        schedulers keep: :func:`~lightning_dp.record_checks.holders.code_holders`); none when a
         batch cannot be copied (``copyable()`` false by then: its records would be read from the exchanged data)."""
         assert self._source is not None and self._module is not None
         trainer = getattr(self._module, "_trainer", None)
