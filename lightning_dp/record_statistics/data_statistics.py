@@ -10,7 +10,9 @@ ledger counts, the trained model is then not differentially private.
 :func:`data_statistics_held` looks, once before the first release, for
 
 * tensors (and NumPy arrays, lists and tuples of numbers) held by the model's modules (buffers and attributes), the
-  LightningDataModule and the training datasets' own attributes — the tensors beside the records too, those whose
+  LightningDataModule, the optimizers and schedulers (their attributes, rate functions and classes of the user's, not
+  their per-parameter state: :func:`~lightning_dp.record_checks.holders.code_holders`) and the training datasets' own
+  attributes — the tensors beside the records too, those whose
   first dimension is no dataset's length (``self.mean = x.mean(0)`` applied in ``__getitem__``), compared with the
   statistics of the others, and what :mod:`.loader_statistics` walks to: a helper, a closure, the class — that
   equal, to float precision, a statistic of the training tensors (and of the datasets' NumPy record arrays, and of

@@ -40,7 +40,8 @@ user's hold and the dataset behind a ``DataLoader`` the walk meets
 (:func:`~lightning_dp.record_checks.holders.code_holders`); a memo in a ``__slots__`` object or in a function's own
 attributes is put back (:mod:`.snapshot`). Not seen: state the step keeps where neither the snapshot nor the
 fingerprint reaches (a module of another library, a ctypes buffer, a file), read back on its run again to reproduce
-the real write; a statistic (not a copy) of the training data computed before the fit and held by the optimizer.
+the real write. A statistic (not a copy) of the training data computed before the fit and held by the optimizer is
+the data statistics' check's (:mod:`lightning_dp.record_statistics.data_statistics`): refused as the fit starts.
 """
 
 from __future__ import annotations

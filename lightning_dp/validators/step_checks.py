@@ -130,8 +130,10 @@ class StepChecks:
         training data, nor are its features standardised with their own (:mod:`.data_statistics`), nor do they keep
         a vocabulary built from the training records holding an item of one record (:mod:`.held_vocabulary`)."""
         assert self._source is not None and self._module is not None
-        holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()
-                                               if is_datamodule(cb)]
+        trainer = getattr(self._module, "_trainer", None)  # (the optimizers and schedulers: a mean kept as
+        holders = [("model", self._module)] + [("datamodule", cb) for cb in self.boundary.callbacks()  # self.mu)
+                                               if is_datamodule(cb)] \
+            + code_holders(getattr(trainer, "optimizers", None) or (), schedulers(trainer))
         loader = getattr(self, "training_loader", None)  # what it holds (a collator's tokenizer) is looked in too
         charged = {e.run for e in self.ledger.entries if e.run}  # DP releases this fit's ledger counts pass
         kept: list[TrainingStatistics] = []

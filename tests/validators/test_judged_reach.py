@@ -77,6 +77,12 @@ def test_a_training_copy_held_by_the_optimizer_is_exchanged() -> None:
     refused(lambda m: HoldsCopy(m, data().tensors[0].clone()), UPDATE)
 
 
+def test_a_training_statistic_held_by_the_optimizer_is_refused() -> None:
+    """Not a copy (the exchange finds copies by content): the training mean computed as the optimizer is made, held
+    as its attribute, is a statistic of the training data held before training (rule 11)."""
+    refused(lambda m: HoldsCopy(m, data().tensors[0].mean(0, keepdim=True)), "Statistics of the training data")
+
+
 def _closure_class(xn: Any) -> type:
     class ClosureCopy(torch.optim.SGD):  # T02: a NumPy copy in the closure of the class's step (made in a factory)
         def __init__(self, module: Any) -> None:
