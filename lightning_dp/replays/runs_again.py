@@ -12,9 +12,29 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["bit_exact", "plain_exchanged_again", "run_once", "set_apart"]
+__all__ = ["InterruptedRun", "bit_exact", "interrupts_failed", "plain_exchanged_again", "run_once", "set_apart"]
 
 T = TypeVar("T")
+
+
+class InterruptedRun(RuntimeError):
+    """A ``KeyboardInterrupt``, ``SystemExit`` or ``GeneratorExit`` (any exception that is not an ``Exception``) the
+    user's code raised while the library ran it again: a failed run again, judged as any other failure (a run that
+    fails accepts nothing; one that fails on the data and not on other data is a decision made by raising), never the
+    user's own interrupt ending the fit (zoo36 T19: raised from the batch's label rate inside the first step's replay,
+    it ended the fit with no release and no refusal). The original is its ``__cause__``."""
+
+
+class interrupts_failed:  # noqa: N801  (used as a context: ``with interrupts_failed():``)
+    """Inside, an exception that is not an ``Exception`` leaves as :class:`InterruptedRun`."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], tb: Any) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            raise InterruptedRun(f"{type(error).__name__} raised by the user's code run again") from error
+        return False
 
 
 def run_once(run: Callable[[], Any], *contexts: AbstractContextManager, start: Optional[Callable[[], Any]] = None,
@@ -25,7 +45,7 @@ def run_once(run: Callable[[], Any], *contexts: AbstractContextManager, start: O
     if start is not None:
         start()
     try:
-        with ExitStack() as stack:
+        with interrupts_failed(), ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
             result = run()

@@ -54,6 +54,8 @@ from lightning_dp.replays.draws import DrawReads
 from lightning_dp.replays.runs_again import set_apart
 from lightning_dp.records.library_objects import LIBRARY_PREFIXES, library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
+from lightning_dp.validators.loop_counters import counters_kept, loop_counters, progress
+from lightning_dp.validators.loop_wraps import wrap_method
 from lightning_dp.validators.mechanism_settings import mechanism_settings, put_mechanism_settings
 from lightning_dp.validators.steered_settings import (decisions, hyperparameters_error, loop_controls,
                                                       put_loop_controls, schedulers)
@@ -95,6 +97,10 @@ class _Window:
     state: Optional[Fingerprint] = None
     before: Optional[StateSnapshot] = None
     optimizer_states: list[dict[Any, Any]] = field(default_factory=list)  # :func:`~.optimizer_extra_state.saved_state`
+    counters: Callable[[], None] = lambda: None  # puts the loop's counters back (:func:`~.loop_counters.counters_kept`)
+    steady: Fingerprint = field(default_factory=dict)  # the counters the loop does not move here (``steady=True``)
+    progress: Optional[Fingerprint] = None  # the batch and epoch progress as a batch's or an epoch's end opened it
+    progress_written: bool = False  # the user's hooks moved that progress (seen as they ended)
 
 
 class DecisionWindows(pl.Callback):
@@ -154,12 +160,33 @@ class DecisionWindows(pl.Callback):
         self.notes = MechanismNotes()  # σ and C as the last release, a judged window or the library left them
         self._replayed: Optional[Fingerprint] = None  # the decisions the last runs again (on the data) left
         self._saving = False  # a checkpoint the user's hook saves is being written (:meth:`before_checkpoint`)
+        self._unwrap: list[Callable[[], None]] = []  # the logger connector's methods wrapped for the fit
         self.judged: Fingerprint = {}  # decisions an epoch's or validation's window whose hooks read no logged value
         # judged (its runs again moved those values both ways): not from one read before it (LoggedReads.check_release)
 
     # ------------------------------------------------------------------ the loop's hooks
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._kinds = None
+        self._unwatch()
+        connector = getattr(trainer, "_logger_connector", None)
+        for name in ("on_batch_end", "on_epoch_end"):  # called right after a batch's, an epoch's end hooks
+            if callable(getattr(connector, name, None)):
+                self._unwrap.append(wrap_method(connector, name, self._after_hooks(trainer)))
+
+    def _after_hooks(self, trainer: "pl.Trainer") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def ended(*args: Any, **kwargs: Any) -> Any:
+                window = self._window
+                if window is not None and window.progress is not None:  # the hooks of a batch's or epoch's end ran
+                    window.progress_written = window.progress_written or progress(trainer) != window.progress
+                    window.progress = None
+                return original(*args, **kwargs)
+            return ended
+        return make
+
+    def _unwatch(self) -> None:
+        while self._unwrap:
+            self._unwrap.pop()()
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -190,6 +217,7 @@ class DecisionWindows(pl.Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.close(trainer, pl_module)
+        self._unwatch()
         self.notes.unwatch()
         self._check_mechanism(trainer, "at the end of training, after step {step}")
         self._on_end()  # first of the on_train_end hooks: the state before the user's (to put back if refused)
@@ -252,7 +280,9 @@ class DecisionWindows(pl.Callback):
             [(o, _public_attributes(o)) for o in self._users(trainer, module)], mechanism_settings(trainer), args,
             trainer.global_step,
             self._state(trainer, module, full=judge) if watched else None,
-            self._snapshot(trainer, module) if judge else None, [saved_state(o) for o in optimizers])
+            self._snapshot(trainer, module) if judge else None, [saved_state(o) for o in optimizers],
+            counters_kept(trainer), loop_counters(trainer, steady=True),
+            progress(trainer) if kind in ("batch", "epoch") else None)
 
     def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """End the open window: if its hooks changed a decision (or, an epoch's, the kept state), verify it; raises
@@ -260,7 +290,11 @@ class DecisionWindows(pl.Callback):
         window, self._window = self._window, None
         if window is None or window.kind == "batch start":  # the step judges what they decide (its release's checks)
             return
-        judged, decided_now = window.before is not None, decisions(trainer) != window.decisions or self._saving
+        judged = window.before is not None
+        if window.progress is not None:  # closed before the loop moved the progress (a checkpoint saved in the hooks)
+            window.progress_written = window.progress_written or progress(trainer) != window.progress
+        decided_now = decisions(trainer) != window.decisions or self._saving or window.progress_written \
+            or loop_counters(trainer, steady=True) != window.steady  # (global_step, max_batches: T21, T20)
         written = [] if window.state is None else \
             StateFingerprint.changed(window.state, self._state(trainer, module, full=judged))
         # alike on every rank (one all-reduce): whether anything is judged, and whether the hooks run again
@@ -300,7 +334,7 @@ class DecisionWindows(pl.Callback):
         now afterwards."""
         users = [o for o, _ in window.attributes if o is not module]
         after = StateSnapshot(module, users, self._boundary.engine_keys, self._boundary.global_modules())
-        now = _settings_of(trainer), loop_controls(trainer), mechanism_settings(trainer)
+        now = _settings_of(trainer), loop_controls(trainer), mechanism_settings(trainer), counters_kept(trainer)
         kept = (list(trainer.strategy.optimizers), [copy.deepcopy(s.state_dict()) for s in schedulers(trainer)],
                 [(p, p.requires_grad) for p in module.parameters()],
                 [saved_state(o) for o in trainer.strategy.optimizers])
@@ -320,7 +354,8 @@ class DecisionWindows(pl.Callback):
                         saved = len(checkpoints_saved())
                         _run_hooks(window, trainer, module, variant)
                         state = self._state(trainer, module) if window.before is not None else {}
-                        runs.append({**state, **decisions(trainer),  # inside: leaving a replay puts schedulers back
+                        runs.append({**state, **decisions(trainer), **loop_counters(trainer),  # inside: leaving a
+                                     # replay puts schedulers back
                                      "trainer checkpoints saved": checkpoints_saved()[saved:]})
                     errors.append(None)
                 except PrivacyConfigurationError:
@@ -334,6 +369,7 @@ class DecisionWindows(pl.Callback):
             _put_settings(trainer, *now[0])
             put_loop_controls(trainer, now[1])
             put_mechanism_settings(trainer, now[2])
+            now[3]()
         # a stop by raising: the loss moved (a batch's runs 3 and 4) is judged both ways, exchanged values only when
         # the runs on the data raised (a hook may rightly reject values the exchange made)
         judged = [window.kind == "batch" and i < 2 for i in range(len(errors) - 2)]
@@ -355,9 +391,10 @@ class DecisionWindows(pl.Callback):
         strategy raises in place of the exception (:meth:`~lightning_dp._strategy_glue.PrivateTraining.on_exception`).
         """
         window, self._window, self.refusal = self._window, None, None
+        self._unwatch()
         self.notes.unwatch()
-        if window is None or not isinstance(exception, Exception) or isinstance(exception, PrivacyConfigurationError):
-            return
+        if window is None or isinstance(exception, PrivacyConfigurationError):  # (a KeyboardInterrupt too: raised
+            return  # by the user's hook from the batch, it is a stop by raising; the user's own Ctrl-C is not apart)
         self.raised = None
         try:
             self._steered(window, trainer, pl_module)
@@ -447,6 +484,7 @@ def _put_back(window: _Window, trainer: "pl.Trainer") -> None:
     _put_decisions(trainer, window.optimizers, window.scheduler_states, window.trainable, window.optimizer_states)
     _put_settings(trainer, window.groups, window.defaults)
     put_loop_controls(trainer, window.controls)
+    window.counters()
     put_mechanism_settings(trainer, window.mechanism)
     for obj, attributes in window.attributes:
         for key in [k for k in _public_attributes(obj) if k not in attributes]:

@@ -25,6 +25,7 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.losses import loss_tensor
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import moved_by_data
+from lightning_dp.replays.runs_again import InterruptedRun, interrupts_failed
 from lightning_dp.fingerprints.state_walker import binds, library_callable
 from lightning_dp.records.library_objects import library_callback
 from lightning_dp.validators.kept_state import StateFingerprint
@@ -87,6 +88,8 @@ def _raising_hook(err: BaseException) -> str:
 
 def raised_error(err: BaseException, on_data: bool, where: str) -> PrivacyConfigurationError:
     """The refusal of a decision made by raising (:func:`raised_apart`), naming the hook and the exception."""
+    if isinstance(err, InterruptedRun) and err.__cause__ is not None:  # (a KeyboardInterrupt of the hook's)
+        err = err.__cause__
     how = ("raised it on the data, and not when run again on other data" if on_data else
            "did not raise it on the data, and raised it when run again on other data")
     return PrivacyConfigurationError(
@@ -479,7 +482,8 @@ def replaying(module: "pl.LightningModule", rates: bool = True, schedules: bool 
         for obj, name in muted:
             setattr(obj, name, _counted if name == "save_checkpoint" else lambda *args, **kwargs: None)
         try:
-            yield
+            with interrupts_failed():  # a KeyboardInterrupt of the user's hook: a failed run, not the user's interrupt
+                yield
         finally:
             _REPLAYS.remove(module)
             if listed is not None:  # a replayed on_train_start adding a logger (``trainer.loggers += [lg]``) adds none

@@ -26,6 +26,7 @@ from lightning_dp.fingerprints.callback_state import code_objects, stored_attrib
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint, changed_entries
 from lightning_dp.fingerprints.state_walker import freeze
 from lightning_dp.records.identity import Same
+from lightning_dp.validators.loop_counters import counters_kept, loop_counters
 from lightning_dp.validators.mechanism_settings import (mechanism_decisions, mechanism_settings, mechanism_state,
                                                         put_mechanism_settings)
 from lightning_dp.validators.optimizer_extra_state import extra_state, put_state, rebound_state, saved_state
@@ -207,15 +208,18 @@ def replay_records(optimizer: Any, replays: Sequence[Callable[[], None]],
 
 def settings_kept(optimizer: Any, loop: Any) -> Callable[[], None]:
     """What :func:`replay_records` puts back, recorded now: the optimizer's hyper-parameters, defaults and state, the
-    trainer's :func:`loop_controls` and the mechanism's σ and C; the function returned sets them back as they are
+    trainer's :func:`loop_controls`, the loop's counters (:func:`~.loop_counters.counters_kept`) and the mechanism's σ
+    and C; the function returned sets them back as they are
     now."""
     groups = [(group, group["params"], list(group["params"])) for group in optimizer.param_groups]
     saved = ([{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
              dict(getattr(optimizer, "defaults", None) or {}))
     controls, mechanism, state = loop_controls(loop), mechanism_settings(loop), saved_state(optimizer)
+    counters = counters_kept(loop)
 
     def put_back() -> None:
         put_state(optimizer, state)
+        counters()
         put_loop_controls(loop, controls)
         put_mechanism_settings(loop, mechanism)
         optimizer.param_groups[:] = [group for group, _, _ in groups]  # as they were: a group a replay added goes,
@@ -232,9 +236,11 @@ def settings_kept(optimizer: Any, loop: Any) -> Callable[[], None]:
 
 def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:
     """What :func:`replay_records` compares after each replay: the optimizer's :func:`hyperparameters`, the trainer's
-    :func:`loop_controls` (``"trainer should_stop"``) and the mechanism's σ and C (:func:`mechanism_decisions`)."""
+    :func:`loop_controls` (``"trainer should_stop"``), the loop's own counters and limits
+    (:func:`~.loop_counters.loop_counters`: ``global_step``, ``max_batches``, the batch and epoch progress) and the
+    mechanism's σ and C (:func:`mechanism_decisions`)."""
     return {**hyperparameters(optimizer), **{f"trainer {k}": v for k, v in loop_controls(loop).items()},
-            **mechanism_decisions(loop)}
+            **loop_counters(loop), **mechanism_decisions(loop)}
 
 
 def step_decisions(trainer: Any) -> Fingerprint:
