@@ -13,7 +13,10 @@ windows in which the user's hooks run outside a step: a batch's end (``on_train_
 ``on_validation_end``). It notes the decisions as a window opens — every optimizer's hyper-parameters and defaults,
 ``trainer.should_stop``, ``max_epochs``, ``max_steps``, the library callbacks' and the trainer's settings
 (:func:`~.steered_settings.library_settings`: an ``EarlyStopping.patience``, a ``Timer`` duration, a checkpoint or
-validation schedule), the mechanism's σ and C — and compares them when it closes (at the next hook of the loop). Only
+validation schedule), the loop's counters and limits (:mod:`.loop_counters`: ``global_step``'s counter,
+``max_batches``), the mechanism's σ and C — and compares them when it closes (at the next hook of the loop); the
+batch and epoch progress, which the loop moves before the window closes, right after a batch's or an epoch's end
+hooks ran (Lightning's logger connector told the batch or epoch ended: wrapped for the fit). Only
 when they changed are the window's hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
 run again, from the decisions (and the user objects' attributes) as they were when it opened: twice as they ran, then on
 other data — at a batch's end its loss (every float tensor of its outputs) moved far, then near zero (a decision taken
@@ -32,6 +35,10 @@ rather than an attribute it binds (its runs again start from the state as it is 
 put back: a snapshot of the whole state every step would cost too much; an epoch's window takes one), and decisions
 made in the step itself
 (refused at the release: :meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.check_hyperparameters`).
+
+An exception that ends the fit while a window is open, a ``KeyboardInterrupt`` or ``SystemExit`` too
+(:meth:`DecisionWindows.on_exception`), is run again there; raised inside the runs again it is that run's failure
+(:class:`~lightning_dp.replays.runs_again.InterruptedRun`, by :func:`~.hook_replays.replaying`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ epoch ended, before the loop moves them). The optimizer-step counters and ``max_
 a step and as an epoch's data is set up.
 
 Not seen: the data fetcher's and the data loader's iterators (a hook that draws batches from the fetcher ends the
-epoch early), and progress written by ``on_train_epoch_start`` or at a validation's end (compared only across the
-window, where the loop moves it too).
+epoch early), and the batch or epoch progress written by ``on_train_epoch_start`` or at a validation's end, where the
+loop moves it too before the window closes (compared only when another decision of that window changed).
 """
 
 from __future__ import annotations
@@ -71,22 +71,26 @@ def _objects(trainer: Any) -> dict[str, Any]:
     return out
 
 
-def _fields(obj: Any) -> tuple[tuple[str, Any], ...]:
-    """A tracker's numbers (and flags) as (name, value) pairs, in order."""
-    return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, bool))) \
-        if hasattr(obj, "__dict__") else ()
+def _fields(obj: Any, completed: bool = False) -> tuple[tuple[str, Any], ...]:
+    """A tracker's numbers (and flags) as (name, value) pairs, in order; ``completed``: that count alone (an optimizer
+    step's ``ready`` moves as the step begins, before ``training_step``; ``completed`` is ``global_step``)."""
+    return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, (int, float, bool))
+                 and (not completed or k == "completed")) if hasattr(obj, "__dict__") else ()
 
 
 def loop_counters(trainer: Any, steady: bool = False) -> Fingerprint:
     """The loop's counters and limits as fingerprint entries: ``"trainer fit_loop.max_batches"``, ``"trainer
     optimizer steps"`` (each step tracker's numbers), ``"trainer loop objects"`` (the objects, by identity) and, unless
-    ``steady``, the batch and epoch progress (:func:`progress`); none without a fit loop."""
+    ``steady``, the batch and epoch progress (:func:`progress`); none without a fit loop. ``steady``: what the loop
+    moves neither between two training hooks outside a step nor from a batch's arrival to its release (the step
+    trackers' ``completed`` only)."""
     objects = _objects(trainer)
     fit = objects.get("fit_loop")
     if fit is None:
         return {}
     out: Fingerprint = {"trainer fit_loop.max_batches": getattr(fit, "max_batches", None),
-                        "trainer optimizer steps": tuple((p, _fields(objects[p])) for p in _STEPS if p in objects),
+                        "trainer optimizer steps": tuple((p, _fields(objects[p], steady)) for p in _STEPS
+                                                         if p in objects),
                         "trainer loop objects": tuple((p, Same(obj)) for p, obj in objects.items())}
     if not steady:
         out.update(progress(trainer, objects))

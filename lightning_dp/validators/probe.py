@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError, RandomStepWarning
 from lightning_dp.records import user_generators
+from lightning_dp.replays.runs_again import interrupts_failed
 from lightning_dp.validators.kept_state import StateFingerprint, public_name
 from lightning_dp.validators.random_draws import drawing_modules, random_step_warning
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
@@ -300,8 +301,9 @@ class ExampleIndependenceProbe:
         if self._start_state is not None:  # every pass from the user's state as the step found it, but the slots a
             self._start_with_filled_slots()  # first forward fills, as the first pass filled them (as before)
         try:
-            with self._calls:  # the user's forward and backward only: an engine's torch.func replay takes its own
-                # (gradients with create_graph=True, which is no double backward of the step)
+            with interrupts_failed(), self._calls:  # the user's forward and backward only: an engine's torch.func
+                # replay takes its own (gradients with create_graph=True, which is no double backward of the step);
+                # a KeyboardInterrupt of the user's step here is a failed pass, refused, not an interrupt of the fit
                 loss = self.loss_of(indices)
                 if loss.grad_fn is None:
                     raise detached_loss_error(loss)

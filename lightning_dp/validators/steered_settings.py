@@ -245,10 +245,12 @@ def replay_decisions(optimizer: Any, loop: Any) -> Fingerprint:
 
 def step_decisions(trainer: Any) -> Fingerprint:
     """What a step may not change between its ``training_step`` and its release: σ, C and what else decides the
-    release (:func:`mechanism_state`: the clipping policy's settings and state, the noise, the plan) and the trainer's
-    decisions and library settings (:func:`loop_controls`), as fingerprint entries."""
+    release (:func:`mechanism_state`: the clipping policy's settings and state, the noise, the plan), the trainer's
+    decisions and library settings (:func:`loop_controls`) and the loop's counters it does not move in a step
+    (:func:`~.loop_counters.loop_counters`, ``steady``: ``global_step``, ``max_batches``), as fingerprint entries."""
     step = getattr(getattr(trainer, "strategy", None), "private_step", None)
-    return {**mechanism_state(step), **{f"trainer {k}": v for k, v in loop_controls(trainer).items()}}
+    return {**mechanism_state(step), **{f"trainer {k}": v for k, v in loop_controls(trainer).items()},
+            **loop_counters(trainer, steady=True)}
 
 
 def state_written(before: Fingerprint, seen: Sequence[Fingerprint]) -> list[str]:
@@ -268,11 +270,12 @@ def loop_controls(loop: Any) -> dict[str, Any]:
 
 
 TRAINER_SETTINGS = ("val_check_batch", "val_check_interval", "check_val_every_n_epoch", "limit_train_batches",
-                    "limit_val_batches", "num_training_batches", "num_sanity_val_steps", "log_every_n_steps",
+                    "limit_val_batches", "num_sanity_val_steps", "log_every_n_steps",
                     "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
                     "reload_dataloaders_every_n_epochs", "fit_loop.min_epochs", "fit_loop.epoch_loop.min_steps")
 """The trainer's (and its loops') scheduling settings a user's hook may write: when it validates, how many batches an
-epoch or a validation has, how often it logs, how long it must run at least."""
+epoch or a validation has, how often it logs, how long it must run at least. (``trainer.num_training_batches`` is a
+property, ``fit_loop.max_batches``: among the loop's counters, :mod:`.loop_counters`.)"""
 
 
 _SETTING_TYPES = (bool, int, float, str, type(None), datetime.timedelta, enum.Enum)

@@ -78,6 +78,14 @@ class LastBatchFromRate(Classifier):
             self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
+class StepsFromRateAtStart(Classifier):
+    """T21 at a batch's start: the counter moved before the step, judged by the batch-start replays."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1 and rate(batch) > 0.55:
+            self.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed += 5
+
+
 class InterruptFromRate(Classifier):
     """zoo36 T19: a KeyboardInterrupt once the batch's label rate is high (Lightning ends the fit gracefully)."""
 
@@ -94,6 +102,11 @@ def test_the_loops_counters_written_from_the_batch_are_refused(model: type, name
         fit(model(), max_steps=-1, max_epochs=2)
 
 
+def test_the_step_counter_written_from_the_batch_as_it_starts_is_refused() -> None:
+    with pytest.raises(PrivacyConfigurationError, match=r"in on_train_batch_start, from the batch.*optimizer steps"):
+        fit(StepsFromRateAtStart(), max_steps=-1, max_epochs=2)
+
+
 def test_a_keyboard_interrupt_raised_from_the_batch_is_refused_not_taken_for_the_users() -> None:
     dp = strategy()
     trainer = quiet_trainer(strategy=dp, max_epochs=2)
@@ -101,6 +114,23 @@ def test_a_keyboard_interrupt_raised_from_the_batch_is_refused_not_taken_for_the
                                                         r"KeyboardInterrupt.*raised it on the data") as caught:
         trainer.fit(InterruptFromRate(), loader())
     assert isinstance(caught.value.__cause__, KeyboardInterrupt)
+
+
+class InterruptInStep(Classifier):
+    """A KeyboardInterrupt from training_step once the batch's label rate is high: the first step's probe runs it
+    on a few of its records; that pass fails (refused), the fit is not ended as by the user's interrupt."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if rate(batch) > 0.55:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_keyboard_interrupt_in_the_probes_pass_is_refused_not_an_interrupt() -> None:
+    dp = strategy()
+    with pytest.raises(PrivacyConfigurationError, match=r"probe ran training_step.*KeyboardInterrupt"):
+        quiet_trainer(strategy=dp, max_steps=4).fit(InterruptInStep(), loader())
+    assert dp.private_step.ledger.steps == 0
 
 
 def test_a_keyboard_interrupt_in_a_run_again_is_a_failed_run_not_an_interrupt() -> None:
