@@ -104,7 +104,8 @@ class _Window:
     state: Optional[Fingerprint] = None
     before: Optional[StateSnapshot] = None
     optimizer_states: list[dict[Any, Any]] = field(default_factory=list)  # :func:`~.optimizer_extra_state.saved_state`
-    counters: Callable[[], None] = lambda: None  # puts the loop's counters back (:func:`~.loop_counters.counters_kept`)
+    counters: Callable[[], None] = lambda: None  # puts the loop's counters back (:func:`~.loop_counters.counters_kept`;
+    # the progress too at a batch's end: an epoch's hooks run on both sides of the loop's moves, from them as they are)
     steady: Fingerprint = field(default_factory=dict)  # the counters the loop does not move here (``steady=True``)
     progress: Optional[Fingerprint] = None  # the batch and epoch progress as a batch's or an epoch's end opened it
     progress_written: bool = False  # the user's hooks moved that progress (seen as they ended)
@@ -174,9 +175,15 @@ class DecisionWindows(pl.Callback):
     # ------------------------------------------------------------------ the loop's hooks
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._kinds = None
-        self._unwatch()
+
+    def _watch(self, trainer: "pl.Trainer") -> None:
+        """Wrap the logger connector's methods Lightning calls right after a batch's and an epoch's end hooks (before
+        the loop counts the batch or the epoch): there the window compares the batch and epoch progress. Once a fit
+        (the strategy adds this callback after the ``on_train_start`` hooks ran): undone as the fit ends."""
+        if self._unwrap:
+            return
         connector = getattr(trainer, "_logger_connector", None)
-        for name in ("on_batch_end", "on_epoch_end"):  # called right after a batch's, an epoch's end hooks
+        for name in ("on_batch_end", "on_epoch_end"):
             if callable(getattr(connector, name, None)):
                 self._unwrap.append(wrap_method(connector, name, self._after_hooks(trainer)))
 
@@ -278,6 +285,7 @@ class DecisionWindows(pl.Callback):
         if judge is None:
             judge = kind.startswith("epoch") or (writes and self._judge_now())
         watched = judge or writes
+        self._watch(trainer)
         optimizers = list(getattr(trainer, "optimizers", None) or ())
         self._window = _Window(
             kind, decisions(trainer),
@@ -288,7 +296,7 @@ class DecisionWindows(pl.Callback):
             trainer.global_step,
             self._state(trainer, module, full=judge) if watched else None,
             self._snapshot(trainer, module) if judge else None, [saved_state(o) for o in optimizers],
-            counters_kept(trainer), loop_counters(trainer, steady=True),
+            counters_kept(trainer, with_progress=kind == "batch"), loop_counters(trainer, steady=True),
             progress(trainer) if kind in ("batch", "epoch") else None)
 
     def close(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:

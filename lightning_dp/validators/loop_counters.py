@@ -83,14 +83,14 @@ def loop_counters(trainer: Any, steady: bool = False) -> Fingerprint:
     optimizer steps"`` (each step tracker's numbers), ``"trainer loop objects"`` (the objects, by identity) and, unless
     ``steady``, the batch and epoch progress (:func:`progress`); none without a fit loop. ``steady``: what the loop
     moves neither between two training hooks outside a step nor from a batch's arrival to its release (the step
-    trackers' ``completed`` only)."""
+    trackers' ``total.completed`` only: ``current`` is reset as an epoch begins)."""
     objects = _objects(trainer)
     fit = objects.get("fit_loop")
     if fit is None:
         return {}
     out: Fingerprint = {"trainer fit_loop.max_batches": getattr(fit, "max_batches", None),
                         "trainer optimizer steps": tuple((p, _fields(objects[p], steady)) for p in _STEPS
-                                                         if p in objects),
+                                                         if p in objects and not (steady and p.endswith("current"))),
                         "trainer loop objects": tuple((p, Same(obj)) for p, obj in objects.items())}
     if not steady:
         out.update(progress(trainer, objects))
@@ -106,11 +106,14 @@ def progress(trainer: Any, objects: Optional[dict[str, Any]] = None) -> Fingerpr
     return {"trainer batch progress": batch, "trainer epoch progress": epoch} if objects else {}
 
 
-def counters_kept(trainer: Any) -> Callable[[], None]:
+def counters_kept(trainer: Any, with_progress: bool = True) -> Callable[[], None]:
     """The loop objects and their counters as they are now; the function returned puts them back (an object swapped
-    for another first, then each tracker's numbers, then ``max_batches``)."""
+    for another first, then each tracker's numbers, then ``max_batches``). ``with_progress=False``: the batch and
+    epoch progress left as they are then (a window whose hooks run on both sides of the loop's own moves: an epoch's
+    end and the next epoch's start)."""
     objects = _objects(trainer)
-    fields = {p: dict(_fields(obj)) for p, obj in objects.items() if p in _STEPS or p in _PROGRESS}
+    fields = {p: dict(_fields(obj)) for p, obj in objects.items()
+              if p in _STEPS or (with_progress and p in _PROGRESS)}
     fit = objects.get("fit_loop")
     max_batches = getattr(fit, "max_batches", _MISSING)
 
