@@ -19,9 +19,10 @@ When :func:`users_schedule_code` finds such code, each call of the loop's schedu
 3. what the exchanged data set apart is refused, and the rates are put back as they were before the update; else
    the real update's state is put back as it left it. A run again that fails on the exchanged data is refused too.
    The kept state each run wrote (the release boundary's fingerprint before and after it) is compared with the
-   decisions: a statistic stashed in a global beside a public rate is refused; else what the real update wrote (a
-   rate function's ``functools.lru_cache``, zoo35 R44) is what the next release compares with
-   (:meth:`~lightning_dp.privacy.boundary.ReleaseBoundary.accept`).
+   decisions: a statistic stashed in a global beside a public rate is refused here. What the update wrote is not
+   accepted for the release even so: a memo the snapshot cannot put back (a ``functools.lru_cache``'s contents)
+   would serve the runs again what the real update read (zoo35 R13); the next release's check refuses it, and a
+   memo of public values trains once declared public (``public_state=["module.rate"]``, zoo35 R44).
 
 Cost: nothing for torch's schedulers with torch's functions; else, at every scheduler update, one or two more runs of
 it, the training data's copies exchanged, and a fingerprint of the kept state after each run and before the update.
@@ -187,9 +188,9 @@ class ScheduleJudge:
                 before()  # the rates as they were before the update
                 raise schedule_error(moved, ", ".join(where[:3]), trainer.global_step)
         step.on_every_rank(refuse, "refused a scheduler update")
-        written = [name.removeprefix("kept ") for name in first if name.startswith("kept ")]
-        if written:  # judged not the data's: the next release compares with it as it is (zoo35 R44)
-            step.boundary.accept(written)
+        # (what the update wrote is not accepted: a memo the snapshot cannot put back — a functools.lru_cache —
+        # serves the runs again what the real update read, zoo35 R13; the next release's check refuses it unless
+        # declared public)
 
 
 def schedule_error(moved: list[str], where: str, step: int) -> PrivacyConfigurationError:

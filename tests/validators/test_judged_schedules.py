@@ -185,12 +185,15 @@ def _stashing(optimizer: Any, module: Any) -> LambdaLR:
     return LambdaLR(optimizer, rate)
 
 
-def test_a_memoised_schedule_of_the_step_count_trains() -> None:
-    """The cache the update writes is accepted once the update is judged not the data's (it was refused as a written
-    global at the next release)."""
+def test_a_memoised_schedule_is_refused_as_written_state_unless_declared_public() -> None:
+    """A cache the update writes cannot be put back for the runs again (it would serve them what the real update
+    computed, zoo35 R13): refused at the next release as written state; declared public, it trains (zoo35 R44)."""
+    _cached_rate.cache_clear()
+    with pytest.raises(PrivacyConfigurationError, match="_cached_rate"):
+        fit(Scheduled(lambda o, m: LambdaLR(o, _cached_rate)), steps=6)
     _cached_rate.cache_clear()
     model = Scheduled(lambda o, m: LambdaLR(o, _cached_rate))
-    fit(model, steps=6)
+    fit(model, steps=6, public_state=[f"{__name__}._cached_rate"])
     assert model.trainer.global_step == 6
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * _cached_rate(6))
 
