@@ -19,10 +19,11 @@ When :func:`users_schedule_code` finds such code, each call of the loop's schedu
 3. what the exchanged data set apart is refused, and the rates are put back as they were before the update; else
    the real update's state is put back as it left it. A run again that fails on the exchanged data is refused too.
    The kept state each run wrote (the release boundary's fingerprint before and after it) is compared with the
-   decisions: a statistic stashed in a global beside a public rate is refused here. What the update wrote is not
-   accepted for the release even so: a memo the snapshot cannot put back (a ``functools.lru_cache``'s contents)
-   would serve the runs again what the real update read (zoo35 R13); the next release's check refuses it, and a
-   memo of public values trains once declared public (``public_state=["module.rate"]``, zoo35 R44).
+   decisions: a statistic stashed in a global beside a public rate is refused here. What the update wrote is
+   accepted for the next release only where the starting state puts it back (a memo in a closure, slots, a
+   function's attribute: the runs again started without it): a memo it cannot put back (a ``functools.lru_cache``'s
+   contents) served the runs again what the real update read (zoo35 R13), so the next release's check refuses it,
+   and a memo of public values there trains once declared public (``public_state=["module.rate"]``, zoo35 R44).
 
 Cost: nothing for torch's schedulers with torch's functions; else, at every scheduler update, one or two more runs of
 it, the training data's copies exchanged, and a fingerprint of the kept state after each run and before the update.
@@ -188,9 +189,21 @@ class ScheduleJudge:
                 before()  # the rates as they were before the update
                 raise schedule_error(moved, ", ".join(where[:3]), trainer.global_step)
         step.on_every_rank(refuse, "refused a scheduler update")
-        # (what the update wrote is not accepted: a memo the snapshot cannot put back — a functools.lru_cache —
-        # serves the runs again what the real update read, zoo35 R13; the next release's check refuses it unless
-        # declared public)
+        written = [name.removeprefix("kept ") for name in first if name.startswith("kept ")]
+        if written:  # judged not the data's — if the runs again started from it as it was (below)
+            step.boundary.accept(self._put_back(written, start, before, after))
+
+    def _put_back(self, written: list[str], start: Fingerprint, before: Callable[[], None],
+                  after: Callable[[], None]) -> list[str]:
+        """The entries of ``written`` that the starting state puts back as they were at ``start``: the runs again
+        began from them, so their judgment holds. One it does not (a ``functools.lru_cache``'s contents) served the
+        runs again what the real update computed (zoo35 R13): not accepted; the next release's check refuses it unless
+        declared public."""
+        before()
+        restored = self._taken()
+        after()
+        moved = set(changed_entries({n: start.get(n) for n in written}, {n: restored.get(n) for n in written}))
+        return [n for n in written if n not in moved]
 
 
 def schedule_error(moved: list[str], where: str, step: int) -> PrivacyConfigurationError:
