@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
 from cases import Classifier, data, strategy  # noqa: E402
 
-from lightning_dp import PrivacyConfigurationError  # noqa: E402
+from lightning_dp import PrivacyConfigurationError
+from lightning_dp.privacy.noise import GaussianNoise  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -65,7 +66,10 @@ class SwapsBack(pl.Callback):
 
 
 def _fit(callback: pl.Callback) -> pl.Trainer:
-    trainer = quiet_trainer(strategy=strategy(), max_steps=4, callbacks=[callback], num_sanity_val_steps=0,
+    # (the noise seeded: with OS-seeded noise a held-out loss kept on the module came within the 1e-4 tolerance of
+    # a training class fraction about once in 50 runs, and the fit's end refused it as a written statistic)
+    trainer = quiet_trainer(strategy=strategy(noise=GaussianNoise(seed=0)), max_steps=4, callbacks=[callback],
+                            num_sanity_val_steps=0,
                             val_check_interval=2)
     trainer.fit(Validated(), DataLoader(data(64), batch_size=16), DataLoader(data(32, seed=1), batch_size=16))
     return trainer
