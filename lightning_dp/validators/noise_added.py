@@ -11,7 +11,10 @@ is checked by what it did to the tensors, whatever path the numbers took: each s
 is copied before the call, each large one read at :data:`SAMPLED` positions a private generator draws afresh;
 after the call the added noise at those coordinates, t_after − a·t_before, is read exactly, and its energy in units of
 the noise's variance per coordinate (s²·v, v: :meth:`~.NoiseMechanism.variance_factor`, 1 for independent noise, Σ_j
-(C⁻¹)²_{t,j}·sens² for banded noise) is a χ² of n degrees of freedom. Refused (:class:`NoiseMissingError`, before the
+(C⁻¹)²_{t,j}·sens² for banded noise) is a χ² of n degrees of freedom. The read-back is rounded (the release's sum, a·t_before and the difference, each
+within half an ulp): the norm read is credited with that rounding's bound before the test (a noise below the
+values' float resolution, σ = 10⁻⁶ on sums near 16, reads as zeros and is not refused; such a release carries less
+noise than asked whatever the code — the float format's limit, not the user's). Refused (:class:`NoiseMissingError`, before the
 optimizer steps, before the ledger is charged) when a tensor's, or all of them pooled, falls under :func:`chi2_floor` —
 a chance of 10⁻¹² for a legitimate draw: noise removed from any tensor of a few numbers or more, or shrunk (to under ≈
 0.84 of itself on a large tensor, under ≈ 0.9 pooled over a large model). The signal's size does not matter (the
@@ -118,9 +121,12 @@ def check_noise_added(tensors: Sequence[Tensor], taken: Sequence[tuple[Optional[
         return
     with torch.no_grad():
         now = [_flat(t) if index is None else _flat(t)[index] for t, (index, _) in zip(tensors, taken)]
-        added = torch._foreach_sub(now, torch._foreach_mul([v for _, v in taken], scale_by))
-        energies = [float(e) ** 2 / (std * std * variance) for e in torch.stack(torch._foreach_norm(added)).double()
-                    .tolist()]
+        base = torch._foreach_mul([v for _, v in taken], scale_by)
+        added = torch._foreach_sub(now, base)
+        norms = torch.stack(torch._foreach_norm(added) + torch._foreach_norm(now) + torch._foreach_norm(base))
+        norms = norms.double().view(3, -1).tolist()
+    scale = std * math.sqrt(variance)
+    energies = [((e + _rounding(t) * (a + b)) / scale) ** 2 for e, a, b, t in zip(*norms, tensors)]
     sizes = [a.numel() if index is None else SAMPLED - REPEATS for a, (index, _) in zip(added, taken)]
     read = [a.numel() for a in added]
     missing = [(i, e, r) for i, (e, n, r) in enumerate(zip(energies, sizes, read))
@@ -138,6 +144,12 @@ def check_noise_added(tensors: Sequence[Tensor], taken: Sequence[tuple[Optional[
             "name in lightning_dp's modules, a mock of the random generator left on from a test. Nothing was "
             "released (the optimizer did not step). Remove the patch for the fit; to train without noise, train "
             "without DPStrategy (a non-private baseline) or use AdamVariant('noiseless').")
+
+
+def _rounding(t: Tensor) -> float:
+    """A bound on the rounding in the read-back of the added noise relative to the values' norms: the release's sum,
+    a·t and the difference each rounded to within half an ulp of numbers no larger than |t_after| + |a·t_before|."""
+    return 2.0 * torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
 
 
 def _checked(add_noise_: Callable[..., None]) -> Callable[..., None]:

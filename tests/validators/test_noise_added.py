@@ -116,3 +116,20 @@ def test_the_floor_bounds_the_chance_of_a_false_refusal() -> None:
         draws = torch.randn(20_000, n, generator=g, dtype=torch.float64).pow(2).sum(1)
         assert (draws <= floor).sum() == 0 and 0 <= floor < n
     assert chi2_floor(8) > 1e-3 and chi2_floor(4096) > 0.8 * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noise_below_the_values_float_resolution_is_not_refused(dtype: torch.dtype) -> None:
+    """A fresh-clone CI's false refusal: σ = 1e-6 on a bias's two summed gradients near 16 (one float32 ulp is
+    1.9e-6) read back as zeros about one release in six; the rounding's bound is credited, the draws pass."""
+    mechanism = GaussianNoise(seed=3, prefetch=False)
+    for step in range(300):
+        with mechanism.step():
+            mechanism.add_noise_([torch.full((2,), 16.0, dtype=dtype), torch.full((5,), -9.0, dtype=dtype)], 1e-6)
+
+
+def test_noise_missing_where_the_resolution_would_show_it_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rounding's credit is a few ulps of the values: noise about 80 ulps wide shrunk to a tenth is refused."""
+    monkeypatch.setattr(torch.Tensor, "normal_", _quiet(0.1))
+    with pytest.raises(NoiseMissingError):
+        GaussianNoise(seed=0, prefetch=False).add_noise_([torch.full((64,), 1.0)], 1e-5)
