@@ -11,14 +11,14 @@ is checked by what it did to the tensors, whatever path the numbers took: each s
 is copied before the call, each large one read at :data:`SAMPLED` positions a private generator draws afresh;
 after the call the added noise at those coordinates, t_after − a·t_before, is read exactly, and its energy in units of
 the noise's variance per coordinate (s²·v, v: :meth:`~.NoiseMechanism.variance_factor`, 1 for independent noise, Σ_j
-(C⁻¹)²_{t,j}·sens² for banded noise) is a χ² of n degrees of freedom. The read-back is rounded (the release's sum, a·t_before and the difference, each
-within half an ulp): the norm read is credited with that rounding's bound before the test (a noise below the
-values' float resolution, σ = 10⁻⁶ on sums near 16, reads as zeros and is not refused; such a release carries less
-noise than asked whatever the code — the float format's limit, not the user's). Refused (:class:`NoiseMissingError`, before the
-optimizer steps, before the ledger is charged) when a tensor's, or all of them pooled, falls under :func:`chi2_floor` —
-a chance of 10⁻¹² for a legitimate draw: noise removed from any tensor of a few numbers or more, or shrunk (to under ≈
-0.84 of itself on a large tensor, under ≈ 0.9 pooled over a large model). The signal's size does not matter (the
-difference is read, not the norms).
+(C⁻¹)²_{t,j}·sens² for banded noise) is a χ² of n degrees of freedom. The read-back is rounded (the release's sum,
+a·t_before and the difference, each within half an ulp): the norm read is credited with that rounding's bound before
+the test (a noise below the values' float resolution, σ = 10⁻⁶ on sums near 16, reads as zeros and is not refused;
+such a release carries less noise than asked whatever the code: the float format's limit, not the user's). Refused
+(:class:`NoiseMissingError`, before the optimizer steps, before the ledger is charged) when a tensor's, or all of them
+pooled, falls under :func:`chi2_floor` — a chance of 10⁻¹² for a legitimate draw: noise removed from any tensor of a
+few numbers or more, or shrunk (to under ≈ 0.84 of itself on a large tensor, under ≈ 0.9 pooled over a large model).
+The signal's size does not matter (the difference is read, not the norms).
 
 Cost (benchmarks/cost_floor.py's MLP, 670k coordinates, 1 thread): a multi-tensor copy of the small tensors and a
 gather of 4096 positions per large one before, the same reads and one multi-tensor norm after, one host read. Not
