@@ -82,6 +82,7 @@ from lightning_dp.validators.judged_schedules import ScheduleJudge
 from lightning_dp.validators.judged_updates import UpdateJudge, users_update_code
 from lightning_dp.validators.sealed_loss import check_kept, handed, sealed
 from lightning_dp.validators.sealed_loss import watch as watch_loss
+from lightning_dp.validators.patched_torch import note_replaced_operations
 from lightning_dp.privacy.release import Release
 from lightning_dp.clipping import ClippingPolicy, FlatClipping
 from lightning_dp.diagnostics import StepDiagnostics
@@ -393,12 +394,15 @@ class PrivateTraining:
         """A user's hook ended the fit with an exception while a decision window was open: raised on the data and not
         on other data, it was decided from the data (a stop once the training loss is low, caught by the user's
         script): refused in its place (:meth:`~lightning_dp.validators.decisions.DecisionWindows.on_exception`), after
-        Lightning's teardown (this raise ends Lightning's handling of the exception)."""
+        Lightning's teardown (this raise ends Lightning's handling of the exception). A refusal names the torch
+        operations the process replaced, if any (:mod:`~lightning_dp.validators.patched_torch`)."""
         super().on_exception(exception)  # type: ignore[misc]
+        note_replaced_operations(exception)
         windows = self._decision_windows
         refusal = None if windows is None else windows.refusal
         if refusal is None:
             return
+        note_replaced_operations(refusal)
         windows.refusal = None
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         for logger in trainer.loggers:
