@@ -60,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.errors import PrivacyConfigurationError, RandomStepWarning
 from lightning_dp.records import user_generators
-from lightning_dp.replays.runs_again import interrupts_failed
+from lightning_dp.replays.runs_again import InterruptedRun, interrupts_failed
 from lightning_dp.validators.kept_state import StateFingerprint, public_name
 from lightning_dp.validators.random_draws import drawing_modules, random_step_warning
 from lightning_dp.clipping import ClippingPolicy, ClipRule, FlatClipping
@@ -924,6 +924,13 @@ def probe_failure_error(err: Exception, k: int) -> PrivacyConfigurationError:
                  "and keeps it off inside the backward only where torch has torch.overrides.redispatch_function "
                  "(2.13). Upgrade torch, or set the model's dropout probabilities to 0, or train without gradient "
                  "checkpointing.")
+    elif isinstance(err, InterruptedRun):
+        cause = (f"Your code raised {type(err.__cause__).__name__} while the check ran the step on these examples: "
+                 "the checks run training_step and the batch's hooks again, and a run again that raises ends as a "
+                 "failed run, never as the fit's end (an interrupt raised from what a batch holds — its loss, its "
+                 "labels — would decide how many releases the fit makes). Stop a fit from a hook with "
+                 "trainer.should_stop = True on a public condition (the step count, the wall clock), or raise "
+                 "outside the fit.")
     elif re.search(r"\btrain(ing)?\b|\.train\(\)", str(err), re.IGNORECASE):
         cause = ("The probe runs the forward with dropout off: every module without parameters of its own is in "
                  "eval mode (layers with parameters stay in training mode). A forward that requires training mode "

@@ -122,6 +122,23 @@ def test_failures_of_the_users_step_on_small_batches_name_poisson_sampling():
         ExampleIndependenceProbe(model, engine, list(model.parameters()), ["a"] * 4, loss_of, 1e-8).run([0, 1, 2])
 
 
+def test_an_interrupt_raised_in_the_probes_step_names_the_runs_again_not_the_batch_size():
+    """zoo36 T19's message: a KeyboardInterrupt from the user's code inside the probe (a failed run again) was
+    explained as "training_step must accept batches of any size"."""
+    model = Net().double()
+    engine = make_engine("vmap")
+    engine.attach(model)
+
+    def loss_of(idx):
+        if len(idx) < 3:
+            raise KeyboardInterrupt
+        return F.cross_entropy(model(X[idx]), Y[idx])
+
+    with pytest.raises(PrivacyConfigurationError, match="raised KeyboardInterrupt while the check ran") as refused:
+        ExampleIndependenceProbe(model, engine, list(model.parameters()), ["a"] * 4, loss_of, 1e-8).run([0, 1, 2])
+    assert "any size" not in str(refused.value)
+
+
 def test_user_modes_are_restored_module_by_module():
     model = Net().double()
     model.a.eval()  # a user's deliberate mixed state
