@@ -55,7 +55,9 @@ through ``.data`` moves no version counter: those a judged hook's accepted write
 
 What it does not see: a slice of a tensor of three or more dimensions, or part of a row; a parameter written through
 ``.data`` by a hook that is not judged by :mod:`~lightning_dp.validators.judged_writes` (an epoch's end); a statistic
-transformed (rounded, scaled, mixed with public constants: as rule 11), a value
+transformed (rounded, scaled, mixed with public constants: as rule 11), a single number off a single-number statistic
+by more than float precision (a held-out loss kept on the module comes within 1e-4 of a class fraction by chance:
+:func:`~.training_statistics._lone_tolerance`), a value
 written and overwritten between two checks (it never reaches a release), a statistic other than an exact one (a
 quantile, a whitening matrix) written into a value after its first change (found at the next full check, after the
 releases it steered), the optimizers' state between two
