@@ -109,7 +109,7 @@ __getattr__ = lazy_exports(__name__, {
     "available_engines": "lightning_dp.engine_api", "make_engine": "lightning_dp.engine_api",
     "register_engine": "lightning_dp.engine_api",
     "GaussianNoise": "lightning_dp.privacy.noise", "NoiseMechanism": "lightning_dp.privacy.noise",
-    "Privatizer": "lightning_dp.privacy.privatizer", "flat_all_reduce": "lightning_dp.privacy.privatizer",
+    "Privatizer": "lightning_dp.privacy.privatizer", "flat_all_reduce": "lightning_dp.release_reduce",
     "validate_privacy_params": "lightning_dp.privacy.privatizer",
     "DEFAULT_REQUEST": "lightning_dp.privacy.release", "MechanismRequest": "lightning_dp.privacy.release",
     "PrivateOptimizer": "lightning_dp.privacy.release", "Release": "lightning_dp.privacy.release",

@@ -65,7 +65,8 @@ from lightning_dp.performance.fixed_batch import PaddedCollate, check_fixed_batc
 from lightning_dp.engine_api import ClippedBatch, GradSampleEngine, make_engine, merge_clipped, select_engine
 from lightning_dp.privacy.min_sep_sampling import MinSepPoissonBatchSampler, group_sample_rate, min_sep_steps_per_epoch
 from lightning_dp.privacy.noise import NoiseMechanism
-from lightning_dp.privacy.privatizer import Privatizer, StepPrivatizer, flat_all_reduce, validate_privacy_params
+from lightning_dp.privacy.privatizer import Privatizer, StepPrivatizer, validate_privacy_params
+from lightning_dp.release_reduce import flat_all_reduce
 from lightning_dp.records.recorded_batches import RecordedBatches
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, PrivateOptimizer, Release
 from lightning_dp.privacy.user_sampling import UserPoissonBatchSampler

@@ -14,7 +14,7 @@ with the two documented extensions the variants ask for through a
 
 Under data parallelism ``reduce`` sums the tensors across ranks in place and only the
 rank with ``adds_noise=True`` adds noise, before the reduction: noise enters the global
-sum exactly once.
+sum exactly once; a refused noise raises on every rank (:mod:`lightning_dp.release_reduce`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Protocol, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.release import MechanismRequest, Release
+from lightning_dp.release_reduce import reduce_after_noise
 
 Reduce = Callable[[list[Tensor]], None]
 
@@ -102,14 +102,17 @@ class Privatizer:
                 self._add_noise(squares, sigma * max_grad_norm**2)
             grads = sums
         else:
-            if self.adds_noise:
-                with self.noise.step():
-                    self._add_noise(sums, sigma * max_grad_norm)
-                    self._add_noise(squares, sigma * max_grad_norm**2)
-            else:
-                self.noise.advance()
-            if self.reduce is not None:
-                self.reduce(sums + squares + clean)
+            def noise() -> None:  # this rank's noise, or its stream advanced
+                if self.adds_noise:
+                    with self.noise.step():
+                        self._add_noise(sums, sigma * max_grad_norm)
+                        self._add_noise(squares, sigma * max_grad_norm**2)
+                else:
+                    self.noise.advance()
+            if self.reduce is None:
+                noise()
+            else:  # a refused noise raises on every rank, none left waiting in the sum (release_reduce.py)
+                reduce_after_noise(noise, self.reduce, sums + squares + clean)
             grads = [s.div_(expected_batch_size) for s in sums]
         if request.scale is not None:
             grads = [g.div_(request.scale[p]) for p, g in zip(params, grads)]
@@ -136,17 +139,3 @@ def _per_param(params: Sequence[nn.Parameter], tensors: list[Tensor], divisor: f
     if not tensors:
         return None
     return {p: t / divisor for p, t in zip(params, tensors)}
-
-
-@torch.no_grad()
-def flat_all_reduce(tensors: list[Tensor], all_reduce: Callable[[Tensor], None]) -> None:
-    """Sum ``tensors`` across ranks with one collective on a flat buffer (in place)."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    all_reduce(flat)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
