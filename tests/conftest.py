@@ -180,6 +180,18 @@ def at_freed_address(freed: Union[int, Callable[[], int]], make: Callable[[], T]
 
 
 @pytest.fixture(autouse=True)
+def _exchange_masks_seeded(request):
+    """The exchange's secret masks (record_checks/outside_records.py: drawn in production from a generator seeded from
+    the operating system) drawn from the test's id, through the test hook ``SECRET.reseed``: a judge's catch of a
+    statistic that only most exchanges set apart is then the same at every run of the suite, never a flake."""
+    import zlib
+
+    from lightning_dp.record_checks.outside_records import SECRET
+
+    SECRET.reseed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
 def _no_broadcast_site_mode_left_behind():
     """The broadcast sites' TorchFunctionMode (grad_sample/capture/broadcast_sites.py) must end with its step: one left
     active would intercept every later torch call of the process. Fails the test that leaked it."""

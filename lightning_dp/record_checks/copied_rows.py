@@ -98,7 +98,7 @@ class RowCopies:
         saved = self.blocks[index]
         changed = saved.clone() if isinstance(saved, Tensor) else saved.copy()
         for part in elements if elements is not None else [slice(None)]:
-            exchange(changed[:, part])
+            exchange(changed[:, part], fixed=True)
         self.blocks[index] = changed
 
         def restore() -> None:

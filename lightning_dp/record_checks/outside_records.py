@@ -43,6 +43,7 @@ from its file again.
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -56,10 +57,57 @@ from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.held_records import ROWS_SAMPLED, holds_records, row_digests
 from lightning_dp.records.memory_spans import memory_span
 
-_FLOAT_MASKS = {torch.float16: (torch.int16, -0x8000 | 0x0200), torch.bfloat16: (torch.int16, -0x8000 | 0x0040),
-                torch.float32: (torch.int32, -0x80000000 | 0x00400000),
-                torch.float64: (torch.int64, -0x8000000000000000 | 0x0008000000000000)}
-_INT_MASKS = {torch.uint8: 0x80, torch.int8: 1, torch.int16: 1, torch.int32: 1, torch.int64: 1}
+# The bits an exchange may flip, per element type: (bits' integer dtype, sign bit, low bit, high bit). Floats: the
+# two top bits of the mantissa (each flip moves a magnitude by at least an eighth) and the sign; integers: bits 0 and
+# 1 (uint8 pixels: bits 7 and 6) and no sign.
+_FLOAT_BITS = {torch.float16: (torch.int16, -0x8000, 0x0200, 0x0100),
+               torch.bfloat16: (torch.int16, -0x8000, 0x0040, 0x0020),
+               torch.float32: (torch.int32, -0x80000000, 0x00400000, 0x00200000),
+               torch.float64: (torch.int64, -0x8000000000000000, 0x0008000000000000, 0x0004000000000000)}
+_INT_BITS = {torch.uint8: (0x80, 0x40), torch.int8: (1, 2), torch.int16: (1, 2), torch.int32: (1, 2),
+             torch.int64: (1, 2)}
+_NUMPY_FLOAT_BITS = {2: (-0x8000, 0x0200, 0x0100), 4: (-0x80000000, 0x00400000, 0x00200000),
+                     8: (-0x8000000000000000, 0x0008000000000000, 0x0004000000000000)}
+
+
+class _Secret:
+    """The exchange's private draws (module docstring): a NumPy generator seeded from the operating system
+    (``os.urandom``), never torch's or Python's generators, which the user's code and the replays seed."""
+
+    def __init__(self) -> None:
+        self.generator = np.random.Generator(np.random.PCG64(int.from_bytes(os.urandom(16), "little")))
+
+    def reseed(self, seed: int) -> None:
+        """Test hook: the draws from ``seed`` (a test's fits then draw the same masks at every run). Production
+        never calls it; the generator is seeded from the operating system at import."""
+        self.generator = np.random.Generator(np.random.PCG64(seed))
+
+    def rates(self) -> np.ndarray:
+        """The chances that an element's mask flips its low bit only, its high bit only, or both: drawn per exchange,
+        each at least 0.1 and the low bit alone at most 0.6 (no bit flipped in every element, nor in none)."""
+        while True:
+            rates = self.generator.dirichlet((1.0, 1.0, 1.0))
+            if rates.min() >= 0.1 and rates[0] <= 0.6:
+                return rates
+
+    def block(self, size: int, low: int, high: int, sign: int = 0) -> np.ndarray:
+        """The masks of ``size`` elements (int64): one of low, high, low | high each, by :meth:`rates`; with ``sign``
+        flipped too by a coin of a secret chance in [0.1, 0.9]."""
+        g = self.generator
+        choice = np.searchsorted(np.cumsum(self.rates())[:2], g.random(size), side="right")
+        block = np.array([low, high, low | high], dtype=np.int64)[choice]
+        if sign:
+            block |= np.where(g.random(size) < g.uniform(0.1, 0.9), np.int64(sign), np.int64(0))
+        return block
+
+    def period(self, size: int) -> int:
+        """How many elements one block of masks covers before it repeats: a secret length in [2¹⁶, 2¹⁷) (the masks
+        drawn for every element of a smaller array)."""
+        return min(size, int(self.generator.integers(1 << 16, 1 << 17)))
+
+
+SECRET = _Secret()
+"""The private generator of the exchanges' masks (tests seed it through :meth:`_Secret.reseed`)."""
 
 
 class ExchangedRecords:
@@ -113,7 +161,7 @@ def exchangeable(value: Any) -> bool:
     if isinstance(value, RowItems):
         return any(exchangeable(a) for a in value.arrays)
     if isinstance(value, Tensor):
-        dtype_ok = value.dtype in _FLOAT_MASKS or value.dtype in _INT_MASKS or value.dtype == torch.bool
+        dtype_ok = value.dtype in _FLOAT_BITS or value.dtype in _INT_BITS or value.dtype == torch.bool
         if not dtype_ok or value.layout != torch.strided or value.numel() == 0:
             return False
         storage = value.untyped_storage()  # its is_shared() costs a tenth of the tensor's (many per-record items)
@@ -134,22 +182,28 @@ def _file_backed(array: np.ndarray) -> bool:
     return False
 
 
-def exchange(value: Any, rows: slice = slice(None)) -> Callable[[], None]:
+def exchange(value: Any, rows: slice = slice(None), fixed: bool = False) -> Callable[[], None]:
     """Exchange ``value``'s contents in place (module docstring), or only its ``rows`` (along dimension 0); returns
-    the function that restores them exactly. A :class:`~lightning_dp.record_checks.holders.RowItems`: each of its
-    exchangeable arrays, whole."""
+    the function that restores them exactly (the same masks applied again: an exclusive or undoes itself). Secret
+    masks drawn anew for this call; ``fixed``: the public map instead (every float's sign and top mantissa bit, every
+    integer's low bit) — the probes that find which rows a record reads, where an array and its copies must change
+    alike (:mod:`~lightning_dp.record_checks.shared_records`), and the integers of a batch's exchanged copy
+    (:func:`exchanged_copy`). A :class:`~lightning_dp.record_checks.holders.RowItems`: each of its exchangeable
+    arrays, whole."""
     if isinstance(value, RowItems):
-        return _exchange_items(value)
+        return _exchange_items(value, fixed)
     if isinstance(value, Tensor):
         data = value.data if rows == slice(None) else value.data[rows]  # its own version counter: the tensor's stays
-        flip = _tensor_flip(data)
+        flip = _tensor_flip(data, fixed)
         flip()
         return flip
     if isinstance(value, np.ndarray):
-        flip = _array_flip(value if rows == slice(None) else value[rows])
+        flip = _array_flip(value if rows == slice(None) else value[rows], fixed)
         flip()
         return flip
-    value[rows] = [_marked(v) for v in value[rows]]
+    rates = None if fixed else SECRET.rates()
+    slope, offset = (1.5, 1.0) if fixed else SECRET.generator.uniform(1.25, 2.0, 2)
+    value[rows] = [_marked(v, rates, slope, offset) for v in value[rows]]
 
     def restore() -> None:  # each exchanged item back, where the hooks moved it (an order shuffled by set_epoch)
         value[:] = [v.original if isinstance(v, _MARKED) else v for v in value]
@@ -171,10 +225,10 @@ class _Str(str):
 _MARKED = (_Int, _Float, _Str)
 
 
-def _marked(v: Any) -> Any:
+def _marked(v: Any, rates: Optional[np.ndarray], slope: float, offset: float) -> Any:
     """:func:`_other` of a list's item, marked with the item it stands for: restored item by item, what a hook
     did with the list meanwhile (shuffled it, appended the epoch) stays done (alike on any data), as do its values."""
-    other = _other(v)
+    other = _other(v, rates, slope, offset)
     kind = _Str if isinstance(other, str) else _Float if isinstance(other, float) else _Int \
         if isinstance(other, int) else None
     if kind is None:
@@ -184,13 +238,32 @@ def _marked(v: Any) -> Any:
     return marked
 
 
-def _exchange_items(rows: RowItems) -> Callable[[], None]:
-    """Exchange every exchangeable array of ``rows`` (their flips made once, kept on ``rows``: a container may hold
-    a record per item for a hundred thousand records); returns the function restoring them all (the same flips: an
-    exclusive or undoes itself)."""
+def _other(v: Any, rates: Optional[np.ndarray] = None, slope: float = 1.5, offset: float = 1.0) -> Any:
+    """Another value for a list's item: a string reversed and lengthened, a bool negated, an integer's bit 0, bit 1
+    or both flipped by the chances ``rates`` (``None``: bit 0), a float mapped by ``-slope·v - offset`` (secret in
+    a secret exchange; a float ``v`` that map leaves alike is moved by one more)."""
+    if isinstance(v, str):
+        return v[::-1] + "\x00"
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        if rates is None:
+            return v ^ 1
+        return v ^ (1, 2, 3)[int(np.searchsorted(np.cumsum(rates)[:2], SECRET.generator.random(), side="right"))]
+    if isinstance(v, float):
+        other = -slope * v - offset
+        return other if other != v else other + 1.0
+    return v  # an item of another kind further on (only the first 64 were looked at): left as it is
+
+
+def _exchange_items(rows: RowItems, fixed: bool) -> Callable[[], None]:
+    """Exchange every exchangeable array of ``rows`` (their in-place views found once, kept on ``rows``: a container
+    may hold a record per item for a hundred thousand records); returns the function restoring them all. A secret
+    mask per item (one draw for all its elements; :func:`_masks`): every element of every item changes."""
     if rows.flips is None:
-        rows.flips = [_item_flip(a) for a in rows.arrays if exchangeable(a)]
-    flips = rows.flips
+        rows.flips = [_item_view(a) for a in rows.arrays if exchangeable(a)]
+    views = rows.flips
+    flips = [_scalar_flip(view, fixed) for view in views]
 
     def flip_all() -> None:
         for flip in flips:
@@ -199,66 +272,110 @@ def _exchange_items(rows: RowItems) -> Callable[[], None]:
     return flip_all
 
 
-def _item_flip(value: Any) -> Callable[[], None]:
-    """The in-place flip of one array: a CPU tensor's through its NumPy view (a NumPy call costs less than torch's)."""
+def _item_view(value: Any) -> Any:
+    """The array an item is flipped through: a CPU tensor's NumPy view (a NumPy call costs less than torch's)."""
     if isinstance(value, Tensor):
         if value.device.type == "cpu" and value.dtype != torch.bfloat16:
-            return _array_flip(value.detach().numpy())
-        return _tensor_flip(value.data)
-    return _array_flip(value)
+            return value.detach().numpy()
+        return value.data
+    return value
 
 
-def _tensor_flip(data: Tensor) -> Callable[[], None]:
+def _scalar_flip(view: Any, fixed: bool) -> Callable[[], None]:
+    """The flip of one item: all its elements by one mask (drawn here unless ``fixed``)."""
+    if isinstance(view, Tensor):
+        if view.dtype == torch.bool:
+            return lambda: view.logical_not_()
+        bits = view.view(_FLOAT_BITS[view.dtype][0]) if view.dtype in _FLOAT_BITS else view
+        mask = int(_masks(view.dtype, 1, fixed)[0])
+        return lambda: bits.bitwise_xor_(mask)
+    if view.dtype.kind == "b":
+        return lambda: np.logical_not(view, out=view)
+    bits = _bits(view)
+    mask = _masks(view.dtype, 1, fixed).astype(bits.dtype)[0]
+    return lambda: np.bitwise_xor(bits, mask, out=bits)
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """A float array's memory as integers of its width and byte order (the array itself for integers)."""
+    if array.dtype.kind != "f":
+        return array
+    size = array.dtype.itemsize
+    return array.view(f"<i{size}" if array.dtype.byteorder in "<=|" else f">i{size}")
+
+
+def _masks(dtype: Any, size: int, fixed: bool) -> np.ndarray:
+    """``size`` masks (int64) for elements of ``dtype`` (a torch or NumPy dtype, not bool): the public map's when
+    ``fixed`` (one), else secret (:meth:`_Secret.block`)."""
+    if isinstance(dtype, torch.dtype):
+        sign, low, high = _FLOAT_BITS[dtype][1:] if dtype in _FLOAT_BITS else (0, *_INT_BITS[dtype])
+    elif dtype.kind == "f":
+        sign, low, high = _NUMPY_FLOAT_BITS[dtype.itemsize]
+    else:
+        sign, (low, high) = 0, ((0x80, 0x40) if dtype == np.uint8 else (1, 2))
+    if fixed:
+        return np.array([sign | low], dtype=np.int64)
+    return SECRET.block(size, low, high, sign)
+
+
+def _tensor_flip(data: Tensor, fixed: bool = False) -> Callable[[], None]:
+    """The in-place flip of ``data`` (called again, its restore): the public map's constant when ``fixed``, else a
+    block of secret masks (:meth:`_Secret.period` elements, kept until the restore) laid over the elements in turn."""
     if data.dtype == torch.bool:
         return lambda: data.logical_not_()
-    if data.dtype in _FLOAT_MASKS:
-        int_dtype, mask = _FLOAT_MASKS[data.dtype]
-        bits = data.view(int_dtype)
+    bits = data.view(_FLOAT_BITS[data.dtype][0]) if data.dtype in _FLOAT_BITS else data
+    if fixed:
+        mask = int(_masks(data.dtype, 1, True)[0])
         return lambda: bits.bitwise_xor_(mask)
-    mask = _INT_MASKS[data.dtype]
-    return lambda: data.bitwise_xor_(mask)
+    n = bits.numel()
+    block = torch.from_numpy(_masks(data.dtype, SECRET.period(n), False)).to(bits.dtype).to(bits.device)
+    return lambda: _tiled_xor(bits, block)
 
 
-def _array_flip(array: np.ndarray) -> Callable[[], None]:
+def _tiled_xor(bits: Any, block: Any) -> None:
+    """``bits ^= block`` repeated over the elements in memory order: contiguous memory as rows of the block's length
+    (one call, no mask of the array's size); other memory through a temporary mask of its shape."""
+    n, period = (bits.numel(), block.numel()) if isinstance(bits, Tensor) else (bits.size, block.size)
+    whole = n // period * period
+    if isinstance(bits, Tensor):
+        if bits.is_contiguous():
+            flat = bits.view(-1)
+            flat[:whole].view(-1, period).bitwise_xor_(block)
+            flat[whole:].bitwise_xor_(block[: n - whole])
+        else:
+            bits.bitwise_xor_(block.repeat(-(-n // period))[:n].view(bits.shape))
+        return
+    if bits.flags.c_contiguous:
+        flat = bits.reshape(-1)
+        np.bitwise_xor(flat[:whole].reshape(-1, period), block, out=flat[:whole].reshape(-1, period))
+        np.bitwise_xor(flat[whole:], block[: n - whole], out=flat[whole:])
+    else:
+        np.bitwise_xor(bits, np.resize(block, n).reshape(bits.shape), out=bits)
+
+
+def _array_flip(array: np.ndarray, fixed: bool = False) -> Callable[[], None]:
+    """:func:`_tensor_flip` of a NumPy array."""
     if array.dtype.kind == "b":
         return lambda: np.logical_not(array, out=array)
-    if array.dtype.kind == "f":
-        size = array.dtype.itemsize
-        bits = array.view(f"<i{size}" if array.dtype.byteorder in "<=|" else f">i{size}")
-        sign = -(1 << (8 * size - 1))
-        mantissa = {2: 0x0200, 4: 0x00400000, 8: 0x0008000000000000}[size]
-        mask = np.array(sign | mantissa, dtype=bits.dtype)
+    bits = _bits(array)
+    if fixed:
+        mask = _masks(array.dtype, 1, True).astype(bits.dtype)[0]
         return lambda: np.bitwise_xor(bits, mask, out=bits)
-    mask = np.array(0x80 if array.dtype == np.uint8 else 1, dtype=array.dtype)
-    return lambda: np.bitwise_xor(array, mask, out=array)
-
-
-def _other(v: Any) -> Any:
-    if isinstance(v, str):
-        return v[::-1] + "\x00"
-    if isinstance(v, bool):
-        return not v
-    if isinstance(v, int):
-        return v ^ 1
-    if isinstance(v, float):
-        return -1.5 * v - 1.0
-    return v  # an item of another kind further on (only the first 64 were looked at): left as it is
+    block = _masks(array.dtype, SECRET.period(array.size), False).astype(bits.dtype)
+    return lambda: _tiled_xor(bits, block)
 
 
 def exchanged_copy(batch: Any, floating_only: bool = False) -> Any:
     """A copy of a collated batch with every tensor and NumPy array in it exchanged (:func:`exchange`; lists,
     tuples and dicts walked; anything else kept): the first step's replays of the batch hooks run on it, so a
     decision taken from the batch's values (a learning rate, a stop, a seed) differs from the plain replay's.
-    ``floating_only``: only its floating-point arrays (see :meth:`ExchangedRecords.exchanged`)."""
-    if isinstance(batch, Tensor):
-        copy = batch.detach().clone()
+    Its floats by secret masks, its integers and bools by the public map (``fixed``): the user's code computes on
+    its batch, and a label must stay a label (0 ↔ 1; a secret mask's 2 or 3 would index past two classes, a device
+    assertion on a GPU). ``floating_only``: only its floating-point arrays (see :meth:`ExchangedRecords.exchanged`)."""
+    if isinstance(batch, (Tensor, np.ndarray)):
+        copy = batch.detach().clone() if isinstance(batch, Tensor) else batch.copy()
         if exchangeable(copy) and (not floating_only or _floating(copy)):
-            exchange(copy)
-        return copy
-    if isinstance(batch, np.ndarray):
-        copy = batch.copy()
-        if exchangeable(copy) and (not floating_only or _floating(copy)):
-            exchange(copy)
+            exchange(copy, fixed=not _floating(copy))
         return copy
     if type(batch) is dict:  # a dict of another class (a tokenizer's batch) is kept: its replay is the plain one's
         return {k: exchanged_copy(v, floating_only) for k, v in batch.items()}

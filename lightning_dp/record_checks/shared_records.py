@@ -236,12 +236,13 @@ class _Reader:
     def exchange_rows(self, array: Any, rows: Sequence[int]) -> list[Callable[[], None]]:
         """Exchange ``rows`` of ``array`` and their copies; the restores."""
         runs = _runs(rows)
-        return [exchange(array, part) for part in runs] + [c.exchange(runs) for c in self.copies]
+        return [exchange(array, part, fixed=True) for part in runs] + [c.exchange(runs) for c in self.copies]
 
     def exchange_elements(self, flat: Any, row: int, elements: Sequence[int]) -> list[Callable[[], None]]:
         """Exchange ``elements`` of ``row`` (its memory: ``flat``) and of their copies; the restores."""
         runs = _runs(elements)
-        return [exchange(flat, p) for p in runs] + [c.exchange([slice(row, row + 1)], runs) for c in self.copies]
+        return [exchange(flat, p, fixed=True) for p in runs] \
+            + [c.exchange([slice(row, row + 1)], runs) for c in self.copies]
 
     def note(self) -> str:
         """What the refusal adds: the copies of the array's rows, the state the reads write (names only)."""
