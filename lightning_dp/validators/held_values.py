@@ -74,7 +74,8 @@ def other_values(trainer: Any, dataset: Any, modules: Iterable[types.ModuleType]
             continue
         memory.add(value)
         found.append((path, value))
-    return ExchangedRecords(found + _float_lists(_holders(trainer, dataset, modules), skip, memory))
+    return ExchangedRecords(found + _float_lists(_holders(trainer, dataset, modules), skip, memory),
+                            fixed_integers=True)  # stored labels and predictions stay in range (indexed with)
 
 
 def _float_lists(holders: list[tuple[str, Any]], skip: set[int], memory: _Memory) -> list[tuple[str, Any]]:
