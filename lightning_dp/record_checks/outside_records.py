@@ -43,11 +43,13 @@ copy (:func:`exchanged_copy`, the batch hooks' replays: the user's code computes
 for its integers, so that a label stays a label (0 ↔ 1) — an index past the classes is a device assertion on a GPU,
 which no replay survives —, and takes secret masks for its floats; so do the arrays of the user's state that a
 judged hook's run again exchanges beside the training data (``fixed_integers``,
-:func:`~lightning_dp.validators.held_values.other_values`: stored labels and predictions a hook indexes with). The masks: a block of a secret length in
-[2¹⁶, 2¹⁷) elements, drawn per exchange, laid over the array's memory in turn and kept until the restore (at most
-1 MiB; no mask of the array's size): exchange and restore of a 60 000 × 784 float32 tensor cost 21 ms against 14 ms
-for the public map's two exclusive ors (1.5×). The block repeats every period: the masks of elements a period
-apart are alike. The judges compare every exchanged run with runs on the data only
+:func:`~lightning_dp.validators.held_values.other_values`: stored labels and predictions a hook indexes with).
+
+The masks: a block of a secret length in [2¹⁵, 2¹⁶) elements, drawn per exchange, laid over the array's memory in
+turn and kept until the restore (at most 512 KiB; no mask of the array's size): exchange and restore of a 60 000 ×
+784 float32 tensor cost about 1.5 times the public map's two exclusive ors (21 ms against 14 ms, one thread;
+``benchmarks/exchange_cost.py``). The block repeats every period: the masks of elements a period apart are alike.
+The judges compare every exchanged run with runs on the data only
 (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`), never two exchanged runs with each other.
 
 Not set apart: a statistic every mask the exchange may draw leaves alike — of the bits it never flips (a float's
@@ -135,16 +137,18 @@ class _Secret:
         """The masks of ``size`` elements (int64): one of low, high, low | high each, by :meth:`rates`; with ``sign``
         flipped too by a coin of a secret chance in [0.1, 0.9]."""
         g = self.generator
-        choice = np.searchsorted(np.cumsum(self.rates())[:2], g.random(size), side="right")
+        rates = self.rates()
+        draws = g.random(size, dtype=np.float32)
+        choice = (draws >= rates[0]).astype(np.intp) + (draws >= rates[0] + rates[1])
         block = np.array([low, high, low | high], dtype=np.int64)[choice]
         if sign:
-            block |= np.where(g.random(size) < g.uniform(0.1, 0.9), np.int64(sign), np.int64(0))
+            block |= (g.random(size, dtype=np.float32) < g.uniform(0.1, 0.9)) * np.int64(sign)
         return block
 
     def period(self, size: int) -> int:
-        """How many elements one block of masks covers before it repeats: a secret length in [2¹⁶, 2¹⁷) (the masks
+        """How many elements one block of masks covers before it repeats: a secret length in [2¹⁵, 2¹⁶) (the masks
         drawn for every element of a smaller array)."""
-        return min(size, int(self.generator.integers(1 << 16, 1 << 17)))
+        return min(size, int(self.generator.integers(1 << 15, 1 << 16)))
 
 
 SECRET = _Secret()

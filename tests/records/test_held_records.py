@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from lightning_dp.records.held_records import DIGESTED_DTYPES, holds_records, row_digest_array, row_digests
-from lightning_dp.record_checks.outside_records import _FLOAT_MASKS, _INT_MASKS
+from lightning_dp.record_checks.outside_records import _FLOAT_BITS, _INT_BITS
 
 
 def test_the_digested_dtypes_are_those_the_exchange_can_flip():
-    assert DIGESTED_DTYPES == set(_FLOAT_MASKS) | set(_INT_MASKS)
+    assert DIGESTED_DTYPES == set(_FLOAT_BITS) | set(_INT_BITS)
 
 
 def test_every_row_has_its_digest_in_order_repeats_included():
