@@ -32,7 +32,11 @@ secret r in [0.1, 0.9], the signs of a secret share of the features: those stati
 |p − ½| of 64 labels in every one of 20 000 exchanges tried, of 10 labels in all but 0.02 % to 2 % (a window of 7 or
 9 ones) of them, and a judge runs an exchange per judged step.
 
-The design (B of its review): a label leaves its range (2 and 3 in a two-class problem). Only code reading records
+Why this design. A random exchange that leaves some elements alike (a label's parity flipped by chance) sets a
+one-label read apart only by chance; two exchanged runs per judge (one by the public map, one secret) double the
+judges' runs; a fixed bit flipped in every element beside secret ones (bit 0 always, bit 1 on a secret subset)
+leaves the public swap to whoever reads that bit alone (``y & 1``). So every element changes, and which of its bits
+change is secret. The cost: a label leaves its range (2 and 3 in a two-class problem). Only code reading records
 outside its batch meets an exchanged label — the step's own batch is read before the exchange, the row probes
 (:mod:`~lightning_dp.record_checks.shared_records`, :mod:`~lightning_dp.record_statistics.read_records`,
 :mod:`~lightning_dp.record_checks.copied_rows`) use the public map (``fixed=True``: an array and its copies must
