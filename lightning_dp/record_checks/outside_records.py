@@ -51,9 +51,9 @@ judged hook's run again exchanges beside the training data (``fixed_integers``,
 
 The masks: a block of a secret length in [2¹⁵, 2¹⁶) elements, drawn per exchange, laid over the array's memory in
 turn and kept until the restore (at most 512 KiB; no mask of the array's size): exchange and restore of a 60 000 ×
-784 float32 tensor cost about 1.5 times the public map's two exclusive ors (21 ms against 14 ms, one thread;
-``benchmarks/exchange_cost.py``). The block repeats every period: the masks of elements a period apart are alike.
-The judges compare every exchanged run with runs on the data only
+784 float32 tensor cost about 1.5 times the public map's two exclusive ors (24 ms against 17 ms, one thread; as
+uint8 pixels 2 times, 6 ms against 3; ``benchmarks/exchange_cost.py``). The block repeats every period: the masks
+of elements a period apart are alike. The judges compare every exchanged run with runs on the data only
 (:func:`~lightning_dp.fingerprints.fingerprint_entries.moved_by_data`), never two exchanged runs with each other.
 
 Not set apart: a statistic every mask the exchange may draw leaves alike — of the bits it never flips (a float's
