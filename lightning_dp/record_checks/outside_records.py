@@ -190,16 +190,19 @@ class ExchangedRecords:
         return [name for name, _ in self._arrays]
 
     @contextmanager
-    def exchanged(self, floating_only: bool = False) -> Iterator[None]:
+    def exchanged(self, floating_only: bool = False, fixed_integers: Optional[bool] = None) -> Iterator[None]:
         """Every array exchanged (:func:`exchange`) on entry and restored on exit, whatever happens in between.
         ``floating_only``: only the arrays of floating-point numbers (the features, not the labels beside them: a
         statistic of how the two pair, a training loss, may come out alike on both exchanged). Each entry draws
-        its masks anew (module docstring)."""
+        its masks anew (module docstring). ``fixed_integers``: the integers by the public map in this exchange (the
+        judges that leave out a run the exchanged values make fail — a label out of its range, indexing —: there a
+        label read so would go unjudged); ``None``: as constructed."""
         undo: list[Callable[[], None]] = []
         try:
             for _, value in self._arrays:
                 if not floating_only or _floating(value):
-                    undo.append(exchange(value, fixed_integers=self._fixed_integers))
+                    undo.append(exchange(value, fixed_integers=self._fixed_integers if fixed_integers is None
+                                         else fixed_integers))
             with self._also(floating_only) if self._also is not None else nullcontext():
                 yield
         finally:
@@ -456,7 +459,7 @@ def records_exchanged(dataset: Any) -> Optional[AbstractContextManager]:
     copies = training_copies(dataset, ())
     size = sum(v.numel() * v.element_size() if isinstance(v, Tensor) else v.nbytes if isinstance(v, np.ndarray)
                else 8 * len(v) if isinstance(v, list) else 0 for _, v in copies)
-    return ExchangedRecords(copies).exchanged() if size <= MAX_REREAD_EXCHANGE else None
+    return ExchangedRecords(copies, fixed_integers=True).exchanged() if size <= MAX_REREAD_EXCHANGE else None
 
 
 def _floating(value: Any) -> bool:

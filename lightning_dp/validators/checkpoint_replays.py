@@ -24,6 +24,8 @@ This module imports no Lightning at import time (the glue imports it; Lightning 
 
 from __future__ import annotations
 
+from functools import partial
+
 import hashlib
 import pickle
 from contextlib import AbstractContextManager, nullcontext
@@ -308,7 +310,8 @@ def check_checkpoint_hooks(step: Any, module: Any, checkpoint: dict[str, Any],
             or not checkpoint_hooks_of_users(trainer, module):
         return
     public = step.boundary.public_state
-    moved = written_from_data(trainer, module, checkpoint, step.exchanged_training_data().exchanged,
+    moved = written_from_data(trainer, module, checkpoint,
+                              partial(step.exchanged_training_data().exchanged, fixed_integers=True),
                               replay_settings, step.boundary.engine_keys, lambda path: is_public(path, public),
                               any_rank=step.any_rank, modules=step.boundary.global_modules(), logs_moved=logs_moved)
     if moved:

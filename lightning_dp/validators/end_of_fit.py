@@ -119,7 +119,7 @@ class EndOfFit:
         def run(exchange: bool) -> Optional[Fingerprint]:
             moved_logs = getattr(self.strategy, "moved_training_logs", nullcontext) if exchange else nullcontext
             return run_once(lambda: replay_end_hooks(module, hooks),
-                            exchanged.exchanged() if exchange else nullcontext(), moved_logs(),
+                            exchanged.exchanged(fixed_integers=True) if exchange else nullcontext(), moved_logs(),
                             self.replays.replay_settings(), clock.next_run(), draws.next_run(), replaying(module),
                             start=snapshot.restore,
                             read=lambda: fingerprint.take(users, full=True, every_callback=True))

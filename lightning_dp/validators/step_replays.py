@@ -147,7 +147,7 @@ class StepReplays:
         threshold), as are the non-private diagnostics (with the exchange): what the hooks that read no batch see of
         other data."""
         reads = self.strategy._logged_reads
-        with self.step.exchanged_training_data().exchanged(floating_only), \
+        with self.step.exchanged_training_data().exchanged(floating_only, fixed_integers=True), \
                 reads.moved(not floating_only) if reads is not None else nullcontext():
             yield
 
@@ -337,7 +337,7 @@ class StepReplays:
                 lambda: replay_batch_hooks(module, self.strategy.precision_plugin, examples, batch_idx, moved,
                                            end=False, names=names), seeded(0), clock.next_run(), draws.next_run(),
                 self.privacy_settings_kept(),
-                outside.exchanged() if outside is not None else nullcontext(),
+                outside.exchanged(fixed_integers=True) if outside is not None else nullcontext(),
                 read=lambda: fingerprint.take(users, full=True, every_callback=True), then=back.put_back))
 
         half = self.strategy._collated(indices[: max(1, len(indices) // 2)])
@@ -391,7 +391,8 @@ class StepReplays:
                 model_back = model_kept(module, weights=True)  # a warm start (any of these hooks): compared, put back
                 rates: dict[str, Any] = {}
                 try:
-                    with exchanged.exchanged() if exchange else nullcontext(), seeded(0), clock.next_run(), \
+                    with exchanged.exchanged(fixed_integers=True) if exchange else nullcontext(), seeded(0), \
+                            clock.next_run(), \
                             draws.next_run(), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
@@ -568,12 +569,12 @@ def exchanged_around(outside: Optional[ExchangedRecords],
         yield before_end
         return
     with ExitStack() as stack:
-        stack.enter_context(outside.exchanged())
+        stack.enter_context(outside.exchanged(fixed_integers=True))
 
         def between() -> None:
             stack.close()
             before_end()
-            stack.enter_context(outside.exchanged())
+            stack.enter_context(outside.exchanged(fixed_integers=True))
         yield between
 
 
