@@ -40,9 +40,13 @@ change is secret. The cost: a label leaves its range (2 and 3 in a two-class pro
 outside its batch meets an exchanged label — the step's own batch is read before the exchange, the row probes
 (:mod:`~lightning_dp.record_checks.shared_records`, :mod:`~lightning_dp.record_statistics.read_records`,
 :mod:`~lightning_dp.record_checks.copied_rows`) use the public map (``fixed=True``: an array and its copies must
-change alike); a fetch run again on the exchanged records that fails there is left out
-(:mod:`~lightning_dp.records.fetch_reruns`), a step or hook that fails there where it ran is refused (this pass,
-:mod:`~lightning_dp.validators.epoch_ends`). A batch's exchanged
+change alike); a step or hook that fails on them where it ran is refused by the judges that take a failure for a
+difference (this pass, :mod:`~lightning_dp.validators.judged_updates`, :mod:`~lightning_dp.validators.judged_writes`,
+:mod:`~lightning_dp.validators.judged_schedules`, :mod:`~lightning_dp.validators.epoch_ends`). The judges that leave
+such a run out (a hook may rightly reject values it is handed) exchange integers by the public map instead
+(``exchanged(fixed_integers=True)``: the replays of the epoch hooks and of the batch hooks, the decision windows, the
+end-of-fit and checkpoint reruns, a fetch's reruns): there a label out of its range would make a read of the
+training labels — a closed-form head fitted with ``one_hot(y, 2)`` — fail and go unjudged. A batch's exchanged
 copy (:func:`exchanged_copy`, the batch hooks' replays: the user's code computes on its batch) keeps the public map
 for its integers, so that a label stays a label (0 ↔ 1) — an index past the classes is a device assertion on a GPU,
 which no replay survives —, and takes secret masks for its floats; so do the arrays of the user's state that a
@@ -61,8 +65,9 @@ exponent and lower mantissa, ``x.view(torch.int32) & 0x7F9FFFFF``; an integer's 
 bool array (negation is its only exchange), or symmetric over the masks (a sum over the four values of the two
 mantissa bits); a decision the exchanged values only rarely reverse — a band's outside (|p − ½| > 0.02 on labels
 at rate 0.455: the exchanged labels' mean moves away from ½, never into the band; zoo36 T50), a threshold the
-exchanged values keep meeting (a rate above 0.3) —; and a batch's integers, by the public map in its exchanged copy
-(a decision on a batch's label rate symmetric about ½).
+exchanged values keep meeting (a rate above 0.3) —; and integers where the public map exchanges them: a batch's,
+in its exchanged copy (a decision on a batch's label rate symmetric about ½), and the training labels in the judges
+that leave a failing run out (p(1 − p) of the labels kept by an epoch hook).
 
 A step that reads only its batch cannot tell: its per-example gradients are bit for bit those of the plain pass
 (same batch, same seed, same state). Any difference — a norm, a parameter's sum, an exception — proves that it read
