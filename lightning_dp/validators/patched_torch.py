@@ -8,9 +8,9 @@ as if it ignored its index (T28). The refusal was right, the text pointed elsewh
 lists what was replaced — a method of ``torch.Tensor``, a function of ``torch``, ``torch.nn.functional`` or
 ``torch.autograd`` that is now code outside the libraries (:func:`~lightning_dp.records.library_code.library_callable`:
 by the code that runs, not by its name), a kernel of torch's own ``aten`` namespace registered through
-``torch.library`` (for the CPU, an autograd or composite key, or one registered after this module was imported), the
-``torch`` name of one of lightning_dp's modules bound to something else — and :func:`note_replaced_operations` adds
-them to a refusal as a note (``BaseException.add_note``: shown under the message), so the cause is read first.
+``torch.library`` for the CPU, an autograd or a composite key (torch registers others lazily: functorch's batching
+rules, Meta kernels), the ``torch`` name of one of lightning_dp's modules bound to something else — and
+:func:`note_replaced_operations` adds them to a refusal as a note (``BaseException.add_note``: shown under the message), so the cause is read first.
 
 Not a check: a process may replace torch's functions for good reasons (a profiler, a library's compatibility shim),
 and the guarantee is enforced where the replaced operation's effect shows (the noise check of
@@ -35,7 +35,8 @@ _NAMESPACES = (("torch.Tensor", lambda: vars(torch.Tensor)), ("torch", lambda: v
 """Where a replaced operation is looked for: the tensor's methods and the functions the step computes with."""
 
 _KERNEL_KEYS = frozenset({"CPU", "CompositeImplicitAutograd", "CompositeExplicitAutograd", "Autograd", "AutogradCPU"})
-"""The dispatch keys of an ``aten`` kernel that runs in a CPU fit (torch registers none of its own from Python)."""
+"""The dispatch keys of an ``aten`` kernel that runs in a CPU fit (torch registered none of its own from Python at
+this module's import; those it had are left out)."""
 
 
 def _registered_kernels() -> frozenset[str]:
@@ -58,7 +59,7 @@ def replaced_operations() -> list[str]:
     for key in sorted(_registered_kernels()):
         namespace, _, rest = key.partition("/")
         op, _, dispatch = rest.rpartition("/")
-        if namespace == "aten" and (dispatch in _KERNEL_KEYS or key not in _AT_IMPORT) and dispatch != "Meta":
+        if namespace == "aten" and dispatch in _KERNEL_KEYS and key not in _AT_IMPORT:
             found.append(f"the {dispatch} kernel of aten::{op} (registered through torch.library)")
     for name, module in list(sys.modules.items()):
         if name.startswith("lightning_dp.") and module is not None \
