@@ -10,7 +10,8 @@ lists what was replaced — a method of ``torch.Tensor``, a function of ``torch`
 by the code that runs, not by its name), a kernel of torch's own ``aten`` namespace registered through
 ``torch.library`` for the CPU, an autograd or a composite key (torch registers others lazily: functorch's batching
 rules, Meta kernels), the ``torch`` name of one of lightning_dp's modules bound to something else — and
-:func:`note_replaced_operations` adds them to a refusal as a note (``BaseException.add_note``: shown under the message), so the cause is read first.
+:func:`note_replaced_operations` adds them to a refusal as a note (``BaseException.add_note``: shown under the
+message), so the cause is read first.
 
 Not a check: a process may replace torch's functions for good reasons (a profiler, a library's compatibility shim),
 and the guarantee is enforced where the replaced operation's effect shows (the noise check of
