@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed import MemoryMeter  # noqa: E402
 
 from lightning_dp import DPShardedStrategy, DPStrategy  # noqa: E402
-from lightning_dp.privacy import sharded_privatizer
+from lightning_dp.sharding import privatizer as sharded_privatizer
 from lightning_dp.sharding.fsdp_layout import local_bytes  # noqa: E402
 from lightning_dp.models.tiny_transformer import TinyTransformerLM  # noqa: E402
 

@@ -30,6 +30,7 @@ import torch
 from torch.utils import _python_dispatch as dispatch
 
 from lightning_dp.records.library_code import library_named
+from lightning_dp.sealed_noise import seal
 
 F = TypeVar("F", bound=Callable[..., Any])
 _function_stack, _dispatch_stack = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
@@ -99,3 +100,6 @@ def mode_free(fn: F) -> F:
         with without_user_modes():
             return fn(*args, **kwargs)
     return run  # type: ignore[return-value]
+
+
+seal(__name__)

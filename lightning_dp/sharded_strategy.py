@@ -56,6 +56,7 @@ from lightning_dp.privacy.config import ExecutionConfig, PrivacyConfig
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.grad_sample.fsdp_support import engine_problems
 from lightning_dp.sharding.fsdp_layout import FSDPLayout
+import lightning_dp.sharding.privatizer  # noqa: F401  (registers the sharded release rule with the private step)
 from lightning_dp.privacy.private_step import Distribution
 
 __all__ = ["DPShardedStrategy"]

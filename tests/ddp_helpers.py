@@ -193,29 +193,34 @@ class Rank0LossEmaBroadcast(Callback):
         trainer.strategy.broadcast(trainer.global_step, src=0)
 
 
-def errors_recorded(strategy_cls: type, out_dir: str | os.PathLike, wait_s: float = 15.0) -> type:
-    """A subclass of ``strategy_cls`` whose ``training_step`` writes the name of the error it raises to
-    ``<out_dir>/rank<r>.err``; rank 0 waits (up to ``wait_s``) for the other ranks' files before raising, so the
-    launcher does not end a rank that is about to raise too (a rank stuck in a collective never writes one)."""
+def errors_recorded(strategy_cls: type, out_dir: str | os.PathLike, wait_s: float = 15.0,
+                    methods: tuple[str, ...] = ("training_step",), exact_type: bool = False) -> type:
+    """A subclass of ``strategy_cls`` whose ``methods`` write the name of the error they raise to
+    ``<out_dir>/rank<r>.err`` (a refusal as ``PrivacyConfigurationError`` unless ``exact_type``: its own class), then
+    the message; rank 0 waits (up to ``wait_s``) for the other ranks' files before raising, so the launcher does not
+    end a rank that is about to raise too (a rank stuck in a collective never writes one)."""
     import time
 
-    class Recorded(strategy_cls):  # type: ignore[misc, valid-type]
-        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    from lightning_dp.errors import PrivacyConfigurationError
+
+    def recording(method: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return super().training_step(*args, **kwargs)
+                return method(self, *args, **kwargs)
             except Exception as err:
                 rank = self.global_rank
-                from lightning_dp.errors import PrivacyConfigurationError
-
-                kind = "PrivacyConfigurationError" if isinstance(err, PrivacyConfigurationError) else type(err).__name__
-                Path(out_dir, f"rank{rank}.err").write_text(f"{kind}\n{str(err)[:300]}")
+                refusal = isinstance(err, PrivacyConfigurationError) and not exact_type
+                kind = "PrivacyConfigurationError" if refusal else type(err).__name__
+                Path(out_dir, f"rank{rank}.err").write_text(f"{kind}\n{err if exact_type else str(err)[:300]}")
                 if rank == 0:
                     deadline = time.monotonic() + wait_s
                     while time.monotonic() < deadline and len(list(Path(out_dir).glob("rank*.err"))) < self.world_size:
                         time.sleep(0.1)
                 raise
 
-    return Recorded
+        return run
+
+    return type("Recorded", (strategy_cls,), {name: recording(getattr(strategy_cls, name)) for name in methods})
 
 
 def _training_features(trainer: pl.Trainer) -> Tensor:

@@ -2,7 +2,7 @@
 
 docs/algorithms.md, "The mechanism": ĝ = (Σ_i clip_C(g_i) + σ C z) / B. Sharded, each rank clips its own
 Poisson examples with whole-model norms, the clipped sums are reduce-scattered, and each rank adds
-σCz to the rows it owns from its own stream (lightning_dp/privacy/sharded_privatizer.py). Processes
+σCz to the rows it owns from its own stream (lightning_dp/sharding/privatizer.py). Processes
 are forked by Lightning's launcher; each rank writes what it saw (:class:`FullParamRecorder`).
 """
 
@@ -37,7 +37,7 @@ from sharded_helpers import (
 
 from lightning_dp import AdamVariant, DPShardedStrategy, DPStrategy, PrivacyBudget, SecondMomentMonitor
 from lightning_dp.errors import PrivacyConfigurationError
-from lightning_dp.privacy import sharded_privatizer
+from lightning_dp.sharding import privatizer as sharded_privatizer
 from lightning_dp.privacy.noise import GaussianNoise
 
 WORLD = 2

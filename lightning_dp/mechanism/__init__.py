@@ -31,7 +31,7 @@ MOVED = {
     "seeding": "lightning_dp.secure_random",
     "release": "lightning_dp.privacy.release",
     "privatizer": "lightning_dp.privacy.privatizer",
-    "sharded_privatizer": "lightning_dp.privacy.sharded_privatizer",
+    "sharded_privatizer": "lightning_dp.sharding.privatizer",
     "sign_privatizer": "lightning_dp.sign_sgd.privatizer",
     "sign_vote": "lightning_dp.sign_sgd.vote",
     "budget_shortfall": "lightning_dp.accounting.budget_shortfall",

@@ -63,6 +63,8 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from lightning_dp.sealed_noise import seal
+
 CallKey = Hashable
 """What one noise call draws (devices, dtypes, sizes, standard deviation): equal keys, equal draws in distribution."""
 
@@ -345,3 +347,6 @@ def _close_all() -> None:
     finalisation is unwound through torch's C++ frames and aborts the process)."""
     for prefetcher in list(_LIVE):
         prefetcher.close()
+
+
+seal(__name__, tunable=("spare_cpu", "MIN_AHEAD"))

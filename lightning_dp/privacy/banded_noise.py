@@ -55,8 +55,10 @@ from lightning_dp.accounting.banded_coefficients import (
     fichtenberger_coefficients,
     inverse_coefficients,
 )
+from lightning_dp.bound_torch import TB, VF
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.performance.noise_prefetch import Prefetch
+from lightning_dp.sealed_noise import seal
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -134,7 +136,8 @@ class BandedToeplitzNoise(NoiseMechanism):
             self._steps += 1
             return fresh
         self._prepare(like)
-        out = [self._row(ring, z).view(ref.shape).to(ref.dtype) for ring, ref, z in zip(self._rings, like, fresh)]
+        out = [TB.to(TB.view(self._row(ring, z), ref.shape), ref.dtype)
+               for ring, ref, z in zip(self._rings, like, fresh)]
         self._steps += 1
         return out
 
@@ -169,10 +172,11 @@ class BandedToeplitzNoise(NoiseMechanism):
 
     def _row(self, ring: "_Ring", z: Tensor) -> Tensor:
         """(z − Σ_j ĉ_j u_{t−j}) / ĉ_0 as one matrix-vector product over the ring buffer."""
-        weights = self._ring_weights(ring.buffer.device, ring.buffer.dtype)[self._steps % (self.bands - 1)]
-        u = z.reshape(-1).to(ring.buffer.dtype) - weights @ ring.buffer
-        u.div_(float(self._normalised[0]))
-        ring.buffer[self._steps % (self.bands - 1)] = u
+        row = self._steps % (self.bands - 1)
+        weights = VF.select(self._ring_weights(ring.buffer.device, ring.buffer.dtype), 0, row)
+        u = VF.sub(TB.to(TB.reshape(z, -1), ring.buffer.dtype), VF.matmul(weights, ring.buffer))
+        TB.div_(u, float(self._normalised[0]))
+        TB.copy_(VF.select(ring.buffer, 0, row), u)
         return u
 
     def _ring_weights(self, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -280,7 +284,7 @@ class _Ring:
 
     def __init__(self, ref: Tensor, depth: int) -> None:
         self.shape = ref.shape
-        self.buffer = torch.zeros((depth, ref.numel()), dtype=_work_dtype(ref.dtype), device=ref.device)
+        self.buffer = VF.zeros((depth, TB.numel(ref)), dtype=_work_dtype(ref.dtype), device=ref.device)
 
     def recent(self, steps: int) -> list[Tensor]:
         """The stored outputs, most recent first, reshaped and copied to the CPU."""
@@ -291,3 +295,6 @@ class _Ring:
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+seal(__name__)

@@ -26,7 +26,9 @@ from typing import Any, Hashable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.bound_torch import TB, VF
 from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.sealed_noise import seal
 import lightning_dp.secure_random as secure_random
 from lightning_dp.secure_random import SUMMED_DRAWS, secure_standard_normal, secure_uniform  # noqa: F401  (re-exported)
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
@@ -63,12 +65,12 @@ class SecureGaussianNoise(DrawsAhead, NoiseMechanism):
         if not std > 0:
             raise ValueError(f"std must be > 0, got {std!r}")
         pieces = _pieces(tensors)
-        ahead = self._ahead(("add", tuple((p.dtype, p.numel()) for p in pieces)))
-        for piece, z in zip(pieces, ahead if ahead is not None else (_unit(p.dtype, p.numel()) for p in pieces)):
-            z = z.view(piece.shape).to(device=piece.device)
+        ahead = self._ahead(("add", tuple((p.dtype, TB.numel(p)) for p in pieces)))
+        for piece, z in zip(pieces, ahead if ahead is not None else (_unit(p.dtype, TB.numel(p)) for p in pieces)):
+            z = TB.to(TB.view(z, piece.shape), device=piece.device)
             if scale_by != 1.0:
-                piece.mul_(scale_by)
-            piece.add_(z, alpha=std)
+                TB.mul_(piece, scale_by)
+            TB.add_(piece, z, alpha=std)
 
     def for_rank(self, rank: int) -> "SecureGaussianNoise":
         """This mechanism: every draw reads ``os.urandom`` afresh, so the ranks' streams are independent."""
@@ -76,10 +78,11 @@ class SecureGaussianNoise(DrawsAhead, NoiseMechanism):
 
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
-        sizes = [t.numel() for t in like]
+        sizes = [TB.numel(t) for t in like]
         ahead = self._ahead(("sample", tuple(sizes)))
         flat = ahead[0] if ahead is not None else secure_gaussian(sum(sizes))
-        return [chunk.view(t.shape).to(device=t.device, dtype=t.dtype) for chunk, t in zip(flat.split(sizes), like)]
+        return [TB.to(TB.view(chunk, t.shape), device=t.device, dtype=t.dtype)
+                for chunk, t in zip(VF.split_with_sizes(flat, sizes), like)]
 
     def _draw_key(self, key: Hashable) -> list[Tensor]:
         """The draws of one call key, on the CPU (:class:`~.noise_prefetch.DrawsAhead`)."""
@@ -102,14 +105,17 @@ def _pieces(tensors: Sequence[Tensor]) -> list[Tensor]:
     engines return contiguous sums), a contiguous one in flat chunks of :data:`CHUNK` coordinates."""
     out: list[Tensor] = []
     for t in tensors:
-        if not t.is_contiguous():
+        if not TB.is_contiguous(t):
             out.append(t)
             continue
-        flat = t.view(-1)
-        out.extend(flat[start : start + CHUNK] for start in range(0, flat.numel(), CHUNK))
+        flat, numel = TB.view(t, -1), TB.numel(t)
+        out.extend(VF.narrow(flat, 0, start, min(CHUNK, numel - start)) for start in range(0, numel, CHUNK))
     return out
 
 
 def _unit(dtype: torch.dtype, size: int) -> Tensor:
     """``size`` coordinates of :func:`secure_gaussian`, cast to ``dtype`` (on the CPU)."""
-    return secure_gaussian(size).to(dtype=dtype)
+    return TB.to(secure_gaussian(size), dtype=dtype)
+
+
+seal(__name__)

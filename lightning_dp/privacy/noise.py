@@ -17,7 +17,9 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.bound_torch import TB, VF, Generator
 from lightning_dp.validators.noise_added import checked_noise_methods
+from lightning_dp.sealed_noise import seal
 from lightning_dp.secure_random import secure_seed
 from lightning_dp.performance.noise_prefetch import DrawsAhead, Prefetch
 
@@ -40,8 +42,8 @@ class NoiseMechanism(ABC):
         Mechanisms that can draw into a small scratch buffer override this (no full-size noise tensor)."""
         for t, z in zip(tensors, self.sample(tensors)):
             if scale_by != 1.0:
-                t.mul_(scale_by)
-            t.add_(z, alpha=std)
+                TB.mul_(t, scale_by)
+            TB.add_(t, z, alpha=std)
 
     def advance(self) -> None:
         """Count a step on a rank that does not add noise (keeps step-dependent state in sync)."""
@@ -107,7 +109,7 @@ def noise_plan(tensors: Sequence[Tensor]) -> Plan:
     piece is drawn alone); the open gatherings are drawn at the end, in the order their (device, dtype) first
     appeared. A non-contiguous tensor (rare: engines return contiguous sums) gets one full-size draw of its own
     where it stands."""
-    total = sum(t.numel() for t in tensors)
+    total = sum(TB.numel(t) for t in tensors)
     if total == 0:
         return []
     step = min(max(_MIN_CHUNK, -(-total // 8)), total)
@@ -121,16 +123,16 @@ def noise_plan(tensors: Sequence[Tensor]) -> Plan:
             open_[key], sizes[key] = [], 0
 
     for t in tensors:
-        if not t.is_contiguous():
-            plan.append((_Draw(t.device, t.dtype, t.numel()), [t]))
+        if not TB.is_contiguous(t):
+            plan.append((_Draw(t.device, t.dtype, TB.numel(t)), [t]))
             continue
         key = (t.device, t.dtype)
         open_.setdefault(key, [])
         sizes.setdefault(key, 0)
-        flat, numel = t.view(-1), t.numel()
+        flat, numel = TB.view(t, -1), TB.numel(t)
         for start in range(0, numel, step):
-            piece = flat if numel <= step else flat[start : start + step]  # (no slice for a tensor in one piece)
             size = min(step, numel - start)
+            piece = flat if numel <= step else VF.narrow(flat, 0, start, size)  # (no slice for a tensor in one piece)
             if sizes[key] + size > step:
                 close(key)
             open_[key].append(piece)
@@ -145,11 +147,11 @@ def _apply(z: Tensor, pieces: list[Tensor], scale_by: float) -> None:
     single piece, two multi-tensor updates for several."""
     if len(pieces) == 1:
         t = pieces[0]
-        torch.add(z.view(t.shape), t, alpha=scale_by, out=t)
+        VF.add(TB.view(z, t.shape), t, alpha=scale_by, out=t)
         return
     if scale_by != 1.0:
-        torch._foreach_mul_(pieces, scale_by)
-    torch._foreach_add_(pieces, z.split([p.numel() for p in pieces]))
+        VF._foreach_mul_(pieces, scale_by)
+    VF._foreach_add_(pieces, VF.split_with_sizes(z, [TB.numel(p) for p in pieces]))
 
 
 class GaussianNoise(DrawsAhead, NoiseMechanism):
@@ -186,7 +188,7 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
 
     def for_rank(self, rank: int) -> "GaussianNoise":
         """A stream independent of every other rank's, for process ``rank`` of a sharded release (each rank
-        noises the coordinates it owns: :mod:`~lightning_dp.privacy.sharded_privatizer`): a fresh OS seed,
+        noises the coordinates it owns: :mod:`~lightning_dp.sharding.privatizer`): a fresh OS seed,
         or for a fixed (test) seed one derived from (seed, rank). Never one seed on two ranks."""
         if self._shared_generator:
             raise ValueError("a GaussianNoise drawing from a given generator cannot be split into independent "
@@ -199,13 +201,13 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             seed = secure_seed() if self._seed is None else self._seed
-            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
+            self._generators[device] = Generator(device=device).manual_seed(seed)
         return self._generators[device]
 
     def _normal(self, draw: _Draw, std: float) -> Tensor:
         """One draw's N(0, std²) numbers, from its device's generator."""
-        return torch.empty(draw.size, device=draw.device, dtype=draw.dtype).normal_(0.0, std,
-                                                                                    generator=self._generator(draw.device))
+        return TB.normal_(VF.empty(draw.size, device=draw.device, dtype=draw.dtype), 0.0, std,
+                          generator=self._generator(draw.device))
 
     def sample(self, like: Sequence[Tensor]) -> list[Tensor]:
         """One standard-normal tensor per entry of ``like`` (same shape, dtype, device)."""
@@ -240,17 +242,17 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         """The plan's draws made now, one at a time into one scratch buffer per (device, dtype) (each used before
         the next is drawn over it); a draw larger than the scratch (a non-contiguous tensor) into its own tensor."""
         scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        largest = max(draw.size for draw, pieces in plan if pieces[0].is_contiguous()) if any(
-            pieces[0].is_contiguous() for _, pieces in plan) else 0
+        largest = max(draw.size for draw, pieces in plan if TB.is_contiguous(pieces[0])) if any(
+            TB.is_contiguous(pieces[0]) for _, pieces in plan) else 0
         for draw, pieces in plan:
-            if pieces[0].is_contiguous():
+            if TB.is_contiguous(pieces[0]):
                 key = (draw.device, draw.dtype)
                 if key not in scratch:
-                    scratch[key] = torch.empty(largest, device=draw.device, dtype=draw.dtype)
-                z = scratch[key][: draw.size]
+                    scratch[key] = VF.empty(largest, device=draw.device, dtype=draw.dtype)
+                z = VF.narrow(scratch[key], 0, 0, draw.size)
             else:
-                z = torch.empty(draw.size, device=draw.device, dtype=draw.dtype)
-            yield z.normal_(0.0, std, generator=self._generator(draw.device))
+                z = VF.empty(draw.size, device=draw.device, dtype=draw.dtype)
+            yield TB.normal_(z, 0.0, std, generator=self._generator(draw.device))
 
     def _draw_key(self, key: Hashable) -> list[Tensor]:
         """The draws of one call key, made as the call makes them (:class:`~.noise_prefetch.DrawsAhead`)."""
@@ -268,13 +270,16 @@ class GaussianNoise(DrawsAhead, NoiseMechanism):
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(like):
             groups.setdefault((t.device, t.dtype), []).append(i)
-        plan = [(_Draw(device, dtype, sum(like[i].numel() for i in idx)), idx)
+        plan = [(_Draw(device, dtype, sum(TB.numel(like[i]) for i in idx)), idx)
                 for (device, dtype), idx in groups.items()]
         ahead = self._ahead(("sample", float(std), tuple(draw for draw, _ in plan)))
         if ahead is None:
             ahead = [self._normal(d, std) for d, _ in plan]
         out: list[Optional[Tensor]] = [None] * len(like)
         for (_, idx), flat in zip(plan, ahead):
-            for i, chunk in zip(idx, flat.split([like[i].numel() for i in idx])):
-                out[i] = chunk.view(like[i].shape)
+            for i, chunk in zip(idx, VF.split_with_sizes(flat, [TB.numel(like[i]) for i in idx])):
+                out[i] = TB.view(chunk, like[i].shape)
         return out  # type: ignore[return-value]
+
+
+seal(__name__, tunable=("_MIN_CHUNK",))

@@ -32,7 +32,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -86,7 +86,15 @@ from lightning_dp.validators.step_index import check_start_step, own_index, plan
 
 if TYPE_CHECKING:
     from lightning_dp.accounting.ceiling import EpsilonCeiling
-    from lightning_dp.sharding.fsdp_layout import FSDPLayout
+
+
+class ShardLayout(Protocol):
+    """Where FSDP2 keeps each parameter's shard, as the private step reads it (:class:`~lightning_dp.sharding.
+    fsdp_layout.FSDPLayout`, whose sharded release rule registers itself in :data:`PRIVATIZERS`)."""
+
+    def sharded_parameters(self) -> list[tuple[str, Tensor]]: ...
+
+    def full_request(self, request: MechanismRequest) -> MechanismRequest: ...
 
 AllReduce = Callable[[Tensor], None]
 
@@ -101,13 +109,13 @@ class Distribution:
         all_reduce: in-place SUM all-reduce of one tensor (``None`` with one process).
         layout: where the parameters live when FSDP2 shards them (``None``: replicated on every rank).
             Then each rank noises the shard it owns from its own stream, after a reduce-scatter of the
-            clipped sums (:class:`~lightning_dp.privacy.sharded_privatizer.ShardedPrivatizer`).
+            clipped sums (:class:`~lightning_dp.sharding.privatizer.ShardedPrivatizer`).
     """
 
     rank: int = 0
     world_size: int = 1
     all_reduce: Optional[AllReduce] = None
-    layout: Optional["FSDPLayout"] = None
+    layout: Optional[ShardLayout] = None
 
 
 @dataclass(frozen=True)
@@ -128,17 +136,17 @@ class SamplingPlan:
 
 
 def _gaussian(noise: NoiseMechanism, where: Distribution) -> StepPrivatizer:
-    if where.layout is not None:
-        from lightning_dp.privacy.sharded_privatizer import ShardedPrivatizer, rank_stream
-
-        return ShardedPrivatizer(rank_stream(noise, where.rank), where.layout)
+    if where.layout is not None:  # FSDP2: each rank noises the rows it owns (registered by sharding/privatizer.py)
+        return PRIVATIZERS["sharded"](noise, where)
     reduce = None if where.all_reduce is None else partial(flat_all_reduce, all_reduce=where.all_reduce)
     return Privatizer(noise, reduce=reduce, adds_noise=where.rank == 0)
 
 
 PRIVATIZERS: dict[str, Callable[[NoiseMechanism, Distribution], StepPrivatizer]] = {"gaussian": _gaussian}
 """Release rules by the optimizer's ``mechanism`` marker (plain optimizers: ``"gaussian"``). DP-SignSGD's
-``"sign_vote"`` registers itself when its optimizer is imported (:mod:`lightning_dp.sign_sgd.privatizer`)."""
+``"sign_vote"`` registers itself when its optimizer is imported (:mod:`lightning_dp.sign_sgd.privatizer`), the
+noised mean of sharded parameters (``"sharded"``, what ``"gaussian"`` uses under FSDP2) when the sharded strategy
+imports :mod:`lightning_dp.sharding.privatizer`."""
 
 
 class PrivateStep(StepChecks):

@@ -28,6 +28,7 @@ from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.privacy.noise import NoiseMechanism
 from lightning_dp.privacy.release import MechanismRequest, Release
 from lightning_dp.release_reduce import reduce_after_noise
+from lightning_dp.sealed_noise import seal
 
 Reduce = Callable[[list[Tensor]], None]
 
@@ -139,3 +140,6 @@ def _per_param(params: Sequence[nn.Parameter], tensors: list[Tensor], divisor: f
     if not tensors:
         return None
     return {p: t / divisor for p, t in zip(params, tensors)}
+
+
+seal(__name__)

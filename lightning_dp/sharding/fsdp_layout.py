@@ -10,7 +10,7 @@ the module, and swaps the sharded ``DTensor`` back afterwards. What that means f
 - The per-example engine's captured activations and output gradients are full-size, so its per-example
   norms are whole-model norms, and its clipped sums Σ_i clip_C(g_i) are full-size tensors, keyed by
   the sharded parameters (the modules' attributes again when the sums are taken, after backward).
-  :class:`~lightning_dp.privacy.sharded_privatizer.ShardedPrivatizer` reduce-scatters them into
+  :class:`~lightning_dp.sharding.privatizer.ShardedPrivatizer` reduce-scatters them into
   the shards (:meth:`FSDPLayout.rows`).
 - FSDP2's own gradient reduce-scatter would communicate the autograd (unclipped, non-private)
   gradient of every parameter that has one: the ghost engine leaves Linear/Conv2d weights without

@@ -24,6 +24,7 @@ from lightning_dp.privacy.csprng import SecureGaussianNoise
 from lightning_dp.privacy.noise import GaussianNoise, NoiseMechanism
 from lightning_dp.privacy.private_step import PRIVATIZERS, Distribution
 from lightning_dp.privacy.release import DEFAULT_REQUEST, MechanismRequest, Release
+from lightning_dp.release_reduce import raise_together
 from lightning_dp.sign_sgd.vote import SIGN_DTYPE, all_reduce_votes
 
 
@@ -67,7 +68,12 @@ class SignVotePrivatizer:
             raise ValueError("DP-SignSGD releases a vote: it cannot serve scale, second-moment or clean-mean requests")
         noisy = [batch.sums[p].clone() for p in params]
         if noise_multiplier > 0:
-            self.noise.add_noise_(noisy, noise_multiplier * max_grad_norm)
+            def noised() -> None:
+                self.noise.add_noise_(noisy, noise_multiplier * max_grad_norm)
+            if self.all_reduce is not None and self.world_size > 1:  # a refusal raises on every worker (no hang)
+                raise_together(noised, self.all_reduce, noisy[0] if noisy else None)
+            else:
+                noised()
         signs = [torch.sign(s).to(SIGN_DTYPE) for s in noisy]
         if self.all_reduce is not None and self.world_size > 1:
             votes = all_reduce_votes(signs, all_reduce=self.all_reduce, world_size=self.world_size)

@@ -21,12 +21,13 @@ few numbers or more, or shrunk (to under ≈ 0.84 of itself on a large tensor, u
 The signal's size does not matter (the difference is read, not the norms).
 
 Cost (benchmarks/cost_floor.py's MLP, 670k coordinates, 1 thread): a multi-tensor copy of the small tensors and a
-gather of 4096 positions per large one before, the same reads and one multi-tensor norm after, one host read. Not
-seen: noise removed from a few coordinates of a large tensor only, or from a tensor of one or two numbers; noise
-replaced by numbers of the right energy that are not independent Gaussians (a draw the user's code computed from the
-data, a replay of an earlier draw); a check defeated by replacing the very operations it reads with; a
-:class:`~.NoiseMechanism` of yours (``sample`` or ``add_noise_`` overridden: a scripted or zero noise of a test) —
-yours to answer for.
+gather of 4096 positions per large one before, the same reads and one multi-tensor norm after, one host read. The
+check alone has little power where little is read (noise removed from a few coordinates of a large tensor, or from a
+tensor of one or two numbers) and none against numbers of the right energy that are not fresh Gaussians (a function
+of the data, a replay): those come from a replaced draw, which the noise path no longer calls (it computes with
+torch's operations bound at import, :mod:`~lightning_dp.bound_torch`, and refuses a release once one of its own names
+is replaced, :mod:`~lightning_dp.sealed_noise`, checked first by the wrapper below). A :class:`~.NoiseMechanism` of
+yours (``sample`` or ``add_noise_`` overridden: a scripted or zero noise of a test) is yours to answer for.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.bound_torch import TB, VF, Generator, finfo
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.mode_free import mode_free
 from lightning_dp.records.library_code import library_callable
 from lightning_dp.secure_random import secure_seed
+from lightning_dp.sealed_noise import check_sealed, seal
 
 __all__ = ["COPIED", "LOG_P", "NoiseMissingError", "REPEATS", "SAMPLED", "check_noise_added", "checked_noise_methods",
            "chi2_floor", "libraries_noise", "noise_taken"]
@@ -84,20 +87,20 @@ def noise_taken(tensors: Sequence[Tensor]) -> list[tuple[Optional[Tensor], Tenso
     (≤ :data:`COPIED` elements) every value (``indices`` ``None``), a large one's values at :data:`SAMPLED` positions
     drawn from a private generator (the user's code cannot know which)."""
     with torch.no_grad():
-        small = [t for t in tensors if t.numel() <= COPIED]
-        copies = iter(torch._foreach_mul([_flat(t) for t in small], 1.0) if small else ())  # (one copy)
+        small = [t for t in tensors if TB.numel(t) <= COPIED]
+        copies = iter(VF._foreach_mul([_flat(t) for t in small], 1.0) if small else ())  # (one copy)
         out: list[tuple[Optional[Tensor], Tensor]] = []
         for t in tensors:
-            if t.numel() <= COPIED:
+            if TB.numel(t) <= COPIED:
                 out.append((None, next(copies)))
                 continue
-            index = torch.randint(0, t.numel(), (SAMPLED,), generator=_generator(t.device), device=t.device)
-            out.append((index, _flat(t)[index]))
+            index = VF.randint(0, TB.numel(t), (SAMPLED,), generator=_generator(t.device), device=t.device)
+            out.append((index, VF.index_select(_flat(t), 0, index)))
         return out
 
 
 def _flat(t: Tensor) -> Tensor:
-    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    return TB.view(t, -1) if TB.is_contiguous(t) else TB.reshape(t, -1)
 
 
 _GENERATORS: dict[torch.device, torch.Generator] = {}
@@ -107,7 +110,7 @@ def _generator(device: torch.device) -> torch.Generator:
     """This module's own generator on ``device``, seeded from the OS (never torch's global one, which the user's code
     and the replays reseed)."""
     if device not in _GENERATORS:
-        _GENERATORS[device] = torch.Generator(device=device).manual_seed(secure_seed())
+        _GENERATORS[device] = Generator(device=device).manual_seed(secure_seed())
     return _GENERATORS[device]
 
 
@@ -120,15 +123,16 @@ def check_noise_added(tensors: Sequence[Tensor], taken: Sequence[tuple[Optional[
     if not std > 0 or not variance > 0 or not tensors:
         return
     with torch.no_grad():
-        now = [_flat(t) if index is None else _flat(t)[index] for t, (index, _) in zip(tensors, taken)]
-        base = torch._foreach_mul([v for _, v in taken], scale_by)
-        added = torch._foreach_sub(now, base)
-        norms = torch.stack(torch._foreach_norm(added) + torch._foreach_norm(now) + torch._foreach_norm(base))
-        norms = norms.double().view(3, -1).tolist()
+        now = [_flat(t) if index is None else VF.index_select(_flat(t), 0, index)
+               for t, (index, _) in zip(tensors, taken)]
+        base = VF._foreach_mul([v for _, v in taken], scale_by)
+        added = VF._foreach_sub(now, base)
+        norms = VF.stack(VF._foreach_norm(added) + VF._foreach_norm(now) + VF._foreach_norm(base))
+        norms = TB.tolist(TB.view(TB.double(norms), 3, -1))
     scale = std * math.sqrt(variance)
     energies = [((e + _rounding(t) * (a + b)) / scale) ** 2 for e, a, b, t in zip(*norms, tensors)]
-    sizes = [a.numel() if index is None else SAMPLED - REPEATS for a, (index, _) in zip(added, taken)]
-    read = [a.numel() for a in added]
+    sizes = [TB.numel(a) if index is None else SAMPLED - REPEATS for a, (index, _) in zip(added, taken)]
+    read = [TB.numel(a) for a in added]
     missing = [(i, e, r) for i, (e, n, r) in enumerate(zip(energies, sizes, read))
                if n and math.isfinite(e) and e <= chi2_floor(n)]
     total = sum(sizes)
@@ -149,7 +153,7 @@ def check_noise_added(tensors: Sequence[Tensor], taken: Sequence[tuple[Optional[
 def _rounding(t: Tensor) -> float:
     """A bound on the rounding in the read-back of the added noise relative to the values' norms: the release's sum,
     a·t and the difference each rounded to within half an ulp of numbers no larger than |t_after| + |a·t_before|."""
-    return 2.0 * torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+    return 2.0 * finfo(t.dtype).eps if TB.is_floating_point(t) else 0.0
 
 
 def _checked(add_noise_: Callable[..., None]) -> Callable[..., None]:
@@ -159,6 +163,7 @@ def _checked(add_noise_: Callable[..., None]) -> Callable[..., None]:
             add_noise_(self, tensors, std, scale_by)
             return
         tensors = list(tensors)
+        check_sealed()  # the path's names and kernels are torch's and ours
         taken = noise_taken(tensors)
         add_noise_(self, tensors, std, scale_by)
         check_noise_added(tensors, taken, float(std), float(scale_by), float(self.variance_factor()))
@@ -199,3 +204,6 @@ def checked_noise_methods(*mode_free_names: str) -> Any:
                 wrapped.__mode_free__ = True  # type: ignore[attr-defined]
                 setattr(cls, name, wrapped)
     return classmethod(init_subclass)
+
+
+seal(__name__)

@@ -1,36 +1,20 @@
 """The noise a release adds is checked where it is added (lightning_dp/validators/noise_added.py, zoo36 T27–T31):
-a draw emptied or shrunk without a torch mode — a patched ``torch.Tensor.normal_``, ``torch.empty``, the noise
-module's ``torch`` name, the multi-tensor add — is refused before the optimizer steps; legitimate draws of every
-library mechanism pass (large signals, scale_by, empty and bfloat16 tensors, banded noise)."""
+a release whose noise is missing or shrunk is refused; legitimate draws of every library mechanism pass (large
+signals, scale_by, empty and bfloat16 tensors, banded noise). How the draw is kept out of the user's reach (torch's
+operations bound at import, the path sealed): tests/validators/test_sealed_noise.py."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "privacy" / "boundary"))
-from cases import Classifier, fit, parameters  # noqa: E402
-
-import lightning_dp.privacy.noise as noise_module  # noqa: E402
-from lightning_dp.privacy.banded_noise import BandedToeplitzNoise  # noqa: E402
-from lightning_dp.privacy.csprng import SecureGaussianNoise  # noqa: E402
-from lightning_dp.privacy.noise import GaussianNoise  # noqa: E402
-from lightning_dp.validators.noise_added import NoiseMissingError, chi2_floor, libraries_noise  # noqa: E402
-
-_NORMAL = torch.Tensor.normal_
-
-
-def _quiet(factor: float) -> Any:
-    """``Tensor.normal_`` drawing ``factor`` × the asked standard deviation when a generator is given."""
-    def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
-        if generator is None:
-            return _NORMAL(self, mean, std)
-        return _NORMAL(self, mean, std * factor, generator=generator) if factor else self.zero_()
-    return normal_
+from lightning_dp.privacy.banded_noise import BandedToeplitzNoise
+from lightning_dp.privacy.csprng import SecureGaussianNoise
+from lightning_dp.privacy.noise import GaussianNoise
+from lightning_dp.validators.noise_added import (
+    NoiseMissingError, check_noise_added, chi2_floor, libraries_noise, noise_taken)
 
 
 def _tensors(seed: int = 0) -> list[torch.Tensor]:
@@ -38,51 +22,32 @@ def _tensors(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) * 3 for s in [(300, 400), (8,), (1,), (0,), (40, 25), (200_000,)]]
 
 
+def _added_then_checked(tensors: list[torch.Tensor], std: float, factor: float, scale_by: float = 1.0) -> None:
+    """A release whose noise is ``factor`` × the asked one, checked as the wrapper checks a library mechanism's."""
+    taken = noise_taken(tensors)
+    g = torch.Generator().manual_seed(0)
+    for t in tensors:
+        t.mul_(scale_by).add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * (std * factor))
+    check_noise_added(tensors, taken, std, scale_by, 1.0)
+
+
 @pytest.mark.parametrize("factor", [0.0, 1e-3])
-def test_a_draw_emptied_by_a_patched_normal_is_refused(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
-    monkeypatch.setattr(torch.Tensor, "normal_", _quiet(factor))
+def test_a_release_without_its_noise_is_refused(factor: float) -> None:
     with pytest.raises(NoiseMissingError, match="missing from the release"):
-        GaussianNoise(seed=0, prefetch=False).add_noise_(_tensors(), 0.5, scale_by=1 / 64)
+        _added_then_checked(_tensors(), 0.5, factor, scale_by=1 / 64)
 
 
-def test_noise_shrunk_on_a_large_tensor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.Tensor, "normal_", _quiet(0.8))  # a fifth of the noise gone
+def test_noise_shrunk_on_a_large_tensor_is_refused() -> None:
     with pytest.raises(NoiseMissingError, match="tensor 0, 4096 numbers read"):
-        GaussianNoise(seed=0, prefetch=False).add_noise_([torch.zeros(200_000)], 1.0)
+        _added_then_checked([torch.zeros(200_000)], 1.0, 0.8)  # a fifth of the noise gone
 
 
-def test_a_patched_multi_tensor_add_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The draw right, its addition to the small tensors skipped."""
-    monkeypatch.setattr(torch, "_foreach_add_", lambda tensors, others: None)
+def test_noise_added_to_some_small_tensors_only_is_refused() -> None:
+    """The draw right, its addition to the small tensors skipped (pooled over twelve)."""
+    tensors = [torch.zeros(5) for _ in range(12)]
+    taken = noise_taken(tensors)
     with pytest.raises(NoiseMissingError):
-        GaussianNoise(seed=0, prefetch=False).add_noise_([torch.zeros(5) for _ in range(12)], 1.0)
-
-
-def test_the_noise_modules_torch_replaced_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """zoo36 T29: the module's ``torch`` name a proxy whose empty tensors draw zeros."""
-    class Zeros(torch.Tensor):
-        def normal_(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return self.zero_()
-
-    class Proxy:
-        def __getattr__(self, name: str) -> Any:
-            if name == "empty":
-                return lambda *a, **k: torch.empty(*a, **k).as_subclass(Zeros)
-            return getattr(torch, name)
-
-    monkeypatch.setattr(noise_module, "torch", Proxy())
-    with pytest.raises(NoiseMissingError):
-        GaussianNoise(seed=0, prefetch=False).add_noise_([torch.zeros(1000)], 1.0)
-
-
-def test_a_fit_with_a_patched_draw_releases_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = Classifier()
-    before = parameters(model)
-    monkeypatch.setattr(torch.Tensor, "normal_", _quiet(0.0))
-    with pytest.raises(NoiseMissingError):
-        fit(model, steps=3)
-    assert all(torch.equal(a, b) for a, b in zip(before, parameters(model)))  # the optimizer never stepped
-    assert model.trainer.strategy.private_step.ledger.steps == 0
+        check_noise_added(tensors, taken, 1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("make", [lambda: GaussianNoise(seed=1, prefetch=False), lambda: GaussianNoise(seed=2),
@@ -128,8 +93,7 @@ def test_noise_below_the_values_float_resolution_is_not_refused(dtype: torch.dty
             mechanism.add_noise_([torch.full((2,), 16.0, dtype=dtype), torch.full((5,), -9.0, dtype=dtype)], 1e-6)
 
 
-def test_noise_missing_where_the_resolution_would_show_it_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_noise_missing_where_the_resolution_would_show_it_is_still_refused() -> None:
     """The rounding's credit is a few ulps of the values: noise about 80 ulps wide shrunk to a tenth is refused."""
-    monkeypatch.setattr(torch.Tensor, "normal_", _quiet(0.1))
     with pytest.raises(NoiseMissingError):
-        GaussianNoise(seed=0, prefetch=False).add_noise_([torch.full((64,), 1.0)], 1e-5)
+        _added_then_checked([torch.full((64,), 1.0)], 1e-5, 0.1)

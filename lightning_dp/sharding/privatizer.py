@@ -35,7 +35,10 @@ from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.sharding.fsdp_layout import FSDPLayout
 from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.privacy.noise import NoiseMechanism
+from lightning_dp.privacy.private_step import PRIVATIZERS, Distribution
 from lightning_dp.privacy.release import MechanismRequest, Release
+from lightning_dp.release_reduce import raise_together
+from lightning_dp.sealed_noise import seal
 
 BUCKET_ELEMENTS = 1 << 22
 """Elements of one reduce-scatter's input (world_size × the per-rank width; 16 MiB in float32): the transient
@@ -101,10 +104,15 @@ class ShardedPrivatizer:
             assert square_sums is not None
             squares = reduce_scatter_rows(lambda i: _full(square_sums.pop(params[i]), params[i]), params, layout)
         clean = [s.clone() for s in sums] if request.clean_mean else []
-        with self.noise.step():  # this release's draws (made during the step when drawn ahead)
-            self.noise.add_noise_(sums, sigma * max_grad_norm / B, 1.0 / B)  # ĝ[R_r] = S[R_r]/B + (σC/B)·z^(r)
-            if squares:
-                self.noise.add_noise_(squares, sigma * max_grad_norm**2)
+
+        def noised() -> None:
+            with self.noise.step():  # this release's draws (made during the step when drawn ahead)
+                self.noise.add_noise_(sums, sigma * max_grad_norm / B, 1.0 / B)  # ĝ[R_r] = S[R_r]/B + (σC/B)·z^(r)
+                if squares:
+                    self.noise.add_noise_(squares, sigma * max_grad_norm**2)
+
+        # a refusal on one rank raises on every rank (release_reduce.py), none left waiting in the next all-gather
+        raise_together(noised, lambda flag: dist.all_reduce(flag, group=layout.group), sums[0] if sums else None)
         scale = None
         if request.scale is not None:  # scale-then-privatize (§4): the engine clipped s ⊙ g_i; undo s on the shard
             scale = [self._rows(request.scale[p], p) for p in params]
@@ -212,4 +220,16 @@ def _reduce_scatter(output: Tensor, send: Tensor, group: object) -> None:
     reduce_scatter(output, send, op=dist.ReduceOp.SUM, group=group)
 
 
-__all__ = ["BUCKET_ELEMENTS", "ShardedPrivatizer", "rank_stream", "reduce_scatter_rows"]
+def for_step(noise: NoiseMechanism, where: Distribution) -> ShardedPrivatizer:
+    """The release rule of the noised mean when FSDP2 shards the parameters (``where.layout``): this rank's stream
+    (:func:`rank_stream`) on the rows it owns."""
+    assert where.layout is not None
+    return ShardedPrivatizer(rank_stream(noise, where.rank), where.layout)
+
+
+PRIVATIZERS["sharded"] = for_step  # registered with the private step's release rules (privacy/private_step.py)
+
+__all__ = ["BUCKET_ELEMENTS", "ShardedPrivatizer", "for_step", "rank_stream", "reduce_scatter_rows"]
+
+
+seal(__name__, tunable=("BUCKET_ELEMENTS",))
