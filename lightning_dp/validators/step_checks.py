@@ -372,7 +372,7 @@ class StepChecks:
                 self.schedule.checked(time.perf_counter() - start)
         refused, _ = self._refused_anywhere(error is not None, False)
         if error is not None:
-            raise error
+            raise _named_precision(error, dtype, self._tolerance_low)
         if refused:
             raise _another_rank_error(f"found examples interacting at step {step} (the batch check)")
 
@@ -580,6 +580,21 @@ def _headline(err: BaseException) -> str:
     line = _first_line(err)
     cut = min((i for i in (line.find(": "), line.find(" (")) if i > 0), default=len(line))
     return line[:cut].strip().rstrip(".:")
+
+
+def _named_precision(error: Exception, dtype: torch.dtype, low: bool) -> Exception:
+    """The batch check's refusal of interacting examples with half precision named first when the step computed in it
+    (a float16 or bfloat16 model, autocast) at float32's tolerance: over a large batch the rounding alone can move a
+    sum more than that tolerance (zoo37 T36: an fp16 model refused as "examples interact", the cause unnamed)."""
+    half = torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+    if low or not half or not str(error).startswith("Examples interact"):
+        return error
+    return PrivacyConfigurationError(
+        f"The step computed in {dtype} (a half-precision model, or torch.autocast in training_step), whose rounding "
+        "alone can make a batch's gradients differ from its examples' alone by more than the check's float32 "
+        "tolerance: train the model in float32 under Trainer(precision='bf16-mixed') (or '16-mixed': the check's "
+        "tolerance for half precision, clipping and noise in float32), or in a plain PrivateStep loop pass "
+        f"step.verify(loss_fn, low_precision=True). What the check saw: {error}")
 
 
 def _another_rank_error(what: str) -> PrivacyConfigurationError:
