@@ -63,6 +63,7 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from lightning_dp.bound_torch import TB
 from lightning_dp.sealed_noise import seal
 
 CallKey = Hashable
@@ -209,7 +210,7 @@ class NoisePrefetcher:
             current.wait_event(job.event)
             for t in draws:
                 if t.device == device:
-                    t.record_stream(current)
+                    TB.record_stream(t, current)  # (torch's own method: bound_torch.py)
 
     def _check_process(self) -> None:
         """A forked child starts empty (the parent's thread and job are not its own)."""
