@@ -409,13 +409,18 @@ class StepChecks:
         attached again; the parameters' ``.grad`` put back as they were. For the replays of the hooks that see no
         batch (``step_replays.StepReplays._replay_epoch_hooks``): a non-private warm start there (plain SGD on the
         training set) moves the weights in its replays as in the real ``setup``, and its replay on the exchanged
-        data sets them apart (docs/release_boundary.md, rule 3). Nothing captured then belongs to a step."""
+        data sets them apart (docs/release_boundary.md, rule 3). Nothing captured then belongs to a step. Under FSDP2
+        (a sharded layout) the engine stays attached: attached again there it was mapped to the parameters FSDP2 held
+        at that moment and the next release failed (every callback with such a hook crashed a sharded fit); a warm
+        start in ``setup`` then moves nothing in its replays (a limit of the sharded strategy: docs/distributed.md)."""
         engine, module = self._engine, self._module
         if engine is None or module is None:
             yield
             return
         grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
-        engine.detach()
+        sharded = getattr(self.distribution, "layout", None) is not None
+        if not sharded:
+            engine.detach()
         try:
             yield
         finally:
@@ -424,7 +429,8 @@ class StepChecks:
                     p.grad = grad
                 if grad is not None and value is not None and not torch.equal(grad, value):
                     grad.copy_(value)
-            engine.attach(module)
+            if not sharded:
+                engine.attach(module)
 
     def exchanged_training_data(self) -> ExchangedRecords:
         """The training data's copies in memory (:meth:`_training_copies`), for a caller's own replays; the
