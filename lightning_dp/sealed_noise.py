@@ -9,7 +9,8 @@ the same process to put itself under the noise, and :func:`check_sealed` refuses
   :func:`seal` as its last line; its globals and the namespaces of the classes it defines are recorded then, and any
   name since bound to another object, or added (a method of a base class shadowed on a subclass, a builtin shadowed
   by a module global), is named. Dunder names a Python process adds by itself (``__warningregistry__``,
-  ``__slotnames__``) are left out;
+  ``__slotnames__``) are left out. A method set on the drawing mechanism itself, or on its worker, is named too
+  (:func:`shadowed_methods`);
 - **a builtin, a ``math`` function or a ``torch.Tensor`` property the path reads replaced** (``zip``, ``len``,
   ``math.isfinite``, ``Tensor.dtype``): the ones it reads, compared with their objects at import;
 - **a kernel of one of torch's ``aten`` operations the path dispatches replaced below Python** (through
@@ -35,7 +36,7 @@ import torch
 
 from lightning_dp.errors import PrivacyConfigurationError
 
-__all__ = ["NoisePathReplacedError", "OPERATIONS", "broken_seals", "check_sealed", "seal"]
+__all__ = ["NoisePathReplacedError", "OPERATIONS", "broken_seals", "check_sealed", "seal", "shadowed_methods"]
 
 
 class NoisePathReplacedError(PrivacyConfigurationError):
@@ -134,9 +135,23 @@ def _replaced_kernels() -> tuple[str, ...]:
     return _KERNELS_SEEN[2]  # type: ignore[no-any-return]
 
 
-def check_sealed() -> None:
-    """Refuse (:class:`NoisePathReplacedError`) when :func:`broken_seals` names anything."""
-    broken = broken_seals()
+def shadowed_methods(*objects: Any) -> list[str]:
+    """The methods of ``objects``' classes set on the objects themselves (``noise._normal = ...``: an instance's own
+    attribute wins over its sealed class's method)."""
+    found = []
+    for obj in objects:
+        own = getattr(obj, "__dict__", None)
+        if own:
+            cls = type(obj)
+            found += [f"{cls.__qualname__}.{name} (set on the instance)" for name in list(own)
+                      if not name.startswith("__") and callable(getattr(cls, name, None))]
+    return found
+
+
+def check_sealed(*objects: Any) -> None:
+    """Refuse (:class:`NoisePathReplacedError`) when :func:`broken_seals` names anything, or a method of one of
+    ``objects`` (the mechanism drawing, its worker) is set on the object itself (:func:`shadowed_methods`)."""
+    broken = broken_seals() + shadowed_methods(*objects)
     if broken:
         shown = "; ".join(broken[:6]) + (f"; and {len(broken) - 6} more" if len(broken) > 6 else "")
         raise NoisePathReplacedError(

@@ -163,7 +163,7 @@ def _checked(add_noise_: Callable[..., None]) -> Callable[..., None]:
             add_noise_(self, tensors, std, scale_by)
             return
         tensors = list(tensors)
-        check_sealed()  # the path's names and kernels are torch's and ours
+        check_sealed(self, getattr(self, "_prefetcher", None), getattr(self, "_source", None))  # torch's and ours
         taken = noise_taken(tensors)
         add_noise_(self, tensors, std, scale_by)
         check_noise_added(tensors, taken, float(std), float(scale_by), float(self.variance_factor()))

@@ -199,3 +199,14 @@ def test_the_operations_guarded_are_all_the_path_dispatches() -> None:
     seen = {e.name.removeprefix("aten::") for prof in profiles for e in prof.function_events
             if e.name.startswith("aten::")}
     assert seen and seen <= OPERATIONS, sorted(seen - OPERATIONS)
+
+
+def test_a_method_set_on_the_drawing_mechanism_itself_is_refused() -> None:
+    """An instance's own attribute wins over its sealed class's method: ``noise._normal = ...`` on the strategy's
+    mechanism would draw what it likes."""
+    mechanism = GaussianNoise(seed=0, prefetch=False)
+    mechanism._drawn_now = lambda plan, std: (torch.zeros(d.size) for d, _ in plan)  # type: ignore[method-assign]
+    with pytest.raises(NoisePathReplacedError, match=r"GaussianNoise._drawn_now \(set on the instance\)"):
+        mechanism.add_noise_([torch.zeros(1000)], 1.0)
+    del mechanism._drawn_now
+    mechanism.add_noise_([torch.zeros(1000)], 1.0)  # its own again: released
