@@ -53,7 +53,9 @@ from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.validators.batch_start_settings import BatchStartSettings
 from lightning_dp.validators.checkpoint_replays import check_checkpoint_hooks, check_checkpoint_records
 from lightning_dp.validators.end_of_fit import EndOfFit, averaging, unwrap_teardown
-from lightning_dp.validators.step_replays import EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers
+from lightning_dp.validators.step_replays import (EPOCH_BOUNDARY_HOOKS, VALIDATION_HOOKS, StepReplays, observers,
+                                                  users_objects)
+from lightning_dp.validators.pre_hook_state import PreHookState
 from lightning_dp.fingerprints.callback_state import trusted_callback
 from lightning_dp.fingerprints.fingerprint_entries import Fingerprint
 from lightning_dp.fingerprints.state_walker import user_modules
@@ -73,7 +75,7 @@ from lightning_dp.record_checks.stored_records import check_stored_unchanged
 from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.released_gradients import ReleasedGradients
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training, trained_dataset
-from lightning_dp.validators.hook_replays import replaying_now
+from lightning_dp.validators.hook_replays import overrides_epoch_hooks, replaying_now, users_hook
 from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
                                                       watch_from_run_start,
                                                       validation_read_error)
@@ -298,6 +300,8 @@ class PrivateTraining:
         """Attach the engine and choose the release rule for ``where`` (after the optimizers exist)."""
         module = self.lightning_module  # type: ignore[attr-defined]
         engine = self.private_step.attach(module, self.optimizers[0], where)  # type: ignore[attr-defined]
+        if self._replays.pre_hooks is not None:  # as configure_optimizers built them, before on_fit_start
+            self._replays.pre_hooks.note_optimizers(self.optimizers)  # type: ignore[attr-defined]
         boundary = self.private_step.boundary
         boundary.callbacks = lambda: observers(module.trainer)
         boundary.library_objects = lambda: _loop_objects(module.trainer)
@@ -332,6 +336,18 @@ class PrivateTraining:
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_no_tuner(trainer, self.label)
             adopt_gradient_clip(trainer, self, self.label)  # before a resumed checkpoint's C is compared
+            self._note_pre_hook_state(model, trainer)
+
+    def _note_pre_hook_state(self, model: "pl.LightningModule", trainer: "pl.Trainer") -> None:
+        """The state before any ``setup`` runs, where the first step's replays of the hooks that see no batch start
+        (:mod:`~lightning_dp.validators.pre_hook_state`); none when the user's code has none of those hooks."""
+        self._replays.pre_hooks = None
+        if not overrides_epoch_hooks(model) and not users_hook(getattr(type(model), "configure_optimizers", None)):
+            return
+        boundary = self.private_step.boundary  # type: ignore[attr-defined]
+        users = users_objects(trainer)
+        modules = user_modules([type(model)] + [type(cb) for cb in observers(trainer) if not trusted_callback(cb)])
+        self._replays.pre_hooks = PreHookState(trainer, model, users, modules, lambda: boundary.engine_keys)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any) -> None:
         """Before Lightning's loop decides whether the batch accumulates: a constant ``GradientAccumulationScheduler``

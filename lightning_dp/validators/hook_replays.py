@@ -38,10 +38,12 @@ from lightning_dp.value_copies import logged_names
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-FIT_START_HOOKS = ("setup", "on_fit_start")
-"""The hooks before training :func:`replay_epoch_hooks` runs first (``setup`` with ``stage="fit"``), of the module
-and the callbacks (not the datamodule's ``setup``, which builds the datasets): a teacher fitted to the training set
-in ``setup``, a non-private warm start, a head fitted in ``on_fit_start``."""
+FIT_START_HOOKS = ("setup", "configure_model", "on_fit_start")
+"""The hooks before training :func:`replay_epoch_hooks` runs first, in the loop's order: ``setup`` (``stage="fit"``)
+of the datamodule, the callbacks and the module (a batch size or a sampling setting chosen from the training labels,
+a teacher fitted to the training set), the module's ``configure_model`` (a buffer set from the training set's
+statistics; not with several processes, where it shards the model) and ``on_fit_start`` (a non-private warm start,
+a head fitted to the training set)."""
 
 EPOCH_HOOKS = ("on_train_start", "on_train_epoch_start", "on_train_epoch_end")
 """The hooks :func:`replay_epoch_hooks` runs, in the loop's order: those that see no batch but may read the training
@@ -116,11 +118,26 @@ def progress_as(trainer: "pl.Trainer", step: int, epoch: int) -> Iterator[None]:
 
 
 def overrides_epoch_hooks(module: "pl.LightningModule") -> bool:
-    """Whether the module or a callback that is not Lightning's or lightning_dp's has an epoch hook of its own (one
-    defined outside the libraries: Lightning's base classes define them all, empty)."""
-    owners = [module, *(cb for cb in module.trainer.callbacks if not library_callback(cb))]
-    return any(users_hook(getattr(type(owner), name, None)) for owner in owners
-               for name in (*FIT_START_HOOKS, *EPOCH_HOOKS))
+    """Whether the module, a callback that is not Lightning's or lightning_dp's or the datamodule has a hook of its own
+    among those :func:`replay_epoch_hooks` runs (one defined outside the libraries: Lightning's base classes define
+    them all, empty)."""
+    return any(users_hook(getattr(type(owner), name, None)) for name in (*FIT_START_HOOKS, *EPOCH_HOOKS)
+               for owner in _hook_owners(module, name))
+
+
+def _hook_owners(module: "pl.LightningModule", name: str) -> list[Any]:
+    """Whose ``name`` hook :func:`replay_epoch_hooks` runs, in the loop's order: the callbacks that are not Lightning's
+    or lightning_dp's, then the module; for ``setup`` the datamodule first (when its ``setup`` is the user's: it builds
+    the datasets); ``configure_model`` the module's alone, in one process and on a model FSDP2 has not sharded (its
+    ``fully_shard`` calls are not run again)."""
+    trainer = module.trainer
+    if name == "configure_model":
+        sharded = any(base.__name__ == "FSDPModule" for m in module.modules() for base in type(m).__mro__)
+        return [module] if getattr(trainer, "world_size", 1) == 1 and not sharded else []
+    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
+    datamodule = getattr(trainer, "datamodule", None) if name == "setup" else None
+    first = [datamodule] if datamodule is not None and users_hook(getattr(type(datamodule), "setup", None)) else []
+    return [*first, *callbacks, module]
 
 
 def runs_users_code(module: "pl.LightningModule", hooks: Sequence[str]) -> bool:
@@ -170,24 +187,31 @@ def users_hook(hook: Any) -> bool:
                                and library_callable(hook))  # (a user's hook claiming Lightning's module: the user's)
 
 
-def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str, set[str]]] = None) -> None:
-    """The :data:`FIT_START_HOOKS` and :data:`EPOCH_HOOKS` (``setup``, ``on_fit_start``, ``on_train_start``,
-    ``on_train_epoch_start``, ``on_train_epoch_end``) of every callback that is not Lightning's or lightning_dp's
-    and of the module, logging silenced, with gradients enabled as the loop runs them (a warm start's backward in
-    ``on_train_start`` runs: the caller puts the engine aside, so its steps move the weights as they do for real); a
-    hook that needs more of the loop than a replay gives (it raises) ends the replay (every replay alike).
-    ``writers``: filled with the hooks that wrote the model's parameters (``"WarmStart.setup"`` → their names), for
-    the refusal to name them."""
+def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str, set[str]]] = None,
+                       set_up: Optional[Callable[[], None]] = None) -> None:
+    """The :data:`FIT_START_HOOKS` and :data:`EPOCH_HOOKS` (``setup``, ``configure_model``, ``on_fit_start``,
+    ``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``) of every callback that is not Lightning's or
+    lightning_dp's, of the module and (``setup``) of the datamodule, logging silenced, with gradients enabled as the
+    loop runs them (a warm start's backward in ``on_train_start`` runs: the caller puts the engine aside, so its
+    steps move the weights as they do for real); a hook that needs more of the loop than a replay gives (it raises)
+    ends the replay (every replay alike). ``writers``: filled with the hooks that wrote the model's parameters
+    (``"WarmStart.setup"`` → their names), for the refusal to name them. ``set_up``: called once the datamodule's
+    ``setup`` ran (the caller notes what it set, then puts the datamodule back as the real one left it: datasets it
+    builds anew from files or copies hold no exchanged values, and the hooks after it read the training data)."""
     trainer = module.trainer
-    callbacks = [cb for cb in trainer.callbacks if not library_callback(cb)]
     with replaying(module, rates=False), torch.enable_grad():
         try:
             for name in (*FIT_START_HOOKS, *EPOCH_HOOKS):
                 stage = ("fit",) if name == "setup" else ()
-                for owner in (*callbacks, module):
+                for owner in _hook_owners(module, name):
+                    if name == "configure_model" and not users_hook(getattr(type(owner), name, None)):
+                        continue
                     before = _parameter_versions(module) if writers is not None else {}
                     hook = getattr(owner, name)
-                    hook(*stage) if owner is module else hook(trainer, module, *stage)
+                    hook(*stage) if owner is module or owner is trainer.datamodule else \
+                        hook(trainer, module, *stage)
+                    if owner is trainer.datamodule and set_up is not None:
+                        set_up()
                     if writers is not None:
                         wrote = {n for n, v in _parameter_versions(module).items() if before.get(n) != v}
                         if wrote:

@@ -52,6 +52,7 @@ from lightning_dp.validators.steered_settings import (hyperparameters_error, lib
                                                       replay_records, state_written)
 from lightning_dp.record_checks.outside_records import ExchangedRecords, exchanged_copy
 from lightning_dp.validators.rng import decided_from_data_error, seeds_recorded
+from lightning_dp.validators.pre_hook_state import PreHookState
 from lightning_dp.validators.snapshot import StateSnapshot
 from lightning_dp.value_copies import logged_names
 
@@ -125,6 +126,7 @@ class StepReplays:
         self.before_release_writes: set[str] = set()  # what the step's hooks write alike on all data (a counter)
         self.batch_checked = False  # the batch check ran on this step (its batch-end window is judged)
         self._hooks_of_users: dict[tuple[str, ...], tuple[Any, bool]] = {}  # which hooks the user's code has
+        self.pre_hooks: Optional[PreHookState] = None  # the state before the hooks that see no batch ran (connect)
 
     @property
     def step(self) -> Any:
@@ -181,6 +183,7 @@ class StepReplays:
             with stop_decisions_kept(module.trainer):  # the probe's passes: no trace (the real step's are judged)
                 self.step.verify(loss_of, low_precision=low, to_device=self.strategy._as_loop_batch,
                                  what="training_step", replay_hooks=self._replay_now_and_later)
+            self.pre_hooks = None  # judged: the copies it holds go
         except PrivacyConfigurationError as err:
             if "DTensor" not in str(err):
                 raise
@@ -386,20 +389,36 @@ class StepReplays:
         clock = ClockReads(owners=[module, *users])  # the first replay's clock values, read by the others
         draws = DrawReads(owners=[module, *users])  # and its unseeded draws
 
+        datamodule = trainer.datamodule
+
         def replay(exchange: bool) -> Callable[[], None]:
             def run() -> None:
                 model_back = model_kept(module, weights=True)  # a warm start (any of these hooks): compared, put back
                 rates: dict[str, Any] = {}
+                set_up: dict[str, Any] = {}  # the datamodule as its setup left it (" (its setup)": compared apart)
+                bound = dict(vars(datamodule)) if datamodule is not None else {}  # its attributes as the real
+                # setup left them (rebound only: their contents are the replays' snapshot's to put back)
+
+                def datamodule_set_up() -> None:  # noted, then as the real setup left it: its datasets the training
+                    set_up.update({f"{key} (its setup)": value  # data's (exchanged), for the hooks after it
+                                   for key, value in fingerprint.take(users, full=True, every_callback=True).items()
+                                   if key.startswith("datamodule ")})
+                    fields = vars(datamodule)
+                    for key in [k for k in fields if k not in bound]:
+                        del fields[key]
+                    fields.update(bound)
                 try:
+                    if self.pre_hooks is not None:  # from the state before the real hooks ran: a write they made on
+                        self.pre_hooks.put_back()   # one side of a threshold only is made by one replay alone
                     with exchanged.exchanged(fixed_integers=True) if exchange else nullcontext(), seeded(0), \
                             clock.next_run(), \
                             draws.next_run(), seeds_recorded() as calls, \
                             progress_as(trainer, *progress) if progress is not None else nullcontext():
                         seeds.append(calls)
-                        replay_epoch_hooks(module, writers)
+                        replay_epoch_hooks(module, writers, datamodule_set_up)
                         rates = configured_settings(module)  # a rate configure_optimizers takes from the data
                 finally:
-                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates})
+                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates, **set_up})
                     sketches.append(weights_sketch(module))  # how far apart, for weights the plain replays round apart
                     snapshot.restore()
                     written = model_back()
@@ -420,8 +439,10 @@ class StepReplays:
         plain, other, again = ({**k, **h} for k, h in zip(kept, seen))
         moved = [name for name in moved_by_data(plain, again, other) if not name.startswith("parameter ")] \
             + weights_moved_by_data(plain, again, other, sketches)  # the weights: rounding apart from the data
-        where = ("by the hooks that see no batch (setup, on_fit_start, on_train_start, on_train_epoch_start/end), "
-                 "replayed on the training data and on it exchanged")
+        moved = list(dict.fromkeys(name.removesuffix(" (its setup)") for name in moved))
+        where = ("by the hooks that see no batch (setup, configure_model, on_fit_start, on_train_start, "
+                 "on_train_epoch_start/end), replayed from the state before they ran on the training data and on it "
+                 "exchanged")
         decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
         refusal: Optional[PrivacyConfigurationError] = None
         if decided:
