@@ -199,8 +199,8 @@ def replay_epoch_hooks(module: "pl.LightningModule", writers: Optional[dict[str,
     ``setup`` ran (the caller notes what it set, then puts the datamodule back as the real one left it: datasets it
     builds anew from files or copies hold no exchanged values, and the hooks after it read the training data)."""
     trainer = module.trainer
-    with replaying(module, rates=False), torch.enable_grad():
-        try:
+    with replaying(module, rates=False, schedules=False), torch.enable_grad():  # (the schedulers: compared by the
+        try:                                                                     # caller, then put back)
             for name in (*FIT_START_HOOKS, *EPOCH_HOOKS):
                 stage = ("fit",) if name == "setup" else ()
                 for owner in _hook_owners(module, name):
@@ -240,8 +240,13 @@ def configured_settings(module: "pl.LightningModule") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, optimizer in enumerate(optimizers):
         out.update({f"configured optimizer {i} {k.partition(' ')[2]}": v for k, v in settings(optimizer).items()})
-    for i, config in enumerate(schedulers):
-        out.update({f"configured scheduler {i} {k}": repr(v) for k, v in scheduler_state(config.scheduler).items()})
+    for i, config in enumerate(schedulers):  # (as configure_optimizers returned it: a scheduler, or a dict of one)
+        scheduler = config.get("scheduler") if isinstance(config, dict) else getattr(config, "scheduler", config)
+        try:
+            state = scheduler_state(scheduler)
+        except Exception:  # noqa: BLE001  (not a scheduler torch's way: nothing compared)
+            continue
+        out.update({f"configured scheduler {i} {k}": repr(v) for k, v in state.items()})
     return out
 
 

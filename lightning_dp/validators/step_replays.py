@@ -303,8 +303,9 @@ class StepReplays:
                                                       "(training_step, on_train_batch_start/end, on_before_backward)")
                 self.step.on_every_rank(judge, "found the batch hooks' replays steered by the data")
                 if raised and raised[0] is not None:  # raised on the data, alike on other data: as the loop would
+                    self._judge_epoch_hooks(progress)  # (the hooks that see no batch judged all the same)
                     raise raised[0]
-            self._replay_epoch_hooks(progress)
+            self._judge_epoch_hooks(progress)
         if writes is not None and writes.rewritten:  # the weights the replays wrote and put back, as they are now
             boundary.accept([f"parameter {name}" for name in writes.rewritten])
 
@@ -359,6 +360,27 @@ class StepReplays:
                 "examples, run again on this step's, on them exchanged (the training set's copies with them) and with "
                 "the loss moved far, the hooks set it apart"))
             if moved else None, "found state or names the hooks before the release set from the batch")
+
+    def _judge_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
+        """:meth:`_replay_epoch_hooks`, failing closed: the replays catch what the user's hooks raise, so an
+        exception that leaves them is the judge's own, and the hooks it was to judge are unjudged — refused (the
+        caller of the first step's replays leaves out a run the loop's hooks cannot make, and would train)."""
+        try:
+            self._replay_epoch_hooks(progress)
+        except PrivacyConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (named in the refusal; its message may hold the data's values)
+            refusal: Optional[PrivacyConfigurationError] = PrivacyConfigurationError(
+                f"The replays of the hooks that see no batch (setup, configure_model, on_fit_start, on_train_start, "
+                f"on_train_epoch_start/end) could not be judged: {type(err).__name__} was raised outside your hooks "
+                "(in reading or putting back the state they keep). What those hooks compute from the training data "
+                "cannot be told from a constant, so the fit is refused before any release. Keep the state these "
+                "hooks write to plain values, tensors and containers of them (an object whose attributes raise when "
+                "read or set cannot be compared or put back).")
+            refusal.__cause__ = err
+            self.refuse_on_every_rank(refusal, "found the epoch hooks' replays failing")
+            return
+        self.refuse_on_every_rank(None, "found the epoch hooks' replays failing")
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
@@ -418,7 +440,8 @@ class StepReplays:
                         replay_epoch_hooks(module, writers, datamodule_set_up)
                         rates = configured_settings(module)  # a rate configure_optimizers takes from the data
                 finally:
-                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates, **set_up})
+                    kept.append({**fingerprint.take(users, full=True, every_callback=True), **rates, **set_up,
+                                 "model trainable": tuple(n for n, p in module.named_parameters() if p.requires_grad)})
                     sketches.append(weights_sketch(module))  # how far apart, for weights the plain replays round apart
                     snapshot.restore()
                     written = model_back()
@@ -443,7 +466,8 @@ class StepReplays:
         where = ("by the hooks that see no batch (setup, configure_model, on_fit_start, on_train_start, "
                  "on_train_epoch_start/end), replayed from the state before they ran on the training data and on it "
                  "exchanged")
-        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))]
+        decided = [name for name in moved if name.startswith(("optimizer ", "trainer ", "privacy ", "configured "))
+                   or name == "model trainable"]
         refusal: Optional[PrivacyConfigurationError] = None
         if decided:
             refusal = hyperparameters_error(decided, f"from the training data {where}")

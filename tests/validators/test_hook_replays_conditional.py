@@ -5,9 +5,11 @@
 the real hook left, the replay on the exchanged labels skips the write and leaves the real run's value, so it agreed
 with the replay on the data. The replays start from the state as the fit started, so each class is refused before
 any release: a trainer limit (``setup``), a module attribute (``on_train_start``), a library callback's setting
-(``on_fit_start``), an optimizer's learning rate (``on_fit_start``), the weights (``setup``), a datamodule's batch
-size (its ``setup``, now replayed) and a buffer written in ``configure_model`` (now replayed). The same writes from
-constants train, and the values the real hooks set stay after the judge ran.
+(``on_fit_start``), an optimizer's learning rate and a scheduler's setting (``on_fit_start``), the weights and which
+layers train (``setup``), a datamodule's batch size (its ``setup``, now replayed) and a buffer written in
+``configure_model`` (now replayed); and, with a scheduler returned by ``configure_optimizers``, a stop written on
+both sides of the threshold (the replays failed there and judged nothing). The same writes from constants train,
+and the values the real hooks set stay after the judge ran.
 """
 
 from __future__ import annotations
@@ -87,6 +89,32 @@ class BiasIfLow(Classifier):
                 self.net[2].bias.fill_(0.3)
 
 
+class FrozenIfLow(Classifier):
+    def setup(self, stage: str) -> None:
+        if _rate() < 0.5:
+            self.net[0].requires_grad_(False)
+
+
+class Scheduled(Classifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 5)]
+
+
+class StepSizeIfLow(Scheduled):
+    def on_fit_start(self) -> None:
+        if _rate() < 0.5:
+            self.trainer.lr_scheduler_configs[0].scheduler.step_size = 1
+
+
+class EpochsFromLabelsWithScheduler(Scheduled):
+    """Both branches written (refused without a scheduler already): with a scheduler returned by
+    configure_optimizers, the replays' comparison of the optimizers it builds failed, and nothing was judged."""
+
+    def on_train_start(self) -> None:
+        self.trainer.fit_loop.max_epochs = 1 if _rate() < 0.5 else 3
+
+
 class BatchSizeFromLabels(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self.batch_size = 8 if _rate() < 0.5 else 32
@@ -120,8 +148,12 @@ def _stopper() -> EarlyStopping:
     (lambda: dict(model=BiasIfLow()), "net.2.bias"),
     (lambda: dict(model=Classifier(), datamodule=BatchSizeFromLabels()), "batch_size"),
     (lambda: dict(model=ScaleInConfigureModel()), "buffer scale"),
+    (lambda: dict(model=FrozenIfLow()), "model trainable"),
+    (lambda: dict(model=StepSizeIfLow()), "lr scheduler 0 StepLR"),
+    (lambda: dict(model=EpochsFromLabelsWithScheduler(), max_steps=-1, max_epochs=3), "max_epochs"),
 ], ids=["trainer-limit-in-setup", "module-attribute-on-train-start", "library-callback-setting-on-fit-start",
-        "learning-rate-on-fit-start", "weights-in-setup", "datamodule-setup", "configure-model"])
+        "learning-rate-on-fit-start", "weights-in-setup", "datamodule-setup", "configure-model",
+        "frozen-layer-in-setup", "scheduler-setting-on-fit-start", "max-epochs-with-a-scheduler"])
 def test_a_write_from_the_labels_in_a_hook_that_sees_no_batch_is_refused(build: Any, match: str) -> None:
     """Each write, made on the data's side of the threshold only (or, in the hooks not replayed before, made at
     all), is refused before any release."""
@@ -166,9 +198,15 @@ class PublicWrites(Classifier):
 
     def on_fit_start(self) -> None:
         self.trainer.optimizers[0].param_groups[0]["lr"] = 0.25
+        self.trainer.lr_scheduler_configs[0].scheduler.step_size = 3
 
     def on_train_start(self) -> None:
         self.scale = 0.5
+        self.net[0].bias.requires_grad_(False)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 5)]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return super().training_step(batch, batch_idx) * self.scale
@@ -197,4 +235,5 @@ def test_the_same_writes_from_constants_train_and_stay_as_the_real_hooks_set_the
     assert trainer.limit_train_batches == 2 and stopper.patience == 1
     assert model.scale == 0.5 and float(model.centre) == 0.25
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25
+    assert trainer.lr_scheduler_configs[0].scheduler.step_size == 3 and not model.net[0].bias.requires_grad
     assert trainer.datamodule.batch_size == 8
