@@ -134,7 +134,10 @@ class PreHookState:
         epoch_loop = getattr(fit, "epoch_loop", None)
         if epoch_loop is not None and getattr(epoch_loop, "max_steps", None) != max_steps:
             epoch_loop.max_steps = max_steps
-        for obj, key, value in self._settings.values():
+        current = library_settings(trainer)  # only those that are settings still (what is put back after a replay:
+        for name, (obj, key, value) in self._settings.items():  # a callback's None its setup made an object is not)
+            if name not in current or current[name][0] is not obj:
+                continue
             now = vars(obj).get(key, _ABSENT)
             if now is not value and (type(now) is not type(value) or now != value):
                 setattr(obj, key, value)

@@ -384,8 +384,11 @@ class StepReplays:
 
     def _replay_epoch_hooks(self, progress: Optional[tuple[int, int]]) -> None:
         """The epoch hooks of the module and of the callbacks that are not Lightning's or lightning_dp's
-        (``on_train_start``, ``on_train_epoch_start``/``end``), replayed as the module runs at ``progress`` (``None``:
-        now), each from the same state and the same random seeds: on the training data, with its copies in memory
+        (``on_train_start``, ``on_train_epoch_start``/``end``; ``setup``, ``configure_model`` and ``on_fit_start``
+        before them, the datamodule's ``setup`` first), replayed as the module runs at ``progress`` (``None``:
+        now), each from the same state — the state before the real hooks ran (:attr:`pre_hooks`,
+        :mod:`.pre_hook_state`), so that a write made on one side of a threshold only is made by one replay — and
+        the same random seeds: on the training data, with its copies in memory
         exchanged for other values (:mod:`~lightning_dp.record_checks.outside_records`), and — only when those two
         differ — on the training data again. What the exchanged replay leaves apart from the first, and the second
         plain replay does not (each reads the first one's clock values: a time stamp is alike), is the data's, no

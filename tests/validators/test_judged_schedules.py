@@ -21,6 +21,9 @@ from lightning_dp import PrivacyConfigurationError  # noqa: E402
 from lightning_dp.validators.judged_schedules import users_schedule_code  # noqa: E402
 
 READ = "The learning-rate schedule read the training data"
+READ_OR_BUILT = READ + "|configured scheduler 0|global test_judged_schedules.STASH"
+"""Or, a schedule that reads the labels as configure_optimizers builds it (LambdaLR calls its function once there):
+refused by the replays of the hooks that see no batch, which build the optimizers again on the exchanged data."""
 
 
 def labels(module: Any) -> torch.Tensor:
@@ -62,7 +65,7 @@ def _records_by_step(optimizer: Any, module: Any) -> LambdaLR:
                                            (_records_by_step, "epoch")], ids=["lambda", "class", "epoch-interval"])
 def test_a_schedule_reading_the_training_records_is_refused(make: Callable[[Any, Any], Any], interval: str) -> None:
     model = Scheduled(make, interval)
-    with pytest.raises(PrivacyConfigurationError, match=READ):
+    with pytest.raises(PrivacyConfigurationError, match=READ_OR_BUILT):
         fit(model, steps=12, n=32)  # (two epochs of 16-record batches)
     assert model.trainer.global_step < 12
 
@@ -130,7 +133,7 @@ def _memoised(optimizer: Any, module: Any) -> LambdaLR:
 
 
 def test_a_schedule_memoising_what_it_read_is_refused() -> None:
-    with pytest.raises(PrivacyConfigurationError, match=READ):
+    with pytest.raises(PrivacyConfigurationError, match=READ_OR_BUILT):
         fit(Scheduled(_memoised), steps=4)
 
 
@@ -164,7 +167,7 @@ def test_a_lambda_of_a_public_tables_getitem_trains_and_follows_the_table() -> N
 def test_a_builtin_method_of_the_users_dict_subclass_reading_records_is_refused(wrap: Callable[[Any], Any]) -> None:
     """``Table().__getitem__`` is ``builtins``' method, yet it runs the user's ``__missing__`` (zoo35 R11)."""
     model = Scheduled(lambda o, m: LambdaLR(o, wrap(LabelTable(m).__getitem__)))
-    with pytest.raises(PrivacyConfigurationError, match=READ):
+    with pytest.raises(PrivacyConfigurationError, match=READ_OR_BUILT):
         fit(model, steps=12, n=32)
 
 
@@ -202,5 +205,5 @@ def test_a_schedule_keeping_what_it_read_beside_a_public_rate_is_refused() -> No
     """The rates alike on any data, the state the update wrote is judged too before it is accepted: a statistic of
     the labels kept in a global is set apart by the exchanged data."""
     STASH.clear()
-    with pytest.raises(PrivacyConfigurationError, match=READ):
+    with pytest.raises(PrivacyConfigurationError, match=READ_OR_BUILT):
         fit(Scheduled(_stashing), steps=4)
