@@ -193,11 +193,14 @@ class RateInSchedulerState(Classifier):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": Warm(opt, constant), "interval": "step"}}
 
 
-@pytest.mark.parametrize("model, key", [(MeanInOptimizerState, "optimizer_states[0].feature_mean"),
-                                        (RateInSchedulerState, "lr_schedulers[0].positive_rate")])
+@pytest.mark.parametrize("model, key", [(MeanInOptimizerState, r"optimizer_states\[0\]\.feature_mean"),
+                                        # (or, first, the scheduler configure_optimizers builds again on the exchanged
+                                        # data in the replays of the hooks that see no batch: its state read it)
+                                        (RateInSchedulerState, r"lr_schedulers\[0\]\.positive_rate|"
+                                                               r"configured scheduler 0 positive_rate")])
 def test_a_training_set_statistic_in_the_optimizers_or_schedulers_state_dict_is_refused(model, key,
                                                                                        tmp_path: Path) -> None:
-    with pytest.raises(PrivacyConfigurationError, match=key.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(PrivacyConfigurationError, match=key):
         _fit(model(), tmp_path, every_n_epochs=1)
     assert not os.listdir(tmp_path)
 
