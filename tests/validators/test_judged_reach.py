@@ -21,7 +21,9 @@ from cases import Classifier, data, fit, parameters, unchanged  # noqa: E402
 from lightning_dp import PrivacyConfigurationError  # noqa: E402
 
 UPDATE = "The optimizer's update read the training data"
-SCHEDULE = "The learning-rate schedule read the training data"
+SCHEDULE = "The learning-rate schedule read the training data|configured scheduler 0"
+"""(Or, first, the replays of the hooks that see no batch: configure_optimizers builds the scheduler again on the
+exchanged data, and a LambdaLR runs its function as it is built.)"""
 
 
 class Writes(torch.optim.SGD):
