@@ -26,7 +26,9 @@ from lightning_dp.validators.judged_schedules import users_schedule_code  # noqa
 from lightning_dp.validators.judged_updates import users_update_code  # noqa: E402
 
 UPDATE_READ = "The optimizer's update read the training data"
-SCHEDULE_READ = "The learning-rate schedule read the training data"
+SCHEDULE_READ = "The learning-rate schedule read the training data|configured scheduler 0"
+"""(Or, first, the replays of the hooks that see no batch: configure_optimizers builds the scheduler again on the
+exchanged data, and a LambdaLR runs its function as it is built.)"""
 
 
 def training_mean(module: Any) -> torch.Tensor:
