@@ -18,7 +18,8 @@ the real hooks and what each leaves is compared:
   callback's patience or threshold) as at ``connect``;
 - the model's weights as at ``connect``, by name, where the shapes still agree (copied in; the model's own values are
   put back after every replay: :func:`~.hook_replays.model_kept`), unless the model holds more than
-  :data:`WEIGHTS_LIMIT` numbers (then the replays start from the weights as they are);
+  :data:`WEIGHTS_LIMIT` numbers (then the replays start from the weights as they are); a parameter FSDP2 sharded
+  since (a ``DTensor``) is left as it is;
 - the optimizers' hyper-parameters and defaults and the learning-rate schedulers' states as they were built, before
   ``on_fit_start`` (:meth:`PreHookState.note_optimizers`, from the strategy's setup).
 
@@ -106,8 +107,8 @@ class PreHookState:
         now = dict(module.named_parameters())
         with torch.no_grad():
             for name, value in self._weights:
-                p = now.get(name)
-                if p is not None and not p.is_meta and p.shape == value.shape:
+                p = now.get(name)  # (a parameter FSDP2 sharded since, a DTensor, as it is: its shards are its own)
+                if p is not None and not p.is_meta and p.shape == value.shape and type(p.data) is torch.Tensor:
                     value = value.to(device=p.device, dtype=p.dtype)
                     if not torch.equal(p.data, value):
                         p.data.copy_(value)
