@@ -214,7 +214,8 @@ def _scheduled(rate: Any) -> Classifier:
                          ids=["rounded_balance", "one_label"])
 def test_a_schedule_from_what_the_old_map_left_alike_is_refused(rate: Any) -> None:
     """(zoo36 T51) A LambdaLR of round(|rate of ten training labels - 1/2|, 4), or of one training label: refused."""
-    with pytest.raises(PrivacyConfigurationError, match="learning-rate schedule read the training data"):
+    with pytest.raises(PrivacyConfigurationError,  # (refused first as configure_optimizers builds it, or when stepped)
+                       match="learning-rate schedule read the training data|changed from the training data by the hooks"):
         _fit(_scheduled(rate), steps=4)
 
 
