@@ -1,7 +1,7 @@
 """The data ledger's row digests at a fit's start against a one-epoch fit: ``python benchmarks/data_digests.py``.
 
 50,000 tabular rows, then 10,000 images as a TensorDataset and as a custom Dataset (one thread). Figures go in
-docs/performance.md, "The data ledger's row digests at a fit's start".
+docs/results/performance_log.md, "The data ledger's row digests at a fit's start".
 """
 
 from __future__ import annotations

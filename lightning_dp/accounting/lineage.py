@@ -85,8 +85,8 @@ def one_thread() -> Iterator[None]:
     against many fits (module_ledgers.derived). Each :func:`fit_path` inverts a design of a few columns and at most 64
     rows, which one thread does in a tenth of a millisecond, while several threads on a loaded machine wait for each
     other at every parallel region of the SVD: tens of milliseconds per pseudo-inverse, and 18 s for a fit's start
-    matched against a store of 256 fits (benchmarks/store_lookup.py, docs/performance.md). What is found is the same
-    (the values may differ in their last bits, as they do between machines of other thread counts)."""
+    matched against a store of 256 fits (benchmarks/store_lookup.py, docs/results/performance_log.md). What is found
+    is the same (the values may differ in their last bits, as they do between machines of other thread counts)."""
     with _THREADS:
         if not _HELD["entered"]:
             _HELD["threads"] = torch.get_num_threads()

@@ -193,10 +193,10 @@ def norm_tokens(named: Sequence[tuple[str, Tensor]], sums: Optional[Checksums] =
     ``-0.0`` for ``0.0``). On an accelerator (or past :data:`SNAPSHOT_BYTES` on the CPU: no copy of the model every
     step) each tensor's L2 norm by one fused reduction, one entry per device (:class:`_DeviceNorms`: no host copy until
     compared, so taking the baseline after the update does not wait for the device); a norm does not show a sign flip,
-    a permutation or a change below its rounding (docs/performance.md). ``sums``: where the last copy of each group is
-    kept (:attr:`Checksums.snapshots`): contents found bit for bit as copied last time (the check before the release,
-    with nothing written since the update) are held by that copy again, so a step copies the weights once (after the
-    update) and compares them once, as many passes over the memory as the two norms took."""
+    a permutation or a change below its rounding (docs/results/performance_log.md). ``sums``: where the last copy of
+    each group is kept (:attr:`Checksums.snapshots`): contents found bit for bit as copied last time (the check before
+    the release, with nothing written since the update) are held by that copy again, so a step copies the weights once
+    (after the update) and compares them once, as many passes over the memory as the two norms took."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
     for name, t in named:
         groups.setdefault((t.device, t.dtype), []).append((name, t))

@@ -4,7 +4,7 @@ A loop of one's own hands :class:`~lightning_dp.privacy.private_step.PrivateStep
 the plain loop's checks (:mod:`lightning_dp.validators.plain_loop`) find them among the optimizer's referrers
 (``gc.get_referrers``), which visits every object the collector tracks (importing ``lightning_dp`` makes 330k):
 100–140 ms a call on a loaded 2-vCPU machine, tens of times the digits CNN's whole private step. It was repeated
-at every release while none was found (docs/performance.md).
+at every release while none was found (docs/results/performance_log.md).
 
 A scheduler can hold the optimizer unseen only if it was built without ``LRScheduler.__init__``, which marks the
 optimizer it is given (``initial_lr`` in every parameter group, its ``step`` wrapped; torch's ``SequentialLR`` and
