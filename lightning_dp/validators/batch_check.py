@@ -76,6 +76,7 @@ from lightning_dp.engine_api import ClippedBatch
 from lightning_dp.records.generator_states import GeneratorStates, taken
 from lightning_dp.record_checks.outside_records import ExchangedRecords, outside_records_error
 from lightning_dp.validators.probe import ExampleIndependenceProbe, check_passes, frozen_parameters, seed_all
+from lightning_dp.validators.step_calls import sorted_batch_hint, weighted_mean_hint
 from lightning_dp.tolerance import NEAR_MISS, REJUDGED_ULPS, batch_tolerance
 from lightning_dp.wide_replay import in_float64
 
@@ -221,7 +222,14 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         """:func:`batch_interaction_error`, the comparison's worst distance kept for :meth:`_rejudged`."""
         self._near = self._worst
         return batch_interaction_error(step, m, differing, summed, self.engine.name, self._as_of,
-                                       (1 + self.draws) if self.drew else 0, self._built)
+                                       (1 + self.draws) if self.drew else 0, self._built, self._likely_cause())
+
+    def _likely_cause(self) -> str:
+        """What the step's own calls, as the passes saw them (:class:`~.step_calls.StepWatch`), say the interaction
+        likely is: a class-weighted mean loss (the probe's first examples may all share a label, so only a sampled
+        batch shows it: public constant class weights, qa39 c10), a sort of the batch; "" when neither."""
+        return ((weighted_mean_hint() if self._calls.weighted_mean else "")
+                + (sorted_batch_hint() if self._calls.sorted else ""))
 
     def _halves(self, chosen: list[int], step: int) -> ClippedBatch:
         """The comparison of the module docstring: the batch, its two halves, two examples alone (returns the batch's
@@ -364,11 +372,12 @@ def _reordered(whole: Tensor, parts: list[Tensor], tolerance: float) -> bool:
 
 
 def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[str],
-                            engine: str, as_of: str = "", drawn: int = 0, built: bool = False
+                            engine: str, as_of: str = "", drawn: int = 0, built: bool = False, hint: str = ""
                             ) -> PrivacyConfigurationError:
     """The refusal of an interaction the batch check found (counts only: no gradient values of the data); ``drawn``:
     the step draws random numbers and was compared from that many generator states; ``built``: on a batch built from
-    the training records, not the sampled one (``as_of`` says which)."""
+    the training records, not the sampled one (``as_of`` says which); ``hint``: the likeliest cause the step's own
+    calls name (:meth:`BatchInteractionCheck._likely_cause`), said before the typical ones."""
     where = f" and the sums of {', '.join(summed[:4])}{' …' if len(summed) > 4 else ''} changed" if summed else ""
     when = f" ({as_of})" if as_of else ""
     which = "that batch" if built else "the step's own sampled batch"
@@ -380,11 +389,12 @@ def batch_interaction_error(step: int, m: int, differing: int, summed: Sequence[
         f"Examples interact at step {step}{when}: checked on {m} examples of {which} (as one batch, as two halves and "
         f"two of them alone), {differing} example gradient(s) changed with the batch's composition{where}. Per-example "
         f"clipping then does not bound one example's influence by C. Nothing was released for this step. {coin}"
-        "Typical causes the first step cannot show: an operation across the batch that starts after a warm-up "
-        "(in-batch negatives, a contrastive loss over the batch), a selection by rank within the batch (hard-example "
-        "mining with top-k), a loss weighted by the batch's own statistics (class weights from its "
-        "labels), a penalty on batch statistics (a covariance or mean of the batch's features), or augmentation that "
-        "mixes examples (MixUp/CutMix inside training_step). Make every example's loss its own (per-example "
-        f"weights fixed in advance, negatives from public data); if the examples are independent, engine '{engine}' "
-        "gets a per-example gradient wrong: try another (per_sample='ghost', 'vmap' or 'opacus_hooks') and please "
-        "report it.")
+        f"{hint}{'Other typical' if hint else 'Typical'} causes the first step cannot show: an operation across the "
+        "batch that starts after a warm-up (in-batch negatives, a contrastive loss over the batch), a selection by "
+        "rank within the batch (hard-example mining with top-k), a loss weighted by the batch's own statistics "
+        "(class weights from its labels), a penalty on batch statistics (a covariance or mean of the batch's "
+        "features), or augmentation that mixes examples (MixUp/CutMix inside training_step). Make every example's "
+        "loss its own (per-example weights fixed in advance, negatives from public data)"
+        + ("." if hint else  # a cause named: no engine's bug
+           f"; if the examples are independent, engine '{engine}' gets a per-example gradient wrong: try another "
+           "(per_sample='ghost', 'vmap' or 'opacus_hooks') and please report it."))
