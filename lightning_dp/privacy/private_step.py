@@ -277,7 +277,7 @@ class PrivateStep(StepChecks):
         self._parameters_checked = False  # the parameter set was checked this step (refresh_parameters)
         self._open_batch = False  # a physical batch began (begin) and was not banked or released yet
         self.loop = PlainLoop(partial(mechanism_state, self), partial(getattr, self.boundary, "public_state"),
-                              partial(getattr, self, "examples_alone"), self.params)
+                              partial(getattr, self, "examples_alone"), self.params, self.boundary.post_processed)
         """The step's drawn batch and what the loop does with it (:mod:`~lightning_dp.validators.plain_loop`)."""
 
     @property

@@ -94,6 +94,8 @@ _BACKWARD: Optional[Callable[..., Any]] = None  # torch.autograd.backward while 
 
 def _note_read(name: str) -> None:
     loop = _WATCHING()
+    if loop is not None:
+        loop.ever_read = True
     if loop is not None and loop.read is None:
         loop.read = name
 
@@ -116,28 +118,46 @@ def _watch_backward(on: bool) -> None:
     global _BACKWARD
     if on and _BACKWARD is None:
         _BACKWARD, torch.autograd.backward = torch.autograd.backward, _watched_backward
-        for place, name in _CLIPS:
-            if hasattr(place, name):
-                setattr(place, name, _refused_clip(name, getattr(place, name)))
     elif not on and _BACKWARD is not None:
         torch.autograd.backward, _BACKWARD = _BACKWARD, None
-        for place, name in _CLIPS:
-            setattr(place, name, getattr(getattr(place, name, None), "original", getattr(place, name, None)))
+
+
+def _watch_clips(on: bool) -> None:
+    """``torch.nn.utils``'s gradient clipping watched (:func:`_watched_clip`) while a plain loop is watched: from its
+    first ``begin()`` until it is forgotten, so a clip of the released ĝ before ``optimizer.step()`` is seen too."""
+    for place, name in _CLIPS:
+        current = getattr(place, name, None)
+        if on and current is not None and not hasattr(current, "original"):
+            setattr(place, name, _watched_clip(name, current))
+        elif not on and hasattr(current, "original"):
+            setattr(place, name, current.original)
 
 
 _CLIPS = [(place, name) for place in (torch.nn.utils, torch.nn.utils.clip_grad)
           for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")]
 
 
-def _refused_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.nn.utils``'s gradient clipping while a plain loop's step is open: refused for the step's parameters,
-    whose ``p.grad`` is ``None`` until ``release()`` (their per-example gradients are the engine's, clipped there)."""
+def _public_arguments(args: tuple, kwargs: dict) -> bool:
+    """Whether a clip's arguments besides the parameters are plain constants (a number, ``'inf'``, a flag): no
+    tensor, no loss (a :class:`WatchedLoss` is a tensor), nothing computed from the batch's gradients."""
+    return all(type(value) in (int, float, bool, str, type(None)) for value in (*args, *kwargs.values()))
+
+
+def _watched_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.nn.utils``'s gradient clipping while a plain loop is watched. For the step's parameters: refused while
+    its step is open, whose ``p.grad`` is ``None`` until ``release()`` (their per-example gradients are the engine's,
+    clipped there); after the release, a clip of ĝ_t to constants (:func:`_public_arguments`) while the loop has never
+    read a loss's value is post-processing of ĝ_t, held as released (``post_processed``, qa39 p05); any other
+    (a bound from the loss, a total norm passed in) is left to the check before the update, which refuses it."""
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         loop = _WATCHING()
         if loop is not None:
             parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
             own = {id(p) for p in loop.params()}
-            if any(id(p) in own for p in parameters):
+            if any(id(p) in own for p in parameters) and loop.released:
+                if not loop.ever_read and _public_arguments(args, kwargs):
+                    return loop.post_processed(lambda: original(parameters, *args, **kwargs))
+            elif any(id(p) in own for p in parameters):
                 raise PrivacyConfigurationError(
                     f"torch.nn.utils.{name} between begin() and release(): until the release the gradients are the "
                     "mechanism's (p.grad is None: each example's gradient is clipped to max_grad_norm and the sum "
@@ -172,7 +192,8 @@ class PlainLoop:
 
     def __init__(self, mechanism: Callable[[], Fingerprint] = dict,
                  public: Callable[[], Sequence[str]] = tuple, alone: Callable[[], bool] = bool,
-                 params: Callable[[], Sequence[Tensor]] = tuple) -> None:
+                 params: Callable[[], Sequence[Tensor]] = tuple,
+                 post_processed: Callable[[Callable[[], Any]], Any] = lambda apply: apply()) -> None:
         self.mechanism = mechanism
         """The step's σ, clipping policy, noise and sampling now (:func:`~.mechanism_settings.mechanism_state`)."""
         self.public = public
@@ -183,6 +204,9 @@ class PlainLoop:
         one example (:meth:`physical` refuses more)."""
         self.params = params
         """The parameters the step releases (every other leaf a plain loop's backward reaches: :meth:`note_leaves`)."""
+        self.post_processed = post_processed
+        """Runs torch's clip of the released ĝ_t to constants and holds its result as released (the release
+        boundary's ``post_processed``); by default it is run and left to the check before the update."""
         self._plain = True
         self._leaves: dict[int, weakref.ref] = {}  # leaves requiring grad this step's backward reached
         self._trained: dict[int, weakref.ref] = {}  # leaves outside the model an earlier step's backward reached
@@ -200,6 +224,8 @@ class PlainLoop:
         self._rngs: Optional[StartingState] = None
         self.read: Optional[str] = None
         """How the loss's value was read since the step began (``None``: not read)."""
+        self.ever_read = False
+        """Whether the loop has read a loss's value at any step (a bound kept from an earlier step's loss)."""
         self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
         self._mechanism: Optional[Fingerprint] = None  # σ and C as released
         self._at_begin: Optional[Fingerprint] = None  # σ, C, noise and sampling as this step began
@@ -375,6 +401,7 @@ class PlainLoop:
         ref = weakref.ref(self)
         _WATCHING = ref  # type: ignore[assignment]
         _watch_backward(True)
+        _watch_clips(True)
         self._due = self._loss_of is not None and schedule_due()
         self._rngs = _rng_states() if self._due else None
 
@@ -501,6 +528,7 @@ class PlainLoop:
         if _WATCHING() is self:
             _WATCHING = lambda: None  # noqa: E731
             _watch_backward(False)
+            _watch_clips(False)
 
 
 def bound_loss_error(what: str, scaled: bool = False) -> PrivacyConfigurationError:

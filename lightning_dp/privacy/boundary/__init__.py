@@ -259,14 +259,24 @@ class ReleaseBoundary:
         names = {id(p): name for name, p in (self.trainable() if named is None else named)}
         self._released = [(names.get(id(p), "?"), p, p.grad, mark_released(p.grad)) for p in params]  # ĝ held
 
+    def post_processed(self, apply: Callable[[], Any]) -> Any:
+        """``apply()``, torch's clipping of ĝ_t to a public constant in a plain loop between the release and the
+        update (:mod:`~lightning_dp.validators.plain_loop`), its result held as released: a function of ĝ_t alone,
+        when ĝ_t is still as released (else the change before it stays refused at the update)."""
+        held = self._released
+        intact = held is not None and not _changed_gradients(held)
+        result = apply()
+        if intact and held is self._released:
+            self.released([p for _, p, _, _ in held], [(name, p) for name, p, _, _ in held])
+        return result
+
     def check_gradients(self) -> None:
         """Rule 2 after the release: the optimizer steps with ĝ_t as released (a hook rewriting ``p.grad`` with data
         it read itself would not); refused before the update unless ``"p.grad"`` is declared public."""
         taken, self._released = self._released, None
         if taken is None or "p.grad" in self.public_state:
             return
-        changed = [name for name, p, grad, version in taken
-                   if p.grad is not grad or (p.grad is not None and p.grad._version != version)]
+        changed = _changed_gradients(taken)
         if changed:
             raise PrivacyConfigurationError(
                 f"The released gradient ĝ_t was changed before the optimizer stepped with it: .grad of "
@@ -323,3 +333,9 @@ class ReleaseBoundary:
                    if (contents or not c.startswith("contents of ")) and not c.startswith(skip)]
         if changed:
             raise state_written_error(changed, where)
+
+
+def _changed_gradients(held: Sequence[tuple[str, Tensor, Any, int]]) -> list[str]:
+    """The names of the parameters whose ``.grad`` is no longer ĝ_t as released (another tensor, or written)."""
+    return [name for name, p, grad, version in held
+            if p.grad is not grad or (p.grad is not None and p.grad._version != version)]
