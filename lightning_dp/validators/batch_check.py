@@ -313,7 +313,7 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
         norms = whole.norms.double()
         if not bool(torch.isfinite(norms).all()):
             return  # not finite: the first probe names it; nothing to compare here
-        differing = sum(self._norms_apart(norms[positions], part.norms.double(), norms) for positions, part in parts)
+        differing = len(set().union(*(self._positions_apart(positions, part, norms) for positions, part in parts)))
         if differing and _reordered(norms, [part.norms.double() for _, part in parts], self._norm_tolerance(norms)):
             differing = 0  # the rows are the examples in another order (a batch sorted before packing): served
         half, rest = parts[0][1], parts[1][1]
@@ -324,6 +324,13 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
     def _norm_tolerance(self, norms: Tensor) -> float:
         """τ · s: the norms' scale s = max_i ‖g_i^all‖ (module docstring)."""
         return self.rtol * (float(norms.max()) if norms.numel() else 0.0) + 1e-12
+
+    def _positions_apart(self, positions: list[int], part: ClippedBatch, norms: Tensor) -> set[int]:
+        """The examples (positions in the whole batch) whose norm in ``part`` differs from the whole batch's: an
+        example compared in a half and alone is counted once (the refusal said 75 of 73 examples changed, qa39 c10)."""
+        apart = (norms[positions] - part.norms.double()).abs() / self._norm_tolerance(norms)
+        self._worst = max(self._worst, float(apart.max()) if apart.numel() else 0.0)
+        return {positions[i] for i in (apart > 1).nonzero().flatten().tolist()}
 
     def _norms_apart(self, expected: Tensor, got: Tensor, norms: Tensor) -> int:
         """How many per-example norms ``got`` differ from ``expected`` by more than :meth:`_norm_tolerance` of the

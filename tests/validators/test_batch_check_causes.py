@@ -4,6 +4,7 @@ at the sampled batch with the fix, not as an engine's bug (qa39 c10: public cons
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def test_a_class_weighted_mean_the_probe_missed_is_refused_at_the_batch_with_its
         fit(model)
     assert "please report it" not in str(err.value)  # a named cause is not an engine's bug
     assert unchanged(before, model), "a release happened"
+    checked, changed = re.search(r"checked on (\d+) examples.*?, (\d+) example gradient\(s\) changed",
+                                 str(err.value)).groups()
+    assert 0 < int(changed) <= int(checked)  # an example compared in a half and alone is counted once
 
 
 def test_the_class_weighted_loss_averaged_per_example_trains():
