@@ -155,7 +155,7 @@ def _watched_clip(name: str, original: Callable[..., Any]) -> Callable[..., Any]
             parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
             own = {id(p) for p in loop.params()}
             if any(id(p) in own for p in parameters) and loop.released:
-                if not loop.ever_read and _public_arguments(args, kwargs):
+                if not loop.ever_read and _public_arguments(args, kwargs) and loop.same_clip(name, args, kwargs):
                     return loop.post_processed(lambda: original(parameters, *args, **kwargs))
             elif any(id(p) in own for p in parameters):
                 raise PrivacyConfigurationError(
@@ -226,6 +226,7 @@ class PlainLoop:
         """How the loss's value was read since the step began (``None``: not read)."""
         self.ever_read = False
         """Whether the loop has read a loss's value at any step (a bound kept from an earlier step's loss)."""
+        self._clip: Optional[tuple] = None  # the first clip of a release to constants: (name, arguments)
         self._hyper: Optional[Fingerprint] = None  # the optimizer's hyper-parameters as released
         self._mechanism: Optional[Fingerprint] = None  # σ and C as released
         self._at_begin: Optional[Fingerprint] = None  # σ, C, noise and sampling as this step began
@@ -270,6 +271,15 @@ class PlainLoop:
                 "twice. Release each drawn batch (step.release()) before beginning the next.")
         self.indices, self.batch, self.begun, self.released, self.stand_in = list(indices), batch, set(), False, False
         self.units = set()
+
+    def same_clip(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether a clip of the released ĝ_t has the function and arguments of the loop's first such clip (kept
+        then): a public bound is one constant, while a bound computed from each step's batch (``float(x.abs().max())``,
+        which no loss read shows) moves and is left to the check before the update, which refuses it."""
+        key = (name, args, tuple(sorted(kwargs.items())))
+        if self._clip is None:
+            self._clip = key
+        return self._clip == key
 
     def takes(self, n: int, indices: Optional[Sequence[int]], stand_in: bool) -> bool:
         """Whether ``begin(n, indices)`` starts a new logical step: a count without records when no drawn batch is

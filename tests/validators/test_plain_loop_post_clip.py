@@ -125,3 +125,18 @@ def test_a_clip_after_the_loss_was_printed_is_still_refused(plain):
 
     with pytest.raises(PrivacyConfigurationError, match=REFUSED):
         _loop(plain, printed_then_clipped)
+
+
+def test_a_bound_that_moves_with_the_batch_is_refused_from_the_second_step(plain):
+    """A bound computed from each step's batch reads no loss; it moves between steps, and a public constant does
+    not: the second step's clip, with another bound than the first's, is refused before its update."""
+    step, model, opt, loader = plain
+    with pytest.raises(PrivacyConfigurationError, match=REFUSED):
+        for x, y in loader:
+            if step.begin():
+                F.cross_entropy(model(x), y).backward()
+            step.release(optimizer=opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2 * float(x.abs().mean()))  # from the batch
+            opt.step()
+            opt.zero_grad()
+    assert step.ledger.steps == 2  # the first update was made, the second refused
