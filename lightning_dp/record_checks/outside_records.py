@@ -43,10 +43,12 @@ outside its batch meets an exchanged label — the step's own batch is read befo
 change alike); a step or hook that fails on them where it ran is refused by the judges that take a failure for a
 difference (this pass, :mod:`~lightning_dp.validators.judged_updates`, :mod:`~lightning_dp.validators.judged_writes`,
 :mod:`~lightning_dp.validators.judged_schedules`, :mod:`~lightning_dp.validators.epoch_ends`). The judges that leave
-such a run out (a hook may rightly reject values it is handed) exchange integers by the public map instead
-(``exchanged(fixed_integers=True)``: the replays of the epoch hooks and of the batch hooks, the decision windows, the
-end-of-fit and checkpoint reruns, a fetch's reruns): there a label out of its range would make a read of the
-training labels — a closed-form head fitted with ``one_hot(y, 2)`` — fail and go unjudged. A batch's exchanged
+such a run out (a hook may rightly reject values it is handed) exchange integers within the values each array holds
+instead (``exchanged(fixed_integers=True)``: the replays of the epoch hooks and of the batch hooks, the decision
+windows, the end-of-fit and checkpoint reruns, a fetch's reruns; :mod:`~lightning_dp.record_checks.label_exchange`:
+each element shifted to another of its array's values by a secret amount, bools and arrays of one value by the
+public map): there a label out of its range would make a read of the training labels — a closed-form head fitted
+with ``one_hot(y, 2)`` — fail and go unjudged, and bit 0 alone left ``y // 2`` alike (zoo39 L01). A batch's exchanged
 copy (:func:`exchanged_copy`, the batch hooks' replays: the user's code computes on its batch) keeps the public map
 for its integers, so that a label stays a label (0 ↔ 1) — an index past the classes is a device assertion on a GPU,
 which no replay survives —, and takes secret masks for its floats; so do the arrays of the user's state that a
@@ -105,6 +107,7 @@ from torch import Tensor
 
 from lightning_dp.errors import PrivacyConfigurationError
 from lightning_dp.record_checks.holders import RowItems, held_arrays
+from lightning_dp.record_checks.label_exchange import shifted_list, shifted_within_values
 from lightning_dp.fingerprints.dataset_tokens import dataset_parts
 from lightning_dp.records.held_records import ROWS_SAMPLED, holds_records, row_digests
 from lightning_dp.records.memory_spans import memory_span
@@ -250,11 +253,16 @@ def exchange(value: Any, rows: slice = slice(None), fixed: bool = False,
     masks drawn anew for this call; ``fixed``: the public map instead (every float's sign and top mantissa bit, every
     integer's low bit) — the probes that find which rows a record reads, where an array and its copies must change
     alike (:mod:`~lightning_dp.record_checks.shared_records`), and the integers of a batch's exchanged copy
-    (:func:`exchanged_copy`); ``fixed_integers``: the public map for integers and bools only (values the user's code
-    may index with: labels kept, stored predictions). A :class:`~lightning_dp.record_checks.holders.RowItems`: each
+    (:func:`exchanged_copy`); ``fixed_integers``: integers within the values they hold (a secret shift,
+    :mod:`~lightning_dp.record_checks.label_exchange`; of one value, and bools, the public map) — values the user's
+    code may index with: labels kept, stored predictions. A :class:`~lightning_dp.record_checks.holders.RowItems`: each
     of its exchangeable arrays, whole."""
     if isinstance(value, RowItems):
         return _exchange_items(value, fixed, fixed_integers)
+    if fixed_integers and not fixed and rows == slice(None):
+        shifted = _within_values(value)  # a label to another label, by a secret shift (label_exchange.py)
+        if shifted is not None:
+            return shifted
     fixed = fixed or (fixed_integers and not _floating(value) and isinstance(value, (Tensor, np.ndarray)))
     if isinstance(value, Tensor):
         data = value.data if rows == slice(None) else value.data[rows]  # its own version counter: the tensor's stays
@@ -272,6 +280,22 @@ def exchange(value: Any, rows: slice = slice(None), fixed: bool = False,
     def restore() -> None:  # each exchanged item back, where the hooks moved it (an order shuffled by set_epoch)
         value[:] = [v.original if isinstance(v, _MARKED) else v for v in value]
     return restore
+
+
+def _within_values(value: Any) -> Optional[Callable[[], None]]:
+    """The integers of ``value`` (a tensor, a NumPy array, a list of plain integers) exchanged within the values it
+    holds (:mod:`~lightning_dp.record_checks.label_exchange`), written in place; returns the restore, or ``None``
+    (nothing written) for other values and those of fewer than two distinct integers: the public map then."""
+    if isinstance(value, list):
+        others = shifted_list(value, SECRET.generator)
+        if others is None:
+            return None
+        value[:] = [_marked_as(other, v) for v, other in zip(value, others)]
+
+        def restore() -> None:  # item by item, where the hooks moved it (as the other lists' restore)
+            value[:] = [v.original if isinstance(v, _MARKED) else v for v in value]
+        return restore
+    return shifted_within_values(value, SECRET.generator, SECRET.period)
 
 
 class _Int(int):
@@ -292,7 +316,11 @@ _MARKED = (_Int, _Float, _Str)
 def _marked(v: Any, rates: Optional[np.ndarray], slope: float, offset: float) -> Any:
     """:func:`_other` of a list's item, marked with the item it stands for: restored item by item, what a hook
     did with the list meanwhile (shuffled it, appended the epoch) stays done (alike on any data), as do its values."""
-    other = _other(v, rates, slope, offset)
+    return _marked_as(_other(v, rates, slope, offset), v)
+
+
+def _marked_as(other: Any, v: Any) -> Any:
+    """``other`` marked as standing for ``v`` (a string, float or integer; anything else as it is)."""
     kind = _Str if isinstance(other, str) else _Float if isinstance(other, float) else _Int \
         if isinstance(other, int) else None
     if kind is None:
