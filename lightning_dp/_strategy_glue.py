@@ -76,6 +76,7 @@ from lightning_dp.validators.record_reads import RecordWatch
 from lightning_dp.validators.released_gradients import ReleasedGradients
 from lightning_dp.validators.evaluated_records import check_evaluation, note_training, trained_dataset
 from lightning_dp.validators.hook_replays import overrides_epoch_hooks, replaying_now, users_hook
+from lightning_dp.validators.sanity_reads import SanityReads
 from lightning_dp.validators.validation_reads import (EvaluationReads, copies_after_fit, evaluation_read_error, forget,
                                                       watch_from_run_start,
                                                       validation_read_error)
@@ -165,6 +166,7 @@ class PrivateTraining:
         self._end = EndOfFit(self, self._replays)  # what the hooks after the last update write (end_of_fit.py)
         self._read_in_validation: Optional[tuple[Any, Any]] = None  # (fingerprint, state) at a logged read there
         self._evaluation_reads: Optional[EvaluationReads] = None  # validation's hooks reading the training data
+        self._sanity_reads: Optional[SanityReads] = None  # the sanity check's hooks: judged as training starts
         self._unwrap_run_start: Optional[Callable[[], None]] = None  # the evaluation loops' start as it was
 
     # ------------------------------------------------------------------ public state (the private step's)
@@ -361,6 +363,7 @@ class PrivateTraining:
         with (:mod:`~lightning_dp.privacy.boundary`); the logged metrics are watched from now on
         (:mod:`~lightning_dp.validators.logged_reads`)."""
         super().on_train_start()  # type: ignore[misc]
+        self._judge_sanity_check()
         self.private_step.boundary.baseline()
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
@@ -512,9 +515,30 @@ class PrivateTraining:
         if self._evaluation_reads is not None:  # opened as the loop started
             return
         copies = self._replays.training_copies()  # None before training (the sanity check)
-        if copies is not None and not is_public("trainer.validate", self.private_step.boundary.public_state):
+        if is_public("trainer.validate", self.private_step.boundary.public_state):
+            return
+        if copies is not None:
             self._evaluation_reads = EvaluationReads(
                 trainer, copies.arrays, lambda hook: self._evaluation_read(trainer, hook), replaying_now).open()
+        elif trainer.sanity_checking and self._sanity_reads is None:  # its reads judged as training starts
+            boundary = self.private_step.boundary
+            fingerprint = boundary.fingerprint(trainer.lightning_module)
+            self._sanity_reads = SanityReads(trainer, lambda: fingerprint.take(boundary.callbacks())).__enter__()
+
+    def _judge_sanity_check(self) -> None:
+        """Training starts, its data's copies known: refuse the state the sanity check changed after its hooks read
+        one of them (:mod:`~lightning_dp.validators.sanity_reads`, zoo39 L02, L25)."""
+        reads, self._sanity_reads = self._sanity_reads, None
+        if reads is None:
+            return
+        reads.close()
+        changed = reads.changed()
+        copies = self._replays.training_copies() if changed else None
+        hook = reads.read(copies.arrays) if copies is not None else None
+        if hook is not None:
+            raise self.private_step.boundary.written_error(
+                changed, f"during the sanity check (num_sanity_val_steps), after its {hook} read the training data: "
+                "what validation keeps from the training records would be trained with from the first step")
 
     def _watch_after_fit(self) -> None:
         """Outside a fit (``trainer.validate``/``test``/``predict``): the evaluation hooks reading the training data of
@@ -575,6 +599,8 @@ class PrivateTraining:
         if self._record_watch is not None:
             self._record_watch.elsewhere = None
         self._close_evaluation_reads()  # raises again a refusal a handler in the hook swallowed
+        if self._sanity_reads is not None:
+            self._sanity_reads.close()  # the state it left: judged as training starts
         self._check_read_in_validation(self.lightning_module.trainer)  # type: ignore[attr-defined]
         self.private_step.boundary.baseline()
         if self._replays.users_code_runs(VALIDATION_HOOKS):
@@ -598,6 +624,9 @@ class PrivateTraining:
         if reads is not None:
             reads.error = None
             reads.close()
+        sanity, self._sanity_reads = self._sanity_reads, None
+        if sanity is not None:
+            sanity.close()
         diagnostic_reads.unwatch()
         judged_writes.unwatch()
         epoch_ends.unwatch()

@@ -39,7 +39,8 @@ fit's validation loop and of ``validate``'s, ``test``'s and ``predict``'s, wrapp
 the first hook of the user's — ``on_validation_model_eval``, the callbacks' and the module's ``on_validation_start``
 (``on_test_start``, ``on_predict_start``), which Lightning calls before the strategy's (zoo32 residue).
 
-Not seen: a read during the sanity check (before training: no training loader yet), of a copy the walk does not
+Not seen here: a read during the sanity check (before training: no training loader yet; judged as training starts
+by :mod:`.sanity_reads`, zoo39), of a copy the walk does not
 find (transformed, in a file, beyond its bounds), through a NumPy or Python operation alone (a statistic computed by
 NumPy on the training arrays and never handed to torch), and held-out rows of a tensor that also holds training
 rows (a ``random_split``'s base tensor) read by a hook: taken for a training read.
@@ -219,7 +220,11 @@ class EvaluationReads(TorchFunctionMode):
         elif not isinstance(value, np.ndarray):
             return False
         span = memory_span(value)
-        if span is None or span[0] not in self._spans:
+        return span is not None and self.covers(span)
+
+    def covers(self, span: tuple[str, int, int]) -> bool:
+        """Whether the bytes (device, first, end) overlap a training copy's memory (:func:`memory_span`'s form)."""
+        if span[0] not in self._spans:
             return False
         starts, ends = self._spans[span[0]]
         at = bisect.bisect_right(starts, span[1]) - 1  # the last interval starting at or before the value
