@@ -16,7 +16,9 @@ exchange's private generator (a block of a secret period laid over the elements 
 (a label stays a label, an ignore index -100 stays a value the loss accepts), and which other value it takes is
 secret: no map of the labels is left alike but the one K = 2 forces (0 ↔ 1, documented). An array of one value
 (K = 1) cannot change within its values: the caller keeps the public map for it. The restore undoes the same shifts
-exactly (integer arithmetic).
+exactly (integer arithmetic). Each element's shift is drawn alone, so a count over coarse classes of balanced
+labels comes out alike by chance in about one exchange in 1.8·√N (6 % for 64 labels of four classes, 1.7 % for
+1,000): no map of the values could move every such count, since each judged run draws one exchange.
 
 ``uint8`` arrays (pixels) keep the public map (bit 7): a 256-valued image is exchanged as features, not indexed with.
 """
