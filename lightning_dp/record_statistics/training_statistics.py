@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_dp.fingerprints.public_names import is_public
 from lightning_dp.record_statistics.clipped_columns import clipped
+from lightning_dp.record_statistics.coarse_labels import coarse_statistics
 from lightning_dp.record_statistics.conditional_statistics import class_conditional, conditional_rows
 from lightning_dp.record_statistics.near_statistics import NearStatistics
 from lightning_dp.record_statistics.order_statistics import OrderStatistics
@@ -373,6 +374,7 @@ def statistics_of(t: Tensor) -> Iterator[tuple[str, Tensor]]:
                 yield "inverse class frequencies (summing to 1)", inverse / inverse.sum()
                 yield "inverse class frequencies (averaging 1)", inverse / inverse.mean()
                 yield "balanced class weights", counts.sum() / (len(counts) * counts)
+            yield from coarse_statistics(counts)  # of y >= k, y == k, y // d, y % m (coarse_labels.py, zoo39 L05)
 
 
 def _target_order_statistics(y: Tensor) -> Iterator[tuple[str, Tensor]]:
