@@ -328,16 +328,19 @@ class BatchInteractionCheck(ExampleIndependenceProbe):
     def _positions_apart(self, positions: list[int], part: ClippedBatch, norms: Tensor) -> set[int]:
         """The examples (positions in the whole batch) whose norm in ``part`` differs from the whole batch's: an
         example compared in a half and alone is counted once (the refusal said 75 of 73 examples changed, qa39 c10)."""
-        apart = (norms[positions] - part.norms.double()).abs() / self._norm_tolerance(norms)
-        self._worst = max(self._worst, float(apart.max()) if apart.numel() else 0.0)
-        return {positions[i] for i in (apart > 1).nonzero().flatten().tolist()}
+        apart = self._apart(norms[positions], part.norms.double(), norms)
+        return {positions[i] for i in apart.nonzero().flatten().tolist()}
 
     def _norms_apart(self, expected: Tensor, got: Tensor, norms: Tensor) -> int:
-        """How many per-example norms ``got`` differ from ``expected`` by more than :meth:`_norm_tolerance` of the
-        whole batch's ``norms``."""
+        """How many per-example norms ``got`` differ from ``expected`` (:meth:`_apart`)."""
+        return int(self._apart(expected, got, norms).sum())
+
+    def _apart(self, expected: Tensor, got: Tensor, norms: Tensor) -> Tensor:
+        """Which per-example norms ``got`` differ from ``expected`` by more than :meth:`_norm_tolerance` of the whole
+        batch's ``norms`` (a bool mask); the worst distance kept for :meth:`_rejudged`."""
         apart = (expected - got).abs() / self._norm_tolerance(norms)
         self._worst = max(self._worst, float(apart.max()) if apart.numel() else 0.0)
-        return int((apart > 1).sum())
+        return apart > 1
 
     def _sums_apart(self, whole: ClippedBatch, sum_of: Callable[[Tensor], Tensor]) -> list[str]:
         """The parameters whose sum ``sum_of(p)`` differs from the whole batch's by more than τ · Σ_i ‖g_i^all‖ (the

@@ -33,20 +33,12 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.records.memory_spans import memory_span
 from lightning_dp.validators.kept_state import StateFingerprint
-from lightning_dp.records.call_sites import first_caller, package_of
-from lightning_dp.validators.validation_reads import _RELAYS, EVALUATION_HOOKS, METADATA, EvaluationReads, _name
+from lightning_dp.validators.validation_reads import (EVALUATION_HOOKS, METADATA, EvaluationReads, function_name,
+                                                      library_call, pop_mode)
 
 __all__ = ["SanityReads"]
 
 Span = tuple[str, int, int]
-
-
-def _ours() -> bool:
-    """Whether the call comes from lightning_dp's own code, past this module's, torch's and the standard library's
-    frames and lightning_dp's relays on the user's path (as :mod:`.validation_reads` asks)."""
-    caller = first_caller(0, modules=(__name__,), packages=("torch",), standard=True,
-                          also=lambda frame: (frame.f_globals.get("__name__") or "").startswith(_RELAYS))
-    return caller is not None and package_of(caller) == "lightning_dp"
 
 
 class SanityReads(TorchFunctionMode):
@@ -68,7 +60,7 @@ class SanityReads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         hook = getattr(self._module, "_current_fx_name", None)
-        if hook in EVALUATION_HOOKS and _name(func) not in METADATA:
+        if hook in EVALUATION_HOOKS and function_name(func) not in METADATA:
             self._note(hook, (*args, *kwargs.values()))
         return func(*args, **kwargs)
 
@@ -78,20 +70,16 @@ class SanityReads(TorchFunctionMode):
         new = [span for value in values for item in (value[:64] if isinstance(value, (list, tuple)) else (value,))
                if isinstance(item, (Tensor, np.ndarray)) and (span := memory_span(item)) is not None
                and span not in self.spans]
-        if new and not _ours():
+        if new and not library_call(__name__):
             for span in new:
                 self.spans[span] = hook
 
     def close(self) -> None:
         """The sanity check ended: stop recording; the state as it left it is what :meth:`changed` compares (taken
         at the first call: a later one, as training starts, would count what ``on_train_start`` wrote)."""
-        from torch.overrides import _get_current_function_mode_stack
-
         if self._after is not None:
             return
-        stack = _get_current_function_mode_stack()
-        if stack and stack[-1] is self:
-            self.__exit__(None, None, None)
+        pop_mode(self)
         self._after = self._take()
 
     def changed(self) -> list[str]:

@@ -16,8 +16,8 @@ dataset's tensors, NumPy arrays and lists, and the copies the model, the datamod
 globals keep), or a view of their memory — reads the training records, unless it only asks for their metadata
 (:data:`METADATA`: ``len``, ``shape``, ``size()``, ``dtype``, ``device``), or the call is lightning_dp's own (its
 callbacks' fingerprints of the state, its replays: past torch's frames and the relays on the user's path — the
-engines' layer hooks, its models' forwards —, :func:`_ours`). A call is checked only when the tensors handed to it lie
-on the storage of a copy (a set lookup; then their byte ranges): about 5 µs a torch call of the hooks.
+engines' layer hooks, its models' forwards —, :func:`library_call`). A call is checked only when the tensors handed
+to it lie on the storage of a copy (a set lookup; then their byte ranges): about 5 µs a torch call of the hooks.
 From that read on, every value validation
 logs in this fit is the training data's (:func:`read_in_evaluation`, asked by
 :func:`~.monitored.validates_on_training_data`): a scheduler or callback monitoring any value is refused at once,
@@ -170,11 +170,7 @@ class EvaluationReads(TorchFunctionMode):
         :meth:`__torch_function__` raised that a handler swallowed."""
         if self._open:
             self._open = False
-            from torch.overrides import _get_current_function_mode_stack
-
-            stack = _get_current_function_mode_stack()
-            if stack and stack[-1] is self:
-                self.__exit__(None, None, None)
+            pop_mode(self)
         error, self.error = self.error, None
         if error is not None:
             raise error
@@ -183,8 +179,8 @@ class EvaluationReads(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._open and self.read is None:
             hook = getattr(self._module, "_current_fx_name", None)
-            if hook in EVALUATION_HOOKS and _name(func) not in METADATA and self._reads(args, kwargs) \
-                    and not self._replaying() and not _ours():
+            if hook in EVALUATION_HOOKS and function_name(func) not in METADATA and self._reads(args, kwargs) \
+                    and not self._replaying() and not library_call():
                 self.read = hook
                 try:
                     _READ[self._trainer] = hook
@@ -237,15 +233,25 @@ _RELAYS = ("lightning_dp.models", "lightning_dp.losses", "lightning_dp.data", "l
 forward), the engines' hooks around the layers' forwards, the watch wrapping the training dataset's item access."""
 
 
-def _ours() -> bool:
+def library_call(*watchers: str) -> bool:
     """Whether the call comes from lightning_dp's own code (a fingerprint of the state in a callback of its own), past
-    torch's and the standard library's frames and lightning_dp's relays (:data:`_RELAYS`)."""
-    caller = first_caller(0, modules=(__name__,), packages=("torch",), standard=True,
+    the frames of this module and of the ``watchers`` (the modules whose torch-function modes ask), torch's and the
+    standard library's, and lightning_dp's relays (:data:`_RELAYS`)."""
+    caller = first_caller(0, modules=(__name__, *watchers), packages=("torch",), standard=True,
                           also=lambda frame: (frame.f_globals.get("__name__") or "").startswith(_RELAYS))
     return caller is not None and package_of(caller) == "lightning_dp"
 
 
-def _name(func: Any) -> str:
+def pop_mode(mode: TorchFunctionMode) -> None:
+    """Exit the torch-function ``mode`` when it is still the innermost one (else a mode pushed later stays)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
+
+
+def function_name(func: Any) -> str:
     """A torch function's name; a property's (``Tensor.shape``) for its getter."""
     name = getattr(func, "__name__", "")
     return getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" else name
